@@ -1,0 +1,1 @@
+from typer import Typer; app = Typer()

@@ -1,0 +1,216 @@
+"""State storage formats: a registry of small classes with quantize / dequantize / fake_quantize.
+
+    from replayquant.formats import get_format, FORMATS
+    fmt = get_format("nvfp4")
+    q = fmt.quantize(x, rounding="nearest", seed=0)     # x float32 [..., d]
+    x_hat = fmt.dequantize(q)                          # float32, x's shape
+    q.nbytes                                           # physical bytes: payload + scales
+
+Stochastic rounding draws Philox bits keyed by (seed, stream): each matrix (the last two dims;
+the whole tensor for 1-D input) takes stream `stream + its flat index` when `stream` is an int,
+or its own entry when `stream` is an int64 tensor of shape x.shape[:-2]. Element i of a matrix
+uses counter i, so a caller can give every (layer, head, step) an independent stream.
+
+Backend: CUDA tensors run the Triton kernels of `replayquant.kernels.quant`; CPU tensors run the
+torch reference of `replayquant.kernels.quant_ref` (both give the same bits). Setting
+REPLAYQUANT_BACKEND=triton forces the Triton kernels (on the CPU with TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from replayquant.formats.constants import BF16, FP16, NVFP4_BLOCK, ROUNDINGS, Grid
+from replayquant.kernels import quant_ref as ref
+from replayquant.kernels.philox import random_bits_ref
+
+__all__ = ["FORMATS", "Format", "QTensor", "get_format", "use_triton"]
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """True where the Triton kernels run: CUDA tensors, or REPLAYQUANT_BACKEND=triton."""
+    choice = os.environ.get("REPLAYQUANT_BACKEND", "auto")
+    if choice not in ("auto", "triton", "torch"):
+        raise ValueError(f"REPLAYQUANT_BACKEND={choice!r}: use auto, triton or torch")
+    if choice == "auto":
+        return x.is_cuda
+    return choice == "triton"
+
+
+@dataclass
+class QTensor:
+    """A physically packed tensor: payload plus the scales its format needs."""
+
+    format: str
+    shape: tuple
+    payload: torch.Tensor
+    scales: dict = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.payload, *self.scales.values()))
+
+    @property
+    def device(self):
+        return self.payload.device
+
+
+class Format:
+    """Base class: subclasses implement _quantize(x, rbits_or_None, seed, stream) and _dequantize."""
+
+    name: str = ""
+    description: str = ""
+
+    def bytes_per_element(self, d: int = 128, rows: int = 128) -> float:
+        raise NotImplementedError
+
+    # -- public API
+    def quantize(self, x: torch.Tensor, rounding: str = "nearest", seed: int = 0, stream=0,
+                 rbits: torch.Tensor | None = None) -> QTensor:
+        x = self._check(x, rounding)
+        if rounding == "stochastic" and rbits is None and not use_triton(x):
+            rbits = random_bits_ref(x.shape, seed, stream).to(x.device)
+        return self._quantize(x, rounding, seed, stream, rbits)
+
+    def dequantize(self, q: QTensor) -> torch.Tensor:
+        if q.format != self.name:
+            raise ValueError(f"{self.name}: cannot dequantize a {q.format} tensor")
+        return self._dequantize(q)
+
+    def fake_quantize(self, x: torch.Tensor, rounding: str = "nearest", seed: int = 0, stream=0,
+                      rbits: torch.Tensor | None = None) -> torch.Tensor:
+        return self.dequantize(self.quantize(x, rounding, seed, stream, rbits))
+
+    # -- helpers
+    def _check(self, x: torch.Tensor, rounding: str) -> torch.Tensor:
+        if rounding not in ROUNDINGS:
+            raise ValueError(f"{self.name}: unknown rounding {rounding!r}; use one of {ROUNDINGS}")
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            raise ValueError(f"{self.name}: input must be a floating-point tensor")
+        if x.dim() == 0:
+            raise ValueError(f"{self.name}: input must have at least one dimension")
+        x = x.to(torch.float32).contiguous()
+        if not bool(torch.isfinite(x).all()):
+            raise ValueError(f"{self.name}: input contains NaN or infinity; states must be finite")
+        return x
+
+    def __repr__(self) -> str:
+        return f"<format {self.name}>"
+
+
+class FP32Format(Format):
+    name = "fp32"
+    description = "IEEE binary32 (identity)"
+
+    def bytes_per_element(self, d=128, rows=128):
+        return 4.0
+
+    def _quantize(self, x, rounding, seed, stream, rbits):
+        return QTensor(self.name, tuple(x.shape), x.clone())
+
+    def _dequantize(self, q):
+        return q.payload.clone()
+
+
+class CastFormat(Format):
+    """fp16 / bf16: a plain cast (IEEE overflow to inf, as torch's cast)."""
+
+    def __init__(self, name: str, grid: Grid, dtype: torch.dtype, description: str):
+        self.name, self.grid, self.dtype, self.description = name, grid, dtype, description
+
+    def bytes_per_element(self, d=128, rows=128):
+        return 2.0
+
+    def _quantize(self, x, rounding, seed, stream, rbits):
+        if use_triton(x):
+            from replayquant.kernels import quant
+            payload = quant.cast_quantize(x, self.grid, self.dtype, rounding, seed, stream)
+        else:
+            payload = ref.cast_ref(x, self.grid, self.dtype, rbits)
+        return QTensor(self.name, tuple(x.shape), payload)
+
+    def _dequantize(self, q):
+        return q.payload.to(torch.float32)
+
+
+class FP8Format(Format):
+    name = "fp8"
+    description = "E4M3FN, saturating, one FP32 scale per row (amax/448)"
+
+    def bytes_per_element(self, d=128, rows=128):
+        return 1.0 + 4.0 / d
+
+    def _quantize(self, x, rounding, seed, stream, rbits):
+        if use_triton(x):
+            from replayquant.kernels import quant
+            payload, scale = quant.fp8_quantize(x, rounding, seed, stream)
+        else:
+            payload, scale = ref.fp8_quantize_ref(x, rbits)
+        return QTensor(self.name, tuple(x.shape), payload, {"row": scale})
+
+    def _dequantize(self, q):
+        if use_triton(q.payload):
+            from replayquant.kernels import quant
+            return quant.fp8_dequantize(q.payload, q.scales["row"])
+        return ref.fp8_dequantize_ref(q.payload, q.scales["row"])
+
+
+class NVFP4Format(Format):
+    name = "nvfp4"
+    description = "E2M1 packed 2/byte, E4M3 scale per 16 elements, FP32 scale per matrix"
+
+    def bytes_per_element(self, d=128, rows=128):
+        return 0.5 + 1.0 / NVFP4_BLOCK + 4.0 / (d * rows)
+
+    def _check(self, x, rounding):
+        x = super()._check(x, rounding)
+        if x.shape[-1] % NVFP4_BLOCK:
+            raise ValueError(f"nvfp4: the last dim ({x.shape[-1]}) must be a multiple of "
+                             f"{NVFP4_BLOCK} (one E4M3 scale per {NVFP4_BLOCK} elements); pad it "
+                             f"or choose another format")
+        return x
+
+    @staticmethod
+    def _as_matrices(x):
+        if x.dim() == 1:
+            return x.reshape(1, 1, -1)
+        return x.reshape(-1, x.shape[-2], x.shape[-1])
+
+    def _quantize(self, x, rounding, seed, stream, rbits):
+        x3 = self._as_matrices(x)
+        if use_triton(x):
+            from replayquant.kernels import quant
+            packed, bscale, gscale = quant.nvfp4_quantize(x3, rounding, seed, stream)
+        else:
+            packed, bscale, gscale = ref.nvfp4_quantize_ref(
+                x3, None if rbits is None else rbits.reshape(x3.shape))
+        return QTensor(self.name, tuple(x.shape), packed, {"block": bscale, "matrix": gscale})
+
+    def _dequantize(self, q):
+        if use_triton(q.payload):
+            from replayquant.kernels import quant
+            out = quant.nvfp4_dequantize(q.payload, q.scales["block"], q.scales["matrix"])
+        else:
+            out = ref.nvfp4_dequantize_ref(q.payload, q.scales["block"], q.scales["matrix"])
+        return out.reshape(q.shape)
+
+
+FORMATS: dict[str, Format] = {
+    f.name: f for f in (
+        FP32Format(),
+        CastFormat("fp16", FP16, torch.float16, "IEEE binary16"),
+        CastFormat("bf16", BF16, torch.bfloat16, "bfloat16"),
+        FP8Format(),
+        NVFP4Format(),
+    )
+}
+
+
+def get_format(name: str) -> Format:
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise ValueError(f"unknown format {name!r}; known formats: {', '.join(FORMATS)}") from None

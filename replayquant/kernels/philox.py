@@ -1,0 +1,65 @@
+"""Counter-based random bits (Philox4x32-10), the same stream in torch and in Triton.
+
+Every stochastic rounding draws one uint32 per element from
+    philox(key = seed (64 bit), counter = (element index in its matrix, stream_lo, stream_hi, 0))[0]
+so a caller gives each (layer, head, step ...) its own reproducible stream by choosing `stream`.
+The torch version works in int64 (products of two uint32 wrap modulo 2^64; the high word is
+recovered exactly with an arithmetic shift and a mask).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from replayquant.formats.constants import (PHILOX_M0, PHILOX_M1, PHILOX_ROUNDS, PHILOX_W0,
+                                           PHILOX_W1)
+
+_MASK = 0xFFFFFFFF
+
+
+def split_u64(value):
+    """(lo, hi) 32-bit words of a non-negative 64-bit integer (python int or int64 tensor)."""
+    if isinstance(value, torch.Tensor):
+        return value & _MASK, (value >> 32) & _MASK
+    value = int(value) & 0xFFFFFFFFFFFFFFFF
+    return value & _MASK, value >> 32
+
+
+def philox_ref(c0, c1, c2, c3, k0, k1, rounds: int = PHILOX_ROUNDS):
+    """Philox4x32 on int64 tensors holding uint32 values; returns the four output words."""
+    k0 = torch.as_tensor(k0, dtype=torch.int64)
+    k1 = torch.as_tensor(k1, dtype=torch.int64)
+    c0, c1, c2, c3 = (torch.as_tensor(c, dtype=torch.int64) for c in (c0, c1, c2, c3))
+    for _ in range(rounds):
+        p0 = c0 * PHILOX_M0
+        p1 = c2 * PHILOX_M1
+        c0, c1, c2, c3 = (((p1 >> 32) & _MASK) ^ c1 ^ k0, p1 & _MASK,
+                          ((p0 >> 32) & _MASK) ^ c3 ^ k1, p0 & _MASK)
+        k0 = (k0 + PHILOX_W0) & _MASK
+        k1 = (k1 + PHILOX_W1) & _MASK
+    return c0, c1, c2, c3
+
+
+def random_bits_ref(shape, seed: int, stream) -> torch.Tensor:
+    """uint32 random bits (as int64) for a tensor of `shape` [..., R, C] (or [C]).
+
+    `stream`: an int64 tensor broadcastable to shape[:-2] (one stream per matrix), or an int
+    (matrices then get streams stream + flat matrix index).
+    """
+    shape = tuple(shape)
+    mat_shape = shape[:-2] if len(shape) >= 2 else ()
+    per_matrix = 1
+    for d in shape[len(mat_shape):]:
+        per_matrix *= d
+    if isinstance(stream, torch.Tensor):
+        streams = torch.broadcast_to(stream.to(torch.int64).cpu(), mat_shape)
+    else:
+        n = 1
+        for d in mat_shape:
+            n *= d
+        streams = (int(stream) + torch.arange(n, dtype=torch.int64)).reshape(mat_shape)
+    s_lo, s_hi = split_u64(streams.reshape(-1, 1))
+    elem = torch.arange(per_matrix, dtype=torch.int64).reshape(1, -1)
+    k0, k1 = split_u64(seed)
+    r, _, _, _ = philox_ref(elem, s_lo, s_hi, torch.zeros_like(elem), k0, k1)
+    return r.reshape(shape)
