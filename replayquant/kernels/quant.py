@@ -1,0 +1,511 @@
+"""Triton kernels of every format's quantize / dequantize, bit for bit equal to `quant_ref.py`.
+
+Device functions other kernels import (the replay decode kernels call them):
+
+    philox_u32(seed_lo, seed_hi, c0, c1, c2)      Philox4x32-10 word 0, counter (c0, c1, c2, 0)
+    round_to_grid(y, rbits, MBITS, EMIN, MAX_CODE, MAX_VALUE, IEEE, INF_CODE, STOCHASTIC)
+                                                  -> (code int32, sign int32) = round_to_grid_ref
+    grid_value(code, sign, MBITS, EMIN)           float32 value of a saturating-grid code
+    encode_fp16 / encode_bf16 / encode_e4m3 / encode_e2m1 (y, rbits, STOCHASTIC) -> int32 bits
+    decode_fp16 / decode_bf16 / decode_e4m3 / decode_e2m1 (bits) -> float32
+
+`round_to_grid` works on integers only: for the float32 magnitude a = S * 2^(max(E,1) - 150)
+(S the 24-bit significand, E the biased exponent) and e = max(E - 127, EMIN), the scaled value
+t = a * 2^(MBITS - e) of the reference is S / 2^sh with sh = 150 - MBITS + e - max(E, 1) >= 13,
+so floor(t) = S >> sh and the remainder rem = (S mod 2^sh) / 2^sh are exact shifts. Stochastic
+rounding rounds up iff u < rem with u = (r >> 8) * 2^-24, i.e. iff (r >> 8) < ceil(rem * 2^24).
+No float rounding, subnormal arithmetic or flush-to-zero setting enters, so the interpreter and
+a GPU give the reference's bits. IEEE grids (fp16, bf16) overflow to inf exactly where the
+nearest-even code passes MAX_CODE (= from max + half a step on, the reference's threshold, since
+their max codes have odd mantissas); otherwise they and the scaled grids saturate at MAX_CODE.
+Divisions use `tl.div_rn` (IEEE correctly rounded, as torch on the CPU).
+
+Host functions (called by `replayquant.formats`): `cast_quantize`, `fp8_quantize`,
+`fp8_dequantize`, `nvfp4_quantize`, `nvfp4_dequantize`. Stochastic rounding bits come from
+`philox_u32(seed, counter = (element index in its matrix, stream_lo, stream_hi))`, exactly as
+`replayquant.kernels.philox.random_bits_ref`. Launch settings are chosen from the shape.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from replayquant.formats.constants import (BF16, E2M1, E4M3, FP8_ROW_DIVISOR, FP16, NVFP4_BLOCK,
+                                           NVFP4_BLOCK_SCALE_MIN, NVFP4_GLOBAL_DIVISOR,
+                                           PHILOX_M0, PHILOX_M1, PHILOX_W0, PHILOX_W1, Grid)
+
+__all__ = [
+    "philox_u32", "round_to_grid", "grid_value",
+    "encode_fp16", "encode_bf16", "encode_e4m3", "encode_e2m1",
+    "decode_fp16", "decode_bf16", "decode_e4m3", "decode_e2m1",
+    "cast_quantize", "fp8_quantize", "fp8_dequantize", "nvfp4_quantize", "nvfp4_dequantize",
+]
+
+_M0: tl.constexpr = tl.constexpr(PHILOX_M0)
+_M1: tl.constexpr = tl.constexpr(PHILOX_M1)
+_W0: tl.constexpr = tl.constexpr(PHILOX_W0)
+_W1: tl.constexpr = tl.constexpr(PHILOX_W1)
+_E2M1_MAX: tl.constexpr = tl.constexpr(E2M1.max_value)
+_E4M3_MAX: tl.constexpr = tl.constexpr(E4M3.max_value)
+_GLOBAL_DIV: tl.constexpr = tl.constexpr(NVFP4_GLOBAL_DIVISOR)
+_FP8_DIV: tl.constexpr = tl.constexpr(FP8_ROW_DIVISOR)
+_BS_MIN: tl.constexpr = tl.constexpr(NVFP4_BLOCK_SCALE_MIN)
+
+
+# ============================================================================ device functions
+
+@triton.jit
+def philox_u32(seed_lo, seed_hi, c0, c1, c2):
+    """Philox4x32-10 with key (seed_lo, seed_hi) and counter (c0, c1, c2, 0); returns word 0
+    as uint32 (equal to `philox_ref(c0, c1, c2, 0, seed_lo, seed_hi)[0]`)."""
+    k0 = seed_lo.to(tl.uint32)
+    k1 = seed_hi.to(tl.uint32)
+    x0 = c0.to(tl.uint32)
+    x1 = c1.to(tl.uint32) + (x0 ^ x0)      # broadcast every word to the counter's shape
+    x2 = c2.to(tl.uint32) + (x0 ^ x0)
+    x3 = x0 ^ x0
+    for _ in tl.static_range(10):
+        hi0 = tl.umulhi(x0, _M0)
+        hi2 = tl.umulhi(x2, _M1)
+        lo0 = x0 * _M0
+        lo2 = x2 * _M1
+        x0 = hi2 ^ x1 ^ k0
+        x1 = lo2
+        x2 = hi0 ^ x3 ^ k1
+        x3 = lo0
+        k0 = k0 + _W0
+        k1 = k1 + _W1
+    return x0
+
+
+@triton.jit
+def round_to_grid(y, rbits, MBITS: tl.constexpr, EMIN: tl.constexpr, MAX_CODE: tl.constexpr,
+                  MAX_VALUE: tl.constexpr, IEEE: tl.constexpr, INF_CODE: tl.constexpr,
+                  STOCHASTIC: tl.constexpr):
+    """Round float32 y to a sign-magnitude grid; (code int32, sign int32) as round_to_grid_ref.
+
+    rbits: uint32 random bits (ignored unless STOCHASTIC). MAX_VALUE documents the grid; the
+    overflow rule is decided in code space (see the module docstring)."""
+    bits = y.to(tl.int32, bitcast=True)
+    sign = (bits < 0).to(tl.int32)
+    mag = bits & 0x7FFFFFFF
+    E = mag >> 23
+    S = mag & 0x7FFFFF
+    S = tl.where(E > 0, S | 0x800000, S)
+    e = tl.maximum(E - 127, EMIN)
+    sh = (150 - MBITS) + e - tl.maximum(E, 1)          # >= 23 - MBITS
+    shc = tl.minimum(sh, 25)
+    fl = S >> shc
+    R = S - (fl << shc)
+    half = (sh * 0 + 1) << (shc - 1)
+    up_n = (R > half) | ((R == half) & ((fl & 1) == 1))
+    if STOCHASTIC:
+        k = (rbits.to(tl.uint32) >> 8).to(tl.int32)
+        d = tl.minimum(tl.maximum(sh - 24, 0), 25)
+        t_small = R << tl.maximum(24 - sh, 0)            # rem * 2^24, exact for sh <= 24
+        t_large = (S + ((sh * 0 + 1) << d) - 1) >> d     # ceil(rem * 2^24) for sh > 24
+        up = k < tl.where(sh <= 24, t_small, t_large)
+    else:
+        up = up_n
+    base = ((e - EMIN) << MBITS) + fl
+    code = base + up.to(tl.int32)
+    if IEEE:
+        over = tl.where(base + up_n.to(tl.int32) > MAX_CODE, INF_CODE, MAX_CODE)
+    else:
+        over = code * 0 + MAX_CODE
+    code = tl.where(code > MAX_CODE, over, code)
+    return code, sign
+
+
+@triton.jit
+def _pow2(p):
+    """2^p as float32 for integer p in the normal range [-126, 127] (built from bits)."""
+    return ((p + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def grid_value(code, sign, MBITS: tl.constexpr, EMIN: tl.constexpr):
+    """float32 value of (code, sign) on a saturating grid (E4M3, E2M1); = grid_value_ref."""
+    code = code.to(tl.int32)
+    ef = code >> MBITS
+    m = code & ((1 << MBITS) - 1)
+    sig = tl.where(ef > 0, m + (1 << MBITS), m).to(tl.float32)
+    v = sig * _pow2(tl.maximum(ef, 1) - (1 - EMIN + MBITS))
+    return tl.where(sign != 0, -v, v)
+
+
+@triton.jit
+def encode_fp16(y, rbits, STOCHASTIC: tl.constexpr):
+    """float32 -> IEEE binary16 bit pattern (int32 holding 16 bits), IEEE overflow to inf."""
+    code, sign = round_to_grid(y, rbits, 10, -14, 0x7BFF, 65504.0, True, 0x7C00, STOCHASTIC)
+    return code | (sign << 15)
+
+
+@triton.jit
+def encode_bf16(y, rbits, STOCHASTIC: tl.constexpr):
+    """float32 -> bfloat16 bit pattern (int32 holding 16 bits), IEEE overflow to inf."""
+    code, sign = round_to_grid(y, rbits, 7, -126, 0x7F7F, 3.3895313892515355e38, True, 0x7F80,
+                               STOCHASTIC)
+    return code | (sign << 15)
+
+
+@triton.jit
+def encode_e4m3(y, rbits, STOCHASTIC: tl.constexpr):
+    """float32 -> E4M3FN bit pattern (int32 holding 8 bits), saturating at 448."""
+    code, sign = round_to_grid(y, rbits, 3, -6, 0x7E, 448.0, False, -1, STOCHASTIC)
+    return code | (sign << 7)
+
+
+@triton.jit
+def encode_e2m1(y, rbits, STOCHASTIC: tl.constexpr):
+    """float32 -> E2M1 nibble (int32 holding 4 bits), saturating at 6."""
+    code, sign = round_to_grid(y, rbits, 1, 0, 0x7, 6.0, False, -1, STOCHASTIC)
+    return code | (sign << 3)
+
+
+@triton.jit
+def decode_fp16(bits):
+    """binary16 bit pattern (any int type, low 16 bits) -> float32 (exact)."""
+    b = bits.to(tl.int32) & 0xFFFF
+    return b.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def decode_bf16(bits):
+    """bfloat16 bit pattern (low 16 bits) -> float32 (exact: the high half of a float32)."""
+    return ((bits.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def decode_e4m3(bits):
+    """E4M3FN bit pattern (low 8 bits; 0x7F/0xFF NaN codes are never produced) -> float32."""
+    b = bits.to(tl.int32) & 0xFF
+    return grid_value(b & 0x7F, b >> 7, 3, -6)
+
+
+@triton.jit
+def decode_e2m1(bits):
+    """E2M1 nibble (low 4 bits) -> float32."""
+    b = bits.to(tl.int32) & 0xF
+    return grid_value(b & 0x7, b >> 3, 1, 0)
+
+
+@triton.jit
+def _stream_of(stream_ptr, stream_base, m, HAS_STREAMS: tl.constexpr):
+    """(lo, hi) uint32 words of matrix m's stream: stream_ptr[m] or stream_base + m (int64)."""
+    if HAS_STREAMS:
+        s = tl.load(stream_ptr + m).to(tl.int64)
+    else:
+        s = stream_base.to(tl.int64) + m.to(tl.int64)
+    return (s & 0xFFFFFFFF).to(tl.uint32), ((s >> 32) & 0xFFFFFFFF).to(tl.uint32)
+
+
+# ============================================================================ kernels
+
+@triton.jit
+def _cast_quant_kernel(x_ptr, out_ptr, stream_ptr, stream_base, seed_lo, seed_hi, P, NBLK,
+                       BLOCK: tl.constexpr, IS_BF16: tl.constexpr, STOCHASTIC: tl.constexpr,
+                       HAS_STREAMS: tl.constexpr):
+    pid = tl.program_id(0)
+    m = pid // NBLK
+    offs = (pid % NBLK) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < P
+    base = m.to(tl.int64) * P
+    x = tl.load(x_ptr + base + offs, mask=mask, other=0.0)
+    rbits = offs.to(tl.uint32)
+    if STOCHASTIC:
+        s_lo, s_hi = _stream_of(stream_ptr, stream_base, m, HAS_STREAMS)
+        rbits = philox_u32(seed_lo, seed_hi, offs, s_lo, s_hi)
+    if IS_BF16:
+        b = encode_bf16(x, rbits, STOCHASTIC)
+    else:
+        b = encode_fp16(x, rbits, STOCHASTIC)
+    tl.store(out_ptr + base + offs, b.to(tl.int16), mask=mask)
+
+
+@triton.jit
+def _fp8_quant_kernel(x_ptr, out_ptr, scale_ptr, stream_ptr, stream_base, seed_lo, seed_hi,
+                      n_rows, R, C, ROWS: tl.constexpr, BC: tl.constexpr, NCHUNK: tl.constexpr,
+                      STOCHASTIC: tl.constexpr, HAS_STREAMS: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rmask = rows < n_rows
+    cols = tl.arange(0, BC)
+    row_base = rows.to(tl.int64) * C
+    m = rows // R
+    if NCHUNK == 1:
+        mask = rmask[:, None] & (cols[None, :] < C)
+        x = tl.load(x_ptr + row_base[:, None] + cols[None, :], mask=mask, other=0.0)
+        amax = tl.max(tl.abs(x), axis=1)
+    else:
+        amax = tl.zeros([ROWS], dtype=tl.float32)
+        for c0 in range(0, NCHUNK * BC, BC):
+            cc = c0 + cols
+            mask = rmask[:, None] & (cc[None, :] < C)
+            xc = tl.load(x_ptr + row_base[:, None] + cc[None, :], mask=mask, other=0.0)
+            amax = tl.maximum(amax, tl.max(tl.abs(xc), axis=1))
+    scale = tl.div_rn(amax, _FP8_DIV)
+    scale = tl.where(scale > 0, scale, 1.0)
+    tl.store(scale_ptr + rows, scale, mask=rmask)
+    s_lo = m.to(tl.uint32)
+    s_hi = s_lo
+    if STOCHASTIC:
+        s_lo, s_hi = _stream_of(stream_ptr, stream_base, m, HAS_STREAMS)
+    for c0 in tl.static_range(0, NCHUNK * BC, BC):
+        cc = c0 + cols
+        mask = rmask[:, None] & (cc[None, :] < C)
+        if NCHUNK == 1:
+            xc = x
+        else:
+            xc = tl.load(x_ptr + row_base[:, None] + cc[None, :], mask=mask, other=0.0)
+        y = tl.div_rn(xc, scale[:, None])
+        elem = (rows - m * R)[:, None] * C + cc[None, :]
+        rbits = elem.to(tl.uint32)
+        if STOCHASTIC:
+            rbits = philox_u32(seed_lo, seed_hi, elem, s_lo[:, None], s_hi[:, None])
+        b = encode_e4m3(y, rbits, STOCHASTIC)
+        tl.store(out_ptr + row_base[:, None] + cc[None, :], b.to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _fp8_dequant_kernel(p_ptr, scale_ptr, out_ptr, n_rows, C, ROWS: tl.constexpr,
+                        BC: tl.constexpr, NCHUNK: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rmask = rows < n_rows
+    cols = tl.arange(0, BC)
+    row_base = rows.to(tl.int64) * C
+    scale = tl.load(scale_ptr + rows, mask=rmask, other=1.0)
+    for c0 in tl.static_range(0, NCHUNK * BC, BC):
+        cc = c0 + cols
+        mask = rmask[:, None] & (cc[None, :] < C)
+        b = tl.load(p_ptr + row_base[:, None] + cc[None, :], mask=mask, other=0)
+        tl.store(out_ptr + row_base[:, None] + cc[None, :], decode_e4m3(b) * scale[:, None],
+                 mask=mask)
+
+
+@triton.jit
+def _nvfp4_quant_kernel(x_ptr, amax_ptr, packed_ptr, bscale_ptr, gscale_ptr, stream_ptr,
+                        stream_base, seed_lo, seed_hi, BPM, NCHUNK,
+                        NB: tl.constexpr, WHOLE: tl.constexpr, STOCHASTIC: tl.constexpr,
+                        HAS_STREAMS: tl.constexpr):
+    """One program quantizes NB 16-element blocks of one matrix (BPM blocks per matrix).
+
+    WHOLE: the program holds its whole matrix (NCHUNK == 1) and finds the amax itself;
+    otherwise amax_ptr[m] holds the matrix's amax."""
+    pid = tl.program_id(0)
+    m = pid // NCHUNK
+    blk = (pid % NCHUNK) * NB + tl.arange(0, NB)                 # block index in the matrix
+    pair = tl.arange(0, 8)
+    half = tl.arange(0, 2)
+    elem = blk[:, None, None] * 16 + pair[None, :, None] * 2 + half[None, None, :]
+    bmask = blk < BPM
+    mask = bmask[:, None, None] & (elem >= 0)
+    mbase = m.to(tl.int64) * BPM
+    x = tl.load(x_ptr + mbase * 16 + elem, mask=mask, other=0.0)
+    ax = tl.abs(x)
+    bamax = tl.max(tl.max(ax, axis=2), axis=1)
+    if WHOLE:
+        amax = tl.max(bamax, axis=0)
+    else:
+        amax = tl.load(amax_ptr + m)
+    gs = tl.div_rn(amax, _GLOBAL_DIV)
+    gs = tl.where(gs > 0, gs, 1.0)
+    if pid % NCHUNK == 0:
+        tl.store(gscale_ptr + m, gs)
+    bs_f = tl.div_rn(tl.div_rn(bamax, _E2M1_MAX), gs)
+    bs_f = tl.minimum(tl.maximum(bs_f, _BS_MIN), _E4M3_MAX)
+    bs_code = encode_e4m3(bs_f, bs_f.to(tl.uint32, bitcast=True), False)
+    den = decode_e4m3(bs_code) * gs
+    y = tl.div_rn(x, den[:, None, None])
+    rbits = elem.to(tl.uint32)
+    if STOCHASTIC:
+        s_lo, s_hi = _stream_of(stream_ptr, stream_base, m, HAS_STREAMS)
+        rbits = philox_u32(seed_lo, seed_hi, elem, s_lo, s_hi)
+    nib = encode_e2m1(y, rbits, STOCHASTIC)
+    packed = tl.sum(nib << (half * 4)[None, None, :], axis=2)
+    tl.store(packed_ptr + mbase * 8 + blk[:, None] * 8 + pair[None, :], packed.to(tl.uint8),
+             mask=bmask[:, None] & (pair[None, :] >= 0))
+    tl.store(bscale_ptr + mbase + blk, bs_code.to(tl.uint8), mask=bmask)
+
+
+@triton.jit
+def _nvfp4_dequant_kernel(packed_ptr, bscale_ptr, gscale_ptr, out_ptr, n_blocks, BPM,
+                          NB: tl.constexpr):
+    blk = tl.program_id(0).to(tl.int64) * NB + tl.arange(0, NB)   # global block index
+    bmask = blk < n_blocks
+    pair = tl.arange(0, 8)
+    half = tl.arange(0, 2)
+    m = blk // BPM
+    gs = tl.load(gscale_ptr + m, mask=bmask, other=1.0)
+    bs = decode_e4m3(tl.load(bscale_ptr + blk, mask=bmask, other=0))
+    pmask = bmask[:, None] & (pair[None, :] >= 0)
+    byte = tl.load(packed_ptr + blk[:, None] * 8 + pair[None, :], mask=pmask, other=0).to(tl.int32)
+    nib = (byte[:, :, None] >> (half * 4)[None, None, :]) & 0xF
+    v = decode_e2m1(nib) * bs[:, None, None]
+    v = v * gs[:, None, None]
+    elem = blk[:, None, None] * 16 + pair[None, :, None] * 2 + half[None, None, :]
+    tl.store(out_ptr + elem, v, mask=pmask[:, :, None] & (half[None, None, :] >= 0))
+
+
+# ============================================================================ host functions
+
+def _split_seed(seed: int):
+    seed = int(seed) & 0xFFFFFFFFFFFFFFFF
+    return seed & 0xFFFFFFFF, seed >> 32
+
+
+def _streams(stream, mat_shape, device):
+    """(stream tensor or None, base int): per-matrix streams as in random_bits_ref."""
+    if isinstance(stream, torch.Tensor):
+        s = torch.broadcast_to(stream.to(device=device, dtype=torch.int64), mat_shape)
+        return s.contiguous().reshape(-1), 0
+    return None, int(stream)
+
+
+def _as_mrc(x: torch.Tensor):
+    """(M, R, C, matrix shape) of x viewed as matrices (1-D: one matrix of one row)."""
+    if x.dim() == 1:
+        return 1, 1, x.shape[0], ()
+    M = 1
+    for d in x.shape[:-2]:
+        M *= d
+    return M, x.shape[-2], x.shape[-1], tuple(x.shape[:-2])
+
+
+def _check_rounding(rounding):
+    if rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"unknown rounding {rounding!r}; use 'nearest' or 'stochastic'")
+    return rounding == "stochastic"
+
+
+def _warps(n_elements: int) -> int:
+    return 1 if n_elements <= 256 else 2 if n_elements <= 1024 else 4 if n_elements <= 4096 else 8
+
+
+def cast_quantize(x: torch.Tensor, grid: Grid, dtype: torch.dtype, rounding: str = "nearest",
+                  seed: int = 0, stream=0) -> torch.Tensor:
+    """fp16 / bf16 storage of float32 x (contiguous): a tensor of `dtype`, x's shape."""
+    if grid not in (FP16, BF16):
+        raise ValueError(f"cast_quantize: grid {grid.name} is not fp16 or bf16")
+    sr = _check_rounding(rounding)
+    x = x.to(torch.float32).contiguous()
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    if x.numel() == 0:
+        return out
+    M, R, C, mat_shape = _as_mrc(x)
+    P = R * C
+    streams, base = _streams(stream, mat_shape, x.device)
+    BLOCK = min(triton.next_power_of_2(P), 2048)
+    nblk = triton.cdiv(P, BLOCK)
+    lo, hi = _split_seed(seed)
+    _cast_quant_kernel[(M * nblk,)](
+        x, out.view(torch.int16), streams if streams is not None else x, base, lo, hi, P, nblk,
+        BLOCK=BLOCK, IS_BF16=grid is BF16, STOCHASTIC=sr, HAS_STREAMS=streams is not None,
+        num_warps=_warps(BLOCK))
+    return out
+
+
+def _row_tiling(C: int):
+    BC = min(triton.next_power_of_2(C), 4096)
+    nchunk = triton.cdiv(C, BC)
+    rows = max(1, min(64, 4096 // BC)) if nchunk == 1 else 1
+    return rows, BC, nchunk
+
+
+def fp8_quantize(x: torch.Tensor, rounding: str = "nearest", seed: int = 0, stream=0):
+    """(payload float8_e4m3fn x.shape, row scale float32 x.shape[:-1]) as fp8_quantize_ref."""
+    sr = _check_rounding(rounding)
+    x = x.to(torch.float32).contiguous()
+    payload = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    if x.numel() == 0:
+        return payload, scale
+    M, R, C, mat_shape = _as_mrc(x)
+    n_rows = M * R
+    streams, base = _streams(stream, mat_shape, x.device)
+    ROWS, BC, nchunk = _row_tiling(C)
+    lo, hi = _split_seed(seed)
+    _fp8_quant_kernel[(triton.cdiv(n_rows, ROWS),)](
+        x, payload.view(torch.uint8), scale, streams if streams is not None else x, base, lo, hi,
+        n_rows, R, C, ROWS=ROWS, BC=BC, NCHUNK=nchunk, STOCHASTIC=sr,
+        HAS_STREAMS=streams is not None, num_warps=_warps(ROWS * BC))
+    return payload, scale
+
+
+def fp8_dequantize(payload: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 payload * row scale, as fp8_dequantize_ref."""
+    payload = payload.contiguous()
+    scale = scale.to(torch.float32).contiguous()
+    out = torch.empty(payload.shape, dtype=torch.float32, device=payload.device)
+    if payload.numel() == 0:
+        return out
+    C = payload.shape[-1]
+    n_rows = payload.numel() // C
+    ROWS, BC, nchunk = _row_tiling(C)
+    _fp8_dequant_kernel[(triton.cdiv(n_rows, ROWS),)](
+        payload.view(torch.uint8), scale, out, n_rows, C, ROWS=ROWS, BC=BC, NCHUNK=nchunk,
+        num_warps=_warps(ROWS * BC))
+    return out
+
+
+# Matrices of up to this many 16-element blocks are quantized by one program each (it finds the
+# amax itself, reading x once); larger ones get their amax from torch first, then NB-block chunks.
+NVFP4_WHOLE_MAX_BLOCKS = 1024
+NVFP4_CHUNK_BLOCKS = 256
+
+
+def nvfp4_quantize(x3: torch.Tensor, rounding: str = "nearest", seed: int = 0, stream=0,
+                   whole_max_blocks: int | None = None):
+    """x3 float32 [M, R, C], C % 16 == 0 -> (packed uint8 [M, R, C/2], block scales uint8
+    [M, R, C/16] (E4M3 bits), per-matrix scale float32 [M]), as nvfp4_quantize_ref.
+
+    `stream`: int (matrix m takes stream + m) or int64 tensor broadcastable to [M]."""
+    sr = _check_rounding(rounding)
+    if x3.dim() != 3 or x3.shape[-1] % NVFP4_BLOCK:
+        raise ValueError(f"nvfp4_quantize: need float32 [M, R, C] with C % {NVFP4_BLOCK} == 0, "
+                         f"got shape {tuple(x3.shape)}")
+    x3 = x3.to(torch.float32).contiguous()
+    M, R, C = x3.shape
+    dev = x3.device
+    packed = torch.empty((M, R, C // 2), dtype=torch.uint8, device=dev)
+    bscale = torch.empty((M, R, C // NVFP4_BLOCK), dtype=torch.uint8, device=dev)
+    gscale = torch.empty((M,), dtype=torch.float32, device=dev)
+    if x3.numel() == 0:
+        gscale.fill_(1.0)
+        return packed, bscale, gscale
+    bpm = R * C // NVFP4_BLOCK
+    streams, base = _streams(stream, (M,), dev)
+    limit = NVFP4_WHOLE_MAX_BLOCKS if whole_max_blocks is None else whole_max_blocks
+    if bpm <= limit:
+        NB, nchunk, whole = triton.next_power_of_2(bpm), 1, True
+        amax = gscale                                  # unused
+    else:
+        NB, whole = NVFP4_CHUNK_BLOCKS, False
+        nchunk = triton.cdiv(bpm, NB)
+        mn, mx = torch.aminmax(x3.reshape(M, -1), dim=1)
+        amax = torch.maximum(mn.abs(), mx.abs())
+    lo, hi = _split_seed(seed)
+    _nvfp4_quant_kernel[(M * nchunk,)](
+        x3, amax, packed, bscale, gscale, streams if streams is not None else x3, base, lo, hi,
+        bpm, nchunk, NB=NB, WHOLE=whole, STOCHASTIC=sr, HAS_STREAMS=streams is not None,
+        num_warps=_warps(NB * 16))
+    return packed, bscale, gscale
+
+
+def nvfp4_dequantize(packed: torch.Tensor, bscale: torch.Tensor, gscale: torch.Tensor):
+    """float32 [M, R, C] from (packed [M, R, C/2], block scales [M, R, C/16], scale [M])."""
+    M, R, C2 = packed.shape
+    packed = packed.contiguous()
+    bscale = bscale.contiguous()
+    gscale = gscale.to(torch.float32).contiguous()
+    out = torch.empty((M, R, C2 * 2), dtype=torch.float32, device=packed.device)
+    if out.numel() == 0:
+        return out
+    bpm = R * C2 * 2 // NVFP4_BLOCK
+    n_blocks = M * bpm
+    NB = 256
+    _nvfp4_dequant_kernel[(triton.cdiv(n_blocks, NB),)](
+        packed, bscale.view(torch.uint8), gscale, out, n_blocks, bpm, NB=NB,
+        num_warps=_warps(NB * 16))
+    return out
