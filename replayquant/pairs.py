@@ -1,0 +1,202 @@
+"""Precision pairs: which format stores the anchor and which the read copy, and the buffer length.
+
+A pair is YAML data in ``configs/pairs/<name>.yaml``::
+
+    name: tp4_hi16_sr
+    read:   {format: nvfp4, rounding: nearest}   # omit `read` for a shared pair
+    anchor: {format: fp16,  rounding: stochastic}
+    buffer_len: 16
+
+and a Python object::
+
+    from replayquant import PrecisionPair
+    pair = PrecisionPair.load("tp4_hi16_sr")            # a name in configs/pairs/
+    pair = PrecisionPair.load("path/to/pair.yaml")      # or a file
+    pair = PrecisionPair(read=FormatSpec("nvfp4"), anchor=FormatSpec("fp16", "stochastic"),
+                         buffer_len=16)
+
+* ``anchor``: the recurrence checkpoint, written only at a flush (every ``buffer_len`` steps).
+* ``read``: the copy read by every non-flush step to compute outputs; never read back into the
+  recurrence. ``read=None`` makes a *shared* pair: one copy (the anchor) serves both roles.
+* ``buffer_len`` (L >= 1): steps buffered between flushes. A shared pair with L = 1 is the
+  conventional read-modify-write recurrence.
+
+Every validation problem raises one ValueError naming the problem and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from replayquant.formats import FORMATS, Format, get_format
+from replayquant.formats.constants import ROUNDINGS
+
+__all__ = ["FormatSpec", "PrecisionPair", "PAIRS_DIR", "list_pairs", "pairs_table"]
+
+PAIRS_DIR = Path(__file__).resolve().parent.parent / "configs" / "pairs"
+
+_PAIR_KEYS = ("name", "read", "anchor", "buffer_len", "description")
+_SPEC_KEYS = ("format", "rounding")
+
+
+@dataclass(frozen=True)
+class FormatSpec:
+    """One storage role: a format name (see `replayquant.formats.FORMATS`) and a rounding mode."""
+
+    format: str
+    rounding: str = "nearest"
+
+    def __post_init__(self):
+        if not isinstance(self.format, str) or self.format not in FORMATS:
+            raise ValueError(f"unknown format {self.format!r}; known formats: {', '.join(FORMATS)}")
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"unknown rounding {self.rounding!r} for format {self.format}; "
+                             f"use one of {', '.join(ROUNDINGS)}")
+
+    @property
+    def fmt(self) -> Format:
+        return get_format(self.format)
+
+    def bytes_per_element(self, d_k: int = 128, d_v: int = 128) -> float:
+        """Physical bytes per state element of a d_v x d_k matrix (payload + scales)."""
+        return self.fmt.bytes_per_element(d=d_k, rows=d_v)
+
+    def __str__(self) -> str:
+        return self.format + ("+sr" if self.rounding == "stochastic" else "")
+
+    @classmethod
+    def parse(cls, value, role: str = "format") -> "FormatSpec":
+        """A FormatSpec from a FormatSpec, a dict {format, rounding} or a format name."""
+        if isinstance(value, FormatSpec):
+            return value
+        if isinstance(value, str):
+            return cls(value)
+        if isinstance(value, dict):
+            unknown = sorted(set(value) - set(_SPEC_KEYS))
+            if unknown:
+                raise ValueError(f"{role}: unknown key(s) {unknown}; a role takes only "
+                                 f"{', '.join(_SPEC_KEYS)}")
+            if "format" not in value:
+                raise ValueError(f"{role}: missing 'format' (one of {', '.join(FORMATS)})")
+            return cls(value["format"], value.get("rounding", "nearest"))
+        raise ValueError(f"{role}: expected a mapping {{format: ..., rounding: ...}}, a format "
+                         f"name or a FormatSpec, got {type(value).__name__}")
+
+
+@dataclass(frozen=True)
+class PrecisionPair:
+    """Anchor format, read-copy format (None: shared) and buffer length L."""
+
+    read: FormatSpec | None
+    anchor: FormatSpec
+    buffer_len: int = 16
+    name: str | None = None
+    description: str = ""
+
+    def __post_init__(self):
+        object.__setattr__(self, "anchor", FormatSpec.parse(self.anchor, "anchor"))
+        if self.read is not None:
+            object.__setattr__(self, "read", FormatSpec.parse(self.read, "read"))
+        bl = self.buffer_len
+        if isinstance(bl, bool) or not isinstance(bl, int) or bl < 1:
+            raise ValueError(f"buffer_len must be an integer >= 1, got {bl!r}")
+
+    # -- roles
+    @property
+    def shared(self) -> bool:
+        """True when one copy (the anchor) serves as both anchor and read copy."""
+        return self.read is None
+
+    @property
+    def read_spec(self) -> FormatSpec:
+        """The format that non-flush steps read: `read`, or the anchor for a shared pair."""
+        return self.anchor if self.read is None else self.read
+
+    # -- sizes
+    def read_bytes(self, d_k: int = 128, d_v: int = 128) -> float:
+        """Bytes per state element of the copy read at every non-flush step."""
+        return self.read_spec.bytes_per_element(d_k, d_v)
+
+    def anchor_bytes(self, d_k: int = 128, d_v: int = 128) -> float:
+        return self.anchor.bytes_per_element(d_k, d_v)
+
+    def state_bytes(self, d_k: int = 128, d_v: int = 128) -> float:
+        """Bytes per state element held in memory: anchor, plus the read copy if not shared."""
+        return self.anchor_bytes(d_k, d_v) + (0.0 if self.shared else self.read_bytes(d_k, d_v))
+
+    def label(self) -> str:
+        return self.name or f"{'shared' if self.shared else str(self.read)}/{self.anchor}/L{self.buffer_len}"
+
+    def with_buffer_len(self, buffer_len: int) -> "PrecisionPair":
+        return PrecisionPair(self.read, self.anchor, buffer_len, self.name, self.description)
+
+    # -- YAML
+    @classmethod
+    def from_dict(cls, data, source: str = "pair") -> "PrecisionPair":
+        if not isinstance(data, dict):
+            raise ValueError(f"{source}: not a precision pair (expected a mapping with keys "
+                             f"{', '.join(_PAIR_KEYS)}, got {type(data).__name__})")
+        unknown = sorted(set(data) - set(_PAIR_KEYS))
+        if unknown:
+            raise ValueError(f"{source}: unknown key(s) {unknown}; a pair takes "
+                             f"{', '.join(_PAIR_KEYS)}")
+        if "anchor" not in data:
+            raise ValueError(f"{source}: not a precision pair: missing 'anchor' "
+                             f"(e.g. anchor: {{format: fp32, rounding: nearest}})")
+        try:
+            return cls(read=data.get("read"), anchor=data["anchor"],
+                       buffer_len=data.get("buffer_len", 16), name=data.get("name"),
+                       description=data.get("description", "") or "")
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
+
+    @classmethod
+    def load(cls, name_or_path) -> "PrecisionPair":
+        """Load a pair by name (a file in configs/pairs/) or from a YAML path."""
+        import yaml
+
+        p = Path(name_or_path)
+        if p.suffix not in (".yaml", ".yml") and not p.exists():
+            p = PAIRS_DIR / f"{name_or_path}.yaml"
+            if not p.exists():
+                raise ValueError(f"unknown precision pair {str(name_or_path)!r}; shipped pairs: "
+                                 f"{', '.join(list_pairs())} (or pass a path to a .yaml file)")
+        if not p.is_file():
+            raise ValueError(f"precision pair file {str(p)!r} does not exist")
+        try:
+            data = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            raise ValueError(f"{p}: not valid YAML ({e})") from None
+        pair = cls.from_dict(data, source=str(p))
+        if pair.name is None:
+            object.__setattr__(pair, "name", p.stem)
+        return pair
+
+    def to_dict(self) -> dict:
+        out = {"name": self.name}
+        if self.read is not None:
+            out["read"] = {"format": self.read.format, "rounding": self.read.rounding}
+        out["anchor"] = {"format": self.anchor.format, "rounding": self.anchor.rounding}
+        out["buffer_len"] = self.buffer_len
+        return out
+
+
+def list_pairs() -> list[str]:
+    """Names of the pairs shipped in configs/pairs/."""
+    return sorted(p.stem for p in PAIRS_DIR.glob("*.yaml"))
+
+
+def pairs_table(d_k: int = 128, d_v: int = 128):
+    """A rich Table of the shipped pairs with bytes per state element (d_v x d_k matrix)."""
+    from rich.table import Table
+
+    t = Table(title=f"precision pairs (bytes per state element, {d_v}x{d_k} state)")
+    for col in ("name", "read", "anchor", "L", "read B/elem", "anchor B/elem", "held B/elem"):
+        t.add_column(col, justify="right" if "B/" in col or col == "L" else "left", no_wrap=True)
+    for name in list_pairs():
+        p = PrecisionPair.load(name)
+        t.add_row(name, "(shared)" if p.shared else str(p.read), str(p.anchor), str(p.buffer_len),
+                  f"{p.read_bytes(d_k, d_v):.4g}", f"{p.anchor_bytes(d_k, d_v):.4g}",
+                  f"{p.state_bytes(d_k, d_v):.4g}")
+    return t

@@ -1,0 +1,152 @@
+"""The arithmetic of the replay state (plain torch, FP32): the specification that GPU kernels and
+the chunked teacher-forcing kernel are checked against.
+
+Layout (batch b, head h, buffer slot j = 0..L-1, all float32):
+
+    state S, anchor, read copy    [B, H, d_v, d_k]        (S k is a d_v vector)
+    buffer k                      [B, H, L, d_k]
+    buffer v                      [B, H, L, d_v]           raw v (Mamba-2: v = dt * x)
+    buffer G                      [B, H, L]                cumulative log gate since the checkpoint:
+                                                           G_j = G_{j-1} + log_a_j (sequential adds, G_{-1} = 0)
+    buffer beta (GDN)             [B, H, L]
+    buffer u (GDN)                [B, H, L, d_v]           delta-rule correction computed against the
+                                                           READ copy (used only for outputs)
+
+Decay products are g(i+1..j) = exp(G_j - G_i) and g(1..j) = exp(G_j) (slots 1-indexed in the
+formulas, 0-indexed in tensors).
+
+Rebuild (flush), n committed entries, checkpoint S_c (dequantized anchor):
+
+    GDN:  rhs_j = beta_j * (v_j - exp(G_j) * (S_c k_j))
+          u_j   = rhs_j - beta_j * sum_{i<j} exp(G_j - G_i) (k_j . k_i) u_i      (forward substitution)
+    Mamba-2: u_j = v_j
+    S = exp(G_n) * S_c + sum_{j<=n} exp(G_n - G_j) u_j k_j^T
+
+Read step (non-flush output at slot p, read copy R):
+
+    GDN:  u_p = beta_p * (v_p - exp(G_p) * (R k_p)) - beta_p * sum_{i<p} exp(G_p - G_i) (k_p . k_i) u_i
+    y_p = exp(G_p) * (R q) + sum_{j<=p} exp(G_p - G_j) (k_j . q) u_j        (output-only: no d_v x d_k matrix)
+
+Masked slots (beyond the committed/valid length) contribute exact zeros (torch.where, so stale
+buffer contents never leak, even if they are not finite).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from replayquant.formats import QTensor
+
+
+def matvec(S: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
+    """S [b,H,d_v,d_k], X [b,H,n,d_k] -> [b,H,n,d_v]: S x for each of the n vectors x."""
+    return torch.matmul(X, S.transpose(-1, -2))
+
+
+def _gather_slot(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """t [b,H,L,...], p [b] slot per row -> [b,H,...]."""
+    b, H = t.shape[:2]
+    idx = p.view(b, 1, 1, *([1] * (t.dim() - 3))).expand(b, H, 1, *t.shape[3:])
+    return t.gather(2, idx).squeeze(2)
+
+
+def _scatter_slot(t: torch.Tensor, p: torch.Tensor, val: torch.Tensor) -> None:
+    """t[b, :, p[b]] = val[b] in place; val [b,H,...]."""
+    b, H = t.shape[:2]
+    idx = p.view(b, 1, 1, *([1] * (t.dim() - 3))).expand(b, H, 1, *t.shape[3:])
+    t.scatter_(2, idx, val.unsqueeze(2))
+
+
+def solve_u(Sc, K, V, G, beta, valid):
+    """GDN corrections of every slot from checkpoint Sc (the triangular solve). valid [b,1,L]."""
+    L = K.shape[2]
+    rhs = beta.unsqueeze(-1) * (V - torch.exp(G).unsqueeze(-1) * matvec(Sc, K))
+    KK = torch.matmul(K, K.transpose(-1, -2))                       # [b,H,L,L]: k_j . k_i
+    jj = torch.arange(L, device=K.device)
+    lower = jj[None, :] < jj[:, None]                               # [j, i]: i < j
+    D = torch.where(lower, G.unsqueeze(-1) - G.unsqueeze(-2), torch.zeros((), device=G.device))
+    W = torch.where(lower, torch.exp(D) * KK, torch.zeros((), device=G.device))
+    U = rhs.clone()
+    for j in range(1, L):
+        corr = torch.matmul(W[:, :, j:j + 1, :j], U[:, :, :j, :])[:, :, 0, :]
+        U[:, :, j, :] = rhs[:, :, j, :] - beta[:, :, j].unsqueeze(-1) * corr
+    return torch.where(valid.unsqueeze(-1), U, torch.zeros((), device=U.device))
+
+
+def rebuild(Sc, K, V, G, beta, n):
+    """Unrounded FP32 state after the first n[b] buffered entries of each row (n may be 0).
+
+    Sc [b,H,d_v,d_k] checkpoint; K [b,H,L,d_k]; V [b,H,L,d_v]; G, beta [b,H,L]; n int64 [b].
+    Returns (S [b,H,d_v,d_k], U [b,H,L,d_v]); U = the corrections used (= v for Mamba-2).
+    n = 0 returns Sc exactly.
+    """
+    b, H, L = G.shape
+    zero = torch.zeros((), device=G.device)
+    valid = (torch.arange(L, device=G.device)[None, :] < n[:, None]).unsqueeze(1)   # [b,1,L]
+    Gn = torch.where((n > 0).view(b, 1), _gather_slot(G, (n - 1).clamp(min=0)), zero)  # [b,H]
+    if beta is None:
+        U = torch.where(valid.unsqueeze(-1), V, zero)
+    else:
+        U = solve_u(Sc, K, V, G, beta, valid)
+    w = torch.where(valid, torch.exp(torch.where(valid, Gn.unsqueeze(-1) - G, zero)), zero)
+    S = torch.exp(Gn)[..., None, None] * Sc + torch.matmul((U * w.unsqueeze(-1)).transpose(-1, -2), K)
+    return S, U
+
+
+def read_outputs(R, K, V, G, beta, U, h, q):
+    """Outputs of T appended entries at slots h..h+T-1 (already written to K, V, G, beta), from
+    read copy R [b,H,d_v,d_k]. GDN: also computes and stores u of those slots into U (in place),
+    against R. q [b,H,T,d_k]. Returns y [b,H,T,d_v]."""
+    b, H, L = G.shape
+    T = q.shape[2]
+    zero = torch.zeros((), device=G.device)
+    slot = torch.arange(L, device=G.device)
+    Uv = V if beta is None else U
+    Rq = matvec(R, q)                                                # [b,H,T,d_v]
+    ys = []
+    for i in range(T):
+        p = h + i
+        Gp = _gather_slot(G, p)                                      # [b,H]
+        diff = Gp.unsqueeze(-1) - G                                  # [b,H,L]
+        if beta is not None:
+            lower = (slot[None, :] < p[:, None]).unsqueeze(1)        # [b,1,L]
+            kp = _gather_slot(K, p)                                  # [b,H,d_k]
+            vp = _gather_slot(V, p)
+            bp = _gather_slot(beta, p).unsqueeze(-1)
+            kk = torch.matmul(K, kp.unsqueeze(-1))[..., 0]           # [b,H,L]
+            W = torch.where(lower, torch.exp(torch.where(lower, diff, zero)) * kk, zero)
+            corr = torch.matmul(W.unsqueeze(2), U)[:, :, 0, :]
+            rhs = bp * (vp - torch.exp(Gp).unsqueeze(-1) * matvec(R, kp.unsqueeze(2))[:, :, 0, :])
+            _scatter_slot(U, p, rhs - bp * corr)
+        upto = (slot[None, :] <= p[:, None]).unsqueeze(1)
+        qi = q[:, :, i, :]
+        qk = torch.matmul(K, qi.unsqueeze(-1))[..., 0]                # [b,H,L]: k_j . q
+        W = torch.where(upto, torch.exp(torch.where(upto, diff, zero)) * qk, zero)
+        ys.append(torch.exp(Gp).unsqueeze(-1) * Rq[:, :, i, :]
+                  + torch.matmul(W.unsqueeze(2), Uv)[:, :, 0, :])
+    return torch.stack(ys, dim=2)
+
+
+# ---------------------------------------------------------------- QTensor rows
+
+def qt_take(q: QTensor, idx: torch.Tensor, B: int) -> QTensor:
+    """The batch rows idx of a packed state QTensor (every component has B outermost)."""
+    def take(t):
+        per = t.shape[0] // B
+        return t.view(B, per, *t.shape[1:])[idx].reshape(len(idx) * per, *t.shape[1:])
+    return QTensor(q.format, (len(idx),) + tuple(q.shape[1:]), take(q.payload),
+                   {k: take(v) for k, v in q.scales.items()})
+
+
+def qt_put(q: QTensor, idx: torch.Tensor, sub: QTensor, B: int) -> None:
+    """Write the rows of `sub` into rows idx of q, in place."""
+    def put(t, s):
+        per = t.shape[0] // B
+        t.view(B, per, *t.shape[1:])[idx] = s.reshape(len(idx), per, *t.shape[1:])
+    put(q.payload, sub.payload)
+    for k in q.scales:
+        put(q.scales[k], sub.scales[k])
+
+
+def qt_clone(q: QTensor) -> QTensor:
+    return QTensor(q.format, q.shape, q.payload.clone(), {k: v.clone() for k, v in q.scales.items()})

@@ -1,0 +1,381 @@
+"""ReplayState (dual-precision replay, DESIGN section 4) and ConventionalState (the baseline).
+
+    from replayquant.replay import ReplayState
+    st = ReplayState(initial_state, "tp4_hi16_sr", delta=True, seed=0, layer=0)
+    y = st.step(q, k, v, log_a, beta)            # one decode step     -> [B, H, d_v]
+    Y = st.verify(q, k, v, log_a, beta)          # T drafts [B, T, ...] -> [B, T, H, d_v]
+    st.accept(n)                                 # n int tensor [B] (or int), 0..T
+
+Shapes: initial_state [B, H, d_v, d_k]; step: q, k [B, H, d_k], v [B, H, d_v], log_a, beta [B, H];
+verify: the same with a T axis after B. Inputs may be any floating dtype; arithmetic is FP32.
+`delta=True`: Gated DeltaNet (beta required), `delta=False`: Mamba-2 (beta must be None).
+See `replayquant.replay.frontends` for the model-side mappings.
+
+Semantics (exactly; see replayquant.replay.core for the formulas and the buffer layout):
+
+* Construction: anchor A <- Q_anchor(S0) and read copy R <- Q_read(S0), independently, with
+  flush index 0. A shared pair holds one copy (the anchor) that serves both roles.
+  Every cast is `fmt.quantize(S, rounding, seed=layer_seed(seed, layer),
+  stream=sr_stream(flush_index, ANCHOR or READ, rows, H))` (replayquant.streams), with
+  `rows` the int64 sequence ids [B] (default arange(B)) and flush_index counted per row.
+* step: if the committed length h already equals L (left so by accept), flush the committed
+  entries first. Append the inputs at slot h; h += 1. If h < L, the output comes from the read
+  copy plus the buffer, output-only (no d_v x d_k matrix is formed); GDN computes u of this
+  slot against the read copy and caches it for later outputs. If h == L, flush: rebuild the
+  unrounded FP32 state S from the dequantized anchor and the L raw entries (GDN: u recomputed
+  from the anchor by the triangular solve), output = S q (unrounded), then A <- Q_anchor(S),
+  R <- Q_read(S) independently (never Q_read(Q_anchor(S))), flush index += 1, h = 0.
+* verify (T drafts, T <= L): rows with h + T > L and h > 0 first flush their h committed entries
+  (same rebuild and casts; outputs unaffected), so every verify has T free slots. Drafts go to
+  slots h..h+T-1; all T outputs come from the read copy plus the buffer with a causal mask
+  (GDN: a T x T forward substitution against the read copy). Nothing committed changes.
+* accept(n): h += n per row; rejected slots are ignored and later overwritten. No flush here
+  (a row left at h == L flushes at its next step / verify). A flush never folds uncommitted drafts.
+  step / verify while drafts are pending is an error: call accept first.
+* An empty committed history never touches the anchor (no cast, flush index unchanged).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from replayquant.formats import QTensor
+from replayquant.pairs import PrecisionPair
+from replayquant.replay import core
+from replayquant.streams import ANCHOR, READ, layer_seed, sr_stream
+
+__all__ = ["ReplayState", "ConventionalState"]
+
+
+def _as_pair(pair) -> PrecisionPair:
+    if isinstance(pair, PrecisionPair):
+        return pair
+    if isinstance(pair, str):
+        return PrecisionPair.load(pair)
+    raise ValueError(f"pair must be a PrecisionPair or a pair name / YAML path, got {type(pair).__name__}")
+
+
+class _StateBase:
+    """Shared construction and input checking."""
+
+    def _setup(self, initial_state, pair, delta, seed, layer, rows) -> torch.Tensor:
+        if not isinstance(initial_state, torch.Tensor) or initial_state.dim() != 4:
+            raise ValueError("initial_state must be a float tensor [B, H, d_v, d_k], got "
+                             + (f"shape {tuple(initial_state.shape)}" if isinstance(initial_state, torch.Tensor)
+                                else type(initial_state).__name__))
+        if not initial_state.is_floating_point():
+            raise ValueError(f"initial_state must be floating point, got {initial_state.dtype}")
+        S0 = initial_state.detach().to(torch.float32).contiguous()
+        if not bool(torch.isfinite(S0).all()):
+            raise ValueError("initial_state contains NaN or infinity")
+        self.pair = _as_pair(pair)
+        self.delta = bool(delta)
+        self.B, self.H, self.d_v, self.d_k = S0.shape
+        self.device = S0.device
+        if self.H >= 1 << 16:
+            raise ValueError(f"initial_state has {self.H} heads; SR streams allow at most 65535")
+        if rows is None:
+            rows = torch.arange(self.B, dtype=torch.int64, device=self.device)
+        if not isinstance(rows, torch.Tensor):
+            rows = torch.as_tensor(rows)
+        if rows.shape != (self.B,) or rows.is_floating_point() or rows.dtype == torch.bool:
+            raise ValueError(f"rows must be an integer tensor [B={self.B}] of sequence ids, got "
+                             f"{rows.dtype} {tuple(rows.shape)}")
+        rows = rows.to(device=self.device, dtype=torch.int64)
+        if bool(((rows < 0) | (rows >= 1 << 24)).any()):
+            raise ValueError("rows (sequence ids) must lie in [0, 2^24)")
+        self.rows = rows
+        self.seed, self.layer = int(seed), int(layer)
+        self._key = layer_seed(seed, layer)
+        self._pending = None
+        return S0
+
+    # -- casts
+    def _cast(self, spec, S, flush_index, role, idx=None):
+        rows = self.rows if idx is None else self.rows[idx]
+        return spec.fmt.quantize(S, spec.rounding, seed=self._key,
+                                 stream=sr_stream(flush_index, role, rows, self.H))
+
+    # -- input checks
+    def _check(self, q, k, v, log_a, beta, T=None):
+        """Validate and return float32 tensors in buffer layout [B,H,T,d] / [B,H,T]."""
+        B, H, dk, dv = self.B, self.H, self.d_k, self.d_v
+        lead = (B,) if T is None else (B, T)
+        what = "step" if T is None else "verify"
+        expect = {"q": lead + (H, dk), "k": lead + (H, dk), "v": lead + (H, dv), "log_a": lead + (H,)}
+        if self.delta:
+            if beta is None:
+                raise ValueError(f"{what}: beta is required for delta=True (GDN): pass "
+                                 f"beta = sigmoid(b) of shape {list(lead + (H,))}")
+            expect["beta"] = lead + (H,)
+        elif beta is not None:
+            raise ValueError(f"{what}: beta must be None for delta=False (Mamba-2)")
+        out = []
+        for name, t in zip(("q", "k", "v", "log_a", "beta"), (q, k, v, log_a, beta)):
+            if name not in expect:
+                out.append(None)
+                continue
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
+            if not t.is_floating_point():
+                raise ValueError(f"{what}: {name} must be floating point, got {t.dtype}")
+            if tuple(t.shape) != expect[name]:
+                raise ValueError(f"{what}: {name} has shape {list(t.shape)}, expected "
+                                 f"{list(expect[name])} ({'[B, T, H, ...]' if T else '[B, H, ...]'}, "
+                                 f"B={B}, H={H}, d_k={dk}, d_v={dv})")
+            if t.device != self.device:
+                raise ValueError(f"{what}: {name} is on {t.device}, the state on {self.device}")
+            t = t.to(torch.float32)
+            if T is None:
+                t = t.unsqueeze(1)
+            out.append(t.transpose(1, 2).contiguous())      # [B, H, T, ...]
+        return out
+
+    def _verify_len(self, q):
+        if not isinstance(q, torch.Tensor) or q.dim() != 4:
+            raise ValueError("verify: q must be a tensor [B, T, H, d_k]")
+        return q.shape[1]
+
+    def _check_accept(self, n):
+        if self._pending is None:
+            raise ValueError("accept: no drafts pending; call verify first")
+        T = self._pending_T
+        if isinstance(n, int) and not isinstance(n, bool):
+            n = torch.full((self.B,), n, dtype=torch.int64, device=self.device)
+        if not isinstance(n, torch.Tensor) or n.is_floating_point() or n.dtype == torch.bool:
+            raise ValueError(f"accept: n must be an int or an integer tensor [B={self.B}]")
+        n = n.to(device=self.device, dtype=torch.int64).reshape(-1)
+        if n.shape != (self.B,):
+            raise ValueError(f"accept: n has {n.numel()} entries, expected B={self.B}")
+        if bool(((n < 0) | (n > T)).any()):
+            raise ValueError(f"accept: every n must lie in 0..T={T}, got {n.tolist()}")
+        return n
+
+    def _no_pending(self, what):
+        if self._pending is not None:
+            raise ValueError(f"{what}: {self._pending_T} drafts are pending; call accept(n) first")
+
+
+class ReplayState(_StateBase):
+    """Dual-precision replay state of one layer: anchor, read copy, replay buffer (module doc)."""
+
+    def __init__(self, initial_state, pair, delta: bool, seed: int = 0, layer: int = 0, rows=None):
+        S0 = self._setup(initial_state, pair, delta, seed, layer, rows)
+        B, H, dv, dk, L = self.B, self.H, self.d_v, self.d_k, self.pair.buffer_len
+        self.L = L
+        dev = self.device
+        self._h = torch.zeros(B, dtype=torch.int64, device=dev)
+        self._flushes = torch.zeros(B, dtype=torch.int64, device=dev)
+        self._k = torch.zeros(B, H, L, dk, device=dev)
+        self._v = torch.zeros(B, H, L, dv, device=dev)
+        self._G = torch.zeros(B, H, L, device=dev)
+        self._beta = torch.zeros(B, H, L, device=dev) if self.delta else None
+        self._u = torch.zeros(B, H, L, dv, device=dev) if self.delta else None
+        self._A = self._cast(self.pair.anchor, S0, 0, ANCHOR)
+        self._R = None if self.pair.shared else self._cast(self.pair.read, S0, 0, READ)
+        # decoded read copy: what non-flush steps read (a GPU kernel decodes the packed copy
+        # on the fly); kept in sync with the packed copy at every cast.
+        self._R32 = self.pair.read_spec.fmt.dequantize(self._R if self._R is not None else self._A)
+
+    # ---------------------------------------------------------------- public
+    @property
+    def committed(self) -> torch.Tensor:
+        """int64 [B]: committed buffer entries per row (0..L)."""
+        return self._h.clone()
+
+    @property
+    def flushes(self) -> torch.Tensor:
+        """int64 [B]: flush index of the current anchor per row (0 = the initial cast)."""
+        return self._flushes.clone()
+
+    @property
+    def anchor_q(self) -> QTensor:
+        """The packed anchor (do not modify)."""
+        return self._A
+
+    @property
+    def read_q(self) -> QTensor:
+        """The packed read copy (the anchor itself for a shared pair; do not modify)."""
+        return self._A if self._R is None else self._R
+
+    @property
+    def buffer(self) -> dict:
+        """Views of the replay buffer (layout in replayquant.replay.core): k, v, G (cumulative
+        log gate), and for GDN beta and u (u computed against the read copy)."""
+        out = {"k": self._k, "v": self._v, "G": self._G}
+        if self.delta:
+            out.update(beta=self._beta, u=self._u)
+        return out
+
+    def anchor(self) -> torch.Tensor:
+        """Dequantized anchor, float32 [B, H, d_v, d_k]."""
+        return self.pair.anchor.fmt.dequantize(self._A)
+
+    def read_copy(self) -> torch.Tensor:
+        """Dequantized read copy, float32 [B, H, d_v, d_k] (the anchor for a shared pair)."""
+        return self.pair.read_spec.fmt.dequantize(self.read_q)
+
+    def current_state(self) -> torch.Tensor:
+        """Unrounded FP32 state after the committed entries: deq(A) replayed through the buffer
+        (what a flush now would cast). Changes nothing."""
+        S, _ = core.rebuild(self.anchor(), self._k, self._v, self._G, self._beta, self._h)
+        return S
+
+    def step(self, q, k, v, log_a, beta=None) -> torch.Tensor:
+        """One decode step -> y float32 [B, H, d_v] (module doc for the exact semantics)."""
+        self._no_pending("step")
+        q, k, v, log_a, beta = self._check(q, k, v, log_a, beta)
+        y = self._append(q, k, v, log_a, beta)            # [B,H,1,dv], pre-flush included
+        self._h += 1
+        full = self._h == self.L
+        if bool(full.any()):
+            idx = full.nonzero()[:, 0]
+            S = self._flush(idx, self._h[idx])
+            y[idx] = core.matvec(S, q[idx])
+        return y[:, :, 0, :]
+
+    def verify(self, q, k, v, log_a, beta=None) -> torch.Tensor:
+        """Outputs of T draft steps [B, T, H, d_v]; inputs [B, T, H, ...]. Then call accept(n)."""
+        self._no_pending("verify")
+        T = self._verify_len(q)
+        if T < 1 or T > self.L:
+            raise ValueError(f"verify: T={T} drafts, but 1 <= T <= buffer_len={self.L} is required; "
+                             f"use a pair with a longer buffer or fewer drafts")
+        q, k, v, log_a, beta = self._check(q, k, v, log_a, beta, T=T)
+        y = self._append(q, k, v, log_a, beta)
+        self._pending, self._pending_T = True, T
+        return y.transpose(1, 2).contiguous()
+
+    def accept(self, n) -> None:
+        """Commit the first n[b] drafts of each row (int or int tensor [B], 0..T)."""
+        n = self._check_accept(n)
+        self._h += n
+        self._pending = None
+
+    # ---------------------------------------------------------------- internals
+    def _append(self, q, k, v, log_a, beta):
+        T = q.shape[2]
+        need = (self._h + T > self.L) & (self._h > 0)
+        if bool(need.any()):
+            idx = need.nonzero()[:, 0]
+            self._flush(idx, self._h[idx])
+        h = self._h
+        Gprev = torch.where((h > 0).view(-1, 1), core._gather_slot(self._G, (h - 1).clamp(min=0)),
+                            torch.zeros((), device=self.device))
+        for i in range(T):
+            p = h + i
+            Gprev = Gprev + log_a[:, :, i]
+            core._scatter_slot(self._G, p, Gprev)
+            core._scatter_slot(self._k, p, k[:, :, i])
+            core._scatter_slot(self._v, p, v[:, :, i])
+            if self.delta:
+                core._scatter_slot(self._beta, p, beta[:, :, i])
+        return core.read_outputs(self._R32, self._k, self._v, self._G, self._beta, self._u, h, q)
+
+    def _flush(self, idx, n):
+        """Flush rows idx over their first n entries; returns the unrounded S of those rows."""
+        B = self.B
+        Sc = self.pair.anchor.fmt.dequantize(core.qt_take(self._A, idx, B))
+        beta = None if self._beta is None else self._beta[idx]
+        S, _ = core.rebuild(Sc, self._k[idx], self._v[idx], self._G[idx], beta, n)
+        fi = self._flushes[idx] + 1
+        A = self._cast(self.pair.anchor, S, fi, ANCHOR, idx)
+        core.qt_put(self._A, idx, A, B)
+        if self._R is None:
+            self._R32[idx] = self.pair.anchor.fmt.dequantize(A)
+        else:
+            R = self._cast(self.pair.read, S, fi, READ, idx)
+            core.qt_put(self._R, idx, R, B)
+            self._R32[idx] = self.pair.read.fmt.dequantize(R)
+        self._flushes[idx] = fi
+        self._h[idx] = 0
+        return S
+
+
+class ConventionalState(_StateBase):
+    """The baseline serving engines run: one state in one format, read-modify-write every step,
+    S_t = Q(a_t deq(S_{t-1}) + u_t k_t^T) (GDN: u_t = beta_t (v_t - a_t deq(S_{t-1}) k_t)),
+    output from the unrounded S_t. Equal, bit for bit, to ReplayState with L = 1 and the same
+    shared pair (same SR streams: the cast after step n uses flush index n, role ANCHOR).
+
+    The pair must be shared; its buffer_len is ignored. Speculation as vLLM does it: verify runs
+    the T drafts sequentially and keeps a packed snapshot of the state after each draft
+    (T extra states per sequence); accept(n) restores snapshot n (n = 0: the state before).
+    """
+
+    def __init__(self, initial_state, pair, delta: bool, seed: int = 0, layer: int = 0, rows=None):
+        S0 = self._setup(initial_state, pair, delta, seed, layer, rows)
+        if not self.pair.shared:
+            raise ValueError(f"ConventionalState needs a shared pair (one format), got read="
+                             f"{self.pair.read} anchor={self.pair.anchor}; use ReplayState for "
+                             f"dual-precision pairs")
+        self.spec = self.pair.anchor
+        self._steps = torch.zeros(self.B, dtype=torch.int64, device=self.device)
+        self._S = self._cast(self.spec, S0, 0, ANCHOR)
+
+    @property
+    def committed(self) -> torch.Tensor:
+        """Always zeros [B]: there is no buffer."""
+        return torch.zeros(self.B, dtype=torch.int64, device=self.device)
+
+    @property
+    def flushes(self) -> torch.Tensor:
+        """int64 [B]: committed steps per row (each step is a cast)."""
+        return self._steps.clone()
+
+    @property
+    def anchor_q(self) -> QTensor:
+        return self._S
+
+    read_q = anchor_q
+
+    def anchor(self) -> torch.Tensor:
+        return self.spec.fmt.dequantize(self._S)
+
+    read_copy = anchor
+    current_state = anchor
+
+    def _advance(self, Sq, steps, q, k, v, log_a, beta, i):
+        """One read-modify-write step on draft/step i of the [B,H,T,...] inputs."""
+        sl = slice(i, i + 1)
+        Sc = self.spec.fmt.dequantize(Sq)
+        ones = torch.ones(self.B, dtype=torch.int64, device=self.device)
+        S, _ = core.rebuild(Sc, k[:, :, sl], v[:, :, sl], log_a[:, :, sl],
+                            None if beta is None else beta[:, :, sl], ones)
+        y = core.matvec(S, q[:, :, sl])[:, :, 0, :]
+        return y, self._cast(self.spec, S, steps + 1, ANCHOR)
+
+    def step(self, q, k, v, log_a, beta=None) -> torch.Tensor:
+        self._no_pending("step")
+        q, k, v, log_a, beta = self._check(q, k, v, log_a, beta)
+        y, self._S = self._advance(self._S, self._steps, q, k, v, log_a, beta, 0)
+        self._steps += 1
+        return y
+
+    def verify(self, q, k, v, log_a, beta=None) -> torch.Tensor:
+        self._no_pending("verify")
+        T = self._verify_len(q)
+        if T < 1:
+            raise ValueError("verify: needs at least one draft (T >= 1)")
+        q, k, v, log_a, beta = self._check(q, k, v, log_a, beta, T=T)
+        snaps, ys, Sq = [], [], self._S
+        for i in range(T):
+            y, Sq = self._advance(Sq, self._steps + i, q, k, v, log_a, beta, i)
+            ys.append(y)
+            snaps.append(Sq)
+        self._pending, self._pending_T = snaps, T
+        return torch.stack(ys, dim=1)
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """Bytes held by pending per-draft snapshots (0 when none are pending)."""
+        return 0 if self._pending is None else sum(s.nbytes for s in self._pending)
+
+    def accept(self, n) -> None:
+        n = self._check_accept(n)
+        for j in range(1, self._pending_T + 1):
+            idx = (n == j).nonzero()[:, 0]
+            if len(idx):
+                core.qt_put(self._S, idx, core.qt_take(self._pending[j - 1], idx, self.B), self.B)
+        self._steps += n
+        self._pending = None
