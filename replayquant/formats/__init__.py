@@ -183,6 +183,8 @@ class NVFP4Format(Format):
         x3 = self._as_matrices(x)
         if use_triton(x):
             from replayquant.kernels import quant
+            if isinstance(stream, torch.Tensor):   # one stream per matrix, in x3's order
+                stream = torch.broadcast_to(stream.to(torch.int64), x.shape[:-2]).reshape(-1)
             packed, bscale, gscale = quant.nvfp4_quantize(x3, rounding, seed, stream)
         else:
             packed, bscale, gscale = ref.nvfp4_quantize_ref(

@@ -350,6 +350,11 @@ def _nvfp4_dequant_kernel(packed_ptr, bscale_ptr, gscale_ptr, out_ptr, n_blocks,
 
 # ============================================================================ host functions
 
+def _empty(shape, dtype, device) -> torch.Tensor:
+    """Output allocation (the tests replace it to poison outputs before the kernels write)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 def _split_seed(seed: int):
     seed = int(seed) & 0xFFFFFFFFFFFFFFFF
     return seed & 0xFFFFFFFF, seed >> 32
@@ -390,7 +395,7 @@ def cast_quantize(x: torch.Tensor, grid: Grid, dtype: torch.dtype, rounding: str
         raise ValueError(f"cast_quantize: grid {grid.name} is not fp16 or bf16")
     sr = _check_rounding(rounding)
     x = x.to(torch.float32).contiguous()
-    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    out = _empty(x.shape, dtype, x.device)
     if x.numel() == 0:
         return out
     M, R, C, mat_shape = _as_mrc(x)
@@ -417,8 +422,8 @@ def fp8_quantize(x: torch.Tensor, rounding: str = "nearest", seed: int = 0, stre
     """(payload float8_e4m3fn x.shape, row scale float32 x.shape[:-1]) as fp8_quantize_ref."""
     sr = _check_rounding(rounding)
     x = x.to(torch.float32).contiguous()
-    payload = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    payload = _empty(x.shape, torch.float8_e4m3fn, x.device)
+    scale = _empty(x.shape[:-1], torch.float32, x.device)
     if x.numel() == 0:
         return payload, scale
     M, R, C, mat_shape = _as_mrc(x)
@@ -437,7 +442,7 @@ def fp8_dequantize(payload: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """float32 payload * row scale, as fp8_dequantize_ref."""
     payload = payload.contiguous()
     scale = scale.to(torch.float32).contiguous()
-    out = torch.empty(payload.shape, dtype=torch.float32, device=payload.device)
+    out = _empty(payload.shape, torch.float32, payload.device)
     if payload.numel() == 0:
         return out
     C = payload.shape[-1]
@@ -468,9 +473,9 @@ def nvfp4_quantize(x3: torch.Tensor, rounding: str = "nearest", seed: int = 0, s
     x3 = x3.to(torch.float32).contiguous()
     M, R, C = x3.shape
     dev = x3.device
-    packed = torch.empty((M, R, C // 2), dtype=torch.uint8, device=dev)
-    bscale = torch.empty((M, R, C // NVFP4_BLOCK), dtype=torch.uint8, device=dev)
-    gscale = torch.empty((M,), dtype=torch.float32, device=dev)
+    packed = _empty((M, R, C // 2), torch.uint8, dev)
+    bscale = _empty((M, R, C // NVFP4_BLOCK), torch.uint8, dev)
+    gscale = _empty((M,), torch.float32, dev)
     if x3.numel() == 0:
         gscale.fill_(1.0)
         return packed, bscale, gscale
@@ -499,7 +504,7 @@ def nvfp4_dequantize(packed: torch.Tensor, bscale: torch.Tensor, gscale: torch.T
     packed = packed.contiguous()
     bscale = bscale.contiguous()
     gscale = gscale.to(torch.float32).contiguous()
-    out = torch.empty((M, R, C2 * 2), dtype=torch.float32, device=packed.device)
+    out = _empty((M, R, C2 * 2), torch.float32, packed.device)
     if out.numel() == 0:
         return out
     bpm = R * C2 * 2 // NVFP4_BLOCK
