@@ -127,10 +127,14 @@ def test_flush_casts_both_roles_from_the_same_unrounded_state(delta):
     R = get_format("nvfp4").quantize(S, "stochastic", seed=key, stream=sr_stream(1, READ, rows, H))
     assert torch.equal(st.anchor_q.payload, A.payload)
     assert torch.equal(st.read_q.payload, R.payload)
-    # never Q_LP(Q_HP(S)): the read copy differs from the one cast from the rounded anchor
-    R2 = get_format("nvfp4").quantize(get_format("fp16").dequantize(A), "stochastic", seed=key,
-                                      stream=sr_stream(1, READ, rows, H))
-    assert not torch.equal(R2.payload, R.payload)
+    # never Q_LP(Q_HP(S)): with an FP32 read copy and a BF16 anchor the read copy is S itself
+    st = ReplayState(S0, pair("fp32", "bf16", L), delta)
+    run_steps(st, inp, 0, 4)
+    S = st.current_state()
+    st.verify(q[:, sl], k[:, sl], v[:, sl], la[:, sl], None if beta is None else beta[:, sl])
+    assert torch.equal(st.read_copy(), S)
+    assert torch.equal(st.anchor(), S.to(torch.bfloat16).float())
+    assert not torch.equal(st.anchor(), S)
 
 
 @pytest.mark.parametrize("delta", KINDS)

@@ -1,0 +1,228 @@
+"""Drift report: how far each precision pair's outputs and anchor wander from the unrounded FP32
+recurrence over a long random-input decode.
+
+    replayquant drift --kind gdn --pair s32_rs --pair tp4_hi16_sr --steps 4096 --seeds 42,43,44
+
+Protocol (one run = one kind, one seed; every pair sees the same inputs):
+
+* shapes: B sequences (default 2), H heads (default 4), d_k x d_v state per head (default 64 x 32),
+  zero initial state; `steps` decode steps, one `step` call each (no speculation).
+* decay a_t ~ U[0.9, 1) per (sequence, head, step): log_a = log a_t.
+* GDN: q, k, v ~ N(0, 1), b ~ N(0, 1); through `gdn_inputs` (q, k L2-normalised, q scaled by
+  1/sqrt(d_k), beta = sigmoid(b), log_a = g = log a_t).
+* Mamba-2: x ~ N(0, 1); dt_t ~ U[0.01, 0.1]; A_h = -log(a_t)/dt_t would vary per step, so instead
+  A_h ~ -U[0.5, 1.05] per head and a_t = exp(dt_t A_h) (so a_t in [0.9, 1)); B ~ N(0, 1) then
+  L2-normalised over N (one group), C ~ N(0, 1/N); through `mamba2_inputs` (v = dt x, k = B, q = C).
+* reference: `recurrent_reference` (sequential FP32, no rounding) on the same inputs.
+* each pair runs as `ReplayState(zeros, pair, seed=seed)` (mode "replay", its own buffer_len);
+  a shared pair also runs as `ConventionalState` (mode "conventional": read-modify-write every
+  step, what serving engines do) unless disabled.
+* metrics: output RMSE over all steps, sequences, heads and d_v; anchor RMSE of the dequantized
+  anchor against the reference state at the step of the anchor's last flush (`checkpoints`: also
+  at steps ~N/8, N/4, ... multiples of L); relative versions divide by the reference RMS.
+  Across seeds: mean and sample standard deviation (ddof = 1).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from replayquant.pairs import PrecisionPair, list_pairs
+from replayquant.replay import (ConventionalState, ReplayState, gdn_inputs, mamba2_inputs,
+                                recurrent_reference)
+
+KINDS = ("gdn", "mamba2")
+DEFAULT_SHAPE = {"batch": 2, "heads": 4, "d_k": 64, "d_v": 32}
+
+
+def make_inputs(kind: str, steps: int, seed: int, batch: int, heads: int, d_k: int, d_v: int):
+    """Inputs of the protocol (module doc) -> (q, k, v, log_a, beta) [B, T, H, ...]."""
+    g = torch.Generator().manual_seed(int(seed))
+    B, T, H = batch, steps, heads
+    if kind == "gdn":
+        q = torch.randn(B, T, H, d_k, generator=g)
+        k = torch.randn(B, T, H, d_k, generator=g)
+        v = torch.randn(B, T, H, d_v, generator=g)
+        b = torch.randn(B, T, H, generator=g)
+        a = 0.9 + 0.1 * torch.rand(B, T, H, generator=g)
+        return gdn_inputs(q, k, v, torch.log(a), b)
+    if kind == "mamba2":
+        x = torch.randn(B, T, H, d_v, generator=g)
+        dt = 0.01 + 0.09 * torch.rand(B, T, H, generator=g)
+        A = -(0.5 + 0.55 * torch.rand(H, generator=g))
+        Bm = torch.nn.functional.normalize(torch.randn(B, T, 1, d_k, generator=g), dim=-1)
+        Cm = torch.randn(B, T, 1, d_k, generator=g) / math.sqrt(d_k)
+        q, k, v, log_a = mamba2_inputs(x, dt, A, Bm, Cm, dt_softplus=False)
+        return q, k, v, log_a, None
+    raise ValueError(f"unknown kind {kind!r}; use one of {', '.join(KINDS)}")
+
+
+def _checkpoints(steps: int, L: int) -> list[int]:
+    """Steps at which the anchor is compared: ~steps/8, /4, /2 and the last flush (multiples of L)."""
+    pts = {(steps // d) // L * L for d in (8, 4, 2, 1)}
+    return sorted(p for p in pts if p > 0)
+
+
+def _reference_states(S0, inp, points):
+    """Reference outputs [B,T,H,d_v] and states {step: S} at the requested steps."""
+    ys, states, S, t = [], {0: S0}, S0, 0
+    for p in sorted(set(points)):
+        if p > t:
+            Y, S = recurrent_reference(S, *(None if x is None else x[:, t:p] for x in inp))
+            ys.append(Y)
+            t = p
+        states[p] = S
+    T = inp[0].shape[1]
+    if t < T:
+        Y, S = recurrent_reference(S, *(None if x is None else x[:, t:T] for x in inp))
+        ys.append(Y)
+    return torch.cat(ys, dim=1), states
+
+
+def _rms(x):
+    return float(x.pow(2).mean().sqrt())
+
+
+def run_one(kind, pair: PrecisionPair, mode: str, inp, S0, seed, ref_Y, ref_states, steps):
+    delta = kind == "gdn"
+    cls = ReplayState if mode == "replay" else ConventionalState
+    L = pair.buffer_len if mode == "replay" else 1
+    st = cls(S0, pair, delta=delta, seed=seed)
+    q, k, v, la, beta = inp
+    pts = _checkpoints(steps, L)
+    ys, anchors = [], {}
+    for t in range(steps):
+        ys.append(st.step(q[:, t], k[:, t], v[:, t], la[:, t], None if beta is None else beta[:, t]))
+        if t + 1 in pts:
+            anchors[t + 1] = st.anchor()
+    Y = torch.stack(ys, dim=1)
+    err = Y - ref_Y
+    last = pts[-1]
+    out = {
+        "output_rmse": _rms(err), "output_rel_rmse": _rms(err) / _rms(ref_Y),
+        "anchor_rmse": _rms(anchors[last] - ref_states[last]),
+        "anchor_rel_rmse": _rms(anchors[last] - ref_states[last]) / _rms(ref_states[last]),
+        "anchor_step": last,
+        "anchor_rmse_at": {str(p): _rms(anchors[p] - ref_states[p]) for p in pts},
+    }
+    if not all(math.isfinite(v) for v in (out["output_rmse"], out["anchor_rmse"])):
+        out["diverged"] = True
+    return out
+
+
+def _stats(vals):
+    vals = [float(v) for v in vals]
+    n = len(vals)
+    mean = sum(vals) / n
+    std = math.sqrt(sum((v - mean) ** 2 for v in vals) / (n - 1)) if n > 1 else float("nan")
+    return {"mean": mean, "std": std, "n": n}
+
+
+def run_drift(kind: str, pairs, steps: int = 4096, seeds=(42, 43, 44), batch: int = 2,
+              heads: int = 4, d_k: int = 64, d_v: int = 32, conventional: bool = True,
+              progress=None) -> dict:
+    """Run the protocol; returns the results dict (with provenance) that `write_drift` saves."""
+    from replayquant.provenance import provenance
+
+    if kind not in KINDS:
+        raise ValueError(f"unknown kind {kind!r}; use one of {', '.join(KINDS)}")
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    seeds = [int(s) for s in seeds]
+    if not seeds:
+        raise ValueError("give at least one seed")
+    pairs = [p if isinstance(p, PrecisionPair) else PrecisionPair.load(p) for p in (pairs or list_pairs())]
+    runs = []
+    for p in pairs:
+        runs.append((p, "replay"))
+        if conventional and p.shared:
+            runs.append((p, "conventional"))
+    for p, mode in runs:
+        L = p.buffer_len if mode == "replay" else 1
+        if steps < L:
+            raise ValueError(f"steps={steps} is shorter than {p.label()}'s buffer_len {L}: "
+                             f"no flush would happen")
+    per = {i: [] for i in range(len(runs))}
+    t0 = time.time()
+    S0 = torch.zeros(batch, heads, d_v, d_k)
+    for seed in seeds:
+        inp = make_inputs(kind, steps, seed, batch, heads, d_k, d_v)
+        pts = {0}
+        for p, mode in runs:
+            pts.update(_checkpoints(steps, p.buffer_len if mode == "replay" else 1))
+        ref_Y, ref_states = _reference_states(S0, inp, pts)
+        for i, (p, mode) in enumerate(runs):
+            r = run_one(kind, p, mode, inp, S0, seed, ref_Y, ref_states, steps)
+            r["seed"] = seed
+            per[i].append(r)
+            if progress:
+                progress(f"{kind} seed {seed} {p.label()} {mode}: out {r['output_rel_rmse']:.3g} "
+                         f"anchor {r['anchor_rel_rmse']:.3g} ({time.time() - t0:.0f}s)")
+    rows = []
+    for i, (p, mode) in enumerate(runs):
+        rs = per[i]
+        rows.append({
+            "pair": p.label(), "mode": mode, "config": p.to_dict(),
+            "buffer_len": p.buffer_len if mode == "replay" else 1,
+            "read": "(shared)" if p.shared else str(p.read), "anchor": str(p.anchor),
+            **{m: _stats([r[m] for r in rs]) for m in
+               ("output_rmse", "output_rel_rmse", "anchor_rmse", "anchor_rel_rmse")},
+            "per_seed": rs,
+        })
+    params = {"kind": kind, "steps": steps, "seeds": seeds, "batch": batch, "heads": heads,
+              "d_k": d_k, "d_v": d_v, "protocol": "replayquant.drift module docstring",
+              "wall_s": round(time.time() - t0, 1)}
+    return {"provenance": provenance(device="cpu", **params), "params": params, "rows": rows}
+
+
+def write_drift(result: dict, out_dir="results/drift", name: str | None = None) -> Path:
+    p = result["params"]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name or p['kind'] + '_' + str(p['steps']) + 'steps'}.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    path.with_suffix(".md").write_text(render_markdown(result))
+    return path
+
+
+def _pm(s, fmt="{:.3g}"):
+    return f"{fmt.format(s['mean'])} ± {fmt.format(s['std'])}" if s["n"] > 1 else fmt.format(s["mean"])
+
+
+def render_markdown(result: dict) -> str:
+    p = result["params"]
+    pv = result["provenance"]
+    lines = [f"# Drift: {p['kind']}, {p['steps']} steps, seeds {p['seeds']}", "",
+             f"B={p['batch']}, H={p['heads']}, d_k={p['d_k']}, d_v={p['d_v']}; "
+             f"git {pv['git_commit']}, {pv['device']}, {pv['date']}. "
+             "Mean ± sample std over seeds; relative = RMSE / RMS of the FP32 reference; "
+             "anchor compared at its last flush. Protocol: replayquant/drift.py.", "",
+             "| pair | mode | L | read | anchor | output RMSE | output rel | anchor RMSE | anchor rel |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in result["rows"]:
+        lines.append(f"| {r['pair']} | {r['mode']} | {r['buffer_len']} | {r['read']} | {r['anchor']} | "
+                     f"{_pm(r['output_rmse'])} | {_pm(r['output_rel_rmse'])} | {_pm(r['anchor_rmse'])} | "
+                     f"{_pm(r['anchor_rel_rmse'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def drift_table(result: dict):
+    """A rich Table of one drift result."""
+    from rich.table import Table
+
+    p = result["params"]
+    t = Table(title=f"drift vs FP32 recurrence: {p['kind']}, {p['steps']} steps, seeds {p['seeds']} "
+                    f"(B={p['batch']} H={p['heads']} {p['d_v']}x{p['d_k']})")
+    for c in ("pair", "mode", "L", "read", "anchor", "output RMSE", "output rel", "anchor RMSE",
+              "anchor rel"):
+        t.add_column(c, no_wrap=True, justify="right" if ("RMSE" in c or "rel" in c) else "left")
+    for r in result["rows"]:
+        t.add_row(r["pair"], r["mode"], str(r["buffer_len"]), r["read"], r["anchor"],
+                  _pm(r["output_rmse"]), _pm(r["output_rel_rmse"]), _pm(r["anchor_rmse"]),
+                  _pm(r["anchor_rel_rmse"]))
+    return t
