@@ -57,5 +57,55 @@ def drift_cmd(
     typer.echo(f"wrote {path} and {path.with_suffix('.md')}")
 # --- end pairs and drift -----------------------------------------------------------------------
 
+# --- KL harness (replayquant/kl) ---------------------------------------------------------------
+@app.command("kl")
+def kl_cmd(
+    model: str = typer.Option(..., "--model", help="hub id, short name (Qwen3.5-4B) or local folder"),
+    pair: list[str] = typer.Option(..., "--pair", help="precision pair name or YAML path (repeatable)"),
+    dataset: str = typer.Option("pg19", help="pg19 (emozilla/pg19), another dataset name, a folder of .txt, a .txt or .jsonl file"),
+    split: str = typer.Option("test", help="dataset split (hub datasets)"),
+    text_field: str = typer.Option("text", help="field holding the text (hub datasets, .jsonl)"),
+    context: int = typer.Option(131072, help="tokens per document (shorter documents are skipped)"),
+    docs: int = typer.Option(10, help="number of documents, the first ones in the dataset's order"),
+    segment: int = typer.Option(8192, help="tokens per forward (caches carry state between segments)"),
+    prefill: str = typer.Option("replay", help="replay (every token through the step semantics) | exact"),
+    dtype: str = typer.Option("bfloat16", help="bfloat16 | float16 | float32"),
+    device_map: str = typer.Option(None, help="e.g. auto (default on CUDA), cpu, cuda:0"),
+    seed: int = typer.Option(0, help="stochastic-rounding seed"),
+    out: str = typer.Option(None, help="results JSON (default results/kl/MODEL_PAIRS_ctxN_PREFILL.json)"),
+    pack: bool = typer.Option(False, help="concatenate documents (EOS between) instead of skipping short ones"),
+    revision: str = typer.Option(None, help="model revision on the hub"),
+    progress: bool = typer.Option(True, help="progress bar"),
+):
+    """KL(reference || pair) over long documents, reference and pairs in lockstep; resumable."""
+    from replayquant.kl.command import kl_command
+    try:
+        kl_command(model, pair, dataset=dataset, split=split, text_field=text_field, context=context,
+                   docs=docs, segment=segment, prefill=prefill, dtype=dtype, device_map=device_map,
+                   seed=seed, out=out, pack=pack, revision=revision, progress=progress)
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
+    except KeyboardInterrupt as e:
+        typer.echo(f"\n{e or 'interrupted'}", err=True)
+        raise typer.Exit(130)
+
+
+@app.command("table")
+def table_cmd(
+    files: list[str] = typer.Argument(..., help="results files (results/kl/*.json)"),
+    format: str = typer.Option("md", "--format", help="md | csv"),
+    by: str = typer.Option("pair", "--by", help="row order: pair | model"),
+):
+    """One table from KL results files: pairs as rows."""
+    from replayquant.kl.report import render_table
+    try:
+        typer.echo(render_table(files, fmt=format, by=by), nl=False)
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
+# --- end KL harness ----------------------------------------------------------------------------
+
+
 if __name__ == "__main__":
     app()

@@ -1,0 +1,101 @@
+"""`replayquant kl`: load the model once, run the KL harness, print and save the results."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import torch
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+          "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+
+
+def _resolve_model_name(name: str) -> str:
+    """Short names users type (`Qwen3.5-4B`) through the model-integration table, if it has one."""
+    try:
+        from replayquant import models as _m
+    except ImportError:
+        return name
+    for attr in ("resolve_model_name", "resolve_name", "resolve_model"):
+        f = getattr(_m, attr, None)
+        if callable(f):
+            try:
+                return f(name)
+            except Exception:
+                return name
+    table = getattr(_m, "SHORT_NAMES", None) or getattr(_m, "MODEL_ALIASES", None)
+    return table.get(name, name) if isinstance(table, dict) else name
+
+
+def load_model_and_tokenizer(model: str, dtype: str = "bfloat16", device_map=None, revision: str | None = None):
+    """(model, tokenizer, resolved name) with one clear error for an unknown model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    resolved = _resolve_model_name(model)
+    kw = {"dtype": DTYPES[dtype]}
+    if device_map is not None:
+        kw["device_map"] = device_map
+    if revision:
+        kw["revision"] = revision
+    try:
+        import replayquant
+        load = getattr(replayquant, "load_model", None)
+        m = load(resolved, dtype=dtype, device_map=device_map) if load is not None and not revision \
+            else AutoModelForCausalLM.from_pretrained(resolved, **kw)
+        tok = AutoTokenizer.from_pretrained(resolved, **({"revision": revision} if revision else {}))
+    except ValueError:
+        raise
+    except (OSError, KeyError, EnvironmentError) as e:
+        first = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+        raise ValueError(f"unknown or unreachable model {model!r} (resolved to {resolved!r}): {first}. "
+                         f"Give a hub id, a short name from the model table, or a local folder "
+                         f"with config.json, weights and a tokenizer") from None
+    m.eval()
+    return m, tok, resolved
+
+
+def default_out(model: str, pairs: list[str], context: int, prefill: str) -> Path:
+    def clean(s):
+        return re.sub(r"[^A-Za-z0-9._-]+", "-", Path(str(s)).stem if str(s).endswith((".yaml", ".yml")) else str(s)).strip("-")
+    name = f"{clean(Path(model).name)}_{'+'.join(clean(p) for p in pairs)}_ctx{context}_{prefill}"
+    return Path("results/kl") / f"{name}.json"
+
+
+def kl_command(model: str, pairs: list[str], dataset: str = "pg19", split: str = "test",
+               text_field: str = "text", context: int = 131072, docs: int = 10, segment: int = 8192,
+               prefill: str = "replay", dtype: str = "bfloat16", device_map: str | None = None,
+               seed: int = 0, out: str | None = None, pack: bool = False, revision: str | None = None,
+               progress: bool = True) -> dict | None:
+    """Everything `replayquant kl` does; returns the results dict on the main process."""
+    from accelerate import PartialState
+    from rich.console import Console
+
+    from .report import print_summary
+    from .runner import model_record, run_kl
+
+    # CPU processes (e.g. `accelerate launch --multi_gpu --num_processes 2` or torchrun on a machine
+    # without CUDA) only form a process group (gloo) when the state is told it runs on CPU.
+    state = PartialState(cpu=not torch.cuda.is_available())
+    if state.num_processes > 1:
+        dm = {"": str(state.device)}          # data-parallel: one whole model per process
+    elif device_map is not None:
+        dm = device_map
+    else:
+        dm = "auto" if torch.cuda.is_available() else None
+    m, tok, resolved = load_model_and_tokenizer(model, dtype, dm, revision)
+    info = model_record(m, name=resolved, dtype=dtype)
+    out_path = Path(out) if out else default_out(model, pairs, context, prefill)
+    console = Console(stderr=True)
+    res = run_kl(m, tok, pairs, dataset=dataset, out=out_path, context=context, n_docs=docs,
+                 segment=segment, prefill=prefill, seed=seed, split=split, text_field=text_field,
+                 pack=pack, model_info=info, progress=progress, console=console,
+                 state=state if state.num_processes > 1 else None,
+                 extra_params={"device_map": str(dm), "num_processes": state.num_processes})
+    if res is not None:
+        print_summary(res, Console())
+        Console(stderr=True).print(f"wrote {out_path}, {out_path.with_suffix('.png')} and "
+                                   f"{out_path.with_suffix('.kl')}/")
+    return res

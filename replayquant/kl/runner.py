@@ -1,0 +1,547 @@
+"""The KL run: reference and test models in lockstep, segment by segment, with resume.
+
+One model object serves every variant. A variant is the model as it is (the reference) or the model
+with a precision pair patched in (`replayquant.patch` / `unpatch`, the model-integration API);
+each variant keeps its own cache, so its recurrent state carries over from segment to segment.
+Per segment the reference and every pair run over the same tokens; the final hidden states of a
+segment are kept, and the LM head is applied to a few positions at a time, so full-vocabulary
+logits exist only for `lm_chunk` positions at once (never for a whole segment, let alone the
+whole context). The reference's log-probabilities of a chunk serve every pair.
+
+Files of a run with `out = results/kl/NAME.json`:
+* `NAME.json`: the results (statistics per pair, per bucket, per document, provenance); rewritten
+  after every finished document (`"complete": false` until the last one);
+* `NAME.kl/docNNNNN.npy`: per-token KL of one document, float16 [n_pairs, context - 1];
+* `NAME.kl/progress.rankR.jsonl`: append-only log, a config line then one line per finished
+  document with exact float64 sums; resume reads these and skips finished documents;
+* `NAME.png`: KL against position (log x), one line per pair.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import inspect
+import json
+import math
+import os
+import resource
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from . import stats as S
+from .data import Document, DocumentSet, load_documents
+
+RESULTS_KIND = "replayquant.kl"
+RESULTS_VERSION = 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Variants: the reference and one per precision pair, over one shared model.
+
+@dataclasses.dataclass
+class Variant:
+    """The shared model in one configuration. `enter`/`exit` switch the model into it and back."""
+    name: str
+    record: dict
+    enter: Callable[[], None] | None = None
+    exit: Callable[[], None] | None = None
+
+    @contextlib.contextmanager
+    def active(self):
+        if self.enter is not None:
+            self.enter()
+        try:
+            yield
+        finally:
+            if self.exit is not None:
+                self.exit()
+
+
+def pair_record(pair) -> dict:
+    """A JSON-able description of a resolved precision pair (name, read, anchor, buffer_len)."""
+    for attr in ("to_dict", "as_dict", "record"):
+        f = getattr(pair, attr, None)
+        if callable(f):
+            return _jsonable(f())
+    if dataclasses.is_dataclass(pair):
+        return _jsonable(dataclasses.asdict(pair))
+    if isinstance(pair, dict):
+        return _jsonable(pair)
+    return _jsonable({k: v for k, v in vars(pair).items() if not k.startswith("_")})
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (str, int, float, bool)) or x is None:
+        return x
+    if dataclasses.is_dataclass(x):
+        return _jsonable(dataclasses.asdict(x))
+    if hasattr(x, "__dict__"):
+        return _jsonable({k: v for k, v in vars(x).items() if not k.startswith("_")})
+    return str(x)
+
+
+def resolve_pair(spec):
+    """A precision pair from a name in configs/pairs/, a YAML path, or a pair object."""
+    if not isinstance(spec, (str, os.PathLike)):
+        return spec
+    try:
+        from replayquant import PrecisionPair
+    except ImportError:
+        raise ValueError("precision pairs are not available in this installation "
+                         "(replayquant.PrecisionPair is missing)") from None
+    try:
+        return PrecisionPair.load(str(spec))
+    except ValueError:
+        raise
+    except (FileNotFoundError, KeyError, OSError) as e:
+        raise ValueError(f"unknown precision pair {str(spec)!r} ({e}); give a name from "
+                         f"`replayquant pairs` or the path of a pair YAML file") from None
+
+
+def patch_variant(model, pair, prefill: str, seed: int) -> Variant:
+    """The model with `pair` patched in for the duration of `active()` (model-integration API)."""
+    import replayquant
+    patch, unpatch = getattr(replayquant, "patch", None), getattr(replayquant, "unpatch", None)
+    if patch is None or unpatch is None:
+        raise ValueError("replayquant.patch / unpatch (model integration) are not available in "
+                         "this installation")
+    kw = {"prefill": prefill}
+    if "seed" in inspect.signature(patch).parameters:
+        kw["seed"] = seed
+    rec = pair_record(pair)
+    return Variant(name=str(getattr(pair, "name", rec.get("name"))), record=rec,
+                   enter=lambda: patch(model, pair, **kw), exit=lambda: unpatch(model))
+
+
+def reference_variant() -> Variant:
+    """The model as loaded: exact FP32 recurrent state, no replay rounding."""
+    return Variant(name="reference", record={"name": "reference", "state": "fp32 exact (unpatched)"})
+
+
+# ----------------------------------------------------------------------------------------------
+# Segmented forward.
+
+def _cache_kwarg(base) -> str:
+    params = inspect.signature(base.forward).parameters
+    for name in ("cache", "past_key_values", "cache_params"):
+        if name in params:
+            return name
+    return "past_key_values"
+
+
+def _out_cache(out):
+    keys = out.keys() if hasattr(out, "keys") else ()
+    for name in ("cache", "past_key_values", "cache_params"):
+        if name in keys:
+            return out[name]
+    return None
+
+
+class SegmentRunner:
+    """Runs one variant's forward over consecutive segments of one document, keeping its cache."""
+
+    def __init__(self, model):
+        self.model = model
+        self.base = model.base_model
+        self.head = model.get_output_embeddings()
+        if self.head is None:
+            raise ValueError(f"{type(model).__name__} has no output embeddings (LM head)")
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        for attr in ("final_logit_softcapping", "logit_scale"):
+            if getattr(cfg, attr, None):
+                raise ValueError(f"models with {attr} are not supported by the KL harness")
+        self.cache_kw = _cache_kwarg(self.base)
+        self.has_cache_position = "cache_position" in inspect.signature(self.base.forward).parameters
+        self.device = self.head.weight.device
+
+    def forward(self, ids: torch.Tensor, cache, start: int):
+        kw = {self.cache_kw: cache, "use_cache": True}
+        if self.has_cache_position:
+            kw["cache_position"] = torch.arange(start, start + ids.shape[-1], device=ids.device)
+        out = self.base(input_ids=ids, **kw)
+        return out.last_hidden_state[0], _out_cache(out)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden.to(self.head.weight.device, self.head.weight.dtype))
+
+
+def default_lm_chunk(vocab: int) -> int:
+    """Positions per LM-head chunk: about 2^28 float32 logits (1 GiB) at once."""
+    return max(16, (1 << 28) // max(vocab, 1))
+
+
+def score_document(runner: SegmentRunner, doc: Document, reference: Variant, tests: list[Variant],
+                   segment: int, lm_chunk: int | None = None, on_segment: Callable[[int], None] | None = None
+                   ) -> dict[str, dict]:
+    """Per-token metrics of every test variant against the reference over one document.
+
+    Returns {variant name: {"kl", "nll_ref", "nll_test", "dp", "same_top": cpu tensors [T-1]}};
+    position t predicts token t+1, so a document of T tokens has T-1 scored positions.
+    """
+    toks = doc.tokens
+    T = toks.numel()
+    variants = [reference] + tests
+    caches: dict[str, Any] = {v.name: None for v in variants}
+    parts: dict[str, dict[str, list]] = {v.name: {k: [] for k in ("kl", "nll_ref", "nll_test", "dp", "same_top")}
+                                         for v in tests}
+    dev_ids = toks.to(runner.device)
+    for s in range(0, T, segment):
+        e = min(T, s + segment)
+        ids = dev_ids[s:e].unsqueeze(0)
+        hidden = {}
+        for v in variants:
+            with v.active():
+                hidden[v.name], caches[v.name] = runner.forward(ids, caches[v.name], s)
+        n_scored = min(e, T - 1) - s   # the document's last position has no next token
+        chunk = lm_chunk or default_lm_chunk(runner.head.weight.shape[0])
+        for c in range(0, n_scored, chunk):
+            c1 = min(n_scored, c + chunk)
+            targets = dev_ids[s + c + 1: s + c1 + 1]
+            ref_logits = runner.logits(hidden[reference.name][c:c1])
+            targets = targets.to(ref_logits.device)
+            ref_logp = torch.log_softmax(ref_logits.float(), dim=-1)
+            del ref_logits
+            for v in tests:
+                test_logits = runner.logits(hidden[v.name][c:c1]).to(ref_logp.device)
+                m = S.token_metrics(None, test_logits, targets, ref_logp=ref_logp)
+                del test_logits
+                for k, val in m.items():
+                    parts[v.name][k].append(val.cpu())
+            del ref_logp
+        del hidden
+        if on_segment is not None:
+            on_segment(e - s)
+    del caches
+    return {name: {k: torch.cat(vals) for k, vals in p.items()} for name, p in parts.items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# Progress files and resume.
+
+def _canon(x) -> str:
+    return json.dumps(x, sort_keys=True, separators=(",", ":"))
+
+
+def _paths(out: Path) -> tuple[Path, Path]:
+    return out.with_suffix(".kl"), out.with_suffix(".png")
+
+
+def read_progress(run_dir: Path) -> tuple[list[dict], list[dict]]:
+    """(config headers, document records) of every progress file; a torn last line is ignored."""
+    headers, records = [], []
+    for f in sorted(run_dir.glob("progress.rank*.jsonl")):
+        with open(f, encoding="utf-8") as fh:
+            for line in fh:
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError:
+                    continue   # interrupted mid-write: that document is redone
+                if obj.get("type") == "config":
+                    headers.append(obj)
+                elif obj.get("type") == "document":
+                    records.append(obj)
+    return headers, records
+
+
+def _mismatch(a: dict, b: dict, prefix="") -> list[str]:
+    diffs = []
+    for k in sorted(set(a) | set(b)):
+        va, vb = a.get(k), b.get(k)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            diffs += _mismatch(va, vb, prefix + k + ".")
+        elif _canon(va) != _canon(vb):
+            diffs.append(f"{prefix}{k}: {va!r} (file) vs {vb!r} (now)")
+    return diffs
+
+
+def _refuse(out: Path, run_dir: Path, diffs: list[str]):
+    shown = "; ".join(diffs[:4]) + (" ..." if len(diffs) > 4 else "")
+    raise ValueError(f"{out} holds results of a different configuration ({shown}); refusing to mix "
+                     f"them. Pass a new --out, or delete {out} and {run_dir}/ to start fresh")
+
+
+def finished_documents(out: Path, config: dict, docs: DocumentSet) -> dict[int, dict]:
+    """Records of documents already finished by earlier runs of this configuration."""
+    run_dir, _ = _paths(out)
+    if out.exists():
+        try:
+            old = json.loads(out.read_text())
+        except json.JSONDecodeError:
+            raise ValueError(f"{out} exists but is not a results file (invalid JSON); pass another "
+                             f"--out or delete it") from None
+        if old.get("kind") != RESULTS_KIND:
+            raise ValueError(f"{out} exists and is not a KL results file; pass another --out")
+        diffs = _mismatch(old.get("config", {}), config)
+        if diffs:
+            _refuse(out, run_dir, diffs)
+    if not run_dir.exists():
+        return {}
+    headers, records = read_progress(run_dir)
+    for h in headers:
+        diffs = _mismatch(h["config"], config)
+        if diffs:
+            _refuse(out, run_dir, diffs)
+    done = {}
+    for r in records:
+        i = r["index"]
+        if i < len(docs.documents) and docs.documents[i].id != r["id"]:
+            raise ValueError(f"{run_dir} has document {i} = {r['id']!r} but the dataset now gives "
+                             f"{docs.documents[i].id!r}; the data changed. Pass a new --out or delete "
+                             f"{out} and {run_dir}/ to start fresh")
+        if (run_dir / r["npy"]).exists():
+            done[i] = r
+    return done
+
+
+def _append(path: Path, obj: dict):
+    line = json.dumps(obj) + "\n"
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(line)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _save_npy(path: Path, arr: np.ndarray):
+    tmp = path.with_suffix(".tmp.npy")
+    np.save(tmp, arr)
+    os.replace(tmp, path)
+
+
+def _peak_memory() -> dict:
+    out = {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    if torch.cuda.is_available():
+        out["peak_gpu_bytes"] = max(torch.cuda.max_memory_allocated(d) for d in range(torch.cuda.device_count()))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Model identity.
+
+def model_record(model, name: str | None = None, dtype: str | None = None) -> dict:
+    """Model id, hub revision or a local fingerprint, class and dtype, for the config and provenance."""
+    cfg = model.config
+    path = getattr(cfg, "_name_or_path", "") or ""
+    rec = {"id": name or path or type(model).__name__, "path": path, "class": type(model).__name__,
+           "dtype": dtype or str(next(model.parameters()).dtype).replace("torch.", "")}
+    rev = getattr(cfg, "_commit_hash", None)
+    if rev:
+        rec["revision"] = rev
+    if path and Path(path).is_dir():
+        rec["local_hash"] = local_fingerprint(Path(path))
+    return rec
+
+
+def local_fingerprint(folder: Path) -> str:
+    """sha256 over config.json and, per weight file, its name, size and first and last MiB."""
+    h = hashlib.sha256()
+    files = sorted(p for p in folder.iterdir() if p.is_file() and
+                   (p.name == "config.json" or p.suffix in (".safetensors", ".bin", ".pt")))
+    for p in files:
+        h.update(p.name.encode())
+        size = p.stat().st_size
+        h.update(str(size).encode())
+        with open(p, "rb") as fh:
+            if p.name == "config.json" or size <= 2 << 20:
+                h.update(fh.read())
+            else:
+                h.update(fh.read(1 << 20))
+                fh.seek(size - (1 << 20))
+                h.update(fh.read())
+    return "sha256:" + h.hexdigest()[:32]
+
+
+def max_context(model) -> int | None:
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    m = getattr(cfg, "max_position_embeddings", None)
+    return int(m) if m else None
+
+
+# ----------------------------------------------------------------------------------------------
+# The run.
+
+def run_kl(model, tokenizer, pairs: list, *, dataset: str, out: str | os.PathLike,
+           context: int = 131072, n_docs: int = 10, segment: int = 8192, prefill: str = "replay",
+           seed: int = 0, split: str | None = "test", text_field: str = "text", pack: bool = False,
+           model_info: dict | None = None, make_variant: Callable | None = None,
+           reference: Variant | None = None, bucket_base: int = 1024, lm_chunk: int | None = None,
+           progress: bool = True, console=None, state=None, plot: bool = True,
+           extra_params: dict | None = None) -> dict | None:
+    """Run (or resume) a KL measurement; returns the results dict (on the main process).
+
+    pairs: pair names / YAML paths / pair objects. make_variant(model, pair, prefill, seed) -> Variant
+    builds the test variants (default: `replayquant.patch`); `reference` the reference variant
+    (default: the model as loaded). `state`: an accelerate PartialState for data-parallel runs
+    (documents are split round-robin between processes; process 0 merges the results).
+    """
+    t_start = time.time()
+    if prefill not in ("replay", "exact"):
+        raise ValueError(f"--prefill must be 'replay' or 'exact', got {prefill!r}")
+    if segment < 1:
+        raise ValueError(f"--segment must be >= 1, got {segment}")
+    if not pairs:
+        raise ValueError("give at least one --pair")
+    limit = max_context(model)
+    if limit is not None and context > limit:
+        raise ValueError(f"--context {context} is longer than the model supports "
+                         f"(max_position_embeddings = {limit}); lower --context")
+    resolved = [resolve_pair(p) for p in pairs]
+    make_variant = make_variant or patch_variant
+    tests = [make_variant(model, p, prefill, seed) for p in resolved]
+    names = [v.name for v in tests]
+    if len(set(names)) != len(names) or "reference" in names:
+        raise ValueError(f"pair names must be distinct and not 'reference': {names}")
+    reference = reference or reference_variant()
+    runner = SegmentRunner(model)
+
+    docs = load_documents(dataset, tokenizer, context, n_docs, split=split, text_field=text_field, pack=pack)
+    config = {
+        "model": model_info or model_record(model),
+        "reference": reference.record,
+        "pairs": [{"name": v.name, **v.record} for v in tests],
+        "prefill": prefill,
+        "dataset": {"name": dataset, "source": docs.source, "kind": docs.kind, "split": docs.split,
+                    "text_field": text_field, "pack": pack},
+        "context": context, "segment": segment, "seed": seed, "bucket_base": bucket_base,
+    }
+    out = Path(out)
+    run_dir, png = _paths(out)
+    rank = state.process_index if state is not None else 0
+    world = state.num_processes if state is not None else 1
+    is_main = rank == 0
+
+    done = finished_documents(out, config, docs)
+    pending = [d for d in docs.documents if d.index not in done]
+    mine = pending[rank::world]
+    if state is not None:
+        state.wait_for_everyone()   # every process has read the same finished set before any writes
+    run_dir.mkdir(parents=True, exist_ok=True)
+    prog_file = run_dir / f"progress.rank{rank}.jsonl"
+    if not prog_file.exists() or prog_file.stat().st_size == 0:
+        _append(prog_file, {"type": "config", "config": config})
+
+    bar = _Progress(progress and is_main, total=len(mine) * context,
+                    label=f"KL {len(mine)} docs x {context} tok, {len(tests)} pair(s)", console=console)
+    summary = None
+    try:
+        with bar, torch.inference_mode():
+            for doc in mine:
+                t0 = time.time()
+                if torch.cuda.is_available():
+                    torch.cuda.reset_peak_memory_stats()
+                metrics = score_document(runner, doc, reference, tests, segment, lm_chunk,
+                                         on_segment=bar.advance)
+                npy = f"doc{doc.index:05d}.npy"
+                _save_npy(run_dir / npy, np.stack([metrics[v.name]["kl"].numpy().astype(np.float16)
+                                                   for v in tests]))
+                rec = {"type": "document", "index": doc.index, "id": doc.id, "n_tokens": context,
+                       "npy": npy, "wall_s": time.time() - t0, "rank": rank, **_peak_memory(),
+                       "pairs": {v.name: S.document_sums(metrics[v.name], bucket_base) for v in tests}}
+                _append(prog_file, rec)
+                if is_main and world == 1:
+                    summary = write_results(out, config, docs, t_start, extra_params, plot=False)
+    except KeyboardInterrupt:
+        _, recs = read_progress(run_dir)
+        raise KeyboardInterrupt(f"interrupted: {len({r['index'] for r in recs})} of {len(docs.documents)} "
+                                f"documents are finished and kept in {run_dir}/; re-run the same "
+                                f"command to resume") from None
+    if state is not None:
+        state.wait_for_everyone()
+    if is_main:
+        summary = write_results(out, config, docs, t_start, extra_params, plot=plot)
+    return summary
+
+
+def write_results(out: Path, config: dict, docs: DocumentSet, t_start: float,
+                  extra_params: dict | None = None, plot: bool = True) -> dict:
+    """Merge every progress file into NAME.json (and NAME.png)."""
+    from replayquant.provenance import provenance
+    run_dir, png = _paths(out)
+    _, records = read_progress(run_dir)
+    by_index = {}
+    for r in records:
+        if (run_dir / r["npy"]).exists():
+            by_index[r["index"]] = r
+    recs = [by_index[i] for i in sorted(by_index)]
+    arrays = {r["index"]: np.load(run_dir / r["npy"]) for r in recs}
+    results = {}
+    for j, p in enumerate(config["pairs"]):
+        name = p["name"]
+        doc_recs = [{"id": r["id"], "index": r["index"], **r["pairs"][name]} for r in recs]
+        kl = np.concatenate([arrays[r["index"]][j] for r in recs]) if recs else None
+        results[name] = S.summarize(doc_recs, kl) if recs else None
+    peak = {}
+    for key in ("peak_gpu_bytes", "peak_rss_bytes"):
+        vals = [r[key] for r in recs if key in r]
+        if vals:
+            peak[key] = max(vals)
+    params = {
+        "model": config["model"], "pairs": config["pairs"],
+        "buffer_len": {p["name"]: p.get("buffer_len") for p in config["pairs"]},
+        "prefill": config["prefill"], "dataset": docs.record(), "context": config["context"],
+        "segment": config["segment"], "seed": config["seed"],
+        "document_ids": [r["id"] for r in recs],
+        "wall_time_s": time.time() - t_start,
+        "compute_time_s": sum(r["wall_s"] for r in recs),
+        **peak, **(extra_params or {}),
+    }
+    res = {
+        "kind": RESULTS_KIND, "version": RESULTS_VERSION,
+        "complete": len(recs) == len(docs.documents),
+        "documents_done": len(recs), "documents_planned": len(docs.documents),
+        "notes": docs.notes,
+        "config": config,
+        "provenance": provenance(**params),
+        "kl_tokens_dir": run_dir.name,
+        "results": results,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(res, indent=1, allow_nan=True) + "\n")
+    os.replace(tmp, out)
+    if plot and recs:
+        from .plot import plot_kl_vs_position
+        plot_kl_vs_position(res, arrays, [p["name"] for p in config["pairs"]], png)
+    return res
+
+
+class _Progress:
+    """A rich progress bar with tokens/s and ETA (or nothing when disabled)."""
+
+    def __init__(self, enabled: bool, total: int, label: str, console=None):
+        self.enabled = enabled and total > 0
+        if self.enabled:
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn,
+                                       TextColumn, TimeElapsedColumn, TimeRemainingColumn)
+            from rich.text import Text
+
+            class _Speed(ProgressColumn):
+                def render(self, task):
+                    return Text(f"{task.speed:,.0f} tok/s" if task.speed else "-- tok/s")
+
+            self.p = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                              _Speed(), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                              console=console, transient=False)
+            self.task = self.p.add_task(label, total=total)
+
+    def __enter__(self):
+        if self.enabled:
+            self.p.__enter__()
+        return self
+
+    def __exit__(self, *a):
+        if self.enabled:
+            self.p.__exit__(*a)
+
+    def advance(self, n: int):
+        if self.enabled:
+            self.p.advance(self.task, n)

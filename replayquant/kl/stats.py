@@ -1,0 +1,216 @@
+"""Per-token divergence between a reference and a test model, and the statistics of the KL report.
+
+The statistics follow llama.cpp's KL report (tools/perplexity/perplexity.cpp) so numbers compare
+across tools: mean KLD with the standard error of the mean, percentiles by linear interpolation
+between order statistics, the same-top-token rate with its binomial uncertainty, PPL of both models
+with ln(PPL(test)/PPL(ref)) and its uncertainty (which accounts for the correlation of the two),
+delta-p (p_test - p_ref of the observed next token) mean and RMS. Two additions for long context:
+KL by log-spaced position bucket, and per-document values (with a document-level uncertainty,
+because tokens of one document are not independent and the token-level uncertainty understates
+the spread between documents).
+
+Everything per token is computed in float32 over the full vocabulary; sums are accumulated in
+float64.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+PERCENTILES = (99.9, 99.0, 95.0, 90.0, 10.0, 5.0, 1.0)
+
+# Sums kept per document (and per position bucket) from which every mean and uncertainty is
+# rebuilt exactly, whatever the split of documents between runs or processes.
+SUM_KEYS = ("n", "kl", "kl2", "top", "nll_ref", "nll_ref2", "nll_test", "nll_test2", "nll_cross",
+            "dnll", "dnll2", "dp", "dp2", "dp4")
+BUCKET_KEYS = ("n", "kl", "kl2", "top", "dnll", "dnll2")
+
+
+def token_metrics(ref_logits: torch.Tensor, test_logits: torch.Tensor, targets: torch.Tensor,
+                  ref_logp: torch.Tensor | None = None) -> dict:
+    """Per-position metrics of one chunk of positions.
+
+    ref_logits, test_logits: [n, V] (any float dtype; promoted to float32); targets: [n] int64, the
+    next token at each position. `ref_logp` may be passed instead of recomputing
+    log_softmax(ref_logits) (the reference is shared by several pairs).
+    Returns float32 tensors [n]: kl = sum_v p_ref (log p_ref - log p_test), nll_ref, nll_test,
+    dp = p_test(target) - p_ref(target), and bool same_top (argmax equal).
+    Identical logits give kl exactly 0.
+    """
+    if ref_logp is None:
+        ref_logp = torch.log_softmax(ref_logits.float(), dim=-1)
+    test_logp = torch.log_softmax(test_logits.float(), dim=-1)
+    t = targets.view(-1, 1)
+    lp_ref = ref_logp.gather(1, t).squeeze(1)
+    lp_test = test_logp.gather(1, t).squeeze(1)
+    same_top = ref_logp.argmax(dim=-1) == test_logp.argmax(dim=-1)
+    # kl = sum p_ref * (logp_ref - logp_test), in place on test_logp to keep one [n, V] temporary.
+    diff = test_logp.neg_().add_(ref_logp)
+    kl = diff.mul_(ref_logp.exp()).sum(dim=-1)
+    return {"kl": kl, "nll_ref": -lp_ref, "nll_test": -lp_test,
+            "dp": lp_test.exp() - lp_ref.exp(), "same_top": same_top}
+
+
+def bucket_edges(n_positions: int, base: int = 1024) -> list[int]:
+    """Log-spaced position buckets: [0, base), [base, 2 base), [2 base, 4 base), ... up to n_positions."""
+    if base < 1:
+        raise ValueError(f"bucket base must be >= 1, got {base}")
+    edges = [0]
+    e = base
+    while e < n_positions:
+        edges.append(e)
+        e *= 2
+    edges.append(n_positions)
+    return edges
+
+
+def bucket_label(lo: int, hi: int) -> str:
+    def k(x):
+        return f"{x // 1024}K" if x % 1024 == 0 and x > 0 else str(x)
+    return f"<{k(hi)}" if lo == 0 else f"{k(lo)}-{k(hi)}"
+
+
+def document_sums(m: dict, bucket_base: int = 1024) -> dict:
+    """Reduce the per-token metrics of one document (tensors [T] on any device) to float64 sums.
+
+    Returns {"sums": {SUM_KEYS...}, "kl_max", "kl_min", "buckets": [{"lo", "hi", BUCKET_KEYS...}]}.
+    """
+    kl = m["kl"].double().cpu()
+    nr = m["nll_ref"].double().cpu()
+    nt = m["nll_test"].double().cpu()
+    dp = m["dp"].double().cpu()
+    top = m["same_top"].cpu()
+    d = nt - nr
+    s = {
+        "n": int(kl.numel()),
+        "kl": kl.sum().item(), "kl2": (kl * kl).sum().item(),
+        "top": int(top.sum().item()),
+        "nll_ref": nr.sum().item(), "nll_ref2": (nr * nr).sum().item(),
+        "nll_test": nt.sum().item(), "nll_test2": (nt * nt).sum().item(),
+        "nll_cross": (nr * nt).sum().item(),
+        "dnll": d.sum().item(), "dnll2": (d * d).sum().item(),
+        "dp": dp.sum().item(), "dp2": (dp * dp).sum().item(), "dp4": (dp ** 4).sum().item(),
+    }
+    edges = bucket_edges(kl.numel(), bucket_base)
+    buckets = []
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        kb, db = kl[lo:hi], d[lo:hi]
+        buckets.append({"lo": lo, "hi": hi, "n": hi - lo, "kl": kb.sum().item(),
+                        "kl2": (kb * kb).sum().item(), "top": int(top[lo:hi].sum().item()),
+                        "dnll": db.sum().item(), "dnll2": (db * db).sum().item()})
+    return {"sums": s, "kl_max": float(m["kl"].max().item()), "kl_min": float(m["kl"].min().item()),
+            "buckets": buckets}
+
+
+def mean_and_uncertainty(total: float, total2: float, n: int) -> tuple[float, float]:
+    """Mean and standard error of the mean from a sum and a sum of squares (as llama.cpp)."""
+    if n < 1:
+        return float("nan"), float("nan")
+    f = total / n
+    var = total2 / n - f * f
+    unc = math.sqrt(var / (n - 1)) if var > 0 and n > 1 else 0.0
+    return f, unc
+
+
+def binomial(k: int, n: int) -> tuple[float, float]:
+    if n < 1:
+        return float("nan"), float("nan")
+    p = k / n
+    return p, (math.sqrt(p * (1 - p) / (n - 1)) if n > 1 else 0.0)
+
+
+def add_sums(records: list[dict], keys=SUM_KEYS) -> dict:
+    out = {k: 0 for k in keys}
+    for r in records:
+        for k in keys:
+            out[k] += r[k]
+    return out
+
+
+def percentile(sorted_values: np.ndarray, q: float) -> float:
+    """Linear interpolation between order statistics (numpy's default; llama.cpp's formula)."""
+    return float(np.percentile(sorted_values, q)) if sorted_values.size else float("nan")
+
+
+def summarize(doc_records: list[dict], kl_values: np.ndarray | None) -> dict:
+    """Statistics of one pair over documents.
+
+    doc_records: per document, the output of `document_sums` (plus "id"); kl_values: every per-token
+    KL of those documents (float16 as stored, or float32), for the percentiles and the median.
+    """
+    s = add_sums([r["sums"] for r in doc_records])
+    n = s["n"]
+    kl_mean, kl_unc = mean_and_uncertainty(s["kl"], s["kl2"], n)
+    top, top_unc = binomial(s["top"], n)
+    lr, lr_unc = mean_and_uncertainty(s["nll_ref"], s["nll_ref2"], n)
+    lt, lt_unc = mean_and_uncertainty(s["nll_test"], s["nll_test2"], n)
+    # ln(PPL_test / PPL_ref) = mean of (nll_test - nll_ref); its uncertainty is that of a mean of
+    # differences, identical to llama.cpp's sqrt(u_t^2 + u_r^2 - 2 cov).
+    dl, dl_unc = mean_and_uncertainty(s["dnll"], s["dnll2"], n)
+    cov = (s["nll_cross"] / n - lr * lt) / (n - 1) if n > 1 else float("nan")
+    dp_mean, dp_unc = mean_and_uncertainty(s["dp"], s["dp2"], n)
+    msq, msq_unc = mean_and_uncertainty(s["dp2"], s["dp4"], n)
+    rms = math.sqrt(msq) if msq >= 0 else float("nan")
+    rms_unc = 0.5 / rms * msq_unc if rms > 0 else 0.0
+
+    out = {
+        "n_tokens": n,
+        "n_documents": len(doc_records),
+        "kl_mean": kl_mean, "kl_mean_unc": kl_unc,
+        "kl_max": max(r["kl_max"] for r in doc_records),
+        "kl_min": min(r["kl_min"] for r in doc_records),
+    }
+    doc_means = [r["sums"]["kl"] / r["sums"]["n"] for r in doc_records]
+    out["kl_mean_unc_docs"] = (float(np.std(doc_means, ddof=1) / math.sqrt(len(doc_means)))
+                               if len(doc_means) > 1 else None)
+    if kl_values is not None and kl_values.size:
+        v = np.sort(kl_values.astype(np.float64, copy=False))
+        out["kl_median"] = percentile(v, 50.0)
+        out["kl_percentiles"] = {f"{q:g}": percentile(v, q) for q in PERCENTILES}
+    out.update({
+        "same_top": top, "same_top_unc": top_unc,
+        "ppl_ref": math.exp(lr), "ppl_ref_unc": math.exp(lr) * lr_unc,
+        "ppl_test": math.exp(lt), "ppl_test_unc": math.exp(lt) * lt_unc,
+        "ln_ppl_ratio": dl, "ln_ppl_ratio_unc": dl_unc,
+        "ppl_ratio": math.exp(dl), "ppl_ratio_unc": math.exp(dl) * dl_unc,
+        "ln_ppl_cov": cov,
+        "dp_mean": dp_mean, "dp_mean_unc": dp_unc,
+        "dp_rms": rms, "dp_rms_unc": rms_unc,
+    })
+    out["by_position"] = bucket_summary(doc_records)
+    out["per_document"] = [document_summary(r) for r in doc_records]
+    return out
+
+
+def bucket_summary(doc_records: list[dict]) -> list[dict]:
+    """Buckets are matched by (lo, hi); documents of one run share the context, hence the buckets."""
+    acc: dict[tuple, dict] = {}
+    for r in doc_records:
+        for b in r["buckets"]:
+            key = (b["lo"], b["hi"])
+            a = acc.setdefault(key, {k: 0 for k in BUCKET_KEYS})
+            for k in BUCKET_KEYS:
+                a[k] += b[k]
+    rows = []
+    for (lo, hi), a in sorted(acc.items()):
+        m, u = mean_and_uncertainty(a["kl"], a["kl2"], a["n"])
+        t, tu = binomial(a["top"], a["n"])
+        d, du = mean_and_uncertainty(a["dnll"], a["dnll2"], a["n"])
+        rows.append({"bucket": bucket_label(lo, hi), "lo": lo, "hi": hi, "n_tokens": a["n"],
+                     "kl_mean": m, "kl_mean_unc": u, "same_top": t, "same_top_unc": tu,
+                     "ln_ppl_ratio": d, "ln_ppl_ratio_unc": du})
+    return rows
+
+
+def document_summary(r: dict) -> dict:
+    s = r["sums"]
+    n = s["n"]
+    kl, kl_unc = mean_and_uncertainty(s["kl"], s["kl2"], n)
+    return {"id": r.get("id"), "index": r.get("index"), "n_tokens": n, "kl_mean": kl,
+            "kl_mean_unc": kl_unc, "kl_max": r["kl_max"], "same_top": s["top"] / n,
+            "ppl_ref": math.exp(s["nll_ref"] / n), "ppl_test": math.exp(s["nll_test"] / n),
+            "ln_ppl_ratio": s["dnll"] / n,
+            "kl_last_bucket": (r["buckets"][-1]["kl"] / r["buckets"][-1]["n"]) if r["buckets"] else None}
