@@ -362,3 +362,20 @@ def test_block_scale_clamp_documented_value():
     x[0, 1] = torch.linspace(1e-6, 4e-6, 16)
     out = get_format("nvfp4").fake_quantize(x)
     assert bool((out[0, 1] != 0).all())
+
+
+def test_formats_report_rows():
+    from replayquant.formats.report import formats_report, render_formats_table, state_like_tensor
+    x = state_like_tensor((2, 32, 32), seed=1)
+    assert torch.equal(x, state_like_tensor((2, 32, 32), seed=1))
+    ratio = x.abs().amax() / x.abs()[x != 0].min()
+    assert float(ratio) > 1e6                           # spans decades
+    rows = formats_report((2, 32, 32), seed=1)
+    assert [(r["format"], r["rounding"]) for r in rows][:3] == [
+        ("fp32", "nearest"), ("fp16", "nearest"), ("fp16", "stochastic")]
+    by = {(r["format"], r["rounding"]): r for r in rows}
+    assert by[("fp32", "nearest")]["rmse"] == 0.0
+    assert by[("nvfp4", "nearest")]["bytes_per_element"] == 0.5 + 1 / 16 + 4 / 16384
+    assert by[("fp16", "nearest")]["rel_rmse"] < by[("fp8", "nearest")]["rel_rmse"] < \
+        by[("nvfp4", "nearest")]["rel_rmse"] < 0.5
+    assert render_formats_table(rows).row_count == len(rows)

@@ -236,21 +236,36 @@ def test_triton_formats_equal_reference(name, rounding, monkeypatch, poisoned):
         assert not torch.isnan(d_tri).any()
 
 
-def test_nvfp4_chunked_path_equals_reference(poisoned):
-    """Matrices too large for one program (torch amax first, then chunks) and the forced
-    chunked path on small matrices."""
+@pytest.mark.parametrize("plan", [(0, None), (1, 16), (1, 64), (2, 16), (2, 64), (None, None)],
+                         ids=["whole", "loop16", "loop64", "split16", "split64", "default"])
+def test_nvfp4_launch_plans_equal_reference(plan, poisoned):
+    """Every launch plan (one tile per matrix, a program looping over tiles, tiles over programs
+    with the amax from torch), with even and uneven tiles, and a matrix past the loop limit."""
     from replayquant.kernels import quant_ref as ref
-    gen = torch.Generator().manual_seed(5)
-    for shape, limit in (((2, 130, 128), None), ((3, 16, 64), 16)):
+    mode, nb = plan
+    gen = torch.Generator().manual_seed(5 if mode is None else 6 + mode)
+    shapes = [(3, 16, 64), (2, 9, 48)] if mode is not None else [(2, 20, 224)]   # 280 blocks: loop
+    for shape in shapes:
         x3 = torch.randn(shape, generator=gen) * torch.exp(torch.randn(shape, generator=gen) * 2)
+        x3[0, 0, :16] = 0.0
         for sr in (False, True):
             rb = random_bits_ref(x3.shape, 9, 40) if sr else None
-            got = quant.nvfp4_quantize(x3, "stochastic" if sr else "nearest", 9, 40,
-                                       whole_max_blocks=limit)
+            got = quant.nvfp4_quantize(x3, "stochastic" if sr else "nearest", 9, 40, mode=mode,
+                                       nb=nb)
             want = ref.nvfp4_quantize_ref(x3, rb)
             for g, w in zip(got, want):
                 assert torch.equal(g, w)
-            assert torch.equal(quant.nvfp4_dequantize(*got), ref.nvfp4_dequantize_ref(*want))
+            assert torch.equal(quant.nvfp4_dequantize(*got, nb=16 if mode else 128),
+                               ref.nvfp4_dequantize_ref(*want))
+        if mode in (0, 1):   # the integer rounding path gives the same bits
+            got = quant.nvfp4_quantize(x3, "nearest", mode=mode, nb=nb, fast=False)
+            assert all(torch.equal(g, w) for g, w in zip(got, ref.nvfp4_quantize_ref(x3)))
+
+
+def test_nvfp4_plan_choice():
+    assert quant.nvfp4_plan(1024)[0] == 1 and quant.nvfp4_plan(64) == (0, 64, 1, True)
+    assert quant.nvfp4_plan(48)[3] is False
+    assert quant.nvfp4_plan(quant.NVFP4_LOOP_MAX_BLOCKS + 1)[0] == 2
 
 
 def test_long_rows_and_matrices_equal_reference(poisoned):

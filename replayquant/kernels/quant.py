@@ -60,11 +60,11 @@ _BS_MIN: tl.constexpr = tl.constexpr(NVFP4_BLOCK_SCALE_MIN)
 def philox_u32(seed_lo, seed_hi, c0, c1, c2):
     """Philox4x32-10 with key (seed_lo, seed_hi) and counter (c0, c1, c2, 0); returns word 0
     as uint32 (equal to `philox_ref(c0, c1, c2, 0, seed_lo, seed_hi)[0]`)."""
-    k0 = seed_lo.to(tl.uint32)
-    k1 = seed_hi.to(tl.uint32)
-    x0 = c0.to(tl.uint32)
-    x1 = c1.to(tl.uint32) + (x0 ^ x0)      # broadcast every word to the counter's shape
-    x2 = c2.to(tl.uint32) + (x0 ^ x0)
+    k0 = tl.to_tensor(seed_lo).to(tl.uint32)       # (a launch argument equal to 1 is a constexpr)
+    k1 = tl.to_tensor(seed_hi).to(tl.uint32)
+    x0 = tl.to_tensor(c0).to(tl.uint32)
+    x1 = tl.to_tensor(c1).to(tl.uint32) + (x0 ^ x0)      # broadcast every word to c0's shape
+    x2 = tl.to_tensor(c2).to(tl.uint32) + (x0 ^ x0)
     x3 = x0 ^ x0
     for _ in tl.static_range(10):
         hi0 = tl.umulhi(x0, _M0)
@@ -81,13 +81,25 @@ def philox_u32(seed_lo, seed_hi, c0, c1, c2):
 
 
 @triton.jit
-def round_to_grid(y, rbits, MBITS: tl.constexpr, EMIN: tl.constexpr, MAX_CODE: tl.constexpr,
-                  MAX_VALUE: tl.constexpr, IEEE: tl.constexpr, INF_CODE: tl.constexpr,
-                  STOCHASTIC: tl.constexpr):
-    """Round float32 y to a sign-magnitude grid; (code int32, sign int32) as round_to_grid_ref.
+def _round_nearest_saturating(y, MBITS: tl.constexpr, EMIN: tl.constexpr, MAX_CODE: tl.constexpr):
+    """Nearest-even rounding to a saturating grid with MBITS - EMIN <= 126 (E4M3, E2M1), in
+    fewer integer operations: t = a * 2^(MBITS - e) is exact (a power-of-two scale of a normal
+    float, or tiny enough to give q = 0 under any denormal mode), and t + 2^23 rounds t to the
+    nearest even integer in float32 arithmetic, leaving it in the mantissa field."""
+    bits = y.to(tl.int32, bitcast=True)
+    sign = (bits < 0).to(tl.int32)
+    mag = bits & 0x7FFFFFFF
+    e = tl.maximum((mag >> 23) - 127, EMIN)
+    t = mag.to(tl.float32, bitcast=True) * ((MBITS + 127 - e) << 23).to(tl.float32, bitcast=True)
+    q = (t + 8388608.0).to(tl.int32, bitcast=True) & 0x7FFFFF
+    code = tl.minimum(((e - EMIN) << MBITS) + q, MAX_CODE)
+    return code, sign
 
-    rbits: uint32 random bits (ignored unless STOCHASTIC). MAX_VALUE documents the grid; the
-    overflow rule is decided in code space (see the module docstring)."""
+
+@triton.jit
+def _round_integer(y, rbits, MBITS: tl.constexpr, EMIN: tl.constexpr, MAX_CODE: tl.constexpr,
+                   IEEE: tl.constexpr, INF_CODE: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """The general path of round_to_grid: integer shifts only (module docstring)."""
     bits = y.to(tl.int32, bitcast=True)
     sign = (bits < 0).to(tl.int32)
     mag = bits & 0x7FFFFFFF
@@ -116,6 +128,22 @@ def round_to_grid(y, rbits, MBITS: tl.constexpr, EMIN: tl.constexpr, MAX_CODE: t
     else:
         over = code * 0 + MAX_CODE
     code = tl.where(code > MAX_CODE, over, code)
+    return code, sign
+
+
+@triton.jit
+def round_to_grid(y, rbits, MBITS: tl.constexpr, EMIN: tl.constexpr, MAX_CODE: tl.constexpr,
+                  MAX_VALUE: tl.constexpr, IEEE: tl.constexpr, INF_CODE: tl.constexpr,
+                  STOCHASTIC: tl.constexpr, FAST: tl.constexpr = True):
+    """Round float32 y to a sign-magnitude grid; (code int32, sign int32) as round_to_grid_ref.
+
+    rbits: uint32 random bits (ignored unless STOCHASTIC). MAX_VALUE documents the grid; the
+    overflow rule is decided in code space (see the module docstring). FAST (default) takes the
+    shorter float path for nearest rounding on saturating grids (same bits; False: integer path)."""
+    if FAST and (not STOCHASTIC) and (not IEEE) and (MBITS - EMIN <= 126):
+        code, sign = _round_nearest_saturating(y, MBITS, EMIN, MAX_CODE)
+    else:
+        code, sign = _round_integer(y, rbits, MBITS, EMIN, MAX_CODE, IEEE, INF_CODE, STOCHASTIC)
     return code, sign
 
 
@@ -152,16 +180,16 @@ def encode_bf16(y, rbits, STOCHASTIC: tl.constexpr):
 
 
 @triton.jit
-def encode_e4m3(y, rbits, STOCHASTIC: tl.constexpr):
+def encode_e4m3(y, rbits, STOCHASTIC: tl.constexpr, FAST: tl.constexpr = True):
     """float32 -> E4M3FN bit pattern (int32 holding 8 bits), saturating at 448."""
-    code, sign = round_to_grid(y, rbits, 3, -6, 0x7E, 448.0, False, -1, STOCHASTIC)
+    code, sign = round_to_grid(y, rbits, 3, -6, 0x7E, 448.0, False, -1, STOCHASTIC, FAST)
     return code | (sign << 7)
 
 
 @triton.jit
-def encode_e2m1(y, rbits, STOCHASTIC: tl.constexpr):
+def encode_e2m1(y, rbits, STOCHASTIC: tl.constexpr, FAST: tl.constexpr = True):
     """float32 -> E2M1 nibble (int32 holding 4 bits), saturating at 6."""
-    code, sign = round_to_grid(y, rbits, 1, 0, 0x7, 6.0, False, -1, STOCHASTIC)
+    code, sign = round_to_grid(y, rbits, 1, 0, 0x7, 6.0, False, -1, STOCHASTIC, FAST)
     return code | (sign << 3)
 
 
@@ -198,13 +226,13 @@ def _stream_of(stream_ptr, stream_base, m, HAS_STREAMS: tl.constexpr):
     if HAS_STREAMS:
         s = tl.load(stream_ptr + m).to(tl.int64)
     else:
-        s = stream_base.to(tl.int64) + m.to(tl.int64)
+        s = tl.to_tensor(stream_base).to(tl.int64) + m.to(tl.int64)
     return (s & 0xFFFFFFFF).to(tl.uint32), ((s >> 32) & 0xFFFFFFFF).to(tl.uint32)
 
 
 # ============================================================================ kernels
 
-@triton.jit
+@triton.jit(do_not_specialize=["stream_base", "seed_lo", "seed_hi"])
 def _cast_quant_kernel(x_ptr, out_ptr, stream_ptr, stream_base, seed_lo, seed_hi, P, NBLK,
                        BLOCK: tl.constexpr, IS_BF16: tl.constexpr, STOCHASTIC: tl.constexpr,
                        HAS_STREAMS: tl.constexpr):
@@ -225,7 +253,7 @@ def _cast_quant_kernel(x_ptr, out_ptr, stream_ptr, stream_base, seed_lo, seed_hi
     tl.store(out_ptr + base + offs, b.to(tl.int16), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stream_base", "seed_lo", "seed_hi"])
 def _fp8_quant_kernel(x_ptr, out_ptr, scale_ptr, stream_ptr, stream_base, seed_lo, seed_hi,
                       n_rows, R, C, ROWS: tl.constexpr, BC: tl.constexpr, NCHUNK: tl.constexpr,
                       STOCHASTIC: tl.constexpr, HAS_STREAMS: tl.constexpr):
@@ -285,67 +313,125 @@ def _fp8_dequant_kernel(p_ptr, scale_ptr, out_ptr, n_rows, C, ROWS: tl.constexpr
 
 
 @triton.jit
-def _nvfp4_quant_kernel(x_ptr, amax_ptr, packed_ptr, bscale_ptr, gscale_ptr, stream_ptr,
-                        stream_base, seed_lo, seed_hi, BPM, NCHUNK,
-                        NB: tl.constexpr, WHOLE: tl.constexpr, STOCHASTIC: tl.constexpr,
-                        HAS_STREAMS: tl.constexpr):
-    """One program quantizes NB 16-element blocks of one matrix (BPM blocks per matrix).
-
-    WHOLE: the program holds its whole matrix (NCHUNK == 1) and finds the amax itself;
-    otherwise amax_ptr[m] holds the matrix's amax."""
-    pid = tl.program_id(0)
-    m = pid // NCHUNK
-    blk = (pid % NCHUNK) * NB + tl.arange(0, NB)                 # block index in the matrix
-    pair = tl.arange(0, 8)
-    half = tl.arange(0, 2)
-    elem = blk[:, None, None] * 16 + pair[None, :, None] * 2 + half[None, None, :]
-    bmask = blk < BPM
-    mask = bmask[:, None, None] & (elem >= 0)
-    mbase = m.to(tl.int64) * BPM
-    x = tl.load(x_ptr + mbase * 16 + elem, mask=mask, other=0.0)
-    ax = tl.abs(x)
-    bamax = tl.max(tl.max(ax, axis=2), axis=1)
-    if WHOLE:
-        amax = tl.max(bamax, axis=0)
-    else:
-        amax = tl.load(amax_ptr + m)
-    gs = tl.div_rn(amax, _GLOBAL_DIV)
-    gs = tl.where(gs > 0, gs, 1.0)
-    if pid % NCHUNK == 0:
-        tl.store(gscale_ptr + m, gs)
+def _nvfp4_tile(x, blk, bmask, gs, packed_ptr, bscale_ptr, mbase, seed_lo, seed_hi, s_lo, s_hi,
+                NB: tl.constexpr, STOCHASTIC: tl.constexpr, FAST: tl.constexpr,
+                EVEN: tl.constexpr):
+    """Quantize NB 16-element blocks x [NB, 16] (block indices blk within matrix; mbase = the
+    matrix's first block) with the matrix scale gs; store packed bytes and block scales."""
+    bamax = tl.max(tl.abs(x), axis=1)
     bs_f = tl.div_rn(tl.div_rn(bamax, _E2M1_MAX), gs)
     bs_f = tl.minimum(tl.maximum(bs_f, _BS_MIN), _E4M3_MAX)
-    bs_code = encode_e4m3(bs_f, bs_f.to(tl.uint32, bitcast=True), False)
+    bs_code = encode_e4m3(bs_f, bs_f.to(tl.uint32, bitcast=True), False, FAST)
     den = decode_e4m3(bs_code) * gs
-    y = tl.div_rn(x, den[:, None, None])
+    y = tl.div_rn(x, den[:, None])
+    elem = blk[:, None] * 16 + tl.arange(0, 16)[None, :]         # element index in the matrix
     rbits = elem.to(tl.uint32)
     if STOCHASTIC:
-        s_lo, s_hi = _stream_of(stream_ptr, stream_base, m, HAS_STREAMS)
         rbits = philox_u32(seed_lo, seed_hi, elem, s_lo, s_hi)
-    nib = encode_e2m1(y, rbits, STOCHASTIC)
-    packed = tl.sum(nib << (half * 4)[None, None, :], axis=2)
-    tl.store(packed_ptr + mbase * 8 + blk[:, None] * 8 + pair[None, :], packed.to(tl.uint8),
-             mask=bmask[:, None] & (pair[None, :] >= 0))
-    tl.store(bscale_ptr + mbase + blk, bs_code.to(tl.uint8), mask=bmask)
+    nib = encode_e2m1(y, rbits, STOCHASTIC, FAST)
+    lo, hi = tl.split(tl.reshape(nib, (NB, 8, 2)))
+    packed = (lo | (hi << 4)).to(tl.uint8)
+    p_off = (mbase + blk)[:, None] * 8 + tl.arange(0, 8)[None, :]
+    if EVEN:
+        tl.store(packed_ptr + p_off, packed)
+        tl.store(bscale_ptr + mbase + blk, bs_code.to(tl.uint8))
+    else:
+        tl.store(packed_ptr + p_off, packed, mask=bmask[:, None])
+        tl.store(bscale_ptr + mbase + blk, bs_code.to(tl.uint8), mask=bmask)
+
+
+@triton.jit
+def _nvfp4_load(x_ptr, mbase, blk, bmask, EVEN: tl.constexpr):
+    off = (mbase + blk)[:, None] * 16 + tl.arange(0, 16)[None, :]
+    if EVEN:
+        x = tl.load(x_ptr + off)
+    else:
+        x = tl.load(x_ptr + off, mask=bmask[:, None], other=0.0)
+    return x
+
+
+@triton.jit(do_not_specialize=["stream_base", "seed_lo", "seed_hi"])
+def _nvfp4_quant_kernel(x_ptr, amax_ptr, packed_ptr, bscale_ptr, gscale_ptr, stream_ptr,
+                        stream_base, seed_lo, seed_hi, BPM, NCHUNK,
+                        NB: tl.constexpr, MODE: tl.constexpr, STOCHASTIC: tl.constexpr,
+                        HAS_STREAMS: tl.constexpr, FAST: tl.constexpr, EVEN: tl.constexpr):
+    """NVFP4 quantize of matrices of BPM 16-element blocks, NB blocks per tile.
+
+    MODE 0: one program per matrix, one tile holds it (x read once, amax in registers).
+    MODE 1: one program per matrix, NCHUNK tiles: an amax pass, then a quantize pass (the
+            second read mostly hits L2).
+    MODE 2: NCHUNK programs per matrix, each one tile; amax_ptr[m] holds the matrix amax."""
+    pid = tl.program_id(0)
+    if MODE == 2:
+        m = pid // NCHUNK
+        chunk = pid % NCHUNK
+    else:
+        m = pid
+        chunk = 0
+    mbase = m.to(tl.int64) * BPM
+    s_lo = m.to(tl.uint32)
+    s_hi = s_lo
+    if STOCHASTIC:
+        s_lo, s_hi = _stream_of(stream_ptr, stream_base, m, HAS_STREAMS)
+    ar = tl.arange(0, NB)
+    if MODE == 0:
+        bmask = ar < BPM
+        x = _nvfp4_load(x_ptr, mbase, ar, bmask, EVEN)
+        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+        gs = tl.div_rn(amax, _GLOBAL_DIV)
+        gs = tl.where(gs > 0, gs, 1.0)
+        _nvfp4_tile(x, ar, bmask, gs, packed_ptr, bscale_ptr, mbase, seed_lo, seed_hi, s_lo, s_hi,
+                    NB, STOCHASTIC, FAST, EVEN)
+    elif MODE == 1:
+        acc = tl.zeros([NB], dtype=tl.float32)
+        for c in range(0, NCHUNK):
+            blk = c * NB + ar
+            bmask = blk < BPM
+            x = _nvfp4_load(x_ptr, mbase, blk, bmask, EVEN)
+            acc = tl.maximum(acc, tl.max(tl.abs(x), axis=1))
+        gs = tl.div_rn(tl.max(acc, axis=0), _GLOBAL_DIV)
+        gs = tl.where(gs > 0, gs, 1.0)
+        for c in range(0, NCHUNK):
+            blk = c * NB + ar
+            bmask = blk < BPM
+            x = _nvfp4_load(x_ptr, mbase, blk, bmask, EVEN)
+            _nvfp4_tile(x, blk, bmask, gs, packed_ptr, bscale_ptr, mbase, seed_lo, seed_hi, s_lo,
+                        s_hi, NB, STOCHASTIC, FAST, EVEN)
+    else:
+        blk = chunk * NB + ar
+        bmask = blk < BPM
+        x = _nvfp4_load(x_ptr, mbase, blk, bmask, EVEN)
+        gs = tl.div_rn(tl.load(amax_ptr + m), _GLOBAL_DIV)
+        gs = tl.where(gs > 0, gs, 1.0)
+        _nvfp4_tile(x, blk, bmask, gs, packed_ptr, bscale_ptr, mbase, seed_lo, seed_hi, s_lo, s_hi,
+                    NB, STOCHASTIC, FAST, EVEN)
+    if chunk == 0:
+        tl.store(gscale_ptr + m, gs)
 
 
 @triton.jit
 def _nvfp4_dequant_kernel(packed_ptr, bscale_ptr, gscale_ptr, out_ptr, n_blocks, BPM,
-                          NB: tl.constexpr):
+                          NB: tl.constexpr, EVEN: tl.constexpr):
     blk = tl.program_id(0).to(tl.int64) * NB + tl.arange(0, NB)   # global block index
-    bmask = blk < n_blocks
-    pair = tl.arange(0, 8)
-    half = tl.arange(0, 2)
     m = blk // BPM
-    gs = tl.load(gscale_ptr + m, mask=bmask, other=1.0)
-    bs = decode_e4m3(tl.load(bscale_ptr + blk, mask=bmask, other=0))
-    pmask = bmask[:, None] & (pair[None, :] >= 0)
-    byte = tl.load(packed_ptr + blk[:, None] * 8 + pair[None, :], mask=pmask, other=0).to(tl.int32)
-    nib = (byte[:, :, None] >> (half * 4)[None, None, :]) & 0xF
-    v = decode_e2m1(nib) * bs[:, None, None]
-    v = v * gs[:, None, None]
-    elem = blk[:, None, None] * 16 + pair[None, :, None] * 2 + half[None, None, :]
-    tl.store(out_ptr + elem, v, mask=pmask[:, :, None] & (half[None, None, :] >= 0))
+    p_off = blk[:, None] * 8 + tl.arange(0, 8)[None, :]
+    o_off = blk[:, None] * 16 + tl.arange(0, 16)[None, :]
+    if EVEN:
+        gs = tl.load(gscale_ptr + m)
+        bcode = tl.load(bscale_ptr + blk)
+        byte = tl.load(packed_ptr + p_off).to(tl.int32)
+    else:
+        bmask = blk < n_blocks
+        gs = tl.load(gscale_ptr + m, mask=bmask, other=1.0)
+        bcode = tl.load(bscale_ptr + blk, mask=bmask, other=0)
+        byte = tl.load(packed_ptr + p_off, mask=bmask[:, None], other=0).to(tl.int32)
+    nib = tl.reshape(tl.join(byte & 0xF, byte >> 4), (NB, 16))
+    v = decode_e2m1(nib) * decode_e4m3(bcode)[:, None]
+    v = v * gs[:, None]
+    if EVEN:
+        tl.store(out_ptr + o_off, v)
+    else:
+        tl.store(out_ptr + o_off, v, mask=bmask[:, None])
 
 
 # ============================================================================ host functions
@@ -454,18 +540,35 @@ def fp8_dequantize(payload: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# Matrices of up to this many 16-element blocks are quantized by one program each (it finds the
-# amax itself, reading x once); larger ones get their amax from torch first, then NB-block chunks.
-NVFP4_WHOLE_MAX_BLOCKS = 1024
-NVFP4_CHUNK_BLOCKS = 256
+# Launch plan of nvfp4_quantize by blocks per matrix (bpm): up to NVFP4_WHOLE_MAX_BLOCKS one
+# program holds its matrix in one tile (MODE 0); up to NVFP4_LOOP_MAX_BLOCKS one program loops
+# over NVFP4_CHUNK_BLOCKS-block tiles twice (MODE 1); larger matrices get their amax from torch
+# first and one program per tile (MODE 2).
+NVFP4_WHOLE_MAX_BLOCKS = 256
+NVFP4_LOOP_MAX_BLOCKS = 8192
+NVFP4_CHUNK_BLOCKS = 128
+
+
+def nvfp4_plan(bpm: int, mode: int | None = None, nb: int | None = None):
+    """(mode, NB, NCHUNK, EVEN) for matrices of bpm blocks (mode / nb force a plan)."""
+    if mode is None:
+        mode = 0 if bpm <= NVFP4_WHOLE_MAX_BLOCKS else 1 if bpm <= NVFP4_LOOP_MAX_BLOCKS else 2
+    if mode == 0:
+        NB = triton.next_power_of_2(bpm)
+    else:
+        NB = nb or NVFP4_CHUNK_BLOCKS
+    nchunk = triton.cdiv(bpm, NB)
+    return mode, NB, nchunk, bpm % NB == 0
 
 
 def nvfp4_quantize(x3: torch.Tensor, rounding: str = "nearest", seed: int = 0, stream=0,
-                   whole_max_blocks: int | None = None):
+                   mode: int | None = None, nb: int | None = None, num_warps: int | None = None,
+                   fast: bool = True):
     """x3 float32 [M, R, C], C % 16 == 0 -> (packed uint8 [M, R, C/2], block scales uint8
     [M, R, C/16] (E4M3 bits), per-matrix scale float32 [M]), as nvfp4_quantize_ref.
 
-    `stream`: int (matrix m takes stream + m) or int64 tensor broadcastable to [M]."""
+    `stream`: int (matrix m takes stream + m) or int64 tensor broadcastable to [M].
+    mode / nb / num_warps / fast override the launch plan (benchmarks, tests); same bits."""
     sr = _check_rounding(rounding)
     if x3.dim() != 3 or x3.shape[-1] % NVFP4_BLOCK:
         raise ValueError(f"nvfp4_quantize: need float32 [M, R, C] with C % {NVFP4_BLOCK} == 0, "
@@ -481,24 +584,22 @@ def nvfp4_quantize(x3: torch.Tensor, rounding: str = "nearest", seed: int = 0, s
         return packed, bscale, gscale
     bpm = R * C // NVFP4_BLOCK
     streams, base = _streams(stream, (M,), dev)
-    limit = NVFP4_WHOLE_MAX_BLOCKS if whole_max_blocks is None else whole_max_blocks
-    if bpm <= limit:
-        NB, nchunk, whole = triton.next_power_of_2(bpm), 1, True
-        amax = gscale                                  # unused
-    else:
-        NB, whole = NVFP4_CHUNK_BLOCKS, False
-        nchunk = triton.cdiv(bpm, NB)
+    mode, NB, nchunk, even = nvfp4_plan(bpm, mode, nb)
+    if mode == 2:
         mn, mx = torch.aminmax(x3.reshape(M, -1), dim=1)
         amax = torch.maximum(mn.abs(), mx.abs())
+    else:
+        amax = gscale                                  # unused
     lo, hi = _split_seed(seed)
-    _nvfp4_quant_kernel[(M * nchunk,)](
+    _nvfp4_quant_kernel[(M * nchunk if mode == 2 else M,)](
         x3, amax, packed, bscale, gscale, streams if streams is not None else x3, base, lo, hi,
-        bpm, nchunk, NB=NB, WHOLE=whole, STOCHASTIC=sr, HAS_STREAMS=streams is not None,
-        num_warps=_warps(NB * 16))
+        bpm, nchunk, NB=NB, MODE=mode, STOCHASTIC=sr, HAS_STREAMS=streams is not None,
+        FAST=fast, EVEN=even, num_warps=num_warps or _warps(NB * 16))
     return packed, bscale, gscale
 
 
-def nvfp4_dequantize(packed: torch.Tensor, bscale: torch.Tensor, gscale: torch.Tensor):
+def nvfp4_dequantize(packed: torch.Tensor, bscale: torch.Tensor, gscale: torch.Tensor,
+                     nb: int = 128, num_warps: int | None = None):
     """float32 [M, R, C] from (packed [M, R, C/2], block scales [M, R, C/16], scale [M])."""
     M, R, C2 = packed.shape
     packed = packed.contiguous()
@@ -509,8 +610,7 @@ def nvfp4_dequantize(packed: torch.Tensor, bscale: torch.Tensor, gscale: torch.T
         return out
     bpm = R * C2 * 2 // NVFP4_BLOCK
     n_blocks = M * bpm
-    NB = 256
-    _nvfp4_dequant_kernel[(triton.cdiv(n_blocks, NB),)](
-        packed, bscale.view(torch.uint8), gscale, out, n_blocks, bpm, NB=NB,
-        num_warps=_warps(NB * 16))
+    _nvfp4_dequant_kernel[(triton.cdiv(n_blocks, nb),)](
+        packed, bscale.view(torch.uint8), gscale, out, n_blocks, bpm, NB=nb,
+        EVEN=n_blocks % nb == 0, num_warps=num_warps or _warps(nb * 16))
     return out

@@ -1,0 +1,205 @@
+"""`replayquant bench formats`: quantize / dequantize throughput of every format on the GPU.
+
+Input: float32 [N, 128, 128] matrices (state-like: rows scaled over decades), `mbytes` MiB in
+all (>= 256). For each format and rounding the Triton kernels of `replayquant.kernels.quant` are
+timed with `triton.testing.do_bench` (median, L2 flushed between repetitions); bytes are counted
+explicitly as the fewest a kernel must move: quantize reads the float32 input and writes payload
+plus scales; dequantize reads payload plus scales and writes float32. The device copy bandwidth
+(torch `copy_` of a same-size float32 tensor, read + write bytes) is measured in the same run and
+every rate is also given as a share of it. fp16 / bf16 dequantize is torch's own cast (what
+`Format.dequantize` runs). NVFP4 quantize is also timed under each launch plan (`nvfp4_plan`
+modes) and through the public `Format.quantize` (which adds the finite-input check).
+
+Before timing, every kernel's output on a slice of the input (and on edge values) is compared
+bit for bit with the CPU torch reference; the result is stored with the timings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+D = 128
+
+
+def _bench(fn) -> float:
+    import triton.testing
+    return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
+
+
+def _state_like(n: int, device, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    z = torch.randn((n, D, D), generator=gen, device=device)
+    rows = torch.randn((n, D, 1), generator=gen, device=device)
+    return z * torch.pow(10.0, rows)
+
+
+def _validate(device) -> dict:
+    """Bit-exact check of every GPU kernel against the CPU reference (slice + edge values)."""
+    from replayquant.formats.constants import BF16, FP16
+    from replayquant.kernels import quant
+    from replayquant.kernels import quant_ref as ref
+    from replayquant.kernels.philox import random_bits_ref
+    x = _state_like(6, device, seed=1)
+    x[0, 0, :16] = 0.0
+    x[1] = 0.0
+    x[2, 3, :8] = torch.tensor([1e-40, -1e-45, 65519.99, 65520.0, 3.3961e38, 2.0 ** -25,
+                                1 + 2.0 ** -11, -0.0])
+    xc = x.cpu()
+    out = {}
+    for sr in (False, True):
+        rnd = "stochastic" if sr else "nearest"
+        rb = random_bits_ref(xc.shape, 5, 9) if sr else None
+        for name, grid, dt in (("fp16", FP16, torch.float16), ("bf16", BF16, torch.bfloat16)):
+            a = quant.cast_quantize(x, grid, dt, rnd, 5, 9).cpu()
+            out[f"{name}/{rnd}"] = torch.equal(a.view(torch.int16),
+                                               ref.cast_ref(xc, grid, dt, rb).view(torch.int16))
+        xf = x.clone()
+        xf[2, 3, :8] = torch.tensor([1e-40, -1e-45, 447.9, 448.0, 3e-3, 2.0 ** -10, 1.0, -0.0])
+        p, s = quant.fp8_quantize(xf, rnd, 5, 9)
+        p2, s2 = ref.fp8_quantize_ref(xf.cpu(), rb)
+        out[f"fp8/{rnd}"] = (torch.equal(p.cpu().view(torch.uint8), p2.view(torch.uint8))
+                             and torch.equal(s.cpu(), s2)
+                             and torch.equal(quant.fp8_dequantize(p, s).cpu(),
+                                             ref.fp8_dequantize_ref(p2, s2)))
+        want = ref.nvfp4_quantize_ref(xc, rb)
+        dq_want = ref.nvfp4_dequantize_ref(*want)
+        for mode in (0, 1, 2):
+            for nb in ((None,) if mode == 0 else (64, 128)):
+                got = quant.nvfp4_quantize(x, rnd, 5, 9, mode=mode, nb=nb)
+                ok = all(torch.equal(g.cpu(), w) for g, w in zip(got, want))
+                ok = ok and torch.equal(quant.nvfp4_dequantize(*got).cpu(), dq_want)
+                out[f"nvfp4/{rnd}/mode{mode}" + (f"/nb{nb}" if nb else "")] = ok
+    return out
+
+
+def run_formats_bench(mbytes: int = 512, out: str = "results/bench", formats=None,
+                      git_commit: str | None = None) -> dict:
+    if mbytes < 256:
+        raise ValueError(f"bench formats: mbytes={mbytes}; use >= 256 MiB so that the input is "
+                         f"several times the L2 cache")
+    if not torch.cuda.is_available():
+        raise ValueError("bench formats needs a CUDA GPU (the Triton kernels run there)")
+    from replayquant.formats import get_format
+    from replayquant.formats.constants import BF16, FP16
+    from replayquant.kernels import quant
+    from replayquant.provenance import provenance
+
+    dev = torch.device("cuda")
+    formats = list(formats or ("fp16", "bf16", "fp8", "nvfp4"))
+    n = (mbytes << 20) // (D * D * 4)
+    numel = n * D * D
+    x = _state_like(n, dev)
+    in_bytes = numel * 4
+    print(f"input: float32 [{n}, {D}, {D}] = {in_bytes / 1e9:.3f} GB on {torch.cuda.get_device_name()}",
+          flush=True)
+
+    validation = _validate(dev)
+    print("bit-exact vs CPU reference:", "all" if all(validation.values()) else validation,
+          flush=True)
+
+    dst = torch.empty_like(x)
+    copy_ms = _bench(lambda: dst.copy_(x))
+    copy_gbs = 2 * in_bytes / copy_ms / 1e6
+    print(f"copy: {copy_ms:.4f} ms, {copy_gbs:.1f} GB/s (read + write)", flush=True)
+    del dst
+
+    rows = []
+
+    def add(fmt, rounding, op, variant, ms, nbytes):
+        gbs = nbytes / ms / 1e6
+        rows.append({"format": fmt, "rounding": rounding, "op": op, "variant": variant,
+                     "ms": ms, "bytes": nbytes, "GBps": gbs, "pct_copy": 100 * gbs / copy_gbs})
+        print(f"{fmt:6s} {rounding:10s} {op:10s} {variant:28s} {ms:8.4f} ms {gbs:8.1f} GB/s "
+              f"{100 * gbs / copy_gbs:6.1f}% of copy", flush=True)
+
+    for name in formats:
+        for rounding in ("nearest", "stochastic"):
+            if name in ("fp16", "bf16"):
+                grid, dt = (FP16, torch.float16) if name == "fp16" else (BF16, torch.bfloat16)
+                q = quant.cast_quantize(x, grid, dt, rounding, 1, 0)
+                ms = _bench(lambda: quant.cast_quantize(x, grid, dt, rounding, 1, 0))
+                add(name, rounding, "quantize", "triton", ms, in_bytes + numel * 2)
+                ms = _bench(lambda: q.to(torch.float32))
+                add(name, rounding, "dequantize", "torch cast", ms, numel * 2 + in_bytes)
+            elif name == "fp8":
+                p, s = quant.fp8_quantize(x, rounding, 1, 0)
+                qb = numel + 4 * n * D
+                ms = _bench(lambda: quant.fp8_quantize(x, rounding, 1, 0))
+                add(name, rounding, "quantize", "triton", ms, in_bytes + qb)
+                ms = _bench(lambda: quant.fp8_dequantize(p, s))
+                add(name, rounding, "dequantize", "triton", ms, qb + in_bytes)
+            elif name == "nvfp4":
+                qb = numel // 2 + numel // 16 + 4 * n
+                packed = quant.nvfp4_quantize(x, rounding, 1, 0)
+                plan = quant.nvfp4_plan(D * D // 16)
+                ms = _bench(lambda: quant.nvfp4_quantize(x, rounding, 1, 0))
+                add(name, rounding, "quantize", f"default (mode {plan[0]}, NB {plan[1]})", ms,
+                    in_bytes + qb)
+                for mode, nb, nw in ((0, None, 16), (0, None, 8), (1, 64, 4), (1, 128, 4),
+                                     (1, 256, 8), (2, 128, 4)):
+                    for fast in ((True, False) if rounding == "nearest" and mode != 2 else (True,)):
+                        ms = _bench(lambda: quant.nvfp4_quantize(x, rounding, 1, 0, mode=mode,
+                                                                 nb=nb, num_warps=nw, fast=fast))
+                        add(name, rounding, "quantize",
+                            f"mode {mode} NB {nb or 1024} warps {nw}" + ("" if fast else " int-path"),
+                            ms, in_bytes + qb)
+                if rounding == "nearest":
+                    fmt = get_format("nvfp4")
+                    ms = _bench(lambda: fmt.quantize(x, rounding))
+                    add(name, rounding, "quantize", "Format.quantize (finite check)", ms,
+                        in_bytes + qb)
+                ms = _bench(lambda: quant.nvfp4_dequantize(*packed))
+                add(name, rounding, "dequantize", "triton NB 128", ms, qb + in_bytes)
+                ms = _bench(lambda: quant.nvfp4_dequantize(*packed, nb=256, num_warps=8))
+                add(name, rounding, "dequantize", "triton NB 256", ms, qb + in_bytes)
+            else:
+                raise ValueError(f"bench formats: unknown format {name!r}")
+
+    result = {
+        "provenance": provenance(dev, **({"git_commit": git_commit} if git_commit else {})),
+        "params": {"mbytes": mbytes, "shape": [n, D, D], "input": "float32 N(0,1) * 10^N(0,1) per row",
+                   "timer": "triton.testing.do_bench median, warmup 25 ms, rep 200 ms",
+                   "bytes": "quantize: input + payload + scales; dequantize: payload + scales + "
+                            "output; copy: read + write"},
+        "copy": {"ms": copy_ms, "bytes": 2 * in_bytes, "GBps": copy_gbs},
+        "bit_exact_vs_cpu_reference": validation,
+        "rows": rows,
+    }
+    outdir = Path(out)
+    outdir.mkdir(parents=True, exist_ok=True)
+    (outdir / "formats.json").write_text(json.dumps(result, indent=2) + "\n")
+    (outdir / "formats.md").write_text(render_markdown(result))
+    print(f"wrote {outdir / 'formats.json'} and {outdir / 'formats.md'}", flush=True)
+    return result
+
+
+def render_markdown(result: dict) -> str:
+    p = result["provenance"]
+    c = result["copy"]
+    lines = [
+        f"# Format kernels: throughput on {p['device']}",
+        "",
+        f"Input float32 {result['params']['shape']} ({result['params']['input']}); "
+        f"{result['params']['timer']}; bytes counted as {result['params']['bytes']}.",
+        f"Copy bandwidth measured in the same run: **{c['GBps']:.0f} GB/s** ({c['ms']:.4f} ms).",
+        f"Kernels bit-exact vs the CPU reference: "
+        f"{'all' if all(result['bit_exact_vs_cpu_reference'].values()) else result['bit_exact_vs_cpu_reference']}.",
+        f"git {p['git_commit']}, torch {p['versions']['torch']}, triton {p['versions']['triton']}, "
+        f"{p['date']}. Generated by `replayquant bench formats` from formats.json.",
+        "",
+        "| format | rounding | op | variant | ms | GB/s | % of copy |",
+        "| --- | --- | --- | --- | ---: | ---: | ---: |",
+    ]
+    for r in result["rows"]:
+        lines.append(f"| {r['format']} | {r['rounding']} | {r['op']} | {r['variant']} | "
+                     f"{r['ms']:.4f} | {r['GBps']:.0f} | {r['pct_copy']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    run_formats_bench(mbytes=int(os.environ.get("MBYTES", "512")),
+                      out=os.environ.get("OUT", "results/bench"))
