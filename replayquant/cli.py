@@ -10,6 +10,38 @@ bench_app = typer.Typer(no_args_is_help=True, help="GPU benchmarks (not run in C
 app.add_typer(bench_app, name="bench")
 
 
+# --- formats (replayquant/formats/report.py, replayquant/bench/formats.py) ---------------------
+@app.command("formats")
+def formats_cmd(
+    heads: int = typer.Option(8, help="matrices in the state-like test tensor"),
+    d: int = typer.Option(128, help="rows and columns of each matrix"),
+    seed: int = typer.Option(0, help="seed of the test tensor"),
+):
+    """Every format and rounding: bytes/element, RMSE and max relative error on a state-like tensor."""
+    from replayquant.formats.report import print_formats_table
+    try:
+        print_formats_table((heads, d, d), seed)
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
+
+
+@bench_app.command("formats")
+def bench_formats_cmd(
+    mbytes: int = typer.Option(512, help="input size in MB of float32 [N, 128, 128] matrices (>= 256)"),
+    out: str = typer.Option("results/bench", help="folder for formats.json and formats.md"),
+    formats: list[str] = typer.Option(None, "--format", help="formats to time (default: all)"),
+):
+    """GPU: quantize / dequantize GB/s per format and rounding against the device copy bandwidth."""
+    from replayquant.bench.formats import run_formats_bench
+    try:
+        run_formats_bench(mbytes=mbytes, out=out, formats=formats or None)
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
+# --- end formats -------------------------------------------------------------------------------
+
+
 # --- precision pairs and drift (replayquant/pairs.py, replayquant/drift.py) -------------------
 @app.command("pairs")
 def pairs_cmd(
