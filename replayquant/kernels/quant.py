@@ -59,12 +59,17 @@ _BS_MIN: tl.constexpr = tl.constexpr(NVFP4_BLOCK_SCALE_MIN)
 @triton.jit
 def philox_u32(seed_lo, seed_hi, c0, c1, c2):
     """Philox4x32-10 with key (seed_lo, seed_hi) and counter (c0, c1, c2, 0); returns word 0
-    as uint32 (equal to `philox_ref(c0, c1, c2, 0, seed_lo, seed_hi)[0]`)."""
-    k0 = tl.to_tensor(seed_lo).to(tl.uint32)       # (a launch argument equal to 1 is a constexpr)
-    k1 = tl.to_tensor(seed_hi).to(tl.uint32)
-    x0 = tl.to_tensor(c0).to(tl.uint32)
-    x1 = tl.to_tensor(c1).to(tl.uint32) + (x0 ^ x0)      # broadcast every word to c0's shape
-    x2 = tl.to_tensor(c2).to(tl.uint32) + (x0 ^ x0)
+    as uint32 (equal to `philox_ref(c0, c1, c2, 0, seed_lo, seed_hi)[0]`).
+
+    Every argument must be a tensor (integer type); c1, c2 may be scalars or broadcast to c0.
+    Kernels taking seeds or streams as scalar arguments mark them
+    `@triton.jit(do_not_specialize=[...])`: Triton turns an integer argument equal to 1 into a
+    constexpr, which has no `.to`."""
+    k0 = seed_lo.to(tl.uint32)
+    k1 = seed_hi.to(tl.uint32)
+    x0 = c0.to(tl.uint32)
+    x1 = c1.to(tl.uint32) + (x0 ^ x0)      # broadcast every word to c0's shape
+    x2 = c2.to(tl.uint32) + (x0 ^ x0)
     x3 = x0 ^ x0
     for _ in tl.static_range(10):
         hi0 = tl.umulhi(x0, _M0)
@@ -226,7 +231,7 @@ def _stream_of(stream_ptr, stream_base, m, HAS_STREAMS: tl.constexpr):
     if HAS_STREAMS:
         s = tl.load(stream_ptr + m).to(tl.int64)
     else:
-        s = tl.to_tensor(stream_base).to(tl.int64) + m.to(tl.int64)
+        s = stream_base.to(tl.int64) + m.to(tl.int64)
     return (s & 0xFFFFFFFF).to(tl.uint32), ((s >> 32) & 0xFFFFFFFF).to(tl.uint32)
 
 
