@@ -107,6 +107,7 @@ def kl_cmd(
     out: str = typer.Option(None, help="results JSON (default results/kl/MODEL_PAIRS_ctxN_PREFILL.json)"),
     pack: bool = typer.Option(False, help="concatenate documents (EOS between) instead of skipping short ones"),
     revision: str = typer.Option(None, help="model revision on the hub"),
+    reference: str = typer.Option("exact", help="exact (s32_rs, FP32 prefill: exact FP32 state) | hf (the unpatched model)"),
     progress: bool = typer.Option(True, help="progress bar"),
 ):
     """KL(reference || pair) over long documents, reference and pairs in lockstep; resumable."""
@@ -114,7 +115,8 @@ def kl_cmd(
     try:
         kl_command(model, pair, dataset=dataset, split=split, text_field=text_field, context=context,
                    docs=docs, segment=segment, prefill=prefill, dtype=dtype, device_map=device_map,
-                   seed=seed, out=out, pack=pack, revision=revision, progress=progress)
+                   seed=seed, out=out, pack=pack, revision=revision, reference=reference,
+                   progress=progress)
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2)

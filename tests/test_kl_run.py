@@ -24,7 +24,11 @@ from replayquant.kl import run_kl
 from replayquant.kl.runner import Variant
 
 ROOT = Path(__file__).resolve().parent.parent
-HAVE_PATCH = hasattr(replayquant, "patch") and hasattr(replayquant, "unpatch")
+try:
+    from replayquant.models import patch as _patch, unpatch as _unpatch  # noqa: F401
+    HAVE_PATCH = True
+except ImportError:
+    HAVE_PATCH = False
 
 # ------------------------------------------------------------------ fixtures
 
@@ -125,7 +129,7 @@ def test_cli_end_to_end_outputs_resume_and_table(work, fake_patch, monkeypatch, 
     out = tmp_path / "r.json"
     base = ["kl", "--model", work["models"]["qwen"], "--pair", "s32_rs", "--pair", "f4_sr_rs",
             "--dataset", work["texts"], "--context", 96, "--segment", 40, "--dtype", "float32",
-            "--out", out, "--no-progress"]
+            "--out", out, "--no-progress", "--reference", "hf"]
     code, text = _invoke(base + ["--docs", 2])
     assert code == 0, text
     assert "f4_sr_rs" in text and "s32_rs" in text and "median" in text
@@ -183,7 +187,7 @@ def test_cli_end_to_end_outputs_resume_and_table(work, fake_patch, monkeypatch, 
 def test_interrupted_run_loses_at_most_the_document_in_flight(work, tmp_path):
     model, tok = _load(work, "mamba2")
     kw = dict(dataset=str(work["texts"]), context=80, n_docs=3, segment=32, make_variant=fake_variant,
-              progress=False, plot=False)
+              progress=False, plot=False, reference="hf")
     state = {"n": 0}
 
     def flaky(model, pair, prefill, seed):
@@ -223,7 +227,7 @@ def test_interrupted_run_loses_at_most_the_document_in_flight(work, tmp_path):
 def test_segmented_equals_unsegmented(work, family, tmp_path):
     model, tok = _load(work, family)
     kw = dict(dataset=str(work["texts"]), context=120, n_docs=2, make_variant=fake_variant,
-              progress=False, plot=False, bucket_base=16)
+              progress=False, plot=False, bucket_base=16, reference="hf")
     whole = run_kl(model, tok, ["f4_sr_rs"], out=tmp_path / "a.json", segment=120, **kw)
     seg = run_kl(model, tok, ["f4_sr_rs"], out=tmp_path / "b.json", segment=17, lm_chunk=23, **kw)
     a, b = whole["results"]["f4_sr_rs"], seg["results"]["f4_sr_rs"]
@@ -246,7 +250,7 @@ def test_identical_variant_gives_exactly_zero_and_progress_bar(work, tmp_path):
     def same(model, pair, prefill, seed):
         return Variant(pair.name, {"name": pair.name})
     res = run_kl(model, tok, [SimpleNamespace(name="same")], dataset=str(work["texts"]), context=64, n_docs=1, segment=30,
-                 out=tmp_path / "z.json", make_variant=same, plot=False,
+                 out=tmp_path / "z.json", make_variant=same, plot=False, reference="hf",
                  console=Console(file=buf, force_terminal=True, width=140))
     st = res["results"]["same"]
     assert st["kl_mean"] == 0 and st["kl_max"] == 0 and st["same_top"] == 1 and st["ln_ppl_ratio"] == 0
@@ -281,6 +285,7 @@ def test_bad_inputs_each_one_clear_error(work, fake_patch, tmp_path):
         ([*m, *f4, *ok(dataset=empty)], "empty dataset"),
         ([*m, *f4, *ok(), "--prefill", "fast"], "--prefill"),
         ([*m, *f4, *ok(), "--dtype", "int3"], "--dtype"),
+        ([*m, *f4, *ok(), "--reference", "fp64"], "--reference"),
     ]
     for args, msg in cases:
         code, text = run(*args)
@@ -302,7 +307,8 @@ def test_two_process_accelerate_path_merges_into_one_file(work, tmp_path):
         from replayquant.kl.command import kl_command
         R.patch_variant = T.fake_variant
         kl_command({str(work['models']['mamba2'])!r}, ["f4_sr_rs", "s32_rs"], dataset={str(work['texts'])!r},
-                   context=72, docs=3, segment=32, dtype="float32", out=sys.argv[1], progress=False)
+                   context=72, docs=3, segment=32, dtype="float32", out=sys.argv[1], progress=False,
+                   reference="hf")
     """))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
     # accelerate's torch.distributed launcher (--multi_gpu); on a machine without CUDA the processes
@@ -320,7 +326,7 @@ def test_two_process_accelerate_path_merges_into_one_file(work, tmp_path):
     model, tok = _load(work, "mamba2")
     single = run_kl(model, tok, ["f4_sr_rs", "s32_rs"], dataset=str(work["texts"]), context=72, n_docs=3,
                     segment=32, out=tmp_path / "one.json", make_variant=fake_variant, progress=False,
-                    plot=False)
+                    plot=False, reference="hf")
     for name in ("f4_sr_rs", "s32_rs"):
         a, b = dp["results"][name], single["results"][name]
         assert [d["id"] for d in a["per_document"]] == [d["id"] for d in b["per_document"]]
@@ -333,12 +339,37 @@ def test_two_process_accelerate_path_merges_into_one_file(work, tmp_path):
 @pytest.mark.skipif(not HAVE_PATCH, reason="replayquant.patch (model integration) not available")
 @pytest.mark.parametrize("family", ["qwen", "mamba2"])
 def test_real_pairs_s32_l1_zero_and_f4_positive(work, family, tmp_path):
+    """Against the unpatched model (reference hf) and the exact FP32 reference: s32_rs with L = 1
+    agrees to float32 rounding (the chunked and sequential FP32 recurrences differ only in
+    summation order), shared NVFP4 + SR really changes the logits."""
     from replayquant import PrecisionPair
     model, tok = _load(work, family)
     s32_l1 = PrecisionPair.load("s32_rs").with_buffer_len(1)
     object.__setattr__(s32_l1, "name", "s32_rs_L1")
-    res = run_kl(model, tok, [s32_l1, "f4_sr_rs"], dataset=str(work["texts"]), context=64, n_docs=1,
-                 segment=24, out=tmp_path / "real.json", progress=False, plot=False)
-    s32, f4 = res["results"]["s32_rs_L1"], res["results"]["f4_sr_rs"]
-    assert abs(s32["kl_mean"]) < 1e-7 and s32["kl_max"] < 1e-6 and s32["same_top"] == 1
-    assert f4["kl_mean"] > 1e-5
+    for ref in ("hf", "exact"):
+        res = run_kl(model, tok, [s32_l1, "f4_sr_rs"], dataset=str(work["texts"]), context=64, n_docs=1,
+                     segment=24, out=tmp_path / f"real_{ref}.json", progress=False, plot=False, reference=ref)
+        s32, f4 = res["results"]["s32_rs_L1"], res["results"]["f4_sr_rs"]
+        assert abs(s32["kl_mean"]) < 1e-7 and s32["kl_max"] < 2e-6 and s32["same_top"] == 1, ref
+        assert f4["kl_mean"] > 1e-5, ref
+
+
+@pytest.mark.skipif(not HAVE_PATCH, reason="replayquant.patch (model integration) not available")
+def test_real_cli_s32_exact_gives_exactly_zero(work, tmp_path):
+    """The CLI with the real patch and the default (exact FP32) reference: s32_rs with
+    --prefill exact is the reference computation itself, KL exactly 0; tp4_hi32 only changes the
+    read copy, which teacher forcing with exact prefill never reads: also exactly 0."""
+    out = tmp_path / "c.json"
+    code, text = _invoke(["kl", "--model", work["models"]["qwen"], "--pair", "s32_rs", "--pair", "tp4_hi32",
+                          "--pair", "f4_sr_rs", "--dataset", work["texts"], "--context", 64, "--docs", 2,
+                          "--segment", 24, "--prefill", "exact", "--dtype", "float32", "--out", out,
+                          "--no-progress"])
+    assert code == 0, text
+    res = json.loads(out.read_text())
+    assert res["config"]["reference"]["mode"] == "exact"
+    for name in ("s32_rs", "tp4_hi32"):
+        st = res["results"][name]
+        assert st["kl_mean"] == 0 and st["kl_max"] == 0 and st["ln_ppl_ratio"] == 0, name
+    assert res["results"]["f4_sr_rs"]["kl_mean"] > 1e-5
+    arr = np.load(out.with_suffix(".kl") / "doc00001.npy")
+    assert not arr[:2].any() and arr[2].any()

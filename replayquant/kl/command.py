@@ -68,7 +68,7 @@ def kl_command(model: str, pairs: list[str], dataset: str = "pg19", split: str =
                text_field: str = "text", context: int = 131072, docs: int = 10, segment: int = 8192,
                prefill: str = "replay", dtype: str = "bfloat16", device_map: str | None = None,
                seed: int = 0, out: str | None = None, pack: bool = False, revision: str | None = None,
-               progress: bool = True) -> dict | None:
+               reference: str = "exact", progress: bool = True) -> dict | None:
     """Everything `replayquant kl` does; returns the results dict on the main process."""
     from accelerate import PartialState
     from rich.console import Console
@@ -78,6 +78,20 @@ def kl_command(model: str, pairs: list[str], dataset: str = "pg19", split: str =
 
     # CPU processes (e.g. `accelerate launch --multi_gpu --num_processes 2` or torchrun on a machine
     # without CUDA) only form a process group (gloo) when the state is told it runs on CPU.
+    # cheap checks first: no weights are loaded for a run that cannot start
+    if prefill not in ("replay", "exact"):
+        raise ValueError(f"--prefill must be 'replay' or 'exact', got {prefill!r}")
+    if reference not in ("exact", "hf"):
+        raise ValueError(f"--reference must be 'exact' or 'hf', got {reference!r}")
+    for name, v, lo in (("--context", context, 2), ("--docs", docs, 1), ("--segment", segment, 1)):
+        if v < lo:
+            raise ValueError(f"{name} must be >= {lo}, got {v}")
+    from .data import resolve_source
+    from .runner import resolve_pair
+    for p in pairs:
+        resolve_pair(p)
+    resolve_source(dataset)
+
     state = PartialState(cpu=not torch.cuda.is_available())
     if state.num_processes > 1:
         dm = {"": str(state.device)}          # data-parallel: one whole model per process
@@ -91,7 +105,7 @@ def kl_command(model: str, pairs: list[str], dataset: str = "pg19", split: str =
     console = Console(stderr=True)
     res = run_kl(m, tok, pairs, dataset=dataset, out=out_path, context=context, n_docs=docs,
                  segment=segment, prefill=prefill, seed=seed, split=split, text_field=text_field,
-                 pack=pack, model_info=info, progress=progress, console=console,
+                 pack=pack, model_info=info, reference=reference, progress=progress, console=console,
                  state=state if state.num_processes > 1 else None,
                  extra_params={"device_map": str(dm), "num_processes": state.num_processes})
     if res is not None:

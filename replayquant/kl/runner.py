@@ -123,9 +123,25 @@ def patch_variant(model, pair, prefill: str, seed: int) -> Variant:
                    enter=lambda: patch(model, pair, **kw), exit=lambda: unpatch(model))
 
 
-def reference_variant() -> Variant:
-    """The model as loaded: exact FP32 recurrent state, no replay rounding."""
-    return Variant(name="reference", record={"name": "reference", "state": "fp32 exact (unpatched)"})
+def reference_variant(model=None, mode: str = "exact", seed: int = 0) -> Variant:
+    """The reference: the same model with exact FP32 recurrent state (no replay rounding).
+
+    mode "exact" (default): the model patched with the shared FP32 pair `s32_rs` and
+    prefill="exact", i.e. every segment computed in FP32 from the FP32 state, cast once to FP32
+    (the identity). This is exact FP32 state for every family and dtype, through the same layer
+    code as the pairs. mode "hf": the model as loaded (Hugging Face's own recurrence; its state
+    is FP32 for Gated DeltaNet, but HF's torch Mamba-2 path keeps the scan in the model dtype).
+    """
+    if mode == "hf":
+        return Variant(name="reference", record={"name": "reference", "mode": "hf",
+                                                 "state": "the unpatched Hugging Face model"})
+    if mode != "exact":
+        raise ValueError(f"--reference must be 'exact' or 'hf', got {mode!r}")
+    pair = resolve_pair("s32_rs")
+    v = patch_variant(model, pair, "exact", seed)
+    return Variant(name="reference", record={"name": "reference", "mode": "exact",
+                                             "pair": pair_record(pair), "prefill": "exact"},
+                   enter=v.enter, exit=v.exit)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -373,14 +389,14 @@ def run_kl(model, tokenizer, pairs: list, *, dataset: str, out: str | os.PathLik
            context: int = 131072, n_docs: int = 10, segment: int = 8192, prefill: str = "replay",
            seed: int = 0, split: str | None = "test", text_field: str = "text", pack: bool = False,
            model_info: dict | None = None, make_variant: Callable | None = None,
-           reference: Variant | None = None, bucket_base: int = 1024, lm_chunk: int | None = None,
+           reference: str | Variant = "exact", bucket_base: int = 1024, lm_chunk: int | None = None,
            progress: bool = True, console=None, state=None, plot: bool = True,
            extra_params: dict | None = None) -> dict | None:
     """Run (or resume) a KL measurement; returns the results dict (on the main process).
 
     pairs: pair names / YAML paths / pair objects. make_variant(model, pair, prefill, seed) -> Variant
-    builds the test variants (default: `replayquant.patch`); `reference` the reference variant
-    (default: the model as loaded). `state`: an accelerate PartialState for data-parallel runs
+    builds the test variants (default: `replayquant.patch`); `reference`: "exact" (s32_rs patched
+    with prefill="exact"), "hf" (the unpatched model) or a Variant (see `reference_variant`). `state`: an accelerate PartialState for data-parallel runs
     (documents are split round-robin between processes; process 0 merges the results).
     """
     t_start = time.time()
@@ -400,7 +416,8 @@ def run_kl(model, tokenizer, pairs: list, *, dataset: str, out: str | os.PathLik
     names = [v.name for v in tests]
     if len(set(names)) != len(names) or "reference" in names:
         raise ValueError(f"pair names must be distinct and not 'reference': {names}")
-    reference = reference or reference_variant()
+    if not isinstance(reference, Variant):
+        reference = reference_variant(model, reference, seed)
     runner = SegmentRunner(model)
 
     docs = load_documents(dataset, tokenizer, context, n_docs, split=split, text_field=text_field, pack=pack)
