@@ -244,7 +244,7 @@ def test_nvfp4_launch_plans_equal_reference(plan, poisoned):
     from replayquant.kernels import quant_ref as ref
     mode, nb = plan
     gen = torch.Generator().manual_seed(5 if mode is None else 6 + mode)
-    shapes = [(3, 16, 64), (2, 9, 48)] if mode is not None else [(2, 20, 224)]   # 280 blocks: loop
+    shapes = [(3, 16, 64), (2, 9, 48)] if mode is not None else [(2, 20, 224)]   # 280 blocks
     for shape in shapes:
         x3 = torch.randn(shape, generator=gen) * torch.exp(torch.randn(shape, generator=gen) * 2)
         x3[0, 0, :16] = 0.0
@@ -263,7 +263,9 @@ def test_nvfp4_launch_plans_equal_reference(plan, poisoned):
 
 
 def test_nvfp4_plan_choice():
-    assert quant.nvfp4_plan(1024)[0] == 1 and quant.nvfp4_plan(64) == (0, 64, 1, True)
+    assert quant.nvfp4_plan(1024) == (0, 1024, 1, True)
+    assert quant.nvfp4_plan(1024, stochastic=True) == (1, 128, 8, True)
+    assert quant.nvfp4_plan(64) == (0, 64, 1, True)
     assert quant.nvfp4_plan(48)[3] is False
     assert quant.nvfp4_plan(quant.NVFP4_LOOP_MAX_BLOCKS + 1)[0] == 2
 

@@ -505,7 +505,7 @@ def cast_quantize(x: torch.Tensor, grid: Grid, dtype: torch.dtype, rounding: str
 def _row_tiling(C: int):
     BC = min(triton.next_power_of_2(C), 4096)
     nchunk = triton.cdiv(C, BC)
-    rows = max(1, min(64, 4096 // BC)) if nchunk == 1 else 1
+    rows = max(1, min(64, 2048 // BC)) if nchunk == 1 else 1
     return rows, BC, nchunk
 
 
@@ -545,19 +545,24 @@ def fp8_dequantize(payload: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# Launch plan of nvfp4_quantize by blocks per matrix (bpm): up to NVFP4_WHOLE_MAX_BLOCKS one
-# program holds its matrix in one tile (MODE 0); up to NVFP4_LOOP_MAX_BLOCKS one program loops
-# over NVFP4_CHUNK_BLOCKS-block tiles twice (MODE 1); larger matrices get their amax from torch
-# first and one program per tile (MODE 2).
-NVFP4_WHOLE_MAX_BLOCKS = 256
+# Launch plan of nvfp4_quantize by blocks per matrix (bpm). MODE 0 (one program holds its matrix
+# in one tile) up to NVFP4_WHOLE_MAX_BLOCKS (nearest) / NVFP4_WHOLE_MAX_BLOCKS_SR (stochastic:
+# Philox needs registers); MODE 1 (one program loops over NVFP4_CHUNK_BLOCKS-block tiles twice)
+# up to NVFP4_LOOP_MAX_BLOCKS; MODE 2 (amax from torch first, one program per tile) beyond.
+# Chosen from the H200 sweep in results/bench/formats*.json (128 x 128 matrices: nearest MODE 0
+# with 8 warps, stochastic MODE 1 with 128-block tiles and 4 warps were fastest).
+NVFP4_WHOLE_MAX_BLOCKS = 1024
+NVFP4_WHOLE_MAX_BLOCKS_SR = 256
 NVFP4_LOOP_MAX_BLOCKS = 8192
 NVFP4_CHUNK_BLOCKS = 128
 
 
-def nvfp4_plan(bpm: int, mode: int | None = None, nb: int | None = None):
+def nvfp4_plan(bpm: int, mode: int | None = None, nb: int | None = None,
+               stochastic: bool = False):
     """(mode, NB, NCHUNK, EVEN) for matrices of bpm blocks (mode / nb force a plan)."""
     if mode is None:
-        mode = 0 if bpm <= NVFP4_WHOLE_MAX_BLOCKS else 1 if bpm <= NVFP4_LOOP_MAX_BLOCKS else 2
+        whole = NVFP4_WHOLE_MAX_BLOCKS_SR if stochastic else NVFP4_WHOLE_MAX_BLOCKS
+        mode = 0 if bpm <= whole else 1 if bpm <= NVFP4_LOOP_MAX_BLOCKS else 2
     if mode == 0:
         NB = triton.next_power_of_2(bpm)
     else:
@@ -589,7 +594,7 @@ def nvfp4_quantize(x3: torch.Tensor, rounding: str = "nearest", seed: int = 0, s
         return packed, bscale, gscale
     bpm = R * C // NVFP4_BLOCK
     streams, base = _streams(stream, (M,), dev)
-    mode, NB, nchunk, even = nvfp4_plan(bpm, mode, nb)
+    mode, NB, nchunk, even = nvfp4_plan(bpm, mode, nb, sr)
     if mode == 2:
         mn, mx = torch.aminmax(x3.reshape(M, -1), dim=1)
         amax = torch.maximum(mn.abs(), mx.abs())
