@@ -237,6 +237,16 @@ def test_speculative_matches_sequential_on_accepted_tokens(delta, L, T):
     seen0 = seenT = False
     rnd = 0
     while int(pos.max()) + T < N:
+        if rnd % 4 == 3:                     # a plain step (rows at different committed lengths)
+            ins = tuple(None if x is None else x[torch.arange(B), pos] for x in inp)
+            h0, f0 = st.committed, st.flushes
+            y = st.step(*ins)
+            assert torch.equal(st.flushes - f0, ((h0 == L) | (h0 + 1 == L)).long())
+            for b in range(B):
+                got[b].append(y[b:b + 1])
+            pos += 1
+            rnd += 1
+            continue
         h0, f0 = st.committed, st.flushes
         idx = pos[:, None] + torch.arange(T)
         ins = tuple(None if x is None else x[torch.arange(B)[:, None], idx] for x in inp)
