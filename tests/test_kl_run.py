@@ -373,3 +373,15 @@ def test_real_cli_s32_exact_gives_exactly_zero(work, tmp_path):
     assert res["results"]["f4_sr_rs"]["kl_mean"] > 1e-5
     arr = np.load(out.with_suffix(".kl") / "doc00001.npy")
     assert not arr[:2].any() and arr[2].any()
+
+
+def test_long_text_prefix_tokenisation_matches_full(work):
+    """Books are tokenised from a prefix when that suffices: same first tokens as the whole text."""
+    from transformers import AutoTokenizer
+
+    from replayquant.kl.data import tokenize
+    tok = AutoTokenizer.from_pretrained(work["models"]["qwen"])
+    text = " ".join(_texts(random.Random(3), [6000]))
+    full = tokenize(tok, text)
+    part = tokenize(tok, text, need=100)
+    assert part.numel() < full.numel() and torch.equal(part[:100], full[:100])

@@ -45,7 +45,8 @@ def test_bucket_edges():
     assert S.bucket_edges(131071) == [0, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131071]
     assert S.bucket_edges(100, 16) == [0, 16, 32, 64, 100]
     assert S.bucket_edges(10, 16) == [0, 10]
-    assert S.bucket_label(0, 1024) == "<1K" and S.bucket_label(65536, 131072) == "64K-128K"
+    assert S.bucket_label(0, 1024) == "<1K" and S.bucket_label(65536, 131071) == "64K-128K"
+    assert S.bucket_label(0, 10, 16) == "<16" and S.bucket_label(32, 64, 16) == "32-64"
 
 
 def _fake_doc(g, T):
@@ -61,7 +62,7 @@ def test_summarize_against_direct_computation():
     docs = [_fake_doc(g, T) for T in (300, 300, 300)]
     recs = [{"id": f"d{i}", "index": i, **S.document_sums(d, bucket_base=32)} for i, d in enumerate(docs)]
     kl16 = np.concatenate([d["kl"].numpy().astype(np.float16) for d in docs])
-    out = S.summarize(recs, kl16)
+    out = S.summarize(recs, kl16, bucket_base=32)
 
     cat = {k: torch.cat([d[k] for d in docs]).double().numpy() for k in docs[0]}
     n = cat["kl"].size

@@ -29,32 +29,59 @@ def _resolve_model_name(name: str) -> str:
     return table.get(name, name) if isinstance(table, dict) else name
 
 
-def load_model_and_tokenizer(model: str, dtype: str = "bfloat16", device_map=None, revision: str | None = None):
-    """(model, tokenizer, resolved name) with one clear error for an unknown model."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _model_error(model, resolved, e):
+    first = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+    return ValueError(f"unknown or unreachable model {model!r} (resolved to {resolved!r}): {first}. "
+                      f"Give a hub id, a short name from the model table, or a local folder with "
+                      f"config.json, weights and a tokenizer")
+
+
+def load_tokenizer_and_config(model: str, revision: str | None = None):
+    """(tokenizer, config, resolved name): everything but the weights, so that bad input fails
+    before gigabytes are loaded."""
+    from transformers import AutoConfig, AutoTokenizer
+    resolved = _resolve_model_name(model)
+    kw = {"revision": revision} if revision else {}
+    try:
+        cfg = AutoConfig.from_pretrained(resolved, **kw)
+        tok = AutoTokenizer.from_pretrained(resolved, **kw)
+    except ValueError:
+        raise
+    except (OSError, KeyError) as e:
+        raise _model_error(model, resolved, e) from None
+    return tok, cfg, resolved
+
+
+def load_weights(resolved: str, dtype: str = "bfloat16", device_map=None, revision: str | None = None):
+    """The model in eval mode (unpatched), through `replayquant.load_model` where it exists."""
+    from transformers import AutoModelForCausalLM
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    resolved = _resolve_model_name(model)
-    kw = {"dtype": DTYPES[dtype]}
-    if device_map is not None:
-        kw["device_map"] = device_map
-    if revision:
-        kw["revision"] = revision
     try:
         import replayquant
         load = getattr(replayquant, "load_model", None)
-        m = load(resolved, dtype=dtype, device_map=device_map) if load is not None and not revision \
-            else AutoModelForCausalLM.from_pretrained(resolved, **kw)
-        tok = AutoTokenizer.from_pretrained(resolved, **({"revision": revision} if revision else {}))
+    except ImportError:
+        load = None
+    try:
+        if load is not None and not revision:
+            m = load(resolved, dtype=dtype, device_map=device_map)
+        else:
+            kw = {"dtype": DTYPES[dtype], **({"device_map": device_map} if device_map is not None else {}),
+                  **({"revision": revision} if revision else {})}
+            m = AutoModelForCausalLM.from_pretrained(resolved, **kw)
     except ValueError:
         raise
-    except (OSError, KeyError, EnvironmentError) as e:
-        first = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
-        raise ValueError(f"unknown or unreachable model {model!r} (resolved to {resolved!r}): {first}. "
-                         f"Give a hub id, a short name from the model table, or a local folder "
-                         f"with config.json, weights and a tokenizer") from None
-    m.eval()
-    return m, tok, resolved
+    except (OSError, KeyError) as e:
+        raise _model_error(resolved, resolved, e) from None
+    return m.eval()
+
+
+def load_model_and_tokenizer(model: str, dtype: str = "bfloat16", device_map=None, revision: str | None = None):
+    """(model, tokenizer, resolved name) with one clear error for an unknown model."""
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    tok, _, resolved = load_tokenizer_and_config(model, revision)
+    return load_weights(resolved, dtype, device_map, revision), tok, resolved
 
 
 def default_out(model: str, pairs: list[str], context: int, prefill: str) -> Path:
@@ -76,8 +103,6 @@ def kl_command(model: str, pairs: list[str], dataset: str = "pg19", split: str =
     from .report import print_summary
     from .runner import model_record, run_kl
 
-    # CPU processes (e.g. `accelerate launch --multi_gpu --num_processes 2` or torchrun on a machine
-    # without CUDA) only form a process group (gloo) when the state is told it runs on CPU.
     # cheap checks first: no weights are loaded for a run that cannot start
     if prefill not in ("replay", "exact"):
         raise ValueError(f"--prefill must be 'replay' or 'exact', got {prefill!r}")
@@ -86,12 +111,22 @@ def kl_command(model: str, pairs: list[str], dataset: str = "pg19", split: str =
     for name, v, lo in (("--context", context, 2), ("--docs", docs, 1), ("--segment", segment, 1)):
         if v < lo:
             raise ValueError(f"{name} must be >= {lo}, got {v}")
-    from .data import resolve_source
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    from .data import load_documents
     from .runner import resolve_pair
     for p in pairs:
         resolve_pair(p)
-    resolve_source(dataset)
+    tok, cfg, resolved = load_tokenizer_and_config(model, revision)
+    text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    limit = getattr(text_cfg, "max_position_embeddings", None)
+    if limit and context > limit:
+        raise ValueError(f"--context {context} is longer than the model supports "
+                         f"(max_position_embeddings = {limit}); lower --context")
+    documents = load_documents(dataset, tok, context, docs, split=split, text_field=text_field, pack=pack)
 
+    # CPU processes (e.g. `accelerate launch --multi_gpu --num_processes 2` or torchrun on a machine
+    # without CUDA) only form a process group (gloo) when the state is told it runs on CPU.
     state = PartialState(cpu=not torch.cuda.is_available())
     if state.num_processes > 1:
         dm = {"": str(state.device)}          # data-parallel: one whole model per process
@@ -99,11 +134,11 @@ def kl_command(model: str, pairs: list[str], dataset: str = "pg19", split: str =
         dm = device_map
     else:
         dm = "auto" if torch.cuda.is_available() else None
-    m, tok, resolved = load_model_and_tokenizer(model, dtype, dm, revision)
+    m = load_weights(resolved, dtype, dm, revision)
     info = model_record(m, name=resolved, dtype=dtype)
     out_path = Path(out) if out else default_out(model, pairs, context, prefill)
     console = Console(stderr=True)
-    res = run_kl(m, tok, pairs, dataset=dataset, out=out_path, context=context, n_docs=docs,
+    res = run_kl(m, tok, pairs, dataset=dataset, documents=documents, out=out_path, context=context, n_docs=docs,
                  segment=segment, prefill=prefill, seed=seed, split=split, text_field=text_field,
                  pack=pack, model_info=info, reference=reference, progress=progress, console=console,
                  state=state if state.num_processes > 1 else None,

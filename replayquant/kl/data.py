@@ -123,10 +123,19 @@ def _iter_hub(name: str, split: str | None, text_field: str) -> Iterator[tuple[s
         yield (f"{i}:{title}" if title else str(i)), row[text_field]
 
 
-def tokenize(tokenizer, text: str) -> torch.Tensor:
-    ids = tokenizer(text, add_special_tokens=True, return_attention_mask=False,
-                    verbose=False)["input_ids"]
-    return torch.tensor(ids, dtype=torch.long)
+def tokenize(tokenizer, text: str, need: int | None = None) -> torch.Tensor:
+    """Token ids of `text`. With `need`, a long text (a PG-19 book can be megabytes) is first
+    tokenised from a prefix of 8 characters per needed token; the prefix is used only if it gives
+    at least `need` + 256 tokens, so the first `need` tokens are those of the whole text (BPE only
+    changes tokens near the cut)."""
+    def ids(t):
+        return tokenizer(t, add_special_tokens=True, return_attention_mask=False,
+                         verbose=False)["input_ids"]
+    if need is not None and len(text) > 8 * (need + 256):
+        head = ids(text[:8 * (need + 256)])
+        if len(head) >= need + 256:
+            return torch.tensor(head, dtype=torch.long)
+    return torch.tensor(ids(text), dtype=torch.long)
 
 
 def load_documents(dataset: str, tokenizer, context: int, n_docs: int, *, split: str | None = "test",
@@ -142,7 +151,7 @@ def load_documents(dataset: str, tokenizer, context: int, n_docs: int, *, split:
     if not pack:
         for doc_id, text in iter_texts(kind, source, split, text_field):
             out.scanned += 1
-            toks = tokenize(tokenizer, text)
+            toks = tokenize(tokenizer, text, need=context)
             longest = max(longest, toks.numel())
             if toks.numel() < context:
                 out.skipped_short += 1

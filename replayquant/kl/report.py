@@ -106,5 +106,15 @@ def print_summary(res: dict, console=None):
     for r in rows_of(res):
         t.add_row(*[str(r[c]) for c in cols])
     console.print(t)
+    # error accumulation: mean KL per log-spaced position bucket
+    names = [p["name"] for p in cfg["pairs"] if res["results"].get(p["name"])]
+    if names and len(res["results"][names[0]]["by_position"]) > 1:
+        b = Table(title="mean KL by token position")
+        b.add_column("pair", no_wrap=True)
+        for row in res["results"][names[0]]["by_position"]:
+            b.add_column(row["bucket"], justify="right")
+        for n in names:
+            b.add_row(n, *[f"{row['kl_mean']:.3g}" for row in res["results"][n]["by_position"]])
+        console.print(b)
     for n in res.get("notes", []):
         console.print(f"note: {n}")

@@ -391,13 +391,14 @@ def run_kl(model, tokenizer, pairs: list, *, dataset: str, out: str | os.PathLik
            model_info: dict | None = None, make_variant: Callable | None = None,
            reference: str | Variant = "exact", bucket_base: int = 1024, lm_chunk: int | None = None,
            progress: bool = True, console=None, state=None, plot: bool = True,
-           extra_params: dict | None = None) -> dict | None:
+           extra_params: dict | None = None, documents: DocumentSet | None = None) -> dict | None:
     """Run (or resume) a KL measurement; returns the results dict (on the main process).
 
     pairs: pair names / YAML paths / pair objects. make_variant(model, pair, prefill, seed) -> Variant
     builds the test variants (default: `replayquant.patch`); `reference`: "exact" (s32_rs patched
     with prefill="exact"), "hf" (the unpatched model) or a Variant (see `reference_variant`). `state`: an accelerate PartialState for data-parallel runs
     (documents are split round-robin between processes; process 0 merges the results).
+    `documents`: a DocumentSet already loaded (by `load_documents` with the same settings).
     """
     t_start = time.time()
     if prefill not in ("replay", "exact"):
@@ -420,7 +421,10 @@ def run_kl(model, tokenizer, pairs: list, *, dataset: str, out: str | os.PathLik
         reference = reference_variant(model, reference, seed)
     runner = SegmentRunner(model)
 
-    docs = load_documents(dataset, tokenizer, context, n_docs, split=split, text_field=text_field, pack=pack)
+    docs = documents or load_documents(dataset, tokenizer, context, n_docs, split=split,
+                                       text_field=text_field, pack=pack)
+    if any(d.tokens.numel() != context for d in docs.documents):
+        raise ValueError(f"the documents given are not all {context} tokens long")
     config = {
         "model": model_info or model_record(model),
         "reference": reference.record,
@@ -454,7 +458,8 @@ def run_kl(model, tokenizer, pairs: list, *, dataset: str, out: str | os.PathLik
             for doc in mine:
                 t0 = time.time()
                 if torch.cuda.is_available():
-                    torch.cuda.reset_peak_memory_stats()
+                    for d in range(torch.cuda.device_count()):
+                        torch.cuda.reset_peak_memory_stats(d)
                 metrics = score_document(runner, doc, reference, tests, segment, lm_chunk,
                                          on_segment=bar.advance)
                 npy = f"doc{doc.index:05d}.npy"
@@ -495,7 +500,7 @@ def write_results(out: Path, config: dict, docs: DocumentSet, t_start: float,
         name = p["name"]
         doc_recs = [{"id": r["id"], "index": r["index"], **r["pairs"][name]} for r in recs]
         kl = np.concatenate([arrays[r["index"]][j] for r in recs]) if recs else None
-        results[name] = S.summarize(doc_recs, kl) if recs else None
+        results[name] = S.summarize(doc_recs, kl, config["bucket_base"]) if recs else None
     peak = {}
     for key in ("peak_gpu_bytes", "peak_rss_bytes"):
         vals = [r[key] for r in recs if key in r]

@@ -67,10 +67,12 @@ def bucket_edges(n_positions: int, base: int = 1024) -> list[int]:
     return edges
 
 
-def bucket_label(lo: int, hi: int) -> str:
+def bucket_label(lo: int, hi: int, base: int = 1024) -> str:
+    """Nominal name of a bucket: "<1K" for [0, base), "1K-2K", ..., "64K-128K" (the last bucket
+    ends at the document's last scored position, e.g. 131071, and keeps its nominal name)."""
     def k(x):
         return f"{x // 1024}K" if x % 1024 == 0 and x > 0 else str(x)
-    return f"<{k(hi)}" if lo == 0 else f"{k(lo)}-{k(hi)}"
+    return f"<{k(base)}" if lo == 0 else f"{k(lo)}-{k(2 * lo)}"
 
 
 def document_sums(m: dict, bucket_base: int = 1024) -> dict:
@@ -135,7 +137,7 @@ def percentile(sorted_values: np.ndarray, q: float) -> float:
     return float(np.percentile(sorted_values, q)) if sorted_values.size else float("nan")
 
 
-def summarize(doc_records: list[dict], kl_values: np.ndarray | None) -> dict:
+def summarize(doc_records: list[dict], kl_values: np.ndarray | None, bucket_base: int = 1024) -> dict:
     """Statistics of one pair over documents.
 
     doc_records: per document, the output of `document_sums` (plus "id"); kl_values: every per-token
@@ -169,6 +171,7 @@ def summarize(doc_records: list[dict], kl_values: np.ndarray | None) -> dict:
     if kl_values is not None and kl_values.size:
         v = np.sort(kl_values.astype(np.float64, copy=False))
         out["kl_median"] = percentile(v, 50.0)
+        out["kl_percentiles_from"] = f"{kl_values.dtype} per-token values"
         out["kl_percentiles"] = {f"{q:g}": percentile(v, q) for q in PERCENTILES}
     out.update({
         "same_top": top, "same_top_unc": top_unc,
@@ -180,12 +183,12 @@ def summarize(doc_records: list[dict], kl_values: np.ndarray | None) -> dict:
         "dp_mean": dp_mean, "dp_mean_unc": dp_unc,
         "dp_rms": rms, "dp_rms_unc": rms_unc,
     })
-    out["by_position"] = bucket_summary(doc_records)
+    out["by_position"] = bucket_summary(doc_records, bucket_base)
     out["per_document"] = [document_summary(r) for r in doc_records]
     return out
 
 
-def bucket_summary(doc_records: list[dict]) -> list[dict]:
+def bucket_summary(doc_records: list[dict], base: int = 1024) -> list[dict]:
     """Buckets are matched by (lo, hi); documents of one run share the context, hence the buckets."""
     acc: dict[tuple, dict] = {}
     for r in doc_records:
@@ -199,7 +202,7 @@ def bucket_summary(doc_records: list[dict]) -> list[dict]:
         m, u = mean_and_uncertainty(a["kl"], a["kl2"], a["n"])
         t, tu = binomial(a["top"], a["n"])
         d, du = mean_and_uncertainty(a["dnll"], a["dnll2"], a["n"])
-        rows.append({"bucket": bucket_label(lo, hi), "lo": lo, "hi": hi, "n_tokens": a["n"],
+        rows.append({"bucket": bucket_label(lo, hi, base), "lo": lo, "hi": hi, "n_tokens": a["n"],
                      "kl_mean": m, "kl_mean_unc": u, "same_top": t, "same_top_unc": tu,
                      "ln_ppl_ratio": d, "ln_ppl_ratio_unc": du})
     return rows
