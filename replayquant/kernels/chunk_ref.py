@@ -1,0 +1,367 @@
+"""Torch reference of the chunked teacher-forcing scan (DESIGN section 7).
+
+A run of decode steps with buffer length L is a chunked scan whose chunk boundaries are the
+flushes. This module computes a whole segment of tokens at once with exactly the step semantics
+of DESIGN section 4, for the generic recurrence ``S_t = a_t S_{t-1} + u_t k_t^T``
+(``delta=False``: u = v, Mamba-2; ``delta=True``: the gated delta rule, GDN):
+
+* a token that is not the L-th of its window reads the read copy R of the window's checkpoint
+  (for GDN its u comes from R too: ``u + beta * tril(decay * K K^T) u = beta (v - decay * R k)``);
+* the L-th token (the flush) reads the unrounded state rebuilt from the dequantized anchor A
+  (GDN: u recomputed from A with the same triangular solve);
+* that unrounded state is cast independently into the anchor and the read copy, with the SR
+  streams of `replayquant.streams` (``layer_seed(seed, layer)``, ``sr_stream(flush index, role,
+  rows, heads)``), so the same seed gives the same bits as `ReplayState` stepping token by token.
+
+The state carried between segments is a `ScanState`: the two copies, the raw inputs of the
+buffered steps (k, v, log a, beta) and, per sequence, the buffer fill and the flush count. A
+segment continues the flush schedule of the previous one (position modulo L carries over), and
+tokens marked invalid (padding) are skipped: they occupy no buffer slot, as a server never sees
+them. ``exact=True`` is the other prefill: the segment in FP32 (no rounding at window
+boundaries), then one cast of the final state, as a server's prefill would.
+
+Shapes (B sequences, T tokens, H heads): q, k [B, T, H, d_k]; v [B, T, H, d_v]; log_a and beta
+[B, T, H]; states [B, H, d_v, d_k] float32. All arithmetic is float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from replayquant.formats import QTensor
+from replayquant.streams import ANCHOR, READ, layer_seed, sr_stream
+
+__all__ = ["ScanState", "cast_roles", "initial_scan_state", "rebuild_state", "chunk_scan_ref",
+           "select_rows", "scan_state_of", "load_scan_state", "teacher_force"]
+
+
+@dataclass
+class ScanState:
+    """The replay state of one layer for B sequences, as the chunked scan carries it.
+
+    Same content and buffer layout as `ReplayState` (replayquant.replay.core):
+    anchor: QTensor [B, H, d_v, d_k]; read: QTensor or None (shared pair: the anchor is read);
+    k [B, H, L, d_k], v [B, H, L, d_v] raw inputs of the buffered steps; G [B, H, L] cumulative
+    log gate since the checkpoint; beta [B, H, L] (GDN) or None; count [B]: buffered steps;
+    flushes [B]: flush index of the current anchor (0 = the cast of the initial state);
+    rows [B]: the sequence ids that key the SR streams. Slots >= count are ignored.
+    """
+
+    anchor: QTensor
+    read: QTensor | None
+    k: torch.Tensor
+    v: torch.Tensor
+    G: torch.Tensor
+    beta: torch.Tensor | None
+    count: torch.Tensor
+    flushes: torch.Tensor
+    rows: torch.Tensor
+
+    @property
+    def batch(self) -> int:
+        return self.count.shape[0]
+
+    @property
+    def heads(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def buffer_len(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def delta(self) -> bool:
+        return self.beta is not None
+
+
+def anchor_f32(state: ScanState, pair) -> torch.Tensor:
+    return pair.anchor.fmt.dequantize(state.anchor)
+
+
+def read_f32(state: ScanState, pair) -> torch.Tensor:
+    if state.read is None:
+        return anchor_f32(state, pair)
+    return pair.read.fmt.dequantize(state.read)
+
+
+def cast_roles(S: torch.Tensor, pair, *, seed: int, layer: int, flush_index, rows):
+    """Cast the unrounded FP32 state S [B, H, d_v, d_k] into (anchor, read copy), each directly
+    from S (never Q_LP(Q_HP(S))), SR keyed by (layer_seed(seed, layer), flush index, role, row,
+    head). Returns (anchor QTensor, read QTensor or None for a shared pair)."""
+    H = S.shape[1]
+    key = layer_seed(seed, layer)
+    rows = torch.as_tensor(rows, dtype=torch.int64, device=S.device)
+    fi = torch.as_tensor(flush_index, dtype=torch.int64, device=S.device)
+    a = pair.anchor.fmt.quantize(S, pair.anchor.rounding, seed=key,
+                                 stream=sr_stream(fi, ANCHOR, rows, H))
+    if pair.read is None:
+        return a, None
+    r = pair.read.fmt.quantize(S, pair.read.rounding, seed=key, stream=sr_stream(fi, READ, rows, H))
+    return a, r
+
+
+def initial_scan_state(S0: torch.Tensor, pair, *, delta: bool, seed: int = 0, layer: int = 0,
+                       rows=None) -> ScanState:
+    """The state `ReplayState(S0, pair, delta, seed, layer, rows)` starts from: S0 cast into both
+    roles (flush index 0), an empty buffer."""
+    if not isinstance(S0, torch.Tensor) or S0.dim() != 4:
+        raise ValueError("initial state must be a tensor [B, H, d_v, d_k]")
+    S0 = S0.to(torch.float32)
+    B, H, dv, dk = S0.shape
+    dev = S0.device
+    rows = torch.arange(B, device=dev) if rows is None else torch.as_tensor(rows, device=dev)
+    L = pair.buffer_len
+    a, r = cast_roles(S0, pair, seed=seed, layer=layer, flush_index=0, rows=rows)
+    z = torch.zeros
+    return ScanState(anchor=a, read=r, k=z(B, H, L, dk, device=dev), v=z(B, H, L, dv, device=dev),
+                     G=z(B, H, L, device=dev), beta=z(B, H, L, device=dev) if delta else None,
+                     count=torch.zeros(B, dtype=torch.int64, device=dev),
+                     flushes=torch.zeros(B, dtype=torch.int64, device=dev),
+                     rows=rows.to(torch.int64))
+
+
+def select_rows(mask: torch.Tensor, new: QTensor | None, old: QTensor | None):
+    """Per sequence, `new` where mask[b] else `old` (every payload / scale tensor of a state
+    QTensor has the batch outermost, so it flattens to [B, -1])."""
+    if new is None:
+        return None
+    B = mask.shape[0]
+    m = mask.reshape(B, 1)
+    parts = {}
+    for name, a, b in [("payload", new.payload, old.payload),
+                       *[(k, new.scales[k], old.scales[k]) for k in new.scales]]:
+        parts[name] = torch.where(m, a.reshape(B, -1), b.reshape(B, -1)).reshape(a.shape)
+    return QTensor(new.format, new.shape, parts.pop("payload"), parts)
+
+
+def _check_inputs(state, q, k, v, log_a, beta, valid):
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v, log_a)):
+        raise ValueError("q, k, v and log_a must be tensors")
+    if q.dim() != 4 or k.shape != q.shape:
+        raise ValueError(f"q and k must both be [B, T, H, d_k]; got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}")
+    B, T, H, dk = q.shape
+    if v.dim() != 4 or tuple(v.shape[:3]) != (B, T, H):
+        raise ValueError(f"v must be [B, T, H, d_v] = [{B}, {T}, {H}, d_v], got {tuple(v.shape)}")
+    if tuple(log_a.shape) != (B, T, H):
+        raise ValueError(f"log_a must be [B, T, H] = [{B}, {T}, {H}], got {tuple(log_a.shape)}")
+    if state.delta != (beta is not None):
+        raise ValueError("beta must be given for a delta-rule (GDN) state, and None for Mamba-2")
+    if beta is not None and tuple(beta.shape) != (B, T, H):
+        raise ValueError(f"beta must be [B, T, H] = [{B}, {T}, {H}], got {tuple(beta.shape)}")
+    if valid is not None and tuple(valid.shape) != (B, T):
+        raise ValueError(f"valid must be a bool mask [B, T] = [{B}, {T}], got {tuple(valid.shape)}")
+    if state.batch != B or state.heads != H or state.k.shape[-1] != dk or state.v.shape[-1] != v.shape[-1]:
+        raise ValueError(f"the state holds B={state.batch}, H={state.heads}, d_k={state.k.shape[-1]}, "
+                         f"d_v={state.v.shape[-1]}; the inputs have B={B}, H={H}, d_k={dk}, "
+                         f"d_v={v.shape[-1]}")
+
+
+def _window_terms(G, kw, qw, vw, bw):
+    """State-independent quantities of each window. G [..., L] cumulative log gate; kw, qw
+    [..., L, d_k]; vw [..., L, d_v]; bw [..., L] (GDN) or None.
+
+    Returns the decayed q.k matrix Aqk[t, j] = exp(G_t - G_j) (q_t . k_j) for j <= t, and for GDN
+    (Vb, Kb) with u(X) = Vb - Kb X^T the solution of the unit lower-triangular system
+    u_j + beta_j sum_{i<j} exp(G_j - G_i) (k_i . k_j) u_i = beta_j (v_j - exp(G_j) X k_j).
+    """
+    L = G.shape[-1]
+    tril = torch.ones(L, L, dtype=torch.bool, device=G.device).tril()
+    D = (G.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill(~tril, float("-inf")).exp()
+    Aqk = (qw @ kw.transpose(-1, -2)) * D
+    if bw is None:
+        return Aqk, None, None
+    strict = torch.ones(L, L, dtype=torch.bool, device=G.device).tril(-1)
+    Tm = (bw.unsqueeze(-1) * (kw @ kw.transpose(-1, -2)) * D).masked_fill(~strict, 0.0)
+    Tm = Tm + torch.eye(L, dtype=Tm.dtype, device=Tm.device)
+    Vb = torch.linalg.solve_triangular(Tm, bw.unsqueeze(-1) * vw, upper=False, unitriangular=True)
+    Kb = torch.linalg.solve_triangular(Tm, (bw * G.exp()).unsqueeze(-1) * kw, upper=False,
+                                       unitriangular=True)
+    return Aqk, Vb, Kb
+
+
+def rebuild_state(state: ScanState, pair) -> torch.Tensor:
+    """The unrounded FP32 state after the buffered steps, rebuilt from the dequantized anchor
+    (GDN: u recomputed from the anchor), i.e. what a flush now would cast."""
+    from replayquant.replay import core
+    return core.rebuild(anchor_f32(state, pair), state.k, state.v, state.G, state.beta,
+                        state.count)[0]
+
+
+@torch.no_grad()
+def chunk_scan_ref(state: ScanState, q, k, v, log_a, beta=None, *, pair, seed: int = 0,
+                   layer: int = 0, valid=None, exact: bool = False):
+    """Run a segment of tokens through the step semantics of DESIGN section 4, window by window.
+
+    state: the ScanState before the segment (`initial_scan_state`, `scan_state_of(ReplayState)`
+    or a previous call). q, k [B, T, H, d_k]; v [B, T, H, d_v]; log_a [B, T, H]; beta [B, T, H]
+    for GDN, else None (GDN: q, k L2-normalised and q scaled by the caller; Mamba-2: v = dt x,
+    k = B, q = C, log_a = dt A). valid [B, T] bool or None: False marks padding, which is
+    skipped (no buffer slot, no gate) and gets output 0. exact: FP32 through the segment (the
+    buffered steps included) and one cast at its end, flush index + 1 (prefill="exact").
+    seed, layer: as given to ReplayState (SR streams).
+
+    Returns (y [B, T, H, d_v] float32, the ScanState after the segment).
+    """
+    _check_inputs(state, q, k, v, log_a, beta, valid)
+    if pair.buffer_len != state.buffer_len:
+        raise ValueError(f"pair {pair.label()} has buffer_len {pair.buffer_len} but the state was "
+                         f"built with {state.buffer_len}; use the same pair")
+    f32 = torch.float32
+    q, k, v, log_a = (x.to(f32) for x in (q, k, v, log_a))
+    beta = None if beta is None else beta.to(f32)
+    B, T, H, dk = q.shape
+    dv = v.shape[-1]
+    dev = q.device
+    L = state.buffer_len
+    valid = torch.ones(B, T, dtype=torch.bool, device=dev) if valid is None else valid.to(torch.bool)
+
+    h0 = state.count
+    m = h0 + valid.sum(1)                                   # entries per row: buffered + new
+    y = torch.zeros(B, T, H, dv, dtype=f32, device=dev)
+    M = int(m.max()) if B else 0
+    if M == 0 or T == 0:
+        return y, state
+    W = -(-M // L)
+    width = W * L
+
+    # -- each row laid out as [its buffered steps][its valid new tokens][null steps], in columns
+    # grouped into windows of L: the flush schedule of every row is then the window grid.
+    # Null steps (k = v = beta = 0, log a = 0) change nothing and are never flushed.
+    bi, ti = valid.nonzero(as_tuple=True)
+    cols = h0[bi] + (valid.long().cumsum(1) - 1)[bi, ti]
+    slot = torch.arange(L, device=dev)
+    live0 = slot[None, :] < h0[:, None]                     # [B, L] buffered slots
+
+    def lay(buf, new, tail):
+        E = torch.zeros(B, H, width, *tail, dtype=f32, device=dev)
+        if buf is not None:
+            E[:, :, :L] = torch.where(live0.reshape(B, 1, L, *([1] * len(tail))), buf.to(f32), 0.0)
+        E[bi, :, cols] = new[bi, ti]
+        return E
+
+    Ek, Ev, Eq = lay(state.k, k, (dk,)), lay(state.v, v, (dv,)), lay(None, q, (dk,))
+    Eb = None if beta is None else lay(state.beta, beta, ())
+    # gate increments; window 0 continues the buffer's cumulative G (sequential adds, as a step)
+    inc = lay(None, log_a, ())
+    prev = state.G.to(f32).gather(2, (h0 - 1).clamp(min=0).view(B, 1, 1).expand(B, H, 1))[..., 0]
+    last = torch.where((h0 > 0)[:, None], prev, torch.zeros((), device=dev))      # [B, H]
+    inc[torch.arange(B, device=dev), :, (h0 - 1).clamp(min=0)] += last
+    G = inc.reshape(B, H, W, L).cumsum(-1)
+    G[:, :, 0] = torch.where(live0[:, None, :], state.G.to(f32), G[:, :, 0])
+
+    kw = Ek.reshape(B, H, W, L, dk)
+    vw = Ev.reshape(B, H, W, L, dv)
+    qw = Eq.reshape(B, H, W, L, dk)
+    bw = None if Eb is None else Eb.reshape(B, H, W, L)
+    Aqk, Vb, Kb = _window_terms(G, kw, qw, vw, bw)
+    eG = G.exp()
+    eGL = G[..., -1].exp()
+    wL = (G[..., -1:] - G).exp()
+
+    A = anchor_f32(state, pair)
+    R = A if state.read is None else read_f32(state, pair)
+    aq, rq = state.anchor, state.read
+    Y = torch.empty(B, H, W, L, dv, dtype=f32, device=dev)
+    full = m // L                                           # windows that end in a flush, per row
+    fmin, fmax = (0, 0) if exact else (int(full.min()), int(full.max()))   # the one host sync
+    for w in range(W):
+        uR_only = not exact and w >= fmax                    # nobody flushes: R is final
+        if bw is None:
+            uA = uR = vw[:, :, w]
+        elif uR_only:
+            uA = uR = Vb[:, :, w] - Kb[:, :, w] @ R.transpose(-1, -2)
+        else:
+            uA = Vb[:, :, w] - Kb[:, :, w] @ A.transpose(-1, -2)
+            uR = uA if (R is A or exact) else Vb[:, :, w] - Kb[:, :, w] @ R.transpose(-1, -2)
+        X = A if exact else R
+        Y[:, :, w] = eG[:, :, w, :, None] * (qw[:, :, w] @ X.transpose(-1, -2)) + Aqk[:, :, w] @ uR
+        if uR_only:
+            continue
+        S = eGL[:, :, w, None, None] * A + (uA * wL[:, :, w, :, None]).transpose(-1, -2) @ kw[:, :, w]
+        if exact:
+            A = S
+            continue
+        # the flush step reads the unrounded state rebuilt from the anchor; then the two casts
+        yF = (S @ qw[:, :, w, L - 1, :, None])[..., 0]
+        na, nr = cast_roles(S, pair, seed=seed, layer=layer, flush_index=state.flushes + w + 1,
+                            rows=state.rows)
+        Anew = pair.anchor.fmt.dequantize(na)
+        Rnew = Anew if nr is None else pair.read.fmt.dequantize(nr)
+        if w < fmin:                                         # every row flushes here
+            Y[:, :, w, L - 1] = yF
+            aq, rq, A, R = na, nr, Anew, Rnew
+        else:
+            flush = full > w
+            fm = flush[:, None, None, None]
+            Y[:, :, w, L - 1] = torch.where(flush[:, None, None], yF, Y[:, :, w, L - 1])
+            aq, rq = select_rows(flush, na, aq), select_rows(flush, nr, rq)
+            A = torch.where(fm, Anew, A)
+            R = A if rq is None else torch.where(fm, Rnew, R)
+
+    # -- outputs of the new tokens
+    y[bi, ti] = Y.reshape(B, H, width, dv)[bi, :, cols]
+
+    zero = torch.zeros_like
+    if exact:
+        # A holds the unrounded FP32 state after every entry: cast once (one flush)
+        na, nr = cast_roles(A, pair, seed=seed, layer=layer, flush_index=state.flushes + 1,
+                            rows=state.rows)
+        return y, replace(state, anchor=na, read=nr, k=zero(state.k), v=zero(state.v),
+                          G=zero(state.G), beta=None if state.beta is None else zero(state.beta),
+                          count=zero(state.count), flushes=state.flushes + 1)
+
+    # -- the new buffer: each row's entries after its last flush (window `full`)
+    count = m - full * L
+    idx = ((full * L)[:, None] + slot).clamp(max=width - 1)          # [B, L]
+    live = slot[None, :] < count[:, None]
+
+    def take(E, tail):
+        g = E.gather(2, idx.view(B, 1, L, *([1] * len(tail))).expand(B, H, L, *tail))
+        return torch.where(live.view(B, 1, L, *([1] * len(tail))), g, 0.0)
+
+    Gf = G.reshape(B, H, width)
+    new = replace(state, anchor=aq, read=rq, k=take(Ek, (dk,)), v=take(Ev, (dv,)), G=take(Gf, ()),
+                  beta=None if Eb is None else take(Eb, ()), count=count,
+                  flushes=state.flushes + full)
+    return y, new
+
+
+# ------------------------------------------------------------------ ReplayState interop
+# ReplayState (replayquant.replay.state) keeps the same content in private attributes; these two
+# functions are the only place that touches them.
+
+def scan_state_of(st) -> ScanState:
+    """The ScanState holding the same anchor, read copy, buffer and counters as ReplayState st
+    (shared tensors, no copy). st must have no pending drafts."""
+    if getattr(st, "_pending", None) is not None:
+        raise ValueError("the ReplayState has pending drafts; call accept(n) before teacher forcing")
+    return ScanState(anchor=st._A, read=st._R, k=st._k, v=st._v, G=st._G, beta=st._beta,
+                     count=st._h, flushes=st._flushes, rows=st.rows)
+
+
+def load_scan_state(st, ss: ScanState) -> None:
+    """Make ReplayState st hold ScanState ss (in place): anchor, read copy, decoded read copy,
+    buffer, GDN u of the buffered steps (against the read copy), counters."""
+    from replayquant.replay import core
+    st._A, st._R = ss.anchor, ss.read
+    st._R32 = st.pair.read_spec.fmt.dequantize(ss.read if ss.read is not None else ss.anchor)
+    st._k, st._v, st._G = ss.k.contiguous(), ss.v.contiguous(), ss.G.contiguous()
+    st._h, st._flushes = ss.count.clone(), ss.flushes.clone()
+    if st.delta:
+        st._beta = ss.beta.contiguous()
+        valid = (torch.arange(st.L, device=ss.count.device)[None, :] < ss.count[:, None]).unsqueeze(1)
+        st._u = core.solve_u(st._R32, st._k, st._v, st._G, st._beta, valid)
+
+
+def teacher_force(st, q, k, v, log_a, beta=None, *, valid=None, exact: bool = False):
+    """Run a segment through ReplayState st with the chunked scan (in place) -> y [B, T, H, d_v].
+
+    Equal, within reassociation, to calling st.step token by token (valid tokens only), with the
+    same SR bits: the scan continues st's flush schedule and SR streams (st.seed, st.layer)."""
+    y, ss = chunk_scan_ref(scan_state_of(st), q, k, v, log_a, beta, pair=st.pair, seed=st.seed,
+                           layer=st.layer, valid=valid, exact=exact)
+    load_scan_state(st, ss)
+    return y

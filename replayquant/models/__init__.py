@@ -1,0 +1,28 @@
+"""Hugging Face hybrid models with any precision pair.
+
+    import replayquant
+    model = replayquant.load_model("Qwen3.5-4B", pair="tp4_hi16_sr", dtype="bfloat16",
+                                   device_map="auto")
+    model = replayquant.patch(hf_model, "tp4_hi16_sr", prefill="replay")   # in place
+    replayquant.unpatch(model)                                             # restores it
+
+* Families: Qwen3.5 (dense and MoE), Qwen3-Next (Gated DeltaNet layers), Mamba-2 and Nemotron-H
+  (Mamba-2 mixers). The recurrent layers are found in the model (`recurrent_layers`); a model
+  without any is an error. Attention, MLPs and the short-convolution state are untouched.
+* Generation (`generate(use_cache=True)`, any batch, left-padded ragged prompts): every decode
+  step of every recurrent layer goes through `ReplayState.step` with the pair, flushing every
+  L tokens (see `runtime` for where the GPU decode kernel plugs in).
+* Teacher forcing (a forward over a sequence, in segments with the cache or not):
+  prefill="replay" puts every token through the decode step semantics with the chunked scan
+  (`replayquant.kernels.chunk_ref`); prefill="exact" computes the segment in FP32 and casts
+  once. Segments continue the flush schedule; padding tokens are skipped.
+* Short names: `SHORT_NAMES` (table in `replayquant.models.names`).
+"""
+
+from replayquant.models.names import SHORT_NAMES, resolve_model_name
+from replayquant.models.patching import (PREFILLS, is_patched, load_model, patch, patch_info,
+                                         recurrent_layers, unpatch)
+from replayquant.models.runtime import decode_path
+
+__all__ = ["load_model", "patch", "unpatch", "is_patched", "patch_info", "recurrent_layers",
+           "SHORT_NAMES", "resolve_model_name", "PREFILLS", "decode_path"]

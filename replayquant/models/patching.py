@@ -1,0 +1,140 @@
+"""patch / unpatch a Hugging Face model in place, and load_model."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from replayquant.models.families import FORWARDS, layer_kind
+from replayquant.models.names import resolve_model_name
+from replayquant.models.runtime import LayerRuntime
+
+__all__ = ["recurrent_layers", "patch", "unpatch", "is_patched", "load_model", "PREFILLS"]
+
+PREFILLS = ("replay", "exact")
+_INFO = "_replayquant_patch"
+
+
+def recurrent_layers(model) -> list[tuple[str, torch.nn.Module, str]]:
+    """(qualified name, module, kind) of every recurrent layer of `model` that can be patched;
+    kind is 'gdn' (Gated DeltaNet) or 'mamba2'."""
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"expected a torch.nn.Module (a Hugging Face model), got {type(model).__name__}")
+    return [(name, m, kind) for name, m in model.named_modules() if (kind := layer_kind(m))]
+
+
+def _as_pair(pair, buffer_len):
+    from replayquant.pairs import PrecisionPair
+    if isinstance(pair, str):
+        pair = PrecisionPair.load(pair)
+    if not isinstance(pair, PrecisionPair):
+        raise ValueError(f"pair must be a PrecisionPair or a pair name (e.g. 'tp4_hi16_sr'), got "
+                         f"{type(pair).__name__}")
+    if buffer_len is not None:
+        pair = pair.with_buffer_len(buffer_len)
+    return pair
+
+
+def patch(model, pair, prefill: str = "replay", seed: int = 0, buffer_len: int | None = None):
+    """Make every recurrent layer of `model` run the replay state machine with `pair` (in place).
+
+    model: a Hugging Face model of a supported family (Qwen3.5 dense / MoE, Qwen3-Next, Mamba-2,
+    Nemotron-H). pair: a PrecisionPair or a pair name; buffer_len overrides its L.
+    prefill: "replay" (multi-token forwards follow the decode step semantics exactly, via the
+    chunked scan) or "exact" (FP32 over the segment, one cast at its end, as a server's prefill).
+    seed: the SR seed (layer l uses layer_seed(seed, l); sequence b of a batch uses row id b).
+    Decode steps (single-token forwards with a cache) always go through ReplayState.step.
+    Attention layers, MLPs and the convolution state are untouched. Patching a patched model
+    replaces its settings. Returns the model.
+    """
+    if prefill not in PREFILLS:
+        raise ValueError(f"prefill must be one of {PREFILLS}, got {prefill!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    pair = _as_pair(pair, buffer_len)
+    layers = recurrent_layers(model)
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no recurrent layer replayquant can patch (Gated "
+                         f"DeltaNet of Qwen3.5 / Qwen3-Next, Mamba-2 mixers of Mamba-2 / Nemotron-H); "
+                         f"nothing to do for a model without SSM state")
+    if is_patched(model):
+        unpatch(model)
+    for _, module, kind in layers:
+        module._replayquant = LayerRuntime(pair, prefill, seed, module.layer_idx,
+                                           delta=kind == "gdn", kind=kind)
+        fwd = types.MethodType(FORWARDS[kind], module)
+        if hasattr(module, "_hf_hook") and hasattr(module, "_old_forward"):
+            saved = ("_old_forward", module._old_forward)     # accelerate wraps forward
+            module._old_forward = fwd
+        else:
+            saved = ("forward", module.__dict__.get("forward"))
+            module.forward = fwd
+        module._replayquant_saved = saved
+    setattr(model, _INFO, {"pair": pair, "prefill": prefill, "seed": seed,
+                           "layers": [name for name, _, _ in layers]})
+    return model
+
+
+def unpatch(model):
+    """Restore the original forwards of a patched model (in place). Caches filled while patched
+    hold replay states, not HF states: start a new cache after unpatching. Returns the model."""
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"expected a torch.nn.Module, got {type(model).__name__}")
+    if not is_patched(model):
+        raise ValueError(f"{type(model).__name__} is not patched by replayquant; nothing to unpatch")
+    for _, module in model.named_modules():
+        saved = module.__dict__.pop("_replayquant_saved", None)
+        if saved is None:
+            continue
+        attr, original = saved
+        if original is None:
+            module.__dict__.pop(attr, None)
+        else:
+            setattr(module, attr, original)
+        module.__dict__.pop("_replayquant", None)
+    delattr(model, _INFO)
+    return model
+
+
+def is_patched(model) -> bool:
+    return hasattr(model, _INFO)
+
+
+def patch_info(model) -> dict | None:
+    """The settings of a patched model ({pair, prefill, seed, layers}) or None."""
+    return getattr(model, _INFO, None)
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def load_model(name_or_path, pair=None, *, dtype="auto", device_map=None, prefill: str = "replay",
+               seed: int = 0, buffer_len: int | None = None, **from_pretrained_kwargs):
+    """Load a causal LM with `AutoModelForCausalLM.from_pretrained` and patch it.
+
+    name_or_path: a short name (`replayquant.models.SHORT_NAMES`, e.g. "Qwen3.5-4B"), a hub id
+    or a local folder. pair: a PrecisionPair or pair name (None: the unpatched model).
+    dtype: "auto", "bfloat16", "float16", "float32" or a torch dtype (weights and activations;
+    the recurrence always runs in FP32 arithmetic with the pair's storage formats).
+    device_map, **from_pretrained_kwargs: passed to from_pretrained.
+    prefill, seed, buffer_len: as in `patch`. Returns the model in eval mode.
+    """
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model_name(name_or_path)
+    if isinstance(dtype, str) and dtype != "auto":
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype {dtype!r} unknown; use auto, {', '.join(_DTYPES)} or a torch dtype")
+        dtype = _DTYPES[dtype]
+    if prefill not in PREFILLS:
+        raise ValueError(f"prefill must be one of {PREFILLS}, got {prefill!r}")
+    if pair is not None:
+        pair = _as_pair(pair, buffer_len)          # fail before loading weights
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map,
+                                                 **from_pretrained_kwargs)
+    model.eval()
+    if pair is not None:
+        patch(model, pair, prefill=prefill, seed=seed)
+    return model

@@ -1,0 +1,218 @@
+"""The chunked teacher-forcing scan (replayquant.kernels.chunk_ref) against ReplayState stepping
+token by token: every shipped pair, both kinds, lengths that are not multiples of L, segmented
+and unsegmented, padding, the same SR bits."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from replayquant.kernels.chunk_ref import (chunk_scan_ref, initial_scan_state, scan_state_of,
+                                           teacher_force)
+from replayquant.pairs import PrecisionPair, list_pairs
+from replayquant.replay import ReplayState, recurrent_reference
+from replayquant.streams import ANCHOR, layer_seed, sr_stream
+
+# relative output tolerance per read format: FP32 arithmetic reassociates (~1e-6); a value that
+# lands on a rounding boundary can flip by one step of the read format.
+READ_TOL = {"fp32": 1e-5, "fp16": 2e-3, "bf16": 1e-2, "fp8": 0.1, "nvfp4": 0.4}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)   # tiny ops: thread-pool overhead dominates on a loaded machine
+    yield
+    torch.set_num_threads(n)
+
+
+def _inputs(gen, B, T, H, dk, dv, delta):
+    q = torch.randn(B, T, H, dk, generator=gen) / dk ** 0.5
+    k = F.normalize(torch.randn(B, T, H, dk, generator=gen), dim=-1)
+    v = torch.randn(B, T, H, dv, generator=gen)
+    log_a = torch.log(0.9 + 0.1 * torch.rand(B, T, H, generator=gen))
+    beta = torch.rand(B, T, H, generator=gen) if delta else None
+    return q, k, v, log_a, beta
+
+
+def _sl(t, a, b):
+    return None if t is None else t[:, a:b]
+
+
+def _step_all(st, q, k, v, log_a, beta):
+    return torch.stack([st.step(q[:, t], k[:, t], v[:, t], log_a[:, t], _sl(beta, t, t + 1)[:, 0]
+                                if beta is not None else None) for t in range(q.shape[1])], 1)
+
+
+def _close(pair, got, ref, what):
+    tol = READ_TOL[pair.read_spec.format]
+    scale = ref.abs().max().clamp(min=1e-6)
+    err = (got - ref).abs().max() / scale
+    assert err <= tol, f"{pair.name} {what}: relative error {err:.2e} > {tol}"
+    # most elements agree to reassociation; only boundary flips may differ by more
+    frac = ((got - ref).abs() > 1e-5 * scale).float().mean()
+    assert frac <= (0.0 if pair.read_spec.format == "fp32" else 0.25), f"{pair.name} {what}: {frac:.3f}"
+
+
+def _anchors_match(pair, st, ref):
+    """Anchors of two ReplayStates: FP32 within reassociation; other formats the same codes
+    (same SR bits) except where reassociation crosses a rounding boundary."""
+    if pair.anchor.format == "fp32":
+        A, A_ref = st.anchor(), ref.anchor()
+        torch.testing.assert_close(A, A_ref, rtol=1e-5, atol=1e-5 * A_ref.abs().max().item())
+    else:
+        a, b = st.anchor_q, ref.anchor_q
+        diff = (a.payload != b.payload).float().mean().item()
+        assert diff <= 0.02, f"{pair.name}: {diff:.3%} of anchor codes differ"
+        for key in a.scales:
+            torch.testing.assert_close(a.scales[key].float(), b.scales[key].float(), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("name", list_pairs())
+@pytest.mark.parametrize("delta", [False, True], ids=["mamba2", "gdn"])
+def test_scan_equals_step_decode(name, delta):
+    gen = torch.Generator().manual_seed(hash((name, delta)) % 2**31)
+    B, T, H, dk, dv = 2, 23, 2, 16, 8
+    for L in (1, 5):
+        pair = PrecisionPair.load(name).with_buffer_len(L)
+        q, k, v, log_a, beta = _inputs(gen, B, T, H, dk, dv, delta)
+        S0 = torch.randn(B, H, dv, dk, generator=gen) * 0.5
+        ref_st = ReplayState(S0, pair, delta=delta, seed=11, layer=2)
+        y_ref = _step_all(ref_st, q, k, v, log_a, beta)
+
+        # unsegmented
+        st = ReplayState(S0, pair, delta=delta, seed=11, layer=2)
+        y = teacher_force(st, q, k, v, log_a, beta)
+        _close(pair, y, y_ref, f"L={L} unsegmented")
+        _anchors_match(pair, st, ref_st)
+        assert torch.equal(st.committed, ref_st.committed)
+        assert torch.equal(st.flushes, ref_st.flushes)
+
+        # segmented at odd places, with decode steps in between
+        st = ReplayState(S0, pair, delta=delta, seed=11, layer=2)
+        ys, cuts = [], [0, 3, 4, 11, 12, 13, T]
+        for i, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])):
+            if i % 2 and b - a == 1:
+                ys.append(_step_all(st, *(t[:, a:b] for t in (q, k, v, log_a)), _sl(beta, a, b)))
+            else:
+                ys.append(teacher_force(st, q[:, a:b], k[:, a:b], v[:, a:b], log_a[:, a:b],
+                                        _sl(beta, a, b)))
+        _close(pair, torch.cat(ys, 1), y_ref, f"L={L} segmented")
+        _anchors_match(pair, st, ref_st)
+        # the states continue alike: a few more decode steps
+        q2, k2, v2, la2, b2 = _inputs(gen, B, 4, H, dk, dv, delta)
+        _close(pair, _step_all(st, q2, k2, v2, la2, b2), _step_all(ref_st, q2, k2, v2, la2, b2),
+               f"L={L} continued")
+
+
+@pytest.mark.parametrize("delta", [False, True], ids=["mamba2", "gdn"])
+def test_sr_bits_and_read_format_independence(delta):
+    """With an SR anchor the same seed gives the same anchor as stepping (bit for bit here, where
+    no element sits on a boundary); only the read format changing leaves the anchor identical."""
+    gen = torch.Generator().manual_seed(5 + delta)
+    B, T, H, dk, dv = 2, 20, 2, 16, 16
+    q, k, v, log_a, beta = _inputs(gen, B, T, H, dk, dv, delta)
+    S0 = torch.randn(B, H, dv, dk, generator=gen)
+    anchors = {}
+    for name in ("s16_sr", "tp8_hi16_sr", "tp4_hi16_sr"):
+        pair = PrecisionPair.load(name).with_buffer_len(4)
+        st = ReplayState(S0, pair, delta=delta, seed=3)
+        teacher_force(st, q, k, v, log_a, beta)
+        ref = ReplayState(S0, pair, delta=delta, seed=3)
+        _step_all(ref, q, k, v, log_a, beta)
+        _anchors_match(pair, st, ref)
+        anchors[name] = st.anchor()
+        other = ReplayState(S0, pair, delta=delta, seed=4)
+        teacher_force(other, q, k, v, log_a, beta)
+        assert (other.anchor() != st.anchor()).any(), "a different seed must draw different bits"
+    # fp32 anchor pairs: the read copy never enters the anchor
+    a = []
+    for name in ("tp4_hi32", "tp8_hi32", "s32_rs"):
+        st = ReplayState(S0, PrecisionPair.load(name).with_buffer_len(4), delta=delta)
+        teacher_force(st, q, k, v, log_a, beta)
+        a.append(st.anchor())
+    assert torch.equal(a[0], a[1]) and torch.equal(a[0], a[2])
+    # same for the fp16+SR anchors with different read copies (shared s16_sr reads the anchor)
+    assert torch.equal(anchors["tp8_hi16_sr"], anchors["tp4_hi16_sr"])
+    assert torch.equal(anchors["s16_sr"], anchors["tp4_hi16_sr"])
+
+
+@pytest.mark.parametrize("delta", [False, True], ids=["mamba2", "gdn"])
+def test_padding_is_skipped(delta):
+    """Invalid tokens occupy no buffer slot: each row equals stepping its valid tokens alone,
+    keyed by its own row id (same SR streams)."""
+    gen = torch.Generator().manual_seed(17 + delta)
+    B, T, H, dk, dv = 3, 17, 2, 16, 8
+    pair = PrecisionPair.load("tp4_hi16_sr").with_buffer_len(4)
+    q, k, v, log_a, beta = _inputs(gen, B, T, H, dk, dv, delta)
+    valid = torch.ones(B, T, dtype=torch.bool)
+    valid[1, :5] = False                 # left padding
+    valid[2, [0, 1, 7, 8, 9, 16]] = False  # scattered
+    S0 = torch.zeros(B, H, dv, dk)
+    st = ReplayState(S0, pair, delta=delta, seed=1)
+    y = teacher_force(st, q, k, v, log_a, beta, valid=valid)
+    assert torch.equal(y[~valid], torch.zeros_like(y[~valid]))
+    for b in range(B):
+        m = valid[b]
+        one = ReplayState(S0[b:b + 1], pair, delta=delta, seed=1, rows=torch.tensor([b]))
+        sel = [t[b:b + 1, m] for t in (q, k, v, log_a)] + [None if beta is None else beta[b:b + 1, m]]
+        y_ref = _step_all(one, *sel)
+        _close(pair, y[b:b + 1, m], y_ref, f"row {b}")
+        assert (st.anchor()[b] != one.anchor()[0]).float().mean() <= 0.02
+        assert int(st.committed[b]) == int(one.committed[0])
+
+
+@pytest.mark.parametrize("delta", [False, True], ids=["mamba2", "gdn"])
+def test_exact_prefill(delta):
+    """exact=True: FP32 outputs (the sequential recurrence) and one cast of the final state."""
+    gen = torch.Generator().manual_seed(23 + delta)
+    B, T, H, dk, dv = 2, 19, 2, 16, 8
+    q, k, v, log_a, beta = _inputs(gen, B, T, H, dk, dv, delta)
+    S0 = torch.randn(B, H, dv, dk, generator=gen)
+    pair = PrecisionPair.load("tp4_hi16_sr").with_buffer_len(8)
+    ss = initial_scan_state(S0, PrecisionPair.load("s32_rs").with_buffer_len(8), delta=delta)
+    # exact continuation of a state with buffered steps, in a low-precision pair
+    lp = ReplayState(S0, pair, delta=delta, seed=9)
+    Y, S = recurrent_reference(lp.anchor(), q, k, v, log_a, beta)   # FP32 from the initial anchor
+    teacher_force(lp, q[:, :3], k[:, :3], v[:, :3], log_a[:, :3], _sl(beta, 0, 3))
+    before = lp.flushes.clone()
+    y = teacher_force(lp, q[:, 3:], k[:, 3:], v[:, 3:], log_a[:, 3:], _sl(beta, 3, T), exact=True)
+    torch.testing.assert_close(y, Y[:, 3:], rtol=1e-4, atol=1e-5)
+    assert torch.equal(lp.flushes, before + 1) and int(lp.committed.max()) == 0
+    # the anchor is one cast of the FP32 final state (flush index + 1)
+    A_exact = pair.anchor.fmt.dequantize(
+        pair.anchor.fmt.quantize(S, "stochastic", seed=layer_seed(9, 0), stream=_streams(lp, before + 1)))
+    assert (lp.anchor() != A_exact).float().mean() <= 0.01
+    # unsegmented exact from a fresh state equals the reference too
+    Y, S = recurrent_reference(S0, q, k, v, log_a, beta)
+    y2, ss2 = chunk_scan_ref(ss, q, k, v, log_a, beta, pair=PrecisionPair.load("s32_rs").with_buffer_len(8),
+                             exact=True)
+    torch.testing.assert_close(y2, Y, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(ss2.anchor.payload, S, rtol=1e-4, atol=1e-5)
+
+
+def _streams(st, fi):
+    return sr_stream(fi, ANCHOR, st.rows, st.H)
+
+
+def test_bad_inputs():
+    pair = PrecisionPair.load("s32_rs").with_buffer_len(4)
+    ss = initial_scan_state(torch.zeros(2, 2, 8, 16), pair, delta=True)
+    q = torch.zeros(2, 5, 2, 16)
+    v = torch.zeros(2, 5, 2, 8)
+    la = torch.zeros(2, 5, 2)
+    with pytest.raises(ValueError, match="beta"):
+        chunk_scan_ref(ss, q, q, v, la, None, pair=pair)
+    with pytest.raises(ValueError, match="v must be"):
+        chunk_scan_ref(ss, q, q, v[:, :4], la, la, pair=pair)
+    with pytest.raises(ValueError, match="log_a"):
+        chunk_scan_ref(ss, q, q, v, la[..., :1], la, pair=pair)
+    with pytest.raises(ValueError, match="valid"):
+        chunk_scan_ref(ss, q, q, v, la, la, pair=pair, valid=torch.ones(2, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="buffer_len"):
+        chunk_scan_ref(ss, q, q, v, la, la, pair=pair.with_buffer_len(8))
+    with pytest.raises(ValueError, match="state holds"):
+        chunk_scan_ref(ss, q[:1], q[:1], v[:1], la[:1], la[:1], pair=pair)
+    st = ReplayState(torch.zeros(2, 2, 8, 16), pair, delta=False)
+    st.verify(q[:, :2], q[:, :2], v[:, :2], la[:, :2])
+    with pytest.raises(ValueError, match="pending drafts"):
+        scan_state_of(st)
