@@ -1,6 +1,42 @@
 """Long-context KL harness: KL(reference || pair) at every position of long documents.
 
-`run_kl` (library), `kl_command` (what `replayquant kl` runs), `render_table` (`replayquant table`).
+Command line::
+
+    replayquant kl --model Qwen3.5-4B --pair f4_sr_rs --pair tp4_hi32 [--pair my_pair.yaml] \\
+        [--dataset pg19 | --dataset texts/ | --dataset book.txt | --dataset docs.jsonl] [--split test] \\
+        [--text-field text] [--context 131072] [--docs 10] [--segment 8192] [--prefill replay|exact] \\
+        [--reference exact|hf] [--dtype bfloat16] [--device-map auto] [--seed 0] [--pack] \\
+        [--out results/kl/NAME.json]
+    replayquant table results/kl/*.json [--format md|csv] [--by pair|model]
+    accelerate launch -m replayquant kl ...      # documents split across processes, one results file
+
+What is compared: the reference is the model with exact FP32 recurrent state (default
+`--reference exact`: the model patched with the shared FP32 pair s32_rs and prefill="exact";
+`--reference hf`: the model as loaded). Each pair is the same weights patched with the pair
+(`replayquant.patch`). The reference and every pair run in lockstep over each document, segment
+by segment (`--segment` tokens per forward), each with its own cache, and the LM head is applied to
+about 2^28 / vocab positions at a time, so full-vocabulary logits never exist for a whole segment.
+KL(ref || test) = sum_v p_ref log(p_ref / p_test) in float32 over the full vocabulary at every
+position 0 .. context-2 (position t predicts token t+1).
+
+Data: see `replayquant.kl.data` (PG-19 through `datasets`, a folder of .txt, a .txt or .jsonl
+file; the first `--docs` documents with at least `--context` tokens, in fixed order; `--pack`
+concatenates documents instead).
+
+Statistics (per pair; `replayquant.kl.stats`): as llama.cpp's KL report, mean KL +- uncertainty,
+median, percentiles 99.9/99/95/90/10/5/1, max; same-top-token rate +- uncertainty; PPL of the
+reference and the pair and ln(PPL ratio) +- uncertainty; delta-p mean and RMS; plus KL by
+log-spaced position bucket (<1K, 1K-2K, ..., 64K-128K) and per-document values. The token-level
+uncertainties treat tokens as independent (as llama.cpp does); `kl_mean_unc_docs` is the
+standard error over documents, the more honest one for long correlated documents.
+
+Outputs of `--out results/kl/NAME.json`: NAME.json (results, config, provenance), NAME.kl/
+(per-token KL per document as float16 .npy [n_pairs, context-1] and the append-only progress
+logs), NAME.png (KL against position, log x, one line per pair). Re-running the same command
+resumes: finished documents are skipped, a larger `--docs` adds documents, an interrupted run
+loses at most the document in flight; a different configuration into the same file is refused.
+
+Python: `run_kl(model, tokenizer, pairs, dataset=..., out=...)` does the same on a model you hold.
 """
 
 from .data import Document, DocumentSet, load_documents

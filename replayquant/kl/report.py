@@ -91,20 +91,34 @@ def render_table(paths: list[str | Path], fmt: str = "md", by: str = "pair") -> 
     return "\n".join(lines) + "\n"
 
 
+def _c(v, u=None, fmt="{:.3g}", ufmt="{:.2g}"):
+    if v is None:
+        return "-"
+    return fmt.format(v) + ("±" + ufmt.format(u) if u is not None else "")
+
+
 def print_summary(res: dict, console=None):
-    """The terminal table of one run (rich)."""
+    """The terminal tables of one run (rich): statistics per pair, and mean KL by position."""
     from rich.console import Console
     from rich.table import Table
     console = console or Console()
     cfg = res["config"]
-    t = Table(title=f"KL(reference || pair): {cfg['model'].get('id')}, {res['documents_done']} doc(s) "
-                    f"x {cfg['context']} tokens, prefill={cfg['prefill']}")
-    cols = ["pair", "mean KL", "median KL", "p99 KL", "max KL", "same top %", "PPL ratio", "dp RMS %",
-            "KL last bucket"]
+    done = f"{res['documents_done']}" + ("" if res.get("complete") else f" of {res['documents_planned']}")
+    t = Table(title=f"KL(reference || pair), {cfg['model'].get('id')}: {done} doc(s) x {cfg['context']} "
+                    f"tokens, prefill={cfg['prefill']}")
+    cols = ["pair", "mean KL", "median", "p99", "max", "same top %", "ln PPL ratio", "dp RMS %"]
     for c in cols:
-        t.add_column(c, justify="left" if c == "pair" else "right", no_wrap=(c == "pair"))
-    for r in rows_of(res):
-        t.add_row(*[str(r[c]) for c in cols])
+        t.add_column(c, justify="left" if c == "pair" else "right", no_wrap=(c == "pair"),
+                     overflow="fold")
+    for p in cfg["pairs"]:
+        st = res["results"].get(p["name"])
+        if not st:
+            continue
+        t.add_row(p["name"], _c(st["kl_mean"], st["kl_mean_unc"]), _c(st.get("kl_median")),
+                  _c((st.get("kl_percentiles") or {}).get("99")), _c(st["kl_max"]),
+                  _c(100 * st["same_top"], 100 * st["same_top_unc"], "{:.2f}"),
+                  _c(st["ln_ppl_ratio"], st["ln_ppl_ratio_unc"]),
+                  _c(100 * st["dp_rms"], 100 * st["dp_rms_unc"]))
     console.print(t)
     # error accumulation: mean KL per log-spaced position bucket
     names = [p["name"] for p in cfg["pairs"] if res["results"].get(p["name"])]
