@@ -401,3 +401,26 @@ def test_low_precision_inputs_are_accepted():
     y = st.step(torch.randn(1, 2, 16, dtype=torch.bfloat16), torch.randn(1, 2, 16, dtype=torch.bfloat16),
                 torch.randn(1, 2, 8, dtype=torch.float16), torch.zeros(1, 2), None)
     assert y.dtype == torch.float32 and y.shape == (1, 2, 8)
+
+
+def test_triton_quant_backend_gives_the_same_bits(monkeypatch):
+    """ReplayState on the Triton quantize kernels (as on a GPU) draws the same SR bits as the
+    torch reference, including row-subset flushes at unequal committed lengths."""
+    B, H, dv, dk = 3, 1, 4, 16
+    inp = make_inputs(B, 12, H, dk, dv, True, seed=13)
+    S0 = torch.randn(B, H, dv, dk)
+    p = pair("nvfp4", "fp16", 3, rr="stochastic", ar="stochastic")
+
+    def run():
+        st = ReplayState(S0, p, delta=True, seed=3, rows=torch.tensor([4, 7, 1]))
+        ys = [st.step(*(x[:, t] for x in inp)) for t in range(2)]
+        ys.append(st.verify(*spec_inputs(inp, slice(2, 4))).flatten(1))
+        st.accept(torch.tensor([0, 1, 2]))
+        ys += [st.step(*(x[:, t] for x in inp)) for t in range(4, 7)]
+        return [y.flatten() for y in ys] + [st.anchor(), st.read_copy(), st.flushes]
+
+    monkeypatch.setenv("REPLAYQUANT_BACKEND", "torch")
+    a = run()
+    monkeypatch.setenv("REPLAYQUANT_BACKEND", "triton")
+    b = run()
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
