@@ -138,6 +138,27 @@ def table_cmd(
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2)
+
+
+@bench_app.command("kl")
+def bench_kl_cmd(
+    context: int = typer.Option(131072, help="tokens of the one random document"),
+    segment: int = typer.Option(8192, help="tokens per forward"),
+    pair: list[str] = typer.Option(None, "--pair", help="pairs (default f4_sr_rs and tp4_hi32)"),
+    prefill: str = typer.Option("replay", help="replay | exact"),
+    shape: str = typer.Option("qwen3.5-4b", help="model shape (random weights): qwen3.5-4b | tiny"),
+    out: str = typer.Option("results/bench/kl_128k.json", help="results JSON"),
+):
+    """GPU: wall time and peak memory of the KL harness on one long document vs plain HF forwards."""
+    from replayquant.kl.bench import bench_kl
+    try:
+        r = bench_kl(shape=shape, context=context, segment=segment, pairs=pair or ("f4_sr_rs", "tp4_hi32"),
+                     prefill=prefill, out=out)
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
+    typer.echo(f"KL {r['kl_wall_time_s']:.1f} s, HF forward {r['hf_forward_s']:.1f} s, ratio to budget "
+               f"{r['ratio_to_target_budget']:.2f}, peak {r['peak_gpu_gib_kl']} GiB -> {out}")
 # --- end KL harness ----------------------------------------------------------------------------
 
 

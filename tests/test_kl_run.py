@@ -385,3 +385,15 @@ def test_long_text_prefix_tokenisation_matches_full(work):
     full = tokenize(tok, text)
     part = tokenize(tok, text, need=100)
     assert part.numel() < full.numel() and torch.equal(part[:100], full[:100])
+
+
+def test_bench_kl_runs_on_cpu_with_a_tiny_shape(tmp_path):
+    """The GPU benchmark's code path (random-weight model, synthetic document, baseline forward)."""
+    from replayquant.kl.bench import bench_kl
+    if not HAVE_PATCH:
+        pytest.skip("replayquant.patch (model integration) not available")
+    r = bench_kl(shape="tiny", context=96, segment=32, dtype="float32", out=tmp_path / "b.json",
+                 warmup_tokens=32)
+    saved = json.loads((tmp_path / "b.json").read_text())
+    assert saved["kl_wall_time_s"] > 0 and saved["hf_forward_s"] > 0 and saved["pairs"] == ["f4_sr_rs", "tp4_hi32"]
+    assert "git_commit" in saved["provenance"] and r["ratio_to_target_budget"] > 0
