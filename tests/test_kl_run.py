@@ -170,6 +170,13 @@ def test_cli_end_to_end_outputs_resume_and_table(work, fake_patch, monkeypatch, 
     assert res3["documents_done"] == 3 and res3["results"]["f4_sr_rs"]["per_document"][0]["kl_mean"] == \
         res["results"]["f4_sr_rs"]["per_document"][0]["kl_mean"]
     assert res3["results"]["f4_sr_rs"]["kl_mean"] != first
+    # back to --docs 2: nothing computed, the results cover exactly the 2 planned documents
+    calls.clear()
+    code, text = _invoke(base + ["--docs", 2])
+    assert code == 0 and calls == []
+    res2 = json.loads(out.read_text())
+    assert res2["complete"] and res2["documents_done"] == 2
+    assert res2["results"]["f4_sr_rs"]["kl_mean"] == first
 
     # a different configuration into the same file is refused, saying how to start fresh
     code, text = _invoke([a if a != 96 else 64 for a in base] + ["--docs", 2])

@@ -490,8 +490,9 @@ def write_results(out: Path, config: dict, docs: DocumentSet, t_start: float,
     run_dir, png = _paths(out)
     _, records = read_progress(run_dir)
     by_index = {}
-    for r in records:
-        if (run_dir / r["npy"]).exists():
+    planned = {d.index: d.id for d in docs.documents}
+    for r in records:   # documents of this run's plan only (an earlier run may have had a larger --docs)
+        if planned.get(r["index"]) == r["id"] and (run_dir / r["npy"]).exists():
             by_index[r["index"]] = r
     recs = [by_index[i] for i in sorted(by_index)]
     arrays = {r["index"]: np.load(run_dir / r["npy"]) for r in recs}
