@@ -1,0 +1,618 @@
+"""Conventional SSM decode step (the baseline serving engines run): in-place read-modify-write
+of the recurrent state stored in any format, for Gated DeltaNet and Mamba-2.
+
+    S_t = Q(a_t deq(S_{t-1}) + u_t k_t^T),   y_t = S_t q_t          (DESIGN section 4)
+
+This file also holds what every decode kernel of the package shares:
+
+* `PackedRole`: one stored copy of the state of all slots of a layer, physically packed
+  (fp32 / fp16 / bf16 tensors, fp8 bytes + one FP32 scale per row, NVFP4 nibbles two per
+  byte + E4M3 block scales + one FP32 scale per matrix). Layout [slots, heads, d_v, d_k],
+  d_k contiguous (the NVFP4 block runs along d_k).
+* Triton device functions that load a [BV, d_k] tile of a role into float32 registers and
+  store a float32 tile back with nearest or stochastic rounding. Rounding follows
+  `kernels/quant_ref.py` bit for bit; SR bits follow `streams.py` (Philox counter = element
+  index in its matrix, stream = sr_stream(flush index, role, slot, head), key = layer seed).
+* The GDN and Mamba-2 front ends as real models need them (GDN: q/k L2 norm in kernel,
+  g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b) in FP32; Mamba-2: groups over B/C,
+  softplus(dt + dt_bias), A per head, D skip, optional z gate) and their torch twins.
+
+`state_indices[b]` maps batch row b to its state slot; a negative index marks a padding row
+(output zero, nothing read or written). Each kernel `f` has a torch reference `f_ref` with the
+same signature below it; tests compare the two.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from replayquant.kernels import quant_ref as qref
+from replayquant.kernels.philox import random_bits_ref
+from replayquant.formats.constants import (BF16, E2M1, E4M3, FP8_ROW_DIVISOR, FP16,
+                                           NVFP4_BLOCK, NVFP4_BLOCK_SCALE_MIN,
+                                           NVFP4_GLOBAL_DIVISOR, ROUNDINGS)
+from replayquant.kernels.quant import (decode_bf16, decode_e2m1, decode_e4m3, decode_fp16,
+                                       encode_bf16, encode_e2m1, encode_e4m3, encode_fp16,
+                                       philox_u32)
+from replayquant.streams import ANCHOR, layer_seed, sr_stream
+
+FMT_IDS = {"fp32": 0, "fp16": 1, "bf16": 2, "fp8": 3, "nvfp4": 4}
+KINDS = ("gdn", "mamba2")
+GDN_L2NORM_EPS = 1e-6
+
+
+# ============================================================================ packed storage
+
+@dataclass
+class PackedRole:
+    """One stored copy (anchor or read copy) of the state of every slot of one layer.
+
+    payload: fp32 / fp16 / bf16 [N, H, dv, dk]; fp8: float8_e4m3fn [N, H, dv, dk];
+             nvfp4: uint8 [N, H, dv, dk/2] (even element in the low nibble).
+    scale:   fp8: float32 row scales [N, H, dv]; nvfp4: uint8 E4M3 block scales [N, H, dv, dk/16].
+    gscale:  nvfp4: float32 per-matrix scales [N, H].
+    """
+
+    fmt: str
+    rounding: str
+    shape: tuple
+    payload: torch.Tensor
+    scale: torch.Tensor | None = None
+    gscale: torch.Tensor | None = None
+
+    @classmethod
+    def empty(cls, fmt: str, rounding: str, shape, device="cpu") -> "PackedRole":
+        if fmt not in FMT_IDS:
+            raise ValueError(f"unknown state format {fmt!r}; use one of {', '.join(FMT_IDS)}")
+        if rounding not in ROUNDINGS:
+            raise ValueError(f"unknown rounding {rounding!r}; use one of {ROUNDINGS}")
+        N, H, dv, dk = shape
+        scale = gscale = None
+        if fmt == "fp32":
+            payload = torch.empty(shape, dtype=torch.float32, device=device)
+        elif fmt in ("fp16", "bf16"):
+            payload = torch.empty(shape, dtype=getattr(torch, {"fp16": "float16", "bf16": "bfloat16"}[fmt]),
+                                  device=device)
+        elif fmt == "fp8":
+            payload = torch.empty(shape, dtype=torch.float8_e4m3fn, device=device)
+            scale = torch.empty(N, H, dv, dtype=torch.float32, device=device)
+        else:
+            if dk % NVFP4_BLOCK:
+                raise ValueError(f"nvfp4 state needs d_k % {NVFP4_BLOCK} == 0 (got d_k={dk})")
+            payload = torch.empty(N, H, dv, dk // 2, dtype=torch.uint8, device=device)
+            scale = torch.empty(N, H, dv, dk // NVFP4_BLOCK, dtype=torch.uint8, device=device)
+            gscale = torch.empty(N, H, dtype=torch.float32, device=device)
+        return cls(fmt, rounding, tuple(shape), payload, scale, gscale)
+
+    # -- bytes
+    def matrix_bytes(self) -> int:
+        """Physical bytes of one (slot, head) matrix: payload plus its scales."""
+        N, H = self.shape[:2]
+        total = sum(t.numel() * t.element_size() for t in (self.payload, self.scale, self.gscale)
+                    if t is not None)
+        return total // (N * H)
+
+    # -- torch access (the references and tests use these; kernels read the tensors directly)
+    def dequantize(self, slots=None) -> torch.Tensor:
+        """float32 [n, H, dv, dk] of the given slots (all when None)."""
+        sl = slice(None) if slots is None else torch.as_tensor(slots, dtype=torch.long,
+                                                                device=self.payload.device)
+        pay = self.payload[sl]
+        if self.fmt == "fp32":
+            return pay.clone()
+        if self.fmt in ("fp16", "bf16"):
+            return pay.to(torch.float32)
+        if self.fmt == "fp8":
+            return pay.to(torch.float32) * self.scale[sl].unsqueeze(-1)
+        n, H, dv, dk2 = pay.shape
+        out = qref.nvfp4_dequantize_ref(pay.reshape(n * H, dv, dk2),
+                                   self.scale[sl].reshape(n * H, dv, -1), self.gscale[sl].reshape(-1))
+        return out.reshape(n, H, dv, 2 * dk2)
+
+    def write_(self, slots, x: torch.Tensor, key: int, streams: torch.Tensor) -> None:
+        """Quantize float32 x [n, H, dv, dk] (rounding of this role, SR streams [n, H]) into
+        `slots` with the torch reference of the format (the specification)."""
+        slots = torch.as_tensor(slots, dtype=torch.long, device=self.payload.device)
+        x = x.to(torch.float32)
+        if self.fmt == "fp32":
+            self.payload[slots] = x
+            return
+        rbits = None
+        if self.rounding == "stochastic":
+            rbits = random_bits_ref(x.shape, key, torch.as_tensor(streams).cpu()).to(x.device)
+        n, H, dv, dk = x.shape
+        if self.fmt in ("fp16", "bf16"):
+            grid, dtype = (FP16, torch.float16) if self.fmt == "fp16" else (BF16, torch.bfloat16)
+            self.payload[slots] = qref.cast_ref(x, grid, dtype, rbits)
+        elif self.fmt == "fp8":
+            pay, scale = qref.fp8_quantize_ref(x, rbits)
+            self.payload[slots] = pay
+            self.scale[slots] = scale
+        else:
+            x3 = x.reshape(n * H, dv, dk)
+            pay, bs, gs = qref.nvfp4_quantize_ref(x3, None if rbits is None else rbits.reshape(x3.shape))
+            self.payload[slots] = pay.reshape(n, H, dv, -1)
+            self.scale[slots] = bs.reshape(n, H, dv, -1)
+            self.gscale[slots] = gs.reshape(n, H)
+
+    def clone(self) -> "PackedRole":
+        c = lambda t: None if t is None else t.clone()  # noqa: E731
+        return PackedRole(self.fmt, self.rounding, self.shape, c(self.payload), c(self.scale),
+                          c(self.gscale))
+
+    def kernel_args(self):
+        """(payload, scale, gscale, fmt id) as the kernels take them (fp8 viewed as bytes,
+        fp16/bf16 as int16 so that rounded bit patterns can be stored)."""
+        pay = self.payload
+        if self.fmt == "fp8":
+            pay = pay.view(torch.uint8)
+        elif self.fmt in ("fp16", "bf16"):
+            pay = pay.view(torch.int16)
+        sc = self.scale if self.scale is not None else pay
+        gs = self.gscale if self.gscale is not None else pay
+        return pay, sc, gs, FMT_IDS[self.fmt]
+
+
+def role_streams(flush_index, role: int, slots, heads: int) -> torch.Tensor:
+    """sr_stream for a set of slots (the slot id is the sequence id of the stream)."""
+    return sr_stream(flush_index, role, torch.as_tensor(slots, dtype=torch.int64).cpu(), heads)
+
+
+# ============================================================================ Triton helpers
+# Rounding, decoding and Philox come from kernels/quant.py (bit-exact with quant_ref.py).
+
+_NV_DIV: tl.constexpr = tl.constexpr(NVFP4_GLOBAL_DIVISOR)
+_FP8_DIV: tl.constexpr = tl.constexpr(FP8_ROW_DIVISOR)
+_E2M1_MAX: tl.constexpr = tl.constexpr(E2M1.max_value)
+_E4M3_MAX: tl.constexpr = tl.constexpr(E4M3.max_value)
+_BS_MIN: tl.constexpr = tl.constexpr(NVFP4_BLOCK_SCALE_MIN)
+
+
+def split_key(key: int):
+    """(lo, hi) 32-bit words of a 64-bit Philox key, as kernel arguments."""
+    key = int(key) & 0xFFFFFFFFFFFFFFFF
+    return key & 0xFFFFFFFF, key >> 32
+
+
+@triton.jit
+def _sr_bits(offs, key_lo, key_hi, flush_index, role: tl.constexpr, slot, head):
+    """Philox word 0 of counter (offs, stream lo, stream hi, 0), key = layer seed, where
+    stream = flush_index << 41 | role << 40 | slot << 16 | head (streams.sr_stream)."""
+    stream = (flush_index.to(tl.int64) << 41) | (role << 40) | (slot.to(tl.int64) << 16) | head
+    s_lo = stream & 0xFFFFFFFF
+    s_hi = (stream >> 32) & 0xFFFFFFFF
+    return philox_u32(key_lo, key_hi, offs, s_lo, s_hi)
+
+
+@triton.jit
+def _tile_load(pay, sc, gs, mat, rows, cols, DV: tl.constexpr, DK: tl.constexpr,
+               BV: tl.constexpr, FMT: tl.constexpr):
+    """float32 [BV, DK] tile (rows `rows` of matrix `mat`) of a packed role."""
+    if FMT == 0:
+        x = tl.load(pay + mat * (DV * DK) + rows[:, None] * DK + cols[None, :])
+    elif FMT == 1:
+        x = decode_fp16(tl.load(pay + mat * (DV * DK) + rows[:, None] * DK + cols[None, :]))
+    elif FMT == 2:
+        x = decode_bf16(tl.load(pay + mat * (DV * DK) + rows[:, None] * DK + cols[None, :]))
+    elif FMT == 3:
+        byte = tl.load(pay + mat * (DV * DK) + rows[:, None] * DK + cols[None, :])
+        x = decode_e4m3(byte) * tl.load(sc + mat * DV + rows)[:, None]
+    else:
+        DK2: tl.constexpr = DK // 2
+        NB: tl.constexpr = DK // 16
+        half = tl.arange(0, DK2)
+        p = tl.load(pay + mat * (DV * DK2) + rows[:, None] * DK2 + half[None, :]).to(tl.int32)
+        lo = decode_e2m1(p)
+        hi = decode_e2m1(p >> 4)
+        v = tl.reshape(tl.join(lo, hi), (BV, NB, 16))
+        nb = tl.arange(0, NB)
+        bs = decode_e4m3(tl.load(sc + mat * (DV * NB) + rows[:, None] * NB + nb[None, :]))
+        x = tl.reshape(v * bs[:, :, None], (BV, DK)) * tl.load(gs + mat)
+    return x
+
+
+@triton.jit
+def _tile_store(x, pay, sc, gs, mat, rows, cols, key_lo, key_hi, flush_index, slot, head,
+                DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, FMT: tl.constexpr,
+                SR: tl.constexpr, ROLE: tl.constexpr):
+    """Quantize float32 tile x [BV, DK] into a packed role (nvfp4 needs BV == DV: one scale
+    per matrix). SR bits: _sr_bits(element index, key, flush_index, ROLE, slot, head)."""
+    offs = rows[:, None] * DK + cols[None, :]
+    ptrs = pay + mat * (DV * DK) + offs
+    if SR:
+        rb = _sr_bits(offs, key_lo, key_hi, flush_index, ROLE, slot, head)
+    else:
+        rb = offs.to(tl.uint32)
+    if FMT == 0:
+        tl.store(ptrs, x)
+    elif FMT == 1:
+        tl.store(ptrs, encode_fp16(x, rb, SR).to(tl.int16))
+    elif FMT == 2:
+        tl.store(ptrs, encode_bf16(x, rb, SR).to(tl.int16))
+    elif FMT == 3:
+        amax = tl.max(tl.abs(x), axis=1)
+        s = tl.div_rn(amax, _FP8_DIV)
+        s = tl.where(s > 0, s, 1.0)
+        tl.store(ptrs, encode_e4m3(tl.div_rn(x, s[:, None]), rb, SR).to(tl.uint8))
+        tl.store(sc + mat * DV + rows, s)
+    else:
+        DK2: tl.constexpr = DK // 2
+        NB: tl.constexpr = DK // 16
+        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+        g = tl.div_rn(amax, _NV_DIV)
+        g = tl.where(g > 0, g, 1.0)
+        xb = tl.reshape(x, (BV, NB, 16))
+        bamax = tl.max(tl.abs(xb), axis=2)
+        bsf = tl.div_rn(tl.div_rn(bamax, _E2M1_MAX), g)
+        bsf = tl.minimum(tl.maximum(bsf, _BS_MIN), _E4M3_MAX)
+        bcode = encode_e4m3(bsf, bsf.to(tl.uint32, bitcast=True), False)
+        den = decode_e4m3(bcode) * g
+        y = tl.reshape(tl.div_rn(xb, den[:, :, None]), (BV, DK))
+        nib = tl.reshape(encode_e2m1(y, rb, SR), (BV, DK2, 2))
+        lo, hi = tl.split(nib)
+        half = tl.arange(0, DK2)
+        tl.store(pay + mat * (DV * DK2) + rows[:, None] * DK2 + half[None, :],
+                 (lo | (hi << 4)).to(tl.uint8))
+        nb = tl.arange(0, NB)
+        tl.store(sc + mat * (DV * NB) + rows[:, None] * NB + nb[None, :], bcode.to(tl.uint8))
+        tl.store(gs + mat, g)
+
+
+# ---------------------------------------------------------------------------- front ends
+
+@triton.jit
+def _softplus(x):
+    # torch.nn.functional.softplus (beta 1, threshold 20)
+    return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+
+
+@triton.jit
+def _l2norm(x):
+    return x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) + 1e-6))
+
+
+@triton.jit
+def _front_end(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, row, hv, hk, rows, cols,
+               scale, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+               DELTA: tl.constexpr, L2NORM: tl.constexpr, HAS_DTB: tl.constexpr,
+               HAS_D: tl.constexpr):
+    """One step's inputs in float32.
+    GDN (DELTA): q, k [DK] normalised (q scaled), v [DV-block], log_a = g, beta.
+    Mamba-2: q = C, k = B of the head's group, v = dt x, log_a = dt A, beta = dt, and the
+    D-skip term D x (zeros without D)."""
+    q = tl.load(q_ptr + (row * HK + hk) * DK + cols).to(tl.float32)
+    k = tl.load(k_ptr + (row * HK + hk) * DK + cols).to(tl.float32)
+    x = tl.load(v_ptr + (row * HV + hv) * DV + rows).to(tl.float32)
+    a = tl.load(a_ptr + row * HV + hv).to(tl.float32)
+    if HAS_DTB:
+        a = a + tl.load(dtb_ptr + hv).to(tl.float32)
+    A = tl.load(A_ptr + hv).to(tl.float32)
+    if DELTA:
+        if L2NORM:
+            q = _l2norm(q)
+            k = _l2norm(k)
+        q = q * scale
+        log_a = -tl.exp(A) * _softplus(a)
+        bb = tl.load(b_ptr + row * HV + hv).to(tl.float32)
+        beta = 1.0 / (1.0 + tl.exp(-bb))
+        v = x
+        skip = x * 0.0
+    else:
+        dt = _softplus(a)
+        log_a = dt * A
+        beta = dt
+        v = dt * x
+        if HAS_D:
+            skip = tl.load(D_ptr + hv).to(tl.float32) * x
+        else:
+            skip = x * 0.0
+    return q, k, v, log_a, beta, skip
+
+
+@triton.jit
+def _gate_out(y, z_ptr, row, hv, rows, HV: tl.constexpr, DV: tl.constexpr, HAS_Z: tl.constexpr):
+    if HAS_Z:
+        z = tl.load(z_ptr + (row * HV + hv) * DV + rows).to(tl.float32)
+        y = y * z / (1.0 + tl.exp(-z))
+    return y
+
+
+@triton.jit
+def _rank1_step(S, q, k, v, log_a, beta, DELTA: tl.constexpr):
+    """S <- a S + u k^T (u = v, or beta (v - a S k) for GDN); returns (S, y = S q)."""
+    S = S * tl.exp(log_a)
+    if DELTA:
+        u = beta * (v - tl.sum(S * k[None, :], axis=1))
+    else:
+        u = v
+    S = S + u[:, None] * k[None, :]
+    y = tl.sum(S * q[None, :], axis=1)
+    return S, y
+
+
+# ============================================================================ conventional step
+
+@dataclass
+class ConventionalStore:
+    """Conventional state of one layer: one packed copy, read-modify-written every step.
+    n_casts[s] counts the casts of slot s after the initial one (stream flush index of the
+    next write = n_casts + 1, as every step of the baseline is a flush of a shared pair)."""
+
+    state: PackedRole
+    n_casts: torch.Tensor          # int64 [N]
+    key: int                       # Philox key = layer_seed(seed, layer)
+
+    @classmethod
+    def from_state(cls, initial: torch.Tensor, fmt: str, rounding: str = "nearest", seed: int = 0,
+                   layer: int = 0) -> "ConventionalStore":
+        if not isinstance(initial, torch.Tensor) or initial.dim() != 4:
+            raise ValueError("initial state must be a float tensor [slots, heads, d_v, d_k]")
+        _pow2_dims(initial.shape)
+        N, H = initial.shape[:2]
+        role = PackedRole.empty(fmt, rounding, tuple(initial.shape), initial.device)
+        key = layer_seed(seed, layer)
+        role.write_(torch.arange(N), initial.float(), key, role_streams(0, ANCHOR, torch.arange(N), H))
+        return cls(role, torch.zeros(N, dtype=torch.int64, device=initial.device), key)
+
+    def clone(self) -> "ConventionalStore":
+        return ConventionalStore(self.state.clone(), self.n_casts.clone(), self.key)
+
+
+def _check_inputs(kind, shape, B, tensors: dict, dtypes_bf16=()):
+    N, H, dv, dk = shape
+    for name, (t, want) in tensors.items():
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a tensor of shape {want}")
+        if tuple(t.shape) != tuple(want):
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(want)} "
+                             f"({kind}: batch {B}, {H} heads, d_v {dv}, d_k {dk})")
+        if not t.is_floating_point() and name != "state_indices":
+            raise ValueError(f"{name} must be a floating-point tensor")
+
+
+def _pow2_dims(shape):
+    for name, d in zip(("d_v", "d_k"), shape[2:]):
+        if d < 16 or d & (d - 1):
+            raise ValueError(f"{name} = {d}: the decode kernels need a power of two >= 16")
+
+
+def gdn_frontend_ref(q, k, v, a, b, A_log, dt_bias, scale=None, use_qk_l2norm=True):
+    """torch twin of the GDN front end: (q, k expanded to value heads, v, g, beta) in float32."""
+    HK, HV = q.shape[1], v.shape[1]
+    q, k = q.float(), k.float()
+    if use_qk_l2norm:
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + GDN_L2NORM_EPS)
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + GDN_L2NORM_EPS)
+    q = q * (scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+    r = HV // HK
+    q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)
+    x = a.float() + (dt_bias.float() if dt_bias is not None else 0.0)
+    g = -torch.exp(A_log.float()) * torch.nn.functional.softplus(x)
+    beta = torch.sigmoid(b.float())
+    return q, k, v.float(), g, beta
+
+
+def mamba2_frontend_ref(x, dt, A, Bm, Cm, dt_bias=None):
+    """torch twin of the Mamba-2 front end: (q = C, k = B per head, v = dt x, log_a = dt A, dt)."""
+    H, G = x.shape[1], Bm.shape[1]
+    d = dt.float() + (dt_bias.float() if dt_bias is not None else 0.0)
+    d = torch.nn.functional.softplus(d)
+    r = H // G
+    k = Bm.float().repeat_interleave(r, dim=1)
+    q = Cm.float().repeat_interleave(r, dim=1)
+    return q, k, d.unsqueeze(-1) * x.float(), d * A.float(), d
+
+
+def mamba2_post_ref(y, x, D=None, z=None):
+    if D is not None:
+        y = y + D.float()[None, :, None] * x.float()
+    if z is not None:
+        zf = z.float()
+        y = y * zf * torch.sigmoid(zf)
+    return y
+
+
+@triton.jit
+def _conventional_kernel(
+        S_pay, S_sc, S_gs, ncast_ptr, idx_ptr, out_ptr,
+        q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr,
+        scale, key_lo, key_hi,
+        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+        BV: tl.constexpr, FMT: tl.constexpr, SR: tl.constexpr, DELTA: tl.constexpr,
+        L2NORM: tl.constexpr, HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr):
+    pid = tl.program_id(0)
+    vb = tl.program_id(1)
+    row = pid // HV
+    hv = pid % HV
+    hk = hv // (HV // HK)
+    rows = vb * BV + tl.arange(0, BV)
+    cols = tl.arange(0, DK)
+    slot = tl.load(idx_ptr + row).to(tl.int64)
+    if slot >= 0:
+        q, k, v, log_a, beta, skip = _front_end(
+            q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, row, hv, hk, rows, cols,
+            scale, HK, HV, DK, DV, DELTA, L2NORM, HAS_DTB, HAS_D)
+        mat = slot * HV + hv
+        S = _tile_load(S_pay, S_sc, S_gs, mat, rows, cols, DV, DK, BV, FMT)
+        S, y = _rank1_step(S, q, k, v, log_a, beta, DELTA)
+        fi = tl.load(ncast_ptr + slot) + 1
+        _tile_store(S, S_pay, S_sc, S_gs, mat, rows, cols, key_lo, key_hi, fi, slot, hv,
+                    DV, DK, BV, FMT, SR, 0)
+        y = _gate_out(y + skip, z_ptr, row, hv, rows, HV, DV, HAS_Z)
+    else:
+        y = tl.zeros([BV], tl.float32)
+    tl.store(out_ptr + (row * HV + hv) * DV + rows, y)
+
+
+@triton.jit
+def _advance_casts_kernel(ncast_ptr, idx_ptr, B):
+    offs = tl.arange(0, 1024)
+    for start in range(0, B, 1024):
+        m = (start + offs) < B
+        s = tl.load(idx_ptr + start + offs, mask=m, other=-1)
+        ok = m & (s >= 0)
+        c = tl.load(ncast_ptr + s, mask=ok, other=0)
+        tl.store(ncast_ptr + s, c + 1, mask=ok)
+
+
+def launch_config(fmt_written: str, n_programs_heads: int, dv: int, dk: int, block_v=None,
+                  num_warps=None):
+    """(BV, num_warps) chosen from the shape (never by re-running an in-place kernel).
+    A written NVFP4 matrix needs the whole matrix in one program (one FP32 scale per matrix)."""
+    if block_v is None:
+        if fmt_written == "nvfp4":
+            block_v = dv
+        elif n_programs_heads >= 1024:
+            block_v = min(dv, max(16, 4096 // dk))
+        else:
+            block_v = min(dv, 16)
+    if fmt_written == "nvfp4" and block_v != dv:
+        raise ValueError("an NVFP4 state is written a whole matrix at a time: block_v must be d_v")
+    if dv % block_v or block_v & (block_v - 1):
+        raise ValueError(f"block_v={block_v} must be a power of two dividing d_v={dv}")
+    if num_warps is None:
+        num_warps = max(1, min(8, block_v * dk // 1024))
+    return block_v, num_warps
+
+
+def _indices(state_indices, B, device):
+    if state_indices is None:
+        return torch.arange(B, dtype=torch.int32, device=device)
+    if not isinstance(state_indices, torch.Tensor) or state_indices.shape != (B,) \
+            or state_indices.is_floating_point():
+        raise ValueError(f"state_indices must be an integer tensor [batch={B}] of state slots "
+                         f"(negative = padding row)")
+    return state_indices.to(device=device, dtype=torch.int32).contiguous()
+
+
+def _prep(t):
+    return None if t is None else t.contiguous()
+
+
+def _gdn_shapes(store_shape, q, v):
+    N, HV, dv, dk = store_shape
+    if q is None or q.dim() != 3 or v is None or v.dim() != 3:
+        raise ValueError("GDN inputs: q, k [batch, key heads, d_k]; v [batch, value heads, d_v]")
+    B, HK = q.shape[:2]
+    if HV % HK:
+        raise ValueError(f"value heads ({HV}) must be a multiple of key heads ({HK})")
+    return B, HK
+
+
+def _run_step(kernel_store, q, k, v, a, b, A, dt_bias, D, z, state_indices, out, scale, delta,
+              use_qk_l2norm, block_v, num_warps, advance):
+    st: PackedRole = kernel_store.state
+    N, HV, dv, dk = st.shape
+    _pow2_dims(st.shape)
+    B, HK = _gdn_shapes(st.shape, q, v)
+    kind = "gdn" if delta else "mamba2"
+    _check_inputs(kind, st.shape, B, {
+        "q" if delta else "C": (q, (B, HK, dk)), "k" if delta else "B": (k, (B, HK, dk)),
+        "v" if delta else "x": (v, (B, HV, dv)), "a" if delta else "dt": (a, (B, HV)),
+        "b": (b, (B, HV)), "A_log" if delta else "A": (A, (HV,)), "dt_bias": (dt_bias, (HV,)),
+        "D": (D, (HV,)), "z": (z, (B, HV, dv))})
+    idx = _indices(state_indices, B, q.device)
+    if out is None:
+        out = torch.empty(B, HV, dv, dtype=torch.float32, device=q.device)
+    BV, nw = launch_config(st.fmt, B * HV, dv, dk, block_v, num_warps)
+    pay, sc, gs, fid = st.kernel_args()
+    q, k, v, a, b, A, dt_bias, D, z = map(_prep, (q, k, v, a, b, A, dt_bias, D, z))
+    dummy = a
+    grid = (B * HV, dv // BV)
+    _conventional_kernel[grid](
+        pay, sc, gs, kernel_store.n_casts, idx, out,
+        q, k, v, a, b if b is not None else dummy, A,
+        dt_bias if dt_bias is not None else dummy, D if D is not None else dummy,
+        z if z is not None else dummy,
+        float(scale if scale is not None else 1.0 / math.sqrt(dk)), *split_key(kernel_store.key),
+        HK=HK, HV=HV, DK=dk, DV=dv, BV=BV, FMT=fid, SR=st.rounding == "stochastic",
+        DELTA=delta, L2NORM=use_qk_l2norm, HAS_DTB=dt_bias is not None, HAS_D=D is not None,
+        HAS_Z=z is not None, num_warps=nw)
+    if advance:
+        _advance_casts_kernel[(1,)](kernel_store.n_casts, idx, B)
+    return out
+
+
+def conventional_gdn_step(store: ConventionalStore, q, k, v, a, b, A_log, dt_bias=None,
+                          state_indices=None, scale=None, out=None, use_qk_l2norm=True,
+                          block_v=None, num_warps=None, advance=True):
+    """One GDN decode step for a batch, state updated in place (Triton).
+
+    q, k [B, HK, dk] (raw; L2-normalised in kernel), v [B, HV, dv], a, b [B, HV] (raw gates),
+    A_log, dt_bias [HV]; g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b) in FP32.
+    Returns y float32 [B, HV, dv] (zero on padding rows)."""
+    if b is None:
+        raise ValueError("GDN needs b (beta logits) [batch, value heads]")
+    return _run_step(store, q, k, v, a, b, A_log, dt_bias, None, None, state_indices, out, scale,
+                     True, use_qk_l2norm, block_v, num_warps, advance)
+
+
+def _conventional_ref(store, q, k, v, log_a, beta, state_indices, delta):
+    st = store.state
+    B = q.shape[0]
+    idx = _indices(state_indices, B, q.device).long()
+    live = (idx >= 0).nonzero().flatten()
+    y = torch.zeros(B, st.shape[1], st.shape[2], dtype=torch.float32, device=q.device)
+    if live.numel() == 0:
+        return y, idx, live
+    slots = idx[live]
+    S = st.dequantize(slots)
+    qq, kk, vv, la = q[live], k[live], v[live], log_a[live]
+    S = S * torch.exp(la)[..., None, None]
+    if delta:
+        u = beta[live][..., None] * (vv - (S * kk[:, :, None, :]).sum(-1))
+    else:
+        u = vv
+    S = S + u[..., :, None] * kk[:, :, None, :]
+    y[live] = (S * qq[:, :, None, :]).sum(-1)
+    streams = role_streams(store.n_casts[slots].cpu() + 1, ANCHOR, slots.cpu(), st.shape[1])
+    st.write_(slots, S, store.key, streams)
+    return y, idx, live
+
+
+def conventional_gdn_step_ref(store: ConventionalStore, q, k, v, a, b, A_log, dt_bias=None,
+                              state_indices=None, scale=None, out=None, use_qk_l2norm=True,
+                              block_v=None, num_warps=None, advance=True):
+    """torch reference of conventional_gdn_step (same signature, same in-place effect)."""
+    qf, kf, vf, g, beta = gdn_frontend_ref(q, k, v, a, b, A_log, dt_bias, scale, use_qk_l2norm)
+    y, idx, live = _conventional_ref(store, qf, kf, vf, g, beta, state_indices, True)
+    if advance and live.numel():
+        store.n_casts[idx[live]] += 1
+    if out is not None:
+        out.copy_(y)
+        return out
+    return y
+
+
+def conventional_mamba2_step(store: ConventionalStore, x, dt, A, B, C, state_indices=None, D=None,
+                             z=None, dt_bias=None, out=None, block_v=None, num_warps=None,
+                             advance=True):
+    """One Mamba-2 decode step for a batch, state [slots, heads, head dim P, d_state N] updated
+    in place (Triton). x [B, H, P], dt [B, H] (raw; softplus(dt + dt_bias) in kernel), A [H]
+    (negative), B, C [B, G, N] (groups), D [H], z [B, H, P] optional (y * silu(z)).
+    Returns y float32 [B, H, P]."""
+    return _run_step(store, C, B, x, dt, None, A, dt_bias, D, z, state_indices, out, None,
+                     False, False, block_v, num_warps, advance)
+
+
+def conventional_mamba2_step_ref(store: ConventionalStore, x, dt, A, B, C, state_indices=None,
+                                 D=None, z=None, dt_bias=None, out=None, block_v=None,
+                                 num_warps=None, advance=True):
+    """torch reference of conventional_mamba2_step."""
+    q, k, v, log_a, _ = mamba2_frontend_ref(x, dt, A, B, C, dt_bias)
+    y, idx, live = _conventional_ref(store, q, k, v, log_a, None, state_indices, False)
+    y = mamba2_post_ref(y, x, D, z)
+    y[idx < 0] = 0
+    if advance and live.numel():
+        store.n_casts[idx[live]] += 1
+    if out is not None:
+        out.copy_(y)
+        return out
+    return y

@@ -1,0 +1,705 @@
+"""Replay decode step (ReplaySSM) in Triton: one launch for the whole batch, the flush decided
+per sequence inside the kernel (DESIGN sections 3 and 4; `ReplayState` is the specification).
+
+Storage of one layer (`ReplayStore`; slots N, value heads H, key heads / groups HK):
+
+    anchor      PackedRole [N, H, d_v, d_k]     high precision, written only at a flush
+    read copy   PackedRole [N, H, d_v, d_k]     low precision, physically packed (None: shared pair)
+    kbuf        bf16 [N, C, HK, d_k]            raw k (GDN, re-normalised on read) / B (Mamba-2)
+    vbuf        bf16 [N, C, H, d_v]             raw v (GDN) / x (Mamba-2; v = dt x on read)
+    ubuf        u_dtype [N, C, H, d_v]          GDN: u computed against the read copy (outputs only)
+    Gbuf        fp32 [N, C, H]                  cumulative log gate since the checkpoint
+    bbuf        fp32 [N, C, H]                  GDN: beta; Mamba-2: dt
+    committed   int32 [N]                       committed buffer entries h (0..L)
+    start       int32 [N]                       ring position of the window's first entry
+    n_flush     int64 [N]                       flush index of the current anchor (0 = initial cast)
+
+The buffer is a ring of C = L + max_drafts entries: entry j of the window lives at position
+(start + j) mod C. When committed entries are flushed just before new entries are appended in
+the same launch (h + T > L after a speculative accept), the new window starts after the old
+entries, so no program overwrites an entry that another program of the row is still folding.
+
+One step for a row with slot s (the same rule as `ReplayState.step`):
+
+* h == L (left so by a speculative accept): flush the h committed entries first.
+* append this step at slot h. If h + 1 == L (or `force_flush`): **flush** — rebuild the unrounded
+  FP32 state from the dequantized anchor and the entries (GDN: u recomputed from the anchor by the
+  triangular solve), output S q, then anchor <- Q_anchor(S) and read <- Q_read(S), each cast
+  independently from S with its own SR stream. Nothing is written to the buffer.
+* otherwise **read step**: output from the packed read copy (decoded in registers, never written
+  back as FP32) and the buffer, output-only (no d_v x d_k matrix formed); write this step's entry.
+
+The kernel reads `committed` and `n_flush` and never writes them (other programs of the same row
+read them in the same launch): `advance_pointers` moves them afterwards, once per decode step.
+A model with several layers shares one pair of pointer tensors between its layers' stores and
+advances them once per token (`replay_step(..., advance=False)` for all but the last layer).
+
+`replay_step_ref` (torch) has the same signature and effect; tests compare the two, and both
+against `ReplayState`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from replayquant.kernels.conventional import (FMT_IDS, PackedRole, _check_inputs, _front_end,
+                                              _gate_out, _indices, _pow2_dims, _prep,
+                                              _rank1_step, _tile_load, _tile_store,
+                                              gdn_frontend_ref, mamba2_frontend_ref,
+                                              mamba2_post_ref, role_streams, split_key)
+from replayquant.streams import ANCHOR, READ, layer_seed
+
+__all__ = ["ReplayStore", "replay_gdn_step", "replay_gdn_step_ref", "replay_mamba2_step",
+           "replay_mamba2_step_ref", "advance_pointers", "advance_pointers_ref",
+           "choose_path", "replay_launch_config"]
+
+
+def _pair_roles(pair):
+    """(anchor (fmt, rounding), read (fmt, rounding) or None, L) of a PrecisionPair or name."""
+    from replayquant.pairs import PrecisionPair
+    if isinstance(pair, str):
+        pair = PrecisionPair.load(pair)
+    if not isinstance(pair, PrecisionPair):
+        raise ValueError(f"pair must be a PrecisionPair or a pair name, got {type(pair).__name__}")
+    anchor = (pair.anchor.format, pair.anchor.rounding)
+    read = None if pair.read is None else (pair.read.format, pair.read.rounding)
+    return anchor, read, pair.buffer_len
+
+
+@dataclass
+class ReplayStore:
+    """Replay state of one layer for N slots (module docstring for the layout)."""
+
+    kind: str
+    anchor: PackedRole
+    read: PackedRole | None
+    L: int
+    key_heads: int
+    kbuf: torch.Tensor
+    vbuf: torch.Tensor
+    ubuf: torch.Tensor | None
+    Gbuf: torch.Tensor
+    bbuf: torch.Tensor
+    committed: torch.Tensor
+    n_flush: torch.Tensor
+    key: int
+    start: torch.Tensor | None = None
+    max_drafts: int = 0
+    pending_T: int | None = None     # drafts verified and not yet accepted
+
+    @property
+    def capacity(self) -> int:
+        return self.L + self.max_drafts
+
+    @classmethod
+    def from_state(cls, initial: torch.Tensor, pair, kind: str, key_heads: int | None = None,
+                   seed: int = 0, layer: int = 0, u_dtype=torch.bfloat16,
+                   buffer_len: int | None = None, max_drafts: int = 0) -> "ReplayStore":
+        """Cast float32 initial [N, H, d_v, d_k] into anchor and read copy (flush index 0,
+        independently, as ReplayState), empty buffers. key_heads: GDN key heads / Mamba-2
+        groups (default H). max_drafts: the largest T of speculative verify (0: plain decode)."""
+        if kind not in ("gdn", "mamba2"):
+            raise ValueError(f"kind must be 'gdn' or 'mamba2', got {kind!r}")
+        if not isinstance(initial, torch.Tensor) or initial.dim() != 4 or not initial.is_floating_point():
+            raise ValueError("initial state must be a float tensor [slots, heads, d_v, d_k]")
+        (afmt, arnd), read, L = _pair_roles(pair)
+        if buffer_len is not None:
+            L = int(buffer_len)
+        if L < 1:
+            raise ValueError(f"buffer_len must be >= 1, got {L}")
+        N, H, dv, dk = initial.shape
+        HK = H if key_heads is None else int(key_heads)
+        if HK < 1 or H % HK:
+            raise ValueError(f"key_heads={HK} must divide the {H} heads")
+        _pow2_dims(initial.shape)
+        dev = initial.device
+        key = layer_seed(seed, layer)
+        slots = torch.arange(N)
+        x = initial.float()
+        anchor = PackedRole.empty(afmt, arnd, tuple(initial.shape), dev)
+        anchor.write_(slots, x, key, role_streams(0, ANCHOR, slots, H))
+        rrole = None
+        if read is not None:
+            rrole = PackedRole.empty(read[0], read[1], tuple(initial.shape), dev)
+            rrole.write_(slots, x, key, role_streams(0, READ, slots, H))
+        if u_dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError("u_dtype must be torch.bfloat16 or torch.float32")
+        if max_drafts < 0 or max_drafts > L:
+            raise ValueError(f"max_drafts={max_drafts} must lie in 0..buffer_len={L}")
+        bf = torch.bfloat16
+        C = L + int(max_drafts)
+        return cls(kind, anchor, rrole, L, HK,
+                   kbuf=torch.zeros(N, C, HK, dk, dtype=bf, device=dev),
+                   vbuf=torch.zeros(N, C, H, dv, dtype=bf, device=dev),
+                   ubuf=torch.zeros(N, C, H, dv, dtype=u_dtype, device=dev) if kind == "gdn" else None,
+                   Gbuf=torch.zeros(N, C, H, dtype=torch.float32, device=dev),
+                   bbuf=torch.zeros(N, C, H, dtype=torch.float32, device=dev),
+                   committed=torch.zeros(N, dtype=torch.int32, device=dev),
+                   n_flush=torch.zeros(N, dtype=torch.int64, device=dev), key=key,
+                   start=torch.zeros(N, dtype=torch.int32, device=dev), max_drafts=int(max_drafts))
+
+    @property
+    def shape(self):
+        return self.anchor.shape
+
+    @property
+    def shared(self) -> bool:
+        return self.read is None
+
+    @property
+    def read_role(self) -> PackedRole:
+        return self.anchor if self.read is None else self.read
+
+    def clone(self) -> "ReplayStore":
+        c = lambda t: None if t is None else t.clone()  # noqa: E731
+        return ReplayStore(self.kind, self.anchor.clone(), None if self.read is None else self.read.clone(),
+                           self.L, self.key_heads, c(self.kbuf), c(self.vbuf), c(self.ubuf),
+                           c(self.Gbuf), c(self.bbuf), c(self.committed), c(self.n_flush), self.key,
+                           c(self.start), self.max_drafts, self.pending_T)
+
+
+# ============================================================================ Triton
+
+@triton.jit
+def _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, jj, n,
+                  HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                  CAP: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
+                  WANT_U: tl.constexpr):
+    """Buffer entries 0..n-1 of one (slot, head) as float32 tiles (rows >= n are zero):
+    K [LP, DK] (GDN: re-normalised), X [LP, BV] (GDN: raw v or u when WANT_U; Mamba-2:
+    v = dt x), G [LP] cumulative log gate, Bt [LP] (beta / dt)."""
+    m = jj < n
+    e = slot * CAP + (start + jj) % CAP
+    K = tl.load(kbuf + (e[:, None] * HK + hk) * DK + cols[None, :], mask=m[:, None],
+                other=0.0).to(tl.float32)
+    if DELTA:
+        if L2NORM:
+            K = K * (1.0 / tl.sqrt(tl.sum(K * K, axis=1) + 1e-6))[:, None]
+    G = tl.load(Gbuf + e * HV + hv, mask=m, other=0.0)
+    Bt = tl.load(bbuf + e * HV + hv, mask=m, other=0.0)
+    if WANT_U:
+        X = tl.load(ubuf + (e[:, None] * HV + hv) * DV + rows[None, :], mask=m[:, None],
+                    other=0.0).to(tl.float32)
+    else:
+        X = tl.load(vbuf + (e[:, None] * HV + hv) * DV + rows[None, :], mask=m[:, None],
+                    other=0.0).to(tl.float32)
+        if not DELTA:
+            X = Bt[:, None] * X
+    return K, X, G, Bt
+
+
+@triton.jit
+def _rebuild(A, K, V, G, Bt, n, jj, DELTA: tl.constexpr):
+    """Unrounded state after entries 0..n-1 (n >= 1) from checkpoint tile A [BV, DK]
+    (core.rebuild: GDN u by forward substitution against the checkpoint)."""
+    valid = jj < n
+    Gn = tl.sum(tl.where(jj == n - 1, G, 0.0), axis=0)
+    if DELTA:
+        Ak = tl.dot(K, tl.trans(A), input_precision="ieee")                  # [LP, BV]
+        rhs = Bt[:, None] * (V - tl.exp(G)[:, None] * Ak)
+        KK = tl.dot(K, tl.trans(K), input_precision="ieee")                  # [j, i] = k_j.k_i
+        lower = jj[None, :] < jj[:, None]
+        W = tl.where(lower, tl.exp(tl.where(lower, G[:, None] - G[None, :], 0.0)) * KK, 0.0)
+        U = rhs
+        for j in range(1, n):
+            sel = jj == j
+            wj = tl.sum(tl.where(sel[:, None], W, 0.0), axis=0)              # W[j, :]
+            corr = tl.sum(wj[:, None] * U, axis=0)                           # [BV]
+            bj = tl.sum(tl.where(sel, Bt, 0.0), axis=0)
+            U = tl.where(sel[:, None], U - bj * corr[None, :], U)
+    else:
+        U = V
+    w = tl.where(valid, tl.exp(tl.where(valid, Gn - G, 0.0)), 0.0)
+    Uw = tl.where(valid[:, None], U * w[:, None], 0.0)
+    return tl.exp(Gn) * A + tl.dot(tl.trans(Uw), K, input_precision="ieee")
+
+
+@triton.jit
+def _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi, fi,
+                 slot, hv, DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
+                 AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr, RSR: tl.constexpr,
+                 SHARED: tl.constexpr):
+    """anchor <- Q_anchor(S), read <- Q_read(S): two independent casts of the same S."""
+    _tile_store(S, A_pay, A_sc, A_gs, mat, rows, cols, key_lo, key_hi, fi, slot, hv,
+                DV, DK, BV, AFMT, ASR, 0)
+    if not SHARED:
+        _tile_store(S, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi, fi, slot, hv,
+                    DV, DK, BV, RFMT, RSR, 1)
+
+
+@triton.jit
+def _replay_kernel(
+        A_pay, A_sc, A_gs, R_pay, R_sc, R_gs,
+        kbuf, vbuf, ubuf, Gbuf, bbuf, h_ptr, st_ptr, nf_ptr, idx_ptr, out_ptr,
+        q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr,
+        scale, key_lo, key_hi, force,
+        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+        BV: tl.constexpr, L: tl.constexpr, CAP: tl.constexpr, LP: tl.constexpr, T: tl.constexpr,
+        STEP: tl.constexpr, AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr,
+        RSR: tl.constexpr, SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
+        HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
+        U_BF16: tl.constexpr):
+    pid = tl.program_id(0)
+    vb = tl.program_id(1)
+    row = pid // HV
+    hv = pid % HV
+    hk = hv // (HV // HK)
+    rows = vb * BV + tl.arange(0, BV)
+    cols = tl.arange(0, DK)
+    jj = tl.arange(0, LP)
+    slot = tl.load(idx_ptr + row).to(tl.int64)
+    if slot >= 0:
+        mat = slot * HV + hv
+        h = tl.load(h_ptr + slot)
+        start = tl.load(st_ptr + slot)
+        nf = tl.load(nf_ptr + slot)
+        # ---- flush the committed entries first when the T new entries would not fit
+        if (h + T > L) & (h > 0):
+            K, X, G, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols,
+                                        jj, h, HK, HV, DK, DV, CAP, DELTA, L2NORM, False)
+            A = _tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT)
+            S = _rebuild(A, K, X, G, Bt, h, jj, DELTA)
+            _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi,
+                         nf + 1, slot, hv, DV, DK, BV, AFMT, ASR, RFMT, RSR, SHARED)
+            nf = nf + 1
+            start = (start + h) % CAP       # the new window follows the flushed entries
+            h = h * 0
+            tl.debug_barrier()          # the roles just written are read back below
+        is_flush = False
+        if STEP:
+            is_flush = (h + 1 == L) | (force != 0)
+        if is_flush:
+            # ---- flush step: rebuild from the anchor through entries 0..h and this step
+            q, k, v, log_a, beta, skip = _front_end(
+                q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, row, hv, hk, rows,
+                cols, scale, HK, HV, DK, DV, DELTA, L2NORM, HAS_DTB, HAS_D)
+            A = _tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT)
+            if h == 0:
+                S, y = _rank1_step(A, q, k, v, log_a, beta, DELTA)   # = the conventional step
+            else:
+                K, X, G, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start, hv, hk, rows,
+                                            cols, jj, h, HK, HV, DK, DV, CAP, DELTA, L2NORM, False)
+                Gh = tl.sum(tl.where(jj == h - 1, G, 0.0), axis=0) + log_a
+                cur = jj == h
+                K = tl.where(cur[:, None], k[None, :], K)
+                X = tl.where(cur[:, None], v[None, :], X)
+                G = tl.where(cur, Gh, G)
+                Bt = tl.where(cur, beta, Bt)
+                S = _rebuild(A, K, X, G, Bt, h + 1, jj, DELTA)
+                y = tl.sum(S * q[None, :], axis=1)
+            _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi,
+                         nf + 1, slot, hv, DV, DK, BV, AFMT, ASR, RFMT, RSR, SHARED)
+            y = _gate_out(y + skip, z_ptr, row, hv, rows, HV, DV, HAS_Z)
+            tl.store(out_ptr + (row * HV + hv) * DV + rows, y)
+        else:
+            # ---- read step(s): packed read copy + buffer, output only; append the entries
+            R = _tile_load(R_pay, R_sc, R_gs, mat, rows, cols, DV, DK, BV, RFMT)
+            K, X, G, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols,
+                                        jj, h, HK, HV, DK, DV, CAP, DELTA, L2NORM, DELTA)
+            Gp = tl.sum(tl.where(jj == h - 1, G, 0.0), axis=0)
+            for t in tl.static_range(T):
+                tok = row * T + t
+                q, k, v, log_a, beta, skip = _front_end(
+                    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, tok, hv, hk, rows,
+                    cols, scale, HK, HV, DK, DV, DELTA, L2NORM, HAS_DTB, HAS_D)
+                p = h + t
+                Gp = Gp + log_a
+                prev = jj < p
+                wdec = tl.where(prev, tl.exp(tl.where(prev, Gp - G, 0.0)), 0.0)
+                eG = tl.exp(Gp)
+                if DELTA:
+                    kk = tl.sum(K * k[None, :], axis=1)
+                    corr = tl.sum((wdec * kk)[:, None] * X, axis=0)
+                    rk = tl.sum(R * k[None, :], axis=1)
+                    u = beta * (v - eG * rk) - beta * corr
+                    if U_BF16:
+                        u = u.to(tl.bfloat16).to(tl.float32)
+                else:
+                    u = v
+                qk = tl.sum(K * q[None, :], axis=1)
+                y = eG * tl.sum(R * q[None, :], axis=1) + tl.sum((wdec * qk)[:, None] * X, axis=0) \
+                    + tl.sum(k * q, axis=0) * u
+                y = _gate_out(y + skip, z_ptr, tok, hv, rows, HV, DV, HAS_Z)
+                tl.store(out_ptr + (tok * HV + hv) * DV + rows, y)
+                # append entry p (raw inputs in bf16, gates in fp32, GDN u)
+                e = slot * CAP + (start + p) % CAP
+                if T > 1:
+                    cur = jj == p
+                    K = tl.where(cur[:, None], k[None, :], K)
+                    X = tl.where(cur[:, None], u[None, :], X)
+                    G = tl.where(cur, Gp, G)
+                xraw = tl.load(v_ptr + (tok * HV + hv) * DV + rows)
+                tl.store(vbuf + (e * HV + hv) * DV + rows, xraw.to(tl.bfloat16))
+                if DELTA:
+                    tl.store(ubuf + (e * HV + hv) * DV + rows, u.to(ubuf.dtype.element_ty))
+                if vb == 0:
+                    tl.store(Gbuf + e * HV + hv, Gp)
+                    tl.store(bbuf + e * HV + hv, beta)
+                    if hv % (HV // HK) == 0:
+                        kraw = tl.load(k_ptr + (tok * HK + hk) * DK + cols)
+                        tl.store(kbuf + (e * HK + hk) * DK + cols, kraw.to(tl.bfloat16))
+    else:
+        for t in tl.static_range(T):
+            tl.store(out_ptr + ((row * T + t) * HV + hv) * DV + rows, tl.zeros([BV], tl.float32))
+
+
+@triton.jit
+def _advance_kernel(h_ptr, st_ptr, nf_ptr, idx_ptr, acc_ptr, B, L: tl.constexpr,
+                    CAP: tl.constexpr, T: tl.constexpr,
+                    STEP: tl.constexpr, force, HAS_ACC: tl.constexpr, BLOCK: tl.constexpr):
+    """Pointer moves after a launch of _replay_kernel (same decisions), or after accept."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < B
+    s = tl.load(idx_ptr + offs, mask=m, other=-1)
+    ok = m & (s >= 0)
+    h = tl.load(h_ptr + s, mask=ok, other=0)
+    st = tl.load(st_ptr + s, mask=ok, other=0)
+    nf = tl.load(nf_ptr + s, mask=ok, other=0)
+    if HAS_ACC:
+        h = h + tl.load(acc_ptr + offs, mask=ok, other=0).to(h.dtype)
+    else:
+        pre = (h + T > L) & (h > 0)
+        nf = tl.where(pre, nf + 1, nf)
+        st = tl.where(pre, (st + h) % CAP, st)
+        h = tl.where(pre, 0, h)
+        if STEP:
+            fl = (h + 1 == L) | (force != 0)
+            nf = tl.where(fl, nf + 1, nf)
+            h = tl.where(fl, 0, h + 1)
+    tl.store(h_ptr + s, h, mask=ok)
+    tl.store(st_ptr + s, st, mask=ok)
+    tl.store(nf_ptr + s, nf, mask=ok)
+
+
+def advance_pointers(store: ReplayStore, state_indices, T: int = 1, step: bool = True,
+                     force_flush: bool = False, accepted=None):
+    """Move committed / n_flush after a step (step=True) or a verify of T drafts (step=False),
+    or after accept (accepted: int tensor [B] of accepted drafts)."""
+    B = state_indices.shape[0]
+    idx = _indices(state_indices, B, store.committed.device)
+    acc = None
+    if accepted is not None:
+        acc = accepted.to(device=idx.device, dtype=torch.int32).contiguous()
+    BLOCK = 256
+    _advance_kernel[(triton.cdiv(B, BLOCK),)](
+        store.committed, store.start, store.n_flush, idx, acc if acc is not None else idx, B,
+        L=store.L, CAP=store.capacity, T=T,
+        STEP=step, force=int(force_flush), HAS_ACC=acc is not None, BLOCK=BLOCK)
+
+
+def advance_pointers_ref(store: ReplayStore, state_indices, T: int = 1, step: bool = True,
+                         force_flush: bool = False, accepted=None):
+    idx = _indices(state_indices, state_indices.shape[0], store.committed.device).long()
+    for b, s in enumerate(idx.tolist()):
+        if s < 0:
+            continue
+        h, nf, st = int(store.committed[s]), int(store.n_flush[s]), int(store.start[s])
+        if accepted is not None:
+            h += int(accepted[b])
+        else:
+            if h + T > store.L and h > 0:
+                nf, st, h = nf + 1, (st + h) % store.capacity, 0
+            if step:
+                if h + 1 == store.L or force_flush:
+                    nf, h = nf + 1, 0
+                else:
+                    h += 1
+        store.committed[s] = h
+        store.n_flush[s] = nf
+        store.start[s] = st
+
+
+# ============================================================================ host side
+
+def replay_launch_config(store: ReplayStore, n_rows: int, block_v=None, num_warps=None):
+    """(BV, num_warps) from the shape: a written NVFP4 role needs whole matrices per program."""
+    N, H, dv, dk = store.shape
+    nv = store.anchor.fmt == "nvfp4" or (store.read is not None and store.read.fmt == "nvfp4")
+    if block_v is None:
+        if nv:
+            block_v = dv
+        elif n_rows * H >= 2048:
+            block_v = min(dv, 64)
+        else:
+            block_v = min(dv, 32)
+    if nv and block_v != dv:
+        raise ValueError("an NVFP4 role is written a whole matrix at a time: block_v must be d_v")
+    if dv % block_v or block_v & (block_v - 1) or block_v < 16:
+        raise ValueError(f"block_v={block_v} must be a power of two >= 16 dividing d_v={dv}")
+    if num_warps is None:
+        num_warps = max(2, min(8, block_v * dk // 1024))
+    return block_v, num_warps
+
+
+def choose_path(kind: str, n_rows: int, threshold: int | None = None) -> str:
+    """'replay' or 'flush': at small batch the decode step is launch-bound and the replay
+    bookkeeping buys nothing, so every step flushes (= the conventional read-modify-write on
+    the anchor, plus the read-copy write). The threshold comes from the H200 measurement in
+    results/bench/decode.json (below it the replay step was not faster)."""
+    if threshold is None:
+        threshold = DISPATCH_THRESHOLD[kind]
+    return "flush" if n_rows < threshold else "replay"
+
+
+# batch rows below which every step flushes (see choose_path); set from the H200 benchmark
+DISPATCH_THRESHOLD = {"gdn": 2, "mamba2": 2}
+
+
+def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, out, scale,
+            use_qk_l2norm, T, step, force, block_v, num_warps):
+    delta = store.kind == "gdn"
+    N, HV, dv, dk = store.shape
+    HK = store.key_heads
+    lead = (q.shape[0],) if T == 1 and step else (q.shape[0], T)
+    if q.dim() != len(lead) + 2:
+        raise ValueError(f"{'q' if delta else 'C'} must have shape {list(lead) + [HK, dk]}")
+    B = q.shape[0]
+    kind = store.kind
+    _check_inputs(kind, store.shape, B, {
+        "q" if delta else "C": (q, lead + (HK, dk)), "k" if delta else "B": (k, lead + (HK, dk)),
+        "v" if delta else "x": (v, lead + (HV, dv)), "a" if delta else "dt": (a, lead + (HV,)),
+        "b": (b, lead + (HV,)), "A_log" if delta else "A": (A, (HV,)), "dt_bias": (dt_bias, (HV,)),
+        "D": (D, (HV,)), "z": (z, lead + (HV, dv))})
+    for name, t in (("k" if delta else "B", k), ("v" if delta else "x", v)):
+        if t.dtype != torch.bfloat16:
+            raise ValueError(f"{name} must be bfloat16 (the replay buffer stores it in bf16), "
+                             f"got {t.dtype}")
+    if not step and T > store.max_drafts:
+        raise ValueError(f"T={T} drafts, but the store was built with max_drafts="
+                         f"{store.max_drafts} (ReplayStore.from_state(..., max_drafts=T))")
+    idx = _indices(state_indices, B, q.device)
+    if out is None:
+        out = torch.empty(*lead, HV, dv, dtype=torch.float32, device=q.device)
+    BV, nw = replay_launch_config(store, B, block_v, num_warps)
+    Ap, As, Ag, afid = store.anchor.kernel_args()
+    Rp, Rs, Rg, rfid = store.read_role.kernel_args()
+    rr = store.read_role.rounding == "stochastic"
+    q, k, v, a, b, A, dt_bias, D, z = map(_prep, (q, k, v, a, b, A, dt_bias, D, z))
+    dummy = a
+    ubuf = store.ubuf if store.ubuf is not None else store.vbuf
+    _replay_kernel[(B * HV, dv // BV)](
+        Ap, As, Ag, Rp, Rs, Rg,
+        store.kbuf, store.vbuf, ubuf, store.Gbuf, store.bbuf, store.committed, store.start,
+        store.n_flush,
+        idx, out, q, k, v, a, b if b is not None else dummy, A,
+        dt_bias if dt_bias is not None else dummy, D if D is not None else dummy,
+        z if z is not None else dummy,
+        float(scale if scale is not None else 1.0 / math.sqrt(dk)), *split_key(store.key),
+        int(force),
+        HK=HK, HV=HV, DK=dk, DV=dv, BV=BV, L=store.L, CAP=store.capacity, LP=max(16, triton.next_power_of_2(store.L)),
+        T=T, STEP=step, AFMT=afid, ASR=store.anchor.rounding == "stochastic", RFMT=rfid, RSR=rr,
+        SHARED=store.shared, DELTA=delta, L2NORM=use_qk_l2norm, HAS_DTB=dt_bias is not None,
+        HAS_D=D is not None, HAS_Z=z is not None,
+        U_BF16=store.ubuf is not None and store.ubuf.dtype == torch.bfloat16, num_warps=nw)
+    return out, idx
+
+
+def _no_pending(store):
+    if store.pending_T:
+        raise ValueError(f"step: {store.pending_T} drafts are pending; call replay_accept first")
+
+
+def _force(path, kind, B):
+    if path not in ("auto", "replay", "flush"):
+        raise ValueError(f"path must be 'auto', 'replay' or 'flush', got {path!r}")
+    if path == "auto":
+        path = choose_path(kind, B)
+    return path == "flush"
+
+
+def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, state_indices=None,
+                    scale=None, out=None, use_qk_l2norm=True, path="auto", block_v=None,
+                    num_warps=None, advance=True):
+    """One GDN replay decode step for a batch (Triton), inputs as conventional_gdn_step
+    (k, v bf16). path: 'replay', 'flush' (every step flushes) or 'auto' (choose_path).
+    Returns y float32 [B, H, d_v]; with advance=False the caller moves the pointers
+    (advance_pointers with the same force_flush)."""
+    if store.kind != "gdn":
+        raise ValueError("replay_gdn_step needs a store built with kind='gdn'")
+    if b is None:
+        raise ValueError("GDN needs b (beta logits) [batch, value heads]")
+    _no_pending(store)
+    force = _force(path, "gdn", q.shape[0])
+    out, idx = _launch(store, q, k, v, a, b, A_log, dt_bias, None, None, state_indices, out,
+                       scale, use_qk_l2norm, 1, True, force, block_v, num_warps)
+    if advance:
+        advance_pointers(store, idx, 1, True, force)
+    return out
+
+
+def replay_mamba2_step(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None, z=None,
+                       dt_bias=None, out=None, path="auto", block_v=None, num_warps=None,
+                       advance=True):
+    """One Mamba-2 replay decode step (Triton), inputs as conventional_mamba2_step (x, B bf16)."""
+    if store.kind != "mamba2":
+        raise ValueError("replay_mamba2_step needs a store built with kind='mamba2'")
+    _no_pending(store)
+    force = _force(path, "mamba2", x.shape[0])
+    out, idx = _launch(store, C, B, x, dt, None, A, dt_bias, D, z, state_indices, out, None,
+                       False, 1, True, force, block_v, num_warps)
+    if advance:
+        advance_pointers(store, idx, 1, True, force)
+    return out
+
+
+# ============================================================================ torch reference
+
+def _ring(store, start, n):
+    return [(start + j) % store.capacity for j in range(n)]
+
+
+def _entries_ref(store: ReplayStore, s: int, n: int, L2: bool, start: int):
+    """Float32 entries 0..n-1 of slot s for all heads: K [H, n, dk], V (GDN raw v; Mamba v = dt x)
+    [H, n, dv], U (GDN stored u) [H, n, dv], G [H, n], Bt [H, n]."""
+    H = store.shape[1]
+    r = H // store.key_heads
+    pos = _ring(store, start, n)
+    K = store.kbuf[s, pos].float().transpose(0, 1).repeat_interleave(r, dim=0)
+    if store.kind == "gdn" and L2:
+        K = K * torch.rsqrt((K * K).sum(-1, keepdim=True) + 1e-6)
+    V = store.vbuf[s, pos].float().transpose(0, 1)
+    G = store.Gbuf[s, pos].transpose(0, 1)
+    Bt = store.bbuf[s, pos].transpose(0, 1)
+    if store.kind == "mamba2":
+        V = Bt.unsqueeze(-1) * V
+    U = None if store.ubuf is None else store.ubuf[s, pos].float().transpose(0, 1)
+    return K, V, U, G, Bt
+
+
+def _rebuild_ref(A, K, V, G, Bt, delta):
+    """core.rebuild for one slot, all heads: A [H, dv, dk]; K [H, n, dk]; V [H, n, dv]; n >= 1."""
+    n = G.shape[1]
+    Gn = G[:, n - 1]
+    if delta:
+        Ak = torch.matmul(K, A.transpose(-1, -2))                       # [H, n, dv]
+        rhs = Bt.unsqueeze(-1) * (V - torch.exp(G).unsqueeze(-1) * Ak)
+        KK = torch.matmul(K, K.transpose(-1, -2))
+        U = rhs.clone()
+        for j in range(1, n):
+            w = torch.exp(G[:, j:j + 1] - G[:, :j]) * KK[:, j, :j]       # [H, j]
+            U[:, j] = rhs[:, j] - Bt[:, j:j + 1] * torch.einsum("hi,hid->hd", w, U[:, :j])
+    else:
+        U = V
+    w = torch.exp(Gn.unsqueeze(-1) - G)
+    return torch.exp(Gn)[:, None, None] * A + torch.matmul((U * w.unsqueeze(-1)).transpose(-1, -2), K)
+
+
+def _write_roles_ref(store: ReplayStore, s: int, S, fi: int):
+    H = store.shape[1]
+    store.anchor.write_([s], S[None], store.key, role_streams(fi, ANCHOR, [s], H))
+    if store.read is not None:
+        store.read.write_([s], S[None], store.key, role_streams(fi, READ, [s], H))
+
+
+def replay_ref_core(store: ReplayStore, fe, raw, state_indices, T: int, step: bool, force: bool,
+                    post=None):
+    """Torch twin of _replay_kernel. fe: front-end tensors (q, k, v, log_a, gate2) float32 with
+    value heads, each [B, T, H, ...] (gate2: GDN beta, Mamba-2 dt); raw: (k raw [B, T, HK, dk], x/v raw [B, T, H, dv]) as
+    stored. post(y, b, t) applies the Mamba-2 D skip / z gate. Returns y [B, T, H, dv]."""
+    q, k, v, log_a, beta = fe
+    kraw, xraw = raw
+    delta = store.kind == "gdn"
+    B = q.shape[0]
+    N, H, dv, dk = store.shape
+    L = store.L
+    r = H // store.key_heads
+    idx = _indices(state_indices, B, q.device).long()
+    y = torch.zeros(B, T, H, dv, dtype=torch.float32, device=q.device)
+    bf = torch.bfloat16 if store.ubuf is None else store.ubuf.dtype
+    for b_, s in enumerate(idx.tolist()):
+        if s < 0:
+            continue
+        h, nf, start = int(store.committed[s]), int(store.n_flush[s]), int(store.start[s])
+        if h + T > L and h > 0:
+            K, V, _, G, Bt = _entries_ref(store, s, h, True, start)
+            S = _rebuild_ref(store.anchor.dequantize([s])[0], K, V, G, Bt, delta)
+            _write_roles_ref(store, s, S, nf + 1)
+            nf, start, h = nf + 1, (start + h) % store.capacity, 0
+        if step and (h + 1 == L or force):
+            A = store.anchor.dequantize([s])[0]
+            K, V, _, G, Bt = _entries_ref(store, s, h, True, start)
+            Gh = (G[:, h - 1] if h > 0 else torch.zeros(H)) + log_a[b_, 0]
+            K = torch.cat([K, k[b_, 0].unsqueeze(1)], 1)
+            V = torch.cat([V, v[b_, 0].unsqueeze(1)], 1)
+            G = torch.cat([G, Gh.unsqueeze(1)], 1)
+            Bt = torch.cat([Bt, beta[b_, 0].unsqueeze(1)], 1)
+            S = _rebuild_ref(A, K, V, G, Bt, delta)
+            y[b_, 0] = (S * q[b_, 0].unsqueeze(1)).sum(-1)
+            _write_roles_ref(store, s, S, nf + 1)
+        else:
+            R = store.read_role.dequantize([s])[0]
+            K, V, U, G, Bt = _entries_ref(store, s, h, True, start)
+            X = U if delta else V
+            Gp = G[:, h - 1] if h > 0 else torch.zeros(H)
+            for t in range(T):
+                p = h + t
+                Gp = Gp + log_a[b_, t]
+                wdec = torch.exp(Gp.unsqueeze(-1) - G)                  # [H, p]
+                eG = torch.exp(Gp)
+                kt, qt = k[b_, t], q[b_, t]
+                if delta:
+                    corr = torch.einsum("hj,hjd->hd", wdec * (K * kt.unsqueeze(1)).sum(-1), X)
+                    rk = (R * kt.unsqueeze(1)).sum(-1)
+                    bt = beta[b_, t].unsqueeze(-1)
+                    u = bt * (v[b_, t] - eG.unsqueeze(-1) * rk) - bt * corr
+                    u = u.to(bf).float()
+                else:
+                    u = v[b_, t]
+                qk = (K * qt.unsqueeze(1)).sum(-1)
+                y[b_, t] = eG.unsqueeze(-1) * (R * qt.unsqueeze(1)).sum(-1) \
+                    + torch.einsum("hj,hjd->hd", wdec * qk, X) + (kt * qt).sum(-1, keepdim=True) * u
+                K = torch.cat([K, kt.unsqueeze(1)], 1)
+                X = torch.cat([X, u.unsqueeze(1)], 1)
+                G = torch.cat([G, Gp.unsqueeze(1)], 1)
+                p = (start + p) % store.capacity
+                store.kbuf[s, p] = kraw[b_, t].to(torch.bfloat16)
+                store.vbuf[s, p] = xraw[b_, t].to(torch.bfloat16)
+                if delta:
+                    store.ubuf[s, p] = u.to(store.ubuf.dtype)
+                store.bbuf[s, p] = beta[b_, t]
+                store.Gbuf[s, p] = Gp
+        if post is not None:
+            for t in range(T):
+                y[b_, t] = post(y[b_, t], b_, t)
+    return y
+
+
+def replay_gdn_step_ref(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None,
+                        state_indices=None, scale=None, out=None, use_qk_l2norm=True, path="auto",
+                        block_v=None, num_warps=None, advance=True):
+    """torch reference of replay_gdn_step (same signature, same effect on the store)."""
+    force = _force(path, "gdn", q.shape[0])
+    qf, kf, vf, g, beta = gdn_frontend_ref(q, k, v, a, b, A_log, dt_bias, scale, use_qk_l2norm)
+    fe = tuple(t.unsqueeze(1) for t in (qf, kf, vf, g, beta))
+    y = replay_ref_core(store, fe, (k.unsqueeze(1), v.unsqueeze(1)), state_indices, 1, True,
+                        force)[:, 0]
+    if advance:
+        advance_pointers_ref(store, _indices(state_indices, q.shape[0], q.device), 1, True, force)
+    if out is not None:
+        out.copy_(y)
+        return out
+    return y
+
+
+def replay_mamba2_step_ref(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None, z=None,
+                           dt_bias=None, out=None, path="auto", block_v=None, num_warps=None,
+                           advance=True):
+    """torch reference of replay_mamba2_step."""
+    force = _force(path, "mamba2", x.shape[0])
+    q, k, v, log_a, d = mamba2_frontend_ref(x, dt, A, B, C, dt_bias)
+    fe = tuple(t.unsqueeze(1) for t in (q, k, v, log_a, d))
+    post = lambda y, b_, t: mamba2_post_ref(y[None], x[b_:b_ + 1], D,  # noqa: E731
+                                            None if z is None else z[b_:b_ + 1])[0]
+    y = replay_ref_core(store, fe, (B.unsqueeze(1), x.unsqueeze(1)), state_indices, 1, True, force,
+                        post)[:, 0]
+    if advance:
+        advance_pointers_ref(store, _indices(state_indices, x.shape[0], x.device), 1, True, force)
+    if out is not None:
+        out.copy_(y)
+        return out
+    return y

@@ -1,0 +1,247 @@
+"""Replay decode step (Triton, interpreter) against its torch reference and against ReplayState,
+over many steps across several flushes: every shipped pair, GDN and Mamba-2, odd batch sizes,
+padding rows, SR, poisoned outputs and poisoned (never-read) buffer entries."""
+
+import pytest
+import torch
+
+from replayquant.bench.decode import (gdn_params, gdn_step_inputs, mamba2_params,
+                                      mamba2_step_inputs, random_state)
+from replayquant.kernels.conventional import (ConventionalStore, conventional_gdn_step,
+                                              conventional_mamba2_step, gdn_frontend_ref,
+                                              mamba2_frontend_ref, mamba2_post_ref)
+from replayquant.kernels.replay_decode import (ReplayStore, choose_path, replay_gdn_step,
+                                               replay_gdn_step_ref, replay_mamba2_step,
+                                               replay_mamba2_step_ref)
+from replayquant.pairs import PrecisionPair, list_pairs
+from replayquant.replay import ReplayState
+
+PAIRS = ["s32_rs", "s16_sr", "sbf16", "tp8_hi32", "tp4_hi32", "tp8_hi16_sr", "tp4_hi16_sr",
+         "f4_sr_rs"]
+
+
+def assert_states_close(a, b, tight=1e-5, frac=0.02):
+    assert torch.isfinite(a).all() and torch.isfinite(b).all()
+    scale = b.abs().max().clamp(min=1e-30)
+    d = (a - b).abs()
+    assert (d > tight * scale).float().mean() <= frac, (d.max() / scale).item()
+    assert d.max() <= 0.5 * scale
+
+
+def _tol(pair):
+    """Output tolerance: FP32 reassociation, or one grid step of a low-precision copy where the
+    tiny difference of an unrounded state crossed a rounding boundary."""
+    fp32 = pair.read_spec.format == "fp32" and pair.anchor.format == "fp32"
+    return 1e-5 if fp32 else 1e-3
+
+
+def poison_buffers(store):
+    """Buffer entries are never read before they are written: NaN everywhere must not leak."""
+    for t in (store.kbuf, store.vbuf, store.ubuf, store.Gbuf, store.bbuf):
+        if t is not None:
+            t.view(torch.uint8).fill_(0xFF)
+
+
+class Driver:
+    """Runs one step of either kind on the kernel and (optionally) the reference."""
+
+    def __init__(self, kind, B, HK, H, dk, dv):
+        self.kind, self.B, self.HK, self.H, self.dk, self.dv = kind, B, HK, H, dk, dv
+
+    def inputs(self, seed):
+        if self.kind == "gdn":
+            return gdn_step_inputs(self.B, self.HK, self.H, self.dk, self.dv, seed=seed) \
+                + gdn_params(self.H, seed)
+        x, dt, Bm, C, z = mamba2_step_inputs(self.B, self.HK, self.H, self.dk, self.dv, seed=seed)
+        A, D, dtb = mamba2_params(self.H, seed)
+        return x, dt, A, Bm, C, D, z, dtb
+
+    def step(self, fn, store, inp, idx, out=None, path="replay"):
+        if self.kind == "gdn":
+            q, k, v, a, b, A_log, dtb = inp
+            return fn(store, q, k, v, a, b, A_log, dtb, state_indices=idx, out=out, path=path)
+        x, dt, A, Bm, C, D, z, dtb = inp
+        return fn(store, x, dt, A, Bm, C, state_indices=idx, D=D, z=z, dt_bias=dtb, out=out,
+                  path=path)
+
+    def kernel(self, store, inp, idx, path="replay"):
+        out = torch.full((self.B, self.H, self.dv), float("nan"))
+        fn = replay_gdn_step if self.kind == "gdn" else replay_mamba2_step
+        y = self.step(fn, store, inp, idx, out=out, path=path)
+        assert y is out and torch.isfinite(y).all()
+        return y
+
+    def ref(self, store, inp, idx, path="replay"):
+        fn = replay_gdn_step_ref if self.kind == "gdn" else replay_mamba2_step_ref
+        return self.step(fn, store, inp, idx, path=path)
+
+    def core_inputs(self, inp):
+        """(q, k, v, log_a[, beta]) for ReplayState and the post-processing of y."""
+        if self.kind == "gdn":
+            q, k, v, a, b, A_log, dtb = inp
+            return gdn_frontend_ref(q, k, v, a, b, A_log, dtb), None
+        x, dt, A, Bm, C, D, z, dtb = inp
+        return mamba2_frontend_ref(x, dt, A, Bm, C, dtb)[:4], \
+            (lambda y, rows: mamba2_post_ref(y, x[rows], D, z[rows]))
+
+
+def test_shipped_pairs_are_covered():
+    assert set(PAIRS) == set(list_pairs())
+
+
+@pytest.mark.parametrize("kind", ["gdn", "mamba2"])
+@pytest.mark.parametrize("pair", PAIRS)
+def test_replay_step_matches_reference(kind, pair):
+    """7 steps with L = 3 (two in-kernel flushes per row), rows of different phase."""
+    N, HK, H, dk, dv = 4, 1, 2, 32, 16
+    dr = Driver(kind, 5, HK, H, dk, dv)
+    init = random_state(N, H, dv, dk, seed=21)
+    store = ReplayStore.from_state(init, pair, kind, key_heads=HK, seed=13, layer=1,
+                                   buffer_len=3, u_dtype=torch.float32)
+    poison_buffers(store)
+    ref = store.clone()
+    idx = torch.tensor([2, -1, 0, 3, 1])
+    for step in range(7):
+        if step == 2:                                  # put slot 3 out of phase
+            idx = torch.tensor([2, -1, 0, -1, 1])
+        if step == 3:
+            idx = torch.tensor([2, 3, 0, -1, 1])
+        inp = dr.inputs(seed=step)
+        y = dr.kernel(store, inp, idx)
+        y2 = dr.ref(ref, inp, idx)
+        assert (y[idx < 0] == 0).all()
+        tol = _tol(PrecisionPair.load(pair))
+        torch.testing.assert_close(y, y2, rtol=tol, atol=tol * y2.abs().max().item())
+        assert torch.equal(store.committed, ref.committed)
+        assert torch.equal(store.n_flush, ref.n_flush)
+    assert store.n_flush.tolist() == [2, 2, 2, 2] and store.committed.tolist() == [1, 1, 1, 0]
+    assert_states_close(store.anchor.dequantize(), ref.anchor.dequantize())
+    assert_states_close(store.read_role.dequantize(), ref.read_role.dequantize())
+    for name in ("kbuf", "vbuf"):       # raw inputs: bit-identical entries
+        a, b = getattr(store, name), getattr(ref, name)
+        live = torch.isfinite(b.float())
+        assert torch.equal(torch.isfinite(a.float()), live) and torch.equal(a[live], b[live])
+
+
+@pytest.mark.parametrize("kind", ["gdn", "mamba2"])
+@pytest.mark.parametrize("pair", ["s32_rs", "tp8_hi32", "tp4_hi16_sr", "f4_sr_rs"])
+def test_replay_step_matches_replay_state(kind, pair):
+    """The specification: ReplayState fed the same front-end tensors (rows = state slots)."""
+    N, HK, H, dk, dv = 4, 1, 2, 32, 32
+    P = PrecisionPair.load(pair).with_buffer_len(4)
+    dr = Driver(kind, 5, HK, H, dk, dv)
+    init = random_state(N, H, dv, dk, seed=5)
+    store = ReplayStore.from_state(init, P, kind, key_heads=HK, seed=3, u_dtype=torch.float32)
+    rs = ReplayState(init, P, delta=kind == "gdn", seed=3)
+    idx = torch.tensor([2, -1, 0, 3, 1])
+    live = idx >= 0
+    perm = torch.empty(N, dtype=torch.long)
+    perm[idx[live]] = live.nonzero().flatten()
+    for step in range(9):
+        inp = dr.inputs(seed=50 + step)
+        y = dr.kernel(store, inp, idx)
+        fe, post = dr.core_inputs(inp)
+        yr = rs.step(*[t[perm] for t in fe])
+        if post is not None:
+            yr = post(yr, perm)
+        torch.testing.assert_close(y[perm], yr, rtol=_tol(P), atol=_tol(P) * yr.abs().max().item())
+    assert store.committed.tolist() == rs.committed.tolist()
+    assert store.n_flush.tolist() == rs.flushes.tolist() == [2] * 4
+    assert_states_close(store.anchor.dequantize(), rs.anchor())
+    assert_states_close(store.read_role.dequantize(), rs.read_copy())
+
+
+def test_replay_bf16_u_buffer_against_reference():
+    """Default buffer precision (u in bf16): the reference models the bf16 storage of u."""
+    N, HK, H, dk, dv = 3, 1, 2, 32, 16
+    dr = Driver("gdn", 3, HK, H, dk, dv)
+    store = ReplayStore.from_state(random_state(N, H, dv, dk), "tp4_hi32", "gdn", key_heads=HK,
+                                   buffer_len=4)
+    assert store.ubuf.dtype == torch.bfloat16
+    ref = store.clone()
+    for step in range(6):
+        inp = dr.inputs(seed=step)
+        y, y2 = dr.kernel(store, inp, None), dr.ref(ref, inp, None)
+        # a one-ulp bf16 difference of a cached u moves an output by ~2^-8 of that term
+        torch.testing.assert_close(y, y2, rtol=2e-2, atol=2e-2 * y2.abs().max().item())
+    assert_states_close(store.anchor.dequantize(), ref.anchor.dequantize())
+
+
+@pytest.mark.parametrize("kind", ["gdn", "mamba2"])
+def test_L1_shared_fp32_equals_conventional_bitwise(kind):
+    """DESIGN invariant 1 for the kernels: L = 1, shared FP32 is the conventional kernel."""
+    N, HK, H, dk, dv = 3, 1, 2, 16, 16
+    dr = Driver(kind, 3, HK, H, dk, dv)
+    init = random_state(N, H, dv, dk, seed=8)
+    store = ReplayStore.from_state(init, "s32_rs", kind, key_heads=HK, buffer_len=1)
+    conv = ConventionalStore.from_state(init, "fp32")
+    for step in range(3):
+        inp = dr.inputs(seed=step)
+        y = dr.kernel(store, inp, None)
+        if kind == "gdn":
+            q, k, v, a, b, A_log, dtb = inp
+            yc = conventional_gdn_step(conv, q, k, v, a, b, A_log, dtb)
+        else:
+            x, dt, A, Bm, C, D, z, dtb = inp
+            yc = conventional_mamba2_step(conv, x, dt, A, Bm, C, D=D, z=z, dt_bias=dtb)
+        assert torch.equal(y, yc)
+    assert torch.equal(store.anchor.payload, conv.state.payload)
+
+
+def test_flush_path_equals_conventional_with_sr():
+    """path='flush' (the small-batch dispatch): every step flushes; with a shared SR pair this
+    is the conventional read-modify-write, bit for bit (same SR streams)."""
+    N, HK, H, dk, dv = 3, 1, 2, 16, 16
+    dr = Driver("gdn", 3, HK, H, dk, dv)
+    init = random_state(N, H, dv, dk, seed=2)
+    store = ReplayStore.from_state(init, "s16_sr", "gdn", key_heads=HK, seed=4)
+    conv = ConventionalStore.from_state(init, "fp16", "stochastic", seed=4)
+    for step in range(3):
+        inp = dr.inputs(seed=step)
+        y = dr.kernel(store, inp, None, path="flush")
+        q, k, v, a, b, A_log, dtb = inp
+        assert torch.equal(y, conventional_gdn_step(conv, q, k, v, a, b, A_log, dtb))
+    assert torch.equal(store.anchor.payload, conv.state.payload)
+    assert store.committed.tolist() == [0, 0, 0] and store.n_flush.tolist() == [3, 3, 3]
+
+
+def test_flush_path_mid_window_and_blocks():
+    """A forced flush with entries pending folds them (rebuild); several row blocks per matrix."""
+    N, HK, H, dk, dv = 2, 2, 4, 16, 32
+    dr = Driver("gdn", 2, HK, H, dk, dv)
+    store = ReplayStore.from_state(random_state(N, H, dv, dk), "tp8_hi32", "gdn", key_heads=HK,
+                                   buffer_len=8, u_dtype=torch.float32)
+    ref = store.clone()
+    for step, path in enumerate(["replay", "replay", "flush", "replay"]):
+        inp = dr.inputs(seed=step)
+        out = torch.full((2, H, dv), float("nan"))
+        fn_in = inp
+        y = replay_gdn_step(store, *fn_in[:5], *fn_in[5:], out=out, path=path, block_v=16)
+        y2 = dr.ref(ref, inp, None, path=path)
+        torch.testing.assert_close(y, y2, rtol=1e-4, atol=1e-5 * y2.abs().max().item())
+    assert store.committed.tolist() == [1, 1] and store.n_flush.tolist() == [1, 1]
+    assert_states_close(store.anchor.dequantize(), ref.anchor.dequantize())
+
+
+def test_dispatcher():
+    assert choose_path("gdn", 1) == "flush"
+    assert choose_path("gdn", 256) == "replay"
+    assert choose_path("mamba2", 3, threshold=4) == "flush"
+
+
+def test_replay_bad_inputs():
+    store = ReplayStore.from_state(random_state(2, 2, 16, 16), "s32_rs", "gdn", key_heads=1)
+    q, k, v, a, b = gdn_step_inputs(2, 1, 2, 16, 16)
+    A_log, dtb = gdn_params(2)
+    with pytest.raises(ValueError, match="bfloat16"):
+        replay_gdn_step(store, q, k.float(), v, a, b, A_log, dtb)
+    with pytest.raises(ValueError, match="path"):
+        replay_gdn_step(store, q, k, v, a, b, A_log, dtb, path="fast")
+    with pytest.raises(ValueError, match="kind"):
+        replay_mamba2_step(store, v, a, A_log, k, q)
+    with pytest.raises(ValueError, match="key_heads"):
+        ReplayStore.from_state(random_state(2, 3, 16, 16), "s32_rs", "gdn", key_heads=2)
+    nv = ReplayStore.from_state(random_state(2, 2, 32, 16), "tp4_hi32", "gdn", key_heads=1)
+    with pytest.raises(ValueError, match="block_v must be d_v"):
+        replay_gdn_step(nv, q, k, gdn_step_inputs(2, 1, 2, 16, 32)[2], a, b, A_log, dtb,
+                        block_v=16)

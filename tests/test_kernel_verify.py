@@ -1,0 +1,202 @@
+"""Speculative verify + accept (replay) and the per-draft snapshot baseline (conventional), Triton
+in the interpreter, against their torch references and against ReplayState / ConventionalState,
+over many rounds with random accept counts including 0 and T, mixed with plain decode steps."""
+
+import pytest
+import torch
+
+from replayquant.bench.decode import (gdn_params, gdn_step_inputs, mamba2_params,
+                                      mamba2_step_inputs, random_state)
+from replayquant.kernels.conventional import (ConventionalStore, gdn_frontend_ref,
+                                              mamba2_frontend_ref, mamba2_post_ref)
+from replayquant.kernels.replay_decode import (ReplayStore, replay_gdn_step, replay_gdn_step_ref,
+                                               replay_mamba2_step, replay_mamba2_step_ref)
+from replayquant.kernels.verify import (conventional_accept, conventional_accept_ref,
+                                        conventional_gdn_verify, conventional_gdn_verify_ref,
+                                        conventional_mamba2_verify,
+                                        conventional_mamba2_verify_ref, make_snapshots,
+                                        replay_accept, replay_accept_ref, replay_gdn_verify,
+                                        replay_gdn_verify_ref, replay_mamba2_verify,
+                                        replay_mamba2_verify_ref)
+from replayquant.pairs import PrecisionPair
+from replayquant.replay import ConventionalState, ReplayState
+
+N, HK, H, DK, DV = 4, 1, 2, 32, 16
+IDX = torch.tensor([2, -1, 0, 3, 1])
+LIVE = IDX >= 0
+PERM = torch.empty(N, dtype=torch.long)
+PERM[IDX[LIVE]] = LIVE.nonzero().flatten()
+
+
+def assert_states_close(a, b, tight=1e-5, frac=0.02):
+    assert torch.isfinite(a).all() and torch.isfinite(b).all()
+    scale = b.abs().max().clamp(min=1e-30)
+    d = (a - b).abs()
+    assert (d > tight * scale).float().mean() <= frac, (d.max() / scale).item()
+    assert d.max() <= 0.5 * scale
+
+
+def close(y, yr, tol):
+    torch.testing.assert_close(y, yr, rtol=tol, atol=tol * yr.abs().max().item())
+
+
+def inputs(kind, T, seed):
+    """(kernel args, core tensors flattened for ReplayState with rows on slots, post)."""
+    B = IDX.shape[0]
+    if kind == "gdn":
+        q, k, v, a, b = gdn_step_inputs(B, HK, H, DK, DV, T=T, seed=seed)
+        A_log, dtb = gdn_params(H, seed)
+        lead = q.shape[:-2]
+        fe = gdn_frontend_ref(q.reshape(-1, HK, DK), k.reshape(-1, HK, DK), v.reshape(-1, H, DV),
+                              a.reshape(-1, H), b.reshape(-1, H), A_log, dtb)
+        fe = [t.reshape(*lead, *t.shape[1:])[PERM] for t in fe]
+        return dict(q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dtb), fe, None
+    x, dt, Bm, C, z = mamba2_step_inputs(B, HK, H, DK, DV, T=T, seed=seed)
+    A, D, dtb = mamba2_params(H, seed)
+    lead = x.shape[:-2]
+    fe = mamba2_frontend_ref(x.reshape(-1, H, DV), dt.reshape(-1, H), A, Bm.reshape(-1, HK, DK),
+                             C.reshape(-1, HK, DK), dtb)[:4]
+    fe = [t.reshape(*lead, *t.shape[1:])[PERM] for t in fe]
+    post = lambda y: mamba2_post_ref(y, x[PERM], D, z[PERM])  # noqa: E731
+    if T is not None:
+        post = lambda y: torch.stack([mamba2_post_ref(y[:, t], x[PERM, t], D, z[PERM, t])  # noqa
+                                      for t in range(T)], 1)
+    return dict(x=x, dt=dt, A=A, B=Bm, C=C, D=D, z=z, dt_bias=dtb), fe, post
+
+
+def call(fn, store, kw, extra=()):
+    return fn(store, *extra, **kw, state_indices=IDX)
+
+
+FN = {
+    "gdn": (replay_gdn_step, replay_gdn_step_ref, replay_gdn_verify, replay_gdn_verify_ref,
+            conventional_gdn_verify, conventional_gdn_verify_ref),
+    "mamba2": (replay_mamba2_step, replay_mamba2_step_ref, replay_mamba2_verify,
+               replay_mamba2_verify_ref, conventional_mamba2_verify,
+               conventional_mamba2_verify_ref),
+}
+
+
+def _accepts(rnd, T):
+    g = torch.Generator().manual_seed(rnd)
+    n = torch.randint(0, T + 1, (IDX.shape[0],), generator=g)
+    n[0] = [0, T, 1][rnd % 3]                      # 0 and T always occur
+    return n
+
+
+@pytest.mark.parametrize("kind", ["gdn", "mamba2"])
+@pytest.mark.parametrize("pair", ["s32_rs", "tp4_hi16_sr", "tp8_hi32"])
+def test_replay_verify_accept(kind, pair):
+    """Rounds of step / verify(T=3) + random accept with L = 5 (pre-flushes of committed entries
+    inside verify, h = L left by accept then flushed by the next step): kernel vs reference vs
+    ReplayState, outputs, pointers, anchor and read copy."""
+    T = 3
+    P = PrecisionPair.load(pair).with_buffer_len(5)
+    tol = 1e-5 if pair == "s32_rs" else 1e-3
+    step, step_ref, ver, ver_ref = FN[kind][:4]
+    init = random_state(N, H, DV, DK, seed=31)
+    st = ReplayStore.from_state(init, P, kind, key_heads=HK, seed=6, u_dtype=torch.float32,
+                                max_drafts=T)
+    ref = st.clone()
+    rs = ReplayState(init, P, delta=kind == "gdn", seed=6)
+    for rnd in range(7):
+        if rnd % 3 == 2:
+            kw, fe, post = inputs(kind, None, seed=rnd)
+            y, y2 = call(step, st, kw), call(step_ref, ref, kw)
+            yr = rs.step(*fe)
+        else:
+            kw, fe, post = inputs(kind, T, seed=rnd)
+            out = torch.full((IDX.shape[0], T, H, DV), float("nan"))
+            y = ver(st, **kw, state_indices=IDX, out=out)
+            assert y is out and torch.isfinite(y).all()
+            y2 = call(ver_ref, ref, kw)
+            yr = rs.verify(*fe)
+            n = _accepts(rnd, T)
+            replay_accept(st, n, IDX)
+            replay_accept_ref(ref, n, IDX)
+            rs.accept(n[PERM])
+        if post is not None:
+            yr = post(yr)
+        assert (y[~LIVE] == 0).all()
+        close(y, y2, tol)
+        close(y[PERM], yr, tol)
+        assert st.committed.tolist() == ref.committed.tolist() == rs.committed.tolist()
+        assert st.n_flush.tolist() == ref.n_flush.tolist() == rs.flushes.tolist()
+    assert max(st.n_flush.tolist()) >= 1
+    assert_states_close(st.anchor.dequantize(), rs.anchor())
+    assert_states_close(st.read_role.dequantize(), rs.read_copy())
+    assert_states_close(st.anchor.dequantize(), ref.anchor.dequantize())
+
+
+def test_rejected_drafts_change_nothing():
+    """verify + accept(0) leaves anchor, read copy and every later output bit-identical."""
+    T = 2
+    init = random_state(N, H, DV, DK, seed=2)
+    a = ReplayStore.from_state(init, "tp4_hi16_sr", "gdn", key_heads=HK, buffer_len=4,
+                               max_drafts=T)
+    b = a.clone()
+    kw, _, _ = inputs("gdn", None, seed=0)
+    call(replay_gdn_step, a, kw)
+    call(replay_gdn_step, b, kw)
+    kwT, _, _ = inputs("gdn", T, seed=1)
+    replay_gdn_verify(a, **kwT, state_indices=IDX)
+    replay_accept(a, torch.zeros(IDX.shape[0], dtype=torch.long), IDX)
+    for s in range(4):                               # through the next flush
+        kw, _, _ = inputs("gdn", None, seed=10 + s)
+        assert torch.equal(call(replay_gdn_step, a, kw), call(replay_gdn_step, b, kw))
+    assert torch.equal(a.anchor.payload, b.anchor.payload)
+    assert torch.equal(a.read.payload, b.read.payload)
+
+
+@pytest.mark.parametrize("kind", ["gdn", "mamba2"])
+@pytest.mark.parametrize("pair", ["s32_rs", "s16_sr", "f4_sr_rs"])
+def test_conventional_snapshot_verify(kind, pair):
+    """Per-draft snapshots (vLLM's scheme): kernel vs reference vs ConventionalState, poisoned
+    snapshot buffers, random accept counts (restore snapshot n; n = 0 leaves the state)."""
+    T = 3
+    P = PrecisionPair.load(pair)
+    tol = 1e-5 if pair == "s32_rs" else 1e-3
+    ver, ver_ref = FN[kind][4:]
+    init = random_state(N, H, DV, DK, seed=41)
+    cs = ConventionalStore.from_state(init, P.anchor.format, P.anchor.rounding, seed=8)
+    ref = cs.clone()
+    snaps, snaps_ref = make_snapshots(cs, T), make_snapshots(ref, T)
+    snaps.payload.view(torch.uint8).fill_(0xFF)
+    cst = ConventionalState(init, P, delta=kind == "gdn", seed=8)
+    for rnd in range(3):
+        kw, fe, post = inputs(kind, T, seed=rnd)
+        out = torch.full((IDX.shape[0], T, H, DV), float("nan"))
+        y = ver(cs, snaps, **kw, state_indices=IDX, out=out)
+        assert y is out and torch.isfinite(y).all() and (y[~LIVE] == 0).all()
+        y2 = ver_ref(ref, snaps_ref, **kw, state_indices=IDX)
+        yr = cst.verify(*fe)
+        if post is not None:
+            yr = post(yr)
+        close(y, y2, tol)
+        close(y[PERM], yr, tol)
+        n = _accepts(rnd, T)
+        conventional_accept(cs, snaps, n, IDX)
+        conventional_accept_ref(ref, snaps_ref, n, IDX)
+        cst.accept(n[PERM])
+        assert cs.n_casts.tolist() == ref.n_casts.tolist() == cst.flushes.tolist()
+    assert_states_close(cs.state.dequantize(), cst.anchor())
+    assert_states_close(cs.state.dequantize(), ref.state.dequantize())
+
+
+def test_verify_bad_inputs():
+    st = ReplayStore.from_state(random_state(N, H, DV, DK), "s32_rs", "gdn", key_heads=HK,
+                                buffer_len=4, max_drafts=2)
+    kw, _, _ = inputs("gdn", 3, seed=0)
+    with pytest.raises(ValueError, match="max_drafts"):
+        replay_gdn_verify(st, **kw, state_indices=IDX)
+    with pytest.raises(ValueError, match="no drafts pending"):
+        replay_accept(st, torch.zeros(5, dtype=torch.long), IDX)
+    kw, _, _ = inputs("gdn", 2, seed=0)
+    replay_gdn_verify(st, **kw, state_indices=IDX)
+    with pytest.raises(ValueError, match="pending"):
+        call(replay_gdn_step, st, inputs("gdn", None, seed=1)[0])
+    with pytest.raises(ValueError, match="0..T=2"):
+        replay_accept(st, torch.full((5,), 3), IDX)
+    cs = ConventionalStore.from_state(random_state(N, H, DV, DK), "fp32")
+    with pytest.raises(ValueError, match="make_snapshots"):
+        conventional_gdn_verify(cs, make_snapshots(cs, 3), **kw, state_indices=IDX)
