@@ -132,7 +132,9 @@ def gdn_forward(self, hidden_states, cache=None, attention_mask=None, cache_para
     key = key.reshape(B, T, -1, self.head_k_dim)
     value = value.reshape(B, T, -1, self.head_v_dim)
     g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-    q, k, v, log_a, beta = gdn_inputs(query, key, value, g, beta=b.sigmoid())
+    # beta = sigmoid(b) in FP32 (HF takes it in the model dtype; rounding beta to bf16 is a known
+    # long-context drift source, and FP32 is what the kernels use)
+    q, k, v, log_a, beta = gdn_inputs(query, key, value, g, b)
 
     y = rt.run(cache, had_prev, q, k, v, log_a, beta, _valid(attention_mask, B, T))
     core = y.to(query.dtype).reshape(-1, self.head_v_dim)
