@@ -50,8 +50,9 @@ def _texts(rng, lengths):
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import (Mamba2Config, Mamba2ForCausalLM, PreTrainedTokenizerFast,
-                              Qwen3_5ForCausalLM, Qwen3_5TextConfig)
+    from transformers import (Mamba2Config, Mamba2ForCausalLM, NemotronHConfig, NemotronHForCausalLM,
+                              PreTrainedTokenizerFast, Qwen3_5ForCausalLM, Qwen3_5TextConfig,
+                              Qwen3NextConfig, Qwen3NextForCausalLM)
 
     root = tmp_path_factory.mktemp("kl")
     rng = random.Random(1234)
@@ -75,8 +76,20 @@ def work(tmp_path_factory):
         max_position_embeddings=160, initializer_range=0.2)
     mcfg = Mamba2Config(vocab_size=300, hidden_size=64, num_hidden_layers=2, state_size=16, expand=2,
                         head_dim=16, num_heads=8, n_groups=1, chunk_size=16, initializer_range=0.2)
+    ncfg = NemotronHConfig(vocab_size=300, hidden_size=64, num_hidden_layers=4, mamba_num_heads=8,
+                           mamba_head_dim=16, ssm_state_size=16, n_groups=1, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=16, intermediate_size=96, chunk_size=16,
+                           initializer_range=0.2)
+    xcfg = Qwen3NextConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                           linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                           linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2,
+                           moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                           layer_types=["linear_attention", "full_attention"], initializer_range=0.2)
     dirs = {}
-    for name, cls, cfg in (("qwen", Qwen3_5ForCausalLM, qcfg), ("mamba2", Mamba2ForCausalLM, mcfg)):
+    for name, cls, cfg in (("qwen", Qwen3_5ForCausalLM, qcfg), ("mamba2", Mamba2ForCausalLM, mcfg),
+                           ("nemotron_h", NemotronHForCausalLM, ncfg),
+                           ("qwen3_next", Qwen3NextForCausalLM, xcfg)):
         m = cls(cfg)
         d = root / name
         m.save_pretrained(d)
@@ -100,7 +113,7 @@ def fake_variant(model, pair, prefill, seed):
     name = pair if isinstance(pair, str) else pair.name
     eps = _EPS.get(name, 0.03)
     mixer = next(mod for mod in model.modules()
-                 if type(mod).__name__ in ("Qwen3_5GatedDeltaNet", "Mamba2Mixer"))
+                 if type(mod).__name__.endswith(("GatedDeltaNet", "Mamba2Mixer")))
     handle = {}
 
     def enter():
@@ -230,7 +243,10 @@ def test_interrupted_run_loses_at_most_the_document_in_flight(work, tmp_path):
     assert [d["id"] for d in a["per_document"]] == [d["id"] for d in b["per_document"]]
 
 
-@pytest.mark.parametrize("family", ["qwen", "mamba2"])
+FAMILIES = ["qwen", "mamba2", "nemotron_h", "qwen3_next"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_segmented_equals_unsegmented(work, family, tmp_path):
     model, tok = _load(work, family)
     kw = dict(dataset=str(work["texts"]), context=120, n_docs=2, make_variant=fake_variant,
@@ -344,7 +360,7 @@ def test_two_process_accelerate_path_merges_into_one_file(work, tmp_path):
 
 
 @pytest.mark.skipif(not HAVE_PATCH, reason="replayquant.patch (model integration) not available")
-@pytest.mark.parametrize("family", ["qwen", "mamba2"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_real_pairs_s32_l1_zero_and_f4_positive(work, family, tmp_path):
     """Against the unpatched model (reference hf) and the exact FP32 reference: s32_rs with L = 1
     agrees to float32 rounding (the chunked and sequential FP32 recurrences differ only in
