@@ -225,6 +225,10 @@ def test_interrupted_run_loses_at_most_the_document_in_flight(work, tmp_path):
     with pytest.raises(KeyboardInterrupt, match="1 of 3 documents are finished"):
         run_kl(model, tok, ["f4_sr_rs"], out=out, make_variant=flaky, **{k: v for k, v in kw.items() if k != "make_variant"})
     assert json.loads(out.read_text())["documents_done"] == 1     # summary written after each document
+    # a process killed mid-write leaves a torn log line (and maybe the in-flight npy): both ignored
+    with open(tmp_path / "i.kl" / "progress.rank0.jsonl", "a") as fh:
+        fh.write('{"type": "document", "index": 1, "id": "doc_2.t')
+    np.save(tmp_path / "i.kl" / "doc00001.npy", np.ones((1, 79), np.float16))
     done = []
     orig = R.score_document
 

@@ -321,8 +321,13 @@ def finished_documents(out: Path, config: dict, docs: DocumentSet) -> dict[int, 
 
 def _append(path: Path, obj: dict):
     line = json.dumps(obj) + "\n"
-    with open(path, "a", encoding="utf-8") as fh:
-        fh.write(line)
+    with open(path, "a+b") as fh:
+        fh.seek(0, os.SEEK_END)
+        if fh.tell() > 0:            # a killed run may have left a torn line without its newline
+            fh.seek(-1, os.SEEK_END)
+            if fh.read(1) != b"\n":
+                line = "\n" + line
+        fh.write(line.encode("utf-8"))
         fh.flush()
         os.fsync(fh.fileno())
 
