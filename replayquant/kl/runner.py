@@ -400,9 +400,10 @@ def run_kl(model, tokenizer, pairs: list, *, dataset: str, out: str | os.PathLik
     """Run (or resume) a KL measurement; returns the results dict (on the main process).
 
     pairs: pair names / YAML paths / pair objects. make_variant(model, pair, prefill, seed) -> Variant
-    builds the test variants (default: `replayquant.patch`); `reference`: "exact" (s32_rs patched
-    with prefill="exact"), "hf" (the unpatched model) or a Variant (see `reference_variant`). `state`: an accelerate PartialState for data-parallel runs
-    (documents are split round-robin between processes; process 0 merges the results).
+    builds the test variants (default: `replayquant.patch`). reference: "exact" (s32_rs patched
+    with prefill="exact"), "hf" (the unpatched model) or a Variant (see `reference_variant`).
+    state: an accelerate PartialState for data-parallel runs (documents are split round-robin
+    between processes; process 0 merges the results).
     `documents`: a DocumentSet already loaded (by `load_documents` with the same settings).
     """
     t_start = time.time()
