@@ -131,9 +131,14 @@ def table_cmd(
     format: str = typer.Option("md", "--format", help="md | csv"),
     by: str = typer.Option("pair", "--by", help="row order: pair | model"),
 ):
-    """One table from KL results files: pairs as rows."""
+    """One table from KL results files or GPQA summaries (results/gpqa/*/SUMMARY.json): pairs as rows."""
     from replayquant.kl.report import render_table
     try:
+        from replayquant.gpqa.summary import table_for_files  # GPQA summaries (results/gpqa/*/SUMMARY.json)
+        gpqa_table = table_for_files(files, fmt=format)
+        if gpqa_table is not None:
+            typer.echo(gpqa_table, nl=False)
+            return
         typer.echo(render_table(files, fmt=format, by=by), nl=False)
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
@@ -160,6 +165,63 @@ def bench_kl_cmd(
     typer.echo(f"KL {r['kl_wall_time_s']:.1f} s, HF forward {r['hf_forward_s']:.1f} s, ratio to budget "
                f"{r['ratio_to_target_budget']:.2f}, peak {r['peak_gpu_gib_kl']} GiB -> {out}")
 # --- end KL harness ----------------------------------------------------------------------------
+
+
+# --- GPQA through lm-eval (replayquant/gpqa, replayquant/lm_eval_model.py) ---------------------
+@app.command("gpqa")
+def gpqa_cmd(
+    model: str = typer.Option(..., "--model", help="hub id, short name (Qwen3.5-4B) or local folder"),
+    pair: list[str] = typer.Option(..., "--pair", help="precision pair name or YAML path (repeatable; "
+                                   "differences are taken from the first)"),
+    task: list[str] = typer.Option(None, "--task", help="gpqa_diamond_cot_zeroshot (default), "
+                                   "gpqa_diamond_zeroshot, gpqa_diamond_n_shot, gpqa_diamond_generative_n_shot; repeatable"),
+    gpqa_csv: str = typer.Option(None, "--gpqa-csv", help="local gpqa_diamond.csv instead of the gated hub dataset"),
+    limit: int = typer.Option(None, "--limit", help="only the first N questions of each task"),
+    seed: int = typer.Option(0, "--seed", help="stochastic-rounding seed and lm-eval's python seed (answer order)"),
+    prefill: str = typer.Option("replay", "--prefill", help="replay | exact"),
+    dtype: str = typer.Option("auto", "--dtype", help="auto | bfloat16 | float16 | float32"),
+    device: str = typer.Option(None, "--device", help="cuda, cuda:0, cpu (default: lm-eval's choice)"),
+    batch_size: str = typer.Option("1", "--batch-size", help="integer or auto"),
+    num_fewshot: int = typer.Option(None, "--num-fewshot", help="few-shot examples (n_shot tasks)"),
+    max_gen_toks: int = typer.Option(None, "--max-gen-toks", help="generation budget of generative tasks"),
+    apply_chat_template: bool = typer.Option(False, "--apply-chat-template", help="lm-eval's chat template"),
+    log_samples: bool = typer.Option(False, "--log-samples", help="also write every sample (.jsonl)"),
+    out: str = typer.Option(None, "--out", help="output folder (default results/gpqa/MODEL)"),
+    model_args: str = typer.Option(None, "--model-args", help="more lm-eval hf model args, k=v,k=v"),
+):
+    """GPQA-Diamond through lm-eval for every pair: one results file per pair and SUMMARY.json."""
+    from replayquant.gpqa import render_table, run_gpqa
+    try:
+        extra = {}
+        if model_args:
+            from lm_eval.utils import simple_parse_args_string
+            extra = simple_parse_args_string(model_args)
+        summary = run_gpqa(model, pair, tasks=task or None, gpqa_csv=gpqa_csv, limit=limit, seed=seed,
+                           prefill=prefill, out=out, dtype=dtype, device=device,
+                           batch_size=int(batch_size) if batch_size.isdigit() else batch_size,
+                           num_fewshot=num_fewshot,
+                           gen_kwargs={"max_gen_toks": max_gen_toks} if max_gen_toks else None,
+                           apply_chat_template=apply_chat_template, log_samples=log_samples,
+                           model_args=extra)
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
+    if summary is not None:
+        typer.echo(render_table([summary]))
+
+
+@app.command("lm-eval", add_help_option=False,
+             context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def lm_eval_cmd(ctx: typer.Context):
+    """lm-eval's own command line with `--model replayquant` registered (all arguments pass through;
+    `--gpqa-csv PATH` reads GPQA-Diamond from a local CSV)."""
+    from replayquant.lm_eval_model import lm_eval_main
+    try:
+        lm_eval_main(list(ctx.args))
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
+# --- end GPQA ----------------------------------------------------------------------------------
 
 
 if __name__ == "__main__":

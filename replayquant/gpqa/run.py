@@ -1,0 +1,186 @@
+"""`replayquant gpqa`: lm-eval's GPQA-Diamond tasks for several precision pairs of one model.
+
+One model load; for each pair in turn the pair is patched in (replacing the previous one) and
+lm-eval's `simple_evaluate` runs the same tasks with the same seeds and limit, so every pair sees
+the same questions with the same answer order (checked: the per-question hashes must agree).
+Outputs in `out/`: `<pair>.json` (lm-eval's results dict plus a `replayquant` block with the pair,
+provenance and per-question scores), `<pair>.samples.<task>.jsonl` with --log-samples, and
+`SUMMARY.json` (accuracy +- stderr per pair and task, difference from the first pair with a paired
+stderr, provenance).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import sys
+from pathlib import Path
+
+from replayquant.gpqa.summary import build_summary
+from replayquant.gpqa.tasks import (HUB_CONFIG, HUB_DATASET, check_csv, check_hub_access,
+                                    check_tasks, file_sha256, write_task_dir)
+
+__all__ = ["run_gpqa", "default_out_dir", "per_doc_scores", "questions_digest"]
+
+log = logging.getLogger(__name__)
+
+
+def _slug(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", str(s).rstrip("/").split("/")[-1]) or "model"
+
+
+def default_out_dir(model: str) -> Path:
+    return Path("results") / "gpqa" / _slug(model)
+
+
+def _reset_task_modules():
+    """lm-eval caches each task's utils module; gpqa n_shot's utils seeds a module-level RNG at
+    import. Dropping the cached modules makes every pair start from the state a fresh `lm_eval`
+    process would have, so all pairs get the same answer order."""
+    for name in [m for m in sys.modules if m.startswith("lm_eval.tasks.gpqa.")]:
+        del sys.modules[name]
+
+
+def per_doc_scores(samples: list[dict]) -> dict[str, dict[str, float]]:
+    """{"metric,filter": {doc_id: value}} from lm-eval's logged samples of one task."""
+    out: dict[str, dict[str, float]] = {}
+    for s in samples:
+        for m in s.get("metrics", []):
+            v = s.get(m)
+            if isinstance(v, (int, float)):
+                out.setdefault(f"{m},{s.get('filter', 'none')}", {})[str(s["doc_id"])] = float(v)
+    return out
+
+
+def questions_digest(samples: list[dict]) -> str:
+    """Hash of (doc_id, doc, prompt, target) over the questions of one task: equal for two runs iff
+    they asked the same questions with the same answer order and few-shot context."""
+    keys = sorted({(int(s["doc_id"]), s.get("doc_hash", ""), s.get("prompt_hash", ""),
+                    s.get("target_hash", "")) for s in samples})
+    return hashlib.sha256(json.dumps(keys).encode()).hexdigest()
+
+
+def run_gpqa(model: str, pairs: list, *, tasks=None, gpqa_csv=None, limit=None, seed: int = 0,
+             prefill: str = "replay", out=None, dtype: str = "auto", device: str | None = None,
+             batch_size=1, num_fewshot=None, gen_kwargs=None, apply_chat_template: bool = False,
+             log_samples: bool = False, model_args: dict | None = None) -> dict | None:
+    """Run lm-eval's GPQA-Diamond `tasks` for every pair; return the summary (None on ranks > 0).
+
+    `seed` is the stochastic-rounding seed of every pair and lm-eval's python seed (answer order);
+    lm-eval's numpy / torch / few-shot seeds stay at lm-eval's defaults, so seed 0 asks the
+    questions a plain `lm_eval` process with an empty `datasets` cache asks (see below)."""
+    from replayquant.lm_eval_model import PREFILLS, resolve_pair
+
+    # -- every check before any weights are loaded
+    if not pairs:
+        raise ValueError("give at least one --pair (e.g. --pair s32_rs --pair f4_sr_rs)")
+    resolved = [resolve_pair(p) for p in pairs]
+    labels = [p.label() for p in resolved]
+    dup = sorted({x for x in labels if labels.count(x) > 1})
+    if dup:
+        raise ValueError(f"pair(s) {dup} given more than once")
+    tasks = check_tasks(tasks)
+    if prefill not in PREFILLS:
+        raise ValueError(f"--prefill {prefill!r}: use one of {', '.join(PREFILLS)}")
+    if limit is not None and (int(limit) != limit or limit < 1):
+        raise ValueError(f"--limit {limit}: must be a positive integer")
+    out = Path(out) if out is not None else default_out_dir(model)
+    if gpqa_csv is not None:
+        n_questions = check_csv(gpqa_csv)
+        data = {"source": "csv", "path": str(Path(gpqa_csv).resolve()), "sha256": file_sha256(gpqa_csv),
+                "questions": n_questions}
+    else:
+        check_hub_access()
+        data = {"source": "hub", "dataset": HUB_DATASET, "config": HUB_CONFIG}
+
+    from lm_eval.tasks import TaskManager
+    from lm_eval.utils import handle_non_serializable
+
+    from replayquant.lm_eval_model import ReplayQuantLM
+    from replayquant.provenance import provenance
+
+    include_path = None
+    if gpqa_csv is not None:
+        include_path = str(write_task_dir(gpqa_csv, out / "_tasks", tasks))
+
+    lm_kwargs = dict(model_args or {})
+    lm_kwargs.update(dtype=dtype, batch_size=batch_size)
+    if device is not None:
+        lm_kwargs["device"] = device
+    lm = ReplayQuantLM(pretrained=model, pair=resolved[0], prefill=prefill, seed=seed, **lm_kwargs)
+
+    task_manager = TaskManager(include_path=include_path)     # the task index, built once
+    # `datasets` caches the result of lm-eval's process_docs (which shuffles the answers) under a
+    # fingerprint that ignores the RNG state, so with its cache the answer order would be whatever
+    # an earlier run computed, whatever the seed. Without it the order follows the seed.
+    import datasets
+    caching = datasets.is_caching_enabled()
+    datasets.disable_caching()
+    try:
+        per_pair = _run_pairs(lm, resolved, labels, tasks, task_manager, out, model=model, limit=limit,
+                              seed=seed, prefill=prefill, data=data, batch_size=batch_size, dtype=dtype,
+                              device=device, num_fewshot=num_fewshot, gen_kwargs=gen_kwargs,
+                              apply_chat_template=apply_chat_template, log_samples=log_samples)
+    finally:
+        if caching:
+            datasets.enable_caching()
+    if not per_pair:
+        return None
+    summary = build_summary(per_pair, model=model, tasks=list(tasks), limit=limit, seed=seed,
+                            prefill=prefill, data=data,
+                            provenance=provenance(device=str(lm.device), model=model,
+                                                  pairs=[p.to_dict() for p in resolved], prefill=prefill,
+                                                  seed=seed, tasks=list(tasks), limit=limit, data=data,
+                                                  batch_size=batch_size, dtype=str(dtype),
+                                                  num_fewshot=num_fewshot, gen_kwargs=gen_kwargs,
+                                                  apply_chat_template=apply_chat_template,
+                                                  world_size=lm.world_size))
+    (out / "SUMMARY.json").write_text(json.dumps(summary, indent=2, default=handle_non_serializable))
+    return summary
+
+
+def _run_pairs(lm, resolved, labels, tasks, task_manager, out, *, model, limit, seed, prefill, data,
+               batch_size, dtype, device, num_fewshot, gen_kwargs, apply_chat_template, log_samples):
+    import lm_eval
+    from lm_eval.utils import handle_non_serializable, hash_string
+
+    from replayquant.provenance import provenance
+
+    per_pair = []
+    for pair, label in zip(resolved, labels):
+        lm.set_pair(pair, prefill=prefill, seed=seed)
+        _reset_task_modules()
+        results = lm_eval.simple_evaluate(
+            model=lm, tasks=list(tasks), task_manager=task_manager,
+            limit=limit, random_seed=seed, num_fewshot=num_fewshot, gen_kwargs=gen_kwargs,
+            apply_chat_template=apply_chat_template, log_samples=True, batch_size=batch_size,
+            device=device)
+        if results is None:          # not the main process of a data-parallel run
+            continue
+        samples = results.pop("samples")
+        prov = provenance(device=str(lm.device), model=model, pair=pair.to_dict(), prefill=prefill,
+                          seed=seed, tasks=list(tasks), limit=limit, data=data, batch_size=batch_size,
+                          dtype=str(dtype), num_fewshot=num_fewshot, gen_kwargs=gen_kwargs,
+                          apply_chat_template=apply_chat_template, world_size=lm.world_size)
+        per_doc = {t: per_doc_scores(samples.get(t, [])) for t in tasks}
+        digests = {t: questions_digest(samples.get(t, [])) for t in tasks}
+        # as lm-eval's own results files have them, so runs compare across tools
+        results["task_hashes"] = {t: hash_string("".join(x["doc_hash"] + x["prompt_hash"] + x["target_hash"]
+                                                         for x in samples.get(t, []))) for t in tasks}
+        results["replayquant"] = {"pair": pair.to_dict(), "pair_label": label, "prefill": prefill,
+                                  "seed": seed, "data": data, "provenance": prov,
+                                  "questions_digest": digests, "per_doc": per_doc}
+        out.mkdir(parents=True, exist_ok=True)
+        res_path = out / f"{_slug(label)}.json"
+        res_path.write_text(json.dumps(results, indent=2, default=handle_non_serializable,
+                                       ensure_ascii=False))
+        if log_samples:
+            for t in tasks:
+                with open(out / f"{_slug(label)}.samples.{t}.jsonl", "w", encoding="utf-8") as f:
+                    for s in samples.get(t, []):
+                        f.write(json.dumps(s, default=handle_non_serializable, ensure_ascii=False) + "\n")
+        per_pair.append({"label": label, "file": res_path.name, "results": results})
+
+    return per_pair

@@ -1,0 +1,217 @@
+"""GPQA summaries (results/gpqa/<model>/SUMMARY.json) and the tables rendered from them.
+
+A summary row is one (pair, task, metric): accuracy and lm-eval's stderr, and the difference from
+the run's first pair with a *paired* stderr (the same questions were asked of every pair, so the
+per-question differences d_i = x_i(pair) - x_i(first) give stderr = std(d, ddof=1) / sqrt(n)).
+Tables are rendered from summary files only, never typed.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from pathlib import Path
+
+__all__ = ["SUMMARY_KIND", "build_summary", "load_summary", "is_gpqa_summary", "render_table",
+           "primary_metric"]
+
+SUMMARY_KIND = "replayquant/gpqa-summary"
+SUMMARY_VERSION = 1
+# The metric each kind of task is reported by: loglikelihood tasks by accuracy, generative tasks by
+# the answer letter extracted anywhere in the output (lm-eval's "flexible-extract" filter).
+_PRIMARY = ("acc,none", "exact_match,flexible-extract")
+_SKIP_KEYS = {"alias", "name", "sample_len", " "}
+
+
+def primary_metric(keys) -> str | None:
+    keys = list(keys)
+    for k in _PRIMARY:
+        if k in keys:
+            return k
+    return keys[0] if keys else None
+
+
+def _metric_keys(task_results: dict) -> list[str]:
+    return [k for k, v in task_results.items()
+            if "," in k and "_stderr," not in k and k not in _SKIP_KEYS and isinstance(v, (int, float))]
+
+
+def _num(x):
+    try:
+        x = float(x)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
+
+
+def _paired(x: dict, y: dict) -> tuple[float | None, int]:
+    common = sorted(set(x) & set(y), key=lambda k: int(k) if str(k).isdigit() else k)
+    n = len(common)
+    if n < 2:
+        return None, n
+    d = [x[k] - y[k] for k in common]
+    mean = sum(d) / n
+    var = sum((v - mean) ** 2 for v in d) / (n - 1)
+    return math.sqrt(var / n), n
+
+
+def build_summary(per_pair: list[dict], *, model: str, tasks: list[str], limit, seed: int, prefill: str,
+                  data: dict, provenance: dict) -> dict:
+    """per_pair: [{"label", "file", "results"}] in run order; results = lm-eval's dict with our
+    `replayquant` block (per-question scores and question digests)."""
+    first = per_pair[0]
+    rows = []
+    for entry in per_pair:
+        res, rq = entry["results"], entry["results"]["replayquant"]
+        ref_rq = first["results"]["replayquant"]
+        for task in tasks:
+            tr = res["results"].get(task, {})
+            keys = _metric_keys(tr)
+            prim = primary_metric(keys)
+            n_eff = (res.get("n-samples", {}).get(task, {}) or {}).get("effective")
+            same = rq["questions_digest"].get(task) == ref_rq["questions_digest"].get(task)
+            for key in keys:
+                metric, filt = key.split(",", 1)
+                acc = _num(tr[key])
+                se = _num(tr.get(f"{metric}_stderr,{filt}"))
+                ref = _num(first["results"]["results"].get(task, {}).get(key))
+                dse, n_pairs = _paired(rq["per_doc"].get(task, {}).get(key, {}),
+                                       ref_rq["per_doc"].get(task, {}).get(key, {}))
+                rows.append({
+                    "pair": entry["label"], "task": task, "metric": metric, "filter": filt,
+                    "primary": key == prim, "n": n_eff, "accuracy": acc, "stderr": se,
+                    "delta": None if acc is None or ref is None else acc - ref,
+                    "delta_stderr": 0.0 if entry is first else dse,
+                    "questions_match_first": same,
+                })
+    return {
+        "kind": SUMMARY_KIND, "format_version": SUMMARY_VERSION,
+        "model": model, "tasks": tasks, "limit": limit, "seed": seed, "prefill": prefill, "data": data,
+        "reference_pair": first["label"],
+        "pairs": [{"label": e["label"], "pair": e["results"]["replayquant"]["pair"], "file": e["file"]}
+                  for e in per_pair],
+        "rows": rows,
+        "provenance": provenance,
+    }
+
+
+def is_gpqa_summary(obj) -> bool:
+    return isinstance(obj, dict) and obj.get("kind") == SUMMARY_KIND
+
+
+def load_summary(path) -> dict:
+    """A summary from SUMMARY.json or a folder holding one; one clear ValueError otherwise."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "SUMMARY.json"
+    if not p.is_file():
+        raise ValueError(f"{path}: no GPQA summary there (expected a SUMMARY.json written by `replayquant gpqa`)")
+    try:
+        obj = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{p}: not JSON ({e})") from None
+    if not is_gpqa_summary(obj):
+        raise ValueError(f"{p}: not a GPQA summary (no \"kind\": \"{SUMMARY_KIND}\"); "
+                         "give the SUMMARY.json that `replayquant gpqa` writes")
+    return obj
+
+
+def _pts(x, sign=False):
+    if x is None:
+        return "-"
+    s = f"{100 * x:+.1f}" if sign else f"{100 * x:.1f}"
+    return s.replace("-", "\u2212") if sign else s
+
+
+def render_table(summaries: list[dict], fmt: str = "md", metrics: str = "primary") -> str:
+    """Markdown (one table per task and metric: pairs as rows, one accuracy and one difference
+    column per model, plus the mean difference over models when there are several) or CSV (one
+    line per model, task, metric and pair). Accuracies and differences in percentage points."""
+    if fmt not in ("md", "csv"):
+        raise ValueError(f"--format {fmt!r}: use md or csv")
+    if metrics not in ("primary", "all"):
+        raise ValueError(f"metrics={metrics!r}: use primary or all")
+    if not summaries:
+        raise ValueError("no GPQA summaries given")
+    rows = [(s, r) for s in summaries for r in s["rows"] if metrics == "all" or r["primary"]]
+
+    if fmt == "csv":
+        buf = io.StringIO()
+        w = csv.writer(buf, lineterminator="\n")
+        w.writerow(["model", "task", "metric", "filter", "pair", "reference_pair", "n", "accuracy",
+                    "stderr", "delta", "delta_stderr", "questions_match_first", "data"])
+        for s, r in rows:
+            w.writerow([s["model"], r["task"], r["metric"], r["filter"], r["pair"], s["reference_pair"],
+                        r["n"], r["accuracy"], r["stderr"], r["delta"], r["delta_stderr"],
+                        r["questions_match_first"], s["data"].get("source")])
+        return buf.getvalue()
+
+    models = []
+    for s in summaries:
+        if s["model"] not in models:
+            models.append(s["model"])
+    groups: dict[tuple, dict] = {}
+    for s, r in rows:
+        g = groups.setdefault((r["task"], r["metric"], r["filter"]), {"pairs": [], "cells": {}})
+        if r["pair"] not in g["pairs"]:
+            g["pairs"].append(r["pair"])
+        g["cells"][(r["pair"], s["model"])] = (r, s)
+    out = []
+    for (task, metric, filt), g in groups.items():
+        refs = sorted({s["reference_pair"] for (_, s) in g["cells"].values()})
+        ns = sorted({r["n"] for (r, _) in g["cells"].values() if r["n"] is not None})
+        out.append(f"**{task}** ({metric}" + ("" if filt == "none" else f", {filt}") +
+                   f"; n = {', '.join(map(str, ns)) or '?'}; \u0394 vs {', '.join(refs)}, paired stderr; "
+                   "percentage points)\n")
+        head = ["pair"]
+        for m in models:
+            short = str(m).rstrip("/").split("/")[-1]
+            head += [f"{short} acc", f"{short} \u0394"]
+        if len(models) > 1:
+            head.append("mean \u0394")
+        out.append("| " + " | ".join(head) + " |")
+        out.append("| " + " | ".join(["---"] + ["---:"] * (len(head) - 1)) + " |")
+        for pair in g["pairs"]:
+            line, deltas = [pair], []
+            for m in models:
+                cell = g["cells"].get((pair, m))
+                if cell is None:
+                    line += ["", ""]
+                    continue
+                r, _ = cell
+                acc = _pts(r["accuracy"]) + ("" if r["stderr"] is None else f" \u00b1 {_pts(r['stderr'])}")
+                d = _pts(r["delta"], sign=True)
+                if r["delta_stderr"] is not None and r["delta"] is not None and r["delta_stderr"] > 0:
+                    d += f" \u00b1 {_pts(r['delta_stderr'])}"
+                if not r["questions_match_first"]:
+                    d += " (questions differ!)"
+                line += [acc, d]
+                if r["delta"] is not None:
+                    deltas.append(r["delta"])
+            if len(models) > 1:
+                line.append(_pts(sum(deltas) / len(deltas), sign=True) if len(deltas) == len(models) else "")
+            out.append("| " + " | ".join(line) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def table_for_files(files, fmt: str = "md") -> str | None:
+    """The GPQA table for `files` when they are GPQA summaries (SUMMARY.json or folders holding one),
+    None when none of them is (other harnesses' results), one ValueError when they are mixed."""
+    def is_summary(f) -> bool:
+        p = Path(f)
+        p = p / "SUMMARY.json" if p.is_dir() else p
+        try:
+            return p.is_file() and is_gpqa_summary(json.loads(p.read_text()))
+        except (OSError, ValueError):
+            return False
+
+    flags = [is_summary(f) for f in files]
+    if not any(flags):
+        return None
+    if not all(flags):
+        others = [str(f) for f, ok in zip(files, flags) if not ok]
+        raise ValueError(f"{others}: not GPQA summaries; render GPQA summaries and other results in separate tables")
+    return render_table([load_summary(f) for f in files], fmt=fmt)

@@ -1,0 +1,155 @@
+"""GPQA-Diamond task sources for lm-eval: the gated hub dataset, or a local CSV copy.
+
+lm-eval ships the tasks (`lm_eval/tasks/gpqa/`); we never change their prompts or metrics. For a
+local CSV, `evals/gpqa/*.yaml` `include:` lm-eval's own task files and override only the data
+source; `write_task_dir` copies them into a run folder with both paths made absolute, and that
+folder is passed to lm-eval as `include_path` (a task found there replaces lm-eval's task of the
+same name, so results keep lm-eval's task names).
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import os
+from pathlib import Path
+
+import yaml
+
+__all__ = [
+    "GPQA_TASKS", "HUB_DATASET", "HUB_CONFIG", "REQUIRED_COLUMNS", "DEFAULT_TASK",
+    "check_csv", "check_hub_access", "check_tasks", "write_task_dir", "templates_dir", "file_sha256",
+]
+
+# The lm-eval tasks this project supports, with their folder under lm_eval/tasks/gpqa/.
+GPQA_TASKS = {
+    "gpqa_diamond_zeroshot": "zeroshot",
+    "gpqa_diamond_n_shot": "n_shot",
+    "gpqa_diamond_cot_zeroshot": "cot_zeroshot",
+    "gpqa_diamond_generative_n_shot": "generative",
+}
+DEFAULT_TASK = "gpqa_diamond_cot_zeroshot"
+HUB_DATASET, HUB_CONFIG = "Idavidrein/gpqa", "gpqa_diamond"
+REQUIRED_COLUMNS = ("Question", "Correct Answer", "Incorrect Answer 1", "Incorrect Answer 2",
+                    "Incorrect Answer 3")
+_TEMPLATE_PREFIX = "lm_eval_gpqa/"
+
+ACCESS_HELP = (
+    "GPQA is gated on the Hugging Face Hub: accept its terms at "
+    "https://huggingface.co/datasets/Idavidrein/gpqa with your account, then log in "
+    "(`hf auth login`, or export HF_TOKEN=<a read token>); or pass --gpqa-csv path/to/gpqa_diamond.csv "
+    "(the file from the GPQA release, see README)."
+)
+
+
+def templates_dir() -> Path:
+    """evals/gpqa/ of the source checkout this package runs from."""
+    d = Path(__file__).resolve().parents[2] / "evals" / "gpqa"
+    if not d.is_dir():
+        raise ValueError(f"GPQA task templates not found at {d}: install replayquant from a source "
+                         "checkout (`pip install -e .`), which ships evals/gpqa/.")
+    return d
+
+
+def lm_eval_gpqa_dir() -> Path:
+    import lm_eval
+    return Path(lm_eval.__file__).resolve().parent / "tasks" / "gpqa"
+
+
+def file_sha256(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def check_tasks(tasks) -> list[str]:
+    """The task names, each one of GPQA_TASKS."""
+    tasks = list(tasks) if tasks else [DEFAULT_TASK]
+    unknown = [t for t in tasks if t not in GPQA_TASKS]
+    if unknown:
+        raise ValueError(f"unknown GPQA task(s) {unknown}: use one of {sorted(GPQA_TASKS)} "
+                         "(lm-eval's own GPQA-Diamond tasks)")
+    return tasks
+
+
+def check_csv(path) -> int:
+    """Validate a local GPQA CSV; return its number of questions. One ValueError per problem."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"--gpqa-csv {path}: no such file (give the gpqa_diamond.csv of the GPQA release)")
+    with open(p, newline="", encoding="utf-8") as f:
+        reader = csv.reader(f)
+        header = next(reader, None)
+        if not header:
+            raise ValueError(f"--gpqa-csv {path}: the file is empty; expected a CSV with GPQA's columns "
+                             f"{list(REQUIRED_COLUMNS)}")
+        missing = [c for c in REQUIRED_COLUMNS if c not in header]
+        if missing:
+            raise ValueError(f"--gpqa-csv {path}: missing GPQA column(s) {missing}; the file has {header[:12]}"
+                             f"{' ...' if len(header) > 12 else ''}. Use the gpqa_diamond.csv of the GPQA "
+                             f"release (columns {list(REQUIRED_COLUMNS)} and others).")
+        idx = [header.index(c) for c in REQUIRED_COLUMNS]
+        n = 0
+        for row in reader:
+            if not any(cell.strip() for cell in row):
+                continue
+            n += 1
+            if len(row) <= max(idx) or not row[idx[0]].strip() or not row[idx[1]].strip():
+                raise ValueError(f"--gpqa-csv {path}: question {n} (line {reader.line_num}) has no "
+                                 "Question or Correct Answer")
+    if n == 0:
+        raise ValueError(f"--gpqa-csv {path}: the file has GPQA's columns but no questions")
+    # lm-eval loads the file with `datasets`, which infers column types like pandas: a column of
+    # numbers only would arrive as numbers and break lm-eval's answer preprocessing.
+    import pandas as pd
+    frame = pd.read_csv(p)
+    numeric = [c for c in REQUIRED_COLUMNS if pd.api.types.is_numeric_dtype(frame[c])]
+    if numeric:
+        raise ValueError(f"--gpqa-csv {path}: column(s) {numeric} hold only numbers, so they would be read "
+                         "as numbers, not text; GPQA's answer columns are text")
+    return n
+
+
+def write_task_dir(csv_path, out_dir, tasks=None) -> Path:
+    """Copy the evals/gpqa templates of `tasks` (default: all four) into `out_dir`, with the `include`
+    pointing at the installed lm-eval's task file and `data_files` at the absolute CSV path.
+    Returns out_dir, ready for lm-eval's `--include_path`."""
+    check_csv(csv_path)
+    csv_abs = str(Path(csv_path).resolve())
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    src, lm_dir = templates_dir(), lm_eval_gpqa_dir()
+    for task in (tasks or list(GPQA_TASKS)):
+        tpl = src / f"{task}.yaml"
+        if not tpl.is_file():
+            raise ValueError(f"no template {tpl} for task {task}")
+        cfg = yaml.safe_load(tpl.read_text())
+        inc = cfg.get("include", "")
+        if not inc.startswith(_TEMPLATE_PREFIX):
+            raise ValueError(f"{tpl}: `include` must start with {_TEMPLATE_PREFIX!r}")
+        target = lm_dir / inc[len(_TEMPLATE_PREFIX):]
+        if not target.is_file():
+            raise ValueError(f"{tpl}: the installed lm-eval has no {target}; this lm-eval version does not "
+                             f"ship task {task}")
+        cfg["include"] = str(target)
+        cfg["dataset_kwargs"]["data_files"]["train"] = csv_abs
+        head = (f"# Written by replayquant from {tpl.name}: lm-eval's {task} reading {csv_abs}\n")
+        (out / f"{task}.yaml").write_text(head + yaml.safe_dump(cfg, sort_keys=False))
+    return out
+
+
+def check_hub_access() -> None:
+    """Load the gated GPQA-Diamond from the hub (or the local `datasets` cache) once, so that a
+    missing token fails before any model is loaded, with one clear error."""
+    import datasets
+    try:
+        datasets.load_dataset(HUB_DATASET, HUB_CONFIG, split="train")
+    except Exception as e:  # gated, offline, not logged in: datasets raises several kinds
+        offline = any(os.environ.get(v, "0") not in ("0", "", "false", "False")
+                      for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+        why = "offline mode is set and the dataset is not in the local cache" if offline else \
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        raise ValueError(f"cannot load GPQA-Diamond ({HUB_DATASET}, {HUB_CONFIG}) from the Hugging Face Hub "
+                         f"({why}). {ACCESS_HELP}") from e

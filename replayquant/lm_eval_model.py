@@ -1,0 +1,193 @@
+"""lm-eval model ``replayquant``: lm-eval's own Hugging Face model (HFLM) with a precision pair
+patched into every recurrent layer, so that what lm-eval scores is what a ReplaySSM server with that
+pair would compute.
+
+    replayquant lm-eval --model replayquant \\
+        --model_args pretrained=Qwen/Qwen3.5-4B,pair=tp4_hi16_sr,dtype=bfloat16 \\
+        --tasks gpqa_diamond_cot_zeroshot --output_path results/gpqa/ --log_samples
+
+Model arguments, besides every argument of lm-eval's ``hf`` model (dtype, device, batch_size,
+parallelize, max_length, ...):
+
+* ``pair``: a shipped pair name (``replayquant pairs``) or the path of a pair YAML file (default s32_rs);
+* ``prefill``: ``replay`` (default: every prompt token goes through the step semantics, as a decode
+  would) or ``exact`` (the prompt in FP32, cast once, as a server's prefill would);
+* ``seed``: the stochastic-rounding seed (default 0);
+* ``buffer_len``: overrides the pair's buffer length L.
+
+Both of lm-eval's scoring paths see the pair: ``loglikelihood`` (multiple-choice tasks) runs plain
+forwards over whole sequences, which the patched model computes by teacher forcing with ``prefill``;
+``generate_until`` (CoT and generative tasks) runs ``model.generate(use_cache=True)``, whose decode
+steps go through the replay state machine, flushing every L tokens, batched.
+
+Registration: importing this module registers the name ``replayquant`` with lm-eval.
+lm-eval 0.4.13 discovers no models from other packages, so the plain ``lm_eval`` command cannot find
+it; ``replayquant lm-eval ARGS`` runs lm-eval's own command line with it registered (and
+``accelerate launch -m replayquant.cli lm-eval ARGS`` for data-parallel GPUs). pyproject.toml also
+declares the ``lm_eval.models`` entry point, which lm-eval versions that read that group use.
+From Python: ``import replayquant.lm_eval_model`` and then ``lm_eval.simple_evaluate(model="replayquant", ...)``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+
+__all__ = ["ReplayQuantLM", "PREFILLS", "resolve_pair", "resolve_model_name", "lm_eval_main"]
+
+log = logging.getLogger(__name__)
+PREFILLS = ("replay", "exact")
+
+
+def resolve_pair(spec, buffer_len=None):
+    """A PrecisionPair from a name in configs/pairs/, a YAML path, or a pair object; one clear
+    ValueError for anything else."""
+    from replayquant.pairs import PrecisionPair
+
+    if isinstance(spec, PrecisionPair):
+        pair = spec
+    elif isinstance(spec, str) and spec.strip():
+        pair = PrecisionPair.load(spec.strip())      # raises ValueError naming the shipped pairs
+    else:
+        raise ValueError(f"pair={spec!r}: give a pair name (see `replayquant pairs`) or a pair YAML path")
+    if buffer_len not in (None, ""):
+        try:
+            bl = int(buffer_len)
+        except (TypeError, ValueError):
+            raise ValueError(f"buffer_len={buffer_len!r}: must be an integer >= 1") from None
+        pair = pair.with_buffer_len(bl)
+    return pair
+
+
+def resolve_model_name(name: str) -> str:
+    """The hub id or local path for a short name users type (`Qwen3.5-4B` -> `Qwen/Qwen3.5-4B`),
+    via the model-integration table; anything else unchanged."""
+    try:
+        from replayquant.models.names import resolve_model_name as _resolve
+    except ImportError:
+        return name
+    return _resolve(name)
+
+
+def _patch_api():
+    try:
+        from replayquant.models import patch, unpatch
+    except ImportError as e:
+        raise ValueError(f"replayquant.patch / unpatch (model integration) are not available in this "
+                         f"installation ({e})") from None
+    return patch, unpatch
+
+
+@register_model("replayquant")
+class ReplayQuantLM(HFLM):
+    """HFLM with a precision pair on every scored path. See the module docstring."""
+
+    def __init__(self, pretrained="", pair="s32_rs", prefill: str = "replay", seed: int = 0,
+                 buffer_len=None, **kwargs) -> None:
+        # Validate our own arguments before any weights are loaded.
+        self._rq_pair = resolve_pair(pair, buffer_len)
+        if prefill not in PREFILLS:
+            raise ValueError(f"prefill={prefill!r}: use one of {', '.join(PREFILLS)}")
+        try:
+            self._rq_seed = int(seed)
+        except (TypeError, ValueError):
+            raise ValueError(f"seed={seed!r}: must be an integer") from None
+        self._rq_prefill = prefill
+        self._rq_patched = False
+        if isinstance(pretrained, str):
+            if not pretrained:
+                raise ValueError("model_args needs pretrained=<hub id, short name or local path>")
+            pretrained = resolve_model_name(pretrained)
+        super().__init__(pretrained=pretrained, **kwargs)
+        self.set_pair(self._rq_pair)
+
+    # -- the pair
+    @property
+    def pair(self):
+        return self._rq_pair
+
+    @property
+    def prefill(self) -> str:
+        return self._rq_prefill
+
+    def set_pair(self, pair, prefill: str | None = None, seed: int | None = None, buffer_len=None):
+        """Patch `pair` into the model (replacing the pair patched before), so one loaded model
+        serves several pairs in turn."""
+        patch, unpatch = _patch_api()
+        pair = resolve_pair(pair, buffer_len)
+        if prefill is not None and prefill not in PREFILLS:
+            raise ValueError(f"prefill={prefill!r}: use one of {', '.join(PREFILLS)}")
+        model = self.model
+        if self._rq_patched:
+            unpatch(model)
+            self._rq_patched = False
+        self._rq_pair = pair
+        self._rq_prefill = prefill or self._rq_prefill
+        self._rq_seed = self._rq_seed if seed is None else int(seed)
+        patched = patch(model, pair, prefill=self._rq_prefill, seed=self._rq_seed)
+        if patched is not None and patched is not model:   # patch works in place; keep what it returns
+            self._model = patched
+        self._rq_patched = True
+        log.info("replayquant: pair %s (prefill=%s, seed=%d) patched", pair.label(), self._rq_prefill,
+                 self._rq_seed)
+        return self
+
+    def replayquant_info(self) -> dict:
+        return {"pair": self._rq_pair.to_dict(), "pair_label": self._rq_pair.label(),
+                "prefill": self._rq_prefill, "seed": self._rq_seed}
+
+    # -- lm-eval hooks: both scoring paths run the patched model
+    def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
+        if not self._rq_patched:
+            raise RuntimeError("replayquant: the model is not patched; scoring it would not use the pair")
+        return super()._model_call(inps, attn_mask=attn_mask, labels=labels)
+
+    def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs):
+        if not self._rq_patched:
+            raise RuntimeError("replayquant: the model is not patched; generating would not use the pair")
+        return super()._model_generate(context, max_length, stop, **generation_kwargs)
+
+    def get_model_info(self) -> dict:
+        info = super().get_model_info()
+        info["replayquant"] = self.replayquant_info()
+        return info
+
+
+def lm_eval_main(argv: list[str]) -> None:
+    """lm-eval's own command line (`lm_eval ARGS`) with the `replayquant` model registered.
+    `--gpqa-csv PATH` (ours, removed before lm-eval sees the arguments) makes lm-eval's GPQA-Diamond
+    tasks read a local CSV instead of the gated hub dataset."""
+    import sys
+    import tempfile
+
+    args = list(argv)
+    csv_path = None
+    for i, a in enumerate(args):
+        if a == "--gpqa-csv" or a.startswith("--gpqa-csv="):
+            if "=" in a:
+                csv_path = a.split("=", 1)[1]
+                del args[i]
+            else:
+                if i + 1 >= len(args):
+                    raise ValueError("--gpqa-csv needs a path")
+                csv_path = args[i + 1]
+                del args[i:i + 2]
+            break
+    if csv_path is not None:
+        from replayquant.gpqa.tasks import write_task_dir
+        if any(a == "--include_path" or a.startswith("--include_path=") for a in args):
+            raise ValueError("--gpqa-csv writes lm-eval's include_path itself; pass either --gpqa-csv or "
+                             "--include_path, not both")
+        task_dir = write_task_dir(csv_path, tempfile.mkdtemp(prefix="replayquant_gpqa_tasks_"))
+        args += ["--include_path", str(task_dir)]
+    from lm_eval.__main__ import cli_evaluate
+
+    old = sys.argv
+    sys.argv = ["lm-eval", *args]
+    try:
+        cli_evaluate()
+    finally:
+        sys.argv = old
