@@ -224,5 +224,29 @@ def lm_eval_cmd(ctx: typer.Context):
 # --- end GPQA ----------------------------------------------------------------------------------
 
 
+# --- decode kernels (replayquant/kernels/{conventional,replay_decode,verify}.py) --------------
+@bench_app.command("decode")
+def bench_decode_cmd(
+    out: str = typer.Option("results/bench", help="folder for decode.json and decode.md"),
+    batches: str = typer.Option("1,32,128,256,512", help="batch sizes of the decode-step table"),
+    spec_batches: str = typer.Option("32,256,512", help="batch sizes of the speculative rounds"),
+    drafts: int = typer.Option(4, "--T", help="drafts per speculative round"),
+    peers: bool = typer.Option(True, help="also time fla / mamba_ssm (must be importable)"),
+    checks: bool = typer.Option(True, help="kernel-vs-reference checks at the real head shapes first"),
+    sweep: bool = typer.Option(True, help="launch-config sweep at batch 256"),
+):
+    """GPU: conventional vs replay decode kernels (GDN Qwen3.5-4B and Mamba-2 Nemotron-H layer
+    shapes), peers, speculative verify, all against the copy bandwidth measured in the same run."""
+    from replayquant.bench.decode import run_decode_bench
+    ints = lambda s: tuple(int(x) for x in s.split(",") if x)  # noqa: E731
+    try:
+        run_decode_bench(out=out, batches=ints(batches), spec_batches=ints(spec_batches), T=drafts,
+                         peers=peers, checks=checks, sweep=sweep)
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
+# --- end decode kernels ------------------------------------------------------------------------
+
+
 if __name__ == "__main__":
     app()

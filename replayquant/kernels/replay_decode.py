@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from replayquant.kernels.conventional import (FMT_IDS, PackedRole, _check_inputs, _front_end,
+from replayquant.kernels.conventional import (PackedRole, _check_inputs, _front_end,
                                               _gate_out, _indices, _pow2_dims, _prep,
                                               _rank1_step, _tile_load, _tile_store,
                                               gdn_frontend_ref, mamba2_frontend_ref,

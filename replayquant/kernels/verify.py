@@ -53,7 +53,9 @@ def _draft_count(x, name):
     return x.shape[1]
 
 
-def _check_accept(n, B, T, device):
+def _check_accept(n, B, T, device, check=True):
+    if not check:                     # no host synchronisation (CUDA graph capture)
+        return n if n.dtype == torch.int32 else n.to(device=device, dtype=torch.int32)
     if isinstance(n, int) and not isinstance(n, bool):
         n = torch.full((B,), n, dtype=torch.int32, device=device)
     if not isinstance(n, torch.Tensor) or n.is_floating_point() or n.dtype == torch.bool \
@@ -101,19 +103,20 @@ def replay_mamba2_verify(store: ReplayStore, x, dt, A, B, C, state_indices=None,
     return out
 
 
-def replay_accept(store: ReplayStore, n, state_indices=None):
-    """Commit the first n[b] drafts of each row: committed += n (no state is touched)."""
+def replay_accept(store: ReplayStore, n, state_indices=None, check=True):
+    """Commit the first n[b] drafts of each row: committed += n (no state is touched).
+    check=False skips the range check of n (no host synchronisation, for CUDA graphs)."""
     T = getattr(store, "pending_T", None)
     if not T:
         raise ValueError("accept: no drafts pending; call verify first")
     B = n.shape[0] if isinstance(n, torch.Tensor) else state_indices.shape[0]
     idx = _indices(state_indices, B, store.committed.device)
-    n = _check_accept(n, B, T, store.committed.device)
+    n = _check_accept(n, B, T, store.committed.device, check)
     advance_pointers(store, idx, accepted=n)
     store.pending_T = None
 
 
-def replay_accept_ref(store: ReplayStore, n, state_indices=None):
+def replay_accept_ref(store: ReplayStore, n, state_indices=None, check=True):
     T = getattr(store, "pending_T", None)
     if not T:
         raise ValueError("accept: no drafts pending; call verify first")
@@ -287,14 +290,15 @@ def _slot_bytes(t: torch.Tensor, n_slots: int) -> torch.Tensor:
     return t.view(torch.uint8).reshape(n_slots, -1)
 
 
-def conventional_accept(store: ConventionalStore, snaps: PackedRole, n, state_indices=None):
+def conventional_accept(store: ConventionalStore, snaps: PackedRole, n, state_indices=None,
+                        check=True):
     """Restore snapshot n[b] into row b's slot (n = 0: nothing) and count its casts (Triton)."""
     st = store.state
     N = st.shape[0]
     T = snaps.T
     B = n.shape[0] if isinstance(n, torch.Tensor) else state_indices.shape[0]
     idx = _indices(state_indices, B, st.payload.device)
-    n = _check_accept(n, B, T, st.payload.device)
+    n = _check_accept(n, B, T, st.payload.device, check)
     parts = [(st.payload, snaps.payload)]
     if st.scale is not None:
         parts.append((st.scale, snaps.scale))
@@ -309,7 +313,8 @@ def conventional_accept(store: ConventionalStore, snaps: PackedRole, n, state_in
                                                     BLOCK=BLOCK, BUMP=i == 0, num_warps=4)
 
 
-def conventional_accept_ref(store: ConventionalStore, snaps: PackedRole, n, state_indices=None):
+def conventional_accept_ref(store: ConventionalStore, snaps: PackedRole, n, state_indices=None,
+                            check=True):
     st = store.state
     N = st.shape[0]
     T = snaps.T
