@@ -125,18 +125,16 @@ class LayerRuntime:
 
 def reorder_state(st: ReplayState, ids: torch.Tensor) -> ReplayState:
     """A ReplayState whose row i is row ids[i] of st (beam search). SR stream ids follow the rows."""
-    from replayquant.kernels.chunk_ref import ScanState, load_scan_state, scan_state_of
     from replayquant.replay import core
 
-    ss = scan_state_of(st)
-    B = st.B
+    parts = st.export()
     ids = ids.to(st.device)
-    take = (lambda t: None if t is None else t[ids].contiguous())
-    new = ScanState(anchor=core.qt_take(ss.anchor, ids, B),
-                    read=None if ss.read is None else core.qt_take(ss.read, ids, B),
-                    k=take(ss.k), v=take(ss.v), G=take(ss.G), beta=take(ss.beta),
-                    count=take(ss.count), flushes=take(ss.flushes), rows=take(ss.rows))
-    out = ReplayState(torch.zeros(len(ids), st.H, st.d_v, st.d_k, device=st.device), st.pair,
-                      delta=st.delta, seed=st.seed, layer=st.layer, rows=new.rows)
-    load_scan_state(out, new)
-    return out
+    new = {}
+    for name, t in parts.items():
+        if t is None:
+            new[name] = None
+        elif name in ("anchor", "read"):
+            new[name] = core.qt_take(t, ids, st.B)
+        else:
+            new[name] = t[ids].contiguous()
+    return ReplayState.from_parts(new, st.pair, delta=st.delta, seed=st.seed, layer=st.layer)

@@ -33,6 +33,11 @@ Semantics (exactly; see replayquant.replay.core for the formulas and the buffer 
   (a row left at h == L flushes at its next step / verify). A flush never folds uncommitted drafts.
   step / verify while drafts are pending is an error: call accept first.
 * An empty committed history never touches the anchor (no cast, flush index unchanged).
+
+Hand-off (teacher forcing, beam reordering, other backends): `st.export()` returns the parts
+(anchor, read copy, buffer, counters, rows) as a dict, `st.load(parts)` installs parts in place
+and `ReplayState.from_parts(parts, pair, delta, seed, layer)` builds a state from parts without
+any cast. `replayquant.kernels.chunk_ref.teacher_force` runs a segment through these.
 """
 
 from __future__ import annotations
@@ -220,6 +225,116 @@ class ReplayState(_StateBase):
         (what a flush now would cast). Changes nothing."""
         S, _ = core.rebuild(self.anchor(), self._k, self._v, self._G, self._beta, self._h)
         return S
+
+    # ---------------------------------------------------------------- hand-off
+    PART_NAMES = ("anchor", "read", "k", "v", "G", "beta", "u", "committed", "flushes", "rows")
+
+    def export(self) -> dict:
+        """The whole state as a dict of its parts (the tensors themselves, no copy: treat them
+        as read-only). Keys (layout in replayquant.replay.core):
+
+            anchor     QTensor [B, H, d_v, d_k] (the anchor's format)
+            read       QTensor of the read format, or None for a shared pair
+            k, v, G    buffer [B, H, L, d_k], [B, H, L, d_v], [B, H, L] float32
+            beta, u    GDN buffer [B, H, L], [B, H, L, d_v] (u against the read copy); None for Mamba-2
+            committed  int64 [B] buffered (committed) entries per row, 0..L
+            flushes    int64 [B] flush index of the current anchor per row
+            rows       int64 [B] sequence ids keying the SR streams
+
+        Slots >= committed are ignored. Raises ValueError while drafts are pending."""
+        if self._pending is not None:
+            raise ValueError("the ReplayState has pending drafts; call accept(n) before export()")
+        return {"anchor": self._A, "read": self._R, "k": self._k, "v": self._v, "G": self._G,
+                "beta": self._beta, "u": self._u, "committed": self._h, "flushes": self._flushes,
+                "rows": self.rows}
+
+    def load(self, parts: dict) -> None:
+        """Make this state hold a copy of `parts` (as `export` returns them; in place). B, H, d_v, d_k and the pair stay those of this state; `rows`
+        is optional (default: keep), `u` is optional for GDN (default: recomputed from the read
+        copy and the buffer, as the read steps would have computed it). Pending drafts are
+        dropped. Bad parts raise one ValueError naming the part."""
+        self._check_parts(parts)
+        L, dev = self.L, self.device
+        # copies: the state writes its anchor and buffer in place, parts must not alias them
+        self._A = core.qt_clone(parts["anchor"])
+        self._R = None if parts["read"] is None else core.qt_clone(parts["read"])
+        self._R32 = self.pair.read_spec.fmt.dequantize(self.read_q)
+        f32 = torch.float32
+        self._k = parts["k"].to(device=dev, dtype=f32).clone()
+        self._v = parts["v"].to(device=dev, dtype=f32).clone()
+        self._G = parts["G"].to(device=dev, dtype=f32).clone()
+        self._h = parts["committed"].to(device=dev, dtype=torch.int64).clone()
+        self._flushes = parts["flushes"].to(device=dev, dtype=torch.int64).clone()
+        if parts.get("rows") is not None:
+            self.rows = parts["rows"].to(device=dev, dtype=torch.int64).clone()
+        self._beta = self._u = None
+        if self.delta:
+            self._beta = parts["beta"].to(device=dev, dtype=f32).clone()
+            if parts.get("u") is not None:
+                self._u = parts["u"].to(device=dev, dtype=f32).clone()
+            else:
+                valid = (torch.arange(L, device=dev)[None, :] < self._h[:, None]).unsqueeze(1)
+                self._u = core.solve_u(self._R32, self._k, self._v, self._G, self._beta, valid)
+        self._pending = None
+
+    @classmethod
+    def from_parts(cls, parts: dict, pair, delta: bool, seed: int = 0, layer: int = 0) -> "ReplayState":
+        """A ReplayState holding `parts` (as `export` returns them; `rows` optional, default
+        arange(B)), without any cast: B, H, d_v, d_k come from the anchor's shape."""
+        anchor = parts.get("anchor") if isinstance(parts, dict) else None
+        if not isinstance(anchor, QTensor) or len(anchor.shape) != 4:
+            raise ValueError("parts['anchor'] must be a QTensor of shape [B, H, d_v, d_k] "
+                             "(pass the dict ReplayState.export() returns)")
+        st = cls.__new__(cls)
+        st._setup(torch.zeros(anchor.shape, device=anchor.device), pair, delta, seed, layer,
+                  parts.get("rows"))
+        st.L = st.pair.buffer_len
+        st.load(parts)
+        return st
+
+    def _check_parts(self, parts) -> None:
+        if not isinstance(parts, dict):
+            raise ValueError(f"parts must be a dict (as ReplayState.export() returns), got "
+                             f"{type(parts).__name__}")
+        unknown = sorted(set(parts) - set(self.PART_NAMES))
+        if unknown:
+            raise ValueError(f"unknown part(s) {unknown}; a state has {', '.join(self.PART_NAMES)}")
+        B, H, dv, dk, L = self.B, self.H, self.d_v, self.d_k, self.L
+        shape = (B, H, dv, dk)
+        for role, spec, q in (("anchor", self.pair.anchor, parts.get("anchor")),
+                              ("read", self.pair.read, parts.get("read"))):
+            if spec is None:
+                if q is not None:
+                    raise ValueError(f"the pair {self.pair.label()} is shared: parts['read'] must be None")
+                continue
+            if not isinstance(q, QTensor):
+                raise ValueError(f"parts[{role!r}] must be a QTensor of format {spec.format}")
+            if q.format != spec.format or tuple(q.shape) != shape:
+                raise ValueError(f"parts[{role!r}] is {q.format} {list(q.shape)}, the pair "
+                                 f"{self.pair.label()} needs {spec.format} {list(shape)}")
+        need = {"k": (B, H, L, dk), "v": (B, H, L, dv), "G": (B, H, L), "committed": (B,),
+                "flushes": (B,)}
+        if self.delta:
+            need["beta"] = (B, H, L)
+            if parts.get("u") is not None:
+                need["u"] = (B, H, L, dv)
+        elif parts.get("beta") is not None or parts.get("u") is not None:
+            raise ValueError("a Mamba-2 state (delta=False) has no beta / u parts: pass None")
+        if parts.get("rows") is not None:
+            need["rows"] = (B,)
+        for name, shp in need.items():
+            t = parts.get(name)
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shp:
+                got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"parts[{name!r}] must be a tensor {list(shp)} (B={B}, H={H}, "
+                                 f"L={L}, d_k={dk}, d_v={dv}), got {got}")
+        for name in ("committed", "flushes", "rows"):
+            t = parts.get(name)
+            if t is not None and (t.is_floating_point() or t.dtype == torch.bool):
+                raise ValueError(f"parts[{name!r}] must be an integer tensor, got {t.dtype}")
+        c = parts["committed"]
+        if bool(((c < 0) | (c > L)).any()):
+            raise ValueError(f"parts['committed'] must lie in 0..L={L}, got {c.tolist()}")
 
     def step(self, q, k, v, log_a, beta=None) -> torch.Tensor:
         """One decode step -> y float32 [B, H, d_v] (module doc for the exact semantics)."""
