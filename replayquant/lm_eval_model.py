@@ -10,15 +10,20 @@ Model arguments, besides every argument of lm-eval's ``hf`` model (dtype, device
 parallelize, max_length, ...):
 
 * ``pair``: a shipped pair name (``replayquant pairs``) or the path of a pair YAML file (default s32_rs);
-* ``prefill``: ``replay`` (default: every prompt token goes through the step semantics, as a decode
-  would) or ``exact`` (the prompt in FP32, cast once, as a server's prefill would);
+* ``prefill``: how the prompt is processed. ``replay`` (default): every token goes through the step
+  semantics, as if the server had decoded the prompt; loglikelihoods come from one teacher-forced
+  forward over context + continuation. ``exact``: as a server's prefill, the context in FP32 and
+  cast once; loglikelihoods then decode the continuation token by token (row by row: slower), so
+  the pair is still on the scored path;
 * ``seed``: the stochastic-rounding seed (default 0);
 * ``buffer_len``: overrides the pair's buffer length L.
 
 Both of lm-eval's scoring paths see the pair: ``loglikelihood`` (multiple-choice tasks) runs plain
-forwards over whole sequences, which the patched model computes by teacher forcing with ``prefill``;
-``generate_until`` (CoT and generative tasks) runs ``model.generate(use_cache=True)``, whose decode
-steps go through the replay state machine, flushing every L tokens, batched.
+forwards over whole sequences, which the patched model computes by teacher forcing with
+``prefill="replay"`` (with ``prefill="exact"``, a whole-sequence forward would be exact FP32 and
+blind to the pair, so the continuation is decoded instead, see above); ``generate_until`` (CoT and
+generative tasks) runs ``model.generate(use_cache=True)``: the prompt is processed per ``prefill``,
+and every decode step goes through the replay state machine, flushing every L tokens, batched.
 
 Registration: importing this module registers the name ``replayquant`` with lm-eval.
 lm-eval 0.4.13 discovers no models from other packages, so the plain ``lm_eval`` command cannot find
@@ -72,6 +77,19 @@ def resolve_model_name(name: str) -> str:
     return _resolve(name)
 
 
+def cache_kwarg(model) -> str:
+    """The forward argument that takes the cache: `cache` (transformers >= 5.2x) or
+    `past_key_values` (earlier 5.x)."""
+    import inspect
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def output_cache(out):
+    c = getattr(out, "cache", None)
+    return c if c is not None else getattr(out, "past_key_values", None)
+
+
 def _patch_api():
     try:
         from replayquant.models import patch, unpatch
@@ -97,6 +115,7 @@ class ReplayQuantLM(HFLM):
             raise ValueError(f"seed={seed!r}: must be an integer") from None
         self._rq_prefill = prefill
         self._rq_patched = False
+        self._rq_split = None
         if isinstance(pretrained, str):
             if not pretrained:
                 raise ValueError("model_args needs pretrained=<hub id, short name or local path>")
@@ -140,10 +159,60 @@ class ReplayQuantLM(HFLM):
                 "prefill": self._rq_prefill, "seed": self._rq_seed}
 
     # -- lm-eval hooks: both scoring paths run the patched model
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
+        if self._rq_prefill != "exact" or self.backend != "causal":
+            return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
+        # prefill="exact" scores as a server would: the context is prefilled (FP32, one cast), the
+        # continuation decoded token by token through the replay state machine. HFLM hands
+        # _model_call only the right-padded inputs, so remember where each input's context ends,
+        # with HFLM's own left truncation.
+        split = {}
+        for _, context_enc, continuation_enc in requests:
+            inp = (context_enc + continuation_enc)[-(self.max_length + 1):][:-1]
+            split[tuple(inp)] = len(inp) - len(continuation_enc) + 1
+        self._rq_split = split
+        try:
+            return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
+        finally:
+            self._rq_split = None
+
     def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
         if not self._rq_patched:
             raise RuntimeError("replayquant: the model is not patched; scoring it would not use the pair")
-        return super()._model_call(inps, attn_mask=attn_mask, labels=labels)
+        if getattr(self, "_rq_split", None) is None or attn_mask is not None:
+            # prefill="replay": one forward over each whole sequence, every token through the step
+            # semantics (teacher forcing, as if the server had decoded the prompt)
+            return super()._model_call(inps, attn_mask=attn_mask, labels=labels)
+        return self._prefill_then_decode(inps)
+
+    def _find_split(self, row: list[int]) -> tuple[int, int]:
+        """(real length, context tokens) of one right-padded input row."""
+        for n in sorted({len(k) for k in self._rq_split}, reverse=True):
+            if n <= len(row) and (p := self._rq_split.get(tuple(row[:n]))) is not None:
+                return n, p
+        raise RuntimeError("replayquant: an input row matches no loglikelihood request")
+
+    def _prefill_then_decode(self, inps: torch.Tensor) -> torch.Tensor:
+        """Logits [B, T, V] for right-padded `inps`, row by row: one forward with the cache over
+        the context (the patched model's exact prefill), then one decode step per continuation
+        token. Positions past a row's end stay zero (HFLM never reads them)."""
+        out = None
+        kw = cache_kwarg(self.model)
+        with torch.no_grad(), torch.autocast(device_type=self.device.type, dtype=self.mixed_precision_dtype,
+                                             enabled=self.mixed_precision_dtype is not None):
+            for i, row in enumerate(inps.tolist()):
+                n, p = self._find_split(row)
+                o = self.model(inps[i:i + 1, :p], use_cache=True)
+                pieces, cache = [o.logits[0]], output_cache(o)
+                for t in range(p, n):
+                    o = self.model(inps[i:i + 1, t:t + 1], use_cache=True, **{kw: cache})
+                    pieces.append(o.logits[0])
+                    cache = output_cache(o)
+                logits = torch.cat(pieces)
+                if out is None:
+                    out = logits.new_zeros(inps.shape[0], inps.shape[1], logits.shape[-1])
+                out[i, :n] = logits
+        return out
 
     def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs):
         if not self._rq_patched:
@@ -176,18 +245,18 @@ def lm_eval_main(argv: list[str]) -> None:
                 csv_path = args[i + 1]
                 del args[i:i + 2]
             break
-    if csv_path is not None:
-        from replayquant.gpqa.tasks import write_task_dir
-        if any(a == "--include_path" or a.startswith("--include_path=") for a in args):
-            raise ValueError("--gpqa-csv writes lm-eval's include_path itself; pass either --gpqa-csv or "
-                             "--include_path, not both")
-        task_dir = write_task_dir(csv_path, tempfile.mkdtemp(prefix="replayquant_gpqa_tasks_"))
-        args += ["--include_path", str(task_dir)]
     from lm_eval.__main__ import cli_evaluate
 
-    old = sys.argv
-    sys.argv = ["lm-eval", *args]
-    try:
-        cli_evaluate()
-    finally:
-        sys.argv = old
+    with tempfile.TemporaryDirectory(prefix="replayquant_gpqa_tasks_") as tmp:
+        if csv_path is not None:
+            from replayquant.gpqa.tasks import write_task_dir
+            if any(a == "--include_path" or a.startswith("--include_path=") for a in args):
+                raise ValueError("--gpqa-csv writes lm-eval's include_path itself; pass either --gpqa-csv "
+                                 "or --include_path, not both")
+            args += ["--include_path", str(write_task_dir(csv_path, tmp))]
+        old = sys.argv
+        sys.argv = ["lm-eval", *args]
+        try:
+            cli_evaluate()
+        finally:
+            sys.argv = old

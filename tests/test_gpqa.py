@@ -263,11 +263,12 @@ def test_table_command_reads_summaries(tmp_path):
 @needs_patch
 def test_both_scoring_paths_see_the_pair(tiny_model):
     """loglikelihood (teacher forcing) and generate_until (replay decode), batched: an FP32 pair and
-    f4_sr_rs give different loglikelihoods and different greedy continuations; switching back to
-    the FP32 pair reproduces the first numbers exactly."""
+    f4_sr_rs give different loglikelihoods and different greedy continuations; prefill="exact"
+    scores as prefill + decode; switching back to the FP32 pair reproduces the first numbers
+    exactly."""
     from lm_eval.api.instance import Instance
 
-    from replayquant.lm_eval_model import ReplayQuantLM
+    from replayquant.lm_eval_model import ReplayQuantLM, cache_kwarg, output_cache
 
     lm = ReplayQuantLM(pretrained=tiny_model, pair="s32_rs", device="cpu", dtype="float32", batch_size=4)
     with open(TINY_CSV, newline="") as f:
@@ -287,7 +288,24 @@ def test_both_scoring_paths_see_the_pair(tiny_model):
     assert all(math.isfinite(x) for x in ll32 + ll4)
     assert all(a != b for a, b in zip(ll32, ll4)), (ll32, ll4)
     assert gen32 != gen4, (gen32, gen4)
-    lm.set_pair("s32_rs")
+    # prefill="exact": the context is prefilled (FP32, one cast) and the continuation decoded token
+    # by token, as a server would score it; the pair is still on the path
+    lm.set_pair("f4_sr_rs", prefill="exact")
+    ll4x = [x[0] for x in lm.loglikelihood(ll_req, disable_tqdm=True)]
+    assert all(a != b for a, b in zip(ll32, ll4x)) and ll4x != ll4
+    kw = cache_kwarg(lm.model)
+    for (c, cont), got in zip([r.args for r in ll_req], ll4x):
+        ctx_ids, cont_ids = lm._encode_pair(c, cont)
+        with torch.no_grad():
+            o = lm.model(torch.tensor([ctx_ids]), use_cache=True)
+            logp, cache = 0.0, output_cache(o)
+            for t, tok in enumerate(cont_ids):
+                logp += float(torch.log_softmax(o.logits[0, -1].float(), -1)[tok])
+                if t + 1 < len(cont_ids):
+                    o = lm.model(torch.tensor([[tok]]), use_cache=True, **{kw: cache})
+                    cache = output_cache(o)
+        assert got == pytest.approx(logp, abs=1e-4)
+    lm.set_pair("s32_rs", prefill="replay")
     assert score() == (ll32, gen32)
     info = lm.get_model_info()["replayquant"]
     assert info["pair"]["name"] == "s32_rs" and info["prefill"] == "replay"
