@@ -115,7 +115,7 @@ class ReplayQuantLM(HFLM):
             raise ValueError(f"seed={seed!r}: must be an integer") from None
         self._rq_prefill = prefill
         self._rq_patched = False
-        self._rq_split = None
+        self._rq_split = self._rq_lengths = None
         if isinstance(pretrained, str):
             if not pretrained:
                 raise ValueError("model_args needs pretrained=<hub id, short name or local path>")
@@ -170,11 +170,11 @@ class ReplayQuantLM(HFLM):
         for _, context_enc, continuation_enc in requests:
             inp = (context_enc + continuation_enc)[-(self.max_length + 1):][:-1]
             split[tuple(inp)] = len(inp) - len(continuation_enc) + 1
-        self._rq_split = split
+        self._rq_split, self._rq_lengths = split, None
         try:
             return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
         finally:
-            self._rq_split = None
+            self._rq_split = self._rq_lengths = None
 
     def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
         if not self._rq_patched:
@@ -186,9 +186,15 @@ class ReplayQuantLM(HFLM):
         return self._prefill_then_decode(inps)
 
     def _find_split(self, row: list[int]) -> tuple[int, int]:
-        """(real length, context tokens) of one right-padded input row."""
-        for n in sorted({len(k) for k in self._rq_split}, reverse=True):
-            if n <= len(row) and (p := self._rq_split.get(tuple(row[:n]))) is not None:
+        """(real length, context tokens) of one input row, right-padded with zeros by HFLM: its real
+        length lies between the length without trailing zeros and the full length."""
+        lengths = {len(k) for k in self._rq_split} if self._rq_lengths is None else self._rq_lengths
+        self._rq_lengths = lengths
+        stripped = len(row)
+        while stripped > 0 and row[stripped - 1] == 0:
+            stripped -= 1
+        for n in range(len(row), stripped - 1, -1):
+            if n in lengths and (p := self._rq_split.get(tuple(row[:n]))) is not None:
                 return n, p
         raise RuntimeError("replayquant: an input row matches no loglikelihood request")
 
