@@ -12,14 +12,17 @@ Stages (each deterministic from its inputs and --seed):
   install   copy the model folders from a train output into replayquant/assets/ and the log and
             PNG into results/train_tiny/.
 
-How the shipped models were made (one device call, H200, see results/train_tiny/train_log.json):
+How the shipped models were made (results/train_tiny/train_log.json has the full record):
 
   python evals/train_tiny.py prepare --heldout-out replayquant/data/kjv_heldout.jsonl.gz
-  python evals/train_tiny.py train --data .gpu/tiny --out $OUT --time-budget 120   # on the GPU
+  # on one H200 (device tool, .gpu/tiny carried; torch 2.11, transformers 5.17):
+  python evals/train_tiny.py train --data .gpu/tiny --out $OUT --time-budget 110
   python evals/train_tiny.py install --from <the train output>
 
-`--steps auto` (the default) times the first steps and fits the step count into --time-budget;
-the log records the resolved count, and `--steps N` with the same seed reruns that schedule.
+`--steps auto` (the default) times the first steps and fits each model's step count into
+--time-budget; the log records the resolved counts (150 for tiny-qwen3.5, 74 for tiny-mamba2), and
+`--steps 150,74` with the same seed reruns exactly that schedule (same data order, same
+initialisation; bitwise equality also needs the same GPU and library versions).
 """
 
 from __future__ import annotations
@@ -164,7 +167,7 @@ def eval_heldout(model, docs_tokens: list[np.ndarray], eos_id: int, ctx: int, de
                                 for b in range(nb) if bcnt[b] > 0}}
 
 
-def train_one(kind: str, data: Path, out: Path, args) -> dict:
+def train_one(kind: str, data: Path, out: Path, args, steps: str = "auto") -> dict:
     import torch
     device = torch.device(args.device)
     meta = json.loads((data / "corpus.json").read_text())
@@ -198,7 +201,7 @@ def train_one(kind: str, data: Path, out: Path, args) -> dict:
     name = MODEL_NAMES[kind]
     print(f"[{name}] {nparam / 1e6:.3f}M parameters, batch {B} x {T}, device {device}", flush=True)
 
-    total = None if args.steps == "auto" else int(args.steps)
+    total = None if steps == "auto" else int(steps)
     probe = 6                     # steps timed to resolve --steps auto (warmup is longer than this)
     losses, val_curve = [], []
     best = (float("inf"), -1, None)
@@ -269,7 +272,7 @@ def train_one(kind: str, data: Path, out: Path, args) -> dict:
     return {
         "name": name, "architecture": type(model).__name__, "parameters": nparam,
         "config": json.loads((folder / "config.json").read_text()),
-        "seed": args.seed, "seq_len": T, "batch": B, "steps": total, "steps_arg": args.steps,
+        "seed": args.seed, "seq_len": T, "batch": B, "steps": total, "steps_arg": steps,
         "stopped_early_at": stopped_early, "tokens_seen": tokens_seen, "epochs": round(tokens_seen / len(train), 2),
         "lr": args.lr, "warmup": args.warmup, "weight_decay": args.weight_decay,
         "optimizer": "AdamW(0.9, 0.95), cosine to 10%, grad clip 1.0, bf16 autocast",
@@ -350,9 +353,16 @@ def cmd_train(args) -> None:
         torch.backends.cuda.matmul.allow_tf32 = True
     t0 = time.time()
     logs, errors = [], []
-    for kind in args.models.split(","):
+    kinds = args.models.split(",")
+    steps = args.steps.split(",")
+    if len(steps) == 1:
+        steps = steps * len(kinds)
+    if len(steps) != len(kinds) or not all(x == "auto" or x.isdigit() for x in steps):
+        raise SystemExit(f"--steps {args.steps!r}: give 'auto', one number, or one per model "
+                         f"({len(kinds)}: {args.models})")
+    for kind, nsteps in zip(kinds, steps):
         try:
-            logs.append(train_one(kind, data, out, args))
+            logs.append(train_one(kind, data, out, args, nsteps))
         except Exception as e:                 # keep the other model's run: one device call only
             import traceback
             traceback.print_exc()
@@ -427,9 +437,10 @@ def main(argv=None) -> None:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--seq-len", type=int, default=4096)
     t.add_argument("--batch", type=int, default=16)
-    t.add_argument("--steps", default="auto", help="'auto' (fit --time-budget) or a number")
+    t.add_argument("--steps", default="auto",
+                   help="'auto' (fit --time-budget), a number, or one per model (e.g. 150,74)")
     t.add_argument("--max-steps", type=int, default=3000)
-    t.add_argument("--time-budget", type=float, default=120.0, help="seconds of training per model")
+    t.add_argument("--time-budget", type=float, default=110.0, help="seconds of training per model")
     t.add_argument("--lr", type=float, default=2e-3)
     t.add_argument("--warmup", type=int, default=30)
     t.add_argument("--weight-decay", type=float, default=0.1)

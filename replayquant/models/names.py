@@ -17,6 +17,8 @@ Nemotron-H-8B          nvidia/Nemotron-H-8B-Base-8K                Mamba-2
 Nemotron-Nano-9B-v2    nvidia/NVIDIA-Nemotron-Nano-9B-v2           Mamba-2
 Nemotron-Nano-12B-v2   nvidia/NVIDIA-Nemotron-Nano-12B-v2          Mamba-2
 Mamba-Codestral-7B     mistralai/Mamba-Codestral-7B-v0.1           Mamba-2 (pure)
+tiny-qwen3.5           replayquant/assets/tiny-qwen3.5 (shipped)   Gated DeltaNet (dense)
+tiny-mamba2            replayquant/assets/tiny-mamba2 (shipped)    Mamba-2 (pure)
 =====================  ==========================================  =========================
 
 Matching is case-insensitive; a name not in the table is used as given (a hub id or a local
@@ -44,6 +46,11 @@ SHORT_NAMES: dict[str, str] = {
     "Nemotron-Nano-9B-v2": "nvidia/NVIDIA-Nemotron-Nano-9B-v2",
     "Nemotron-Nano-12B-v2": "nvidia/NVIDIA-Nemotron-Nano-12B-v2",
     "Mamba-Codestral-7B": "mistralai/Mamba-Codestral-7B-v0.1",
+    # embedded tiny models trained on the KJV (package data; evals/train_tiny.py, issue 8)
+    "tiny-qwen3.5": os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                 "assets", "tiny-qwen3.5"),
+    "tiny-mamba2": os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "assets", "tiny-mamba2"),
 }
 
 
