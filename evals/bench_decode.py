@@ -9,7 +9,7 @@ from replayquant.bench.decode import run_decode_bench
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default="results/bench")
-    ap.add_argument("--batches", default="1,32,128,256,512")
+    ap.add_argument("--batches", default="1,8,32,128,256,512")
     ap.add_argument("--spec-batches", default="32,256,512")
     ap.add_argument("--T", type=int, default=4)
     ap.add_argument("--no-peers", action="store_true")

@@ -242,6 +242,9 @@ def test_replay_bad_inputs():
     with pytest.raises(ValueError, match="key_heads"):
         ReplayStore.from_state(random_state(2, 3, 16, 16), "s32_rs", "gdn", key_heads=2)
     nv = ReplayStore.from_state(random_state(2, 2, 32, 16), "tp4_hi32", "gdn", key_heads=1)
-    with pytest.raises(ValueError, match="block_v must be d_v"):
+    with pytest.raises(ValueError, match="flush block must be d_v"):
         replay_gdn_step(nv, q, k, gdn_step_inputs(2, 1, 2, 16, 32)[2], a, b, A_log, dtb,
-                        block_v=16)
+                        flush_config=(16, 4))
+    with pytest.raises(ValueError, match="block_v"):
+        replay_gdn_step(nv, q, k, gdn_step_inputs(2, 1, 2, 16, 32)[2], a, b, A_log, dtb,
+                        block_v=12)

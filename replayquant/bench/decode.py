@@ -356,7 +356,8 @@ def _row(kind, kernel, variant, B, ms, nbytes, copy_bw, **extra):
 
 def config_sweep(kind, B, device, copy_bw):
     """Launch configs (block_v, num_warps) timed at batch B on fresh stores (never by re-running
-    a live in-place state); returns (rows, best config per kernel variant)."""
+    a live in-place state): the conventional step, the replay read step (h = L/2, pointers held)
+    and the replay flush step (h = L - 1). Returns (rows, best config per kernel variant)."""
     from replayquant.kernels.conventional import ConventionalStore
     from replayquant.kernels.replay_decode import ReplayStore
     from replayquant.pairs import PrecisionPair
@@ -368,36 +369,55 @@ def config_sweep(kind, B, device, copy_bw):
     idx = torch.arange(B, dtype=torch.int32, device=device)
     kw = _kw(kind, S, B, seed=1, device=device)
     out = torch.empty(B, H, dv, device=device)
-    rows, best = [], {}
+    rows, cfg = [], {}
+
+    def pick(key, cands):
+        best = min(cands, key=lambda r: r["us"])
+        cfg[key] = best["cfg"]
+        rows.extend(cands)
+
     cs = ConventionalStore.from_state(init, "fp32")
-    for bv, nw in [(16, 2), (32, 4), (64, 8)]:
+    cands = []
+    for bv, nw in [(8, 1), (16, 1), (16, 2), (32, 4), (64, 8)]:
         if bv > dv:
             continue
-        ms = graph_ms(lambda: f["conv"](cs, **kw, state_indices=idx, out=out, advance=False,
-                                        block_v=bv, num_warps=nw), 8)
-        rows.append(_row(kind, "sweep/conventional", "fp32", B, ms,
-                         conventional_bytes(kind, "fp32", B, H, HK, dv, dk), copy_bw,
-                         block_v=bv, num_warps=nw))
+        c = dict(block_v=bv, num_warps=nw)
+        ms = graph_ms(lambda: f["conv"](cs, **kw, state_indices=idx, out=out, advance=False, **c), 8)
+        cands.append(_row(kind, "sweep/conventional", "fp32", B, ms,
+                          conventional_bytes(kind, "fp32", B, H, HK, dv, dk), copy_bw, cfg=c))
+    pick("conventional/fp32", cands)
     del cs
-    for pair, cfgs in (("s32_rs", [(32, 4), (64, 8), (min(128, dv), 8)]),
-                       ("tp4_hi32", [(dv, 4), (dv, 16)])):
+    for pair in ("s32_rs", "tp4_hi32"):
         P = PrecisionPair.load(pair).with_buffer_len(L)
-        st = ReplayStore.from_state(init, P, kind, key_heads=HK)
         rf = None if P.read is None else P.read.format
-        for bv, nw in cfgs:
+        st = ReplayStore.from_state(init, P, kind, key_heads=HK)
+        cands = []
+        h = L // 2
+        for bv, nw in [(16, 1), (32, 2), (32, 4), (64, 4)]:
             if bv > dv:
                 continue
+            c = dict(block_v=bv, num_warps=nw)
+            st.committed.fill_(h)
             ms = graph_ms(lambda: f["step"](st, **kw, state_indices=idx, out=out, path="replay",
-                                            block_v=bv, num_warps=nw), L)
-            rows.append(_row(kind, "sweep/replay-window", pair, B, ms,
-                             replay_window_bytes(kind, "fp32", rf, L, B, H, HK, dv, dk), copy_bw,
-                             block_v=bv, num_warps=nw, L=L))
+                                            advance=False, **c), 8)
+            cands.append(_row(kind, "sweep/replay-read-step", pair, B, ms,
+                              replay_read_step_bytes(kind, rf or "fp32", h, B, H, HK, dv, dk),
+                              copy_bw, cfg=c, h=h))
+        pick(f"read/{pair}", cands)
+        cands = []
+        fcs = [(dv, 4), (dv, 8), (dv, 16)] if rf == "nvfp4" else [(16, 2), (32, 4), (64, 8)]
+        for bv, nw in fcs:
+            if bv > dv:
+                continue
+            c = dict(flush_config=(bv, nw))
+            st.committed.fill_(L - 1)
+            ms = graph_ms(lambda: f["step"](st, **kw, state_indices=idx, out=out, path="replay",
+                                            advance=False, **c), 4)
+            cands.append(_row(kind, "sweep/replay-flush-step", pair, B, ms,
+                              replay_flush_step_bytes(kind, "fp32", rf, L, B, H, HK, dv, dk),
+                              copy_bw, cfg=c))
+        pick(f"flush/{pair}", cands)
         del st
-    for r in rows:
-        key = (r["kernel"].split("/")[1], r["variant"])
-        if key not in best or r["us"] < best[key]["us"]:
-            best[key] = r
-    cfg = {f"{k[0]}/{k[1]}": dict(block_v=v["block_v"], num_warps=v["num_warps"]) for k, v in best.items()}
     torch.cuda.empty_cache()
     return rows, cfg
 
@@ -425,7 +445,7 @@ def bench_batch(kind, B, device, copy_bw, cfg=None, detail=False, peers=True):
                          conventional_bytes(kind, fmt, B, H, HK, dv, dk), copy_bw, config=c))
         del cs
     for pair in ("s32_rs", "tp4_hi32"):
-        c = cfg.get(f"replay-window/{pair}", {})
+        c = {**cfg.get(f"read/{pair}", {}), **cfg.get(f"flush/{pair}", {})}
         P = PrecisionPair.load(pair).with_buffer_len(L)
         rf = None if P.read is None else P.read.format
         st = ReplayStore.from_state(init, P, kind, key_heads=HK)
@@ -499,7 +519,7 @@ def bench_spec(kind, B, T, device, copy_bw, cfg=None):
     out = torch.empty(B, T, H, dv, device=device)
     rows = []
     for pair in ("s32_rs", "tp4_hi32"):
-        c = cfg.get(f"replay-window/{pair}", {})
+        c = {**cfg.get(f"read/{pair}", {}), **cfg.get(f"flush/{pair}", {})}
         st = ReplayStore.from_state(init, PrecisionPair.load(pair).with_buffer_len(L), kind,
                                     key_heads=HK, max_drafts=T)
 
@@ -540,8 +560,8 @@ def _derive(rows):
     snap = {(r["kind"], r["B"]): r["us"] for r in rows if r["kernel"] == "spec-snapshot-round"}
     for r in rows:
         k = (r["kind"], r["B"])
-        if r["kernel"] in ("conventional", "replay-window", "replay-read-step", "replay-forced-flush") \
-                and k in base:
+        if r["kernel"] in ("conventional", "replay-window", "replay-read-step", "replay-forced-flush",
+                           "sweep/conventional", "sweep/replay-read-step") and k in base:
             r["speedup_vs_conv_fp32"] = base[k] / r["us"]
             p = peer.get((r["kind"], r["B"], "float32"))
             if p:
@@ -581,14 +601,16 @@ def render_markdown(res) -> str:
         lines += ["", "Launch-config sweep:", "", "| kind | kernel | variant | B | block_v | warps | us/step |",
                   "| --- | --- | --- | ---: | ---: | ---: | ---: |"]
         for r in sweep:
-            lines.append(f"| {r['kind']} | {r['kernel']} | {r['variant']} | {r['B']} | {r['block_v']} | "
-                         f"{r['num_warps']} | {r['us']:.1f} |")
+            c = r["cfg"]
+            bv, nw = c.get("flush_config") or (c.get("block_v"), c.get("num_warps"))
+            lines.append(f"| {r['kind']} | {r['kernel']} | {r['variant']} | {r['B']} | {bv} | "
+                         f"{nw} | {r['us']:.1f} |")
     if res.get("errors"):
         lines += ["", "Sections that failed: " + ", ".join(res["errors"])]
     return "\n".join(lines) + "\n"
 
 
-def run_decode_bench(out: str = "results/bench", batches=(1, 32, 128, 256, 512),
+def run_decode_bench(out: str = "results/bench", batches=(1, 8, 32, 128, 256, 512),
                      spec_batches=(32, 256, 512), T: int = 4, peers: bool = True,
                      checks: bool = True, sweep: bool = True, detail_batches=(256,),
                      device: str = "cuda", name: str = "decode") -> dict:

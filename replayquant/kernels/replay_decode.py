@@ -48,10 +48,11 @@ import triton
 import triton.language as tl
 
 from replayquant.kernels.conventional import (PackedRole, _check_inputs, _front_end,
-                                              _gate_out, _indices, _pow2_dims, _prep,
+                                              _gate_out, _indices, _l2norm, _pow2_dims, _prep,
                                               _rank1_step, _tile_load, _tile_store,
                                               gdn_frontend_ref, mamba2_frontend_ref,
                                               mamba2_post_ref, role_streams, split_key)
+from replayquant.kernels.quant import decode_e2m1, decode_e4m3
 from replayquant.streams import ANCHOR, READ, layer_seed
 
 __all__ = ["ReplayStore", "replay_gdn_step", "replay_gdn_step_ref", "replay_mamba2_step",
@@ -194,29 +195,55 @@ def _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols,
 
 
 @triton.jit
-def _rebuild(A, K, V, G, Bt, n, jj, DELTA: tl.constexpr):
-    """Unrounded state after entries 0..n-1 (n >= 1) from checkpoint tile A [BV, DK]
-    (core.rebuild: GDN u by forward substitution against the checkpoint)."""
-    valid = jj < n
-    Gn = tl.sum(tl.where(jj == n - 1, G, 0.0), axis=0)
-    if DELTA:
-        Ak = tl.dot(K, tl.trans(A), input_precision="ieee")                  # [LP, BV]
-        rhs = Bt[:, None] * (V - tl.exp(G)[:, None] * Ak)
-        KK = tl.dot(K, tl.trans(K), input_precision="ieee")                  # [j, i] = k_j.k_i
-        lower = jj[None, :] < jj[:, None]
-        W = tl.where(lower, tl.exp(tl.where(lower, G[:, None] - G[None, :], 0.0)) * KK, 0.0)
-        U = rhs
-        for j in range(1, n):
-            sel = jj == j
-            wj = tl.sum(tl.where(sel[:, None], W, 0.0), axis=0)              # W[j, :]
-            corr = tl.sum(wj[:, None] * U, axis=0)                           # [BV]
-            bj = tl.sum(tl.where(sel, Bt, 0.0), axis=0)
-            U = tl.where(sel[:, None], U - bj * corr[None, :], U)
-    else:
-        U = V
-    w = tl.where(valid, tl.exp(tl.where(valid, Gn - G, 0.0)), 0.0)
-    Uw = tl.where(valid[:, None], U * w[:, None], 0.0)
-    return tl.exp(Gn) * A + tl.dot(tl.trans(Uw), K, input_precision="ieee")
+def _entry(slot, start, j, CAP: tl.constexpr):
+    return slot * CAP + (start + j) % CAP
+
+
+@triton.jit
+def _fold_gdn(S, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, n,
+              HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+              CAP: tl.constexpr, L2NORM: tl.constexpr):
+    """GDN: run the n buffered entries through the recurrence from S (the dequantized anchor):
+    a_j = exp(G_j - G_{j-1}), u_j = beta_j (v_j - a_j S k_j), S <- a_j S + u_j k_j^T. Equal to
+    core.rebuild (the triangular solve against the anchor) within float32 reassociation."""
+    Gprev = 0.0
+    for j in range(0, n):
+        e = _entry(slot, start, j, CAP)
+        k = tl.load(kbuf + (e * HK + hk) * DK + cols).to(tl.float32)
+        if L2NORM:
+            k = _l2norm(k)
+        v = tl.load(vbuf + (e * HV + hv) * DV + rows).to(tl.float32)
+        G = tl.load(Gbuf + e * HV + hv)
+        beta = tl.load(bbuf + e * HV + hv)
+        S = S * tl.exp(G - Gprev)
+        u = beta * (v - tl.sum(S * k[None, :], axis=1))
+        S = S + u[:, None] * k[None, :]
+        Gprev = G
+    return S
+
+
+@triton.jit
+def _fold_mamba(S, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, n, Gfin,
+                HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                CAP: tl.constexpr):
+    """Mamba-2: S + sum_j exp(Gfin - G_j) (dt_j x_j) B_j^T over the n buffered entries
+    (S = exp(Gfin) deq(A) on entry): core.rebuild's closed form, one FMA pass per entry."""
+    for j in range(0, n):
+        e = _entry(slot, start, j, CAP)
+        Bk = tl.load(kbuf + (e * HK + hk) * DK + cols).to(tl.float32)
+        x = tl.load(vbuf + (e * HV + hv) * DV + rows).to(tl.float32)
+        G = tl.load(Gbuf + e * HV + hv)
+        dt = tl.load(bbuf + e * HV + hv)
+        w = tl.exp(Gfin - G)
+        S = S + (w * (dt * x))[:, None] * Bk[None, :]
+    return S
+
+
+@triton.jit
+def _last_G(Gbuf, slot, start, h, hv, HV: tl.constexpr, CAP: tl.constexpr):
+    """Cumulative log gate of entry h - 1 (0 when h == 0)."""
+    e = _entry(slot, start, tl.maximum(h - 1, 0), CAP)
+    return tl.where(h > 0, tl.load(Gbuf + e * HV + hv), 0.0)
 
 
 @triton.jit
@@ -233,17 +260,119 @@ def _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_l
 
 
 @triton.jit
-def _replay_kernel(
+def _replay_flush_kernel(
         A_pay, A_sc, A_gs, R_pay, R_sc, R_gs,
-        kbuf, vbuf, ubuf, Gbuf, bbuf, h_ptr, st_ptr, nf_ptr, idx_ptr, out_ptr,
+        kbuf, vbuf, Gbuf, bbuf, h_ptr, st_ptr, nf_ptr, idx_ptr, out_ptr,
         q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr,
         scale, key_lo, key_hi, force,
         HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-        BV: tl.constexpr, L: tl.constexpr, CAP: tl.constexpr, LP: tl.constexpr, T: tl.constexpr,
+        BV: tl.constexpr, L: tl.constexpr, CAP: tl.constexpr, T: tl.constexpr,
         STEP: tl.constexpr, AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr,
         RSR: tl.constexpr, SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
-        HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
-        U_BF16: tl.constexpr):
+        HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr):
+    """The flushing rows of a step / verify: (1) committed entries that would not leave T free
+    slots (h + T > L, h > 0) are folded into the anchor first; (2) a step whose entry fills the
+    buffer (h + 1 == L, or force) rebuilds through it, outputs S q and casts both roles.
+    Other rows return at once (their programs only read h)."""
+    pid = tl.program_id(0)
+    vb = tl.program_id(1)
+    row = pid // HV
+    hv = pid % HV
+    hk = hv // (HV // HK)
+    rows = vb * BV + tl.arange(0, BV)
+    cols = tl.arange(0, DK)
+    slot = tl.load(idx_ptr + row).to(tl.int64)
+    if slot >= 0:
+        mat = slot * HV + hv
+        h = tl.load(h_ptr + slot)
+        start = tl.load(st_ptr + slot)
+        nf = tl.load(nf_ptr + slot)
+        if (h + T > L) & (h > 0):
+            A = _tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT)
+            if DELTA:
+                S = _fold_gdn(A, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, h,
+                              HK, HV, DK, DV, CAP, L2NORM)
+            else:
+                Gn = _last_G(Gbuf, slot, start, h, hv, HV, CAP)
+                S = _fold_mamba(tl.exp(Gn) * A, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk,
+                                rows, cols, h, Gn, HK, HV, DK, DV, CAP)
+            _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi,
+                         nf + 1, slot, hv, DV, DK, BV, AFMT, ASR, RFMT, RSR, SHARED)
+            nf = nf + 1
+            start = (start + h) % CAP
+            h = h * 0
+            if STEP:
+                tl.debug_barrier()      # a second flush below re-reads the anchor just written
+        if STEP:
+            if (h + 1 == L) | (force != 0):
+                q, k, v, log_a, beta, skip = _front_end(
+                    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, row, hv, hk, rows,
+                    cols, scale, HK, HV, DK, DV, DELTA, L2NORM, HAS_DTB, HAS_D)
+                A = _tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT)
+                if DELTA:
+                    S = _fold_gdn(A, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, h,
+                                  HK, HV, DK, DV, CAP, L2NORM)
+                    S, y = _rank1_step(S, q, k, v, log_a, beta, DELTA)   # h = 0: the conventional step
+                else:
+                    Gf = _last_G(Gbuf, slot, start, h, hv, HV, CAP) + log_a
+                    S = _fold_mamba(A * tl.exp(Gf), kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk,
+                                    rows, cols, h, Gf, HK, HV, DK, DV, CAP)
+                    S = S + v[:, None] * k[None, :]
+                    y = tl.sum(S * q[None, :], axis=1)
+                _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_lo,
+                             key_hi, nf + 1, slot, hv, DV, DK, BV, AFMT, ASR, RFMT, RSR, SHARED)
+                y = _gate_out(y + skip, z_ptr, row, hv, rows, HV, DV, HAS_Z)
+                tl.store(out_ptr + (row * HV + hv) * DV + rows, y)
+    else:
+        for t in tl.static_range(T):          # padding rows: zero outputs, nothing else
+            tl.store(out_ptr + ((row * T + t) * HV + hv) * DV + rows, tl.zeros([BV], tl.float32))
+
+
+@triton.jit
+def _read_tile(pay, sc, gs, mat, rows, DV: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr):
+    """The read copy of rows `rows` for matrix-vector products, decoded in registers.
+    NVFP4: (even-column values, odd-column values) [BV, DK/2] with block scales applied, and the
+    matrix scale separately (no re-interleaving); other formats: (tile, tile, 1)."""
+    if FMT == 4:
+        DK2: tl.constexpr = DK // 2
+        NB: tl.constexpr = DK // 16
+        half = tl.arange(0, DK2)
+        p = tl.load(pay + mat * (DV * DK2) + rows[:, None] * DK2 + half[None, :])
+        bs = decode_e4m3(tl.load(sc + mat * (DV * NB) + rows[:, None] * NB + (half // 8)[None, :]))
+        T0 = decode_e2m1(p) * bs
+        T1 = decode_e2m1(p >> 4) * bs
+        s = tl.load(gs + mat)
+    else:
+        cols = tl.arange(0, DK)
+        T0 = _tile_load(pay, sc, gs, mat, rows, cols, DV, DK, rows.shape[0], FMT)
+        T1 = T0
+        s = 1.0
+    return T0, T1, s
+
+
+@triton.jit
+def _tile_dot(T0, T1, s, x, DK: tl.constexpr, FMT: tl.constexpr):
+    """(read copy) @ x for x [DK] float32, from _read_tile's representation."""
+    if FMT == 4:
+        xe, xo = tl.split(tl.reshape(x, (DK // 2, 2)))
+        r = tl.sum(T0 * xe[None, :] + T1 * xo[None, :], axis=1) * s
+    else:
+        r = tl.sum(T0 * x[None, :], axis=1)
+    return r
+
+
+@triton.jit
+def _replay_read_kernel(
+        R_pay, R_sc, R_gs,
+        kbuf, vbuf, ubuf, Gbuf, bbuf, h_ptr, st_ptr, idx_ptr, out_ptr,
+        q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr,
+        scale, force,
+        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+        BV: tl.constexpr, L: tl.constexpr, CAP: tl.constexpr, LP: tl.constexpr, T: tl.constexpr,
+        STEP: tl.constexpr, RFMT: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
+        HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, U_BF16: tl.constexpr):
+    """The non-flushing rows (runs after _replay_flush_kernel in the same stream): outputs of T
+    entries from the packed read copy and the buffer, output-only, and their appends."""
     pid = tl.program_id(0)
     vb = tl.program_id(1)
     row = pid // HV
@@ -257,50 +386,16 @@ def _replay_kernel(
         mat = slot * HV + hv
         h = tl.load(h_ptr + slot)
         start = tl.load(st_ptr + slot)
-        nf = tl.load(nf_ptr + slot)
-        # ---- flush the committed entries first when the T new entries would not fit
-        if (h + T > L) & (h > 0):
-            K, X, G, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols,
-                                        jj, h, HK, HV, DK, DV, CAP, DELTA, L2NORM, False)
-            A = _tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT)
-            S = _rebuild(A, K, X, G, Bt, h, jj, DELTA)
-            _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi,
-                         nf + 1, slot, hv, DV, DK, BV, AFMT, ASR, RFMT, RSR, SHARED)
-            nf = nf + 1
-            start = (start + h) % CAP       # the new window follows the flushed entries
+        if (h + T > L) & (h > 0):          # flushed by _replay_flush_kernel
+            start = (start + h) % CAP
             h = h * 0
-            tl.debug_barrier()          # the roles just written are read back below
-        is_flush = False
+        go = True
         if STEP:
-            is_flush = (h + 1 == L) | (force != 0)
-        if is_flush:
-            # ---- flush step: rebuild from the anchor through entries 0..h and this step
-            q, k, v, log_a, beta, skip = _front_end(
-                q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, row, hv, hk, rows,
-                cols, scale, HK, HV, DK, DV, DELTA, L2NORM, HAS_DTB, HAS_D)
-            A = _tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT)
-            if h == 0:
-                S, y = _rank1_step(A, q, k, v, log_a, beta, DELTA)   # = the conventional step
-            else:
-                K, X, G, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start, hv, hk, rows,
-                                            cols, jj, h, HK, HV, DK, DV, CAP, DELTA, L2NORM, False)
-                Gh = tl.sum(tl.where(jj == h - 1, G, 0.0), axis=0) + log_a
-                cur = jj == h
-                K = tl.where(cur[:, None], k[None, :], K)
-                X = tl.where(cur[:, None], v[None, :], X)
-                G = tl.where(cur, Gh, G)
-                Bt = tl.where(cur, beta, Bt)
-                S = _rebuild(A, K, X, G, Bt, h + 1, jj, DELTA)
-                y = tl.sum(S * q[None, :], axis=1)
-            _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi,
-                         nf + 1, slot, hv, DV, DK, BV, AFMT, ASR, RFMT, RSR, SHARED)
-            y = _gate_out(y + skip, z_ptr, row, hv, rows, HV, DV, HAS_Z)
-            tl.store(out_ptr + (row * HV + hv) * DV + rows, y)
-        else:
-            # ---- read step(s): packed read copy + buffer, output only; append the entries
-            R = _tile_load(R_pay, R_sc, R_gs, mat, rows, cols, DV, DK, BV, RFMT)
-            K, X, G, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols,
-                                        jj, h, HK, HV, DK, DV, CAP, DELTA, L2NORM, DELTA)
+            go = (h + 1 != L) & (force == 0)
+        if go:
+            T0, T1, s = _read_tile(R_pay, R_sc, R_gs, mat, rows, DV, DK, RFMT)
+            K, X, G, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start, hv, hk, rows,
+                                        cols, jj, h, HK, HV, DK, DV, CAP, DELTA, L2NORM, DELTA)
             Gp = tl.sum(tl.where(jj == h - 1, G, 0.0), axis=0)
             for t in tl.static_range(T):
                 tok = row * T + t
@@ -315,19 +410,19 @@ def _replay_kernel(
                 if DELTA:
                     kk = tl.sum(K * k[None, :], axis=1)
                     corr = tl.sum((wdec * kk)[:, None] * X, axis=0)
-                    rk = tl.sum(R * k[None, :], axis=1)
+                    rk = _tile_dot(T0, T1, s, k, DK, RFMT)
                     u = beta * (v - eG * rk) - beta * corr
                     if U_BF16:
                         u = u.to(tl.bfloat16).to(tl.float32)
                 else:
                     u = v
                 qk = tl.sum(K * q[None, :], axis=1)
-                y = eG * tl.sum(R * q[None, :], axis=1) + tl.sum((wdec * qk)[:, None] * X, axis=0) \
-                    + tl.sum(k * q, axis=0) * u
+                y = eG * _tile_dot(T0, T1, s, q, DK, RFMT) \
+                    + tl.sum((wdec * qk)[:, None] * X, axis=0) + tl.sum(k * q, axis=0) * u
                 y = _gate_out(y + skip, z_ptr, tok, hv, rows, HV, DV, HAS_Z)
                 tl.store(out_ptr + (tok * HV + hv) * DV + rows, y)
                 # append entry p (raw inputs in bf16, gates in fp32, GDN u)
-                e = slot * CAP + (start + p) % CAP
+                e = _entry(slot, start, p, CAP)
                 if T > 1:
                     cur = jj == p
                     K = tl.where(cur[:, None], k[None, :], K)
@@ -343,16 +438,13 @@ def _replay_kernel(
                     if hv % (HV // HK) == 0:
                         kraw = tl.load(k_ptr + (tok * HK + hk) * DK + cols)
                         tl.store(kbuf + (e * HK + hk) * DK + cols, kraw.to(tl.bfloat16))
-    else:
-        for t in tl.static_range(T):
-            tl.store(out_ptr + ((row * T + t) * HV + hv) * DV + rows, tl.zeros([BV], tl.float32))
 
 
 @triton.jit
 def _advance_kernel(h_ptr, st_ptr, nf_ptr, idx_ptr, acc_ptr, B, L: tl.constexpr,
                     CAP: tl.constexpr, T: tl.constexpr,
                     STEP: tl.constexpr, force, HAS_ACC: tl.constexpr, BLOCK: tl.constexpr):
-    """Pointer moves after a launch of _replay_kernel (same decisions), or after accept."""
+    """Pointer moves after a step / verify launch (the kernels' decisions), or after accept."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < B
     s = tl.load(idx_ptr + offs, mask=m, other=-1)
@@ -416,24 +508,30 @@ def advance_pointers_ref(store: ReplayStore, state_indices, T: int = 1, step: bo
 
 # ============================================================================ host side
 
-def replay_launch_config(store: ReplayStore, n_rows: int, block_v=None, num_warps=None):
-    """(BV, num_warps) from the shape: a written NVFP4 role needs whole matrices per program."""
+def replay_launch_config(store: ReplayStore, n_rows: int, block_v=None, num_warps=None,
+                         flush_config=None):
+    """((BV, warps) of the read kernel, (BV, warps) of the flush kernel), from the shape.
+    The read kernel takes any row block (NVFP4 block scales run along d_k); the flush kernel
+    holds whole matrices when it writes an NVFP4 role (one FP32 scale per matrix)."""
     N, H, dv, dk = store.shape
-    nv = store.anchor.fmt == "nvfp4" or (store.read is not None and store.read.fmt == "nvfp4")
     if block_v is None:
-        if nv:
-            block_v = dv
-        elif n_rows * H >= 2048:
-            block_v = min(dv, 64)
-        else:
-            block_v = min(dv, 32)
-    if nv and block_v != dv:
-        raise ValueError("an NVFP4 role is written a whole matrix at a time: block_v must be d_v")
-    if dv % block_v or block_v & (block_v - 1) or block_v < 16:
-        raise ValueError(f"block_v={block_v} must be a power of two >= 16 dividing d_v={dv}")
+        block_v = min(dv, 32 if n_rows * H >= 2048 else 16)
+    if dv % block_v or block_v & (block_v - 1) or block_v < 1:
+        raise ValueError(f"block_v={block_v} must be a power of two dividing d_v={dv}")
     if num_warps is None:
-        num_warps = max(2, min(8, block_v * dk // 1024))
-    return block_v, num_warps
+        num_warps = max(1, min(8, block_v * dk // 1024))
+    nv = store.anchor.fmt == "nvfp4" or (store.read is not None and store.read.fmt == "nvfp4")
+    fbv, fnw = flush_config if flush_config is not None else (None, None)
+    if fbv is None:
+        fbv = dv if nv else min(dv, 32)
+    if nv and fbv != dv:
+        raise ValueError("an NVFP4 role is written a whole matrix at a time: the flush block "
+                         "must be d_v")
+    if dv % fbv or fbv & (fbv - 1):
+        raise ValueError(f"flush block {fbv} must be a power of two dividing d_v={dv}")
+    if fnw is None:
+        fnw = max(2, min(16, fbv * dk // 1024))
+    return (block_v, num_warps), (fbv, fnw)
 
 
 def choose_path(kind: str, n_rows: int, threshold: int | None = None) -> str:
@@ -451,7 +549,7 @@ DISPATCH_THRESHOLD = {"gdn": 2, "mamba2": 2}
 
 
 def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, out, scale,
-            use_qk_l2norm, T, step, force, block_v, num_warps):
+            use_qk_l2norm, T, step, force, block_v, num_warps, flush_config=None):
     delta = store.kind == "gdn"
     N, HV, dv, dk = store.shape
     HK = store.key_heads
@@ -475,27 +573,32 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
     idx = _indices(state_indices, B, q.device)
     if out is None:
         out = torch.empty(*lead, HV, dv, dtype=torch.float32, device=q.device)
-    BV, nw = replay_launch_config(store, B, block_v, num_warps)
+    (BV, nw), (FBV, fnw) = replay_launch_config(store, B, block_v, num_warps, flush_config)
     Ap, As, Ag, afid = store.anchor.kernel_args()
     Rp, Rs, Rg, rfid = store.read_role.kernel_args()
     rr = store.read_role.rounding == "stochastic"
     q, k, v, a, b, A, dt_bias, D, z = map(_prep, (q, k, v, a, b, A, dt_bias, D, z))
     dummy = a
     ubuf = store.ubuf if store.ubuf is not None else store.vbuf
-    _replay_kernel[(B * HV, dv // BV)](
-        Ap, As, Ag, Rp, Rs, Rg,
-        store.kbuf, store.vbuf, ubuf, store.Gbuf, store.bbuf, store.committed, store.start,
-        store.n_flush,
-        idx, out, q, k, v, a, b if b is not None else dummy, A,
-        dt_bias if dt_bias is not None else dummy, D if D is not None else dummy,
-        z if z is not None else dummy,
-        float(scale if scale is not None else 1.0 / math.sqrt(dk)), *split_key(store.key),
-        int(force),
-        HK=HK, HV=HV, DK=dk, DV=dv, BV=BV, L=store.L, CAP=store.capacity, LP=max(16, triton.next_power_of_2(store.L)),
-        T=T, STEP=step, AFMT=afid, ASR=store.anchor.rounding == "stochastic", RFMT=rfid, RSR=rr,
-        SHARED=store.shared, DELTA=delta, L2NORM=use_qk_l2norm, HAS_DTB=dt_bias is not None,
-        HAS_D=D is not None, HAS_Z=z is not None,
-        U_BF16=store.ubuf is not None and store.ubuf.dtype == torch.bfloat16, num_warps=nw)
+    inputs = (q, k, v, a, b if b is not None else dummy, A, dt_bias if dt_bias is not None else dummy,
+              D if D is not None else dummy, z if z is not None else dummy)
+    sc = float(scale if scale is not None else 1.0 / math.sqrt(dk))
+    common = dict(HK=HK, HV=HV, DK=dk, DV=dv, L=store.L, CAP=store.capacity, T=T, STEP=step,
+                  RFMT=rfid, DELTA=delta, L2NORM=use_qk_l2norm, HAS_DTB=dt_bias is not None,
+                  HAS_D=D is not None, HAS_Z=z is not None)
+    _replay_flush_kernel[(B * HV, dv // FBV)](
+        Ap, As, Ag, Rp, Rs, Rg, store.kbuf, store.vbuf, store.Gbuf, store.bbuf,
+        store.committed, store.start, store.n_flush, idx, out, *inputs,
+        sc, *split_key(store.key), int(force), BV=FBV,
+        AFMT=afid, ASR=store.anchor.rounding == "stochastic", RSR=rr, SHARED=store.shared,
+        num_warps=fnw, **common)
+    if not force:
+        _replay_read_kernel[(B * HV, dv // BV)](
+            Rp, Rs, Rg, store.kbuf, store.vbuf, ubuf, store.Gbuf, store.bbuf,
+            store.committed, store.start, idx, out, *inputs, sc, int(force), BV=BV,
+            LP=max(16, triton.next_power_of_2(store.L)),
+            U_BF16=store.ubuf is not None and store.ubuf.dtype == torch.bfloat16,
+            num_warps=nw, **common)
     return out, idx
 
 
@@ -514,7 +617,7 @@ def _force(path, kind, B):
 
 def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, state_indices=None,
                     scale=None, out=None, use_qk_l2norm=True, path="auto", block_v=None,
-                    num_warps=None, advance=True):
+                    num_warps=None, advance=True, flush_config=None):
     """One GDN replay decode step for a batch (Triton), inputs as conventional_gdn_step
     (k, v bf16). path: 'replay', 'flush' (every step flushes) or 'auto' (choose_path).
     Returns y float32 [B, H, d_v]; with advance=False the caller moves the pointers
@@ -526,7 +629,7 @@ def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, stat
     _no_pending(store)
     force = _force(path, "gdn", q.shape[0])
     out, idx = _launch(store, q, k, v, a, b, A_log, dt_bias, None, None, state_indices, out,
-                       scale, use_qk_l2norm, 1, True, force, block_v, num_warps)
+                       scale, use_qk_l2norm, 1, True, force, block_v, num_warps, flush_config)
     if advance:
         advance_pointers(store, idx, 1, True, force)
     return out
@@ -534,14 +637,14 @@ def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, stat
 
 def replay_mamba2_step(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None, z=None,
                        dt_bias=None, out=None, path="auto", block_v=None, num_warps=None,
-                       advance=True):
+                       advance=True, flush_config=None):
     """One Mamba-2 replay decode step (Triton), inputs as conventional_mamba2_step (x, B bf16)."""
     if store.kind != "mamba2":
         raise ValueError("replay_mamba2_step needs a store built with kind='mamba2'")
     _no_pending(store)
     force = _force(path, "mamba2", x.shape[0])
     out, idx = _launch(store, C, B, x, dt, None, A, dt_bias, D, z, state_indices, out, None,
-                       False, 1, True, force, block_v, num_warps)
+                       False, 1, True, force, block_v, num_warps, flush_config)
     if advance:
         advance_pointers(store, idx, 1, True, force)
     return out
@@ -571,22 +674,37 @@ def _entries_ref(store: ReplayStore, s: int, n: int, L2: bool, start: int):
     return K, V, U, G, Bt
 
 
-def _rebuild_ref(A, K, V, G, Bt, delta):
-    """core.rebuild for one slot, all heads: A [H, dv, dk]; K [H, n, dk]; V [H, n, dv]; n >= 1."""
+def _rebuild_ref(A, K, V, G, Bt, delta, cur=None):
+    """Unrounded state after the entries (K [H, n, dk], V [H, n, dv], G, Bt [H, n]) and, if given,
+    the current step cur = (k, v, log_a, beta) [H, ...], from checkpoint A [H, dv, dk], in the
+    kernels' order: GDN runs the recurrence (a_j = exp(G_j - G_{j-1})), Mamba-2 the closed form
+    exp(G_n) A + sum_j exp(G_n - G_j) v_j k_j^T (= core.rebuild within reassociation)."""
     n = G.shape[1]
-    Gn = G[:, n - 1]
+    H = A.shape[0]
     if delta:
-        Ak = torch.matmul(K, A.transpose(-1, -2))                       # [H, n, dv]
-        rhs = Bt.unsqueeze(-1) * (V - torch.exp(G).unsqueeze(-1) * Ak)
-        KK = torch.matmul(K, K.transpose(-1, -2))
-        U = rhs.clone()
-        for j in range(1, n):
-            w = torch.exp(G[:, j:j + 1] - G[:, :j]) * KK[:, j, :j]       # [H, j]
-            U[:, j] = rhs[:, j] - Bt[:, j:j + 1] * torch.einsum("hi,hid->hd", w, U[:, :j])
-    else:
-        U = V
-    w = torch.exp(Gn.unsqueeze(-1) - G)
-    return torch.exp(Gn)[:, None, None] * A + torch.matmul((U * w.unsqueeze(-1)).transpose(-1, -2), K)
+        S = A
+        Gprev = torch.zeros(H, device=A.device)
+        for j in range(n):
+            S = S * torch.exp(G[:, j] - Gprev)[:, None, None]
+            u = Bt[:, j:j + 1] * (V[:, j] - (S * K[:, j].unsqueeze(1)).sum(-1))
+            S = S + u.unsqueeze(-1) * K[:, j].unsqueeze(1)
+            Gprev = G[:, j]
+        if cur is not None:
+            k, v, log_a, beta = cur
+            S = S * torch.exp(log_a)[:, None, None]
+            u = beta.unsqueeze(-1) * (v - (S * k.unsqueeze(1)).sum(-1))
+            S = S + u.unsqueeze(-1) * k.unsqueeze(1)
+        return S
+    Gn = G[:, n - 1] if n > 0 else torch.zeros(H, device=A.device)
+    if cur is not None:
+        Gn = Gn + cur[2]
+    S = A * torch.exp(Gn)[:, None, None]
+    for j in range(n):
+        w = torch.exp(Gn - G[:, j])
+        S = S + (w.unsqueeze(-1) * V[:, j]).unsqueeze(-1) * K[:, j].unsqueeze(1)
+    if cur is not None:
+        S = S + cur[1].unsqueeze(-1) * cur[0].unsqueeze(1)
+    return S
 
 
 def _write_roles_ref(store: ReplayStore, s: int, S, fi: int):
@@ -598,7 +716,7 @@ def _write_roles_ref(store: ReplayStore, s: int, S, fi: int):
 
 def replay_ref_core(store: ReplayStore, fe, raw, state_indices, T: int, step: bool, force: bool,
                     post=None):
-    """Torch twin of _replay_kernel. fe: front-end tensors (q, k, v, log_a, gate2) float32 with
+    """Torch twin of the flush + read kernels. fe: front-end tensors (q, k, v, log_a, gate2) float32 with
     value heads, each [B, T, H, ...] (gate2: GDN beta, Mamba-2 dt); raw: (k raw [B, T, HK, dk], x/v raw [B, T, H, dv]) as
     stored. post(y, b, t) applies the Mamba-2 D skip / z gate. Returns y [B, T, H, dv]."""
     q, k, v, log_a, beta = fe
@@ -623,19 +741,15 @@ def replay_ref_core(store: ReplayStore, fe, raw, state_indices, T: int, step: bo
         if step and (h + 1 == L or force):
             A = store.anchor.dequantize([s])[0]
             K, V, _, G, Bt = _entries_ref(store, s, h, True, start)
-            Gh = (G[:, h - 1] if h > 0 else torch.zeros(H)) + log_a[b_, 0]
-            K = torch.cat([K, k[b_, 0].unsqueeze(1)], 1)
-            V = torch.cat([V, v[b_, 0].unsqueeze(1)], 1)
-            G = torch.cat([G, Gh.unsqueeze(1)], 1)
-            Bt = torch.cat([Bt, beta[b_, 0].unsqueeze(1)], 1)
-            S = _rebuild_ref(A, K, V, G, Bt, delta)
+            S = _rebuild_ref(A, K, V, G, Bt, delta,
+                             cur=(k[b_, 0], v[b_, 0], log_a[b_, 0], beta[b_, 0]))
             y[b_, 0] = (S * q[b_, 0].unsqueeze(1)).sum(-1)
             _write_roles_ref(store, s, S, nf + 1)
         else:
             R = store.read_role.dequantize([s])[0]
             K, V, U, G, Bt = _entries_ref(store, s, h, True, start)
             X = U if delta else V
-            Gp = G[:, h - 1] if h > 0 else torch.zeros(H)
+            Gp = G[:, h - 1] if h > 0 else torch.zeros(H, device=q.device)
             for t in range(T):
                 p = h + t
                 Gp = Gp + log_a[b_, t]
@@ -671,7 +785,7 @@ def replay_ref_core(store: ReplayStore, fe, raw, state_indices, T: int, step: bo
 
 def replay_gdn_step_ref(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None,
                         state_indices=None, scale=None, out=None, use_qk_l2norm=True, path="auto",
-                        block_v=None, num_warps=None, advance=True):
+                        block_v=None, num_warps=None, advance=True, flush_config=None):
     """torch reference of replay_gdn_step (same signature, same effect on the store)."""
     force = _force(path, "gdn", q.shape[0])
     qf, kf, vf, g, beta = gdn_frontend_ref(q, k, v, a, b, A_log, dt_bias, scale, use_qk_l2norm)
@@ -688,7 +802,7 @@ def replay_gdn_step_ref(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None,
 
 def replay_mamba2_step_ref(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None, z=None,
                            dt_bias=None, out=None, path="auto", block_v=None, num_warps=None,
-                           advance=True):
+                           advance=True, flush_config=None):
     """torch reference of replay_mamba2_step."""
     force = _force(path, "mamba2", x.shape[0])
     q, k, v, log_a, d = mamba2_frontend_ref(x, dt, A, B, C, dt_bias)

@@ -74,7 +74,8 @@ def _pending(store, T, what):
 
 
 def replay_gdn_verify(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, state_indices=None,
-                      scale=None, out=None, use_qk_l2norm=True, block_v=None, num_warps=None):
+                      scale=None, out=None, use_qk_l2norm=True, block_v=None, num_warps=None,
+                      flush_config=None):
     """Outputs of T GDN drafts per row [B, T, H, d_v] (Triton). q, k [B, T, HK, d_k],
     v [B, T, H, d_v] (k, v bf16), a, b [B, T, H]. Then call replay_accept."""
     if store.kind != "gdn":
@@ -82,14 +83,14 @@ def replay_gdn_verify(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, st
     T = _draft_count(q, "q")
     _pending(store, T, "verify")
     out, idx = _launch(store, q, k, v, a, b, A_log, dt_bias, None, None, state_indices, out, scale,
-                       use_qk_l2norm, T, False, False, block_v, num_warps)
+                       use_qk_l2norm, T, False, False, block_v, num_warps, flush_config)
     advance_pointers(store, idx, T, step=False)
     store.pending_T = T
     return out
 
 
 def replay_mamba2_verify(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None, z=None,
-                         dt_bias=None, out=None, block_v=None, num_warps=None):
+                         dt_bias=None, out=None, block_v=None, num_warps=None, flush_config=None):
     """Outputs of T Mamba-2 drafts [B, T, H, P] (Triton). x [B, T, H, P], dt [B, T, H],
     B, C [B, T, G, N], z [B, T, H, P] (x, B bf16)."""
     if store.kind != "mamba2":
@@ -97,7 +98,7 @@ def replay_mamba2_verify(store: ReplayStore, x, dt, A, B, C, state_indices=None,
     T = _draft_count(x, "x")
     _pending(store, T, "verify")
     out, idx = _launch(store, C, B, x, dt, None, A, dt_bias, D, z, state_indices, out, None,
-                       False, T, False, False, block_v, num_warps)
+                       False, T, False, False, block_v, num_warps, flush_config)
     advance_pointers(store, idx, T, step=False)
     store.pending_T = T
     return out
@@ -129,7 +130,7 @@ def replay_accept_ref(store: ReplayStore, n, state_indices=None, check=True):
 
 def replay_gdn_verify_ref(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None,
                           state_indices=None, scale=None, out=None, use_qk_l2norm=True,
-                          block_v=None, num_warps=None):
+                          block_v=None, num_warps=None, flush_config=None):
     """torch reference of replay_gdn_verify."""
     T = _draft_count(q, "q")
     _pending(store, T, "verify")
@@ -146,7 +147,8 @@ def replay_gdn_verify_ref(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None
 
 
 def replay_mamba2_verify_ref(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None,
-                             z=None, dt_bias=None, out=None, block_v=None, num_warps=None):
+                             z=None, dt_bias=None, out=None, block_v=None, num_warps=None,
+                             flush_config=None):
     """torch reference of replay_mamba2_verify."""
     T = _draft_count(x, "x")
     _pending(store, T, "verify")
