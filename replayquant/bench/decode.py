@@ -469,10 +469,9 @@ def bench_batch(kind, B, device, copy_bw, cfg=None, detail=False, peers=True):
                              replay_flush_step_bytes(kind, "fp32", rf, L, B, H, HK, dv, dk), copy_bw,
                              L=L, config=c))
             st.committed.zero_()
-        if B <= 32:
-            ms = graph_ms(lambda: f["step"](st, **kw, state_indices=idx, out=out, path="flush"), 8)
-            rows.append(_row(kind, "replay-forced-flush", pair, B, ms, None, copy_bw,
-                             note="path='flush' (small-batch dispatch): every step flushes"))
+        ms = graph_ms(lambda: f["step"](st, **kw, state_indices=idx, out=out, path="flush", **c), 8)
+        rows.append(_row(kind, "replay-forced-flush", pair, B, ms, None, copy_bw,
+                         note="path='flush' (small-batch dispatch): every step flushes"))
         if pair == "s32_rs":
             ms = graph_ms(lambda: advance_pointers(st, idx), 8)
             rows.append(_row(kind, "pointer-advance", "-", B, ms, None, copy_bw,

@@ -200,21 +200,34 @@ def _entry(slot, start, j, CAP: tl.constexpr):
 
 
 @triton.jit
+def _entry_in(kbuf, vbuf, Gbuf, bbuf, e, hv, hk, rows, cols, HK: tl.constexpr, HV: tl.constexpr,
+              DK: tl.constexpr, DV: tl.constexpr):
+    k = tl.load(kbuf + (e * HK + hk) * DK + cols)
+    v = tl.load(vbuf + (e * HV + hv) * DV + rows)
+    return k, v, tl.load(Gbuf + e * HV + hv), tl.load(bbuf + e * HV + hv)
+
+
+@triton.jit
 def _fold_gdn(S, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, n,
               HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
               CAP: tl.constexpr, L2NORM: tl.constexpr):
     """GDN: run the n buffered entries through the recurrence from S (the dequantized anchor):
     a_j = exp(G_j - G_{j-1}), u_j = beta_j (v_j - a_j S k_j), S <- a_j S + u_j k_j^T. Equal to
-    core.rebuild (the triangular solve against the anchor) within float32 reassociation."""
+    core.rebuild (the triangular solve against the anchor) within float32 reassociation.
+    Entry j + 1 is loaded while entry j is folded."""
     Gprev = 0.0
+    kn, vn, Gn, bn = _entry_in(kbuf, vbuf, Gbuf, bbuf, _entry(slot, start, 0, CAP), hv, hk, rows,
+                               cols, HK, HV, DK, DV)
     for j in range(0, n):
-        e = _entry(slot, start, j, CAP)
-        k = tl.load(kbuf + (e * HK + hk) * DK + cols).to(tl.float32)
+        k = kn.to(tl.float32)
+        v = vn.to(tl.float32)
+        G = Gn
+        beta = bn
+        kn, vn, Gn, bn = _entry_in(kbuf, vbuf, Gbuf, bbuf,
+                                   _entry(slot, start, tl.minimum(j + 1, n - 1), CAP), hv, hk,
+                                   rows, cols, HK, HV, DK, DV)
         if L2NORM:
             k = _l2norm(k)
-        v = tl.load(vbuf + (e * HV + hv) * DV + rows).to(tl.float32)
-        G = tl.load(Gbuf + e * HV + hv)
-        beta = tl.load(bbuf + e * HV + hv)
         S = S * tl.exp(G - Gprev)
         u = beta * (v - tl.sum(S * k[None, :], axis=1))
         S = S + u[:, None] * k[None, :]
@@ -227,13 +240,18 @@ def _fold_mamba(S, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, n, G
                 HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                 CAP: tl.constexpr):
     """Mamba-2: S + sum_j exp(Gfin - G_j) (dt_j x_j) B_j^T over the n buffered entries
-    (S = exp(Gfin) deq(A) on entry): core.rebuild's closed form, one FMA pass per entry."""
+    (S = exp(Gfin) deq(A) on entry): core.rebuild's closed form, one FMA pass per entry.
+    Entry j + 1 is loaded while entry j is folded."""
+    kn, vn, Gn, bn = _entry_in(kbuf, vbuf, Gbuf, bbuf, _entry(slot, start, 0, CAP), hv, hk, rows,
+                               cols, HK, HV, DK, DV)
     for j in range(0, n):
-        e = _entry(slot, start, j, CAP)
-        Bk = tl.load(kbuf + (e * HK + hk) * DK + cols).to(tl.float32)
-        x = tl.load(vbuf + (e * HV + hv) * DV + rows).to(tl.float32)
-        G = tl.load(Gbuf + e * HV + hv)
-        dt = tl.load(bbuf + e * HV + hv)
+        Bk = kn.to(tl.float32)
+        x = vn.to(tl.float32)
+        G = Gn
+        dt = bn
+        kn, vn, Gn, bn = _entry_in(kbuf, vbuf, Gbuf, bbuf,
+                                   _entry(slot, start, tl.minimum(j + 1, n - 1), CAP), hv, hk,
+                                   rows, cols, HK, HV, DK, DV)
         w = tl.exp(Gfin - G)
         S = S + (w * (dt * x))[:, None] * Bk[None, :]
     return S
@@ -329,33 +347,50 @@ def _replay_flush_kernel(
 
 
 @triton.jit
+def _e2m1_value(nib):
+    """E2M1 nibble (low 4 bits of an int32) -> float32, exactly decode_e2m1 (fewer operations:
+    magnitudes 0, .5, 1, 1.5 = c/2; 2, 3 = c - 2; 4, 6 = 2c - 8)."""
+    c = nib & 7
+    cf = c.to(tl.float32)
+    v = tl.where(c < 4, cf * 0.5, tl.where(c < 6, cf - 2.0, cf * 2.0 - 8.0))
+    return tl.where((nib & 8) != 0, -v, v)
+
+
+@triton.jit
 def _read_tile(pay, sc, gs, mat, rows, DV: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr):
     """The read copy of rows `rows` for matrix-vector products, decoded in registers.
-    NVFP4: (even-column values, odd-column values) [BV, DK/2] with block scales applied, and the
-    matrix scale separately (no re-interleaving); other formats: (tile, tile, 1)."""
+    NVFP4: even / odd column E2M1 values [BV, DK/16, 8], the block scales [BV, DK/16] and the
+    matrix scale, applied per block after the in-block sums (no re-interleaving, one block-scale
+    decode per block); other formats: (tile, tile, 1, 1)."""
     if FMT == 4:
         DK2: tl.constexpr = DK // 2
         NB: tl.constexpr = DK // 16
-        half = tl.arange(0, DK2)
-        p = tl.load(pay + mat * (DV * DK2) + rows[:, None] * DK2 + half[None, :])
-        bs = decode_e4m3(tl.load(sc + mat * (DV * NB) + rows[:, None] * NB + (half // 8)[None, :]))
-        T0 = decode_e2m1(p) * bs
-        T1 = decode_e2m1(p >> 4) * bs
+        nb = tl.arange(0, NB)
+        i8 = tl.arange(0, 8)
+        p = tl.load(pay + mat * (DV * DK2) + rows[:, None, None] * DK2 + nb[None, :, None] * 8
+                    + i8[None, None, :]).to(tl.int32)
+        T0 = _e2m1_value(p)
+        T1 = _e2m1_value(p >> 4)
+        bs = decode_e4m3(tl.load(sc + mat * (DV * NB) + rows[:, None] * NB + nb[None, :]))
         s = tl.load(gs + mat)
     else:
         cols = tl.arange(0, DK)
         T0 = _tile_load(pay, sc, gs, mat, rows, cols, DV, DK, rows.shape[0], FMT)
         T1 = T0
+        bs = 1.0
         s = 1.0
-    return T0, T1, s
+    return T0, T1, bs, s
 
 
 @triton.jit
-def _tile_dot(T0, T1, s, x, DK: tl.constexpr, FMT: tl.constexpr):
+def _tile_dot(T0, T1, bs, s, x, DK: tl.constexpr, FMT: tl.constexpr):
     """(read copy) @ x for x [DK] float32, from _read_tile's representation."""
     if FMT == 4:
         xe, xo = tl.split(tl.reshape(x, (DK // 2, 2)))
-        r = tl.sum(T0 * xe[None, :] + T1 * xo[None, :], axis=1) * s
+        xe = tl.reshape(xe, (DK // 16, 8))
+        xo = tl.reshape(xo, (DK // 16, 8))
+        part = tl.sum(T0 * xe[None, :, :] + T1 * xo[None, :, :], axis=2)
+        r = tl.sum(part * bs, axis=1) * s
     else:
         r = tl.sum(T0 * x[None, :], axis=1)
     return r
@@ -384,6 +419,9 @@ def _replay_read_kernel(
     slot = tl.load(idx_ptr + row).to(tl.int64)
     if slot >= 0:
         mat = slot * HV + hv
+        # issued before the pointers are known: one dependent load less on the critical path
+        # (wasted only on rows that flush this step)
+        T0, T1, bs, s = _read_tile(R_pay, R_sc, R_gs, mat, rows, DV, DK, RFMT)
         h = tl.load(h_ptr + slot)
         start = tl.load(st_ptr + slot)
         if (h + T > L) & (h > 0):          # flushed by _replay_flush_kernel
@@ -393,7 +431,6 @@ def _replay_read_kernel(
         if STEP:
             go = (h + 1 != L) & (force == 0)
         if go:
-            T0, T1, s = _read_tile(R_pay, R_sc, R_gs, mat, rows, DV, DK, RFMT)
             K, X, G, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start, hv, hk, rows,
                                         cols, jj, h, HK, HV, DK, DV, CAP, DELTA, L2NORM, DELTA)
             Gp = tl.sum(tl.where(jj == h - 1, G, 0.0), axis=0)
@@ -410,14 +447,14 @@ def _replay_read_kernel(
                 if DELTA:
                     kk = tl.sum(K * k[None, :], axis=1)
                     corr = tl.sum((wdec * kk)[:, None] * X, axis=0)
-                    rk = _tile_dot(T0, T1, s, k, DK, RFMT)
+                    rk = _tile_dot(T0, T1, bs, s, k, DK, RFMT)
                     u = beta * (v - eG * rk) - beta * corr
                     if U_BF16:
                         u = u.to(tl.bfloat16).to(tl.float32)
                 else:
                     u = v
                 qk = tl.sum(K * q[None, :], axis=1)
-                y = eG * _tile_dot(T0, T1, s, q, DK, RFMT) \
+                y = eG * _tile_dot(T0, T1, bs, s, q, DK, RFMT) \
                     + tl.sum((wdec * qk)[:, None] * X, axis=0) + tl.sum(k * q, axis=0) * u
                 y = _gate_out(y + skip, z_ptr, tok, hv, rows, HV, DV, HAS_Z)
                 tl.store(out_ptr + (tok * HV + hv) * DV + rows, y)
