@@ -395,13 +395,16 @@ def load_scan_state(st, ss: ScanState) -> None:
     st.load(scan_parts(ss))
 
 
-def teacher_force(st, q, k, v, log_a, beta=None, *, valid=None, exact: bool = False):
+def teacher_force(st, q, k, v, log_a, beta=None, *, valid=None, exact: bool = False, scan=None):
     """Run a segment through ReplayState st with the chunked scan (in place) -> y [B, T, H, d_v].
 
     Equal, within reassociation, to calling st.step token by token (valid tokens only), with the
-    same SR bits: the scan continues st's flush schedule and SR streams (st.seed, st.layer)."""
+    same SR bits: the scan continues st's flush schedule and SR streams (st.seed, st.layer).
+    scan: the scan function (default chunk_scan_ref; `replayquant.kernels.chunk.chunk_scan` is
+    the Triton kernel with the same signature)."""
+    scan = chunk_scan_ref if scan is None else scan
     with cpu_threads(q.device):
-        y, ss = chunk_scan_ref(scan_state_of(st), q, k, v, log_a, beta, pair=st.pair,
-                               seed=st.seed, layer=st.layer, valid=valid, exact=exact)
+        y, ss = scan(scan_state_of(st), q, k, v, log_a, beta, pair=st.pair,
+                     seed=st.seed, layer=st.layer, valid=valid, exact=exact)
         load_scan_state(st, ss)
     return y

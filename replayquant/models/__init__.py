@@ -14,15 +14,17 @@
   L tokens (see `runtime` for where the GPU decode kernel plugs in).
 * Teacher forcing (a forward over a sequence, in segments with the cache or not):
   prefill="replay" puts every token through the decode step semantics with the chunked scan
-  (`replayquant.kernels.chunk_ref`); prefill="exact" computes the segment in FP32 and casts
-  once. Segments continue the flush schedule; padding tokens are skipped.
+  (the Triton kernel `replayquant.kernels.chunk` on CUDA, its torch reference
+  `replayquant.kernels.chunk_ref` elsewhere; `teacher_force_path` says which); prefill="exact"
+  computes the segment in FP32 and casts once. Segments continue the flush schedule; padding
+  tokens are skipped.
 * Short names: `SHORT_NAMES` (table in `replayquant.models.names`).
 """
 
 from replayquant.models.names import SHORT_NAMES, resolve_model_name
 from replayquant.models.patching import (PREFILLS, is_patched, load_model, patch, patch_info,
                                          recurrent_layers, unpatch)
-from replayquant.models.runtime import decode_path
+from replayquant.models.runtime import decode_path, teacher_force_path
 
 __all__ = ["load_model", "patch", "unpatch", "is_patched", "patch_info", "recurrent_layers",
-           "SHORT_NAMES", "resolve_model_name", "PREFILLS", "decode_path"]
+           "SHORT_NAMES", "resolve_model_name", "PREFILLS", "decode_path", "teacher_force_path"]

@@ -12,20 +12,25 @@ Which path runs:
   `ReplayState.step`, the torch reference, on every device. `decode_step` below is the one place
   where the GPU replay decode kernel of `replayquant.kernels` (issue 4) is to be dispatched on
   CUDA once it exists; `decode_path()` says what runs.
-* any other forward (prompt, teacher forcing, segments continuing a cache):
-  `chunk_ref.teacher_force` (torch reference of the chunked scan; the Triton chunk kernel is
-  not written yet): prefill="replay" gives exact decode semantics, prefill="exact" FP32 and one
-  cast.
+* any other forward (prompt, teacher forcing, segments continuing a cache): the chunked scan
+  (DESIGN section 7). On CUDA tensors (or with REPLAYQUANT_BACKEND=triton, as the formats) the
+  Triton kernel `replayquant.kernels.chunk` runs; elsewhere the torch reference
+  `chunk_ref.teacher_force`. State dimensions the kernel does not handle (not powers of two
+  >= 16) run the torch reference on the GPU with a warning. `teacher_force_path()` says which.
+  prefill="replay" gives exact decode semantics, prefill="exact" FP32 and one cast.
 """
 
 from __future__ import annotations
 
 import torch
 
+import warnings
+
+from replayquant.formats import use_triton
 from replayquant.kernels.chunk_ref import teacher_force
 from replayquant.replay import ReplayState
 
-__all__ = ["LayerRuntime", "decode_step", "decode_path", "STATE_ATTR"]
+__all__ = ["LayerRuntime", "decode_step", "decode_path", "teacher_force_path", "STATE_ATTR"]
 
 STATE_ATTR = "_replayquant_state"
 
@@ -33,6 +38,28 @@ STATE_ATTR = "_replayquant_state"
 def decode_path(device=None) -> str:
     """Which implementation a decode step runs on `device` (today always the torch reference)."""
     return "torch reference (ReplayState.step)"
+
+
+def teacher_force_path(x: torch.Tensor, d_k: int, d_v: int) -> str:
+    """Which implementation a teacher-forcing / prompt forward runs for inputs like x with
+    d_k x d_v states: 'triton' (replayquant.kernels.chunk), 'torch' (chunk_ref) or
+    'torch (kernel does not support d_k=.., d_v=..)'."""
+    if not use_triton(x):
+        return "torch"
+    from replayquant.kernels import chunk
+    if chunk.supports(d_k, d_v):
+        return "triton"
+    return f"torch (the Triton chunk kernel needs powers of two >= 16, got d_k={d_k}, d_v={d_v})"
+
+
+def _teacher_force(st: ReplayState, q, k, v, log_a, beta, valid, exact: bool):
+    path = teacher_force_path(q, q.shape[-1], v.shape[-1])
+    if path == "triton":
+        from replayquant.kernels import chunk
+        return chunk.teacher_force(st, q, k, v, log_a, beta, valid=valid, exact=exact)
+    if path != "torch":
+        warnings.warn(f"replayquant teacher forcing on {q.device}: {path}", stacklevel=3)
+    return teacher_force(st, q, k, v, log_a, beta, valid=valid, exact=exact)
 
 
 def decode_step(st: ReplayState, q, k, v, log_a, beta):
@@ -116,8 +143,7 @@ class LayerRuntime:
             y = decode_step(st, q[:, 0], k[:, 0], v[:, 0], log_a[:, 0],
                             None if beta is None else beta[:, 0]).unsqueeze(1)
         else:
-            y = teacher_force(st, q, k, v, log_a, beta, valid=valid,
-                              exact=self.prefill == "exact")
+            y = _teacher_force(st, q, k, v, log_a, beta, valid, self.prefill == "exact")
         if lay is not None:
             self.put_state(cache, lay, st)
         return y
