@@ -194,18 +194,25 @@ def main(argv=None):
         raise SystemExit("this benchmark needs a CUDA device")
     from replayquant.provenance import provenance
     t0 = time.time()
-    checks = check()
-    t1 = time.time()
-    print(json.dumps(checks, indent=1), flush=True)
-    rows = bench(lengths)
-    t2 = time.time()
     prov = provenance("cuda", lengths=list(lengths), source_commit=commit,
-                      check_seconds=round(t1 - t0, 1), bench_seconds=round(t2 - t1, 1),
                       timing="triton.testing.do_bench median, warmup 5 ms, rep 300 ms, one segment, "
                              "inputs float32 on the GPU, compile excluded")
-    result = {"provenance": prov, "check": checks, "bench": rows}
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
+    result = {"provenance": prov, "check": None, "bench": []}
+
+    def save():
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+
+    result["check"] = check()
+    prov["check_seconds"] = round(time.time() - t0, 1)
+    save()
+    print(json.dumps(result["check"], indent=1), flush=True)
+    for T in lengths:                     # written after each length: a timeout keeps the rest
+        result["bench"] += bench((T,))
+        save()
+    prov["total_seconds"] = round(time.time() - t0, 1)
+    save()
+    rows = result["bench"]
     for r in rows:
         print(f"T={r['T']}: kernel tp4_hi16_sr {r['kernel_tp4_hi16_sr_ms']:.2f} ms, s32_rs "
               f"{r['kernel_s32_rs_ms']:.2f} ms, HF torch chunk {r['hf_torch_chunk_ms']:.2f} ms; "
