@@ -9,7 +9,14 @@ from pathlib import Path
 
 
 def git_commit() -> str:
-    """HEAD commit of the checkout this package runs from ('+dirty' if the tree has changes)."""
+    """HEAD commit of the checkout this package runs from ('+dirty' if the tree has changes).
+
+    A copy without .git (e.g. a tree sent to a GPU machine) reads REPLAYQUANT_GIT_COMMIT, which
+    the sender sets to the commit it copied; else 'unknown'.
+    """
+    import os
+    if os.environ.get("REPLAYQUANT_GIT_COMMIT"):
+        return os.environ["REPLAYQUANT_GIT_COMMIT"]
     root = Path(__file__).resolve().parent.parent
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
