@@ -226,7 +226,14 @@ def test_flush_path_mid_window_and_blocks():
 def test_dispatcher():
     assert choose_path("gdn", 1) == "flush"
     assert choose_path("gdn", 256) == "replay"
+    assert choose_path("gdn", 1, shared=False) == "replay"
     assert choose_path("mamba2", 3, threshold=4) == "flush"
+    # 'auto' at batch 2 with a shared pair flushes every step
+    store = ReplayStore.from_state(random_state(2, 2, 16, 16), "s32_rs", "gdn", key_heads=1,
+                                   buffer_len=4)
+    dr = Driver("gdn", 2, 1, 2, 16, 16)
+    dr.kernel(store, dr.inputs(0), None, path="auto")
+    assert store.committed.tolist() == [0, 0] and store.n_flush.tolist() == [1, 1]
 
 
 def test_replay_bad_inputs():

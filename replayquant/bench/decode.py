@@ -675,3 +675,39 @@ def run_decode_bench(out: str = "results/bench", batches=(1, 8, 32, 128, 256, 51
     (outp / f"{name}.md").write_text(render_markdown(res))
     print(render_markdown(res), flush=True)
     return res
+
+
+def plot_decode(json_path: str = "results/bench/decode.json",
+                png: str = "results/bench/decode_speedup.png") -> None:
+    """PNG of per-step speedup over our conventional FP32 kernel against batch, per pair."""
+    import json
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    r = json.load(open(json_path))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for ax, kind in zip(axes, ["gdn", "mamba2"]):
+        for kernel, variant, label in [("replay-window", "s32_rs", "replay FP32 (s32_rs)"),
+                                       ("replay-window", "tp4_hi32", "replay NVFP4 read / FP32 anchor"),
+                                       ("conventional", "bf16", "conventional BF16"),
+                                       ("replay-forced-flush", "s32_rs", "flush every step (s32_rs)")]:
+            pts = sorted((x["B"], x["speedup_vs_conv_fp32"]) for x in r["rows"]
+                         if x["kind"] == kind and x["kernel"] == kernel and x["variant"] == variant)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+        peer = sorted((x["B"], [y for y in r["rows"] if y["kind"] == kind and y["kernel"] == "conventional"
+                                and y["variant"] == "fp32" and y["B"] == x["B"]][0]["us"] / x["us"])
+                      for x in r["rows"] if x["kind"] == kind and x["kernel"].startswith("peer:")
+                      and "(no graph)" not in x["kernel"] and x["variant"] == "float32")
+        ax.plot([p[0] for p in peer], [p[1] for p in peer], marker="x", ls="--",
+                label="peer FP32 (fla / mamba_ssm)")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch")
+        ax.set_title(f"{kind}: speedup over our conventional FP32 step")
+    axes[0].set_ylabel("x conventional FP32 (per step)")
+    axes[1].legend(fontsize=7)
+    fig.suptitle(f"{r['provenance']['device']}, git {r['provenance']['git_commit'][:8]}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)

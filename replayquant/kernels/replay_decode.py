@@ -571,18 +571,20 @@ def replay_launch_config(store: ReplayStore, n_rows: int, block_v=None, num_warp
     return (block_v, num_warps), (fbv, fnw)
 
 
-def choose_path(kind: str, n_rows: int, threshold: int | None = None) -> str:
-    """'replay' or 'flush': at small batch the decode step is launch-bound and the replay
-    bookkeeping buys nothing, so every step flushes (= the conventional read-modify-write on
-    the anchor, plus the read-copy write). The threshold comes from the H200 measurement in
-    results/bench/decode.json (below it the replay step was not faster)."""
+def choose_path(kind: str, n_rows: int, shared: bool = True, threshold: int | None = None) -> str:
+    """'replay' or 'flush' (every step flushes: for a shared pair this is the conventional
+    read-modify-write on the anchor). Measured on the H200 (results/bench/decode.json, all rows
+    of a batch in the same phase): for shared pairs the forced flush was faster than the replay
+    window below DISPATCH_THRESHOLD rows (GDN: up to 128 rows; Mamba-2: up to 8); for pairs with a
+    separate read copy the forced flush (which writes both roles every step) was never faster."""
     if threshold is None:
-        threshold = DISPATCH_THRESHOLD[kind]
+        threshold = DISPATCH_THRESHOLD[(kind, bool(shared))]
     return "flush" if n_rows < threshold else "replay"
 
 
-# batch rows below which every step flushes (see choose_path); set from the H200 benchmark
-DISPATCH_THRESHOLD = {"gdn": 2, "mamba2": 2}
+# rows below which every step flushes (see choose_path): H200 run of results/bench/decode.json
+DISPATCH_THRESHOLD = {("gdn", True): 256, ("gdn", False): 1,
+                      ("mamba2", True): 16, ("mamba2", False): 1}
 
 
 def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, out, scale,
@@ -644,19 +646,21 @@ def _no_pending(store):
         raise ValueError(f"step: {store.pending_T} drafts are pending; call replay_accept first")
 
 
-def _force(path, kind, B):
+def _force(path, kind, B, shared=True):
     if path not in ("auto", "replay", "flush"):
         raise ValueError(f"path must be 'auto', 'replay' or 'flush', got {path!r}")
     if path == "auto":
-        path = choose_path(kind, B)
+        path = choose_path(kind, B, shared)
     return path == "flush"
 
 
 def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, state_indices=None,
-                    scale=None, out=None, use_qk_l2norm=True, path="auto", block_v=None,
+                    scale=None, out=None, use_qk_l2norm=True, path="replay", block_v=None,
                     num_warps=None, advance=True, flush_config=None):
     """One GDN replay decode step for a batch (Triton), inputs as conventional_gdn_step
-    (k, v bf16). path: 'replay', 'flush' (every step flushes) or 'auto' (choose_path).
+    (k, v bf16). path: 'replay' (the ReplayState semantics), 'flush' (every step flushes) or
+    'auto' (choose_path: flushes every step at small batch for shared pairs; this changes the
+    flush schedule, hence the roundings, so it is opt-in).
     Returns y float32 [B, H, d_v]; with advance=False the caller moves the pointers
     (advance_pointers with the same force_flush)."""
     if store.kind != "gdn":
@@ -664,7 +668,7 @@ def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, stat
     if b is None:
         raise ValueError("GDN needs b (beta logits) [batch, value heads]")
     _no_pending(store)
-    force = _force(path, "gdn", q.shape[0])
+    force = _force(path, "gdn", q.shape[0], store.shared)
     out, idx = _launch(store, q, k, v, a, b, A_log, dt_bias, None, None, state_indices, out,
                        scale, use_qk_l2norm, 1, True, force, block_v, num_warps, flush_config)
     if advance:
@@ -673,13 +677,13 @@ def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, stat
 
 
 def replay_mamba2_step(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None, z=None,
-                       dt_bias=None, out=None, path="auto", block_v=None, num_warps=None,
+                       dt_bias=None, out=None, path="replay", block_v=None, num_warps=None,
                        advance=True, flush_config=None):
     """One Mamba-2 replay decode step (Triton), inputs as conventional_mamba2_step (x, B bf16)."""
     if store.kind != "mamba2":
         raise ValueError("replay_mamba2_step needs a store built with kind='mamba2'")
     _no_pending(store)
-    force = _force(path, "mamba2", x.shape[0])
+    force = _force(path, "mamba2", x.shape[0], store.shared)
     out, idx = _launch(store, C, B, x, dt, None, A, dt_bias, D, z, state_indices, out, None,
                        False, 1, True, force, block_v, num_warps, flush_config)
     if advance:
@@ -821,10 +825,11 @@ def replay_ref_core(store: ReplayStore, fe, raw, state_indices, T: int, step: bo
 
 
 def replay_gdn_step_ref(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None,
-                        state_indices=None, scale=None, out=None, use_qk_l2norm=True, path="auto",
-                        block_v=None, num_warps=None, advance=True, flush_config=None):
+                        state_indices=None, scale=None, out=None, use_qk_l2norm=True,
+                        path="replay", block_v=None, num_warps=None, advance=True,
+                        flush_config=None):
     """torch reference of replay_gdn_step (same signature, same effect on the store)."""
-    force = _force(path, "gdn", q.shape[0])
+    force = _force(path, "gdn", q.shape[0], store.shared)
     qf, kf, vf, g, beta = gdn_frontend_ref(q, k, v, a, b, A_log, dt_bias, scale, use_qk_l2norm)
     fe = tuple(t.unsqueeze(1) for t in (qf, kf, vf, g, beta))
     y = replay_ref_core(store, fe, (k.unsqueeze(1), v.unsqueeze(1)), state_indices, 1, True,
@@ -838,10 +843,10 @@ def replay_gdn_step_ref(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None,
 
 
 def replay_mamba2_step_ref(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None, z=None,
-                           dt_bias=None, out=None, path="auto", block_v=None, num_warps=None,
+                           dt_bias=None, out=None, path="replay", block_v=None, num_warps=None,
                            advance=True, flush_config=None):
     """torch reference of replay_mamba2_step."""
-    force = _force(path, "mamba2", x.shape[0])
+    force = _force(path, "mamba2", x.shape[0], store.shared)
     q, k, v, log_a, d = mamba2_frontend_ref(x, dt, A, B, C, dt_bias)
     fe = tuple(t.unsqueeze(1) for t in (q, k, v, log_a, d))
     post = lambda y, b_, t: mamba2_post_ref(y[None], x[b_:b_ + 1], D,  # noqa: E731
