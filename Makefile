@@ -19,11 +19,13 @@ test: $(STAMP)
 
 # The embedded default: the tiny Qwen3.5-architecture model trained on the KJV (replayquant/assets),
 # scored on held-out books it never saw, 8K-token context, five precision pairs. Writes build/demo/.
+# tests/test_demo.py runs the same command on a short context (it reads DEMO_MODEL and DEMO_PAIRS here).
+DEMO_MODEL := tiny-qwen3.5
 DEMO_PAIRS := --pair s32_rs --pair sbf16 --pair f4_sr_rs --pair tp4_hi32 --pair tp4_hi16_sr
 demo: $(STAMP)
-	$(BIN)/replayquant kl --model tiny-qwen3.5 $(DEMO_PAIRS) \
+	OMP_NUM_THREADS=1 $(BIN)/replayquant kl --model $(DEMO_MODEL) $(DEMO_PAIRS) \
 	    --dataset "$$($(BIN)/python -m replayquant.data)" --context 8192 --docs 2 \
-	    --dtype float32 --device-map cpu --out build/demo/tiny-qwen3.5_ctx8k.json
+	    --dtype float32 --device-map cpu --out build/demo/$(DEMO_MODEL)_ctx8k.json
 
 clean:
 	rm -rf $(VENV)
