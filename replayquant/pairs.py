@@ -27,6 +27,7 @@ Every validation problem raises one ValueError naming the problem and the fix.
 from __future__ import annotations
 
 from dataclasses import dataclass
+import sys
 from pathlib import Path
 
 from replayquant.formats import FORMATS, Format, get_format
@@ -34,7 +35,15 @@ from replayquant.formats.constants import ROUNDINGS
 
 __all__ = ["FormatSpec", "PrecisionPair", "PAIRS_DIR", "list_pairs", "pairs_table"]
 
-PAIRS_DIR = Path(__file__).resolve().parent.parent / "configs" / "pairs"
+def _pairs_dir() -> Path:
+    """configs/pairs of this checkout, else the copy a wheel installs under <prefix>/share."""
+    checkout = Path(__file__).resolve().parent.parent / "configs" / "pairs"
+    if checkout.is_dir():
+        return checkout
+    return Path(sys.prefix) / "share" / "replayquant" / "configs" / "pairs"
+
+
+PAIRS_DIR = _pairs_dir()
 
 _PAIR_KEYS = ("name", "read", "anchor", "buffer_len", "description")
 _SPEC_KEYS = ("format", "rounding")
