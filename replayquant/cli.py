@@ -162,8 +162,8 @@ def bench_kl_cmd(
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2)
-    typer.echo(f"KL {r['kl_wall_time_s']:.1f} s, HF forward {r['hf_forward_s']:.1f} s, ratio to budget "
-               f"{r['ratio_to_target_budget']:.2f}, peak {r['peak_gpu_gib_kl']} GiB -> {out}")
+    typer.echo(f"KL {r['kl_wall_time_s']:.1f} s, HF forward {r['hf_forward_s']:.1f} s, time per plain forward pass "
+               f"{r['slowdown_vs_plain_forwards']:.2f}x (target <= 1.5), peak {r['peak_gpu_gib_kl']} GiB -> {out}")
 # --- end KL harness ----------------------------------------------------------------------------
 
 
