@@ -10,7 +10,8 @@ from replayquant.bench.decode import (gdn_params, gdn_step_inputs, mamba2_params
 from replayquant.kernels.conventional import (ConventionalStore, conventional_gdn_step,
                                               conventional_mamba2_step, gdn_frontend_ref,
                                               mamba2_frontend_ref, mamba2_post_ref)
-from replayquant.kernels.replay_decode import (ReplayStore, choose_path, replay_gdn_step,
+from replayquant.kernels.replay_decode import (ReplayStore, advance_pointers, choose_path,
+                                               resolve_path, replay_gdn_step,
                                                replay_gdn_step_ref, replay_mamba2_step,
                                                replay_mamba2_step_ref)
 from replayquant.pairs import PrecisionPair, list_pairs
@@ -228,12 +229,48 @@ def test_dispatcher():
     assert choose_path("gdn", 256) == "replay"
     assert choose_path("gdn", 1, shared=False) == "replay"
     assert choose_path("mamba2", 3, threshold=4) == "flush"
-    # 'auto' at batch 2 with a shared pair flushes every step
-    store = ReplayStore.from_state(random_state(2, 2, 16, 16), "s32_rs", "gdn", key_heads=1,
-                                   buffer_len=4)
+    mk = lambda pair: ReplayStore.from_state(random_state(2, 2, 16, 16), pair, "gdn",  # noqa: E731
+                                             key_heads=1, buffer_len=4)
+    # 'auto' (default) switches only where lossless: shared FP32 anchor
+    assert resolve_path(mk("s32_rs"), 2) == "flush" and resolve_path(mk("s32_rs"), 512) == "replay"
+    for pair in ("s16_sr", "f4_sr_rs", "tp4_hi32", "tp8_hi32"):
+        assert resolve_path(mk(pair), 2) == "replay", pair
+    assert resolve_path(mk("f4_sr_rs"), 2, "auto_lossy") == "flush"
+    assert resolve_path(mk("tp4_hi32"), 2, "auto_lossy") == "replay"
+    assert resolve_path(mk("tp4_hi32"), 2, "flush") == "flush"
+    store = mk("s32_rs")
     dr = Driver("gdn", 2, 1, 2, 16, 16)
     dr.kernel(store, dr.inputs(0), None, path="auto")
     assert store.committed.tolist() == [0, 0] and store.n_flush.tolist() == [1, 1]
+
+
+def test_auto_default_small_batch_s32_rs():
+    """Default path at small batch: s32_rs flushes every step (= conventional FP32, bit for bit),
+    within FP32 reassociation of the replay schedule with an FP32 u buffer (the default bf16 u
+    buffer rounds the replay outputs, the flush path does not); advance=False + advance_pointers() follows
+    the path the step took; tp8_hi32 keeps the replay schedule."""
+    N, HK, H, dk, dv = 3, 1, 2, 16, 16
+    dr = Driver("gdn", 3, HK, H, dk, dv)
+    init = random_state(N, H, dv, dk, seed=5)
+    auto = ReplayStore.from_state(init, "s32_rs", "gdn", key_heads=HK, buffer_len=4)
+    rep = ReplayStore.from_state(init, "s32_rs", "gdn", key_heads=HK, buffer_len=4,
+                                 u_dtype=torch.float32)
+    conv = ConventionalStore.from_state(init, "fp32")
+    tp8 = ReplayStore.from_state(init, "tp8_hi32", "gdn", key_heads=HK, buffer_len=4)
+    for step in range(5):
+        inp = dr.inputs(seed=step)
+        q, k, v, a, b, A_log, dtb = inp
+        out = torch.full((3, H, dv), float("nan"))
+        y = replay_gdn_step(auto, q, k, v, a, b, A_log, dtb, out=out, advance=False)
+        advance_pointers(auto, torch.arange(3, dtype=torch.int32))
+        yr = dr.kernel(rep, inp, None, path="replay")
+        assert torch.equal(y, conventional_gdn_step(conv, q, k, v, a, b, A_log, dtb))
+        torch.testing.assert_close(y, yr, rtol=1e-5, atol=1e-5 * yr.abs().max().item())
+        replay_gdn_step(tp8, q, k, v, a, b, A_log, dtb)
+    assert auto.committed.tolist() == [0, 0, 0] and auto.n_flush.tolist() == [5, 5, 5]
+    assert rep.committed.tolist() == [1, 1, 1] and rep.n_flush.tolist() == [1, 1, 1]
+    assert tp8.committed.tolist() == [1, 1, 1] and tp8.n_flush.tolist() == [1, 1, 1]
+    assert_states_close(auto.anchor.dequantize(), conv.state.dequantize())
 
 
 def test_replay_bad_inputs():

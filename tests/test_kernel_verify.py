@@ -102,6 +102,7 @@ def test_replay_verify_accept(kind, pair):
     for rnd in range(7):
         if rnd % 3 == 2:
             kw, fe, post = inputs(kind, None, seed=rnd)
+            kw = {**kw, "path": "replay"}        # the ReplayState schedule (auto may flush s32_rs)
             y, y2 = call(step, st, kw), call(step_ref, ref, kw)
             yr = rs.step(*fe)
         else:

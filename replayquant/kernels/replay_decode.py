@@ -57,7 +57,7 @@ from replayquant.streams import ANCHOR, READ, layer_seed
 
 __all__ = ["ReplayStore", "replay_gdn_step", "replay_gdn_step_ref", "replay_mamba2_step",
            "replay_mamba2_step_ref", "advance_pointers", "advance_pointers_ref",
-           "choose_path", "replay_launch_config"]
+           "choose_path", "resolve_path", "flush_is_lossless", "replay_launch_config"]
 
 
 def _pair_roles(pair):
@@ -92,6 +92,7 @@ class ReplayStore:
     start: torch.Tensor | None = None
     max_drafts: int = 0
     pending_T: int | None = None     # drafts verified and not yet accepted
+    last_force: bool = False         # path of the last step: True = it flushed every row (force)
 
     @property
     def capacity(self) -> int:
@@ -161,7 +162,7 @@ class ReplayStore:
         return ReplayStore(self.kind, self.anchor.clone(), None if self.read is None else self.read.clone(),
                            self.L, self.key_heads, c(self.kbuf), c(self.vbuf), c(self.ubuf),
                            c(self.Gbuf), c(self.bbuf), c(self.committed), c(self.n_flush), self.key,
-                           c(self.start), self.max_drafts, self.pending_T)
+                           c(self.start), self.max_drafts, self.pending_T, self.last_force)
 
 
 # ============================================================================ Triton
@@ -505,10 +506,18 @@ def _advance_kernel(h_ptr, st_ptr, nf_ptr, idx_ptr, acc_ptr, B, L: tl.constexpr,
     tl.store(nf_ptr + s, nf, mask=ok)
 
 
+def _default_force(store, step, accepted, force_flush):
+    if force_flush is None:     # the path the last step of this store took (resolve_path)
+        return bool(store.last_force) if step and accepted is None else False
+    return bool(force_flush)
+
+
 def advance_pointers(store: ReplayStore, state_indices, T: int = 1, step: bool = True,
-                     force_flush: bool = False, accepted=None):
+                     force_flush: bool | None = None, accepted=None):
     """Move committed / n_flush after a step (step=True) or a verify of T drafts (step=False),
-    or after accept (accepted: int tensor [B] of accepted drafts)."""
+    or after accept (accepted: int tensor [B] of accepted drafts). force_flush None: the path
+    the store's last step took (a step with path 'auto' may have flushed every row)."""
+    force_flush = _default_force(store, step, accepted, force_flush)
     B = state_indices.shape[0]
     idx = _indices(state_indices, B, store.committed.device)
     acc = None
@@ -522,7 +531,8 @@ def advance_pointers(store: ReplayStore, state_indices, T: int = 1, step: bool =
 
 
 def advance_pointers_ref(store: ReplayStore, state_indices, T: int = 1, step: bool = True,
-                         force_flush: bool = False, accepted=None):
+                         force_flush: bool | None = None, accepted=None):
+    force_flush = _default_force(store, step, accepted, force_flush)
     idx = _indices(state_indices, state_indices.shape[0], store.committed.device).long()
     for b, s in enumerate(idx.tolist()):
         if s < 0:
@@ -573,10 +583,14 @@ def replay_launch_config(store: ReplayStore, n_rows: int, block_v=None, num_warp
 
 def choose_path(kind: str, n_rows: int, shared: bool = True, threshold: int | None = None) -> str:
     """'replay' or 'flush' (every step flushes: for a shared pair this is the conventional
-    read-modify-write on the anchor). Measured on the H200 (results/bench/decode.json, all rows
-    of a batch in the same phase): for shared pairs the forced flush was faster than the replay
-    window below DISPATCH_THRESHOLD rows (GDN: up to 128 rows; Mamba-2: up to 8); for pairs with a
-    separate read copy the forced flush (which writes both roles every step) was never faster."""
+    read-modify-write on the anchor), by size alone. Measured on the H200 (results/bench/decode.json,
+    commit e980202, all rows of a batch in the same phase, GDN L = 16, Mamba-2 L = 8): for shared
+    pairs the forced flush was faster than the replay window below DISPATCH_THRESHOLD rows (s32_rs,
+    us/step incl. the pointer kernel, forced flush vs window: GDN B=1 5.6 vs 8.1, B=32 42.4 vs
+    49.6, B=128 160.8 vs 168.1, B=256 343.9 vs 331.3; Mamba-2 B=8 17.4 vs 19.2, B=32 80.1 vs
+    69.0); for pairs with a separate read copy the forced flush (which writes both roles every
+    step) was never faster (GDN tp4_hi32 B=1 11.1 vs 9.1 us), so they always replay.
+    This does not look at rounding: `resolve_path` decides whether a switch may be taken."""
     if threshold is None:
         threshold = DISPATCH_THRESHOLD[(kind, bool(shared))]
     return "flush" if n_rows < threshold else "replay"
@@ -585,6 +599,44 @@ def choose_path(kind: str, n_rows: int, shared: bool = True, threshold: int | No
 # rows below which every step flushes (see choose_path): H200 run of results/bench/decode.json
 DISPATCH_THRESHOLD = {("gdn", True): 256, ("gdn", False): 1,
                       ("mamba2", True): 16, ("mamba2", False): 1}
+
+PATHS = ("auto", "auto_lossy", "replay", "flush")
+
+
+def flush_is_lossless(store: ReplayStore) -> bool:
+    """True when flushing every step adds no rounding: a shared pair whose anchor is FP32 (the
+    unrounded FP32 state is its own cast under either rounding; no SR bits are drawn). The state
+    then equals the replay schedule's up to FP32 reassociation (DESIGN invariants 1-2), and so do
+    the outputs when the GDN u buffer is FP32; with the default bf16 u buffer the replay outputs of
+    non-flush steps carry the bf16 rounding of u, the flush path's outputs do not (they are the
+    conventional FP32 recurrence, bit for bit)."""
+    return store.read is None and store.anchor.fmt == "fp32"
+
+
+def resolve_path(store: ReplayStore, n_rows: int, path: str = "auto") -> str:
+    """The path a step of n_rows rows takes ('replay' or 'flush').
+
+    * 'replay': the ReplayState schedule (flush when the buffer fills).
+    * 'flush': every step flushes (committed stays 0, n_flush counts steps); for a shared pair
+      this is the conventional read-modify-write, with its roundings.
+    * 'auto' (the default of the step functions): 'flush' below choose_path's threshold only
+      where that is lossless (flush_is_lossless: shared FP32 anchor, e.g. s32_rs), else 'replay'.
+      The flush schedule (committed, n_flush) changes; the state only by FP32 reassociation, the
+      outputs also lose the bf16 rounding of a bf16 u buffer (they become the conventional FP32
+      step). Pairs with a lossy anchor or a separate read copy always replay.
+    * 'auto_lossy': choose_path by size for any shared pair (e.g. f4_sr_rs, s16_sr at small
+      batch): this adds a rounding per step, so it changes results; an explicit choice.
+    Layers that share pointer tensors must take the same path: resolve it once per token and pass
+    it to every layer (each step records its choice for advance_pointers' default)."""
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {', '.join(map(repr, PATHS))}, got {path!r}")
+    if path == "auto":
+        if not flush_is_lossless(store):
+            return "replay"
+        return choose_path(store.kind, n_rows, True)
+    if path == "auto_lossy":
+        return choose_path(store.kind, n_rows, store.shared)
+    return path
 
 
 def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, out, scale,
@@ -646,29 +698,30 @@ def _no_pending(store):
         raise ValueError(f"step: {store.pending_T} drafts are pending; call replay_accept first")
 
 
-def _force(path, kind, B, shared=True):
-    if path not in ("auto", "replay", "flush"):
-        raise ValueError(f"path must be 'auto', 'replay' or 'flush', got {path!r}")
-    if path == "auto":
-        path = choose_path(kind, B, shared)
-    return path == "flush"
+def _force(path, store, B):
+    force = resolve_path(store, B, path) == "flush"
+    store.last_force = force
+    return force
 
 
 def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, state_indices=None,
-                    scale=None, out=None, use_qk_l2norm=True, path="replay", block_v=None,
+                    scale=None, out=None, use_qk_l2norm=True, path="auto", block_v=None,
                     num_warps=None, advance=True, flush_config=None):
     """One GDN replay decode step for a batch (Triton), inputs as conventional_gdn_step
-    (k, v bf16). path: 'replay' (the ReplayState semantics), 'flush' (every step flushes) or
-    'auto' (choose_path: flushes every step at small batch for shared pairs; this changes the
-    flush schedule, hence the roundings, so it is opt-in).
+    (k, v bf16). path (resolve_path): 'auto' (default: below the measured batch threshold a
+    shared FP32-anchor pair such as s32_rs flushes every step, which is the conventional kernel
+    and was faster there on the H200; this changes the flush schedule (committed stays 0) but the
+    results only by FP32 reassociation; every other pair replays), 'replay' (the ReplayState
+    schedule at any size), 'flush' (every step flushes) or 'auto_lossy' (size switch for any
+    shared pair: adds roundings, changes results).
     Returns y float32 [B, H, d_v]; with advance=False the caller moves the pointers
-    (advance_pointers with the same force_flush)."""
+    (advance_pointers; its default force_flush is the path this step took)."""
     if store.kind != "gdn":
         raise ValueError("replay_gdn_step needs a store built with kind='gdn'")
     if b is None:
         raise ValueError("GDN needs b (beta logits) [batch, value heads]")
     _no_pending(store)
-    force = _force(path, "gdn", q.shape[0], store.shared)
+    force = _force(path, store, q.shape[0])
     out, idx = _launch(store, q, k, v, a, b, A_log, dt_bias, None, None, state_indices, out,
                        scale, use_qk_l2norm, 1, True, force, block_v, num_warps, flush_config)
     if advance:
@@ -677,13 +730,15 @@ def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, stat
 
 
 def replay_mamba2_step(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None, z=None,
-                       dt_bias=None, out=None, path="replay", block_v=None, num_warps=None,
+                       dt_bias=None, out=None, path="auto", block_v=None, num_warps=None,
                        advance=True, flush_config=None):
-    """One Mamba-2 replay decode step (Triton), inputs as conventional_mamba2_step (x, B bf16)."""
+    """One Mamba-2 replay decode step (Triton), inputs as conventional_mamba2_step (x, B bf16).
+    path, advance: as replay_gdn_step (default 'auto': only s32_rs-like shared FP32 anchors switch
+    to a flush every step below the measured batch threshold)."""
     if store.kind != "mamba2":
         raise ValueError("replay_mamba2_step needs a store built with kind='mamba2'")
     _no_pending(store)
-    force = _force(path, "mamba2", x.shape[0], store.shared)
+    force = _force(path, store, x.shape[0])
     out, idx = _launch(store, C, B, x, dt, None, A, dt_bias, D, z, state_indices, out, None,
                        False, 1, True, force, block_v, num_warps, flush_config)
     if advance:
@@ -826,10 +881,10 @@ def replay_ref_core(store: ReplayStore, fe, raw, state_indices, T: int, step: bo
 
 def replay_gdn_step_ref(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None,
                         state_indices=None, scale=None, out=None, use_qk_l2norm=True,
-                        path="replay", block_v=None, num_warps=None, advance=True,
+                        path="auto", block_v=None, num_warps=None, advance=True,
                         flush_config=None):
     """torch reference of replay_gdn_step (same signature, same effect on the store)."""
-    force = _force(path, "gdn", q.shape[0], store.shared)
+    force = _force(path, store, q.shape[0])
     qf, kf, vf, g, beta = gdn_frontend_ref(q, k, v, a, b, A_log, dt_bias, scale, use_qk_l2norm)
     fe = tuple(t.unsqueeze(1) for t in (qf, kf, vf, g, beta))
     y = replay_ref_core(store, fe, (k.unsqueeze(1), v.unsqueeze(1)), state_indices, 1, True,
@@ -843,10 +898,10 @@ def replay_gdn_step_ref(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None,
 
 
 def replay_mamba2_step_ref(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None, z=None,
-                           dt_bias=None, out=None, path="replay", block_v=None, num_warps=None,
+                           dt_bias=None, out=None, path="auto", block_v=None, num_warps=None,
                            advance=True, flush_config=None):
     """torch reference of replay_mamba2_step."""
-    force = _force(path, "mamba2", x.shape[0], store.shared)
+    force = _force(path, store, x.shape[0])
     q, k, v, log_a, d = mamba2_frontend_ref(x, dt, A, B, C, dt_bias)
     fe = tuple(t.unsqueeze(1) for t in (q, k, v, log_a, d))
     post = lambda y, b_, t: mamba2_post_ref(y[None], x[b_:b_ + 1], D,  # noqa: E731
