@@ -225,26 +225,45 @@ def lm_eval_cmd(ctx: typer.Context):
 
 
 # --- decode kernels (replayquant/kernels/{conventional,replay_decode,verify}.py) --------------
-@bench_app.command("decode")
-def bench_decode_cmd(
-    out: str = typer.Option("results/bench", help="folder for decode.json and decode.md"),
-    batches: str = typer.Option("1,32,128,256,512", help="batch sizes of the decode-step table"),
+@bench_app.command("kernels")
+def bench_kernels_cmd(
+    out: str = typer.Option("results/bench", help="folder for kernels.json, kernels.md, kernels_speedup.png"),
+    batches: str = typer.Option("1,8,32,128,256,512", help="batch sizes of the decode steps"),
+    buffer_lens: str = typer.Option("4,8,16,32", "--L", help="buffer lengths L of the replay windows"),
+    pairs: str = typer.Option("s32_rs,tp8_hi32,tp4_hi32,tp4_hi16_sr", help="precision pairs"),
+    drafts: str = typer.Option("2,4", "--T", help="drafts per speculative round"),
     spec_batches: str = typer.Option("32,256,512", help="batch sizes of the speculative rounds"),
-    drafts: int = typer.Option(4, "--T", help="drafts per speculative round"),
-    peers: bool = typer.Option(True, help="also time fla / mamba_ssm (must be importable)"),
+    kinds: str = typer.Option("gdn,mamba2", help="layer kinds (Qwen3.5-4B GDN, Nemotron-H Mamba-2)"),
+    peers: bool = typer.Option(True, help="also time fla / mamba_ssm (skipped if not importable)"),
     checks: bool = typer.Option(True, help="kernel-vs-reference checks at the real head shapes first"),
     sweep: bool = typer.Option(True, help="launch-config sweep at batch 256"),
+    budget_s: float = typer.Option(500.0, help="skip sections (lowest priority first) past this many seconds"),
+    estimate_only: bool = typer.Option(False, help="print the plan and its runtime estimate, run nothing"),
+    name: str = typer.Option("kernels", help="output file stem"),
 ):
-    """GPU: conventional vs replay decode kernels (GDN Qwen3.5-4B and Mamba-2 Nemotron-H layer
-    shapes), peers, speculative verify, all against the copy bandwidth measured in the same run."""
-    from replayquant.bench.decode import run_decode_bench
+    """GPU: conventional vs replay decode kernels over issue 4's grid (B x L x pair, T), peers,
+    speculative verify, against the copy bandwidth measured in the same run. Prints a runtime
+    estimate first; the default grid is estimated to fit one 10-minute device call."""
+    from replayquant.bench.decode import estimate_s, plan, run_kernels_bench
     ints = lambda s: tuple(int(x) for x in s.split(",") if x)  # noqa: E731
+    strs = lambda s: tuple(x for x in s.split(",") if x)  # noqa: E731
+    if estimate_only:
+        sec = plan(ints(batches), ints(buffer_lens), strs(pairs), ints(drafts), ints(spec_batches),
+                   strs(kinds), peers, checks, sweep)
+        for key, est, _ in sec:
+            typer.echo(f"{est:7.1f} s  {key}")
+        typer.echo(f"{len(sec)} sections, estimated {estimate_s(sec):.0f} s (budget {budget_s:.0f} s)")
+        return
     try:
-        run_decode_bench(out=out, batches=ints(batches), spec_batches=ints(spec_batches), T=drafts,
-                         peers=peers, checks=checks, sweep=sweep)
+        run_kernels_bench(out=out, batches=ints(batches), Ls=ints(buffer_lens), pairs=strs(pairs),
+                          Ts=ints(drafts), spec_batches=ints(spec_batches), kinds=strs(kinds),
+                          peers=peers, checks=checks, sweep=sweep, budget_s=budget_s, name=name)
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2)
+
+
+bench_app.command("decode", hidden=True, help="alias of 'bench kernels'")(bench_kernels_cmd)
 # --- end decode kernels ------------------------------------------------------------------------
 
 

@@ -1,4 +1,4 @@
-"""Decode-kernel benchmark (`replayquant bench decode`, GPU) and the random inputs it shares with
+"""Decode-kernel benchmark (`replayquant bench kernels`, GPU) and the random inputs it shares with
 the kernel tests.
 
 Inputs look like a real model's: bf16 activations, raw gate logits in FP32, decays a in
@@ -6,6 +6,8 @@ Inputs look like a real model's: bf16 activations, raw gate logits in FP32, deca
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -163,6 +165,27 @@ def graph_ms(fn, n_calls: int, warmup: int = 2) -> float:
     ms = triton.testing.do_bench(g.replay, warmup=10, rep=60, return_mode="median")
     del g
     return ms / n_calls
+
+
+_CPU_TIMING = {"on": False}
+
+
+def time_calls(fn, n_calls: int) -> float:
+    """ms per call: graph_ms on a GPU; on the CPU (smoke runs of the benchmark's code in the
+    Triton interpreter, never results) at most two calls timed with perf_counter."""
+    if not _CPU_TIMING["on"]:
+        return graph_ms(fn, n_calls)
+    import time
+    n = min(n_calls, 2)
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t) * 1e3 / n
+
+
+def _empty_cache():
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def plain_ms(fn) -> float:
@@ -339,7 +362,7 @@ def _try(fn, errors: dict, key: str, default=None):
         return fn()
     except Exception as e:  # noqa: BLE001 (one failing section must not lose the rest)
         errors[key] = f"{type(e).__name__}: {e}\n" + traceback.format_exc()[-2000:]
-        print(f"[bench decode] {key} failed: {type(e).__name__}: {e}", flush=True)
+        print(f"[bench kernels] {key} failed: {type(e).__name__}: {e}", flush=True)
         return default
 
 
@@ -354,17 +377,36 @@ def _row(kind, kernel, variant, B, ms, nbytes, copy_bw, **extra):
     return r
 
 
-def config_sweep(kind, B, device, copy_bw):
+PAIRS = ("s32_rs", "tp8_hi32", "tp4_hi32", "tp4_hi16_sr")      # issue 4's benchmark pairs
+GRID = dict(batches=(1, 8, 32, 128, 256, 512), Ls=(4, 8, 16, 32), pairs=PAIRS, Ts=(2, 4),
+            spec_batches=(32, 256, 512))
+
+
+def _pair(name, L):
+    from replayquant.pairs import PrecisionPair
+    P = PrecisionPair.load(name).with_buffer_len(L)
+    return P, P.anchor.format, None if P.read is None else P.read.format
+
+
+def _rotations(nbytes: float, device) -> int:
+    """Copies of a state to cycle through so that every step finds its state cold in L2: enough
+    copies to cover twice the L2 (1 on the CPU; at most 64)."""
+    if _CPU_TIMING["on"] or not str(device).startswith("cuda"):
+        return 1
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 * 2 ** 20)
+    return int(min(64, max(1, math.ceil(2 * l2 / max(nbytes, 1.0)))))
+
+
+def config_sweep(kind, B, device, copy_bw, pairs=PAIRS, L=None, S=None):
     """Launch configs (block_v, num_warps) timed at batch B on fresh stores (never by re-running
     a live in-place state): the conventional step, the replay read step (h = L/2, pointers held)
     and the replay flush step (h = L - 1). Returns (rows, best config per kernel variant)."""
     from replayquant.kernels.conventional import ConventionalStore
     from replayquant.kernels.replay_decode import ReplayStore
-    from replayquant.pairs import PrecisionPair
-    S = SHAPES[kind]
+    S = S or SHAPES[kind]
     H, HK, dv, dk = S["H"], S["HK"], S["dv"], S["dk"]
     f = _fns(kind)
-    L = PAIR_L[kind]
+    L = L or PAIR_L[kind]
     init = random_state(B, H, dv, dk, seed=B, device=device)
     idx = torch.arange(B, dtype=torch.int32, device=device)
     kw = _kw(kind, S, B, seed=1, device=device)
@@ -382,14 +424,13 @@ def config_sweep(kind, B, device, copy_bw):
         if bv > dv:
             continue
         c = dict(block_v=bv, num_warps=nw)
-        ms = graph_ms(lambda: f["conv"](cs, **kw, state_indices=idx, out=out, advance=False, **c), 8)
+        ms = time_calls(lambda: f["conv"](cs, **kw, state_indices=idx, out=out, advance=False, **c), 8)
         cands.append(_row(kind, "sweep/conventional", "fp32", B, ms,
                           conventional_bytes(kind, "fp32", B, H, HK, dv, dk), copy_bw, cfg=c))
     pick("conventional/fp32", cands)
     del cs
-    for pair in ("s32_rs", "tp4_hi32"):
-        P = PrecisionPair.load(pair).with_buffer_len(L)
-        rf = None if P.read is None else P.read.format
+    for pair in pairs:
+        P, af, rf = _pair(pair, L)
         st = ReplayStore.from_state(init, P, kind, key_heads=HK)
         cands = []
         h = L // 2
@@ -398,40 +439,42 @@ def config_sweep(kind, B, device, copy_bw):
                 continue
             c = dict(block_v=bv, num_warps=nw)
             st.committed.fill_(h)
-            ms = graph_ms(lambda: f["step"](st, **kw, state_indices=idx, out=out, path="replay",
-                                            advance=False, **c), 8)
+            ms = time_calls(lambda: f["step"](st, **kw, state_indices=idx, out=out, path="replay",
+                                              advance=False, **c), 8)
             cands.append(_row(kind, "sweep/replay-read-step", pair, B, ms,
-                              replay_read_step_bytes(kind, rf or "fp32", h, B, H, HK, dv, dk),
-                              copy_bw, cfg=c, h=h))
+                              replay_read_step_bytes(kind, rf or af, h, B, H, HK, dv, dk),
+                              copy_bw, cfg=c, h=h, L=L))
         pick(f"read/{pair}", cands)
         cands = []
-        fcs = [(dv, 4), (dv, 8), (dv, 16)] if rf == "nvfp4" else [(16, 2), (32, 4), (64, 8)]
+        nv = "nvfp4" in (af, rf)
+        fcs = [(dv, 4), (dv, 8), (dv, 16)] if nv else [(16, 2), (32, 4), (64, 8)]
         for bv, nw in fcs:
             if bv > dv:
                 continue
             c = dict(flush_config=(bv, nw))
             st.committed.fill_(L - 1)
-            ms = graph_ms(lambda: f["step"](st, **kw, state_indices=idx, out=out, path="replay",
-                                            advance=False, **c), 4)
+            ms = time_calls(lambda: f["step"](st, **kw, state_indices=idx, out=out, path="replay",
+                                              advance=False, **c), 4)
             cands.append(_row(kind, "sweep/replay-flush-step", pair, B, ms,
-                              replay_flush_step_bytes(kind, "fp32", rf, L, B, H, HK, dv, dk),
-                              copy_bw, cfg=c))
+                              replay_flush_step_bytes(kind, af, rf, L, B, H, HK, dv, dk),
+                              copy_bw, cfg=c, L=L))
         pick(f"flush/{pair}", cands)
         del st
-    torch.cuda.empty_cache()
+    _empty_cache()
     return rows, cfg
 
 
-def bench_batch(kind, B, device, copy_bw, cfg=None, detail=False, peers=True):
-    """All decode-step rows of one kind at batch B."""
+def _cfg(cfg, pair):
+    return {**cfg.get(f"read/{pair}", {}), **cfg.get(f"flush/{pair}", {})}
+
+
+def bench_conventional(kind, B, device, copy_bw, cfg=None, S=None):
+    """Conventional FP32 and BF16 steps at batch B (cold L2: state copies rotated)."""
     from replayquant.kernels.conventional import ConventionalStore
-    from replayquant.kernels.replay_decode import ReplayStore, advance_pointers
-    from replayquant.pairs import PrecisionPair
     cfg = cfg or {}
-    S = SHAPES[kind]
+    S = S or SHAPES[kind]
     H, HK, dv, dk = S["H"], S["HK"], S["dv"], S["dk"]
     f = _fns(kind)
-    L = PAIR_L[kind]
     init = random_state(B, H, dv, dk, seed=B, device=device)
     idx = torch.arange(B, dtype=torch.int32, device=device)
     kw = _kw(kind, S, B, seed=1, device=device)
@@ -439,76 +482,122 @@ def bench_batch(kind, B, device, copy_bw, cfg=None, detail=False, peers=True):
     rows = []
     for fmt in ("fp32", "bf16"):
         c = cfg.get("conventional/fp32", {})
-        cs = ConventionalStore.from_state(init, fmt)
-        ms = graph_ms(lambda: f["conv"](cs, **kw, state_indices=idx, out=out, advance=False, **c), 8)
+        R = _rotations(B * H * state_bytes(fmt, dv, dk), device)
+        css = [ConventionalStore.from_state(init, fmt) for _ in range(R)]
+        calls = [lambda cs=cs: f["conv"](cs, **kw, state_indices=idx, out=out, advance=False, **c)
+                 for cs in css]
+        ms = time_calls(lambda: [g() for g in calls], 8) / R
         rows.append(_row(kind, "conventional", fmt, B, ms,
-                         conventional_bytes(kind, fmt, B, H, HK, dv, dk), copy_bw, config=c))
-        del cs
-    for pair in ("s32_rs", "tp4_hi32"):
-        c = {**cfg.get(f"read/{pair}", {}), **cfg.get(f"flush/{pair}", {})}
-        P = PrecisionPair.load(pair).with_buffer_len(L)
-        rf = None if P.read is None else P.read.format
-        st = ReplayStore.from_state(init, P, kind, key_heads=HK)
-        ms = graph_ms(lambda: f["step"](st, **kw, state_indices=idx, out=out, path="replay", **c), L)
-        rows.append(_row(kind, "replay-window", pair, B, ms,
-                         replay_window_bytes(kind, "fp32", rf, L, B, H, HK, dv, dk), copy_bw,
-                         L=L, config=c, note="mean step over a window of L steps (one flush per row), "
-                                             "pointer kernel included"))
-        if detail:
-            h = L // 2
-            st.committed.fill_(h)
-            ms = graph_ms(lambda: f["step"](st, **kw, state_indices=idx, out=out, path="replay",
-                                            advance=False, **c), 8)
-            rows.append(_row(kind, "replay-read-step", pair, B, ms,
-                             replay_read_step_bytes(kind, rf or "fp32", h, B, H, HK, dv, dk), copy_bw,
-                             L=L, h=h, config=c))
-            st.committed.fill_(L - 1)
-            ms = graph_ms(lambda: f["step"](st, **kw, state_indices=idx, out=out, path="replay",
-                                            advance=False, **c), 4)
-            rows.append(_row(kind, "replay-flush-step", pair, B, ms,
-                             replay_flush_step_bytes(kind, "fp32", rf, L, B, H, HK, dv, dk), copy_bw,
-                             L=L, config=c))
-            st.committed.zero_()
-        ms = graph_ms(lambda: f["step"](st, **kw, state_indices=idx, out=out, path="flush", **c), 8)
-        rows.append(_row(kind, "replay-forced-flush", pair, B, ms, None, copy_bw,
-                         note="path='flush' (small-batch dispatch): every step flushes"))
-        if pair == "s32_rs":
-            ms = graph_ms(lambda: advance_pointers(st, idx), 8)
-            rows.append(_row(kind, "pointer-advance", "-", B, ms, None, copy_bw,
-                             note="once per token for all layers of a model"))
-        del st
-    if peers:
-        for sd in (torch.float32, torch.bfloat16):
-            name = str(sd).split(".")[-1]
-            state = init.to(sd)
-            esz = torch.finfo(sd).bits // 8
-            io = B * H * _io_bytes(kind, H, HK, dv, dk)
-            if kind == "gdn":   # fla reads the state in its dtype and writes a new fp32 state
-                nb = B * H * dv * dk * (esz + 4) + io
-            else:
-                nb = 2 * B * H * dv * dk * esz + io
-            label = "peer:fla" if kind == "gdn" else "peer:mamba_ssm"
-            ms = graph_ms(lambda: peer_call(kind, S, kw, state), 8)
-            rows.append(_row(kind, label, name, B, ms, nb, copy_bw))
-            ms = plain_ms(lambda: peer_call(kind, S, kw, state))
-            rows.append(_row(kind, label + "(no graph)", name, B, ms, nb, copy_bw))
-            del state
+                         conventional_bytes(kind, fmt, B, H, HK, dv, dk), copy_bw, config=c, rot=R))
+        del css, calls
     del init
-    torch.cuda.empty_cache()
+    _empty_cache()
     return rows
 
 
-def bench_spec(kind, B, T, device, copy_bw, cfg=None):
+def bench_replay(kind, B, pair, L, device, copy_bw, cfg=None, detail=False, forced=False,
+                 pointer=False, S=None):
+    """Replay rows of one (pair, L) at batch B: the mean step of a whole window of L steps (one
+    flush per row; state copies rotated for a cold L2; pointer kernel included); with detail the
+    read step (h = L/2) and the flush step alone; with forced the path='flush' step (every step
+    flushes: the small-batch dispatch); with pointer the pointer kernel alone."""
+    from replayquant.kernels.replay_decode import ReplayStore, advance_pointers
+    cfg = cfg or {}
+    S = S or SHAPES[kind]
+    H, HK, dv, dk = S["H"], S["HK"], S["dv"], S["dk"]
+    f = _fns(kind)
+    init = random_state(B, H, dv, dk, seed=B, device=device)
+    idx = torch.arange(B, dtype=torch.int32, device=device)
+    kw = _kw(kind, S, B, seed=1, device=device)
+    out = torch.empty(B, H, dv, device=device)
+    P, af, rf = _pair(pair, L)
+    c = _cfg(cfg, pair)
+    per = B * H * (state_bytes(af, dv, dk) + (state_bytes(rf, dv, dk) if rf else 0))
+    R = _rotations(per, device)
+    sts = [ReplayStore.from_state(init, P, kind, key_heads=HK) for _ in range(R)]
+    calls = [lambda st=st: f["step"](st, **kw, state_indices=idx, out=out, path="replay", **c)
+             for st in sts]
+    ms = time_calls(lambda: [g() for g in calls], L) / R
+    rows = [_row(kind, "replay-window", pair, B, ms,
+                 replay_window_bytes(kind, af, rf, L, B, H, HK, dv, dk), copy_bw, L=L, config=c,
+                 rot=R, note="mean step over a window of L steps (one flush per row), pointer "
+                             "kernel included")]
+    st = sts[0]
+    if detail:
+        h = L // 2
+        st.committed.fill_(h)
+        ms = time_calls(lambda: f["step"](st, **kw, state_indices=idx, out=out, path="replay",
+                                          advance=False, **c), 8)
+        rows.append(_row(kind, "replay-read-step", pair, B, ms,
+                         replay_read_step_bytes(kind, rf or af, h, B, H, HK, dv, dk), copy_bw,
+                         L=L, h=h, config=c))
+        st.committed.fill_(L - 1)
+        ms = time_calls(lambda: f["step"](st, **kw, state_indices=idx, out=out, path="replay",
+                                          advance=False, **c), 4)
+        rows.append(_row(kind, "replay-flush-step", pair, B, ms,
+                         replay_flush_step_bytes(kind, af, rf, L, B, H, HK, dv, dk), copy_bw,
+                         L=L, config=c))
+        st.committed.zero_()
+    if forced:
+        calls = [lambda st=st: f["step"](st, **kw, state_indices=idx, out=out, path="flush", **c)
+                 for st in sts]
+        ms = time_calls(lambda: [g() for g in calls], 8) / R
+        rows.append(_row(kind, "replay-forced-flush", pair, B, ms, None, copy_bw, L=L, rot=R,
+                         note="path='flush' (small-batch dispatch): every step flushes, pointer "
+                              "kernel included"))
+        calls = [lambda st=st: f["step"](st, **kw, state_indices=idx, out=out, path="flush",
+                                         advance=False, **c) for st in sts]
+        ms = time_calls(lambda: [g() for g in calls], 8) / R
+        rows.append(_row(kind, "replay-forced-flush-layer", pair, B, ms, None, copy_bw, L=L, rot=R,
+                         note="path='flush' without the pointer kernel (a model advances the "
+                              "pointers once per token for all its layers)"))
+    if pointer:
+        ms = time_calls(lambda: advance_pointers(st, idx), 8)
+        rows.append(_row(kind, "pointer-advance", "-", B, ms, None, copy_bw,
+                         note="once per token for all layers of a model"))
+    del sts, calls, init
+    _empty_cache()
+    return rows
+
+
+def bench_peers(kind, B, device, copy_bw, S=None):
+    """Peer kernels (fla / mamba_ssm) on our inputs, FP32 and BF16 states, graph and no graph."""
+    S = S or SHAPES[kind]
+    H, HK, dv, dk = S["H"], S["HK"], S["dv"], S["dk"]
+    init = random_state(B, H, dv, dk, seed=B, device=device)
+    kw = _kw(kind, S, B, seed=1, device=device)
+    rows = []
+    for sd in (torch.float32, torch.bfloat16):
+        name = str(sd).split(".")[-1]
+        state = init.to(sd)
+        esz = torch.finfo(sd).bits // 8
+        io = B * H * _io_bytes(kind, H, HK, dv, dk)
+        if kind == "gdn":   # fla reads the state in its dtype and writes a new fp32 state
+            nb = B * H * dv * dk * (esz + 4) + io
+        else:
+            nb = 2 * B * H * dv * dk * esz + io
+        label = "peer:fla" if kind == "gdn" else "peer:mamba_ssm"
+        ms = graph_ms(lambda: peer_call(kind, S, kw, state), 8)
+        rows.append(_row(kind, label, name, B, ms, nb, copy_bw))
+        if sd == torch.float32:
+            ms = plain_ms(lambda: peer_call(kind, S, kw, state))
+            rows.append(_row(kind, label + "(no graph)", name, B, ms, nb, copy_bw))
+        del state
+    del init
+    _empty_cache()
+    return rows
+
+
+def bench_spec(kind, B, T, device, copy_bw, cfg=None, pairs=PAIRS, L=None, S=None):
     """Speculative rounds: replay verify + accept vs conventional per-draft snapshots + accept."""
     from replayquant.kernels.conventional import ConventionalStore
     from replayquant.kernels.replay_decode import ReplayStore
     from replayquant.kernels.verify import conventional_accept, make_snapshots, replay_accept
-    from replayquant.pairs import PrecisionPair
     cfg = cfg or {}
-    S = SHAPES[kind]
+    S = S or SHAPES[kind]
     H, HK, dv, dk = S["H"], S["HK"], S["dv"], S["dk"]
     f = _fns(kind)
-    L = PAIR_L[kind]
+    L = L or PAIR_L[kind]
     init = random_state(B, H, dv, dk, seed=B + 1, device=device)
     idx = torch.arange(B, dtype=torch.int32, device=device)
     kw = _kw(kind, S, B, T=T, seed=3, device=device)
@@ -517,22 +606,21 @@ def bench_spec(kind, B, T, device, copy_bw, cfg=None):
     tokens = B * (float(n.float().mean()) + 1.0)       # accepted drafts + the bonus token
     out = torch.empty(B, T, H, dv, device=device)
     rows = []
-    for pair in ("s32_rs", "tp4_hi32"):
-        c = {**cfg.get(f"read/{pair}", {}), **cfg.get(f"flush/{pair}", {})}
-        st = ReplayStore.from_state(init, PrecisionPair.load(pair).with_buffer_len(L), kind,
-                                    key_heads=HK, max_drafts=T)
+    for pair in pairs:
+        c = _cfg(cfg, pair)
+        st = ReplayStore.from_state(init, _pair(pair, L)[0], kind, key_heads=HK, max_drafts=T)
 
         def rnd():
             f["verify"](st, **kw, state_indices=idx, out=out, **c)
             replay_accept(st, n, idx, check=False)
-        ms = graph_ms(rnd, 8)
+        ms = time_calls(rnd, 8)
         rows.append(_row(kind, "spec-replay-round", pair, B, ms, None, copy_bw, T=T, L=L,
                          tokens_per_s=tokens / ms * 1e3, mean_accept=float(n.float().mean())))
         del st
     cs = ConventionalStore.from_state(init, "fp32")
     snaps = make_snapshots(cs, T)
     c = cfg.get("conventional/fp32", {})
-    ms = graph_ms(lambda: f["cverify"](cs, snaps, **kw, state_indices=idx, out=out, **c), 8)
+    ms = time_calls(lambda: f["cverify"](cs, snaps, **kw, state_indices=idx, out=out, **c), 8)
     sb = state_bytes("fp32", dv, dk)
     nbv = B * H * ((1 + T) * sb + T * _io_bytes(kind, H, HK, dv, dk))
     rows.append(_row(kind, "spec-snapshot-verify", "fp32", B, ms, nbv, copy_bw, T=T))
@@ -540,64 +628,181 @@ def bench_spec(kind, B, T, device, copy_bw, cfg=None):
     def rndc():
         f["cverify"](cs, snaps, **kw, state_indices=idx, out=out, **c)
         conventional_accept(cs, snaps, n, idx, check=False)
-    ms = graph_ms(rndc, 8)
+    ms = time_calls(rndc, 8)
     frac = float((n > 0).float().mean())
     rows.append(_row(kind, "spec-snapshot-round", "fp32", B, ms, nbv + B * H * 2 * sb * frac, copy_bw,
                      T=T, tokens_per_s=tokens / ms * 1e3, mean_accept=float(n.float().mean()),
                      note="verify + restore of snapshot n (a copy) for rows with n > 0"))
     del cs, snaps, init
-    torch.cuda.empty_cache()
+    _empty_cache()
     return rows
 
 
 def _derive(rows):
-    """Speedups over our conventional FP32 step and ratios to the peer at the same (kind, B)."""
+    """Speedups over our conventional FP32 step and the peer at the same (kind, B), and of each
+    speculative replay round over the snapshot round at the same (kind, B, T)."""
     base = {(r["kind"], r["B"]): r["us"] for r in rows
             if r["kernel"] == "conventional" and r["variant"] == "fp32"}
     peer = {(r["kind"], r["B"], r["variant"]): r["us"] for r in rows
             if r["kernel"] in ("peer:fla", "peer:mamba_ssm")}
-    snap = {(r["kind"], r["B"]): r["us"] for r in rows if r["kernel"] == "spec-snapshot-round"}
+    snap = {(r["kind"], r["B"], r.get("T")): r["us"] for r in rows
+            if r["kernel"] == "spec-snapshot-round"}
     for r in rows:
         k = (r["kind"], r["B"])
         if r["kernel"] in ("conventional", "replay-window", "replay-read-step", "replay-forced-flush",
-                           "sweep/conventional", "sweep/replay-read-step") and k in base:
+                           "replay-forced-flush-layer", "sweep/conventional",
+                           "sweep/replay-read-step") and k in base:
             r["speedup_vs_conv_fp32"] = base[k] / r["us"]
             p = peer.get((r["kind"], r["B"], "float32"))
             if p:
                 r["speedup_vs_peer_fp32"] = p / r["us"]
-        if r["kernel"] == "spec-replay-round" and k in snap:
-            r["speedup_vs_snapshot_round"] = snap[k] / r["us"]
+        if r["kernel"] == "spec-replay-round" and (*k, r.get("T")) in snap:
+            r["speedup_vs_snapshot_round"] = snap[(*k, r.get("T"))] / r["us"]
     return rows
 
 
+def _find(rows, **kv):
+    return [r for r in rows if all(r.get(k) == v for k, v in kv.items())]
+
+
+def targets(res) -> list:
+    """Issue 4's targets, each with the measured value(s) and met / not met / not measured."""
+    rows = res["rows"]
+    out = []
+
+    def add(name, vals, ok):
+        out.append(dict(target=name, measured=vals, met=None if not vals else ok))
+    for kind in SHAPES:
+        v = {r["B"]: round(r["pct_copy"], 1) for r in _find(rows, kind=kind, kernel="conventional",
+                                                            variant="fp32") if r["B"] >= 128}
+        add(f"{kind}: conventional FP32 >= 85% of copy at B >= 128", v,
+            bool(v) and min(v.values()) >= 85)
+        v = {r["L"]: round(r["speedup_vs_conv_fp32"], 3) for r in
+             _find(rows, kind=kind, kernel="replay-window", variant="s32_rs", B=256)
+             if "speedup_vs_conv_fp32" in r}
+        add(f"{kind}: replay FP32 (s32_rs) L = 16 >= 1.9x conventional at B = 256 (by L)", v,
+            v.get(16, 0) >= 1.9)
+        r32 = {r["L"]: r["us"] for r in _find(rows, kind=kind, kernel="replay-read-step",
+                                              variant="s32_rs", B=256)}
+        r4 = {r["L"]: r["us"] for r in _find(rows, kind=kind, kernel="replay-read-step",
+                                             variant="tp4_hi32", B=256)}
+        v = {L: round(r32[L] / r4[L], 3) for L in r32 if L in r4}
+        add(f"{kind}: non-flush step reading NVFP4 >= 5x an FP32 read (B = 256, by L)", v,
+            bool(v) and max(v.values()) >= 5)
+        v = {r["variant"]: round(r["speedup_vs_snapshot_round"], 3) for r in
+             _find(rows, kind=kind, kernel="spec-replay-round", B=512, T=4)
+             if "speedup_vs_snapshot_round" in r}
+        add(f"{kind}: verify T = 4 at B = 512 >= 3.3x the snapshot round (by pair)", v,
+            bool(v) and max(v.values()) >= 3.3)
+        v = {}
+        for r in _find(rows, kind=kind, B=1):
+            if r["kernel"] in ("replay-window", "replay-forced-flush-layer") and \
+                    "speedup_vs_conv_fp32" in r:
+                key = f"{r['variant']} L={r.get('L')} {r['kernel']}"
+                v[key] = round(r["speedup_vs_conv_fp32"], 3)
+        best = {}
+        for key, x in v.items():
+            pair = key.split()[0]
+            best[pair] = max(best.get(pair, 0), x)
+        add(f"{kind}: batch 1 >= 0.95x (best path per pair; forced flush is the default only "
+            "for s32_rs)", v, bool(best) and min(best.values()) >= 0.95)
+    return out
+
+
+def dispatch_thresholds(res) -> dict:
+    """For each (kind, L): the smallest measured batch from which the s32_rs replay window (mean
+    step, pointer kernel included) was no slower than flushing every step (forced flush at the
+    kind's main L, pointer kernel included; it does not depend on L) -> DISPATCH_THRESHOLD
+    candidates for choose_path."""
+    rows = res["rows"]
+    out = {}
+    for kind in SHAPES:
+        ff = {r["B"]: r["us"] for r in _find(rows, kind=kind, kernel="replay-forced-flush",
+                                             variant="s32_rs")}
+        for L in sorted({r.get("L") for r in _find(rows, kind=kind, kernel="replay-window",
+                                                   variant="s32_rs")}):
+            win = {r["B"]: r["us"] for r in _find(rows, kind=kind, kernel="replay-window",
+                                                  variant="s32_rs", L=L)}
+            Bs = sorted(set(win) & set(ff))
+            wins = [B for B in Bs if win[B] <= ff[B]]
+            out[f"{kind}/L{L}"] = dict(replay_faster_from_B=min(wins) if wins else None,
+                                       window_us=win, forced_flush_us=ff)
+    return out
+
+
 def render_markdown(res) -> str:
-    lines = [f"# Decode kernels on {res['provenance']['device']}", "",
-             f"git {res['provenance']['git_commit']}, {res['provenance']['date']}; "
-             f"device copy bandwidth {res['copy_GBps']:.0f} GB/s (read + write, measured in this run). "
-             "Times: CUDA graph of the steps, `triton.testing.do_bench` median, L2 flushed before each "
-             "replay. Bytes: what each kernel must move (state, buffer, inputs, output) as counted in "
-             "`replayquant/bench/decode.py`.", ""]
-    lines += ["| kind | kernel | variant | B | us/step | GB/s | % copy | x conv FP32 | x peer FP32 |",
-              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    pv = res["provenance"]
     fmt = lambda v, p=".2f": "" if v is None else format(v, p)  # noqa: E731
-    for r in res["rows"]:
-        if r["kernel"].startswith("sweep") or r["kernel"].startswith("spec"):
+    rows = res["rows"]
+    lines = [f"# Decode kernels on {pv['device']}", "",
+             f"git {pv['git_commit']}, {pv['date']}; device copy bandwidth {res['copy_GBps']:.0f} "
+             "GB/s (read + write, measured in this run). Times: CUDA graph of the steps, "
+             "`triton.testing.do_bench` median, L2 flushed before each replay, and state copies "
+             "rotated inside the graph so that every step finds its state cold (`rot` copies, "
+             "2x L2). Bytes: what each kernel must move (state, buffer, inputs, output) as counted "
+             "in `replayquant/bench/decode.py`. Speedups are over our conventional FP32 step at "
+             "the same batch.", ""]
+    if res.get("skipped"):
+        lines += ["Not measured (time budget): " + ", ".join(res["skipped"]), ""]
+    tg = res.get("targets") or []
+    if tg:
+        lines += ["## Targets of issue 4", "", "| target | measured | met |", "| --- | --- | --- |"]
+        for t in tg:
+            m = "not measured" if t["met"] is None else ("yes" if t["met"] else "no")
+            lines.append(f"| {t['target']} | {t['measured']} | {m} |")
+        lines.append("")
+    for kind in SHAPES:
+        Bs = sorted({r["B"] for r in _find(rows, kind=kind) if not r["kernel"].startswith(("sweep", "spec"))})
+        if not Bs:
             continue
-        lines.append(f"| {r['kind']} | {r['kernel']} | {r['variant']} | {r['B']} | {r['us']:.1f} | "
-                     f"{fmt(r.get('GBps'), '.0f')} | {fmt(r.get('pct_copy'), '.0f')} | "
-                     f"{fmt(r.get('speedup_vs_conv_fp32'))} | {fmt(r.get('speedup_vs_peer_fp32'))} |")
-    spec = [r for r in res["rows"] if r["kernel"].startswith("spec")]
+        lines += [f"## {kind}: us per step (x conventional FP32)", "",
+                  "| kernel | variant | L | " + " | ".join(f"B={B}" for B in Bs) + " |",
+                  "| --- | --- | ---: | " + " | ".join("---:" for _ in Bs) + " |"]
+        keys = []
+        for r in _find(rows, kind=kind):
+            if r["kernel"].startswith(("sweep", "spec")):
+                continue
+            k = (r["kernel"], r["variant"], r.get("L"))
+            if k not in keys:
+                keys.append(k)
+        for k in keys:
+            cells = []
+            for B in Bs:
+                m = [r for r in _find(rows, kind=kind, kernel=k[0], variant=k[1], B=B)
+                     if r.get("L") == k[2]]
+                if not m:
+                    cells.append("")
+                    continue
+                r = m[0]
+                c = f"{r['us']:.1f}"
+                if r.get("speedup_vs_conv_fp32") is not None:
+                    c += f" ({r['speedup_vs_conv_fp32']:.2f}x)"
+                if r.get("pct_copy") is not None and k[0] in ("conventional", "replay-read-step",
+                                                             "replay-flush-step") \
+                        or k[0].startswith("peer"):
+                    c += f" {fmt(r.get('pct_copy'), '.0f')}%"
+                cells.append(c)
+            lines.append(f"| {k[0]} | {k[1]} | {'' if k[2] is None else k[2]} | " + " | ".join(cells) + " |")
+        lines.append("")
+    spec = [r for r in rows if r["kernel"].startswith("spec")]
     if spec:
-        lines += ["", "Speculative decoding (T drafts per round, fixed random accept counts):", "",
-                  "| kind | kernel | variant | B | T | us/round | tokens/s | x snapshot round |",
-                  "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+        lines += ["## Speculative decoding (T drafts per round, fixed random accept counts)", "",
+                  "| kind | kernel | variant | B | T | L | us/round | tokens/s | x snapshot round |",
+                  "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for r in spec:
             lines.append(f"| {r['kind']} | {r['kernel']} | {r['variant']} | {r['B']} | {r['T']} | "
-                         f"{r['us']:.1f} | {fmt(r.get('tokens_per_s'), '.3g')} | "
+                         f"{r.get('L', '')} | {r['us']:.1f} | {fmt(r.get('tokens_per_s'), '.3g')} | "
                          f"{fmt(r.get('speedup_vs_snapshot_round'))} |")
-    sweep = [r for r in res["rows"] if r["kernel"].startswith("sweep")]
+        lines.append("")
+    if res.get("dispatch"):
+        lines += ["## Dispatch (s32_rs): smallest batch where the replay window beat the forced "
+                  "flush", ""]
+        for k, d in res["dispatch"].items():
+            lines.append(f"* {k}: {d['replay_faster_from_B']}")
+        lines.append("")
+    sweep = [r for r in rows if r["kernel"].startswith("sweep")]
     if sweep:
-        lines += ["", "Launch-config sweep:", "", "| kind | kernel | variant | B | block_v | warps | us/step |",
+        lines += ["## Launch-config sweep", "", "| kind | kernel | variant | B | block_v | warps | us/step |",
                   "| --- | --- | --- | ---: | ---: | ---: | ---: |"]
         for r in sweep:
             c = r["cfg"]
@@ -609,105 +814,283 @@ def render_markdown(res) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_decode_bench(out: str = "results/bench", batches=(1, 8, 32, 128, 256, 512),
-                     spec_batches=(32, 256, 512), T: int = 4, peers: bool = True,
-                     checks: bool = True, sweep: bool = True, detail_batches=(256,),
-                     device: str = "cuda", name: str = "decode") -> dict:
-    """The whole benchmark in one run: copy bandwidth, GPU checks, launch-config sweep, decode
-    steps of our kernels and the peers, speculative rounds. Writes {name}.json and {name}.md."""
+# ---------------------------------------------------------------------------- plan and run
+
+# Seconds per timed measurement: a fixed cost (do_bench warmup + reps, graph capture), a compile
+# per new kernel specialization, setup + timed replays that grow with the bytes of the states,
+# and Python launches of the rotated small-batch windows (captured, warmed up twice). Calibrated
+# on the run of results/bench/decode.json (e980202, H200): this plan restricted to that run's
+# grid estimates its 165 s wall time.
+_EST = dict(fixed=0.18, compile=0.5, per_GB=0.64, checks=5.0, copy=3.0, peer=0.5, launch=4e-5)
+
+
+def _launches(kind, B, L, S, rot=True):
+    """Python kernel launches of one rotated window measurement (3 passes: 2 warm-ups, capture)."""
+    if not rot:
+        return 0
+    gb = _gb(kind, B, S)
+    R = min(64, max(1, math.ceil(0.1 / max(gb, 1e-9))))      # 2x a 50 MB L2
+    return 3 * 3 * R * L
+
+
+def _gb(kind, B, S=None):
+    S = S or SHAPES[kind]
+    return B * S["H"] * S["dv"] * S["dk"] * 4 / 1e9
+
+
+def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
+         spec_batches=GRID["spec_batches"], kinds=tuple(SHAPES), peers=True, checks=True,
+         sweep=True, detail_batches=(256,), shapes=None):
+    """The benchmark's sections in priority order, each (key, estimated seconds, what): the
+    targets of issue 4 first (conventional, every pair at the kind's main L, T = 4 at the largest
+    spec batch), then the rest of the grid."""
+    shapes = shapes or SHAPES
+    E = _EST
+    P = len(pairs)
+    sec = []
+    if checks:
+        sec.append(("checks", E["checks"], ("checks",)))
+    for kind in kinds:
+        if sweep:
+            n = 5 + P * 7
+            sec.append((f"sweep/{kind}", n * (E["fixed"] + E["compile"] * 0.6)
+                        + n * 1.5 * _gb(kind, 256, shapes[kind]) * E["per_GB"], ("sweep", kind)))
+    mainL = {k: (PAIR_L[k] if PAIR_L[k] in Ls else Ls[0]) for k in kinds}
+    for kind in kinds:
+        for B in batches:
+            gb = _gb(kind, B, shapes[kind])
+            sec.append((f"{kind}/B{B}/conventional", 2 * (E["fixed"] + gb * E["per_GB"])
+                        + 2 * E["launch"] * _launches(kind, B, 8, shapes[kind]), ("conv", kind, B)))
+            for pair in pairs:
+                det = B in detail_batches
+                forced = pair == "s32_rs"
+                n = 1 + 2 * det + 2 * forced + (pair == pairs[0])
+                sec.append((f"{kind}/B{B}/{pair}/L{mainL[kind]}",
+                            n * E["fixed"] + (1 + det) * gb * E["per_GB"] * (mainL[kind] / 8)
+                            + (E["compile"] * 2 if B == batches[0] else 0)
+                            + (1 + 2 * forced) * E["launch"] * _launches(kind, B, mainL[kind],
+                                                                         shapes[kind]),
+                            ("replay", kind, B, pair, mainL[kind], det, forced, pair == pairs[0])))
+    bigT = max(Ts) if Ts else None
+    if bigT:
+        for kind in kinds:
+            for B in sorted(spec_batches, reverse=True):
+                gb = _gb(kind, B, shapes[kind])
+                sec.append((f"spec/{kind}/B{B}/T{bigT}", (P + 2) * (E["fixed"] + gb * E["per_GB"]
+                                                                   * (1 + bigT / 2)) + P * E["compile"],
+                            ("spec", kind, B, bigT)))
+    for kind in kinds:
+        for L in Ls:
+            if L == mainL[kind]:
+                continue
+            for B in batches:
+                gb = _gb(kind, B, shapes[kind])
+                for pair in pairs:          # the forced flush does not depend on L: main L only
+                    sec.append((f"{kind}/B{B}/{pair}/L{L}",
+                                E["fixed"] + gb * E["per_GB"] * (L / 8)
+                                + (E["compile"] * 2 if B == batches[0] else 0)
+                                + E["launch"] * _launches(kind, B, L, shapes[kind]),
+                                ("replay", kind, B, pair, L, False, False, False)))
+    for T in Ts:
+        if T == bigT:
+            continue
+        for kind in kinds:
+            for B in sorted(spec_batches, reverse=True):
+                gb = _gb(kind, B, shapes[kind])
+                sec.append((f"spec/{kind}/B{B}/T{T}", (P + 2) * (E["fixed"] + gb * E["per_GB"]
+                                                                * (1 + T / 2)) + P * E["compile"],
+                            ("spec", kind, B, T)))
+    if peers:
+        for kind in kinds:
+            for B in batches:
+                sec.append((f"peers/{kind}/B{B}", 3 * (E["peer"] + _gb(kind, B, shapes[kind])
+                                                       * E["per_GB"]), ("peers", kind, B)))
+    return sec
+
+
+def estimate_s(sections) -> float:
+    return _EST["copy"] + sum(s[1] for s in sections)
+
+
+def run_kernels_bench(out: str = "results/bench", batches=GRID["batches"], Ls=GRID["Ls"],
+                      pairs=PAIRS, Ts=GRID["Ts"], spec_batches=GRID["spec_batches"],
+                      kinds=tuple(SHAPES), peers: bool = True, checks: bool = True,
+                      sweep: bool = True, detail_batches=(256,), budget_s: float = 500.0,
+                      device: str = "cuda", name: str = "kernels", plot: bool = True,
+                      shapes=None) -> dict:
+    """`replayquant bench kernels`: copy bandwidth, GPU checks, launch-config sweep, conventional
+    / replay / peer decode steps over the grid of issue 4 (B x L x pair) and speculative rounds
+    (T), in priority order (plan) under a time budget: sections whose estimate would pass
+    budget_s are skipped and listed. Writes {name}.json (after every section), {name}.md and
+    {name}_speedup.png.
+
+    device 'cpu' is a smoke run of this code (tiny `shapes`, Triton interpreter, wall-clock
+    timing): never a result."""
     import json
-    import os
     import time
     from pathlib import Path
 
     from replayquant.provenance import provenance
-    if not torch.cuda.is_available():
-        raise ValueError("bench decode needs a CUDA GPU")
+    global SHAPES
+    cpu = not str(device).startswith("cuda")
+    if not cpu and not torch.cuda.is_available():
+        raise ValueError("bench kernels needs a CUDA GPU (device='cpu' only smoke-tests the code)")
+    if cpu and shapes is None:
+        raise ValueError("a CPU run needs tiny `shapes` (it only smoke-tests the benchmark code)")
+    bad = [p for p in pairs if p not in PAIRS]
+    if bad:
+        raise ValueError(f"pairs {bad}: choose from {list(PAIRS)}")
+    bad = [k for k in kinds if k not in ("gdn", "mamba2")]
+    if bad:
+        raise ValueError(f"kinds {bad}: choose from gdn, mamba2")
+    if any(T < 1 for T in Ts) or any(L < 1 for L in Ls) or not Ls or not batches:
+        raise ValueError(f"need batches, L >= 1 and T >= 1 (got {list(batches)}, {list(Ls)}, "
+                         f"{list(Ts)}); a speculative T larger than the kind's L is skipped")
     t0 = time.time()
-    params = dict(batches=list(batches), spec_batches=list(spec_batches), T=T, L=PAIR_L,
-                  shapes=SHAPES, peers=peers, pairs=["s32_rs", "tp4_hi32"])
-    res = {"provenance": provenance(device, **params), "rows": [], "errors": {}}
-    if os.environ.get("RQ_GIT_COMMIT"):          # the device copy of the tree has no .git
-        res["provenance"]["git_commit"] = os.environ["RQ_GIT_COMMIT"]
-    outp = Path(out)
-    outp.mkdir(parents=True, exist_ok=True)
-
-    def save():
-        (outp / f"{name}.json").write_text(json.dumps(res, indent=1, default=str))
+    saved_shapes = SHAPES
+    if shapes is not None:
+        SHAPES = {k: shapes[k] for k in kinds}
+    else:
+        SHAPES = {k: saved_shapes[k] for k in kinds}
+    _CPU_TIMING["on"] = cpu
     try:
-        import fla
-        res["provenance"]["versions"]["fla"] = getattr(fla, "__version__", "?")
-    except Exception:  # noqa: BLE001
-        pass
-    copy_bw = copy_bandwidth_GBps(device)
-    res["copy_GBps"] = copy_bw
-    print(f"copy bandwidth {copy_bw:.0f} GB/s", flush=True)
-    E = res["errors"]
-    if checks:
-        res["checks"] = _try(lambda: gpu_checks(device), E, "checks")
-        print(json.dumps(res["checks"], indent=1)[:3000], flush=True)
-        if peers:
-            res["peer_comparison"] = _try(lambda: peer_comparison(device), E, "peer_comparison")
-            print(json.dumps(res["peer_comparison"]), flush=True)
+        sections = plan(batches, Ls, pairs, Ts, spec_batches, tuple(SHAPES), peers and not cpu,
+                        checks and not cpu, sweep, detail_batches, SHAPES)
+        est = estimate_s(sections)
+        print(f"[bench kernels] {len(sections)} sections, estimated {est:.0f} s "
+              f"(budget {budget_s:.0f} s"
+              + ("; the full plan fits)" if est <= budget_s else
+                 "; sections past the budget are skipped, lowest priority first: "
+                 "pass a subset (--batches/--L/--pairs/--T) to choose)"), flush=True)
+        params = dict(batches=list(batches), L=list(Ls), pairs=list(pairs), T=list(Ts),
+                      spec_batches=list(spec_batches), main_L=dict(PAIR_L), shapes=SHAPES,
+                      peers=peers, checks=checks, sweep=sweep, detail_batches=list(detail_batches),
+                      budget_s=budget_s, estimate_s=est, smoke_cpu=cpu)
+        res = {"provenance": provenance(device, **params), "rows": [], "errors": {},
+               "skipped": [], "copy_GBps": None}
+        if cpu:
+            res["provenance"]["note"] = "CPU smoke run of the benchmark code: not a result"
+        outp = Path(out)
+        outp.mkdir(parents=True, exist_ok=True)
+
+        def save():
+            (outp / f"{name}.json").write_text(json.dumps(res, indent=1, default=str))
+        if peers and not cpu:
+            try:
+                import fla
+                res["provenance"]["versions"]["fla"] = getattr(fla, "__version__", "?")
+            except Exception:  # noqa: BLE001
+                pass
+        copy_bw = 1.0 if cpu else copy_bandwidth_GBps(device)
+        res["copy_GBps"] = copy_bw
+        print(f"copy bandwidth {copy_bw:.0f} GB/s", flush=True)
+        E = res["errors"]
+        cfgs = {}
+        for key, est_s, what in sections:
+            el = time.time() - t0
+            if el + est_s > budget_s:
+                res["skipped"].append(key)
+                continue
+            op = what[0]
+            if op == "checks":
+                res["checks"] = _try(lambda: gpu_checks(device), E, "checks")
+                if peers:
+                    res["peer_comparison"] = _try(lambda: peer_comparison(device), E,
+                                                  "peer_comparison")
+            elif op == "sweep":
+                got = _try(lambda: config_sweep(what[1], 256 if not cpu else 2, device, copy_bw,
+                                                pairs, S=SHAPES[what[1]]), E, key)
+                if got:
+                    res["rows"] += got[0]
+                    cfgs[what[1]] = got[1]
+            elif op == "conv":
+                kind, B = what[1:]
+                res["rows"] += _try(lambda: bench_conventional(
+                    kind, B, device, copy_bw, cfgs.get(kind) if B >= 128 else None,
+                    S=SHAPES[kind]), E, key, [])
+            elif op == "replay":
+                kind, B, pair, L, det, forced, ptr = what[1:]
+                res["rows"] += _try(lambda: bench_replay(
+                    kind, B, pair, L, device, copy_bw, cfgs.get(kind) if B >= 128 else None,
+                    detail=det, forced=forced, pointer=ptr, S=SHAPES[kind]), E, key, [])
+            elif op == "spec":
+                kind, B, T = what[1:]
+                L = PAIR_L[kind] if PAIR_L[kind] in Ls else Ls[0]
+                if T > L:
+                    res["skipped"].append(key + " (T > L)")
+                    continue
+                res["rows"] += _try(lambda: bench_spec(
+                    kind, B, T, device, copy_bw, cfgs.get(kind) if B >= 128 else None, pairs, L,
+                    S=SHAPES[kind]), E, key, [])
+            elif op == "peers":
+                kind, B = what[1:]
+                res["rows"] += _try(lambda: bench_peers(kind, B, device, copy_bw,
+                                                        S=SHAPES[kind]), E, key, [])
+            save()
+        res["configs"] = cfgs
+        _derive(res["rows"])
+        res["targets"] = targets(res)
+        res["dispatch"] = dispatch_thresholds(res)
+        res["wall_s"] = time.time() - t0
         save()
-    cfgs = {}
-    for kind in SHAPES:
-        if sweep:
-            got = _try(lambda: config_sweep(kind, 256, device, copy_bw), E, f"sweep/{kind}")
-            if got:
-                res["rows"] += got[0]
-                cfgs[kind] = got[1]
-        for B in batches:
-            cfg = cfgs.get(kind) if B >= 128 else None
-            res["rows"] += _try(lambda: bench_batch(kind, B, device, copy_bw, cfg,
-                                                    detail=B in detail_batches, peers=peers),
-                                E, f"{kind}/B{B}", [])
+        md = render_markdown(res)
+        (outp / f"{name}.md").write_text(md)
+        print(md, flush=True)
+        if plot:
+            _try(lambda: plot_kernels(res, str(outp / f"{name}_speedup.png")), E, "plot")
             save()
-        for B in spec_batches:
-            res["rows"] += _try(lambda: bench_spec(kind, B, T, device, copy_bw,
-                                                   cfgs.get(kind) if B >= 128 else None),
-                                E, f"spec/{kind}/B{B}", [])
-            save()
-    res["configs"] = cfgs
-    _derive(res["rows"])
-    res["wall_s"] = time.time() - t0
-    save()
-    (outp / f"{name}.md").write_text(render_markdown(res))
-    print(render_markdown(res), flush=True)
-    return res
+        return res
+    finally:
+        SHAPES = saved_shapes
+        _CPU_TIMING["on"] = False
 
 
-def plot_decode(json_path: str = "results/bench/decode.json",
-                png: str = "results/bench/decode_speedup.png") -> None:
-    """PNG of per-step speedup over our conventional FP32 kernel against batch, per pair."""
-    import json
-
+def plot_kernels(res, png: str) -> None:
+    """PNG of per-step speedup over our conventional FP32 step against batch: one panel per
+    (kind, pair), one line per L (replay window), plus the forced flush (s32_rs) and the peer."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    r = json.load(open(json_path))
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-    for ax, kind in zip(axes, ["gdn", "mamba2"]):
-        for kernel, variant, label in [("replay-window", "s32_rs", "replay FP32 (s32_rs)"),
-                                       ("replay-window", "tp4_hi32", "replay NVFP4 read / FP32 anchor"),
-                                       ("conventional", "bf16", "conventional BF16"),
-                                       ("replay-forced-flush", "s32_rs", "flush every step (s32_rs)")]:
-            pts = sorted((x["B"], x["speedup_vs_conv_fp32"]) for x in r["rows"]
-                         if x["kind"] == kind and x["kernel"] == kernel and x["variant"] == variant)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
-        peer = sorted((x["B"], [y for y in r["rows"] if y["kind"] == kind and y["kernel"] == "conventional"
-                                and y["variant"] == "fp32" and y["B"] == x["B"]][0]["us"] / x["us"])
-                      for x in r["rows"] if x["kind"] == kind and x["kernel"].startswith("peer:")
-                      and "(no graph)" not in x["kernel"] and x["variant"] == "float32")
-        ax.plot([p[0] for p in peer], [p[1] for p in peer], marker="x", ls="--",
-                label="peer FP32 (fla / mamba_ssm)")
-        ax.axhline(1.0, color="gray", lw=0.8)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("batch")
-        ax.set_title(f"{kind}: speedup over our conventional FP32 step")
-    axes[0].set_ylabel("x conventional FP32 (per step)")
-    axes[1].legend(fontsize=7)
-    fig.suptitle(f"{r['provenance']['device']}, git {r['provenance']['git_commit'][:8]}", fontsize=9)
+    rows = res["rows"]
+    kinds = [k for k in SHAPES if _find(rows, kind=k)] or list(SHAPES)
+    pairs = list(res["provenance"].get("pairs") or PAIRS)
+    fig, axes = plt.subplots(len(kinds), len(pairs), figsize=(3.2 * len(pairs), 3.0 * len(kinds)),
+                             sharey=True, squeeze=False)
+    for i, kind in enumerate(kinds):
+        base = {r["B"]: r["us"] for r in _find(rows, kind=kind, kernel="conventional", variant="fp32")}
+        for j, pair in enumerate(pairs):
+            ax = axes[i][j]
+            for L in sorted({r.get("L") for r in _find(rows, kind=kind, kernel="replay-window",
+                                                        variant=pair)}):
+                pts = sorted((r["B"], r["speedup_vs_conv_fp32"]) for r in
+                             _find(rows, kind=kind, kernel="replay-window", variant=pair, L=L)
+                             if "speedup_vs_conv_fp32" in r)
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=f"L={L}")
+            if pair == "s32_rs":
+                L0 = PAIR_L[kind]
+                pts = sorted((r["B"], r["speedup_vs_conv_fp32"]) for r in
+                             _find(rows, kind=kind, kernel="replay-forced-flush-layer", variant=pair, L=L0)
+                             if "speedup_vs_conv_fp32" in r)
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], ls=":", marker="s", ms=3,
+                            label="flush every step")
+            peer = sorted((r["B"], base[r["B"]] / r["us"]) for r in rows
+                          if r["kind"] == kind and r["kernel"] in ("peer:fla", "peer:mamba_ssm")
+                          and r["variant"] == "float32" and r["B"] in base)
+            if peer:
+                ax.plot([p[0] for p in peer], [p[1] for p in peer], ls="--", marker="x", ms=3,
+                        color="gray", label="peer FP32")
+            ax.axhline(1.0, color="gray", lw=0.8)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{kind} {pair}", fontsize=9)
+            if i == len(kinds) - 1:
+                ax.set_xlabel("batch")
+            if j == 0:
+                ax.set_ylabel("x conventional FP32 (per step)")
+            ax.legend(fontsize=6)
+    pv = res["provenance"]
+    fig.suptitle(f"{pv['device']}, git {str(pv['git_commit'])[:8]}", fontsize=9)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)

@@ -1,0 +1,64 @@
+"""`replayquant bench kernels` code path on the CPU (Triton interpreter, tiny shapes, wall-clock
+timing: a smoke run, never a result): plan, estimate, every section kind, derived speedups,
+targets, dispatch table, JSON / markdown / PNG written; bad arguments rejected."""
+
+import json
+
+import pytest
+
+from replayquant.bench import decode as bd
+
+TINY = {"gdn": dict(kind="gdn", H=2, HK=1, dv=16, dk=16),
+        "mamba2": dict(kind="mamba2", H=2, HK=1, dv=16, dk=16)}
+
+
+def test_full_grid_plan_fits_one_device_call():
+    sec = bd.plan()
+    keys = [k for k, _, _ in sec]
+    assert len(keys) == len(set(keys))
+    for kind in ("gdn", "mamba2"):
+        for B in (1, 8, 32, 128, 256, 512):
+            for pair in bd.PAIRS:
+                for L in (4, 8, 16, 32):
+                    assert f"{kind}/B{B}/{pair}/L{L}" in keys
+        for T in (2, 4):
+            assert f"spec/{kind}/B512/T{T}" in keys
+    # the targets come first: conventional and the main L of every pair before other L values
+    assert keys.index("gdn/B512/tp4_hi16_sr/L16") < keys.index("gdn/B1/s32_rs/L4")
+    assert keys.index("spec/mamba2/B512/T4") < keys.index("spec/gdn/B512/T2")
+    assert bd.estimate_s(sec) < 500          # the default budget; one 10-minute call
+
+
+def test_cpu_smoke_run(tmp_path):
+    res = bd.run_kernels_bench(out=str(tmp_path), batches=(1, 3), Ls=(2,),
+                               pairs=("s32_rs", "tp4_hi32"), Ts=(2,), spec_batches=(3,),
+                               peers=False, checks=False, sweep=False, detail_batches=(3,),
+                               device="cpu", shapes=TINY)
+    assert bd.SHAPES["gdn"]["H"] == 32                       # restored
+    assert not res["errors"], res["errors"]
+    js = json.loads((tmp_path / "kernels.json").read_text())
+    assert js["provenance"]["smoke_cpu"] is True
+    kernels = {(r["kind"], r["kernel"], r["variant"], r["B"]) for r in js["rows"]}
+    for kind in ("gdn", "mamba2"):
+        for B in (1, 3):
+            assert (kind, "conventional", "fp32", B) in kernels
+            for pair in ("s32_rs", "tp4_hi32"):
+                assert (kind, "replay-window", pair, B) in kernels
+            assert (kind, "replay-forced-flush-layer", "s32_rs", B) in kernels
+        assert (kind, "replay-read-step", "tp4_hi32", 3) in kernels
+        assert (kind, "spec-replay-round", "tp4_hi32", 3) in kernels
+        assert (kind, "spec-snapshot-round", "fp32", 3) in kernels
+    assert all("speedup_vs_conv_fp32" in r for r in js["rows"] if r["kernel"] == "replay-window")
+    assert all("speedup_vs_snapshot_round" in r for r in js["rows"]
+               if r["kernel"] == "spec-replay-round")
+    assert len(js["targets"]) == 10 and "gdn/L2" in js["dispatch"]
+    md = (tmp_path / "kernels.md").read_text()
+    assert "Targets of issue 4" in md and "replay-window" in md
+    assert (tmp_path / "kernels_speedup.png").stat().st_size > 1000
+
+
+def test_bench_bad_arguments(tmp_path):
+    with pytest.raises(ValueError, match="pairs"):
+        bd.run_kernels_bench(out=str(tmp_path), pairs=("nope",), device="cpu", shapes=TINY)
+    with pytest.raises(ValueError, match="tiny"):
+        bd.run_kernels_bench(out=str(tmp_path), device="cpu")
