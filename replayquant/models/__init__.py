@@ -10,8 +10,10 @@
   (Mamba-2 mixers). The recurrent layers are found in the model (`recurrent_layers`); a model
   without any is an error. Attention, MLPs and the short-convolution state are untouched.
 * Generation (`generate(use_cache=True)`, any batch, left-padded ragged prompts): every decode
-  step of every recurrent layer goes through `ReplayState.step` with the pair, flushing every
-  L tokens (see `runtime` for where the GPU decode kernel plugs in).
+  step of every recurrent layer goes through the replay state machine with the pair, flushing
+  every L tokens: the Triton replay decode kernel (`replayquant.kernels.replay_decode`) on CUDA
+  tensors or with REPLAYQUANT_BACKEND=triton, `ReplayState.step` elsewhere; `decode_path` says
+  which (see `runtime` for the state hand-off between the two).
 * Teacher forcing (a forward over a sequence, in segments with the cache or not):
   prefill="replay" puts every token through the decode step semantics with the chunked scan
   (the Triton kernel `replayquant.kernels.chunk` on CUDA, its torch reference

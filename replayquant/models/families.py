@@ -136,7 +136,8 @@ def gdn_forward(self, hidden_states, cache=None, attention_mask=None, cache_para
     # long-context drift source, and FP32 is what the kernels use)
     q, k, v, log_a, beta = gdn_inputs(query, key, value, g, b)
 
-    y = rt.run(cache, had_prev, q, k, v, log_a, beta, _valid(attention_mask, B, T))
+    raw = dict(q=query, k=key, v=value, a=a, b=b, A_log=self.A_log, dt_bias=self.dt_bias)
+    y = rt.run(cache, had_prev, q, k, v, log_a, beta, _valid(attention_mask, B, T), raw=raw)
     core = y.to(query.dtype).reshape(-1, self.head_v_dim)
     core = self.norm(core, z.reshape(-1, self.head_v_dim))
     return self.out_proj(core.reshape(B, T, -1))
@@ -165,7 +166,10 @@ def mamba2_forward(self, hidden_states, cache=None, attention_mask=None, cache_p
     q, k, v, log_a = mamba2_inputs(x, dt, A, Bm.reshape(B, T, self.n_groups, -1),
                                    Cm.reshape(B, T, self.n_groups, -1), self.dt_bias,
                                    dt_limit=tuple(self.time_step_limit))
-    y = rt.run(cache, had_prev, q, k, v, log_a, None, _valid(attention_mask, B, T))
+    raw = dict(x=x, dt=dt, A=A, B=Bm.reshape(B, T, self.n_groups, -1),
+               C=Cm.reshape(B, T, self.n_groups, -1), dt_bias=self.dt_bias,
+               dt_limit=tuple(self.time_step_limit))
+    y = rt.run(cache, had_prev, q, k, v, log_a, None, _valid(attention_mask, B, T), raw=raw)
     y = y + self.D.float()[:, None] * x.float()                       # D skip, outside the state
     out = self.norm(y.reshape(B, T, -1), gate)
     return self.out_proj(out.to(dtype))

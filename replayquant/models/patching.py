@@ -44,7 +44,8 @@ def patch(model, pair, prefill: str = "replay", seed: int = 0, buffer_len: int |
     prefill: "replay" (multi-token forwards follow the decode step semantics exactly, via the
     chunked scan) or "exact" (FP32 over the segment, one cast at its end, as a server's prefill).
     seed: the SR seed (layer l uses layer_seed(seed, l); sequence b of a batch uses row id b).
-    Decode steps (single-token forwards with a cache) always go through ReplayState.step.
+    Decode steps (single-token forwards with a cache) run the Triton replay decode kernel on CUDA
+    tensors or with REPLAYQUANT_BACKEND=triton, ReplayState.step elsewhere (`decode_path`).
     Attention layers, MLPs and the convolution state are untouched. Patching a patched model
     replaces its settings. Returns the model.
     """

@@ -1,43 +1,86 @@
 """The replay state of one patched recurrent layer inside a Hugging Face cache.
 
 Where the state lives: each linear-attention layer of an HF cache (`cache.layers[layer_idx]`, a
-`LinearAttentionLayer` in transformers 5.17 and 5.24) keeps, while patched, a `ReplayState` in the
-attribute `_replayquant_state` (anchor, read copy, replay buffer, counters). The layer's own
-`recurrent_states[0]` slot, which HF reorders on beam search (`reorder_cache`), holds a small
-float tensor [B, 1] of row ids instead of the FP32 state; a permuted slot tells us to permute the
-replay state the same way. The conv state is HF's, untouched.
+`LinearAttentionLayer` in transformers 5.17 and 5.24) keeps, while patched, its replay state in
+the attribute `_replayquant_state`: a `ReplayState` (anchor, read copy, replay buffer, counters)
+after a multi-token forward or while decode runs on the torch reference, or a `KernelDecodeState`
+(a `replayquant.kernels.replay_decode.ReplayStore` plus the batch-row -> slot map) while decode
+runs on the Triton kernel. The layer's own `recurrent_states[0]` slot, which HF reorders on beam
+search (`reorder_cache`), holds a small float tensor [B, 1] of row ids instead of the FP32 state;
+a permuted slot tells us to permute the replay state the same way. The conv state is HF's,
+untouched.
 
 Which path runs:
-* a single-token forward with a cache and no padding (every decode step of `generate`):
-  `ReplayState.step`, the torch reference, on every device. `decode_step` below is the one place
-  where the GPU replay decode kernel of `replayquant.kernels` (issue 4) is to be dispatched on
-  CUDA once it exists; `decode_path()` says what runs.
+* a single-token forward with a cache and no padding (every decode step of `generate`): on CUDA
+  tensors (or with REPLAYQUANT_BACKEND=triton, as the formats; on the CPU that is the Triton
+  interpreter) the Triton replay decode kernel `replay_gdn_step` / `replay_mamba2_step` of
+  `replayquant.kernels.replay_decode`, fed the layer's raw inputs (GDN: q, k, v after the short
+  convolution, a, b, A_log, dt_bias; the kernel does the L2 norm, softplus and sigmoid; Mamba-2:
+  x, dt, A, B, C, dt_bias; the D skip and the gated norm stay in the layer). Elsewhere
+  `ReplayState.step`, the torch reference. `decode_path()` says which; a layer the kernel does
+  not handle (d_k or d_v not a power of two >= 16, a Mamba-2 dt limit) runs the torch reference
+  with one warning per layer that names the reason.
 * any other forward (prompt, teacher forcing, segments continuing a cache): the chunked scan
-  (DESIGN section 7). On CUDA tensors (or with REPLAYQUANT_BACKEND=triton, as the formats) the
-  Triton kernel `replayquant.kernels.chunk` runs; elsewhere the torch reference
-  `chunk_ref.teacher_force`. State dimensions the kernel does not handle (not powers of two
-  >= 16) run the torch reference on the GPU with a warning. `teacher_force_path()` says which.
-  prefill="replay" gives exact decode semantics, prefill="exact" FP32 and one cast.
+  (DESIGN section 7). On CUDA tensors (or with REPLAYQUANT_BACKEND=triton) the Triton kernel
+  `replayquant.kernels.chunk` runs; elsewhere the torch reference `chunk_ref.teacher_force`.
+  State dimensions the kernel does not handle (not powers of two >= 16) run the torch reference
+  on the GPU with a warning. `teacher_force_path()` says which. prefill="replay" gives exact
+  decode semantics, prefill="exact" FP32 and one cast.
+
+Hand-off between the two (explicit, once, never per step): the first kernel decode step after a
+multi-token forward converts the layer's ReplayState into a ReplayStore (`state_to_store`);
+later decode steps run on the store; a multi-token forward continuing the cache (or a beam
+reorder) converts it back (`store_to_state`) before the chunked scan runs. The conversion keeps
+the anchor and read copy bit for bit (same packed bytes, same SR streams: slot id = the
+state's sequence id) and the committed buffer entries; the kernel's ring buffer keeps k and v
+in bf16 and GDN's u in bf16 (issue 4), so buffered entries are rounded to bf16 on the way in.
 """
 
 from __future__ import annotations
 
-import torch
-
+import math
 import warnings
 
-from replayquant.formats import use_triton
+import torch
+
+from replayquant.formats import QTensor, use_triton
 from replayquant.kernels.chunk_ref import teacher_force
 from replayquant.replay import ReplayState
 
-__all__ = ["LayerRuntime", "decode_step", "decode_path", "teacher_force_path", "STATE_ATTR"]
+__all__ = ["LayerRuntime", "KernelDecodeState", "decode_step", "decode_path",
+           "teacher_force_path", "state_to_store", "store_to_state", "STATE_ATTR"]
 
 STATE_ATTR = "_replayquant_state"
+KERNEL_U_DTYPE = torch.bfloat16       # the decode kernel's default ring-buffer dtype for GDN u
+# The kernel's step path: 'replay' keeps ReplayState's flush schedule (a flush every L tokens), so
+# the kernel and the torch reference hold the same committed / flush counters and a hand-off
+# back continues the same schedule. (The kernel's 'auto' would flush every step at small batch for
+# a shared FP32 anchor: lossless but another schedule; a serving choice, not the patch's.)
+DECODE_KERNEL_PATH = "replay"
 
 
-def decode_path(device=None) -> str:
-    """Which implementation a decode step runs on `device` (today always the torch reference)."""
-    return "torch reference (ReplayState.step)"
+def _pow2_16(d: int) -> bool:
+    return d >= 16 and not d & (d - 1)
+
+
+def decode_path(x: torch.Tensor | None = None, d_k: int | None = None, d_v: int | None = None,
+                dt_limit=None) -> str:
+    """Which implementation a decode step runs for inputs like x with d_k x d_v states:
+    'triton' (the replay decode kernel, replayquant.kernels.replay_decode), 'torch'
+    (ReplayState.step) or 'torch (<why the kernel cannot run>)'. x None: the CPU
+    (REPLAYQUANT_BACKEND decides). dt_limit: a Mamba-2 layer's time_step_limit."""
+    if not use_triton(x if x is not None else torch.empty(0)):
+        return "torch"
+    why = []
+    if d_k is not None and d_v is not None and not (_pow2_16(d_k) and _pow2_16(d_v)):
+        why.append(f"the Triton replay decode kernel needs d_k, d_v powers of two >= 16, got "
+                   f"d_k={d_k}, d_v={d_v}")
+    if dt_limit is not None and tuple(float(t) for t in dt_limit) != (0.0, math.inf):
+        why.append(f"the Triton replay decode kernel does not clamp dt (time_step_limit="
+                   f"{tuple(dt_limit)})")
+    if why:
+        return "torch (" + "; ".join(why) + ")"
+    return "triton"
 
 
 def teacher_force_path(x: torch.Tensor, d_k: int, d_v: int) -> str:
@@ -63,11 +106,162 @@ def _teacher_force(st: ReplayState, q, k, v, log_a, beta, valid, exact: bool):
 
 
 def decode_step(st: ReplayState, q, k, v, log_a, beta):
-    """One decode step of one layer: q, k [B, H, d_k], v [B, H, d_v], log_a, beta [B, H].
-
-    CUDA hook: when replayquant.kernels provides the Triton replay decode step (issue 4), call it
-    here for q.is_cuda (it must match ReplayState.step bit for bit on the same state)."""
+    """One decode step of one layer on the torch reference: q, k [B, H, d_k], v [B, H, d_v],
+    log_a, beta [B, H]. (The Triton path is `KernelDecodeState.step`.)"""
     return st.step(q, k, v, log_a, beta)
+
+
+# ==================================================================== ReplayState <-> ReplayStore
+
+def _role_to_packed(q: QTensor, spec, N: int, slots: torch.Tensor, shape):
+    """A PackedRole [N, H, d_v, d_k] holding the packed QTensor q ([B, H, d_v, d_k]) in `slots`
+    (same bytes; other slots zero)."""
+    from replayquant.kernels.conventional import PackedRole
+    B, H, dv, dk = shape
+    role = PackedRole.empty(spec.format, spec.rounding, (N, H, dv, dk), q.device)
+    for t in (role.payload, role.scale, role.gscale):
+        if t is not None:
+            t.view(torch.uint8).zero_() if t.dtype == torch.float8_e4m3fn else t.zero_()
+    if spec.format == "nvfp4":
+        role.payload[slots] = q.payload.reshape(B, H, dv, dk // 2)
+        role.scale[slots] = q.scales["block"].reshape(B, H, dv, dk // 16)
+        role.gscale[slots] = q.scales["matrix"].reshape(B, H)
+    else:
+        role.payload[slots] = q.payload.reshape(B, H, dv, dk)
+        if spec.format == "fp8":
+            role.scale[slots] = q.scales["row"].reshape(B, H, dv)
+    return role
+
+
+def _packed_to_role(role, slots: torch.Tensor) -> QTensor:
+    """The QTensor [B, H, d_v, d_k] (layout of replayquant.formats) of `slots` of a PackedRole."""
+    _, H, dv, dk = role.shape
+    B = len(slots)
+    shape = (B, H, dv, dk)
+    if role.fmt == "nvfp4":
+        return QTensor("nvfp4", shape, role.payload[slots].reshape(B * H, dv, dk // 2).clone(),
+                       {"block": role.scale[slots].reshape(B * H, dv, dk // 16).clone(),
+                        "matrix": role.gscale[slots].reshape(B * H).clone()})
+    scales = {"row": role.scale[slots].clone()} if role.fmt == "fp8" else {}
+    return QTensor(role.fmt, shape, role.payload[slots].clone(), scales)
+
+
+def state_to_store(st: ReplayState, key_heads: int, u_dtype=KERNEL_U_DTYPE):
+    """Convert a ReplayState into (ReplayStore, state_indices) for the Triton decode kernel.
+
+    Slots are the state's sequence ids (`rows`, which key the SR streams in both backends), so
+    the store has max(rows) + 1 slots and state_indices = rows; rows must be distinct. The
+    anchor and read copy move bit for bit. The committed entries move into the ring (start 0) in
+    the kernel's layout: k per key head / group in bf16 (GDN: the normalised k, re-normalised by
+    the kernel on read), v in bf16 (GDN: v; Mamba-2: v = dt x stored as x = v with dt = 1),
+    G and beta in fp32, GDN u in u_dtype. Raises ValueError for rows that repeat."""
+    from replayquant.kernels.replay_decode import ReplayStore
+    from replayquant.streams import layer_seed
+    parts = st.export()
+    B, H, dv, dk, L = st.B, st.H, st.d_v, st.d_k, st.L
+    if H % key_heads:
+        raise ValueError(f"key_heads={key_heads} must divide the {H} heads")
+    r = H // key_heads
+    rows = parts["rows"]
+    if len(torch.unique(rows)) != B:
+        raise ValueError(f"the replay state's sequence ids repeat ({rows.tolist()}): the decode "
+                         f"kernel keys SR streams by slot and cannot hold two rows in one slot")
+    N = int(rows.max()) + 1
+    slots = rows.long()
+    dev, bf, f32 = st.device, torch.bfloat16, torch.float32
+    pair = st.pair
+    anchor = _role_to_packed(parts["anchor"], pair.anchor, N, slots, (B, H, dv, dk))
+    read = None if pair.read is None else _role_to_packed(parts["read"], pair.read, N, slots,
+                                                         (B, H, dv, dk))
+
+    def ring(t, tail):                   # [B, H(or HK), L, ...] -> [N, L, H, ...] in slots
+        out = torch.zeros((N, L) + tail, dtype=t.dtype, device=dev)
+        out[slots] = t.transpose(1, 2)
+        return out
+
+    kbuf = ring(parts["k"][:, ::r], (key_heads, dk)).to(bf)
+    if st.delta:
+        vbuf = ring(parts["v"], (H, dv)).to(bf)
+        ubuf = ring(parts["u"], (H, dv)).to(u_dtype)
+        bbuf = ring(parts["beta"], (H,)).to(f32)
+    else:
+        vbuf = ring(parts["v"], (H, dv)).to(bf)          # x := v, dt := 1
+        ubuf = None
+        bbuf = ring(torch.ones_like(parts["G"]), (H,)).to(f32)
+    Gbuf = ring(parts["G"], (H,)).to(f32)
+    committed = torch.zeros(N, dtype=torch.int32, device=dev)
+    committed[slots] = parts["committed"].to(torch.int32)
+    n_flush = torch.zeros(N, dtype=torch.int64, device=dev)
+    n_flush[slots] = parts["flushes"].to(torch.int64)
+    store = ReplayStore("gdn" if st.delta else "mamba2", anchor, read, L, key_heads,
+                        kbuf=kbuf, vbuf=vbuf, ubuf=ubuf, Gbuf=Gbuf, bbuf=bbuf,
+                        committed=committed, n_flush=n_flush, key=layer_seed(st.seed, st.layer),
+                        start=torch.zeros(N, dtype=torch.int32, device=dev), max_drafts=0)
+    return store, rows.to(torch.int32)
+
+
+def store_to_state(store, state_indices: torch.Tensor, pair, seed: int, layer: int) -> ReplayState:
+    """The ReplayState of the batch rows state_indices of a ReplayStore (the inverse of
+    state_to_store, without any cast): anchor and read copy bit for bit, the committed ring
+    entries in window order as the kernel reads them (GDN k re-normalised, Mamba-2 v = dt x),
+    u as the kernel computed it, flush indices, and rows = the slots (the SR sequence ids)."""
+    slots = state_indices.long()
+    B = len(slots)
+    N, H, dv, dk = store.shape
+    L, C = store.L, store.capacity
+    r = H // store.key_heads
+    delta = store.kind == "gdn"
+    dev = store.kbuf.device
+    pos = (store.start[slots].long()[:, None] + torch.arange(L, device=dev)[None, :]) % C
+    bi = torch.arange(B, device=dev)[:, None]
+
+    def take(buf):                      # [N, C, X, ...] -> [B, X, L, ...] float32
+        return buf[slots][bi, pos].float().transpose(1, 2).contiguous()
+
+    k = take(store.kbuf)
+    if delta:
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    k = k.repeat_interleave(r, dim=1)
+    G = take(store.Gbuf)
+    bt = take(store.bbuf)
+    v = take(store.vbuf)
+    parts = {"anchor": _packed_to_role(store.anchor, slots),
+             "read": None if store.read is None else _packed_to_role(store.read, slots),
+             "k": k, "G": G, "committed": store.committed[slots].long(),
+             "flushes": store.n_flush[slots].long(), "rows": slots}
+    if delta:
+        parts.update(v=v, beta=bt, u=take(store.ubuf))
+    else:
+        parts.update(v=bt.unsqueeze(-1) * v, beta=None, u=None)
+    return ReplayState.from_parts(parts, pair, delta=delta, seed=seed, layer=layer)
+
+
+class KernelDecodeState:
+    """The replay state of one layer while decode runs on the Triton kernel: a ReplayStore and
+    the slot of each batch row. Built from a ReplayState by `state_to_store`, turned back by
+    `to_replay_state()`."""
+
+    def __init__(self, st: ReplayState, key_heads: int):
+        self.pair, self.delta, self.seed, self.layer = st.pair, st.delta, st.seed, st.layer
+        self.B, self.H, self.d_v, self.d_k, self.device = st.B, st.H, st.d_v, st.d_k, st.device
+        self.store, self.state_indices = state_to_store(st, key_heads)
+
+    def to_replay_state(self) -> ReplayState:
+        return store_to_state(self.store, self.state_indices, self.pair, self.seed, self.layer)
+
+    def step(self, raw: dict) -> torch.Tensor:
+        """One decode step from the layer's raw inputs (one token each, see LayerRuntime.run)
+        -> y float32 [B, H, d_v] (Mamba-2: without the D skip)."""
+        from replayquant.kernels import replay_decode as rd
+        bf = torch.bfloat16
+        if self.delta:
+            return rd.replay_gdn_step(self.store, raw["q"], raw["k"].to(bf), raw["v"].to(bf),
+                                      raw["a"], raw["b"], raw["A_log"], raw["dt_bias"],
+                                      state_indices=self.state_indices, use_qk_l2norm=True,
+                                      path=DECODE_KERNEL_PATH)
+        return rd.replay_mamba2_step(self.store, raw["x"].to(bf), raw["dt"], raw["A"],
+                                     raw["B"].to(bf), raw["C"], state_indices=self.state_indices,
+                                     dt_bias=raw["dt_bias"], path=DECODE_KERNEL_PATH)
 
 
 class LayerRuntime:
@@ -76,6 +270,12 @@ class LayerRuntime:
     def __init__(self, pair, prefill: str, seed: int, layer_idx: int, delta: bool, kind: str):
         self.pair, self.prefill, self.seed = pair, prefill, int(seed)
         self.layer_idx, self.delta, self.kind = int(layer_idx), bool(delta), kind
+        self._warned = set()
+
+    def _warn_once(self, msg: str) -> None:
+        if msg not in self._warned:
+            self._warned.add(msg)
+            warnings.warn(msg, stacklevel=4)
 
     # ------------------------------------------------------------ cache access (5.17 and 5.24)
     def cache_layer(self, cache):
@@ -98,8 +298,9 @@ class LayerRuntime:
             S0 = torch.zeros(B, H, dv, dk, device=device)
         return ReplayState(S0, self.pair, delta=self.delta, seed=self.seed, layer=self.layer_idx)
 
-    def get_state(self, lay, had_prev: bool, B, H, dv, dk, device) -> ReplayState:
-        """The layer's ReplayState for this forward (new, continued, reordered or adopted)."""
+    def get_state(self, lay, had_prev: bool, B, H, dv, dk, device):
+        """The layer's state for this forward (new, continued, reordered or adopted): a
+        ReplayState, or the KernelDecodeState decode left there."""
         if lay is None or not had_prev:
             return self._fresh(B, H, dv, dk, device)
         st = getattr(lay, STATE_ATTR, None)
@@ -115,13 +316,19 @@ class LayerRuntime:
         if slot is not None and slot.dim() == 2 and slot.shape[1] == 1:
             ids = slot[:, 0].round().long().to(st.device)
             if ids.shape[0] != st.B or not torch.equal(ids, torch.arange(st.B, device=st.device)):
-                st = reorder_state(st, ids)
+                if isinstance(st, KernelDecodeState) and ids.shape[0] == st.B \
+                        and len(torch.unique(ids)) == st.B:
+                    st.state_indices = st.state_indices[ids].contiguous()   # a permutation
+                else:
+                    if isinstance(st, KernelDecodeState):
+                        st = st.to_replay_state()
+                    st = reorder_state(st, ids)
         if st.B != B:
             raise ValueError(f"layer {self.layer_idx}: the cache holds {st.B} sequences but the "
                              f"input has {B}; the replay patch follows HF's reorder_cache only")
         return st
 
-    def put_state(self, cache, lay, st: ReplayState) -> None:
+    def put_state(self, cache, lay, st) -> None:
         setattr(lay, STATE_ATTR, st)
         marker = torch.arange(st.B, dtype=torch.float32, device=st.device).view(st.B, 1)
         slot = lay.recurrent_states[0]
@@ -131,22 +338,54 @@ class LayerRuntime:
         else:
             cache.update_recurrent_state(marker, self.layer_idx)
 
+    def decode_path(self, x, d_k, d_v, raw) -> str:
+        """decode_path for this layer (raw None: the caller has no raw inputs -> torch)."""
+        path = decode_path(x, d_k, d_v, None if raw is None else raw.get("dt_limit"))
+        if path == "triton" and raw is None:
+            return "torch (the layer passed no raw inputs for the decode kernel)"
+        return path
+
     # ------------------------------------------------------------ the recurrence
-    def run(self, cache, had_prev: bool, q, k, v, log_a, beta, valid):
+    def run(self, cache, had_prev: bool, q, k, v, log_a, beta, valid, raw: dict | None = None):
         """q, k [B, T, H, d_k]; v [B, T, H, d_v]; log_a, beta [B, T, H]; valid [B, T] or None.
-        Returns y float32 [B, T, H, d_v]."""
+        raw: the layer's raw inputs for the decode kernel, each [B, T, ...] (per-head
+        parameters unbatched): GDN q, k [.., HK, d_k], v, a, b, A_log, dt_bias; Mamba-2 x, dt,
+        A, B, C [.., G, N], dt_bias, dt_limit. Returns y float32 [B, T, H, d_v]."""
         B, T, H, dk = q.shape
         dv = v.shape[-1]
         lay = None if cache is None else self.cache_layer(cache)
         st = self.get_state(lay, had_prev, B, H, dv, dk, q.device)
         if T == 1 and had_prev and (valid is None or bool(valid.all())):
-            y = decode_step(st, q[:, 0], k[:, 0], v[:, 0], log_a[:, 0],
-                            None if beta is None else beta[:, 0]).unsqueeze(1)
+            st, y = self._decode(st, q, k, v, log_a, beta, raw)
         else:
+            if isinstance(st, KernelDecodeState):          # hand back to the chunked scan
+                st = st.to_replay_state()
             y = _teacher_force(st, q, k, v, log_a, beta, valid, self.prefill == "exact")
         if lay is not None:
             self.put_state(cache, lay, st)
         return y
+
+    def _decode(self, st, q, k, v, log_a, beta, raw):
+        path = self.decode_path(q, q.shape[-1], v.shape[-1], raw)
+        if path == "triton" and isinstance(st, ReplayState):
+            rows = st.export()["rows"]
+            if len(torch.unique(rows)) != st.B:
+                path = ("torch (sequence ids repeat after a beam reorder; the decode kernel "
+                        "keys SR streams by slot and holds one row per slot)")
+        if path == "triton":
+            if isinstance(st, ReplayState):                 # hand-off: once, at decode start
+                HK = raw["k"].shape[-2] if self.delta else raw["B"].shape[-2]
+                st = KernelDecodeState(st, HK)
+            one = {n: (t[:, 0] if isinstance(t, torch.Tensor) and t.dim() >= 2 else t)
+                   for n, t in raw.items() if n != "dt_limit"}
+            return st, st.step(one).unsqueeze(1)
+        if path != "torch":
+            self._warn_once(f"replayquant decode on {q.device}, layer {self.layer_idx}: {path}")
+        if isinstance(st, KernelDecodeState):
+            st = st.to_replay_state()
+        y = decode_step(st, q[:, 0], k[:, 0], v[:, 0], log_a[:, 0],
+                        None if beta is None else beta[:, 0]).unsqueeze(1)
+        return st, y
 
 
 def reorder_state(st: ReplayState, ids: torch.Tensor) -> ReplayState:

@@ -1,0 +1,346 @@
+"""Decode of patched HF models through the Triton replay decode kernel (interpreter mode on the
+CPU, REPLAYQUANT_BACKEND=triton) against the torch path (ReplayState.step), on tiny random
+models built from the real config classes; and the explicit ReplayState <-> ReplayStore hand-off.
+
+Tolerance. The two paths run the same step semantics (same flush schedule, same casts, same SR
+streams); what differs is the kernel's ring buffer, which keeps k, v (Mamba-2: B, x) in bf16 and
+GDN's u in bf16 by design (issue 4), while ReplayState keeps FP32. With FP32 models every step's
+k and v are rounded to bf16 (relative error <= 2^-9 = 1.95e-3) before they enter the kernel, so
+a layer's output y carries a relative error of order 2^-9 (a few units at most: each output is
+a sum of read-copy and buffer terms, each rounded once), plus float32 reassociation (~1e-6).
+After the norm and projections this is a relative logit error of the same order; we allow
+|d logits| <= 4 * 2^-9 * max|logits| (RTOL_BF16 below) and print what we measure. With an NVFP4
+read copy a second effect appears: the bf16-perturbed state that a flush casts can round a few
+elements to the neighbouring E2M1 value; the layer-level test bounds those rare outliers by a
+quarter of the pair's own effect (its distance from the FP32 pair), as tests/test_models.py does
+for teacher forcing. Greedy tokens must be equal; the test also asserts that at every generated position twice the observed logit difference is below the
+reference's top-1 / top-2 gap, so that equality follows from the bound rather than luck.
+"""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from replayquant.models import decode_path, patch, recurrent_layers
+from replayquant.models import runtime
+from replayquant.replay import ReplayState
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+VOCAB = 96
+BUFFER_LEN = 4
+NEW_TOKENS = 10            # 9 decode steps after the prompt's token: >= 2 flushes with L = 4
+RTOL_BF16 = 4 * 2.0 ** -9  # relative logit bound from the bf16 ring buffer (module doc)
+PAIRS = ("s32_rs", "tp4_hi32")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _model(fam: str):
+    from transformers import AutoModelForCausalLM, Mamba2Config, Qwen3_5TextConfig
+    torch.manual_seed(11 if fam == "qwen3_5" else 12)
+    if fam == "qwen3_5":
+        cfg = Qwen3_5TextConfig(vocab_size=VOCAB, hidden_size=64, num_attention_heads=2,
+                                num_key_value_heads=1, head_dim=32, linear_num_key_heads=2,
+                                linear_num_value_heads=4, linear_key_head_dim=16,
+                                linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                                intermediate_size=96, num_hidden_layers=3,
+                                layer_types=["linear_attention", "linear_attention", "full_attention"])
+    else:
+        cfg = Mamba2Config(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_heads=8,
+                           head_dim=16, state_size=16, n_groups=2, expand=2, chunk_size=8)
+    m = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for _, mod, kind in recurrent_layers(m):
+            if kind == "mamba2":          # make the random Mamba-2 state matter (as test_models)
+                mod.dt_bias.uniform_(-1.0, 0.5)
+                mod.in_proj.weight.mul_(0.1 / mod.in_proj.weight.std())
+            else:                         # random A_log decays the GDN state within a few steps
+                mod.A_log.uniform_(-4.0, -2.0)
+    return m
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {fam: _model(fam) for fam in ("qwen3_5", "mamba2")}
+
+
+def _batch(B=3, T=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (B, T), generator=g)
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1, :2] = 0                      # ragged, left-padded
+    mask[2, :3] = 0
+    return ids, mask
+
+
+def _generate(model, ids, mask):
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
+                             do_sample=False, output_scores=True, return_dict_in_generate=True,
+                             use_cache=True)
+    cache = next(c for n in ("past_key_values", "cache_params", "cache")
+                 if (c := getattr(out, n, None)) is not None)
+    return out.sequences, torch.stack(out.scores, 1), cache
+
+
+def _spy(monkeypatch):
+    """Count kernel decode steps and hand-offs."""
+    from replayquant.kernels import replay_decode as rd
+    calls = {"kernel": 0, "to_store": 0, "to_state": 0}
+
+    def wrap(mod, name, key):
+        orig = getattr(mod, name)
+
+        def f(*a, **k):
+            calls[key] += 1
+            return orig(*a, **k)
+        monkeypatch.setattr(mod, name, f)
+    wrap(rd, "replay_gdn_step", "kernel")
+    wrap(rd, "replay_mamba2_step", "kernel")
+    wrap(runtime, "state_to_store", "to_store")
+    wrap(runtime, "store_to_state", "to_state")
+    return calls
+
+
+# ------------------------------------------------------------------------------ path function
+
+def test_decode_path(monkeypatch):
+    x = torch.zeros(1)
+    monkeypatch.setenv("REPLAYQUANT_BACKEND", "torch")
+    assert decode_path(x, 16, 16) == "torch"
+    monkeypatch.delenv("REPLAYQUANT_BACKEND")
+    assert decode_path(x, 16, 16) == "torch"          # CPU tensors, auto
+    monkeypatch.setenv("REPLAYQUANT_BACKEND", "triton")
+    assert decode_path(x, 16, 32) == "triton"
+    assert decode_path(x, 16, 32, dt_limit=(0.0, math.inf)) == "triton"
+    p = decode_path(x, 12, 16)
+    assert p.startswith("torch (") and "d_k=12" in p
+    p = decode_path(x, 16, 16, dt_limit=(0.0, 10.0))
+    assert p.startswith("torch (") and "dt" in p
+
+
+# ------------------------------------------------------------------------------ hand-off
+
+def _random_state_inputs(delta, B, H, HK, dk, dv, g):
+    """Raw inputs of one step (bf16-representable k, v) in the kernel's API, and the same step
+    mapped for ReplayState."""
+    from replayquant.replay import gdn_inputs, mamba2_inputs
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    if delta:
+        q, k = r(B, HK, dk), r(B, HK, dk).bfloat16().float()
+        v = r(B, H, dv).bfloat16().float()
+        a, b = r(B, H), r(B, H)
+        A_log, dt_bias = r(H) * 0.3, r(H) * 0.3
+        gl = -A_log.exp() * torch.nn.functional.softplus(a + dt_bias)
+        mapped = gdn_inputs(q, k, v, gl, b)
+        raw = dict(q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias)
+    else:
+        x = r(B, H, dv).bfloat16().float()
+        dt = r(B, H)
+        A = -torch.rand(H, generator=g) - 0.2
+        Bm, Cm = (r(B, HK, dk) * 0.3).bfloat16().float(), r(B, HK, dk) * 0.3
+        dt_bias = r(H) * 0.3
+        mapped = mamba2_inputs(x, dt, A, Bm, Cm, dt_bias) + (None,)
+        raw = dict(x=x, dt=dt, A=A, B=Bm, C=Cm, dt_bias=dt_bias)
+    return raw, mapped
+
+
+@pytest.mark.parametrize("kind", ["gdn", "mamba2"])
+@pytest.mark.parametrize("pair", PAIRS)
+def test_hand_off_round_trip_and_steps(monkeypatch, kind, pair):
+    """ReplayState -> ReplayStore -> ReplayState keeps the packed anchor / read copy bit for bit
+    and the committed entries (bf16-rounded); kernel steps from the converted store across two
+    flushes follow ReplayState.step; converting back mid-window and continuing with
+    ReplayState.step follows the kernel."""
+    monkeypatch.setenv("REPLAYQUANT_BACKEND", "triton")
+    delta = kind == "gdn"
+    B, H, HK, dk, dv, L = 3, 4, 2, 16, 16, BUFFER_LEN
+    g = torch.Generator().manual_seed(5)
+    from replayquant.pairs import PrecisionPair
+    pr = PrecisionPair.load(pair).with_buffer_len(L)
+    st = ReplayState(torch.randn(B, H, dv, dk, generator=g) * 0.5, pr, delta=delta, seed=3, layer=1)
+    ref = ReplayState(torch.zeros(B, H, dv, dk), pr, delta=delta, seed=3, layer=1)
+    for _ in range(L + 2):                       # one flush, then 2 committed entries
+        _, mapped = _random_state_inputs(delta, B, H, HK, dk, dv, g)
+        st.step(*mapped)
+    ref.load(st.export())
+    kst = runtime.KernelDecodeState(st, HK)
+    back = kst.to_replay_state()
+    a, b = st.export(), back.export()
+    for role in ("anchor", "read"):
+        if a[role] is None:
+            assert b[role] is None
+            continue
+        assert torch.equal(a[role].payload.view(torch.uint8), b[role].payload.view(torch.uint8))
+        for n in a[role].scales:
+            assert torch.equal(a[role].scales[n], b[role].scales[n])
+    assert torch.equal(a["committed"], b["committed"]) and torch.equal(a["flushes"], b["flushes"])
+    assert torch.equal(a["rows"], b["rows"])
+    h = int(a["committed"][0])
+    assert h == 2
+    for n in ("k", "v", "G") + (("beta", "u") if delta else ()):
+        torch.testing.assert_close(b[n][:, :, :h], a[n][:, :, :h], rtol=2.0 ** -8, atol=1e-6)
+
+    # kernel steps from the converted store vs ReplayState.step: across two flushes. For an
+    # NVFP4 read copy the bf16 entries perturb the state a flush casts, which may round a few
+    # elements to the neighbouring E2M1 value: bound those outliers by a quarter of the pair's
+    # own effect (its difference from the FP32 pair on the same inputs), the rest by the bf16 bound
+    twin = ReplayState(st.anchor(), PrecisionPair.load("s32_rs").with_buffer_len(L), delta=delta)
+    twin.load({**st.export(), "read": None, "u": None, "anchor": twin.export()["anchor"]})
+    worst, outliers, effect = 0.0, 0.0, 0.0
+    for i in range(2 * L):
+        raw, mapped = _random_state_inputs(delta, B, H, HK, dk, dv, g)
+        y_k = kst.step(raw)
+        y_r = ref.step(*mapped)
+        scale = y_r.abs().max().item()
+        d = (y_k - y_r).abs()
+        worst = max(worst, d.max().item() / scale)
+        outliers = max(outliers, (d > RTOL_BF16 * scale).float().mean().item())
+        effect = max(effect, (twin.step(*mapped) - y_r).abs().max().item() / scale)
+        if i == L:                               # back to the torch reference mid-window
+            ref2 = kst.to_replay_state()
+            assert torch.equal(ref2.committed, ref.committed)
+            assert torch.equal(ref2.flushes, ref.flushes)
+    assert torch.equal(kst.store.n_flush[:B], ref.flushes)
+    print(f"{kind} {pair}: kernel vs ReplayState max relative {worst:.2e}, elements above the "
+          f"bf16 bound {outliers:.1%}, pair effect {effect:.2e}")
+    if pair == "s32_rs":
+        assert worst <= RTOL_BF16, f"{kind} {pair}: kernel vs ReplayState relative {worst:.2e}"
+    else:
+        assert outliers <= 0.1 and worst <= max(RTOL_BF16, 0.25 * effect), (worst, outliers, effect)
+    raw, mapped = _random_state_inputs(delta, B, H, HK, dk, dv, g)
+    kst2 = runtime.KernelDecodeState(ref2, HK)
+    y_r, y_k = ref2.step(*mapped), kst2.step(raw)     # a state that came from a store, and back
+    assert (y_k - y_r).abs().max() <= RTOL_BF16 * y_r.abs().max()
+
+
+def test_hand_off_rows_are_slots():
+    """Reordered sequence ids become the kernel's slots (SR streams follow the sequence)."""
+    st = ReplayState(torch.randn(2, 2, 16, 16), "tp4_hi16_sr", delta=False, rows=torch.tensor([3, 1]))
+    store, idx = runtime.state_to_store(st, 2)
+    assert idx.tolist() == [3, 1] and store.shape[0] == 4
+    back = runtime.store_to_state(store, idx, st.pair, st.seed, st.layer)
+    assert torch.equal(back.anchor(), st.anchor()) and torch.equal(back.read_copy(), st.read_copy())
+    dup = ReplayState(torch.randn(2, 2, 16, 16), "s32_rs", delta=False, rows=torch.tensor([1, 1]))
+    with pytest.raises(ValueError, match="repeat"):
+        runtime.state_to_store(dup, 2)
+
+
+# ------------------------------------------------------------------------------ generate
+
+@pytest.mark.parametrize("fam", ["qwen3_5", "mamba2"])
+@pytest.mark.parametrize("pair", PAIRS)
+def test_generate_kernel_equals_torch(models, monkeypatch, fam, pair):
+    """Greedy generate (ragged left-padded batch of 3, L = 4, 9 decode steps) through the Triton
+    decode kernel gives the torch path's tokens and logits within the bf16 bound; every decode
+    step of every recurrent layer ran the kernel, the hand-off happened once per layer, and a
+    multi-token forward continuing the cache converts back and agrees as well."""
+    model = models[fam]
+    n_layers = len(recurrent_layers(model))
+    patch(model, pair, buffer_len=BUFFER_LEN, seed=5)
+    ids, mask = _batch(seed=1 if fam == "qwen3_5" else 2)
+    monkeypatch.setenv("REPLAYQUANT_BACKEND", "torch")
+    seq_t, sc_t, cache_t = _generate(model, ids, mask)
+
+    monkeypatch.setenv("REPLAYQUANT_BACKEND", "triton")
+    calls = _spy(monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")          # no fallback warning on a supported model
+        seq_k, sc_k, cache_k = _generate(model, ids, mask)
+    steps = NEW_TOKENS - 1
+    assert calls["kernel"] == steps * n_layers, calls
+    assert calls["to_store"] == n_layers and calls["to_state"] == 0, calls
+    for _, mod, _ in recurrent_layers(model):
+        lay = cache_k.layers[mod.layer_idx]
+        kst = getattr(lay, runtime.STATE_ATTR)
+        assert isinstance(kst, runtime.KernelDecodeState)
+        ref_st = getattr(cache_t.layers[mod.layer_idx], runtime.STATE_ATTR)
+        assert isinstance(ref_st, ReplayState)
+        assert torch.equal(kst.store.n_flush[kst.state_indices.long()], ref_st.flushes)
+        assert int((ref_st.flushes.min())) >= 2
+    d = (sc_k - sc_t).abs().max().item()
+    scale = sc_t.abs().max().item()
+    top2 = sc_t.topk(2, dim=-1).values
+    gap = top2[..., 0] - top2[..., 1]                  # [B, steps] reference top-1 margin
+    risk = 2 * (sc_k - sc_t).abs().amax(-1) / gap      # < 1: this token cannot flip
+    print(f"{fam} {pair}: max |d logits| {d:.2e} ({d / scale:.2e} of max |logit| {scale:.2f}); "
+          f"bound {RTOL_BF16 * scale:.2e}; worst 2|d| / top-1 gap {risk.max().item():.2f}")
+    assert d <= RTOL_BF16 * scale, f"{d:.2e} > {RTOL_BF16 * scale:.2e}"
+    assert bool((risk < 1).all()), "the logit difference could flip a greedy token: choose another seed"
+    assert torch.equal(seq_k, seq_t)
+
+    # a multi-token forward continuing each cache: the kernel state is handed back once
+    nxt = torch.randint(0, VOCAB, (3, 3), generator=torch.Generator().manual_seed(9))
+    fmask = torch.cat([mask, torch.ones(3, NEW_TOKENS - 1 + 3, dtype=mask.dtype)], 1)
+    with torch.no_grad():
+        monkeypatch.setenv("REPLAYQUANT_BACKEND", "torch")
+        lt = model(input_ids=nxt, attention_mask=fmask, cache=cache_t,
+                   use_cache=True).logits
+        monkeypatch.setenv("REPLAYQUANT_BACKEND", "triton")
+        lk = model(input_ids=nxt, attention_mask=fmask, cache=cache_k,
+                   use_cache=True).logits
+    assert calls["to_state"] == n_layers, calls
+    assert (lk - lt).abs().max().item() <= RTOL_BF16 * lt.abs().max().item()
+
+
+def test_unsupported_layer_warns_once(models, monkeypatch):
+    """A Mamba-2 dt limit (the kernel does not clamp dt): one warning per layer naming the path
+    that runs (the torch reference), and the torch path's results."""
+    model = models["mamba2"]
+    patch(model, "s32_rs", buffer_len=BUFFER_LEN)
+    ids, mask = _batch(T=5, seed=4)
+    saved = [(mod, mod.time_step_limit) for _, mod, _ in recurrent_layers(model)]
+    try:
+        for mod, _ in saved:
+            mod.time_step_limit = (0.0, 50.0)
+        monkeypatch.setenv("REPLAYQUANT_BACKEND", "triton")
+        calls = _spy(monkeypatch)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            with torch.no_grad():
+                model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3,
+                               do_sample=False, use_cache=True)
+        msgs = [str(x.message) for x in w if "replayquant decode" in str(x.message)]
+        assert len(msgs) == len(saved), msgs
+        assert all("torch (" in m and "dt" in m for m in msgs)
+        assert calls["kernel"] == 0
+    finally:
+        for mod, lim in saved:
+            mod.time_step_limit = lim
+
+
+def test_beam_reorder_of_kernel_state():
+    """A permutation (HF reorder_cache) moves only the row -> slot map of the store; a reorder
+    that repeats rows hands the state back to a ReplayState (the kernel holds one row per slot)."""
+    from types import SimpleNamespace
+    from replayquant.pairs import PrecisionPair
+    pr = PrecisionPair.load("tp4_hi32").with_buffer_len(BUFFER_LEN)
+    g = torch.Generator().manual_seed(8)
+    st = ReplayState(torch.randn(3, 2, 16, 16, generator=g), pr, delta=False)
+    for _ in range(BUFFER_LEN + 1):
+        st.step(*(torch.randn(3, 2, 16, generator=g) for _ in range(3)),
+                -torch.rand(3, 2, generator=g))
+    rt = runtime.LayerRuntime(pr, "replay", 0, 0, delta=False, kind="mamba2")
+    for ids, same in (([2, 0, 1], True), ([0, 0, 1], False)):
+        lay = SimpleNamespace(recurrent_states=[torch.tensor(ids, dtype=torch.float32)[:, None]],
+                              has_previous_state=[True])
+        setattr(lay, runtime.STATE_ATTR, runtime.KernelDecodeState(st, 2))
+        got = rt.get_state(lay, True, 3, 2, 16, 16, torch.device("cpu"))
+        assert isinstance(got, runtime.KernelDecodeState) == same
+        back = got.to_replay_state() if same else got
+        ref = runtime.reorder_state(st, torch.tensor(ids))
+        assert torch.equal(back.export()["rows"], ref.export()["rows"])
+        assert torch.equal(back.anchor(), ref.anchor()) and torch.equal(back.read_copy(), ref.read_copy())
+        assert torch.equal(back.committed, ref.committed) and torch.equal(back.flushes, ref.flushes)
+        S, S_ref = back.current_state(), ref.current_state()    # entries went through bf16
+        assert (S - S_ref).abs().max() <= 2.0 ** -7 * S_ref.abs().max()
