@@ -26,6 +26,9 @@ def test_full_grid_plan_fits_one_device_call():
     # the targets come first: conventional and the main L of every pair before other L values
     assert keys.index("gdn/B512/tp4_hi16_sr/L16") < keys.index("gdn/B1/s32_rs/L4")
     assert keys.index("spec/mamba2/B512/T4") < keys.index("spec/gdn/B512/T2")
+    assert "kh/gdn/B256/tp4_hi32/L16" in keys
+    assert keys.index("spec/gdn/B512/T4") < keys.index("kh/gdn/B1/s32_rs/L16") \
+        < keys.index("gdn/B1/s32_rs/L4")
     assert bd.estimate_s(sec) < 500          # the default budget; one 10-minute call
 
 
@@ -48,6 +51,9 @@ def test_cpu_smoke_run(tmp_path):
         assert (kind, "replay-read-step", "tp4_hi32", 3) in kernels
         assert (kind, "spec-replay-round", "tp4_hi32", 3) in kernels
         assert (kind, "spec-snapshot-round", "fp32", 3) in kernels
+    for B in (1, 3):
+        assert ("gdn", "replay-window-kh", "tp4_hi32", B) in kernels
+    assert ("gdn", "replay-read-step-kh", "s32_rs", 3) in kernels
     assert all("speedup_vs_conv_fp32" in r for r in js["rows"] if r["kernel"] == "replay-window")
     assert all("speedup_vs_snapshot_round" in r for r in js["rows"]
                if r["kernel"] == "spec-replay-round")

@@ -292,3 +292,61 @@ def test_replay_bad_inputs():
     with pytest.raises(ValueError, match="block_v"):
         replay_gdn_step(nv, q, k, gdn_step_inputs(2, 1, 2, 16, 32)[2], a, b, A_log, dtb,
                         block_v=12)
+
+
+@pytest.mark.parametrize("pair", ["s32_rs", "tp4_hi16_sr", "tp8_hi32"])
+def test_read_variant_kh_matches_reference_and_block(pair):
+    """read_variant='kh' (one program per (row, key head), 2 value heads x 2 row blocks each):
+    7 steps with L = 3 across flushes, padding rows, rows out of phase, poisoned outputs and
+    buffers: equals the torch reference and the default block kernel (FP32 u buffer here; bf16 u
+    in test_read_variant_kh_bf16_u)."""
+    N, HK, H, dk, dv = 4, 2, 4, 16, 32
+    dr = Driver("gdn", 5, HK, H, dk, dv)
+    init = random_state(N, H, dv, dk, seed=23)
+    store = ReplayStore.from_state(init, pair, "gdn", key_heads=HK, seed=3, buffer_len=3,
+                                   u_dtype=torch.float32)
+    poison_buffers(store)
+    ref, blk = store.clone(), store.clone()
+    idx = torch.tensor([2, -1, 0, 3, 1])
+    tol = _tol(PrecisionPair.load(pair))
+    for step in range(7):
+        if step == 2:
+            idx = torch.tensor([2, -1, 0, -1, 1])
+        if step == 3:
+            idx = torch.tensor([2, 3, 0, -1, 1])
+        q, k, v, a, b, A_log, dtb = dr.inputs(seed=step)
+        out = torch.full((5, H, dv), float("nan"))
+        y = replay_gdn_step(store, q, k, v, a, b, A_log, dtb, state_indices=idx, out=out,
+                            path="replay", read_variant="kh", block_v=16)
+        assert y is out and torch.isfinite(y).all() and (y[idx < 0] == 0).all()
+        y2 = replay_gdn_step_ref(ref, q, k, v, a, b, A_log, dtb, state_indices=idx, path="replay")
+        y3 = replay_gdn_step(blk, q, k, v, a, b, A_log, dtb, state_indices=idx, path="replay")
+        torch.testing.assert_close(y, y2, rtol=tol, atol=tol * y2.abs().max().item())
+        torch.testing.assert_close(y, y3, rtol=1e-5, atol=1e-5 * y3.abs().max().item())
+        assert torch.equal(store.committed, ref.committed) and torch.equal(store.n_flush, ref.n_flush)
+    assert_states_close(store.anchor.dequantize(), ref.anchor.dequantize())
+    assert_states_close(store.read_role.dequantize(), ref.read_role.dequantize())
+    for name in ("kbuf", "vbuf", "Gbuf", "bbuf"):
+        a_, b_ = getattr(store, name), getattr(blk, name)
+        live = torch.isfinite(b_.float())
+        assert torch.equal(torch.isfinite(a_.float()), live)
+        torch.testing.assert_close(a_[live].float(), b_[live].float(), rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="read_variant"):
+        replay_gdn_step(store, q, k, v, a, b, A_log, dtb, state_indices=idx, read_variant="x")
+
+
+def test_read_variant_kh_bf16_u():
+    """kh with the default bf16 u buffer: the same u entries as the block kernel (bit for bit up
+    to a rare bf16 tie flip from FP32 reassociation) and outputs within the bf16 bound."""
+    N, HK, H, dk, dv = 3, 1, 2, 16, 16
+    dr = Driver("gdn", 3, HK, H, dk, dv)
+    store = ReplayStore.from_state(random_state(N, H, dv, dk, seed=4), "tp4_hi32", "gdn",
+                                   key_heads=HK, buffer_len=4)
+    blk = store.clone()
+    for step in range(5):
+        q, k, v, a, b, A_log, dtb = dr.inputs(seed=step)
+        y = replay_gdn_step(store, q, k, v, a, b, A_log, dtb, path="replay", read_variant="kh")
+        y3 = replay_gdn_step(blk, q, k, v, a, b, A_log, dtb, path="replay")
+        torch.testing.assert_close(y, y3, rtol=1e-2, atol=1e-2 * y3.abs().max().item())
+    d = (store.ubuf.float() - blk.ubuf.float()).abs()
+    assert (d > 0).float().mean() < 0.05

@@ -420,7 +420,8 @@ def config_sweep(kind, B, device, copy_bw, pairs=PAIRS, L=None, S=None):
 
     cs = ConventionalStore.from_state(init, "fp32")
     cands = []
-    for bv, nw in [(8, 1), (16, 1), (16, 2), (32, 4), (64, 8)]:
+    # candidates: run 3's sweep (results/bench/decode.md) less the configs that never won there
+    for bv, nw in [(16, 1), (32, 4), (64, 8)]:
         if bv > dv:
             continue
         c = dict(block_v=bv, num_warps=nw)
@@ -434,7 +435,7 @@ def config_sweep(kind, B, device, copy_bw, pairs=PAIRS, L=None, S=None):
         st = ReplayStore.from_state(init, P, kind, key_heads=HK)
         cands = []
         h = L // 2
-        for bv, nw in [(16, 1), (32, 2), (32, 4), (64, 4)]:
+        for bv, nw in [(16, 1), (32, 2), (64, 4)]:
             if bv > dv:
                 continue
             c = dict(block_v=bv, num_warps=nw)
@@ -447,7 +448,7 @@ def config_sweep(kind, B, device, copy_bw, pairs=PAIRS, L=None, S=None):
         pick(f"read/{pair}", cands)
         cands = []
         nv = "nvfp4" in (af, rf)
-        fcs = [(dv, 4), (dv, 8), (dv, 16)] if nv else [(16, 2), (32, 4), (64, 8)]
+        fcs = [(dv, 8), (dv, 16)] if nv else [(16, 2), (32, 4)]
         for bv, nw in fcs:
             if bv > dv:
                 continue
@@ -560,6 +561,58 @@ def bench_replay(kind, B, pair, L, device, copy_bw, cfg=None, detail=False, forc
     return rows
 
 
+def bench_replay_kh(kind, B, pair, L, device, copy_bw, cfg=None, detail=False, S=None):
+    """GDN read_variant='kh' (one program per (row, key head)): the window at batch B (state
+    copies rotated as in bench_replay) and, with detail, its read-step configs and best."""
+    from replayquant.kernels.replay_decode import ReplayStore
+    cfg = cfg or {}
+    S = S or SHAPES[kind]
+    H, HK, dv, dk = S["H"], S["HK"], S["dv"], S["dk"]
+    f = _fns(kind)
+    init = random_state(B, H, dv, dk, seed=B, device=device)
+    idx = torch.arange(B, dtype=torch.int32, device=device)
+    kw = _kw(kind, S, B, seed=1, device=device)
+    out = torch.empty(B, H, dv, device=device)
+    P, af, rf = _pair(pair, L)
+    c = _cfg(cfg, pair)
+    per = B * H * (state_bytes(af, dv, dk) + (state_bytes(rf, dv, dk) if rf else 0))
+    R = _rotations(per, device)
+    sts = [ReplayStore.from_state(init, P, kind, key_heads=HK) for _ in range(R)]
+    st = sts[0]
+    rows = []
+    # read_variant='kh' (one program per (row, key head)): its own configs at the detail
+    # batch, the window with the best (or the default config elsewhere)
+    ck = {}
+    fc = {"flush_config": c["flush_config"]} if "flush_config" in c else {}
+    if detail:
+        cands = []
+        for bv, nw in [(16, 1), (32, 2), (32, 4), (64, 4), (128, 8)]:
+            if bv > dv:
+                continue
+            c2 = dict(block_v=bv, num_warps=nw)
+            st.committed.fill_(L // 2)
+            ms = time_calls(lambda: f["step"](st, **kw, state_indices=idx, out=out,
+                                              path="replay", advance=False, read_variant="kh",
+                                              **c2, **fc), 8)
+            cands.append(_row(kind, "sweep/replay-read-step-kh", pair, B, ms,
+                              replay_read_step_bytes(kind, rf or af, L // 2, B, H, HK, dv, dk),
+                              copy_bw, cfg=c2, h=L // 2, L=L))
+        best = min(cands, key=lambda r: r["us"])
+        rows += cands
+        rows.append({**best, "kernel": "replay-read-step-kh"})
+        ck = best["cfg"]
+        st.committed.zero_()
+    calls = [lambda st=st: f["step"](st, **kw, state_indices=idx, out=out, path="replay",
+                                     read_variant="kh", **ck, **fc) for st in sts]
+    ms = time_calls(lambda: [g() for g in calls], L) / R
+    rows.append(_row(kind, "replay-window-kh", pair, B, ms,
+                     replay_window_bytes(kind, af, rf, L, B, H, HK, dv, dk), copy_bw, L=L,
+                     config={**ck, **fc}, rot=R, note="read_variant='kh'"))
+    del sts, calls, init
+    _empty_cache()
+    return rows
+
+
 def bench_peers(kind, B, device, copy_bw, S=None):
     """Peer kernels (fla / mamba_ssm) on our inputs, FP32 and BF16 states, graph and no graph."""
     S = S or SHAPES[kind]
@@ -651,7 +704,8 @@ def _derive(rows):
         k = (r["kind"], r["B"])
         if r["kernel"] in ("conventional", "replay-window", "replay-read-step", "replay-forced-flush",
                            "replay-forced-flush-layer", "sweep/conventional",
-                           "sweep/replay-read-step") and k in base:
+                           "sweep/replay-read-step", "replay-window-kh", "replay-read-step-kh",
+                           "sweep/replay-read-step-kh") and k in base:
             r["speedup_vs_conv_fp32"] = base[k] / r["us"]
             p = peer.get((r["kind"], r["B"], "float32"))
             if p:
@@ -852,7 +906,7 @@ def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
         sec.append(("checks", E["checks"], ("checks",)))
     for kind in kinds:
         if sweep:
-            n = 5 + P * 7
+            n = 3 + P * 5
             sec.append((f"sweep/{kind}", n * (E["fixed"] + E["compile"] * 0.6)
                         + n * 1.5 * _gb(kind, 256, shapes[kind]) * E["per_GB"], ("sweep", kind)))
     mainL = {k: (PAIR_L[k] if PAIR_L[k] in Ls else Ls[0]) for k in kinds}
@@ -868,8 +922,8 @@ def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
                 sec.append((f"{kind}/B{B}/{pair}/L{mainL[kind]}",
                             n * E["fixed"] + (1 + det) * gb * E["per_GB"] * (mainL[kind] / 8)
                             + (E["compile"] * 2 if B == batches[0] else 0)
-                            + (1 + 2 * forced) * E["launch"] * _launches(kind, B, mainL[kind],
-                                                                         shapes[kind]),
+                            + (1 + 2 * forced) * E["launch"]
+                            * _launches(kind, B, mainL[kind], shapes[kind]),
                             ("replay", kind, B, pair, mainL[kind], det, forced, pair == pairs[0])))
     bigT = max(Ts) if Ts else None
     if bigT:
@@ -879,6 +933,17 @@ def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
                 sec.append((f"spec/{kind}/B{B}/T{bigT}", (P + 2) * (E["fixed"] + gb * E["per_GB"]
                                                                    * (1 + bigT / 2)) + P * E["compile"],
                             ("spec", kind, B, bigT)))
+    if "gdn" in kinds:                      # GDN read_variant='kh' (unmeasured so far)
+        L = mainL["gdn"]
+        for B in batches:
+            gb = _gb("gdn", B, shapes["gdn"])
+            for pair in pairs:
+                det = B in detail_batches
+                sec.append((f"kh/gdn/B{B}/{pair}/L{L}",
+                            (1 + 5 * det) * E["fixed"] + gb * E["per_GB"] * (L / 8)
+                            + (E["compile"] if B == batches[0] else 0)
+                            + E["launch"] * _launches("gdn", B, L, shapes["gdn"]),
+                            ("kh", "gdn", B, pair, L, det)))
     for kind in kinds:
         for L in Ls:
             if L == mainL[kind]:
@@ -1013,6 +1078,11 @@ def run_kernels_bench(out: str = "results/bench", batches=GRID["batches"], Ls=GR
                 res["rows"] += _try(lambda: bench_replay(
                     kind, B, pair, L, device, copy_bw, cfgs.get(kind) if B >= 128 else None,
                     detail=det, forced=forced, pointer=ptr, S=SHAPES[kind]), E, key, [])
+            elif op == "kh":
+                kind, B, pair, L, det = what[1:]
+                res["rows"] += _try(lambda: bench_replay_kh(
+                    kind, B, pair, L, device, copy_bw, cfgs.get(kind) if B >= 128 else None,
+                    detail=det, S=SHAPES[kind]), E, key, [])
             elif op == "spec":
                 kind, B, T = what[1:]
                 L = PAIR_L[kind] if PAIR_L[kind] in Ls else Ls[0]

@@ -49,7 +49,7 @@ import triton.language as tl
 
 from replayquant.kernels.conventional import (PackedRole, _check_inputs, _front_end,
                                               _gate_out, _indices, _l2norm, _pow2_dims, _prep,
-                                              _rank1_step, _tile_load, _tile_store,
+                                              _rank1_step, _softplus, _tile_load, _tile_store,
                                               gdn_frontend_ref, mamba2_frontend_ref,
                                               mamba2_post_ref, role_streams, split_key)
 from replayquant.kernels.quant import decode_e2m1, decode_e4m3
@@ -479,6 +479,89 @@ def _replay_read_kernel(
 
 
 @triton.jit
+def _replay_read_kh_kernel(
+        R_pay, R_sc, R_gs,
+        kbuf, vbuf, ubuf, Gbuf, bbuf, h_ptr, st_ptr, idx_ptr, out_ptr,
+        q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr,
+        scale, force,
+        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+        BV: tl.constexpr, L: tl.constexpr, CAP: tl.constexpr, LP: tl.constexpr,
+        RFMT: tl.constexpr, L2NORM: tl.constexpr, HAS_DTB: tl.constexpr, U_BF16: tl.constexpr):
+    """GDN decode step (T = 1), the non-flushing rows, one program per (row, key head) looping
+    over its value heads and row blocks (read_variant='kh'): the buffer's k entries are loaded and
+    re-normalised, and the per-entry dot products k_j.q and k_j.k formed, once per key head
+    instead of once per (value head, row block) as in _replay_read_kernel. Same arithmetic per
+    output element as _replay_read_kernel (the reference is the same)."""
+    pid = tl.program_id(0)
+    row = pid // HK
+    hk = pid % HK
+    RATIO: tl.constexpr = HV // HK
+    NVB: tl.constexpr = DV // BV
+    cols = tl.arange(0, DK)
+    jj = tl.arange(0, LP)
+    slot = tl.load(idx_ptr + row).to(tl.int64)
+    if slot >= 0:
+        h = tl.load(h_ptr + slot)
+        start = tl.load(st_ptr + slot)
+        if (h + 1 > L) & (h > 0):          # flushed by _replay_flush_kernel
+            start = (start + h) % CAP
+            h = h * 0
+        if (h + 1 != L) & (force == 0):
+            m = jj < h
+            e = slot * CAP + (start + jj) % CAP
+            K = tl.load(kbuf + (e[:, None] * HK + hk) * DK + cols[None, :], mask=m[:, None],
+                        other=0.0).to(tl.float32)
+            q = tl.load(q_ptr + (row * HK + hk) * DK + cols).to(tl.float32)
+            k = tl.load(k_ptr + (row * HK + hk) * DK + cols).to(tl.float32)
+            if L2NORM:
+                K = K * (1.0 / tl.sqrt(tl.sum(K * K, axis=1) + 1e-6))[:, None]
+                q = _l2norm(q)
+                k = _l2norm(k)
+            q = q * scale
+            kk = tl.sum(K * k[None, :], axis=1)
+            qk = tl.sum(K * q[None, :], axis=1)
+            kq = tl.sum(k * q, axis=0)
+            en = _entry(slot, start, h, CAP)
+            for r in range(RATIO):
+                hv = hk * RATIO + r
+                mat = slot * HV + hv
+                G = tl.load(Gbuf + e * HV + hv, mask=m, other=0.0)
+                a = tl.load(a_ptr + row * HV + hv).to(tl.float32)
+                if HAS_DTB:
+                    a = a + tl.load(dtb_ptr + hv).to(tl.float32)
+                A = tl.load(A_ptr + hv).to(tl.float32)
+                log_a = -tl.exp(A) * _softplus(a)
+                bb = tl.load(b_ptr + row * HV + hv).to(tl.float32)
+                beta = 1.0 / (1.0 + tl.exp(-bb))
+                Gp = tl.sum(tl.where(jj == h - 1, G, 0.0), axis=0) + log_a
+                wdec = tl.where(m, tl.exp(tl.where(m, Gp - G, 0.0)), 0.0)
+                eG = tl.exp(Gp)
+                wkk = wdec * kk
+                wqk = wdec * qk
+                for vb in range(NVB):
+                    rows = vb * BV + tl.arange(0, BV)
+                    T0, T1, bs, s = _read_tile(R_pay, R_sc, R_gs, mat, rows, DV, DK, RFMT)
+                    X = tl.load(ubuf + (e[:, None] * HV + hv) * DV + rows[None, :],
+                                mask=m[:, None], other=0.0).to(tl.float32)
+                    xraw = tl.load(v_ptr + (row * HV + hv) * DV + rows)
+                    v = xraw.to(tl.float32)
+                    corr = tl.sum(wkk[:, None] * X, axis=0)
+                    rk = _tile_dot(T0, T1, bs, s, k, DK, RFMT)
+                    u = beta * (v - eG * rk) - beta * corr
+                    if U_BF16:
+                        u = u.to(tl.bfloat16).to(tl.float32)
+                    y = eG * _tile_dot(T0, T1, bs, s, q, DK, RFMT) \
+                        + tl.sum(wqk[:, None] * X, axis=0) + kq * u
+                    tl.store(out_ptr + (row * HV + hv) * DV + rows, y)
+                    tl.store(vbuf + (en * HV + hv) * DV + rows, xraw.to(tl.bfloat16))
+                    tl.store(ubuf + (en * HV + hv) * DV + rows, u.to(ubuf.dtype.element_ty))
+                tl.store(Gbuf + en * HV + hv, Gp)
+                tl.store(bbuf + en * HV + hv, beta)
+            kraw = tl.load(k_ptr + (row * HK + hk) * DK + cols)
+            tl.store(kbuf + (en * HK + hk) * DK + cols, kraw.to(tl.bfloat16))
+
+
+@triton.jit
 def _advance_kernel(h_ptr, st_ptr, nf_ptr, idx_ptr, acc_ptr, B, L: tl.constexpr,
                     CAP: tl.constexpr, T: tl.constexpr,
                     STEP: tl.constexpr, force, HAS_ACC: tl.constexpr, BLOCK: tl.constexpr):
@@ -639,9 +722,18 @@ def resolve_path(store: ReplayStore, n_rows: int, path: str = "auto") -> str:
     return path
 
 
+READ_VARIANTS = ("block", "kh")
+
+
 def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, out, scale,
-            use_qk_l2norm, T, step, force, block_v, num_warps, flush_config=None):
+            use_qk_l2norm, T, step, force, block_v, num_warps, flush_config=None,
+            read_variant=None):
     delta = store.kind == "gdn"
+    read_variant = read_variant or "block"
+    if read_variant not in READ_VARIANTS:
+        raise ValueError(f"read_variant must be 'block' or 'kh', got {read_variant!r}")
+    if read_variant == "kh" and not (delta and step and T == 1):
+        raise ValueError("read_variant='kh' is the GDN decode step only (T = 1, not verify)")
     N, HV, dv, dk = store.shape
     HK = store.key_heads
     lead = (q.shape[0],) if T == 1 and step else (q.shape[0], T)
@@ -683,7 +775,18 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
         sc, *split_key(store.key), int(force), BV=FBV,
         AFMT=afid, ASR=store.anchor.rounding == "stochastic", RSR=rr, SHARED=store.shared,
         num_warps=fnw, **common)
-    if not force:
+    if not force and read_variant == "kh":
+        kbv = block_v if block_v is not None else min(dv, 32)
+        knw = num_warps if num_warps is not None else max(1, min(8, kbv * dk // 1024))
+        _replay_read_kh_kernel[(B * HK,)](
+            Rp, Rs, Rg, store.kbuf, store.vbuf, store.ubuf, store.Gbuf, store.bbuf,
+            store.committed, store.start, idx, out, q, k, v, a, b, A,
+            dt_bias if dt_bias is not None else dummy, sc, int(force),
+            HK=HK, HV=HV, DK=dk, DV=dv, BV=kbv, L=store.L, CAP=store.capacity,
+            LP=max(16, triton.next_power_of_2(store.L)), RFMT=rfid, L2NORM=use_qk_l2norm,
+            HAS_DTB=dt_bias is not None, U_BF16=store.ubuf.dtype == torch.bfloat16,
+            num_warps=knw)
+    elif not force:
         _replay_read_kernel[(B * HV, dv // BV)](
             Rp, Rs, Rg, store.kbuf, store.vbuf, ubuf, store.Gbuf, store.bbuf,
             store.committed, store.start, idx, out, *inputs, sc, int(force), BV=BV,
@@ -706,7 +809,7 @@ def _force(path, store, B):
 
 def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, state_indices=None,
                     scale=None, out=None, use_qk_l2norm=True, path="auto", block_v=None,
-                    num_warps=None, advance=True, flush_config=None):
+                    num_warps=None, advance=True, flush_config=None, read_variant="block"):
     """One GDN replay decode step for a batch (Triton), inputs as conventional_gdn_step
     (k, v bf16). path (resolve_path): 'auto' (default: below the measured batch threshold a
     shared FP32-anchor pair such as s32_rs flushes every step, which is the conventional kernel
@@ -715,7 +818,10 @@ def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, stat
     schedule at any size), 'flush' (every step flushes) or 'auto_lossy' (size switch for any
     shared pair: adds roundings, changes results).
     Returns y float32 [B, H, d_v]; with advance=False the caller moves the pointers
-    (advance_pointers; its default force_flush is the path this step took)."""
+    (advance_pointers; its default force_flush is the path this step took).
+    read_variant: 'block' (default: one program per (row, value head, row block)) or 'kh' (one
+    program per (row, key head), per-entry dot products formed once per key head; same results
+    within FP32 reassociation; not yet timed on a GPU, see evals/decode_kernels_notes.md)."""
     if store.kind != "gdn":
         raise ValueError("replay_gdn_step needs a store built with kind='gdn'")
     if b is None:
@@ -723,7 +829,8 @@ def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, stat
     _no_pending(store)
     force = _force(path, store, q.shape[0])
     out, idx = _launch(store, q, k, v, a, b, A_log, dt_bias, None, None, state_indices, out,
-                       scale, use_qk_l2norm, 1, True, force, block_v, num_warps, flush_config)
+                       scale, use_qk_l2norm, 1, True, force, block_v, num_warps, flush_config,
+                       read_variant)
     if advance:
         advance_pointers(store, idx, 1, True, force)
     return out
@@ -882,7 +989,7 @@ def replay_ref_core(store: ReplayStore, fe, raw, state_indices, T: int, step: bo
 def replay_gdn_step_ref(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None,
                         state_indices=None, scale=None, out=None, use_qk_l2norm=True,
                         path="auto", block_v=None, num_warps=None, advance=True,
-                        flush_config=None):
+                        flush_config=None, read_variant="block"):
     """torch reference of replay_gdn_step (same signature, same effect on the store)."""
     force = _force(path, store, q.shape[0])
     qf, kf, vf, g, beta = gdn_frontend_ref(q, k, v, a, b, A_log, dt_bias, scale, use_qk_l2norm)
