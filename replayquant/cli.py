@@ -248,8 +248,12 @@ def bench_kernels_cmd(
     ints = lambda s: tuple(int(x) for x in s.split(",") if x)  # noqa: E731
     strs = lambda s: tuple(x for x in s.split(",") if x)  # noqa: E731
     if estimate_only:
-        sec = plan(ints(batches), ints(buffer_lens), strs(pairs), ints(drafts), ints(spec_batches),
-                   strs(kinds), peers, checks, sweep)
+        try:
+            sec = plan(ints(batches), ints(buffer_lens), strs(pairs), ints(drafts),
+                       ints(spec_batches), strs(kinds), peers, checks, sweep)
+        except ValueError as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2)
         for key, est, _ in sec:
             typer.echo(f"{est:7.1f} s  {key}")
         typer.echo(f"{len(sec)} sections, estimated {estimate_s(sec):.0f} s (budget {budget_s:.0f} s)")

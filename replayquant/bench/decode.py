@@ -898,6 +898,12 @@ def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
     """The benchmark's sections in priority order, each (key, estimated seconds, what): the
     targets of issue 4 first (conventional, every pair at the kind's main L, T = 4 at the largest
     spec batch), then the rest of the grid."""
+    bad = [p for p in pairs if p not in PAIRS]
+    if bad:
+        raise ValueError(f"pairs {bad}: choose from {list(PAIRS)}")
+    bad = [k for k in kinds if k not in ("gdn", "mamba2")]
+    if bad:
+        raise ValueError(f"kinds {bad}: choose from gdn, mamba2")
     shapes = shapes or SHAPES
     E = _EST
     P = len(pairs)
