@@ -146,7 +146,7 @@ def _packed_to_role(role, slots: torch.Tensor) -> QTensor:
     return QTensor(role.fmt, shape, role.payload[slots].clone(), scales)
 
 
-def state_to_store(st: ReplayState, key_heads: int, u_dtype=KERNEL_U_DTYPE):
+def state_to_store(st: ReplayState, key_heads: int, u_dtype=None):
     """Convert a ReplayState into (ReplayStore, state_indices) for the Triton decode kernel.
 
     Slots are the state's sequence ids (`rows`, which key the SR streams in both backends), so
@@ -154,9 +154,11 @@ def state_to_store(st: ReplayState, key_heads: int, u_dtype=KERNEL_U_DTYPE):
     anchor and read copy move bit for bit. The committed entries move into the ring (start 0) in
     the kernel's layout: k per key head / group in bf16 (GDN: the normalised k, re-normalised by
     the kernel on read), v in bf16 (GDN: v; Mamba-2: v = dt x stored as x = v with dt = 1),
-    G and beta in fp32, GDN u in u_dtype. Raises ValueError for rows that repeat."""
+    G and beta in fp32, GDN u in u_dtype (None: KERNEL_U_DTYPE, the kernel's bf16 default).
+    Raises ValueError for rows that repeat."""
     from replayquant.kernels.replay_decode import ReplayStore
     from replayquant.streams import layer_seed
+    u_dtype = KERNEL_U_DTYPE if u_dtype is None else u_dtype
     parts = st.export()
     B, H, dv, dk, L = st.B, st.H, st.d_v, st.d_k, st.L
     if H % key_heads:
