@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import typer
+
+
+@contextmanager
+def _user_errors():
+    """Bad input (a ValueError from the library): one line on stderr, exit code 2, no traceback."""
+    try:
+        yield
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Low-precision SSM state for hybrid models (ReplaySSM).")
@@ -19,11 +32,8 @@ def formats_cmd(
 ):
     """Every format and rounding: bytes/element, RMSE and max relative error on a state-like tensor."""
     from replayquant.formats.report import print_formats_table
-    try:
+    with _user_errors():
         print_formats_table((heads, d, d), seed)
-    except ValueError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2)
 
 
 @bench_app.command("formats")
@@ -34,11 +44,8 @@ def bench_formats_cmd(
 ):
     """GPU: quantize / dequantize GB/s per format and rounding against the device copy bandwidth."""
     from replayquant.bench.formats import run_formats_bench
-    try:
+    with _user_errors():
         run_formats_bench(mbytes=mbytes, out=out, formats=formats or None)
-    except ValueError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2)
 # --- end formats -------------------------------------------------------------------------------
 
 
@@ -78,12 +85,9 @@ def drift_cmd(
         typer.echo(f"error: --seeds must be comma-separated integers, got {seeds!r}", err=True)
         raise typer.Exit(2)
     con = Console(stderr=True)
-    try:
+    with _user_errors():
         res = run_drift(kind, pair or None, steps=steps, seeds=seed_list, batch=batch, heads=heads,
                         d_k=d_k, d_v=d_v, conventional=conventional, progress=con.log)
-    except ValueError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2)
     path = write_drift(res, out)
     Console(width=max(Console().width, 170)).print(drift_table(res))
     typer.echo(f"wrote {path} and {path.with_suffix('.md')}")
@@ -133,16 +137,13 @@ def table_cmd(
 ):
     """One table from KL results files or GPQA summaries (results/gpqa/*/SUMMARY.json): pairs as rows."""
     from replayquant.kl.report import render_table
-    try:
+    with _user_errors():
         from replayquant.gpqa.summary import table_for_files  # GPQA summaries (results/gpqa/*/SUMMARY.json)
         gpqa_table = table_for_files(files, fmt=format)
         if gpqa_table is not None:
             typer.echo(gpqa_table, nl=False)
             return
         typer.echo(render_table(files, fmt=format, by=by), nl=False)
-    except ValueError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2)
 
 
 @bench_app.command("kl")
@@ -156,12 +157,9 @@ def bench_kl_cmd(
 ):
     """GPU: wall time and peak memory of the KL harness on one long document vs plain HF forwards."""
     from replayquant.kl.bench import bench_kl
-    try:
+    with _user_errors():
         r = bench_kl(shape=shape, context=context, segment=segment, pairs=pair or ("f4_sr_rs", "tp4_hi32"),
                      prefill=prefill, out=out)
-    except ValueError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2)
     typer.echo(f"KL {r['kl_wall_time_s']:.1f} s, HF forward {r['hf_forward_s']:.1f} s, time per plain forward pass "
                f"{r['slowdown_vs_plain_forwards']:.2f}x (target <= 1.5), peak {r['peak_gpu_gib_kl']} GiB -> {out}")
 # --- end KL harness ----------------------------------------------------------------------------
@@ -191,7 +189,7 @@ def gpqa_cmd(
 ):
     """GPQA-Diamond through lm-eval for every pair: one results file per pair and SUMMARY.json."""
     from replayquant.gpqa import render_table, run_gpqa
-    try:
+    with _user_errors():
         extra = {}
         if model_args:
             from lm_eval.utils import simple_parse_args_string
@@ -203,9 +201,6 @@ def gpqa_cmd(
                            gen_kwargs={"max_gen_toks": max_gen_toks} if max_gen_toks else None,
                            apply_chat_template=apply_chat_template, log_samples=log_samples,
                            model_args=extra)
-    except ValueError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2)
     if summary is not None:
         typer.echo(render_table([summary]))
 
@@ -216,11 +211,8 @@ def lm_eval_cmd(ctx: typer.Context):
     """lm-eval's own command line with `--model replayquant` registered (all arguments pass through;
     `--gpqa-csv PATH` reads GPQA-Diamond from a local CSV)."""
     from replayquant.lm_eval_model import lm_eval_main
-    try:
+    with _user_errors():
         lm_eval_main(list(ctx.args))
-    except ValueError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2)
 # --- end GPQA ----------------------------------------------------------------------------------
 
 
@@ -248,23 +240,17 @@ def bench_kernels_cmd(
     ints = lambda s: tuple(int(x) for x in s.split(",") if x)  # noqa: E731
     strs = lambda s: tuple(x for x in s.split(",") if x)  # noqa: E731
     if estimate_only:
-        try:
+        with _user_errors():
             sec = plan(ints(batches), ints(buffer_lens), strs(pairs), ints(drafts),
                        ints(spec_batches), strs(kinds), peers, checks, sweep)
-        except ValueError as e:
-            typer.echo(f"error: {e}", err=True)
-            raise typer.Exit(2)
         for key, est, _ in sec:
             typer.echo(f"{est:7.1f} s  {key}")
         typer.echo(f"{len(sec)} sections, estimated {estimate_s(sec):.0f} s (budget {budget_s:.0f} s)")
         return
-    try:
+    with _user_errors():
         run_kernels_bench(out=out, batches=ints(batches), Ls=ints(buffer_lens), pairs=strs(pairs),
                           Ts=ints(drafts), spec_batches=ints(spec_batches), kinds=strs(kinds),
                           peers=peers, checks=checks, sweep=sweep, budget_s=budget_s, name=name)
-    except ValueError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2)
 
 
 bench_app.command("decode", hidden=True, help="alias of 'bench kernels'")(bench_kernels_cmd)
