@@ -126,3 +126,76 @@ def test_conventional_bad_inputs():
         ConventionalStore.from_state(random_state(2, 2, 16, 16), "int4")
     with pytest.raises(ValueError, match="power of two"):
         ConventionalStore.from_state(random_state(2, 2, 24, 16), "fp32")
+
+
+def _clamping_limit(dt, dtb):
+    """A dt_limit (lo, hi) that clamps some softplus(dt + dt_bias) entries from each side."""
+    d = torch.nn.functional.softplus(dt.float() + dtb.float())
+    lo, hi = d.quantile(0.3).item(), d.quantile(0.7).item()
+    assert (d < lo).any() and (d > hi).any()
+    return lo, hi
+
+
+@pytest.mark.parametrize("fmt,pair", [("fp32", "s32_rs"), ("bf16", "sbf16")])
+def test_conventional_mamba2_dt_limit(fmt, pair):
+    """dt_limit (Nemotron-H's time_step_limit): kernel == reference == ConventionalState fed
+    replay.frontends.mamba2_inputs with the same limit; the limit changes the outputs; (0, inf)
+    is today's kernel bit for bit; a malformed limit is a ValueError."""
+    from replayquant.kernels.verify import (conventional_mamba2_verify,
+                                            conventional_mamba2_verify_ref, make_snapshots)
+    from replayquant.pairs import PrecisionPair
+    from replayquant.replay import mamba2_inputs
+    N, G, H, dk, dv = 3, 1, 2, 16, 16
+    P = PrecisionPair.load(pair)
+    idx = torch.tensor([1, -1, 0, 2])
+    live = idx >= 0
+    perm = torch.empty(N, dtype=torch.long)
+    perm[idx[live]] = live.nonzero().flatten()
+    init = random_state(N, H, dv, dk, seed=7)
+    store = ConventionalStore.from_state(init, P.anchor.format, P.anchor.rounding, seed=4)
+    assert P.anchor.format == fmt
+    ref, plain = store.clone(), store.clone()
+    cs = ConventionalState(init, P, delta=False, seed=4)
+    A, D, dtb = mamba2_params(H, 3)
+    for step in range(3):
+        x, dt, Bm, C, z = mamba2_step_inputs(4, G, H, dk, dv, seed=30 + step)
+        lim = _clamping_limit(dt, dtb)
+        y = conventional_mamba2_step(store, x, dt, A, Bm, C, state_indices=idx, D=D, z=z,
+                                     dt_bias=dtb, out=poisoned(4, H, dv), dt_limit=lim)
+        y2 = conventional_mamba2_step_ref(ref, x, dt, A, Bm, C, state_indices=idx, D=D, z=z,
+                                          dt_bias=dtb, dt_limit=lim)
+        yp = conventional_mamba2_step(plain, x, dt, A, Bm, C, state_indices=idx, D=D, z=z,
+                                      dt_bias=dtb)
+        fe = mamba2_inputs(x, dt, A, Bm, C, dtb, dt_limit=lim)
+        yr = mamba2_post_ref(cs.step(*[t[perm] for t in fe]), x[perm], D, z[perm])
+        assert (y[1] == 0).all() and torch.isfinite(y).all()
+        tol = 1e-5 if fmt == "fp32" else 1e-3
+        torch.testing.assert_close(y, y2, rtol=tol, atol=tol * y2.abs().max().item())
+        torch.testing.assert_close(y[perm], yr, rtol=tol, atol=tol * yr.abs().max().item())
+        assert (y - yp).abs().max() > 10 * tol * y2.abs().max()          # the clamp mattered
+    assert_states_close(store.state.dequantize(), ref.state.dequantize())
+    assert_states_close(store.state.dequantize(), cs.anchor())
+
+    # verify (T = 2 drafts) with the limit: kernel == reference
+    x, dt, Bm, C, z = mamba2_step_inputs(4, G, H, dk, dv, T=2, seed=40)
+    lim = _clamping_limit(dt, dtb)
+    snaps, snaps_r = make_snapshots(store, 2), make_snapshots(ref, 2)
+    yv = conventional_mamba2_verify(store, snaps, x, dt, A, Bm, C, state_indices=idx, D=D, z=z,
+                                    dt_bias=dtb, out=torch.full((4, 2, H, dv), float("nan")),
+                                    dt_limit=lim)
+    yv2 = conventional_mamba2_verify_ref(ref, snaps_r, x, dt, A, Bm, C, state_indices=idx, D=D,
+                                         z=z, dt_bias=dtb, dt_limit=lim)
+    tol = 1e-5 if fmt == "fp32" else 1e-3
+    torch.testing.assert_close(yv, yv2, rtol=tol, atol=tol * yv2.abs().max().item())
+
+    # no limit: bit for bit the kernel without the argument
+    a, b = store.clone(), store.clone()
+    x, dt, Bm, C, z = mamba2_step_inputs(4, G, H, dk, dv, seed=50)
+    ya = conventional_mamba2_step(a, x, dt, A, Bm, C, state_indices=idx, D=D, z=z, dt_bias=dtb)
+    yb = conventional_mamba2_step(b, x, dt, A, Bm, C, state_indices=idx, D=D, z=z, dt_bias=dtb,
+                                  dt_limit=(0.0, float("inf")))
+    assert torch.equal(ya, yb) and torch.equal(a.state.payload, b.state.payload)
+    for bad in ((1.0, 0.5), (0.1,), "x", (float("nan"), 1.0)):
+        with pytest.raises(ValueError, match="dt_limit"):
+            conventional_mamba2_step(a, x, dt, A, Bm, C, dt_bias=dtb, state_indices=idx,
+                                     dt_limit=bad)

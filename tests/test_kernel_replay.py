@@ -350,3 +350,65 @@ def test_read_variant_kh_bf16_u():
         torch.testing.assert_close(y, y3, rtol=1e-2, atol=1e-2 * y3.abs().max().item())
     d = (store.ubuf.float() - blk.ubuf.float()).abs()
     assert (d > 0).float().mean() < 0.05
+
+
+@pytest.mark.parametrize("pair", ["s32_rs", "tp4_hi32"])
+def test_replay_mamba2_dt_limit(pair):
+    """dt_limit (Nemotron-H's time_step_limit) through replay_mamba2_step across two flushes
+    (L = 3) and replay_mamba2_verify: kernel == reference == ReplayState fed
+    replay.frontends.mamba2_inputs with the same limit (which clamps entries on both sides);
+    the clamped dt is what the buffer holds, so later rebuilds see it too."""
+    from replayquant.kernels.verify import (replay_accept, replay_accept_ref,
+                                            replay_mamba2_verify, replay_mamba2_verify_ref)
+    from replayquant.replay import mamba2_inputs
+    N, HK, H, dk, dv = 3, 1, 2, 16, 16
+    P = PrecisionPair.load(pair).with_buffer_len(3)
+    init = random_state(N, H, dv, dk, seed=6)
+    store = ReplayStore.from_state(init, P, "mamba2", key_heads=HK, seed=2, u_dtype=torch.float32,
+                                   max_drafts=2)
+    poison_buffers(store)
+    ref = store.clone()
+    rs = ReplayState(init, P, delta=False, seed=2)
+    idx = torch.tensor([1, -1, 0, 2])
+    live = idx >= 0
+    perm = torch.empty(N, dtype=torch.long)
+    perm[idx[live]] = live.nonzero().flatten()
+    A, D, dtb = mamba2_params(H, 9)
+    tol = _tol(P)
+    changed = 0.0
+    for step in range(7):
+        x, dt, Bm, C, z = mamba2_step_inputs(4, HK, H, dk, dv, seed=70 + step)
+        d = torch.nn.functional.softplus(dt + dtb)
+        lim = (d.quantile(0.3).item(), d.quantile(0.7).item())
+        assert (d < lim[0]).any() and (d > lim[1]).any()
+        y = replay_mamba2_step(store, x, dt, A, Bm, C, state_indices=idx, D=D, z=z, dt_bias=dtb,
+                               out=torch.full((4, H, dv), float("nan")), path="replay",
+                               dt_limit=lim)
+        y0 = replay_mamba2_step_ref(ref.clone(), x, dt, A, Bm, C, state_indices=idx, D=D, z=z,
+                                    dt_bias=dtb, path="replay", advance=False)
+        y2 = replay_mamba2_step_ref(ref, x, dt, A, Bm, C, state_indices=idx, D=D, z=z,
+                                    dt_bias=dtb, path="replay", dt_limit=lim)
+        fe = mamba2_inputs(x, dt, A, Bm, C, dtb, dt_limit=lim)
+        yr = mamba2_post_ref(rs.step(*[t[perm] for t in fe]), x[perm], D, z[perm])
+        changed = max(changed, ((y0 - y2).abs().max() / y2.abs().max()).item())
+        assert (y[1] == 0).all() and torch.isfinite(y).all()
+        torch.testing.assert_close(y, y2, rtol=tol, atol=tol * y2.abs().max().item())
+        torch.testing.assert_close(y[perm], yr, rtol=tol, atol=tol * yr.abs().max().item())
+        assert torch.equal(store.committed, ref.committed)
+        assert torch.equal(store.n_flush, ref.n_flush)
+    assert store.n_flush.tolist() == rs.flushes.tolist() == [2] * 3
+    assert_states_close(store.anchor.dequantize(), rs.anchor())
+    assert changed > 10 * tol                     # the clamp mattered
+
+    x, dt, Bm, C, z = mamba2_step_inputs(4, HK, H, dk, dv, T=2, seed=90)
+    d = torch.nn.functional.softplus(dt + dtb)
+    lim = (d.quantile(0.3).item(), d.quantile(0.7).item())
+    yv = replay_mamba2_verify(store, x, dt, A, Bm, C, state_indices=idx, D=D, z=z, dt_bias=dtb,
+                              out=torch.full((4, 2, H, dv), float("nan")), dt_limit=lim)
+    yv2 = replay_mamba2_verify_ref(ref, x, dt, A, Bm, C, state_indices=idx, D=D, z=z,
+                                   dt_bias=dtb, dt_limit=lim)
+    torch.testing.assert_close(yv, yv2, rtol=tol, atol=tol * yv2.abs().max().item())
+    n = torch.tensor([2, 0, 1, 2])
+    replay_accept(store, n, idx)
+    replay_accept_ref(ref, n, idx)
+    assert torch.equal(store.committed, ref.committed)

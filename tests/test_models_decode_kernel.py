@@ -35,6 +35,7 @@ BUFFER_LEN = 4
 NEW_TOKENS = 10            # 9 decode steps after the prompt's token: >= 2 flushes with L = 4
 RTOL_BF16 = 4 * 2.0 ** -9  # relative logit bound from the bf16 ring buffer (module doc)
 PAIRS = ("s32_rs", "tp4_hi32")
+DT_FLOOR = 0.5             # the tiny Nemotron-H's time_step_min (its dt clamp floor)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -46,9 +47,17 @@ def _one_thread():
 
 
 def _model(fam: str):
-    from transformers import AutoModelForCausalLM, Mamba2Config, Qwen3_5TextConfig
-    torch.manual_seed(11 if fam == "qwen3_5" else 12)
-    if fam == "qwen3_5":
+    from transformers import AutoModelForCausalLM, Mamba2Config, NemotronHConfig, Qwen3_5TextConfig
+    torch.manual_seed({"qwen3_5": 11, "mamba2": 12}.get(fam, 13))
+    if fam == "nemotron_h":
+        # NemotronHMamba2Mixer clamps dt to time_step_limit = (time_step_min, inf): a floor of
+        # 0.5 clamps the heads whose softplus(dt + dt_bias) falls below it (see _clamped)
+        cfg = NemotronHConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3,
+                              hybrid_override_pattern="M*M", mamba_num_heads=8, mamba_head_dim=16,
+                              ssm_state_size=16, n_groups=2, num_attention_heads=2,
+                              num_key_value_heads=1, head_dim=32, intermediate_size=96,
+                              chunk_size=8, time_step_min=DT_FLOOR)
+    elif fam == "qwen3_5":
         cfg = Qwen3_5TextConfig(vocab_size=VOCAB, hidden_size=64, num_attention_heads=2,
                                 num_key_value_heads=1, head_dim=32, linear_num_key_heads=2,
                                 linear_num_value_heads=4, linear_key_head_dim=16,
@@ -71,7 +80,7 @@ def _model(fam: str):
 
 @pytest.fixture(scope="module")
 def models():
-    return {fam: _model(fam) for fam in ("qwen3_5", "mamba2")}
+    return {fam: _model(fam) for fam in ("qwen3_5", "mamba2", "nemotron_h")}
 
 
 def _batch(B=3, T=7, seed=0):
@@ -125,8 +134,10 @@ def test_decode_path(monkeypatch):
     assert decode_path(x, 16, 32, dt_limit=(0.0, math.inf)) == "triton"
     p = decode_path(x, 12, 16)
     assert p.startswith("torch (") and "d_k=12" in p
-    p = decode_path(x, 16, 16, dt_limit=(0.0, 10.0))
-    assert p.startswith("torch (") and "dt" in p
+    assert decode_path(x, 16, 16, dt_limit=(0.0, 10.0)) == "triton"    # the kernel clamps dt
+    assert decode_path(x, 16, 16, dt_limit=(1e-3, math.inf)) == "triton"
+    with pytest.raises(ValueError, match="dt_limit"):
+        decode_path(x, 16, 16, dt_limit=(1.0, 0.5))
 
 
 # ------------------------------------------------------------------------------ hand-off
@@ -238,16 +249,34 @@ def test_hand_off_rows_are_slots():
 
 # ------------------------------------------------------------------------------ generate
 
-@pytest.mark.parametrize("fam", ["qwen3_5", "mamba2"])
+@pytest.mark.parametrize("fam", ["qwen3_5", "mamba2", "nemotron_h"])
 @pytest.mark.parametrize("pair", PAIRS)
 def test_generate_kernel_equals_torch(models, monkeypatch, fam, pair):
     """Greedy generate (ragged left-padded batch of 3, L = 4, 9 decode steps) through the Triton
     decode kernel gives the torch path's tokens and logits within the bf16 bound; every decode
     step of every recurrent layer ran the kernel, the hand-off happened once per layer, and a
-    multi-token forward continuing the cache converts back and agrees as well."""
+    multi-token forward continuing the cache converts back and agrees as well. Nemotron-H: its
+    Mamba-2 layers clamp dt (time_step_limit = (DT_FLOOR, inf), a floor below some heads'
+    softplus(dt_bias)), which the kernel does too: decode_path is 'triton', not a fallback."""
     model = models[fam]
     n_layers = len(recurrent_layers(model))
     patch(model, pair, buffer_len=BUFFER_LEN, seed=5)
+    if fam == "nemotron_h":
+        from replayquant.kernels import replay_decode as rd
+        limits = []
+        orig_step = rd.replay_mamba2_step
+
+        def record(*a, **k):
+            limits.append(k.get("dt_limit"))
+            return orig_step(*a, **k)
+        monkeypatch.setattr(rd, "replay_mamba2_step", record)
+        for _, mod, _ in recurrent_layers(model):
+            assert tuple(mod.time_step_limit) == (DT_FLOOR, math.inf)
+            assert bool((torch.nn.functional.softplus(mod.dt_bias) < DT_FLOOR).any())
+            with monkeypatch.context() as mp:
+                mp.setenv("REPLAYQUANT_BACKEND", "triton")
+                assert mod._replayquant.decode_path(
+                    torch.zeros(1), 16, 16, {"dt_limit": tuple(mod.time_step_limit)}) == "triton"
     ids, mask = _batch(seed=1 if fam == "qwen3_5" else 2)
     monkeypatch.setenv("REPLAYQUANT_BACKEND", "torch")
     seq_t, sc_t, cache_t = _generate(model, ids, mask)
@@ -278,6 +307,8 @@ def test_generate_kernel_equals_torch(models, monkeypatch, fam, pair):
     assert d <= RTOL_BF16 * scale, f"{d:.2e} > {RTOL_BF16 * scale:.2e}"
     assert bool((risk < 1).all()), "the logit difference could flip a greedy token: choose another seed"
     assert torch.equal(seq_k, seq_t)
+    if fam == "nemotron_h":
+        assert limits and all(tuple(lim) == (DT_FLOOR, math.inf) for lim in limits), limits
 
     # a multi-token forward continuing each cache: the kernel state is handed back once
     nxt = torch.randint(0, VOCAB, (3, 3), generator=torch.Generator().manual_seed(9))
@@ -293,30 +324,27 @@ def test_generate_kernel_equals_torch(models, monkeypatch, fam, pair):
     assert (lk - lt).abs().max().item() <= RTOL_BF16 * lt.abs().max().item()
 
 
-def test_unsupported_layer_warns_once(models, monkeypatch):
-    """A Mamba-2 dt limit (the kernel does not clamp dt): one warning per layer naming the path
-    that runs (the torch reference), and the torch path's results."""
-    model = models["mamba2"]
+def test_unsupported_layer_warns_once(monkeypatch):
+    """A Mamba-2 head dim the kernel cannot take (d_v = 12, not a power of two): one warning per
+    layer naming the path that runs (the torch reference), and no kernel call."""
+    from transformers import AutoModelForCausalLM, Mamba2Config
+    torch.manual_seed(14)
+    model = AutoModelForCausalLM.from_config(Mamba2Config(
+        vocab_size=VOCAB, hidden_size=48, num_hidden_layers=2, num_heads=8, head_dim=12,
+        state_size=16, n_groups=2, expand=2, chunk_size=8)).eval()
     patch(model, "s32_rs", buffer_len=BUFFER_LEN)
     ids, mask = _batch(T=5, seed=4)
-    saved = [(mod, mod.time_step_limit) for _, mod, _ in recurrent_layers(model)]
-    try:
-        for mod, _ in saved:
-            mod.time_step_limit = (0.0, 50.0)
-        monkeypatch.setenv("REPLAYQUANT_BACKEND", "triton")
-        calls = _spy(monkeypatch)
-        with warnings.catch_warnings(record=True) as w:
-            warnings.simplefilter("always")
-            with torch.no_grad():
-                model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3,
-                               do_sample=False, use_cache=True)
-        msgs = [str(x.message) for x in w if "replayquant decode" in str(x.message)]
-        assert len(msgs) == len(saved), msgs
-        assert all("torch (" in m and "dt" in m for m in msgs)
-        assert calls["kernel"] == 0
-    finally:
-        for mod, lim in saved:
-            mod.time_step_limit = lim
+    monkeypatch.setenv("REPLAYQUANT_BACKEND", "triton")
+    calls = _spy(monkeypatch)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3,
+                           do_sample=False, use_cache=True)
+    msgs = [str(x.message) for x in w if "replayquant decode" in str(x.message)]
+    assert len(msgs) == len(recurrent_layers(model)), msgs
+    assert all("torch (" in m and "d_v=12" in m for m in msgs)
+    assert calls["kernel"] == 0
 
 
 def test_beam_reorder_of_kernel_state():

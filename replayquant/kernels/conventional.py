@@ -15,7 +15,9 @@ This file also holds what every decode kernel of the package shares:
   index in its matrix, stream = sr_stream(flush index, role, slot, head), key = layer seed).
 * The GDN and Mamba-2 front ends as real models need them (GDN: q/k L2 norm in kernel,
   g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b) in FP32; Mamba-2: groups over B/C,
-  softplus(dt + dt_bias), A per head, D skip, optional z gate) and their torch twins.
+  softplus(dt + dt_bias) then clamped to dt_limit = (lo, hi) when one is given (as
+  transformers' time_step_limit and replay.frontends.mamba2_inputs), A per head, D skip,
+  optional z gate) and their torch twins.
 
 `state_indices[b]` maps batch row b to its state slot; a negative index marks a padding row
 (output zero, nothing read or written). Each kernel `f` has a torch reference `f_ref` with the
@@ -44,6 +46,23 @@ from replayquant.streams import ANCHOR, layer_seed, sr_stream
 FMT_IDS = {"fp32": 0, "fp16": 1, "bf16": 2, "fp8": 3, "nvfp4": 4}
 KINDS = ("gdn", "mamba2")
 GDN_L2NORM_EPS = 1e-6
+NO_DT_LIMIT = (0.0, math.inf)
+
+
+def dt_limit_args(dt_limit):
+    """(lo, hi, clamp) kernel arguments of a Mamba-2 dt_limit: dt = softplus(dt + dt_bias) is
+    clamped to [lo, hi] unless dt_limit is None or (0, inf) (clamp False: no clamp at all, as
+    replay.frontends.mamba2_inputs). lo and hi are runtime floats (one compile for every model)."""
+    if dt_limit is None:
+        return 0.0, math.inf, False
+    try:
+        lo, hi = (float(t) for t in dt_limit)
+    except (TypeError, ValueError):
+        raise ValueError(f"dt_limit must be a pair (lo, hi) of floats, e.g. (0.0, inf) for no "
+                         f"clamp, got {dt_limit!r}") from None
+    if math.isnan(lo) or math.isnan(hi) or lo > hi:
+        raise ValueError(f"dt_limit=({lo}, {hi}): need lo <= hi, neither NaN")
+    return lo, hi, (lo, hi) != NO_DT_LIMIT
 
 
 # ============================================================================ packed storage
@@ -278,13 +297,14 @@ def _l2norm(x):
 
 @triton.jit
 def _front_end(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, row, hv, hk, rows, cols,
-               scale, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-               DELTA: tl.constexpr, L2NORM: tl.constexpr, HAS_DTB: tl.constexpr,
-               HAS_D: tl.constexpr):
+               scale, dt_lo, dt_hi, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
+               DV: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr, HAS_DTB: tl.constexpr,
+               HAS_D: tl.constexpr, DT_CLAMP: tl.constexpr):
     """One step's inputs in float32.
     GDN (DELTA): q, k [DK] normalised (q scaled), v [DV-block], log_a = g, beta.
     Mamba-2: q = C, k = B of the head's group, v = dt x, log_a = dt A, beta = dt, and the
-    D-skip term D x (zeros without D)."""
+    D-skip term D x (zeros without D); dt = softplus(dt + dt_bias), then (DT_CLAMP)
+    min(max(dt, dt_lo), dt_hi) as torch.clamp."""
     q = tl.load(q_ptr + (row * HK + hk) * DK + cols).to(tl.float32)
     k = tl.load(k_ptr + (row * HK + hk) * DK + cols).to(tl.float32)
     x = tl.load(v_ptr + (row * HV + hv) * DV + rows).to(tl.float32)
@@ -304,6 +324,8 @@ def _front_end(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, row, hv
         skip = x * 0.0
     else:
         dt = _softplus(a)
+        if DT_CLAMP:
+            dt = tl.minimum(tl.maximum(dt, dt_lo), dt_hi)
         log_a = dt * A
         beta = dt
         v = dt * x
@@ -399,11 +421,15 @@ def gdn_frontend_ref(q, k, v, a, b, A_log, dt_bias, scale=None, use_qk_l2norm=Tr
     return q, k, v.float(), g, beta
 
 
-def mamba2_frontend_ref(x, dt, A, Bm, Cm, dt_bias=None):
-    """torch twin of the Mamba-2 front end: (q = C, k = B per head, v = dt x, log_a = dt A, dt)."""
+def mamba2_frontend_ref(x, dt, A, Bm, Cm, dt_bias=None, dt_limit=None):
+    """torch twin of the Mamba-2 front end: (q = C, k = B per head, v = dt x, log_a = dt A, dt),
+    dt = softplus(dt + dt_bias) clamped to dt_limit (None / (0, inf): no clamp)."""
     H, G = x.shape[1], Bm.shape[1]
+    lo, hi, clamp = dt_limit_args(dt_limit)
     d = dt.float() + (dt_bias.float() if dt_bias is not None else 0.0)
     d = torch.nn.functional.softplus(d)
+    if clamp:
+        d = d.clamp(lo, hi)
     r = H // G
     k = Bm.float().repeat_interleave(r, dim=1)
     q = Cm.float().repeat_interleave(r, dim=1)
@@ -423,10 +449,11 @@ def mamba2_post_ref(y, x, D=None, z=None):
 def _conventional_kernel(
         S_pay, S_sc, S_gs, ncast_ptr, idx_ptr, out_ptr,
         q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr,
-        scale, key_lo, key_hi,
+        scale, key_lo, key_hi, dt_lo, dt_hi,
         HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
         BV: tl.constexpr, FMT: tl.constexpr, SR: tl.constexpr, DELTA: tl.constexpr,
-        L2NORM: tl.constexpr, HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr):
+        L2NORM: tl.constexpr, HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
+        DT_CLAMP: tl.constexpr):
     pid = tl.program_id(0)
     vb = tl.program_id(1)
     row = pid // HV
@@ -438,7 +465,7 @@ def _conventional_kernel(
     if slot >= 0:
         q, k, v, log_a, beta, skip = _front_end(
             q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, row, hv, hk, rows, cols,
-            scale, HK, HV, DK, DV, DELTA, L2NORM, HAS_DTB, HAS_D)
+            scale, dt_lo, dt_hi, HK, HV, DK, DV, DELTA, L2NORM, HAS_DTB, HAS_D, DT_CLAMP)
         mat = slot * HV + hv
         S = _tile_load(S_pay, S_sc, S_gs, mat, rows, cols, DV, DK, BV, FMT)
         S, y = _rank1_step(S, q, k, v, log_a, beta, DELTA)
@@ -507,7 +534,7 @@ def _gdn_shapes(store_shape, q, v):
 
 
 def _run_step(kernel_store, q, k, v, a, b, A, dt_bias, D, z, state_indices, out, scale, delta,
-              use_qk_l2norm, block_v, num_warps, advance):
+              use_qk_l2norm, block_v, num_warps, advance, dt_limit=None):
     st: PackedRole = kernel_store.state
     N, HV, dv, dk = st.shape
     _pow2_dims(st.shape)
@@ -518,6 +545,7 @@ def _run_step(kernel_store, q, k, v, a, b, A, dt_bias, D, z, state_indices, out,
         "v" if delta else "x": (v, (B, HV, dv)), "a" if delta else "dt": (a, (B, HV)),
         "b": (b, (B, HV)), "A_log" if delta else "A": (A, (HV,)), "dt_bias": (dt_bias, (HV,)),
         "D": (D, (HV,)), "z": (z, (B, HV, dv))})
+    dt_lo, dt_hi, dt_clamp = dt_limit_args(dt_limit)
     idx = _indices(state_indices, B, q.device)
     if out is None:
         out = torch.empty(B, HV, dv, dtype=torch.float32, device=q.device)
@@ -532,9 +560,10 @@ def _run_step(kernel_store, q, k, v, a, b, A, dt_bias, D, z, state_indices, out,
         dt_bias if dt_bias is not None else dummy, D if D is not None else dummy,
         z if z is not None else dummy,
         float(scale if scale is not None else 1.0 / math.sqrt(dk)), *split_key(kernel_store.key),
+        dt_lo, dt_hi,
         HK=HK, HV=HV, DK=dk, DV=dv, BV=BV, FMT=fid, SR=st.rounding == "stochastic",
         DELTA=delta, L2NORM=use_qk_l2norm, HAS_DTB=dt_bias is not None, HAS_D=D is not None,
-        HAS_Z=z is not None, num_warps=nw)
+        HAS_Z=z is not None, DT_CLAMP=dt_clamp, num_warps=nw)
     if advance:
         _advance_casts_kernel[(1,)](kernel_store.n_casts, idx, B)
     return out
@@ -593,20 +622,21 @@ def conventional_gdn_step_ref(store: ConventionalStore, q, k, v, a, b, A_log, dt
 
 def conventional_mamba2_step(store: ConventionalStore, x, dt, A, B, C, state_indices=None, D=None,
                              z=None, dt_bias=None, out=None, block_v=None, num_warps=None,
-                             advance=True):
+                             advance=True, dt_limit=NO_DT_LIMIT):
     """One Mamba-2 decode step for a batch, state [slots, heads, head dim P, d_state N] updated
-    in place (Triton). x [B, H, P], dt [B, H] (raw; softplus(dt + dt_bias) in kernel), A [H]
-    (negative), B, C [B, G, N] (groups), D [H], z [B, H, P] optional (y * silu(z)).
+    in place (Triton). x [B, H, P], dt [B, H] (raw; softplus(dt + dt_bias) in kernel, then
+    clamped to dt_limit = (lo, hi) unless it is (0, inf), as transformers' time_step_limit),
+    A [H] (negative), B, C [B, G, N] (groups), D [H], z [B, H, P] optional (y * silu(z)).
     Returns y float32 [B, H, P]."""
     return _run_step(store, C, B, x, dt, None, A, dt_bias, D, z, state_indices, out, None,
-                     False, False, block_v, num_warps, advance)
+                     False, False, block_v, num_warps, advance, dt_limit)
 
 
 def conventional_mamba2_step_ref(store: ConventionalStore, x, dt, A, B, C, state_indices=None,
                                  D=None, z=None, dt_bias=None, out=None, block_v=None,
-                                 num_warps=None, advance=True):
+                                 num_warps=None, advance=True, dt_limit=NO_DT_LIMIT):
     """torch reference of conventional_mamba2_step."""
-    q, k, v, log_a, _ = mamba2_frontend_ref(x, dt, A, B, C, dt_bias)
+    q, k, v, log_a, _ = mamba2_frontend_ref(x, dt, A, B, C, dt_bias, dt_limit)
     y, idx, live = _conventional_ref(store, q, k, v, log_a, None, state_indices, False)
     y = mamba2_post_ref(y, x, D, z)
     y[idx < 0] = 0

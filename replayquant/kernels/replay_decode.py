@@ -50,6 +50,7 @@ import triton.language as tl
 from replayquant.kernels.conventional import (PackedRole, _check_inputs, _front_end,
                                               _gate_out, _indices, _l2norm, _pow2_dims, _prep,
                                               _rank1_step, _softplus, _tile_load, _tile_store,
+                                              NO_DT_LIMIT, dt_limit_args,
                                               gdn_frontend_ref, mamba2_frontend_ref,
                                               mamba2_post_ref, role_streams, split_key)
 from replayquant.kernels.quant import decode_e2m1, decode_e4m3
@@ -283,12 +284,13 @@ def _replay_flush_kernel(
         A_pay, A_sc, A_gs, R_pay, R_sc, R_gs,
         kbuf, vbuf, Gbuf, bbuf, h_ptr, st_ptr, nf_ptr, idx_ptr, out_ptr,
         q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr,
-        scale, key_lo, key_hi, force,
+        scale, key_lo, key_hi, force, dt_lo, dt_hi,
         HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
         BV: tl.constexpr, L: tl.constexpr, CAP: tl.constexpr, T: tl.constexpr,
         STEP: tl.constexpr, AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr,
         RSR: tl.constexpr, SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
-        HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr):
+        HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
+        DT_CLAMP: tl.constexpr):
     """The flushing rows of a step / verify: (1) committed entries that would not leave T free
     slots (h + T > L, h > 0) are folded into the anchor first; (2) a step whose entry fills the
     buffer (h + 1 == L, or force) rebuilds through it, outputs S q and casts both roles.
@@ -326,7 +328,8 @@ def _replay_flush_kernel(
             if (h + 1 == L) | (force != 0):
                 q, k, v, log_a, beta, skip = _front_end(
                     q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, row, hv, hk, rows,
-                    cols, scale, HK, HV, DK, DV, DELTA, L2NORM, HAS_DTB, HAS_D)
+                    cols, scale, dt_lo, dt_hi, HK, HV, DK, DV, DELTA, L2NORM, HAS_DTB, HAS_D,
+                    DT_CLAMP)
                 A = _tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT)
                 if DELTA:
                     S = _fold_gdn(A, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, h,
@@ -402,11 +405,12 @@ def _replay_read_kernel(
         R_pay, R_sc, R_gs,
         kbuf, vbuf, ubuf, Gbuf, bbuf, h_ptr, st_ptr, idx_ptr, out_ptr,
         q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr,
-        scale, force,
+        scale, force, dt_lo, dt_hi,
         HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
         BV: tl.constexpr, L: tl.constexpr, CAP: tl.constexpr, LP: tl.constexpr, T: tl.constexpr,
         STEP: tl.constexpr, RFMT: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
-        HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, U_BF16: tl.constexpr):
+        HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, U_BF16: tl.constexpr,
+        DT_CLAMP: tl.constexpr):
     """The non-flushing rows (runs after _replay_flush_kernel in the same stream): outputs of T
     entries from the packed read copy and the buffer, output-only, and their appends."""
     pid = tl.program_id(0)
@@ -439,7 +443,8 @@ def _replay_read_kernel(
                 tok = row * T + t
                 q, k, v, log_a, beta, skip = _front_end(
                     q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, tok, hv, hk, rows,
-                    cols, scale, HK, HV, DK, DV, DELTA, L2NORM, HAS_DTB, HAS_D)
+                    cols, scale, dt_lo, dt_hi, HK, HV, DK, DV, DELTA, L2NORM, HAS_DTB, HAS_D,
+                    DT_CLAMP)
                 p = h + t
                 Gp = Gp + log_a
                 prev = jj < p
@@ -727,7 +732,7 @@ READ_VARIANTS = ("block", "kh")
 
 def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, out, scale,
             use_qk_l2norm, T, step, force, block_v, num_warps, flush_config=None,
-            read_variant=None):
+            read_variant=None, dt_limit=None):
     delta = store.kind == "gdn"
     read_variant = read_variant or "block"
     if read_variant not in READ_VARIANTS:
@@ -753,6 +758,7 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
     if not step and T > store.max_drafts:
         raise ValueError(f"T={T} drafts, but the store was built with max_drafts="
                          f"{store.max_drafts} (ReplayStore.from_state(..., max_drafts=T))")
+    dt_lo, dt_hi, dt_clamp = dt_limit_args(dt_limit)
     idx = _indices(state_indices, B, q.device)
     if out is None:
         out = torch.empty(*lead, HV, dv, dtype=torch.float32, device=q.device)
@@ -768,11 +774,11 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
     sc = float(scale if scale is not None else 1.0 / math.sqrt(dk))
     common = dict(HK=HK, HV=HV, DK=dk, DV=dv, L=store.L, CAP=store.capacity, T=T, STEP=step,
                   RFMT=rfid, DELTA=delta, L2NORM=use_qk_l2norm, HAS_DTB=dt_bias is not None,
-                  HAS_D=D is not None, HAS_Z=z is not None)
+                  HAS_D=D is not None, HAS_Z=z is not None, DT_CLAMP=dt_clamp)
     _replay_flush_kernel[(B * HV, dv // FBV)](
         Ap, As, Ag, Rp, Rs, Rg, store.kbuf, store.vbuf, store.Gbuf, store.bbuf,
         store.committed, store.start, store.n_flush, idx, out, *inputs,
-        sc, *split_key(store.key), int(force), BV=FBV,
+        sc, *split_key(store.key), int(force), dt_lo, dt_hi, BV=FBV,
         AFMT=afid, ASR=store.anchor.rounding == "stochastic", RSR=rr, SHARED=store.shared,
         num_warps=fnw, **common)
     if not force and read_variant == "kh":
@@ -789,7 +795,7 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
     elif not force:
         _replay_read_kernel[(B * HV, dv // BV)](
             Rp, Rs, Rg, store.kbuf, store.vbuf, ubuf, store.Gbuf, store.bbuf,
-            store.committed, store.start, idx, out, *inputs, sc, int(force), BV=BV,
+            store.committed, store.start, idx, out, *inputs, sc, int(force), dt_lo, dt_hi, BV=BV,
             LP=max(16, triton.next_power_of_2(store.L)),
             U_BF16=store.ubuf is not None and store.ubuf.dtype == torch.bfloat16,
             num_warps=nw, **common)
@@ -838,8 +844,9 @@ def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, stat
 
 def replay_mamba2_step(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None, z=None,
                        dt_bias=None, out=None, path="auto", block_v=None, num_warps=None,
-                       advance=True, flush_config=None):
-    """One Mamba-2 replay decode step (Triton), inputs as conventional_mamba2_step (x, B bf16).
+                       advance=True, flush_config=None, dt_limit=NO_DT_LIMIT):
+    """One Mamba-2 replay decode step (Triton), inputs as conventional_mamba2_step (x, B bf16;
+    dt_limit = (lo, hi) clamps softplus(dt + dt_bias), (0, inf): no clamp).
     path, advance: as replay_gdn_step (default 'auto': only s32_rs-like shared FP32 anchors switch
     to a flush every step below the measured batch threshold)."""
     if store.kind != "mamba2":
@@ -847,7 +854,7 @@ def replay_mamba2_step(store: ReplayStore, x, dt, A, B, C, state_indices=None, D
     _no_pending(store)
     force = _force(path, store, x.shape[0])
     out, idx = _launch(store, C, B, x, dt, None, A, dt_bias, D, z, state_indices, out, None,
-                       False, 1, True, force, block_v, num_warps, flush_config)
+                       False, 1, True, force, block_v, num_warps, flush_config, dt_limit=dt_limit)
     if advance:
         advance_pointers(store, idx, 1, True, force)
     return out
@@ -1006,10 +1013,10 @@ def replay_gdn_step_ref(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None,
 
 def replay_mamba2_step_ref(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None, z=None,
                            dt_bias=None, out=None, path="auto", block_v=None, num_warps=None,
-                           advance=True, flush_config=None):
+                           advance=True, flush_config=None, dt_limit=NO_DT_LIMIT):
     """torch reference of replay_mamba2_step."""
     force = _force(path, store, x.shape[0])
-    q, k, v, log_a, d = mamba2_frontend_ref(x, dt, A, B, C, dt_bias)
+    q, k, v, log_a, d = mamba2_frontend_ref(x, dt, A, B, C, dt_bias, dt_limit)
     fe = tuple(t.unsqueeze(1) for t in (q, k, v, log_a, d))
     post = lambda y, b_, t: mamba2_post_ref(y[None], x[b_:b_ + 1], D,  # noqa: E731
                                             None if z is None else z[b_:b_ + 1])[0]

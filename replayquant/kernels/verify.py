@@ -34,6 +34,7 @@ import triton.language as tl
 from replayquant.kernels.conventional import (ConventionalStore, PackedRole, _check_inputs,
                                               _front_end, _gate_out, _indices, _prep,
                                               _rank1_step, _tile_load, _tile_store,
+                                              NO_DT_LIMIT, dt_limit_args,
                                               gdn_frontend_ref, launch_config,
                                               mamba2_frontend_ref, mamba2_post_ref,
                                               role_streams, split_key)
@@ -90,15 +91,17 @@ def replay_gdn_verify(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, st
 
 
 def replay_mamba2_verify(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None, z=None,
-                         dt_bias=None, out=None, block_v=None, num_warps=None, flush_config=None):
+                         dt_bias=None, out=None, block_v=None, num_warps=None, flush_config=None,
+                         dt_limit=NO_DT_LIMIT):
     """Outputs of T Mamba-2 drafts [B, T, H, P] (Triton). x [B, T, H, P], dt [B, T, H],
-    B, C [B, T, G, N], z [B, T, H, P] (x, B bf16)."""
+    B, C [B, T, G, N], z [B, T, H, P] (x, B bf16); dt_limit as replay_mamba2_step."""
     if store.kind != "mamba2":
         raise ValueError("replay_mamba2_verify needs a store built with kind='mamba2'")
     T = _draft_count(x, "x")
     _pending(store, T, "verify")
     out, idx = _launch(store, C, B, x, dt, None, A, dt_bias, D, z, state_indices, out, None,
-                       False, T, False, False, block_v, num_warps, flush_config)
+                       False, T, False, False, block_v, num_warps, flush_config,
+                       dt_limit=dt_limit)
     advance_pointers(store, idx, T, step=False)
     store.pending_T = T
     return out
@@ -148,12 +151,12 @@ def replay_gdn_verify_ref(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None
 
 def replay_mamba2_verify_ref(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None,
                              z=None, dt_bias=None, out=None, block_v=None, num_warps=None,
-                             flush_config=None):
+                             flush_config=None, dt_limit=NO_DT_LIMIT):
     """torch reference of replay_mamba2_verify."""
     T = _draft_count(x, "x")
     _pending(store, T, "verify")
     fe = mamba2_frontend_ref(x.flatten(0, 1), dt.flatten(0, 1), A, B.flatten(0, 1),
-                             C.flatten(0, 1), dt_bias)
+                             C.flatten(0, 1), dt_bias, dt_limit)
     fe = tuple(t.unflatten(0, (x.shape[0], T)) for t in fe)
     post = lambda y, b_, t: mamba2_post_ref(y[None], x[b_:b_ + 1, t], D,  # noqa: E731
                                             None if z is None else z[b_:b_ + 1, t])[0]
@@ -182,11 +185,11 @@ def make_snapshots(store: ConventionalStore, T: int) -> PackedRole:
 def _conv_verify_kernel(
         S_pay, S_sc, S_gs, P_pay, P_sc, P_gs, ncast_ptr, idx_ptr, out_ptr,
         q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr,
-        scale, key_lo, key_hi,
+        scale, key_lo, key_hi, dt_lo, dt_hi,
         HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
         BV: tl.constexpr, T: tl.constexpr, FMT: tl.constexpr, SR: tl.constexpr,
         DELTA: tl.constexpr, L2NORM: tl.constexpr, HAS_DTB: tl.constexpr, HAS_D: tl.constexpr,
-        HAS_Z: tl.constexpr):
+        HAS_Z: tl.constexpr, DT_CLAMP: tl.constexpr):
     pid = tl.program_id(0)
     vb = tl.program_id(1)
     row = pid // HV
@@ -202,7 +205,7 @@ def _conv_verify_kernel(
             tok = row * T + t
             q, k, v, log_a, beta, skip = _front_end(
                 q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, tok, hv, hk, rows, cols,
-                scale, HK, HV, DK, DV, DELTA, L2NORM, HAS_DTB, HAS_D)
+                scale, dt_lo, dt_hi, HK, HV, DK, DV, DELTA, L2NORM, HAS_DTB, HAS_D, DT_CLAMP)
             S, y = _rank1_step(S, q, k, v, log_a, beta, DELTA)
             snap = (slot * T + t) * HV + hv
             _tile_store(S, P_pay, P_sc, P_gs, snap, rows, cols, key_lo, key_hi, nc + t + 1, slot,
@@ -219,7 +222,8 @@ def _conv_verify_kernel(
 
 
 def _conv_verify(store: ConventionalStore, snaps: PackedRole, q, k, v, a, b, A, dt_bias, D, z,
-                 state_indices, out, scale, delta, use_qk_l2norm, block_v, num_warps):
+                 state_indices, out, scale, delta, use_qk_l2norm, block_v, num_warps,
+                 dt_limit=None):
     st = store.state
     N, HV, dv, dk = st.shape
     if q.dim() != 4:
@@ -234,6 +238,7 @@ def _conv_verify(store: ConventionalStore, snaps: PackedRole, q, k, v, a, b, A, 
         "v" if delta else "x": (v, (B, T, HV, dv)), "a" if delta else "dt": (a, (B, T, HV)),
         "b": (b, (B, T, HV)), "A_log" if delta else "A": (A, (HV,)), "dt_bias": (dt_bias, (HV,)),
         "D": (D, (HV,)), "z": (z, (B, T, HV, dv))})
+    dt_lo, dt_hi, dt_clamp = dt_limit_args(dt_limit)
     idx = _indices(state_indices, B, q.device)
     if out is None:
         out = torch.empty(B, T, HV, dv, dtype=torch.float32, device=q.device)
@@ -247,9 +252,10 @@ def _conv_verify(store: ConventionalStore, snaps: PackedRole, q, k, v, a, b, A, 
         q, k, v, a, b if b is not None else dummy, A, dt_bias if dt_bias is not None else dummy,
         D if D is not None else dummy, z if z is not None else dummy,
         float(scale if scale is not None else 1.0 / math.sqrt(dk)), *split_key(store.key),
+        dt_lo, dt_hi,
         HK=HK, HV=HV, DK=dk, DV=dv, BV=BV, T=T, FMT=fid, SR=st.rounding == "stochastic",
         DELTA=delta, L2NORM=use_qk_l2norm, HAS_DTB=dt_bias is not None, HAS_D=D is not None,
-        HAS_Z=z is not None, num_warps=nw)
+        HAS_Z=z is not None, DT_CLAMP=dt_clamp, num_warps=nw)
     return out
 
 
@@ -264,10 +270,11 @@ def conventional_gdn_verify(store: ConventionalStore, snaps: PackedRole, q, k, v
 
 def conventional_mamba2_verify(store: ConventionalStore, snaps: PackedRole, x, dt, A, B, C,
                                state_indices=None, D=None, z=None, dt_bias=None, out=None,
-                               block_v=None, num_warps=None):
-    """T Mamba-2 drafts with per-draft snapshots (Triton). Returns y [B, T, H, P]."""
+                               block_v=None, num_warps=None, dt_limit=NO_DT_LIMIT):
+    """T Mamba-2 drafts with per-draft snapshots (Triton). Returns y [B, T, H, P].
+    dt_limit as conventional_mamba2_step."""
     return _conv_verify(store, snaps, C, B, x, dt, None, A, dt_bias, D, z, state_indices, out,
-                        None, False, False, block_v, num_warps)
+                        None, False, False, block_v, num_warps, dt_limit)
 
 
 @triton.jit
@@ -379,11 +386,11 @@ def conventional_gdn_verify_ref(store: ConventionalStore, snaps: PackedRole, q, 
 
 def conventional_mamba2_verify_ref(store: ConventionalStore, snaps: PackedRole, x, dt, A, B, C,
                                    state_indices=None, D=None, z=None, dt_bias=None, out=None,
-                                   block_v=None, num_warps=None):
+                                   block_v=None, num_warps=None, dt_limit=NO_DT_LIMIT):
     """torch reference of conventional_mamba2_verify."""
     Bt, T = x.shape[:2]
     q, k, v, log_a, _ = mamba2_frontend_ref(x.flatten(0, 1), dt.flatten(0, 1), A,
-                                            B.flatten(0, 1), C.flatten(0, 1), dt_bias)
+                                            B.flatten(0, 1), C.flatten(0, 1), dt_bias, dt_limit)
     fe = tuple(t.unflatten(0, (Bt, T)) for t in (q, k, v, log_a)) + (None,)
     post = lambda y, b_, t: mamba2_post_ref(y[None], x[b_:b_ + 1, t], D,  # noqa: E731
                                             None if z is None else z[b_:b_ + 1, t])[0]

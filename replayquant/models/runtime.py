@@ -16,9 +16,10 @@ Which path runs:
   interpreter) the Triton replay decode kernel `replay_gdn_step` / `replay_mamba2_step` of
   `replayquant.kernels.replay_decode`, fed the layer's raw inputs (GDN: q, k, v after the short
   convolution, a, b, A_log, dt_bias; the kernel does the L2 norm, softplus and sigmoid; Mamba-2:
-  x, dt, A, B, C, dt_bias; the D skip and the gated norm stay in the layer). Elsewhere
+  x, dt, A, B, C, dt_bias, and its time_step_limit, which the kernel clamps dt to (Nemotron-H);
+  the D skip and the gated norm stay in the layer). Elsewhere
   `ReplayState.step`, the torch reference. `decode_path()` says which; a layer the kernel does
-  not handle (d_k or d_v not a power of two >= 16, a Mamba-2 dt limit) runs the torch reference
+  not handle (d_k or d_v not a power of two >= 16) runs the torch reference
   with one warning per layer that names the reason.
 * any other forward (prompt, teacher forcing, segments continuing a cache): the chunked scan
   (DESIGN section 7). On CUDA tensors (or with REPLAYQUANT_BACKEND=triton) the Triton kernel
@@ -38,7 +39,6 @@ in bf16 and GDN's u in bf16 (issue 4), so buffered entries are rounded to bf16 o
 
 from __future__ import annotations
 
-import math
 import warnings
 
 import torch
@@ -68,16 +68,17 @@ def decode_path(x: torch.Tensor | None = None, d_k: int | None = None, d_v: int 
     """Which implementation a decode step runs for inputs like x with d_k x d_v states:
     'triton' (the replay decode kernel, replayquant.kernels.replay_decode), 'torch'
     (ReplayState.step) or 'torch (<why the kernel cannot run>)'. x None: the CPU
-    (REPLAYQUANT_BACKEND decides). dt_limit: a Mamba-2 layer's time_step_limit."""
+    (REPLAYQUANT_BACKEND decides). dt_limit: a Mamba-2 layer's time_step_limit (the kernel
+    clamps dt to it, so it never forces the torch path; a malformed one raises ValueError)."""
     if not use_triton(x if x is not None else torch.empty(0)):
         return "torch"
     why = []
     if d_k is not None and d_v is not None and not (_pow2_16(d_k) and _pow2_16(d_v)):
         why.append(f"the Triton replay decode kernel needs d_k, d_v powers of two >= 16, got "
                    f"d_k={d_k}, d_v={d_v}")
-    if dt_limit is not None and tuple(float(t) for t in dt_limit) != (0.0, math.inf):
-        why.append(f"the Triton replay decode kernel does not clamp dt (time_step_limit="
-                   f"{tuple(dt_limit)})")
+    if dt_limit is not None:
+        from replayquant.kernels.conventional import dt_limit_args
+        dt_limit_args(dt_limit)
     if why:
         return "torch (" + "; ".join(why) + ")"
     return "triton"
@@ -263,7 +264,8 @@ class KernelDecodeState:
                                       path=DECODE_KERNEL_PATH)
         return rd.replay_mamba2_step(self.store, raw["x"].to(bf), raw["dt"], raw["A"],
                                      raw["B"].to(bf), raw["C"], state_indices=self.state_indices,
-                                     dt_bias=raw["dt_bias"], path=DECODE_KERNEL_PATH)
+                                     dt_bias=raw["dt_bias"], path=DECODE_KERNEL_PATH,
+                                     dt_limit=raw.get("dt_limit"))
 
 
 class LayerRuntime:
@@ -379,7 +381,7 @@ class LayerRuntime:
                 HK = raw["k"].shape[-2] if self.delta else raw["B"].shape[-2]
                 st = KernelDecodeState(st, HK)
             one = {n: (t[:, 0] if isinstance(t, torch.Tensor) and t.dim() >= 2 else t)
-                   for n, t in raw.items() if n != "dt_limit"}
+                   for n, t in raw.items()}
             return st, st.step(one).unsqueeze(1)
         if path != "torch":
             self._warn_once(f"replayquant decode on {q.device}, layer {self.layer_idx}: {path}")
