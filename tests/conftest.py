@@ -2,3 +2,16 @@ import os
 
 # Triton kernels run on the CPU through the interpreter; this must be set before `import triton`.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_intra_op_thread():
+    """The tests run tiny ops: one intra-op thread is far faster than two contending ones on a
+    2-core CI machine (measured 5-80x on the model and scan tests)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

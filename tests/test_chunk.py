@@ -17,14 +17,6 @@ from replayquant.streams import ANCHOR, layer_seed, sr_stream
 READ_TOL = {"fp32": 1e-5, "fp16": 2e-3, "bf16": 1e-2, "fp8": 0.1, "nvfp4": 0.4}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)   # tiny ops: thread-pool overhead dominates on a loaded machine
-    yield
-    torch.set_num_threads(n)
-
-
 def _inputs(gen, B, T, H, dk, dv, delta):
     q = torch.randn(B, T, H, dk, generator=gen) / dk ** 0.5
     k = F.normalize(torch.randn(B, T, H, dk, generator=gen), dim=-1)

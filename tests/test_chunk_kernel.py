@@ -17,14 +17,6 @@ from replayquant.replay import ReplayState
 READ_TOL = {"fp32": 1e-5, "fp16": 2e-3, "bf16": 1e-2, "fp8": 0.1, "nvfp4": 0.4}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(autouse=True)
 def _poison(monkeypatch):
     """Every tensor the kernel writes starts as NaN: a missed write shows."""

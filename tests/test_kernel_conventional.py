@@ -12,22 +12,13 @@ from replayquant.kernels.conventional import (ConventionalStore, conventional_gd
                                               conventional_mamba2_step_ref, gdn_frontend_ref,
                                               mamba2_frontend_ref, mamba2_post_ref)
 from replayquant.replay import ConventionalState
+from _helpers import assert_states_close
 
 FORMATS = ["fp32", "fp16", "bf16", "fp8", "nvfp4"]
 
 
 def poisoned(*shape):
     return torch.full(shape, float("nan"))
-
-
-def assert_states_close(a: torch.Tensor, b: torch.Tensor, tight=1e-5, frac=0.02):
-    """Dequantized states: equal within float32 reassociation, except a few elements where the
-    tiny difference of the unrounded values crossed a rounding boundary (one grid step)."""
-    assert torch.isfinite(a).all() and torch.isfinite(b).all()
-    scale = b.abs().max().clamp(min=1e-30)
-    d = (a - b).abs()
-    assert (d > tight * scale).float().mean() <= frac, (d.max() / scale).item()
-    assert d.max() <= 0.5 * scale
 
 
 def _step(kind, store, ref, B, HK, H, dk, dv, idx, seed, use_state=None):

@@ -16,17 +16,10 @@ from replayquant.kernels.replay_decode import (ReplayStore, advance_pointers, ch
                                                replay_mamba2_step_ref)
 from replayquant.pairs import PrecisionPair, list_pairs
 from replayquant.replay import ReplayState
+from _helpers import assert_states_close
 
 PAIRS = ["s32_rs", "s16_sr", "sbf16", "tp8_hi32", "tp4_hi32", "tp8_hi16_sr", "tp4_hi16_sr",
          "f4_sr_rs"]
-
-
-def assert_states_close(a, b, tight=1e-5, frac=0.02):
-    assert torch.isfinite(a).all() and torch.isfinite(b).all()
-    scale = b.abs().max().clamp(min=1e-30)
-    d = (a - b).abs()
-    assert (d > tight * scale).float().mean() <= frac, (d.max() / scale).item()
-    assert d.max() <= 0.5 * scale
 
 
 def _tol(pair):

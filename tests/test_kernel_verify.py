@@ -20,20 +20,13 @@ from replayquant.kernels.verify import (conventional_accept, conventional_accept
                                         replay_mamba2_verify_ref)
 from replayquant.pairs import PrecisionPair
 from replayquant.replay import ConventionalState, ReplayState
+from _helpers import assert_states_close
 
 N, HK, H, DK, DV = 4, 1, 2, 32, 16
 IDX = torch.tensor([2, -1, 0, 3, 1])
 LIVE = IDX >= 0
 PERM = torch.empty(N, dtype=torch.long)
 PERM[IDX[LIVE]] = LIVE.nonzero().flatten()
-
-
-def assert_states_close(a, b, tight=1e-5, frac=0.02):
-    assert torch.isfinite(a).all() and torch.isfinite(b).all()
-    scale = b.abs().max().clamp(min=1e-30)
-    d = (a - b).abs()
-    assert (d > tight * scale).float().mean() <= frac, (d.max() / scale).item()
-    assert d.max() <= 0.5 * scale
 
 
 def close(y, yr, tol):

@@ -33,15 +33,6 @@ except ImportError:
 # ------------------------------------------------------------------ fixtures
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matmuls: one thread is faster than two contending ones on a shared CI machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _texts(rng, lengths):
     words = ["".join(rng.choice("etaoinshrdlu") for _ in range(rng.randint(1, 7))) for _ in range(300)]
     return [" ".join(rng.choice(words) for _ in range(n)) for n in lengths]

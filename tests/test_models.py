@@ -47,14 +47,6 @@ def _configs():
 FAMILIES = list(_configs())
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)   # tiny ops: thread-pool overhead dominates on a loaded machine
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     from transformers import AutoModelForCausalLM

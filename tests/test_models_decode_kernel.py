@@ -38,14 +38,6 @@ PAIRS = ("s32_rs", "tp4_hi32")
 DT_FLOOR = 0.5             # the tiny Nemotron-H's time_step_min (its dt clamp floor)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _model(fam: str):
     from transformers import AutoModelForCausalLM, Mamba2Config, NemotronHConfig, Qwen3_5TextConfig
     torch.manual_seed({"qwen3_5": 11, "mamba2": 12}.get(fam, 13))
