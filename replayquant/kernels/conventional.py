@@ -296,6 +296,18 @@ def _l2norm(x):
 
 
 @triton.jit
+def _program_tile(idx_ptr, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr):
+    """Grid (batch row x value head, row block) -> batch row, value head, its key head, the
+    block's state rows and columns, and the row's state slot (negative: padding row)."""
+    pid = tl.program_id(0)
+    row = pid // HV
+    hv = pid % HV
+    rows = tl.program_id(1) * BV + tl.arange(0, BV)
+    slot = tl.load(idx_ptr + row).to(tl.int64)
+    return row, hv, hv // (HV // HK), rows, tl.arange(0, DK), slot
+
+
+@triton.jit
 def _front_end(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, row, hv, hk, rows, cols,
                scale, dt_lo, dt_hi, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
                DV: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr, HAS_DTB: tl.constexpr,
@@ -454,14 +466,7 @@ def _conventional_kernel(
         BV: tl.constexpr, FMT: tl.constexpr, SR: tl.constexpr, DELTA: tl.constexpr,
         L2NORM: tl.constexpr, HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
         DT_CLAMP: tl.constexpr):
-    pid = tl.program_id(0)
-    vb = tl.program_id(1)
-    row = pid // HV
-    hv = pid % HV
-    hk = hv // (HV // HK)
-    rows = vb * BV + tl.arange(0, BV)
-    cols = tl.arange(0, DK)
-    slot = tl.load(idx_ptr + row).to(tl.int64)
+    row, hv, hk, rows, cols, slot = _program_tile(idx_ptr, HK, HV, DK, BV)
     if slot >= 0:
         q, k, v, log_a, beta, skip = _front_end(
             q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, row, hv, hk, rows, cols,

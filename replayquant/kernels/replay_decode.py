@@ -47,13 +47,13 @@ import torch
 import triton
 import triton.language as tl
 
-from replayquant.kernels.conventional import (PackedRole, _check_inputs, _front_end,
+from replayquant.kernels.conventional import (_program_tile, PackedRole, _check_inputs, _front_end,
                                               _gate_out, _indices, _l2norm, _pow2_dims, _prep,
                                               _rank1_step, _softplus, _tile_load, _tile_store,
                                               NO_DT_LIMIT, dt_limit_args,
                                               gdn_frontend_ref, mamba2_frontend_ref,
                                               mamba2_post_ref, role_streams, split_key)
-from replayquant.kernels.quant import decode_e2m1, decode_e4m3
+from replayquant.kernels.quant import decode_e4m3
 from replayquant.streams import ANCHOR, READ, layer_seed
 
 __all__ = ["ReplayStore", "replay_gdn_step", "replay_gdn_step_ref", "replay_mamba2_step",
@@ -295,14 +295,7 @@ def _replay_flush_kernel(
     slots (h + T > L, h > 0) are folded into the anchor first; (2) a step whose entry fills the
     buffer (h + 1 == L, or force) rebuilds through it, outputs S q and casts both roles.
     Other rows return at once (their programs only read h)."""
-    pid = tl.program_id(0)
-    vb = tl.program_id(1)
-    row = pid // HV
-    hv = pid % HV
-    hk = hv // (HV // HK)
-    rows = vb * BV + tl.arange(0, BV)
-    cols = tl.arange(0, DK)
-    slot = tl.load(idx_ptr + row).to(tl.int64)
+    row, hv, hk, rows, cols, slot = _program_tile(idx_ptr, HK, HV, DK, BV)
     if slot >= 0:
         mat = slot * HV + hv
         h = tl.load(h_ptr + slot)
@@ -413,15 +406,8 @@ def _replay_read_kernel(
         DT_CLAMP: tl.constexpr):
     """The non-flushing rows (runs after _replay_flush_kernel in the same stream): outputs of T
     entries from the packed read copy and the buffer, output-only, and their appends."""
-    pid = tl.program_id(0)
-    vb = tl.program_id(1)
-    row = pid // HV
-    hv = pid % HV
-    hk = hv // (HV // HK)
-    rows = vb * BV + tl.arange(0, BV)
-    cols = tl.arange(0, DK)
+    row, hv, hk, rows, cols, slot = _program_tile(idx_ptr, HK, HV, DK, BV)
     jj = tl.arange(0, LP)
-    slot = tl.load(idx_ptr + row).to(tl.int64)
     if slot >= 0:
         mat = slot * HV + hv
         # issued before the pointers are known: one dependent load less on the critical path
@@ -475,7 +461,7 @@ def _replay_read_kernel(
                 tl.store(vbuf + (e * HV + hv) * DV + rows, xraw.to(tl.bfloat16))
                 if DELTA:
                     tl.store(ubuf + (e * HV + hv) * DV + rows, u.to(ubuf.dtype.element_ty))
-                if vb == 0:
+                if tl.program_id(1) == 0:       # one row block writes the per-head entries
                     tl.store(Gbuf + e * HV + hv, Gp)
                     tl.store(bbuf + e * HV + hv, beta)
                     if hv % (HV // HK) == 0:
@@ -935,7 +921,6 @@ def replay_ref_core(store: ReplayStore, fe, raw, state_indices, T: int, step: bo
     B = q.shape[0]
     N, H, dv, dk = store.shape
     L = store.L
-    r = H // store.key_heads
     idx = _indices(state_indices, B, q.device).long()
     y = torch.zeros(B, T, H, dv, dtype=torch.float32, device=q.device)
     bf = torch.bfloat16 if store.ubuf is None else store.ubuf.dtype

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from replayquant.kernels.conventional import (ConventionalStore, PackedRole, _check_inputs,
+from replayquant.kernels.conventional import (_program_tile, ConventionalStore, PackedRole, _check_inputs,
                                               _front_end, _gate_out, _indices, _prep,
                                               _rank1_step, _tile_load, _tile_store,
                                               NO_DT_LIMIT, dt_limit_args,
@@ -190,14 +190,7 @@ def _conv_verify_kernel(
         BV: tl.constexpr, T: tl.constexpr, FMT: tl.constexpr, SR: tl.constexpr,
         DELTA: tl.constexpr, L2NORM: tl.constexpr, HAS_DTB: tl.constexpr, HAS_D: tl.constexpr,
         HAS_Z: tl.constexpr, DT_CLAMP: tl.constexpr):
-    pid = tl.program_id(0)
-    vb = tl.program_id(1)
-    row = pid // HV
-    hv = pid % HV
-    hk = hv // (HV // HK)
-    rows = vb * BV + tl.arange(0, BV)
-    cols = tl.arange(0, DK)
-    slot = tl.load(idx_ptr + row).to(tl.int64)
+    row, hv, hk, rows, cols, slot = _program_tile(idx_ptr, HK, HV, DK, BV)
     if slot >= 0:
         S = _tile_load(S_pay, S_sc, S_gs, slot * HV + hv, rows, cols, DV, DK, BV, FMT)
         nc = tl.load(ncast_ptr + slot)
@@ -325,7 +318,6 @@ def conventional_accept(store: ConventionalStore, snaps: PackedRole, n, state_in
 def conventional_accept_ref(store: ConventionalStore, snaps: PackedRole, n, state_indices=None,
                             check=True):
     st = store.state
-    N = st.shape[0]
     T = snaps.T
     B = n.shape[0] if isinstance(n, torch.Tensor) else state_indices.shape[0]
     idx = _indices(state_indices, B, st.payload.device).long()
