@@ -611,6 +611,15 @@ def _conventional_ref(store, q, k, v, log_a, beta, state_indices, delta):
     return y, idx, live
 
 
+def _into(out, y):
+    """A reference's result, written into the caller's `out` buffer where given (the kernels'
+    contract), else returned as is."""
+    if out is None:
+        return y
+    out.copy_(y)
+    return out
+
+
 def conventional_gdn_step_ref(store: ConventionalStore, q, k, v, a, b, A_log, dt_bias=None,
                               state_indices=None, scale=None, out=None, use_qk_l2norm=True,
                               block_v=None, num_warps=None, advance=True):
@@ -619,10 +628,7 @@ def conventional_gdn_step_ref(store: ConventionalStore, q, k, v, a, b, A_log, dt
     y, idx, live = _conventional_ref(store, qf, kf, vf, g, beta, state_indices, True)
     if advance and live.numel():
         store.n_casts[idx[live]] += 1
-    if out is not None:
-        out.copy_(y)
-        return out
-    return y
+    return _into(out, y)
 
 
 def conventional_mamba2_step(store: ConventionalStore, x, dt, A, B, C, state_indices=None, D=None,
@@ -647,7 +653,4 @@ def conventional_mamba2_step_ref(store: ConventionalStore, x, dt, A, B, C, state
     y[idx < 0] = 0
     if advance and live.numel():
         store.n_casts[idx[live]] += 1
-    if out is not None:
-        out.copy_(y)
-        return out
-    return y
+    return _into(out, y)

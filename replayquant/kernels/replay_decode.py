@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from replayquant.kernels.conventional import (_program_tile, PackedRole, _check_inputs, _front_end,
+from replayquant.kernels.conventional import (_into, _program_tile, PackedRole, _check_inputs, _front_end,
                                               _gate_out, _indices, _l2norm, _pow2_dims, _prep,
                                               _rank1_step, _softplus, _tile_load, _tile_store,
                                               NO_DT_LIMIT, dt_limit_args,
@@ -990,10 +990,7 @@ def replay_gdn_step_ref(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None,
                         force)[:, 0]
     if advance:
         advance_pointers_ref(store, _indices(state_indices, q.shape[0], q.device), 1, True, force)
-    if out is not None:
-        out.copy_(y)
-        return out
-    return y
+    return _into(out, y)
 
 
 def replay_mamba2_step_ref(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None, z=None,
@@ -1009,7 +1006,4 @@ def replay_mamba2_step_ref(store: ReplayStore, x, dt, A, B, C, state_indices=Non
                         post)[:, 0]
     if advance:
         advance_pointers_ref(store, _indices(state_indices, x.shape[0], x.device), 1, True, force)
-    if out is not None:
-        out.copy_(y)
-        return out
-    return y
+    return _into(out, y)

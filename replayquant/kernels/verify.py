@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from replayquant.kernels.conventional import (_program_tile, ConventionalStore, PackedRole, _check_inputs,
+from replayquant.kernels.conventional import (_into, _program_tile, ConventionalStore, PackedRole, _check_inputs,
                                               _front_end, _gate_out, _indices, _prep,
                                               _rank1_step, _tile_load, _tile_store,
                                               NO_DT_LIMIT, dt_limit_args,
@@ -143,10 +143,7 @@ def replay_gdn_verify_ref(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None
     y = replay_ref_core(store, fe, (k, v), state_indices, T, False, False)
     advance_pointers_ref(store, _indices(state_indices, q.shape[0], q.device), T, step=False)
     store.pending_T = T
-    if out is not None:
-        out.copy_(y)
-        return out
-    return y
+    return _into(out, y)
 
 
 def replay_mamba2_verify_ref(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None,
@@ -163,10 +160,7 @@ def replay_mamba2_verify_ref(store: ReplayStore, x, dt, A, B, C, state_indices=N
     y = replay_ref_core(store, fe, (B, x), state_indices, T, False, False, post)
     advance_pointers_ref(store, _indices(state_indices, x.shape[0], x.device), T, step=False)
     store.pending_T = T
-    if out is not None:
-        out.copy_(y)
-        return out
-    return y
+    return _into(out, y)
 
 
 # ============================================================================ conventional
@@ -370,10 +364,7 @@ def conventional_gdn_verify_ref(store: ConventionalStore, snaps: PackedRole, q, 
                           b.flatten(0, 1), A_log, dt_bias, scale, use_qk_l2norm)
     fe = tuple(t.unflatten(0, (B, T)) for t in fe)
     y = _conv_verify_ref(store, snaps, fe, state_indices, None)
-    if out is not None:
-        out.copy_(y)
-        return out
-    return y
+    return _into(out, y)
 
 
 def conventional_mamba2_verify_ref(store: ConventionalStore, snaps: PackedRole, x, dt, A, B, C,
@@ -387,7 +378,4 @@ def conventional_mamba2_verify_ref(store: ConventionalStore, snaps: PackedRole, 
     post = lambda y, b_, t: mamba2_post_ref(y[None], x[b_:b_ + 1, t], D,  # noqa: E731
                                             None if z is None else z[b_:b_ + 1, t])[0]
     y = _conv_verify_ref(store, snaps, fe, state_indices, post)
-    if out is not None:
-        out.copy_(y)
-        return out
-    return y
+    return _into(out, y)
