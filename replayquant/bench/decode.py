@@ -496,26 +496,34 @@ def bench_conventional(kind, B, device, copy_bw, cfg=None, S=None):
     return rows
 
 
+def _replay_setup(kind, B, pair, L, device, cfg, S):
+    """Inputs, output buffer and R rotated ReplayStore copies (cold L2) of one (pair, L) at
+    batch B: (H, HK, dv, dk, step functions, idx, inputs, out, anchor fmt, read fmt, config, R,
+    stores)."""
+    from replayquant.kernels.replay_decode import ReplayStore
+    S = S or SHAPES[kind]
+    H, HK, dv, dk = S["H"], S["HK"], S["dv"], S["dk"]
+    init = random_state(B, H, dv, dk, seed=B, device=device)
+    idx = torch.arange(B, dtype=torch.int32, device=device)
+    kw = _kw(kind, S, B, seed=1, device=device)
+    out = torch.empty(B, H, dv, device=device)
+    P, af, rf = _pair(pair, L)
+    c = _cfg(cfg or {}, pair)
+    per = B * H * (state_bytes(af, dv, dk) + (state_bytes(rf, dv, dk) if rf else 0))
+    R = _rotations(per, device)
+    sts = [ReplayStore.from_state(init, P, kind, key_heads=HK) for _ in range(R)]
+    return H, HK, dv, dk, _fns(kind), idx, kw, out, af, rf, c, R, sts
+
+
 def bench_replay(kind, B, pair, L, device, copy_bw, cfg=None, detail=False, forced=False,
                  pointer=False, S=None):
     """Replay rows of one (pair, L) at batch B: the mean step of a whole window of L steps (one
     flush per row; state copies rotated for a cold L2; pointer kernel included); with detail the
     read step (h = L/2) and the flush step alone; with forced the path='flush' step (every step
     flushes: the small-batch dispatch); with pointer the pointer kernel alone."""
-    from replayquant.kernels.replay_decode import ReplayStore, advance_pointers
-    cfg = cfg or {}
-    S = S or SHAPES[kind]
-    H, HK, dv, dk = S["H"], S["HK"], S["dv"], S["dk"]
-    f = _fns(kind)
-    init = random_state(B, H, dv, dk, seed=B, device=device)
-    idx = torch.arange(B, dtype=torch.int32, device=device)
-    kw = _kw(kind, S, B, seed=1, device=device)
-    out = torch.empty(B, H, dv, device=device)
-    P, af, rf = _pair(pair, L)
-    c = _cfg(cfg, pair)
-    per = B * H * (state_bytes(af, dv, dk) + (state_bytes(rf, dv, dk) if rf else 0))
-    R = _rotations(per, device)
-    sts = [ReplayStore.from_state(init, P, kind, key_heads=HK) for _ in range(R)]
+    from replayquant.kernels.replay_decode import advance_pointers
+    H, HK, dv, dk, f, idx, kw, out, af, rf, c, R, sts = _replay_setup(kind, B, pair, L, device,
+                                                                     cfg, S)
     calls = [lambda st=st: f["step"](st, **kw, state_indices=idx, out=out, path="replay", **c)
              for st in sts]
     ms = time_calls(lambda: [g() for g in calls], L) / R
@@ -556,7 +564,7 @@ def bench_replay(kind, B, pair, L, device, copy_bw, cfg=None, detail=False, forc
         ms = time_calls(lambda: advance_pointers(st, idx), 8)
         rows.append(_row(kind, "pointer-advance", "-", B, ms, None, copy_bw,
                          note="once per token for all layers of a model"))
-    del sts, calls, init
+    del sts, calls
     _empty_cache()
     return rows
 
@@ -564,20 +572,8 @@ def bench_replay(kind, B, pair, L, device, copy_bw, cfg=None, detail=False, forc
 def bench_replay_kh(kind, B, pair, L, device, copy_bw, cfg=None, detail=False, S=None):
     """GDN read_variant='kh' (one program per (row, key head)): the window at batch B (state
     copies rotated as in bench_replay) and, with detail, its read-step configs and best."""
-    from replayquant.kernels.replay_decode import ReplayStore
-    cfg = cfg or {}
-    S = S or SHAPES[kind]
-    H, HK, dv, dk = S["H"], S["HK"], S["dv"], S["dk"]
-    f = _fns(kind)
-    init = random_state(B, H, dv, dk, seed=B, device=device)
-    idx = torch.arange(B, dtype=torch.int32, device=device)
-    kw = _kw(kind, S, B, seed=1, device=device)
-    out = torch.empty(B, H, dv, device=device)
-    P, af, rf = _pair(pair, L)
-    c = _cfg(cfg, pair)
-    per = B * H * (state_bytes(af, dv, dk) + (state_bytes(rf, dv, dk) if rf else 0))
-    R = _rotations(per, device)
-    sts = [ReplayStore.from_state(init, P, kind, key_heads=HK) for _ in range(R)]
+    H, HK, dv, dk, f, idx, kw, out, af, rf, c, R, sts = _replay_setup(kind, B, pair, L, device,
+                                                                     cfg, S)
     st = sts[0]
     rows = []
     # read_variant='kh' (one program per (row, key head)): its own configs at the detail
@@ -608,7 +604,7 @@ def bench_replay_kh(kind, B, pair, L, device, copy_bw, cfg=None, detail=False, S
     rows.append(_row(kind, "replay-window-kh", pair, B, ms,
                      replay_window_bytes(kind, af, rf, L, B, H, HK, dv, dk), copy_bw, L=L,
                      config={**ck, **fc}, rot=R, note="read_variant='kh'"))
-    del sts, calls, init
+    del sts, calls
     _empty_cache()
     return rows
 
