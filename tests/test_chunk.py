@@ -4,10 +4,10 @@ and unsegmented, padding, the same SR bits."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from replayquant.kernels.chunk_ref import (chunk_scan_ref, initial_scan_state, scan_state_of,
                                            teacher_force)
+from _helpers import scan_inputs
 from replayquant.pairs import PrecisionPair, list_pairs
 from replayquant.replay import ReplayState, recurrent_reference
 from replayquant.streams import ANCHOR, layer_seed, sr_stream
@@ -15,15 +15,6 @@ from replayquant.streams import ANCHOR, layer_seed, sr_stream
 # relative output tolerance per read format: FP32 arithmetic reassociates (~1e-6); a value that
 # lands on a rounding boundary can flip by one step of the read format.
 READ_TOL = {"fp32": 1e-5, "fp16": 2e-3, "bf16": 1e-2, "fp8": 0.1, "nvfp4": 0.4}
-
-
-def _inputs(gen, B, T, H, dk, dv, delta):
-    q = torch.randn(B, T, H, dk, generator=gen) / dk ** 0.5
-    k = F.normalize(torch.randn(B, T, H, dk, generator=gen), dim=-1)
-    v = torch.randn(B, T, H, dv, generator=gen)
-    log_a = torch.log(0.9 + 0.1 * torch.rand(B, T, H, generator=gen))
-    beta = torch.rand(B, T, H, generator=gen) if delta else None
-    return q, k, v, log_a, beta
 
 
 def _sl(t, a, b):
@@ -66,7 +57,7 @@ def test_scan_equals_step_decode(name, delta):
     B, T, H, dk, dv = 2, 23, 2, 16, 8
     for L in (1, 5):
         pair = PrecisionPair.load(name).with_buffer_len(L)
-        q, k, v, log_a, beta = _inputs(gen, B, T, H, dk, dv, delta)
+        q, k, v, log_a, beta = scan_inputs(gen, B, T, H, dk, dv, delta)
         S0 = torch.randn(B, H, dv, dk, generator=gen) * 0.5
         ref_st = ReplayState(S0, pair, delta=delta, seed=11, layer=2)
         y_ref = _step_all(ref_st, q, k, v, log_a, beta)
@@ -91,7 +82,7 @@ def test_scan_equals_step_decode(name, delta):
         _close(pair, torch.cat(ys, 1), y_ref, f"L={L} segmented")
         _anchors_match(pair, st, ref_st)
         # the states continue alike: a few more decode steps
-        q2, k2, v2, la2, b2 = _inputs(gen, B, 4, H, dk, dv, delta)
+        q2, k2, v2, la2, b2 = scan_inputs(gen, B, 4, H, dk, dv, delta)
         _close(pair, _step_all(st, q2, k2, v2, la2, b2), _step_all(ref_st, q2, k2, v2, la2, b2),
                f"L={L} continued")
 
@@ -102,7 +93,7 @@ def test_sr_bits_and_read_format_independence(delta):
     no element sits on a boundary); only the read format changing leaves the anchor identical."""
     gen = torch.Generator().manual_seed(5 + delta)
     B, T, H, dk, dv = 2, 20, 2, 16, 16
-    q, k, v, log_a, beta = _inputs(gen, B, T, H, dk, dv, delta)
+    q, k, v, log_a, beta = scan_inputs(gen, B, T, H, dk, dv, delta)
     S0 = torch.randn(B, H, dv, dk, generator=gen)
     anchors = {}
     for name in ("s16_sr", "tp8_hi16_sr", "tp4_hi16_sr"):
@@ -135,7 +126,7 @@ def test_padding_is_skipped(delta):
     gen = torch.Generator().manual_seed(17 + delta)
     B, T, H, dk, dv = 3, 17, 2, 16, 8
     pair = PrecisionPair.load("tp4_hi16_sr").with_buffer_len(4)
-    q, k, v, log_a, beta = _inputs(gen, B, T, H, dk, dv, delta)
+    q, k, v, log_a, beta = scan_inputs(gen, B, T, H, dk, dv, delta)
     valid = torch.ones(B, T, dtype=torch.bool)
     valid[1, :5] = False                 # left padding
     valid[2, [0, 1, 7, 8, 9, 16]] = False  # scattered
@@ -158,7 +149,7 @@ def test_exact_prefill(delta):
     """exact=True: FP32 outputs (the sequential recurrence) and one cast of the final state."""
     gen = torch.Generator().manual_seed(23 + delta)
     B, T, H, dk, dv = 2, 19, 2, 16, 8
-    q, k, v, log_a, beta = _inputs(gen, B, T, H, dk, dv, delta)
+    q, k, v, log_a, beta = scan_inputs(gen, B, T, H, dk, dv, delta)
     S0 = torch.randn(B, H, dv, dk, generator=gen)
     pair = PrecisionPair.load("tp4_hi16_sr").with_buffer_len(8)
     ss = initial_scan_state(S0, PrecisionPair.load("s32_rs").with_buffer_len(8), delta=delta)
@@ -217,7 +208,7 @@ def test_state_hand_off(delta):
     gen = torch.Generator().manual_seed(31 + delta)
     B, T, H, dk, dv = 2, 9, 2, 16, 8
     pair = PrecisionPair.load("tp4_hi16_sr").with_buffer_len(4)
-    q, k, v, log_a, beta = _inputs(gen, B, T, H, dk, dv, delta)
+    q, k, v, log_a, beta = scan_inputs(gen, B, T, H, dk, dv, delta)
     S0 = torch.randn(B, H, dv, dk, generator=gen)
     st = ReplayState(S0, pair, delta=delta, seed=2, layer=1)
     _step_all(st, *(t[:, :6] for t in (q, k, v, log_a)), _sl(beta, 0, 6))     # 1 flush + 2 buffered

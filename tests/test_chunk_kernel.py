@@ -5,10 +5,10 @@ padding, exact prefill, poisoned outputs."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from replayquant.kernels import chunk
 from replayquant.kernels.chunk_ref import chunk_scan_ref, initial_scan_state, teacher_force
+from _helpers import scan_inputs
 from replayquant.pairs import PrecisionPair
 from replayquant.replay import ReplayState
 
@@ -23,15 +23,6 @@ def _poison(monkeypatch):
     def empty(shape, dtype, device):
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
     monkeypatch.setattr(chunk, "_empty", empty)
-
-
-def _inputs(gen, B, T, H, dk, dv, delta):
-    q = torch.randn(B, T, H, dk, generator=gen) / dk ** 0.5
-    k = F.normalize(torch.randn(B, T, H, dk, generator=gen), dim=-1)
-    v = torch.randn(B, T, H, dv, generator=gen)
-    log_a = torch.log(0.85 + 0.15 * torch.rand(B, T, H, generator=gen))
-    beta = torch.rand(B, T, H, generator=gen) if delta else None
-    return q, k, v, log_a, beta
 
 
 def _codes(qt):
@@ -105,7 +96,7 @@ def test_kernel_equals_reference_segmented(name, L, B, dk, dv, delta):
     H = 2
     pair = PrecisionPair.load(name).with_buffer_len(L)
     T1, T2 = 2 * L + 3, 2 * L + 1
-    q, k, v, log_a, beta = _inputs(gen, B, T1 + T2, H, dk, dv, delta)
+    q, k, v, log_a, beta = scan_inputs(gen, B, T1 + T2, H, dk, dv, delta, a_min=0.85)
     S0 = torch.randn(B, H, dv, dk, generator=gen) * 0.5
     ss = initial_scan_state(S0, pair, delta=delta, seed=4, layer=3)
     seg = lambda t, a, b: None if t is None else t[:, a:b]  # noqa: E731
@@ -126,7 +117,7 @@ def test_kernel_padding_and_exact(delta):
     gen = torch.Generator().manual_seed(40 + delta)
     B, T, H, dk, dv, L = 3, 19, 2, 16, 16, 4
     pair = PrecisionPair.load("tp4_hi16_sr").with_buffer_len(L)
-    q, k, v, log_a, beta = _inputs(gen, B, T, H, dk, dv, delta)
+    q, k, v, log_a, beta = scan_inputs(gen, B, T, H, dk, dv, delta, a_min=0.85)
     valid = torch.ones(B, T, dtype=torch.bool)
     valid[1, :6] = False                    # left padding
     valid[2, [0, 3, 4, 11, 18]] = False     # scattered
@@ -151,7 +142,7 @@ def test_kernel_through_replay_state():
     gen = torch.Generator().manual_seed(7)
     B, T, H, dk, dv = 2, 13, 2, 16, 16
     pair = PrecisionPair.load("tp8_hi16_sr").with_buffer_len(4)
-    q, k, v, log_a, beta = _inputs(gen, B, T, H, dk, dv, True)
+    q, k, v, log_a, beta = scan_inputs(gen, B, T, H, dk, dv, True, a_min=0.85)
     S0 = torch.randn(B, H, dv, dk, generator=gen)
     a = ReplayState(S0, pair, delta=True, seed=5, layer=1)
     b = ReplayState(S0, pair, delta=True, seed=5, layer=1)
