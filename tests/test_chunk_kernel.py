@@ -111,6 +111,31 @@ def test_kernel_equals_reference_segmented(name, L, B, dk, dv, delta):
     assert torch.equal(ss.count, torch.zeros(B, dtype=torch.int64))
 
 
+@pytest.mark.parametrize("name,exact", [("tp4_hi16_sr", False), ("f4_sr_rs", False),
+                                        ("tp4_hi16_sr", True)], ids=["dual", "shared_nvfp4", "exact"])
+def test_kernel_window_groups_and_row_blocks(name, exact, monkeypatch):
+    """Windows split into launch groups of 2 (the checkpoint crosses a group boundary) and
+    d_v = 64 (the NVFP4 casts take the matrix amax over several row blocks; the chain splits
+    or loops over row blocks) give the reference's result."""
+    monkeypatch.setattr(chunk, "MAX_GROUP_WINDOWS", 2)
+    gen = torch.Generator().manual_seed(11)
+    B, H, dk, dv, L = 2, 1, 16, 64, 4
+    pair = PrecisionPair.load(name).with_buffer_len(L)
+    T = 5 * L + 2
+    q, k, v, log_a, beta = scan_inputs(gen, B, T, H, dk, dv, True, a_min=0.85)
+    valid = torch.ones(B, T, dtype=torch.bool)
+    valid[1, 2:5] = False
+    S0 = torch.randn(B, H, dv, dk, generator=gen) * 0.5
+    ss = initial_scan_state(S0, pair, delta=True, seed=2, layer=1)
+    y_ref, s_ref = chunk_scan_ref(ss, q, k, v, log_a, beta, pair=pair, seed=2, layer=1,
+                                  valid=valid, exact=exact)
+    y, s = chunk.chunk_scan(ss, q, k, v, log_a, beta, pair=pair, seed=2, layer=1, valid=valid,
+                            exact=exact)
+    assert chunk.group_windows(B * H, dk, dv, 16, True) == 2
+    _outputs_match(pair, y, y_ref, "groups")
+    _states_match(pair, s, s_ref, "groups")
+
+
 @pytest.mark.parametrize("delta", [False, True], ids=["mamba2", "gdn"])
 def test_kernel_padding_and_exact(delta):
     """Padding tokens take no slot and give 0; exact=True is FP32 plus one cast at the end."""

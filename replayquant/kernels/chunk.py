@@ -5,25 +5,37 @@
     y, new_state = chunk_scan(state, q, k, v, log_a, beta, pair=pair, seed=seed, layer=layer,
                               valid=valid, exact=False)
 
-One program per (sequence, head, block of d_v rows) scans that row's windows in order. The
-windows are the flush schedule: the row's buffered steps (state.count of them, from the
+The windows are the flush schedule: each row's buffered steps (state.count of them, from the
 previous segment) followed by its valid tokens, cut every L entries, so a segment continues
 the schedule of the previous one (position modulo L carries over) and padding takes no slot.
-In each window:
+Semantics per window (DESIGN section 4): every token but the window's L-th reads the read copy
+R of the window's checkpoint (GDN: its u from R too); the L-th token (the flush) reads the
+unrounded state S = exp(G_L) A + sum_j exp(G_L - G_j) u_j k_j^T rebuilt from the dequantized
+anchor A (GDN: u from A); S is cast independently into the anchor and the read copy
+(formats bit-exact with quant_ref, SR bits from Philox keyed by layer_seed(seed, layer) and
+sr_stream(flush index, role, sequence id, head), as `ReplayState`). A row's last, partial
+window reads R and becomes the new buffer. exact=True: FP32 through the segment (outputs from
+the running unrounded state) and one cast at its end.
 
-* every token but the window's L-th reads the read copy R of the window's checkpoint, decoded
-  in registers from its packed storage: y_t = exp(G_t) R q_t + sum_{j<=t} exp(G_t - G_j)
-  (k_j . q_t) u_j, with GDN's u from R (u = (I + T)^-1 beta (v - exp(G) R k), T the strictly
-  lower decayed beta k k^T matrix; Mamba-2: u = v);
-* the L-th token (the flush) reads the unrounded state S = exp(G_L) A + sum_j exp(G_L - G_j)
-  u_j k_j^T rebuilt from the dequantized anchor A (GDN: u recomputed from A);
-* S is cast independently into the anchor and the read copy (`_tile_store`: formats bit-exact
-  with quant_ref, SR bits from Philox keyed by layer_seed(seed, layer) and
-  sr_stream(flush index, role, sequence id, head) as `ReplayState`), then read back.
+Three launches per group of windows, only the middle one sequential:
 
-A row's last, partial window gives outputs from R and becomes the new buffer. exact=True:
-the segment in FP32 (outputs from the running unrounded state) and one cast at its end.
-An NVFP4 role has one scale per matrix, so a program then holds whole matrices (block = d_v).
+1. `_terms_kernel`, one program per (window, sequence x head): what does not depend on the
+   state (K, Q, G, Aqk = exp(G_t - G_j) q_t.k_j, and for GDN the WY form W = Tinv beta exp(G) k,
+   U = Tinv beta v with Tinv = (I + T)^-1, so that u(X) = U - W X^T; Mamba-2: U = v).
+2. `_chain_kernel`, one program per (sequence x head, row block): the flushes in order, u = U -
+   W A^T, S, the flush token's output S q_L, A = anchor cast of S, S or the anchor written as
+   the next window's checkpoint. An NVFP4 anchor (one scale per matrix) is cast in two passes
+   over row blocks (amax, then quantize with the matrix scale), so no program holds a whole
+   matrix in registers; the dequantized anchor lives in an FP32 scratch (L2).
+3. `_output_kernel`, one program per (window, sequence x head): the checkpoint's read copy
+   (cast from S for a dual pair, with the flush's SR stream, two passes for NVFP4) and the
+   outputs y = exp(G) X q + Aqk u(X) of every token but the flushes.
+
+Memory: the group scratch holds, per (sequence x head, window), the terms and one FP32
+checkpoint (d_v * d_k * 4 bytes): ~100 KB at d_k = d_v = 128, L = 16. Windows are processed in
+host-side groups of at most MAX_GROUP_WINDOWS windows and at most SCRATCH_BYTES of scratch
+(at least one window per group), so the extra memory of a call is bounded by
+max(SCRATCH_BYTES, one window's scratch) whatever the segment length.
 Shapes: d_k and d_v powers of two >= 16 (`supports` says whether a call can run here).
 """
 
@@ -35,14 +47,33 @@ import triton.language as tl
 
 from replayquant.formats import QTensor
 from replayquant.kernels.chunk_ref import ScanState, _check_inputs, cpu_threads
-from replayquant.kernels.conventional import FMT_IDS, _tile_load, _tile_store, split_key
+from replayquant.kernels.conventional import (_BS_MIN, _E2M1_MAX, _E4M3_MAX, _FP8_DIV, _NV_DIV,
+                                              FMT_IDS, _sr_bits, _tile_load, split_key)
+from replayquant.kernels.quant import (decode_bf16, decode_e2m1, decode_e4m3, decode_fp16,
+                                       encode_bf16, encode_e2m1, encode_e4m3, encode_fp16)
 from replayquant.replay import core
 from replayquant.streams import layer_seed
 
-__all__ = ["chunk_scan", "chunk_launch_config", "supports", "teacher_force"]
+__all__ = ["chunk_scan", "chunk_launch_config", "supports", "teacher_force",
+           "SCRATCH_BYTES", "MAX_GROUP_WINDOWS"]
+
+SCRATCH_BYTES = 1 << 30          # group scratch bound per call (bytes)
+MAX_GROUP_WINDOWS = 512          # windows per launch group at most
 
 
 # ============================================================================ Triton
+
+@triton.jit
+def _slot_tokens(tok_ptr, b, h, w, T, WIDTH, jj, H: tl.constexpr, L: tl.constexpr):
+    """Window w of row b: per slot (LP of them) the raw token-map entry (token t >= 0, buffered
+    slot -2 - s, null -1; slots >= L and past the row read -1), whether it is a token of the
+    segment, and its output row (b * T + t) * H + h."""
+    inwin = (jj < L) & (w * L + jj < WIDTH)
+    idx = tl.load(tok_ptr + b.to(tl.int64) * WIDTH + w * L + jj, mask=inwin, other=-1)
+    is_tok = idx >= 0
+    tok_row = (b.to(tl.int64) * T + tl.where(is_tok, idx, 0).to(tl.int64)) * H + h
+    return idx, is_tok, tok_row
+
 
 @triton.jit
 def _load_window(tok_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bk_ptr, bv_ptr, bG_ptr, bb_ptr,
@@ -50,16 +81,11 @@ def _load_window(tok_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bk_ptr, bv_ptr, bG_
                  H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, L: tl.constexpr,
                  DELTA: tl.constexpr):
     """Entries of window w of row b, head h, as float32 tiles over LP slots (slots >= L and
-    null steps are zero): K, Q [LP, DK]; V [LP, BV] (rows `rows`); G [LP] cumulative log gate
-    since the checkpoint; Bt [LP] beta (GDN); is_tok [LP] (slot holds a token of the segment);
-    tok_row [LP] int64 (b * T + t) * H + h of that token."""
-    inwin = (jj < L) & (w * L + jj < WIDTH)
-    idx = tl.load(tok_ptr + b.to(tl.int64) * WIDTH + w * L + jj, mask=inwin, other=-1)
-    is_tok = idx >= 0
+    null steps are zero): K, Q [LP, DK]; V [LP, len(rows)]; G [LP] cumulative log gate since
+    the checkpoint; Bt [LP] beta (GDN); idx [LP] the token-map entries."""
+    idx, is_tok, tok_row = _slot_tokens(tok_ptr, b, h, w, T, WIDTH, jj, H, L)
     is_buf = idx <= -2
-    t = tl.where(is_tok, idx, 0).to(tl.int64)
     s = tl.where(is_buf, -2 - idx, 0).to(tl.int64)
-    tok_row = (b.to(tl.int64) * T + t) * H + h
     buf_row = (b.to(tl.int64) * H + h) * L + s
     mt = is_tok[:, None]
     mb = is_buf[:, None]
@@ -78,7 +104,7 @@ def _load_window(tok_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bk_ptr, bv_ptr, bG_
     # buffered slots (window 0 only) keep their stored G; new entries continue from the last one
     g0 = tl.sum(tl.where(is_buf & (jj == h0 - 1), Gb, 0.0), axis=0)
     G = tl.where(is_buf, Gb, g0 + tl.cumsum(la, axis=0))
-    return K, Q, V, G, Bt, is_tok, tok_row
+    return K, Q, V, G, Bt, idx
 
 
 @triton.jit
@@ -105,140 +131,329 @@ def _window_terms(K, Q, G, Bt, jj, L: tl.constexpr, DELTA: tl.constexpr):
 
 
 @triton.jit
-def _corrections(X, K, V, G, Bt, Tinv, DELTA: tl.constexpr):
-    """u [LP, BV] against checkpoint rows X [BV, DK]: GDN Tinv beta (v - exp(G) X k); Mamba-2 v."""
-    if DELTA:
-        Xk = tl.dot(K, tl.trans(X), input_precision="ieee")                     # [LP, BV]
-        rhs = Bt[:, None] * (V - tl.exp(G)[:, None] * Xk)
-        u = tl.dot(Tinv, rhs, input_precision="ieee")
+def _nv_scale(amax):
+    """NVFP4 matrix scale from the matrix amax (as _tile_store computes it)."""
+    g = tl.div_rn(amax, _NV_DIV)
+    return tl.where(g > 0, g, 1.0)
+
+
+@triton.jit
+def _cast_tile(x, g, pay, sc, gs, mat, rows, cols, key_lo, key_hi, flush_index, slot, head, store,
+               DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, FMT: tl.constexpr,
+               SR: tl.constexpr, ROLE: tl.constexpr):
+    """`_tile_store` of float32 rows x [BV, DK] of matrix `mat` that also returns the decoded
+    tile (the values `_tile_load` reads back) and stores the codes only where `store` (a
+    scalar). NVFP4 takes its matrix scale g from the caller (`_nv_scale` of the whole matrix's
+    amax), so a matrix can be cast a row block at a time; every other format is per tile / row.
+    Same arithmetic as `_tile_store`, so the same codes (and SR bits: element index in the
+    matrix, flush index, ROLE, slot, head)."""
+    offs = rows[:, None] * DK + cols[None, :]
+    smask = tl.where(store, offs >= 0, False)   # (a scalar & a tensor: not in the interpreter)
+    ptrs = pay + mat * (DV * DK) + offs
+    if SR:
+        rb = _sr_bits(offs, key_lo, key_hi, flush_index, ROLE, slot, head)
     else:
-        u = V
-    return u
+        rb = offs.to(tl.uint32)
+    if FMT == 0:
+        tl.store(ptrs, x, mask=smask)
+        out = x
+    elif FMT == 1:
+        c = encode_fp16(x, rb, SR).to(tl.int16)
+        tl.store(ptrs, c, mask=smask)
+        out = decode_fp16(c)
+    elif FMT == 2:
+        c = encode_bf16(x, rb, SR).to(tl.int16)
+        tl.store(ptrs, c, mask=smask)
+        out = decode_bf16(c)
+    elif FMT == 3:
+        amax = tl.max(tl.abs(x), axis=1)
+        s = tl.div_rn(amax, _FP8_DIV)
+        s = tl.where(s > 0, s, 1.0)
+        c = encode_e4m3(tl.div_rn(x, s[:, None]), rb, SR).to(tl.uint8)
+        tl.store(ptrs, c, mask=smask)
+        tl.store(sc + mat * DV + rows, s, mask=tl.where(store, rows >= 0, False))
+        out = decode_e4m3(c) * s[:, None]
+    else:
+        DK2: tl.constexpr = DK // 2
+        NB: tl.constexpr = DK // 16
+        xb = tl.reshape(x, (BV, NB, 16))
+        bamax = tl.max(tl.abs(xb), axis=2)
+        bsf = tl.div_rn(tl.div_rn(bamax, _E2M1_MAX), g)
+        bsf = tl.minimum(tl.maximum(bsf, _BS_MIN), _E4M3_MAX)
+        bcode = encode_e4m3(bsf, bsf.to(tl.uint32, bitcast=True), False)
+        den = decode_e4m3(bcode) * g
+        y = tl.reshape(tl.div_rn(xb, den[:, :, None]), (BV, DK))
+        nibs = encode_e2m1(y, rb, SR)
+        lo, hi = tl.split(tl.reshape(nibs, (BV, DK2, 2)))
+        half = tl.arange(0, DK2)
+        tl.store(pay + mat * (DV * DK2) + rows[:, None] * DK2 + half[None, :],
+                 (lo | (hi << 4)).to(tl.uint8),
+                 mask=tl.where(store, (half[None, :] >= 0) & (rows[:, None] >= 0), False))
+        nb = tl.arange(0, NB)
+        tl.store(sc + mat * (DV * NB) + rows[:, None] * NB + nb[None, :], bcode.to(tl.uint8),
+                 mask=tl.where(store, (nb[None, :] >= 0) & (rows[:, None] >= 0), False))
+        tl.store(gs + mat, g, mask=store)
+        v = tl.reshape(decode_e2m1(nibs), (BV, NB, 16))
+        out = tl.reshape(v * decode_e4m3(bcode)[:, :, None], (BV, DK)) * g
+    return out
 
 
-@triton.jit
-def _read_outputs(X, Q, G, Aqk, u):
-    """y [LP, BV] = exp(G_t) X q_t + sum_j Aqk[t, j] u_j."""
-    Xq = tl.dot(Q, tl.trans(X), input_precision="ieee")
-    return tl.exp(G)[:, None] * Xq + tl.dot(Aqk, u, input_precision="ieee")
-
-
-@triton.jit
-def _fold(X, K, G, u, jj, L: tl.constexpr):
-    """Unrounded state after the window from checkpoint rows X: exp(G_L) X + sum_j
-    exp(G_L - G_j) u_j k_j^T (slots >= L hold null steps: u = 0)."""
-    GL = tl.sum(tl.where(jj == L - 1, G, 0.0), axis=0)
-    inw = jj < L
-    wL = tl.where(inw, tl.exp(tl.where(inw, GL - G, 0.0)), 0.0)
-    return tl.exp(GL) * X + tl.dot(tl.trans(u * wL[:, None]), K, input_precision="ieee")
-
-
-@triton.jit(do_not_specialize=["T", "WIDTH", "key_lo", "key_hi"])
-def _chunk_kernel(
-        tok_ptr, valid_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
-        bk_ptr, bv_ptr, bG_ptr, bb_ptr, h0_ptr, nf_ptr, seq_ptr, nwin_ptr, nfull_ptr,
-        A_pay, A_sc, A_gs, R_pay, R_sc, R_gs,
-        y_ptr, nk_ptr, nv_ptr, nG_ptr, nb_ptr,
-        T, WIDTH, key_lo, key_hi,
-        H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-        L: tl.constexpr, LP: tl.constexpr, BT: tl.constexpr,
-        AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr, RSR: tl.constexpr,
-        SHARED: tl.constexpr, DELTA: tl.constexpr, EXACT: tl.constexpr, HAS_VALID: tl.constexpr):
-    pid = tl.program_id(0)
-    vb = tl.program_id(1)
-    b = pid // H
-    h = pid % H
-    mat = pid.to(tl.int64)                       # = b * H + h: the matrix of both roles
-    rows = vb * BV + tl.arange(0, BV)
+@triton.jit(do_not_specialize=["T", "WIDTH", "w0", "NWS"])
+def _terms_kernel(
+        tok_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bk_ptr, bv_ptr, bG_ptr, bb_ptr, h0_ptr, nfull_ptr,
+        Kw, Qw, Ww, Uw, Gw, Aw, nk_ptr, nv_ptr, nG_ptr, nb_ptr,
+        T, WIDTH, w0, NWS,
+        H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
+        DELTA: tl.constexpr, EXACT: tl.constexpr):
+    """Pass 1, one program per (window, sequence x head): the window's state-independent terms
+    into the group scratch (K, Q, G, Aqk; GDN: W = Tinv (beta exp(G) k), U = Tinv (beta v), so
+    that u(X) = U - W X^T for a checkpoint X; Mamba-2: U = v), and the new buffer (the entries
+    of the row's last, partial window) from the program of that window."""
+    wl = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    w = w0 + wl
+    rows = tl.arange(0, DV)
     cols = tl.arange(0, DK)
     jj = tl.arange(0, LP)
     h0 = tl.load(h0_ptr + b)
+    nfull = tl.load(nfull_ptr + b)
+    K, Q, V, G, Bt, idx = _load_window(tok_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bk_ptr, bv_ptr,
+                                       bG_ptr, bb_ptr, b, h, w, h0, T, WIDTH, rows, cols, jj,
+                                       H, DK, DV, L, DELTA)
+    Aqk, Tinv = _window_terms(K, Q, G, Bt, jj, L, DELTA)
+    tb = bh.to(tl.int64) * NWS + wl                      # window slot in the scratch
+    kq = (tb * LP + jj[:, None]) * DK + cols[None, :]
+    tl.store(Kw + kq, K)
+    tl.store(Qw + kq, Q)
+    tl.store(Gw + tb * LP + jj, G)
+    tl.store(Aw + (tb * LP + jj[:, None]) * LP + jj[None, :], Aqk)
+    if DELTA:
+        tl.store(Ww + kq, tl.dot(Tinv, (Bt * tl.exp(G))[:, None] * K, input_precision="ieee"))
+        U = tl.dot(Tinv, Bt[:, None] * V, input_precision="ieee")
+    else:
+        U = V
+    tl.store(Uw + (tb * LP + jj[:, None]) * DV + rows[None, :], U)
+
+    if EXACT:
+        here = w == 0
+        keep = jj < 0                                    # the buffer empties
+    else:
+        here = w == nfull
+        keep = idx != -1
+    inw = tl.where(here, jj < L, False)
+    buf = (b.to(tl.int64) * H + h) * L + jj
+    tl.store(nv_ptr + buf[:, None] * DV + rows[None, :], tl.where(keep[:, None], V, 0.0),
+             mask=inw[:, None])
+    tl.store(nk_ptr + buf[:, None] * DK + cols[None, :], tl.where(keep[:, None], K, 0.0),
+             mask=inw[:, None])
+    tl.store(nG_ptr + buf, tl.where(keep, G, 0.0), mask=inw)
+    if DELTA:
+        tl.store(nb_ptr + buf, tl.where(keep, Bt, 0.0), mask=inw)
+
+
+@triton.jit(do_not_specialize=["T", "WIDTH", "w0", "NWS", "key_lo", "key_hi"])
+def _chain_kernel(
+        tok_ptr, y_ptr, nf_ptr, seq_ptr, nwin_ptr, nfull_ptr,
+        Kw, Qw, Ww, Uw, Gw, Xs, As,
+        A0_pay, A0_sc, A0_gs, A_pay, A_sc, A_gs,
+        T, WIDTH, w0, NWS, key_lo, key_hi,
+        H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+        NRB: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
+        AFMT: tl.constexpr, ASR: tl.constexpr, SHARED: tl.constexpr, DELTA: tl.constexpr,
+        EXACT: tl.constexpr, FIRST: tl.constexpr):
+    """Pass 2, the only sequential one: one program per (sequence x head, NRB * BV rows) runs
+    the row's flushes of this window group in order. The dequantized anchor A lives in the
+    FP32 scratch As (L2). Per window: u = U - W A^T, the unrounded state S = exp(G_L) A +
+    (u w_L)^T K, the flush token's output S q_L, then A = the anchor cast of S (an NVFP4 anchor
+    first takes the matrix amax over all row blocks, so the program holds every row: NRB * BV
+    = d_v). The checkpoint of the next window goes to Xs: the dequantized anchor (shared
+    pair) or S (a dual pair's read copy is cast from it in pass 3; exact: S itself). The packed
+    anchor is written at the row's last flush only."""
+    bh = tl.program_id(0)
+    pb = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    mat = bh.to(tl.int64)
+    cols = tl.arange(0, DK)
+    jj = tl.arange(0, LP)
+    br = tl.arange(0, BV)
+    nf = tl.load(nf_ptr + b)
+    seq = tl.load(seq_ptr + b)
+    nfull = tl.load(nfull_ptr + b)
+    if EXACT:
+        nfold = tl.load(nwin_ptr + b)
+    else:
+        nfold = nfull
+    TWO_PASS: tl.constexpr = (AFMT == 4) and (not EXACT)
+    a_tile = As + mat * (DV * DK) + cols[None, :]
+    if FIRST:
+        for rb in range(NRB):
+            rows = (pb * NRB + rb) * BV + br
+            A = _tile_load(A0_pay, A0_sc, A0_gs, mat, rows, cols, DV, DK, BV, AFMT)
+            tl.store(a_tile + rows[:, None] * DK, A)
+        tl.debug_barrier()
+    wend = tl.minimum(nfold, w0 + NWS)
+    for w in range(w0, wend):
+        tb = mat * NWS + (w - w0)
+        x_tile = Xs + (mat * (NWS + 1) + (w - w0) + 1) * (DV * DK) + cols[None, :]
+        kq = (tb * LP + jj[:, None]) * DK + cols[None, :]
+        Kt = tl.load(Kw + kq)
+        if DELTA:
+            Wm = tl.load(Ww + kq)
+        G = tl.load(Gw + tb * LP + jj)
+        GL = tl.sum(tl.where(jj == L - 1, G, 0.0), axis=0)
+        inw = jj < L
+        wL = tl.where(inw, tl.exp(tl.where(inw, GL - G, 0.0)), 0.0)
+        eGL = tl.exp(GL)
+        qL = tl.load(Qw + (tb * LP + L - 1) * DK + cols)
+        tokL = tl.load(tok_ptr + b.to(tl.int64) * WIDTH + w * L + L - 1)
+        yrow = (b.to(tl.int64) * T + tl.maximum(tokL, 0)) * H + h
+        fi = nf + w + 1
+        last = w == nfull - 1
+        acc = tl.zeros([BV], tl.float32)
+        for rb in range(NRB):
+            rows = (pb * NRB + rb) * BV + br
+            A = tl.load(a_tile + rows[:, None] * DK)
+            U = tl.load(Uw + (tb * LP + jj[:, None]) * DV + rows[None, :])
+            if DELTA:
+                u = U - tl.dot(Wm, tl.trans(A), input_precision="ieee")
+            else:
+                u = U
+            S = eGL * A + tl.dot(tl.trans(u * wL[:, None]), Kt, input_precision="ieee")
+            if EXACT:
+                tl.store(x_tile + rows[:, None] * DK, S)
+                tl.store(a_tile + rows[:, None] * DK, S)
+            else:
+                # the flush step reads the unrounded state rebuilt from the anchor
+                tl.store(y_ptr + yrow * DV + rows, tl.sum(S * qL[None, :], axis=1),
+                         mask=tl.where(tokL >= 0, rows >= 0, False))
+                if TWO_PASS:
+                    tl.store(x_tile + rows[:, None] * DK, S)
+                    acc = tl.maximum(acc, tl.max(tl.abs(S), axis=1))
+                else:
+                    An = _cast_tile(S, 1.0, A_pay, A_sc, A_gs, mat, rows, cols, key_lo, key_hi,
+                                    fi, seq, h, last, DV, DK, BV, AFMT, ASR, 0)
+                    tl.store(a_tile + rows[:, None] * DK, An)
+                    if SHARED:
+                        tl.store(x_tile + rows[:, None] * DK, An)
+                    else:
+                        tl.store(x_tile + rows[:, None] * DK, S)
+        if TWO_PASS:
+            tl.debug_barrier()
+            g = _nv_scale(tl.max(acc, axis=0))
+            for rb in range(NRB):
+                rows = (pb * NRB + rb) * BV + br
+                S = tl.load(x_tile + rows[:, None] * DK)
+                An = _cast_tile(S, g, A_pay, A_sc, A_gs, mat, rows, cols, key_lo, key_hi,
+                                fi, seq, h, last, DV, DK, BV, AFMT, ASR, 0)
+                tl.store(a_tile + rows[:, None] * DK, An)
+                if SHARED:
+                    tl.debug_barrier()
+                    tl.store(x_tile + rows[:, None] * DK, An)
+        tl.debug_barrier()                       # the next window reads what was just written
+
+
+@triton.jit
+def _checkpoint_rows(I_pay, I_sc, I_gs, xs_tile, mat, rows, cols, first, have,
+                     DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, IFMT: tl.constexpr):
+    """Rows of a window's checkpoint as stored: window 0 the segment's initial role (packed),
+    later windows the FP32 scratch written by pass 2 (zero where it holds nothing)."""
+    if first:
+        X = _tile_load(I_pay, I_sc, I_gs, mat, rows, cols, DV, DK, BV, IFMT)
+    else:
+        X = tl.load(xs_tile + rows[:, None] * DK, mask=tl.where(have, rows[:, None] >= 0, False),
+                    other=0.0)
+    return X
+
+
+@triton.jit(do_not_specialize=["T", "WIDTH", "w0", "NWS", "key_lo", "key_hi"])
+def _output_kernel(
+        tok_ptr, y_ptr, nf_ptr, seq_ptr, nwin_ptr, nfull_ptr,
+        Qw, Ww, Uw, Gw, Aw, Xs,
+        I_pay, I_sc, I_gs, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs,
+        T, WIDTH, w0, NWS, key_lo, key_hi,
+        H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+        L: tl.constexpr, LP: tl.constexpr, IFMT: tl.constexpr,
+        AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr, RSR: tl.constexpr,
+        SHARED: tl.constexpr, DELTA: tl.constexpr, EXACT: tl.constexpr):
+    """Pass 3, one program per (window, sequence x head), a row block at a time: the window's
+    checkpoint X (window 0: the initial read copy, or anchor for a shared pair / exact; later:
+    pass 2's scratch, cast into the read copy for a dual pair with the flush's SR stream), then
+    y_t = exp(G_t) X q_t + sum_j Aqk[t, j] u_j with u = U - W X^T for every token but a flush
+    (pass 2 wrote those). The window after the row's last flush writes the packed read copy;
+    exact: the window after the last entry casts the final state into both roles."""
+    wl = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    w = w0 + wl
+    mat = bh.to(tl.int64)
+    cols = tl.arange(0, DK)
+    jj = tl.arange(0, LP)
+    br = tl.arange(0, BV)
+    NRB: tl.constexpr = DV // BV
     nf = tl.load(nf_ptr + b)
     seq = tl.load(seq_ptr + b)
     nwin = tl.load(nwin_ptr + b)
     nfull = tl.load(nfull_ptr + b)
-
-    # padding tokens: output 0
-    if HAS_VALID:
-        tt = tl.arange(0, BT)
-        for t0 in range(0, T, BT):
-            tm = (t0 + tt) < T
-            ok = tl.load(valid_ptr + b.to(tl.int64) * T + t0 + tt, mask=tm, other=1)
-            pad = tm & (ok == 0)
-            yr = (b.to(tl.int64) * T + t0 + tt) * H + h
-            tl.store(y_ptr + yr[:, None] * DV + rows[None, :], tl.zeros([BT, BV], tl.float32),
-                     mask=pad[:, None])
-
     if EXACT:
-        A = _tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT)   # runs unrounded
-    for w in range(0, nwin):
-        K, Q, V, G, Bt, is_tok, tok_row = _load_window(
-            tok_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bk_ptr, bv_ptr, bG_ptr, bb_ptr,
-            b, h, w, h0, T, WIDTH, rows, cols, jj, H, DK, DV, L, DELTA)
-        Aqk, Tinv = _window_terms(K, Q, G, Bt, jj, L, DELTA)
-        y_ptrs = y_ptr + tok_row[:, None] * DV + rows[None, :]
-        if EXACT:
-            u = _corrections(A, K, V, G, Bt, Tinv, DELTA)
-            tl.store(y_ptrs, _read_outputs(A, Q, G, Aqk, u), mask=is_tok[:, None])
-            A = _fold(A, K, G, u, jj, L)
-        else:
-            # the checkpoint's read copy, decoded from its packed storage (written by the
-            # previous flush of this program, or the state's own)
-            if SHARED:
-                R = _tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT)
-            else:
-                R = _tile_load(R_pay, R_sc, R_gs, mat, rows, cols, DV, DK, BV, RFMT)
-            uR = _corrections(R, K, V, G, Bt, Tinv, DELTA)
-            y = _read_outputs(R, Q, G, Aqk, uR)
-            if w < nfull:
-                # the flush: rebuild from the anchor, the L-th token reads it, cast both roles
-                if SHARED:
-                    S = _fold(R, K, G, uR, jj, L)
-                else:
-                    A = _tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT)
-                    S = _fold(A, K, G, _corrections(A, K, V, G, Bt, Tinv, DELTA), jj, L)
-                qL = tl.sum(tl.where((jj == L - 1)[:, None], Q, 0.0), axis=0)
-                yF = tl.sum(S * qL[None, :], axis=1)
-                y = tl.where((jj == L - 1)[:, None], yF[None, :], y)
-                fi = nf + w + 1
-                tl.debug_barrier()                   # every thread has read the old roles
-                _tile_store(S, A_pay, A_sc, A_gs, mat, rows, cols, key_lo, key_hi, fi, seq, h,
-                            DV, DK, BV, AFMT, ASR, 0)
-                if not SHARED:
-                    _tile_store(S, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi, fi, seq,
-                                h, DV, DK, BV, RFMT, RSR, 1)
-                tl.debug_barrier()                   # the roles just written are read next
-            tl.store(y_ptrs, y, mask=is_tok[:, None])
-
-    buf = (b.to(tl.int64) * H + h) * L + jj
-    inw = jj < L
-    if EXACT:
-        # one cast of the unrounded FP32 state after every entry; the buffer empties
-        _tile_store(A, A_pay, A_sc, A_gs, mat, rows, cols, key_lo, key_hi, nf + 1, seq, h,
-                    DV, DK, BV, AFMT, ASR, 0)
-        if not SHARED:
-            _tile_store(A, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi, nf + 1, seq, h,
-                        DV, DK, BV, RFMT, RSR, 1)
-        K = tl.zeros([LP, DK], tl.float32)
-        V = tl.zeros([LP, BV], tl.float32)
-        G = tl.zeros([LP], tl.float32)
-        Bt = G
-        keep = jj < 0
+        nfold = nwin
     else:
-        # the new buffer: the entries of the row's last, partial window (window nfull)
-        K, Q, V, G, Bt, is_tok, tok_row = _load_window(
-            tok_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bk_ptr, bv_ptr, bG_ptr, bb_ptr,
-            b, h, nfull, h0, T, WIDTH, rows, cols, jj, H, DK, DV, L, DELTA)
-        keep = tl.load(tok_ptr + b.to(tl.int64) * WIDTH + nfull * L + jj,
-                       mask=inw & (nfull * L + jj < WIDTH), other=-1) != -1
-    tl.store(nv_ptr + buf[:, None] * DV + rows[None, :], tl.where(keep[:, None], V, 0.0),
-             mask=inw[:, None])
-    if vb == 0:
-        tl.store(nk_ptr + buf[:, None] * DK + cols[None, :], tl.where(keep[:, None], K, 0.0),
-                 mask=inw[:, None])
-        tl.store(nG_ptr + buf, tl.where(keep, G, 0.0), mask=inw)
+        nfold = nfull
+    first = w == 0
+    have = (w > 0) & (w <= nfold)
+    xs_tile = Xs + (mat * (NWS + 1) + wl) * (DV * DK) + cols[None, :]
+    CAST_R: tl.constexpr = (not SHARED) and (not EXACT)
+    NEED_G: tl.constexpr = (CAST_R and RFMT == 4) or (EXACT and (AFMT == 4 or (not SHARED and RFMT == 4)))
+    g = 1.0
+    if NEED_G:
+        acc = tl.zeros([BV], tl.float32)
+        for rb in range(NRB):
+            rows = rb * BV + br
+            X = _checkpoint_rows(I_pay, I_sc, I_gs, xs_tile, mat, rows, cols, first, have,
+                                 DV, DK, BV, IFMT)
+            acc = tl.maximum(acc, tl.max(tl.abs(X), axis=1))
+        g = _nv_scale(tl.max(acc, axis=0))
+
+    idx, is_tok, tok_row = _slot_tokens(tok_ptr, b, h, w, T, WIDTH, jj, H, L)
+    if EXACT:
+        keep = is_tok
+    else:
+        keep = tl.where(w >= nfull, is_tok, is_tok & (jj != L - 1))
+    tb = mat * NWS + wl
+    kq = (tb * LP + jj[:, None]) * DK + cols[None, :]
+    Q = tl.load(Qw + kq)
+    if DELTA:
+        Wm = tl.load(Ww + kq)
+    G = tl.load(Gw + tb * LP + jj)
+    Aq = tl.load(Aw + (tb * LP + jj[:, None]) * LP + jj[None, :])
+    eG = tl.exp(G)
+    for rb in range(NRB):
+        rows = rb * BV + br
+        X = _checkpoint_rows(I_pay, I_sc, I_gs, xs_tile, mat, rows, cols, first, have,
+                             DV, DK, BV, IFMT)
+        if EXACT:
+            fin = w == nwin                       # the unrounded state after every entry
+            _cast_tile(X, g, A_pay, A_sc, A_gs, mat, rows, cols, key_lo, key_hi, nf + 1, seq, h,
+                       fin, DV, DK, BV, AFMT, ASR, 0)
+            if not SHARED:
+                _cast_tile(X, g, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi, nf + 1, seq,
+                           h, fin, DV, DK, BV, RFMT, RSR, 1)
+        elif CAST_R:
+            # the read copy of the flush that ended window w - 1 (flush index nf + w)
+            Xc = _cast_tile(X, g, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi, nf + w, seq,
+                            h, have & (w == nfull), DV, DK, BV, RFMT, RSR, 1)
+            X = tl.where(first, X, Xc)
+        U = tl.load(Uw + (tb * LP + jj[:, None]) * DV + rows[None, :])
         if DELTA:
-            tl.store(nb_ptr + buf, tl.where(keep, Bt, 0.0), mask=inw)
+            u = U - tl.dot(Wm, tl.trans(X), input_precision="ieee")
+        else:
+            u = U
+        y = eG[:, None] * tl.dot(Q, tl.trans(X), input_precision="ieee") \
+            + tl.dot(Aq, u, input_precision="ieee")
+        tl.store(y_ptr + tok_row[:, None] * DV + rows[None, :], y, mask=keep[:, None])
 
 
 # ============================================================================ host side
@@ -248,20 +463,32 @@ def supports(d_k: int, d_v: int) -> bool:
     return all(d >= 16 and d & (d - 1) == 0 for d in (d_k, d_v))
 
 
-def chunk_launch_config(pair, B: int, H: int, d_v: int, d_k: int, L: int):
-    """(BV, num_warps, LP) from the shape: an NVFP4 role is cast a whole matrix at a time
-    (one scale per matrix), so BV = d_v; otherwise smaller row blocks give more programs when
-    B * H is small."""
-    nv = pair.anchor.format == "nvfp4" or (pair.read is not None and pair.read.format == "nvfp4")
-    if nv:
-        BV = d_v
-    elif B * H >= 256:
-        BV = min(d_v, 64)
-    else:
-        BV = min(d_v, 32)
-    num_warps = max(2, min(8, BV * d_k // 1024))
+def chunk_launch_config(pair, B: int, H: int, d_v: int, d_k: int, L: int) -> dict:
+    """Launch parameters from the shape.
+
+    LP: window slots (L rounded up to a power of two >= 16, for tl.dot).
+    chain_rows, chain_bv, chain_warps: the sequential pass gives each program chain_rows rows of
+    a matrix, chain_bv at a time. An NVFP4 anchor needs the whole matrix in one program (its
+    one scale comes from the matrix amax), cast in row blocks; other anchors split the rows
+    over programs (more programs when B * H is small: one program per row block keeps every
+    program's chain short).
+    out_bv, out_warps: row block of the output pass (one program per window and matrix)."""
     LP = max(16, triton.next_power_of_2(L))
-    return BV, num_warps, LP
+    bv = min(d_v, 16 if B * H * d_v // 32 < 264 else 32)
+    if pair.anchor.format == "nvfp4":
+        rows, bv = d_v, min(d_v, 32)
+    else:
+        rows = bv
+    return {"LP": LP, "chain_rows": rows, "chain_bv": bv,
+            "chain_warps": 8 if rows // bv >= 4 else 4,
+            "out_bv": min(d_v, 32), "out_warps": 4, "terms_warps": 4}
+
+
+def group_windows(BH: int, d_k: int, d_v: int, LP: int, delta: bool) -> int:
+    """Windows per launch group: at most MAX_GROUP_WINDOWS and SCRATCH_BYTES of scratch (each
+    window and matrix holds K, Q (, W), U, G, Aqk and one FP32 checkpoint), at least one."""
+    per = 4 * (LP * d_k * (3 if delta else 2) + LP * d_v + LP * LP + LP + d_v * d_k)
+    return max(1, min(MAX_GROUP_WINDOWS, SCRATCH_BYTES // (BH * per)))
 
 
 def _role_args(q: QTensor | None):
@@ -329,41 +556,70 @@ def chunk_scan(state: ScanState, q, k, v, log_a, beta=None, *, pair, seed: int =
     nwin = -(-m // L)
     tok = _token_map(state, valid_b, B, T, L, width, dev)
 
-    f32 = torch.float32
+    f32, i64 = torch.float32, torch.int64
+    delta = beta is not None
     q, k, v, log_a = (x.contiguous() for x in (q, k, v, log_a))
     beta = None if beta is None else beta.contiguous()
     anchor = core.qt_clone(state.anchor)
     read = None if state.read is None else core.qt_clone(state.read)
-    Ap, As, Ag, afid = _role_args(anchor)
-    Rp, Rs, Rg, rfid = _role_args(read if read is not None else anchor)
+    shared = read is None
+    A0 = _role_args(state.anchor)
+    Aout = _role_args(anchor)
+    Rout = _role_args(read if read is not None else anchor)
+    # the role window 0 reads: the read copy, or the anchor (shared pair, exact)
+    I0 = _role_args(state.anchor if (shared or exact) else state.read)
     y = _empty((B, T, H, dv), f32, dev)
     nk = _empty((B, H, L, dk), f32, dev)
     nv = _empty((B, H, L, dv), f32, dev)
     nG = _empty((B, H, L), f32, dev)
-    nb = None if beta is None else _empty((B, H, L), f32, dev)
+    nb = _empty((B, H, L), f32, dev) if delta else None
     bk, bv, bG = (t.to(f32).contiguous() for t in (state.k, state.v, state.G))
-    bb = None if state.beta is None else state.beta.to(f32).contiguous()
-    i64 = torch.int64
+    bb = state.beta.to(f32).contiguous() if delta else None
     h0k = h0.to(device=dev, dtype=torch.int32).contiguous()
     nfl = state.flushes.to(device=dev, dtype=i64).contiguous()
     seq = state.rows.to(device=dev, dtype=i64).contiguous()
     nw = nwin.to(torch.int32).contiguous()
     nfu = full.to(torch.int32).contiguous()
-    BV, warps, LP = chunk_launch_config(pair, B, H, dv, dk, L)
+    cfg = chunk_launch_config(pair, B, H, dv, dk, L)
+    LP = cfg["LP"]
     klo, khi = split_key(layer_seed(seed, layer))
-    vmask = valid_b.to(torch.int8).contiguous()
+    BH = B * H
+
+    # group scratch (reused by every group): window slots [BH, G] and checkpoints [BH, G + 1]
+    G = min(group_windows(BH, dk, dv, LP, delta), W + 1)
+    Kw = torch.empty(BH, G, LP, dk, dtype=f32, device=dev)
+    Qw = torch.empty_like(Kw)
+    Ww = torch.empty_like(Kw) if delta else Kw
+    Uw = torch.empty(BH, G, LP, dv, dtype=f32, device=dev)
+    Gw = torch.empty(BH, G, LP, dtype=f32, device=dev)
+    Aw = torch.empty(BH, G, LP, LP, dtype=f32, device=dev)
+    Xs = torch.empty(BH, G + 1, dv, dk, dtype=f32, device=dev)
+    As = torch.empty(BH, dv, dk, dtype=f32, device=dev)
+    cons = dict(H=H, DK=dk, DV=dv, L=L, LP=LP, DELTA=delta, EXACT=bool(exact))
+    asr = pair.anchor.rounding == "stochastic"
+    rsr = pair.read_spec.rounding == "stochastic"
     with cpu_threads(dev):
-        _chunk_kernel[(B * H, dv // BV)](
-            tok, vmask, q, k, v, log_a, beta if beta is not None else log_a,
-            bk, bv, bG, bb if bb is not None else bG, h0k, nfl, seq, nw, nfu,
-            Ap, As, Ag, Rp, Rs, Rg,
-            y, nk, nv, nG, nb if nb is not None else nG,
-            T, width, klo, khi,
-            H=H, DK=dk, DV=dv, BV=BV, L=L, LP=LP, BT=64,
-            AFMT=afid, ASR=pair.anchor.rounding == "stochastic",
-            RFMT=rfid, RSR=pair.read_spec.rounding == "stochastic",
-            SHARED=read is None, DELTA=beta is not None, EXACT=bool(exact),
-            HAS_VALID=valid is not None, num_warps=warps)
+        for w0 in range(0, W + 1, G):          # windows 0..W: window W holds no entry
+            n = min(G, W + 1 - w0)
+            if w0 > 0:
+                Xs[:, 0].copy_(Xs[:, G])        # the checkpoint of the group's first window
+            _terms_kernel[(n, BH)](
+                tok, q, k, v, log_a, beta if delta else log_a, bk, bv, bG, bb if delta else bG,
+                h0k, nfu, Kw, Qw, Ww, Uw, Gw, Aw, nk, nv, nG, nb if delta else nG,
+                T, width, w0, G, num_warps=cfg["terms_warps"], **cons)
+            _chain_kernel[(BH, dv // cfg["chain_rows"])](
+                tok, y, nfl, seq, nw, nfu, Kw, Qw, Ww, Uw, Gw, Xs, As, *A0[:3], *Aout[:3],
+                T, width, w0, G, klo, khi,
+                BV=cfg["chain_bv"], NRB=cfg["chain_rows"] // cfg["chain_bv"],
+                AFMT=Aout[3], ASR=asr, SHARED=shared, FIRST=w0 == 0,
+                num_warps=cfg["chain_warps"], **cons)
+            _output_kernel[(n, BH)](
+                tok, y, nfl, seq, nw, nfu, Qw, Ww, Uw, Gw, Aw, Xs, *I0[:3], *Aout[:3], *Rout[:3],
+                T, width, w0, G, klo, khi,
+                BV=cfg["out_bv"], IFMT=I0[3], AFMT=Aout[3], ASR=asr, RFMT=Rout[3], RSR=rsr,
+                SHARED=shared, num_warps=cfg["out_warps"], **cons)
+    if valid is not None:
+        y[~valid_b] = 0.0                       # padding: no slot, output 0
     if exact:
         count = torch.zeros_like(state.count)
         flushes = state.flushes + 1
