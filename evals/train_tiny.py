@@ -2,36 +2,64 @@
 
 Stages (each deterministic from its inputs and --seed):
 
-  prepare   King James Version from Debian's bible-kjv-text .deb (downloaded with `apt-get download`
-            if not found) -> split by book -> byte-level BPE tokenizer (4096) -> uint16 token
-            streams in DATA_DIR (default .gpu/tiny), and the held-out books as gzip JSONL.
-  train     both models on DATA_DIR's token streams (GPU; bf16 autocast), checkpoint with the best
-            validation loss (validation books are neither training nor held-out books), weights
-            rounded to bf16 for shipping, held-out perplexity of the shipped weights (fp32) at
-            contexts 4096 / 8192 / 16384, a loss-curve PNG and a JSON log, all into --out.
-  install   copy the model folders from a train output into replayquant/assets/ and the log and
-            PNG into results/train_tiny/.
+  prepare     King James Version from Debian's bible-kjv-text .deb (downloaded with `apt-get
+              download` if not found) -> split by book -> byte-level BPE tokenizer (4096) -> uint16
+              token streams in DATA_DIR (default .gpu/tiny), and the held-out books as gzip JSONL.
+  train       both models on DATA_DIR's token streams (GPU; bf16 autocast), checkpoint with the best
+              validation loss (validation books are neither training nor held-out books), weights
+              rounded to bf16 for shipping, then the long-memory evaluation of the shipped weights
+              (fp32, Hugging Face's own torch code): held-out perplexity at contexts 512 / 4096 /
+              8192 / 16384, NLL by position in the window, and the same 16K windows with the
+              recurrent state reset every 512 tokens; a loss-curve PNG and a JSON log into --out.
+  device-run  `train`, then the 16K-context KL demo of both new models (`replayquant kl`, five
+              pairs, 3 held-out books) on the same GPU, everything packed into at most 8 files
+              (the device tool's limit). Checks the fast paths first and aborts loudly if the
+              Qwen3.5 one is not there.
+  install     copy the model folders from a train output into replayquant/assets/ and the log,
+              PNG and stdout into results/train_tiny/ (and demo results into results/demo/).
+
+Fast training paths (GPU only; the shipped models run on Hugging Face's torch code everywhere):
+  * Qwen3.5: with flash-linear-attention (`fla`) importable before transformers loads the model
+    file, transformers' Gated DeltaNet calls fla's `chunk_gated_delta_rule` (checked: the step
+    aborts if the resolved function is not fla's).
+  * Mamba-2: transformers' fast path needs the mamba_ssm / causal_conv1d CUDA builds. Instead the
+    SSD scan alone (`modeling_mamba2.mamba2_chunk_scan`) is replaced, for training, by fla's
+    `chunk_simple_gla`: the Mamba-2 recurrence h_t = exp(dt_t A) h_{t-1} + dt_t B_t x_t^T,
+    y_t = C_t h_t + D x_t is scalar-decay gated linear attention with q = C, k = B, v = dt * x,
+    log-decay g = dt * A per head, scale 1. Checked on random inputs (outputs and gradients)
+    against transformers' torch scan before training, and on the trained weights (max |logit
+    difference| of the whole model, fp32) after; both go into the log.
+
+Long memory (issue 8: the recurrent state must carry information across thousands of tokens):
+  * trained at 8K context on contiguous text (random 8K windows of the EOS-joined training books);
+  * decay gates initialised toward long memory: GDN heads' decay rate A * softplus(dt_bias) spread
+    log-uniformly over [1e-4, 1] per layer (transformers' default puts every head between 0.013
+    and 21, i.e. memories of at most ~75 tokens); Mamba-2 time_step_min 1e-4 (default 1e-3);
+  * residual dropout (training only, forward hooks on each mixer / MLP / embedding output) against
+    the overfitting of a few epochs of a 0.9M-token corpus.
 
 How the shipped models were made (results/train_tiny/train_log.json has the full record):
 
   python evals/train_tiny.py prepare --heldout-out replayquant/data/kjv_heldout.jsonl.gz
-  # on one H200 (device tool, .gpu/tiny carried; torch 2.11, transformers 5.17):
-  python evals/train_tiny.py train --data .gpu/tiny --out $OUT --time-budget 110
-  python evals/train_tiny.py install --from <the train output>
+  # on one H200 (device tool, .gpu carried; torch 2.11, transformers 5.17, fla 0.6.0):
+  python evals/train_tiny.py device-run --data .gpu/tiny --out $OUT --source-commit <sha>
+  python evals/train_tiny.py install --from <the device-run output>
 
-`--steps auto` (the default) times the first steps and fits each model's step count into
---time-budget; the log records the resolved counts (150 for tiny-qwen3.5, 74 for tiny-mamba2), and
-`--steps 150,74` with the same seed reruns exactly that schedule (same data order, same
-initialisation; bitwise equality also needs the same GPU and library versions).
+`--steps auto` (the default) times the first steps and fits each model's step count into its
+--time-budget; the log records the resolved counts, and `--steps N,M` with the same seed reruns
+that schedule (same data order, same initialisation; bitwise equality also needs the same GPU and
+library versions).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import shutil
+import subprocess
 import sys
 import tarfile
 import time
@@ -49,14 +77,21 @@ import tiny_data  # noqa: E402
 MODEL_NAMES = {"qwen": "tiny-qwen3.5", "mamba": "tiny-mamba2"}
 ASSETS = ROOT / "replayquant" / "assets"
 RESULTS = ROOT / "results" / "train_tiny"
+DEMO_RESULTS = ROOT / "results" / "demo"
+DEMO_PAIRS = ["s32_rs", "sbf16", "f4_sr_rs", "tp4_hi32", "tp4_hi16_sr"]
+T_START = time.time()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.time() - T_START:6.1f} s] {msg}", flush=True)
 
 
 # ------------------------------------------------------------------------------------------ models
 def qwen_config(vocab_size: int, eos_id: int):
     """Qwen3.5 architecture, scaled down: 6 Gated DeltaNet layers + 2 gated full-attention layers
     (the 3:1 pattern of Qwen3.5), 2 key / 4 value GDN heads of 64 (each value head a 64x64 state).
-    rope_theta 1000: every rotary frequency completes a period inside the 4K training context, so
-    8K-16K contexts see no unseen rotation angles."""
+    rope_theta 1000: every rotary frequency completes a period inside the training context, so
+    16K contexts see no unseen rotation angles."""
     from transformers import Qwen3_5TextConfig
     return Qwen3_5TextConfig(
         vocab_size=vocab_size, hidden_size=256, intermediate_size=384, num_hidden_layers=8,
@@ -73,12 +108,14 @@ def qwen_config(vocab_size: int, eos_id: int):
 def mamba_config(vocab_size: int, eos_id: int):
     """Mamba-2, scaled down: 8 layers, d_model 256, expand 2, 8 heads of 64, d_state 64, 1 group
     (each head a 64x64 state). initializer_range 0.02 (HF's default 0.1 starts the tied output
-    layer far above ln(vocab))."""
+    layer far above ln(vocab)); time_step_min 1e-4 (HF 1e-3): dt_bias initialised so that dt is
+    log-uniform in [1e-4, 0.1], decay rates dt * A from 1e-4 (memory ~10K tokens) up."""
     from transformers import Mamba2Config
     return Mamba2Config(
         vocab_size=vocab_size, hidden_size=256, num_hidden_layers=8, expand=2, head_dim=64,
         num_heads=8, state_size=64, n_groups=1, conv_kernel=4, chunk_size=64,
-        initializer_range=0.02, tie_word_embeddings=True, use_cache=True,
+        initializer_range=0.02, time_step_min=1e-4, time_step_floor=1e-4,
+        tie_word_embeddings=True, use_cache=True,
         bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id)
 
 
@@ -95,6 +132,299 @@ def n_params(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def init_long_memory(model, seed: int, lo: float = 1e-4, hi: float = 1.0) -> list[list[float]]:
+    """GDN layers: set A_log so that each head's decay rate at a = 0, A * softplus(dt_bias), is
+    spread log-uniformly over [lo, hi] (heads evenly spaced in log space, a random offset per
+    layer). Returns the rates per layer. Mamba-2 needs nothing here (see mamba_config)."""
+    import torch
+    import torch.nn.functional as F
+    gen = torch.Generator().manual_seed(seed + 17)
+    rates = []
+    with torch.no_grad():
+        for mod in model.modules():
+            if type(mod).__name__.endswith("GatedDeltaNet"):
+                h = mod.A_log.numel()
+                u = (torch.arange(h, dtype=torch.float64) + torch.rand(1, generator=gen,
+                                                                       dtype=torch.float64)) / h
+                r = torch.exp(math.log(lo) + u * (math.log(hi) - math.log(lo)))
+                sp = F.softplus(mod.dt_bias.detach().double().cpu())
+                mod.A_log.copy_(torch.log(r / sp).to(mod.A_log.dtype))
+                rates.append([round(float(x), 6) for x in r])
+    return rates
+
+
+def decay_rates(model) -> list[list[float]]:
+    """Per layer and head, the decay rate at zero input of the trained model (GDN: A *
+    softplus(dt_bias); Mamba-2: A * softplus(dt_bias)): memory ~ 1 / rate tokens."""
+    import torch.nn.functional as F
+    out = []
+    for mod in model.modules():
+        if hasattr(mod, "A_log") and hasattr(mod, "dt_bias"):
+            r = mod.A_log.detach().float().exp() * F.softplus(mod.dt_bias.detach().float())
+            out.append([float(f"{x:.3g}") for x in r.cpu()])
+    return out
+
+
+def add_dropout(model, p: float) -> list:
+    """Residual dropout for training: forward hooks on every token mixer (GDN, attention, Mamba-2
+    mixer), MLP and the embedding output. Inactive in eval mode; the shipped models have no hooks."""
+    import torch.nn.functional as F
+    if p <= 0:
+        return []
+
+    def hook(mod, inp, out):
+        if not mod.training:
+            return out
+        if isinstance(out, tuple):
+            return (F.dropout(out[0], p, True),) + tuple(out[1:])
+        return F.dropout(out, p, True)
+
+    suffixes = (".linear_attn", ".self_attn", ".mlp", ".mixer", ".embed_tokens", ".embeddings")
+    handles = [m.register_forward_hook(hook) for n, m in model.named_modules()
+               if n.endswith(suffixes)]
+    if not handles:
+        raise RuntimeError("add_dropout: no mixer / MLP / embedding modules found")
+    return handles
+
+
+# ------------------------------------------------------------------------- scans: fast, reference
+def _hf_modules():
+    from transformers.models.mamba2 import modeling_mamba2 as mm
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as qm
+    return qm, mm
+
+
+_HF_MAMBA_SCAN = None
+
+
+def hf_mamba_scan():
+    """transformers' own Mamba-2 chunked scan (the torch code every CPU user runs)."""
+    global _HF_MAMBA_SCAN
+    if _HF_MAMBA_SCAN is None:
+        _HF_MAMBA_SCAN = _hf_modules()[1].mamba2_chunk_scan
+    return _HF_MAMBA_SCAN
+
+
+def hf_gdn_reference():
+    """transformers' torch chunked gated delta rule (whatever the module-level name resolves to,
+    the function it wraps)."""
+    fn = _hf_modules()[0].torch_chunk_gated_delta_rule
+    return getattr(fn, "__wrapped__", fn)
+
+
+def gdn_fla_impl():
+    """The fla function transformers' Qwen3.5 GDN calls, or None (torch fallback)."""
+    fn = _hf_modules()[0].torch_chunk_gated_delta_rule
+    for cell in fn.__closure__ or ():
+        try:
+            obj = cell.cell_contents
+        except ValueError:
+            continue
+        if callable(obj) and str(getattr(obj, "__module__", "")).startswith("fla"):
+            return obj
+    return None
+
+
+def naive_simple_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False,
+                     **kwargs):
+    """Reference for fla's chunk_simple_gla (quadratic form; tests and the CPU dry run):
+    S_t = exp(g_t) S_{t-1} + k_t v_t^T, o_t = scale * q_t S_t; shapes [B, T, H, K|V], g [B, T, H]."""
+    import torch
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    qf, kf, vf, gf = q.float(), k.float(), v.float(), g.float()
+    G = gf.cumsum(1)                                        # [B, T, H]
+    T = q.shape[1]
+    diff = G[:, :, None, :] - G[:, None, :, :]              # [B, t, s, H]
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    decay = torch.where(causal[None, :, :, None], diff, float("-inf")).exp()
+    att = torch.einsum("bthk,bshk->btsh", qf, kf) * decay
+    o = torch.einsum("btsh,bshv->bthv", att, vf)
+    if initial_state is not None:
+        o = o + torch.einsum("bthk,bhkv->bthv", qf * G.exp()[..., None], initial_state.float())
+    o = o * scale
+    final = None
+    if output_final_state:
+        w = (G[:, -1:, :] - G).exp()                        # [B, s, H]
+        final = torch.einsum("bsh,bshk,bshv->bhkv", w, kf, vf)
+        if initial_state is not None:
+            final = final + G[:, -1, :, None, None].exp() * initial_state.float()
+    return o.to(q.dtype), final
+
+
+def make_mamba2_scan(gla):
+    """A drop-in for transformers' `mamba2_chunk_scan` computing the SSD recurrence with a
+    scalar-decay gated-linear-attention kernel `gla` (fla's chunk_simple_gla on the GPU)."""
+    import torch
+    import torch.nn.functional as F
+
+    def scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None,
+             dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, **kwargs):
+        bsz, T, H, P = hidden_states.shape
+        groups = B.shape[2]
+        dt = dt.float()
+        if dt_bias is not None:
+            dt = dt + dt_bias.float()
+        if dt_softplus:
+            dt = F.softplus(dt)
+        dt = torch.clamp(dt, min=dt_limit[0], max=dt_limit[1])
+        cdt = (torch.bfloat16 if torch.is_autocast_enabled(hidden_states.device.type)
+               else torch.float32)
+        x = hidden_states.float()
+        q = C.repeat_interleave(H // groups, dim=2).to(cdt)
+        k = B.repeat_interleave(H // groups, dim=2).to(cdt)
+        v = (x * dt[..., None]).to(cdt)
+        g = dt * A.float()[None, None, :]                  # log decay per step, <= 0
+        h0 = None if initial_states is None else initial_states.transpose(-1, -2).contiguous()
+        o, ht = gla(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), scale=1.0,
+                    initial_state=h0, output_final_state=return_final_states)
+        y = o.float()
+        if D is not None:
+            y = y + D.float()[:, None] * x
+        if return_final_states:
+            return y, ht.transpose(-1, -2).float()          # HF's state layout [B, H, P, N]
+        return y
+
+    scan.gla = gla
+    return scan
+
+
+@contextlib.contextmanager
+def patched(mod, name: str, fn):
+    old = getattr(mod, name)
+    setattr(mod, name, fn)
+    try:
+        yield
+    finally:
+        setattr(mod, name, old)
+
+
+@contextlib.contextmanager
+def reference_paths():
+    """transformers' torch scans for both architectures (the code the shipped models run)."""
+    qm, mm = _hf_modules()
+    with patched(qm, "torch_chunk_gated_delta_rule", hf_gdn_reference()), \
+            patched(mm, "mamba2_chunk_scan", hf_mamba_scan()):
+        yield
+
+
+def segment_reset(fn, seg: int):
+    """Wrap a chunked scan ([B, T, ...] tensors in, [B, T, ...] out) so that its recurrent state
+    starts from zero every `seg` tokens: [B, T] is cut into [B * n, seg] rows (T padded at the end,
+    which a causal scan never sees)."""
+    import torch
+    import torch.nn.functional as F
+
+    def wrapped(*args, **kwargs):
+        x0 = args[0] if args else next(iter(kwargs.values()))
+        bsz, T = x0.shape[:2]
+        n = -(-T // seg)
+        pad = n * seg - T
+        if kwargs.get("initial_state") is not None or kwargs.get("initial_states") is not None:
+            raise ValueError("segment_reset: no initial state allowed (use_cache=False)")
+
+        def cut(x):
+            if torch.is_tensor(x) and x.dim() >= 2 and tuple(x.shape[:2]) == (bsz, T):
+                if pad:
+                    x = F.pad(x, [0, 0] * (x.dim() - 2) + [0, pad])
+                return x.reshape(bsz * n, seg, *x.shape[2:])
+            return x
+
+        def join(y):
+            if torch.is_tensor(y) and y.dim() >= 2 and y.shape[0] == bsz * n and y.shape[1] == seg:
+                return y.reshape(bsz, n * seg, *y.shape[2:])[:, :T]
+            return y
+
+        out = fn(*[cut(a) for a in args], **{k: cut(v) for k, v in kwargs.items()})
+        if isinstance(out, tuple):
+            return (join(out[0]),) + (None,) * (len(out) - 1)
+        return join(out)
+
+    return wrapped
+
+
+@contextlib.contextmanager
+def recurrent_reset(seg: int):
+    """The recurrent state of every GDN / Mamba-2 layer restarts from zero every `seg` tokens;
+    everything else (attention layers, the 4-tap convolutions) still sees the whole window."""
+    qm, mm = _hf_modules()
+    with patched(qm, "torch_chunk_gated_delta_rule", segment_reset(qm.torch_chunk_gated_delta_rule, seg)), \
+            patched(mm, "mamba2_chunk_scan", segment_reset(mm.mamba2_chunk_scan, seg)):
+        yield
+
+
+def _rel_err(a, b) -> float:
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+def check_scan(kind: str, fast, device, bf16: bool, T: int = 512, seed: int = 0) -> dict:
+    """Outputs and input gradients of a fast scan (called as the model calls it) vs transformers'
+    torch scan on random inputs with the tiny models' head shapes. bf16: inputs rounded to bf16
+    and the fast scan run under bf16 autocast, as in training; the reference runs in fp32 on the
+    same values. Returns relative max errors (max |difference| / max |reference|)."""
+    import torch
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    dt_in = torch.bfloat16 if bf16 else torch.float32
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dt_in)
+
+    if kind == "qwen":
+        B, H, K, V = 2, 4, 64, 64
+        ins = {"query": rnd(B, T, H, K), "key": rnd(B, T, H, K), "value": rnd(B, T, H, V),
+               "g": (-torch.rand(B, T, H, generator=gen) ** 3 * 2).to(device),
+               "beta": torch.rand(B, T, H, generator=gen).to(device=device, dtype=dt_in)}
+        ref = hf_gdn_reference()
+
+        def run(fn, t):
+            return fn(t["query"], t["key"], t["value"], g=t["g"], beta=t["beta"],
+                      use_qk_l2norm_in_kernel=True)[0]
+    else:
+        B, H, P, N = 2, 8, 64, 64
+        dt_bias = torch.log(torch.expm1(torch.exp(torch.linspace(math.log(1e-4), math.log(0.1), H))))
+        ins = {"hidden_states": rnd(B, T, H, P), "dt": rnd(B, T, H, scale=0.5),
+               "B": rnd(B, T, 1, N, scale=0.3), "C": rnd(B, T, 1, N, scale=0.3)}
+        fixed = {"A": -torch.arange(1, H + 1, dtype=torch.float32).to(device),
+                 "D": torch.ones(H, device=device), "dt_bias": dt_bias.to(device)}
+        ref = hf_mamba_scan()
+
+        def run(fn, t):
+            return fn(t["hidden_states"], t["dt"], fixed["A"], t["B"], t["C"], chunk_size=64,
+                      D=fixed["D"], dt_bias=fixed["dt_bias"], dt_softplus=True)
+    t_f = {k: v.detach().clone().requires_grad_(True) for k, v in ins.items()}
+    t_r = {k: v.detach().float().clone().requires_grad_(True) for k, v in ins.items()}
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16):
+        o_f = run(fast, t_f)
+    o_r = run(ref, t_r)
+    w = torch.randn(*o_r.shape, generator=gen).to(device)
+    (o_f.float() * w).sum().backward()
+    (o_r.float() * w).sum().backward()
+    res = {"out": _rel_err(o_f, o_r)}
+    for k in ins:
+        res["grad_" + k] = _rel_err(t_f[k].grad, t_r[k].grad)
+    return {"T": T, "inputs": "bf16 + autocast" if bf16 else "fp32",
+            "rel_max_err": {k: float(f"{v:.3g}") for k, v in res.items()}}
+
+
+def model_logit_diff(model, kind: str, fast_scan, ids) -> dict:
+    """Max |logit difference| of the whole model, fp32: fast path vs transformers' torch path."""
+    import torch
+    qm, mm = _hf_modules()
+    was = model.training
+    model.eval()
+    with torch.no_grad():
+        with reference_paths():
+            ref = model(input_ids=ids, use_cache=False).logits.float()
+        if kind == "mamba":
+            with patched(mm, "mamba2_chunk_scan", fast_scan):
+                fast = model(input_ids=ids, use_cache=False).logits.float()
+        else:
+            fast = model(input_ids=ids, use_cache=False).logits.float()
+    model.train(was)
+    return {"tokens": int(ids.numel()), "max_abs_logit_diff": float(f"{(fast - ref).abs().max():.3g}"),
+            "max_abs_logit": float(f"{ref.abs().max():.3g}")}
+
+
 # ------------------------------------------------------------------------------------------- train
 def lr_at(step: int, total: int, peak: float, warmup: int, floor: float = 0.1) -> float:
     if step < warmup:
@@ -104,7 +434,7 @@ def lr_at(step: int, total: int, peak: float, warmup: int, floor: float = 0.1) -
 
 
 def token_loss(model, ids, autocast: bool):
-    """Mean next-token cross entropy (fp32) of a [B, T] batch; also per-position losses."""
+    """Per-position next-token cross entropy (fp32) of a [B, T] batch: [B, T - 1]."""
     import torch
     import torch.nn.functional as F
     with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=autocast):
@@ -126,15 +456,16 @@ def eval_stream(model, tokens: np.ndarray, ctx: int, device, autocast: bool) -> 
     return float(nll.mean())
 
 
-BUCKETS = [0, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768]
+BUCKETS = [0, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
 
 
 def eval_heldout(model, docs_tokens: list[np.ndarray], eos_id: int, ctx: int, device,
-                 batch: int = 8) -> dict:
+                 batch: int = 8, reset_every: int | None = None) -> dict:
     """Held-out perplexity at context `ctx`: every book is [EOS] + its tokens, cut into consecutive
     windows of ctx tokens (each from a fresh state); every token after a window's first is scored.
-    fp32, no autocast (as the shipped weights run on a CPU). Also the mean NLL by position in the
-    window (log-spaced buckets), which shows whether the model uses long context."""
+    fp32, no autocast, transformers' torch scans (as the shipped weights run on a CPU). Also the
+    mean NLL by position in the window (log-spaced buckets), which shows whether the model uses
+    long context. `reset_every`: the recurrent layers' state restarts every that many tokens."""
     import torch
     model.eval()
     windows = []
@@ -148,7 +479,8 @@ def eval_heldout(model, docs_tokens: list[np.ndarray], eos_id: int, ctx: int, de
     by_len: dict[int, list[np.ndarray]] = {}
     for w in windows:
         by_len.setdefault(len(w), []).append(w)
-    with torch.no_grad():
+    reset = recurrent_reset(reset_every) if reset_every else contextlib.nullcontext()
+    with torch.no_grad(), reference_paths(), reset:
         for length in sorted(by_len):
             group = by_len[length]
             for i in range(0, len(group), batch):
@@ -161,35 +493,134 @@ def eval_heldout(model, docs_tokens: list[np.ndarray], eos_id: int, ctx: int, de
                 np.add.at(bcnt, bucket_of[:length - 1], nll.shape[0])
     model.train()
     mean = total / count
-    return {"context": ctx, "windows": len(windows), "tokens_scored": int(count),
-            "nll": round(float(mean), 5), "ppl": round(math.exp(mean), 3),
-            "nll_by_position": {f"{BUCKETS[b]}-{BUCKETS[b + 1]}": round(float(bsum[b] / bcnt[b]), 4)
-                                for b in range(nb) if bcnt[b] > 0}}
+    out = {"context": ctx, "windows": len(windows), "tokens_scored": int(count),
+           "nll": round(float(mean), 5), "ppl": round(math.exp(mean), 3),
+           "nll_by_position": {f"{BUCKETS[b]}-{BUCKETS[b + 1]}": round(float(bsum[b] / bcnt[b]), 4)
+                               for b in range(nb) if bcnt[b] > 0}}
+    if reset_every:
+        out["recurrent_state_reset_every"] = reset_every
+    return out
 
 
-def train_one(kind: str, data: Path, out: Path, args, steps: str = "auto") -> dict:
+def long_memory_summary(evals: list[dict]) -> dict:
+    """The numbers that say whether the state carries information across thousands of tokens."""
+    by = {(e["context"], e.get("recurrent_state_reset_every")): e for e in evals}
+    out = {"ppl_by_context": {str(e["context"]): e["ppl"] for e in evals
+                              if not e.get("recurrent_state_reset_every")}}
+    longest = max(c for c, r in by if r is None)
+    carried = by[(longest, None)]["nll_by_position"]
+    late = [k for k in carried if int(k.split("-")[0]) >= 2048]
+    out["nll_early_64_512"] = round(float(np.mean([carried[k] for k in ("64-256", "256-512")
+                                                    if k in carried])), 4)
+    out["nll_late_from_2048"] = round(float(np.mean([carried[k] for k in late])), 4) if late else None
+    for (c, r), e in by.items():
+        if r is not None:
+            rb = e["nll_by_position"]
+            keys = [k for k in rb if int(k.split("-")[0]) >= 512 and k in carried]
+            gap = {k: round(rb[k] - carried[k], 4) for k in keys}
+            out[f"recurrent_reset_{r}_vs_carried_ctx{c}"] = {
+                "nll_reset": e["nll"], "nll_carried": by[(c, None)]["nll"],
+                "nll_gap": round(e["nll"] - by[(c, None)]["nll"], 5),
+                "nll_gap_by_position_from_512": gap}
+    if (512, None) in by and (longest, None) in by:
+        out["full_reset_512_minus_carried"] = round(by[(512, None)]["nll"]
+                                                    - by[(longest, None)]["nll"], 5)
+    return out
+
+
+# -------------------------------------------------------------------------------------- fast paths
+def setup_fast_paths(args, device) -> dict:
+    """Decide and check the training scans; abort loudly where a required fast path is missing or
+    wrong. Returns {"record": ..., "mamba_scan": fn or None (transformers' torch scan)}."""
     import torch
-    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    rec = {}
+    if args.require_fla:
+        try:
+            import fla  # noqa: F401  (before transformers imports the Qwen3.5 model file)
+            rec["fla_version"] = getattr(fla, "__version__", "?")
+        except Exception as e:
+            raise SystemExit(f"FAST PATH MISSING: cannot import fla ({e!r}); install the carried "
+                             f"wheels (.gpu/wheels) into a --target dir on PYTHONPATH")
+    impl = gdn_fla_impl()
+    rec["qwen_gdn"] = (f"{impl.__module__}.{impl.__name__}" if impl is not None
+                       else "transformers torch_chunk_gated_delta_rule (no fla)")
+    if args.require_fla and impl is None:
+        raise SystemExit("FAST PATH MISSING: transformers' Qwen3.5 GDN did not resolve fla's "
+                         "chunk_gated_delta_rule")
+    tol = 0.1 if cuda else 0.02
+    qm, _ = _hf_modules()
+    t0 = time.time()
+    chk = check_scan("qwen", qm.torch_chunk_gated_delta_rule, device, bf16=cuda)
+    chk["seconds"] = round(time.time() - t0, 1)
+    rec["qwen_scan_check"] = chk
+    log(f"fast path check qwen ({rec['qwen_gdn']}): {chk}")
+    if max(chk["rel_max_err"].values()) > tol:
+        raise SystemExit(f"FAST PATH WRONG: Qwen3.5 GDN scan differs from transformers' torch scan "
+                         f"by more than {tol}: {chk['rel_max_err']}")
+    mamba_scan = None
+    if args.mamba_scan != "hf":
+        try:
+            if args.mamba_scan == "fla":
+                from fla.ops.simple_gla import chunk_simple_gla as gla
+            else:
+                gla = naive_simple_gla
+            mamba_scan = make_mamba2_scan(gla)
+            t0 = time.time()
+            chk = check_scan("mamba", mamba_scan, device, bf16=cuda)
+            chk["seconds"] = round(time.time() - t0, 1)
+            rec["mamba_scan_check"] = chk
+            log(f"fast path check mamba ({args.mamba_scan} simple GLA): {chk}")
+            if max(chk["rel_max_err"].values()) > tol:
+                raise RuntimeError(f"differs from transformers' torch scan by more than {tol}: "
+                                   f"{chk['rel_max_err']}")
+        except Exception as e:
+            if not args.mamba_fallback:
+                raise SystemExit(f"FAST PATH WRONG: Mamba-2 {args.mamba_scan} scan: {e!r}")
+            log(f"!!! MAMBA-2 FAST PATH FAILED ({e!r}); training Mamba-2 on transformers' torch "
+                f"scan instead (slow) !!!")
+            rec["mamba_scan_error"] = repr(e)
+            mamba_scan = None
+    rec["mamba_scan"] = (f"{args.mamba_scan} chunk_simple_gla (q=C, k=B, v=dt*x, g=dt*A)"
+                         if mamba_scan is not None else "transformers mamba2_chunk_scan (torch)")
+    if cuda:
+        torch.cuda.synchronize()
+    return {"record": rec, "mamba_scan": mamba_scan}
+
+
+# ------------------------------------------------------------------------------------------- train
+def load_data(data: Path, heldout_limit: int = 0):
     meta = json.loads((data / "corpus.json").read_text())
-    vocab, eos_id = meta["vocab_size"], meta["eos_id"]
-    train = np.load(data / "train.npy")
-    val = np.load(data / "val.npy")
     heldout = np.load(data / "heldout.npy")
     docs = json.loads((data / "heldout_docs.json").read_text())
-    # heldout.npy is [EOS doc0 EOS doc1 ...]: recover each book's tokens
     heldout_docs, pos = [], 0
-    for d in docs:
-        assert heldout[pos] == eos_id
+    for d in docs:                              # heldout.npy is [EOS doc0 EOS doc1 ...]
+        assert heldout[pos] == meta["eos_id"]
         heldout_docs.append(heldout[pos + 1:pos + 1 + d["tokens"]])
         pos += 1 + d["tokens"]
-    if args.heldout_limit:
-        heldout_docs = [d[:args.heldout_limit] for d in heldout_docs]
+    if heldout_limit:
+        heldout_docs = [d[:heldout_limit] for d in heldout_docs]
+    return meta, np.load(data / "train.npy"), np.load(data / "val.npy"), heldout_docs
+
+
+def train_one(kind: str, data: Path, out: Path, args, steps: str, budget: float,
+              mamba_scan=None) -> dict:
+    import torch
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    meta, train, val, heldout_docs = load_data(data, args.heldout_limit)
+    vocab, eos_id = meta["vocab_size"], meta["eos_id"]
+    name = MODEL_NAMES[kind]
+    t_model = time.time()
 
     torch.manual_seed(args.seed)
     np_rng = np.random.default_rng(args.seed)
-    model = build_model(kind, vocab, eos_id).to(device)
+    model = build_model(kind, vocab, eos_id)
+    init_rates = init_long_memory(model, args.seed) if (kind == "qwen" and args.long_memory_init) else None
+    model = model.to(device)
     model.config.use_cache = False
     model.train()
+    hooks = add_dropout(model, args.dropout)
     nparam = n_params(model)
     decay = [p for n, p in model.named_parameters() if p.ndim == 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim != 2]
@@ -197,9 +628,12 @@ def train_one(kind: str, data: Path, out: Path, args, steps: str = "auto") -> di
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
     T, B = args.seq_len, args.batch
-    autocast = device.type == "cuda"
-    name = MODEL_NAMES[kind]
-    print(f"[{name}] {nparam / 1e6:.3f}M parameters, batch {B} x {T}, device {device}", flush=True)
+    val_ctx = min(T, args.val_context)
+    _, mm = _hf_modules()
+    scan_ctx = (patched(mm, "mamba2_chunk_scan", mamba_scan) if (kind == "mamba" and mamba_scan)
+                else contextlib.nullcontext())
+    log(f"[{name}] {nparam / 1e6:.3f}M parameters, batch {B} x {T}, device {device}, "
+        f"budget {budget:.0f} s, dropout {args.dropout}")
 
     total = None if steps == "auto" else int(steps)
     probe = 6                     # steps timed to resolve --steps auto (warmup is longer than this)
@@ -210,75 +644,115 @@ def train_one(kind: str, data: Path, out: Path, args, steps: str = "auto") -> di
     step = 0
     pending = []
     stopped_early = None
-    while total is None or step < total:
-        starts = np_rng.integers(0, len(train) - T - 1, size=B)
-        batch = np.stack([train[s:s + T + 1] for s in starts]).astype(np.int64)
-        ids = torch.from_numpy(batch).to(device, non_blocking=True)
-        lr = lr_at(step, total or 10 ** 9, args.lr, args.warmup)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        loss = token_loss(model, ids, autocast).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        pending.append(loss.detach())
-        step += 1
-        if step == 2:
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t_probe = time.time()
-        if total is None and step == probe:
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            per_step = (time.time() - t_probe) / (probe - 2)
-            # evaluation every eval_every steps costs about one step each time
-            total = int(min(args.max_steps, max(probe + 1, args.time_budget / (per_step * 1.06))))
-            print(f"[{name}] {per_step:.3f} s/step -> {total} steps for {args.time_budget:.0f} s",
-                  flush=True)
-        if total is not None and step < total and time.time() - t0 > 1.5 * args.time_budget:
-            print(f"[{name}] over 1.5x the time budget at step {step}: stopping here", flush=True)
-            stopped_early = step
-            total = step
-        if len(pending) >= 10 or (total is not None and step >= total):
-            losses += [round(float(x), 4) for x in torch.stack(pending).cpu()]
-            pending = []
-        if total is not None and (step % args.eval_every == 0 or step >= total):
-            vloss = eval_stream(model, val, T, device, autocast)
-            val_curve.append((step, round(vloss, 4)))
-            print(f"[{name}] step {step}/{total} lr {lr:.2e} train {float(loss.detach()):.4f} "
-                  f"val {vloss:.4f} ({time.time() - t0:.0f} s)", flush=True)
-            if vloss < best[0]:
-                best = (vloss, step, {k: v.detach().to("cpu", copy=True)
-                                      for k, v in model.state_dict().items()})
-    train_time = time.time() - t0
-    model.load_state_dict(best[2])
-
-    # Ship bf16-rounded weights; compute in fp32 (config dtype float32 -> from_pretrained loads fp32)
-    round_params_bf16(model)
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
+    hard_stop = t0 + 1.25 * budget
+    if args.deadline:                           # leave --reserve seconds for evaluation + demos
+        hard_stop = min(hard_stop, T_START + args.deadline - args.reserve)
+    with scan_ctx:
+        while total is None or step < total:
+            starts = np_rng.integers(0, len(train) - T - 1, size=B)
+            batch = np.stack([train[s:s + T + 1] for s in starts]).astype(np.int64)
+            ids = torch.from_numpy(batch).to(device, non_blocking=True)
+            lr = lr_at(step, total or 10 ** 9, args.lr, args.warmup)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            loss = token_loss(model, ids, cuda).mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            pending.append(loss.detach())
+            step += 1
+            if step == 1:
+                first = float(loss)
+                if not math.isfinite(first):
+                    raise RuntimeError(f"[{name}] first training loss is {first}")
+                log(f"[{name}] step 1 loss {first:.4f} (compile + first step {time.time() - t0:.1f} s)")
+            if step == 2:
+                if cuda:
+                    torch.cuda.synchronize()
+                t_probe = time.time()
+            if total is None and step == probe:
+                if cuda:
+                    torch.cuda.synchronize()
+                per_step = (time.time() - t_probe) / (probe - 2)
+                left = budget - (time.time() - t0)
+                # validation every eval_every steps costs about one step each time
+                total = int(min(args.max_steps, max(probe + 1, probe + left / (per_step * 1.05))))
+                log(f"[{name}] {per_step:.3f} s/step -> {total} steps for {budget:.0f} s")
+            if total is not None and step < total and time.time() > hard_stop:
+                log(f"[{name}] !!! past the hard stop at step {step}: stopping here")
+                stopped_early = step
+                total = step
+            if len(pending) >= 10 or (total is not None and step >= total):
+                losses += [round(float(x), 4) for x in torch.stack(pending).cpu()]
+                pending = []
+                if not math.isfinite(losses[-1]):
+                    raise RuntimeError(f"[{name}] training loss is {losses[-1]} at step {step}")
+            if total is not None and (step % args.eval_every == 0 or step >= total):
+                vloss = eval_stream(model, val, val_ctx, device, cuda)
+                val_curve.append((step, round(vloss, 4)))
+                log(f"[{name}] step {step}/{total} lr {lr:.2e} train {float(loss.detach()):.4f} "
+                    f"val {vloss:.4f}")
+                if vloss < best[0]:
+                    best = (vloss, step, {k: v.detach().to("cpu", copy=True)
+                                          for k, v in model.state_dict().items()})
+        train_time = time.time() - t0
+        for h in hooks:
+            h.remove()
+        model.load_state_dict(best[2])
+        # Ship bf16-rounded weights; compute in fp32 (config dtype float32 -> from_pretrained fp32)
+        round_params_bf16(model)
+        if cuda:
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
+        # the training scan vs transformers' own forward, same (shipped) weights, fp32
+        probe_ids = torch.from_numpy(np.concatenate([[eos_id], heldout_docs[0][:2047]])
+                                     .astype(np.int64)[None]).to(device)
+        check = model_logit_diff(model, kind, mamba_scan, probe_ids)
+        log(f"[{name}] trained weights, training path vs transformers' torch path (fp32): {check}")
     t1 = time.time()
     evals = [eval_heldout(model, heldout_docs, eos_id, ctx, device) for ctx in args.eval_contexts]
+    evals.append(eval_heldout(model, heldout_docs, eos_id, max(args.eval_contexts), device,
+                              reset_every=args.reset_every))
     for e in evals:
-        print(f"[{name}] held-out ppl @ ctx {e['context']}: {e['ppl']}  by position "
-              f"{e['nll_by_position']}", flush=True)
+        log(f"[{name}] held-out ppl @ ctx {e['context']}"
+            + (f" (recurrent state reset every {args.reset_every})" if e.get("recurrent_state_reset_every") else "")
+            + f": {e['ppl']}  by position {e['nll_by_position']}")
+    summary = long_memory_summary(evals)
+    log(f"[{name}] long memory: {json.dumps(summary)}")
     eval_time = time.time() - t1
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
 
-    folder = out / "_build" / name              # tarred below: the device returns at most 8 files
+    folder = out / "_build" / name              # tarred later: the device returns at most 8 files
     save_model_folder(model, folder, data / "tokenizer")
     tokens_seen = total * B * T
     return {
         "name": name, "architecture": type(model).__name__, "parameters": nparam,
         "config": json.loads((folder / "config.json").read_text()),
         "seed": args.seed, "seq_len": T, "batch": B, "steps": total, "steps_arg": steps,
-        "stopped_early_at": stopped_early, "tokens_seen": tokens_seen, "epochs": round(tokens_seen / len(train), 2),
+        "time_budget": budget, "stopped_early_at": stopped_early, "tokens_seen": tokens_seen,
+        "epochs": round(tokens_seen / len(train), 2),
         "lr": args.lr, "warmup": args.warmup, "weight_decay": args.weight_decay,
+        "dropout": args.dropout,
         "optimizer": "AdamW(0.9, 0.95), cosine to 10%, grad clip 1.0, bf16 autocast",
-        "train_seconds": round(train_time, 1), "seconds_per_step": round(train_time / total, 4), "eval_seconds": round(eval_time, 1),
-        "best_val": {"step": best[1], "nll": round(best[0], 4), "ppl": round(math.exp(best[0]), 3)},
+        "training_scan": ("fla chunk_gated_delta_rule via transformers" if kind == "qwen" and gdn_fla_impl()
+                          else "transformers torch_chunk_gated_delta_rule" if kind == "qwen"
+                          else "fla chunk_simple_gla (SSD as scalar-decay GLA)" if mamba_scan is not None
+                          and getattr(mamba_scan, "gla", None) is not naive_simple_gla
+                          else "naive simple GLA (CPU dry run)" if mamba_scan is not None
+                          else "transformers mamba2_chunk_scan (torch)"),
+        "training_vs_hf_forward_fp32": check,
+        "long_memory_init": ({"gdn_decay_rate_per_head": init_rates} if init_rates
+                             else {"mamba2_time_step_min": model.config.time_step_min}
+                             if kind == "mamba" else None),
+        "decay_rate_per_head_trained": decay_rates(model),
+        "train_seconds": round(train_time, 1), "seconds_per_step": round(train_time / total, 4),
+        "eval_seconds": round(eval_time, 1), "model_seconds": round(time.time() - t_model, 1),
+        "best_val": {"step": best[1], "context": val_ctx, "nll": round(best[0], 4),
+                     "ppl": round(math.exp(best[0]), 3)},
         "train_loss": losses, "val_curve": val_curve, "heldout": evals,
+        "long_memory": summary,
         "safetensors_bytes": (folder / "model.safetensors").stat().st_size,
     }
 
@@ -310,10 +784,12 @@ def save_model_folder(model, folder: Path, tokenizer_dir: Path) -> None:
 
 
 def plot_losses(logs: list[dict], path: Path) -> None:
+    """Left: training / validation loss by step. Right: held-out NLL by position in the window
+    (longest context), recurrent state carried vs reset every --reset-every tokens."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.4))
     for lg, c in zip(logs, ["tab:blue", "tab:orange"]):
         y = np.array(lg["train_loss"])
         k = min(10, len(y))
@@ -322,72 +798,164 @@ def plot_losses(logs: list[dict], path: Path) -> None:
                 label=f"{lg['name']} train ({lg['parameters'] / 1e6:.1f}M params)")
         vs, vl = zip(*lg["val_curve"])
         ax.plot(vs, vl, "o--", color=c, ms=3, lw=0.8, label=f"{lg['name']} validation")
+        for e in lg["heldout"]:
+            if e["context"] != max(x["context"] for x in lg["heldout"]):
+                continue
+            keys = list(e["nll_by_position"])
+            mids = [math.sqrt(max(1, int(a)) * int(b)) for a, b in (k_.split("-") for k_ in keys)]
+            reset = e.get("recurrent_state_reset_every")
+            bx.plot(mids, list(e["nll_by_position"].values()), "--" if reset else "-o", color=c,
+                    ms=3, lw=1.2, label=f"{lg['name']} " + (f"state reset every {reset}"
+                                                            if reset else "state carried"))
     ax.set_xlabel("step")
     ax.set_ylabel("next-token loss (nats)")
     ax.set_ylim(bottom=min(min(lg["train_loss"]) for lg in logs) - 0.2, top=6.0)
-    ax.set_title("Tiny models on the KJV (4096-token BPE, 4K context)")
+    T = logs[0]["seq_len"]
+    ax.set_title(f"Tiny models on the KJV (4096-token BPE, {T // 1024}K context)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    bx.set_xscale("log")
+    bx.set_xlabel("position in the window (tokens, bucket geometric mid)")
+    bx.set_ylabel("held-out NLL (nats)")
+    bx.set_title("Held-out books, fp32: does the state carry information?")
+    bx.grid(alpha=0.3)
+    bx.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
 
 
-def device_is_cuda(args) -> bool:
-    return str(args.device).startswith("cuda")
-
-
-def cmd_train(args) -> None:
+def train_all(args, out: Path, fast: dict) -> dict:
+    """Train, evaluate and save every model in --models; returns the log (also written)."""
     import torch
     from replayquant.provenance import provenance
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     data = Path(args.data)
-    if not (data / "corpus.json").is_file():
-        raise SystemExit(f"{data} has no corpus.json: run `python evals/train_tiny.py prepare` first")
+    kinds = args.models.split(",")
+    steps = args.steps.split(",")
+    budgets = [float(b) for b in str(args.time_budget).split(",")]
+    if len(steps) == 1:
+        steps = steps * len(kinds)
+    if len(budgets) == 1:
+        budgets = budgets * len(kinds)
+    if len(steps) != len(kinds) or not all(x == "auto" or x.isdigit() for x in steps) \
+            or len(budgets) != len(kinds):
+        raise SystemExit(f"--steps {args.steps!r} / --time-budget {args.time_budget!r}: give one "
+                         f"value, or one per model ({len(kinds)}: {args.models})")
+    logs = []
+    for kind, nsteps, budget in zip(kinds, steps, budgets):
+        logs.append(train_one(kind, data, out, args, nsteps, budget, fast["mamba_scan"]))
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    for lg in logs:                            # tar each model folder: the device returns <= 8 files
+        with tarfile.open(out / f"{lg['name']}.tar", "w") as tf:
+            tf.add(out / "_build" / lg["name"], arcname=lg["name"])
+    plot_losses(logs, out / "loss_curve.png")
+    record = {"provenance": provenance(device=args.device, command=" ".join(sys.argv),
+                                       source_commit=args.source_commit,
+                                       wall_seconds=round(time.time() - T_START, 1)),
+              "fast_paths": fast["record"],
+              "corpus": json.loads((data / "corpus.json").read_text()),
+              "models": logs}
+    record["corpus"]["source"].pop("copyright", None)
+    (out / "train_log.json").write_text(json.dumps(record, indent=1))
+    print("\nmodel            params   steps  train s  best val ppl  " +
+          "  ".join(f"ppl@{e['context']}" + ("r" if e.get("recurrent_state_reset_every") else "")
+                    for e in logs[0]["heldout"]))
+    for lg in logs:
+        print(f"{lg['name']:<16} {lg['parameters'] / 1e6:5.2f}M  {lg['steps']:5d}  "
+              f"{lg['train_seconds']:7.1f}  {lg['best_val']['ppl']:12.2f}  " +
+              "  ".join(f"{e['ppl']:8.2f}" for e in lg["heldout"]), flush=True)
+    return record
+
+
+def prepare_device(args):
+    import torch
     if args.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
         import torch.utils.deterministic
         torch.utils.deterministic.fill_uninitialized_memory = False   # no extra fill kernels
-    if args.device.startswith("cuda"):
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda but CUDA is not available")
         torch.backends.cuda.matmul.allow_tf32 = True
-    t0 = time.time()
-    logs, errors = [], []
-    kinds = args.models.split(",")
-    steps = args.steps.split(",")
-    if len(steps) == 1:
-        steps = steps * len(kinds)
-    if len(steps) != len(kinds) or not all(x == "auto" or x.isdigit() for x in steps):
-        raise SystemExit(f"--steps {args.steps!r}: give 'auto', one number, or one per model "
-                         f"({len(kinds)}: {args.models})")
-    for kind, nsteps in zip(kinds, steps):
-        try:
-            logs.append(train_one(kind, data, out, args, nsteps))
-        except Exception as e:                 # keep the other model's run: one device call only
-            import traceback
-            traceback.print_exc()
-            errors.append({"model": kind, "error": repr(e), "traceback": traceback.format_exc()})
-            if device_is_cuda(args):
-                torch.cuda.empty_cache()
-    for lg in logs:                            # tar each model folder: the device returns <= 8 files
-        with tarfile.open(out / f"{lg['name']}.tar", "w") as tf:
-            tf.add(out / "_build" / lg["name"], arcname=lg["name"])
+    return device
+
+
+def cmd_train(args) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if not (Path(args.data) / "corpus.json").is_file():
+        raise SystemExit(f"{args.data} has no corpus.json: run `python evals/train_tiny.py prepare` first")
+    device = prepare_device(args)
+    fast = setup_fast_paths(args, device)
+    train_all(args, out, fast)
     shutil.rmtree(out / "_build", ignore_errors=True)
-    if logs:
-        plot_losses(logs, out / "loss_curve.png")
-    log = {"provenance": provenance(device=args.device, command=" ".join(sys.argv),
-                                    source_commit=args.source_commit,
-                                    wall_seconds=round(time.time() - t0, 1)),
-           "corpus": json.loads((data / "corpus.json").read_text()),
-           "models": logs, "errors": errors}
-    log["corpus"]["source"].pop("copyright", None)
-    (out / "train_log.json").write_text(json.dumps(log, indent=1))
-    print("\nmodel            params   steps  train s  best val ppl  " +
-          "  ".join(f"held-out ppl@{c}" for c in args.eval_contexts))
-    for lg in logs:
-        print(f"{lg['name']:<16} {lg['parameters'] / 1e6:5.2f}M  {lg['steps']:5d}  "
-              f"{lg['train_seconds']:7.1f}  {lg['best_val']['ppl']:12.2f}  " +
-              "  ".join(f"{e['ppl']:15.2f}" for e in lg["heldout"]))
+
+
+def run_demo(args, folder: Path, name: str, out_json: Path, timeout: float) -> dict:
+    """`replayquant kl` on a trained model folder, in a subprocess without fla on its path (the
+    harness's FP32 reference is transformers' torch code, as on any machine)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(ROOT)
+    env.setdefault("REPLAYQUANT_GIT_COMMIT", args.source_commit or "unknown")
+    dataset = subprocess.run([sys.executable, "-m", "replayquant.data"], env=env, cwd=ROOT,
+                             capture_output=True, text=True, check=True).stdout.strip()
+    cmd = [sys.executable, "-m", "replayquant", "kl", "--model", str(folder)]
+    for p in DEMO_PAIRS:
+        cmd += ["--pair", p]
+    cmd += ["--dataset", dataset, "--context", str(args.demo_context), "--docs", str(args.demo_docs),
+            "--dtype", "float32", "--device-map", args.device, "--out", str(out_json),
+            "--no-progress"]
+    log(f"[demo {name}] {' '.join(cmd)}")
+    t0 = time.time()
+    res = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    print(res.stdout[-6000:], res.stderr[-3000:], sep="\n", flush=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"[demo {name}] replayquant kl exited {res.returncode}")
+    return {"command": " ".join(cmd), "seconds": round(time.time() - t0, 1)}
+
+
+def cmd_device_run(args) -> None:
+    """train + 16K demo on the GPU; at most 8 files in --out."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = prepare_device(args)
+    fast = setup_fast_paths(args, device)
+    record = train_all(args, out, fast)
+    # the new models into the package (this copy of the tree), then the demo on them
+    suffix = f"_ctx{args.demo_context // 1024}k_{args.demo_tag}"
+    demo_files = []
+    record["demo"] = {}
+    for lg in record["models"]:
+        name = lg["name"]
+        dest = ASSETS / name
+        if dest.exists():
+            shutil.rmtree(dest)
+        shutil.copytree(out / "_build" / name, dest)
+        left = T_START + args.deadline - time.time() - 10 if args.deadline else 600
+        if left < 20:
+            log(f"!!! [demo {name}] skipped: only {left:.0f} s left before the deadline")
+            record["demo"][name] = {"skipped": f"{left:.0f} s left"}
+            continue
+        out_json = DEMO_RESULTS / f"{name}{suffix}.json"
+        for old in (out_json, out_json.with_suffix(".png")):
+            old.unlink(missing_ok=True)
+        shutil.rmtree(out_json.with_suffix(".kl"), ignore_errors=True)
+        try:
+            record["demo"][name] = run_demo(args, dest, name, out_json, timeout=left)
+            demo_files += [out_json, out_json.with_suffix(".png"), out_json.with_suffix(".kl")]
+        except Exception as e:               # keep what was trained: the log and models come back
+            log(f"!!! [demo {name}] FAILED: {e!r}")
+            record["demo"][name] = {"error": repr(e)}
+    (out / "train_log.json").write_text(json.dumps(record, indent=1))
+    if demo_files:
+        with tarfile.open(out / "demo.tar", "w") as tf:
+            for f in demo_files:
+                if f.exists():
+                    tf.add(f, arcname=str(f.relative_to(ROOT)))
+    shutil.rmtree(out / "_build", ignore_errors=True)
+    log(f"device-run done: {sorted(p.name for p in out.iterdir())}")
 
 
 def cmd_prepare(args) -> None:
@@ -398,25 +966,39 @@ def cmd_prepare(args) -> None:
           f"val {s['val']['tokens']}, held-out {s['heldout']['tokens']} ({', '.join(s['heldout']['books'])})")
 
 
+def _check_members(tar: Path, top: str) -> None:
+    with tarfile.open(tar) as tf:
+        for n in tf.getnames():
+            if n.startswith(("/", "..")) or ".." in n.split("/") or n.split("/")[0] != top:
+                raise SystemExit(f"{tar}: unexpected member path {n!r}")
+
+
+def _extract(tar: Path, dest: Path) -> None:
+    with tarfile.open(tar) as tf:
+        tf.extractall(dest)
+
+
 def cmd_install(args) -> None:
     src = Path(args.src)
     for name in MODEL_NAMES.values():
         tar = src / f"{name}.tar"
         if not tar.is_file():
             raise SystemExit(f"{tar} is missing")
+        _check_members(tar, name)
+    if (src / "demo.tar").is_file():
+        _check_members(src / "demo.tar", "results")
+    for name in MODEL_NAMES.values():
         dest = ASSETS / name
         if dest.exists():
             shutil.rmtree(dest)
         ASSETS.mkdir(parents=True, exist_ok=True)
-        with tarfile.open(tar) as tf:
-            names = tf.getnames()
-            if any(n.startswith(("/", "..")) or "/../" in n or n.split("/")[0] != name for n in names):
-                raise SystemExit(f"{tar}: unexpected member paths")
-            tf.extractall(ASSETS)
+        _extract(src / f"{name}.tar", ASSETS)
     RESULTS.mkdir(parents=True, exist_ok=True)
     for f in ("train_log.json", "loss_curve.png", "train_stdout.txt"):
         if (src / f).is_file():
             shutil.copy(src / f, RESULTS / f)
+    if (src / "demo.tar").is_file():
+        _extract(src / "demo.tar", ROOT)
     print(f"installed into {ASSETS} and {RESULTS}")
 
 
@@ -429,33 +1011,62 @@ def main(argv=None) -> None:
     p.add_argument("--cache", default=None, help="where to look for / download the .deb")
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--heldout-out", default=None, help="also write the held-out books (jsonl.gz)")
-    t = sub.add_parser("train", help="train both models (GPU)")
-    t.add_argument("--data", default=str(ROOT / ".gpu" / "tiny"))
-    t.add_argument("--out", required=True)
-    t.add_argument("--models", default="qwen,mamba")
-    t.add_argument("--device", default="cuda")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--seq-len", type=int, default=4096)
-    t.add_argument("--batch", type=int, default=16)
-    t.add_argument("--steps", default="auto",
-                   help="'auto' (fit --time-budget), a number, or one per model (e.g. 150,74)")
-    t.add_argument("--max-steps", type=int, default=3000)
-    t.add_argument("--time-budget", type=float, default=110.0, help="seconds of training per model")
-    t.add_argument("--lr", type=float, default=2e-3)
-    t.add_argument("--warmup", type=int, default=30)
-    t.add_argument("--weight-decay", type=float, default=0.1)
-    t.add_argument("--eval-every", type=int, default=25)
-    t.add_argument("--eval-contexts", type=lambda s: [int(x) for x in s.split(",")],
-                   default=[4096, 8192, 16384])
-    t.add_argument("--source-commit", default=None,
-                   help="commit of the code (where the device's copy has no .git)")
-    t.add_argument("--heldout-limit", type=int, default=0,
-                   help="score only the first N tokens of each held-out book (smoke tests)")
-    t.add_argument("--deterministic", action="store_true", default=True)
+    for cmd, hlp in (("train", "train and evaluate both models (GPU)"),
+                     ("device-run", "train, evaluate, 16K demo of both models, pack (GPU)")):
+        t = sub.add_parser(cmd, help=hlp)
+        t.add_argument("--data", default=str(ROOT / ".gpu" / "tiny"))
+        t.add_argument("--out", required=True)
+        t.add_argument("--models", default="qwen,mamba")
+        t.add_argument("--device", default="cuda")
+        t.add_argument("--seed", type=int, default=0)
+        t.add_argument("--seq-len", type=int, default=8192)
+        t.add_argument("--batch", type=int, default=8)
+        t.add_argument("--steps", default="auto",
+                       help="'auto' (fit --time-budget), a number, or one per model (e.g. 900,700)")
+        t.add_argument("--max-steps", type=int, default=600,
+                       help="at most this many steps (600 x 64K tokens: ~42 epochs of the training books)")
+        t.add_argument("--time-budget", default="150",
+                       help="seconds of training per model (one value or one per model)")
+        t.add_argument("--deadline", type=float, default=0,
+                       help="seconds since start after which training stops and demos are skipped")
+        t.add_argument("--reserve", type=float, default=100,
+                       help="training stops --reserve seconds before --deadline")
+        t.add_argument("--lr", type=float, default=2e-3)
+        t.add_argument("--warmup", type=int, default=40)
+        t.add_argument("--weight-decay", type=float, default=0.1)
+        t.add_argument("--dropout", type=float, default=0.15)
+        t.add_argument("--long-memory-init", action=argparse.BooleanOptionalAction, default=True)
+        t.add_argument("--eval-every", type=int, default=50)
+        t.add_argument("--val-context", type=int, default=4096)
+        t.add_argument("--eval-contexts", type=lambda s: [int(x) for x in s.split(",")],
+                       default=[512, 4096, 8192, 16384])
+        t.add_argument("--reset-every", type=int, default=512,
+                       help="also score the longest context with the recurrent state reset this often")
+        t.add_argument("--require-fla", action=argparse.BooleanOptionalAction, default=None,
+                       help="abort unless fla's kernels are in use (default: on CUDA)")
+        t.add_argument("--mamba-scan", choices=["fla", "naive", "hf"], default=None,
+                       help="Mamba-2 training scan (default: fla on CUDA, hf elsewhere)")
+        t.add_argument("--mamba-fallback", action=argparse.BooleanOptionalAction, default=True,
+                       help="if the Mamba-2 fast scan fails its check, train on transformers' scan")
+        t.add_argument("--source-commit", default=None,
+                       help="commit of the code (where the device's copy has no .git)")
+        t.add_argument("--heldout-limit", type=int, default=0,
+                       help="score only the first N tokens of each held-out book (smoke tests)")
+        t.add_argument("--deterministic", action="store_true", default=True)
+        t.add_argument("--demo-context", type=int, default=16384)
+        t.add_argument("--demo-docs", type=int, default=3)
+        t.add_argument("--demo-tag", default="h200")
     i = sub.add_parser("install", help="copy a train output into the package and results/")
     i.add_argument("--from", dest="src", required=True)
     args = ap.parse_args(argv)
-    {"prepare": cmd_prepare, "train": cmd_train, "install": cmd_install}[args.cmd](args)
+    if args.cmd in ("train", "device-run"):
+        cuda = args.device.startswith("cuda")
+        if args.require_fla is None:
+            args.require_fla = cuda
+        if args.mamba_scan is None:
+            args.mamba_scan = "fla" if cuda else "hf"
+    {"prepare": cmd_prepare, "train": cmd_train, "device-run": cmd_device_run,
+     "install": cmd_install}[args.cmd](args)
 
 
 if __name__ == "__main__":
