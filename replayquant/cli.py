@@ -165,6 +165,39 @@ def bench_kl_cmd(
 # --- end KL harness ----------------------------------------------------------------------------
 
 
+# --- teacher forcing (replayquant/bench/teacher_forcing.py) --------------------------------------
+@bench_app.command("teacher-forcing")
+def bench_teacher_forcing_cmd(
+    part: str = typer.Option("model", help="model (whole model, issue 5) | layer (kernel check and "
+                             "per-layer timing) | all"),
+    context: int = typer.Option(131072, help="tokens of the one random document (model)"),
+    segment: int = typer.Option(8192, help="tokens per forward (model)"),
+    pair: str = typer.Option("tp4_hi16_sr", help="precision pair of the patched model (model)"),
+    prefill: str = typer.Option("replay", help="replay | exact (model)"),
+    shape: str = typer.Option("qwen3.5-4b", help="model shape (random weights): qwen3.5-4b | tiny"),
+    device: str = typer.Option(None, help="cuda (default when available) or cpu (model)"),
+    lengths: str = typer.Option("8192,32768", help="tokens of the per-layer timing (layer)"),
+    out: str = typer.Option("results/bench/teacher_forcing.json", help="results JSON (each part "
+                            "replaces its own section)"),
+):
+    """GPU: teacher forcing through the chunk kernel: the patched vs the unpatched HF forward of
+    a Qwen3.5-4B-shape model over one long document (target <= 2x, <= 40 GiB), and/or the
+    kernel check and per-layer timing."""
+    from replayquant.bench import teacher_forcing as tf
+    if part not in ("model", "layer", "all"):
+        raise typer.BadParameter("--part must be model, layer or all")
+    with _user_errors():
+        if part in ("layer", "all"):
+            tf.run_layer(out, tuple(int(x) for x in lengths.split(",") if x))
+        if part in ("model", "all"):
+            r = tf.run_model(out, shape=shape, context=context, segment=segment, pair=pair,
+                             prefill=prefill, device=device)
+            typer.echo(f"patched {r['patched_forward_s']:.1f} s, HF {r['hf_forward_s']:.1f} s: "
+                       f"{r['ratio_patched_over_hf']:.2f}x (target <= 2), peak "
+                       f"{r['peak_gpu_gib_patched']} GiB, replay path {r['teacher_force_path']} -> {out}")
+# --- end teacher forcing -----------------------------------------------------------------------
+
+
 # --- GPQA through lm-eval (replayquant/gpqa, replayquant/lm_eval_model.py) ---------------------
 @app.command("gpqa")
 def gpqa_cmd(

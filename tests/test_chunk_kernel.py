@@ -254,3 +254,21 @@ def test_patched_model_runs_the_kernel(fam, monkeypatch):
     d = (got - ref)[valid].abs()
     scale = ref[valid].abs().max().item()
     assert (d > 1e-4 * scale).float().mean().item() <= 0.1 and d.max().item() <= 0.05 * scale
+
+
+def test_whole_model_bench_runs_on_cpu_with_a_tiny_shape(tmp_path):
+    """`replayquant bench teacher-forcing`'s whole-model part: unpatched and patched forwards of
+    the random-weight model, ratio, the clock around the replay calls, a section in the JSON that
+    keeps the file's other sections."""
+    pytest.importorskip("transformers")
+    from replayquant.bench import teacher_forcing as tf
+    out = tmp_path / "tf.json"
+    out.write_text('{"check": [1]}')
+    r = tf.run_model(out, shape="tiny", context=64, segment=32, dtype="float32", device="cpu",
+                     warmup_tokens=32)
+    import json
+    saved = json.loads(out.read_text())
+    assert saved["check"] == [1] and saved["whole_model"]["pair"] == "tp4_hi16_sr"
+    assert r["hf_forward_s"] > 0 and r["patched_forward_s"] > 0 and r["teacher_force_path"] == "torch"
+    assert r["ratio_patched_over_hf"] > 0 and "git_commit" in r["provenance"]
+    assert set(r["inside_patched_s"]) == {"replay_teacher_force", "chunk_scan"}

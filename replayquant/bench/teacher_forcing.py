@@ -1,17 +1,25 @@
-"""GPU check and benchmark of the chunked teacher-forcing kernel (replayquant.kernels.chunk).
+"""GPU check and benchmarks of chunked teacher forcing (replayquant.kernels.chunk).
 
-    python -m replayquant.bench.teacher_forcing OUT.json [--lengths 8192,32768]
+    python -m replayquant.bench.teacher_forcing OUT.json [--lengths 8192,32768]   (parts 1, 2)
+    replayquant bench teacher-forcing [--part layer|model|all] [--context 131072] ...
 
 1. Correctness on CUDA: the Triton kernel against the torch reference `chunk_scan_ref` run on
    the CPU (the specification), two segments per case (the second continues a partial window,
    one case with padding), outputs poisoned with NaN before the kernel writes, an exact-prefill
    case, and a second identical run that must give the same bits (a race shows as a change).
-2. Timing: one Qwen3.5-4B-shape GDN layer (32 value heads, d_k = d_v = 128, B = 1) over T tokens
-   in one segment: the kernel with tp4_hi16_sr and s32_rs, against transformers'
-   `torch_chunk_gated_delta_rule` (its torch path: flash-linear-attention is not installed)
-   on the same inputs; s32_rs outputs are compared with it (both the FP32 recurrence up to
-   reassociation). Medians of `triton.testing.do_bench`; peak memory over the call.
-Writes one JSON file with provenance.
+2. Per-layer timing: one Qwen3.5-4B-shape GDN layer (32 value heads, d_k = d_v = 128, B = 1)
+   over T tokens in one segment: the kernel with tp4_hi16_sr and s32_rs (float32 inputs, as the
+   patched model passes them), against the chunk function HF's Qwen3.5 layer calls
+   (`torch_chunk_gated_delta_rule`: flash-linear-attention's kernel when fla is importable, else
+   HF's torch path; bf16 inputs, as the model gives it). Medians of `triton.testing.do_bench`;
+   peak memory over the call.
+3. Whole model (issue 5): the Qwen3.5-4B-shape random-weight model of `replayquant bench kl`
+   over one document of `context` tokens in segments with its cache: the unpatched HF forward
+   (fla's kernels when installed) and the same after `replayquant.patch(model, pair,
+   prefill=...)`; wall times, their ratio (target <= 2), peak memory (target <= 40 GiB) and the
+   time inside the replay calls (CUDA events around chunk.teacher_force / chunk.chunk_scan and
+   around HF's GDN chunk function) to say what dominates.
+Writes one JSON file with provenance; each part replaces its own section and keeps the others.
 """
 
 from __future__ import annotations
@@ -114,13 +122,22 @@ def check(device="cuda") -> list:
 
 
 def _hf_chunk():
+    """(function, label): the GDN chunk function HF's Qwen3.5 layer calls (fla's kernel when fla
+    is importable: transformers resolves it at import), and which implementation it is."""
+    from replayquant.kl.bench import fla_version
     for mod in ("transformers.models.qwen3_5.modeling_qwen3_5",
                 "transformers.models.qwen3_next.modeling_qwen3_next"):
         try:
             m = __import__(mod, fromlist=["torch_chunk_gated_delta_rule"])
-            return getattr(m, "torch_chunk_gated_delta_rule"), mod
+            fn = getattr(m, "torch_chunk_gated_delta_rule")
         except (ImportError, AttributeError):
             continue
+        impl = "transformers torch path"
+        for cell in getattr(fn, "__closure__", None) or ():     # the hub wrapper's implementation
+            c = cell.cell_contents
+            if callable(c) and str(getattr(c, "__module__", "")).startswith("fla"):
+                impl = f"fla {fla_version()}: {c.__module__}.{c.__name__}"
+        return fn, f"{mod}.torch_chunk_gated_delta_rule ({impl})"
     raise ImportError("transformers has no torch_chunk_gated_delta_rule")
 
 
@@ -131,7 +148,7 @@ def bench(lengths=(8192, 32768), device="cuda") -> list:
     from replayquant.kernels.chunk_ref import initial_scan_state
     from replayquant.pairs import PrecisionPair
 
-    hf_fn, hf_mod = _hf_chunk()
+    hf_fn, hf_label = _hf_chunk()
     H, dk, dv, B = 32, 128, 128, 1
     rows = []
     for T in lengths:
@@ -140,39 +157,210 @@ def bench(lengths=(8192, 32768), device="cuda") -> list:
         S0 = torch.zeros(B, H, dv, dk, device=device)
         row = {"T": T, "B": B, "H": H, "d_k": dk, "d_v": dv}
         ys = {}
-        for name in ("tp4_hi16_sr", "s32_rs"):
-            pair = PrecisionPair.load(name)
-            ss = initial_scan_state(S0, pair, delta=True, seed=1)
-            fn = lambda: chunk.chunk_scan(ss, q, k, v, la, be, pair=pair, seed=1)  # noqa: E731
-            ys[name] = fn()[0]
+
+        def measure(name, fn):
+            out = fn()
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
             fn()
             torch.cuda.synchronize()
-            row[f"kernel_{name}_peak_extra_MiB"] = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
-            row[f"kernel_{name}_ms"] = do_bench(fn, warmup=5, rep=300, return_mode="median")
-        # HF: q unscaled (it scales by d_k^-1/2 itself), state [B, H, d_k, d_v]
-        qh = q * dk ** 0.5
-        hf = lambda: hf_fn(qh, k, v, la, be, chunk_size=64, initial_state=None,  # noqa: E731
+            row[f"{name}_peak_extra_MiB"] = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+            row[f"{name}_ms"] = do_bench(fn, warmup=5, rep=300, return_mode="median")
+            return out
+
+        for name in ("tp4_hi16_sr", "s32_rs", "f4_sr_rs", "tp4_hi32"):
+            pair = PrecisionPair.load(name)
+            ss = initial_scan_state(S0, pair, delta=True, seed=1)
+            fn = lambda: chunk.chunk_scan(ss, q, k, v, la, be, pair=pair, seed=1)  # noqa: E731
+            ys[name] = measure(f"kernel_{name}", fn)[0]
+        # HF: q unscaled (it scales by d_k^-1/2 itself), bf16 inputs as in the model, state
+        # [B, H, d_k, d_v]
+        bf = torch.bfloat16
+        qh, kh, vh, bh = (q * dk ** 0.5).to(bf), k.to(bf), v.to(bf), be.to(bf)
+        hf = lambda: hf_fn(qh, kh, vh, g=la, beta=bh, initial_state=None,  # noqa: E731
                            output_final_state=True, use_qk_l2norm_in_kernel=False)
-        y_hf = hf()[0]
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        hf()
-        torch.cuda.synchronize()
-        row["hf_torch_chunk_peak_extra_MiB"] = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
-        row["hf_torch_chunk_ms"] = do_bench(hf, warmup=5, rep=300, return_mode="median")
-        row["hf_function"] = f"{hf_mod}.torch_chunk_gated_delta_rule"
-        scale = y_hf.abs().max()
-        row["s32_rs_vs_hf_max_rel_err"] = float((ys["s32_rs"] - y_hf.float()).abs().max() / scale)
-        row["tp4_hi16_sr_vs_hf_max_rel_err"] = float((ys["tp4_hi16_sr"] - y_hf.float()).abs().max() / scale)
-        row["ratio_tp4_hi16_sr_over_hf"] = row["kernel_tp4_hi16_sr_ms"] / row["hf_torch_chunk_ms"]
+        y_hf = measure("hf_chunk", hf)[0]
+        row["hf_function"] = hf_label
+        scale = y_hf.float().abs().max()
+        for name in ("s32_rs", "tp4_hi16_sr"):
+            row[f"{name}_vs_hf_max_rel_err"] = float((ys[name] - y_hf.float()).abs().max() / scale)
+            row[f"ratio_{name}_over_hf"] = row[f"kernel_{name}_ms"] / row["hf_chunk_ms"]
         rows.append(row)
-        del q, k, v, la, be, ys, y_hf
+        del q, k, v, la, be, ys, y_hf, qh, kh, vh, bh
         torch.cuda.empty_cache()
     return rows
+
+
+# ============================================================================ whole model
+
+class KernelClock:
+    """Time spent inside some module-level callables during a run (a context manager that
+    wraps them). On CUDA a pair of events is recorded around each call (no host sync is
+    added; the sums are read after the run), elsewhere time.perf_counter. targets: {label:
+    (module path, attribute)}; a target whose module does not import is skipped."""
+
+    NOTE = ("GPU time between CUDA events recorded around each call (inside the timed run, no "
+            "added sync); nested targets overlap (chunk_scan runs inside teacher_force)")
+
+    def __init__(self, device, targets: dict):
+        self.cuda = str(device).startswith("cuda")
+        self.targets = targets
+        self.marks = {k: [] for k in targets}
+        self._saved = []
+
+    def _wrap(self, label, fn):
+        marks = self.marks[label]
+
+        def timed_call(*args, **kwargs):
+            if self.cuda:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                out = fn(*args, **kwargs)
+                b.record()
+                marks.append((a, b))
+            else:
+                t0 = time.perf_counter()
+                out = fn(*args, **kwargs)
+                marks.append(time.perf_counter() - t0)
+            return out
+        return timed_call
+
+    def __enter__(self):
+        import importlib
+        for label, (mod_name, attr) in self.targets.items():
+            try:
+                mod = importlib.import_module(mod_name)
+                fn = getattr(mod, attr)
+            except (ImportError, AttributeError):
+                continue
+            self._saved.append((mod, attr, fn))
+            setattr(mod, attr, self._wrap(label, fn))
+        return self
+
+    def __exit__(self, *exc):
+        for mod, attr, fn in reversed(self._saved):
+            setattr(mod, attr, fn)
+        self._saved = []
+
+    def seconds(self) -> dict:
+        """{label: {"seconds": total, "calls": n}} (calls 0: the target never ran)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        out = {}
+        for label, marks in self.marks.items():
+            tot = sum(a.elapsed_time(b) / 1e3 for a, b in marks) if self.cuda else sum(marks)
+            out[label] = {"seconds": tot, "calls": len(marks)}
+        return out
+
+
+# what the patched model's prefill spends in the replay path (CUDA: the Triton kernel)
+REPLAY_TARGETS = {"replay_teacher_force": ("replayquant.kernels.chunk", "teacher_force"),
+                  "chunk_scan": ("replayquant.kernels.chunk", "chunk_scan")}
+# what the unpatched HF forward spends in its GDN chunk function (fla's kernel when installed)
+HF_TARGETS = {"hf_gdn_chunk": ("transformers.models.qwen3_5.modeling_qwen3_5",
+                               "torch_chunk_gated_delta_rule")}
+
+
+def whole_model(shape: str = "qwen3.5-4b", context: int = 131072, segment: int = 8192,
+                pair: str = "tp4_hi16_sr", prefill: str = "replay", dtype: str = "bfloat16",
+                device: str | None = None, warmup_tokens: int | None = None) -> dict:
+    """Issue 5: the model of `replayquant bench kl` over one random document in segments with
+    its cache, unpatched (HF; fla's kernels when installed) and patched with `pair`; returns the
+    section for the results file. Warm-up (compilation, autotuning) on a prefix of two
+    segments before each timed run."""
+    from replayquant.kl.bench import (SHAPES, build_model, fla_version, plain_forward,
+                                      random_document, timed)
+    from replayquant.kl.command import DTYPES
+    from replayquant.models import patch, teacher_force_path, unpatch
+    from replayquant.provenance import provenance
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = build_model(shape, DTYPES[dtype], device)
+    cfg = SHAPES[shape]
+    ids = random_document(model.config.vocab_size, context).to(device)
+    warm = min(warmup_tokens or 2 * segment, context)
+    gib = lambda b: None if b is None else b / 2 ** 30  # noqa: E731
+
+    plain_forward(model, ids[:warm], min(segment, warm))
+    with KernelClock(device, HF_TARGETS) as hf_clock:
+        t_hf, peak_hf = timed(lambda: plain_forward(model, ids, segment), device)
+
+    patch(model, pair, prefill=prefill)
+    probe = torch.empty(0, device=device)
+    path = teacher_force_path(probe, cfg["linear_key_head_dim"], cfg["linear_value_head_dim"])
+    plain_forward(model, ids[:warm], min(segment, warm))
+    with KernelClock(device, REPLAY_TARGETS) as rq_clock:
+        t_rq, peak_rq = timed(lambda: plain_forward(model, ids, segment), device)
+    unpatch(model)
+
+    inside = rq_clock.seconds()
+    hf_inside = hf_clock.seconds()
+    tf = inside["replay_teacher_force"]["seconds"]
+    ratio = t_rq / t_hf
+    return {
+        "kind": "replayquant.bench.teacher_forcing.whole_model",
+        "shape": shape, "model_config": cfg, "dtype": dtype, "context": context,
+        "segment": segment, "pair": pair, "prefill": prefill, "teacher_force_path": path,
+        "flash_linear_attention": fla_version(), "hf_gdn_function": _hf_chunk()[1],
+        "hf_forward_s": t_hf, "patched_forward_s": t_rq, "ratio_patched_over_hf": ratio,
+        "peak_gpu_gib_hf": gib(peak_hf), "peak_gpu_gib_patched": gib(peak_rq),
+        "target": "patched_forward_s <= 2 * hf_forward_s; peak GPU (patched) <= 40 GiB",
+        "meets_time_target": ratio <= 2.0,
+        "meets_memory_target": None if peak_rq is None else peak_rq <= 40 * 2 ** 30,
+        "inside_patched_s": inside, "inside_hf_s": hf_inside, "inside_note": KernelClock.NOTE,
+        "patched_outside_replay_s": t_rq - tf,
+        "hf_outside_gdn_chunk_s": t_hf - hf_inside["hf_gdn_chunk"]["seconds"],
+        "provenance": provenance(device=device, bench="teacher-forcing whole model", shape=shape,
+                                 context=context, segment=segment, pair=pair, prefill=prefill,
+                                 dtype=dtype, warmup_tokens=warm,
+                                 timing="wall time of the segmented forward, synchronized, "
+                                        "after a warm-up on the first two segments"),
+    }
+
+
+def _merge(out, **sections) -> dict:
+    """Write `sections` into the JSON file `out`, keeping its other sections."""
+    from pathlib import Path
+    path = Path(out)
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data.update(sections)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return data
+
+
+def run_layer(out, lengths=(8192, 32768), commit=None) -> dict:
+    """Parts 1 and 2 (check, per-layer timing) into `out`; each length is written as it ends,
+    so a timeout keeps the rest."""
+    if not torch.cuda.is_available():
+        raise SystemExit("the kernel check and per-layer timing need a CUDA device")
+    from replayquant.provenance import provenance
+    t0 = time.time()
+    prov = provenance("cuda", lengths=list(lengths), source_commit=commit,
+                      timing="triton.testing.do_bench median, warmup 5 ms, rep 300 ms, one segment, "
+                             "kernel inputs float32 on the GPU, HF inputs bf16, compile excluded")
+    section = {"provenance": prov, "check": None, "bench": []}
+    _merge(out, **section)
+    section["check"] = check()
+    prov["check_seconds"] = round(time.time() - t0, 1)
+    _merge(out, **section)
+    print(json.dumps(section["check"], indent=1), flush=True)
+    for T in lengths:
+        section["bench"] += bench((T,))
+        _merge(out, **section)
+        r = section["bench"][-1]
+        print(f"T={T}: " + ", ".join(f"{k[:-3]} {v:.2f} ms" for k, v in r.items()
+                                     if k.endswith("_ms")), flush=True)
+    prov["total_seconds"] = round(time.time() - t0, 1)
+    return _merge(out, **section)
+
+
+def run_model(out, **kw) -> dict:
+    """Part 3 (whole model) into `out` under "whole_model"."""
+    r = whole_model(**kw)
+    _merge(out, whole_model=r)
+    return r
 
 
 def main(argv=None):
@@ -190,34 +378,7 @@ def main(argv=None):
             commit = argv.pop(0)
         else:
             raise SystemExit(f"unknown argument {flag!r}")
-    if not torch.cuda.is_available():
-        raise SystemExit("this benchmark needs a CUDA device")
-    from replayquant.provenance import provenance
-    t0 = time.time()
-    prov = provenance("cuda", lengths=list(lengths), source_commit=commit,
-                      timing="triton.testing.do_bench median, warmup 5 ms, rep 300 ms, one segment, "
-                             "inputs float32 on the GPU, compile excluded")
-    result = {"provenance": prov, "check": None, "bench": []}
-
-    def save():
-        with open(out, "w") as f:
-            json.dump(result, f, indent=1)
-
-    result["check"] = check()
-    prov["check_seconds"] = round(time.time() - t0, 1)
-    save()
-    print(json.dumps(result["check"], indent=1), flush=True)
-    for T in lengths:                     # written after each length: a timeout keeps the rest
-        result["bench"] += bench((T,))
-        save()
-    prov["total_seconds"] = round(time.time() - t0, 1)
-    save()
-    rows = result["bench"]
-    for r in rows:
-        print(f"T={r['T']}: kernel tp4_hi16_sr {r['kernel_tp4_hi16_sr_ms']:.2f} ms, s32_rs "
-              f"{r['kernel_s32_rs_ms']:.2f} ms, HF torch chunk {r['hf_torch_chunk_ms']:.2f} ms; "
-              f"s32_rs vs HF rel err {r['s32_rs_vs_hf_max_rel_err']:.1e}")
-    return result
+    return run_layer(out, lengths, commit)
 
 
 if __name__ == "__main__":

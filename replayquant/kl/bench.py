@@ -59,6 +59,33 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
+def fla_version() -> str | None:
+    """flash-linear-attention's version if importable here (HF then runs its GDN kernels)."""
+    try:
+        import fla
+    except ImportError:
+        return None
+    return getattr(fla, "__version__", "installed")
+
+
+def random_document(vocab: int, context: int) -> torch.Tensor:
+    """The benchmarks' document: `context` random token ids (generator seed 1), on the CPU."""
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, vocab, (context,), generator=g)
+
+
+def timed(fn, device) -> tuple[float, int | None]:
+    """(wall seconds, peak GPU bytes allocated during fn or None off CUDA) of fn(), synchronized."""
+    cuda = str(device).startswith("cuda")
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0, (torch.cuda.max_memory_allocated() if cuda else None)
+
+
 def plain_forward(model, ids: torch.Tensor, segment: int) -> None:
     """The baseline: the unpatched model over `ids` in segments with its cache, all logits."""
     from .runner import _cache_kwarg, _out_cache
@@ -74,7 +101,8 @@ def plain_forward(model, ids: torch.Tensor, segment: int) -> None:
 def bench_kl(shape: str = "qwen3.5-4b", context: int = 131072, segment: int = 8192,
              pairs=("f4_sr_rs", "tp4_hi32"), prefill: str = "replay", reference: str = "exact",
              dtype: str = "bfloat16", device: str | None = None,
-             out: str | Path = "results/bench/kl_128k.json", warmup_tokens: int = 2048) -> dict:
+             out: str | Path = "results/bench/kl_128k.json", warmup_tokens: int | None = None) -> dict:
+    from replayquant.bench.teacher_forcing import REPLAY_TARGETS, KernelClock, _hf_chunk
     from replayquant.provenance import provenance
 
     from .command import DTYPES
@@ -83,15 +111,8 @@ def bench_kl(shape: str = "qwen3.5-4b", context: int = 131072, segment: int = 81
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = build_model(shape, DTYPES[dtype], device)
-    vocab = model.config.vocab_size
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, vocab, (context,), generator=g)
+    ids = random_document(model.config.vocab_size, context)
     dev_ids = ids.to(device)
-    try:
-        import fla  # noqa: F401
-        fla_version = getattr(fla, "__version__", "installed")
-    except ImportError:
-        fla_version = None
 
     def kl_run(doc_ids, tmp):
         docs = DocumentSet([Document(0, "random-tokens", doc_ids)], source="random tokens",
@@ -102,24 +123,19 @@ def bench_kl(shape: str = "qwen3.5-4b", context: int = 131072, segment: int = 81
                       progress=False, plot=False)
 
     with tempfile.TemporaryDirectory() as tmp:
-        # warm-up (kernel compilation, allocator) on a short prefix, not timed
-        w = min(warmup_tokens, context)
+        # warm-up (kernel compilation and autotuning, allocator) on a prefix, not timed: two
+        # segments by default, so that every kernel variant of the timed run (first segment /
+        # continuing a cache, first / later window group of the chunk kernel) has compiled
+        w = min(warmup_tokens or 2 * segment, context)
         plain_forward(model, dev_ids[:w], min(segment, w))
         kl_run(ids[:w], Path(tmp) / "warm")
         _sync(device)
 
-        if str(device).startswith("cuda"):
-            torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        plain_forward(model, dev_ids, segment)
-        _sync(device)
-        t_hf = time.perf_counter() - t0
-        peak_hf = torch.cuda.max_memory_allocated() if str(device).startswith("cuda") else None
-
-        t0 = time.perf_counter()
-        res = kl_run(ids, Path(tmp) / "run")
-        _sync(device)
-        t_kl = time.perf_counter() - t0
+        t_hf, peak_hf = timed(lambda: plain_forward(model, dev_ids, segment), device)
+        box = {}
+        with KernelClock(device, REPLAY_TARGETS) as clock:
+            t_kl, _ = timed(lambda: box.setdefault("res", kl_run(ids, Path(tmp) / "run")), device)
+        res = box["res"]
 
     prov = res["provenance"]
     peak_kl = prov.get("peak_gpu_bytes")
@@ -138,7 +154,9 @@ def bench_kl(shape: str = "qwen3.5-4b", context: int = 131072, segment: int = 81
         "peak_gpu_gib_hf_forward": None if peak_hf is None else peak_hf / 2**30,
         "meets_memory_target": None if peak_kl is None else peak_kl <= 60 * 2**30,
         "tokens_per_s_kl": context / t_kl,
-        "flash_linear_attention": fla_version,
+        "flash_linear_attention": fla_version(), "hf_gdn_function": _hf_chunk()[1],
+        "inside_replay_s": clock.seconds(),
+        "inside_replay_note": KernelClock.NOTE,
         "provenance": provenance(device=device, bench="kl", shape=shape, context=context,
                                  segment=segment, pairs=list(pairs), prefill=prefill,
                                  reference=reference, dtype=dtype),
