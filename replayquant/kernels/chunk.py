@@ -295,7 +295,9 @@ def _chain_kernel(
             tl.store(a_tile + rows[:, None] * DK, A)
         tl.debug_barrier()
     wend = tl.minimum(nfold, w0 + NWS)
-    for w in range(w0, wend):
+    # num_stages=1: no software pipelining of this loop, whose loads of As / Xs read what the
+    # previous iteration stored (a prefetch would read the old values)
+    for w in tl.range(w0, wend, num_stages=1):
         tb = mat * NWS + (w - w0)
         x_tile = Xs + (mat * (NWS + 1) + (w - w0) + 1) * (DV * DK) + cols[None, :]
         kq = (tb * LP + jj[:, None]) * DK + cols[None, :]
