@@ -28,7 +28,7 @@ def test_full_grid_plan_fits_one_device_call():
     assert keys.index("spec/mamba2/B512/T4") < keys.index("spec/gdn/B512/T2")
     assert "kh/gdn/B256/tp4_hi32/L16" in keys
     assert keys.index("spec/gdn/B512/T4") < keys.index("kh/gdn/B1/s32_rs/L16") \
-        < keys.index("gdn/B1/s32_rs/L4")
+        < keys.index("peers/mamba2/B512") < keys.index("gdn/B1/s32_rs/L4")
     assert bd.estimate_s(sec) < 500          # the default budget; one 10-minute call
 
 
@@ -48,6 +48,8 @@ def test_cpu_smoke_run(tmp_path):
             for pair in ("s32_rs", "tp4_hi32"):
                 assert (kind, "replay-window", pair, B) in kernels
             assert (kind, "replay-forced-flush-layer", "s32_rs", B) in kernels
+            assert (kind, "replay-forced-flush-fused", "s32_rs", B) in kernels
+            assert (kind, "replay-window-fused", "tp4_hi32", B) in kernels
         assert (kind, "replay-read-step", "tp4_hi32", 3) in kernels
         assert (kind, "spec-replay-round", "tp4_hi32", 3) in kernels
         assert (kind, "spec-snapshot-round", "fp32", 3) in kernels
@@ -58,6 +60,10 @@ def test_cpu_smoke_run(tmp_path):
     assert all("speedup_vs_snapshot_round" in r for r in js["rows"]
                if r["kernel"] == "spec-replay-round")
     assert len(js["targets"]) == 10 and "gdn/L2" in js["dispatch"]
+    d = js["dispatch"]["mamba2/launch/tp4_hi32/L2"]
+    assert set(d["fused_us"]) == set(d["split_us"]) == {"1", "3"}
+    assert all(r["speedup_vs_conv_fp32"] > 0 for r in js["rows"]
+               if r["kernel"] == "replay-window-fused")
     md = (tmp_path / "kernels.md").read_text()
     assert "Targets of issue 4" in md and "replay-window" in md
     assert (tmp_path / "kernels_speedup.png").stat().st_size > 1000

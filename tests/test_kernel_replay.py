@@ -10,7 +10,8 @@ from replayquant.bench.decode import (gdn_params, gdn_step_inputs, mamba2_params
 from replayquant.kernels.conventional import (ConventionalStore, conventional_gdn_step,
                                               conventional_mamba2_step, gdn_frontend_ref,
                                               mamba2_frontend_ref, mamba2_post_ref)
-from replayquant.kernels.replay_decode import (ReplayStore, advance_pointers, choose_path,
+from replayquant.kernels.replay_decode import (ReplayStore, advance_pointers, choose_launch,
+                                               choose_path, resolve_launch,
                                                resolve_path, replay_gdn_step,
                                                replay_gdn_step_ref, replay_mamba2_step,
                                                replay_mamba2_step_ref)
@@ -36,6 +37,25 @@ def poison_buffers(store):
             t.view(torch.uint8).fill_(0xFF)
 
 
+def assert_same_store(a, b):
+    """Bit-identical stores (pointers, both roles, buffers; NaN-poisoned entries where both
+    are), and the fused launch's arrival counters back at zero."""
+    for name in ("committed", "n_flush", "start"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    for role in ("anchor", "read"):
+        ra, rb = getattr(a, role), getattr(b, role)
+        if ra is not None:
+            for t in ("payload", "scale", "gscale"):
+                if getattr(ra, t, None) is not None:
+                    assert torch.equal(getattr(ra, t).view(torch.uint8),
+                                       getattr(rb, t).view(torch.uint8)), (role, t)
+    for name in ("kbuf", "vbuf", "ubuf", "Gbuf", "bbuf"):
+        ta, tb = getattr(a, name), getattr(b, name)
+        if ta is not None:
+            assert torch.equal(ta.view(torch.uint8), tb.view(torch.uint8)), name
+    assert a.arrive is None or not a.arrive.any()
+
+
 class Driver:
     """Runs one step of either kind on the kernel and (optionally) the reference."""
 
@@ -50,18 +70,19 @@ class Driver:
         A, D, dtb = mamba2_params(self.H, seed)
         return x, dt, A, Bm, C, D, z, dtb
 
-    def step(self, fn, store, inp, idx, out=None, path="replay"):
+    def step(self, fn, store, inp, idx, out=None, path="replay", **kw):
         if self.kind == "gdn":
             q, k, v, a, b, A_log, dtb = inp
-            return fn(store, q, k, v, a, b, A_log, dtb, state_indices=idx, out=out, path=path)
+            return fn(store, q, k, v, a, b, A_log, dtb, state_indices=idx, out=out, path=path,
+                      **kw)
         x, dt, A, Bm, C, D, z, dtb = inp
         return fn(store, x, dt, A, Bm, C, state_indices=idx, D=D, z=z, dt_bias=dtb, out=out,
-                  path=path)
+                  path=path, **kw)
 
-    def kernel(self, store, inp, idx, path="replay"):
+    def kernel(self, store, inp, idx, path="replay", **kw):
         out = torch.full((self.B, self.H, self.dv), float("nan"))
         fn = replay_gdn_step if self.kind == "gdn" else replay_mamba2_step
-        y = self.step(fn, store, inp, idx, out=out, path=path)
+        y = self.step(fn, store, inp, idx, out=out, path=path, **kw)
         assert y is out and torch.isfinite(y).all()
         return y
 
@@ -86,14 +107,16 @@ def test_shipped_pairs_are_covered():
 @pytest.mark.parametrize("kind", ["gdn", "mamba2"])
 @pytest.mark.parametrize("pair", PAIRS)
 def test_replay_step_matches_reference(kind, pair):
-    """7 steps with L = 3 (two in-kernel flushes per row), rows of different phase."""
+    """7 steps with L = 3 (two in-kernel flushes per row), rows of different phase; the split
+    launch (flush, read and pointer kernels) against the reference, the one-launch path
+    (launch='fused') bit for bit against the split launch."""
     N, HK, H, dk, dv = 4, 1, 2, 32, 16
     dr = Driver(kind, 5, HK, H, dk, dv)
     init = random_state(N, H, dv, dk, seed=21)
     store = ReplayStore.from_state(init, pair, kind, key_heads=HK, seed=13, layer=1,
                                    buffer_len=3, u_dtype=torch.float32)
     poison_buffers(store)
-    ref = store.clone()
+    ref, fused = store.clone(), store.clone()
     idx = torch.tensor([2, -1, 0, 3, 1])
     for step in range(7):
         if step == 2:                                  # put slot 3 out of phase
@@ -101,13 +124,15 @@ def test_replay_step_matches_reference(kind, pair):
         if step == 3:
             idx = torch.tensor([2, 3, 0, -1, 1])
         inp = dr.inputs(seed=step)
-        y = dr.kernel(store, inp, idx)
+        y = dr.kernel(store, inp, idx, launch="split")
         y2 = dr.ref(ref, inp, idx)
         assert (y[idx < 0] == 0).all()
         tol = _tol(PrecisionPair.load(pair))
         torch.testing.assert_close(y, y2, rtol=tol, atol=tol * y2.abs().max().item())
         assert torch.equal(store.committed, ref.committed)
         assert torch.equal(store.n_flush, ref.n_flush)
+        assert torch.equal(dr.kernel(fused, inp, idx, launch="fused"), y)
+        assert_same_store(fused, store)
     assert store.n_flush.tolist() == [2, 2, 2, 2] and store.committed.tolist() == [1, 1, 1, 0]
     assert_states_close(store.anchor.dequantize(), ref.anchor.dequantize())
     assert_states_close(store.read_role.dequantize(), ref.read_role.dequantize())
@@ -264,6 +289,58 @@ def test_auto_default_small_batch_s32_rs():
     assert rep.committed.tolist() == [1, 1, 1] and rep.n_flush.tolist() == [1, 1, 1]
     assert tp8.committed.tolist() == [1, 1, 1] and tp8.n_flush.tolist() == [1, 1, 1]
     assert_states_close(auto.anchor.dequantize(), conv.state.dequantize())
+
+
+@pytest.mark.parametrize("kind,pair", [("gdn", "tp8_hi32"), ("mamba2", "tp4_hi16_sr")])
+def test_fused_launch_blocks_advance_and_forced_flush(kind, pair):
+    """launch='fused' with several programs per row (row blocks x value heads; an NVFP4 role
+    needs whole matrices), odd batch with padding rows out of phase, poisoned outputs and
+    buffers: advance=True (pointers moved by the row's last program) and advance=False followed
+    by advance_pointers equal the split launch bit for bit, with path 'replay' and 'flush'."""
+    N, HK, H, dk, dv = 4, 2, 4, 16, 32
+    dr = Driver(kind, 5, HK, H, dk, dv)
+    store = ReplayStore.from_state(random_state(N, H, dv, dk, seed=11), pair, kind, key_heads=HK,
+                                   seed=5, buffer_len=3)
+    poison_buffers(store)
+    a, b = store.clone(), store.clone()
+    nv = "nvfp4" in (store.anchor.fmt, store.read_role.fmt)
+    cfg = {} if nv else dict(block_v=16, num_warps=2)
+    idx = torch.tensor([3, -1, 0, 2, 1])
+    for step in range(6):
+        if step == 2:
+            idx = torch.tensor([3, -1, 0, -1, 1])          # slot 2 falls out of phase
+        if step == 3:
+            idx = torch.tensor([2, 3, 0, -1, 1])
+        path = "flush" if step == 4 else "replay"
+        inp = dr.inputs(seed=100 + step)
+        y = dr.kernel(store, inp, idx, path=path, launch="split")
+        ya = dr.kernel(a, inp, idx, path=path, launch="fused", **cfg)
+        yb = dr.kernel(b, inp, idx, path=path, launch="fused", advance=False, **cfg)
+        assert (y[idx < 0] == 0).all()
+        advance_pointers(b, idx)
+        assert torch.equal(ya, y) and torch.equal(yb, y)
+        assert_same_store(a, store)
+        assert_same_store(b, store)
+    assert store.n_flush.tolist() == [2, 2, 2, 2] and store.committed.tolist() == [1, 1, 1, 1]
+
+
+def test_launch_dispatcher():
+    mk = lambda: ReplayStore.from_state(random_state(2, 2, 16, 16), "tp4_hi32", "gdn",  # noqa
+                                        key_heads=1, buffer_len=4)
+    assert choose_launch("gdn", 1, threshold=8) == "fused"
+    assert choose_launch("mamba2", 8, threshold=8) == "split"
+    st = mk()
+    assert resolve_launch(st, 1) == "fused" and resolve_launch(st, 4096) == "split"
+    assert resolve_launch(st, 1, "split") == "split" and resolve_launch(st, 4096, "fused") == "fused"
+    assert resolve_launch(st, 1, "auto", "kh") == "split"
+    with pytest.raises(ValueError, match="launch"):
+        resolve_launch(st, 1, "one")
+    with pytest.raises(ValueError, match="kh"):
+        resolve_launch(st, 1, "fused", "kh")
+    q, k, v, a, b = gdn_step_inputs(2, 1, 2, 16, 16)
+    A_log, dtb = gdn_params(2)
+    with pytest.raises(ValueError, match="flush block must be d_v"):
+        replay_gdn_step(st, q, k, v, a, b, A_log, dtb, launch="fused", block_v=8)
 
 
 def test_replay_bad_inputs():

@@ -96,7 +96,14 @@ def test_replay_verify_accept(kind, pair):
         if rnd % 3 == 2:
             kw, fe, post = inputs(kind, None, seed=rnd)
             kw = {**kw, "path": "replay"}        # the ReplayState schedule (auto may flush s32_rs)
-            y, y2 = call(step, st, kw), call(step_ref, ref, kw)
+            split = st.clone()
+            y, y2 = call(step, st, {**kw, "launch": "fused"}), call(step_ref, ref, kw)
+            # the one-launch step (a pre-flush of h = L rewrites the rows it then reads) equals
+            # the split launch bit for bit
+            assert torch.equal(call(step, split, {**kw, "launch": "split"}), y)
+            assert torch.equal(split.anchor.payload, st.anchor.payload)
+            assert torch.equal(split.read_role.payload, st.read_role.payload)
+            assert torch.equal(split.committed, st.committed) and not st.arrive.any()
             yr = rs.step(*fe)
         else:
             kw, fe, post = inputs(kind, T, seed=rnd)

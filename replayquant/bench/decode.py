@@ -198,6 +198,7 @@ def plain_ms(fn) -> float:
 # ---------------------------------------------------------------------------- the run
 
 PAIR_L = {"gdn": 16, "mamba2": 8}
+FUSED_MAX_B = 128           # launch='fused' windows are timed at the main L up to this batch
 
 
 def _kw(kind, S, B, T=None, seed=0, device="cuda"):
@@ -258,7 +259,7 @@ def gpu_checks(device="cuda") -> dict:
             st = ReplayStore.from_state(init, P, kind, key_heads=HK, seed=3, u_dtype=ud,
                                         max_drafts=2)
             ref = st.clone()
-            errs = []
+            errs, fused_vs_split, fused_same = [], [], True
             for i in range(9):
                 if i % 3 == 2:
                     kw = _kw(kind, S, B, T=2, seed=i, device=device)
@@ -270,15 +271,26 @@ def gpu_checks(device="cuda") -> dict:
                 else:
                     kw = _kw(kind, S, B, seed=i, device=device)
                     out_t = torch.full((B, H, dv), float("nan"), device=device)
-                    y = f["step"](st, **kw, state_indices=idx, out=out_t, path="replay")
+                    sp = st.clone()
+                    y = f["step"](st, **kw, state_indices=idx, out=out_t, path="replay",
+                                  launch="fused")
                     y2 = f["step_ref"](ref, **kw, state_indices=idx, path="replay")
+                    ys = f["step"](sp, **kw, state_indices=idx, path="replay", launch="split")
+                    fused_vs_split.append(_rel(y, ys))
+                    fused_same &= bool(torch.equal(sp.committed, st.committed)
+                                       and torch.equal(sp.n_flush, st.n_flush)
+                                       and torch.equal(sp.anchor.payload, st.anchor.payload)
+                                       and not st.arrive.any())
+                    del sp
                 errs.append(_rel(y, y2) if torch.isfinite(y).all() else float("nan"))
             out[f"{kind}/replay/{pair}"] = {
                 "max_rel_y": max(errs), "pointers_equal": bool(torch.equal(st.committed, ref.committed)
                                                                and torch.equal(st.n_flush, ref.n_flush)),
                 "anchor": _state_cmp(st.anchor.dequantize(), ref.anchor.dequantize()),
                 "read": _state_cmp(st.read_role.dequantize(), ref.read_role.dequantize()),
-                "n_flush": st.n_flush.tolist()}
+                "n_flush": st.n_flush.tolist(),
+                "fused_vs_split_max_rel_y": max(fused_vs_split),
+                "fused_pointers_anchor_equal_split": fused_same}
             del st, ref
         for fmt, rnd in (("fp32", "nearest"), ("fp16", "stochastic")):
             cs = ConventionalStore.from_state(init, fmt, rnd, seed=2)
@@ -441,7 +453,7 @@ def config_sweep(kind, B, device, copy_bw, pairs=PAIRS, L=None, S=None):
             c = dict(block_v=bv, num_warps=nw)
             st.committed.fill_(h)
             ms = time_calls(lambda: f["step"](st, **kw, state_indices=idx, out=out, path="replay",
-                                              advance=False, **c), 8)
+                                              advance=False, launch="split", **c), 8)
             cands.append(_row(kind, "sweep/replay-read-step", pair, B, ms,
                               replay_read_step_bytes(kind, rf or af, h, B, H, HK, dv, dk),
                               copy_bw, cfg=c, h=h, L=L))
@@ -455,7 +467,7 @@ def config_sweep(kind, B, device, copy_bw, pairs=PAIRS, L=None, S=None):
             c = dict(flush_config=(bv, nw))
             st.committed.fill_(L - 1)
             ms = time_calls(lambda: f["step"](st, **kw, state_indices=idx, out=out, path="replay",
-                                              advance=False, **c), 4)
+                                              advance=False, launch="split", **c), 4)
             cands.append(_row(kind, "sweep/replay-flush-step", pair, B, ms,
                               replay_flush_step_bytes(kind, af, rf, L, B, H, HK, dv, dk),
                               copy_bw, cfg=c, L=L))
@@ -516,14 +528,17 @@ def _replay_setup(kind, B, pair, L, device, cfg, S):
 
 
 def bench_replay(kind, B, pair, L, device, copy_bw, cfg=None, detail=False, forced=False,
-                 pointer=False, S=None):
-    """Replay rows of one (pair, L) at batch B: the mean step of a whole window of L steps (one
-    flush per row; state copies rotated for a cold L2; pointer kernel included); with detail the
-    read step (h = L/2) and the flush step alone; with forced the path='flush' step (every step
-    flushes: the small-batch dispatch); with pointer the pointer kernel alone."""
+                 pointer=False, S=None, fused=False):
+    """Replay rows of one (pair, L) at batch B, split launch (flush, read, pointer kernels): the
+    mean step of a whole window of L steps (one flush per row; state copies rotated for a cold
+    L2; pointer kernel included); with detail the read step (h = L/2) and the flush step alone;
+    with forced the path='flush' step (every step flushes: the small-batch dispatch); with
+    pointer the pointer kernel alone; with fused the same window (and forced flush) in one
+    launch per step (launch='fused', pointer move inside)."""
     from replayquant.kernels.replay_decode import advance_pointers
     H, HK, dv, dk, f, idx, kw, out, af, rf, c, R, sts = _replay_setup(kind, B, pair, L, device,
                                                                      cfg, S)
+    c = {**c, "launch": "split"}
     calls = [lambda st=st: f["step"](st, **kw, state_indices=idx, out=out, path="replay", **c)
              for st in sts]
     ms = time_calls(lambda: [g() for g in calls], L) / R
@@ -564,6 +579,23 @@ def bench_replay(kind, B, pair, L, device, copy_bw, cfg=None, detail=False, forc
         ms = time_calls(lambda: advance_pointers(st, idx), 8)
         rows.append(_row(kind, "pointer-advance", "-", B, ms, None, copy_bw,
                          note="once per token for all layers of a model"))
+    if fused:
+        for s_ in sts:                      # a fresh window (the forced rows left h = 0)
+            s_.committed.zero_()
+        calls = [lambda st=st: f["step"](st, **kw, state_indices=idx, out=out, path="replay",
+                                         launch="fused") for st in sts]
+        ms = time_calls(lambda: [g() for g in calls], L) / R
+        rows.append(_row(kind, "replay-window-fused", pair, B, ms,
+                         replay_window_bytes(kind, af, rf, L, B, H, HK, dv, dk), copy_bw, L=L,
+                         rot=R, note="launch='fused': one kernel per step (flush or read per "
+                                     "row, pointer move inside)"))
+        if forced:
+            calls = [lambda st=st: f["step"](st, **kw, state_indices=idx, out=out, path="flush",
+                                             launch="fused") for st in sts]
+            ms = time_calls(lambda: [g() for g in calls], 8) / R
+            rows.append(_row(kind, "replay-forced-flush-fused", pair, B, ms, None, copy_bw, L=L,
+                             rot=R, note="path='flush', launch='fused': every step flushes, "
+                                         "pointer move inside the one launch"))
     del sts, calls
     _empty_cache()
     return rows
@@ -699,7 +731,8 @@ def _derive(rows):
     for r in rows:
         k = (r["kind"], r["B"])
         if r["kernel"] in ("conventional", "replay-window", "replay-read-step", "replay-forced-flush",
-                           "replay-forced-flush-layer", "sweep/conventional",
+                           "replay-forced-flush-layer", "replay-window-fused",
+                           "replay-forced-flush-fused", "sweep/conventional",
                            "sweep/replay-read-step", "replay-window-kh", "replay-read-step-kh",
                            "sweep/replay-read-step-kh") and k in base:
             r["speedup_vs_conv_fp32"] = base[k] / r["us"]
@@ -746,8 +779,8 @@ def targets(res) -> list:
             bool(v) and max(v.values()) >= 3.3)
         v = {}
         for r in _find(rows, kind=kind, B=1):
-            if r["kernel"] in ("replay-window", "replay-forced-flush-layer") and \
-                    "speedup_vs_conv_fp32" in r:
+            if r["kernel"] in ("replay-window", "replay-forced-flush-layer", "replay-window-fused",
+                               "replay-forced-flush-fused") and "speedup_vs_conv_fp32" in r:
                 key = f"{r['variant']} L={r.get('L')} {r['kernel']}"
                 v[key] = round(r["speedup_vs_conv_fp32"], 3)
         best = {}
@@ -777,6 +810,18 @@ def dispatch_thresholds(res) -> dict:
             wins = [B for B in Bs if win[B] <= ff[B]]
             out[f"{kind}/L{L}"] = dict(replay_faster_from_B=min(wins) if wins else None,
                                        window_us=win, forced_flush_us=ff)
+        for pair, L in sorted({(r["variant"], r.get("L")) for r in
+                               _find(rows, kind=kind, kernel="replay-window-fused")}):
+            fu = {r["B"]: r["us"] for r in _find(rows, kind=kind, kernel="replay-window-fused",
+                                                 variant=pair, L=L)}
+            sp = {r["B"]: r["us"] for r in _find(rows, kind=kind, kernel="replay-window",
+                                                 variant=pair, L=L)}
+            Bs = sorted(set(fu) & set(sp))
+            slower = [B for B in Bs if sp[B] <= fu[B]]
+            out[f"{kind}/launch/{pair}/L{L}"] = dict(
+                split_no_slower_from_B=min(slower) if slower else None,
+                fused_faster_at_B=[B for B in Bs if fu[B] < sp[B]],
+                fused_us=fu, split_us=sp)
     return out
 
 
@@ -845,10 +890,15 @@ def render_markdown(res) -> str:
                          f"{fmt(r.get('speedup_vs_snapshot_round'))} |")
         lines.append("")
     if res.get("dispatch"):
-        lines += ["## Dispatch (s32_rs): smallest batch where the replay window beat the forced "
-                  "flush", ""]
+        lines += ["## Dispatch: smallest batch where the s32_rs replay window beat the forced "
+                  "flush (DISPATCH_THRESHOLD), and the one-launch window (launch='fused') vs the "
+                  "split launch per pair (FUSED_THRESHOLD)", ""]
         for k, d in res["dispatch"].items():
-            lines.append(f"* {k}: {d['replay_faster_from_B']}")
+            if "replay_faster_from_B" in d:
+                lines.append(f"* {k}: {d['replay_faster_from_B']}")
+            else:
+                lines.append(f"* {k}: fused faster at B = {d['fused_faster_at_B']}; split no "
+                             f"slower from B = {d['split_no_slower_from_B']}")
         lines.append("")
     sweep = [r for r in rows if r["kernel"].startswith("sweep")]
     if sweep:
@@ -892,8 +942,9 @@ def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
          spec_batches=GRID["spec_batches"], kinds=tuple(SHAPES), peers=True, checks=True,
          sweep=True, detail_batches=(256,), shapes=None):
     """The benchmark's sections in priority order, each (key, estimated seconds, what): the
-    targets of issue 4 first (conventional, every pair at the kind's main L, T = 4 at the largest
-    spec batch), then the rest of the grid."""
+    targets of issue 4 first (conventional, every pair at the kind's main L with the one-launch
+    window up to FUSED_MAX_B, T = 4 at the largest spec batch), then the GDN 'kh' rows, the
+    peers, the other L values and the other T values."""
     bad = [p for p in pairs if p not in PAIRS]
     if bad:
         raise ValueError(f"pairs {bad}: choose from {list(PAIRS)}")
@@ -920,13 +971,15 @@ def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
             for pair in pairs:
                 det = B in detail_batches
                 forced = pair == "s32_rs"
-                n = 1 + 2 * det + 2 * forced + (pair == pairs[0])
+                fu = B <= FUSED_MAX_B
+                n = 1 + 2 * det + 2 * forced + (pair == pairs[0]) + fu * (1 + forced)
                 sec.append((f"{kind}/B{B}/{pair}/L{mainL[kind]}",
-                            n * E["fixed"] + (1 + det) * gb * E["per_GB"] * (mainL[kind] / 8)
-                            + (E["compile"] * 2 if B == batches[0] else 0)
-                            + (1 + 2 * forced) * E["launch"]
+                            n * E["fixed"] + (1 + det + fu) * gb * E["per_GB"] * (mainL[kind] / 8)
+                            + (E["compile"] * (2 + fu) if B == batches[0] else 0)
+                            + (1 + 2 * forced + fu * (1 + forced)) * E["launch"]
                             * _launches(kind, B, mainL[kind], shapes[kind]),
-                            ("replay", kind, B, pair, mainL[kind], det, forced, pair == pairs[0])))
+                            ("replay", kind, B, pair, mainL[kind], det, forced, pair == pairs[0],
+                             fu)))
     bigT = max(Ts) if Ts else None
     if bigT:
         for kind in kinds:
@@ -946,6 +999,11 @@ def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
                             + (E["compile"] if B == batches[0] else 0)
                             + E["launch"] * _launches("gdn", B, L, shapes["gdn"]),
                             ("kh", "gdn", B, pair, L, det)))
+    if peers:                           # fla / mamba_ssm: before the other L values
+        for kind in kinds:
+            for B in batches:
+                sec.append((f"peers/{kind}/B{B}", 3 * (E["peer"] + _gb(kind, B, shapes[kind])
+                                                       * E["per_GB"]), ("peers", kind, B)))
     for kind in kinds:
         for L in Ls:
             if L == mainL[kind]:
@@ -957,7 +1015,7 @@ def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
                                 E["fixed"] + gb * E["per_GB"] * (L / 8)
                                 + (E["compile"] * 2 if B == batches[0] else 0)
                                 + E["launch"] * _launches(kind, B, L, shapes[kind]),
-                                ("replay", kind, B, pair, L, False, False, False)))
+                                ("replay", kind, B, pair, L, False, False, False, False)))
     for T in Ts:
         if T == bigT:
             continue
@@ -967,11 +1025,6 @@ def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
                 sec.append((f"spec/{kind}/B{B}/T{T}", (P + 2) * (E["fixed"] + gb * E["per_GB"]
                                                                 * (1 + T / 2)) + P * E["compile"],
                             ("spec", kind, B, T)))
-    if peers:
-        for kind in kinds:
-            for B in batches:
-                sec.append((f"peers/{kind}/B{B}", 3 * (E["peer"] + _gb(kind, B, shapes[kind])
-                                                       * E["per_GB"]), ("peers", kind, B)))
     return sec
 
 
@@ -1076,10 +1129,10 @@ def run_kernels_bench(out: str = "results/bench", batches=GRID["batches"], Ls=GR
                     kind, B, device, copy_bw, cfgs.get(kind) if B >= 128 else None,
                     S=SHAPES[kind]), E, key, [])
             elif op == "replay":
-                kind, B, pair, L, det, forced, ptr = what[1:]
+                kind, B, pair, L, det, forced, ptr, fu = what[1:]
                 res["rows"] += _try(lambda: bench_replay(
                     kind, B, pair, L, device, copy_bw, cfgs.get(kind) if B >= 128 else None,
-                    detail=det, forced=forced, pointer=ptr, S=SHAPES[kind]), E, key, [])
+                    detail=det, forced=forced, pointer=ptr, S=SHAPES[kind], fused=fu), E, key, [])
             elif op == "kh":
                 kind, B, pair, L, det = what[1:]
                 res["rows"] += _try(lambda: bench_replay_kh(
@@ -1139,8 +1192,14 @@ def plot_kernels(res, png: str) -> None:
                              if "speedup_vs_conv_fp32" in r)
                 if pts:
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=f"L={L}")
+            L0 = PAIR_L[kind]
+            pts = sorted((r["B"], r["speedup_vs_conv_fp32"]) for r in
+                         _find(rows, kind=kind, kernel="replay-window-fused", variant=pair, L=L0)
+                         if "speedup_vs_conv_fp32" in r)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], ls="-.", marker="^", ms=3,
+                        label=f"L={L0} one launch")
             if pair == "s32_rs":
-                L0 = PAIR_L[kind]
                 pts = sorted((r["B"], r["speedup_vs_conv_fp32"]) for r in
                              _find(rows, kind=kind, kernel="replay-forced-flush-layer", variant=pair, L=L0)
                              if "speedup_vs_conv_fp32" in r)

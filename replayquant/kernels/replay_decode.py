@@ -29,8 +29,12 @@ One step for a row with slot s (the same rule as `ReplayState.step`):
 * otherwise **read step**: output from the packed read copy (decoded in registers, never written
   back as FP32) and the buffer, output-only (no d_v x d_k matrix formed); write this step's entry.
 
-The kernel reads `committed` and `n_flush` and never writes them (other programs of the same row
+The kernels read `committed` and `n_flush` and never write them (other programs of the same row
 read them in the same launch): `advance_pointers` moves them afterwards, once per decode step.
+At small batch (launch='fused', resolve_launch) a step is one launch: `_replay_fused_kernel` runs
+the flush and read bodies per program, and with advance the last program of each row (arrival
+counter `ReplayStore.arrive`) moves that row's pointers, after every program of the row has read
+them; the same results as the split launch, bit for bit (tests).
 A model with several layers shares one pair of pointer tensors between its layers' stores and
 advances them once per token (`replay_step(..., advance=False)` for all but the last layer).
 
@@ -58,7 +62,8 @@ from replayquant.streams import ANCHOR, READ, layer_seed
 
 __all__ = ["ReplayStore", "replay_gdn_step", "replay_gdn_step_ref", "replay_mamba2_step",
            "replay_mamba2_step_ref", "advance_pointers", "advance_pointers_ref",
-           "choose_path", "resolve_path", "flush_is_lossless", "replay_launch_config"]
+           "choose_path", "resolve_path", "flush_is_lossless", "replay_launch_config",
+           "choose_launch", "resolve_launch"]
 
 
 def _pair_roles(pair):
@@ -94,6 +99,7 @@ class ReplayStore:
     max_drafts: int = 0
     pending_T: int | None = None     # drafts verified and not yet accepted
     last_force: bool = False         # path of the last step: True = it flushed every row (force)
+    arrive: torch.Tensor | None = None   # int32 [N]: arrival counters of launch='fused' (zero)
 
     @property
     def capacity(self) -> int:
@@ -144,7 +150,8 @@ class ReplayStore:
                    bbuf=torch.zeros(N, C, H, dtype=torch.float32, device=dev),
                    committed=torch.zeros(N, dtype=torch.int32, device=dev),
                    n_flush=torch.zeros(N, dtype=torch.int64, device=dev), key=key,
-                   start=torch.zeros(N, dtype=torch.int32, device=dev), max_drafts=int(max_drafts))
+                   start=torch.zeros(N, dtype=torch.int32, device=dev), max_drafts=int(max_drafts),
+                   arrive=torch.zeros(N, dtype=torch.int32, device=dev))
 
     @property
     def shape(self):
@@ -163,7 +170,8 @@ class ReplayStore:
         return ReplayStore(self.kind, self.anchor.clone(), None if self.read is None else self.read.clone(),
                            self.L, self.key_heads, c(self.kbuf), c(self.vbuf), c(self.ubuf),
                            c(self.Gbuf), c(self.bbuf), c(self.committed), c(self.n_flush), self.key,
-                           c(self.start), self.max_drafts, self.pending_T, self.last_force)
+                           c(self.start), self.max_drafts, self.pending_T, self.last_force,
+                           c(self.arrive))
 
 
 # ============================================================================ Triton
@@ -280,6 +288,64 @@ def _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_l
 
 
 @triton.jit
+def _flush_body(
+        A_pay, A_sc, A_gs, R_pay, R_sc, R_gs,
+        kbuf, vbuf, Gbuf, bbuf, h_ptr, st_ptr, nf_ptr, out_ptr,
+        q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr,
+        scale, key_lo, key_hi, force, dt_lo, dt_hi, row, hv, hk, rows, cols, slot,
+        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+        BV: tl.constexpr, L: tl.constexpr, CAP: tl.constexpr, T: tl.constexpr,
+        STEP: tl.constexpr, AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr,
+        RSR: tl.constexpr, SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
+        HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
+        DT_CLAMP: tl.constexpr):
+    """What _replay_flush_kernel does for one live row's program (slot >= 0): the flushes of
+    that row (pre-flush of committed entries that would not leave T free slots, and the flush of
+    a step that fills the buffer or is forced); nothing for a row that does not flush."""
+    mat = slot * HV + hv
+    h = tl.load(h_ptr + slot)
+    start = tl.load(st_ptr + slot)
+    nf = tl.load(nf_ptr + slot)
+    if (h + T > L) & (h > 0):
+        A = _tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT)
+        if DELTA:
+            S = _fold_gdn(A, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, h,
+                          HK, HV, DK, DV, CAP, L2NORM)
+        else:
+            Gn = _last_G(Gbuf, slot, start, h, hv, HV, CAP)
+            S = _fold_mamba(tl.exp(Gn) * A, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk,
+                            rows, cols, h, Gn, HK, HV, DK, DV, CAP)
+        _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi,
+                     nf + 1, slot, hv, DV, DK, BV, AFMT, ASR, RFMT, RSR, SHARED)
+        nf = nf + 1
+        start = (start + h) % CAP
+        h = h * 0
+        if STEP:
+            tl.debug_barrier()      # a second flush below re-reads the anchor just written
+    if STEP:
+        if (h + 1 == L) | (force != 0):
+            q, k, v, log_a, beta, skip = _front_end(
+                q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, row, hv, hk, rows,
+                cols, scale, dt_lo, dt_hi, HK, HV, DK, DV, DELTA, L2NORM, HAS_DTB, HAS_D,
+                DT_CLAMP)
+            A = _tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT)
+            if DELTA:
+                S = _fold_gdn(A, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, h,
+                              HK, HV, DK, DV, CAP, L2NORM)
+                S, y = _rank1_step(S, q, k, v, log_a, beta, DELTA)   # h = 0: the conventional step
+            else:
+                Gf = _last_G(Gbuf, slot, start, h, hv, HV, CAP) + log_a
+                S = _fold_mamba(A * tl.exp(Gf), kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk,
+                                rows, cols, h, Gf, HK, HV, DK, DV, CAP)
+                S = S + v[:, None] * k[None, :]
+                y = tl.sum(S * q[None, :], axis=1)
+            _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_lo,
+                         key_hi, nf + 1, slot, hv, DV, DK, BV, AFMT, ASR, RFMT, RSR, SHARED)
+            y = _gate_out(y + skip, z_ptr, row, hv, rows, HV, DV, HAS_Z)
+            tl.store(out_ptr + (row * HV + hv) * DV + rows, y)
+
+
+@triton.jit
 def _replay_flush_kernel(
         A_pay, A_sc, A_gs, R_pay, R_sc, R_gs,
         kbuf, vbuf, Gbuf, bbuf, h_ptr, st_ptr, nf_ptr, idx_ptr, out_ptr,
@@ -297,47 +363,11 @@ def _replay_flush_kernel(
     Other rows return at once (their programs only read h)."""
     row, hv, hk, rows, cols, slot = _program_tile(idx_ptr, HK, HV, DK, BV)
     if slot >= 0:
-        mat = slot * HV + hv
-        h = tl.load(h_ptr + slot)
-        start = tl.load(st_ptr + slot)
-        nf = tl.load(nf_ptr + slot)
-        if (h + T > L) & (h > 0):
-            A = _tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT)
-            if DELTA:
-                S = _fold_gdn(A, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, h,
-                              HK, HV, DK, DV, CAP, L2NORM)
-            else:
-                Gn = _last_G(Gbuf, slot, start, h, hv, HV, CAP)
-                S = _fold_mamba(tl.exp(Gn) * A, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk,
-                                rows, cols, h, Gn, HK, HV, DK, DV, CAP)
-            _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi,
-                         nf + 1, slot, hv, DV, DK, BV, AFMT, ASR, RFMT, RSR, SHARED)
-            nf = nf + 1
-            start = (start + h) % CAP
-            h = h * 0
-            if STEP:
-                tl.debug_barrier()      # a second flush below re-reads the anchor just written
-        if STEP:
-            if (h + 1 == L) | (force != 0):
-                q, k, v, log_a, beta, skip = _front_end(
-                    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, row, hv, hk, rows,
-                    cols, scale, dt_lo, dt_hi, HK, HV, DK, DV, DELTA, L2NORM, HAS_DTB, HAS_D,
-                    DT_CLAMP)
-                A = _tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT)
-                if DELTA:
-                    S = _fold_gdn(A, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, h,
-                                  HK, HV, DK, DV, CAP, L2NORM)
-                    S, y = _rank1_step(S, q, k, v, log_a, beta, DELTA)   # h = 0: the conventional step
-                else:
-                    Gf = _last_G(Gbuf, slot, start, h, hv, HV, CAP) + log_a
-                    S = _fold_mamba(A * tl.exp(Gf), kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk,
-                                    rows, cols, h, Gf, HK, HV, DK, DV, CAP)
-                    S = S + v[:, None] * k[None, :]
-                    y = tl.sum(S * q[None, :], axis=1)
-                _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_lo,
-                             key_hi, nf + 1, slot, hv, DV, DK, BV, AFMT, ASR, RFMT, RSR, SHARED)
-                y = _gate_out(y + skip, z_ptr, row, hv, rows, HV, DV, HAS_Z)
-                tl.store(out_ptr + (row * HV + hv) * DV + rows, y)
+        _flush_body(A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, Gbuf, bbuf, h_ptr, st_ptr,
+                    nf_ptr, out_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr,
+                    z_ptr, scale, key_lo, key_hi, force, dt_lo, dt_hi, row, hv, hk, rows, cols,
+                    slot, HK, HV, DK, DV, BV, L, CAP, T, STEP, AFMT, ASR, RFMT, RSR, SHARED,
+                    DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP)
     else:
         for t in tl.static_range(T):          # padding rows: zero outputs, nothing else
             tl.store(out_ptr + ((row * T + t) * HV + hv) * DV + rows, tl.zeros([BV], tl.float32))
@@ -394,6 +424,80 @@ def _tile_dot(T0, T1, bs, s, x, DK: tl.constexpr, FMT: tl.constexpr):
 
 
 @triton.jit
+def _read_body(
+        R_pay, R_sc, R_gs,
+        kbuf, vbuf, ubuf, Gbuf, bbuf, h_ptr, st_ptr, out_ptr,
+        q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr,
+        scale, force, dt_lo, dt_hi, row, hv, hk, rows, cols, slot,
+        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+        BV: tl.constexpr, L: tl.constexpr, CAP: tl.constexpr, LP: tl.constexpr, T: tl.constexpr,
+        STEP: tl.constexpr, RFMT: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
+        HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, U_BF16: tl.constexpr,
+        DT_CLAMP: tl.constexpr):
+    """What _replay_read_kernel does for one live row's program (slot >= 0): nothing for a row
+    that flushes this step, else the outputs of its T entries and their appends."""
+    jj = tl.arange(0, LP)
+    mat = slot * HV + hv
+    # issued before the pointers are known: one dependent load less on the critical path
+    # (wasted only on rows that flush this step)
+    T0, T1, bs, s = _read_tile(R_pay, R_sc, R_gs, mat, rows, DV, DK, RFMT)
+    h = tl.load(h_ptr + slot)
+    start = tl.load(st_ptr + slot)
+    if (h + T > L) & (h > 0):          # flushed by _replay_flush_kernel
+        start = (start + h) % CAP
+        h = h * 0
+    go = True
+    if STEP:
+        go = (h + 1 != L) & (force == 0)
+    if go:
+        K, X, G, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start, hv, hk, rows,
+                                    cols, jj, h, HK, HV, DK, DV, CAP, DELTA, L2NORM, DELTA)
+        Gp = tl.sum(tl.where(jj == h - 1, G, 0.0), axis=0)
+        for t in tl.static_range(T):
+            tok = row * T + t
+            q, k, v, log_a, beta, skip = _front_end(
+                q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, tok, hv, hk, rows,
+                cols, scale, dt_lo, dt_hi, HK, HV, DK, DV, DELTA, L2NORM, HAS_DTB, HAS_D,
+                DT_CLAMP)
+            p = h + t
+            Gp = Gp + log_a
+            prev = jj < p
+            wdec = tl.where(prev, tl.exp(tl.where(prev, Gp - G, 0.0)), 0.0)
+            eG = tl.exp(Gp)
+            if DELTA:
+                kk = tl.sum(K * k[None, :], axis=1)
+                corr = tl.sum((wdec * kk)[:, None] * X, axis=0)
+                rk = _tile_dot(T0, T1, bs, s, k, DK, RFMT)
+                u = beta * (v - eG * rk) - beta * corr
+                if U_BF16:
+                    u = u.to(tl.bfloat16).to(tl.float32)
+            else:
+                u = v
+            qk = tl.sum(K * q[None, :], axis=1)
+            y = eG * _tile_dot(T0, T1, bs, s, q, DK, RFMT) \
+                + tl.sum((wdec * qk)[:, None] * X, axis=0) + tl.sum(k * q, axis=0) * u
+            y = _gate_out(y + skip, z_ptr, tok, hv, rows, HV, DV, HAS_Z)
+            tl.store(out_ptr + (tok * HV + hv) * DV + rows, y)
+            # append entry p (raw inputs in bf16, gates in fp32, GDN u)
+            e = _entry(slot, start, p, CAP)
+            if T > 1:
+                cur = jj == p
+                K = tl.where(cur[:, None], k[None, :], K)
+                X = tl.where(cur[:, None], u[None, :], X)
+                G = tl.where(cur, Gp, G)
+            xraw = tl.load(v_ptr + (tok * HV + hv) * DV + rows)
+            tl.store(vbuf + (e * HV + hv) * DV + rows, xraw.to(tl.bfloat16))
+            if DELTA:
+                tl.store(ubuf + (e * HV + hv) * DV + rows, u.to(ubuf.dtype.element_ty))
+            if tl.program_id(1) == 0:       # one row block writes the per-head entries
+                tl.store(Gbuf + e * HV + hv, Gp)
+                tl.store(bbuf + e * HV + hv, beta)
+                if hv % (HV // HK) == 0:
+                    kraw = tl.load(k_ptr + (tok * HK + hk) * DK + cols)
+                    tl.store(kbuf + (e * HK + hk) * DK + cols, kraw.to(tl.bfloat16))
+
+
+@triton.jit
 def _replay_read_kernel(
         R_pay, R_sc, R_gs,
         kbuf, vbuf, ubuf, Gbuf, bbuf, h_ptr, st_ptr, idx_ptr, out_ptr,
@@ -407,66 +511,56 @@ def _replay_read_kernel(
     """The non-flushing rows (runs after _replay_flush_kernel in the same stream): outputs of T
     entries from the packed read copy and the buffer, output-only, and their appends."""
     row, hv, hk, rows, cols, slot = _program_tile(idx_ptr, HK, HV, DK, BV)
-    jj = tl.arange(0, LP)
     if slot >= 0:
-        mat = slot * HV + hv
-        # issued before the pointers are known: one dependent load less on the critical path
-        # (wasted only on rows that flush this step)
-        T0, T1, bs, s = _read_tile(R_pay, R_sc, R_gs, mat, rows, DV, DK, RFMT)
-        h = tl.load(h_ptr + slot)
-        start = tl.load(st_ptr + slot)
-        if (h + T > L) & (h > 0):          # flushed by _replay_flush_kernel
-            start = (start + h) % CAP
-            h = h * 0
-        go = True
-        if STEP:
-            go = (h + 1 != L) & (force == 0)
-        if go:
-            K, X, G, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start, hv, hk, rows,
-                                        cols, jj, h, HK, HV, DK, DV, CAP, DELTA, L2NORM, DELTA)
-            Gp = tl.sum(tl.where(jj == h - 1, G, 0.0), axis=0)
-            for t in tl.static_range(T):
-                tok = row * T + t
-                q, k, v, log_a, beta, skip = _front_end(
-                    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, tok, hv, hk, rows,
-                    cols, scale, dt_lo, dt_hi, HK, HV, DK, DV, DELTA, L2NORM, HAS_DTB, HAS_D,
-                    DT_CLAMP)
-                p = h + t
-                Gp = Gp + log_a
-                prev = jj < p
-                wdec = tl.where(prev, tl.exp(tl.where(prev, Gp - G, 0.0)), 0.0)
-                eG = tl.exp(Gp)
-                if DELTA:
-                    kk = tl.sum(K * k[None, :], axis=1)
-                    corr = tl.sum((wdec * kk)[:, None] * X, axis=0)
-                    rk = _tile_dot(T0, T1, bs, s, k, DK, RFMT)
-                    u = beta * (v - eG * rk) - beta * corr
-                    if U_BF16:
-                        u = u.to(tl.bfloat16).to(tl.float32)
-                else:
-                    u = v
-                qk = tl.sum(K * q[None, :], axis=1)
-                y = eG * _tile_dot(T0, T1, bs, s, q, DK, RFMT) \
-                    + tl.sum((wdec * qk)[:, None] * X, axis=0) + tl.sum(k * q, axis=0) * u
-                y = _gate_out(y + skip, z_ptr, tok, hv, rows, HV, DV, HAS_Z)
-                tl.store(out_ptr + (tok * HV + hv) * DV + rows, y)
-                # append entry p (raw inputs in bf16, gates in fp32, GDN u)
-                e = _entry(slot, start, p, CAP)
-                if T > 1:
-                    cur = jj == p
-                    K = tl.where(cur[:, None], k[None, :], K)
-                    X = tl.where(cur[:, None], u[None, :], X)
-                    G = tl.where(cur, Gp, G)
-                xraw = tl.load(v_ptr + (tok * HV + hv) * DV + rows)
-                tl.store(vbuf + (e * HV + hv) * DV + rows, xraw.to(tl.bfloat16))
-                if DELTA:
-                    tl.store(ubuf + (e * HV + hv) * DV + rows, u.to(ubuf.dtype.element_ty))
-                if tl.program_id(1) == 0:       # one row block writes the per-head entries
-                    tl.store(Gbuf + e * HV + hv, Gp)
-                    tl.store(bbuf + e * HV + hv, beta)
-                    if hv % (HV // HK) == 0:
-                        kraw = tl.load(k_ptr + (tok * HK + hk) * DK + cols)
-                        tl.store(kbuf + (e * HK + hk) * DK + cols, kraw.to(tl.bfloat16))
+        _read_body(R_pay, R_sc, R_gs, kbuf, vbuf, ubuf, Gbuf, bbuf, h_ptr, st_ptr, out_ptr,
+                   q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, force,
+                   dt_lo, dt_hi, row, hv, hk, rows, cols, slot, HK, HV, DK, DV, BV, L, CAP, LP, T,
+                   STEP, RFMT, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, U_BF16, DT_CLAMP)
+
+
+@triton.jit
+def _replay_fused_kernel(
+        A_pay, A_sc, A_gs, R_pay, R_sc, R_gs,
+        kbuf, vbuf, ubuf, Gbuf, bbuf, h_ptr, st_ptr, nf_ptr, cnt_ptr, idx_ptr, out_ptr,
+        q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr,
+        scale, key_lo, key_hi, force, dt_lo, dt_hi,
+        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+        BV: tl.constexpr, L: tl.constexpr, CAP: tl.constexpr, LP: tl.constexpr,
+        AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr, RSR: tl.constexpr,
+        SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr, HAS_DTB: tl.constexpr,
+        HAS_D: tl.constexpr, HAS_Z: tl.constexpr, U_BF16: tl.constexpr, DT_CLAMP: tl.constexpr,
+        ADVANCE: tl.constexpr):
+    """A decode step (T = 1) in one launch (launch='fused', the small-batch path): each program
+    runs what _replay_flush_kernel and then _replay_read_kernel would run for its (row, value
+    head, row block), so a row either flushes or reads (and appends). A pre-flush (h == L after a
+    speculative accept) writes the rows of the read copy that the same program reads next (the
+    flush body ends it with a block barrier); the flush and read blocks are therefore the same.
+    With ADVANCE the pointer kernel is folded in: every program of a row, once done with the
+    row's pointers, increments the row's arrival counter; the last one moves committed / start /
+    n_flush (_moved_pointers) and resets the counter, so no program reads a moved pointer."""
+    row, hv, hk, rows, cols, slot = _program_tile(idx_ptr, HK, HV, DK, BV)
+    if slot >= 0:
+        _flush_body(A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, Gbuf, bbuf, h_ptr, st_ptr,
+                    nf_ptr, out_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr,
+                    z_ptr, scale, key_lo, key_hi, force, dt_lo, dt_hi, row, hv, hk, rows, cols,
+                    slot, HK, HV, DK, DV, BV, L, CAP, 1, True, AFMT, ASR, RFMT, RSR, SHARED,
+                    DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP)
+        _read_body(R_pay, R_sc, R_gs, kbuf, vbuf, ubuf, Gbuf, bbuf, h_ptr, st_ptr, out_ptr,
+                   q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, force,
+                   dt_lo, dt_hi, row, hv, hk, rows, cols, slot, HK, HV, DK, DV, BV, L, CAP, LP, 1,
+                   True, RFMT, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, U_BF16, DT_CLAMP)
+        if ADVANCE:
+            tl.debug_barrier()                  # every thread of the program is past its loads
+            arrived = tl.atomic_add(cnt_ptr + slot, 1)          # acq_rel, gpu scope
+            if arrived == HV * (DV // BV) - 1:                  # the row's last program
+                h, st, nf = _moved_pointers(tl.load(h_ptr + slot), tl.load(st_ptr + slot),
+                                            tl.load(nf_ptr + slot), force, L, CAP, 1, True)
+                tl.store(h_ptr + slot, h)
+                tl.store(st_ptr + slot, st)
+                tl.store(nf_ptr + slot, nf)
+                tl.store(cnt_ptr + slot, 0)
+    else:
+        tl.store(out_ptr + (row * HV + hv) * DV + rows, tl.zeros([BV], tl.float32))
 
 
 @triton.jit
@@ -553,6 +647,22 @@ def _replay_read_kh_kernel(
 
 
 @triton.jit
+def _moved_pointers(h, st, nf, force, L: tl.constexpr, CAP: tl.constexpr, T: tl.constexpr,
+                    STEP: tl.constexpr):
+    """(committed, start, n_flush) after a step (STEP) or a verify of T drafts, from the values
+    the kernels read (scalars or blocks): the kernels' flush decisions."""
+    pre = (h + T > L) & (h > 0)
+    nf = tl.where(pre, nf + 1, nf)
+    st = tl.where(pre, (st + h) % CAP, st)
+    h = tl.where(pre, 0, h)
+    if STEP:
+        fl = (h + 1 == L) | (force != 0)
+        nf = tl.where(fl, nf + 1, nf)
+        h = tl.where(fl, 0, h + 1)
+    return h, st, nf
+
+
+@triton.jit
 def _advance_kernel(h_ptr, st_ptr, nf_ptr, idx_ptr, acc_ptr, B, L: tl.constexpr,
                     CAP: tl.constexpr, T: tl.constexpr,
                     STEP: tl.constexpr, force, HAS_ACC: tl.constexpr, BLOCK: tl.constexpr):
@@ -567,14 +677,7 @@ def _advance_kernel(h_ptr, st_ptr, nf_ptr, idx_ptr, acc_ptr, B, L: tl.constexpr,
     if HAS_ACC:
         h = h + tl.load(acc_ptr + offs, mask=ok, other=0).to(h.dtype)
     else:
-        pre = (h + T > L) & (h > 0)
-        nf = tl.where(pre, nf + 1, nf)
-        st = tl.where(pre, (st + h) % CAP, st)
-        h = tl.where(pre, 0, h)
-        if STEP:
-            fl = (h + 1 == L) | (force != 0)
-            nf = tl.where(fl, nf + 1, nf)
-            h = tl.where(fl, 0, h + 1)
+        h, st, nf = _moved_pointers(h, st, nf, force, L, CAP, T, STEP)
     tl.store(h_ptr + s, h, mask=ok)
     tl.store(st_ptr + s, st, mask=ok)
     tl.store(nf_ptr + s, nf, mask=ok)
@@ -651,8 +754,13 @@ def replay_launch_config(store: ReplayStore, n_rows: int, block_v=None, num_warp
     if dv % fbv or fbv & (fbv - 1):
         raise ValueError(f"flush block {fbv} must be a power of two dividing d_v={dv}")
     if fnw is None:
-        fnw = max(2, min(16, fbv * dk // 1024))
+        fnw = _flush_warps(fbv, dk)
     return (block_v, num_warps), (fbv, fnw)
+
+
+def _flush_warps(fbv, dk):
+    """Warps of a flush program holding fbv x dk state elements."""
+    return max(2, min(16, fbv * dk // 1024))
 
 
 def choose_path(kind: str, n_rows: int, shared: bool = True, threshold: int | None = None) -> str:
@@ -714,12 +822,47 @@ def resolve_path(store: ReplayStore, n_rows: int, path: str = "auto") -> str:
 
 
 READ_VARIANTS = ("block", "kh")
+LAUNCHES = ("auto", "split", "fused")
+
+# rows below which a decode step runs as one launch (launch='auto' -> 'fused'); provisional
+# until measured (bench kernels: replay-window-fused vs replay-window, dispatch/launch)
+FUSED_THRESHOLD = {"gdn": 32, "mamba2": 32}
+
+
+def choose_launch(kind: str, n_rows: int, threshold: int | None = None) -> str:
+    """'fused' (one kernel per step: flush or read per row, pointer move folded in) below the
+    kind's FUSED_THRESHOLD rows, else 'split' (flush kernel, read kernel, pointer kernel)."""
+    if threshold is None:
+        threshold = FUSED_THRESHOLD[kind]
+    return "fused" if n_rows < threshold else "split"
+
+
+def resolve_launch(store: ReplayStore, n_rows: int, launch: str = "auto",
+                   read_variant: str = "block") -> str:
+    """The kernels a decode step runs: 'split' (_replay_flush_kernel, then _replay_read_kernel
+    or the 'kh' read kernel, then the pointer kernel when advancing) or 'fused' (one launch,
+    _replay_fused_kernel, pointers moved inside it when advancing). 'auto': choose_launch by
+    size; read_variant='kh' is a split-launch read kernel, so 'auto' keeps it split. Both give
+    the same results (same arithmetic per element; tests)."""
+    if launch not in LAUNCHES:
+        raise ValueError(f"launch must be one of {', '.join(map(repr, LAUNCHES))}, got {launch!r}")
+    if read_variant == "kh":
+        if launch == "fused":
+            raise ValueError("read_variant='kh' runs in the split launch (launch='split' or 'auto')")
+        return "split"
+    if launch == "auto":
+        return choose_launch(store.kind, n_rows)
+    return launch
 
 
 def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, out, scale,
             use_qk_l2norm, T, step, force, block_v, num_warps, flush_config=None,
-            read_variant=None, dt_limit=None):
+            read_variant=None, dt_limit=None, launch="split", advance=False):
+    """Launch the step (T = 1) or verify (T drafts) kernels; returns (out, idx, moved): moved
+    when the launch already advanced the pointers (launch='fused' with advance)."""
     delta = store.kind == "gdn"
+    if launch == "fused" and not (step and T == 1):
+        raise ValueError("launch='fused' is the decode step only (T = 1, not verify)")
     read_variant = read_variant or "block"
     if read_variant not in READ_VARIANTS:
         raise ValueError(f"read_variant must be 'block' or 'kh', got {read_variant!r}")
@@ -758,6 +901,26 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
     inputs = (q, k, v, a, b if b is not None else dummy, A, dt_bias if dt_bias is not None else dummy,
               D if D is not None else dummy, z if z is not None else dummy)
     sc = float(scale if scale is not None else 1.0 / math.sqrt(dk))
+    U_BF16 = store.ubuf is not None and store.ubuf.dtype == torch.bfloat16
+    LP = max(16, triton.next_power_of_2(store.L))
+    if launch == "fused":
+        # one block for the flush and the read of a row (a pre-flush writes the rows it reads):
+        # the flush block (whole matrices when an NVFP4 role is written); block_v overrides
+        fbv, fnw = (block_v, num_warps) if block_v is not None else (FBV, fnw)
+        replay_launch_config(store, B, None, None, (fbv, fnw))        # validates the block
+        fnw = fnw if fnw is not None else _flush_warps(fbv, dk)
+        if store.arrive is None or store.arrive.shape[0] != N:
+            store.arrive = torch.zeros(N, dtype=torch.int32, device=store.committed.device)
+        _replay_fused_kernel[(B * HV, dv // fbv)](
+            Ap, As, Ag, Rp, Rs, Rg, store.kbuf, store.vbuf, ubuf, store.Gbuf, store.bbuf,
+            store.committed, store.start, store.n_flush, store.arrive, idx, out, *inputs,
+            sc, *split_key(store.key), int(force), dt_lo, dt_hi,
+            HK=HK, HV=HV, DK=dk, DV=dv, BV=fbv, L=store.L, CAP=store.capacity, LP=LP,
+            AFMT=afid, ASR=store.anchor.rounding == "stochastic", RFMT=rfid, RSR=rr,
+            SHARED=store.shared, DELTA=delta, L2NORM=use_qk_l2norm, HAS_DTB=dt_bias is not None,
+            HAS_D=D is not None, HAS_Z=z is not None, U_BF16=U_BF16, DT_CLAMP=dt_clamp,
+            ADVANCE=bool(advance), num_warps=fnw)
+        return out, idx, bool(advance)
     common = dict(HK=HK, HV=HV, DK=dk, DV=dv, L=store.L, CAP=store.capacity, T=T, STEP=step,
                   RFMT=rfid, DELTA=delta, L2NORM=use_qk_l2norm, HAS_DTB=dt_bias is not None,
                   HAS_D=D is not None, HAS_Z=z is not None, DT_CLAMP=dt_clamp)
@@ -775,17 +938,14 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
             store.committed, store.start, idx, out, q, k, v, a, b, A,
             dt_bias if dt_bias is not None else dummy, sc, int(force),
             HK=HK, HV=HV, DK=dk, DV=dv, BV=kbv, L=store.L, CAP=store.capacity,
-            LP=max(16, triton.next_power_of_2(store.L)), RFMT=rfid, L2NORM=use_qk_l2norm,
-            HAS_DTB=dt_bias is not None, U_BF16=store.ubuf.dtype == torch.bfloat16,
+            LP=LP, RFMT=rfid, L2NORM=use_qk_l2norm, HAS_DTB=dt_bias is not None, U_BF16=U_BF16,
             num_warps=knw)
     elif not force:
         _replay_read_kernel[(B * HV, dv // BV)](
             Rp, Rs, Rg, store.kbuf, store.vbuf, ubuf, store.Gbuf, store.bbuf,
             store.committed, store.start, idx, out, *inputs, sc, int(force), dt_lo, dt_hi, BV=BV,
-            LP=max(16, triton.next_power_of_2(store.L)),
-            U_BF16=store.ubuf is not None and store.ubuf.dtype == torch.bfloat16,
-            num_warps=nw, **common)
-    return out, idx
+            LP=LP, U_BF16=U_BF16, num_warps=nw, **common)
+    return out, idx, False
 
 
 def _no_pending(store):
@@ -801,7 +961,8 @@ def _force(path, store, B):
 
 def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, state_indices=None,
                     scale=None, out=None, use_qk_l2norm=True, path="auto", block_v=None,
-                    num_warps=None, advance=True, flush_config=None, read_variant="block"):
+                    num_warps=None, advance=True, flush_config=None, read_variant="block",
+                    launch="auto"):
     """One GDN replay decode step for a batch (Triton), inputs as conventional_gdn_step
     (k, v bf16). path (resolve_path): 'auto' (default: below the measured batch threshold a
     shared FP32-anchor pair such as s32_rs flushes every step, which is the conventional kernel
@@ -813,24 +974,28 @@ def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, stat
     (advance_pointers; its default force_flush is the path this step took).
     read_variant: 'block' (default: one program per (row, value head, row block)) or 'kh' (one
     program per (row, key head), per-entry dot products formed once per key head; same results
-    within FP32 reassociation; not yet timed on a GPU, see evals/decode_kernels_notes.md)."""
+    within FP32 reassociation; not yet timed on a GPU, see evals/decode_kernels_notes.md).
+    launch (resolve_launch): 'auto' (default: one launch per step below FUSED_THRESHOLD rows),
+    'split' or 'fused'; the same results. With launch 'fused', block_v / num_warps set the one
+    block of the fused kernel (default: the flush block)."""
     if store.kind != "gdn":
         raise ValueError("replay_gdn_step needs a store built with kind='gdn'")
     if b is None:
         raise ValueError("GDN needs b (beta logits) [batch, value heads]")
     _no_pending(store)
     force = _force(path, store, q.shape[0])
-    out, idx = _launch(store, q, k, v, a, b, A_log, dt_bias, None, None, state_indices, out,
-                       scale, use_qk_l2norm, 1, True, force, block_v, num_warps, flush_config,
-                       read_variant)
-    if advance:
+    lau = resolve_launch(store, q.shape[0], launch, read_variant or "block")
+    out, idx, moved = _launch(store, q, k, v, a, b, A_log, dt_bias, None, None, state_indices,
+                              out, scale, use_qk_l2norm, 1, True, force, block_v, num_warps,
+                              flush_config, read_variant, launch=lau, advance=advance)
+    if advance and not moved:
         advance_pointers(store, idx, 1, True, force)
     return out
 
 
 def replay_mamba2_step(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None, z=None,
                        dt_bias=None, out=None, path="auto", block_v=None, num_warps=None,
-                       advance=True, flush_config=None, dt_limit=NO_DT_LIMIT):
+                       advance=True, flush_config=None, dt_limit=NO_DT_LIMIT, launch="auto"):
     """One Mamba-2 replay decode step (Triton), inputs as conventional_mamba2_step (x, B bf16;
     dt_limit = (lo, hi) clamps softplus(dt + dt_bias), (0, inf): no clamp).
     path, advance: as replay_gdn_step (default 'auto': only s32_rs-like shared FP32 anchors switch
@@ -839,9 +1004,11 @@ def replay_mamba2_step(store: ReplayStore, x, dt, A, B, C, state_indices=None, D
         raise ValueError("replay_mamba2_step needs a store built with kind='mamba2'")
     _no_pending(store)
     force = _force(path, store, x.shape[0])
-    out, idx = _launch(store, C, B, x, dt, None, A, dt_bias, D, z, state_indices, out, None,
-                       False, 1, True, force, block_v, num_warps, flush_config, dt_limit=dt_limit)
-    if advance:
+    lau = resolve_launch(store, x.shape[0], launch)
+    out, idx, moved = _launch(store, C, B, x, dt, None, A, dt_bias, D, z, state_indices, out, None,
+                              False, 1, True, force, block_v, num_warps, flush_config,
+                              dt_limit=dt_limit, launch=lau, advance=advance)
+    if advance and not moved:
         advance_pointers(store, idx, 1, True, force)
     return out
 
@@ -981,7 +1148,7 @@ def replay_ref_core(store: ReplayStore, fe, raw, state_indices, T: int, step: bo
 def replay_gdn_step_ref(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None,
                         state_indices=None, scale=None, out=None, use_qk_l2norm=True,
                         path="auto", block_v=None, num_warps=None, advance=True,
-                        flush_config=None, read_variant="block"):
+                        flush_config=None, read_variant="block", launch="auto"):
     """torch reference of replay_gdn_step (same signature, same effect on the store)."""
     force = _force(path, store, q.shape[0])
     qf, kf, vf, g, beta = gdn_frontend_ref(q, k, v, a, b, A_log, dt_bias, scale, use_qk_l2norm)
@@ -995,7 +1162,8 @@ def replay_gdn_step_ref(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None,
 
 def replay_mamba2_step_ref(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None, z=None,
                            dt_bias=None, out=None, path="auto", block_v=None, num_warps=None,
-                           advance=True, flush_config=None, dt_limit=NO_DT_LIMIT):
+                           advance=True, flush_config=None, dt_limit=NO_DT_LIMIT,
+                           launch="auto"):
     """torch reference of replay_mamba2_step."""
     force = _force(path, store, x.shape[0])
     q, k, v, log_a, d = mamba2_frontend_ref(x, dt, A, B, C, dt_bias, dt_limit)

@@ -83,8 +83,8 @@ def replay_gdn_verify(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, st
         raise ValueError("replay_gdn_verify needs a store built with kind='gdn'")
     T = _draft_count(q, "q")
     _pending(store, T, "verify")
-    out, idx = _launch(store, q, k, v, a, b, A_log, dt_bias, None, None, state_indices, out, scale,
-                       use_qk_l2norm, T, False, False, block_v, num_warps, flush_config)
+    out, idx, _ = _launch(store, q, k, v, a, b, A_log, dt_bias, None, None, state_indices, out,
+                          scale, use_qk_l2norm, T, False, False, block_v, num_warps, flush_config)
     advance_pointers(store, idx, T, step=False)
     store.pending_T = T
     return out
@@ -99,9 +99,9 @@ def replay_mamba2_verify(store: ReplayStore, x, dt, A, B, C, state_indices=None,
         raise ValueError("replay_mamba2_verify needs a store built with kind='mamba2'")
     T = _draft_count(x, "x")
     _pending(store, T, "verify")
-    out, idx = _launch(store, C, B, x, dt, None, A, dt_bias, D, z, state_indices, out, None,
-                       False, T, False, False, block_v, num_warps, flush_config,
-                       dt_limit=dt_limit)
+    out, idx, _ = _launch(store, C, B, x, dt, None, A, dt_bias, D, z, state_indices, out, None,
+                          False, T, False, False, block_v, num_warps, flush_config,
+                          dt_limit=dt_limit)
     advance_pointers(store, idx, T, step=False)
     store.pending_T = T
     return out
