@@ -218,52 +218,37 @@ def _entry_in(kbuf, vbuf, Gbuf, bbuf, e, hv, hk, rows, cols, HK: tl.constexpr, H
 
 
 @triton.jit
-def _fold_gdn(S, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, n,
-              HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-              CAP: tl.constexpr, L2NORM: tl.constexpr):
-    """GDN: run the n buffered entries through the recurrence from S (the dequantized anchor):
-    a_j = exp(G_j - G_{j-1}), u_j = beta_j (v_j - a_j S k_j), S <- a_j S + u_j k_j^T. Equal to
-    core.rebuild (the triangular solve against the anchor) within float32 reassociation.
-    Entry j + 1 is loaded while entry j is folded."""
+def _fold(S, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, n, Gfin,
+          HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+          CAP: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr):
+    """Fold the n buffered entries into S, one FMA pass per entry (entry j + 1 is loaded while
+    entry j is folded).
+    GDN (DELTA; S = the dequantized anchor, Gfin unused): the recurrence a_j = exp(G_j - G_{j-1}),
+    u_j = beta_j (v_j - a_j S k_j), S <- a_j S + u_j k_j^T; equal to core.rebuild (the triangular
+    solve against the anchor) within float32 reassociation.
+    Mamba-2 (S = exp(Gfin) deq(A) on entry): S + sum_j exp(Gfin - G_j) (dt_j x_j) B_j^T,
+    core.rebuild's closed form."""
     Gprev = 0.0
     kn, vn, Gn, bn = _entry_in(kbuf, vbuf, Gbuf, bbuf, _entry(slot, start, 0, CAP), hv, hk, rows,
                                cols, HK, HV, DK, DV)
     for j in range(0, n):
-        k = kn.to(tl.float32)
-        v = vn.to(tl.float32)
+        k = kn.to(tl.float32)              # GDN k / Mamba-2 B
+        v = vn.to(tl.float32)              # GDN v / Mamba-2 x
         G = Gn
-        beta = bn
+        g2 = bn                            # GDN beta / Mamba-2 dt
         kn, vn, Gn, bn = _entry_in(kbuf, vbuf, Gbuf, bbuf,
                                    _entry(slot, start, tl.minimum(j + 1, n - 1), CAP), hv, hk,
                                    rows, cols, HK, HV, DK, DV)
-        if L2NORM:
-            k = _l2norm(k)
-        S = S * tl.exp(G - Gprev)
-        u = beta * (v - tl.sum(S * k[None, :], axis=1))
-        S = S + u[:, None] * k[None, :]
-        Gprev = G
-    return S
-
-
-@triton.jit
-def _fold_mamba(S, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, n, Gfin,
-                HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                CAP: tl.constexpr):
-    """Mamba-2: S + sum_j exp(Gfin - G_j) (dt_j x_j) B_j^T over the n buffered entries
-    (S = exp(Gfin) deq(A) on entry): core.rebuild's closed form, one FMA pass per entry.
-    Entry j + 1 is loaded while entry j is folded."""
-    kn, vn, Gn, bn = _entry_in(kbuf, vbuf, Gbuf, bbuf, _entry(slot, start, 0, CAP), hv, hk, rows,
-                               cols, HK, HV, DK, DV)
-    for j in range(0, n):
-        Bk = kn.to(tl.float32)
-        x = vn.to(tl.float32)
-        G = Gn
-        dt = bn
-        kn, vn, Gn, bn = _entry_in(kbuf, vbuf, Gbuf, bbuf,
-                                   _entry(slot, start, tl.minimum(j + 1, n - 1), CAP), hv, hk,
-                                   rows, cols, HK, HV, DK, DV)
-        w = tl.exp(Gfin - G)
-        S = S + (w * (dt * x))[:, None] * Bk[None, :]
+        if DELTA:
+            if L2NORM:
+                k = _l2norm(k)
+            S = S * tl.exp(G - Gprev)
+            u = g2 * (v - tl.sum(S * k[None, :], axis=1))
+            S = S + u[:, None] * k[None, :]
+            Gprev = G
+        else:
+            w = tl.exp(Gfin - G)
+            S = S + (w * (g2 * v))[:, None] * k[None, :]
     return S
 
 
@@ -309,12 +294,12 @@ def _flush_body(
     if (h + T > L) & (h > 0):
         A = _tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT)
         if DELTA:
-            S = _fold_gdn(A, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, h,
-                          HK, HV, DK, DV, CAP, L2NORM)
+            S = _fold(A, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, h, 0.0,
+                      HK, HV, DK, DV, CAP, DELTA, L2NORM)
         else:
             Gn = _last_G(Gbuf, slot, start, h, hv, HV, CAP)
-            S = _fold_mamba(tl.exp(Gn) * A, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk,
-                            rows, cols, h, Gn, HK, HV, DK, DV, CAP)
+            S = _fold(tl.exp(Gn) * A, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk,
+                      rows, cols, h, Gn, HK, HV, DK, DV, CAP, DELTA, L2NORM)
         _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi,
                      nf + 1, slot, hv, DV, DK, BV, AFMT, ASR, RFMT, RSR, SHARED)
         nf = nf + 1
@@ -330,13 +315,13 @@ def _flush_body(
                 DT_CLAMP)
             A = _tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT)
             if DELTA:
-                S = _fold_gdn(A, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, h,
-                              HK, HV, DK, DV, CAP, L2NORM)
+                S = _fold(A, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, h, 0.0,
+                          HK, HV, DK, DV, CAP, DELTA, L2NORM)
                 S, y = _rank1_step(S, q, k, v, log_a, beta, DELTA)   # h = 0: the conventional step
             else:
                 Gf = _last_G(Gbuf, slot, start, h, hv, HV, CAP) + log_a
-                S = _fold_mamba(A * tl.exp(Gf), kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk,
-                                rows, cols, h, Gf, HK, HV, DK, DV, CAP)
+                S = _fold(A * tl.exp(Gf), kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk,
+                          rows, cols, h, Gf, HK, HV, DK, DV, CAP, DELTA, L2NORM)
                 S = S + v[:, None] * k[None, :]
                 y = tl.sum(S * q[None, :], axis=1)
             _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_lo,
