@@ -166,7 +166,7 @@ def bench(lengths=(8192, 32768), device="cuda") -> list:
             fn()
             torch.cuda.synchronize()
             row[f"{name}_peak_extra_MiB"] = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
-            row[f"{name}_ms"] = do_bench(fn, warmup=5, rep=300, return_mode="median")
+            row[f"{name}_ms"] = do_bench(fn, warmup=5, rep=100, return_mode="median")
             return out
 
         for name in ("tp4_hi16_sr", "s32_rs", "f4_sr_rs", "tp4_hi32"):
@@ -174,6 +174,10 @@ def bench(lengths=(8192, 32768), device="cuda") -> list:
             ss = initial_scan_state(S0, pair, delta=True, seed=1)
             fn = lambda: chunk.chunk_scan(ss, q, k, v, la, be, pair=pair, seed=1)  # noqa: E731
             ys[name] = measure(f"kernel_{name}", fn)[0]
+            with KernelClock(device, {}) as clock:       # one more call: time per pass
+                fn()
+            row[f"kernel_{name}_passes_ms"] = {k: v["seconds"] * 1e3 for k, v in
+                                               clock.seconds().get("chunk_passes", {}).items()}
         # HF: q unscaled (it scales by d_k^-1/2 itself), bf16 inputs as in the model, state
         # [B, H, d_k, d_v]
         bf = torch.bfloat16
@@ -201,13 +205,17 @@ class KernelClock:
     (module path, attribute)}; a target whose module does not import is skipped."""
 
     NOTE = ("GPU time between CUDA events recorded around each call (inside the timed run, no "
-            "added sync); nested targets overlap (chunk_scan runs inside teacher_force)")
+            "added sync); nested targets overlap (chunk_scan runs inside teacher_force; "
+            "chunk_passes: events around each launch of the chunk kernel's passes, inside "
+            "chunk_scan)")
 
-    def __init__(self, device, targets: dict):
+    def __init__(self, device, targets: dict, passes: bool = True):
         self.cuda = str(device).startswith("cuda")
         self.targets = targets
         self.marks = {k: [] for k in targets}
         self._saved = []
+        # CUDA: also events around each launch of the chunk kernel's passes (chunk.PASS_EVENTS)
+        self.pass_events = [] if (passes and self.cuda) else None
 
     def _wrap(self, label, fn):
         marks = self.marks[label]
@@ -236,12 +244,18 @@ class KernelClock:
                 continue
             self._saved.append((mod, attr, fn))
             setattr(mod, attr, self._wrap(label, fn))
+        if self.pass_events is not None:
+            from replayquant.kernels import chunk
+            chunk.PASS_EVENTS = self.pass_events
         return self
 
     def __exit__(self, *exc):
         for mod, attr, fn in reversed(self._saved):
             setattr(mod, attr, fn)
         self._saved = []
+        if self.pass_events is not None:
+            from replayquant.kernels import chunk
+            chunk.PASS_EVENTS = None
 
     def seconds(self) -> dict:
         """{label: {"seconds": total, "calls": n}} (calls 0: the target never ran)."""
@@ -251,6 +265,13 @@ class KernelClock:
         for label, marks in self.marks.items():
             tot = sum(a.elapsed_time(b) / 1e3 for a, b in marks) if self.cuda else sum(marks)
             out[label] = {"seconds": tot, "calls": len(marks)}
+        if self.pass_events:
+            passes = {}
+            for name, a, b in self.pass_events:
+                d = passes.setdefault(name, {"seconds": 0.0, "launches": 0})
+                d["seconds"] += a.elapsed_time(b) / 1e3
+                d["launches"] += 1
+            out["chunk_passes"] = passes
         return out
 
 
@@ -283,7 +304,7 @@ def whole_model(shape: str = "qwen3.5-4b", context: int = 131072, segment: int =
     gib = lambda b: None if b is None else b / 2 ** 30  # noqa: E731
 
     plain_forward(model, ids[:warm], min(segment, warm))
-    with KernelClock(device, HF_TARGETS) as hf_clock:
+    with KernelClock(device, HF_TARGETS, passes=False) as hf_clock:
         t_hf, peak_hf = timed(lambda: plain_forward(model, ids, segment), device)
 
     patch(model, pair, prefill=prefill)
@@ -338,7 +359,7 @@ def run_layer(out, lengths=(8192, 32768), commit=None) -> dict:
     from replayquant.provenance import provenance
     t0 = time.time()
     prov = provenance("cuda", lengths=list(lengths), source_commit=commit,
-                      timing="triton.testing.do_bench median, warmup 5 ms, rep 300 ms, one segment, "
+                      timing="triton.testing.do_bench median, warmup 5 ms, rep 100 ms, one segment, "
                              "kernel inputs float32 on the GPU, HF inputs bf16, compile excluded")
     section = {"provenance": prov, "check": None, "bench": []}
     _merge(out, **section)
@@ -351,7 +372,7 @@ def run_layer(out, lengths=(8192, 32768), commit=None) -> dict:
         _merge(out, **section)
         r = section["bench"][-1]
         print(f"T={T}: " + ", ".join(f"{k[:-3]} {v:.2f} ms" for k, v in r.items()
-                                     if k.endswith("_ms")), flush=True)
+                                     if k.endswith("_ms") and isinstance(v, float)), flush=True)
     prov["total_seconds"] = round(time.time() - t0, 1)
     return _merge(out, **section)
 

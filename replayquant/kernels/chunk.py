@@ -48,7 +48,7 @@ import triton.language as tl
 from replayquant.formats import QTensor
 from replayquant.kernels.chunk_ref import ScanState, _check_inputs, cpu_threads
 from replayquant.kernels.conventional import (_BS_MIN, _E2M1_MAX, _E4M3_MAX, _FP8_DIV, _NV_DIV,
-                                              FMT_IDS, _sr_bits, _tile_load, split_key)
+                                              FMT_IDS, _sr_bits, split_key)
 from replayquant.kernels.quant import (decode_bf16, decode_e2m1, decode_e4m3, decode_fp16,
                                        encode_bf16, encode_e2m1, encode_e4m3, encode_fp16)
 from replayquant.replay import core
@@ -59,6 +59,9 @@ __all__ = ["chunk_scan", "chunk_launch_config", "supports", "teacher_force",
 
 SCRATCH_BYTES = 1 << 30          # group scratch bound per call (bytes)
 MAX_GROUP_WINDOWS = 512          # windows per launch group at most
+# benchmark hook: a list to which chunk_scan appends (pass name, start, end) CUDA events around
+# each launch (None: no events)
+PASS_EVENTS = None
 
 
 # ============================================================================ Triton
@@ -76,13 +79,13 @@ def _slot_tokens(tok_ptr, b, h, w, T, WIDTH, jj, H: tl.constexpr, L: tl.constexp
 
 
 @triton.jit
-def _load_window(tok_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bk_ptr, bv_ptr, bG_ptr, bb_ptr,
-                 b, h, w, h0, T, WIDTH, rows, cols, jj,
-                 H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, L: tl.constexpr,
-                 DELTA: tl.constexpr):
+def _load_keys(tok_ptr, q_ptr, k_ptr, a_ptr, b_ptr, bk_ptr, bG_ptr, bb_ptr,
+               b, h, w, h0, T, WIDTH, cols, jj,
+               H: tl.constexpr, DK: tl.constexpr, L: tl.constexpr, DELTA: tl.constexpr):
     """Entries of window w of row b, head h, as float32 tiles over LP slots (slots >= L and
-    null steps are zero): K, Q [LP, DK]; V [LP, len(rows)]; G [LP] cumulative log gate since
-    the checkpoint; Bt [LP] beta (GDN); idx [LP] the token-map entries."""
+    null steps are zero): K, Q [LP, DK]; G [LP] cumulative log gate since the checkpoint; Bt
+    [LP] beta (GDN); idx [LP] the token-map entries; tok_row / buf_row [LP] where the slot's
+    token / buffered entry lives (for `_load_values`)."""
     idx, is_tok, tok_row = _slot_tokens(tok_ptr, b, h, w, T, WIDTH, jj, H, L)
     is_buf = idx <= -2
     s = tl.where(is_buf, -2 - idx, 0).to(tl.int64)
@@ -92,8 +95,6 @@ def _load_window(tok_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bk_ptr, bv_ptr, bG_
     K = tl.where(mt, tl.load(k_ptr + tok_row[:, None] * DK + cols[None, :], mask=mt, other=0.0).to(tl.float32),
                  tl.load(bk_ptr + buf_row[:, None] * DK + cols[None, :], mask=mb, other=0.0))
     Q = tl.load(q_ptr + tok_row[:, None] * DK + cols[None, :], mask=mt, other=0.0).to(tl.float32)
-    V = tl.where(mt, tl.load(v_ptr + tok_row[:, None] * DV + rows[None, :], mask=mt, other=0.0).to(tl.float32),
-                 tl.load(bv_ptr + buf_row[:, None] * DV + rows[None, :], mask=mb, other=0.0))
     la = tl.load(a_ptr + tok_row, mask=is_tok, other=0.0).to(tl.float32)
     Gb = tl.load(bG_ptr + buf_row, mask=is_buf, other=0.0)
     if DELTA:
@@ -104,7 +105,16 @@ def _load_window(tok_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bk_ptr, bv_ptr, bG_
     # buffered slots (window 0 only) keep their stored G; new entries continue from the last one
     g0 = tl.sum(tl.where(is_buf & (jj == h0 - 1), Gb, 0.0), axis=0)
     G = tl.where(is_buf, Gb, g0 + tl.cumsum(la, axis=0))
-    return K, Q, V, G, Bt, idx
+    return K, Q, G, Bt, idx, tok_row, buf_row
+
+
+@triton.jit
+def _load_values(v_ptr, bv_ptr, idx, tok_row, buf_row, rows, DV: tl.constexpr):
+    """V [LP, len(rows)]: columns `rows` of the window's values (null slots zero)."""
+    mt = (idx >= 0)[:, None]
+    mb = (idx <= -2)[:, None]
+    return tl.where(mt, tl.load(v_ptr + tok_row[:, None] * DV + rows[None, :], mask=mt, other=0.0).to(tl.float32),
+                    tl.load(bv_ptr + buf_row[:, None] * DV + rows[None, :], mask=mb, other=0.0))
 
 
 @triton.jit
@@ -201,40 +211,42 @@ def _cast_tile(x, g, pay, sc, gs, mat, rows, cols, key_lo, key_hi, flush_index, 
 @triton.jit(do_not_specialize=["T", "WIDTH", "w0", "NWS"])
 def _terms_kernel(
         tok_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bk_ptr, bv_ptr, bG_ptr, bb_ptr, h0_ptr, nfull_ptr,
-        Kw, Qw, Ww, Uw, Gw, Aw, nk_ptr, nv_ptr, nG_ptr, nb_ptr,
+        Kw, Ww, Pw, QLw, Gw, Uw, Cw, nk_ptr, nv_ptr, nG_ptr, nb_ptr,
         T, WIDTH, w0, NWS,
-        H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
-        DELTA: tl.constexpr, EXACT: tl.constexpr):
+        H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+        L: tl.constexpr, LP: tl.constexpr, DELTA: tl.constexpr, EXACT: tl.constexpr):
     """Pass 1, one program per (window, sequence x head): the window's state-independent terms
-    into the group scratch (K, Q, G, Aqk; GDN: W = Tinv (beta exp(G) k), U = Tinv (beta v), so
-    that u(X) = U - W X^T for a checkpoint X; Mamba-2: U = v), and the new buffer (the entries
-    of the row's last, partial window) from the program of that window."""
+    into the group scratch. With Aqk[t, j] = exp(G_t - G_j) q_t.k_j (j <= t) and, for GDN,
+    Tinv = (I + T)^-1, W = Tinv (beta exp(G) k), U = Tinv (beta v) (so u(X) = U - W X^T for a
+    checkpoint X; Mamba-2: W = 0, U = v), the outputs from X are y = P X^T + C with
+    P = exp(G) q - Aqk W and C = Aqk U. Stores K, W, G, q_L (the sequential pass), P, C (the
+    output pass), U; and the new buffer (the entries of the row's last, partial window) from
+    the program of that window. V, U and C go a block of BV columns at a time."""
     wl = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
     w = w0 + wl
-    rows = tl.arange(0, DV)
     cols = tl.arange(0, DK)
     jj = tl.arange(0, LP)
     h0 = tl.load(h0_ptr + b)
     nfull = tl.load(nfull_ptr + b)
-    K, Q, V, G, Bt, idx = _load_window(tok_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bk_ptr, bv_ptr,
-                                       bG_ptr, bb_ptr, b, h, w, h0, T, WIDTH, rows, cols, jj,
-                                       H, DK, DV, L, DELTA)
+    K, Q, G, Bt, idx, tok_row, buf_row = _load_keys(tok_ptr, q_ptr, k_ptr, a_ptr, b_ptr, bk_ptr,
+                                                    bG_ptr, bb_ptr, b, h, w, h0, T, WIDTH, cols,
+                                                    jj, H, DK, L, DELTA)
     Aqk, Tinv = _window_terms(K, Q, G, Bt, jj, L, DELTA)
+    eG = tl.exp(G)
     tb = bh.to(tl.int64) * NWS + wl                      # window slot in the scratch
     kq = (tb * LP + jj[:, None]) * DK + cols[None, :]
     tl.store(Kw + kq, K)
-    tl.store(Qw + kq, Q)
     tl.store(Gw + tb * LP + jj, G)
-    tl.store(Aw + (tb * LP + jj[:, None]) * LP + jj[None, :], Aqk)
+    tl.store(QLw + tb * DK + cols, tl.sum(tl.where((jj == L - 1)[:, None], Q, 0.0), axis=0))
     if DELTA:
-        tl.store(Ww + kq, tl.dot(Tinv, (Bt * tl.exp(G))[:, None] * K, input_precision="ieee"))
-        U = tl.dot(Tinv, Bt[:, None] * V, input_precision="ieee")
+        Wm = tl.dot(Tinv, (Bt * eG)[:, None] * K, input_precision="ieee")
+        tl.store(Ww + kq, Wm)
+        tl.store(Pw + kq, eG[:, None] * Q - tl.dot(Aqk, Wm, input_precision="ieee"))
     else:
-        U = V
-    tl.store(Uw + (tb * LP + jj[:, None]) * DV + rows[None, :], U)
+        tl.store(Pw + kq, eG[:, None] * Q)
 
     if EXACT:
         here = w == 0
@@ -244,8 +256,18 @@ def _terms_kernel(
         keep = idx != -1
     inw = tl.where(here, jj < L, False)
     buf = (b.to(tl.int64) * H + h) * L + jj
-    tl.store(nv_ptr + buf[:, None] * DV + rows[None, :], tl.where(keep[:, None], V, 0.0),
-             mask=inw[:, None])
+    for rb in range(DV // BV):
+        rows = rb * BV + tl.arange(0, BV)
+        V = _load_values(v_ptr, bv_ptr, idx, tok_row, buf_row, rows, DV)
+        if DELTA:
+            U = tl.dot(Tinv, Bt[:, None] * V, input_precision="ieee")
+        else:
+            U = V
+        uc = (tb * LP + jj[:, None]) * DV + rows[None, :]
+        tl.store(Uw + uc, U)
+        tl.store(Cw + uc, tl.dot(Aqk, U, input_precision="ieee"))
+        tl.store(nv_ptr + buf[:, None] * DV + rows[None, :], tl.where(keep[:, None], V, 0.0),
+                 mask=inw[:, None])
     tl.store(nk_ptr + buf[:, None] * DK + cols[None, :], tl.where(keep[:, None], K, 0.0),
              mask=inw[:, None])
     tl.store(nG_ptr + buf, tl.where(keep, G, 0.0), mask=inw)
@@ -256,13 +278,12 @@ def _terms_kernel(
 @triton.jit(do_not_specialize=["T", "WIDTH", "w0", "NWS", "key_lo", "key_hi"])
 def _chain_kernel(
         tok_ptr, y_ptr, nf_ptr, seq_ptr, nwin_ptr, nfull_ptr,
-        Kw, Qw, Ww, Uw, Gw, Xs, As,
-        A0_pay, A0_sc, A0_gs, A_pay, A_sc, A_gs,
+        Kw, Ww, QLw, Gw, Uw, Xs, As, A_pay, A_sc, A_gs,
         T, WIDTH, w0, NWS, key_lo, key_hi,
         H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
         NRB: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
         AFMT: tl.constexpr, ASR: tl.constexpr, SHARED: tl.constexpr, DELTA: tl.constexpr,
-        EXACT: tl.constexpr, FIRST: tl.constexpr):
+        EXACT: tl.constexpr):
     """Pass 2, the only sequential one: one program per (sequence x head, NRB * BV rows) runs
     the row's flushes of this window group in order. The dequantized anchor A lives in the
     FP32 scratch As (L2). Per window: u = U - W A^T, the unrounded state S = exp(G_L) A +
@@ -288,12 +309,6 @@ def _chain_kernel(
         nfold = nfull
     TWO_PASS: tl.constexpr = (AFMT == 4) and (not EXACT)
     a_tile = As + mat * (DV * DK) + cols[None, :]
-    if FIRST:
-        for rb in range(NRB):
-            rows = (pb * NRB + rb) * BV + br
-            A = _tile_load(A0_pay, A0_sc, A0_gs, mat, rows, cols, DV, DK, BV, AFMT)
-            tl.store(a_tile + rows[:, None] * DK, A)
-        tl.debug_barrier()
     wend = tl.minimum(nfold, w0 + NWS)
     # num_stages=1: no software pipelining of this loop, whose loads of As / Xs read what the
     # previous iteration stored (a prefetch would read the old values)
@@ -309,7 +324,7 @@ def _chain_kernel(
         inw = jj < L
         wL = tl.where(inw, tl.exp(tl.where(inw, GL - G, 0.0)), 0.0)
         eGL = tl.exp(GL)
-        qL = tl.load(Qw + (tb * LP + L - 1) * DK + cols)
+        qL = tl.load(QLw + tb * DK + cols)
         tokL = tl.load(tok_ptr + b.to(tl.int64) * WIDTH + w * L + L - 1)
         yrow = (b.to(tl.int64) * T + tl.maximum(tokL, 0)) * H + h
         fi = nf + w + 1
@@ -357,35 +372,70 @@ def _chain_kernel(
         tl.debug_barrier()                       # the next window reads what was just written
 
 
-@triton.jit
-def _checkpoint_rows(I_pay, I_sc, I_gs, xs_tile, mat, rows, cols, first, have,
-                     DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, IFMT: tl.constexpr):
-    """Rows of a window's checkpoint as stored: window 0 the segment's initial role (packed),
-    later windows the FP32 scratch written by pass 2 (zero where it holds nothing)."""
-    if first:
-        X = _tile_load(I_pay, I_sc, I_gs, mat, rows, cols, DV, DK, BV, IFMT)
-    else:
-        X = tl.load(xs_tile + rows[:, None] * DK, mask=tl.where(have, rows[:, None] >= 0, False),
-                    other=0.0)
-    return X
-
-
-@triton.jit(do_not_specialize=["T", "WIDTH", "w0", "NWS", "key_lo", "key_hi"])
-def _output_kernel(
-        tok_ptr, y_ptr, nf_ptr, seq_ptr, nwin_ptr, nfull_ptr,
-        Qw, Ww, Uw, Gw, Aw, Xs,
-        I_pay, I_sc, I_gs, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs,
-        T, WIDTH, w0, NWS, key_lo, key_hi,
+@triton.jit(do_not_specialize=["w0", "NWS", "key_lo", "key_hi"])
+def _cast_kernel(
+        nf_ptr, seq_ptr, nwin_ptr, nfull_ptr, Xs,
+        A_pay, A_sc, A_gs, R_pay, R_sc, R_gs,
+        w0, NWS, key_lo, key_hi,
         H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-        L: tl.constexpr, LP: tl.constexpr, IFMT: tl.constexpr,
         AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr, RSR: tl.constexpr,
-        SHARED: tl.constexpr, DELTA: tl.constexpr, EXACT: tl.constexpr):
-    """Pass 3, one program per (window, sequence x head), a row block at a time: the window's
-    checkpoint X (window 0: the initial read copy, or anchor for a shared pair / exact; later:
-    pass 2's scratch, cast into the read copy for a dual pair with the flush's SR stream), then
-    y_t = exp(G_t) X q_t + sum_j Aqk[t, j] u_j with u = U - W X^T for every token but a flush
-    (pass 2 wrote those). The window after the row's last flush writes the packed read copy;
-    exact: the window after the last entry casts the final state into both roles."""
+        SHARED: tl.constexpr, EXACT: tl.constexpr):
+    """Pass 3a (dual pairs and exact prefill), one program per (window, sequence x head), a row
+    block at a time (NVFP4: an amax pass first, for the matrix scale). Dual pair: the
+    checkpoint of window w > 0 in Xs is the unrounded S of the flush that ended window w - 1;
+    it is replaced in place by its read copy (cast with that flush's SR stream, flush index
+    nf + w), whose codes are stored for the window after the row's last flush. Exact: the window
+    after the row's last entry holds the final unrounded state; it is cast into both roles
+    (flush index nf + 1) and Xs is left as it is."""
+    wl = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    w = w0 + wl
+    mat = bh.to(tl.int64)
+    cols = tl.arange(0, DK)
+    br = tl.arange(0, BV)
+    nf = tl.load(nf_ptr + b)
+    seq = tl.load(seq_ptr + b)
+    if EXACT:
+        active = w == tl.load(nwin_ptr + b)
+    else:
+        nfull = tl.load(nfull_ptr + b)
+        active = (w > 0) & (w <= nfull)
+    if active:
+        xs_tile = Xs + (mat * (NWS + 1) + wl) * (DV * DK) + cols[None, :]
+        g = 1.0
+        if (RFMT == 4 and not SHARED) or (EXACT and AFMT == 4):
+            acc = tl.zeros([BV], tl.float32)
+            for rb in range(DV // BV):
+                X = tl.load(xs_tile + (rb * BV + br)[:, None] * DK)
+                acc = tl.maximum(acc, tl.max(tl.abs(X), axis=1))
+            g = _nv_scale(tl.max(acc, axis=0))
+        for rb in range(DV // BV):
+            rows = rb * BV + br
+            X = tl.load(xs_tile + rows[:, None] * DK)
+            if EXACT:
+                _cast_tile(X, g, A_pay, A_sc, A_gs, mat, rows, cols, key_lo, key_hi, nf + 1, seq,
+                           h, active, DV, DK, BV, AFMT, ASR, 0)
+                if not SHARED:
+                    _cast_tile(X, g, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi, nf + 1,
+                               seq, h, active, DV, DK, BV, RFMT, RSR, 1)
+            else:
+                Xc = _cast_tile(X, g, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi, nf + w,
+                                seq, h, w == nfull, DV, DK, BV, RFMT, RSR, 1)
+                tl.store(xs_tile + rows[:, None] * DK, Xc)
+
+
+@triton.jit(do_not_specialize=["T", "WIDTH", "w0", "NWS"])
+def _output_kernel(
+        tok_ptr, y_ptr, nwin_ptr, nfull_ptr, Pw, Cw, Xs,
+        T, WIDTH, w0, NWS,
+        H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+        L: tl.constexpr, LP: tl.constexpr, EXACT: tl.constexpr):
+    """Pass 3b, one program per (window, sequence x head), a row block at a time: the outputs
+    y = P X^T + C of every token of the window from its checkpoint X (Xs: the read copy's
+    values; exact: the unrounded state) but the flush token of a flushing window (pass 2
+    wrote those)."""
     wl = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -395,67 +445,26 @@ def _output_kernel(
     cols = tl.arange(0, DK)
     jj = tl.arange(0, LP)
     br = tl.arange(0, BV)
-    NRB: tl.constexpr = DV // BV
-    nf = tl.load(nf_ptr + b)
-    seq = tl.load(seq_ptr + b)
-    nwin = tl.load(nwin_ptr + b)
     nfull = tl.load(nfull_ptr + b)
     if EXACT:
-        nfold = nwin
+        nfold = tl.load(nwin_ptr + b)
     else:
         nfold = nfull
-    first = w == 0
-    have = (w > 0) & (w <= nfold)
-    xs_tile = Xs + (mat * (NWS + 1) + wl) * (DV * DK) + cols[None, :]
-    CAST_R: tl.constexpr = (not SHARED) and (not EXACT)
-    NEED_G: tl.constexpr = (CAST_R and RFMT == 4) or (EXACT and (AFMT == 4 or (not SHARED and RFMT == 4)))
-    g = 1.0
-    if NEED_G:
-        acc = tl.zeros([BV], tl.float32)
-        for rb in range(NRB):
-            rows = rb * BV + br
-            X = _checkpoint_rows(I_pay, I_sc, I_gs, xs_tile, mat, rows, cols, first, have,
-                                 DV, DK, BV, IFMT)
-            acc = tl.maximum(acc, tl.max(tl.abs(X), axis=1))
-        g = _nv_scale(tl.max(acc, axis=0))
-
     idx, is_tok, tok_row = _slot_tokens(tok_ptr, b, h, w, T, WIDTH, jj, H, L)
     if EXACT:
         keep = is_tok
     else:
         keep = tl.where(w >= nfull, is_tok, is_tok & (jj != L - 1))
-    tb = mat * NWS + wl
-    kq = (tb * LP + jj[:, None]) * DK + cols[None, :]
-    Q = tl.load(Qw + kq)
-    if DELTA:
-        Wm = tl.load(Ww + kq)
-    G = tl.load(Gw + tb * LP + jj)
-    Aq = tl.load(Aw + (tb * LP + jj[:, None]) * LP + jj[None, :])
-    eG = tl.exp(G)
-    for rb in range(NRB):
-        rows = rb * BV + br
-        X = _checkpoint_rows(I_pay, I_sc, I_gs, xs_tile, mat, rows, cols, first, have,
-                             DV, DK, BV, IFMT)
-        if EXACT:
-            fin = w == nwin                       # the unrounded state after every entry
-            _cast_tile(X, g, A_pay, A_sc, A_gs, mat, rows, cols, key_lo, key_hi, nf + 1, seq, h,
-                       fin, DV, DK, BV, AFMT, ASR, 0)
-            if not SHARED:
-                _cast_tile(X, g, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi, nf + 1, seq,
-                           h, fin, DV, DK, BV, RFMT, RSR, 1)
-        elif CAST_R:
-            # the read copy of the flush that ended window w - 1 (flush index nf + w)
-            Xc = _cast_tile(X, g, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi, nf + w, seq,
-                            h, have & (w == nfull), DV, DK, BV, RFMT, RSR, 1)
-            X = tl.where(first, X, Xc)
-        U = tl.load(Uw + (tb * LP + jj[:, None]) * DV + rows[None, :])
-        if DELTA:
-            u = U - tl.dot(Wm, tl.trans(X), input_precision="ieee")
-        else:
-            u = U
-        y = eG[:, None] * tl.dot(Q, tl.trans(X), input_precision="ieee") \
-            + tl.dot(Aq, u, input_precision="ieee")
-        tl.store(y_ptr + tok_row[:, None] * DV + rows[None, :], y, mask=keep[:, None])
+    if w <= nfold:                                       # else: no token in this window
+        tb = mat * NWS + wl
+        P = tl.load(Pw + (tb * LP + jj[:, None]) * DK + cols[None, :])
+        xs_tile = Xs + (mat * (NWS + 1) + wl) * (DV * DK) + cols[None, :]
+        for rb in range(DV // BV):
+            rows = rb * BV + br
+            X = tl.load(xs_tile + rows[:, None] * DK)
+            y = tl.dot(P, tl.trans(X), input_precision="ieee") \
+                + tl.load(Cw + (tb * LP + jj[:, None]) * DV + rows[None, :])
+            tl.store(y_ptr + tok_row[:, None] * DV + rows[None, :], y, mask=keep[:, None])
 
 
 # ============================================================================ host side
@@ -472,9 +481,9 @@ def chunk_launch_config(pair, B: int, H: int, d_v: int, d_k: int, L: int) -> dic
     chain_rows, chain_bv, chain_warps: the sequential pass gives each program chain_rows rows of
     a matrix, chain_bv at a time. An NVFP4 anchor needs the whole matrix in one program (its
     one scale comes from the matrix amax), cast in row blocks; other anchors split the rows
-    over programs (more programs when B * H is small: one program per row block keeps every
-    program's chain short).
-    out_bv, out_warps: row block of the output pass (one program per window and matrix)."""
+    over programs (one program per row block keeps every program's chain short).
+    terms_bv, cast_bv, out_bv (and warps): column / row blocks of the parallel passes, small
+    enough that no program holds a whole matrix."""
     LP = max(16, triton.next_power_of_2(L))
     bv = min(d_v, 16 if B * H * d_v // 32 < 264 else 32)
     if pair.anchor.format == "nvfp4":
@@ -483,13 +492,15 @@ def chunk_launch_config(pair, B: int, H: int, d_v: int, d_k: int, L: int) -> dic
         rows = bv
     return {"LP": LP, "chain_rows": rows, "chain_bv": bv,
             "chain_warps": 8 if rows // bv >= 4 else 4,
-            "out_bv": min(d_v, 32), "out_warps": 4, "terms_warps": 4}
+            "terms_bv": min(d_v, 32), "terms_warps": 8,
+            "cast_bv": min(d_v, 32), "cast_warps": 4,
+            "out_bv": min(d_v, 32), "out_warps": 4}
 
 
 def group_windows(BH: int, d_k: int, d_v: int, LP: int, delta: bool) -> int:
     """Windows per launch group: at most MAX_GROUP_WINDOWS and SCRATCH_BYTES of scratch (each
-    window and matrix holds K, Q (, W), U, G, Aqk and one FP32 checkpoint), at least one."""
-    per = 4 * (LP * d_k * (3 if delta else 2) + LP * d_v + LP * LP + LP + d_v * d_k)
+    window and matrix holds K, P (, W), q_L, U, C, G and one FP32 checkpoint), at least one."""
+    per = 4 * (LP * d_k * (3 if delta else 2) + d_k + 2 * LP * d_v + LP + d_v * d_k)
     return max(1, min(MAX_GROUP_WINDOWS, SCRATCH_BYTES // (BH * per)))
 
 
@@ -565,11 +576,8 @@ def chunk_scan(state: ScanState, q, k, v, log_a, beta=None, *, pair, seed: int =
     anchor = core.qt_clone(state.anchor)
     read = None if state.read is None else core.qt_clone(state.read)
     shared = read is None
-    A0 = _role_args(state.anchor)
     Aout = _role_args(anchor)
     Rout = _role_args(read if read is not None else anchor)
-    # the role window 0 reads: the read copy, or the anchor (shared pair, exact)
-    I0 = _role_args(state.anchor if (shared or exact) else state.read)
     y = _empty((B, T, H, dv), f32, dev)
     nk = _empty((B, H, L, dk), f32, dev)
     nv = _empty((B, H, L, dv), f32, dev)
@@ -590,36 +598,59 @@ def chunk_scan(state: ScanState, q, k, v, log_a, beta=None, *, pair, seed: int =
     # group scratch (reused by every group): window slots [BH, G] and checkpoints [BH, G + 1]
     G = min(group_windows(BH, dk, dv, LP, delta), W + 1)
     Kw = torch.empty(BH, G, LP, dk, dtype=f32, device=dev)
-    Qw = torch.empty_like(Kw)
+    Pw = torch.empty_like(Kw)
     Ww = torch.empty_like(Kw) if delta else Kw
-    Uw = torch.empty(BH, G, LP, dv, dtype=f32, device=dev)
+    QLw = torch.empty(BH, G, dk, dtype=f32, device=dev)
     Gw = torch.empty(BH, G, LP, dtype=f32, device=dev)
-    Aw = torch.empty(BH, G, LP, LP, dtype=f32, device=dev)
+    Uw = torch.empty(BH, G, LP, dv, dtype=f32, device=dev)
+    Cw = torch.empty_like(Uw)
     Xs = torch.empty(BH, G + 1, dv, dk, dtype=f32, device=dev)
     As = torch.empty(BH, dv, dk, dtype=f32, device=dev)
-    cons = dict(H=H, DK=dk, DV=dv, L=L, LP=LP, DELTA=delta, EXACT=bool(exact))
+    # window 0's checkpoint: the read copy (the anchor for a shared pair or exact), dequantized
+    first = state.anchor if (shared or exact) else state.read
+    spec = pair.anchor if (shared or exact) else pair.read
+    Xs[:, 0] = spec.fmt.dequantize(first).reshape(BH, dv, dk)
+    As.copy_(pair.anchor.fmt.dequantize(state.anchor).reshape(BH, dv, dk))   # the chain's A
+    cons = dict(H=H, DK=dk, DV=dv, L=L, LP=LP, EXACT=bool(exact))
     asr = pair.anchor.rounding == "stochastic"
     rsr = pair.read_spec.rounding == "stochastic"
+    cast = exact or not shared
+    events = PASS_EVENTS if (PASS_EVENTS is not None and dev.type == "cuda") else None
+
+    def launch(name, kernel, grid, *args, **kw):
+        if events is None:
+            kernel[grid](*args, **kw)
+            return
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        kernel[grid](*args, **kw)
+        b.record()
+        events.append((name, a, b))
+
     with cpu_threads(dev):
         for w0 in range(0, W + 1, G):          # windows 0..W: window W holds no entry
             n = min(G, W + 1 - w0)
             if w0 > 0:
                 Xs[:, 0].copy_(Xs[:, G])        # the checkpoint of the group's first window
-            _terms_kernel[(n, BH)](
+            launch("terms", _terms_kernel, (n, BH),
                 tok, q, k, v, log_a, beta if delta else log_a, bk, bv, bG, bb if delta else bG,
-                h0k, nfu, Kw, Qw, Ww, Uw, Gw, Aw, nk, nv, nG, nb if delta else nG,
-                T, width, w0, G, num_warps=cfg["terms_warps"], **cons)
-            _chain_kernel[(BH, dv // cfg["chain_rows"])](
-                tok, y, nfl, seq, nw, nfu, Kw, Qw, Ww, Uw, Gw, Xs, As, *A0[:3], *Aout[:3],
+                h0k, nfu, Kw, Ww, Pw, QLw, Gw, Uw, Cw, nk, nv, nG, nb if delta else nG,
+                T, width, w0, G, BV=cfg["terms_bv"], DELTA=delta,
+                num_warps=cfg["terms_warps"], **cons)
+            launch("chain", _chain_kernel, (BH, dv // cfg["chain_rows"]),
+                tok, y, nfl, seq, nw, nfu, Kw, Ww, QLw, Gw, Uw, Xs, As, *Aout[:3],
                 T, width, w0, G, klo, khi,
                 BV=cfg["chain_bv"], NRB=cfg["chain_rows"] // cfg["chain_bv"],
-                AFMT=Aout[3], ASR=asr, SHARED=shared, FIRST=w0 == 0,
+                AFMT=Aout[3], ASR=asr, SHARED=shared, DELTA=delta,
                 num_warps=cfg["chain_warps"], **cons)
-            _output_kernel[(n, BH)](
-                tok, y, nfl, seq, nw, nfu, Qw, Ww, Uw, Gw, Aw, Xs, *I0[:3], *Aout[:3], *Rout[:3],
-                T, width, w0, G, klo, khi,
-                BV=cfg["out_bv"], IFMT=I0[3], AFMT=Aout[3], ASR=asr, RFMT=Rout[3], RSR=rsr,
-                SHARED=shared, num_warps=cfg["out_warps"], **cons)
+            if cast:
+                launch("cast", _cast_kernel, (n, BH),
+                    nfl, seq, nw, nfu, Xs, *Aout[:3], *Rout[:3], w0, G, klo, khi,
+                    H=H, DK=dk, DV=dv, BV=cfg["cast_bv"], AFMT=Aout[3], ASR=asr, RFMT=Rout[3],
+                    RSR=rsr, SHARED=shared, EXACT=bool(exact), num_warps=cfg["cast_warps"])
+            launch("output", _output_kernel, (n, BH),
+                tok, y, nw, nfu, Pw, Cw, Xs, T, width, w0, G,
+                BV=cfg["out_bv"], num_warps=cfg["out_warps"], **cons)
     if valid is not None:
         y[~valid_b] = 0.0                       # padding: no slot, output 0
     if exact:
