@@ -484,13 +484,16 @@ BUCKETS = [0, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
 
 
 def eval_heldout(model, docs_tokens: list[np.ndarray], eos_id: int, ctx: int, device,
-                 batch: int = 8, reset_every: int | None = None) -> dict:
+                 batch: int | None = None, reset_every: int | None = None) -> dict:
     """Held-out perplexity at context `ctx`: every book is [EOS] + its tokens, cut into consecutive
     windows of ctx tokens (each from a fresh state); every token after a window's first is scored.
     fp32, no autocast, transformers' torch scans (as the shipped weights run on a CPU). Also the
     mean NLL by position in the window (log-spaced buckets), which shows whether the model uses
-    long context. `reset_every`: the recurrent layers' state restarts every that many tokens."""
+    long context. `reset_every`: the recurrent layers' state restarts every that many tokens.
+    batch: windows per forward, default 32K tokens' worth (transformers' Mamba-2 torch scan holds
+    a [batch, chunks, chunks, heads, head_dim, d_state] tensor: 32 GB at 2 x 16K, d_state 128)."""
     import torch
+    batch = batch or max(1, min(8, 32768 // ctx))
     model.eval()
     windows = []
     for doc in docs_tokens:
@@ -793,6 +796,56 @@ def train_one(kind: str, data: Path, out: Path, args, steps: str, budget: float,
     }
 
 
+def parse_train_stdout(path: Path, name: str) -> dict:
+    """The training record of an earlier run, read back from its stdout (the lines `train_one`
+    logs): steps, seconds per step, validation curve, train loss at the validation steps."""
+    import re
+    text = Path(path).read_text()
+    pat = re.compile(rf"\[{re.escape(name)}\] step (\d+)/(\d+) lr \S+ train ([\d.]+) val ([\d.]+)")
+    rows = [(int(a), int(b), float(c), float(d)) for a, b, c, d in pat.findall(text)]
+    if not rows:
+        raise SystemExit(f"{path}: no training lines for {name}")
+    per = re.search(rf"\[{re.escape(name)}\] ([\d.]+) s/step", text)
+    head = re.search(rf"\[{re.escape(name)}\] ([\d.]+)M parameters, batch (\d+) x (\d+)", text)
+    best = min(rows, key=lambda r: r[3])
+    return {"stdout": str(path), "steps": rows[-1][1], "seconds_per_step": float(per[1]) if per else None,
+            "batch": int(head[2]) if head else None, "seq_len": int(head[3]) if head else None,
+            "val_curve": [(r[0], r[3]) for r in rows], "train_loss_at_val_steps": [(r[0], r[2]) for r in rows],
+            "best_val": {"step": best[0], "nll": best[3], "ppl": round(math.exp(best[3]), 3)}}
+
+
+def evaluate_folder(kind: str, folder: Path, data: Path, args, device, train_stdout: Path | None) -> dict:
+    """The long-memory evaluation of an already trained (shipped) model folder, fp32, with the
+    training record of the run that made it read from that run's stdout."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    meta, train, _, heldout_docs = load_data(data, args.heldout_limit)
+    name = MODEL_NAMES[kind]
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).to(device).eval()
+    t1 = time.time()
+    evals = [eval_heldout(model, heldout_docs, meta["eos_id"], ctx, device) for ctx in args.eval_contexts]
+    evals.append(eval_heldout(model, heldout_docs, meta["eos_id"], max(args.eval_contexts), device,
+                              reset_every=args.reset_every))
+    for e in evals:
+        log(f"[{name}] held-out ppl @ ctx {e['context']}"
+            + (f" (recurrent state reset every {args.reset_every})" if e.get("recurrent_state_reset_every") else "")
+            + f": {e['ppl']}  by position {e['nll_by_position']}")
+    summary = long_memory_summary(evals)
+    log(f"[{name}] long memory: {json.dumps(summary)}")
+    rec = {"name": name, "architecture": type(model).__name__, "parameters": n_params(model),
+           "config": json.loads((folder / "config.json").read_text()),
+           "evaluated_from": str(folder.relative_to(ROOT)) if folder.is_relative_to(ROOT) else str(folder),
+           "decay_rate_per_head_trained": decay_rates(model),
+           "eval_seconds": round(time.time() - t1, 1), "heldout": evals, "long_memory": summary,
+           "safetensors_bytes": (folder / "model.safetensors").stat().st_size}
+    if train_stdout is not None:
+        tr = parse_train_stdout(train_stdout, name)
+        rec.update(training_run=tr, steps=tr["steps"], seq_len=tr["seq_len"], batch=tr["batch"],
+                   best_val=tr["best_val"], val_curve=tr["val_curve"],
+                   train_loss=None, train_loss_at_val_steps=tr["train_loss_at_val_steps"])
+    return rec
+
+
 def round_params_bf16(model) -> None:
     """Round every parameter to bf16 in place, keeping fp32 storage (buffers such as RoPE's
     inv_freq stay exact: they are computed from the config, not shipped)."""
@@ -827,11 +880,16 @@ def plot_losses(logs: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.4))
     for lg, c in zip(logs, ["tab:blue", "tab:orange"]):
-        y = np.array(lg["train_loss"])
-        k = min(10, len(y))
-        smooth = np.convolve(y, np.ones(k) / k, mode="valid")
-        ax.plot(np.arange(k, len(y) + 1), smooth, color=c, lw=1.2,
-                label=f"{lg['name']} train ({lg['parameters'] / 1e6:.1f}M params)")
+        if lg.get("train_loss"):
+            y = np.array(lg["train_loss"])
+            k = min(10, len(y))
+            smooth = np.convolve(y, np.ones(k) / k, mode="valid")
+            ax.plot(np.arange(k, len(y) + 1), smooth, color=c, lw=1.2,
+                    label=f"{lg['name']} train ({lg['parameters'] / 1e6:.1f}M params)")
+        else:                                   # an earlier run: its stdout has one batch per 50 steps
+            xs, ys = zip(*lg["train_loss_at_val_steps"])
+            ax.plot(xs, ys, "x-", color=c, ms=4, lw=0.8,
+                    label=f"{lg['name']} train, one batch ({lg['parameters'] / 1e6:.1f}M params)")
         vs, vl = zip(*lg["val_curve"])
         ax.plot(vs, vl, "o--", color=c, ms=3, lw=0.8, label=f"{lg['name']} validation")
         for e in lg["heldout"]:
@@ -845,7 +903,8 @@ def plot_losses(logs: list[dict], path: Path) -> None:
                                                             if reset else "state carried"))
     ax.set_xlabel("step")
     ax.set_ylabel("next-token loss (nats)")
-    ax.set_ylim(bottom=min(min(lg["train_loss"]) for lg in logs) - 0.2, top=6.0)
+    ax.set_ylim(bottom=min(min(lg.get("train_loss") or [y for _, y in lg["train_loss_at_val_steps"]])
+                           for lg in logs) - 0.2, top=6.0)
     T = logs[0]["seq_len"]
     ax.set_title(f"Tiny models on the KJV (4096-token BPE, {T // 1024}K context)")
     ax.grid(alpha=0.3)
@@ -865,7 +924,8 @@ def train_all(args, out: Path, fast: dict) -> dict:
     import torch
     from replayquant.provenance import provenance
     data = Path(args.data)
-    kinds = args.models.split(",")
+    kinds = [k for k in args.models.split(",") if k]
+    args.evaluate_also = [k for k in (args.evaluate_also or "").split(",") if k]
     steps = args.steps.split(",")
     budgets = [float(b) for b in str(args.time_budget).split(",")]
     if len(steps) == 1:
@@ -877,11 +937,18 @@ def train_all(args, out: Path, fast: dict) -> dict:
         raise SystemExit(f"--steps {args.steps!r} / --time-budget {args.time_budget!r}: give one "
                          f"value, or one per model ({len(kinds)}: {args.models})")
     logs = []
+    device = torch.device(args.device)
+    for kind in args.evaluate_also:
+        logs.append(evaluate_folder(kind, ASSETS / MODEL_NAMES[kind], data, args, device,
+                                    Path(args.train_stdout) if args.train_stdout else None))
     for kind, nsteps, budget in zip(kinds, steps, budgets):
         logs.append(train_one(kind, data, out, args, nsteps, budget, fast))
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
+    logs.sort(key=lambda lg: list(MODEL_NAMES.values()).index(lg["name"]))
     for lg in logs:                            # tar each model folder: the device returns <= 8 files
+        if lg.get("evaluated_from"):
+            continue
         with tarfile.open(out / f"{lg['name']}.tar", "w") as tf:
             tf.add(out / "_build" / lg["name"], arcname=lg["name"])
     plot_losses(logs, out / "loss_curve.png")
@@ -897,8 +964,9 @@ def train_all(args, out: Path, fast: dict) -> dict:
           "  ".join(f"ppl@{e['context']}" + ("r" if e.get("recurrent_state_reset_every") else "")
                     for e in logs[0]["heldout"]))
     for lg in logs:
-        print(f"{lg['name']:<16} {lg['parameters'] / 1e6:5.2f}M  {lg['steps']:5d}  "
-              f"{lg['train_seconds']:7.1f}  {lg['best_val']['ppl']:12.2f}  " +
+        print(f"{lg['name']:<16} {lg['parameters'] / 1e6:5.2f}M  {lg.get('steps') or 0:5d}  "
+              f"{lg.get('train_seconds') or float('nan'):7.1f}  "
+              f"{lg.get('best_val', {}).get('ppl', float('nan')):12.2f}  " +
               "  ".join(f"{e['ppl']:8.2f}" for e in lg["heldout"]), flush=True)
     return record
 
@@ -966,9 +1034,10 @@ def cmd_device_run(args) -> None:
     for lg in record["models"]:
         name = lg["name"]
         dest = ASSETS / name
-        if dest.exists():
-            shutil.rmtree(dest)
-        shutil.copytree(out / "_build" / name, dest)
+        if not lg.get("evaluated_from"):     # trained here: into the package (this copy of the tree)
+            if dest.exists():
+                shutil.rmtree(dest)
+            shutil.copytree(out / "_build" / name, dest)
         left = T_START + args.deadline - time.time() - 10 if args.deadline else 600
         if left < 20:
             log(f"!!! [demo {name}] skipped: only {left:.0f} s left before the deadline")
@@ -1016,14 +1085,14 @@ def _extract(tar: Path, dest: Path) -> None:
 
 def cmd_install(args) -> None:
     src = Path(args.src)
-    for name in MODEL_NAMES.values():
-        tar = src / f"{name}.tar"
-        if not tar.is_file():
-            raise SystemExit(f"{tar} is missing")
-        _check_members(tar, name)
+    names = [n for n in MODEL_NAMES.values() if (src / f"{n}.tar").is_file()]
+    if not names:
+        raise SystemExit(f"{src} has no model tar")
+    for name in names:
+        _check_members(src / f"{name}.tar", name)
     if (src / "demo.tar").is_file():
         _check_members(src / "demo.tar", "results")
-    for name in MODEL_NAMES.values():
+    for name in names:
         dest = ASSETS / name
         if dest.exists():
             shutil.rmtree(dest)
@@ -1089,6 +1158,11 @@ def main(argv=None) -> None:
         t.add_argument("--heldout-limit", type=int, default=0,
                        help="score only the first N tokens of each held-out book (smoke tests)")
         t.add_argument("--deterministic", action="store_true", default=True)
+        t.add_argument("--evaluate-also", default="",
+                       help="models (qwen,mamba) not trained here: evaluate the folder in "
+                            "replayquant/assets and demo it too")
+        t.add_argument("--train-stdout", default=None,
+                       help="stdout of the run that trained the --evaluate-also model (its record)")
         t.add_argument("--demo-context", type=int, default=16384)
         t.add_argument("--demo-docs", type=int, default=3)
         t.add_argument("--demo-tag", default="h200")
