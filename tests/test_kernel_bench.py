@@ -26,17 +26,18 @@ def test_full_grid_plan_fits_one_device_call():
     # the targets come first: conventional and the main L of every pair before other L values
     assert keys.index("gdn/B512/tp4_hi16_sr/L16") < keys.index("gdn/B1/s32_rs/L4")
     assert keys.index("spec/mamba2/B512/T4") < keys.index("spec/gdn/B512/T2")
-    assert "kh/gdn/B256/tp4_hi32/L16" in keys
-    assert keys.index("spec/gdn/B512/T4") < keys.index("kh/gdn/B1/s32_rs/L16") \
+    assert "kh/gdn/B256/tp4_hi32/L16" in keys and "dots/mamba2/B256/tp4_hi32/L8" in keys
+    assert "kh/gdn/B1/s32_rs/L16" not in keys          # read variants from VARIANT_MIN_B
+    assert keys.index("spec/gdn/B512/T4") < keys.index("kh/gdn/B128/s32_rs/L16") \
         < keys.index("peers/mamba2/B512") < keys.index("gdn/B1/s32_rs/L4")
-    assert bd.estimate_s(sec) < 500          # the default budget; one 10-minute call
+    assert bd.estimate_s(sec) < 540          # one 10-minute call with its setup (--budget-s)
 
 
 def test_cpu_smoke_run(tmp_path):
     res = bd.run_kernels_bench(out=str(tmp_path), batches=(1, 3), Ls=(2,),
                                pairs=("s32_rs", "tp4_hi32"), Ts=(2,), spec_batches=(3,),
                                peers=False, checks=False, sweep=False, detail_batches=(3,),
-                               device="cpu", shapes=TINY)
+                               device="cpu", shapes=TINY, variant_min_b=1)
     assert bd.SHAPES["gdn"]["H"] == 32                       # restored
     assert not res["errors"], res["errors"]
     js = json.loads((tmp_path / "kernels.json").read_text())
@@ -56,6 +57,9 @@ def test_cpu_smoke_run(tmp_path):
     for B in (1, 3):
         assert ("gdn", "replay-window-kh", "tp4_hi32", B) in kernels
     assert ("gdn", "replay-read-step-kh", "s32_rs", 3) in kernels
+    for kind in ("gdn", "mamba2"):
+        assert (kind, "replay-window-dots", "tp4_hi32", 3) in kernels
+        assert (kind, "replay-read-step-dots", "tp4_hi32", 3) in kernels
     assert all("speedup_vs_conv_fp32" in r for r in js["rows"] if r["kernel"] == "replay-window")
     assert all("speedup_vs_snapshot_round" in r for r in js["rows"]
                if r["kernel"] == "spec-replay-round")

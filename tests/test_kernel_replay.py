@@ -422,6 +422,43 @@ def test_read_variant_kh_bf16_u():
     assert (d > 0).float().mean() < 0.05
 
 
+@pytest.mark.parametrize("kind,pair", [("gdn", "s32_rs"), ("gdn", "tp4_hi16_sr"),
+                                       ("mamba2", "tp8_hi32"), ("mamba2", "tp4_hi32")])
+def test_read_variant_dots_matches_reference_and_block(kind, pair):
+    """read_variant='dots' (per-entry dot products formed once per (row, key head) by
+    _entry_dots_kernel, then the block read kernel without the k entries): 6 steps with L = 3
+    across flushes, two key heads, padding rows, rows out of phase, poisoned outputs and
+    buffers, default bf16 u buffer: equals the torch reference and the block kernel."""
+    N, HK, H, dk, dv = 4, 2, 4, 16, 32
+    dr = Driver(kind, 5, HK, H, dk, dv)
+    store = ReplayStore.from_state(random_state(N, H, dv, dk, seed=29), pair, kind,
+                                   key_heads=HK, seed=3, buffer_len=3)
+    poison_buffers(store)
+    ref, blk = store.clone(), store.clone()
+    idx = torch.tensor([2, -1, 0, 3, 1])
+    tol = 2e-2 if kind == "gdn" else _tol(PrecisionPair.load(pair))     # bf16 u (GDN)
+    for step in range(6):
+        if step == 2:
+            idx = torch.tensor([2, -1, 0, -1, 1])
+        if step == 3:
+            idx = torch.tensor([2, 3, 0, -1, 1])
+        inp = dr.inputs(seed=40 + step)
+        y = dr.kernel(store, inp, idx, launch="split", read_variant="dots", block_v=16)
+        y2 = dr.ref(ref, inp, idx)
+        y3 = dr.kernel(blk, inp, idx, launch="split", block_v=16)
+        assert (y[idx < 0] == 0).all()
+        torch.testing.assert_close(y, y2, rtol=tol, atol=tol * y2.abs().max().item())
+        torch.testing.assert_close(y, y3, rtol=1e-5, atol=1e-5 * y3.abs().max().item())
+        assert torch.equal(store.committed, ref.committed) and torch.equal(store.n_flush, ref.n_flush)
+    assert_states_close(store.anchor.dequantize(), ref.anchor.dequantize())
+    assert_states_close(store.read_role.dequantize(), blk.read_role.dequantize())
+    for name in ("kbuf", "vbuf", "Gbuf", "bbuf"):
+        a_, b_ = getattr(store, name), getattr(blk, name)
+        assert torch.equal(a_.view(torch.uint8), b_.view(torch.uint8)), name
+    with pytest.raises(ValueError, match="split launch"):
+        dr.kernel(store, inp, idx, launch="fused", read_variant="dots")
+
+
 @pytest.mark.parametrize("pair", ["s32_rs", "tp4_hi32"])
 def test_replay_mamba2_dt_limit(pair):
     """dt_limit (Nemotron-H's time_step_limit) through replay_mamba2_step across two flushes

@@ -199,6 +199,7 @@ def plain_ms(fn) -> float:
 
 PAIR_L = {"gdn": 16, "mamba2": 8}
 FUSED_MAX_B = 128           # launch='fused' windows are timed at the main L up to this batch
+VARIANT_MIN_B = 128         # read variants ('kh', 'dots') are timed from this batch
 
 
 def _kw(kind, S, B, T=None, seed=0, device="cuda"):
@@ -601,41 +602,49 @@ def bench_replay(kind, B, pair, L, device, copy_bw, cfg=None, detail=False, forc
     return rows
 
 
-def bench_replay_kh(kind, B, pair, L, device, copy_bw, cfg=None, detail=False, S=None):
-    """GDN read_variant='kh' (one program per (row, key head)): the window at batch B (state
-    copies rotated as in bench_replay) and, with detail, its read-step configs and best."""
+VARIANT_CFGS = {"kh": [(16, 1), (32, 2), (32, 4), (64, 4), (128, 8)],
+                "dots": [(16, 1), (32, 2), (64, 4)]}
+
+
+def bench_replay_variant(kind, B, pair, L, device, copy_bw, cfg=None, detail=False, S=None,
+                         variant="kh"):
+    """A read variant of the split launch: 'kh' (GDN; one program per (row, key head)) or 'dots'
+    (per-entry dot products once per (row, key head) by a small kernel, then the block read
+    kernel): the window at batch B (state copies rotated as in bench_replay) and, with detail,
+    its read-step configs and best."""
     H, HK, dv, dk, f, idx, kw, out, af, rf, c, R, sts = _replay_setup(kind, B, pair, L, device,
                                                                      cfg, S)
     st = sts[0]
     rows = []
-    # read_variant='kh' (one program per (row, key head)): its own configs at the detail
-    # batch, the window with the best (or the default config elsewhere)
-    ck = {}
+    # its own configs at the detail batch, the window with the best (elsewhere: the block
+    # kernel's config for 'dots', the default for 'kh')
+    ck = {k_: c[k_] for k_ in ("block_v", "num_warps") if k_ in c} if variant == "dots" else {}
     fc = {"flush_config": c["flush_config"]} if "flush_config" in c else {}
+    fc["launch"] = "split"
     if detail:
         cands = []
-        for bv, nw in [(16, 1), (32, 2), (32, 4), (64, 4), (128, 8)]:
+        for bv, nw in VARIANT_CFGS[variant]:
             if bv > dv:
                 continue
             c2 = dict(block_v=bv, num_warps=nw)
             st.committed.fill_(L // 2)
             ms = time_calls(lambda: f["step"](st, **kw, state_indices=idx, out=out,
-                                              path="replay", advance=False, read_variant="kh",
+                                              path="replay", advance=False, read_variant=variant,
                                               **c2, **fc), 8)
-            cands.append(_row(kind, "sweep/replay-read-step-kh", pair, B, ms,
+            cands.append(_row(kind, f"sweep/replay-read-step-{variant}", pair, B, ms,
                               replay_read_step_bytes(kind, rf or af, L // 2, B, H, HK, dv, dk),
                               copy_bw, cfg=c2, h=L // 2, L=L))
         best = min(cands, key=lambda r: r["us"])
         rows += cands
-        rows.append({**best, "kernel": "replay-read-step-kh"})
+        rows.append({**best, "kernel": f"replay-read-step-{variant}"})
         ck = best["cfg"]
         st.committed.zero_()
     calls = [lambda st=st: f["step"](st, **kw, state_indices=idx, out=out, path="replay",
-                                     read_variant="kh", **ck, **fc) for st in sts]
+                                     read_variant=variant, **ck, **fc) for st in sts]
     ms = time_calls(lambda: [g() for g in calls], L) / R
-    rows.append(_row(kind, "replay-window-kh", pair, B, ms,
+    rows.append(_row(kind, f"replay-window-{variant}", pair, B, ms,
                      replay_window_bytes(kind, af, rf, L, B, H, HK, dv, dk), copy_bw, L=L,
-                     config={**ck, **fc}, rot=R, note="read_variant='kh'"))
+                     config={**ck, **fc}, rot=R, note=f"read_variant={variant!r}"))
     del sts, calls
     _empty_cache()
     return rows
@@ -734,7 +743,8 @@ def _derive(rows):
                            "replay-forced-flush-layer", "replay-window-fused",
                            "replay-forced-flush-fused", "sweep/conventional",
                            "sweep/replay-read-step", "replay-window-kh", "replay-read-step-kh",
-                           "sweep/replay-read-step-kh") and k in base:
+                           "sweep/replay-read-step-kh", "replay-window-dots",
+                           "replay-read-step-dots", "sweep/replay-read-step-dots") and k in base:
             r["speedup_vs_conv_fp32"] = base[k] / r["us"]
             p = peer.get((r["kind"], r["B"], "float32"))
             if p:
@@ -746,6 +756,9 @@ def _derive(rows):
 
 def _find(rows, **kv):
     return [r for r in rows if all(r.get(k) == v for k, v in kv.items())]
+
+
+READ_KERNELS = (("", ""), ("-kh", " kh"), ("-dots", " dots"))     # read variants' row suffixes
 
 
 def targets(res) -> list:
@@ -760,18 +773,30 @@ def targets(res) -> list:
                                                             variant="fp32") if r["B"] >= 128}
         add(f"{kind}: conventional FP32 >= 85% of copy at B >= 128", v,
             bool(v) and min(v.values()) >= 85)
-        v = {r["L"]: round(r["speedup_vs_conv_fp32"], 3) for r in
-             _find(rows, kind=kind, kernel="replay-window", variant="s32_rs", B=256)
-             if "speedup_vs_conv_fp32" in r}
-        add(f"{kind}: replay FP32 (s32_rs) L = 16 >= 1.9x conventional at B = 256 (by L)", v,
-            v.get(16, 0) >= 1.9)
-        r32 = {r["L"]: r["us"] for r in _find(rows, kind=kind, kernel="replay-read-step",
-                                              variant="s32_rs", B=256)}
-        r4 = {r["L"]: r["us"] for r in _find(rows, kind=kind, kernel="replay-read-step",
-                                             variant="tp4_hi32", B=256)}
-        v = {L: round(r32[L] / r4[L], 3) for L in r32 if L in r4}
-        add(f"{kind}: non-flush step reading NVFP4 >= 5x an FP32 read (B = 256, by L)", v,
-            bool(v) and max(v.values()) >= 5)
+        v, main = {}, []
+        for kern, tag in READ_KERNELS:
+            for r in _find(rows, kind=kind, kernel=f"replay-window{kern}", variant="s32_rs", B=256):
+                if "speedup_vs_conv_fp32" in r:
+                    v[f"L={r['L']}{tag}"] = round(r["speedup_vs_conv_fp32"], 3)
+                    if r["L"] == 16:
+                        main.append(r["speedup_vs_conv_fp32"])
+        add(f"{kind}: replay FP32 (s32_rs) L = 16 >= 1.9x conventional at B = 256 (by L and "
+            "read variant)", v, bool(main) and max(main) >= 1.9)
+        v, best = {}, {}
+        for kern, tag in READ_KERNELS:
+            r32 = {r["L"]: r["us"] for r in _find(rows, kind=kind, kernel=f"replay-read-step{kern}",
+                                                  variant="s32_rs", B=256)}
+            r4 = {r["L"]: r["us"] for r in _find(rows, kind=kind, kernel=f"replay-read-step{kern}",
+                                                 variant="tp4_hi32", B=256)}
+            for L in r32:
+                if L in r4:
+                    v[f"L={L}{tag}"] = round(r32[L] / r4[L], 3)
+                    b = best.setdefault(L, [math.inf, math.inf])
+                    b[0], b[1] = min(b[0], r32[L]), min(b[1], r4[L])
+        for L, (a32, a4) in best.items():
+            v[f"L={L} best FP32 / best NVFP4 read"] = round(a32 / a4, 3)
+        add(f"{kind}: non-flush step reading NVFP4 >= 5x an FP32 read (B = 256, by L and read "
+            "variant)", v, bool(v) and max(v.values()) >= 5)
         v = {r["variant"]: round(r["speedup_vs_snapshot_round"], 3) for r in
              _find(rows, kind=kind, kernel="spec-replay-round", B=512, T=4)
              if "speedup_vs_snapshot_round" in r}
@@ -940,7 +965,7 @@ def _gb(kind, B, S=None):
 
 def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
          spec_batches=GRID["spec_batches"], kinds=tuple(SHAPES), peers=True, checks=True,
-         sweep=True, detail_batches=(256,), shapes=None):
+         sweep=True, detail_batches=(256,), shapes=None, variant_min_b=VARIANT_MIN_B):
     """The benchmark's sections in priority order, each (key, estimated seconds, what): the
     targets of issue 4 first (conventional, every pair at the kind's main L with the one-launch
     window up to FUSED_MAX_B, T = 4 at the largest spec batch), then the GDN 'kh' rows, the
@@ -988,17 +1013,22 @@ def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
                 sec.append((f"spec/{kind}/B{B}/T{bigT}", (P + 2) * (E["fixed"] + gb * E["per_GB"]
                                                                    * (1 + bigT / 2)) + P * E["compile"],
                             ("spec", kind, B, bigT)))
-    if "gdn" in kinds:                      # GDN read_variant='kh' (unmeasured so far)
-        L = mainL["gdn"]
-        for B in batches:
-            gb = _gb("gdn", B, shapes["gdn"])
-            for pair in pairs:
-                det = B in detail_batches
-                sec.append((f"kh/gdn/B{B}/{pair}/L{L}",
-                            (1 + 5 * det) * E["fixed"] + gb * E["per_GB"] * (L / 8)
-                            + (E["compile"] if B == batches[0] else 0)
-                            + E["launch"] * _launches("gdn", B, L, shapes["gdn"]),
-                            ("kh", "gdn", B, pair, L, det)))
+    # read variants of the split launch (unmeasured so far): GDN 'kh', both kinds 'dots'; from
+    # batch VARIANT_MIN_B (below it the one-launch path is the default)
+    for variant, vkinds in (("kh", ("gdn",)), ("dots", ("gdn", "mamba2"))):
+        for kind in (k for k in vkinds if k in kinds):
+            L = mainL[kind]
+            vb = [B for B in batches if B >= variant_min_b]
+            for B in vb:
+                gb = _gb(kind, B, shapes[kind])
+                for pair in pairs:
+                    det = B in detail_batches
+                    n = len(VARIANT_CFGS[variant])
+                    sec.append((f"{variant}/{kind}/B{B}/{pair}/L{L}",
+                                (1 + n * det) * E["fixed"] + gb * E["per_GB"] * (L / 8)
+                                + (E["compile"] if B == vb[0] else 0)
+                                + E["launch"] * _launches(kind, B, L, shapes[kind]),
+                                ("variant", kind, B, pair, L, det, variant)))
     if peers:                           # fla / mamba_ssm: before the other L values
         for kind in kinds:
             for B in batches:
@@ -1037,7 +1067,7 @@ def run_kernels_bench(out: str = "results/bench", batches=GRID["batches"], Ls=GR
                       kinds=tuple(SHAPES), peers: bool = True, checks: bool = True,
                       sweep: bool = True, detail_batches=(256,), budget_s: float = 500.0,
                       device: str = "cuda", name: str = "kernels", plot: bool = True,
-                      shapes=None) -> dict:
+                      shapes=None, variant_min_b: int = VARIANT_MIN_B) -> dict:
     """`replayquant bench kernels`: copy bandwidth, GPU checks, launch-config sweep, conventional
     / replay / peer decode steps over the grid of issue 4 (B x L x pair) and speculative rounds
     (T), in priority order (plan) under a time budget: sections whose estimate would pass
@@ -1075,7 +1105,7 @@ def run_kernels_bench(out: str = "results/bench", batches=GRID["batches"], Ls=GR
     _CPU_TIMING["on"] = cpu
     try:
         sections = plan(batches, Ls, pairs, Ts, spec_batches, tuple(SHAPES), peers and not cpu,
-                        checks and not cpu, sweep, detail_batches, SHAPES)
+                        checks and not cpu, sweep, detail_batches, SHAPES, variant_min_b)
         est = estimate_s(sections)
         print(f"[bench kernels] {len(sections)} sections, estimated {est:.0f} s "
               f"(budget {budget_s:.0f} s"
@@ -1085,7 +1115,8 @@ def run_kernels_bench(out: str = "results/bench", batches=GRID["batches"], Ls=GR
         params = dict(batches=list(batches), L=list(Ls), pairs=list(pairs), T=list(Ts),
                       spec_batches=list(spec_batches), main_L=dict(PAIR_L), shapes=SHAPES,
                       peers=peers, checks=checks, sweep=sweep, detail_batches=list(detail_batches),
-                      budget_s=budget_s, estimate_s=est, smoke_cpu=cpu)
+                      budget_s=budget_s, estimate_s=est, smoke_cpu=cpu,
+                      fused_max_b=FUSED_MAX_B, variant_min_b=variant_min_b)
         res = {"provenance": provenance(device, **params), "rows": [], "errors": {},
                "skipped": [], "copy_GBps": None}
         if cpu:
@@ -1133,11 +1164,11 @@ def run_kernels_bench(out: str = "results/bench", batches=GRID["batches"], Ls=GR
                 res["rows"] += _try(lambda: bench_replay(
                     kind, B, pair, L, device, copy_bw, cfgs.get(kind) if B >= 128 else None,
                     detail=det, forced=forced, pointer=ptr, S=SHAPES[kind], fused=fu), E, key, [])
-            elif op == "kh":
-                kind, B, pair, L, det = what[1:]
-                res["rows"] += _try(lambda: bench_replay_kh(
+            elif op == "variant":
+                kind, B, pair, L, det, variant = what[1:]
+                res["rows"] += _try(lambda: bench_replay_variant(
                     kind, B, pair, L, device, copy_bw, cfgs.get(kind) if B >= 128 else None,
-                    detail=det, S=SHAPES[kind]), E, key, [])
+                    detail=det, S=SHAPES[kind], variant=variant), E, key, [])
             elif op == "spec":
                 kind, B, T = what[1:]
                 L = PAIR_L[kind] if PAIR_L[kind] in Ls else Ls[0]

@@ -180,17 +180,20 @@ class ReplayStore:
 def _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, jj, n,
                   HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                   CAP: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
-                  WANT_U: tl.constexpr):
+                  WANT_U: tl.constexpr, NO_K: tl.constexpr = False):
     """Buffer entries 0..n-1 of one (slot, head) as float32 tiles (rows >= n are zero):
-    K [LP, DK] (GDN: re-normalised), X [LP, BV] (GDN: raw v or u when WANT_U; Mamba-2:
-    v = dt x), G [LP] cumulative log gate, Bt [LP] (beta / dt)."""
+    K [LP, DK] (GDN: re-normalised; NO_K: not loaded, 0), X [LP, BV] (GDN: raw v or u when
+    WANT_U; Mamba-2: v = dt x), G [LP] cumulative log gate, Bt [LP] (beta / dt)."""
     m = jj < n
     e = slot * CAP + (start + jj) % CAP
-    K = tl.load(kbuf + (e[:, None] * HK + hk) * DK + cols[None, :], mask=m[:, None],
-                other=0.0).to(tl.float32)
-    if DELTA:
-        if L2NORM:
-            K = K * (1.0 / tl.sqrt(tl.sum(K * K, axis=1) + 1e-6))[:, None]
+    if NO_K:
+        K = 0.0
+    else:
+        K = tl.load(kbuf + (e[:, None] * HK + hk) * DK + cols[None, :], mask=m[:, None],
+                    other=0.0).to(tl.float32)
+        if DELTA:
+            if L2NORM:
+                K = K * (1.0 / tl.sqrt(tl.sum(K * K, axis=1) + 1e-6))[:, None]
     G = tl.load(Gbuf + e * HV + hv, mask=m, other=0.0)
     Bt = tl.load(bbuf + e * HV + hv, mask=m, other=0.0)
     if WANT_U:
@@ -418,9 +421,11 @@ def _read_body(
         BV: tl.constexpr, L: tl.constexpr, CAP: tl.constexpr, LP: tl.constexpr, T: tl.constexpr,
         STEP: tl.constexpr, RFMT: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
         HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, U_BF16: tl.constexpr,
-        DT_CLAMP: tl.constexpr):
+        DT_CLAMP: tl.constexpr, dots_ptr=None, DOTS: tl.constexpr = False):
     """What _replay_read_kernel does for one live row's program (slot >= 0): nothing for a row
-    that flushes this step, else the outputs of its T entries and their appends."""
+    that flushes this step, else the outputs of its T entries and their appends. DOTS (T = 1):
+    the per-entry dot products k_j.k (GDN) and k_j.q come from _entry_dots_kernel
+    (dots_ptr [B, HK, 2, LP]) instead of the buffer's k entries."""
     jj = tl.arange(0, LP)
     mat = slot * HV + hv
     # issued before the pointers are known: one dependent load less on the critical path
@@ -436,7 +441,7 @@ def _read_body(
         go = (h + 1 != L) & (force == 0)
     if go:
         K, X, G, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start, hv, hk, rows,
-                                    cols, jj, h, HK, HV, DK, DV, CAP, DELTA, L2NORM, DELTA)
+                                    cols, jj, h, HK, HV, DK, DV, CAP, DELTA, L2NORM, DELTA, DOTS)
         Gp = tl.sum(tl.where(jj == h - 1, G, 0.0), axis=0)
         for t in tl.static_range(T):
             tok = row * T + t
@@ -450,7 +455,10 @@ def _read_body(
             wdec = tl.where(prev, tl.exp(tl.where(prev, Gp - G, 0.0)), 0.0)
             eG = tl.exp(Gp)
             if DELTA:
-                kk = tl.sum(K * k[None, :], axis=1)
+                if DOTS:
+                    kk = tl.load(dots_ptr + (row * HK + hk) * 2 * LP + jj)
+                else:
+                    kk = tl.sum(K * k[None, :], axis=1)
                 corr = tl.sum((wdec * kk)[:, None] * X, axis=0)
                 rk = _tile_dot(T0, T1, bs, s, k, DK, RFMT)
                 u = beta * (v - eG * rk) - beta * corr
@@ -458,7 +466,10 @@ def _read_body(
                     u = u.to(tl.bfloat16).to(tl.float32)
             else:
                 u = v
-            qk = tl.sum(K * q[None, :], axis=1)
+            if DOTS:
+                qk = tl.load(dots_ptr + ((row * HK + hk) * 2 + 1) * LP + jj)
+            else:
+                qk = tl.sum(K * q[None, :], axis=1)
             y = eG * _tile_dot(T0, T1, bs, s, q, DK, RFMT) \
                 + tl.sum((wdec * qk)[:, None] * X, axis=0) + tl.sum(k * q, axis=0) * u
             y = _gate_out(y + skip, z_ptr, tok, hv, rows, HV, DV, HAS_Z)
@@ -483,24 +494,66 @@ def _read_body(
 
 
 @triton.jit
+def _entry_dots_kernel(kbuf, h_ptr, st_ptr, idx_ptr, q_ptr, k_ptr, dots_ptr, scale,
+                       HK: tl.constexpr, DK: tl.constexpr, L: tl.constexpr, CAP: tl.constexpr,
+                       LP: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr):
+    """read_variant='dots' (decode step, T = 1), launched before the read kernel: one program per
+    (row, key head) forms the per-entry dot products of the buffer's committed k entries with
+    this step's k (GDN) and q, dots [B, HK, 2, LP] (0 past the committed entries), so that the
+    read programs of the key head's value heads and row blocks load 2 x LP floats instead of the
+    [LP, DK] k entries (registers, and the K-side work repeated per program). Same expressions
+    as _load_entries / _front_end / _read_body."""
+    pid = tl.program_id(0)
+    row = pid // HK
+    hk = pid % HK
+    cols = tl.arange(0, DK)
+    jj = tl.arange(0, LP)
+    slot = tl.load(idx_ptr + row).to(tl.int64)
+    if slot >= 0:
+        h = tl.load(h_ptr + slot)
+        start = tl.load(st_ptr + slot)
+        if (h + 1 > L) & (h > 0):          # flushed by _replay_flush_kernel
+            start = (start + h) % CAP
+            h = h * 0
+        m = jj < h
+        e = slot * CAP + (start + jj) % CAP
+        K = tl.load(kbuf + (e[:, None] * HK + hk) * DK + cols[None, :], mask=m[:, None],
+                    other=0.0).to(tl.float32)
+        q = tl.load(q_ptr + (row * HK + hk) * DK + cols).to(tl.float32)
+        o = dots_ptr + (row * HK + hk) * 2 * LP + jj
+        if DELTA:
+            k = tl.load(k_ptr + (row * HK + hk) * DK + cols).to(tl.float32)
+            if L2NORM:
+                K = K * (1.0 / tl.sqrt(tl.sum(K * K, axis=1) + 1e-6))[:, None]
+                q = _l2norm(q)
+                k = _l2norm(k)
+            q = q * scale
+            tl.store(o, tl.sum(K * k[None, :], axis=1))
+        tl.store(o + LP, tl.sum(K * q[None, :], axis=1))
+
+
+@triton.jit
 def _replay_read_kernel(
         R_pay, R_sc, R_gs,
         kbuf, vbuf, ubuf, Gbuf, bbuf, h_ptr, st_ptr, idx_ptr, out_ptr,
         q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr,
-        scale, force, dt_lo, dt_hi,
+        scale, force, dt_lo, dt_hi, dots_ptr,
         HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
         BV: tl.constexpr, L: tl.constexpr, CAP: tl.constexpr, LP: tl.constexpr, T: tl.constexpr,
         STEP: tl.constexpr, RFMT: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
         HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, U_BF16: tl.constexpr,
-        DT_CLAMP: tl.constexpr):
+        DT_CLAMP: tl.constexpr, DOTS: tl.constexpr):
     """The non-flushing rows (runs after _replay_flush_kernel in the same stream): outputs of T
-    entries from the packed read copy and the buffer, output-only, and their appends."""
+    entries from the packed read copy and the buffer, output-only, and their appends
+    (read_variant 'block'; 'dots' (DOTS) takes the per-entry dot products from
+    _entry_dots_kernel)."""
     row, hv, hk, rows, cols, slot = _program_tile(idx_ptr, HK, HV, DK, BV)
     if slot >= 0:
         _read_body(R_pay, R_sc, R_gs, kbuf, vbuf, ubuf, Gbuf, bbuf, h_ptr, st_ptr, out_ptr,
                    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, force,
                    dt_lo, dt_hi, row, hv, hk, rows, cols, slot, HK, HV, DK, DV, BV, L, CAP, LP, T,
-                   STEP, RFMT, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, U_BF16, DT_CLAMP)
+                   STEP, RFMT, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, U_BF16, DT_CLAMP, dots_ptr,
+                   DOTS)
 
 
 @triton.jit
@@ -806,7 +859,7 @@ def resolve_path(store: ReplayStore, n_rows: int, path: str = "auto") -> str:
     return path
 
 
-READ_VARIANTS = ("block", "kh")
+READ_VARIANTS = ("block", "kh", "dots")
 LAUNCHES = ("auto", "split", "fused")
 
 # rows below which a decode step runs as one launch (launch='auto' -> 'fused'); provisional
@@ -827,13 +880,14 @@ def resolve_launch(store: ReplayStore, n_rows: int, launch: str = "auto",
     """The kernels a decode step runs: 'split' (_replay_flush_kernel, then _replay_read_kernel
     or the 'kh' read kernel, then the pointer kernel when advancing) or 'fused' (one launch,
     _replay_fused_kernel, pointers moved inside it when advancing). 'auto': choose_launch by
-    size; read_variant='kh' is a split-launch read kernel, so 'auto' keeps it split. Both give
+    size; read_variant 'kh' / 'dots' are split-launch read kernels, so 'auto' keeps them split. Both give
     the same results (same arithmetic per element; tests)."""
     if launch not in LAUNCHES:
         raise ValueError(f"launch must be one of {', '.join(map(repr, LAUNCHES))}, got {launch!r}")
-    if read_variant == "kh":
+    if read_variant in ("kh", "dots"):
         if launch == "fused":
-            raise ValueError("read_variant='kh' runs in the split launch (launch='split' or 'auto')")
+            raise ValueError(f"read_variant={read_variant!r} runs in the split launch "
+                             "(launch='split' or 'auto')")
         return "split"
     if launch == "auto":
         return choose_launch(store.kind, n_rows)
@@ -850,9 +904,11 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
         raise ValueError("launch='fused' is the decode step only (T = 1, not verify)")
     read_variant = read_variant or "block"
     if read_variant not in READ_VARIANTS:
-        raise ValueError(f"read_variant must be 'block' or 'kh', got {read_variant!r}")
+        raise ValueError(f"read_variant must be one of {READ_VARIANTS}, got {read_variant!r}")
     if read_variant == "kh" and not (delta and step and T == 1):
         raise ValueError("read_variant='kh' is the GDN decode step only (T = 1, not verify)")
+    if read_variant == "dots" and not (step and T == 1):
+        raise ValueError("read_variant='dots' is the decode step only (T = 1, not verify)")
     N, HV, dv, dk = store.shape
     HK = store.key_heads
     lead = (q.shape[0],) if T == 1 and step else (q.shape[0], T)
@@ -926,10 +982,17 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
             LP=LP, RFMT=rfid, L2NORM=use_qk_l2norm, HAS_DTB=dt_bias is not None, U_BF16=U_BF16,
             num_warps=knw)
     elif not force:
+        dots = idx                                      # any pointer: unused unless DOTS
+        if read_variant == "dots":
+            dots = torch.empty(B, HK, 2, LP, dtype=torch.float32, device=q.device)
+            _entry_dots_kernel[(B * HK,)](
+                store.kbuf, store.committed, store.start, idx, q, k, dots, sc, HK=HK, DK=dk,
+                L=store.L, CAP=store.capacity, LP=LP, DELTA=delta, L2NORM=use_qk_l2norm,
+                num_warps=max(1, min(4, LP * dk // 1024)))
         _replay_read_kernel[(B * HV, dv // BV)](
             Rp, Rs, Rg, store.kbuf, store.vbuf, ubuf, store.Gbuf, store.bbuf,
-            store.committed, store.start, idx, out, *inputs, sc, int(force), dt_lo, dt_hi, BV=BV,
-            LP=LP, U_BF16=U_BF16, num_warps=nw, **common)
+            store.committed, store.start, idx, out, *inputs, sc, int(force), dt_lo, dt_hi, dots,
+            BV=BV, LP=LP, U_BF16=U_BF16, DOTS=read_variant == "dots", num_warps=nw, **common)
     return out, idx, False
 
 
@@ -957,9 +1020,11 @@ def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, stat
     shared pair: adds roundings, changes results).
     Returns y float32 [B, H, d_v]; with advance=False the caller moves the pointers
     (advance_pointers; its default force_flush is the path this step took).
-    read_variant: 'block' (default: one program per (row, value head, row block)) or 'kh' (one
-    program per (row, key head), per-entry dot products formed once per key head; same results
-    within FP32 reassociation; not yet timed on a GPU, see evals/decode_kernels_notes.md).
+    read_variant: 'block' (default: one program per (row, value head, row block)), 'kh' (one
+    program per (row, key head), per-entry dot products formed once per key head) or 'dots'
+    (the block kernel, with the per-entry dot products formed once per (row, key head) by a
+    small kernel launched before it); same results within FP32 reassociation (see
+    evals/decode_kernels_notes.md for what the H200 measured).
     launch (resolve_launch): 'auto' (default: one launch per step below FUSED_THRESHOLD rows),
     'split' or 'fused'; the same results. With launch 'fused', block_v / num_warps set the one
     block of the fused kernel (default: the flush block)."""
@@ -980,19 +1045,21 @@ def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, stat
 
 def replay_mamba2_step(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None, z=None,
                        dt_bias=None, out=None, path="auto", block_v=None, num_warps=None,
-                       advance=True, flush_config=None, dt_limit=NO_DT_LIMIT, launch="auto"):
+                       advance=True, flush_config=None, dt_limit=NO_DT_LIMIT, launch="auto",
+                       read_variant="block"):
     """One Mamba-2 replay decode step (Triton), inputs as conventional_mamba2_step (x, B bf16;
     dt_limit = (lo, hi) clamps softplus(dt + dt_bias), (0, inf): no clamp).
-    path, advance: as replay_gdn_step (default 'auto': only s32_rs-like shared FP32 anchors switch
-    to a flush every step below the measured batch threshold)."""
+    path, advance, launch: as replay_gdn_step (default 'auto': only s32_rs-like shared FP32
+    anchors switch to a flush every step below the measured batch threshold); read_variant
+    'block' (default) or 'dots' (the entries' B_j.C formed once per (row, group))."""
     if store.kind != "mamba2":
         raise ValueError("replay_mamba2_step needs a store built with kind='mamba2'")
     _no_pending(store)
     force = _force(path, store, x.shape[0])
-    lau = resolve_launch(store, x.shape[0], launch)
+    lau = resolve_launch(store, x.shape[0], launch, read_variant or "block")
     out, idx, moved = _launch(store, C, B, x, dt, None, A, dt_bias, D, z, state_indices, out, None,
                               False, 1, True, force, block_v, num_warps, flush_config,
-                              dt_limit=dt_limit, launch=lau, advance=advance)
+                              read_variant, dt_limit=dt_limit, launch=lau, advance=advance)
     if advance and not moved:
         advance_pointers(store, idx, 1, True, force)
     return out
@@ -1148,7 +1215,7 @@ def replay_gdn_step_ref(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None,
 def replay_mamba2_step_ref(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None, z=None,
                            dt_bias=None, out=None, path="auto", block_v=None, num_warps=None,
                            advance=True, flush_config=None, dt_limit=NO_DT_LIMIT,
-                           launch="auto"):
+                           launch="auto", read_variant="block"):
     """torch reference of replay_mamba2_step."""
     force = _force(path, store, x.shape[0])
     q, k, v, log_a, d = mamba2_frontend_ref(x, dt, A, B, C, dt_bias, dt_limit)
