@@ -490,10 +490,11 @@ def eval_heldout(model, docs_tokens: list[np.ndarray], eos_id: int, ctx: int, de
     fp32, no autocast, transformers' torch scans (as the shipped weights run on a CPU). Also the
     mean NLL by position in the window (log-spaced buckets), which shows whether the model uses
     long context. `reset_every`: the recurrent layers' state restarts every that many tokens.
-    batch: windows per forward, default 32K tokens' worth (transformers' Mamba-2 torch scan holds
-    a [batch, chunks, chunks, heads, head_dim, d_state] tensor: 32 GB at 2 x 16K, d_state 128)."""
+    batch: windows per forward, default 16K tokens' worth (transformers' Mamba-2 torch scan holds
+    a [batch, chunks + 1, chunks + 1, heads, head_dim, d_state] fp32 tensor: 17 GB at 1 x 16K with
+    d_state 128; 8 x 16K asked for 129 GB in device run 2)."""
     import torch
-    batch = batch or max(1, min(8, 32768 // ctx))
+    batch = batch or max(1, min(8, 16384 // ctx))
     model.eval()
     windows = []
     for doc in docs_tokens:

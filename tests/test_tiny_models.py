@@ -46,8 +46,9 @@ def test_model_loads_and_is_trained(name, heldout):
     assert torch.isfinite(logits).all()
     nll = torch.nn.functional.cross_entropy(logits[0, :-1], x[0, 1:])
     ppl = math.exp(nll.item())
-    # training log: held-out ppl 52 (qwen) / 83 (mamba) at 4K context; uniform would be 4096
-    assert ppl < 250, f"{name}: held-out perplexity {ppl:.1f} is not that of a trained model"
+    # training log (results/train_tiny): held-out ppl about 35 (qwen) / 40 (mamba) at 4K-16K
+    # context; 768 tokens of one book score a little higher; uniform would be 4096
+    assert ppl < 100, f"{name}: held-out perplexity {ppl:.1f} is not that of a trained model"
 
 
 def test_short_names_resolve_to_shipped_folders():
@@ -80,3 +81,66 @@ def test_heldout_text(heldout, tmp_path):
 def test_tiny_model_path_bad_name():
     with pytest.raises(ValueError, match="tiny-qwen3.5"):
         tiny_model_path("tiny-llama")
+
+
+# ---------------------------------------------------------------- the training script's scans
+def _train_tiny():
+    import importlib.util
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    if "train_tiny" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("train_tiny", root / "evals" / "train_tiny.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["train_tiny"] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules["train_tiny"]
+
+
+def _mamba_inputs(T=96, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    B, H, P, N = 2, 4, 16, 32
+    return dict(hidden_states=torch.randn(B, T, H, P, generator=g),
+                dt=torch.randn(B, T, H, generator=g) * 0.5,
+                A=-torch.arange(1, H + 1, dtype=torch.float32),
+                B=torch.randn(B, T, 1, N, generator=g) * 0.3,
+                C=torch.randn(B, T, 1, N, generator=g) * 0.3,
+                D=torch.ones(H), dt_bias=torch.linspace(-4, 0, H),
+                initial_states=torch.randn(B, H, P, N, generator=g))
+
+
+def test_mamba2_scan_as_simple_gla_matches_transformers():
+    """The training-only Mamba-2 scan (SSD as scalar-decay gated linear attention, q=C, k=B,
+    v=dt*x, g=dt*A) equals transformers' torch scan, final state included, and so do gradients
+    (the fla kernel stands where the naive GLA is here)."""
+    tt = _train_tiny()
+    scan, ref = tt.make_mamba2_scan(tt.naive_simple_gla), tt.hf_mamba_scan()
+    x = _mamba_inputs()
+    kw = dict(chunk_size=32, dt_softplus=True, return_final_states=True)
+    o1, s1 = scan(**x, **kw)
+    o2, s2 = ref(**x, **kw)
+    assert (o1 - o2).abs().max() < 1e-4 * o2.abs().max()
+    assert (s1 - s2).abs().max() < 1e-4 * s2.abs().max()
+    chk = tt.check_scan("mamba", scan, torch.device("cpu"), bf16=False, T=128)
+    assert max(chk["rel_max_err"].values()) < 1e-4, chk
+
+
+def test_segment_reset_restarts_the_state():
+    """Recurrent state reset every `seg` tokens == running each segment on its own (for the scan
+    of each architecture), with a length that is not a multiple of seg."""
+    tt = _train_tiny()
+    x = _mamba_inputs(T=100)
+    x.pop("initial_states")
+    ref = tt.hf_mamba_scan()
+    out = tt.segment_reset(ref, 32)(**x, chunk_size=32, dt_softplus=True)
+    parts = [ref(**{k: (v[:, s:s + 32] if v.dim() >= 2 else v) for k, v in x.items()},
+                 chunk_size=32, dt_softplus=True) for s in range(0, 100, 32)]
+    assert torch.allclose(out, torch.cat(parts, 1), atol=1e-5)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 100, 2, 16, generator=g) for _ in range(3))
+    gg, beta = -torch.rand(1, 100, 2, generator=g), torch.rand(1, 100, 2, generator=g)
+    gdn = tt.hf_gdn_reference()
+    out = tt.segment_reset(gdn, 32)(q, k, v, g=gg, beta=beta, use_qk_l2norm_in_kernel=True)[0]
+    parts = [gdn(q[:, s:s + 32], k[:, s:s + 32], v[:, s:s + 32], g=gg[:, s:s + 32],
+                 beta=beta[:, s:s + 32], use_qk_l2norm_in_kernel=True)[0] for s in range(0, 100, 32)]
+    assert torch.allclose(out, torch.cat(parts, 1), atol=1e-5)
