@@ -178,6 +178,12 @@ def bench(lengths=(8192, 32768), device="cuda") -> list:
                 fn()
             row[f"kernel_{name}_passes_ms"] = {k: v["seconds"] * 1e3 for k, v in
                                                clock.seconds().get("chunk_passes", {}).items()}
+            if pair.anchor.rounding == "stochastic":      # A/B: SR bits drawn in the chain
+                chunk.PRECOMPUTE_SR_BITS = False
+                try:
+                    measure(f"kernel_{name}_chain_philox", fn)
+                finally:
+                    chunk.PRECOMPUTE_SR_BITS = True
         # HF: q unscaled (it scales by d_k^-1/2 itself), bf16 inputs as in the model, state
         # [B, H, d_k, d_v]
         bf = torch.bfloat16

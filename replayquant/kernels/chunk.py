@@ -17,22 +17,28 @@ sr_stream(flush index, role, sequence id, head), as `ReplayState`). A row's last
 window reads R and becomes the new buffer. exact=True: FP32 through the segment (outputs from
 the running unrounded state) and one cast at its end.
 
-Three launches per group of windows, only the middle one sequential:
+Four launches per group of windows, only the second one sequential:
 
 1. `_terms_kernel`, one program per (window, sequence x head): what does not depend on the
-   state (K, Q, G, Aqk = exp(G_t - G_j) q_t.k_j, and for GDN the WY form W = Tinv beta exp(G) k,
-   U = Tinv beta v with Tinv = (I + T)^-1, so that u(X) = U - W X^T; Mamba-2: U = v).
+   state. With Aqk = exp(G_t - G_j) q_t.k_j (j <= t) and for GDN the WY form W = Tinv beta
+   exp(G) k, U = Tinv beta v, Tinv = (I + T)^-1 (so that u(X) = U - W X^T for a checkpoint X;
+   Mamba-2: U = v), the outputs from X are y = P X^T + C with P = exp(G) q - Aqk W, C = Aqk U.
 2. `_chain_kernel`, one program per (sequence x head, row block): the flushes in order, u = U -
-   W A^T, S, the flush token's output S q_L, A = anchor cast of S, S or the anchor written as
-   the next window's checkpoint. An NVFP4 anchor (one scale per matrix) is cast in two passes
-   over row blocks (amax, then quantize with the matrix scale), so no program holds a whole
-   matrix in registers; the dequantized anchor lives in an FP32 scratch (L2).
-3. `_output_kernel`, one program per (window, sequence x head): the checkpoint's read copy
-   (cast from S for a dual pair, with the flush's SR stream, two passes for NVFP4) and the
-   outputs y = exp(G) X q + Aqk u(X) of every token but the flushes.
+   W A^T, S = exp(G_L) A + (u w_L)^T K, the flush token's output S q_L, A = anchor cast of S,
+   and S (or the anchor, shared pair) as the next window's checkpoint. An NVFP4 anchor (one
+   scale per matrix) is cast in two passes over row blocks (amax, then quantize with the matrix
+   scale), so no program holds a whole matrix in registers; the dequantized anchor lives in an
+   FP32 scratch (L2).
+3. `_cast_kernel` (dual pairs, exact): each checkpoint S replaced in place by its read copy's
+   values (the flush's SR stream; NVFP4 in two passes), codes stored for the last one; exact:
+   the final state cast into both roles.
+4. `_output_kernel`, one program per (window, sequence x head): y = P X^T + C for every token
+   but the flushes, one dot per row block.
+Window 0's checkpoint and the first anchor are dequantized on the host (the format's own
+dequantize, the specification).
 
 Memory: the group scratch holds, per (sequence x head, window), the terms and one FP32
-checkpoint (d_v * d_k * 4 bytes): ~100 KB at d_k = d_v = 128, L = 16. Windows are processed in
+checkpoint (d_v * d_k * 4 bytes): ~105 KB at d_k = d_v = 128, L = 16. Windows are processed in
 host-side groups of at most MAX_GROUP_WINDOWS windows and at most SCRATCH_BYTES of scratch
 (at least one window per group), so the extra memory of a call is bounded by
 max(SCRATCH_BYTES, one window's scratch) whatever the segment length.
@@ -62,6 +68,9 @@ MAX_GROUP_WINDOWS = 512          # windows per launch group at most
 # benchmark hook: a list to which chunk_scan appends (pass name, start, end) CUDA events around
 # each launch (None: no events)
 PASS_EVENTS = None
+# a stochastically rounded anchor: pass 1 draws the SR bits of each flush (4 bytes per state
+# element and window in the scratch) and the sequential pass reads them (same bits)
+PRECOMPUTE_SR_BITS = True
 
 
 # ============================================================================ Triton
@@ -150,17 +159,20 @@ def _nv_scale(amax):
 @triton.jit
 def _cast_tile(x, g, pay, sc, gs, mat, rows, cols, key_lo, key_hi, flush_index, slot, head, store,
                DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, FMT: tl.constexpr,
-               SR: tl.constexpr, ROLE: tl.constexpr):
+               SR: tl.constexpr, ROLE: tl.constexpr, rb_tile=None, PRE: tl.constexpr = False):
     """`_tile_store` of float32 rows x [BV, DK] of matrix `mat` that also returns the decoded
     tile (the values `_tile_load` reads back) and stores the codes only where `store` (a
     scalar). NVFP4 takes its matrix scale g from the caller (`_nv_scale` of the whole matrix's
     amax), so a matrix can be cast a row block at a time; every other format is per tile / row.
     Same arithmetic as `_tile_store`, so the same codes (and SR bits: element index in the
-    matrix, flush index, ROLE, slot, head)."""
+    matrix, flush index, ROLE, slot, head; PRE: those bits read from rb_tile + element index,
+    where pass 1 stored them)."""
     offs = rows[:, None] * DK + cols[None, :]
     smask = tl.where(store, offs >= 0, False)   # (a scalar & a tensor: not in the interpreter)
     ptrs = pay + mat * (DV * DK) + offs
-    if SR:
+    if SR and PRE:
+        rb = tl.load(rb_tile + offs).to(tl.uint32, bitcast=True)
+    elif SR:
         rb = _sr_bits(offs, key_lo, key_hi, flush_index, ROLE, slot, head)
     else:
         rb = offs.to(tl.uint32)
@@ -208,20 +220,24 @@ def _cast_tile(x, g, pay, sc, gs, mat, rows, cols, key_lo, key_hi, flush_index, 
     return out
 
 
-@triton.jit(do_not_specialize=["T", "WIDTH", "w0", "NWS"])
+@triton.jit(do_not_specialize=["T", "WIDTH", "w0", "NWS", "key_lo", "key_hi"])
 def _terms_kernel(
         tok_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bk_ptr, bv_ptr, bG_ptr, bb_ptr, h0_ptr, nfull_ptr,
-        Kw, Ww, Pw, QLw, Gw, Uw, Cw, nk_ptr, nv_ptr, nG_ptr, nb_ptr,
-        T, WIDTH, w0, NWS,
+        Kw, Ww, Pw, QLw, Gw, Uw, Cw, nk_ptr, nv_ptr, nG_ptr, nb_ptr, Rb, nf_ptr, seq_ptr,
+        T, WIDTH, w0, NWS, key_lo, key_hi,
         H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-        L: tl.constexpr, LP: tl.constexpr, DELTA: tl.constexpr, EXACT: tl.constexpr):
+        L: tl.constexpr, LP: tl.constexpr, DELTA: tl.constexpr, EXACT: tl.constexpr,
+        PRE: tl.constexpr):
     """Pass 1, one program per (window, sequence x head): the window's state-independent terms
     into the group scratch. With Aqk[t, j] = exp(G_t - G_j) q_t.k_j (j <= t) and, for GDN,
     Tinv = (I + T)^-1, W = Tinv (beta exp(G) k), U = Tinv (beta v) (so u(X) = U - W X^T for a
     checkpoint X; Mamba-2: W = 0, U = v), the outputs from X are y = P X^T + C with
     P = exp(G) q - Aqk W and C = Aqk U. Stores K, W, G, q_L (the sequential pass), P, C (the
     output pass), U; and the new buffer (the entries of the row's last, partial window) from
-    the program of that window. V, U and C go a block of BV columns at a time."""
+    the program of that window. V, U and C go a block of BV columns at a time.
+    PRE (a stochastically rounded anchor): the SR bits of the flush that ends this window
+    (flush index nf + w + 1, role ANCHOR), so the sequential pass reads them instead of running
+    Philox on its critical path."""
     wl = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -273,17 +289,25 @@ def _terms_kernel(
     tl.store(nG_ptr + buf, tl.where(keep, G, 0.0), mask=inw)
     if DELTA:
         tl.store(nb_ptr + buf, tl.where(keep, Bt, 0.0), mask=inw)
+    if PRE:
+        if w < nfull:                                   # a window that ends in a flush
+            nf = tl.load(nf_ptr + b)
+            seq = tl.load(seq_ptr + b)
+            for rb in range(DV // BV):
+                offs = (rb * BV + tl.arange(0, BV))[:, None] * DK + cols[None, :]
+                bits = _sr_bits(offs, key_lo, key_hi, nf + w + 1, 0, seq, h)
+                tl.store(Rb + tb * (DV * DK) + offs, bits.to(tl.int32, bitcast=True))
 
 
 @triton.jit(do_not_specialize=["T", "WIDTH", "w0", "NWS", "key_lo", "key_hi"])
 def _chain_kernel(
         tok_ptr, y_ptr, nf_ptr, seq_ptr, nwin_ptr, nfull_ptr,
-        Kw, Ww, QLw, Gw, Uw, Xs, As, A_pay, A_sc, A_gs,
+        Kw, Ww, QLw, Gw, Uw, Xs, As, A_pay, A_sc, A_gs, Rb,
         T, WIDTH, w0, NWS, key_lo, key_hi,
         H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
         NRB: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
         AFMT: tl.constexpr, ASR: tl.constexpr, SHARED: tl.constexpr, DELTA: tl.constexpr,
-        EXACT: tl.constexpr):
+        EXACT: tl.constexpr, PRE: tl.constexpr):
     """Pass 2, the only sequential one: one program per (sequence x head, NRB * BV rows) runs
     the row's flushes of this window group in order. The dequantized anchor A lives in the
     FP32 scratch As (L2). Per window: u = U - W A^T, the unrounded state S = exp(G_L) A +
@@ -329,6 +353,7 @@ def _chain_kernel(
         yrow = (b.to(tl.int64) * T + tl.maximum(tokL, 0)) * H + h
         fi = nf + w + 1
         last = w == nfull - 1
+        rb_tile = Rb + tb * (DV * DK)                   # PRE: this flush's SR bits
         acc = tl.zeros([BV], tl.float32)
         for rb in range(NRB):
             rows = (pb * NRB + rb) * BV + br
@@ -351,7 +376,7 @@ def _chain_kernel(
                     acc = tl.maximum(acc, tl.max(tl.abs(S), axis=1))
                 else:
                     An = _cast_tile(S, 1.0, A_pay, A_sc, A_gs, mat, rows, cols, key_lo, key_hi,
-                                    fi, seq, h, last, DV, DK, BV, AFMT, ASR, 0)
+                                    fi, seq, h, last, DV, DK, BV, AFMT, ASR, 0, rb_tile, PRE)
                     tl.store(a_tile + rows[:, None] * DK, An)
                     if SHARED:
                         tl.store(x_tile + rows[:, None] * DK, An)
@@ -364,7 +389,7 @@ def _chain_kernel(
                 rows = (pb * NRB + rb) * BV + br
                 S = tl.load(x_tile + rows[:, None] * DK)
                 An = _cast_tile(S, g, A_pay, A_sc, A_gs, mat, rows, cols, key_lo, key_hi,
-                                fi, seq, h, last, DV, DK, BV, AFMT, ASR, 0)
+                                fi, seq, h, last, DV, DK, BV, AFMT, ASR, 0, rb_tile, PRE)
                 tl.store(a_tile + rows[:, None] * DK, An)
                 if SHARED:
                     tl.debug_barrier()
@@ -497,10 +522,12 @@ def chunk_launch_config(pair, B: int, H: int, d_v: int, d_k: int, L: int) -> dic
             "out_bv": min(d_v, 32), "out_warps": 4}
 
 
-def group_windows(BH: int, d_k: int, d_v: int, LP: int, delta: bool) -> int:
+def group_windows(BH: int, d_k: int, d_v: int, LP: int, delta: bool, sr_bits: bool = False) -> int:
     """Windows per launch group: at most MAX_GROUP_WINDOWS and SCRATCH_BYTES of scratch (each
-    window and matrix holds K, P (, W), q_L, U, C, G and one FP32 checkpoint), at least one."""
-    per = 4 * (LP * d_k * (3 if delta else 2) + d_k + 2 * LP * d_v + LP + d_v * d_k)
+    window and matrix holds K, P (, W), q_L, U, C, G, one FP32 checkpoint and, with sr_bits,
+    the flush's SR bits), at least one."""
+    per = 4 * (LP * d_k * (3 if delta else 2) + d_k + 2 * LP * d_v + LP
+               + d_v * d_k * (2 if sr_bits else 1))
     return max(1, min(MAX_GROUP_WINDOWS, SCRATCH_BYTES // (BH * per)))
 
 
@@ -596,7 +623,9 @@ def chunk_scan(state: ScanState, q, k, v, log_a, beta=None, *, pair, seed: int =
     BH = B * H
 
     # group scratch (reused by every group): window slots [BH, G] and checkpoints [BH, G + 1]
-    G = min(group_windows(BH, dk, dv, LP, delta), W + 1)
+    asr = pair.anchor.rounding == "stochastic"
+    pre = bool(PRECOMPUTE_SR_BITS and asr and not exact)
+    G = min(group_windows(BH, dk, dv, LP, delta, pre), W + 1)
     Kw = torch.empty(BH, G, LP, dk, dtype=f32, device=dev)
     Pw = torch.empty_like(Kw)
     Ww = torch.empty_like(Kw) if delta else Kw
@@ -606,13 +635,13 @@ def chunk_scan(state: ScanState, q, k, v, log_a, beta=None, *, pair, seed: int =
     Cw = torch.empty_like(Uw)
     Xs = torch.empty(BH, G + 1, dv, dk, dtype=f32, device=dev)
     As = torch.empty(BH, dv, dk, dtype=f32, device=dev)
+    Rb = torch.empty(BH, G, dv, dk, dtype=torch.int32, device=dev) if pre else As
     # window 0's checkpoint: the read copy (the anchor for a shared pair or exact), dequantized
     first = state.anchor if (shared or exact) else state.read
     spec = pair.anchor if (shared or exact) else pair.read
     Xs[:, 0] = spec.fmt.dequantize(first).reshape(BH, dv, dk)
     As.copy_(pair.anchor.fmt.dequantize(state.anchor).reshape(BH, dv, dk))   # the chain's A
     cons = dict(H=H, DK=dk, DV=dv, L=L, LP=LP, EXACT=bool(exact))
-    asr = pair.anchor.rounding == "stochastic"
     rsr = pair.read_spec.rounding == "stochastic"
     cast = exact or not shared
     events = PASS_EVENTS if (PASS_EVENTS is not None and dev.type == "cuda") else None
@@ -635,13 +664,13 @@ def chunk_scan(state: ScanState, q, k, v, log_a, beta=None, *, pair, seed: int =
             launch("terms", _terms_kernel, (n, BH),
                 tok, q, k, v, log_a, beta if delta else log_a, bk, bv, bG, bb if delta else bG,
                 h0k, nfu, Kw, Ww, Pw, QLw, Gw, Uw, Cw, nk, nv, nG, nb if delta else nG,
-                T, width, w0, G, BV=cfg["terms_bv"], DELTA=delta,
+                Rb, nfl, seq, T, width, w0, G, klo, khi, BV=cfg["terms_bv"], DELTA=delta, PRE=pre,
                 num_warps=cfg["terms_warps"], **cons)
             launch("chain", _chain_kernel, (BH, dv // cfg["chain_rows"]),
-                tok, y, nfl, seq, nw, nfu, Kw, Ww, QLw, Gw, Uw, Xs, As, *Aout[:3],
+                tok, y, nfl, seq, nw, nfu, Kw, Ww, QLw, Gw, Uw, Xs, As, *Aout[:3], Rb,
                 T, width, w0, G, klo, khi,
                 BV=cfg["chain_bv"], NRB=cfg["chain_rows"] // cfg["chain_bv"],
-                AFMT=Aout[3], ASR=asr, SHARED=shared, DELTA=delta,
+                AFMT=Aout[3], ASR=asr, SHARED=shared, DELTA=delta, PRE=pre,
                 num_warps=cfg["chain_warps"], **cons)
             if cast:
                 launch("cast", _cast_kernel, (n, BH),
