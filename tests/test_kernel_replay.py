@@ -330,7 +330,9 @@ def test_launch_dispatcher():
     assert choose_launch("gdn", 1, threshold=8) == "fused"
     assert choose_launch("mamba2", 8, threshold=8) == "split"
     st = mk()
-    assert resolve_launch(st, 1) == "fused" and resolve_launch(st, 4096) == "split"
+    assert resolve_launch(st, 1) == "split"                  # NVFP4 read copy: never fused
+    tp8 = ReplayStore.from_state(random_state(2, 2, 16, 16), "tp8_hi32", "gdn", key_heads=1)
+    assert resolve_launch(tp8, 1) == "fused" and resolve_launch(tp8, 4096) == "split"
     assert resolve_launch(st, 1, "split") == "split" and resolve_launch(st, 4096, "fused") == "fused"
     assert resolve_launch(st, 1, "auto", "kh") == "split"
     with pytest.raises(ValueError, match="launch"):

@@ -782,7 +782,7 @@ def replay_launch_config(store: ReplayStore, n_rows: int, block_v=None, num_warp
         raise ValueError(f"block_v={block_v} must be a power of two dividing d_v={dv}")
     if num_warps is None:
         num_warps = max(1, min(8, block_v * dk // 1024))
-    nv = store.anchor.fmt == "nvfp4" or (store.read is not None and store.read.fmt == "nvfp4")
+    nv = _has_nvfp4(store)
     fbv, fnw = flush_config if flush_config is not None else (None, None)
     if fbv is None:
         fbv = dv if nv else min(dv, 32)
@@ -862,16 +862,24 @@ def resolve_path(store: ReplayStore, n_rows: int, path: str = "auto") -> str:
 READ_VARIANTS = ("block", "kh", "dots")
 LAUNCHES = ("auto", "split", "fused")
 
-# rows below which a decode step runs as one launch (launch='auto' -> 'fused'); provisional
-# until measured (bench kernels: replay-window-fused vs replay-window, dispatch/launch)
-FUSED_THRESHOLD = {"gdn": 32, "mamba2": 32}
+# rows below which a decode step runs as one launch (launch='auto' -> 'fused'), by (kind, any
+# NVFP4 role). H200, results/bench/kernels.json (commit ff0ef94), GDN L = 16, window us/step
+# fused vs split: s32_rs B=1 6.3 vs 8.6, B=8 19.2 vs 18.3; tp8_hi32 B=1 5.8 vs 7.8, B=8 17.6 vs
+# 17.6; tp4_hi32 B=1 12.8 vs 8.7 (an NVFP4 role makes the fused block a whole matrix: never
+# faster). Mamba-2 not measured yet: the GDN values.
+FUSED_THRESHOLD = {("gdn", False): 8, ("gdn", True): 1, ("mamba2", False): 8, ("mamba2", True): 1}
 
 
-def choose_launch(kind: str, n_rows: int, threshold: int | None = None) -> str:
+def _has_nvfp4(store: ReplayStore) -> bool:
+    return store.anchor.fmt == "nvfp4" or (store.read is not None and store.read.fmt == "nvfp4")
+
+
+def choose_launch(kind: str, n_rows: int, threshold: int | None = None, nvfp4: bool = False) -> str:
     """'fused' (one kernel per step: flush or read per row, pointer move folded in) below the
-    kind's FUSED_THRESHOLD rows, else 'split' (flush kernel, read kernel, pointer kernel)."""
+    FUSED_THRESHOLD rows of (kind, nvfp4), else 'split' (flush kernel, read kernel, pointer
+    kernel)."""
     if threshold is None:
-        threshold = FUSED_THRESHOLD[kind]
+        threshold = FUSED_THRESHOLD[(kind, bool(nvfp4))]
     return "fused" if n_rows < threshold else "split"
 
 
@@ -890,7 +898,7 @@ def resolve_launch(store: ReplayStore, n_rows: int, launch: str = "auto",
                              "(launch='split' or 'auto')")
         return "split"
     if launch == "auto":
-        return choose_launch(store.kind, n_rows)
+        return choose_launch(store.kind, n_rows, nvfp4=_has_nvfp4(store))
     return launch
 
 
@@ -1025,7 +1033,8 @@ def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, stat
     (the block kernel, with the per-entry dot products formed once per (row, key head) by a
     small kernel launched before it); same results within FP32 reassociation (see
     evals/decode_kernels_notes.md for what the H200 measured).
-    launch (resolve_launch): 'auto' (default: one launch per step below FUSED_THRESHOLD rows),
+    launch (resolve_launch): 'auto' (default: one launch per step below FUSED_THRESHOLD rows,
+    never for a pair with an NVFP4 role),
     'split' or 'fused'; the same results. With launch 'fused', block_v / num_warps set the one
     block of the fused kernel (default: the flush block)."""
     if store.kind != "gdn":
