@@ -211,7 +211,8 @@ class KernelClock:
     (module path, attribute)}; a target whose module does not import is skipped."""
 
     NOTE = ("GPU time between CUDA events recorded around each call (inside the timed run, no "
-            "added sync); nested targets overlap (chunk_scan runs inside teacher_force; "
+            "added sync); nested targets overlap (chunk_scan runs inside the layer's "
+            "teacher-forcing call, runtime._teacher_force; "
             "chunk_passes: events around each launch of the chunk kernel's passes, inside "
             "chunk_scan)")
 
@@ -282,7 +283,7 @@ class KernelClock:
 
 
 # what the patched model's prefill spends in the replay path (CUDA: the Triton kernel)
-REPLAY_TARGETS = {"replay_teacher_force": ("replayquant.kernels.chunk", "teacher_force"),
+REPLAY_TARGETS = {"replay_teacher_force": ("replayquant.models.runtime", "_teacher_force"),
                   "chunk_scan": ("replayquant.kernels.chunk", "chunk_scan")}
 # what the unpatched HF forward spends in its GDN chunk function (fla's kernel when installed)
 HF_TARGETS = {"hf_gdn_chunk": ("transformers.models.qwen3_5.modeling_qwen3_5",
