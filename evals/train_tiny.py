@@ -603,7 +603,10 @@ def setup_fast_paths(args, device) -> dict:
         mamba_cands = []
     tol = 0.1 if cuda else 0.02
     chosen = {}
+    trained = [k for k in args.models.split(",") if k]
     for kind, cands in (("qwen", qwen_cands), ("mamba", mamba_cands)):
+        if kind not in trained:                # nothing to train: no kernels to compile and check
+            cands = []
         rec[f"{kind}_checks"] = []
         chosen[kind] = (None, "transformers torch scan")
         for label, fn in cands:
