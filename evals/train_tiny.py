@@ -842,7 +842,14 @@ def evaluate_folder(kind: str, folder: Path, data: Path, args, device, train_std
            "decay_rate_per_head_trained": decay_rates(model),
            "eval_seconds": round(time.time() - t1, 1), "heldout": evals, "long_memory": summary,
            "safetensors_bytes": (folder / "model.safetensors").stat().st_size}
-    if train_stdout is not None:
+    if train_stdout is not None and str(train_stdout).endswith(".json"):
+        old = next(m for m in json.loads(Path(train_stdout).read_text())["models"] if m["name"] == name)
+        keep = ("steps", "seq_len", "batch", "best_val", "val_curve", "train_loss", "tokens_seen",
+                "epochs", "lr", "warmup", "weight_decay", "optimizer", "train_seconds",
+                "seconds_per_step", "seed")
+        rec.update({k: old[k] for k in keep if k in old})
+        rec["training_run"] = {"log": str(train_stdout), "heldout_then": old.get("heldout")}
+    elif train_stdout is not None:
         tr = parse_train_stdout(train_stdout, name)
         rec.update(training_run=tr, steps=tr["steps"], seq_len=tr["seq_len"], batch=tr["batch"],
                    best_val=tr["best_val"], val_curve=tr["val_curve"],
@@ -1067,6 +1074,31 @@ def cmd_device_run(args) -> None:
     log(f"device-run done: {sorted(p.name for p in out.iterdir())}")
 
 
+def cmd_evaluate(args) -> None:
+    """The long-memory evaluation of the shipped model folders (no training): log + PNG in --out."""
+    from replayquant.provenance import provenance
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = prepare_device(args)
+    records = {}
+    for item in args.train_record:
+        kind, _, path = item.partition("=")
+        records[kind] = Path(path)
+    logs = [evaluate_folder(kind, ASSETS / MODEL_NAMES[kind], Path(args.data), args, device,
+                            records.get(kind)) for kind in args.models.split(",") if kind]
+    plot_losses(logs, out / "loss_curve.png")
+    record = {"provenance": provenance(device=args.device, command=" ".join(sys.argv),
+                                       source_commit=args.source_commit,
+                                       wall_seconds=round(time.time() - T_START, 1)),
+              "note": "evaluation of the shipped folders; each model's training record is read "
+                      "from the log of the run that trained it (training_run)",
+              "corpus": json.loads((Path(args.data) / "corpus.json").read_text()),
+              "models": logs}
+    record["corpus"]["source"].pop("copyright", None)
+    (out / "train_log.json").write_text(json.dumps(record, indent=1))
+    log(f"wrote {out / 'train_log.json'} and {out / 'loss_curve.png'}")
+
+
 def cmd_prepare(args) -> None:
     meta = tiny_data.prepare(args.data, deb=args.deb, cache_dir=args.cache,
                              vocab_size=args.vocab_size, heldout_out=args.heldout_out)
@@ -1170,6 +1202,19 @@ def main(argv=None) -> None:
         t.add_argument("--demo-context", type=int, default=16384)
         t.add_argument("--demo-docs", type=int, default=3)
         t.add_argument("--demo-tag", default="h200")
+    e = sub.add_parser("evaluate", help="long-memory evaluation of the shipped models (no training)")
+    e.add_argument("--data", default=str(ROOT / ".gpu" / "tiny"))
+    e.add_argument("--out", required=True)
+    e.add_argument("--models", default="qwen,mamba")
+    e.add_argument("--device", default="cpu")
+    e.add_argument("--eval-contexts", type=lambda s: [int(x) for x in s.split(",")],
+                   default=[512, 4096, 8192, 16384])
+    e.add_argument("--reset-every", type=int, default=512)
+    e.add_argument("--heldout-limit", type=int, default=0)
+    e.add_argument("--train-record", action="append", default=[],
+                   help="KIND=PATH: the training run's stdout (.txt) or train_log.json")
+    e.add_argument("--source-commit", default=None)
+    e.add_argument("--deterministic", action="store_true", default=True)
     i = sub.add_parser("install", help="copy a train output into the package and results/")
     i.add_argument("--from", dest="src", required=True)
     args = ap.parse_args(argv)
@@ -1180,7 +1225,7 @@ def main(argv=None) -> None:
         if args.mamba_scan is None:
             args.mamba_scan = "fla" if cuda else "hf"
     {"prepare": cmd_prepare, "train": cmd_train, "device-run": cmd_device_run,
-     "install": cmd_install}[args.cmd](args)
+     "evaluate": cmd_evaluate, "install": cmd_install}[args.cmd](args)
 
 
 if __name__ == "__main__":
