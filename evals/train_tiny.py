@@ -15,6 +15,8 @@ Stages (each deterministic from its inputs and --seed):
               pairs, 3 held-out books) on the same GPU, everything packed into at most 8 files
               (the device tool's limit). Checks the fast paths first and aborts loudly if the
               Qwen3.5 one is not there.
+  evaluate    the long-memory evaluation alone, on the shipped folders (any device), with each
+              model's training record read from the log of the run that trained it.
   install     copy the model folders from a train output into replayquant/assets/ and the log,
               PNG and stdout into results/train_tiny/ (and demo results into results/demo/).
 
@@ -38,12 +40,24 @@ Long memory (issue 8: the recurrent state must carry information across thousand
   * residual dropout (training only, forward hooks on each mixer / MLP / embedding output) against
     the overfitting of a few epochs of a 0.9M-token corpus.
 
-How the shipped models were made (results/train_tiny/train_log.json has the full record):
+How the shipped models were made (results/train_tiny/ has the logs):
 
   python evals/train_tiny.py prepare --heldout-out replayquant/data/kjv_heldout.jsonl.gz
-  # on one H200 (device tool, .gpu carried; torch 2.11, transformers 5.17, fla 0.6.0):
-  python evals/train_tiny.py device-run --data .gpu/tiny --out $OUT --source-commit <sha>
+  # tiny-qwen3.5: one H200 (device tool, .gpu/tiny + .gpu/wheels carried; torch 2.11, Triton 3.6,
+  # transformers 5.17, fla 0.6.0), this script at 5c97b63 (stdout: train_stdout_run2.txt):
+  python evals/train_tiny.py device-run --data .gpu/tiny --out $OUT --time-budget 120,120 \
+      --deadline 425 --reserve 85 --source-commit 5c97b63
+  #   600 steps x 8 x 8K tokens in 67 s (0.125 s/step), best validation at step 300 (shipped).
+  #   The Mamba-2 half of that run ran out of GPU memory in evaluation (fixed since) and a
+  #   Mamba-2-only rerun hit its deadline, so:
+  # tiny-mamba2 is still the first run's model (this script at 956584d: 4K context, d_state 64,
+  # 74 steps, HF's torch scan; train_log_first_run.json). Today's script would train a different
+  # one (8K context, d_state 128, time_step_min 1e-4, fla's fused_chunk_simple_gla: 0.10 s/step).
   python evals/train_tiny.py install --from <the device-run output>
+  # the long-memory evaluation of both shipped folders (results/train_tiny/train_log.json):
+  python evals/train_tiny.py evaluate --data .gpu/tiny --out <dir> \
+      --train-record qwen=results/train_tiny/train_stdout_run2.txt \
+      --train-record mamba=results/train_tiny/train_log_first_run.json
 
 `--steps auto` (the default) times the first steps and fits each model's step count into its
 --time-budget; the log records the resolved counts, and `--steps N,M` with the same seed reruns
