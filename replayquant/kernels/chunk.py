@@ -554,12 +554,16 @@ def _empty(shape, dtype, device) -> torch.Tensor:
 
 def _token_map(state: ScanState, valid, B: int, T: int, L: int, width: int, dev):
     """int32 [B, width]: per window column, the token index t (>= 0), the buffered slot s
-    (encoded -2 - s) or a null step (-1): each row is [its buffered steps][its valid tokens]."""
-    col = torch.arange(width, device=dev)
-    h0 = state.count.to(dev)
-    tok = torch.where(col[None, :] < h0[:, None], -2 - col[None, :], torch.full((), -1, device=dev))
+    (encoded -2 - s) or a null step (-1): each row is [its buffered steps][its valid tokens].
+    valid None (every token valid): token t sits in column count + t, no host sync."""
+    col = torch.arange(width, device=dev)[None, :]
+    h0 = state.count.to(dev)[:, None]
+    if valid is None:
+        tok = torch.where(col < h0, -2 - col, torch.where(col - h0 < T, col - h0, -1))
+        return tok.to(torch.int32).contiguous()
+    tok = torch.where(col < h0, -2 - col, torch.full((), -1, device=dev))
     bi, ti = valid.nonzero(as_tuple=True)
-    cols = h0[bi] + (valid.long().cumsum(1) - 1)[bi, ti]
+    cols = h0[bi, 0] + (valid.long().cumsum(1) - 1)[bi, ti]
     tok[bi, cols] = ti
     return tok.to(torch.int32).contiguous()
 
@@ -584,13 +588,21 @@ def chunk_scan(state: ScanState, q, k, v, log_a, beta=None, *, pair, seed: int =
                          f"pair {pair.label()}")
     dev = q.device
     L = state.buffer_len
-    valid_b = torch.ones(B, T, dtype=torch.bool, device=dev) if valid is None else valid.to(torch.bool)
-    h0 = state.count
-    m = h0 + valid_b.sum(1)
-    M = int(m.max()) if B else 0
-    if M == 0 or T == 0:
-        return torch.zeros(B, T, H, dv, dtype=torch.float32, device=dev), state
-    W = -(-M // L)
+    valid_b = None if valid is None else valid.to(torch.bool)
+    h0 = state.count.to(dev)
+    if valid_b is None:
+        # every token valid: entries per row m = count + T with count <= L, so at most
+        # ceil((L + T) / L) windows (a trailing one without entries costs little); no host sync
+        if B == 0 or T == 0:
+            return torch.zeros(B, T, H, dv, dtype=torch.float32, device=dev), state
+        m = h0 + T
+        W = -(-(L + T) // L)
+    else:
+        m = h0 + valid_b.sum(1)
+        M = int(m.max()) if B else 0                     # the one host sync (padding)
+        if M == 0 or T == 0:
+            return torch.zeros(B, T, H, dv, dtype=torch.float32, device=dev), state
+        W = -(-M // L)
     width = W * L
     full = m // L
     nwin = -(-m // L)
