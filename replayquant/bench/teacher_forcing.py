@@ -1,6 +1,7 @@
 """GPU check and benchmarks of chunked teacher forcing (replayquant.kernels.chunk).
 
     python -m replayquant.bench.teacher_forcing OUT.json [--lengths 8192,32768]   (parts 1, 2)
+    python -m replayquant.bench.teacher_forcing --ptxas      (registers / spills, no GPU)
     replayquant bench teacher-forcing [--part layer|model|all] [--context 131072] ...
 
 1. Correctness on CUDA: the Triton kernel against the torch reference `chunk_scan_ref` run on
@@ -347,6 +348,92 @@ def whole_model(shape: str = "qwen3.5-4b", context: int = 131072, segment: int =
     }
 
 
+# ============================================================================ resource report
+
+def resource_report(pairs=("tp4_hi16_sr", "s32_rs", "f4_sr_rs", "tp4_hi32"), H: int = 32,
+                    d: int = 128, L: int = 16, arch: int = 90) -> list:
+    """Registers and spills of the chunk kernel's passes for sm_<arch>a, compiled by Triton
+    here and assembled with the ptxas Triton ships (the newest one that reads its PTX), no GPU
+    needed: [{pair, kernel, line}], line = ptxas -v's report. The launch parameters are those
+    chunk_scan uses for B = 1, H heads, d_k = d_v = d (GDN, prefill="replay")."""
+    import os
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from replayquant.kernels import chunk
+    from replayquant.kernels.conventional import FMT_IDS
+    from replayquant.pairs import PrecisionPair
+
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    ptxas = [os.path.join(bindir, n) for n in ("ptxas-blackwell", "ptxas")
+             if os.path.exists(os.path.join(bindir, n))]
+    ptr = {"fp32": ("*fp32", "*fp32", "*fp32"), "fp16": ("*i16", "*i16", "*i16"),
+           "bf16": ("*i16", "*i16", "*i16"), "fp8": ("*u8", "*fp32", "*u8"),
+           "nvfp4": ("*u8", "*u8", "*fp32")}
+    ints = {"T": "i32", "WIDTH": "i32", "w0": "i32", "NWS": "i32", "key_lo": "i64",
+            "key_hi": "i64", "tok_ptr": "*i32", "h0_ptr": "*i32", "nfull_ptr": "*i32",
+            "nwin_ptr": "*i32", "nf_ptr": "*i64", "seq_ptr": "*i64", "Rb": "*i32"}
+
+    def build(fn, types, consts, warps):
+        sig, attrs = {}, {}
+        for i, name in enumerate(fn.arg_names):
+            if name in consts:
+                sig[name] = "constexpr"
+            else:
+                sig[name] = types.get(name, "*fp32")
+                if sig[name].startswith("*"):
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                           target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+        with tempfile.TemporaryDirectory() as tmp:
+            src = os.path.join(tmp, "k.ptx")
+            with open(src, "w") as f:
+                f.write(k.asm["ptx"])
+            for exe in ptxas:
+                r = subprocess.run([exe, f"-arch=sm_{arch}a", "-v", src, "-o",
+                                    os.path.join(tmp, "k.cubin")], capture_output=True, text=True)
+                if r.returncode == 0:
+                    return " ".join(ln.split(":", 1)[-1].strip() for ln in r.stderr.splitlines()
+                                    if "registers" in ln or "spill" in ln)
+            return "ptxas failed: " + (r.stderr.strip().splitlines() or ["?"])[-1]
+
+    rows = []
+    for name in pairs:
+        pair = PrecisionPair.load(name).with_buffer_len(L)
+        cfg = chunk.chunk_launch_config(pair, 1, H, d, d, L)
+        a, r = pair.anchor.format, pair.read_spec.format
+        shared = pair.read is None
+        asr = pair.anchor.rounding == "stochastic"
+        pre = bool(chunk.PRECOMPUTE_SR_BITS and asr)
+        t = dict(ints, A_pay=ptr[a][0], A_sc=ptr[a][1], A_gs=ptr[a][2],
+                 R_pay=ptr[r][0], R_sc=ptr[r][1], R_gs=ptr[r][2])
+        base = dict(H=H, DK=d, DV=d, L=L, LP=cfg["LP"], EXACT=False)
+        kernels = [
+            ("terms", chunk._terms_kernel, dict(base, BV=cfg["terms_bv"], DELTA=True, PRE=pre),
+             cfg["terms_warps"]),
+            ("chain", chunk._chain_kernel,
+             dict(base, BV=cfg["chain_bv"], NRB=cfg["chain_rows"] // cfg["chain_bv"],
+                  AFMT=FMT_IDS[a], ASR=asr, SHARED=shared, DELTA=True, PRE=pre),
+             cfg["chain_warps"]),
+            ("output", chunk._output_kernel, dict(base, BV=cfg["out_bv"]), cfg["out_warps"])]
+        if not shared:
+            kernels.insert(2, ("cast", chunk._cast_kernel,
+                               dict(H=H, DK=d, DV=d, BV=cfg["cast_bv"], AFMT=FMT_IDS[a], ASR=asr,
+                                    RFMT=FMT_IDS[r], RSR=pair.read_spec.rounding == "stochastic",
+                                    SHARED=False, EXACT=False), cfg["cast_warps"]))
+        for kname, fn, consts, warps in kernels:
+            try:
+                line = build(fn, t, consts, warps)
+            except Exception as e:                 # another Triton version's API
+                line = f"not compiled: {type(e).__name__}: {e}"
+            rows.append({"pair": name, "kernel": kname, "warps": warps, "ptxas": line})
+    return rows
+
+
 def _merge(out, **sections) -> dict:
     """Write `sections` into the JSON file `out`, keeping its other sections."""
     from pathlib import Path
@@ -395,7 +482,12 @@ def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
         raise SystemExit("usage: python -m replayquant.bench.teacher_forcing OUT.json "
-                         "[--lengths 8192,32768] [--commit SHA]")
+                         "[--lengths 8192,32768] [--commit SHA]  |  --ptxas (registers and "
+                         "spills of the chunk kernel for sm_90a, no GPU)")
+    if argv[0] == "--ptxas":
+        for r in resource_report():
+            print(f"{r['pair']:12s} {r['kernel']:7s} {r['warps']} warps  {r['ptxas']}")
+        return None
     out = argv.pop(0)
     lengths, commit = (8192, 32768), None
     while argv:
