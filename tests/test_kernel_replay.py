@@ -11,7 +11,7 @@ from replayquant.kernels.conventional import (ConventionalStore, conventional_gd
                                               conventional_mamba2_step, gdn_frontend_ref,
                                               mamba2_frontend_ref, mamba2_post_ref)
 from replayquant.kernels.replay_decode import (ReplayStore, advance_pointers, choose_launch,
-                                               choose_path, resolve_launch,
+                                               choose_path, resolve_launch, resolve_read_variant,
                                                resolve_path, replay_gdn_step,
                                                replay_gdn_step_ref, replay_mamba2_step,
                                                replay_mamba2_step_ref)
@@ -335,6 +335,11 @@ def test_launch_dispatcher():
     assert resolve_launch(tp8, 1) == "fused" and resolve_launch(tp8, 4096) == "split"
     assert resolve_launch(st, 1, "split") == "split" and resolve_launch(st, 4096, "fused") == "fused"
     assert resolve_launch(st, 1, "auto", "kh") == "split"
+    assert resolve_read_variant(tp8, 4096) == "dots" and resolve_read_variant(tp8, 8) == "block"
+    assert resolve_read_variant(tp8, 4096, "auto", "fused") == "block"
+    assert resolve_read_variant(tp8, 4096, "kh") == "kh"
+    m2 = ReplayStore.from_state(random_state(2, 2, 16, 16), "s32_rs", "mamba2", key_heads=1)
+    assert resolve_read_variant(m2, 4096) == "block"
     with pytest.raises(ValueError, match="launch"):
         resolve_launch(st, 1, "one")
     with pytest.raises(ValueError, match="kh"):

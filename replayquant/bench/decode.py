@@ -454,7 +454,8 @@ def config_sweep(kind, B, device, copy_bw, pairs=PAIRS, L=None, S=None):
             c = dict(block_v=bv, num_warps=nw)
             st.committed.fill_(h)
             ms = time_calls(lambda: f["step"](st, **kw, state_indices=idx, out=out, path="replay",
-                                              advance=False, launch="split", **c), 8)
+                                              advance=False, launch="split",
+                                              read_variant="block", **c), 8)
             cands.append(_row(kind, "sweep/replay-read-step", pair, B, ms,
                               replay_read_step_bytes(kind, rf or af, h, B, H, HK, dv, dk),
                               copy_bw, cfg=c, h=h, L=L))
@@ -468,7 +469,8 @@ def config_sweep(kind, B, device, copy_bw, pairs=PAIRS, L=None, S=None):
             c = dict(flush_config=(bv, nw))
             st.committed.fill_(L - 1)
             ms = time_calls(lambda: f["step"](st, **kw, state_indices=idx, out=out, path="replay",
-                                              advance=False, launch="split", **c), 4)
+                                              advance=False, launch="split",
+                                              read_variant="block", **c), 4)
             cands.append(_row(kind, "sweep/replay-flush-step", pair, B, ms,
                               replay_flush_step_bytes(kind, af, rf, L, B, H, HK, dv, dk),
                               copy_bw, cfg=c, L=L))
@@ -539,7 +541,7 @@ def bench_replay(kind, B, pair, L, device, copy_bw, cfg=None, detail=False, forc
     from replayquant.kernels.replay_decode import advance_pointers
     H, HK, dv, dk, f, idx, kw, out, af, rf, c, R, sts = _replay_setup(kind, B, pair, L, device,
                                                                      cfg, S)
-    c = {**c, "launch": "split"}
+    c = {**c, "launch": "split", "read_variant": "block"}
     calls = [lambda st=st: f["step"](st, **kw, state_indices=idx, out=out, path="replay", **c)
              for st in sts]
     ms = time_calls(lambda: [g() for g in calls], L) / R
@@ -944,12 +946,13 @@ def render_markdown(res) -> str:
 # Seconds per timed measurement: a fixed cost (do_bench warmup + reps, graph capture), a compile
 # per new kernel specialization, setup + timed replays that grow with the bytes of the states,
 # and Python launches of the rotated small-batch windows (captured, warmed up twice). First
-# calibrated on the run of results/bench/decode.json (e980202, H200: 165 s); the run of
-# results/bench/kernels.json (ff0ef94, fresh machine, cold L2 rotations, one-launch rows) took
-# 311 s for sections this model then put at 99 s, so every term but the copy is scaled by 3.1
-# (a uniform scale: that run recorded no per-section times; kernels.json now has section_s).
-_EST = dict(fixed=0.56, compile=1.55, per_GB=1.98, checks=15.5, copy=3.0, peer=1.55,
-            launch=1.24e-4)
+# calibrated on the run of results/bench/decode.json (e980202, H200: 165 s); refit on the two
+# runs of this session (fresh machines, cold-L2 rotations): kernels.json (ff0ef94) took 311 s for
+# checks, sweeps and GDN B 1-256 (model: 303 s) and kernels_b256.json (37b59f8) 26 s for seven
+# B = 256 sections (model: 34 s; its section_s has per-section times). The GPU checks compile
+# every kernel on a fresh machine (60 s), and each small-batch window makes thousands of Python
+# step calls (launch: seconds per launch, ~0.6 ms per step call of three kernels).
+_EST = dict(fixed=0.27, compile=2.0, per_GB=0.96, checks=60.0, copy=3.0, peer=0.75, launch=6e-4)
 
 
 def _launches(kind, B, L, S, rot=True):

@@ -63,7 +63,7 @@ from replayquant.streams import ANCHOR, READ, layer_seed
 __all__ = ["ReplayStore", "replay_gdn_step", "replay_gdn_step_ref", "replay_mamba2_step",
            "replay_mamba2_step_ref", "advance_pointers", "advance_pointers_ref",
            "choose_path", "resolve_path", "flush_is_lossless", "replay_launch_config",
-           "choose_launch", "resolve_launch"]
+           "choose_launch", "resolve_launch", "resolve_read_variant"]
 
 
 def _pair_roles(pair):
@@ -860,6 +860,23 @@ def resolve_path(store: ReplayStore, n_rows: int, path: str = "auto") -> str:
 
 
 READ_VARIANTS = ("block", "kh", "dots")
+
+# rows from which read_variant='auto' (the default of the step functions) reads with 'dots' in a
+# split launch (None: never). H200, results/bench/kernels_b256.json (commit 37b59f8), GDN B = 256,
+# L = 16, read step us block / kh / dots: s32_rs 295.7 / 213.2 / 205.2, tp4_hi32 380.3 / 308.4 /
+# 259.4; window 350.1 / 272.4 / 269.2 and 454.0 / 384.1 / 341.7. Other batches and Mamba-2 not
+# measured: 'block' there.
+DOTS_MIN_ROWS = {"gdn": 256, "mamba2": None}
+
+
+def resolve_read_variant(store: ReplayStore, n_rows: int, read_variant: str = "auto",
+                         launch: str = "split") -> str:
+    """The read kernel of a decode step: read_variant as given, or for 'auto' 'dots' in a split
+    launch from DOTS_MIN_ROWS[kind] rows, else 'block' (the fused launch has its own read)."""
+    if read_variant != "auto":
+        return read_variant or "block"
+    m = DOTS_MIN_ROWS.get(store.kind)
+    return "dots" if launch == "split" and m is not None and n_rows >= m else "block"
 LAUNCHES = ("auto", "split", "fused")
 
 # rows below which a decode step runs as one launch (launch='auto' -> 'fused'), by (kind, any
@@ -892,7 +909,7 @@ def resolve_launch(store: ReplayStore, n_rows: int, launch: str = "auto",
     the same results (same arithmetic per element; tests)."""
     if launch not in LAUNCHES:
         raise ValueError(f"launch must be one of {', '.join(map(repr, LAUNCHES))}, got {launch!r}")
-    if read_variant in ("kh", "dots"):
+    if read_variant in ("kh", "dots"):          # explicit split-launch read kernels
         if launch == "fused":
             raise ValueError(f"read_variant={read_variant!r} runs in the split launch "
                              "(launch='split' or 'auto')")
@@ -1017,7 +1034,7 @@ def _force(path, store, B):
 
 def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, state_indices=None,
                     scale=None, out=None, use_qk_l2norm=True, path="auto", block_v=None,
-                    num_warps=None, advance=True, flush_config=None, read_variant="block",
+                    num_warps=None, advance=True, flush_config=None, read_variant="auto",
                     launch="auto"):
     """One GDN replay decode step for a batch (Triton), inputs as conventional_gdn_step
     (k, v bf16). path (resolve_path): 'auto' (default: below the measured batch threshold a
@@ -1028,11 +1045,12 @@ def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, stat
     shared pair: adds roundings, changes results).
     Returns y float32 [B, H, d_v]; with advance=False the caller moves the pointers
     (advance_pointers; its default force_flush is the path this step took).
-    read_variant: 'block' (default: one program per (row, value head, row block)), 'kh' (one
-    program per (row, key head), per-entry dot products formed once per key head) or 'dots'
-    (the block kernel, with the per-entry dot products formed once per (row, key head) by a
-    small kernel launched before it); same results within FP32 reassociation (see
-    evals/decode_kernels_notes.md for what the H200 measured).
+    read_variant: 'auto' (default: 'dots' from DOTS_MIN_ROWS rows, else 'block'), 'block' (one
+    program per (row, value head, row block)), 'kh' (one program per (row, key head),
+    per-entry dot products formed once per key head) or 'dots' (the block kernel, with the
+    per-entry dot products formed once per (row, key head) by a small kernel launched before
+    it); same results within FP32 reassociation (see evals/decode_kernels_notes.md for what the
+    H200 measured).
     launch (resolve_launch): 'auto' (default: one launch per step below FUSED_THRESHOLD rows,
     never for a pair with an NVFP4 role),
     'split' or 'fused'; the same results. With launch 'fused', block_v / num_warps set the one
@@ -1044,9 +1062,10 @@ def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, stat
     _no_pending(store)
     force = _force(path, store, q.shape[0])
     lau = resolve_launch(store, q.shape[0], launch, read_variant or "block")
+    rv = resolve_read_variant(store, q.shape[0], read_variant, lau)
     out, idx, moved = _launch(store, q, k, v, a, b, A_log, dt_bias, None, None, state_indices,
                               out, scale, use_qk_l2norm, 1, True, force, block_v, num_warps,
-                              flush_config, read_variant, launch=lau, advance=advance)
+                              flush_config, rv, launch=lau, advance=advance)
     if advance and not moved:
         advance_pointers(store, idx, 1, True, force)
     return out
@@ -1055,20 +1074,22 @@ def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, stat
 def replay_mamba2_step(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None, z=None,
                        dt_bias=None, out=None, path="auto", block_v=None, num_warps=None,
                        advance=True, flush_config=None, dt_limit=NO_DT_LIMIT, launch="auto",
-                       read_variant="block"):
+                       read_variant="auto"):
     """One Mamba-2 replay decode step (Triton), inputs as conventional_mamba2_step (x, B bf16;
     dt_limit = (lo, hi) clamps softplus(dt + dt_bias), (0, inf): no clamp).
     path, advance, launch: as replay_gdn_step (default 'auto': only s32_rs-like shared FP32
     anchors switch to a flush every step below the measured batch threshold); read_variant
-    'block' (default) or 'dots' (the entries' B_j.C formed once per (row, group))."""
+    'auto' (default; 'block' for Mamba-2 until 'dots' is measured), 'block' or 'dots' (the
+    entries' B_j.C formed once per (row, group))."""
     if store.kind != "mamba2":
         raise ValueError("replay_mamba2_step needs a store built with kind='mamba2'")
     _no_pending(store)
     force = _force(path, store, x.shape[0])
     lau = resolve_launch(store, x.shape[0], launch, read_variant or "block")
+    rv = resolve_read_variant(store, x.shape[0], read_variant, lau)
     out, idx, moved = _launch(store, C, B, x, dt, None, A, dt_bias, D, z, state_indices, out, None,
                               False, 1, True, force, block_v, num_warps, flush_config,
-                              read_variant, dt_limit=dt_limit, launch=lau, advance=advance)
+                              rv, dt_limit=dt_limit, launch=lau, advance=advance)
     if advance and not moved:
         advance_pointers(store, idx, 1, True, force)
     return out
@@ -1209,7 +1230,7 @@ def replay_ref_core(store: ReplayStore, fe, raw, state_indices, T: int, step: bo
 def replay_gdn_step_ref(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None,
                         state_indices=None, scale=None, out=None, use_qk_l2norm=True,
                         path="auto", block_v=None, num_warps=None, advance=True,
-                        flush_config=None, read_variant="block", launch="auto"):
+                        flush_config=None, read_variant="auto", launch="auto"):
     """torch reference of replay_gdn_step (same signature, same effect on the store)."""
     force = _force(path, store, q.shape[0])
     qf, kf, vf, g, beta = gdn_frontend_ref(q, k, v, a, b, A_log, dt_bias, scale, use_qk_l2norm)
@@ -1224,7 +1245,7 @@ def replay_gdn_step_ref(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None,
 def replay_mamba2_step_ref(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None, z=None,
                            dt_bias=None, out=None, path="auto", block_v=None, num_warps=None,
                            advance=True, flush_config=None, dt_limit=NO_DT_LIMIT,
-                           launch="auto", read_variant="block"):
+                           launch="auto", read_variant="auto"):
     """torch reference of replay_mamba2_step."""
     force = _force(path, store, x.shape[0])
     q, k, v, log_a, d = mamba2_frontend_ref(x, dt, A, B, C, dt_bias, dt_limit)
