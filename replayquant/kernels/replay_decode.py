@@ -810,6 +810,9 @@ def choose_path(kind: str, n_rows: int, shared: bool = True, threshold: int | No
     49.6, B=128 160.8 vs 168.1, B=256 343.9 vs 331.3; Mamba-2 B=8 17.4 vs 19.2, B=32 80.1 vs
     69.0); for pairs with a separate read copy the forced flush (which writes both roles every
     step) was never faster (GDN tp4_hi32 B=1 11.1 vs 9.1 us), so they always replay.
+    Run 4 (results/bench/kernels.json, commit ff0ef94, cold L2) confirmed the GDN value: forced
+    flush vs block window B=128 160.7 vs 168.3, B=256 344.9 vs 331.8 (and the 'dots' window, the
+    default read from 256 rows, 269.2 at B=256 in run 5); Mamba-2 not re-measured.
     This does not look at rounding: `resolve_path` decides whether a switch may be taken."""
     if threshold is None:
         threshold = DISPATCH_THRESHOLD[(kind, bool(shared))]
