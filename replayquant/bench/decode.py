@@ -199,7 +199,7 @@ def plain_ms(fn) -> float:
 
 PAIR_L = {"gdn": 16, "mamba2": 8}
 FUSED_MAX_B = 128           # launch='fused' windows are timed at the main L up to this batch
-VARIANT_MIN_B = 128         # read variants ('kh', 'dots') are timed from this batch
+VARIANT_MIN_B = 128         # the read variant 'dots' is timed from this batch
 
 
 def _kw(kind, S, B, T=None, seed=0, device="cuda"):
@@ -604,25 +604,23 @@ def bench_replay(kind, B, pair, L, device, copy_bw, cfg=None, detail=False, forc
     return rows
 
 
-VARIANT_CFGS = {"kh": [(16, 1), (32, 2), (32, 4), (64, 4), (128, 8)],
-                "dots": [(16, 1), (16, 2), (16, 4), (32, 2), (64, 4)]}
+VARIANT_CFGS = {"dots": [(16, 1), (16, 2), (16, 4), (32, 2), (64, 4)]}
 # (16 rows with 2 / 4 warps: the NVFP4 'dots' read at 105 / 64 registers instead of 168 with one
 # warp, ptxas -v for sm_90a; not timed yet)
 
 
 def bench_replay_variant(kind, B, pair, L, device, copy_bw, cfg=None, detail=False, S=None,
-                         variant="kh"):
-    """A read variant of the split launch: 'kh' (GDN; one program per (row, key head)) or 'dots'
-    (per-entry dot products once per (row, key head) by a small kernel, then the block read
-    kernel): the window at batch B (state copies rotated as in bench_replay) and, with detail,
+                         variant="dots"):
+    """A read variant of the split launch: 'dots' (per-entry dot products once per (row, key
+    head) by a small kernel, then the block read kernel): the window at batch B (state copies rotated as in bench_replay) and, with detail,
     its read-step configs and best."""
     H, HK, dv, dk, f, idx, kw, out, af, rf, c, R, sts = _replay_setup(kind, B, pair, L, device,
                                                                      cfg, S)
     st = sts[0]
     rows = []
     # its own configs at the detail batch, the window with the best (elsewhere: the block
-    # kernel's config for 'dots', the default for 'kh')
-    ck = {k_: c[k_] for k_ in ("block_v", "num_warps") if k_ in c} if variant == "dots" else {}
+    # kernel's config)
+    ck = {k_: c[k_] for k_ in ("block_v", "num_warps") if k_ in c}
     fc = {"flush_config": c["flush_config"]} if "flush_config" in c else {}
     fc["launch"] = "split"
     if detail:
@@ -976,7 +974,7 @@ def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
          sweep=True, detail_batches=(256,), shapes=None, variant_min_b=VARIANT_MIN_B):
     """The benchmark's sections in priority order, each (key, estimated seconds, what): the
     targets of issue 4 first (conventional, every pair at the kind's main L with the one-launch
-    window up to FUSED_MAX_B, T = 4 at the largest spec batch), then the GDN 'kh' rows, the
+    window up to FUSED_MAX_B, T = 4 at the largest spec batch), then the 'dots' rows, the
     peers, the other L values and the other T values."""
     bad = [p for p in pairs if p not in PAIRS]
     if bad:
@@ -1021,9 +1019,10 @@ def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
                 sec.append((f"spec/{kind}/B{B}/T{bigT}", (P + 2) * (E["fixed"] + gb * E["per_GB"]
                                                                    * (1 + bigT / 2)) + P * E["compile"],
                             ("spec", kind, B, bigT)))
-    # read variants of the split launch (unmeasured so far): GDN 'kh', both kinds 'dots'; from
-    # batch VARIANT_MIN_B (below it the one-launch path is the default)
-    for variant, vkinds in (("kh", ("gdn",)), ("dots", ("gdn", "mamba2"))):
+    # the 'dots' read variant of the split launch, both kinds; from batch VARIANT_MIN_B (below
+    # it the one-launch path is the default). ('kh', one program per (row, key head), was timed
+    # in results/bench/kernels_b256.json, lost to 'dots' and was removed.)
+    for variant, vkinds in (("dots", ("gdn", "mamba2")),):
         for kind in (k for k in vkinds if k in kinds):
             L = mainL[kind]
             vb = [B for B in batches if B >= variant_min_b]

@@ -53,7 +53,7 @@ import triton.language as tl
 
 from replayquant.kernels.conventional import (_into, _program_tile, PackedRole, _check_inputs, _front_end,
                                               _gate_out, _indices, _l2norm, _pow2_dims, _prep,
-                                              _rank1_step, _softplus, _tile_load, _tile_store,
+                                              _rank1_step, _tile_load, _tile_store,
                                               NO_DT_LIMIT, dt_limit_args,
                                               gdn_frontend_ref, mamba2_frontend_ref,
                                               mamba2_post_ref, role_streams, split_key)
@@ -602,89 +602,6 @@ def _replay_fused_kernel(
 
 
 @triton.jit
-def _replay_read_kh_kernel(
-        R_pay, R_sc, R_gs,
-        kbuf, vbuf, ubuf, Gbuf, bbuf, h_ptr, st_ptr, idx_ptr, out_ptr,
-        q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr,
-        scale, force,
-        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-        BV: tl.constexpr, L: tl.constexpr, CAP: tl.constexpr, LP: tl.constexpr,
-        RFMT: tl.constexpr, L2NORM: tl.constexpr, HAS_DTB: tl.constexpr, U_BF16: tl.constexpr):
-    """GDN decode step (T = 1), the non-flushing rows, one program per (row, key head) looping
-    over its value heads and row blocks (read_variant='kh'): the buffer's k entries are loaded and
-    re-normalised, and the per-entry dot products k_j.q and k_j.k formed, once per key head
-    instead of once per (value head, row block) as in _replay_read_kernel. Same arithmetic per
-    output element as _replay_read_kernel (the reference is the same)."""
-    pid = tl.program_id(0)
-    row = pid // HK
-    hk = pid % HK
-    RATIO: tl.constexpr = HV // HK
-    NVB: tl.constexpr = DV // BV
-    cols = tl.arange(0, DK)
-    jj = tl.arange(0, LP)
-    slot = tl.load(idx_ptr + row).to(tl.int64)
-    if slot >= 0:
-        h = tl.load(h_ptr + slot)
-        start = tl.load(st_ptr + slot)
-        if (h + 1 > L) & (h > 0):          # flushed by _replay_flush_kernel
-            start = (start + h) % CAP
-            h = h * 0
-        if (h + 1 != L) & (force == 0):
-            m = jj < h
-            e = slot * CAP + (start + jj) % CAP
-            K = tl.load(kbuf + (e[:, None] * HK + hk) * DK + cols[None, :], mask=m[:, None],
-                        other=0.0).to(tl.float32)
-            q = tl.load(q_ptr + (row * HK + hk) * DK + cols).to(tl.float32)
-            k = tl.load(k_ptr + (row * HK + hk) * DK + cols).to(tl.float32)
-            if L2NORM:
-                K = K * (1.0 / tl.sqrt(tl.sum(K * K, axis=1) + 1e-6))[:, None]
-                q = _l2norm(q)
-                k = _l2norm(k)
-            q = q * scale
-            kk = tl.sum(K * k[None, :], axis=1)
-            qk = tl.sum(K * q[None, :], axis=1)
-            kq = tl.sum(k * q, axis=0)
-            en = _entry(slot, start, h, CAP)
-            for r in range(RATIO):
-                hv = hk * RATIO + r
-                mat = slot * HV + hv
-                G = tl.load(Gbuf + e * HV + hv, mask=m, other=0.0)
-                a = tl.load(a_ptr + row * HV + hv).to(tl.float32)
-                if HAS_DTB:
-                    a = a + tl.load(dtb_ptr + hv).to(tl.float32)
-                A = tl.load(A_ptr + hv).to(tl.float32)
-                log_a = -tl.exp(A) * _softplus(a)
-                bb = tl.load(b_ptr + row * HV + hv).to(tl.float32)
-                beta = 1.0 / (1.0 + tl.exp(-bb))
-                Gp = tl.sum(tl.where(jj == h - 1, G, 0.0), axis=0) + log_a
-                wdec = tl.where(m, tl.exp(tl.where(m, Gp - G, 0.0)), 0.0)
-                eG = tl.exp(Gp)
-                wkk = wdec * kk
-                wqk = wdec * qk
-                for vb in range(NVB):
-                    rows = vb * BV + tl.arange(0, BV)
-                    T0, T1, bs, s = _read_tile(R_pay, R_sc, R_gs, mat, rows, DV, DK, RFMT)
-                    X = tl.load(ubuf + (e[:, None] * HV + hv) * DV + rows[None, :],
-                                mask=m[:, None], other=0.0).to(tl.float32)
-                    xraw = tl.load(v_ptr + (row * HV + hv) * DV + rows)
-                    v = xraw.to(tl.float32)
-                    corr = tl.sum(wkk[:, None] * X, axis=0)
-                    rk = _tile_dot(T0, T1, bs, s, k, DK, RFMT)
-                    u = beta * (v - eG * rk) - beta * corr
-                    if U_BF16:
-                        u = u.to(tl.bfloat16).to(tl.float32)
-                    y = eG * _tile_dot(T0, T1, bs, s, q, DK, RFMT) \
-                        + tl.sum(wqk[:, None] * X, axis=0) + kq * u
-                    tl.store(out_ptr + (row * HV + hv) * DV + rows, y)
-                    tl.store(vbuf + (en * HV + hv) * DV + rows, xraw.to(tl.bfloat16))
-                    tl.store(ubuf + (en * HV + hv) * DV + rows, u.to(ubuf.dtype.element_ty))
-                tl.store(Gbuf + en * HV + hv, Gp)
-                tl.store(bbuf + en * HV + hv, beta)
-            kraw = tl.load(k_ptr + (row * HK + hk) * DK + cols)
-            tl.store(kbuf + (en * HK + hk) * DK + cols, kraw.to(tl.bfloat16))
-
-
-@triton.jit
 def _moved_pointers(h, st, nf, force, L: tl.constexpr, CAP: tl.constexpr, T: tl.constexpr,
                     STEP: tl.constexpr):
     """(committed, start, n_flush) after a step (STEP) or a verify of T drafts, from the values
@@ -862,7 +779,7 @@ def resolve_path(store: ReplayStore, n_rows: int, path: str = "auto") -> str:
     return path
 
 
-READ_VARIANTS = ("block", "kh", "dots")
+READ_VARIANTS = ("block", "dots")
 
 # rows from which read_variant='auto' (the default of the step functions) reads with 'dots' in a
 # split launch (None: never). H200, results/bench/kernels_b256.json (commit 37b59f8), GDN B = 256,
@@ -906,13 +823,13 @@ def choose_launch(kind: str, n_rows: int, threshold: int | None = None, nvfp4: b
 def resolve_launch(store: ReplayStore, n_rows: int, launch: str = "auto",
                    read_variant: str = "block") -> str:
     """The kernels a decode step runs: 'split' (_replay_flush_kernel, then _replay_read_kernel
-    or the 'kh' read kernel, then the pointer kernel when advancing) or 'fused' (one launch,
+    with its 'dots' pre-kernel or not, then the pointer kernel when advancing) or 'fused' (one launch,
     _replay_fused_kernel, pointers moved inside it when advancing). 'auto': choose_launch by
-    size; read_variant 'kh' / 'dots' are split-launch read kernels, so 'auto' keeps them split. Both give
+    size; read_variant 'dots' is a split-launch read, so 'auto' keeps it split. Both give
     the same results (same arithmetic per element; tests)."""
     if launch not in LAUNCHES:
         raise ValueError(f"launch must be one of {', '.join(map(repr, LAUNCHES))}, got {launch!r}")
-    if read_variant in ("kh", "dots"):          # explicit split-launch read kernels
+    if read_variant == "dots":                  # an explicit split-launch read kernel
         if launch == "fused":
             raise ValueError(f"read_variant={read_variant!r} runs in the split launch "
                              "(launch='split' or 'auto')")
@@ -933,8 +850,6 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
     read_variant = read_variant or "block"
     if read_variant not in READ_VARIANTS:
         raise ValueError(f"read_variant must be one of {READ_VARIANTS}, got {read_variant!r}")
-    if read_variant == "kh" and not (delta and step and T == 1):
-        raise ValueError("read_variant='kh' is the GDN decode step only (T = 1, not verify)")
     if read_variant == "dots" and not (step and T == 1):
         raise ValueError("read_variant='dots' is the decode step only (T = 1, not verify)")
     N, HV, dv, dk = store.shape
@@ -999,17 +914,7 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
         sc, *split_key(store.key), int(force), dt_lo, dt_hi, BV=FBV,
         AFMT=afid, ASR=store.anchor.rounding == "stochastic", RSR=rr, SHARED=store.shared,
         num_warps=fnw, **common)
-    if not force and read_variant == "kh":
-        kbv = block_v if block_v is not None else min(dv, 32)
-        knw = num_warps if num_warps is not None else max(1, min(8, kbv * dk // 1024))
-        _replay_read_kh_kernel[(B * HK,)](
-            Rp, Rs, Rg, store.kbuf, store.vbuf, store.ubuf, store.Gbuf, store.bbuf,
-            store.committed, store.start, idx, out, q, k, v, a, b, A,
-            dt_bias if dt_bias is not None else dummy, sc, int(force),
-            HK=HK, HV=HV, DK=dk, DV=dv, BV=kbv, L=store.L, CAP=store.capacity,
-            LP=LP, RFMT=rfid, L2NORM=use_qk_l2norm, HAS_DTB=dt_bias is not None, U_BF16=U_BF16,
-            num_warps=knw)
-    elif not force:
+    if not force:
         dots = idx                                      # any pointer: unused unless DOTS
         if read_variant == "dots":
             dots = torch.empty(B, HK, 2, LP, dtype=torch.float32, device=q.device)
@@ -1049,8 +954,7 @@ def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, stat
     Returns y float32 [B, H, d_v]; with advance=False the caller moves the pointers
     (advance_pointers; its default force_flush is the path this step took).
     read_variant: 'auto' (default: 'dots' from DOTS_MIN_ROWS rows, else 'block'), 'block' (one
-    program per (row, value head, row block)), 'kh' (one program per (row, key head),
-    per-entry dot products formed once per key head) or 'dots' (the block kernel, with the
+    program per (row, value head, row block)) or 'dots' (the block kernel, with the
     per-entry dot products formed once per (row, key head) by a small kernel launched before
     it); same results within FP32 reassociation (see evals/decode_kernels_notes.md for what the
     H200 measured).
