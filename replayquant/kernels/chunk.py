@@ -53,10 +53,10 @@ import triton.language as tl
 
 from replayquant.formats import QTensor
 from replayquant.kernels.chunk_ref import ScanState, _check_inputs, cpu_threads
-from replayquant.kernels.conventional import (_BS_MIN, _E2M1_MAX, _E4M3_MAX, _FP8_DIV, _NV_DIV,
-                                              FMT_IDS, _sr_bits, split_key)
+from replayquant.kernels.conventional import (_FP8_DIV, _NV_DIV, FMT_IDS, _sr_bits,
+                                              nv_block_encode, split_key)
 from replayquant.kernels.quant import (decode_bf16, decode_e2m1, decode_e4m3, decode_fp16,
-                                       encode_bf16, encode_e2m1, encode_e4m3, encode_fp16)
+                                       encode_bf16, encode_e4m3, encode_fp16)
 from replayquant.replay import core
 from replayquant.streams import layer_seed
 
@@ -198,14 +198,7 @@ def _cast_tile(x, g, pay, sc, gs, mat, rows, cols, key_lo, key_hi, flush_index, 
     else:
         DK2: tl.constexpr = DK // 2
         NB: tl.constexpr = DK // 16
-        xb = tl.reshape(x, (BV, NB, 16))
-        bamax = tl.max(tl.abs(xb), axis=2)
-        bsf = tl.div_rn(tl.div_rn(bamax, _E2M1_MAX), g)
-        bsf = tl.minimum(tl.maximum(bsf, _BS_MIN), _E4M3_MAX)
-        bcode = encode_e4m3(bsf, bsf.to(tl.uint32, bitcast=True), False)
-        den = decode_e4m3(bcode) * g
-        y = tl.reshape(tl.div_rn(xb, den[:, :, None]), (BV, DK))
-        nibs = encode_e2m1(y, rb, SR)
+        nibs, bcode = nv_block_encode(x, g, rb, BV, DK, SR)
         lo, hi = tl.split(tl.reshape(nibs, (BV, DK2, 2)))
         half = tl.arange(0, DK2)
         tl.store(pay + mat * (DV * DK2) + rows[:, None] * DK2 + half[None, :],

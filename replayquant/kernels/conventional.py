@@ -236,6 +236,21 @@ def _tile_load(pay, sc, gs, mat, rows, cols, DV: tl.constexpr, DK: tl.constexpr,
 
 
 @triton.jit
+def nv_block_encode(x, g, rb, BV: tl.constexpr, DK: tl.constexpr, SR: tl.constexpr):
+    """NVFP4 codes of a float32 tile x [BV, DK] with matrix scale g: (E2M1 codes [BV, DK] as
+    integers, E4M3 block-scale codes [BV, DK // 16]), the steps of quant_ref in float32."""
+    NB: tl.constexpr = DK // 16
+    xb = tl.reshape(x, (BV, NB, 16))
+    bamax = tl.max(tl.abs(xb), axis=2)
+    bsf = tl.div_rn(tl.div_rn(bamax, _E2M1_MAX), g)
+    bsf = tl.minimum(tl.maximum(bsf, _BS_MIN), _E4M3_MAX)
+    bcode = encode_e4m3(bsf, bsf.to(tl.uint32, bitcast=True), False)
+    den = decode_e4m3(bcode) * g
+    y = tl.reshape(tl.div_rn(xb, den[:, :, None]), (BV, DK))
+    return encode_e2m1(y, rb, SR), bcode
+
+
+@triton.jit
 def _tile_store(x, pay, sc, gs, mat, rows, cols, key_lo, key_hi, flush_index, slot, head,
                 DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, FMT: tl.constexpr,
                 SR: tl.constexpr, ROLE: tl.constexpr):
@@ -265,15 +280,8 @@ def _tile_store(x, pay, sc, gs, mat, rows, cols, key_lo, key_hi, flush_index, sl
         amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
         g = tl.div_rn(amax, _NV_DIV)
         g = tl.where(g > 0, g, 1.0)
-        xb = tl.reshape(x, (BV, NB, 16))
-        bamax = tl.max(tl.abs(xb), axis=2)
-        bsf = tl.div_rn(tl.div_rn(bamax, _E2M1_MAX), g)
-        bsf = tl.minimum(tl.maximum(bsf, _BS_MIN), _E4M3_MAX)
-        bcode = encode_e4m3(bsf, bsf.to(tl.uint32, bitcast=True), False)
-        den = decode_e4m3(bcode) * g
-        y = tl.reshape(tl.div_rn(xb, den[:, :, None]), (BV, DK))
-        nib = tl.reshape(encode_e2m1(y, rb, SR), (BV, DK2, 2))
-        lo, hi = tl.split(nib)
+        nibs, bcode = nv_block_encode(x, g, rb, BV, DK, SR)
+        lo, hi = tl.split(tl.reshape(nibs, (BV, DK2, 2)))
         half = tl.arange(0, DK2)
         tl.store(pay + mat * (DV * DK2) + rows[:, None] * DK2 + half[None, :],
                  (lo | (hi << 4)).to(tl.uint8))
