@@ -213,6 +213,15 @@ def _cast_tile(x, g, pay, sc, gs, mat, rows, cols, key_lo, key_hi, flush_index, 
     return out
 
 
+@triton.jit
+def _window_program(w0, H: tl.constexpr):
+    """Grid (window of the group, sequence x head) -> (window in group wl, sequence x head bh,
+    sequence b, head h, window w, matrix index as int64)."""
+    wl = tl.program_id(0)
+    bh = tl.program_id(1)
+    return wl, bh, bh // H, bh % H, w0 + wl, bh.to(tl.int64)
+
+
 @triton.jit(do_not_specialize=["T", "WIDTH", "w0", "NWS", "key_lo", "key_hi"])
 def _terms_kernel(
         tok_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bk_ptr, bv_ptr, bG_ptr, bb_ptr, h0_ptr, nfull_ptr,
@@ -231,11 +240,7 @@ def _terms_kernel(
     PRE (a stochastically rounded anchor): the SR bits of the flush that ends this window
     (flush index nf + w + 1, role ANCHOR), so the sequential pass reads them instead of running
     Philox on its critical path."""
-    wl = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    w = w0 + wl
+    wl, bh, b, h, w, _ = _window_program(w0, H)
     cols = tl.arange(0, DK)
     jj = tl.arange(0, LP)
     h0 = tl.load(h0_ptr + b)
@@ -405,12 +410,7 @@ def _cast_kernel(
     nf + w), whose codes are stored for the window after the row's last flush. Exact: the window
     after the row's last entry holds the final unrounded state; it is cast into both roles
     (flush index nf + 1) and Xs is left as it is."""
-    wl = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    w = w0 + wl
-    mat = bh.to(tl.int64)
+    wl, bh, b, h, w, mat = _window_program(w0, H)
     cols = tl.arange(0, DK)
     br = tl.arange(0, BV)
     nf = tl.load(nf_ptr + b)
@@ -454,12 +454,7 @@ def _output_kernel(
     y = P X^T + C of every token of the window from its checkpoint X (Xs: the read copy's
     values; exact: the unrounded state) but the flush token of a flushing window (pass 2
     wrote those)."""
-    wl = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    w = w0 + wl
-    mat = bh.to(tl.int64)
+    wl, bh, b, h, w, mat = _window_program(w0, H)
     cols = tl.arange(0, DK)
     jj = tl.arange(0, LP)
     br = tl.arange(0, BV)
