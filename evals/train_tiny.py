@@ -910,11 +910,13 @@ def plot_losses(logs: list[dict], path: Path) -> None:
             k = min(10, len(y))
             smooth = np.convolve(y, np.ones(k) / k, mode="valid")
             ax.plot(np.arange(k, len(y) + 1), smooth, color=c, lw=1.2,
-                    label=f"{lg['name']} train ({lg['parameters'] / 1e6:.1f}M params)")
+                    label=f"{lg['name']} train ({lg['parameters'] / 1e6:.1f}M params, "
+                          f"{lg['seq_len'] // 1024}K context)")
         else:                                   # an earlier run: its stdout has one batch per 50 steps
             xs, ys = zip(*lg["train_loss_at_val_steps"])
             ax.plot(xs, ys, "x-", color=c, ms=4, lw=0.8,
-                    label=f"{lg['name']} train, one batch ({lg['parameters'] / 1e6:.1f}M params)")
+                    label=f"{lg['name']} train, one batch ({lg['parameters'] / 1e6:.1f}M params, "
+                          f"{lg['seq_len'] // 1024}K context)")
         vs, vl = zip(*lg["val_curve"])
         ax.plot(vs, vl, "o--", color=c, ms=3, lw=0.8, label=f"{lg['name']} validation")
         for e in lg["heldout"]:
@@ -930,8 +932,7 @@ def plot_losses(logs: list[dict], path: Path) -> None:
     ax.set_ylabel("next-token loss (nats)")
     ax.set_ylim(bottom=min(min(lg.get("train_loss") or [y for _, y in lg["train_loss_at_val_steps"]])
                            for lg in logs) - 0.2, top=6.0)
-    T = logs[0]["seq_len"]
-    ax.set_title(f"Tiny models on the KJV (4096-token BPE, {T // 1024}K context)")
+    ax.set_title("Tiny models on the KJV (4096-token BPE)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     bx.set_xscale("log")
@@ -1113,6 +1114,11 @@ def cmd_evaluate(args) -> None:
     log(f"wrote {out / 'train_log.json'} and {out / 'loss_curve.png'}")
 
 
+def cmd_plot(args) -> None:
+    """Redraw a log's PNG (e.g. after a change to the plot) from the log alone."""
+    plot_losses(json.loads(Path(args.log).read_text())["models"], Path(args.out))
+
+
 def cmd_prepare(args) -> None:
     meta = tiny_data.prepare(args.data, deb=args.deb, cache_dir=args.cache,
                              vocab_size=args.vocab_size, heldout_out=args.heldout_out)
@@ -1229,6 +1235,9 @@ def main(argv=None) -> None:
                    help="KIND=PATH: the training run's stdout (.txt) or train_log.json")
     e.add_argument("--source-commit", default=None)
     e.add_argument("--deterministic", action="store_true", default=True)
+    pl = sub.add_parser("plot", help="redraw the PNG of a train_log.json")
+    pl.add_argument("--log", required=True)
+    pl.add_argument("--out", required=True)
     i = sub.add_parser("install", help="copy a train output into the package and results/")
     i.add_argument("--from", dest="src", required=True)
     args = ap.parse_args(argv)
@@ -1239,7 +1248,7 @@ def main(argv=None) -> None:
         if args.mamba_scan is None:
             args.mamba_scan = "fla" if cuda else "hf"
     {"prepare": cmd_prepare, "train": cmd_train, "device-run": cmd_device_run,
-     "evaluate": cmd_evaluate, "install": cmd_install}[args.cmd](args)
+     "evaluate": cmd_evaluate, "plot": cmd_plot, "install": cmd_install}[args.cmd](args)
 
 
 if __name__ == "__main__":
