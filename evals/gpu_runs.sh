@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The GPU runs still owed by issues 4, 5, 6 and 8, one job per device call (never run by CI).
+#
+#   bash evals/gpu_runs.sh JOB        with OUT set to a folder for results (the device tool sets it)
+#
+# Jobs (wall time on one H200, within a 10-minute call):
+#   tf       chunk kernel check + per-layer timing at 8K, whole-model teacher forcing at 131072
+#            tokens (issue 5), bench kl --context 131072 (issue 6)             ~420 s
+#   mamba    retrain tiny-mamba2 (issue 8), evaluate both tiny models, 16K demo of both on the
+#            GPU (evals/train_tiny.py device-run)                              ~250 s
+#   decode   bench kernels for what run 5 left unmeasured: Mamba-2 (L = 8, verify, peer), GDN
+#            B = 512 and verify T = 4 (issue 4)                                ~480 s
+#   generate evals/cuda_generate_check.py (generate through the compiled decode kernel vs the
+#            CPU path, issue 5)                                               ~60 s
+#
+# Carry .gpu (fla-core and einops wheels, mamba_ssm's selective_state_update files, the tiny
+# corpus); pass REPLAYQUANT_GIT_COMMIT=$(git rev-parse HEAD) (the device copy has no .git).
+# The image has torch, triton, transformers, accelerate, rich, typer, matplotlib; not fla.
+set -uo pipefail
+: "${OUT:?set OUT to the folder where results go}"
+job=${1:?usage: bash evals/gpu_runs.sh tf|mamba|decode|generate}
+export PYTHONUNBUFFERED=1 REPLAYQUANT_GIT_COMMIT=${REPLAYQUANT_GIT_COMMIT:-unknown}
+python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/site .gpu/wheels/*.whl \
+    || { echo "gpu_runs: could not install the carried wheels in .gpu/wheels" >&2; exit 1; }
+export PYTHONPATH=$PWD:/tmp/site:$PWD/.gpu
+python3 -c "import fla, einops; print('fla', fla.__version__)" \
+    || { echo "gpu_runs: fla does not import; HF would fall back to its slow torch path" >&2; exit 1; }
+rq() { python3 -m replayquant.cli "$@"; }
+case "$job" in
+  tf)
+    timeout 150 python3 -m replayquant.bench.teacher_forcing "$OUT/teacher_forcing.json" --lengths 8192 \
+        > "$OUT/layer.log" 2>&1; echo "layer rc=$?"
+    timeout 120 rq bench teacher-forcing --part model --out "$OUT/teacher_forcing.json" \
+        > "$OUT/model.log" 2>&1; echo "model rc=$?"
+    timeout 150 rq bench kl --context 131072 --pair f4_sr_rs --pair tp4_hi32 --out "$OUT/kl_128k.json" \
+        > "$OUT/kl.log" 2>&1; echo "kl rc=$?"
+    ;;
+  mamba)
+    # writes at most 8 files into $OUT (model folder, log, demo results); then, here:
+    # python evals/train_tiny.py install --from <that folder>
+    timeout 240 python3 evals/train_tiny.py device-run --data .gpu/tiny --out "$OUT" \
+        --models mamba --steps 400 --evaluate-also qwen \
+        --train-stdout results/train_tiny/train_stdout_run2.txt \
+        --source-commit "$REPLAYQUANT_GIT_COMMIT" --deadline 185 --reserve 60 \
+        2>&1 | tee /tmp/train_stdout.txt; echo "train rc=${PIPESTATUS[0]}"
+    ;;
+  decode)
+    # Mamba-2 at its main L (8) with verify T = 4 and the mamba_ssm peer (~310 s estimated),
+    # then GDN's verify target and B = 512 (~85 s)
+    rq bench kernels --out "$OUT" --name kernels_mamba2 --kinds mamba2 --L 8 --T 4 --no-checks \
+        --budget-s 330 > "$OUT/decode_mamba2.log" 2>&1; echo "mamba2 rc=$?"
+    rq bench kernels --out "$OUT" --name kernels_gdn_b512 --kinds gdn --batches 512 --L 16 --T 4 \
+        --spec-batches 512 --no-checks --no-sweep --budget-s 100 \
+        > "$OUT/decode_gdn.log" 2>&1; echo "gdn rc=$?"
+    ;;
+  generate)
+    python3 evals/cuda_generate_check.py "$OUT/cuda_generate.json" --new-tokens 32; echo "rc=$?"
+    ;;
+  *) echo "gpu_runs: unknown job $job (tf, mamba, decode, generate)" >&2; exit 2 ;;
+esac
