@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -209,26 +210,16 @@ def _hf_modules():
     return qm, mm
 
 
-_HF_MAMBA_SCAN = None
-
-
+@functools.cache
 def hf_mamba_scan():
     """transformers' own Mamba-2 chunked scan (the torch code every CPU user runs)."""
-    global _HF_MAMBA_SCAN
-    if _HF_MAMBA_SCAN is None:
-        _HF_MAMBA_SCAN = _hf_modules()[1].mamba2_chunk_scan
-    return _HF_MAMBA_SCAN
+    return _hf_modules()[1].mamba2_chunk_scan
 
 
-_HF_GDN = None
-
-
+@functools.cache
 def _hf_gdn_wrapper():
     """transformers' module-level `torch_chunk_gated_delta_rule` as imported (before any patch)."""
-    global _HF_GDN
-    if _HF_GDN is None:
-        _HF_GDN = _hf_modules()[0].torch_chunk_gated_delta_rule
-    return _HF_GDN
+    return _hf_modules()[0].torch_chunk_gated_delta_rule
 
 
 def hf_gdn_reference():
