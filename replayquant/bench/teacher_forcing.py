@@ -185,6 +185,17 @@ def bench(lengths=(8192, 32768), device="cuda") -> list:
                     measure(f"kernel_{name}_chain_philox", fn)
                 finally:
                     chunk.PRECOMPUTE_SR_BITS = True
+            if name == "tp4_hi16_sr":                    # A/B: dots on tensor cores (3xTF32)
+                prec = chunk.DOT_PRECISION
+                chunk.DOT_PRECISION = "tf32x3"
+                try:
+                    y3 = measure(f"kernel_{name}_tf32x3", fn)[0]
+                    row[f"kernel_{name}_tf32x3_max_rel_diff"] = float(
+                        (y3 - ys[name]).abs().max() / ys[name].abs().max())
+                except Exception as e:                    # record, keep timing the rest
+                    row[f"kernel_{name}_tf32x3_error"] = f"{type(e).__name__}: {e}"[:500]
+                finally:
+                    chunk.DOT_PRECISION = prec
         # HF: q unscaled (it scales by d_k^-1/2 itself), bf16 inputs as in the model, state
         # [B, H, d_k, d_v]
         bf = torch.bfloat16
@@ -298,7 +309,7 @@ def whole_model(shape: str = "qwen3.5-4b", context: int = 131072, segment: int =
     its cache, unpatched (HF; fla's kernels when installed) and patched with `pair`; returns the
     section for the results file. Warm-up (compilation, autotuning) on a prefix of two
     segments before each timed run."""
-    from replayquant.kl.bench import (SHAPES, build_model, fla_version, plain_forward,
+    from replayquant.kl.bench import (SHAPES, _chunk_dot, build_model, fla_version, plain_forward,
                                       random_document, timed)
     from replayquant.kl.command import DTYPES
     from replayquant.models import patch, teacher_force_path, unpatch
@@ -332,6 +343,7 @@ def whole_model(shape: str = "qwen3.5-4b", context: int = 131072, segment: int =
         "shape": shape, "model_config": cfg, "dtype": dtype, "context": context,
         "segment": segment, "pair": pair, "prefill": prefill, "teacher_force_path": path,
         "flash_linear_attention": fla_version(), "hf_gdn_function": _hf_chunk()[1],
+        "chunk_dot_precision": _chunk_dot(),
         "hf_forward_s": t_hf, "patched_forward_s": t_rq, "ratio_patched_over_hf": ratio,
         "peak_gpu_gib_hf": gib(peak_hf), "peak_gpu_gib_patched": gib(peak_rq),
         "target": "patched_forward_s <= 2 * hf_forward_s; peak GPU (patched) <= 40 GiB",
@@ -411,7 +423,7 @@ def resource_report(pairs=("tp4_hi16_sr", "s32_rs", "f4_sr_rs", "tp4_hi32"), H: 
         pre = bool(chunk.PRECOMPUTE_SR_BITS and asr)
         t = dict(ints, A_pay=ptr[a][0], A_sc=ptr[a][1], A_gs=ptr[a][2],
                  R_pay=ptr[r][0], R_sc=ptr[r][1], R_gs=ptr[r][2])
-        base = dict(H=H, DK=d, DV=d, L=L, LP=cfg["LP"], EXACT=False)
+        base = dict(H=H, DK=d, DV=d, L=L, LP=cfg["LP"], EXACT=False, PREC=chunk.DOT_PRECISION)
         kernels = [
             ("terms", chunk._terms_kernel, dict(base, BV=cfg["terms_bv"], DELTA=True, PRE=pre),
              cfg["terms_warps"]),

@@ -47,6 +47,8 @@ Shapes: d_k and d_v powers of two >= 16 (`supports` says whether a call can run 
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -71,6 +73,12 @@ PASS_EVENTS = None
 # a stochastically rounded anchor: pass 1 draws the SR bits of each flush (4 bytes per state
 # element and window in the scratch) and the sequential pass reads them (same bits)
 PRECOMPUTE_SR_BITS = True
+# input precision of the kernel's tl.dot products: "ieee" (FP32 FMAs, the default) or "tf32x3"
+# (three TF32 tensor-core products per dot, about FP32 accuracy; CUDA only, the interpreter
+# computes in FP32 either way). Not timed yet: the per-layer bench times both for tp4_hi16_sr
+# and reports the output difference; REPLAYQUANT_CHUNK_DOT overrides the default.
+DOT_PRECISIONS = ("ieee", "tf32x3")
+DOT_PRECISION = os.environ.get("REPLAYQUANT_CHUNK_DOT", "ieee")
 
 
 # ============================================================================ Triton
@@ -127,15 +135,15 @@ def _load_values(v_ptr, bv_ptr, idx, tok_row, buf_row, rows, DV: tl.constexpr):
 
 
 @triton.jit
-def _window_terms(K, Q, G, Bt, jj, L: tl.constexpr, DELTA: tl.constexpr):
+def _window_terms(K, Q, G, Bt, jj, L: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr):
     """State-independent terms: Aqk [LP, LP] = exp(G_t - G_j) (q_t . k_j) for j <= t, and for
     GDN Tinv = (I + T)^-1 with T[t, j] = beta_t exp(G_t - G_j) (k_t . k_j) for j < t."""
     causal = jj[None, :] <= jj[:, None]
     D = tl.where(causal, tl.exp(tl.where(causal, G[:, None] - G[None, :], 0.0)), 0.0)
-    Aqk = tl.dot(Q, tl.trans(K), input_precision="ieee") * D
+    Aqk = tl.dot(Q, tl.trans(K), input_precision=PREC) * D
     if DELTA:
         strict = jj[None, :] < jj[:, None]
-        KK = tl.dot(K, tl.trans(K), input_precision="ieee")
+        KK = tl.dot(K, tl.trans(K), input_precision=PREC)
         Tm = tl.where(strict, Bt[:, None] * KK * D, 0.0)
         eye = tl.where(jj[:, None] == jj[None, :], 1.0, 0.0)
         Tinv = eye
@@ -229,7 +237,7 @@ def _terms_kernel(
         T, WIDTH, w0, NWS, key_lo, key_hi,
         H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
         L: tl.constexpr, LP: tl.constexpr, DELTA: tl.constexpr, EXACT: tl.constexpr,
-        PRE: tl.constexpr):
+        PRE: tl.constexpr, PREC: tl.constexpr):
     """Pass 1, one program per (window, sequence x head): the window's state-independent terms
     into the group scratch. With Aqk[t, j] = exp(G_t - G_j) q_t.k_j (j <= t) and, for GDN,
     Tinv = (I + T)^-1, W = Tinv (beta exp(G) k), U = Tinv (beta v) (so u(X) = U - W X^T for a
@@ -248,7 +256,7 @@ def _terms_kernel(
     K, Q, G, Bt, idx, tok_row, buf_row = _load_keys(tok_ptr, q_ptr, k_ptr, a_ptr, b_ptr, bk_ptr,
                                                     bG_ptr, bb_ptr, b, h, w, h0, T, WIDTH, cols,
                                                     jj, H, DK, L, DELTA)
-    Aqk, Tinv = _window_terms(K, Q, G, Bt, jj, L, DELTA)
+    Aqk, Tinv = _window_terms(K, Q, G, Bt, jj, L, DELTA, PREC)
     eG = tl.exp(G)
     tb = bh.to(tl.int64) * NWS + wl                      # window slot in the scratch
     kq = (tb * LP + jj[:, None]) * DK + cols[None, :]
@@ -256,9 +264,9 @@ def _terms_kernel(
     tl.store(Gw + tb * LP + jj, G)
     tl.store(QLw + tb * DK + cols, tl.sum(tl.where((jj == L - 1)[:, None], Q, 0.0), axis=0))
     if DELTA:
-        Wm = tl.dot(Tinv, (Bt * eG)[:, None] * K, input_precision="ieee")
+        Wm = tl.dot(Tinv, (Bt * eG)[:, None] * K, input_precision=PREC)
         tl.store(Ww + kq, Wm)
-        tl.store(Pw + kq, eG[:, None] * Q - tl.dot(Aqk, Wm, input_precision="ieee"))
+        tl.store(Pw + kq, eG[:, None] * Q - tl.dot(Aqk, Wm, input_precision=PREC))
     else:
         tl.store(Pw + kq, eG[:, None] * Q)
 
@@ -274,12 +282,12 @@ def _terms_kernel(
         rows = rb * BV + tl.arange(0, BV)
         V = _load_values(v_ptr, bv_ptr, idx, tok_row, buf_row, rows, DV)
         if DELTA:
-            U = tl.dot(Tinv, Bt[:, None] * V, input_precision="ieee")
+            U = tl.dot(Tinv, Bt[:, None] * V, input_precision=PREC)
         else:
             U = V
         uc = (tb * LP + jj[:, None]) * DV + rows[None, :]
         tl.store(Uw + uc, U)
-        tl.store(Cw + uc, tl.dot(Aqk, U, input_precision="ieee"))
+        tl.store(Cw + uc, tl.dot(Aqk, U, input_precision=PREC))
         tl.store(nv_ptr + buf[:, None] * DV + rows[None, :], tl.where(keep[:, None], V, 0.0),
                  mask=inw[:, None])
     tl.store(nk_ptr + buf[:, None] * DK + cols[None, :], tl.where(keep[:, None], K, 0.0),
@@ -305,7 +313,7 @@ def _chain_kernel(
         H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
         NRB: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
         AFMT: tl.constexpr, ASR: tl.constexpr, SHARED: tl.constexpr, DELTA: tl.constexpr,
-        EXACT: tl.constexpr, PRE: tl.constexpr):
+        EXACT: tl.constexpr, PRE: tl.constexpr, PREC: tl.constexpr):
     """Pass 2, the only sequential one: one program per (sequence x head, NRB * BV rows) runs
     the row's flushes of this window group in order. The dequantized anchor A lives in the
     FP32 scratch As (L2). Per window: u = U - W A^T, the unrounded state S = exp(G_L) A +
@@ -358,10 +366,10 @@ def _chain_kernel(
             A = tl.load(a_tile + rows[:, None] * DK)
             U = tl.load(Uw + (tb * LP + jj[:, None]) * DV + rows[None, :])
             if DELTA:
-                u = U - tl.dot(Wm, tl.trans(A), input_precision="ieee")
+                u = U - tl.dot(Wm, tl.trans(A), input_precision=PREC)
             else:
                 u = U
-            S = eGL * A + tl.dot(tl.trans(u * wL[:, None]), Kt, input_precision="ieee")
+            S = eGL * A + tl.dot(tl.trans(u * wL[:, None]), Kt, input_precision=PREC)
             if EXACT:
                 tl.store(x_tile + rows[:, None] * DK, S)
                 tl.store(a_tile + rows[:, None] * DK, S)
@@ -449,7 +457,7 @@ def _output_kernel(
         tok_ptr, y_ptr, nwin_ptr, nfull_ptr, Pw, Cw, Xs,
         T, WIDTH, w0, NWS,
         H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-        L: tl.constexpr, LP: tl.constexpr, EXACT: tl.constexpr):
+        L: tl.constexpr, LP: tl.constexpr, EXACT: tl.constexpr, PREC: tl.constexpr):
     """Pass 3b, one program per (window, sequence x head), a row block at a time: the outputs
     y = P X^T + C of every token of the window from its checkpoint X (Xs: the read copy's
     values; exact: the unrounded state) but the flush token of a flushing window (pass 2
@@ -475,7 +483,7 @@ def _output_kernel(
         for rb in range(DV // BV):
             rows = rb * BV + br
             X = tl.load(xs_tile + rows[:, None] * DK)
-            y = tl.dot(P, tl.trans(X), input_precision="ieee") \
+            y = tl.dot(P, tl.trans(X), input_precision=PREC) \
                 + tl.load(Cw + (tb * LP + jj[:, None]) * DV + rows[None, :])
             tl.store(y_ptr + tok_row[:, None] * DV + rows[None, :], y, mask=keep[:, None])
 
@@ -641,7 +649,10 @@ def chunk_scan(state: ScanState, q, k, v, log_a, beta=None, *, pair, seed: int =
     spec = pair.anchor if (shared or exact) else pair.read
     Xs[:, 0] = spec.fmt.dequantize(first).reshape(BH, dv, dk)
     As.copy_(pair.anchor.fmt.dequantize(state.anchor).reshape(BH, dv, dk))   # the chain's A
-    cons = dict(H=H, DK=dk, DV=dv, L=L, LP=LP, EXACT=bool(exact))
+    if DOT_PRECISION not in DOT_PRECISIONS:
+        raise ValueError(f"chunk.DOT_PRECISION (REPLAYQUANT_CHUNK_DOT) must be one of "
+                         f"{DOT_PRECISIONS}, got {DOT_PRECISION!r}")
+    cons = dict(H=H, DK=dk, DV=dv, L=L, LP=LP, EXACT=bool(exact), PREC=DOT_PRECISION)
     rsr = pair.read_spec.rounding == "stochastic"
     cast = exact or not shared
     events = PASS_EVENTS if (PASS_EVENTS is not None and dev.type == "cuda") else None

@@ -68,6 +68,12 @@ def fla_version() -> str | None:
     return getattr(fla, "__version__", "installed")
 
 
+def _chunk_dot() -> str:
+    """The chunk kernel's dot precision (replayquant.kernels.chunk.DOT_PRECISION)."""
+    from replayquant.kernels import chunk
+    return chunk.DOT_PRECISION
+
+
 def random_document(vocab: int, context: int) -> torch.Tensor:
     """The benchmarks' document: `context` random token ids (generator seed 1), on the CPU."""
     g = torch.Generator().manual_seed(1)
@@ -155,6 +161,7 @@ def bench_kl(shape: str = "qwen3.5-4b", context: int = 131072, segment: int = 81
         "meets_memory_target": None if peak_kl is None else peak_kl <= 60 * 2**30,
         "tokens_per_s_kl": context / t_kl,
         "flash_linear_attention": fla_version(), "hf_gdn_function": _hf_chunk()[1],
+        "chunk_dot_precision": _chunk_dot(),
         "inside_replay_s": clock.seconds(),
         "inside_replay_note": KernelClock.NOTE,
         "provenance": provenance(device=device, bench="kl", shape=shape, context=context,
