@@ -56,11 +56,14 @@ def test_cpu_smoke_run(tmp_path):
             assert (kind, "replay-forced-flush-fused", "s32_rs", B) in kernels
             assert (kind, "replay-window-fused", "tp4_hi32", B) in kernels
         assert (kind, "replay-read-step", "tp4_hi32", 3) in kernels
+        for fold in ("dots", "dots_tf32x3"):         # the chunked flush folds, A/B
+            assert (kind, f"replay-flush-step-{fold}", "tp4_hi32", 3) in kernels
         assert (kind, "spec-replay-round", "tp4_hi32", 3) in kernels
         assert (kind, "spec-snapshot-round", "fp32", 3) in kernels
     for kind in ("gdn", "mamba2"):
         assert (kind, "replay-window-dots", "tp4_hi32", 3) in kernels
         assert (kind, "replay-read-step-dots", "tp4_hi32", 3) in kernels
+    assert not [r for r in js["rows"] if r.get("error")]
     assert all("speedup_vs_conv_fp32" in r for r in js["rows"] if r["kernel"] == "replay-window")
     assert all("speedup_vs_snapshot_round" in r for r in js["rows"]
                if r["kernel"] == "spec-replay-round")

@@ -56,7 +56,7 @@ import triton.language as tl
 from replayquant.formats import QTensor
 from replayquant.kernels.chunk_ref import ScanState, _check_inputs, cpu_threads
 from replayquant.kernels.conventional import (_FP8_DIV, _NV_DIV, FMT_IDS, _sr_bits,
-                                              nv_block_encode, split_key)
+                                              nv_block_encode, split_key, unit_lower_inverse)
 from replayquant.kernels.quant import (decode_bf16, decode_e2m1, decode_e4m3, decode_fp16,
                                        encode_bf16, encode_e4m3, encode_fp16)
 from replayquant.replay import core
@@ -145,13 +145,7 @@ def _window_terms(K, Q, G, Bt, jj, L: tl.constexpr, DELTA: tl.constexpr, PREC: t
         strict = jj[None, :] < jj[:, None]
         KK = tl.dot(K, tl.trans(K), input_precision=PREC)
         Tm = tl.where(strict, Bt[:, None] * KK * D, 0.0)
-        eye = tl.where(jj[:, None] == jj[None, :], 1.0, 0.0)
-        Tinv = eye
-        for i in range(1, L):                     # forward substitution, row by row
-            sel = jj == i
-            ti = tl.sum(tl.where(sel[:, None], Tm, 0.0), axis=0)              # T[i, :]
-            row = tl.sum(ti[:, None] * Tinv, axis=0)                           # T[i, :] Tinv
-            Tinv = tl.where(sel[:, None], Tinv - row[None, :], Tinv)
+        Tinv = unit_lower_inverse(Tm, jj, L)
     else:
         Tinv = Aqk
     return Aqk, Tinv

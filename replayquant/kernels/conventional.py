@@ -236,6 +236,19 @@ def _tile_load(pay, sc, gs, mat, rows, cols, DV: tl.constexpr, DK: tl.constexpr,
 
 
 @triton.jit
+def unit_lower_inverse(Tm, jj, N: tl.constexpr):
+    """(I + Tm)^-1 for a strictly lower triangular Tm [LP, LP] whose rows >= N are zero, by
+    forward substitution row by row (jj = arange(LP))."""
+    Tinv = tl.where(jj[:, None] == jj[None, :], 1.0, 0.0)
+    for i in range(1, N):
+        sel = jj == i
+        ti = tl.sum(tl.where(sel[:, None], Tm, 0.0), axis=0)              # T[i, :]
+        row = tl.sum(ti[:, None] * Tinv, axis=0)                           # T[i, :] Tinv
+        Tinv = tl.where(sel[:, None], Tinv - row[None, :], Tinv)
+    return Tinv
+
+
+@triton.jit
 def nv_block_encode(x, g, rb, BV: tl.constexpr, DK: tl.constexpr, SR: tl.constexpr):
     """NVFP4 codes of a float32 tile x [BV, DK] with matrix scale g: (E2M1 codes [BV, DK] as
     integers, E4M3 block-scale codes [BV, DK // 16]), the steps of quant_ref in float32."""
