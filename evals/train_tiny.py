@@ -1045,7 +1045,14 @@ def cmd_device_run(args) -> None:
     fast = setup_fast_paths(args, device)
     record = train_all(args, out, fast)
     # the new models into the package (this copy of the tree), then the demo on them
-    suffix = f"_ctx{args.demo_context // 1024}k_{args.demo_tag}"
+    import torch
+    if args.demo_tag:
+        tag = args.demo_tag
+    elif device.type == "cuda":
+        tag = "h200" if "H200" in torch.cuda.get_device_name(device) else "cuda"
+    else:
+        tag = device.type
+    suffix = f"_ctx{args.demo_context // 1024}k_{tag}"
     demo_files = []
     record["demo"] = {}
     for lg in record["models"]:
@@ -1212,7 +1219,9 @@ def main(argv=None) -> None:
                        help="stdout of the run that trained the --evaluate-also model (its record)")
         t.add_argument("--demo-context", type=int, default=16384)
         t.add_argument("--demo-docs", type=int, default=3)
-        t.add_argument("--demo-tag", default="h200")
+        t.add_argument("--demo-tag", default=None,
+                       help="file-name tag of the demo results (default: h200 on an H200, else "
+                            "the device type)")
     e = sub.add_parser("evaluate", help="long-memory evaluation of the shipped models (no training)")
     e.add_argument("--data", default=str(ROOT / ".gpu" / "tiny"))
     e.add_argument("--out", required=True)
