@@ -19,6 +19,16 @@ def _pm(v, u, fmt="{:.4g}"):
     return fmt.format(v) + (" ± " + fmt.format(u) if u is not None else "")
 
 
+def model_label(model: dict) -> str:
+    """A model's name in tables: its hub id, or for a local folder the folder's name and the
+    start of its fingerprint (absolute paths differ between machines; the fingerprint does not)."""
+    mid = model.get("id") or ""
+    if not Path(mid).is_absolute():
+        return mid
+    fp = (model.get("local_hash") or "").split(":")[-1][:8]
+    return Path(mid).name + (f" ({fp})" if fp else "")
+
+
 def rows_of(res: dict, source: str = "") -> list[dict]:
     """One row per pair of a results dict (incomplete runs are marked)."""
     cfg = res["config"]
@@ -29,7 +39,7 @@ def rows_of(res: dict, source: str = "") -> list[dict]:
             continue
         last = st["by_position"][-1] if st.get("by_position") else None
         rows.append({
-            "model": cfg["model"].get("id"), "pair": p["name"], "prefill": cfg["prefill"],
+            "model": model_label(cfg["model"]), "pair": p["name"], "prefill": cfg["prefill"],
             "context": cfg["context"],
             "docs": f"{res['documents_done']}" + ("" if res.get("complete") else f"/{res['documents_planned']}*"),
             "mean KL": _pm(st["kl_mean"], st["kl_mean_unc"]),
