@@ -299,6 +299,77 @@ def _terms_kernel(
                 tl.store(Rb + tb * (DV * DK) + offs, bits.to(tl.int32, bitcast=True))
 
 
+@triton.jit
+def _chain_inputs(tok_ptr, Kw, Ww, QLw, Gw, Uw, b, mat, w, w0, rows, cols, jj, WIDTH, NWS,
+                  DK: tl.constexpr, DV: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
+                  DELTA: tl.constexpr):
+    """The state-independent inputs of window w's flush (pass 1's scratch): K, W (GDN; else K
+    again), G, q_L, U for `rows`, and the flush token's index."""
+    tb = mat * NWS + (w - w0)
+    kq = (tb * LP + jj[:, None]) * DK + cols[None, :]
+    Kt = tl.load(Kw + kq)
+    if DELTA:
+        Wm = tl.load(Ww + kq)
+    else:
+        Wm = Kt
+    G = tl.load(Gw + tb * LP + jj)
+    qL = tl.load(QLw + tb * DK + cols)
+    U = tl.load(Uw + (tb * LP + jj[:, None]) * DV + rows[None, :])
+    tokL = tl.load(tok_ptr + b.to(tl.int64) * WIDTH + w * L + L - 1, mask=w * L + L <= WIDTH,
+                   other=-1)
+    return Kt, Wm, G, qL, U, tokL
+
+
+@triton.jit
+def _chain_rows_in_registers(
+        tok_ptr, y_ptr, Kw, Ww, QLw, Gw, Uw, Xs, a_tile, A_pay, A_sc, A_gs, Rb,
+        b, h, mat, pb, cols, jj, br, nf, seq, nfull, w0, wend, T, WIDTH, NWS, key_lo, key_hi,
+        H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+        L: tl.constexpr, LP: tl.constexpr, AFMT: tl.constexpr, ASR: tl.constexpr,
+        SHARED: tl.constexpr, DELTA: tl.constexpr, EXACT: tl.constexpr, PRE: tl.constexpr,
+        PREC: tl.constexpr):
+    """The sequential pass for a program of one row block whose anchor needs no matrix amax
+    (not NVFP4, or exact prefill): the anchor (exact: the running unrounded state) stays in
+    registers from window to window, written to the As scratch once at the end, and each
+    window's state-independent inputs are loaded one window ahead, so the chain's critical path
+    holds no global round trip. Same arithmetic as the general loop in _chain_kernel."""
+    rows = pb * BV + br
+    A = tl.load(a_tile + rows[:, None] * DK)
+    inw = jj < L
+    Kt, Wm, G, qL, U, tokL = _chain_inputs(tok_ptr, Kw, Ww, QLw, Gw, Uw, b, mat, w0, w0, rows,
+                                           cols, jj, WIDTH, NWS, DK, DV, L, LP, DELTA)
+    for w in tl.range(w0, wend, num_stages=1):
+        cK, cW, cG, cq, cU, ctok = Kt, Wm, G, qL, U, tokL
+        Kt, Wm, G, qL, U, tokL = _chain_inputs(tok_ptr, Kw, Ww, QLw, Gw, Uw, b, mat,
+                                               tl.minimum(w + 1, wend - 1), w0, rows, cols, jj,
+                                               WIDTH, NWS, DK, DV, L, LP, DELTA)
+        tb = mat * NWS + (w - w0)
+        x_tile = Xs + (mat * (NWS + 1) + (w - w0) + 1) * (DV * DK) + cols[None, :]
+        GL = tl.sum(tl.where(jj == L - 1, cG, 0.0), axis=0)
+        wL = tl.where(inw, tl.exp(tl.where(inw, GL - cG, 0.0)), 0.0)
+        if DELTA:
+            u = cU - tl.dot(cW, tl.trans(A), input_precision=PREC)
+        else:
+            u = cU
+        S = tl.exp(GL) * A + tl.dot(tl.trans(u * wL[:, None]), cK, input_precision=PREC)
+        if EXACT:
+            tl.store(x_tile + rows[:, None] * DK, S)
+            A = S
+        else:
+            # the flush step reads the unrounded state rebuilt from the anchor
+            yrow = (b.to(tl.int64) * T + tl.maximum(ctok, 0)) * H + h
+            tl.store(y_ptr + yrow * DV + rows, tl.sum(S * cq[None, :], axis=1),
+                     mask=tl.where(ctok >= 0, rows >= 0, False))
+            A = _cast_tile(S, 1.0, A_pay, A_sc, A_gs, mat, rows, cols, key_lo, key_hi,
+                           nf + w + 1, seq, h, w == nfull - 1, DV, DK, BV, AFMT, ASR, 0,
+                           Rb + tb * (DV * DK), PRE)
+            if SHARED:
+                tl.store(x_tile + rows[:, None] * DK, A)
+            else:
+                tl.store(x_tile + rows[:, None] * DK, S)
+    tl.store(a_tile + rows[:, None] * DK, A)
+
+
 @triton.jit(do_not_specialize=["T", "WIDTH", "w0", "NWS", "key_lo", "key_hi"])
 def _chain_kernel(
         tok_ptr, y_ptr, nf_ptr, seq_ptr, nwin_ptr, nfull_ptr,
@@ -334,67 +405,73 @@ def _chain_kernel(
     TWO_PASS: tl.constexpr = (AFMT == 4) and (not EXACT)
     a_tile = As + mat * (DV * DK) + cols[None, :]
     wend = tl.minimum(nfold, w0 + NWS)
-    # num_stages=1: no software pipelining of this loop, whose loads of As / Xs read what the
-    # previous iteration stored (a prefetch would read the old values)
-    for w in tl.range(w0, wend, num_stages=1):
-        tb = mat * NWS + (w - w0)
-        x_tile = Xs + (mat * (NWS + 1) + (w - w0) + 1) * (DV * DK) + cols[None, :]
-        kq = (tb * LP + jj[:, None]) * DK + cols[None, :]
-        Kt = tl.load(Kw + kq)
-        if DELTA:
-            Wm = tl.load(Ww + kq)
-        G = tl.load(Gw + tb * LP + jj)
-        GL = tl.sum(tl.where(jj == L - 1, G, 0.0), axis=0)
-        inw = jj < L
-        wL = tl.where(inw, tl.exp(tl.where(inw, GL - G, 0.0)), 0.0)
-        eGL = tl.exp(GL)
-        qL = tl.load(QLw + tb * DK + cols)
-        tokL = tl.load(tok_ptr + b.to(tl.int64) * WIDTH + w * L + L - 1)
-        yrow = (b.to(tl.int64) * T + tl.maximum(tokL, 0)) * H + h
-        fi = nf + w + 1
-        last = w == nfull - 1
-        rb_tile = Rb + tb * (DV * DK)                   # PRE: this flush's SR bits
-        acc = tl.zeros([BV], tl.float32)
-        for rb in range(NRB):
-            rows = (pb * NRB + rb) * BV + br
-            A = tl.load(a_tile + rows[:, None] * DK)
-            U = tl.load(Uw + (tb * LP + jj[:, None]) * DV + rows[None, :])
+    if NRB == 1 and not TWO_PASS:
+        _chain_rows_in_registers(
+            tok_ptr, y_ptr, Kw, Ww, QLw, Gw, Uw, Xs, a_tile, A_pay, A_sc, A_gs, Rb,
+            b, h, mat, pb, cols, jj, br, nf, seq, nfull, w0, wend, T, WIDTH, NWS, key_lo, key_hi,
+            H, DK, DV, BV, L, LP, AFMT, ASR, SHARED, DELTA, EXACT, PRE, PREC)
+    else:
+        # num_stages=1: no software pipelining of this loop, whose loads of As / Xs read what the
+        # previous iteration stored (a prefetch would read the old values)
+        for w in tl.range(w0, wend, num_stages=1):
+            tb = mat * NWS + (w - w0)
+            x_tile = Xs + (mat * (NWS + 1) + (w - w0) + 1) * (DV * DK) + cols[None, :]
+            kq = (tb * LP + jj[:, None]) * DK + cols[None, :]
+            Kt = tl.load(Kw + kq)
             if DELTA:
-                u = U - tl.dot(Wm, tl.trans(A), input_precision=PREC)
-            else:
-                u = U
-            S = eGL * A + tl.dot(tl.trans(u * wL[:, None]), Kt, input_precision=PREC)
-            if EXACT:
-                tl.store(x_tile + rows[:, None] * DK, S)
-                tl.store(a_tile + rows[:, None] * DK, S)
-            else:
-                # the flush step reads the unrounded state rebuilt from the anchor
-                tl.store(y_ptr + yrow * DV + rows, tl.sum(S * qL[None, :], axis=1),
-                         mask=tl.where(tokL >= 0, rows >= 0, False))
-                if TWO_PASS:
-                    tl.store(x_tile + rows[:, None] * DK, S)
-                    acc = tl.maximum(acc, tl.max(tl.abs(S), axis=1))
+                Wm = tl.load(Ww + kq)
+            G = tl.load(Gw + tb * LP + jj)
+            GL = tl.sum(tl.where(jj == L - 1, G, 0.0), axis=0)
+            inw = jj < L
+            wL = tl.where(inw, tl.exp(tl.where(inw, GL - G, 0.0)), 0.0)
+            eGL = tl.exp(GL)
+            qL = tl.load(QLw + tb * DK + cols)
+            tokL = tl.load(tok_ptr + b.to(tl.int64) * WIDTH + w * L + L - 1)
+            yrow = (b.to(tl.int64) * T + tl.maximum(tokL, 0)) * H + h
+            fi = nf + w + 1
+            last = w == nfull - 1
+            rb_tile = Rb + tb * (DV * DK)                   # PRE: this flush's SR bits
+            acc = tl.zeros([BV], tl.float32)
+            for rb in range(NRB):
+                rows = (pb * NRB + rb) * BV + br
+                A = tl.load(a_tile + rows[:, None] * DK)
+                U = tl.load(Uw + (tb * LP + jj[:, None]) * DV + rows[None, :])
+                if DELTA:
+                    u = U - tl.dot(Wm, tl.trans(A), input_precision=PREC)
                 else:
-                    An = _cast_tile(S, 1.0, A_pay, A_sc, A_gs, mat, rows, cols, key_lo, key_hi,
+                    u = U
+                S = eGL * A + tl.dot(tl.trans(u * wL[:, None]), Kt, input_precision=PREC)
+                if EXACT:
+                    tl.store(x_tile + rows[:, None] * DK, S)
+                    tl.store(a_tile + rows[:, None] * DK, S)
+                else:
+                    # the flush step reads the unrounded state rebuilt from the anchor
+                    tl.store(y_ptr + yrow * DV + rows, tl.sum(S * qL[None, :], axis=1),
+                             mask=tl.where(tokL >= 0, rows >= 0, False))
+                    if TWO_PASS:
+                        tl.store(x_tile + rows[:, None] * DK, S)
+                        acc = tl.maximum(acc, tl.max(tl.abs(S), axis=1))
+                    else:
+                        An = _cast_tile(S, 1.0, A_pay, A_sc, A_gs, mat, rows, cols, key_lo, key_hi,
+                                        fi, seq, h, last, DV, DK, BV, AFMT, ASR, 0, rb_tile, PRE)
+                        tl.store(a_tile + rows[:, None] * DK, An)
+                        if SHARED:
+                            tl.store(x_tile + rows[:, None] * DK, An)
+                        else:
+                            tl.store(x_tile + rows[:, None] * DK, S)
+            if TWO_PASS:
+                tl.debug_barrier()
+                g = _nv_scale(tl.max(acc, axis=0))
+                for rb in range(NRB):
+                    rows = (pb * NRB + rb) * BV + br
+                    S = tl.load(x_tile + rows[:, None] * DK)
+                    An = _cast_tile(S, g, A_pay, A_sc, A_gs, mat, rows, cols, key_lo, key_hi,
                                     fi, seq, h, last, DV, DK, BV, AFMT, ASR, 0, rb_tile, PRE)
                     tl.store(a_tile + rows[:, None] * DK, An)
                     if SHARED:
+                        tl.debug_barrier()
                         tl.store(x_tile + rows[:, None] * DK, An)
-                    else:
-                        tl.store(x_tile + rows[:, None] * DK, S)
-        if TWO_PASS:
-            tl.debug_barrier()
-            g = _nv_scale(tl.max(acc, axis=0))
-            for rb in range(NRB):
-                rows = (pb * NRB + rb) * BV + br
-                S = tl.load(x_tile + rows[:, None] * DK)
-                An = _cast_tile(S, g, A_pay, A_sc, A_gs, mat, rows, cols, key_lo, key_hi,
-                                fi, seq, h, last, DV, DK, BV, AFMT, ASR, 0, rb_tile, PRE)
-                tl.store(a_tile + rows[:, None] * DK, An)
-                if SHARED:
-                    tl.debug_barrier()
-                    tl.store(x_tile + rows[:, None] * DK, An)
-        tl.debug_barrier()                       # the next window reads what was just written
+            tl.debug_barrier()                       # the next window reads what was just written
 
 
 @triton.jit(do_not_specialize=["w0", "NWS", "key_lo", "key_hi"])
