@@ -5,7 +5,7 @@
 #
 # Jobs (wall time on one H200, within a 10-minute call):
 #   tf       chunk kernel check + per-layer timing at 8K, whole-model teacher forcing at 131072
-#            tokens (issue 5), bench kl --context 131072 (issue 6)             ~420 s
+#            tokens (issue 5), bench kl --context 131072 (issue 6)             ~480 s
 #   mamba    retrain tiny-mamba2 (issue 8), evaluate both tiny models, 16K demo of both on the
 #            GPU (evals/train_tiny.py device-run)                              ~250 s
 #   decode   bench kernels for what run 5 left unmeasured: Mamba-2 (L = 8, verify, peer), GDN
@@ -28,7 +28,7 @@ python3 -c "import fla, einops; print('fla', fla.__version__)" \
 rq() { python3 -m replayquant.cli "$@"; }
 case "$job" in
   tf)
-    timeout 150 python3 -m replayquant.bench.teacher_forcing "$OUT/teacher_forcing.json" --lengths 8192 \
+    timeout 200 python3 -m replayquant.bench.teacher_forcing "$OUT/teacher_forcing.json" --lengths 8192 \
         > "$OUT/layer.log" 2>&1; echo "layer rc=$?"
     timeout 120 rq bench teacher-forcing --part model --out "$OUT/teacher_forcing.json" \
         > "$OUT/model.log" 2>&1; echo "model rc=$?"
