@@ -535,6 +535,21 @@ def eval_heldout(model, docs_tokens: list[np.ndarray], eos_id: int, ctx: int, de
     return out
 
 
+def long_memory_eval(model, heldout_docs, eos_id, args, device, name):
+    """Held-out perplexity at each of args.eval_contexts and at the longest with the recurrent
+    state reset every args.reset_every tokens, logged; returns (evaluations, summary)."""
+    evals = [eval_heldout(model, heldout_docs, eos_id, ctx, device) for ctx in args.eval_contexts]
+    evals.append(eval_heldout(model, heldout_docs, eos_id, max(args.eval_contexts), device,
+                              reset_every=args.reset_every))
+    for e in evals:
+        log(f"[{name}] held-out ppl @ ctx {e['context']}"
+            + (f" (recurrent state reset every {args.reset_every})" if e.get("recurrent_state_reset_every") else "")
+            + f": {e['ppl']}  by position {e['nll_by_position']}")
+    summary = long_memory_summary(evals)
+    log(f"[{name}] long memory: {json.dumps(summary)}")
+    return evals, summary
+
+
 def long_memory_summary(evals: list[dict]) -> dict:
     """The numbers that say whether the state carries information across thousands of tokens."""
     by = {(e["context"], e.get("recurrent_state_reset_every")): e for e in evals}
@@ -764,15 +779,7 @@ def train_one(kind: str, data: Path, out: Path, args, steps: str, budget: float,
         check = model_logit_diff(model, probe_ids, autocast=cuda)
         log(f"[{name}] trained weights, training path vs transformers' torch path (fp32): {check}")
     t1 = time.time()
-    evals = [eval_heldout(model, heldout_docs, eos_id, ctx, device) for ctx in args.eval_contexts]
-    evals.append(eval_heldout(model, heldout_docs, eos_id, max(args.eval_contexts), device,
-                              reset_every=args.reset_every))
-    for e in evals:
-        log(f"[{name}] held-out ppl @ ctx {e['context']}"
-            + (f" (recurrent state reset every {args.reset_every})" if e.get("recurrent_state_reset_every") else "")
-            + f": {e['ppl']}  by position {e['nll_by_position']}")
-    summary = long_memory_summary(evals)
-    log(f"[{name}] long memory: {json.dumps(summary)}")
+    evals, summary = long_memory_eval(model, heldout_docs, eos_id, args, device, name)
     eval_time = time.time() - t1
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -832,15 +839,7 @@ def evaluate_folder(kind: str, folder: Path, data: Path, args, device, train_std
     name = MODEL_NAMES[kind]
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).to(device).eval()
     t1 = time.time()
-    evals = [eval_heldout(model, heldout_docs, meta["eos_id"], ctx, device) for ctx in args.eval_contexts]
-    evals.append(eval_heldout(model, heldout_docs, meta["eos_id"], max(args.eval_contexts), device,
-                              reset_every=args.reset_every))
-    for e in evals:
-        log(f"[{name}] held-out ppl @ ctx {e['context']}"
-            + (f" (recurrent state reset every {args.reset_every})" if e.get("recurrent_state_reset_every") else "")
-            + f": {e['ppl']}  by position {e['nll_by_position']}")
-    summary = long_memory_summary(evals)
-    log(f"[{name}] long memory: {json.dumps(summary)}")
+    evals, summary = long_memory_eval(model, heldout_docs, meta["eos_id"], args, device, name)
     rec = {"name": name, "architecture": type(model).__name__, "parameters": n_params(model),
            "config": json.loads((folder / "config.json").read_text()),
            "evaluated_from": str(folder.relative_to(ROOT)) if folder.is_relative_to(ROOT) else str(folder),

@@ -992,6 +992,16 @@ def _gb(kind, B, S=None):
     return B * S["H"] * S["dv"] * S["dk"] * 4 / 1e9
 
 
+def _check_names(pairs, kinds) -> None:
+    """One clear error for a pair or layer kind the benchmark does not know."""
+    bad = [p for p in pairs if p not in PAIRS]
+    if bad:
+        raise ValueError(f"pairs {bad}: choose from {list(PAIRS)}")
+    bad = [k for k in kinds if k not in ("gdn", "mamba2")]
+    if bad:
+        raise ValueError(f"kinds {bad}: choose from gdn, mamba2")
+
+
 def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
          spec_batches=GRID["spec_batches"], kinds=tuple(SHAPES), peers=True, checks=True,
          sweep=True, detail_batches=(256,), shapes=None, variant_min_b=VARIANT_MIN_B):
@@ -999,12 +1009,7 @@ def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
     targets of issue 4 first (conventional, every pair at the kind's main L with the one-launch
     window up to FUSED_MAX_B, T = 4 at the largest spec batch), then the 'dots' rows, the
     peers, the other L values and the other T values."""
-    bad = [p for p in pairs if p not in PAIRS]
-    if bad:
-        raise ValueError(f"pairs {bad}: choose from {list(PAIRS)}")
-    bad = [k for k in kinds if k not in ("gdn", "mamba2")]
-    if bad:
-        raise ValueError(f"kinds {bad}: choose from gdn, mamba2")
+    _check_names(pairs, kinds)
     shapes = shapes or SHAPES
     E = _EST
     P = len(pairs)
@@ -1117,12 +1122,7 @@ def run_kernels_bench(out: str = "results/bench", batches=GRID["batches"], Ls=GR
         raise ValueError("bench kernels needs a CUDA GPU (device='cpu' only smoke-tests the code)")
     if cpu and shapes is None:
         raise ValueError("a CPU run needs tiny `shapes` (it only smoke-tests the benchmark code)")
-    bad = [p for p in pairs if p not in PAIRS]
-    if bad:
-        raise ValueError(f"pairs {bad}: choose from {list(PAIRS)}")
-    bad = [k for k in kinds if k not in ("gdn", "mamba2")]
-    if bad:
-        raise ValueError(f"kinds {bad}: choose from gdn, mamba2")
+    _check_names(pairs, kinds)
     if any(T < 1 for T in Ts) or any(L < 1 for L in Ls) or not Ls or not batches:
         raise ValueError(f"need batches, L >= 1 and T >= 1 (got {list(batches)}, {list(Ls)}, "
                          f"{list(Ts)}); a speculative T larger than the kind's L is skipped")
