@@ -300,11 +300,10 @@ def _terms_kernel(
 
 
 @triton.jit
-def _chain_inputs(tok_ptr, Kw, Ww, QLw, Gw, Uw, b, mat, w, w0, rows, cols, jj, WIDTH, NWS,
-                  DK: tl.constexpr, DV: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
-                  DELTA: tl.constexpr):
-    """The state-independent inputs of window w's flush (pass 1's scratch): K, W (GDN; else K
-    again), G, q_L, U for `rows`, and the flush token's index."""
+def _chain_inputs(tok_ptr, Kw, Ww, QLw, Gw, b, mat, w, w0, cols, jj, WIDTH, NWS,
+                  DK: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DELTA: tl.constexpr):
+    """The state-independent inputs of window w's flush that every row block shares (pass 1's
+    scratch): K, W (GDN; else K again), G, q_L, and the flush token's index (-1: none)."""
     tb = mat * NWS + (w - w0)
     kq = (tb * LP + jj[:, None]) * DK + cols[None, :]
     Kt = tl.load(Kw + kq)
@@ -314,10 +313,30 @@ def _chain_inputs(tok_ptr, Kw, Ww, QLw, Gw, Uw, b, mat, w, w0, rows, cols, jj, W
         Wm = Kt
     G = tl.load(Gw + tb * LP + jj)
     qL = tl.load(QLw + tb * DK + cols)
-    U = tl.load(Uw + (tb * LP + jj[:, None]) * DV + rows[None, :])
     tokL = tl.load(tok_ptr + b.to(tl.int64) * WIDTH + w * L + L - 1, mask=w * L + L <= WIDTH,
                    other=-1)
-    return Kt, Wm, G, qL, U, tokL
+    return Kt, Wm, G, qL, tokL
+
+
+@triton.jit
+def _chain_U(Uw, mat, w, w0, rows, jj, NWS, DV: tl.constexpr, LP: tl.constexpr):
+    """U of window w for `rows` (pass 1's scratch)."""
+    return tl.load(Uw + ((mat * NWS + (w - w0)) * LP + jj[:, None]) * DV + rows[None, :])
+
+
+@triton.jit
+def _chain_state(A, U, Wm, Kt, G, jj, L: tl.constexpr, DELTA: tl.constexpr,
+                 PREC: tl.constexpr):
+    """The unrounded state after a window from checkpoint rows A: S = exp(G_L) A +
+    (u w_L)^T K, u = U - W A^T (GDN) or U (Mamba-2), w_L[j] = exp(G_L - G_j)."""
+    GL = tl.sum(tl.where(jj == L - 1, G, 0.0), axis=0)
+    inw = jj < L
+    wL = tl.where(inw, tl.exp(tl.where(inw, GL - G, 0.0)), 0.0)
+    if DELTA:
+        u = U - tl.dot(Wm, tl.trans(A), input_precision=PREC)
+    else:
+        u = U
+    return tl.exp(GL) * A + tl.dot(tl.trans(u * wL[:, None]), Kt, input_precision=PREC)
 
 
 @triton.jit
@@ -335,23 +354,18 @@ def _chain_rows_in_registers(
     holds no global round trip. Same arithmetic as the general loop in _chain_kernel."""
     rows = pb * BV + br
     A = tl.load(a_tile + rows[:, None] * DK)
-    inw = jj < L
-    Kt, Wm, G, qL, U, tokL = _chain_inputs(tok_ptr, Kw, Ww, QLw, Gw, Uw, b, mat, w0, w0, rows,
-                                           cols, jj, WIDTH, NWS, DK, DV, L, LP, DELTA)
+    Kt, Wm, G, qL, tokL = _chain_inputs(tok_ptr, Kw, Ww, QLw, Gw, b, mat, w0, w0, cols, jj,
+                                        WIDTH, NWS, DK, L, LP, DELTA)
+    U = _chain_U(Uw, mat, w0, w0, rows, jj, NWS, DV, LP)
     for w in tl.range(w0, wend, num_stages=1):
         cK, cW, cG, cq, cU, ctok = Kt, Wm, G, qL, U, tokL
-        Kt, Wm, G, qL, U, tokL = _chain_inputs(tok_ptr, Kw, Ww, QLw, Gw, Uw, b, mat,
-                                               tl.minimum(w + 1, wend - 1), w0, rows, cols, jj,
-                                               WIDTH, NWS, DK, DV, L, LP, DELTA)
+        wn = tl.minimum(w + 1, wend - 1)            # the next window's inputs, loaded ahead
+        Kt, Wm, G, qL, tokL = _chain_inputs(tok_ptr, Kw, Ww, QLw, Gw, b, mat, wn, w0, cols, jj,
+                                            WIDTH, NWS, DK, L, LP, DELTA)
+        U = _chain_U(Uw, mat, wn, w0, rows, jj, NWS, DV, LP)
         tb = mat * NWS + (w - w0)
         x_tile = Xs + (mat * (NWS + 1) + (w - w0) + 1) * (DV * DK) + cols[None, :]
-        GL = tl.sum(tl.where(jj == L - 1, cG, 0.0), axis=0)
-        wL = tl.where(inw, tl.exp(tl.where(inw, GL - cG, 0.0)), 0.0)
-        if DELTA:
-            u = cU - tl.dot(cW, tl.trans(A), input_precision=PREC)
-        else:
-            u = cU
-        S = tl.exp(GL) * A + tl.dot(tl.trans(u * wL[:, None]), cK, input_precision=PREC)
+        S = _chain_state(A, cU, cW, cK, cG, jj, L, DELTA, PREC)
         if EXACT:
             tl.store(x_tile + rows[:, None] * DK, S)
             A = S
@@ -411,22 +425,16 @@ def _chain_kernel(
             b, h, mat, pb, cols, jj, br, nf, seq, nfull, w0, wend, T, WIDTH, NWS, key_lo, key_hi,
             H, DK, DV, BV, L, LP, AFMT, ASR, SHARED, DELTA, EXACT, PRE, PREC)
     else:
+        # several row blocks per program: an NVFP4 anchor (two-pass cast with the matrix amax)
+        # or exact prefill with one (chunk_launch_config gives other anchors one row block)
+        tl.static_assert(TWO_PASS or EXACT, "several chain row blocks need an NVFP4 anchor")
         # num_stages=1: no software pipelining of this loop, whose loads of As / Xs read what the
         # previous iteration stored (a prefetch would read the old values)
         for w in tl.range(w0, wend, num_stages=1):
             tb = mat * NWS + (w - w0)
             x_tile = Xs + (mat * (NWS + 1) + (w - w0) + 1) * (DV * DK) + cols[None, :]
-            kq = (tb * LP + jj[:, None]) * DK + cols[None, :]
-            Kt = tl.load(Kw + kq)
-            if DELTA:
-                Wm = tl.load(Ww + kq)
-            G = tl.load(Gw + tb * LP + jj)
-            GL = tl.sum(tl.where(jj == L - 1, G, 0.0), axis=0)
-            inw = jj < L
-            wL = tl.where(inw, tl.exp(tl.where(inw, GL - G, 0.0)), 0.0)
-            eGL = tl.exp(GL)
-            qL = tl.load(QLw + tb * DK + cols)
-            tokL = tl.load(tok_ptr + b.to(tl.int64) * WIDTH + w * L + L - 1)
+            Kt, Wm, G, qL, tokL = _chain_inputs(tok_ptr, Kw, Ww, QLw, Gw, b, mat, w, w0, cols, jj,
+                                                WIDTH, NWS, DK, L, LP, DELTA)
             yrow = (b.to(tl.int64) * T + tl.maximum(tokL, 0)) * H + h
             fi = nf + w + 1
             last = w == nfull - 1
@@ -435,12 +443,8 @@ def _chain_kernel(
             for rb in range(NRB):
                 rows = (pb * NRB + rb) * BV + br
                 A = tl.load(a_tile + rows[:, None] * DK)
-                U = tl.load(Uw + (tb * LP + jj[:, None]) * DV + rows[None, :])
-                if DELTA:
-                    u = U - tl.dot(Wm, tl.trans(A), input_precision=PREC)
-                else:
-                    u = U
-                S = eGL * A + tl.dot(tl.trans(u * wL[:, None]), Kt, input_precision=PREC)
+                S = _chain_state(A, _chain_U(Uw, mat, w, w0, rows, jj, NWS, DV, LP), Wm, Kt, G,
+                                 jj, L, DELTA, PREC)
                 if EXACT:
                     tl.store(x_tile + rows[:, None] * DK, S)
                     tl.store(a_tile + rows[:, None] * DK, S)
@@ -448,17 +452,8 @@ def _chain_kernel(
                     # the flush step reads the unrounded state rebuilt from the anchor
                     tl.store(y_ptr + yrow * DV + rows, tl.sum(S * qL[None, :], axis=1),
                              mask=tl.where(tokL >= 0, rows >= 0, False))
-                    if TWO_PASS:
-                        tl.store(x_tile + rows[:, None] * DK, S)
-                        acc = tl.maximum(acc, tl.max(tl.abs(S), axis=1))
-                    else:
-                        An = _cast_tile(S, 1.0, A_pay, A_sc, A_gs, mat, rows, cols, key_lo, key_hi,
-                                        fi, seq, h, last, DV, DK, BV, AFMT, ASR, 0, rb_tile, PRE)
-                        tl.store(a_tile + rows[:, None] * DK, An)
-                        if SHARED:
-                            tl.store(x_tile + rows[:, None] * DK, An)
-                        else:
-                            tl.store(x_tile + rows[:, None] * DK, S)
+                    tl.store(x_tile + rows[:, None] * DK, S)
+                    acc = tl.maximum(acc, tl.max(tl.abs(S), axis=1))
             if TWO_PASS:
                 tl.debug_barrier()
                 g = _nv_scale(tl.max(acc, axis=0))
