@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -79,25 +81,6 @@ def _count_kernel_steps():
     return calls
 
 
-class _backend:
-    """Temporarily set REPLAYQUANT_BACKEND."""
-
-    def __init__(self, value):
-        self.value = value
-
-    def __enter__(self):
-        import os
-        self.old = os.environ.get("REPLAYQUANT_BACKEND")
-        os.environ["REPLAYQUANT_BACKEND"] = self.value
-
-    def __exit__(self, *exc):
-        import os
-        if self.old is None:
-            os.environ.pop("REPLAYQUANT_BACKEND", None)
-        else:
-            os.environ["REPLAYQUANT_BACKEND"] = self.old
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
@@ -137,7 +120,7 @@ def main(argv=None) -> int:
             tok_g, sc_g = _generate(gpu, ids.to(dev), mask.to(dev), args.new_tokens)
             kernel_steps = calls["n"]
             calls["n"] = -10 ** 9            # the CPU reference must not reach the kernel
-            with _backend("torch"):
+            with mock.patch.dict(os.environ, {"REPLAYQUANT_BACKEND": "torch"}):
                 tok_c, sc_c = _generate(cpu, ids, mask, args.new_tokens)
             if calls["n"] != -10 ** 9:
                 raise RuntimeError("the CPU reference generate reached the decode kernel")
