@@ -12,6 +12,7 @@
 #            B = 512 and verify T = 4 (issue 4)                                ~480 s
 #   generate evals/cuda_generate_check.py (generate through the compiled decode kernel vs the
 #            CPU path, issue 5)                                               ~60 s
+#   followup generate, tiny-mamba2 16K demo, tf32x3 whole model + KL, GDN flush folds ~560 s
 #
 # Carry .gpu (fla-core and einops wheels, mamba_ssm's selective_state_update files, the tiny
 # corpus); pass REPLAYQUANT_GIT_COMMIT=$(git rev-parse HEAD) (the device copy has no .git).
@@ -25,14 +26,14 @@ python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/site .
 export PYTHONPATH=$PWD:/tmp/site:$PWD/.gpu
 python3 -c "import fla, einops; print('fla', fla.__version__)" \
     || { echo "gpu_runs: fla does not import; HF would fall back to its slow torch path" >&2; exit 1; }
-rq() { python3 -m replayquant.cli "$@"; }
+rq=(python3 -m replayquant.cli)      # an array: `timeout` cannot run a shell function
 case "$job" in
   tf)
     timeout 200 python3 -m replayquant.bench.teacher_forcing "$OUT/teacher_forcing.json" --lengths 8192 \
         > "$OUT/layer.log" 2>&1; echo "layer rc=$?"
-    timeout 120 rq bench teacher-forcing --part model --out "$OUT/teacher_forcing.json" \
+    timeout 150 "${rq[@]}" bench teacher-forcing --part model --out "$OUT/teacher_forcing.json" \
         > "$OUT/model.log" 2>&1; echo "model rc=$?"
-    timeout 150 rq bench kl --context 131072 --pair f4_sr_rs --pair tp4_hi32 --out "$OUT/kl_128k.json" \
+    timeout 200 "${rq[@]}" bench kl --context 131072 --pair f4_sr_rs --pair tp4_hi32 --out "$OUT/kl_128k.json" \
         > "$OUT/kl.log" 2>&1; echo "kl rc=$?"
     ;;
   mamba)
@@ -47,14 +48,32 @@ case "$job" in
   decode)
     # Mamba-2 at its main L (8) with verify T = 4 and the mamba_ssm peer (~310 s estimated),
     # then GDN's verify target and B = 512 (~85 s)
-    rq bench kernels --out "$OUT" --name kernels_mamba2 --kinds mamba2 --L 8 --T 4 --no-checks \
+    "${rq[@]}" bench kernels --out "$OUT" --name kernels_mamba2 --kinds mamba2 --L 8 --T 4 --no-checks \
         --budget-s 330 > "$OUT/decode_mamba2.log" 2>&1; echo "mamba2 rc=$?"
-    rq bench kernels --out "$OUT" --name kernels_gdn_b512 --kinds gdn --batches 512 --L 16 --T 4 \
+    "${rq[@]}" bench kernels --out "$OUT" --name kernels_gdn_b512 --kinds gdn --batches 512 --L 16 --T 4 \
         --spec-batches 512 --no-checks --no-sweep --budget-s 100 \
         > "$OUT/decode_gdn.log" 2>&1; echo "gdn rc=$?"
     ;;
   generate)
     python3 evals/cuda_generate_check.py "$OUT/cuda_generate.json" --new-tokens 32; echo "rc=$?"
     ;;
-  *) echo "gpu_runs: unknown job $job (tf, mamba, decode, generate)" >&2; exit 2 ;;
+  followup)
+    # what session 3's first runs left: generate check, the retrained tiny-mamba2's 16K demo
+    # (skipped by the mamba job's deadline), whole-model teacher forcing and KL with the chunk
+    # kernel's tf32x3 dots, and GDN's flush-step rows with the chunked folds (B = 256)
+    timeout 150 python3 evals/cuda_generate_check.py "$OUT/cuda_generate.json" --new-tokens 32 \
+        > "$OUT/generate.log" 2>&1; echo "generate rc=$?"
+    timeout 90 "${rq[@]}" kl --model tiny-mamba2 --pair s32_rs --pair sbf16 --pair f4_sr_rs \
+        --pair tp4_hi32 --pair tp4_hi16_sr --dataset "$(python3 -m replayquant.data)" \
+        --context 16384 --docs 3 --dtype float32 --device-map cuda --no-progress \
+        --out "$OUT/tiny-mamba2_ctx16k_h200.json" > "$OUT/demo.log" 2>&1; echo "demo rc=$?"
+    REPLAYQUANT_CHUNK_DOT=tf32x3 timeout 100 "${rq[@]}" bench teacher-forcing --part model \
+        --out "$OUT/teacher_forcing_tf32x3.json" > "$OUT/model_tf32x3.log" 2>&1; echo "model rc=$?"
+    REPLAYQUANT_CHUNK_DOT=tf32x3 timeout 130 "${rq[@]}" bench kl --context 131072 --pair f4_sr_rs \
+        --pair tp4_hi32 --out "$OUT/kl_128k_tf32x3.json" > "$OUT/kl_tf32x3.log" 2>&1; echo "kl rc=$?"
+    timeout 100 "${rq[@]}" bench kernels --out "$OUT" --name kernels_gdn_flushfold --kinds gdn \
+        --batches 256 --L 16 --pairs s32_rs,tp8_hi32,tp4_hi32 --no-checks --no-sweep --no-peers \
+        --spec-batches "" --budget-s 80 > "$OUT/decode_fold.log" 2>&1; echo "fold rc=$?"
+    ;;
+  *) echo "gpu_runs: unknown job $job (tf, mamba, decode, generate, followup)" >&2; exit 2 ;;
 esac
