@@ -381,7 +381,7 @@ def _flush_body(
             tl.store(out_ptr + (row * HV + hv) * DV + rows, y)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["key_lo", "key_hi"])    # a key word of 1 is no constexpr
 def _replay_flush_kernel(
         A_pay, A_sc, A_gs, R_pay, R_sc, R_gs,
         kbuf, vbuf, Gbuf, bbuf, h_ptr, st_ptr, nf_ptr, idx_ptr, out_ptr,
@@ -604,7 +604,7 @@ def _replay_read_kernel(
                    DOTS)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["key_lo", "key_hi"])    # a key word of 1 is no constexpr
 def _replay_fused_kernel(
         A_pay, A_sc, A_gs, R_pay, R_sc, R_gs,
         kbuf, vbuf, ubuf, Gbuf, bbuf, h_ptr, st_ptr, nf_ptr, cnt_ptr, idx_ptr, out_ptr,

@@ -1,0 +1,192 @@
+"""Compile for a real GPU what the Triton interpreter ran: catches code that the interpreter
+accepts and the compiler rejects (or that ptxas cannot assemble), without a GPU.
+
+    python -m replayquant.kernels.compile_check record LAUNCHES.json -- CMD...   (interpreter)
+    python -m replayquant.kernels.compile_check compile LAUNCHES.json [--arch 90]
+
+`record` runs a Python command (`-m module args` or `script.py args`) with TRITON_INTERPRET=1 and
+writes every distinct kernel launch it made: the kernel, the type of each runtime argument, the
+constexpr values and num_warps. `compile` (no TRITON_INTERPRET) compiles each launch with
+`triton.compile` for sm_<arch> (PTX, then ptxas if Triton ships one) and reports failures with
+the compiler's message. tests/test_compile_check.py does both for the model decode path.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import runpy
+import sys
+
+_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64",
+           "int8": "i8", "uint8": "u8", "int16": "i16", "int32": "i32", "int64": "i64",
+           "bool": "i1"}
+
+
+def _arg_type(v) -> str:
+    if hasattr(v, "dtype") and hasattr(v, "data_ptr"):
+        return "*" + _DTYPES[str(v.dtype).removeprefix("torch.")]
+    if isinstance(v, bool):
+        return "i1"
+    if isinstance(v, int):
+        if v == 1:                                      # Triton specializes 1 as a constexpr
+            return "one"
+        return "i32" if -2**31 <= v < 2**31 else ("u64" if v >= 2**63 else "i64")
+    if isinstance(v, float):
+        return "fp32"
+    if v is None:
+        return "none"
+    raise TypeError(f"compile_check: cannot type kernel argument {v!r}")
+
+
+def _const(v):
+    if hasattr(v, "value"):                             # tl.constexpr wrapper
+        v = v.value
+    if isinstance(v, (bool, int, float, str)) or v is None:
+        return v
+    return str(v)
+
+
+def record_launches(launches: list):
+    """Patch the interpreter so each kernel launch is appended to `launches` (deduplicated by
+    the caller). Needs TRITON_INTERPRET=1 set before triton is imported."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    orig = InterpretedFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        fn = self.fn
+        params = inspect.signature(fn).parameters
+        bound = dict(zip(self.arg_names, args))
+        bound.update({k: v for k, v in kwargs.items() if k in params})
+        sig, consts = {}, {}
+        for name in self.arg_names:
+            if name not in bound:
+                continue                                # default value: compile uses it too
+            p = params[name]
+            if "constexpr" in str(p.annotation):
+                consts[name] = _const(bound[name])
+            else:
+                sig[name] = _arg_type(bound[name])
+        launches.append({"module": fn.__module__, "kernel": fn.__name__, "signature": sig,
+                         "constexprs": consts, "num_warps": kwargs.get("num_warps", 4)})
+        return orig(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    InterpretedFunction.run = run
+
+
+def unique(launches: list) -> list:
+    seen, out = set(), []
+    for ln in launches:
+        key = json.dumps(ln, sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            out.append(ln)
+    return out
+
+
+def compile_launch(ln: dict, arch: int = 90) -> str:
+    """Compile one recorded launch for sm_<arch>: '' when it compiles (and assembles), else the
+    error's last lines."""
+    import importlib
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = getattr(importlib.import_module(ln["module"]), ln["kernel"])
+    sig = {}
+    for name in fn.arg_names:
+        if name in ln["constexprs"]:
+            sig[name] = "constexpr"
+        elif name in ln["signature"]:
+            sig[name] = ln["signature"][name]
+        else:
+            sig[name] = "constexpr"
+    consts = {k: v for k, v in ln["constexprs"].items()}
+    keep = {p.name for p in fn.params if p.do_not_specialize}   # 1 stays a runtime integer
+    for name, t in ln["signature"].items():
+        if t == "one" and name in keep:
+            sig[name] = "i32"
+    for name, t in ln["signature"].items():
+        if t == "none" or (t == "one" and name not in keep):
+            sig[name], consts[name] = "constexpr", (None if t == "none" else 1)
+    try:
+        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+                           target=GPUTarget("cuda", arch, 32),
+                           options={"num_warps": ln["num_warps"]})
+        ptx = k.asm["ptx"]
+    except Exception as e:                              # the compiler's message is the point
+        while e.__cause__ is not None:                  # the innermost error says what failed
+            e = e.__cause__
+        return f"{type(e).__name__}: {e}"[-1500:]
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    # the newest ptxas Triton ships reads its PTX version (plain ptxas may be older)
+    exes = [os.path.join(bindir, n) for n in ("ptxas-blackwell", "ptxas")
+            if os.path.exists(os.path.join(bindir, n))]
+    if not exes:
+        return ""
+    exe = exes[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        suffix = "a" if arch >= 90 else ""
+        r = subprocess.run([exe, f"-arch=sm_{arch}{suffix}", src, "-o",
+                            os.path.join(tmp, "k.cubin")], capture_output=True, text=True)
+        return "" if r.returncode == 0 else "ptxas: " + r.stderr.strip()[-800:]
+
+
+def main(argv: list[str]) -> int:
+    usage = ("usage: python -m replayquant.kernels.compile_check record OUT.json -- "
+             "(-m module | script.py) ARGS...  |  compile LAUNCHES.json [--arch 90]")
+    if len(argv) < 2 or argv[0] not in ("record", "compile"):
+        print(usage, file=sys.stderr)
+        return 2
+    if argv[0] == "record":
+        if os.environ.get("TRITON_INTERPRET") != "1" or "--" not in argv:
+            print("compile_check record: set TRITON_INTERPRET=1 and give the command after --",
+                  file=sys.stderr)
+            return 2
+        out, cmd = argv[1], argv[argv.index("--") + 1:]
+        launches: list = []
+        record_launches(launches)
+        rc = 0
+        try:
+            if cmd[0] == "-m":
+                sys.argv = [cmd[1]] + cmd[2:]
+                runpy.run_module(cmd[1], run_name="__main__", alter_sys=True)
+            else:
+                sys.argv = cmd
+                runpy.run_path(cmd[0], run_name="__main__")
+        except SystemExit as e:
+            rc = e.code if isinstance(e.code, int) else 1
+        with open(out, "w") as f:
+            json.dump(unique(launches), f, indent=1)
+        print(f"compile_check: {len(unique(launches))} distinct launches -> {out} (command rc={rc})")
+        return rc
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("compile_check compile: unset TRITON_INTERPRET (it must compile, not interpret)",
+              file=sys.stderr)
+        return 2
+    arch = int(argv[argv.index("--arch") + 1]) if "--arch" in argv else 90
+    with open(argv[1]) as f:
+        launches = json.load(f)
+    bad = 0
+    for ln in launches:
+        err = compile_launch(ln, arch)
+        name = f"{ln['kernel']} {ln['constexprs']}"
+        if err:
+            bad += 1
+            print(f"FAIL {name}\n     {err}")
+        else:
+            print(f"ok   {ln['kernel']}")
+    print(f"compile_check: {len(launches) - bad}/{len(launches)} launches compile for sm_{arch}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
