@@ -347,14 +347,11 @@ def _chain_rows_in_registers(
         L: tl.constexpr, LP: tl.constexpr, AFMT: tl.constexpr, ASR: tl.constexpr,
         SHARED: tl.constexpr, DELTA: tl.constexpr, EXACT: tl.constexpr, PRE: tl.constexpr,
         PREC: tl.constexpr):
-    """The sequential pass for a program of one row block: the anchor (exact: the running
-    unrounded state) stays in registers from window to window, written to the As scratch once
-    at the end, and each window's state-independent inputs are loaded one window ahead, so the
-    chain's critical path holds no global round trip. An NVFP4 anchor comes here only when the
-    block is the whole matrix (BV = DV), so its scale is the block's amax. Same arithmetic as
-    the general loop in _chain_kernel."""
-    tl.static_assert(AFMT != 4 or EXACT or BV == DV,
-                     "an NVFP4 anchor in registers needs the whole matrix in one block")
+    """The sequential pass for a program of one row block whose anchor needs no matrix amax
+    (not NVFP4, or exact prefill): the anchor (exact: the running unrounded state) stays in
+    registers from window to window, written to the As scratch once at the end, and each
+    window's state-independent inputs are loaded one window ahead, so the chain's critical path
+    holds no global round trip. Same arithmetic as the general loop in _chain_kernel."""
     rows = pb * BV + br
     A = tl.load(a_tile + rows[:, None] * DK)
     Kt, Wm, G, qL, tokL = _chain_inputs(tok_ptr, Kw, Ww, QLw, Gw, b, mat, w0, w0, cols, jj,
@@ -377,11 +374,7 @@ def _chain_rows_in_registers(
             yrow = (b.to(tl.int64) * T + tl.maximum(ctok, 0)) * H + h
             tl.store(y_ptr + yrow * DV + rows, tl.sum(S * cq[None, :], axis=1),
                      mask=tl.where(ctok >= 0, rows >= 0, False))
-            if AFMT == 4:
-                g = _nv_scale(tl.max(tl.max(tl.abs(S), axis=1), axis=0))
-            else:
-                g = 1.0
-            A = _cast_tile(S, g, A_pay, A_sc, A_gs, mat, rows, cols, key_lo, key_hi,
+            A = _cast_tile(S, 1.0, A_pay, A_sc, A_gs, mat, rows, cols, key_lo, key_hi,
                            nf + w + 1, seq, h, w == nfull - 1, DV, DK, BV, AFMT, ASR, 0,
                            Rb + tb * (DV * DK), PRE)
             if SHARED:
@@ -426,7 +419,7 @@ def _chain_kernel(
     TWO_PASS: tl.constexpr = (AFMT == 4) and (not EXACT)
     a_tile = As + mat * (DV * DK) + cols[None, :]
     wend = tl.minimum(nfold, w0 + NWS)
-    if NRB == 1 and (BV == DV or not TWO_PASS):
+    if NRB == 1 and not TWO_PASS:
         _chain_rows_in_registers(
             tok_ptr, y_ptr, Kw, Ww, QLw, Gw, Uw, Xs, a_tile, A_pay, A_sc, A_gs, Rb,
             b, h, mat, pb, cols, jj, br, nf, seq, nfull, w0, wend, T, WIDTH, NWS, key_lo, key_hi,
@@ -568,12 +561,6 @@ def supports(d_k: int, d_v: int) -> bool:
     return all(d >= 16 and d & (d - 1) == 0 for d in (d_k, d_v))
 
 
-# An NVFP4 anchor's chain holds the whole matrix in one program's registers up to this many
-# elements (128 x 128 with 16 warps: 32 FP32 registers a thread for the state); larger matrices
-# are cast in row blocks through the L2 scratch (two passes per window, for the matrix amax).
-NVFP4_REGISTER_ELEMS = 128 * 128
-
-
 def chunk_launch_config(pair, B: int, H: int, d_v: int, d_k: int, L: int) -> dict:
     """Launch parameters from the shape.
 
@@ -586,15 +573,12 @@ def chunk_launch_config(pair, B: int, H: int, d_v: int, d_k: int, L: int) -> dic
     enough that no program holds a whole matrix."""
     LP = max(16, triton.next_power_of_2(L))
     bv = min(d_v, 16 if B * H * d_v // 32 < 264 else 32)
-    warps = 4
-    if pair.anchor.format == "nvfp4" and d_v * d_k <= NVFP4_REGISTER_ELEMS:
-        rows = bv = d_v                           # the whole matrix in registers
-        warps = max(4, min(32, d_v * d_k // 512))
-    elif pair.anchor.format == "nvfp4":
-        rows, bv, warps = d_v, min(d_v, 32), 8
+    if pair.anchor.format == "nvfp4":
+        rows, bv = d_v, min(d_v, 32)
     else:
         rows = bv
-    return {"LP": LP, "chain_rows": rows, "chain_bv": bv, "chain_warps": warps,
+    return {"LP": LP, "chain_rows": rows, "chain_bv": bv,
+            "chain_warps": 8 if rows // bv >= 4 else 4,
             "terms_bv": min(d_v, 32), "terms_warps": 8,
             "cast_bv": min(d_v, 32), "cast_warps": 4,
             "out_bv": min(d_v, 32), "out_warps": 4}
