@@ -478,7 +478,8 @@ def mamba2_post_ref(y, x, D=None, z=None):
     return y
 
 
-@triton.jit(do_not_specialize=["key_lo", "key_hi"])    # a key word of 1 is no constexpr
+# key_lo / key_hi: not specialized (Triton makes an integer argument equal to 1 a constexpr)
+@triton.jit(do_not_specialize=["key_lo", "key_hi"])
 def _conventional_kernel(
         S_pay, S_sc, S_gs, ncast_ptr, idx_ptr, out_ptr,
         q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr,
