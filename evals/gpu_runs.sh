@@ -13,7 +13,7 @@
 #   generate evals/cuda_generate_check.py (generate through the compiled decode kernel vs the
 #            CPU path, issue 5)                                               ~60 s
 #   followup generate, tiny-mamba2 16K demo, tf32x3 whole model + KL, GDN flush folds ~520 s
-#            (the generate check alone took over 150 s; keep $OUT to 8 files or fewer)
+#            (the generate check alone took over 150 s; at most 8 files come back from $OUT)
 #
 # Carry .gpu (fla-core and einops wheels, mamba_ssm's selective_state_update files, the tiny
 # corpus); pass REPLAYQUANT_GIT_COMMIT=$(git rev-parse HEAD) (the device copy has no .git).
@@ -67,7 +67,8 @@ case "$job" in
     timeout 90 "${rq[@]}" kl --model tiny-mamba2 --pair s32_rs --pair sbf16 --pair f4_sr_rs \
         --pair tp4_hi32 --pair tp4_hi16_sr --dataset "$(python3 -m replayquant.data)" \
         --context 16384 --docs 3 --dtype float32 --device-map cuda --no-progress \
-        --out "$OUT/tiny-mamba2_ctx16k_h200.json" > "$OUT/demo.log" 2>&1; echo "demo rc=$?"
+        --out /tmp/demo/tiny-mamba2_ctx16k_h200.json > "$OUT/demo.log" 2>&1; echo "demo rc=$?"
+    tar cf "$OUT/demo.tar" -C /tmp/demo .      # one file: at most 8 come back from a call
     REPLAYQUANT_CHUNK_DOT=tf32x3 timeout 100 "${rq[@]}" bench teacher-forcing --part model \
         --out "$OUT/teacher_forcing_tf32x3.json" > "$OUT/model_tf32x3.log" 2>&1; echo "model rc=$?"
     REPLAYQUANT_CHUNK_DOT=tf32x3 timeout 130 "${rq[@]}" bench kl --context 131072 --pair f4_sr_rs \
