@@ -15,7 +15,6 @@ from replayquant.kernels.replay_decode import (ReplayStore, advance_pointers, ch
                                                resolve_path, replay_gdn_step,
                                                replay_gdn_step_ref, replay_mamba2_step,
                                                replay_mamba2_step_ref)
-from replayquant.kernels import replay_decode as rd
 from replayquant.pairs import PrecisionPair, list_pairs
 from replayquant.replay import ReplayState
 from _helpers import assert_states_close
@@ -143,13 +142,10 @@ def test_replay_step_matches_reference(kind, pair):
         assert torch.equal(torch.isfinite(a.float()), live) and torch.equal(a[live], b[live])
 
 
-@pytest.mark.parametrize("fold", ["seq", "dots"])
 @pytest.mark.parametrize("kind", ["gdn", "mamba2"])
 @pytest.mark.parametrize("pair", ["s32_rs", "tp8_hi32", "tp4_hi16_sr", "f4_sr_rs"])
-def test_replay_step_matches_replay_state(monkeypatch, kind, pair, fold):
-    """The specification: ReplayState fed the same front-end tensors (rows = state slots), with
-    each way of folding the buffer at a flush (FLUSH_FOLD)."""
-    monkeypatch.setattr(rd, "FLUSH_FOLD", fold)
+def test_replay_step_matches_replay_state(kind, pair):
+    """The specification: ReplayState fed the same front-end tensors (rows = state slots)."""
     N, HK, H, dk, dv = 4, 1, 2, 32, 32
     P = PrecisionPair.load(pair).with_buffer_len(4)
     dr = Driver(kind, 5, HK, H, dk, dv)

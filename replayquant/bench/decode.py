@@ -530,26 +530,6 @@ def _replay_setup(kind, B, pair, L, device, cfg, S):
     return H, HK, dv, dk, _fns(kind), idx, kw, out, af, rf, c, R, sts
 
 
-def _flush_fold_rows(kind, pair, B, L, copy_bw, step, nbytes, st, c):
-    """The flush step with the chunked folds (replay_decode.FLUSH_FOLD 'dots', 'dots_tf32x3';
-    untimed so far): one row each, or a row naming the error."""
-    from replayquant.kernels import replay_decode as rd
-    rows, saved = [], rd.FLUSH_FOLD
-    for fold in ("dots", "dots_tf32x3"):
-        rd.FLUSH_FOLD = fold
-        try:
-            st.committed.fill_(L - 1)
-            ms = time_calls(step, 4)
-            rows.append(_row(kind, f"replay-flush-step-{fold}", pair, B, ms, nbytes, copy_bw,
-                             L=L, config=c))
-        except Exception as e:              # a compile failure must not stop the benchmark
-            rows.append(dict(kind=kind, kernel=f"replay-flush-step-{fold}", variant=pair, B=B,
-                             L=L, us=float("nan"), error=f"{type(e).__name__}: {e}"[:400]))
-        finally:
-            rd.FLUSH_FOLD = saved
-    return rows
-
-
 def bench_replay(kind, B, pair, L, device, copy_bw, cfg=None, detail=False, forced=False,
                  pointer=False, S=None, fused=False):
     """Replay rows of one (pair, L) at batch B, split launch (flush, read, pointer kernels): the
@@ -584,9 +564,6 @@ def bench_replay(kind, B, pair, L, device, copy_bw, cfg=None, detail=False, forc
         rows.append(_row(kind, "replay-flush-step", pair, B, ms,
                          replay_flush_step_bytes(kind, af, rf, L, B, H, HK, dv, dk), copy_bw,
                          L=L, config=c))
-        rows += _flush_fold_rows(kind, pair, B, L, copy_bw, lambda: f["step"](
-            st, **kw, state_indices=idx, out=out, path="replay", advance=False, **c),
-            replay_flush_step_bytes(kind, af, rf, L, B, H, HK, dv, dk), st, c)
         st.committed.zero_()
     if forced:
         calls = [lambda st=st: f["step"](st, **kw, state_indices=idx, out=out, path="flush", **c)

@@ -45,7 +45,6 @@ against `ReplayState`.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -57,8 +56,7 @@ from replayquant.kernels.conventional import (_into, _program_tile, PackedRole, 
                                               _rank1_step, _tile_load, _tile_store,
                                               NO_DT_LIMIT, dt_limit_args,
                                               gdn_frontend_ref, mamba2_frontend_ref,
-                                              mamba2_post_ref, role_streams, split_key,
-                                              unit_lower_inverse)
+                                              mamba2_post_ref, role_streams, split_key)
 from replayquant.kernels.quant import decode_e4m3
 from replayquant.streams import ANCHOR, READ, layer_seed
 
@@ -258,50 +256,6 @@ def _fold(S, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, n, Gfin,
 
 
 @triton.jit
-def _fold_dots(S, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, n, Gfin, jj,
-               HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-               CAP: tl.constexpr, L: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
-               PREC: tl.constexpr):
-    """_fold in the chunked form (FLUSH_FOLD='dots'; the same S within float32 reassociation):
-    the n entries as [LP, .] tiles and a few tl.dot products instead of one FMA pass per entry.
-    GDN (S = the dequantized anchor A): with T[t, j] = beta_t exp(G_t - G_j) k_t.k_j (j < t),
-    u = (I + T)^-1 beta (v - exp(G) K A^T) [LP, BV], then
-    S = exp(G_{n-1}) A + sum_j exp(G_{n-1} - G_j) u_j k_j^T.
-    Mamba-2 (S = exp(Gfin) deq(A) on entry): S + sum_j exp(Gfin - G_j) (dt_j x_j) B_j^T."""
-    K, X, G, Bt = _load_entries(kbuf, vbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols,
-                                jj, n, HK, HV, DK, DV, CAP, DELTA, L2NORM, False)
-    m = jj < n
-    if DELTA:
-        GL = tl.sum(tl.where(jj == n - 1, G, 0.0), axis=0)
-        strict = (jj[None, :] < jj[:, None]) & m[:, None]
-        D = tl.where(strict, tl.exp(tl.where(strict, G[:, None] - G[None, :], 0.0)), 0.0)
-        KK = tl.dot(K, tl.trans(K), input_precision=PREC)
-        Tinv = unit_lower_inverse(Bt[:, None] * KK * D, jj, L)
-        KA = tl.dot(K, tl.trans(S), input_precision=PREC)                    # [LP, BV]
-        u = tl.dot(Tinv, Bt[:, None] * (X - tl.exp(G)[:, None] * KA), input_precision=PREC)
-        w = tl.where(m, tl.exp(tl.where(m, GL - G, 0.0)), 0.0)
-        return tl.exp(GL) * S + tl.dot(tl.trans(u * w[:, None]), K, input_precision=PREC)
-    else:
-        w = tl.where(m, tl.exp(tl.where(m, Gfin - G, 0.0)), 0.0)
-        return S + tl.dot(tl.trans(X * w[:, None]), K, input_precision=PREC)
-
-
-@triton.jit
-def _fold_any(S, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, n, Gfin,
-              HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-              CAP: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DELTA: tl.constexpr,
-              L2NORM: tl.constexpr, FOLD: tl.constexpr, PREC: tl.constexpr):
-    """The flush's fold by FLUSH_FOLD: 0 'seq' (_fold), 1 'dots' (_fold_dots)."""
-    if FOLD == 1:
-        out = _fold_dots(S, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, n, Gfin,
-                         tl.arange(0, LP), HK, HV, DK, DV, CAP, L, DELTA, L2NORM, PREC)
-    else:
-        out = _fold(S, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, n, Gfin,
-                    HK, HV, DK, DV, CAP, DELTA, L2NORM)
-    return out
-
-
-@triton.jit
 def _last_G(Gbuf, slot, start, h, hv, HV: tl.constexpr, CAP: tl.constexpr):
     """Cumulative log gate of entry h - 1 (0 when h == 0)."""
     e = _entry(slot, start, tl.maximum(h - 1, 0), CAP)
@@ -332,7 +286,7 @@ def _flush_body(
         STEP: tl.constexpr, AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr,
         RSR: tl.constexpr, SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
         HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
-        DT_CLAMP: tl.constexpr, LP: tl.constexpr, FOLD: tl.constexpr, PREC: tl.constexpr):
+        DT_CLAMP: tl.constexpr):
     """What _replay_flush_kernel does for one live row's program (slot >= 0): the flushes of
     that row (pre-flush of committed entries that would not leave T free slots, and the flush of
     a step that fills the buffer or is forced); nothing for a row that does not flush."""
@@ -343,13 +297,12 @@ def _flush_body(
     if (h + T > L) & (h > 0):
         A = _tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT)
         if DELTA:
-            S = _fold_any(A, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, h, 0.0,
-                          HK, HV, DK, DV, CAP, L, LP, DELTA, L2NORM, FOLD, PREC)
+            S = _fold(A, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, h, 0.0,
+                      HK, HV, DK, DV, CAP, DELTA, L2NORM)
         else:
             Gn = _last_G(Gbuf, slot, start, h, hv, HV, CAP)
-            S = _fold_any(tl.exp(Gn) * A, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk,
-                          rows, cols, h, Gn, HK, HV, DK, DV, CAP, L, LP, DELTA, L2NORM, FOLD,
-                          PREC)
+            S = _fold(tl.exp(Gn) * A, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk,
+                      rows, cols, h, Gn, HK, HV, DK, DV, CAP, DELTA, L2NORM)
         _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi,
                      nf + 1, slot, hv, DV, DK, BV, AFMT, ASR, RFMT, RSR, SHARED)
         nf = nf + 1
@@ -365,14 +318,13 @@ def _flush_body(
                 DT_CLAMP)
             A = _tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT)
             if DELTA:
-                S = _fold_any(A, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, h,
-                              0.0, HK, HV, DK, DV, CAP, L, LP, DELTA, L2NORM, FOLD, PREC)
+                S = _fold(A, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, h, 0.0,
+                          HK, HV, DK, DV, CAP, DELTA, L2NORM)
                 S, y = _rank1_step(S, q, k, v, log_a, beta, DELTA)   # h = 0: the conventional step
             else:
                 Gf = _last_G(Gbuf, slot, start, h, hv, HV, CAP) + log_a
-                S = _fold_any(A * tl.exp(Gf), kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk,
-                              rows, cols, h, Gf, HK, HV, DK, DV, CAP, L, LP, DELTA, L2NORM,
-                              FOLD, PREC)
+                S = _fold(A * tl.exp(Gf), kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk,
+                          rows, cols, h, Gf, HK, HV, DK, DV, CAP, DELTA, L2NORM)
                 S = S + v[:, None] * k[None, :]
                 y = tl.sum(S * q[None, :], axis=1)
             _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_lo,
@@ -392,7 +344,7 @@ def _replay_flush_kernel(
         STEP: tl.constexpr, AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr,
         RSR: tl.constexpr, SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
         HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
-        DT_CLAMP: tl.constexpr, LP: tl.constexpr, FOLD: tl.constexpr, PREC: tl.constexpr):
+        DT_CLAMP: tl.constexpr):
     """The flushing rows of a step / verify: (1) committed entries that would not leave T free
     slots (h + T > L, h > 0) are folded into the anchor first; (2) a step whose entry fills the
     buffer (h + 1 == L, or force) rebuilds through it, outputs S q and casts both roles.
@@ -403,7 +355,7 @@ def _replay_flush_kernel(
                     nf_ptr, out_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr,
                     z_ptr, scale, key_lo, key_hi, force, dt_lo, dt_hi, row, hv, hk, rows, cols,
                     slot, HK, HV, DK, DV, BV, L, CAP, T, STEP, AFMT, ASR, RFMT, RSR, SHARED,
-                    DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP, LP, FOLD, PREC)
+                    DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP)
     else:
         for t in tl.static_range(T):          # padding rows: zero outputs, nothing else
             tl.store(out_ptr + ((row * T + t) * HV + hv) * DV + rows, tl.zeros([BV], tl.float32))
@@ -615,7 +567,7 @@ def _replay_fused_kernel(
         AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr, RSR: tl.constexpr,
         SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr, HAS_DTB: tl.constexpr,
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, U_BF16: tl.constexpr, DT_CLAMP: tl.constexpr,
-        ADVANCE: tl.constexpr, FOLD: tl.constexpr, PREC: tl.constexpr):
+        ADVANCE: tl.constexpr):
     """A decode step (T = 1) in one launch (launch='fused', the small-batch path): each program
     runs what _replay_flush_kernel and then _replay_read_kernel would run for its (row, value
     head, row block), so a row either flushes or reads (and appends). A pre-flush (h == L after a
@@ -630,7 +582,7 @@ def _replay_fused_kernel(
                     nf_ptr, out_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr,
                     z_ptr, scale, key_lo, key_hi, force, dt_lo, dt_hi, row, hv, hk, rows, cols,
                     slot, HK, HV, DK, DV, BV, L, CAP, 1, True, AFMT, ASR, RFMT, RSR, SHARED,
-                    DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP, LP, FOLD, PREC)
+                    DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP)
         _read_body(R_pay, R_sc, R_gs, kbuf, vbuf, ubuf, Gbuf, bbuf, h_ptr, st_ptr, out_ptr,
                    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, force,
                    dt_lo, dt_hi, row, hv, hk, rows, cols, slot, HK, HV, DK, DV, BV, L, CAP, LP, 1,
@@ -829,26 +781,6 @@ def resolve_path(store: ReplayStore, n_rows: int, path: str = "auto") -> str:
 
 READ_VARIANTS = ("block", "dots")
 
-# how a flush folds its buffered entries into the anchor: "seq" (one FMA pass per entry; the
-# default, measured), "dots" (the chunked form: a triangular solve for u and tl.dot products,
-# FP32) or "dots_tf32x3" (the same products as three TF32 tensor-core products each). Not timed
-# yet: `bench kernels` times the flush step with each at B = 256. Env REPLAYQUANT_FLUSH_FOLD.
-FLUSH_FOLDS = {"seq": (0, "ieee"), "dots": (1, "ieee"), "dots_tf32x3": (1, "tf32x3")}
-FLUSH_FOLD = os.environ.get("REPLAYQUANT_FLUSH_FOLD", "seq")
-
-
-def _flush_fold(fbv: int, dk: int):
-    """(FOLD id, dot precision) of FLUSH_FOLD for a flush block of fbv rows; one clear error
-    for a name it does not know or a block too small for tl.dot."""
-    if FLUSH_FOLD not in FLUSH_FOLDS:
-        raise ValueError(f"replay_decode.FLUSH_FOLD (REPLAYQUANT_FLUSH_FOLD) must be one of "
-                         f"{list(FLUSH_FOLDS)}, got {FLUSH_FOLD!r}")
-    fold, prec = FLUSH_FOLDS[FLUSH_FOLD]
-    if fold and (fbv < 16 or dk < 16):
-        raise ValueError(f"FLUSH_FOLD={FLUSH_FOLD!r} needs a flush block and d_k of at least 16 "
-                         f"(tl.dot), got {fbv} and {dk}; use flush_config=(16, ...) or 'seq'")
-    return fold, prec
-
 # rows from which read_variant='auto' (the default of the step functions) reads with 'dots' in a
 # split launch (None: never). H200, results/bench/kernels_b256.json (commit 37b59f8), GDN B = 256,
 # L = 16, read step us block / kh / dots: s32_rs 295.7 / 213.2 / 205.2, tp4_hi32 380.3 / 308.4 /
@@ -961,7 +893,6 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
         fbv, fnw = (block_v, num_warps) if block_v is not None else (FBV, fnw)
         replay_launch_config(store, B, None, None, (fbv, fnw))        # validates the block
         fnw = fnw if fnw is not None else _flush_warps(fbv, dk)
-        fold, prec = _flush_fold(fbv, dk)
         if store.arrive is None or store.arrive.shape[0] != N:
             store.arrive = torch.zeros(N, dtype=torch.int32, device=store.committed.device)
         _replay_fused_kernel[(B * HV, dv // fbv)](
@@ -972,9 +903,8 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
             AFMT=afid, ASR=store.anchor.rounding == "stochastic", RFMT=rfid, RSR=rr,
             SHARED=store.shared, DELTA=delta, L2NORM=use_qk_l2norm, HAS_DTB=dt_bias is not None,
             HAS_D=D is not None, HAS_Z=z is not None, U_BF16=U_BF16, DT_CLAMP=dt_clamp,
-            ADVANCE=bool(advance), FOLD=fold, PREC=prec, num_warps=fnw)
+            ADVANCE=bool(advance), num_warps=fnw)
         return out, idx, bool(advance)
-    fold, prec = _flush_fold(FBV, dk)
     common = dict(HK=HK, HV=HV, DK=dk, DV=dv, L=store.L, CAP=store.capacity, T=T, STEP=step,
                   RFMT=rfid, DELTA=delta, L2NORM=use_qk_l2norm, HAS_DTB=dt_bias is not None,
                   HAS_D=D is not None, HAS_Z=z is not None, DT_CLAMP=dt_clamp)
@@ -983,7 +913,7 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
         store.committed, store.start, store.n_flush, idx, out, *inputs,
         sc, *split_key(store.key), int(force), dt_lo, dt_hi, BV=FBV,
         AFMT=afid, ASR=store.anchor.rounding == "stochastic", RSR=rr, SHARED=store.shared,
-        LP=LP, FOLD=fold, PREC=prec, num_warps=fnw, **common)
+        num_warps=fnw, **common)
     if not force:
         dots = idx                                      # any pointer: unused unless DOTS
         if read_variant == "dots":
