@@ -333,7 +333,8 @@ def _flush_body(
             tl.store(out_ptr + (row * HV + hv) * DV + rows, y)
 
 
-@triton.jit(do_not_specialize=["key_lo", "key_hi"])    # a key word of 1 is no constexpr
+# key_lo / key_hi: not specialized (Triton makes an integer argument equal to 1 a constexpr)
+@triton.jit(do_not_specialize=["key_lo", "key_hi"])
 def _replay_flush_kernel(
         A_pay, A_sc, A_gs, R_pay, R_sc, R_gs,
         kbuf, vbuf, Gbuf, bbuf, h_ptr, st_ptr, nf_ptr, idx_ptr, out_ptr,
@@ -556,7 +557,8 @@ def _replay_read_kernel(
                    DOTS)
 
 
-@triton.jit(do_not_specialize=["key_lo", "key_hi"])    # a key word of 1 is no constexpr
+# key_lo / key_hi: not specialized (Triton makes an integer argument equal to 1 a constexpr)
+@triton.jit(do_not_specialize=["key_lo", "key_hi"])
 def _replay_fused_kernel(
         A_pay, A_sc, A_gs, R_pay, R_sc, R_gs,
         kbuf, vbuf, ubuf, Gbuf, bbuf, h_ptr, st_ptr, nf_ptr, cnt_ptr, idx_ptr, out_ptr,
