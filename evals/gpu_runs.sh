@@ -30,11 +30,11 @@ python3 -c "import fla, einops; print('fla', fla.__version__)" \
 rq=(python3 -m replayquant.cli)      # an array: `timeout` cannot run a shell function
 case "$job" in
   tf)
-    timeout 200 python3 -m replayquant.bench.teacher_forcing "$OUT/teacher_forcing.json" --lengths 8192 \
+    timeout 260 python3 -m replayquant.bench.teacher_forcing "$OUT/teacher_forcing.json" --lengths 8192 \
         > "$OUT/layer.log" 2>&1; echo "layer rc=$?"
-    timeout 150 "${rq[@]}" bench teacher-forcing --part model --out "$OUT/teacher_forcing.json" \
+    timeout 120 "${rq[@]}" bench teacher-forcing --part model --out "$OUT/teacher_forcing.json" \
         > "$OUT/model.log" 2>&1; echo "model rc=$?"
-    timeout 200 "${rq[@]}" bench kl --context 131072 --pair f4_sr_rs --pair tp4_hi32 --out "$OUT/kl_128k.json" \
+    timeout 180 "${rq[@]}" bench kl --context 131072 --pair f4_sr_rs --pair tp4_hi32 --out "$OUT/kl_128k.json" \
         > "$OUT/kl.log" 2>&1; echo "kl rc=$?"
     ;;
   mamba)

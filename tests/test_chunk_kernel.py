@@ -111,16 +111,20 @@ def test_kernel_equals_reference_segmented(name, L, B, dk, dv, delta):
     assert torch.equal(ss.count, torch.zeros(B, dtype=torch.int64))
 
 
-@pytest.mark.parametrize("name,exact,pre", [
-    ("tp4_hi16_sr", False, True), ("f4_sr_rs", False, True), ("f4_sr_rs", False, False),
-    ("tp4_hi16_sr", True, True)], ids=["dual", "shared_nvfp4", "shared_nvfp4_chain_philox", "exact"])
-def test_kernel_window_groups_and_row_blocks(name, exact, pre, monkeypatch):
+@pytest.mark.parametrize("name,exact,pre,block", [
+    ("tp4_hi16_sr", False, True, None), ("f4_sr_rs", False, True, None),
+    ("f4_sr_rs", False, False, None), ("f4_sr_rs", False, True, (64, 8)),
+    ("tp4_hi16_sr", True, True, None)],
+    ids=["dual", "shared_nvfp4", "shared_nvfp4_chain_philox", "shared_nvfp4_one_block", "exact"])
+def test_kernel_window_groups_and_row_blocks(name, exact, pre, block, monkeypatch):
     """Windows split into launch groups of 2 (the checkpoint crosses a group boundary) and
     d_v = 64 (the NVFP4 casts take the matrix amax over several row blocks; the chain splits
     or loops over row blocks) give the reference's result; the SR bits of a stochastic anchor
     drawn in pass 1 (pre) or in the sequential pass."""
     monkeypatch.setattr(chunk, "MAX_GROUP_WINDOWS", 2)
     monkeypatch.setattr(chunk, "PRECOMPUTE_SR_BITS", pre)
+    if block is not None:               # an NVFP4 anchor's chain in one 64-row block
+        monkeypatch.setattr(chunk, "NVFP4_CHAIN_BLOCK", block)
     gen = torch.Generator().manual_seed(11)
     B, H, dk, dv, L = 2, 1, 16, 64, 4
     pair = PrecisionPair.load(name).with_buffer_len(L)

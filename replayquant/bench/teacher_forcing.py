@@ -25,6 +25,7 @@ Writes one JSON file with provenance; each part replaces its own section and kee
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 import time
@@ -83,10 +84,13 @@ def check(device="cuda") -> list:
         ("s32_rs", True, 2, 4, 128, 128, 16, False, True),
     ]
     results = []
+    prec = chunk.DOT_PRECISION
     try:
-        for name, delta, B, H, dk, dv, L, padded, exact in cases:
+        for (i, (name, delta, B, H, dk, dv, L, padded, exact)), dots in itertools.product(
+                enumerate(cases), ("ieee", "tf32x3")):
+            chunk.DOT_PRECISION = dots
             pair = PrecisionPair.load(name).with_buffer_len(L)
-            gen = torch.Generator().manual_seed(1234 + len(results))
+            gen = torch.Generator().manual_seed(1234 + i)       # the same inputs for both dots
             T1, T2 = 2 * L + L // 2 + 1, L + L // 2
             q, k, v, la, be = _inputs(gen, B, T1 + T2, H, dk, dv, delta, "cpu")
             S0 = torch.randn(B, H, dv, dk, generator=gen) * 0.5
@@ -95,7 +99,8 @@ def check(device="cuda") -> list:
                 valid[1, T1:T1 + 5] = False
             s_ref = initial_scan_state(S0, pair, delta=delta, seed=9, layer=4)
             s_gpu = initial_scan_state(S0.to(device), pair, delta=delta, seed=9, layer=4)
-            case = {"pair": name, "kind": "gdn" if delta else "mamba2", "B": B, "H": H, "d_k": dk,
+            case = {"pair": name, "dots": dots, "kind": "gdn" if delta else "mamba2", "B": B,
+                    "H": H, "d_k": dk,
                     "d_v": dv, "L": L, "segments": [T1, T2], "padded": padded, "exact": exact,
                     "segments_result": []}
             for a, b in ((0, T1), (T1, T1 + T2)):
@@ -119,6 +124,7 @@ def check(device="cuda") -> list:
             results.append(case)
     finally:
         chunk._empty = real_empty
+        chunk.DOT_PRECISION = prec
     return results
 
 
@@ -179,6 +185,13 @@ def bench(lengths=(8192, 32768), device="cuda") -> list:
                 fn()
             row[f"kernel_{name}_passes_ms"] = {k: v["seconds"] * 1e3 for k, v in
                                                clock.seconds().get("chunk_passes", {}).items()}
+            if pair.anchor.format == "nvfp4":             # A/B: the chain's row blocks
+                for blk in ((64, 8), (64, 16)):
+                    saved, chunk.NVFP4_CHAIN_BLOCK = chunk.NVFP4_CHAIN_BLOCK, blk
+                    try:
+                        measure(f"kernel_{name}_chain{blk[0]}x{blk[1]}w", fn)
+                    finally:
+                        chunk.NVFP4_CHAIN_BLOCK = saved
             if pair.anchor.rounding == "stochastic":      # A/B: SR bits drawn in the chain
                 chunk.PRECOMPUTE_SR_BITS = False
                 try:

@@ -561,6 +561,13 @@ def supports(d_k: int, d_v: int) -> bool:
     return all(d >= 16 and d & (d - 1) == 0 for d in (d_k, d_v))
 
 
+# An NVFP4 anchor's chain: one program per matrix (the anchor's scale is the matrix amax), cast
+# in row blocks of NVFP4_CHAIN_BLOCK[0] rows with NVFP4_CHAIN_BLOCK[1] warps (None: 8 for four
+# or more blocks, else 4). ptxas sm_90a, d_k = d_v = 128: (32, 8) 128 registers; (64, 8) 252, no
+# spill; (64, 16) 128, 20 B spill. The per-layer bench times the 64-row blocks against it.
+NVFP4_CHAIN_BLOCK = (32, None)
+
+
 def chunk_launch_config(pair, B: int, H: int, d_v: int, d_k: int, L: int) -> dict:
     """Launch parameters from the shape.
 
@@ -573,12 +580,14 @@ def chunk_launch_config(pair, B: int, H: int, d_v: int, d_k: int, L: int) -> dic
     enough that no program holds a whole matrix."""
     LP = max(16, triton.next_power_of_2(L))
     bv = min(d_v, 16 if B * H * d_v // 32 < 264 else 32)
+    warps = None
     if pair.anchor.format == "nvfp4":
-        rows, bv = d_v, min(d_v, 32)
+        rows, bv = d_v, min(d_v, NVFP4_CHAIN_BLOCK[0])
+        warps = NVFP4_CHAIN_BLOCK[1]
     else:
         rows = bv
     return {"LP": LP, "chain_rows": rows, "chain_bv": bv,
-            "chain_warps": 8 if rows // bv >= 4 else 4,
+            "chain_warps": warps or (8 if rows // bv >= 4 else 4),
             "terms_bv": min(d_v, 32), "terms_warps": 8,
             "cast_bv": min(d_v, 32), "cast_warps": 4,
             "out_bv": min(d_v, 32), "out_warps": 4}
