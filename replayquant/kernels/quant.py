@@ -220,9 +220,15 @@ def decode_e4m3(bits):
 
 @triton.jit
 def decode_e2m1(bits):
-    """E2M1 nibble (low 4 bits) -> float32."""
-    b = bits.to(tl.int32) & 0xF
-    return grid_value(b & 0x7, b >> 3, 1, 0)
+    """E2M1 nibble (low 4 bits) -> float32 (= grid_value(code, sign, 1, 0)). Codes 2..7 are
+    normal: exponent (code >> 1) - 1 and mantissa bit code & 1 placed straight into float32 bits
+    ((code << 22) + (126 << 23)); codes 0 and 1 are 0 and 0.5. Fewer instructions than the
+    general grid decode, which matters in the NVFP4 read kernels (they are instruction bound)."""
+    b = bits.to(tl.int32)
+    c = b & 0x7
+    normal = ((c << 22) + (126 << 23)).to(tl.float32, bitcast=True)
+    v = tl.where(c >= 2, normal, c.to(tl.float32) * 0.5)
+    return tl.where((b & 0x8) != 0, -v, v)
 
 
 @triton.jit

@@ -57,7 +57,7 @@ from replayquant.kernels.conventional import (_into, _program_tile, PackedRole, 
                                               NO_DT_LIMIT, dt_limit_args,
                                               gdn_frontend_ref, mamba2_frontend_ref,
                                               mamba2_post_ref, role_streams, split_key)
-from replayquant.kernels.quant import decode_e4m3
+from replayquant.kernels.quant import decode_e2m1, decode_e4m3
 from replayquant.streams import ANCHOR, READ, layer_seed
 
 __all__ = ["ReplayStore", "replay_gdn_step", "replay_gdn_step_ref", "replay_mamba2_step",
@@ -363,16 +363,6 @@ def _replay_flush_kernel(
 
 
 @triton.jit
-def _e2m1_value(nib):
-    """E2M1 nibble (low 4 bits of an int32) -> float32, exactly decode_e2m1 (fewer operations:
-    magnitudes 0, .5, 1, 1.5 = c/2; 2, 3 = c - 2; 4, 6 = 2c - 8)."""
-    c = nib & 7
-    cf = c.to(tl.float32)
-    v = tl.where(c < 4, cf * 0.5, tl.where(c < 6, cf - 2.0, cf * 2.0 - 8.0))
-    return tl.where((nib & 8) != 0, -v, v)
-
-
-@triton.jit
 def _read_tile(pay, sc, gs, mat, rows, DV: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr):
     """The read copy of rows `rows` for matrix-vector products, decoded in registers.
     NVFP4: even / odd column E2M1 values [BV, DK/16, 8], the block scales [BV, DK/16] and the
@@ -385,8 +375,8 @@ def _read_tile(pay, sc, gs, mat, rows, DV: tl.constexpr, DK: tl.constexpr, FMT: 
         i8 = tl.arange(0, 8)
         p = tl.load(pay + mat * (DV * DK2) + rows[:, None, None] * DK2 + nb[None, :, None] * 8
                     + i8[None, None, :]).to(tl.int32)
-        T0 = _e2m1_value(p)
-        T1 = _e2m1_value(p >> 4)
+        T0 = decode_e2m1(p)
+        T1 = decode_e2m1(p >> 4)
         bs = decode_e4m3(tl.load(sc + mat * (DV * NB) + rows[:, None] * NB + nb[None, :]))
         s = tl.load(gs + mat)
     else:
