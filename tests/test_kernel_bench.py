@@ -57,6 +57,7 @@ def test_cpu_smoke_run(tmp_path):
             assert (kind, "replay-window-fused", "tp4_hi32", B) in kernels
         assert (kind, "replay-read-step", "tp4_hi32", 3) in kernels
         assert (kind, "spec-replay-round", "tp4_hi32", 3) in kernels
+        assert (kind, "spec-replay-round-no-flush", "tp4_hi32", 3) in kernels
         assert (kind, "spec-snapshot-round", "fp32", 3) in kernels
     for kind in ("gdn", "mamba2"):
         assert (kind, "replay-window-dots", "tp4_hi32", 3) in kernels

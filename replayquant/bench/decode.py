@@ -709,6 +709,18 @@ def bench_spec(kind, B, T, device, copy_bw, cfg=None, pairs=PAIRS, L=None, S=Non
         rows.append(_row(kind, "spec-replay-round", pair, B, ms, None, copy_bw, T=T, L=L,
                          tokens_per_s=tokens / ms * 1e3, mean_accept=float(n.float().mean())))
         del st
+        # the same round with every draft rejected: nothing is committed, so no row ever
+        # flushes; the difference to the row above is what the flushes cost
+        st = ReplayStore.from_state(init, _pair(pair, L)[0], kind, key_heads=HK, max_drafts=T)
+        zero = torch.zeros_like(n)
+
+        def rnd0():
+            f["verify"](st, **kw, state_indices=idx, out=out, **c)
+            replay_accept(st, zero, idx, check=False)
+        ms = time_calls(rnd0, 8)
+        rows.append(_row(kind, "spec-replay-round-no-flush", pair, B, ms, None, copy_bw, T=T,
+                         L=L, note="every draft rejected: verify + pointer move, never a flush"))
+        del st
     cs = ConventionalStore.from_state(init, "fp32")
     snaps = make_snapshots(cs, T)
     c = cfg.get("conventional/fp32", {})
@@ -1021,7 +1033,7 @@ def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
         for kind in kinds:
             for B in sorted(spec_batches, reverse=True):
                 gb = _gb(kind, B, shapes[kind])
-                sec.append((f"spec/{kind}/B{B}/T{bigT}", (P + 2) * (E["fixed"] + gb * E["per_GB"]
+                sec.append((f"spec/{kind}/B{B}/T{bigT}", (2 * P + 2) * (E["fixed"] + gb * E["per_GB"]
                                                                    * (1 + bigT / 2)) + P * E["compile"],
                             ("spec", kind, B, bigT)))
     # the 'dots' read variant of the split launch, both kinds; from batch VARIANT_MIN_B (below
@@ -1064,7 +1076,7 @@ def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
         for kind in kinds:
             for B in sorted(spec_batches, reverse=True):
                 gb = _gb(kind, B, shapes[kind])
-                sec.append((f"spec/{kind}/B{B}/T{T}", (P + 2) * (E["fixed"] + gb * E["per_GB"]
+                sec.append((f"spec/{kind}/B{B}/T{T}", (2 * P + 2) * (E["fixed"] + gb * E["per_GB"]
                                                                 * (1 + T / 2)) + P * E["compile"],
                             ("spec", kind, B, T)))
     return sec
