@@ -381,21 +381,11 @@ def resource_report(pairs=("tp4_hi16_sr", "s32_rs", "f4_sr_rs", "tp4_hi32"), H: 
     here and assembled with the ptxas Triton ships (the newest one that reads its PTX), no GPU
     needed: [{pair, kernel, line}], line = ptxas -v's report. The launch parameters are those
     chunk_scan uses for B = 1, H heads, d_k = d_v = d (GDN, prefill="replay")."""
-    import os
-    import subprocess
-    import tempfile
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from replayquant.kernels import chunk
+    from replayquant.kernels.compile_check import assemble, compile_ptx
     from replayquant.kernels.conventional import FMT_IDS
     from replayquant.pairs import PrecisionPair
 
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    ptxas = [os.path.join(bindir, n) for n in ("ptxas-blackwell", "ptxas")
-             if os.path.exists(os.path.join(bindir, n))]
     ptr = {"fp32": ("*fp32", "*fp32", "*fp32"), "fp16": ("*i16", "*i16", "*i16"),
            "bf16": ("*i16", "*i16", "*i16"), "fp8": ("*u8", "*fp32", "*u8"),
            "nvfp4": ("*u8", "*u8", "*fp32")}
@@ -412,19 +402,13 @@ def resource_report(pairs=("tp4_hi16_sr", "s32_rs", "f4_sr_rs", "tp4_hi32"), H: 
                 sig[name] = types.get(name, "*fp32")
                 if sig[name].startswith("*"):
                     attrs[(i,)] = [["tt.divisibility", 16]]
-        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                           target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
-        with tempfile.TemporaryDirectory() as tmp:
-            src = os.path.join(tmp, "k.ptx")
-            with open(src, "w") as f:
-                f.write(k.asm["ptx"])
-            for exe in ptxas:
-                r = subprocess.run([exe, f"-arch=sm_{arch}a", "-v", src, "-o",
-                                    os.path.join(tmp, "k.cubin")], capture_output=True, text=True)
-                if r.returncode == 0:
-                    return " ".join(ln.split(":", 1)[-1].strip() for ln in r.stderr.splitlines()
-                                    if "registers" in ln or "spill" in ln)
-            return "ptxas failed: " + (r.stderr.strip().splitlines() or ["?"])[-1]
+        r = assemble(compile_ptx(fn, sig, consts, warps, arch, attrs), arch, verbose=True)
+        if r is None:
+            return "ptxas failed: Triton ships no ptxas"
+        if r[0] == 0:
+            return " ".join(ln.split(":", 1)[-1].strip() for ln in r[1].splitlines()
+                            if "registers" in ln or "spill" in ln)
+        return "ptxas failed: " + (r[1].strip().splitlines() or ["?"])[-1]
 
     rows = []
     for name in pairs:

@@ -86,58 +86,66 @@ def unique(launches: list) -> list:
     return out
 
 
-def compile_launch(ln: dict, arch: int = 90) -> str:
-    """Compile one recorded launch for sm_<arch>: '' when it compiles (and assembles), else the
-    error's last lines."""
-    import importlib
-    import subprocess
-    import tempfile
-
+def compile_ptx(fn, signature: dict, constexprs: dict, num_warps: int, arch: int = 90,
+                attrs: dict | None = None) -> str:
+    """PTX of JIT function `fn` for sm_<arch>, compiled here by Triton (no GPU needed).
+    signature: {argument: Triton type or "constexpr"}, as triton.compile takes it."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn = getattr(importlib.import_module(ln["module"]), ln["kernel"])
-    sig = {}
-    for name in fn.arg_names:
-        if name in ln["constexprs"]:
-            sig[name] = "constexpr"
-        elif name in ln["signature"]:
-            sig[name] = ln["signature"][name]
-        else:
-            sig[name] = "constexpr"
-    consts = {k: v for k, v in ln["constexprs"].items()}
-    keep = {p.name for p in fn.params if p.do_not_specialize}   # 1 stays a runtime integer
-    for name, t in ln["signature"].items():
-        if t == "one" and name in keep:
-            sig[name] = "i32"
-    for name, t in ln["signature"].items():
-        if t == "none" or (t == "one" and name not in keep):
-            sig[name], consts[name] = "constexpr", (None if t == "none" else 1)
-    try:
-        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
-                           target=GPUTarget("cuda", arch, 32),
-                           options={"num_warps": ln["num_warps"]})
-        ptx = k.asm["ptx"]
-    except Exception as e:                              # the compiler's message is the point
-        while e.__cause__ is not None:                  # the innermost error says what failed
-            e = e.__cause__
-        return f"{type(e).__name__}: {e}"[-1500:]
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": num_warps}).asm["ptx"]
+
+
+def assemble(ptx: str, arch: int = 90, verbose: bool = False):
+    """Run the newest ptxas Triton ships (plain ptxas may be too old to read Triton's PTX) on
+    `ptx` for sm_<arch>(a): (returncode, stderr), or None when Triton ships no ptxas."""
+    import subprocess
+    import tempfile
+
+    import triton
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    # the newest ptxas Triton ships reads its PTX version (plain ptxas may be older)
     exes = [os.path.join(bindir, n) for n in ("ptxas-blackwell", "ptxas")
             if os.path.exists(os.path.join(bindir, n))]
     if not exes:
-        return ""
-    exe = exes[0]
+        return None
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "k.ptx")
         with open(src, "w") as f:
             f.write(ptx)
         suffix = "a" if arch >= 90 else ""
-        r = subprocess.run([exe, f"-arch=sm_{arch}{suffix}", src, "-o",
-                            os.path.join(tmp, "k.cubin")], capture_output=True, text=True)
-        return "" if r.returncode == 0 else "ptxas: " + r.stderr.strip()[-800:]
+        r = subprocess.run([exes[0], f"-arch=sm_{arch}{suffix}", *(["-v"] if verbose else []),
+                            src, "-o", os.path.join(tmp, "k.cubin")],
+                           capture_output=True, text=True)
+    return r.returncode, r.stderr
+
+
+def compile_launch(ln: dict, arch: int = 90) -> str:
+    """Compile one recorded launch for sm_<arch>: '' when it compiles (and assembles), else the
+    error's last lines."""
+    import importlib
+
+    fn = getattr(importlib.import_module(ln["module"]), ln["kernel"])
+    keep = {p.name for p in fn.params if p.do_not_specialize}   # 1 stays a runtime integer
+    sig, consts = {}, dict(ln["constexprs"])
+    for name in fn.arg_names:
+        t = ln["signature"].get(name)
+        if t is None:                                   # a constexpr (recorded or its default)
+            sig[name] = "constexpr"
+        elif t == "none" or (t == "one" and name not in keep):
+            sig[name], consts[name] = "constexpr", (None if t == "none" else 1)
+        else:
+            sig[name] = "i32" if t == "one" else t
+    try:
+        ptx = compile_ptx(fn, sig, consts, ln["num_warps"], arch)
+    except Exception as e:                              # the compiler's message is the point
+        while e.__cause__ is not None:                  # the innermost error says what failed
+            e = e.__cause__
+        return f"{type(e).__name__}: {e}"[-1500:]
+    r = assemble(ptx, arch)
+    return "" if r is None or r[0] == 0 else "ptxas: " + r[1].strip()[-800:]
 
 
 def main(argv: list[str]) -> int:
