@@ -698,29 +698,24 @@ def bench_spec(kind, B, T, device, copy_bw, cfg=None, pairs=PAIRS, L=None, S=Non
     tokens = B * (float(n.float().mean()) + 1.0)       # accepted drafts + the bonus token
     out = torch.empty(B, T, H, dv, device=device)
     rows = []
+    # the measured round, and the same round with every draft rejected: nothing is committed,
+    # so no row ever flushes; the difference between the two is what the flushes cost
+    rounds = (("spec-replay-round", n), ("spec-replay-round-no-flush", torch.zeros_like(n)))
     for pair in pairs:
         c = _cfg(cfg, pair)
-        st = ReplayStore.from_state(init, _pair(pair, L)[0], kind, key_heads=HK, max_drafts=T)
+        for kernel, acc in rounds:
+            st = ReplayStore.from_state(init, _pair(pair, L)[0], kind, key_heads=HK, max_drafts=T)
 
-        def rnd():
-            f["verify"](st, **kw, state_indices=idx, out=out, **c)
-            replay_accept(st, n, idx, check=False)
-        ms = time_calls(rnd, 8)
-        rows.append(_row(kind, "spec-replay-round", pair, B, ms, None, copy_bw, T=T, L=L,
-                         tokens_per_s=tokens / ms * 1e3, mean_accept=float(n.float().mean())))
-        del st
-        # the same round with every draft rejected: nothing is committed, so no row ever
-        # flushes; the difference to the row above is what the flushes cost
-        st = ReplayStore.from_state(init, _pair(pair, L)[0], kind, key_heads=HK, max_drafts=T)
-        zero = torch.zeros_like(n)
-
-        def rnd0():
-            f["verify"](st, **kw, state_indices=idx, out=out, **c)
-            replay_accept(st, zero, idx, check=False)
-        ms = time_calls(rnd0, 8)
-        rows.append(_row(kind, "spec-replay-round-no-flush", pair, B, ms, None, copy_bw, T=T,
-                         L=L, note="every draft rejected: verify + pointer move, never a flush"))
-        del st
+            def rnd():
+                f["verify"](st, **kw, state_indices=idx, out=out, **c)
+                replay_accept(st, acc, idx, check=False)
+            ms = time_calls(rnd, 8)
+            if acc is n:
+                extra = dict(tokens_per_s=tokens / ms * 1e3, mean_accept=float(n.float().mean()))
+            else:
+                extra = dict(note="every draft rejected: verify + pointer move, never a flush")
+            rows.append(_row(kind, kernel, pair, B, ms, None, copy_bw, T=T, L=L, **extra))
+            del st
     cs = ConventionalStore.from_state(init, "fp32")
     snaps = make_snapshots(cs, T)
     c = cfg.get("conventional/fp32", {})
