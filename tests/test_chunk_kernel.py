@@ -111,20 +111,24 @@ def test_kernel_equals_reference_segmented(name, L, B, dk, dv, delta):
     assert torch.equal(ss.count, torch.zeros(B, dtype=torch.int64))
 
 
-@pytest.mark.parametrize("name,exact,pre,block", [
-    ("tp4_hi16_sr", False, True, None), ("f4_sr_rs", False, True, None),
-    ("f4_sr_rs", False, False, None), ("f4_sr_rs", False, True, (64, 8)),
-    ("tp4_hi16_sr", True, True, None)],
-    ids=["dual", "shared_nvfp4", "shared_nvfp4_chain_philox", "shared_nvfp4_one_block", "exact"])
-def test_kernel_window_groups_and_row_blocks(name, exact, pre, block, monkeypatch):
+@pytest.mark.parametrize("name,exact,pre,knobs", [
+    ("tp4_hi16_sr", False, True, {}), ("f4_sr_rs", False, True, {"NVFP4_CHAIN_BLOCK": (32, 4)}),
+    ("f4_sr_rs", False, False, {}), ("f4_sr_rs", False, True, {}),
+    ("f4_sr_rs", False, True, {"NVFP4_CHAIN_SPLIT": 1}),
+    ("f4_sr_rs", False, False, {"NVFP4_CHAIN_SPLIT": 1}),
+    ("tp4_hi16_sr", True, True, {})],
+    ids=["dual", "shared_nvfp4_32_row_blocks", "shared_nvfp4_chain_philox",
+         "shared_nvfp4_one_block", "shared_nvfp4_split", "shared_nvfp4_split_philox", "exact"])
+def test_kernel_window_groups_and_row_blocks(name, exact, pre, knobs, monkeypatch):
     """Windows split into launch groups of 2 (the checkpoint crosses a group boundary) and
     d_v = 64 (the NVFP4 casts take the matrix amax over several row blocks; the chain splits
-    or loops over row blocks) give the reference's result; the SR bits of a stochastic anchor
-    drawn in pass 1 (pre) or in the sequential pass."""
+    or loops over row blocks, or runs as a split chain with its amax exchange, on one program
+    here) give the reference's result; the SR bits of a stochastic anchor drawn in pass 1 (pre)
+    or in the sequential pass."""
     monkeypatch.setattr(chunk, "MAX_GROUP_WINDOWS", 2)
     monkeypatch.setattr(chunk, "PRECOMPUTE_SR_BITS", pre)
-    if block is not None:               # an NVFP4 anchor's chain in one 64-row block
-        monkeypatch.setattr(chunk, "NVFP4_CHAIN_BLOCK", block)
+    for knob, value in knobs.items():
+        monkeypatch.setattr(chunk, knob, value)
     gen = torch.Generator().manual_seed(11)
     B, H, dk, dv, L = 2, 1, 16, 64, 4
     pair = PrecisionPair.load(name).with_buffer_len(L)
@@ -141,6 +145,30 @@ def test_kernel_window_groups_and_row_blocks(name, exact, pre, block, monkeypatc
     assert chunk.group_windows(B * H, dk, dv, 16, True, pre) == 2
     _outputs_match(pair, y, y_ref, "groups")
     _states_match(pair, s, s_ref, "groups")
+
+
+def test_split_chain_that_cannot_meet_reports(monkeypatch):
+    """A split NVFP4 chain whose programs are not resident together (the interpreter runs them
+    one after another) times out in its amax wait and raises, instead of hanging or returning
+    a wrong result."""
+    monkeypatch.setattr(chunk, "NVFP4_CHAIN_SPLIT", 2)
+    monkeypatch.setattr(chunk, "SPIN_LIMIT", 3)
+    gen = torch.Generator().manual_seed(12)
+    B, T, H, dk, dv, L = 1, 6, 1, 16, 32, 4
+    pair = PrecisionPair.load("f4_sr_rs").with_buffer_len(L)
+    q, k, v, log_a, beta = scan_inputs(gen, B, T, H, dk, dv, True, a_min=0.85)
+    ss = initial_scan_state(torch.randn(B, H, dv, dk, generator=gen), pair, delta=True)
+    with pytest.raises(RuntimeError, match="NVFP4_CHAIN_SPLIT = 0"):
+        chunk.chunk_scan(ss, q, k, v, log_a, beta, pair=pair)
+
+
+def test_nvfp4_chain_programs_by_shape():
+    """The split takes the most programs per matrix that fit one per SM, >= 16 rows each."""
+    assert chunk.nvfp4_chain_programs(32, 128, 132) == 4       # Qwen3.5-4B, one sequence
+    assert chunk.nvfp4_chain_programs(16, 128, 132) == 8
+    assert chunk.nvfp4_chain_programs(128, 128, 132) == 0      # two-pass: the GPU is full
+    assert chunk.nvfp4_chain_programs(2, 32, 132) == 2
+    assert chunk.nvfp4_chain_programs(32, 128, None) == 0      # the interpreter
 
 
 @pytest.mark.parametrize("delta", [False, True], ids=["mamba2", "gdn"])

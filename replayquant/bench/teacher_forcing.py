@@ -80,6 +80,7 @@ def check(device="cuda") -> list:
     cases = [  # pair, delta, B, H, d_k, d_v, L, padded second segment, exact
         ("tp4_hi16_sr", True, 2, 4, 128, 128, 16, True, False),
         ("f4_sr_rs", False, 2, 4, 128, 64, 16, False, False),
+        ("f4_sr_rs", True, 2, 16, 128, 128, 16, True, False),   # Qwen3.5-4B heads: split chain
         ("tp8_hi32", True, 3, 4, 64, 64, 8, False, False),
         ("s32_rs", True, 2, 4, 128, 128, 16, False, True),
     ]
@@ -103,6 +104,9 @@ def check(device="cuda") -> list:
                     "H": H, "d_k": dk,
                     "d_v": dv, "L": L, "segments": [T1, T2], "padded": padded, "exact": exact,
                     "segments_result": []}
+            if pair.anchor.format == "nvfp4" and str(device).startswith("cuda"):
+                case["nvfp4_chain_programs_per_matrix"] = chunk.nvfp4_chain_programs(
+                    B * H, dv, torch.cuda.get_device_properties(device).multi_processor_count)
             for a, b in ((0, T1), (T1, T1 + T2)):
                 sl = [None if t is None else t[:, a:b] for t in (q, k, v, la, be)]
                 vm = valid[:, a:b] if padded else None
@@ -185,28 +189,33 @@ def bench(lengths=(8192, 32768), device="cuda") -> list:
                 fn()
             row[f"kernel_{name}_passes_ms"] = {k: v["seconds"] * 1e3 for k, v in
                                                clock.seconds().get("chunk_passes", {}).items()}
-            if pair.anchor.format == "nvfp4":             # A/B: the chain's row blocks
-                for blk in ((64, 8), (64, 16)):
-                    saved, chunk.NVFP4_CHAIN_BLOCK = chunk.NVFP4_CHAIN_BLOCK, blk
-                    try:
-                        measure(f"kernel_{name}_chain{blk[0]}x{blk[1]}w", fn)
-                    finally:
-                        chunk.NVFP4_CHAIN_BLOCK = saved
+            if pair.anchor.format == "nvfp4":             # A/B: split chain or two-pass
+                row[f"kernel_{name}_chain_programs_per_matrix"] = chunk.nvfp4_chain_programs(
+                    H, dv, torch.cuda.get_device_properties(device).multi_processor_count)
+                saved, chunk.NVFP4_CHAIN_SPLIT = chunk.NVFP4_CHAIN_SPLIT, 0
+                try:
+                    y2 = measure(f"kernel_{name}_chain_two_pass", fn)[0]
+                    row[f"kernel_{name}_split_vs_two_pass_max_rel_diff"] = float(
+                        (y2 - ys[name]).abs().max() / ys[name].abs().max())
+                finally:
+                    chunk.NVFP4_CHAIN_SPLIT = saved
             if pair.anchor.rounding == "stochastic":      # A/B: SR bits drawn in the chain
                 chunk.PRECOMPUTE_SR_BITS = False
                 try:
                     measure(f"kernel_{name}_chain_philox", fn)
                 finally:
                     chunk.PRECOMPUTE_SR_BITS = True
-            if name == "tp4_hi16_sr":                    # A/B: dots on tensor cores (3xTF32)
+            if name == "tp4_hi16_sr":                    # A/B: the other dot precision
                 prec = chunk.DOT_PRECISION
-                chunk.DOT_PRECISION = "tf32x3"
+                other = "ieee" if prec == "tf32x3" else "tf32x3"
+                row["dot_precision"] = prec
+                chunk.DOT_PRECISION = other
                 try:
-                    y3 = measure(f"kernel_{name}_tf32x3", fn)[0]
-                    row[f"kernel_{name}_tf32x3_max_rel_diff"] = float(
+                    y3 = measure(f"kernel_{name}_{other}", fn)[0]
+                    row[f"kernel_{name}_{other}_max_rel_diff"] = float(
                         (y3 - ys[name]).abs().max() / ys[name].abs().max())
                 except Exception as e:                    # record, keep timing the rest
-                    row[f"kernel_{name}_tf32x3_error"] = f"{type(e).__name__}: {e}"[:500]
+                    row[f"kernel_{name}_{other}_error"] = f"{type(e).__name__}: {e}"[:500]
                 finally:
                     chunk.DOT_PRECISION = prec
         # HF: q unscaled (it scales by d_k^-1/2 itself), bf16 inputs as in the model, state
@@ -391,7 +400,8 @@ def resource_report(pairs=("tp4_hi16_sr", "s32_rs", "f4_sr_rs", "tp4_hi32"), H: 
            "nvfp4": ("*u8", "*u8", "*fp32")}
     ints = {"T": "i32", "WIDTH": "i32", "w0": "i32", "NWS": "i32", "key_lo": "i64",
             "key_hi": "i64", "tok_ptr": "*i32", "h0_ptr": "*i32", "nfull_ptr": "*i32",
-            "nwin_ptr": "*i32", "nf_ptr": "*i64", "seq_ptr": "*i64", "Rb": "*i32"}
+            "nwin_ptr": "*i32", "nf_ptr": "*i64", "seq_ptr": "*i64", "Rb": "*i32",
+            "Cn": "*i32", "err": "*i32", "spin_limit": "i32"}
 
     def build(fn, types, consts, warps):
         sig, attrs = {}, {}
@@ -413,7 +423,7 @@ def resource_report(pairs=("tp4_hi16_sr", "s32_rs", "f4_sr_rs", "tp4_hi32"), H: 
     rows = []
     for name in pairs:
         pair = PrecisionPair.load(name).with_buffer_len(L)
-        cfg = chunk.chunk_launch_config(pair, 1, H, d, d, L)
+        cfg = chunk.chunk_launch_config(pair, 1, H, d, d, L, sms=132)    # as on an H200
         a, r = pair.anchor.format, pair.read_spec.format
         shared = pair.read is None
         asr = pair.anchor.rounding == "stochastic"
@@ -426,7 +436,8 @@ def resource_report(pairs=("tp4_hi16_sr", "s32_rs", "f4_sr_rs", "tp4_hi32"), H: 
              cfg["terms_warps"]),
             ("chain", chunk._chain_kernel,
              dict(base, BV=cfg["chain_bv"], NRB=cfg["chain_rows"] // cfg["chain_bv"],
-                  AFMT=FMT_IDS[a], ASR=asr, SHARED=shared, DELTA=True, PRE=pre),
+                  AFMT=FMT_IDS[a], ASR=asr, SHARED=shared, DELTA=True, PRE=pre,
+                  SPLIT=bool(cfg["chain_split"])),
              cfg["chain_warps"]),
             ("output", chunk._output_kernel, dict(base, BV=cfg["out_bv"]), cfg["out_warps"])]
         if not shared:

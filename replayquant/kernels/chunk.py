@@ -26,9 +26,10 @@ Four launches per group of windows, only the second one sequential:
 2. `_chain_kernel`, one program per (sequence x head, row block): the flushes in order, u = U -
    W A^T, S = exp(G_L) A + (u w_L)^T K, the flush token's output S q_L, A = anchor cast of S,
    and S (or the anchor, shared pair) as the next window's checkpoint. An NVFP4 anchor (one
-   scale per matrix) is cast in two passes over row blocks (amax, then quantize with the matrix
-   scale), so no program holds a whole matrix in registers; the dequantized anchor lives in an
-   FP32 scratch (L2).
+   scale per matrix) needs the matrix amax each window: where they fit on the GPU at once, the
+   row blocks of a matrix run on several programs that exchange their amax through atomics
+   (split chain); else one program per matrix casts in two passes over row blocks (amax, then
+   quantize with the matrix scale) through an FP32 scratch (L2).
 3. `_cast_kernel` (dual pairs, exact): each checkpoint S replaced in place by its read copy's
    values (the flush's SR stream; NVFP4 in two passes), codes stored for the last one; exact:
    the final state cast into both roles.
@@ -73,12 +74,14 @@ PASS_EVENTS = None
 # a stochastically rounded anchor: pass 1 draws the SR bits of each flush (4 bytes per state
 # element and window in the scratch) and the sequential pass reads them (same bits)
 PRECOMPUTE_SR_BITS = True
-# input precision of the kernel's tl.dot products: "ieee" (FP32 FMAs, the default) or "tf32x3"
-# (three TF32 tensor-core products per dot, about FP32 accuracy; CUDA only, the interpreter
-# computes in FP32 either way). Not timed yet: the per-layer bench times both for tp4_hi16_sr
-# and reports the output difference; REPLAYQUANT_CHUNK_DOT overrides the default.
+# input precision of the kernel's tl.dot products: "tf32x3" (the default: three TF32
+# tensor-core products per dot, about FP32 accuracy) or "ieee" (FP32 FMAs); the interpreter
+# computes in FP32 either way. H200 (session 4, bench teacher-forcing check): both give the
+# CPU reference's flush schedule, buffers and carried state; outputs within 1.4e-5 relative
+# (ieee 1.2e-5) but for one case at 1.9e-4 (ieee 3.6e-7); a Qwen3.5-4B layer at 8K tokens
+# 7.0 ms instead of 10.1. REPLAYQUANT_CHUNK_DOT overrides the default.
 DOT_PRECISIONS = ("ieee", "tf32x3")
-DOT_PRECISION = os.environ.get("REPLAYQUANT_CHUNK_DOT", "ieee")
+DOT_PRECISION = os.environ.get("REPLAYQUANT_CHUNK_DOT", "tf32x3")
 
 
 # ============================================================================ Triton
@@ -156,6 +159,24 @@ def _nv_scale(amax):
     """NVFP4 matrix scale from the matrix amax (as _tile_store computes it)."""
     g = tl.div_rn(amax, _NV_DIV)
     return tl.where(g > 0, g, 1.0)
+
+
+@triton.jit
+def _matrix_amax(local, mx, cn, err, spin_limit, NP: tl.constexpr):
+    """The amax of a matrix whose rows are split over the NP programs of one (sequence x head)
+    that run the chain together: each program folds its rows' amax `local` into mx (atomic max,
+    zeroed by the host), counts itself in cn and waits until all NP have; mx then holds the
+    matrix amax. The NP programs must be resident at once (the host launches at most one per
+    SM); a wait longer than spin_limit polls sets err[0] = 1 (the host raises) instead of
+    hanging. NP = 1 (the interpreter): no wait."""
+    tl.atomic_max(mx, local, sem="release")
+    n = tl.atomic_add(cn, 1, sem="acq_rel") + 1
+    spins = tl.full([], 0, tl.int32)
+    while (n < NP) & (spins < spin_limit):
+        n = tl.atomic_add(cn, 0, sem="acquire")
+        spins += 1
+    tl.store(err, 1, mask=n < NP)
+    return tl.atomic_max(mx, 0.0, sem="acquire")
 
 
 @triton.jit
@@ -342,16 +363,19 @@ def _chain_state(A, U, Wm, Kt, G, jj, L: tl.constexpr, DELTA: tl.constexpr,
 @triton.jit
 def _chain_rows_in_registers(
         tok_ptr, y_ptr, Kw, Ww, QLw, Gw, Uw, Xs, a_tile, A_pay, A_sc, A_gs, Rb,
+        Mx, Cn, err, spin_limit,
         b, h, mat, pb, cols, jj, br, nf, seq, nfull, w0, wend, T, WIDTH, NWS, key_lo, key_hi,
         H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
         L: tl.constexpr, LP: tl.constexpr, AFMT: tl.constexpr, ASR: tl.constexpr,
         SHARED: tl.constexpr, DELTA: tl.constexpr, EXACT: tl.constexpr, PRE: tl.constexpr,
-        PREC: tl.constexpr):
-    """The sequential pass for a program of one row block whose anchor needs no matrix amax
-    (not NVFP4, or exact prefill): the anchor (exact: the running unrounded state) stays in
-    registers from window to window, written to the As scratch once at the end, and each
-    window's state-independent inputs are loaded one window ahead, so the chain's critical path
-    holds no global round trip. Same arithmetic as the general loop in _chain_kernel."""
+        PREC: tl.constexpr, SPLIT: tl.constexpr):
+    """The sequential pass for a program of one row block: the anchor (exact: the running
+    unrounded state) stays in registers from window to window, written to the As scratch once
+    at the end, and each window's state-independent inputs are loaded one window ahead, so the
+    chain's critical path holds no global round trip. An NVFP4 anchor (SPLIT, not exact) takes
+    its matrix scale from the amax of every row block, exchanged between the programs of the
+    matrix through Mx / Cn (one slot per window, _matrix_amax). Same arithmetic as the general
+    loop in _chain_kernel."""
     rows = pb * BV + br
     A = tl.load(a_tile + rows[:, None] * DK)
     Kt, Wm, G, qL, tokL = _chain_inputs(tok_ptr, Kw, Ww, QLw, Gw, b, mat, w0, w0, cols, jj,
@@ -374,7 +398,12 @@ def _chain_rows_in_registers(
             yrow = (b.to(tl.int64) * T + tl.maximum(ctok, 0)) * H + h
             tl.store(y_ptr + yrow * DV + rows, tl.sum(S * cq[None, :], axis=1),
                      mask=tl.where(ctok >= 0, rows >= 0, False))
-            A = _cast_tile(S, 1.0, A_pay, A_sc, A_gs, mat, rows, cols, key_lo, key_hi,
+            g = 1.0
+            if SPLIT:
+                slot = mat * NWS + (w - w0)
+                g = _nv_scale(_matrix_amax(tl.max(tl.max(tl.abs(S), axis=1), axis=0), Mx + slot,
+                                           Cn + slot, err, spin_limit, DV // BV))
+            A = _cast_tile(S, g, A_pay, A_sc, A_gs, mat, rows, cols, key_lo, key_hi,
                            nf + w + 1, seq, h, w == nfull - 1, DV, DK, BV, AFMT, ASR, 0,
                            Rb + tb * (DV * DK), PRE)
             if SHARED:
@@ -387,18 +416,19 @@ def _chain_rows_in_registers(
 @triton.jit(do_not_specialize=["T", "WIDTH", "w0", "NWS", "key_lo", "key_hi"])
 def _chain_kernel(
         tok_ptr, y_ptr, nf_ptr, seq_ptr, nwin_ptr, nfull_ptr,
-        Kw, Ww, QLw, Gw, Uw, Xs, As, A_pay, A_sc, A_gs, Rb,
-        T, WIDTH, w0, NWS, key_lo, key_hi,
+        Kw, Ww, QLw, Gw, Uw, Xs, As, A_pay, A_sc, A_gs, Rb, Mx, Cn, err,
+        T, WIDTH, w0, NWS, key_lo, key_hi, spin_limit,
         H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
         NRB: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
         AFMT: tl.constexpr, ASR: tl.constexpr, SHARED: tl.constexpr, DELTA: tl.constexpr,
-        EXACT: tl.constexpr, PRE: tl.constexpr, PREC: tl.constexpr):
+        EXACT: tl.constexpr, PRE: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr):
     """Pass 2, the only sequential one: one program per (sequence x head, NRB * BV rows) runs
     the row's flushes of this window group in order. The dequantized anchor A lives in the
     FP32 scratch As (L2). Per window: u = U - W A^T, the unrounded state S = exp(G_L) A +
     (u w_L)^T K, the flush token's output S q_L, then A = the anchor cast of S (an NVFP4 anchor
-    first takes the matrix amax over all row blocks, so the program holds every row: NRB * BV
-    = d_v). The checkpoint of the next window goes to Xs: the dequantized anchor (shared
+    first takes the matrix amax over all row blocks: SPLIT, the row blocks are on d_v / BV
+    programs that exchange their amax each window; else one program holds every row, NRB * BV
+    = d_v, in two passes). The checkpoint of the next window goes to Xs: the dequantized anchor (shared
     pair) or S (a dual pair's read copy is cast from it in pass 3; exact: S itself). The packed
     anchor is written at the row's last flush only."""
     bh = tl.program_id(0)
@@ -416,14 +446,15 @@ def _chain_kernel(
         nfold = tl.load(nwin_ptr + b)
     else:
         nfold = nfull
-    TWO_PASS: tl.constexpr = (AFMT == 4) and (not EXACT)
+    TWO_PASS: tl.constexpr = (AFMT == 4) and (not EXACT) and (not SPLIT)
     a_tile = As + mat * (DV * DK) + cols[None, :]
     wend = tl.minimum(nfold, w0 + NWS)
     if NRB == 1 and not TWO_PASS:
         _chain_rows_in_registers(
             tok_ptr, y_ptr, Kw, Ww, QLw, Gw, Uw, Xs, a_tile, A_pay, A_sc, A_gs, Rb,
-            b, h, mat, pb, cols, jj, br, nf, seq, nfull, w0, wend, T, WIDTH, NWS, key_lo, key_hi,
-            H, DK, DV, BV, L, LP, AFMT, ASR, SHARED, DELTA, EXACT, PRE, PREC)
+            Mx, Cn, err, spin_limit, b, h, mat, pb, cols, jj, br, nf, seq, nfull, w0, wend, T, WIDTH, NWS, key_lo, key_hi,
+            H, DK, DV, BV, L, LP, AFMT, ASR, SHARED, DELTA, EXACT, PRE, PREC,
+            SPLIT and (AFMT == 4) and (not EXACT))
     else:
         # several row blocks per program: an NVFP4 anchor (two-pass cast with the matrix amax)
         # or exact prefill with one (chunk_launch_config gives other anchors one row block)
@@ -561,32 +592,63 @@ def supports(d_k: int, d_v: int) -> bool:
     return all(d >= 16 and d & (d - 1) == 0 for d in (d_k, d_v))
 
 
-# An NVFP4 anchor's chain: one program per matrix (the anchor's scale is the matrix amax), cast
-# in row blocks of NVFP4_CHAIN_BLOCK[0] rows with NVFP4_CHAIN_BLOCK[1] warps (None: 8 for four
-# or more blocks, else 4). ptxas sm_90a, d_k = d_v = 128: (32, 8) 128 registers; (64, 8) 252, no
-# spill; (64, 16) 128, 20 B spill. The per-layer bench times the 64-row blocks against it.
-NVFP4_CHAIN_BLOCK = (32, None)
+# An NVFP4 anchor's chain (one scale per matrix, from the matrix amax) runs one of two ways:
+# split: the rows of a matrix on NP programs, one row block each in registers, exchanging their
+# amax every window (_matrix_amax); they must all be resident at once, so the split is taken
+# only where (sequences x heads) x NP programs fit one per SM (NP >= 2, rows >= 16 per program);
+# two-pass: one program per matrix, row blocks of NVFP4_CHAIN_BLOCK[0] rows on
+# NVFP4_CHAIN_BLOCK[1] warps, an amax pass then a cast pass through the FP32 scratch (the
+# GPU is full of matrices then). H200, Qwen3.5-4B layer at 8K tokens, two-pass: (64, 8)
+# 23.1 ms per call, (32, 8) 24.4, (64, 16) 23.7. NVFP4_CHAIN_SPLIT: None chooses by shape
+# (CUDA; the interpreter runs programs one after another, so there it is two-pass), 0 forces
+# two-pass, NP >= 1 forces the split on NP programs (tests: NP = 1 in the interpreter).
+NVFP4_CHAIN_BLOCK = (64, 8)
+NVFP4_CHAIN_SPLIT = None
+SPIN_LIMIT = 1 << 22            # polls of a split chain's amax wait before it reports an error
 
 
-def chunk_launch_config(pair, B: int, H: int, d_v: int, d_k: int, L: int) -> dict:
-    """Launch parameters from the shape.
+def nvfp4_chain_programs(BH: int, d_v: int, sms: int | None) -> int:
+    """Programs per matrix of a split NVFP4 chain (0: two-pass), from NVFP4_CHAIN_SPLIT or
+    the shape: the most (a power of two, each with >= 16 rows) with BH * NP <= sms."""
+    if NVFP4_CHAIN_SPLIT is not None:
+        return NVFP4_CHAIN_SPLIT
+    if not sms:
+        return 0
+    np_ = 1
+    while np_ * 2 * 16 <= d_v and BH * np_ * 2 <= sms:
+        np_ *= 2
+    return np_ if np_ >= 2 else 0
+
+
+def chunk_launch_config(pair, B: int, H: int, d_v: int, d_k: int, L: int,
+                        sms: int | None = None) -> dict:
+    """Launch parameters from the shape (sms: the device's SM count, None in the interpreter).
 
     LP: window slots (L rounded up to a power of two >= 16, for tl.dot).
     chain_rows, chain_bv, chain_warps: the sequential pass gives each program chain_rows rows of
-    a matrix, chain_bv at a time. An NVFP4 anchor needs the whole matrix in one program (its
-    one scale comes from the matrix amax), cast in row blocks; other anchors split the rows
-    over programs (one program per row block keeps every program's chain short).
+    a matrix, chain_bv at a time; chain_split: NP of a split NVFP4 chain (0: none). Anchors
+    other than NVFP4 split the rows over programs (one program per row block keeps every
+    program's chain short); an NVFP4 anchor too where its programs fit (nvfp4_chain_programs),
+    else one program holds a matrix, cast in row blocks.
     terms_bv, cast_bv, out_bv (and warps): column / row blocks of the parallel passes, small
     enough that no program holds a whole matrix."""
     LP = max(16, triton.next_power_of_2(L))
     bv = min(d_v, 16 if B * H * d_v // 32 < 264 else 32)
-    warps = None
+    warps, split = None, 0
     if pair.anchor.format == "nvfp4":
-        rows, bv = d_v, min(d_v, NVFP4_CHAIN_BLOCK[0])
-        warps = NVFP4_CHAIN_BLOCK[1]
+        split = nvfp4_chain_programs(B * H, d_v, sms)
+        if split:
+            if d_v % split or d_v // split < 16:
+                raise ValueError(f"chunk.NVFP4_CHAIN_SPLIT = {split} does not split d_v = {d_v} "
+                                 f"into row blocks of >= 16 rows")
+            rows = bv = d_v // split
+            warps = 8 if bv >= 32 else 4
+        else:
+            rows, bv = d_v, min(d_v, NVFP4_CHAIN_BLOCK[0])
+            warps = NVFP4_CHAIN_BLOCK[1]
     else:
         rows = bv
-    return {"LP": LP, "chain_rows": rows, "chain_bv": bv,
+    return {"LP": LP, "chain_rows": rows, "chain_bv": bv, "chain_split": split,
             "chain_warps": warps or (8 if rows // bv >= 4 else 4),
             "terms_bv": min(d_v, 32), "terms_warps": 8,
             "cast_bv": min(d_v, 32), "cast_warps": 4,
@@ -700,7 +762,9 @@ def chunk_scan(state: ScanState, q, k, v, log_a, beta=None, *, pair, seed: int =
     seq = state.rows.to(device=dev, dtype=i64).contiguous()
     nw = nwin.to(torch.int32).contiguous()
     nfu = full.to(torch.int32).contiguous()
-    cfg = chunk_launch_config(pair, B, H, dv, dk, L)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" \
+        else None
+    cfg = chunk_launch_config(pair, B, H, dv, dk, L, sms)
     LP = cfg["LP"]
     klo, khi = split_key(layer_seed(seed, layer))
     BH = B * H
@@ -719,6 +783,11 @@ def chunk_scan(state: ScanState, q, k, v, log_a, beta=None, *, pair, seed: int =
     Xs = torch.empty(BH, G + 1, dv, dk, dtype=f32, device=dev)
     As = torch.empty(BH, dv, dk, dtype=f32, device=dev)
     Rb = torch.empty(BH, G, dv, dk, dtype=torch.int32, device=dev) if pre else As
+    split = bool(cfg["chain_split"]) and not exact
+    # a split NVFP4 chain's amax slots (per matrix and window of a group) and its error flag
+    Mx = torch.zeros(BH, G, dtype=f32, device=dev) if split else Gw
+    Cn = torch.zeros(BH, G, dtype=torch.int32, device=dev) if split else h0k
+    err = torch.zeros(1, dtype=torch.int32, device=dev) if split else h0k
     # window 0's checkpoint: the read copy (the anchor for a shared pair or exact), dequantized
     first = state.anchor if (shared or exact) else state.read
     spec = pair.anchor if (shared or exact) else pair.read
@@ -747,6 +816,9 @@ def chunk_scan(state: ScanState, q, k, v, log_a, beta=None, *, pair, seed: int =
             n = min(G, W + 1 - w0)
             if w0 > 0:
                 Xs[:, 0].copy_(Xs[:, G])        # the checkpoint of the group's first window
+                if split:
+                    Mx.zero_()
+                    Cn.zero_()
             launch("terms", _terms_kernel, (n, BH),
                 tok, q, k, v, log_a, beta if delta else log_a, bk, bv, bG, bb if delta else bG,
                 h0k, nfu, Kw, Ww, Pw, QLw, Gw, Uw, Cw, nk, nv, nG, nb if delta else nG,
@@ -754,9 +826,9 @@ def chunk_scan(state: ScanState, q, k, v, log_a, beta=None, *, pair, seed: int =
                 num_warps=cfg["terms_warps"], **cons)
             launch("chain", _chain_kernel, (BH, dv // cfg["chain_rows"]),
                 tok, y, nfl, seq, nw, nfu, Kw, Ww, QLw, Gw, Uw, Xs, As, *Aout[:3], Rb,
-                T, width, w0, G, klo, khi,
+                Mx, Cn, err, T, width, w0, G, klo, khi, SPIN_LIMIT,
                 BV=cfg["chain_bv"], NRB=cfg["chain_rows"] // cfg["chain_bv"],
-                AFMT=Aout[3], ASR=asr, SHARED=shared, DELTA=delta, PRE=pre,
+                AFMT=Aout[3], ASR=asr, SHARED=shared, DELTA=delta, PRE=pre, SPLIT=split,
                 num_warps=cfg["chain_warps"], **cons)
             if cast:
                 launch("cast", _cast_kernel, (n, BH),
@@ -766,6 +838,12 @@ def chunk_scan(state: ScanState, q, k, v, log_a, beta=None, *, pair, seed: int =
             launch("output", _output_kernel, (n, BH),
                 tok, y, nw, nfu, Pw, Cw, Xs, T, width, w0, G,
                 BV=cfg["out_bv"], num_warps=cfg["out_warps"], **cons)
+    if split and int(err.item()):                # one host sync, split NVFP4 chains only
+        raise RuntimeError(
+            f"the split NVFP4 chain's {cfg['chain_split']} programs per matrix were not all "
+            f"resident at once ({BH} matrices), so the amax exchange timed out and this call's "
+            f"result is wrong; set replayquant.kernels.chunk.NVFP4_CHAIN_SPLIT = 0 (two-pass "
+            f"chain) and run it again")
     if valid is not None:
         y[~valid_b] = 0.0                       # padding: no slot, output 0
     if exact:
