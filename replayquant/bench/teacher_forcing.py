@@ -199,12 +199,13 @@ def bench(lengths=(8192, 32768), device="cuda") -> list:
                         (y2 - ys[name]).abs().max() / ys[name].abs().max())
                 finally:
                     chunk.NVFP4_CHAIN_SPLIT = saved
-            if pair.anchor.rounding == "stochastic":      # A/B: SR bits drawn in the chain
-                chunk.PRECOMPUTE_SR_BITS = False
+            if pair.anchor.rounding == "stochastic":      # A/B: where the SR bits are drawn
+                pre = chunk.PRECOMPUTE_SR_BITS
+                chunk.PRECOMPUTE_SR_BITS = not pre
                 try:
-                    measure(f"kernel_{name}_chain_philox", fn)
+                    measure(f"kernel_{name}_{'chain_philox' if pre else 'precomputed_sr_bits'}", fn)
                 finally:
-                    chunk.PRECOMPUTE_SR_BITS = True
+                    chunk.PRECOMPUTE_SR_BITS = pre
             if name == "tp4_hi16_sr":                    # A/B: the other dot precision
                 prec = chunk.DOT_PRECISION
                 other = "ieee" if prec == "tf32x3" else "tf32x3"

@@ -71,9 +71,12 @@ MAX_GROUP_WINDOWS = 512          # windows per launch group at most
 # benchmark hook: a list to which chunk_scan appends (pass name, start, end) CUDA events around
 # each launch (None: no events)
 PASS_EVENTS = None
-# a stochastically rounded anchor: pass 1 draws the SR bits of each flush (4 bytes per state
-# element and window in the scratch) and the sequential pass reads them (same bits)
-PRECOMPUTE_SR_BITS = True
+# a stochastically rounded anchor: True, pass 1 draws the SR bits of each flush (4 bytes per
+# state element and window in the scratch) and the sequential pass reads them (same bits);
+# False (the default), the sequential pass draws them (Philox) itself. H200, Qwen3.5-4B layer
+# at 8K tokens (session 4): tp4_hi16_sr 6.74 ms drawn in the chain vs 7.00 precomputed,
+# f4_sr_rs (split chain) 8.33 vs 8.98.
+PRECOMPUTE_SR_BITS = False
 # input precision of the kernel's tl.dot products: "tf32x3" (the default: three TF32
 # tensor-core products per dot, about FP32 accuracy) or "ieee" (FP32 FMAs); the interpreter
 # computes in FP32 either way. H200 (session 4, bench teacher-forcing check): both give the
