@@ -12,14 +12,17 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM, Mamba2Config, NemotronHConfig, Qwen3_5TextConfig
 
+from replayquant.kernels import chunk
 from replayquant.models import patch
 
 VOCAB = 64
-# (pair, batches): s32_rs runs the one-launch step below 8 rows and the split one above; an
-# NVFP4 role always takes the split launch
-PLAN = [("s32_rs", (3, 9)), ("tp4_hi32", (3,)), ("f4_sr_rs", (3,)), ("tp4_hi16_sr", (3,))]
+# (pair, batches, chunk.NVFP4_CHAIN_SPLIT): s32_rs runs the one-launch step below 8 rows and the
+# split one above; an NVFP4 role always takes the split launch; f4_sr_rs prefills with the
+# two-pass NVFP4 chain (what the interpreter chooses) and with the split chain (on one program)
+PLAN = [("s32_rs", (3, 9), None), ("tp4_hi32", (3,), None), ("f4_sr_rs", (3,), None),
+        ("f4_sr_rs", (3,), 1), ("tp4_hi16_sr", (3,), None)]
 if sys.argv[1:]:
-    PLAN = [(p, (3, 9)) for p in sys.argv[1:]]
+    PLAN = [(p, (3, 9), None) for p in sys.argv[1:]]
 CONFIGS = [
     Qwen3_5TextConfig(vocab_size=VOCAB, hidden_size=32, num_attention_heads=2,
                       num_key_value_heads=1, head_dim=16, linear_num_key_heads=1,
@@ -37,7 +40,8 @@ CONFIGS = [
 torch.manual_seed(0)
 for cfg in CONFIGS:
     model = AutoModelForCausalLM.from_config(cfg).eval()
-    for pair, batches in PLAN:
+    for pair, batches, split in PLAN:
+        chunk.NVFP4_CHAIN_SPLIT = split
         patch(model, pair, buffer_len=4, seed=0)
         for B in batches:
             ids = torch.randint(0, VOCAB, (B, 6))

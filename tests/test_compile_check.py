@@ -33,6 +33,9 @@ def test_model_kernels_compile_for_sm90(tmp_path):
     # the decode (one launch and split), chunked prefill and cast kernels were all reached
     assert {"_replay_fused_kernel", "_replay_flush_kernel", "_replay_read_kernel",
             "_chain_kernel", "_terms_kernel", "_output_kernel"} <= kernels, kernels
+    # the NVFP4 anchor's chain both ways: two-pass and split (amax exchange through atomics)
+    assert {ln["constexprs"].get("SPLIT") for ln in launches
+            if ln["kernel"] == "_chain_kernel"} == {False, True}
     # a key word equal to 1 reached a kernel (seed 0, layer 1): the case the interpreter misses
     assert any(ln["signature"].get("key_lo") == "one" for ln in launches)
     env.pop("TRITON_INTERPRET")
