@@ -432,9 +432,9 @@ def _chain_kernel(
     (u w_L)^T K, the flush token's output S q_L, then A = the anchor cast of S (an NVFP4 anchor
     first takes the matrix amax over all row blocks: SPLIT, the row blocks are on d_v / BV
     programs that exchange their amax each window; else one program holds every row, NRB * BV
-    = d_v, in two passes). The checkpoint of the next window goes to Xs: the dequantized anchor (shared
-    pair) or S (a dual pair's read copy is cast from it in pass 3; exact: S itself). The packed
-    anchor is written at the row's last flush only."""
+    = d_v, in two passes). The checkpoint of the next window goes to Xs: the dequantized anchor
+    (shared pair) or S (a dual pair's read copy is cast from it in pass 3; exact: S itself). The
+    packed anchor is written at the row's last flush only."""
     bh = tl.program_id(0)
     pb = tl.program_id(1)
     b = bh // H
@@ -456,7 +456,8 @@ def _chain_kernel(
     if NRB == 1 and not TWO_PASS:
         _chain_rows_in_registers(
             tok_ptr, y_ptr, Kw, Ww, QLw, Gw, Uw, Xs, a_tile, A_pay, A_sc, A_gs, Rb,
-            Mx, Cn, err, spin_limit, b, h, mat, pb, cols, jj, br, nf, seq, nfull, w0, wend, T, WIDTH, NWS, key_lo, key_hi,
+            Mx, Cn, err, spin_limit, b, h, mat, pb, cols, jj, br, nf, seq, nfull, w0, wend, T,
+            WIDTH, NWS, key_lo, key_hi,
             H, DK, DV, BV, L, LP, AFMT, ASR, SHARED, DELTA, EXACT, PRE, PREC,
             SPLIT and (AFMT == 4) and (not EXACT))
     else:
