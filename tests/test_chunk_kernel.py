@@ -158,7 +158,7 @@ def test_split_chain_that_cannot_meet_reports(monkeypatch):
     pair = PrecisionPair.load("f4_sr_rs").with_buffer_len(L)
     q, k, v, log_a, beta = scan_inputs(gen, B, T, H, dk, dv, True, a_min=0.85)
     ss = initial_scan_state(torch.randn(B, H, dv, dk, generator=gen), pair, delta=True)
-    with pytest.raises(RuntimeError, match="NVFP4_CHAIN_SPLIT = 0"):
+    with pytest.raises(RuntimeError, match="REPLAYQUANT_NVFP4_CHAIN_SPLIT=0"):
         chunk.chunk_scan(ss, q, k, v, log_a, beta, pair=pair)
 
 
@@ -169,6 +169,18 @@ def test_nvfp4_chain_programs_by_shape():
     assert chunk.nvfp4_chain_programs(128, 128, 132) == 0      # two-pass: the GPU is full
     assert chunk.nvfp4_chain_programs(2, 32, 132) == 2
     assert chunk.nvfp4_chain_programs(32, 128, None) == 0      # the interpreter
+
+
+@pytest.mark.parametrize("value,expect", [("0", 0), ("2", 2), ("x", None), ("-1", None)])
+def test_nvfp4_chain_split_setting(value, expect, monkeypatch):
+    """REPLAYQUANT_NVFP4_CHAIN_SPLIT (a string from the environment) forces the chain; a bad
+    value is one clear error."""
+    monkeypatch.setattr(chunk, "NVFP4_CHAIN_SPLIT", value)
+    if expect is None:
+        with pytest.raises(ValueError, match="REPLAYQUANT_NVFP4_CHAIN_SPLIT"):
+            chunk.nvfp4_chain_programs(32, 128, 132)
+    else:
+        assert chunk.nvfp4_chain_programs(32, 128, 132) == expect
 
 
 @pytest.mark.parametrize("delta", [False, True], ids=["mamba2", "gdn"])

@@ -606,9 +606,11 @@ def supports(d_k: int, d_v: int) -> bool:
 # GPU is full of matrices then). H200, Qwen3.5-4B layer at 8K tokens, two-pass: (64, 8)
 # 23.1 ms per call, (32, 8) 24.4, (64, 16) 23.7. NVFP4_CHAIN_SPLIT: None chooses by shape
 # (CUDA; the interpreter runs programs one after another, so there it is two-pass), 0 forces
-# two-pass, NP >= 1 forces the split on NP programs (tests: NP = 1 in the interpreter).
+# two-pass, NP >= 1 forces the split on NP programs (tests: NP = 1 in the interpreter); the
+# environment variable REPLAYQUANT_NVFP4_CHAIN_SPLIT sets it from outside (e.g. 0 on a GPU
+# shared with other work, where the split's programs may not all be resident together).
 NVFP4_CHAIN_BLOCK = (64, 8)
-NVFP4_CHAIN_SPLIT = None
+NVFP4_CHAIN_SPLIT = os.environ.get("REPLAYQUANT_NVFP4_CHAIN_SPLIT") or None
 SPIN_LIMIT = 1 << 22            # polls of a split chain's amax wait before it reports an error
 
 
@@ -616,7 +618,15 @@ def nvfp4_chain_programs(BH: int, d_v: int, sms: int | None) -> int:
     """Programs per matrix of a split NVFP4 chain (0: two-pass), from NVFP4_CHAIN_SPLIT or
     the shape: the most (a power of two, each with >= 16 rows) with BH * NP <= sms."""
     if NVFP4_CHAIN_SPLIT is not None:
-        return NVFP4_CHAIN_SPLIT
+        try:
+            np_ = int(NVFP4_CHAIN_SPLIT)
+        except ValueError:
+            np_ = -1
+        if np_ < 0:
+            raise ValueError(f"NVFP4_CHAIN_SPLIT (REPLAYQUANT_NVFP4_CHAIN_SPLIT) must be 0 "
+                             f"(two-pass chain) or a number of programs per matrix >= 1, got "
+                             f"{NVFP4_CHAIN_SPLIT!r}; unset it to choose by shape")
+        return np_
     if not sms:
         return 0
     np_ = 1
@@ -847,8 +857,9 @@ def chunk_scan(state: ScanState, q, k, v, log_a, beta=None, *, pair, seed: int =
         raise RuntimeError(
             f"the split NVFP4 chain's {cfg['chain_split']} programs per matrix were not all "
             f"resident at once ({BH} matrices), so the amax exchange timed out and this call's "
-            f"result is wrong; set replayquant.kernels.chunk.NVFP4_CHAIN_SPLIT = 0 (two-pass "
-            f"chain) and run it again")
+            f"result is wrong; set REPLAYQUANT_NVFP4_CHAIN_SPLIT=0 (or "
+            f"replayquant.kernels.chunk.NVFP4_CHAIN_SPLIT = 0: the two-pass chain) and run it "
+            f"again")
     if valid is not None:
         y[~valid_b] = 0.0                       # padding: no slot, output 0
     if exact:
