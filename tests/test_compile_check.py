@@ -5,6 +5,7 @@ the launches of tests/compile_drive.py in the interpreter, then compiles each on
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -41,3 +42,18 @@ def test_model_kernels_compile_for_sm90(tmp_path):
     env.pop("TRITON_INTERPRET")
     rc, log = _run(["compile", str(out), "--arch", "90"], env, tmp_path)
     assert rc == 0, log[-4000:]
+    # the SASS count of one small kernel (the pointer move): a count and ptxas's report
+    rc, log = _run(["sass", str(out), "--arch", "90", "--kernel", "_advance_kernel"], env,
+                   tmp_path)
+    assert rc == 0, log[-2000:]
+    assert re.search(r"^    \d+ SASS instructions; .*registers", log, flags=re.M), log[-2000:]
+
+
+def test_count_sass_counts_instruction_lines():
+    from replayquant.kernels.compile_check import count_sass
+    listing = ("\t.text.k:\n"
+               "        /*0000*/                   LDC R1, c[0x0][0x28] ;\n"
+               "        /*0010*/              @!P0 BRA `(.L_x_0) ;\n"
+               "        /* 0x000fe40000000f00 */\n"
+               "        /*0020*/                   EXIT ;\n")
+    assert count_sass(listing) == 3

@@ -3,12 +3,16 @@ accepts and the compiler rejects (or that ptxas cannot assemble), without a GPU.
 
     python -m replayquant.kernels.compile_check record LAUNCHES.json -- CMD...   (interpreter)
     python -m replayquant.kernels.compile_check compile LAUNCHES.json [--arch 90]
+    python -m replayquant.kernels.compile_check sass LAUNCHES.json [--arch 90] [--kernel NAME]
 
 `record` runs a Python command (`-m module args` or `script.py args`) with TRITON_INTERPRET=1 and
 writes every distinct kernel launch it made: the kernel, the type of each runtime argument, the
 constexpr values and num_warps. `compile` (no TRITON_INTERPRET) compiles each launch with
 `triton.compile` for sm_<arch> (PTX, then ptxas if Triton ships one) and reports failures with
 the compiler's message. tests/test_compile_check.py does both for the model decode path.
+`sass` prints, per launch, the static count of SASS instructions (nvdisasm of the cubin, as
+Triton ships it) with ptxas's register and spill report: for kernels without runtime loops that
+is the instruction count of one program, a proxy (not a timing) for instruction-bound kernels.
 """
 
 from __future__ import annotations
@@ -99,32 +103,51 @@ def compile_ptx(fn, signature: dict, constexprs: dict, num_warps: int, arch: int
                           options={"num_warps": num_warps}).asm["ptx"]
 
 
-def assemble(ptx: str, arch: int = 90, verbose: bool = False):
+def _nvidia_tool(*names):
+    """The first of `names` that Triton ships in its nvidia backend's bin folder, or None."""
+    import triton
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    for n in names:
+        if os.path.exists(os.path.join(bindir, n)):
+            return os.path.join(bindir, n)
+    return None
+
+
+def assemble(ptx: str, arch: int = 90, verbose: bool = False, sass: bool = False):
     """Run the newest ptxas Triton ships (plain ptxas may be too old to read Triton's PTX) on
-    `ptx` for sm_<arch>(a): (returncode, stderr), or None when Triton ships no ptxas."""
+    `ptx` for sm_<arch>(a): (returncode, stderr), or None when Triton ships no ptxas; sass:
+    (returncode, stderr, the cubin's disassembly by nvdisasm or None)."""
     import subprocess
     import tempfile
 
-    import triton
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    exes = [os.path.join(bindir, n) for n in ("ptxas-blackwell", "ptxas")
-            if os.path.exists(os.path.join(bindir, n))]
-    if not exes:
+    exe = _nvidia_tool("ptxas-blackwell", "ptxas")
+    if exe is None:
         return None
     with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "k.ptx")
+        src, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
         with open(src, "w") as f:
             f.write(ptx)
         suffix = "a" if arch >= 90 else ""
-        r = subprocess.run([exes[0], f"-arch=sm_{arch}{suffix}", *(["-v"] if verbose else []),
-                            src, "-o", os.path.join(tmp, "k.cubin")],
-                           capture_output=True, text=True)
-    return r.returncode, r.stderr
+        r = subprocess.run([exe, f"-arch=sm_{arch}{suffix}", *(["-v"] if verbose else []),
+                            src, "-o", cubin], capture_output=True, text=True)
+        if not sass:
+            return r.returncode, r.stderr
+        dis, nvdisasm = None, _nvidia_tool("nvdisasm")
+        if r.returncode == 0 and nvdisasm is not None:
+            dis = subprocess.run([nvdisasm, "-c", cubin], capture_output=True,
+                                 text=True).stdout
+    return r.returncode, r.stderr, dis
 
 
-def compile_launch(ln: dict, arch: int = 90) -> str:
+def count_sass(disassembly: str) -> int:
+    """Instructions in an nvdisasm listing (lines `/*addr*/ OPCODE ...`)."""
+    import re
+    return len(re.findall(r"^\s*/\*[0-9a-f]{4,}\*/\s+\S", disassembly, flags=re.M))
+
+
+def compile_launch(ln: dict, arch: int = 90, sass: bool = False):
     """Compile one recorded launch for sm_<arch>: '' when it compiles (and assembles), else the
-    error's last lines."""
+    error's last lines; sass: (that, ptxas -v report, SASS instruction count or None)."""
     import importlib
 
     fn = getattr(importlib.import_module(ln["module"]), ln["kernel"])
@@ -143,15 +166,24 @@ def compile_launch(ln: dict, arch: int = 90) -> str:
     except Exception as e:                              # the compiler's message is the point
         while e.__cause__ is not None:                  # the innermost error says what failed
             e = e.__cause__
-        return f"{type(e).__name__}: {e}"[-1500:]
-    r = assemble(ptx, arch)
-    return "" if r is None or r[0] == 0 else "ptxas: " + r[1].strip()[-800:]
+        err = f"{type(e).__name__}: {e}"[-1500:]
+        return (err, "", None) if sass else err
+    r = assemble(ptx, arch, verbose=sass, sass=sass)
+    err = "" if r is None or r[0] == 0 else "ptxas: " + r[1].strip()[-800:]
+    if not sass:
+        return err
+    if r is None:
+        return "ptxas: Triton ships none", "", None
+    report = " ".join(ln.split(":", 1)[-1].strip() for ln in r[1].splitlines()
+                      if "registers" in ln or "spill" in ln)
+    return err, report, (count_sass(r[2]) if r[2] else None)
 
 
 def main(argv: list[str]) -> int:
     usage = ("usage: python -m replayquant.kernels.compile_check record OUT.json -- "
-             "(-m module | script.py) ARGS...  |  compile LAUNCHES.json [--arch 90]")
-    if len(argv) < 2 or argv[0] not in ("record", "compile"):
+             "(-m module | script.py) ARGS...  |  compile LAUNCHES.json [--arch 90]  |  "
+             "sass LAUNCHES.json [--arch 90] [--kernel NAME]")
+    if len(argv) < 2 or argv[0] not in ("record", "compile", "sass"):
         print(usage, file=sys.stderr)
         return 2
     if argv[0] == "record":
@@ -177,12 +209,24 @@ def main(argv: list[str]) -> int:
         print(f"compile_check: {len(unique(launches))} distinct launches -> {out} (command rc={rc})")
         return rc
     if os.environ.get("TRITON_INTERPRET") == "1":
-        print("compile_check compile: unset TRITON_INTERPRET (it must compile, not interpret)",
-              file=sys.stderr)
+        print(f"compile_check {argv[0]}: unset TRITON_INTERPRET (it must compile, not "
+              f"interpret)", file=sys.stderr)
         return 2
     arch = int(argv[argv.index("--arch") + 1]) if "--arch" in argv else 90
     with open(argv[1]) as f:
         launches = json.load(f)
+    if argv[0] == "sass":
+        only = argv[argv.index("--kernel") + 1] if "--kernel" in argv else None
+        bad = 0
+        for ln in launches:
+            if only is not None and ln["kernel"] != only:
+                continue
+            err, report, n = compile_launch(ln, arch, sass=True)
+            bad += bool(err)
+            consts = " ".join(f"{k}={v}" for k, v in ln["constexprs"].items())
+            print(f"{ln['kernel']} warps={ln['num_warps']} {consts}\n    "
+                  + (f"FAIL {err}" if err else f"{n} SASS instructions; {report}"))
+        return 1 if bad else 0
     bad = 0
     for ln in launches:
         err = compile_launch(ln, arch)
