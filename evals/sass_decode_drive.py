@@ -5,7 +5,7 @@ rows, so that `compile_check sass` can count each kernel's SASS instructions.
 
     TRITON_INTERPRET=1 python -m replayquant.kernels.compile_check record /tmp/l.json -- \
         evals/sass_decode_drive.py
-    python -m replayquant.kernels.compile_check sass /tmp/l.json --kernel _replay_read_kernel
+    python -m replayquant.kernels.compile_check sass /tmp/l.json --kernel _replay_read_kernel --ops 24
 """
 
 import torch

@@ -11,7 +11,7 @@ constexpr values and num_warps. `compile` (no TRITON_INTERPRET) compiles each la
 `triton.compile` for sm_<arch> (PTX, then ptxas if Triton ships one) and reports failures with
 the compiler's message. tests/test_compile_check.py does both for the model decode path.
 `sass` prints, per launch, the static count of SASS instructions (nvdisasm of the cubin, as
-Triton ships it) with ptxas's register and spill report: for kernels without runtime loops that
+Triton ships it; --ops N: the N commonest opcodes) with ptxas's register and spill report: for kernels without runtime loops that
 is the instruction count of one program, a proxy (not a timing) for instruction-bound kernels.
 """
 
@@ -139,15 +139,23 @@ def assemble(ptx: str, arch: int = 90, verbose: bool = False, sass: bool = False
     return r.returncode, r.stderr, dis
 
 
-def count_sass(disassembly: str) -> int:
-    """Instructions in an nvdisasm listing (lines `/*addr*/ OPCODE ...`)."""
+def sass_opcodes(disassembly: str) -> list:
+    """The opcode (without modifiers or predicate) of each instruction in an nvdisasm listing
+    (lines `/*addr*/ [@P0] OPCODE.MOD ...`)."""
     import re
-    return len(re.findall(r"^\s*/\*[0-9a-f]{4,}\*/\s+\S", disassembly, flags=re.M))
+    return [m.split(".")[0] for m in re.findall(
+        r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", disassembly,
+        flags=re.M)]
+
+
+def count_sass(disassembly: str) -> int:
+    """Instructions in an nvdisasm listing."""
+    return len(sass_opcodes(disassembly))
 
 
 def compile_launch(ln: dict, arch: int = 90, sass: bool = False):
     """Compile one recorded launch for sm_<arch>: '' when it compiles (and assembles), else the
-    error's last lines; sass: (that, ptxas -v report, SASS instruction count or None)."""
+    error's last lines; sass: (that, ptxas -v report, the SASS opcodes or None)."""
     import importlib
 
     fn = getattr(importlib.import_module(ln["module"]), ln["kernel"])
@@ -176,13 +184,13 @@ def compile_launch(ln: dict, arch: int = 90, sass: bool = False):
         return "ptxas: Triton ships none", "", None
     report = " ".join(ln.split(":", 1)[-1].strip() for ln in r[1].splitlines()
                       if "registers" in ln or "spill" in ln)
-    return err, report, (count_sass(r[2]) if r[2] else None)
+    return err, report, (sass_opcodes(r[2]) if r[2] else None)
 
 
 def main(argv: list[str]) -> int:
     usage = ("usage: python -m replayquant.kernels.compile_check record OUT.json -- "
              "(-m module | script.py) ARGS...  |  compile LAUNCHES.json [--arch 90]  |  "
-             "sass LAUNCHES.json [--arch 90] [--kernel NAME]")
+             "sass LAUNCHES.json [--arch 90] [--kernel NAME] [--ops N]")
     if len(argv) < 2 or argv[0] not in ("record", "compile", "sass"):
         print(usage, file=sys.stderr)
         return 2
@@ -217,15 +225,21 @@ def main(argv: list[str]) -> int:
         launches = json.load(f)
     if argv[0] == "sass":
         only = argv[argv.index("--kernel") + 1] if "--kernel" in argv else None
+        top = int(argv[argv.index("--ops") + 1]) if "--ops" in argv else 0
         bad = 0
         for ln in launches:
             if only is not None and ln["kernel"] != only:
                 continue
-            err, report, n = compile_launch(ln, arch, sass=True)
+            err, report, ops = compile_launch(ln, arch, sass=True)
             bad += bool(err)
             consts = " ".join(f"{k}={v}" for k, v in ln["constexprs"].items())
+            n = None if ops is None else len(ops)
             print(f"{ln['kernel']} warps={ln['num_warps']} {consts}\n    "
                   + (f"FAIL {err}" if err else f"{n} SASS instructions; {report}"))
+            if top and ops:
+                import collections
+                print("    " + ", ".join(f"{op} {c}" for op, c in
+                                         collections.Counter(ops).most_common(top)))
         return 1 if bad else 0
     bad = 0
     for ln in launches:
