@@ -12,6 +12,8 @@
 #            B = 512 and verify T = 4 (issue 4)                                ~480 s
 #   generate evals/cuda_generate_check.py (generate through the compiled decode kernel vs the
 #            CPU path, issue 5)                                               ~60 s
+#   read     GDN B = 256 (L = 16) decode with the kernel-vs-reference checks first: times the
+#            select-free E2M1 / E4M3 decoders (session 4, untimed) against run 10  ~150 s
 #   followup generate, tiny-mamba2 16K demo, tf32x3 whole model + KL, GDN flush folds ~520 s
 #            (the generate check alone took over 150 s; at most 8 files come back from $OUT)
 #
@@ -20,7 +22,7 @@
 # The image has torch, triton, transformers, accelerate, rich, typer, matplotlib; not fla.
 set -uo pipefail
 : "${OUT:?set OUT to the folder where results go}"
-job=${1:?usage: bash evals/gpu_runs.sh tf|mamba|decode|generate}
+job=${1:?usage: bash evals/gpu_runs.sh tf|mamba|decode|read|generate|followup}
 export PYTHONUNBUFFERED=1 REPLAYQUANT_GIT_COMMIT=${REPLAYQUANT_GIT_COMMIT:-unknown}
 python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/site .gpu/wheels/*.whl \
     || { echo "gpu_runs: could not install the carried wheels in .gpu/wheels" >&2; exit 1; }
@@ -55,6 +57,11 @@ case "$job" in
         --spec-batches 512 --no-checks --no-sweep --budget-s 100 \
         > "$OUT/decode_gdn.log" 2>&1; echo "gdn rc=$?"
     ;;
+  read)
+    "${rq[@]}" bench kernels --out "$OUT" --name kernels_gdn_b256_read --kinds gdn --batches 256 \
+        --L 16 --T 4 --spec-batches "" --no-sweep --no-peers --budget-s 200 \
+        > "$OUT/decode_read.log" 2>&1; echo "read rc=$?"
+    ;;
   generate)
     python3 evals/cuda_generate_check.py "$OUT/cuda_generate.json" --new-tokens 32; echo "rc=$?"
     ;;
@@ -77,5 +84,5 @@ case "$job" in
         --batches 256 --L 16 --pairs s32_rs,tp8_hi32,tp4_hi32 --no-checks --no-sweep --no-peers \
         --spec-batches "" --budget-s 80 > "$OUT/decode_fold.log" 2>&1; echo "fold rc=$?"
     ;;
-  *) echo "gpu_runs: unknown job $job (tf, mamba, decode, generate, followup)" >&2; exit 2 ;;
+  *) echo "gpu_runs: unknown job $job (tf, mamba, decode, read, generate, followup)" >&2; exit 2 ;;
 esac

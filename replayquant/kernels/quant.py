@@ -5,9 +5,8 @@ Device functions other kernels import (the replay decode kernels call them):
     philox_u32(seed_lo, seed_hi, c0, c1, c2)      Philox4x32-10 word 0, counter (c0, c1, c2, 0)
     round_to_grid(y, rbits, MBITS, EMIN, MAX_CODE, MAX_VALUE, IEEE, INF_CODE, STOCHASTIC)
                                                   -> (code int32, sign int32) = round_to_grid_ref
-    grid_value(code, sign, MBITS, EMIN)           float32 value of a saturating-grid code
     encode_fp16 / encode_bf16 / encode_e4m3 / encode_e2m1 (y, rbits, STOCHASTIC) -> int32 bits
-    decode_fp16 / decode_bf16 / decode_e4m3 / decode_e2m1 (bits) -> float32
+    decode_fp16 / decode_bf16 / decode_e4m3 / decode_e2m1 (bits) -> float32 (= grid_value_ref)
 
 `round_to_grid` works on integers only: for the float32 magnitude a = S * 2^(max(E,1) - 150)
 (S the 24-bit significand, E the biased exponent) and e = max(E - 127, EMIN), the scaled value
@@ -37,7 +36,7 @@ from replayquant.formats.constants import (BF16, E2M1, E4M3, FP8_ROW_DIVISOR, FP
                                            PHILOX_M0, PHILOX_M1, PHILOX_W0, PHILOX_W1, Grid)
 
 __all__ = [
-    "philox_u32", "round_to_grid", "grid_value",
+    "philox_u32", "round_to_grid",
     "encode_fp16", "encode_bf16", "encode_e4m3", "encode_e2m1",
     "decode_fp16", "decode_bf16", "decode_e4m3", "decode_e2m1",
     "cast_quantize", "fp8_quantize", "fp8_dequantize", "nvfp4_quantize", "nvfp4_dequantize",
@@ -153,23 +152,6 @@ def round_to_grid(y, rbits, MBITS: tl.constexpr, EMIN: tl.constexpr, MAX_CODE: t
 
 
 @triton.jit
-def _pow2(p):
-    """2^p as float32 for integer p in the normal range [-126, 127] (built from bits)."""
-    return ((p + 127) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def grid_value(code, sign, MBITS: tl.constexpr, EMIN: tl.constexpr):
-    """float32 value of (code, sign) on a saturating grid (E4M3, E2M1); = grid_value_ref."""
-    code = code.to(tl.int32)
-    ef = code >> MBITS
-    m = code & ((1 << MBITS) - 1)
-    sig = tl.where(ef > 0, m + (1 << MBITS), m).to(tl.float32)
-    v = sig * _pow2(tl.maximum(ef, 1) - (1 - EMIN + MBITS))
-    return tl.where(sign != 0, -v, v)
-
-
-@triton.jit
 def encode_fp16(y, rbits, STOCHASTIC: tl.constexpr):
     """float32 -> IEEE binary16 bit pattern (int32 holding 16 bits), IEEE overflow to inf."""
     code, sign = round_to_grid(y, rbits, 10, -14, 0x7BFF, 65504.0, True, 0x7C00, STOCHASTIC)
@@ -213,23 +195,27 @@ def decode_bf16(bits):
 
 @triton.jit
 def decode_e4m3(bits):
-    """E4M3FN bit pattern (low 8 bits; 0x7F/0xFF NaN codes are never produced) -> float32."""
-    b = bits.to(tl.int32) & 0xFF
-    return grid_value(b & 0x7F, b >> 7, 3, -6)
+    """E4M3FN bit pattern (low 8 bits; 0x7F/0xFF NaN codes are never produced) -> float32,
+    without a select: exponent and mantissa (7 bits) placed at float16 bits 13..7 and the sign
+    at bit 15 read as a float16 that is the value times 2^-8 (subnormals to subnormals; the
+    float16 -> float32 conversion is exact), then one exact multiply by 2^8 (as decode_e2m1)."""
+    b = bits.to(tl.int32)
+    h = (((b & 0x7F) << 7) | ((b & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
+    return h.to(tl.float32) * 256.0
 
 
 @triton.jit
 def decode_e2m1(bits):
-    """E2M1 nibble (low 4 bits) -> float32 (= grid_value(code, sign, 1, 0)). Codes 2..7 are
-    normal: exponent (code >> 1) - 1 and mantissa bit code & 1 placed straight into float32 bits
-    ((code << 22) + (126 << 23)); codes 0 and 1 are 0 and 0.5. Fewer instructions than the
-    general grid decode, which matters in the NVFP4 read kernels (they are instruction bound)."""
+    """E2M1 nibble (low 4 bits) -> float32 without a select:
+    the magnitude code c = e1 e0 m placed at float16 bits 11..9 (exponent field e1 e0, mantissa
+    bit m) and the sign at bit 15 read as a float16 that is the value times 2^-14 (subnormal for
+    c < 2: 0 and 0.5; the float16 -> float32 conversion is exact, subnormals included, so no
+    flush-to-zero setting can change it), then one exact multiply by 2^14. Fewer instructions
+    than the general grid decode, which matters in the NVFP4 read kernels (they are instruction
+    bound)."""
     b = bits.to(tl.int32)
-    c = b & 0x7
-    normal = ((c << 22) + (126 << 23)).to(tl.float32, bitcast=True)
-    v = tl.where(c >= 2, normal, c.to(tl.float32) * 0.5)
-    return tl.where((b & 0x8) != 0, -v, v)
-
+    h = (((b & 0x7) << 9) | ((b & 0x8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)
+    return h.to(tl.float32) * 16384.0
 
 @triton.jit
 def _stream_of(stream_ptr, stream_base, m, HAS_STREAMS: tl.constexpr):
