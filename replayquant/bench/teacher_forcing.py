@@ -106,7 +106,7 @@ def check(device="cuda") -> list:
                     "segments_result": []}
             if pair.anchor.format == "nvfp4" and str(device).startswith("cuda"):
                 case["nvfp4_chain_programs_per_matrix"] = chunk.nvfp4_chain_programs(
-                    B * H, dv, torch.cuda.get_device_properties(device).multi_processor_count)
+                    B * H, dv, chunk.device_sms(device))
             for a, b in ((0, T1), (T1, T1 + T2)):
                 sl = [None if t is None else t[:, a:b] for t in (q, k, v, la, be)]
                 vm = valid[:, a:b] if padded else None
@@ -191,7 +191,7 @@ def bench(lengths=(8192, 32768), device="cuda") -> list:
                                                clock.seconds().get("chunk_passes", {}).items()}
             if pair.anchor.format == "nvfp4":             # A/B: split chain or two-pass
                 row[f"kernel_{name}_chain_programs_per_matrix"] = chunk.nvfp4_chain_programs(
-                    H, dv, torch.cuda.get_device_properties(device).multi_processor_count)
+                    H, dv, chunk.device_sms(device))
                 saved, chunk.NVFP4_CHAIN_SPLIT = chunk.NVFP4_CHAIN_SPLIT, 0
                 try:
                     y2 = measure(f"kernel_{name}_chain_two_pass", fn)[0]
@@ -392,7 +392,7 @@ def resource_report(pairs=("tp4_hi16_sr", "s32_rs", "f4_sr_rs", "tp4_hi32"), H: 
     needed: [{pair, kernel, line}], line = ptxas -v's report. The launch parameters are those
     chunk_scan uses for B = 1, H heads, d_k = d_v = d (GDN, prefill="replay")."""
     from replayquant.kernels import chunk
-    from replayquant.kernels.compile_check import assemble, compile_ptx
+    from replayquant.kernels.compile_check import assemble, compile_ptx, ptxas_report
     from replayquant.kernels.conventional import FMT_IDS
     from replayquant.pairs import PrecisionPair
 
@@ -417,8 +417,7 @@ def resource_report(pairs=("tp4_hi16_sr", "s32_rs", "f4_sr_rs", "tp4_hi32"), H: 
         if r is None:
             return "ptxas failed: Triton ships no ptxas"
         if r[0] == 0:
-            return " ".join(ln.split(":", 1)[-1].strip() for ln in r[1].splitlines()
-                            if "registers" in ln or "spill" in ln)
+            return ptxas_report(r[1])
         return "ptxas failed: " + (r[1].strip().splitlines() or ["?"])[-1]
 
     rows = []

@@ -403,10 +403,9 @@ def _chain_rows_in_registers(
             tl.store(y_ptr + yrow * DV + rows, tl.sum(S * cq[None, :], axis=1),
                      mask=tl.where(ctok >= 0, rows >= 0, False))
             g = 1.0
-            if SPLIT:
-                slot = mat * NWS + (w - w0)
-                g = _nv_scale(_matrix_amax(tl.max(tl.max(tl.abs(S), axis=1), axis=0), Mx + slot,
-                                           Cn + slot, err, spin_limit, DV // BV))
+            if SPLIT:                              # Mx / Cn: one slot per (matrix, window)
+                g = _nv_scale(_matrix_amax(tl.max(tl.max(tl.abs(S), axis=1), axis=0), Mx + tb,
+                                           Cn + tb, err, spin_limit, DV // BV))
             A = _cast_tile(S, g, A_pay, A_sc, A_gs, mat, rows, cols, key_lo, key_hi,
                            nf + w + 1, seq, h, w == nfull - 1, DV, DK, BV, AFMT, ASR, 0,
                            Rb + tb * (DV * DK), PRE)
@@ -450,6 +449,9 @@ def _chain_kernel(
         nfold = tl.load(nwin_ptr + b)
     else:
         nfold = nfull
+    # SPLIT (the host sets it for an NVFP4 anchor outside exact prefill only): the row blocks
+    # exchange the matrix amax; else an NVFP4 anchor is cast in two passes by one program
+    tl.static_assert((not SPLIT) or (AFMT == 4 and not EXACT), "SPLIT needs an NVFP4 anchor")
     TWO_PASS: tl.constexpr = (AFMT == 4) and (not EXACT) and (not SPLIT)
     a_tile = As + mat * (DV * DK) + cols[None, :]
     wend = tl.minimum(nfold, w0 + NWS)
@@ -458,8 +460,7 @@ def _chain_kernel(
             tok_ptr, y_ptr, Kw, Ww, QLw, Gw, Uw, Xs, a_tile, A_pay, A_sc, A_gs, Rb,
             Mx, Cn, err, spin_limit, b, h, mat, pb, cols, jj, br, nf, seq, nfull, w0, wend, T,
             WIDTH, NWS, key_lo, key_hi,
-            H, DK, DV, BV, L, LP, AFMT, ASR, SHARED, DELTA, EXACT, PRE, PREC,
-            SPLIT and (AFMT == 4) and (not EXACT))
+            H, DK, DV, BV, L, LP, AFMT, ASR, SHARED, DELTA, EXACT, PRE, PREC, SPLIT)
     else:
         # several row blocks per program: an NVFP4 anchor (two-pass cast with the matrix amax)
         # or exact prefill with one (chunk_launch_config gives other anchors one row block)
@@ -612,6 +613,14 @@ def supports(d_k: int, d_v: int) -> bool:
 NVFP4_CHAIN_BLOCK = (64, 8)
 NVFP4_CHAIN_SPLIT = os.environ.get("REPLAYQUANT_NVFP4_CHAIN_SPLIT") or None
 SPIN_LIMIT = 1 << 22            # polls of a split chain's amax wait before it reports an error
+
+
+def device_sms(dev) -> int | None:
+    """The SM count of CUDA device `dev` (what the split NVFP4 chain is sized by), None
+    elsewhere (the interpreter)."""
+    dev = torch.device(dev)
+    return torch.cuda.get_device_properties(dev).multi_processor_count \
+        if dev.type == "cuda" else None
 
 
 def nvfp4_chain_programs(BH: int, d_v: int, sms: int | None) -> int:
@@ -777,9 +786,7 @@ def chunk_scan(state: ScanState, q, k, v, log_a, beta=None, *, pair, seed: int =
     seq = state.rows.to(device=dev, dtype=i64).contiguous()
     nw = nwin.to(torch.int32).contiguous()
     nfu = full.to(torch.int32).contiguous()
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" \
-        else None
-    cfg = chunk_launch_config(pair, B, H, dv, dk, L, sms)
+    cfg = chunk_launch_config(pair, B, H, dv, dk, L, device_sms(dev))
     LP = cfg["LP"]
     klo, khi = split_key(layer_seed(seed, layer))
     BH = B * H

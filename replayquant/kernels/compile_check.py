@@ -11,8 +11,9 @@ constexpr values and num_warps. `compile` (no TRITON_INTERPRET) compiles each la
 `triton.compile` for sm_<arch> (PTX, then ptxas if Triton ships one) and reports failures with
 the compiler's message. tests/test_compile_check.py does both for the model decode path.
 `sass` prints, per launch, the static count of SASS instructions (nvdisasm of the cubin, as
-Triton ships it; --ops N: the N commonest opcodes) with ptxas's register and spill report: for kernels without runtime loops that
-is the instruction count of one program, a proxy (not a timing) for instruction-bound kernels.
+Triton ships it; --ops N: the N commonest opcodes) with ptxas's register and spill report: for
+kernels without runtime loops that is the instruction count of one program, a proxy (not a
+timing) for instruction-bound kernels.
 """
 
 from __future__ import annotations
@@ -139,6 +140,12 @@ def assemble(ptx: str, arch: int = 90, verbose: bool = False, sass: bool = False
     return r.returncode, r.stderr, dis
 
 
+def ptxas_report(stderr: str) -> str:
+    """The register and spill lines of `ptxas -v` output, on one line."""
+    return " ".join(ln.split(":", 1)[-1].strip() for ln in stderr.splitlines()
+                    if "registers" in ln or "spill" in ln)
+
+
 def sass_opcodes(disassembly: str) -> list:
     """The opcode (without modifiers or predicate) of each instruction in an nvdisasm listing
     (lines `/*addr*/ [@P0] OPCODE.MOD ...`)."""
@@ -153,9 +160,9 @@ def count_sass(disassembly: str) -> int:
     return len(sass_opcodes(disassembly))
 
 
-def compile_launch(ln: dict, arch: int = 90, sass: bool = False):
-    """Compile one recorded launch for sm_<arch>: '' when it compiles (and assembles), else the
-    error's last lines; sass: (that, ptxas -v report, the SASS opcodes or None)."""
+def _launch_ptx(ln: dict, arch: int):
+    """(PTX, '') of one recorded launch compiled for sm_<arch>, or (None, the compiler's
+    error)."""
     import importlib
 
     fn = getattr(importlib.import_module(ln["module"]), ln["kernel"])
@@ -170,21 +177,34 @@ def compile_launch(ln: dict, arch: int = 90, sass: bool = False):
         else:
             sig[name] = "i32" if t == "one" else t
     try:
-        ptx = compile_ptx(fn, sig, consts, ln["num_warps"], arch)
+        return compile_ptx(fn, sig, consts, ln["num_warps"], arch), ""
     except Exception as e:                              # the compiler's message is the point
         while e.__cause__ is not None:                  # the innermost error says what failed
             e = e.__cause__
-        err = f"{type(e).__name__}: {e}"[-1500:]
-        return (err, "", None) if sass else err
-    r = assemble(ptx, arch, verbose=sass, sass=sass)
-    err = "" if r is None or r[0] == 0 else "ptxas: " + r[1].strip()[-800:]
-    if not sass:
+        return None, f"{type(e).__name__}: {e}"[-1500:]
+
+
+def compile_launch(ln: dict, arch: int = 90) -> str:
+    """Compile one recorded launch for sm_<arch>: '' when it compiles (and assembles), else the
+    error's last lines."""
+    ptx, err = _launch_ptx(ln, arch)
+    if ptx is None:
         return err
+    r = assemble(ptx, arch)
+    return "" if r is None or r[0] == 0 else "ptxas: " + r[1].strip()[-800:]
+
+
+def sass_launch(ln: dict, arch: int = 90):
+    """(error or '', ptxas -v report, the SASS opcodes or None) of one recorded launch."""
+    ptx, err = _launch_ptx(ln, arch)
+    if ptx is None:
+        return err, "", None
+    r = assemble(ptx, arch, verbose=True, sass=True)
     if r is None:
         return "ptxas: Triton ships none", "", None
-    report = " ".join(ln.split(":", 1)[-1].strip() for ln in r[1].splitlines()
-                      if "registers" in ln or "spill" in ln)
-    return err, report, (sass_opcodes(r[2]) if r[2] else None)
+    if r[0] != 0:
+        return "ptxas: " + r[1].strip()[-800:], "", None
+    return "", ptxas_report(r[1]), (sass_opcodes(r[2]) if r[2] else None)
 
 
 def main(argv: list[str]) -> int:
@@ -230,7 +250,7 @@ def main(argv: list[str]) -> int:
         for ln in launches:
             if only is not None and ln["kernel"] != only:
                 continue
-            err, report, ops = compile_launch(ln, arch, sass=True)
+            err, report, ops = sass_launch(ln, arch)
             bad += bool(err)
             consts = " ".join(f"{k}={v}" for k, v in ln["constexprs"].items())
             n = None if ops is None else len(ops)

@@ -194,28 +194,32 @@ def decode_bf16(bits):
 
 
 @triton.jit
-def decode_e4m3(bits):
-    """E4M3FN bit pattern (low 8 bits; 0x7F/0xFF NaN codes are never produced) -> float32,
-    without a select: exponent and mantissa (7 bits) placed at float16 bits 13..7 and the sign
-    at bit 15 read as a float16 that is the value times 2^-8 (subnormals to subnormals; the
-    float16 -> float32 conversion is exact), then one exact multiply by 2^8 (as decode_e2m1)."""
+def _decode_small_float(bits, EBITS: tl.constexpr, MBITS: tl.constexpr):
+    """Sign-magnitude code of a small float format (1 + EBITS + MBITS <= 8 bits, exponent bias
+    2^(EBITS - 1) - 1, subnormals, no inf) -> float32, without a select: exponent and mantissa
+    placed so the mantissa's top bit is float16 bit 9, the sign at bit 15, read as a float16
+    that is the value times 2^(bias - 15) (subnormals to subnormals; the float16 -> float32
+    conversion is exact, so no flush-to-zero setting can change it), then one exact multiply by
+    2^(15 - bias). Fewer instructions than a general grid decode, which matters in the NVFP4 /
+    FP8 read kernels (they are instruction bound)."""
+    NB: tl.constexpr = EBITS + MBITS
+    SCALE: tl.constexpr = 2.0 ** (16 - 2 ** (EBITS - 1))
     b = bits.to(tl.int32)
-    h = (((b & 0x7F) << 7) | ((b & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
-    return h.to(tl.float32) * 256.0
+    h = (((b & ((1 << NB) - 1)) << (10 - MBITS)) | ((b & (1 << NB)) << (15 - NB)))
+    return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * SCALE
+
+
+@triton.jit
+def decode_e4m3(bits):
+    """E4M3FN bit pattern (low 8 bits; 0x7F/0xFF NaN codes are never produced) -> float32."""
+    return _decode_small_float(bits, 4, 3)
 
 
 @triton.jit
 def decode_e2m1(bits):
-    """E2M1 nibble (low 4 bits) -> float32 without a select:
-    the magnitude code c = e1 e0 m placed at float16 bits 11..9 (exponent field e1 e0, mantissa
-    bit m) and the sign at bit 15 read as a float16 that is the value times 2^-14 (subnormal for
-    c < 2: 0 and 0.5; the float16 -> float32 conversion is exact, subnormals included, so no
-    flush-to-zero setting can change it), then one exact multiply by 2^14. Fewer instructions
-    than the general grid decode, which matters in the NVFP4 read kernels (they are instruction
-    bound)."""
-    b = bits.to(tl.int32)
-    h = (((b & 0x7) << 9) | ((b & 0x8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)
-    return h.to(tl.float32) * 16384.0
+    """E2M1 nibble (low 4 bits) -> float32."""
+    return _decode_small_float(bits, 2, 1)
+
 
 @triton.jit
 def _stream_of(stream_ptr, stream_base, m, HAS_STREAMS: tl.constexpr):
