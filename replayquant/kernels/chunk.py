@@ -605,7 +605,8 @@ def supports(d_k: int, d_v: int) -> bool:
 # two-pass: one program per matrix, row blocks of NVFP4_CHAIN_BLOCK[0] rows on
 # NVFP4_CHAIN_BLOCK[1] warps, an amax pass then a cast pass through the FP32 scratch (the
 # GPU is full of matrices then). H200, Qwen3.5-4B layer at 8K tokens, two-pass: (64, 8)
-# 23.1 ms per call, (32, 8) 24.4, (64, 16) 23.7. NVFP4_CHAIN_SPLIT: None chooses by shape
+# 23.1 ms per call, (32, 8) 24.4, (64, 16) 23.7 (results/bench/teacher_forcing_1b5ddb4.json).
+# NVFP4_CHAIN_SPLIT: None chooses by shape
 # (CUDA; the interpreter runs programs one after another, so there it is two-pass), 0 forces
 # two-pass, NP >= 1 forces the split on NP programs (tests: NP = 1 in the interpreter); the
 # environment variable REPLAYQUANT_NVFP4_CHAIN_SPLIT sets it from outside (e.g. 0 on a GPU
