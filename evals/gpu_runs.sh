@@ -14,9 +14,6 @@
 #            CPU path, issue 5)                                               ~60 s
 #   read     GDN B = 256 (L = 16) decode with the kernel-vs-reference checks first: times the
 #            select-free E2M1 / E4M3 decoders (session 4, untimed) against run 10  ~150 s
-#   mma      GPU checks, GDN B = 256 read steps and B = 512 verify T = 4, read products fma vs
-#            mma (tensor cores)                                                ~150-300 s
-#   mma2     the same for Mamba-2 (L = 8)                                      ~150-300 s
 #   followup generate, tiny-mamba2 16K demo, tf32x3 whole model + KL, GDN flush folds ~520 s
 #            (the generate check alone took over 150 s; at most 8 files come back from $OUT)
 #
@@ -25,7 +22,7 @@
 # The image has torch, triton, transformers, accelerate, rich, typer, matplotlib; not fla.
 set -uo pipefail
 : "${OUT:?set OUT to the folder where results go}"
-job=${1:?usage: bash evals/gpu_runs.sh tf|mamba|decode|read|mma|mma2|generate|followup}
+job=${1:?usage: bash evals/gpu_runs.sh tf|mamba|decode|read|generate|followup}
 export PYTHONUNBUFFERED=1 REPLAYQUANT_GIT_COMMIT=${REPLAYQUANT_GIT_COMMIT:-unknown}
 python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/site .gpu/wheels/*.whl \
     || { echo "gpu_runs: could not install the carried wheels in .gpu/wheels" >&2; exit 1; }
@@ -65,20 +62,6 @@ case "$job" in
         --L 16 --T 4 --spec-batches "" --no-sweep --no-peers --budget-s 200 \
         > "$OUT/decode_read.log" 2>&1; echo "read rc=$?"
     ;;
-  mma)
-    # read products on tensor cores (session 5): GPU checks (incl. mma vs fma), GDN B = 256 read
-    # steps ('dots' with fma and mma) and the verify T = 4 round at B = 512 (mma, the default
-    # from 2 drafts, and fma), in one run with the copy bandwidth
-    timeout 540 "${rq[@]}" bench kernels --out "$OUT" --name kernels_mma_gdn --kinds gdn \
-        --batches 256 --L 16 --T 4 --spec-batches 512 --no-sweep --no-peers --budget-s 420 \
-        > "$OUT/mma_gdn.log" 2>&1; echo "gdn rc=$?"
-    ;;
-  mma2)
-    # the same for Mamba-2 (L = 8; verify T = 4 at B = 512 never measured before)
-    timeout 540 "${rq[@]}" bench kernels --out "$OUT" --name kernels_mma_mamba2 --kinds mamba2 \
-        --batches 256 --L 8 --T 4 --spec-batches 512 --no-checks --no-sweep --no-peers \
-        --budget-s 420 > "$OUT/mma_mamba2.log" 2>&1; echo "mamba2 rc=$?"
-    ;;
   generate)
     python3 evals/cuda_generate_check.py "$OUT/cuda_generate.json" --new-tokens 32; echo "rc=$?"
     ;;
@@ -101,5 +84,5 @@ case "$job" in
         --batches 256 --L 16 --pairs s32_rs,tp8_hi32,tp4_hi32 --no-checks --no-sweep --no-peers \
         --spec-batches "" --budget-s 80 > "$OUT/decode_fold.log" 2>&1; echo "fold rc=$?"
     ;;
-  *) echo "gpu_runs: unknown job $job (tf, mamba, decode, read, mma, mma2, generate, followup)" >&2; exit 2 ;;
+  *) echo "gpu_runs: unknown job $job (tf, mamba, decode, read, generate, followup)" >&2; exit 2 ;;
 esac

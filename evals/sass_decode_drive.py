@@ -6,9 +6,7 @@ loop: its static count is what one program executes).
 * GDN, Qwen3.5-4B layer (16 key heads, 32 value heads, d_k = d_v = 128): two decode steps per
   read format with read_variant 'dots' (16 rows, 1 warp), then a verify of T = 4 drafts;
 * Mamba-2, Nemotron-H layer (128 heads of 64, state 128, 8 groups): two decode steps per read
-  format ('block' read, 32 rows, 4 warps), then a verify of T = 4;
-* the read kernels twice where it differs: products 'fma' and 'mma' (READ_PRODUCTS), the
-  verify with the B = 512 launch (32 rows, 4 warps).
+  format ('block' read, 32 rows, 4 warps).
 
     TRITON_INTERPRET=1 python -m replayquant.kernels.compile_check record /tmp/l.json -- \
         evals/sass_decode_drive.py
@@ -20,8 +18,7 @@ import torch
 from replayquant.bench.decode import (gdn_params, gdn_step_inputs, mamba2_params,
                                       mamba2_step_inputs)
 from replayquant.kernels.replay_decode import ReplayStore, replay_gdn_step, replay_mamba2_step
-import replayquant.kernels.replay_decode as rd
-from replayquant.kernels.verify import replay_accept, replay_gdn_verify, replay_mamba2_verify
+from replayquant.kernels.verify import replay_accept, replay_gdn_verify
 
 PAIRS = ("s32_rs", "tp8_hi32", "tp4_hi32", "tp4_hi16_sr")
 B = 2
@@ -33,34 +30,19 @@ for pair in PAIRS:
     A_log, dt_bias = gdn_params(H, seed=1)
     for step in range(2):                       # the second step reads committed entries
         q, k, v, a, b = gdn_step_inputs(B, HK, H, D, D, seed=step)
-        for rd.READ_PRODUCTS in ("fma", "mma"):
-            replay_gdn_step(store.clone(), q, k, v, a, b, A_log, dt_bias, path="replay",
-                            launch="split", read_variant="dots", block_v=16, num_warps=1)
         replay_gdn_step(store, q, k, v, a, b, A_log, dt_bias, path="replay", launch="split",
                         read_variant="dots", block_v=16, num_warps=1)
     q, k, v, a, b = gdn_step_inputs(B, HK, H, D, D, T=4, seed=9)
-    for rd.READ_PRODUCTS in ("fma", "mma"):      # the B = 512 launch (32 rows, 4 warps)
-        replay_gdn_verify(store.clone(), q, k, v, a, b, A_log, dt_bias, block_v=32, num_warps=4)
     replay_gdn_verify(store, q, k, v, a, b, A_log, dt_bias)
     replay_accept(store, torch.tensor([2, 4]))
     print("gdn", pair, "done", flush=True)
 for pair in PAIRS:
     G, H, P, N = 8, 128, 64, 128
     init = torch.randn(B, H, P, N, generator=torch.Generator().manual_seed(0)) * 0.1
-    store = ReplayStore.from_state(init, pair, "mamba2", key_heads=G, seed=3, layer=2,
-                                   max_drafts=4)
+    store = ReplayStore.from_state(init, pair, "mamba2", key_heads=G, seed=3, layer=2)
     A, Dskip, dt_bias = mamba2_params(H, seed=1)
     for step in range(2):
         x, dt, Bm, C, z = mamba2_step_inputs(B, G, H, N, P, seed=step)
-        rd.READ_PRODUCTS = "mma"
-        replay_mamba2_step(store.clone(), x, dt, A, Bm, C, D=Dskip, z=z, dt_bias=dt_bias,
-                           path="replay", launch="split", read_variant="block", block_v=32,
-                           num_warps=4)
-        rd.READ_PRODUCTS = "fma"
         replay_mamba2_step(store, x, dt, A, Bm, C, D=Dskip, z=z, dt_bias=dt_bias, path="replay",
                            launch="split", read_variant="block", block_v=32, num_warps=4)
-    x, dt, Bm, C, z = mamba2_step_inputs(B, G, H, N, P, T=4, seed=9)
-    for rd.READ_PRODUCTS in ("fma", "mma"):
-        replay_mamba2_verify(store.clone(), x, dt, A, Bm, C, D=Dskip, z=z, dt_bias=dt_bias,
-                             block_v=32, num_warps=4)
     print("mamba2", pair, "done", flush=True)

@@ -8,7 +8,7 @@ import pytest
 
 from replayquant.bench import decode as bd
 
-TINY = {"gdn": dict(kind="gdn", H=2, HK=1, dv=16, dk=32),      # d_k 32: tensor-core products fit
+TINY = {"gdn": dict(kind="gdn", H=2, HK=1, dv=16, dk=16),
         "mamba2": dict(kind="mamba2", H=2, HK=1, dv=16, dk=16)}
 
 
@@ -62,19 +62,10 @@ def test_cpu_smoke_run(tmp_path):
     for kind in ("gdn", "mamba2"):
         assert (kind, "replay-window-dots", "tp4_hi32", 3) in kernels
         assert (kind, "replay-read-step-dots", "tp4_hi32", 3) in kernels
-    # read products: GDN (d_k 32) verifies on tensor cores by default and also times 'fma';
-    # Mamba-2's tiny d_k (16) cannot take a tensor-core dot: 'fma' only, no alternative row
-    prods = {(r["kind"], r["kernel"], r["variant"]): r.get("products") for r in js["rows"]}
-    assert prods[("gdn", "spec-replay-round", "tp4_hi32")] == "mma"
-    assert prods[("gdn", "spec-replay-round-fma", "tp4_hi32")] == "fma"
-    assert ("gdn", "replay-read-step-dots-mma", "tp4_hi32", 3) in kernels
-    assert prods[("mamba2", "spec-replay-round", "tp4_hi32")] == "fma"
-    assert not [k for k in kernels if k[0] == "mamba2" and "mma" in k[1]]
-    assert js["provenance"]["read_products"]["setting"] == "auto"
     assert not [r for r in js["rows"] if r.get("error")]
     assert all("speedup_vs_conv_fp32" in r for r in js["rows"] if r["kernel"] == "replay-window")
     assert all("speedup_vs_snapshot_round" in r for r in js["rows"]
-               if r["kernel"] in bd.SPEC_ROUNDS)
+               if r["kernel"] == "spec-replay-round")
     assert len(js["targets"]) == 10 and "gdn/L2" in js["dispatch"]
     d = js["dispatch"]["mamba2/launch/tp4_hi32/L2"]
     assert set(d["fused_us"]) == set(d["split_us"]) == {"1", "3"}

@@ -15,7 +15,6 @@ from replayquant.kernels.replay_decode import (ReplayStore, advance_pointers, ch
                                                resolve_path, replay_gdn_step,
                                                replay_gdn_step_ref, replay_mamba2_step,
                                                replay_mamba2_step_ref)
-import replayquant.kernels.replay_decode as rd
 from replayquant.pairs import PrecisionPair, list_pairs
 from replayquant.replay import ReplayState
 from _helpers import assert_states_close
@@ -471,48 +470,3 @@ def test_replay_mamba2_dt_limit(pair):
     replay_accept(store, n, idx)
     replay_accept_ref(ref, n, idx)
     assert torch.equal(store.committed, ref.committed)
-
-
-@pytest.mark.parametrize("kind,pair,variant", [("gdn", "tp4_hi16_sr", "dots"),
-                                               ("gdn", "tp8_hi32", "block"),
-                                               ("mamba2", "s32_rs", "block"),
-                                               ("mamba2", "tp4_hi32", "block")])
-def test_read_products_mma_step(kind, pair, variant, monkeypatch):
-    """The decode step with the read products on tensor cores (READ_PRODUCTS 'mma': one 3xTF32
-    dot of the read copy against [q, k]) across flushes with L = 4, two key heads, padding rows
-    and poisoned buffers: equals the torch reference and the 'fma' kernel within FP32
-    reassociation (bf16 u buffer: within its rounding)."""
-    N, HK, H, dk, dv = 4, 2, 4, 32, 32
-    dr = Driver(kind, 5, HK, H, dk, dv)
-    store = ReplayStore.from_state(random_state(N, H, dv, dk, seed=7), pair, kind,
-                                   key_heads=HK, seed=3, buffer_len=4)
-    poison_buffers(store)
-    ref, fma = store.clone(), store.clone()
-    idx = torch.tensor([2, -1, 0, 3, 1])
-    tol = 2e-2 if kind == "gdn" else _tol(PrecisionPair.load(pair))     # bf16 u (GDN)
-    for step in range(6):
-        inp = dr.inputs(seed=60 + step)
-        monkeypatch.setattr(rd, "READ_PRODUCTS", "mma")
-        y = dr.kernel(store, inp, idx, launch="split", read_variant=variant, block_v=16)
-        monkeypatch.setattr(rd, "READ_PRODUCTS", "fma")
-        y3 = dr.kernel(fma, inp, idx, launch="split", read_variant=variant, block_v=16)
-        y2 = dr.ref(ref, inp, idx)
-        assert (y[idx < 0] == 0).all()
-        torch.testing.assert_close(y, y2, rtol=tol, atol=tol * y2.abs().max().item())
-        torch.testing.assert_close(y, y3, rtol=1e-4, atol=1e-5 * y3.abs().max().item())
-        assert torch.equal(store.committed, ref.committed) and torch.equal(store.n_flush, ref.n_flush)
-    assert_states_close(store.anchor.dequantize(), ref.anchor.dequantize())
-
-
-def test_resolve_read_products(monkeypatch):
-    monkeypatch.setattr(rd, "READ_PRODUCTS", "auto")
-    assert rd.resolve_read_products(1) == "fma" and rd.resolve_read_products(4) == "mma"
-    assert rd.resolve_read_products(4, block_v=8) == "fma"        # too few rows for a dot
-    assert rd.resolve_read_products(4, dk=16) == "fma"
-    monkeypatch.setattr(rd, "READ_PRODUCTS", "mma")
-    assert rd.resolve_read_products(1) == "mma"
-    with pytest.raises(ValueError, match="REPLAYQUANT_READ_PRODUCTS=fma"):
-        rd.resolve_read_products(4, dk=16)
-    monkeypatch.setattr(rd, "READ_PRODUCTS", "tensor")
-    with pytest.raises(ValueError, match="must be one of"):
-        rd.resolve_read_products(4)

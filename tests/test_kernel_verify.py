@@ -18,7 +18,6 @@ from replayquant.kernels.verify import (conventional_accept, conventional_accept
                                         replay_accept, replay_accept_ref, replay_gdn_verify,
                                         replay_gdn_verify_ref, replay_mamba2_verify,
                                         replay_mamba2_verify_ref)
-import replayquant.kernels.replay_decode as rd
 from replayquant.pairs import PrecisionPair
 from replayquant.replay import ConventionalState, ReplayState
 from _helpers import assert_states_close
@@ -78,16 +77,12 @@ def _accepts(rnd, T):
     return n
 
 
-@pytest.mark.parametrize("products", ["mma", "fma"])
 @pytest.mark.parametrize("kind", ["gdn", "mamba2"])
 @pytest.mark.parametrize("pair", ["s32_rs", "tp4_hi16_sr", "tp8_hi32"])
-def test_replay_verify_accept(kind, pair, products, monkeypatch):
+def test_replay_verify_accept(kind, pair):
     """Rounds of step / verify(T=3) + random accept with L = 5 (pre-flushes of committed entries
     inside verify, h = L left by accept then flushed by the next step): kernel vs reference vs
-    ReplayState, outputs, pointers, anchor and read copy; the verify's read products on tensor
-    cores ('auto': 'mma' from 2 drafts, the steps 'fma') and as matrix-vector sums ('fma')."""
-    monkeypatch.setattr(rd, "READ_PRODUCTS", "auto" if products == "mma" else products)
-    assert rd.resolve_read_products(3, 16, DK) == products
+    ReplayState, outputs, pointers, anchor and read copy."""
     T = 3
     P = PrecisionPair.load(pair).with_buffer_len(5)
     tol = 1e-5 if pair == "s32_rs" else 1e-3

@@ -8,7 +8,6 @@ Inputs look like a real model's: bf16 activations, raw gate logits in FP32, deca
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 
 import torch
 
@@ -243,7 +242,7 @@ def _state_cmp(a, b):
 def gpu_checks(device="cuda") -> dict:
     """The kernel-vs-reference comparisons of the CPU tests, on the GPU at the real head shapes."""
     from replayquant.kernels.conventional import ConventionalStore
-    from replayquant.kernels.replay_decode import ReplayStore, resolve_read_products
+    from replayquant.kernels.replay_decode import ReplayStore
     from replayquant.kernels.verify import (conventional_accept, conventional_accept_ref,
                                             make_snapshots, replay_accept, replay_accept_ref)
     from replayquant.pairs import PrecisionPair
@@ -261,15 +260,11 @@ def gpu_checks(device="cuda") -> dict:
             st = ReplayStore.from_state(init, P, kind, key_heads=HK, seed=3, u_dtype=ud,
                                         max_drafts=2)
             ref = st.clone()
-            errs, fused_vs_split, fused_same, mma_vs_fma, verify_blocks = [], [], True, [], []
+            errs, fused_vs_split, fused_same = [], [], True
             for i in range(9):
                 if i % 3 == 2:
                     kw = _kw(kind, S, B, T=2, seed=i, device=device)
-                    big = st.clone()             # the large-batch launch: 32 rows, 4 warps
-                    yb = f["verify"](big, **kw, state_indices=idx, block_v=32, num_warps=4)
-                    del big
                     y = f["verify"](st, **kw, state_indices=idx)
-                    verify_blocks.append(_rel(yb, y))
                     y2 = f["verify_ref"](ref, **kw, state_indices=idx)
                     n = torch.tensor([2, 0, 1, 2, 0, 1, 2], device=device)
                     replay_accept(st, n, idx)
@@ -281,13 +276,8 @@ def gpu_checks(device="cuda") -> dict:
                     y = f["step"](st, **kw, state_indices=idx, out=out_t, path="replay",
                                   launch="fused")
                     y2 = f["step_ref"](ref, **kw, state_indices=idx, path="replay")
-                    sm = sp.clone()
                     ys = f["step"](sp, **kw, state_indices=idx, path="replay", launch="split")
                     fused_vs_split.append(_rel(y, ys))
-                    with read_products("mma"):         # the step's products on tensor cores
-                        mma_vs_fma.append(_rel(f["step"](sm, **kw, state_indices=idx,
-                                                         path="replay", launch="split"), ys))
-                    del sm
                     fused_same &= bool(torch.equal(sp.committed, st.committed)
                                        and torch.equal(sp.n_flush, st.n_flush)
                                        and torch.equal(sp.anchor.payload, st.anchor.payload)
@@ -301,10 +291,7 @@ def gpu_checks(device="cuda") -> dict:
                 "read": _state_cmp(st.read_role.dequantize(), ref.read_role.dequantize()),
                 "n_flush": st.n_flush.tolist(),
                 "fused_vs_split_max_rel_y": max(fused_vs_split),
-                "fused_pointers_anchor_equal_split": fused_same,
-                "step_mma_vs_fma_max_rel_y": max(mma_vs_fma),
-                "verify_products": resolve_read_products(2, 16, dk),
-                "verify_32rows_vs_16rows_max_rel_y": max(verify_blocks)}
+                "fused_pointers_anchor_equal_split": fused_same}
             del st, ref
         for fmt, rnd in (("fp32", "nearest"), ("fp16", "stochastic")):
             cs = ConventionalStore.from_state(init, fmt, rnd, seed=2)
@@ -653,19 +640,6 @@ def bench_replay_variant(kind, B, pair, L, device, copy_bw, cfg=None, detail=Fal
         rows += cands
         rows.append({**best, "kernel": f"replay-read-step-{variant}"})
         ck = best["cfg"]
-        # the same read step with the products on tensor cores (read_products 'mma')
-        with read_products("mma") as resolve:
-            try:
-                resolve(1, ck["block_v"], dk)
-                st.committed.fill_(L // 2)
-                ms = time_calls(lambda: f["step"](st, **kw, state_indices=idx, out=out,
-                                                  path="replay", advance=False,
-                                                  read_variant=variant, **ck, **fc), 8)
-                rows.append(_row(kind, f"replay-read-step-{variant}-mma", pair, B, ms,
-                                 replay_read_step_bytes(kind, rf or af, L // 2, B, H, HK, dv, dk),
-                                 copy_bw, cfg=ck, h=L // 2, L=L, products="mma"))
-            except ValueError:
-                pass                            # 'mma' needs 16 rows a block and d_k >= 32
         st.committed.zero_()
     calls = [lambda st=st: f["step"](st, **kw, state_indices=idx, out=out, path="replay",
                                      read_variant=variant, **ck, **fc) for st in sts]
@@ -706,27 +680,10 @@ def bench_peers(kind, B, device, copy_bw, S=None):
     return rows
 
 
-def _read_products_setting():
-    import replayquant.kernels.replay_decode as rd
-    return dict(setting=rd.READ_PRODUCTS, mma_min_T=rd.READ_MMA_MIN_T)
-
-
-@contextmanager
-def read_products(products):
-    """Run the enclosed calls with replay_decode.READ_PRODUCTS = products (None: as set)."""
-    import replayquant.kernels.replay_decode as rd
-    old = rd.READ_PRODUCTS
-    rd.READ_PRODUCTS = products or old
-    try:
-        yield rd.resolve_read_products
-    finally:
-        rd.READ_PRODUCTS = old
-
-
 def bench_spec(kind, B, T, device, copy_bw, cfg=None, pairs=PAIRS, L=None, S=None):
     """Speculative rounds: replay verify + accept vs conventional per-draft snapshots + accept."""
     from replayquant.kernels.conventional import ConventionalStore
-    from replayquant.kernels.replay_decode import ReplayStore, replay_launch_config
+    from replayquant.kernels.replay_decode import ReplayStore
     from replayquant.kernels.verify import conventional_accept, make_snapshots, replay_accept
     cfg = cfg or {}
     S = S or SHAPES[kind]
@@ -743,35 +700,21 @@ def bench_spec(kind, B, T, device, copy_bw, cfg=None, pairs=PAIRS, L=None, S=Non
     rows = []
     # the measured round, and the same round with every draft rejected: nothing is committed,
     # so no row ever flushes; the difference between the two is what the flushes cost
-    # (and the measured round with the other way of forming the read products, read_products)
-    rounds = (("spec-replay-round", n, None), ("spec-replay-round-no-flush", torch.zeros_like(n), None),
-              ("spec-replay-round-fma", n, "fma"), ("spec-replay-round-mma", n, "mma"))
+    rounds = (("spec-replay-round", n), ("spec-replay-round-no-flush", torch.zeros_like(n)))
     for pair in pairs:
         c = _cfg(cfg, pair)
-        default = None
-        for kernel, acc, prod in rounds:
-            with read_products(prod) as resolve:
-                st = ReplayStore.from_state(init, _pair(pair, L)[0], kind, key_heads=HK,
-                                            max_drafts=T)
-                bv = replay_launch_config(st, B, c.get("block_v"), c.get("num_warps"))[0][0]
-                try:
-                    used = resolve(T, bv, dk)
-                except ValueError:             # 'mma' needs 16 rows a block and d_k >= 32
-                    continue
-                default = default or used
-                if prod is not None and used == default:
-                    continue                   # the same as the default round above
+        for kernel, acc in rounds:
+            st = ReplayStore.from_state(init, _pair(pair, L)[0], kind, key_heads=HK, max_drafts=T)
 
-                def rnd():
-                    f["verify"](st, **kw, state_indices=idx, out=out, **c)
-                    replay_accept(st, acc, idx, check=False)
-                ms = time_calls(rnd, 8)
+            def rnd():
+                f["verify"](st, **kw, state_indices=idx, out=out, **c)
+                replay_accept(st, acc, idx, check=False)
+            ms = time_calls(rnd, 8)
             if acc is n:
                 extra = dict(tokens_per_s=tokens / ms * 1e3, mean_accept=float(n.float().mean()))
             else:
                 extra = dict(note="every draft rejected: verify + pointer move, never a flush")
-            rows.append(_row(kind, kernel, pair, B, ms, None, copy_bw, T=T, L=L, products=used,
-                             **extra))
+            rows.append(_row(kind, kernel, pair, B, ms, None, copy_bw, T=T, L=L, **extra))
             del st
     cs = ConventionalStore.from_state(init, "fp32")
     snaps = make_snapshots(cs, T)
@@ -810,13 +753,12 @@ def _derive(rows):
                            "replay-forced-flush-fused", "sweep/conventional",
                            "sweep/replay-read-step", "replay-window-kh", "replay-read-step-kh",
                            "sweep/replay-read-step-kh", "replay-window-dots",
-                           "replay-read-step-dots", "sweep/replay-read-step-dots",
-                           "replay-read-step-dots-mma") and k in base:
+                           "replay-read-step-dots", "sweep/replay-read-step-dots") and k in base:
             r["speedup_vs_conv_fp32"] = base[k] / r["us"]
             p = peer.get((r["kind"], r["B"], "float32"))
             if p:
                 r["speedup_vs_peer_fp32"] = p / r["us"]
-        if r["kernel"] in SPEC_ROUNDS and (*k, r.get("T")) in snap:
+        if r["kernel"] == "spec-replay-round" and (*k, r.get("T")) in snap:
             r["speedup_vs_snapshot_round"] = snap[(*k, r.get("T"))] / r["us"]
     return rows
 
@@ -825,10 +767,7 @@ def _find(rows, **kv):
     return [r for r in rows if all(r.get(k) == v for k, v in kv.items())]
 
 
-# read variants' row suffixes
-READ_KERNELS = (("", ""), ("-kh", " kh"), ("-dots", " dots"), ("-dots-mma", " dots mma"))
-# the measured speculative rounds: default read products, and either way forced
-SPEC_ROUNDS = ("spec-replay-round", "spec-replay-round-fma", "spec-replay-round-mma")
+READ_KERNELS = (("", ""), ("-kh", " kh"), ("-dots", " dots"))     # read variants' row suffixes
 
 
 def targets(res) -> list:
@@ -867,11 +806,10 @@ def targets(res) -> list:
             v[f"L={L} best FP32 / best NVFP4 read"] = round(a32 / a4, 3)
         add(f"{kind}: non-flush step reading NVFP4 >= 5x an FP32 read (B = 256, by L and read "
             "variant)", v, bool(v) and max(v.values()) >= 5)
-        v = {f"{r['variant']} {r.get('products', '')}".strip(): round(r["speedup_vs_snapshot_round"], 3)
-             for kern in SPEC_ROUNDS for r in _find(rows, kind=kind, kernel=kern, B=512, T=4)
+        v = {r["variant"]: round(r["speedup_vs_snapshot_round"], 3) for r in
+             _find(rows, kind=kind, kernel="spec-replay-round", B=512, T=4)
              if "speedup_vs_snapshot_round" in r}
-        add(f"{kind}: verify T = 4 at B = 512 >= 3.3x the snapshot round (by pair and read "
-            "products)", v,
+        add(f"{kind}: verify T = 4 at B = 512 >= 3.3x the snapshot round (by pair)", v,
             bool(v) and max(v.values()) >= 3.3)
         v = {}
         for r in _find(rows, kind=kind, B=1):
@@ -1090,7 +1028,7 @@ def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
         for kind in kinds:
             for B in sorted(spec_batches, reverse=True):
                 gb = _gb(kind, B, shapes[kind])
-                sec.append((f"spec/{kind}/B{B}/T{bigT}", (3 * P + 2) * (E["fixed"] + gb * E["per_GB"]
+                sec.append((f"spec/{kind}/B{B}/T{bigT}", (2 * P + 2) * (E["fixed"] + gb * E["per_GB"]
                                                                    * (1 + bigT / 2)) + P * E["compile"],
                             ("spec", kind, B, bigT)))
     # the 'dots' read variant of the split launch, both kinds; from batch VARIANT_MIN_B (below
@@ -1133,7 +1071,7 @@ def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
         for kind in kinds:
             for B in sorted(spec_batches, reverse=True):
                 gb = _gb(kind, B, shapes[kind])
-                sec.append((f"spec/{kind}/B{B}/T{T}", (3 * P + 2) * (E["fixed"] + gb * E["per_GB"]
+                sec.append((f"spec/{kind}/B{B}/T{T}", (2 * P + 2) * (E["fixed"] + gb * E["per_GB"]
                                                                 * (1 + T / 2)) + P * E["compile"],
                             ("spec", kind, B, T)))
     return sec
@@ -1192,8 +1130,7 @@ def run_kernels_bench(out: str = "results/bench", batches=GRID["batches"], Ls=GR
                       spec_batches=list(spec_batches), main_L=dict(PAIR_L), shapes=SHAPES,
                       peers=peers, checks=checks, sweep=sweep, detail_batches=list(detail_batches),
                       budget_s=budget_s, estimate_s=est, smoke_cpu=cpu,
-                      fused_max_b=FUSED_MAX_B, variant_min_b=variant_min_b,
-                      read_products=_read_products_setting())
+                      fused_max_b=FUSED_MAX_B, variant_min_b=variant_min_b)
         res = {"provenance": provenance(device, **params), "rows": [], "errors": {},
                "skipped": [], "copy_GBps": None}
         if cpu:

@@ -45,7 +45,6 @@ against `ReplayState`.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -64,7 +63,7 @@ from replayquant.streams import ANCHOR, READ, layer_seed
 __all__ = ["ReplayStore", "replay_gdn_step", "replay_gdn_step_ref", "replay_mamba2_step",
            "replay_mamba2_step_ref", "advance_pointers", "advance_pointers_ref",
            "choose_path", "resolve_path", "flush_is_lossless", "replay_launch_config",
-           "choose_launch", "resolve_launch", "resolve_read_variant", "resolve_read_products"]
+           "choose_launch", "resolve_launch", "resolve_read_variant"]
 
 
 def _pair_roles(pair):
@@ -404,30 +403,6 @@ def _tile_dot(T0, T1, bs, s, x, DK: tl.constexpr, FMT: tl.constexpr):
 
 
 @triton.jit
-def _read_dot(T0, T1, bs, s, Xm, DK: tl.constexpr, NV: tl.constexpr, FMT: tl.constexpr):
-    """(read copy) @ Xm for Xm [DK, NV] float32 (NV vectors as columns) on tensor cores
-    (read_products='mma'), from _read_tile's representation. 3xTF32 keeps FP32 accuracy; the
-    decoded FP8 / NVFP4 / FP16 / BF16 values (and NVFP4 code x block scale) are exact in TF32.
-    NVFP4: even and odd columns as two dots of DK / 2, the matrix scale applied to the result."""
-    if FMT == 4:
-        BR: tl.constexpr = T0.shape[0]
-        Ae = tl.reshape(T0 * bs[:, :, None], (BR, DK // 2))
-        Ao = tl.reshape(T1 * bs[:, :, None], (BR, DK // 2))
-        Xe, Xo = tl.split(tl.permute(tl.reshape(Xm, (DK // 2, 2, NV)), (0, 2, 1)))
-        r = tl.dot(Ae, Xe, input_precision="tf32x3")
-        r = tl.dot(Ao, Xo, r, input_precision="tf32x3") * s
-    else:
-        r = tl.dot(T0, Xm, input_precision="tf32x3")
-    return r
-
-
-@triton.jit
-def _column(M, cidx, c):
-    """Column c of a small [n, NV] tile (as [n])."""
-    return tl.sum(tl.where(cidx[None, :] == c, M, 0.0), axis=1)
-
-
-@triton.jit
 def _read_body(
         R_pay, R_sc, R_gs,
         kbuf, vbuf, ubuf, Gbuf, bbuf, h_ptr, st_ptr, out_ptr,
@@ -437,16 +412,11 @@ def _read_body(
         BV: tl.constexpr, L: tl.constexpr, CAP: tl.constexpr, LP: tl.constexpr, T: tl.constexpr,
         STEP: tl.constexpr, RFMT: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
         HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, U_BF16: tl.constexpr,
-        DT_CLAMP: tl.constexpr, dots_ptr=None, DOTS: tl.constexpr = False,
-        MMA: tl.constexpr = False, NV: tl.constexpr = 16):
+        DT_CLAMP: tl.constexpr, dots_ptr=None, DOTS: tl.constexpr = False):
     """What _replay_read_kernel does for one live row's program (slot >= 0): nothing for a row
     that flushes this step, else the outputs of its T entries and their appends. DOTS (T = 1):
     the per-entry dot products k_j.k (GDN) and k_j.q come from _entry_dots_kernel
-    (dots_ptr [B, HK, 2, LP]) instead of the buffer's k entries. MMA (read_products='mma'): the
-    products of the read copy (and of the k entries) with every draft's q and k are formed
-    before the drafts' loop as tensor-core dots against [DK, NV] (column 2t: q_t, 2t + 1: k_t),
-    instead of two matrix-vector sums per draft; the drafts' own k are placed in K up front
-    (the causal mask jj < p keeps what each draft sees)."""
+    (dots_ptr [B, HK, 2, LP]) instead of the buffer's k entries."""
     jj = tl.arange(0, LP)
     mat = slot * HV + hv
     # issued before the pointers are known: one dependent load less on the critical path
@@ -464,21 +434,6 @@ def _read_body(
         K, X, G, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start, hv, hk, rows,
                                     cols, jj, h, HK, HV, DK, DV, CAP, DELTA, L2NORM, DELTA, DOTS)
         Gp = tl.sum(tl.where(jj == h - 1, G, 0.0), axis=0)
-        if MMA:
-            cidx = tl.arange(0, NV)
-            Xm = tl.zeros([DK, NV], tl.float32)
-            for t in tl.static_range(T):
-                q, k, v, log_a, beta, skip = _front_end(
-                    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, row * T + t, hv,
-                    hk, rows, cols, scale, dt_lo, dt_hi, HK, HV, DK, DV, DELTA, L2NORM, HAS_DTB,
-                    HAS_D, DT_CLAMP)
-                Xm = tl.where(cidx[None, :] == 2 * t, q[:, None], Xm)
-                Xm = tl.where(cidx[None, :] == 2 * t + 1, k[:, None], Xm)
-                if not DOTS:
-                    K = tl.where((jj == h + t)[:, None], k[None, :], K)
-            RX = _read_dot(T0, T1, bs, s, Xm, DK, NV, RFMT)
-            if not DOTS:
-                KX = tl.dot(K, Xm, input_precision="tf32x3")
         for t in tl.static_range(T):
             tok = row * T + t
             q, k, v, log_a, beta, skip = _front_end(
@@ -493,15 +448,10 @@ def _read_body(
             if DELTA:
                 if DOTS:
                     kk = tl.load(dots_ptr + (row * HK + hk) * 2 * LP + jj)
-                elif MMA:
-                    kk = _column(KX, cidx, 2 * t + 1)
                 else:
                     kk = tl.sum(K * k[None, :], axis=1)
                 corr = tl.sum((wdec * kk)[:, None] * X, axis=0)
-                if MMA:
-                    rk = _column(RX, cidx, 2 * t + 1)
-                else:
-                    rk = _tile_dot(T0, T1, bs, s, k, DK, RFMT)
+                rk = _tile_dot(T0, T1, bs, s, k, DK, RFMT)
                 u = beta * (v - eG * rk) - beta * corr
                 if U_BF16:
                     u = u.to(tl.bfloat16).to(tl.float32)
@@ -509,15 +459,9 @@ def _read_body(
                 u = v
             if DOTS:
                 qk = tl.load(dots_ptr + ((row * HK + hk) * 2 + 1) * LP + jj)
-            elif MMA:
-                qk = _column(KX, cidx, 2 * t)
             else:
                 qk = tl.sum(K * q[None, :], axis=1)
-            if MMA:
-                rq = _column(RX, cidx, 2 * t)
-            else:
-                rq = _tile_dot(T0, T1, bs, s, q, DK, RFMT)
-            y = eG * rq \
+            y = eG * _tile_dot(T0, T1, bs, s, q, DK, RFMT) \
                 + tl.sum((wdec * qk)[:, None] * X, axis=0) + tl.sum(k * q, axis=0) * u
             y = _gate_out(y + skip, z_ptr, tok, hv, rows, HV, DV, HAS_Z)
             tl.store(out_ptr + (tok * HV + hv) * DV + rows, y)
@@ -525,8 +469,7 @@ def _read_body(
             e = _entry(slot, start, p, CAP)
             if T > 1:
                 cur = jj == p
-                if not MMA:
-                    K = tl.where(cur[:, None], k[None, :], K)
+                K = tl.where(cur[:, None], k[None, :], K)
                 X = tl.where(cur[:, None], u[None, :], X)
                 G = tl.where(cur, Gp, G)
             xraw = tl.load(v_ptr + (tok * HV + hv) * DV + rows)
@@ -590,18 +533,18 @@ def _replay_read_kernel(
         BV: tl.constexpr, L: tl.constexpr, CAP: tl.constexpr, LP: tl.constexpr, T: tl.constexpr,
         STEP: tl.constexpr, RFMT: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
         HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, U_BF16: tl.constexpr,
-        DT_CLAMP: tl.constexpr, DOTS: tl.constexpr, MMA: tl.constexpr, NV: tl.constexpr):
+        DT_CLAMP: tl.constexpr, DOTS: tl.constexpr):
     """The non-flushing rows (runs after _replay_flush_kernel in the same stream): outputs of T
     entries from the packed read copy and the buffer, output-only, and their appends
     (read_variant 'block'; 'dots' (DOTS) takes the per-entry dot products from
-    _entry_dots_kernel; MMA: the products on tensor cores, _read_body)."""
+    _entry_dots_kernel)."""
     row, hv, hk, rows, cols, slot = _program_tile(idx_ptr, HK, HV, DK, BV)
     if slot >= 0:
         _read_body(R_pay, R_sc, R_gs, kbuf, vbuf, ubuf, Gbuf, bbuf, h_ptr, st_ptr, out_ptr,
                    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, force,
                    dt_lo, dt_hi, row, hv, hk, rows, cols, slot, HK, HV, DK, DV, BV, L, CAP, LP, T,
                    STEP, RFMT, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, U_BF16, DT_CLAMP, dots_ptr,
-                   DOTS, MMA, NV)
+                   DOTS)
 
 
 # key_lo / key_hi: not specialized (Triton makes an integer argument equal to 1 a constexpr)
@@ -616,7 +559,7 @@ def _replay_fused_kernel(
         AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr, RSR: tl.constexpr,
         SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr, HAS_DTB: tl.constexpr,
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, U_BF16: tl.constexpr, DT_CLAMP: tl.constexpr,
-        ADVANCE: tl.constexpr, MMA: tl.constexpr):
+        ADVANCE: tl.constexpr):
     """A decode step (T = 1) in one launch (launch='fused', the small-batch path): each program
     runs what _replay_flush_kernel and then _replay_read_kernel would run for its (row, value
     head, row block), so a row either flushes or reads (and appends). A pre-flush (h == L after a
@@ -635,8 +578,7 @@ def _replay_fused_kernel(
         _read_body(R_pay, R_sc, R_gs, kbuf, vbuf, ubuf, Gbuf, bbuf, h_ptr, st_ptr, out_ptr,
                    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, force,
                    dt_lo, dt_hi, row, hv, hk, rows, cols, slot, HK, HV, DK, DV, BV, L, CAP, LP, 1,
-                   True, RFMT, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, U_BF16, DT_CLAMP,
-                   MMA=MMA, NV=16)
+                   True, RFMT, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, U_BF16, DT_CLAMP)
         if ADVANCE:
             tl.debug_barrier()                  # every thread of the program is past its loads
             arrived = tl.atomic_add(cnt_ptr + slot, 1)          # acq_rel, gpu scope
@@ -831,29 +773,6 @@ def resolve_path(store: ReplayStore, n_rows: int, path: str = "auto") -> str:
 
 READ_VARIANTS = ("block", "dots")
 
-# How the read kernel forms the products of the read copy with q and k (and, for verify, of the
-# k entries with every draft's q and k): 'fma' (two matrix-vector sums per draft, CUDA cores) or
-# 'mma' (one tensor-core dot per program against all drafts' vectors, 3xTF32); 'auto': 'mma'
-# from READ_MMA_MIN_T drafts. Environment: REPLAYQUANT_READ_PRODUCTS.
-READ_PRODUCTS_CHOICES = ("auto", "fma", "mma")
-READ_PRODUCTS = os.environ.get("REPLAYQUANT_READ_PRODUCTS", "auto")
-READ_MMA_MIN_T = 2
-
-
-def resolve_read_products(T: int, block_v: int = 16, dk: int = 128) -> str:
-    """'fma' or 'mma' for a read of T entries per row with row blocks of block_v and d_k columns
-    (READ_PRODUCTS). A tensor-core dot needs 16 rows and 16 columns a side (NVFP4: d_k / 2)."""
-    if READ_PRODUCTS not in READ_PRODUCTS_CHOICES:
-        raise ValueError(f"replay_decode.READ_PRODUCTS (REPLAYQUANT_READ_PRODUCTS) must be one of "
-                         f"{READ_PRODUCTS_CHOICES}, got {READ_PRODUCTS!r}")
-    fits = block_v >= 16 and dk >= 32
-    if READ_PRODUCTS == "auto":
-        return "mma" if T >= READ_MMA_MIN_T and fits else "fma"
-    if READ_PRODUCTS == "mma" and not fits:
-        raise ValueError(f"read products 'mma' need a row block of at least 16 (got {block_v}) "
-                         f"and d_k >= 32 (got {dk}); set REPLAYQUANT_READ_PRODUCTS=fma")
-    return READ_PRODUCTS
-
 # rows from which read_variant='auto' (the default of the step functions) reads with 'dots' in a
 # split launch (None: never). H200, results/bench/kernels_b256.json (commit 37b59f8), GDN B = 256,
 # L = 16, read step us block / kh / dots: s32_rs 295.7 / 213.2 / 205.2, tp4_hi32 380.3 / 308.4 /
@@ -976,7 +895,7 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
             AFMT=afid, ASR=store.anchor.rounding == "stochastic", RFMT=rfid, RSR=rr,
             SHARED=store.shared, DELTA=delta, L2NORM=use_qk_l2norm, HAS_DTB=dt_bias is not None,
             HAS_D=D is not None, HAS_Z=z is not None, U_BF16=U_BF16, DT_CLAMP=dt_clamp,
-            ADVANCE=bool(advance), MMA=resolve_read_products(1, fbv, dk) == "mma", num_warps=fnw)
+            ADVANCE=bool(advance), num_warps=fnw)
         return out, idx, bool(advance)
     common = dict(HK=HK, HV=HV, DK=dk, DV=dv, L=store.L, CAP=store.capacity, T=T, STEP=step,
                   RFMT=rfid, DELTA=delta, L2NORM=use_qk_l2norm, HAS_DTB=dt_bias is not None,
@@ -998,9 +917,7 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
         _replay_read_kernel[(B * HV, dv // BV)](
             Rp, Rs, Rg, store.kbuf, store.vbuf, ubuf, store.Gbuf, store.bbuf,
             store.committed, store.start, idx, out, *inputs, sc, int(force), dt_lo, dt_hi, dots,
-            BV=BV, LP=LP, U_BF16=U_BF16, DOTS=read_variant == "dots",
-            MMA=resolve_read_products(T, BV, dk) == "mma", NV=max(16, triton.next_power_of_2(2 * T)),
-            num_warps=nw, **common)
+            BV=BV, LP=LP, U_BF16=U_BF16, DOTS=read_variant == "dots", num_warps=nw, **common)
     return out, idx, False
 
 
