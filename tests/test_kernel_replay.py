@@ -14,7 +14,8 @@ from replayquant.kernels.replay_decode import (ReplayStore, advance_pointers, ch
                                                choose_path, resolve_launch, resolve_read_variant,
                                                resolve_path, replay_gdn_step,
                                                replay_gdn_step_ref, replay_mamba2_step,
-                                               replay_mamba2_step_ref)
+                                               replay_mamba2_step_ref, replay_launch_config,
+                                               DOTS_BLOCK)
 from replayquant.pairs import PrecisionPair, list_pairs
 from replayquant.replay import ReplayState
 from _helpers import assert_states_close
@@ -339,7 +340,14 @@ def test_launch_dispatcher():
     assert resolve_read_variant(tp8, 4096, "auto", "fused") == "block"
     assert resolve_read_variant(tp8, 4096, "block") == "block"
     m2 = ReplayStore.from_state(random_state(2, 2, 16, 16), "s32_rs", "mamba2", key_heads=1)
-    assert resolve_read_variant(m2, 4096) == "block"
+    assert resolve_read_variant(m2, 4096) == "dots" and resolve_read_variant(m2, 127) == "block"
+    # the 'dots' read runs 16-row blocks on one warp by default (the measured best), the block
+    # read keeps its size rule; explicit blocks win
+    big = ReplayStore.from_state(random_state(2, 2, 64, 128), "s32_rs", "mamba2", key_heads=1)
+    assert replay_launch_config(big, 4096, read_variant="dots")[0] == DOTS_BLOCK
+    assert replay_launch_config(big, 4096)[0] == (32, 4)
+    assert replay_launch_config(big, 4096, 32, read_variant="dots")[0] == (32, 4)
+    assert replay_launch_config(big, 4096, None, 2, read_variant="dots")[0] == (16, 2)
     with pytest.raises(ValueError, match="launch"):
         resolve_launch(st, 1, "one")
     with pytest.raises(ValueError, match="dots"):

@@ -679,12 +679,21 @@ def advance_pointers_ref(store: ReplayStore, state_indices, T: int = 1, step: bo
 
 # ============================================================================ host side
 
+# read kernel block of read_variant='dots': (rows, warps). H200, GDN and Mamba-2 B = 256, every
+# pair: 16 rows on one warp was the fastest of (16, 1) (16, 2) (16, 4) (32, 2) (64, 4) (run 11,
+# results/bench/kernels_gdn_run11.json and kernels_mamba2_dots.json; GDN also runs 5 and 10)
+DOTS_BLOCK = (16, 1)
+
+
 def replay_launch_config(store: ReplayStore, n_rows: int, block_v=None, num_warps=None,
-                         flush_config=None):
-    """((BV, warps) of the read kernel, (BV, warps) of the flush kernel), from the shape.
-    The read kernel takes any row block (NVFP4 block scales run along d_k); the flush kernel
-    holds whole matrices when it writes an NVFP4 role (one FP32 scale per matrix)."""
+                         flush_config=None, read_variant: str = "block"):
+    """((BV, warps) of the read kernel, (BV, warps) of the flush kernel), from the shape and the
+    read variant. The read kernel takes any row block (NVFP4 block scales run along d_k); the
+    flush kernel holds whole matrices when it writes an NVFP4 role (one FP32 scale per matrix)."""
     N, H, dv, dk = store.shape
+    if block_v is None and read_variant == "dots":
+        block_v = min(dv, DOTS_BLOCK[0])
+        num_warps = DOTS_BLOCK[1] if num_warps is None else num_warps
     if block_v is None:
         block_v = min(dv, 32 if n_rows * H >= 2048 else 16)
     if dv % block_v or block_v & (block_v - 1) or block_v < 1:
@@ -776,9 +785,12 @@ READ_VARIANTS = ("block", "dots")
 # rows from which read_variant='auto' (the default of the step functions) reads with 'dots' in a
 # split launch (None: never). H200, results/bench/kernels_b256.json (commit 37b59f8), GDN B = 256,
 # L = 16, read step us block / kh / dots: s32_rs 295.7 / 213.2 / 205.2, tp4_hi32 380.3 / 308.4 /
-# 259.4; window 350.1 / 272.4 / 269.2 and 454.0 / 384.1 / 341.7. Other batches and Mamba-2 not
-# measured: 'block' there.
-DOTS_MIN_ROWS = {"gdn": 256, "mamba2": None}
+# 259.4; window 350.1 / 272.4 / 269.2 and 454.0 / 384.1 / 341.7 (GDN B = 128 not measured).
+# Mamba-2 (results/bench/kernels_mamba2_dots.json, b29b0db, L = 8), window us block / dots:
+# B = 128 (dots with the 32-row block) s32_rs 251.4 / 228.0, tp8_hi32 229.0 / 215.2, tp4_hi32
+# 240.1 / 224.1, tp4_hi16_sr 360.5 / 345.2; B = 256 (dots 16 rows, 1 warp) 499.9 / 440.4,
+# 450.6 / 386.6, 472.2 / 413.1, 710.5 / 651.0.
+DOTS_MIN_ROWS = {"gdn": 256, "mamba2": 128}
 
 
 def resolve_read_variant(store: ReplayStore, n_rows: int, read_variant: str = "auto",
@@ -867,7 +879,8 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
     idx = _indices(state_indices, B, q.device)
     if out is None:
         out = torch.empty(*lead, HV, dv, dtype=torch.float32, device=q.device)
-    (BV, nw), (FBV, fnw) = replay_launch_config(store, B, block_v, num_warps, flush_config)
+    (BV, nw), (FBV, fnw) = replay_launch_config(store, B, block_v, num_warps, flush_config,
+                                                read_variant)
     Ap, As, Ag, afid = store.anchor.kernel_args()
     Rp, Rs, Rg, rfid = store.read_role.kernel_args()
     rr = store.read_role.rounding == "stochastic"
@@ -978,7 +991,7 @@ def replay_mamba2_step(store: ReplayStore, x, dt, A, B, C, state_indices=None, D
     dt_limit = (lo, hi) clamps softplus(dt + dt_bias), (0, inf): no clamp).
     path, advance, launch: as replay_gdn_step (default 'auto': only s32_rs-like shared FP32
     anchors switch to a flush every step below the measured batch threshold); read_variant
-    'auto' (default; 'block' for Mamba-2 until 'dots' is measured), 'block' or 'dots' (the
+    'auto' (default: 'dots' from DOTS_MIN_ROWS rows, else 'block'), 'block' or 'dots' (the
     entries' B_j.C formed once per (row, group))."""
     if store.kind != "mamba2":
         raise ValueError("replay_mamba2_step needs a store built with kind='mamba2'")
