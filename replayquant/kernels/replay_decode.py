@@ -731,6 +731,10 @@ def choose_path(kind: str, n_rows: int, shared: bool = True, threshold: int | No
     Run 4 (results/bench/kernels.json, commit ff0ef94, cold L2) confirmed the GDN value: forced
     flush vs block window B=128 160.7 vs 168.3, B=256 344.9 vs 331.8 (and the 'dots' window, the
     default read from 256 rows, 269.2 at B=256 in run 5); Mamba-2 not re-measured.
+    Run 13 (results/bench/kernels_gdn_dots_default.json, 249d8c6): with the 'dots' read (16-row
+    blocks on one warp) the GDN s32_rs window at B=128 is 140.3 us against a forced flush of
+    169.2 (block window 178.2): the GDN threshold is now 128 rows, where 'dots' starts. Mamba-2
+    (kernels_mamba2_dots*.json): window below the forced flush at every measured B >= 128.
     This does not look at rounding: `resolve_path` decides whether a switch may be taken."""
     if threshold is None:
         threshold = DISPATCH_THRESHOLD[(kind, bool(shared))]
@@ -738,7 +742,7 @@ def choose_path(kind: str, n_rows: int, shared: bool = True, threshold: int | No
 
 
 # rows below which every step flushes (see choose_path): H200 run of results/bench/decode.json
-DISPATCH_THRESHOLD = {("gdn", True): 256, ("gdn", False): 1,
+DISPATCH_THRESHOLD = {("gdn", True): 128, ("gdn", False): 1,
                       ("mamba2", True): 16, ("mamba2", False): 1}
 
 PATHS = ("auto", "auto_lossy", "replay", "flush")
@@ -785,12 +789,18 @@ READ_VARIANTS = ("block", "dots")
 # rows from which read_variant='auto' (the default of the step functions) reads with 'dots' in a
 # split launch (None: never). H200, results/bench/kernels_b256.json (commit 37b59f8), GDN B = 256,
 # L = 16, read step us block / kh / dots: s32_rs 295.7 / 213.2 / 205.2, tp4_hi32 380.3 / 308.4 /
-# 259.4; window 350.1 / 272.4 / 269.2 and 454.0 / 384.1 / 341.7 (GDN B = 128 not measured).
+# 259.4; window 350.1 / 272.4 / 269.2 and 454.0 / 384.1 / 341.7. Run 13 (16-row 'dots' blocks,
+# results/bench/kernels_gdn_dots_default.json, 249d8c6), GDN windows block / dots at B = 128:
+# s32_rs 178.2 / 140.3, tp8_hi32 164.6 / 115.6, tp4_hi32 206.2 / 144.8, tp4_hi16_sr 217.8 /
+# 156.1; B = 512: 693.4 / 521.5, 654.9 / 454.3, 825.5 / 569.6, 868.5 / 611.3.
 # Mamba-2 (results/bench/kernels_mamba2_dots.json, b29b0db, L = 8), window us block / dots:
 # B = 128 (dots with the 32-row block) s32_rs 251.4 / 228.0, tp8_hi32 229.0 / 215.2, tp4_hi32
 # 240.1 / 224.1, tp4_hi16_sr 360.5 / 345.2; B = 256 (dots 16 rows, 1 warp) 499.9 / 440.4,
-# 450.6 / 386.6, 472.2 / 413.1, 710.5 / 651.0.
-DOTS_MIN_ROWS = {"gdn": 256, "mamba2": 128}
+# 450.6 / 386.6, 472.2 / 413.1, 710.5 / 651.0; run 13 with 16-row 'dots' blocks (the default,
+# kernels_mamba2_dots_default.json) B = 128: 250.6 / 226.8, 227.6 / 196.0, 238.8 / 207.9,
+# 358.5 / 327.2; B = 512: 997.4 / 872.2, 890.0 / 757.1, 932.8 / 811.2, 1401.9 / 1276.4.
+# Below 128 rows not measured: 'block' there.
+DOTS_MIN_ROWS = {"gdn": 128, "mamba2": 128}
 
 
 def resolve_read_variant(store: ReplayStore, n_rows: int, read_variant: str = "auto",
