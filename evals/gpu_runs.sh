@@ -16,6 +16,7 @@
 #            select-free E2M1 / E4M3 decoders (session 4, untimed) against run 10  ~150 s
 #   dots     Mamba-2 'dots' read at B = 128 / 256 / 512, GDN batch 1 and 8   ~400 s
 #   defaults the 'dots' read's default block (16 rows, 1 warp) at B = 128 / 512, both kinds
+#   batch1   B = 1 and 8, both kinds: the forced flush's early anchor load     ~200 s
 #   followup generate, tiny-mamba2 16K demo, tf32x3 whole model + KL, GDN flush folds ~520 s
 #            (the generate check alone took over 150 s; at most 8 files come back from $OUT)
 #
@@ -24,7 +25,7 @@
 # The image has torch, triton, transformers, accelerate, rich, typer, matplotlib; not fla.
 set -uo pipefail
 : "${OUT:?set OUT to the folder where results go}"
-job=${1:?usage: bash evals/gpu_runs.sh tf|mamba|decode|read|dots|defaults|generate|followup}
+job=${1:?usage: bash evals/gpu_runs.sh tf|mamba|decode|read|dots|defaults|batch1|generate|followup}
 export PYTHONUNBUFFERED=1 REPLAYQUANT_GIT_COMMIT=${REPLAYQUANT_GIT_COMMIT:-unknown}
 python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/site .gpu/wheels/*.whl \
     || { echo "gpu_runs: could not install the carried wheels in .gpu/wheels" >&2; exit 1; }
@@ -85,6 +86,13 @@ case "$job" in
         --kinds gdn --batches 128,512 --L 16 --T 4 --spec-batches "" --no-checks --no-sweep \
         --no-peers --budget-s 160 > "$OUT/defaults_gdn.log" 2>&1; echo "gdn rc=$?"
     ;;
+  batch1)
+    # the batch-1 target after the forced flush's early anchor load (session 5, untimed): GDN
+    # and Mamba-2 at B = 1 and 8, main L, every pair (one-launch rows, forced flush per layer)
+    timeout 260 "${rq[@]}" bench kernels --out "$OUT" --name kernels_batch1 --kinds gdn,mamba2 \
+        --batches 1,8 --L 16,8 --T 4 --spec-batches "" --no-checks --no-sweep --no-peers \
+        --budget-s 200 > "$OUT/batch1.log" 2>&1; echo "batch1 rc=$?"
+    ;;
   generate)
     python3 evals/cuda_generate_check.py "$OUT/cuda_generate.json" --new-tokens 32; echo "rc=$?"
     ;;
@@ -107,5 +115,5 @@ case "$job" in
         --batches 256 --L 16 --pairs s32_rs,tp8_hi32,tp4_hi32 --no-checks --no-sweep --no-peers \
         --spec-batches "" --budget-s 80 > "$OUT/decode_fold.log" 2>&1; echo "fold rc=$?"
     ;;
-  *) echo "gpu_runs: unknown job $job (tf, mamba, decode, read, dots, defaults, generate, followup)" >&2; exit 2 ;;
+  *) echo "gpu_runs: unknown job $job (tf, mamba, decode, read, dots, defaults, batch1, generate, followup)" >&2; exit 2 ;;
 esac

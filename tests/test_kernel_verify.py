@@ -201,3 +201,35 @@ def test_verify_bad_inputs():
     cs = ConventionalStore.from_state(random_state(N, H, DV, DK), "fp32")
     with pytest.raises(ValueError, match="make_snapshots"):
         conventional_gdn_verify(cs, make_snapshots(cs, 3), **kw, state_indices=IDX)
+
+
+@pytest.mark.parametrize("kind", ["gdn", "mamba2"])
+@pytest.mark.parametrize("launch,pair", [("split", "s32_rs"), ("fused", "s32_rs"),
+                                         ("split", "tp8_hi32")])
+def test_forced_flush_after_accept_fills_buffer(kind, launch, pair):
+    """A forced step (path='flush'; with a shared pair it loads its anchor tile before the
+    pointers) on rows that an accept left with a full buffer (h = L): the pre-flush rewrites the
+    anchor first and the step must fold on top of it, not on the tile loaded early. Kernel vs
+    reference, both launches."""
+    T, Lb = 3, 4
+    step, step_ref, ver, ver_ref = FN[kind][:4]
+    init = random_state(N, H, DV, DK, seed=5)
+    st = ReplayStore.from_state(init, PrecisionPair.load(pair).with_buffer_len(Lb), kind,
+                                key_heads=HK, seed=6, u_dtype=torch.float32, max_drafts=T)
+    ref = st.clone()
+    kw, _, _ = inputs(kind, None, seed=1)
+    call(step, st, {**kw, "path": "replay"})
+    call(step_ref, ref, {**kw, "path": "replay"})
+    kw, _, _ = inputs(kind, T, seed=2)
+    call(ver, st, kw)
+    call(ver_ref, ref, kw)
+    n = torch.full((IDX.shape[0],), T)
+    replay_accept(st, n, IDX)
+    replay_accept_ref(ref, n, IDX)
+    assert set(st.committed.tolist()) == {Lb}
+    kw, _, _ = inputs(kind, None, seed=3)
+    y = call(step, st, {**kw, "path": "flush", "launch": launch})
+    y2 = call(step_ref, ref, {**kw, "path": "flush"})
+    close(y, y2, 1e-5)
+    assert st.n_flush.tolist() == ref.n_flush.tolist() and min(st.n_flush.tolist()) >= 2
+    assert_states_close(st.anchor.dequantize(), ref.anchor.dequantize())

@@ -286,16 +286,33 @@ def _flush_body(
         STEP: tl.constexpr, AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr,
         RSR: tl.constexpr, SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
         HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
-        DT_CLAMP: tl.constexpr):
+        DT_CLAMP: tl.constexpr, FORCE: tl.constexpr = False):
     """What _replay_flush_kernel does for one live row's program (slot >= 0): the flushes of
     that row (pre-flush of committed entries that would not leave T free slots, and the flush of
-    a step that fills the buffer or is forced); nothing for a row that does not flush."""
+    a step that fills the buffer or is forced); nothing for a row that does not flush.
+    FORCE (a forced step, path='flush'; `force` is then 1) with a shared pair (the small-batch
+    dispatch of resolve_path): every live row flushes, so its inputs and anchor tile are loaded
+    before the pointers, as the conventional step loads them (one dependent global load less
+    before the state arrives); reloaded only after a pre-flush rewrote the anchor. Not with a
+    separate read copy: holding the early tile across the pre-flush made those variants spill
+    (ptxas, sm_90a: GDN tp8_hi32 364 bytes), and the dispatcher never forces them."""
     mat = slot * HV + hv
+    EARLY: tl.constexpr = FORCE and STEP and SHARED
+    if EARLY:
+        q, k, v, log_a, beta, skip = _front_end(
+            q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, row, hv, hk, rows,
+            cols, scale, dt_lo, dt_hi, HK, HV, DK, DV, DELTA, L2NORM, HAS_DTB, HAS_D,
+            DT_CLAMP)
+        A0 = _tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT)
     h = tl.load(h_ptr + slot)
     start = tl.load(st_ptr + slot)
     nf = tl.load(nf_ptr + slot)
-    if (h + T > L) & (h > 0):
-        A = _tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT)
+    pre = (h + T > L) & (h > 0)
+    if pre:
+        if EARLY:
+            A = A0                      # the same anchor tile, already loaded
+        else:
+            A = _tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT)
         if DELTA:
             S = _fold(A, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, h, 0.0,
                       HK, HV, DK, DV, CAP, DELTA, L2NORM)
@@ -312,11 +329,16 @@ def _flush_body(
             tl.debug_barrier()      # a second flush below re-reads the anchor just written
     if STEP:
         if (h + 1 == L) | (force != 0):
-            q, k, v, log_a, beta, skip = _front_end(
-                q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, row, hv, hk, rows,
-                cols, scale, dt_lo, dt_hi, HK, HV, DK, DV, DELTA, L2NORM, HAS_DTB, HAS_D,
-                DT_CLAMP)
-            A = _tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT)
+            if EARLY:
+                A = A0
+                if pre:                 # the pre-flush above rewrote the anchor
+                    A = _tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT)
+            else:
+                q, k, v, log_a, beta, skip = _front_end(
+                    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, row, hv, hk,
+                    rows, cols, scale, dt_lo, dt_hi, HK, HV, DK, DV, DELTA, L2NORM, HAS_DTB,
+                    HAS_D, DT_CLAMP)
+                A = _tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT)
             if DELTA:
                 S = _fold(A, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, h, 0.0,
                           HK, HV, DK, DV, CAP, DELTA, L2NORM)
@@ -345,7 +367,7 @@ def _replay_flush_kernel(
         STEP: tl.constexpr, AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr,
         RSR: tl.constexpr, SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
         HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
-        DT_CLAMP: tl.constexpr):
+        DT_CLAMP: tl.constexpr, FORCE: tl.constexpr):
     """The flushing rows of a step / verify: (1) committed entries that would not leave T free
     slots (h + T > L, h > 0) are folded into the anchor first; (2) a step whose entry fills the
     buffer (h + 1 == L, or force) rebuilds through it, outputs S q and casts both roles.
@@ -356,7 +378,7 @@ def _replay_flush_kernel(
                     nf_ptr, out_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr,
                     z_ptr, scale, key_lo, key_hi, force, dt_lo, dt_hi, row, hv, hk, rows, cols,
                     slot, HK, HV, DK, DV, BV, L, CAP, T, STEP, AFMT, ASR, RFMT, RSR, SHARED,
-                    DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP)
+                    DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP, FORCE)
     else:
         for t in tl.static_range(T):          # padding rows: zero outputs, nothing else
             tl.store(out_ptr + ((row * T + t) * HV + hv) * DV + rows, tl.zeros([BV], tl.float32))
@@ -559,7 +581,7 @@ def _replay_fused_kernel(
         AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr, RSR: tl.constexpr,
         SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr, HAS_DTB: tl.constexpr,
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, U_BF16: tl.constexpr, DT_CLAMP: tl.constexpr,
-        ADVANCE: tl.constexpr):
+        ADVANCE: tl.constexpr, FORCE: tl.constexpr):
     """A decode step (T = 1) in one launch (launch='fused', the small-batch path): each program
     runs what _replay_flush_kernel and then _replay_read_kernel would run for its (row, value
     head, row block), so a row either flushes or reads (and appends). A pre-flush (h == L after a
@@ -574,7 +596,7 @@ def _replay_fused_kernel(
                     nf_ptr, out_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr,
                     z_ptr, scale, key_lo, key_hi, force, dt_lo, dt_hi, row, hv, hk, rows, cols,
                     slot, HK, HV, DK, DV, BV, L, CAP, 1, True, AFMT, ASR, RFMT, RSR, SHARED,
-                    DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP)
+                    DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP, FORCE)
         _read_body(R_pay, R_sc, R_gs, kbuf, vbuf, ubuf, Gbuf, bbuf, h_ptr, st_ptr, out_ptr,
                    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, force,
                    dt_lo, dt_hi, row, hv, hk, rows, cols, slot, HK, HV, DK, DV, BV, L, CAP, LP, 1,
@@ -918,7 +940,7 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
             AFMT=afid, ASR=store.anchor.rounding == "stochastic", RFMT=rfid, RSR=rr,
             SHARED=store.shared, DELTA=delta, L2NORM=use_qk_l2norm, HAS_DTB=dt_bias is not None,
             HAS_D=D is not None, HAS_Z=z is not None, U_BF16=U_BF16, DT_CLAMP=dt_clamp,
-            ADVANCE=bool(advance), num_warps=fnw)
+            ADVANCE=bool(advance), FORCE=bool(force), num_warps=fnw)
         return out, idx, bool(advance)
     common = dict(HK=HK, HV=HV, DK=dk, DV=dv, L=store.L, CAP=store.capacity, T=T, STEP=step,
                   RFMT=rfid, DELTA=delta, L2NORM=use_qk_l2norm, HAS_DTB=dt_bias is not None,
@@ -928,7 +950,7 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
         store.committed, store.start, store.n_flush, idx, out, *inputs,
         sc, *split_key(store.key), int(force), dt_lo, dt_hi, BV=FBV,
         AFMT=afid, ASR=store.anchor.rounding == "stochastic", RSR=rr, SHARED=store.shared,
-        num_warps=fnw, **common)
+        FORCE=bool(force), num_warps=fnw, **common)
     if not force:
         dots = idx                                      # any pointer: unused unless DOTS
         if read_variant == "dots":
