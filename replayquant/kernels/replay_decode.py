@@ -280,17 +280,17 @@ def _flush_body(
         A_pay, A_sc, A_gs, R_pay, R_sc, R_gs,
         kbuf, vbuf, Gbuf, bbuf, h_ptr, st_ptr, nf_ptr, out_ptr,
         q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr,
-        scale, key_lo, key_hi, force, dt_lo, dt_hi, row, hv, hk, rows, cols, slot,
+        scale, key_lo, key_hi, FORCE: tl.constexpr, dt_lo, dt_hi, row, hv, hk, rows, cols, slot,
         HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
         BV: tl.constexpr, L: tl.constexpr, CAP: tl.constexpr, T: tl.constexpr,
         STEP: tl.constexpr, AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr,
         RSR: tl.constexpr, SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
         HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
-        DT_CLAMP: tl.constexpr, FORCE: tl.constexpr = False):
+        DT_CLAMP: tl.constexpr):
     """What _replay_flush_kernel does for one live row's program (slot >= 0): the flushes of
     that row (pre-flush of committed entries that would not leave T free slots, and the flush of
     a step that fills the buffer or is forced); nothing for a row that does not flush.
-    FORCE (a forced step, path='flush'; `force` is then 1) with a shared pair (the small-batch
+    FORCE (a forced step, path='flush': every row flushes) with a shared pair (the small-batch
     dispatch of resolve_path): every live row flushes, so its inputs and anchor tile are loaded
     before the pointers, as the conventional step loads them (one dependent global load less
     before the state arrives); reloaded only after a pre-flush rewrote the anchor. Not with a
@@ -328,7 +328,7 @@ def _flush_body(
         if STEP:
             tl.debug_barrier()      # a second flush below re-reads the anchor just written
     if STEP:
-        if (h + 1 == L) | (force != 0):
+        if (h + 1 == L) | FORCE:
             if EARLY:
                 A = A0
                 if pre:                 # the pre-flush above rewrote the anchor
@@ -361,7 +361,7 @@ def _replay_flush_kernel(
         A_pay, A_sc, A_gs, R_pay, R_sc, R_gs,
         kbuf, vbuf, Gbuf, bbuf, h_ptr, st_ptr, nf_ptr, idx_ptr, out_ptr,
         q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr,
-        scale, key_lo, key_hi, force, dt_lo, dt_hi,
+        scale, key_lo, key_hi, dt_lo, dt_hi,
         HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
         BV: tl.constexpr, L: tl.constexpr, CAP: tl.constexpr, T: tl.constexpr,
         STEP: tl.constexpr, AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr,
@@ -376,9 +376,9 @@ def _replay_flush_kernel(
     if slot >= 0:
         _flush_body(A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, Gbuf, bbuf, h_ptr, st_ptr,
                     nf_ptr, out_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr,
-                    z_ptr, scale, key_lo, key_hi, force, dt_lo, dt_hi, row, hv, hk, rows, cols,
+                    z_ptr, scale, key_lo, key_hi, FORCE, dt_lo, dt_hi, row, hv, hk, rows, cols,
                     slot, HK, HV, DK, DV, BV, L, CAP, T, STEP, AFMT, ASR, RFMT, RSR, SHARED,
-                    DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP, FORCE)
+                    DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP)
     else:
         for t in tl.static_range(T):          # padding rows: zero outputs, nothing else
             tl.store(out_ptr + ((row * T + t) * HV + hv) * DV + rows, tl.zeros([BV], tl.float32))
@@ -429,7 +429,7 @@ def _read_body(
         R_pay, R_sc, R_gs,
         kbuf, vbuf, ubuf, Gbuf, bbuf, h_ptr, st_ptr, out_ptr,
         q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr,
-        scale, force, dt_lo, dt_hi, row, hv, hk, rows, cols, slot,
+        scale, FORCE: tl.constexpr, dt_lo, dt_hi, row, hv, hk, rows, cols, slot,
         HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
         BV: tl.constexpr, L: tl.constexpr, CAP: tl.constexpr, LP: tl.constexpr, T: tl.constexpr,
         STEP: tl.constexpr, RFMT: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
@@ -451,7 +451,7 @@ def _read_body(
         h = h * 0
     go = True
     if STEP:
-        go = (h + 1 != L) & (force == 0)
+        go = (h + 1 != L) & (not FORCE)
     if go:
         K, X, G, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start, hv, hk, rows,
                                     cols, jj, h, HK, HV, DK, DV, CAP, DELTA, L2NORM, DELTA, DOTS)
@@ -550,7 +550,7 @@ def _replay_read_kernel(
         R_pay, R_sc, R_gs,
         kbuf, vbuf, ubuf, Gbuf, bbuf, h_ptr, st_ptr, idx_ptr, out_ptr,
         q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr,
-        scale, force, dt_lo, dt_hi, dots_ptr,
+        scale, dt_lo, dt_hi, dots_ptr,
         HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
         BV: tl.constexpr, L: tl.constexpr, CAP: tl.constexpr, LP: tl.constexpr, T: tl.constexpr,
         STEP: tl.constexpr, RFMT: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
@@ -559,11 +559,11 @@ def _replay_read_kernel(
     """The non-flushing rows (runs after _replay_flush_kernel in the same stream): outputs of T
     entries from the packed read copy and the buffer, output-only, and their appends
     (read_variant 'block'; 'dots' (DOTS) takes the per-entry dot products from
-    _entry_dots_kernel)."""
+    _entry_dots_kernel). Never launched for a forced step (every row flushes)."""
     row, hv, hk, rows, cols, slot = _program_tile(idx_ptr, HK, HV, DK, BV)
     if slot >= 0:
         _read_body(R_pay, R_sc, R_gs, kbuf, vbuf, ubuf, Gbuf, bbuf, h_ptr, st_ptr, out_ptr,
-                   q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, force,
+                   q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, False,
                    dt_lo, dt_hi, row, hv, hk, rows, cols, slot, HK, HV, DK, DV, BV, L, CAP, LP, T,
                    STEP, RFMT, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, U_BF16, DT_CLAMP, dots_ptr,
                    DOTS)
@@ -575,7 +575,7 @@ def _replay_fused_kernel(
         A_pay, A_sc, A_gs, R_pay, R_sc, R_gs,
         kbuf, vbuf, ubuf, Gbuf, bbuf, h_ptr, st_ptr, nf_ptr, cnt_ptr, idx_ptr, out_ptr,
         q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr,
-        scale, key_lo, key_hi, force, dt_lo, dt_hi,
+        scale, key_lo, key_hi, dt_lo, dt_hi,
         HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
         BV: tl.constexpr, L: tl.constexpr, CAP: tl.constexpr, LP: tl.constexpr,
         AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr, RSR: tl.constexpr,
@@ -594,11 +594,11 @@ def _replay_fused_kernel(
     if slot >= 0:
         _flush_body(A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, Gbuf, bbuf, h_ptr, st_ptr,
                     nf_ptr, out_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr,
-                    z_ptr, scale, key_lo, key_hi, force, dt_lo, dt_hi, row, hv, hk, rows, cols,
+                    z_ptr, scale, key_lo, key_hi, FORCE, dt_lo, dt_hi, row, hv, hk, rows, cols,
                     slot, HK, HV, DK, DV, BV, L, CAP, 1, True, AFMT, ASR, RFMT, RSR, SHARED,
-                    DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP, FORCE)
+                    DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP)
         _read_body(R_pay, R_sc, R_gs, kbuf, vbuf, ubuf, Gbuf, bbuf, h_ptr, st_ptr, out_ptr,
-                   q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, force,
+                   q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, FORCE,
                    dt_lo, dt_hi, row, hv, hk, rows, cols, slot, HK, HV, DK, DV, BV, L, CAP, LP, 1,
                    True, RFMT, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, U_BF16, DT_CLAMP)
         if ADVANCE:
@@ -606,7 +606,7 @@ def _replay_fused_kernel(
             arrived = tl.atomic_add(cnt_ptr + slot, 1)          # acq_rel, gpu scope
             if arrived == HV * (DV // BV) - 1:                  # the row's last program
                 h, st, nf = _moved_pointers(tl.load(h_ptr + slot), tl.load(st_ptr + slot),
-                                            tl.load(nf_ptr + slot), force, L, CAP, 1, True)
+                                            tl.load(nf_ptr + slot), FORCE, L, CAP, 1, True)
                 tl.store(h_ptr + slot, h)
                 tl.store(st_ptr + slot, st)
                 tl.store(nf_ptr + slot, nf)
@@ -935,7 +935,7 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
         _replay_fused_kernel[(B * HV, dv // fbv)](
             Ap, As, Ag, Rp, Rs, Rg, store.kbuf, store.vbuf, ubuf, store.Gbuf, store.bbuf,
             store.committed, store.start, store.n_flush, store.arrive, idx, out, *inputs,
-            sc, *split_key(store.key), int(force), dt_lo, dt_hi,
+            sc, *split_key(store.key), dt_lo, dt_hi,
             HK=HK, HV=HV, DK=dk, DV=dv, BV=fbv, L=store.L, CAP=store.capacity, LP=LP,
             AFMT=afid, ASR=store.anchor.rounding == "stochastic", RFMT=rfid, RSR=rr,
             SHARED=store.shared, DELTA=delta, L2NORM=use_qk_l2norm, HAS_DTB=dt_bias is not None,
@@ -948,7 +948,7 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
     _replay_flush_kernel[(B * HV, dv // FBV)](
         Ap, As, Ag, Rp, Rs, Rg, store.kbuf, store.vbuf, store.Gbuf, store.bbuf,
         store.committed, store.start, store.n_flush, idx, out, *inputs,
-        sc, *split_key(store.key), int(force), dt_lo, dt_hi, BV=FBV,
+        sc, *split_key(store.key), dt_lo, dt_hi, BV=FBV,
         AFMT=afid, ASR=store.anchor.rounding == "stochastic", RSR=rr, SHARED=store.shared,
         FORCE=bool(force), num_warps=fnw, **common)
     if not force:
@@ -961,7 +961,7 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
                 num_warps=max(1, min(4, LP * dk // 1024)))
         _replay_read_kernel[(B * HV, dv // BV)](
             Rp, Rs, Rg, store.kbuf, store.vbuf, ubuf, store.Gbuf, store.bbuf,
-            store.committed, store.start, idx, out, *inputs, sc, int(force), dt_lo, dt_hi, dots,
+            store.committed, store.start, idx, out, *inputs, sc, dt_lo, dt_hi, dots,
             BV=BV, LP=LP, U_BF16=U_BF16, DOTS=read_variant == "dots", num_warps=nw, **common)
     return out, idx, False
 
