@@ -6,7 +6,9 @@ loop: its static count is what one program executes).
 * GDN, Qwen3.5-4B layer (16 key heads, 32 value heads, d_k = d_v = 128): two decode steps per
   read format with read_variant 'dots' (16 rows, 1 warp), then a verify of T = 4 drafts;
 * Mamba-2, Nemotron-H layer (128 heads of 64, state 128, 8 groups): two decode steps per read
-  format ('block' read, 32 rows, 4 warps).
+  format ('block' read, 32 rows, 4 warps);
+* both kinds at batch 1: a forced step (path='flush', split and one launch) per pair, the
+  small-batch dispatch whose flush kernel issues its anchor load before the pointers (FORCE).
 
     TRITON_INTERPRET=1 python -m replayquant.kernels.compile_check record /tmp/l.json -- \
         evals/sass_decode_drive.py
@@ -46,3 +48,17 @@ for pair in PAIRS:
         replay_mamba2_step(store, x, dt, A, Bm, C, D=Dskip, z=z, dt_bias=dt_bias, path="replay",
                            launch="split", read_variant="block", block_v=32, num_warps=4)
     print("mamba2", pair, "done", flush=True)
+for pair in ("s32_rs", "tp8_hi32"):                 # batch 1, forced steps
+    init = torch.randn(1, 32, 128, 128, generator=torch.Generator().manual_seed(0)) * 0.1
+    store = ReplayStore.from_state(init, pair, "gdn", key_heads=16, seed=3, layer=2)
+    A_log, dt_bias = gdn_params(32, seed=1)
+    q, k, v, a, b = gdn_step_inputs(1, 16, 32, 128, 128, seed=0)
+    init = torch.randn(1, 128, 64, 128, generator=torch.Generator().manual_seed(0)) * 0.1
+    m2 = ReplayStore.from_state(init, pair, "mamba2", key_heads=8, seed=3, layer=2)
+    A, Dskip, dt_bias2 = mamba2_params(128, seed=1)
+    x, dt, Bm, C, z = mamba2_step_inputs(1, 8, 128, 128, 64, seed=0)
+    for launch in ("split", "fused"):
+        replay_gdn_step(store, q, k, v, a, b, A_log, dt_bias, path="flush", launch=launch)
+        replay_mamba2_step(m2, x, dt, A, Bm, C, D=Dskip, z=z, dt_bias=dt_bias2, path="flush",
+                           launch=launch)
+    print("batch 1 forced", pair, "done", flush=True)
