@@ -348,6 +348,8 @@ def test_launch_dispatcher():
     assert replay_launch_config(big, 4096)[0] == (32, 4)
     assert replay_launch_config(big, 4096, 32, read_variant="dots")[0] == (32, 4)
     assert replay_launch_config(big, 4096, None, 2, read_variant="dots")[0] == (16, 2)
+    # the flush block follows the conventional kernel's size rule: 16 rows below 1024 matrices
+    assert replay_launch_config(big, 1)[1] == (16, 2) and replay_launch_config(big, 4096)[1] == (32, 4)
     with pytest.raises(ValueError, match="launch"):
         resolve_launch(st, 1, "one")
     with pytest.raises(ValueError, match="dots"):

@@ -725,7 +725,9 @@ def replay_launch_config(store: ReplayStore, n_rows: int, block_v=None, num_warp
     nv = _has_nvfp4(store)
     fbv, fnw = flush_config if flush_config is not None else (None, None)
     if fbv is None:
-        fbv = dv if nv else min(dv, 32)
+        # below 1024 matrices the conventional kernel's rule (launch_config): 16-row programs,
+        # twice as many in flight where the step is latency-bound (batch 1)
+        fbv = dv if nv else min(dv, 32 if n_rows * H >= 1024 else 16)
     if nv and fbv != dv:
         raise ValueError("an NVFP4 role is written a whole matrix at a time: the flush block "
                          "must be d_v")
