@@ -76,6 +76,26 @@ def test_cpu_smoke_run(tmp_path):
     assert (tmp_path / "kernels_speedup.png").stat().st_size > 1000
 
 
+def test_targets_byte_ceiling():
+    """The two bandwidth targets carry their ceiling: the byte ratio and the measured baseline
+    over the replay side's bytes at the copy bandwidth (hand-made rows, not a measurement)."""
+    row = lambda kernel, variant, us, nbytes, **kw: dict(kind="gdn", kernel=kernel,  # noqa: E731
+                                                        variant=variant, B=256, us=us,
+                                                        bytes=nbytes, **kw)
+    rows = [row("conventional", "fp32", 300.0, 1.2e9, pct_copy=100.0),
+            row("replay-window", "s32_rs", 250.0, 0.6e9, L=16, speedup_vs_conv_fp32=1.2),
+            row("replay-read-step", "s32_rs", 200.0, 0.5e9, L=16),
+            row("replay-read-step", "tp4_hi32", 100.0, 0.1e9, L=16)]
+    tg = {t["target"].split(" ")[1]: t for t in bd.targets({"rows": rows, "copy_GBps": 4000.0})
+          if t["target"].startswith("gdn")}
+    rep = tg["replay"]["ceiling"]["L=16"]
+    assert rep == dict(byte_ratio=2.0, at_copy_bw=2.0)         # 0.6 GB at 4000 GB/s: 150 us
+    rd = tg["non-flush"]["ceiling"]["L=16"]
+    assert rd == dict(byte_ratio=5.0, at_copy_bw=8.0)          # 0.1 GB: 25 us; 200 / 25
+    assert tg["non-flush"]["measured"]["L=16"] == 2.0 and tg["non-flush"]["met"] is False
+    assert "ceiling" not in tg["conventional"]
+
+
 def test_bench_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="pairs"):
         bd.run_kernels_bench(out=str(tmp_path), pairs=("nope",), device="cpu", shapes=TINY)

@@ -9,7 +9,7 @@ from replayquant.bench.decode import (gdn_params, gdn_step_inputs, mamba2_params
                                       mamba2_step_inputs, random_state)
 from replayquant.kernels.conventional import (ConventionalStore, conventional_gdn_step,
                                               conventional_mamba2_step, gdn_frontend_ref,
-                                              mamba2_frontend_ref, mamba2_post_ref)
+                                              launch_config, mamba2_frontend_ref, mamba2_post_ref)
 from replayquant.kernels.replay_decode import (ReplayStore, advance_pointers, choose_launch,
                                                choose_path, resolve_launch, resolve_read_variant,
                                                resolve_path, replay_gdn_step,
@@ -348,8 +348,11 @@ def test_launch_dispatcher():
     assert replay_launch_config(big, 4096)[0] == (32, 4)
     assert replay_launch_config(big, 4096, 32, read_variant="dots")[0] == (32, 4)
     assert replay_launch_config(big, 4096, None, 2, read_variant="dots")[0] == (16, 2)
-    # the flush block follows the conventional kernel's size rule: 16 rows below 1024 matrices
-    assert replay_launch_config(big, 1)[1] == (16, 2) and replay_launch_config(big, 4096)[1] == (32, 4)
+    # below 1024 matrices the flush block is the conventional kernel's (small_block): one warp
+    # on 16 rows while that gives 2048 programs, else on 8
+    assert replay_launch_config(big, 1)[1] == (8, 1) and replay_launch_config(big, 4096)[1] == (32, 4)
+    assert replay_launch_config(big, 256)[1] == (16, 1) == launch_config("fp32", 512, 64, 128)
+    assert launch_config("fp32", 2, 64, 128) == (8, 1) and launch_config("nvfp4", 2, 64, 128)[0] == 64
     with pytest.raises(ValueError, match="launch"):
         resolve_launch(st, 1, "one")
     with pytest.raises(ValueError, match="dots"):

@@ -56,7 +56,8 @@ from replayquant.kernels.conventional import (_into, _program_tile, PackedRole, 
                                               _rank1_step, _tile_load, _tile_store,
                                               NO_DT_LIMIT, dt_limit_args,
                                               gdn_frontend_ref, mamba2_frontend_ref,
-                                              mamba2_post_ref, role_streams, split_key)
+                                              mamba2_post_ref, role_streams, small_block,
+                                              split_key)
 from replayquant.kernels.quant import decode_e2m1, decode_e4m3
 from replayquant.streams import ANCHOR, READ, layer_seed
 
@@ -725,9 +726,13 @@ def replay_launch_config(store: ReplayStore, n_rows: int, block_v=None, num_warp
     nv = _has_nvfp4(store)
     fbv, fnw = flush_config if flush_config is not None else (None, None)
     if fbv is None:
-        # below 1024 matrices the conventional kernel's rule (launch_config): 16-row programs,
-        # twice as many in flight where the step is latency-bound (batch 1)
-        fbv = dv if nv else min(dv, 32 if n_rows * H >= 1024 else 16)
+        if nv:
+            fbv = dv
+        elif n_rows * H >= 1024:
+            fbv = min(dv, 32)
+        else:       # latency-bound (batch 1): the conventional kernel's small blocks
+            fbv, small_warps = small_block(n_rows * H, dv)
+            fnw = small_warps if fnw is None else fnw
     if nv and fbv != dv:
         raise ValueError("an NVFP4 role is written a whole matrix at a time: the flush block "
                          "must be d_v")
