@@ -17,6 +17,7 @@
 #   dots     Mamba-2 'dots' read at B = 128 / 256 / 512, GDN batch 1 and 8   ~400 s
 #   defaults the 'dots' read's default block (16 rows, 1 warp) at B = 128 / 512, both kinds
 #   batch1   B = 1 and 8, both kinds: the forced flush's early anchor load     ~200 s
+#   targets  B = 1 and 256, both kinds, main L: issue 4's targets with byte ceilings ~450 s
 #   followup generate, tiny-mamba2 16K demo, tf32x3 whole model + KL, GDN flush folds ~520 s
 #            (the generate check alone took over 150 s; at most 8 files come back from $OUT)
 #
@@ -25,7 +26,7 @@
 # The image has torch, triton, transformers, accelerate, rich, typer, matplotlib; not fla.
 set -uo pipefail
 : "${OUT:?set OUT to the folder where results go}"
-job=${1:?usage: bash evals/gpu_runs.sh tf|mamba|decode|read|dots|defaults|batch1|generate|followup}
+job=${1:?usage: bash evals/gpu_runs.sh tf|mamba|decode|read|dots|defaults|batch1|targets|generate|followup}
 export PYTHONUNBUFFERED=1 REPLAYQUANT_GIT_COMMIT=${REPLAYQUANT_GIT_COMMIT:-unknown}
 python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/site .gpu/wheels/*.whl \
     || { echo "gpu_runs: could not install the carried wheels in .gpu/wheels" >&2; exit 1; }
@@ -93,6 +94,17 @@ case "$job" in
         --batches 1,8 --L 16,8 --T 4 --spec-batches "" --no-checks --no-sweep --no-peers \
         --budget-s 200 > "$OUT/batch1.log" 2>&1; echo "batch1 rc=$?"
     ;;
+  targets)
+    # session 6: the targets at HEAD in one file per kind (B = 1 and 256, main L, every pair,
+    # read steps and byte ceilings), after the small-batch blocks (small_block); the verify
+    # target (B = 512) is left to the decode job: its kernels did not change
+    timeout 280 "${rq[@]}" bench kernels --out "$OUT" --name kernels_gdn_targets --kinds gdn \
+        --batches 1,256 --L 16 --T 4 --spec-batches "" --no-checks --no-sweep --no-peers \
+        --budget-s 220 > "$OUT/targets_gdn.log" 2>&1; echo "gdn rc=$?"
+    timeout 230 "${rq[@]}" bench kernels --out "$OUT" --name kernels_mamba2_targets --kinds mamba2 \
+        --batches 1,256 --L 8 --T 4 --spec-batches "" --no-checks --no-sweep --no-peers \
+        --budget-s 170 > "$OUT/targets_mamba2.log" 2>&1; echo "mamba2 rc=$?"
+    ;;
   generate)
     python3 evals/cuda_generate_check.py "$OUT/cuda_generate.json" --new-tokens 32; echo "rc=$?"
     ;;
@@ -115,5 +127,5 @@ case "$job" in
         --batches 256 --L 16 --pairs s32_rs,tp8_hi32,tp4_hi32 --no-checks --no-sweep --no-peers \
         --spec-batches "" --budget-s 80 > "$OUT/decode_fold.log" 2>&1; echo "fold rc=$?"
     ;;
-  *) echo "gpu_runs: unknown job $job (tf, mamba, decode, read, dots, defaults, batch1, generate, followup)" >&2; exit 2 ;;
+  *) echo "gpu_runs: unknown job $job (tf, mamba, decode, read, dots, defaults, batch1, targets, generate, followup)" >&2; exit 2 ;;
 esac
