@@ -10,7 +10,6 @@ from replayquant.bench.decode import (gdn_params, gdn_step_inputs, mamba2_params
 from replayquant.kernels.conventional import (ConventionalStore, conventional_gdn_step,
                                               conventional_mamba2_step, gdn_frontend_ref,
                                               launch_config, mamba2_frontend_ref, mamba2_post_ref)
-from replayquant.kernels import replay_decode as rd
 from replayquant.kernels.replay_decode import (ReplayStore, advance_pointers, choose_launch,
                                                choose_path, resolve_launch, resolve_read_variant,
                                                resolve_path, replay_gdn_step,
@@ -106,16 +105,12 @@ def test_shipped_pairs_are_covered():
     assert set(PAIRS) == set(list_pairs())
 
 
-@pytest.mark.parametrize("fold", ["seq", "dots"])
 @pytest.mark.parametrize("kind", ["gdn", "mamba2"])
 @pytest.mark.parametrize("pair", PAIRS)
-def test_replay_step_matches_reference(kind, pair, fold, monkeypatch):
+def test_replay_step_matches_reference(kind, pair):
     """7 steps with L = 3 (two in-kernel flushes per row), rows of different phase; the split
     launch (flush, read and pointer kernels) against the reference, the one-launch path
-    (launch='fused') bit for bit against the split launch. Both flush folds (FLUSH_FOLD;
-    'dots' on a 16-row flush block, as it needs)."""
-    monkeypatch.setattr(rd, "FLUSH_FOLD", fold)
-    fc = {"flush_config": (16, 2)} if fold == "dots" else {}
+    (launch='fused') bit for bit against the split launch."""
     N, HK, H, dk, dv = 4, 1, 2, 32, 16
     dr = Driver(kind, 5, HK, H, dk, dv)
     init = random_state(N, H, dv, dk, seed=21)
@@ -130,14 +125,14 @@ def test_replay_step_matches_reference(kind, pair, fold, monkeypatch):
         if step == 3:
             idx = torch.tensor([2, 3, 0, -1, 1])
         inp = dr.inputs(seed=step)
-        y = dr.kernel(store, inp, idx, launch="split", **fc)
+        y = dr.kernel(store, inp, idx, launch="split")
         y2 = dr.ref(ref, inp, idx)
         assert (y[idx < 0] == 0).all()
         tol = _tol(PrecisionPair.load(pair))
         torch.testing.assert_close(y, y2, rtol=tol, atol=tol * y2.abs().max().item())
         assert torch.equal(store.committed, ref.committed)
         assert torch.equal(store.n_flush, ref.n_flush)
-        assert torch.equal(dr.kernel(fused, inp, idx, launch="fused", **fc), y)
+        assert torch.equal(dr.kernel(fused, inp, idx, launch="fused"), y)
         assert_same_store(fused, store)
     assert store.n_flush.tolist() == [2, 2, 2, 2] and store.committed.tolist() == [1, 1, 1, 0]
     assert_states_close(store.anchor.dequantize(), ref.anchor.dequantize())
@@ -174,35 +169,6 @@ def test_replay_step_matches_replay_state(kind, pair):
     assert store.n_flush.tolist() == rs.flushes.tolist() == [2] * 4
     assert_states_close(store.anchor.dequantize(), rs.anchor())
     assert_states_close(store.read_role.dequantize(), rs.read_copy())
-
-
-@pytest.mark.parametrize("kind,pair", [("gdn", "s32_rs"), ("gdn", "tp8_hi32"),
-                                       ("mamba2", "s32_rs"), ("mamba2", "tp4_hi32")])
-def test_flush_fold_dots_long_window(kind, pair, monkeypatch):
-    """FLUSH_FOLD='dots' with a full window (L = 16: 15 entries folded at once, the GDN WY
-    form) across two flushes per row, rows out of phase, padding: equals the reference, and
-    the 'seq' fold within FP32 reassociation."""
-    N, HK, H, dk, dv = 3, 1, 2, 32, 16
-    dr = Driver(kind, 4, HK, H, dk, dv)
-    init = random_state(N, H, dv, dk, seed=41)
-    stores = {}
-    for fold in ("seq", "dots"):
-        monkeypatch.setattr(rd, "FLUSH_FOLD", fold)
-        store = ReplayStore.from_state(init, pair, kind, key_heads=HK, seed=5, buffer_len=16,
-                                       u_dtype=torch.float32)
-        poison_buffers(store)
-        ref = store.clone()
-        for step in range(40):
-            idx = torch.tensor([0, -1, 2, 1]) if step % 7 else torch.tensor([0, -1, -1, 1])
-            inp = dr.inputs(seed=100 + step)
-            y = dr.kernel(store, inp, idx, launch="split", flush_config=(16, 2))
-            y2 = dr.ref(ref, inp, idx)
-            tol = _tol(PrecisionPair.load(pair))
-            torch.testing.assert_close(y, y2, rtol=tol, atol=tol * y2.abs().max().item())
-        assert store.n_flush.min().item() >= 2
-        assert_states_close(store.anchor.dequantize(), ref.anchor.dequantize())
-        stores[fold] = store
-    assert_states_close(stores["dots"].anchor.dequantize(), stores["seq"].anchor.dequantize())
 
 
 def test_replay_bf16_u_buffer_against_reference():

@@ -45,7 +45,6 @@ against `ReplayState`.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -58,7 +57,7 @@ from replayquant.kernels.conventional import (_into, _program_tile, PackedRole, 
                                               NO_DT_LIMIT, dt_limit_args,
                                               gdn_frontend_ref, mamba2_frontend_ref,
                                               mamba2_post_ref, role_streams, small_block,
-                                              split_key, unit_lower_inverse)
+                                              split_key)
 from replayquant.kernels.quant import decode_e2m1, decode_e4m3
 from replayquant.streams import ANCHOR, READ, layer_seed
 
@@ -258,52 +257,6 @@ def _fold(S, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, n, Gfin,
 
 
 @triton.jit
-def _fold_dots(S, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, n, Gfin,
-               HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-               CAP: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DELTA: tl.constexpr,
-               L2NORM: tl.constexpr):
-    """_fold's result from the n entries loaded at once (one round trip to the buffer) and FP32
-    matrix products (input_precision 'ieee'), with no chain of per-entry reductions over the
-    tile. GDN: the chunk kernel's WY form, Tinv = (I + T)^-1 with T[t, j] = beta_t exp(G_t -
-    G_j) (k_t . k_j) (j < t), W = Tinv beta exp(G) K, U = Tinv beta V; the entries' u = U -
-    W S^T and S <- exp(G_n) S + (u exp(G_n - G))^T K (equal to the recurrence within FP32
-    reassociation). Mamba-2: S + (exp(Gfin - G) dt x)^T B. Needs BV >= 16 (tl.dot)."""
-    jj = tl.arange(0, LP)
-    K, X, G, Bt = _load_entries(kbuf, vbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols,
-                                jj, n, HK, HV, DK, DV, CAP, DELTA, L2NORM, False)
-    live = jj < n
-    if DELTA:
-        strict = jj[None, :] < jj[:, None]
-        D = tl.where(strict, tl.exp(tl.where(strict, G[:, None] - G[None, :], 0.0)), 0.0)
-        KK = tl.dot(K, tl.trans(K), input_precision="ieee")
-        Tinv = unit_lower_inverse(tl.where(strict, Bt[:, None] * KK * D, 0.0), jj, L)
-        W = tl.dot(Tinv, (Bt * tl.exp(G))[:, None] * K, input_precision="ieee")
-        U = tl.dot(Tinv, Bt[:, None] * X, input_precision="ieee") \
-            - tl.dot(W, tl.trans(S), input_precision="ieee")
-        Gfin = tl.sum(tl.where(jj == n - 1, G, 0.0), axis=0)
-        S = tl.exp(Gfin) * S
-    else:
-        U = X
-    w = tl.where(live, tl.exp(tl.where(live, Gfin - G, 0.0)), 0.0)
-    return S + tl.dot(tl.trans(U * w[:, None]), K, input_precision="ieee")
-
-
-@triton.jit
-def _rebuild(S, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, n, Gfin,
-             HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-             CAP: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DELTA: tl.constexpr,
-             L2NORM: tl.constexpr, FOLD_DOTS: tl.constexpr):
-    """The flush's fold of n entries into S: _fold_dots (FOLD_DOTS) or _fold."""
-    if FOLD_DOTS:
-        S = _fold_dots(S, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, n, Gfin,
-                       HK, HV, DK, DV, CAP, L, LP, DELTA, L2NORM)
-    else:
-        S = _fold(S, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, n, Gfin,
-                  HK, HV, DK, DV, CAP, DELTA, L2NORM)
-    return S
-
-
-@triton.jit
 def _last_G(Gbuf, slot, start, h, hv, HV: tl.constexpr, CAP: tl.constexpr):
     """Cumulative log gate of entry h - 1 (0 when h == 0)."""
     e = _entry(slot, start, tl.maximum(h - 1, 0), CAP)
@@ -334,7 +287,7 @@ def _flush_body(
         STEP: tl.constexpr, AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr,
         RSR: tl.constexpr, SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
         HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
-        DT_CLAMP: tl.constexpr, LP: tl.constexpr, FOLD_DOTS: tl.constexpr):
+        DT_CLAMP: tl.constexpr):
     """What _replay_flush_kernel does for one live row's program (slot >= 0): the flushes of
     that row (pre-flush of committed entries that would not leave T free slots, and the flush of
     a step that fills the buffer or is forced); nothing for a row that does not flush.
@@ -362,12 +315,12 @@ def _flush_body(
         else:
             A = _tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT)
         if DELTA:
-            S = _rebuild(A, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, h, 0.0,
-                         HK, HV, DK, DV, CAP, L, LP, DELTA, L2NORM, FOLD_DOTS)
+            S = _fold(A, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, h, 0.0,
+                      HK, HV, DK, DV, CAP, DELTA, L2NORM)
         else:
             Gn = _last_G(Gbuf, slot, start, h, hv, HV, CAP)
-            S = _rebuild(tl.exp(Gn) * A, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk,
-                         rows, cols, h, Gn, HK, HV, DK, DV, CAP, L, LP, DELTA, L2NORM, FOLD_DOTS)
+            S = _fold(tl.exp(Gn) * A, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk,
+                      rows, cols, h, Gn, HK, HV, DK, DV, CAP, DELTA, L2NORM)
         _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi,
                      nf + 1, slot, hv, DV, DK, BV, AFMT, ASR, RFMT, RSR, SHARED)
         nf = nf + 1
@@ -388,14 +341,13 @@ def _flush_body(
                     HAS_D, DT_CLAMP)
                 A = _tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT)
             if DELTA:
-                S = _rebuild(A, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, h,
-                             0.0, HK, HV, DK, DV, CAP, L, LP, DELTA, L2NORM, FOLD_DOTS)
+                S = _fold(A, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, h, 0.0,
+                          HK, HV, DK, DV, CAP, DELTA, L2NORM)
                 S, y = _rank1_step(S, q, k, v, log_a, beta, DELTA)   # h = 0: the conventional step
             else:
                 Gf = _last_G(Gbuf, slot, start, h, hv, HV, CAP) + log_a
-                S = _rebuild(A * tl.exp(Gf), kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk,
-                             rows, cols, h, Gf, HK, HV, DK, DV, CAP, L, LP, DELTA, L2NORM,
-                             FOLD_DOTS)
+                S = _fold(A * tl.exp(Gf), kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk,
+                          rows, cols, h, Gf, HK, HV, DK, DV, CAP, DELTA, L2NORM)
                 S = S + v[:, None] * k[None, :]
                 y = tl.sum(S * q[None, :], axis=1)
             _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_lo,
@@ -416,7 +368,7 @@ def _replay_flush_kernel(
         STEP: tl.constexpr, AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr,
         RSR: tl.constexpr, SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
         HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
-        DT_CLAMP: tl.constexpr, FORCE: tl.constexpr, LP: tl.constexpr, FOLD_DOTS: tl.constexpr):
+        DT_CLAMP: tl.constexpr, FORCE: tl.constexpr):
     """The flushing rows of a step / verify: (1) committed entries that would not leave T free
     slots (h + T > L, h > 0) are folded into the anchor first; (2) a step whose entry fills the
     buffer (h + 1 == L, or force) rebuilds through it, outputs S q and casts both roles.
@@ -427,7 +379,7 @@ def _replay_flush_kernel(
                     nf_ptr, out_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr,
                     z_ptr, scale, key_lo, key_hi, FORCE, dt_lo, dt_hi, row, hv, hk, rows, cols,
                     slot, HK, HV, DK, DV, BV, L, CAP, T, STEP, AFMT, ASR, RFMT, RSR, SHARED,
-                    DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP, LP, FOLD_DOTS)
+                    DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP)
     else:
         for t in tl.static_range(T):          # padding rows: zero outputs, nothing else
             tl.store(out_ptr + ((row * T + t) * HV + hv) * DV + rows, tl.zeros([BV], tl.float32))
@@ -630,7 +582,7 @@ def _replay_fused_kernel(
         AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr, RSR: tl.constexpr,
         SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr, HAS_DTB: tl.constexpr,
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, U_BF16: tl.constexpr, DT_CLAMP: tl.constexpr,
-        ADVANCE: tl.constexpr, FORCE: tl.constexpr, FOLD_DOTS: tl.constexpr):
+        ADVANCE: tl.constexpr, FORCE: tl.constexpr):
     """A decode step (T = 1) in one launch (launch='fused', the small-batch path): each program
     runs what _replay_flush_kernel and then _replay_read_kernel would run for its (row, value
     head, row block), so a row either flushes or reads (and appends). A pre-flush (h == L after a
@@ -645,7 +597,7 @@ def _replay_fused_kernel(
                     nf_ptr, out_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr,
                     z_ptr, scale, key_lo, key_hi, FORCE, dt_lo, dt_hi, row, hv, hk, rows, cols,
                     slot, HK, HV, DK, DV, BV, L, CAP, 1, True, AFMT, ASR, RFMT, RSR, SHARED,
-                    DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP, LP, FOLD_DOTS)
+                    DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP)
         _read_body(R_pay, R_sc, R_gs, kbuf, vbuf, ubuf, Gbuf, bbuf, h_ptr, st_ptr, out_ptr,
                    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, FORCE,
                    dt_lo, dt_hi, row, hv, hk, rows, cols, slot, HK, HV, DK, DV, BV, L, CAP, LP, 1,
@@ -754,21 +706,6 @@ def advance_pointers_ref(store: ReplayStore, state_indices, T: int = 1, step: bo
 # pair: 16 rows on one warp was the fastest of (16, 1) (16, 2) (16, 4) (32, 2) (64, 4) (run 11,
 # results/bench/kernels_gdn_run11.json and kernels_mamba2_dots.json; GDN also runs 5 and 10)
 DOTS_BLOCK = (16, 1)
-
-# how the flush kernel folds the buffered entries into the anchor: 'seq' (_fold, one FMA pass
-# and one reduction per entry) or 'dots' (_fold_dots: every entry loaded at once, FP32 matrix
-# products; flush blocks of 16 rows or more, smaller blocks fold 'seq'). REPLAYQUANT_FLUSH_FOLD
-# overrides the default.
-FLUSH_FOLDS = ("seq", "dots")
-FLUSH_FOLD = os.environ.get("REPLAYQUANT_FLUSH_FOLD", "seq")
-
-
-def fold_dots(block_rows: int) -> bool:
-    """Whether a flush block of block_rows rows folds with _fold_dots (FLUSH_FOLD)."""
-    if FLUSH_FOLD not in FLUSH_FOLDS:
-        raise ValueError(f"replay_decode.FLUSH_FOLD (REPLAYQUANT_FLUSH_FOLD) must be one of "
-                         f"{', '.join(FLUSH_FOLDS)}, got {FLUSH_FOLD!r}")
-    return FLUSH_FOLD == "dots" and block_rows >= 16
 
 
 def replay_launch_config(store: ReplayStore, n_rows: int, block_v=None, num_warps=None,
@@ -1010,7 +947,7 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
             AFMT=afid, ASR=store.anchor.rounding == "stochastic", RFMT=rfid, RSR=rr,
             SHARED=store.shared, DELTA=delta, L2NORM=use_qk_l2norm, HAS_DTB=dt_bias is not None,
             HAS_D=D is not None, HAS_Z=z is not None, U_BF16=U_BF16, DT_CLAMP=dt_clamp,
-            ADVANCE=bool(advance), FORCE=bool(force), FOLD_DOTS=fold_dots(fbv), num_warps=fnw)
+            ADVANCE=bool(advance), FORCE=bool(force), num_warps=fnw)
         return out, idx, bool(advance)
     common = dict(HK=HK, HV=HV, DK=dk, DV=dv, L=store.L, CAP=store.capacity, T=T, STEP=step,
                   RFMT=rfid, DELTA=delta, L2NORM=use_qk_l2norm, HAS_DTB=dt_bias is not None,
@@ -1020,7 +957,7 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
         store.committed, store.start, store.n_flush, idx, out, *inputs,
         sc, *split_key(store.key), dt_lo, dt_hi, BV=FBV,
         AFMT=afid, ASR=store.anchor.rounding == "stochastic", RSR=rr, SHARED=store.shared,
-        FORCE=bool(force), LP=LP, FOLD_DOTS=fold_dots(FBV), num_warps=fnw, **common)
+        FORCE=bool(force), num_warps=fnw, **common)
     if not force:
         dots = idx                                      # any pointer: unused unless DOTS
         if read_variant == "dots":
