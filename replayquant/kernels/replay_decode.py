@@ -244,11 +244,12 @@ def _fold(S, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, n, Gfin,
                                    _entry(slot, start, tl.minimum(j + 1, n - 1), CAP), hv, hk,
                                    rows, cols, HK, HV, DK, DV)
         if DELTA:
-            if L2NORM:
-                k = _l2norm(k)
+            # k / |k| as a factor r on the products: its reduction does not wait for S, so
+            # the entry's chain holds one reduction (S k), not two
+            r = 1.0 / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6) if L2NORM else 1.0
             S = S * tl.exp(G - Gprev)
-            u = g2 * (v - tl.sum(S * k[None, :], axis=1))
-            S = S + u[:, None] * k[None, :]
+            u = g2 * (v - tl.sum(S * k[None, :], axis=1) * r)
+            S = S + (u * r)[:, None] * k[None, :]
             Gprev = G
         else:
             w = tl.exp(Gfin - G)
