@@ -15,7 +15,7 @@ from replayquant.kernels.replay_decode import (ReplayStore, advance_pointers, ch
                                                resolve_path, replay_gdn_step,
                                                replay_gdn_step_ref, replay_mamba2_step,
                                                replay_mamba2_step_ref, replay_launch_config,
-                                               DOTS_BLOCK)
+                                               DOTS_BLOCK, FLUSH_BLOCK)
 from replayquant.pairs import PrecisionPair, list_pairs
 from replayquant.replay import ReplayState
 from _helpers import assert_states_close
@@ -350,7 +350,9 @@ def test_launch_dispatcher():
     assert replay_launch_config(big, 4096, None, 2, read_variant="dots")[0] == (16, 2)
     # below 1024 matrices the flush block is the conventional kernel's (small_block): one warp
     # on 16 rows while that gives 2048 programs, else on 8
-    assert replay_launch_config(big, 1)[1] == (8, 1) and replay_launch_config(big, 4096)[1] == (32, 4)
+    assert replay_launch_config(big, 1)[1] == (8, 1) and replay_launch_config(big, 4096)[1] == (16, 1)
+    sep = ReplayStore.from_state(random_state(2, 2, 64, 128), "tp8_hi32", "mamba2", key_heads=1)
+    assert replay_launch_config(sep, 4096)[1] == FLUSH_BLOCK[("mamba2", False)] == (32, 4)
     assert replay_launch_config(big, 256)[1] == (16, 1) == launch_config("fp32", 512, 64, 128)
     assert launch_config("fp32", 2, 64, 128) == (8, 1) and launch_config("nvfp4", 2, 64, 128)[0] == 64
     with pytest.raises(ValueError, match="launch"):

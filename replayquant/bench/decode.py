@@ -462,7 +462,7 @@ def config_sweep(kind, B, device, copy_bw, pairs=PAIRS, L=None, S=None):
         pick(f"read/{pair}", cands)
         cands = []
         nv = "nvfp4" in (af, rf)
-        fcs = [(dv, 8), (dv, 16)] if nv else [(16, 2), (32, 4)]
+        fcs = [(dv, 8), (dv, 16)] if nv else [(16, 1), (16, 2), (32, 4)]
         for bv, nw in fcs:
             if bv > dv:
                 continue

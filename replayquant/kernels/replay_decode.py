@@ -730,7 +730,8 @@ def replay_launch_config(store: ReplayStore, n_rows: int, block_v=None, num_warp
         if nv:
             fbv = dv
         elif n_rows * H >= 1024:
-            fbv = min(dv, 32)
+            fbv, fw = FLUSH_BLOCK[(store.kind, store.shared)]
+            fbv, fnw = min(dv, fbv), fw if fnw is None else fnw
         else:       # latency-bound (batch 1): the conventional kernel's small blocks
             fbv, small_warps = small_block(n_rows * H, dv)
             fnw = small_warps if fnw is None else fnw
@@ -742,6 +743,15 @@ def replay_launch_config(store: ReplayStore, n_rows: int, block_v=None, num_warp
     if fnw is None:
         fnw = _flush_warps(fbv, dk)
     return (block_v, num_warps), (fbv, fnw)
+
+
+# flush kernel block (rows, warps) from 1024 state matrices, by (kind, shared pair), for pairs
+# without an NVFP4 role (whole matrices). H200, B = 256, replay flush step (h = L - 1), us by
+# block (16, 1) / (16, 2) / (32, 4) / (64, 8) (results/bench/flush_blocks_b256.json, 6659856):
+# GDN s32_rs 876 / 992 / 1039 / 1094, tp8_hi32 1024 / 1200 / 1228 / 1697; Mamba-2 s32_rs
+# 829 / 1071 / 1049 / 975, tp8_hi32 1391 / 1257 / 1264 / 1233
+FLUSH_BLOCK = {("gdn", True): (16, 1), ("gdn", False): (16, 1),
+               ("mamba2", True): (16, 1), ("mamba2", False): (32, 4)}
 
 
 def _flush_warps(fbv, dk):
