@@ -369,21 +369,26 @@ def _replay_flush_kernel(
         STEP: tl.constexpr, AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr,
         RSR: tl.constexpr, SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
         HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
-        DT_CLAMP: tl.constexpr, FORCE: tl.constexpr):
+        DT_CLAMP: tl.constexpr, FORCE: tl.constexpr, NT: tl.constexpr):
     """The flushing rows of a step / verify: (1) committed entries that would not leave T free
     slots (h + T > L, h > 0) are folded into the anchor first; (2) a step whose entry fills the
     buffer (h + 1 == L, or force) rebuilds through it, outputs S q and casts both roles.
-    Other rows return at once (their programs only read h)."""
+    Other rows return at once (their programs only read h). A program takes NT consecutive
+    row blocks of its matrix, one after the other: in a step where few rows flush, NT times
+    fewer programs that have nothing to do."""
     row, hv, hk, rows, cols, slot = _program_tile(idx_ptr, HK, HV, DK, BV)
-    if slot >= 0:
-        _flush_body(A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, Gbuf, bbuf, h_ptr, st_ptr,
-                    nf_ptr, out_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr,
-                    z_ptr, scale, key_lo, key_hi, FORCE, dt_lo, dt_hi, row, hv, hk, rows, cols,
-                    slot, HK, HV, DK, DV, BV, L, CAP, T, STEP, AFMT, ASR, RFMT, RSR, SHARED,
-                    DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP)
-    else:
-        for t in tl.static_range(T):          # padding rows: zero outputs, nothing else
-            tl.store(out_ptr + ((row * T + t) * HV + hv) * DV + rows, tl.zeros([BV], tl.float32))
+    for i in range(NT):
+        rows = (tl.program_id(1) * NT + i) * BV + tl.arange(0, BV)
+        if slot >= 0:
+            _flush_body(A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, Gbuf, bbuf, h_ptr,
+                        st_ptr, nf_ptr, out_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr,
+                        dtb_ptr, D_ptr, z_ptr, scale, key_lo, key_hi, FORCE, dt_lo, dt_hi, row,
+                        hv, hk, rows, cols, slot, HK, HV, DK, DV, BV, L, CAP, T, STEP, AFMT, ASR,
+                        RFMT, RSR, SHARED, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP)
+        else:
+            for t in tl.static_range(T):      # padding rows: zero outputs, nothing else
+                tl.store(out_ptr + ((row * T + t) * HV + hv) * DV + rows,
+                         tl.zeros([BV], tl.float32))
 
 
 @triton.jit
@@ -963,12 +968,15 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
     common = dict(HK=HK, HV=HV, DK=dk, DV=dv, L=store.L, CAP=store.capacity, T=T, STEP=step,
                   RFMT=rfid, DELTA=delta, L2NORM=use_qk_l2norm, HAS_DTB=dt_bias is not None,
                   HAS_D=D is not None, HAS_Z=z is not None, DT_CLAMP=dt_clamp)
-    _replay_flush_kernel[(B * HV, dv // FBV)](
+    # a forced step flushes every row: one block per program (batch 1 is latency-bound);
+    # otherwise most programs find nothing to do, so each takes every block of its matrix
+    NT = 1 if force else dv // FBV
+    _replay_flush_kernel[(B * HV, dv // (FBV * NT))](
         Ap, As, Ag, Rp, Rs, Rg, store.kbuf, store.vbuf, store.Gbuf, store.bbuf,
         store.committed, store.start, store.n_flush, idx, out, *inputs,
         sc, *split_key(store.key), dt_lo, dt_hi, BV=FBV,
         AFMT=afid, ASR=store.anchor.rounding == "stochastic", RSR=rr, SHARED=store.shared,
-        FORCE=bool(force), num_warps=fnw, **common)
+        FORCE=bool(force), NT=NT, num_warps=fnw, **common)
     if not force:
         dots = idx                                      # any pointer: unused unless DOTS
         if read_variant == "dots":
