@@ -259,9 +259,10 @@ def _fold(S, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, n, Gfin,
 
 @triton.jit
 def _last_G(Gbuf, slot, start, h, hv, HV: tl.constexpr, CAP: tl.constexpr):
-    """Cumulative log gate of entry h - 1 (0 when h == 0)."""
+    """Cumulative log gate of entry h - 1 (0 when h == 0: no load, so a forced Mamba-2 flush
+    does not wait on the buffer after its pointers)."""
     e = _entry(slot, start, tl.maximum(h - 1, 0), CAP)
-    return tl.where(h > 0, tl.load(Gbuf + e * HV + hv), 0.0)
+    return tl.load(Gbuf + e * HV + hv, mask=h > 0, other=0.0)
 
 
 @triton.jit
