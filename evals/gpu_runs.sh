@@ -17,7 +17,8 @@
 #   dots     Mamba-2 'dots' read at B = 128 / 256 / 512, GDN batch 1 and 8   ~400 s
 #   defaults the 'dots' read's default block (16 rows, 1 warp) at B = 128 / 512, both kinds
 #   batch1   B = 1 and 8, both kinds: the forced flush's early anchor load     ~200 s
-#   targets  B = 1 and 256, both kinds, main L: issue 4's targets with byte ceilings ~450 s
+#   targets  B = 1 and 256, both kinds, main L: issue 4's targets with byte ceilings ~280 s
+#   recheck-gdn, recheck-mamba2  GPU checks, B = 1 / 128 / 256, verify at B = 512 ~330 s each
 #   followup generate, tiny-mamba2 16K demo, tf32x3 whole model + KL, GDN flush folds ~520 s
 #            (the generate check alone took over 150 s; at most 8 files come back from $OUT)
 #
@@ -26,7 +27,7 @@
 # The image has torch, triton, transformers, accelerate, rich, typer, matplotlib; not fla.
 set -uo pipefail
 : "${OUT:?set OUT to the folder where results go}"
-job=${1:?usage: bash evals/gpu_runs.sh tf|mamba|decode|read|dots|defaults|batch1|targets|generate|followup}
+job=${1:?usage: bash evals/gpu_runs.sh tf|mamba|decode|read|dots|defaults|batch1|targets|recheck-gdn|recheck-mamba2|generate|followup}
 export PYTHONUNBUFFERED=1 REPLAYQUANT_GIT_COMMIT=${REPLAYQUANT_GIT_COMMIT:-unknown}
 python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/site .gpu/wheels/*.whl \
     || { echo "gpu_runs: could not install the carried wheels in .gpu/wheels" >&2; exit 1; }
@@ -105,6 +106,16 @@ case "$job" in
         --batches 1,256 --L 8 --T 4 --spec-batches "" --no-checks --no-sweep --no-peers \
         --budget-s 170 > "$OUT/targets_mamba2.log" 2>&1; echo "mamba2 rc=$?"
     ;;
+  recheck-gdn|recheck-mamba2)
+    # what session 6 left untimed (one call per kind, ~330 s each): GPU checks of the flush
+    # kernel's NT row blocks per program (CPU-tested only), the verify target (B = 512, T = 4;
+    # the verify flush kernel now takes NT blocks too), B = 128 (the GDN dispatch threshold
+    # against the faster forced flush) and batch 1 (Mamba-2's masked gate load)
+    kind=${job#recheck-}; L=16; [ "$kind" = mamba2 ] && L=8
+    timeout 560 "${rq[@]}" bench kernels --out "$OUT" --name "kernels_${kind}_recheck" \
+        --kinds "$kind" --batches 1,128,256 --L $L --T 4 --spec-batches 512 --no-sweep \
+        --no-peers --budget-s 400 > "$OUT/recheck_${kind}.log" 2>&1; echo "$kind rc=$?"
+    ;;
   generate)
     python3 evals/cuda_generate_check.py "$OUT/cuda_generate.json" --new-tokens 32; echo "rc=$?"
     ;;
@@ -127,5 +138,5 @@ case "$job" in
         --batches 256 --L 16 --pairs s32_rs,tp8_hi32,tp4_hi32 --no-checks --no-sweep --no-peers \
         --spec-batches "" --budget-s 80 > "$OUT/decode_fold.log" 2>&1; echo "fold rc=$?"
     ;;
-  *) echo "gpu_runs: unknown job $job (tf, mamba, decode, read, dots, defaults, batch1, targets, generate, followup)" >&2; exit 2 ;;
+  *) echo "gpu_runs: unknown job $job (tf, mamba, decode, read, dots, defaults, batch1, targets, recheck-gdn, recheck-mamba2, generate, followup)" >&2; exit 2 ;;
 esac
