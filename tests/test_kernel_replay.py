@@ -10,6 +10,7 @@ from replayquant.bench.decode import (gdn_params, gdn_step_inputs, mamba2_params
 from replayquant.kernels.conventional import (ConventionalStore, conventional_gdn_step,
                                               conventional_mamba2_step, gdn_frontend_ref,
                                               launch_config, mamba2_frontend_ref, mamba2_post_ref)
+from replayquant.kernels import replay_decode as rd
 from replayquant.kernels.replay_decode import (ReplayStore, advance_pointers, choose_launch,
                                                choose_path, resolve_launch, resolve_read_variant,
                                                resolve_path, replay_gdn_step,
@@ -290,6 +291,60 @@ def test_auto_default_small_batch_s32_rs():
     assert rep.committed.tolist() == [1, 1, 1] and rep.n_flush.tolist() == [1, 1, 1]
     assert tp8.committed.tolist() == [1, 1, 1] and tp8.n_flush.tolist() == [1, 1, 1]
     assert_states_close(auto.anchor.dequantize(), conv.state.dequantize())
+
+
+@pytest.mark.parametrize("kind", ["gdn", "mamba2"])
+def test_forced_step_on_empty_buffers_is_the_conventional_kernel(kind, monkeypatch):
+    """A forced step of s32_rs whose buffers are known empty (buffers_empty: from_state, forced
+    steps since) runs the conventional kernel on the anchor (one launch, n_flush counted in it):
+    bit for bit the flush kernel's result (outputs, anchor, pointers). A replay step or a
+    verify clears the flag; forced steps then fold the buffer in the flush kernel (vs the
+    reference); explicit launch options keep the flush kernel."""
+    calls = []
+    name = f"conventional_{kind}_step"
+    real = getattr(rd, name)
+    monkeypatch.setattr(rd, name, lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    N, HK, H, dk, dv = 3, 1, 2, 16, 16
+    dr = Driver(kind, 4, HK, H, dk, dv)
+    conv = ReplayStore.from_state(random_state(N, H, dv, dk, seed=8), "s32_rs", kind,
+                                  key_heads=HK, buffer_len=4, max_drafts=2,
+                                  u_dtype=torch.float32)
+    poison_buffers(conv)
+    flush, ref = conv.clone(), conv.clone()
+    idx = torch.tensor([2, -1, 0, 1])
+    for step in range(6):
+        inp = dr.inputs(seed=50 + step)
+        path = "replay" if step == 3 else "flush"       # step 3 buffers an entry per row
+        n = len(calls)
+        y = dr.kernel(conv, inp, idx, path=path)
+        y2 = dr.kernel(flush, inp, idx, path=path, launch="split")
+        y3 = dr.ref(ref, inp, idx, path=path)
+        assert len(calls) == n + (step < 3)             # conventional only while empty
+        assert conv.buffers_empty == (step < 3) and flush.buffers_empty == (step < 3)
+        assert torch.equal(y, y2)
+        assert_same_store(conv, flush)
+        torch.testing.assert_close(y, y3, rtol=1e-5, atol=1e-5 * y3.abs().max().item())
+    assert conv.n_flush.tolist() == [5, 5, 5] and conv.committed.tolist() == [0, 0, 0]
+    fresh = ReplayStore.from_state(random_state(N, H, dv, dk), "s32_rs", kind, key_heads=HK)
+    assert fresh.buffers_empty and fresh.clone().buffers_empty
+    tp8 = ReplayStore.from_state(random_state(N, H, dv, dk), "tp8_hi32", kind, key_heads=HK)
+    n = len(calls)
+    dr.kernel(tp8, dr.inputs(seed=1), idx, path="flush")         # not lossless: flush kernel
+    dr.kernel(fresh, dr.inputs(seed=1), idx, path="flush", flush_config=(16, 1))
+    assert len(calls) == n
+
+
+def test_verify_clears_buffers_empty():
+    from replayquant.kernels.verify import replay_accept, replay_gdn_verify
+    N, HK, H, dk, dv = 2, 1, 2, 16, 16
+    st = ReplayStore.from_state(random_state(N, H, dv, dk), "s32_rs", "gdn", key_heads=HK,
+                                max_drafts=2)
+    q, k, v, a, b = gdn_step_inputs(N, HK, H, dk, dv, T=2)
+    A_log, dtb = gdn_params(H)
+    replay_gdn_verify(st, q, k, v, a, b, A_log, dtb)
+    assert not st.buffers_empty
+    replay_accept(st, torch.tensor([2, 1]))
+    assert not st.buffers_empty and st.committed.tolist() == [2, 1]
 
 
 @pytest.mark.parametrize("kind,pair", [("gdn", "tp8_hi32"), ("mamba2", "tp4_hi16_sr")])

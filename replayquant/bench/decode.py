@@ -578,6 +578,17 @@ def bench_replay(kind, B, pair, L, device, copy_bw, cfg=None, detail=False, forc
         rows.append(_row(kind, "replay-forced-flush-layer", pair, B, ms, None, copy_bw, L=L, rot=R,
                          note="path='flush' without the pointer kernel (a model advances the "
                               "pointers once per token for all its layers)"))
+        # idx covers every slot and the forced steps left committed = 0 everywhere: the
+        # buffers are empty, which a store knows from from_state (buffers_empty)
+        for s_ in sts:
+            s_.buffers_empty = True
+        calls = [lambda st=st: f["step"](st, **kw, state_indices=idx, out=out, path="flush")
+                 for st in sts]
+        ms = time_calls(lambda: [g() for g in calls], 8) / R
+        rows.append(_row(kind, "replay-forced-auto", pair, B, ms, None, copy_bw, L=L, rot=R,
+                         note="path='flush', every other option at its default, buffers known "
+                              "empty: a lossless pair runs the conventional kernel on its anchor "
+                              "(pointer move included)"))
     if pointer:
         ms = time_calls(lambda: advance_pointers(st, idx), 8)
         rows.append(_row(kind, "pointer-advance", "-", B, ms, None, copy_bw,
@@ -749,7 +760,7 @@ def _derive(rows):
     for r in rows:
         k = (r["kind"], r["B"])
         if r["kernel"] in ("conventional", "replay-window", "replay-read-step", "replay-forced-flush",
-                           "replay-forced-flush-layer", "replay-window-fused",
+                           "replay-forced-flush-layer", "replay-forced-auto", "replay-window-fused",
                            "replay-forced-flush-fused", "sweep/conventional",
                            "sweep/replay-read-step", "replay-window-kh", "replay-read-step-kh",
                            "sweep/replay-read-step-kh", "replay-window-dots",
@@ -827,8 +838,9 @@ def targets(res) -> list:
             bool(v) and max(v.values()) >= 3.3)
         v = {}
         for r in _find(rows, kind=kind, B=1):
-            if r["kernel"] in ("replay-window", "replay-forced-flush-layer", "replay-window-fused",
-                               "replay-forced-flush-fused") and "speedup_vs_conv_fp32" in r:
+            if r["kernel"] in ("replay-window", "replay-forced-flush-layer", "replay-forced-auto",
+                               "replay-window-fused", "replay-forced-flush-fused") \
+                    and "speedup_vs_conv_fp32" in r:
                 key = f"{r['variant']} L={r.get('L')} {r['kernel']}"
                 v[key] = round(r["speedup_vs_conv_fp32"], 3)
         best = {}
@@ -1264,13 +1276,14 @@ def plot_kernels(res, png: str) -> None:
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], ls="-.", marker="^", ms=3,
                         label=f"L={L0} one launch")
-            if pair == "s32_rs":
+            for kern, lab in (("replay-forced-flush-layer", "flush every step"),
+                              ("replay-forced-auto", "flush every step, default path")):
                 pts = sorted((r["B"], r["speedup_vs_conv_fp32"]) for r in
-                             _find(rows, kind=kind, kernel="replay-forced-flush-layer", variant=pair, L=L0)
+                             _find(rows, kind=kind, kernel=kern, variant=pair, L=L0)
                              if "speedup_vs_conv_fp32" in r)
                 if pts:
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], ls=":", marker="s", ms=3,
-                            label="flush every step")
+                            label=lab)
             peer = sorted((r["B"], base[r["B"]] / r["us"]) for r in rows
                           if r["kind"] == kind and r["kernel"] in ("peer:fla", "peer:mamba_ssm")
                           and r["variant"] == "float32" and r["B"] in base)

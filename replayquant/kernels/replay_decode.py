@@ -52,6 +52,8 @@ import triton
 import triton.language as tl
 
 from replayquant.kernels.conventional import (_into, _program_tile, PackedRole, _check_inputs, _front_end,
+                                              ConventionalStore, conventional_gdn_step,
+                                              conventional_mamba2_step,
                                               _gate_out, _indices, _l2norm, _pow2_dims, _prep,
                                               _rank1_step, _tile_load, _tile_store,
                                               NO_DT_LIMIT, dt_limit_args,
@@ -101,6 +103,10 @@ class ReplayStore:
     pending_T: int | None = None     # drafts verified and not yet accepted
     last_force: bool = False         # path of the last step: True = it flushed every row (force)
     arrive: torch.Tensor | None = None   # int32 [N]: arrival counters of launch='fused' (zero)
+    # host knowledge, never read from the GPU: True only while no slot has buffered entries
+    # (committed == 0 everywhere), as from_state leaves it and forced steps keep it; a replay
+    # step or a verify clears it. Code that writes committed itself must clear it.
+    buffers_empty: bool = False
 
     @property
     def capacity(self) -> int:
@@ -152,7 +158,7 @@ class ReplayStore:
                    committed=torch.zeros(N, dtype=torch.int32, device=dev),
                    n_flush=torch.zeros(N, dtype=torch.int64, device=dev), key=key,
                    start=torch.zeros(N, dtype=torch.int32, device=dev), max_drafts=int(max_drafts),
-                   arrive=torch.zeros(N, dtype=torch.int32, device=dev))
+                   arrive=torch.zeros(N, dtype=torch.int32, device=dev), buffers_empty=True)
 
     @property
     def shape(self):
@@ -172,7 +178,7 @@ class ReplayStore:
                            self.L, self.key_heads, c(self.kbuf), c(self.vbuf), c(self.ubuf),
                            c(self.Gbuf), c(self.bbuf), c(self.committed), c(self.n_flush), self.key,
                            c(self.start), self.max_drafts, self.pending_T, self.last_force,
-                           c(self.arrive))
+                           c(self.arrive), self.buffers_empty)
 
 
 # ============================================================================ Triton
@@ -924,10 +930,7 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
         "v" if delta else "x": (v, lead + (HV, dv)), "a" if delta else "dt": (a, lead + (HV,)),
         "b": (b, lead + (HV,)), "A_log" if delta else "A": (A, (HV,)), "dt_bias": (dt_bias, (HV,)),
         "D": (D, (HV,)), "z": (z, lead + (HV, dv))})
-    for name, t in (("k" if delta else "B", k), ("v" if delta else "x", v)):
-        if t.dtype != torch.bfloat16:
-            raise ValueError(f"{name} must be bfloat16 (the replay buffer stores it in bf16), "
-                             f"got {t.dtype}")
+    _check_buffered_bf16(delta, k, v)
     if not step and T > store.max_drafts:
         raise ValueError(f"T={T} drafts, but the store was built with max_drafts="
                          f"{store.max_drafts} (ReplayStore.from_state(..., max_drafts=T))")
@@ -1001,7 +1004,31 @@ def _no_pending(store):
 def _force(path, store, B):
     force = resolve_path(store, B, path) == "flush"
     store.last_force = force
+    if not force:
+        store.buffers_empty = False
     return force
+
+
+def _check_buffered_bf16(delta: bool, k, v):
+    for name, t in (("k" if delta else "B", k), ("v" if delta else "x", v)):
+        if t.dtype != torch.bfloat16:
+            raise ValueError(f"{name} must be bfloat16 (the replay buffer stores it in bf16), "
+                             f"got {t.dtype}")
+
+
+def _conventional_view(store: ReplayStore, force: bool, launch, flush_config, block_v,
+                       num_warps, read_variant):
+    """The anchor as a ConventionalStore (sharing its memory and n_flush) when this step can run
+    as the conventional kernel: a forced step of a lossless shared pair (flush_is_lossless)
+    whose buffers are known empty (buffers_empty), every launch option at its default. Such a
+    step rebuilds from the anchor alone and writes it back uncast: the conventional
+    read-modify-write, bit for bit (tests), and its n_casts count is the flush count (h stays
+    0, start does not move). Else None."""
+    if not (force and store.buffers_empty and flush_is_lossless(store) and launch == "auto"
+            and flush_config is None and block_v is None and num_warps is None
+            and read_variant in ("auto", None)):
+        return None
+    return ConventionalStore(store.anchor, store.n_flush, store.key)
 
 
 def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, state_indices=None,
@@ -1014,7 +1041,9 @@ def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, stat
     and was faster there on the H200; this changes the flush schedule (committed stays 0) but the
     results only by FP32 reassociation; every other pair replays), 'replay' (the ReplayState
     schedule at any size), 'flush' (every step flushes) or 'auto_lossy' (size switch for any
-    shared pair: adds roundings, changes results).
+    shared pair: adds roundings, changes results). A flushing step of a lossless pair whose
+    buffers are known empty (ReplayStore.buffers_empty) runs the conventional kernel on the
+    anchor, unless a launch option is given (_conventional_view).
     Returns y float32 [B, H, d_v]; with advance=False the caller moves the pointers
     (advance_pointers; its default force_flush is the path this step took).
     read_variant: 'auto' (default: 'dots' from DOTS_MIN_ROWS rows, else 'block'), 'block' (one
@@ -1032,6 +1061,11 @@ def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, stat
         raise ValueError("GDN needs b (beta logits) [batch, value heads]")
     _no_pending(store)
     force = _force(path, store, q.shape[0])
+    _check_buffered_bf16(True, k, v)
+    cs = _conventional_view(store, force, launch, flush_config, block_v, num_warps, read_variant)
+    if cs is not None:
+        return conventional_gdn_step(cs, q, k, v, a, b, A_log, dt_bias, state_indices, scale,
+                                     out, use_qk_l2norm, advance=advance)
     lau = resolve_launch(store, q.shape[0], launch, read_variant or "block")
     rv = resolve_read_variant(store, q.shape[0], read_variant, lau)
     out, idx, moved = _launch(store, q, k, v, a, b, A_log, dt_bias, None, None, state_indices,
@@ -1056,6 +1090,11 @@ def replay_mamba2_step(store: ReplayStore, x, dt, A, B, C, state_indices=None, D
         raise ValueError("replay_mamba2_step needs a store built with kind='mamba2'")
     _no_pending(store)
     force = _force(path, store, x.shape[0])
+    _check_buffered_bf16(False, B, x)
+    cs = _conventional_view(store, force, launch, flush_config, block_v, num_warps, read_variant)
+    if cs is not None:
+        return conventional_mamba2_step(cs, x, dt, A, B, C, state_indices, D, z, dt_bias, out,
+                                        advance=advance, dt_limit=dt_limit)
     lau = resolve_launch(store, x.shape[0], launch, read_variant or "block")
     rv = resolve_read_variant(store, x.shape[0], read_variant, lau)
     out, idx, moved = _launch(store, C, B, x, dt, None, A, dt_bias, D, z, state_indices, out, None,

@@ -72,6 +72,8 @@ def _check_accept(n, B, T, device, check=True):
 def _pending(store, T, what):
     if getattr(store, "pending_T", None):
         raise ValueError(f"{what}: {store.pending_T} drafts are pending; call accept first")
+    if hasattr(store, "buffers_empty"):
+        store.buffers_empty = False     # the drafts are buffered; accept commits them
 
 
 def replay_gdn_verify(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, state_indices=None,
