@@ -325,6 +325,12 @@ def test_forced_step_on_empty_buffers_is_the_conventional_kernel(kind, monkeypat
         assert_same_store(conv, flush)
         torch.testing.assert_close(y, y3, rtol=1e-5, atol=1e-5 * y3.abs().max().item())
     assert conv.n_flush.tolist() == [5, 5, 5] and conv.committed.tolist() == [0, 0, 0]
+    # a forced, advanced step over every slot (no state_indices) empties every buffer again
+    dr3 = Driver(kind, N, HK, H, dk, dv)
+    dr3.kernel(conv, dr3.inputs(seed=70), None, path="flush", advance=False)
+    assert not conv.buffers_empty
+    dr3.kernel(conv, dr3.inputs(seed=71), None, path="flush")
+    assert conv.buffers_empty and conv.committed.tolist() == [0, 0, 0]
     fresh = ReplayStore.from_state(random_state(N, H, dv, dk), "s32_rs", kind, key_heads=HK)
     assert fresh.buffers_empty and fresh.clone().buffers_empty
     tp8 = ReplayStore.from_state(random_state(N, H, dv, dk), "tp8_hi32", kind, key_heads=HK)

@@ -973,8 +973,11 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
                   RFMT=rfid, DELTA=delta, L2NORM=use_qk_l2norm, HAS_DTB=dt_bias is not None,
                   HAS_D=D is not None, HAS_Z=z is not None, DT_CLAMP=dt_clamp)
     # a forced step flushes every row: one block per program (batch 1 is latency-bound);
-    # otherwise most programs find nothing to do, so each takes every block of its matrix
-    NT = 1 if force else dv // FBV
+    # otherwise most programs find nothing to do, so a one-warp program takes every block of
+    # its matrix. Not multi-warp blocks: H200, B = 256 (kernels_flush_nt.json vs
+    # kernels_mamba2_targets.json), Mamba-2 tp8_hi32 on (32, 4) blocks, NT = 2 vs 1: flush step
+    # 1375 vs 1266 us, 'dots' read step 245.9 vs 246.1 (nothing saved)
+    NT = 1 if force or fnw > 1 else dv // FBV
     _replay_flush_kernel[(B * HV, dv // (FBV * NT))](
         Ap, As, Ag, Rp, Rs, Rg, store.kbuf, store.vbuf, store.Gbuf, store.bbuf,
         store.committed, store.start, store.n_flush, idx, out, *inputs,
@@ -1007,6 +1010,13 @@ def _force(path, store, B):
     if not force:
         store.buffers_empty = False
     return force
+
+
+def _note_all_flushed(store: ReplayStore, force: bool, advance: bool, state_indices, B: int):
+    """A forced, advanced step over every slot (state_indices None, B == slots) leaves every
+    buffer empty: buffers_empty becomes known again."""
+    if force and advance and state_indices is None and B == store.committed.shape[0]:
+        store.buffers_empty = True
 
 
 def _check_buffered_bf16(delta: bool, k, v):
@@ -1073,6 +1083,7 @@ def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, stat
                               flush_config, rv, launch=lau, advance=advance)
     if advance and not moved:
         advance_pointers(store, idx, 1, True, force)
+    _note_all_flushed(store, force, advance, state_indices, out.shape[0])
     return out
 
 
@@ -1102,6 +1113,7 @@ def replay_mamba2_step(store: ReplayStore, x, dt, A, B, C, state_indices=None, D
                               rv, dt_limit=dt_limit, launch=lau, advance=advance)
     if advance and not moved:
         advance_pointers(store, idx, 1, True, force)
+    _note_all_flushed(store, force, advance, state_indices, out.shape[0])
     return out
 
 
@@ -1249,6 +1261,7 @@ def replay_gdn_step_ref(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None,
                         force)[:, 0]
     if advance:
         advance_pointers_ref(store, _indices(state_indices, q.shape[0], q.device), 1, True, force)
+    _note_all_flushed(store, force, advance, state_indices, q.shape[0])
     return _into(out, y)
 
 
@@ -1266,4 +1279,5 @@ def replay_mamba2_step_ref(store: ReplayStore, x, dt, A, B, C, state_indices=Non
                         post)[:, 0]
     if advance:
         advance_pointers_ref(store, _indices(state_indices, x.shape[0], x.device), 1, True, force)
+    _note_all_flushed(store, force, advance, state_indices, x.shape[0])
     return _into(out, y)
