@@ -110,7 +110,9 @@ case "$job" in
     # what session 6 left untimed (one call per kind, ~330 s each): GPU checks of the flush
     # kernel's NT row blocks per program (CPU-tested only), the verify target (B = 512, T = 4;
     # the verify flush kernel now takes NT blocks too), B = 128 (the GDN dispatch threshold
-    # against the faster forced flush) and batch 1 (Mamba-2's masked gate load)
+    # against the faster forced flush), batch 1 (the conventional kernel on empty buffers:
+    # 'replay-forced-auto'; Mamba-2's masked gate load) and the staggered 'dots' windows (rows
+    # out of phase, as in serving)
     kind=${job#recheck-}; L=16; [ "$kind" = mamba2 ] && L=8
     timeout 560 "${rq[@]}" bench kernels --out "$OUT" --name "kernels_${kind}_recheck" \
         --kinds "$kind" --batches 1,128,256 --L $L --T 4 --spec-batches 512 --no-sweep \

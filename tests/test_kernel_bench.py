@@ -62,6 +62,7 @@ def test_cpu_smoke_run(tmp_path):
         assert (kind, "spec-snapshot-round", "fp32", 3) in kernels
     for kind in ("gdn", "mamba2"):
         assert (kind, "replay-window-dots", "tp4_hi32", 3) in kernels
+        assert (kind, "replay-window-dots-staggered", "tp4_hi32", 3) in kernels
         assert (kind, "replay-read-step-dots", "tp4_hi32", 3) in kernels
     assert not [r for r in js["rows"] if r.get("error")]
     assert all("speedup_vs_conv_fp32" in r for r in js["rows"] if r["kernel"] == "replay-window")

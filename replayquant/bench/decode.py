@@ -658,6 +658,15 @@ def bench_replay_variant(kind, B, pair, L, device, copy_bw, cfg=None, detail=Fal
     rows.append(_row(kind, f"replay-window-{variant}", pair, B, ms,
                      replay_window_bytes(kind, af, rf, L, B, H, HK, dv, dk), copy_bw, L=L,
                      config={**ck, **fc}, rot=R, note=f"read_variant={variant!r}"))
+    # rows out of phase, as in serving: row b starts at fill b % L, so about B / L rows flush
+    # in every step (above, every row flushes in the same step of the window)
+    for s_ in sts:
+        s_.committed.copy_(torch.arange(B, device=s_.committed.device, dtype=torch.int32) % L)
+    ms = time_calls(lambda: [g() for g in calls], L) / R
+    rows.append(_row(kind, f"replay-window-{variant}-staggered", pair, B, ms,
+                     replay_window_bytes(kind, af, rf, L, B, H, HK, dv, dk), copy_bw, L=L,
+                     config={**ck, **fc}, rot=R, note=f"read_variant={variant!r}, row b starts "
+                     "the window at fill b % L: about B / L rows flush per step"))
     del sts, calls
     _empty_cache()
     return rows
@@ -764,6 +773,7 @@ def _derive(rows):
                            "replay-forced-flush-fused", "sweep/conventional",
                            "sweep/replay-read-step", "replay-window-kh", "replay-read-step-kh",
                            "sweep/replay-read-step-kh", "replay-window-dots",
+                           "replay-window-dots-staggered",
                            "replay-read-step-dots", "sweep/replay-read-step-dots") and k in base:
             r["speedup_vs_conv_fp32"] = base[k] / r["us"]
             p = peer.get((r["kind"], r["B"], "float32"))
@@ -778,7 +788,9 @@ def _find(rows, **kv):
     return [r for r in rows if all(r.get(k) == v for k, v in kv.items())]
 
 
-READ_KERNELS = (("", ""), ("-kh", " kh"), ("-dots", " dots"))     # read variants' row suffixes
+# read variants' row suffixes ('-dots-staggered': a window with rows out of phase; it has no
+# read-step rows)
+READ_KERNELS = (("", ""), ("-kh", " kh"), ("-dots", " dots"), ("-dots-staggered", " dots staggered"))
 
 
 def targets(res) -> list:
@@ -1074,9 +1086,9 @@ def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
                     det = B in detail_batches
                     n = len(VARIANT_CFGS[variant])
                     sec.append((f"{variant}/{kind}/B{B}/{pair}/L{L}",
-                                (1 + n * det) * E["fixed"] + gb * E["per_GB"] * (L / 8)
+                                (2 + n * det) * E["fixed"] + 2 * gb * E["per_GB"] * (L / 8)
                                 + (E["compile"] if B == vb[0] else 0)
-                                + E["launch"] * _launches(kind, B, L, shapes[kind]),
+                                + 2 * E["launch"] * _launches(kind, B, L, shapes[kind]),
                                 ("variant", kind, B, pair, L, det, variant)))
     if peers:                           # fla / mamba_ssm: before the other L values
         for kind in kinds:
