@@ -78,11 +78,14 @@ def _accepts(rnd, T):
 
 
 @pytest.mark.parametrize("kind", ["gdn", "mamba2"])
-@pytest.mark.parametrize("pair", ["s32_rs", "tp4_hi16_sr", "tp8_hi32"])
-def test_replay_verify_accept(kind, pair):
+@pytest.mark.parametrize("pair,read_variant", [("s32_rs", "block"), ("tp4_hi16_sr", "block"),
+                                               ("tp8_hi32", "block"), ("s32_rs", "dots"),
+                                               ("tp4_hi16_sr", "dots")])
+def test_replay_verify_accept(kind, pair, read_variant):
     """Rounds of step / verify(T=3) + random accept with L = 5 (pre-flushes of committed entries
     inside verify, h = L left by accept then flushed by the next step): kernel vs reference vs
-    ReplayState, outputs, pointers, anchor and read copy."""
+    ReplayState, outputs, pointers, anchor and read copy; verify with both read variants
+    ('dots': every draft's per-entry dot products from _entry_dots_kernel)."""
     T = 3
     P = PrecisionPair.load(pair).with_buffer_len(5)
     tol = 1e-5 if pair == "s32_rs" else 1e-3
@@ -108,7 +111,7 @@ def test_replay_verify_accept(kind, pair):
         else:
             kw, fe, post = inputs(kind, T, seed=rnd)
             out = torch.full((IDX.shape[0], T, H, DV), float("nan"))
-            y = ver(st, **kw, state_indices=IDX, out=out)
+            y = ver(st, **kw, state_indices=IDX, out=out, read_variant=read_variant)
             assert y is out and torch.isfinite(y).all()
             y2 = call(ver_ref, ref, kw)
             yr = rs.verify(*fe)

@@ -720,18 +720,26 @@ def bench_spec(kind, B, T, device, copy_bw, cfg=None, pairs=PAIRS, L=None, S=Non
     rows = []
     # the measured round, and the same round with every draft rejected: nothing is committed,
     # so no row ever flushes; the difference between the two is what the flushes cost
-    rounds = (("spec-replay-round", n), ("spec-replay-round-no-flush", torch.zeros_like(n)))
+    # and the measured round with the block read where the default read is 'dots' (the
+    # per-entry dot products formed once per (row, key head), for verify since session 6)
+    from replayquant.kernels.replay_decode import resolve_read_variant
+    rounds = (("spec-replay-round", n, "auto"),
+              ("spec-replay-round-no-flush", torch.zeros_like(n), "auto"),
+              ("spec-replay-round-block", n, "block"))
     for pair in pairs:
         c = _cfg(cfg, pair)
-        for kernel, acc in rounds:
+        for kernel, acc, rv in rounds:
             st = ReplayStore.from_state(init, _pair(pair, L)[0], kind, key_heads=HK, max_drafts=T)
+            if rv == "block" and resolve_read_variant(st, B) == "block":
+                continue                            # the measured round is already 'block'
 
             def rnd():
-                f["verify"](st, **kw, state_indices=idx, out=out, **c)
+                f["verify"](st, **kw, state_indices=idx, out=out, read_variant=rv, **c)
                 replay_accept(st, acc, idx, check=False)
             ms = time_calls(rnd, 8)
             if acc is n:
-                extra = dict(tokens_per_s=tokens / ms * 1e3, mean_accept=float(n.float().mean()))
+                extra = dict(tokens_per_s=tokens / ms * 1e3, mean_accept=float(n.float().mean()),
+                             read_variant=resolve_read_variant(st, B, rv))
             else:
                 extra = dict(note="every draft rejected: verify + pointer move, never a flush")
             rows.append(_row(kind, kernel, pair, B, ms, None, copy_bw, T=T, L=L, **extra))
@@ -779,7 +787,8 @@ def _derive(rows):
             p = peer.get((r["kind"], r["B"], "float32"))
             if p:
                 r["speedup_vs_peer_fp32"] = p / r["us"]
-        if r["kernel"] == "spec-replay-round" and (*k, r.get("T")) in snap:
+        if r["kernel"] in ("spec-replay-round", "spec-replay-round-block") \
+                and (*k, r.get("T")) in snap:
             r["speedup_vs_snapshot_round"] = snap[(*k, r.get("T"))] / r["us"]
     return rows
 
@@ -1070,9 +1079,10 @@ def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
         for kind in kinds:
             for B in sorted(spec_batches, reverse=True):
                 gb = _gb(kind, B, shapes[kind])
-                sec.append((f"spec/{kind}/B{B}/T{bigT}", (2 * P + 2) * (E["fixed"] + gb * E["per_GB"]
-                                                                   * (1 + bigT / 2)) + P * E["compile"],
-                            ("spec", kind, B, bigT)))
+                rounds = (2 + (B >= 128)) * P + 2       # + the block-read round at B >= 128
+                sec.append((f"spec/{kind}/B{B}/T{bigT}",
+                            rounds * (E["fixed"] + gb * E["per_GB"] * (1 + bigT / 2))
+                            + P * E["compile"], ("spec", kind, B, bigT)))
     # the 'dots' read variant of the split launch, both kinds; from batch VARIANT_MIN_B (below
     # it the one-launch path is the default). ('kh', one program per (row, key head), was timed
     # in results/bench/kernels_b256.json, lost to 'dots' and was removed.)
@@ -1113,9 +1123,10 @@ def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
         for kind in kinds:
             for B in sorted(spec_batches, reverse=True):
                 gb = _gb(kind, B, shapes[kind])
-                sec.append((f"spec/{kind}/B{B}/T{T}", (2 * P + 2) * (E["fixed"] + gb * E["per_GB"]
-                                                                * (1 + T / 2)) + P * E["compile"],
-                            ("spec", kind, B, T)))
+                rounds = (2 + (B >= 128)) * P + 2
+                sec.append((f"spec/{kind}/B{B}/T{T}",
+                            rounds * (E["fixed"] + gb * E["per_GB"] * (1 + T / 2))
+                            + P * E["compile"], ("spec", kind, B, T)))
     return sec
 
 

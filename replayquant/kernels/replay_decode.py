@@ -450,9 +450,9 @@ def _read_body(
         HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, U_BF16: tl.constexpr,
         DT_CLAMP: tl.constexpr, dots_ptr=None, DOTS: tl.constexpr = False):
     """What _replay_read_kernel does for one live row's program (slot >= 0): nothing for a row
-    that flushes this step, else the outputs of its T entries and their appends. DOTS (T = 1):
-    the per-entry dot products k_j.k (GDN) and k_j.q come from _entry_dots_kernel
-    (dots_ptr [B, HK, 2, LP]) instead of the buffer's k entries."""
+    that flushes this step, else the outputs of its T entries and their appends. DOTS: the
+    per-entry dot products k_j.k (GDN) and k_j.q of each draft come from _entry_dots_kernel
+    (dots_ptr [B, HK, T, 2, LP]) instead of the buffer's k entries."""
     jj = tl.arange(0, LP)
     mat = slot * HV + hv
     # issued before the pointers are known: one dependent load less on the critical path
@@ -483,7 +483,7 @@ def _read_body(
             eG = tl.exp(Gp)
             if DELTA:
                 if DOTS:
-                    kk = tl.load(dots_ptr + (row * HK + hk) * 2 * LP + jj)
+                    kk = tl.load(dots_ptr + ((row * HK + hk) * T + t) * 2 * LP + jj)
                 else:
                     kk = tl.sum(K * k[None, :], axis=1)
                 corr = tl.sum((wdec * kk)[:, None] * X, axis=0)
@@ -494,7 +494,7 @@ def _read_body(
             else:
                 u = v
             if DOTS:
-                qk = tl.load(dots_ptr + ((row * HK + hk) * 2 + 1) * LP + jj)
+                qk = tl.load(dots_ptr + (((row * HK + hk) * T + t) * 2 + 1) * LP + jj)
             else:
                 qk = tl.sum(K * q[None, :], axis=1)
             y = eG * _tile_dot(T0, T1, bs, s, q, DK, RFMT) \
@@ -505,7 +505,8 @@ def _read_body(
             e = _entry(slot, start, p, CAP)
             if T > 1:
                 cur = jj == p
-                K = tl.where(cur[:, None], k[None, :], K)
+                if not DOTS:
+                    K = tl.where(cur[:, None], k[None, :], K)
                 X = tl.where(cur[:, None], u[None, :], X)
                 G = tl.where(cur, Gp, G)
             xraw = tl.load(v_ptr + (tok * HV + hv) * DV + rows)
@@ -523,13 +524,15 @@ def _read_body(
 @triton.jit
 def _entry_dots_kernel(kbuf, h_ptr, st_ptr, idx_ptr, q_ptr, k_ptr, dots_ptr, scale,
                        HK: tl.constexpr, DK: tl.constexpr, L: tl.constexpr, CAP: tl.constexpr,
-                       LP: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr):
-    """read_variant='dots' (decode step, T = 1), launched before the read kernel: one program per
-    (row, key head) forms the per-entry dot products of the buffer's committed k entries with
-    this step's k (GDN) and q, dots [B, HK, 2, LP] (0 past the committed entries), so that the
-    read programs of the key head's value heads and row blocks load 2 x LP floats instead of the
-    [LP, DK] k entries (registers, and the K-side work repeated per program). Same expressions
-    as _load_entries / _front_end / _read_body."""
+                       LP: tl.constexpr, T: tl.constexpr, DELTA: tl.constexpr,
+                       L2NORM: tl.constexpr):
+    """read_variant='dots' (a decode step, T = 1, or a verify of T drafts), launched before the
+    read kernel: one program per (row, key head) forms the per-entry dot products of the
+    buffer's committed k entries, and of the drafts before draft t, with draft t's k (GDN) and q,
+    dots [B, HK, T, 2, LP] (0 past those entries), so that the read programs of the key head's
+    value heads and row blocks load 2 x LP floats per draft instead of the [LP, DK] k entries
+    (registers, and the K-side work repeated per program). Same expressions as _load_entries /
+    _front_end / _read_body."""
     pid = tl.program_id(0)
     row = pid // HK
     hk = pid % HK
@@ -539,24 +542,30 @@ def _entry_dots_kernel(kbuf, h_ptr, st_ptr, idx_ptr, q_ptr, k_ptr, dots_ptr, sca
     if slot >= 0:
         h = tl.load(h_ptr + slot)
         start = tl.load(st_ptr + slot)
-        if (h + 1 > L) & (h > 0):          # flushed by _replay_flush_kernel
+        if (h + T > L) & (h > 0):          # flushed by _replay_flush_kernel
             start = (start + h) % CAP
             h = h * 0
         m = jj < h
         e = slot * CAP + (start + jj) % CAP
         K = tl.load(kbuf + (e[:, None] * HK + hk) * DK + cols[None, :], mask=m[:, None],
                     other=0.0).to(tl.float32)
-        q = tl.load(q_ptr + (row * HK + hk) * DK + cols).to(tl.float32)
-        o = dots_ptr + (row * HK + hk) * 2 * LP + jj
         if DELTA:
-            k = tl.load(k_ptr + (row * HK + hk) * DK + cols).to(tl.float32)
             if L2NORM:
                 K = K * (1.0 / tl.sqrt(tl.sum(K * K, axis=1) + 1e-6))[:, None]
-                q = _l2norm(q)
-                k = _l2norm(k)
-            q = q * scale
-            tl.store(o, tl.sum(K * k[None, :], axis=1))
-        tl.store(o + LP, tl.sum(K * q[None, :], axis=1))
+        for t in tl.static_range(T):
+            tok = row * T + t
+            q = tl.load(q_ptr + (tok * HK + hk) * DK + cols).to(tl.float32)
+            k = tl.load(k_ptr + (tok * HK + hk) * DK + cols).to(tl.float32)
+            o = dots_ptr + ((row * HK + hk) * T + t) * 2 * LP + jj
+            if DELTA:
+                if L2NORM:
+                    q = _l2norm(q)
+                    k = _l2norm(k)
+                q = q * scale
+                tl.store(o, tl.sum(K * k[None, :], axis=1))
+            tl.store(o + LP, tl.sum(K * q[None, :], axis=1))
+            if T > 1:                       # draft t is entry h + t of the drafts after it
+                K = tl.where((jj == h + t)[:, None], k[None, :], K)
 
 
 @triton.jit
@@ -916,8 +925,6 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
     read_variant = read_variant or "block"
     if read_variant not in READ_VARIANTS:
         raise ValueError(f"read_variant must be one of {READ_VARIANTS}, got {read_variant!r}")
-    if read_variant == "dots" and not (step and T == 1):
-        raise ValueError("read_variant='dots' is the decode step only (T = 1, not verify)")
     N, HV, dv, dk = store.shape
     HK = store.key_heads
     lead = (q.shape[0],) if T == 1 and step else (q.shape[0], T)
@@ -987,10 +994,10 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
     if not force:
         dots = idx                                      # any pointer: unused unless DOTS
         if read_variant == "dots":
-            dots = torch.empty(B, HK, 2, LP, dtype=torch.float32, device=q.device)
+            dots = torch.empty(B, HK, T, 2, LP, dtype=torch.float32, device=q.device)
             _entry_dots_kernel[(B * HK,)](
                 store.kbuf, store.committed, store.start, idx, q, k, dots, sc, HK=HK, DK=dk,
-                L=store.L, CAP=store.capacity, LP=LP, DELTA=delta, L2NORM=use_qk_l2norm,
+                L=store.L, CAP=store.capacity, LP=LP, T=T, DELTA=delta, L2NORM=use_qk_l2norm,
                 num_warps=max(1, min(4, LP * dk // 1024)))
         _replay_read_kernel[(B * HV, dv // BV)](
             Rp, Rs, Rg, store.kbuf, store.vbuf, ubuf, store.Gbuf, store.bbuf,

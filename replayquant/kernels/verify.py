@@ -39,7 +39,8 @@ from replayquant.kernels.conventional import (_into, _program_tile, Conventional
                                               mamba2_frontend_ref, mamba2_post_ref,
                                               role_streams, split_key)
 from replayquant.kernels.replay_decode import (ReplayStore, _launch, advance_pointers,
-                                               advance_pointers_ref, replay_ref_core)
+                                               advance_pointers_ref, replay_ref_core,
+                                               resolve_read_variant)
 from replayquant.streams import ANCHOR
 
 __all__ = ["replay_gdn_verify", "replay_gdn_verify_ref", "replay_mamba2_verify",
@@ -78,15 +79,19 @@ def _pending(store, T, what):
 
 def replay_gdn_verify(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, state_indices=None,
                       scale=None, out=None, use_qk_l2norm=True, block_v=None, num_warps=None,
-                      flush_config=None):
+                      flush_config=None, read_variant="auto"):
     """Outputs of T GDN drafts per row [B, T, H, d_v] (Triton). q, k [B, T, HK, d_k],
-    v [B, T, H, d_v] (k, v bf16), a, b [B, T, H]. Then call replay_accept."""
+    v [B, T, H, d_v] (k, v bf16), a, b [B, T, H]. Then call replay_accept. read_variant as
+    replay_gdn_step ('dots': the per-entry dot products of every draft formed once per (row,
+    key head) before the read kernel)."""
     if store.kind != "gdn":
         raise ValueError("replay_gdn_verify needs a store built with kind='gdn'")
     T = _draft_count(q, "q")
     _pending(store, T, "verify")
+    rv = resolve_read_variant(store, q.shape[0], read_variant)
     out, idx, _ = _launch(store, q, k, v, a, b, A_log, dt_bias, None, None, state_indices, out,
-                          scale, use_qk_l2norm, T, False, False, block_v, num_warps, flush_config)
+                          scale, use_qk_l2norm, T, False, False, block_v, num_warps, flush_config,
+                          rv)
     advance_pointers(store, idx, T, step=False)
     store.pending_T = T
     return out
@@ -94,15 +99,17 @@ def replay_gdn_verify(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, st
 
 def replay_mamba2_verify(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None, z=None,
                          dt_bias=None, out=None, block_v=None, num_warps=None, flush_config=None,
-                         dt_limit=NO_DT_LIMIT):
+                         dt_limit=NO_DT_LIMIT, read_variant="auto"):
     """Outputs of T Mamba-2 drafts [B, T, H, P] (Triton). x [B, T, H, P], dt [B, T, H],
-    B, C [B, T, G, N], z [B, T, H, P] (x, B bf16); dt_limit as replay_mamba2_step."""
+    B, C [B, T, G, N], z [B, T, H, P] (x, B bf16); dt_limit and read_variant as
+    replay_mamba2_step."""
     if store.kind != "mamba2":
         raise ValueError("replay_mamba2_verify needs a store built with kind='mamba2'")
     T = _draft_count(x, "x")
     _pending(store, T, "verify")
+    rv = resolve_read_variant(store, x.shape[0], read_variant)
     out, idx, _ = _launch(store, C, B, x, dt, None, A, dt_bias, D, z, state_indices, out, None,
-                          False, T, False, False, block_v, num_warps, flush_config,
+                          False, T, False, False, block_v, num_warps, flush_config, rv,
                           dt_limit=dt_limit)
     advance_pointers(store, idx, T, step=False)
     store.pending_T = T
@@ -135,7 +142,7 @@ def replay_accept_ref(store: ReplayStore, n, state_indices=None, check=True):
 
 def replay_gdn_verify_ref(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None,
                           state_indices=None, scale=None, out=None, use_qk_l2norm=True,
-                          block_v=None, num_warps=None, flush_config=None):
+                          block_v=None, num_warps=None, flush_config=None, read_variant="auto"):
     """torch reference of replay_gdn_verify."""
     T = _draft_count(q, "q")
     _pending(store, T, "verify")
@@ -150,7 +157,7 @@ def replay_gdn_verify_ref(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None
 
 def replay_mamba2_verify_ref(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None,
                              z=None, dt_bias=None, out=None, block_v=None, num_warps=None,
-                             flush_config=None, dt_limit=NO_DT_LIMIT):
+                             flush_config=None, dt_limit=NO_DT_LIMIT, read_variant="auto"):
     """torch reference of replay_mamba2_verify."""
     T = _draft_count(x, "x")
     _pending(store, T, "verify")
