@@ -2,7 +2,7 @@
 the s32_rs forced flush (path='flush', the dispatch below DISPATCH_THRESHOLD; the batch-1
 target), with --flush-step the replay flush step (h = L - 1) of --pairs, both layer kinds, for
 several (rows, warps) blocks. The config sweep of `replayquant bench kernels` runs at B = 256
-only, on two flush blocks (issue 4).
+only, on three flush blocks (issue 4).
 
     python evals/small_batch_flush.py OUT.json [--batches 1,8]
     python evals/small_batch_flush.py OUT.json --batches 256 --flush-step --blocks 16x2,32x4,32x8

@@ -1078,9 +1078,9 @@ def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, stat
         raise ValueError("GDN needs b (beta logits) [batch, value heads]")
     _no_pending(store)
     force = _force(path, store, q.shape[0])
-    _check_buffered_bf16(True, k, v)
     cs = _conventional_view(store, force, launch, flush_config, block_v, num_warps, read_variant)
-    if cs is not None:
+    if cs is not None:              # (the other paths check the dtypes in _launch)
+        _check_buffered_bf16(True, k, v)
         return conventional_gdn_step(cs, q, k, v, a, b, A_log, dt_bias, state_indices, scale,
                                      out, use_qk_l2norm, advance=advance)
     lau = resolve_launch(store, q.shape[0], launch, read_variant or "block")
@@ -1108,9 +1108,9 @@ def replay_mamba2_step(store: ReplayStore, x, dt, A, B, C, state_indices=None, D
         raise ValueError("replay_mamba2_step needs a store built with kind='mamba2'")
     _no_pending(store)
     force = _force(path, store, x.shape[0])
-    _check_buffered_bf16(False, B, x)
     cs = _conventional_view(store, force, launch, flush_config, block_v, num_warps, read_variant)
-    if cs is not None:
+    if cs is not None:              # (the other paths check the dtypes in _launch)
+        _check_buffered_bf16(False, B, x)
         return conventional_mamba2_step(cs, x, dt, A, B, C, state_indices, D, z, dt_bias, out,
                                         advance=advance, dt_limit=dt_limit)
     lau = resolve_launch(store, x.shape[0], launch, read_variant or "block")
