@@ -45,6 +45,14 @@ def _arg_type(v) -> str:
     raise TypeError(f"compile_check: cannot type kernel argument {v!r}")
 
 
+def _aligned(v) -> bool:
+    """What Triton's launcher tells the compiler about an argument (divisibility by 16: a
+    tensor's address, an integer's value), which lets it vectorize loads and stores."""
+    if hasattr(v, "data_ptr"):
+        return v.data_ptr() % 16 == 0
+    return isinstance(v, int) and not isinstance(v, bool) and v % 16 == 0
+
+
 def _const(v):
     if hasattr(v, "value"):                             # tl.constexpr wrapper
         v = v.value
@@ -65,7 +73,7 @@ def record_launches(launches: list):
         params = inspect.signature(fn).parameters
         bound = dict(zip(self.arg_names, args))
         bound.update({k: v for k, v in kwargs.items() if k in params})
-        sig, consts = {}, {}
+        sig, consts, aligned = {}, {}, []
         for name in self.arg_names:
             if name not in bound:
                 continue                                # default value: compile uses it too
@@ -74,8 +82,11 @@ def record_launches(launches: list):
                 consts[name] = _const(bound[name])
             else:
                 sig[name] = _arg_type(bound[name])
+                if _aligned(bound[name]):
+                    aligned.append(name)
         launches.append({"module": fn.__module__, "kernel": fn.__name__, "signature": sig,
-                         "constexprs": consts, "num_warps": kwargs.get("num_warps", 4)})
+                         "constexprs": consts, "aligned": aligned,
+                         "num_warps": kwargs.get("num_warps", 4)})
         return orig(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     InterpretedFunction.run = run
@@ -167,8 +178,10 @@ def _launch_ptx(ln: dict, arch: int):
 
     fn = getattr(importlib.import_module(ln["module"]), ln["kernel"])
     keep = {p.name for p in fn.params if p.do_not_specialize}   # 1 stays a runtime integer
-    sig, consts = {}, dict(ln["constexprs"])
-    for name in fn.arg_names:
+    sig, consts, attrs = {}, dict(ln["constexprs"]), {}
+    for i, name in enumerate(fn.arg_names):
+        if name in ln.get("aligned", ()) and name not in keep:
+            attrs[(i,)] = [["tt.divisibility", 16]]
         t = ln["signature"].get(name)
         if t is None:                                   # a constexpr (recorded or its default)
             sig[name] = "constexpr"
@@ -177,7 +190,7 @@ def _launch_ptx(ln: dict, arch: int):
         else:
             sig[name] = "i32" if t == "one" else t
     try:
-        return compile_ptx(fn, sig, consts, ln["num_warps"], arch), ""
+        return compile_ptx(fn, sig, consts, ln["num_warps"], arch, attrs), ""
     except Exception as e:                              # the compiler's message is the point
         while e.__cause__ is not None:                  # the innermost error says what failed
             e = e.__cause__
