@@ -447,6 +447,8 @@ def test_replay_bad_inputs():
     with pytest.raises(ValueError, match="block_v"):
         replay_gdn_step(nv, q, k, gdn_step_inputs(2, 1, 2, 16, 32)[2], a, b, A_log, dtb,
                         block_v=12)
+    with pytest.raises(ValueError, match="row blocks per program"):
+        replay_gdn_step(store, q, k, v, a, b, A_log, dtb, flush_config=(4, 1, 3))
 
 
 @pytest.mark.parametrize("kind,pair", [("gdn", "s32_rs"), ("gdn", "tp4_hi16_sr"),
@@ -455,13 +457,16 @@ def test_read_variant_dots_matches_reference_and_block(kind, pair):
     """read_variant='dots' (per-entry dot products formed once per (row, key head) by
     _entry_dots_kernel, then the block read kernel without the k entries): 6 steps with L = 3
     across flushes, two key heads, padding rows, rows out of phase, poisoned outputs and
-    buffers, default bf16 u buffer: equals the torch reference and the block kernel."""
+    buffers, default bf16 u buffer: equals the torch reference and the block kernel; with
+    flush programs of two 8-row blocks each (flush_config (rows, warps, NT)) as well (NVFP4
+    pairs: NT = 1 given)."""
     N, HK, H, dk, dv = 4, 2, 4, 16, 32
     dr = Driver(kind, 5, HK, H, dk, dv)
     store = ReplayStore.from_state(random_state(N, H, dv, dk, seed=29), pair, kind,
                                    key_heads=HK, seed=3, buffer_len=3)
     poison_buffers(store)
-    ref, blk = store.clone(), store.clone()
+    ref, blk, nt2 = store.clone(), store.clone(), store.clone()
+    ntc = (dv, 4, 1) if "tp4" in pair else (8, 1, 2)    # NVFP4: whole matrices
     idx = torch.tensor([2, -1, 0, 3, 1])
     tol = 2e-2 if kind == "gdn" else _tol(PrecisionPair.load(pair))     # bf16 u (GDN)
     for step in range(6):
@@ -473,6 +478,9 @@ def test_read_variant_dots_matches_reference_and_block(kind, pair):
         y = dr.kernel(store, inp, idx, launch="split", read_variant="dots", block_v=16)
         y2 = dr.ref(ref, inp, idx)
         y3 = dr.kernel(blk, inp, idx, launch="split", block_v=16)
+        y4 = dr.kernel(nt2, inp, idx, launch="split", read_variant="dots", block_v=16,
+                       flush_config=ntc)
+        torch.testing.assert_close(y4, y, rtol=1e-5, atol=1e-5 * y.abs().max().item())
         assert (y[idx < 0] == 0).all()
         torch.testing.assert_close(y, y2, rtol=tol, atol=tol * y2.abs().max().item())
         torch.testing.assert_close(y, y3, rtol=1e-5, atol=1e-5 * y3.abs().max().item())

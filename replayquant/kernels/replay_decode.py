@@ -60,7 +60,7 @@ from replayquant.kernels.conventional import (_into, _program_tile, PackedRole, 
                                               gdn_frontend_ref, mamba2_frontend_ref,
                                               mamba2_post_ref, role_streams, small_block,
                                               split_key)
-from replayquant.kernels.quant import decode_e2m1, decode_e4m3
+from replayquant.kernels.quant import decode_bf16, decode_e2m1, decode_e4m3, decode_fp16
 from replayquant.streams import ANCHOR, READ, layer_seed
 
 __all__ = ["ReplayStore", "replay_gdn_step", "replay_gdn_step_ref", "replay_mamba2_step",
@@ -403,7 +403,11 @@ def _read_tile(pay, sc, gs, mat, rows, DV: tl.constexpr, DK: tl.constexpr, FMT: 
     """The read copy of rows `rows` for matrix-vector products, decoded in registers.
     NVFP4: even / odd column E2M1 values [BV, DK/16, 8], the block scales [BV, DK/16] and the
     matrix scale, applied per block after the in-block sums (no re-interleaving, one block-scale
-    decode per block); other formats: (tile, tile, 1, 1)."""
+    decode per block). Other formats: the tile as [DK/CW, BV, CW] chunks of CW = 32 bytes of a
+    row (FP8: the E4M3 values, the row scales as bs [BV]), so that a warp's threads lie along the
+    rows (16 rows x 2 threads for 16 rows on one warp) and a product's sum over the columns
+    is mostly inside each thread: one shuffle per row, where the [BV, DK] tile's 32 threads
+    across the columns took five (and 80 per product of a 16-row block)."""
     if FMT == 4:
         DK2: tl.constexpr = DK // 2
         NB: tl.constexpr = DK // 16
@@ -416,10 +420,22 @@ def _read_tile(pay, sc, gs, mat, rows, DV: tl.constexpr, DK: tl.constexpr, FMT: 
         bs = decode_e4m3(tl.load(sc + mat * (DV * NB) + rows[:, None] * NB + nb[None, :]))
         s = tl.load(gs + mat)
     else:
-        cols = tl.arange(0, DK)
-        T0 = _tile_load(pay, sc, gs, mat, rows, cols, DV, DK, rows.shape[0], FMT)
-        T1 = T0
+        CB: tl.constexpr = 256 // pay.dtype.element_ty.primitive_bitwidth
+        CW: tl.constexpr = CB if CB < DK else DK
+        c = tl.arange(0, DK // CW)
+        w = tl.arange(0, CW)
+        x = tl.load(pay + mat * (DV * DK) + rows[None, :, None] * DK + c[:, None, None] * CW
+                    + w[None, None, :])
         bs = 1.0
+        if FMT == 1:
+            x = decode_fp16(x)
+        elif FMT == 2:
+            x = decode_bf16(x)
+        elif FMT == 3:
+            x = decode_e4m3(x)
+            bs = tl.load(sc + mat * DV + rows)
+        T0 = x.to(tl.float32)
+        T1 = T0
         s = 1.0
     return T0, T1, bs, s
 
@@ -434,7 +450,9 @@ def _tile_dot(T0, T1, bs, s, x, DK: tl.constexpr, FMT: tl.constexpr):
         part = tl.sum(T0 * xe[None, :, :] + T1 * xo[None, :, :], axis=2)
         r = tl.sum(part * bs, axis=1) * s
     else:
-        r = tl.sum(T0 * x[None, :], axis=1)
+        NC: tl.constexpr = T0.shape[0]
+        xc = tl.reshape(x, (NC, DK // NC))
+        r = tl.sum(tl.sum(T0 * xc[:, None, :], axis=0), axis=1) * bs
     return r
 
 
@@ -918,7 +936,10 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
             use_qk_l2norm, T, step, force, block_v, num_warps, flush_config=None,
             read_variant=None, dt_limit=None, launch="split", advance=False):
     """Launch the step (T = 1) or verify (T drafts) kernels; returns (out, idx, moved): moved
-    when the launch already advanced the pointers (launch='fused' with advance)."""
+    when the launch already advanced the pointers (launch='fused' with advance). flush_config:
+    the flush kernel's (rows, warps), or (rows, warps, NT) to set how many row blocks one flush
+    program takes (default: all of its matrix for one-warp blocks outside a forced step, else 1;
+    evals/flush_nt_stagger.py times the choice)."""
     delta = store.kind == "gdn"
     if launch == "fused" and not (step and T == 1):
         raise ValueError("launch='fused' is the decode step only (T = 1, not verify)")
@@ -945,8 +966,14 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
     idx = _indices(state_indices, B, q.device)
     if out is None:
         out = torch.empty(*lead, HV, dv, dtype=torch.float32, device=q.device)
+    nt = None
+    if flush_config is not None and len(flush_config) == 3:      # (rows, warps, row blocks)
+        *flush_config, nt = flush_config
     (BV, nw), (FBV, fnw) = replay_launch_config(store, B, block_v, num_warps, flush_config,
                                                 read_variant)
+    if nt is not None and (nt < 1 or (dv // FBV) % nt):
+        raise ValueError(f"flush_config: {nt} row blocks per program must divide the "
+                         f"{dv // FBV} blocks of {FBV} rows of a matrix")
     Ap, As, Ag, afid = store.anchor.kernel_args()
     Rp, Rs, Rg, rfid = store.read_role.kernel_args()
     rr = store.read_role.rounding == "stochastic"
@@ -984,7 +1011,7 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
     # its matrix. Not multi-warp blocks: H200, B = 256 (kernels_flush_nt.json vs
     # kernels_mamba2_targets.json), Mamba-2 tp8_hi32 on (32, 4) blocks, NT = 2 vs 1: flush step
     # 1375 vs 1266 us, 'dots' read step 245.9 vs 246.1 (nothing saved)
-    NT = 1 if force or fnw > 1 else dv // FBV
+    NT = nt or (1 if force or fnw > 1 else dv // FBV)
     _replay_flush_kernel[(B * HV, dv // (FBV * NT))](
         Ap, As, Ag, Rp, Rs, Rg, store.kbuf, store.vbuf, store.Gbuf, store.bbuf,
         store.committed, store.start, store.n_flush, idx, out, *inputs,
