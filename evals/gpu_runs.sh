@@ -19,6 +19,10 @@
 #   batch1   B = 1 and 8, both kinds: the forced flush's early anchor load     ~200 s
 #   targets  B = 1 and 256, both kinds, main L: issue 4's targets with byte ceilings ~280 s
 #   recheck-gdn, recheck-mamba2  GPU checks, B = 1 / 128 / 256, verify at B = 512 ~330 s each
+#   rows     the read tile as row chunks (session 7): GDN (checks first) and Mamba-2 at B = 1
+#            and 256, main L, three pairs, verify T = 4 at B = 512                ~520 s
+#   flush-nt evals/flush_nt_stagger.py: in-phase and staggered 'dots' windows by the row
+#            blocks per flush program (NT), both kinds, B = 256                  ~200 s
 #   followup generate, tiny-mamba2 16K demo, tf32x3 whole model + KL, GDN flush folds ~520 s
 #            (the generate check alone took over 150 s; at most 8 files come back from $OUT)
 #
@@ -27,7 +31,7 @@
 # The image has torch, triton, transformers, accelerate, rich, typer, matplotlib; not fla.
 set -uo pipefail
 : "${OUT:?set OUT to the folder where results go}"
-job=${1:?usage: bash evals/gpu_runs.sh tf|mamba|decode|read|dots|defaults|batch1|targets|recheck-gdn|recheck-mamba2|generate|followup}
+job=${1:?usage: bash evals/gpu_runs.sh tf|mamba|decode|read|dots|defaults|batch1|targets|recheck-gdn|recheck-mamba2|rows|flush-nt|generate|followup}
 export PYTHONUNBUFFERED=1 REPLAYQUANT_GIT_COMMIT=${REPLAYQUANT_GIT_COMMIT:-unknown}
 python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/site .gpu/wheels/*.whl \
     || { echo "gpu_runs: could not install the carried wheels in .gpu/wheels" >&2; exit 1; }
@@ -118,6 +122,19 @@ case "$job" in
         --kinds "$kind" --batches 1,128,256 --L $L --T 4 --spec-batches 512 --no-sweep \
         --no-peers --budget-s 400 > "$OUT/recheck_${kind}.log" 2>&1; echo "$kind rc=$?"
     ;;
+  rows)
+    timeout 320 "${rq[@]}" bench kernels --out "$OUT" --name kernels_gdn_rows --kinds gdn \
+        --batches 1,256 --L 16 --pairs s32_rs,tp8_hi32,tp4_hi32 --T 4 --spec-batches 512 \
+        --no-sweep --no-peers --budget-s 300 > "$OUT/rows_gdn.log" 2>&1; echo "gdn rc=$?"
+    timeout 250 "${rq[@]}" bench kernels --out "$OUT" --name kernels_mamba2_rows --kinds mamba2 \
+        --batches 1,256 --L 8 --pairs s32_rs,tp8_hi32,tp4_hi32 --T 4 --spec-batches 512 \
+        --no-sweep --no-peers --no-checks --budget-s 240 > "$OUT/rows_mamba2.log" 2>&1
+    echo "mamba2 rc=$?"
+    ;;
+  flush-nt)
+    timeout 400 python3 evals/flush_nt_stagger.py "$OUT/flush_nt_stagger.json" \
+        > "$OUT/flush_nt_stagger.log" 2>&1; echo "flush-nt rc=$?"; tail -40 "$OUT/flush_nt_stagger.log"
+    ;;
   generate)
     python3 evals/cuda_generate_check.py "$OUT/cuda_generate.json" --new-tokens 32; echo "rc=$?"
     ;;
@@ -140,5 +157,5 @@ case "$job" in
         --batches 256 --L 16 --pairs s32_rs,tp8_hi32,tp4_hi32 --no-checks --no-sweep --no-peers \
         --spec-batches "" --budget-s 80 > "$OUT/decode_fold.log" 2>&1; echo "fold rc=$?"
     ;;
-  *) echo "gpu_runs: unknown job $job (tf, mamba, decode, read, dots, defaults, batch1, targets, recheck-gdn, recheck-mamba2, generate, followup)" >&2; exit 2 ;;
+  *) echo "gpu_runs: unknown job $job (tf, mamba, decode, read, dots, defaults, batch1, targets, recheck-gdn, recheck-mamba2, rows, flush-nt, generate, followup)" >&2; exit 2 ;;
 esac

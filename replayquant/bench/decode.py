@@ -589,6 +589,12 @@ def bench_replay(kind, B, pair, L, device, copy_bw, cfg=None, detail=False, forc
                          note="path='flush', every other option at its default, buffers known "
                               "empty: a lossless pair runs the conventional kernel on its anchor "
                               "(pointer move included)"))
+        calls = [lambda st=st: f["step"](st, **kw, state_indices=idx, out=out, path="flush",
+                                         advance=False) for st in sts]
+        ms = time_calls(lambda: [g() for g in calls], 8) / R
+        rows.append(_row(kind, "replay-forced-auto-layer", pair, B, ms, None, copy_bw, L=L,
+                         rot=R, note="replay-forced-auto without the pointer kernel, as "
+                                     "replay-forced-flush-layer"))
     if pointer:
         ms = time_calls(lambda: advance_pointers(st, idx), 8)
         rows.append(_row(kind, "pointer-advance", "-", B, ms, None, copy_bw,
@@ -779,7 +785,8 @@ def _derive(rows):
     for r in rows:
         k = (r["kind"], r["B"])
         if r["kernel"] in ("conventional", "replay-window", "replay-read-step", "replay-forced-flush",
-                           "replay-forced-flush-layer", "replay-forced-auto", "replay-window-fused",
+                           "replay-forced-flush-layer", "replay-forced-auto",
+                           "replay-forced-auto-layer", "replay-window-fused",
                            "replay-forced-flush-fused", "sweep/conventional",
                            "sweep/replay-read-step", "replay-window-kh", "replay-read-step-kh",
                            "sweep/replay-read-step-kh", "replay-window-dots",
@@ -862,7 +869,8 @@ def targets(res) -> list:
         v = {}
         for r in _find(rows, kind=kind, B=1):
             if r["kernel"] in ("replay-window", "replay-forced-flush-layer", "replay-forced-auto",
-                               "replay-window-fused", "replay-forced-flush-fused") \
+                               "replay-forced-auto-layer", "replay-window-fused",
+                               "replay-forced-flush-fused") \
                     and "speedup_vs_conv_fp32" in r:
                 key = f"{r['variant']} L={r.get('L')} {r['kernel']}"
                 v[key] = round(r["speedup_vs_conv_fp32"], 3)
