@@ -60,7 +60,7 @@ from replayquant.kernels.conventional import (_into, _program_tile, PackedRole, 
                                               gdn_frontend_ref, mamba2_frontend_ref,
                                               mamba2_post_ref, role_streams, small_block,
                                               split_key)
-from replayquant.kernels.quant import decode_bf16, decode_e2m1, decode_e4m3, decode_fp16
+from replayquant.kernels.quant import decode_e2m1, decode_e4m3
 from replayquant.streams import ANCHOR, READ, layer_seed
 
 __all__ = ["ReplayStore", "replay_gdn_step", "replay_gdn_step_ref", "replay_mamba2_step",
@@ -403,11 +403,7 @@ def _read_tile(pay, sc, gs, mat, rows, DV: tl.constexpr, DK: tl.constexpr, FMT: 
     """The read copy of rows `rows` for matrix-vector products, decoded in registers.
     NVFP4: even / odd column E2M1 values [BV, DK/16, 8], the block scales [BV, DK/16] and the
     matrix scale, applied per block after the in-block sums (no re-interleaving, one block-scale
-    decode per block). Other formats: the tile as [DK/CW, BV, CW] chunks of CW = 32 bytes of a
-    row (FP8: the E4M3 values, the row scales as bs [BV]), so that a warp's threads lie along the
-    rows (16 rows x 2 threads for 16 rows on one warp) and a product's sum over the columns
-    is mostly inside each thread: one shuffle per row, where the [BV, DK] tile's 32 threads
-    across the columns took five (and 80 per product of a 16-row block)."""
+    decode per block); other formats: (tile, tile, 1, 1)."""
     if FMT == 4:
         DK2: tl.constexpr = DK // 2
         NB: tl.constexpr = DK // 16
@@ -420,22 +416,10 @@ def _read_tile(pay, sc, gs, mat, rows, DV: tl.constexpr, DK: tl.constexpr, FMT: 
         bs = decode_e4m3(tl.load(sc + mat * (DV * NB) + rows[:, None] * NB + nb[None, :]))
         s = tl.load(gs + mat)
     else:
-        CB: tl.constexpr = 256 // pay.dtype.element_ty.primitive_bitwidth
-        CW: tl.constexpr = CB if CB < DK else DK
-        c = tl.arange(0, DK // CW)
-        w = tl.arange(0, CW)
-        x = tl.load(pay + mat * (DV * DK) + rows[None, :, None] * DK + c[:, None, None] * CW
-                    + w[None, None, :])
-        bs = 1.0
-        if FMT == 1:
-            x = decode_fp16(x)
-        elif FMT == 2:
-            x = decode_bf16(x)
-        elif FMT == 3:
-            x = decode_e4m3(x)
-            bs = tl.load(sc + mat * DV + rows)
-        T0 = x.to(tl.float32)
+        cols = tl.arange(0, DK)
+        T0 = _tile_load(pay, sc, gs, mat, rows, cols, DV, DK, rows.shape[0], FMT)
         T1 = T0
+        bs = 1.0
         s = 1.0
     return T0, T1, bs, s
 
@@ -450,9 +434,7 @@ def _tile_dot(T0, T1, bs, s, x, DK: tl.constexpr, FMT: tl.constexpr):
         part = tl.sum(T0 * xe[None, :, :] + T1 * xo[None, :, :], axis=2)
         r = tl.sum(part * bs, axis=1) * s
     else:
-        NC: tl.constexpr = T0.shape[0]
-        xc = tl.reshape(x, (NC, DK // NC))
-        r = tl.sum(tl.sum(T0 * xc[:, None, :], axis=0), axis=1) * bs
+        r = tl.sum(T0 * x[None, :], axis=1)
     return r
 
 
