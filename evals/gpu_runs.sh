@@ -22,6 +22,7 @@
 #   rows     the read tile as row chunks (session 7): GDN (checks first) and Mamba-2 at B = 1
 #            and 256, main L, three pairs, verify T = 4 at B = 512                ~520 s
 #   revert-nt  flush-nt and B = 256 both kinds again, on the block read tile      ~300 s
+#   final    B = 256 both kinds with the session-7 defaults (FLUSH_NT)           ~250 s
 #   flush-nt evals/flush_nt_stagger.py: in-phase and staggered 'dots' windows by the row
 #            blocks per flush program (NT), both kinds, B = 256                  ~200 s
 #   followup generate, tiny-mamba2 16K demo, tf32x3 whole model + KL, GDN flush folds ~520 s
@@ -32,7 +33,7 @@
 # The image has torch, triton, transformers, accelerate, rich, typer, matplotlib; not fla.
 set -uo pipefail
 : "${OUT:?set OUT to the folder where results go}"
-job=${1:?usage: bash evals/gpu_runs.sh tf|mamba|decode|read|dots|defaults|batch1|targets|recheck-gdn|recheck-mamba2|rows|revert-nt|flush-nt|generate|followup}
+job=${1:?usage: bash evals/gpu_runs.sh tf|mamba|decode|read|dots|defaults|batch1|targets|recheck-gdn|recheck-mamba2|rows|revert-nt|final|flush-nt|generate|followup}
 export PYTHONUNBUFFERED=1 REPLAYQUANT_GIT_COMMIT=${REPLAYQUANT_GIT_COMMIT:-unknown}
 python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/site .gpu/wheels/*.whl \
     || { echo "gpu_runs: could not install the carried wheels in .gpu/wheels" >&2; exit 1; }
@@ -146,6 +147,16 @@ case "$job" in
     done
     tail -45 "$OUT/flush_nt_block_tile.log"
     ;;
+  final)
+    # the session's final defaults (FLUSH_NT) at B = 256, both kinds, GPU checks on GDN
+    for kind in gdn mamba2; do
+      L=16; ck=--checks; [ "$kind" = mamba2 ] && { L=8; ck=--no-checks; }
+      timeout 260 "${rq[@]}" bench kernels --out "$OUT" --name "kernels_${kind}_final" \
+          --kinds $kind --batches 256 --L $L --pairs s32_rs,tp8_hi32,tp4_hi32 --T 4 \
+          --spec-batches 512 --no-sweep --no-peers $ck --budget-s 250 \
+          > "$OUT/final_${kind}.log" 2>&1; echo "$kind rc=$?"
+    done
+    ;;
   flush-nt)
     timeout 400 python3 evals/flush_nt_stagger.py "$OUT/flush_nt_stagger.json" \
         > "$OUT/flush_nt_stagger.log" 2>&1; echo "flush-nt rc=$?"; tail -40 "$OUT/flush_nt_stagger.log"
@@ -172,5 +183,5 @@ case "$job" in
         --batches 256 --L 16 --pairs s32_rs,tp8_hi32,tp4_hi32 --no-checks --no-sweep --no-peers \
         --spec-batches "" --budget-s 80 > "$OUT/decode_fold.log" 2>&1; echo "fold rc=$?"
     ;;
-  *) echo "gpu_runs: unknown job $job (tf, mamba, decode, read, dots, defaults, batch1, targets, recheck-gdn, recheck-mamba2, rows, revert-nt, flush-nt, generate, followup)" >&2; exit 2 ;;
+  *) echo "gpu_runs: unknown job $job (tf, mamba, decode, read, dots, defaults, batch1, targets, recheck-gdn, recheck-mamba2, rows, revert-nt, final, flush-nt, generate, followup)" >&2; exit 2 ;;
 esac

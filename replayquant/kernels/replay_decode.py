@@ -775,6 +775,18 @@ FLUSH_BLOCK = {("gdn", True): (16, 1), ("gdn", False): (16, 1),
                ("mamba2", True): (16, 1), ("mamba2", False): (32, 4)}
 
 
+# row blocks one one-warp flush program takes outside a forced step (None: its whole matrix),
+# by (kind, shared pair): the fewest programs that only read their pointers (rows that do not
+# flush) against the latency of a flushing program, whose blocks are folded one after the other.
+# The value with the lowest mean of the in-phase window (every row flushes in the same step,
+# as `bench kernels` times it) and the staggered one (about B / L rows flush per step, as in
+# serving). H200, B = 256, 'dots' windows in phase / staggered, us per step
+# (results/bench/flush_nt_stagger_block_tile.json, 21ab7b5), NT = 1 / 2 / 4 / 8:
+# GDN s32_rs 263 / 266, 257 / 303, 251 / 309, 248 / 321; tp8_hi32 236 / 248, 213 / 251,
+# 207 / 258, 204 / 273. Mamba-2 s32_rs (4 blocks) 429 / 390, 393 / 399, 381 / 395
+FLUSH_NT = {("gdn", True): 1, ("gdn", False): 2, ("mamba2", True): None, ("mamba2", False): None}
+
+
 def _flush_warps(fbv, dk):
     """Warps of a flush program holding fbv x dk state elements."""
     return max(2, min(16, fbv * dk // 1024))
@@ -920,7 +932,7 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
     """Launch the step (T = 1) or verify (T drafts) kernels; returns (out, idx, moved): moved
     when the launch already advanced the pointers (launch='fused' with advance). flush_config:
     the flush kernel's (rows, warps), or (rows, warps, NT) to set how many row blocks one flush
-    program takes (default: all of its matrix for one-warp blocks outside a forced step, else 1;
+    program takes (default: FLUSH_NT for one-warp blocks outside a forced step, else 1;
     evals/flush_nt_stagger.py times the choice)."""
     delta = store.kind == "gdn"
     if launch == "fused" and not (step and T == 1):
@@ -989,17 +1001,19 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
                   RFMT=rfid, DELTA=delta, L2NORM=use_qk_l2norm, HAS_DTB=dt_bias is not None,
                   HAS_D=D is not None, HAS_Z=z is not None, DT_CLAMP=dt_clamp)
     # a forced step flushes every row: one block per program (batch 1 is latency-bound);
-    # otherwise most programs find nothing to do, so a one-warp program takes every block of
-    # its matrix. Not multi-warp blocks: H200, B = 256 (kernels_flush_nt.json vs
+    # otherwise most programs find nothing to do, and a one-warp program takes FLUSH_NT blocks
+    # of its matrix. Not multi-warp blocks: H200, B = 256 (kernels_flush_nt.json vs
     # kernels_mamba2_targets.json), Mamba-2 tp8_hi32 on (32, 4) blocks, NT = 2 vs 1: flush step
     # 1375 vs 1266 us, 'dots' read step 245.9 vs 246.1 (nothing saved)
-    NT = nt or (1 if force or fnw > 1 else dv // FBV)
-    _replay_flush_kernel[(B * HV, dv // (FBV * NT))](
+    if nt is None:
+        nt = FLUSH_NT[(kind, store.shared)] or dv // FBV
+        nt = 1 if force or fnw > 1 else min(nt, dv // FBV)
+    _replay_flush_kernel[(B * HV, dv // (FBV * nt))](
         Ap, As, Ag, Rp, Rs, Rg, store.kbuf, store.vbuf, store.Gbuf, store.bbuf,
         store.committed, store.start, store.n_flush, idx, out, *inputs,
         sc, *split_key(store.key), dt_lo, dt_hi, BV=FBV,
         AFMT=afid, ASR=store.anchor.rounding == "stochastic", RSR=rr, SHARED=store.shared,
-        FORCE=bool(force), NT=NT, num_warps=fnw, **common)
+        FORCE=bool(force), NT=nt, num_warps=fnw, **common)
     if not force:
         dots = idx                                      # any pointer: unused unless DOTS
         if read_variant == "dots":
