@@ -23,6 +23,7 @@
 #            and 256, main L, three pairs, verify T = 4 at B = 512                ~520 s
 #   revert-nt  flush-nt and B = 256 both kinds again, on the block read tile      ~300 s
 #   final    B = 256 both kinds with the session-7 defaults (FLUSH_NT)           ~250 s
+#   side     the flush kernel on a side stream: NT sweep on / off, B = 256 with checks ~260 s
 #   flush-nt evals/flush_nt_stagger.py: in-phase and staggered 'dots' windows by the row
 #            blocks per flush program (NT), both kinds, B = 256                  ~200 s
 #   followup generate, tiny-mamba2 16K demo, tf32x3 whole model + KL, GDN flush folds ~520 s
@@ -33,7 +34,7 @@
 # The image has torch, triton, transformers, accelerate, rich, typer, matplotlib; not fla.
 set -uo pipefail
 : "${OUT:?set OUT to the folder where results go}"
-job=${1:?usage: bash evals/gpu_runs.sh tf|mamba|decode|read|dots|defaults|batch1|targets|recheck-gdn|recheck-mamba2|rows|revert-nt|final|flush-nt|generate|followup}
+job=${1:?usage: bash evals/gpu_runs.sh tf|mamba|decode|read|dots|defaults|batch1|targets|recheck-gdn|recheck-mamba2|rows|revert-nt|final|side|flush-nt|generate|followup}
 export PYTHONUNBUFFERED=1 REPLAYQUANT_GIT_COMMIT=${REPLAYQUANT_GIT_COMMIT:-unknown}
 python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/site .gpu/wheels/*.whl \
     || { echo "gpu_runs: could not install the carried wheels in .gpu/wheels" >&2; exit 1; }
@@ -157,6 +158,20 @@ case "$job" in
           > "$OUT/final_${kind}.log" 2>&1; echo "$kind rc=$?"
     done
     ;;
+  side)
+    # the flush kernel on a side stream (FLUSH_SIDE_STREAM): NT sweep with and without it, then
+    # B = 256 both kinds with GPU checks (the checks' replay steps run the side stream)
+    timeout 200 python3 evals/flush_nt_stagger.py "$OUT/flush_nt_side.json" \
+        > "$OUT/flush_nt_side.log" 2>&1; echo "flush-nt rc=$?"
+    for kind in gdn mamba2; do
+      L=16; [ "$kind" = mamba2 ] && L=8
+      timeout 200 "${rq[@]}" bench kernels --out "$OUT" --name "kernels_${kind}_side" \
+          --kinds $kind --batches 256 --L $L --pairs s32_rs,tp8_hi32,tp4_hi32 --T 4 \
+          --spec-batches 512 --no-sweep --no-peers --budget-s 190 > /dev/null 2>&1
+      echo "$kind rc=$?"
+    done
+    tail -60 "$OUT/flush_nt_side.log"
+    ;;
   flush-nt)
     timeout 400 python3 evals/flush_nt_stagger.py "$OUT/flush_nt_stagger.json" \
         > "$OUT/flush_nt_stagger.log" 2>&1; echo "flush-nt rc=$?"; tail -40 "$OUT/flush_nt_stagger.log"
@@ -183,5 +198,5 @@ case "$job" in
         --batches 256 --L 16 --pairs s32_rs,tp8_hi32,tp4_hi32 --no-checks --no-sweep --no-peers \
         --spec-batches "" --budget-s 80 > "$OUT/decode_fold.log" 2>&1; echo "fold rc=$?"
     ;;
-  *) echo "gpu_runs: unknown job $job (tf, mamba, decode, read, dots, defaults, batch1, targets, recheck-gdn, recheck-mamba2, rows, revert-nt, final, flush-nt, generate, followup)" >&2; exit 2 ;;
+  *) echo "gpu_runs: unknown job $job (tf, mamba, decode, read, dots, defaults, batch1, targets, recheck-gdn, recheck-mamba2, rows, revert-nt, final, side, flush-nt, generate, followup)" >&2; exit 2 ;;
 esac

@@ -44,6 +44,7 @@ against `ReplayState`.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -1008,12 +1009,14 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
     if nt is None:
         nt = FLUSH_NT[(kind, store.shared)] or dv // FBV
         nt = 1 if force or fnw > 1 else min(nt, dv // FBV)
-    _replay_flush_kernel[(B * HV, dv // (FBV * nt))](
-        Ap, As, Ag, Rp, Rs, Rg, store.kbuf, store.vbuf, store.Gbuf, store.bbuf,
-        store.committed, store.start, store.n_flush, idx, out, *inputs,
-        sc, *split_key(store.key), dt_lo, dt_hi, BV=FBV,
-        AFMT=afid, ASR=store.anchor.rounding == "stochastic", RSR=rr, SHARED=store.shared,
-        FORCE=bool(force), NT=nt, num_warps=fnw, **common)
+    side = _flush_stream(q, step, T, force)
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        _replay_flush_kernel[(B * HV, dv // (FBV * nt))](
+            Ap, As, Ag, Rp, Rs, Rg, store.kbuf, store.vbuf, store.Gbuf, store.bbuf,
+            store.committed, store.start, store.n_flush, idx, out, *inputs,
+            sc, *split_key(store.key), dt_lo, dt_hi, BV=FBV,
+            AFMT=afid, ASR=store.anchor.rounding == "stochastic", RSR=rr, SHARED=store.shared,
+            FORCE=bool(force), NT=nt, num_warps=fnw, **common)
     if not force:
         dots = idx                                      # any pointer: unused unless DOTS
         if read_variant == "dots":
@@ -1026,7 +1029,31 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
             Rp, Rs, Rg, store.kbuf, store.vbuf, ubuf, store.Gbuf, store.bbuf,
             store.committed, store.start, idx, out, *inputs, sc, dt_lo, dt_hi, dots,
             BV=BV, LP=LP, U_BF16=U_BF16, DOTS=read_variant == "dots", num_warps=nw, **common)
+    if side is not None:
+        torch.cuda.current_stream(q.device).wait_stream(side)
     return out, idx, False
+
+
+# A decode step's flush kernel runs on a side stream, beside the 'dots' and read kernels
+# (forked from and joined back to the caller's stream, also inside a CUDA graph capture): in a
+# step (T = 1) the rows that flush and the rows that read are disjoint (a read program of a
+# flushing row returns; its early load of the read copy is discarded), so the flushing
+# programs' latency and the other rows' programs that only read their pointers overlap the
+# read. Not in a verify: a pre-flush rewrites the read copy that the same row's read uses.
+FLUSH_SIDE_STREAM = True
+_SIDE_STREAMS: dict = {}
+
+
+def _flush_stream(q, step: bool, T: int, force: bool):
+    """The side stream of the flush kernel (waiting on the caller's stream), or None: on the CPU,
+    in a verify, in a forced step (no read kernel) or with FLUSH_SIDE_STREAM off."""
+    if not (FLUSH_SIDE_STREAM and q.is_cuda and step and T == 1 and not force):
+        return None
+    side = _SIDE_STREAMS.get(q.device)
+    if side is None:
+        side = _SIDE_STREAMS[q.device] = torch.cuda.Stream(q.device)
+    side.wait_stream(torch.cuda.current_stream(q.device))
+    return side
 
 
 def _no_pending(store):
