@@ -1,8 +1,8 @@
 """How many row blocks one flush program takes (NT), on a GPU: the 'dots' replay window with
 every row in phase (all rows flush in the same step, as `replayquant bench kernels` times it)
 and staggered (row b starts at fill b % L, so about B / L rows flush in each step, as in
-serving), for one-warp 16-row flush blocks at NT = 1, 2, 4, ... and the default rule
-(replay_decode._launch: all blocks of the matrix, NT = d_v / 16). NT trades the programs of
+serving), for one-warp 16-row flush blocks at NT = 1, 2, 4, ... and the defaults
+(replay_decode.FLUSH_BLOCK and _launch's rule for NT). NT trades the programs of
 the rows that do not flush (each reads its pointers and returns: d_v / (16 NT) of them per
 matrix in every step) against the latency of a program that does (NT folds one after the
 other). With --side-stream both (default), each setting runs with the flush kernel on a side
@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     rd.FLUSH_SIDE_STREAM = True
     res = {"provenance": provenance("cuda", script="evals/flush_nt_stagger.py", batch=a.batch,
                                     pairs=a.pairs.split(","), L=dict(bd.PAIR_L),
-                                    flush_nt=str(rd.FLUSH_NT), side_stream=a.side_stream,
+                                    flush_block=str(rd.FLUSH_BLOCK), side_stream=a.side_stream,
                                     shapes=bd.SHAPES),
            "copy_GBps": copy_bw, "rows": rows}
     with open(a.out, "w") as fh:

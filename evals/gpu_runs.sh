@@ -22,7 +22,7 @@
 #   rows     the read tile as row chunks (session 7): GDN (checks first) and Mamba-2 at B = 1
 #            and 256, main L, three pairs, verify T = 4 at B = 512                ~520 s
 #   revert-nt  flush-nt and B = 256 both kinds again, on the block read tile      ~300 s
-#   final    B = 256 both kinds with the session-7 defaults (FLUSH_NT)           ~250 s
+#   final    B = 256 both kinds with run 27's defaults (row blocks per flush program) ~250 s
 #   side     the flush kernel on a side stream: NT sweep on / off, B = 256 with checks ~260 s
 #   flush-nt evals/flush_nt_stagger.py: in-phase and staggered 'dots' windows by the row
 #            blocks per flush program (NT), both kinds, B = 256                  ~200 s
@@ -149,7 +149,7 @@ case "$job" in
     tail -45 "$OUT/flush_nt_block_tile.log"
     ;;
   final)
-    # the session's final defaults (FLUSH_NT) at B = 256, both kinds, GPU checks on GDN
+    # run 27's defaults (row blocks per flush program) at B = 256, both kinds, checks on GDN
     for kind in gdn mamba2; do
       L=16; ck=--checks; [ "$kind" = mamba2 ] && { L=8; ck=--no-checks; }
       timeout 260 "${rq[@]}" bench kernels --out "$OUT" --name "kernels_${kind}_final" \

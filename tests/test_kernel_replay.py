@@ -413,7 +413,7 @@ def test_launch_dispatcher():
     # on 16 rows while that gives 2048 programs, else on 8
     assert replay_launch_config(big, 1)[1] == (8, 1) and replay_launch_config(big, 4096)[1] == (16, 1)
     sep = ReplayStore.from_state(random_state(2, 2, 64, 128), "tp8_hi32", "mamba2", key_heads=1)
-    assert replay_launch_config(sep, 4096)[1] == FLUSH_BLOCK[("mamba2", False)] == (32, 4)
+    assert replay_launch_config(sep, 4096)[1] == FLUSH_BLOCK[("mamba2", False)] == (16, 1)
     assert replay_launch_config(big, 256)[1] == (16, 1) == launch_config("fp32", 512, 64, 128)
     assert launch_config("fp32", 2, 64, 128) == (8, 1) and launch_config("nvfp4", 2, 64, 128)[0] == 64
     with pytest.raises(ValueError, match="launch"):

@@ -771,21 +771,12 @@ def replay_launch_config(store: ReplayStore, n_rows: int, block_v=None, num_warp
 # without an NVFP4 role (whole matrices). H200, B = 256, replay flush step (h = L - 1), us by
 # block (16, 1) / (16, 2) / (32, 4) / (64, 8) (results/bench/flush_blocks_b256.json, 6659856):
 # GDN s32_rs 876 / 992 / 1039 / 1094, tp8_hi32 1024 / 1200 / 1228 / 1697; Mamba-2 s32_rs
-# 829 / 1071 / 1049 / 975, tp8_hi32 1391 / 1257 / 1264 / 1233
+# 829 / 1071 / 1049 / 975, tp8_hi32 1391 / 1257 / 1264 / 1233. Mamba-2 tp8_hi32 takes (16, 1)
+# all the same: its whole 'dots' window, flush kernel on its side stream (flush_nt_side.json,
+# e5f310a), in phase / staggered, was 348.9 / 363.3 us per step on (16, 1) with NT = 4 against
+# 378.3 / 366.3 on (32, 4)
 FLUSH_BLOCK = {("gdn", True): (16, 1), ("gdn", False): (16, 1),
-               ("mamba2", True): (16, 1), ("mamba2", False): (32, 4)}
-
-
-# row blocks one one-warp flush program takes outside a forced step (None: its whole matrix),
-# by (kind, shared pair): the fewest programs that only read their pointers (rows that do not
-# flush) against the latency of a flushing program, whose blocks are folded one after the other.
-# The value with the lowest mean of the in-phase window (every row flushes in the same step,
-# as `bench kernels` times it) and the staggered one (about B / L rows flush per step, as in
-# serving). H200, B = 256, 'dots' windows in phase / staggered, us per step
-# (results/bench/flush_nt_stagger_block_tile.json, 21ab7b5), NT = 1 / 2 / 4 / 8:
-# GDN s32_rs 263 / 266, 257 / 303, 251 / 309, 248 / 321; tp8_hi32 236 / 248, 213 / 251,
-# 207 / 258, 204 / 273. Mamba-2 s32_rs (4 blocks) 429 / 390, 393 / 399, 381 / 395
-FLUSH_NT = {("gdn", True): 1, ("gdn", False): 2, ("mamba2", True): None, ("mamba2", False): None}
+               ("mamba2", True): (16, 1), ("mamba2", False): (16, 1)}
 
 
 def _flush_warps(fbv, dk):
@@ -933,7 +924,7 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
     """Launch the step (T = 1) or verify (T drafts) kernels; returns (out, idx, moved): moved
     when the launch already advanced the pointers (launch='fused' with advance). flush_config:
     the flush kernel's (rows, warps), or (rows, warps, NT) to set how many row blocks one flush
-    program takes (default: FLUSH_NT for one-warp blocks outside a forced step, else 1;
+    program takes (default: all of its matrix for one-warp blocks outside a forced step, else 1;
     evals/flush_nt_stagger.py times the choice)."""
     delta = store.kind == "gdn"
     if launch == "fused" and not (step and T == 1):
@@ -1002,13 +993,17 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
                   RFMT=rfid, DELTA=delta, L2NORM=use_qk_l2norm, HAS_DTB=dt_bias is not None,
                   HAS_D=D is not None, HAS_Z=z is not None, DT_CLAMP=dt_clamp)
     # a forced step flushes every row: one block per program (batch 1 is latency-bound);
-    # otherwise most programs find nothing to do, and a one-warp program takes FLUSH_NT blocks
-    # of its matrix. Not multi-warp blocks: H200, B = 256 (kernels_flush_nt.json vs
-    # kernels_mamba2_targets.json), Mamba-2 tp8_hi32 on (32, 4) blocks, NT = 2 vs 1: flush step
-    # 1375 vs 1266 us, 'dots' read step 245.9 vs 246.1 (nothing saved)
+    # otherwise most programs find nothing to do, and a one-warp program takes every block of
+    # its matrix (NT), one after the other. With the flush kernel on its side stream that was
+    # the lowest mean of the in-phase and staggered 'dots' windows (H200, B = 256,
+    # flush_nt_side.json, e5f310a; us per step in phase / staggered at NT = 1 / 2 / 4 / 8):
+    # GDN s32_rs 263 / 255, 254 / 279, 247 / 271, 243 / 271; tp8_hi32 235 / 239, 210 / 233,
+    # 203 / 230, 200 / 233; Mamba-2 s32_rs (4 blocks) 427 / 387, 392 / 393, 380 / 382.
+    # Without the side stream NT = 1 was best staggered (GDN s32_rs 266 vs 321 at NT = 8).
+    # Not multi-warp blocks: Mamba-2 tp8_hi32 on (32, 4) blocks, NT = 2 vs 1: flush step
+    # 1375 vs 1266 us, 'dots' read step 245.9 vs 246.1 (kernels_flush_nt.json)
     if nt is None:
-        nt = FLUSH_NT[(kind, store.shared)] or dv // FBV
-        nt = 1 if force or fnw > 1 else min(nt, dv // FBV)
+        nt = 1 if force or fnw > 1 else dv // FBV
     side = _flush_stream(q, step, T, force)
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
         _replay_flush_kernel[(B * HV, dv // (FBV * nt))](
