@@ -24,6 +24,7 @@
 #   revert-nt  flush-nt and B = 256 both kinds again, on the block read tile      ~300 s
 #   final    B = 256 both kinds with run 27's defaults (row blocks per flush program) ~250 s
 #   side     the flush kernel on a side stream: NT sweep on / off, B = 256 with checks ~260 s
+#   confirm  session 7's final defaults, B = 256, short (the last of that session's budget) ~120 s
 #   flush-nt evals/flush_nt_stagger.py: in-phase and staggered 'dots' windows by the row
 #            blocks per flush program (NT), both kinds, B = 256                  ~200 s
 #   followup generate, tiny-mamba2 16K demo, tf32x3 whole model + KL, GDN flush folds ~520 s
@@ -34,7 +35,7 @@
 # The image has torch, triton, transformers, accelerate, rich, typer, matplotlib; not fla.
 set -uo pipefail
 : "${OUT:?set OUT to the folder where results go}"
-job=${1:?usage: bash evals/gpu_runs.sh tf|mamba|decode|read|dots|defaults|batch1|targets|recheck-gdn|recheck-mamba2|rows|revert-nt|final|side|flush-nt|generate|followup}
+job=${1:?usage: bash evals/gpu_runs.sh tf|mamba|decode|read|dots|defaults|batch1|targets|recheck-gdn|recheck-mamba2|rows|revert-nt|final|side|confirm|flush-nt|generate|followup}
 export PYTHONUNBUFFERED=1 REPLAYQUANT_GIT_COMMIT=${REPLAYQUANT_GIT_COMMIT:-unknown}
 python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/site .gpu/wheels/*.whl \
     || { echo "gpu_runs: could not install the carried wheels in .gpu/wheels" >&2; exit 1; }
@@ -172,6 +173,16 @@ case "$job" in
     done
     tail -60 "$OUT/flush_nt_side.log"
     ;;
+  confirm)
+    # the final defaults of session 7 through the bench's own rows: GDN B = 256 windows (no
+    # verify: its code is run 26's), Mamba-2 tp8_hi32 with verify (its new 16-row flush block)
+    timeout 80 "${rq[@]}" bench kernels --out "$OUT" --name kernels_gdn_confirm --kinds gdn \
+        --batches 256 --L 16 --pairs s32_rs,tp8_hi32 --spec-batches "" --no-sweep --no-checks \
+        --budget-s 75 > /dev/null 2>&1; echo "gdn rc=$?"
+    timeout 80 "${rq[@]}" bench kernels --out "$OUT" --name kernels_mamba2_confirm --kinds mamba2 \
+        --batches 256 --L 8 --pairs tp8_hi32 --T 4 --spec-batches 512 --no-sweep --no-checks \
+        --budget-s 75 > /dev/null 2>&1; echo "mamba2 rc=$?"
+    ;;
   flush-nt)
     timeout 400 python3 evals/flush_nt_stagger.py "$OUT/flush_nt_stagger.json" \
         > "$OUT/flush_nt_stagger.log" 2>&1; echo "flush-nt rc=$?"; tail -40 "$OUT/flush_nt_stagger.log"
@@ -198,5 +209,5 @@ case "$job" in
         --batches 256 --L 16 --pairs s32_rs,tp8_hi32,tp4_hi32 --no-checks --no-sweep --no-peers \
         --spec-batches "" --budget-s 80 > "$OUT/decode_fold.log" 2>&1; echo "fold rc=$?"
     ;;
-  *) echo "gpu_runs: unknown job $job (tf, mamba, decode, read, dots, defaults, batch1, targets, recheck-gdn, recheck-mamba2, rows, revert-nt, final, side, flush-nt, generate, followup)" >&2; exit 2 ;;
+  *) echo "gpu_runs: unknown job $job (tf, mamba, decode, read, dots, defaults, batch1, targets, recheck-gdn, recheck-mamba2, rows, revert-nt, final, side, confirm, flush-nt, generate, followup)" >&2; exit 2 ;;
 esac
