@@ -43,6 +43,16 @@ export PYTHONPATH=$PWD:/tmp/site:$PWD/.gpu
 python3 -c "import fla, einops; print('fla', fla.__version__)" \
     || { echo "gpu_runs: fla does not import; HF would fall back to its slow torch path" >&2; exit 1; }
 rq=(python3 -m replayquant.cli)      # an array: `timeout` cannot run a shell function
+b256() {  # NAME SECONDS [bench options]: both kinds, B = 256, main L, three pairs, verify at 512
+  local name=$1 secs=$2 kind L; shift 2
+  for kind in gdn mamba2; do
+    L=16; [ "$kind" = mamba2 ] && L=8
+    timeout "$secs" "${rq[@]}" bench kernels --out "$OUT" --name "kernels_${kind}_$name" \
+        --kinds $kind --batches 256 --L $L --pairs s32_rs,tp8_hi32,tp4_hi32 --T 4 \
+        --spec-batches 512 --no-sweep --no-peers --budget-s $((secs - 10)) "$@" \
+        > "/tmp/${name}_${kind}.log" 2>&1; echo "$kind rc=$?"   # (at most 8 files come back)
+  done
+}
 case "$job" in
   tf)
     timeout 260 python3 -m replayquant.bench.teacher_forcing "$OUT/teacher_forcing.json" --lengths 8192 \
@@ -140,37 +150,19 @@ case "$job" in
     # rows again on the block tile
     timeout 200 python3 evals/flush_nt_stagger.py "$OUT/flush_nt_stagger_block_tile.json" \
         > "$OUT/flush_nt_block_tile.log" 2>&1; echo "flush-nt rc=$?"
-    for kind in gdn mamba2; do
-      L=16; [ "$kind" = mamba2 ] && L=8
-      timeout 180 "${rq[@]}" bench kernels --out "$OUT" --name "kernels_${kind}_block_tile" \
-          --kinds $kind --batches 256 --L $L --pairs s32_rs,tp8_hi32,tp4_hi32 --T 4 \
-          --spec-batches 512 --no-sweep --no-peers --no-checks --budget-s 170 \
-          > /dev/null 2>&1; echo "$kind rc=$?"
-    done
+    b256 block_tile 180 --no-checks
     tail -45 "$OUT/flush_nt_block_tile.log"
     ;;
   final)
     # run 27's defaults (row blocks per flush program) at B = 256, both kinds, checks on GDN
-    for kind in gdn mamba2; do
-      L=16; ck=--checks; [ "$kind" = mamba2 ] && { L=8; ck=--no-checks; }
-      timeout 260 "${rq[@]}" bench kernels --out "$OUT" --name "kernels_${kind}_final" \
-          --kinds $kind --batches 256 --L $L --pairs s32_rs,tp8_hi32,tp4_hi32 --T 4 \
-          --spec-batches 512 --no-sweep --no-peers $ck --budget-s 250 \
-          > "$OUT/final_${kind}.log" 2>&1; echo "$kind rc=$?"
-    done
+    b256 final 260          # (run 27 ran GDN with the checks, Mamba-2 without)
     ;;
   side)
     # the flush kernel on a side stream (FLUSH_SIDE_STREAM): NT sweep with and without it, then
     # B = 256 both kinds with GPU checks (the checks' replay steps run the side stream)
     timeout 200 python3 evals/flush_nt_stagger.py "$OUT/flush_nt_side.json" \
         > "$OUT/flush_nt_side.log" 2>&1; echo "flush-nt rc=$?"
-    for kind in gdn mamba2; do
-      L=16; [ "$kind" = mamba2 ] && L=8
-      timeout 200 "${rq[@]}" bench kernels --out "$OUT" --name "kernels_${kind}_side" \
-          --kinds $kind --batches 256 --L $L --pairs s32_rs,tp8_hi32,tp4_hi32 --T 4 \
-          --spec-batches 512 --no-sweep --no-peers --budget-s 190 > /dev/null 2>&1
-      echo "$kind rc=$?"
-    done
+    b256 side 200
     tail -60 "$OUT/flush_nt_side.log"
     ;;
   confirm)
