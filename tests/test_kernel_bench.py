@@ -54,6 +54,7 @@ def test_cpu_smoke_run(tmp_path):
                 assert (kind, "replay-window", pair, B) in kernels
             assert (kind, "replay-forced-flush-layer", "s32_rs", B) in kernels
             assert (kind, "replay-forced-auto", "s32_rs", B) in kernels
+            assert (kind, "replay-forced-auto-layer", "s32_rs", B) in kernels
             assert (kind, "replay-forced-flush-fused", "s32_rs", B) in kernels
             assert (kind, "replay-window-fused", "tp4_hi32", B) in kernels
         assert (kind, "replay-read-step", "tp4_hi32", 3) in kernels

@@ -566,35 +566,27 @@ def bench_replay(kind, B, pair, L, device, copy_bw, cfg=None, detail=False, forc
                          L=L, config=c))
         st.committed.zero_()
     if forced:
-        calls = [lambda st=st: f["step"](st, **kw, state_indices=idx, out=out, path="flush", **c)
-                 for st in sts]
-        ms = time_calls(lambda: [g() for g in calls], 8) / R
-        rows.append(_row(kind, "replay-forced-flush", pair, B, ms, None, copy_bw, L=L, rot=R,
-                         note="path='flush' (small-batch dispatch): every step flushes, pointer "
-                              "kernel included"))
-        calls = [lambda st=st: f["step"](st, **kw, state_indices=idx, out=out, path="flush",
-                                         advance=False, **c) for st in sts]
-        ms = time_calls(lambda: [g() for g in calls], 8) / R
-        rows.append(_row(kind, "replay-forced-flush-layer", pair, B, ms, None, copy_bw, L=L, rot=R,
-                         note="path='flush' without the pointer kernel (a model advances the "
-                              "pointers once per token for all its layers)"))
-        # idx covers every slot and the forced steps left committed = 0 everywhere: the
-        # buffers are empty, which a store knows from from_state (buffers_empty)
-        for s_ in sts:
-            s_.buffers_empty = True
-        calls = [lambda st=st: f["step"](st, **kw, state_indices=idx, out=out, path="flush")
-                 for st in sts]
-        ms = time_calls(lambda: [g() for g in calls], 8) / R
-        rows.append(_row(kind, "replay-forced-auto", pair, B, ms, None, copy_bw, L=L, rot=R,
-                         note="path='flush', every other option at its default, buffers known "
-                              "empty: a lossless pair runs the conventional kernel on its anchor "
-                              "(pointer move included)"))
-        calls = [lambda st=st: f["step"](st, **kw, state_indices=idx, out=out, path="flush",
-                                         advance=False) for st in sts]
-        ms = time_calls(lambda: [g() for g in calls], 8) / R
-        rows.append(_row(kind, "replay-forced-auto-layer", pair, B, ms, None, copy_bw, L=L,
-                         rot=R, note="replay-forced-auto without the pointer kernel, as "
-                                     "replay-forced-flush-layer"))
+        # (kernel, step options, note); the '-auto' rows run every option at its default
+        for kernel, opts, note in (
+                ("replay-forced-flush", c, "path='flush' (small-batch dispatch): every step "
+                 "flushes, pointer kernel included"),
+                ("replay-forced-flush-layer", {**c, "advance": False}, "path='flush' without the "
+                 "pointer kernel (a model advances the pointers once per token for all its "
+                 "layers)"),
+                ("replay-forced-auto", {}, "path='flush', every other option at its default, "
+                 "buffers known empty: a lossless pair runs the conventional kernel on its "
+                 "anchor (pointer move included)"),
+                ("replay-forced-auto-layer", {"advance": False}, "replay-forced-auto without the "
+                 "pointer kernel, as replay-forced-flush-layer")):
+            if kernel == "replay-forced-auto":
+                # idx covers every slot and the forced steps left committed = 0 everywhere:
+                # the buffers are empty, which a store knows from from_state (buffers_empty)
+                for s_ in sts:
+                    s_.buffers_empty = True
+            calls = [lambda st=st, o=opts: f["step"](st, **kw, state_indices=idx, out=out,
+                                                     path="flush", **o) for st in sts]
+            ms = time_calls(lambda: [g() for g in calls], 8) / R
+            rows.append(_row(kind, kernel, pair, B, ms, None, copy_bw, L=L, rot=R, note=note))
     if pointer:
         ms = time_calls(lambda: advance_pointers(st, idx), 8)
         rows.append(_row(kind, "pointer-advance", "-", B, ms, None, copy_bw,
@@ -1084,15 +1076,17 @@ def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
                             * _launches(kind, B, mainL[kind], shapes[kind]),
                             ("replay", kind, B, pair, mainL[kind], det, forced, pair == pairs[0],
                              fu)))
-    bigT = max(Ts) if Ts else None
-    if bigT:
+    def spec_sections(T):
         for kind in kinds:
             for B in sorted(spec_batches, reverse=True):
                 gb = _gb(kind, B, shapes[kind])
                 rounds = (2 + (B >= 128)) * P + 2       # + the block-read round at B >= 128
-                sec.append((f"spec/{kind}/B{B}/T{bigT}",
-                            rounds * (E["fixed"] + gb * E["per_GB"] * (1 + bigT / 2))
-                            + P * E["compile"], ("spec", kind, B, bigT)))
+                sec.append((f"spec/{kind}/B{B}/T{T}",
+                            rounds * (E["fixed"] + gb * E["per_GB"] * (1 + T / 2))
+                            + P * E["compile"], ("spec", kind, B, T)))
+    bigT = max(Ts) if Ts else None
+    if bigT:
+        spec_sections(bigT)
     # the 'dots' read variant of the split launch, both kinds; from batch VARIANT_MIN_B (below
     # it the one-launch path is the default). ('kh', one program per (row, key head), was timed
     # in results/bench/kernels_b256.json, lost to 'dots' and was removed.)
@@ -1128,15 +1122,8 @@ def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
                                 + E["launch"] * _launches(kind, B, L, shapes[kind]),
                                 ("replay", kind, B, pair, L, False, False, False, False)))
     for T in Ts:
-        if T == bigT:
-            continue
-        for kind in kinds:
-            for B in sorted(spec_batches, reverse=True):
-                gb = _gb(kind, B, shapes[kind])
-                rounds = (2 + (B >= 128)) * P + 2
-                sec.append((f"spec/{kind}/B{B}/T{T}",
-                            rounds * (E["fixed"] + gb * E["per_GB"] * (1 + T / 2))
-                            + P * E["compile"], ("spec", kind, B, T)))
+        if T != bigT:
+            spec_sections(T)
     return sec
 
 

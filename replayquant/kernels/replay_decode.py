@@ -580,7 +580,8 @@ def _replay_read_kernel(
         STEP: tl.constexpr, RFMT: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
         HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, U_BF16: tl.constexpr,
         DT_CLAMP: tl.constexpr, DOTS: tl.constexpr):
-    """The non-flushing rows (runs after _replay_flush_kernel in the same stream): outputs of T
+    """The non-flushing rows (after _replay_flush_kernel in a verify; beside it, on the caller's
+    stream while the flush runs on its side stream, in a CUDA decode step): outputs of T
     entries from the packed read copy and the buffer, output-only, and their appends
     (read_variant 'block'; 'dots' (DOTS) takes the per-entry dot products from
     _entry_dots_kernel). Never launched for a forced step (every row flushes)."""
