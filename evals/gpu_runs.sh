@@ -27,6 +27,8 @@
 #   confirm  session 7's final defaults, B = 256, short (the last of that session's budget) ~120 s
 #   flush-nt evals/flush_nt_stagger.py: in-phase and staggered 'dots' windows by the row
 #            blocks per flush program (NT), both kinds, B = 256                  ~200 s
+#   gap      evals/batch1_gap.py: the conventional kernel on fresh stores, on replay anchors and
+#            through the replay path, B = 1 and 8, both kinds (session 8)       ~120 s
 #   followup generate, tiny-mamba2 16K demo, tf32x3 whole model + KL, GDN flush folds ~520 s
 #            (the generate check alone took over 150 s; at most 8 files come back from $OUT)
 #
@@ -35,7 +37,7 @@
 # The image has torch, triton, transformers, accelerate, rich, typer, matplotlib; not fla.
 set -uo pipefail
 : "${OUT:?set OUT to the folder where results go}"
-job=${1:?usage: bash evals/gpu_runs.sh tf|mamba|decode|read|dots|defaults|batch1|targets|recheck-gdn|recheck-mamba2|rows|revert-nt|final|side|confirm|flush-nt|generate|followup}
+job=${1:?usage: bash evals/gpu_runs.sh tf|mamba|decode|read|dots|defaults|batch1|targets|recheck-gdn|recheck-mamba2|rows|revert-nt|final|side|confirm|flush-nt|gap|generate|followup}
 export PYTHONUNBUFFERED=1 REPLAYQUANT_GIT_COMMIT=${REPLAYQUANT_GIT_COMMIT:-unknown}
 python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/site .gpu/wheels/*.whl \
     || { echo "gpu_runs: could not install the carried wheels in .gpu/wheels" >&2; exit 1; }
@@ -174,6 +176,10 @@ case "$job" in
     timeout 80 "${rq[@]}" bench kernels --out "$OUT" --name kernels_mamba2_confirm --kinds mamba2 \
         --batches 256 --L 8 --pairs tp8_hi32 --T 4 --spec-batches 512 --no-sweep --no-checks \
         --budget-s 75 > /dev/null 2>&1; echo "mamba2 rc=$?"
+    ;;
+  gap)
+    timeout 300 python3 evals/batch1_gap.py "$OUT/batch1_gap.json" --batches 1,8 --repeats 3 \
+        2>&1 | tee /tmp/gap.log; echo "gap rc=${PIPESTATUS[0]}"
     ;;
   flush-nt)
     timeout 400 python3 evals/flush_nt_stagger.py "$OUT/flush_nt_stagger.json" \
