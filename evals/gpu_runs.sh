@@ -29,6 +29,10 @@
 #            blocks per flush program (NT), both kinds, B = 256                  ~200 s
 #   gap      evals/batch1_gap.py: the conventional kernel on fresh stores, on replay anchors and
 #            through the replay path, B = 1 and 8, both kinds (session 8)       ~120 s
+#   grid-gdn, grid-mamba2, grid-spec   issue 4's whole grid at one commit in three calls (session
+#            8), no sweep (the default launch configs): GDN with the GPU checks and peers,
+#            Mamba-2 with its peer, the speculative rounds of both; then, here:
+#            replayquant bench merge kernels_part_{gdn,mamba2,spec}.json      ~460 / 380 / 470 s
 #   followup generate, tiny-mamba2 16K demo, tf32x3 whole model + KL, GDN flush folds ~520 s
 #            (the generate check alone took over 150 s; at most 8 files come back from $OUT)
 #
@@ -37,7 +41,7 @@
 # The image has torch, triton, transformers, accelerate, rich, typer, matplotlib; not fla.
 set -uo pipefail
 : "${OUT:?set OUT to the folder where results go}"
-job=${1:?usage: bash evals/gpu_runs.sh tf|mamba|decode|read|dots|defaults|batch1|targets|recheck-gdn|recheck-mamba2|rows|revert-nt|final|side|confirm|flush-nt|gap|generate|followup}
+job=${1:?usage: bash evals/gpu_runs.sh tf|mamba|decode|read|dots|defaults|batch1|targets|recheck-gdn|recheck-mamba2|rows|revert-nt|final|side|confirm|flush-nt|gap|grid-gdn|grid-mamba2|grid-spec|generate|followup}
 export PYTHONUNBUFFERED=1 REPLAYQUANT_GIT_COMMIT=${REPLAYQUANT_GIT_COMMIT:-unknown}
 python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/site .gpu/wheels/*.whl \
     || { echo "gpu_runs: could not install the carried wheels in .gpu/wheels" >&2; exit 1; }
@@ -176,6 +180,17 @@ case "$job" in
     timeout 80 "${rq[@]}" bench kernels --out "$OUT" --name kernels_mamba2_confirm --kinds mamba2 \
         --batches 256 --L 8 --pairs tp8_hi32 --T 4 --spec-batches 512 --no-sweep --no-checks \
         --budget-s 75 > /dev/null 2>&1; echo "mamba2 rc=$?"
+    ;;
+  grid-gdn|grid-mamba2|grid-spec)
+    part=${job#grid-}
+    case "$part" in
+      gdn) opts=(--kinds gdn --spec-batches=) ;;
+      mamba2) opts=(--kinds mamba2 --spec-batches= --no-checks) ;;
+      spec) opts=(--batches= --no-checks --no-peers) ;;
+    esac
+    timeout 585 "${rq[@]}" bench kernels --out "$OUT" --name "kernels_part_$part" --no-sweep \
+        --budget-s 545 "${opts[@]}" > "/tmp/grid_$part.log" 2>&1; echo "grid $part rc=$?"
+    grep -E "^\[bench|^copy|Not measured|failed" "/tmp/grid_$part.log" | cut -c1-2000
     ;;
   gap)
     timeout 300 python3 evals/batch1_gap.py "$OUT/batch1_gap.json" --batches 1,8 --repeats 3 \

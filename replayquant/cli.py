@@ -289,6 +289,21 @@ def bench_kernels_cmd(
 
 
 bench_app.command("decode", hidden=True, help="alias of 'bench kernels'")(bench_kernels_cmd)
+
+
+@bench_app.command("merge")
+def bench_merge_cmd(
+    parts: list[str] = typer.Argument(..., help="kernels JSON files of one commit (the grid split over calls)"),
+    out: str = typer.Option("results/bench", help="folder for NAME.json, NAME.md, NAME_speedup.png"),
+    name: str = typer.Option("kernels", help="output file stem"),
+):
+    """One kernels table from several `bench kernels` runs of one commit (split by --kinds /
+    --spec-batches over device calls): rows kept with their run, speedups derived within a run,
+    targets and dispatch from the merged rows."""
+    from replayquant.bench.decode import merge_kernels
+    with _user_errors():
+        res = merge_kernels(parts, out=out, name=name)
+    typer.echo(f"{len(res['rows'])} rows from {len(parts)} runs -> {out}/{name}.json, .md, _speedup.png")
 # --- end decode kernels ------------------------------------------------------------------------
 
 

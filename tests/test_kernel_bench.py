@@ -55,6 +55,8 @@ def test_cpu_smoke_run(tmp_path):
             assert (kind, "replay-forced-flush-layer", "s32_rs", B) in kernels
             assert (kind, "replay-forced-auto", "s32_rs", B) in kernels
             assert (kind, "replay-forced-auto-layer", "s32_rs", B) in kernels
+            assert (kind, "conventional-alternated", "fp32", B) in kernels
+            assert (kind, "replay-forced-auto-layer-alternated", "s32_rs", B) in kernels
             assert (kind, "replay-forced-flush-fused", "s32_rs", B) in kernels
             assert (kind, "replay-window-fused", "tp4_hi32", B) in kernels
         assert (kind, "replay-read-step", "tp4_hi32", 3) in kernels
@@ -74,9 +76,44 @@ def test_cpu_smoke_run(tmp_path):
     assert set(d["fused_us"]) == set(d["split_us"]) == {"1", "3"}
     assert all(r["speedup_vs_conv_fp32"] > 0 for r in js["rows"]
                if r["kernel"] == "replay-window-fused")
+    alt = [r for r in js["rows"] if r["kernel"].endswith("-alternated")]
+    assert all(len(r["us_each"]) == bd.ALTERNATE_REPEATS for r in alt)
+    assert all(r["speedup_vs_alternated_conv"] == 1.0 for r in alt
+               if r["kernel"] == "conventional-alternated")
+    b1 = [t for t in js["targets"] if t["target"].startswith("gdn: batch 1")][0]
+    assert any("alternated" in k for k in b1["measured"])
     md = (tmp_path / "kernels.md").read_text()
     assert "Targets of issue 4" in md and "replay-window" in md
     assert (tmp_path / "kernels_speedup.png").stat().st_size > 1000
+
+
+def test_merge_parts(tmp_path):
+    """Two smoke runs split by layer kind merge into one table; parts of different commits,
+    overlapping sections and a single part are refused with one error each."""
+    kw = dict(batches=(1,), Ls=(2,), pairs=("s32_rs",), Ts=(2,), spec_batches=(), peers=False,
+              checks=False, sweep=False, detail_batches=(), device="cpu", shapes=TINY)
+    for kind in ("gdn", "mamba2"):
+        bd.run_kernels_bench(out=str(tmp_path), kinds=(kind,), name=f"part_{kind}", plot=False,
+                             **kw)
+    parts = [str(tmp_path / f"part_{k}.json") for k in ("gdn", "mamba2")]
+    res = bd.merge_kernels(parts, out=str(tmp_path), name="merged")
+    js = json.loads((tmp_path / "merged.json").read_text())
+    assert {r["part"] for r in js["rows"]} == {0, 1}
+    assert {r["kind"] for r in js["rows"]} == {"gdn", "mamba2"}
+    assert [p["kinds"] for p in js["provenance"]["parts"]] == [["gdn"], ["mamba2"]]
+    assert len(res["targets"]) == 10
+    assert all("speedup_vs_conv_fp32" in r for r in js["rows"] if r["kernel"] == "replay-window")
+    assert "Merged from 2 runs" in (tmp_path / "merged.md").read_text()
+    assert (tmp_path / "merged_speedup.png").stat().st_size > 1000
+    with pytest.raises(ValueError, match="section"):
+        bd.merge_kernels([parts[0], parts[0]], out=str(tmp_path), name="bad")
+    with pytest.raises(ValueError, match="at least two"):
+        bd.merge_kernels(parts[:1], out=str(tmp_path), name="bad")
+    other = json.loads(open(parts[1]).read())
+    other["provenance"]["git_commit"] = "0" * 40
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    with pytest.raises(ValueError, match="git_commit"):
+        bd.merge_kernels([parts[0], str(tmp_path / "other.json")], out=str(tmp_path), name="bad")
 
 
 def test_targets_byte_ceiling():

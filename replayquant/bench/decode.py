@@ -8,6 +8,7 @@ Inputs look like a real model's: bf16 activations, raw gate logits in FP32, deca
 from __future__ import annotations
 
 import math
+import statistics
 
 import torch
 
@@ -587,6 +588,8 @@ def bench_replay(kind, B, pair, L, device, copy_bw, cfg=None, detail=False, forc
                                                      path="flush", **o) for st in sts]
             ms = time_calls(lambda: [g() for g in calls], 8) / R
             rows.append(_row(kind, kernel, pair, B, ms, None, copy_bw, L=L, rot=R, note=note))
+        if B <= ALTERNATE_MAX_B:
+            rows += _alternated(kind, B, pair, L, f, kw, idx, out, sts, R, copy_bw)
     if pointer:
         ms = time_calls(lambda: advance_pointers(st, idx), 8)
         rows.append(_row(kind, "pointer-advance", "-", B, ms, None, copy_bw,
@@ -610,6 +613,40 @@ def bench_replay(kind, B, pair, L, device, copy_bw, cfg=None, detail=False, forc
                                          "pointer move inside the one launch"))
     del sts, calls
     _empty_cache()
+    return rows
+
+
+ALTERNATE_MAX_B = 8         # the forced step is timed alternately with the conventional one up to here
+ALTERNATE_REPEATS = 3
+
+
+def _alternated(kind, B, pair, L, f, kw, idx, out, sts, R, copy_bw):
+    """The conventional FP32 kernel on the rotated stores' anchors and replay-forced-auto-layer,
+    timed alternately ALTERNATE_REPEATS times (medians): at small batch the same kernel timed
+    later in a run read up to 11% slower (evals/batch1_gap.py, results/bench/batch1_gap.json),
+    so the batch-1 target compares these two rather than rows timed minutes apart."""
+    from replayquant.kernels.conventional import ConventionalStore
+    views = [ConventionalStore(s.anchor, s.n_flush, s.key) for s in sts]
+    for s_ in sts:
+        s_.buffers_empty = True
+    ways = {"conventional-alternated": [lambda c=c: f["conv"](c, **kw, state_indices=idx, out=out,
+                                                              advance=False) for c in views],
+            "replay-forced-auto-layer-alternated": [
+                lambda st=st: f["step"](st, **kw, state_indices=idx, out=out, path="flush",
+                                        advance=False) for st in sts]}
+    times = {k: [] for k in ways}
+    for _ in range(ALTERNATE_REPEATS):
+        for k, calls in ways.items():
+            times[k].append(time_calls(lambda: [g() for g in calls], 8) / R)
+    conv = statistics.median(times["conventional-alternated"])
+    rows = []
+    for k, ts in times.items():
+        ms = statistics.median(ts)
+        rows.append(_row(kind, k, "fp32" if k.startswith("conv") else pair, B, ms, None, copy_bw,
+                         L=L, rot=R, us_each=[t * 1e3 for t in ts],
+                         speedup_vs_alternated_conv=conv / ms,
+                         note="median of alternated timings (conventional kernel on the same "
+                              "anchors / replay-forced-auto-layer)"))
     return rows
 
 
@@ -866,6 +903,9 @@ def targets(res) -> list:
                     and "speedup_vs_conv_fp32" in r:
                 key = f"{r['variant']} L={r.get('L')} {r['kernel']}"
                 v[key] = round(r["speedup_vs_conv_fp32"], 3)
+        for r in _find(rows, kind=kind, B=1, kernel="replay-forced-auto-layer-alternated"):
+            v[f"{r['variant']} L={r.get('L')} replay-forced-auto-layer, alternated with the "
+              "conventional kernel"] = round(r["speedup_vs_alternated_conv"], 3)
         best = {}
         for key, x in v.items():
             pair = key.split()[0]
@@ -920,6 +960,13 @@ def render_markdown(res) -> str:
              "2x L2). Bytes: what each kernel must move (state, buffer, inputs, output) as counted "
              "in `replayquant/bench/decode.py`. Speedups are over our conventional FP32 step at "
              "the same batch.", ""]
+    if res.get("copy_GBps_parts"):
+        lines += [f"Merged from {len(pv['parts'])} runs of this commit (`replayquant bench merge`),"
+                  " one device call each; the copy bandwidth above is their mean, each row's % of "
+                  "copy uses its own run's, and speedups compare rows of one run:", ""]
+        lines += [f"* part {i}: {p['file']}, {p['date']}, kinds {p['kinds']}, copy "
+                  f"{fmt(p['copy_GBps'], '.0f')} GB/s" for i, p in enumerate(pv["parts"])]
+        lines.append("")
     if res.get("skipped"):
         lines += ["Not measured (time budget): " + ", ".join(res["skipped"]), ""]
     tg = res.get("targets") or []
@@ -1068,11 +1115,12 @@ def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
                 det = B in detail_batches
                 forced = pair == "s32_rs"
                 fu = B <= FUSED_MAX_B
-                n = 1 + 2 * det + 2 * forced + (pair == pairs[0]) + fu * (1 + forced)
+                alt = 2 * ALTERNATE_REPEATS * (forced and B <= ALTERNATE_MAX_B)
+                n = 1 + 2 * det + 2 * forced + (pair == pairs[0]) + fu * (1 + forced) + alt
                 sec.append((f"{kind}/B{B}/{pair}/L{mainL[kind]}",
                             n * E["fixed"] + (1 + det + fu) * gb * E["per_GB"] * (mainL[kind] / 8)
                             + (E["compile"] * (2 + fu) if B == batches[0] else 0)
-                            + (1 + 2 * forced + fu * (1 + forced)) * E["launch"]
+                            + (1 + 2 * forced + fu * (1 + forced) + alt) * E["launch"]
                             * _launches(kind, B, mainL[kind], shapes[kind]),
                             ("replay", kind, B, pair, mainL[kind], det, forced, pair == pairs[0],
                              fu)))
@@ -1157,9 +1205,11 @@ def run_kernels_bench(out: str = "results/bench", batches=GRID["batches"], Ls=GR
     if cpu and shapes is None:
         raise ValueError("a CPU run needs tiny `shapes` (it only smoke-tests the benchmark code)")
     _check_names(pairs, kinds)
-    if any(T < 1 for T in Ts) or any(L < 1 for L in Ls) or not Ls or not batches:
-        raise ValueError(f"need batches, L >= 1 and T >= 1 (got {list(batches)}, {list(Ls)}, "
-                         f"{list(Ts)}); a speculative T larger than the kind's L is skipped")
+    if any(T < 1 for T in Ts) or any(L < 1 for L in Ls) or not Ls \
+            or not (batches or spec_batches):
+        raise ValueError(f"need batches or spec batches, L >= 1 and T >= 1 (got "
+                         f"{list(batches)}, {list(spec_batches)}, {list(Ls)}, {list(Ts)}); a "
+                         "speculative T larger than the kind's L is skipped")
     t0 = time.time()
     saved_shapes = SHAPES
     if shapes is not None:
@@ -1265,6 +1315,85 @@ def run_kernels_bench(out: str = "results/bench", batches=GRID["batches"], Ls=GR
     finally:
         SHAPES = saved_shapes
         _CPU_TIMING["on"] = False
+
+
+def merge_kernels(parts, out: str = "results/bench", name: str = "kernels",
+                  plot: bool = True) -> dict:
+    """`replayquant bench merge`: one {name}.json / .md / _speedup.png from several `bench
+    kernels` runs of one commit on one device kind (the grid split over calls of at most ten
+    minutes). Speedups are derived within each part (a part is one call, perhaps one machine:
+    split the grid by layer kind so that a kind's conventional and replay rows share a part);
+    targets and dispatch come from the merged rows; a section skipped by one part and run by
+    another is not listed as skipped. Each row names its part; the provenance lists the parts."""
+    import json
+    import time
+    from pathlib import Path
+
+    from replayquant.provenance import provenance
+    if len(parts) < 2:
+        raise ValueError("bench merge needs at least two kernels JSON files (parts of one run)")
+    runs = []
+    for p in parts:
+        try:
+            runs.append(json.loads(Path(p).read_text()))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"bench merge: cannot read {p} as JSON ({e})") from None
+        if "rows" not in runs[-1] or "provenance" not in runs[-1]:
+            raise ValueError(f"bench merge: {p} is not a `bench kernels` result (no rows / "
+                             "provenance)")
+    for key in ("git_commit", "device", "smoke_cpu"):
+        vals = {str(r["provenance"].get(key)) for r in runs}
+        if len(vals) > 1:
+            raise ValueError(f"bench merge: the parts differ in {key} ({sorted(vals)}); merge "
+                             "only runs of one commit on one device kind")
+    ran = {}
+    for i, r in enumerate(runs):
+        for sec in r.get("section_s", {}):
+            if sec in ran:
+                raise ValueError(f"bench merge: section {sec} ran in both {parts[ran[sec]]} and "
+                                 f"{parts[i]}; merge parts that split the grid")
+            ran[sec] = i
+    rows, errors, configs, skipped = [], {}, {}, []
+    pv = dict(runs[0]["provenance"])
+    listed = ("batches", "L", "pairs", "T", "spec_batches")
+    for k in listed:
+        pv[k] = sorted({x for r in runs for x in r["provenance"].get(k, [])})
+    pv["shapes"] = {k: v for r in runs for k, v in r["provenance"].get("shapes", {}).items()}
+    pv["parts"] = []
+    res = {"provenance": pv, "rows": rows, "errors": errors, "skipped": skipped}
+    for i, r in enumerate(runs):
+        part_rows = [{**row, "part": i} for row in r["rows"]]
+        _derive(part_rows)
+        rows += part_rows
+        errors.update({f"part {i}: {k}": v for k, v in r.get("errors", {}).items()})
+        configs.update(r.get("configs") or {})
+        skipped += [k for k in r.get("skipped", []) if k.split(" ")[0] not in ran]
+        for k in ("checks", "peer_comparison"):
+            if r.get(k) is not None and k not in res:
+                res[k] = r[k]
+        q = r["provenance"]
+        pv["parts"].append(dict(file=str(parts[i]), date=q.get("date"), wall_s=r.get("wall_s"),
+                                copy_GBps=r.get("copy_GBps"), host=q.get("host"),
+                                **{k: q.get(k) for k in (*listed, "checks", "peers", "sweep")},
+                                kinds=sorted(q.get("shapes", {}))))
+    bws = [r["copy_GBps"] for r in runs if r.get("copy_GBps")]
+    res["copy_GBps"] = sum(bws) / len(bws) if bws else None
+    res["copy_GBps_parts"] = [r.get("copy_GBps") for r in runs]
+    res["configs"] = configs
+    me = provenance("cpu")
+    pv["merged"] = dict(by="replayquant bench merge", date=me.get("date"),
+                        git_commit=me.get("git_commit"))
+    res["targets"] = targets(res)
+    res["dispatch"] = dispatch_thresholds(res)
+    res["wall_s"] = sum(r.get("wall_s") or 0 for r in runs)
+    outp = Path(out)
+    outp.mkdir(parents=True, exist_ok=True)
+    md = render_markdown(res)
+    (outp / f"{name}.md").write_text(md)
+    if plot:
+        plot_kernels(res, str(outp / f"{name}_speedup.png"))
+    (outp / f"{name}.json").write_text(json.dumps(res, indent=1, default=str))
+    return res
 
 
 def plot_kernels(res, png: str) -> None:
