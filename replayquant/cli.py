@@ -268,7 +268,8 @@ def bench_kernels_cmd(
 ):
     """GPU: conventional vs replay decode kernels over issue 4's grid (B x L x pair, T), peers,
     speculative verify, against the copy bandwidth measured in the same run. Prints a runtime
-    estimate first (the whole grid: about 19 minutes on an H200 by the last calibration); sections
+    estimate first (the whole grid: about 50 minutes on an H200 by the last calibration, two
+    thirds of it building stores of the stochastic-rounding pair on the host); sections
     past --budget-s are skipped from the end of the plan and listed, so split the grid with
     --kinds / --pairs / --batches over several calls."""
     from replayquant.bench.decode import estimate_s, plan, run_kernels_bench

@@ -1059,7 +1059,25 @@ def render_markdown(res) -> str:
 # B = 256 sections (model: 34 s; its section_s has per-section times). The GPU checks compile
 # every kernel on a fresh machine (60 s), and each small-batch window makes thousands of Python
 # step calls (launch: seconds per launch, ~0.6 ms per step call of three kernels).
-_EST = dict(fixed=0.27, compile=2.0, per_GB=0.96, checks=60.0, copy=3.0, peer=0.75, launch=6e-4)
+_EST = dict(fixed=0.27, compile=2.0, per_GB=0.96, checks=60.0, copy=3.0, peer=0.75, launch=1e-5,
+            sr_per_GB=36.0)
+# Refit on the session-8 grid (5262a23, three calls, 1454 s of sections; least squares over the
+# sections, this model predicts 1604 s for them): building a store of a pair with a
+# stochastic-rounding role casts it with the torch reference, whose Philox bits come from numpy
+# on the host, ~36 s per GB of FP32 state (the tp4_hi16_sr sections took 75-78 s at Mamba-2
+# B = 512 against under 1 s for the other pairs; speculative sections build about two such
+# stores); Python launches during capture fitted to ~0 (launch was 6e-4 s: the B = 1 sections
+# took 5-7 s, estimated 38).
+
+
+def _sr_pairs(pairs) -> int:
+    """How many of `pairs` have a role with stochastic rounding."""
+    from replayquant.pairs import PrecisionPair
+    n = 0
+    for name in pairs:
+        P = PrecisionPair.load(name)
+        n += any(r is not None and r.rounding == "stochastic" for r in (P.anchor, P.read))
+    return n
 
 
 def _launches(kind, B, L, S, rot=True):
@@ -1121,9 +1139,12 @@ def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
                             n * E["fixed"] + (1 + det + fu) * gb * E["per_GB"] * (mainL[kind] / 8)
                             + (E["compile"] * (2 + fu) if B == batches[0] else 0)
                             + (1 + 2 * forced + fu * (1 + forced) + alt) * E["launch"]
-                            * _launches(kind, B, mainL[kind], shapes[kind]),
+                            * _launches(kind, B, mainL[kind], shapes[kind])
+                            + _sr_pairs([pair]) * E["sr_per_GB"] * gb,
                             ("replay", kind, B, pair, mainL[kind], det, forced, pair == pairs[0],
                              fu)))
+    n_sr = _sr_pairs(pairs)
+
     def spec_sections(T):
         for kind in kinds:
             for B in sorted(spec_batches, reverse=True):
@@ -1131,7 +1152,8 @@ def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
                 rounds = (2 + (B >= 128)) * P + 2       # + the block-read round at B >= 128
                 sec.append((f"spec/{kind}/B{B}/T{T}",
                             rounds * (E["fixed"] + gb * E["per_GB"] * (1 + T / 2))
-                            + P * E["compile"], ("spec", kind, B, T)))
+                            + P * E["compile"] + 2 * n_sr * E["sr_per_GB"] * gb,
+                            ("spec", kind, B, T)))
     bigT = max(Ts) if Ts else None
     if bigT:
         spec_sections(bigT)
@@ -1150,7 +1172,8 @@ def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
                     sec.append((f"{variant}/{kind}/B{B}/{pair}/L{L}",
                                 (2 + n * det) * E["fixed"] + 2 * gb * E["per_GB"] * (L / 8)
                                 + (E["compile"] if B == vb[0] else 0)
-                                + 2 * E["launch"] * _launches(kind, B, L, shapes[kind]),
+                                + 2 * E["launch"] * _launches(kind, B, L, shapes[kind])
+                                + _sr_pairs([pair]) * E["sr_per_GB"] * gb,
                                 ("variant", kind, B, pair, L, det, variant)))
     if peers:                           # fla / mamba_ssm: before the other L values
         for kind in kinds:
@@ -1167,7 +1190,8 @@ def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
                     sec.append((f"{kind}/B{B}/{pair}/L{L}",
                                 E["fixed"] + gb * E["per_GB"] * (L / 8)
                                 + (E["compile"] * 2 if B == batches[0] else 0)
-                                + E["launch"] * _launches(kind, B, L, shapes[kind]),
+                                + E["launch"] * _launches(kind, B, L, shapes[kind])
+                                + _sr_pairs([pair]) * E["sr_per_GB"] * gb,
                                 ("replay", kind, B, pair, L, False, False, False, False)))
     for T in Ts:
         if T != bigT:

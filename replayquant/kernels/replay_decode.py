@@ -794,7 +794,7 @@ def choose_path(kind: str, n_rows: int, shared: bool = True, threshold: int | No
     49.6, B=128 160.8 vs 168.1, B=256 343.9 vs 331.3; Mamba-2 B=8 17.4 vs 19.2, B=32 80.1 vs
     69.0); for pairs with a separate read copy the forced flush (which writes both roles every
     step) was never faster (GDN tp4_hi32 B=1 11.1 vs 9.1 us), so they always replay.
-    Run 4 (results/bench/kernels.json, commit ff0ef94, cold L2) confirmed the GDN value: forced
+    Run 4 (results/bench/kernels_run4.json, commit ff0ef94, cold L2) confirmed the GDN value: forced
     flush vs block window B=128 160.7 vs 168.3, B=256 344.9 vs 331.8 (and the 'dots' window, the
     default read from 256 rows, 269.2 at B=256 in run 5); Mamba-2 not re-measured.
     Run 13 (results/bench/kernels_gdn_dots_default.json, 249d8c6): with the 'dots' read (16-row
@@ -880,7 +880,7 @@ def resolve_read_variant(store: ReplayStore, n_rows: int, read_variant: str = "a
 LAUNCHES = ("auto", "split", "fused")
 
 # rows below which a decode step runs as one launch (launch='auto' -> 'fused'), by (kind, any
-# NVFP4 role). H200, results/bench/kernels.json (commit ff0ef94), GDN L = 16, window us/step
+# NVFP4 role). H200, results/bench/kernels_run4.json (commit ff0ef94), GDN L = 16, window us/step
 # fused vs split: s32_rs B=1 6.3 vs 8.6, B=8 19.2 vs 18.3; tp8_hi32 B=1 5.8 vs 7.8, B=8 17.6 vs
 # 17.6; tp4_hi32 B=1 12.8 vs 8.7 (an NVFP4 role makes the fused block a whole matrix: never
 # faster). Mamba-2 not measured yet: the GDN values.
