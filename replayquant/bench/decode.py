@@ -1054,11 +1054,11 @@ def render_markdown(res) -> str:
 # per new kernel specialization, setup + timed replays that grow with the bytes of the states,
 # and Python launches of the rotated small-batch windows (captured, warmed up twice). First
 # calibrated on the run of results/bench/decode.json (e980202, H200: 165 s); refit on the two
-# runs of this session (fresh machines, cold-L2 rotations): kernels.json (ff0ef94) took 311 s for
-# checks, sweeps and GDN B 1-256 (model: 303 s) and kernels_b256.json (37b59f8) 26 s for seven
-# B = 256 sections (model: 34 s; its section_s has per-section times). The GPU checks compile
-# every kernel on a fresh machine (60 s), and each small-batch window makes thousands of Python
-# step calls (launch: seconds per launch, ~0.6 ms per step call of three kernels).
+# runs 4 and 5 (fresh machines, cold-L2 rotations): kernels_run4.json (ff0ef94) took 311 s
+# for checks, sweeps and GDN B 1-256 (model: 303 s) and kernels_b256.json (37b59f8) 26 s for
+# seven B = 256 sections (model: 34 s; its section_s has per-section times). The GPU checks
+# compile every kernel on a fresh machine (60 s). Small-batch windows make thousands of Python
+# step calls (launch: seconds per launch; 6e-4 until session 8, see below).
 _EST = dict(fixed=0.27, compile=2.0, per_GB=0.96, checks=60.0, copy=3.0, peer=0.75, launch=1e-5,
             sr_per_GB=36.0)
 # Refit on the session-8 grid (5262a23, three calls, 1454 s of sections; least squares over the
