@@ -1443,12 +1443,17 @@ def plot_kernels(res, png: str) -> None:
                 if pts:
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=f"L={L}")
             L0 = PAIR_L[kind]
-            pts = sorted((r["B"], r["speedup_vs_conv_fp32"]) for r in
-                         _find(rows, kind=kind, kernel="replay-window-fused", variant=pair, L=L0)
-                         if "speedup_vs_conv_fp32" in r)
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], ls="-.", marker="^", ms=3,
-                        label=f"L={L0} one launch")
+            for kern, lab, ls, mk in (
+                    ("replay-window-fused", f"L={L0} one launch", "-.", "^"),
+                    ("replay-window-dots", f"L={L0} dots (default from {VARIANT_MIN_B})", "-", "D"),
+                    ("replay-window-dots-staggered", f"L={L0} dots, rows out of phase", "--",
+                     "d")):
+                pts = sorted((r["B"], r["speedup_vs_conv_fp32"]) for r in
+                             _find(rows, kind=kind, kernel=kern, variant=pair, L=L0)
+                             if "speedup_vs_conv_fp32" in r)
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], ls=ls, marker=mk, ms=3,
+                            label=lab)
             for kern, lab in (("replay-forced-flush-layer", "flush every step"),
                               ("replay-forced-auto", "flush every step, default path")):
                 pts = sorted((r["B"], r["speedup_vs_conv_fp32"]) for r in
