@@ -38,8 +38,7 @@ def _setup(kind, B, device):
     P, _, _ = bd._pair("s32_rs", bd.PAIR_L[kind])
     fresh = [ConventionalStore.from_state(init, "fp32") for _ in range(R)]
     sts = [ReplayStore.from_state(init, P, kind, key_heads=HK) for _ in range(R)]
-    views = [ConventionalStore(s.anchor, s.n_flush, s.key) for s in sts]
-    return S, R, fresh, sts, views
+    return S, R, fresh, sts
 
 
 def main(argv=None) -> int:
@@ -58,29 +57,22 @@ def main(argv=None) -> int:
     for kind in ("gdn", "mamba2"):
         f = bd._fns(kind)
         for B in batches:
-            S, R, fresh, sts, views = _setup(kind, B, dev)
+            S, R, fresh, sts = _setup(kind, B, dev)
             kw = bd._kw(kind, S, B, seed=1, device=dev)
             idx = torch.arange(B, dtype=torch.int32, device=dev)
             out = torch.empty(B, S["H"], S["dv"], device=dev)
-            ways = {
-                "conv-fresh": [lambda c=c: f["conv"](c, **kw, state_indices=idx, out=out,
-                                                     advance=False) for c in fresh],
-                "conv-on-anchor": [lambda c=c: f["conv"](c, **kw, state_indices=idx, out=out,
-                                                         advance=False) for c in views],
-                "replay-forced-auto-layer": [lambda s=s: f["step"](s, **kw, state_indices=idx,
-                                                                   out=out, path="flush",
-                                                                   advance=False) for s in sts],
-            }
+            ways = {"conv-fresh": bd.conv_calls(f, kw, idx, out, fresh),
+                    **bd.anchor_ways(f, kw, idx, out, sts)}
             off = {"conv-fresh": [c.state.payload.data_ptr() % PAGE for c in fresh],
                    "anchor": [s.anchor.payload.data_ptr() % PAGE for s in sts]}
-            for rep in range(a.repeats):
-                for name, calls in ways.items():
-                    ms = bd.time_calls(lambda: [g() for g in calls], 8) / R
-                    rows.append({"kind": kind, "B": B, "way": name, "repeat": rep, "rot": R,
-                                 "us": ms * 1e3})
-                    print(f"{kind} B={B} {name:26s} rep {rep}: {ms * 1e3:7.2f} us", flush=True)
+
+            def report(name, rep, ms, kind=kind, B=B, R=R):
+                rows.append({"kind": kind, "B": B, "way": name, "repeat": rep, "rot": R,
+                             "us": ms * 1e3})
+                print(f"{kind} B={B} {name:26s} rep {rep}: {ms * 1e3:7.2f} us", flush=True)
+            bd.alternate_ms(ways, R, a.repeats, report)
             rows.append({"kind": kind, "B": B, "way": "page-offsets", "offsets": off})
-            del fresh, sts, views, ways
+            del fresh, sts, ways
             torch.cuda.empty_cache()
     res = {"provenance": provenance(dev, script="evals/batch1_gap.py", batches=batches,
                                     repeats=a.repeats, shapes=bd.SHAPES),

@@ -501,8 +501,7 @@ def bench_conventional(kind, B, device, copy_bw, cfg=None, S=None):
         c = cfg.get("conventional/fp32", {})
         R = _rotations(B * H * state_bytes(fmt, dv, dk), device)
         css = [ConventionalStore.from_state(init, fmt) for _ in range(R)]
-        calls = [lambda cs=cs: f["conv"](cs, **kw, state_indices=idx, out=out, advance=False, **c)
-                 for cs in css]
+        calls = conv_calls(f, kw, idx, out, css, **c)
         ms = time_calls(lambda: [g() for g in calls], 8) / R
         rows.append(_row(kind, "conventional", fmt, B, ms,
                          conventional_bytes(kind, fmt, B, H, HK, dv, dk), copy_bw, config=c, rot=R))
@@ -620,30 +619,53 @@ ALTERNATE_MAX_B = 8         # the forced step is timed alternately with the conv
 ALTERNATE_REPEATS = 3
 
 
-def _alternated(kind, B, pair, L, f, kw, idx, out, sts, R, copy_bw):
-    """The conventional FP32 kernel on the rotated stores' anchors and replay-forced-auto-layer,
-    timed alternately ALTERNATE_REPEATS times (medians): at small batch the same kernel timed
-    later in a run read up to 11% slower (evals/batch1_gap.py, results/bench/batch1_gap.json),
-    so the batch-1 target compares these two rather than rows timed minutes apart."""
+def conv_calls(f, kw, idx, out, stores, **cfg) -> list:
+    """One conventional step per (rotated) store, as calls of no arguments, pointers held."""
+    return [lambda c=c: f["conv"](c, **kw, state_indices=idx, out=out, advance=False, **cfg)
+            for c in stores]
+
+
+def anchor_ways(f, kw, idx, out, sts) -> dict:
+    """The two ways of running one compiled launch at small batch, each a list of calls over
+    the rotated ReplayStores `sts`: the conventional FP32 kernel on ConventionalStore views of
+    their anchors ('conv-on-anchor') and the replay step with path='flush', buffers known empty
+    and no pointer kernel ('replay-forced-auto-layer')."""
     from replayquant.kernels.conventional import ConventionalStore
+    for st in sts:
+        st.buffers_empty = True
     views = [ConventionalStore(s.anchor, s.n_flush, s.key) for s in sts]
-    for s_ in sts:
-        s_.buffers_empty = True
-    ways = {"conventional-alternated": [lambda c=c: f["conv"](c, **kw, state_indices=idx, out=out,
-                                                              advance=False) for c in views],
-            "replay-forced-auto-layer-alternated": [
+    return {"conv-on-anchor": conv_calls(f, kw, idx, out, views),
+            "replay-forced-auto-layer": [
                 lambda st=st: f["step"](st, **kw, state_indices=idx, out=out, path="flush",
                                         advance=False) for st in sts]}
+
+
+def alternate_ms(ways: dict, R: int, repeats: int, report=None) -> dict:
+    """ms per step of each way (a list of R rotated calls, 8 steps each), the ways timed one
+    after the other `repeats` times; report(way, repeat, ms) after each timing."""
     times = {k: [] for k in ways}
-    for _ in range(ALTERNATE_REPEATS):
+    for rep in range(repeats):
         for k, calls in ways.items():
             times[k].append(time_calls(lambda: [g() for g in calls], 8) / R)
-    conv = statistics.median(times["conventional-alternated"])
+            if report is not None:
+                report(k, rep, times[k][-1])
+    return times
+
+
+def _alternated(kind, B, pair, L, f, kw, idx, out, sts, R, copy_bw):
+    """anchor_ways timed alternately ALTERNATE_REPEATS times (medians): at small batch the same
+    kernel timed later in a run read up to 11% slower (evals/batch1_gap.py,
+    results/bench/batch1_gap.json), so the batch-1 target compares these two rather than rows
+    timed minutes apart."""
+    kernels = {"conv-on-anchor": "conventional-alternated",
+               "replay-forced-auto-layer": "replay-forced-auto-layer-alternated"}
+    times = alternate_ms(anchor_ways(f, kw, idx, out, sts), R, ALTERNATE_REPEATS)
+    conv = statistics.median(times["conv-on-anchor"])
     rows = []
-    for k, ts in times.items():
+    for way, ts in times.items():
         ms = statistics.median(ts)
-        rows.append(_row(kind, k, "fp32" if k.startswith("conv") else pair, B, ms, None, copy_bw,
-                         L=L, rot=R, us_each=[t * 1e3 for t in ts],
+        rows.append(_row(kind, kernels[way], "fp32" if way == "conv-on-anchor" else pair, B, ms,
+                         None, copy_bw, L=L, rot=R, us_each=[t * 1e3 for t in ts],
                          speedup_vs_alternated_conv=conv / ms,
                          note="median of alternated timings (conventional kernel on the same "
                               "anchors / replay-forced-auto-layer)"))
@@ -1070,14 +1092,11 @@ _EST = dict(fixed=0.27, compile=2.0, per_GB=0.96, checks=60.0, copy=3.0, peer=0.
 # took 5-7 s, estimated 38).
 
 
-def _sr_pairs(pairs) -> int:
-    """How many of `pairs` have a role with stochastic rounding."""
+def _sr_pair(name) -> bool:
+    """Whether pair `name` has a role with stochastic rounding."""
     from replayquant.pairs import PrecisionPair
-    n = 0
-    for name in pairs:
-        P = PrecisionPair.load(name)
-        n += any(r is not None and r.rounding == "stochastic" for r in (P.anchor, P.read))
-    return n
+    P = PrecisionPair.load(name)
+    return any(r is not None and r.rounding == "stochastic" for r in (P.anchor, P.read))
 
 
 def _launches(kind, B, L, S, rot=True):
@@ -1115,6 +1134,7 @@ def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
     shapes = shapes or SHAPES
     E = _EST
     P = len(pairs)
+    sr = {p: _sr_pair(p) for p in pairs}       # stores of these pairs are slow to build
     sec = []
     if checks:
         sec.append(("checks", E["checks"], ("checks",)))
@@ -1140,10 +1160,10 @@ def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
                             + (E["compile"] * (2 + fu) if B == batches[0] else 0)
                             + (1 + 2 * forced + fu * (1 + forced) + alt) * E["launch"]
                             * _launches(kind, B, mainL[kind], shapes[kind])
-                            + _sr_pairs([pair]) * E["sr_per_GB"] * gb,
+                            + sr[pair] * E["sr_per_GB"] * gb,
                             ("replay", kind, B, pair, mainL[kind], det, forced, pair == pairs[0],
                              fu)))
-    n_sr = _sr_pairs(pairs)
+    n_sr = sum(sr.values())
 
     def spec_sections(T):
         for kind in kinds:
@@ -1173,7 +1193,7 @@ def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
                                 (2 + n * det) * E["fixed"] + 2 * gb * E["per_GB"] * (L / 8)
                                 + (E["compile"] if B == vb[0] else 0)
                                 + 2 * E["launch"] * _launches(kind, B, L, shapes[kind])
-                                + _sr_pairs([pair]) * E["sr_per_GB"] * gb,
+                                + sr[pair] * E["sr_per_GB"] * gb,
                                 ("variant", kind, B, pair, L, det, variant)))
     if peers:                           # fla / mamba_ssm: before the other L values
         for kind in kinds:
@@ -1191,7 +1211,7 @@ def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
                                 E["fixed"] + gb * E["per_GB"] * (L / 8)
                                 + (E["compile"] * 2 if B == batches[0] else 0)
                                 + E["launch"] * _launches(kind, B, L, shapes[kind])
-                                + _sr_pairs([pair]) * E["sr_per_GB"] * gb,
+                                + sr[pair] * E["sr_per_GB"] * gb,
                                 ("replay", kind, B, pair, L, False, False, False, False)))
     for T in Ts:
         if T != bigT:
@@ -1350,7 +1370,6 @@ def merge_kernels(parts, out: str = "results/bench", name: str = "kernels",
     targets and dispatch come from the merged rows; a section skipped by one part and run by
     another is not listed as skipped. Each row names its part; the provenance lists the parts."""
     import json
-    import time
     from pathlib import Path
 
     from replayquant.provenance import provenance
