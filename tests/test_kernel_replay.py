@@ -459,13 +459,15 @@ def test_read_variant_dots_matches_reference_and_block(kind, pair):
     across flushes, two key heads, padding rows, rows out of phase, poisoned outputs and
     buffers, default bf16 u buffer: equals the torch reference and the block kernel; with
     flush programs of two 8-row blocks each (flush_config (rows, warps, NT)) as well (NVFP4
-    pairs: NT = 1 given)."""
+    pairs: NT = 1 given), and with read programs of 2 and 4 blocks of 8 rows (read_blocks: the
+    next block's loads issued before this block's products)."""
     N, HK, H, dk, dv = 4, 2, 4, 16, 32
     dr = Driver(kind, 5, HK, H, dk, dv)
     store = ReplayStore.from_state(random_state(N, H, dv, dk, seed=29), pair, kind,
                                    key_heads=HK, seed=3, buffer_len=3)
     poison_buffers(store)
     ref, blk, nt2 = store.clone(), store.clone(), store.clone()
+    rbs = {2: store.clone(), 4: store.clone()}
     ntc = (dv, 4, 1) if "tp4" in pair else (8, 1, 2)    # NVFP4: whole matrices
     idx = torch.tensor([2, -1, 0, 3, 1])
     tol = 2e-2 if kind == "gdn" else _tol(PrecisionPair.load(pair))     # bf16 u (GDN)
@@ -481,6 +483,10 @@ def test_read_variant_dots_matches_reference_and_block(kind, pair):
         y4 = dr.kernel(nt2, inp, idx, launch="split", read_variant="dots", block_v=16,
                        flush_config=ntc)
         torch.testing.assert_close(y4, y, rtol=1e-5, atol=1e-5 * y.abs().max().item())
+        for nb, st_ in rbs.items():
+            y5 = dr.kernel(st_, inp, idx, launch="split", read_variant="dots", block_v=8,
+                           read_blocks=nb)
+            torch.testing.assert_close(y5, y, rtol=1e-5, atol=1e-5 * y.abs().max().item())
         assert (y[idx < 0] == 0).all()
         torch.testing.assert_close(y, y2, rtol=tol, atol=tol * y2.abs().max().item())
         torch.testing.assert_close(y, y3, rtol=1e-5, atol=1e-5 * y3.abs().max().item())
@@ -490,8 +496,20 @@ def test_read_variant_dots_matches_reference_and_block(kind, pair):
     for name in ("kbuf", "vbuf", "Gbuf", "bbuf"):
         a_, b_ = getattr(store, name), getattr(blk, name)
         assert torch.equal(a_.view(torch.uint8), b_.view(torch.uint8)), name
+        for st_ in rbs.values():
+            assert torch.equal(getattr(st_, name).view(torch.uint8), a_.view(torch.uint8)), name
+    for st_ in rbs.values():
+        assert torch.equal(st_.committed, store.committed)
+        assert_states_close(st_.anchor.dequantize(), store.anchor.dequantize())
+        if kind == "gdn":
+            torch.testing.assert_close(st_.ubuf.float(), store.ubuf.float(), rtol=1e-2, atol=1e-3,
+                                           equal_nan=True)
     with pytest.raises(ValueError, match="split launch"):
         dr.kernel(store, inp, idx, launch="fused", read_variant="dots")
+    with pytest.raises(ValueError, match="read_blocks"):
+        dr.kernel(store, inp, idx, launch="split", read_variant="dots", block_v=8, read_blocks=3)
+    with pytest.raises(ValueError, match="read_blocks"):
+        dr.kernel(store, inp, idx, launch="fused", read_blocks=2)
 
 
 @pytest.mark.parametrize("pair", ["s32_rs", "tp4_hi32"])

@@ -80,12 +80,14 @@ def _accepts(rnd, T):
 @pytest.mark.parametrize("kind", ["gdn", "mamba2"])
 @pytest.mark.parametrize("pair,read_variant", [("s32_rs", "block"), ("tp4_hi16_sr", "block"),
                                                ("tp8_hi32", "block"), ("s32_rs", "dots"),
-                                               ("tp4_hi16_sr", "dots")])
+                                               ("tp4_hi16_sr", "dots"), ("tp8_hi32", "dots2"),
+                                               ("tp4_hi32", "dots2")])
 def test_replay_verify_accept(kind, pair, read_variant):
     """Rounds of step / verify(T=3) + random accept with L = 5 (pre-flushes of committed entries
     inside verify, h = L left by accept then flushed by the next step): kernel vs reference vs
     ReplayState, outputs, pointers, anchor and read copy; verify with both read variants
-    ('dots': every draft's per-entry dot products from _entry_dots_kernel)."""
+    ('dots': every draft's per-entry dot products from _entry_dots_kernel; 'dots2': the same
+    with read programs of two blocks of 8 rows, read_blocks=2)."""
     T = 3
     P = PrecisionPair.load(pair).with_buffer_len(5)
     tol = 1e-5 if pair == "s32_rs" else 1e-3
@@ -111,7 +113,9 @@ def test_replay_verify_accept(kind, pair, read_variant):
         else:
             kw, fe, post = inputs(kind, T, seed=rnd)
             out = torch.full((IDX.shape[0], T, H, DV), float("nan"))
-            y = ver(st, **kw, state_indices=IDX, out=out, read_variant=read_variant)
+            opts = ({"read_variant": "dots", "block_v": 8, "read_blocks": 2}
+                    if read_variant == "dots2" else {"read_variant": read_variant})
+            y = ver(st, **kw, state_indices=IDX, out=out, **opts)
             assert y is out and torch.isfinite(y).all()
             y2 = call(ver_ref, ref, kw)
             yr = rs.verify(*fe)

@@ -672,7 +672,8 @@ def _alternated(kind, B, pair, L, f, kw, idx, out, sts, R, copy_bw):
     return rows
 
 
-VARIANT_CFGS = {"dots": [(16, 1), (16, 2), (16, 4), (32, 2), (64, 4)]}
+# read configs (block_v, num_warps, read_blocks) the detail batch sweeps, by read variant
+VARIANT_CFGS = {"dots": [(16, 1, 1), (16, 2, 1), (16, 4, 1), (32, 2, 1), (64, 4, 1)]}
 # (16 rows with 2 / 4 warps: the NVFP4 'dots' read at 105 / 64 registers instead of 168 with one
 # warp, ptxas -v for sm_90a; not timed yet)
 
@@ -688,15 +689,15 @@ def bench_replay_variant(kind, B, pair, L, device, copy_bw, cfg=None, detail=Fal
     rows = []
     # its own configs at the detail batch, the window with the best (elsewhere: the block
     # kernel's config)
-    ck = {k_: c[k_] for k_ in ("block_v", "num_warps") if k_ in c}
+    ck = {k_: c[k_] for k_ in ("block_v", "num_warps", "read_blocks") if k_ in c}
     fc = {"flush_config": c["flush_config"]} if "flush_config" in c else {}
     fc["launch"] = "split"
     if detail:
         cands = []
-        for bv, nw in VARIANT_CFGS[variant]:
-            if bv > dv:
+        for bv, nw, nt in VARIANT_CFGS[variant]:
+            if bv * nt > dv:
                 continue
-            c2 = dict(block_v=bv, num_warps=nw)
+            c2 = dict(block_v=bv, num_warps=nw, read_blocks=nt)
             st.committed.fill_(L // 2)
             ms = time_calls(lambda: f["step"](st, **kw, state_indices=idx, out=out,
                                               path="replay", advance=False, read_variant=variant,

@@ -317,13 +317,15 @@ def _l2norm(x):
 
 
 @triton.jit
-def _program_tile(idx_ptr, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr):
+def _program_tile(idx_ptr, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
+                  NT: tl.constexpr = 1):
     """Grid (batch row x value head, row block) -> batch row, value head, its key head, the
-    block's state rows and columns, and the row's state slot (negative: padding row)."""
+    block's state rows (its first BV rows when a program takes NT blocks) and columns, and the
+    row's state slot (negative: padding row)."""
     pid = tl.program_id(0)
     row = pid // HV
     hv = pid % HV
-    rows = tl.program_id(1) * BV + tl.arange(0, BV)
+    rows = tl.program_id(1) * (BV * NT) + tl.arange(0, BV)
     slot = tl.load(idx_ptr + row).to(tl.int64)
     return row, hv, hv // (HV // HK), rows, tl.arange(0, DK), slot
 

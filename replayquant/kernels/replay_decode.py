@@ -61,7 +61,7 @@ from replayquant.kernels.conventional import (_into, _program_tile, PackedRole, 
                                               gdn_frontend_ref, mamba2_frontend_ref,
                                               mamba2_post_ref, role_streams, small_block,
                                               split_key)
-from replayquant.kernels.quant import decode_e2m1, decode_e4m3
+from replayquant.kernels.quant import decode_bf16, decode_e2m1, decode_e4m3, decode_fp16
 from replayquant.streams import ANCHOR, READ, layer_seed
 
 __all__ = ["ReplayStore", "replay_gdn_step", "replay_gdn_step_ref", "replay_mamba2_step",
@@ -400,43 +400,129 @@ def _replay_flush_kernel(
 
 
 @triton.jit
-def _read_tile(pay, sc, gs, mat, rows, DV: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr):
-    """The read copy of rows `rows` for matrix-vector products, decoded in registers.
-    NVFP4: even / odd column E2M1 values [BV, DK/16, 8], the block scales [BV, DK/16] and the
-    matrix scale, applied per block after the in-block sums (no re-interleaving, one block-scale
-    decode per block); other formats: (tile, tile, 1, 1)."""
+def _tile_raw(pay, sc, mat, rows, ok, DV: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr):
+    """The loads of the read copy's rows `rows`, not decoded (what a row-block loop carries as
+    its prefetch): (payload, scales). NVFP4: int32 words [BV, DK/8] (word w holds the E2M1
+    codes of columns 8w..8w+7, column 8w+i in bits 4i..4i+3) and the E4M3 block scale byte of
+    each word [BV, DK/8]; FP8: int32 words [BV, DK/4] (column 4w+i in byte i) and the row
+    scales [BV]; FP32 / FP16 / BF16: the stored values [BV, DK], scales a dummy. Codes packed
+    four or eight to a register keep the payload (and a prefetch of it) in few registers.
+    ok False (a scalar): nothing loaded."""
     if FMT == 4:
-        DK2: tl.constexpr = DK // 2
-        NB: tl.constexpr = DK // 16
-        nb = tl.arange(0, NB)
-        i8 = tl.arange(0, 8)
-        p = tl.load(pay + mat * (DV * DK2) + rows[:, None, None] * DK2 + nb[None, :, None] * 8
-                    + i8[None, None, :]).to(tl.int32)
-        T0 = decode_e2m1(p)
-        T1 = decode_e2m1(p >> 4)
-        bs = decode_e4m3(tl.load(sc + mat * (DV * NB) + rows[:, None] * NB + nb[None, :]))
-        s = tl.load(gs + mat)
+        NW: tl.constexpr = DK // 8
+        w = tl.arange(0, NW)
+        words = pay.to(tl.pointer_type(tl.int32))
+        p = tl.load(words + mat * (DV * NW) + rows[:, None] * NW + w[None, :], mask=ok, other=0)
+        b = tl.load(sc + mat * (DV * (DK // 16)) + rows[:, None] * (DK // 16) + (w // 2)[None, :],
+                    mask=ok, other=0)
+    elif FMT == 3:
+        NW: tl.constexpr = DK // 4
+        w = tl.arange(0, NW)
+        words = pay.to(tl.pointer_type(tl.int32))
+        p = tl.load(words + mat * (DV * NW) + rows[:, None] * NW + w[None, :], mask=ok, other=0)
+        b = tl.load(sc + mat * DV + rows, mask=ok, other=0.0)
     else:
         cols = tl.arange(0, DK)
-        T0 = _tile_load(pay, sc, gs, mat, rows, cols, DV, DK, rows.shape[0], FMT)
-        T1 = T0
-        bs = 1.0
-        s = 1.0
-    return T0, T1, bs, s
+        p = tl.load(pay + mat * (DV * DK) + rows[:, None] * DK + cols[None, :], mask=ok, other=0)
+        b = tl.zeros([1], tl.float32)
+    return p, b
 
 
 @triton.jit
-def _tile_dot(T0, T1, bs, s, x, DK: tl.constexpr, FMT: tl.constexpr):
-    """(read copy) @ x for x [DK] float32, from _read_tile's representation."""
-    if FMT == 4:
-        xe, xo = tl.split(tl.reshape(x, (DK // 2, 2)))
-        xe = tl.reshape(xe, (DK // 16, 8))
-        xo = tl.reshape(xo, (DK // 16, 8))
-        part = tl.sum(T0 * xe[None, :, :] + T1 * xo[None, :, :], axis=2)
-        r = tl.sum(part * bs, axis=1) * s
+def _code_at(p, SHIFT: tl.constexpr, EBITS: tl.constexpr, MBITS: tl.constexpr):
+    """The small-float code at bits SHIFT.. of the int32 words p, as float32 times
+    2^(bias - 15) (quant._decode_small_float without its final multiply, which the callers
+    fold into the scales)."""
+    NB: tl.constexpr = EBITS + MBITS
+    c = p >> SHIFT
+    h = ((c & ((1 << NB) - 1)) << (10 - MBITS)) | ((c & (1 << NB)) << (15 - NB))
+    return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _nib2(p, SHIFT: tl.constexpr, xi, yi, TWO: tl.constexpr, ax=None, ay=None):
+    """Accumulators (ax, ay) plus the E2M1 codes at bits SHIFT.. of the words p times the
+    columns xi (and yi with TWO) they hold: each code decoded once and used at once."""
+    c = _code_at(p, SHIFT, 2, 1)
+    if ax is None:
+        ax = c * xi[None, :]
+        ay = ax
+        if TWO:
+            ay = c * yi[None, :]
     else:
-        r = tl.sum(T0 * x[None, :], axis=1)
-    return r
+        ax += c * xi[None, :]
+        if TWO:
+            ay += c * yi[None, :]
+    return ax, ay
+
+
+@triton.jit
+def _split4(x, N: tl.constexpr):
+    """x [4N] -> its elements 4w, 4w+1, 4w+2, 4w+3 as four [N] vectors."""
+    e, o = tl.split(tl.reshape(x, (N, 2, 2)))
+    x0, x2 = tl.split(e)
+    x1, x3 = tl.split(o)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _tile_mv(p, b, s, x, y, TWO: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr):
+    """(read copy) @ x and, with TWO, (read copy) @ y, for x, y [DK] float32, from _tile_raw's
+    loads (s: the NVFP4 matrix scale), decoding each code once, in registers, as it is used;
+    without TWO the second value is the first. NVFP4: sums over each word's 8 columns, times
+    the word's block scale, summed over the row, times the matrix scale (and the decode's 2^14);
+    FP8: the row's sum times its scale (and 2^8)."""
+    if FMT == 4:
+        NW: tl.constexpr = DK // 8
+        xe, xo = tl.split(tl.reshape(x, (NW * 4, 2)))       # columns 8w + 2j, 8w + 2j + 1
+        x0, x2, x4, x6 = _split4(xe, NW)
+        x1, x3, x5, x7 = _split4(xo, NW)
+        if TWO:
+            ye, yo = tl.split(tl.reshape(y, (NW * 4, 2)))
+            y0, y2, y4, y6 = _split4(ye, NW)
+            y1, y3, y5, y7 = _split4(yo, NW)
+        else:
+            y0, y1, y2, y3, y4, y5, y6, y7 = x0, x1, x2, x3, x4, x5, x6, x7
+        ax, ay = _nib2(p, 0, x0, y0, TWO)
+        ax, ay = _nib2(p, 4, x1, y1, TWO, ax, ay)
+        ax, ay = _nib2(p, 8, x2, y2, TWO, ax, ay)
+        ax, ay = _nib2(p, 12, x3, y3, TWO, ax, ay)
+        ax, ay = _nib2(p, 16, x4, y4, TWO, ax, ay)
+        ax, ay = _nib2(p, 20, x5, y5, TWO, ax, ay)
+        ax, ay = _nib2(p, 24, x6, y6, TWO, ax, ay)
+        ax, ay = _nib2(p, 28, x7, y7, TWO, ax, ay)
+        bs = _code_at(b.to(tl.int32), 0, 4, 3) * (s * 2.0 ** 14 * 2.0 ** 8)
+        rx = tl.sum(ax * bs, axis=1)
+        ry = rx
+        if TWO:
+            ry = tl.sum(ay * bs, axis=1)
+    elif FMT == 3:
+        NW: tl.constexpr = DK // 4
+        x0, x1, x2, x3 = _split4(x, NW)
+        c0 = _code_at(p, 0, 4, 3)
+        c1 = _code_at(p, 8, 4, 3)
+        c2 = _code_at(p, 16, 4, 3)
+        c3 = _code_at(p, 24, 4, 3)
+        sc = b * 2.0 ** 8
+        rx = tl.sum(c0 * x0[None, :] + c1 * x1[None, :] + c2 * x2[None, :] + c3 * x3[None, :],
+                    axis=1) * sc
+        ry = rx
+        if TWO:
+            y0, y1, y2, y3 = _split4(y, NW)
+            ry = tl.sum(c0 * y0[None, :] + c1 * y1[None, :] + c2 * y2[None, :]
+                        + c3 * y3[None, :], axis=1) * sc
+    else:
+        if FMT == 0:
+            T = p
+        elif FMT == 1:
+            T = decode_fp16(p)
+        else:
+            T = decode_bf16(p)
+        rx = tl.sum(T * x[None, :], axis=1)
+        ry = rx
+        if TWO:
+            ry = tl.sum(T * y[None, :], axis=1)
+    return rx, ry
 
 
 @triton.jit
@@ -449,16 +535,21 @@ def _read_body(
         BV: tl.constexpr, L: tl.constexpr, CAP: tl.constexpr, LP: tl.constexpr, T: tl.constexpr,
         STEP: tl.constexpr, RFMT: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
         HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, U_BF16: tl.constexpr,
-        DT_CLAMP: tl.constexpr, dots_ptr=None, DOTS: tl.constexpr = False):
+        DT_CLAMP: tl.constexpr, dots_ptr=None, DOTS: tl.constexpr = False, NT: tl.constexpr = 1):
     """What _replay_read_kernel does for one live row's program (slot >= 0): nothing for a row
-    that flushes this step, else the outputs of its T entries and their appends. DOTS: the
-    per-entry dot products k_j.k (GDN) and k_j.q of each draft come from _entry_dots_kernel
-    (dots_ptr [B, HK, T, 2, LP]) instead of the buffer's k entries."""
+    that flushes this step, else the outputs of its T entries and their appends, for NT blocks of
+    BV rows from `rows` on, one after the other (the loads of the next block, read copy and u
+    entries, issued before the products of this one). DOTS: the per-entry dot products k_j.k
+    (GDN) and k_j.q of each draft come from _entry_dots_kernel (dots_ptr [B, HK, T, 2, LP])
+    instead of the buffer's k entries."""
     jj = tl.arange(0, LP)
     mat = slot * HV + hv
     # issued before the pointers are known: one dependent load less on the critical path
     # (wasted only on rows that flush this step)
-    T0, T1, bs, s = _read_tile(R_pay, R_sc, R_gs, mat, rows, DV, DK, RFMT)
+    P, Sb = _tile_raw(R_pay, R_sc, mat, rows, True, DV, DK, RFMT)
+    s = 1.0
+    if RFMT == 4:
+        s = tl.load(R_gs + mat)
     h = tl.load(h_ptr + slot)
     start = tl.load(st_ptr + slot)
     if (h + T > L) & (h > 0):          # flushed by _replay_flush_kernel
@@ -468,58 +559,74 @@ def _read_body(
     if STEP:
         go = (h + 1 != L) & (not FORCE)
     if go:
-        K, X, G, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start, hv, hk, rows,
-                                    cols, jj, h, HK, HV, DK, DV, CAP, DELTA, L2NORM, DELTA, DOTS)
-        Gp = tl.sum(tl.where(jj == h - 1, G, 0.0), axis=0)
-        for t in tl.static_range(T):
-            tok = row * T + t
-            q, k, v, log_a, beta, skip = _front_end(
-                q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, tok, hv, hk, rows,
-                cols, scale, dt_lo, dt_hi, HK, HV, DK, DV, DELTA, L2NORM, HAS_DTB, HAS_D,
-                DT_CLAMP)
-            p = h + t
-            Gp = Gp + log_a
-            prev = jj < p
-            wdec = tl.where(prev, tl.exp(tl.where(prev, Gp - G, 0.0)), 0.0)
-            eG = tl.exp(Gp)
+        K0, X, G0, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start, hv, hk, rows,
+                                      cols, jj, h, HK, HV, DK, DV, CAP, DELTA, L2NORM, DELTA, DOTS)
+        e0 = slot * CAP + (start + jj) % CAP
+        for ib in range(NT):
+            rb = rows + ib * BV
+            more = ib + 1 < NT
+            Pc, Sc = P, Sb
+            # the next block's read copy and u entries (GDN; Mamba-2: v entries)
+            P, Sb = _tile_raw(R_pay, R_sc, mat, rb + BV, more, DV, DK, RFMT)
             if DELTA:
-                if DOTS:
-                    kk = tl.load(dots_ptr + ((row * HK + hk) * T + t) * 2 * LP + jj)
+                Xn = tl.load(ubuf + (e0[:, None] * HV + hv) * DV + (rb + BV)[None, :],
+                             mask=(jj < h)[:, None] & more, other=0.0).to(tl.float32)
+            else:
+                Xn = Bt[:, None] * tl.load(vbuf + (e0[:, None] * HV + hv) * DV + (rb + BV)[None, :],
+                                           mask=(jj < h)[:, None] & more, other=0.0).to(tl.float32)
+            K = K0
+            G = G0
+            Gp = tl.sum(tl.where(jj == h - 1, G, 0.0), axis=0)
+            for t in tl.static_range(T):
+                tok = row * T + t
+                q, k, v, log_a, beta, skip = _front_end(
+                    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, tok, hv, hk, rb,
+                    cols, scale, dt_lo, dt_hi, HK, HV, DK, DV, DELTA, L2NORM, HAS_DTB, HAS_D,
+                    DT_CLAMP)
+                p = h + t
+                Gp = Gp + log_a
+                prev = jj < p
+                wdec = tl.where(prev, tl.exp(tl.where(prev, Gp - G, 0.0)), 0.0)
+                eG = tl.exp(Gp)
+                if DELTA:
+                    rk, rq = _tile_mv(Pc, Sc, s, k, q, True, DK, RFMT)
+                    if DOTS:
+                        kk = tl.load(dots_ptr + ((row * HK + hk) * T + t) * 2 * LP + jj)
+                    else:
+                        kk = tl.sum(K * k[None, :], axis=1)
+                    corr = tl.sum((wdec * kk)[:, None] * X, axis=0)
+                    u = beta * (v - eG * rk) - beta * corr
+                    if U_BF16:
+                        u = u.to(tl.bfloat16).to(tl.float32)
                 else:
-                    kk = tl.sum(K * k[None, :], axis=1)
-                corr = tl.sum((wdec * kk)[:, None] * X, axis=0)
-                rk = _tile_dot(T0, T1, bs, s, k, DK, RFMT)
-                u = beta * (v - eG * rk) - beta * corr
-                if U_BF16:
-                    u = u.to(tl.bfloat16).to(tl.float32)
-            else:
-                u = v
-            if DOTS:
-                qk = tl.load(dots_ptr + (((row * HK + hk) * T + t) * 2 + 1) * LP + jj)
-            else:
-                qk = tl.sum(K * q[None, :], axis=1)
-            y = eG * _tile_dot(T0, T1, bs, s, q, DK, RFMT) \
-                + tl.sum((wdec * qk)[:, None] * X, axis=0) + tl.sum(k * q, axis=0) * u
-            y = _gate_out(y + skip, z_ptr, tok, hv, rows, HV, DV, HAS_Z)
-            tl.store(out_ptr + (tok * HV + hv) * DV + rows, y)
-            # append entry p (raw inputs in bf16, gates in fp32, GDN u)
-            e = _entry(slot, start, p, CAP)
-            if T > 1:
-                cur = jj == p
-                if not DOTS:
-                    K = tl.where(cur[:, None], k[None, :], K)
-                X = tl.where(cur[:, None], u[None, :], X)
-                G = tl.where(cur, Gp, G)
-            xraw = tl.load(v_ptr + (tok * HV + hv) * DV + rows)
-            tl.store(vbuf + (e * HV + hv) * DV + rows, xraw.to(tl.bfloat16))
-            if DELTA:
-                tl.store(ubuf + (e * HV + hv) * DV + rows, u.to(ubuf.dtype.element_ty))
-            if tl.program_id(1) == 0:       # one row block writes the per-head entries
-                tl.store(Gbuf + e * HV + hv, Gp)
-                tl.store(bbuf + e * HV + hv, beta)
-                if hv % (HV // HK) == 0:
-                    kraw = tl.load(k_ptr + (tok * HK + hk) * DK + cols)
-                    tl.store(kbuf + (e * HK + hk) * DK + cols, kraw.to(tl.bfloat16))
+                    rq, _ = _tile_mv(Pc, Sc, s, q, q, False, DK, RFMT)
+                    u = v
+                if DOTS:
+                    qk = tl.load(dots_ptr + (((row * HK + hk) * T + t) * 2 + 1) * LP + jj)
+                else:
+                    qk = tl.sum(K * q[None, :], axis=1)
+                y = eG * rq + tl.sum((wdec * qk)[:, None] * X, axis=0) + tl.sum(k * q, axis=0) * u
+                y = _gate_out(y + skip, z_ptr, tok, hv, rb, HV, DV, HAS_Z)
+                tl.store(out_ptr + (tok * HV + hv) * DV + rb, y)
+                # append entry p (raw inputs in bf16, gates in fp32, GDN u)
+                e = _entry(slot, start, p, CAP)
+                if T > 1:
+                    cur = jj == p
+                    if not DOTS:
+                        K = tl.where(cur[:, None], k[None, :], K)
+                    X = tl.where(cur[:, None], u[None, :], X)
+                    G = tl.where(cur, Gp, G)
+                xraw = tl.load(v_ptr + (tok * HV + hv) * DV + rb)
+                tl.store(vbuf + (e * HV + hv) * DV + rb, xraw.to(tl.bfloat16))
+                if DELTA:
+                    tl.store(ubuf + (e * HV + hv) * DV + rb, u.to(ubuf.dtype.element_ty))
+                if (tl.program_id(1) == 0) & (ib == 0):   # one row block writes the head's entries
+                    tl.store(Gbuf + e * HV + hv, Gp)
+                    tl.store(bbuf + e * HV + hv, beta)
+                    if hv % (HV // HK) == 0:
+                        kraw = tl.load(k_ptr + (tok * HK + hk) * DK + cols)
+                        tl.store(kbuf + (e * HK + hk) * DK + cols, kraw.to(tl.bfloat16))
+            X = Xn
 
 
 @triton.jit
@@ -579,19 +686,20 @@ def _replay_read_kernel(
         BV: tl.constexpr, L: tl.constexpr, CAP: tl.constexpr, LP: tl.constexpr, T: tl.constexpr,
         STEP: tl.constexpr, RFMT: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
         HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, U_BF16: tl.constexpr,
-        DT_CLAMP: tl.constexpr, DOTS: tl.constexpr):
+        DT_CLAMP: tl.constexpr, DOTS: tl.constexpr, NT: tl.constexpr):
     """The non-flushing rows (after _replay_flush_kernel in a verify; beside it, on the caller's
     stream while the flush runs on its side stream, in a CUDA decode step): outputs of T
     entries from the packed read copy and the buffer, output-only, and their appends
     (read_variant 'block'; 'dots' (DOTS) takes the per-entry dot products from
-    _entry_dots_kernel). Never launched for a forced step (every row flushes)."""
-    row, hv, hk, rows, cols, slot = _program_tile(idx_ptr, HK, HV, DK, BV)
+    _entry_dots_kernel). A program takes NT blocks of BV rows of its matrix, one after the
+    other. Never launched for a forced step (every row flushes)."""
+    row, hv, hk, rows, cols, slot = _program_tile(idx_ptr, HK, HV, DK, BV, NT)
     if slot >= 0:
         _read_body(R_pay, R_sc, R_gs, kbuf, vbuf, ubuf, Gbuf, bbuf, h_ptr, st_ptr, out_ptr,
                    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, False,
                    dt_lo, dt_hi, row, hv, hk, rows, cols, slot, HK, HV, DK, DV, BV, L, CAP, LP, T,
                    STEP, RFMT, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, U_BF16, DT_CLAMP, dots_ptr,
-                   DOTS)
+                   DOTS, NT)
 
 
 # key_lo / key_hi: not specialized (Triton makes an integer argument equal to 1 a constexpr)
@@ -852,6 +960,9 @@ def resolve_path(store: ReplayStore, n_rows: int, path: str = "auto") -> str:
 
 READ_VARIANTS = ("block", "dots")
 
+# row blocks one read program takes, one after the other, by read variant (read_blocks=None)
+READ_BLOCKS = {"block": 1, "dots": 1}
+
 # rows from which read_variant='auto' (the default of the step functions) reads with 'dots' in a
 # split launch (None: never). H200, results/bench/kernels_b256.json (commit 37b59f8), GDN B = 256,
 # L = 16, read step us block / kh / dots: s32_rs 295.7 / 213.2 / 205.2, tp4_hi32 380.3 / 308.4 /
@@ -921,15 +1032,19 @@ def resolve_launch(store: ReplayStore, n_rows: int, launch: str = "auto",
 
 def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, out, scale,
             use_qk_l2norm, T, step, force, block_v, num_warps, flush_config=None,
-            read_variant=None, dt_limit=None, launch="split", advance=False):
+            read_variant=None, dt_limit=None, launch="split", advance=False, read_blocks=None):
     """Launch the step (T = 1) or verify (T drafts) kernels; returns (out, idx, moved): moved
     when the launch already advanced the pointers (launch='fused' with advance). flush_config:
     the flush kernel's (rows, warps), or (rows, warps, NT) to set how many row blocks one flush
     program takes (default: all of its matrix for one-warp blocks outside a forced step, else 1;
-    evals/flush_nt_stagger.py times the choice)."""
+    evals/flush_nt_stagger.py times the choice). read_blocks: row blocks per read program
+    (default: READ_BLOCKS by read variant)."""
     delta = store.kind == "gdn"
     if launch == "fused" and not (step and T == 1):
         raise ValueError("launch='fused' is the decode step only (T = 1, not verify)")
+    if launch == "fused" and read_blocks not in (None, 1):
+        raise ValueError("read_blocks sets the split launch's read kernel; launch='fused' runs "
+                         "one block per program")
     read_variant = read_variant or "block"
     if read_variant not in READ_VARIANTS:
         raise ValueError(f"read_variant must be one of {READ_VARIANTS}, got {read_variant!r}")
@@ -958,6 +1073,10 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
         *flush_config, nt = flush_config
     (BV, nw), (FBV, fnw) = replay_launch_config(store, B, block_v, num_warps, flush_config,
                                                 read_variant)
+    rnt = READ_BLOCKS[read_variant] if read_blocks is None else int(read_blocks)
+    if rnt < 1 or (dv // BV) % rnt:
+        raise ValueError(f"read_blocks={read_blocks} must divide the {dv // BV} blocks of {BV} "
+                         "rows of a matrix")
     if nt is not None and (nt < 1 or (dv // FBV) % nt):
         raise ValueError(f"flush_config: {nt} row blocks per program must divide the "
                          f"{dv // FBV} blocks of {FBV} rows of a matrix")
@@ -1021,10 +1140,11 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
                 store.kbuf, store.committed, store.start, idx, q, k, dots, sc, HK=HK, DK=dk,
                 L=store.L, CAP=store.capacity, LP=LP, T=T, DELTA=delta, L2NORM=use_qk_l2norm,
                 num_warps=max(1, min(4, LP * dk // 1024)))
-        _replay_read_kernel[(B * HV, dv // BV)](
+        _replay_read_kernel[(B * HV, dv // (BV * rnt))](
             Rp, Rs, Rg, store.kbuf, store.vbuf, ubuf, store.Gbuf, store.bbuf,
             store.committed, store.start, idx, out, *inputs, sc, dt_lo, dt_hi, dots,
-            BV=BV, LP=LP, U_BF16=U_BF16, DOTS=read_variant == "dots", num_warps=nw, **common)
+            BV=BV, LP=LP, U_BF16=U_BF16, DOTS=read_variant == "dots", NT=rnt, num_warps=nw,
+            **common)
     if side is not None:
         torch.cuda.current_stream(q.device).wait_stream(side)
     return out, idx, False
@@ -1080,7 +1200,7 @@ def _check_buffered_bf16(delta: bool, k, v):
 
 
 def _conventional_view(store: ReplayStore, force: bool, launch, flush_config, block_v,
-                       num_warps, read_variant):
+                       num_warps, read_variant, read_blocks=None):
     """The anchor as a ConventionalStore (sharing its memory and n_flush) when this step can run
     as the conventional kernel: a forced step of a lossless shared pair (flush_is_lossless)
     whose buffers are known empty (buffers_empty), every launch option at its default. Such a
@@ -1089,7 +1209,7 @@ def _conventional_view(store: ReplayStore, force: bool, launch, flush_config, bl
     0, start does not move). Else None."""
     if not (force and store.buffers_empty and flush_is_lossless(store) and launch == "auto"
             and flush_config is None and block_v is None and num_warps is None
-            and read_variant in ("auto", None)):
+            and read_blocks is None and read_variant in ("auto", None)):
         return None
     return ConventionalStore(store.anchor, store.n_flush, store.key)
 
@@ -1097,7 +1217,7 @@ def _conventional_view(store: ReplayStore, force: bool, launch, flush_config, bl
 def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, state_indices=None,
                     scale=None, out=None, use_qk_l2norm=True, path="auto", block_v=None,
                     num_warps=None, advance=True, flush_config=None, read_variant="auto",
-                    launch="auto"):
+                    launch="auto", read_blocks=None):
     """One GDN replay decode step for a batch (Triton), inputs as conventional_gdn_step
     (k, v bf16). path (resolve_path): 'auto' (default: below the measured batch threshold a
     shared FP32-anchor pair such as s32_rs flushes every step, which is the conventional kernel
@@ -1117,14 +1237,16 @@ def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, stat
     launch (resolve_launch): 'auto' (default: one launch per step below FUSED_THRESHOLD rows,
     never for a pair with an NVFP4 role),
     'split' or 'fused'; the same results. With launch 'fused', block_v / num_warps set the one
-    block of the fused kernel (default: the flush block)."""
+    block of the fused kernel (default: the flush block). read_blocks: blocks of block_v rows
+    that one read program of the split launch takes in turn (default READ_BLOCKS)."""
     if store.kind != "gdn":
         raise ValueError("replay_gdn_step needs a store built with kind='gdn'")
     if b is None:
         raise ValueError("GDN needs b (beta logits) [batch, value heads]")
     _no_pending(store)
     force = _force(path, store, q.shape[0])
-    cs = _conventional_view(store, force, launch, flush_config, block_v, num_warps, read_variant)
+    cs = _conventional_view(store, force, launch, flush_config, block_v, num_warps, read_variant,
+                            read_blocks)
     if cs is not None:              # (the other paths check the dtypes in _launch)
         _check_buffered_bf16(True, k, v)
         return conventional_gdn_step(cs, q, k, v, a, b, A_log, dt_bias, state_indices, scale,
@@ -1133,7 +1255,8 @@ def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, stat
     rv = resolve_read_variant(store, q.shape[0], read_variant, lau)
     out, idx, moved = _launch(store, q, k, v, a, b, A_log, dt_bias, None, None, state_indices,
                               out, scale, use_qk_l2norm, 1, True, force, block_v, num_warps,
-                              flush_config, rv, launch=lau, advance=advance)
+                              flush_config, rv, launch=lau, advance=advance,
+                              read_blocks=read_blocks)
     if advance and not moved:
         advance_pointers(store, idx, 1, True, force)
     _note_all_flushed(store, force, advance, state_indices, out.shape[0])
@@ -1143,18 +1266,19 @@ def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, stat
 def replay_mamba2_step(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None, z=None,
                        dt_bias=None, out=None, path="auto", block_v=None, num_warps=None,
                        advance=True, flush_config=None, dt_limit=NO_DT_LIMIT, launch="auto",
-                       read_variant="auto"):
+                       read_variant="auto", read_blocks=None):
     """One Mamba-2 replay decode step (Triton), inputs as conventional_mamba2_step (x, B bf16;
     dt_limit = (lo, hi) clamps softplus(dt + dt_bias), (0, inf): no clamp).
     path, advance, launch: as replay_gdn_step (default 'auto': only s32_rs-like shared FP32
     anchors switch to a flush every step below the measured batch threshold); read_variant
     'auto' (default: 'dots' from DOTS_MIN_ROWS rows, else 'block'), 'block' or 'dots' (the
-    entries' B_j.C formed once per (row, group))."""
+    entries' B_j.C formed once per (row, group)); read_blocks as replay_gdn_step."""
     if store.kind != "mamba2":
         raise ValueError("replay_mamba2_step needs a store built with kind='mamba2'")
     _no_pending(store)
     force = _force(path, store, x.shape[0])
-    cs = _conventional_view(store, force, launch, flush_config, block_v, num_warps, read_variant)
+    cs = _conventional_view(store, force, launch, flush_config, block_v, num_warps, read_variant,
+                            read_blocks)
     if cs is not None:              # (the other paths check the dtypes in _launch)
         _check_buffered_bf16(False, B, x)
         return conventional_mamba2_step(cs, x, dt, A, B, C, state_indices, D, z, dt_bias, out,
@@ -1163,7 +1287,8 @@ def replay_mamba2_step(store: ReplayStore, x, dt, A, B, C, state_indices=None, D
     rv = resolve_read_variant(store, x.shape[0], read_variant, lau)
     out, idx, moved = _launch(store, C, B, x, dt, None, A, dt_bias, D, z, state_indices, out, None,
                               False, 1, True, force, block_v, num_warps, flush_config,
-                              rv, dt_limit=dt_limit, launch=lau, advance=advance)
+                              rv, dt_limit=dt_limit, launch=lau, advance=advance,
+                              read_blocks=read_blocks)
     if advance and not moved:
         advance_pointers(store, idx, 1, True, force)
     _note_all_flushed(store, force, advance, state_indices, out.shape[0])
@@ -1305,7 +1430,7 @@ def replay_ref_core(store: ReplayStore, fe, raw, state_indices, T: int, step: bo
 def replay_gdn_step_ref(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None,
                         state_indices=None, scale=None, out=None, use_qk_l2norm=True,
                         path="auto", block_v=None, num_warps=None, advance=True,
-                        flush_config=None, read_variant="auto", launch="auto"):
+                        flush_config=None, read_variant="auto", launch="auto", read_blocks=None):
     """torch reference of replay_gdn_step (same signature, same effect on the store)."""
     force = _force(path, store, q.shape[0])
     qf, kf, vf, g, beta = gdn_frontend_ref(q, k, v, a, b, A_log, dt_bias, scale, use_qk_l2norm)
@@ -1321,7 +1446,7 @@ def replay_gdn_step_ref(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None,
 def replay_mamba2_step_ref(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None, z=None,
                            dt_bias=None, out=None, path="auto", block_v=None, num_warps=None,
                            advance=True, flush_config=None, dt_limit=NO_DT_LIMIT,
-                           launch="auto", read_variant="auto"):
+                           launch="auto", read_variant="auto", read_blocks=None):
     """torch reference of replay_mamba2_step."""
     force = _force(path, store, x.shape[0])
     q, k, v, log_a, d = mamba2_frontend_ref(x, dt, A, B, C, dt_bias, dt_limit)

@@ -79,11 +79,11 @@ def _pending(store, T, what):
 
 def replay_gdn_verify(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, state_indices=None,
                       scale=None, out=None, use_qk_l2norm=True, block_v=None, num_warps=None,
-                      flush_config=None, read_variant="auto"):
+                      flush_config=None, read_variant="auto", read_blocks=None):
     """Outputs of T GDN drafts per row [B, T, H, d_v] (Triton). q, k [B, T, HK, d_k],
     v [B, T, H, d_v] (k, v bf16), a, b [B, T, H]. Then call replay_accept. read_variant as
     replay_gdn_step ('dots': the per-entry dot products of every draft formed once per (row,
-    key head) before the read kernel)."""
+    key head) before the read kernel), read_blocks as replay_gdn_step."""
     if store.kind != "gdn":
         raise ValueError("replay_gdn_verify needs a store built with kind='gdn'")
     T = _draft_count(q, "q")
@@ -91,7 +91,7 @@ def replay_gdn_verify(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, st
     rv = resolve_read_variant(store, q.shape[0], read_variant)
     out, idx, _ = _launch(store, q, k, v, a, b, A_log, dt_bias, None, None, state_indices, out,
                           scale, use_qk_l2norm, T, False, False, block_v, num_warps, flush_config,
-                          rv)
+                          rv, read_blocks=read_blocks)
     advance_pointers(store, idx, T, step=False)
     store.pending_T = T
     return out
@@ -99,9 +99,9 @@ def replay_gdn_verify(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, st
 
 def replay_mamba2_verify(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None, z=None,
                          dt_bias=None, out=None, block_v=None, num_warps=None, flush_config=None,
-                         dt_limit=NO_DT_LIMIT, read_variant="auto"):
+                         dt_limit=NO_DT_LIMIT, read_variant="auto", read_blocks=None):
     """Outputs of T Mamba-2 drafts [B, T, H, P] (Triton). x [B, T, H, P], dt [B, T, H],
-    B, C [B, T, G, N], z [B, T, H, P] (x, B bf16); dt_limit and read_variant as
+    B, C [B, T, G, N], z [B, T, H, P] (x, B bf16); dt_limit, read_variant and read_blocks as
     replay_mamba2_step."""
     if store.kind != "mamba2":
         raise ValueError("replay_mamba2_verify needs a store built with kind='mamba2'")
@@ -110,7 +110,7 @@ def replay_mamba2_verify(store: ReplayStore, x, dt, A, B, C, state_indices=None,
     rv = resolve_read_variant(store, x.shape[0], read_variant)
     out, idx, _ = _launch(store, C, B, x, dt, None, A, dt_bias, D, z, state_indices, out, None,
                           False, T, False, False, block_v, num_warps, flush_config, rv,
-                          dt_limit=dt_limit)
+                          dt_limit=dt_limit, read_blocks=read_blocks)
     advance_pointers(store, idx, T, step=False)
     store.pending_T = T
     return out
@@ -142,7 +142,8 @@ def replay_accept_ref(store: ReplayStore, n, state_indices=None, check=True):
 
 def replay_gdn_verify_ref(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None,
                           state_indices=None, scale=None, out=None, use_qk_l2norm=True,
-                          block_v=None, num_warps=None, flush_config=None, read_variant="auto"):
+                          block_v=None, num_warps=None, flush_config=None, read_variant="auto",
+                          read_blocks=None):
     """torch reference of replay_gdn_verify."""
     T = _draft_count(q, "q")
     _pending(store, T, "verify")
@@ -157,7 +158,8 @@ def replay_gdn_verify_ref(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None
 
 def replay_mamba2_verify_ref(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None,
                              z=None, dt_bias=None, out=None, block_v=None, num_warps=None,
-                             flush_config=None, dt_limit=NO_DT_LIMIT, read_variant="auto"):
+                             flush_config=None, dt_limit=NO_DT_LIMIT, read_variant="auto",
+                             read_blocks=None):
     """torch reference of replay_mamba2_verify."""
     T = _draft_count(x, "x")
     _pending(store, T, "verify")
