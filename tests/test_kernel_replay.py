@@ -16,7 +16,7 @@ from replayquant.kernels.replay_decode import (ReplayStore, advance_pointers, ch
                                                resolve_path, replay_gdn_step,
                                                replay_gdn_step_ref, replay_mamba2_step,
                                                replay_mamba2_step_ref, replay_launch_config,
-                                               DOTS_BLOCK, FLUSH_BLOCK)
+                                               DOTS_BLOCK, DOTS_BLOCK_VERIFY, FLUSH_BLOCK)
 from replayquant.pairs import PrecisionPair, list_pairs
 from replayquant.replay import ReplayState
 from _helpers import assert_states_close
@@ -402,13 +402,21 @@ def test_launch_dispatcher():
     assert resolve_read_variant(tp8, 4096, "block") == "block"
     m2 = ReplayStore.from_state(random_state(2, 2, 16, 16), "s32_rs", "mamba2", key_heads=1)
     assert resolve_read_variant(m2, 4096) == "dots" and resolve_read_variant(m2, 127) == "block"
-    # the 'dots' read runs 16-row blocks on one warp by default (the measured best), the block
-    # read keeps its size rule; explicit blocks win
+    # the 'dots' read of a decode step runs DOTS_BLOCK's (rows, warps, row blocks per program)
+    # by kind and read copy format (the measured best), a verify DOTS_BLOCK_VERIFY's, the block
+    # read keeps its size rule with one row block per program; explicit blocks win
     big = ReplayStore.from_state(random_state(2, 2, 64, 128), "s32_rs", "mamba2", key_heads=1)
-    assert replay_launch_config(big, 4096, read_variant="dots")[0] == DOTS_BLOCK
-    assert replay_launch_config(big, 4096)[0] == (32, 4)
-    assert replay_launch_config(big, 4096, 32, read_variant="dots")[0] == (32, 4)
-    assert replay_launch_config(big, 4096, None, 2, read_variant="dots")[0] == (16, 2)
+    assert replay_launch_config(big, 4096, read_variant="dots")[0] == DOTS_BLOCK[("mamba2", "fp32")]
+    assert replay_launch_config(big, 4096, read_variant="dots", T=4)[0] == DOTS_BLOCK_VERIFY
+    nvb = ReplayStore.from_state(random_state(2, 2, 64, 128), "tp4_hi16_sr", "mamba2", key_heads=1)
+    assert replay_launch_config(nvb, 4096, read_variant="dots")[0] == DOTS_BLOCK[("mamba2", "nvfp4")]
+    assert replay_launch_config(big, 4096)[0] == (32, 4, 1)
+    assert replay_launch_config(big, 4096, 32, read_variant="dots")[0] == (32, 4, 1)
+    assert replay_launch_config(big, 4096, 32, read_variant="dots", read_blocks=2)[0] == (32, 4, 2)
+    assert replay_launch_config(big, 4096, None, 2, read_variant="dots")[0][:2] == (16, 2)
+    # a table entry with more blocks than a small matrix has takes all of its blocks
+    small = ReplayStore.from_state(random_state(2, 2, 32, 16), "s32_rs", "gdn", key_heads=1)
+    assert replay_launch_config(small, 4096, read_variant="dots")[0] == (16, 1, 2)
     # below 1024 matrices the flush block is the conventional kernel's (small_block): one warp
     # on 16 rows while that gives 2048 programs, else on 8
     assert replay_launch_config(big, 1)[1] == (8, 1) and replay_launch_config(big, 4096)[1] == (16, 1)

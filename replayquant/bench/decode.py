@@ -672,8 +672,10 @@ def _alternated(kind, B, pair, L, f, kw, idx, out, sts, R, copy_bw):
     return rows
 
 
-# read configs (block_v, num_warps, read_blocks) the detail batch sweeps, by read variant
-VARIANT_CFGS = {"dots": [(16, 1, 1), (16, 2, 1), (16, 4, 1), (32, 2, 1), (64, 4, 1)]}
+# read configs (block_v, num_warps, read_blocks) the detail batch sweeps, by read variant: the
+# defaults of replay_decode.DOTS_BLOCK and their neighbours in session 9's sweep
+# (results/bench/read_blocks_b256.json; 2 and 4 warps were slower for every pair there)
+VARIANT_CFGS = {"dots": [(16, 1, 1), (16, 1, 4), (16, 1, 8), (32, 1, 1), (32, 1, 4), (64, 1, 1)]}
 # (16 rows with 2 / 4 warps: the NVFP4 'dots' read at 105 / 64 registers instead of 168 with one
 # warp, ptxas -v for sm_90a; not timed yet)
 

@@ -834,27 +834,52 @@ def advance_pointers_ref(store: ReplayStore, state_indices, T: int = 1, step: bo
 
 # ============================================================================ host side
 
-# read kernel block of read_variant='dots': (rows, warps). H200, GDN and Mamba-2 B = 256, every
-# pair: 16 rows on one warp was the fastest of (16, 1) (16, 2) (16, 4) (32, 2) (64, 4) (run 11,
-# results/bench/kernels_gdn_run11.json and kernels_mamba2_dots.json; GDN also runs 5 and 10)
-DOTS_BLOCK = (16, 1)
+# read kernel block of read_variant='dots' in a decode step: (rows, warps, row blocks per
+# program), by (kind, read copy format). H200, B = 256, 'dots' read step (h = L/2), us by config
+# (results/bench/read_blocks_b256.json, c9bc375, session 9: read copies loaded as packed words,
+# next block prefetched), best of 12 configs (rows 16 / 32 / 64, 1-4 warps, 1-8 blocks):
+# GDN FP32 (16, 1, 8) 170.1 (16, 1, 1: 200.1), FP8 (32, 1, 4) 123.6 (16, 1, 1: 137.0), NVFP4
+# (32, 1, 1) 128.3 (16, 1, 1: 215.0); Mamba-2 FP32 (16, 1, 4) 301.1 (16, 1, 1: 319.9), FP8
+# (32, 1, 1) 164.0 (216.0), NVFP4 (32, 1, 1) 175.8 (255.3). FP16 / BF16 read copies: not
+# measured, FP32's. A verify (T drafts) keeps DOTS_BLOCK_VERIFY: one warp on 16 rows was the
+# fastest of (16, 1) (16, 2) (16, 4) (32, 2) (64, 4) before session 9 (run 11,
+# results/bench/kernels_gdn_run11.json and kernels_mamba2_dots.json), and session 9 did not
+# time the verify read's configs.
+DOTS_BLOCK = {("gdn", "fp32"): (16, 1, 8), ("gdn", "fp8"): (32, 1, 4), ("gdn", "nvfp4"): (32, 1, 1),
+              ("mamba2", "fp32"): (16, 1, 4), ("mamba2", "fp8"): (32, 1, 1),
+              ("mamba2", "nvfp4"): (32, 1, 1)}
+DOTS_BLOCK_VERIFY = (16, 1, 1)
+
+
+def _dots_block(kind: str, fmt: str, T: int):
+    if T != 1:
+        return DOTS_BLOCK_VERIFY
+    return DOTS_BLOCK[(kind, fmt if fmt in ("fp8", "nvfp4") else "fp32")]
 
 
 def replay_launch_config(store: ReplayStore, n_rows: int, block_v=None, num_warps=None,
-                         flush_config=None, read_variant: str = "block"):
-    """((BV, warps) of the read kernel, (BV, warps) of the flush kernel), from the shape and the
-    read variant. The read kernel takes any row block (NVFP4 block scales run along d_k); the
-    flush kernel holds whole matrices when it writes an NVFP4 role (one FP32 scale per matrix)."""
+                         flush_config=None, read_variant: str = "block", read_blocks=None,
+                         T: int = 1):
+    """((BV, warps, row blocks per program) of the read kernel, (BV, warps) of the flush
+    kernel), from the shape, the read variant and the drafts T (1: a decode step). The read
+    kernel takes any row block (NVFP4 block scales run along d_k); the flush kernel holds whole
+    matrices when it writes an NVFP4 role (one FP32 scale per matrix)."""
     N, H, dv, dk = store.shape
     if block_v is None and read_variant == "dots":
-        block_v = min(dv, DOTS_BLOCK[0])
-        num_warps = DOTS_BLOCK[1] if num_warps is None else num_warps
+        bv, nw, nt = _dots_block(store.kind, store.read_role.fmt, T)
+        block_v = min(dv, bv)
+        num_warps = nw if num_warps is None else num_warps
+        read_blocks = min(nt, dv // block_v) if read_blocks is None else read_blocks
     if block_v is None:
         block_v = min(dv, 32 if n_rows * H >= 2048 else 16)
     if dv % block_v or block_v & (block_v - 1) or block_v < 1:
         raise ValueError(f"block_v={block_v} must be a power of two dividing d_v={dv}")
     if num_warps is None:
         num_warps = max(1, min(8, block_v * dk // 1024))
+    read_blocks = 1 if read_blocks is None else int(read_blocks)
+    if read_blocks < 1 or (dv // block_v) % read_blocks:
+        raise ValueError(f"read_blocks={read_blocks} must divide the {dv // block_v} blocks of "
+                         f"{block_v} rows of a matrix")
     nv = _has_nvfp4(store)
     fbv, fnw = flush_config if flush_config is not None else (None, None)
     if fbv is None:
@@ -873,7 +898,7 @@ def replay_launch_config(store: ReplayStore, n_rows: int, block_v=None, num_warp
         raise ValueError(f"flush block {fbv} must be a power of two dividing d_v={dv}")
     if fnw is None:
         fnw = _flush_warps(fbv, dk)
-    return (block_v, num_warps), (fbv, fnw)
+    return (block_v, num_warps, read_blocks), (fbv, fnw)
 
 
 # flush kernel block (rows, warps) from 1024 state matrices, by (kind, shared pair), for pairs
@@ -960,9 +985,6 @@ def resolve_path(store: ReplayStore, n_rows: int, path: str = "auto") -> str:
 
 READ_VARIANTS = ("block", "dots")
 
-# row blocks one read program takes, one after the other, by read variant (read_blocks=None)
-READ_BLOCKS = {"block": 1, "dots": 1}
-
 # rows from which read_variant='auto' (the default of the step functions) reads with 'dots' in a
 # split launch (None: never). H200, results/bench/kernels_b256.json (commit 37b59f8), GDN B = 256,
 # L = 16, read step us block / kh / dots: s32_rs 295.7 / 213.2 / 205.2, tp4_hi32 380.3 / 308.4 /
@@ -1038,7 +1060,7 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
     the flush kernel's (rows, warps), or (rows, warps, NT) to set how many row blocks one flush
     program takes (default: all of its matrix for one-warp blocks outside a forced step, else 1;
     evals/flush_nt_stagger.py times the choice). read_blocks: row blocks per read program
-    (default: READ_BLOCKS by read variant)."""
+    (default: replay_launch_config's)."""
     delta = store.kind == "gdn"
     if launch == "fused" and not (step and T == 1):
         raise ValueError("launch='fused' is the decode step only (T = 1, not verify)")
@@ -1071,12 +1093,8 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
     nt = None
     if flush_config is not None and len(flush_config) == 3:      # (rows, warps, row blocks)
         *flush_config, nt = flush_config
-    (BV, nw), (FBV, fnw) = replay_launch_config(store, B, block_v, num_warps, flush_config,
-                                                read_variant)
-    rnt = READ_BLOCKS[read_variant] if read_blocks is None else int(read_blocks)
-    if rnt < 1 or (dv // BV) % rnt:
-        raise ValueError(f"read_blocks={read_blocks} must divide the {dv // BV} blocks of {BV} "
-                         "rows of a matrix")
+    (BV, nw, rnt), (FBV, fnw) = replay_launch_config(store, B, block_v, num_warps, flush_config,
+                                                     read_variant, read_blocks, T)
     if nt is not None and (nt < 1 or (dv // FBV) % nt):
         raise ValueError(f"flush_config: {nt} row blocks per program must divide the "
                          f"{dv // FBV} blocks of {FBV} rows of a matrix")
@@ -1238,7 +1256,8 @@ def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, stat
     never for a pair with an NVFP4 role),
     'split' or 'fused'; the same results. With launch 'fused', block_v / num_warps set the one
     block of the fused kernel (default: the flush block). read_blocks: blocks of block_v rows
-    that one read program of the split launch takes in turn (default READ_BLOCKS)."""
+    that one read program of the split launch takes in turn (default with read_variant 'dots'
+    and no block_v: DOTS_BLOCK by kind and read copy format, else 1)."""
     if store.kind != "gdn":
         raise ValueError("replay_gdn_step needs a store built with kind='gdn'")
     if b is None:
