@@ -33,10 +33,11 @@
 #            8, runs 31-33), no sweep (the default launch configs): GDN with the GPU checks and
 #            peers, Mamba-2 with its peer, the speculative rounds of both (budgets 545 / 440 /
 #            430 s: they took 577 / 442 / 482 s and left the lowest-priority sections unrun, as
-#            listed in the JSON); then, here:
+#            listed in the JSON; session 9, runs 35-37: 554 / 407 / 423 s, Mamba-2 run by hand
+#            with --budget-s 400 to fit the device time left); then, here:
 #            replayquant bench merge kernels_part_{gdn,mamba2,spec}.json
 #   read-blocks  evals/read_blocks_sweep.py: read programs of several row blocks and the
-#            packed-word NVFP4 / FP8 decode (session 9), GPU checks first, B = 256  ~400 s
+#            packed-word NVFP4 / FP8 decode (session 9), GPU checks first, B = 256  ~120 s
 #   followup generate, tiny-mamba2 16K demo, tf32x3 whole model + KL, GDN flush folds ~520 s
 #            (the generate check alone took over 150 s; at most 8 files come back from $OUT)
 #

@@ -144,3 +144,23 @@ def test_bench_bad_arguments(tmp_path):
         bd.run_kernels_bench(out=str(tmp_path), pairs=("nope",), device="cpu", shapes=TINY)
     with pytest.raises(ValueError, match="tiny"):
         bd.run_kernels_bench(out=str(tmp_path), device="cpu")
+
+
+def test_read_blocks_sweep_check_and_arguments(monkeypatch, capsys):
+    """evals/read_blocks_sweep.py (a GPU script): its kernel-vs-reference check on tiny shapes
+    on the CPU (interpreter) for one- and two-block read programs, NVFP4 read copy, both kinds;
+    bad --configs rejected before any GPU work."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[1] / "evals" / "read_blocks_sweep.py"
+    spec = importlib.util.spec_from_file_location("read_blocks_sweep", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(bd, "SHAPES", {k: dict(v) for k, v in TINY.items()})
+    monkeypatch.setitem(bd.SHAPES["gdn"], "dv", 32)
+    for kind in ("gdn", "mamba2"):
+        res = mod.check(kind, "tp4_hi32", (1, 2) if kind == "gdn" else (1,), device="cpu")
+        for r in res.values():
+            assert r["pointers_equal"] and r["max_rel_y"] < 2e-2
+    assert mod.main(["/tmp/x.json", "--configs", "16x1"]) == 2
+    assert "read_blocks triples" in capsys.readouterr().err
