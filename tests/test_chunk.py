@@ -258,8 +258,9 @@ def _random_bits_int64(shape, seed, stream):
 
 
 def test_fast_random_bits_equal_the_int64_philox():
-    """random_bits_ref (numpy uint32 lanes, the CPU fast path) gives philox_ref's words."""
-    from replayquant.kernels.philox import random_bits_ref
+    """random_bits_ref (numpy uint32 lanes, the CPU fast path) and random_bits_torch (int64
+    torch, the GPU path) give philox_ref's words."""
+    from replayquant.kernels.philox import random_bits_ref, random_bits_torch
     gen = torch.Generator().manual_seed(8)
     cases = [((7,), 0, 0), ((3, 5), 2 ** 63 + 5, 2 ** 40 + 3),
              ((2, 3, 4, 16), 12345, torch.randint(0, 2 ** 62, (2, 3), generator=gen)),
@@ -271,6 +272,11 @@ def test_fast_random_bits_equal_the_int64_philox():
         got = random_bits_ref(shape, seed, stream)
         want = _random_bits_int64(shape, seed, stream)
         assert got.dtype == torch.int64 and got.shape == want.shape and torch.equal(got, want), shape
+        # the torch path a GPU takes (random_bits_ref(..., device=cuda)), here on the CPU, in
+        # chunks of a few matrices
+        for chunk in (1, 40, 1 << 24):
+            t = random_bits_torch(shape, seed, stream, "cpu", chunk=chunk)
+            assert t.dtype == torch.int64 and torch.equal(t, want), (shape, chunk)
 
 
 def test_cpu_threads_scope(monkeypatch):

@@ -1092,7 +1092,9 @@ _EST = dict(fixed=0.27, compile=2.0, per_GB=0.96, checks=60.0, copy=3.0, peer=0.
 # on the host, ~36 s per GB of FP32 state (the tp4_hi16_sr sections took 75-78 s at Mamba-2
 # B = 512 against under 1 s for the other pairs; speculative sections build about two such
 # stores); Python launches during capture fitted to ~0 (launch was 6e-4 s: the B = 1 sections
-# took 5-7 s, estimated 38).
+# took 5-7 s, estimated 38). Since session 9 a store built on a GPU draws those bits there
+# (philox.random_bits_torch), untimed: sr_per_GB still holds the host cost, so on a GPU the
+# estimate is high for the SR pair and a budget skips more than it must until it is refitted.
 
 
 def _sr_pair(name) -> bool:

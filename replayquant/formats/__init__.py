@@ -72,7 +72,7 @@ class Format:
                  rbits: torch.Tensor | None = None) -> QTensor:
         x = self._check(x, rounding)
         if rounding == "stochastic" and rbits is None and not use_triton(x):
-            rbits = random_bits_ref(x.shape, seed, stream).to(x.device)
+            rbits = random_bits_ref(x.shape, seed, stream, device=x.device)
         return self._quantize(x, rounding, seed, stream, rbits)
 
     def dequantize(self, q: QTensor) -> torch.Tensor:

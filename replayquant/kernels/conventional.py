@@ -143,7 +143,7 @@ class PackedRole:
             return
         rbits = None
         if self.rounding == "stochastic":
-            rbits = random_bits_ref(x.shape, key, torch.as_tensor(streams).cpu()).to(x.device)
+            rbits = random_bits_ref(x.shape, key, torch.as_tensor(streams), device=x.device)
         n, H, dv, dk = x.shape
         if self.fmt in ("fp16", "bf16"):
             grid, dtype = (FP16, torch.float16) if self.fmt == "fp16" else (BF16, torch.bfloat16)

@@ -6,8 +6,9 @@ so a caller gives each (layer, head, step ...) its own reproducible stream by ch
 `philox_ref` (torch) works in int64 (products of two uint32 wrap modulo 2^64; the high word is
 recovered exactly with an arithmetic shift and a mask): it is the readable specification.
 `random_bits_ref` computes the same words with numpy in uint32 lanes and exact uint64 products
-(no masks, half the memory traffic, no thread pool), about 10-20x faster on the CPU; tests check
-the two against each other.
+(no masks, half the memory traffic, no thread pool), about 10-20x faster on the CPU;
+`random_bits_torch` runs philox_ref on any device (what random_bits_ref does for a GPU); tests
+check the three against each other.
 """
 
 from __future__ import annotations
@@ -44,24 +45,34 @@ def philox_ref(c0, c1, c2, c3, k0, k1, rounds: int = PHILOX_ROUNDS):
     return c0, c1, c2, c3
 
 
-def random_bits_ref(shape, seed: int, stream) -> torch.Tensor:
-    """uint32 random bits (as int64) for a tensor of `shape` [..., R, C] (or [C]).
-
-    `stream`: an int64 tensor broadcastable to shape[:-2] (one stream per matrix), or an int
-    (matrices then get streams stream + flat matrix index).
-    """
+def _streams(shape, stream, device):
+    """(per-matrix streams int64 [matrices] on `device`, elements per matrix) of random_bits_ref."""
     shape = tuple(shape)
     mat_shape = shape[:-2] if len(shape) >= 2 else ()
     per_matrix = 1
     for d in shape[len(mat_shape):]:
         per_matrix *= d
     if isinstance(stream, torch.Tensor):
-        streams = torch.broadcast_to(stream.to(torch.int64).cpu(), mat_shape)
+        streams = torch.broadcast_to(stream.to(device=device, dtype=torch.int64), mat_shape)
     else:
         n = 1
         for d in mat_shape:
             n *= d
-        streams = (int(stream) + torch.arange(n, dtype=torch.int64)).reshape(mat_shape)
+        streams = (int(stream) + torch.arange(n, dtype=torch.int64, device=device)).reshape(mat_shape)
+    return streams.reshape(-1), per_matrix
+
+
+def random_bits_ref(shape, seed: int, stream, device=None) -> torch.Tensor:
+    """uint32 random bits (as int64) for a tensor of `shape` [..., R, C] (or [C]).
+
+    `stream`: an int64 tensor broadcastable to shape[:-2] (one stream per matrix), or an int
+    (matrices then get streams stream + flat matrix index). device: where the bits are made and
+    returned (default the CPU, with numpy); a GPU makes them with random_bits_torch.
+    """
+    if device is not None and torch.device(device).type != "cpu":
+        return random_bits_torch(shape, seed, stream, device)
+    shape = tuple(shape)
+    streams, per_matrix = _streams(shape, stream, "cpu")
     streams = streams.reshape(-1, 1).numpy().astype(np.uint64)
     s_lo = (streams & np.uint64(_MASK)).astype(np.uint32)
     s_hi = (streams >> np.uint64(32)).astype(np.uint32)
@@ -85,3 +96,19 @@ def _philox_word0_np(c0, c1, c2, k0: int, k1: int, rounds: int = PHILOX_ROUNDS):
         k0 = (k0 + PHILOX_W0) & _MASK
         k1 = (k1 + PHILOX_W1) & _MASK
     return c0
+
+
+def random_bits_torch(shape, seed: int, stream, device="cpu", chunk: int = 1 << 24) -> torch.Tensor:
+    """random_bits_ref's words with philox_ref's int64 torch arithmetic on `device` (a GPU
+    makes a store's bits there instead of on the host), about `chunk` elements at a time to
+    bound the int64 temporaries."""
+    shape = tuple(shape)
+    streams, per_matrix = _streams(shape, stream, device)
+    out = torch.empty(streams.shape[0], per_matrix, dtype=torch.int64, device=device)
+    elem = torch.arange(per_matrix, dtype=torch.int64, device=device).reshape(1, -1)
+    k0, k1 = split_u64(seed)
+    step = max(1, chunk // max(per_matrix, 1))
+    for i in range(0, streams.shape[0], step):
+        lo, hi = split_u64(streams[i:i + step].reshape(-1, 1))
+        out[i:i + step] = philox_ref(elem, lo, hi, 0, k0, k1)[0]
+    return out.reshape(shape)

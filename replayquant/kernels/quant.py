@@ -202,11 +202,19 @@ def _decode_small_float(bits, EBITS: tl.constexpr, MBITS: tl.constexpr):
     conversion is exact, so no flush-to-zero setting can change it), then one exact multiply by
     2^(15 - bias). Fewer instructions than a general grid decode, which matters in the NVFP4 /
     FP8 read kernels (they are instruction bound)."""
-    NB: tl.constexpr = EBITS + MBITS
     SCALE: tl.constexpr = 2.0 ** (16 - 2 ** (EBITS - 1))
-    b = bits.to(tl.int32)
-    h = (((b & ((1 << NB) - 1)) << (10 - MBITS)) | ((b & (1 << NB)) << (15 - NB)))
-    return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * SCALE
+    return small_float_at(bits.to(tl.int32), 0, EBITS, MBITS) * SCALE
+
+
+@triton.jit
+def small_float_at(words, SHIFT: tl.constexpr, EBITS: tl.constexpr, MBITS: tl.constexpr):
+    """The small-float code at bits SHIFT.. of int32 `words` (several codes packed per word), as
+    float32 times 2^(bias - 15): _decode_small_float without its final multiply, which a
+    caller that decodes many codes folds into its scales."""
+    NB: tl.constexpr = EBITS + MBITS
+    c = words >> SHIFT
+    h = ((c & ((1 << NB) - 1)) << (10 - MBITS)) | ((c & (1 << NB)) << (15 - NB))
+    return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit

@@ -61,7 +61,7 @@ from replayquant.kernels.conventional import (_into, _program_tile, PackedRole, 
                                               gdn_frontend_ref, mamba2_frontend_ref,
                                               mamba2_post_ref, role_streams, small_block,
                                               split_key)
-from replayquant.kernels.quant import decode_bf16, decode_e2m1, decode_e4m3, decode_fp16
+from replayquant.kernels.quant import decode_bf16, decode_fp16, small_float_at
 from replayquant.streams import ANCHOR, READ, layer_seed
 
 __all__ = ["ReplayStore", "replay_gdn_step", "replay_gdn_step_ref", "replay_mamba2_step",
@@ -429,21 +429,10 @@ def _tile_raw(pay, sc, mat, rows, ok, DV: tl.constexpr, DK: tl.constexpr, FMT: t
 
 
 @triton.jit
-def _code_at(p, SHIFT: tl.constexpr, EBITS: tl.constexpr, MBITS: tl.constexpr):
-    """The small-float code at bits SHIFT.. of the int32 words p, as float32 times
-    2^(bias - 15) (quant._decode_small_float without its final multiply, which the callers
-    fold into the scales)."""
-    NB: tl.constexpr = EBITS + MBITS
-    c = p >> SHIFT
-    h = ((c & ((1 << NB) - 1)) << (10 - MBITS)) | ((c & (1 << NB)) << (15 - NB))
-    return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
 def _nib2(p, SHIFT: tl.constexpr, xi, yi, TWO: tl.constexpr, ax=None, ay=None):
     """Accumulators (ax, ay) plus the E2M1 codes at bits SHIFT.. of the words p times the
     columns xi (and yi with TWO) they hold: each code decoded once and used at once."""
-    c = _code_at(p, SHIFT, 2, 1)
+    c = small_float_at(p, SHIFT, 2, 1)
     if ax is None:
         ax = c * xi[None, :]
         ay = ax
@@ -491,7 +480,7 @@ def _tile_mv(p, b, s, x, y, TWO: tl.constexpr, DK: tl.constexpr, FMT: tl.constex
         ax, ay = _nib2(p, 20, x5, y5, TWO, ax, ay)
         ax, ay = _nib2(p, 24, x6, y6, TWO, ax, ay)
         ax, ay = _nib2(p, 28, x7, y7, TWO, ax, ay)
-        bs = _code_at(b.to(tl.int32), 0, 4, 3) * (s * 2.0 ** 14 * 2.0 ** 8)
+        bs = small_float_at(b.to(tl.int32), 0, 4, 3) * (s * 2.0 ** 14 * 2.0 ** 8)
         rx = tl.sum(ax * bs, axis=1)
         ry = rx
         if TWO:
@@ -499,10 +488,10 @@ def _tile_mv(p, b, s, x, y, TWO: tl.constexpr, DK: tl.constexpr, FMT: tl.constex
     elif FMT == 3:
         NW: tl.constexpr = DK // 4
         x0, x1, x2, x3 = _split4(x, NW)
-        c0 = _code_at(p, 0, 4, 3)
-        c1 = _code_at(p, 8, 4, 3)
-        c2 = _code_at(p, 16, 4, 3)
-        c3 = _code_at(p, 24, 4, 3)
+        c0 = small_float_at(p, 0, 4, 3)
+        c1 = small_float_at(p, 8, 4, 3)
+        c2 = small_float_at(p, 16, 4, 3)
+        c3 = small_float_at(p, 24, 4, 3)
         sc = b * 2.0 ** 8
         rx = tl.sum(c0 * x0[None, :] + c1 * x1[None, :] + c2 * x2[None, :] + c3 * x3[None, :],
                     axis=1) * sc
