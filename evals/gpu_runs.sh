@@ -38,6 +38,9 @@
 #            replayquant bench merge kernels_part_{gdn,mamba2,spec}.json
 #   read-blocks  evals/read_blocks_sweep.py: read programs of several row blocks and the
 #            packed-word NVFP4 / FP8 decode (session 9), GPU checks first, B = 256  ~120 s
+#   verify-read  evals/read_blocks_sweep.py --verify-batches 32,512: the speculative rounds
+#            (T = 4) by verify read config, read_blocks included (session 9's FP8 verify at
+#            B = 32 regressed 29%; not run yet, estimated ~400 s)
 #   followup generate, tiny-mamba2 16K demo, tf32x3 whole model + KL, GDN flush folds ~520 s
 #            (the generate check alone took over 150 s; at most 8 files come back from $OUT)
 #
@@ -46,7 +49,7 @@
 # The image has torch, triton, transformers, accelerate, rich, typer, matplotlib; not fla.
 set -uo pipefail
 : "${OUT:?set OUT to the folder where results go}"
-job=${1:?usage: bash evals/gpu_runs.sh tf|mamba|decode|read|dots|defaults|batch1|targets|recheck-gdn|recheck-mamba2|rows|revert-nt|final|side|confirm|flush-nt|gap|grid-gdn|grid-mamba2|grid-spec|read-blocks|generate|followup}
+job=${1:?usage: bash evals/gpu_runs.sh tf|mamba|decode|read|dots|defaults|batch1|targets|recheck-gdn|recheck-mamba2|rows|revert-nt|final|side|confirm|flush-nt|gap|grid-gdn|grid-mamba2|grid-spec|read-blocks|verify-read|generate|followup}
 export PYTHONUNBUFFERED=1 REPLAYQUANT_GIT_COMMIT=${REPLAYQUANT_GIT_COMMIT:-unknown}
 python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/site .gpu/wheels/*.whl \
     || { echo "gpu_runs: could not install the carried wheels in .gpu/wheels" >&2; exit 1; }
@@ -200,6 +203,11 @@ case "$job" in
   gap)
     timeout 300 python3 evals/batch1_gap.py "$OUT/batch1_gap.json" --batches 1,8 --repeats 3 \
         2>&1 | tee /tmp/gap.log; echo "gap rc=${PIPESTATUS[0]}"
+    ;;
+  verify-read)
+    timeout 560 python3 evals/read_blocks_sweep.py "$OUT/verify_read.json" --verify-batches 32,512 \
+        --pairs s32_rs,tp8_hi32,tp4_hi32 > "$OUT/verify_read.log" 2>&1; echo "verify-read rc=$?"
+    tail -70 "$OUT/verify_read.log"
     ;;
   read-blocks)
     timeout 540 python3 evals/read_blocks_sweep.py "$OUT/read_blocks_b256.json" \

@@ -3,10 +3,13 @@
 (block_v, num_warps, read_blocks), the 'dots' window in phase and staggered with the best, and
 the conventional FP32 step beside them, both kinds, three pairs. The GPU checks run first:
 kernel vs torch reference at the real head shapes (7 rows, one a padding row, L = 4 across a
-flush), for one-block and many-block read programs.
+flush), for one-block and many-block read programs. With --verify-batches, the speculative
+rounds (T = 4, the bench's rounds and snapshot baseline) for each of --verify-configs instead
+of the decode step (the verify read's configs were never timed with read_blocks).
 
     python evals/read_blocks_sweep.py OUT.json [--batch 256] [--pairs s32_rs,tp8_hi32,tp4_hi32]
         [--configs 16x1x1,16x1x2,...] [--kinds gdn,mamba2]
+        [--verify-batches 32,512 --verify-configs 16x1x1,16x2x1,...]
 
 Times as in the bench (CUDA graph, L2 flushed; the windows rotate state copies). Writes OUT.json
 with provenance and prints a markdown table."""
@@ -23,6 +26,60 @@ from replayquant.bench import decode as bd
 from replayquant.provenance import provenance
 
 CONFIGS = "16x1x1,16x1x2,16x1x4,16x1x8,16x2x1,32x1x1,32x1x2,32x1x4,32x2x1,32x2x2,64x2x1,64x4x1"
+VERIFY_CONFIGS = "16x1x1,16x2x1,16x1x2,32x1x1,32x2x1"
+
+
+def parse_configs(text: str) -> list:
+    """'16x1x4,32x2x1' -> [(16, 1, 4), (32, 2, 1)] (block_v, num_warps, read_blocks)."""
+    cfgs = [tuple(int(x) for x in c.split("x")) for c in text.split(",")]
+    if not cfgs or any(len(c) != 3 for c in cfgs):
+        raise ValueError(text)
+    return cfgs
+
+
+def step_rows(kinds, B, pairs, cfgs, device, copy_bw) -> list:
+    """The conventional steps and, per pair, the 'dots' read step for each read config (block_v,
+    num_warps, read_blocks) and the windows with the best (the bench's detail sweep)."""
+    rows = []
+    saved = bd.VARIANT_CFGS["dots"]
+    bd.VARIANT_CFGS["dots"] = cfgs
+    try:
+        for kind in kinds:
+            rows += bd.bench_conventional(kind, B, device, copy_bw)
+            for pair in pairs:
+                got = bd.bench_replay_variant(kind, B, pair, bd.PAIR_L[kind], device, copy_bw,
+                                              detail=True)
+                rows += got
+                print(f"{kind} {pair}: " + ", ".join(
+                    f"{r['kernel']} {r.get('cfg', '')} {r['us']:.1f} us" for r in got), flush=True)
+    finally:
+        bd.VARIANT_CFGS["dots"] = saved
+    return rows
+
+
+def verify_rows(kinds, batches, pairs, cfgs, device, copy_bw, T=4) -> list:
+    """The bench's speculative rounds (replay verify + accept, its no-flush and block-read
+    variants, once the snapshot baseline per (kind, batch)) for each read config (block_v,
+    num_warps, read_blocks), each row tagged with its 'cfg'."""
+    rows = []
+    for kind in kinds:
+        dv = bd.SHAPES[kind]["dv"]
+        for B in batches:
+            base = False
+            for pair in pairs:
+                for bv, nw, nt in cfgs:
+                    if bv * nt > dv:
+                        continue
+                    c = {f"read/{pair}": dict(block_v=bv, num_warps=nw, read_blocks=nt)}
+                    for r in bd.bench_spec(kind, B, T, device, copy_bw, cfg=c, pairs=(pair,)):
+                        if r["kernel"].startswith("spec-snapshot"):
+                            if base:
+                                continue
+                            rows.append(r)
+                        else:
+                            rows.append({**r, "cfg": [bv, nw, nt]})
+                    base = True
+    return rows
 
 
 def check(kind, pair, nts, device="cuda") -> dict:
@@ -63,13 +120,19 @@ def main(argv=None) -> int:
     ap.add_argument("--kinds", default="gdn,mamba2")
     ap.add_argument("--configs", default=CONFIGS,
                     help="block_v x num_warps x read_blocks, comma-separated")
+    ap.add_argument("--verify-batches", default="",
+                    help="time the speculative rounds (T = 4) at these batches instead")
+    ap.add_argument("--verify-configs", default=VERIFY_CONFIGS)
     a = ap.parse_args(argv)
     try:
-        cfgs = [tuple(int(x) for x in c.split("x")) for c in a.configs.split(",")]
-        assert all(len(c) == 3 for c in cfgs)
-    except (ValueError, AssertionError):
-        print(f"read_blocks_sweep: --configs {a.configs!r}: give block_v x num_warps x "
-              "read_blocks triples such as 16x1x4,32x2x1", file=sys.stderr)
+        cfgs = parse_configs(a.configs)
+        vcfgs = parse_configs(a.verify_configs)
+        vbatches = [int(b) for b in a.verify_batches.split(",") if b]
+    except ValueError:
+        print(f"read_blocks_sweep: --configs {a.configs!r} / --verify-configs "
+              f"{a.verify_configs!r} / --verify-batches {a.verify_batches!r}: give block_v x "
+              "num_warps x read_blocks triples such as 16x1x4,32x2x1 and batches such as 32,512",
+              file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
         print("read_blocks_sweep: needs a CUDA GPU (times are meaningless elsewhere)",
@@ -83,29 +146,24 @@ def main(argv=None) -> int:
             checks[f"{kind}/{pair}"] = check(kind, pair, (1, 2, dv // 16))
             print(kind, pair, checks[f"{kind}/{pair}"], flush=True)
     copy_bw = bd.copy_bandwidth_GBps("cuda")
-    bd.VARIANT_CFGS["dots"] = cfgs
-    rows = []
-    for kind in kinds:
-        got = bd.bench_conventional(kind, a.batch, "cuda", copy_bw)
-        rows += got
-        for pair in pairs:
-            got = bd.bench_replay_variant(kind, a.batch, pair, bd.PAIR_L[kind], "cuda", copy_bw,
-                                          detail=True)
-            rows += got
-            print(f"{kind} {pair}: " + ", ".join(
-                f"{r['kernel']} {r.get('cfg', '')} {r['us']:.1f} us" for r in got), flush=True)
+    if vbatches:
+        rows = verify_rows(kinds, vbatches, pairs, vcfgs, "cuda", copy_bw)
+    else:
+        rows = step_rows(kinds, a.batch, pairs, cfgs, "cuda", copy_bw)
     res = {"provenance": provenance("cuda", script="evals/read_blocks_sweep.py", batch=a.batch,
                                     pairs=pairs, kinds=kinds, L=dict(bd.PAIR_L),
-                                    configs=[list(c) for c in cfgs], shapes=bd.SHAPES),
+                                    configs=[list(c) for c in (vcfgs if vbatches else cfgs)],
+                                    verify_batches=vbatches, shapes=bd.SHAPES),
            "copy_GBps": copy_bw, "checks": checks, "rows": bd._derive(rows)}
     with open(a.out, "w") as fh:
         json.dump(res, fh, indent=1)
-    print("| kind | kernel | pair | config | us | % copy | x conventional |\n"
-          "| --- | --- | --- | --- | ---: | ---: | ---: |")
+    print("| kind | B | kernel | pair | config | us | % copy | speedup |\n"
+          "| --- | ---: | --- | --- | --- | ---: | ---: | ---: |")
     for r in res["rows"]:
         cfg = r.get("cfg") or r.get("config") or ""
-        pct, sp = r.get("pct_copy"), r.get("speedup_vs_conv_fp32")
-        print(f"| {r['kind']} | {r['kernel']} | {r['variant']} | {cfg} | {r['us']:.1f} | "
+        pct = r.get("pct_copy")
+        sp = r.get("speedup_vs_conv_fp32", r.get("speedup_vs_snapshot_round"))
+        print(f"| {r['kind']} | {r['B']} | {r['kernel']} | {r['variant']} | {cfg} | {r['us']:.1f} | "
               f"{'' if pct is None else f'{pct:.1f}'} | {'' if sp is None else f'{sp:.2f}'} |")
     return 0
 

@@ -149,7 +149,8 @@ def test_bench_bad_arguments(tmp_path):
 def test_read_blocks_sweep_check_and_arguments(monkeypatch, capsys):
     """evals/read_blocks_sweep.py (a GPU script): its kernel-vs-reference check on tiny shapes
     on the CPU (interpreter) for one- and two-block read programs, NVFP4 read copy, both kinds;
-    bad --configs rejected before any GPU work."""
+    its decode-step and verify sweeps run each config (smoke timing); bad --configs /
+    --verify-configs / --verify-batches rejected before any GPU work."""
     import importlib.util
     import pathlib
     path = pathlib.Path(__file__).resolve().parents[1] / "evals" / "read_blocks_sweep.py"
@@ -162,5 +163,19 @@ def test_read_blocks_sweep_check_and_arguments(monkeypatch, capsys):
         res = mod.check(kind, "tp4_hi32", (1, 2) if kind == "gdn" else (1,), device="cpu")
         for r in res.values():
             assert r["pointers_equal"] and r["max_rel_y"] < 2e-2
-    assert mod.main(["/tmp/x.json", "--configs", "16x1"]) == 2
-    assert "read_blocks triples" in capsys.readouterr().err
+    # the timed parts' code (wall-clock on the CPU: a smoke run, never a result)
+    monkeypatch.setitem(bd._CPU_TIMING, "on", True)
+    rows = mod.step_rows(["gdn"], 3, ["tp4_hi32"], [(8, 1, 2), (16, 1, 1)], "cpu", 1.0)
+    sweep = [r for r in rows if r["kernel"] == "sweep/replay-read-step-dots"]
+    assert [r["cfg"]["read_blocks"] for r in sweep] == [2, 1]
+    assert {"conventional", "replay-window-dots", "replay-window-dots-staggered"} <= {
+        r["kernel"] for r in rows}
+    assert bd.VARIANT_CFGS["dots"] != [(8, 1, 2), (16, 1, 1)]          # restored
+    rows = mod.verify_rows(["mamba2"], [3], ["tp8_hi32"], [(8, 1, 2), (16, 1, 1)], "cpu", 1.0,
+                           T=2)
+    got = [(r["kernel"], tuple(r.get("cfg", ()))) for r in rows]
+    assert got.count(("spec-snapshot-round", ())) == 1
+    assert ("spec-replay-round", (8, 1, 2)) in got and ("spec-replay-round", (16, 1, 1)) in got
+    for bad in (["--configs", "16x1"], ["--verify-configs", "16"], ["--verify-batches", "a"]):
+        assert mod.main(["/tmp/x.json", *bad]) == 2
+        assert "read_blocks triples" in capsys.readouterr().err
