@@ -193,7 +193,7 @@ def _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols,
     K [LP, DK] (GDN: re-normalised; NO_K: not loaded, 0), X [LP, BV] (GDN: raw v or u when
     WANT_U; Mamba-2: v = dt x), G [LP] cumulative log gate, Bt [LP] (beta / dt)."""
     m = jj < n
-    e = slot * CAP + (start + jj) % CAP
+    e = _entry(slot, start, jj, CAP)
     if NO_K:
         K = 0.0
     else:
@@ -204,6 +204,15 @@ def _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols,
                 K = K * (1.0 / tl.sqrt(tl.sum(K * K, axis=1) + 1e-6))[:, None]
     G = tl.load(Gbuf + e * HV + hv, mask=m, other=0.0)
     Bt = tl.load(bbuf + e * HV + hv, mask=m, other=0.0)
+    X = _entries_x(vbuf, ubuf, e, m, hv, rows, Bt, HV, DV, DELTA, WANT_U)
+    return K, X, G, Bt
+
+
+@triton.jit
+def _entries_x(vbuf, ubuf, e, m, hv, rows, Bt, HV: tl.constexpr, DV: tl.constexpr,
+               DELTA: tl.constexpr, WANT_U: tl.constexpr):
+    """X [LP, BV] of _load_entries for the buffer entries e where m (elsewhere 0): GDN raw v, or
+    u when WANT_U; Mamba-2 v = dt x (Bt the entries' dt)."""
     if WANT_U:
         X = tl.load(ubuf + (e[:, None] * HV + hv) * DV + rows[None, :], mask=m[:, None],
                     other=0.0).to(tl.float32)
@@ -212,7 +221,7 @@ def _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols,
                     other=0.0).to(tl.float32)
         if not DELTA:
             X = Bt[:, None] * X
-    return K, X, G, Bt
+    return X
 
 
 @triton.jit
@@ -550,19 +559,15 @@ def _read_body(
     if go:
         K0, X, G0, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start, hv, hk, rows,
                                       cols, jj, h, HK, HV, DK, DV, CAP, DELTA, L2NORM, DELTA, DOTS)
-        e0 = slot * CAP + (start + jj) % CAP
+        e0 = _entry(slot, start, jj, CAP)
         for ib in range(NT):
             rb = rows + ib * BV
             more = ib + 1 < NT
             Pc, Sc = P, Sb
             # the next block's read copy and u entries (GDN; Mamba-2: v entries)
             P, Sb = _tile_raw(R_pay, R_sc, mat, rb + BV, more, DV, DK, RFMT)
-            if DELTA:
-                Xn = tl.load(ubuf + (e0[:, None] * HV + hv) * DV + (rb + BV)[None, :],
-                             mask=(jj < h)[:, None] & more, other=0.0).to(tl.float32)
-            else:
-                Xn = Bt[:, None] * tl.load(vbuf + (e0[:, None] * HV + hv) * DV + (rb + BV)[None, :],
-                                           mask=(jj < h)[:, None] & more, other=0.0).to(tl.float32)
+            Xn = _entries_x(vbuf, ubuf, e0, (jj < h) & more, hv, rb + BV, Bt, HV, DV, DELTA,
+                            DELTA)
             K = K0
             G = G0
             Gp = tl.sum(tl.where(jj == h - 1, G, 0.0), axis=0)
