@@ -16,7 +16,7 @@ from replayquant.kernels.replay_decode import (ReplayStore, advance_pointers, ch
                                                resolve_path, replay_gdn_step,
                                                replay_gdn_step_ref, replay_mamba2_step,
                                                replay_mamba2_step_ref, replay_launch_config,
-                                               DOTS_BLOCK, DOTS_BLOCK_VERIFY, FLUSH_BLOCK)
+                                               DOTS_BLOCK, VERIFY_BLOCK_DEFAULT, FLUSH_BLOCK)
 from replayquant.pairs import PrecisionPair, list_pairs
 from replayquant.replay import ReplayState
 from _helpers import assert_states_close
@@ -403,11 +403,17 @@ def test_launch_dispatcher():
     m2 = ReplayStore.from_state(random_state(2, 2, 16, 16), "s32_rs", "mamba2", key_heads=1)
     assert resolve_read_variant(m2, 4096) == "dots" and resolve_read_variant(m2, 127) == "block"
     # the 'dots' read of a decode step runs DOTS_BLOCK's (rows, warps, row blocks per program)
-    # by kind and read copy format (the measured best), a verify DOTS_BLOCK_VERIFY's, the block
-    # read keeps its size rule with one row block per program; explicit blocks win
+    # by kind and read copy format (the measured best), a verify (T > 1) VERIFY_BLOCK's for either
+    # read variant, the block read of a step keeps its size rule with one row block per program;
+    # explicit blocks win
     big = ReplayStore.from_state(random_state(2, 2, 64, 128), "s32_rs", "mamba2", key_heads=1)
     assert replay_launch_config(big, 4096, read_variant="dots")[0] == DOTS_BLOCK[("mamba2", "fp32")]
-    assert replay_launch_config(big, 4096, read_variant="dots", T=4)[0] == DOTS_BLOCK_VERIFY
+    assert replay_launch_config(big, 4096, read_variant="dots", T=4)[0] == VERIFY_BLOCK_DEFAULT
+    assert replay_launch_config(big, 8, T=4)[0] == VERIFY_BLOCK_DEFAULT
+    g32 = ReplayStore.from_state(random_state(2, 2, 64, 128), "s32_rs", "gdn", key_heads=1)
+    assert replay_launch_config(g32, 8, T=4)[0] == (16, 1, 1)          # GDN FP32 block verify
+    assert replay_launch_config(g32, 8, T=4, read_variant="dots")[0] == VERIFY_BLOCK_DEFAULT
+    assert replay_launch_config(g32, 8, 16, T=4)[0] == (16, 2, 1)      # explicit block: size rule
     nvb = ReplayStore.from_state(random_state(2, 2, 64, 128), "tp4_hi16_sr", "mamba2", key_heads=1)
     assert replay_launch_config(nvb, 4096, read_variant="dots")[0] == DOTS_BLOCK[("mamba2", "nvfp4")]
     assert replay_launch_config(big, 4096)[0] == (32, 4, 1)

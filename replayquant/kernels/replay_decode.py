@@ -835,27 +835,41 @@ def advance_pointers_ref(store: ReplayStore, state_indices, T: int = 1, step: bo
 # GDN FP32 (16, 1, 8) 170.1 (16, 1, 1: 200.1), FP8 (32, 1, 4) 123.6 (16, 1, 1: 137.0), NVFP4
 # (32, 1, 1) 128.3 (16, 1, 1: 215.0); Mamba-2 FP32 (16, 1, 4) 301.1 (16, 1, 1: 319.9), FP8
 # (32, 1, 1) 164.0 (216.0), NVFP4 (32, 1, 1) 175.8 (255.3). FP16 / BF16 read copies: not
-# measured, FP32's. A verify (T drafts) keeps DOTS_BLOCK_VERIFY: one warp on 16 rows was the
-# fastest of (16, 1) (16, 2) (16, 4) (32, 2) (64, 4) before session 9 (run 11,
-# results/bench/kernels_gdn_run11.json and kernels_mamba2_dots.json), and session 9 did not
-# time the verify read's configs.
+# measured, FP32's.
 DOTS_BLOCK = {("gdn", "fp32"): (16, 1, 8), ("gdn", "fp8"): (32, 1, 4), ("gdn", "nvfp4"): (32, 1, 1),
               ("mamba2", "fp32"): (16, 1, 4), ("mamba2", "fp8"): (32, 1, 1),
               ("mamba2", "nvfp4"): (32, 1, 1)}
-DOTS_BLOCK_VERIFY = (16, 1, 1)
+# read kernel block of a verify (T > 1 drafts), by (kind, read variant, read copy format). H200,
+# T = 4, the bench's speculative round (verify + accept, L = 16 / 8) by config (16, 1, 1) (16, 2, 1)
+# (16, 1, 2) (32, 1, 1) (32, 2, 1) (results/bench/verify_read.json, 4e9a1b9, session 10): the
+# 'dots' read at B = 512, us, (16, 1, 1) -> best: GDN FP32 1293.6 -> 1189.5 (32, 1, 1), FP8
+# 1237.2 -> 1109.8, NVFP4 1708.3 -> 1249.5; Mamba-2 1573.5 -> 1535.0, 1827.8 -> 1693.5, 2435.9 ->
+# 1675.0, all (32, 1, 1). The block read at B = 32 (the size rule's (16, 2, 1) -> best): GDN FP32
+# 185.9 -> 150.5 (16, 1, 1; (32, 1, 1) 195.1), FP8 212.2 -> 135.3 (32, 1, 1), NVFP4 209.1 -> 131.7
+# (32, 1, 1); Mamba-2 239.7 -> 161.9, 226.0 -> 148.5, 302.3 -> 141.5, all (32, 1, 1). Two row
+# blocks per program were slower in every cell. FP16 / BF16 read copies: FP32's, not measured.
+VERIFY_BLOCK = {("gdn", "block", "fp32"): (16, 1, 1)}
+VERIFY_BLOCK_DEFAULT = (32, 1, 1)
 
 
 def _dots_block(kind: str, fmt: str, T: int):
+    fmt = fmt if fmt in ("fp8", "nvfp4") else "fp32"
     if T != 1:
-        return DOTS_BLOCK_VERIFY
-    return DOTS_BLOCK[(kind, fmt if fmt in ("fp8", "nvfp4") else "fp32")]
+        return _verify_block(kind, "dots", fmt)
+    return DOTS_BLOCK[(kind, fmt)]
+
+
+def _verify_block(kind: str, variant: str, fmt: str):
+    fmt = fmt if fmt in ("fp8", "nvfp4") else "fp32"
+    return VERIFY_BLOCK.get((kind, variant, fmt), VERIFY_BLOCK_DEFAULT)
 
 
 def replay_launch_config(store: ReplayStore, n_rows: int, block_v=None, num_warps=None,
                          flush_config=None, read_variant: str = "block", read_blocks=None,
                          T: int = 1):
     """((BV, warps, row blocks per program) of the read kernel, (BV, warps) of the flush
-    kernel), from the shape, the read variant and the drafts T (1: a decode step). The read
+    kernel), from the shape, the read variant and the drafts T (1: a decode step; a verify of
+    T > 1 drafts takes VERIFY_BLOCK's, either read variant). The read
     kernel takes any row block (NVFP4 block scales run along d_k); the flush kernel holds whole
     matrices when it writes an NVFP4 role (one FP32 scale per matrix)."""
     N, H, dv, dk = store.shape
@@ -864,6 +878,10 @@ def replay_launch_config(store: ReplayStore, n_rows: int, block_v=None, num_warp
         block_v = min(dv, bv)
         num_warps = nw if num_warps is None else num_warps
         read_blocks = min(nt, dv // block_v) if read_blocks is None else read_blocks
+    if block_v is None and T > 1:
+        bv, nw, nt = _verify_block(store.kind, "block", store.read_role.fmt)
+        block_v = min(dv, bv)
+        num_warps = nw if num_warps is None else num_warps
     if block_v is None:
         block_v = min(dv, 32 if n_rows * H >= 2048 else 16)
     if dv % block_v or block_v & (block_v - 1) or block_v < 1:
