@@ -43,6 +43,11 @@
 #            B = 32 regressed 29%; not run yet, estimated ~400 s)
 #   spec-t4, spec-t2  the speculative rounds of both kinds (B = 32 / 256 / 512, every pair) at
 #            T = 4 / T = 2 with session 10's verify read configs (VERIFY_BLOCK), one call each
+#            (session 10, run 39-42 with grid-gdn and grid-mamba2 at 9d8b19a: 56 / 36 / 147 /
+#            104 s, nothing skipped, since the stores of the SR pair are built on the GPU);
+#            then: replayquant bench merge kernels_part_{gdn,mamba2}.json kernels_spec_t{4,2}.json
+#   grid     the whole grid in one call, GPU checks, peers and sweep included (~350 s by the
+#            session-10 estimate; not run as one call yet)
 #   followup generate, tiny-mamba2 16K demo, tf32x3 whole model + KL, GDN flush folds ~520 s
 #            (the generate check alone took over 150 s; at most 8 files come back from $OUT)
 #
@@ -51,7 +56,7 @@
 # The image has torch, triton, transformers, accelerate, rich, typer, matplotlib; not fla.
 set -uo pipefail
 : "${OUT:?set OUT to the folder where results go}"
-job=${1:?usage: bash evals/gpu_runs.sh tf|mamba|decode|read|dots|defaults|batch1|targets|recheck-gdn|recheck-mamba2|rows|revert-nt|final|side|confirm|flush-nt|gap|grid-gdn|grid-mamba2|grid-spec|read-blocks|verify-read|spec-t4|spec-t2|generate|followup}
+job=${1:?usage: bash evals/gpu_runs.sh tf|mamba|decode|read|dots|defaults|batch1|targets|recheck-gdn|recheck-mamba2|rows|revert-nt|final|side|confirm|flush-nt|gap|grid-gdn|grid-mamba2|grid-spec|read-blocks|verify-read|spec-t4|spec-t2|grid|generate|followup}
 export PYTHONUNBUFFERED=1 REPLAYQUANT_GIT_COMMIT=${REPLAYQUANT_GIT_COMMIT:-unknown}
 python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/site .gpu/wheels/*.whl \
     || { echo "gpu_runs: could not install the carried wheels in .gpu/wheels" >&2; exit 1; }
@@ -211,6 +216,11 @@ case "$job" in
     timeout 585 "${rq[@]}" bench kernels --out "$OUT" --name "kernels_spec_t$T" --batches= --T "$T" \
         --no-checks --no-peers --no-sweep --budget-s 560 > "/tmp/spec_t$T.log" 2>&1; echo "spec T=$T rc=$?"
     grep -E "^\[bench|^copy|Not measured|failed" "/tmp/spec_t$T.log" | cut -c1-2000
+    ;;
+  grid)
+    timeout 585 "${rq[@]}" bench kernels --out "$OUT" --name kernels --budget-s 540 \
+        > "/tmp/grid.log" 2>&1; echo "grid rc=$?"
+    grep -E "^\[bench|^copy|Not measured|failed" /tmp/grid.log | cut -c1-2000; cp /tmp/grid.log "$OUT/"
     ;;
   verify-read)
     timeout 560 python3 evals/read_blocks_sweep.py "$OUT/verify_read.json" --verify-batches 32,512 \

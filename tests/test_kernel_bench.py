@@ -30,11 +30,11 @@ def test_full_grid_plan():
     assert "dots/gdn/B1/s32_rs/L16" not in keys        # read variants from VARIANT_MIN_B
     assert keys.index("spec/gdn/B512/T4") < keys.index("dots/gdn/B128/s32_rs/L16") \
         < keys.index("peers/mamba2/B512") < keys.index("gdn/B1/s32_rs/L4")
-    # session-8 calibration: the full grid takes about six 10-minute calls (subsets / budget),
-    # most of it building stores of the stochastic-rounding pair on the host
-    assert 3 * 540 < bd.estimate_s(sec) < 6 * 540
+    # session-10 calibration (stochastic-rounding stores built on the GPU): the full grid fits
+    # one 10-minute device call under the default budget
+    assert 200 < bd.estimate_s(sec) < 500
     no_sr = bd.plan(pairs=("s32_rs", "tp8_hi32", "tp4_hi32"))
-    assert bd.estimate_s(no_sr) < 0.5 * bd.estimate_s(sec)
+    assert bd.estimate_s(no_sr) < bd.estimate_s(sec)
 
 
 def test_cpu_smoke_run(tmp_path):

@@ -1084,17 +1084,17 @@ def render_markdown(res) -> str:
 # seven B = 256 sections (model: 34 s; its section_s has per-section times). The GPU checks
 # compile every kernel on a fresh machine (60 s). Small-batch windows make thousands of Python
 # step calls (launch: seconds per launch; 6e-4 until session 8, see below).
-_EST = dict(fixed=0.27, compile=2.0, per_GB=0.96, checks=60.0, copy=3.0, peer=0.75, launch=1e-5,
-            sr_per_GB=36.0)
-# Refit on the session-8 grid (5262a23, three calls, 1454 s of sections; least squares over the
-# sections, this model predicts 1604 s for them): building a store of a pair with a
-# stochastic-rounding role casts it with the torch reference, whose Philox bits come from numpy
-# on the host, ~36 s per GB of FP32 state (the tp4_hi16_sr sections took 75-78 s at Mamba-2
-# B = 512 against under 1 s for the other pairs; speculative sections build about two such
-# stores); Python launches during capture fitted to ~0 (launch was 6e-4 s: the B = 1 sections
-# took 5-7 s, estimated 38). Since session 9 a store built on a GPU draws those bits there
-# (philox.random_bits_torch), untimed: sr_per_GB still holds the host cost, so on a GPU the
-# estimate is high for the SR pair and a budget skips more than it must until it is refitted.
+_EST = dict(fixed=0.13, compile=0.55, per_GB=0.16, checks=28.0, copy=3.0, peer=0.075, launch=1e-4,
+            sr_per_GB=0.0)
+# Refit on the session-8 grid (5262a23; 1454 s of sections): stores of a pair with a
+# stochastic-rounding role were cast with Philox bits drawn by numpy on the host, ~36 s per GB
+# of FP32 state, two thirds of the grid's time. Since session 9 a store built on a GPU draws them
+# there (philox.random_bits_torch). Refit again (non-negative least squares over the 241
+# sections) on session 10's grid at 9d8b19a (results/bench/kernels_part_{gdn,mamba2}.json,
+# kernels_spec_t{4,2}.json: four calls, 333 s of sections, nothing skipped; the previous model
+# predicted 2884 s for them, this one 303 s): the SR stores cost nothing measurable now
+# (sr_per_GB 0; the term stays for the model's shape), and the other terms fell too (per_GB 0.96
+# -> 0.16). The whole grid, sweep included, is ~345 s: one device call.
 
 
 def _sr_pair(name) -> bool:
