@@ -46,6 +46,10 @@
 #            (session 10, run 39-42 with grid-gdn and grid-mamba2 at 9d8b19a: 56 / 36 / 147 /
 #            104 s, nothing skipped, since the stores of the SR pair are built on the GPU);
 #            then: replayquant bench merge kernels_part_{gdn,mamba2}.json kernels_spec_t{4,2}.json
+#   philox4  the stochastic-rounding pair (tp4_hi16_sr) with one Philox per four elements
+#            (session 10): GPU checks, B = 256 windows / flush steps and verify at B = 512, both
+#            kinds, against the same rows of the grid (9d8b19a); then bench formats (its GPU
+#            bits against the CPU reference, SR casts timed)                    ~200 s
 #   grid     the whole grid in one call, GPU checks, peers and sweep included (~350 s by the
 #            session-10 estimate; not run as one call yet)
 #   followup generate, tiny-mamba2 16K demo, tf32x3 whole model + KL, GDN flush folds ~520 s
@@ -56,7 +60,7 @@
 # The image has torch, triton, transformers, accelerate, rich, typer, matplotlib; not fla.
 set -uo pipefail
 : "${OUT:?set OUT to the folder where results go}"
-job=${1:?usage: bash evals/gpu_runs.sh tf|mamba|decode|read|dots|defaults|batch1|targets|recheck-gdn|recheck-mamba2|rows|revert-nt|final|side|confirm|flush-nt|gap|grid-gdn|grid-mamba2|grid-spec|read-blocks|verify-read|spec-t4|spec-t2|grid|generate|followup}
+job=${1:?usage: bash evals/gpu_runs.sh tf|mamba|decode|read|dots|defaults|batch1|targets|recheck-gdn|recheck-mamba2|rows|revert-nt|final|side|confirm|flush-nt|gap|grid-gdn|grid-mamba2|grid-spec|read-blocks|verify-read|spec-t4|spec-t2|philox4|grid|generate|followup}
 export PYTHONUNBUFFERED=1 REPLAYQUANT_GIT_COMMIT=${REPLAYQUANT_GIT_COMMIT:-unknown}
 python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/site .gpu/wheels/*.whl \
     || { echo "gpu_runs: could not install the carried wheels in .gpu/wheels" >&2; exit 1; }
@@ -216,6 +220,15 @@ case "$job" in
     timeout 585 "${rq[@]}" bench kernels --out "$OUT" --name "kernels_spec_t$T" --batches= --T "$T" \
         --no-checks --no-peers --no-sweep --budget-s 560 > "/tmp/spec_t$T.log" 2>&1; echo "spec T=$T rc=$?"
     grep -E "^\[bench|^copy|Not measured|failed" "/tmp/spec_t$T.log" | cut -c1-2000
+    ;;
+  philox4)
+    timeout 500 "${rq[@]}" bench kernels --out "$OUT" --name kernels_sr_philox4 --batches 256 \
+        --pairs tp4_hi16_sr --T 4 --spec-batches 512 --no-peers --no-sweep --budget-s 480 \
+        > /tmp/philox4.log 2>&1; echo "philox4 rc=$?"
+    grep -E "^\[bench|^copy|Not measured|failed|flush-step|read-step|round " /tmp/philox4.log | cut -c1-300
+    cp /tmp/philox4.log "$OUT/"
+    timeout 150 "${rq[@]}" bench formats --out "$OUT/formats" > /tmp/formats.log 2>&1; echo "formats rc=$?"
+    tail -30 /tmp/formats.log
     ;;
   grid)
     timeout 585 "${rq[@]}" bench kernels --out "$OUT" --name kernels --budget-s 540 \

@@ -254,7 +254,10 @@ def _random_bits_int64(shape, seed, stream):
     lo, hi = split_u64(streams.reshape(-1, 1))
     elem = torch.arange(per, dtype=torch.int64).reshape(1, -1)
     k0, k1 = split_u64(seed)
-    return philox_ref(elem, lo, hi, torch.zeros_like(elem), k0, k1)[0].reshape(shape)
+    # element e: word e % 4 of counter e // 4 (written per element, not by groups as the library)
+    words = philox_ref(elem // 4, lo, hi, torch.zeros_like(elem), k0, k1)
+    return torch.stack(words, dim=-1).gather(-1, (elem % 4).expand(lo.shape[0], per)[..., None])[
+        ..., 0].reshape(shape)
 
 
 def test_fast_random_bits_equal_the_int64_philox():

@@ -33,8 +33,19 @@ def _philox_kernel(c_ptr, out_ptr, seed_lo, seed_hi, N, B: tl.constexpr):
     c0 = tl.load(c_ptr + 3 * o, mask=m, other=0)
     c1 = tl.load(c_ptr + 3 * o + 1, mask=m, other=0)
     c2 = tl.load(c_ptr + 3 * o + 2, mask=m, other=0)
-    r = quant.philox_u32(seed_lo, seed_hi, c0, c1, c2)
-    tl.store(out_ptr + o, r.to(tl.int64) & 0xFFFFFFFF, mask=m)
+    words = quant.philox4(seed_lo, seed_hi, c0, c1, c2)
+    for w in tl.static_range(4):
+        tl.store(out_ptr + w * N + o, words[w].to(tl.int64) & 0xFFFFFFFF, mask=m)
+
+
+@triton.jit
+def _bits_kernel(out_ptr, out_rows_ptr, seed_lo, seed_hi, s_lo, s_hi, R: tl.constexpr,
+                 C: tl.constexpr):
+    e = tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :]
+    b = quant.philox_bits(seed_lo, seed_hi, e, s_lo, s_hi)
+    tl.store(out_ptr + e, b.to(tl.int64) & 0xFFFFFFFF)
+    b = quant.philox_bits_rows(seed_lo, seed_hi, e, s_lo, s_hi)
+    tl.store(out_rows_ptr + e, b.to(tl.int64) & 0xFFFFFFFF)
 
 
 @pytest.mark.parametrize("seed", [0, 1234567, 2 ** 31 + 5, 2 ** 63 + 2 ** 40 + 9])
@@ -43,11 +54,25 @@ def test_philox_matches_ref(seed):
     n = 200
     c = torch.randint(0, 2 ** 32, (n, 3), generator=gen, dtype=torch.int64)
     c[:4] = torch.tensor([[0, 0, 0], [2 ** 32 - 1] * 3, [5, 0, 1], [1, 2 ** 31, 2 ** 32 - 1]])
-    out = torch.full((n,), -1, dtype=torch.int64)
+    out = torch.full((4, n), -1, dtype=torch.int64)
     lo, hi = seed & 0xFFFFFFFF, seed >> 32
     _philox_kernel[(1,)](c, out, lo, hi, n, B=256)
-    want, _, _, _ = philox_ref(c[:, 0], c[:, 1], c[:, 2], 0, lo, hi)
-    assert torch.equal(out, want)
+    want = philox_ref(c[:, 0], c[:, 1], c[:, 2], 0, lo, hi)
+    for w in range(4):
+        assert torch.equal(out[w], want[w]), w
+
+
+@pytest.mark.parametrize("R,C", [(1, 16), (4, 32), (8, 4)])
+def test_philox_bits_match_random_bits_ref(R, C):
+    """Both kernel forms of the SR bits (per element; one Philox per group of four along the
+    rows) give random_bits_ref's words: element e takes word e % 4 of counter e // 4."""
+    seed, stream = 2 ** 63 + 77, 2 ** 40 + 5
+    want = random_bits_ref((R, C), seed, stream)
+    out = torch.full((R, C), -1, dtype=torch.int64)
+    out_rows = torch.full((R, C), -1, dtype=torch.int64)
+    _bits_kernel[(1,)](out, out_rows, seed & 0xFFFFFFFF, seed >> 32, stream & 0xFFFFFFFF,
+                       stream >> 32, R=R, C=C)
+    assert torch.equal(out, want) and torch.equal(out_rows, want)
 
 
 @triton.jit

@@ -40,7 +40,7 @@ from replayquant.formats.constants import (BF16, E2M1, E4M3, FP8_ROW_DIVISOR, FP
                                            NVFP4_GLOBAL_DIVISOR, ROUNDINGS)
 from replayquant.kernels.quant import (decode_bf16, decode_e2m1, decode_e4m3, decode_fp16,
                                        encode_bf16, encode_e2m1, encode_e4m3, encode_fp16,
-                                       philox_u32)
+                                       philox_bits_rows)
 from replayquant.streams import ANCHOR, layer_seed, sr_stream
 
 FMT_IDS = {"fp32": 0, "fp16": 1, "bf16": 2, "fp8": 3, "nvfp4": 4}
@@ -200,12 +200,13 @@ def split_key(key: int):
 
 @triton.jit
 def _sr_bits(offs, key_lo, key_hi, flush_index, role: tl.constexpr, slot, head):
-    """Philox word 0 of counter (offs, stream lo, stream hi, 0), key = layer seed, where
-    stream = flush_index << 41 | role << 40 | slot << 16 | head (streams.sr_stream)."""
+    """SR bits of the tile offs [R, C] (rows of consecutive element indices from multiples of
+    4): word offs % 4 of Philox counter (offs // 4, stream lo, stream hi, 0), key = layer seed,
+    where stream = flush_index << 41 | role << 40 | slot << 16 | head (streams.sr_stream)."""
     stream = (flush_index.to(tl.int64) << 41) | (role << 40) | (slot.to(tl.int64) << 16) | head
     s_lo = stream & 0xFFFFFFFF
     s_hi = (stream >> 32) & 0xFFFFFFFF
-    return philox_u32(key_lo, key_hi, offs, s_lo, s_hi)
+    return philox_bits_rows(key_lo, key_hi, offs, s_lo, s_hi)
 
 
 @triton.jit

@@ -1,8 +1,12 @@
 """Counter-based random bits (Philox4x32-10), the same stream in torch and in Triton.
 
-Every stochastic rounding draws one uint32 per element from
-    philox(key = seed (64 bit), counter = (element index in its matrix, stream_lo, stream_hi, 0))[0]
-so a caller gives each (layer, head, step ...) its own reproducible stream by choosing `stream`.
+Every stochastic rounding draws one uint32 per element: element e of a matrix (its index in
+the matrix, row-major) takes word e % 4 of
+    philox(key = seed (64 bit), counter = (e // 4, stream_lo, stream_hi, 0))
+so one Philox evaluation serves four consecutive elements (a kernel's tile computes it once per
+group), and a caller gives each (layer, head, step ...) its own reproducible stream by choosing
+`stream`. (Until session 10 every element took word 0 of its own counter e: four times the
+Philox work; stores and casts made before then drew other, equally distributed, bits.)
 `philox_ref` (torch) works in int64 (products of two uint32 wrap modulo 2^64; the high word is
 recovered exactly with an arithmetic shift and a mask): it is the readable specification.
 `random_bits_ref` computes the same words with numpy in uint32 lanes and exact uint64 products
@@ -76,16 +80,16 @@ def random_bits_ref(shape, seed: int, stream, device=None) -> torch.Tensor:
     streams = streams.reshape(-1, 1).numpy().astype(np.uint64)
     s_lo = (streams & np.uint64(_MASK)).astype(np.uint32)
     s_hi = (streams >> np.uint64(32)).astype(np.uint32)
-    elem = np.arange(per_matrix, dtype=np.uint32).reshape(1, -1)
+    elem = np.arange(-(-per_matrix // 4), dtype=np.uint32).reshape(1, -1)      # groups of 4
     k0, k1 = split_u64(seed)
-    r = _philox_word0_np(elem, s_lo, s_hi, k0, k1)
-    r = np.broadcast_to(r, (s_lo.shape[0], per_matrix)).astype(np.int64)
-    return torch.from_numpy(r).reshape(shape)
+    r = np.stack(_philox_np(elem, s_lo, s_hi, k0, k1), axis=-1)        # [streams, groups, 4]
+    r = np.broadcast_to(r, (s_lo.shape[0],) + r.shape[1:]).reshape(s_lo.shape[0], 4 * elem.size)
+    return torch.from_numpy(r[:, :per_matrix].astype(np.int64)).reshape(shape)
 
 
-def _philox_word0_np(c0, c1, c2, k0: int, k1: int, rounds: int = PHILOX_ROUNDS):
-    """Word 0 of Philox4x32 with counter (c0, c1, c2, 0) on uint32 numpy arrays (broadcasting);
-    the same arithmetic as `philox_ref`, products exact in uint64."""
+def _philox_np(c0, c1, c2, k0: int, k1: int, rounds: int = PHILOX_ROUNDS):
+    """The four words of Philox4x32 with counter (c0, c1, c2, 0) on uint32 numpy arrays
+    (broadcasting); the same arithmetic as `philox_ref`, products exact in uint64."""
     m0, m1, s32 = np.uint64(PHILOX_M0), np.uint64(PHILOX_M1), np.uint64(32)
     c3 = np.zeros_like(c0)
     for _ in range(rounds):
@@ -95,7 +99,13 @@ def _philox_word0_np(c0, c1, c2, k0: int, k1: int, rounds: int = PHILOX_ROUNDS):
                           (p0 >> s32).astype(np.uint32) ^ c3 ^ np.uint32(k1), p0.astype(np.uint32))
         k0 = (k0 + PHILOX_W0) & _MASK
         k1 = (k1 + PHILOX_W1) & _MASK
-    return c0
+    return c0, c1, c2, c3
+
+
+def group_words(c0, c1, c2, c3, n: int) -> torch.Tensor:
+    """Philox words of counters (groups) [..., G] -> the bits of elements [..., n]: element e
+    takes word e % 4 of group e // 4 (n <= 4 G)."""
+    return torch.stack((c0, c1, c2, c3), dim=-1).flatten(-2)[..., :n]
 
 
 def random_bits_torch(shape, seed: int, stream, device="cpu", chunk: int = 1 << 24) -> torch.Tensor:
@@ -105,10 +115,10 @@ def random_bits_torch(shape, seed: int, stream, device="cpu", chunk: int = 1 << 
     shape = tuple(shape)
     streams, per_matrix = _streams(shape, stream, device)
     out = torch.empty(streams.shape[0], per_matrix, dtype=torch.int64, device=device)
-    elem = torch.arange(per_matrix, dtype=torch.int64, device=device).reshape(1, -1)
+    groups = torch.arange(-(-per_matrix // 4), dtype=torch.int64, device=device).reshape(1, -1)
     k0, k1 = split_u64(seed)
     step = max(1, chunk // max(per_matrix, 1))
     for i in range(0, streams.shape[0], step):
         lo, hi = split_u64(streams[i:i + step].reshape(-1, 1))
-        out[i:i + step] = philox_ref(elem, lo, hi, 0, k0, k1)[0]
+        out[i:i + step] = group_words(*philox_ref(groups, lo, hi, 0, k0, k1), per_matrix)
     return out.reshape(shape)

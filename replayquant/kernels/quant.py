@@ -2,7 +2,11 @@
 
 Device functions other kernels import (the replay decode kernels call them):
 
-    philox_u32(seed_lo, seed_hi, c0, c1, c2)      Philox4x32-10 word 0, counter (c0, c1, c2, 0)
+    philox4(seed_lo, seed_hi, c0, c1, c2)         Philox4x32-10's four words, counter (c0, c1, c2, 0)
+    philox_bits(seed_lo, seed_hi, elem, s_lo, s_hi)        SR bits of elements (any shape)
+    philox_bits_rows(seed_lo, seed_hi, elem, s_lo, s_hi)   the same for a tile [R, C] whose rows
+                                                  are runs of elements from a multiple of 4:
+                                                  one Philox per 4 elements
     round_to_grid(y, rbits, MBITS, EMIN, MAX_CODE, MAX_VALUE, IEEE, INF_CODE, STOCHASTIC)
                                                   -> (code int32, sign int32) = round_to_grid_ref
     encode_fp16 / encode_bf16 / encode_e4m3 / encode_e2m1 (y, rbits, STOCHASTIC) -> int32 bits
@@ -20,9 +24,9 @@ their max codes have odd mantissas); otherwise they and the scaled grids saturat
 Divisions use `tl.div_rn` (IEEE correctly rounded, as torch on the CPU).
 
 Host functions (called by `replayquant.formats`): `cast_quantize`, `fp8_quantize`,
-`fp8_dequantize`, `nvfp4_quantize`, `nvfp4_dequantize`. Stochastic rounding bits come from
-`philox_u32(seed, counter = (element index in its matrix, stream_lo, stream_hi))`, exactly as
-`replayquant.kernels.philox.random_bits_ref`. Launch settings are chosen from the shape.
+`fp8_dequantize`, `nvfp4_quantize`, `nvfp4_dequantize`. Stochastic rounding bits of element e
+(its index in its matrix) are word e % 4 of `philox4(seed, counter = (e // 4, stream_lo,
+stream_hi))`, exactly as `replayquant.kernels.philox.random_bits_ref`. Launch settings are chosen from the shape.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from replayquant.formats.constants import (BF16, E2M1, E4M3, FP8_ROW_DIVISOR, FP
                                            PHILOX_M0, PHILOX_M1, PHILOX_W0, PHILOX_W1, Grid)
 
 __all__ = [
-    "philox_u32", "round_to_grid",
+    "philox4", "philox_bits", "philox_bits_rows", "round_to_grid",
     "encode_fp16", "encode_bf16", "encode_e4m3", "encode_e2m1",
     "decode_fp16", "decode_bf16", "decode_e4m3", "decode_e2m1",
     "cast_quantize", "fp8_quantize", "fp8_dequantize", "nvfp4_quantize", "nvfp4_dequantize",
@@ -56,9 +60,9 @@ _BS_MIN: tl.constexpr = tl.constexpr(NVFP4_BLOCK_SCALE_MIN)
 # ============================================================================ device functions
 
 @triton.jit
-def philox_u32(seed_lo, seed_hi, c0, c1, c2):
-    """Philox4x32-10 with key (seed_lo, seed_hi) and counter (c0, c1, c2, 0); returns word 0
-    as uint32 (equal to `philox_ref(c0, c1, c2, 0, seed_lo, seed_hi)[0]`).
+def philox4(seed_lo, seed_hi, c0, c1, c2):
+    """Philox4x32-10 with key (seed_lo, seed_hi) and counter (c0, c1, c2, 0); returns its four
+    words as uint32 (equal to `philox_ref(c0, c1, c2, 0, seed_lo, seed_hi)`).
 
     Every argument must be a tensor (integer type); c1, c2 may be scalars or broadcast to c0.
     Kernels taking seeds or streams as scalar arguments mark them
@@ -81,7 +85,31 @@ def philox_u32(seed_lo, seed_hi, c0, c1, c2):
         x3 = lo0
         k0 = k0 + _W0
         k1 = k1 + _W1
-    return x0
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def philox_bits(seed_lo, seed_hi, elem, s_lo, s_hi):
+    """Stochastic-rounding bits (uint32) of elements with indices `elem` in their matrix (any
+    shape; s_lo / s_hi broadcast to it): word elem % 4 of Philox counter (elem // 4, s_lo, s_hi,
+    0). One Philox evaluation per element: philox_bits_rows shares one between four."""
+    e = elem.to(tl.uint32)
+    x0, x1, x2, x3 = philox4(seed_lo, seed_hi, e >> 2, s_lo, s_hi)
+    w = e & 3
+    return tl.where(w == 0, x0, tl.where(w == 1, x1, tl.where(w == 2, x2, x3)))
+
+
+@triton.jit
+def philox_bits_rows(seed_lo, seed_hi, elem, s_lo, s_hi):
+    """philox_bits of a tile elem [R, C] whose rows each hold consecutive element indices from
+    a multiple of 4 (C a multiple of 4; s_lo / s_hi scalars or [R, 1]): one Philox evaluation
+    per group of four, its words interleaved back along the row."""
+    R: tl.constexpr = elem.shape[0]
+    C: tl.constexpr = elem.shape[1]
+    g = tl.min(tl.reshape(elem, (R, C // 4, 4)), axis=2).to(tl.uint32) >> 2
+    x0, x1, x2, x3 = philox4(seed_lo, seed_hi, g, s_lo, s_hi)
+    # join(join(x0, x2), join(x1, x3)) is [R, C // 4, 2, 2] with word 2a + b at (a, b)
+    return tl.reshape(tl.join(tl.join(x0, x2), tl.join(x1, x3)), (R, C))
 
 
 @triton.jit
@@ -254,7 +282,8 @@ def _cast_quant_kernel(x_ptr, out_ptr, stream_ptr, stream_base, seed_lo, seed_hi
     rbits = offs.to(tl.uint32)
     if STOCHASTIC:
         s_lo, s_hi = _stream_of(stream_ptr, stream_base, m, HAS_STREAMS)
-        rbits = philox_u32(seed_lo, seed_hi, offs, s_lo, s_hi)
+        rbits = tl.reshape(philox_bits_rows(seed_lo, seed_hi, tl.reshape(offs, (1, BLOCK)),
+                                            s_lo, s_hi), (BLOCK,))
     if IS_BF16:
         b = encode_bf16(x, rbits, STOCHASTIC)
     else:
@@ -300,7 +329,8 @@ def _fp8_quant_kernel(x_ptr, out_ptr, scale_ptr, stream_ptr, stream_base, seed_l
         elem = (rows - m * R)[:, None] * C + cc[None, :]
         rbits = elem.to(tl.uint32)
         if STOCHASTIC:
-            rbits = philox_u32(seed_lo, seed_hi, elem, s_lo[:, None], s_hi[:, None])
+            # rows of a matrix start at multiples of 4 only when C is one: per element
+            rbits = philox_bits(seed_lo, seed_hi, elem, s_lo[:, None], s_hi[:, None])
         b = encode_e4m3(y, rbits, STOCHASTIC)
         tl.store(out_ptr + row_base[:, None] + cc[None, :], b.to(tl.uint8), mask=mask)
 
@@ -336,7 +366,7 @@ def _nvfp4_tile(x, blk, bmask, gs, packed_ptr, bscale_ptr, mbase, seed_lo, seed_
     elem = blk[:, None] * 16 + tl.arange(0, 16)[None, :]         # element index in the matrix
     rbits = elem.to(tl.uint32)
     if STOCHASTIC:
-        rbits = philox_u32(seed_lo, seed_hi, elem, s_lo, s_hi)
+        rbits = philox_bits_rows(seed_lo, seed_hi, elem, s_lo, s_hi)
     nib = encode_e2m1(y, rbits, STOCHASTIC, FAST)
     lo, hi = tl.split(tl.reshape(nib, (NB, 8, 2)))
     packed = (lo | (hi << 4)).to(tl.uint8)
