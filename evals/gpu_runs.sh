@@ -50,6 +50,8 @@
 #            (session 10): GPU checks, B = 256 windows / flush steps and verify at B = 512, both
 #            kinds, against the same rows of the grid (9d8b19a); then bench formats (its GPU
 #            bits against the CPU reference, SR casts timed)                    ~200 s
+#   flush-heads  evals/flush_heads_sweep.py: value heads per whole-matrix flush program (NH
+#            1, 2, 4, 8), NVFP4 pairs, both kinds, B = 256, GPU check first      ~150 s
 #   grid     the whole grid in one call, GPU checks, peers and sweep included (~350 s by the
 #            session-10 estimate; not run as one call yet)
 #   followup generate, tiny-mamba2 16K demo, tf32x3 whole model + KL, GDN flush folds ~520 s
@@ -60,7 +62,7 @@
 # The image has torch, triton, transformers, accelerate, rich, typer, matplotlib; not fla.
 set -uo pipefail
 : "${OUT:?set OUT to the folder where results go}"
-job=${1:?usage: bash evals/gpu_runs.sh tf|mamba|decode|read|dots|defaults|batch1|targets|recheck-gdn|recheck-mamba2|rows|revert-nt|final|side|confirm|flush-nt|gap|grid-gdn|grid-mamba2|grid-spec|read-blocks|verify-read|spec-t4|spec-t2|philox4|grid|generate|followup}
+job=${1:?usage: bash evals/gpu_runs.sh tf|mamba|decode|read|dots|defaults|batch1|targets|recheck-gdn|recheck-mamba2|rows|revert-nt|final|side|confirm|flush-nt|gap|grid-gdn|grid-mamba2|grid-spec|read-blocks|verify-read|spec-t4|spec-t2|philox4|flush-heads|grid|generate|followup}
 export PYTHONUNBUFFERED=1 REPLAYQUANT_GIT_COMMIT=${REPLAYQUANT_GIT_COMMIT:-unknown}
 python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/site .gpu/wheels/*.whl \
     || { echo "gpu_runs: could not install the carried wheels in .gpu/wheels" >&2; exit 1; }
@@ -229,6 +231,10 @@ case "$job" in
     cp /tmp/philox4.log "$OUT/"
     timeout 150 "${rq[@]}" bench formats --out "$OUT/formats" > /tmp/formats.log 2>&1; echo "formats rc=$?"
     tail -30 /tmp/formats.log
+    ;;
+  flush-heads)
+    timeout 500 python3 evals/flush_heads_sweep.py "$OUT/flush_heads.json" > "$OUT/flush_heads.log" 2>&1
+    echo "flush-heads rc=$?"; tail -45 "$OUT/flush_heads.log"
     ;;
   grid)
     timeout 585 "${rq[@]}" bench kernels --out "$OUT" --name kernels --budget-s 540 \

@@ -179,3 +179,26 @@ def test_read_blocks_sweep_check_and_arguments(monkeypatch, capsys):
     for bad in (["--configs", "16x1"], ["--verify-configs", "16"], ["--verify-batches", "a"]):
         assert mod.main(["/tmp/x.json", *bad]) == 2
         assert "read_blocks triples" in capsys.readouterr().err
+
+
+def test_flush_heads_sweep_check_and_arguments(monkeypatch, capsys):
+    """evals/flush_heads_sweep.py (a GPU script): its check (NH heads per whole-matrix flush
+    program give NH = 1's outputs, anchors and read copies bit for bit) on tiny shapes on the CPU
+    (interpreter), both kinds, an NVFP4 pair with stochastic rounding; its sweep runs each NH
+    (smoke timing); a bad --heads is rejected before any GPU work."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[1] / "evals" / "flush_heads_sweep.py"
+    spec = importlib.util.spec_from_file_location("flush_heads_sweep", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(bd, "SHAPES", {k: dict(v) for k, v in TINY.items()})
+    for kind in ("gdn", "mamba2"):
+        assert all(mod.check(kind, "tp4_hi16_sr", 2, device="cpu").values())
+    monkeypatch.setitem(bd._CPU_TIMING, "on", True)
+    rows = mod.sweep("gdn", 3, "tp4_hi32", [1, 2], 1.0, device="cpu")
+    assert [r["nh"] for r in rows] == [1] * 4 + [2] * 4
+    assert {r["kernel"] for r in rows} == {"replay-read-step-dots", "replay-flush-step",
+                                           "replay-window-dots", "replay-window-dots-staggered"}
+    assert mod.main(["/tmp/x.json", "--heads", "0"]) == 2
+    assert "positive integers" in capsys.readouterr().err

@@ -463,6 +463,8 @@ def test_replay_bad_inputs():
                         block_v=12)
     with pytest.raises(ValueError, match="row blocks per program"):
         replay_gdn_step(store, q, k, v, a, b, A_log, dtb, flush_config=(4, 1, 3))
+    with pytest.raises(ValueError, match="heads per program"):
+        replay_gdn_step(store, q, k, v, a, b, A_log, dtb, flush_config=(4, 1, 1, 3))
 
 
 @pytest.mark.parametrize("kind,pair", [("gdn", "s32_rs"), ("gdn", "tp4_hi16_sr"),
@@ -472,8 +474,8 @@ def test_read_variant_dots_matches_reference_and_block(kind, pair):
     _entry_dots_kernel, then the block read kernel without the k entries): 6 steps with L = 3
     across flushes, two key heads, padding rows, rows out of phase, poisoned outputs and
     buffers, default bf16 u buffer: equals the torch reference and the block kernel; with
-    flush programs of two 8-row blocks each (flush_config (rows, warps, NT)) as well (NVFP4
-    pairs: NT = 1 given), and with read programs of 2 and 4 blocks of 8 rows (read_blocks: the
+    flush programs of two 8-row blocks and two value heads each (flush_config (rows, warps, NT,
+    NH)) as well (NVFP4 pairs: whole matrices, NT = 1), and with read programs of 2 and 4 blocks of 8 rows (read_blocks: the
     next block's loads issued before this block's products)."""
     N, HK, H, dk, dv = 4, 2, 4, 16, 32
     dr = Driver(kind, 5, HK, H, dk, dv)
@@ -482,7 +484,7 @@ def test_read_variant_dots_matches_reference_and_block(kind, pair):
     poison_buffers(store)
     ref, blk, nt2 = store.clone(), store.clone(), store.clone()
     rbs = {2: store.clone(), 4: store.clone()}
-    ntc = (dv, 4, 1) if "tp4" in pair else (8, 1, 2)    # NVFP4: whole matrices
+    ntc = (dv, 4, 1, 2) if "tp4" in pair else (8, 1, 2, 2)    # NVFP4: whole matrices
     idx = torch.tensor([2, -1, 0, 3, 1])
     tol = 2e-2 if kind == "gdn" else _tol(PrecisionPair.load(pair))     # bf16 u (GDN)
     for step in range(6):
@@ -507,6 +509,8 @@ def test_read_variant_dots_matches_reference_and_block(kind, pair):
         assert torch.equal(store.committed, ref.committed) and torch.equal(store.n_flush, ref.n_flush)
     assert_states_close(store.anchor.dequantize(), ref.anchor.dequantize())
     assert_states_close(store.read_role.dequantize(), blk.read_role.dequantize())
+    assert torch.equal(nt2.anchor.dequantize(), store.anchor.dequantize())
+    assert torch.equal(nt2.read_role.dequantize(), store.read_role.dequantize())
     for name in ("kbuf", "vbuf", "Gbuf", "bbuf"):
         a_, b_ = getattr(store, name), getattr(blk, name)
         assert torch.equal(a_.view(torch.uint8), b_.view(torch.uint8)), name

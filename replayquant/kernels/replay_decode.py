@@ -386,26 +386,34 @@ def _replay_flush_kernel(
         STEP: tl.constexpr, AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr,
         RSR: tl.constexpr, SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
         HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
-        DT_CLAMP: tl.constexpr, FORCE: tl.constexpr, NT: tl.constexpr):
+        DT_CLAMP: tl.constexpr, FORCE: tl.constexpr, NT: tl.constexpr, NH: tl.constexpr = 1):
     """The flushing rows of a step / verify: (1) committed entries that would not leave T free
     slots (h + T > L, h > 0) are folded into the anchor first; (2) a step whose entry fills the
     buffer (h + 1 == L, or force) rebuilds through it, outputs S q and casts both roles.
     Other rows return at once (their programs only read h). A program takes NT consecutive
-    row blocks of its matrix, one after the other: in a step where few rows flush, NT times
-    fewer programs that have nothing to do."""
-    row, hv, hk, rows, cols, slot = _program_tile(idx_ptr, HK, HV, DK, BV)
-    for i in range(NT):
-        rows = (tl.program_id(1) * NT + i) * BV + tl.arange(0, BV)
-        if slot >= 0:
-            _flush_body(A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, Gbuf, bbuf, h_ptr,
-                        st_ptr, nf_ptr, out_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr,
-                        dtb_ptr, D_ptr, z_ptr, scale, key_lo, key_hi, FORCE, dt_lo, dt_hi, row,
-                        hv, hk, rows, cols, slot, HK, HV, DK, DV, BV, L, CAP, T, STEP, AFMT, ASR,
-                        RFMT, RSR, SHARED, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP)
-        else:
-            for t in tl.static_range(T):      # padding rows: zero outputs, nothing else
-                tl.store(out_ptr + ((row * T + t) * HV + hv) * DV + rows,
-                         tl.zeros([BV], tl.float32))
+    row blocks of its matrix, one after the other, and NH consecutive value heads of its row
+    (grid: B * HV / NH programs): in a step where few rows flush, NT * NH times fewer programs
+    that have nothing to do."""
+    pid = tl.program_id(0)
+    row = pid // (HV // NH)
+    slot = tl.load(idx_ptr + row).to(tl.int64)
+    cols = tl.arange(0, DK)
+    for ih in range(NH):
+        hv = (pid % (HV // NH)) * NH + ih
+        hk = hv // (HV // HK)
+        for i in range(NT):
+            rows = (tl.program_id(1) * NT + i) * BV + tl.arange(0, BV)
+            if slot >= 0:
+                _flush_body(A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, Gbuf, bbuf, h_ptr,
+                            st_ptr, nf_ptr, out_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr,
+                            dtb_ptr, D_ptr, z_ptr, scale, key_lo, key_hi, FORCE, dt_lo, dt_hi,
+                            row, hv, hk, rows, cols, slot, HK, HV, DK, DV, BV, L, CAP, T, STEP,
+                            AFMT, ASR, RFMT, RSR, SHARED, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z,
+                            DT_CLAMP)
+            else:
+                for t in tl.static_range(T):      # padding rows: zero outputs, nothing else
+                    tl.store(out_ptr + ((row * T + t) * HV + hv) * DV + rows,
+                             tl.zeros([BV], tl.float32))
 
 
 @triton.jit
@@ -925,6 +933,13 @@ FLUSH_BLOCK = {("gdn", True): (16, 1), ("gdn", False): (16, 1),
                ("mamba2", True): (16, 1), ("mamba2", False): (16, 1)}
 
 
+# value heads per flush program when a program holds a whole matrix (an NVFP4 role is written;
+# not in a forced step): in a step where a row does not flush, each of its programs reads the
+# pointers and returns, but a whole-matrix program holds a whole SM's registers while it does.
+# Session 10: untimed (1 = as before)
+FLUSH_HEADS = 1
+
+
 def _flush_warps(fbv, dk):
     """Warps of a flush program holding fbv x dk state elements."""
     return max(2, min(16, fbv * dk // 1024))
@@ -1102,7 +1117,9 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
     idx = _indices(state_indices, B, q.device)
     if out is None:
         out = torch.empty(*lead, HV, dv, dtype=torch.float32, device=q.device)
-    nt = None
+    nt = nh = None
+    if flush_config is not None and len(flush_config) == 4:      # (rows, warps, blocks, heads)
+        *flush_config, nh = flush_config
     if flush_config is not None and len(flush_config) == 3:      # (rows, warps, row blocks)
         *flush_config, nt = flush_config
     (BV, nw, rnt), (FBV, fnw) = replay_launch_config(store, B, block_v, num_warps, flush_config,
@@ -1110,6 +1127,8 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
     if nt is not None and (nt < 1 or (dv // FBV) % nt):
         raise ValueError(f"flush_config: {nt} row blocks per program must divide the "
                          f"{dv // FBV} blocks of {FBV} rows of a matrix")
+    if nh is not None and (nh < 1 or HV % nh):
+        raise ValueError(f"flush_config: {nh} heads per program must divide the {HV} value heads")
     Ap, As, Ag, afid = store.anchor.kernel_args()
     Rp, Rs, Rg, rfid = store.read_role.kernel_args()
     rr = store.read_role.rounding == "stochastic"
@@ -1154,14 +1173,16 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
     # 1375 vs 1266 us, 'dots' read step 245.9 vs 246.1 (kernels_flush_nt.json)
     if nt is None:
         nt = 1 if force or fnw > 1 else dv // FBV
+    if nh is None:
+        nh = 1 if force or FBV != dv else math.gcd(FLUSH_HEADS, HV)
     side = _flush_stream(q, step, T, force)
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        _replay_flush_kernel[(B * HV, dv // (FBV * nt))](
+        _replay_flush_kernel[(B * HV // nh, dv // (FBV * nt))](
             Ap, As, Ag, Rp, Rs, Rg, store.kbuf, store.vbuf, store.Gbuf, store.bbuf,
             store.committed, store.start, store.n_flush, idx, out, *inputs,
             sc, *split_key(store.key), dt_lo, dt_hi, BV=FBV,
             AFMT=afid, ASR=store.anchor.rounding == "stochastic", RSR=rr, SHARED=store.shared,
-            FORCE=bool(force), NT=nt, num_warps=fnw, **common)
+            FORCE=bool(force), NT=nt, NH=nh, num_warps=fnw, **common)
     if not force:
         dots = idx                                      # any pointer: unused unless DOTS
         if read_variant == "dots":
