@@ -934,10 +934,17 @@ FLUSH_BLOCK = {("gdn", True): (16, 1), ("gdn", False): (16, 1),
 
 
 # value heads per flush program when a program holds a whole matrix (an NVFP4 role is written;
-# not in a forced step): in a step where a row does not flush, each of its programs reads the
-# pointers and returns, but a whole-matrix program holds a whole SM's registers while it does.
-# Session 10: untimed (1 = as before)
-FLUSH_HEADS = 1
+# not in a forced step), by (kind, any role with stochastic rounding); 1 elsewhere. In a step
+# where a row does not flush, each of its flush programs reads the pointers and returns, but a
+# whole-matrix program holds most of an SM's registers while it does. H200, B = 256, NH = 1 / 2 /
+# 4 / 8 (results/bench/flush_heads.json, 61b1bbad, session 10), us: 'dots' read step, flush step,
+# 'dots' window in phase / staggered. GDN tp4_hi16_sr read 166.9 / 143.6 / 120.2 / 115.2, flush
+# 1550 / 1563 / 1509 / 1507, windows 255.0 / 257.3 -> 203.9 / 212.4 at NH = 8; Mamba-2
+# tp4_hi16_sr read 185.6 -> 154.9, flush 1697 -> 1734, windows 373.4 / 391.2 -> 355.0 / 351.0.
+# Without stochastic rounding NH > 1 slowed the flush step more than it saved: GDN tp4_hi32
+# flush 1534 -> 1694-1740, windows 217.9 / 216.2 -> 217.7 / 238.7 at NH = 8; Mamba-2 tp4_hi32
+# flush 1329 -> 2140-2197, windows 319.8 / 324.9 -> 411.6 / 402.0. One run each.
+FLUSH_HEADS = {("gdn", True): 8, ("mamba2", True): 8}
 
 
 def _flush_warps(fbv, dk):
@@ -1174,7 +1181,8 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
     if nt is None:
         nt = 1 if force or fnw > 1 else dv // FBV
     if nh is None:
-        nh = 1 if force or FBV != dv else math.gcd(FLUSH_HEADS, HV)
+        sr = store.anchor.rounding == "stochastic" or rr
+        nh = 1 if force or FBV != dv else math.gcd(FLUSH_HEADS.get((store.kind, sr), 1), HV)
     side = _flush_stream(q, step, T, force)
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
         _replay_flush_kernel[(B * HV // nh, dv // (FBV * nt))](
