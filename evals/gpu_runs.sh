@@ -52,8 +52,10 @@
 #            bits against the CPU reference, SR casts timed)                    ~200 s
 #   flush-heads  evals/flush_heads_sweep.py: value heads per whole-matrix flush program (NH
 #            1, 2, 4, 8), NVFP4 pairs, both kinds, B = 256, GPU check first      ~150 s
-#   grid     the whole grid in one call, GPU checks, peers and sweep included (~350 s by the
-#            session-10 estimate; not run as one call yet)
+#   grid     the grid in one call, GPU checks, peers and sweep included (session 10, run 45
+#            at c9c64fd: 554 s, its 540 s budget skipped Mamba-2 L = 32 and the T = 2 rounds;
+#            the refitted estimate says ~520 s of sections for the whole grid: use two calls
+#            (grid-gdn, grid-mamba2 + spec-t4 / spec-t2) when every section is wanted)
 #   followup generate, tiny-mamba2 16K demo, tf32x3 whole model + KL, GDN flush folds ~520 s
 #            (the generate check alone took over 150 s; at most 8 files come back from $OUT)
 #

@@ -70,7 +70,7 @@ def verify_rows(kinds, batches, pairs, cfgs, device, copy_bw, T=4) -> list:
                 for bv, nw, nt in cfgs:
                     if bv * nt > dv:
                         continue
-                    c = {f"read/{pair}": dict(block_v=bv, num_warps=nw, read_blocks=nt)}
+                    c = {f"verify/{pair}": dict(block_v=bv, num_warps=nw, read_blocks=nt)}
                     for r in bd.bench_spec(kind, B, T, device, copy_bw, cfg=c, pairs=(pair,)):
                         if r["kernel"].startswith("spec-snapshot"):
                             if base:

@@ -268,10 +268,10 @@ def bench_kernels_cmd(
 ):
     """GPU: conventional vs replay decode kernels over issue 4's grid (B x L x pair, T), peers,
     speculative verify, against the copy bandwidth measured in the same run. Prints a runtime
-    estimate first (the whole grid, sweep included: about 6 minutes on an H200 by the last
-    calibration, session 10); sections past --budget-s (default 500) are skipped from the end
-    of the plan and listed; split a larger plan with --kinds / --pairs / --batches over
-    several calls."""
+    estimate first (the whole grid, checks and sweep included: about 9 minutes on an H200 by
+    the last calibration, session 10); sections past --budget-s (default 500) are skipped
+    from the end of the plan and listed, so split the grid with --kinds / --pairs / --batches
+    over two or more calls."""
     from replayquant.bench.decode import estimate_s, plan, run_kernels_bench
     ints = lambda s: tuple(int(x) for x in s.split(",") if x)  # noqa: E731
     strs = lambda s: tuple(x for x in s.split(",") if x)  # noqa: E731

@@ -481,8 +481,12 @@ def config_sweep(kind, B, device, copy_bw, pairs=PAIRS, L=None, S=None):
     return rows, cfg
 
 
-def _cfg(cfg, pair):
-    return {**cfg.get(f"read/{pair}", {}), **cfg.get(f"flush/{pair}", {})}
+def _cfg(cfg, pair, read="read"):
+    """A pair's launch config: the read kernel's under `read` ('read': the block read of a step,
+    picked by the sweep; 'dots'; 'verify') and the flush kernel's. A verify or a 'dots' read
+    never takes the block read's pick: they keep their own defaults (VERIFY_BLOCK, DOTS_BLOCK)
+    unless given."""
+    return {**cfg.get(f"{read}/{pair}", {}), **cfg.get(f"flush/{pair}", {})}
 
 
 def bench_conventional(kind, B, device, copy_bw, cfg=None, S=None):
@@ -511,7 +515,7 @@ def bench_conventional(kind, B, device, copy_bw, cfg=None, S=None):
     return rows
 
 
-def _replay_setup(kind, B, pair, L, device, cfg, S):
+def _replay_setup(kind, B, pair, L, device, cfg, S, read="read"):
     """Inputs, output buffer and R rotated ReplayStore copies (cold L2) of one (pair, L) at
     batch B: (H, HK, dv, dk, step functions, idx, inputs, out, anchor fmt, read fmt, config, R,
     stores)."""
@@ -523,7 +527,7 @@ def _replay_setup(kind, B, pair, L, device, cfg, S):
     kw = _kw(kind, S, B, seed=1, device=device)
     out = torch.empty(B, H, dv, device=device)
     P, af, rf = _pair(pair, L)
-    c = _cfg(cfg or {}, pair)
+    c = _cfg(cfg or {}, pair, read)
     per = B * H * (state_bytes(af, dv, dk) + (state_bytes(rf, dv, dk) if rf else 0))
     R = _rotations(per, device)
     sts = [ReplayStore.from_state(init, P, kind, key_heads=HK) for _ in range(R)]
@@ -686,11 +690,11 @@ def bench_replay_variant(kind, B, pair, L, device, copy_bw, cfg=None, detail=Fal
     head) by a small kernel, then the block read kernel): the window at batch B (state copies rotated as in bench_replay) and, with detail,
     its read-step configs and best."""
     H, HK, dv, dk, f, idx, kw, out, af, rf, c, R, sts = _replay_setup(kind, B, pair, L, device,
-                                                                     cfg, S)
+                                                                     cfg, S, variant)
     st = sts[0]
     rows = []
-    # its own configs at the detail batch, the window with the best (elsewhere: the block
-    # kernel's config)
+    # its own configs at the detail batch, the window with the best (elsewhere: its defaults,
+    # replay_decode.DOTS_BLOCK, or a given cfg['dots/PAIR'])
     ck = {k_: c[k_] for k_ in ("block_v", "num_warps", "read_blocks") if k_ in c}
     fc = {"flush_config": c["flush_config"]} if "flush_config" in c else {}
     fc["launch"] = "split"
@@ -787,7 +791,7 @@ def bench_spec(kind, B, T, device, copy_bw, cfg=None, pairs=PAIRS, L=None, S=Non
               ("spec-replay-round-no-flush", torch.zeros_like(n), "auto"),
               ("spec-replay-round-block", n, "block"))
     for pair in pairs:
-        c = _cfg(cfg, pair)
+        c = _cfg(cfg, pair, "verify")
         default_rv = None                           # the read of the 'auto' rounds
         for kernel, acc, rv in rounds:
             if rv == "block" and default_rv == "block":
@@ -1084,17 +1088,20 @@ def render_markdown(res) -> str:
 # seven B = 256 sections (model: 34 s; its section_s has per-section times). The GPU checks
 # compile every kernel on a fresh machine (60 s). Small-batch windows make thousands of Python
 # step calls (launch: seconds per launch; 6e-4 until session 8, see below).
-_EST = dict(fixed=0.13, compile=0.55, per_GB=0.16, checks=28.0, copy=3.0, peer=0.075, launch=1e-4,
+_EST = dict(fixed=0.26, compile=1.46, per_GB=0.098, checks=49.0, copy=3.0, peer=0.12, launch=0.0,
             sr_per_GB=0.0)
 # Refit on the session-8 grid (5262a23; 1454 s of sections): stores of a pair with a
 # stochastic-rounding role were cast with Philox bits drawn by numpy on the host, ~36 s per GB
 # of FP32 state, two thirds of the grid's time. Since session 9 a store built on a GPU draws them
-# there (philox.random_bits_torch). Refit again (non-negative least squares over the 241
-# sections) on session 10's grid at 9d8b19a (results/bench/kernels_part_{gdn,mamba2}.json,
-# kernels_spec_t{4,2}.json: four calls, 333 s of sections, nothing skipped; the previous model
-# predicted 2884 s for them, this one 303 s): the SR stores cost nothing measurable now
-# (sr_per_GB 0; the term stays for the model's shape), and the other terms fell too (per_GB 0.96
-# -> 0.16). The whole grid, sweep included, is ~345 s: one device call.
+# there (philox.random_bits_torch). Refit again (non-negative least squares over 470 sections,
+# 868 s) on session 10's runs: the grid at 9d8b19a in four calls (results/bench/
+# kernels_part_{gdn,mamba2}.json, kernels_spec_t{4,2}.json; 333 s, nothing skipped; the
+# session-8 model predicted 2884 s for them) and the grid at c9c64fd in one call with checks and
+# sweep (kernels.json; 535 s of sections, 26 skipped by a 540 s budget that this model's first
+# fit, 345 s for the whole grid, had said was enough). The SR stores cost nothing measurable
+# now (sr_per_GB 0; the term stays for the model's shape), nor do the Python launches of the
+# small-batch windows (launch 0). The whole grid, checks and sweep included, is ~520 s by this
+# fit: two device calls (e.g. --kinds gdn / --kinds mamba2), not one.
 
 
 def _sr_pair(name) -> bool:

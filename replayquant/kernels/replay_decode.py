@@ -943,8 +943,13 @@ FLUSH_BLOCK = {("gdn", True): (16, 1), ("gdn", False): (16, 1),
 # tp4_hi16_sr read 185.6 -> 154.9, flush 1697 -> 1734, windows 373.4 / 391.2 -> 355.0 / 351.0.
 # Without stochastic rounding NH > 1 slowed the flush step more than it saved: GDN tp4_hi32
 # flush 1534 -> 1694-1740, windows 217.9 / 216.2 -> 217.7 / 238.7 at NH = 8; Mamba-2 tp4_hi32
-# flush 1329 -> 2140-2197, windows 319.8 / 324.9 -> 411.6 / 402.0. One run each.
+# flush 1329 -> 2140-2197, windows 319.8 / 324.9 -> 411.6 / 402.0. One run each. Only from
+# FLUSH_HEADS_MIN matrices (the 8192 of GDN at B = 256; Mamba-2 from B = 64), where it was
+# measured: with few rows, NH heads per program leave too few programs (at B = 1, 4 for GDN's
+# 32 heads; run 45, c9c64fd, kernels_c9c64fd_sweep.json: GDN tp4_hi16_sr batch-1 window 0.425x
+# -> 0.197x the conventional step with NH = 8 at every batch).
 FLUSH_HEADS = {("gdn", True): 8, ("mamba2", True): 8}
+FLUSH_HEADS_MIN = 8192
 
 
 def _flush_warps(fbv, dk):
@@ -1182,7 +1187,8 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
         nt = 1 if force or fnw > 1 else dv // FBV
     if nh is None:
         sr = store.anchor.rounding == "stochastic" or rr
-        nh = 1 if force or FBV != dv else math.gcd(FLUSH_HEADS.get((store.kind, sr), 1), HV)
+        nh = 1 if force or FBV != dv or B * HV < FLUSH_HEADS_MIN else \
+            math.gcd(FLUSH_HEADS.get((store.kind, sr), 1), HV)
     side = _flush_stream(q, step, T, force)
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
         _replay_flush_kernel[(B * HV // nh, dv // (FBV * nt))](
