@@ -294,7 +294,8 @@ def _cast_quant_kernel(x_ptr, out_ptr, stream_ptr, stream_base, seed_lo, seed_hi
 @triton.jit(do_not_specialize=["stream_base", "seed_lo", "seed_hi"])
 def _fp8_quant_kernel(x_ptr, out_ptr, scale_ptr, stream_ptr, stream_base, seed_lo, seed_hi,
                       n_rows, R, C, ROWS: tl.constexpr, BC: tl.constexpr, NCHUNK: tl.constexpr,
-                      STOCHASTIC: tl.constexpr, HAS_STREAMS: tl.constexpr):
+                      STOCHASTIC: tl.constexpr, HAS_STREAMS: tl.constexpr,
+                      ALIGNED: tl.constexpr = False):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     rmask = rows < n_rows
     cols = tl.arange(0, BC)
@@ -329,8 +330,10 @@ def _fp8_quant_kernel(x_ptr, out_ptr, scale_ptr, stream_ptr, stream_base, seed_l
         elem = (rows - m * R)[:, None] * C + cc[None, :]
         rbits = elem.to(tl.uint32)
         if STOCHASTIC:
-            # rows of a matrix start at multiples of 4 only when C is one: per element
-            rbits = philox_bits(seed_lo, seed_hi, elem, s_lo[:, None], s_hi[:, None])
+            if ALIGNED:     # C a multiple of 4: every row starts a group of four
+                rbits = philox_bits_rows(seed_lo, seed_hi, elem, s_lo[:, None], s_hi[:, None])
+            else:
+                rbits = philox_bits(seed_lo, seed_hi, elem, s_lo[:, None], s_hi[:, None])
         b = encode_e4m3(y, rbits, STOCHASTIC)
         tl.store(out_ptr + row_base[:, None] + cc[None, :], b.to(tl.uint8), mask=mask)
 
@@ -559,7 +562,7 @@ def fp8_quantize(x: torch.Tensor, rounding: str = "nearest", seed: int = 0, stre
     _fp8_quant_kernel[(triton.cdiv(n_rows, ROWS),)](
         x, payload.view(torch.uint8), scale, streams if streams is not None else x, base, lo, hi,
         n_rows, R, C, ROWS=ROWS, BC=BC, NCHUNK=nchunk, STOCHASTIC=sr,
-        HAS_STREAMS=streams is not None, num_warps=_warps(ROWS * BC))
+        HAS_STREAMS=streams is not None, ALIGNED=C % 4 == 0, num_warps=_warps(ROWS * BC))
     return payload, scale
 
 
