@@ -52,6 +52,9 @@
 #            bits against the CPU reference, SR casts timed)                    ~200 s
 #   flush-heads  evals/flush_heads_sweep.py: value heads per whole-matrix flush program (NH
 #            1, 2, 4, 8), NVFP4 pairs, both kinds, B = 256, GPU check first      ~150 s
+#   confirm-s10  what session 10 left untimed at its last commit: the SR pair (tp4_hi16_sr) at
+#            every batch, both kinds, no sweep (NH = 1 below 8192 matrices, the new Philox
+#            bits), with the GPU checks; the FP8 SR cast on its grouped bits   ~150 s
 #   grid     the grid in one call, GPU checks, peers and sweep included (session 10, run 45
 #            at c9c64fd: 554 s, its 540 s budget skipped Mamba-2 L = 32 and the T = 2 rounds;
 #            the refitted estimate says ~520 s of sections for the whole grid: use two calls
@@ -64,7 +67,7 @@
 # The image has torch, triton, transformers, accelerate, rich, typer, matplotlib; not fla.
 set -uo pipefail
 : "${OUT:?set OUT to the folder where results go}"
-job=${1:?usage: bash evals/gpu_runs.sh tf|mamba|decode|read|dots|defaults|batch1|targets|recheck-gdn|recheck-mamba2|rows|revert-nt|final|side|confirm|flush-nt|gap|grid-gdn|grid-mamba2|grid-spec|read-blocks|verify-read|spec-t4|spec-t2|philox4|flush-heads|grid|generate|followup}
+job=${1:?usage: bash evals/gpu_runs.sh tf|mamba|decode|read|dots|defaults|batch1|targets|recheck-gdn|recheck-mamba2|rows|revert-nt|final|side|confirm|flush-nt|gap|grid-gdn|grid-mamba2|grid-spec|read-blocks|verify-read|spec-t4|spec-t2|philox4|flush-heads|confirm-s10|grid|generate|followup}
 export PYTHONUNBUFFERED=1 REPLAYQUANT_GIT_COMMIT=${REPLAYQUANT_GIT_COMMIT:-unknown}
 python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/site .gpu/wheels/*.whl \
     || { echo "gpu_runs: could not install the carried wheels in .gpu/wheels" >&2; exit 1; }
@@ -237,6 +240,13 @@ case "$job" in
   flush-heads)
     timeout 500 python3 evals/flush_heads_sweep.py "$OUT/flush_heads.json" > "$OUT/flush_heads.log" 2>&1
     echo "flush-heads rc=$?"; tail -45 "$OUT/flush_heads.log"
+    ;;
+  confirm-s10)
+    timeout 400 "${rq[@]}" bench kernels --out "$OUT" --name kernels_sr_confirm --pairs tp4_hi16_sr \
+        --no-sweep --no-peers --budget-s 380 > /tmp/confirm.log 2>&1; echo "confirm rc=$?"
+    grep -E "^\[bench|^copy|Not measured|failed" /tmp/confirm.log | cut -c1-2000; cp /tmp/confirm.log "$OUT/"
+    timeout 150 "${rq[@]}" bench formats --format fp8 --out "$OUT/formats" > /tmp/formats.log 2>&1
+    echo "formats rc=$?"; tail -8 /tmp/formats.log
     ;;
   grid)
     timeout 585 "${rq[@]}" bench kernels --out "$OUT" --name kernels --budget-s 540 \

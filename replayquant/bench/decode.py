@@ -1097,7 +1097,7 @@ _EST = dict(fixed=0.26, compile=1.46, per_GB=0.098, checks=49.0, copy=3.0, peer=
 # 868 s) on session 10's runs: the grid at 9d8b19a in four calls (results/bench/
 # kernels_part_{gdn,mamba2}.json, kernels_spec_t{4,2}.json; 333 s, nothing skipped; the
 # session-8 model predicted 2884 s for them) and the grid at c9c64fd in one call with checks and
-# sweep (kernels.json; 535 s of sections, 26 skipped by a 540 s budget that this model's first
+# sweep (kernels_c9c64fd_sweep.json; 535 s of sections, 26 skipped by a 540 s budget that this model's first
 # fit, 345 s for the whole grid, had said was enough). The SR stores cost nothing measurable
 # now (sr_per_GB 0; the term stays for the model's shape), nor do the Python launches of the
 # small-batch windows (launch 0). The whole grid, checks and sweep included, is ~520 s by this

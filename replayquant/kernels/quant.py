@@ -2,7 +2,8 @@
 
 Device functions other kernels import (the replay decode kernels call them):
 
-    philox4(seed_lo, seed_hi, c0, c1, c2)         Philox4x32-10's four words, counter (c0, c1, c2, 0)
+    philox4(seed_lo, seed_hi, c0, c1, c2)         Philox4x32-10's four words, counter
+                                                  (c0, c1, c2, 0)
     philox_bits(seed_lo, seed_hi, elem, s_lo, s_hi)        SR bits of elements (any shape)
     philox_bits_rows(seed_lo, seed_hi, elem, s_lo, s_hi)   the same for a tile [R, C] whose rows
                                                   are runs of elements from a multiple of 4:
@@ -26,7 +27,8 @@ Divisions use `tl.div_rn` (IEEE correctly rounded, as torch on the CPU).
 Host functions (called by `replayquant.formats`): `cast_quantize`, `fp8_quantize`,
 `fp8_dequantize`, `nvfp4_quantize`, `nvfp4_dequantize`. Stochastic rounding bits of element e
 (its index in its matrix) are word e % 4 of `philox4(seed, counter = (e // 4, stream_lo,
-stream_hi))`, exactly as `replayquant.kernels.philox.random_bits_ref`. Launch settings are chosen from the shape.
+stream_hi))`, exactly as `replayquant.kernels.philox.random_bits_ref`. Launch settings are
+chosen from the shape.
 """
 
 from __future__ import annotations
