@@ -568,6 +568,7 @@ def _read_body(
         K0, X, G0, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start, hv, hk, rows,
                                       cols, jj, h, HK, HV, DK, DV, CAP, DELTA, L2NORM, DELTA, DOTS)
         e0 = _entry(slot, start, jj, CAP)
+        Gp0 = tl.sum(tl.where(jj == h - 1, G0, 0.0), axis=0)     # the last committed gate
         for ib in range(NT):
             rb = rows + ib * BV
             more = ib + 1 < NT
@@ -578,7 +579,7 @@ def _read_body(
                             DELTA)
             K = K0
             G = G0
-            Gp = tl.sum(tl.where(jj == h - 1, G, 0.0), axis=0)
+            Gp = Gp0
             for t in tl.static_range(T):
                 tok = row * T + t
                 q, k, v, log_a, beta, skip = _front_end(
@@ -860,16 +861,13 @@ VERIFY_BLOCK = {("gdn", "block", "fp32"): (16, 1, 1)}
 VERIFY_BLOCK_DEFAULT = (32, 1, 1)
 
 
-def _dots_block(kind: str, fmt: str, T: int):
-    fmt = fmt if fmt in ("fp8", "nvfp4") else "fp32"
+def _measured_block(kind: str, variant: str, fmt: str, T: int):
+    """The read kernel's measured (rows, warps, row blocks) for this read: VERIFY_BLOCK's for a
+    verify (T > 1), DOTS_BLOCK's for a 'dots' step, None for a block-read step (size rule)."""
+    fmt = fmt if fmt in ("fp8", "nvfp4") else "fp32"         # FP16 / BF16: FP32's
     if T != 1:
-        return _verify_block(kind, "dots", fmt)
-    return DOTS_BLOCK[(kind, fmt)]
-
-
-def _verify_block(kind: str, variant: str, fmt: str):
-    fmt = fmt if fmt in ("fp8", "nvfp4") else "fp32"
-    return VERIFY_BLOCK.get((kind, variant, fmt), VERIFY_BLOCK_DEFAULT)
+        return VERIFY_BLOCK.get((kind, variant, fmt), VERIFY_BLOCK_DEFAULT)
+    return DOTS_BLOCK[(kind, fmt)] if variant == "dots" else None
 
 
 def replay_launch_config(store: ReplayStore, n_rows: int, block_v=None, num_warps=None,
@@ -881,15 +879,12 @@ def replay_launch_config(store: ReplayStore, n_rows: int, block_v=None, num_warp
     kernel takes any row block (NVFP4 block scales run along d_k); the flush kernel holds whole
     matrices when it writes an NVFP4 role (one FP32 scale per matrix)."""
     N, H, dv, dk = store.shape
-    if block_v is None and read_variant == "dots":
-        bv, nw, nt = _dots_block(store.kind, store.read_role.fmt, T)
+    measured = _measured_block(store.kind, read_variant, store.read_role.fmt, T)
+    if block_v is None and measured is not None:
+        bv, nw, nt = measured
         block_v = min(dv, bv)
         num_warps = nw if num_warps is None else num_warps
         read_blocks = min(nt, dv // block_v) if read_blocks is None else read_blocks
-    if block_v is None and T > 1:
-        bv, nw, nt = _verify_block(store.kind, "block", store.read_role.fmt)
-        block_v = min(dv, bv)
-        num_warps = nw if num_warps is None else num_warps
     if block_v is None:
         block_v = min(dv, 32 if n_rows * H >= 2048 else 16)
     if dv % block_v or block_v & (block_v - 1) or block_v < 1:
@@ -1143,6 +1138,7 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
         raise ValueError(f"flush_config: {nh} heads per program must divide the {HV} value heads")
     Ap, As, Ag, afid = store.anchor.kernel_args()
     Rp, Rs, Rg, rfid = store.read_role.kernel_args()
+    ar = store.anchor.rounding == "stochastic"
     rr = store.read_role.rounding == "stochastic"
     q, k, v, a, b, A, dt_bias, D, z = map(_prep, (q, k, v, a, b, A, dt_bias, D, z))
     dummy = a
@@ -1165,7 +1161,7 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
             store.committed, store.start, store.n_flush, store.arrive, idx, out, *inputs,
             sc, *split_key(store.key), dt_lo, dt_hi,
             HK=HK, HV=HV, DK=dk, DV=dv, BV=fbv, L=store.L, CAP=store.capacity, LP=LP,
-            AFMT=afid, ASR=store.anchor.rounding == "stochastic", RFMT=rfid, RSR=rr,
+            AFMT=afid, ASR=ar, RFMT=rfid, RSR=rr,
             SHARED=store.shared, DELTA=delta, L2NORM=use_qk_l2norm, HAS_DTB=dt_bias is not None,
             HAS_D=D is not None, HAS_Z=z is not None, U_BF16=U_BF16, DT_CLAMP=dt_clamp,
             ADVANCE=bool(advance), FORCE=bool(force), num_warps=fnw)
@@ -1186,16 +1182,15 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
     if nt is None:
         nt = 1 if force or fnw > 1 else dv // FBV
     if nh is None:
-        sr = store.anchor.rounding == "stochastic" or rr
         nh = 1 if force or FBV != dv or B * HV < FLUSH_HEADS_MIN else \
-            math.gcd(FLUSH_HEADS.get((store.kind, sr), 1), HV)
+            math.gcd(FLUSH_HEADS.get((store.kind, ar or rr), 1), HV)
     side = _flush_stream(q, step, T, force)
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
         _replay_flush_kernel[(B * HV // nh, dv // (FBV * nt))](
             Ap, As, Ag, Rp, Rs, Rg, store.kbuf, store.vbuf, store.Gbuf, store.bbuf,
             store.committed, store.start, store.n_flush, idx, out, *inputs,
             sc, *split_key(store.key), dt_lo, dt_hi, BV=FBV,
-            AFMT=afid, ASR=store.anchor.rounding == "stochastic", RSR=rr, SHARED=store.shared,
+            AFMT=afid, ASR=ar, RSR=rr, SHARED=store.shared,
             FORCE=bool(force), NT=nt, NH=nh, num_warps=fnw, **common)
     if not force:
         dots = idx                                      # any pointer: unused unless DOTS
