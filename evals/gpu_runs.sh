@@ -55,6 +55,8 @@
 #   confirm-s10  what session 10 left untimed at its last commit: the SR pair (tp4_hi16_sr) at
 #            every batch, both kinds, no sweep (NH = 1 below 8192 matrices, the new Philox
 #            bits), with the GPU checks; the FP8 SR cast on its grouped bits   ~150 s
+#   ncu      Nsight Compute (counters, stall reasons) on one launch of each decode kernel:
+#            evals/ncu_decode_drive.py, B = 256 steps and the T = 4 verify at 512 (session 11)
 #   grid     the grid in one call, GPU checks, peers and sweep included (session 10, run 45
 #            at c9c64fd: 554 s, its 540 s budget skipped Mamba-2 L = 32 and the T = 2 rounds;
 #            the refitted estimate says ~520 s of sections for the whole grid: use two calls
@@ -67,7 +69,7 @@
 # The image has torch, triton, transformers, accelerate, rich, typer, matplotlib; not fla.
 set -uo pipefail
 : "${OUT:?set OUT to the folder where results go}"
-job=${1:?usage: bash evals/gpu_runs.sh tf|mamba|decode|read|dots|defaults|batch1|targets|recheck-gdn|recheck-mamba2|rows|revert-nt|final|side|confirm|flush-nt|gap|grid-gdn|grid-mamba2|grid-spec|read-blocks|verify-read|spec-t4|spec-t2|philox4|flush-heads|confirm-s10|grid|generate|followup}
+job=${1:?usage: bash evals/gpu_runs.sh tf|mamba|decode|read|dots|defaults|batch1|targets|recheck-gdn|recheck-mamba2|rows|revert-nt|final|side|confirm|flush-nt|gap|grid-gdn|grid-mamba2|grid-spec|read-blocks|verify-read|spec-t4|spec-t2|philox4|flush-heads|confirm-s10|ncu|grid|generate|followup}
 export PYTHONUNBUFFERED=1 REPLAYQUANT_GIT_COMMIT=${REPLAYQUANT_GIT_COMMIT:-unknown}
 python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/site .gpu/wheels/*.whl \
     || { echo "gpu_runs: could not install the carried wheels in .gpu/wheels" >&2; exit 1; }
@@ -247,6 +249,19 @@ case "$job" in
     grep -E "^\[bench|^copy|Not measured|failed" /tmp/confirm.log | cut -c1-2000; cp /tmp/confirm.log "$OUT/"
     timeout 150 "${rq[@]}" bench formats --format fp8 --out "$OUT/formats" > /tmp/formats.log 2>&1
     echo "formats rc=$?"; tail -8 /tmp/formats.log
+    ;;
+  ncu)
+    # Nsight Compute on one launch of each case of evals/ncu_decode_drive.py (session 11):
+    # throughput, occupancy, launch stats, warp stall reasons, instruction mix
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    echo "ncu: $NCU"; "$NCU" --version | tail -1
+    timeout 420 "$NCU" --profile-from-start off --clock-control none --target-processes all \
+        --section SpeedOfLight --section Occupancy --section LaunchStats \
+        --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+        --section InstructionStats --print-details all \
+        python3 evals/ncu_decode_drive.py > "$OUT/ncu_decode.txt" 2>&1; echo "ncu rc=$?"
+    grep -E "^== case|^  [_a-z].*\(|Duration|Memory Throughput|Achieved Occupancy|Registers Per|Issue Slots Busy|No Eligible|DRAM Throughput" \
+        "$OUT/ncu_decode.txt" | cut -c1-160 | head -250
     ;;
   grid)
     timeout 585 "${rq[@]}" bench kernels --out "$OUT" --name kernels --budget-s 540 \
