@@ -57,6 +57,9 @@
 #            bits), with the GPU checks; the FP8 SR cast on its grouped bits   ~150 s
 #   ncu      Nsight Compute (counters, stall reasons) on one launch of each decode kernel:
 #            evals/ncu_decode_drive.py, B = 256 steps and the T = 4 verify at 512 (session 11)
+#   row-width  evals/row_width_sweep.py: the FP32 read tile as [d_k / RW, rows, RW] (RW 128 =
+#            the old layout, 32, 16), s32_rs, both kinds: read step and windows at B = 256, the
+#            T = 4 round at B = 512, GPU checks first (session 11)             ~250 s
 #   grid     the grid in one call, GPU checks, peers and sweep included (session 10, run 45
 #            at c9c64fd: 554 s, its 540 s budget skipped Mamba-2 L = 32 and the T = 2 rounds;
 #            the refitted estimate says ~520 s of sections for the whole grid: use two calls
@@ -69,7 +72,7 @@
 # The image has torch, triton, transformers, accelerate, rich, typer, matplotlib; not fla.
 set -uo pipefail
 : "${OUT:?set OUT to the folder where results go}"
-job=${1:?usage: bash evals/gpu_runs.sh tf|mamba|decode|read|dots|defaults|batch1|targets|recheck-gdn|recheck-mamba2|rows|revert-nt|final|side|confirm|flush-nt|gap|grid-gdn|grid-mamba2|grid-spec|read-blocks|verify-read|spec-t4|spec-t2|philox4|flush-heads|confirm-s10|ncu|grid|generate|followup}
+job=${1:?usage: bash evals/gpu_runs.sh tf|mamba|decode|read|dots|defaults|batch1|targets|recheck-gdn|recheck-mamba2|rows|revert-nt|final|side|confirm|flush-nt|gap|grid-gdn|grid-mamba2|grid-spec|read-blocks|verify-read|spec-t4|spec-t2|philox4|flush-heads|confirm-s10|ncu|row-width|grid|generate|followup}
 export PYTHONUNBUFFERED=1 REPLAYQUANT_GIT_COMMIT=${REPLAYQUANT_GIT_COMMIT:-unknown}
 python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/site .gpu/wheels/*.whl \
     || { echo "gpu_runs: could not install the carried wheels in .gpu/wheels" >&2; exit 1; }
@@ -262,6 +265,12 @@ case "$job" in
         python3 evals/ncu_decode_drive.py > "$OUT/ncu_decode.txt" 2>&1; echo "ncu rc=$?"
     grep -E "^== case|^  [_a-z].*\(|Duration|Memory Throughput|Achieved Occupancy|Registers Per|Issue Slots Busy|No Eligible|DRAM Throughput" \
         "$OUT/ncu_decode.txt" | cut -c1-160 | head -250
+    ;;
+  row-width)
+    # evals/row_width_sweep.py: the FP32 read tile's row width (session 11), GPU checks first
+    timeout 560 python3 evals/row_width_sweep.py "$OUT/row_width.json" --widths 128,32,16 \
+        > "$OUT/row_width.log" 2>&1; echo "row-width rc=$?"
+    tail -45 "$OUT/row_width.log"
     ;;
   grid)
     timeout 585 "${rq[@]}" bench kernels --out "$OUT" --name kernels --budget-s 540 \

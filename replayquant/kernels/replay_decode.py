@@ -417,12 +417,13 @@ def _replay_flush_kernel(
 
 
 @triton.jit
-def _tile_raw(pay, sc, mat, rows, ok, DV: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr):
+def _tile_raw(pay, sc, mat, rows, ok, DV: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr,
+              RW: tl.constexpr):
     """The loads of the read copy's rows `rows`, not decoded (what a row-block loop carries as
     its prefetch): (payload, scales). NVFP4: int32 words [BV, DK/8] (word w holds the E2M1
     codes of columns 8w..8w+7, column 8w+i in bits 4i..4i+3) and the E4M3 block scale byte of
     each word [BV, DK/8]; FP8: int32 words [BV, DK/4] (column 4w+i in byte i) and the row
-    scales [BV]; FP32 / FP16 / BF16: the stored values [BV, DK], scales a dummy. Codes packed
+    scales [BV]; FP32 / FP16 / BF16: the stored values as [DK / RW, BV, RW], scales a dummy. Codes packed
     four or eight to a register keep the payload (and a prefetch of it) in few registers.
     ok False (a scalar): nothing loaded."""
     if FMT == 4:
@@ -439,8 +440,14 @@ def _tile_raw(pay, sc, mat, rows, ok, DV: tl.constexpr, DK: tl.constexpr, FMT: t
         p = tl.load(words + mat * (DV * NW) + rows[:, None] * NW + w[None, :], mask=ok, other=0)
         b = tl.load(sc + mat * DV + rows, mask=ok, other=0.0)
     else:
-        cols = tl.arange(0, DK)
-        p = tl.load(pay + mat * (DV * DK) + rows[:, None] * DK + cols[None, :], mask=ok, other=0)
+        # [DK / RW, BV, RW]: element [a, r, c] is column a * RW + c of row r. Only c is
+        # contiguous, so the compiler spreads lanes over c (RW / 4 lanes) and then over the rows,
+        # and keeps a in registers: a row's sums end in log2(RW / 4) shuffle rounds, not the
+        # five of a 128-column row spread over all 32 lanes (RW = DK)
+        a = tl.arange(0, DK // RW)
+        c = tl.arange(0, RW)
+        p = tl.load(pay + mat * (DV * DK) + a[:, None, None] * RW + rows[None, :, None] * DK
+                    + c[None, None, :], mask=ok, other=0)
         b = tl.zeros([1], tl.float32)
     return p, b
 
@@ -472,7 +479,8 @@ def _split4(x, N: tl.constexpr):
 
 
 @triton.jit
-def _tile_mv(p, b, s, x, y, TWO: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr):
+def _tile_mv(p, b, s, x, y, TWO: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr,
+             RW: tl.constexpr):
     """(read copy) @ x and, with TWO, (read copy) @ y, for x, y [DK] float32, from _tile_raw's
     loads (s: the NVFP4 matrix scale), decoding each code once, in registers, as it is used;
     without TWO the second value is the first. NVFP4: sums over each word's 8 columns, times
@@ -524,10 +532,10 @@ def _tile_mv(p, b, s, x, y, TWO: tl.constexpr, DK: tl.constexpr, FMT: tl.constex
             T = decode_fp16(p)
         else:
             T = decode_bf16(p)
-        rx = tl.sum(T * x[None, :], axis=1)
+        rx = tl.sum(tl.sum(T * tl.reshape(x, (DK // RW, RW))[:, None, :], axis=0), axis=1)
         ry = rx
         if TWO:
-            ry = tl.sum(T * y[None, :], axis=1)
+            ry = tl.sum(tl.sum(T * tl.reshape(y, (DK // RW, RW))[:, None, :], axis=0), axis=1)
     return rx, ry
 
 
@@ -541,18 +549,19 @@ def _read_body(
         BV: tl.constexpr, L: tl.constexpr, CAP: tl.constexpr, LP: tl.constexpr, T: tl.constexpr,
         STEP: tl.constexpr, RFMT: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
         HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, U_BF16: tl.constexpr,
-        DT_CLAMP: tl.constexpr, dots_ptr=None, DOTS: tl.constexpr = False, NT: tl.constexpr = 1):
+        DT_CLAMP: tl.constexpr, dots_ptr=None, DOTS: tl.constexpr = False, NT: tl.constexpr = 1,
+        RW: tl.constexpr = 32):
     """What _replay_read_kernel does for one live row's program (slot >= 0): nothing for a row
     that flushes this step, else the outputs of its T entries and their appends, for NT blocks of
     BV rows from `rows` on, one after the other (the loads of the next block, read copy and u
     entries, issued before the products of this one). DOTS: the per-entry dot products k_j.k
     (GDN) and k_j.q of each draft come from _entry_dots_kernel (dots_ptr [B, HK, T, 2, LP])
-    instead of the buffer's k entries."""
+    instead of the buffer's k entries. RW: _tile_raw's row width of a 16- / 32-bit read copy."""
     jj = tl.arange(0, LP)
     mat = slot * HV + hv
     # issued before the pointers are known: one dependent load less on the critical path
     # (wasted only on rows that flush this step)
-    P, Sb = _tile_raw(R_pay, R_sc, mat, rows, True, DV, DK, RFMT)
+    P, Sb = _tile_raw(R_pay, R_sc, mat, rows, True, DV, DK, RFMT, RW)
     s = 1.0
     if RFMT == 4:
         s = tl.load(R_gs + mat)
@@ -574,7 +583,7 @@ def _read_body(
             more = ib + 1 < NT
             Pc, Sc = P, Sb
             # the next block's read copy and u entries (GDN; Mamba-2: v entries)
-            P, Sb = _tile_raw(R_pay, R_sc, mat, rb + BV, more, DV, DK, RFMT)
+            P, Sb = _tile_raw(R_pay, R_sc, mat, rb + BV, more, DV, DK, RFMT, RW)
             Xn = _entries_x(vbuf, ubuf, e0, (jj < h) & more, hv, rb + BV, Bt, HV, DV, DELTA,
                             DELTA)
             K = K0
@@ -592,7 +601,7 @@ def _read_body(
                 wdec = tl.where(prev, tl.exp(tl.where(prev, Gp - G, 0.0)), 0.0)
                 eG = tl.exp(Gp)
                 if DELTA:
-                    rk, rq = _tile_mv(Pc, Sc, s, k, q, True, DK, RFMT)
+                    rk, rq = _tile_mv(Pc, Sc, s, k, q, True, DK, RFMT, RW)
                     if DOTS:
                         kk = tl.load(dots_ptr + ((row * HK + hk) * T + t) * 2 * LP + jj)
                     else:
@@ -602,7 +611,7 @@ def _read_body(
                     if U_BF16:
                         u = u.to(tl.bfloat16).to(tl.float32)
                 else:
-                    rq, _ = _tile_mv(Pc, Sc, s, q, q, False, DK, RFMT)
+                    rq, _ = _tile_mv(Pc, Sc, s, q, q, False, DK, RFMT, RW)
                     u = v
                 if DOTS:
                     qk = tl.load(dots_ptr + (((row * HK + hk) * T + t) * 2 + 1) * LP + jj)
@@ -689,7 +698,7 @@ def _replay_read_kernel(
         BV: tl.constexpr, L: tl.constexpr, CAP: tl.constexpr, LP: tl.constexpr, T: tl.constexpr,
         STEP: tl.constexpr, RFMT: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
         HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, U_BF16: tl.constexpr,
-        DT_CLAMP: tl.constexpr, DOTS: tl.constexpr, NT: tl.constexpr):
+        DT_CLAMP: tl.constexpr, DOTS: tl.constexpr, NT: tl.constexpr, RW: tl.constexpr):
     """The non-flushing rows (after _replay_flush_kernel in a verify; beside it, on the caller's
     stream while the flush runs on its side stream, in a CUDA decode step): outputs of T
     entries from the packed read copy and the buffer, output-only, and their appends
@@ -702,7 +711,7 @@ def _replay_read_kernel(
                    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, False,
                    dt_lo, dt_hi, row, hv, hk, rows, cols, slot, HK, HV, DK, DV, BV, L, CAP, LP, T,
                    STEP, RFMT, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, U_BF16, DT_CLAMP, dots_ptr,
-                   DOTS, NT)
+                   DOTS, NT, RW)
 
 
 # key_lo / key_hi: not specialized (Triton makes an integer argument equal to 1 a constexpr)
@@ -717,7 +726,7 @@ def _replay_fused_kernel(
         AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr, RSR: tl.constexpr,
         SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr, HAS_DTB: tl.constexpr,
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, U_BF16: tl.constexpr, DT_CLAMP: tl.constexpr,
-        ADVANCE: tl.constexpr, FORCE: tl.constexpr):
+        ADVANCE: tl.constexpr, FORCE: tl.constexpr, RW: tl.constexpr):
     """A decode step (T = 1) in one launch (launch='fused', the small-batch path): each program
     runs what _replay_flush_kernel and then _replay_read_kernel would run for its (row, value
     head, row block), so a row either flushes or reads (and appends). A pre-flush (h == L after a
@@ -736,7 +745,7 @@ def _replay_fused_kernel(
         _read_body(R_pay, R_sc, R_gs, kbuf, vbuf, ubuf, Gbuf, bbuf, h_ptr, st_ptr, out_ptr,
                    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, FORCE,
                    dt_lo, dt_hi, row, hv, hk, rows, cols, slot, HK, HV, DK, DV, BV, L, CAP, LP, 1,
-                   True, RFMT, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, U_BF16, DT_CLAMP)
+                   True, RFMT, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, U_BF16, DT_CLAMP, RW=RW)
         if ADVANCE:
             tl.debug_barrier()                  # every thread of the program is past its loads
             arrived = tl.atomic_add(cnt_ptr + slot, 1)          # acq_rel, gpu scope
@@ -859,6 +868,17 @@ DOTS_BLOCK = {("gdn", "fp32"): (16, 1, 8), ("gdn", "fp8"): (32, 1, 4), ("gdn", "
 # blocks per program were slower in every cell. FP16 / BF16 read copies: FP32's, not measured.
 VERIFY_BLOCK = {("gdn", "block", "fp32"): (16, 1, 1)}
 VERIFY_BLOCK_DEFAULT = (32, 1, 1)
+
+
+# Columns of a row that one lane group holds side by side in the read kernel's 16- / 32-bit read
+# copy tiles (_tile_raw), by decode step / verify: RW / 4 lanes per row, so each row's sums end
+# in log2(RW / 4) shuffle rounds; RW = d_k (128) spreads a row over all 32 lanes (5 rounds),
+# which was the only layout before session 11. Capped at d_k.
+READ_ROW_WIDTH = {"step": 16, "verify": 16}
+
+
+def _row_width(dk: int, T: int) -> int:
+    return min(READ_ROW_WIDTH["verify" if T > 1 else "step"], dk)
 
 
 def _measured_block(kind: str, variant: str, fmt: str, T: int):
@@ -1164,7 +1184,7 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
             AFMT=afid, ASR=ar, RFMT=rfid, RSR=rr,
             SHARED=store.shared, DELTA=delta, L2NORM=use_qk_l2norm, HAS_DTB=dt_bias is not None,
             HAS_D=D is not None, HAS_Z=z is not None, U_BF16=U_BF16, DT_CLAMP=dt_clamp,
-            ADVANCE=bool(advance), FORCE=bool(force), num_warps=fnw)
+            ADVANCE=bool(advance), FORCE=bool(force), RW=_row_width(dk, 1), num_warps=fnw)
         return out, idx, bool(advance)
     common = dict(HK=HK, HV=HV, DK=dk, DV=dv, L=store.L, CAP=store.capacity, T=T, STEP=step,
                   RFMT=rfid, DELTA=delta, L2NORM=use_qk_l2norm, HAS_DTB=dt_bias is not None,
@@ -1203,8 +1223,8 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
         _replay_read_kernel[(B * HV, dv // (BV * rnt))](
             Rp, Rs, Rg, store.kbuf, store.vbuf, ubuf, store.Gbuf, store.bbuf,
             store.committed, store.start, idx, out, *inputs, sc, dt_lo, dt_hi, dots,
-            BV=BV, LP=LP, U_BF16=U_BF16, DOTS=read_variant == "dots", NT=rnt, num_warps=nw,
-            **common)
+            BV=BV, LP=LP, U_BF16=U_BF16, DOTS=read_variant == "dots", NT=rnt, RW=_row_width(dk, T),
+            num_warps=nw, **common)
     if side is not None:
         torch.cuda.current_stream(q.device).wait_stream(side)
     return out, idx, False
