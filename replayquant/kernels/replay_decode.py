@@ -417,10 +417,10 @@ def _replay_flush_kernel(
 
 
 @triton.jit
-def _tile_raw(pay, sc, mat, rows, ok, DV: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr,
-              RW: tl.constexpr):
+def _tile_raw(pay, sc, mat, rows, r0, ok, DV: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr,
+              BV: tl.constexpr, RW: tl.constexpr):
     """The loads of the read copy's rows `rows`, not decoded (what a row-block loop carries as
-    its prefetch): (payload, scales). NVFP4: int32 words [BV, DK/8] (word w holds the E2M1
+    its prefetch): (payload, scales). rows = r0 + arange(BV). NVFP4: int32 words [BV, DK/8] (word w holds the E2M1
     codes of columns 8w..8w+7, column 8w+i in bits 4i..4i+3) and the E4M3 block scale byte of
     each word [BV, DK/8]; FP8: int32 words [BV, DK/4] (column 4w+i in byte i) and the row
     scales [BV]; FP32 / FP16 / BF16: the stored values as [DK / RW, BV, RW], scales a dummy. Codes packed
@@ -440,14 +440,19 @@ def _tile_raw(pay, sc, mat, rows, ok, DV: tl.constexpr, DK: tl.constexpr, FMT: t
         p = tl.load(words + mat * (DV * NW) + rows[:, None] * NW + w[None, :], mask=ok, other=0)
         b = tl.load(sc + mat * DV + rows, mask=ok, other=0.0)
     else:
-        # [DK / RW, BV, RW]: element [a, r, c] is column a * RW + c of row r. Only c is
-        # contiguous, so the compiler spreads lanes over c (RW / 4 lanes) and then over the rows,
-        # and keeps a in registers: a row's sums end in log2(RW / 4) shuffle rounds, not the
-        # five of a 128-column row spread over all 32 lanes (RW = DK)
-        a = tl.arange(0, DK // RW)
+        # [DK / RW, BV, RW]: element [a, r, c] is column a * RW + c of row r0 + r, loaded as
+        # BV * DK / RW pieces of RW contiguous columns, piece a * BV + r. RW / 4 lanes share a
+        # piece; as BV is a multiple of the 32 * 4 / RW pieces that one load instruction covers,
+        # all pieces of a row sit in one lane group, so the reshape moves no data and a row's
+        # sums end in log2(RW / 4) shuffle rounds, not the five of a 128-column row on all 32
+        # lanes (RW = DK). (A 3-D load [DK / RW, BV, RW] would leave it to the compiler which of
+        # the two non-contiguous dimensions gets the lanes: Triton 3.6 and 3.9 choose differently.)
+        A: tl.constexpr = DK // RW
+        pc = tl.arange(0, A * BV)
         c = tl.arange(0, RW)
-        p = tl.load(pay + mat * (DV * DK) + a[:, None, None] * RW + rows[None, :, None] * DK
-                    + c[None, None, :], mask=ok, other=0)
+        off = (pc % BV) * DK + (pc // BV) * RW
+        p = tl.load(pay + mat * (DV * DK) + r0 * DK + off[:, None] + c[None, :], mask=ok, other=0)
+        p = tl.reshape(p, (A, BV, RW))
         b = tl.zeros([1], tl.float32)
     return p, b
 
@@ -561,7 +566,8 @@ def _read_body(
     mat = slot * HV + hv
     # issued before the pointers are known: one dependent load less on the critical path
     # (wasted only on rows that flush this step)
-    P, Sb = _tile_raw(R_pay, R_sc, mat, rows, True, DV, DK, RFMT, RW)
+    r0 = tl.program_id(1) * (BV * NT)                  # rows = r0 + arange(BV) (_program_tile)
+    P, Sb = _tile_raw(R_pay, R_sc, mat, rows, r0, True, DV, DK, RFMT, BV, RW)
     s = 1.0
     if RFMT == 4:
         s = tl.load(R_gs + mat)
@@ -583,7 +589,8 @@ def _read_body(
             more = ib + 1 < NT
             Pc, Sc = P, Sb
             # the next block's read copy and u entries (GDN; Mamba-2: v entries)
-            P, Sb = _tile_raw(R_pay, R_sc, mat, rb + BV, more, DV, DK, RFMT, RW)
+            P, Sb = _tile_raw(R_pay, R_sc, mat, rb + BV, r0 + (ib + 1) * BV, more, DV, DK, RFMT,
+                              BV, RW)
             Xn = _entries_x(vbuf, ubuf, e0, (jj < h) & more, hv, rb + BV, Bt, HV, DV, DELTA,
                             DELTA)
             K = K0
