@@ -60,6 +60,8 @@
 #   row-width  evals/row_width_sweep.py: the FP32 read tile as [d_k / RW, rows, RW] (RW 128 =
 #            the old layout, 32, 16), s32_rs, both kinds: read step and windows at B = 256, the
 #            T = 4 round at B = 512, GPU checks first (session 11)             ~250 s
+#   verify-rw  evals/read_blocks_sweep.py --verify-batches 512, s32_rs, seven verify read configs
+#            with READ_ROW_WIDTH's verify tile (RW 32, session 11)             ~100 s
 #   grid     the grid in one call, GPU checks, peers and sweep included (session 10, run 45
 #            at c9c64fd: 554 s, its 540 s budget skipped Mamba-2 L = 32 and the T = 2 rounds;
 #            the refitted estimate says ~520 s of sections for the whole grid: use two calls
@@ -72,7 +74,7 @@
 # The image has torch, triton, transformers, accelerate, rich, typer, matplotlib; not fla.
 set -uo pipefail
 : "${OUT:?set OUT to the folder where results go}"
-job=${1:?usage: bash evals/gpu_runs.sh tf|mamba|decode|read|dots|defaults|batch1|targets|recheck-gdn|recheck-mamba2|rows|revert-nt|final|side|confirm|flush-nt|gap|grid-gdn|grid-mamba2|grid-spec|read-blocks|verify-read|spec-t4|spec-t2|philox4|flush-heads|confirm-s10|ncu|row-width|grid|generate|followup}
+job=${1:?usage: bash evals/gpu_runs.sh tf|mamba|decode|read|dots|defaults|batch1|targets|recheck-gdn|recheck-mamba2|rows|revert-nt|final|side|confirm|flush-nt|gap|grid-gdn|grid-mamba2|grid-spec|read-blocks|verify-read|spec-t4|spec-t2|philox4|flush-heads|confirm-s10|ncu|row-width|verify-rw|grid|generate|followup}
 export PYTHONUNBUFFERED=1 REPLAYQUANT_GIT_COMMIT=${REPLAYQUANT_GIT_COMMIT:-unknown}
 python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/site .gpu/wheels/*.whl \
     || { echo "gpu_runs: could not install the carried wheels in .gpu/wheels" >&2; exit 1; }
@@ -271,6 +273,13 @@ case "$job" in
     timeout 560 python3 evals/row_width_sweep.py "$OUT/row_width.json" --widths 128,32,16 \
         > "$OUT/row_width.log" 2>&1; echo "row-width rc=$?"
     tail -45 "$OUT/row_width.log"
+    ;;
+  verify-rw)
+    # the T = 4 verify read configs again with the row width 32 tile (session 11), s32_rs, B = 512
+    timeout 560 python3 evals/read_blocks_sweep.py "$OUT/verify_read_rw32.json" --verify-batches 512 \
+        --pairs s32_rs --verify-configs 16x1x1,16x1x2,16x2x1,32x1x1,32x1x2,32x2x1,64x2x1 \
+        > "$OUT/verify_read_rw32.log" 2>&1; echo "verify-rw rc=$?"
+    tail -40 "$OUT/verify_read_rw32.log"
     ;;
   grid)
     timeout 585 "${rq[@]}" bench kernels --out "$OUT" --name kernels --budget-s 540 \

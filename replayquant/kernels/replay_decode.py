@@ -879,9 +879,13 @@ VERIFY_BLOCK_DEFAULT = (32, 1, 1)
 
 # Columns of a row that one lane group holds side by side in the read kernel's 16- / 32-bit read
 # copy tiles (_tile_raw), by decode step / verify: RW / 4 lanes per row, so each row's sums end
-# in log2(RW / 4) shuffle rounds; RW = d_k (128) spreads a row over all 32 lanes (5 rounds),
-# which was the only layout before session 11. Capped at d_k.
-READ_ROW_WIDTH = {"step": 16, "verify": 16}
+# in log2(RW / 4) shuffle rounds; RW = d_k (128) spreads a row over all 32 lanes (5 rounds), the
+# only layout before session 11. Capped at d_k. H200, s32_rs, run 49 (78de698,
+# results/bench/row_width.json), RW 128 / 32 / 16: T = 4 round at B = 512, us: GDN 1189.4 /
+# 1013.0 / 1038.5, Mamba-2 1534.9 / 1472.5 / 1485.4; the 'dots' read step at B = 256 lost (GDN
+# 169.4 / 176.9 / 181.5, Mamba-2 298.0 / 309.4 / 316.4: the x vectors' copies per lane raise the
+# registers from 127 to ~235, halving the programs per SM of a bandwidth-bound read).
+READ_ROW_WIDTH = {"step": 128, "verify": 32}
 
 
 def _row_width(dk: int, T: int) -> int:
