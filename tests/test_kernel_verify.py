@@ -9,6 +9,7 @@ from replayquant.bench.decode import (gdn_params, gdn_step_inputs, mamba2_params
                                       mamba2_step_inputs, random_state)
 from replayquant.kernels.conventional import (ConventionalStore, gdn_frontend_ref,
                                               mamba2_frontend_ref, mamba2_post_ref)
+from replayquant.kernels import replay_decode as rd
 from replayquant.kernels.replay_decode import (ReplayStore, replay_gdn_step, replay_gdn_step_ref,
                                                replay_mamba2_step, replay_mamba2_step_ref)
 from replayquant.kernels.verify import (conventional_accept, conventional_accept_ref,
@@ -134,6 +135,52 @@ def test_replay_verify_accept(kind, pair, read_variant):
     assert_states_close(st.anchor.dequantize(), rs.anchor())
     assert_states_close(st.read_role.dequantize(), rs.read_copy())
     assert_states_close(st.anchor.dequantize(), ref.anchor.dequantize())
+
+
+@pytest.mark.parametrize("kind", ["gdn", "mamba2"])
+@pytest.mark.parametrize("pair", ["s32_rs", "sbf16"])
+def test_read_row_width_pieces(kind, pair, monkeypatch):
+    """The read kernel's 16- / 32-bit read copy tile loaded as pieces of RW < d_k columns
+    (READ_ROW_WIDTH; the shapes here are below the defaults, which would give RW = d_k):
+    decode steps ('dots' and block read, read programs of two blocks) and verify rounds
+    (T = 3) with random accepts across flushes, against the same rounds with RW = d_k:
+    outputs equal within float32 reassociation, pointers and the raw-input buffers bit for bit,
+    then against the reference."""
+    T = 3
+    P = PrecisionPair.load(pair).with_buffer_len(5)
+    step, step_ref, ver, ver_ref = FN[kind][:4]
+    init = random_state(N, H, DV, DK, seed=37)
+    st = ReplayStore.from_state(init, P, kind, key_heads=HK, seed=6, u_dtype=torch.float32,
+                                max_drafts=T)
+    whole, ref = st.clone(), st.clone()
+    tol = 1e-5 if pair == "s32_rs" else 1e-3
+    for rnd in range(6):
+        verify = rnd % 3 != 2
+        kw = inputs(kind, T if verify else None, seed=50 + rnd)[0]
+        opts = [{"read_variant": "dots"}, {"read_variant": "block"},
+                {"read_variant": "dots", "block_v": 8, "read_blocks": 2}][rnd % 3]
+        if not verify:
+            kw = {**kw, "path": "replay", "launch": "split"}
+        ys = {}
+        for rw, s_ in (((8, 4), st), ((DK, DK), whole)):
+            monkeypatch.setitem(rd.READ_ROW_WIDTH, "step", rw[0])
+            monkeypatch.setitem(rd.READ_ROW_WIDTH, "verify", rw[1])
+            ys[rw[0]] = (ver if verify else step)(s_, **kw, state_indices=IDX, **opts)
+        y2 = (ver_ref if verify else step_ref)(ref, **kw, state_indices=IDX)
+        assert torch.isfinite(ys[8]).all() and (ys[8][~LIVE] == 0).all()
+        close(ys[8], ys[DK], 1e-5)
+        close(ys[8], y2, tol)
+        if verify:
+            n = _accepts(rnd, T)
+            for s_ in (st, whole):
+                replay_accept(s_, n, IDX)
+            replay_accept_ref(ref, n, IDX)
+        assert st.committed.tolist() == whole.committed.tolist() == ref.committed.tolist()
+        for name in ("kbuf", "vbuf", "Gbuf", "bbuf"):
+            assert torch.equal(getattr(st, name).view(torch.uint8),
+                               getattr(whole, name).view(torch.uint8)), name
+    assert max(st.n_flush.tolist()) >= 1
+    assert_states_close(st.anchor.dequantize(), whole.anchor.dequantize())
 
 
 def test_rejected_drafts_change_nothing():
