@@ -110,12 +110,12 @@ def main(argv=None) -> int:
     checks, rows = {}, []
     try:
         for rw in widths:
-            rd.READ_ROW_WIDTH.update(step=rw, verify=rw)
+            rd.READ_ROW_WIDTH.update({k: rw for k in rd.READ_ROW_WIDTH})
             for kind in kinds:
                 checks[f"{kind}/{a.pair}/RW={rw}"] = check(kind, a.pair)
                 print(kind, rw, checks[f"{kind}/{a.pair}/RW={rw}"], flush=True)
         for rw in widths:
-            rd.READ_ROW_WIDTH.update(step=rw, verify=rw)
+            rd.READ_ROW_WIDTH.update({k: rw for k in rd.READ_ROW_WIDTH})
             for kind in kinds:
                 rows += timed(kind, a.pair, a.batch, a.verify_batch, copy_bw, rw,
                               conv=rw == widths[0])

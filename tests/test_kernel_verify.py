@@ -163,8 +163,8 @@ def test_read_row_width_pieces(kind, pair, monkeypatch):
             kw = {**kw, "path": "replay", "launch": "split"}
         ys = {}
         for rw, s_ in (((8, 4), st), ((DK, DK), whole)):
-            monkeypatch.setitem(rd.READ_ROW_WIDTH, "step", rw[0])
-            monkeypatch.setitem(rd.READ_ROW_WIDTH, "verify", rw[1])
+            for key in rd.READ_ROW_WIDTH:
+                monkeypatch.setitem(rd.READ_ROW_WIDTH, key, rw[0] if key == "step" else rw[1])
             ys[rw[0]] = (ver if verify else step)(s_, **kw, state_indices=IDX, **opts)
         y2 = (ver_ref if verify else step_ref)(ref, **kw, state_indices=IDX)
         assert torch.isfinite(ys[8]).all() and (ys[8][~LIVE] == 0).all()

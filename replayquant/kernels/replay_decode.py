@@ -423,7 +423,8 @@ def _tile_raw(pay, sc, mat, rows, r0, ok, DV: tl.constexpr, DK: tl.constexpr, FM
     its prefetch): (payload, scales). rows = r0 + arange(BV). NVFP4: int32 words [BV, DK/8] (word w holds the E2M1
     codes of columns 8w..8w+7, column 8w+i in bits 4i..4i+3) and the E4M3 block scale byte of
     each word [BV, DK/8]; FP8: int32 words [BV, DK/4] (column 4w+i in byte i) and the row
-    scales [BV]; FP32 / FP16 / BF16: the stored values as [DK / RW, BV, RW], scales a dummy. Codes packed
+    scales [BV]; FP32 / FP16 / BF16: the stored values [BV, DK], or with RW < DK as
+    [DK / RW, BV, RW], scales a dummy. Codes packed
     four or eight to a register keep the payload (and a prefetch of it) in few registers.
     ok False (a scalar): nothing loaded."""
     if FMT == 4:
@@ -440,19 +441,26 @@ def _tile_raw(pay, sc, mat, rows, r0, ok, DV: tl.constexpr, DK: tl.constexpr, FM
         p = tl.load(words + mat * (DV * NW) + rows[:, None] * NW + w[None, :], mask=ok, other=0)
         b = tl.load(sc + mat * DV + rows, mask=ok, other=0.0)
     else:
-        # [DK / RW, BV, RW]: element [a, r, c] is column a * RW + c of row r0 + r, loaded as
-        # BV * DK / RW pieces of RW contiguous columns, piece a * BV + r. RW / 4 lanes share a
-        # piece; as BV is a multiple of the 32 * 4 / RW pieces that one load instruction covers,
-        # all pieces of a row sit in one lane group, so the reshape moves no data and a row's
-        # sums end in log2(RW / 4) shuffle rounds, not the five of a 128-column row on all 32
-        # lanes (RW = DK). (A 3-D load [DK / RW, BV, RW] would leave it to the compiler which of
-        # the two non-contiguous dimensions gets the lanes: Triton 3.6 and 3.9 choose differently.)
-        A: tl.constexpr = DK // RW
-        pc = tl.arange(0, A * BV)
-        c = tl.arange(0, RW)
-        off = (pc % BV) * DK + (pc // BV) * RW
-        p = tl.load(pay + mat * (DV * DK) + r0 * DK + off[:, None] + c[None, :], mask=ok, other=0)
-        p = tl.reshape(p, (A, BV, RW))
+        if RW == DK:
+            cols = tl.arange(0, DK)
+            p = tl.load(pay + mat * (DV * DK) + rows[:, None] * DK + cols[None, :], mask=ok,
+                        other=0)
+        else:
+            # [DK / RW, BV, RW]: element [a, r, c] is column a * RW + c of row r0 + r, loaded as
+            # BV * DK / RW pieces of RW contiguous columns, piece a * BV + r. RW / 4 lanes share
+            # a piece; as BV is a multiple of the 32 * 4 / RW pieces that one load instruction
+            # covers, all pieces of a row sit in one lane group, so the reshape moves no data and
+            # a row's sums end in log2(RW / 4) shuffle rounds, not the five of a 128-column row
+            # on all 32 lanes (RW = DK). (A 3-D load [DK / RW, BV, RW] would leave it to the
+            # compiler which of the two non-contiguous dimensions gets the lanes: Triton 3.6
+            # and 3.9 choose differently.)
+            A: tl.constexpr = DK // RW
+            pc = tl.arange(0, A * BV)
+            c = tl.arange(0, RW)
+            off = (pc % BV) * DK + (pc // BV) * RW
+            p = tl.load(pay + mat * (DV * DK) + r0 * DK + off[:, None] + c[None, :], mask=ok,
+                        other=0)
+            p = tl.reshape(p, (A, BV, RW))
         b = tl.zeros([1], tl.float32)
     return p, b
 
@@ -537,10 +545,17 @@ def _tile_mv(p, b, s, x, y, TWO: tl.constexpr, DK: tl.constexpr, FMT: tl.constex
             T = decode_fp16(p)
         else:
             T = decode_bf16(p)
-        rx = tl.sum(tl.sum(T * tl.reshape(x, (DK // RW, RW))[:, None, :], axis=0), axis=1)
-        ry = rx
-        if TWO:
-            ry = tl.sum(tl.sum(T * tl.reshape(y, (DK // RW, RW))[:, None, :], axis=0), axis=1)
+        if RW == DK:
+            rx = tl.sum(T * x[None, :], axis=1)
+            ry = rx
+            if TWO:
+                ry = tl.sum(T * y[None, :], axis=1)
+        else:
+            rx = tl.sum(tl.sum(T * tl.reshape(x, (DK // RW, RW))[:, None, :], axis=0), axis=1)
+            ry = rx
+            if TWO:
+                ry = tl.sum(tl.sum(T * tl.reshape(y, (DK // RW, RW))[:, None, :], axis=0),
+                            axis=1)
     return rx, ry
 
 
@@ -878,18 +893,24 @@ VERIFY_BLOCK_DEFAULT = (32, 1, 1)
 
 
 # Columns of a row that one lane group holds side by side in the read kernel's 16- / 32-bit read
-# copy tiles (_tile_raw), by decode step / verify: RW / 4 lanes per row, so each row's sums end
-# in log2(RW / 4) shuffle rounds; RW = d_k (128) spreads a row over all 32 lanes (5 rounds), the
-# only layout before session 11. Capped at d_k. H200, s32_rs, run 49 (78de698,
-# results/bench/row_width.json), RW 128 / 32 / 16: T = 4 round at B = 512, us: GDN 1189.4 /
-# 1013.0 / 1038.5, Mamba-2 1534.9 / 1472.5 / 1485.4; the 'dots' read step at B = 256 lost (GDN
-# 169.4 / 176.9 / 181.5, Mamba-2 298.0 / 309.4 / 316.4: the x vectors' copies per lane raise the
-# registers from 127 to ~235, halving the programs per SM of a bandwidth-bound read).
-READ_ROW_WIDTH = {"step": 128, "verify": 32}
+# copy tiles (_tile_raw): RW / 4 lanes per row, so each row's sums end in log2(RW / 4) shuffle
+# rounds; RW = d_k (128) spreads a row over all 32 lanes (5 rounds), the only layout before
+# session 11 (its code unchanged). Capped at d_k. By decode step, and by (kind, read variant) of
+# a verify. H200, s32_rs, run 49 (78de698, results/bench/row_width.json), RW 128 / 32 / 16: the
+# 'dots' T = 4 round at B = 512, us: GDN 1189.4 / 1013.0 / 1038.5, Mamba-2 1534.9 / 1472.5 /
+# 1485.4, and the block-read round GDN 1891.2 / 1918.9 / 1945.8, Mamba-2 2150.7 / 1821.3 /
+# 1814.0; the 'dots' read step at B = 256 lost (GDN 169.4 / 176.9 / 181.5, Mamba-2 298.0 / 309.4 /
+# 316.4: the x vectors' copies per lane raise the registers from 127 to ~235, halving the
+# programs per SM of a bandwidth-bound read). The grid at 7e04f39 (RW 32 for every verify)
+# also had GDN's block-read round at B = 32 (its default read there) 93.8 -> 103.6 us without
+# flushes, so GDN's block verify keeps RW = d_k.
+READ_ROW_WIDTH = {"step": 128, ("verify", "gdn", "dots"): 32, ("verify", "gdn", "block"): 128,
+                  ("verify", "mamba2", "dots"): 32, ("verify", "mamba2", "block"): 32}
 
 
-def _row_width(dk: int, T: int) -> int:
-    return min(READ_ROW_WIDTH["verify" if T > 1 else "step"], dk)
+def _row_width(dk: int, T: int, kind: str, variant: str) -> int:
+    rw = READ_ROW_WIDTH["step"] if T == 1 else READ_ROW_WIDTH[("verify", kind, variant)]
+    return min(rw, dk)
 
 
 def _measured_block(kind: str, variant: str, fmt: str, T: int):
@@ -1195,7 +1216,8 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
             AFMT=afid, ASR=ar, RFMT=rfid, RSR=rr,
             SHARED=store.shared, DELTA=delta, L2NORM=use_qk_l2norm, HAS_DTB=dt_bias is not None,
             HAS_D=D is not None, HAS_Z=z is not None, U_BF16=U_BF16, DT_CLAMP=dt_clamp,
-            ADVANCE=bool(advance), FORCE=bool(force), RW=_row_width(dk, 1), num_warps=fnw)
+            ADVANCE=bool(advance), FORCE=bool(force), RW=_row_width(dk, 1, store.kind, "block"),
+            num_warps=fnw)
         return out, idx, bool(advance)
     common = dict(HK=HK, HV=HV, DK=dk, DV=dv, L=store.L, CAP=store.capacity, T=T, STEP=step,
                   RFMT=rfid, DELTA=delta, L2NORM=use_qk_l2norm, HAS_DTB=dt_bias is not None,
@@ -1234,7 +1256,8 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
         _replay_read_kernel[(B * HV, dv // (BV * rnt))](
             Rp, Rs, Rg, store.kbuf, store.vbuf, ubuf, store.Gbuf, store.bbuf,
             store.committed, store.start, idx, out, *inputs, sc, dt_lo, dt_hi, dots,
-            BV=BV, LP=LP, U_BF16=U_BF16, DOTS=read_variant == "dots", NT=rnt, RW=_row_width(dk, T),
+            BV=BV, LP=LP, U_BF16=U_BF16, DOTS=read_variant == "dots", NT=rnt,
+            RW=_row_width(dk, T, store.kind, read_variant),
             num_warps=nw, **common)
     if side is not None:
         torch.cuda.current_stream(q.device).wait_stream(side)
