@@ -56,7 +56,8 @@
 #            every batch, both kinds, no sweep (NH = 1 below 8192 matrices, the new Philox
 #            bits), with the GPU checks; the FP8 SR cast on its grouped bits   ~150 s
 #   ncu      Nsight Compute (counters, stall reasons) on one launch of each decode kernel:
-#            evals/ncu_decode_drive.py, B = 256 steps and the T = 4 verify at 512 (session 11)
+#            evals/ncu_decode_drive.py, B = 256 steps and the T = 4 verify at 512 (session 11;
+#            NCU_ONLY=verify: the verify cases only)
 #   row-width  evals/row_width_sweep.py: the FP32 read tile as [d_k / RW, rows, RW] (RW 128 =
 #            the old layout, 32, 16), s32_rs, both kinds: read step and windows at B = 256, the
 #            T = 4 round at B = 512, GPU checks first (session 11)             ~250 s
@@ -264,7 +265,8 @@ case "$job" in
         --section SpeedOfLight --section Occupancy --section LaunchStats \
         --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
         --section InstructionStats --print-details all \
-        python3 evals/ncu_decode_drive.py > "$OUT/ncu_decode.txt" 2>&1; echo "ncu rc=$?"
+        python3 evals/ncu_decode_drive.py ${NCU_ONLY:+--only "$NCU_ONLY"} > "$OUT/ncu_decode.txt" 2>&1
+    echo "ncu rc=$?"
     grep -E "^== case|^  [_a-z].*\(|Duration|Memory Throughput|Achieved Occupancy|Registers Per|Issue Slots Busy|No Eligible|DRAM Throughput" \
         "$OUT/ncu_decode.txt" | cut -c1-160 | head -250
     ;;

@@ -4,7 +4,7 @@ step with every row flushing) and the T = 4 verify read at B = 512. Every launch
 and run once before the profiler starts, then run once inside cudaProfilerStart / Stop, so
 
     ncu --profile-from-start off --clock-control none --section ... \\
-        python evals/ncu_decode_drive.py [--kinds gdn,mamba2] [--pairs s32_rs,tp4_hi32]
+        python evals/ncu_decode_drive.py [--kinds gdn,mamba2] [--pairs s32_rs,tp4_hi32] [--only verify]
 
 profiles exactly one launch of each kernel of each case (the case is printed before it runs;
 ncu keeps the launch order). Nothing is timed here: ncu replays each kernel with cold caches."""
@@ -76,11 +76,13 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--verify-batch", type=int, default=512)
     ap.add_argument("--T", type=int, default=4)
+    ap.add_argument("--only", default="", help="profile only the cases whose name has this text")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("ncu_decode_drive: needs a CUDA GPU", file=sys.stderr)
         return 2
-    cs = cases(a.kinds.split(","), a.pairs.split(","), a.batch, a.verify_batch, a.T)
+    cs = [c for c in cases(a.kinds.split(","), a.pairs.split(","), a.batch, a.verify_batch, a.T)
+          if a.only in c[0]]
     for _, fn in cs:                      # compile and warm every launch outside the profiler
         fn()
     torch.cuda.synchronize()
