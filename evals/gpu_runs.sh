@@ -46,6 +46,8 @@
 #            (session 10, run 39-42 with grid-gdn and grid-mamba2 at 9d8b19a: 56 / 36 / 147 /
 #            104 s, nothing skipped, since the stores of the SR pair are built on the GPU);
 #            then: replayquant bench merge kernels_part_{gdn,mamba2}.json kernels_spec_t{4,2}.json
+#            (session 11, runs 51-52 at 7e04f39: grid-gdn + spec-t4 in one call 363 s, grid-mamba2
+#            + spec-t2 211 s)
 #   philox4  the stochastic-rounding pair (tp4_hi16_sr) with one Philox per four elements
 #            (session 10): GPU checks, B = 256 windows / flush steps and verify at B = 512, both
 #            kinds, against the same rows of the grid (9d8b19a); then bench formats (its GPU
