@@ -157,14 +157,9 @@ def main(argv=None) -> int:
            "copy_GBps": copy_bw, "checks": checks, "rows": bd._derive(rows)}
     with open(a.out, "w") as fh:
         json.dump(res, fh, indent=1)
-    print("| kind | B | kernel | pair | config | us | % copy | speedup |\n"
-          "| --- | ---: | --- | --- | --- | ---: | ---: | ---: |")
     for r in res["rows"]:
-        cfg = r.get("cfg") or r.get("config") or ""
-        pct = r.get("pct_copy")
-        sp = r.get("speedup_vs_conv_fp32", r.get("speedup_vs_snapshot_round"))
-        print(f"| {r['kind']} | {r['B']} | {r['kernel']} | {r['variant']} | {cfg} | {r['us']:.1f} | "
-              f"{'' if pct is None else f'{pct:.1f}'} | {'' if sp is None else f'{sp:.2f}'} |")
+        r.setdefault("cfg", r.get("config") or "")
+    print(bd.rows_table(res["rows"], extra=("cfg",)))
     return 0
 
 

@@ -127,12 +127,7 @@ def main(argv=None) -> int:
            "copy_GBps": copy_bw, "checks": checks, "rows": rows}
     with open(a.out, "w") as fh:
         json.dump(res, fh, indent=1)
-    print("| kind | RW | B | kernel | us | % copy | speedup |\n| --- | ---: | ---: | --- | ---: | ---: | ---: |")
-    for r in rows:
-        pct = r.get("pct_copy")
-        sp = r.get("speedup_vs_conv_fp32", r.get("speedup_vs_snapshot_round"))
-        print(f"| {r['kind']} | {r['row_width']} | {r['B']} | {r['kernel']} | {r['us']:.1f} | "
-              f"{'' if pct is None else f'{pct:.1f}'} | {'' if sp is None else f'{sp:.2f}'} |")
+    print(bd.rows_table(rows, extra=("row_width",)))
     return 0
 
 

@@ -831,6 +831,24 @@ def bench_spec(kind, B, T, device, copy_bw, cfg=None, pairs=PAIRS, L=None, S=Non
     return rows
 
 
+def rows_table(rows, extra=()) -> str:
+    """Markdown table of bench rows (kind, B, kernel, variant, the `extra` fields, us, % of the
+    copy bandwidth, speedup over the conventional FP32 step or the snapshot round), as the GPU
+    sweep scripts under evals/ print them."""
+    head = ["kind", "B", "kernel", "variant", *extra, "us", "% copy", "speedup"]
+    out = ["| " + " | ".join(head) + " |",
+           "| " + " | ".join("---:" if h in ("B", "us", "% copy", "speedup") else "---"
+                             for h in head) + " |"]
+    for r in rows:
+        pct = r.get("pct_copy")
+        sp = r.get("speedup_vs_conv_fp32", r.get("speedup_vs_snapshot_round"))
+        cells = [r["kind"], r["B"], r["kernel"], r["variant"], *(r.get(e, "") for e in extra),
+                 f"{r['us']:.1f}", "" if pct is None else f"{pct:.1f}",
+                 "" if sp is None else f"{sp:.2f}"]
+        out.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(out)
+
+
 def _derive(rows):
     """Speedups over our conventional FP32 step and the peer at the same (kind, B), and of each
     speculative replay round over the snapshot round at the same (kind, B, T)."""

@@ -13,7 +13,8 @@ the compiler's message. tests/test_compile_check.py does both for the model deco
 `sass` prints, per launch, the static count of SASS instructions (nvdisasm of the cubin, as
 Triton ships it; --ops N: the N commonest opcodes) with ptxas's register and spill report: for
 kernels without runtime loops that is the instruction count of one program, a proxy (not a
-timing) for instruction-bound kernels.
+timing) for instruction-bound kernels. The result is the installed Triton's: versions lay out
+the same kernel differently (evals/device_triton_venv.sh makes a venv with the H200 image's).
 """
 
 from __future__ import annotations
