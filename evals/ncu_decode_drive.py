@@ -4,7 +4,8 @@ step with every row flushing) and the T = 4 verify read at B = 512. Every launch
 and run once before the profiler starts, then run once inside cudaProfilerStart / Stop, so
 
     ncu --profile-from-start off --clock-control none --section ... \\
-        python evals/ncu_decode_drive.py [--kinds gdn,mamba2] [--pairs s32_rs,tp4_hi32] [--only verify]
+        python evals/ncu_decode_drive.py [--kinds gdn,mamba2] [--pairs s32_rs,tp4_hi32] \\
+            [--only verify]
 
 profiles exactly one launch of each kernel of each case (the case is printed before it runs;
 ncu keeps the launch order). Nothing is timed here: ncu replays each kernel with cold caches."""

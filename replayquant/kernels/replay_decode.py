@@ -420,12 +420,12 @@ def _replay_flush_kernel(
 def _tile_raw(pay, sc, mat, rows, r0, ok, DV: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr,
               BV: tl.constexpr, RW: tl.constexpr):
     """The loads of the read copy's rows `rows`, not decoded (what a row-block loop carries as
-    its prefetch): (payload, scales). rows = r0 + arange(BV). NVFP4: int32 words [BV, DK/8] (word w holds the E2M1
-    codes of columns 8w..8w+7, column 8w+i in bits 4i..4i+3) and the E4M3 block scale byte of
-    each word [BV, DK/8]; FP8: int32 words [BV, DK/4] (column 4w+i in byte i) and the row
-    scales [BV]; FP32 / FP16 / BF16: the stored values [BV, DK], or with RW < DK as
-    [DK / RW, BV, RW], scales a dummy. Codes packed
-    four or eight to a register keep the payload (and a prefetch of it) in few registers.
+    its prefetch): (payload, scales); rows = r0 + arange(BV). NVFP4: int32 words [BV, DK/8]
+    (word w holds the E2M1 codes of columns 8w..8w+7, column 8w+i in bits 4i..4i+3) and the E4M3
+    block scale byte of each word [BV, DK/8]; FP8: int32 words [BV, DK/4] (column 4w+i in byte
+    i) and the row scales [BV]; FP32 / FP16 / BF16: the stored values [BV, DK], or with RW < DK
+    as [DK / RW, BV, RW], scales a dummy. Codes packed four or eight to a register keep the
+    payload (and a prefetch of it) in few registers.
     ok False (a scalar): nothing loaded."""
     if FMT == 4:
         NW: tl.constexpr = DK // 8
@@ -576,7 +576,8 @@ def _read_body(
     BV rows from `rows` on, one after the other (the loads of the next block, read copy and u
     entries, issued before the products of this one). DOTS: the per-entry dot products k_j.k
     (GDN) and k_j.q of each draft come from _entry_dots_kernel (dots_ptr [B, HK, T, 2, LP])
-    instead of the buffer's k entries. RW: _tile_raw's row width of a 16- / 32-bit read copy."""
+    instead of the buffer's k entries. RW: _tile_raw's row width of a 16- / 32-bit read copy
+    (both kernels pass _row_width's; the default only keeps the keyword order)."""
     jj = tl.arange(0, LP)
     mat = slot * HV + hv
     # issued before the pointers are known: one dependent load less on the critical path
@@ -909,6 +910,7 @@ READ_ROW_WIDTH = {"step": 128, ("verify", "gdn", "dots"): 32, ("verify", "gdn", 
 
 
 def _row_width(dk: int, T: int, kind: str, variant: str) -> int:
+    """The read kernel's RW for a step (T = 1) or a verify of T drafts with this read variant."""
     rw = READ_ROW_WIDTH["step"] if T == 1 else READ_ROW_WIDTH[("verify", kind, variant)]
     return min(rw, dk)
 
