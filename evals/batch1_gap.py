@@ -47,8 +47,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("batch1_gap: needs a CUDA GPU (times are meaningless elsewhere)", file=sys.stderr)
+    if bd.no_gpu("batch1_gap"):
         return 2
     dev = "cuda"
     batches = [int(x) for x in a.batches.split(",")]

@@ -101,9 +101,7 @@ def main(argv=None) -> int:
         print(f"flush_heads_sweep: --heads {a.heads!r}: give positive integers such as 1,2,4,8",
               file=sys.stderr)
         return 2
-    if not torch.cuda.is_available():
-        print("flush_heads_sweep: needs a CUDA GPU (times are meaningless elsewhere)",
-              file=sys.stderr)
+    if bd.no_gpu("flush_heads_sweep"):
         return 2
     copy_bw = bd.copy_bandwidth_GBps("cuda")
     pairs = a.pairs.split(",")

@@ -20,8 +20,6 @@ import argparse
 import json
 import sys
 
-import torch
-
 from replayquant.bench import decode as bd
 from replayquant.kernels import replay_decode as rd
 from replayquant.provenance import provenance
@@ -35,9 +33,7 @@ def main(argv=None) -> int:
     ap.add_argument("--side-stream", choices=("both", "on", "off"), default="both")
     a = ap.parse_args(argv)
     sides = {"both": (True, False), "on": (True,), "off": (False,)}[a.side_stream]
-    if not torch.cuda.is_available():
-        print("flush_nt_stagger: needs a CUDA GPU (times are meaningless elsewhere)",
-              file=sys.stderr)
+    if bd.no_gpu("flush_nt_stagger"):
         return 2
     copy_bw = bd.copy_bandwidth_GBps("cuda")
     rows = []

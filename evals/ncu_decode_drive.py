@@ -79,8 +79,7 @@ def main(argv=None) -> int:
     ap.add_argument("--T", type=int, default=4)
     ap.add_argument("--only", default="", help="profile only the cases whose name has this text")
     a = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("ncu_decode_drive: needs a CUDA GPU", file=sys.stderr)
+    if bd.no_gpu("ncu_decode_drive"):
         return 2
     cs = [c for c in cases(a.kinds.split(","), a.pairs.split(","), a.batch, a.verify_batch, a.T)
           if a.only in c[0]]

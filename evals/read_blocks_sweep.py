@@ -134,9 +134,7 @@ def main(argv=None) -> int:
               "num_warps x read_blocks triples such as 16x1x4,32x2x1 and batches such as 32,512",
               file=sys.stderr)
         return 2
-    if not torch.cuda.is_available():
-        print("read_blocks_sweep: needs a CUDA GPU (times are meaningless elsewhere)",
-              file=sys.stderr)
+    if bd.no_gpu("read_blocks_sweep"):
         return 2
     kinds, pairs = a.kinds.split(","), a.pairs.split(",")
     checks = {}

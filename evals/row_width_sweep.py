@@ -100,9 +100,7 @@ def main(argv=None) -> int:
         print(f"row_width_sweep: --widths {a.widths!r}: give powers of two from 4, such as "
               "128,32,16", file=sys.stderr)
         return 2
-    if not torch.cuda.is_available():
-        print("row_width_sweep: needs a CUDA GPU (times are meaningless elsewhere)",
-              file=sys.stderr)
+    if bd.no_gpu("row_width_sweep"):
         return 2
     copy_bw = bd.copy_bandwidth_GBps("cuda")
     kinds = a.kinds.split(",")

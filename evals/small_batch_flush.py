@@ -16,8 +16,6 @@ import argparse
 import json
 import sys
 
-import torch
-
 from replayquant.bench import decode as bd
 from replayquant.provenance import provenance
 
@@ -38,8 +36,7 @@ def main(argv=None) -> int:
     blocks = FLUSH_BLOCKS if a.blocks is None else \
         [tuple(int(x) for x in b.split("x")) for b in a.blocks.split(",")]
     kernel = "replay-flush-step" if a.flush_step else "replay-forced-flush-layer"
-    if not torch.cuda.is_available():
-        print("small_batch_flush: needs a CUDA GPU (times are meaningless elsewhere)", file=sys.stderr)
+    if bd.no_gpu("small_batch_flush"):
         return 2
     batches = [int(x) for x in a.batches.split(",")]
     copy_bw = bd.copy_bandwidth_GBps("cuda")

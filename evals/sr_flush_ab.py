@@ -22,11 +22,10 @@ def main(argv=None) -> int:
     ap.add_argument("--pair", default="tp4_hi16_sr")
     ap.add_argument("--batch", type=int, default=256)
     a = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("sr_flush_ab: needs a CUDA GPU (times are meaningless elsewhere)", file=sys.stderr)
-        return 2
-    import replayquant
+    import replayquant                   # whichever comes first on sys.path: the version timed
     from replayquant.bench import decode as bd
+    if bd.no_gpu("sr_flush_ab"):
+        return 2
     from replayquant.kernels.replay_decode import ReplayStore
     print(replayquant.__file__)
     B = a.batch

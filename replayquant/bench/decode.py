@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import sys
 
 import torch
 
@@ -829,6 +830,15 @@ def bench_spec(kind, B, T, device, copy_bw, cfg=None, pairs=PAIRS, L=None, S=Non
     del cs, snaps, init
     _empty_cache()
     return rows
+
+
+def no_gpu(script: str) -> bool:
+    """True, after one clear error on stderr, where there is no CUDA GPU: the guard of the GPU
+    scripts under evals/ (their times mean nothing elsewhere)."""
+    if torch.cuda.is_available():
+        return False
+    print(f"{script}: needs a CUDA GPU (times are meaningless elsewhere)", file=sys.stderr)
+    return True
 
 
 def rows_table(rows, extra=()) -> str:
