@@ -3,8 +3,8 @@
 `_tile_raw` loads a 16- / 32-bit read copy as [d_k / RW, rows, RW]: RW / 4 lanes share a row,
 so every row sum (GDN: R k and R q per draft; Mamba-2: R C per draft) ends in log2(RW / 4)
 shuffle rounds. RW = d_k = 128 is the layout before session 11 (a row on all 32 lanes, five
-rounds; Nsight Compute, results/bench/ncu/: the T = 4 verify read at B = 512 is instruction
-bound, 31-44% of DRAM bandwidth). For each RW and kind, the pair s32_rs: GPU checks first
+rounds; Nsight Compute, results/bench/ncu/: the T = 4 verify reads at B = 512 reached 31-44%
+of DRAM bandwidth, and about a third of their instructions were those shuffles). For each RW and kind, the pair s32_rs: GPU checks first
 (kernel vs torch reference, decode steps across a flush and verify rounds with random accepts),
 then the 'dots' read step (h = L / 2) and 'dots' windows (in phase, staggered) at --batch, and
 the speculative round (T = 4, with its snapshot baseline) at --verify-batch.
