@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from functools import partial
 
 import torch
 
@@ -43,17 +44,12 @@ def cases(kinds, pairs, B, Bv, T):
             P = bd._pair(pair, L)[0]
             st = ReplayStore.from_state(init, P, kind, key_heads=HK)
 
-            def read(f=f, st=st, kw=kw, idx=idx, o=o, L=L):
-                st.committed.fill_(L // 2)
+            def step(fill, f=f, st=st, kw=kw, idx=idx, o=o):    # fill L - 1: every row flushes
+                st.committed.fill_(fill)
                 f["step"](st, **kw, state_indices=idx, out=o, path="replay", advance=False,
                           read_variant="dots", launch="split")
-
-            def flush(f=f, st=st, kw=kw, idx=idx, o=o, L=L):
-                st.committed.fill_(L - 1)
-                f["step"](st, **kw, state_indices=idx, out=o, path="replay", advance=False,
-                          read_variant="dots", launch="split")
-            out.append((f"{kind} read step {pair} B={B} h={L // 2}", read))
-            out.append((f"{kind} flush step {pair} B={B}", flush))
+            out.append((f"{kind} read step {pair} B={B} h={L // 2}", partial(step, L // 2)))
+            out.append((f"{kind} flush step {pair} B={B}", partial(step, L - 1)))
         initv = bd.random_state(Bv, H, dv, dk, seed=Bv, device="cuda")
         idxv = torch.arange(Bv, dtype=torch.int32, device="cuda")
         kwv = bd._kw(kind, S, Bv, T=T, seed=3, device="cuda")

@@ -155,9 +155,8 @@ def main(argv=None) -> int:
            "copy_GBps": copy_bw, "checks": checks, "rows": bd._derive(rows)}
     with open(a.out, "w") as fh:
         json.dump(res, fh, indent=1)
-    for r in res["rows"]:
-        r.setdefault("cfg", r.get("config") or "")
-    print(bd.rows_table(res["rows"], extra=("cfg",)))
+    print(bd.rows_table([{**r, "cfg": r.get("cfg") or r.get("config") or ""}
+                         for r in res["rows"]], extra=("cfg",)))
     return 0
 
 

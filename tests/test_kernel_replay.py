@@ -475,8 +475,8 @@ def test_read_variant_dots_matches_reference_and_block(kind, pair):
     across flushes, two key heads, padding rows, rows out of phase, poisoned outputs and
     buffers, default bf16 u buffer: equals the torch reference and the block kernel; with
     flush programs of two 8-row blocks and two value heads each (flush_config (rows, warps, NT,
-    NH)) as well (NVFP4 pairs: whole matrices, NT = 1), and with read programs of 2 and 4 blocks of 8 rows (read_blocks: the
-    next block's loads issued before this block's products)."""
+    NH)) as well (NVFP4 pairs: whole matrices, NT = 1), and with read programs of 2 and 4 blocks
+    of 8 rows (read_blocks: the next block's loads issued before this block's products)."""
     N, HK, H, dk, dv = 4, 2, 4, 16, 32
     dr = Driver(kind, 5, HK, H, dk, dv)
     store = ReplayStore.from_state(random_state(N, H, dv, dk, seed=29), pair, kind,

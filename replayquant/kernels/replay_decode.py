@@ -545,18 +545,21 @@ def _tile_mv(p, b, s, x, y, TWO: tl.constexpr, DK: tl.constexpr, FMT: tl.constex
             T = decode_fp16(p)
         else:
             T = decode_bf16(p)
-        if RW == DK:
-            rx = tl.sum(T * x[None, :], axis=1)
-            ry = rx
-            if TWO:
-                ry = tl.sum(T * y[None, :], axis=1)
-        else:
-            rx = tl.sum(tl.sum(T * tl.reshape(x, (DK // RW, RW))[:, None, :], axis=0), axis=1)
-            ry = rx
-            if TWO:
-                ry = tl.sum(tl.sum(T * tl.reshape(y, (DK // RW, RW))[:, None, :], axis=0),
-                            axis=1)
+        rx = _row_dot(T, x, DK, RW)
+        ry = rx
+        if TWO:
+            ry = _row_dot(T, y, DK, RW)
     return rx, ry
+
+
+@triton.jit
+def _row_dot(T, x, DK: tl.constexpr, RW: tl.constexpr):
+    """Row sums of T * x for a 16- / 32-bit tile of _tile_raw: [BV, DK], or [DK / RW, BV, RW]."""
+    if RW == DK:
+        r = tl.sum(T * x[None, :], axis=1)
+    else:
+        r = tl.sum(tl.sum(T * tl.reshape(x, (DK // RW, RW))[:, None, :], axis=0), axis=1)
+    return r
 
 
 @triton.jit
