@@ -374,32 +374,47 @@ def _flush_body(
             tl.store(out_ptr + (row * HV + hv) * DV + rows, y)
 
 
-# key_lo / key_hi: not specialized (Triton makes an integer argument equal to 1 a constexpr)
-@triton.jit(do_not_specialize=["key_lo", "key_hi"])
-def _replay_flush_kernel(
+@triton.jit
+def _flush_plan_kernel(idx_ptr, h_ptr, list_ptr, n_ptr, B, L: tl.constexpr, T: tl.constexpr,
+                       STEP: tl.constexpr, CH: tl.constexpr):
+    """The rows that _replay_flush_kernel has work for (padding rows, pre-flushes, and in a step
+    the rows whose entry fills the buffer), in batch order: list_ptr[:n], n = n_ptr[0]. One
+    program, CH rows at a time."""
+    base = 0
+    for c0 in range(0, B, CH):
+        r = c0 + tl.arange(0, CH)
+        inb = r < B
+        slot = tl.load(idx_ptr + r, mask=inb, other=0)
+        h = tl.load(h_ptr + slot, mask=inb & (slot >= 0), other=0)
+        pre = (h + T > L) & (h > 0)
+        need = (slot < 0) | pre
+        if STEP:
+            need = need | (tl.where(pre, 0, h) + 1 == L)
+        need = need & inb
+        cum = tl.cumsum(need.to(tl.int32), axis=0)
+        tl.store(list_ptr + base + cum - 1, r, mask=need)
+        base += tl.sum(need.to(tl.int32), axis=0)
+    tl.store(n_ptr, base)
+
+
+@triton.jit
+def _flush_program(
         A_pay, A_sc, A_gs, R_pay, R_sc, R_gs,
         kbuf, vbuf, Gbuf, bbuf, h_ptr, st_ptr, nf_ptr, idx_ptr, out_ptr,
         q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr,
-        scale, key_lo, key_hi, dt_lo, dt_hi,
+        scale, key_lo, key_hi, dt_lo, dt_hi, row, hg,
         HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
         BV: tl.constexpr, L: tl.constexpr, CAP: tl.constexpr, T: tl.constexpr,
         STEP: tl.constexpr, AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr,
         RSR: tl.constexpr, SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
         HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
-        DT_CLAMP: tl.constexpr, FORCE: tl.constexpr, NT: tl.constexpr, NH: tl.constexpr = 1):
-    """The flushing rows of a step / verify: (1) committed entries that would not leave T free
-    slots (h + T > L, h > 0) are folded into the anchor first; (2) a step whose entry fills the
-    buffer (h + 1 == L, or force) rebuilds through it, outputs S q and casts both roles.
-    Other rows return at once (their programs only read h). A program takes NT consecutive
-    row blocks of its matrix, one after the other, and NH consecutive value heads of its row
-    (grid: B * HV / NH programs): in a step where few rows flush, NT * NH times fewer programs
-    that have nothing to do."""
-    pid = tl.program_id(0)
-    row = pid // (HV // NH)
+        DT_CLAMP: tl.constexpr, FORCE: tl.constexpr, NT: tl.constexpr, NH: tl.constexpr):
+    """One work item of _replay_flush_kernel: value heads hg * NH .. of batch row `row`, NT row
+    blocks of each from program_id(1) * NT on."""
     slot = tl.load(idx_ptr + row).to(tl.int64)
     cols = tl.arange(0, DK)
     for ih in range(NH):
-        hv = (pid % (HV // NH)) * NH + ih
+        hv = hg * NH + ih
         hk = hv // (HV // HK)
         for i in range(NT):
             rows = (tl.program_id(1) * NT + i) * BV + tl.arange(0, BV)
@@ -414,6 +429,49 @@ def _replay_flush_kernel(
                 for t in tl.static_range(T):      # padding rows: zero outputs, nothing else
                     tl.store(out_ptr + ((row * T + t) * HV + hv) * DV + rows,
                              tl.zeros([BV], tl.float32))
+
+
+# key_lo / key_hi: not specialized (Triton makes an integer argument equal to 1 a constexpr)
+@triton.jit(do_not_specialize=["key_lo", "key_hi"])
+def _replay_flush_kernel(
+        A_pay, A_sc, A_gs, R_pay, R_sc, R_gs,
+        kbuf, vbuf, Gbuf, bbuf, h_ptr, st_ptr, nf_ptr, idx_ptr, out_ptr,
+        q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr,
+        scale, key_lo, key_hi, dt_lo, dt_hi, list_ptr, n_ptr,
+        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+        BV: tl.constexpr, L: tl.constexpr, CAP: tl.constexpr, T: tl.constexpr,
+        STEP: tl.constexpr, AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr,
+        RSR: tl.constexpr, SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
+        HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
+        DT_CLAMP: tl.constexpr, FORCE: tl.constexpr, NT: tl.constexpr, NH: tl.constexpr = 1,
+        LIST: tl.constexpr = False):
+    """The flushing rows of a step / verify: (1) committed entries that would not leave T free
+    slots (h + T > L, h > 0) are folded into the anchor first; (2) a step whose entry fills the
+    buffer (h + 1 == L, or force) rebuilds through it, outputs S q and casts both roles.
+    Work items: NH consecutive value heads of a batch row (each with NT consecutive row blocks of
+    its matrix, one after the other). Without LIST one program per item (grid B * HV / NH):
+    programs of rows that do not flush read the pointers and return. With LIST (the rows of
+    _flush_plan_kernel's list, list_ptr[:n_ptr[0]]) each program loops over the items of the
+    listed rows, item pid, pid + programs, ...: a step in which few rows flush launches a few
+    programs per SM, not one per matrix that has nothing to do."""
+    pid = tl.program_id(0)
+    PER: tl.constexpr = HV // NH
+    if LIST:
+        n = tl.load(n_ptr) * PER
+        for it in range(pid, n, tl.num_programs(0)):
+            _flush_program(A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, Gbuf, bbuf, h_ptr,
+                           st_ptr, nf_ptr, idx_ptr, out_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
+                           A_ptr, dtb_ptr, D_ptr, z_ptr, scale, key_lo, key_hi, dt_lo, dt_hi,
+                           tl.load(list_ptr + it // PER), it % PER, HK, HV, DK, DV, BV, L, CAP,
+                           T, STEP, AFMT, ASR, RFMT, RSR, SHARED, DELTA, L2NORM, HAS_DTB, HAS_D,
+                           HAS_Z, DT_CLAMP, FORCE, NT, NH)
+    else:
+        _flush_program(A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, Gbuf, bbuf, h_ptr,
+                       st_ptr, nf_ptr, idx_ptr, out_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
+                       A_ptr, dtb_ptr, D_ptr, z_ptr, scale, key_lo, key_hi, dt_lo, dt_hi,
+                       pid // PER, pid % PER, HK, HV, DK, DV, BV, L, CAP, T, STEP, AFMT, ASR,
+                       RFMT, RSR, SHARED, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP, FORCE,
+                       NT, NH)
 
 
 @triton.jit
@@ -1243,13 +1301,22 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
         nh = 1 if force or FBV != dv or B * HV < FLUSH_HEADS_MIN else \
             math.gcd(FLUSH_HEADS.get((store.kind, ar or rr), 1), HV)
     side = _flush_stream(q, step, T, force)
+    use_list = FLUSH_LIST and not force
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        _replay_flush_kernel[(B * HV // nh, dv // (FBV * nt))](
+        n_prog = B * HV // nh
+        lst = cnt = idx                                 # any pointers: unused without LIST
+        if use_list:
+            lst = torch.empty(B, dtype=torch.int32, device=q.device)
+            cnt = torch.empty(1, dtype=torch.int32, device=q.device)
+            _flush_plan_kernel[(1,)](idx, store.committed, lst, cnt, B, L=store.L, T=T,
+                                     STEP=step, CH=min(1024, triton.next_power_of_2(B)))
+            n_prog = _list_programs(n_prog, fnw, q.device)
+        _replay_flush_kernel[(n_prog, dv // (FBV * nt))](
             Ap, As, Ag, Rp, Rs, Rg, store.kbuf, store.vbuf, store.Gbuf, store.bbuf,
             store.committed, store.start, store.n_flush, idx, out, *inputs,
-            sc, *split_key(store.key), dt_lo, dt_hi, BV=FBV,
+            sc, *split_key(store.key), dt_lo, dt_hi, lst, cnt, BV=FBV,
             AFMT=afid, ASR=ar, RSR=rr, SHARED=store.shared,
-            FORCE=bool(force), NT=nt, NH=nh, num_warps=fnw, **common)
+            FORCE=bool(force), NT=nt, NH=nh, LIST=use_list, num_warps=fnw, **common)
     if not force:
         dots = idx                                      # any pointer: unused unless DOTS
         if read_variant == "dots":
@@ -1267,6 +1334,26 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
     if side is not None:
         torch.cuda.current_stream(q.device).wait_stream(side)
     return out, idx, False
+
+
+# Outside a forced step the flush kernel takes the rows _flush_plan_kernel lists (those with
+# work: few in most steps) and launches at most FLUSH_LIST_WARPS_PER_SM warps of programs per SM
+# (each looping over the listed rows' items), instead of one program per matrix whose program
+# only reads the pointers and returns when its row does not flush.
+FLUSH_LIST = True
+FLUSH_LIST_WARPS_PER_SM = 32
+FLUSH_LIST_CPU_PROGRAMS = 3         # the interpreter: a few programs, so that they loop
+_SM_COUNT: dict = {}
+
+
+def _list_programs(items: int, warps: int, device) -> int:
+    """Programs of a LIST flush launch of `items` work items of `warps` warps each."""
+    if device.type != "cuda":
+        return max(1, min(items, FLUSH_LIST_CPU_PROGRAMS))
+    sms = _SM_COUNT.get(device)
+    if sms is None:
+        sms = _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(items, sms * max(1, FLUSH_LIST_WARPS_PER_SM // warps)))
 
 
 # A decode step's flush kernel runs on a side stream, beside the 'dots' and read kernels

@@ -1,0 +1,149 @@
+"""The flush kernel over a list of the rows that flush (replay_decode.FLUSH_LIST) against one
+program per matrix, on a GPU, in one call: for each kind and pair at batch B, the 'dots' read
+step (h = L / 2: no row flushes), the flush step (h = L - 1: every row flushes), the 'dots'
+window with every row in phase and staggered (row b starts at fill b % L), and the verify round
+(T drafts at batch --verify-batch, the bench's random accepts) against the snapshot round. Modes:
+'grid' (FLUSH_LIST off: a program per (row, head group) that returns at once when its row does
+not flush), 'list' (the default) and, for pairs with stochastic rounding (whose whole-matrix
+programs take FLUSH_HEADS value heads each), 'list-nh1' (one head per work item). A GPU check
+first: L + 3 staggered steps and a verify of both modes from the same stores, outputs and
+stores compared bit for bit.
+
+    python evals/flush_list_ab.py OUT.json [--batch 256] [--verify-batch 512] [--T 4]
+        [--pairs s32_rs,tp8_hi32,tp4_hi32,tp4_hi16_sr] [--kinds gdn,mamba2]
+
+Times as in the bench (CUDA graph, L2 flushed, state copies rotated for the windows). Writes
+OUT.json with provenance and prints a markdown table."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from replayquant.bench import decode as bd
+from replayquant.kernels import replay_decode as rd
+from replayquant.provenance import provenance
+
+
+def _modes(pair):
+    return ("grid", "list", "list-nh1") if bd._sr_pair(pair) else ("grid", "list")
+
+
+def _set(mode):
+    rd.FLUSH_LIST = mode != "grid"
+
+
+def _check(kind, pair, B, T, device="cuda") -> dict:
+    """Largest |difference| of outputs and stores between the two modes over L + 3 staggered
+    steps and one verify + accept (0.0: bit for bit)."""
+    from replayquant.kernels.verify import replay_accept
+    S = bd.SHAPES[kind]
+    H, HK, dv, dk = S["H"], S["HK"], S["dv"], S["dk"]
+    L = bd.PAIR_L[kind]
+    init = bd.random_state(B, H, dv, dk, seed=7, device=device)
+    idx = torch.arange(B, dtype=torch.int32, device=device)
+    f = bd._fns(kind)
+    outs, stores = {}, {}
+    for mode in ("grid", "list"):
+        _set(mode)
+        st = rd.ReplayStore.from_state(init, bd._pair(pair, L)[0], kind, key_heads=HK,
+                                       max_drafts=T)
+        st.committed.copy_(idx % L)
+        got = []
+        for s in range(L + 3):
+            kw = bd._kw(kind, S, B, seed=100 + s, device=device)
+            got.append(f["step"](st, **kw, state_indices=idx, path="replay",
+                                 read_variant="dots").clone())
+        kw = bd._kw(kind, S, B, T=T, seed=99, device=device)
+        out = torch.empty(B, T, H, dv, device=device)
+        f["verify"](st, **kw, state_indices=idx, out=out)
+        got.append(out.clone())
+        replay_accept(st, (idx % (T + 1)).to(torch.int32), idx, check=False)
+        outs[mode], stores[mode] = got, st
+    a, b = stores["grid"], stores["list"]
+    d = dict(out=max(float((x - y).abs().max()) for x, y in zip(outs["grid"], outs["list"])),
+             anchor=float((a.anchor.dequantize() - b.anchor.dequantize()).abs().max()),
+             read=float((a.read_role.dequantize() - b.read_role.dequantize()).abs().max()),
+             pointers=bool(torch.equal(a.committed, b.committed)
+                           and torch.equal(a.start, b.start) and torch.equal(a.n_flush, b.n_flush)))
+    _set("list")
+    return d
+
+
+def _steps(kind, pair, B, mode) -> list:
+    """'dots' read step and flush step (one store, pointers held) and the windows."""
+    L = bd.PAIR_L[kind]
+    H, HK, dv, dk, f, idx, kw, out, af, rf, c, R, sts = bd._replay_setup(
+        kind, B, pair, L, "cuda", {}, None, "dots")
+    cfg = {"flush_config": (None, None, None, 1)} if mode == "list-nh1" else {}
+    st = sts[0]
+    rows = []
+    for name, h in (("replay-read-step-dots", L // 2), ("replay-flush-step-dots", L - 1)):
+        st.committed.fill_(h)
+        ms = bd.time_calls(lambda: f["step"](st, **kw, state_indices=idx, out=out, path="replay",
+                                             advance=False, read_variant="dots", **cfg), 8)
+        rows.append(bd._row(kind, name, pair, B, ms, None, None, L=L, h=h))
+    for stag in (False, True):
+        for s_ in sts:
+            s_.committed.copy_(idx % L if stag else torch.zeros_like(idx))
+        calls = [lambda st=st: f["step"](st, **kw, state_indices=idx, out=out, path="replay",
+                                         read_variant="dots", **cfg) for st in sts]
+        ms = bd.time_calls(lambda: [g() for g in calls], L) / R
+        rows.append(bd._row(kind, "replay-window-dots" + ("-staggered" if stag else ""), pair, B,
+                            ms, None, None, L=L, rot=R))
+    del sts
+    bd._empty_cache()
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--verify-batch", type=int, default=512)
+    ap.add_argument("--T", type=int, default=4)
+    ap.add_argument("--pairs", default=",".join(bd.PAIRS))
+    ap.add_argument("--kinds", default="gdn,mamba2")
+    a = ap.parse_args(argv)
+    pairs, kinds = a.pairs.split(","), a.kinds.split(",")
+    bd._check_names(pairs, kinds)
+    if bd.no_gpu("flush_list_ab"):
+        return 2
+    copy_bw = bd.copy_bandwidth_GBps("cuda")
+    print(f"copy bandwidth {copy_bw:.0f} GB/s", flush=True)
+    checks, rows = {}, []
+    for kind in kinds:
+        for pair in pairs:
+            checks[f"{kind}/{pair}"] = d = _check(kind, pair, 64, a.T)
+            print(f"check {kind} {pair}: {d}", flush=True)
+    for kind in kinds:
+        for pair in pairs:
+            for mode in _modes(pair):
+                _set(mode)
+                got = _steps(kind, pair, a.batch, mode)
+                rows += [{**r, "mode": mode} for r in got]
+                print(f"{kind} {pair} {mode}: " + ", ".join(
+                    f"{r['kernel']} {r['us']:.1f}" for r in got), flush=True)
+        for mode in ("grid", "list"):
+            _set(mode)
+            got = bd.bench_spec(kind, a.verify_batch, a.T, "cuda", copy_bw, pairs=pairs)
+            rows += [{**r, "mode": mode} for r in got]
+            print(f"{kind} verify {mode}: " + ", ".join(
+                f"{r['kernel']} {r['variant']} {r['us']:.1f}" for r in got), flush=True)
+    _set("list")
+    res = {"provenance": provenance("cuda", script="evals/flush_list_ab.py", batch=a.batch,
+                                    verify_batch=a.verify_batch, T=a.T, pairs=pairs, kinds=kinds,
+                                    L=dict(bd.PAIR_L), shapes=bd.SHAPES,
+                                    list_warps_per_sm=rd.FLUSH_LIST_WARPS_PER_SM),
+           "copy_GBps": copy_bw, "checks": checks, "rows": rows}
+    with open(a.out, "w") as fh:
+        json.dump(res, fh, indent=1)
+    print(bd.rows_table(rows, ("mode",)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
