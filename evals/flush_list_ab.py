@@ -2,15 +2,16 @@
 program per matrix, on a GPU, in one call: for each kind and pair at batch B, the 'dots' read
 step (h = L / 2: no row flushes), the flush step (h = L - 1: every row flushes), the 'dots'
 window with every row in phase and staggered (row b starts at fill b % L), and the verify round
-(T drafts at batch --verify-batch, the bench's random accepts) against the snapshot round. Modes:
-'grid' (FLUSH_LIST off: a program per (row, head group) that returns at once when its row does
-not flush), 'list' (the default) and, for pairs with stochastic rounding (whose whole-matrix
-programs take FLUSH_HEADS value heads each), 'list-nh1' (one head per work item). A GPU check
-first: L + 3 staggered steps and a verify of both modes from the same stores, outputs and
-stores compared bit for bit.
+(T drafts at batch --verify-batch, the bench's random accepts) against the snapshot round. Modes
+(MODES): 'grid' (FLUSH_LIST off: a program per (row, head group) that returns at once when its
+row does not flush), 'list' (the defaults), and 'list' with other programs per SM, without the
+register cap, or (pairs with stochastic rounding) 8 value heads per item. A GPU check first
+(--no-check: none): L + 3 staggered steps and a verify with and without the list from the same
+stores, outputs and stores compared bit for bit.
 
     python evals/flush_list_ab.py OUT.json [--batch 256] [--verify-batch 512] [--T 4]
         [--pairs s32_rs,tp8_hi32,tp4_hi32,tp4_hi16_sr] [--kinds gdn,mamba2]
+        [--modes grid,list] [--no-check]
 
 Times as in the bench (CUDA graph, L2 flushed, state copies rotated for the windows). Writes
 OUT.json with provenance and prints a markdown table."""
@@ -28,12 +29,21 @@ from replayquant.kernels import replay_decode as rd
 from replayquant.provenance import provenance
 
 
-def _modes(pair):
-    return ("grid", "list", "list-nh1") if bd._sr_pair(pair) else ("grid", "list")
+# mode: (FLUSH_LIST, FLUSH_LIST_WARPS_PER_SM, FLUSH_LIST_MAXNREG, value heads per item or None)
+MODES = {"grid": (False, 32, 128, None), "list": (True, 32, 128, None),
+         "list-w16": (True, 16, 128, None), "list-w64": (True, 64, 128, None),
+         "list-nocap": (True, 32, None, None), "list-nh8": (True, 32, 128, 8)}
+DEFAULT = (rd.FLUSH_LIST, rd.FLUSH_LIST_WARPS_PER_SM, rd.FLUSH_LIST_MAXNREG)
 
 
 def _set(mode):
-    rd.FLUSH_LIST = mode != "grid"
+    """Set the module's switches for `mode`; the extra step options (value heads per item)."""
+    rd.FLUSH_LIST, rd.FLUSH_LIST_WARPS_PER_SM, rd.FLUSH_LIST_MAXNREG, nh = MODES[mode]
+    return {} if nh is None else {"flush_config": (None, None, None, nh)}
+
+
+def _reset():
+    rd.FLUSH_LIST, rd.FLUSH_LIST_WARPS_PER_SM, rd.FLUSH_LIST_MAXNREG = DEFAULT
 
 
 def _check(kind, pair, B, T, device="cuda") -> dict:
@@ -63,22 +73,21 @@ def _check(kind, pair, B, T, device="cuda") -> dict:
         got.append(out.clone())
         replay_accept(st, (idx % (T + 1)).to(torch.int32), idx, check=False)
         outs[mode], stores[mode] = got, st
+    _reset()
     a, b = stores["grid"], stores["list"]
     d = dict(out=max(float((x - y).abs().max()) for x, y in zip(outs["grid"], outs["list"])),
              anchor=float((a.anchor.dequantize() - b.anchor.dequantize()).abs().max()),
              read=float((a.read_role.dequantize() - b.read_role.dequantize()).abs().max()),
              pointers=bool(torch.equal(a.committed, b.committed)
                            and torch.equal(a.start, b.start) and torch.equal(a.n_flush, b.n_flush)))
-    _set("list")
     return d
 
 
-def _steps(kind, pair, B, mode) -> list:
+def _steps(kind, pair, B, cfg) -> list:
     """'dots' read step and flush step (one store, pointers held) and the windows."""
     L = bd.PAIR_L[kind]
     H, HK, dv, dk, f, idx, kw, out, af, rf, c, R, sts = bd._replay_setup(
         kind, B, pair, L, "cuda", {}, None, "dots")
-    cfg = {"flush_config": (None, None, None, 1)} if mode == "list-nh1" else {}
     st = sts[0]
     rows = []
     for name, h in (("replay-read-step-dots", L // 2), ("replay-flush-step-dots", L - 1)):
@@ -103,41 +112,47 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
     ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--verify-batch", type=int, default=512)
+    ap.add_argument("--verify-batch", type=int, default=512, help="0: no verify rounds")
     ap.add_argument("--T", type=int, default=4)
     ap.add_argument("--pairs", default=",".join(bd.PAIRS))
     ap.add_argument("--kinds", default="gdn,mamba2")
+    ap.add_argument("--modes", default="grid,list",
+                    help=f"step modes, of {','.join(MODES)} ('list-nh8' only for SR pairs)")
+    ap.add_argument("--no-check", action="store_true")
     a = ap.parse_args(argv)
-    pairs, kinds = a.pairs.split(","), a.kinds.split(",")
+    pairs, kinds, modes = a.pairs.split(","), a.kinds.split(","), a.modes.split(",")
     bd._check_names(pairs, kinds)
+    if [m for m in modes if m not in MODES]:
+        raise SystemExit(f"flush_list_ab: modes {modes}: choose from {list(MODES)}")
     if bd.no_gpu("flush_list_ab"):
         return 2
     copy_bw = bd.copy_bandwidth_GBps("cuda")
     print(f"copy bandwidth {copy_bw:.0f} GB/s", flush=True)
     checks, rows = {}, []
-    for kind in kinds:
+    for kind in kinds if not a.no_check else ():
         for pair in pairs:
             checks[f"{kind}/{pair}"] = d = _check(kind, pair, 64, a.T)
             print(f"check {kind} {pair}: {d}", flush=True)
     for kind in kinds:
         for pair in pairs:
-            for mode in _modes(pair):
-                _set(mode)
-                got = _steps(kind, pair, a.batch, mode)
+            for mode in modes:
+                if mode == "list-nh8" and not bd._sr_pair(pair):
+                    continue
+                got = _steps(kind, pair, a.batch, _set(mode))
                 rows += [{**r, "mode": mode} for r in got]
                 print(f"{kind} {pair} {mode}: " + ", ".join(
                     f"{r['kernel']} {r['us']:.1f}" for r in got), flush=True)
-        for mode in ("grid", "list"):
+        for mode in ("grid", "list") if a.verify_batch else ():
             _set(mode)
             got = bd.bench_spec(kind, a.verify_batch, a.T, "cuda", copy_bw, pairs=pairs)
             rows += [{**r, "mode": mode} for r in got]
             print(f"{kind} verify {mode}: " + ", ".join(
                 f"{r['kernel']} {r['variant']} {r['us']:.1f}" for r in got), flush=True)
-    _set("list")
+    _reset()
     res = {"provenance": provenance("cuda", script="evals/flush_list_ab.py", batch=a.batch,
                                     verify_batch=a.verify_batch, T=a.T, pairs=pairs, kinds=kinds,
-                                    L=dict(bd.PAIR_L), shapes=bd.SHAPES,
-                                    list_warps_per_sm=rd.FLUSH_LIST_WARPS_PER_SM),
+                                    modes={m: MODES[m] for m in modes}, L=dict(bd.PAIR_L),
+                                    shapes=bd.SHAPES),
            "copy_GBps": copy_bw, "checks": checks, "rows": rows}
     with open(a.out, "w") as fh:
         json.dump(res, fh, indent=1)

@@ -7,7 +7,7 @@ accepts and the compiler rejects (or that ptxas cannot assemble), without a GPU.
 
 `record` runs a Python command (`-m module args` or `script.py args`) with TRITON_INTERPRET=1 and
 writes every distinct kernel launch it made: the kernel, the type of each runtime argument, the
-constexpr values and num_warps. `compile` (no TRITON_INTERPRET) compiles each launch with
+constexpr values, num_warps (and maxnreg). `compile` (no TRITON_INTERPRET) compiles each launch with
 `triton.compile` for sm_<arch> (PTX, then ptxas if Triton ships one) and reports failures with
 the compiler's message. tests/test_compile_check.py does both for the model decode path.
 `sass` prints, per launch, the static count of SASS instructions (nvdisasm of the cubin, as
@@ -87,7 +87,8 @@ def record_launches(launches: list):
                     aligned.append(name)
         launches.append({"module": fn.__module__, "kernel": fn.__name__, "signature": sig,
                          "constexprs": consts, "aligned": aligned,
-                         "num_warps": kwargs.get("num_warps", 4)})
+                         "num_warps": kwargs.get("num_warps", 4),
+                         **({"maxnreg": kwargs["maxnreg"]} if kwargs.get("maxnreg") else {})})
         return orig(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     InterpretedFunction.run = run
@@ -104,7 +105,7 @@ def unique(launches: list) -> list:
 
 
 def compile_ptx(fn, signature: dict, constexprs: dict, num_warps: int, arch: int = 90,
-                attrs: dict | None = None) -> str:
+                attrs: dict | None = None, maxnreg: int | None = None) -> str:
     """PTX of JIT function `fn` for sm_<arch>, compiled here by Triton (no GPU needed).
     signature: {argument: Triton type or "constexpr"}, as triton.compile takes it."""
     import triton
@@ -113,7 +114,8 @@ def compile_ptx(fn, signature: dict, constexprs: dict, num_warps: int, arch: int
 
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": num_warps}).asm["ptx"]
+                          options={"num_warps": num_warps,
+                                   **({"maxnreg": maxnreg} if maxnreg else {})}).asm["ptx"]
 
 
 def _nvidia_tool(*names):
@@ -191,7 +193,7 @@ def _launch_ptx(ln: dict, arch: int):
         else:
             sig[name] = "i32" if t == "one" else t
     try:
-        return compile_ptx(fn, sig, consts, ln["num_warps"], arch, attrs), ""
+        return compile_ptx(fn, sig, consts, ln["num_warps"], arch, attrs, ln.get("maxnreg")), ""
     except Exception as e:                              # the compiler's message is the point
         while e.__cause__ is not None:                  # the innermost error says what failed
             e = e.__cause__
@@ -268,7 +270,8 @@ def main(argv: list[str]) -> int:
             bad += bool(err)
             consts = " ".join(f"{k}={v}" for k, v in ln["constexprs"].items())
             n = None if ops is None else len(ops)
-            print(f"{ln['kernel']} warps={ln['num_warps']} {consts}\n    "
+            cap = f" maxnreg={ln['maxnreg']}" if ln.get("maxnreg") else ""
+            print(f"{ln['kernel']} warps={ln['num_warps']}{cap} {consts}\n    "
                   + (f"FAIL {err}" if err else f"{n} SASS instructions; {report}"))
             if top and ops:
                 import collections

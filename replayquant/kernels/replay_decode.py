@@ -1297,11 +1297,11 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
     # 1375 vs 1266 us, 'dots' read step 245.9 vs 246.1 (kernels_flush_nt.json)
     if nt is None:
         nt = 1 if force or fnw > 1 else dv // FBV
+    use_list = FLUSH_LIST and not force
     if nh is None:
-        nh = 1 if force or FBV != dv or B * HV < FLUSH_HEADS_MIN else \
+        nh = 1 if force or use_list or FBV != dv or B * HV < FLUSH_HEADS_MIN else \
             math.gcd(FLUSH_HEADS.get((store.kind, ar or rr), 1), HV)
     side = _flush_stream(q, step, T, force)
-    use_list = FLUSH_LIST and not force
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
         n_prog = B * HV // nh
         lst = cnt = idx                                 # any pointers: unused without LIST
@@ -1316,7 +1316,8 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
             store.committed, store.start, store.n_flush, idx, out, *inputs,
             sc, *split_key(store.key), dt_lo, dt_hi, lst, cnt, BV=FBV,
             AFMT=afid, ASR=ar, RSR=rr, SHARED=store.shared,
-            FORCE=bool(force), NT=nt, NH=nh, LIST=use_list, num_warps=fnw, **common)
+            FORCE=bool(force), NT=nt, NH=nh, LIST=use_list, num_warps=fnw,
+            **_list_regs(use_list, fnw, q), **common)
     if not force:
         dots = idx                                      # any pointer: unused unless DOTS
         if read_variant == "dots":
@@ -1342,8 +1343,20 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
 # only reads the pointers and returns when its row does not flush.
 FLUSH_LIST = True
 FLUSH_LIST_WARPS_PER_SM = 32
+FLUSH_LIST_MAXNREG = 128
 FLUSH_LIST_CPU_PROGRAMS = 3         # the interpreter: a few programs, so that they loop
 _SM_COUNT: dict = {}
+
+
+def _list_regs(use_list: bool, warps: int, q) -> dict:
+    """The register cap of a LIST flush launch of multi-warp programs (NVIDIA): ptxas would give
+    the looping program more registers than one item's program (Triton 3.6, sm_90a: the Mamba-2
+    whole-matrix NVFP4 flush on 8 warps 180 instead of 120, one program per SM instead of two);
+    FLUSH_LIST_MAXNREG keeps it at the count that holds two (no spill there)."""
+    if not (use_list and warps > 1 and FLUSH_LIST_MAXNREG and q.is_cuda
+            and torch.version.hip is None):
+        return {}
+    return {"maxnreg": FLUSH_LIST_MAXNREG}
 
 
 def _list_programs(items: int, warps: int, device) -> int:
