@@ -386,6 +386,71 @@ def test_fused_launch_blocks_advance_and_forced_flush(kind, pair):
     assert store.n_flush.tolist() == [2, 2, 2, 2] and store.committed.tolist() == [1, 1, 1, 1]
 
 
+def test_flush_plan_lists_the_rows_with_work():
+    """_flush_plan_kernel lists, in batch order, the padding rows, the rows with a pre-flush
+    (h + T > L, h > 0) and, in a step, the rows whose entry fills the buffer; in chunks of CH
+    rows (B > CH)."""
+    L, B = 4, 23
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31, ())))
+    h = torch.randint(0, L + 1, (B + 2,), generator=g, dtype=torch.int32)
+    idx = torch.randperm(B + 2, generator=g)[:B].to(torch.int32)
+    idx[torch.randperm(B, generator=g)[:4]] = -1
+    for T, step in ((1, True), (3, False), (2, True)):
+        lst = torch.full((B,), -5, dtype=torch.int32)
+        n = torch.full((1,), -5, dtype=torch.int32)
+        rd._flush_plan_kernel[(1,)](idx, h, lst, n, B, L=L, T=T, STEP=step, CH=8)
+        hs = torch.where(idx >= 0, h[idx.clamp(min=0).long()], 0)
+        pre = (hs + T > L) & (hs > 0)
+        need = (idx < 0) | pre
+        if step:
+            need |= torch.where(pre, 0, hs) + 1 == L
+        want = torch.nonzero(need).flatten().to(torch.int32)
+        assert n.item() == len(want) and torch.equal(lst[:len(want)], want)
+
+
+@pytest.mark.parametrize("kind,pair", [("gdn", "tp4_hi16_sr"), ("mamba2", "s32_rs")])
+def test_flush_list_equals_one_program_per_matrix(kind, pair, monkeypatch):
+    """The flush kernel over _flush_plan_kernel's list (FLUSH_LIST, a few programs looping over
+    the items) equals one program per matrix, bit for bit: steps out of phase with padding rows
+    (NaN-poisoned outputs and buffers), a verify of T = 3 drafts with pre-flushes and random
+    accepts, and more steps."""
+    from replayquant.kernels.verify import replay_accept, replay_gdn_verify, replay_mamba2_verify
+    N, HK, H, dk, dv, B, T = 5, 2, 4, 16, 16, 6, 3
+    dr = Driver(kind, B, HK, H, dk, dv)
+    base = ReplayStore.from_state(random_state(N, H, dv, dk, seed=13), pair, kind, key_heads=HK,
+                                  seed=5, buffer_len=4, max_drafts=T)
+    poison_buffers(base)
+    full = torch.tensor([4, -1, 0, 2, 1, 3])
+    # the first steps leave some slots out: slots 0-4 at fills 3, 1, 2, 3, 3 at the verify
+    subsets = [torch.tensor([4, -1, 0, -1, -1, 3]), torch.tensor([4, -1, 0, 2, -1, 3]), full]
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31, ())))
+    acc = torch.randint(0, T + 1, (B,), generator=g, dtype=torch.int32)
+    got = {}
+    for lst in (False, True):
+        monkeypatch.setattr(rd, "FLUSH_LIST", lst)
+        st, ys = base.clone(), []
+        for step in range(7):
+            idx = subsets[step] if step < len(subsets) else full
+            if step == 3:
+                if kind == "gdn":
+                    q, k, v, a, b = gdn_step_inputs(B, HK, H, dk, dv, T=T, seed=50)
+                    A_log, dtb = gdn_params(H, 50)
+                    y = replay_gdn_verify(st, q, k, v, a, b, A_log, dtb, state_indices=idx)
+                else:
+                    x, dt, Bm, C, z = mamba2_step_inputs(B, HK, H, dk, dv, T=T, seed=50)
+                    A, D, dtb = mamba2_params(H, 50)
+                    y = replay_mamba2_verify(st, x, dt, A, Bm, C, state_indices=idx, D=D, z=z,
+                                             dt_bias=dtb)
+                replay_accept(st, acc, idx)
+            else:
+                y = dr.kernel(st, dr.inputs(seed=60 + step), idx, launch="split")
+            ys.append(y)
+        got[lst] = st, ys
+    assert_same_store(got[False][0], got[True][0])
+    for a_, b_ in zip(got[False][1], got[True][1]):
+        assert torch.equal(a_, b_)
+
+
 def test_launch_dispatcher():
     mk = lambda: ReplayStore.from_state(random_state(2, 2, 16, 16), "tp4_hi32", "gdn",  # noqa
                                         key_heads=1, buffer_len=4)

@@ -1058,6 +1058,8 @@ FLUSH_BLOCK = {("gdn", True): (16, 1), ("gdn", False): (16, 1),
 # measured: with few rows, NH heads per program leave too few programs (at B = 1, 4 for GDN's
 # 32 heads; run 45, c9c64fd, kernels_c9c64fd_sweep.json: GDN tp4_hi16_sr batch-1 window 0.425x
 # -> 0.197x the conventional step with NH = 8 at every batch).
+# Not with FLUSH_LIST (no programs without work): 8 heads per item there left GDN tp4_hi16_sr's
+# staggered window at 228.6 us against 203.1 with one (flush_list_modes_b06a1e5.json).
 FLUSH_HEADS = {("gdn", True): 8, ("mamba2", True): 8}
 FLUSH_HEADS_MIN = 8192
 
@@ -1338,11 +1340,20 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
 
 
 # Outside a forced step the flush kernel takes the rows _flush_plan_kernel lists (those with
-# work: few in most steps) and launches at most FLUSH_LIST_WARPS_PER_SM warps of programs per SM
-# (each looping over the listed rows' items), instead of one program per matrix whose program
-# only reads the pointers and returns when its row does not flush.
+# work: few in most steps) and launches FLUSH_LIST_WARPS_PER_SM warps of programs per SM (each
+# looping over the listed rows' items), instead of one program per matrix whose program only
+# reads the pointers and returns when its row does not flush. H200, B = 256, 'dots', us, grid /
+# list (flush_list_modes_b06a1e5.json, one run): read step GDN s32_rs 167.5 / 157.0, tp4_hi32
+# 128.9 / 98.1, Mamba-2 s32_rs 297.6 / 268.8, tp4_hi32 177.0 / 127.5; window in phase /
+# staggered GDN s32_rs 221.1 / 252.9 -> 202.6 / 204.1, tp4_hi32 218.3 / 216.2 -> 203.7 / 208.5,
+# tp4_hi16_sr 203.1 / 212.4 -> 189.0 / 202.2; Mamba-2 s32_rs 358.1 / 367.8 -> 333.0 / 335.7,
+# tp4_hi32 321.4 / 325.4 -> 293.4 / 298.6, tp4_hi16_sr 355.1 / 351.1 -> 332.3 / 342.0. The
+# flush step itself moved GDN s32_rs 993.6 -> 868.5, tp4_hi32 1537.4 -> 1769.4 (not explained:
+# registers, 128, as before), Mamba-2 tp4_hi32 1328.7 -> 1437.4. 16 warps per SM was at or
+# below 32 and 64 in 11 of the 12 windows; FLUSH_LIST_MAXNREG: without it the Mamba-2 NVFP4
+# flush step took 2225.7 us (180 registers)
 FLUSH_LIST = True
-FLUSH_LIST_WARPS_PER_SM = 32
+FLUSH_LIST_WARPS_PER_SM = 16
 FLUSH_LIST_MAXNREG = 128
 FLUSH_LIST_CPU_PROGRAMS = 3         # the interpreter: a few programs, so that they loop
 _SM_COUNT: dict = {}
