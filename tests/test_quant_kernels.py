@@ -209,6 +209,49 @@ def test_decoders_on_every_code():
     assert torch.equal(dec.view(torch.int32), torch.cat([mags, -mags]).view(torch.int32))
 
 
+@triton.jit
+def _pair_kernel(w_ptr, one_ptr, two_ptr, N, B: tl.constexpr, SHIFT: tl.constexpr,
+                 EBITS: tl.constexpr, MBITS: tl.constexpr):
+    o = tl.program_id(0) * B + tl.arange(0, B)
+    m = o < N
+    w = tl.load(w_ptr + o, mask=m, other=0)
+    lo, hi = quant.small_float_pair_at(w, SHIFT, EBITS, MBITS)
+    tl.store(two_ptr + 2 * o, lo, mask=m)
+    tl.store(two_ptr + 2 * o + 1, hi, mask=m)
+    tl.store(one_ptr + 2 * o, quant.small_float_at(w, SHIFT, EBITS, MBITS), mask=m)
+    tl.store(one_ptr + 2 * o + 1, quant.small_float_at(w, SHIFT + 16, EBITS, MBITS), mask=m)
+
+
+def test_pair_decoder_equals_two_single_decodes():
+    """small_float_pair_at (two packed codes per integer operation, as the NVFP4 / FP8 read
+    kernels decode) equals small_float_at on each code, bit for bit, at every code position of
+    a word (E2M1: nibbles i and i + 4; E4M3: bytes 0 and 2, 1 and 3), on random words that
+    hold every E2M1 nibble and every E4M3 byte but its NaNs; and the values are the formats'
+    (times 2^(bias - 15))."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31, ())))
+    n = 4096
+    w = torch.randint(-2 ** 31, 2 ** 31, (n,), generator=gen, dtype=torch.int64)
+    w[:256] = torch.arange(256) * 0x01010101                 # every byte in every position
+    w = torch.where(w >= 2 ** 31, w - 2 ** 32, w).to(torch.int32)
+    for ebits, mbits, shifts in ((2, 1, (0, 4, 8, 12)), (4, 3, (0, 8))):
+        nb = ebits + mbits + 1
+        for shift in shifts:
+            one, two = torch.full((2 * n,), float("nan")), torch.full((2 * n,), float("nan"))
+            _pair_kernel[(triton.cdiv(n, 1024),)](w, one, two, n, B=1024, SHIFT=shift,
+                                                  EBITS=ebits, MBITS=mbits)
+            codes = torch.stack([(w >> shift) & ((1 << nb) - 1),
+                                 (w >> (shift + 16)) & ((1 << nb) - 1)], 1).flatten()
+            if ebits == 4:
+                ok = codes & 0x7F != 0x7F
+                want = codes.to(torch.uint8).view(torch.float8_e4m3fn).float() * 2.0 ** -8
+            else:
+                ok = torch.ones_like(codes, dtype=torch.bool)
+                mags = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+                want = torch.cat([mags, -mags])[codes.long()] * 2.0 ** -14
+            assert torch.equal(two.view(torch.int32), one.view(torch.int32)), (ebits, shift)
+            assert torch.equal(two[ok].view(torch.int32), want[ok].view(torch.int32))
+
+
 # ---------------------------------------------------------------- host kernels vs reference
 
 SHAPES = [(3, 5, 16, 32), (7, 16, 48), (2, 3, 1, 16), (64,), (5, 48), (1, 3, 33, 80), (2, 5, 7)]

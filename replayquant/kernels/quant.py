@@ -252,6 +252,30 @@ def small_float_at(words, SHIFT: tl.constexpr, EBITS: tl.constexpr, MBITS: tl.co
 
 
 @triton.jit
+def small_float_pair_at(words, SHIFT: tl.constexpr, EBITS: tl.constexpr, MBITS: tl.constexpr):
+    """The two small-float codes at bits SHIFT.. and SHIFT + 16.. of int32 `words`, as
+    small_float_at gives each: both placed as float16 bit patterns in the two halves of one
+    int32 by the same shifts and masks (two codes per integer operation), then each half read as
+    a float16 and converted. The same values as two small_float_at calls, bit for bit."""
+    NB: tl.constexpr = EBITS + MBITS
+    MS: tl.constexpr = 10 - MBITS - SHIFT              # shift of the magnitude bits
+    SS: tl.constexpr = 15 - NB - SHIFT                 # shift of the sign bit
+    MMASK: tl.constexpr = (((1 << NB) - 1) << (10 - MBITS)) * 0x10001
+    if MS >= 0:
+        m = words << MS
+    else:
+        m = words >> (-MS)
+    if SS >= 0:
+        sg = words << SS
+    else:
+        sg = words >> (-SS)
+    h = (m & MMASK) | (sg & -0x7FFF8000)                # 0x80008000: both halves' sign bits
+    lo = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (h >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
 def decode_e4m3(bits):
     """E4M3FN bit pattern (low 8 bits; 0x7F/0xFF NaN codes are never produced) -> float32."""
     return _decode_small_float(bits, 4, 3)

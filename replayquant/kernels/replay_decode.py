@@ -61,7 +61,8 @@ from replayquant.kernels.conventional import (_into, _program_tile, PackedRole, 
                                               gdn_frontend_ref, mamba2_frontend_ref,
                                               mamba2_post_ref, role_streams, small_block,
                                               split_key)
-from replayquant.kernels.quant import decode_bf16, decode_fp16, small_float_at
+from replayquant.kernels.quant import (decode_bf16, decode_fp16, small_float_at,
+                                       small_float_pair_at)
 from replayquant.streams import ANCHOR, READ, layer_seed
 
 __all__ = ["ReplayStore", "replay_gdn_step", "replay_gdn_step_ref", "replay_mamba2_step",
@@ -524,19 +525,22 @@ def _tile_raw(pay, sc, mat, rows, r0, ok, DV: tl.constexpr, DK: tl.constexpr, FM
 
 
 @triton.jit
-def _nib2(p, SHIFT: tl.constexpr, xi, yi, TWO: tl.constexpr, ax=None, ay=None):
-    """Accumulators (ax, ay) plus the E2M1 codes at bits SHIFT.. of the words p times the
-    columns xi (and yi with TWO) they hold: each code decoded once and used at once."""
-    c = small_float_at(p, SHIFT, 2, 1)
+def _nib_pair(p, I: tl.constexpr, xa, xb, ya, yb, TWO: tl.constexpr, ax=None, ay=None):
+    """Accumulators (ax, ay) plus the E2M1 codes I and I + 4 of the words p (decoded as a pair,
+    small_float_pair_at) times the columns they hold, xa and xb (and ya, yb with TWO)."""
+    lo, hi = small_float_pair_at(p, 4 * I, 2, 1)
     if ax is None:
-        ax = c * xi[None, :]
+        ax = lo * xa[None, :]
         ay = ax
         if TWO:
-            ay = c * yi[None, :]
+            ay = lo * ya[None, :]
     else:
-        ax += c * xi[None, :]
+        ax += lo * xa[None, :]
         if TWO:
-            ay += c * yi[None, :]
+            ay += lo * ya[None, :]
+    ax += hi * xb[None, :]                  # one fused multiply-add per code and vector
+    if TWO:
+        ay += hi * yb[None, :]
     return ax, ay
 
 
@@ -568,14 +572,10 @@ def _tile_mv(p, b, s, x, y, TWO: tl.constexpr, DK: tl.constexpr, FMT: tl.constex
             y1, y3, y5, y7 = _split4(yo, NW)
         else:
             y0, y1, y2, y3, y4, y5, y6, y7 = x0, x1, x2, x3, x4, x5, x6, x7
-        ax, ay = _nib2(p, 0, x0, y0, TWO)
-        ax, ay = _nib2(p, 4, x1, y1, TWO, ax, ay)
-        ax, ay = _nib2(p, 8, x2, y2, TWO, ax, ay)
-        ax, ay = _nib2(p, 12, x3, y3, TWO, ax, ay)
-        ax, ay = _nib2(p, 16, x4, y4, TWO, ax, ay)
-        ax, ay = _nib2(p, 20, x5, y5, TWO, ax, ay)
-        ax, ay = _nib2(p, 24, x6, y6, TWO, ax, ay)
-        ax, ay = _nib2(p, 28, x7, y7, TWO, ax, ay)
+        ax, ay = _nib_pair(p, 0, x0, x4, y0, y4, TWO)
+        ax, ay = _nib_pair(p, 1, x1, x5, y1, y5, TWO, ax, ay)
+        ax, ay = _nib_pair(p, 2, x2, x6, y2, y6, TWO, ax, ay)
+        ax, ay = _nib_pair(p, 3, x3, x7, y3, y7, TWO, ax, ay)
         bs = small_float_at(b.to(tl.int32), 0, 4, 3) * (s * 2.0 ** 14 * 2.0 ** 8)
         rx = tl.sum(ax * bs, axis=1)
         ry = rx
@@ -584,10 +584,8 @@ def _tile_mv(p, b, s, x, y, TWO: tl.constexpr, DK: tl.constexpr, FMT: tl.constex
     elif FMT == 3:
         NW: tl.constexpr = DK // 4
         x0, x1, x2, x3 = _split4(x, NW)
-        c0 = small_float_at(p, 0, 4, 3)
-        c1 = small_float_at(p, 8, 4, 3)
-        c2 = small_float_at(p, 16, 4, 3)
-        c3 = small_float_at(p, 24, 4, 3)
+        c0, c2 = small_float_pair_at(p, 0, 4, 3)
+        c1, c3 = small_float_pair_at(p, 8, 4, 3)
         sc = b * 2.0 ** 8
         rx = tl.sum(c0 * x0[None, :] + c1 * x1[None, :] + c2 * x2[None, :] + c3 * x3[None, :],
                     axis=1) * sc
