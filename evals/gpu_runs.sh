@@ -65,7 +65,7 @@
 #            T = 4 round at B = 512, GPU checks first (session 11)             ~250 s
 #   verify-rw  evals/read_blocks_sweep.py --verify-batches 512, s32_rs, seven verify read configs
 #            with READ_ROW_WIDTH's verify tile (RW 32, session 11)             ~100 s
-#   flush-list  evals/flush_list_ab.py: the flush kernel over a list of the rows that flush
+#   flush-list  evals/decode_ab.py: the flush kernel over a list of the rows that flush
 #            (FLUSH_LIST, session 12) against a program per matrix: GPU check, B = 256 read /
 #            flush steps and windows, T = 4 rounds at 512, every pair, both kinds  ~300 s
 #   grid     the grid in one call, GPU checks, peers and sweep included (session 10, run 45
@@ -262,7 +262,7 @@ case "$job" in
     echo "formats rc=$?"; tail -8 /tmp/formats.log
     ;;
   flush-list)
-    timeout 560 python3 evals/flush_list_ab.py "$OUT/flush_list.json" > "$OUT/flush_list.log" 2>&1
+    timeout 560 python3 evals/decode_ab.py "$OUT/flush_list.json" > "$OUT/flush_list.log" 2>&1
     echo "flush-list rc=$?"; grep -v "^  " "$OUT/flush_list.log" | tail -60
     ;;
   ncu)

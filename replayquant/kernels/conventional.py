@@ -336,15 +336,28 @@ def _front_end(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, row, hv
                scale, dt_lo, dt_hi, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
                DV: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr, HAS_DTB: tl.constexpr,
                HAS_D: tl.constexpr, DT_CLAMP: tl.constexpr):
-    """One step's inputs in float32.
-    GDN (DELTA): q, k [DK] normalised (q scaled), v [DV-block], log_a = g, beta.
-    Mamba-2: q = C, k = B of the head's group, v = dt x, log_a = dt A, beta = dt, and the
-    D-skip term D x (zeros without D); dt = softplus(dt + dt_bias), then (DT_CLAMP)
-    min(max(dt, dt_lo), dt_hi) as torch.clamp."""
+    """One step's inputs in float32: the loads of token `row`, then _front_math."""
     q = tl.load(q_ptr + (row * HK + hk) * DK + cols).to(tl.float32)
     k = tl.load(k_ptr + (row * HK + hk) * DK + cols).to(tl.float32)
     x = tl.load(v_ptr + (row * HV + hv) * DV + rows).to(tl.float32)
     a = tl.load(a_ptr + row * HV + hv).to(tl.float32)
+    bb = a
+    if DELTA:
+        bb = tl.load(b_ptr + row * HV + hv).to(tl.float32)
+    return _front_math(q, k, x, a, bb, A_ptr, dtb_ptr, D_ptr, hv, scale, dt_lo, dt_hi, DELTA,
+                       L2NORM, HAS_DTB, HAS_D, DT_CLAMP)
+
+
+@triton.jit
+def _front_math(q, k, x, a, bb, A_ptr, dtb_ptr, D_ptr, hv, scale, dt_lo, dt_hi,
+                DELTA: tl.constexpr, L2NORM: tl.constexpr, HAS_DTB: tl.constexpr,
+                HAS_D: tl.constexpr, DT_CLAMP: tl.constexpr):
+    """One step's inputs in float32 from its raw values (q, k [DK], x the v / x rows, a, and
+    bb = b for GDN, each float32) and the head's parameters.
+    GDN (DELTA): q, k [DK] normalised (q scaled), v [DV-block], log_a = g, beta.
+    Mamba-2: q = C, k = B of the head's group, v = dt x, log_a = dt A, beta = dt, and the
+    D-skip term D x (zeros without D); dt = softplus(dt + dt_bias), then (DT_CLAMP)
+    min(max(dt, dt_lo), dt_hi) as torch.clamp."""
     if HAS_DTB:
         a = a + tl.load(dtb_ptr + hv).to(tl.float32)
     A = tl.load(A_ptr + hv).to(tl.float32)
@@ -354,7 +367,6 @@ def _front_end(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, row, hv
             k = _l2norm(k)
         q = q * scale
         log_a = -tl.exp(A) * _softplus(a)
-        bb = tl.load(b_ptr + row * HV + hv).to(tl.float32)
         beta = 1.0 / (1.0 + tl.exp(-bb))
         v = x
         skip = x * 0.0
@@ -375,9 +387,14 @@ def _front_end(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, row, hv
 @triton.jit
 def _gate_out(y, z_ptr, row, hv, rows, HV: tl.constexpr, DV: tl.constexpr, HAS_Z: tl.constexpr):
     if HAS_Z:
-        z = tl.load(z_ptr + (row * HV + hv) * DV + rows).to(tl.float32)
-        y = y * z / (1.0 + tl.exp(-z))
+        y = _gate_z(y, tl.load(z_ptr + (row * HV + hv) * DV + rows).to(tl.float32))
     return y
+
+
+@triton.jit
+def _gate_z(y, z):
+    """The output gate y * silu(z)."""
+    return y * z / (1.0 + tl.exp(-z))
 
 
 @triton.jit

@@ -55,7 +55,8 @@ import triton.language as tl
 from replayquant.kernels.conventional import (_into, _program_tile, PackedRole, _check_inputs, _front_end,
                                               ConventionalStore, conventional_gdn_step,
                                               conventional_mamba2_step,
-                                              _gate_out, _indices, _l2norm, _pow2_dims, _prep,
+                                              _front_math, _gate_out, _gate_z, _indices, _l2norm,
+                                              _pow2_dims, _prep,
                                               _rank1_step, _tile_load, _tile_store,
                                               NO_DT_LIMIT, dt_limit_args,
                                               gdn_frontend_ref, mamba2_frontend_ref,
@@ -609,6 +610,19 @@ def _tile_mv(p, b, s, x, y, TWO: tl.constexpr, DK: tl.constexpr, FMT: tl.constex
 
 
 @triton.jit
+def _pick(X2, tt, t):
+    """Row t of a float32 [TP, N] tile of a verify's drafts (tt = arange(TP)), exactly: the
+    other rows are replaced by -0.0, which adds nothing (not even to a -0.0)."""
+    return tl.sum(tl.where((tt == t)[:, None], X2, -0.0), axis=0)
+
+
+@triton.jit
+def _pick1(x2, tt, t):
+    """Element t of a [TP] vector of a verify's drafts, as _pick."""
+    return tl.sum(tl.where(tt == t, x2, -0.0), axis=0)
+
+
+@triton.jit
 def _row_dot(T, x, DK: tl.constexpr, RW: tl.constexpr):
     """Row sums of T * x for a 16- / 32-bit tile of _tile_raw: [BV, DK], or [DK / RW, BV, RW]."""
     if RW == DK:
@@ -629,15 +643,36 @@ def _read_body(
         STEP: tl.constexpr, RFMT: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
         HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, U_BF16: tl.constexpr,
         DT_CLAMP: tl.constexpr, dots_ptr=None, DOTS: tl.constexpr = False, NT: tl.constexpr = 1,
-        RW: tl.constexpr = 32):
+        RW: tl.constexpr = 32, TP: tl.constexpr = 1, PRE: tl.constexpr = False):
     """What _replay_read_kernel does for one live row's program (slot >= 0): nothing for a row
     that flushes this step, else the outputs of its T entries and their appends, for NT blocks of
     BV rows from `rows` on, one after the other (the loads of the next block, read copy and u
     entries, issued before the products of this one). DOTS: the per-entry dot products k_j.k
     (GDN) and k_j.q of each draft come from _entry_dots_kernel (dots_ptr [B, HK, T, 2, LP])
     instead of the buffer's k entries. RW: _tile_raw's row width of a 16- / 32-bit read copy
-    (both kernels pass _row_width's; the default only keeps the keyword order)."""
+    (both kernels pass _row_width's; the default only keeps the keyword order).
+    PRE (a verify, VERIFY_PRELOAD): every draft's inputs (and dot products) are loaded at once,
+    as [TP, ...] tiles (TP: T rounded up to a power of two), before the pointers: the draft loop
+    stores outputs and entries, and a load after a store cannot be moved above it (the compiler
+    cannot tell that the pointers do not alias), so loads inside the loop cost one memory round
+    trip per draft."""
     jj = tl.arange(0, LP)
+    if PRE:
+        tt = tl.arange(0, TP)
+        okt = tt < T
+        tok2 = row * T + tt
+        Q2 = tl.load(q_ptr + (tok2[:, None] * HK + hk) * DK + cols[None, :], mask=okt[:, None],
+                     other=0.0).to(tl.float32)
+        K2 = tl.load(k_ptr + (tok2[:, None] * HK + hk) * DK + cols[None, :], mask=okt[:, None],
+                     other=0.0).to(tl.float32)
+        A2 = tl.load(a_ptr + tok2 * HV + hv, mask=okt, other=0.0).to(tl.float32)
+        B2 = A2
+        if DELTA:
+            B2 = tl.load(b_ptr + tok2 * HV + hv, mask=okt, other=0.0).to(tl.float32)
+        if DOTS:
+            d2 = dots_ptr + (((row * HK + hk) * T + tt) * 2 * LP)[:, None] + jj[None, :]
+            DK2 = tl.load(d2, mask=okt[:, None], other=0.0)
+            DQ2 = tl.load(d2 + LP, mask=okt[:, None], other=0.0)
     mat = slot * HV + hv
     # issued before the pointers are known: one dependent load less on the critical path
     # (wasted only on rows that flush this step)
@@ -671,12 +706,26 @@ def _read_body(
             K = K0
             G = G0
             Gp = Gp0
+            if PRE:
+                X2 = tl.load(v_ptr + (tok2[:, None] * HV + hv) * DV + rb[None, :],
+                             mask=okt[:, None], other=0.0).to(tl.float32)
+                if HAS_Z:
+                    Z2 = tl.load(z_ptr + (tok2[:, None] * HV + hv) * DV + rb[None, :],
+                                 mask=okt[:, None], other=0.0).to(tl.float32)
             for t in tl.static_range(T):
                 tok = row * T + t
-                q, k, v, log_a, beta, skip = _front_end(
-                    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, tok, hv, hk, rb,
-                    cols, scale, dt_lo, dt_hi, HK, HV, DK, DV, DELTA, L2NORM, HAS_DTB, HAS_D,
-                    DT_CLAMP)
+                if PRE:
+                    xraw = _pick(X2, tt, t)
+                    kraw = _pick(K2, tt, t)
+                    q, k, v, log_a, beta, skip = _front_math(
+                        _pick(Q2, tt, t), kraw, xraw, _pick1(A2, tt, t), _pick1(B2, tt, t),
+                        A_ptr, dtb_ptr, D_ptr, hv, scale, dt_lo, dt_hi, DELTA, L2NORM, HAS_DTB,
+                        HAS_D, DT_CLAMP)
+                else:
+                    q, k, v, log_a, beta, skip = _front_end(
+                        q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, tok, hv, hk,
+                        rb, cols, scale, dt_lo, dt_hi, HK, HV, DK, DV, DELTA, L2NORM, HAS_DTB,
+                        HAS_D, DT_CLAMP)
                 p = h + t
                 Gp = Gp + log_a
                 prev = jj < p
@@ -685,7 +734,10 @@ def _read_body(
                 if DELTA:
                     rk, rq = _tile_mv(Pc, Sc, s, k, q, True, DK, RFMT, RW)
                     if DOTS:
-                        kk = tl.load(dots_ptr + ((row * HK + hk) * T + t) * 2 * LP + jj)
+                        if PRE:
+                            kk = _pick(DK2, tt, t)
+                        else:
+                            kk = tl.load(dots_ptr + ((row * HK + hk) * T + t) * 2 * LP + jj)
                     else:
                         kk = tl.sum(K * k[None, :], axis=1)
                     corr = tl.sum((wdec * kk)[:, None] * X, axis=0)
@@ -696,11 +748,19 @@ def _read_body(
                     rq, _ = _tile_mv(Pc, Sc, s, q, q, False, DK, RFMT, RW)
                     u = v
                 if DOTS:
-                    qk = tl.load(dots_ptr + (((row * HK + hk) * T + t) * 2 + 1) * LP + jj)
+                    if PRE:
+                        qk = _pick(DQ2, tt, t)
+                    else:
+                        qk = tl.load(dots_ptr + (((row * HK + hk) * T + t) * 2 + 1) * LP + jj)
                 else:
                     qk = tl.sum(K * q[None, :], axis=1)
                 y = eG * rq + tl.sum((wdec * qk)[:, None] * X, axis=0) + tl.sum(k * q, axis=0) * u
-                y = _gate_out(y + skip, z_ptr, tok, hv, rb, HV, DV, HAS_Z)
+                if PRE:
+                    y = y + skip
+                    if HAS_Z:
+                        y = _gate_z(y, _pick(Z2, tt, t))
+                else:
+                    y = _gate_out(y + skip, z_ptr, tok, hv, rb, HV, DV, HAS_Z)
                 tl.store(out_ptr + (tok * HV + hv) * DV + rb, y)
                 # append entry p (raw inputs in bf16, gates in fp32, GDN u)
                 e = _entry(slot, start, p, CAP)
@@ -710,7 +770,8 @@ def _read_body(
                         K = tl.where(cur[:, None], k[None, :], K)
                     X = tl.where(cur[:, None], u[None, :], X)
                     G = tl.where(cur, Gp, G)
-                xraw = tl.load(v_ptr + (tok * HV + hv) * DV + rb)
+                if not PRE:
+                    xraw = tl.load(v_ptr + (tok * HV + hv) * DV + rb)
                 tl.store(vbuf + (e * HV + hv) * DV + rb, xraw.to(tl.bfloat16))
                 if DELTA:
                     tl.store(ubuf + (e * HV + hv) * DV + rb, u.to(ubuf.dtype.element_ty))
@@ -718,7 +779,8 @@ def _read_body(
                     tl.store(Gbuf + e * HV + hv, Gp)
                     tl.store(bbuf + e * HV + hv, beta)
                     if hv % (HV // HK) == 0:
-                        kraw = tl.load(k_ptr + (tok * HK + hk) * DK + cols)
+                        if not PRE:
+                            kraw = tl.load(k_ptr + (tok * HK + hk) * DK + cols)
                         tl.store(kbuf + (e * HK + hk) * DK + cols, kraw.to(tl.bfloat16))
             X = Xn
 
@@ -780,7 +842,8 @@ def _replay_read_kernel(
         BV: tl.constexpr, L: tl.constexpr, CAP: tl.constexpr, LP: tl.constexpr, T: tl.constexpr,
         STEP: tl.constexpr, RFMT: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
         HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, U_BF16: tl.constexpr,
-        DT_CLAMP: tl.constexpr, DOTS: tl.constexpr, NT: tl.constexpr, RW: tl.constexpr):
+        DT_CLAMP: tl.constexpr, DOTS: tl.constexpr, NT: tl.constexpr, RW: tl.constexpr,
+        TP: tl.constexpr, PRE: tl.constexpr):
     """The non-flushing rows (after _replay_flush_kernel in a verify; beside it, on the caller's
     stream while the flush runs on its side stream, in a CUDA decode step): outputs of T
     entries from the packed read copy and the buffer, output-only, and their appends
@@ -793,7 +856,7 @@ def _replay_read_kernel(
                    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, False,
                    dt_lo, dt_hi, row, hv, hk, rows, cols, slot, HK, HV, DK, DV, BV, L, CAP, LP, T,
                    STEP, RFMT, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, U_BF16, DT_CLAMP, dots_ptr,
-                   DOTS, NT, RW)
+                   DOTS, NT, RW, TP, PRE)
 
 
 # key_lo / key_hi: not specialized (Triton makes an integer argument equal to 1 a constexpr)
@@ -1330,12 +1393,15 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
             Rp, Rs, Rg, store.kbuf, store.vbuf, ubuf, store.Gbuf, store.bbuf,
             store.committed, store.start, idx, out, *inputs, sc, dt_lo, dt_hi, dots,
             BV=BV, LP=LP, U_BF16=U_BF16, DOTS=read_variant == "dots", NT=rnt,
-            RW=_row_width(dk, T, store.kind, read_variant),
-            num_warps=nw, **common)
+            RW=_row_width(dk, T, store.kind, read_variant), TP=triton.next_power_of_2(T),
+            PRE=T > 1 and VERIFY_PRELOAD, num_warps=nw, **common)
     if side is not None:
         torch.cuda.current_stream(q.device).wait_stream(side)
     return out, idx, False
 
+
+# A verify's read kernel loads every draft's inputs before its draft loop (_read_body, PRE).
+VERIFY_PRELOAD = True
 
 # Outside a forced step the flush kernel takes the rows _flush_plan_kernel lists (those with
 # work: few in most steps) and launches FLUSH_LIST_WARPS_PER_SM warps of programs per SM (each

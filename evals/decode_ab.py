@@ -1,17 +1,18 @@
-"""The flush kernel over a list of the rows that flush (replay_decode.FLUSH_LIST) against one
-program per matrix, on a GPU, in one call: for each kind and pair at batch B, the 'dots' read
-step (h = L / 2: no row flushes), the flush step (h = L - 1: every row flushes), the 'dots'
-window with every row in phase and staggered (row b starts at fill b % L), and the verify round
-(T drafts at batch --verify-batch, the bench's random accepts) against the snapshot round. Modes
-(MODES): 'grid' (FLUSH_LIST off: a program per (row, head group) that returns at once when its
-row does not flush), 'list' (the defaults), and 'list' with other programs per SM, without the
-register cap, or (pairs with stochastic rounding) 8 value heads per item. A GPU check first
-(--no-check: none): L + 3 staggered steps and a verify with and without the list from the same
-stores, outputs and stores compared bit for bit.
+"""A/B of the decode kernels' switches (module settings of replay_decode), on a GPU, in one
+call: for each kind and pair at batch B, the 'dots' read step (h = L / 2: no row flushes), the
+flush step (h = L - 1: every row flushes), the 'dots' window with every row in phase and
+staggered (row b starts at fill b % L), and the verify round (T drafts at batch --verify-batch,
+the bench's random accepts) against the snapshot round, once per mode (MODES: a name for a set
+of switch values and step options). Session 12 (as evals/flush_list_ab.py, runs 55-56): the
+flush kernel over a list of the rows that flush (FLUSH_LIST: 'grid' without it; 'list' variants:
+programs per SM, no register cap, 8 value heads per item for SR pairs); then a verify's
+preloaded draft inputs (VERIFY_PRELOAD: 'no-preload' without). A GPU check first (--no-check:
+none): L + 3 staggered steps and a verify in the first two modes from the same stores, outputs
+and stores compared bit for bit.
 
-    python evals/flush_list_ab.py OUT.json [--batch 256] [--verify-batch 512] [--T 4]
+    python evals/decode_ab.py OUT.json [--batch 256] [--verify-batch 512] [--T 4]
         [--pairs s32_rs,tp8_hi32,tp4_hi32,tp4_hi16_sr] [--kinds gdn,mamba2]
-        [--modes grid,list] [--no-check]
+        [--modes grid,list] [--verify-modes grid,list] [--no-steps] [--no-check]
 
 Times as in the bench (CUDA graph, L2 flushed, state copies rotated for the windows). Writes
 OUT.json with provenance and prints a markdown table."""
@@ -29,25 +30,32 @@ from replayquant.kernels import replay_decode as rd
 from replayquant.provenance import provenance
 
 
-# mode: (FLUSH_LIST, FLUSH_LIST_WARPS_PER_SM, FLUSH_LIST_MAXNREG, value heads per item or None)
-MODES = {"grid": (False, 32, 128, None), "list": (True, 32, 128, None),
-         "list-w16": (True, 16, 128, None), "list-w64": (True, 64, 128, None),
-         "list-nocap": (True, 32, None, None), "list-nh8": (True, 32, 128, 8)}
-DEFAULT = (rd.FLUSH_LIST, rd.FLUSH_LIST_WARPS_PER_SM, rd.FLUSH_LIST_MAXNREG)
+# mode: (replay_decode settings, value heads per flush work item or None); 'list' is run 56's
+# choice but for programs per SM (FLUSH_LIST_WARPS_PER_SM 32 there)
+MODES = {"grid": ({"FLUSH_LIST": False}, None), "list": ({"FLUSH_LIST_WARPS_PER_SM": 32}, None),
+         "list-w16": ({"FLUSH_LIST_WARPS_PER_SM": 16}, None),
+         "list-w64": ({"FLUSH_LIST_WARPS_PER_SM": 64}, None),
+         "list-nocap": ({"FLUSH_LIST_MAXNREG": None}, None), "list-nh8": ({}, 8),
+         "default": ({}, None), "no-preload": ({"VERIFY_PRELOAD": False}, None)}
+DEFAULT = {k: getattr(rd, k) for k in ("FLUSH_LIST", "FLUSH_LIST_WARPS_PER_SM",
+                                       "FLUSH_LIST_MAXNREG", "VERIFY_PRELOAD")}
 
 
 def _set(mode):
-    """Set the module's switches for `mode`; the extra step options (value heads per item)."""
-    rd.FLUSH_LIST, rd.FLUSH_LIST_WARPS_PER_SM, rd.FLUSH_LIST_MAXNREG, nh = MODES[mode]
+    """Set the module's switches for `mode` (the others at their defaults); the extra step
+    options (value heads per flush item)."""
+    settings, nh = MODES[mode]
+    for k, v in {**DEFAULT, **settings}.items():
+        setattr(rd, k, v)
     return {} if nh is None else {"flush_config": (None, None, None, nh)}
 
 
 def _reset():
-    rd.FLUSH_LIST, rd.FLUSH_LIST_WARPS_PER_SM, rd.FLUSH_LIST_MAXNREG = DEFAULT
+    _set("default")
 
 
-def _check(kind, pair, B, T, device="cuda") -> dict:
-    """Largest |difference| of outputs and stores between the two modes over L + 3 staggered
+def _check(kind, pair, B, T, modes, device="cuda") -> dict:
+    """Largest |difference| of outputs and stores between two modes over L + 3 staggered
     steps and one verify + accept (0.0: bit for bit)."""
     from replayquant.kernels.verify import replay_accept
     S = bd.SHAPES[kind]
@@ -57,7 +65,7 @@ def _check(kind, pair, B, T, device="cuda") -> dict:
     idx = torch.arange(B, dtype=torch.int32, device=device)
     f = bd._fns(kind)
     outs, stores = {}, {}
-    for mode in ("grid", "list"):
+    for mode in modes:
         _set(mode)
         st = rd.ReplayStore.from_state(init, bd._pair(pair, L)[0], kind, key_heads=HK,
                                        max_drafts=T)
@@ -74,8 +82,8 @@ def _check(kind, pair, B, T, device="cuda") -> dict:
         replay_accept(st, (idx % (T + 1)).to(torch.int32), idx, check=False)
         outs[mode], stores[mode] = got, st
     _reset()
-    a, b = stores["grid"], stores["list"]
-    d = dict(out=max(float((x - y).abs().max()) for x, y in zip(outs["grid"], outs["list"])),
+    a, b = (stores[m] for m in modes)
+    d = dict(out=max(float((x - y).abs().max()) for x, y in zip(*(outs[m] for m in modes))),
              anchor=float((a.anchor.dequantize() - b.anchor.dequantize()).abs().max()),
              read=float((a.read_role.dequantize() - b.read_role.dequantize()).abs().max()),
              pointers=bool(torch.equal(a.committed, b.committed)
@@ -118,40 +126,45 @@ def main(argv=None) -> int:
     ap.add_argument("--kinds", default="gdn,mamba2")
     ap.add_argument("--modes", default="grid,list",
                     help=f"step modes, of {','.join(MODES)} ('list-nh8' only for SR pairs)")
+    ap.add_argument("--verify-modes", default="grid,list")
+    ap.add_argument("--no-steps", action="store_true")
     ap.add_argument("--no-check", action="store_true")
     a = ap.parse_args(argv)
-    pairs, kinds, modes = a.pairs.split(","), a.kinds.split(","), a.modes.split(",")
+    pairs, kinds = a.pairs.split(","), a.kinds.split(",")
+    modes, vmodes = a.modes.split(","), a.verify_modes.split(",")
     bd._check_names(pairs, kinds)
-    if [m for m in modes if m not in MODES]:
-        raise SystemExit(f"flush_list_ab: modes {modes}: choose from {list(MODES)}")
-    if bd.no_gpu("flush_list_ab"):
+    if [m for m in modes + vmodes if m not in MODES] or len(modes) < 2 and not a.no_check:
+        raise SystemExit(f"decode_ab: modes {modes}, verify modes {vmodes}: choose from "
+                         f"{list(MODES)} (two step modes at least, unless --no-check)")
+    if bd.no_gpu("decode_ab"):
         return 2
     copy_bw = bd.copy_bandwidth_GBps("cuda")
     print(f"copy bandwidth {copy_bw:.0f} GB/s", flush=True)
     checks, rows = {}, []
     for kind in kinds if not a.no_check else ():
         for pair in pairs:
-            checks[f"{kind}/{pair}"] = d = _check(kind, pair, 64, a.T)
+            checks[f"{kind}/{pair}"] = d = _check(kind, pair, 64, a.T, modes[:2])
             print(f"check {kind} {pair}: {d}", flush=True)
     for kind in kinds:
         for pair in pairs:
-            for mode in modes:
+            for mode in modes if not a.no_steps else ():
                 if mode == "list-nh8" and not bd._sr_pair(pair):
                     continue
                 got = _steps(kind, pair, a.batch, _set(mode))
                 rows += [{**r, "mode": mode} for r in got]
                 print(f"{kind} {pair} {mode}: " + ", ".join(
                     f"{r['kernel']} {r['us']:.1f}" for r in got), flush=True)
-        for mode in ("grid", "list") if a.verify_batch else ():
+        for mode in vmodes if a.verify_batch else ():
             _set(mode)
             got = bd.bench_spec(kind, a.verify_batch, a.T, "cuda", copy_bw, pairs=pairs)
             rows += [{**r, "mode": mode} for r in got]
             print(f"{kind} verify {mode}: " + ", ".join(
                 f"{r['kernel']} {r['variant']} {r['us']:.1f}" for r in got), flush=True)
     _reset()
-    res = {"provenance": provenance("cuda", script="evals/flush_list_ab.py", batch=a.batch,
+    res = {"provenance": provenance("cuda", script="evals/decode_ab.py", batch=a.batch,
                                     verify_batch=a.verify_batch, T=a.T, pairs=pairs, kinds=kinds,
-                                    modes={m: MODES[m] for m in modes}, L=dict(bd.PAIR_L),
+                                    modes={m: MODES[m] for m in modes + vmodes},
+                                    steps=not a.no_steps, L=dict(bd.PAIR_L),
                                     shapes=bd.SHAPES),
            "copy_GBps": copy_bw, "checks": checks, "rows": rows}
     with open(a.out, "w") as fh:
