@@ -30,12 +30,15 @@ from replayquant.kernels import replay_decode as rd
 from replayquant.provenance import provenance
 
 
-# mode: (replay_decode settings, value heads per flush work item or None); 'list' is run 56's
-# choice but for programs per SM (FLUSH_LIST_WARPS_PER_SM 32 there)
+# mode: (replay_decode settings, flush_config of the steps and verifies or None); 'list' is run
+# 56's choice but for programs per SM (FLUSH_LIST_WARPS_PER_SM 32 there). 'list-nh8' only for
+# pairs with stochastic rounding, 'nt1' (one-warp 16-row flush blocks, one block per work item)
+# only for pairs without an NVFP4 role (those flush whole matrices)
 MODES = {"grid": ({"FLUSH_LIST": False}, None), "list": ({"FLUSH_LIST_WARPS_PER_SM": 32}, None),
          "list-w16": ({"FLUSH_LIST_WARPS_PER_SM": 16}, None),
          "list-w64": ({"FLUSH_LIST_WARPS_PER_SM": 64}, None),
-         "list-nocap": ({"FLUSH_LIST_MAXNREG": None}, None), "list-nh8": ({}, 8),
+         "list-nocap": ({"FLUSH_LIST_MAXNREG": None}, None),
+         "list-nh8": ({}, (None, None, None, 8)), "nt1": ({}, (16, 1, 1)),
          "default": ({}, None), "no-preload": ({"VERIFY_PRELOAD": False}, None)}
 DEFAULT = {k: getattr(rd, k) for k in ("FLUSH_LIST", "FLUSH_LIST_WARPS_PER_SM",
                                        "FLUSH_LIST_MAXNREG", "VERIFY_PRELOAD")}
@@ -43,11 +46,21 @@ DEFAULT = {k: getattr(rd, k) for k in ("FLUSH_LIST", "FLUSH_LIST_WARPS_PER_SM",
 
 def _set(mode):
     """Set the module's switches for `mode` (the others at their defaults); the extra step
-    options (value heads per flush item)."""
-    settings, nh = MODES[mode]
+    options (the flush config)."""
+    settings, fc = MODES[mode]
     for k, v in {**DEFAULT, **settings}.items():
         setattr(rd, k, v)
-    return {} if nh is None else {"flush_config": (None, None, None, nh)}
+    return {} if fc is None else {"flush_config": fc}
+
+
+def _applies(mode, pair) -> bool:
+    if mode == "list-nh8":
+        return bd._sr_pair(pair)
+    if mode == "nt1":                                   # no NVFP4 role
+        from replayquant.pairs import PrecisionPair
+        P = PrecisionPair.load(pair)
+        return all(r is None or r.format != "nvfp4" for r in (P.anchor, P.read))
+    return True
 
 
 def _reset():
@@ -148,15 +161,17 @@ def main(argv=None) -> int:
     for kind in kinds:
         for pair in pairs:
             for mode in modes if not a.no_steps else ():
-                if mode == "list-nh8" and not bd._sr_pair(pair):
+                if not _applies(mode, pair):
                     continue
                 got = _steps(kind, pair, a.batch, _set(mode))
                 rows += [{**r, "mode": mode} for r in got]
                 print(f"{kind} {pair} {mode}: " + ", ".join(
                     f"{r['kernel']} {r['us']:.1f}" for r in got), flush=True)
         for mode in vmodes if a.verify_batch else ():
-            _set(mode)
-            got = bd.bench_spec(kind, a.verify_batch, a.T, "cuda", copy_bw, pairs=pairs)
+            opts = _set(mode)
+            ps = [p for p in pairs if _applies(mode, p)]
+            got = bd.bench_spec(kind, a.verify_batch, a.T, "cuda", copy_bw, pairs=ps,
+                                cfg={f"flush/{p}": opts for p in ps})
             rows += [{**r, "mode": mode} for r in got]
             print(f"{kind} verify {mode}: " + ", ".join(
                 f"{r['kernel']} {r['variant']} {r['us']:.1f}" for r in got), flush=True)
