@@ -789,26 +789,19 @@ def _read_body(
 def _entry_dots_kernel(kbuf, h_ptr, st_ptr, idx_ptr, q_ptr, k_ptr, dots_ptr, scale,
                        HK: tl.constexpr, DK: tl.constexpr, L: tl.constexpr, CAP: tl.constexpr,
                        LP: tl.constexpr, T: tl.constexpr, DELTA: tl.constexpr,
-                       L2NORM: tl.constexpr, TP: tl.constexpr = 1, PRE: tl.constexpr = False):
+                       L2NORM: tl.constexpr):
     """read_variant='dots' (a decode step, T = 1, or a verify of T drafts), launched before the
     read kernel: one program per (row, key head) forms the per-entry dot products of the
     buffer's committed k entries, and of the drafts before draft t, with draft t's k (GDN) and q,
     dots [B, HK, T, 2, LP] (0 past those entries), so that the read programs of the key head's
     value heads and row blocks load 2 x LP floats per draft instead of the [LP, DK] k entries
     (registers, and the K-side work repeated per program). Same expressions as _load_entries /
-    _front_end / _read_body. PRE (a verify, VERIFY_PRELOAD): the T drafts' q and k are loaded
-    first ([TP, DK] tiles, as in _read_body: the loop's stores would hold back loads inside
-    it)."""
+    _front_end / _read_body."""
     pid = tl.program_id(0)
     row = pid // HK
     hk = pid % HK
     cols = tl.arange(0, DK)
     jj = tl.arange(0, LP)
-    if PRE:
-        tt = tl.arange(0, TP)
-        off = ((row * T + tt) * HK + hk)[:, None] * DK + cols[None, :]
-        Q2 = tl.load(q_ptr + off, mask=(tt < T)[:, None], other=0.0).to(tl.float32)
-        K2 = tl.load(k_ptr + off, mask=(tt < T)[:, None], other=0.0).to(tl.float32)
     slot = tl.load(idx_ptr + row).to(tl.int64)
     if slot >= 0:
         h = tl.load(h_ptr + slot)
@@ -824,12 +817,9 @@ def _entry_dots_kernel(kbuf, h_ptr, st_ptr, idx_ptr, q_ptr, k_ptr, dots_ptr, sca
             if L2NORM:
                 K = K * (1.0 / tl.sqrt(tl.sum(K * K, axis=1) + 1e-6))[:, None]
         for t in tl.static_range(T):
-            if PRE:
-                q = _pick(Q2, tt, t)
-                k = _pick(K2, tt, t)
-            else:
-                q = tl.load(q_ptr + ((row * T + t) * HK + hk) * DK + cols).to(tl.float32)
-                k = tl.load(k_ptr + ((row * T + t) * HK + hk) * DK + cols).to(tl.float32)
+            tok = row * T + t
+            q = tl.load(q_ptr + (tok * HK + hk) * DK + cols).to(tl.float32)
+            k = tl.load(k_ptr + (tok * HK + hk) * DK + cols).to(tl.float32)
             o = dots_ptr + ((row * HK + hk) * T + t) * 2 * LP + jj
             if DELTA:
                 if L2NORM:
@@ -1399,7 +1389,6 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
             _entry_dots_kernel[(B * HK,)](
                 store.kbuf, store.committed, store.start, idx, q, k, dots, sc, HK=HK, DK=dk,
                 L=store.L, CAP=store.capacity, LP=LP, T=T, DELTA=delta, L2NORM=use_qk_l2norm,
-                TP=triton.next_power_of_2(T), PRE=T > 1 and VERIFY_PRELOAD,
                 num_warps=max(1, min(4, LP * dk // 1024)))
         _replay_read_kernel[(B * HV, dv // (BV * rnt))](
             Rp, Rs, Rg, store.kbuf, store.vbuf, ubuf, store.Gbuf, store.bbuf,
@@ -1412,13 +1401,14 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
     return out, idx, False
 
 
-# A verify's read kernel loads every draft's inputs before its draft loop (_read_body, PRE), and
-# its 'dots' kernel every draft's q and k.
+# A verify's read kernel loads every draft's inputs before its draft loop (_read_body, PRE).
 # H200, T = 4 round at B = 512 ('dots'), us, with / without (decode_ab_preload_a7580c1.json,
 # one run): GDN s32_rs 810.5 / 982.5 (snapshot round 2153.3), tp8_hi32 872.7 / 1097.2,
 # tp4_hi32 1046.5 / 1201.7; Mamba-2 s32_rs 1182.0 / 1474.7 (snapshot 4071.9), tp8_hi32
 # 1454.8 / 1778.4, tp4_hi32 1450.9 / 1698.8. Static SASS (Triton 3.6): s32_rs program GDN
 # 4256 -> 4224, Mamba-2 2504 -> 3008 instructions (the picks): the time was the round trips.
+# Not for the 'dots' kernel's q and k: preloaded there, the next run's rounds were GDN 869.6,
+# Mamba-2 1214.6 (decode_ab_nt1_26f8bd2.json; two runs, not one A/B).
 VERIFY_PRELOAD = True
 
 # Outside a forced step the flush kernel takes the rows _flush_plan_kernel lists (those with
