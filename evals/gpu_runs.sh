@@ -68,6 +68,9 @@
 #   flush-list  evals/decode_ab.py: the flush kernel over a list of the rows that flush
 #            (FLUSH_LIST, session 12) against a program per matrix: GPU check, B = 256 read /
 #            flush steps and windows, T = 4 rounds at 512, every pair, both kinds  ~300 s
+#   preload  evals/decode_ab.py: a verify's draft inputs loaded before its draft loop
+#            (VERIFY_PRELOAD, session 12, run 57) against without, s32_rs / tp8_hi32 / tp4_hi32,
+#            with the B = 256 steps (unchanged by it: a repeat), GPU checks first   ~150 s
 #   grid     the grid in one call, GPU checks, peers and sweep included (session 10, run 45
 #            at c9c64fd: 554 s, its 540 s budget skipped Mamba-2 L = 32 and the T = 2 rounds;
 #            the refitted estimate says ~520 s of sections for the whole grid: use two calls
@@ -80,7 +83,7 @@
 # The image has torch, triton, transformers, accelerate, rich, typer, matplotlib; not fla.
 set -uo pipefail
 : "${OUT:?set OUT to the folder where results go}"
-job=${1:?usage: bash evals/gpu_runs.sh tf|mamba|decode|read|dots|defaults|batch1|targets|recheck-gdn|recheck-mamba2|rows|revert-nt|final|side|confirm|flush-nt|gap|grid-gdn|grid-mamba2|grid-spec|read-blocks|verify-read|spec-t4|spec-t2|philox4|flush-heads|confirm-s10|ncu|flush-list|row-width|verify-rw|grid|generate|followup}
+job=${1:?usage: bash evals/gpu_runs.sh tf|mamba|decode|read|dots|defaults|batch1|targets|recheck-gdn|recheck-mamba2|rows|revert-nt|final|side|confirm|flush-nt|gap|grid-gdn|grid-mamba2|grid-spec|read-blocks|verify-read|spec-t4|spec-t2|philox4|flush-heads|confirm-s10|ncu|flush-list|preload|row-width|verify-rw|grid|generate|followup}
 export PYTHONUNBUFFERED=1 REPLAYQUANT_GIT_COMMIT=${REPLAYQUANT_GIT_COMMIT:-unknown}
 python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/site .gpu/wheels/*.whl \
     || { echo "gpu_runs: could not install the carried wheels in .gpu/wheels" >&2; exit 1; }
@@ -264,6 +267,11 @@ case "$job" in
   flush-list)
     timeout 560 python3 evals/decode_ab.py "$OUT/flush_list.json" > "$OUT/flush_list.log" 2>&1
     echo "flush-list rc=$?"; grep -v "^  " "$OUT/flush_list.log" | tail -60
+    ;;
+  preload)
+    timeout 500 python3 evals/decode_ab.py "$OUT/preload.json" --modes default,no-preload \
+        --verify-modes default,no-preload --pairs s32_rs,tp8_hi32,tp4_hi32 > "$OUT/preload.log" 2>&1
+    echo "preload rc=$?"; grep -v "^  " "$OUT/preload.log" | tail -60
     ;;
   ncu)
     # Nsight Compute on one launch of each case of evals/ncu_decode_drive.py (session 11):
