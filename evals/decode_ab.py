@@ -39,10 +39,9 @@ MODES = {"grid": ({"FLUSH_LIST": False}, None), "list": ({"FLUSH_LIST_WARPS_PER_
          "list-w64": ({"FLUSH_LIST_WARPS_PER_SM": 64}, None),
          "list-nocap": ({"FLUSH_LIST_MAXNREG": None}, None),
          "list-nh8": ({}, (None, None, None, 8)), "nt1": ({}, (16, 1, 1)),
-         "default": ({}, None), "no-preload": ({"VERIFY_PRELOAD": False}, None),
-         "no-overlap": ({"VERIFY_OVERLAP": False}, None)}
+         "default": ({}, None), "no-preload": ({"VERIFY_PRELOAD": False}, None)}
 DEFAULT = {k: getattr(rd, k) for k in ("FLUSH_LIST", "FLUSH_LIST_WARPS_PER_SM",
-                                       "FLUSH_LIST_MAXNREG", "VERIFY_PRELOAD", "VERIFY_OVERLAP")}
+                                       "FLUSH_LIST_MAXNREG", "VERIFY_PRELOAD")}
 
 
 def _set(mode):

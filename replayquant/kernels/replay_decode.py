@@ -377,13 +377,11 @@ def _flush_body(
 
 
 @triton.jit
-def _flush_plan_kernel(idx_ptr, h_ptr, list_ptr, n_ptr, flag_ptr, B, L: tl.constexpr,
-                       T: tl.constexpr, STEP: tl.constexpr, CH: tl.constexpr,
-                       FLAG: tl.constexpr = False):
+def _flush_plan_kernel(idx_ptr, h_ptr, list_ptr, n_ptr, B, L: tl.constexpr, T: tl.constexpr,
+                       STEP: tl.constexpr, CH: tl.constexpr):
     """The rows that _replay_flush_kernel has work for (padding rows, pre-flushes, and in a step
-    the rows whose entry fills the buffer), in batch order: list_ptr[:n], n = n_ptr[0]; with
-    FLAG also flag_ptr[row] = 1 for those rows, 0 for the others. One program, CH rows at a
-    time."""
+    the rows whose entry fills the buffer), in batch order: list_ptr[:n], n = n_ptr[0]. One
+    program, CH rows at a time."""
     base = 0
     for c0 in range(0, B, CH):
         r = c0 + tl.arange(0, CH)
@@ -395,8 +393,6 @@ def _flush_plan_kernel(idx_ptr, h_ptr, list_ptr, n_ptr, flag_ptr, B, L: tl.const
         if STEP:
             need = need | (tl.where(pre, 0, h) + 1 == L)
         need = need & inb
-        if FLAG:
-            tl.store(flag_ptr + r, need.to(tl.int32), mask=inb)
         cum = tl.cumsum(need.to(tl.int32), axis=0)
         tl.store(list_ptr + base + cum - 1, r, mask=need)
         base += tl.sum(need.to(tl.int32), axis=0)
@@ -841,30 +837,21 @@ def _replay_read_kernel(
         R_pay, R_sc, R_gs,
         kbuf, vbuf, ubuf, Gbuf, bbuf, h_ptr, st_ptr, idx_ptr, out_ptr,
         q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr,
-        scale, dt_lo, dt_hi, dots_ptr, flag_ptr,
+        scale, dt_lo, dt_hi, dots_ptr,
         HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
         BV: tl.constexpr, L: tl.constexpr, CAP: tl.constexpr, LP: tl.constexpr, T: tl.constexpr,
         STEP: tl.constexpr, RFMT: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
         HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, U_BF16: tl.constexpr,
         DT_CLAMP: tl.constexpr, DOTS: tl.constexpr, NT: tl.constexpr, RW: tl.constexpr,
-        TP: tl.constexpr, PRE: tl.constexpr, PASS: tl.constexpr = 0):
+        TP: tl.constexpr, PRE: tl.constexpr):
     """The non-flushing rows (after _replay_flush_kernel in a verify; beside it, on the caller's
     stream while the flush runs on its side stream, in a CUDA decode step): outputs of T
     entries from the packed read copy and the buffer, output-only, and their appends
     (read_variant 'block'; 'dots' (DOTS) takes the per-entry dot products from
     _entry_dots_kernel). A program takes NT blocks of BV rows of its matrix, one after the
-    other. Never launched for a forced step (every row flushes). PASS (a verify with
-    VERIFY_OVERLAP): 1 only the rows that _flush_plan_kernel did not flag (no pre-flush: read
-    while the flush kernel runs), 2 only the flagged ones (after it); 0 every row."""
+    other. Never launched for a forced step (every row flushes)."""
     row, hv, hk, rows, cols, slot = _program_tile(idx_ptr, HK, HV, DK, BV, NT)
-    take = slot >= 0
-    if PASS != 0:
-        flagged = tl.load(flag_ptr + row) != 0
-        if PASS == 1:
-            take = take & (not flagged)
-        else:
-            take = take & flagged
-    if take:
+    if slot >= 0:
         _read_body(R_pay, R_sc, R_gs, kbuf, vbuf, ubuf, Gbuf, bbuf, h_ptr, st_ptr, out_ptr,
                    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, False,
                    dt_lo, dt_hi, row, hv, hk, rows, cols, slot, HK, HV, DK, DV, BV, L, CAP, LP, T,
@@ -1378,26 +1365,15 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
     if nh is None:
         nh = 1 if force or use_list or FBV != dv or B * HV < FLUSH_HEADS_MIN else \
             math.gcd(FLUSH_HEADS.get((store.kind, ar or rr), 1), HV)
-    # a verify's pre-flushes beside the reads of the rows that have none (VERIFY_OVERLAP): the
-    # plan's flags on the caller's stream first, then two read passes around the flush
-    overlap = use_list and not step and VERIFY_OVERLAP
-    lst = cnt = flag = idx                              # any pointers: unused without LIST
-    if use_list:
-        lst = torch.empty(B, dtype=torch.int32, device=q.device)
-        cnt = torch.empty(1, dtype=torch.int32, device=q.device)
-        if overlap:
-            flag = torch.empty(B, dtype=torch.int32, device=q.device)
-        plan = (idx, store.committed, lst, cnt, flag, B)
-        plan_kw = dict(L=store.L, T=T, STEP=step, CH=min(1024, triton.next_power_of_2(B)),
-                       FLAG=overlap)
-        if overlap:
-            _flush_plan_kernel[(1,)](*plan, **plan_kw)
-    side = _flush_stream(q, step, T, force, overlap)
+    side = _flush_stream(q, step, T, force)
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
         n_prog = B * HV // nh
+        lst = cnt = idx                                 # any pointers: unused without LIST
         if use_list:
-            if not overlap:
-                _flush_plan_kernel[(1,)](*plan, **plan_kw)
+            lst = torch.empty(B, dtype=torch.int32, device=q.device)
+            cnt = torch.empty(1, dtype=torch.int32, device=q.device)
+            _flush_plan_kernel[(1,)](idx, store.committed, lst, cnt, B, L=store.L, T=T,
+                                     STEP=step, CH=min(1024, triton.next_power_of_2(B)))
             n_prog = _list_programs(n_prog, fnw, q.device)
         _replay_flush_kernel[(n_prog, dv // (FBV * nt))](
             Ap, As, Ag, Rp, Rs, Rg, store.kbuf, store.vbuf, store.Gbuf, store.bbuf,
@@ -1414,16 +1390,12 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
                 store.kbuf, store.committed, store.start, idx, q, k, dots, sc, HK=HK, DK=dk,
                 L=store.L, CAP=store.capacity, LP=LP, T=T, DELTA=delta, L2NORM=use_qk_l2norm,
                 num_warps=max(1, min(4, LP * dk // 1024)))
-        for ps in (1, 2) if overlap else (0,):
-            if ps == 2 and side is not None:        # the flagged rows wait for their flush
-                torch.cuda.current_stream(q.device).wait_stream(side)
-                side = None
-            _replay_read_kernel[(B * HV, dv // (BV * rnt))](
-                Rp, Rs, Rg, store.kbuf, store.vbuf, ubuf, store.Gbuf, store.bbuf,
-                store.committed, store.start, idx, out, *inputs, sc, dt_lo, dt_hi, dots, flag,
-                BV=BV, LP=LP, U_BF16=U_BF16, DOTS=read_variant == "dots", NT=rnt,
-                RW=_row_width(dk, T, store.kind, read_variant), TP=triton.next_power_of_2(T),
-                PRE=T > 1 and VERIFY_PRELOAD, PASS=ps, num_warps=nw, **common)
+        _replay_read_kernel[(B * HV, dv // (BV * rnt))](
+            Rp, Rs, Rg, store.kbuf, store.vbuf, ubuf, store.Gbuf, store.bbuf,
+            store.committed, store.start, idx, out, *inputs, sc, dt_lo, dt_hi, dots,
+            BV=BV, LP=LP, U_BF16=U_BF16, DOTS=read_variant == "dots", NT=rnt,
+            RW=_row_width(dk, T, store.kind, read_variant), TP=triton.next_power_of_2(T),
+            PRE=T > 1 and VERIFY_PRELOAD, num_warps=nw, **common)
     if side is not None:
         torch.cuda.current_stream(q.device).wait_stream(side)
     return out, idx, False
@@ -1438,11 +1410,6 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
 # Not for the 'dots' kernel's q and k: preloaded there, the next run's rounds were GDN 869.6,
 # Mamba-2 1214.6 (decode_ab_nt1_26f8bd2.json; two runs, not one A/B).
 VERIFY_PRELOAD = True
-
-# A verify's flush kernel (pre-flushes of committed entries) runs on the side stream beside a
-# first read pass over the rows that have none; the flagged rows are read after it (two read
-# launches, _replay_read_kernel's PASS). With FLUSH_LIST only.
-VERIFY_OVERLAP = True
 
 # Outside a forced step the flush kernel takes the rows _flush_plan_kernel lists (those with
 # work: few in most steps) and launches FLUSH_LIST_WARPS_PER_SM warps of programs per SM (each
@@ -1490,17 +1457,18 @@ def _list_programs(items: int, warps: int, device) -> int:
 # step (T = 1) the rows that flush and the rows that read are disjoint (a read program of a
 # flushing row returns; its early load of the read copy is discarded), so the flushing
 # programs' latency and the other rows' programs that only read their pointers overlap the
-# read. In a verify a pre-flush rewrites the read copy that the same row's read uses: there the
-# side stream needs VERIFY_OVERLAP's two read passes.
+# read. Not in a verify: a pre-flush rewrites the read copy that the same row's read uses. (A
+# verify whose flush ran beside a first read pass over the rows without pre-flushes, the
+# flagged rows read after it in a second launch, was slower: T = 4 round at B = 512 GDN s32_rs
+# 853.5 vs 807.7 us, Mamba-2 1227.6 vs 1182.2; decode_ab_overlap_87ee638.json, commit 87ee638.)
 FLUSH_SIDE_STREAM = True
 _SIDE_STREAMS: dict = {}
 
 
-def _flush_stream(q, step: bool, T: int, force: bool, overlap: bool = False):
+def _flush_stream(q, step: bool, T: int, force: bool):
     """The side stream of the flush kernel (waiting on the caller's stream), or None: on the CPU,
-    in a verify without overlap, in a forced step (no read kernel) or with FLUSH_SIDE_STREAM
-    off."""
-    if not (FLUSH_SIDE_STREAM and q.is_cuda and not force and (step and T == 1 or overlap)):
+    in a verify, in a forced step (no read kernel) or with FLUSH_SIDE_STREAM off."""
+    if not (FLUSH_SIDE_STREAM and q.is_cuda and step and T == 1 and not force):
         return None
     side = _SIDE_STREAMS.get(q.device)
     if side is None:
