@@ -7,9 +7,9 @@ accepts and the compiler rejects (or that ptxas cannot assemble), without a GPU.
 
 `record` runs a Python command (`-m module args` or `script.py args`) with TRITON_INTERPRET=1 and
 writes every distinct kernel launch it made: the kernel, the type of each runtime argument, the
-constexpr values, num_warps (and maxnreg). `compile` (no TRITON_INTERPRET) compiles each launch with
-`triton.compile` for sm_<arch> (PTX, then ptxas if Triton ships one) and reports failures with
-the compiler's message. tests/test_compile_check.py does both for the model decode path.
+constexpr values, num_warps (and maxnreg). `compile` (no TRITON_INTERPRET) compiles each launch
+with `triton.compile` for sm_<arch> (PTX, then ptxas if Triton ships one) and reports failures
+with the compiler's message. tests/test_compile_check.py does both for the model decode path.
 `sass` prints, per launch, the static count of SASS instructions (nvdisasm of the cubin, as
 Triton ships it; --ops N: the N commonest opcodes) with ptxas's register and spill report: for
 kernels without runtime loops that is the instruction count of one program, a proxy (not a
