@@ -6,8 +6,7 @@ the bench's random accepts) against the snapshot round, once per mode (MODES: a 
 of switch values and step options). Session 12 (as evals/flush_list_ab.py, runs 55-56): the
 flush kernel over a list of the rows that flush (FLUSH_LIST: 'grid' without it; 'list' variants:
 programs per SM, no register cap, 8 value heads per item for SR pairs); then a verify's
-preloaded draft inputs (VERIFY_PRELOAD: 'no-preload' without). Session 13: the read kernel's
-products as one tl.dot (READ_DOT: 'dot' TF32x3, 'dot-ieee' FP32 FMAs, 'no-dot' none). A GPU check first (--no-check:
+preloaded draft inputs (VERIFY_PRELOAD: 'no-preload' without). A GPU check first (--no-check:
 none): L + 3 staggered steps and a verify in the first two modes from the same stores, outputs
 and stores compared bit for bit.
 
@@ -40,12 +39,9 @@ MODES = {"grid": ({"FLUSH_LIST": False}, None), "list": ({"FLUSH_LIST_WARPS_PER_
          "list-w64": ({"FLUSH_LIST_WARPS_PER_SM": 64}, None),
          "list-nocap": ({"FLUSH_LIST_MAXNREG": None}, None),
          "list-nh8": ({}, (None, None, None, 8)), "nt1": ({}, (16, 1, 1)),
-         "default": ({}, None), "no-preload": ({"VERIFY_PRELOAD": False}, None),
-         "dot": ({"READ_DOT": {"step": "tf32x3", "verify": "tf32x3"}}, None),
-         "dot-ieee": ({"READ_DOT": {"step": "ieee", "verify": "ieee"}}, None),
-         "no-dot": ({"READ_DOT": {"step": None, "verify": None}}, None)}
+         "default": ({}, None), "no-preload": ({"VERIFY_PRELOAD": False}, None)}
 DEFAULT = {k: getattr(rd, k) for k in ("FLUSH_LIST", "FLUSH_LIST_WARPS_PER_SM",
-                                       "FLUSH_LIST_MAXNREG", "VERIFY_PRELOAD", "READ_DOT")}
+                                       "FLUSH_LIST_MAXNREG", "VERIFY_PRELOAD")}
 
 
 def _set(mode):

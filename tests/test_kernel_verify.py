@@ -183,55 +183,6 @@ def test_read_row_width_pieces(kind, pair, monkeypatch):
     assert_states_close(st.anchor.dequantize(), whole.anchor.dequantize())
 
 
-@pytest.mark.parametrize("kind", ["gdn", "mamba2"])
-@pytest.mark.parametrize("pair", ["s32_rs", "tp8_hi32", "tp4_hi16_sr", "s16_sr"])
-def test_read_dot_products(kind, pair, monkeypatch):
-    """The read kernel's products with every draft's (or the step's) k and q as one tl.dot
-    (READ_DOT) against the same rounds without it: decode steps ('dots' and block read) and
-    verify rounds (T = 3) with random accepts across flushes; outputs equal within float32
-    reassociation, pointers and the raw-input buffers bit for bit, then against the
-    reference. Each format's decoded tile (_tile_values) must put every column in its place."""
-    T = 3
-    P = PrecisionPair.load(pair).with_buffer_len(5)
-    step, step_ref, ver, ver_ref = FN[kind][:4]
-    init = random_state(N, H, DV, DK, seed=41)
-    st = ReplayStore.from_state(init, P, kind, key_heads=HK, seed=6, u_dtype=torch.float32,
-                                max_drafts=T)
-    plain, ref = st.clone(), st.clone()
-    tol = 1e-5 if pair == "s32_rs" else 1e-3
-    used = []
-    read_dot = rd._read_dot
-    monkeypatch.setattr(rd, "_read_dot", lambda *a: used.append(read_dot(*a)) or used[-1])
-    for rnd in range(6):
-        verify = rnd % 3 != 2
-        kw = inputs(kind, T if verify else None, seed=70 + rnd)[0]
-        opts = {"read_variant": ["dots", "block"][rnd % 2]}
-        if not verify:
-            kw = {**kw, "path": "replay", "launch": "split"}
-        ys = {}
-        for dot, s_ in (("ieee", st), (None, plain)):
-            monkeypatch.setattr(rd, "READ_DOT", {"step": dot, "verify": dot})
-            out = torch.full((IDX.shape[0],) + ((T,) if verify else ()) + (H, DV), float("nan"))
-            ys[dot] = (ver if verify else step)(s_, **kw, state_indices=IDX, out=out, **opts)
-        y2 = (ver_ref if verify else step_ref)(ref, **kw, state_indices=IDX)
-        assert torch.isfinite(ys["ieee"]).all() and (ys["ieee"][~LIVE] == 0).all()
-        close(ys["ieee"], ys[None], 1e-5)
-        close(ys["ieee"], y2, tol)
-        if verify:
-            n = _accepts(rnd, T)
-            for s_ in (st, plain):
-                replay_accept(s_, n, IDX)
-            replay_accept_ref(ref, n, IDX)
-        assert st.committed.tolist() == plain.committed.tolist() == ref.committed.tolist()
-        for name in ("kbuf", "vbuf", "Gbuf", "bbuf"):
-            assert torch.equal(getattr(st, name).view(torch.uint8),
-                               getattr(plain, name).view(torch.uint8)), name
-    assert used.count("ieee") == 6 and used.count("") == 6      # steps and verifies on tl.dot
-    assert max(st.n_flush.tolist()) >= 1
-    assert_states_close(st.anchor.dequantize(), plain.anchor.dequantize())
-    assert_states_close(st.read_role.dequantize(), ref.read_role.dequantize())
-
-
 def test_rejected_drafts_change_nothing():
     """verify + accept(0) leaves anchor, read copy and every later output bit-identical."""
     T = 2

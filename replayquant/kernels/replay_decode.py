@@ -610,69 +610,6 @@ def _tile_mv(p, b, s, x, y, TWO: tl.constexpr, DK: tl.constexpr, FMT: tl.constex
 
 
 @triton.jit
-def _tile_values(p, b, s, BV: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr):
-    """The read copy's values [BV, DK] in float32 from _tile_raw's loads (16- / 32-bit tiles
-    loaded with RW = DK), for a tl.dot: NVFP4 codes times their block scale and the matrix scale,
-    FP8 codes times their row scale. Decoded codes (small_float_pair_at) come in per-column
-    vectors [BV, DK / 8] (NVFP4: column 8w + j) or [BV, DK / 4] (FP8: column 4w + j); tl.join
-    puts them side by side in a new last dimension (held in one thread), so that the reshape
-    orders the columns as stored."""
-    if FMT == 4:
-        NW: tl.constexpr = DK // 8
-        bs = small_float_at(b.to(tl.int32), 0, 4, 3) * (s * 2.0 ** 14 * 2.0 ** 8)
-        v0, v4 = small_float_pair_at(p, 0, 2, 1)
-        v1, v5 = small_float_pair_at(p, 4, 2, 1)
-        v2, v6 = small_float_pair_at(p, 8, 2, 1)
-        v3, v7 = small_float_pair_at(p, 12, 2, 1)
-        # [BV, NW, e1, e2, e3] -> column 8w + 4 e1 + 2 e2 + e3; tl.join's new axis is the last
-        x = tl.join(tl.join(tl.join(v0 * bs, v4 * bs), tl.join(v2 * bs, v6 * bs)),
-                    tl.join(tl.join(v1 * bs, v5 * bs), tl.join(v3 * bs, v7 * bs)))
-        T = tl.reshape(x, (BV, DK))
-    elif FMT == 3:
-        c0, c2 = small_float_pair_at(p, 0, 4, 3)
-        c1, c3 = small_float_pair_at(p, 8, 4, 3)
-        sc = (b * 2.0 ** 8)[:, None]
-        # [BV, NW, e1, e2] -> column 4w + 2 e1 + e2
-        T = tl.reshape(tl.join(tl.join(c0 * sc, c2 * sc), tl.join(c1 * sc, c3 * sc)), (BV, DK))
-    elif FMT == 0:
-        T = p
-    elif FMT == 1:
-        T = decode_fp16(p)
-    else:
-        T = decode_bf16(p)
-    return T
-
-
-@triton.jit
-def _draft_matrix(q_ptr, k_ptr, row, hk, cols, scale, T: tl.constexpr, TP: tl.constexpr,
-                  NP: tl.constexpr, HK: tl.constexpr, DK: tl.constexpr, DELTA: tl.constexpr,
-                  L2NORM: tl.constexpr):
-    """[DK, NP] float32: column t < T the normalised k of draft (or step) t, column TP + t its
-    normalised, scaled q, as _front_math makes them (Mamba-2: C; no k columns), other columns
-    zero: what the read copy is multiplied with in one tl.dot (_read_body, DOT)."""
-    nn = tl.arange(0, NP)
-    isq = nn >= TP
-    t = tl.where(isq, nn - TP, nn)
-    ok = (t < T) & (nn < 2 * TP)
-    off = ((row * T + t) * HK + hk) * DK
-    X = tl.load(q_ptr + off[:, None] + cols[None, :], mask=(ok & isq)[:, None],
-                other=0.0).to(tl.float32)
-    if DELTA:
-        X += tl.load(k_ptr + off[:, None] + cols[None, :], mask=(ok & (nn < TP))[:, None],
-                     other=0.0).to(tl.float32)
-        if L2NORM:
-            X = X * (1.0 / tl.sqrt(tl.sum(X * X, axis=1) + 1e-6))[:, None]
-        X = tl.where(isq[:, None], X * scale, X)
-    return tl.trans(X)
-
-
-@triton.jit
-def _col(R, nn, c):
-    """Column c of a [BV, NP] tile (nn = arange(NP)), exactly (as _pick)."""
-    return tl.sum(tl.where((nn == c)[None, :], R, -0.0), axis=1)
-
-
-@triton.jit
 def _pick(X2, tt, t):
     """Row t of a float32 [TP, N] tile of a verify's drafts (tt = arange(TP)), exactly: the
     other rows are replaced by -0.0, which adds nothing (not even to a -0.0)."""
@@ -706,8 +643,7 @@ def _read_body(
         STEP: tl.constexpr, RFMT: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
         HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, U_BF16: tl.constexpr,
         DT_CLAMP: tl.constexpr, dots_ptr=None, DOTS: tl.constexpr = False, NT: tl.constexpr = 1,
-        RW: tl.constexpr = 32, TP: tl.constexpr = 1, PRE: tl.constexpr = False,
-        DOT: tl.constexpr = "", NP: tl.constexpr = 16):
+        RW: tl.constexpr = 32, TP: tl.constexpr = 1, PRE: tl.constexpr = False):
     """What _replay_read_kernel does for one live row's program (slot >= 0): nothing for a row
     that flushes this step, else the outputs of its T entries and their appends, for NT blocks of
     BV rows from `rows` on, one after the other (the loads of the next block, read copy and u
@@ -719,14 +655,8 @@ def _read_body(
     as [TP, ...] tiles (TP: T rounded up to a power of two), before the pointers: the draft loop
     stores outputs and entries, and a load after a store cannot be moved above it (the compiler
     cannot tell that the pointers do not alias), so loads inside the loop cost one memory round
-    trip per draft.
-    DOT (an input precision of tl.dot, READ_DOT): the products of the read copy's rows with every
-    draft's k and q come from one tl.dot of the decoded tile [BV, DK] with _draft_matrix [DK, NP]
-    (RW = DK), not from a multiply and row sum per draft and vector (_tile_mv)."""
+    trip per draft."""
     jj = tl.arange(0, LP)
-    if DOT != "":
-        nn = tl.arange(0, NP)
-        W = _draft_matrix(q_ptr, k_ptr, row, hk, cols, scale, T, TP, NP, HK, DK, DELTA, L2NORM)
     if PRE:
         tt = tl.arange(0, TP)
         okt = tt < T
@@ -768,8 +698,6 @@ def _read_body(
             rb = rows + ib * BV
             more = ib + 1 < NT
             Pc, Sc = P, Sb
-            if DOT != "":
-                R = tl.dot(_tile_values(Pc, Sc, s, BV, DK, RFMT), W, input_precision=DOT)
             # the next block's read copy and u entries (GDN; Mamba-2: v entries)
             P, Sb = _tile_raw(R_pay, R_sc, mat, rb + BV, r0 + (ib + 1) * BV, more, DV, DK, RFMT,
                               BV, RW)
@@ -803,14 +731,8 @@ def _read_body(
                 prev = jj < p
                 wdec = tl.where(prev, tl.exp(tl.where(prev, Gp - G, 0.0)), 0.0)
                 eG = tl.exp(Gp)
-                if DOT != "":
-                    rq = _col(R, nn, TP + t)
-                    rk = _col(R, nn, t)
-                elif DELTA:
-                    rk, rq = _tile_mv(Pc, Sc, s, k, q, True, DK, RFMT, RW)
-                else:
-                    rq, _ = _tile_mv(Pc, Sc, s, q, q, False, DK, RFMT, RW)
                 if DELTA:
+                    rk, rq = _tile_mv(Pc, Sc, s, k, q, True, DK, RFMT, RW)
                     if DOTS:
                         if PRE:
                             kk = _pick(DK2, tt, t)
@@ -823,6 +745,7 @@ def _read_body(
                     if U_BF16:
                         u = u.to(tl.bfloat16).to(tl.float32)
                 else:
+                    rq, _ = _tile_mv(Pc, Sc, s, q, q, False, DK, RFMT, RW)
                     u = v
                 if DOTS:
                     if PRE:
@@ -920,7 +843,7 @@ def _replay_read_kernel(
         STEP: tl.constexpr, RFMT: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
         HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, U_BF16: tl.constexpr,
         DT_CLAMP: tl.constexpr, DOTS: tl.constexpr, NT: tl.constexpr, RW: tl.constexpr,
-        TP: tl.constexpr, PRE: tl.constexpr, DOT: tl.constexpr, NP: tl.constexpr):
+        TP: tl.constexpr, PRE: tl.constexpr):
     """The non-flushing rows (after _replay_flush_kernel in a verify; beside it, on the caller's
     stream while the flush runs on its side stream, in a CUDA decode step): outputs of T
     entries from the packed read copy and the buffer, output-only, and their appends
@@ -933,7 +856,7 @@ def _replay_read_kernel(
                    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, False,
                    dt_lo, dt_hi, row, hv, hk, rows, cols, slot, HK, HV, DK, DV, BV, L, CAP, LP, T,
                    STEP, RFMT, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, U_BF16, DT_CLAMP, dots_ptr,
-                   DOTS, NT, RW, TP, PRE, DOT, NP)
+                   DOTS, NT, RW, TP, PRE)
 
 
 # key_lo / key_hi: not specialized (Triton makes an integer argument equal to 1 a constexpr)
@@ -1467,32 +1390,15 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
                 store.kbuf, store.committed, store.start, idx, q, k, dots, sc, HK=HK, DK=dk,
                 L=store.L, CAP=store.capacity, LP=LP, T=T, DELTA=delta, L2NORM=use_qk_l2norm,
                 num_warps=max(1, min(4, LP * dk // 1024)))
-        dot = _read_dot(T, BV, dk)
-        TP = triton.next_power_of_2(T)
         _replay_read_kernel[(B * HV, dv // (BV * rnt))](
             Rp, Rs, Rg, store.kbuf, store.vbuf, ubuf, store.Gbuf, store.bbuf,
             store.committed, store.start, idx, out, *inputs, sc, dt_lo, dt_hi, dots,
             BV=BV, LP=LP, U_BF16=U_BF16, DOTS=read_variant == "dots", NT=rnt,
-            RW=dk if dot else _row_width(dk, T, store.kind, read_variant), TP=TP,
-            PRE=T > 1 and VERIFY_PRELOAD, DOT=dot, NP=max(16, 2 * TP), num_warps=nw, **common)
+            RW=_row_width(dk, T, store.kind, read_variant), TP=triton.next_power_of_2(T),
+            PRE=T > 1 and VERIFY_PRELOAD, num_warps=nw, **common)
     if side is not None:
         torch.cuda.current_stream(q.device).wait_stream(side)
     return out, idx, False
-
-
-# The split launch's read kernel multiplies its read copy tile with the k and q of every draft
-# (a verify) or of the step in one tl.dot (_read_body, DOT), by "step" (T = 1) and "verify":
-# tl.dot's input precision ("ieee": FP32 multiply-adds; "tf32x3": three TF32 tensor-core
-# products, about FP32 accuracy, as the chunk kernel's default) or None (a multiply and row sum
-# per vector, _tile_mv). Needs 16 rows and 16 columns (tl.dot's smallest tile): smaller
-# blocks take None.
-READ_DOT = {"step": None, "verify": None}
-
-
-def _read_dot(T: int, rows: int, dk: int) -> str:
-    """The read kernel's DOT for T drafts on blocks of `rows` rows: READ_DOT's, or '' (none)."""
-    dot = READ_DOT["step" if T == 1 else "verify"]
-    return dot if dot and rows >= 16 and dk >= 16 else ""
 
 
 # A verify's read kernel loads every draft's inputs before its draft loop (_read_body, PRE).
