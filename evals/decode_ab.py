@@ -6,7 +6,8 @@ the bench's random accepts) against the snapshot round, once per mode (MODES: a 
 of switch values and step options). Session 12 (as evals/flush_list_ab.py, runs 55-56): the
 flush kernel over a list of the rows that flush (FLUSH_LIST: 'grid' without it; 'list' variants:
 programs per SM, no register cap, 8 value heads per item for SR pairs); then a verify's
-preloaded draft inputs (VERIFY_PRELOAD: 'no-preload' without). A GPU check first (--no-check:
+preloaded draft inputs (VERIFY_PRELOAD: 'no-preload' without). Session 13: a register cap
+on one-warp flush programs ('cap1w-128', 'cap1w-168'), 8-row flush blocks ('f8'). A GPU check first (--no-check:
 none): L + 3 staggered steps and a verify in the first two modes from the same stores, outputs
 and stores compared bit for bit.
 
@@ -39,9 +40,13 @@ MODES = {"grid": ({"FLUSH_LIST": False}, None), "list": ({"FLUSH_LIST_WARPS_PER_
          "list-w64": ({"FLUSH_LIST_WARPS_PER_SM": 64}, None),
          "list-nocap": ({"FLUSH_LIST_MAXNREG": None}, None),
          "list-nh8": ({}, (None, None, None, 8)), "nt1": ({}, (16, 1, 1)),
-         "default": ({}, None), "no-preload": ({"VERIFY_PRELOAD": False}, None)}
+         "default": ({}, None), "no-preload": ({"VERIFY_PRELOAD": False}, None),
+         "cap1w-128": ({"FLUSH_LIST_MAXNREG_1W": 128}, None),
+         "cap1w-168": ({"FLUSH_LIST_MAXNREG_1W": 168}, None),
+         "f8": ({}, (8, 1))}
 DEFAULT = {k: getattr(rd, k) for k in ("FLUSH_LIST", "FLUSH_LIST_WARPS_PER_SM",
-                                       "FLUSH_LIST_MAXNREG", "VERIFY_PRELOAD")}
+                                       "FLUSH_LIST_MAXNREG", "FLUSH_LIST_MAXNREG_1W",
+                                       "VERIFY_PRELOAD")}
 
 
 def _set(mode):
@@ -56,7 +61,7 @@ def _set(mode):
 def _applies(mode, pair) -> bool:
     if mode == "list-nh8":
         return bd._sr_pair(pair)
-    if mode == "nt1":                                   # no NVFP4 role
+    if mode in ("nt1", "f8"):                           # no NVFP4 role
         from replayquant.pairs import PrecisionPair
         P = PrecisionPair.load(pair)
         return all(r is None or r.format != "nvfp4" for r in (P.anchor, P.read))

@@ -1427,6 +1427,10 @@ VERIFY_PRELOAD = True
 FLUSH_LIST = True
 FLUSH_LIST_WARPS_PER_SM = 16
 FLUSH_LIST_MAXNREG = 128
+# the same for one-warp programs (None: no cap). Static SASS (Triton 3.6, sm_90a): the GDN s32_rs
+# flush program of 16 rows on one warp takes 254 registers (8 programs per SM), 2200
+# instructions; capped at 128 (16 per SM) it spills 156 bytes
+FLUSH_LIST_MAXNREG_1W = None
 FLUSH_LIST_CPU_PROGRAMS = 3         # the interpreter: a few programs, so that they loop
 _SM_COUNT: dict = {}
 
@@ -1436,10 +1440,10 @@ def _list_regs(use_list: bool, warps: int, q) -> dict:
     the looping program more registers than one item's program (Triton 3.6, sm_90a: the Mamba-2
     whole-matrix NVFP4 flush on 8 warps 180 instead of 120, one program per SM instead of two);
     FLUSH_LIST_MAXNREG keeps it at the count that holds two (no spill there)."""
-    if not (use_list and warps > 1 and FLUSH_LIST_MAXNREG and q.is_cuda
-            and torch.version.hip is None):
+    cap = FLUSH_LIST_MAXNREG if warps > 1 else FLUSH_LIST_MAXNREG_1W
+    if not (use_list and cap and q.is_cuda and torch.version.hip is None):
         return {}
-    return {"maxnreg": FLUSH_LIST_MAXNREG}
+    return {"maxnreg": cap}
 
 
 def _list_programs(items: int, warps: int, device) -> int:
