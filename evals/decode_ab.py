@@ -41,8 +41,9 @@ MODES = {"grid": ({"FLUSH_LIST": False}, None), "list": ({"FLUSH_LIST_WARPS_PER_
          "list-nocap": ({"FLUSH_LIST_MAXNREG": None}, None),
          "list-nh8": ({}, (None, None, None, 8)), "nt1": ({}, (16, 1, 1)),
          "default": ({}, None), "no-preload": ({"VERIFY_PRELOAD": False}, None),
-         "cap1w-128": ({"FLUSH_LIST_MAXNREG_1W": 128}, None),
-         "cap1w-168": ({"FLUSH_LIST_MAXNREG_1W": 168}, None),
+         "cap1w-128": ({"FLUSH_LIST_MAXNREG_1W": {"step": 128, "verify": 128}}, None),
+         "cap1w-168": ({"FLUSH_LIST_MAXNREG_1W": {"step": 168, "verify": 168}}, None),
+         "cap1w-none": ({"FLUSH_LIST_MAXNREG_1W": {"step": None, "verify": None}}, None),
          "f8": ({}, (8, 1))}
 DEFAULT = {k: getattr(rd, k) for k in ("FLUSH_LIST", "FLUSH_LIST_WARPS_PER_SM",
                                        "FLUSH_LIST_MAXNREG", "FLUSH_LIST_MAXNREG_1W",

@@ -1381,7 +1381,7 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
             sc, *split_key(store.key), dt_lo, dt_hi, lst, cnt, BV=FBV,
             AFMT=afid, ASR=ar, RSR=rr, SHARED=store.shared,
             FORCE=bool(force), NT=nt, NH=nh, LIST=use_list, num_warps=fnw,
-            **_list_regs(use_list, fnw, q), **common)
+            **_list_regs(use_list, fnw, q, step), **common)
     if not force:
         dots = idx                                      # any pointer: unused unless DOTS
         if read_variant == "dots":
@@ -1427,20 +1427,28 @@ VERIFY_PRELOAD = True
 FLUSH_LIST = True
 FLUSH_LIST_WARPS_PER_SM = 16
 FLUSH_LIST_MAXNREG = 128
-# the same for one-warp programs (None: no cap). Static SASS (Triton 3.6, sm_90a): the GDN s32_rs
-# flush program of 16 rows on one warp takes 254 registers (8 programs per SM), 2200
-# instructions; capped at 128 (16 per SM) it spills 156 bytes
-FLUSH_LIST_MAXNREG_1W = None
+# the same for one-warp programs, by decode step and verify (None: no cap). Static SASS (Triton
+# 3.6, sm_90a): the GDN s32_rs step's flush program of 16 rows on one warp takes 254 registers
+# (8 programs per SM), 2200 instructions; capped at 128 it spills 156 bytes, at 168 none. H200,
+# run 65 (decode_ab_cap_ecbbbdb.json, one run), us, none / 128 / 168 / 8-row blocks: the flush
+# step at B = 256 only lost (GDN s32_rs 868.3 / 1005.7 / 980.3 / 894.0, tp8_hi32 875.7 / 1079.6
+# / 1166.1 / 1052.5; Mamba-2 s32_rs 759.9 / 801.0 / 778.6 / 921.5, tp8_hi32 1173.8 / 1251.4 /
+# 1302.4 / 1295.2), the T = 4 round at B = 512 (its pre-flushes) won with a separate FP8 copy:
+# GDN tp8_hi32 858.8 / 833.4 / 862.1 / 846.2, Mamba-2 tp8_hi32 1441.5 / 1320.8 / 1447.4 /
+# 1284.5; s32_rs equal at 128 (GDN 807.3 / 808.3, Mamba-2 1179.8 / 1180.7)
+FLUSH_LIST_MAXNREG_1W = {"step": None, "verify": 128}
 FLUSH_LIST_CPU_PROGRAMS = 3         # the interpreter: a few programs, so that they loop
 _SM_COUNT: dict = {}
 
 
-def _list_regs(use_list: bool, warps: int, q) -> dict:
+def _list_regs(use_list: bool, warps: int, q, step: bool = True) -> dict:
     """The register cap of a LIST flush launch of multi-warp programs (NVIDIA): ptxas would give
     the looping program more registers than one item's program (Triton 3.6, sm_90a: the Mamba-2
     whole-matrix NVFP4 flush on 8 warps 180 instead of 120, one program per SM instead of two);
-    FLUSH_LIST_MAXNREG keeps it at the count that holds two (no spill there)."""
-    cap = FLUSH_LIST_MAXNREG if warps > 1 else FLUSH_LIST_MAXNREG_1W
+    FLUSH_LIST_MAXNREG keeps it at the count that holds two (no spill there). One-warp programs:
+    FLUSH_LIST_MAXNREG_1W by decode step (step) or verify (measured there)."""
+    cap = (FLUSH_LIST_MAXNREG if warps > 1
+           else FLUSH_LIST_MAXNREG_1W["step" if step else "verify"])
     if not (use_list and cap and q.is_cuda and torch.version.hip is None):
         return {}
     return {"maxnreg": cap}
