@@ -183,6 +183,52 @@ def test_read_row_width_pieces(kind, pair, monkeypatch):
     assert_states_close(st.anchor.dequantize(), whole.anchor.dequantize())
 
 
+@pytest.mark.parametrize("pair,rw", [("s32_rs", 16), ("tp8_hi32", 16), ("tp4_hi16_sr", 16)])
+def test_flush_fold_row_pieces(pair, rw, monkeypatch):
+    """GDN's flush fold on the tile as row pieces (FLUSH_ROW_WIDTH, _fold_pieces) against the
+    [rows, d_k] fold: decode steps across flushes (split and one launch) and verify rounds
+    (T = 3, pre-flushes) with random accepts; outputs, anchor and read copy equal within float32
+    reassociation, pointers and buffers bit for bit, then against the reference."""
+    T = 3
+    P = PrecisionPair.load(pair).with_buffer_len(5)
+    step, step_ref, ver, ver_ref = FN["gdn"][:4]
+    init = random_state(N, H, DV, DK, seed=43)
+    st = ReplayStore.from_state(init, P, "gdn", key_heads=HK, seed=6, u_dtype=torch.float32,
+                                max_drafts=T)
+    whole, ref = st.clone(), st.clone()
+    tol = 1e-5 if pair == "s32_rs" else 1e-3
+    used = []
+    frw = rd._flush_row_width
+    monkeypatch.setattr(rd, "_flush_row_width", lambda *a: used.append(frw(*a)) or used[-1])
+    for rnd in range(9):
+        verify = rnd % 3 == 1
+        kw = inputs("gdn", T if verify else None, seed=90 + rnd)[0]
+        if not verify:
+            kw = {**kw, "path": "replay", "launch": ["split", "fused"][rnd % 2]}
+        ys = {}
+        for width, s_ in ((rw, st), (None, whole)):
+            monkeypatch.setitem(rd.FLUSH_ROW_WIDTH, "gdn", width)
+            ys[width] = (ver if verify else step)(s_, **kw, state_indices=IDX)
+        y2 = (ver_ref if verify else step_ref)(ref, **kw, state_indices=IDX)
+        assert torch.isfinite(ys[rw]).all() and (ys[rw][~LIVE] == 0).all()
+        close(ys[rw], ys[None], 1e-5)
+        close(ys[rw], y2, tol)
+        if verify:
+            n = _accepts(rnd, T)
+            for s_ in (st, whole):
+                replay_accept(s_, n, IDX)
+            replay_accept_ref(ref, n, IDX)
+        assert st.committed.tolist() == whole.committed.tolist() == ref.committed.tolist()
+        assert st.n_flush.tolist() == whole.n_flush.tolist()
+        for name in ("kbuf", "vbuf", "Gbuf", "bbuf"):
+            assert torch.equal(getattr(st, name).view(torch.uint8),
+                               getattr(whole, name).view(torch.uint8)), name
+        assert_states_close(st.anchor.dequantize(), whole.anchor.dequantize())
+    assert rw in used and max(st.n_flush.tolist()) >= 2
+    assert_states_close(st.anchor.dequantize(), ref.anchor.dequantize())
+    assert_states_close(st.read_role.dequantize(), ref.read_role.dequantize())
+
+
 def test_rejected_drafts_change_nothing():
     """verify + accept(0) leaves anchor, read copy and every later output bit-identical."""
     T = 2

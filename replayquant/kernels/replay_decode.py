@@ -276,6 +276,43 @@ def _fold(S, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, n, Gfin,
 
 
 @triton.jit
+def _fold_pieces(S, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, n,
+                 HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                 CAP: tl.constexpr, L2NORM: tl.constexpr, BV: tl.constexpr, RW: tl.constexpr):
+    """GDN's _fold with the tile held as [DK / RW, BV, RW] (column a * RW + c of row r at
+    [a, r, c]), as the read kernel's pieces (_tile_raw): a row's pieces sit in one lane group,
+    so each entry's S k ends in log2(RW / 4) shuffle rounds, not the five of a 128-column row
+    on all 32 lanes; k is loaded in the same [DK / RW, RW] shape. The same recurrence and
+    order of entries; sums reassociated. In and out: [BV, DK]."""
+    A: tl.constexpr = DK // RW
+    kc = tl.arange(0, A)[:, None] * RW + tl.arange(0, RW)[None, :]
+    S3 = tl.permute(tl.reshape(S, (BV, A, RW)), (1, 0, 2))
+    Gprev = 0.0
+    e = _entry(slot, start, 0, CAP)
+    kn = tl.load(kbuf + (e * HK + hk) * DK + kc)
+    vn = tl.load(vbuf + (e * HV + hv) * DV + rows)
+    Gn = tl.load(Gbuf + e * HV + hv)
+    bn = tl.load(bbuf + e * HV + hv)
+    for j in range(0, n):
+        k = kn.to(tl.float32)
+        v = vn.to(tl.float32)
+        G = Gn
+        beta = bn
+        e = _entry(slot, start, tl.minimum(j + 1, n - 1), CAP)       # the next entry's loads
+        kn = tl.load(kbuf + (e * HK + hk) * DK + kc)
+        vn = tl.load(vbuf + (e * HV + hv) * DV + rows)
+        Gn = tl.load(Gbuf + e * HV + hv)
+        bn = tl.load(bbuf + e * HV + hv)
+        r = 1.0 / tl.sqrt(tl.sum(tl.sum(k * k, axis=1), axis=0) + 1e-6) if L2NORM else 1.0
+        S3 = S3 * tl.exp(G - Gprev)
+        sk = tl.sum(tl.sum(S3 * k[:, None, :], axis=0), axis=1)
+        u = beta * (v - sk * r)
+        S3 = S3 + (u * r)[None, :, None] * k[:, None, :]
+        Gprev = G
+    return tl.reshape(tl.permute(S3, (1, 0, 2)), (BV, DK))
+
+
+@triton.jit
 def _last_G(Gbuf, slot, start, h, hv, HV: tl.constexpr, CAP: tl.constexpr):
     """Cumulative log gate of entry h - 1 (0 when h == 0: no load, so a forced Mamba-2 flush
     does not wait on the buffer after its pointers)."""
@@ -307,7 +344,7 @@ def _flush_body(
         STEP: tl.constexpr, AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr,
         RSR: tl.constexpr, SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
         HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
-        DT_CLAMP: tl.constexpr):
+        DT_CLAMP: tl.constexpr, FRW: tl.constexpr = 0):
     """What _replay_flush_kernel does for one live row's program (slot >= 0): the flushes of
     that row (pre-flush of committed entries that would not leave T free slots, and the flush of
     a step that fills the buffer or is forced); nothing for a row that does not flush.
@@ -316,7 +353,8 @@ def _flush_body(
     before the pointers, as the conventional step loads them (one dependent global load less
     before the state arrives); reloaded only after a pre-flush rewrote the anchor. Not with a
     separate read copy: holding the early tile across the pre-flush made those variants spill
-    (ptxas, sm_90a: GDN tp8_hi32 364 bytes), and the dispatcher never forces them."""
+    (ptxas, sm_90a: GDN tp8_hi32 364 bytes), and the dispatcher never forces them.
+    FRW > 0 (GDN, FLUSH_ROW_WIDTH): the folds run on the tile as row pieces (_fold_pieces)."""
     mat = slot * HV + hv
     EARLY: tl.constexpr = FORCE and STEP and SHARED
     if EARLY:
@@ -334,7 +372,10 @@ def _flush_body(
             A = A0                      # the same anchor tile, already loaded
         else:
             A = _tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT)
-        if DELTA:
+        if DELTA and FRW > 0:
+            S = _fold_pieces(A, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, h, HK, HV,
+                             DK, DV, CAP, L2NORM, BV, FRW)
+        elif DELTA:
             S = _fold(A, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, h, 0.0,
                       HK, HV, DK, DV, CAP, DELTA, L2NORM)
         else:
@@ -361,8 +402,12 @@ def _flush_body(
                     HAS_D, DT_CLAMP)
                 A = _tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT)
             if DELTA:
-                S = _fold(A, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, h, 0.0,
-                          HK, HV, DK, DV, CAP, DELTA, L2NORM)
+                if FRW > 0:
+                    S = _fold_pieces(A, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, h,
+                                     HK, HV, DK, DV, CAP, L2NORM, BV, FRW)
+                else:
+                    S = _fold(A, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, h,
+                              0.0, HK, HV, DK, DV, CAP, DELTA, L2NORM)
                 S, y = _rank1_step(S, q, k, v, log_a, beta, DELTA)   # h = 0: the conventional step
             else:
                 Gf = _last_G(Gbuf, slot, start, h, hv, HV, CAP) + log_a
@@ -410,7 +455,8 @@ def _flush_program(
         STEP: tl.constexpr, AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr,
         RSR: tl.constexpr, SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
         HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
-        DT_CLAMP: tl.constexpr, FORCE: tl.constexpr, NT: tl.constexpr, NH: tl.constexpr):
+        DT_CLAMP: tl.constexpr, FORCE: tl.constexpr, NT: tl.constexpr, NH: tl.constexpr,
+        FRW: tl.constexpr):
     """One work item of _replay_flush_kernel: value heads hg * NH .. of batch row `row`, NT row
     blocks of each from program_id(1) * NT on."""
     slot = tl.load(idx_ptr + row).to(tl.int64)
@@ -426,7 +472,7 @@ def _flush_program(
                             dtb_ptr, D_ptr, z_ptr, scale, key_lo, key_hi, FORCE, dt_lo, dt_hi,
                             row, hv, hk, rows, cols, slot, HK, HV, DK, DV, BV, L, CAP, T, STEP,
                             AFMT, ASR, RFMT, RSR, SHARED, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z,
-                            DT_CLAMP)
+                            DT_CLAMP, FRW)
             else:
                 for t in tl.static_range(T):      # padding rows: zero outputs, nothing else
                     tl.store(out_ptr + ((row * T + t) * HV + hv) * DV + rows,
@@ -446,7 +492,7 @@ def _replay_flush_kernel(
         RSR: tl.constexpr, SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
         HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
         DT_CLAMP: tl.constexpr, FORCE: tl.constexpr, NT: tl.constexpr, NH: tl.constexpr = 1,
-        LIST: tl.constexpr = False):
+        LIST: tl.constexpr = False, FRW: tl.constexpr = 0):
     """The flushing rows of a step / verify: (1) committed entries that would not leave T free
     slots (h + T > L, h > 0) are folded into the anchor first; (2) a step whose entry fills the
     buffer (h + 1 == L, or force) rebuilds through it, outputs S q and casts both roles.
@@ -466,14 +512,14 @@ def _replay_flush_kernel(
                            A_ptr, dtb_ptr, D_ptr, z_ptr, scale, key_lo, key_hi, dt_lo, dt_hi,
                            tl.load(list_ptr + it // PER), it % PER, HK, HV, DK, DV, BV, L, CAP,
                            T, STEP, AFMT, ASR, RFMT, RSR, SHARED, DELTA, L2NORM, HAS_DTB, HAS_D,
-                           HAS_Z, DT_CLAMP, FORCE, NT, NH)
+                           HAS_Z, DT_CLAMP, FORCE, NT, NH, FRW)
     else:
         _flush_program(A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, Gbuf, bbuf, h_ptr,
                        st_ptr, nf_ptr, idx_ptr, out_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
                        A_ptr, dtb_ptr, D_ptr, z_ptr, scale, key_lo, key_hi, dt_lo, dt_hi,
                        pid // PER, pid % PER, HK, HV, DK, DV, BV, L, CAP, T, STEP, AFMT, ASR,
                        RFMT, RSR, SHARED, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP, FORCE,
-                       NT, NH)
+                       NT, NH, FRW)
 
 
 @triton.jit
@@ -871,7 +917,7 @@ def _replay_fused_kernel(
         AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr, RSR: tl.constexpr,
         SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr, HAS_DTB: tl.constexpr,
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, U_BF16: tl.constexpr, DT_CLAMP: tl.constexpr,
-        ADVANCE: tl.constexpr, FORCE: tl.constexpr, RW: tl.constexpr):
+        ADVANCE: tl.constexpr, FORCE: tl.constexpr, RW: tl.constexpr, FRW: tl.constexpr):
     """A decode step (T = 1) in one launch (launch='fused', the small-batch path): each program
     runs what _replay_flush_kernel and then _replay_read_kernel would run for its (row, value
     head, row block), so a row either flushes or reads (and appends). A pre-flush (h == L after a
@@ -886,7 +932,7 @@ def _replay_fused_kernel(
                     nf_ptr, out_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr,
                     z_ptr, scale, key_lo, key_hi, FORCE, dt_lo, dt_hi, row, hv, hk, rows, cols,
                     slot, HK, HV, DK, DV, BV, L, CAP, 1, True, AFMT, ASR, RFMT, RSR, SHARED,
-                    DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP)
+                    DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP, FRW)
         _read_body(R_pay, R_sc, R_gs, kbuf, vbuf, ubuf, Gbuf, bbuf, h_ptr, st_ptr, out_ptr,
                    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, FORCE,
                    dt_lo, dt_hi, row, hv, hk, rows, cols, slot, HK, HV, DK, DV, BV, L, CAP, LP, 1,
@@ -1126,6 +1172,20 @@ FLUSH_HEADS = {("gdn", True): 8, ("mamba2", True): 8}
 FLUSH_HEADS_MIN = 8192
 
 
+# Columns of a row that one lane group holds side by side in GDN's flush fold (_fold_pieces),
+# by d_k, as READ_ROW_WIDTH for the read; None: the [rows, d_k] tile (five shuffle rounds per
+# row sum). Only for blocks of a multiple of 128 / RW rows (a row's pieces in one lane group).
+FLUSH_ROW_WIDTH = {"gdn": None}
+
+
+def _flush_row_width(kind: str, dk: int, rows: int) -> int:
+    """The flush kernel's FRW: FLUSH_ROW_WIDTH's width where it applies, else 0."""
+    rw = FLUSH_ROW_WIDTH.get(kind)
+    if not rw or rw >= dk or dk % rw or rw < 4 or rows % max(1, 128 // rw):
+        return 0
+    return rw
+
+
 def _flush_warps(fbv, dk):
     """Warps of a flush program holding fbv x dk state elements."""
     return max(2, min(16, fbv * dk // 1024))
@@ -1344,7 +1404,7 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
             SHARED=store.shared, DELTA=delta, L2NORM=use_qk_l2norm, HAS_DTB=dt_bias is not None,
             HAS_D=D is not None, HAS_Z=z is not None, U_BF16=U_BF16, DT_CLAMP=dt_clamp,
             ADVANCE=bool(advance), FORCE=bool(force), RW=_row_width(dk, 1, store.kind, "block"),
-            num_warps=fnw)
+            FRW=_flush_row_width(store.kind, dk, fbv), num_warps=fnw)
         return out, idx, bool(advance)
     common = dict(HK=HK, HV=HV, DK=dk, DV=dv, L=store.L, CAP=store.capacity, T=T, STEP=step,
                   RFMT=rfid, DELTA=delta, L2NORM=use_qk_l2norm, HAS_DTB=dt_bias is not None,
@@ -1380,7 +1440,8 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
             store.committed, store.start, store.n_flush, idx, out, *inputs,
             sc, *split_key(store.key), dt_lo, dt_hi, lst, cnt, BV=FBV,
             AFMT=afid, ASR=ar, RSR=rr, SHARED=store.shared,
-            FORCE=bool(force), NT=nt, NH=nh, LIST=use_list, num_warps=fnw,
+            FORCE=bool(force), NT=nt, NH=nh, LIST=use_list,
+            FRW=_flush_row_width(store.kind, dk, FBV), num_warps=fnw,
             **_list_regs(use_list, fnw, q, step), **common)
     if not force:
         dots = idx                                      # any pointer: unused unless DOTS
