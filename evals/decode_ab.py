@@ -8,7 +8,8 @@ flush kernel over a list of the rows that flush (FLUSH_LIST: 'grid' without it; 
 programs per SM, no register cap, 8 value heads per item for SR pairs); then a verify's
 preloaded draft inputs (VERIFY_PRELOAD: 'no-preload' without). Session 13: a register cap
 on one-warp flush programs ('cap1w-128', 'cap1w-168'), 8-row flush blocks ('f8'), GDN's flush
-fold on row pieces ('frw8', 'frw16', 'frw32': FLUSH_ROW_WIDTH). A GPU check first (--no-check:
+fold on row pieces ('frw8', 'frw16', 'frw32' at 0f0679a, slower, removed), then with its decay
+deferred ('defer': FLUSH_DEFER_DECAY). A GPU check first (--no-check:
 none): L + 3 staggered steps and a verify in the first two modes from the same stores, outputs
 and stores compared bit for bit.
 
@@ -45,13 +46,11 @@ MODES = {"grid": ({"FLUSH_LIST": False}, None), "list": ({"FLUSH_LIST_WARPS_PER_
          "cap1w-128": ({"FLUSH_LIST_MAXNREG_1W": {"step": 128, "verify": 128}}, None),
          "cap1w-168": ({"FLUSH_LIST_MAXNREG_1W": {"step": 168, "verify": 168}}, None),
          "cap1w-none": ({"FLUSH_LIST_MAXNREG_1W": {"step": None, "verify": None}}, None),
-         "f8": ({}, (8, 1)), "frw8": ({"FLUSH_ROW_WIDTH": {"gdn": 8}}, None),
-         "frw16": ({"FLUSH_ROW_WIDTH": {"gdn": 16}}, None),
-         "frw32": ({"FLUSH_ROW_WIDTH": {"gdn": 32}}, None),
-         "frw-none": ({"FLUSH_ROW_WIDTH": {"gdn": None}}, None)}
+         "f8": ({}, (8, 1)), "defer": ({"FLUSH_DEFER_DECAY": True}, None),
+         "no-defer": ({"FLUSH_DEFER_DECAY": False}, None)}
 DEFAULT = {k: getattr(rd, k) for k in ("FLUSH_LIST", "FLUSH_LIST_WARPS_PER_SM",
                                        "FLUSH_LIST_MAXNREG", "FLUSH_LIST_MAXNREG_1W",
-                                       "VERIFY_PRELOAD", "FLUSH_ROW_WIDTH")}
+                                       "VERIFY_PRELOAD", "FLUSH_DEFER_DECAY")}
 
 
 def _set(mode):

@@ -4,6 +4,7 @@ over many rounds with random accept counts including 0 and T, mixed with plain d
 
 import pytest
 import torch
+import triton
 
 from replayquant.bench.decode import (gdn_params, gdn_step_inputs, mamba2_params,
                                       mamba2_step_inputs, random_state)
@@ -183,12 +184,15 @@ def test_read_row_width_pieces(kind, pair, monkeypatch):
     assert_states_close(st.anchor.dequantize(), whole.anchor.dequantize())
 
 
-@pytest.mark.parametrize("pair,rw", [("s32_rs", 16), ("tp8_hi32", 16), ("tp4_hi16_sr", 16)])
-def test_flush_fold_row_pieces(pair, rw, monkeypatch):
-    """GDN's flush fold on the tile as row pieces (FLUSH_ROW_WIDTH, _fold_pieces) against the
-    [rows, d_k] fold: decode steps across flushes (split and one launch) and verify rounds
-    (T = 3, pre-flushes) with random accepts; outputs, anchor and read copy equal within float32
-    reassociation, pointers and buffers bit for bit, then against the reference."""
+@pytest.mark.parametrize("pair,rescale", [("s32_rs", 20.0), ("s32_rs", 0.0), ("tp8_hi32", 20.0),
+                                          ("tp4_hi16_sr", 0.0)])
+def test_flush_fold_deferred_decay(pair, rescale, monkeypatch):
+    """GDN's flush fold with the decay deferred (FLUSH_DEFER_DECAY) against the plain fold:
+    decode steps across flushes (split and one launch) and verify rounds (T = 3, pre-flushes)
+    with random accepts; outputs, anchor and read copy equal within float32 reassociation (and
+    rounding flips), pointers and buffers bit for bit, then against the reference. rescale 0:
+    the tile is rescaled at every entry (DEFER_RESCALE; the gates here never reach e^-20)."""
+    monkeypatch.setattr(rd, "DEFER_RESCALE", triton.language.constexpr(rescale))
     T = 3
     P = PrecisionPair.load(pair).with_buffer_len(5)
     step, step_ref, ver, ver_ref = FN["gdn"][:4]
@@ -197,22 +201,19 @@ def test_flush_fold_row_pieces(pair, rw, monkeypatch):
                                 max_drafts=T)
     whole, ref = st.clone(), st.clone()
     tol = 1e-5 if pair == "s32_rs" else 1e-3
-    used = []
-    frw = rd._flush_row_width
-    monkeypatch.setattr(rd, "_flush_row_width", lambda *a: used.append(frw(*a)) or used[-1])
     for rnd in range(9):
         verify = rnd % 3 == 1
         kw = inputs("gdn", T if verify else None, seed=90 + rnd)[0]
         if not verify:
             kw = {**kw, "path": "replay", "launch": ["split", "fused"][rnd % 2]}
         ys = {}
-        for width, s_ in ((rw, st), (None, whole)):
-            monkeypatch.setitem(rd.FLUSH_ROW_WIDTH, "gdn", width)
-            ys[width] = (ver if verify else step)(s_, **kw, state_indices=IDX)
+        for defer, s_ in ((True, st), (False, whole)):
+            monkeypatch.setattr(rd, "FLUSH_DEFER_DECAY", defer)
+            ys[defer] = (ver if verify else step)(s_, **kw, state_indices=IDX)
         y2 = (ver_ref if verify else step_ref)(ref, **kw, state_indices=IDX)
-        assert torch.isfinite(ys[rw]).all() and (ys[rw][~LIVE] == 0).all()
-        close(ys[rw], ys[None], 1e-5)
-        close(ys[rw], y2, tol)
+        assert torch.isfinite(ys[True]).all() and (ys[True][~LIVE] == 0).all()
+        close(ys[True], ys[False], tol)      # lossy roles: a reassociation can flip a rounding
+        close(ys[True], y2, tol)
         if verify:
             n = _accepts(rnd, T)
             for s_ in (st, whole):
@@ -224,7 +225,7 @@ def test_flush_fold_row_pieces(pair, rw, monkeypatch):
             assert torch.equal(getattr(st, name).view(torch.uint8),
                                getattr(whole, name).view(torch.uint8)), name
         assert_states_close(st.anchor.dequantize(), whole.anchor.dequantize())
-    assert rw in used and max(st.n_flush.tolist()) >= 2
+    assert max(st.n_flush.tolist()) >= 2
     assert_states_close(st.anchor.dequantize(), ref.anchor.dequantize())
     assert_states_close(st.read_role.dequantize(), ref.read_role.dequantize())
 

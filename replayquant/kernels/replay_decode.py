@@ -239,18 +239,27 @@ def _entry_in(kbuf, vbuf, Gbuf, bbuf, e, hv, hk, rows, cols, HK: tl.constexpr, H
     return k, v, tl.load(Gbuf + e * HV + hv), tl.load(bbuf + e * HV + hv)
 
 
+DEFER_RESCALE: tl.constexpr = tl.constexpr(20.0)
+
+
 @triton.jit
 def _fold(S, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, n, Gfin,
           HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-          CAP: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr):
+          CAP: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
+          DEFER: tl.constexpr = False):
     """Fold the n buffered entries into S, one FMA pass per entry (entry j + 1 is loaded while
     entry j is folded).
     GDN (DELTA; S = the dequantized anchor, Gfin unused): the recurrence a_j = exp(G_j - G_{j-1}),
     u_j = beta_j (v_j - a_j S k_j), S <- a_j S + u_j k_j^T; equal to core.rebuild (the triangular
     solve against the anchor) within float32 reassociation.
     Mamba-2 (S = exp(Gfin) deq(A) on entry): S + sum_j exp(Gfin - G_j) (dt_j x_j) B_j^T,
-    core.rebuild's closed form."""
+    core.rebuild's closed form.
+    DEFER (GDN): the tile is held as M, S = exp(G_j - Gref) M: an entry computes
+    c = exp(G_j - Gref), u_j = beta_j (v_j - c (M k_j) r) and M <- M + (u_j r / c) k_j^T, with
+    no pass scaling the tile; M is scaled by c (and Gref = G_j) before an entry whose c would
+    fall below exp(-DEFER_RESCALE), and by exp(G_last - Gref) at the end."""
     Gprev = 0.0
+    Gref = 0.0
     kn, vn, Gn, bn = _entry_in(kbuf, vbuf, Gbuf, bbuf, _entry(slot, start, 0, CAP), hv, hk, rows,
                                cols, HK, HV, DK, DV)
     for j in range(0, n):
@@ -265,51 +274,25 @@ def _fold(S, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, n, Gfin,
             # k / |k| as a factor r on the products: its reduction does not wait for S, so
             # the entry's chain holds one reduction (S k), not two
             r = 1.0 / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6) if L2NORM else 1.0
-            S = S * tl.exp(G - Gprev)
-            u = g2 * (v - tl.sum(S * k[None, :], axis=1) * r)
-            S = S + (u * r)[:, None] * k[None, :]
+            if DEFER:
+                if G - Gref < -DEFER_RESCALE:
+                    S = S * tl.exp(G - Gref)
+                    Gref = G
+                c = tl.exp(G - Gref)
+                u = g2 * (v - tl.sum(S * k[None, :], axis=1) * (c * r))
+                S = S + (u * (r / c))[:, None] * k[None, :]
+            else:
+                S = S * tl.exp(G - Gprev)
+                u = g2 * (v - tl.sum(S * k[None, :], axis=1) * r)
+                S = S + (u * r)[:, None] * k[None, :]
             Gprev = G
         else:
             w = tl.exp(Gfin - G)
             S = S + (w * (g2 * v))[:, None] * k[None, :]
+    if DELTA and DEFER:
+        if n > 0:
+            S = S * tl.exp(Gprev - Gref)
     return S
-
-
-@triton.jit
-def _fold_pieces(S, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, n,
-                 HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                 CAP: tl.constexpr, L2NORM: tl.constexpr, BV: tl.constexpr, RW: tl.constexpr):
-    """GDN's _fold with the tile held as [DK / RW, BV, RW] (column a * RW + c of row r at
-    [a, r, c]), as the read kernel's pieces (_tile_raw): a row's pieces sit in one lane group,
-    so each entry's S k ends in log2(RW / 4) shuffle rounds, not the five of a 128-column row
-    on all 32 lanes; k is loaded in the same [DK / RW, RW] shape. The same recurrence and
-    order of entries; sums reassociated. In and out: [BV, DK]."""
-    A: tl.constexpr = DK // RW
-    kc = tl.arange(0, A)[:, None] * RW + tl.arange(0, RW)[None, :]
-    S3 = tl.permute(tl.reshape(S, (BV, A, RW)), (1, 0, 2))
-    Gprev = 0.0
-    e = _entry(slot, start, 0, CAP)
-    kn = tl.load(kbuf + (e * HK + hk) * DK + kc)
-    vn = tl.load(vbuf + (e * HV + hv) * DV + rows)
-    Gn = tl.load(Gbuf + e * HV + hv)
-    bn = tl.load(bbuf + e * HV + hv)
-    for j in range(0, n):
-        k = kn.to(tl.float32)
-        v = vn.to(tl.float32)
-        G = Gn
-        beta = bn
-        e = _entry(slot, start, tl.minimum(j + 1, n - 1), CAP)       # the next entry's loads
-        kn = tl.load(kbuf + (e * HK + hk) * DK + kc)
-        vn = tl.load(vbuf + (e * HV + hv) * DV + rows)
-        Gn = tl.load(Gbuf + e * HV + hv)
-        bn = tl.load(bbuf + e * HV + hv)
-        r = 1.0 / tl.sqrt(tl.sum(tl.sum(k * k, axis=1), axis=0) + 1e-6) if L2NORM else 1.0
-        S3 = S3 * tl.exp(G - Gprev)
-        sk = tl.sum(tl.sum(S3 * k[:, None, :], axis=0), axis=1)
-        u = beta * (v - sk * r)
-        S3 = S3 + (u * r)[None, :, None] * k[:, None, :]
-        Gprev = G
-    return tl.reshape(tl.permute(S3, (1, 0, 2)), (BV, DK))
 
 
 @triton.jit
@@ -344,7 +327,7 @@ def _flush_body(
         STEP: tl.constexpr, AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr,
         RSR: tl.constexpr, SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
         HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
-        DT_CLAMP: tl.constexpr, FRW: tl.constexpr = 0):
+        DT_CLAMP: tl.constexpr, DEFER: tl.constexpr = False):
     """What _replay_flush_kernel does for one live row's program (slot >= 0): the flushes of
     that row (pre-flush of committed entries that would not leave T free slots, and the flush of
     a step that fills the buffer or is forced); nothing for a row that does not flush.
@@ -354,7 +337,7 @@ def _flush_body(
     before the state arrives); reloaded only after a pre-flush rewrote the anchor. Not with a
     separate read copy: holding the early tile across the pre-flush made those variants spill
     (ptxas, sm_90a: GDN tp8_hi32 364 bytes), and the dispatcher never forces them.
-    FRW > 0 (GDN, FLUSH_ROW_WIDTH): the folds run on the tile as row pieces (_fold_pieces)."""
+    DEFER (GDN, FLUSH_DEFER_DECAY): the folds defer the gates' decay (_fold)."""
     mat = slot * HV + hv
     EARLY: tl.constexpr = FORCE and STEP and SHARED
     if EARLY:
@@ -372,12 +355,9 @@ def _flush_body(
             A = A0                      # the same anchor tile, already loaded
         else:
             A = _tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT)
-        if DELTA and FRW > 0:
-            S = _fold_pieces(A, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, h, HK, HV,
-                             DK, DV, CAP, L2NORM, BV, FRW)
-        elif DELTA:
+        if DELTA:
             S = _fold(A, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, h, 0.0,
-                      HK, HV, DK, DV, CAP, DELTA, L2NORM)
+                      HK, HV, DK, DV, CAP, DELTA, L2NORM, DEFER)
         else:
             Gn = _last_G(Gbuf, slot, start, h, hv, HV, CAP)
             S = _fold(tl.exp(Gn) * A, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk,
@@ -402,12 +382,8 @@ def _flush_body(
                     HAS_D, DT_CLAMP)
                 A = _tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT)
             if DELTA:
-                if FRW > 0:
-                    S = _fold_pieces(A, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, h,
-                                     HK, HV, DK, DV, CAP, L2NORM, BV, FRW)
-                else:
-                    S = _fold(A, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, h,
-                              0.0, HK, HV, DK, DV, CAP, DELTA, L2NORM)
+                S = _fold(A, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, h, 0.0,
+                          HK, HV, DK, DV, CAP, DELTA, L2NORM, DEFER)
                 S, y = _rank1_step(S, q, k, v, log_a, beta, DELTA)   # h = 0: the conventional step
             else:
                 Gf = _last_G(Gbuf, slot, start, h, hv, HV, CAP) + log_a
@@ -456,7 +432,7 @@ def _flush_program(
         RSR: tl.constexpr, SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
         HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
         DT_CLAMP: tl.constexpr, FORCE: tl.constexpr, NT: tl.constexpr, NH: tl.constexpr,
-        FRW: tl.constexpr):
+        DEFER: tl.constexpr):
     """One work item of _replay_flush_kernel: value heads hg * NH .. of batch row `row`, NT row
     blocks of each from program_id(1) * NT on."""
     slot = tl.load(idx_ptr + row).to(tl.int64)
@@ -472,7 +448,7 @@ def _flush_program(
                             dtb_ptr, D_ptr, z_ptr, scale, key_lo, key_hi, FORCE, dt_lo, dt_hi,
                             row, hv, hk, rows, cols, slot, HK, HV, DK, DV, BV, L, CAP, T, STEP,
                             AFMT, ASR, RFMT, RSR, SHARED, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z,
-                            DT_CLAMP, FRW)
+                            DT_CLAMP, DEFER)
             else:
                 for t in tl.static_range(T):      # padding rows: zero outputs, nothing else
                     tl.store(out_ptr + ((row * T + t) * HV + hv) * DV + rows,
@@ -492,7 +468,7 @@ def _replay_flush_kernel(
         RSR: tl.constexpr, SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
         HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
         DT_CLAMP: tl.constexpr, FORCE: tl.constexpr, NT: tl.constexpr, NH: tl.constexpr = 1,
-        LIST: tl.constexpr = False, FRW: tl.constexpr = 0):
+        LIST: tl.constexpr = False, DEFER: tl.constexpr = False):
     """The flushing rows of a step / verify: (1) committed entries that would not leave T free
     slots (h + T > L, h > 0) are folded into the anchor first; (2) a step whose entry fills the
     buffer (h + 1 == L, or force) rebuilds through it, outputs S q and casts both roles.
@@ -512,14 +488,14 @@ def _replay_flush_kernel(
                            A_ptr, dtb_ptr, D_ptr, z_ptr, scale, key_lo, key_hi, dt_lo, dt_hi,
                            tl.load(list_ptr + it // PER), it % PER, HK, HV, DK, DV, BV, L, CAP,
                            T, STEP, AFMT, ASR, RFMT, RSR, SHARED, DELTA, L2NORM, HAS_DTB, HAS_D,
-                           HAS_Z, DT_CLAMP, FORCE, NT, NH, FRW)
+                           HAS_Z, DT_CLAMP, FORCE, NT, NH, DEFER)
     else:
         _flush_program(A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, Gbuf, bbuf, h_ptr,
                        st_ptr, nf_ptr, idx_ptr, out_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
                        A_ptr, dtb_ptr, D_ptr, z_ptr, scale, key_lo, key_hi, dt_lo, dt_hi,
                        pid // PER, pid % PER, HK, HV, DK, DV, BV, L, CAP, T, STEP, AFMT, ASR,
                        RFMT, RSR, SHARED, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP, FORCE,
-                       NT, NH, FRW)
+                       NT, NH, DEFER)
 
 
 @triton.jit
@@ -917,7 +893,7 @@ def _replay_fused_kernel(
         AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr, RSR: tl.constexpr,
         SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr, HAS_DTB: tl.constexpr,
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, U_BF16: tl.constexpr, DT_CLAMP: tl.constexpr,
-        ADVANCE: tl.constexpr, FORCE: tl.constexpr, RW: tl.constexpr, FRW: tl.constexpr):
+        ADVANCE: tl.constexpr, FORCE: tl.constexpr, RW: tl.constexpr, DEFER: tl.constexpr):
     """A decode step (T = 1) in one launch (launch='fused', the small-batch path): each program
     runs what _replay_flush_kernel and then _replay_read_kernel would run for its (row, value
     head, row block), so a row either flushes or reads (and appends). A pre-flush (h == L after a
@@ -932,7 +908,7 @@ def _replay_fused_kernel(
                     nf_ptr, out_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr,
                     z_ptr, scale, key_lo, key_hi, FORCE, dt_lo, dt_hi, row, hv, hk, rows, cols,
                     slot, HK, HV, DK, DV, BV, L, CAP, 1, True, AFMT, ASR, RFMT, RSR, SHARED,
-                    DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP, FRW)
+                    DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP, DEFER)
         _read_body(R_pay, R_sc, R_gs, kbuf, vbuf, ubuf, Gbuf, bbuf, h_ptr, st_ptr, out_ptr,
                    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, FORCE,
                    dt_lo, dt_hi, row, hv, hk, rows, cols, slot, HK, HV, DK, DV, BV, L, CAP, LP, 1,
@@ -1172,18 +1148,11 @@ FLUSH_HEADS = {("gdn", True): 8, ("mamba2", True): 8}
 FLUSH_HEADS_MIN = 8192
 
 
-# Columns of a row that one lane group holds side by side in GDN's flush fold (_fold_pieces),
-# by d_k, as READ_ROW_WIDTH for the read; None: the [rows, d_k] tile (five shuffle rounds per
-# row sum). Only for blocks of a multiple of 128 / RW rows (a row's pieces in one lane group).
-FLUSH_ROW_WIDTH = {"gdn": None}
-
-
-def _flush_row_width(kind: str, dk: int, rows: int) -> int:
-    """The flush kernel's FRW: FLUSH_ROW_WIDTH's width where it applies, else 0."""
-    rw = FLUSH_ROW_WIDTH.get(kind)
-    if not rw or rw >= dk or dk % rw or rw < 4 or rows % max(1, 128 // rw):
-        return 0
-    return rw
+# GDN's flush fold defers the gates' decay (_fold, DEFER): the tile is kept as M with S =
+# exp(G_j - Gref) M, so an entry adds (u r / c) k^T to M instead of scaling the whole tile first
+# (one multiply per element and entry less); M is rescaled only when G_j - Gref falls below
+# -DEFER_RESCALE (1 / c stays below e^20), and once at the end.
+FLUSH_DEFER_DECAY = False
 
 
 def _flush_warps(fbv, dk):
@@ -1404,7 +1373,7 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
             SHARED=store.shared, DELTA=delta, L2NORM=use_qk_l2norm, HAS_DTB=dt_bias is not None,
             HAS_D=D is not None, HAS_Z=z is not None, U_BF16=U_BF16, DT_CLAMP=dt_clamp,
             ADVANCE=bool(advance), FORCE=bool(force), RW=_row_width(dk, 1, store.kind, "block"),
-            FRW=_flush_row_width(store.kind, dk, fbv), num_warps=fnw)
+            DEFER=FLUSH_DEFER_DECAY, num_warps=fnw)
         return out, idx, bool(advance)
     common = dict(HK=HK, HV=HV, DK=dk, DV=dv, L=store.L, CAP=store.capacity, T=T, STEP=step,
                   RFMT=rfid, DELTA=delta, L2NORM=use_qk_l2norm, HAS_DTB=dt_bias is not None,
@@ -1441,7 +1410,7 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
             sc, *split_key(store.key), dt_lo, dt_hi, lst, cnt, BV=FBV,
             AFMT=afid, ASR=ar, RSR=rr, SHARED=store.shared,
             FORCE=bool(force), NT=nt, NH=nh, LIST=use_list,
-            FRW=_flush_row_width(store.kind, dk, FBV), num_warps=fnw,
+            DEFER=FLUSH_DEFER_DECAY, num_warps=fnw,
             **_list_regs(use_list, fnw, q, step), **common)
     if not force:
         dots = idx                                      # any pointer: unused unless DOTS
