@@ -9,7 +9,8 @@ programs per SM, no register cap, 8 value heads per item for SR pairs); then a v
 preloaded draft inputs (VERIFY_PRELOAD: 'no-preload' without). Session 13: a register cap
 on one-warp flush programs ('cap1w-128', 'cap1w-168'), 8-row flush blocks ('f8'), GDN's flush
 fold on row pieces ('frw8', 'frw16', 'frw32' at 0f0679a, slower, removed), then with its decay
-deferred ('defer': FLUSH_DEFER_DECAY). A GPU check first (--no-check:
+deferred ('defer' at 9ef646b: mixed, removed), then its loads two entries ahead ('pf2':
+FLUSH_FOLD_PREFETCH). A GPU check first (--no-check:
 none): L + 3 staggered steps and a verify in the first two modes from the same stores, outputs
 and stores compared bit for bit.
 
@@ -46,11 +47,10 @@ MODES = {"grid": ({"FLUSH_LIST": False}, None), "list": ({"FLUSH_LIST_WARPS_PER_
          "cap1w-128": ({"FLUSH_LIST_MAXNREG_1W": {"step": 128, "verify": 128}}, None),
          "cap1w-168": ({"FLUSH_LIST_MAXNREG_1W": {"step": 168, "verify": 168}}, None),
          "cap1w-none": ({"FLUSH_LIST_MAXNREG_1W": {"step": None, "verify": None}}, None),
-         "f8": ({}, (8, 1)), "defer": ({"FLUSH_DEFER_DECAY": True}, None),
-         "no-defer": ({"FLUSH_DEFER_DECAY": False}, None)}
+         "f8": ({}, (8, 1)), "pf2": ({"FLUSH_FOLD_PREFETCH": 2}, None)}
 DEFAULT = {k: getattr(rd, k) for k in ("FLUSH_LIST", "FLUSH_LIST_WARPS_PER_SM",
                                        "FLUSH_LIST_MAXNREG", "FLUSH_LIST_MAXNREG_1W",
-                                       "VERIFY_PRELOAD", "FLUSH_DEFER_DECAY")}
+                                       "VERIFY_PRELOAD", "FLUSH_FOLD_PREFETCH")}
 
 
 def _set(mode):
