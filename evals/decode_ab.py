@@ -7,10 +7,9 @@ of switch values and step options). Session 12 (as evals/flush_list_ab.py, runs 
 flush kernel over a list of the rows that flush (FLUSH_LIST: 'grid' without it; 'list' variants:
 programs per SM, no register cap, 8 value heads per item for SR pairs); then a verify's
 preloaded draft inputs (VERIFY_PRELOAD: 'no-preload' without). Session 13: a register cap
-on one-warp flush programs ('cap1w-128', 'cap1w-168'), 8-row flush blocks ('f8'), GDN's flush
-fold on row pieces ('frw8', 'frw16', 'frw32' at 0f0679a, slower, removed), then with its decay
-deferred ('defer' at 9ef646b: mixed, removed), then its loads two entries ahead ('pf2':
-FLUSH_FOLD_PREFETCH). A GPU check first (--no-check:
+on one-warp flush programs ('cap1w-128', 'cap1w-168'), 8-row flush blocks ('f8'); three forms
+of GDN's flush fold ran as modes of commits since removed (row pieces 'frw8/16/32' at 0f0679a,
+the decay deferred 'defer' at 9ef646b, loads two entries ahead 'pf2' at 9c8b49d). A GPU check first (--no-check:
 none): L + 3 staggered steps and a verify in the first two modes from the same stores, outputs
 and stores compared bit for bit.
 
@@ -47,10 +46,10 @@ MODES = {"grid": ({"FLUSH_LIST": False}, None), "list": ({"FLUSH_LIST_WARPS_PER_
          "cap1w-128": ({"FLUSH_LIST_MAXNREG_1W": {"step": 128, "verify": 128}}, None),
          "cap1w-168": ({"FLUSH_LIST_MAXNREG_1W": {"step": 168, "verify": 168}}, None),
          "cap1w-none": ({"FLUSH_LIST_MAXNREG_1W": {"step": None, "verify": None}}, None),
-         "f8": ({}, (8, 1)), "pf2": ({"FLUSH_FOLD_PREFETCH": 2}, None)}
+         "f8": ({}, (8, 1))}
 DEFAULT = {k: getattr(rd, k) for k in ("FLUSH_LIST", "FLUSH_LIST_WARPS_PER_SM",
                                        "FLUSH_LIST_MAXNREG", "FLUSH_LIST_MAXNREG_1W",
-                                       "VERIFY_PRELOAD", "FLUSH_FOLD_PREFETCH")}
+                                       "VERIFY_PRELOAD")}
 
 
 def _set(mode):

@@ -183,40 +183,6 @@ def test_read_row_width_pieces(kind, pair, monkeypatch):
     assert_states_close(st.anchor.dequantize(), whole.anchor.dequantize())
 
 
-@pytest.mark.parametrize("pair", ["s32_rs", "tp8_hi32", "tp4_hi16_sr", "f4_sr_rs"])
-def test_flush_fold_prefetch_two(pair, monkeypatch):
-    """The flush fold with its loads two entries ahead (FLUSH_FOLD_PREFETCH = 2) against one
-    ahead: decode steps across flushes (split and one launch, buffers filled from empty, so
-    folds of 0, 1 and more entries) and verify rounds (T = 3, pre-flushes) with random accepts,
-    both kinds' arithmetic unchanged: outputs and stores bit for bit."""
-    T = 3
-    P = PrecisionPair.load(pair).with_buffer_len(5)
-    for kind in ("gdn", "mamba2"):
-        step, _, ver = FN[kind][:3]
-        init = random_state(N, H, DV, DK, seed=43)
-        st = ReplayStore.from_state(init, P, kind, key_heads=HK, seed=6, u_dtype=torch.float32,
-                                    max_drafts=T)
-        one = st.clone()
-        for rnd in range(9):
-            verify = rnd % 3 == 1
-            kw = inputs(kind, T if verify else None, seed=90 + rnd)[0]
-            if not verify:
-                kw = {**kw, "path": "replay", "launch": ["split", "fused"][rnd % 2]}
-            ys = {}
-            for pf, s_ in ((2, st), (1, one)):
-                monkeypatch.setattr(rd, "FLUSH_FOLD_PREFETCH", pf)
-                ys[pf] = (ver if verify else step)(s_, **kw, state_indices=IDX)
-            assert torch.equal(ys[1], ys[2])
-            if verify:
-                n = _accepts(rnd, T)
-                for s_ in (st, one):
-                    replay_accept(s_, n, IDX)
-            assert st.committed.tolist() == one.committed.tolist()
-            assert torch.equal(st.anchor.payload, one.anchor.payload)
-            assert torch.equal(st.read_role.payload, one.read_role.payload)
-        assert max(st.n_flush.tolist()) >= 2
-
-
 def test_rejected_drafts_change_nothing():
     """verify + accept(0) leaves anchor, read copy and every later output bit-identical."""
     T = 2

@@ -242,36 +242,25 @@ def _entry_in(kbuf, vbuf, Gbuf, bbuf, e, hv, hk, rows, cols, HK: tl.constexpr, H
 @triton.jit
 def _fold(S, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, n, Gfin,
           HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-          CAP: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr, PF: tl.constexpr = 1):
+          CAP: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr):
     """Fold the n buffered entries into S, one FMA pass per entry (entry j + 1 is loaded while
     entry j is folded).
     GDN (DELTA; S = the dequantized anchor, Gfin unused): the recurrence a_j = exp(G_j - G_{j-1}),
     u_j = beta_j (v_j - a_j S k_j), S <- a_j S + u_j k_j^T; equal to core.rebuild (the triangular
     solve against the anchor) within float32 reassociation.
     Mamba-2 (S = exp(Gfin) deq(A) on entry): S + sum_j exp(Gfin - G_j) (dt_j x_j) B_j^T,
-    core.rebuild's closed form.
-    PF: how many entries ahead the loads run (1 or 2; FLUSH_FOLD_PREFETCH)."""
+    core.rebuild's closed form."""
     Gprev = 0.0
     kn, vn, Gn, bn = _entry_in(kbuf, vbuf, Gbuf, bbuf, _entry(slot, start, 0, CAP), hv, hk, rows,
                                cols, HK, HV, DK, DV)
-    if PF == 2:
-        kn2, vn2, Gn2, bn2 = _entry_in(kbuf, vbuf, Gbuf, bbuf,
-                                       _entry(slot, start, tl.maximum(tl.minimum(1, n - 1), 0),
-                                              CAP), hv, hk, rows, cols, HK, HV, DK, DV)
     for j in range(0, n):
         k = kn.to(tl.float32)              # GDN k / Mamba-2 B
         v = vn.to(tl.float32)              # GDN v / Mamba-2 x
         G = Gn
         g2 = bn                            # GDN beta / Mamba-2 dt
-        if PF == 2:
-            kn, vn, Gn, bn = kn2, vn2, Gn2, bn2
-            kn2, vn2, Gn2, bn2 = _entry_in(kbuf, vbuf, Gbuf, bbuf,
-                                           _entry(slot, start, tl.minimum(j + 2, n - 1), CAP),
-                                           hv, hk, rows, cols, HK, HV, DK, DV)
-        else:
-            kn, vn, Gn, bn = _entry_in(kbuf, vbuf, Gbuf, bbuf,
-                                       _entry(slot, start, tl.minimum(j + 1, n - 1), CAP), hv,
-                                       hk, rows, cols, HK, HV, DK, DV)
+        kn, vn, Gn, bn = _entry_in(kbuf, vbuf, Gbuf, bbuf,
+                                   _entry(slot, start, tl.minimum(j + 1, n - 1), CAP), hv, hk,
+                                   rows, cols, HK, HV, DK, DV)
         if DELTA:
             # k / |k| as a factor r on the products: its reduction does not wait for S, so
             # the entry's chain holds one reduction (S k), not two
@@ -318,7 +307,7 @@ def _flush_body(
         STEP: tl.constexpr, AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr,
         RSR: tl.constexpr, SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
         HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
-        DT_CLAMP: tl.constexpr, PF: tl.constexpr = 1):
+        DT_CLAMP: tl.constexpr):
     """What _replay_flush_kernel does for one live row's program (slot >= 0): the flushes of
     that row (pre-flush of committed entries that would not leave T free slots, and the flush of
     a step that fills the buffer or is forced); nothing for a row that does not flush.
@@ -327,8 +316,7 @@ def _flush_body(
     before the pointers, as the conventional step loads them (one dependent global load less
     before the state arrives); reloaded only after a pre-flush rewrote the anchor. Not with a
     separate read copy: holding the early tile across the pre-flush made those variants spill
-    (ptxas, sm_90a: GDN tp8_hi32 364 bytes), and the dispatcher never forces them.
-    PF: the folds' prefetch distance (FLUSH_FOLD_PREFETCH)."""
+    (ptxas, sm_90a: GDN tp8_hi32 364 bytes), and the dispatcher never forces them."""
     mat = slot * HV + hv
     EARLY: tl.constexpr = FORCE and STEP and SHARED
     if EARLY:
@@ -348,7 +336,7 @@ def _flush_body(
             A = _tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT)
         if DELTA:
             S = _fold(A, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, h, 0.0,
-                      HK, HV, DK, DV, CAP, DELTA, L2NORM, PF)
+                      HK, HV, DK, DV, CAP, DELTA, L2NORM)
         else:
             Gn = _last_G(Gbuf, slot, start, h, hv, HV, CAP)
             S = _fold(tl.exp(Gn) * A, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk,
@@ -374,7 +362,7 @@ def _flush_body(
                 A = _tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT)
             if DELTA:
                 S = _fold(A, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, h, 0.0,
-                          HK, HV, DK, DV, CAP, DELTA, L2NORM, PF)
+                          HK, HV, DK, DV, CAP, DELTA, L2NORM)
                 S, y = _rank1_step(S, q, k, v, log_a, beta, DELTA)   # h = 0: the conventional step
             else:
                 Gf = _last_G(Gbuf, slot, start, h, hv, HV, CAP) + log_a
@@ -422,8 +410,7 @@ def _flush_program(
         STEP: tl.constexpr, AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr,
         RSR: tl.constexpr, SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
         HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
-        DT_CLAMP: tl.constexpr, FORCE: tl.constexpr, NT: tl.constexpr, NH: tl.constexpr,
-        PF: tl.constexpr):
+        DT_CLAMP: tl.constexpr, FORCE: tl.constexpr, NT: tl.constexpr, NH: tl.constexpr):
     """One work item of _replay_flush_kernel: value heads hg * NH .. of batch row `row`, NT row
     blocks of each from program_id(1) * NT on."""
     slot = tl.load(idx_ptr + row).to(tl.int64)
@@ -439,7 +426,7 @@ def _flush_program(
                             dtb_ptr, D_ptr, z_ptr, scale, key_lo, key_hi, FORCE, dt_lo, dt_hi,
                             row, hv, hk, rows, cols, slot, HK, HV, DK, DV, BV, L, CAP, T, STEP,
                             AFMT, ASR, RFMT, RSR, SHARED, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z,
-                            DT_CLAMP, PF)
+                            DT_CLAMP)
             else:
                 for t in tl.static_range(T):      # padding rows: zero outputs, nothing else
                     tl.store(out_ptr + ((row * T + t) * HV + hv) * DV + rows,
@@ -459,7 +446,7 @@ def _replay_flush_kernel(
         RSR: tl.constexpr, SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
         HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
         DT_CLAMP: tl.constexpr, FORCE: tl.constexpr, NT: tl.constexpr, NH: tl.constexpr = 1,
-        LIST: tl.constexpr = False, PF: tl.constexpr = 1):
+        LIST: tl.constexpr = False):
     """The flushing rows of a step / verify: (1) committed entries that would not leave T free
     slots (h + T > L, h > 0) are folded into the anchor first; (2) a step whose entry fills the
     buffer (h + 1 == L, or force) rebuilds through it, outputs S q and casts both roles.
@@ -479,14 +466,14 @@ def _replay_flush_kernel(
                            A_ptr, dtb_ptr, D_ptr, z_ptr, scale, key_lo, key_hi, dt_lo, dt_hi,
                            tl.load(list_ptr + it // PER), it % PER, HK, HV, DK, DV, BV, L, CAP,
                            T, STEP, AFMT, ASR, RFMT, RSR, SHARED, DELTA, L2NORM, HAS_DTB, HAS_D,
-                           HAS_Z, DT_CLAMP, FORCE, NT, NH, PF)
+                           HAS_Z, DT_CLAMP, FORCE, NT, NH)
     else:
         _flush_program(A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, Gbuf, bbuf, h_ptr,
                        st_ptr, nf_ptr, idx_ptr, out_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
                        A_ptr, dtb_ptr, D_ptr, z_ptr, scale, key_lo, key_hi, dt_lo, dt_hi,
                        pid // PER, pid % PER, HK, HV, DK, DV, BV, L, CAP, T, STEP, AFMT, ASR,
                        RFMT, RSR, SHARED, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP, FORCE,
-                       NT, NH, PF)
+                       NT, NH)
 
 
 @triton.jit
@@ -884,7 +871,7 @@ def _replay_fused_kernel(
         AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr, RSR: tl.constexpr,
         SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr, HAS_DTB: tl.constexpr,
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, U_BF16: tl.constexpr, DT_CLAMP: tl.constexpr,
-        ADVANCE: tl.constexpr, FORCE: tl.constexpr, RW: tl.constexpr, PF: tl.constexpr):
+        ADVANCE: tl.constexpr, FORCE: tl.constexpr, RW: tl.constexpr):
     """A decode step (T = 1) in one launch (launch='fused', the small-batch path): each program
     runs what _replay_flush_kernel and then _replay_read_kernel would run for its (row, value
     head, row block), so a row either flushes or reads (and appends). A pre-flush (h == L after a
@@ -899,7 +886,7 @@ def _replay_fused_kernel(
                     nf_ptr, out_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr,
                     z_ptr, scale, key_lo, key_hi, FORCE, dt_lo, dt_hi, row, hv, hk, rows, cols,
                     slot, HK, HV, DK, DV, BV, L, CAP, 1, True, AFMT, ASR, RFMT, RSR, SHARED,
-                    DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP, PF)
+                    DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP)
         _read_body(R_pay, R_sc, R_gs, kbuf, vbuf, ubuf, Gbuf, bbuf, h_ptr, st_ptr, out_ptr,
                    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, FORCE,
                    dt_lo, dt_hi, row, hv, hk, rows, cols, slot, HK, HV, DK, DV, BV, L, CAP, LP, 1,
@@ -1139,12 +1126,6 @@ FLUSH_HEADS = {("gdn", True): 8, ("mamba2", True): 8}
 FLUSH_HEADS_MIN = 8192
 
 
-# How many buffered entries ahead the flush fold issues its loads (_fold, PF: 1 or 2). The
-# entries' v vectors come from DRAM (per value head and row block); one entry ahead may not
-# cover their latency.
-FLUSH_FOLD_PREFETCH = 1
-
-
 def _flush_warps(fbv, dk):
     """Warps of a flush program holding fbv x dk state elements."""
     return max(2, min(16, fbv * dk // 1024))
@@ -1363,7 +1344,7 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
             SHARED=store.shared, DELTA=delta, L2NORM=use_qk_l2norm, HAS_DTB=dt_bias is not None,
             HAS_D=D is not None, HAS_Z=z is not None, U_BF16=U_BF16, DT_CLAMP=dt_clamp,
             ADVANCE=bool(advance), FORCE=bool(force), RW=_row_width(dk, 1, store.kind, "block"),
-            PF=FLUSH_FOLD_PREFETCH, num_warps=fnw)
+            num_warps=fnw)
         return out, idx, bool(advance)
     common = dict(HK=HK, HV=HV, DK=dk, DV=dv, L=store.L, CAP=store.capacity, T=T, STEP=step,
                   RFMT=rfid, DELTA=delta, L2NORM=use_qk_l2norm, HAS_DTB=dt_bias is not None,
@@ -1399,8 +1380,7 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
             store.committed, store.start, store.n_flush, idx, out, *inputs,
             sc, *split_key(store.key), dt_lo, dt_hi, lst, cnt, BV=FBV,
             AFMT=afid, ASR=ar, RSR=rr, SHARED=store.shared,
-            FORCE=bool(force), NT=nt, NH=nh, LIST=use_list,
-            PF=FLUSH_FOLD_PREFETCH, num_warps=fnw,
+            FORCE=bool(force), NT=nt, NH=nh, LIST=use_list, num_warps=fnw,
             **_list_regs(use_list, fnw, q, step), **common)
     if not force:
         dots = idx                                      # any pointer: unused unless DOTS
