@@ -9,11 +9,13 @@ programs per SM, no register cap, 8 value heads per item for SR pairs); then a v
 preloaded draft inputs (VERIFY_PRELOAD: 'no-preload' without). Session 13: a register cap
 on one-warp flush programs ('cap1w-128', 'cap1w-168'), 8-row flush blocks ('f8'); three forms
 of GDN's flush fold ran as modes of commits since removed (row pieces 'frw8/16/32' at 0f0679a,
-the decay deferred 'defer' at 9ef646b, loads two entries ahead 'pf2' at 9c8b49d). A GPU check first (--no-check:
-none): L + 3 staggered steps and a verify in the first two modes from the same stores, outputs
-and stores compared bit for bit.
+the decay deferred 'defer' at 9ef646b, loads two entries ahead 'pf2' at 9c8b49d); the steps
+with the block read (--read-variant block, the default below 128 rows). A GPU check first
+(--no-check: none): L + 3 staggered steps and a verify in the first two modes from the same
+stores, outputs and stores compared bit for bit.
 
     python evals/decode_ab.py OUT.json [--batch 256] [--verify-batch 512] [--T 4]
+        [--read-variant dots]
         [--pairs s32_rs,tp8_hi32,tp4_hi32,tp4_hi16_sr] [--kinds gdn,mamba2]
         [--modes grid,list] [--verify-modes grid,list] [--no-steps] [--no-check]
 
@@ -112,26 +114,28 @@ def _check(kind, pair, B, T, modes, device="cuda") -> dict:
     return d
 
 
-def _steps(kind, pair, B, cfg) -> list:
-    """'dots' read step and flush step (one store, pointers held) and the windows."""
+def _steps(kind, pair, B, cfg, rv="dots") -> list:
+    """Read step and flush step (one store, pointers held) and the windows, split launch, read
+    variant rv."""
     L = bd.PAIR_L[kind]
     H, HK, dv, dk, f, idx, kw, out, af, rf, c, R, sts = bd._replay_setup(
-        kind, B, pair, L, "cuda", {}, None, "dots")
+        kind, B, pair, L, "cuda", {}, None, "dots" if rv == "dots" else "read")
     st = sts[0]
     rows = []
-    for name, h in (("replay-read-step-dots", L // 2), ("replay-flush-step-dots", L - 1)):
+    cfg = {**cfg, "launch": "split"}
+    for name, h in ((f"replay-read-step-{rv}", L // 2), (f"replay-flush-step-{rv}", L - 1)):
         st.committed.fill_(h)
         ms = bd.time_calls(lambda: f["step"](st, **kw, state_indices=idx, out=out, path="replay",
-                                             advance=False, read_variant="dots", **cfg), 8)
+                                             advance=False, read_variant=rv, **cfg), 8)
         rows.append(bd._row(kind, name, pair, B, ms, None, None, L=L, h=h))
     for stag in (False, True):
         for s_ in sts:
             s_.committed.copy_(idx % L if stag else torch.zeros_like(idx))
         calls = [lambda st=st: f["step"](st, **kw, state_indices=idx, out=out, path="replay",
-                                         read_variant="dots", **cfg) for st in sts]
+                                         read_variant=rv, **cfg) for st in sts]
         ms = bd.time_calls(lambda: [g() for g in calls], L) / R
-        rows.append(bd._row(kind, "replay-window-dots" + ("-staggered" if stag else ""), pair, B,
-                            ms, None, None, L=L, rot=R))
+        rows.append(bd._row(kind, f"replay-window-{rv}" + ("-staggered" if stag else ""), pair,
+                            B, ms, None, None, L=L, rot=R))
     del sts
     bd._empty_cache()
     return rows
@@ -149,6 +153,8 @@ def main(argv=None) -> int:
                     help=f"step modes, of {','.join(MODES)} ('list-nh8' only for SR pairs)")
     ap.add_argument("--verify-modes", default="grid,list")
     ap.add_argument("--no-steps", action="store_true")
+    ap.add_argument("--read-variant", default="dots", choices=("dots", "block"),
+                    help="the steps' read kernel (block: the default below 128 rows)")
     ap.add_argument("--no-check", action="store_true")
     a = ap.parse_args(argv)
     pairs, kinds = a.pairs.split(","), a.kinds.split(",")
@@ -171,7 +177,7 @@ def main(argv=None) -> int:
             for mode in modes if not a.no_steps else ():
                 if not _applies(mode, pair):
                     continue
-                got = _steps(kind, pair, a.batch, _set(mode))
+                got = _steps(kind, pair, a.batch, _set(mode), a.read_variant)
                 rows += [{**r, "mode": mode} for r in got]
                 print(f"{kind} {pair} {mode}: " + ", ".join(
                     f"{r['kernel']} {r['us']:.1f}" for r in got), flush=True)
@@ -186,6 +192,7 @@ def main(argv=None) -> int:
     _reset()
     res = {"provenance": provenance("cuda", script="evals/decode_ab.py", batch=a.batch,
                                     verify_batch=a.verify_batch, T=a.T, pairs=pairs, kinds=kinds,
+                                    read_variant=a.read_variant,
                                     modes={m: MODES[m] for m in modes + vmodes},
                                     steps=not a.no_steps, L=dict(bd.PAIR_L),
                                     shapes=bd.SHAPES),
