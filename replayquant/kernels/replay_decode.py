@@ -1126,6 +1126,21 @@ FLUSH_HEADS = {("gdn", True): 8, ("mamba2", True): 8}
 FLUSH_HEADS_MIN = 8192
 
 
+# rows from which a one-warp flush program (outside a forced step) takes every row block of its
+# matrix, one after the other (NT = d_v / rows); below, one block per program. With few rows
+# flushing at a time (rows out of phase, as in serving) the flush's latency is the step's: the
+# blocks of a matrix on one program wait for each other. H200, block read, split launch
+# (decode_ab_nt1_b*_ff6867d.json, one run each), window us in phase / staggered, all blocks vs
+# one: B = 8 GDN s32_rs 19.2 / 52.2 vs 17.5 / 25.6, tp8_hi32 16.7 / 52.2 vs 13.8 / 18.2, Mamba-2
+# s32_rs 20.0 / 32.8 vs 20.7 / 22.0, tp8_hi32 16.8 / 39.1 vs 17.8 / 21.4; B = 32 GDN 44.8 / 114.8
+# vs 50.1 / 63.3, 40.4 / 116.7 vs 43.7 / 49.2, Mamba-2 56.7 / 61.8 vs 59.8 / 56.2, 50.3 / 62.7
+# vs 52.8 / 53.8; B = 64 GDN 86.3 / 150.0 vs 98.0 / 102.5, 75.2 / 146.1 vs 83.8 / 88.5, Mamba-2
+# 101.1 / 100.7 vs 104.9 / 99.7, 96.1 / 95.1 vs 97.8 / 92.4; at B = 256 ('dots') all blocks won
+# (GDN s32_rs 204.6 / 203.8 vs 229.9 / 227.4). B = 128 not measured: the 'dots' read's B = 256
+# choice from there.
+FLUSH_ALL_BLOCKS_MIN_ROWS = 128
+
+
 def _flush_warps(fbv, dk):
     """Warps of a flush program holding fbv x dk state elements."""
     return max(2, min(16, fbv * dk // 1024))
@@ -1359,8 +1374,9 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
     # Without the side stream NT = 1 was best staggered (GDN s32_rs 266 vs 321 at NT = 8).
     # Not multi-warp blocks: Mamba-2 tp8_hi32 on (32, 4) blocks, NT = 2 vs 1: flush step
     # 1375 vs 1266 us, 'dots' read step 245.9 vs 246.1 (kernels_flush_nt.json)
+    # Below FLUSH_ALL_BLOCKS_MIN_ROWS rows, one block per program (see there).
     if nt is None:
-        nt = 1 if force or fnw > 1 else dv // FBV
+        nt = 1 if force or fnw > 1 or B < FLUSH_ALL_BLOCKS_MIN_ROWS else dv // FBV
     use_list = FLUSH_LIST and not force
     if nh is None:
         nh = 1 if force or use_list or FBV != dv or B * HV < FLUSH_HEADS_MIN else \
