@@ -44,7 +44,7 @@ MODES = {"grid": ({"FLUSH_LIST": False}, None), "list": ({"FLUSH_LIST_WARPS_PER_
          "list-w64": ({"FLUSH_LIST_WARPS_PER_SM": 64}, None),
          "list-nocap": ({"FLUSH_LIST_MAXNREG": None}, None),
          "list-nh8": ({}, (None, None, None, 8)), "nt1": ({}, (16, 1, 1)),
-         "nt8": ({}, (16, 1, 8)),
+         "nt-all": ({"FLUSH_ALL_BLOCKS_MIN_ROWS": 0}, None),
          "default": ({}, None), "no-preload": ({"VERIFY_PRELOAD": False}, None),
          "cap1w-128": ({"FLUSH_LIST_MAXNREG_1W": {"step": 128, "verify": 128}}, None),
          "cap1w-168": ({"FLUSH_LIST_MAXNREG_1W": {"step": 168, "verify": 168}}, None),
@@ -52,7 +52,7 @@ MODES = {"grid": ({"FLUSH_LIST": False}, None), "list": ({"FLUSH_LIST_WARPS_PER_
          "f8": ({}, (8, 1))}
 DEFAULT = {k: getattr(rd, k) for k in ("FLUSH_LIST", "FLUSH_LIST_WARPS_PER_SM",
                                        "FLUSH_LIST_MAXNREG", "FLUSH_LIST_MAXNREG_1W",
-                                       "VERIFY_PRELOAD")}
+                                       "VERIFY_PRELOAD", "FLUSH_ALL_BLOCKS_MIN_ROWS")}
 
 
 def _set(mode):
@@ -67,7 +67,7 @@ def _set(mode):
 def _applies(mode, pair) -> bool:
     if mode == "list-nh8":
         return bd._sr_pair(pair)
-    if mode in ("nt1", "nt8", "f8"):                    # no NVFP4 role
+    if mode in ("nt1", "f8"):                           # no NVFP4 role
         from replayquant.pairs import PrecisionPair
         P = PrecisionPair.load(pair)
         return all(r is None or r.format != "nvfp4" for r in (P.anchor, P.read))
