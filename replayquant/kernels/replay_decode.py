@@ -1136,8 +1136,12 @@ FLUSH_HEADS_MIN = 8192
 # vs 50.1 / 63.3, 40.4 / 116.7 vs 43.7 / 49.2, Mamba-2 56.7 / 61.8 vs 59.8 / 56.2, 50.3 / 62.7
 # vs 52.8 / 53.8; B = 64 GDN 86.3 / 150.0 vs 98.0 / 102.5, 75.2 / 146.1 vs 83.8 / 88.5, Mamba-2
 # 101.1 / 100.7 vs 104.9 / 99.7, 96.1 / 95.1 vs 97.8 / 92.4; at B = 256 ('dots') all blocks won
-# (GDN s32_rs 204.6 / 203.8 vs 229.9 / 227.4). B = 128 not measured: the 'dots' read's B = 256
-# choice from there.
+# (GDN s32_rs 204.6 / 203.8 vs 229.9 / 227.4), and at B = 128 ('dots', decode_ab_nt_b128_5b9c08b)
+# on the mean of the two windows for s32_rs (GDN 117.8 vs 126.5, Mamba-2 175.7 vs 178.0), not
+# for tp8_hi32 (98.2 vs 96.1, 135.6 vs 133.0). The speculative round (T = 4, its pre-flushes)
+# as well (decode_ab_nt_b{8,32}_dc07362.json), us, all blocks vs one: B = 8 GDN s32_rs 59.8 vs
+# 37.8, tp8_hi32 68.3 vs 38.7, Mamba-2 41.1 vs 38.6, 45.3 vs 37.4; B = 32 GDN 127.8 vs 111.5,
+# 131.4 vs 110.6, Mamba-2 123.7 vs 122.7, 130.3 vs 123.1.
 FLUSH_ALL_BLOCKS_MIN_ROWS = 128
 
 
