@@ -1461,12 +1461,13 @@ FLUSH_LIST_CPU_PROGRAMS = 3         # the interpreter: a few programs, so that t
 _SM_COUNT: dict = {}
 
 
-def _list_regs(use_list: bool, warps: int, q, step: bool = True) -> dict:
-    """The register cap of a LIST flush launch of multi-warp programs (NVIDIA): ptxas would give
-    the looping program more registers than one item's program (Triton 3.6, sm_90a: the Mamba-2
-    whole-matrix NVFP4 flush on 8 warps 180 instead of 120, one program per SM instead of two);
-    FLUSH_LIST_MAXNREG keeps it at the count that holds two (no spill there). One-warp programs:
-    FLUSH_LIST_MAXNREG_1W by decode step (step) or verify (measured there)."""
+def _list_regs(use_list: bool, warps: int, q, step: bool) -> dict:
+    """The register cap of a LIST flush launch (NVIDIA), as the launch's maxnreg option.
+    Multi-warp programs: ptxas would give the looping program more registers than one item's
+    program (Triton 3.6, sm_90a: the Mamba-2 whole-matrix NVFP4 flush on 8 warps 180 instead of
+    120, one program per SM instead of two); FLUSH_LIST_MAXNREG keeps it at the count that holds
+    two (no spill there). One-warp programs: FLUSH_LIST_MAXNREG_1W, by decode step (step) or
+    verify (measured there)."""
     cap = (FLUSH_LIST_MAXNREG if warps > 1
            else FLUSH_LIST_MAXNREG_1W["step" if step else "verify"])
     if not (use_list and cap and q.is_cuda and torch.version.hip is None):
