@@ -119,6 +119,17 @@ def test_merge_parts(tmp_path):
         bd.merge_kernels([parts[0], str(tmp_path / "other.json")], out=str(tmp_path), name="bad")
 
 
+def test_merge_commit_abbreviated():
+    """Parts of one commit named in full and abbreviated merge under the full name; a different
+    commit, or a name under 7 characters, is refused."""
+    full = "909d56e0f065f9ce4c362c707be77ea326878c7c"
+    assert bd._one_commit([full[:7], full, full[:12]]) == full
+    assert bd._one_commit([None, None]) is None
+    for bad in ([full[:7], "0" * 40], [full[:6], full], [full, None]):
+        with pytest.raises(ValueError, match="git_commit"):
+            bd._one_commit(bad)
+
+
 def test_targets_byte_ceiling():
     """The two bandwidth targets carry their ceiling: the byte ratio and the measured baseline
     over the replay side's bytes at the copy bandwidth (hand-made rows, not a measurement)."""

@@ -1401,6 +1401,18 @@ def run_kernels_bench(out: str = "results/bench", batches=GRID["batches"], Ls=GR
         _CPU_TIMING["on"] = False
 
 
+def _one_commit(commits) -> str | None:
+    """The commit of parts that name one commit, some perhaps abbreviated (a device run is told
+    its commit by REPLAYQUANT_GIT_COMMIT, full or short): the longest name, which every other
+    starts with. Parts of different commits are an error."""
+    names = sorted({str(c) for c in commits}, key=len)
+    full = names[-1]
+    if any(len(c) < 7 or not full.startswith(c) for c in names[:-1]):
+        raise ValueError(f"bench merge: the parts differ in git_commit ({names}); merge only "
+                         "runs of one commit on one device kind")
+    return None if full == "None" else full
+
+
 def merge_kernels(parts, out: str = "results/bench", name: str = "kernels",
                   plot: bool = True) -> dict:
     """`replayquant bench merge`: one {name}.json / .md / _speedup.png from several `bench
@@ -1424,7 +1436,8 @@ def merge_kernels(parts, out: str = "results/bench", name: str = "kernels",
         if "rows" not in runs[-1] or "provenance" not in runs[-1]:
             raise ValueError(f"bench merge: {p} is not a `bench kernels` result (no rows / "
                              "provenance)")
-    for key in ("git_commit", "device", "smoke_cpu"):
+    commit = _one_commit([r["provenance"].get("git_commit") for r in runs])
+    for key in ("device", "smoke_cpu"):
         vals = {str(r["provenance"].get(key)) for r in runs}
         if len(vals) > 1:
             raise ValueError(f"bench merge: the parts differ in {key} ({sorted(vals)}); merge "
@@ -1437,7 +1450,7 @@ def merge_kernels(parts, out: str = "results/bench", name: str = "kernels",
                                  f"{parts[i]}; merge parts that split the grid")
             ran[sec] = i
     rows, errors, configs, skipped = [], {}, {}, []
-    pv = dict(runs[0]["provenance"])
+    pv = dict(runs[0]["provenance"], git_commit=commit)
     listed = ("batches", "L", "pairs", "T", "spec_batches")
     for k in listed:
         pv[k] = sorted({x for r in runs for x in r["provenance"].get(k, [])})
