@@ -10,7 +10,9 @@ preloaded draft inputs (VERIFY_PRELOAD: 'no-preload' without). Session 13: a reg
 on one-warp flush programs ('cap1w-128', 'cap1w-168'), 8-row flush blocks ('f8'); three forms
 of GDN's flush fold ran as modes of commits since removed (row pieces 'frw8/16/32' at 0f0679a,
 the decay deferred 'defer' at 9ef646b, loads two entries ahead 'pf2' at 9c8b49d); the steps
-with the block read (--read-variant block, the default below 128 rows). A GPU check first
+with the block read (--read-variant block, the default below 128 rows). Session 14: the one
+launch per step ('fused', with --read-variant block and --verify-batch 0; the GPU check does
+not cover it: the grid's checks compare the two launches) against the split launch. A GPU check first
 (--no-check: none): L + 3 staggered steps and a verify in the first two modes from the same
 stores, outputs and stores compared bit for bit.
 
@@ -49,7 +51,7 @@ MODES = {"grid": ({"FLUSH_LIST": False}, None), "list": ({"FLUSH_LIST_WARPS_PER_
          "cap1w-128": ({"FLUSH_LIST_MAXNREG_1W": {"step": 128, "verify": 128}}, None),
          "cap1w-168": ({"FLUSH_LIST_MAXNREG_1W": {"step": 168, "verify": 168}}, None),
          "cap1w-none": ({"FLUSH_LIST_MAXNREG_1W": {"step": None, "verify": None}}, None),
-         "f8": ({}, (8, 1))}
+         "f8": ({}, (8, 1)), "fused": ({}, {"launch": "fused"})}
 DEFAULT = {k: getattr(rd, k) for k in ("FLUSH_LIST", "FLUSH_LIST_WARPS_PER_SM",
                                        "FLUSH_LIST_MAXNREG", "FLUSH_LIST_MAXNREG_1W",
                                        "VERIFY_PRELOAD", "FLUSH_ALL_BLOCKS_MIN_ROWS")}
@@ -57,10 +59,12 @@ DEFAULT = {k: getattr(rd, k) for k in ("FLUSH_LIST", "FLUSH_LIST_WARPS_PER_SM",
 
 def _set(mode):
     """Set the module's switches for `mode` (the others at their defaults); the extra step
-    options (the flush config)."""
+    options (a flush config, or a dict of step options such as the launch)."""
     settings, fc = MODES[mode]
     for k, v in {**DEFAULT, **settings}.items():
         setattr(rd, k, v)
+    if isinstance(fc, dict):
+        return dict(fc)
     return {} if fc is None else {"flush_config": fc}
 
 
@@ -123,7 +127,7 @@ def _steps(kind, pair, B, cfg, rv="dots") -> list:
         kind, B, pair, L, "cuda", {}, None, "dots" if rv == "dots" else "read")
     st = sts[0]
     rows = []
-    cfg = {**cfg, "launch": "split"}
+    cfg = {"launch": "split", **cfg}                   # mode 'fused': the one launch
     for name, h in ((f"replay-read-step-{rv}", L // 2), (f"replay-flush-step-{rv}", L - 1)):
         st.committed.fill_(h)
         ms = bd.time_calls(lambda: f["step"](st, **kw, state_indices=idx, out=out, path="replay",
