@@ -12,7 +12,9 @@ of GDN's flush fold ran as modes of commits since removed (row pieces 'frw8/16/3
 the decay deferred 'defer' at 9ef646b, loads two entries ahead 'pf2' at 9c8b49d); the steps
 with the block read (--read-variant block, the default below 128 rows). Session 14: the one
 launch per step ('fused', with --read-variant block and --verify-batch 0; the GPU check does
-not cover it: the grid's checks compare the two launches) against the split launch. A GPU check first
+not cover it: the grid's checks compare the two launches) against the split launch; a decode
+step's flush blocks per program chosen on the device below 128 rows (FLUSH_ALL_BLOCKS_MIN_ITEMS:
+'dyn-off' the host's one block, 'dyn-1' every block from one listed item). A GPU check first
 (--no-check: none): L + 3 staggered steps and a verify in the first two modes from the same
 stores, outputs and stores compared bit for bit.
 
@@ -51,10 +53,13 @@ MODES = {"grid": ({"FLUSH_LIST": False}, None), "list": ({"FLUSH_LIST_WARPS_PER_
          "cap1w-128": ({"FLUSH_LIST_MAXNREG_1W": {"step": 128, "verify": 128}}, None),
          "cap1w-168": ({"FLUSH_LIST_MAXNREG_1W": {"step": 168, "verify": 168}}, None),
          "cap1w-none": ({"FLUSH_LIST_MAXNREG_1W": {"step": None, "verify": None}}, None),
-         "f8": ({}, (8, 1)), "fused": ({}, {"launch": "fused"})}
+         "f8": ({}, (8, 1)), "fused": ({}, {"launch": "fused"}),
+         "dyn-off": ({"FLUSH_ALL_BLOCKS_MIN_ITEMS": None}, None),
+         "dyn-1": ({"FLUSH_ALL_BLOCKS_MIN_ITEMS": 1}, None)}
 DEFAULT = {k: getattr(rd, k) for k in ("FLUSH_LIST", "FLUSH_LIST_WARPS_PER_SM",
                                        "FLUSH_LIST_MAXNREG", "FLUSH_LIST_MAXNREG_1W",
-                                       "VERIFY_PRELOAD", "FLUSH_ALL_BLOCKS_MIN_ROWS")}
+                                       "VERIFY_PRELOAD", "FLUSH_ALL_BLOCKS_MIN_ROWS",
+                                       "FLUSH_ALL_BLOCKS_MIN_ITEMS")}
 
 
 def _set(mode):

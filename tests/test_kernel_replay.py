@@ -408,6 +408,36 @@ def test_flush_plan_lists_the_rows_with_work():
         assert n.item() == len(want) and torch.equal(lst[:len(want)], want)
 
 
+@pytest.mark.parametrize("kind,pair", [("gdn", "s32_rs"), ("mamba2", "tp8_hi32")])
+def test_flush_blocks_chosen_on_device_equal(kind, pair, monkeypatch):
+    """A decode step's flush below FLUSH_ALL_BLOCKS_MIN_ROWS rows chooses its blocks per
+    program on the device from the listed items (DYN_NT): every block of a matrix on one program
+    (FLUSH_ALL_BLOCKS_MIN_ITEMS 1), one block per program (a threshold never reached) and the
+    host's one block (None) give the same outputs and stores, bit for bit: steps out of phase
+    with padding rows, poisoned outputs and buffers, two flush blocks of 16 rows per matrix."""
+    N, HK, H, dk, dv, B = 5, 2, 4, 16, 32, 6
+    dr = Driver(kind, B, HK, H, dk, dv)
+    base = ReplayStore.from_state(random_state(N, H, dv, dk, seed=17), pair, kind, key_heads=HK,
+                                  seed=6, buffer_len=3)
+    poison_buffers(base)
+    subsets = [torch.tensor([4, -1, 0, 2, 1, 3]), torch.tensor([4, -1, 0, -1, -1, 3]),
+               torch.tensor([1, 3, -1, 0, 2, 4])]
+    got = {}
+    for m in (None, 1, 10 ** 9):
+        monkeypatch.setattr(rd, "FLUSH_ALL_BLOCKS_MIN_ITEMS", m)
+        st, ys = base.clone(), []
+        for step in range(6):
+            idx = subsets[step % len(subsets)]
+            ys.append(dr.kernel(st, dr.inputs(seed=70 + step), idx, launch="split",
+                                flush_config=(16, 1)))
+        got[m] = st, ys
+    assert int(got[1][0].n_flush.sum()) > 0
+    for m in (1, 10 ** 9):
+        assert_same_store(got[None][0], got[m][0])
+        for a_, b_ in zip(got[None][1], got[m][1]):
+            assert torch.equal(a_, b_)
+
+
 @pytest.mark.parametrize("kind,pair", [("gdn", "tp4_hi16_sr"), ("mamba2", "s32_rs")])
 def test_flush_list_equals_one_program_per_matrix(kind, pair, monkeypatch):
     """The flush kernel over _flush_plan_kernel's list (FLUSH_LIST, a few programs looping over

@@ -410,16 +410,16 @@ def _flush_program(
         STEP: tl.constexpr, AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr,
         RSR: tl.constexpr, SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
         HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
-        DT_CLAMP: tl.constexpr, FORCE: tl.constexpr, NT: tl.constexpr, NH: tl.constexpr):
-    """One work item of _replay_flush_kernel: value heads hg * NH .. of batch row `row`, NT row
-    blocks of each from program_id(1) * NT on."""
+        DT_CLAMP: tl.constexpr, FORCE: tl.constexpr, nt, NH: tl.constexpr):
+    """One work item of _replay_flush_kernel: value heads hg * NH .. of batch row `row`, nt row
+    blocks of each from program_id(1) * nt on (nt a constexpr, or chosen on the device)."""
     slot = tl.load(idx_ptr + row).to(tl.int64)
     cols = tl.arange(0, DK)
     for ih in range(NH):
         hv = hg * NH + ih
         hk = hv // (HV // HK)
-        for i in range(NT):
-            rows = (tl.program_id(1) * NT + i) * BV + tl.arange(0, BV)
+        for i in range(nt):
+            rows = (tl.program_id(1) * nt + i) * BV + tl.arange(0, BV)
             if slot >= 0:
                 _flush_body(A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, Gbuf, bbuf, h_ptr,
                             st_ptr, nf_ptr, out_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr,
@@ -446,7 +446,7 @@ def _replay_flush_kernel(
         RSR: tl.constexpr, SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
         HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
         DT_CLAMP: tl.constexpr, FORCE: tl.constexpr, NT: tl.constexpr, NH: tl.constexpr = 1,
-        LIST: tl.constexpr = False):
+        LIST: tl.constexpr = False, DYN_NT: tl.constexpr = 0, DYN_MIN: tl.constexpr = 0):
     """The flushing rows of a step / verify: (1) committed entries that would not leave T free
     slots (h + T > L, h > 0) are folded into the anchor first; (2) a step whose entry fills the
     buffer (h + 1 == L, or force) rebuilds through it, outputs S q and casts both roles.
@@ -455,10 +455,24 @@ def _replay_flush_kernel(
     programs of rows that do not flush read the pointers and return. With LIST (the rows of
     _flush_plan_kernel's list, list_ptr[:n_ptr[0]]) each program loops over the items of the
     listed rows, item pid, pid + programs, ...: a step in which few rows flush launches a few
-    programs per SM, not one per matrix that has nothing to do."""
+    programs per SM, not one per matrix that has nothing to do.
+    DYN_NT (LIST, launched with NT = 1 on a grid of every row block): the blocks per program
+    chosen here from the listed items, all DYN_NT blocks of a matrix on one program (those of
+    program_id(1) > 0 return) from DYN_MIN items, else one."""
     pid = tl.program_id(0)
     PER: tl.constexpr = HV // NH
-    if LIST:
+    if LIST and DYN_NT > 1:
+        n = tl.load(n_ptr) * PER
+        nt = tl.where(n >= DYN_MIN, DYN_NT, 1)
+        if tl.program_id(1) * nt < DYN_NT:
+            for it in range(pid, n, tl.num_programs(0)):
+                _flush_program(A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, Gbuf, bbuf,
+                               h_ptr, st_ptr, nf_ptr, idx_ptr, out_ptr, q_ptr, k_ptr, v_ptr,
+                               a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, key_lo, key_hi,
+                               dt_lo, dt_hi, tl.load(list_ptr + it // PER), it % PER, HK, HV,
+                               DK, DV, BV, L, CAP, T, STEP, AFMT, ASR, RFMT, RSR, SHARED, DELTA,
+                               L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP, FORCE, nt, NH)
+    elif LIST:
         n = tl.load(n_ptr) * PER
         for it in range(pid, n, tl.num_programs(0)):
             _flush_program(A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, Gbuf, bbuf, h_ptr,
@@ -1143,6 +1157,13 @@ FLUSH_HEADS_MIN = 8192
 # 37.8, tp8_hi32 68.3 vs 38.7, Mamba-2 41.1 vs 38.6, 45.3 vs 37.4; B = 32 GDN 127.8 vs 111.5,
 # 131.4 vs 110.6, Mamba-2 123.7 vs 122.7, 130.3 vs 123.1.
 FLUSH_ALL_BLOCKS_MIN_ROWS = 128
+# Below that, in a decode step (not a verify: its pre-flushes come before its read, so their
+# latency is the round's) the flush kernel counts the listed work items (rows that flush x
+# value heads) on the device and gives a one-warp program every block of its matrix from
+# FLUSH_ALL_BLOCKS_MIN_ITEMS items on, one block below (None: always one). Rows in phase list
+# them all in one step of L: GDN B = 32 (1024 items) ran 44.8 us per step with every block and
+# 50.1 with one; staggered, B / L rows flush per step: B = 32 (64 items) 114.8 vs 63.3 (above).
+FLUSH_ALL_BLOCKS_MIN_ITEMS = 1024
 
 
 def _flush_warps(fbv, dk):
@@ -1384,9 +1405,12 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
     # Not multi-warp blocks: Mamba-2 tp8_hi32 on (32, 4) blocks, NT = 2 vs 1: flush step
     # 1375 vs 1266 us, 'dots' read step 245.9 vs 246.1 (kernels_flush_nt.json)
     # Below FLUSH_ALL_BLOCKS_MIN_ROWS rows, one block per program (see there).
+    use_list = FLUSH_LIST and not force
+    # a decode step below FLUSH_ALL_BLOCKS_MIN_ROWS rows chooses on the device (DYN_NT)
+    dyn = (nt is None and use_list and step and fnw == 1 and B < FLUSH_ALL_BLOCKS_MIN_ROWS
+           and FLUSH_ALL_BLOCKS_MIN_ITEMS is not None and dv // FBV > 1)
     if nt is None:
         nt = 1 if force or fnw > 1 or B < FLUSH_ALL_BLOCKS_MIN_ROWS else dv // FBV
-    use_list = FLUSH_LIST and not force
     if nh is None:
         nh = 1 if force or use_list or FBV != dv or B * HV < FLUSH_HEADS_MIN else \
             math.gcd(FLUSH_HEADS.get((store.kind, ar or rr), 1), HV)
@@ -1406,6 +1430,7 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
             sc, *split_key(store.key), dt_lo, dt_hi, lst, cnt, BV=FBV,
             AFMT=afid, ASR=ar, RSR=rr, SHARED=store.shared,
             FORCE=bool(force), NT=nt, NH=nh, LIST=use_list, num_warps=fnw,
+            DYN_NT=dv // FBV if dyn else 0, DYN_MIN=FLUSH_ALL_BLOCKS_MIN_ITEMS if dyn else 0,
             **_list_regs(use_list, fnw, q, step), **common)
     if not force:
         dots = idx                                      # any pointer: unused unless DOTS
