@@ -410,16 +410,16 @@ def _flush_program(
         STEP: tl.constexpr, AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr,
         RSR: tl.constexpr, SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
         HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
-        DT_CLAMP: tl.constexpr, FORCE: tl.constexpr, nt, NH: tl.constexpr):
+        DT_CLAMP: tl.constexpr, FORCE: tl.constexpr, nt, NH: tl.constexpr, b0):
     """One work item of _replay_flush_kernel: value heads hg * NH .. of batch row `row`, nt row
-    blocks of each from program_id(1) * nt on (nt a constexpr, or chosen on the device)."""
+    blocks of each from block b0 on (nt a constexpr, or chosen on the device)."""
     slot = tl.load(idx_ptr + row).to(tl.int64)
     cols = tl.arange(0, DK)
     for ih in range(NH):
         hv = hg * NH + ih
         hk = hv // (HV // HK)
         for i in range(nt):
-            rows = (tl.program_id(1) * nt + i) * BV + tl.arange(0, BV)
+            rows = (b0 + i) * BV + tl.arange(0, BV)
             if slot >= 0:
                 _flush_body(A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, Gbuf, bbuf, h_ptr,
                             st_ptr, nf_ptr, out_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr,
@@ -456,22 +456,23 @@ def _replay_flush_kernel(
     _flush_plan_kernel's list, list_ptr[:n_ptr[0]]) each program loops over the items of the
     listed rows, item pid, pid + programs, ...: a step in which few rows flush launches a few
     programs per SM, not one per matrix that has nothing to do.
-    DYN_NT (LIST, launched with NT = 1 on a grid of every row block): the blocks per program
-    chosen here from the listed items, all DYN_NT blocks of a matrix on one program (those of
-    program_id(1) > 0 return) from DYN_MIN items, else one."""
+    DYN_NT (LIST, a grid of one column): the blocks per item chosen here from the listed
+    items, all DYN_NT blocks of a matrix in one item from DYN_MIN items on, else DYN_NT items
+    of one block each."""
     pid = tl.program_id(0)
     PER: tl.constexpr = HV // NH
     if LIST and DYN_NT > 1:
         n = tl.load(n_ptr) * PER
-        nt = tl.where(n >= DYN_MIN, DYN_NT, 1)
-        if tl.program_id(1) * nt < DYN_NT:
-            for it in range(pid, n, tl.num_programs(0)):
-                _flush_program(A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, Gbuf, bbuf,
-                               h_ptr, st_ptr, nf_ptr, idx_ptr, out_ptr, q_ptr, k_ptr, v_ptr,
-                               a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, key_lo, key_hi,
-                               dt_lo, dt_hi, tl.load(list_ptr + it // PER), it % PER, HK, HV,
-                               DK, DV, BV, L, CAP, T, STEP, AFMT, ASR, RFMT, RSR, SHARED, DELTA,
-                               L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP, FORCE, nt, NH)
+        g = tl.where(n >= DYN_MIN, 1, DYN_NT)           # items per (row, heads)
+        nt = DYN_NT // g
+        for it in range(pid, n * g, tl.num_programs(0)):
+            w = it // g
+            _flush_program(A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, Gbuf, bbuf, h_ptr,
+                           st_ptr, nf_ptr, idx_ptr, out_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
+                           A_ptr, dtb_ptr, D_ptr, z_ptr, scale, key_lo, key_hi, dt_lo, dt_hi,
+                           tl.load(list_ptr + w // PER), w % PER, HK, HV, DK, DV, BV, L, CAP,
+                           T, STEP, AFMT, ASR, RFMT, RSR, SHARED, DELTA, L2NORM, HAS_DTB, HAS_D,
+                           HAS_Z, DT_CLAMP, FORCE, nt, NH, (it % g) * nt)
     elif LIST:
         n = tl.load(n_ptr) * PER
         for it in range(pid, n, tl.num_programs(0)):
@@ -480,14 +481,14 @@ def _replay_flush_kernel(
                            A_ptr, dtb_ptr, D_ptr, z_ptr, scale, key_lo, key_hi, dt_lo, dt_hi,
                            tl.load(list_ptr + it // PER), it % PER, HK, HV, DK, DV, BV, L, CAP,
                            T, STEP, AFMT, ASR, RFMT, RSR, SHARED, DELTA, L2NORM, HAS_DTB, HAS_D,
-                           HAS_Z, DT_CLAMP, FORCE, NT, NH)
+                           HAS_Z, DT_CLAMP, FORCE, NT, NH, tl.program_id(1) * NT)
     else:
         _flush_program(A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, Gbuf, bbuf, h_ptr,
                        st_ptr, nf_ptr, idx_ptr, out_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
                        A_ptr, dtb_ptr, D_ptr, z_ptr, scale, key_lo, key_hi, dt_lo, dt_hi,
                        pid // PER, pid % PER, HK, HV, DK, DV, BV, L, CAP, T, STEP, AFMT, ASR,
                        RFMT, RSR, SHARED, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP, FORCE,
-                       NT, NH)
+                       NT, NH, tl.program_id(1) * NT)
 
 
 @triton.jit
@@ -1423,8 +1424,8 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
             cnt = torch.empty(1, dtype=torch.int32, device=q.device)
             _flush_plan_kernel[(1,)](idx, store.committed, lst, cnt, B, L=store.L, T=T,
                                      STEP=step, CH=min(1024, triton.next_power_of_2(B)))
-            n_prog = _list_programs(n_prog, fnw, q.device)
-        _replay_flush_kernel[(n_prog, dv // (FBV * nt))](
+            n_prog = _list_programs(n_prog * (dv // FBV if dyn else 1), fnw, q.device)
+        _replay_flush_kernel[(n_prog, 1 if dyn else dv // (FBV * nt))](
             Ap, As, Ag, Rp, Rs, Rg, store.kbuf, store.vbuf, store.Gbuf, store.bbuf,
             store.committed, store.start, store.n_flush, idx, out, *inputs,
             sc, *split_key(store.key), dt_lo, dt_hi, lst, cnt, BV=FBV,
