@@ -14,7 +14,8 @@ with the block read (--read-variant block, the default below 128 rows). Session 
 launch per step ('fused', with --read-variant block and --verify-batch 0; the GPU check does
 not cover it: the grid's checks compare the two launches) against the split launch; a decode
 step's flush blocks per program chosen on the device below 128 rows (FLUSH_ALL_BLOCKS_MIN_ITEMS:
-'dyn-off' the host's one block, 'dyn-1' every block from one listed item). A GPU check first
+'dyn-off' the host's one block, 'dyn-1' every block from one listed item, 'dyn-every' the
+device's choice at every batch). A GPU check first
 (--no-check: none): L + 3 staggered steps and a verify in the first two modes from the same
 stores, outputs and stores compared bit for bit.
 
@@ -55,7 +56,8 @@ MODES = {"grid": ({"FLUSH_LIST": False}, None), "list": ({"FLUSH_LIST_WARPS_PER_
          "cap1w-none": ({"FLUSH_LIST_MAXNREG_1W": {"step": None, "verify": None}}, None),
          "f8": ({}, (8, 1)), "fused": ({}, {"launch": "fused"}),
          "dyn-off": ({"FLUSH_ALL_BLOCKS_MIN_ITEMS": None}, None),
-         "dyn-1": ({"FLUSH_ALL_BLOCKS_MIN_ITEMS": 1}, None)}
+         "dyn-1": ({"FLUSH_ALL_BLOCKS_MIN_ITEMS": 1}, None),
+         "dyn-every": ({"FLUSH_ALL_BLOCKS_MIN_ROWS": 10 ** 9}, None)}
 DEFAULT = {k: getattr(rd, k) for k in ("FLUSH_LIST", "FLUSH_LIST_WARPS_PER_SM",
                                        "FLUSH_LIST_MAXNREG", "FLUSH_LIST_MAXNREG_1W",
                                        "VERIFY_PRELOAD", "FLUSH_ALL_BLOCKS_MIN_ROWS",
