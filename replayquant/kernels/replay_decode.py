@@ -463,16 +463,24 @@ def _replay_flush_kernel(
     PER: tl.constexpr = HV // NH
     if LIST and DYN_NT > 1:
         n = tl.load(n_ptr) * PER
-        g = tl.where(n >= DYN_MIN, 1, DYN_NT)           # items per (row, heads)
-        nt = DYN_NT // g
-        for it in range(pid, n * g, tl.num_programs(0)):
-            w = it // g
-            _flush_program(A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, Gbuf, bbuf, h_ptr,
-                           st_ptr, nf_ptr, idx_ptr, out_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
-                           A_ptr, dtb_ptr, D_ptr, z_ptr, scale, key_lo, key_hi, dt_lo, dt_hi,
-                           tl.load(list_ptr + w // PER), w % PER, HK, HV, DK, DV, BV, L, CAP,
-                           T, STEP, AFMT, ASR, RFMT, RSR, SHARED, DELTA, L2NORM, HAS_DTB, HAS_D,
-                           HAS_Z, DT_CLAMP, FORCE, nt, NH, (it % g) * nt)
+        if n >= DYN_MIN:        # every block of a matrix in one item (DYN_NT a constexpr)
+            for it in range(pid, n, tl.num_programs(0)):
+                _flush_program(A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, Gbuf, bbuf,
+                               h_ptr, st_ptr, nf_ptr, idx_ptr, out_ptr, q_ptr, k_ptr, v_ptr,
+                               a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, key_lo, key_hi,
+                               dt_lo, dt_hi, tl.load(list_ptr + it // PER), it % PER, HK, HV,
+                               DK, DV, BV, L, CAP, T, STEP, AFMT, ASR, RFMT, RSR, SHARED, DELTA,
+                               L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP, FORCE, DYN_NT, NH, 0)
+        else:                   # an item per block
+            for it in range(pid, n * DYN_NT, tl.num_programs(0)):
+                w = it // DYN_NT
+                _flush_program(A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, Gbuf, bbuf,
+                               h_ptr, st_ptr, nf_ptr, idx_ptr, out_ptr, q_ptr, k_ptr, v_ptr,
+                               a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, key_lo, key_hi,
+                               dt_lo, dt_hi, tl.load(list_ptr + w // PER), w % PER, HK, HV,
+                               DK, DV, BV, L, CAP, T, STEP, AFMT, ASR, RFMT, RSR, SHARED, DELTA,
+                               L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP, FORCE, 1, NH,
+                               it % DYN_NT)
     elif LIST:
         n = tl.load(n_ptr) * PER
         for it in range(pid, n, tl.num_programs(0)):
