@@ -13,9 +13,10 @@ the decay deferred 'defer' at 9ef646b, loads two entries ahead 'pf2' at 9c8b49d)
 with the block read (--read-variant block, the default below 128 rows). Session 14: the one
 launch per step ('fused', with --read-variant block and --verify-batch 0; the GPU check does
 not cover it: the grid's checks compare the two launches) against the split launch; a decode
-step's flush blocks per program chosen on the device below 128 rows (FLUSH_ALL_BLOCKS_MIN_ITEMS:
-'dyn-off' the host's one block, 'dyn-1' every block from one listed item, 'dyn-every' the
-device's choice at every batch). A GPU check first
+step's flush blocks per program chosen on the device (FLUSH_DEVICE_BLOCKS: 'dyn-off' the
+host's rule, 'dyn-1' every block from one listed item, 'dyn-every' the device's choice at every
+batch, both kinds; runs 78-81 set the switch of their commits, FLUSH_ALL_BLOCKS_MIN_ITEMS /
+_ROWS, as their files record). A GPU check first
 (--no-check: none): L + 3 staggered steps and a verify in the first two modes from the same
 stores, outputs and stores compared bit for bit.
 
@@ -49,19 +50,20 @@ MODES = {"grid": ({"FLUSH_LIST": False}, None), "list": ({"FLUSH_LIST_WARPS_PER_
          "list-w64": ({"FLUSH_LIST_WARPS_PER_SM": 64}, None),
          "list-nocap": ({"FLUSH_LIST_MAXNREG": None}, None),
          "list-nh8": ({}, (None, None, None, 8)), "nt1": ({}, (16, 1, 1)),
-         "nt-all": ({"FLUSH_ALL_BLOCKS_MIN_ROWS": 0}, None),
+         "nt-all": ({"FLUSH_ALL_BLOCKS_MIN_ROWS": 0, "FLUSH_DEVICE_BLOCKS": {}}, None),
          "default": ({}, None), "no-preload": ({"VERIFY_PRELOAD": False}, None),
          "cap1w-128": ({"FLUSH_LIST_MAXNREG_1W": {"step": 128, "verify": 128}}, None),
          "cap1w-168": ({"FLUSH_LIST_MAXNREG_1W": {"step": 168, "verify": 168}}, None),
          "cap1w-none": ({"FLUSH_LIST_MAXNREG_1W": {"step": None, "verify": None}}, None),
          "f8": ({}, (8, 1)), "fused": ({}, {"launch": "fused"}),
-         "dyn-off": ({"FLUSH_ALL_BLOCKS_MIN_ITEMS": None}, None),
-         "dyn-1": ({"FLUSH_ALL_BLOCKS_MIN_ITEMS": 1}, None),
-         "dyn-every": ({"FLUSH_ALL_BLOCKS_MIN_ROWS": 10 ** 9}, None)}
+         "dyn-off": ({"FLUSH_DEVICE_BLOCKS": {}}, None),
+         "dyn-1": ({"FLUSH_DEVICE_BLOCKS": {"gdn": (256, 1), "mamba2": (256, 1)}}, None),
+         "dyn-every": ({"FLUSH_DEVICE_BLOCKS": {"gdn": (10 ** 9, 1024),
+                                                "mamba2": (10 ** 9, 1024)}}, None)}
 DEFAULT = {k: getattr(rd, k) for k in ("FLUSH_LIST", "FLUSH_LIST_WARPS_PER_SM",
                                        "FLUSH_LIST_MAXNREG", "FLUSH_LIST_MAXNREG_1W",
                                        "VERIFY_PRELOAD", "FLUSH_ALL_BLOCKS_MIN_ROWS",
-                                       "FLUSH_ALL_BLOCKS_MIN_ITEMS")}
+                                       "FLUSH_DEVICE_BLOCKS")}
 
 
 def _set(mode):

@@ -75,6 +75,8 @@
 #            one flush block per program below 128 rows against every block of the matrix
 #            ('nt-all'), s32_rs / tp8_hi32 (session 13, run 73)              ~40 s
 #   kernels-small  bench kernels at B = 1 / 8 / 32, L 16 and 8, T = 4 at 32, no peers (run 74) ~150 s
+#   gdn-small  bench kernels, GDN at B = 1 / 8 / 32 / 128, L = 16, no verify, no peers: the rows that
+#            session 14's FUSED_THRESHOLD and FLUSH_DEVICE_BLOCKS changed after its grid
 #   grid     the grid in one call, GPU checks, peers and sweep included (session 10, run 45
 #            at c9c64fd: 554 s, its 540 s budget skipped Mamba-2 L = 32 and the T = 2 rounds;
 #            the refitted estimate says ~520 s of sections for the whole grid: use two calls
@@ -87,7 +89,7 @@
 # The image has torch, triton, transformers, accelerate, rich, typer, matplotlib; not fla.
 set -uo pipefail
 : "${OUT:?set OUT to the folder where results go}"
-job=${1:?usage: bash evals/gpu_runs.sh tf|mamba|decode|read|dots|defaults|batch1|targets|recheck-gdn|recheck-mamba2|rows|revert-nt|final|side|confirm|flush-nt|gap|grid-gdn|grid-mamba2|grid-spec|read-blocks|verify-read|spec-t4|spec-t2|philox4|flush-heads|confirm-s10|ncu|flush-list|preload|small-nt|kernels-small|row-width|verify-rw|grid|generate|followup}
+job=${1:?usage: bash evals/gpu_runs.sh tf|mamba|decode|read|dots|defaults|batch1|targets|recheck-gdn|recheck-mamba2|rows|revert-nt|final|side|confirm|flush-nt|gap|grid-gdn|grid-mamba2|grid-spec|read-blocks|verify-read|spec-t4|spec-t2|philox4|flush-heads|confirm-s10|ncu|flush-list|preload|small-nt|kernels-small|gdn-small|row-width|verify-rw|grid|generate|followup}
 export PYTHONUNBUFFERED=1 REPLAYQUANT_GIT_COMMIT=${REPLAYQUANT_GIT_COMMIT:-unknown}
 python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/site .gpu/wheels/*.whl \
     || { echo "gpu_runs: could not install the carried wheels in .gpu/wheels" >&2; exit 1; }
@@ -284,6 +286,11 @@ case "$job" in
     timeout 280 "${rq[@]}" bench kernels --out "$OUT" --name kernels_small --batches 1,8,32 \
         --L 16,8 --T 4 --spec-batches 32 --no-peers --no-sweep --no-checks --budget-s 220 \
         > "$OUT/small.log" 2>&1; echo "kernels-small rc=$?"; tail -5 "$OUT/small.log"
+    ;;
+  gdn-small)
+    timeout 280 "${rq[@]}" bench kernels --out "$OUT" --name kernels_gdn_small --kinds gdn \
+        --batches 1,8,32,128 --L 16 --spec-batches= --no-peers --no-sweep --no-checks \
+        --budget-s 250 > "$OUT/gdn_small.log" 2>&1; echo "gdn-small rc=$?"; tail -5 "$OUT/gdn_small.log"
     ;;
   preload)
     timeout 500 python3 evals/decode_ab.py "$OUT/preload.json" --modes default,no-preload \

@@ -410,11 +410,11 @@ def test_flush_plan_lists_the_rows_with_work():
 
 @pytest.mark.parametrize("kind,pair", [("gdn", "s32_rs"), ("mamba2", "tp8_hi32")])
 def test_flush_blocks_chosen_on_device_equal(kind, pair, monkeypatch):
-    """A decode step's flush below FLUSH_ALL_BLOCKS_MIN_ROWS rows chooses its blocks per
-    program on the device from the listed items (DYN_NT): every block of a matrix on one program
-    (FLUSH_ALL_BLOCKS_MIN_ITEMS 1), one block per program (a threshold never reached) and the
-    host's one block (None) give the same outputs and stores, bit for bit: steps out of phase
-    with padding rows, poisoned outputs and buffers, two flush blocks of 16 rows per matrix."""
+    """A decode step's flush that chooses its blocks per item on the device from the listed
+    items (FLUSH_DEVICE_BLOCKS, DYN_NT): every block of a matrix in one item (from 1 item), one
+    block per item (a threshold never reached) and the host's one block ({}: no device choice)
+    give the same outputs and stores, bit for bit: steps out of phase with padding rows,
+    poisoned outputs and buffers, two flush blocks of 16 rows per matrix."""
     N, HK, H, dk, dv, B = 5, 2, 4, 16, 32, 6
     dr = Driver(kind, B, HK, H, dk, dv)
     base = ReplayStore.from_state(random_state(N, H, dv, dk, seed=17), pair, kind, key_heads=HK,
@@ -424,7 +424,7 @@ def test_flush_blocks_chosen_on_device_equal(kind, pair, monkeypatch):
                torch.tensor([1, 3, -1, 0, 2, 4])]
     got = {}
     for m in (None, 1, 10 ** 9):
-        monkeypatch.setattr(rd, "FLUSH_ALL_BLOCKS_MIN_ITEMS", m)
+        monkeypatch.setattr(rd, "FLUSH_DEVICE_BLOCKS", {} if m is None else {kind: (B + 1, m)})
         st, ys = base.clone(), []
         for step in range(6):
             idx = subsets[step % len(subsets)]

@@ -1166,13 +1166,20 @@ FLUSH_HEADS_MIN = 8192
 # 37.8, tp8_hi32 68.3 vs 38.7, Mamba-2 41.1 vs 38.6, 45.3 vs 37.4; B = 32 GDN 127.8 vs 111.5,
 # 131.4 vs 110.6, Mamba-2 123.7 vs 122.7, 130.3 vs 123.1.
 FLUSH_ALL_BLOCKS_MIN_ROWS = 128
-# Below that, in a decode step (not a verify: its pre-flushes come before its read, so their
-# latency is the round's) the flush kernel counts the listed work items (rows that flush x
-# value heads) on the device and gives a one-warp program every block of its matrix from
-# FLUSH_ALL_BLOCKS_MIN_ITEMS items on, one block below (None: always one). Rows in phase list
-# them all in one step of L: GDN B = 32 (1024 items) ran 44.8 us per step with every block and
-# 50.1 with one; staggered, B / L rows flush per step: B = 32 (64 items) 114.8 vs 63.3 (above).
-FLUSH_ALL_BLOCKS_MIN_ITEMS = 1024
+# By kind, (rows, items): below `rows` rows a decode step's flush (not a verify's: its
+# pre-flushes come before its read, so their latency is the round's) counts the listed work
+# items (rows that flush x value heads) on the device and gives a one-warp program every block
+# of its matrix from `items` items on, one block per item below; the host's rule above
+# elsewhere. Rows in phase list them all in one step of L, rows out of phase B / L per step.
+# H200, windows us in phase / staggered, host's rule vs the device's choice (block read below
+# 128 rows, 'dots' from 128; decode_ab_dyn2_b*_e4030a4.json, one run): GDN s32_rs B = 32
+# 50.0 / 63.7 vs 44.8 / 49.7, B = 128 108.3 / 126.1 vs 108.0 / 109.9; tp8_hi32 B = 32 43.9 /
+# 49.5 vs 40.6 / 48.9, B = 128 83.9 / 113.9 vs 84.0 / 100.4; B = 64 (decode_ab_dyn_b64_7d177d9,
+# one loop with a runtime block count) GDN s32_rs 98.2 / 102.8 vs 88.5 / 88.9. At B = 256 the
+# device's choice lost staggered (GDN tp8_hi32 167.3 vs 178.1: 16 rows of 32 heads, one block
+# each). Mamba-2 mixed at B = 32 (s32_rs 59.5 / 56.4 vs 56.3 / 56.1, tp8_hi32 53.1 / 54.0 vs
+# 50.8 / 61.1), within 1% at 128 and 256: the host's rule.
+FLUSH_DEVICE_BLOCKS = {"gdn": (256, 1024)}
 
 
 def _flush_warps(fbv, dk):
@@ -1413,11 +1420,12 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
     # Without the side stream NT = 1 was best staggered (GDN s32_rs 266 vs 321 at NT = 8).
     # Not multi-warp blocks: Mamba-2 tp8_hi32 on (32, 4) blocks, NT = 2 vs 1: flush step
     # 1375 vs 1266 us, 'dots' read step 245.9 vs 246.1 (kernels_flush_nt.json)
-    # Below FLUSH_ALL_BLOCKS_MIN_ROWS rows, one block per program (see there).
+    # Below FLUSH_ALL_BLOCKS_MIN_ROWS rows, one block per program (see there), unless the
+    # device chooses (below).
     use_list = FLUSH_LIST and not force
-    # a decode step below FLUSH_ALL_BLOCKS_MIN_ROWS rows chooses on the device (DYN_NT)
-    dyn = (nt is None and use_list and step and fnw == 1 and B < FLUSH_ALL_BLOCKS_MIN_ROWS
-           and FLUSH_ALL_BLOCKS_MIN_ITEMS is not None and dv // FBV > 1)
+    # a decode step's flush may choose its blocks per item on the device (FLUSH_DEVICE_BLOCKS)
+    dev_rows, dev_items = FLUSH_DEVICE_BLOCKS.get(store.kind, (0, 0))
+    dyn = (nt is None and use_list and step and fnw == 1 and B < dev_rows and dv // FBV > 1)
     if nt is None:
         nt = 1 if force or fnw > 1 or B < FLUSH_ALL_BLOCKS_MIN_ROWS else dv // FBV
     if nh is None:
@@ -1439,7 +1447,7 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
             sc, *split_key(store.key), dt_lo, dt_hi, lst, cnt, BV=FBV,
             AFMT=afid, ASR=ar, RSR=rr, SHARED=store.shared,
             FORCE=bool(force), NT=nt, NH=nh, LIST=use_list, num_warps=fnw,
-            DYN_NT=dv // FBV if dyn else 0, DYN_MIN=FLUSH_ALL_BLOCKS_MIN_ITEMS if dyn else 0,
+            DYN_NT=dv // FBV if dyn else 0, DYN_MIN=dev_items if dyn else 0,
             **_list_regs(use_list, fnw, q, step), **common)
     if not force:
         dots = idx                                      # any pointer: unused unless DOTS
