@@ -1174,7 +1174,7 @@ FLUSH_ALL_BLOCKS_MIN_ROWS = 128
 # H200, windows us in phase / staggered, host's rule vs the device's choice (block read below
 # 128 rows, 'dots' from 128; decode_ab_dyn2_b*_e4030a4.json, one run): GDN s32_rs B = 32
 # 50.0 / 63.7 vs 44.8 / 49.7, B = 128 108.3 / 126.1 vs 108.0 / 109.9; tp8_hi32 B = 32 43.9 /
-# 49.5 vs 40.6 / 48.9, B = 128 83.9 / 113.9 vs 84.0 / 100.4; B = 64 (decode_ab_dyn_b64_7d177d9,
+# 49.5 vs 40.6 / 48.9, B = 128 84.0 / 113.9 vs 84.0 / 100.4; B = 64 (decode_ab_dyn_b64_7d177d9,
 # one loop with a runtime block count) GDN s32_rs 98.2 / 102.8 vs 88.5 / 88.9. At B = 256 the
 # device's choice lost staggered (GDN tp8_hi32 167.3 vs 178.1: 16 rows of 32 heads, one block
 # each). Mamba-2 mixed at B = 32 (s32_rs 59.5 / 56.4 vs 56.3 / 56.1, tp8_hi32 53.1 / 54.0 vs
@@ -1332,8 +1332,9 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
     """Launch the step (T = 1) or verify (T drafts) kernels; returns (out, idx, moved): moved
     when the launch already advanced the pointers (launch='fused' with advance). flush_config:
     the flush kernel's (rows, warps), or (rows, warps, NT) to set how many row blocks one flush
-    program takes (default: all of its matrix for one-warp blocks outside a forced step, else 1;
-    evals/flush_nt_stagger.py times the choice). read_blocks: row blocks per read program
+    program takes (default: all of its matrix for one-warp blocks outside a forced step from
+    FLUSH_ALL_BLOCKS_MIN_ROWS rows, else 1, or chosen on the device by FLUSH_DEVICE_BLOCKS;
+    evals/decode_ab.py times the choices). read_blocks: row blocks per read program
     (default: replay_launch_config's)."""
     delta = store.kind == "gdn"
     if launch == "fused" and not (step and T == 1):
