@@ -486,9 +486,9 @@ def test_launch_dispatcher():
                                         key_heads=1, buffer_len=4)
     assert choose_launch("gdn", 1, threshold=8) == "fused"
     assert choose_launch("mamba2", 8, threshold=8) == "split"
-    # the H200's thresholds (FUSED_THRESHOLD): GDN without NVFP4 one launch below 16 rows,
+    # the H200's thresholds (FUSED_THRESHOLD): GDN without NVFP4 one launch below 32 rows,
     # Mamba-2 below 8
-    assert choose_launch("gdn", 8) == "fused" and choose_launch("gdn", 16) == "split"
+    assert choose_launch("gdn", 24) == "fused" and choose_launch("gdn", 32) == "split"
     assert choose_launch("mamba2", 8) == "split" and choose_launch("gdn", 1, nvfp4=True) == "split"
     st = mk()
     assert resolve_launch(st, 1) == "split"                  # NVFP4 read copy: never fused

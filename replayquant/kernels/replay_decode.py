@@ -1288,10 +1288,13 @@ LAUNCHES = ("auto", "split", "fused")
 # faster). Mamba-2 not measured yet: the GDN values.
 # Session 14 (decode_ab_fused_b{8,32,64}_7e7cc47.json, one run, block read, windows us in phase /
 # staggered, split vs fused): GDN tp8_hi32 B = 8 14.0 / 18.4 vs 12.0 / 16.6, B = 32 43.9 / 49.4
-# vs 40.8 / 51.3, B = 64 84.1 / 89.2 vs 77.9 / 91.3 (means within 2% from 32); so GDN without
-# NVFP4 runs the one launch below 16 rows. Mamba-2 tp8_hi32 B = 8 17.8 / 21.4 vs 18.8 / 24.1,
-# s32_rs 20.7 / 22.1 vs 22.8 / 22.5: split from 8, as before; tp4_hi32 lost at every B, both kinds.
-FUSED_THRESHOLD = {("gdn", False): 16, ("gdn", True): 1, ("mamba2", False): 8, ("mamba2", True): 1}
+# vs 40.8 / 51.3, B = 64 84.1 / 89.2 vs 77.9 / 91.3; with FLUSH_DEVICE_BLOCKS
+# (decode_ab_fused_b{16,24}_a64fe4a.json; B = 32 from decode_ab_dyn2_b32_e4030a4.json) B = 16
+# 23.4 / 32.1 vs 21.4 / 31.5, B = 24 32.3 / 39.6 vs 30.6 / 39.9, B = 32 40.6 / 48.9 (split): so
+# GDN without NVFP4 runs the one launch below 32 rows. Mamba-2 tp8_hi32 B = 8 17.8 / 21.4 vs
+# 18.8 / 24.1, s32_rs 20.7 / 22.1 vs 22.8 / 22.5: split from 8, as before; tp4_hi32 lost at
+# every B, both kinds.
+FUSED_THRESHOLD = {("gdn", False): 32, ("gdn", True): 1, ("mamba2", False): 8, ("mamba2", True): 1}
 
 
 def _has_nvfp4(store: ReplayStore) -> bool:
