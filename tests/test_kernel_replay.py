@@ -411,7 +411,7 @@ def test_flush_plan_lists_the_rows_with_work():
 @pytest.mark.parametrize("kind,pair", [("gdn", "s32_rs"), ("mamba2", "tp8_hi32")])
 def test_flush_blocks_chosen_on_device_equal(kind, pair, monkeypatch):
     """A decode step's flush that chooses its blocks per item on the device from the listed
-    items (FLUSH_DEVICE_BLOCKS, DYN_NT): every block of a matrix in one item (from 1 item), one
+    items (FLUSH_DEVICE_BLOCKS, DYN): every block of a matrix in one item (from 1 item), one
     block per item (a threshold never reached) and the host's one block ({}: no device choice)
     give the same outputs and stores, bit for bit: steps out of phase with padding rows,
     poisoned outputs and buffers, two flush blocks of 16 rows per matrix."""

@@ -446,7 +446,7 @@ def _replay_flush_kernel(
         RSR: tl.constexpr, SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
         HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
         DT_CLAMP: tl.constexpr, FORCE: tl.constexpr, NT: tl.constexpr, NH: tl.constexpr = 1,
-        LIST: tl.constexpr = False, DYN_NT: tl.constexpr = 0, DYN_MIN: tl.constexpr = 0):
+        LIST: tl.constexpr = False, DYN: tl.constexpr = False, DYN_MIN: tl.constexpr = 0):
     """The flushing rows of a step / verify: (1) committed entries that would not leave T free
     slots (h + T > L, h > 0) are folded into the anchor first; (2) a step whose entry fills the
     buffer (h + 1 == L, or force) rebuilds through it, outputs S q and casts both roles.
@@ -456,40 +456,34 @@ def _replay_flush_kernel(
     _flush_plan_kernel's list, list_ptr[:n_ptr[0]]) each program loops over the items of the
     listed rows, item pid, pid + programs, ...: a step in which few rows flush launches a few
     programs per SM, not one per matrix that has nothing to do.
-    DYN_NT (LIST, a grid of one column): the blocks per item chosen here from the listed
-    items, all DYN_NT blocks of a matrix in one item from DYN_MIN items on, else DYN_NT items
-    of one block each."""
+    DYN (LIST, NT every block of a matrix): the blocks per item chosen here from the listed
+    items, all NT blocks of a matrix in one item from DYN_MIN items on, else NT items of one
+    block each."""
     pid = tl.program_id(0)
     PER: tl.constexpr = HV // NH
-    if LIST and DYN_NT > 1:
+    if LIST:
         n = tl.load(n_ptr) * PER
-        if n >= DYN_MIN:        # every block of a matrix in one item (DYN_NT a constexpr)
+        per_block = False
+        if DYN:
+            per_block = n < DYN_MIN
+        if per_block:               # an item per block of the NT blocks of a matrix
+            for it in range(pid, n * NT, tl.num_programs(0)):
+                w = it // NT
+                _flush_program(A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, Gbuf, bbuf,
+                               h_ptr, st_ptr, nf_ptr, idx_ptr, out_ptr, q_ptr, k_ptr, v_ptr,
+                               a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, key_lo, key_hi,
+                               dt_lo, dt_hi, tl.load(list_ptr + w // PER), w % PER, HK, HV,
+                               DK, DV, BV, L, CAP, T, STEP, AFMT, ASR, RFMT, RSR, SHARED, DELTA,
+                               L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP, FORCE, 1, NH, it % NT)
+        else:
             for it in range(pid, n, tl.num_programs(0)):
                 _flush_program(A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, Gbuf, bbuf,
                                h_ptr, st_ptr, nf_ptr, idx_ptr, out_ptr, q_ptr, k_ptr, v_ptr,
                                a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, key_lo, key_hi,
                                dt_lo, dt_hi, tl.load(list_ptr + it // PER), it % PER, HK, HV,
                                DK, DV, BV, L, CAP, T, STEP, AFMT, ASR, RFMT, RSR, SHARED, DELTA,
-                               L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP, FORCE, DYN_NT, NH, 0)
-        else:                   # an item per block
-            for it in range(pid, n * DYN_NT, tl.num_programs(0)):
-                w = it // DYN_NT
-                _flush_program(A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, Gbuf, bbuf,
-                               h_ptr, st_ptr, nf_ptr, idx_ptr, out_ptr, q_ptr, k_ptr, v_ptr,
-                               a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, key_lo, key_hi,
-                               dt_lo, dt_hi, tl.load(list_ptr + w // PER), w % PER, HK, HV,
-                               DK, DV, BV, L, CAP, T, STEP, AFMT, ASR, RFMT, RSR, SHARED, DELTA,
-                               L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP, FORCE, 1, NH,
-                               it % DYN_NT)
-    elif LIST:
-        n = tl.load(n_ptr) * PER
-        for it in range(pid, n, tl.num_programs(0)):
-            _flush_program(A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, Gbuf, bbuf, h_ptr,
-                           st_ptr, nf_ptr, idx_ptr, out_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
-                           A_ptr, dtb_ptr, D_ptr, z_ptr, scale, key_lo, key_hi, dt_lo, dt_hi,
-                           tl.load(list_ptr + it // PER), it % PER, HK, HV, DK, DV, BV, L, CAP,
-                           T, STEP, AFMT, ASR, RFMT, RSR, SHARED, DELTA, L2NORM, HAS_DTB, HAS_D,
-                           HAS_Z, DT_CLAMP, FORCE, NT, NH, tl.program_id(1) * NT)
+                               L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP, FORCE, NT, NH,
+                               tl.program_id(1) * NT)
     else:
         _flush_program(A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, Gbuf, bbuf, h_ptr,
                        st_ptr, nf_ptr, idx_ptr, out_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
@@ -1430,7 +1424,9 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
     # a decode step's flush may choose its blocks per item on the device (FLUSH_DEVICE_BLOCKS)
     dev_rows, dev_items = FLUSH_DEVICE_BLOCKS.get(store.kind, (0, 0))
     dyn = (nt is None and use_list and step and fnw == 1 and B < dev_rows and dv // FBV > 1)
-    if nt is None:
+    if dyn:
+        nt = dv // FBV
+    elif nt is None:
         nt = 1 if force or fnw > 1 or B < FLUSH_ALL_BLOCKS_MIN_ROWS else dv // FBV
     if nh is None:
         nh = 1 if force or use_list or FBV != dv or B * HV < FLUSH_HEADS_MIN else \
@@ -1444,14 +1440,14 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
             cnt = torch.empty(1, dtype=torch.int32, device=q.device)
             _flush_plan_kernel[(1,)](idx, store.committed, lst, cnt, B, L=store.L, T=T,
                                      STEP=step, CH=min(1024, triton.next_power_of_2(B)))
-            n_prog = _list_programs(n_prog * (dv // FBV if dyn else 1), fnw, q.device)
-        _replay_flush_kernel[(n_prog, 1 if dyn else dv // (FBV * nt))](
+            n_prog = _list_programs(n_prog * (nt if dyn else 1), fnw, q.device)
+        _replay_flush_kernel[(n_prog, dv // (FBV * nt))](
             Ap, As, Ag, Rp, Rs, Rg, store.kbuf, store.vbuf, store.Gbuf, store.bbuf,
             store.committed, store.start, store.n_flush, idx, out, *inputs,
             sc, *split_key(store.key), dt_lo, dt_hi, lst, cnt, BV=FBV,
             AFMT=afid, ASR=ar, RSR=rr, SHARED=store.shared,
             FORCE=bool(force), NT=nt, NH=nh, LIST=use_list, num_warps=fnw,
-            DYN_NT=dv // FBV if dyn else 0, DYN_MIN=dev_items if dyn else 0,
+            DYN=dyn, DYN_MIN=dev_items if dyn else 0,
             **_list_regs(use_list, fnw, q, step), **common)
     if not force:
         dots = idx                                      # any pointer: unused unless DOTS
