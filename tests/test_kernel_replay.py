@@ -172,6 +172,36 @@ def test_replay_step_matches_replay_state(kind, pair):
     assert_states_close(store.read_role.dequantize(), rs.read_copy())
 
 
+@pytest.mark.parametrize("pair", ["s32_rs", "tp8_hi32"])
+def test_gdn_fold_strong_decay(pair):
+    """The GDN fold defers its decay and applies it when the log gate falls 30 below the last
+    base: heads whose gates fall ~60, ~8 and ~0.1 per step (rebase every entry, every few
+    entries, never; exp(-G) far past float32 over the buffer) against ReplayState."""
+    N, HK, H, dk, dv = 3, 1, 3, 16, 16
+    P = PrecisionPair.load(pair).with_buffer_len(6)
+    dr = Driver("gdn", N, HK, H, dk, dv)
+    init = random_state(N, H, dv, dk, seed=8)
+    store = ReplayStore.from_state(init, P, "gdn", key_heads=HK, seed=3, u_dtype=torch.float32)
+    rs = ReplayState(init, P, delta=True, seed=3)
+    idx = torch.tensor([1, 0, 2])
+    perm = idx.argsort()
+    A_log = torch.tensor([4.5, 2.5, -2.0])
+    glog = []
+    for step in range(13):
+        q, k, v, a, b, _, dtb = dr.inputs(seed=90 + step)
+        inp = (q, k, v, a.abs() + 1.0, b, A_log, dtb)
+        y = dr.kernel(store, inp, idx)
+        fe, _ = dr.core_inputs(inp)
+        glog.append(fe[3][0])
+        yr = rs.step(*[t[perm] for t in fe])
+        torch.testing.assert_close(y[perm], yr, rtol=_tol(P), atol=_tol(P) * yr.abs().max().item())
+    g = torch.stack(glog)                         # [steps, H] log gates of row 0
+    assert (g[:, 0] < -40).all() and (g[:, 1] < -4).all() and (g[:, 2] > -1).all()
+    assert store.n_flush.tolist() == rs.flushes.tolist() == [2] * N
+    assert_states_close(store.anchor.dequantize(), rs.anchor())
+    assert_states_close(store.read_role.dequantize(), rs.read_copy())
+
+
 def test_replay_bf16_u_buffer_against_reference():
     """Default buffer precision (u in bf16): the reference models the bf16 storage of u."""
     N, HK, H, dk, dv = 3, 1, 2, 32, 16
