@@ -174,9 +174,9 @@ def test_replay_step_matches_replay_state(kind, pair):
 
 @pytest.mark.parametrize("pair", ["s32_rs", "tp8_hi32"])
 def test_gdn_fold_strong_decay(pair):
-    """The GDN fold defers its decay and applies it when the log gate falls 30 below the last
-    base: heads whose gates fall ~60, ~8 and ~0.1 per step (rebase every entry, every few
-    entries, never; exp(-G) far past float32 over the buffer) against ReplayState."""
+    """The GDN flush fold with strong decays against ReplayState: heads whose log gates fall
+    ~60, ~8 and ~0.1 per step, so that exp(-G) over a buffer is far past float32 (a fold that
+    defers its decay must rescale in time; session 15's did, and was no faster)."""
     N, HK, H, dk, dv = 3, 1, 3, 16, 16
     P = PrecisionPair.load(pair).with_buffer_len(6)
     dr = Driver("gdn", N, HK, H, dk, dv)

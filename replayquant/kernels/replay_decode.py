@@ -239,27 +239,18 @@ def _entry_in(kbuf, vbuf, Gbuf, bbuf, e, hv, hk, rows, cols, HK: tl.constexpr, H
     return k, v, tl.load(Gbuf + e * HV + hv), tl.load(bbuf + e * HV + hv)
 
 
-# How far (in log gate) the GDN fold's deferred decay may run before it is applied: exp(30)
-# ~ 1e13 keeps S' and its coefficients far inside float32 range.
-_FOLD_REBASE: tl.constexpr = tl.constexpr(30.0)
-
-
 @triton.jit
 def _fold(S, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, n, Gfin,
           HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
           CAP: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr):
-    """Fold the n buffered entries into S, one pass per entry (entry j + 1 is loaded while
-    entry j is folded). Returns (S', lg): the folded state is exp(lg) S'.
+    """Fold the n buffered entries into S, one FMA pass per entry (entry j + 1 is loaded while
+    entry j is folded).
     GDN (DELTA; S = the dequantized anchor, Gfin unused): the recurrence a_j = exp(G_j - G_{j-1}),
-    u_j = beta_j (v_j - a_j S k_j), S <- a_j S + u_j k_j^T, with the decay deferred: S =
-    exp(G_j - Gb) S', so an entry costs two FMAs per element (S' k and S' += c k^T with c =
-    exp(Gb - G_j) u_j), not three. The base Gb moves to G_j (S' rescaled, the plain step) when
-    G_j falls more than _FOLD_REBASE below it, so exp(Gb - G_j) stays finite whatever the gates.
-    Equal to core.rebuild within float32 reassociation; lg = G_n - Gb.
+    u_j = beta_j (v_j - a_j S k_j), S <- a_j S + u_j k_j^T; equal to core.rebuild (the triangular
+    solve against the anchor) within float32 reassociation.
     Mamba-2 (S = exp(Gfin) deq(A) on entry): S + sum_j exp(Gfin - G_j) (dt_j x_j) B_j^T,
-    core.rebuild's closed form; lg = 0."""
+    core.rebuild's closed form."""
     Gprev = 0.0
-    Gb = 0.0
     kn, vn, Gn, bn = _entry_in(kbuf, vbuf, Gbuf, bbuf, _entry(slot, start, 0, CAP), hv, hk, rows,
                                cols, HK, HV, DK, DV)
     for j in range(0, n):
@@ -274,16 +265,14 @@ def _fold(S, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, n, Gfin,
             # k / |k| as a factor r on the products: its reduction does not wait for S, so
             # the entry's chain holds one reduction (S k), not two
             r = 1.0 / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6) if L2NORM else 1.0
-            if G < Gb - _FOLD_REBASE:
-                S = S * tl.exp(G - Gb)
-                Gb = G
-            u = g2 * (v - tl.sum(S * k[None, :], axis=1) * (tl.exp(G - Gb) * r))
-            S = S + (u * (tl.exp(Gb - G) * r))[:, None] * k[None, :]
+            S = S * tl.exp(G - Gprev)
+            u = g2 * (v - tl.sum(S * k[None, :], axis=1) * r)
+            S = S + (u * r)[:, None] * k[None, :]
             Gprev = G
         else:
             w = tl.exp(Gfin - G)
             S = S + (w * (g2 * v))[:, None] * k[None, :]
-    return S, Gprev - Gb
+    return S
 
 
 @triton.jit
@@ -346,13 +335,12 @@ def _flush_body(
         else:
             A = _tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT)
         if DELTA:
-            S, lg = _fold(A, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, h, 0.0,
-                          HK, HV, DK, DV, CAP, DELTA, L2NORM)
-            S = S * tl.exp(lg)
+            S = _fold(A, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, h, 0.0,
+                      HK, HV, DK, DV, CAP, DELTA, L2NORM)
         else:
             Gn = _last_G(Gbuf, slot, start, h, hv, HV, CAP)
-            S, lg = _fold(tl.exp(Gn) * A, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk,
-                          rows, cols, h, Gn, HK, HV, DK, DV, CAP, DELTA, L2NORM)
+            S = _fold(tl.exp(Gn) * A, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk,
+                      rows, cols, h, Gn, HK, HV, DK, DV, CAP, DELTA, L2NORM)
         _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi,
                      nf + 1, slot, hv, DV, DK, BV, AFMT, ASR, RFMT, RSR, SHARED)
         nf = nf + 1
@@ -373,14 +361,13 @@ def _flush_body(
                     HAS_D, DT_CLAMP)
                 A = _tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT)
             if DELTA:
-                S, lg = _fold(A, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, h,
-                              0.0, HK, HV, DK, DV, CAP, DELTA, L2NORM)
-                # the fold's deferred decay joins this step's (h = 0: the conventional step)
-                S, y = _rank1_step(S, q, k, v, log_a + lg, beta, DELTA)
+                S = _fold(A, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, h, 0.0,
+                          HK, HV, DK, DV, CAP, DELTA, L2NORM)
+                S, y = _rank1_step(S, q, k, v, log_a, beta, DELTA)   # h = 0: the conventional step
             else:
                 Gf = _last_G(Gbuf, slot, start, h, hv, HV, CAP) + log_a
-                S, lg = _fold(A * tl.exp(Gf), kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk,
-                              rows, cols, h, Gf, HK, HV, DK, DV, CAP, DELTA, L2NORM)
+                S = _fold(A * tl.exp(Gf), kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk,
+                          rows, cols, h, Gf, HK, HV, DK, DV, CAP, DELTA, L2NORM)
                 S = S + v[:, None] * k[None, :]
                 y = tl.sum(S * q[None, :], axis=1)
             _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_lo,
