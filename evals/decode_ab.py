@@ -16,7 +16,8 @@ not cover it: the grid's checks compare the two launches) against the split laun
 step's flush blocks per program chosen on the device (FLUSH_DEVICE_BLOCKS: 'dyn-off' the
 host's rule, 'dyn-1' every block from one listed item, 'dyn-every' the device's choice at every
 batch, both kinds; runs 78-81 set the switch of their commits, FLUSH_ALL_BLOCKS_MIN_ITEMS /
-_ROWS, as their files record). A GPU check first
+_ROWS, as their files record). Session 15: an NVFP4 read copy beside an FP32 anchor cast after
+the flush from the anchor ('nv-whole': cast in the flush, whole matrices). A GPU check first
 (--no-check: none): L + 3 staggered steps and a verify in the first two modes from the same
 stores, outputs and stores compared bit for bit.
 
@@ -59,11 +60,12 @@ MODES = {"grid": ({"FLUSH_LIST": False}, None), "list": ({"FLUSH_LIST_WARPS_PER_
          "dyn-off": ({"FLUSH_DEVICE_BLOCKS": {}}, None),
          "dyn-1": ({"FLUSH_DEVICE_BLOCKS": {"gdn": (256, 1), "mamba2": (256, 1)}}, None),
          "dyn-every": ({"FLUSH_DEVICE_BLOCKS": {"gdn": (10 ** 9, 1024),
-                                                "mamba2": (10 ** 9, 1024)}}, None)}
+                                                "mamba2": (10 ** 9, 1024)}}, None),
+         "nv-whole": ({"FLUSH_DEFER_NV": False}, None)}
 DEFAULT = {k: getattr(rd, k) for k in ("FLUSH_LIST", "FLUSH_LIST_WARPS_PER_SM",
                                        "FLUSH_LIST_MAXNREG", "FLUSH_LIST_MAXNREG_1W",
                                        "VERIFY_PRELOAD", "FLUSH_ALL_BLOCKS_MIN_ROWS",
-                                       "FLUSH_DEVICE_BLOCKS")}
+                                       "FLUSH_DEVICE_BLOCKS", "FLUSH_DEFER_NV")}
 
 
 def _set(mode):

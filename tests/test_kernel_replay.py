@@ -511,6 +511,58 @@ def test_flush_list_equals_one_program_per_matrix(kind, pair, monkeypatch):
         assert torch.equal(a_, b_)
 
 
+NV_SR_HI32 = PrecisionPair.from_dict({"name": "tp4sr_hi32", "buffer_len": 4,
+                                      "read": {"format": "nvfp4", "rounding": "stochastic"},
+                                      "anchor": {"format": "fp32", "rounding": "nearest"}})
+
+
+@pytest.mark.parametrize("kind,pair", [("gdn", "tp4_hi32"), ("mamba2", "tp4_hi32"),
+                                       ("gdn", NV_SR_HI32)])
+def test_deferred_nvfp4_read_cast_equal(kind, pair, monkeypatch):
+    """An NVFP4 read copy beside an FP32 anchor cast by _read_cast_kernel after a flush on row
+    blocks (FLUSH_DEFER_NV) equals the whole-matrix cast in the flush, bit for bit (outputs,
+    anchor, read copy with its scales, pointers): decode steps out of phase with padding rows,
+    poisoned outputs and buffers, two flush blocks per matrix, a verify of T = 3 drafts with
+    pre-flushes and random accepts; stochastic rounding of the read copy with its stream."""
+    from replayquant.kernels.verify import replay_accept, replay_gdn_verify, replay_mamba2_verify
+    N, HK, H, dk, dv, B, T = 5, 2, 4, 16, 32, 6, 3
+    dr = Driver(kind, B, HK, H, dk, dv)
+    base = ReplayStore.from_state(random_state(N, H, dv, dk, seed=23), pair, kind, key_heads=HK,
+                                  seed=7, buffer_len=4, max_drafts=T)
+    assert rd.defers_read_cast(base)
+    poison_buffers(base)
+    full = torch.tensor([4, -1, 0, 2, 1, 3])
+    subsets = [torch.tensor([4, -1, 0, -1, -1, 3]), torch.tensor([4, -1, 0, 2, -1, 3]), full]
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31, ())))
+    acc = torch.randint(0, T + 1, (B,), generator=g, dtype=torch.int32)
+    got = {}
+    for defer in (False, True):
+        monkeypatch.setattr(rd, "FLUSH_DEFER_NV", defer)
+        st, ys = base.clone(), []
+        for step in range(8):
+            idx = subsets[step] if step < len(subsets) else full
+            if step == 4:
+                if kind == "gdn":
+                    q, k, v, a, b = gdn_step_inputs(B, HK, H, dk, dv, T=T, seed=51)
+                    A_log, dtb = gdn_params(H, 51)
+                    y = replay_gdn_verify(st, q, k, v, a, b, A_log, dtb, state_indices=idx)
+                else:
+                    x, dt, Bm, C, z = mamba2_step_inputs(B, HK, H, dk, dv, T=T, seed=51)
+                    A, D, dtb = mamba2_params(H, 51)
+                    y = replay_mamba2_verify(st, x, dt, A, Bm, C, state_indices=idx, D=D, z=z,
+                                             dt_bias=dtb)
+                replay_accept(st, acc, idx)
+            else:
+                y = dr.kernel(st, dr.inputs(seed=80 + step), idx, launch="split",
+                              flush_config=None if not defer else (16, 1))
+            ys.append(y)
+        got[defer] = st, ys
+    assert (got[True][0].n_flush >= 1).all()
+    assert_same_store(got[False][0], got[True][0])
+    for a_, b_ in zip(got[False][1], got[True][1]):
+        assert torch.equal(a_, b_)
+
+
 def test_launch_dispatcher():
     mk = lambda: ReplayStore.from_state(random_state(2, 2, 16, 16), "tp4_hi32", "gdn",  # noqa
                                         key_heads=1, buffer_len=4)

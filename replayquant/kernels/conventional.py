@@ -289,19 +289,27 @@ def _tile_store(x, pay, sc, gs, mat, rows, cols, key_lo, key_hi, flush_index, sl
         tl.store(ptrs, encode_e4m3(tl.div_rn(x, s[:, None]), rb, SR).to(tl.uint8))
         tl.store(sc + mat * DV + rows, s)
     else:
-        DK2: tl.constexpr = DK // 2
-        NB: tl.constexpr = DK // 16
-        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-        g = tl.div_rn(amax, _NV_DIV)
-        g = tl.where(g > 0, g, 1.0)
-        nibs, bcode = nv_block_encode(x, g, rb, BV, DK, SR)
-        lo, hi = tl.split(tl.reshape(nibs, (BV, DK2, 2)))
-        half = tl.arange(0, DK2)
-        tl.store(pay + mat * (DV * DK2) + rows[:, None] * DK2 + half[None, :],
-                 (lo | (hi << 4)).to(tl.uint8))
-        nb = tl.arange(0, NB)
-        tl.store(sc + mat * (DV * NB) + rows[:, None] * NB + nb[None, :], bcode.to(tl.uint8))
-        tl.store(gs + mat, g)
+        _nv_store(x, tl.max(tl.max(tl.abs(x), axis=1), axis=0), pay, sc, gs, mat, rows, rb,
+                  DV, DK, BV, SR)
+
+
+@triton.jit
+def _nv_store(x, amax, pay, sc, gs, mat, rows, rb, DV: tl.constexpr, DK: tl.constexpr,
+              BV: tl.constexpr, SR: tl.constexpr):
+    """NVFP4 rows `rows` of matrix mat from x [BV, DK], given the whole matrix's amax (its
+    global scale amax / 448 / 6): a tile of the matrix cast alone equals the whole-matrix cast."""
+    DK2: tl.constexpr = DK // 2
+    NB: tl.constexpr = DK // 16
+    g = tl.div_rn(amax, _NV_DIV)
+    g = tl.where(g > 0, g, 1.0)
+    nibs, bcode = nv_block_encode(x, g, rb, BV, DK, SR)
+    lo, hi = tl.split(tl.reshape(nibs, (BV, DK2, 2)))
+    half = tl.arange(0, DK2)
+    tl.store(pay + mat * (DV * DK2) + rows[:, None] * DK2 + half[None, :],
+             (lo | (hi << 4)).to(tl.uint8))
+    nb = tl.arange(0, NB)
+    tl.store(sc + mat * (DV * NB) + rows[:, None] * NB + nb[None, :], bcode.to(tl.uint8))
+    tl.store(gs + mat, g)
 
 
 # ---------------------------------------------------------------------------- front ends

@@ -57,7 +57,8 @@ from replayquant.kernels.conventional import (_into, _program_tile, PackedRole, 
                                               conventional_mamba2_step,
                                               _front_math, _gate_out, _gate_z, _indices, _l2norm,
                                               _pow2_dims, _prep,
-                                              _rank1_step, _tile_load, _tile_store,
+                                              _rank1_step, _tile_load, _tile_store, _nv_store,
+                                              _sr_bits,
                                               NO_DT_LIMIT, dt_limit_args,
                                               gdn_frontend_ref, mamba2_frontend_ref,
                                               mamba2_post_ref, role_streams, small_block,
@@ -285,15 +286,20 @@ def _last_G(Gbuf, slot, start, h, hv, HV: tl.constexpr, CAP: tl.constexpr):
 
 @triton.jit
 def _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi, fi,
-                 slot, hv, DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
+                 slot, hv, amx, DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
                  AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr, RSR: tl.constexpr,
-                 SHARED: tl.constexpr):
-    """anchor <- Q_anchor(S), read <- Q_read(S): two independent casts of the same S."""
+                 SHARED: tl.constexpr, DEFER: tl.constexpr):
+    """anchor <- Q_anchor(S), read <- Q_read(S): two independent casts of the same S.
+    DEFER (an NVFP4 read copy beside an FP32 anchor, which is S itself): the read copy is left
+    to _read_cast_kernel, which casts it from the anchor; this block's max |S| goes to amx."""
     _tile_store(S, A_pay, A_sc, A_gs, mat, rows, cols, key_lo, key_hi, fi, slot, hv,
                 DV, DK, BV, AFMT, ASR, 0)
     if not SHARED:
-        _tile_store(S, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi, fi, slot, hv,
-                    DV, DK, BV, RFMT, RSR, 1)
+        if DEFER:
+            tl.store(amx, tl.max(tl.max(tl.abs(S), axis=1), axis=0))
+        else:
+            _tile_store(S, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi, fi, slot, hv,
+                        DV, DK, BV, RFMT, RSR, 1)
 
 
 @triton.jit
@@ -307,7 +313,7 @@ def _flush_body(
         STEP: tl.constexpr, AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr,
         RSR: tl.constexpr, SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
         HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
-        DT_CLAMP: tl.constexpr):
+        DT_CLAMP: tl.constexpr, amx_ptr=None, DEFER: tl.constexpr = False):
     """What _replay_flush_kernel does for one live row's program (slot >= 0): the flushes of
     that row (pre-flush of committed entries that would not leave T free slots, and the flush of
     a step that fills the buffer or is forced); nothing for a row that does not flush.
@@ -318,6 +324,9 @@ def _flush_body(
     separate read copy: holding the early tile across the pre-flush made those variants spill
     (ptxas, sm_90a: GDN tp8_hi32 364 bytes), and the dispatcher never forces them."""
     mat = slot * HV + hv
+    amx = amx_ptr
+    if DEFER:       # this block's entry of the row's amax scratch ([B, HV, DV / BV])
+        amx = amx_ptr + (row * HV + hv) * (DV // BV) + tl.min(rows, axis=0) // BV
     EARLY: tl.constexpr = FORCE and STEP and SHARED
     if EARLY:
         q, k, v, log_a, beta, skip = _front_end(
@@ -342,7 +351,7 @@ def _flush_body(
             S = _fold(tl.exp(Gn) * A, kbuf, vbuf, Gbuf, bbuf, slot, start, hv, hk,
                       rows, cols, h, Gn, HK, HV, DK, DV, CAP, DELTA, L2NORM)
         _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi,
-                     nf + 1, slot, hv, DV, DK, BV, AFMT, ASR, RFMT, RSR, SHARED)
+                     nf + 1, slot, hv, amx, DV, DK, BV, AFMT, ASR, RFMT, RSR, SHARED, DEFER)
         nf = nf + 1
         start = (start + h) % CAP
         h = h * 0
@@ -371,7 +380,8 @@ def _flush_body(
                 S = S + v[:, None] * k[None, :]
                 y = tl.sum(S * q[None, :], axis=1)
             _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_lo,
-                         key_hi, nf + 1, slot, hv, DV, DK, BV, AFMT, ASR, RFMT, RSR, SHARED)
+                         key_hi, nf + 1, slot, hv, amx, DV, DK, BV, AFMT, ASR, RFMT, RSR, SHARED,
+                         DEFER)
             y = _gate_out(y + skip, z_ptr, row, hv, rows, HV, DV, HAS_Z)
             tl.store(out_ptr + (row * HV + hv) * DV + rows, y)
 
@@ -410,7 +420,8 @@ def _flush_program(
         STEP: tl.constexpr, AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr,
         RSR: tl.constexpr, SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
         HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
-        DT_CLAMP: tl.constexpr, FORCE: tl.constexpr, nt, NH: tl.constexpr, b0):
+        DT_CLAMP: tl.constexpr, FORCE: tl.constexpr, nt, NH: tl.constexpr, b0, amx_ptr,
+        DEFER: tl.constexpr):
     """One work item of _replay_flush_kernel: value heads hg * NH .. of batch row `row`, nt row
     blocks of each from block b0 on (nt a constexpr, or chosen on the device)."""
     slot = tl.load(idx_ptr + row).to(tl.int64)
@@ -426,7 +437,7 @@ def _flush_program(
                             dtb_ptr, D_ptr, z_ptr, scale, key_lo, key_hi, FORCE, dt_lo, dt_hi,
                             row, hv, hk, rows, cols, slot, HK, HV, DK, DV, BV, L, CAP, T, STEP,
                             AFMT, ASR, RFMT, RSR, SHARED, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z,
-                            DT_CLAMP)
+                            DT_CLAMP, amx_ptr, DEFER)
             else:
                 for t in tl.static_range(T):      # padding rows: zero outputs, nothing else
                     tl.store(out_ptr + ((row * T + t) * HV + hv) * DV + rows,
@@ -439,14 +450,15 @@ def _replay_flush_kernel(
         A_pay, A_sc, A_gs, R_pay, R_sc, R_gs,
         kbuf, vbuf, Gbuf, bbuf, h_ptr, st_ptr, nf_ptr, idx_ptr, out_ptr,
         q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr,
-        scale, key_lo, key_hi, dt_lo, dt_hi, list_ptr, n_ptr,
+        scale, key_lo, key_hi, dt_lo, dt_hi, list_ptr, n_ptr, amx_ptr,
         HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
         BV: tl.constexpr, L: tl.constexpr, CAP: tl.constexpr, T: tl.constexpr,
         STEP: tl.constexpr, AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr,
         RSR: tl.constexpr, SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
         HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
         DT_CLAMP: tl.constexpr, FORCE: tl.constexpr, NT: tl.constexpr, NH: tl.constexpr = 1,
-        LIST: tl.constexpr = False, DYN: tl.constexpr = False, DYN_MIN: tl.constexpr = 0):
+        LIST: tl.constexpr = False, DYN: tl.constexpr = False, DYN_MIN: tl.constexpr = 0,
+        DEFER: tl.constexpr = False):
     """The flushing rows of a step / verify: (1) committed entries that would not leave T free
     slots (h + T > L, h > 0) are folded into the anchor first; (2) a step whose entry fills the
     buffer (h + 1 == L, or force) rebuilds through it, outputs S q and casts both roles.
@@ -458,7 +470,10 @@ def _replay_flush_kernel(
     programs per SM, not one per matrix that has nothing to do.
     DYN (LIST, NT every block of a matrix): the blocks per item chosen here from the listed
     items, all NT blocks of a matrix in one item from DYN_MIN items on, else NT items of one
-    block each."""
+    block each.
+    DEFER (LIST; an NVFP4 read copy beside an FP32 anchor): blocks of any rows; each flushed
+    block writes the anchor and its max |S| (amx_ptr), and _read_cast_kernel, launched next,
+    writes the read copy."""
     pid = tl.program_id(0)
     PER: tl.constexpr = HV // NH
     if LIST:
@@ -474,7 +489,8 @@ def _replay_flush_kernel(
                                a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, key_lo, key_hi,
                                dt_lo, dt_hi, tl.load(list_ptr + w // PER), w % PER, HK, HV,
                                DK, DV, BV, L, CAP, T, STEP, AFMT, ASR, RFMT, RSR, SHARED, DELTA,
-                               L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP, FORCE, 1, NH, it % NT)
+                               L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP, FORCE, 1, NH, it % NT,
+                               amx_ptr, DEFER)
         else:
             for it in range(pid, n, tl.num_programs(0)):
                 _flush_program(A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, Gbuf, bbuf,
@@ -483,14 +499,52 @@ def _replay_flush_kernel(
                                dt_lo, dt_hi, tl.load(list_ptr + it // PER), it % PER, HK, HV,
                                DK, DV, BV, L, CAP, T, STEP, AFMT, ASR, RFMT, RSR, SHARED, DELTA,
                                L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP, FORCE, NT, NH,
-                               tl.program_id(1) * NT)
+                               tl.program_id(1) * NT, amx_ptr, DEFER)
     else:
         _flush_program(A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, Gbuf, bbuf, h_ptr,
                        st_ptr, nf_ptr, idx_ptr, out_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
                        A_ptr, dtb_ptr, D_ptr, z_ptr, scale, key_lo, key_hi, dt_lo, dt_hi,
                        pid // PER, pid % PER, HK, HV, DK, DV, BV, L, CAP, T, STEP, AFMT, ASR,
                        RFMT, RSR, SHARED, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP, FORCE,
-                       NT, NH, tl.program_id(1) * NT)
+                       NT, NH, tl.program_id(1) * NT, amx_ptr, DEFER)
+
+
+@triton.jit(do_not_specialize=["key_lo", "key_hi"])
+def _read_cast_kernel(A_pay, R_pay, R_sc, R_gs, h_ptr, nf_ptr, idx_ptr, list_ptr, n_ptr, amx_ptr,
+                      key_lo, key_hi, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                      BV: tl.constexpr, L: tl.constexpr, T: tl.constexpr, STEP: tl.constexpr,
+                      RSR: tl.constexpr):
+    """The NVFP4 read copy of the blocks that _replay_flush_kernel (DEFER) flushed, from the FP32
+    anchor it wrote (S itself) and the matrix's max |S| over its blocks (amx_ptr): the same
+    bits as casting S in the flush, with the flush's stochastic-rounding stream (flush index
+    of the row's last flush in that launch). Items: (listed row, value head, row block)."""
+    NB: tl.constexpr = DV // BV
+    cols = tl.arange(0, DK)
+    for it in range(tl.program_id(0), tl.load(n_ptr) * (HV * NB), tl.num_programs(0)):
+        w = it // NB
+        row = tl.load(list_ptr + w // HV)
+        hv = w % HV
+        slot = tl.load(idx_ptr + row).to(tl.int64)
+        if slot >= 0:
+            h = tl.load(h_ptr + slot)
+            pre = (h + T > L) & (h > 0)             # the flush kernel's two conditions
+            h = tl.where(pre, 0, h)
+            fill = h < 0
+            if STEP:
+                fill = h + 1 == L
+            if pre | fill:
+                fi = tl.load(nf_ptr + slot) + pre.to(tl.int32) + fill.to(tl.int32)
+                mat = slot * HV + hv
+                rows = (it % NB) * BV + tl.arange(0, BV)
+                x = tl.load(A_pay + mat * (DV * DK) + rows[:, None] * DK + cols[None, :])
+                amax = tl.max(tl.load(amx_ptr + (row * HV + hv) * NB + tl.arange(0, NB)),
+                              axis=0)
+                offs = rows[:, None] * DK + cols[None, :]
+                if RSR:
+                    rb = _sr_bits(offs, key_lo, key_hi, fi, 1, slot, hv)
+                else:
+                    rb = offs.to(tl.uint32)
+                _nv_store(x, amax, R_pay, R_sc, R_gs, mat, rows, rb, DV, DK, BV, RSR)
 
 
 @triton.jit
@@ -1065,12 +1119,13 @@ def _measured_block(kind: str, variant: str, fmt: str, T: int):
 
 def replay_launch_config(store: ReplayStore, n_rows: int, block_v=None, num_warps=None,
                          flush_config=None, read_variant: str = "block", read_blocks=None,
-                         T: int = 1):
+                         T: int = 1, defer: bool = False):
     """((BV, warps, row blocks per program) of the read kernel, (BV, warps) of the flush
     kernel), from the shape, the read variant and the drafts T (1: a decode step; a verify of
     T > 1 drafts takes VERIFY_BLOCK's, either read variant). The read
     kernel takes any row block (NVFP4 block scales run along d_k); the flush kernel holds whole
-    matrices when it writes an NVFP4 role (one FP32 scale per matrix)."""
+    matrices when it writes an NVFP4 role (one FP32 scale per matrix), unless that role is a
+    read copy whose cast is deferred to _read_cast_kernel (defer: see FLUSH_DEFER_NV)."""
     N, H, dv, dk = store.shape
     measured = _measured_block(store.kind, read_variant, store.read_role.fmt, T)
     if block_v is None and measured is not None:
@@ -1088,7 +1143,7 @@ def replay_launch_config(store: ReplayStore, n_rows: int, block_v=None, num_warp
     if read_blocks < 1 or (dv // block_v) % read_blocks:
         raise ValueError(f"read_blocks={read_blocks} must divide the {dv // block_v} blocks of "
                          f"{block_v} rows of a matrix")
-    nv = _has_nvfp4(store)
+    nv = _has_nvfp4(store) and not defer
     fbv, fnw = flush_config if flush_config is not None else (None, None)
     if fbv is None:
         if nv:
@@ -1291,6 +1346,22 @@ LAUNCHES = ("auto", "split", "fused")
 FUSED_THRESHOLD = {("gdn", False): 32, ("gdn", True): 1, ("mamba2", False): 8, ("mamba2", True): 1}
 
 
+# A flush that writes an NVFP4 read copy beside an FP32 anchor runs on the row blocks of the
+# other pairs and leaves the read copy to _read_cast_kernel (launched next, over the same listed
+# rows), which casts it from the anchor with the matrix's max |S| that the flush blocks wrote:
+# the same bits as the whole-matrix cast in the flush (one FP32 scale per matrix), which had
+# made every NVFP4 flush program hold a whole matrix on 16 warps. Not in a forced step, the
+# one-launch path or without FLUSH_LIST, nor for other anchors (the read copy must be cast
+# from the unrounded S, which only an FP32 anchor keeps).
+FLUSH_DEFER_NV = True
+
+
+def defers_read_cast(store: ReplayStore) -> bool:
+    """Whether a (listed) flush of this store leaves its read copy to _read_cast_kernel."""
+    return (FLUSH_DEFER_NV and store.read is not None and store.read.fmt == "nvfp4"
+            and store.anchor.fmt == "fp32")
+
+
 def _has_nvfp4(store: ReplayStore) -> bool:
     return store.anchor.fmt == "nvfp4" or (store.read is not None and store.read.fmt == "nvfp4")
 
@@ -1367,8 +1438,10 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
         *flush_config, nh = flush_config
     if flush_config is not None and len(flush_config) == 3:      # (rows, warps, row blocks)
         *flush_config, nt = flush_config
+    use_list = FLUSH_LIST and not force
+    defer = use_list and launch != "fused" and defers_read_cast(store)
     (BV, nw, rnt), (FBV, fnw) = replay_launch_config(store, B, block_v, num_warps, flush_config,
-                                                     read_variant, read_blocks, T)
+                                                     read_variant, read_blocks, T, defer)
     if nt is not None and (nt < 1 or (dv // FBV) % nt):
         raise ValueError(f"flush_config: {nt} row blocks per program must divide the "
                          f"{dv // FBV} blocks of {FBV} rows of a matrix")
@@ -1420,7 +1493,6 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
     # 1375 vs 1266 us, 'dots' read step 245.9 vs 246.1 (kernels_flush_nt.json)
     # Below FLUSH_ALL_BLOCKS_MIN_ROWS rows, one block per program (see there), unless the
     # device chooses (below).
-    use_list = FLUSH_LIST and not force
     # a decode step's flush may choose its blocks per item on the device (FLUSH_DEVICE_BLOCKS)
     dev_rows, dev_items = FLUSH_DEVICE_BLOCKS.get(store.kind, (0, 0))
     dyn = (nt is None and use_list and step and fnw == 1 and B < dev_rows and dv // FBV > 1)
@@ -1434,7 +1506,9 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
     side = _flush_stream(q, step, T, force)
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
         n_prog = B * HV // nh
-        lst = cnt = idx                                 # any pointers: unused without LIST
+        lst = cnt = amx = idx                           # any pointers: unused without LIST / defer
+        if defer:
+            amx = torch.empty(B * HV * (dv // FBV), dtype=torch.float32, device=q.device)
         if use_list:
             lst = torch.empty(B, dtype=torch.int32, device=q.device)
             cnt = torch.empty(1, dtype=torch.int32, device=q.device)
@@ -1444,11 +1518,16 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
         _replay_flush_kernel[(n_prog, dv // (FBV * nt))](
             Ap, As, Ag, Rp, Rs, Rg, store.kbuf, store.vbuf, store.Gbuf, store.bbuf,
             store.committed, store.start, store.n_flush, idx, out, *inputs,
-            sc, *split_key(store.key), dt_lo, dt_hi, lst, cnt, BV=FBV,
+            sc, *split_key(store.key), dt_lo, dt_hi, lst, cnt, amx, BV=FBV,
             AFMT=afid, ASR=ar, RSR=rr, SHARED=store.shared,
             FORCE=bool(force), NT=nt, NH=nh, LIST=use_list, num_warps=fnw,
-            DYN=dyn, DYN_MIN=dev_items if dyn else 0,
+            DYN=dyn, DYN_MIN=dev_items if dyn else 0, DEFER=defer,
             **_list_regs(use_list, fnw, q, step), **common)
+        if defer:
+            _read_cast_kernel[(_list_programs(B * HV * (dv // FBV), 1, q.device),)](
+                Ap, Rp, Rs, Rg, store.committed, store.n_flush, idx, lst, cnt, amx,
+                *split_key(store.key), HV=HV, DK=dk, DV=dv, BV=FBV, L=store.L, T=T, STEP=step,
+                RSR=rr, num_warps=1)
     if not force:
         dots = idx                                      # any pointer: unused unless DOTS
         if read_variant == "dots":
