@@ -122,19 +122,6 @@ def _check(kind, pair, B, T, modes, device="cuda") -> dict:
         outs[mode], stores[mode] = got, st
     _reset()
     a, b = (stores[m] for m in modes)
-    P = bd._pair(pair, L)[0]
-    if P.read_spec.format == "nvfp4" and P.read_spec.rounding == "nearest" \
-            and P.anchor.format == "fp32":
-        # the read copy is the cast of the FP32 anchor (S itself), whichever program cast it
-        for mode in modes:
-            st = stores[mode]
-            fresh = rd.ReplayStore.from_state(st.anchor.dequantize(), P, kind, key_heads=HK,
-                                              max_drafts=T).read_role
-            d_ = [bool(torch.equal(getattr(st.read_role, t).view(torch.uint8),
-                                   getattr(fresh, t).view(torch.uint8)))
-                  for t in ("payload", "scale", "gscale")]
-            print(f"check {kind} {pair} {mode}: read copy == cast of the anchor: {d_}",
-                  flush=True)
     d = dict(out=max(float((x - y).abs().max()) for x, y in zip(*(outs[m] for m in modes))),
              anchor=float((a.anchor.dequantize() - b.anchor.dequantize()).abs().max()),
              read=float((a.read_role.dequantize() - b.read_role.dequantize()).abs().max()),
