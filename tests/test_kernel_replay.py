@@ -56,7 +56,6 @@ def assert_same_store(a, b):
         if ta is not None:
             assert torch.equal(ta.view(torch.uint8), tb.view(torch.uint8)), name
     assert a.arrive is None or not a.arrive.any()
-    assert a.cast_arrive is None or not a.cast_arrive.any()
 
 
 class Driver:
@@ -520,9 +519,9 @@ NV_SR_HI32 = PrecisionPair.from_dict({"name": "tp4sr_hi32", "buffer_len": 4,
 @pytest.mark.parametrize("kind,pair", [("gdn", "tp4_hi32"), ("mamba2", "tp4_hi32"),
                                        ("gdn", NV_SR_HI32)])
 def test_deferred_nvfp4_read_cast_equal(kind, pair, monkeypatch):
-    """An NVFP4 read copy beside an FP32 anchor cast by the last flush block of its matrix
-    (FLUSH_DEFER_NV) equals the whole-matrix cast in the flush, bit for bit (outputs, anchor,
-    read copy with its scales, pointers; the arrival counters back at zero): decode steps out of phase with padding rows,
+    """An NVFP4 read copy beside an FP32 anchor cast by _read_cast_kernel after a flush on row
+    blocks (FLUSH_DEFER_NV) equals the whole-matrix cast in the flush, bit for bit (outputs,
+    anchor, read copy with its scales, pointers): decode steps out of phase with padding rows,
     poisoned outputs and buffers, two flush blocks per matrix, a verify of T = 3 drafts with
     pre-flushes and random accepts; stochastic rounding of the read copy with its stream."""
     from replayquant.kernels.verify import replay_accept, replay_gdn_verify, replay_mamba2_verify
@@ -558,7 +557,7 @@ def test_deferred_nvfp4_read_cast_equal(kind, pair, monkeypatch):
                               flush_config=None if not defer else (16, 1))
             ys.append(y)
         got[defer] = st, ys
-    assert (got[True][0].n_flush >= 1).all() and got[True][0].cast_arrive is not None
+    assert (got[True][0].n_flush >= 1).all()
     assert_same_store(got[False][0], got[True][0])
     for a_, b_ in zip(got[False][1], got[True][1]):
         assert torch.equal(a_, b_)

@@ -107,8 +107,6 @@ class ReplayStore:
     pending_T: int | None = None     # drafts verified and not yet accepted
     last_force: bool = False         # path of the last step: True = it flushed every row (force)
     arrive: torch.Tensor | None = None   # int32 [N]: arrival counters of launch='fused' (zero)
-    # int32 [N * H]: arrival counters of the flush blocks of a matrix (FLUSH_DEFER_NV; zero)
-    cast_arrive: torch.Tensor | None = None
     # host knowledge, never read from the GPU: True only while no slot has buffered entries
     # (committed == 0 everywhere), as from_state leaves it and forced steps keep it; a replay
     # step or a verify clears it. Code that writes committed itself must clear it.
@@ -184,7 +182,7 @@ class ReplayStore:
                            self.L, self.key_heads, c(self.kbuf), c(self.vbuf), c(self.ubuf),
                            c(self.Gbuf), c(self.bbuf), c(self.committed), c(self.n_flush), self.key,
                            c(self.start), self.max_drafts, self.pending_T, self.last_force,
-                           c(self.arrive), c(self.cast_arrive), self.buffers_empty)
+                           c(self.arrive), self.buffers_empty)
 
 
 # ============================================================================ Triton
@@ -293,7 +291,7 @@ def _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_l
                  SHARED: tl.constexpr, DEFER: tl.constexpr):
     """anchor <- Q_anchor(S), read <- Q_read(S): two independent casts of the same S.
     DEFER (an NVFP4 read copy beside an FP32 anchor, which is S itself): the read copy is left
-    to the last block of the matrix (_cast_when_last); this block's max |S| goes to amx."""
+    to _read_cast_kernel, which casts it from the anchor; this block's max |S| goes to amx."""
     _tile_store(S, A_pay, A_sc, A_gs, mat, rows, cols, key_lo, key_hi, fi, slot, hv,
                 DV, DK, BV, AFMT, ASR, 0)
     if not SHARED:
@@ -315,7 +313,7 @@ def _flush_body(
         STEP: tl.constexpr, AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr,
         RSR: tl.constexpr, SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
         HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
-        DT_CLAMP: tl.constexpr, amx_ptr=None, cnt_ptr=None, DEFER: tl.constexpr = False):
+        DT_CLAMP: tl.constexpr, amx_ptr=None, DEFER: tl.constexpr = False):
     """What _replay_flush_kernel does for one live row's program (slot >= 0): the flushes of
     that row (pre-flush of committed entries that would not leave T free slots, and the flush of
     a step that fills the buffer or is forced); nothing for a row that does not flush.
@@ -359,10 +357,8 @@ def _flush_body(
         h = h * 0
         if STEP:
             tl.debug_barrier()      # a second flush below re-reads the anchor just written
-    fill = h < 0                        # whether this step's entry flushes (below)
     if STEP:
-        fill = (h + 1 == L) | FORCE
-        if fill:
+        if (h + 1 == L) | FORCE:
             if EARLY:
                 A = A0
                 if pre:                 # the pre-flush above rewrote the anchor
@@ -388,38 +384,6 @@ def _flush_body(
                          DEFER)
             y = _gate_out(y + skip, z_ptr, row, hv, rows, HV, DV, HAS_Z)
             tl.store(out_ptr + (row * HV + hv) * DV + rows, y)
-    if DEFER:
-        if pre | fill:
-            # the flush index of the last flush above (a pre-flush moved nf on by one)
-            _cast_when_last(A_pay, R_pay, R_sc, R_gs, amx_ptr + (row * HV + hv) * (DV // BV),
-                            cnt_ptr + mat, mat, slot, hv, nf + fill.to(nf.dtype), key_lo, key_hi,
-                            DV, DK, BV, RSR)
-
-
-@triton.jit
-def _cast_when_last(A_pay, R_pay, R_sc, R_gs, amx, cnt, mat, slot, hv, fi, key_lo, key_hi,
-                    DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, RSR: tl.constexpr):
-    """A DEFER flush block done with its matrix (anchor and max |S| written): the last of the
-    matrix's DV / BV blocks to arrive (its counter, back to zero after) casts the NVFP4 read
-    copy from the FP32 anchor (S itself) with the largest of the blocks' max |S|: the same bits
-    as casting S whole, with the flush's stochastic-rounding stream. Every block's stores are
-    before its arrival (block barrier, then the counter's acq_rel atomic); the loads after it
-    bypass L1 (.cg)."""
-    NB: tl.constexpr = DV // BV
-    tl.debug_barrier()
-    if tl.atomic_add(cnt, 1) == NB - 1:
-        tl.store(cnt, 0)
-        amax = tl.max(tl.load(amx + tl.arange(0, NB), cache_modifier=".cg"), axis=0)
-        cols = tl.arange(0, DK)
-        for b in range(NB):
-            rows = b * BV + tl.arange(0, BV)
-            offs = rows[:, None] * DK + cols[None, :]
-            x = tl.load(A_pay + mat * (DV * DK) + offs, cache_modifier=".cg")
-            if RSR:
-                rb = _sr_bits(offs, key_lo, key_hi, fi, 1, slot, hv)
-            else:
-                rb = offs.to(tl.uint32)
-            _nv_store(x, amax, R_pay, R_sc, R_gs, mat, rows, rb, DV, DK, BV, RSR)
 
 
 @triton.jit
@@ -456,7 +420,7 @@ def _flush_program(
         STEP: tl.constexpr, AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr,
         RSR: tl.constexpr, SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
         HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
-        DT_CLAMP: tl.constexpr, FORCE: tl.constexpr, nt, NH: tl.constexpr, b0, amx_ptr, cnt_ptr,
+        DT_CLAMP: tl.constexpr, FORCE: tl.constexpr, nt, NH: tl.constexpr, b0, amx_ptr,
         DEFER: tl.constexpr):
     """One work item of _replay_flush_kernel: value heads hg * NH .. of batch row `row`, nt row
     blocks of each from block b0 on (nt a constexpr, or chosen on the device)."""
@@ -473,7 +437,7 @@ def _flush_program(
                             dtb_ptr, D_ptr, z_ptr, scale, key_lo, key_hi, FORCE, dt_lo, dt_hi,
                             row, hv, hk, rows, cols, slot, HK, HV, DK, DV, BV, L, CAP, T, STEP,
                             AFMT, ASR, RFMT, RSR, SHARED, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z,
-                            DT_CLAMP, amx_ptr, cnt_ptr, DEFER)
+                            DT_CLAMP, amx_ptr, DEFER)
             else:
                 for t in tl.static_range(T):      # padding rows: zero outputs, nothing else
                     tl.store(out_ptr + ((row * T + t) * HV + hv) * DV + rows,
@@ -486,7 +450,7 @@ def _replay_flush_kernel(
         A_pay, A_sc, A_gs, R_pay, R_sc, R_gs,
         kbuf, vbuf, Gbuf, bbuf, h_ptr, st_ptr, nf_ptr, idx_ptr, out_ptr,
         q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr,
-        scale, key_lo, key_hi, dt_lo, dt_hi, list_ptr, n_ptr, amx_ptr, cnt_ptr,
+        scale, key_lo, key_hi, dt_lo, dt_hi, list_ptr, n_ptr, amx_ptr,
         HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
         BV: tl.constexpr, L: tl.constexpr, CAP: tl.constexpr, T: tl.constexpr,
         STEP: tl.constexpr, AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr,
@@ -508,8 +472,8 @@ def _replay_flush_kernel(
     items, all NT blocks of a matrix in one item from DYN_MIN items on, else NT items of one
     block each.
     DEFER (LIST; an NVFP4 read copy beside an FP32 anchor): blocks of any rows; each flushed
-    block writes the anchor and its max |S| (amx_ptr), and the last block of a matrix to be
-    done (arrival counters cnt_ptr, per matrix) casts the read copy (_cast_when_last)."""
+    block writes the anchor and its max |S| (amx_ptr), and _read_cast_kernel, launched next,
+    writes the read copy."""
     pid = tl.program_id(0)
     PER: tl.constexpr = HV // NH
     if LIST:
@@ -526,7 +490,7 @@ def _replay_flush_kernel(
                                dt_lo, dt_hi, tl.load(list_ptr + w // PER), w % PER, HK, HV,
                                DK, DV, BV, L, CAP, T, STEP, AFMT, ASR, RFMT, RSR, SHARED, DELTA,
                                L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP, FORCE, 1, NH, it % NT,
-                               amx_ptr, cnt_ptr, DEFER)
+                               amx_ptr, DEFER)
         else:
             for it in range(pid, n, tl.num_programs(0)):
                 _flush_program(A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, Gbuf, bbuf,
@@ -535,14 +499,52 @@ def _replay_flush_kernel(
                                dt_lo, dt_hi, tl.load(list_ptr + it // PER), it % PER, HK, HV,
                                DK, DV, BV, L, CAP, T, STEP, AFMT, ASR, RFMT, RSR, SHARED, DELTA,
                                L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP, FORCE, NT, NH,
-                               tl.program_id(1) * NT, amx_ptr, cnt_ptr, DEFER)
+                               tl.program_id(1) * NT, amx_ptr, DEFER)
     else:
         _flush_program(A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, Gbuf, bbuf, h_ptr,
                        st_ptr, nf_ptr, idx_ptr, out_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
                        A_ptr, dtb_ptr, D_ptr, z_ptr, scale, key_lo, key_hi, dt_lo, dt_hi,
                        pid // PER, pid % PER, HK, HV, DK, DV, BV, L, CAP, T, STEP, AFMT, ASR,
                        RFMT, RSR, SHARED, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP, FORCE,
-                       NT, NH, tl.program_id(1) * NT, amx_ptr, cnt_ptr, DEFER)
+                       NT, NH, tl.program_id(1) * NT, amx_ptr, DEFER)
+
+
+@triton.jit(do_not_specialize=["key_lo", "key_hi"])
+def _read_cast_kernel(A_pay, R_pay, R_sc, R_gs, h_ptr, nf_ptr, idx_ptr, list_ptr, n_ptr, amx_ptr,
+                      key_lo, key_hi, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                      BV: tl.constexpr, L: tl.constexpr, T: tl.constexpr, STEP: tl.constexpr,
+                      RSR: tl.constexpr):
+    """The NVFP4 read copy of the blocks that _replay_flush_kernel (DEFER) flushed, from the FP32
+    anchor it wrote (S itself) and the matrix's max |S| over its blocks (amx_ptr): the same
+    bits as casting S in the flush, with the flush's stochastic-rounding stream (flush index
+    of the row's last flush in that launch). Items: (listed row, value head, row block)."""
+    NB: tl.constexpr = DV // BV
+    cols = tl.arange(0, DK)
+    for it in range(tl.program_id(0), tl.load(n_ptr) * (HV * NB), tl.num_programs(0)):
+        w = it // NB
+        row = tl.load(list_ptr + w // HV)
+        hv = w % HV
+        slot = tl.load(idx_ptr + row).to(tl.int64)
+        if slot >= 0:
+            h = tl.load(h_ptr + slot)
+            pre = (h + T > L) & (h > 0)             # the flush kernel's two conditions
+            h = tl.where(pre, 0, h)
+            fill = h < 0
+            if STEP:
+                fill = h + 1 == L
+            if pre | fill:
+                fi = tl.load(nf_ptr + slot) + pre.to(tl.int32) + fill.to(tl.int32)
+                mat = slot * HV + hv
+                rows = (it % NB) * BV + tl.arange(0, BV)
+                x = tl.load(A_pay + mat * (DV * DK) + rows[:, None] * DK + cols[None, :])
+                amax = tl.max(tl.load(amx_ptr + (row * HV + hv) * NB + tl.arange(0, NB)),
+                              axis=0)
+                offs = rows[:, None] * DK + cols[None, :]
+                if RSR:
+                    rb = _sr_bits(offs, key_lo, key_hi, fi, 1, slot, hv)
+                else:
+                    rb = offs.to(tl.uint32)
+                _nv_store(x, amax, R_pay, R_sc, R_gs, mat, rows, rb, DV, DK, BV, RSR)
 
 
 @triton.jit
@@ -1123,7 +1125,7 @@ def replay_launch_config(store: ReplayStore, n_rows: int, block_v=None, num_warp
     T > 1 drafts takes VERIFY_BLOCK's, either read variant). The read
     kernel takes any row block (NVFP4 block scales run along d_k); the flush kernel holds whole
     matrices when it writes an NVFP4 role (one FP32 scale per matrix), unless that role is a
-    read copy cast after the blocks (defer: see FLUSH_DEFER_NV)."""
+    read copy whose cast is deferred to _read_cast_kernel (defer: see FLUSH_DEFER_NV)."""
     N, H, dv, dk = store.shape
     measured = _measured_block(store.kind, read_variant, store.read_role.fmt, T)
     if block_v is None and measured is not None:
@@ -1345,17 +1347,17 @@ FUSED_THRESHOLD = {("gdn", False): 32, ("gdn", True): 1, ("mamba2", False): 8, (
 
 
 # A flush that writes an NVFP4 read copy beside an FP32 anchor runs on the row blocks of the
-# other pairs; the last block of a matrix to finish casts the read copy from the anchor with
-# the matrix's max |S| that the blocks wrote (_cast_when_last): the same bits as casting S
-# whole (one FP32 scale per matrix), which had made every NVFP4 flush program hold a whole
-# matrix on 16 warps. Not in a forced step, the
+# other pairs and leaves the read copy to _read_cast_kernel (launched next, over the same listed
+# rows), which casts it from the anchor with the matrix's max |S| that the flush blocks wrote:
+# the same bits as the whole-matrix cast in the flush (one FP32 scale per matrix), which had
+# made every NVFP4 flush program hold a whole matrix on 16 warps. Not in a forced step, the
 # one-launch path or without FLUSH_LIST, nor for other anchors (the read copy must be cast
 # from the unrounded S, which only an FP32 anchor keeps).
 FLUSH_DEFER_NV = True
 
 
 def defers_read_cast(store: ReplayStore) -> bool:
-    """Whether a (listed) flush of this store casts its read copy after its row blocks."""
+    """Whether a (listed) flush of this store leaves its read copy to _read_cast_kernel."""
     return (FLUSH_DEFER_NV and store.read is not None and store.read.fmt == "nvfp4"
             and store.anchor.fmt == "fp32")
 
@@ -1504,12 +1506,9 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
     side = _flush_stream(q, step, T, force)
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
         n_prog = B * HV // nh
-        lst = cnt = amx = arrive = idx                  # any pointers: unused without LIST / defer
+        lst = cnt = amx = idx                           # any pointers: unused without LIST / defer
         if defer:
             amx = torch.empty(B * HV * (dv // FBV), dtype=torch.float32, device=q.device)
-            if store.cast_arrive is None or store.cast_arrive.shape[0] != N * HV:
-                store.cast_arrive = torch.zeros(N * HV, dtype=torch.int32, device=q.device)
-            arrive = store.cast_arrive
         if use_list:
             lst = torch.empty(B, dtype=torch.int32, device=q.device)
             cnt = torch.empty(1, dtype=torch.int32, device=q.device)
@@ -1519,11 +1518,16 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
         _replay_flush_kernel[(n_prog, dv // (FBV * nt))](
             Ap, As, Ag, Rp, Rs, Rg, store.kbuf, store.vbuf, store.Gbuf, store.bbuf,
             store.committed, store.start, store.n_flush, idx, out, *inputs,
-            sc, *split_key(store.key), dt_lo, dt_hi, lst, cnt, amx, arrive, BV=FBV,
+            sc, *split_key(store.key), dt_lo, dt_hi, lst, cnt, amx, BV=FBV,
             AFMT=afid, ASR=ar, RSR=rr, SHARED=store.shared,
             FORCE=bool(force), NT=nt, NH=nh, LIST=use_list, num_warps=fnw,
             DYN=dyn, DYN_MIN=dev_items if dyn else 0, DEFER=defer,
             **_list_regs(use_list, fnw, q, step), **common)
+        if defer:
+            _read_cast_kernel[(_list_programs(B * HV * (dv // FBV), 1, q.device),)](
+                Ap, Rp, Rs, Rg, store.committed, store.n_flush, idx, lst, cnt, amx,
+                *split_key(store.key), HV=HV, DK=dk, DV=dv, BV=FBV, L=store.L, T=T, STEP=step,
+                RSR=rr, num_warps=1)
     if not force:
         dots = idx                                      # any pointer: unused unless DOTS
         if read_variant == "dots":
