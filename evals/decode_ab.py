@@ -61,7 +61,7 @@ MODES = {"grid": ({"FLUSH_LIST": False}, None), "list": ({"FLUSH_LIST_WARPS_PER_
          "dyn-1": ({"FLUSH_DEVICE_BLOCKS": {"gdn": (256, 1), "mamba2": (256, 1)}}, None),
          "dyn-every": ({"FLUSH_DEVICE_BLOCKS": {"gdn": (10 ** 9, 1024),
                                                 "mamba2": (10 ** 9, 1024)}}, None),
-         "nv-whole": ({"FLUSH_DEFER_NV": False}, None)}
+         "nv-whole": ({"FLUSH_DEFER_NV": {}}, None)}
 DEFAULT = {k: getattr(rd, k) for k in ("FLUSH_LIST", "FLUSH_LIST_WARPS_PER_SM",
                                        "FLUSH_LIST_MAXNREG", "FLUSH_LIST_MAXNREG_1W",
                                        "VERIFY_PRELOAD", "FLUSH_ALL_BLOCKS_MIN_ROWS",

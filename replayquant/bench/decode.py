@@ -257,7 +257,8 @@ def gpu_checks(device="cuda") -> dict:
         f = _fns(kind)
         H, HK, dv, dk = S["H"], S["HK"], S["dv"], S["dk"]
         init = random_state(N, H, dv, dk, seed=1, device=device)
-        for pair, ud in (("s32_rs", torch.float32), ("tp4_hi16_sr", torch.bfloat16)):
+        for pair, ud in (("s32_rs", torch.float32), ("tp4_hi32", torch.float32),
+                         ("tp4_hi16_sr", torch.bfloat16)):
             P = PrecisionPair.load(pair).with_buffer_len(4)
             st = ReplayStore.from_state(init, P, kind, key_heads=HK, seed=3, u_dtype=ud,
                                         max_drafts=2)

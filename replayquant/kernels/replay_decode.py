@@ -35,6 +35,9 @@ At small batch (launch='fused', resolve_launch) a step is one launch: `_replay_f
 the flush and read bodies per program, and with advance the last program of each row (arrival
 counter `ReplayStore.arrive`) moves that row's pointers, after every program of the row has read
 them; the same results as the split launch, bit for bit (tests).
+An NVFP4 read copy beside an FP32 anchor (FLUSH_DEFER_NV) is cast after the flush, from the
+anchor it wrote (S itself), by `_read_cast_kernel`: the flush then runs on row blocks, not whole
+matrices (an NVFP4 role has one FP32 scale per matrix).
 A model with several layers shares one pair of pointer tensors between its layers' stores and
 advances them once per token (`replay_step(..., advance=False)` for all but the last layer).
 
@@ -1155,8 +1158,8 @@ def replay_launch_config(store: ReplayStore, n_rows: int, block_v=None, num_warp
             fbv, small_warps = small_block(n_rows * H, dv)
             fnw = small_warps if fnw is None else fnw
     if nv and fbv != dv:
-        raise ValueError("an NVFP4 role is written a whole matrix at a time: the flush block "
-                         "must be d_v")
+        raise ValueError("an NVFP4 role is written a whole matrix at a time here (the flush "
+                         "casts it; see FLUSH_DEFER_NV): the flush block must be d_v")
     if dv % fbv or fbv & (fbv - 1):
         raise ValueError(f"flush block {fbv} must be a power of two dividing d_v={dv}")
     if fnw is None:
@@ -1346,20 +1349,34 @@ LAUNCHES = ("auto", "split", "fused")
 FUSED_THRESHOLD = {("gdn", False): 32, ("gdn", True): 1, ("mamba2", False): 8, ("mamba2", True): 1}
 
 
-# A flush that writes an NVFP4 read copy beside an FP32 anchor runs on the row blocks of the
-# other pairs and leaves the read copy to _read_cast_kernel (launched next, over the same listed
-# rows), which casts it from the anchor with the matrix's max |S| that the flush blocks wrote:
-# the same bits as the whole-matrix cast in the flush (one FP32 scale per matrix), which had
-# made every NVFP4 flush program hold a whole matrix on 16 warps. Not in a forced step, the
-# one-launch path or without FLUSH_LIST, nor for other anchors (the read copy must be cast
-# from the unrounded S, which only an FP32 anchor keeps).
-FLUSH_DEFER_NV = True
+# By kind, the rows from which a flush that writes an NVFP4 read copy beside an FP32 anchor
+# runs on the row blocks of the other pairs and leaves the read copy to _read_cast_kernel
+# (launched next on the flush's stream, over the same listed rows), which casts it from the
+# anchor with the matrix's max |S| that the flush blocks wrote: the same bits as casting S whole
+# (one FP32 scale per matrix), which made every NVFP4 flush program hold a whole matrix on 16
+# warps. On the GPU the anchor then differs from the whole-matrix flush's within float32
+# reassociation of the fold (16-row blocks on one warp), and the read copy by one NVFP4 step
+# where that crossed a rounding boundary (GDN B = 64 check: anchor 2.4e-7, outputs 4.6e-4).
+# Not in a forced step, the one-launch path or without FLUSH_LIST, nor for other anchors (the
+# read copy must be cast from the unrounded S, which only an FP32 anchor keeps). H200, tp4_hi32,
+# windows us in phase / staggered, deferred vs whole matrices (decode_ab_defer_nv_*_60e3582.json,
+# one run each; 'dots' from 128 rows, block read below): GDN B = 1 7.4 / 7.4 vs 8.0 / 8.0, B = 8
+# 17.6 / 23.3 vs 16.3 / 26.2, B = 32 48.3 / 55.3 vs 50.7 / 64.7, B = 128 79.7 / 81.3 vs 98.6 /
+# 98.7, B = 256 150.7 / 165.7 vs 189.1 / 194.6 (flush step 1114.7 vs 1736.6); Mamba-2 B = 32
+# 59.1 / 58.5 vs 54.3 / 56.8 (the extra launch: read step 40.1 vs 34.5), B = 64 108.5 / 101.6
+# vs 104.8 / 106.7, B = 128 133.8 / 144.5 vs 140.4 / 144.5, B = 256 257.3 / 279.2 vs 273.0 /
+# 278.8; verify T = 4 rounds at B = 512 GDN 900.3 vs 1041.5, Mamba-2 1398.0 vs 1439.5. A cast by
+# the last flush block of each matrix instead of the extra launch (arrival counters) was slower
+# (decode_ab_defer_last_*_8c925ab.json: GDN B = 256 flush step 1272.2, staggered window at B = 8
+# 37.3): one program casting a whole matrix is the step's tail.
+FLUSH_DEFER_NV = {"gdn": 1, "mamba2": 128}
 
 
-def defers_read_cast(store: ReplayStore) -> bool:
-    """Whether a (listed) flush of this store leaves its read copy to _read_cast_kernel."""
-    return (FLUSH_DEFER_NV and store.read is not None and store.read.fmt == "nvfp4"
-            and store.anchor.fmt == "fp32")
+def defers_read_cast(store: ReplayStore, rows: int) -> bool:
+    """Whether a (listed) flush of `rows` batch rows of this store leaves its read copy to
+    _read_cast_kernel (FLUSH_DEFER_NV)."""
+    return (rows >= FLUSH_DEFER_NV.get(store.kind, math.inf) and store.read is not None
+            and store.read.fmt == "nvfp4" and store.anchor.fmt == "fp32")
 
 
 def _has_nvfp4(store: ReplayStore) -> bool:
@@ -1439,7 +1456,7 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
     if flush_config is not None and len(flush_config) == 3:      # (rows, warps, row blocks)
         *flush_config, nt = flush_config
     use_list = FLUSH_LIST and not force
-    defer = use_list and launch != "fused" and defers_read_cast(store)
+    defer = use_list and launch != "fused" and defers_read_cast(store, B)
     (BV, nw, rnt), (FBV, fnw) = replay_launch_config(store, B, block_v, num_warps, flush_config,
                                                      read_variant, read_blocks, T, defer)
     if nt is not None and (nt < 1 or (dv // FBV) % nt):
