@@ -468,44 +468,56 @@ def test_flush_blocks_chosen_on_device_equal(kind, pair, monkeypatch):
             assert torch.equal(a_, b_)
 
 
+def _random_accepts(B, T):
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31, ())))
+    return torch.randint(0, T + 1, (B,), generator=g, dtype=torch.int32)
+
+
+def _steps_around_verify(dr, st, n, at, T, acc, seed, **step_kw):
+    """n calls on store st (6 batch rows over 5 slots, row 1 padding), the outputs: split-launch
+    decode steps, first on a subset of the rows (slots out of phase: fills 3, 1, 2, 3, 3 after
+    three calls), then on all; call `at` is a verify of T drafts and the accepts acc."""
+    from replayquant.kernels.verify import replay_accept, replay_gdn_verify, replay_mamba2_verify
+    full = [4, -1, 0, 2, 1, 3]
+    subsets = [[4, -1, 0, -1, -1, 3], [4, -1, 0, 2, -1, 3]]
+    B, HK, H, dk, dv = dr.B, dr.HK, dr.H, dr.dk, dr.dv
+    ys = []
+    for step in range(n):
+        idx = torch.tensor(subsets[step] if step < len(subsets) else full)
+        if step == at:
+            if dr.kind == "gdn":
+                q, k, v, a, b = gdn_step_inputs(B, HK, H, dk, dv, T=T, seed=seed)
+                A_log, dtb = gdn_params(H, seed)
+                y = replay_gdn_verify(st, q, k, v, a, b, A_log, dtb, state_indices=idx)
+            else:
+                x, dt, Bm, C, z = mamba2_step_inputs(B, HK, H, dk, dv, T=T, seed=seed)
+                A, D, dtb = mamba2_params(H, seed)
+                y = replay_mamba2_verify(st, x, dt, A, Bm, C, state_indices=idx, D=D, z=z,
+                                         dt_bias=dtb)
+            replay_accept(st, acc, idx)
+        else:
+            y = dr.kernel(st, dr.inputs(seed=seed + 10 + step), idx, launch="split", **step_kw)
+        ys.append(y)
+    return ys
+
+
 @pytest.mark.parametrize("kind,pair", [("gdn", "tp4_hi16_sr"), ("mamba2", "s32_rs")])
 def test_flush_list_equals_one_program_per_matrix(kind, pair, monkeypatch):
     """The flush kernel over _flush_plan_kernel's list (FLUSH_LIST, a few programs looping over
     the items) equals one program per matrix, bit for bit: steps out of phase with padding rows
     (NaN-poisoned outputs and buffers), a verify of T = 3 drafts with pre-flushes and random
     accepts, and more steps."""
-    from replayquant.kernels.verify import replay_accept, replay_gdn_verify, replay_mamba2_verify
     N, HK, H, dk, dv, B, T = 5, 2, 4, 16, 16, 6, 3
     dr = Driver(kind, B, HK, H, dk, dv)
     base = ReplayStore.from_state(random_state(N, H, dv, dk, seed=13), pair, kind, key_heads=HK,
                                   seed=5, buffer_len=4, max_drafts=T)
     poison_buffers(base)
-    full = torch.tensor([4, -1, 0, 2, 1, 3])
-    # the first steps leave some slots out: slots 0-4 at fills 3, 1, 2, 3, 3 at the verify
-    subsets = [torch.tensor([4, -1, 0, -1, -1, 3]), torch.tensor([4, -1, 0, 2, -1, 3]), full]
-    g = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31, ())))
-    acc = torch.randint(0, T + 1, (B,), generator=g, dtype=torch.int32)
+    acc = _random_accepts(B, T)
     got = {}
     for lst in (False, True):
         monkeypatch.setattr(rd, "FLUSH_LIST", lst)
-        st, ys = base.clone(), []
-        for step in range(7):
-            idx = subsets[step] if step < len(subsets) else full
-            if step == 3:
-                if kind == "gdn":
-                    q, k, v, a, b = gdn_step_inputs(B, HK, H, dk, dv, T=T, seed=50)
-                    A_log, dtb = gdn_params(H, 50)
-                    y = replay_gdn_verify(st, q, k, v, a, b, A_log, dtb, state_indices=idx)
-                else:
-                    x, dt, Bm, C, z = mamba2_step_inputs(B, HK, H, dk, dv, T=T, seed=50)
-                    A, D, dtb = mamba2_params(H, 50)
-                    y = replay_mamba2_verify(st, x, dt, A, Bm, C, state_indices=idx, D=D, z=z,
-                                             dt_bias=dtb)
-                replay_accept(st, acc, idx)
-            else:
-                y = dr.kernel(st, dr.inputs(seed=60 + step), idx, launch="split")
-            ys.append(y)
-        got[lst] = st, ys
+        st = base.clone()
+        got[lst] = st, _steps_around_verify(dr, st, 7, 3, T, acc, seed=50)
     assert_same_store(got[False][0], got[True][0])
     for a_, b_ in zip(got[False][1], got[True][1]):
         assert torch.equal(a_, b_)
@@ -524,39 +536,19 @@ def test_deferred_nvfp4_read_cast_equal(kind, pair, monkeypatch):
     anchor, read copy with its scales, pointers): decode steps out of phase with padding rows,
     poisoned outputs and buffers, two flush blocks per matrix, a verify of T = 3 drafts with
     pre-flushes and random accepts; stochastic rounding of the read copy with its stream."""
-    from replayquant.kernels.verify import replay_accept, replay_gdn_verify, replay_mamba2_verify
     N, HK, H, dk, dv, B, T = 5, 2, 4, 16, 32, 6, 3
     dr = Driver(kind, B, HK, H, dk, dv)
     base = ReplayStore.from_state(random_state(N, H, dv, dk, seed=23), pair, kind, key_heads=HK,
                                   seed=7, buffer_len=4, max_drafts=T)
     assert rd.defers_read_cast(base, B) == (kind == "gdn")       # Mamba-2 from 128 rows
     poison_buffers(base)
-    full = torch.tensor([4, -1, 0, 2, 1, 3])
-    subsets = [torch.tensor([4, -1, 0, -1, -1, 3]), torch.tensor([4, -1, 0, 2, -1, 3]), full]
-    g = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31, ())))
-    acc = torch.randint(0, T + 1, (B,), generator=g, dtype=torch.int32)
+    acc = _random_accepts(B, T)
     got = {}
     for defer in (False, True):
         monkeypatch.setattr(rd, "FLUSH_DEFER_NV", {kind: 1} if defer else {})
-        st, ys = base.clone(), []
-        for step in range(8):
-            idx = subsets[step] if step < len(subsets) else full
-            if step == 4:
-                if kind == "gdn":
-                    q, k, v, a, b = gdn_step_inputs(B, HK, H, dk, dv, T=T, seed=51)
-                    A_log, dtb = gdn_params(H, 51)
-                    y = replay_gdn_verify(st, q, k, v, a, b, A_log, dtb, state_indices=idx)
-                else:
-                    x, dt, Bm, C, z = mamba2_step_inputs(B, HK, H, dk, dv, T=T, seed=51)
-                    A, D, dtb = mamba2_params(H, 51)
-                    y = replay_mamba2_verify(st, x, dt, A, Bm, C, state_indices=idx, D=D, z=z,
-                                             dt_bias=dtb)
-                replay_accept(st, acc, idx)
-            else:
-                y = dr.kernel(st, dr.inputs(seed=80 + step), idx, launch="split",
-                              flush_config=None if not defer else (16, 1))
-            ys.append(y)
-        got[defer] = st, ys
+        st = base.clone()
+        got[defer] = st, _steps_around_verify(dr, st, 8, 4, T, acc, seed=70,
+                                              flush_config=(16, 1) if defer else None)
     assert (got[True][0].n_flush >= 1).all()
     assert_same_store(got[False][0], got[True][0])
     for a_, b_ in zip(got[False][1], got[True][1]):
