@@ -627,7 +627,9 @@ def test_replay_bad_inputs():
         replay_mamba2_step(store, v, a, A_log, k, q)
     with pytest.raises(ValueError, match="key_heads"):
         ReplayStore.from_state(random_state(2, 3, 16, 16), "s32_rs", "gdn", key_heads=2)
-    nv = ReplayStore.from_state(random_state(2, 2, 32, 16), "tp4_hi32", "gdn", key_heads=1)
+    # an NVFP4 role cast in the flush (here the read copy of an FP16 anchor; tp4_hi32's is cast
+    # after it, FLUSH_DEFER_NV) is written a whole matrix at a time
+    nv = ReplayStore.from_state(random_state(2, 2, 32, 16), "tp4_hi16_sr", "gdn", key_heads=1)
     with pytest.raises(ValueError, match="flush block must be d_v"):
         replay_gdn_step(nv, q, k, gdn_step_inputs(2, 1, 2, 16, 32)[2], a, b, A_log, dtb,
                         flush_config=(16, 4))
