@@ -539,10 +539,10 @@ def _read_cast_kernel(A_pay, R_pay, R_sc, R_gs, h_ptr, nf_ptr, idx_ptr, list_ptr
                 fi = tl.load(nf_ptr + slot) + pre.to(tl.int32) + fill.to(tl.int32)
                 mat = slot * HV + hv
                 rows = (it % NB) * BV + tl.arange(0, BV)
-                x = tl.load(A_pay + mat * (DV * DK) + rows[:, None] * DK + cols[None, :])
+                offs = rows[:, None] * DK + cols[None, :]
+                x = tl.load(A_pay + mat * (DV * DK) + offs)
                 amax = tl.max(tl.load(amx_ptr + (row * HV + hv) * NB + tl.arange(0, NB)),
                               axis=0)
-                offs = rows[:, None] * DK + cols[None, :]
                 if RSR:
                     rb = _sr_bits(offs, key_lo, key_hi, fi, 1, slot, hv)
                 else:
