@@ -24,7 +24,7 @@ stores, outputs and stores compared bit for bit.
     python evals/decode_ab.py OUT.json [--batch 256] [--verify-batch 512] [--T 4]
         [--read-variant dots]
         [--pairs s32_rs,tp8_hi32,tp4_hi32,tp4_hi16_sr] [--kinds gdn,mamba2]
-        [--modes grid,list] [--verify-modes grid,list] [--no-steps] [--no-check]
+        [--modes grid,list] [--verify-modes grid,list] [--no-steps] [--no-check] [--L 16]
 
 Times as in the bench (CUDA graph, L2 flushed, state copies rotated for the windows). Writes
 OUT.json with provenance and prints a markdown table."""
@@ -93,13 +93,12 @@ def _reset():
     _set("default")
 
 
-def _check(kind, pair, B, T, modes, device="cuda") -> dict:
+def _check(kind, pair, B, T, modes, L, device="cuda") -> dict:
     """Largest |difference| of outputs and stores between two modes over L + 3 staggered
     steps and one verify + accept (0.0: bit for bit)."""
     from replayquant.kernels.verify import replay_accept
     S = bd.SHAPES[kind]
     H, HK, dv, dk = S["H"], S["HK"], S["dv"], S["dk"]
-    L = bd.PAIR_L[kind]
     init = bd.random_state(B, H, dv, dk, seed=7, device=device)
     idx = torch.arange(B, dtype=torch.int32, device=device)
     f = bd._fns(kind)
@@ -130,10 +129,9 @@ def _check(kind, pair, B, T, modes, device="cuda") -> dict:
     return d
 
 
-def _steps(kind, pair, B, cfg, rv="dots") -> list:
-    """Read step and flush step (one store, pointers held) and the windows, split launch, read
-    variant rv."""
-    L = bd.PAIR_L[kind]
+def _steps(kind, pair, B, cfg, L, rv="dots") -> list:
+    """Read step and flush step (one store, pointers held) and the windows of L steps, split
+    launch, read variant rv."""
     H, HK, dv, dk, f, idx, kw, out, af, rf, c, R, sts = bd._replay_setup(
         kind, B, pair, L, "cuda", {}, None, "dots" if rv == "dots" else "read")
     st = sts[0]
@@ -172,10 +170,15 @@ def main(argv=None) -> int:
     ap.add_argument("--read-variant", default="dots", choices=("dots", "block"),
                     help="the steps' read kernel (block: the default below 128 rows)")
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--L", type=int, default=None,
+                    help=f"buffer length of the steps and checks (default {bd.PAIR_L})")
     a = ap.parse_args(argv)
     pairs, kinds = a.pairs.split(","), a.kinds.split(",")
     modes, vmodes = a.modes.split(","), a.verify_modes.split(",")
     bd._check_names(pairs, kinds)
+    Ls = {k: a.L or bd.PAIR_L[k] for k in kinds}
+    if min(Ls.values()) < 2:
+        raise SystemExit(f"decode_ab: --L {a.L}: a window needs L >= 2")
     if [m for m in modes + vmodes if m not in MODES] or len(modes) < 2 and not a.no_check:
         raise SystemExit(f"decode_ab: modes {modes}, verify modes {vmodes}: choose from "
                          f"{list(MODES)} (two step modes at least, unless --no-check)")
@@ -186,14 +189,14 @@ def main(argv=None) -> int:
     checks, rows = {}, []
     for kind in kinds if not a.no_check else ():
         for pair in pairs:
-            checks[f"{kind}/{pair}"] = d = _check(kind, pair, 64, a.T, modes[:2])
+            checks[f"{kind}/{pair}"] = d = _check(kind, pair, 64, a.T, modes[:2], Ls[kind])
             print(f"check {kind} {pair}: {d}", flush=True)
     for kind in kinds:
         for pair in pairs:
             for mode in modes if not a.no_steps else ():
                 if not _applies(mode, pair):
                     continue
-                got = _steps(kind, pair, a.batch, _set(mode), a.read_variant)
+                got = _steps(kind, pair, a.batch, _set(mode), Ls[kind], a.read_variant)
                 rows += [{**r, "mode": mode} for r in got]
                 print(f"{kind} {pair} {mode}: " + ", ".join(
                     f"{r['kernel']} {r['us']:.1f}" for r in got), flush=True)
@@ -210,7 +213,7 @@ def main(argv=None) -> int:
                                     verify_batch=a.verify_batch, T=a.T, pairs=pairs, kinds=kinds,
                                     read_variant=a.read_variant,
                                     modes={m: MODES[m] for m in modes + vmodes},
-                                    steps=not a.no_steps, L=dict(bd.PAIR_L),
+                                    steps=not a.no_steps, L=Ls,
                                     shapes=bd.SHAPES),
            "copy_GBps": copy_bw, "checks": checks, "rows": rows}
     with open(a.out, "w") as fh:

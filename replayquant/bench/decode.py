@@ -241,6 +241,23 @@ def _state_cmp(a, b):
     return {"max_rel": float(d.max() / scale), "frac_gt_1e-5": float((d > 1e-5 * scale).float().mean())}
 
 
+def _ref_cast_device_vs_cpu(device) -> dict:
+    """The torch reference casts (the specification) run on the device against the same casts
+    on the CPU, bit for bit; for each format, the fraction of payload codes that differ."""
+    from replayquant.kernels import quant_ref as qref
+    g = _gen(11, "cpu")
+    x = torch.randn(256, 128, 128, generator=g) * 10 ** torch.randn(256, 128, 1, generator=g)
+    res = {}
+    for name, fn in (("fp8", qref.fp8_quantize_ref), ("nvfp4", qref.nvfp4_quantize_ref)):
+        got = [t.cpu() for t in fn(x.to(device))]
+        want = fn(x)
+        bits = [tuple(t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in ts)
+                for ts in (got, want)]
+        res[name] = {"equal": all(torch.equal(a, b) for a, b in zip(*bits)),
+                     "payload_codes_differing": float((bits[0][0] != bits[1][0]).float().mean())}
+    return res
+
+
 def gpu_checks(device="cuda") -> dict:
     """The kernel-vs-reference comparisons of the CPU tests, on the GPU at the real head shapes."""
     from replayquant.kernels.conventional import ConventionalStore
@@ -249,7 +266,7 @@ def gpu_checks(device="cuda") -> dict:
                                             make_snapshots, replay_accept, replay_accept_ref)
     from replayquant.pairs import PrecisionPair
     torch.backends.cuda.matmul.allow_tf32 = False
-    out = {}
+    out = {"reference_cast_device_equals_cpu": _ref_cast_device_vs_cpu(device)}
     N = 6
     idx = torch.tensor([5, -1, 0, 3, 1, 2, 4], dtype=torch.int32, device=device)
     B = idx.shape[0]
@@ -263,12 +280,14 @@ def gpu_checks(device="cuda") -> dict:
             st = ReplayStore.from_state(init, P, kind, key_heads=HK, seed=3, u_dtype=ud,
                                         max_drafts=2)
             ref = st.clone()
-            errs, fused_vs_split, fused_same = [], [], True
+            errs, errs1, fused_vs_split, fused_same = [], [], [], True
             for i in range(9):
+                one = st.clone()            # the reference from the kernel's own store: one call
                 if i % 3 == 2:
                     kw = _kw(kind, S, B, T=2, seed=i, device=device)
                     y = f["verify"](st, **kw, state_indices=idx)
                     y2 = f["verify_ref"](ref, **kw, state_indices=idx)
+                    y1 = f["verify_ref"](one, **kw, state_indices=idx)
                     n = torch.tensor([2, 0, 1, 2, 0, 1, 2], device=device)
                     replay_accept(st, n, idx)
                     replay_accept_ref(ref, n, idx)
@@ -279,6 +298,7 @@ def gpu_checks(device="cuda") -> dict:
                     y = f["step"](st, **kw, state_indices=idx, out=out_t, path="replay",
                                   launch="fused")
                     y2 = f["step_ref"](ref, **kw, state_indices=idx, path="replay")
+                    y1 = f["step_ref"](one, **kw, state_indices=idx, path="replay")
                     ys = f["step"](sp, **kw, state_indices=idx, path="replay", launch="split")
                     fused_vs_split.append(_rel(y, ys))
                     fused_same &= bool(torch.equal(sp.committed, st.committed)
@@ -287,8 +307,10 @@ def gpu_checks(device="cuda") -> dict:
                                        and not st.arrive.any())
                     del sp
                 errs.append(_rel(y, y2) if torch.isfinite(y).all() else float("nan"))
+                errs1.append(_rel(y, y1) if torch.isfinite(y).all() else float("nan"))
+                del one
             out[f"{kind}/replay/{pair}"] = {
-                "max_rel_y": max(errs), "pointers_equal": bool(torch.equal(st.committed, ref.committed)
+                "max_rel_y": max(errs), "max_rel_y_one_call": max(errs1), "pointers_equal": bool(torch.equal(st.committed, ref.committed)
                                                                and torch.equal(st.n_flush, ref.n_flush)),
                 "anchor": _state_cmp(st.anchor.dequantize(), ref.anchor.dequantize()),
                 "read": _state_cmp(st.read_role.dequantize(), ref.read_role.dequantize()),

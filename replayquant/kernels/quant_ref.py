@@ -14,7 +14,8 @@ Stochastic rounding therefore returns one of the two neighbouring grid values, l
 values unchanged (rem = 0), and is unbiased to within 2^-24 of one grid step. It holds over the
 whole range: subnormals (e clamped at emin), and overflow, where IEEE grids (fp16, bf16) follow
 the cast (inf from max + half a step on, else max) and scaled grids (E4M3, E2M1) saturate.
-Division, where a recipe needs one, is IEEE correctly rounded (Triton: `tl.div_rn`).
+Division, where a recipe needs one, is IEEE correctly rounded (Triton: `tl.div_rn`; here
+`div_rn`, since torch on CUDA divides by a Python number as a multiplication by its reciprocal).
 """
 
 from __future__ import annotations
@@ -31,6 +32,16 @@ def pow2_ref(p: torch.Tensor) -> torch.Tensor:
     normal = (p + 127).clamp(min=1) << 23
     sub = torch.ones_like(p) << (p + 149).clamp(min=0, max=22)
     return torch.where(p >= -126, normal, sub).view(torch.float32)
+
+
+def div_rn(a: torch.Tensor, b) -> torch.Tensor:
+    """a / b, IEEE correctly rounded on every device. torch on CUDA computes a / (Python number
+    or CPU scalar) as a * (1 / b), which can differ in the last bit (then a scale, and every
+    payload code cast with it, differs from the kernels' and from the CPU's); a divisor tensor
+    on a's device gets the true division there."""
+    if not isinstance(b, torch.Tensor) or b.device != a.device:
+        b = torch.as_tensor(b, dtype=torch.float32).to(a.device)
+    return torch.div(a, b)
 
 
 def round_to_grid_ref(y: torch.Tensor, grid: Grid, rbits: torch.Tensor | None = None):
@@ -99,7 +110,7 @@ def cast_ref(x: torch.Tensor, grid: Grid, dtype: torch.dtype, rbits=None) -> tor
 def fp8_quantize_ref(x: torch.Tensor, rbits=None):
     """Returns (payload float8_e4m3fn x.shape, row scale float32 x.shape[:-1])."""
     amax = x.abs().amax(dim=-1)
-    scale = amax / FP8_ROW_DIVISOR
+    scale = div_rn(amax, FP8_ROW_DIVISOR)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     code, sign = round_to_grid_ref(x / scale.unsqueeze(-1), E4M3, rbits)
     payload = (code | (sign << E4M3.sign_shift)).to(torch.uint8).view(torch.float8_e4m3fn)
@@ -114,7 +125,7 @@ def fp8_dequantize_ref(payload: torch.Tensor, scale: torch.Tensor) -> torch.Tens
 
 def nvfp4_global_scale_ref(x3: torch.Tensor) -> torch.Tensor:
     """Per-matrix FP32 scale amax / (448 * 6); 1 for an all-zero matrix. x3: [M, R, C]."""
-    gs = x3.abs().amax(dim=(-2, -1)) / NVFP4_GLOBAL_DIVISOR
+    gs = div_rn(x3.abs().amax(dim=(-2, -1)), NVFP4_GLOBAL_DIVISOR)
     return torch.where(gs > 0, gs, torch.ones_like(gs))
 
 
@@ -130,7 +141,7 @@ def nvfp4_quantize_ref(x3: torch.Tensor, rbits=None):
     gs = nvfp4_global_scale_ref(x3)
     blocks = x3.reshape(M, R, C // NVFP4_BLOCK, NVFP4_BLOCK)
     bamax = blocks.abs().amax(dim=-1)
-    bs_f = (bamax / E2M1.max_value / gs[:, None, None]).clamp(NVFP4_BLOCK_SCALE_MIN, E4M3.max_value)
+    bs_f = (div_rn(bamax, E2M1.max_value) / gs[:, None, None]).clamp(NVFP4_BLOCK_SCALE_MIN, E4M3.max_value)
     bs_code, _ = round_to_grid_ref(bs_f, E4M3)
     bs = grid_value_ref(bs_code, torch.zeros_like(bs_code), E4M3)
     den = bs * gs[:, None, None]
