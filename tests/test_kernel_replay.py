@@ -545,7 +545,8 @@ def test_deferred_nvfp4_read_cast_equal(kind, pair, monkeypatch):
     acc = _random_accepts(B, T)
     got = {}
     for defer in (False, True):
-        monkeypatch.setattr(rd, "FLUSH_DEFER_NV", {kind: 1} if defer else {})
+        monkeypatch.setattr(rd, "FLUSH_DEFER_NV",
+                            {kind: {"rows": 1, "verify_rows": 1, "L": 1}} if defer else {})
         st = base.clone()
         got[defer] = st, _steps_around_verify(dr, st, 8, 4, T, acc, seed=70,
                                               flush_config=(16, 1) if defer else None)
@@ -553,6 +554,21 @@ def test_deferred_nvfp4_read_cast_equal(kind, pair, monkeypatch):
     assert_same_store(got[False][0], got[True][0])
     for a_, b_ in zip(got[False][1], got[True][1]):
         assert torch.equal(a_, b_)
+
+
+def test_defer_rule():
+    """FLUSH_DEFER_NV: rows of a step and of a verify, the buffer length, and only an NVFP4
+    read copy beside an FP32 anchor."""
+    mk = lambda pair, kind, L: ReplayStore.from_state(random_state(1, 2, 16, 16), pair, kind,  # noqa
+                                                      key_heads=1, buffer_len=L)
+    assert rd.defers_read_cast(mk("tp4_hi32", "gdn", 4), 1)
+    assert not rd.defers_read_cast(mk("tp4_hi32", "gdn", 4), 32, verify=True)
+    assert rd.defers_read_cast(mk("tp4_hi32", "gdn", 4), 128, verify=True)
+    assert not rd.defers_read_cast(mk("tp4_hi32", "mamba2", 8), 64)
+    assert rd.defers_read_cast(mk("tp4_hi32", "mamba2", 8), 128)
+    assert not rd.defers_read_cast(mk("tp4_hi32", "mamba2", 4), 256)
+    for pair in ("s32_rs", "tp8_hi32", "tp4_hi16_sr"):
+        assert not rd.defers_read_cast(mk(pair, "gdn", 16), 256)
 
 
 def test_launch_dispatcher():

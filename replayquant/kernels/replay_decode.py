@@ -1369,13 +1369,24 @@ FUSED_THRESHOLD = {("gdn", False): 32, ("gdn", True): 1, ("mamba2", False): 8, (
 # the last flush block of each matrix instead of the extra launch (arrival counters) was slower
 # (decode_ab_defer_last_*_8c925ab.json: GDN B = 256 flush step 1272.2, staggered window at B = 8
 # 37.3): one program casting a whole matrix is the step's tail.
-FLUSH_DEFER_NV = {"gdn": 1, "mamba2": 128}
+# Session 16 (run 95, decode_ab_defer_nv_*_4f11b06.json): Mamba-2 at L = 4, where a flush folds
+# 3 entries, lost to the whole-matrix flush (tp4_hi32 windows B = 256 359.2 / 410.4 vs 329.9 /
+# 337.2, B = 128 188.4 / 208.5 vs 175.9 / 174.4), so Mamba-2 defers from L = 8; a GDN verify at
+# B = 32 (T = 2) paid the cast's launch in its rounds without flushes (43.2 vs 36.2 us; with
+# flushes 54.7 vs 54.9), so verifies defer from 128 rows (at 256 and 512 the grids showed no loss;
+# T = 4 at 512 gained, above). Per kind: the least batch rows of a step and of a verify, the least
+# buffer length L.
+FLUSH_DEFER_NV = {"gdn": {"rows": 1, "verify_rows": 128, "L": 1},
+                  "mamba2": {"rows": 128, "verify_rows": 128, "L": 8}}
 
 
-def defers_read_cast(store: ReplayStore, rows: int) -> bool:
-    """Whether a (listed) flush of `rows` batch rows of this store leaves its read copy to
-    _read_cast_kernel (FLUSH_DEFER_NV)."""
-    return (rows >= FLUSH_DEFER_NV.get(store.kind, math.inf) and store.read is not None
+def defers_read_cast(store: ReplayStore, rows: int, verify: bool = False) -> bool:
+    """Whether a (listed) flush of `rows` batch rows of this store (in a decode step, or before
+    a verify's appends) leaves its read copy to _read_cast_kernel (FLUSH_DEFER_NV)."""
+    rule = FLUSH_DEFER_NV.get(store.kind)
+    if rule is None or store.L < rule["L"]:
+        return False
+    return (rows >= rule["verify_rows" if verify else "rows"] and store.read is not None
             and store.read.fmt == "nvfp4" and store.anchor.fmt == "fp32")
 
 
@@ -1456,7 +1467,7 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
     if flush_config is not None and len(flush_config) == 3:      # (rows, warps, row blocks)
         *flush_config, nt = flush_config
     use_list = FLUSH_LIST and not force
-    defer = use_list and launch != "fused" and defers_read_cast(store, B)
+    defer = use_list and launch != "fused" and defers_read_cast(store, B, verify=not step)
     (BV, nw, rnt), (FBV, fnw) = replay_launch_config(store, B, block_v, num_warps, flush_config,
                                                      read_variant, read_blocks, T, defer)
     if nt is not None and (nt < 1 or (dv // FBV) % nt):
