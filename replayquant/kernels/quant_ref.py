@@ -39,9 +39,9 @@ def div_rn(a: torch.Tensor, b) -> torch.Tensor:
     or CPU scalar) as a * (1 / b), which can differ in the last bit (then a scale, and every
     payload code cast with it, differs from the kernels' and from the CPU's); a divisor tensor
     on a's device gets the true division there."""
-    if not isinstance(b, torch.Tensor) or b.device != a.device:
-        b = torch.as_tensor(b, dtype=torch.float32).to(a.device)
-    return torch.div(a, b)
+    if not isinstance(b, torch.Tensor):
+        b = torch.full((), float(b), dtype=a.dtype, device=a.device)   # a fill, no host copy
+    return torch.div(a, b.to(a.device))
 
 
 def round_to_grid_ref(y: torch.Tensor, grid: Grid, rbits: torch.Tensor | None = None):
