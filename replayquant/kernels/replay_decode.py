@@ -306,6 +306,20 @@ def _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_l
 
 
 @triton.jit
+def _flush_flags(h, T: tl.constexpr, L: tl.constexpr, STEP: tl.constexpr):
+    """A row's flushes at committed fill h (a scalar or a block), the one definition that the
+    flush, plan, read, cast and pointer code share: (pre, fill). pre: the committed entries
+    would not leave T free slots (h + T > L, h > 0; T = 1 in a step), so they fold into the
+    anchor first; fill: in a step (STEP), the step's entry fills the buffer (h + 1 == L, from
+    the fill left after pre). A forced step flushes whatever these say."""
+    pre = (h + T > L) & (h > 0)
+    fill = pre & (h < 0)                        # False, shaped as h
+    if STEP:
+        fill = tl.where(pre, 0, h) + 1 == L
+    return pre, fill
+
+
+@triton.jit
 def _flush_body(
         A_pay, A_sc, A_gs, R_pay, R_sc, R_gs,
         kbuf, vbuf, Gbuf, bbuf, h_ptr, st_ptr, nf_ptr, out_ptr,
@@ -340,7 +354,7 @@ def _flush_body(
     h = tl.load(h_ptr + slot)
     start = tl.load(st_ptr + slot)
     nf = tl.load(nf_ptr + slot)
-    pre = (h + T > L) & (h > 0)
+    pre, fill = _flush_flags(h, T, L, STEP)
     if pre:
         if EARLY:
             A = A0                      # the same anchor tile, already loaded
@@ -361,7 +375,7 @@ def _flush_body(
         if STEP:
             tl.debug_barrier()      # a second flush below re-reads the anchor just written
     if STEP:
-        if (h + 1 == L) | FORCE:
+        if fill | FORCE:
             if EARLY:
                 A = A0
                 if pre:                 # the pre-flush above rewrote the anchor
@@ -401,11 +415,8 @@ def _flush_plan_kernel(idx_ptr, h_ptr, list_ptr, n_ptr, B, L: tl.constexpr, T: t
         inb = r < B
         slot = tl.load(idx_ptr + r, mask=inb, other=0)
         h = tl.load(h_ptr + slot, mask=inb & (slot >= 0), other=0)
-        pre = (h + T > L) & (h > 0)
-        need = (slot < 0) | pre
-        if STEP:
-            need = need | (tl.where(pre, 0, h) + 1 == L)
-        need = need & inb
+        pre, fill = _flush_flags(h, T, L, STEP)
+        need = ((slot < 0) | pre | fill) & inb
         cum = tl.cumsum(need.to(tl.int32), axis=0)
         tl.store(list_ptr + base + cum - 1, r, mask=need)
         base += tl.sum(need.to(tl.int32), axis=0)
@@ -529,12 +540,7 @@ def _read_cast_kernel(A_pay, R_pay, R_sc, R_gs, h_ptr, nf_ptr, idx_ptr, list_ptr
         hv = w % HV
         slot = tl.load(idx_ptr + row).to(tl.int64)
         if slot >= 0:
-            h = tl.load(h_ptr + slot)
-            pre = (h + T > L) & (h > 0)             # the flush kernel's two conditions
-            h = tl.where(pre, 0, h)
-            fill = h < 0
-            if STEP:
-                fill = h + 1 == L
+            pre, fill = _flush_flags(tl.load(h_ptr + slot), T, L, STEP)
             if pre | fill:
                 fi = tl.load(nf_ptr + slot) + pre.to(tl.int32) + fill.to(tl.int32)
                 mat = slot * HV + hv
@@ -757,12 +763,13 @@ def _read_body(
         s = tl.load(R_gs + mat)
     h = tl.load(h_ptr + slot)
     start = tl.load(st_ptr + slot)
-    if (h + T > L) & (h > 0):          # flushed by _replay_flush_kernel
+    pre, fill = _flush_flags(h, T, L, STEP)
+    if pre:                            # flushed by _replay_flush_kernel
         start = (start + h) % CAP
         h = h * 0
     go = True
     if STEP:
-        go = (h + 1 != L) & (not FORCE)
+        go = (~fill) & (not FORCE)
     if go:
         K0, X, G0, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start, hv, hk, rows,
                                       cols, jj, h, HK, HV, DK, DV, CAP, DELTA, L2NORM, DELTA, DOTS)
@@ -880,7 +887,8 @@ def _entry_dots_kernel(kbuf, h_ptr, st_ptr, idx_ptr, q_ptr, k_ptr, dots_ptr, sca
     if slot >= 0:
         h = tl.load(h_ptr + slot)
         start = tl.load(st_ptr + slot)
-        if (h + T > L) & (h > 0):          # flushed by _replay_flush_kernel
+        pre, _ = _flush_flags(h, T, L, False)
+        if pre:                            # flushed by _replay_flush_kernel
             start = (start + h) % CAP
             h = h * 0
         m = jj < h
@@ -984,12 +992,12 @@ def _moved_pointers(h, st, nf, force, L: tl.constexpr, CAP: tl.constexpr, T: tl.
                     STEP: tl.constexpr):
     """(committed, start, n_flush) after a step (STEP) or a verify of T drafts, from the values
     the kernels read (scalars or blocks): the kernels' flush decisions."""
-    pre = (h + T > L) & (h > 0)
+    pre, fill = _flush_flags(h, T, L, STEP)
     nf = tl.where(pre, nf + 1, nf)
     st = tl.where(pre, (st + h) % CAP, st)
     h = tl.where(pre, 0, h)
     if STEP:
-        fl = (h + 1 == L) | (force != 0)
+        fl = fill | (force != 0)
         nf = tl.where(fl, nf + 1, nf)
         h = tl.where(fl, 0, h + 1)
     return h, st, nf
