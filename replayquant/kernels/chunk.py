@@ -56,7 +56,7 @@ import triton.language as tl
 
 from replayquant.formats import QTensor
 from replayquant.kernels.chunk_ref import ScanState, _check_inputs, cpu_threads
-from replayquant.kernels.conventional import (_FP8_DIV, _NV_DIV, FMT_IDS, _sr_bits,
+from replayquant.kernels.conventional import (_FP8_DIV, _NV_DIV, FMT_IDS, _role_bits, _sr_bits,
                                               nv_block_encode, split_key, unit_lower_inverse)
 from replayquant.kernels.quant import (decode_bf16, decode_e2m1, decode_e4m3, decode_fp16,
                                        encode_bf16, encode_e4m3, encode_fp16)
@@ -199,10 +199,8 @@ def _cast_tile(x, g, pay, sc, gs, mat, rows, cols, key_lo, key_hi, flush_index, 
     ptrs = pay + mat * (DV * DK) + offs
     if SR and PRE:
         rb = tl.load(rb_tile + offs).to(tl.uint32, bitcast=True)
-    elif SR:
-        rb = _sr_bits(offs, key_lo, key_hi, flush_index, ROLE, slot, head)
     else:
-        rb = offs.to(tl.uint32)
+        rb = _role_bits(offs, SR, key_lo, key_hi, flush_index, ROLE, slot, head)
     if FMT == 0:
         tl.store(ptrs, x, mask=smask)
         out = x

@@ -210,6 +210,16 @@ def _sr_bits(offs, key_lo, key_hi, flush_index, role: tl.constexpr, slot, head):
 
 
 @triton.jit
+def _role_bits(offs, SR: tl.constexpr, key_lo, key_hi, flush_index, role: tl.constexpr, slot,
+               head):
+    """The rounding bits of a cast of tile offs: _sr_bits with stochastic rounding (SR), else
+    the offsets themselves (nearest rounding reads no bits; the argument needs a tensor)."""
+    if SR:
+        return _sr_bits(offs, key_lo, key_hi, flush_index, role, slot, head)
+    return offs.to(tl.uint32)
+
+
+@triton.jit
 def _tile_load(pay, sc, gs, mat, rows, cols, DV: tl.constexpr, DK: tl.constexpr,
                BV: tl.constexpr, FMT: tl.constexpr):
     """float32 [BV, DK] tile (rows `rows` of matrix `mat`) of a packed role."""
@@ -272,10 +282,7 @@ def _tile_store(x, pay, sc, gs, mat, rows, cols, key_lo, key_hi, flush_index, sl
     per matrix). SR bits: _sr_bits(element index, key, flush_index, ROLE, slot, head)."""
     offs = rows[:, None] * DK + cols[None, :]
     ptrs = pay + mat * (DV * DK) + offs
-    if SR:
-        rb = _sr_bits(offs, key_lo, key_hi, flush_index, ROLE, slot, head)
-    else:
-        rb = offs.to(tl.uint32)
+    rb = _role_bits(offs, SR, key_lo, key_hi, flush_index, ROLE, slot, head)
     if FMT == 0:
         tl.store(ptrs, x)
     elif FMT == 1:

@@ -61,7 +61,7 @@ from replayquant.kernels.conventional import (_into, _program_tile, PackedRole, 
                                               _front_math, _gate_out, _gate_z, _indices, _l2norm,
                                               _pow2_dims, _prep,
                                               _rank1_step, _tile_load, _tile_store, _nv_store,
-                                              _sr_bits,
+                                              _role_bits,
                                               NO_DT_LIMIT, dt_limit_args,
                                               gdn_frontend_ref, mamba2_frontend_ref,
                                               mamba2_post_ref, role_streams, small_block,
@@ -549,10 +549,7 @@ def _read_cast_kernel(A_pay, R_pay, R_sc, R_gs, h_ptr, nf_ptr, idx_ptr, list_ptr
                 x = tl.load(A_pay + mat * (DV * DK) + offs)
                 amax = tl.max(tl.load(amx_ptr + (row * HV + hv) * NB + tl.arange(0, NB)),
                               axis=0)
-                if RSR:
-                    rb = _sr_bits(offs, key_lo, key_hi, fi, 1, slot, hv)
-                else:
-                    rb = offs.to(tl.uint32)
+                rb = _role_bits(offs, RSR, key_lo, key_hi, fi, 1, slot, hv)
                 _nv_store(x, amax, R_pay, R_sc, R_gs, mat, rows, rb, DV, DK, BV, RSR)
 
 
