@@ -306,12 +306,14 @@ def gpu_checks(device="cuda") -> dict:
                                        and torch.equal(sp.anchor.payload, st.anchor.payload)
                                        and not st.arrive.any())
                     del sp
-                errs.append(_rel(y, y2) if torch.isfinite(y).all() else float("nan"))
-                errs1.append(_rel(y, y1) if torch.isfinite(y).all() else float("nan"))
+                finite = bool(torch.isfinite(y).all())
+                errs.append(_rel(y, y2) if finite else float("nan"))
+                errs1.append(_rel(y, y1) if finite else float("nan"))
                 del one
             out[f"{kind}/replay/{pair}"] = {
-                "max_rel_y": max(errs), "max_rel_y_one_call": max(errs1), "pointers_equal": bool(torch.equal(st.committed, ref.committed)
-                                                               and torch.equal(st.n_flush, ref.n_flush)),
+                "max_rel_y": max(errs), "max_rel_y_one_call": max(errs1),
+                "pointers_equal": bool(torch.equal(st.committed, ref.committed)
+                                       and torch.equal(st.n_flush, ref.n_flush)),
                 "anchor": _state_cmp(st.anchor.dequantize(), ref.anchor.dequantize()),
                 "read": _state_cmp(st.read_role.dequantize(), ref.read_role.dequantize()),
                 "n_flush": st.n_flush.tolist(),
