@@ -27,7 +27,6 @@ Every validation problem raises one ValueError naming the problem and the fix.
 from __future__ import annotations
 
 from dataclasses import dataclass
-import sys
 from pathlib import Path
 
 from replayquant.formats import FORMATS, Format, get_format
@@ -35,12 +34,16 @@ from replayquant.formats.constants import ROUNDINGS
 
 __all__ = ["FormatSpec", "PrecisionPair", "PAIRS_DIR", "list_pairs", "pairs_table"]
 
-def _pairs_dir() -> Path:
-    """configs/pairs of this checkout, else the copy a wheel installs under <prefix>/share."""
-    checkout = Path(__file__).resolve().parent.parent / "configs" / "pairs"
-    if checkout.is_dir():
-        return checkout
-    return Path(sys.prefix) / "share" / "replayquant" / "configs" / "pairs"
+def _pairs_dir():
+    """The shipped pairs, read as package data: configs/pairs/ of the source tree, reached through
+    the package's `configs` link in a checkout and copied into the package by a wheel build."""
+    from importlib.resources import files
+    d = files("replayquant") / "configs" / "pairs"
+    if not d.is_dir():
+        raise RuntimeError(f"replayquant's shipped precision pairs are missing ({d}): the package "
+                           "was installed without its data; reinstall it with `pip install replayquant`"
+                           " or from a source checkout")
+    return d
 
 
 PAIRS_DIR = _pairs_dir()
@@ -168,7 +171,7 @@ class PrecisionPair:
         p = Path(name_or_path)
         if p.suffix not in (".yaml", ".yml") and not p.exists():
             p = PAIRS_DIR / f"{name_or_path}.yaml"
-            if not p.exists():
+            if not p.is_file():
                 raise ValueError(f"unknown precision pair {str(name_or_path)!r}; shipped pairs: "
                                  f"{', '.join(list_pairs())} (or pass a path to a .yaml file)")
         if not p.is_file():
@@ -193,7 +196,7 @@ class PrecisionPair:
 
 def list_pairs() -> list[str]:
     """Names of the pairs shipped in configs/pairs/."""
-    return sorted(p.stem for p in PAIRS_DIR.glob("*.yaml"))
+    return sorted(p.name[:-len(".yaml")] for p in PAIRS_DIR.iterdir() if p.name.endswith(".yaml"))
 
 
 def pairs_table(d_k: int = 128, d_v: int = 128):

@@ -1,7 +1,7 @@
 """GPQA-Diamond task sources for lm-eval: the gated hub dataset, or a local CSV copy.
 
 lm-eval ships the tasks (`lm_eval/tasks/gpqa/`); we never change their prompts or metrics. For a
-local CSV, `evals/gpqa/*.yaml` `include:` lm-eval's own task files and override only the data
+local CSV, the templates in `replayquant/gpqa/templates/*.yaml` `include:` lm-eval's own task files and override only the data
 source; `write_task_dir` copies them into a run folder with both paths made absolute, and that
 folder is passed to lm-eval as `include_path` (a task found there replaces lm-eval's task of the
 same name, so results keep lm-eval's task names).
@@ -42,13 +42,10 @@ ACCESS_HELP = (
 )
 
 
-def templates_dir() -> Path:
-    """evals/gpqa/ of the source checkout this package runs from."""
-    d = Path(__file__).resolve().parents[2] / "evals" / "gpqa"
-    if not d.is_dir():
-        raise ValueError(f"GPQA task templates not found at {d}: install replayquant from a source "
-                         "checkout (`pip install -e .`), which ships evals/gpqa/.")
-    return d
+def templates_dir():
+    """The task templates shipped inside the package (replayquant/gpqa/templates/)."""
+    from importlib.resources import files
+    return files("replayquant.gpqa") / "templates"
 
 
 def lm_eval_gpqa_dir() -> Path:
@@ -113,7 +110,7 @@ def check_csv(path) -> int:
 
 
 def write_task_dir(csv_path, out_dir, tasks=None) -> Path:
-    """Copy the evals/gpqa templates of `tasks` (default: all four) into `out_dir`, with the `include`
+    """Copy the shipped templates of `tasks` (default: all four) into `out_dir`, with the `include`
     pointing at the installed lm-eval's task file and `data_files` at the absolute CSV path.
     Returns out_dir, ready for lm-eval's `--include_path`."""
     check_csv(csv_path)
