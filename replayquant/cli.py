@@ -39,7 +39,7 @@ def formats_cmd(
 @bench_app.command("formats")
 def bench_formats_cmd(
     mbytes: int = typer.Option(512, help="input size in MB of float32 [N, 128, 128] matrices (>= 256)"),
-    out: str = typer.Option("results/bench", help="folder for formats.json and formats.md"),
+    out: str = typer.Option("build/bench", help="folder for formats.json and formats.md"),
     formats: list[str] = typer.Option(None, "--format", help="formats to time (default: all)"),
 ):
     """GPU: quantize / dequantize GB/s per format and rounding against the device copy bandwidth."""
@@ -73,7 +73,7 @@ def drift_cmd(
     d_k: int = typer.Option(64, help="key dim (state columns)"),
     d_v: int = typer.Option(32, help="value dim (state rows)"),
     conventional: bool = typer.Option(True, help="also run shared pairs as ConventionalState (L=1)"),
-    out: str = typer.Option("results/drift", help="folder for KIND_NsSteps.json and .md"),
+    out: str = typer.Option("build/drift", help="folder for KIND_NsSteps.json and .md"),
 ):
     """Random-input drift of outputs and anchor against the FP32 recurrence, per pair."""
     from rich.console import Console
@@ -108,7 +108,7 @@ def kl_cmd(
     dtype: str = typer.Option("bfloat16", help="bfloat16 | float16 | float32"),
     device_map: str = typer.Option(None, help="e.g. auto (default on CUDA), cpu, cuda:0"),
     seed: int = typer.Option(0, help="stochastic-rounding seed"),
-    out: str = typer.Option(None, help="results JSON (default results/kl/MODEL_PAIRS_ctxN_PREFILL.json)"),
+    out: str = typer.Option(None, help="results JSON (default build/kl/MODEL_PAIRS_ctxN_PREFILL.json)"),
     pack: bool = typer.Option(False, help="concatenate documents (EOS between) instead of skipping short ones"),
     revision: str = typer.Option(None, help="model revision on the hub"),
     reference: str = typer.Option("exact", help="exact (s32_rs, FP32 prefill: exact FP32 state) | hf (the unpatched model)"),
@@ -131,14 +131,14 @@ def kl_cmd(
 
 @app.command("table")
 def table_cmd(
-    files: list[str] = typer.Argument(..., help="results files (results/kl/*.json)"),
+    files: list[str] = typer.Argument(..., help="results files (build/kl/*.json)"),
     format: str = typer.Option("md", "--format", help="md | csv"),
     by: str = typer.Option("pair", "--by", help="row order: pair | model"),
 ):
-    """One table from KL results files or GPQA summaries (results/gpqa/*/SUMMARY.json): pairs as rows."""
+    """One table from KL results files or GPQA summaries (build/gpqa/*/SUMMARY.json): pairs as rows."""
     from replayquant.kl.report import render_table
     with _user_errors():
-        from replayquant.gpqa.summary import table_for_files  # GPQA summaries (results/gpqa/*/SUMMARY.json)
+        from replayquant.gpqa.summary import table_for_files  # GPQA summaries (build/gpqa/*/SUMMARY.json)
         gpqa_table = table_for_files(files, fmt=format)
         if gpqa_table is not None:
             typer.echo(gpqa_table, nl=False)
@@ -153,7 +153,7 @@ def bench_kl_cmd(
     pair: list[str] = typer.Option(None, "--pair", help="pairs (default f4_sr_rs and tp4_hi32)"),
     prefill: str = typer.Option("replay", help="replay | exact"),
     shape: str = typer.Option("qwen3.5-4b", help="model shape (random weights): qwen3.5-4b | tiny"),
-    out: str = typer.Option("results/bench/kl_128k.json", help="results JSON"),
+    out: str = typer.Option("build/bench/kl_128k.json", help="results JSON"),
 ):
     """GPU: wall time and peak memory of the KL harness on one long document vs plain HF forwards."""
     from replayquant.kl.bench import bench_kl
@@ -177,7 +177,7 @@ def bench_teacher_forcing_cmd(
     shape: str = typer.Option("qwen3.5-4b", help="model shape (random weights): qwen3.5-4b | tiny"),
     device: str = typer.Option(None, help="cuda (default when available) or cpu (model)"),
     lengths: str = typer.Option("8192,32768", help="tokens of the per-layer timing (layer)"),
-    out: str = typer.Option("results/bench/teacher_forcing.json", help="results JSON (each part "
+    out: str = typer.Option("build/bench/teacher_forcing.json", help="results JSON (each part "
                             "replaces its own section)"),
 ):
     """GPU: teacher forcing through the chunk kernel: the patched vs the unpatched HF forward of
@@ -217,7 +217,7 @@ def gpqa_cmd(
     max_gen_toks: int = typer.Option(None, "--max-gen-toks", help="generation budget of generative tasks"),
     apply_chat_template: bool = typer.Option(False, "--apply-chat-template", help="lm-eval's chat template"),
     log_samples: bool = typer.Option(False, "--log-samples", help="also write every sample (.jsonl)"),
-    out: str = typer.Option(None, "--out", help="output folder (default results/gpqa/MODEL)"),
+    out: str = typer.Option(None, "--out", help="output folder (default build/gpqa/MODEL)"),
     model_args: str = typer.Option(None, "--model-args", help="more lm-eval hf model args, k=v,k=v"),
 ):
     """GPQA-Diamond through lm-eval for every pair: one results file per pair and SUMMARY.json."""
@@ -252,7 +252,7 @@ def lm_eval_cmd(ctx: typer.Context):
 # --- decode kernels (replayquant/kernels/{conventional,replay_decode,verify}.py) --------------
 @bench_app.command("kernels")
 def bench_kernels_cmd(
-    out: str = typer.Option("results/bench", help="folder for kernels.json, kernels.md, kernels_speedup.png"),
+    out: str = typer.Option("build/bench", help="folder for kernels.json, kernels.md, kernels_speedup.png"),
     batches: str = typer.Option("1,8,32,128,256,512", help="batch sizes of the decode steps"),
     buffer_lens: str = typer.Option("4,8,16,32", "--L", help="buffer lengths L of the replay windows"),
     pairs: str = typer.Option("s32_rs,tp8_hi32,tp4_hi32,tp4_hi16_sr", help="precision pairs"),
@@ -295,7 +295,7 @@ bench_app.command("decode", hidden=True, help="alias of 'bench kernels'")(bench_
 @bench_app.command("merge")
 def bench_merge_cmd(
     parts: list[str] = typer.Argument(..., help="kernels JSON files of one commit (the grid split over calls)"),
-    out: str = typer.Option("results/bench", help="folder for NAME.json, NAME.md, NAME_speedup.png"),
+    out: str = typer.Option("build/bench", help="folder for NAME.json, NAME.md, NAME_speedup.png"),
     name: str = typer.Option("kernels", help="output file stem"),
 ):
     """One kernels table from several `bench kernels` runs of one commit (split by --kinds /

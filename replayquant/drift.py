@@ -180,7 +180,7 @@ def run_drift(kind: str, pairs, steps: int = 4096, seeds=(42, 43, 44), batch: in
     return {"provenance": provenance(device="cpu", **params), "params": params, "rows": rows}
 
 
-def write_drift(result: dict, out_dir="results/drift", name: str | None = None) -> Path:
+def write_drift(result: dict, out_dir="build/drift", name: str | None = None) -> Path:
     p = result["params"]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,7 @@ pair would compute.
 
     replayquant lm-eval --model replayquant \\
         --model_args pretrained=Qwen/Qwen3.5-4B,pair=tp4_hi16_sr,dtype=bfloat16 \\
-        --tasks gpqa_diamond_cot_zeroshot --output_path results/gpqa/ --log_samples
+        --tasks gpqa_diamond_cot_zeroshot --output_path build/gpqa/ --log_samples
 
 Model arguments, besides every argument of lm-eval's ``hf`` model (dtype, device, batch_size,
 parallelize, max_length, ...):

@@ -1288,7 +1288,7 @@ def estimate_s(sections) -> float:
     return _EST["copy"] + sum(s[1] for s in sections)
 
 
-def run_kernels_bench(out: str = "results/bench", batches=GRID["batches"], Ls=GRID["Ls"],
+def run_kernels_bench(out: str = "build/bench", batches=GRID["batches"], Ls=GRID["Ls"],
                       pairs=PAIRS, Ts=GRID["Ts"], spec_batches=GRID["spec_batches"],
                       kinds=tuple(SHAPES), peers: bool = True, checks: bool = True,
                       sweep: bool = True, detail_batches=(256,), budget_s: float = 500.0,
@@ -1438,7 +1438,7 @@ def _one_commit(commits) -> str | None:
     return None if full == "None" else full
 
 
-def merge_kernels(parts, out: str = "results/bench", name: str = "kernels",
+def merge_kernels(parts, out: str = "build/bench", name: str = "kernels",
                   plot: bool = True) -> dict:
     """`replayquant bench merge`: one {name}.json / .md / _speedup.png from several `bench
     kernels` runs of one commit on one device kind (the grid split over calls of at most ten

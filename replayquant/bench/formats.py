@@ -76,7 +76,7 @@ def _validate(device) -> dict:
     return out
 
 
-def run_formats_bench(mbytes: int = 512, out: str = "results/bench", formats=None,
+def run_formats_bench(mbytes: int = 512, out: str = "build/bench", formats=None,
                       git_commit: str | None = None) -> dict:
     if mbytes < 256:
         raise ValueError(f"bench formats: mbytes={mbytes}; use >= 256 MiB so that the input is "
@@ -205,4 +205,4 @@ def render_markdown(result: dict) -> str:
 
 if __name__ == "__main__":
     run_formats_bench(mbytes=int(os.environ.get("MBYTES", "512")),
-                      out=os.environ.get("OUT", "results/bench"))
+                      out=os.environ.get("OUT", "build/bench"))

@@ -3,7 +3,7 @@
     from replayquant.gpqa import run_gpqa, render_table, load_summary
     summary = run_gpqa("Qwen3.5-4B", ["s32_rs", "f4_sr_rs", "tp4_hi16_sr"],
                        tasks=["gpqa_diamond_cot_zeroshot"], gpqa_csv=None, limit=None, seed=0)
-    print(render_table([load_summary("results/gpqa/Qwen3.5-4B")]))
+    print(render_table([load_summary("build/gpqa/Qwen3.5-4B")]))
 
 The lm-eval model itself is `replayquant.lm_eval_model.ReplayQuantLM` (name "replayquant").
 """

@@ -32,7 +32,7 @@ def _slug(s: str) -> str:
 
 
 def default_out_dir(model: str) -> Path:
-    return Path("results") / "gpqa" / _slug(model)
+    return Path("build") / "gpqa" / _slug(model)
 
 
 def _reset_task_modules():

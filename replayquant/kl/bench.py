@@ -107,7 +107,7 @@ def plain_forward(model, ids: torch.Tensor, segment: int) -> None:
 def bench_kl(shape: str = "qwen3.5-4b", context: int = 131072, segment: int = 8192,
              pairs=("f4_sr_rs", "tp4_hi32"), prefill: str = "replay", reference: str = "exact",
              dtype: str = "bfloat16", device: str | None = None,
-             out: str | Path = "results/bench/kl_128k.json", warmup_tokens: int | None = None) -> dict:
+             out: str | Path = "build/bench/kl_128k.json", warmup_tokens: int | None = None) -> dict:
     from replayquant.bench.teacher_forcing import REPLAY_TARGETS, KernelClock, _hf_chunk
     from replayquant.provenance import provenance
 

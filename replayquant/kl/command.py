@@ -88,7 +88,7 @@ def default_out(model: str, pairs: list[str], context: int, prefill: str) -> Pat
     def clean(s):
         return re.sub(r"[^A-Za-z0-9._-]+", "-", Path(str(s)).stem if str(s).endswith((".yaml", ".yml")) else str(s)).strip("-")
     name = f"{clean(Path(model).name)}_{'+'.join(clean(p) for p in pairs)}_ctx{context}_{prefill}"
-    return Path("results/kl") / f"{name}.json"
+    return Path("build/kl") / f"{name}.json"
 
 
 def kl_command(model: str, pairs: list[str], dataset: str = "pg19", split: str = "test",
