@@ -3,36 +3,57 @@
 from __future__ import annotations
 
 import datetime as _dt
+import os
 import platform
 import subprocess
 from pathlib import Path
 
 
-def git_commit() -> str:
-    """HEAD commit of the checkout this package runs from ('+dirty' if the tree has changes).
+def _own_checkout() -> Path | None:
+    """The root of replayquant's own source checkout when this package runs from one, else None.
 
-    A copy without .git (e.g. a tree sent to a GPU machine) reads REPLAYQUANT_GIT_COMMIT, which
-    the sender sets to the commit it copied; else 'unknown'.
+    Only a work tree whose top level holds this very package counts: a virtual environment or a
+    plain copy inside some other repository must not record that repository's commit."""
+    root = Path(__file__).resolve().parent.parent
+    if not (root / ".git").exists() or not (root / "pyproject.toml").is_file():
+        return None
+    try:
+        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=root, capture_output=True,
+                             text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return root if Path(top).resolve() == root else None
+
+
+def git_commit() -> str:
+    """What code produced a result.
+
+    * In replayquant's own checkout: its HEAD commit ('+dirty' if tracked files have changes).
+    * Elsewhere, REPLAYQUANT_GIT_COMMIT when set (a source tree copied without .git, e.g. to a GPU
+      machine, where the sender sets the commit it copied).
+    * Else an installed package: 'replayquant==VERSION'.
     """
-    import os
+    root = _own_checkout()
+    if root is not None:
+        try:
+            sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                                 text=True, check=True).stdout.strip()
+            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                   cwd=root, capture_output=True, text=True).stdout.strip()
+            return sha + ("+dirty" if dirty else "")
+        except (OSError, subprocess.CalledProcessError):
+            pass
     if os.environ.get("REPLAYQUANT_GIT_COMMIT"):
         return os.environ["REPLAYQUANT_GIT_COMMIT"]
-    root = Path(__file__).resolve().parent.parent
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
-                             text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True).stdout.strip()
-        return sha + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    import replayquant
+    return f"replayquant=={replayquant.__version__}"
 
 
 def device_name(device=None) -> str:
     import torch
     if torch.cuda.is_available() and (device is None or str(device).startswith("cuda")):
         return torch.cuda.get_device_name(device if device is not None else 0)
-    return f"cpu ({platform.processor() or platform.machine()}, {__import__('os').cpu_count()} cores)"
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
 
 
 def versions() -> dict:
