@@ -157,64 +157,6 @@ def test_bench_bad_arguments(tmp_path):
         bd.run_kernels_bench(out=str(tmp_path), device="cpu")
 
 
-def test_read_blocks_sweep_check_and_arguments(monkeypatch, capsys):
-    """evals/read_blocks_sweep.py (a GPU script): its kernel-vs-reference check on tiny shapes
-    on the CPU (interpreter) for one- and two-block read programs, NVFP4 read copy, both kinds;
-    its decode-step and verify sweeps run each config (smoke timing); bad --configs /
-    --verify-configs / --verify-batches rejected before any GPU work."""
-    import importlib.util
-    import pathlib
-    path = pathlib.Path(__file__).resolve().parents[1] / "evals" / "read_blocks_sweep.py"
-    spec = importlib.util.spec_from_file_location("read_blocks_sweep", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    monkeypatch.setattr(bd, "SHAPES", {k: dict(v) for k, v in TINY.items()})
-    monkeypatch.setitem(bd.SHAPES["gdn"], "dv", 32)
-    for kind in ("gdn", "mamba2"):
-        res = mod.check(kind, "tp4_hi32", (1, 2) if kind == "gdn" else (1,), device="cpu")
-        for r in res.values():
-            assert r["pointers_equal"] and r["max_rel_y"] < 2e-2
-    # the timed parts' code (wall-clock on the CPU: a smoke run, never a result)
-    monkeypatch.setitem(bd._CPU_TIMING, "on", True)
-    rows = mod.step_rows(["gdn"], 3, ["tp4_hi32"], [(8, 1, 2), (16, 1, 1)], "cpu", 1.0)
-    sweep = [r for r in rows if r["kernel"] == "sweep/replay-read-step-dots"]
-    assert [r["cfg"]["read_blocks"] for r in sweep] == [2, 1]
-    assert {"conventional", "replay-window-dots", "replay-window-dots-staggered"} <= {
-        r["kernel"] for r in rows}
-    assert bd.VARIANT_CFGS["dots"] != [(8, 1, 2), (16, 1, 1)]          # restored
-    rows = mod.verify_rows(["mamba2"], [3], ["tp8_hi32"], [(8, 1, 2), (16, 1, 1)], "cpu", 1.0,
-                           T=2)
-    got = [(r["kernel"], tuple(r.get("cfg", ()))) for r in rows]
-    assert got.count(("spec-snapshot-round", ())) == 1
-    assert ("spec-replay-round", (8, 1, 2)) in got and ("spec-replay-round", (16, 1, 1)) in got
-    for bad in (["--configs", "16x1"], ["--verify-configs", "16"], ["--verify-batches", "a"]):
-        assert mod.main(["/tmp/x.json", *bad]) == 2
-        assert "read_blocks triples" in capsys.readouterr().err
-
-
-def test_flush_heads_sweep_check_and_arguments(monkeypatch, capsys):
-    """evals/flush_heads_sweep.py (a GPU script): its check (NH heads per whole-matrix flush
-    program give NH = 1's outputs, anchors and read copies bit for bit) on tiny shapes on the CPU
-    (interpreter), both kinds, an NVFP4 pair with stochastic rounding; its sweep runs each NH
-    (smoke timing); a bad --heads is rejected before any GPU work."""
-    import importlib.util
-    import pathlib
-    path = pathlib.Path(__file__).resolve().parents[1] / "evals" / "flush_heads_sweep.py"
-    spec = importlib.util.spec_from_file_location("flush_heads_sweep", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    monkeypatch.setattr(bd, "SHAPES", {k: dict(v) for k, v in TINY.items()})
-    for kind in ("gdn", "mamba2"):
-        assert all(mod.check(kind, "tp4_hi16_sr", 2, device="cpu").values())
-    monkeypatch.setitem(bd._CPU_TIMING, "on", True)
-    rows = mod.sweep("gdn", 3, "tp4_hi32", [1, 2], 1.0, device="cpu")
-    assert [r["nh"] for r in rows] == [1] * 4 + [2] * 4
-    assert {r["kernel"] for r in rows} == {"replay-read-step-dots", "replay-flush-step",
-                                           "replay-window-dots", "replay-window-dots-staggered"}
-    assert mod.main(["/tmp/x.json", "--heads", "0"]) == 2
-    assert "positive integers" in capsys.readouterr().err
-
-
 def test_sweep_picks_stay_with_the_block_read():
     """The bench's sweep picks the block read's config of a step (cfg['read/PAIR']); a verify and
     the 'dots' read keep their own defaults (VERIFY_BLOCK, DOTS_BLOCK) unless given theirs, and

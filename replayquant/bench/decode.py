@@ -859,29 +859,12 @@ def bench_spec(kind, B, T, device, copy_bw, cfg=None, pairs=PAIRS, L=None, S=Non
 
 def no_gpu(script: str) -> bool:
     """True, after one clear error on stderr, where there is no CUDA GPU: the guard of the GPU
-    scripts under evals/ (their times mean nothing elsewhere)."""
+    scripts under evals/ (their checks and times need the device)."""
     if torch.cuda.is_available():
         return False
-    print(f"{script}: needs a CUDA GPU (times are meaningless elsewhere)", file=sys.stderr)
+    print(f"{script}: needs a CUDA GPU; run it on a machine with one (evals/gpu_runs.sh)",
+          file=sys.stderr)
     return True
-
-
-def rows_table(rows, extra=()) -> str:
-    """Markdown table of bench rows (kind, B, kernel, variant, the `extra` fields, us, % of the
-    copy bandwidth, speedup over the conventional FP32 step or the snapshot round), as the GPU
-    sweep scripts under evals/ print them."""
-    head = ["kind", "B", "kernel", "variant", *extra, "us", "% copy", "speedup"]
-    out = ["| " + " | ".join(head) + " |",
-           "| " + " | ".join("---:" if h in ("B", "us", "% copy", "speedup") else "---"
-                             for h in head) + " |"]
-    for r in rows:
-        pct = r.get("pct_copy")
-        sp = r.get("speedup_vs_conv_fp32", r.get("speedup_vs_snapshot_round"))
-        cells = [r["kind"], r["B"], r["kernel"], r["variant"], *(r.get(e, "") for e in extra),
-                 f"{r['us']:.1f}", "" if pct is None else f"{pct:.1f}",
-                 "" if sp is None else f"{sp:.2f}"]
-        out.append("| " + " | ".join(str(c) for c in cells) + " |")
-    return "\n".join(out)
 
 
 def _derive(rows):

@@ -13,8 +13,14 @@ with the compiler's message. tests/test_compile_check.py does both for the model
 `sass` prints, per launch, the static count of SASS instructions (nvdisasm of the cubin, as
 Triton ships it; --ops N: the N commonest opcodes) with ptxas's register and spill report: for
 kernels without runtime loops that is the instruction count of one program, a proxy (not a
-timing) for instruction-bound kernels. The result is the installed Triton's: versions lay out
-the same kernel differently (evals/device_triton_venv.sh makes a venv with the H200 image's).
+timing) for instruction-bound kernels. The result is the installed Triton's: Triton 3.6 and 3.9
+lay out the same kernel differently, and a venv with the H200 image's Triton (3.6.0) reproduced
+the device's ptxas register and spill reports exactly. To make one (run `sass` from the checkout
+with its python; `record` stays with the main venv):
+
+    python3 -m venv .venv-triton36
+    .venv-triton36/bin/pip install -c constraints.txt torch numpy pyyaml
+    .venv-triton36/bin/pip install --no-deps triton==3.6.0
 """
 
 from __future__ import annotations
