@@ -12,11 +12,11 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM, Mamba2Config, NemotronHConfig, Qwen3_5TextConfig
 
-from replayquant.kernels import chunk
+from replayquant import options
 from replayquant.models import patch
 
 VOCAB = 64
-# (pair, batches, chunk.NVFP4_CHAIN_SPLIT): s32_rs runs the one-launch step below 8 rows and the
+# (pair, batches, the option nvfp4_chain_split): s32_rs runs the one-launch step below 8 rows and the
 # split one above; an NVFP4 role always takes the split launch; f4_sr_rs prefills with the
 # two-pass NVFP4 chain (what the interpreter chooses) and with the split chain (on one program)
 PLAN = [("s32_rs", (3, 9), None), ("tp4_hi32", (3,), None), ("f4_sr_rs", (3,), None),
@@ -41,13 +41,13 @@ torch.manual_seed(0)
 for cfg in CONFIGS:
     model = AutoModelForCausalLM.from_config(cfg).eval()
     for pair, batches, split in PLAN:
-        chunk.NVFP4_CHAIN_SPLIT = split
         patch(model, pair, buffer_len=4, seed=0)
         for B in batches:
             ids = torch.randint(0, VOCAB, (B, 6))
             mask = torch.ones_like(ids)
             mask[1, :2] = 0
             with torch.no_grad():
-                model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6,
-                               min_new_tokens=6, do_sample=False, use_cache=True)
+                with options.override(nvfp4_chain_split=split):
+                    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6,
+                                   min_new_tokens=6, do_sample=False, use_cache=True)
     print(cfg.model_type, "done", flush=True)

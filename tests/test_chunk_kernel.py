@@ -114,8 +114,8 @@ def test_kernel_equals_reference_segmented(name, L, B, dk, dv, delta):
 @pytest.mark.parametrize("name,exact,pre,knobs", [
     ("tp4_hi16_sr", False, True, {}), ("f4_sr_rs", False, True, {"NVFP4_CHAIN_BLOCK": (32, 4)}),
     ("f4_sr_rs", False, False, {}), ("f4_sr_rs", False, True, {}),
-    ("f4_sr_rs", False, True, {"NVFP4_CHAIN_SPLIT": 1}),
-    ("f4_sr_rs", False, False, {"NVFP4_CHAIN_SPLIT": 1}),
+    ("f4_sr_rs", False, True, {"REPLAYQUANT_NVFP4_CHAIN_SPLIT": "1"}),
+    ("f4_sr_rs", False, False, {"REPLAYQUANT_NVFP4_CHAIN_SPLIT": "1"}),
     ("tp4_hi16_sr", True, True, {})],
     ids=["dual", "shared_nvfp4_32_row_blocks", "shared_nvfp4_chain_philox",
          "shared_nvfp4_one_block", "shared_nvfp4_split", "shared_nvfp4_split_philox", "exact"])
@@ -127,8 +127,11 @@ def test_kernel_window_groups_and_row_blocks(name, exact, pre, knobs, monkeypatc
     or in the sequential pass."""
     monkeypatch.setattr(chunk, "MAX_GROUP_WINDOWS", 2)
     monkeypatch.setattr(chunk, "PRECOMPUTE_SR_BITS", pre)
-    for knob, value in knobs.items():
-        monkeypatch.setattr(chunk, knob, value)
+    for knob, value in knobs.items():         # module constants, or options from the environment
+        if knob.startswith("REPLAYQUANT_"):
+            monkeypatch.setenv(knob, value)
+        else:
+            monkeypatch.setattr(chunk, knob, value)
     gen = torch.Generator().manual_seed(11)
     B, H, dk, dv, L = 2, 1, 16, 64, 4
     pair = PrecisionPair.load(name).with_buffer_len(L)
@@ -151,7 +154,7 @@ def test_split_chain_that_cannot_meet_reports(monkeypatch):
     """A split NVFP4 chain whose programs are not resident together (the interpreter runs them
     one after another) times out in its amax wait and raises, instead of hanging or returning
     a wrong result."""
-    monkeypatch.setattr(chunk, "NVFP4_CHAIN_SPLIT", 2)
+    monkeypatch.setenv("REPLAYQUANT_NVFP4_CHAIN_SPLIT", "2")
     monkeypatch.setattr(chunk, "SPIN_LIMIT", 3)
     gen = torch.Generator().manual_seed(12)
     B, T, H, dk, dv, L = 1, 6, 1, 16, 32, 4
@@ -173,14 +176,20 @@ def test_nvfp4_chain_programs_by_shape():
 
 @pytest.mark.parametrize("value,expect", [("0", 0), ("2", 2), ("x", None), ("-1", None)])
 def test_nvfp4_chain_split_setting(value, expect, monkeypatch):
-    """REPLAYQUANT_NVFP4_CHAIN_SPLIT (a string from the environment) forces the chain; a bad
-    value is one clear error."""
-    monkeypatch.setattr(chunk, "NVFP4_CHAIN_SPLIT", value)
+    """REPLAYQUANT_NVFP4_CHAIN_SPLIT, read at each call (not at import), forces the chain; a bad
+    value is one clear error; options.override sets it for a block and restores it."""
+    from replayquant import options
+    monkeypatch.setenv("REPLAYQUANT_NVFP4_CHAIN_SPLIT", value)
     if expect is None:
         with pytest.raises(ValueError, match="REPLAYQUANT_NVFP4_CHAIN_SPLIT"):
             chunk.nvfp4_chain_programs(32, 128, 132)
-    else:
-        assert chunk.nvfp4_chain_programs(32, 128, 132) == expect
+        return
+    assert chunk.nvfp4_chain_programs(32, 128, 132) == expect
+    with options.override(nvfp4_chain_split=1):
+        assert chunk.nvfp4_chain_programs(32, 128, 132) == 1
+    assert chunk.nvfp4_chain_programs(32, 128, 132) == expect
+    monkeypatch.delenv("REPLAYQUANT_NVFP4_CHAIN_SPLIT")
+    assert chunk.nvfp4_chain_programs(32, 128, 132) == 4        # unset: chosen by shape
 
 
 @pytest.mark.parametrize("delta", [False, True], ids=["mamba2", "gdn"])

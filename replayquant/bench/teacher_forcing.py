@@ -33,6 +33,10 @@ import time
 import torch
 import torch.nn.functional as F
 
+from replayquant import options
+from replayquant.bench.timing import (HF_TARGETS, REPLAY_TARGETS, KernelClock, fla_version,
+                                     hf_chunk_function)
+
 
 def _inputs(gen, B, T, H, dk, dv, delta, device):
     q = torch.randn(B, T, H, dk, generator=gen) / dk ** 0.5
@@ -85,71 +89,49 @@ def check(device="cuda") -> list:
         ("s32_rs", True, 2, 4, 128, 128, 16, False, True),
     ]
     results = []
-    prec = chunk.DOT_PRECISION
     try:
         for (i, (name, delta, B, H, dk, dv, L, padded, exact)), dots in itertools.product(
                 enumerate(cases), ("ieee", "tf32x3")):
-            chunk.DOT_PRECISION = dots
-            pair = PrecisionPair.load(name).with_buffer_len(L)
-            gen = torch.Generator().manual_seed(1234 + i)       # the same inputs for both dots
-            T1, T2 = 2 * L + L // 2 + 1, L + L // 2
-            q, k, v, la, be = _inputs(gen, B, T1 + T2, H, dk, dv, delta, "cpu")
-            S0 = torch.randn(B, H, dv, dk, generator=gen) * 0.5
-            valid = torch.ones(B, T1 + T2, dtype=torch.bool)
-            if padded:
-                valid[1, T1:T1 + 5] = False
-            s_ref = initial_scan_state(S0, pair, delta=delta, seed=9, layer=4)
-            s_gpu = initial_scan_state(S0.to(device), pair, delta=delta, seed=9, layer=4)
-            case = {"pair": name, "dots": dots, "kind": "gdn" if delta else "mamba2", "B": B,
-                    "H": H, "d_k": dk,
-                    "d_v": dv, "L": L, "segments": [T1, T2], "padded": padded, "exact": exact,
-                    "segments_result": []}
-            if pair.anchor.format == "nvfp4" and str(device).startswith("cuda"):
-                case["nvfp4_chain_programs_per_matrix"] = chunk.nvfp4_chain_programs(
-                    B * H, dv, chunk.device_sms(device))
-            for a, b in ((0, T1), (T1, T1 + T2)):
-                sl = [None if t is None else t[:, a:b] for t in (q, k, v, la, be)]
-                vm = valid[:, a:b] if padded else None
-                y_ref, s_ref = chunk_scan_ref(s_ref, *sl, pair=pair, seed=9, layer=4, valid=vm,
-                                              exact=exact and a > 0)
-                gsl = [None if t is None else t.to(device) for t in sl]
-                gvm = None if vm is None else vm.to(device)
-                y, s_new = chunk.chunk_scan(s_gpu, *gsl, pair=pair, seed=9, layer=4, valid=gvm,
-                                            exact=exact and a > 0)
-                y2, s_again = chunk.chunk_scan(s_gpu, *gsl, pair=pair, seed=9, layer=4, valid=gvm,
-                                               exact=exact and a > 0)
-                if str(device).startswith("cuda"):
-                    torch.cuda.synchronize()
-                r = _compare(pair, y, y_ref, s_new, s_ref)
-                r["rerun_bit_identical"] = bool(torch.equal(y, y2) and torch.equal(
-                    _codes(s_new.anchor), _codes(s_again.anchor)))
-                case["segments_result"].append(r)
-                s_gpu = s_new
-            results.append(case)
+            with options.override(chunk_dot=dots):
+                pair = PrecisionPair.load(name).with_buffer_len(L)
+                gen = torch.Generator().manual_seed(1234 + i)       # the same inputs for both dots
+                T1, T2 = 2 * L + L // 2 + 1, L + L // 2
+                q, k, v, la, be = _inputs(gen, B, T1 + T2, H, dk, dv, delta, "cpu")
+                S0 = torch.randn(B, H, dv, dk, generator=gen) * 0.5
+                valid = torch.ones(B, T1 + T2, dtype=torch.bool)
+                if padded:
+                    valid[1, T1:T1 + 5] = False
+                s_ref = initial_scan_state(S0, pair, delta=delta, seed=9, layer=4)
+                s_gpu = initial_scan_state(S0.to(device), pair, delta=delta, seed=9, layer=4)
+                case = {"pair": name, "dots": dots, "kind": "gdn" if delta else "mamba2", "B": B,
+                        "H": H, "d_k": dk,
+                        "d_v": dv, "L": L, "segments": [T1, T2], "padded": padded, "exact": exact,
+                        "segments_result": []}
+                if pair.anchor.format == "nvfp4" and str(device).startswith("cuda"):
+                    case["nvfp4_chain_programs_per_matrix"] = chunk.nvfp4_chain_programs(
+                        B * H, dv, chunk.device_sms(device))
+                for a, b in ((0, T1), (T1, T1 + T2)):
+                    sl = [None if t is None else t[:, a:b] for t in (q, k, v, la, be)]
+                    vm = valid[:, a:b] if padded else None
+                    y_ref, s_ref = chunk_scan_ref(s_ref, *sl, pair=pair, seed=9, layer=4, valid=vm,
+                                                  exact=exact and a > 0)
+                    gsl = [None if t is None else t.to(device) for t in sl]
+                    gvm = None if vm is None else vm.to(device)
+                    y, s_new = chunk.chunk_scan(s_gpu, *gsl, pair=pair, seed=9, layer=4, valid=gvm,
+                                                exact=exact and a > 0)
+                    y2, s_again = chunk.chunk_scan(s_gpu, *gsl, pair=pair, seed=9, layer=4, valid=gvm,
+                                                   exact=exact and a > 0)
+                    if str(device).startswith("cuda"):
+                        torch.cuda.synchronize()
+                    r = _compare(pair, y, y_ref, s_new, s_ref)
+                    r["rerun_bit_identical"] = bool(torch.equal(y, y2) and torch.equal(
+                        _codes(s_new.anchor), _codes(s_again.anchor)))
+                    case["segments_result"].append(r)
+                    s_gpu = s_new
+                results.append(case)
     finally:
         chunk._empty = real_empty
-        chunk.DOT_PRECISION = prec
     return results
-
-
-def _hf_chunk():
-    """(function, label): the GDN chunk function HF's Qwen3.5 layer calls (fla's kernel when fla
-    is importable: transformers resolves it at import), and which implementation it is."""
-    from replayquant.kl.bench import fla_version
-    for mod in ("transformers.models.qwen3_5.modeling_qwen3_5",
-                "transformers.models.qwen3_next.modeling_qwen3_next"):
-        try:
-            m = __import__(mod, fromlist=["torch_chunk_gated_delta_rule"])
-            fn = getattr(m, "torch_chunk_gated_delta_rule")
-        except (ImportError, AttributeError):
-            continue
-        impl = "transformers torch path"
-        for cell in getattr(fn, "__closure__", None) or ():     # the hub wrapper's implementation
-            c = cell.cell_contents
-            if callable(c) and str(getattr(c, "__module__", "")).startswith("fla"):
-                impl = f"fla {fla_version()}: {c.__module__}.{c.__name__}"
-        return fn, f"{mod}.torch_chunk_gated_delta_rule ({impl})"
-    raise ImportError("transformers has no torch_chunk_gated_delta_rule")
 
 
 def bench(lengths=(8192, 32768), device="cuda") -> list:
@@ -159,7 +141,7 @@ def bench(lengths=(8192, 32768), device="cuda") -> list:
     from replayquant.kernels.chunk_ref import initial_scan_state
     from replayquant.pairs import PrecisionPair
 
-    hf_fn, hf_label = _hf_chunk()
+    hf_fn, hf_label = hf_chunk_function()
     H, dk, dv, B = 32, 128, 128, 1
     rows = []
     for T in lengths:
@@ -192,13 +174,10 @@ def bench(lengths=(8192, 32768), device="cuda") -> list:
             if pair.anchor.format == "nvfp4":             # A/B: split chain or two-pass
                 row[f"kernel_{name}_chain_programs_per_matrix"] = chunk.nvfp4_chain_programs(
                     H, dv, chunk.device_sms(device))
-                saved, chunk.NVFP4_CHAIN_SPLIT = chunk.NVFP4_CHAIN_SPLIT, 0
-                try:
+                with options.override(nvfp4_chain_split=0):
                     y2 = measure(f"kernel_{name}_chain_two_pass", fn)[0]
-                    row[f"kernel_{name}_split_vs_two_pass_max_rel_diff"] = float(
-                        (y2 - ys[name]).abs().max() / ys[name].abs().max())
-                finally:
-                    chunk.NVFP4_CHAIN_SPLIT = saved
+                row[f"kernel_{name}_split_vs_two_pass_max_rel_diff"] = float(
+                    (y2 - ys[name]).abs().max() / ys[name].abs().max())
             if pair.anchor.rounding == "stochastic":      # A/B: where the SR bits are drawn
                 pre = chunk.PRECOMPUTE_SR_BITS
                 chunk.PRECOMPUTE_SR_BITS = not pre
@@ -207,18 +186,16 @@ def bench(lengths=(8192, 32768), device="cuda") -> list:
                 finally:
                     chunk.PRECOMPUTE_SR_BITS = pre
             if name == "tp4_hi16_sr":                    # A/B: the other dot precision
-                prec = chunk.DOT_PRECISION
+                prec = options.get().chunk_dot
                 other = "ieee" if prec == "tf32x3" else "tf32x3"
                 row["dot_precision"] = prec
-                chunk.DOT_PRECISION = other
                 try:
-                    y3 = measure(f"kernel_{name}_{other}", fn)[0]
+                    with options.override(chunk_dot=other):
+                        y3 = measure(f"kernel_{name}_{other}", fn)[0]
                     row[f"kernel_{name}_{other}_max_rel_diff"] = float(
                         (y3 - ys[name]).abs().max() / ys[name].abs().max())
                 except Exception as e:                    # record, keep timing the rest
                     row[f"kernel_{name}_{other}_error"] = f"{type(e).__name__}: {e}"[:500]
-                finally:
-                    chunk.DOT_PRECISION = prec
         # HF: q unscaled (it scales by d_k^-1/2 itself), bf16 inputs as in the model, state
         # [B, H, d_k, d_v]
         bf = torch.bfloat16
@@ -239,92 +216,6 @@ def bench(lengths=(8192, 32768), device="cuda") -> list:
 
 # ============================================================================ whole model
 
-class KernelClock:
-    """Time spent inside some module-level callables during a run (a context manager that
-    wraps them). On CUDA a pair of events is recorded around each call (no host sync is
-    added; the sums are read after the run), elsewhere time.perf_counter. targets: {label:
-    (module path, attribute)}; a target whose module does not import is skipped."""
-
-    NOTE = ("GPU time between CUDA events recorded around each call (inside the timed run, no "
-            "added sync); nested targets overlap (chunk_scan runs inside the layer's "
-            "teacher-forcing call, runtime._teacher_force; "
-            "chunk_passes: events around each launch of the chunk kernel's passes, inside "
-            "chunk_scan)")
-
-    def __init__(self, device, targets: dict, passes: bool = True):
-        self.cuda = str(device).startswith("cuda")
-        self.targets = targets
-        self.marks = {k: [] for k in targets}
-        self._saved = []
-        # CUDA: also events around each launch of the chunk kernel's passes (chunk.PASS_EVENTS)
-        self.pass_events = [] if (passes and self.cuda) else None
-
-    def _wrap(self, label, fn):
-        marks = self.marks[label]
-
-        def timed_call(*args, **kwargs):
-            if self.cuda:
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                out = fn(*args, **kwargs)
-                b.record()
-                marks.append((a, b))
-            else:
-                t0 = time.perf_counter()
-                out = fn(*args, **kwargs)
-                marks.append(time.perf_counter() - t0)
-            return out
-        return timed_call
-
-    def __enter__(self):
-        import importlib
-        for label, (mod_name, attr) in self.targets.items():
-            try:
-                mod = importlib.import_module(mod_name)
-                fn = getattr(mod, attr)
-            except (ImportError, AttributeError):
-                continue
-            self._saved.append((mod, attr, fn))
-            setattr(mod, attr, self._wrap(label, fn))
-        if self.pass_events is not None:
-            from replayquant.kernels import chunk
-            chunk.PASS_EVENTS = self.pass_events
-        return self
-
-    def __exit__(self, *exc):
-        for mod, attr, fn in reversed(self._saved):
-            setattr(mod, attr, fn)
-        self._saved = []
-        if self.pass_events is not None:
-            from replayquant.kernels import chunk
-            chunk.PASS_EVENTS = None
-
-    def seconds(self) -> dict:
-        """{label: {"seconds": total, "calls": n}} (calls 0: the target never ran)."""
-        if self.cuda:
-            torch.cuda.synchronize()
-        out = {}
-        for label, marks in self.marks.items():
-            tot = sum(a.elapsed_time(b) / 1e3 for a, b in marks) if self.cuda else sum(marks)
-            out[label] = {"seconds": tot, "calls": len(marks)}
-        if self.pass_events:
-            passes = {}
-            for name, a, b in self.pass_events:
-                d = passes.setdefault(name, {"seconds": 0.0, "launches": 0})
-                d["seconds"] += a.elapsed_time(b) / 1e3
-                d["launches"] += 1
-            out["chunk_passes"] = passes
-        return out
-
-
-# what the patched model's prefill spends in the replay path (CUDA: the Triton kernel)
-REPLAY_TARGETS = {"replay_teacher_force": ("replayquant.models.runtime", "_teacher_force"),
-                  "chunk_scan": ("replayquant.kernels.chunk", "chunk_scan")}
-# what the unpatched HF forward spends in its GDN chunk function (fla's kernel when installed)
-HF_TARGETS = {"hf_gdn_chunk": ("transformers.models.qwen3_5.modeling_qwen3_5",
-                               "torch_chunk_gated_delta_rule")}
-
-
 def whole_model(shape: str = "qwen3.5-4b", context: int = 131072, segment: int = 8192,
                 pair: str = "tp4_hi16_sr", prefill: str = "replay", dtype: str = "bfloat16",
                 device: str | None = None, warmup_tokens: int | None = None) -> dict:
@@ -332,7 +223,7 @@ def whole_model(shape: str = "qwen3.5-4b", context: int = 131072, segment: int =
     its cache, unpatched (HF; fla's kernels when installed) and patched with `pair`; returns the
     section for the results file. Warm-up (compilation, autotuning) on a prefix of two
     segments before each timed run."""
-    from replayquant.kl.bench import (SHAPES, _chunk_dot, build_model, fla_version, plain_forward,
+    from replayquant.kl.bench import (SHAPES, _chunk_dot, build_model, plain_forward,
                                       random_document, timed)
     from replayquant.kl.command import DTYPES
     from replayquant.models import patch, teacher_force_path, unpatch
@@ -365,7 +256,7 @@ def whole_model(shape: str = "qwen3.5-4b", context: int = 131072, segment: int =
         "kind": "replayquant.bench.teacher_forcing.whole_model",
         "shape": shape, "model_config": cfg, "dtype": dtype, "context": context,
         "segment": segment, "pair": pair, "prefill": prefill, "teacher_force_path": path,
-        "flash_linear_attention": fla_version(), "hf_gdn_function": _hf_chunk()[1],
+        "flash_linear_attention": fla_version(), "hf_gdn_function": hf_chunk_function()[1],
         "chunk_dot_precision": _chunk_dot(),
         "hf_forward_s": t_hf, "patched_forward_s": t_rq, "ratio_patched_over_hf": ratio,
         "peak_gpu_gib_hf": gib(peak_hf), "peak_gpu_gib_patched": gib(peak_rq),
@@ -430,7 +321,7 @@ def resource_report(pairs=("tp4_hi16_sr", "s32_rs", "f4_sr_rs", "tp4_hi32"), H: 
         pre = bool(chunk.PRECOMPUTE_SR_BITS and asr)
         t = dict(ints, A_pay=ptr[a][0], A_sc=ptr[a][1], A_gs=ptr[a][2],
                  R_pay=ptr[r][0], R_sc=ptr[r][1], R_gs=ptr[r][2])
-        base = dict(H=H, DK=d, DV=d, L=L, LP=cfg["LP"], EXACT=False, PREC=chunk.DOT_PRECISION)
+        base = dict(H=H, DK=d, DV=d, L=L, LP=cfg["LP"], EXACT=False, PREC=options.get().chunk_dot)
         kernels = [
             ("terms", chunk._terms_kernel, dict(base, BV=cfg["terms_bv"], DELTA=True, PRE=pre),
              cfg["terms_warps"]),

@@ -18,7 +18,6 @@ REPLAYQUANT_BACKEND=triton forces the Triton kernels (on the CPU with TRITON_INT
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -31,10 +30,10 @@ __all__ = ["FORMATS", "Format", "QTensor", "get_format", "use_triton"]
 
 
 def use_triton(x: torch.Tensor) -> bool:
-    """True where the Triton kernels run: CUDA tensors, or REPLAYQUANT_BACKEND=triton."""
-    choice = os.environ.get("REPLAYQUANT_BACKEND", "auto")
-    if choice not in ("auto", "triton", "torch"):
-        raise ValueError(f"REPLAYQUANT_BACKEND={choice!r}: use auto, triton or torch")
+    """True where the Triton kernels run: CUDA tensors, or the option backend = triton
+    (REPLAYQUANT_BACKEND, replayquant.options)."""
+    from replayquant import options
+    choice = options.get().backend
     if choice == "auto":
         return x.is_cuda
     return choice == "triton"

@@ -48,12 +48,11 @@ Shapes: d_k and d_v powers of two >= 16 (`supports` says whether a call can run 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from replayquant import options
 from replayquant.formats import QTensor
 from replayquant.kernels.chunk_ref import ScanState, _check_inputs, cpu_threads
 from replayquant.kernels.conventional import (_FP8_DIV, _NV_DIV, FMT_IDS, _role_bits, _sr_bits,
@@ -83,9 +82,7 @@ PRECOMPUTE_SR_BITS = False
 # CPU reference's flush schedule, buffers and state (codes up to rounding flips); the largest
 # output error, relative to the largest output, 1.0e-3 with tf32x3 against 4.2e-5 with ieee
 # (tp8_hi32), alike elsewhere; a Qwen3.5-4B layer at 8K tokens 7.0 ms instead of 10.0.
-# REPLAYQUANT_CHUNK_DOT overrides the default.
-DOT_PRECISIONS = ("ieee", "tf32x3")
-DOT_PRECISION = os.environ.get("REPLAYQUANT_CHUNK_DOT", "tf32x3")
+# The option chunk_dot (REPLAYQUANT_CHUNK_DOT, replayquant.options) chooses it at each launch.
 
 
 # ============================================================================ Triton
@@ -604,13 +601,12 @@ def supports(d_k: int, d_v: int) -> bool:
 # NVFP4_CHAIN_BLOCK[1] warps, an amax pass then a cast pass through the FP32 scratch (the
 # GPU is full of matrices then). H200, Qwen3.5-4B layer at 8K tokens, two-pass: (64, 8)
 # 23.1 ms per call, (32, 8) 24.4, (64, 16) 23.7 (results/bench/teacher_forcing_1b5ddb4.json).
-# NVFP4_CHAIN_SPLIT: None chooses by shape
-# (CUDA; the interpreter runs programs one after another, so there it is two-pass), 0 forces
-# two-pass, NP >= 1 forces the split on NP programs (tests: NP = 1 in the interpreter); the
-# environment variable REPLAYQUANT_NVFP4_CHAIN_SPLIT sets it from outside (e.g. 0 on a GPU
-# shared with other work, where the split's programs may not all be resident together).
+# The option nvfp4_chain_split (REPLAYQUANT_NVFP4_CHAIN_SPLIT, replayquant.options): unset
+# chooses by shape (CUDA; the interpreter runs programs one after another, so there it is
+# two-pass), 0 forces two-pass, NP >= 1 forces the split on NP programs (tests: NP = 1 in the
+# interpreter); 0 suits a GPU shared with other work, where the split's programs may not all be
+# resident together.
 NVFP4_CHAIN_BLOCK = (64, 8)
-NVFP4_CHAIN_SPLIT = os.environ.get("REPLAYQUANT_NVFP4_CHAIN_SPLIT") or None
 SPIN_LIMIT = 1 << 22            # polls of a split chain's amax wait before it reports an error
 
 
@@ -623,18 +619,12 @@ def device_sms(dev) -> int | None:
 
 
 def nvfp4_chain_programs(BH: int, d_v: int, sms: int | None) -> int:
-    """Programs per matrix of a split NVFP4 chain (0: two-pass), from NVFP4_CHAIN_SPLIT or
-    the shape: the most (a power of two, each with >= 16 rows) with BH * NP <= sms."""
-    if NVFP4_CHAIN_SPLIT is not None:
-        try:
-            np_ = int(NVFP4_CHAIN_SPLIT)
-        except ValueError:
-            np_ = -1
-        if np_ < 0:
-            raise ValueError(f"NVFP4_CHAIN_SPLIT (REPLAYQUANT_NVFP4_CHAIN_SPLIT) must be 0 "
-                             f"(two-pass chain) or a number of programs per matrix >= 1, got "
-                             f"{NVFP4_CHAIN_SPLIT!r}; unset it to choose by shape")
-        return np_
+    """Programs per matrix of a split NVFP4 chain (0: two-pass), from the option
+    nvfp4_chain_split or the shape: the most (a power of two, each with >= 16 rows) with
+    BH * NP <= sms."""
+    forced = options.get().nvfp4_chain_split
+    if forced is not None:
+        return forced
     if not sms:
         return 0
     np_ = 1
@@ -662,8 +652,8 @@ def chunk_launch_config(pair, B: int, H: int, d_v: int, d_k: int, L: int,
         split = nvfp4_chain_programs(B * H, d_v, sms)
         if split:
             if d_v % split or d_v // split < 16:
-                raise ValueError(f"chunk.NVFP4_CHAIN_SPLIT = {split} does not split d_v = {d_v} "
-                                 f"into row blocks of >= 16 rows")
+                raise ValueError(f"REPLAYQUANT_NVFP4_CHAIN_SPLIT={split} does not split "
+                                 f"d_v = {d_v} into row blocks of >= 16 rows")
             rows = bv = d_v // split
             warps = 8 if bv >= 32 else 4
         else:
@@ -814,10 +804,7 @@ def chunk_scan(state: ScanState, q, k, v, log_a, beta=None, *, pair, seed: int =
     spec = pair.anchor if (shared or exact) else pair.read
     Xs[:, 0] = spec.fmt.dequantize(first).reshape(BH, dv, dk)
     As.copy_(pair.anchor.fmt.dequantize(state.anchor).reshape(BH, dv, dk))   # the chain's A
-    if DOT_PRECISION not in DOT_PRECISIONS:
-        raise ValueError(f"chunk.DOT_PRECISION (REPLAYQUANT_CHUNK_DOT) must be one of "
-                         f"{DOT_PRECISIONS}, got {DOT_PRECISION!r}")
-    cons = dict(H=H, DK=dk, DV=dv, L=L, LP=LP, EXACT=bool(exact), PREC=DOT_PRECISION)
+    cons = dict(H=H, DK=dk, DV=dv, L=L, LP=LP, EXACT=bool(exact), PREC=options.get().chunk_dot)
     rsr = pair.read_spec.rounding == "stochastic"
     cast = exact or not shared
     events = PASS_EVENTS if (PASS_EVENTS is not None and dev.type == "cuda") else None
@@ -863,9 +850,9 @@ def chunk_scan(state: ScanState, q, k, v, log_a, beta=None, *, pair, seed: int =
         raise RuntimeError(
             f"the split NVFP4 chain's {cfg['chain_split']} programs per matrix were not all "
             f"resident at once ({BH} matrices), so the amax exchange timed out and this call's "
-            f"result is wrong; set REPLAYQUANT_NVFP4_CHAIN_SPLIT=0 (or "
-            f"replayquant.kernels.chunk.NVFP4_CHAIN_SPLIT = 0: the two-pass chain) and run it "
-            f"again")
+            f"result is wrong; set REPLAYQUANT_NVFP4_CHAIN_SPLIT=0 (or run it inside "
+            f"replayquant.options.override(nvfp4_chain_split=0): the two-pass chain) and run "
+            f"it again")
     if valid is not None:
         y[~valid_b] = 0.0                       # padding: no slot, output 0
     if exact:

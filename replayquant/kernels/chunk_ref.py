@@ -26,7 +26,6 @@ Shapes (B sequences, T tokens, H heads): q, k [B, T, H, d_k]; v [B, T, H, d_v]; 
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
@@ -192,7 +191,7 @@ def rebuild_state(state: ScanState, pair) -> torch.Tensor:
                         state.count)[0]
 
 
-CPU_THREADS_ENV = "REPLAYQUANT_CPU_THREADS"
+CPU_THREADS_ENV = "REPLAYQUANT_CPU_THREADS"   # the option cpu_threads (replayquant.options)
 
 
 @contextmanager
@@ -208,14 +207,8 @@ def cpu_threads(device):
     if torch.device(device).type != "cpu":
         yield
         return
-    raw = os.environ.get(CPU_THREADS_ENV, "1")
-    try:
-        want = int(raw)
-    except ValueError:
-        raise ValueError(f"{CPU_THREADS_ENV}={raw!r}: give a positive integer (threads of the "
-                         f"CPU teacher-forcing scan)") from None
-    if want < 1:
-        raise ValueError(f"{CPU_THREADS_ENV}={raw!r}: give a positive integer")
+    from replayquant import options
+    want = options.get().cpu_threads
     n = torch.get_num_threads()
     if want >= n:
         yield

@@ -59,19 +59,10 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def fla_version() -> str | None:
-    """flash-linear-attention's version if importable here (HF then runs its GDN kernels)."""
-    try:
-        import fla
-    except ImportError:
-        return None
-    return getattr(fla, "__version__", "installed")
-
-
 def _chunk_dot() -> str:
-    """The chunk kernel's dot precision (replayquant.kernels.chunk.DOT_PRECISION)."""
-    from replayquant.kernels import chunk
-    return chunk.DOT_PRECISION
+    """The chunk kernel's dot precision (the option chunk_dot, replayquant.options)."""
+    from replayquant import options
+    return options.get().chunk_dot
 
 
 def random_document(vocab: int, context: int) -> torch.Tensor:
@@ -108,7 +99,7 @@ def bench_kl(shape: str = "qwen3.5-4b", context: int = 131072, segment: int = 81
              pairs=("f4_sr_rs", "tp4_hi32"), prefill: str = "replay", reference: str = "exact",
              dtype: str = "bfloat16", device: str | None = None,
              out: str | Path = "build/bench/kl_128k.json", warmup_tokens: int | None = None) -> dict:
-    from replayquant.bench.teacher_forcing import REPLAY_TARGETS, KernelClock, _hf_chunk
+    from replayquant.bench.timing import REPLAY_TARGETS, KernelClock, fla_version, hf_chunk_function
     from replayquant.provenance import provenance
 
     from .command import DTYPES
@@ -160,7 +151,7 @@ def bench_kl(shape: str = "qwen3.5-4b", context: int = 131072, segment: int = 81
         "peak_gpu_gib_hf_forward": None if peak_hf is None else peak_hf / 2**30,
         "meets_memory_target": None if peak_kl is None else peak_kl <= 60 * 2**30,
         "tokens_per_s_kl": context / t_kl,
-        "flash_linear_attention": fla_version(), "hf_gdn_function": _hf_chunk()[1],
+        "flash_linear_attention": fla_version(), "hf_gdn_function": hf_chunk_function()[1],
         "chunk_dot_precision": _chunk_dot(),
         "inside_replay_s": clock.seconds(),
         "inside_replay_note": KernelClock.NOTE,

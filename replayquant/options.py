@@ -1,0 +1,100 @@
+"""Run-time options from the environment, read when they are used, never frozen at import.
+
+| variable | option | values | what it chooses |
+| --- | --- | --- | --- |
+| REPLAYQUANT_BACKEND | backend | auto, triton, torch | where format casts run: auto = the Triton kernels on CUDA tensors, the torch reference on CPU ones; triton forces the kernels (e.g. under TRITON_INTERPRET=1) |
+| REPLAYQUANT_CHUNK_DOT | chunk_dot | tf32x3, ieee | the chunk kernel's tl.dot input precision (see replayquant/kernels/chunk.py) |
+| REPLAYQUANT_NVFP4_CHAIN_SPLIT | nvfp4_chain_split | unset, 0, N >= 1 | the chunk kernel's NVFP4 chain: unset chooses by shape, 0 forces two-pass, N splits a matrix over N programs |
+| REPLAYQUANT_CPU_THREADS | cpu_threads | N >= 1 (default 1) | intra-op threads of the CPU teacher-forcing scan |
+
+Code that wants another value for a while (a benchmark comparing both dot precisions, a test)
+uses `override(...)`, which holds for the enclosed block of the current thread only:
+
+    from replayquant import options
+    with options.override(chunk_dot="ieee"):
+        ...
+    options.get().chunk_dot
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import os
+
+__all__ = ["Options", "get", "override", "ENV"]
+
+ENV = {
+    "backend": "REPLAYQUANT_BACKEND",
+    "chunk_dot": "REPLAYQUANT_CHUNK_DOT",
+    "nvfp4_chain_split": "REPLAYQUANT_NVFP4_CHAIN_SPLIT",
+    "cpu_threads": "REPLAYQUANT_CPU_THREADS",
+}
+BACKENDS = ("auto", "triton", "torch")
+DOT_PRECISIONS = ("ieee", "tf32x3")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    backend: str = "auto"
+    chunk_dot: str = "tf32x3"
+    nvfp4_chain_split: int | None = None
+    cpu_threads: int = 1
+
+    def __post_init__(self):
+        def bad(field, value, want):
+            raise ValueError(f"{ENV[field]}={value!r} ({field}): {want}")
+        if self.backend not in BACKENDS:
+            bad("backend", self.backend, f"use one of {', '.join(BACKENDS)}")
+        if self.chunk_dot not in DOT_PRECISIONS:
+            bad("chunk_dot", self.chunk_dot, f"use one of {', '.join(DOT_PRECISIONS)}")
+        s = self.nvfp4_chain_split
+        if s is not None and (isinstance(s, bool) or not isinstance(s, int) or s < 0):
+            bad("nvfp4_chain_split", s, "give 0 (two-pass) or a number of programs >= 1; unset it "
+                "to choose by shape")
+        c = self.cpu_threads
+        if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+            bad("cpu_threads", c, "give a positive integer (threads of the CPU teacher-forcing scan)")
+
+
+def _int(field, raw):
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{ENV[field]}={raw!r} ({field}): give an integer") from None
+
+
+def _from_env() -> Options:
+    kw = {}
+    for field, var in ENV.items():
+        raw = os.environ.get(var)
+        if raw is None or raw == "":
+            continue
+        kw[field] = _int(field, raw) if field in ("nvfp4_chain_split", "cpu_threads") else raw
+    return Options(**kw)
+
+
+_overrides: contextvars.ContextVar[dict] = contextvars.ContextVar("replayquant_options", default={})
+
+
+def get() -> Options:
+    """The options in force now: the environment, then any enclosing `override`."""
+    base = _from_env()
+    over = _overrides.get()
+    return dataclasses.replace(base, **over) if over else base
+
+
+@contextlib.contextmanager
+def override(**values):
+    """Set options for the enclosed block (this thread / task only); checked like the environment."""
+    unknown = set(values) - set(ENV)
+    if unknown:
+        raise TypeError(f"unknown option(s) {sorted(unknown)}; options are {sorted(ENV)}")
+    merged = {**_overrides.get(), **values}
+    dataclasses.replace(_from_env(), **merged)        # validate now, where the caller set them
+    token = _overrides.set(merged)
+    try:
+        yield
+    finally:
+        _overrides.reset(token)
