@@ -1072,8 +1072,8 @@ def advance_pointers_ref(store: ReplayStore, state_indices, T: int = 1, step: bo
 
 # read kernel block of read_variant='dots' in a decode step: (rows, warps, row blocks per
 # program), by (kind, read copy format). H200, B = 256, 'dots' read step (h = L/2), us by config
-# (results/bench/read_blocks_b256.json, c9bc375, session 9: read copies loaded as packed words,
-# next block prefetched), best of 12 configs (rows 16 / 32 / 64, 1-4 warps, 1-8 blocks):
+# (read copies loaded as packed words, next block prefetched), best of 12 configs (rows 16 / 32
+# / 64, 1-4 warps, 1-8 blocks):
 # GDN FP32 (16, 1, 8) 170.1 (16, 1, 1: 200.1), FP8 (32, 1, 4) 123.6 (16, 1, 1: 137.0), NVFP4
 # (32, 1, 1) 128.3 (16, 1, 1: 215.0); Mamba-2 FP32 (16, 1, 4) 301.1 (16, 1, 1: 319.9), FP8
 # (32, 1, 1) 164.0 (216.0), NVFP4 (32, 1, 1) 175.8 (255.3). FP16 / BF16 read copies: not
@@ -1083,7 +1083,7 @@ DOTS_BLOCK = {("gdn", "fp32"): (16, 1, 8), ("gdn", "fp8"): (32, 1, 4), ("gdn", "
               ("mamba2", "nvfp4"): (32, 1, 1)}
 # read kernel block of a verify (T > 1 drafts), by (kind, read variant, read copy format). H200,
 # T = 4, the bench's speculative round (verify + accept, L = 16 / 8) by config (16, 1, 1) (16, 2, 1)
-# (16, 1, 2) (32, 1, 1) (32, 2, 1) (results/bench/verify_read.json, 4e9a1b9, session 10): the
+# (16, 1, 2) (32, 1, 1) (32, 2, 1): the
 # 'dots' read at B = 512, us, (16, 1, 1) -> best: GDN FP32 1293.6 -> 1189.5 (32, 1, 1), FP8
 # 1237.2 -> 1109.8, NVFP4 1708.3 -> 1249.5; Mamba-2 1573.5 -> 1535.0, 1827.8 -> 1693.5, 2435.9 ->
 # 1675.0, all (32, 1, 1). The block read at B = 32 (the size rule's (16, 2, 1) -> best): GDN FP32
@@ -1096,16 +1096,15 @@ VERIFY_BLOCK_DEFAULT = (32, 1, 1)
 
 # Columns of a row that one lane group holds side by side in the read kernel's 16- / 32-bit read
 # copy tiles (_tile_raw): RW / 4 lanes per row, so each row's sums end in log2(RW / 4) shuffle
-# rounds; RW = d_k (128) spreads a row over all 32 lanes (5 rounds), the only layout before
-# session 11 (its code unchanged). Capped at d_k. By decode step, and by (kind, read variant) of
-# a verify. H200, s32_rs, run 49 (78de698, results/bench/row_width.json), RW 128 / 32 / 16: the
+# rounds; RW = d_k (128) spreads a row over all 32 lanes (5 rounds). Capped at d_k. By decode
+# step, and by (kind, read variant) of a verify. H200, s32_rs, RW 128 / 32 / 16: the
 # 'dots' T = 4 round at B = 512, us: GDN 1189.4 / 1013.0 / 1038.5, Mamba-2 1534.9 / 1472.5 /
 # 1485.4, and the block-read round GDN 1891.2 / 1918.9 / 1945.8, Mamba-2 2150.7 / 1821.3 /
 # 1814.0; the 'dots' read step at B = 256 lost (GDN 169.4 / 176.9 / 181.5, Mamba-2 298.0 / 309.4 /
 # 316.4: the x vectors' copies per lane raise the registers from 127 to ~235, halving the
-# programs per SM of a bandwidth-bound read). The grid at 7e04f39 (RW 32 for every verify)
-# also had GDN's block-read round at B = 32 (its default read there) 93.8 -> 103.6 us without
-# flushes, so GDN's block verify keeps RW = d_k.
+# programs per SM of a bandwidth-bound read). With RW 32 for every verify the grid put GDN's
+# block-read round at B = 32 (its default read there) at 103.6 us without flushes, against 93.8
+# with RW = d_k, so GDN's block verify keeps RW = d_k.
 READ_ROW_WIDTH = {"step": 128, ("verify", "gdn", "dots"): 32, ("verify", "gdn", "block"): 128,
                   ("verify", "mamba2", "dots"): 32, ("verify", "mamba2", "block"): 32}
 
@@ -1174,12 +1173,11 @@ def replay_launch_config(store: ReplayStore, n_rows: int, block_v=None, num_warp
 
 # flush kernel block (rows, warps) from 1024 state matrices, by (kind, shared pair), for pairs
 # without an NVFP4 role (whole matrices). H200, B = 256, replay flush step (h = L - 1), us by
-# block (16, 1) / (16, 2) / (32, 4) / (64, 8) (results/bench/flush_blocks_b256.json, 6659856):
+# block (16, 1) / (16, 2) / (32, 4) / (64, 8):
 # GDN s32_rs 876 / 992 / 1039 / 1094, tp8_hi32 1024 / 1200 / 1228 / 1697; Mamba-2 s32_rs
 # 829 / 1071 / 1049 / 975, tp8_hi32 1391 / 1257 / 1264 / 1233. Mamba-2 tp8_hi32 takes (16, 1)
-# all the same: its whole 'dots' window, flush kernel on its side stream (flush_nt_side.json,
-# e5f310a), in phase / staggered, was 348.9 / 363.3 us per step on (16, 1) with NT = 4 against
-# 378.3 / 366.3 on (32, 4)
+# all the same: its whole 'dots' window, flush kernel on its side stream, in phase / staggered,
+# measured 348.9 / 363.3 us per step on (16, 1) with NT = 4 against 378.3 / 366.3 on (32, 4)
 FLUSH_BLOCK = {("gdn", True): (16, 1), ("gdn", False): (16, 1),
                ("mamba2", True): (16, 1), ("mamba2", False): (16, 1)}
 
@@ -1188,20 +1186,19 @@ FLUSH_BLOCK = {("gdn", True): (16, 1), ("gdn", False): (16, 1),
 # not in a forced step), by (kind, any role with stochastic rounding); 1 elsewhere. In a step
 # where a row does not flush, each of its flush programs reads the pointers and returns, but a
 # whole-matrix program holds most of an SM's registers while it does. H200, B = 256, NH = 1 / 2 /
-# 4 / 8 (results/bench/flush_heads.json, 61b1bbad, session 10), us: 'dots' read step, flush step,
-# 'dots' window in phase / staggered. GDN tp4_hi16_sr read 166.9 / 143.6 / 120.2 / 115.2, flush
-# 1550 / 1563 / 1509 / 1507, windows 255.0 / 257.3 -> 203.9 / 212.4 at NH = 8; Mamba-2
-# tp4_hi16_sr read 185.6 -> 154.9, flush 1697 -> 1734, windows 373.4 / 391.2 -> 355.0 / 351.0.
+# 4 / 8, us: 'dots' read step, flush step, 'dots' window in phase / staggered. GDN tp4_hi16_sr
+# read 166.9 / 143.6 / 120.2 / 115.2, flush 1550 / 1563 / 1509 / 1507, windows 255.0 / 257.3
+# -> 203.9 / 212.4 at NH = 8; Mamba-2 tp4_hi16_sr read 185.6 -> 154.9, flush 1697 -> 1734,
+# windows 373.4 / 391.2 -> 355.0 / 351.0.
 # Without stochastic rounding NH > 1 slowed the flush step more than it saved: GDN tp4_hi32
 # flush 1534 -> 1694-1740, windows 217.9 / 216.2 -> 217.7 / 238.7 at NH = 8; Mamba-2 tp4_hi32
-# flush 1329 -> 2140-2197, windows 319.8 / 324.9 -> 411.6 / 402.0. One run each. Only from
+# flush 1329 -> 2140-2197, windows 319.8 / 324.9 -> 411.6 / 402.0. Measured once each. Only from
 # FLUSH_HEADS_MIN matrices (the 8192 of GDN at B = 256; Mamba-2 from B = 64), where it was
 # measured: with few rows, NH heads per program leave too few programs (at B = 1, 4 for GDN's
-# 32 heads; run 45, c9c64fd, kernels_c9c64fd_sweep.json: GDN tp4_hi16_sr batch-1 window 0.425x
-# -> 0.197x the conventional step with NH = 8 at every batch).
+# 32 heads; with NH = 8 at every batch GDN tp4_hi16_sr's batch-1 window ran at 0.197x the
+# conventional step's speed, against 0.425x with NH = 1).
 # Not with FLUSH_LIST (no programs without work): 8 heads per item there left GDN tp4_hi16_sr's
-# staggered window at 228.6 us against 203.1 with one
-# (decode_ab_flush_list_modes_b06a1e5.json).
+# staggered window at 228.6 us against 203.1 with one.
 FLUSH_HEADS = {("gdn", True): 8, ("mamba2", True): 8}
 FLUSH_HEADS_MIN = 8192
 
@@ -1210,16 +1207,16 @@ FLUSH_HEADS_MIN = 8192
 # matrix, one after the other (NT = d_v / rows); below, one block per program. With few rows
 # flushing at a time (rows out of phase, as in serving) the flush's latency is the step's: the
 # blocks of a matrix on one program wait for each other. H200, block read, split launch
-# (decode_ab_nt1_b*_ff6867d.json, one run each), window us in phase / staggered, all blocks vs
+# (measured once each), window us in phase / staggered, all blocks vs
 # one: B = 8 GDN s32_rs 19.2 / 52.2 vs 17.5 / 25.6, tp8_hi32 16.7 / 52.2 vs 13.8 / 18.2, Mamba-2
 # s32_rs 20.0 / 32.8 vs 20.7 / 22.0, tp8_hi32 16.8 / 39.1 vs 17.8 / 21.4; B = 32 GDN 44.8 / 114.8
 # vs 50.1 / 63.3, 40.4 / 116.7 vs 43.7 / 49.2, Mamba-2 56.7 / 61.8 vs 59.8 / 56.2, 50.3 / 62.7
 # vs 52.8 / 53.8; B = 64 GDN 86.3 / 150.0 vs 98.0 / 102.5, 75.2 / 146.1 vs 83.8 / 88.5, Mamba-2
 # 101.1 / 100.7 vs 104.9 / 99.7, 96.1 / 95.1 vs 97.8 / 92.4; at B = 256 ('dots') all blocks won
-# (GDN s32_rs 204.6 / 203.8 vs 229.9 / 227.4), and at B = 128 ('dots', decode_ab_nt_b128_5b9c08b)
+# (GDN s32_rs 204.6 / 203.8 vs 229.9 / 227.4), and at B = 128 ('dots')
 # on the mean of the two windows for s32_rs (GDN 117.8 vs 126.5, Mamba-2 175.7 vs 178.0), not
 # for tp8_hi32 (98.2 vs 96.1, 135.6 vs 133.0). The speculative round (T = 4, its pre-flushes)
-# as well (decode_ab_nt_b{8,32}_dc07362.json), us, all blocks vs one: B = 8 GDN s32_rs 59.8 vs
+# as well, us, all blocks vs one: B = 8 GDN s32_rs 59.8 vs
 # 37.8, tp8_hi32 68.3 vs 38.7, Mamba-2 41.1 vs 38.6, 45.3 vs 37.4; B = 32 GDN 127.8 vs 111.5,
 # 131.4 vs 110.6, Mamba-2 123.7 vs 122.7, 130.3 vs 123.1.
 FLUSH_ALL_BLOCKS_MIN_ROWS = 128
@@ -1229,10 +1226,10 @@ FLUSH_ALL_BLOCKS_MIN_ROWS = 128
 # of its matrix from `items` items on, one block per item below; the host's rule above
 # elsewhere. Rows in phase list them all in one step of L, rows out of phase B / L per step.
 # H200, windows us in phase / staggered, host's rule vs the device's choice (block read below
-# 128 rows, 'dots' from 128; decode_ab_dyn2_b*_e4030a4.json, one run): GDN s32_rs B = 32
+# 128 rows, 'dots' from 128; measured once): GDN s32_rs B = 32
 # 50.0 / 63.7 vs 44.8 / 49.7, B = 128 108.3 / 126.1 vs 108.0 / 109.9; tp8_hi32 B = 32 43.9 /
-# 49.5 vs 40.6 / 48.9, B = 128 84.0 / 113.9 vs 84.0 / 100.4; B = 64 (decode_ab_dyn_b64_7d177d9,
-# one loop with a runtime block count) GDN s32_rs 98.2 / 102.8 vs 88.5 / 88.9. At B = 256 the
+# 49.5 vs 40.6 / 48.9, B = 128 84.0 / 113.9 vs 84.0 / 100.4; B = 64 (one loop with a runtime
+# block count) GDN s32_rs 98.2 / 102.8 vs 88.5 / 88.9. At B = 256 the
 # device's choice lost staggered (GDN tp8_hi32 167.3 vs 178.1: 16 rows of 32 heads, one block
 # each). Mamba-2 mixed at B = 32 (s32_rs 59.5 / 56.4 vs 56.3 / 56.1, tp8_hi32 53.1 / 54.0 vs
 # 50.8 / 61.1), within 1% at 128 and 256: the host's rule.
@@ -1246,27 +1243,25 @@ def _flush_warps(fbv, dk):
 
 def choose_path(kind: str, n_rows: int, shared: bool = True, threshold: int | None = None) -> str:
     """'replay' or 'flush' (every step flushes: for a shared pair this is the conventional
-    read-modify-write on the anchor), by size alone. Measured on the H200 (results/bench/decode.json,
-    commit e980202, all rows of a batch in the same phase, GDN L = 16, Mamba-2 L = 8): for shared
+    read-modify-write on the anchor), by size alone. Measured on the H200 (all rows of a batch in
+    the same phase, GDN L = 16, Mamba-2 L = 8): for shared
     pairs the forced flush was faster than the replay window below DISPATCH_THRESHOLD rows (s32_rs,
     us/step incl. the pointer kernel, forced flush vs window: GDN B=1 5.6 vs 8.1, B=32 42.4 vs
     49.6, B=128 160.8 vs 168.1, B=256 343.9 vs 331.3; Mamba-2 B=8 17.4 vs 19.2, B=32 80.1 vs
     69.0); for pairs with a separate read copy the forced flush (which writes both roles every
     step) was never faster (GDN tp4_hi32 B=1 11.1 vs 9.1 us), so they always replay.
-    Run 4 (results/bench/kernels_run4.json, commit ff0ef94, cold L2) confirmed the GDN value: forced
-    flush vs block window B=128 160.7 vs 168.3, B=256 344.9 vs 331.8 (and the 'dots' window, the
-    default read from 256 rows, 269.2 at B=256 in run 5); Mamba-2 not re-measured.
-    Run 13 (results/bench/kernels_gdn_dots_default.json, 249d8c6): with the 'dots' read (16-row
-    blocks on one warp) the GDN s32_rs window at B=128 is 140.3 us against a forced flush of
-    169.2 (block window 178.2): the GDN threshold is now 128 rows, where 'dots' starts. Mamba-2
-    (kernels_mamba2_dots*.json): window below the forced flush at every measured B >= 128.
+    With cold L2 the GDN figures hold: forced flush vs block window B=128 160.7 vs 168.3, B=256
+    344.9 vs 331.8 ('dots' window 269.2 at B=256). With the 'dots' read (16-row blocks on one
+    warp) the GDN s32_rs window at B=128 is 140.3 us against a forced flush of 169.2 (block
+    window 178.2): so the GDN threshold is 128 rows, where 'dots' starts. Mamba-2's 'dots' window
+    is below the forced flush at every measured B >= 128.
     This does not look at rounding: `resolve_path` decides whether a switch may be taken."""
     if threshold is None:
         threshold = DISPATCH_THRESHOLD[(kind, bool(shared))]
     return "flush" if n_rows < threshold else "replay"
 
 
-# rows below which every step flushes (see choose_path): H200 run of results/bench/decode.json
+# rows below which every step flushes (see choose_path for the H200 figures)
 DISPATCH_THRESHOLD = {("gdn", True): 128, ("gdn", False): 1,
                       ("mamba2", True): 16, ("mamba2", False): 1}
 
@@ -1312,17 +1307,17 @@ def resolve_path(store: ReplayStore, n_rows: int, path: str = "auto") -> str:
 READ_VARIANTS = ("block", "dots")
 
 # rows from which read_variant='auto' (the default of the step functions) reads with 'dots' in a
-# split launch (None: never). H200, results/bench/kernels_b256.json (commit 37b59f8), GDN B = 256,
+# split launch (None: never). H200, GDN B = 256,
 # L = 16, read step us block / kh / dots: s32_rs 295.7 / 213.2 / 205.2, tp4_hi32 380.3 / 308.4 /
-# 259.4; window 350.1 / 272.4 / 269.2 and 454.0 / 384.1 / 341.7. Run 13 (16-row 'dots' blocks,
-# results/bench/kernels_gdn_dots_default.json, 249d8c6), GDN windows block / dots at B = 128:
+# 259.4; window 350.1 / 272.4 / 269.2 and 454.0 / 384.1 / 341.7. With 16-row 'dots' blocks (the
+# default), GDN windows block / dots at B = 128:
 # s32_rs 178.2 / 140.3, tp8_hi32 164.6 / 115.6, tp4_hi32 206.2 / 144.8, tp4_hi16_sr 217.8 /
 # 156.1; B = 512: 693.4 / 521.5, 654.9 / 454.3, 825.5 / 569.6, 868.5 / 611.3.
-# Mamba-2 (results/bench/kernels_mamba2_dots.json, b29b0db, L = 8), window us block / dots:
+# Mamba-2 (L = 8), window us block / dots:
 # B = 128 (dots with the 32-row block) s32_rs 251.4 / 228.0, tp8_hi32 229.0 / 215.2, tp4_hi32
 # 240.1 / 224.1, tp4_hi16_sr 360.5 / 345.2; B = 256 (dots 16 rows, 1 warp) 499.9 / 440.4,
-# 450.6 / 386.6, 472.2 / 413.1, 710.5 / 651.0; run 13 with 16-row 'dots' blocks (the default,
-# kernels_mamba2_dots_default.json) B = 128: 250.6 / 226.8, 227.6 / 196.0, 238.8 / 207.9,
+# 450.6 / 386.6, 472.2 / 413.1, 710.5 / 651.0; with 16-row 'dots' blocks (the default) B = 128:
+# 250.6 / 226.8, 227.6 / 196.0, 238.8 / 207.9,
 # 358.5 / 327.2; B = 512: 997.4 / 872.2, 890.0 / 757.1, 932.8 / 811.2, 1401.9 / 1276.4.
 # Below 128 rows not measured: 'block' there.
 DOTS_MIN_ROWS = {"gdn": 128, "mamba2": 128}
@@ -1339,17 +1334,15 @@ def resolve_read_variant(store: ReplayStore, n_rows: int, read_variant: str = "a
 LAUNCHES = ("auto", "split", "fused")
 
 # rows below which a decode step runs as one launch (launch='auto' -> 'fused'), by (kind, any
-# NVFP4 role). H200, results/bench/kernels_run4.json (commit ff0ef94), GDN L = 16, window us/step
+# NVFP4 role). H200, GDN L = 16, window us/step
 # fused vs split: s32_rs B=1 6.3 vs 8.6, B=8 19.2 vs 18.3; tp8_hi32 B=1 5.8 vs 7.8, B=8 17.6 vs
 # 17.6; tp4_hi32 B=1 12.8 vs 8.7 (an NVFP4 role makes the fused block a whole matrix: never
-# faster). Mamba-2 not measured yet: the GDN values.
-# Session 14 (decode_ab_fused_b{8,32,64}_7e7cc47.json, one run, block read, windows us in phase /
-# staggered, split vs fused): GDN tp8_hi32 B = 8 14.0 / 18.4 vs 12.0 / 16.6, B = 32 43.9 / 49.4
-# vs 40.8 / 51.3, B = 64 84.1 / 89.2 vs 77.9 / 91.3; with FLUSH_DEVICE_BLOCKS
-# (decode_ab_fused_b{16,24}_a64fe4a.json; B = 32 from decode_ab_dyn2_b32_e4030a4.json) B = 16
+# faster). Block read, windows us in phase / staggered, split vs fused, measured once:
+# GDN tp8_hi32 B = 8 14.0 / 18.4 vs 12.0 / 16.6, B = 32 43.9 / 49.4
+# vs 40.8 / 51.3, B = 64 84.1 / 89.2 vs 77.9 / 91.3; with FLUSH_DEVICE_BLOCKS B = 16
 # 23.4 / 32.1 vs 21.4 / 31.5, B = 24 32.3 / 39.6 vs 30.6 / 39.9, B = 32 40.6 / 48.9 (split): so
 # GDN without NVFP4 runs the one launch below 32 rows. Mamba-2 tp8_hi32 B = 8 17.8 / 21.4 vs
-# 18.8 / 24.1, s32_rs 20.7 / 22.1 vs 22.8 / 22.5: split from 8, as before; tp4_hi32 lost at
+# 18.8 / 24.1, s32_rs 20.7 / 22.1 vs 22.8 / 22.5: split from 8; tp4_hi32 lost at
 # every B, both kinds.
 FUSED_THRESHOLD = {("gdn", False): 32, ("gdn", True): 1, ("mamba2", False): 8, ("mamba2", True): 1}
 
@@ -1364,21 +1357,21 @@ FUSED_THRESHOLD = {("gdn", False): 32, ("gdn", True): 1, ("mamba2", False): 8, (
 # where that crossed a rounding boundary (GDN B = 64 check: anchor 2.4e-7, outputs 4.6e-4).
 # Not in a forced step, the one-launch path or without FLUSH_LIST, nor for other anchors (the
 # read copy must be cast from the unrounded S, which only an FP32 anchor keeps). H200, tp4_hi32,
-# windows us in phase / staggered, deferred vs whole matrices (decode_ab_defer_nv_*_60e3582.json,
-# one run each; 'dots' from 128 rows, block read below): GDN B = 1 7.4 / 7.4 vs 8.0 / 8.0, B = 8
+# windows us in phase / staggered, deferred vs whole matrices (measured once each; 'dots' from
+# 128 rows, block read below): GDN B = 1 7.4 / 7.4 vs 8.0 / 8.0, B = 8
 # 17.6 / 23.3 vs 16.3 / 26.2, B = 32 48.3 / 55.3 vs 50.7 / 64.7, B = 128 79.7 / 81.3 vs 98.6 /
 # 98.7, B = 256 150.7 / 165.7 vs 189.1 / 194.6 (flush step 1114.7 vs 1736.6); Mamba-2 B = 32
 # 59.1 / 58.5 vs 54.3 / 56.8 (the extra launch: read step 40.1 vs 34.5), B = 64 108.5 / 101.6
 # vs 104.8 / 106.7, B = 128 133.8 / 144.5 vs 140.4 / 144.5, B = 256 257.3 / 279.2 vs 273.0 /
 # 278.8; verify T = 4 rounds at B = 512 GDN 900.3 vs 1041.5, Mamba-2 1398.0 vs 1439.5. A cast by
-# the last flush block of each matrix instead of the extra launch (arrival counters) was slower
-# (decode_ab_defer_last_*_8c925ab.json: GDN B = 256 flush step 1272.2, staggered window at B = 8
-# 37.3): one program casting a whole matrix is the step's tail.
-# Session 16 (run 95, decode_ab_defer_nv_*_4f11b06.json): Mamba-2 at L = 4, where a flush folds
-# 3 entries, lost to the whole-matrix flush (tp4_hi32 windows B = 256 359.2 / 410.4 vs 329.9 /
+# the last flush block of each matrix instead of the extra launch (arrival counters) is slower
+# (GDN B = 256 flush step 1272.2, staggered window at B = 8 37.3): one program casting a whole
+# matrix is the step's tail.
+# Mamba-2 at L = 4, where a flush folds 3 entries, loses to the whole-matrix flush (tp4_hi32
+# windows B = 256 359.2 / 410.4 vs 329.9 /
 # 337.2, B = 128 188.4 / 208.5 vs 175.9 / 174.4), so Mamba-2 defers from L = 8; a GDN verify at
 # B = 32 (T = 2) paid the cast's launch in its rounds without flushes (43.2 vs 36.2 us; with
-# flushes 54.7 vs 54.9), so verifies defer from 128 rows (at 256 and 512 the grids showed no loss;
+# flushes 54.7 vs 54.9), so verifies defer from 128 rows (at 256 and 512 the grid shows no loss;
 # T = 4 at 512 gained, above). Per kind: the least batch rows of a step and of a verify, the least
 # buffer length L.
 FLUSH_DEFER_NV = {"gdn": {"rows": 1, "verify_rows": 128, "L": 1},
@@ -1434,8 +1427,8 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
     when the launch already advanced the pointers (launch='fused' with advance). flush_config:
     the flush kernel's (rows, warps), or (rows, warps, NT) to set how many row blocks one flush
     program takes (default: all of its matrix for one-warp blocks outside a forced step from
-    FLUSH_ALL_BLOCKS_MIN_ROWS rows, else 1, or chosen on the device by FLUSH_DEVICE_BLOCKS;
-    evals/decode_ab.py times the choices). read_blocks: row blocks per read program
+    FLUSH_ALL_BLOCKS_MIN_ROWS rows, else 1, or chosen on the device by FLUSH_DEVICE_BLOCKS).
+    read_blocks: row blocks per read program
     (default: replay_launch_config's)."""
     delta = store.kind == "gdn"
     if launch == "fused" and not (step and T == 1):
@@ -1516,14 +1509,14 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
                   HAS_D=D is not None, HAS_Z=z is not None, DT_CLAMP=dt_clamp)
     # a forced step flushes every row: one block per program (batch 1 is latency-bound);
     # otherwise most programs find nothing to do, and a one-warp program takes every block of
-    # its matrix (NT), one after the other. With the flush kernel on its side stream that was
-    # the lowest mean of the in-phase and staggered 'dots' windows (H200, B = 256,
-    # flush_nt_side.json, e5f310a; us per step in phase / staggered at NT = 1 / 2 / 4 / 8):
+    # its matrix (NT), one after the other. With the flush kernel on its side stream that gives
+    # the lowest mean of the in-phase and staggered 'dots' windows (H200, B = 256; us per step
+    # in phase / staggered at NT = 1 / 2 / 4 / 8):
     # GDN s32_rs 263 / 255, 254 / 279, 247 / 271, 243 / 271; tp8_hi32 235 / 239, 210 / 233,
     # 203 / 230, 200 / 233; Mamba-2 s32_rs (4 blocks) 427 / 387, 392 / 393, 380 / 382.
-    # Without the side stream NT = 1 was best staggered (GDN s32_rs 266 vs 321 at NT = 8).
+    # Without the side stream NT = 1 is best staggered (GDN s32_rs 266 vs 321 at NT = 8).
     # Not multi-warp blocks: Mamba-2 tp8_hi32 on (32, 4) blocks, NT = 2 vs 1: flush step
-    # 1375 vs 1266 us, 'dots' read step 245.9 vs 246.1 (kernels_flush_nt.json)
+    # 1375 vs 1266 us, 'dots' read step 245.9 vs 246.1
     # Below FLUSH_ALL_BLOCKS_MIN_ROWS rows, one block per program (see there), unless the
     # device chooses (below).
     # a decode step's flush may choose its blocks per item on the device (FLUSH_DEVICE_BLOCKS)
@@ -1581,26 +1574,26 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
 
 
 # A verify's read kernel loads every draft's inputs before its draft loop (_read_body, PRE).
-# H200, T = 4 round at B = 512 ('dots'), us, with / without (decode_ab_preload_a7580c1.json,
-# one run): GDN s32_rs 810.5 / 982.5 (snapshot round 2153.3), tp8_hi32 872.7 / 1097.2,
+# H200, T = 4 round at B = 512 ('dots'), us, with / without (measured once): GDN s32_rs 810.5 /
+# 982.5 (snapshot round 2153.3), tp8_hi32 872.7 / 1097.2,
 # tp4_hi32 1046.5 / 1201.7; Mamba-2 s32_rs 1182.0 / 1474.7 (snapshot 4071.9), tp8_hi32
 # 1454.8 / 1778.4, tp4_hi32 1450.9 / 1698.8. Static SASS (Triton 3.6): s32_rs program GDN
 # 4256 -> 4224, Mamba-2 2504 -> 3008 instructions (the picks): the time was the round trips.
-# Not for the 'dots' kernel's q and k: preloaded there, the next run's rounds were GDN 869.6,
-# Mamba-2 1214.6 (decode_ab_nt1_26f8bd2.json; two runs, not one A/B).
+# Not for the 'dots' kernel's q and k: preloaded there, the rounds took GDN 869.6, Mamba-2
+# 1214.6 (measured apart from the above, not in one A/B).
 VERIFY_PRELOAD = True
 
 # Outside a forced step the flush kernel takes the rows _flush_plan_kernel lists (those with
 # work: few in most steps) and launches FLUSH_LIST_WARPS_PER_SM warps of programs per SM (each
 # looping over the listed rows' items), instead of one program per matrix whose program only
 # reads the pointers and returns when its row does not flush. H200, B = 256, 'dots', us, grid /
-# list, one run (decode_ab_flush_list_modes_b06a1e5.json, 16 warps per SM): read step GDN
+# list, measured once (16 warps per SM): read step GDN
 # s32_rs 167.5 / 157.0, tp4_hi32 128.9 / 98.1, Mamba-2 s32_rs 297.6 / 268.8, tp4_hi32 177.0 /
 # 127.5; window in phase / staggered GDN s32_rs 221.1 / 252.9 -> 202.6 / 204.1, tp4_hi32
 # 218.3 / 216.2 -> 203.7 / 208.5, tp4_hi16_sr 203.1 / 212.4 -> 189.0 / 202.2; Mamba-2 s32_rs
 # 358.1 / 367.8 -> 333.0 / 335.7, tp4_hi32 321.4 / 325.4 -> 293.4 / 298.6, tp4_hi16_sr 355.1 /
-# 351.1 -> 332.3 / 342.0. The flush step itself moved GDN s32_rs 993.6 -> 868.5, tp4_hi32
-# 1537.4 -> 1769.4 (not explained: 128 registers, as before), Mamba-2 tp4_hi32 1328.7 ->
+# 351.1 -> 332.3 / 342.0. The flush step itself, grid -> list: GDN s32_rs 993.6 -> 868.5,
+# tp4_hi32 1537.4 -> 1769.4 (not explained: 128 registers in both), Mamba-2 tp4_hi32 1328.7 ->
 # 1437.4. 16 warps per SM was at or below 32 and 64 in 11 of the 12 windows;
 # FLUSH_LIST_MAXNREG: without it the Mamba-2 NVFP4 flush step took 2225.7 us (180 registers)
 FLUSH_LIST = True
@@ -1609,7 +1602,7 @@ FLUSH_LIST_MAXNREG = 128
 # the same for one-warp programs, by decode step and verify (None: no cap). Static SASS (Triton
 # 3.6, sm_90a): the GDN s32_rs step's flush program of 16 rows on one warp takes 254 registers
 # (8 programs per SM), 2200 instructions; capped at 128 it spills 156 bytes, at 168 none. H200,
-# run 65 (decode_ab_cap_ecbbbdb.json, one run), us, none / 128 / 168 / 8-row blocks: the flush
+# measured once, us, none / 128 / 168 / 8-row blocks: the flush
 # step at B = 256 only lost (GDN s32_rs 868.3 / 1005.7 / 980.3 / 894.0, tp8_hi32 875.7 / 1079.6
 # / 1166.1 / 1052.5; Mamba-2 s32_rs 759.9 / 801.0 / 778.6 / 921.5, tp8_hi32 1173.8 / 1251.4 /
 # 1302.4 / 1295.2), the T = 4 round at B = 512 (its pre-flushes) won with a separate FP8 copy:
@@ -1652,7 +1645,8 @@ def _list_programs(items: int, warps: int, device) -> int:
 # read. Not in a verify: a pre-flush rewrites the read copy that the same row's read uses. (A
 # verify whose flush ran beside a first read pass over the rows without pre-flushes, the
 # flagged rows read after it in a second launch, was slower: T = 4 round at B = 512 GDN s32_rs
-# 853.5 vs 807.7 us, Mamba-2 1227.6 vs 1182.2; decode_ab_overlap_87ee638.json, commit 87ee638.)
+# 853.5 vs 807.7 us, Mamba-2 1227.6 vs 1182.2.)
+
 FLUSH_SIDE_STREAM = True
 _SIDE_STREAMS: dict = {}
 
