@@ -114,7 +114,8 @@ def kl_command(model: str, pairs: list[str], dataset: str = "pg19", split: str =
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     from .data import load_documents
-    from .runner import resolve_pair
+    from .runner import check_out, resolve_pair
+    out_path = check_out(out if out else default_out(model, pairs, context, prefill))
     for p in pairs:
         resolve_pair(p)
     tok, cfg, resolved = load_tokenizer_and_config(model, revision)
@@ -138,7 +139,6 @@ def kl_command(model: str, pairs: list[str], dataset: str = "pg19", split: str =
         dm = "auto" if torch.cuda.is_available() else None
     m = load_weights(resolved, dtype, dm, revision)
     info = model_record(m, name=resolved, dtype=dtype)
-    out_path = Path(out) if out else default_out(model, pairs, context, prefill)
     console = Console(stderr=True)
     res = run_kl(m, tok, pairs, dataset=dataset, documents=documents, out=out_path, context=context, n_docs=docs,
                  segment=segment, prefill=prefill, seed=seed, split=split, text_field=text_field,

@@ -252,6 +252,53 @@ def _paths(out: Path) -> tuple[Path, Path]:
     return out.with_suffix(".kl"), out.with_suffix(".png")
 
 
+def _writable_folder(folder: Path, out: Path) -> None:
+    """Raise ValueError unless a file can be created in `folder` or in the nearest folder above
+    it that exists (a trial file, removed at once: permissions alone do not tell, e.g. for root
+    on a read-only file system)."""
+    import tempfile
+    probe = folder
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ValueError(f"--out {out}: {probe} is a file, not a folder; give a path in a folder")
+    try:
+        fd, name = tempfile.mkstemp(dir=probe, prefix=".replayquant-write-test-")
+    except OSError as e:
+        raise ValueError(f"--out {out}: cannot write in {probe} ({e.strerror or e}); give an --out "
+                         f"in a writable folder") from None
+    os.close(fd)
+    os.unlink(name)
+
+
+def check_out(out: str | os.PathLike) -> Path:
+    """The results path of a run, checked before any work: a file name ending in .json (the
+    plot goes beside it as NAME.png and the per-document files into NAME.kl/, so no other
+    suffix can share a name with them), not a folder, in a folder that can be written (created
+    if missing). Returns it as a Path; raises one ValueError saying what to give instead."""
+    out = Path(os.path.expanduser(str(out)))
+    if out.is_dir():
+        raise ValueError(f"--out {out} is a folder; give the results file's name, e.g. "
+                         f"--out {out / 'results.json'}")
+    if out.suffix.lower() != ".json":
+        raise ValueError(f"--out {out}: the results file must end in .json (the plot is written "
+                         f"beside it as NAME.png, the per-document files into NAME.kl/); give e.g. "
+                         f"--out {out.with_suffix('.json')}")
+    if out.exists() and not out.is_file():
+        raise ValueError(f"--out {out} exists and is not a regular file; give another --out")
+    run_dir, png = _paths(out)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ValueError(f"--out {out}: {run_dir} (where the per-document files go) exists and is "
+                         f"not a folder; move it away or give another --out")
+    if png.is_dir():
+        raise ValueError(f"--out {out}: {png} (where the plot goes) is a folder; move it away or "
+                         f"give another --out")
+    _writable_folder(out.parent, out)
+    if run_dir.is_dir():
+        _writable_folder(run_dir, out)
+    return out
+
+
 def read_progress(run_dir: Path) -> tuple[list[dict], list[dict]]:
     """(config headers, document records) of every progress file; a torn last line is ignored."""
     headers, records = [], []
@@ -417,6 +464,7 @@ def run_kl(model, tokenizer, pairs: list, *, dataset: str, out: str | os.PathLik
     if limit is not None and context > limit:
         raise ValueError(f"--context {context} is longer than the model supports "
                          f"(max_position_embeddings = {limit}); lower --context")
+    out = check_out(out)
     resolved = [resolve_pair(p) for p in pairs]
     make_variant = make_variant or patch_variant
     tests = [make_variant(model, p, prefill, seed) for p in resolved]
@@ -440,7 +488,6 @@ def run_kl(model, tokenizer, pairs: list, *, dataset: str, out: str | os.PathLik
                     "text_field": text_field, "pack": pack},
         "context": context, "segment": segment, "seed": seed, "bucket_base": bucket_base,
     }
-    out = Path(out)
     run_dir, png = _paths(out)
     rank = state.process_index if state is not None else 0
     world = state.num_processes if state is not None else 1
