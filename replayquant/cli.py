@@ -168,8 +168,8 @@ def bench_kl_cmd(
 # --- teacher forcing (replayquant/bench/teacher_forcing.py) --------------------------------------
 @bench_app.command("teacher-forcing")
 def bench_teacher_forcing_cmd(
-    part: str = typer.Option("model", help="model (whole model, issue 5) | layer (kernel check and "
-                             "per-layer timing) | all"),
+    part: str = typer.Option("model", help="model (patched vs unpatched whole model) | layer "
+                             "(kernel check and per-layer timing) | all"),
     context: int = typer.Option(131072, help="tokens of the one random document (model)"),
     segment: int = typer.Option(8192, help="tokens per forward (model)"),
     pair: str = typer.Option("tp4_hi16_sr", help="precision pair of the patched model (model)"),
@@ -266,10 +266,10 @@ def bench_kernels_cmd(
     estimate_only: bool = typer.Option(False, help="print the plan and its runtime estimate, run nothing"),
     name: str = typer.Option("kernels", help="output file stem"),
 ):
-    """GPU: conventional vs replay decode kernels over issue 4's grid (B x L x pair, T), peers,
-    speculative verify, against the copy bandwidth measured in the same run. Prints a runtime
-    estimate first (the whole grid, checks and sweep included: about 9 minutes on an H200 by
-    the last calibration, session 10); sections past --budget-s (default 500) are skipped
+    """GPU: conventional vs replay decode kernels over the benchmark grid (B x L x pair, T),
+    peers, speculative verify, against the copy bandwidth measured in the same call. Prints a
+    runtime estimate first (the whole grid, checks and sweep included: about 9 minutes on an
+    H200); sections past --budget-s (default 500) are skipped
     from the end of the plan and listed, so split the grid with --kinds / --pairs / --batches
     over two or more calls."""
     from replayquant.bench.decode import estimate_s, plan, run_kernels_bench

@@ -417,7 +417,7 @@ def _row(kind, kernel, variant, B, ms, nbytes, copy_bw, **extra):
     return r
 
 
-PAIRS = ("s32_rs", "tp8_hi32", "tp4_hi32", "tp4_hi16_sr")      # issue 4's benchmark pairs
+PAIRS = ("s32_rs", "tp8_hi32", "tp4_hi32", "tp4_hi16_sr")      # the benchmark's pairs
 GRID = dict(batches=(1, 8, 32, 128, 256, 512), Ls=(4, 8, 16, 32), pairs=PAIRS, Ts=(2, 4),
             spec_batches=(32, 256, 512))
 
@@ -460,7 +460,7 @@ def config_sweep(kind, B, device, copy_bw, pairs=PAIRS, L=None, S=None):
 
     cs = ConventionalStore.from_state(init, "fp32")
     cands = []
-    # candidates: run 3's sweep (results/bench/decode.md) less the configs that never won there
+    # candidates: the (rows, warps) of an earlier, wider H200 sweep less those that never won
     for bv, nw in [(16, 1), (32, 4), (64, 8)]:
         if bv > dv:
             continue
@@ -684,9 +684,9 @@ def alternate_ms(ways: dict, R: int, repeats: int, report=None) -> dict:
 
 def _alternated(kind, B, pair, L, f, kw, idx, out, sts, R, copy_bw):
     """anchor_ways timed alternately ALTERNATE_REPEATS times (medians): at small batch the same
-    kernel timed later in a run read up to 11% slower (evals/batch1_gap.py,
-    results/bench/batch1_gap.json), so the batch-1 target compares these two rather than rows
-    timed minutes apart."""
+    kernel timed later in one bench call read up to 11% slower on the H200 (the one kernel read
+    3.07 us, then 3.42 us, in consecutive repetitions), so the batch-1 target compares these two
+    rather than rows timed minutes apart."""
     kernels = {"conv-on-anchor": "conventional-alternated",
                "replay-forced-auto-layer": "replay-forced-auto-layer-alternated"}
     times = alternate_ms(anchor_ways(f, kw, idx, out, sts), R, ALTERNATE_REPEATS)
@@ -703,11 +703,11 @@ def _alternated(kind, B, pair, L, f, kw, idx, out, sts, R, copy_bw):
 
 
 # read configs (block_v, num_warps, read_blocks) the detail batch sweeps, by read variant: the
-# defaults of replay_decode.DOTS_BLOCK and their neighbours in session 9's sweep
-# (results/bench/read_blocks_b256.json; 2 and 4 warps were slower for every pair there)
+# defaults of replay_decode.DOTS_BLOCK and their neighbours in the H200 sweep behind them (2 and
+# 4 warps were slower for every pair there)
 VARIANT_CFGS = {"dots": [(16, 1, 1), (16, 1, 4), (16, 1, 8), (32, 1, 1), (32, 1, 4), (64, 1, 1)]}
 # (16 rows with 2 / 4 warps: the NVFP4 'dots' read at 105 / 64 registers instead of 168 with one
-# warp, ptxas -v for sm_90a; not timed yet)
+# warp, ptxas -v for sm_90a; not timed)
 
 
 def bench_replay_variant(kind, B, pair, L, device, copy_bw, cfg=None, detail=False, S=None,
@@ -811,7 +811,7 @@ def bench_spec(kind, B, T, device, copy_bw, cfg=None, pairs=PAIRS, L=None, S=Non
     # the measured round, and the same round with every draft rejected: nothing is committed,
     # so no row ever flushes; the difference between the two is what the flushes cost
     # and the measured round with the block read where the default read is 'dots' (the
-    # per-entry dot products formed once per (row, key head), for verify since session 6)
+    # per-entry dot products formed once per (row, key head), for verify as for a step)
     from replayquant.kernels.replay_decode import resolve_read_variant
     rounds = (("spec-replay-round", n, "auto"),
               ("spec-replay-round-no-flush", torch.zeros_like(n), "auto"),
@@ -906,7 +906,8 @@ READ_KERNELS = (("", ""), ("-kh", " kh"), ("-dots", " dots"), ("-dots-staggered"
 
 
 def targets(res) -> list:
-    """Issue 4's targets, each with the measured value(s) and met / not met / not measured."""
+    """The benchmark's targets (decode-kernel speedups over the conventional step, byte
+    ceilings), each with the measured value(s) and met / not met / not measured."""
     rows = res["rows"]
     bw = res.get("copy_GBps")
     out = []
@@ -1036,7 +1037,7 @@ def render_markdown(res) -> str:
         lines += ["Not measured (time budget): " + ", ".join(res["skipped"]), ""]
     tg = res.get("targets") or []
     if tg:
-        lines += ["## Targets of issue 4", "", "Byte ceiling (two targets): `byte_ratio`, the speedup "
+        lines += ["## Targets", "", "Byte ceiling (two targets): `byte_ratio`, the speedup "
                   "if both sides moved their counted bytes equally fast; `at_copy_bw`, the "
                   "measured baseline over the replay side's bytes at this run's copy bandwidth "
                   "(no kernel can beat it).", "",
@@ -1117,27 +1118,17 @@ def render_markdown(res) -> str:
 
 # Seconds per timed measurement: a fixed cost (do_bench warmup + reps, graph capture), a compile
 # per new kernel specialization, setup + timed replays that grow with the bytes of the states,
-# and Python launches of the rotated small-batch windows (captured, warmed up twice). First
-# calibrated on the run of results/bench/decode.json (e980202, H200: 165 s); refit on the two
-# runs 4 and 5 (fresh machines, cold-L2 rotations): kernels_run4.json (ff0ef94) took 311 s
-# for checks, sweeps and GDN B 1-256 (model: 303 s) and kernels_b256.json (37b59f8) 26 s for
-# seven B = 256 sections (model: 34 s; its section_s has per-section times). The GPU checks
-# compile every kernel on a fresh machine (60 s). Small-batch windows make thousands of Python
-# step calls (launch: seconds per launch; 6e-4 until session 8, see below).
+# and Python launches of the rotated small-batch windows (captured, warmed up twice), and the
+# casts of stores with a stochastic-rounding role (sr_per_GB). The GPU checks compile every
+# kernel on a fresh machine. Fitted by non-negative least squares to the section_s times of 470
+# sections (868 s) of H200 grids on fresh machines (cold-L2 rotations): the grid in four calls
+# (333 s, nothing skipped) and in one call with checks and sweep (535 s of sections). A store
+# built on a GPU draws its Philox bits there (philox.random_bits_torch), so the SR casts cost
+# nothing measurable (sr_per_GB 0; the term stays for the model's shape), nor do the Python
+# launches of the small-batch windows (launch 0). The whole grid, checks and sweep included,
+# is ~520 s by this fit: two device calls (e.g. --kinds gdn / --kinds mamba2), not one.
 _EST = dict(fixed=0.26, compile=1.46, per_GB=0.098, checks=49.0, copy=3.0, peer=0.12, launch=0.0,
             sr_per_GB=0.0)
-# Refit on the session-8 grid (5262a23; 1454 s of sections): stores of a pair with a
-# stochastic-rounding role were cast with Philox bits drawn by numpy on the host, ~36 s per GB
-# of FP32 state, two thirds of the grid's time. Since session 9 a store built on a GPU draws them
-# there (philox.random_bits_torch). Refit again (non-negative least squares over 470 sections,
-# 868 s) on session 10's runs: the grid at 9d8b19a in four calls (results/bench/
-# kernels_part_{gdn,mamba2}.json, kernels_spec_t{4,2}.json; 333 s, nothing skipped; the
-# session-8 model predicted 2884 s for them) and the grid at c9c64fd in one call with checks and
-# sweep (kernels_c9c64fd_sweep.json; 535 s of sections, 26 skipped by a 540 s budget that this model's first
-# fit, 345 s for the whole grid, had said was enough). The SR stores cost nothing measurable
-# now (sr_per_GB 0; the term stays for the model's shape), nor do the Python launches of the
-# small-batch windows (launch 0). The whole grid, checks and sweep included, is ~520 s by this
-# fit: two device calls (e.g. --kinds gdn / --kinds mamba2), not one.
 
 
 def _sr_pair(name) -> bool:
@@ -1175,7 +1166,7 @@ def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
          spec_batches=GRID["spec_batches"], kinds=tuple(SHAPES), peers=True, checks=True,
          sweep=True, detail_batches=(256,), shapes=None, variant_min_b=VARIANT_MIN_B):
     """The benchmark's sections in priority order, each (key, estimated seconds, what): the
-    targets of issue 4 first (conventional, every pair at the kind's main L with the one-launch
+    targets first (conventional, every pair at the kind's main L with the one-launch
     window up to FUSED_MAX_B, T = 4 at the largest spec batch), then the 'dots' rows, the
     peers, the other L values and the other T values."""
     _check_names(pairs, kinds)
@@ -1226,8 +1217,8 @@ def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
     if bigT:
         spec_sections(bigT)
     # the 'dots' read variant of the split launch, both kinds; from batch VARIANT_MIN_B (below
-    # it the one-launch path is the default). ('kh', one program per (row, key head), was timed
-    # in results/bench/kernels_b256.json, lost to 'dots' and was removed.)
+    # it the one-launch path is the default). ('kh', one program per (row, key head), is not a
+    # read variant: it was slower than 'dots', see replay_decode.DOTS_MIN_ROWS.)
     for variant, vkinds in (("dots", ("gdn", "mamba2")),):
         for kind in (k for k in vkinds if k in kinds):
             L = mainL[kind]
@@ -1278,7 +1269,8 @@ def run_kernels_bench(out: str = "build/bench", batches=GRID["batches"], Ls=GRID
                       device: str = "cuda", name: str = "kernels", plot: bool = True,
                       shapes=None, variant_min_b: int = VARIANT_MIN_B) -> dict:
     """`replayquant bench kernels`: copy bandwidth, GPU checks, launch-config sweep, conventional
-    / replay / peer decode steps over the grid of issue 4 (B x L x pair) and speculative rounds
+    / replay / peer decode steps over the grid (B x L x pair) and speculative rounds
+
     (T), in priority order (plan) under a time budget: sections whose estimate would pass
     budget_s are skipped and listed. Writes {name}.json (after every section), {name}.md and
     {name}_speedup.png.
