@@ -2,7 +2,7 @@
 
     python evals/cuda_generate_check.py OUT.json [--new-tokens 64] [--pairs s32_rs,tp4_hi32,f4_sr_rs]
 
-Issue 5 asks that `model.generate(use_cache=True)` puts every decode step of every recurrent
+A patched model's `model.generate(use_cache=True)` puts every decode step of every recurrent
 layer through the replay state machine, with the GPU kernels on CUDA. The CPU tests cover that
 path in the Triton interpreter on tiny random models; this script runs it compiled, on the
 shipped trained models (tiny-qwen3.5: Gated DeltaNet, tiny-mamba2: Mamba-2), in float32:

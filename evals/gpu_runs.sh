@@ -22,8 +22,8 @@
 #                   run their 16K demo (needs the corpus in .gpu/tiny; ends by its
 #                   425 s deadline)
 #
-# At most 8 files come back from $OUT per call: the jobs write their JSON there and keep the logs
-# in /tmp, printing the lines that matter.
+# At most 8 files come back from $OUT per call: the jobs write their JSON there (and the generate
+# check its log) and keep the other logs in /tmp, printing the lines that matter.
 #
 # Carry .gpu (fla-core and einops wheels in .gpu/wheels, mamba_ssm's selective_state_update files,
 # the tiny corpus for `train`); pass REPLAYQUANT_GIT_COMMIT=$(git rev-parse HEAD) (the device copy
@@ -72,7 +72,8 @@ case "$job" in
     ;;
   generate)
     timeout 300 python3 evals/cuda_generate_check.py "$OUT/cuda_generate.json" --new-tokens 32 \
-        > /tmp/generate.log 2>&1; echo "generate rc=$?"; tail -30 /tmp/generate.log
+        > "$OUT/cuda_generate_check.log" 2>&1; echo "generate rc=$?"
+    tail -30 "$OUT/cuda_generate_check.log"
     ;;
   train)
     # writes at most 8 files into $OUT (model folders, log, demo results); then, here:

@@ -1,4 +1,4 @@
-"""Corpus and tokenizer for the embedded tiny models (issue 8).
+"""Corpus and tokenizer for the embedded tiny models.
 
 The text is the King James Version of the Bible as Debian's `bible-kjv-text` package carries it
 (`/usr/lib/bible.data`, the Bible Retrieval System's file). This module reads that file straight

@@ -1,4 +1,4 @@
-"""Rebuild the embedded tiny models (issue 8): corpus, tokenizer, one Qwen3.5 and one Mamba-2 model.
+"""Rebuild the embedded tiny models: corpus, tokenizer, one Qwen3.5 and one Mamba-2 model.
 
 Stages (each deterministic from its inputs and --seed):
 
@@ -32,7 +32,8 @@ Fast training paths (GPU only; the shipped models run on Hugging Face's torch co
     against transformers' torch scan before training, and on the trained weights (max |logit
     difference| of the whole model, fp32) after; both go into the log.
 
-Long memory (issue 8: the recurrent state must carry information across thousands of tokens):
+Long memory (the demo needs a recurrent state that carries information across thousands of
+tokens):
   * trained at 8K context on contiguous text (random 8K windows of the EOS-joined training books);
   * decay gates initialised toward long memory: GDN heads' decay rate A * softplus(dt_bias) spread
     log-uniformly over [1e-4, 1] per layer (transformers' default puts every head between 0.013
@@ -40,24 +41,25 @@ Long memory (issue 8: the recurrent state must carry information across thousand
   * residual dropout (training only, forward hooks on each mixer / MLP / embedding output) against
     the overfitting of a few epochs of a 0.9M-token corpus.
 
-How the shipped models were made (results/train_tiny/ has the logs):
+How the shipped models were made (results/train_tiny/: train_log.json with both models'
+training and evaluation, loss_curve.png, and tiny-qwen3.5's training stdout):
 
   python evals/train_tiny.py prepare --heldout-out replayquant/data/kjv_heldout.jsonl.gz
-  # tiny-qwen3.5: one H200 (device tool, .gpu/tiny + .gpu/wheels carried; torch 2.11, Triton 3.6,
-  # transformers 5.17, fla 0.6.0), this script at 5c97b63 (stdout: train_stdout_run2.txt):
+  # on one H200 (evals/gpu_runs.sh, .gpu/tiny + .gpu/wheels carried; torch 2.11, Triton 3.6,
+  # transformers 5.17, fla 0.6.0); tiny-qwen3.5 (stdout: train_stdout_tiny-qwen3.5.txt):
   python evals/train_tiny.py device-run --data .gpu/tiny --out $OUT --time-budget 120,120 \
-      --deadline 425 --reserve 85 --source-commit 5c97b63
+      --deadline 425 --reserve 85 --source-commit <commit>
   #   600 steps x 8 x 8K tokens in 67 s (0.125 s/step), best validation at step 300 (shipped).
-  #   The Mamba-2 half of that run ran out of GPU memory in evaluation (fixed since) and a
-  #   Mamba-2-only rerun hit its deadline, so:
-  # tiny-mamba2 is still the first run's model (this script at 956584d: 4K context, d_state 64,
-  # 74 steps, HF's torch scan; train_log_first_run.json). Today's script would train a different
-  # one (8K context, d_state 128, time_step_min 1e-4, fla's fused_chunk_simple_gla: 0.10 s/step).
+  # tiny-mamba2: 400 steps x 8 x 8K tokens in 45 s (0.112 s/step, fla's fused_chunk_simple_gla),
+  # d_state 128, time_step_min 1e-4, with the shipped tiny-qwen3.5 evaluated beside it:
+  python evals/train_tiny.py device-run --data .gpu/tiny --out $OUT --models mamba --steps 400 \
+      --evaluate-also qwen --train-stdout results/train_tiny/train_stdout_tiny-qwen3.5.txt \
+      --deadline 185 --reserve 60 --source-commit <commit>
   python evals/train_tiny.py install --from <the device-run output>
-  # the long-memory evaluation of both shipped folders (results/train_tiny/train_log.json):
+  # the long-memory evaluation alone, of both shipped folders:
   python evals/train_tiny.py evaluate --data .gpu/tiny --out <dir> \
-      --train-record qwen=results/train_tiny/train_stdout_run2.txt \
-      --train-record mamba=results/train_tiny/train_log_first_run.json
+      --train-record qwen=results/train_tiny/train_stdout_tiny-qwen3.5.txt \
+      --train-record mamba=results/train_tiny/train_log.json
 
 `--steps auto` (the default) times the first steps and fits each model's step count into its
 --time-budget; the log records the resolved counts, and `--steps N,M` with the same seed reruns
@@ -497,7 +499,7 @@ def eval_heldout(model, docs_tokens: list[np.ndarray], eos_id: int, ctx: int, de
     long context. `reset_every`: the recurrent layers' state restarts every that many tokens.
     batch: windows per forward, default 16K tokens' worth (transformers' Mamba-2 torch scan holds
     a [batch, chunks + 1, chunks + 1, heads, head_dim, d_state] fp32 tensor: 17 GB at 1 x 16K with
-    d_state 128; 8 x 16K asked for 129 GB in device run 2)."""
+    d_state 128; 8 x 16K asks for 129 GB)."""
     import torch
     batch = batch or max(1, min(8, 16384 // ctx))
     model.eval()
@@ -584,7 +586,8 @@ def setup_fast_paths(args, device) -> dict:
 
     fla 0.6.0 refuses gated backward kernels on Hopper with Triton 3.4-3.7.0 (its issue #640: a
     Triton code-generation bug corrupting dk at key block size 64). The tiny models use key / state
-    sizes of 128 (block 128, the configuration that issue reports correct), the refusal is lifted,
+    sizes of 128 (block 128, the configuration that report calls correct), the refusal is lifted,
+
     and the gradient check at the training shapes decides; a candidate that fails it is not used.
     Returns {"record": ..., "qwen_scan": fn or None, "mamba_scan": fn or None} (None: transformers'
     own torch scan)."""
