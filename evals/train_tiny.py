@@ -587,7 +587,6 @@ def setup_fast_paths(args, device) -> dict:
     fla 0.6.0 refuses gated backward kernels on Hopper with Triton 3.4-3.7.0 (its issue #640: a
     Triton code-generation bug corrupting dk at key block size 64). The tiny models use key / state
     sizes of 128 (block 128, the configuration that report calls correct), the refusal is lifted,
-
     and the gradient check at the training shapes decides; a candidate that fails it is not used.
     Returns {"record": ..., "qwen_scan": fn or None, "mamba_scan": fn or None} (None: transformers'
     own torch scan)."""

@@ -36,7 +36,7 @@ def _patch_available() -> bool:
 
 
 needs_patch = pytest.mark.skipif(not _patch_available(),
-                                 reason="replayquant.patch (model integration, issue 5) not available")
+                                 reason="replayquant.patch (model integration) not available")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -131,7 +131,7 @@ def _clamping_limit(dt, dtb):
 def test_conventional_mamba2_dt_limit(fmt, pair):
     """dt_limit (Nemotron-H's time_step_limit): kernel == reference == ConventionalState fed
     replay.frontends.mamba2_inputs with the same limit; the limit changes the outputs; (0, inf)
-    is today's kernel bit for bit; a malformed limit is a ValueError."""
+    is the kernel without a limit, bit for bit; a malformed limit is a ValueError."""
     from replayquant.kernels.verify import (conventional_mamba2_verify,
                                             conventional_mamba2_verify_ref, make_snapshots)
     from replayquant.pairs import PrecisionPair

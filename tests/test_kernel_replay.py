@@ -176,7 +176,7 @@ def test_replay_step_matches_replay_state(kind, pair):
 def test_gdn_fold_strong_decay(pair):
     """The GDN flush fold with strong decays against ReplayState: heads whose log gates fall
     ~60, ~8 and ~0.1 per step, so that exp(-G) over a buffer is far past float32 (a fold that
-    defers its decay must rescale in time; session 15's did, and was no faster)."""
+    defers its decay must rescale in time)."""
     N, HK, H, dk, dv = 3, 1, 3, 16, 16
     P = PrecisionPair.load(pair).with_buffer_len(6)
     dr = Driver("gdn", N, HK, H, dk, dv)

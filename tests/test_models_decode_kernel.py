@@ -4,10 +4,11 @@ models built from the real config classes; and the explicit ReplayState <-> Repl
 
 Tolerance. The two paths run the same step semantics (same flush schedule, same casts, same SR
 streams); what differs is the kernel's ring buffer, which keeps k, v (Mamba-2: B, x) in bf16 and
-GDN's u in bf16 by design (issue 4), while ReplayState keeps FP32. With FP32 models every step's
-k and v are rounded to bf16 (relative error <= 2^-9 = 1.95e-3) before they enter the kernel, so
-a layer's output y carries a relative error of order 2^-9 (a few units at most: each output is
-a sum of read-copy and buffer terms, each rounded once), plus float32 reassociation (~1e-6).
+GDN's u in bf16 by design (half the buffer's bytes), while ReplayState keeps FP32. With FP32
+models every step's k and v are rounded to bf16 (relative error <= 2^-9 = 1.95e-3) before they
+enter the kernel, so a layer's output y carries a relative error of order 2^-9 (a few units at
+most: each output is a sum of read-copy and buffer terms, each rounded once), plus float32
+reassociation (~1e-6).
 After the norm and projections this is a relative logit error of the same order; we allow
 |d logits| <= 4 * 2^-9 * max|logits| (RTOL_BF16 below) and print what we measure. With an NVFP4
 read copy a second effect appears: the bf16-perturbed state that a flush casts can round a few

@@ -14,7 +14,7 @@
    (`torch_chunk_gated_delta_rule`: flash-linear-attention's kernel when fla is importable, else
    HF's torch path; bf16 inputs, as the model gives it). Medians of `triton.testing.do_bench`;
    peak memory over the call.
-3. Whole model (issue 5): the Qwen3.5-4B-shape random-weight model of `replayquant bench kl`
+3. Whole model: the Qwen3.5-4B-shape random-weight model of `replayquant bench kl`
    over one document of `context` tokens in segments with its cache: the unpatched HF forward
    (fla's kernels when installed) and the same after `replayquant.patch(model, pair,
    prefill=...)`; wall times, their ratio (target <= 2), peak memory (target <= 40 GiB) and the
@@ -219,7 +219,7 @@ def bench(lengths=(8192, 32768), device="cuda") -> list:
 def whole_model(shape: str = "qwen3.5-4b", context: int = 131072, segment: int = 8192,
                 pair: str = "tp4_hi16_sr", prefill: str = "replay", dtype: str = "bfloat16",
                 device: str | None = None, warmup_tokens: int | None = None) -> dict:
-    """Issue 5: the model of `replayquant bench kl` over one random document in segments with
+    """The model of `replayquant bench kl` over one random document in segments with
     its cache, unpatched (HF; fla's kernels when installed) and patched with `pair`; returns the
     section for the results file. Warm-up (compilation, autotuning) on a prefix of two
     segments before each timed run."""

@@ -73,12 +73,12 @@ PASS_EVENTS = None
 # a stochastically rounded anchor: True, pass 1 draws the SR bits of each flush (4 bytes per
 # state element and window in the scratch) and the sequential pass reads them (same bits);
 # False (the default), the sequential pass draws them (Philox) itself. H200, Qwen3.5-4B layer
-# at 8K tokens (session 4): tp4_hi16_sr 6.74 ms drawn in the chain vs 7.00 precomputed,
+# at 8K tokens: tp4_hi16_sr 6.74 ms drawn in the chain vs 7.00 precomputed,
 # f4_sr_rs (split chain) 8.33 vs 8.98.
 PRECOMPUTE_SR_BITS = False
 # input precision of the kernel's tl.dot products: "tf32x3" (the default: three TF32
 # tensor-core products per dot, about FP32 accuracy) or "ieee" (FP32 FMAs); the interpreter
-# computes in FP32 either way. H200 (bench teacher-forcing check, commit f37552a): both give the
+# computes in FP32 either way. H200 (the bench teacher-forcing check): both give the
 # CPU reference's flush schedule, buffers and state (codes up to rounding flips); the largest
 # output error, relative to the largest output, 1.0e-3 with tf32x3 against 4.2e-5 with ieee
 # (tp8_hi32), alike elsewhere; a Qwen3.5-4B layer at 8K tokens 7.0 ms instead of 10.0.
@@ -600,7 +600,7 @@ def supports(d_k: int, d_v: int) -> bool:
 # two-pass: one program per matrix, row blocks of NVFP4_CHAIN_BLOCK[0] rows on
 # NVFP4_CHAIN_BLOCK[1] warps, an amax pass then a cast pass through the FP32 scratch (the
 # GPU is full of matrices then). H200, Qwen3.5-4B layer at 8K tokens, two-pass: (64, 8)
-# 23.1 ms per call, (32, 8) 24.4, (64, 16) 23.7 (results/bench/teacher_forcing_1b5ddb4.json).
+# 23.1 ms per call, (32, 8) 24.4, (64, 16) 23.7.
 # The option nvfp4_chain_split (REPLAYQUANT_NVFP4_CHAIN_SPLIT, replayquant.options): unset
 # chooses by shape (CUDA; the interpreter runs programs one after another, so there it is
 # two-pass), 0 forces two-pass, NP >= 1 forces the split on NP programs (tests: NP = 1 in the

@@ -553,9 +553,9 @@ def _advance_casts_kernel(ncast_ptr, idx_ptr, B):
 
 def small_block(n_matrices: int, dv: int) -> tuple[int, int]:
     """(rows, warps) of a decode program below 1024 state matrices, where a step is latency-bound:
-    one warp on 16 rows while that still gives 2048 programs, else on 8 rows. H200,
-    results/bench/small_batch_flush.json (3b52c9f), us per step, conventional FP32 / s32_rs forced
-    flush, blocks (8, 1) (16, 1) (16, 2): GDN B = 1 3.05 3.71 4.04 / 3.46 3.66 3.83; GDN B = 8
+    one warp on 16 rows while that still gives 2048 programs, else on 8 rows. H200, us per step,
+    conventional FP32 / s32_rs forced flush, blocks (8, 1) (16, 1) (16, 2): GDN B = 1 3.05 3.71
+    4.04 / 3.46 3.66 3.83; GDN B = 8
     10.80 10.26 10.78 / 10.72 10.34 12.05; Mamba-2 B = 1 4.39 4.61 4.66 / 4.83 5.03 5.05."""
     return min(dv, 16 if n_matrices * (dv // 16) >= 2048 else 8), 1
 

@@ -5,8 +5,8 @@ the matrix, row-major) takes word e % 4 of
     philox(key = seed (64 bit), counter = (e // 4, stream_lo, stream_hi, 0))
 so one Philox evaluation serves four consecutive elements (a kernel's tile computes it once per
 group), and a caller gives each (layer, head, step ...) its own reproducible stream by choosing
-`stream`. (Until session 10 every element took word 0 of its own counter e: four times the
-Philox work; stores and casts made before then drew other, equally distributed, bits.)
+`stream`. (One evaluation per element, taking word 0 of counter e, would do four times the
+Philox work for bits of the same distribution.)
 `philox_ref` (torch) works in int64 (products of two uint32 wrap modulo 2^64; the high word is
 recovered exactly with an arithmetic shift and a mask): it is the readable specification.
 `random_bits_ref` computes the same words with numpy in uint32 lanes and exact uint64 products

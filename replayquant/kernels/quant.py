@@ -109,9 +109,9 @@ def philox_bits_rows(seed_lo, seed_hi, elem, s_lo, s_hi):
     R: tl.constexpr = elem.shape[0]
     C: tl.constexpr = elem.shape[1]
     # each group's counter as the min of its four indices (an in-thread reduction). Taking
-    # elem[:, 4j] by two tl.split instead (ab6637e) cut static SASS on Triton 3.9 but, on the
-    # H200's Triton 3.6, raised the Mamba-2 tp4_hi16_sr flush program (NH = 8) from 128 to 196
-    # registers: flush step at B = 256 1731.5 -> 2345.4 us (session 11); reverted.
+    # elem[:, 4j] by two tl.split instead cuts static SASS on Triton 3.9 but, on the H200's
+    # Triton 3.6, raises the Mamba-2 tp4_hi16_sr flush program (NH = 8) from 128 to 196
+    # registers: flush step at B = 256 2345.4 us against 1731.5 with the min.
     g = tl.min(tl.reshape(elem, (R, C // 4, 4)), axis=2).to(tl.uint32) >> 2
     x0, x1, x2, x3 = philox4(seed_lo, seed_hi, g, s_lo, s_hi)
     # join(join(x0, x2), join(x1, x3)) is [R, C // 4, 2, 2] with word 2a + b at (a, b)
@@ -616,8 +616,9 @@ def fp8_dequantize(payload: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 # in one tile) up to NVFP4_WHOLE_MAX_BLOCKS (nearest) / NVFP4_WHOLE_MAX_BLOCKS_SR (stochastic:
 # Philox needs registers); MODE 1 (one program loops over NVFP4_CHUNK_BLOCKS-block tiles twice)
 # up to NVFP4_LOOP_MAX_BLOCKS; MODE 2 (amax from torch first, one program per tile) beyond.
-# Chosen from the H200 sweep in results/bench/formats*.json (128 x 128 matrices: nearest MODE 0
-# with 8 warps, stochastic MODE 1 with 128-block tiles and 4 warps were fastest).
+# Chosen from an H200 sweep of the modes (128 x 128 matrices: nearest MODE 0 with 8 warps,
+# stochastic MODE 1 with 128-block tiles and 4 warps were fastest; `replayquant bench formats`
+# times the chosen plan, results/bench/formats.json).
 NVFP4_WHOLE_MAX_BLOCKS = 1024
 NVFP4_WHOLE_MAX_BLOCKS_SR = 256
 NVFP4_LOOP_MAX_BLOCKS = 8192

@@ -1646,7 +1646,6 @@ def _list_programs(items: int, warps: int, device) -> int:
 # verify whose flush ran beside a first read pass over the rows without pre-flushes, the
 # flagged rows read after it in a second launch, was slower: T = 4 round at B = 512 GDN s32_rs
 # 853.5 vs 807.7 us, Mamba-2 1227.6 vs 1182.2.)
-
 FLUSH_SIDE_STREAM = True
 _SIDE_STREAMS: dict = {}
 

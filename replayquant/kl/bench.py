@@ -5,7 +5,7 @@ tokens (`context` tokens, default 131072) in segments; the KL harness runs the r
 pairs in lockstep over it. The baseline is the plain (unpatched) Hugging Face forward over the
 same tokens and segments with its cache, logits for every position, as a user computing
 perplexity would run it (with flash-linear-attention installed, HF uses its kernels).
-Targets (issue): KL wall time <= 1.5 x (1 + number of pairs) baseline forwards; peak GPU
+Targets: KL wall time <= 1.5 x (1 + number of pairs) baseline forwards; peak GPU
 memory <= 60 GiB. The KL values of a random model mean nothing and are not reported as results.
 
 The shape: hidden 2560, 32 layers with every 4th full attention (16 query / 4 KV heads of 256),

@@ -46,7 +46,7 @@ SHORT_NAMES: dict[str, str] = {
     "Nemotron-Nano-9B-v2": "nvidia/NVIDIA-Nemotron-Nano-9B-v2",
     "Nemotron-Nano-12B-v2": "nvidia/NVIDIA-Nemotron-Nano-12B-v2",
     "Mamba-Codestral-7B": "mistralai/Mamba-Codestral-7B-v0.1",
-    # embedded tiny models trained on the KJV (package data; evals/train_tiny.py, issue 8)
+    # embedded tiny models trained on the KJV (package data; evals/train_tiny.py)
     "tiny-qwen3.5": os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                  "assets", "tiny-qwen3.5"),
     "tiny-mamba2": os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
