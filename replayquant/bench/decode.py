@@ -1270,7 +1270,6 @@ def run_kernels_bench(out: str = "build/bench", batches=GRID["batches"], Ls=GRID
                       shapes=None, variant_min_b: int = VARIANT_MIN_B) -> dict:
     """`replayquant bench kernels`: copy bandwidth, GPU checks, launch-config sweep, conventional
     / replay / peer decode steps over the grid (B x L x pair) and speculative rounds
-
     (T), in priority order (plan) under a time budget: sections whose estimate would pass
     budget_s are skipped and listed. Writes {name}.json (after every section), {name}.md and
     {name}_speedup.png.
