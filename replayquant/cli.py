@@ -98,14 +98,23 @@ def drift_cmd(
 def kl_cmd(
     model: str = typer.Option(..., "--model", help="hub id, short name (Qwen3.5-4B) or local folder"),
     pair: list[str] = typer.Option(..., "--pair", help="precision pair name or YAML path (repeatable)"),
-    dataset: str = typer.Option("pg19", help="pg19 (emozilla/pg19), another dataset name, a folder of .txt, a .txt or .jsonl file"),
-    split: str = typer.Option("test", help="dataset split (hub datasets)"),
-    text_field: str = typer.Option("text", help="field holding the text (hub datasets, .jsonl)"),
+    dataset: str = typer.Option("pg19", help="pg19 (emozilla/pg19), a hub dataset name, a folder of .txt, "
+                                "a .txt / .jsonl / .parquet / .arrow / .json / .csv file, a save_to_disk "
+                                "folder, a hub-layout folder (data/*.parquet), or a builder name "
+                                "(parquet, json, csv, ...) with --data-files"),
+    split: str = typer.Option("test", help="dataset split (hub datasets, dataset folders, --data-files)"),
+    dataset_config: str = typer.Option(None, "--dataset-config", help="the dataset's configuration "
+                                       "(hub datasets, a folder's README configs)"),
+    data_files: list[str] = typer.Option(None, "--data-files", help="data files or glob patterns for "
+                                         "datasets (repeatable; PATTERN is the --split, SPLIT=PATTERN "
+                                         "names the split)"),
+    text_field: str = typer.Option("text", "--text-column", "--text-field",
+                                   help="column (field) holding the text"),
     context: int = typer.Option(131072, help="tokens per document (shorter documents are skipped)"),
     docs: int = typer.Option(10, help="number of documents, the first ones in the dataset's order"),
     segment: int = typer.Option(8192, help="tokens per forward (caches carry state between segments)"),
     prefill: str = typer.Option("replay", help="replay (every token through the step semantics) | exact"),
-    dtype: str = typer.Option("bfloat16", help="bfloat16 | float16 | float32"),
+    dtype: str = typer.Option("bfloat16", help="bfloat16 | float16 | float32 | auto (the model's own)"),
     device_map: str = typer.Option(None, help="e.g. auto (default on CUDA), cpu, cuda:0"),
     seed: int = typer.Option(0, help="stochastic-rounding seed"),
     out: str = typer.Option(None, help="results JSON (default build/kl/MODEL_PAIRS_ctxN_PREFILL.json)"),
@@ -120,7 +129,7 @@ def kl_cmd(
         kl_command(model, pair, dataset=dataset, split=split, text_field=text_field, context=context,
                    docs=docs, segment=segment, prefill=prefill, dtype=dtype, device_map=device_map,
                    seed=seed, out=out, pack=pack, revision=revision, reference=reference,
-                   progress=progress)
+                   progress=progress, dataset_config=dataset_config, data_files=data_files or None)
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2)

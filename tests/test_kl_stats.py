@@ -185,11 +185,14 @@ def test_bad_datasets(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="shorter than --context.*--pack"):
         load_documents(str(tmp_path / "short.txt"), _CharTok(), 10, 1)
     (tmp_path / "f.jsonl").write_text('{"body": "x"}\n')
-    with pytest.raises(ValueError, match="--text-field"):
+    with pytest.raises(ValueError, match="--text-column"):
         load_documents(str(tmp_path / "f.jsonl"), _CharTok(), 10, 1)
-    (tmp_path / "x.csv").write_text("a,b")
-    with pytest.raises(ValueError, match="neither .txt nor .jsonl"):
+    (tmp_path / "x.csv").write_text("a,b\n1,2\n")
+    with pytest.raises(ValueError, match=r"no 'text' column \(columns: \['a', 'b'\]\)"):
         load_documents(str(tmp_path / "x.csv"), _CharTok(), 10, 1)
+    (tmp_path / "x.xlsx").write_text("a,b")
+    with pytest.raises(ValueError, match="suffix \\(.xlsx\\) no reader takes"):
+        load_documents(str(tmp_path / "x.xlsx"), _CharTok(), 10, 1)
     assert resolve_source("pg19") == ("hub", "emozilla/pg19")
     # a dataset that cannot be reached (offline here): one clear error naming it and what to do
     import datasets

@@ -53,10 +53,11 @@ def load_tokenizer_and_config(model: str, revision: str | None = None):
 
 
 def load_weights(resolved: str, dtype: str = "bfloat16", device_map=None, revision: str | None = None):
-    """The model in eval mode (unpatched), through `replayquant.load_model` where it exists."""
+    """The model in eval mode (unpatched), through `replayquant.load_model` where it exists.
+    dtype "auto": the dtype the model's config names (its own)."""
     from transformers import AutoModelForCausalLM
-    if dtype not in DTYPES:
-        raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ValueError(f"--dtype must be auto or one of {sorted(DTYPES)}, got {dtype!r}")
     try:
         import replayquant
         load = getattr(replayquant, "load_model", None)
@@ -66,7 +67,7 @@ def load_weights(resolved: str, dtype: str = "bfloat16", device_map=None, revisi
         if load is not None and not revision:
             m = load(resolved, dtype=dtype, device_map=device_map)
         else:
-            kw = {"dtype": DTYPES[dtype], **({"device_map": device_map} if device_map is not None else {}),
+            kw = {"dtype": "auto" if dtype == "auto" else DTYPES[dtype], **({"device_map": device_map} if device_map is not None else {}),
                   **({"revision": revision} if revision else {})}
             m = AutoModelForCausalLM.from_pretrained(resolved, **kw)
     except ValueError:
@@ -78,8 +79,8 @@ def load_weights(resolved: str, dtype: str = "bfloat16", device_map=None, revisi
 
 def load_model_and_tokenizer(model: str, dtype: str = "bfloat16", device_map=None, revision: str | None = None):
     """(model, tokenizer, resolved name) with one clear error for an unknown model."""
-    if dtype not in DTYPES:
-        raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ValueError(f"--dtype must be auto or one of {sorted(DTYPES)}, got {dtype!r}")
     tok, _, resolved = load_tokenizer_and_config(model, revision)
     return load_weights(resolved, dtype, device_map, revision), tok, resolved
 
@@ -95,7 +96,8 @@ def kl_command(model: str, pairs: list[str], dataset: str = "pg19", split: str =
                text_field: str = "text", context: int = 131072, docs: int = 10, segment: int = 8192,
                prefill: str = "replay", dtype: str = "bfloat16", device_map: str | None = None,
                seed: int = 0, out: str | None = None, pack: bool = False, revision: str | None = None,
-               reference: str = "exact", progress: bool = True) -> dict | None:
+               reference: str = "exact", progress: bool = True, dataset_config: str | None = None,
+               data_files=None) -> dict | None:
     """Everything `replayquant kl` does; returns the results dict on the main process."""
     from accelerate import PartialState
     from rich.console import Console
@@ -111,8 +113,8 @@ def kl_command(model: str, pairs: list[str], dataset: str = "pg19", split: str =
     for name, v, lo in (("--context", context, 2), ("--docs", docs, 1), ("--segment", segment, 1)):
         if v < lo:
             raise ValueError(f"{name} must be >= {lo}, got {v}")
-    if dtype not in DTYPES:
-        raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ValueError(f"--dtype must be auto or one of {sorted(DTYPES)}, got {dtype!r}")
     from .data import load_documents
     from .runner import check_out, resolve_pair
     out_path = check_out(out if out else default_out(model, pairs, context, prefill))
@@ -126,7 +128,8 @@ def kl_command(model: str, pairs: list[str], dataset: str = "pg19", split: str =
     if limit and context > limit:
         raise ValueError(f"--context {context} is longer than the model supports "
                          f"(max_position_embeddings = {limit}); lower --context")
-    documents = load_documents(dataset, tok, context, docs, split=split, text_field=text_field, pack=pack)
+    documents = load_documents(dataset, tok, context, docs, split=split, text_field=text_field, pack=pack,
+                               dataset_config=dataset_config, data_files=data_files)
 
     # CPU processes (e.g. `accelerate launch --multi_gpu --num_processes 2` or torchrun on a machine
     # without CUDA) only form a process group (gloo) when the state is told it runs on CPU.
@@ -138,7 +141,7 @@ def kl_command(model: str, pairs: list[str], dataset: str = "pg19", split: str =
     else:
         dm = "auto" if torch.cuda.is_available() else None
     m = load_weights(resolved, dtype, dm, revision)
-    info = model_record(m, name=resolved, dtype=dtype)
+    info = model_record(m, name=resolved, dtype=None if dtype == "auto" else dtype)   # auto: as loaded
     console = Console(stderr=True)
     res = run_kl(m, tok, pairs, dataset=dataset, documents=documents, out=out_path, context=context, n_docs=docs,
                  segment=segment, prefill=prefill, seed=seed, split=split, text_field=text_field,
