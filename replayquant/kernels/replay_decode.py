@@ -1722,8 +1722,8 @@ def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, stat
     read_variant: 'auto' (default: 'dots' from DOTS_MIN_ROWS rows, else 'block'), 'block' (one
     program per (row, value head, row block)) or 'dots' (the block kernel, with the
     per-entry dot products formed once per (row, key head) by a small kernel launched before
-    it); same results within FP32 reassociation (see evals/decode_kernels_notes.md for what the
-    H200 measured).
+    it); same results within FP32 reassociation (DOTS_MIN_ROWS has the H200 figures; docs/kernels.md
+    what limits each kernel).
     launch (resolve_launch): 'auto' (default: one launch per step below FUSED_THRESHOLD rows,
     never for a pair with an NVFP4 role),
     'split' or 'fused'; the same results. With launch 'fused', block_v / num_warps set the one
