@@ -86,3 +86,61 @@ def test_kl_out_checked_before_the_model_loads(texts, tmp_path, no_model):
     _one_clear_error(code, text, "r.kl", "not a folder")
     assert not (tmp_path / "res.png").exists() and a_file.read_text() == "x"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["o", "plain_file", "r.kl"]
+
+
+# ------------------------------------------------------------------ resume never mixes stale results
+
+
+def _count_scored(monkeypatch):
+    calls = []
+    orig = R.score_document
+    monkeypatch.setattr(R, "score_document", lambda *a, **k: calls.append(a[1].index) or orig(*a, **k))
+    return calls
+
+
+def test_resume_recomputes_changed_documents_and_refuses_other_code(texts, tmp_path, monkeypatch):
+    data = tmp_path / "texts"
+    data.mkdir()
+    for f in sorted(texts.iterdir()):
+        (data / f.name).write_text(f.read_text())
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "r.json"
+    code, text = _invoke(_kl("texts", out, docs=2))               # relative path
+    assert code == 0, text
+    first = json.loads(out.read_text())["results"]["s32_rs"]["per_document"]
+    calls = _count_scored(monkeypatch)
+    # the same folder by its absolute path (and the model by a relative path): one configuration
+    model_rel = os.path.relpath(C._resolve_model_name(TINY), tmp_path)
+    code, text = _invoke([a if a != TINY else model_rel for a in _kl(data, out, docs=2)])
+    assert code == 0, text
+    assert calls == []
+    # new text in a document: that document is recomputed, and the run says so
+    (data / "doc_0.txt").write_text((texts / "doc_1.txt").read_text()[::-1])
+    code, text = _invoke(_kl(data, out, docs=2))
+    assert code == 0, text
+    assert calls == [0]
+    assert "document 0 ('doc_0.txt'): its tokens differ" in text and "recomputing it" in text
+    res = json.loads(out.read_text())
+    now = res["results"]["s32_rs"]["per_document"]
+    assert res["complete"] and len(now) == 2 and now[1] == first[1]
+    assert now[0] != first[0]
+    calls.clear()
+    code, text = _invoke(_kl(data, out, docs=2))                   # and only once
+    assert code == 0 and calls == [] and "recomputing" not in text
+    # results of another code version are refused, nothing is changed
+    before = {p.name: p.read_bytes() for p in (tmp_path / "r.kl").iterdir()}
+    monkeypatch.setattr(R, "code_version", lambda: {"replayquant": "9.9", "git_commit": "abc"})
+    code, text = _invoke(_kl(data, out, docs=2))
+    _one_clear_error(code, text, "two code versions", "replayquant 9.9 at commit abc", "delete")
+    assert calls == []
+    assert before == {p.name: p.read_bytes() for p in (tmp_path / "r.kl").iterdir()}
+
+
+def test_same_code_compares_commits_of_clean_checkouts_only():
+    v = {"replayquant": "0.1.0"}
+    assert R.same_code({**v, "git_commit": "a"}, {**v, "git_commit": "a"})
+    assert not R.same_code({**v, "git_commit": "a"}, {**v, "git_commit": "b"})
+    assert R.same_code({**v, "git_commit": "a+dirty"}, {**v, "git_commit": "b"})
+    assert R.same_code({**v, "git_commit": "unknown"}, {**v, "git_commit": "b"})
+    assert not R.same_code({"replayquant": "0.2.0", "git_commit": "a"}, {**v, "git_commit": "a"})
+    assert not R.same_code(None, {**v, "git_commit": "a"})

@@ -122,7 +122,7 @@ def kl_command(model: str, pairs: list[str], dataset: str = "pg19", split: str =
         resolve_pair(p)
     tok, cfg, resolved = load_tokenizer_and_config(model, revision)
     if os.path.isdir(resolved):
-        resolved = os.path.abspath(resolved)      # the same folder names the same model
+        resolved = os.path.realpath(resolved)     # the same folder names the same model
     text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     limit = getattr(text_cfg, "max_position_embeddings", None)
     if limit and context > limit:

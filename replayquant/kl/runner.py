@@ -91,16 +91,17 @@ def _jsonable(x):
 
 
 def resolve_pair(spec):
-    """A precision pair from a name in configs/pairs/, a YAML path, or a pair object."""
+    """A precision pair from a name in configs/pairs/, a YAML path, or a pair object; a layer
+    policy (replayquant.policy) from a policy YAML path."""
     if not isinstance(spec, (str, os.PathLike)):
         return spec
     try:
-        from replayquant import PrecisionPair
+        from replayquant.policy import load_pair_or_policy
     except ImportError:
         raise ValueError("precision pairs are not available in this installation "
-                         "(replayquant.PrecisionPair is missing)") from None
+                         "(replayquant.policy is missing)") from None
     try:
-        return PrecisionPair.load(str(spec))
+        return load_pair_or_policy(str(spec))
     except ValueError:
         raise
     except (FileNotFoundError, KeyError, OSError) as e:
@@ -333,36 +334,104 @@ def _refuse(out: Path, run_dir: Path, diffs: list[str]):
                      f"them. Pass a new --out, or delete {out} and {run_dir}/ to start fresh")
 
 
-def finished_documents(out: Path, config: dict, docs: DocumentSet) -> dict[int, dict]:
-    """Records of documents already finished by earlier runs of this configuration."""
+def document_fingerprint(tokens: torch.Tensor) -> str:
+    """sha256 of a document's token ids (int64, little-endian): what its KL was computed on."""
+    a = np.ascontiguousarray(tokens.detach().cpu().numpy().astype("<i8"))
+    return "sha256:" + hashlib.sha256(a.tobytes()).hexdigest()[:32]
+
+
+def code_version() -> dict:
+    """The code that computes per-document results: replayquant's version and the git commit
+    of the checkout it runs from (`provenance.git_commit`: '+dirty' with uncommitted edits,
+    'unknown' outside a checkout)."""
+    import replayquant
+    from replayquant.provenance import git_commit
+    return {"replayquant": replayquant.__version__, "git_commit": git_commit()}
+
+
+def same_code(a, b) -> bool:
+    """Whether two `code_version` records name the same code: the same replayquant version and,
+    where both runs came from clean checkouts, the same commit (a commit names the code exactly
+    only without uncommitted edits; with them, or outside a checkout, the version is all that
+    can be compared)."""
+    if not isinstance(a, dict) or not isinstance(b, dict):
+        return False
+    if a.get("replayquant") != b.get("replayquant"):
+        return False
+    ca, cb = str(a.get("git_commit")), str(b.get("git_commit"))
+    exact = all(c != "unknown" and not c.endswith("+dirty") for c in (ca, cb))
+    return ca == cb if exact else True
+
+
+def _code_str(code) -> str:
+    if not isinstance(code, dict):
+        return "a replayquant that did not record its version"
+    return f"replayquant {code.get('replayquant')} at commit {code.get('git_commit')}"
+
+
+def _say(console, msg: str) -> None:
+    if console is not None:
+        console.print(msg, markup=False, highlight=False)
+    else:
+        import sys
+        print(msg, file=sys.stderr)
+
+
+def finished_documents(out: Path, config: dict, docs: DocumentSet, code: dict | None = None,
+                       fingerprints: dict[int, str] | None = None,
+                       report: Callable[[str], None] | None = None) -> dict[int, dict]:
+    """Records of documents already finished by earlier runs of this configuration and code.
+
+    Refused (ValueError, saying what to do): results of another configuration, or per-document
+    results of other code (`same_code`; code None: this code's `code_version()`). Recomputed, with one
+    line through `report` naming the document and why: a finished document whose id or tokens
+    (`document_fingerprint`) differ from the document the dataset now gives at its index."""
     run_dir, _ = _paths(out)
+    code = code_version() if code is None else code
+    if fingerprints is None:
+        fingerprints = {d.index: document_fingerprint(d.tokens) for d in docs.documents}
+    headers, records = read_progress(run_dir) if run_dir.is_dir() else ([], [])
+    for r in records:
+        if not same_code(r.get("code"), code):
+            raise ValueError(
+                f"{run_dir}/ holds per-document results computed by {_code_str(r.get('code'))}; "
+                f"this is {_code_str(code)}: refusing to mix results of two code versions. Resume "
+                f"with that code, pass a new --out, or delete {out} and {run_dir}/ to recompute")
     if out.exists():
         try:
             old = json.loads(out.read_text())
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, UnicodeDecodeError):
             raise ValueError(f"{out} exists but is not a results file (invalid JSON); pass another "
                              f"--out or delete it") from None
-        if old.get("kind") != RESULTS_KIND:
+        if not isinstance(old, dict) or old.get("kind") != RESULTS_KIND:
             raise ValueError(f"{out} exists and is not a KL results file; pass another --out")
         diffs = _mismatch(old.get("config", {}), config)
         if diffs:
             _refuse(out, run_dir, diffs)
-    if not run_dir.exists():
-        return {}
-    headers, records = read_progress(run_dir)
     for h in headers:
         diffs = _mismatch(h["config"], config)
         if diffs:
             _refuse(out, run_dir, diffs)
-    done = {}
+    planned = {d.index: d for d in docs.documents}
+    done, stale = {}, {}
     for r in records:
         i = r["index"]
-        if i < len(docs.documents) and docs.documents[i].id != r["id"]:
-            raise ValueError(f"{run_dir} has document {i} = {r['id']!r} but the dataset now gives "
-                             f"{docs.documents[i].id!r}; the data changed. Pass a new --out or delete "
-                             f"{out} and {run_dir}/ to start fresh")
+        if i not in planned:
+            continue                  # beyond this run's --docs: kept for a larger one
+        d = planned[i]
+        if r["id"] != d.id or r.get("tokens") != fingerprints[i]:
+            stale[i] = r
+            continue
         if (run_dir / r["npy"]).exists():
             done[i] = r
+    for i in sorted(set(stale) - set(done)):
+        r, d = stale[i], planned[i]
+        why = (f"the dataset now gives {d.id!r} at this index, {r['id']!r} was computed"
+               if r["id"] != d.id else
+               f"its tokens differ from those its KL was computed on ({r.get('tokens')} then, "
+               f"{fingerprints[i]} now: the text or the tokenizer changed)")
+        if report is not None:
+            report(f"document {i} ({d.id!r}): {why}; recomputing it")
     return done
 
 
@@ -399,6 +468,9 @@ def model_record(model, name: str | None = None, dtype: str | None = None) -> di
     """Model id, hub revision or a local fingerprint, class and dtype, for the config and provenance."""
     cfg = model.config
     path = getattr(cfg, "_name_or_path", "") or ""
+    # a local folder by its real path: named relative or absolute, it is the same model
+    path = os.path.realpath(path) if path and os.path.isdir(path) else path
+    name = os.path.realpath(name) if name and os.path.isdir(name) else name
     rec = {"id": name or path or type(model).__name__, "path": path, "class": type(model).__name__,
            "dtype": dtype or str(next(model.parameters()).dtype).replace("torch.", "")}
     rev = getattr(cfg, "_commit_hash", None)
@@ -484,8 +556,11 @@ def run_kl(model, tokenizer, pairs: list, *, dataset: str, out: str | os.PathLik
         "reference": reference.record,
         "pairs": [{"name": v.name, **v.record} for v in tests],
         "prefill": prefill,
-        "dataset": {"name": dataset, "source": docs.source, "kind": docs.kind, "split": docs.split,
-                    "text_field": text_field, "pack": pack},
+        # canonical values only, so that one dataset named two ways (a relative or an absolute
+        # path, pg19 or emozilla/pg19) is one configuration
+        "dataset": {"name": docs.source, "source": docs.source, "kind": docs.kind,
+                    "split": docs.split, "pack": pack,
+                    "text_field": None if docs.kind in ("folder", "txt") else text_field},
         "context": context, "segment": segment, "seed": seed, "bucket_base": bucket_base,
     }
     run_dir, png = _paths(out)
@@ -493,7 +568,10 @@ def run_kl(model, tokenizer, pairs: list, *, dataset: str, out: str | os.PathLik
     world = state.num_processes if state is not None else 1
     is_main = rank == 0
 
-    done = finished_documents(out, config, docs)
+    code = code_version()
+    fingerprints = {d.index: document_fingerprint(d.tokens) for d in docs.documents}
+    done = finished_documents(out, config, docs, code, fingerprints,
+                              report=(lambda msg: _say(console, msg)) if is_main else None)
     pending = [d for d in docs.documents if d.index not in done]
     mine = pending[rank::world]
     if state is not None:
@@ -519,11 +597,12 @@ def run_kl(model, tokenizer, pairs: list, *, dataset: str, out: str | os.PathLik
                 _save_npy(run_dir / npy, np.stack([metrics[v.name]["kl"].numpy().astype(np.float16)
                                                    for v in tests]))
                 rec = {"type": "document", "index": doc.index, "id": doc.id, "n_tokens": context,
-                       "npy": npy, "wall_s": time.time() - t0, "rank": rank, **_peak_memory(),
+                       "tokens": fingerprints[doc.index], "code": code, "npy": npy, "wall_s": time.time() - t0, "rank": rank, **_peak_memory(),
                        "pairs": {v.name: S.document_sums(metrics[v.name], bucket_base) for v in tests}}
                 _append(prog_file, rec)
                 if is_main and world == 1:
-                    summary = write_results(out, config, docs, t_start, extra_params, plot=False)
+                    summary = write_results(out, config, docs, t_start, extra_params, plot=False,
+                                            fingerprints=fingerprints)
     except KeyboardInterrupt:
         _, recs = read_progress(run_dir)
         raise KeyboardInterrupt(f"interrupted: {len({r['index'] for r in recs})} of {len(docs.documents)} "
@@ -532,20 +611,25 @@ def run_kl(model, tokenizer, pairs: list, *, dataset: str, out: str | os.PathLik
     if state is not None:
         state.wait_for_everyone()
     if is_main:
-        summary = write_results(out, config, docs, t_start, extra_params, plot=plot)
+        summary = write_results(out, config, docs, t_start, extra_params, plot=plot,
+                                fingerprints=fingerprints)
     return summary
 
 
 def write_results(out: Path, config: dict, docs: DocumentSet, t_start: float,
-                  extra_params: dict | None = None, plot: bool = True) -> dict:
+                  extra_params: dict | None = None, plot: bool = True,
+                  fingerprints: dict[int, str] | None = None) -> dict:
     """Merge every progress file into NAME.json (and NAME.png)."""
     from replayquant.provenance import provenance
     run_dir, png = _paths(out)
     _, records = read_progress(run_dir)
     by_index = {}
-    planned = {d.index: d.id for d in docs.documents}
-    for r in records:   # documents of this run's plan only (an earlier run may have had a larger --docs)
-        if planned.get(r["index"]) == r["id"] and (run_dir / r["npy"]).exists():
+    if fingerprints is None:
+        fingerprints = {d.index: document_fingerprint(d.tokens) for d in docs.documents}
+    planned = {d.index: (d.id, fingerprints[d.index]) for d in docs.documents}
+    for r in records:   # documents of this run's plan only (an earlier run may have had a larger
+        #                 --docs), computed on the tokens the dataset gives now
+        if planned.get(r["index"]) == (r["id"], r.get("tokens")) and (run_dir / r["npy"]).exists():
             by_index[r["index"]] = r
     recs = [by_index[i] for i in sorted(by_index)]
     arrays = {r["index"]: np.load(run_dir / r["npy"]) for r in recs}
