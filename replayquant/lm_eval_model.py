@@ -9,7 +9,8 @@ pair would compute.
 Model arguments, besides every argument of lm-eval's ``hf`` model (dtype, device, batch_size,
 parallelize, max_length, ...):
 
-* ``pair``: a shipped pair name (``replayquant pairs``) or the path of a pair YAML file (default s32_rs);
+* ``pair``: a shipped pair name (``replayquant pairs``), the path of a pair YAML file or of a layer
+  policy YAML (a pair per recurrent layer, ``replayquant.policy``) (default s32_rs);
 * ``prefill``: how the prompt is processed. ``replay`` (default): every token goes through the step
   semantics, as if the server had decoded the prompt; loglikelihoods come from one teacher-forced
   forward over context + continuation. ``exact``: as a server's prefill, the context in FP32 and
@@ -48,16 +49,19 @@ PREFILLS = ("replay", "exact")
 
 
 def resolve_pair(spec, buffer_len=None):
-    """A PrecisionPair from a name in configs/pairs/, a YAML path, or a pair object; one clear
-    ValueError for anything else."""
+    """A PrecisionPair from a name in configs/pairs/, a YAML path, or a pair object, or a
+    LayerPolicy from a layer policy YAML path (replayquant.policy); one clear ValueError for
+    anything else."""
     from replayquant.pairs import PrecisionPair
+    from replayquant.policy import LayerPolicy, load_pair_or_policy
 
-    if isinstance(spec, PrecisionPair):
+    if isinstance(spec, (PrecisionPair, LayerPolicy)):
         pair = spec
     elif isinstance(spec, str) and spec.strip():
-        pair = PrecisionPair.load(spec.strip())      # raises ValueError naming the shipped pairs
+        pair = load_pair_or_policy(spec.strip())     # raises ValueError naming the shipped pairs
     else:
-        raise ValueError(f"pair={spec!r}: give a pair name (see `replayquant pairs`) or a pair YAML path")
+        raise ValueError(f"pair={spec!r}: give a pair name (see `replayquant pairs`), a pair YAML "
+                         f"path or a layer policy YAML path")
     if buffer_len not in (None, ""):
         try:
             bl = int(buffer_len)

@@ -83,62 +83,12 @@ def random_state(N, H, dv, dk, seed=0, device="cpu", scale=0.3):
 
 # ---------------------------------------------------------------------------- bytes moved
 
-def state_bytes(fmt: str, dv: int, dk: int) -> float:
-    """Physical bytes of one d_v x d_k matrix stored in `fmt` (payload + scales)."""
-    n = dv * dk
-    return {"fp32": 4.0 * n, "fp16": 2.0 * n, "bf16": 2.0 * n, "fp8": n + 4.0 * dv,
-            "nvfp4": n / 2 + n / 16 + 4.0}[fmt]
-
-
-def _io_bytes(kind, H, HK, dv, dk):
-    """Inputs + output of one (row, head) per step: bf16 activations, fp32 gates, fp32 out."""
-    r = H / HK
-    if kind == "gdn":
-        return 2 * dk * 2 / r + dv * 2 + 8 + dv * 4          # q, k (shared by r heads), v, a, b; y
-    return 2 * dk * 2 / r + 2 * dv * 2 + 4 + dv * 4          # B, C (per group), x, z, dt; y
-
-
-def conventional_bytes(kind, fmt, B, H, HK, dv, dk):
-    """HBM bytes of one conventional step: read + write the state, inputs, output."""
-    return B * H * (2 * state_bytes(fmt, dv, dk) + _io_bytes(kind, H, HK, dv, dk))
-
-
-def _entry_bytes(kind, H, HK, dv, dk, u_bytes):
-    r = H / HK
-    kb = dk * 2 / r                                          # k / B per head (shared by the group)
-    if kind == "gdn":
-        read_nf = kb + dv * u_bytes + 8                      # k, u, G, beta (outputs)
-        write = kb + dv * 2 + dv * u_bytes + 8               # k, v, u, G, beta
-        read_fl = kb + dv * 2 + 8                            # k, v, G, beta (rebuild)
-    else:
-        read_nf = read_fl = kb + dv * 2 + 8                  # B, x, G, dt
-        write = kb + dv * 2 + 8
-    return read_nf, write, read_fl
-
-
-def replay_window_bytes(kind, anchor_fmt, read_fmt, L, B, H, HK, dv, dk, u_bytes=2):
-    """Mean HBM bytes per step over a window of L steps (L - 1 read steps at h = 0..L-2, then one
-    flush), as the kernel moves them. read_fmt None: shared pair."""
-    io = _io_bytes(kind, H, HK, dv, dk)
-    rd_nf, wr, rd_fl = _entry_bytes(kind, H, HK, dv, dk, u_bytes)
-    R = state_bytes(read_fmt or anchor_fmt, dv, dk)
-    A = state_bytes(anchor_fmt, dv, dk)
-    total = sum(R + h * rd_nf + wr + io for h in range(L - 1))
-    total += 2 * A + (0 if read_fmt is None else R) + (L - 1) * rd_fl + io
-    return B * H * total / L
-
-
-def replay_read_step_bytes(kind, read_fmt, h, B, H, HK, dv, dk, u_bytes=2):
-    """HBM bytes of one non-flush step at committed length h."""
-    rd_nf, wr, _ = _entry_bytes(kind, H, HK, dv, dk, u_bytes)
-    return B * H * (state_bytes(read_fmt, dv, dk) + h * rd_nf + wr + _io_bytes(kind, H, HK, dv, dk))
-
-
-def replay_flush_step_bytes(kind, anchor_fmt, read_fmt, L, B, H, HK, dv, dk):
-    _, _, rd_fl = _entry_bytes(kind, H, HK, dv, dk, 2)
-    A = state_bytes(anchor_fmt, dv, dk)
-    R = 0 if read_fmt is None else state_bytes(read_fmt, dv, dk)
-    return B * H * (2 * A + R + (L - 1) * rd_fl + _io_bytes(kind, H, HK, dv, dk))
+# The byte model is shared with the sweep (replayquant.statebytes): one count of what a
+# decode step moves, for the rows' `bytes`, byte ratios and copy-bandwidth ceilings here.
+from replayquant.statebytes import (conventional_bytes, replay_flush_step_bytes,  # noqa: E402,F401
+                                    replay_read_step_bytes, replay_window_bytes, state_bytes)
+from replayquant.statebytes import entry_bytes as _entry_bytes  # noqa: E402,F401
+from replayquant.statebytes import io_bytes as _io_bytes  # noqa: E402
 
 
 # ---------------------------------------------------------------------------- timing

@@ -6,7 +6,7 @@ import types
 
 import torch
 
-from replayquant.models.families import FORWARDS, layer_kind
+from replayquant.models.families import FORWARDS, layer_kind, supported_families
 from replayquant.models.names import resolve_model_name
 from replayquant.models.runtime import LayerRuntime
 
@@ -25,22 +25,47 @@ def recurrent_layers(model) -> list[tuple[str, torch.nn.Module, str]]:
 
 
 def _as_pair(pair, buffer_len):
+    """A PrecisionPair or a LayerPolicy (replayquant.policy) from an object, a pair name or a
+    pair / policy YAML path; buffer_len overrides L (of every pair of a policy)."""
     from replayquant.pairs import PrecisionPair
+    from replayquant.policy import LayerPolicy, load_pair_or_policy
     if isinstance(pair, str):
-        pair = PrecisionPair.load(pair)
-    if not isinstance(pair, PrecisionPair):
-        raise ValueError(f"pair must be a PrecisionPair or a pair name (e.g. 'tp4_hi16_sr'), got "
+        pair = load_pair_or_policy(pair)
+    if not isinstance(pair, (PrecisionPair, LayerPolicy)):
+        raise ValueError(f"pair must be a PrecisionPair, a LayerPolicy, a pair name (e.g. "
+                         f"'tp4_hi16_sr') or a pair / layer policy YAML path, got "
                          f"{type(pair).__name__}")
     if buffer_len is not None:
         pair = pair.with_buffer_len(buffer_len)
     return pair
 
 
+def _layer_plan(pair, layers, prefill):
+    """(pair, prefill) of each layer: one pair for all, or a policy's pair per layer (a layer
+    the policy keeps `exact` runs the shared FP32 pair with prefill="exact", as the KL
+    reference does)."""
+    from replayquant.policy import EXACT, LayerPolicy
+    if not isinstance(pair, LayerPolicy):
+        return [(pair, prefill)] * len(layers)
+    from replayquant.pairs import PrecisionPair
+    fp32 = None
+    plan = []
+    for p in pair.assign([(name, m.layer_idx) for name, m, _ in layers]):
+        if p == EXACT:
+            fp32 = fp32 or PrecisionPair.load("s32_rs")
+            plan.append((fp32, "exact"))
+        else:
+            plan.append((p, prefill))
+    return plan
+
+
 def patch(model, pair, prefill: str = "replay", seed: int = 0, buffer_len: int | None = None):
     """Make every recurrent layer of `model` run the replay state machine with `pair` (in place).
 
-    model: a Hugging Face model of a supported family (Qwen3.5 dense / MoE, Qwen3-Next, Mamba-2,
-    Nemotron-H). pair: a PrecisionPair or a pair name; buffer_len overrides its L.
+    model: a Hugging Face model of a supported family (`replayquant.models.families.FAMILIES`).
+    pair: a PrecisionPair or a pair name; buffer_len overrides its L. A
+    `replayquant.policy.LayerPolicy` (or the path of a policy YAML) gives each recurrent layer
+    its own pair; its layer indices and patterns are checked against the model here.
     prefill: "replay" (multi-token forwards follow the decode step semantics exactly, via the
     chunked scan) or "exact" (FP32 over the segment, one cast at its end, as a server's prefill).
     seed: the SR seed (layer l uses layer_seed(seed, l); sequence b of a batch uses row id b).
@@ -56,13 +81,13 @@ def patch(model, pair, prefill: str = "replay", seed: int = 0, buffer_len: int |
     pair = _as_pair(pair, buffer_len)
     layers = recurrent_layers(model)
     if not layers:
-        raise ValueError(f"{type(model).__name__} has no recurrent layer replayquant can patch (Gated "
-                         f"DeltaNet of Qwen3.5 / Qwen3-Next, Mamba-2 mixers of Mamba-2 / Nemotron-H); "
-                         f"nothing to do for a model without SSM state")
+        raise ValueError(f"{type(model).__name__} has no recurrent layer replayquant can patch "
+                         f"({supported_families()}); nothing to do for a model without SSM state")
+    plan = _layer_plan(pair, layers, prefill)      # a policy's errors before anything changes
     if is_patched(model):
         unpatch(model)
-    for _, module, kind in layers:
-        module._replayquant = LayerRuntime(pair, prefill, seed, module.layer_idx,
+    for (_, module, kind), (layer_pair, layer_prefill) in zip(layers, plan):
+        module._replayquant = LayerRuntime(layer_pair, layer_prefill, seed, module.layer_idx,
                                            delta=kind == "gdn", kind=kind)
         fwd = types.MethodType(FORWARDS[kind], module)
         if hasattr(module, "_hf_hook") and hasattr(module, "_old_forward"):
@@ -73,7 +98,9 @@ def patch(model, pair, prefill: str = "replay", seed: int = 0, buffer_len: int |
             module.forward = fwd
         module._replayquant_saved = saved
     setattr(model, _INFO, {"pair": pair, "prefill": prefill, "seed": seed,
-                           "layers": [name for name, _, _ in layers]})
+                           "layers": [name for name, _, _ in layers],
+                           "layer_pairs": {name: (p.label(), pf) for (name, _, _), (p, pf)
+                                           in zip(layers, plan)}})
     return model
 
 
@@ -103,7 +130,8 @@ def is_patched(model) -> bool:
 
 
 def patch_info(model) -> dict | None:
-    """The settings of a patched model ({pair, prefill, seed, layers}) or None."""
+    """The settings of a patched model ({pair, prefill, seed, layers, layer_pairs: qualified
+    name -> (pair label, prefill)}) or None."""
     return getattr(model, _INFO, None)
 
 
@@ -116,7 +144,8 @@ def load_model(name_or_path, pair=None, *, dtype="auto", device_map=None, prefil
     """Load a causal LM with `AutoModelForCausalLM.from_pretrained` and patch it.
 
     name_or_path: a short name (`replayquant.models.SHORT_NAMES`, e.g. "Qwen3.5-4B"), a hub id
-    or a local folder. pair: a PrecisionPair or pair name (None: the unpatched model).
+    or a local folder. pair: a PrecisionPair, a pair name, a LayerPolicy or a pair / policy
+    YAML path (None: the unpatched model).
     dtype: "auto", "bfloat16", "float16", "float32" or a torch dtype (weights and activations;
     the recurrence always runs in FP32 arithmetic with the pair's storage formats).
     device_map, **from_pretrained_kwargs: passed to from_pretrained.

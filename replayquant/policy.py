@@ -1,0 +1,291 @@
+"""Layer policies: a precision pair per recurrent layer.
+
+Layers of one model are not equally sensitive to state rounding (`replayquant sensitivity`
+measures it per layer), so a policy gives each recurrent layer its own pair. It is YAML::
+
+    name: mixed                      # optional; default: the file name without .yaml
+    default: tp4_hi32                # the pair of every layer no override names
+    buffer_len: 16                   # optional: L of every pair in the policy
+    overrides:                       # optional, applied to the layers they name
+      - layers: [0, 4]               # decoder layer indices (the layer's `layer_idx`)
+        pair: tp8_hi32
+      - match: "model.layers.1*.linear_attn"   # fnmatch pattern on the module's qualified name
+        pair: {read: {format: fp8}, anchor: {format: fp32}, buffer_len: 8}
+
+A pair is a shipped pair name (`replayquant pairs`), the path of a pair YAML (relative paths
+from the policy's folder), an inline pair mapping, or `exact`: the layer keeps exact FP32 state,
+computed as the KL reference computes it (the shared FP32 pair with prefill="exact"; its decode
+steps are the FP32 recurrence). A policy is accepted wherever a pair is (`replayquant kl`,
+`sweep`, `gpqa`, the lm-eval model's `pair=`, `replayquant.patch`, `load_model`).
+
+Validation: the YAML's structure is checked when it is loaded (`LayerPolicy.load`), the layers
+it names when it meets a model (`LayerPolicy.assign`): an index that is not a recurrent layer,
+a pattern that matches none, and a layer that two overrides name are errors, each one
+ValueError that says what to change.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from pathlib import Path
+
+from replayquant.pairs import PrecisionPair
+
+__all__ = ["EXACT", "LayerPolicy", "Override", "is_policy_file", "load_pair_or_policy"]
+
+EXACT = "exact"
+_POLICY_KEYS = ("name", "default", "buffer_len", "overrides", "description")
+_OVERRIDE_KEYS = ("layers", "match", "pair")
+
+
+def _parse_pair(value, where: str, base: Path | None):
+    """A PrecisionPair or EXACT from a policy's pair entry."""
+    if isinstance(value, PrecisionPair) or value == EXACT:
+        return value
+    if isinstance(value, dict):
+        return PrecisionPair.from_dict(value, source=where)
+    if isinstance(value, str) and value.strip():
+        v = value.strip()
+        p = Path(v)
+        if p.suffix in (".yaml", ".yml") and not p.is_absolute() and base is not None:
+            p = base / p
+        try:
+            pair = PrecisionPair.load(str(p) if p.suffix in (".yaml", ".yml") else v)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        return pair
+    raise ValueError(f"{where}: expected a pair name, a pair YAML path, an inline pair mapping or "
+                     f"'{EXACT}', got {value!r}")
+
+
+def _pair_dict(p):
+    return EXACT if p == EXACT else p.to_dict()
+
+
+def _pair_label(p) -> str:
+    return EXACT if p == EXACT else p.label()
+
+
+def _with_L(p, L):
+    return p if p == EXACT else p.with_buffer_len(L)
+
+
+@dataclass(frozen=True)
+class Override:
+    """One override: the layers it names (indices, or an fnmatch pattern on qualified names)."""
+    pair: object                     # PrecisionPair or EXACT
+    layers: tuple = ()
+    match: str | None = None
+
+    def names(self, name: str, index: int) -> bool:
+        if self.match is not None:
+            return fnmatch.fnmatchcase(name, self.match)
+        return index in self.layers
+
+    def describe(self) -> str:
+        return (f"match {self.match!r}" if self.match is not None
+                else f"layers {list(self.layers)}")
+
+    def to_dict(self) -> dict:
+        key = {"match": self.match} if self.match is not None else {"layers": list(self.layers)}
+        return {**key, "pair": _pair_dict(self.pair)}
+
+
+@dataclass(frozen=True)
+class LayerPolicy:
+    """A default pair (or EXACT) and overrides by layer index or name pattern."""
+    default: object
+    overrides: tuple = ()
+    name: str | None = None
+    description: str = ""
+
+    def __post_init__(self):
+        object.__setattr__(self, "default", _parse_pair(self.default, "policy default", None))
+        object.__setattr__(self, "overrides", tuple(self.overrides))
+        for i, o in enumerate(self.overrides):
+            if not isinstance(o, Override):
+                raise ValueError(f"policy override {i + 1}: expected an Override, got "
+                                 f"{type(o).__name__}")
+
+    # -- like a PrecisionPair, for the code that records or relabels pairs
+    def label(self) -> str:
+        if self.name:
+            return self.name
+        return f"policy({_pair_label(self.default)}, {len(self.overrides)} override(s))"
+
+    def pairs(self) -> list:
+        """Every distinct pair the policy names (default first)."""
+        out = []
+        for p in [self.default] + [o.pair for o in self.overrides]:
+            if p not in out:
+                out.append(p)
+        return out
+
+    @property
+    def buffer_len(self) -> int | None:
+        """The L every pair of the policy holds, or None when they differ."""
+        Ls = {p.buffer_len for p in self.pairs() if p != EXACT}
+        return Ls.pop() if len(Ls) == 1 else None
+
+    def with_buffer_len(self, buffer_len: int, name: str | None = None) -> "LayerPolicy":
+        """The same policy with L = buffer_len in every pair."""
+        return LayerPolicy(_with_L(self.default, buffer_len),
+                           tuple(Override(_with_L(o.pair, buffer_len), o.layers, o.match)
+                                 for o in self.overrides),
+                           name if name is not None else self.name, self.description)
+
+    def renamed(self, name: str) -> "LayerPolicy":
+        return LayerPolicy(self.default, self.overrides, name, self.description)
+
+    def to_dict(self) -> dict:
+        out = {"name": self.name, "default": _pair_dict(self.default)}
+        if self.overrides:
+            out["overrides"] = [o.to_dict() for o in self.overrides]
+        if self.description:
+            out["description"] = self.description
+        return out
+
+    def to_yaml(self) -> str:
+        import yaml
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    # -- meeting a model
+    def assign(self, layers) -> list:
+        """The pair (PrecisionPair or EXACT) of each layer; `layers` are (qualified name, layer
+        index) pairs (or longer tuples starting so, e.g. `recurrent_layers` rows with the
+        module's layer_idx). Raises ValueError for an index that is not a recurrent layer, a
+        pattern that matches none, or a layer that two overrides name."""
+        rows = [(str(t[0]), int(t[1])) for t in layers]
+        if not rows:
+            raise ValueError(f"layer policy {self.label()!r}: the model has no recurrent layer")
+        indices = [i for _, i in rows]
+        known = ", ".join(f"{i} ({n})" for n, i in rows)
+        for k, o in enumerate(self.overrides):
+            hit = [n for n, i in rows if o.names(n, i)]
+            if o.match is None:
+                missing = [i for i in o.layers if i not in indices]
+                if missing:
+                    raise ValueError(f"layer policy {self.label()!r}: override {k + 1} ({o.describe()}) names "
+                                     f"layer(s) {missing}, which are not recurrent layers of this "
+                                     f"model; its recurrent layers are {known}")
+            elif not hit:
+                raise ValueError(f"layer policy {self.label()!r}: override {k + 1} ({o.describe()}) matches "
+                                 f"no recurrent layer of this model; its recurrent layers are {known}")
+        out = []
+        for n, i in rows:
+            hits = [k for k, o in enumerate(self.overrides) if o.names(n, i)]
+            if len(hits) > 1:
+                a, b = (self.overrides[h].describe() for h in hits[:2])
+                raise ValueError(f"layer policy {self.label()!r}: layer {i} ({n}) is named by override "
+                                 f"{hits[0] + 1} ({a}) and override {hits[1] + 1} ({b}); name each "
+                                 f"layer in one override only")
+            out.append(self.overrides[hits[0]].pair if hits else self.default)
+        return out
+
+    # -- YAML
+    @classmethod
+    def from_dict(cls, data, source: str = "policy", base: Path | None = None) -> "LayerPolicy":
+        if not isinstance(data, dict):
+            raise ValueError(f"{source}: not a layer policy (expected a mapping with keys "
+                             f"{', '.join(_POLICY_KEYS)}, got {type(data).__name__})")
+        unknown = sorted(set(data) - set(_POLICY_KEYS))
+        if unknown:
+            hint = (" (a pair's keys: this file mixes a pair and a policy)"
+                    if set(unknown) & {"anchor", "read"} else "")
+            raise ValueError(f"{source}: unknown key(s) {unknown}{hint}; a layer policy takes "
+                             f"{', '.join(_POLICY_KEYS)}")
+        if "default" not in data:
+            raise ValueError(f"{source}: missing 'default' (the pair of every layer no override "
+                             f"names, e.g. default: tp4_hi32)")
+        L = data.get("buffer_len")
+        if L is not None and (isinstance(L, bool) or not isinstance(L, int) or L < 1):
+            raise ValueError(f"{source}: buffer_len must be an integer >= 1, got {L!r}")
+        default = _parse_pair(data["default"], f"{source}: default", base)
+        raw = data.get("overrides") or []
+        if not isinstance(raw, list):
+            raise ValueError(f"{source}: overrides must be a list of mappings "
+                             f"{{layers: [...] | match: PATTERN, pair: ...}}, got {type(raw).__name__}")
+        overrides, seen = [], {}
+        for k, o in enumerate(raw):
+            where = f"{source}: override {k + 1}"
+            if not isinstance(o, dict):
+                raise ValueError(f"{where}: expected a mapping {{layers: [...] | match: PATTERN, "
+                                 f"pair: ...}}, got {o!r}")
+            bad = sorted(set(o) - set(_OVERRIDE_KEYS))
+            if bad:
+                raise ValueError(f"{where}: unknown key(s) {bad}; an override takes "
+                                 f"{', '.join(_OVERRIDE_KEYS)}")
+            if "pair" not in o:
+                raise ValueError(f"{where}: missing 'pair'")
+            if ("layers" in o) == ("match" in o):
+                raise ValueError(f"{where}: give exactly one of 'layers' (indices) or 'match' "
+                                 f"(a name pattern)")
+            pair = _parse_pair(o["pair"], f"{where}: pair", base)
+            if "match" in o:
+                if not isinstance(o["match"], str) or not o["match"].strip():
+                    raise ValueError(f"{where}: match must be a non-empty name pattern, got "
+                                     f"{o['match']!r}")
+                overrides.append(Override(pair, (), o["match"].strip()))
+                continue
+            idx = o["layers"]
+            idx = [idx] if isinstance(idx, int) and not isinstance(idx, bool) else idx
+            if not isinstance(idx, list) or not idx or any(
+                    isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in idx):
+                raise ValueError(f"{where}: layers must be a non-empty list of layer indices "
+                                 f"(integers >= 0), got {o['layers']!r}")
+            for i in idx:
+                if i in seen:
+                    raise ValueError(f"{where}: layer {i} is already named by override {seen[i]}; "
+                                     f"name each layer once")
+                seen[i] = k + 1
+            overrides.append(Override(pair, tuple(idx), None))
+        pol = cls(default, tuple(overrides), data.get("name"), data.get("description", "") or "")
+        if pol.name is not None and (not isinstance(pol.name, str) or not pol.name.strip()):
+            raise ValueError(f"{source}: name must be a non-empty string, got {pol.name!r}")
+        return pol if L is None else pol.with_buffer_len(L)
+
+    @classmethod
+    def load(cls, path) -> "LayerPolicy":
+        import yaml
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"layer policy file {str(p)!r} does not exist")
+        try:
+            data = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            raise ValueError(f"{p}: not valid YAML ({e})") from None
+        pol = cls.from_dict(data, source=str(p), base=p.parent)
+        return pol if pol.name else pol.renamed(p.stem)
+
+
+def _yaml_mapping(p: Path):
+    import yaml
+    try:
+        return yaml.safe_load(p.read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+
+
+def is_policy_file(spec) -> bool:
+    """True for the path of a YAML file holding a layer policy (a mapping with `default`)."""
+    if not isinstance(spec, (str, Path)):
+        return False
+    p = Path(spec)
+    if p.suffix not in (".yaml", ".yml") or not p.is_file():
+        return False
+    data = _yaml_mapping(p)
+    return isinstance(data, dict) and "default" in data
+
+
+def load_pair_or_policy(spec):
+    """A PrecisionPair (a shipped name, a pair YAML) or a LayerPolicy (a policy YAML); objects of
+    either kind pass through. One ValueError for anything else."""
+    if isinstance(spec, (PrecisionPair, LayerPolicy)):
+        return spec
+    if not isinstance(spec, (str, Path)) or not str(spec).strip():
+        raise ValueError(f"pair {spec!r}: give a pair name (see `replayquant pairs`), a pair YAML "
+                         f"path or a layer policy YAML path")
+    if is_policy_file(str(spec).strip()):
+        return LayerPolicy.load(str(spec).strip())
+    return PrecisionPair.load(str(spec).strip())

@@ -1,0 +1,274 @@
+"""The byte model of a decode step: what the recurrent state costs in HBM traffic and memory.
+
+One model serves the kernels bench (`replayquant bench kernels`, whose rows' `bytes`, byte ratios
+and copy-bandwidth ceilings come from the functions below) and the sweep (`replayquant sweep`,
+which sums them over a model's real recurrent layers). The counts follow the layout of the
+Triton kernels (`replayquant.kernels.replay_decode.ReplayStore`):
+
+* a state matrix of d_v x d_k elements in its physical format (`state_bytes`: payload + scales);
+* the ring buffer, one entry per buffered step and head: k / B in bf16 (one per key head or
+  group, shared by its H / HK heads), v / x in bf16, GDN's u in bf16 (the outputs' correction
+  terms computed against the read copy), the cumulative gate and beta / dt in fp32;
+* a read step (committed length h) reads the read copy and the h buffered entries (GDN: k, u, G,
+  beta) and writes its own entry (GDN: k, v, u, G, beta); the flush step (the L-th) reads the
+  anchor and the L - 1 entries (GDN: k, v, G, beta, to rebuild S and recompute u from the
+  anchor), writes the anchor and, in a pair with a separate read copy, the read copy;
+* the conventional step reads and writes the whole state every step;
+* every step also reads its inputs (bf16 activations, fp32 gates) and writes its output (fp32).
+
+`replay_window_bytes` is the mean over a window of L steps (L - 1 read steps at h = 0 .. L - 2,
+then one flush). `StepBytes` splits the same mean per sequence into its parts (read copy, ring
+entries, amortised flush, inputs / output); its total equals `replay_window_bytes / B`
+(tests/test_sweep.py checks both against the `bytes` of the committed kernels grid).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+__all__ = ["state_bytes", "io_bytes", "entry_bytes", "conventional_bytes", "replay_window_bytes",
+           "replay_read_step_bytes", "replay_flush_step_bytes", "LayerShape", "layer_shapes",
+           "StepBytes", "MemoryBytes", "layer_step_bytes", "layer_conventional_bytes",
+           "layer_memory_bytes", "layer_conventional_memory", "model_step_bytes",
+           "model_memory_bytes", "model_conventional"]
+
+KINDS = ("gdn", "mamba2")
+
+
+# ---------------------------------------------------------------------------- per (row, head)
+
+def state_bytes(fmt: str, dv: int, dk: int) -> float:
+    """Physical bytes of one d_v x d_k matrix stored in `fmt` (payload + scales)."""
+    n = dv * dk
+    table = {"fp32": 4.0 * n, "fp16": 2.0 * n, "bf16": 2.0 * n, "fp8": n + 4.0 * dv,
+             "nvfp4": n / 2 + n / 16 + 4.0}
+    if fmt not in table:
+        raise ValueError(f"no byte count for state format {fmt!r}; known: {', '.join(table)}")
+    return table[fmt]
+
+
+def io_bytes(kind, H, HK, dv, dk):
+    """Inputs + output of one (row, head) per step: bf16 activations, fp32 gates, fp32 out."""
+    r = H / HK
+    if kind == "gdn":
+        return 2 * dk * 2 / r + dv * 2 + 8 + dv * 4          # q, k (shared by r heads), v, a, b; y
+    return 2 * dk * 2 / r + 2 * dv * 2 + 4 + dv * 4          # B, C (per group), x, z, dt; y
+
+
+def entry_bytes(kind, H, HK, dv, dk, u_bytes=2):
+    """(bytes a read step reads per buffered entry, bytes it writes for its own entry, bytes the
+    flush reads per entry), per (row, head)."""
+    r = H / HK
+    kb = dk * 2 / r                                          # k / B per head (shared by the group)
+    if kind == "gdn":
+        read_nf = kb + dv * u_bytes + 8                      # k, u, G, beta (outputs)
+        write = kb + dv * 2 + dv * u_bytes + 8               # k, v, u, G, beta
+        read_fl = kb + dv * 2 + 8                            # k, v, G, beta (rebuild)
+    else:
+        read_nf = read_fl = kb + dv * 2 + 8                  # B, x, G, dt
+        write = kb + dv * 2 + 8
+    return read_nf, write, read_fl
+
+
+# ---------------------------------------------------------------------------- per batch (bench)
+
+def conventional_bytes(kind, fmt, B, H, HK, dv, dk):
+    """HBM bytes of one conventional step: read + write the state, inputs, output."""
+    return B * H * (2 * state_bytes(fmt, dv, dk) + io_bytes(kind, H, HK, dv, dk))
+
+
+def replay_window_bytes(kind, anchor_fmt, read_fmt, L, B, H, HK, dv, dk, u_bytes=2):
+    """Mean HBM bytes per step over a window of L steps (L - 1 read steps at h = 0..L-2, then one
+    flush), as the kernel moves them. read_fmt None: shared pair."""
+    io = io_bytes(kind, H, HK, dv, dk)
+    rd_nf, wr, rd_fl = entry_bytes(kind, H, HK, dv, dk, u_bytes)
+    R = state_bytes(read_fmt or anchor_fmt, dv, dk)
+    A = state_bytes(anchor_fmt, dv, dk)
+    total = sum(R + h * rd_nf + wr + io for h in range(L - 1))
+    total += 2 * A + (0 if read_fmt is None else R) + (L - 1) * rd_fl + io
+    return B * H * total / L
+
+
+def replay_read_step_bytes(kind, read_fmt, h, B, H, HK, dv, dk, u_bytes=2):
+    """HBM bytes of one non-flush step at committed length h."""
+    rd_nf, wr, _ = entry_bytes(kind, H, HK, dv, dk, u_bytes)
+    return B * H * (state_bytes(read_fmt, dv, dk) + h * rd_nf + wr + io_bytes(kind, H, HK, dv, dk))
+
+
+def replay_flush_step_bytes(kind, anchor_fmt, read_fmt, L, B, H, HK, dv, dk):
+    _, _, rd_fl = entry_bytes(kind, H, HK, dv, dk, 2)
+    A = state_bytes(anchor_fmt, dv, dk)
+    R = 0 if read_fmt is None else state_bytes(read_fmt, dv, dk)
+    return B * H * (2 * A + R + (L - 1) * rd_fl + io_bytes(kind, H, HK, dv, dk))
+
+
+# ---------------------------------------------------------------------------- one model layer
+
+@dataclass(frozen=True)
+class LayerShape:
+    """The state shape of one recurrent layer: kind ('gdn' | 'mamba2'), value heads H, key heads
+    (GDN) or groups (Mamba-2) HK, d_v x d_k per head; name and index in the model."""
+    kind: str
+    H: int
+    HK: int
+    dv: int
+    dk: int
+    name: str = ""
+    index: int = -1
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"layer kind must be one of {KINDS}, got {self.kind!r}")
+        for f in ("H", "HK", "dv", "dk"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"layer shape {f} must be an integer >= 1, got {v!r}")
+        if self.H % self.HK:
+            raise ValueError(f"layer shape: HK={self.HK} must divide H={self.H}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LayerShape":
+        return cls(**{k: d[k] for k in ("kind", "H", "HK", "dv", "dk", "name", "index") if k in d})
+
+
+def layer_shapes(model) -> list[LayerShape]:
+    """The LayerShape of every recurrent layer of a Hugging Face model (as `recurrent_layers`
+    finds them): GDN value / key heads and head dims, Mamba-2 heads, groups, head dim and state
+    size, read from the layer modules."""
+    from replayquant.models.patching import recurrent_layers
+    out = []
+    for name, m, kind in recurrent_layers(model):
+        if kind == "gdn":
+            H, HK, dv, dk = m.num_v_heads, m.num_k_heads, m.head_v_dim, m.head_k_dim
+        else:
+            H, HK, dv, dk = m.num_heads, m.n_groups, m.head_dim, m.ssm_state_size
+        out.append(LayerShape(kind, int(H), int(HK), int(dv), int(dk), name, int(m.layer_idx)))
+    return out
+
+
+def _fmts(pair):
+    """(anchor format, read format or None) of a PrecisionPair."""
+    return pair.anchor.format, (None if pair.read is None else pair.read.format)
+
+
+@dataclass
+class StepBytes:
+    """Mean HBM bytes per decode step of one sequence, split by what moves them. `state` (read
+    copy + ring + flush) is what the precision pair and L change; `io` (inputs, output) is the
+    same for every pair and for the conventional step."""
+    read_copy: float = 0.0
+    ring: float = 0.0
+    flush: float = 0.0
+    io: float = 0.0
+
+    @property
+    def state(self) -> float:
+        return self.read_copy + self.ring + self.flush
+
+    @property
+    def total(self) -> float:
+        return self.state + self.io
+
+    def __add__(self, o: "StepBytes") -> "StepBytes":
+        return StepBytes(self.read_copy + o.read_copy, self.ring + o.ring, self.flush + o.flush,
+                         self.io + o.io)
+
+    def to_dict(self) -> dict:
+        return {"read_copy": self.read_copy, "ring": self.ring, "flush": self.flush,
+                "state": self.state, "io": self.io, "total": self.total}
+
+
+@dataclass
+class MemoryBytes:
+    """State memory of one sequence: anchor, read copy (0 for a shared pair), ring buffer."""
+    anchor: float = 0.0
+    read_copy: float = 0.0
+    ring: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.anchor + self.read_copy + self.ring
+
+    def __add__(self, o: "MemoryBytes") -> "MemoryBytes":
+        return MemoryBytes(self.anchor + o.anchor, self.read_copy + o.read_copy, self.ring + o.ring)
+
+    def to_dict(self) -> dict:
+        return {"anchor": self.anchor, "read_copy": self.read_copy, "ring": self.ring,
+                "total": self.total}
+
+
+def layer_step_bytes(shape: LayerShape, pair, L: int | None = None, u_bytes: int = 2) -> StepBytes:
+    """Mean bytes per decode step of one sequence in one layer holding `pair` with buffer length
+    L (default the pair's own): the parts of `replay_window_bytes` for B = 1."""
+    L = pair.buffer_len if L is None else int(L)
+    af, rf = _fmts(pair)
+    s = shape
+    rd_nf, wr, rd_fl = entry_bytes(s.kind, s.H, s.HK, s.dv, s.dk, u_bytes)
+    R = state_bytes(rf or af, s.dv, s.dk)
+    A = state_bytes(af, s.dv, s.dk)
+    read_copy = (L - 1) * R
+    ring = sum(h * rd_nf + wr for h in range(L - 1)) + (L - 1) * rd_fl
+    flush = 2 * A + (0 if rf is None else R)
+    io = L * io_bytes(s.kind, s.H, s.HK, s.dv, s.dk)
+    return StepBytes(s.H * read_copy / L, s.H * ring / L, s.H * flush / L, s.H * io / L)
+
+
+def layer_conventional_bytes(shape: LayerShape, fmt: str = "fp32") -> StepBytes:
+    """Bytes per decode step of one sequence in one layer for the conventional read-modify-write
+    step in `fmt` (the state read and written every step: counted as `flush`)."""
+    s = shape
+    return StepBytes(0.0, 0.0, s.H * 2 * state_bytes(fmt, s.dv, s.dk),
+                     s.H * io_bytes(s.kind, s.H, s.HK, s.dv, s.dk))
+
+
+def layer_memory_bytes(shape: LayerShape, pair, L: int | None = None, u_bytes: int = 2,
+                       max_drafts: int = 0) -> MemoryBytes:
+    """State memory of one sequence in one layer: the bytes a ReplayStore slot holds (anchor,
+    read copy, ring of L + max_drafts entries: k per key head / group, v, GDN u, G and beta / dt)."""
+    L = pair.buffer_len if L is None else int(L)
+    af, rf = _fmts(pair)
+    s = shape
+    _, wr, _ = entry_bytes(s.kind, s.H, s.HK, s.dv, s.dk, u_bytes)
+    return MemoryBytes(s.H * state_bytes(af, s.dv, s.dk),
+                       0.0 if rf is None else s.H * state_bytes(rf, s.dv, s.dk),
+                       s.H * (L + max_drafts) * wr)
+
+
+def layer_conventional_memory(shape: LayerShape, fmt: str = "fp32") -> MemoryBytes:
+    return MemoryBytes(shape.H * state_bytes(fmt, shape.dv, shape.dk), 0.0, 0.0)
+
+
+# ---------------------------------------------------------------------------- whole model
+
+def _per_layer(shapes, assign):
+    """[(shape, pair)] from a pair (every layer) or a callable shape -> pair."""
+    return [(s, assign(s) if callable(assign) else assign) for s in shapes]
+
+
+def model_step_bytes(shapes: list[LayerShape], assign, L: int | None = None) -> StepBytes:
+    """Bytes per decode step of one sequence summed over the layers; `assign` is a pair (every
+    layer) or a callable giving each LayerShape its pair (a layer policy); L overrides every
+    pair's buffer length."""
+    total = StepBytes()
+    for s, p in _per_layer(shapes, assign):
+        total = total + layer_step_bytes(s, p, L)
+    return total
+
+
+def model_memory_bytes(shapes: list[LayerShape], assign, L: int | None = None) -> MemoryBytes:
+    total = MemoryBytes()
+    for s, p in _per_layer(shapes, assign):
+        total = total + layer_memory_bytes(s, p, L)
+    return total
+
+
+def model_conventional(shapes: list[LayerShape], fmt: str = "fp32") -> tuple[StepBytes, MemoryBytes]:
+    """(bytes per step, memory) of one sequence for the conventional step in `fmt`, all layers."""
+    b, m = StepBytes(), MemoryBytes()
+    for s in shapes:
+        b = b + layer_conventional_bytes(s, fmt)
+        m = m + layer_conventional_memory(s, fmt)
+    return b, m
