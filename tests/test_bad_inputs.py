@@ -144,3 +144,51 @@ def test_same_code_compares_commits_of_clean_checkouts_only():
     assert R.same_code({**v, "git_commit": "unknown"}, {**v, "git_commit": "b"})
     assert not R.same_code({"replayquant": "0.2.0", "git_commit": "a"}, {**v, "git_commit": "a"})
     assert not R.same_code(None, {**v, "git_commit": "a"})
+
+
+# ------------------------------------------------------------------ per-document files
+
+
+def test_damaged_document_file_named_with_what_to_do_and_writes_are_durable(texts, tmp_path,
+                                                                            monkeypatch):
+    out = tmp_path / "d.json"
+    log = []
+    fsync, replace = os.fsync, os.replace
+
+    def logged_fsync(fd):
+        log.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return fsync(fd)
+
+    def logged_replace(a, b):
+        log.append(("replace", str(a), str(b)))
+        return replace(a, b)
+    monkeypatch.setattr(os, "fsync", logged_fsync)
+    monkeypatch.setattr(os, "replace", logged_replace)
+    code, text = _invoke(_kl(texts, out, docs=2))
+    assert code == 0, text
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    npy = tmp_path / "d.kl" / "doc00001.npy"
+    tmp = str(npy) + ".tmp"
+    assert log.index(("fsync", tmp)) < log.index(("replace", tmp, str(npy)))
+    assert ("fsync", str(npy.parent)) in log[log.index(("replace", tmp, str(npy))):]
+    assert ("fsync", str(out) + ".tmp") in log                  # the results file too
+
+    calls = _count_scored(monkeypatch)
+    good = npy.read_bytes()
+    for damage, msg in ((b"", "is damaged"), (b"\x93NUMPY garbage", "is damaged"),
+                        (None, "holds float64 [3]")):
+        if damage is None:
+            np.save(npy, np.zeros(3))
+        else:
+            npy.write_bytes(damage)
+        code, text = _invoke(_kl(texts, out, docs=2))
+        _one_clear_error(code, text, str(npy), msg, "delete it", "recompute document 1")
+    assert calls == []
+    npy.unlink()                                                 # what the message says to do
+    code, text = _invoke(_kl(texts, out, docs=2))
+    assert code == 0 and calls == [1], text
+    assert npy.read_bytes() == good and json.loads(out.read_text())["complete"]
+    out.write_text("{ torn")                                     # a damaged results file
+    code, text = _invoke(_kl(texts, out, docs=2))
+    _one_clear_error(code, text, "invalid JSON", "nothing computed is lost")

@@ -12,6 +12,8 @@ Files of a run with `out = results/kl/NAME.json`:
 * `NAME.json`: the results (statistics per pair, per bucket, per document, provenance); rewritten
   after every finished document (`"complete": false` until the last one);
 * `NAME.kl/docNNNNN.npy`: per-token KL of one document, float16 [n_pairs, context - 1];
+* `NAME.kl/docNNNNN.dp.npy`: per-token delta-p of one document, float32 [n_pairs, context - 1]
+  (for the delta-p percentiles; float16 would round 0.5 by 2.4e-4, visible in llama.cpp's layout);
 * `NAME.kl/progress.rankR.jsonl`: append-only log, a config line then one line per finished
   document with exact float64 sums; resume reads these and skips finished documents;
 * `NAME.png`: KL against position (log x), one line per pair.
@@ -334,6 +336,10 @@ def _refuse(out: Path, run_dir: Path, diffs: list[str]):
                      f"them. Pass a new --out, or delete {out} and {run_dir}/ to start fresh")
 
 
+def _kl_shape(config: dict) -> tuple[int, int]:
+    return len(config["pairs"]), config["context"] - 1
+
+
 def document_fingerprint(tokens: torch.Tensor) -> str:
     """sha256 of a document's token ids (int64, little-endian): what its KL was computed on."""
     a = np.ascontiguousarray(tokens.detach().cpu().numpy().astype("<i8"))
@@ -402,7 +408,8 @@ def finished_documents(out: Path, config: dict, docs: DocumentSet, code: dict | 
             old = json.loads(out.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise ValueError(f"{out} exists but is not a results file (invalid JSON); pass another "
-                             f"--out or delete it") from None
+                             f"--out, or delete it: a results file is rebuilt from {run_dir}/, "
+                             f"so nothing computed is lost") from None
         if not isinstance(old, dict) or old.get("kind") != RESULTS_KIND:
             raise ValueError(f"{out} exists and is not a KL results file; pass another --out")
         diffs = _mismatch(old.get("config", {}), config)
@@ -423,6 +430,7 @@ def finished_documents(out: Path, config: dict, docs: DocumentSet, code: dict | 
             stale[i] = r
             continue
         if (run_dir / r["npy"]).exists():
+            load_document_kl(run_dir / r["npy"], _kl_shape(config), i)
             done[i] = r
     for i in sorted(set(stale) - set(done)):
         r, d = stale[i], planned[i]
@@ -448,10 +456,75 @@ def _append(path: Path, obj: dict):
         os.fsync(fh.fileno())
 
 
-def _save_npy(path: Path, arr: np.ndarray):
-    tmp = path.with_suffix(".tmp.npy")
-    np.save(tmp, arr)
+def _fsync_dir(folder: Path) -> None:
+    """Make a rename in `folder` durable (where the platform can open a folder)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_durable(path: Path, write: Callable) -> None:
+    """Write a file through a temporary one: write(fh), flush, fsync, rename over `path`, fsync
+    the folder. A crash leaves the old file or the new one, never a part of one."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        write(fh)
+        fh.flush()
+        os.fsync(fh.fileno())
     os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _save_npy(path: Path, arr: np.ndarray):
+    _write_durable(path, lambda fh: np.save(fh, arr, allow_pickle=False))
+
+
+def load_document_kl(path: Path, shape: tuple, index: int) -> np.ndarray:
+    """A document's per-token KL file, float16 [n_pairs, context - 1]; a damaged or foreign one
+    is one ValueError naming it and saying how to recompute that document."""
+    what = (f"delete it and re-run the same command to recompute document {index} (the other "
+            f"finished documents are kept)")
+    try:
+        a = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as e:
+        raise ValueError(f"{path}, the per-token KL of document {index}, is damaged "
+                         f"({type(e).__name__}: {e}); {what}") from None
+    if a.dtype != np.float16 or tuple(a.shape) != tuple(shape):
+        raise ValueError(f"{path}, the per-token KL of document {index}, holds {a.dtype} "
+                         f"{list(a.shape)} where float16 {list(shape)} was written; {what}")
+    return a
+
+
+def _dp_name(npy: str) -> str:
+    return npy[:-len(".npy")] + ".dp.npy"
+
+
+def load_document_dp(run_dir: Path, recs: list[dict], shape: tuple) -> dict[int, np.ndarray] | None:
+    """Per document, the per-token delta-p file (float32 [n_pairs, context - 1], for the delta-p
+    percentiles); None when a document has none (computed by a version that did not write them).
+    A damaged one is one ValueError naming it."""
+    out = {}
+    for r in recs:
+        path = run_dir / _dp_name(r["npy"])
+        if not path.exists():
+            return None
+        try:
+            a = np.load(path, allow_pickle=False)
+        except (OSError, ValueError, EOFError) as e:
+            a = e
+        if not isinstance(a, np.ndarray) or a.dtype != np.float32 or tuple(a.shape) != tuple(shape):
+            raise ValueError(f"{path}, the per-token delta-p of document {r['index']}, is damaged; "
+                             f"delete it and {r['npy']} and re-run the same command to recompute "
+                             f"that document")
+        out[r["index"]] = a
+    return out
 
 
 def _peak_memory() -> dict:
@@ -596,6 +669,8 @@ def run_kl(model, tokenizer, pairs: list, *, dataset: str, out: str | os.PathLik
                 npy = f"doc{doc.index:05d}.npy"
                 _save_npy(run_dir / npy, np.stack([metrics[v.name]["kl"].numpy().astype(np.float16)
                                                    for v in tests]))
+                _save_npy(run_dir / _dp_name(npy), np.stack([metrics[v.name]["dp"].numpy().astype(np.float32)
+                                                             for v in tests]))
                 rec = {"type": "document", "index": doc.index, "id": doc.id, "n_tokens": context,
                        "tokens": fingerprints[doc.index], "code": code, "npy": npy, "wall_s": time.time() - t0, "rank": rank, **_peak_memory(),
                        "pairs": {v.name: S.document_sums(metrics[v.name], bucket_base) for v in tests}}
@@ -632,13 +707,16 @@ def write_results(out: Path, config: dict, docs: DocumentSet, t_start: float,
         if planned.get(r["index"]) == (r["id"], r.get("tokens")) and (run_dir / r["npy"]).exists():
             by_index[r["index"]] = r
     recs = [by_index[i] for i in sorted(by_index)]
-    arrays = {r["index"]: np.load(run_dir / r["npy"]) for r in recs}
+    arrays = {r["index"]: load_document_kl(run_dir / r["npy"], _kl_shape(config), r["index"])
+              for r in recs}
+    dps = load_document_dp(run_dir, recs, _kl_shape(config))
     results = {}
     for j, p in enumerate(config["pairs"]):
         name = p["name"]
         doc_recs = [{"id": r["id"], "index": r["index"], **r["pairs"][name]} for r in recs]
         kl = np.concatenate([arrays[r["index"]][j] for r in recs]) if recs else None
-        results[name] = S.summarize(doc_recs, kl, config["bucket_base"]) if recs else None
+        dp = np.concatenate([dps[r["index"]][j] for r in recs]) if recs and dps else None
+        results[name] = S.summarize(doc_recs, kl, config["bucket_base"], dp_values=dp) if recs else None
     peak = {}
     for key in ("peak_gpu_bytes", "peak_rss_bytes"):
         vals = [r[key] for r in recs if key in r]
@@ -665,9 +743,8 @@ def write_results(out: Path, config: dict, docs: DocumentSet, t_start: float,
         "results": results,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(res, indent=1, allow_nan=True) + "\n")
-    os.replace(tmp, out)
+    text = json.dumps(res, indent=1, allow_nan=True) + "\n"
+    _write_durable(out, lambda fh: fh.write(text.encode("utf-8")))
     if plot and recs:
         from .plot import plot_kl_vs_position
         plot_kl_vs_position(res, arrays, [p["name"] for p in config["pairs"]], png)
@@ -681,15 +758,31 @@ class _Progress:
         self.enabled = enabled and total > 0
         if self.enabled:
             from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn,
-                                       TextColumn, TimeElapsedColumn, TimeRemainingColumn)
+                                       TextColumn, TimeElapsedColumn)
             from rich.text import Text
+
+            def rate(task):
+                # rich's speed needs two samples within its window; one segment per document
+                # (or segments longer than the window) give one: then the mean since the start
+                if task.speed:
+                    return task.speed
+                return task.completed / task.elapsed if task.completed and task.elapsed else None
 
             class _Speed(ProgressColumn):
                 def render(self, task):
-                    return Text(f"{task.speed:,.0f} tok/s" if task.speed else "-- tok/s")
+                    r = rate(task)
+                    return Text(f"{r:,.0f} tok/s" if r else "-- tok/s")
+
+            class _Eta(ProgressColumn):
+                def render(self, task):
+                    r = rate(task)
+                    if not r or task.total is None:
+                        return Text("-:--:--")
+                    s = int(max(task.total - task.completed, 0) / r)
+                    return Text(f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}")
 
             self.p = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                              _Speed(), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                              _Speed(), TimeElapsedColumn(), TextColumn("ETA"), _Eta(),
                               console=console, transient=False)
             self.task = self.p.add_task(label, total=total)
 
