@@ -5,7 +5,7 @@ padding rows, SR, poisoned outputs and poisoned (never-read) buffer entries."""
 import pytest
 import torch
 
-from replayquant.bench.decode import (gdn_params, gdn_step_inputs, mamba2_params,
+from replayquant.bench.inputs import (gdn_params, gdn_step_inputs, mamba2_params,
                                       mamba2_step_inputs, random_state)
 from replayquant.kernels.conventional import (ConventionalStore, conventional_gdn_step,
                                               conventional_mamba2_step, gdn_frontend_ref,

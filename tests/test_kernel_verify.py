@@ -5,7 +5,7 @@ over many rounds with random accept counts including 0 and T, mixed with plain d
 import pytest
 import torch
 
-from replayquant.bench.decode import (gdn_params, gdn_step_inputs, mamba2_params,
+from replayquant.bench.inputs import (gdn_params, gdn_step_inputs, mamba2_params,
                                       mamba2_step_inputs, random_state)
 from replayquant.kernels.conventional import (ConventionalStore, gdn_frontend_ref,
                                               mamba2_frontend_ref, mamba2_post_ref)

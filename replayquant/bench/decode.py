@@ -1,9 +1,5 @@
-"""Decode-kernel benchmark (`replayquant bench kernels`, GPU) and the random inputs it shares with
-the kernel tests.
-
-Inputs look like a real model's: bf16 activations, raw gate logits in FP32, decays a in
-(0.9, 1) on average (GDN A_log / dt_bias, Mamba-2 A / dt ranges as in the released checkpoints).
-"""
+"""Decode-kernel benchmark (`replayquant bench kernels`, GPU). Its random inputs are
+replayquant.bench.inputs, which the kernel tests draw from too."""
 
 from __future__ import annotations
 
@@ -13,6 +9,9 @@ import sys
 
 import torch
 
+from replayquant.bench.inputs import (cpu_generator, gdn_params, gdn_step_inputs,
+                                      mamba2_params, mamba2_step_inputs, random_state)
+
 # ---------------------------------------------------------------------------- shapes
 
 SHAPES = {
@@ -21,64 +20,6 @@ SHAPES = {
     # Nemotron-H Mamba-2 layer: 128 heads, head dim 64, state 128, 8 groups
     "mamba2": dict(kind="mamba2", H=128, HK=8, dv=64, dk=128),
 }
-
-
-def _gen(seed, device):
-    g = torch.Generator(device="cpu")
-    g.manual_seed(int(seed))
-    return g
-
-
-def gdn_step_inputs(B, HK, H, dk, dv, T=None, seed=0, device="cpu"):
-    """(q, k, v, a, b) of one step ([B, ...]) or T drafts ([B, T, ...]); q, k, v bf16."""
-    g = _gen(seed, device)
-    lead = (B,) if T is None else (B, T)
-    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
-    q = r(*lead, HK, dk).bfloat16()
-    k = r(*lead, HK, dk).bfloat16()
-    v = r(*lead, H, dv).bfloat16()
-    a = r(*lead, H) * 0.5
-    b = r(*lead, H)
-    return tuple(t.to(device) for t in (q, k, v, a, b))
-
-
-def gdn_params(H, seed=0, device="cpu"):
-    """(A_log, dt_bias) [H]: -exp(A_log) softplus(a + dt_bias) gives decays mostly in (0.9, 1)."""
-    g = _gen(seed + 7919, device)
-    A_log = torch.rand(H, generator=g) * 1.5 - 4.0
-    dt_bias = torch.rand(H, generator=g) * 0.5
-    return A_log.to(device), dt_bias.to(device)
-
-
-def mamba2_step_inputs(B, G, H, N, P, T=None, seed=0, device="cpu", z=True):
-    """(x, dt, Bm, C, z) of one step or T drafts; x, B, C, z bf16, dt raw FP32."""
-    g = _gen(seed, device)
-    lead = (B,) if T is None else (B, T)
-    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
-    x = r(*lead, H, P).bfloat16()
-    dt = r(*lead, H) * 0.5 - 2.0
-    Bm = r(*lead, G, N).bfloat16()
-    C = r(*lead, G, N).bfloat16()
-    zz = r(*lead, H, P).bfloat16() if z else None
-    return tuple(None if t is None else t.to(device) for t in (x, dt, Bm, C, zz))
-
-
-def mamba2_params(H, seed=0, device="cpu"):
-    """(A, D, dt_bias) [H]: A < 0."""
-    g = _gen(seed + 104729, device)
-    A = -(torch.rand(H, generator=g) * 2.0 + 0.5)
-    D = torch.randn(H, generator=g)
-    dt_bias = torch.rand(H, generator=g) * 0.5 - 1.0
-    return A.to(device), D.to(device), dt_bias.to(device)
-
-
-def random_state(N, H, dv, dk, seed=0, device="cpu", scale=0.3):
-    if str(device).startswith("cuda"):          # large states: draw on the device
-        g = torch.Generator(device=device)
-        g.manual_seed(seed + 15485863)
-        return torch.randn(N, H, dv, dk, generator=g, device=device) * scale
-    g = _gen(seed + 15485863, device)
-    return torch.randn(N, H, dv, dk, generator=g) * scale
 
 
 # ---------------------------------------------------------------------------- bytes moved
@@ -195,7 +136,7 @@ def _ref_cast_device_vs_cpu(device) -> dict:
     """The torch reference casts (the specification) run on the device against the same casts
     on the CPU, bit for bit; for each format, the fraction of payload codes that differ."""
     from replayquant.kernels import quant_ref as qref
-    g = _gen(11, "cpu")
+    g = cpu_generator(11)
     x = torch.randn(256, 128, 128, generator=g) * 10 ** torch.randn(256, 128, 1, generator=g)
     res = {}
     for name, fn in (("fp8", qref.fp8_quantize_ref), ("nvfp4", qref.nvfp4_quantize_ref)):
