@@ -192,3 +192,58 @@ def test_damaged_document_file_named_with_what_to_do_and_writes_are_durable(text
     out.write_text("{ torn")                                     # a damaged results file
     code, text = _invoke(_kl(texts, out, docs=2))
     _one_clear_error(code, text, "invalid JSON", "nothing computed is lost")
+
+
+# ------------------------------------------------------------------ devices
+
+
+def test_devices_cuda_when_present_else_cpu_and_a_missing_one_is_one_error(texts, tmp_path,
+                                                                           monkeypatch):
+    import replayquant.lm_eval_model as LM
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)      # a machine without CUDA
+    with monkeypatch.context() as mp:
+        mp.setattr(C, "load_tokenizer_and_config", lambda *a, **k: 1 / 0)
+        for dm, msg in (("cuda:0", "no CUDA device"), ("cuda", "no CUDA device"),
+                        ("gpu", "not a device"), ("mps", "no mps device")):
+            code, text = _invoke(_kl(texts, tmp_path / "x.json", "--device-map", dm))
+            _one_clear_error(code, text, f"--device-map {dm}", msg)
+    code, text = _invoke(_kl(texts, tmp_path / "x.json"))
+    assert code == 0 and "device: cpu" in text, text
+
+    csv = Path(__file__).parent / "data" / "gpqa_tiny.csv"
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_lm(**kw):
+        seen.update(kw)
+        raise Stop
+    monkeypatch.setattr(LM, "ReplayQuantLM", fake_lm)
+    gpqa = ["gpqa", "--model", TINY, "--pair", "s32_rs", "--gpqa-csv", csv, "--limit", 1,
+            "--out", tmp_path / "g"]
+    code, text = _invoke(gpqa)
+    assert "Stop" in text and seen["device"] == "cpu" and f"{TINY} on cpu" in text, text
+    seen.clear()
+    for dev, msg in (("cuda", "no CUDA device"), ("cuda:3", "no CUDA device"),
+                     ("tpu0", "not a device")):
+        code, text = _invoke([*gpqa, "--device", dev])
+        _one_clear_error(code, text, f"--device {dev}", msg)
+    assert seen == {}
+    code, text = _invoke(["gpqa", "--model", tmp_path / "no_model", "--pair", "s32_rs",
+                          "--gpqa-csv", csv])
+    _one_clear_error(code, text, "folder not found")
+
+
+def test_model_folder_not_found_is_said_so(texts, tmp_path):
+    for model in (tmp_path / "no_model_here", "./no_such_folder", "~/no_such_folder/", "a/b/c"):
+        code, text = _invoke(["kl", "--model", model, "--pair", "s32_rs", "--dataset", texts,
+                              "--context", CTX, "--out", tmp_path / "m.json"])
+        _one_clear_error(code, text, "folder not found", "config.json")
+        assert "Repo id" not in text
+    code, text = _invoke(["kl", "--model", texts / "doc_0.txt", "--pair", "s32_rs", "--dataset",
+                          texts, "--out", tmp_path / "m.json"])
+    _one_clear_error(code, text, "is a file, not a model folder")
+    from replayquant.models import load_model
+    with pytest.raises(ValueError, match="folder not found"):
+        load_model(tmp_path / "nothing")

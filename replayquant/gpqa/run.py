@@ -70,7 +70,9 @@ def run_gpqa(model: str, pairs: list, *, tasks=None, gpqa_csv=None, limit=None, 
 
     `seed` is the stochastic-rounding seed of every pair and lm-eval's python seed (answer order);
     lm-eval's numpy / torch / few-shot seeds stay at lm-eval's defaults, so seed 0 asks the
-    questions a plain `lm_eval` process with an empty `datasets` cache asks (see below)."""
+    questions a plain `lm_eval` process with an empty `datasets` cache asks (see below).
+    `device`: cpu, cuda, cuda:N (None: a device in `model_args`, else CUDA when present, else
+    the CPU); a device this machine does not have is a ValueError before anything loads."""
     from replayquant.lm_eval_model import PREFILLS, resolve_pair
 
     # -- every check before any weights are loaded
@@ -86,6 +88,12 @@ def run_gpqa(model: str, pairs: list, *, tasks=None, gpqa_csv=None, limit=None, 
         raise ValueError(f"--prefill {prefill!r}: use one of {', '.join(PREFILLS)}")
     if limit is not None and (int(limit) != limit or limit < 1):
         raise ValueError(f"--limit {limit}: must be a positive integer")
+    from replayquant.models.device import check_device, default_device, describe_device
+    from replayquant.models.names import resolve_model_name
+    if device is None and (model_args or {}).get("device") is not None:
+        device = check_device(model_args["device"], "--model-args device=")
+    device = default_device() if device is None else check_device(device)
+    resolve_model_name(model)                  # a folder that is not there: before lm-eval runs
     out = Path(out) if out is not None else default_out_dir(model)
     if gpqa_csv is not None:
         n_questions = check_csv(gpqa_csv)
@@ -106,9 +114,8 @@ def run_gpqa(model: str, pairs: list, *, tasks=None, gpqa_csv=None, limit=None, 
         include_path = str(write_task_dir(gpqa_csv, out / "_tasks", tasks))
 
     lm_kwargs = dict(model_args or {})
-    lm_kwargs.update(dtype=dtype, batch_size=batch_size)
-    if device is not None:
-        lm_kwargs["device"] = device
+    lm_kwargs.update(dtype=dtype, batch_size=batch_size, device=device)
+    print(f"gpqa: {model} on {describe_device(device)}", file=sys.stderr)
     lm = ReplayQuantLM(pretrained=model, pair=resolved[0], prefill=prefill, seed=seed, **lm_kwargs)
 
     task_manager = TaskManager(include_path=include_path)     # the task index, built once

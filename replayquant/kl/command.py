@@ -13,20 +13,10 @@ DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.f
 
 
 def _resolve_model_name(name: str) -> str:
-    """Short names users type (`Qwen3.5-4B`) through the model-integration table, if it has one."""
-    try:
-        from replayquant import models as _m
-    except ImportError:
-        return name
-    for attr in ("resolve_model_name", "resolve_name", "resolve_model"):
-        f = getattr(_m, attr, None)
-        if callable(f):
-            try:
-                return f(name)
-            except Exception:
-                return name
-    table = getattr(_m, "SHORT_NAMES", None) or getattr(_m, "MODEL_ALIASES", None)
-    return table.get(name, name) if isinstance(table, dict) else name
+    """Short names users type (`Qwen3.5-4B`) through the model table; a local path that is not
+    there is one ValueError ("folder not found"), as is a name that is nothing known."""
+    from replayquant.models.names import resolve_model_name
+    return resolve_model_name(name)
 
 
 def _model_error(model, resolved, e):
@@ -115,9 +105,12 @@ def kl_command(model: str, pairs: list[str], dataset: str = "pg19", split: str =
             raise ValueError(f"{name} must be >= {lo}, got {v}")
     if dtype != "auto" and dtype not in DTYPES:
         raise ValueError(f"--dtype must be auto or one of {sorted(DTYPES)}, got {dtype!r}")
+    from replayquant.models.device import check_device_map, describe_devices
+
     from .data import load_documents
     from .runner import check_out, resolve_pair
     out_path = check_out(out if out else default_out(model, pairs, context, prefill))
+    device_map = check_device_map(device_map)
     for p in pairs:
         resolve_pair(p)
     tok, cfg, resolved = load_tokenizer_and_config(model, revision)
@@ -143,6 +136,9 @@ def kl_command(model: str, pairs: list[str], dataset: str = "pg19", split: str =
     m = load_weights(resolved, dtype, dm, revision)
     info = model_record(m, name=resolved, dtype=None if dtype == "auto" else dtype)   # auto: as loaded
     console = Console(stderr=True)
+    if state.is_main_process:
+        each = f" in each of {state.num_processes} processes" if state.num_processes > 1 else ""
+        console.print(f"device: {describe_devices(m)}{each}", markup=False, highlight=False)
     res = run_kl(m, tok, pairs, dataset=dataset, documents=documents, out=out_path, context=context, n_docs=docs,
                  segment=segment, prefill=prefill, seed=seed, split=split, text_field=text_field,
                  pack=pack, model_info=info, reference=reference, progress=progress, console=console,

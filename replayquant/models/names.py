@@ -28,8 +28,9 @@ path). The ids were not checked against the hub from this machine (no hub access
 from __future__ import annotations
 
 import os
+import re
 
-__all__ = ["SHORT_NAMES", "resolve_model_name"]
+__all__ = ["SHORT_NAMES", "looks_like_path", "resolve_model_name"]
 
 SHORT_NAMES: dict[str, str] = {
     "Qwen3.5-0.8B": "Qwen/Qwen3.5-0.8B",
@@ -54,8 +55,21 @@ SHORT_NAMES: dict[str, str] = {
 }
 
 
+# what the hub accepts as a repository id: owner/name of letters, digits, '-', '_', '.'
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9_]")
+
+
+def looks_like_path(name: str) -> bool:
+    """True for a name that can only be a local path (not a short name, not a hub id owner/name):
+    it starts with '.', '/' or '~', holds a backslash or more than one '/', or ends with '/'."""
+    return (name.startswith((".", "/", "~")) or "\\" in name or name.count("/") > 1
+            or name.endswith("/") or ("/" in name and not _HUB_ID.fullmatch(name)))
+
+
 def resolve_model_name(name_or_path) -> str:
-    """A short name -> its hub id; a local path or a hub id (owner/name) -> unchanged."""
+    """A short name -> its hub id; an existing local folder or a hub id (owner/name) ->
+    unchanged (a leading ~ expanded). A path that is not there ("folder not found"), a file
+    instead of a folder, or a name that is none of these is one ValueError."""
     if isinstance(name_or_path, os.PathLike):
         name_or_path = os.fspath(name_or_path)
     if not isinstance(name_or_path, str) or not name_or_path.strip():
@@ -64,7 +78,17 @@ def resolve_model_name(name_or_path) -> str:
     lower = {k.lower(): v for k, v in SHORT_NAMES.items()}
     if name_or_path.lower() in lower:
         return lower[name_or_path.lower()]
-    if os.path.exists(name_or_path) or "/" in name_or_path:
+    local = os.path.expanduser(name_or_path)
+    what = ("a local model folder (config.json, weights and a tokenizer), a hub id (owner/name) "
+            f"or a short name ({', '.join(SHORT_NAMES)})")
+    if os.path.isdir(local):
+        return local
+    if os.path.exists(local):
+        raise ValueError(f"model {name_or_path!r} is a file, not a model folder; give {what}")
+    if looks_like_path(name_or_path):
+        raise ValueError(f"unknown or unreachable model {name_or_path!r}: folder not found; "
+                         f"give {what}")
+    if "/" in name_or_path:
         return name_or_path
-    raise ValueError(f"unknown model {name_or_path!r}: not a short name, not a local path and not "
-                     f"a hub id (owner/name). Short names: {', '.join(SHORT_NAMES)}")
+    raise ValueError(f"unknown model {name_or_path!r}: not a short name, not a local folder and not "
+                     f"a hub id (owner/name); give {what}")
