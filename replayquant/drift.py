@@ -136,7 +136,22 @@ def run_drift(kind: str, pairs, steps: int = 4096, seeds=(42, 43, 44), batch: in
     seeds = [int(s) for s in seeds]
     if not seeds:
         raise ValueError("give at least one seed")
+    from replayquant.formats.report import check_dims
+    check_dims({"--batch": batch, "--heads": heads, "--d-k": d_k, "--d-v": d_v})
+    if heads >= 1 << 16:
+        raise ValueError(f"--heads {heads}: the SR streams allow at most 65535 heads")
     pairs = [p if isinstance(p, PrecisionPair) else PrecisionPair.load(p) for p in (pairs or list_pairs())]
+    labels = [p.label() for p in pairs]
+    dup = sorted({x for x in labels if labels.count(x) > 1})
+    if dup:
+        raise ValueError(f"pair(s) {', '.join(dup)} given more than once; give each --pair once")
+    for p in pairs:
+        if "nvfp4" in (p.anchor.format, p.read_spec.format):
+            try:
+                check_dims({}, {"--d-k": d_k})
+            except ValueError as e:
+                raise ValueError(f"{p.label()} stores NVFP4: {e}; choose another --d-k or leave "
+                                 f"that pair out") from None
     runs = []
     for p in pairs:
         runs.append((p, "replay"))
@@ -180,11 +195,27 @@ def run_drift(kind: str, pairs, steps: int = 4096, seeds=(42, 43, 44), batch: in
     return {"provenance": provenance(device="cpu", **params), "params": params, "rows": rows}
 
 
+def drift_out_path(out_dir, kind: str, steps: int, name: str | None = None) -> Path:
+    """Where `write_drift` writes (OUT/KIND_NsSteps.json and .md), checked before any work: the
+    folder is not a file and can be written (created if missing), neither target is a folder.
+    One ValueError saying what to give instead."""
+    from replayquant.kl.runner import check_writable_folder
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; drift writes KIND_NsSteps.json and .md into a "
+                         f"folder: give a folder (created if missing)")
+    check_writable_folder(out, out)
+    path = out / f"{name or kind + '_' + str(steps) + 'steps'}.json"
+    for target in (path, path.with_suffix(".md")):
+        if target.is_dir():
+            raise ValueError(f"--out {out}: {target} is a folder; move it away or give another --out")
+    return path
+
+
 def write_drift(result: dict, out_dir="build/drift", name: str | None = None) -> Path:
     p = result["params"]
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{name or p['kind'] + '_' + str(p['steps']) + 'steps'}.json"
+    path = drift_out_path(out_dir, p["kind"], p["steps"], name)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1) + "\n")
     path.with_suffix(".md").write_text(render_markdown(result))
     return path

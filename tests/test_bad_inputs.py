@@ -247,3 +247,59 @@ def test_model_folder_not_found_is_said_so(texts, tmp_path):
     from replayquant.models import load_model
     with pytest.raises(ValueError, match="folder not found"):
         load_model(tmp_path / "nothing")
+
+
+# ------------------------------------------------------------------ shapes, pair names, drift --out
+
+
+def test_zero_dimensions_are_one_error_each(tmp_path):
+    drift = ["drift", "--kind", "gdn", "--pair", "s32_rs", "--steps", 32, "--seeds", "1",
+             "--out", tmp_path / "drift"]
+    cases = [
+        ([*drift, "--d-k", 0], "--d-k must be an integer >= 1, got 0"),
+        ([*drift, "--d-v", 0], "--d-v must be an integer >= 1, got 0"),
+        ([*drift, "--batch", 0], "--batch must be an integer >= 1, got 0"),
+        ([*drift, "--heads", 0], "--heads must be an integer >= 1, got 0"),
+        ([*drift, "--pair", "tp4_hi32", "--d-k", 40], "tp4_hi32 stores NVFP4: --d-k must be a multiple of 16"),
+        ([*drift, "--pair", "s32_rs"], "s32_rs given more than once"),
+        (["formats", "--d", 0], "--d must be an integer >= 1, got 0"),
+        (["formats", "--d", 8], "--d must be a multiple of 16"),
+        (["formats", "--heads", 0], "--heads must be an integer >= 1, got 0"),
+        (["pairs", "--d-k", 0], "--d-k must be an integer >= 1, got 0"),
+        (["pairs", "--d-v", 0], "--d-v must be an integer >= 1, got 0"),
+        (["pairs", "--d-k", 40], "--d-k must be a multiple of 16"),
+    ]
+    for args, msg in cases:
+        code, text = _invoke(args)
+        _one_clear_error(code, text, msg)
+    assert not (tmp_path / "drift").exists()
+
+
+def test_drift_out_checked_before_computing(tmp_path, monkeypatch):
+    import replayquant.drift as D
+    monkeypatch.setattr(D, "run_one", lambda *a, **k: pytest.fail("computed before --out was checked"))
+    a_file = tmp_path / "existing"
+    a_file.write_text("keep me")
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "gdn_32steps.json").mkdir()
+    drift = ["drift", "--kind", "gdn", "--pair", "s32_rs", "--steps", 32, "--seeds", "1"]
+    for out, msg in ((a_file, "is a file"), (a_file / "sub", "is a file, not a folder"),
+                     ("/proc/replayquant_no", "cannot write in /proc"),
+                     (tmp_path / "o", "gdn_32steps.json is a folder")):
+        code, text = _invoke([*drift, "--out", out])
+        _one_clear_error(code, text, msg)
+    assert a_file.read_text() == "keep me"
+
+
+def test_kl_duplicate_pair_names_and_reference_refused_before_the_model_loads(texts, tmp_path,
+                                                                               no_model):
+    ref = tmp_path / "reference.yaml"
+    ref.write_text("anchor: {format: fp32}\n")
+    twin = tmp_path / "twin.yaml"
+    twin.write_text("name: s32_rs\nanchor: {format: fp16}\n")
+    base = ["kl", "--model", TINY, "--dataset", texts, "--context", CTX, "--out", tmp_path / "p.json"]
+    for pairs, msg in ((["s32_rs", "s32_rs"], "s32_rs given more than once"),
+                       (["s32_rs", twin], "s32_rs given more than once"),
+                       ([ref], "named 'reference'")):
+        code, text = _invoke([*base, *[x for p in pairs for x in ("--pair", p)]])
+        _one_clear_error(code, text, msg)

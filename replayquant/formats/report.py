@@ -24,6 +24,21 @@ DEFAULT_SHAPE = (8, 128, 128)
 DEFAULT_SEED = 0
 
 
+def check_dims(positive: dict, block_multiple: dict | None = None) -> None:
+    """One ValueError for the first bad dimension. Keys are the option names users type
+    (e.g. "--d-k"); every value in `positive` must be an integer >= 1, every value in
+    `block_multiple` a positive multiple of NVFP4_BLOCK (NVFP4 scales blocks of 16 elements of
+    a row, so its rows must split into whole blocks)."""
+    from replayquant.formats.constants import NVFP4_BLOCK
+    for name, v in {**positive, **(block_multiple or {})}.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    for name, v in (block_multiple or {}).items():
+        if v % NVFP4_BLOCK:
+            raise ValueError(f"{name} must be a multiple of {NVFP4_BLOCK} (NVFP4 stores one scale "
+                             f"per {NVFP4_BLOCK} elements of a row), got {v}")
+
+
 def state_like_tensor(shape=DEFAULT_SHAPE, seed: int = DEFAULT_SEED) -> torch.Tensor:
     """Fixed-seed float32 tensor [H, R, C] whose heads and rows span decades (module docstring)."""
     if len(shape) != 3:
@@ -53,6 +68,10 @@ def error_stats(x: torch.Tensor, x_hat: torch.Tensor) -> dict:
 
 def formats_report(shape=DEFAULT_SHAPE, seed: int = DEFAULT_SEED, d: int = 128) -> list[dict]:
     """One row per (format, rounding): bytes/element at d and the error statistics."""
+    if len(shape) != 3:
+        raise ValueError(f"the test tensor's shape must be (heads, rows, cols), got {tuple(shape)}")
+    check_dims({"--heads": shape[0]}, {"--d": shape[2]})
+    check_dims({"rows": shape[1]})
     x = state_like_tensor(shape, seed)
     rows = []
     for name, fmt in FORMATS.items():
@@ -88,5 +107,5 @@ def print_formats_table(shape=DEFAULT_SHAPE, seed: int = DEFAULT_SEED) -> list[d
     return rows
 
 
-__all__ = ["state_like_tensor", "error_stats", "formats_report", "render_formats_table",
-           "print_formats_table"]
+__all__ = ["check_dims", "state_like_tensor", "error_stats", "formats_report",
+           "render_formats_table", "print_formats_table"]

@@ -108,11 +108,10 @@ def kl_command(model: str, pairs: list[str], dataset: str = "pg19", split: str =
     from replayquant.models.device import check_device_map, describe_devices
 
     from .data import load_documents
-    from .runner import check_out, resolve_pair
+    from .runner import check_out, check_pair_names, resolve_pair
     out_path = check_out(out if out else default_out(model, pairs, context, prefill))
     device_map = check_device_map(device_map)
-    for p in pairs:
-        resolve_pair(p)
+    check_pair_names([resolve_pair(p) for p in pairs])
     tok, cfg, resolved = load_tokenizer_and_config(model, revision)
     if os.path.isdir(resolved):
         resolved = os.path.realpath(resolved)     # the same folder names the same model

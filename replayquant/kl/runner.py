@@ -111,6 +111,21 @@ def resolve_pair(spec):
                          f"`replayquant pairs` or the path of a pair YAML file") from None
 
 
+def check_pair_names(pairs) -> list[str]:
+    """The names of resolved pairs, refused (one ValueError) when two share a name (results are
+    keyed by name) or one is named 'reference' (the comparison's reference)."""
+    names = [str(getattr(p, "name", None) or pair_record(p).get("name")) for p in pairs]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"pair name(s) {', '.join(dup)} given more than once (results are kept by "
+                         f"pair name): drop the repeated --pair, or give the pair YAML another "
+                         f"name: line")
+    if "reference" in names:
+        raise ValueError("a pair is named 'reference', the name the KL results give the reference "
+                         "model: rename it (the name: line of its YAML, or the file's name)")
+    return names
+
+
 def patch_variant(model, pair, prefill: str, seed: int) -> Variant:
     """The model with `pair` patched in for the duration of `active()` (model-integration API)."""
     import replayquant
@@ -179,6 +194,8 @@ class SegmentRunner:
         for attr in ("final_logit_softcapping", "logit_scale"):
             if getattr(cfg, attr, None):
                 raise ValueError(f"models with {attr} are not supported by the KL harness")
+        from replayquant.models.families import lm_head_scale
+        self.head_scale = lm_head_scale(model)   # Falcon-H1 / Granite-4 scale the head's output
         self.cache_kw = _cache_kwarg(self.base)
         self.has_cache_position = "cache_position" in inspect.signature(self.base.forward).parameters
         self.device = self.head.weight.device
@@ -191,7 +208,8 @@ class SegmentRunner:
         return out.last_hidden_state[0], _out_cache(out)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(hidden.to(self.head.weight.device, self.head.weight.dtype))
+        out = self.head(hidden.to(self.head.weight.device, self.head.weight.dtype))
+        return out if self.head_scale == 1.0 else out * self.head_scale
 
 
 def default_lm_chunk(vocab: int) -> int:
@@ -255,12 +273,12 @@ def _paths(out: Path) -> tuple[Path, Path]:
     return out.with_suffix(".kl"), out.with_suffix(".png")
 
 
-def _writable_folder(folder: Path, out: Path) -> None:
-    """Raise ValueError unless a file can be created in `folder` or in the nearest folder above
-    it that exists (a trial file, removed at once: permissions alone do not tell, e.g. for root
-    on a read-only file system)."""
+def check_writable_folder(folder: Path, out) -> None:
+    """Raise ValueError (naming the --out value `out`) unless a file can be created in `folder`
+    or in the nearest folder above it that exists (a trial file, removed at once: permissions
+    alone do not tell, e.g. for root on a read-only file system)."""
     import tempfile
-    probe = folder
+    probe = Path(folder)
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     if not probe.is_dir():
@@ -296,9 +314,9 @@ def check_out(out: str | os.PathLike) -> Path:
     if png.is_dir():
         raise ValueError(f"--out {out}: {png} (where the plot goes) is a folder; move it away or "
                          f"give another --out")
-    _writable_folder(out.parent, out)
+    check_writable_folder(out.parent, out)
     if run_dir.is_dir():
-        _writable_folder(run_dir, out)
+        check_writable_folder(run_dir, out)
     return out
 
 
@@ -611,6 +629,7 @@ def run_kl(model, tokenizer, pairs: list, *, dataset: str, out: str | os.PathLik
                          f"(max_position_embeddings = {limit}); lower --context")
     out = check_out(out)
     resolved = [resolve_pair(p) for p in pairs]
+    check_pair_names(resolved)
     make_variant = make_variant or patch_variant
     tests = [make_variant(model, p, prefill, seed) for p in resolved]
     names = [v.name for v in tests]
