@@ -58,7 +58,10 @@ def pairs_cmd(
     """The shipped precision pairs (configs/pairs/) with read / anchor bytes per state element."""
     from rich.console import Console
 
+    from replayquant.formats.report import check_dims
     from replayquant.pairs import pairs_table
+    with _user_errors():
+        check_dims({"--d-v": d_v}, {"--d-k": d_k})
     Console(width=max(Console().width, 110)).print(pairs_table(d_k, d_v))
 
 
@@ -78,7 +81,7 @@ def drift_cmd(
     """Random-input drift of outputs and anchor against the FP32 recurrence, per pair."""
     from rich.console import Console
 
-    from replayquant.drift import drift_table, run_drift, write_drift
+    from replayquant.drift import drift_out_path, drift_table, run_drift, write_drift
     try:
         seed_list = [int(s) for s in seeds.split(",") if s.strip()]
     except ValueError:
@@ -86,9 +89,11 @@ def drift_cmd(
         raise typer.Exit(2)
     con = Console(stderr=True)
     with _user_errors():
+        drift_out_path(out, kind, steps)           # before any computing
         res = run_drift(kind, pair or None, steps=steps, seeds=seed_list, batch=batch, heads=heads,
                         d_k=d_k, d_v=d_v, conventional=conventional, progress=con.log)
-    path = write_drift(res, out)
+    with _user_errors():
+        path = write_drift(res, out)
     Console(width=max(Console().width, 170)).print(drift_table(res))
     typer.echo(f"wrote {path} and {path.with_suffix('.md')}")
 # --- end pairs and drift -----------------------------------------------------------------------
@@ -196,6 +201,9 @@ def bench_teacher_forcing_cmd(
     if part not in ("model", "layer", "all"):
         raise typer.BadParameter("--part must be model, layer or all")
     with _user_errors():
+        if device is not None:
+            from replayquant.models.device import check_device
+            check_device(device)
         if part in ("layer", "all"):
             tf.run_layer(out, tuple(int(x) for x in lengths.split(",") if x))
         if part in ("model", "all"):
@@ -220,7 +228,8 @@ def gpqa_cmd(
     seed: int = typer.Option(0, "--seed", help="stochastic-rounding seed and lm-eval's python seed (answer order)"),
     prefill: str = typer.Option("replay", "--prefill", help="replay | exact"),
     dtype: str = typer.Option("auto", "--dtype", help="auto | bfloat16 | float16 | float32"),
-    device: str = typer.Option(None, "--device", help="cuda, cuda:0, cpu (default: lm-eval's choice)"),
+    device: str = typer.Option(None, "--device", help="cuda, cuda:0, cpu (default: CUDA when present, "
+                               "else the CPU)"),
     batch_size: str = typer.Option("1", "--batch-size", help="integer or auto"),
     num_fewshot: int = typer.Option(None, "--num-fewshot", help="few-shot examples (n_shot tasks)"),
     max_gen_toks: int = typer.Option(None, "--max-gen-toks", help="generation budget of generative tasks"),
