@@ -1,0 +1,280 @@
+"""`replayquant sweep`: every (pair, L) in one KL run, with the bytes and memory each one costs.
+
+Variants: each `--pair` (a pair or a layer policy) at each `--buffer-len` L is one variant named
+`PAIR@LL` (e.g. `tp4_hi32@L8`; a policy gets L in every pair). All variants run as the pairs of
+one `replayquant kl` run (`kl_command`): the FP32-state reference and every variant in lockstep
+over the same documents, the reference's forward computed once per segment for all of them;
+the run is resumable as `kl` is (its files are NAME_kl.json, NAME_kl.kl/ and NAME_kl.png).
+
+Per variant the sweep file (NAME.json, kind `replayquant.sweep`) holds:
+* `kl`: the headline statistics of the KL run (`common.KL_FIGURES`) with `kl_unc` and
+  `kl_upper` (`common.kl_bound`: mean + the larger of the token-level and per-document
+  uncertainty);
+* `bytes_per_step`: HBM bytes per decode step of one sequence, summed over the model's
+  recurrent layers (`replayquant.statebytes`: read copy + ring entries + amortised flush =
+  `state`, plus the inputs / output `io` every step moves alike); a layer a policy keeps
+  `exact` counts as the FP32 conventional step;
+* `memory`: state memory per sequence (anchor + read copy + ring buffer of L entries);
+* `vs_fp32_conventional`: the FP32 conventional step's state bytes and memory over the
+  variant's (above 1: the variant moves / holds less);
+* `kernel` (with `--kernels`): measured microseconds per step (`replayquant.sweep.measured`);
+* `on_front`: on the Pareto front of state bytes per step against mean KL.
+NAME.png plots mean KL against state bytes per step (log-log; `replayquant.sweep.plot`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .common import (clean_name, fmt_bytes, kl_figures, kl_file_for, shapes_of_model, write_json)
+
+__all__ = ["SWEEP_KIND", "parse_buffer_lens", "sweep_variants", "layer_pairs", "variant_costs",
+           "pareto_front", "build_sweep", "sweep_command", "print_sweep"]
+
+SWEEP_KIND = "replayquant.sweep"
+SWEEP_VERSION = 1
+
+
+def parse_buffer_lens(text) -> list[int] | None:
+    """'4,8,16' -> [4, 8, 16]; None or '' -> None (each pair's own L)."""
+    if text is None or (isinstance(text, str) and not text.strip()):
+        return None
+    if isinstance(text, (list, tuple)):
+        items = list(text)
+    else:
+        items = [x.strip() for x in str(text).split(",") if x.strip()]
+    out = []
+    for x in items:
+        try:
+            v = int(x)
+        except (TypeError, ValueError):
+            raise ValueError(f"--buffer-len {text!r}: give comma-separated integers >= 1, e.g. "
+                             f"4,8,16,32") from None
+        if v < 1 or str(v) != str(x).strip().lstrip("+"):
+            raise ValueError(f"--buffer-len {text!r}: every L must be an integer >= 1 (got {x!r})")
+        if v in out:
+            raise ValueError(f"--buffer-len {text!r}: L = {v} is given twice")
+        out.append(v)
+    return out
+
+
+def sweep_variants(pairs, buffer_lens) -> list[dict]:
+    """[{"variant": pair or policy named BASE@LL, "base": BASE, "L": L, "spec": as given}]."""
+    from replayquant.kl.runner import resolve_pair
+    from replayquant.policy import LayerPolicy
+    if not pairs:
+        raise ValueError("give at least one --pair")
+    out, names = [], set()
+    for spec in pairs:
+        p = resolve_pair(spec)
+        base = clean_name(p.label() if hasattr(p, "label") else spec)
+        Ls = buffer_lens or [p.buffer_len]
+        if any(L is None for L in Ls):
+            raise ValueError(f"--pair {spec}: the policy's pairs have different buffer lengths; "
+                             f"give --buffer-len")
+        for L in Ls:
+            name = f"{base}@L{L}"
+            if name in names:
+                raise ValueError(f"variant {name} comes twice (a --pair given twice?)")
+            names.add(name)
+            if isinstance(p, LayerPolicy):
+                v = p.with_buffer_len(L, name=name)
+            else:
+                from replayquant.pairs import PrecisionPair
+                v = PrecisionPair(p.read, p.anchor, L, name, p.description)
+            out.append({"variant": v, "base": base, "L": L, "spec": str(spec)})
+    return out
+
+
+def layer_pairs(variant, shapes) -> list:
+    """[(LayerShape, PrecisionPair or None)] of a variant: None where a policy keeps a layer
+    `exact` (counted as the FP32 conventional step)."""
+    from replayquant.policy import EXACT, LayerPolicy
+    if isinstance(variant, LayerPolicy):
+        assigned = variant.assign([(s.name, s.index) for s in shapes])
+        return [(s, None if p == EXACT else p) for s, p in zip(shapes, assigned)]
+    return [(s, variant) for s in shapes]
+
+
+def variant_costs(variant, shapes):
+    """(StepBytes, MemoryBytes) per sequence of a variant, summed over the layers."""
+    from replayquant import statebytes as sb
+    b, m = sb.StepBytes(), sb.MemoryBytes()
+    for s, p in layer_pairs(variant, shapes):
+        if p is None:
+            b, m = b + sb.layer_conventional_bytes(s), m + sb.layer_conventional_memory(s)
+        else:
+            b, m = b + sb.layer_step_bytes(s, p), m + sb.layer_memory_bytes(s, p)
+    return b, m
+
+
+def pareto_front(points: list[tuple[str, float, float]]) -> list[str]:
+    """Names on the front of (name, bytes, KL): no other point has fewer or equal bytes and a
+    lower KL. In bytes order. A negative mean KL (float noise around 0, e.g. the shared FP32
+    pair) counts as 0, so noise does not put a costlier exact variant on the front."""
+    front, best = [], float("inf")
+    for name, b, kl in sorted(((n, b, max(k, 0.0)) for n, b, k in points),
+                              key=lambda t: (t[1], t[2])):
+        if kl < best:
+            front.append(name)
+            best = kl
+    return front
+
+
+def build_sweep(kl_res: dict, variants: list[dict], shapes, kl_path: Path, settings: dict,
+                kern: dict | None = None, kernels_path=None, batch: int = 256) -> dict:
+    """The sweep record from a KL results dict and the variants it ran."""
+    from replayquant import statebytes as sb
+    from replayquant.provenance import provenance
+
+    from . import measured
+    conv_b, conv_m = sb.model_conventional(shapes)
+    conv = {"name": "fp32-conventional", "bytes_per_step": conv_b.to_dict(),
+            "memory": conv_m.to_dict(),
+            "note": "read-modify-write of an FP32 state every step: what serving engines do "
+                    "today, and exact FP32 state (KL 0 against the reference)"}
+    if kern is not None:
+        conv["kernel"] = measured.conventional_us(kern, shapes, batch)
+    rows = []
+    for v in variants:
+        var = v["variant"]
+        name = var.name
+        stats = (kl_res.get("results") or {}).get(name)
+        b, m = variant_costs(var, shapes)
+        row = {"name": name, "base": v["base"], "buffer_len": v["L"], "spec": v["spec"],
+               "pair": var.to_dict(), "kl": None if stats is None else kl_figures(stats),
+               "bytes_per_step": b.to_dict(), "memory": m.to_dict(),
+               "vs_fp32_conventional": {"state_bytes": conv_b.state / b.state if b.state else None,
+                                        "total_bytes": conv_b.total / b.total if b.total else None,
+                                        "memory": conv_m.total / m.total if m.total else None}}
+        if kern is not None:
+            k = measured.variant_us(kern, layer_pairs(var, shapes), batch)
+            cu = conv["kernel"].get("us_per_step")
+            k["speedup_vs_fp32_conventional"] = (cu / k["us_per_step"] if cu and k.get("us_per_step")
+                                                 else None)
+            row["kernel"] = k
+        rows.append(row)
+    pts = [(r["name"], r["bytes_per_step"]["state"], r["kl"]["kl_mean"]) for r in rows if r["kl"]]
+    front = pareto_front(pts)
+    for r in rows:
+        r["on_front"] = r["name"] in front
+    return {
+        "kind": SWEEP_KIND, "version": SWEEP_VERSION,
+        "complete": bool(kl_res.get("complete")),
+        "documents_done": kl_res.get("documents_done"),
+        "documents_planned": kl_res.get("documents_planned"),
+        "model": kl_res["config"]["model"],
+        "settings": settings,
+        "layers": [s.to_dict() for s in shapes],
+        "kl_results": kl_path.name,
+        "conventional_fp32": conv,
+        "kernels": None if kern is None else {**measured.kernels_record(kern, kernels_path),
+                                              "batch_requested": batch},
+        "front": front,
+        "variants": rows,
+        "provenance": provenance(kl_results=str(kl_path), kl_git_commit=kl_res.get("provenance", {})
+                                 .get("git_commit"), **{k: v for k, v in settings.items()
+                                                        if k not in ("progress",)}),
+    }
+
+
+def default_out(model: str, bases: list[str], buffer_lens, context: int) -> Path:
+    pairs = "+".join(bases) if len(bases) <= 3 else f"{len(bases)}pairs"
+    Ls = "-".join(map(str, buffer_lens)) if buffer_lens else "own"
+    return Path("build/sweep") / f"{clean_name(Path(model).name)}_{pairs}_L{Ls}_ctx{context}.json"
+
+
+def check_sweep_out(out) -> Path:
+    """The sweep file's path: NAME.json, not a folder (the KL run's files go beside it)."""
+    p = Path(os.path.expanduser(str(out)))
+    if p.suffix.lower() != ".json":
+        raise ValueError(f"--out {out}: the sweep file must end in .json (NAME.png and the KL run's "
+                         f"NAME_kl.* go beside it); give e.g. --out {p.with_suffix('.json')}")
+    if p.is_dir():
+        raise ValueError(f"--out {out} is a folder; give a file name, e.g. --out {p / 'sweep.json'}")
+    return p
+
+
+def sweep_command(model: str, pairs: list, buffer_lens=None, *, kernels: str | None = None,
+                  batch: int = 256, out: str | None = None, plot: bool = True, console=None,
+                  **kl_args) -> dict | None:
+    """Everything `replayquant sweep` does; returns the sweep dict (None on ranks > 0).
+    kl_args go to `replayquant.kl.command.kl_command` (dataset, context, docs, segment, prefill,
+    dtype, device_map, seed, reference, progress, ...)."""
+    from rich.console import Console
+
+    from replayquant.kl.command import kl_command
+
+    from . import measured
+    Ls = parse_buffer_lens(buffer_lens)
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"--batch must be an integer >= 1, got {batch!r}")
+    variants = sweep_variants(pairs, Ls)
+    kern = measured.load_kernels(kernels) if kernels else None
+    context = kl_args.get("context", 131072)
+    bases = list(dict.fromkeys(v["base"] for v in variants))
+    out_path = check_sweep_out(out or default_out(model, bases, Ls, context))
+    shapes, *_ = shapes_of_model(model, kl_args.get("revision"))
+    for v in variants:                      # a policy's layer errors before any weights load
+        layer_pairs(v["variant"], shapes)
+    kl_path = kl_file_for(out_path)
+    res = kl_command(model, [v["variant"] for v in variants], out=str(kl_path), **kl_args)
+    if res is None:
+        return None
+    settings = {"model_arg": model, "pairs": [str(p) for p in pairs], "buffer_lens": Ls,
+                "batch": batch, **{k: v for k, v in kl_args.items()}}
+    sw = build_sweep(res, variants, shapes, kl_path, settings, kern, kernels, batch)
+    write_json(out_path, sw)
+    if plot:
+        from .plot import plot_sweep
+        plot_sweep(sw, out_path.with_suffix(".png"))
+    print_sweep(sw, console)
+    Console(stderr=True).print(f"wrote {out_path} and {out_path.with_suffix('.png')}")
+    return sw
+
+
+def _sci(x, digits=2):
+    return "-" if x is None else f"{x:.{digits}e}"
+
+
+def print_sweep(sw: dict, console=None) -> None:
+    """The sweep table (bytes order) and the front."""
+    from rich.console import Console
+    from rich.table import Table
+    console = console or Console(width=max(Console().width, 124))   # no number cut at 80 columns
+    conv = sw["conventional_fp32"]
+    has_k = sw.get("kernels") is not None
+    t = Table(title=f"sweep: state bytes per decode step and sequence ({len(sw['layers'])} recurrent "
+                    f"layers) against KL; FP32 conventional step "
+                    f"{fmt_bytes(conv['bytes_per_step']['state'])}, memory "
+                    f"{fmt_bytes(conv['memory']['total'])}", title_justify="left")
+    cols = ["variant", "bytes/step", "FP32/this", "memory", "FP32/this", "KL mean", "KL upper",
+            "top-1 %"]
+    if has_k:
+        cols += ["us/step", "speedup"]
+    cols.append("front")
+    for c in cols:
+        t.add_column(c, justify="left" if c == "variant" else "right", no_wrap=True)
+    rows = sorted(sw["variants"], key=lambda r: (r["bytes_per_step"]["state"], r["name"]))
+    for r in rows:
+        kl, vs = r["kl"] or {}, r["vs_fp32_conventional"]
+        line = [r["name"], fmt_bytes(r["bytes_per_step"]["state"]), f"{vs['state_bytes']:.2f}",
+                fmt_bytes(r["memory"]["total"]), f"{vs['memory']:.2f}", _sci(kl.get("kl_mean")),
+                _sci(kl.get("kl_upper")),
+                "-" if kl.get("same_top") is None else f"{100 * kl['same_top']:.1f}"]
+        if has_k:
+            k = r.get("kernel") or {}
+            line += ["-" if k.get("us_per_step") is None else f"{k['us_per_step']:.1f}",
+                     "-" if k.get("speedup_vs_fp32_conventional") is None
+                     else f"{k['speedup_vs_fp32_conventional']:.2f}"]
+        line.append("*" if r["on_front"] else "")
+        t.add_row(*line)
+    console.print(t)
+    if has_k:
+        ks = sw["kernels"]
+        console.print(f"us/step: {ks.get('device')} kernels grid {ks.get('file')} at the batch nearest "
+                      f"{ks['batch_requested']}, each layer timed at the grid's shape of its kind "
+                      f"(not scaled to this model's); speedup over the FP32 conventional step's "
+                      f"{conv['kernel'].get('us_per_step') or float('nan'):.1f} us")
+    console.print("Pareto front (fewest bytes first): " + " -> ".join(sw["front"]))

@@ -1,0 +1,108 @@
+"""Pieces the sweep, sensitivity and recommend commands share."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+__all__ = ["kl_bound", "kl_figures", "load_json_kind", "shapes_of_model", "fmt_bytes",
+           "pair_formats", "clean_name", "write_json", "kl_file_for", "KL_FIGURES"]
+
+# the KL statistics a sweep / sensitivity file keeps per variant (the KL run's file has them all)
+KL_FIGURES = ("n_tokens", "n_documents", "kl_mean", "kl_mean_unc", "kl_mean_unc_docs", "kl_median",
+              "kl_max", "same_top", "same_top_unc", "ppl_ratio", "ppl_ratio_unc", "ln_ppl_ratio",
+              "ln_ppl_ratio_unc", "dp_rms")
+
+
+def kl_bound(stats: dict) -> tuple[float, float, float]:
+    """(mean, uncertainty, upper bound) of a variant's mean KL. The uncertainty is the larger of
+    the token-level one (tokens taken as independent, as llama.cpp does) and the standard error
+    over documents (where there are two or more): the token-level figure alone is too small for
+    long documents whose tokens are correlated. Budgets compare the upper bound."""
+    mean = float(stats["kl_mean"])
+    uncs = [stats.get("kl_mean_unc"), stats.get("kl_mean_unc_docs")]
+    unc = max((float(u) for u in uncs if u is not None and math.isfinite(float(u))), default=0.0)
+    return mean, unc, mean + unc
+
+
+def kl_figures(stats: dict) -> dict:
+    """The headline KL statistics of one variant plus its uncertainty and upper bound."""
+    out = {k: stats.get(k) for k in KL_FIGURES}
+    mean, unc, upper = kl_bound(stats)
+    out.update(kl_unc=unc, kl_upper=upper)
+    return out
+
+
+def load_json_kind(path, kind: str, writer: str) -> dict:
+    """A results file of `kind`, with one ValueError naming the command that writes it."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"{path}: no such file (give the JSON that `{writer}` writes)")
+    try:
+        obj = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not a JSON file ({e}); give the JSON that `{writer}` writes") from None
+    if not isinstance(obj, dict) or obj.get("kind") != kind:
+        got = obj.get("kind") if isinstance(obj, dict) else type(obj).__name__
+        raise ValueError(f"{path}: not a {kind} file (kind {got!r}); give the JSON that "
+                         f"`{writer}` writes")
+    return obj
+
+
+def shapes_of_model(model: str, revision: str | None = None):
+    """(LayerShapes of the recurrent layers, tokenizer, config, resolved name) of a model without
+    loading its weights: the model is built from its config on the meta device."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from replayquant.kl.command import load_tokenizer_and_config
+    from replayquant.statebytes import layer_shapes
+    tok, cfg, resolved = load_tokenizer_and_config(model, revision)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(cfg)
+    shapes = layer_shapes(meta)
+    if not shapes:
+        raise ValueError(f"{model}: the model has no recurrent layer replayquant can patch (Gated "
+                         f"DeltaNet or Mamba-2); there is no recurrent state to sweep")
+    return shapes, meta, tok, cfg, resolved
+
+
+def fmt_bytes(b) -> str:
+    """Bytes with a binary prefix (B, KiB, MiB, GiB)."""
+    if b is None:
+        return "-"
+    b = float(b)
+    for unit, div in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if abs(b) >= div:
+            return f"{b / div:.3g} {unit}"
+    return f"{b:.0f} B"
+
+
+def pair_formats(pair) -> tuple:
+    """What a pair stores, without its name and L: ((read format, rounding) or None, (anchor
+    format, rounding))."""
+    r = None if pair.read is None else (pair.read.format, pair.read.rounding)
+    return r, (pair.anchor.format, pair.anchor.rounding)
+
+
+def clean_name(s) -> str:
+    s = str(s)
+    if s.endswith((".yaml", ".yml")):
+        s = Path(s).stem
+    return re.sub(r"[^A-Za-z0-9._@-]+", "-", s).strip("-")
+
+
+def kl_file_for(out: Path, k: int | None = None) -> Path:
+    """Where the KL run of a sweep / sensitivity file NAME.json writes: NAME_kl.json (pass k:
+    NAME_klK.json)."""
+    return out.with_name(f"{out.stem}_kl{'' if k is None else k}.json")
+
+
+def write_json(path: Path, obj: dict) -> None:
+    import os
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(obj, indent=1, allow_nan=True) + "\n")
+    os.replace(tmp, path)

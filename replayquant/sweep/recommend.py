@@ -1,0 +1,392 @@
+"""`replayquant recommend`: the cheapest variant of a sweep within the budgets, or a layer policy
+built from a sensitivity run and measured.
+
+From a sweep (`recommend SWEEP.json --kl-budget B`): a variant fits when its KL upper bound
+(`kl_bound`: mean + uncertainty) is at most B, and, where given, its state bytes per step at most
+`--max-bytes`, its state memory per sequence at most `--max-memory`, and its GPQA-Diamond drop
+against the GPQA run's first pair at most `--gpqa-budget` points at the upper end of its paired
+uncertainty (`--gpqa SUMMARY.json`, matched to variants by formats and L, in every task of the
+summary). The cheapest fitting variant (fewest state bytes per step; then less memory, then
+lower KL) is the recommendation, the next one the runner-up. When nothing fits, `NoFit` names
+the closest variant (the one that misses its budgets by the smallest factor) and by how much.
+
+From a sensitivity run (`recommend --per-layer SENSITIVITY.json --kl-budget B`): every layer
+starts with the cheaper pair (`--low`); layers move to the other pair (`--high`) in the order of
+how much KL that takes off (single-layer KL of low minus high, largest first) until the
+predicted KL fits. The prediction adds the single-layer figures (mean, and upper bounds for the
+budget), which assumes the layers' errors add; the sensitivity file's `sum_vs_all` shows how
+well that held for one pair on every layer. The policy is then measured with the KL harness on
+the same documents and settings as the sensitivity run, and the measurement is reported beside
+the prediction; a measured upper bound over the budget is reported as such (exit 1 on the
+command line).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from .common import fmt_bytes, kl_bound, kl_figures, kl_file_for, load_json_kind, write_json
+
+__all__ = ["NoFit", "recommend", "print_recommendation", "build_policy", "recommend_per_layer",
+           "print_per_layer", "RECOMMEND_KIND", "PER_LAYER_KIND"]
+
+RECOMMEND_KIND = "replayquant.recommendation"
+PER_LAYER_KIND = "replayquant.per_layer_recommendation"
+
+
+class NoFit(Exception):
+    """No variant (or no layer policy) within the budgets; the message names the closest."""
+
+
+def _positive(name, v, zero_ok=False):
+    if v is None:
+        return
+    try:
+        ok = math.isfinite(float(v)) and (float(v) >= 0 if zero_ok else float(v) > 0)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"{name} must be a {'non-negative' if zero_ok else 'positive'} number, "
+                         f"got {v!r}")
+
+
+def _strip(d):
+    """A pair / policy record without names and descriptions (what it stores, for matching)."""
+    if isinstance(d, dict):
+        return {k: _strip(v) for k, v in d.items() if k not in ("name", "description")}
+    if isinstance(d, list):
+        return [_strip(v) for v in d]
+    return d
+
+
+def gpqa_drops(summary: dict) -> dict:
+    """{canonical pair record: {"label", "drop_pts", "drop_upper_pts", "tasks"}} from a GPQA
+    summary's primary rows: the largest drop over its tasks, in percentage points, against the
+    summary's first pair, at the upper end of the paired uncertainty."""
+    import json
+    by_label = {p["label"]: p for p in summary.get("pairs", [])}
+    out = {}
+    for label, p in by_label.items():
+        rows = [r for r in summary.get("rows", []) if r.get("pair") == label and r.get("primary")]
+        if not rows or any(r.get("delta") is None for r in rows):
+            continue
+        drops = [(-100 * r["delta"], 100 * (r.get("delta_stderr") or 0.0), r["task"]) for r in rows]
+        worst = max(drops, key=lambda t: t[0] + t[1])
+        out[json.dumps(_strip(p["pair"]), sort_keys=True)] = {
+            "label": label, "drop_pts": worst[0], "drop_upper_pts": worst[0] + worst[1],
+            "tasks": sorted(t for _, _, t in drops), "reference_pair": summary.get("reference_pair")}
+    return out
+
+
+def _gpqa_of(variant: dict, drops: dict):
+    import json
+    return drops.get(json.dumps(_strip(variant["pair"]), sort_keys=True))
+
+
+def _summary(v: dict, conv: dict, gq=None) -> dict:
+    mean, unc, upper = v["kl"]["kl_mean"], v["kl"]["kl_unc"], v["kl"]["kl_upper"]
+    out = {"name": v["name"], "kl_mean": mean, "kl_unc": unc, "kl_upper": upper,
+           "same_top": v["kl"].get("same_top"),
+           "bytes_per_step": v["bytes_per_step"]["state"], "memory": v["memory"]["total"],
+           "fp32_conventional_bytes_per_step": conv["bytes_per_step"]["state"],
+           "fp32_conventional_memory": conv["memory"]["total"],
+           "bytes_saving": v["vs_fp32_conventional"]["state_bytes"],
+           "memory_saving": v["vs_fp32_conventional"]["memory"], "pair": v["pair"]}
+    k = v.get("kernel")
+    if k is not None:
+        out["kernel_us_per_step"] = k.get("us_per_step")
+        out["kernel_speedup"] = k.get("speedup_vs_fp32_conventional")
+        out["kernel_batch"] = k.get("batch")
+    if gq is not None:
+        out["gpqa"] = gq
+    return out
+
+
+def recommend(sweep: dict, kl_budget: float, max_bytes: float | None = None,
+              max_memory: float | None = None, gpqa: dict | None = None,
+              gpqa_budget: float | None = None, source: str = "") -> dict:
+    """The recommendation dict for a sweep dict; raises NoFit when nothing fits."""
+    from replayquant.provenance import provenance
+    _positive("--kl-budget", kl_budget)
+    _positive("--max-bytes", max_bytes)
+    _positive("--max-memory", max_memory)
+    _positive("--gpqa-budget", gpqa_budget, zero_ok=True)
+    if (gpqa is None) != (gpqa_budget is None):
+        raise ValueError("--gpqa and --gpqa-budget go together: give the GPQA summary and the "
+                         "largest accuracy drop in points you accept (e.g. --gpqa-budget 1.0)")
+    conv = sweep["conventional_fp32"]
+    measured = [v for v in sweep["variants"] if v.get("kl")]
+    if not measured:
+        raise ValueError(f"{source or 'the sweep'} holds no measured variant (no document finished); "
+                         f"run the sweep to the end first")
+    drops = gpqa_drops(gpqa) if gpqa is not None else None
+    no_gpqa = [v["name"] for v in measured if drops is not None and _gpqa_of(v, drops) is None]
+    pool = [v for v in measured if v["name"] not in no_gpqa]
+
+    def misses(v) -> dict:
+        """{constraint: value / limit} for every limit the variant exceeds."""
+        m = {}
+        if v["kl"]["kl_upper"] > kl_budget:
+            m["kl"] = v["kl"]["kl_upper"] / kl_budget
+        if max_bytes is not None and v["bytes_per_step"]["state"] > max_bytes:
+            m["bytes"] = v["bytes_per_step"]["state"] / max_bytes
+        if max_memory is not None and v["memory"]["total"] > max_memory:
+            m["memory"] = v["memory"]["total"] / max_memory
+        if drops is not None:
+            g = _gpqa_of(v, drops)
+            if g["drop_upper_pts"] > gpqa_budget:
+                m["gpqa"] = (g["drop_upper_pts"] - gpqa_budget)
+        return m
+
+    def cost(v):
+        return (v["bytes_per_step"]["state"], v["memory"]["total"], v["kl"]["kl_upper"], v["name"])
+
+    fits = sorted((v for v in pool if not misses(v)), key=cost)
+    budgets = {"kl_budget": kl_budget, "max_bytes": max_bytes, "max_memory": max_memory,
+               "gpqa_budget_pts": gpqa_budget}
+    if not fits:
+        if not pool:
+            raise NoFit(f"no variant of {source or 'the sweep'} has a GPQA result in the summary "
+                        f"given ({', '.join(no_gpqa)}); run `replayquant gpqa` with the swept "
+                        f"pairs and buffer lengths")
+        closest = min(pool, key=lambda v: (max(_excess(k, x) for k, x in misses(v).items()), cost(v)))
+        raise NoFit(_no_fit_message(closest, misses(closest), budgets, gpqa_of=(
+            None if drops is None else _gpqa_of(closest, drops))))
+    best = fits[0]
+    gq = (lambda v: None if drops is None else _gpqa_of(v, drops))
+    return {
+        "kind": RECOMMEND_KIND, "version": 1, "sweep": source, "model": sweep.get("model"),
+        "budgets": budgets,
+        "recommended": _summary(best, conv, gq(best)),
+        "runner_up": None if len(fits) < 2 else _summary(fits[1], conv, gq(fits[1])),
+        "fitting": [v["name"] for v in fits],
+        "not_fitting": {v["name"]: misses(v) for v in pool if misses(v)},
+        "without_gpqa_result": no_gpqa,
+        "front": sweep.get("front"),
+        "provenance": provenance(sweep=source, **budgets),
+    }
+
+
+def _excess(kind: str, x: float) -> float:
+    """How far over a limit, comparable across kinds: a factor for KL, bytes and memory, and
+    1 + points over for GPQA."""
+    return 1.0 + x if kind == "gpqa" else x
+
+
+def _no_fit_message(v, miss, budgets, gpqa_of=None) -> str:
+    parts = []
+    if "kl" in miss:
+        parts.append(f"its KL upper bound {v['kl']['kl_upper']:.3g} (mean {v['kl']['kl_mean']:.3g} "
+                     f"+ {v['kl']['kl_unc']:.2g}) is {miss['kl']:.3g}x the budget "
+                     f"{budgets['kl_budget']:.3g}")
+    if "bytes" in miss:
+        parts.append(f"its {fmt_bytes(v['bytes_per_step']['state'])} per step are {miss['bytes']:.3g}x "
+                     f"--max-bytes {budgets['max_bytes']:.6g}")
+    if "memory" in miss:
+        parts.append(f"its {fmt_bytes(v['memory']['total'])} of state memory are {miss['memory']:.3g}x "
+                     f"--max-memory {budgets['max_memory']:.6g}")
+    if "gpqa" in miss:
+        parts.append(f"its GPQA drop reaches {gpqa_of['drop_upper_pts']:.2f} points (budget "
+                     f"{budgets['gpqa_budget_pts']:.2f})")
+    return (f"no variant fits the budgets; the closest is {v['name']}: " + "; ".join(parts) +
+            ". Raise the budget, or sweep higher-precision pairs / other buffer lengths")
+
+
+def _ratio_text(saving: float | None, what: str) -> str:
+    if saving is None:
+        return ""
+    if saving >= 1:
+        return f"{saving:.2f}x less {what} than the FP32 conventional step"
+    return f"{1 / saving:.2f}x the FP32 conventional step's {what}"
+
+
+def _line(s: dict) -> str:
+    text = (f"{s['name']}: KL {s['kl_mean']:.3g} ± {s['kl_unc']:.2g} (upper {s['kl_upper']:.3g}); "
+            f"{fmt_bytes(s['bytes_per_step'])} of state per decode step and sequence, "
+            f"{_ratio_text(s['bytes_saving'], 'traffic')} "
+            f"({fmt_bytes(s['fp32_conventional_bytes_per_step'])}); memory "
+            f"{fmt_bytes(s['memory'])}, {_ratio_text(s['memory_saving'], 'memory')} "
+            f"({fmt_bytes(s['fp32_conventional_memory'])})")
+    if s.get("kernel_us_per_step") is not None:
+        text += (f"; measured {s['kernel_us_per_step']:.1f} us per step at B = {s['kernel_batch']}"
+                 + ("" if s.get("kernel_speedup") is None
+                    else f", {s['kernel_speedup']:.2f}x the FP32 conventional step's speed"))
+    if s.get("gpqa"):
+        g = s["gpqa"]
+        text += (f"; GPQA drop {g['drop_pts']:+.2f} points (upper {g['drop_upper_pts']:.2f}) "
+                 f"against {g['reference_pair']}")
+    return text
+
+
+def print_recommendation(rec: dict, console=None) -> None:
+    from rich.console import Console
+    console = console or Console(width=max(Console().width, 124))
+    b = rec["budgets"]
+    lim = [f"KL upper bound <= {b['kl_budget']:.3g}"]
+    if b.get("max_bytes") is not None:
+        lim.append(f"<= {fmt_bytes(b['max_bytes'])} per step")
+    if b.get("max_memory") is not None:
+        lim.append(f"<= {fmt_bytes(b['max_memory'])} memory")
+    if b.get("gpqa_budget_pts") is not None:
+        lim.append(f"GPQA drop <= {b['gpqa_budget_pts']:.2f} points")
+    console.print(f"{len(rec['fitting'])} variant(s) fit ({', '.join(lim)}).", soft_wrap=True)
+    console.print("[bold]recommended[/bold] " + _line(rec["recommended"]), soft_wrap=True)
+    if rec["runner_up"] is not None:
+        console.print("runner-up " + _line(rec["runner_up"]), soft_wrap=True)
+    if rec.get("without_gpqa_result"):
+        console.print(f"not considered (no GPQA result): {', '.join(rec['without_gpqa_result'])}",
+                      soft_wrap=True)
+
+
+# ============================================================ per-layer policies
+
+def _pair_costs(sens: dict, name: str):
+    from replayquant.pairs import PrecisionPair
+    from replayquant.statebytes import LayerShape, layer_step_bytes
+    rec = next(p for p in sens["pairs"] if p["name"] == name)
+    pair = PrecisionPair.from_dict(rec, source=f"pair {name} of the sensitivity file")
+    shapes = [LayerShape.from_dict(s) for s in sens["layers"]]
+    return pair, {s.index: layer_step_bytes(s, pair).state for s in shapes}
+
+
+def build_policy(sens: dict, kl_budget: float, low: str | None = None, high: str | None = None):
+    """(LayerPolicy, plan dict) from a sensitivity dict: the cheapest assignment of `low` /
+    `high` per layer (most KL removed first) whose predicted KL upper bound fits the budget.
+    Raises NoFit when even every layer at `high` is predicted over the budget."""
+    from replayquant.policy import LayerPolicy, Override
+    _positive("--kl-budget", kl_budget)
+    names = list(sens["per_layer"])
+    if len(names) < 2:
+        raise ValueError(f"the sensitivity file measured one pair ({names[0]}); a layer policy needs "
+                         f"two: run `replayquant sensitivity` with --pair LOW --pair HIGH")
+    costs = {n: _pair_costs(sens, n) for n in names}
+    total = {n: sum(c[1].values()) for n, c in costs.items()}
+    if low is None and high is None and len(names) > 2:
+        raise ValueError(f"the sensitivity file measured {len(names)} pairs ({', '.join(names)}); "
+                         f"choose two with --low and --high")
+    low = low or min(names, key=lambda n: total[n])
+    high = high or max((n for n in names if n != low), key=lambda n: total[n])
+    for flag, n in (("--low", low), ("--high", high)):
+        if n not in names:
+            raise ValueError(f"{flag} {n}: not measured in the sensitivity file (it has "
+                             f"{', '.join(names)})")
+    if low == high:
+        raise ValueError(f"--low and --high are both {low}; give two different pairs")
+    lo = {r["index"]: r for r in sens["per_layer"][low]}
+    hi = {r["index"]: r for r in sens["per_layer"][high]}
+    order = sorted(lo, key=lambda i: -(lo[i]["kl"]["kl_mean"] - hi[i]["kl"]["kl_mean"]))
+
+    def predict(up: set):
+        rows = [hi[i] if i in up else lo[i] for i in lo]
+        return (sum(r["kl"]["kl_mean"] for r in rows), sum(r["kl"]["kl_upper"] for r in rows))
+
+    up: list[int] = []
+    mean, upper = predict(set())
+    for i in order:
+        if upper <= kl_budget:
+            break
+        up.append(i)
+        mean, upper = predict(set(up))
+    if upper > kl_budget:
+        raise NoFit(f"no layer policy of {low} and {high} is predicted within the KL budget "
+                    f"{kl_budget:.3g}: with every layer at {high} the predicted KL upper bound is "
+                    f"{upper:.3g} (sum of single-layer upper bounds, mean {mean:.3g}); raise the "
+                    f"budget or measure a higher-precision pair as --high")
+    low_pair, high_pair = costs[low][0], costs[high][0]
+    name = f"{low}+{high}_kl{kl_budget:.0e}"
+    overrides = (Override(high_pair, tuple(sorted(up)), None),) if up else ()
+    policy = LayerPolicy(low_pair, overrides, name,
+                         f"{low} on every recurrent layer, {high} on the {len(up)} layer(s) whose "
+                         f"single-layer KL it lowers most, for a predicted KL within {kl_budget:.3g}")
+    plan = {
+        "low": low, "high": high, "order": order, "upgraded": sorted(up),
+        "layers": [{"index": i, "name": lo[i]["name"], "pair": high if i in up else low,
+                    "kl_single_low": lo[i]["kl"]["kl_mean"], "kl_single_high": hi[i]["kl"]["kl_mean"],
+                    "kl_single_upper": (hi[i] if i in up else lo[i])["kl"]["kl_upper"]}
+                   for i in lo],
+        "predicted": {"kl_mean": mean, "kl_upper": upper,
+                      "how": "sum over layers of the single-layer KL of the pair each layer holds "
+                             "(upper: sum of the single-layer upper bounds)"},
+        "low_all_layers": sens["all_layers"][low], "high_all_layers": sens["all_layers"][high],
+    }
+    return policy, plan
+
+
+def recommend_per_layer(sens_path, kl_budget: float, low: str | None = None,
+                        high: str | None = None, out: str | None = None, progress: bool = True,
+                        device_map: str | None = None) -> dict | None:
+    """Build the policy (build_policy), measure it with the KL harness on the sensitivity run's
+    model, documents and settings, and write OUT.json beside the policy (OUT_policy.yaml) and
+    the KL run's files (OUT_kl.*). Returns the result dict (None on ranks > 0)."""
+    from replayquant import statebytes as sb
+    from replayquant.kl.command import kl_command
+    from replayquant.provenance import provenance
+
+    from .command import check_sweep_out, variant_costs
+    from .sensitivity import SENS_KIND
+    sens = load_json_kind(sens_path, SENS_KIND, "replayquant sensitivity")
+    policy, plan = build_policy(sens, kl_budget, low, high)
+    out_path = check_sweep_out(out or Path("build/recommend") / f"{Path(sens_path).stem}_"
+                               f"{policy.name}.json")
+    kl_path = kl_file_for(out_path)
+    yaml_path = out_path.with_name(out_path.stem + "_policy.yaml")
+    args = dict(sens["kl_args"])
+    model = args.pop("model")
+    args["progress"] = progress
+    if device_map is not None:
+        args["device_map"] = device_map
+    yaml_path.parent.mkdir(parents=True, exist_ok=True)
+    yaml_path.write_text(policy.to_yaml())
+    res = kl_command(model, [policy], out=str(kl_path), **args)
+    if res is None:
+        return None
+    stats = res["results"][policy.name]
+    measured = kl_figures(stats)
+    shapes = [sb.LayerShape.from_dict(s) for s in sens["layers"]]
+    conv_b, conv_m = sb.model_conventional(shapes)
+    costs = {}
+    for label, var in (("policy", policy), (plan["low"], _pair_costs(sens, plan["low"])[0]),
+                       (plan["high"], _pair_costs(sens, plan["high"])[0])):
+        b, m = variant_costs(var, shapes)
+        costs[label] = {"bytes_per_step": b.to_dict(), "memory": m.to_dict()}
+    costs["fp32_conventional"] = {"bytes_per_step": conv_b.to_dict(), "memory": conv_m.to_dict()}
+    result = {
+        "kind": PER_LAYER_KIND, "version": 1, "sensitivity": str(sens_path),
+        "model": sens["model"], "kl_budget": kl_budget,
+        "policy": policy.to_dict(), "policy_file": yaml_path.name, "plan": plan,
+        "predicted": plan["predicted"], "measured": measured,
+        "measured_fits": measured["kl_upper"] <= kl_budget,
+        "measured_over_predicted": (measured["kl_mean"] / plan["predicted"]["kl_mean"]
+                                    if plan["predicted"]["kl_mean"] > 0 else None),
+        "costs": costs, "kl_results": kl_path.name,
+        "provenance": provenance(sensitivity=str(sens_path), kl_budget=kl_budget, low=plan["low"],
+                                 high=plan["high"], kl_results=str(kl_path),
+                                 kl_git_commit=res.get("provenance", {}).get("git_commit")),
+    }
+    write_json(out_path, result)
+    print_per_layer(result)
+    from rich.console import Console
+    Console(stderr=True).print(f"wrote {out_path}, {yaml_path} and {kl_path}")
+    return result
+
+
+def print_per_layer(r: dict, console=None) -> None:
+    from rich.console import Console
+    console = console or Console(width=max(Console().width, 124))
+    plan, pr, me = r["plan"], r["predicted"], r["measured"]
+    c = r["costs"]
+    pb, conv = c["policy"]["bytes_per_step"]["state"], c["fp32_conventional"]["bytes_per_step"]["state"]
+    hb = c[plan["high"]]["bytes_per_step"]["state"]
+    up = plan["upgraded"]
+    console.print(f"layer policy {r['policy']['name']}: {plan['high']} on layer(s) "
+                  f"{up if up else 'none'}, {plan['low']} on the other "
+                  f"{len(plan['layers']) - len(up)}", soft_wrap=True)
+    console.print(f"  predicted KL {pr['kl_mean']:.3g} (upper {pr['kl_upper']:.3g}, sum of single-layer "
+                  f"KLs); measured {me['kl_mean']:.3g} ± {me['kl_unc']:.2g} (upper "
+                  f"{me['kl_upper']:.3g}), {r['measured_over_predicted'] or float('nan'):.2f}x the "
+                  f"prediction; budget {r['kl_budget']:.3g}: "
+                  + ("met" if r["measured_fits"] else "NOT met by the measurement"), soft_wrap=True)
+    console.print(f"  {fmt_bytes(pb)} of state per decode step and sequence: {conv / pb:.2f}x less than "
+                  f"the FP32 conventional step ({fmt_bytes(conv)}), {hb / pb:.2f}x less than "
+                  f"{plan['high']} on every layer ({fmt_bytes(hb)})", soft_wrap=True)

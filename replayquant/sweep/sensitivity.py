@@ -1,0 +1,173 @@
+"""`replayquant sensitivity`: how much KL each recurrent layer contributes when it alone holds a
+pair.
+
+For each pair P and each recurrent layer i, the variant `P@layerI` is a layer policy with P on
+layer i and every other layer `exact` (exact FP32 state, computed as the reference computes it),
+so its KL against the reference is what layer i's rounding costs on its own; the variant `P@all`
+holds P on every layer. All variants are the pairs of one KL run (`replayquant kl`'s harness:
+lockstep with the reference over the same documents, resumable); `--per-pass N` splits them
+into runs of N variants where the caches of all variants at once do not fit in memory (each run
+computes the reference again).
+
+Writes NAME.json (kind `replayquant.sensitivity`): per pair the layers with their single-layer
+KL figures and rank (1 = largest KL), the all-layers KL, and the sum of the single-layer means
+against it (`sum_vs_all`: a ratio near 1 says the layers' errors add); NAME.png (bars by layer,
+`replayquant.sweep.plot.plot_sensitivity`); the KL run's files NAME_kl.* (NAME_kl1.*, ... with
+--per-pass).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .common import clean_name, kl_figures, kl_file_for, shapes_of_model, write_json
+
+__all__ = ["SENS_KIND", "sensitivity_variants", "sensitivity_command", "print_sensitivity"]
+
+SENS_KIND = "replayquant.sensitivity"
+
+
+def _parse_layers(layers, shapes) -> list:
+    if layers is None or (isinstance(layers, str) and not layers.strip()):
+        return list(shapes)
+    items = layers.split(",") if isinstance(layers, str) else list(layers)
+    try:
+        idx = [int(str(x).strip()) for x in items if str(x).strip()]
+    except ValueError:
+        raise ValueError(f"--layers {layers!r}: give comma-separated layer indices, e.g. 0,1,4") from None
+    known = {s.index: s for s in shapes}
+    bad = [i for i in idx if i not in known]
+    if bad:
+        raise ValueError(f"--layers {layers!r}: {bad} are not recurrent layers of this model; its "
+                         f"recurrent layers are {', '.join(f'{s.index} ({s.name})' for s in shapes)}")
+    if len(set(idx)) != len(idx):
+        raise ValueError(f"--layers {layers!r}: a layer is given twice")
+    return [known[i] for i in idx]
+
+
+def sensitivity_variants(pairs, shapes, buffer_len: int | None = None) -> list[dict]:
+    """[{"variant", "pair": name, "layer": index or None for all layers}] for each pair."""
+    from replayquant.kl.runner import resolve_pair
+    from replayquant.pairs import PrecisionPair
+    from replayquant.policy import EXACT, LayerPolicy, Override
+    if not pairs:
+        raise ValueError("give at least one --pair")
+    out, seen = [], set()
+    for spec in pairs:
+        p = resolve_pair(spec)
+        if not isinstance(p, PrecisionPair):
+            raise ValueError(f"--pair {spec}: sensitivity measures one pair on one layer at a time; "
+                             f"give a precision pair, not a layer policy")
+        if buffer_len is not None:
+            p = p.with_buffer_len(buffer_len)
+        name = clean_name(p.label())
+        if name in seen:
+            raise ValueError(f"--pair {spec}: pair {name} is given twice")
+        seen.add(name)
+        p = PrecisionPair(p.read, p.anchor, p.buffer_len, name, p.description)
+        for s in shapes:
+            out.append({"variant": LayerPolicy(EXACT, (Override(p, (s.index,), None),),
+                                               f"{name}@layer{s.index}"),
+                        "pair": name, "layer": s.index, "record": p.to_dict()})
+        out.append({"variant": PrecisionPair(p.read, p.anchor, p.buffer_len, f"{name}@all",
+                                             p.description),
+                    "pair": name, "layer": None, "record": p.to_dict()})
+    return out
+
+
+def default_out(model: str, names: list[str], context: int) -> Path:
+    return Path("build/sensitivity") / f"{clean_name(Path(model).name)}_{'+'.join(names)}_ctx{context}.json"
+
+
+def sensitivity_command(model: str, pairs: list, *, buffer_len: int | None = None, layers=None,
+                        per_pass: int = 0, out: str | None = None, plot: bool = True,
+                        **kl_args) -> dict | None:
+    """Everything `replayquant sensitivity` does; returns the sensitivity dict (None on ranks > 0).
+    kl_args go to `replayquant.kl.command.kl_command`."""
+    from rich.console import Console
+
+    from replayquant.kl.command import kl_command
+    from replayquant.provenance import provenance
+
+    from .command import check_sweep_out
+    if buffer_len is not None and (isinstance(buffer_len, bool) or not isinstance(buffer_len, int)
+                                   or buffer_len < 1):
+        raise ValueError(f"--buffer-len must be an integer >= 1, got {buffer_len!r}")
+    if isinstance(per_pass, bool) or not isinstance(per_pass, int) or per_pass < 0:
+        raise ValueError(f"--per-pass must be an integer >= 0 (0: every variant in one pass), got "
+                         f"{per_pass!r}")
+    shapes, *_ = shapes_of_model(model, kl_args.get("revision"))
+    chosen = _parse_layers(layers, shapes)
+    variants = sensitivity_variants(pairs, chosen, buffer_len)
+    names = list(dict.fromkeys(v["pair"] for v in variants))
+    out_path = check_sweep_out(out or default_out(model, names, kl_args.get("context", 131072)))
+    n = per_pass or len(variants)
+    chunks = [variants[i:i + n] for i in range(0, len(variants), n)]
+    stats, kl_files, last = {}, [], None
+    for k, chunk in enumerate(chunks, start=1):
+        kl_path = kl_file_for(out_path, k if len(chunks) > 1 else None)
+        res = kl_command(model, [v["variant"] for v in chunk], out=str(kl_path), **kl_args)
+        if res is None:
+            return None
+        stats.update(res["results"])
+        kl_files.append(kl_path.name)
+        last = res
+    per_layer, all_layers, cmp = {}, {}, {}
+    for name in names:
+        rows = []
+        for v in variants:
+            if v["pair"] == name and v["layer"] is not None:
+                s = next(x for x in chosen if x.index == v["layer"])
+                rows.append({"index": s.index, "name": s.name, "kl": kl_figures(stats[v["variant"].name])})
+        for rank, r in enumerate(sorted(rows, key=lambda r: -r["kl"]["kl_mean"]), start=1):
+            r["rank"] = rank
+        per_layer[name] = rows
+        all_layers[name] = kl_figures(stats[f"{name}@all"])
+        total = sum(r["kl"]["kl_mean"] for r in rows)
+        cmp[name] = {"sum": total, "all": all_layers[name]["kl_mean"],
+                     "ratio": total / all_layers[name]["kl_mean"] if all_layers[name]["kl_mean"] else None,
+                     "layers_measured": len(rows), "layers_in_model": len(shapes)}
+    kl_args_rec = {"model": model, **{k: v for k, v in kl_args.items() if k != "progress"}}
+    sens = {
+        "kind": SENS_KIND, "version": 1,
+        "complete": bool(last.get("complete")), "documents_done": last.get("documents_done"),
+        "model": last["config"]["model"],
+        "settings": {"model_arg": model, "pairs": [str(p) for p in pairs], "buffer_len": buffer_len,
+                     "layers": [s.index for s in chosen], "per_pass": per_pass, **kl_args_rec},
+        "kl_args": kl_args_rec,
+        "layers": [s.to_dict() for s in shapes],
+        "pairs": [next(v["record"] for v in variants if v["pair"] == nm) for nm in names],
+        "per_layer": per_layer, "all_layers": all_layers, "sum_vs_all": cmp,
+        "kl_results": kl_files,
+        "provenance": provenance(kl_results=kl_files, kl_git_commit=last.get("provenance", {})
+                                 .get("git_commit"), **kl_args_rec),
+    }
+    write_json(out_path, sens)
+    if plot:
+        from .plot import plot_sensitivity
+        plot_sensitivity(sens, out_path.with_suffix(".png"))
+    print_sensitivity(sens)
+    Console(stderr=True).print(f"wrote {out_path} and {out_path.with_suffix('.png')}")
+    return sens
+
+
+def print_sensitivity(sens: dict, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    console = console or Console(width=max(Console().width, 100))
+    for name, rows in sens["per_layer"].items():
+        c = sens["sum_vs_all"][name]
+        t = Table(title=f"{name}: KL with only one layer holding the pair (others exact FP32), "
+                        f"ranked", title_justify="left")
+        for col in ("rank", "layer", "module", "KL mean", "± unc", "share of sum %", "top-1 %"):
+            t.add_column(col, justify="left" if col == "module" else "right", no_wrap=True)
+        for r in sorted(rows, key=lambda r: r["rank"]):
+            k = r["kl"]
+            t.add_row(str(r["rank"]), str(r["index"]), r["name"], f"{k['kl_mean']:.3g}",
+                      f"{k['kl_unc']:.2g}",
+                      f"{100 * k['kl_mean'] / c['sum']:.1f}" if c["sum"] else "-",
+                      "-" if k.get("same_top") is None else f"{100 * k['same_top']:.1f}")
+        console.print(t)
+        console.print(f"sum of the single-layer KLs {c['sum']:.3g} vs all {c['layers_in_model']} layers "
+                      f"at once {c['all']:.3g}" + ("" if c["ratio"] is None else
+                                                  f" (sum / all = {c['ratio']:.2f})"), soft_wrap=True)
