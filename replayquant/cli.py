@@ -146,10 +146,13 @@ def kl_cmd(
 @app.command("table")
 def table_cmd(
     files: list[str] = typer.Argument(..., help="results files (build/kl/*.json)"),
-    format: str = typer.Option("md", "--format", help="md | csv"),
+    format: str = typer.Option("md", "--format", help="md | csv (values and uncertainties in separate "
+                               "numeric columns) | llama (KL results: llama-perplexity --kl-divergence's "
+                               "text block per pair)"),
     by: str = typer.Option("pair", "--by", help="row order: pair | model"),
 ):
-    """One table from KL results files or GPQA summaries (build/gpqa/*/SUMMARY.json): pairs as rows."""
+    """One table from KL results files, GPQA summaries (build/gpqa/*/SUMMARY.json) or the lm-eval
+    results `replayquant lm-eval` / `replayquant gpqa` write: pairs as rows."""
     from replayquant.kl.report import render_table
     with _user_errors():
         from replayquant.gpqa.summary import table_for_files  # GPQA summaries (build/gpqa/*/SUMMARY.json)

@@ -319,3 +319,279 @@ def test_kl_cli_reads_a_builder_with_data_files_and_records_the_data(kl_run, tin
     # --dtype auto: the model's own dtype (saved float32), recorded as loaded
     assert res["config"]["model"]["dtype"] == "float32"
     assert res["results"]["s32_rs"]["kl_mean"] == 0 and res["results"]["f4_sr_rs"]["kl_mean"] > 0
+
+
+# ---------------------------------------------------------------- replayquant table
+
+def test_table_on_a_file_with_only_kind_and_version_is_one_clear_error(tmp_path):
+    f = tmp_path / "stub.json"
+    f.write_text(json.dumps({"kind": "replayquant.kl", "version": 1}))
+    code, text = _invoke(["table", f])
+    assert code == 2 and "Traceback" not in text and "KeyError" not in text
+    assert f"{f} says it is a KL results file" in text
+    assert "has no config, results, documents_done, documents_planned" in text
+    f.write_text(json.dumps({"kind": "replayquant.kl", "version": 1, "config": {"model": {}},
+                             "results": {}, "documents_done": 0, "documents_planned": 1}))
+    code, text = _invoke(["table", f, "--format", "llama"])
+    assert code == 2 and "has no config.pairs, config.prefill, config.context" in text
+    f.write_text(json.dumps({"results": {}, "config": {"model": "hf"}}))
+    code, text = _invoke(["table", f])
+    assert code == 2 and "lm-eval results file without replayquant's record" in text
+
+
+def test_table_csv_has_mean_and_uncertainty_in_separate_numeric_columns(kl_run):
+    import csv
+    code, text = _invoke(["table", kl_run["out"], "--format", "csv"])
+    assert code == 0, text
+    rows = {r["pair"]: r for r in csv.DictReader(text.splitlines())}
+    st = kl_run["res"]["results"]["f4_sr_rs"]
+    r = rows["f4_sr_rs"]
+    assert float(r["kl_mean"]) == st["kl_mean"] and float(r["kl_mean_unc"]) == st["kl_mean_unc"]
+    assert float(r["same_top_pct"]) == pytest.approx(100 * st["same_top"])
+    assert float(r["same_top_pct_unc"]) == pytest.approx(100 * st["same_top_unc"])
+    assert float(r["ppl_ratio_unc"]) == st["ppl_ratio_unc"] and float(r["dp_rms_pct"]) > 0
+    for row in rows.values():
+        for k, v in row.items():
+            assert "±" not in v, (k, v)
+    assert r["complete"] == "True" and r["documents_done"] == "2"
+
+
+def test_table_llama_prints_llama_cpp_block(kl_run):
+    import re
+    code, text = _invoke(["table", kl_run["out"], "--format", "llama"])
+    assert code == 0, text
+    blocks = text.split("# ")[1:]
+    assert [b.split(":", 1)[1].split(",")[0].strip() for b in blocks] == \
+        ["Q = pair s32_rs", "Q = pair f4_sr_rs", "Q = pair tp4_hi32"]
+    b = blocks[1].splitlines()[1:]
+    labels = [line.split(":")[0] for line in b if line]
+    assert labels == [
+        "====== Perplexity statistics ======", "Mean PPL(Q)                   ",
+        "Mean PPL(base)                ", "Cor(ln(PPL(Q)), ln(PPL(base)))", "Mean ln(PPL(Q)/PPL(base))     ",
+        "Mean PPL(Q)/PPL(base)         ", "Mean PPL(Q)-PPL(base)         ",
+        "====== KL divergence statistics ======", "Mean    KLD", "Maximum KLD", "99.9%   KLD",
+        "99.0%   KLD", "95.0%   KLD", "90.0%   KLD", "Median  KLD", "10.0%   KLD", " 5.0%   KLD",
+        " 1.0%   KLD", " 0.1%   KLD", "Minimum KLD", "====== Token probability statistics ======",
+        "Mean    Δp", "Maximum Δp", "99.9%   Δp", "99.0%   Δp", "95.0%   Δp", "90.0%   Δp", "75.0%   Δp",
+        "Median  Δp", "25.0%   Δp", "10.0%   Δp", " 5.0%   Δp", " 1.0%   Δp", " 0.1%   Δp", "Minimum Δp",
+        "RMS Δp    ", "Same top p"]
+    st = kl_run["res"]["results"]["f4_sr_rs"]
+    line = {ln.split(":")[0].strip(): ln.split(":", 1)[1] for ln in b if ":" in ln}
+    assert line["Mean    KLD"] == f" {st['kl_mean']:10.6f} ± {st['kl_mean_unc']:10.6f}"
+    assert line["Mean PPL(Q)-PPL(base)"] == f" {st['ppl_diff']:10.6f} ± {st['ppl_diff_unc']:10.6f}"
+    assert line["Cor(ln(PPL(Q)), ln(PPL(base)))"] == f" {100 * st['ln_ppl_cor']:6.2f}%"
+    assert line["0.1%   KLD"] == f" {st['kl_percentiles']['0.1']:10.6f}"
+    assert line["Maximum Δp"] == f" {100 * st['dp_max']:6.3f}%"
+    assert line["25.0%   Δp"] == f" {100 * st['dp_percentiles']['25']:6.3f}%"
+    assert line["Same top p"] == f" {100 * st['same_top']:6.3f} ± {100 * st['same_top_unc']:5.3f} %"
+    assert "nan" not in blocks[1] and re.search(r"RMS Δp    :  *\d+\.\d{3} ± \d+\.\d{3} %", blocks[1])
+    # the per-token delta-p behind the percentiles is kept beside the KL, float32
+    import numpy as np
+    dp = np.load(kl_run["out"].with_suffix(".kl") / "doc00000.dp.npy")
+    assert dp.dtype == np.float32 and dp.shape == (3, 119) and np.all(dp[0] == 0)
+
+
+def test_kl_console_table_fits_80_columns_without_splitting_a_number(kl_run):
+    import copy
+    import io
+
+    from rich.console import Console
+
+    from replayquant.kl.report import print_summary
+    res = copy.deepcopy(kl_run["res"])
+    for st in res["results"].values():   # the small values long-context pairs give
+        st.update(kl_mean=1.9134e-10, kl_mean_unc=7.321e-10, kl_median=1.2345e-11, kl_max=3.456e-07,
+                  ln_ppl_ratio=-1.234e-07, ln_ppl_ratio_unc=5.678e-08)
+        st["kl_percentiles"]["99"] = 2.345e-09
+        for b in st["by_position"]:
+            b["kl_mean"] = 1.9134e-10
+    res["config"]["pairs"] += [dict(p, name=p["name"] + "_copy") for p in res["config"]["pairs"]]
+    res["results"].update({k + "_copy": v for k, v in list(res["results"].items())})
+    for width in (80, 60, 120):
+        buf = io.StringIO()
+        print_summary(res, Console(file=buf, width=width, force_terminal=False))
+        out = buf.getvalue()
+        assert max(len(line) for line in out.splitlines()) <= width, (width, out)
+        assert out.count("1.91e-10±7.3e-10") == 6, out        # every mean KL whole, on one line
+        assert "e-" not in "".join(line.rstrip()[-2:] for line in out.splitlines())
+    assert "left out at 120 columns" not in out
+
+
+def test_progress_bar_shows_tokens_per_second_from_the_first_segment(tiny, tmp_path):
+    import io
+    import re
+
+    from rich.console import Console
+
+    from replayquant.kl import run_kl
+    from replayquant.kl.command import load_model_and_tokenizer
+    from replayquant.kl.runner import Variant
+    model, tok, _ = load_model_and_tokenizer(str(tiny["model"]), "float32")
+    texts = tmp_path / "t"
+    texts.mkdir()
+    (texts / "a.txt").write_text(tiny["texts"][0])
+    buf = io.StringIO()
+    run_kl(model, tok, [type("P", (), {"name": "same"})()], dataset=str(texts), context=64, n_docs=1,
+           segment=100, out=tmp_path / "z.json", plot=False, reference="hf",
+           make_variant=lambda m, p, pre, s: Variant(p.name, {"name": p.name}),
+           console=Console(file=buf, force_terminal=True, width=140))
+    out = re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", buf.getvalue())
+    assert re.search(r"\d[\d,]* tok/s", out), out         # one segment: no second rich sample
+    assert "-- tok/s" not in out.splitlines()[-1]
+
+
+LM_EVAL_FILES = sorted((Path(__file__).parent / "data" / "lm_eval").glob("*_results.json"))
+
+
+def test_table_reads_the_lm_eval_results_replayquant_writes(tmp_path):
+    import csv
+    assert len(LM_EVAL_FILES) == 2
+    code, md = _invoke(["table", *LM_EVAL_FILES])
+    assert code == 0, md
+    lines = md.splitlines()
+    assert lines[0] == "| model | pair | prefill | task | metric | n | value | stderr |"
+    rows = [ln for ln in lines[2:] if ln.startswith("| tiny-qwen35")]
+    assert [r.split(" | ")[1] for r in rows] == ["f4_sr_rs", "f4_sr_rs", "s32_rs", "s32_rs"]
+    res = json.loads(LM_EVAL_FILES[1].read_text())
+    acc = res["results"]["gpqa_diamond_zeroshot"]["acc,none"]
+    se = res["results"]["gpqa_diamond_zeroshot"]["acc_stderr,none"]
+    assert f"| s32_rs | replay | gpqa_diamond_zeroshot | acc | 6 | {acc:.4f} | {se:.4f} |" in md
+    code, text = _invoke(["table", *LM_EVAL_FILES, "--format", "csv"])
+    assert code == 0, text
+    got = list(csv.DictReader(text.splitlines()))
+    assert float(got[2]["value"]) == acc and float(got[2]["stderr"]) == se and got[2]["pair"] == "s32_rs"
+    # kinds are not mixed in one table; KL-only formats are refused for them
+    kl = tmp_path / "kl.json"
+    kl.write_text(json.dumps({"kind": "replayquant.kl"}))
+    code, text = _invoke(["table", LM_EVAL_FILES[0], kl])
+    assert code == 2 and "one table takes one kind of file" in text and "lm-eval results" in text
+    code, text = _invoke(["table", *LM_EVAL_FILES, "--format", "llama"])
+    assert code == 2 and "lm-eval results render as md or csv" in text
+
+
+# ---------------------------------------------------------------- lm-eval, accelerate, flags
+
+def test_lm_eval_internals_we_rely_on_are_where_we_expect(monkeypatch):
+    import lm_eval.models.huggingface as hf
+
+    from replayquant import lm_eval_model as M
+    assert M.lm_eval_internals_problems() == []
+    monkeypatch.delattr(hf.HFLM, "_model_call")
+    monkeypatch.setattr(hf.HFLM, "_loglikelihood_tokens", lambda self, requests, disable_tqdm=False: [])
+    problems = M.lm_eval_internals_problems()
+    assert "lm_eval.models.huggingface:HFLM._model_call is missing" in problems
+    assert ("lm_eval.models.huggingface:HFLM._loglikelihood_tokens has no argument(s) override_bs"
+            in problems)
+    assert "lm_eval.models.huggingface:HFLM._loglikelihood_tokens no longer calls self._model_call" in problems
+    with pytest.raises(ValueError, match=r"tested: lm-eval 0\.4\.13.*_model_call is missing.*pip install"):
+        M.check_lm_eval_internals()
+
+
+def test_no_stray_git_fatal_line_outside_a_checkout(tmp_path, monkeypatch, capfd):
+    import replayquant.lm_eval_model  # noqa: F401  (quiets lm-eval's git call)
+    from lm_eval import evaluator
+    from replayquant.provenance import provenance
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
+    capfd.readouterr()
+    assert evaluator.get_git_commit_hash() is None
+    provenance()
+    err = capfd.readouterr().err
+    assert "fatal" not in err and "not a git repository" not in err, err
+
+
+def test_single_process_warning_for_accelerates_cpu_launcher(monkeypatch):
+    from replayquant.launch import single_process_warning
+    cpu = {"ACCELERATE_USE_CPU": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    w = single_process_warning("kl", env=cpu)
+    assert "runs as one process" in w and "accelerate launch --multi_gpu --num_processes N -m replayquant kl" in w
+    w = single_process_warning("kl", env={"ACCELERATE_NUM_PROCESSES": "4"})
+    assert w.startswith("warning: 4 processes were asked for") and "--num_processes 4" in w
+    assert single_process_warning(env={**cpu, "WORLD_SIZE": "2"}) is None        # --multi_gpu
+    assert single_process_warning(env={"ACCELERATE_USE_CPU": "True"}) is None      # --num_processes 1
+    assert single_process_warning(env={}) is None
+    # through the command line, before anything is loaded
+    for k, v in cpu.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("ACCELERATE_NUM_PROCESSES", raising=False)
+    code, text = _invoke(["kl", "--model", "/nonexistent/model", "--pair", "s32_rs", "--prefill", "bad"])
+    assert code == 2 and "runs as one process" in text
+
+
+def test_version_and_lm_eval_spellings(monkeypatch):
+    import replayquant
+    code, text = _invoke(["--version"])
+    assert code == 0 and text.strip() == f"replayquant {replayquant.__version__}"
+    seen = {}
+
+    def fake_run(model, pairs, **kw):
+        seen.update(kw, model=model, pairs=pairs)
+    import replayquant.gpqa as G
+    monkeypatch.setattr(G, "run_gpqa", fake_run)
+    code, text = _invoke(["gpqa", "--model", "m", "--pair", "s32_rs", "--tasks",
+                          "gpqa_diamond_zeroshot,gpqa_diamond_n_shot", "--batch_size", "4",
+                          "--output_path", "o", "--num_fewshot", "2", "--log_samples",
+                          "--apply_chat_template", "--model_args", "max_length=64"])
+    assert code == 0, text
+    assert seen["tasks"] == ["gpqa_diamond_zeroshot", "gpqa_diamond_n_shot"] and seen["batch_size"] == 4
+    assert seen["out"] == "o" and seen["num_fewshot"] == 2 and seen["log_samples"] and seen["apply_chat_template"]
+    assert seen["model_args"] == {"max_length": 64}
+
+
+def test_pyproject_ranges_and_markers():
+    import tomllib
+    proj = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"]
+    import replayquant
+    assert proj["version"] == replayquant.__version__
+    deps = {d.split(";")[0].split(">")[0].split("=")[0].split("<")[0].strip(): d for d in proj["dependencies"]}
+    assert "<" in deps["lm-eval"] and ">=" in deps["lm-eval"]
+    assert "<" in deps["transformers"] and ">=" in deps["transformers"]
+    assert 'sys_platform == "linux"' in deps["triton"]
+    assert deps["torch"].startswith("torch>=") and "==" not in deps["torch"]
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+    import lm_eval
+    import transformers
+    for name, have in (("lm-eval", lm_eval.__version__), ("transformers", transformers.__version__)):
+        assert Version(have) in Requirement(deps[name]).specifier, (name, have)   # the venv is in range
+
+
+# ---------------------------------------------------------------- plots
+
+def test_plot_names_the_model_keeps_curves_apart_and_shows_zero(kl_run):
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from replayquant.kl.plot import kl_figure
+    res = kl_run["res"]
+    run_dir = kl_run["out"].with_suffix(".kl")
+    arrays = {i: np.load(run_dir / f"doc{i:05d}.npy") for i in range(2)}
+    names = [p["name"] for p in res["config"]["pairs"]]
+    fig = kl_figure(res, arrays, names)
+    ax = fig.axes[0]
+    title = ax.get_title()
+    assert title.startswith("tiny-qwen (") and "/" not in title.split(":")[0]
+    assert str(Path(res["config"]["model"]["id"]).parent) not in title
+    # every pair its own colour, marker and line style
+    curves = [ln for ln in ax.get_lines() if ln.get_label() and not ln.get_label().startswith("_")]
+    assert len(curves) == 3
+    styles = [(ln.get_color(), ln.get_marker(), ln.get_linestyle()) for ln in curves]
+    for k in range(3):
+        assert len({s[k] for s in styles}) == 3, styles
+    # the legend lies outside the axes: it covers no curve
+    fig.canvas.draw()
+    leg = ax.get_legend().get_window_extent()
+    box = ax.get_window_extent()
+    assert leg.x0 >= box.x1
+    # s32_rs (KL exactly 0 everywhere) is drawn at the floor of the log axis, with a note
+    assert ax.get_yscale() == "log"
+    floor_lines = [ln for ln in ax.get_lines() if ln.get_marker() == "v"]
+    assert len(floor_lines) == 1 and len(floor_lines[0].get_xdata()) == len(curves[0].get_xdata())
+    y0 = floor_lines[0].get_ydata()[0]
+    assert 0 < y0 < min(np.nanmin(ln.get_ydata()) for ln in curves[1:])
+    assert ax.get_ylim()[0] < y0
+    assert any("at the floor" in t.get_text() for t in fig.texts)
+    assert "every bin <= 0" in curves[0].get_label()
+    plt.close(fig)
+    assert kl_run["out"].with_suffix(".png").stat().st_size > 10_000

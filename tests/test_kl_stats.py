@@ -62,7 +62,8 @@ def test_summarize_against_direct_computation():
     docs = [_fake_doc(g, T) for T in (300, 300, 300)]
     recs = [{"id": f"d{i}", "index": i, **S.document_sums(d, bucket_base=32)} for i, d in enumerate(docs)]
     kl16 = np.concatenate([d["kl"].numpy().astype(np.float16) for d in docs])
-    out = S.summarize(recs, kl16, bucket_base=32)
+    dp32 = np.concatenate([d["dp"].numpy() for d in docs])
+    out = S.summarize(recs, kl16, bucket_base=32, dp_values=dp32)
 
     cat = {k: torch.cat([d[k] for d in docs]).double().numpy() for k in docs[0]}
     n = cat["kl"].size
@@ -74,9 +75,11 @@ def test_summarize_against_direct_computation():
     assert out["kl_mean"] == pytest.approx(cat["kl"].mean(), rel=1e-12)
     assert out["kl_mean_unc"] == pytest.approx(sem(cat["kl"]), rel=1e-6)
     assert out["kl_max"] == pytest.approx(cat["kl"].max(), rel=1e-6)
+    assert out["kl_min"] == pytest.approx(cat["kl"].min(), rel=1e-6)
     ref16 = np.sort(kl16.astype(np.float64))
     assert out["kl_median"] == pytest.approx(np.median(ref16), rel=1e-12)
-    for q in (99.9, 99, 95, 90, 10, 5, 1):
+    assert set(out["kl_percentiles"]) == {"99.9", "99", "95", "90", "10", "5", "1", "0.1"}
+    for q in (99.9, 99, 95, 90, 10, 5, 1, 0.1):
         assert out["kl_percentiles"][f"{q:g}"] == pytest.approx(np.percentile(ref16, q), rel=1e-12)
         # float16 storage: within 2^-11 relative of the exact float32 percentile
         assert out["kl_percentiles"][f"{q:g}"] == pytest.approx(np.percentile(cat["kl"], q), rel=2e-3, abs=1e-7)
@@ -93,11 +96,28 @@ def test_summarize_against_direct_computation():
     alt = math.sqrt(sem(cat["nll_test"]) ** 2 + sem(cat["nll_ref"]) ** 2 - 2 * cov)
     assert out["ln_ppl_ratio_unc"] == pytest.approx(alt, rel=1e-6)
     assert out["ln_ppl_cov"] == pytest.approx(cov, rel=1e-6)
+    # llama.cpp's Cor(ln(PPL(Q)), ln(PPL(base))) = cov / (u_t u_r): the Pearson correlation
+    pearson = np.corrcoef(cat["nll_test"], cat["nll_ref"])[0, 1]
+    assert out["ln_ppl_cor"] == pytest.approx(pearson, rel=1e-9)
+    assert out["ln_ppl_cor"] == pytest.approx(cov / (sem(cat["nll_test"]) * sem(cat["nll_ref"])), rel=1e-6)
+    assert out["ppl_ratio"] == pytest.approx(out["ppl_test"] / out["ppl_ref"], rel=1e-9)
+    assert out["ppl_ratio_unc"] == pytest.approx(out["ppl_ratio"] * out["ln_ppl_ratio_unc"], rel=1e-9)
+    # PPL(Q) - PPL(base) with llama.cpp's uncertainty sqrt(u_Q^2 + u_b^2 - 2 PPL(Q) PPL(b) cov)
+    assert out["ppl_diff"] == pytest.approx(out["ppl_test"] - out["ppl_ref"], rel=1e-12)
+    u_t, u_r = out["ppl_test"] * sem(cat["nll_test"]), out["ppl_ref"] * sem(cat["nll_ref"])
+    assert out["ppl_diff_unc"] == pytest.approx(
+        math.sqrt(u_t ** 2 + u_r ** 2 - 2 * out["ppl_test"] * out["ppl_ref"] * cov), rel=1e-6)
     assert out["dp_mean"] == pytest.approx(cat["dp"].mean(), rel=1e-9, abs=1e-12)
     assert out["dp_mean_unc"] == pytest.approx(sem(cat["dp"]), rel=1e-6)
     rms = math.sqrt((cat["dp"] ** 2).mean())
     assert out["dp_rms"] == pytest.approx(rms, rel=1e-9)
     assert out["dp_rms_unc"] == pytest.approx(0.5 / rms * sem(cat["dp"] ** 2), rel=1e-6)
+    assert out["dp_max"] == pytest.approx(cat["dp"].max(), rel=1e-6)
+    assert out["dp_min"] == pytest.approx(cat["dp"].min(), rel=1e-6)
+    assert out["dp_median"] == pytest.approx(np.median(cat["dp"]), rel=1e-6, abs=1e-9)
+    assert set(out["dp_percentiles"]) == {"99.9", "99", "95", "90", "75", "25", "10", "5", "1", "0.1"}
+    for q in (99.9, 99, 95, 90, 75, 25, 10, 5, 1, 0.1):
+        assert out["dp_percentiles"][f"{q:g}"] == pytest.approx(np.percentile(cat["dp"], q), rel=1e-6, abs=1e-9)
     doc_means = [d["kl"].double().mean().item() for d in docs]
     assert out["kl_mean_unc_docs"] == pytest.approx(np.std(doc_means, ddof=1) / math.sqrt(3), rel=1e-9)
     # position buckets: [0,32) [32,64) [64,128) [128,256) [256,300)

@@ -1,16 +1,35 @@
-"""Tables of KL results, rendered from results files only (never typed)."""
+"""Tables of KL results, rendered from results files only (never typed).
+
+* `render_table(paths, fmt)`: md (one row per pair, value ± uncertainty in a cell), csv (one row
+  per pair, every value and its uncertainty in separate numeric columns) or llama (per pair, the
+  text block `llama-perplexity --kl-divergence` prints, for side-by-side comparison);
+* `print_summary(res)`: the terminal tables of one run, fitted to the console's width (80 columns
+  through a pipe): columns that do not fit are left out, never a number split across lines.
+"""
 
 from __future__ import annotations
 
 import csv
 import io
 import json
+import math
 from pathlib import Path
 
 from .runner import RESULTS_KIND
 
 COLUMNS = ("model", "pair", "prefill", "context", "docs", "mean KL", "median KL", "p99 KL", "max KL",
            "same top %", "PPL ratio", "dp RMS %", "KL last bucket")
+# csv: plain numbers, each uncertainty in its own column (percentages in percent)
+CSV_COLUMNS = ("model", "pair", "prefill", "context", "documents_done", "documents_planned", "complete",
+               "kl_mean", "kl_mean_unc", "kl_mean_unc_docs", "kl_median", "kl_p99", "kl_max",
+               "same_top_pct", "same_top_pct_unc", "ppl_ref", "ppl_ref_unc", "ppl_test", "ppl_test_unc",
+               "ppl_ratio", "ppl_ratio_unc", "ln_ppl_ratio", "ln_ppl_ratio_unc", "dp_mean_pct",
+               "dp_mean_pct_unc", "dp_rms_pct", "dp_rms_pct_unc", "last_bucket", "kl_last_bucket",
+               "kl_last_bucket_unc", "n_tokens", "file")
+FORMATS = ("md", "csv", "llama")
+# what a results file must hold for a table (top level, and under "config")
+_REQUIRED = ("config", "results", "documents_done", "documents_planned")
+_REQUIRED_CONFIG = ("model", "pairs", "prefill", "context")
 
 
 def _pm(v, u, fmt="{:.4g}"):
@@ -20,8 +39,9 @@ def _pm(v, u, fmt="{:.4g}"):
 
 
 def model_label(model: dict) -> str:
-    """A model's name in tables: its hub id, or for a local folder the folder's name and the
-    start of its fingerprint (absolute paths differ between machines; the fingerprint does not)."""
+    """A model's name in tables and titles: its hub id, or for a local folder the folder's name
+    and the start of its fingerprint (absolute paths differ between machines; the fingerprint
+    does not)."""
     mid = model.get("id") or ""
     if not Path(mid).is_absolute():
         return mid
@@ -29,8 +49,13 @@ def model_label(model: dict) -> str:
     return Path(mid).name + (f" ({fp})" if fp else "")
 
 
+def _pct(v):
+    return None if v is None else 100 * v
+
+
 def rows_of(res: dict, source: str = "") -> list[dict]:
-    """One row per pair of a results dict (incomplete runs are marked)."""
+    """One row per pair of a results dict (incomplete runs are marked): the md cells, and the
+    plain values under "_values" for csv."""
     cfg = res["config"]
     rows = []
     for p in cfg["pairs"]:
@@ -38,21 +63,70 @@ def rows_of(res: dict, source: str = "") -> list[dict]:
         if not st:
             continue
         last = st["by_position"][-1] if st.get("by_position") else None
+        pct = st.get("kl_percentiles") or {}
         rows.append({
             "model": model_label(cfg["model"]), "pair": p["name"], "prefill": cfg["prefill"],
             "context": cfg["context"],
             "docs": f"{res['documents_done']}" + ("" if res.get("complete") else f"/{res['documents_planned']}*"),
             "mean KL": _pm(st["kl_mean"], st["kl_mean_unc"]),
             "median KL": _pm(st.get("kl_median"), None),
-            "p99 KL": _pm((st.get("kl_percentiles") or {}).get("99"), None),
+            "p99 KL": _pm(pct.get("99"), None),
             "max KL": _pm(st["kl_max"], None),
             "same top %": _pm(100 * st["same_top"], 100 * st["same_top_unc"], "{:.3f}"),
             "PPL ratio": _pm(st["ppl_ratio"], st["ppl_ratio_unc"], "{:.5f}"),
             "dp RMS %": _pm(100 * st["dp_rms"], 100 * st["dp_rms_unc"], "{:.3g}"),
             "KL last bucket": (_pm(last["kl_mean"], last["kl_mean_unc"]) + f" [{last['bucket']}]") if last else "-",
             "_source": source, "_kl": st["kl_mean"],
+            "_values": {
+                "model": model_label(cfg["model"]), "pair": p["name"], "prefill": cfg["prefill"],
+                "context": cfg["context"], "documents_done": res["documents_done"],
+                "documents_planned": res["documents_planned"], "complete": bool(res.get("complete")),
+                "kl_mean": st["kl_mean"], "kl_mean_unc": st["kl_mean_unc"],
+                "kl_mean_unc_docs": st.get("kl_mean_unc_docs"), "kl_median": st.get("kl_median"),
+                "kl_p99": pct.get("99"), "kl_max": st["kl_max"],
+                "same_top_pct": _pct(st["same_top"]), "same_top_pct_unc": _pct(st["same_top_unc"]),
+                "ppl_ref": st.get("ppl_ref"), "ppl_ref_unc": st.get("ppl_ref_unc"),
+                "ppl_test": st.get("ppl_test"), "ppl_test_unc": st.get("ppl_test_unc"),
+                "ppl_ratio": st["ppl_ratio"], "ppl_ratio_unc": st["ppl_ratio_unc"],
+                "ln_ppl_ratio": st.get("ln_ppl_ratio"), "ln_ppl_ratio_unc": st.get("ln_ppl_ratio_unc"),
+                "dp_mean_pct": _pct(st.get("dp_mean")), "dp_mean_pct_unc": _pct(st.get("dp_mean_unc")),
+                "dp_rms_pct": _pct(st["dp_rms"]), "dp_rms_pct_unc": _pct(st["dp_rms_unc"]),
+                "last_bucket": last["bucket"] if last else None,
+                "kl_last_bucket": last["kl_mean"] if last else None,
+                "kl_last_bucket_unc": last["kl_mean_unc"] if last else None,
+                "n_tokens": st.get("n_tokens"), "file": source,
+            },
         })
     return rows
+
+
+def _lm_eval_like(res) -> bool:
+    return isinstance(res, dict) and isinstance(res.get("results"), dict) and isinstance(res.get("config"), dict) \
+        and "model" in res["config"] and "kind" not in res
+
+
+def check_results(res, path) -> None:
+    """One ValueError naming the file when `res` is not a KL results file a table can be made of."""
+    if not isinstance(res, dict) or res.get("kind") != RESULTS_KIND:
+        if _lm_eval_like(res):
+            raise ValueError(f"{path} is an lm-eval results file without replayquant's record "
+                             f"(config.replayquant: the pair); `replayquant table` reads the lm-eval "
+                             f"results that `replayquant lm-eval --model replayquant` or "
+                             f"`replayquant gpqa` write")
+        raise ValueError(f"{path} is not a KL results file (written by `replayquant kl`), a GPQA "
+                         f"summary or lm-eval results of `replayquant lm-eval`")
+    missing = [k for k in _REQUIRED if k not in res]
+    cfg = res.get("config")
+    if isinstance(cfg, dict):
+        missing += [f"config.{k}" for k in _REQUIRED_CONFIG if k not in cfg]
+    elif "config" not in missing:
+        missing.append("config (not an object)")
+    if not missing and not isinstance(res["results"], dict):
+        missing.append("results (not an object)")
+    if missing:
+        raise ValueError(f"{path} says it is a KL results file (kind {RESULTS_KIND!r}) but has no "
+                         f"{', '.join(missing)}; it was not written by `replayquant kl` (or was cut "
+                         f"short or edited). Re-run the `replayquant kl` command that makes it")
 
 
 def load_results(paths: list[str | Path]) -> list[tuple[str, dict]]:
@@ -63,10 +137,9 @@ def load_results(paths: list[str | Path]) -> list[tuple[str, dict]]:
             raise ValueError(f"results file {p} does not exist")
         try:
             res = json.loads(p.read_text())
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, UnicodeDecodeError):
             raise ValueError(f"{p} is not a JSON results file") from None
-        if not isinstance(res, dict) or res.get("kind") != RESULTS_KIND:
-            raise ValueError(f"{p} is not a KL results file (written by `replayquant kl`)")
+        check_results(res, p)
         out.append((str(p), res))
     if not out:
         raise ValueError("give at least one results file")
@@ -74,26 +147,30 @@ def load_results(paths: list[str | Path]) -> list[tuple[str, dict]]:
 
 
 def render_table(paths: list[str | Path], fmt: str = "md", by: str = "pair") -> str:
-    """One table over results files: pairs as rows. fmt: md | csv; by: pair | model (row order)."""
-    if fmt not in ("md", "csv"):
-        raise ValueError(f"--format must be md or csv, got {fmt!r}")
+    """One table over results files: pairs as rows. fmt: md | csv | llama; by: pair | model (row
+    order)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if by not in ("pair", "model"):
         raise ValueError(f"--by must be pair or model, got {by!r}")
-    rows = [r for src, res in load_results(paths) for r in rows_of(res, src)]
+    loaded = load_results(paths)
+    if fmt == "llama":
+        return render_llama(loaded)
+    rows = [r for src, res in loaded for r in rows_of(res, src)]
     key = (lambda r: (r["pair"], r["model"], r["context"])) if by == "pair" else \
           (lambda r: (r["model"], r["context"], r["_kl"]))
     rows.sort(key=key)
+    if fmt == "csv":
+        buf = io.StringIO()
+        w = csv.writer(buf, lineterminator="\n")
+        w.writerow(CSV_COLUMNS)
+        for r in rows:
+            w.writerow(["" if r["_values"][c] is None else r["_values"][c] for c in CSV_COLUMNS])
+        return buf.getvalue()
     cols = list(COLUMNS)
     if by == "pair":
         cols.remove("pair")
         cols.insert(0, "pair")
-    if fmt == "csv":
-        buf = io.StringIO()
-        w = csv.writer(buf)
-        w.writerow(cols)
-        for r in rows:
-            w.writerow([r[c] for c in cols])
-        return buf.getvalue()
     lines = ["| " + " | ".join(cols) + " |", "|" + "|".join(" --- " for _ in cols) + "|"]
     lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
     if any(r["docs"].endswith("*") for r in rows):
@@ -101,44 +178,170 @@ def render_table(paths: list[str | Path], fmt: str = "md", by: str = "pair") -> 
     return "\n".join(lines) + "\n"
 
 
+# ----------------------------------------------------------------------------------------------
+# llama.cpp's text block (llama-perplexity --kl-divergence): Q is the pair, base the reference.
+
+def _num(v, spec: str) -> str:
+    return format(float("nan") if v is None else v, spec)
+
+
+def _pc(v):
+    return None if v is None else 100.0 * v
+
+
+def llama_block(st: dict) -> str:
+    """The statistics of one pair laid out as llama.cpp prints them (same labels, order and
+    number formats). Values a results file does not hold (an older file: Δp percentiles, the
+    correlation) print as nan."""
+    kp = st.get("kl_percentiles") or {}
+    dq = st.get("dp_percentiles") or {}
+    cor = st.get("ln_ppl_cor")
+    lines = [
+        "====== Perplexity statistics ======",
+        f"Mean PPL(Q)                   : {_num(st.get('ppl_test'), '10.6f')} ± {_num(st.get('ppl_test_unc'), '10.6f')}",
+        f"Mean PPL(base)                : {_num(st.get('ppl_ref'), '10.6f')} ± {_num(st.get('ppl_ref_unc'), '10.6f')}",
+        f"Cor(ln(PPL(Q)), ln(PPL(base))): {_num(_pc(cor), '6.2f')}%",
+        f"Mean ln(PPL(Q)/PPL(base))     : {_num(st.get('ln_ppl_ratio'), '10.6f')} ± {_num(st.get('ln_ppl_ratio_unc'), '10.6f')}",
+        f"Mean PPL(Q)/PPL(base)         : {_num(st.get('ppl_ratio'), '10.6f')} ± {_num(st.get('ppl_ratio_unc'), '10.6f')}",
+        f"Mean PPL(Q)-PPL(base)         : {_num(st.get('ppl_diff'), '10.6f')} ± {_num(st.get('ppl_diff_unc'), '10.6f')}",
+        "",
+        "====== KL divergence statistics ======",
+        f"Mean    KLD: {_num(st.get('kl_mean'), '10.6f')} ± {_num(st.get('kl_mean_unc'), '10.6f')}",
+        f"Maximum KLD: {_num(st.get('kl_max'), '10.6f')}",
+    ]
+    for q in (99.9, 99.0, 95.0, 90.0):
+        lines.append(f"{q:4.1f}%   KLD: {_num(kp.get(f'{q:g}'), '10.6f')}")
+    lines.append(f"Median  KLD: {_num(st.get('kl_median'), '10.6f')}")
+    for q in (10.0, 5.0, 1.0, 0.1):
+        lines.append(f"{q:4.1f}%   KLD: {_num(kp.get(f'{q:g}'), '10.6f')}")
+    lines += [
+        f"Minimum KLD: {_num(st.get('kl_min'), '10.6f')}",
+        "",
+        "====== Token probability statistics ======",
+        f"Mean    Δp: {_num(_pc(st.get('dp_mean')), '6.3f')} ± {_num(_pc(st.get('dp_mean_unc')), '5.3f')} %",
+        f"Maximum Δp: {_num(_pc(st.get('dp_max')), '6.3f')}%",
+    ]
+    for q in (99.9, 99.0, 95.0, 90.0, 75.0):
+        lines.append(f"{q:4.1f}%   Δp: {_num(_pc(dq.get(f'{q:g}')), '6.3f')}%")
+    lines.append(f"Median  Δp: {_num(_pc(st.get('dp_median')), '6.3f')}%")
+    for q in (25.0, 10.0, 5.0, 1.0, 0.1):
+        lines.append(f"{q:4.1f}%   Δp: {_num(_pc(dq.get(f'{q:g}')), '6.3f')}%")
+    lines += [
+        f"Minimum Δp: {_num(_pc(st.get('dp_min')), '6.3f')}%",
+        f"RMS Δp    : {_num(_pc(st.get('dp_rms')), '6.3f')} ± {_num(_pc(st.get('dp_rms_unc')), '5.3f')} %",
+        f"Same top p: {_num(_pc(st.get('same_top')), '6.3f')} ± {_num(_pc(st.get('same_top_unc')), '5.3f')} %",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def render_llama(loaded: list[tuple[str, dict]]) -> str:
+    """Per results file and pair: one header line (what Q and base are), then `llama_block`."""
+    out = []
+    for src, res in loaded:
+        cfg = res["config"]
+        ref = (cfg.get("reference") or {}).get("mode", "reference")
+        done = f"{res['documents_done']}" + ("" if res.get("complete") else f" of {res['documents_planned']}")
+        for p in cfg["pairs"]:
+            st = res["results"].get(p["name"])
+            if not st:
+                continue
+            out.append(f"# {model_label(cfg['model'])}: Q = pair {p['name']}, base = reference "
+                       f"({ref}); {done} doc(s) x {cfg['context']} tokens, prefill={cfg['prefill']}; "
+                       f"{st['n_tokens']} tokens scored ({src})\n")
+            out.append(llama_block(st))
+            out.append("\n")
+    return "".join(out)
+
+
+# ----------------------------------------------------------------------------------------------
+# Terminal tables.
+
 def _c(v, u=None, fmt="{:.3g}", ufmt="{:.2g}"):
-    if v is None:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
     return fmt.format(v) + ("±" + ufmt.format(u) if u is not None else "")
 
 
-def print_summary(res: dict, console=None):
-    """The terminal tables of one run (rich): statistics per pair, and mean KL by position."""
-    from rich.console import Console
+# columns of the statistics table, and the order in which they are left out when the console is
+# too narrow (the pair and mean KL always stay)
+_SUMMARY_COLS = ("pair", "mean KL", "median", "p99", "max", "same top %", "ln PPL ratio", "dp RMS %")
+_DROP_ORDER = ("max", "dp RMS %", "p99", "ln PPL ratio", "same top %", "median")
+
+
+def _width(console, table) -> int:
+    """The width `table` needs with no cell wrapped or cut (rich clamps to the console otherwise)."""
+    from rich.measure import Measurement
+    return Measurement.get(console, console.options.update(max_width=1 << 16), table).maximum
+
+
+def _table(title, cols, rows, first_left=True):
     from rich.table import Table
+    t = Table(title=title)
+    for i, c in enumerate(cols):
+        t.add_column(c, justify="left" if (i == 0 and first_left) else "right", no_wrap=True)
+    for r in rows:
+        t.add_row(*r)
+    return t
+
+
+def fit_table(console, title, cols, rows, drop_order=_DROP_ORDER):
+    """A rich table of `cols` that fits the console's width: columns named in `drop_order` are
+    left out in that order until it fits. Returns (table, the columns left out)."""
+    keep = list(cols)
+    dropped = []
+    while True:
+        idx = [cols.index(c) for c in keep]
+        t = _table(title, keep, [[r[i] for i in idx] for r in rows])
+        if _width(console, t) <= console.width:
+            return t, dropped
+        left = [c for c in drop_order if c in keep]
+        if not left:
+            return t, dropped
+        keep.remove(left[0])
+        dropped.append(left[0])
+
+
+def print_summary(res: dict, console=None):
+    """The terminal tables of one run (rich): statistics per pair, and mean KL by position, each
+    fitted to the console's width (columns left out are named; `replayquant table` has them all)."""
+    from rich.console import Console
     console = console or Console()
     cfg = res["config"]
     done = f"{res['documents_done']}" + ("" if res.get("complete") else f" of {res['documents_planned']}")
-    t = Table(title=f"KL(reference || pair), {cfg['model'].get('id')}: {done} doc(s) x {cfg['context']} "
-                    f"tokens, prefill={cfg['prefill']}")
-    cols = ["pair", "mean KL", "median", "p99", "max", "same top %", "ln PPL ratio", "dp RMS %"]
-    for c in cols:
-        t.add_column(c, justify="left" if c == "pair" else "right", no_wrap=(c == "pair"),
-                     overflow="fold")
+    title = (f"KL(reference || pair), {model_label(cfg['model'])}: {done} doc(s) x {cfg['context']} "
+             f"tokens, prefill={cfg['prefill']}")
+    rows = []
     for p in cfg["pairs"]:
         st = res["results"].get(p["name"])
         if not st:
             continue
-        t.add_row(p["name"], _c(st["kl_mean"], st["kl_mean_unc"]), _c(st.get("kl_median")),
-                  _c((st.get("kl_percentiles") or {}).get("99")), _c(st["kl_max"]),
-                  _c(100 * st["same_top"], 100 * st["same_top_unc"], "{:.2f}"),
-                  _c(st["ln_ppl_ratio"], st["ln_ppl_ratio_unc"]),
-                  _c(100 * st["dp_rms"], 100 * st["dp_rms_unc"]))
+        rows.append([p["name"], _c(st["kl_mean"], st["kl_mean_unc"]), _c(st.get("kl_median")),
+                     _c((st.get("kl_percentiles") or {}).get("99")), _c(st["kl_max"]),
+                     _c(100 * st["same_top"], 100 * st["same_top_unc"], "{:.2f}"),
+                     _c(st["ln_ppl_ratio"], st["ln_ppl_ratio_unc"]),
+                     _c(100 * st["dp_rms"], 100 * st["dp_rms_unc"])])
+    t, dropped = fit_table(console, title, list(_SUMMARY_COLS), rows)
     console.print(t)
-    # error accumulation: mean KL per log-spaced position bucket
+    if dropped:
+        console.print(f"(left out at {console.width} columns: {', '.join(dropped)}; "
+                      f"`replayquant table FILE` shows all)", highlight=False)
+    # error accumulation: mean KL per log-spaced position bucket, buckets as rows and pairs as
+    # columns, as many pairs per table as fit
     names = [p["name"] for p in cfg["pairs"] if res["results"].get(p["name"])]
     if names and len(res["results"][names[0]]["by_position"]) > 1:
-        b = Table(title="mean KL by token position")
-        b.add_column("pair", no_wrap=True)
-        for row in res["results"][names[0]]["by_position"]:
-            b.add_column(row["bucket"], justify="right")
-        for n in names:
-            b.add_row(n, *[f"{row['kl_mean']:.3g}" for row in res["results"][n]["by_position"]])
-        console.print(b)
+        buckets = [row["bucket"] for row in res["results"][names[0]]["by_position"]]
+        vals = {n: [f"{row['kl_mean']:.3g}" for row in res["results"][n]["by_position"]] for n in names}
+        i = 0
+        while i < len(names):
+            j = i + 1
+            while j < len(names):
+                trial = _table("mean KL by token position", ["position", *names[i:j + 1]],
+                               [[b, *[vals[n][k] for n in names[i:j + 1]]] for k, b in enumerate(buckets)])
+                if _width(console, trial) > console.width:
+                    break
+                j += 1
+            console.print(_table("mean KL by token position", ["position", *names[i:j]],
+                                 [[b, *[vals[n][k] for n in names[i:j]]] for k, b in enumerate(buckets)]))
+            i = j
     for n in res.get("notes", []):
-        console.print(f"note: {n}")
+        console.print(f"note: {n}", highlight=False)

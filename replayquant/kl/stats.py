@@ -1,10 +1,14 @@
 """Per-token divergence between a reference and a test model, and the statistics of the KL report.
 
-The statistics follow llama.cpp's KL report (tools/perplexity/perplexity.cpp) so numbers compare
-across tools: mean KLD with the standard error of the mean, percentiles by linear interpolation
-between order statistics, the same-top-token rate with its binomial uncertainty, PPL of both models
-with ln(PPL(test)/PPL(ref)) and its uncertainty (which accounts for the correlation of the two),
-delta-p (p_test - p_ref of the observed next token) mean and RMS. Two additions for long context:
+The statistics follow llama.cpp's KL report (`llama-perplexity --kl-divergence`,
+tools/perplexity/perplexity.cpp) so numbers compare across tools: mean KLD with the standard error
+of the mean, maximum, minimum and percentiles 99.9 ... 0.1 by linear interpolation between order
+statistics, the same-top-token rate with its binomial uncertainty, PPL of both models, the
+correlation of their per-token ln-probabilities (Pearson), ln(PPL(test)/PPL(ref)), PPL(test)/PPL(ref)
+and PPL(test) - PPL(ref) with uncertainties that account for that correlation, and delta-p
+(p_test - p_ref of the observed next token): mean, RMS, maximum, minimum and percentiles. One
+difference: llama.cpp reports an uncertainty of 0 below 11 tokens, this module from 2 tokens on.
+`llama_report` prints the same text block as llama.cpp. Two additions for long context:
 KL by log-spaced position bucket, and per-document values (with a document-level uncertainty,
 because tokens of one document are not independent and the token-level uncertainty understates
 the spread between documents).
@@ -20,7 +24,8 @@ import math
 import numpy as np
 import torch
 
-PERCENTILES = (99.9, 99.0, 95.0, 90.0, 10.0, 5.0, 1.0)
+PERCENTILES = (99.9, 99.0, 95.0, 90.0, 10.0, 5.0, 1.0, 0.1)
+DP_PERCENTILES = (99.9, 99.0, 95.0, 90.0, 75.0, 25.0, 10.0, 5.0, 1.0, 0.1)
 
 # Sums kept per document (and per position bucket) from which every mean and uncertainty is
 # rebuilt exactly, whatever the split of documents between runs or processes.
@@ -104,6 +109,7 @@ def document_sums(m: dict, bucket_base: int = 1024) -> dict:
                         "kl2": (kb * kb).sum().item(), "top": int(top[lo:hi].sum().item()),
                         "dnll": db.sum().item(), "dnll2": (db * db).sum().item()})
     return {"sums": s, "kl_max": float(m["kl"].max().item()), "kl_min": float(m["kl"].min().item()),
+            "dp_max": float(m["dp"].max().item()), "dp_min": float(m["dp"].min().item()),
             "buckets": buckets}
 
 
@@ -137,11 +143,13 @@ def percentile(sorted_values: np.ndarray, q: float) -> float:
     return float(np.percentile(sorted_values, q)) if sorted_values.size else float("nan")
 
 
-def summarize(doc_records: list[dict], kl_values: np.ndarray | None, bucket_base: int = 1024) -> dict:
+def summarize(doc_records: list[dict], kl_values: np.ndarray | None, bucket_base: int = 1024,
+              dp_values: np.ndarray | None = None) -> dict:
     """Statistics of one pair over documents.
 
     doc_records: per document, the output of `document_sums` (plus "id"); kl_values: every per-token
-    KL of those documents (float16 as stored, or float32), for the percentiles and the median.
+    KL of those documents (float16 as stored, or float32), for the percentiles and the median;
+    dp_values: every per-token delta-p, for its percentiles and median (None: not reported).
     """
     s = add_sums([r["sums"] for r in doc_records])
     n = s["n"]
@@ -152,11 +160,19 @@ def summarize(doc_records: list[dict], kl_values: np.ndarray | None, bucket_base
     # ln(PPL_test / PPL_ref) = mean of (nll_test - nll_ref); its uncertainty is that of a mean of
     # differences, identical to llama.cpp's sqrt(u_t^2 + u_r^2 - 2 cov).
     dl, dl_unc = mean_and_uncertainty(s["dnll"], s["dnll2"], n)
-    cov = (s["nll_cross"] / n - lr * lt) / (n - 1) if n > 1 else float("nan")
+    # covariance of the two mean ln-probabilities, and the Pearson correlation of the per-token
+    # ln-probabilities (llama.cpp's Cor(ln(PPL(Q)), ln(PPL(base))) = cov / (u_t u_r))
+    c = s["nll_cross"] / n - lr * lt if n else float("nan")
+    cov = c / (n - 1) if n > 1 else float("nan")
+    var_r, var_t = s["nll_ref2"] / n - lr * lr, s["nll_test2"] / n - lt * lt
+    cor = c / math.sqrt(var_r * var_t) if n > 1 and var_r > 0 and var_t > 0 else float("nan")
     dp_mean, dp_unc = mean_and_uncertainty(s["dp"], s["dp2"], n)
     msq, msq_unc = mean_and_uncertainty(s["dp2"], s["dp4"], n)
     rms = math.sqrt(msq) if msq >= 0 else float("nan")
     rms_unc = 0.5 / rms * msq_unc if rms > 0 else 0.0
+    ppl_ref, ppl_test = math.exp(lr), math.exp(lt)
+    ppl_ref_unc, ppl_test_unc = ppl_ref * lr_unc, ppl_test * lt_unc
+    diff_var = ppl_test_unc ** 2 + ppl_ref_unc ** 2 - 2 * ppl_test * ppl_ref * (cov if n > 1 else 0.0)
 
     out = {
         "n_tokens": n,
@@ -175,14 +191,24 @@ def summarize(doc_records: list[dict], kl_values: np.ndarray | None, bucket_base
         out["kl_percentiles"] = {f"{q:g}": percentile(v, q) for q in PERCENTILES}
     out.update({
         "same_top": top, "same_top_unc": top_unc,
-        "ppl_ref": math.exp(lr), "ppl_ref_unc": math.exp(lr) * lr_unc,
-        "ppl_test": math.exp(lt), "ppl_test_unc": math.exp(lt) * lt_unc,
+        "ppl_ref": ppl_ref, "ppl_ref_unc": ppl_ref_unc,
+        "ppl_test": ppl_test, "ppl_test_unc": ppl_test_unc,
         "ln_ppl_ratio": dl, "ln_ppl_ratio_unc": dl_unc,
         "ppl_ratio": math.exp(dl), "ppl_ratio_unc": math.exp(dl) * dl_unc,
-        "ln_ppl_cov": cov,
+        "ppl_diff": ppl_test - ppl_ref, "ppl_diff_unc": math.sqrt(max(diff_var, 0.0)),
+        "ln_ppl_cov": cov, "ln_ppl_cor": cor,
         "dp_mean": dp_mean, "dp_mean_unc": dp_unc,
         "dp_rms": rms, "dp_rms_unc": rms_unc,
+        "dp_max": (max(r["dp_max"] for r in doc_records)
+                   if all("dp_max" in r for r in doc_records) else None),
+        "dp_min": (min(r["dp_min"] for r in doc_records)
+                   if all("dp_min" in r for r in doc_records) else None),
     })
+    if dp_values is not None and dp_values.size:
+        v = np.sort(dp_values.astype(np.float64, copy=False))
+        out["dp_median"] = percentile(v, 50.0)
+        out["dp_percentiles_from"] = f"{dp_values.dtype} per-token values"
+        out["dp_percentiles"] = {f"{q:g}": percentile(v, q) for q in DP_PERCENTILES}
     out["by_position"] = bucket_summary(doc_records, bucket_base)
     out["per_document"] = [document_summary(r) for r in doc_records]
     return out
