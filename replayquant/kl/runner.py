@@ -14,8 +14,6 @@ Files of a run with `out = results/kl/NAME.json`:
 * `NAME.kl/docNNNNN.npy`: per-token KL of one document, float16 [n_pairs, context - 1];
 * `NAME.kl/docNNNNN.dp.npy`: per-token delta-p of one document, float32 [n_pairs, context - 1]
   (for the delta-p percentiles; float16 would round 0.5 by 2.4e-4, visible in llama.cpp's layout);
-* `NAME.kl/docNNNNN.dp.npy`: per-token delta-p of one document, float32 [n_pairs, context - 1]
-  (for the delta-p percentiles; float16 would round 0.5 by 2.4e-4, visible in llama.cpp's layout);
 * `NAME.kl/progress.rankR.jsonl`: append-only log, a config line then one line per finished
   document with exact float64 sums; resume reads these and skips finished documents;
 * `NAME.png`: KL against position (log x), one line per pair.
@@ -547,31 +545,6 @@ def load_document_dp(run_dir: Path, recs: list[dict], shape: tuple) -> dict[int,
     return out
 
 
-def _dp_name(npy: str) -> str:
-    return npy[:-len(".npy")] + ".dp.npy"
-
-
-def load_document_dp(run_dir: Path, recs: list[dict], shape: tuple) -> dict[int, np.ndarray] | None:
-    """Per document, the per-token delta-p file (float32 [n_pairs, context - 1], for the delta-p
-    percentiles); None when a document has none (computed by a version that did not write them).
-    A damaged one is one ValueError naming it."""
-    out = {}
-    for r in recs:
-        path = run_dir / _dp_name(r["npy"])
-        if not path.exists():
-            return None
-        try:
-            a = np.load(path, allow_pickle=False)
-        except (OSError, ValueError, EOFError) as e:
-            a = e
-        if not isinstance(a, np.ndarray) or a.dtype != np.float32 or tuple(a.shape) != tuple(shape):
-            raise ValueError(f"{path}, the per-token delta-p of document {r['index']}, is damaged; "
-                             f"delete it and {r['npy']} and re-run the same command to recompute "
-                             f"that document")
-        out[r["index"]] = a
-    return out
-
-
 def _peak_memory() -> dict:
     out = {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     if torch.cuda.is_available():
@@ -715,8 +688,6 @@ def run_kl(model, tokenizer, pairs: list, *, dataset: str, out: str | os.PathLik
                 npy = f"doc{doc.index:05d}.npy"
                 _save_npy(run_dir / npy, np.stack([metrics[v.name]["kl"].numpy().astype(np.float16)
                                                    for v in tests]))
-                _save_npy(run_dir / _dp_name(npy), np.stack([metrics[v.name]["dp"].numpy().astype(np.float32)
-                                                             for v in tests]))
                 _save_npy(run_dir / _dp_name(npy), np.stack([metrics[v.name]["dp"].numpy().astype(np.float32)
                                                              for v in tests]))
                 rec = {"type": "document", "index": doc.index, "id": doc.id, "n_tokens": context,
