@@ -303,3 +303,89 @@ def test_kl_duplicate_pair_names_and_reference_refused_before_the_model_loads(te
                        ([ref], "named 'reference'")):
         code, text = _invoke([*base, *[x for p in pairs for x in ("--pair", p)]])
         _one_clear_error(code, text, msg)
+
+
+# ------------------------------------------------------------------ non-finite step inputs, overflow
+
+
+def _step_inputs(gen, B, H, dk, dv, T=None):
+    lead = (B,) if T is None else (B, T)
+    return {"q": torch.randn(*lead, H, dk, generator=gen) / dk ** 0.5,
+            "k": torch.nn.functional.normalize(torch.randn(*lead, H, dk, generator=gen), dim=-1),
+            "v": torch.randn(*lead, H, dv, generator=gen),
+            "log_a": torch.log(0.9 + 0.1 * torch.rand(*lead, H, generator=gen)),
+            "beta": torch.rand(*lead, H, generator=gen)}
+
+
+def test_nonfinite_step_inputs_named_where_they_enter_and_nothing_changes():
+    from replayquant.replay import ConventionalState, ReplayState
+    gen = torch.Generator().manual_seed(0)
+    B, H, dk, dv = 2, 2, 16, 16
+    for cls, pair in ((ReplayState, "tp4_hi16_sr"), (ConventionalState, "s16_sr")):
+        st = cls(torch.zeros(B, H, dv, dk), pair, delta=True)
+        for _ in range(3):
+            st.step(**_step_inputs(gen, B, H, dk, dv))
+        before = (st.committed, st.flushes, st.anchor(), st.read_copy())
+        for name in ("q", "k", "v", "log_a", "beta"):
+            for bad in (float("nan"), float("inf")):
+                x = _step_inputs(gen, B, H, dk, dv)
+                x[name].view(B, -1)[1, -1] = bad
+                with pytest.raises(ValueError, match=f"step 4 of this state: input {name} holds "
+                                                     f"NaN or infinity .* batch row 1"):
+                    st.step(**x)
+        after = (st.committed, st.flushes, st.anchor(), st.read_copy())
+        assert all(torch.equal(a, b) for a, b in zip(before, after)), cls
+        x = _step_inputs(gen, B, H, dk, dv, T=3)
+        x["v"][0, 2, 1, 0] = float("nan")
+        with pytest.raises(ValueError, match="verify 4 of this state, draft index 2: input v .* row 0"):
+            st.verify(**x)
+        st.step(**_step_inputs(gen, B, H, dk, dv))             # a finite step still runs
+    # Mamba-2 (no beta): a gate that is -inf (a = 0) is as much an error as NaN
+    st = ReplayState(torch.zeros(B, H, dv, dk), "f4_sr_rs", delta=False)
+    x = _step_inputs(gen, B, H, dk, dv)
+    x.pop("beta")
+    x["log_a"][0, 1] = -float("inf")
+    with pytest.raises(ValueError, match="step 1 of this state: input log_a"):
+        st.step(**x)
+
+
+def test_fp16_state_that_overflows_is_refused_at_construction():
+    from replayquant.replay import ConventionalState, ReplayState
+    big = torch.zeros(1, 2, 16, 16)
+    big[0, 1, 3, 4] = 7.0e4
+    for cls, pair, role in ((ReplayState, "tp4_hi16_sr", "anchor"), (ReplayState, "s16_sr", "anchor"),
+                            (ConventionalState, "s16_sr", "state")):
+        with pytest.raises(ValueError, match=f"initial_state overflows the {role} format fp16 of "
+                                             f"pair {pair}: its largest magnitude is 70000"):
+            cls(big, pair, delta=True)
+    ReplayState(big, "tp4_hi32", delta=True)                      # fp32 anchor, nvfp4 read: fine
+    ReplayState(big * 0.9, "tp4_hi16_sr", delta=True)              # in range
+
+
+def test_model_layer_names_the_nonfinite_input_and_token_before_any_kernel(monkeypatch):
+    from replayquant.models import load_model, recurrent_layers
+    from replayquant.models import runtime as RT
+    model = load_model(TINY, "tp4_hi16_sr", dtype="float32")
+    name, layer, _ = recurrent_layers(model)[0]       # the first: no clean layer runs before it
+    poison = {}
+
+    def pre_hook(mod, args, kwargs):
+        h = args[0] if args else kwargs["hidden_states"]
+        if "t" in poison:
+            h = h.clone()
+            h[0, poison["t"], 5] = float("nan")
+        return ((h,) + tuple(args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": h})
+    layer.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    ids = torch.arange(3, 19).view(1, 16)
+    poison["t"] = 7
+    with pytest.raises(ValueError, match=f"layer {layer.layer_idx} \\(gdn\\): input q holds NaN or "
+                                         f"infinity at token 7 of a 16-token forward, batch row 0"):
+        model(ids)
+    poison.clear()
+    out = model(ids, use_cache=True)
+    monkeypatch.setenv("REPLAYQUANT_BACKEND", "triton")          # the decode kernel's path
+    monkeypatch.setattr(RT.KernelDecodeState, "__init__",
+                        lambda *a, **k: pytest.fail("the kernel path started before the check"))
+    poison["t"] = 0
+    with pytest.raises(ValueError, match="input q holds NaN or infinity at the decode step"):
+        model(ids[:, :1], past_key_values=out.past_key_values, use_cache=True)

@@ -33,6 +33,12 @@ Semantics (exactly; see replayquant.replay.core for the formulas and the buffer 
   (a row left at h == L flushes at its next step / verify). A flush never folds uncommitted drafts.
   step / verify while drafts are pending is an error: call accept first.
 * An empty committed history never touches the anchor (no cast, flush index unchanged).
+* Inputs are checked where they enter: a NaN or infinity in q, k, v, log_a or beta of a step
+  or verify is one ValueError naming the input, the call (step N of this state: calls of step
+  and verify counted together) and the batch
+  row, before anything changes (one sum per input and one host read per call,
+  `find_nonfinite`). An initial state that overflows an fp16 / bf16 role is refused at
+  construction.
 
 Hand-off (teacher forcing, beam reordering, other backends): `st.export()` returns the parts
 (anchor, read copy, buffer, counters, rows) as a dict, `st.load(parts)` installs parts in place
@@ -49,7 +55,42 @@ from replayquant.pairs import PrecisionPair
 from replayquant.replay import core
 from replayquant.streams import ANCHOR, READ, layer_seed, sr_stream
 
-__all__ = ["ReplayState", "ConventionalState"]
+__all__ = ["ReplayState", "ConventionalState", "find_nonfinite"]
+
+
+def find_nonfinite(inputs: dict, valid: torch.Tensor | None = None, time_dim: int = 1):
+    """None when every tensor of `inputs` ({name: tensor or None}, batch first) is finite, else
+    (name, batch row, index along time_dim or None, count of non-finite elements) of the first
+    input that is not. The check costs one sum per input and one host read for all of them (a
+    sum is finite unless its input holds NaN or infinity, or the sum overflows, which the
+    per-input look that follows tells apart). valid [B, T]: only those tokens are checked
+    (padding may hold anything; the recurrence skips it)."""
+    ts = {}
+    for name, t in inputs.items():
+        if t is None:
+            continue
+        if valid is not None and t.dim() > time_dim:
+            shape = [1] * t.dim()
+            shape[0], shape[time_dim] = valid.shape
+            t = torch.where(valid.view(shape), t, torch.zeros((), dtype=t.dtype, device=t.device))
+        ts[name] = t
+    if not ts:
+        return None
+    sums = torch.stack([t.sum(dtype=torch.float32) for t in ts.values()])
+    if bool(torch.isfinite(sums).all()):
+        return None
+    for name, t in ts.items():
+        bad = ~torch.isfinite(t)
+        if bool(bad.any()):
+            first = bad.nonzero()[0].tolist()
+            return name, first[0], first[time_dim] if t.dim() > time_dim else None, int(bad.sum())
+    return None
+
+
+def _overflowed(spec, q: QTensor) -> bool:
+    """True where a cast format that overflows to infinity (fp16, bf16: IEEE casts) did."""
+    grid = getattr(spec.fmt, "grid", None)
+    return bool(grid is not None and grid.ieee_overflow and torch.isinf(q.payload).any())
 
 
 def _as_pair(pair) -> PrecisionPair:
@@ -93,7 +134,20 @@ class _StateBase:
         self.seed, self.layer = int(seed), int(layer)
         self._key = layer_seed(seed, layer)
         self._pending = None
+        self._calls = 0                 # step / verify calls so far (named in input errors)
         return S0
+
+    def _refuse_overflow(self, S0, casts) -> None:
+        """Construction: one ValueError when the initial state overflows a role's format
+        (casts: (role, spec, QTensor)); the state would otherwise hold infinity from the start."""
+        for role, spec, q in casts:
+            if q is not None and _overflowed(spec, q):
+                grid = spec.fmt.grid
+                raise ValueError(
+                    f"initial_state overflows the {role} format {spec.format} of pair "
+                    f"{self.pair.label()}: its largest magnitude is {float(S0.abs().max()):.6g}, "
+                    f"{spec.format} holds at most {grid.max_value:.6g}; give the {role} a wider "
+                    f"format (fp32, or fp8 / nvfp4, which carry scales) or scale the state down")
 
     # -- casts
     def _cast(self, spec, S, flush_index, role, idx=None):
@@ -134,6 +188,16 @@ class _StateBase:
             if T is None:
                 t = t.unsqueeze(1)
             out.append(t.transpose(1, 2).contiguous())      # [B, H, T, ...]
+        bad = find_nonfinite(dict(zip(("q", "k", "v", "log_a", "beta"), out)), time_dim=2)
+        if bad is not None:
+            name, row, t, n = bad
+            n_call = self._calls + 1
+            at = (f"step {n_call} of this state" if T is None else
+                  f"verify {n_call} of this state, draft index {t}")
+            raise ValueError(
+                f"{at}: input {name} holds NaN or infinity ({n} element(s), first in "
+                f"batch row {row}); nothing was changed. The inputs come from the model's "
+                f"activations: find where they first become non-finite (e.g. a float16 overflow)")
         return out
 
     def _verify_len(self, q):
@@ -178,6 +242,8 @@ class ReplayState(_StateBase):
         self._u = torch.zeros(B, H, L, dv, device=dev) if self.delta else None
         self._A = self._cast(self.pair.anchor, S0, 0, ANCHOR)
         self._R = None if self.pair.shared else self._cast(self.pair.read, S0, 0, READ)
+        self._refuse_overflow(S0, (("anchor", self.pair.anchor, self._A),
+                                   ("read copy", self.pair.read, self._R)))
         # decoded read copy: what non-flush steps read (a GPU kernel decodes the packed copy
         # on the fly); kept in sync with the packed copy at every cast.
         self._R32 = self.pair.read_spec.fmt.dequantize(self._R if self._R is not None else self._A)
@@ -340,6 +406,7 @@ class ReplayState(_StateBase):
         """One decode step -> y float32 [B, H, d_v] (module doc for the exact semantics)."""
         self._no_pending("step")
         q, k, v, log_a, beta = self._check(q, k, v, log_a, beta)
+        self._calls += 1
         y = self._append(q, k, v, log_a, beta)            # [B,H,1,dv], pre-flush included
         self._h += 1
         full = self._h == self.L
@@ -357,6 +424,7 @@ class ReplayState(_StateBase):
             raise ValueError(f"verify: T={T} drafts, but 1 <= T <= buffer_len={self.L} is required; "
                              f"use a pair with a longer buffer or fewer drafts")
         q, k, v, log_a, beta = self._check(q, k, v, log_a, beta, T=T)
+        self._calls += 1
         y = self._append(q, k, v, log_a, beta)
         self._pending, self._pending_T = True, T
         return y.transpose(1, 2).contiguous()
@@ -427,6 +495,7 @@ class ConventionalState(_StateBase):
         self.spec = self.pair.anchor
         self._steps = torch.zeros(self.B, dtype=torch.int64, device=self.device)
         self._S = self._cast(self.spec, S0, 0, ANCHOR)
+        self._refuse_overflow(S0, (("state", self.spec, self._S),))
 
     @property
     def committed(self) -> torch.Tensor:
@@ -463,6 +532,7 @@ class ConventionalState(_StateBase):
     def step(self, q, k, v, log_a, beta=None) -> torch.Tensor:
         self._no_pending("step")
         q, k, v, log_a, beta = self._check(q, k, v, log_a, beta)
+        self._calls += 1
         y, self._S = self._advance(self._S, self._steps, q, k, v, log_a, beta, 0)
         self._steps += 1
         return y
@@ -473,6 +543,7 @@ class ConventionalState(_StateBase):
         if T < 1:
             raise ValueError("verify: needs at least one draft (T >= 1)")
         q, k, v, log_a, beta = self._check(q, k, v, log_a, beta, T=T)
+        self._calls += 1
         snaps, ys, Sq = [], [], self._S
         for i in range(T):
             y, Sq = self._advance(Sq, self._steps + i, q, k, v, log_a, beta, i)
