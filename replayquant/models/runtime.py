@@ -50,6 +50,7 @@ import torch
 from replayquant.formats import QTensor, use_triton
 from replayquant.kernels.chunk_ref import teacher_force
 from replayquant.replay import ReplayState
+from replayquant.replay.state import find_nonfinite
 
 __all__ = ["LayerRuntime", "KernelDecodeState", "ScanHeld", "decode_step", "decode_path",
            "teacher_force_path", "state_to_store", "store_to_state", "STATE_ATTR"]
@@ -396,6 +397,7 @@ class LayerRuntime:
         A, B, C [.., G, N], dt_bias, dt_limit. Returns y float32 [B, T, H, d_v]."""
         B, T, H, dk = q.shape
         dv = v.shape[-1]
+        self._check_inputs(q, k, v, log_a, beta, valid, decode=T == 1 and had_prev)
         lay = None if cache is None else self.cache_layer(cache)
         st = self.get_state(lay, had_prev, B, H, dv, dk, q.device)
         if T == 1 and had_prev and (valid is None or bool(valid.all())):
@@ -407,6 +409,23 @@ class LayerRuntime:
         if lay is not None:
             self.put_state(cache, lay, st)
         return y
+
+    def _check_inputs(self, q, k, v, log_a, beta, valid, decode: bool) -> None:
+        """A NaN or infinity in this forward's recurrence inputs (valid tokens only) is one
+        ValueError naming the layer, the input and the token, raised before the state is touched
+        and before any kernel launch, whichever path runs next (decode kernel, chunk kernel, torch
+        reference): one sum per input and one host read per forward (`find_nonfinite`)."""
+        bad = find_nonfinite({"q": q, "k": k, "v": v, "log_a (the decay gate)": log_a,
+                              "beta": beta}, valid)
+        if bad is None:
+            return
+        name, row, t, n = bad
+        at = "the decode step" if decode else f"token {t} of a {q.shape[1]}-token forward"
+        raise ValueError(
+            f"layer {self.layer_idx} ({self.kind}): input {name} holds NaN or infinity at {at}, "
+            f"batch row {row} ({n} element(s)); the replay state is unchanged. The inputs are the "
+            f"layer's projections of its hidden states: find where the model's activations first "
+            f"become non-finite (e.g. a float16 overflow)")
 
     def _decode(self, st, q, k, v, log_a, beta, raw):
         if isinstance(st, ScanHeld):                        # decode starts after a prefill
