@@ -1,22 +1,35 @@
-"""Replacement forwards of the recurrent layers of each supported family.
+"""The recurrent layers replayquant patches: one table of families and two generic forwards.
 
-Each forward reproduces the HF layer's own forward (transformers 5.17 and 5.24 compute the same
-thing; they differ in the cache API and the name of the cache argument, `cache_params` in 5.17,
-`cache` in 5.24, both accepted here) except for the recurrence itself, which goes through the
-layer's `LayerRuntime` (ReplayState decode / chunked teacher forcing). The projections, the short
-convolution and its cache state (HF's own `causal_conv1d_fn` / `causal_conv1d_update`, looked up
-in the layer's modeling module, so the fast kernels run where HF would use them), the gated norm
-and the output projection are the layer's own modules, untouched.
+A family is one `Family` entry of `FAMILIES`: the layer classes it covers, which of the layer's
+attributes hold which input (its `roles`, over the defaults of its kind), and the few ways it
+departs from its kind's forward, as data or a hook of a few lines. Two forwards serve every
+family: `gdn_forward` (Gated DeltaNet) and `mamba2_forward` (Mamba-2). Each reproduces the HF
+layer's own forward (transformers 5.17 and 5.24 compute the same thing; they differ in the cache
+API and the name of the cache argument, `cache_params` in 5.17, `cache` in 5.24, both accepted
+here) except for the recurrence itself, which goes through the layer's `LayerRuntime`
+(ReplayState decode / chunked teacher forcing). The projections, the short convolution and its
+cache state (HF's own `causal_conv1d_fn` / `causal_conv1d_update`, looked up in the layer's
+modeling module, so the fast kernels run where HF would use them), the gated norm and the output
+projection are the layer's own modules, untouched.
 
-Families (found by the layer's class and attributes):
-* "gdn": Gated DeltaNet of Qwen3.5 / Qwen3.5-MoE (`in_proj_qkv`, `in_proj_z`, `in_proj_b`,
-  `in_proj_a`) and Qwen3-Next (`in_proj_qkvz`, `in_proj_ba`, `fix_query_key_value_ordering`).
-* "mamba2": Mamba2Mixer (Mamba-2) and NemotronHMamba2Mixer (Nemotron-H).
+A layer is found by its class name (an entry "*Name" matches every class whose name ends in
+Name) and the attributes its family reads; a class a family names exactly but whose attributes
+differ is an error that names them (another transformers version laid the layer out otherwise),
+never a silent skip. Adding a family: one entry below; a new hook only where its projections or
+its output cannot be said by roles and multipliers.
+
+Gated DeltaNet roles (default attribute): qkv (in_proj_qkv; a tuple of attributes: their outputs
+concatenated), z (in_proj_z: the output gate), b (in_proj_b: beta logits), a (in_proj_a: decay
+input), norm (norm: gated RMS norm), out (out_proj). Mamba-2 roles: in_proj (the fused
+gate / xBC / dt projection), norm (gated RMS norm), out (out_proj). Every family also needs its
+kind's shape attributes (`_SHAPES`), which all of transformers' layers name alike.
 """
 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -29,22 +42,126 @@ except Exception:  # pragma: no cover - older transformers
     def force_accelerate_hooks(names):
         return lambda f: f
 
-__all__ = ["layer_kind", "gdn_forward", "mamba2_forward", "FORWARDS"]
+__all__ = ["Family", "FAMILIES", "family_of", "layer_kind", "supported_families",
+           "gdn_forward", "mamba2_forward", "FORWARDS"]
+
+_ROLES = {
+    "gdn": {"qkv": ("in_proj_qkv",), "z": "in_proj_z", "b": "in_proj_b", "a": "in_proj_a",
+            "norm": "norm", "out": "out_proj"},
+    "mamba2": {"in_proj": "in_proj", "norm": "norm", "out": "out_proj"},
+}
+_SHAPES = {
+    "gdn": ("conv1d", "A_log", "dt_bias", "layer_idx", "head_k_dim", "head_v_dim", "key_dim",
+            "value_dim", "activation", "conv_kernel_size"),
+    "mamba2": ("conv1d", "A_log", "dt_bias", "D", "layer_idx", "n_groups", "head_dim", "num_heads",
+               "ssm_state_size", "intermediate_size", "conv_dim", "time_step_limit", "activation",
+               "conv_kernel_size"),
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One family of recurrent layers.
+
+    name: short id; kind: 'gdn' or 'mamba2' (the recurrence and the forward); classes: the HF
+    layer classes ("*Name": any class name ending in Name); models: the models that use them
+    (for messages and docs); roles: role -> attribute over the kind's defaults (a tuple: the
+    outputs of those modules concatenated); requires: further attributes the hooks read.
+    GDN: project(module, h) -> (qkv [B, T, 2 key_dim + value_dim], z, b, a) where the roles
+    cannot say the layout.
+    """
+
+    name: str
+    kind: str
+    classes: tuple[str, ...]
+    models: str
+    roles: dict = field(default_factory=dict)
+    requires: tuple[str, ...] = ()
+    project: Callable | None = None
+
+    def __post_init__(self):
+        if self.kind not in _ROLES:
+            raise ValueError(f"family {self.name}: kind must be one of {sorted(_ROLES)}, got {self.kind!r}")
+        object.__setattr__(self, "roles", {**_ROLES[self.kind], **self.roles})
+
+    def names(self, class_name: str) -> bool:
+        """Whether this family names the class, exactly or by a '*' suffix."""
+        return any(c == class_name or (c.startswith("*") and class_name.endswith(c[1:]))
+                   for c in self.classes)
+
+    def attributes(self) -> tuple[str, ...]:
+        """Every attribute the forward and the hooks read."""
+        roles = [a for r in self.roles.values() if r is not None
+                 for a in ((r,) if isinstance(r, str) else r)]
+        return tuple(dict.fromkeys(_SHAPES[self.kind] + tuple(roles) + self.requires))
+
+    def missing(self, module) -> list[str]:
+        return [a for a in self.attributes() if not hasattr(module, a)]
+
+    def role(self, module, role: str):
+        return getattr(module, self.roles[role])
+
+
+# ---------------------------------------------------------------- per-family hooks
+
+def _qwen3_next_project(m, h):
+    """Qwen3-Next: q, k, v, z fused per key head in in_proj_qkvz, b and a in in_proj_ba; the
+    layer's own fix_query_key_value_ordering takes them apart."""
+    B, T = h.shape[:2]
+    q, k, v, z, b, a = m.fix_query_key_value_ordering(m.in_proj_qkvz(h), m.in_proj_ba(h))
+    return torch.cat([t.reshape(B, T, -1) for t in (q, k, v)], dim=-1), z, b, a
+
+
+FAMILIES: tuple[Family, ...] = (
+    Family("qwen3_5", "gdn", ("*GatedDeltaNet",),
+           "Qwen3.5 dense and MoE (and transformers' other layers of the same layout)"),
+    Family("qwen3_next", "gdn", ("*GatedDeltaNet",), "Qwen3-Next",
+           roles=dict.fromkeys(("qkv", "z", "b", "a")), project=_qwen3_next_project,
+           requires=("in_proj_qkvz", "in_proj_ba", "fix_query_key_value_ordering")),
+    Family("mamba2", "mamba2", ("*Mamba2Mixer",), "Mamba-2 (Mamba2Mixer), Nemotron-H"),
+)
+
+_BY_TYPE: dict[type, Family] = {}
+
+
+def family_of(module) -> Family | None:
+    """The family of a recurrent layer replayquant can patch, or None for any other module.
+    Raises ValueError for a class a family names exactly whose attributes it cannot find."""
+    cached = _BY_TYPE.get(type(module))
+    if cached is not None and not cached.missing(module):
+        return cached
+    name = type(module).__name__
+    named = []
+    for fam in FAMILIES:
+        if not fam.names(name):
+            continue
+        missing = fam.missing(module)
+        if not missing:
+            _BY_TYPE[type(module)] = fam
+            return fam
+        if name in fam.classes:
+            named.append((fam, missing))
+    if named:
+        fam, missing = named[0]
+        raise ValueError(f"{name} is a {fam.models} layer but has no {', '.join(missing)}: this "
+                         f"transformers version lays it out otherwise than the versions replayquant "
+                         f"reads (5.17, 5.24)")
+    return None
 
 
 def layer_kind(module) -> str | None:
     """'gdn', 'mamba2' or None for a module that is not a recurrent layer we can patch."""
-    name = type(module).__name__
-    if name.endswith("GatedDeltaNet") and all(hasattr(module, a) for a in
-                                              ("conv1d", "A_log", "dt_bias", "norm", "out_proj",
-                                               "layer_idx", "head_k_dim", "head_v_dim")):
-        if hasattr(module, "in_proj_qkv") or hasattr(module, "in_proj_qkvz"):
-            return "gdn"
-    if name.endswith("Mamba2Mixer") and all(hasattr(module, a) for a in
-                                            ("in_proj", "conv1d", "A_log", "dt_bias", "D", "norm",
-                                             "out_proj", "layer_idx", "n_groups", "head_dim")):
-        return "mamba2"
-    return None
+    fam = family_of(module)
+    return None if fam is None else fam.kind
+
+
+def supported_families() -> str:
+    """The supported families for messages: 'Gated DeltaNet of ...; Mamba-2 of ...'."""
+    by_kind = {}
+    for fam in FAMILIES:
+        by_kind.setdefault(fam.kind, []).append(fam.models.split(" (")[0])
+    return "; ".join(f"{'Gated DeltaNet' if k == 'gdn' else 'Mamba-2'} of {', '.join(v)}"
+                     for k, v in by_kind.items())
 
 
 # ---------------------------------------------------------------- HF helpers, with fallbacks
@@ -103,12 +220,27 @@ def _valid(attention_mask, B, T):
     return attention_mask.to(torch.bool)
 
 
+def _apply(fam: Family, module, role: str, x):
+    """The module(s) of a role applied to x (a tuple of attributes: outputs concatenated)."""
+    attr = fam.roles[role]
+    if isinstance(attr, str):
+        return getattr(module, attr)(x)
+    outs = [getattr(module, a)(x) for a in attr]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+
 # ---------------------------------------------------------------- Gated DeltaNet
+
+def _gdn_project(fam, m, h):
+    B, T = h.shape[:2]
+    return (_apply(fam, m, "qkv", h), _apply(fam, m, "z", h).reshape(B, T, -1, m.head_v_dim),
+            _apply(fam, m, "b", h), _apply(fam, m, "a", h))
+
 
 @force_accelerate_hooks("conv1d")
 def gdn_forward(self, hidden_states, cache=None, attention_mask=None, cache_params=None, **kwargs):
-    """Gated DeltaNet layer forward (Qwen3.5 dense/MoE, Qwen3-Next) with the replay recurrence."""
-    rt = self._replayquant
+    """Gated DeltaNet layer forward (every "gdn" family) with the replay recurrence."""
+    rt, fam = self._replayquant, _BY_TYPE[type(self)]
     cache = _pop_cache(cache, cache_params)
     _check_kwargs(kwargs)
     kwargs.pop("cu_seq_lens_q", None)
@@ -116,15 +248,8 @@ def gdn_forward(self, hidden_states, cache=None, attention_mask=None, cache_para
     B, T, _ = hidden_states.shape
     had_prev = cache is not None and rt.has_previous(rt.cache_layer(cache))
 
-    if hasattr(self, "in_proj_qkvz"):                      # Qwen3-Next layout
-        query, key, value, z, b, a = self.fix_query_key_value_ordering(
-            self.in_proj_qkvz(hidden_states), self.in_proj_ba(hidden_states))
-        mixed_qkv = torch.cat([t.reshape(B, T, -1) for t in (query, key, value)], dim=-1)
-    else:                                                  # Qwen3.5 layout
-        mixed_qkv = self.in_proj_qkv(hidden_states)
-        z = self.in_proj_z(hidden_states).reshape(B, T, -1, self.head_v_dim)
-        b, a = self.in_proj_b(hidden_states), self.in_proj_a(hidden_states)
-
+    project = fam.project or (lambda m, h: _gdn_project(fam, m, h))
+    mixed_qkv, z, b, a = project(self, hidden_states)
     mixed_qkv = _conv(self, mixed_qkv.transpose(1, 2), cache, had_prev, self.activation,
                       **kwargs).transpose(1, 2)
     query, key, value = torch.split(mixed_qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
@@ -135,44 +260,42 @@ def gdn_forward(self, hidden_states, cache=None, attention_mask=None, cache_para
     # beta = sigmoid(b) in FP32 (HF takes it in the model dtype; rounding beta to bf16 is a known
     # long-context drift source, and FP32 is what the kernels use)
     q, k, v, log_a, beta = gdn_inputs(query, key, value, g, b)
-
     raw = dict(q=query, k=key, v=value, a=a, b=b, A_log=self.A_log, dt_bias=self.dt_bias)
     y = rt.run(cache, had_prev, q, k, v, log_a, beta, _valid(attention_mask, B, T), raw=raw)
     core = y.to(query.dtype).reshape(-1, self.head_v_dim)
-    core = self.norm(core, z.reshape(-1, self.head_v_dim))
-    return self.out_proj(core.reshape(B, T, -1))
+    core = fam.role(self, "norm")(core, z.reshape(-1, self.head_v_dim))
+    return fam.role(self, "out")(core.reshape(B, T, -1))
 
 
 # ---------------------------------------------------------------- Mamba-2
 
 @force_accelerate_hooks("conv1d")
 def mamba2_forward(self, hidden_states, cache=None, attention_mask=None, cache_params=None, **kwargs):
-    """Mamba-2 mixer forward (Mamba2Mixer, NemotronHMamba2Mixer) with the replay recurrence."""
-    rt = self._replayquant
+    """Mamba-2 mixer forward (every "mamba2" family) with the replay recurrence."""
+    rt, fam = self._replayquant, _BY_TYPE[type(self)]
     cache = _pop_cache(cache, cache_params)
     _check_kwargs(kwargs)
     B, T, _ = hidden_states.shape
     dtype = hidden_states.dtype
     had_prev = cache is not None and rt.has_previous(rt.cache_layer(cache))
     hidden_states = _mask_padding(self, hidden_states, attention_mask)
-    projected = self.in_proj(hidden_states)
+    projected = _apply(fam, self, "in_proj", hidden_states)
     gate, xBC, dt = projected.split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
     xBC = _conv(self, xBC.transpose(1, 2), cache, had_prev, self.activation, **kwargs)
     xBC = _mask_padding(self, xBC.transpose(1, 2), attention_mask)
     GN = self.n_groups * self.ssm_state_size
     x, Bm, Cm = torch.split(xBC, [self.intermediate_size, GN, GN], dim=-1)
     x = x.reshape(B, T, self.num_heads, self.head_dim)
+    Bm, Cm = Bm.reshape(B, T, self.n_groups, -1), Cm.reshape(B, T, self.n_groups, -1)
     A = -torch.exp(self.A_log.float())
-    q, k, v, log_a = mamba2_inputs(x, dt, A, Bm.reshape(B, T, self.n_groups, -1),
-                                   Cm.reshape(B, T, self.n_groups, -1), self.dt_bias,
-                                   dt_limit=tuple(self.time_step_limit))
-    raw = dict(x=x, dt=dt, A=A, B=Bm.reshape(B, T, self.n_groups, -1),
-               C=Cm.reshape(B, T, self.n_groups, -1), dt_bias=self.dt_bias,
-               dt_limit=tuple(self.time_step_limit))
+    dt_limit = tuple(self.time_step_limit)
+    q, k, v, log_a = mamba2_inputs(x, dt, A, Bm, Cm, self.dt_bias, dt_limit=dt_limit)
+    raw = dict(x=x, dt=dt, A=A, B=Bm, C=Cm, dt_bias=self.dt_bias, dt_limit=dt_limit)
     y = rt.run(cache, had_prev, q, k, v, log_a, None, _valid(attention_mask, B, T), raw=raw)
     y = y + self.D.float()[:, None] * x.float()                       # D skip, outside the state
-    out = self.norm(y.reshape(B, T, -1), gate)
-    return self.out_proj(out.to(dtype))
+    y = y.reshape(B, T, -1)
+    out = fam.role(self, "norm")(y, gate)
+    return fam.role(self, "out")(out.to(dtype))
 
 
 FORWARDS = {"gdn": gdn_forward, "mamba2": mamba2_forward}

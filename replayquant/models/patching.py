@@ -6,7 +6,7 @@ import types
 
 import torch
 
-from replayquant.models.families import FORWARDS, layer_kind
+from replayquant.models.families import FORWARDS, layer_kind, supported_families
 from replayquant.models.names import resolve_model_name
 from replayquant.models.runtime import LayerRuntime
 
@@ -62,8 +62,8 @@ def _layer_plan(pair, layers, prefill):
 def patch(model, pair, prefill: str = "replay", seed: int = 0, buffer_len: int | None = None):
     """Make every recurrent layer of `model` run the replay state machine with `pair` (in place).
 
-    model: a Hugging Face model of a supported family (Qwen3.5 dense / MoE, Qwen3-Next, Mamba-2,
-    Nemotron-H). pair: a PrecisionPair or a pair name; buffer_len overrides its L. A
+    model: a Hugging Face model of a supported family (`replayquant.models.families.FAMILIES`).
+    pair: a PrecisionPair or a pair name; buffer_len overrides its L. A
     `replayquant.policy.LayerPolicy` (or the path of a policy YAML) gives each recurrent layer
     its own pair; its layer indices and patterns are checked against the model here.
     prefill: "replay" (multi-token forwards follow the decode step semantics exactly, via the
@@ -81,9 +81,8 @@ def patch(model, pair, prefill: str = "replay", seed: int = 0, buffer_len: int |
     pair = _as_pair(pair, buffer_len)
     layers = recurrent_layers(model)
     if not layers:
-        raise ValueError(f"{type(model).__name__} has no recurrent layer replayquant can patch (Gated "
-                         f"DeltaNet of Qwen3.5 / Qwen3-Next, Mamba-2 mixers of Mamba-2 / Nemotron-H); "
-                         f"nothing to do for a model without SSM state")
+        raise ValueError(f"{type(model).__name__} has no recurrent layer replayquant can patch "
+                         f"({supported_families()}); nothing to do for a model without SSM state")
     plan = _layer_plan(pair, layers, prefill)      # a policy's errors before anything changes
     if is_patched(model):
         unpatch(model)
