@@ -36,16 +36,126 @@ From Python: ``import replayquant.lm_eval_model`` and then ``lm_eval.simple_eval
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import importlib
+import inspect
 import logging
+import os
+import sys
 
 import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
-__all__ = ["ReplayQuantLM", "PREFILLS", "resolve_pair", "resolve_model_name", "lm_eval_main"]
+__all__ = ["ReplayQuantLM", "PREFILLS", "resolve_pair", "resolve_model_name", "lm_eval_main",
+           "LM_EVAL_INTERNALS", "lm_eval_internals_problems"]
 
 log = logging.getLogger(__name__)
 PREFILLS = ("replay", "exact")
+
+# What this module relies on inside lm-eval (pyproject's tested range; lm-eval 0.4.13): the HFLM
+# methods ReplayQuantLM overrides, with the arguments it passes on by name, the HFLM methods that
+# must still call them (else the override, and with it the pair, would be bypassed without a
+# word), and the functions it calls.
+LM_EVAL_INTERNALS = {
+    "lm_eval.models.huggingface:HFLM._loglikelihood_tokens": ("disable_tqdm", "override_bs"),
+    "lm_eval.models.huggingface:HFLM._model_call": ("attn_mask", "labels"),
+    "lm_eval.models.huggingface:HFLM._model_generate": (),
+    "lm_eval.models.huggingface:HFLM.get_model_info": (),
+    "lm_eval.__main__:cli_evaluate": (),
+    "lm_eval.evaluator:get_git_commit_hash": (),
+}
+LM_EVAL_CALLS = {   # "caller": "what its source must call"
+    "lm_eval.models.huggingface:HFLM._loglikelihood_tokens": "self._model_call(",
+    "lm_eval.models.huggingface:HFLM.generate_until": "self._model_generate(",
+}
+
+
+def _resolve(spec: str):
+    mod, _, attr = spec.partition(":")
+    obj = importlib.import_module(mod)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def lm_eval_internals_problems() -> list[str]:
+    """What no longer matches in the installed lm-eval (empty: everything this module uses is
+    where it expects it)."""
+    problems = []
+    for spec, params in LM_EVAL_INTERNALS.items():
+        try:
+            obj = _resolve(spec)
+        except (ImportError, AttributeError):
+            problems.append(f"{spec} is missing")
+            continue
+        try:
+            have = inspect.signature(obj).parameters
+        except (TypeError, ValueError):
+            have = {}
+        lost = [p for p in params if p not in have]
+        if lost:
+            problems.append(f"{spec} has no argument(s) {', '.join(lost)}")
+    for spec, call in LM_EVAL_CALLS.items():
+        try:
+            src = inspect.getsource(_resolve(spec))
+        except (ImportError, AttributeError, OSError, TypeError):
+            problems.append(f"{spec} is missing")
+            continue
+        if call not in src:
+            problems.append(f"{spec} no longer calls {call.rstrip('(')}")
+    return problems
+
+
+def check_lm_eval_internals() -> None:
+    """One ValueError naming every lm-eval internal that moved, and the tested lm-eval version."""
+    problems = lm_eval_internals_problems()
+    if problems:
+        import lm_eval
+        raise ValueError(
+            f"the installed lm-eval ({getattr(lm_eval, '__version__', '?')}) is not the one "
+            f"replayquant's lm-eval model is built on (tested: lm-eval 0.4.13, pyproject's range): "
+            f"{'; '.join(problems)}. Install the tested version (pip install 'lm-eval==0.4.13')")
+
+
+check_lm_eval_internals()
+
+
+@contextlib.contextmanager
+def _child_stderr_to_devnull():
+    """Point file descriptor 2 at /dev/null for the enclosed block (what child processes write
+    there is dropped); Python's own sys.stderr is flushed first and restored after."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
+def _quiet_git_hash():
+    """lm-eval records the git commit of the working folder by running `git describe` with the
+    terminal's stderr: outside a git checkout (an ordinary user's folder) git prints `fatal: not a
+    git repository`. lm-eval's own function runs unchanged; only git's stderr is dropped."""
+    import lm_eval.evaluator as ev
+    orig = ev.get_git_commit_hash
+    if getattr(orig, "_replayquant_quiet", False):
+        return
+
+    @functools.wraps(orig)
+    def get_git_commit_hash():
+        with _child_stderr_to_devnull():
+            return orig()
+    get_git_commit_hash._replayquant_quiet = True
+    ev.get_git_commit_hash = get_git_commit_hash
+
+
+_quiet_git_hash()
 
 
 def resolve_pair(spec, buffer_len=None):

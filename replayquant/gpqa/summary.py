@@ -1,4 +1,6 @@
-"""GPQA summaries (results/gpqa/<model>/SUMMARY.json) and the tables rendered from them.
+"""GPQA summaries (results/gpqa/<model>/SUMMARY.json), and the tables rendered from them and from
+the lm-eval results files of replayquant runs (`replayquant lm-eval --model replayquant`, the pair
+files of `replayquant gpqa`: lm-eval's results dict, its config.replayquant naming the pair).
 
 A summary row is one (pair, task, metric): accuracy and lm-eval's stderr, and the difference from
 the run's first pair with a *paired* stderr (the same questions were asked of every pair, so the
@@ -15,7 +17,7 @@ import math
 from pathlib import Path
 
 __all__ = ["SUMMARY_KIND", "build_summary", "load_summary", "is_gpqa_summary", "render_table",
-           "primary_metric"]
+           "primary_metric", "is_lm_eval_results", "render_lm_eval_table", "table_for_files"]
 
 SUMMARY_KIND = "replayquant/gpqa-summary"
 SUMMARY_VERSION = 1
@@ -197,21 +199,101 @@ def render_table(summaries: list[dict], fmt: str = "md", metrics: str = "primary
     return "\n".join(out)
 
 
-def table_for_files(files, fmt: str = "md") -> str | None:
-    """The GPQA table for `files` when they are GPQA summaries (SUMMARY.json or folders holding one),
-    None when none of them is (other harnesses' results), one ValueError when they are mixed."""
-    def is_summary(f) -> bool:
-        p = Path(f)
-        p = p / "SUMMARY.json" if p.is_dir() else p
-        try:
-            return p.is_file() and is_gpqa_summary(json.loads(p.read_text()))
-        except (OSError, ValueError):
-            return False
+def is_lm_eval_results(obj) -> bool:
+    """lm-eval's results dict of a `replayquant` model run (`replayquant lm-eval --model
+    replayquant ...` or a pair file of `replayquant gpqa`): config.replayquant holds the pair."""
+    return (isinstance(obj, dict) and isinstance(obj.get("results"), dict)
+            and isinstance(obj.get("config"), dict) and isinstance(obj["config"].get("replayquant"), dict))
 
-    flags = [is_summary(f) for f in files]
-    if not any(flags):
+
+def _model_args(cfg: dict) -> dict:
+    args = cfg.get("model_args")
+    if isinstance(args, dict):
+        return args
+    if isinstance(args, str):      # older lm-eval: "k=v,k=v"
+        return dict(kv.split("=", 1) for kv in args.split(",") if "=" in kv)
+    return {}
+
+
+def _short_model(name) -> str:
+    return str(name).rstrip("/").split("/")[-1] if name else "?"
+
+
+def lm_eval_rows(res: dict, source: str = "") -> list[dict]:
+    """One row per (task, metric, filter) of an lm-eval results dict of a replayquant run."""
+    cfg = res["config"]
+    rq = cfg["replayquant"]
+    pair = rq.get("pair_label") or (rq.get("pair") or {}).get("name") or "?"
+    model = _short_model(_model_args(cfg).get("pretrained") or res.get("model_name"))
+    rows = []
+    for task, tr in sorted(res["results"].items()):
+        n = ((res.get("n-samples") or {}).get(task) or {}).get("effective", tr.get("sample_len"))
+        for key in _metric_keys(tr):
+            metric, filt = key.split(",", 1)
+            rows.append({"model": model, "pair": pair, "prefill": rq.get("prefill"), "task": task,
+                         "metric": metric, "filter": filt, "n": n, "value": _num(tr[key]),
+                         "stderr": _num(tr.get(f"{metric}_stderr,{filt}")),
+                         "limit": cfg.get("limit"), "file": source})
+    return rows
+
+
+def render_lm_eval_table(files, fmt: str = "md") -> str:
+    """lm-eval results of replayquant runs: md (one row per model, pair, task and metric, value ±
+    stderr as lm-eval prints them) or csv (value and stderr in separate numeric columns)."""
+    if fmt not in ("md", "csv"):
+        raise ValueError(f"--format {fmt!r}: lm-eval results render as md or csv")
+    rows = []
+    for f in files:
+        p = Path(f)
+        rows += lm_eval_rows(json.loads(p.read_text()), str(p))
+    if not rows:
+        raise ValueError(f"{[str(f) for f in files]}: the lm-eval results hold no metrics")
+    cols = ["model", "pair", "prefill", "task", "metric", "filter", "n", "value", "stderr", "limit", "file"]
+    if fmt == "csv":
+        buf = io.StringIO()
+        w = csv.writer(buf, lineterminator="\n")
+        w.writerow(cols)
+        for r in rows:
+            w.writerow(["" if r[c] is None else r[c] for c in cols])
+        return buf.getvalue()
+    out = ["| model | pair | prefill | task | metric | n | value | stderr |",
+           "| --- | --- | --- | --- | --- | ---: | ---: | ---: |"]
+    for r in rows:
+        metric = r["metric"] + ("" if r["filter"] == "none" else f" ({r['filter']})")
+        val = "-" if r["value"] is None else f"{r['value']:.4f}"
+        se = "-" if r["stderr"] is None else f"{r['stderr']:.4f}"
+        out.append(f"| {r['model']} | {r['pair']} | {r['prefill']} | {r['task']} | {metric} | "
+                   f"{'' if r['n'] is None else r['n']} | {val} | {se} |")
+    if any(r["limit"] for r in rows):
+        out.append("\n(with --limit: not the whole task)")
+    return "\n".join(out) + "\n"
+
+
+def _file_kind(f) -> str:
+    p = Path(f)
+    p = p / "SUMMARY.json" if p.is_dir() else p
+    try:
+        obj = json.loads(p.read_text()) if p.is_file() else None
+    except (OSError, ValueError):
+        return "other"
+    if is_gpqa_summary(obj):
+        return "gpqa"
+    return "lm-eval" if is_lm_eval_results(obj) else "other"
+
+
+def table_for_files(files, fmt: str = "md") -> str | None:
+    """The table for `files` when they are GPQA summaries (SUMMARY.json or folders holding one)
+    or lm-eval results of replayquant runs; None when none of them is (KL results); one
+    ValueError when kinds are mixed."""
+    kinds = [_file_kind(f) for f in files]
+    if all(k == "other" for k in kinds):
         return None
-    if not all(flags):
-        others = [str(f) for f, ok in zip(files, flags) if not ok]
-        raise ValueError(f"{others}: not GPQA summaries; render GPQA summaries and other results in separate tables")
+    if len(set(kinds)) > 1:
+        names = {"gpqa": "GPQA summaries", "lm-eval": "lm-eval results", "other": "other files"}
+        groups = "; ".join(f"{names[k]}: {[str(f) for f, kk in zip(files, kinds) if kk == k]}"
+                           for k in ("gpqa", "lm-eval", "other") if k in kinds)
+        raise ValueError(f"one table takes one kind of file ({groups}); render each kind in its own "
+                         f"`replayquant table` call")
+    if kinds[0] == "lm-eval":
+        return render_lm_eval_table(files, fmt=fmt)
     return render_table([load_summary(f) for f in files], fmt=fmt)
