@@ -130,6 +130,10 @@ def kl_cmd(
 ):
     """KL(reference || pair) over long documents, reference and pairs in lockstep; resumable."""
     from replayquant.kl.command import kl_command
+    from replayquant.launch import single_process_warning
+    warning = single_process_warning("kl")
+    if warning:
+        typer.echo(warning, err=True)
     try:
         kl_command(model, pair, dataset=dataset, split=split, text_field=text_field, context=context,
                    docs=docs, segment=segment, prefill=prefill, dtype=dtype, device_map=device_map,
