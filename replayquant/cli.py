@@ -19,6 +19,19 @@ def _user_errors():
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Low-precision SSM state for hybrid models (ReplaySSM).")
+
+
+def _print_version(value: bool):
+    if value:
+        from replayquant import __version__
+        typer.echo(f"replayquant {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                       help="print replayquant's version and exit")):
+    """Low-precision SSM state for hybrid models (ReplaySSM)."""
 bench_app = typer.Typer(no_args_is_help=True, help="GPU benchmarks (not run in CI).")
 app.add_typer(bench_app, name="bench")
 
