@@ -1,10 +1,22 @@
-"""KL against position (log x), one line per pair, from the per-token KL files of a run."""
+"""KL against position (log x), one line per pair, from the per-token KL files of a run.
+
+The title names the model as the tables do (hub id, or a local folder's name and fingerprint).
+Each pair has its own colour, marker and line style, so curves that lie on top of each other stay
+apart; the legend sits outside the axes, where it covers no curve. On the log y axis a bin whose
+mean KL is at or below zero (a pair identical to the reference gives exactly 0; float rounding can
+give a tiny negative mean) is drawn as a down-pointing triangle at the axis floor (one row per
+pair), and a note under the plot says so, instead of vanishing from a log axis.
+"""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
+
+MARKERS = ("o", "s", "^", "D", "P", "X", "*", "h")
+LINESTYLES = ("-", "--", "-.", ":")
 
 
 def position_curve(per_doc: list[np.ndarray], bins_per_octave: int = 8) -> tuple[np.ndarray, np.ndarray]:
@@ -28,34 +40,73 @@ def position_curve(per_doc: list[np.ndarray], bins_per_octave: int = 8) -> tuple
     return np.asarray(xs), np.asarray(ys)
 
 
+def curve_style(j: int) -> dict:
+    """Colour, marker and line style of the j-th pair (all three change from pair to pair)."""
+    return {"color": f"C{j % 10}", "marker": MARKERS[j % len(MARKERS)],
+            "linestyle": LINESTYLES[j % len(LINESTYLES)]}
+
+
+def log_floor(curves: list[np.ndarray]) -> float | None:
+    """The y value below every positive value of `curves` (a decade under the smallest), where
+    values at or below zero are drawn; None when no value is positive (a linear axis then)."""
+    pos = [float(y[y > 0].min()) for y in curves if np.any(y > 0)]
+    if not pos:
+        return None
+    return 10.0 ** (math.floor(math.log10(min(pos))) - 1)
+
+
 def plot_kl_vs_position(results: dict, arrays: dict, pair_names: list[str], png: Path):
-    """Write a PNG: x = token position (log), y = mean KL(ref || test) (log where positive)."""
+    """Write a PNG: x = token position (log), y = mean KL(ref || test) (log where any is positive)."""
+    import matplotlib.pyplot as plt
+    fig = kl_figure(results, arrays, pair_names)
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, bbox_inches="tight")
+    plt.close(fig)
+
+
+def kl_figure(results: dict, arrays: dict, pair_names: list[str]):
+    """The matplotlib figure `plot_kl_vs_position` saves (Agg backend)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=120)
+    from .report import model_label
+
     docs = sorted(arrays)
-    any_pos = False
-    for j, name in enumerate(pair_names):
-        x, y = position_curve([arrays[i][j] for i in docs])
+    curves = [position_curve([arrays[i][j] for i in docs]) for j in range(len(pair_names))]
+    floor = log_floor([y for _, y in curves])
+    fig, ax = plt.subplots(figsize=(9.0, 4.8), dpi=120)
+    n_floor = 0          # pairs drawn on the floor so far: each one a step higher, none hidden
+    for j, (name, (x, y)) in enumerate(zip(pair_names, curves)):
         stats = results["results"].get(name) or {}
+        st = curve_style(j)
         label = f"{name} (mean {stats.get('kl_mean', float('nan')):.3g})"
-        mask = y > 0
-        any_pos |= bool(mask.any())
-        ax.plot(x[mask] if mask.any() else x, y[mask] if mask.any() else y, label=label,
-                marker=".", linewidth=1.2)
+        if floor is None:
+            ax.plot(x, y, label=label, linewidth=1.2, markersize=4, markerfacecolor="none", **st)
+            continue
+        low = y <= 0
+        if low.all():
+            label += ", every bin <= 0"
+        ax.plot(x, np.where(low, np.nan, y), label=label, linewidth=1.2, markersize=4,
+                markerfacecolor="none", **st)
+        if low.any():
+            ax.plot(x[low], np.full(int(low.sum()), floor * 1.6 ** n_floor), linestyle="none",
+                    marker="v", markersize=6, color=st["color"], markerfacecolor=st["color"])
+            n_floor += 1
     ax.set_xscale("log")
-    if any_pos:
+    if floor is not None:
         ax.set_yscale("log")
+        ax.set_ylim(bottom=floor / 2)
     cfg = results["config"]
     ax.set_xlabel("token position")
     ax.set_ylabel("KL(reference || pair), mean over documents")
-    ax.set_title(f"{cfg['model'].get('id')}: {results['documents_done']} doc(s) x {cfg['context']} tokens, "
-                 f"prefill={cfg['prefill']}", fontsize=9)
+    ax.set_title(f"{model_label(cfg['model'])}: {results['documents_done']} doc(s) x {cfg['context']} "
+                 f"tokens, prefill={cfg['prefill']}", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png)
-    plt.close(fig)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    if n_floor:
+        fig.text(0.01, 0.01, f"\u25bc at the floor (from {floor:.0e}, one row per pair): bins whose "
+                 f"mean KL is <= 0 (0 = identical to the reference; below 0 = float rounding)",
+                 fontsize=7)
+    fig.tight_layout(rect=(0, 0.03 if n_floor else 0, 1, 1))
+    return fig
