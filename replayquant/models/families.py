@@ -42,7 +42,7 @@ except Exception:  # pragma: no cover - older transformers
     def force_accelerate_hooks(names):
         return lambda f: f
 
-__all__ = ["Family", "FAMILIES", "family_of", "layer_kind", "supported_families",
+__all__ = ["Family", "FAMILIES", "family_of", "layer_kind", "lm_head_scale", "supported_families",
            "gdn_forward", "mamba2_forward", "FORWARDS"]
 
 _ROLES = {
@@ -69,6 +69,8 @@ class Family:
     outputs of those modules concatenated); requires: further attributes the hooks read.
     GDN: project(module, h) -> (qkv [B, T, 2 key_dim + value_dim], z, b, a) where the roles
     cannot say the layout.
+    lm_head_scale(text config) -> the factor the model's causal-LM forward puts on the LM head's
+    output (default none), for harnesses that apply the head themselves.
     """
 
     name: str
@@ -78,6 +80,7 @@ class Family:
     roles: dict = field(default_factory=dict)
     requires: tuple[str, ...] = ()
     project: Callable | None = None
+    lm_head_scale: Callable | None = None
 
     def __post_init__(self):
         if self.kind not in _ROLES:
@@ -119,6 +122,10 @@ FAMILIES: tuple[Family, ...] = (
            roles=dict.fromkeys(("qkv", "z", "b", "a")), project=_qwen3_next_project,
            requires=("in_proj_qkvz", "in_proj_ba", "fix_query_key_value_ordering")),
     Family("mamba2", "mamba2", ("*Mamba2Mixer",), "Mamba-2 (Mamba2Mixer), Nemotron-H"),
+    Family("bamba", "mamba2", ("BambaMixer",), "Bamba"),
+    Family("granite_hybrid", "mamba2", ("GraniteMoeHybridMambaLayer",),
+           "Granite-4 hybrid (GraniteMoeHybrid)", lm_head_scale=lambda c: 1.0 / c.logits_scaling),
+    Family("zamba2", "mamba2", ("Zamba2MambaMixer",), "Zamba2"),
 )
 
 _BY_TYPE: dict[type, Family] = {}
@@ -162,6 +169,18 @@ def supported_families() -> str:
         by_kind.setdefault(fam.kind, []).append(fam.models.split(" (")[0])
     return "; ".join(f"{'Gated DeltaNet' if k == 'gdn' else 'Mamba-2'} of {', '.join(v)}"
                      for k, v in by_kind.items())
+
+
+def lm_head_scale(model) -> float:
+    """The factor the model's causal-LM forward applies to its LM head's output (the
+    `lm_head_scale` of its families: 1 / logits_scaling of Granite-4), 1.0 for the other
+    families. A harness that applies the head itself, as the KL runner does, applies it too."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    for _, m in model.named_modules():
+        fam = family_of(m)
+        if fam is not None and fam.lm_head_scale is not None:
+            return float(fam.lm_head_scale(cfg))
+    return 1.0
 
 
 # ---------------------------------------------------------------- HF helpers, with fallbacks
