@@ -79,7 +79,7 @@ def _configs():
     }
 
 
-NEW = ["granite_hybrid", "bamba", "zamba2"]
+NEW = ["falcon_h1", "granite_hybrid", "bamba", "zamba2"]
 ALL = NEW + ["qwen3_5", "qwen3_next", "mamba2", "nemotron_h"]
 
 
@@ -267,6 +267,16 @@ def test_run_kl_three_pairs(work, fam, tmp_path):
     assert r["f4_sr_rs"]["kl_mean"] > 1e-6, r["f4_sr_rs"]["kl_mean"]
 
 
+def test_layout_change_is_one_clear_error(work):
+    """A class a family names exactly whose attributes it cannot find (another transformers
+    version's layout) is one error naming what is missing, not a silent skip."""
+    model = load_model(work["dirs"]["falcon_h1"], dtype="float32")
+    mixer = recurrent_layers(model)[0][1]
+    del mixer.mup_vector
+    with pytest.raises(ValueError, match="FalconH1Mixer.*mup_vector"):
+        patch(model, "s32_rs")
+
+
 @pytest.mark.parametrize("fam", NEW)
 def test_lm_eval_model(work, fam):
     """The lm-eval model (what `replayquant gpqa` scores with): with s32_rs its loglikelihoods
@@ -293,3 +303,26 @@ def test_lm_eval_model(work, fam):
         ref = sum(float(logp[len(ctx_ids) - 1 + t, tok]) for t, tok in enumerate(cont_ids))
         assert got == pytest.approx(ref, abs=1e-4)
     assert all(a != b for a, b in zip(ll32, ll4)), (ll32, ll4)
+
+
+def test_falcon_h1_without_gated_norm():
+    """Falcon-H1 with mamba_rms_norm=False (its config's default) gates by y * silu(z) instead of
+    the gated norm: s32_rs at L = 1 gives HF's logits and greedy tokens, f4_sr_rs changes them."""
+    from transformers import AutoModelForCausalLM
+    cfg = _configs()["falcon_h1"][0]()
+    cfg.mamba_rms_norm, cfg.initializer_range = False, 0.2
+    torch.manual_seed(7)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    _remember(model)
+    assert all(not m.mamba_rms_norm for _, m, _ in recurrent_layers(model))
+    ids, mask = _batch(seed=4)
+    valid = mask.bool()
+    ref = _logits(model, ids, mask)
+    seq_ref, _ = _generate(model, ids, mask, n=4)
+    patch(model, "s32_rs", buffer_len=1)
+    scale = ref.abs().max().item()
+    torch.testing.assert_close(_logits(model, ids, mask)[valid], ref[valid], rtol=1e-5,
+                               atol=1e-5 * scale)
+    assert torch.equal(_generate(model, ids, mask, n=4)[0], seq_ref)
+    patch(model, "f4_sr_rs", buffer_len=4)
+    assert (_logits(model, ids, mask) - ref)[valid].abs().max().item() > 1e-3 * scale

@@ -69,6 +69,8 @@ class Family:
     outputs of those modules concatenated); requires: further attributes the hooks read.
     GDN: project(module, h) -> (qkv [B, T, 2 key_dim + value_dim], z, b, a) where the roles
     cannot say the layout.
+    Mamba-2: in_scale / proj_scale: attributes multiplying the layer's input / in_proj's output;
+    output(module, y, gate) -> the gated, normed y (default norm(y, gate)).
     lm_head_scale(text config) -> the factor the model's causal-LM forward puts on the LM head's
     output (default none), for harnesses that apply the head themselves.
     """
@@ -80,6 +82,9 @@ class Family:
     roles: dict = field(default_factory=dict)
     requires: tuple[str, ...] = ()
     project: Callable | None = None
+    in_scale: str | None = None
+    proj_scale: str | None = None
+    output: Callable | None = None
     lm_head_scale: Callable | None = None
 
     def __post_init__(self):
@@ -96,7 +101,8 @@ class Family:
         """Every attribute the forward and the hooks read."""
         roles = [a for r in self.roles.values() if r is not None
                  for a in ((r,) if isinstance(r, str) else r)]
-        return tuple(dict.fromkeys(_SHAPES[self.kind] + tuple(roles) + self.requires))
+        scales = [a for a in (self.in_scale, self.proj_scale) if a]
+        return tuple(dict.fromkeys(_SHAPES[self.kind] + tuple(roles) + tuple(scales) + self.requires))
 
     def missing(self, module) -> list[str]:
         return [a for a in self.attributes() if not hasattr(module, a)]
@@ -115,6 +121,12 @@ def _qwen3_next_project(m, h):
     return torch.cat([t.reshape(B, T, -1) for t in (q, k, v)], dim=-1), z, b, a
 
 
+def _falcon_h1_output(m, y, gate):
+    """Falcon-H1: the gated RMS norm is optional (mamba_rms_norm); without it the gate is
+    y * silu(z), as in its forward."""
+    return m.norm(y, gate) if m.mamba_rms_norm else y * F.silu(gate)
+
+
 FAMILIES: tuple[Family, ...] = (
     Family("qwen3_5", "gdn", ("*GatedDeltaNet",),
            "Qwen3.5 dense and MoE (and transformers' other layers of the same layout)"),
@@ -126,6 +138,10 @@ FAMILIES: tuple[Family, ...] = (
     Family("granite_hybrid", "mamba2", ("GraniteMoeHybridMambaLayer",),
            "Granite-4 hybrid (GraniteMoeHybrid)", lm_head_scale=lambda c: 1.0 / c.logits_scaling),
     Family("zamba2", "mamba2", ("Zamba2MambaMixer",), "Zamba2"),
+    Family("falcon_h1", "mamba2", ("FalconH1Mixer",), "Falcon-H1",
+           in_scale="ssm_in_multiplier", proj_scale="mup_vector",   # its muP multipliers
+           requires=("mamba_rms_norm",), output=_falcon_h1_output,
+           lm_head_scale=lambda c: c.lm_head_multiplier),
 )
 
 _BY_TYPE: dict[type, Family] = {}
@@ -173,8 +189,9 @@ def supported_families() -> str:
 
 def lm_head_scale(model) -> float:
     """The factor the model's causal-LM forward applies to its LM head's output (the
-    `lm_head_scale` of its families: 1 / logits_scaling of Granite-4), 1.0 for the other
-    families. A harness that applies the head itself, as the KL runner does, applies it too."""
+    `lm_head_scale` of its families: Falcon-H1's lm_head_multiplier, 1 / logits_scaling of
+    Granite-4), 1.0 for the other families. A harness that applies the head itself, as the KL
+    runner does, applies it too."""
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     for _, m in model.named_modules():
         fam = family_of(m)
@@ -298,7 +315,11 @@ def mamba2_forward(self, hidden_states, cache=None, attention_mask=None, cache_p
     dtype = hidden_states.dtype
     had_prev = cache is not None and rt.has_previous(rt.cache_layer(cache))
     hidden_states = _mask_padding(self, hidden_states, attention_mask)
+    if fam.in_scale:
+        hidden_states = hidden_states * getattr(self, fam.in_scale)
     projected = _apply(fam, self, "in_proj", hidden_states)
+    if fam.proj_scale:
+        projected = projected * getattr(self, fam.proj_scale)
     gate, xBC, dt = projected.split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
     xBC = _conv(self, xBC.transpose(1, 2), cache, had_prev, self.activation, **kwargs)
     xBC = _mask_padding(self, xBC.transpose(1, 2), attention_mask)
@@ -313,7 +334,7 @@ def mamba2_forward(self, hidden_states, cache=None, attention_mask=None, cache_p
     y = rt.run(cache, had_prev, q, k, v, log_a, None, _valid(attention_mask, B, T), raw=raw)
     y = y + self.D.float()[:, None] * x.float()                       # D skip, outside the state
     y = y.reshape(B, T, -1)
-    out = fam.role(self, "norm")(y, gate)
+    out = fam.output(self, y, gate) if fam.output else fam.role(self, "norm")(y, gate)
     return fam.role(self, "out")(out.to(dtype))
 
 
