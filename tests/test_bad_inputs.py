@@ -229,6 +229,11 @@ def test_devices_cuda_when_present_else_cpu_and_a_missing_one_is_one_error(texts
                      ("tpu0", "not a device")):
         code, text = _invoke([*gpqa, "--device", dev])
         _one_clear_error(code, text, f"--device {dev}", msg)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    for out, msg in ((a_file, "is a file; gpqa writes"), ("/proc/replayquant_no", "cannot write in")):
+        code, text = _invoke([*gpqa[:-1], out])
+        _one_clear_error(code, text, msg)
     assert seen == {}
     code, text = _invoke(["gpqa", "--model", tmp_path / "no_model", "--pair", "s32_rs",
                           "--gpqa-csv", csv])
@@ -382,10 +387,13 @@ def test_model_layer_names_the_nonfinite_input_and_token_before_any_kernel(monke
                                          f"infinity at token 7 of a 16-token forward, batch row 0"):
         model(ids)
     poison.clear()
+    import inspect
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     out = model(ids, use_cache=True)
+    cache = getattr(out, "cache", None) or out.past_key_values
     monkeypatch.setenv("REPLAYQUANT_BACKEND", "triton")          # the decode kernel's path
     monkeypatch.setattr(RT.KernelDecodeState, "__init__",
                         lambda *a, **k: pytest.fail("the kernel path started before the check"))
     poison["t"] = 0
     with pytest.raises(ValueError, match="input q holds NaN or infinity at the decode step"):
-        model(ids[:, :1], past_key_values=out.past_key_values, use_cache=True)
+        model(ids[:, :1], use_cache=True, **{cache_kw: cache})

@@ -95,6 +95,11 @@ def run_gpqa(model: str, pairs: list, *, tasks=None, gpqa_csv=None, limit=None, 
     device = default_device() if device is None else check_device(device)
     resolve_model_name(model)                  # a folder that is not there: before lm-eval runs
     out = Path(out) if out is not None else default_out_dir(model)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; gpqa writes one results file per pair and "
+                         f"SUMMARY.json into a folder: give a folder (created if missing)")
+    from replayquant.kl.runner import check_writable_folder
+    check_writable_folder(out, out)
     if gpqa_csv is not None:
         n_questions = check_csv(gpqa_csv)
         data = {"source": "csv", "path": str(Path(gpqa_csv).resolve()), "sha256": file_sha256(gpqa_csv),

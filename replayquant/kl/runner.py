@@ -8,14 +8,17 @@ segment are kept, and the LM head is applied to a few positions at a time, so fu
 logits exist only for `lm_chunk` positions at once (never for a whole segment, let alone the
 whole context). The reference's log-probabilities of a chunk serve every pair.
 
-Files of a run with `out = results/kl/NAME.json`:
+Files of a run with `out = build/kl/NAME.json` (checked before any work, `check_out`: a .json
+name in a writable folder), each written durably (temporary file, fsync, rename):
 * `NAME.json`: the results (statistics per pair, per bucket, per document, provenance); rewritten
   after every finished document (`"complete": false` until the last one);
 * `NAME.kl/docNNNNN.npy`: per-token KL of one document, float16 [n_pairs, context - 1];
 * `NAME.kl/docNNNNN.dp.npy`: per-token delta-p of one document, float32 [n_pairs, context - 1]
   (for the delta-p percentiles; float16 would round 0.5 by 2.4e-4, visible in llama.cpp's layout);
 * `NAME.kl/progress.rankR.jsonl`: append-only log, a config line then one line per finished
-  document with exact float64 sums; resume reads these and skips finished documents;
+  document with exact float64 sums, the sha256 of its tokens and the code version; resume reads
+  these and skips finished documents, recomputes (saying so) a document whose tokens or id
+  changed, and refuses another configuration or another code version (`finished_documents`);
 * `NAME.png`: KL against position (log x), one line per pair.
 """
 
