@@ -48,8 +48,8 @@ def single_process_warning(command: str = "kl", env=None) -> str | None:
     if asked is None or asked <= 1 or world_size(env) > 1:
         return None
     n = str(asked) if exact else "N"
-    return (f"warning: {asked if exact else 'more than one'} processes were asked for, but this runs "
-            f"as one process: `accelerate launch --cpu` starts a single process whatever "
-            f"--num_processes says. For {n} processes on CPU run `accelerate launch --multi_gpu "
+    asked_text = f"{asked} processes were" if exact else "more than one process was"
+    return (f"warning: {asked_text} asked for, but this runs as one process: `accelerate launch "
+            f"--cpu` starts a single process whatever --num_processes says. For {n} processes on CPU run `accelerate launch --multi_gpu "
             f"--num_processes {n} -m replayquant {command} ...` (the processes talk through gloo "
             f"and split the documents; no GPU needed)")
