@@ -79,7 +79,7 @@ def _configs():
     }
 
 
-NEW = ["falcon_h1", "granite_hybrid", "bamba", "zamba2"]
+NEW = ["falcon_h1", "granite_hybrid", "bamba", "zamba2", "olmo_hybrid"]
 ALL = NEW + ["qwen3_5", "qwen3_next", "mamba2", "nemotron_h"]
 
 
@@ -209,7 +209,8 @@ def test_generate_equals_hf_and_decode_equals_teacher_forcing(work, fam):
 @pytest.mark.parametrize("fam", NEW)
 def test_kernels_serve_the_layers(work, fam, monkeypatch):
     """With REPLAYQUANT_BACKEND=triton (the interpreter here) the prompt runs the chunk kernel
-    and every decode step the replay decode kernel, with no warning; OLMo-Hybrid's
+    and every decode step the replay decode kernel, with no warning, and generate agrees with
+    the torch path within the kernels' bf16 buffer bound; OLMo-Hybrid's
     beta = 2 sigmoid(b) (linear_allow_neg_eigval) is not what the decode kernel computes, so its
     decode runs the torch reference with one warning per layer that says so."""
     from replayquant.kernels import chunk
@@ -223,11 +224,16 @@ def test_kernels_serve_the_layers(work, fam, monkeypatch):
     model = load_model(work["dirs"][fam], pair="tp4_hi32", buffer_len=4, dtype="float32")
     n_layers = len(recurrent_layers(model))
     ids, mask = _batch(T=6, seed=2)
+    seq_t, sc_t = _generate(model, ids, mask, n=3)          # the torch path (CPU tensors)
+    assert calls == {"decode": 0, "chunk": 0}
     monkeypatch.setenv("REPLAYQUANT_BACKEND", "triton")
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        _generate(model, ids, mask, n=3)
+        seq_k, sc_k = _generate(model, ids, mask, n=3)
     msgs = [str(x.message) for x in w if "replayquant" in str(x.message)]
+    # the kernels keep buffered k, v in bf16 (tests/test_models_decode_kernel.py): 4 * 2^-9
+    assert (sc_k - sc_t).abs().max().item() <= 4 * 2.0 ** -9 * sc_t.abs().max().item()
+    assert torch.equal(seq_k, seq_t)
     assert calls["chunk"] == n_layers
     if fam == "olmo_hybrid":
         assert calls["decode"] == 0

@@ -68,7 +68,7 @@ class Family:
     (for messages and docs); roles: role -> attribute over the kind's defaults (a tuple: the
     outputs of those modules concatenated); requires: further attributes the hooks read.
     GDN: project(module, h) -> (qkv [B, T, 2 key_dim + value_dim], z, b, a) where the roles
-    cannot say the layout.
+    cannot say the layout; beta_scale(module) -> the factor on sigmoid(b) (default 1).
     Mamba-2: in_scale / proj_scale: attributes multiplying the layer's input / in_proj's output;
     output(module, y, gate) -> the gated, normed y (default norm(y, gate)).
     lm_head_scale(text config) -> the factor the model's causal-LM forward puts on the LM head's
@@ -82,6 +82,7 @@ class Family:
     roles: dict = field(default_factory=dict)
     requires: tuple[str, ...] = ()
     project: Callable | None = None
+    beta_scale: Callable | None = None
     in_scale: str | None = None
     proj_scale: str | None = None
     output: Callable | None = None
@@ -133,6 +134,11 @@ FAMILIES: tuple[Family, ...] = (
     Family("qwen3_next", "gdn", ("*GatedDeltaNet",), "Qwen3-Next",
            roles=dict.fromkeys(("qkv", "z", "b", "a")), project=_qwen3_next_project,
            requires=("in_proj_qkvz", "in_proj_ba", "fix_query_key_value_ordering")),
+    Family("olmo_hybrid", "gdn", ("OlmoHybridGatedDeltaNet",), "OLMo-Hybrid",
+           roles={"qkv": ("q_proj", "k_proj", "v_proj"), "z": "g_proj", "b": "b_proj",
+                  "a": "a_proj", "norm": "o_norm", "out": "o_proj"},
+           requires=("allow_neg_eigval",),   # linear_allow_neg_eigval: beta = 2 sigmoid(b)
+           beta_scale=lambda m: 2.0 if m.allow_neg_eigval else 1.0),
     Family("mamba2", "mamba2", ("*Mamba2Mixer",), "Mamba-2 (Mamba2Mixer), Nemotron-H"),
     Family("bamba", "mamba2", ("BambaMixer",), "Bamba"),
     Family("granite_hybrid", "mamba2", ("GraniteMoeHybridMambaLayer",),
@@ -295,8 +301,14 @@ def gdn_forward(self, hidden_states, cache=None, attention_mask=None, cache_para
     g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
     # beta = sigmoid(b) in FP32 (HF takes it in the model dtype; rounding beta to bf16 is a known
     # long-context drift source, and FP32 is what the kernels use)
-    q, k, v, log_a, beta = gdn_inputs(query, key, value, g, b)
-    raw = dict(q=query, k=key, v=value, a=a, b=b, A_log=self.A_log, dt_bias=self.dt_bias)
+    scale = 1.0 if fam.beta_scale is None else float(fam.beta_scale(self))
+    if scale == 1.0:
+        q, k, v, log_a, beta = gdn_inputs(query, key, value, g, b)
+        raw = dict(q=query, k=key, v=value, a=a, b=b, A_log=self.A_log, dt_bias=self.dt_bias)
+    else:
+        q, k, v, log_a, beta = gdn_inputs(query, key, value, g, beta=scale * torch.sigmoid(b.float()))
+        raw = (f"the decode kernel takes beta = sigmoid(b); {type(self).__name__} uses "
+               f"beta = {scale:g} sigmoid(b)")
     y = rt.run(cache, had_prev, q, k, v, log_a, beta, _valid(attention_mask, B, T), raw=raw)
     core = y.to(query.dtype).reshape(-1, self.head_v_dim)
     core = fam.role(self, "norm")(core, z.reshape(-1, self.head_v_dim))

@@ -383,18 +383,22 @@ class LayerRuntime:
             cache.update_recurrent_state(marker, self.layer_idx)
 
     def decode_path(self, x, d_k, d_v, raw) -> str:
-        """decode_path for this layer (raw None: the caller has no raw inputs -> torch)."""
-        path = decode_path(x, d_k, d_v, None if raw is None else raw.get("dt_limit"))
-        if path == "triton" and raw is None:
-            return "torch (the layer passed no raw inputs for the decode kernel)"
+        """decode_path for this layer (raw None: the caller has no raw inputs -> torch; raw a
+        str: why the decode kernel cannot take this layer -> torch, saying so)."""
+        path = decode_path(x, d_k, d_v, raw.get("dt_limit") if isinstance(raw, dict) else None)
+        if path == "triton" and not isinstance(raw, dict):
+            return f"torch ({raw or 'the layer passed no raw inputs for the decode kernel'})"
         return path
 
     # ------------------------------------------------------------ the recurrence
-    def run(self, cache, had_prev: bool, q, k, v, log_a, beta, valid, raw: dict | None = None):
+    def run(self, cache, had_prev: bool, q, k, v, log_a, beta, valid,
+            raw: dict | str | None = None):
         """q, k [B, T, H, d_k]; v [B, T, H, d_v]; log_a, beta [B, T, H]; valid [B, T] or None.
         raw: the layer's raw inputs for the decode kernel, each [B, T, ...] (per-head
         parameters unbatched): GDN q, k [.., HK, d_k], v, a, b, A_log, dt_bias; Mamba-2 x, dt,
-        A, B, C [.., G, N], dt_bias, dt_limit. Returns y float32 [B, T, H, d_v]."""
+        A, B, C [.., G, N], dt_bias, dt_limit; or a str saying why the kernel cannot take the
+        layer (decode then runs the torch reference, with one warning that says so). Returns y
+        float32 [B, T, H, d_v]."""
         B, T, H, dk = q.shape
         dv = v.shape[-1]
         self._check_inputs(q, k, v, log_a, beta, valid, decode=T == 1 and had_prev)
