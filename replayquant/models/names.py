@@ -1,28 +1,63 @@
 """Short model names users type, and their Hugging Face hub ids.
 
-=====================  ==========================================  =========================
-short name             hub id                                      recurrent layers
-=====================  ==========================================  =========================
-Qwen3.5-0.8B           Qwen/Qwen3.5-0.8B                           Gated DeltaNet (dense)
-Qwen3.5-2B             Qwen/Qwen3.5-2B                             Gated DeltaNet (dense)
-Qwen3.5-4B             Qwen/Qwen3.5-4B                             Gated DeltaNet (dense)
-Qwen3.5-9B             Qwen/Qwen3.5-9B                             Gated DeltaNet (dense)
-Qwen3.5-27B            Qwen/Qwen3.5-27B                            Gated DeltaNet (dense)
-Qwen3.5-35B-A3B        Qwen/Qwen3.5-35B-A3B                        Gated DeltaNet (MoE)
-Qwen3.5-122B-A10B      Qwen/Qwen3.5-122B-A10B                      Gated DeltaNet (MoE)
-Qwen3-Next-80B-A3B     Qwen/Qwen3-Next-80B-A3B-Instruct            Gated DeltaNet (MoE)
-Qwen3-Next-80B-A3B-Thinking  Qwen/Qwen3-Next-80B-A3B-Thinking      Gated DeltaNet (MoE)
-Nemotron-H-4B          nvidia/Nemotron-H-4B-Base-8K                Mamba-2
-Nemotron-H-8B          nvidia/Nemotron-H-8B-Base-8K                Mamba-2
-Nemotron-Nano-9B-v2    nvidia/NVIDIA-Nemotron-Nano-9B-v2           Mamba-2
-Nemotron-Nano-12B-v2   nvidia/NVIDIA-Nemotron-Nano-12B-v2          Mamba-2
-Mamba-Codestral-7B     mistralai/Mamba-Codestral-7B-v0.1           Mamba-2 (pure)
-tiny-qwen3.5           replayquant/assets/tiny-qwen3.5 (shipped)   Gated DeltaNet (dense)
-tiny-mamba2            replayquant/assets/tiny-mamba2 (shipped)    Mamba-2 (pure)
-=====================  ==========================================  =========================
+============================  =========================================  ============================
+short name                    hub id                                     recurrent layers
+============================  =========================================  ============================
+Qwen3.5-0.8B                  Qwen/Qwen3.5-0.8B                          Gated DeltaNet (dense)
+Qwen3.5-2B                    Qwen/Qwen3.5-2B                            Gated DeltaNet (dense)
+Qwen3.5-4B                    Qwen/Qwen3.5-4B                            Gated DeltaNet (dense)
+Qwen3.5-9B                    Qwen/Qwen3.5-9B                            Gated DeltaNet (dense)
+Qwen3.5-27B                   Qwen/Qwen3.5-27B                           Gated DeltaNet (dense)
+Qwen3.5-35B-A3B               Qwen/Qwen3.5-35B-A3B                       Gated DeltaNet (MoE)
+Qwen3.5-122B-A10B             Qwen/Qwen3.5-122B-A10B                     Gated DeltaNet (MoE)
+Qwen3-Next-80B-A3B            Qwen/Qwen3-Next-80B-A3B-Instruct           Gated DeltaNet (MoE)
+Qwen3-Next-80B-A3B-Thinking   Qwen/Qwen3-Next-80B-A3B-Thinking           Gated DeltaNet (MoE)
+Nemotron-H-4B                 nvidia/Nemotron-H-4B-Base-8K               Mamba-2
+Nemotron-H-8B                 nvidia/Nemotron-H-8B-Base-8K               Mamba-2
+Nemotron-Nano-9B-v2           nvidia/NVIDIA-Nemotron-Nano-9B-v2          Mamba-2
+Nemotron-Nano-12B-v2          nvidia/NVIDIA-Nemotron-Nano-12B-v2         Mamba-2
+Mamba-Codestral-7B            mistralai/Mamba-Codestral-7B-v0.1          Mamba-2 (pure)
+Falcon-H1-0.5B-Base           tiiuae/Falcon-H1-0.5B-Base                 Mamba-2 (parallel attention)
+Falcon-H1-0.5B-Instruct       tiiuae/Falcon-H1-0.5B-Instruct             Mamba-2 (parallel attention)
+Falcon-H1-1.5B-Base           tiiuae/Falcon-H1-1.5B-Base                 Mamba-2 (parallel attention)
+Falcon-H1-1.5B-Instruct       tiiuae/Falcon-H1-1.5B-Instruct             Mamba-2 (parallel attention)
+Falcon-H1-1.5B-Deep-Base      tiiuae/Falcon-H1-1.5B-Deep-Base            Mamba-2 (parallel attention)
+Falcon-H1-1.5B-Deep-Instruct  tiiuae/Falcon-H1-1.5B-Deep-Instruct        Mamba-2 (parallel attention)
+Falcon-H1-3B-Base             tiiuae/Falcon-H1-3B-Base                   Mamba-2 (parallel attention)
+Falcon-H1-3B-Instruct         tiiuae/Falcon-H1-3B-Instruct               Mamba-2 (parallel attention)
+Falcon-H1-7B-Base             tiiuae/Falcon-H1-7B-Base                   Mamba-2 (parallel attention)
+Falcon-H1-7B-Instruct         tiiuae/Falcon-H1-7B-Instruct               Mamba-2 (parallel attention)
+Falcon-H1-34B-Base            tiiuae/Falcon-H1-34B-Base                  Mamba-2 (parallel attention)
+Falcon-H1-34B-Instruct        tiiuae/Falcon-H1-34B-Instruct              Mamba-2 (parallel attention)
+granite-4.0-h-small           ibm-granite/granite-4.0-h-small            Mamba-2 (MoE)
+granite-4.0-h-small-base      ibm-granite/granite-4.0-h-small-base       Mamba-2 (MoE)
+granite-4.0-h-tiny            ibm-granite/granite-4.0-h-tiny             Mamba-2 (MoE)
+granite-4.0-h-tiny-base       ibm-granite/granite-4.0-h-tiny-base        Mamba-2 (MoE)
+granite-4.0-h-micro           ibm-granite/granite-4.0-h-micro            Mamba-2
+granite-4.0-h-micro-base      ibm-granite/granite-4.0-h-micro-base       Mamba-2
+granite-4.0-h-1b              ibm-granite/granite-4.0-h-1b               Mamba-2
+granite-4.0-h-1b-base         ibm-granite/granite-4.0-h-1b-base          Mamba-2
+granite-4.0-h-350m            ibm-granite/granite-4.0-h-350m             Mamba-2
+granite-4.0-h-350m-base       ibm-granite/granite-4.0-h-350m-base        Mamba-2
+Bamba-9B-v1                   ibm-ai-platform/Bamba-9B-v1                Mamba-2
+Bamba-9B-v2                   ibm-ai-platform/Bamba-9B-v2                Mamba-2
+Zamba2-1.2B                   Zyphra/Zamba2-1.2B                         Mamba-2 (shared attention)
+Zamba2-2.7B                   Zyphra/Zamba2-2.7B                         Mamba-2 (shared attention)
+Zamba2-7B                     Zyphra/Zamba2-7B                           Mamba-2 (shared attention)
+Zamba2-1.2B-Instruct          Zyphra/Zamba2-1.2B-instruct                Mamba-2 (shared attention)
+Zamba2-2.7B-Instruct          Zyphra/Zamba2-2.7B-instruct                Mamba-2 (shared attention)
+Zamba2-7B-Instruct            Zyphra/Zamba2-7B-Instruct                  Mamba-2 (shared attention)
+Zamba2-1.2B-Instruct-v2       Zyphra/Zamba2-1.2B-Instruct-v2             Mamba-2 (shared attention)
+Zamba2-2.7B-Instruct-v2       Zyphra/Zamba2-2.7B-Instruct-v2             Mamba-2 (shared attention)
+Zamba2-7B-Instruct-v2         Zyphra/Zamba2-7B-Instruct-v2               Mamba-2 (shared attention)
+Olmo-Hybrid-7B                allenai/Olmo-Hybrid-7B                     Gated DeltaNet
+tiny-qwen3.5                  replayquant/assets/tiny-qwen3.5 (shipped)  Gated DeltaNet (dense)
+tiny-mamba2                   replayquant/assets/tiny-mamba2 (shipped)   Mamba-2 (pure)
+============================  =========================================  ============================
 
 Matching is case-insensitive; a name not in the table is used as given (a hub id or a local
-path). The ids were not checked against the hub from this machine (no hub access).
+path). The ids are the checkpoints as their publishers name them; they were not checked against
+the hub from this machine (no hub access).
 """
 
 from __future__ import annotations
@@ -47,6 +82,40 @@ SHORT_NAMES: dict[str, str] = {
     "Nemotron-Nano-9B-v2": "nvidia/NVIDIA-Nemotron-Nano-9B-v2",
     "Nemotron-Nano-12B-v2": "nvidia/NVIDIA-Nemotron-Nano-12B-v2",
     "Mamba-Codestral-7B": "mistralai/Mamba-Codestral-7B-v0.1",
+    "Falcon-H1-0.5B-Base": "tiiuae/Falcon-H1-0.5B-Base",
+    "Falcon-H1-0.5B-Instruct": "tiiuae/Falcon-H1-0.5B-Instruct",
+    "Falcon-H1-1.5B-Base": "tiiuae/Falcon-H1-1.5B-Base",
+    "Falcon-H1-1.5B-Instruct": "tiiuae/Falcon-H1-1.5B-Instruct",
+    "Falcon-H1-1.5B-Deep-Base": "tiiuae/Falcon-H1-1.5B-Deep-Base",
+    "Falcon-H1-1.5B-Deep-Instruct": "tiiuae/Falcon-H1-1.5B-Deep-Instruct",
+    "Falcon-H1-3B-Base": "tiiuae/Falcon-H1-3B-Base",
+    "Falcon-H1-3B-Instruct": "tiiuae/Falcon-H1-3B-Instruct",
+    "Falcon-H1-7B-Base": "tiiuae/Falcon-H1-7B-Base",
+    "Falcon-H1-7B-Instruct": "tiiuae/Falcon-H1-7B-Instruct",
+    "Falcon-H1-34B-Base": "tiiuae/Falcon-H1-34B-Base",
+    "Falcon-H1-34B-Instruct": "tiiuae/Falcon-H1-34B-Instruct",
+    "granite-4.0-h-small": "ibm-granite/granite-4.0-h-small",
+    "granite-4.0-h-small-base": "ibm-granite/granite-4.0-h-small-base",
+    "granite-4.0-h-tiny": "ibm-granite/granite-4.0-h-tiny",
+    "granite-4.0-h-tiny-base": "ibm-granite/granite-4.0-h-tiny-base",
+    "granite-4.0-h-micro": "ibm-granite/granite-4.0-h-micro",
+    "granite-4.0-h-micro-base": "ibm-granite/granite-4.0-h-micro-base",
+    "granite-4.0-h-1b": "ibm-granite/granite-4.0-h-1b",
+    "granite-4.0-h-1b-base": "ibm-granite/granite-4.0-h-1b-base",
+    "granite-4.0-h-350m": "ibm-granite/granite-4.0-h-350m",
+    "granite-4.0-h-350m-base": "ibm-granite/granite-4.0-h-350m-base",
+    "Bamba-9B-v1": "ibm-ai-platform/Bamba-9B-v1",
+    "Bamba-9B-v2": "ibm-ai-platform/Bamba-9B-v2",
+    "Zamba2-1.2B": "Zyphra/Zamba2-1.2B",
+    "Zamba2-2.7B": "Zyphra/Zamba2-2.7B",
+    "Zamba2-7B": "Zyphra/Zamba2-7B",
+    "Zamba2-1.2B-Instruct": "Zyphra/Zamba2-1.2B-instruct",
+    "Zamba2-2.7B-Instruct": "Zyphra/Zamba2-2.7B-instruct",
+    "Zamba2-7B-Instruct": "Zyphra/Zamba2-7B-Instruct",
+    "Zamba2-1.2B-Instruct-v2": "Zyphra/Zamba2-1.2B-Instruct-v2",
+    "Zamba2-2.7B-Instruct-v2": "Zyphra/Zamba2-2.7B-Instruct-v2",
+    "Zamba2-7B-Instruct-v2": "Zyphra/Zamba2-7B-Instruct-v2",
+    "Olmo-Hybrid-7B": "allenai/Olmo-Hybrid-7B",
     # embedded tiny models trained on the KJV (package data; evals/train_tiny.py)
     "tiny-qwen3.5": os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                  "assets", "tiny-qwen3.5"),
