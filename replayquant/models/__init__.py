@@ -6,9 +6,11 @@
     model = replayquant.patch(hf_model, "tp4_hi16_sr", prefill="replay")   # in place
     replayquant.unpatch(model)                                             # restores it
 
-* Families: Qwen3.5 (dense and MoE), Qwen3-Next (Gated DeltaNet layers), Mamba-2 and Nemotron-H
-  (Mamba-2 mixers). The recurrent layers are found in the model (`recurrent_layers`); a model
-  without any is an error. Attention, MLPs and the short-convolution state are untouched.
+* Families (`families.FAMILIES`, one entry each): Gated DeltaNet layers of Qwen3.5 (dense and
+  MoE), Qwen3-Next and OLMo-Hybrid; Mamba-2 mixers of Mamba-2, Nemotron-H, Bamba, Granite-4
+  hybrid, Zamba2 and Falcon-H1. The recurrent layers are found in the model
+  (`recurrent_layers`); a model without any is an error. Attention, MLPs and the
+  short-convolution state are untouched.
 * Generation (`generate(use_cache=True)`, any batch, left-padded ragged prompts): every decode
   step of every recurrent layer goes through the replay state machine with the pair, flushing
   every L tokens: the Triton replay decode kernel (`replayquant.kernels.replay_decode`) on CUDA
