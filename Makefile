@@ -18,14 +18,26 @@ test: $(STAMP)
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest tests
 
 # The embedded default: the tiny Qwen3.5-architecture model trained on the KJV (replayquant/assets),
-# scored on held-out books it never saw, 8K-token context, five precision pairs. Writes build/demo/.
-# tests/test_demo.py runs the same command on a short context (it reads DEMO_MODEL and DEMO_PAIRS here).
+# scored on held-out books it never saw. `replayquant sweep` runs every shipped pair at buffer
+# lengths 8 and 16 (16 variants and the FP32-state reference in one lockstep KL run, 2 documents x
+# 2048 tokens), with the state bytes per decode step and the measured H200 kernel times of
+# results/bench/kernels.json; `replayquant recommend` then prints the cheapest variant whose KL
+# upper bound is within DEMO_KL_BUDGET. Writes build/demo/. tests/test_sweep.py runs the same two
+# commands on a short context (it reads the DEMO_* variables here); tests/test_demo.py runs
+# `replayquant kl` with DEMO_MODEL and DEMO_PAIRS.
 DEMO_MODEL := tiny-qwen3.5
-DEMO_PAIRS := --pair s32_rs --pair sbf16 --pair f4_sr_rs --pair tp4_hi32 --pair tp4_hi16_sr
+DEMO_PAIRS := --pair s32_rs --pair s16_sr --pair sbf16 --pair tp8_hi32 --pair tp8_hi16_sr --pair tp4_hi32 --pair tp4_hi16_sr --pair f4_sr_rs
+DEMO_BUFFER_LEN := 8,16
+DEMO_CONTEXT := 2048
+DEMO_DOCS := 2
+DEMO_KL_BUDGET := 1e-3
+DEMO_SWEEP := build/demo/$(DEMO_MODEL)_sweep.json
 demo: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/replayquant kl --model $(DEMO_MODEL) $(DEMO_PAIRS) \
-	    --dataset "$$($(BIN)/python -m replayquant.data)" --context 8192 --docs 2 \
-	    --dtype float32 --device-map cpu --out build/demo/$(DEMO_MODEL)_ctx8k.json
+	OMP_NUM_THREADS=1 $(BIN)/replayquant sweep --model $(DEMO_MODEL) $(DEMO_PAIRS) \
+	    --buffer-len $(DEMO_BUFFER_LEN) --dataset "$$($(BIN)/python -m replayquant.data)" \
+	    --context $(DEMO_CONTEXT) --docs $(DEMO_DOCS) --dtype float32 --device-map cpu \
+	    --kernels results/bench/kernels.json --out $(DEMO_SWEEP)
+	$(BIN)/replayquant recommend $(DEMO_SWEEP) --kl-budget $(DEMO_KL_BUDGET)
 
 clean:
 	rm -rf $(VENV)

@@ -36,10 +36,11 @@ def _title(sw) -> str:
             f"tokens, prefill={s.get('prefill', 'replay')}")
 
 
-def plot_sweep(sw: dict, png: Path) -> None:
+def plot_sweep(sw: dict, png: Path) -> list[tuple[str, float, float]]:
     """Mean KL (with its upper bound) against state bytes per decode step and sequence,
     log-log; the Pareto front as a staircase with its variants labelled; the FP32 conventional
-    step marked at the floor (it is the reference: KL 0)."""
+    step marked at the floor (it is the reference: KL 0). Returns the points drawn
+    [(name, x, y)], the floor's y for variants at or below it."""
     plt = _plt()
     rows = [r for r in sw["variants"] if r.get("kl")]
     conv = sw["conventional_fp32"]
@@ -48,17 +49,29 @@ def plot_sweep(sw: dict, png: Path) -> None:
     bases = list(dict.fromkeys(r["base"] for r in rows))
     cmap = plt.get_cmap("tab10")
     colour = {b: cmap(i % 10) for i, b in enumerate(bases)}
-    for r in rows:
+    n_low, n_front, drawn = 0, 0, []
+    for r in sorted(rows, key=lambda r: r["bytes_per_step"]["state"]):
         x = r["bytes_per_step"]["state"]
         m, unc = r["kl"]["kl_mean"], r["kl"]["kl_unc"]
         low = m <= floor
         y = floor if low else m
+        n_low += low
+        drawn.append((r["name"], x, y))
         ax.errorbar([x], [y], yerr=None if low else [[min(unc, 0.999 * (m - floor))], [unc]],
                     fmt="v" if low else "o", color=colour[r["base"]], ms=6 if r["on_front"] else 4,
                     mec="black" if r["on_front"] else colour[r["base"]], capsize=2, lw=0.8,
                     label=r["base"] if r is next(q for q in rows if q["base"] == r["base"]) else None)
-        text = r["name"] + (f" (KL {m:.1e})" if low else "")
-        ax.annotate(text, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=6.5,
+        text = r["name"] + (f" (KL {m:.1e}, drawn at the floor)" if low else "")
+        # floor labels stacked upwards; front labels alternately above right and below left (front
+        # points close in bytes would overlap), the others below right
+        if low:
+            off, ha = (4, 4 + 9 * (n_low - 1)), "left"
+        elif r["on_front"]:
+            n_front += 1
+            off, ha = ((4, 5), "left") if n_front % 2 else ((-5, -11), "right")
+        else:
+            off, ha = (4, -9), "left"
+        ax.annotate(text, (x, y), textcoords="offset points", xytext=off, ha=ha, fontsize=6.5,
                     color="black" if r["on_front"] else "0.45",
                     fontweight="bold" if r["on_front"] else "normal")
     front = [r for r in sorted(rows, key=lambda r: r["bytes_per_step"]["state"]) if r["on_front"]]
@@ -73,16 +86,18 @@ def plot_sweep(sw: dict, png: Path) -> None:
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_ylim(bottom=floor / 2)
+    ax.margins(x=0.08)
     ax.set_xlabel("state bytes moved per decode step and sequence, all recurrent layers "
                   "(read copy + ring buffer + amortised flush)", fontsize=8)
     ax.set_ylabel("mean KL(reference || variant) per token (bar: + uncertainty)", fontsize=8)
     ax.set_title(_title(sw), fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, loc="upper right")
+    ax.legend(fontsize=7, loc="lower left")      # cheap and exact do not meet: that corner is free
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png)
     plt.close(fig)
+    return drawn
 
 
 def plot_sensitivity(sens: dict, png: Path) -> None:
@@ -107,7 +122,7 @@ def plot_sensitivity(sens: dict, png: Path) -> None:
                 ax.annotate(f"{r['kl']['kl_mean']:.0e}", (x, floor), ha="center", fontsize=6,
                             xytext=(0, 2), textcoords="offset points")
     ax.set_yscale("log")
-    ax.set_ylim(bottom=floor / 2)
+    ax.set_ylim(bottom=floor / 2, top=30 * max(max(vals), floor))   # room for the legend
     ax.set_xticks(range(len(layers)))
     ax.set_xticklabels([str(i) for i in layers])
     ax.set_xlabel("recurrent layer (decoder layer index); every other layer keeps exact FP32 state",
@@ -115,7 +130,7 @@ def plot_sensitivity(sens: dict, png: Path) -> None:
     ax.set_ylabel("mean KL(reference || one layer with the pair)", fontsize=8)
     ax.set_title(_title(sens), fontsize=9)
     ax.grid(True, axis="y", which="both", alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png)
