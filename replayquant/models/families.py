@@ -139,7 +139,8 @@ FAMILIES: tuple[Family, ...] = (
                   "a": "a_proj", "norm": "o_norm", "out": "o_proj"},
            requires=("allow_neg_eigval",),   # linear_allow_neg_eigval: beta = 2 sigmoid(b)
            beta_scale=lambda m: 2.0 if m.allow_neg_eigval else 1.0),
-    Family("mamba2", "mamba2", ("*Mamba2Mixer",), "Mamba-2 (Mamba2Mixer), Nemotron-H"),
+    Family("mamba2", "mamba2", ("*Mamba2Mixer",),
+           "Mamba-2, Nemotron-H (Mamba2Mixer, NemotronHMamba2Mixer)"),
     Family("bamba", "mamba2", ("BambaMixer",), "Bamba"),
     Family("granite_hybrid", "mamba2", ("GraniteMoeHybridMambaLayer",),
            "Granite-4 hybrid (GraniteMoeHybrid)", lm_head_scale=lambda c: 1.0 / c.logits_scaling),
