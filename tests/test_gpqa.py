@@ -151,16 +151,16 @@ def _cli(args, env_extra=None):
 def test_cli_bad_csv_unknown_pair_unknown_task(tmp_path):
     bad = tmp_path / "bad.csv"
     _write_csv(bad, ["Question", "Answer"], [["q?", "a"]])
-    r = _cli(["gpqa", "--model", "unused", "--pair", "s32_rs", "--gpqa-csv", str(bad)])
+    r = _cli(["gpqa", "--model", "org/unused", "--pair", "s32_rs", "--gpqa-csv", str(bad)])
     assert r.exit_code == 2 and "missing GPQA column(s)" in r.output, r.output
-    r = _cli(["gpqa", "--model", "unused", "--pair", "s32_rs", "--pair", "no_such_pair",
+    r = _cli(["gpqa", "--model", "org/unused", "--pair", "s32_rs", "--pair", "no_such_pair",
               "--gpqa-csv", str(TINY_CSV)])
     assert r.exit_code == 2 and "unknown precision pair 'no_such_pair'" in r.output, r.output
-    r = _cli(["gpqa", "--model", "unused", "--pair", "s32_rs", "--task", "gpqa_main_zeroshot",
+    r = _cli(["gpqa", "--model", "org/unused", "--pair", "s32_rs", "--task", "gpqa_main_zeroshot",
               "--gpqa-csv", str(TINY_CSV)])
     assert r.exit_code == 2 and "unknown GPQA task" in r.output, r.output
     # nothing was written for the failed runs
-    assert not (Path("results") / "gpqa" / "unused").exists()
+    assert not (Path("build") / "gpqa" / "unused").exists()
 
 
 def test_no_dataset_access_and_no_csv_one_clear_error(tmp_path):
