@@ -1,4 +1,4 @@
-"""GPQA summaries (results/gpqa/<model>/SUMMARY.json), and the tables rendered from them and from
+"""GPQA summaries (build/gpqa/<model>/SUMMARY.json by default), and the tables rendered from them and from
 the lm-eval results files of replayquant runs (`replayquant lm-eval --model replayquant`, the pair
 files of `replayquant gpqa`: lm-eval's results dict, its config.replayquant naming the pair).
 

@@ -3,11 +3,11 @@
 Command line::
 
     replayquant kl --model Qwen3.5-4B --pair f4_sr_rs --pair tp4_hi32 [--pair my_pair.yaml] \\
-        [--dataset pg19 | --dataset texts/ | --dataset book.txt | --dataset docs.jsonl] [--split test] \\
-        [--text-field text] [--context 131072] [--docs 10] [--segment 8192] [--prefill replay|exact] \\
-        [--reference exact|hf] [--dtype bfloat16] [--device-map auto] [--seed 0] [--pack] \\
-        [--out results/kl/NAME.json]
-    replayquant table results/kl/*.json [--format md|csv] [--by pair|model]
+        [--dataset pg19 | texts/ | book.txt | docs.jsonl | data.parquet | saved/ | owner/name] \\
+        [--split test] [--dataset-config C] [--data-files F] [--text-column text] [--context 131072] [--docs 10] [--segment 8192] [--prefill replay|exact] \\
+        [--reference exact|hf] [--dtype auto] [--device-map auto] [--seed 0] [--pack] \\
+        [--out build/kl/NAME.json]
+    replayquant table build/kl/*.json [--format md|csv|llama] [--by pair|model]
     accelerate launch -m replayquant kl ...      # documents split across processes, one results file
 
 What is compared: the reference is the model with exact FP32 recurrent state (default
@@ -19,22 +19,27 @@ about 2^28 / vocab positions at a time, so full-vocabulary logits never exist fo
 KL(ref || test) = sum_v p_ref log(p_ref / p_test) in float32 over the full vocabulary at every
 position 0 .. context-2 (position t predicts token t+1).
 
-Data: see `replayquant.kl.data` (PG-19 through `datasets`, a folder of .txt, a .txt or .jsonl
-file; the first `--docs` documents with at least `--context` tokens, in fixed order; `--pack`
+Data: see `replayquant.kl.data` (PG-19 and any other hub dataset, local .parquet / .arrow /
+.json(l) / .csv files, hub-layout and save_to_disk folders, all through `datasets`; a folder of
+.txt or a .txt file; the first `--docs` documents with at least `--context` tokens, in fixed order; `--pack`
 concatenates documents instead).
 
 Statistics (per pair; `replayquant.kl.stats`): as llama.cpp's KL report, mean KL +- uncertainty,
-median, percentiles 99.9/99/95/90/10/5/1, max; same-top-token rate +- uncertainty; PPL of the
-reference and the pair and ln(PPL ratio) +- uncertainty; delta-p mean and RMS; plus KL by
+median, percentiles 99.9/99/95/90/10/5/1/0.1, max; same-top-token rate +- uncertainty; PPL of the
+reference and the pair, their difference and ln(PPL ratio) +- uncertainty, the correlation of
+ln-probabilities; delta-p mean, RMS, max, min and percentiles (`replayquant table --format llama`
+prints llama-perplexity's block); plus KL by
 log-spaced position bucket (<1K, 1K-2K, ..., 64K-128K) and per-document values. The token-level
 uncertainties treat tokens as independent (as llama.cpp does); `kl_mean_unc_docs` is the
 standard error over documents, the more honest one for long correlated documents.
 
-Outputs of `--out results/kl/NAME.json`: NAME.json (results, config, provenance), NAME.kl/
-(per-token KL per document as float16 .npy [n_pairs, context-1] and the append-only progress
-logs), NAME.png (KL against position, log x, one line per pair). Re-running the same command
+Outputs of `--out build/kl/NAME.json`: NAME.json (results, config, provenance), NAME.kl/
+(per-token KL per document as float16 .npy [n_pairs, context-1], per-token delta-p as float32
+.dp.npy, and the append-only progress logs), NAME.png (KL against position, log x, one line per pair). Re-running the same command
 resumes: finished documents are skipped, a larger `--docs` adds documents, an interrupted run
-loses at most the document in flight; a different configuration into the same file is refused.
+loses at most the document in flight; a different configuration into the same file is refused,
+and a document whose tokens changed since it was scored is recomputed (its record keeps a token
+fingerprint).
 
 Python: `run_kl(model, tokenizer, pairs, dataset=..., out=...)` does the same on a model you hold.
 """
