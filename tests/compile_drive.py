@@ -1,10 +1,15 @@
 """Driver for tests/test_compile_check.py (run under `compile_check record`, so in the Triton
-interpreter): generate with tiny random Qwen3.5 (GDN), Mamba-2 and Nemotron-H (dt clamp) models
-patched with each pair, seed 0 (layer 1's Philox key is then 1, which Triton specializes unless
-the kernel says do_not_specialize), at a batch below and above the one-launch threshold, with a
-prompt longer than the buffer (chunked prefill) and enough new tokens to flush.
+interpreter): generate with a tiny random Qwen3.5 (GDN), Mamba-2 or Nemotron-H (dt clamp) model
+patched with each pair (PLAN), seed 0 (layer 1's Philox key is then 1, which Triton specializes
+unless the kernel says do_not_specialize), with a prompt longer than the buffer (chunked
+prefill, which flushes) and one decode step.
 
-    python tests/compile_drive.py [PAIR ...]
+One decode step is enough: every decode step of a generate launches the same kernels with the
+same specializations (the flush kernel runs each step and finds its rows on the device).
+Recorded over five decode steps per generate, the three models reached the same 45
+specializations as over the first step alone.
+
+    python tests/compile_drive.py MODEL [PAIR ...]       MODEL: qwen3_5, mamba2, nemotron_h
 """
 
 import sys
@@ -13,41 +18,61 @@ import torch
 from transformers import AutoModelForCausalLM, Mamba2Config, NemotronHConfig, Qwen3_5TextConfig
 
 from replayquant import options
+from replayquant.kernels import replay_decode as rd
 from replayquant.models import patch
 
 VOCAB = 64
-# (pair, batches, the option nvfp4_chain_split): s32_rs runs the one-launch step below 8 rows and the
-# split one above; an NVFP4 role always takes the split launch; f4_sr_rs prefills with the
-# two-pass NVFP4 chain (what the interpreter chooses) and with the split chain (on one program)
-PLAN = [("s32_rs", (3, 9), None), ("tp4_hi32", (3,), None), ("f4_sr_rs", (3,), None),
-        ("f4_sr_rs", (3,), 1), ("tp4_hi16_sr", (3,), None)]
-if sys.argv[1:]:
-    PLAN = [(p, (3, 9), None) for p in sys.argv[1:]]
-CONFIGS = [
-    Qwen3_5TextConfig(vocab_size=VOCAB, hidden_size=32, num_attention_heads=2,
-                      num_key_value_heads=1, head_dim=16, linear_num_key_heads=1,
-                      linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
-                      linear_conv_kernel_dim=4, intermediate_size=32, num_hidden_layers=3,
-                      layer_types=["linear_attention", "linear_attention", "full_attention"]),
-    Mamba2Config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16,
-                 state_size=16, n_groups=1, expand=2, chunk_size=8),
-    NemotronHConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3,
-                    hybrid_override_pattern="MM*", mamba_num_heads=4, mamba_head_dim=16,
-                    ssm_state_size=16, n_groups=1, num_attention_heads=2, num_key_value_heads=1,
-                    head_dim=16, intermediate_size=32, chunk_size=8, time_step_min=0.5),
-]
+# What each generate of the drive runs, beyond the pair, on a batch of 3 rows: s32_rs takes the
+# one-launch step there (below FUSED_THRESHOLD) and, on 9 rows with the threshold set to one row,
+# the split step that larger batches take (other choices by row count, such as the 'dots' read
+# from DOTS_MIN_ROWS rows, stay those of a small batch); an NVFP4 role always takes the split step;
+# f4_sr_rs prefills with the two-pass NVFP4 chain (what the interpreter chooses), with the split
+# chain (the option nvfp4_chain_split, on one program) and in exact prefill; the last two differ
+# from the first in the prefill alone, so they stop there (one new token: no decode step).
+PLAN = [dict(pair="s32_rs"), dict(pair="s32_rs", split_step=True, B=9), dict(pair="tp4_hi32"),
+        dict(pair="f4_sr_rs"), dict(pair="f4_sr_rs", chain_split=1, new=1),
+        dict(pair="f4_sr_rs", prefill="exact", new=1), dict(pair="tp4_hi16_sr")]
+CONFIGS = {
+    "qwen3_5": Qwen3_5TextConfig(
+        vocab_size=VOCAB, hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=16, linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, intermediate_size=32,
+        num_hidden_layers=3, layer_types=["linear_attention", "linear_attention", "full_attention"]),
+    "mamba2": Mamba2Config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_heads=4,
+                           head_dim=16, state_size=16, n_groups=1, expand=2, chunk_size=8),
+    "nemotron_h": NemotronHConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, hybrid_override_pattern="MM*",
+        mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, intermediate_size=32,
+        chunk_size=8, time_step_min=0.5),
+}
 
-torch.manual_seed(0)
-for cfg in CONFIGS:
-    model = AutoModelForCausalLM.from_config(cfg).eval()
-    for pair, batches, split in PLAN:
-        patch(model, pair, buffer_len=4, seed=0)
-        for B in batches:
-            ids = torch.randint(0, VOCAB, (B, 6))
-            mask = torch.ones_like(ids)
-            mask[1, :2] = 0
-            with torch.no_grad():
-                with options.override(nvfp4_chain_split=split):
-                    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6,
-                                   min_new_tokens=6, do_sample=False, use_cache=True)
-    print(cfg.model_type, "done", flush=True)
+
+def main(argv):
+    if not argv or argv[0] not in CONFIGS:
+        print(f"usage: python tests/compile_drive.py {{{','.join(CONFIGS)}}} [PAIR ...]",
+              file=sys.stderr)
+        return 2
+    plan = [dict(pair=p) for p in argv[1:]] + [dict(pair=p, split_step=True, B=9)
+                                                for p in argv[1:]]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(CONFIGS[argv[0]]).eval()
+    thresholds = dict(rd.FUSED_THRESHOLD)
+    for run in plan or PLAN:
+        patch(model, run["pair"], prefill=run.get("prefill", "replay"), buffer_len=4, seed=0)
+        rd.FUSED_THRESHOLD.update({k: 1 for k in thresholds} if run.get("split_step")
+                                  else thresholds)
+        ids = torch.randint(0, VOCAB, (run.get("B", 3), 6))
+        mask = torch.ones_like(ids)
+        mask[1, :2] = 0
+        new = run.get("new", 2)
+        with torch.no_grad(), options.override(nvfp4_chain_split=run.get("chain_split")):
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
+                           min_new_tokens=new, do_sample=False, use_cache=True)
+    rd.FUSED_THRESHOLD.update(thresholds)
+    print(argv[0], "done", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

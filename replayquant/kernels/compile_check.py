@@ -7,10 +7,12 @@ accepts and the compiler rejects (or that ptxas cannot assemble), without a GPU.
 
 `record` runs a Python command (`-m module args` or `script.py args`) with TRITON_INTERPRET=1 and
 writes every distinct kernel launch it made: the kernel, the type of each runtime argument, the
-constexpr values, num_warps (and maxnreg). `compile` (no TRITON_INTERPRET) compiles each launch
-with `triton.compile` for sm_<arch> (PTX, then ptxas if Triton ships one) and reports failures
-with the compiler's message. tests/test_compile_check.py does both for the model decode path.
-`sass` prints, per launch, the static count of SASS instructions (nvdisasm of the cubin, as
+constexpr values, num_warps (and maxnreg). `compile` (no TRITON_INTERPRET) compiles each
+distinct specialization once (specialization_key: what Triton compiles anew for, so launches
+that differ only in an argument the kernel does not specialize on share one) with
+`triton.compile` for sm_<arch> (PTX, then ptxas if Triton ships one) and reports failures with
+the compiler's message. tests/test_compile_check.py does both for the model decode path.
+`sass` prints, per specialization, the static count of SASS instructions (nvdisasm of the cubin, as
 Triton ships it; --ops N: the N commonest opcodes) with ptxas's register and spill report: for
 kernels without runtime loops that is the instruction count of one program, a proxy (not a
 timing) for instruction-bound kernels. The result is the installed Triton's: Triton 3.6 and 3.9
@@ -180,9 +182,10 @@ def count_sass(disassembly: str) -> int:
     return len(sass_opcodes(disassembly))
 
 
-def _launch_ptx(ln: dict, arch: int):
-    """(PTX, '') of one recorded launch compiled for sm_<arch>, or (None, the compiler's
-    error)."""
+def _compile_inputs(ln: dict):
+    """(JIT function, signature, constexprs, attrs) that Triton compiles for one recorded
+    launch: an argument in the kernel's do_not_specialize list stays a runtime integer (1
+    included) without a divisibility hint, as Triton's launcher treats it."""
     import importlib
 
     fn = getattr(importlib.import_module(ln["module"]), ln["kernel"])
@@ -198,6 +201,33 @@ def _launch_ptx(ln: dict, arch: int):
             sig[name], consts[name] = "constexpr", (None if t == "none" else 1)
         else:
             sig[name] = "i32" if t == "one" else t
+    return fn, sig, consts, attrs
+
+
+def specialization_key(ln: dict) -> str:
+    """What makes Triton compile a launch anew: the kernel, its compiled signature, constexprs
+    and divisibility hints, num_warps and maxnreg. Launches that differ only in what Triton does
+    not specialize on (e.g. a do_not_specialize key word equal to 1 or not) share one key."""
+    _, sig, consts, attrs = _compile_inputs(ln)
+    return json.dumps([ln["module"], ln["kernel"], sig, consts, sorted(k[0] for k in attrs),
+                       ln["num_warps"], ln.get("maxnreg")], sort_keys=True)
+
+
+def distinct_specializations(launches: list) -> list:
+    """The first launch of each specialization_key, in recorded order."""
+    seen, out = set(), []
+    for ln in launches:
+        key = specialization_key(ln)
+        if key not in seen:
+            seen.add(key)
+            out.append(ln)
+    return out
+
+
+def _launch_ptx(ln: dict, arch: int):
+    """(PTX, '') of one recorded launch compiled for sm_<arch>, or (None, the compiler's
+    error)."""
+    fn, sig, consts, attrs = _compile_inputs(ln)
     try:
         return compile_ptx(fn, sig, consts, ln["num_warps"], arch, attrs, ln.get("maxnreg")), ""
     except Exception as e:                              # the compiler's message is the point
@@ -264,7 +294,8 @@ def main(argv: list[str]) -> int:
         return 2
     arch = int(argv[argv.index("--arch") + 1]) if "--arch" in argv else 90
     with open(argv[1]) as f:
-        launches = json.load(f)
+        recorded = json.load(f)
+    launches = distinct_specializations(recorded)
     if argv[0] == "sass":
         only = argv[argv.index("--kernel") + 1] if "--kernel" in argv else None
         top = int(argv[argv.index("--ops") + 1]) if "--ops" in argv else 0
@@ -293,7 +324,8 @@ def main(argv: list[str]) -> int:
             print(f"FAIL {name}\n     {err}")
         else:
             print(f"ok   {ln['kernel']}")
-    print(f"compile_check: {len(launches) - bad}/{len(launches)} launches compile for sm_{arch}")
+    print(f"compile_check: {len(launches) - bad}/{len(launches)} specializations (of "
+          f"{len(recorded)} recorded launches) compile for sm_{arch}")
     return 1 if bad else 0
 
 
