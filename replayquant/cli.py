@@ -115,7 +115,8 @@ def drift_cmd(
 @app.command("kl")
 def kl_cmd(
     model: str = typer.Option(..., "--model", help="hub id, short name (Qwen3.5-4B) or local folder"),
-    pair: list[str] = typer.Option(..., "--pair", help="precision pair name or YAML path (repeatable)"),
+    pair: list[str] = typer.Option(..., "--pair", help="precision pair name, pair YAML or layer policy "
+                                   "YAML (replayquant.policy; repeatable)"),
     dataset: str = typer.Option("pg19", help="pg19 (emozilla/pg19), a hub dataset name, a folder of .txt, "
                                 "a .txt / .jsonl / .parquet / .arrow / .json / .csv file, a save_to_disk "
                                 "folder, a hub-layout folder (data/*.parquet), or a builder name "
@@ -239,8 +240,8 @@ def bench_teacher_forcing_cmd(
 @app.command("gpqa")
 def gpqa_cmd(
     model: str = typer.Option(..., "--model", help="hub id, short name (Qwen3.5-4B) or local folder"),
-    pair: list[str] = typer.Option(..., "--pair", help="precision pair name or YAML path (repeatable; "
-                                   "differences are taken from the first)"),
+    pair: list[str] = typer.Option(..., "--pair", help="precision pair name, pair YAML or layer policy "
+                                   "YAML (repeatable; differences are taken from the first)"),
     task: list[str] = typer.Option(None, "--task", "--tasks", help="gpqa_diamond_cot_zeroshot (default), "
                                    "gpqa_diamond_zeroshot, gpqa_diamond_n_shot, gpqa_diamond_generative_n_shot; "
                                    "repeatable or comma-separated (lm-eval's --tasks)"),

@@ -221,7 +221,9 @@ def test_sweep_file_plot_and_resume(demo_sweep):
         assert v["kl"]["kl_upper"] >= v["kl"]["kl_mean"]
     assert sw["front"] and all(v["on_front"] == (v["name"] in sw["front"]) for v in sw["variants"])
     front = [v for v in sw["variants"] if v["on_front"]]
-    kls = [max(v["kl"]["kl_mean"], 0) for v in sorted(front, key=lambda v: v["bytes_per_step"]["state"])]
+    from replayquant.sweep.command import front_kl
+    kls = [front_kl(v["kl"]["kl_mean"], v["kl"]["kl_unc"])
+           for v in sorted(front, key=lambda v: v["bytes_per_step"]["state"])]
     assert kls == sorted(kls, reverse=True) and len(set(kls)) == len(kls)
     # measured times: the grid timed tp4_hi32 at the GDN main L = 16 with the dots read at B = 256
     k = next(v for v in sw["variants"] if v["name"] == "tp4_hi32@L16")["kernel"]
@@ -242,6 +244,15 @@ def test_sweep_file_plot_and_resume(demo_sweep):
     assert sum(json.loads(line)["type"] == "document" for line in progress) == 1
     sw2 = json.loads(out.read_text())
     assert [v["kl"]["kl_mean"] for v in sw2["variants"]] == [v["kl"]["kl_mean"] for v in sw["variants"]]
+
+
+def test_pareto_front_counts_noise_as_zero():
+    """A mean KL not above its uncertainty is 0 on the front: the costlier of two exact variants
+    is not on it because of float noise."""
+    from replayquant.sweep.command import pareto_front
+    pts = [("cheap", 1, 0.1, 0.01), ("mid", 2, 0.1, 0.01), ("good", 3, 1e-3, 1e-5),
+           ("exact", 4, 3e-10, 3e-9), ("exact_more", 5, -1e-9, 2e-9), ("worse", 6, 0.5, 0.0)]
+    assert pareto_front(pts) == ["cheap", "good", "exact"]
 
 
 def test_recommend_fit_and_no_fit(demo_sweep, tmp_path):
@@ -357,3 +368,17 @@ def test_bad_sweep_and_sensitivity_input():
     assert r.returncode == 2 and "--kernels nope.json" in r.stderr
     r = _cli("sensitivity", "--model", "tiny-qwen3.5", "--pair", "s32_rs", "--layers", "3", check=False)
     assert r.returncode == 2 and "not recurrent layers" in r.stderr
+
+
+def test_sensitivity_per_pass_splits_the_runs(tmp_path):
+    """--per-pass 2 with 2 layers and one pair: 3 variants in two KL runs, one result."""
+    out = tmp_path / "s.json"
+    _cli("sensitivity", "--model", "tiny-mamba2", "--pair", "tp4_hi32", "--layers", "3,0", "--per-pass", 2,
+         "--dataset", _dataset(), "--context", "128", "--docs", "1", "--segment", "128", "--dtype",
+         "float32", "--device-map", "cpu", "--no-progress", "--out", out)
+    sens = json.loads(out.read_text())
+    assert sens["kl_results"] == ["s_kl1.json", "s_kl2.json"]
+    assert [r["index"] for r in sens["per_layer"]["tp4_hi32"]] == [3, 0]
+    assert sens["sum_vs_all"]["tp4_hi32"]["layers_measured"] == 2
+    one = json.loads((tmp_path / "s_kl2.json").read_text())
+    assert list(one["results"]) == ["tp4_hi32@all"]

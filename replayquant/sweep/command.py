@@ -30,7 +30,7 @@ from pathlib import Path
 from .common import (clean_name, fmt_bytes, kl_figures, kl_file_for, shapes_of_model, write_json)
 
 __all__ = ["SWEEP_KIND", "parse_buffer_lens", "sweep_variants", "layer_pairs", "variant_costs",
-           "pareto_front", "build_sweep", "sweep_command", "print_sweep"]
+           "front_kl", "pareto_front", "build_sweep", "sweep_command", "print_sweep"]
 
 SWEEP_KIND = "replayquant.sweep"
 SWEEP_VERSION = 1
@@ -109,13 +109,19 @@ def variant_costs(variant, shapes):
     return b, m
 
 
-def pareto_front(points: list[tuple[str, float, float]]) -> list[str]:
-    """Names on the front of (name, bytes, KL): no other point has fewer or equal bytes and a
-    lower KL. In bytes order. A negative mean KL (float noise around 0, e.g. the shared FP32
-    pair) counts as 0, so noise does not put a costlier exact variant on the front."""
+def front_kl(mean: float, unc: float = 0.0) -> float:
+    """The KL a variant has on the front: 0 where the mean is not above its uncertainty (float
+    noise around 0, e.g. the shared FP32 pair, whose mean can come out negative), else the mean."""
+    return 0.0 if mean <= unc else mean
+
+
+def pareto_front(points) -> list[str]:
+    """Names on the front of (name, bytes, KL mean[, KL uncertainty]): no other point has fewer
+    or equal bytes and a lower KL (`front_kl`: noise-level KLs count as 0, so noise does not put
+    a costlier exact variant on the front). In bytes order."""
     front, best = [], float("inf")
-    for name, b, kl in sorted(((n, b, max(k, 0.0)) for n, b, k in points),
-                              key=lambda t: (t[1], t[2])):
+    pts = [(p[0], p[1], front_kl(p[2], p[3] if len(p) > 3 else 0.0)) for p in points]
+    for name, b, kl in sorted(pts, key=lambda t: (t[1], t[2])):
         if kl < best:
             front.append(name)
             best = kl
@@ -155,7 +161,8 @@ def build_sweep(kl_res: dict, variants: list[dict], shapes, kl_path: Path, setti
                                                  else None)
             row["kernel"] = k
         rows.append(row)
-    pts = [(r["name"], r["bytes_per_step"]["state"], r["kl"]["kl_mean"]) for r in rows if r["kl"]]
+    pts = [(r["name"], r["bytes_per_step"]["state"], r["kl"]["kl_mean"], r["kl"]["kl_unc"])
+           for r in rows if r["kl"]]
     front = pareto_front(pts)
     for r in rows:
         r["on_front"] = r["name"] in front

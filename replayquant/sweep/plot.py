@@ -1,9 +1,10 @@
 """Plots of a sweep (KL against state bytes per step, Pareto front) and of a sensitivity run
 (KL by layer).
 
-Both use log axes for KL. A KL at or below the axis floor (a variant whose KL is 0 or float
-noise below it, e.g. the shared FP32 pair) is drawn at the floor with a downward triangle and
-its value in the label, never dropped; the floor is one decade below the smallest positive KL.
+Both use log axes for KL. A KL at or below the axis floor is drawn at the floor with a downward
+triangle and its value in the label, never dropped; in the sweep plot so is a KL that is not
+above its uncertainty (float noise around 0, e.g. the shared FP32 pair, whose mean can come out
+negative). The floor is one decade below the smallest KL drawn at its value.
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ def plot_sweep(sw: dict, png: Path) -> list[tuple[str, float, float]]:
     plt = _plt()
     rows = [r for r in sw["variants"] if r.get("kl")]
     conv = sw["conventional_fp32"]
-    floor = axis_floor([r["kl"]["kl_mean"] for r in rows])
-    fig, ax = plt.subplots(figsize=(8.5, 5.5), dpi=120)
+    from .command import front_kl
+    floor = axis_floor([front_kl(r["kl"]["kl_mean"], r["kl"]["kl_unc"]) for r in rows])
+    fig, ax = plt.subplots(figsize=(11.0, 5.5), dpi=120)
     bases = list(dict.fromkeys(r["base"] for r in rows))
     cmap = plt.get_cmap("tab10")
     colour = {b: cmap(i % 10) for i, b in enumerate(bases)}
@@ -53,7 +55,7 @@ def plot_sweep(sw: dict, png: Path) -> list[tuple[str, float, float]]:
     for r in sorted(rows, key=lambda r: r["bytes_per_step"]["state"]):
         x = r["bytes_per_step"]["state"]
         m, unc = r["kl"]["kl_mean"], r["kl"]["kl_unc"]
-        low = m <= floor
+        low = front_kl(m, unc) <= floor
         y = floor if low else m
         n_low += low
         drawn.append((r["name"], x, y))
@@ -61,7 +63,7 @@ def plot_sweep(sw: dict, png: Path) -> list[tuple[str, float, float]]:
                     fmt="v" if low else "o", color=colour[r["base"]], ms=6 if r["on_front"] else 4,
                     mec="black" if r["on_front"] else colour[r["base"]], capsize=2, lw=0.8,
                     label=r["base"] if r is next(q for q in rows if q["base"] == r["base"]) else None)
-        text = r["name"] + (f" (KL {m:.1e}, drawn at the floor)" if low else "")
+        text = r["name"] + (f" (KL {m:.1e} ± {unc:.0e}, drawn at the floor)" if low else "")
         # floor labels stacked upwards; front labels alternately above right and below left (front
         # points close in bytes would overlap), the others below right
         if low:
@@ -77,12 +79,12 @@ def plot_sweep(sw: dict, png: Path) -> list[tuple[str, float, float]]:
     front = [r for r in sorted(rows, key=lambda r: r["bytes_per_step"]["state"]) if r["on_front"]]
     if front:
         xs = [r["bytes_per_step"]["state"] for r in front]
-        ys = [max(r["kl"]["kl_mean"], floor) for r in front]
+        ys = [max(front_kl(r["kl"]["kl_mean"], r["kl"]["kl_unc"]), floor) for r in front]
         ax.plot(xs, ys, drawstyle="steps-post", color="black", lw=1.2, alpha=0.7,
                 label="Pareto front (fewer bytes, lower KL)")
     cx = conv["bytes_per_step"]["state"]
     ax.plot([cx], [floor], marker="*", ms=14, color="crimson", ls="none",
-            label=f"FP32 conventional step (the reference, KL 0): {cx / 1024:.1f} KiB")
+            label=f"FP32 conventional step\n(the reference, KL 0): {cx / 1024:.1f} KiB")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_ylim(bottom=floor / 2)
@@ -92,7 +94,7 @@ def plot_sweep(sw: dict, png: Path) -> list[tuple[str, float, float]]:
     ax.set_ylabel("mean KL(reference || variant) per token (bar: + uncertainty)", fontsize=8)
     ax.set_title(_title(sw), fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, loc="lower left")      # cheap and exact do not meet: that corner is free
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)  # beside
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png)
