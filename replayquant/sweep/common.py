@@ -76,7 +76,8 @@ def fmt_bytes(b) -> str:
     b = float(b)
     for unit, div in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
         if abs(b) >= div:
-            return f"{b / div:.3g} {unit}"
+            x = b / div
+            return f"{x:.3g} {unit}" if abs(x) < 1000 else f"{x:.0f} {unit}"   # 1020 KiB, not 1.02e+03
     return f"{b:.0f} B"
 
 
