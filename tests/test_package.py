@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -23,9 +24,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory):
-    out = tmp_path_factory.mktemp("wheel")
+    """A wheel built from a copy of the files git tracks or would track (setuptools' build/lib in
+    the checkout could hold modules deleted since, which would then ship in the wheel)."""
+    src, out = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("wheel")
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                           cwd=ROOT, capture_output=True, text=True, check=True).stdout.split("\0")
+    for rel in filter(None, files):
+        if not os.path.lexists(ROOT / rel):          # deleted in the work tree, not yet committed
+            continue
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / rel, src / rel, follow_symlinks=False)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(out), str(ROOT)], check=True, capture_output=True, text=True)
+                    "-w", str(out), str(src)], check=True, capture_output=True, text=True)
     (whl,) = out.glob("replayquant-*.whl")
     return whl
 
