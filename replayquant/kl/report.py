@@ -15,7 +15,7 @@ import json
 import math
 from pathlib import Path
 
-from .runner import RESULTS_KIND
+RESULTS_KIND = "replayquant.kl"        # the "kind" of a KL results file (kl/runner.py writes them)
 
 COLUMNS = ("model", "pair", "prefill", "context", "docs", "mean KL", "median KL", "p99 KL", "max KL",
            "same top %", "PPL ratio", "dp RMS %", "KL last bucket")

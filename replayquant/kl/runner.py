@@ -29,7 +29,6 @@ import dataclasses
 import hashlib
 import inspect
 import json
-import math
 import os
 import resource
 import time
@@ -41,8 +40,8 @@ import torch
 
 from . import stats as S
 from .data import Document, DocumentSet, load_documents
+from .report import RESULTS_KIND
 
-RESULTS_KIND = "replayquant.kl"
 RESULTS_VERSION = 1
 
 

@@ -27,7 +27,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .common import (clean_name, fmt_bytes, kl_figures, kl_file_for, shapes_of_model, write_json)
+from .common import (clean_name, fmt_bytes, front_kl, kl_figures, kl_file_for, pareto_front,
+                     shapes_of_model, write_json)
 
 __all__ = ["SWEEP_KIND", "parse_buffer_lens", "sweep_variants", "layer_pairs", "variant_costs",
            "front_kl", "pareto_front", "build_sweep", "sweep_command", "print_sweep"]
@@ -107,25 +108,6 @@ def variant_costs(variant, shapes):
         else:
             b, m = b + sb.layer_step_bytes(s, p), m + sb.layer_memory_bytes(s, p)
     return b, m
-
-
-def front_kl(mean: float, unc: float = 0.0) -> float:
-    """The KL a variant has on the front: 0 where the mean is not above its uncertainty (float
-    noise around 0, e.g. the shared FP32 pair, whose mean can come out negative), else the mean."""
-    return 0.0 if mean <= unc else mean
-
-
-def pareto_front(points) -> list[str]:
-    """Names on the front of (name, bytes, KL mean[, KL uncertainty]): no other point has fewer
-    or equal bytes and a lower KL (`front_kl`: noise-level KLs count as 0, so noise does not put
-    a costlier exact variant on the front). In bytes order."""
-    front, best = [], float("inf")
-    pts = [(p[0], p[1], front_kl(p[2], p[3] if len(p) > 3 else 0.0)) for p in points]
-    for name, b, kl in sorted(pts, key=lambda t: (t[1], t[2])):
-        if kl < best:
-            front.append(name)
-            best = kl
-    return front
 
 
 def build_sweep(kl_res: dict, variants: list[dict], shapes, kl_path: Path, settings: dict,

@@ -8,7 +8,8 @@ import re
 from pathlib import Path
 
 __all__ = ["kl_bound", "kl_figures", "load_json_kind", "shapes_of_model", "fmt_bytes",
-           "pair_formats", "clean_name", "write_json", "kl_file_for", "KL_FIGURES"]
+           "pair_formats", "clean_name", "write_json", "kl_file_for", "KL_FIGURES", "front_kl",
+           "pareto_front"]
 
 # the KL statistics a sweep / sensitivity file keeps per variant (the KL run's file has them all)
 KL_FIGURES = ("n_tokens", "n_documents", "kl_mean", "kl_mean_unc", "kl_mean_unc_docs", "kl_median",
@@ -107,3 +108,22 @@ def write_json(path: Path, obj: dict) -> None:
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(obj, indent=1, allow_nan=True) + "\n")
     os.replace(tmp, path)
+
+
+def front_kl(mean: float, unc: float = 0.0) -> float:
+    """The KL a variant has on the front: 0 where the mean is not above its uncertainty (float
+    noise around 0, e.g. the shared FP32 pair, whose mean can come out negative), else the mean."""
+    return 0.0 if mean <= unc else mean
+
+
+def pareto_front(points) -> list[str]:
+    """Names on the front of (name, bytes, KL mean[, KL uncertainty]): no other point has fewer
+    or equal bytes and a lower KL (`front_kl`: noise-level KLs count as 0, so noise does not put
+    a costlier exact variant on the front). In bytes order."""
+    front, best = [], float("inf")
+    pts = [(p[0], p[1], front_kl(p[2], p[3] if len(p) > 3 else 0.0)) for p in points]
+    for name, b, kl in sorted(pts, key=lambda t: (t[1], t[2])):
+        if kl < best:
+            front.append(name)
+            best = kl
+    return front

@@ -45,7 +45,7 @@ def plot_sweep(sw: dict, png: Path) -> list[tuple[str, float, float]]:
     plt = _plt()
     rows = [r for r in sw["variants"] if r.get("kl")]
     conv = sw["conventional_fp32"]
-    from .command import front_kl
+    from .common import front_kl
     floor = axis_floor([front_kl(r["kl"]["kl_mean"], r["kl"]["kl_unc"]) for r in rows])
     fig, ax = plt.subplots(figsize=(11.0, 5.5), dpi=120)
     bases = list(dict.fromkeys(r["base"] for r in rows))

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from .common import fmt_bytes, kl_bound, kl_figures, kl_file_for, load_json_kind, write_json
+from .common import fmt_bytes, kl_figures, kl_file_for, load_json_kind, write_json
 
 __all__ = ["NoFit", "recommend", "print_recommendation", "build_policy", "recommend_per_layer",
            "print_per_layer", "RECOMMEND_KIND", "PER_LAYER_KIND"]
