@@ -33,7 +33,7 @@ transformers.logging.set_verbosity_error()
 
 VOCAB = 96
 BUFFER_LEN = 4
-NEW_TOKENS = 10            # 9 decode steps after the prompt's token: >= 2 flushes with L = 4
+NEW_TOKENS = 6             # 5 decode steps after the prompt's token: a flush in each row's decode
 RTOL_BF16 = 4 * 2.0 ** -9  # relative logit bound from the bf16 ring buffer (module doc)
 PAIRS = ("s32_rs", "tp4_hi32")
 DT_FLOOR = 0.5             # the tiny Nemotron-H's time_step_min (its dt clamp floor)
@@ -245,7 +245,7 @@ def test_hand_off_rows_are_slots():
 @pytest.mark.parametrize("fam", ["qwen3_5", "mamba2", "nemotron_h"])
 @pytest.mark.parametrize("pair", PAIRS)
 def test_generate_kernel_equals_torch(models, monkeypatch, fam, pair):
-    """Greedy generate (ragged left-padded batch of 3, L = 4, 9 decode steps) through the Triton
+    """Greedy generate (ragged left-padded batch of 3, L = 4, 5 decode steps) through the Triton
     decode kernel gives the torch path's tokens and logits within the bf16 bound; every decode
     step of every recurrent layer ran the kernel, the hand-off happened once per layer, and a
     multi-token forward continuing the cache converts back and agrees as well. Nemotron-H: its
