@@ -48,6 +48,18 @@ def _pairs_dir():
 
 PAIRS_DIR = _pairs_dir()
 
+def read_yaml(path, what: str):
+    """The parsed contents of a YAML file (a Path or a package resource), or one error naming
+    `what` the file should be when it is missing or not YAML."""
+    import yaml
+    if not path.is_file():
+        raise ValueError(f"{what} {str(path)!r} does not exist")
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML ({e})") from None
+
+
 _PAIR_KEYS = ("name", "read", "anchor", "buffer_len", "description")
 _SPEC_KEYS = ("format", "rounding")
 
@@ -166,20 +178,13 @@ class PrecisionPair:
     @classmethod
     def load(cls, name_or_path) -> "PrecisionPair":
         """Load a pair by name (a file in configs/pairs/) or from a YAML path."""
-        import yaml
-
         p = Path(name_or_path)
         if p.suffix not in (".yaml", ".yml") and not p.exists():
             p = PAIRS_DIR / f"{name_or_path}.yaml"
             if not p.is_file():
                 raise ValueError(f"unknown precision pair {str(name_or_path)!r}; shipped pairs: "
                                  f"{', '.join(list_pairs())} (or pass a path to a .yaml file)")
-        if not p.is_file():
-            raise ValueError(f"precision pair file {str(p)!r} does not exist")
-        try:
-            data = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as e:
-            raise ValueError(f"{p}: not valid YAML ({e})") from None
+        data = read_yaml(p, "precision pair file")
         pair = cls.from_dict(data, source=str(p))
         if pair.name is None:
             object.__setattr__(pair, "name", p.stem)

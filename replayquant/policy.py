@@ -30,7 +30,7 @@ import fnmatch
 from dataclasses import dataclass
 from pathlib import Path
 
-from replayquant.pairs import PrecisionPair
+from replayquant.pairs import PrecisionPair, read_yaml
 
 __all__ = ["EXACT", "LayerPolicy", "Override", "is_policy_file", "load_pair_or_policy"]
 
@@ -247,14 +247,8 @@ class LayerPolicy:
 
     @classmethod
     def load(cls, path) -> "LayerPolicy":
-        import yaml
         p = Path(path)
-        if not p.is_file():
-            raise ValueError(f"layer policy file {str(p)!r} does not exist")
-        try:
-            data = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as e:
-            raise ValueError(f"{p}: not valid YAML ({e})") from None
+        data = read_yaml(p, "layer policy file")
         pol = cls.from_dict(data, source=str(p), base=p.parent)
         return pol if pol.name else pol.renamed(p.stem)
 
