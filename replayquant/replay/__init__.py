@@ -1,19 +1,20 @@
 """Replay core: the dual-precision state machine (DESIGN sections 2-4), torch reference.
 
     from replayquant.replay import ReplayState, ConventionalState
-    from replayquant.replay import mamba2_inputs, gdn_inputs, recurrent_reference
+    from replayquant.replay import mamba2_inputs, gdn_inputs, kda_inputs, recurrent_reference
 
 * `ReplayState`: anchor (high precision, written at flushes), read copy (low precision, read by
   non-flush steps), replay buffer of L raw step inputs; speculative verify / accept.
 * `ConventionalState`: the read-modify-write baseline (one shared format, per-draft snapshots).
 * `core`: the formulas and the buffer layout that GPU kernels and teacher forcing must match.
-* `frontends`: Mamba-2 and Gated DeltaNet tensors -> the generic core (q, k, v, log_a[, beta]).
+* `frontends`: Mamba-2, Gated DeltaNet and Kimi Delta Attention tensors -> the generic core
+  (q, k, v, log_a[, beta]); KDA's log_a is per key channel (states built with vector_gate=True).
 * `recurrent_reference`: the unrounded sequential FP32 recurrence.
 """
 
-from replayquant.replay.frontends import gdn_inputs, l2norm, mamba2_inputs
+from replayquant.replay.frontends import gdn_inputs, kda_inputs, kda_log_decay, l2norm, mamba2_inputs
 from replayquant.replay.reference import recurrent_reference
 from replayquant.replay.state import ConventionalState, ReplayState
 
-__all__ = ["ReplayState", "ConventionalState", "mamba2_inputs", "gdn_inputs", "l2norm",
-           "recurrent_reference"]
+__all__ = ["ReplayState", "ConventionalState", "mamba2_inputs", "gdn_inputs", "kda_inputs",
+           "kda_log_decay", "l2norm", "recurrent_reference"]

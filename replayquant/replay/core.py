@@ -8,6 +8,8 @@ Layout (batch b, head h, buffer slot j = 0..L-1, all float32):
     buffer v                      [B, H, L, d_v]           raw v (Mamba-2: v = dt * x)
     buffer G                      [B, H, L]                cumulative log gate since the checkpoint:
                                                            G_j = G_{j-1} + log_a_j (sequential adds, G_{-1} = 0)
+                                  [B, H, L, d_k]           the same per key channel for vector gates (KDA:
+                                                           log_a [B, H, d_k], added elementwise)
     buffer beta (GDN)             [B, H, L]
     buffer u (GDN)                [B, H, L, d_v]           delta-rule correction computed against the
                                                            READ copy (used only for outputs)
@@ -26,6 +28,18 @@ Read step (non-flush output at slot p, read copy R):
 
     GDN:  u_p = beta_p * (v_p - exp(G_p) * (R k_p)) - beta_p * sum_{i<p} exp(G_p - G_i) (k_p . k_i) u_i
     y_p = exp(G_p) * (R q) + sum_{j<=p} exp(G_p - G_j) (k_j . q) u_j        (output-only: no d_v x d_k matrix)
+
+Vector gates (G [..., L, d_k], KDA): the decay multiplies the state's key axis, S Diag(exp(G)),
+so every exp(G_j) above becomes a per-channel weight on k (or q) before the dot product:
+
+    rhs_j = beta_j * (v_j - S_c (exp(G_j) * k_j))
+    u_j   = rhs_j - beta_j * sum_{i<j} ((k_i * exp(G_j - G_i)) . k_j) u_i
+    S     = S_c Diag(exp(G_n)) + sum_{j<=n} u_j (k_j * exp(G_n - G_j))^T
+    y_p   = R (exp(G_p) * q) + sum_{j<=p} ((k_j * exp(G_p - G_j)) . q) u_j
+
+Only exp(G_j) and exp(G_later - G_earlier) are formed (both <= 1 for gates a <= 1), never
+exp(-G_j) alone, which overflows once a channel has forgotten enough. The functions below take
+either kind and tell them apart by G.dim() (3: one gate per head, 4: per channel).
 
 Masked slots (beyond the committed/valid length) contribute exact zeros (torch.where, so stale
 buffer contents never leak, even if they are not finite).
@@ -58,7 +72,10 @@ def _scatter_slot(t: torch.Tensor, p: torch.Tensor, val: torch.Tensor) -> None:
 
 
 def solve_u(Sc, K, V, G, beta, valid):
-    """GDN corrections of every slot from checkpoint Sc (the triangular solve). valid [b,1,L]."""
+    """Delta-rule corrections of every slot from checkpoint Sc (the triangular solve).
+    G [b,H,L] or, for vector gates, [b,H,L,d_k]; valid [b,1,L]."""
+    if G.dim() == 4:
+        return _solve_u_vec(Sc, K, V, G, beta, valid)
     L = K.shape[2]
     rhs = beta.unsqueeze(-1) * (V - torch.exp(G).unsqueeze(-1) * matvec(Sc, K))
     KK = torch.matmul(K, K.transpose(-1, -2))                       # [b,H,L,L]: k_j . k_i
@@ -73,13 +90,30 @@ def solve_u(Sc, K, V, G, beta, valid):
     return torch.where(valid.unsqueeze(-1), U, torch.zeros((), device=U.device))
 
 
+def _solve_u_vec(Sc, K, V, G, beta, valid):
+    """solve_u for vector gates G [b,H,L,d_k]: row j's key products (k_i * exp(G_j - G_i)) . k_j
+    are formed row by row (L d_k per row, no [L, L, d_k] tensor)."""
+    L = K.shape[2]
+    rhs = beta.unsqueeze(-1) * (V - matvec(Sc, torch.exp(G) * K))
+    U = rhs.clone()
+    for j in range(1, L):
+        Kd = K[:, :, :j] * torch.exp(G[:, :, j:j + 1] - G[:, :, :j])        # [b,H,j,d_k]
+        w = torch.matmul(Kd, K[:, :, j].unsqueeze(-1)).transpose(-1, -2)    # [b,H,1,j]
+        corr = torch.matmul(w, U[:, :, :j, :])[:, :, 0, :]
+        U[:, :, j, :] = rhs[:, :, j, :] - beta[:, :, j].unsqueeze(-1) * corr
+    return torch.where(valid.unsqueeze(-1), U, torch.zeros((), device=U.device))
+
+
 def rebuild(Sc, K, V, G, beta, n):
     """Unrounded FP32 state after the first n[b] buffered entries of each row (n may be 0).
 
-    Sc [b,H,d_v,d_k] checkpoint; K [b,H,L,d_k]; V [b,H,L,d_v]; G, beta [b,H,L]; n int64 [b].
+    Sc [b,H,d_v,d_k] checkpoint; K [b,H,L,d_k]; V [b,H,L,d_v]; G [b,H,L] (or [b,H,L,d_k] for
+    vector gates); beta [b,H,L] or None (Mamba-2); n int64 [b].
     Returns (S [b,H,d_v,d_k], U [b,H,L,d_v]); U = the corrections used (= v for Mamba-2).
     n = 0 returns Sc exactly.
     """
+    if G.dim() == 4:
+        return _rebuild_vec(Sc, K, V, G, beta, n)
     b, H, L = G.shape
     zero = torch.zeros((), device=G.device)
     valid = (torch.arange(L, device=G.device)[None, :] < n[:, None]).unsqueeze(1)   # [b,1,L]
@@ -93,10 +127,28 @@ def rebuild(Sc, K, V, G, beta, n):
     return S, U
 
 
+def _rebuild_vec(Sc, K, V, G, beta, n):
+    """rebuild for vector gates G [b,H,L,d_k]: S = Sc Diag(exp(G_n)) + sum_j u_j (k_j * exp(G_n - G_j))^T."""
+    b, H, L, dk = G.shape
+    zero = torch.zeros((), device=G.device)
+    valid = (torch.arange(L, device=G.device)[None, :] < n[:, None]).unsqueeze(1)   # [b,1,L]
+    Gn = torch.where((n > 0).view(b, 1, 1), _gather_slot(G, (n - 1).clamp(min=0)), zero)  # [b,H,d_k]
+    if beta is None:
+        U = torch.where(valid.unsqueeze(-1), V, zero)
+    else:
+        U = solve_u(Sc, K, V, G, beta, valid)
+    v4 = valid.unsqueeze(-1)
+    w = torch.where(v4, torch.exp(torch.where(v4, Gn.unsqueeze(2) - G, zero)), zero)  # [b,H,L,d_k]
+    S = torch.exp(Gn).unsqueeze(-2) * Sc + torch.matmul(U.transpose(-1, -2), K * w)
+    return S, U
+
+
 def read_outputs(R, K, V, G, beta, U, h, q):
     """Outputs of T appended entries at slots h..h+T-1 (already written to K, V, G, beta), from
     read copy R [b,H,d_v,d_k]. GDN: also computes and stores u of those slots into U (in place),
-    against R. q [b,H,T,d_k]. Returns y [b,H,T,d_v]."""
+    against R. q [b,H,T,d_k]; G [b,H,L] or [b,H,L,d_k] (vector gates). Returns y [b,H,T,d_v]."""
+    if G.dim() == 4:
+        return _read_outputs_vec(R, K, V, G, beta, U, h, q)
     b, H, L = G.shape
     T = q.shape[2]
     zero = torch.zeros((), device=G.device)
@@ -123,6 +175,39 @@ def read_outputs(R, K, V, G, beta, U, h, q):
         qk = torch.matmul(K, qi.unsqueeze(-1))[..., 0]                # [b,H,L]: k_j . q
         W = torch.where(upto, torch.exp(torch.where(upto, diff, zero)) * qk, zero)
         ys.append(torch.exp(Gp).unsqueeze(-1) * Rq[:, :, i, :]
+                  + torch.matmul(W.unsqueeze(2), Uv)[:, :, 0, :])
+    return torch.stack(ys, dim=2)
+
+
+def _read_outputs_vec(R, K, V, G, beta, U, h, q):
+    """read_outputs for vector gates G [b,H,L,d_k]: the decay weights k_j per channel
+    (k_j * exp(G_p - G_j)) before its dot with q or k_p, and the read copy reads exp(G_p) * q."""
+    L = G.shape[2]
+    T = q.shape[2]
+    zero = torch.zeros((), device=G.device)
+    slot = torch.arange(L, device=G.device)
+    Uv = V if beta is None else U
+    ys = []
+    for i in range(T):
+        p = h + i
+        Gp = _gather_slot(G, p)                                      # [b,H,d_k]
+        diff = Gp.unsqueeze(2) - G                                   # [b,H,L,d_k]
+        eGp = torch.exp(Gp)
+        if beta is not None:
+            lower = (slot[None, :] < p[:, None]).unsqueeze(1)        # [b,1,L]
+            kp = _gather_slot(K, p)                                  # [b,H,d_k]
+            vp = _gather_slot(V, p)
+            bp = _gather_slot(beta, p).unsqueeze(-1)
+            Kd = K * torch.exp(torch.where(lower.unsqueeze(-1), diff, zero))
+            W = torch.where(lower, torch.matmul(Kd, kp.unsqueeze(-1))[..., 0], zero)   # [b,H,L]
+            corr = torch.matmul(W.unsqueeze(2), U)[:, :, 0, :]
+            rhs = bp * (vp - matvec(R, (eGp * kp).unsqueeze(2))[:, :, 0, :])
+            _scatter_slot(U, p, rhs - bp * corr)
+        upto = (slot[None, :] <= p[:, None]).unsqueeze(1)
+        qi = q[:, :, i, :]
+        Kd = K * torch.exp(torch.where(upto.unsqueeze(-1), diff, zero))
+        W = torch.where(upto, torch.matmul(Kd, qi.unsqueeze(-1))[..., 0], zero)        # [b,H,L]
+        ys.append(matvec(R, (eGp * qi).unsqueeze(2))[:, :, 0, :]
                   + torch.matmul(W.unsqueeze(2), Uv)[:, :, 0, :])
     return torch.stack(ys, dim=2)
 

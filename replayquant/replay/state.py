@@ -9,6 +9,10 @@
 Shapes: initial_state [B, H, d_v, d_k]; step: q, k [B, H, d_k], v [B, H, d_v], log_a, beta [B, H];
 verify: the same with a T axis after B. Inputs may be any floating dtype; arithmetic is FP32.
 `delta=True`: Gated DeltaNet (beta required), `delta=False`: Mamba-2 (beta must be None).
+`vector_gate=True` (keyword, fixed at construction): one gate per key channel, log_a [B, H, d_k]
+(verify [B, T, H, d_k]), the decay of Kimi Delta Attention: S_t = S_{t-1} Diag(a_t) + u_t k_t^T,
+u_t = beta_t (v_t - S_{t-1} (a_t * k_t)). The buffer's G is then [B, H, L, d_k]. A log_a of the
+other kind is an error.
 See `replayquant.replay.frontends` for the model-side mappings.
 
 Semantics (exactly; see replayquant.replay.core for the formulas and the buffer layout):
@@ -43,7 +47,8 @@ Semantics (exactly; see replayquant.replay.core for the formulas and the buffer 
 Hand-off (teacher forcing, beam reordering, other backends): `st.export()` returns the parts
 (anchor, read copy, buffer, counters, rows) as a dict, `st.load(parts)` installs parts in place
 and `ReplayState.from_parts(parts, pair, delta, seed, layer)` builds a state from parts without
-any cast. `replayquant.kernels.chunk_ref.teacher_force` runs a segment through these.
+any cast (vector-gated when parts['G'] has a d_k axis). `replayquant.kernels.chunk_ref.teacher_force`
+runs a segment through these.
 """
 
 from __future__ import annotations
@@ -104,7 +109,7 @@ def _as_pair(pair) -> PrecisionPair:
 class _StateBase:
     """Shared construction and input checking."""
 
-    def _setup(self, initial_state, pair, delta, seed, layer, rows) -> torch.Tensor:
+    def _setup(self, initial_state, pair, delta, seed, layer, rows, vector_gate=False) -> torch.Tensor:
         if not isinstance(initial_state, torch.Tensor) or initial_state.dim() != 4:
             raise ValueError("initial_state must be a float tensor [B, H, d_v, d_k], got "
                              + (f"shape {tuple(initial_state.shape)}" if isinstance(initial_state, torch.Tensor)
@@ -116,6 +121,10 @@ class _StateBase:
             raise ValueError("initial_state contains NaN or infinity")
         self.pair = _as_pair(pair)
         self.delta = bool(delta)
+        if not isinstance(vector_gate, bool):
+            raise ValueError(f"vector_gate must be True (one gate per key channel, log_a [B, H, d_k]) "
+                             f"or False (one per head, log_a [B, H]), got {vector_gate!r}")
+        self.vector_gate = vector_gate
         self.B, self.H, self.d_v, self.d_k = S0.shape
         self.device = S0.device
         if self.H >= 1 << 16:
@@ -161,7 +170,8 @@ class _StateBase:
         B, H, dk, dv = self.B, self.H, self.d_k, self.d_v
         lead = (B,) if T is None else (B, T)
         what = "step" if T is None else "verify"
-        expect = {"q": lead + (H, dk), "k": lead + (H, dk), "v": lead + (H, dv), "log_a": lead + (H,)}
+        gate = lead + ((H, dk) if self.vector_gate else (H,))
+        expect = {"q": lead + (H, dk), "k": lead + (H, dk), "v": lead + (H, dv), "log_a": gate}
         if self.delta:
             if beta is None:
                 raise ValueError(f"{what}: beta is required for delta=True (GDN): pass "
@@ -178,6 +188,15 @@ class _StateBase:
                 raise ValueError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
             if not t.is_floating_point():
                 raise ValueError(f"{what}: {name} must be floating point, got {t.dtype}")
+            if name == "log_a" and tuple(t.shape) != gate:
+                other = lead + ((H,) if self.vector_gate else (H, dk))
+                kind = ("vector_gate=True (one gate per key channel)" if self.vector_gate
+                        else "vector_gate=False (one gate per head)")
+                hint = ("; for one gate per head build the state with vector_gate=False" if self.vector_gate
+                        else "; for per-channel gates (Kimi Delta Attention) build the state with "
+                             "vector_gate=True") if tuple(t.shape) == other else ""
+                raise ValueError(f"{what}: log_a has shape {list(t.shape)}, expected {list(gate)}: "
+                                 f"this state was built with {kind}{hint}")
             if tuple(t.shape) != expect[name]:
                 raise ValueError(f"{what}: {name} has shape {list(t.shape)}, expected "
                                  f"{list(expect[name])} ({'[B, T, H, ...]' if T else '[B, H, ...]'}, "
@@ -228,8 +247,9 @@ class _StateBase:
 class ReplayState(_StateBase):
     """Dual-precision replay state of one layer: anchor, read copy, replay buffer (module doc)."""
 
-    def __init__(self, initial_state, pair, delta: bool, seed: int = 0, layer: int = 0, rows=None):
-        S0 = self._setup(initial_state, pair, delta, seed, layer, rows)
+    def __init__(self, initial_state, pair, delta: bool, seed: int = 0, layer: int = 0, rows=None,
+                 *, vector_gate: bool = False):
+        S0 = self._setup(initial_state, pair, delta, seed, layer, rows, vector_gate)
         B, H, dv, dk, L = self.B, self.H, self.d_v, self.d_k, self.pair.buffer_len
         self.L = L
         dev = self.device
@@ -237,7 +257,7 @@ class ReplayState(_StateBase):
         self._flushes = torch.zeros(B, dtype=torch.int64, device=dev)
         self._k = torch.zeros(B, H, L, dk, device=dev)
         self._v = torch.zeros(B, H, L, dv, device=dev)
-        self._G = torch.zeros(B, H, L, device=dev)
+        self._G = torch.zeros((B, H, L, dk) if self.vector_gate else (B, H, L), device=dev)
         self._beta = torch.zeros(B, H, L, device=dev) if self.delta else None
         self._u = torch.zeros(B, H, L, dv, device=dev) if self.delta else None
         self._A = self._cast(self.pair.anchor, S0, 0, ANCHOR)
@@ -272,7 +292,8 @@ class ReplayState(_StateBase):
     @property
     def buffer(self) -> dict:
         """Views of the replay buffer (layout in replayquant.replay.core): k, v, G (cumulative
-        log gate), and for GDN beta and u (u computed against the read copy)."""
+        log gate, [B, H, L] or [B, H, L, d_k] for vector gates), and for GDN beta and u (u
+        computed against the read copy)."""
         out = {"k": self._k, "v": self._v, "G": self._G}
         if self.delta:
             out.update(beta=self._beta, u=self._u)
@@ -302,6 +323,7 @@ class ReplayState(_StateBase):
             anchor     QTensor [B, H, d_v, d_k] (the anchor's format)
             read       QTensor of the read format, or None for a shared pair
             k, v, G    buffer [B, H, L, d_k], [B, H, L, d_v], [B, H, L] float32
+                       (G [B, H, L, d_k] for a vector-gated state)
             beta, u    GDN buffer [B, H, L], [B, H, L, d_v] (u against the read copy); None for Mamba-2
             committed  int64 [B] buffered (committed) entries per row, 0..L
             flushes    int64 [B] flush index of the current anchor per row
@@ -346,14 +368,16 @@ class ReplayState(_StateBase):
     @classmethod
     def from_parts(cls, parts: dict, pair, delta: bool, seed: int = 0, layer: int = 0) -> "ReplayState":
         """A ReplayState holding `parts` (as `export` returns them; `rows` optional, default
-        arange(B)), without any cast: B, H, d_v, d_k come from the anchor's shape."""
+        arange(B)), without any cast: B, H, d_v, d_k come from the anchor's shape, vector_gate
+        from parts['G'] (4 dimensions [B, H, L, d_k]: vector gates; 3: one gate per head)."""
         anchor = parts.get("anchor") if isinstance(parts, dict) else None
         if not isinstance(anchor, QTensor) or len(anchor.shape) != 4:
             raise ValueError("parts['anchor'] must be a QTensor of shape [B, H, d_v, d_k] "
                              "(pass the dict ReplayState.export() returns)")
+        G = parts.get("G")
         st = cls.__new__(cls)
         st._setup(torch.zeros(anchor.shape, device=anchor.device), pair, delta, seed, layer,
-                  parts.get("rows"))
+                  parts.get("rows"), isinstance(G, torch.Tensor) and G.dim() == 4)
         st.L = st.pair.buffer_len
         st.load(parts)
         return st
@@ -378,7 +402,8 @@ class ReplayState(_StateBase):
             if q.format != spec.format or tuple(q.shape) != shape:
                 raise ValueError(f"parts[{role!r}] is {q.format} {list(q.shape)}, the pair "
                                  f"{self.pair.label()} needs {spec.format} {list(shape)}")
-        need = {"k": (B, H, L, dk), "v": (B, H, L, dv), "G": (B, H, L), "committed": (B,),
+        need = {"k": (B, H, L, dk), "v": (B, H, L, dv),
+                "G": (B, H, L, dk) if self.vector_gate else (B, H, L), "committed": (B,),
                 "flushes": (B,)}
         if self.delta:
             need["beta"] = (B, H, L)
@@ -443,7 +468,8 @@ class ReplayState(_StateBase):
             idx = need.nonzero()[:, 0]
             self._flush(idx, self._h[idx])
         h = self._h
-        Gprev = torch.where((h > 0).view(-1, 1), core._gather_slot(self._G, (h - 1).clamp(min=0)),
+        Gprev = torch.where((h > 0).view(-1, *([1] * (self._G.dim() - 2))),
+                            core._gather_slot(self._G, (h - 1).clamp(min=0)),
                             torch.zeros((), device=self.device))
         for i in range(T):
             p = h + i
@@ -477,8 +503,9 @@ class ReplayState(_StateBase):
 
 class ConventionalState(_StateBase):
     """The baseline serving engines run: one state in one format, read-modify-write every step,
-    S_t = Q(a_t deq(S_{t-1}) + u_t k_t^T) (GDN: u_t = beta_t (v_t - a_t deq(S_{t-1}) k_t)),
-    output from the unrounded S_t. Equal, bit for bit, to ReplayState with L = 1 and the same
+    S_t = Q(a_t deq(S_{t-1}) + u_t k_t^T) (GDN: u_t = beta_t (v_t - a_t deq(S_{t-1}) k_t); with
+    vector_gate=True, deq(S_{t-1}) Diag(a_t) in place of a_t deq(S_{t-1})), output from the
+    unrounded S_t. Equal, bit for bit, to ReplayState with L = 1 and the same
     shared pair (same SR streams: the cast after step n uses flush index n, role ANCHOR).
 
     The pair must be shared; its buffer_len is ignored. Speculation as vLLM does it: verify runs
@@ -486,8 +513,9 @@ class ConventionalState(_StateBase):
     (T extra states per sequence); accept(n) restores snapshot n (n = 0: the state before).
     """
 
-    def __init__(self, initial_state, pair, delta: bool, seed: int = 0, layer: int = 0, rows=None):
-        S0 = self._setup(initial_state, pair, delta, seed, layer, rows)
+    def __init__(self, initial_state, pair, delta: bool, seed: int = 0, layer: int = 0, rows=None,
+                 *, vector_gate: bool = False):
+        S0 = self._setup(initial_state, pair, delta, seed, layer, rows, vector_gate)
         if not self.pair.shared:
             raise ValueError(f"ConventionalState needs a shared pair (one format), got read="
                              f"{self.pair.read} anchor={self.pair.anchor}; use ReplayState for "
