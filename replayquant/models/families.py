@@ -1,9 +1,10 @@
-"""The recurrent layers replayquant patches: one table of families and two generic forwards.
+"""The recurrent layers replayquant patches: one table of families and three generic forwards.
 
 A family is one `Family` entry of `FAMILIES`: the layer classes it covers, which of the layer's
 attributes hold which input (its `roles`, over the defaults of its kind), and the few ways it
-departs from its kind's forward, as data or a hook of a few lines. Two forwards serve every
-family: `gdn_forward` (Gated DeltaNet) and `mamba2_forward` (Mamba-2). Each reproduces the HF
+departs from its kind's forward, as data or a hook of a few lines. Three forwards serve every
+family: `gdn_forward` (Gated DeltaNet), `kda_forward` (Kimi Delta Attention: the delta rule with
+a decay per key channel) and `mamba2_forward` (Mamba-2). Each reproduces the HF
 layer's own forward (transformers 5.17 and 5.24 compute the same thing; they differ in the cache
 API and the name of the cache argument, `cache_params` in 5.17, `cache` in 5.24, both accepted
 here) except for the recurrence itself, which goes through the layer's `LayerRuntime`
@@ -21,7 +22,11 @@ its output cannot be said by roles and multipliers.
 Gated DeltaNet roles (default attribute): qkv (in_proj_qkv; a tuple of attributes: their outputs
 concatenated), z (in_proj_z: the output gate), b (in_proj_b: beta logits), a (in_proj_a: decay
 input), norm (norm: gated RMS norm), out (out_proj). Mamba-2 roles: in_proj (the fused
-gate / xBC / dt projection), norm (gated RMS norm), out (out_proj). Every family also needs its
+gate / xBC / dt projection), norm (gated RMS norm), out (out_proj). Kimi Delta Attention roles:
+qkv (q_proj, k_proj, v_proj: concatenated before the short convolution), decay (forget_gate: the
+layer's own gate module, hidden states -> log decay [B, T, H, d_k] in FP32), b (b_proj: beta
+logits), z_a, z_b (g_a_proj then g_b_proj: the low-rank output gate), norm (o_norm: RMS norm gated
+by sigmoid(z)), out (o_proj). Every family also needs its
 kind's shape attributes (`_SHAPES`), which all of transformers' layers name alike.
 """
 
@@ -34,7 +39,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from replayquant.replay import gdn_inputs, mamba2_inputs
+from replayquant.replay import gdn_inputs, kda_inputs, mamba2_inputs
 
 try:  # fires accelerate's hook of conv1d whose weights are used directly (as HF does)
     from transformers.integrations.accelerate import force_accelerate_hooks
@@ -43,12 +48,14 @@ except Exception:  # pragma: no cover - older transformers
         return lambda f: f
 
 __all__ = ["Family", "FAMILIES", "family_of", "layer_kind", "lm_head_scale", "supported_families",
-           "gdn_forward", "mamba2_forward", "FORWARDS"]
+           "gdn_forward", "kda_forward", "mamba2_forward", "FORWARDS", "KIND_NAMES"]
 
 _ROLES = {
     "gdn": {"qkv": ("in_proj_qkv",), "z": "in_proj_z", "b": "in_proj_b", "a": "in_proj_a",
             "norm": "norm", "out": "out_proj"},
     "mamba2": {"in_proj": "in_proj", "norm": "norm", "out": "out_proj"},
+    "kda": {"qkv": ("q_proj", "k_proj", "v_proj"), "decay": "forget_gate", "b": "b_proj",
+            "z_a": "g_a_proj", "z_b": "g_b_proj", "norm": "o_norm", "out": "o_proj"},
 }
 _SHAPES = {
     "gdn": ("conv1d", "A_log", "dt_bias", "layer_idx", "head_k_dim", "head_v_dim", "key_dim",
@@ -56,6 +63,8 @@ _SHAPES = {
     "mamba2": ("conv1d", "A_log", "dt_bias", "D", "layer_idx", "n_groups", "head_dim", "num_heads",
                "ssm_state_size", "intermediate_size", "conv_dim", "time_step_limit", "activation",
                "conv_kernel_size"),
+    "kda": ("conv1d", "layer_idx", "num_heads", "head_dim", "qkv_dim", "activation",
+            "conv_kernel_size"),
 }
 
 
@@ -63,7 +72,7 @@ _SHAPES = {
 class Family:
     """One family of recurrent layers.
 
-    name: short id; kind: 'gdn' or 'mamba2' (the recurrence and the forward); classes: the HF
+    name: short id; kind: 'gdn', 'kda' or 'mamba2' (the recurrence and the forward); classes: the HF
     layer classes ("*Name": any class name ending in Name); models: the models that use them
     (for messages and docs); roles: role -> attribute over the kind's defaults (a tuple: the
     outputs of those modules concatenated); requires: further attributes the hooks read.
@@ -149,6 +158,10 @@ FAMILIES: tuple[Family, ...] = (
            in_scale="ssm_in_multiplier", proj_scale="mup_vector",   # its muP multipliers
            requires=("mamba_rms_norm",), output=_falcon_h1_output,
            lm_head_scale=lambda c: c.lm_head_multiplier),
+    Family("kimi_linear", "kda", ("KimiLinearDeltaAttention",), "Kimi Linear"),
+    # GLM-5-Next's text model (Glm5NextTextModel inside Glm5NextForConditionalGeneration); its
+    # forget gate bounds the log decay below (linear_lower_bound), inside the gate module
+    Family("glm5_next", "kda", ("Glm5NextTextLinearAttention",), "GLM-5-Next (GLM-5.3-Flash)"),
 )
 
 _BY_TYPE: dict[type, Family] = {}
@@ -180,18 +193,20 @@ def family_of(module) -> Family | None:
 
 
 def layer_kind(module) -> str | None:
-    """'gdn', 'mamba2' or None for a module that is not a recurrent layer we can patch."""
+    """'gdn', 'kda', 'mamba2' or None for a module that is not a recurrent layer we can patch."""
     fam = family_of(module)
     return None if fam is None else fam.kind
 
 
+KIND_NAMES = {"gdn": "Gated DeltaNet", "kda": "Kimi Delta Attention", "mamba2": "Mamba-2"}
+
+
 def supported_families() -> str:
-    """The supported families for messages: 'Gated DeltaNet of ...; Mamba-2 of ...'."""
+    """The supported families for messages: 'Gated DeltaNet of ...; Mamba-2 of ...; ...'."""
     by_kind = {}
     for fam in FAMILIES:
         by_kind.setdefault(fam.kind, []).append(fam.models.split(" (")[0])
-    return "; ".join(f"{'Gated DeltaNet' if k == 'gdn' else 'Mamba-2'} of {', '.join(v)}"
-                     for k, v in by_kind.items())
+    return "; ".join(f"{KIND_NAMES[k]} of {', '.join(v)}" for k, v in by_kind.items())
 
 
 def lm_head_scale(model) -> float:
@@ -351,4 +366,36 @@ def mamba2_forward(self, hidden_states, cache=None, attention_mask=None, cache_p
     return fam.role(self, "out")(out.to(dtype))
 
 
-FORWARDS = {"gdn": gdn_forward, "mamba2": mamba2_forward}
+# ---------------------------------------------------------------- Kimi Delta Attention
+
+# why decode runs ReplayState.step for every KDA layer, whatever the device (LayerRuntime says it
+# once per layer where the kernel would otherwise run)
+KDA_DECODE = ("the replay decode kernel takes one decay per head and step; Kimi Delta Attention "
+              "decays each key channel")
+
+
+@force_accelerate_hooks("conv1d")
+def kda_forward(self, hidden_states, cache=None, attention_mask=None, cache_params=None, **kwargs):
+    """Kimi Delta Attention layer forward (every "kda" family) with the replay recurrence."""
+    rt, fam = self._replayquant, _BY_TYPE[type(self)]
+    cache = _pop_cache(cache, cache_params)
+    _check_kwargs(kwargs)
+    kwargs.pop("cu_seq_lens_q", None)
+    hidden_states = _mask_padding(self, hidden_states, attention_mask)
+    B, T, _ = hidden_states.shape
+    had_prev = cache is not None and rt.has_previous(rt.cache_layer(cache))
+
+    mixed_qkv = _conv(self, _apply(fam, self, "qkv", hidden_states).transpose(1, 2), cache,
+                      had_prev, self.activation, **kwargs).transpose(1, 2)
+    query, key, value = (t.reshape(B, T, -1, self.head_dim)
+                         for t in torch.split(mixed_qkv, [self.qkv_dim] * 3, dim=-1))
+    g = fam.role(self, "decay")(hidden_states)          # log decay [B, T, H, d_k], FP32
+    # beta = sigmoid(b) in FP32, as for Gated DeltaNet (HF takes it in the model dtype)
+    q, k, v, log_a, beta = kda_inputs(query, key, value, g, _apply(fam, self, "b", hidden_states))
+    y = rt.run(cache, had_prev, q, k, v, log_a, beta, _valid(attention_mask, B, T), raw=KDA_DECODE)
+    gate = fam.role(self, "z_b")(fam.role(self, "z_a")(hidden_states)).reshape(B, T, -1, self.head_dim)
+    core = fam.role(self, "norm")(y.to(query.dtype), gate)
+    return fam.role(self, "out")(core.reshape(B, T, -1))
+
+
+FORWARDS = {"gdn": gdn_forward, "kda": kda_forward, "mamba2": mamba2_forward}

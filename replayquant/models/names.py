@@ -51,6 +51,9 @@ Zamba2-1.2B-Instruct-v2       Zyphra/Zamba2-1.2B-Instruct-v2             Mamba-2
 Zamba2-2.7B-Instruct-v2       Zyphra/Zamba2-2.7B-Instruct-v2             Mamba-2 (shared attention)
 Zamba2-7B-Instruct-v2         Zyphra/Zamba2-7B-Instruct-v2               Mamba-2 (shared attention)
 Olmo-Hybrid-7B                allenai/Olmo-Hybrid-7B                     Gated DeltaNet
+Kimi-Linear-48B-A3B-Instruct  moonshotai/Kimi-Linear-48B-A3B-Instruct    Kimi Delta Attention (MoE)
+Kimi-Linear-48B-A3B-Base      moonshotai/Kimi-Linear-48B-A3B-Base        Kimi Delta Attention (MoE)
+GLM-5.3-Flash                 zai-org/GLM-5.3-Flash                      Kimi Delta Attention (MoE)
 tiny-qwen3.5                  replayquant/assets/tiny-qwen3.5 (shipped)  Gated DeltaNet (dense)
 tiny-mamba2                   replayquant/assets/tiny-mamba2 (shipped)   Mamba-2 (pure)
 ============================  =========================================  ============================
@@ -116,6 +119,9 @@ SHORT_NAMES: dict[str, str] = {
     "Zamba2-2.7B-Instruct-v2": "Zyphra/Zamba2-2.7B-Instruct-v2",
     "Zamba2-7B-Instruct-v2": "Zyphra/Zamba2-7B-Instruct-v2",
     "Olmo-Hybrid-7B": "allenai/Olmo-Hybrid-7B",
+    "Kimi-Linear-48B-A3B-Instruct": "moonshotai/Kimi-Linear-48B-A3B-Instruct",
+    "Kimi-Linear-48B-A3B-Base": "moonshotai/Kimi-Linear-48B-A3B-Base",
+    "GLM-5.3-Flash": "zai-org/GLM-5.3-Flash",
     # embedded tiny models trained on the KJV (package data; evals/train_tiny.py)
     "tiny-qwen3.5": os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                  "assets", "tiny-qwen3.5"),

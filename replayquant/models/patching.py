@@ -10,7 +10,8 @@ from replayquant.models.families import FORWARDS, layer_kind, supported_families
 from replayquant.models.names import resolve_model_name
 from replayquant.models.runtime import LayerRuntime
 
-__all__ = ["recurrent_layers", "patch", "unpatch", "is_patched", "load_model", "PREFILLS"]
+__all__ = ["recurrent_layers", "patch", "unpatch", "is_patched", "load_model", "auto_model_class",
+           "PREFILLS"]
 
 PREFILLS = ("replay", "exact")
 _INFO = "_replayquant_patch"
@@ -18,7 +19,7 @@ _INFO = "_replayquant_patch"
 
 def recurrent_layers(model) -> list[tuple[str, torch.nn.Module, str]]:
     """(qualified name, module, kind) of every recurrent layer of `model` that can be patched;
-    kind is 'gdn' (Gated DeltaNet) or 'mamba2'."""
+    kind is 'gdn' (Gated DeltaNet), 'kda' (Kimi Delta Attention) or 'mamba2'."""
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"expected a torch.nn.Module (a Hugging Face model), got {type(model).__name__}")
     return [(name, m, kind) for name, m in model.named_modules() if (kind := layer_kind(m))]
@@ -88,7 +89,8 @@ def patch(model, pair, prefill: str = "replay", seed: int = 0, buffer_len: int |
         unpatch(model)
     for (_, module, kind), (layer_pair, layer_prefill) in zip(layers, plan):
         module._replayquant = LayerRuntime(layer_pair, layer_prefill, seed, module.layer_idx,
-                                           delta=kind == "gdn", kind=kind)
+                                           delta=kind != "mamba2", kind=kind,
+                                           vector_gate=kind == "kda")
         fwd = types.MethodType(FORWARDS[kind], module)
         if hasattr(module, "_hf_hook") and hasattr(module, "_old_forward"):
             saved = ("_old_forward", module._old_forward)     # accelerate wraps forward
@@ -139,9 +141,28 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.flo
            "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
+# what AutoConfig.from_pretrained takes of load_model's from_pretrained arguments
+_CONFIG_KWARGS = ("revision", "trust_remote_code", "token", "subfolder", "cache_dir",
+                  "local_files_only")
+
+
+def auto_model_class(config):
+    """The transformers Auto class whose from_pretrained loads this config's causal LM:
+    AutoModelForCausalLM, or AutoModelForImageTextToText for a model whose causal LM is its
+    text-and-vision conditional-generation class (GLM-5-Next: Glm5NextForConditionalGeneration;
+    its vision tower is loaded and idles on text). A config neither knows gets
+    AutoModelForCausalLM, whose from_pretrained then names what it accepts."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    if type(config) not in AutoModelForCausalLM._model_mapping \
+            and type(config) in AutoModelForImageTextToText._model_mapping:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
 def load_model(name_or_path, pair=None, *, dtype="auto", device_map=None, prefill: str = "replay",
                seed: int = 0, buffer_len: int | None = None, **from_pretrained_kwargs):
-    """Load a causal LM with `AutoModelForCausalLM.from_pretrained` and patch it.
+    """Load a causal LM (`auto_model_class`: AutoModelForCausalLM, or the conditional-generation
+    class of GLM-5-Next) with from_pretrained and patch it.
 
     name_or_path: a short name (`replayquant.models.SHORT_NAMES`, e.g. "Qwen3.5-4B"), a hub id
     or a local folder. pair: a PrecisionPair, a pair name, a LayerPolicy or a pair / policy
@@ -151,7 +172,7 @@ def load_model(name_or_path, pair=None, *, dtype="auto", device_map=None, prefil
     device_map, **from_pretrained_kwargs: passed to from_pretrained.
     prefill, seed, buffer_len: as in `patch`. Returns the model in eval mode.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
     path = resolve_model_name(name_or_path)
     if isinstance(dtype, str) and dtype != "auto":
@@ -162,8 +183,10 @@ def load_model(name_or_path, pair=None, *, dtype="auto", device_map=None, prefil
         raise ValueError(f"prefill must be one of {PREFILLS}, got {prefill!r}")
     if pair is not None:
         pair = _as_pair(pair, buffer_len)          # fail before loading weights
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map,
-                                                 **from_pretrained_kwargs)
+    config = AutoConfig.from_pretrained(path, **{k: v for k, v in from_pretrained_kwargs.items()
+                                                 if k in _CONFIG_KWARGS})
+    model = auto_model_class(config).from_pretrained(path, dtype=dtype, device_map=device_map,
+                                                     **from_pretrained_kwargs)
     model.eval()
     if pair is not None:
         patch(model, pair, prefill=prefill, seed=seed)

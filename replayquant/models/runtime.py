@@ -21,7 +21,9 @@ Which path runs:
   the D skip and the gated norm stay in the layer). Elsewhere
   `ReplayState.step`, the torch reference. `decode_path()` says which; a layer the kernel does
   not handle (d_k or d_v not a power of two >= 16) runs the torch reference
-  with one warning per layer that names the reason.
+  with one warning per layer that names the reason; so does every Kimi Delta Attention layer
+  (one decay per key channel, `vector_gate`; the decode kernel takes one per head), which passes
+  that reason as its `raw` (families.KDA_DECODE).
 * any other forward (prompt, teacher forcing, segments continuing a cache): the chunked scan
   (DESIGN section 7). On CUDA tensors (or with REPLAYQUANT_BACKEND=triton) the Triton kernel
   `replayquant.kernels.chunk` runs; elsewhere the torch reference `chunk_ref.teacher_force`.
@@ -112,6 +114,10 @@ class ScanHeld:
 
     def __init__(self, ss, pair, delta: bool, seed: int, layer: int):
         self.ss, self.pair, self.delta, self.seed, self.layer = ss, pair, delta, seed, layer
+
+    @property
+    def vector_gate(self) -> bool:
+        return self.ss.G.dim() == 4
 
     @property
     def B(self) -> int:
@@ -310,9 +316,11 @@ class KernelDecodeState:
 class LayerRuntime:
     """Configuration of one patched layer and its state handling (one per patched module)."""
 
-    def __init__(self, pair, prefill: str, seed: int, layer_idx: int, delta: bool, kind: str):
+    def __init__(self, pair, prefill: str, seed: int, layer_idx: int, delta: bool, kind: str,
+                 vector_gate: bool = False):
         self.pair, self.prefill, self.seed = pair, prefill, int(seed)
         self.layer_idx, self.delta, self.kind = int(layer_idx), bool(delta), kind
+        self.vector_gate = bool(vector_gate)     # log_a per key channel [.., H, d_k] (KDA)
         self._warned = set()
 
     def _warn_once(self, msg: str) -> None:
@@ -339,7 +347,8 @@ class LayerRuntime:
     def _fresh(self, B, H, dv, dk, device, S0=None):
         if S0 is None:
             S0 = torch.zeros(B, H, dv, dk, device=device)
-        return ReplayState(S0, self.pair, delta=self.delta, seed=self.seed, layer=self.layer_idx)
+        return ReplayState(S0, self.pair, delta=self.delta, seed=self.seed, layer=self.layer_idx,
+                           vector_gate=self.vector_gate)
 
     def get_state(self, lay, had_prev: bool, B, H, dv, dk, device):
         """The layer's state for this forward (new, continued, reordered or adopted): a
@@ -354,7 +363,7 @@ class LayerRuntime:
             if slot is None or slot.dim() != 4:
                 return self._fresh(B, H, dv, dk, device)
             S0 = slot.to(torch.float32)
-            if self.delta:                       # HF GDN keeps [B, H, d_k, d_v]
+            if self.delta:                       # HF GDN and KDA keep [B, H, d_k, d_v]
                 S0 = S0.transpose(-1, -2)
             return self._fresh(B, H, dv, dk, device, S0.contiguous())
         if slot is not None and slot.dim() == 2 and slot.shape[1] == 1:
@@ -393,7 +402,8 @@ class LayerRuntime:
     # ------------------------------------------------------------ the recurrence
     def run(self, cache, had_prev: bool, q, k, v, log_a, beta, valid,
             raw: dict | str | None = None):
-        """q, k [B, T, H, d_k]; v [B, T, H, d_v]; log_a, beta [B, T, H]; valid [B, T] or None.
+        """q, k [B, T, H, d_k]; v [B, T, H, d_v]; log_a [B, T, H] ([B, T, H, d_k] for a layer built
+        with vector_gate), beta [B, T, H]; valid [B, T] or None.
         raw: the layer's raw inputs for the decode kernel, each [B, T, ...] (per-head
         parameters unbatched): GDN q, k [.., HK, d_k], v, a, b, A_log, dt_bias; Mamba-2 x, dt,
         A, B, C [.., G, N], dt_bias, dt_limit; or a str saying why the kernel cannot take the
