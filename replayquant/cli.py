@@ -80,7 +80,7 @@ def pairs_cmd(
 
 @app.command("drift")
 def drift_cmd(
-    kind: str = typer.Option(..., "--kind", help="gdn | mamba2"),
+    kind: str = typer.Option(..., "--kind", help="gdn | kda | mamba2"),
     pair: list[str] = typer.Option(None, "--pair", help="pair name or YAML path (repeatable; default: all shipped)"),
     steps: int = typer.Option(4096, "--steps", help="decode steps"),
     seeds: str = typer.Option("42,43,44", "--seeds", help="comma-separated seeds"),

@@ -3,13 +3,22 @@ recurrence over a long random-input decode.
 
     replayquant drift --kind gdn --pair s32_rs --pair tp4_hi16_sr --steps 4096 --seeds 42,43,44
 
+Kinds: gdn (Gated DeltaNet: scalar decay per head), kda (Kimi Delta Attention: the same delta
+rule with a decay per key channel) and mamba2 (no delta correction).
+
 Protocol (one run = one kind, one seed; every pair sees the same inputs):
 
 * shapes: B sequences (default 2), H heads (default 4), d_k x d_v state per head (default 64 x 32),
   zero initial state; `steps` decode steps, one `step` call each (no speculation).
-* decay a_t ~ U[0.9, 1) per (sequence, head, step): log_a = log a_t.
+* decay (GDN) a_t ~ U[0.9, 1) per (sequence, head, step): log_a = log a_t.
 * GDN: q, k, v ~ N(0, 1), b ~ N(0, 1); through `gdn_inputs` (q, k L2-normalised, q scaled by
   1/sqrt(d_k), beta = sigmoid(b), log_a = g = log a_t).
+* KDA: q, k, v, b as GDN; the decay is per key channel, with rates spread from channels that
+  forget within a step to channels that hold about a thousand: each (sequence, head, channel)
+  draws a rate r log-uniform in [1e-3, 1] once, and each step scales it by U[0.5, 1.5], so
+  log a_t = -r * U[0.5, 1.5] (a_t from about 0.22 to 0.9995); through `kda_inputs` (q, k
+  L2-normalised as transformers' KDA, q scaled by 1/sqrt(d_k), beta = sigmoid(b)), states
+  with vector_gate=True.
 * Mamba-2: x ~ N(0, 1); dt_t ~ U[0.01, 0.1]; A_h = -log(a_t)/dt_t would vary per step, so instead
   A_h ~ -U[0.5, 1.05] per head and a_t = exp(dt_t A_h) (so a_t in [0.9, 1)); B ~ N(0, 1) then
   L2-normalised over N (one group), C ~ N(0, 1/N); through `mamba2_inputs` (v = dt x, k = B, q = C).
@@ -33,10 +42,10 @@ from pathlib import Path
 import torch
 
 from replayquant.pairs import PrecisionPair, list_pairs
-from replayquant.replay import (ConventionalState, ReplayState, gdn_inputs, mamba2_inputs,
-                                recurrent_reference)
+from replayquant.replay import (ConventionalState, ReplayState, gdn_inputs, kda_inputs,
+                                mamba2_inputs, recurrent_reference)
 
-KINDS = ("gdn", "mamba2")
+KINDS = ("gdn", "kda", "mamba2")
 DEFAULT_SHAPE = {"batch": 2, "heads": 4, "d_k": 64, "d_v": 32}
 
 
@@ -51,6 +60,14 @@ def make_inputs(kind: str, steps: int, seed: int, batch: int, heads: int, d_k: i
         b = torch.randn(B, T, H, generator=g)
         a = 0.9 + 0.1 * torch.rand(B, T, H, generator=g)
         return gdn_inputs(q, k, v, torch.log(a), b)
+    if kind == "kda":
+        q = torch.randn(B, T, H, d_k, generator=g)
+        k = torch.randn(B, T, H, d_k, generator=g)
+        v = torch.randn(B, T, H, d_v, generator=g)
+        b = torch.randn(B, T, H, generator=g)
+        rate = torch.exp(math.log(1e-3) * torch.rand(B, 1, H, d_k, generator=g))
+        log_a = -rate * (0.5 + torch.rand(B, T, H, d_k, generator=g))
+        return kda_inputs(q, k, v, log_a, b)
     if kind == "mamba2":
         x = torch.randn(B, T, H, d_v, generator=g)
         dt = 0.01 + 0.09 * torch.rand(B, T, H, generator=g)
@@ -89,10 +106,10 @@ def _rms(x):
 
 
 def run_one(kind, pair: PrecisionPair, mode: str, inp, S0, seed, ref_Y, ref_states, steps):
-    delta = kind == "gdn"
+    delta = kind != "mamba2"
     cls = ReplayState if mode == "replay" else ConventionalState
     L = pair.buffer_len if mode == "replay" else 1
-    st = cls(S0, pair, delta=delta, seed=seed)
+    st = cls(S0, pair, delta=delta, seed=seed, vector_gate=kind == "kda")
     q, k, v, la, beta = inp
     pts = _checkpoints(steps, L)
     ys, anchors = [], {}
