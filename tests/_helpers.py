@@ -22,3 +22,15 @@ def scan_inputs(gen, B, T, H, dk, dv, delta, a_min=0.9):
     log_a = torch.log(a_min + (1 - a_min) * torch.rand(B, T, H, generator=gen))
     beta = torch.rand(B, T, H, generator=gen) if delta else None
     return q, k, v, log_a, beta
+
+
+def vector_log_a(gen, B, T, H, dk, a_min=0.9):
+    """Per-channel log decays [B, T, H, d_k] (Kimi Delta Attention) whose channels differ
+    strongly, so that a decay applied on the wrong axis shows: the first quarter of the
+    channels forgets within a step (log a down to -40), the rest decay as in scan_inputs
+    (a in [a_min, 1)), a channel in eight hardly at all (a in [0.999, 1))."""
+    la = torch.log(a_min + (1 - a_min) * torch.rand(B, T, H, dk, generator=gen))
+    la[..., : dk // 4] = -40.0 * torch.rand(B, T, H, dk // 4, generator=gen)
+    la[..., dk // 4:: 8] = torch.log(0.999 + 0.001 * torch.rand(B, T, H, len(range(dk // 4, dk, 8)),
+                                                                 generator=gen))
+    return la

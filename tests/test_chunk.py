@@ -7,7 +7,7 @@ import torch
 
 from replayquant.kernels.chunk_ref import (chunk_scan_ref, initial_scan_state, scan_state_of,
                                            teacher_force)
-from _helpers import scan_inputs
+from _helpers import scan_inputs, vector_log_a
 from replayquant.pairs import PrecisionPair, list_pairs
 from replayquant.replay import ReplayState, recurrent_reference
 from replayquant.streams import ANCHOR, layer_seed, sr_stream
@@ -302,3 +302,84 @@ def test_cpu_threads_scope(monkeypatch):
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(n)
+
+
+# ------------------------------------------------------------------ vector gates (KDA)
+
+def _vector_case(gen, B, T, H, dk, dv, delta):
+    q, k, v, _, beta = scan_inputs(gen, B, T, H, dk, dv, delta)
+    return q, k, v, vector_log_a(gen, B, T, H, dk), beta
+
+
+@pytest.mark.parametrize("delta", [False, True], ids=["mamba2", "gdn"])
+def test_vector_gates_against_float64_recurrence(delta):
+    """Per-channel gates, an FP32 pair, windows of L = 5 over two segments (the second continues
+    a partial window): outputs and the final state within FP32 reassociation of the float64
+    recurrence S_t = S_{t-1} Diag(a_t) + u_t k_t^T, with channels that forget within a step
+    beside channels that hardly forget (a decay on the wrong axis is far off)."""
+    gen = torch.Generator().manual_seed(61 + delta)
+    B, T, H, dk, dv = 2, 23, 2, 16, 8
+    pair = PrecisionPair.load("s32_rs").with_buffer_len(5)
+    q, k, v, log_a, beta = _vector_case(gen, B, T, H, dk, dv, delta)
+    S0 = torch.randn(B, H, dv, dk, generator=gen)
+    Y, S = recurrent_reference(S0, q, k, v, log_a, beta, dtype=torch.float64)
+    ss = initial_scan_state(S0, pair, delta=delta, vector_gate=True)
+    ys = []
+    for a, b in ((0, 12), (12, T)):
+        y, ss = chunk_scan_ref(ss, *(t[:, a:b] for t in (q, k, v, log_a)), _sl(beta, a, b), pair=pair)
+        ys.append(y)
+    assert ss.G.shape == (B, H, 5, dk) and ss.count.tolist() == [3, 3]
+    err = ((torch.cat(ys, 1).double() - Y).abs().max() / Y.abs().max()).item()
+    assert err <= 2e-6, err
+    from replayquant.kernels.chunk_ref import rebuild_state
+    err = ((rebuild_state(ss, pair).double() - S).abs().max() / S.abs().max()).item()
+    assert err <= 2e-6, err
+
+
+@pytest.mark.parametrize("name", ["tp4_hi16_sr", "f4_sr_rs", "tp8_hi32"])
+def test_vector_gates_scan_equals_step_decode(name):
+    """Vector-gated GDN (KDA): the scan equals ReplayState(vector_gate=True) stepping token by
+    token (segments at odd places, L = 1 and 4), with the same SR bits."""
+    gen = torch.Generator().manual_seed(hash(name) % 2 ** 31)
+    B, T, H, dk, dv = 2, 14, 2, 16, 8
+    for L in (1, 4):
+        pair = PrecisionPair.load(name).with_buffer_len(L)
+        q, k, v, log_a, beta = _vector_case(gen, B, T, H, dk, dv, True)
+        S0 = torch.randn(B, H, dv, dk, generator=gen) * 0.5
+        ref = ReplayState(S0, pair, delta=True, seed=7, layer=1, vector_gate=True)
+        y_ref = _step_all(ref, q, k, v, log_a, beta)
+        st = ReplayState(S0, pair, delta=True, seed=7, layer=1, vector_gate=True)
+        ys = [teacher_force(st, *(t[:, a:b] for t in (q, k, v, log_a, beta)))
+              for a, b in ((0, 5), (5, 6), (6, T))]
+        _close(pair, torch.cat(ys, 1), y_ref, f"L={L}")
+        _anchors_match(pair, st, ref)
+        assert torch.equal(st.committed, ref.committed) and torch.equal(st.flushes, ref.flushes)
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["replay", "exact"])
+def test_constant_vector_gates_equal_scalar_gates(exact):
+    """A gate that is the same on every channel gives the scalar path's outputs and state
+    within FP32 reassociation (GDN, FP32 anchor, a partial last window)."""
+    gen = torch.Generator().manual_seed(67)
+    B, T, H, dk, dv = 2, 11, 2, 16, 8
+    pair = PrecisionPair.load("tp8_hi32").with_buffer_len(4)
+    q, k, v, log_a, beta = scan_inputs(gen, B, T, H, dk, dv, True)
+    S0 = torch.randn(B, H, dv, dk, generator=gen)
+    ys, yv = (chunk_scan_ref(initial_scan_state(S0, pair, delta=True, vector_gate=vg), q, k, v,
+                             la, beta, pair=pair, exact=exact)
+              for vg, la in ((False, log_a), (True, log_a[..., None].expand(-1, -1, -1, dk))))
+    torch.testing.assert_close(yv[0], ys[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(pair.anchor.fmt.dequantize(yv[1].anchor),
+                               pair.anchor.fmt.dequantize(ys[1].anchor), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(yv[1].G, ys[1].G[..., None].expand(-1, -1, -1, dk), rtol=0, atol=0)
+
+
+def test_vector_gate_shape_mismatch():
+    """log_a of the other kind than the state's is one error naming the shapes and the fix."""
+    pair = PrecisionPair.load("s32_rs").with_buffer_len(4)
+    q = torch.zeros(2, 5, 2, 16)
+    v = torch.zeros(2, 5, 2, 8)
+    for vg, la in ((False, torch.zeros(2, 5, 2, 16)), (True, torch.zeros(2, 5, 2))):
+        ss = initial_scan_state(torch.zeros(2, 2, 8, 16), pair, delta=True, vector_gate=vg)
+        with pytest.raises(ValueError, match=f"log_a must be .*vector_gate={not vg}"):
+            chunk_scan_ref(ss, q, q, v, la, la[..., 0] if la.dim() == 4 else la, pair=pair)

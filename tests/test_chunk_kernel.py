@@ -8,7 +8,7 @@ import torch
 
 from replayquant.kernels import chunk
 from replayquant.kernels.chunk_ref import chunk_scan_ref, initial_scan_state, teacher_force
-from _helpers import scan_inputs
+from _helpers import scan_inputs, vector_log_a
 from replayquant.pairs import PrecisionPair
 from replayquant.replay import ReplayState
 
@@ -126,7 +126,6 @@ def test_kernel_window_groups_and_row_blocks(name, exact, pre, knobs, monkeypatc
     here) give the reference's result; the SR bits of a stochastic anchor drawn in pass 1 (pre)
     or in the sequential pass."""
     monkeypatch.setattr(chunk, "MAX_GROUP_WINDOWS", 2)
-    monkeypatch.setattr(chunk, "PRECOMPUTE_SR_BITS", pre)
     for knob, value in knobs.items():         # module constants, or options from the environment
         if knob.startswith("REPLAYQUANT_"):
             monkeypatch.setenv(knob, value)
@@ -144,7 +143,7 @@ def test_kernel_window_groups_and_row_blocks(name, exact, pre, knobs, monkeypatc
     y_ref, s_ref = chunk_scan_ref(ss, q, k, v, log_a, beta, pair=pair, seed=2, layer=1,
                                   valid=valid, exact=exact)
     y, s = chunk.chunk_scan(ss, q, k, v, log_a, beta, pair=pair, seed=2, layer=1, valid=valid,
-                            exact=exact)
+                            exact=exact, precompute_sr_bits=pre)
     assert chunk.group_windows(B * H, dk, dv, 16, True, pre) == 2
     _outputs_match(pair, y, y_ref, "groups")
     _states_match(pair, s, s_ref, "groups")
@@ -328,3 +327,68 @@ def test_whole_model_bench_runs_on_cpu_with_a_tiny_shape(tmp_path):
     assert r["hf_forward_s"] > 0 and r["patched_forward_s"] > 0 and r["teacher_force_path"] == "torch"
     assert r["ratio_patched_over_hf"] > 0 and "git_commit" in r["provenance"]
     assert set(r["inside_patched_s"]) == {"replay_teacher_force", "chunk_scan"}
+
+
+# ------------------------------------------------------------------ vector gates (KDA)
+
+VECTOR_CASES = [  # pair, delta, exact, padding
+    ("tp4_hi16_sr", True, False, True),     # NVFP4 read, FP16 SR anchor, padded rows
+    ("f4_sr_rs", True, False, False),       # shared NVFP4 with SR (two-pass chain)
+    ("tp8_hi32", False, False, False),      # Mamba-2 form with per-channel gates
+    ("tp4_hi16_sr", True, True, True),      # exact prefill
+]
+
+
+@pytest.mark.parametrize("name,delta,exact,padding", VECTOR_CASES,
+                         ids=["dual_padded", "shared_nvfp4", "no_delta", "exact"])
+def test_kernel_vector_gates_equal_reference(name, delta, exact, padding, monkeypatch):
+    """Per-channel gates (log_a [B, T, H, d_k]) with channels that forget within a step beside
+    ones that hardly forget: two segments (the second continues a partial window, over launch
+    groups of 2 windows), outputs, casts and carried state (G per channel) as the reference's."""
+    monkeypatch.setattr(chunk, "MAX_GROUP_WINDOWS", 2)
+    gen = torch.Generator().manual_seed(hash((name, delta, exact)) % 2 ** 31)
+    B, H, dk, dv, L = 2, 1, 16, 16, 4
+    pair = PrecisionPair.load(name).with_buffer_len(L)
+    T1, T2 = 2 * L + 3, L + 2
+    q, k, v, _, beta = scan_inputs(gen, B, T1 + T2, H, dk, dv, delta)
+    log_a = vector_log_a(gen, B, T1 + T2, H, dk)
+    valid = None
+    if padding:
+        valid = torch.ones(B, T1 + T2, dtype=torch.bool)
+        valid[1, [0, 1, 6, T1 + 1]] = False
+    S0 = torch.randn(B, H, dv, dk, generator=gen) * 0.5
+    ss = initial_scan_state(S0, pair, delta=delta, seed=3, layer=2, vector_gate=True)
+    seg = lambda t, a, b: None if t is None else t[:, a:b]  # noqa: E731
+    ref_s, got_s = ss, ss
+    for a, b in ((0, T1), (T1, T1 + T2)):
+        args = [seg(t, a, b) for t in (q, k, v, log_a, beta)]
+        kw = dict(pair=pair, seed=3, layer=2, valid=seg(valid, a, b), exact=exact)
+        y_ref, ref_s = chunk_scan_ref(ref_s, *args, **kw)
+        y, got_s = chunk.chunk_scan(got_s, *args, **kw)
+        _outputs_match(pair, y, y_ref, f"segment {a}:{b}")
+        assert got_s.G.shape == (B, H, L, dk)
+        _states_match(pair, got_s, ref_s, f"segment {a}:{b}")
+
+
+def test_kernel_vector_gates_against_float64_and_scalar_path():
+    """FP32 pair: the kernel with per-channel gates against the float64 recurrence
+    S_t = S_{t-1} Diag(a_t) + u_t k_t^T (outputs and the rebuilt final state); a gate that is
+    the same on every channel gives the scalar kernel's outputs within FP32 reassociation."""
+    from replayquant.kernels.chunk_ref import rebuild_state
+    from replayquant.replay import recurrent_reference
+    gen = torch.Generator().manual_seed(71)
+    B, T, H, dk, dv, L = 2, 13, 2, 16, 16, 4
+    pair = PrecisionPair.load("s32_rs").with_buffer_len(L)
+    q, k, v, log_a, beta = scan_inputs(gen, B, T, H, dk, dv, True)
+    la_vec = vector_log_a(gen, B, T, H, dk)
+    S0 = torch.randn(B, H, dv, dk, generator=gen)
+    Y, S = recurrent_reference(S0, q, k, v, la_vec, beta, dtype=torch.float64)
+    y, ss = chunk.chunk_scan(initial_scan_state(S0, pair, delta=True, vector_gate=True),
+                             q, k, v, la_vec, beta, pair=pair)
+    assert ((y.double() - Y).abs().max() / Y.abs().max()).item() <= 2e-6
+    assert ((rebuild_state(ss, pair).double() - S).abs().max() / S.abs().max()).item() <= 2e-6
+    y_s, _ = chunk.chunk_scan(initial_scan_state(S0, pair, delta=True), q, k, v, log_a, beta,
+                              pair=pair)
+    y_v, _ = chunk.chunk_scan(initial_scan_state(S0, pair, delta=True, vector_gate=True), q, k, v,
+                              log_a[..., None].expand(-1, -1, -1, dk), beta, pair=pair)
+    torch.testing.assert_close(y_v, y_s, rtol=1e-5, atol=1e-6)

@@ -179,12 +179,9 @@ def bench(lengths=(8192, 32768), device="cuda") -> list:
                 row[f"kernel_{name}_split_vs_two_pass_max_rel_diff"] = float(
                     (y2 - ys[name]).abs().max() / ys[name].abs().max())
             if pair.anchor.rounding == "stochastic":      # A/B: where the SR bits are drawn
-                pre = chunk.PRECOMPUTE_SR_BITS
-                chunk.PRECOMPUTE_SR_BITS = not pre
-                try:
-                    measure(f"kernel_{name}_{'chain_philox' if pre else 'precomputed_sr_bits'}", fn)
-                finally:
-                    chunk.PRECOMPUTE_SR_BITS = pre
+                measure(f"kernel_{name}_precomputed_sr_bits",
+                        lambda: chunk.chunk_scan(ss, q, k, v, la, be, pair=pair, seed=1,
+                                                 precompute_sr_bits=True))
             if name == "tp4_hi16_sr":                    # A/B: the other dot precision
                 prec = options.get().chunk_dot
                 other = "ieee" if prec == "tf32x3" else "tf32x3"
@@ -318,17 +315,17 @@ def resource_report(pairs=("tp4_hi16_sr", "s32_rs", "f4_sr_rs", "tp4_hi32"), H: 
         a, r = pair.anchor.format, pair.read_spec.format
         shared = pair.read is None
         asr = pair.anchor.rounding == "stochastic"
-        pre = bool(chunk.PRECOMPUTE_SR_BITS and asr)
         t = dict(ints, A_pay=ptr[a][0], A_sc=ptr[a][1], A_gs=ptr[a][2],
                  R_pay=ptr[r][0], R_sc=ptr[r][1], R_gs=ptr[r][2])
         base = dict(H=H, DK=d, DV=d, L=L, LP=cfg["LP"], EXACT=False, PREC=options.get().chunk_dot)
         kernels = [
-            ("terms", chunk._terms_kernel, dict(base, BV=cfg["terms_bv"], DELTA=True, PRE=pre),
+            ("terms", chunk._terms_kernel,
+             dict(base, BV=cfg["terms_bv"], DELTA=True, PRE=False, VEC=False),
              cfg["terms_warps"]),
             ("chain", chunk._chain_kernel,
              dict(base, BV=cfg["chain_bv"], NRB=cfg["chain_rows"] // cfg["chain_bv"],
-                  AFMT=FMT_IDS[a], ASR=asr, SHARED=shared, DELTA=True, PRE=pre,
-                  SPLIT=bool(cfg["chain_split"])),
+                  AFMT=FMT_IDS[a], ASR=asr, SHARED=shared, DELTA=True, PRE=False,
+                  SPLIT=bool(cfg["chain_split"]), VEC=False),
              cfg["chain_warps"]),
             ("output", chunk._output_kernel, dict(base, BV=cfg["out_bv"]), cfg["out_warps"])]
         if not shared:

@@ -55,7 +55,8 @@ class KernelClock:
         self.targets = targets
         self.marks = {k: [] for k in targets}
         self._saved = []
-        # CUDA: also events around each launch of the chunk kernel's passes (chunk.PASS_EVENTS)
+        # CUDA: also events around each launch of the chunk kernel's passes (chunk_scan's
+        # pass_events argument, added to every call while the clock runs)
         self.pass_events = [] if (passes and self.cuda) else None
 
     def _wrap(self, label, fn):
@@ -87,16 +88,18 @@ class KernelClock:
             setattr(mod, attr, self._wrap(label, fn))
         if self.pass_events is not None:
             from replayquant.kernels import chunk
-            chunk.PASS_EVENTS = self.pass_events
+            scan, events = chunk.chunk_scan, self.pass_events
+
+            def scan_with_events(*args, **kwargs):
+                return scan(*args, pass_events=events, **kwargs)
+            self._saved.append((chunk, "chunk_scan", scan))
+            chunk.chunk_scan = scan_with_events
         return self
 
     def __exit__(self, *exc):
         for mod, attr, fn in reversed(self._saved):
             setattr(mod, attr, fn)
         self._saved = []
-        if self.pass_events is not None:
-            from replayquant.kernels import chunk
-            chunk.PASS_EVENTS = None
 
     def seconds(self) -> dict:
         """{label: {"seconds": total, "calls": n}} (calls 0: the target never ran)."""

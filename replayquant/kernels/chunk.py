@@ -38,6 +38,14 @@ Four launches per group of windows, only the second one sequential:
 Window 0's checkpoint and the first anchor are dequantized on the host (the format's own
 dequantize, the specification).
 
+Vector gates (KDA, a state built with vector_gate=True, log_a [B, T, H, d_k]): the decay
+multiplies the state's key axis, so pass 1 forms the causal products q_t . (k_j * exp(G_t -
+G_j)) and k_t . (k_j * exp(G_t - G_j)) a column j at a time (`_decayed_products`: every
+exponent is a decay from an earlier step to a later one, <= 0, never exp(-G_j) alone), exp(G)
+multiplies q and k per channel in P and W, and the sequential pass receives the decayed keys
+k_j * exp(G_L - G_j) and G_L [d_k] instead of K and G: S = A Diag(exp(G_L)) + u^T K_decayed.
+Passes 2 and 3 are otherwise the scalar ones.
+
 Memory: the group scratch holds, per (sequence x head, window), the terms and one FP32
 checkpoint (d_v * d_k * 4 bytes): ~105 KB at d_k = d_v = 128, L = 16. Windows are processed in
 host-side groups of at most MAX_GROUP_WINDOWS windows and at most SCRATCH_BYTES of scratch
@@ -67,15 +75,6 @@ __all__ = ["chunk_scan", "chunk_launch_config", "supports", "teacher_force",
 
 SCRATCH_BYTES = 1 << 30          # group scratch bound per call (bytes)
 MAX_GROUP_WINDOWS = 512          # windows per launch group at most
-# benchmark hook: a list to which chunk_scan appends (pass name, start, end) CUDA events around
-# each launch (None: no events)
-PASS_EVENTS = None
-# a stochastically rounded anchor: True, pass 1 draws the SR bits of each flush (4 bytes per
-# state element and window in the scratch) and the sequential pass reads them (same bits);
-# False (the default), the sequential pass draws them (Philox) itself. H200, Qwen3.5-4B layer
-# at 8K tokens: tp4_hi16_sr 6.74 ms drawn in the chain vs 7.00 precomputed,
-# f4_sr_rs (split chain) 8.33 vs 8.98.
-PRECOMPUTE_SR_BITS = False
 # input precision of the kernel's tl.dot products: "tf32x3" (the default: three TF32
 # tensor-core products per dot, about FP32 accuracy) or "ieee" (FP32 FMAs); the interpreter
 # computes in FP32 either way. H200 (the bench teacher-forcing check): both give the
@@ -102,11 +101,13 @@ def _slot_tokens(tok_ptr, b, h, w, T, WIDTH, jj, H: tl.constexpr, L: tl.constexp
 @triton.jit
 def _load_keys(tok_ptr, q_ptr, k_ptr, a_ptr, b_ptr, bk_ptr, bG_ptr, bb_ptr,
                b, h, w, h0, T, WIDTH, cols, jj,
-               H: tl.constexpr, DK: tl.constexpr, L: tl.constexpr, DELTA: tl.constexpr):
+               H: tl.constexpr, DK: tl.constexpr, L: tl.constexpr, DELTA: tl.constexpr,
+               VEC: tl.constexpr):
     """Entries of window w of row b, head h, as float32 tiles over LP slots (slots >= L and
-    null steps are zero): K, Q [LP, DK]; G [LP] cumulative log gate since the checkpoint; Bt
-    [LP] beta (GDN); idx [LP] the token-map entries; tok_row / buf_row [LP] where the slot's
-    token / buffered entry lives (for `_load_values`)."""
+    null steps are zero): K, Q [LP, DK]; G [LP] cumulative log gate since the checkpoint
+    (VEC: [LP, DK], per key channel); Bt [LP] beta (GDN); idx [LP] the token-map entries;
+    tok_row / buf_row [LP] where the slot's token / buffered entry lives (for
+    `_load_values`)."""
     idx, is_tok, tok_row = _slot_tokens(tok_ptr, b, h, w, T, WIDTH, jj, H, L)
     is_buf = idx <= -2
     s = tl.where(is_buf, -2 - idx, 0).to(tl.int64)
@@ -116,16 +117,22 @@ def _load_keys(tok_ptr, q_ptr, k_ptr, a_ptr, b_ptr, bk_ptr, bG_ptr, bb_ptr,
     K = tl.where(mt, tl.load(k_ptr + tok_row[:, None] * DK + cols[None, :], mask=mt, other=0.0).to(tl.float32),
                  tl.load(bk_ptr + buf_row[:, None] * DK + cols[None, :], mask=mb, other=0.0))
     Q = tl.load(q_ptr + tok_row[:, None] * DK + cols[None, :], mask=mt, other=0.0).to(tl.float32)
-    la = tl.load(a_ptr + tok_row, mask=is_tok, other=0.0).to(tl.float32)
-    Gb = tl.load(bG_ptr + buf_row, mask=is_buf, other=0.0)
     if DELTA:
         Bt = tl.where(is_tok, tl.load(b_ptr + tok_row, mask=is_tok, other=0.0).to(tl.float32),
                       tl.load(bb_ptr + buf_row, mask=is_buf, other=0.0))
     else:
-        Bt = la * 0.0
+        Bt = jj.to(tl.float32) * 0.0
     # buffered slots (window 0 only) keep their stored G; new entries continue from the last one
-    g0 = tl.sum(tl.where(is_buf & (jj == h0 - 1), Gb, 0.0), axis=0)
-    G = tl.where(is_buf, Gb, g0 + tl.cumsum(la, axis=0))
+    if VEC:
+        la = tl.load(a_ptr + tok_row[:, None] * DK + cols[None, :], mask=mt, other=0.0).to(tl.float32)
+        Gb = tl.load(bG_ptr + buf_row[:, None] * DK + cols[None, :], mask=mb, other=0.0)
+        g0 = tl.sum(tl.where((is_buf & (jj == h0 - 1))[:, None], Gb, 0.0), axis=0)
+        G = tl.where(mb, Gb, g0[None, :] + tl.cumsum(la, axis=0))
+    else:
+        la = tl.load(a_ptr + tok_row, mask=is_tok, other=0.0).to(tl.float32)
+        Gb = tl.load(bG_ptr + buf_row, mask=is_buf, other=0.0)
+        g0 = tl.sum(tl.where(is_buf & (jj == h0 - 1), Gb, 0.0), axis=0)
+        G = tl.where(is_buf, Gb, g0 + tl.cumsum(la, axis=0))
     return K, Q, G, Bt, idx, tok_row, buf_row
 
 
@@ -139,16 +146,44 @@ def _load_values(v_ptr, bv_ptr, idx, tok_row, buf_row, rows, DV: tl.constexpr):
 
 
 @triton.jit
-def _window_terms(K, Q, G, Bt, jj, L: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr):
+def _decayed_products(K, Q, G, jj, L: tl.constexpr, LP: tl.constexpr):
+    """Per-channel gates G [LP, DK]: the causal products Aqk[t, j] = q_t . (k_j * exp(G_t -
+    G_j)) and KK[t, j] = k_t . (k_j * exp(G_t - G_j)) for j <= t (zero elsewhere), a column j
+    at a time. Every exponent is G_t - G_j with t >= j (<= 0 for gates <= 1): the decay from
+    step j to step t, so nothing overflows however much a channel forgets (a factored form
+    q exp(G) . k exp(-G) would form exp(-G_j) alone)."""
+    Aqk = tl.zeros([LP, LP], tl.float32)
+    KK = tl.zeros([LP, LP], tl.float32)
+    for j in range(L):
+        sel = jj == j
+        kj = tl.sum(tl.where(sel[:, None], K, 0.0), axis=0)                 # k_j [DK]
+        gj = tl.sum(tl.where(sel[:, None], G, 0.0), axis=0)                 # G_j [DK]
+        later = (jj >= j)[:, None]
+        kd = tl.where(later, tl.exp(tl.where(later, G - gj[None, :], 0.0)), 0.0) * kj[None, :]
+        Aqk = tl.where(sel[None, :], tl.sum(Q * kd, axis=1)[:, None], Aqk)
+        KK = tl.where(sel[None, :], tl.sum(K * kd, axis=1)[:, None], KK)
+    return Aqk, KK
+
+
+@triton.jit
+def _window_terms(K, Q, G, Bt, jj, L: tl.constexpr, LP: tl.constexpr, DELTA: tl.constexpr,
+                  PREC: tl.constexpr, VEC: tl.constexpr):
     """State-independent terms: Aqk [LP, LP] = exp(G_t - G_j) (q_t . k_j) for j <= t, and for
-    GDN Tinv = (I + T)^-1 with T[t, j] = beta_t exp(G_t - G_j) (k_t . k_j) for j < t."""
-    causal = jj[None, :] <= jj[:, None]
-    D = tl.where(causal, tl.exp(tl.where(causal, G[:, None] - G[None, :], 0.0)), 0.0)
-    Aqk = tl.dot(Q, tl.trans(K), input_precision=PREC) * D
+    GDN Tinv = (I + T)^-1 with T[t, j] = beta_t exp(G_t - G_j) (k_t . k_j) for j < t (VEC:
+    the decay per channel inside the dot products, `_decayed_products`)."""
+    if VEC:
+        Aqk, KKd = _decayed_products(K, Q, G, jj, L, LP)
+    else:
+        causal = jj[None, :] <= jj[:, None]
+        D = tl.where(causal, tl.exp(tl.where(causal, G[:, None] - G[None, :], 0.0)), 0.0)
+        Aqk = tl.dot(Q, tl.trans(K), input_precision=PREC) * D
     if DELTA:
         strict = jj[None, :] < jj[:, None]
-        KK = tl.dot(K, tl.trans(K), input_precision=PREC)
-        Tm = tl.where(strict, Bt[:, None] * KK * D, 0.0)
+        if VEC:
+            Tm = tl.where(strict, Bt[:, None] * KKd, 0.0)
+        else:
+            KK = tl.dot(K, tl.trans(K), input_precision=PREC)
+            Tm = tl.where(strict, Bt[:, None] * KK * D, 0.0)
         Tinv = unit_lower_inverse(Tm, jj, L)
     else:
         Tinv = Aqk
@@ -251,7 +286,7 @@ def _terms_kernel(
         T, WIDTH, w0, NWS, key_lo, key_hi,
         H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
         L: tl.constexpr, LP: tl.constexpr, DELTA: tl.constexpr, EXACT: tl.constexpr,
-        PRE: tl.constexpr, PREC: tl.constexpr):
+        PRE: tl.constexpr, PREC: tl.constexpr, VEC: tl.constexpr = False):
     """Pass 1, one program per (window, sequence x head): the window's state-independent terms
     into the group scratch. With Aqk[t, j] = exp(G_t - G_j) q_t.k_j (j <= t) and, for GDN,
     Tinv = (I + T)^-1, W = Tinv (beta exp(G) k), U = Tinv (beta v) (so u(X) = U - W X^T for a
@@ -261,7 +296,11 @@ def _terms_kernel(
     the program of that window. V, U and C go a block of BV columns at a time.
     PRE (a stochastically rounded anchor): the SR bits of the flush that ends this window
     (flush index nf + w + 1, role ANCHOR), so the sequential pass reads them instead of running
-    Philox on its critical path."""
+    Philox on its critical path.
+    VEC (gates per key channel, G [LP, DK]): exp(G) multiplies q and k per channel (P =
+    exp(G) * q - Aqk W, W = Tinv (beta exp(G) * k)), the sequential pass gets the window's
+    decayed keys k_j * exp(G_L - G_j) in place of K and G_L [DK] in place of G, so that it
+    forms S = A Diag(exp(G_L)) + u^T K_decayed."""
     wl, bh, b, h, w, _ = _window_program(w0, H)
     cols = tl.arange(0, DK)
     jj = tl.arange(0, LP)
@@ -269,20 +308,32 @@ def _terms_kernel(
     nfull = tl.load(nfull_ptr + b)
     K, Q, G, Bt, idx, tok_row, buf_row = _load_keys(tok_ptr, q_ptr, k_ptr, a_ptr, b_ptr, bk_ptr,
                                                     bG_ptr, bb_ptr, b, h, w, h0, T, WIDTH, cols,
-                                                    jj, H, DK, L, DELTA)
-    Aqk, Tinv = _window_terms(K, Q, G, Bt, jj, L, DELTA, PREC)
+                                                    jj, H, DK, L, DELTA, VEC)
+    Aqk, Tinv = _window_terms(K, Q, G, Bt, jj, L, LP, DELTA, PREC, VEC)
     eG = tl.exp(G)
     tb = bh.to(tl.int64) * NWS + wl                      # window slot in the scratch
     kq = (tb * LP + jj[:, None]) * DK + cols[None, :]
-    tl.store(Kw + kq, K)
-    tl.store(Gw + tb * LP + jj, G)
     tl.store(QLw + tb * DK + cols, tl.sum(tl.where((jj == L - 1)[:, None], Q, 0.0), axis=0))
-    if DELTA:
-        Wm = tl.dot(Tinv, (Bt * eG)[:, None] * K, input_precision=PREC)
-        tl.store(Ww + kq, Wm)
-        tl.store(Pw + kq, eG[:, None] * Q - tl.dot(Aqk, Wm, input_precision=PREC))
+    if VEC:
+        GL = tl.sum(tl.where((jj == L - 1)[:, None], G, 0.0), axis=0)
+        inw = (jj < L)[:, None]
+        tl.store(Kw + kq, K * tl.where(inw, tl.exp(tl.where(inw, GL[None, :] - G, 0.0)), 0.0))
+        tl.store(Gw + tb * DK + cols, GL)
+        if DELTA:
+            Wm = tl.dot(Tinv, Bt[:, None] * eG * K, input_precision=PREC)
+            tl.store(Ww + kq, Wm)
+            tl.store(Pw + kq, eG * Q - tl.dot(Aqk, Wm, input_precision=PREC))
+        else:
+            tl.store(Pw + kq, eG * Q)
     else:
-        tl.store(Pw + kq, eG[:, None] * Q)
+        tl.store(Kw + kq, K)
+        tl.store(Gw + tb * LP + jj, G)
+        if DELTA:
+            Wm = tl.dot(Tinv, (Bt * eG)[:, None] * K, input_precision=PREC)
+            tl.store(Ww + kq, Wm)
+            tl.store(Pw + kq, eG[:, None] * Q - tl.dot(Aqk, Wm, input_precision=PREC))
+        else:
+            tl.store(Pw + kq, eG[:, None] * Q)
 
     if EXACT:
         here = w == 0
@@ -306,7 +357,11 @@ def _terms_kernel(
                  mask=inw[:, None])
     tl.store(nk_ptr + buf[:, None] * DK + cols[None, :], tl.where(keep[:, None], K, 0.0),
              mask=inw[:, None])
-    tl.store(nG_ptr + buf, tl.where(keep, G, 0.0), mask=inw)
+    if VEC:
+        tl.store(nG_ptr + buf[:, None] * DK + cols[None, :], tl.where(keep[:, None], G, 0.0),
+                 mask=inw[:, None])
+    else:
+        tl.store(nG_ptr + buf, tl.where(keep, G, 0.0), mask=inw)
     if DELTA:
         tl.store(nb_ptr + buf, tl.where(keep, Bt, 0.0), mask=inw)
     if PRE:
@@ -321,9 +376,11 @@ def _terms_kernel(
 
 @triton.jit
 def _chain_inputs(tok_ptr, Kw, Ww, QLw, Gw, b, mat, w, w0, cols, jj, WIDTH, NWS,
-                  DK: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DELTA: tl.constexpr):
+                  DK: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DELTA: tl.constexpr,
+                  VEC: tl.constexpr):
     """The state-independent inputs of window w's flush that every row block shares (pass 1's
-    scratch): K, W (GDN; else K again), G, q_L, and the flush token's index (-1: none)."""
+    scratch): K, W (GDN; else K again), G, q_L, and the flush token's index (-1: none).
+    VEC: K holds the decayed keys and G is G_L [DK] (see _terms_kernel)."""
     tb = mat * NWS + (w - w0)
     kq = (tb * LP + jj[:, None]) * DK + cols[None, :]
     Kt = tl.load(Kw + kq)
@@ -331,7 +388,10 @@ def _chain_inputs(tok_ptr, Kw, Ww, QLw, Gw, b, mat, w, w0, cols, jj, WIDTH, NWS,
         Wm = tl.load(Ww + kq)
     else:
         Wm = Kt
-    G = tl.load(Gw + tb * LP + jj)
+    if VEC:
+        G = tl.load(Gw + tb * DK + cols)
+    else:
+        G = tl.load(Gw + tb * LP + jj)
     qL = tl.load(QLw + tb * DK + cols)
     tokL = tl.load(tok_ptr + b.to(tl.int64) * WIDTH + w * L + L - 1, mask=w * L + L <= WIDTH,
                    other=-1)
@@ -346,16 +406,19 @@ def _chain_U(Uw, mat, w, w0, rows, jj, NWS, DV: tl.constexpr, LP: tl.constexpr):
 
 @triton.jit
 def _chain_state(A, U, Wm, Kt, G, jj, L: tl.constexpr, DELTA: tl.constexpr,
-                 PREC: tl.constexpr):
+                 PREC: tl.constexpr, VEC: tl.constexpr):
     """The unrounded state after a window from checkpoint rows A: S = exp(G_L) A +
-    (u w_L)^T K, u = U - W A^T (GDN) or U (Mamba-2), w_L[j] = exp(G_L - G_j)."""
-    GL = tl.sum(tl.where(jj == L - 1, G, 0.0), axis=0)
-    inw = jj < L
-    wL = tl.where(inw, tl.exp(tl.where(inw, GL - G, 0.0)), 0.0)
+    (u w_L)^T K, u = U - W A^T (GDN) or U (Mamba-2), w_L[j] = exp(G_L - G_j). VEC: G is G_L
+    [DK] and Kt the decayed keys k_j * exp(G_L - G_j): S = A Diag(exp(G_L)) + u^T Kt."""
     if DELTA:
         u = U - tl.dot(Wm, tl.trans(A), input_precision=PREC)
     else:
         u = U
+    if VEC:
+        return tl.exp(G)[None, :] * A + tl.dot(tl.trans(u), Kt, input_precision=PREC)
+    GL = tl.sum(tl.where(jj == L - 1, G, 0.0), axis=0)
+    inw = jj < L
+    wL = tl.where(inw, tl.exp(tl.where(inw, GL - G, 0.0)), 0.0)
     return tl.exp(GL) * A + tl.dot(tl.trans(u * wL[:, None]), Kt, input_precision=PREC)
 
 
@@ -367,7 +430,7 @@ def _chain_rows_in_registers(
         H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
         L: tl.constexpr, LP: tl.constexpr, AFMT: tl.constexpr, ASR: tl.constexpr,
         SHARED: tl.constexpr, DELTA: tl.constexpr, EXACT: tl.constexpr, PRE: tl.constexpr,
-        PREC: tl.constexpr, SPLIT: tl.constexpr):
+        PREC: tl.constexpr, SPLIT: tl.constexpr, VEC: tl.constexpr):
     """The sequential pass for a program of one row block: the anchor (exact: the running
     unrounded state) stays in registers from window to window, written to the As scratch once
     at the end, and each window's state-independent inputs are loaded one window ahead, so the
@@ -378,17 +441,17 @@ def _chain_rows_in_registers(
     rows = pb * BV + br
     A = tl.load(a_tile + rows[:, None] * DK)
     Kt, Wm, G, qL, tokL = _chain_inputs(tok_ptr, Kw, Ww, QLw, Gw, b, mat, w0, w0, cols, jj,
-                                        WIDTH, NWS, DK, L, LP, DELTA)
+                                        WIDTH, NWS, DK, L, LP, DELTA, VEC)
     U = _chain_U(Uw, mat, w0, w0, rows, jj, NWS, DV, LP)
     for w in tl.range(w0, wend, num_stages=1):
         cK, cW, cG, cq, cU, ctok = Kt, Wm, G, qL, U, tokL
         wn = tl.minimum(w + 1, wend - 1)            # the next window's inputs, loaded ahead
         Kt, Wm, G, qL, tokL = _chain_inputs(tok_ptr, Kw, Ww, QLw, Gw, b, mat, wn, w0, cols, jj,
-                                            WIDTH, NWS, DK, L, LP, DELTA)
+                                            WIDTH, NWS, DK, L, LP, DELTA, VEC)
         U = _chain_U(Uw, mat, wn, w0, rows, jj, NWS, DV, LP)
         tb = mat * NWS + (w - w0)
         x_tile = Xs + (mat * (NWS + 1) + (w - w0) + 1) * (DV * DK) + cols[None, :]
-        S = _chain_state(A, cU, cW, cK, cG, jj, L, DELTA, PREC)
+        S = _chain_state(A, cU, cW, cK, cG, jj, L, DELTA, PREC, VEC)
         if EXACT:
             tl.store(x_tile + rows[:, None] * DK, S)
             A = S
@@ -419,7 +482,8 @@ def _chain_kernel(
         H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
         NRB: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
         AFMT: tl.constexpr, ASR: tl.constexpr, SHARED: tl.constexpr, DELTA: tl.constexpr,
-        EXACT: tl.constexpr, PRE: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr):
+        EXACT: tl.constexpr, PRE: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr,
+        VEC: tl.constexpr = False):
     """Pass 2, the only sequential one: one program per (sequence x head, NRB * BV rows) runs
     the row's flushes of this window group in order. The dequantized anchor A lives in the
     FP32 scratch As (L2). Per window: u = U - W A^T, the unrounded state S = exp(G_L) A +
@@ -455,7 +519,7 @@ def _chain_kernel(
             tok_ptr, y_ptr, Kw, Ww, QLw, Gw, Uw, Xs, a_tile, A_pay, A_sc, A_gs, Rb,
             Mx, Cn, err, spin_limit, b, h, mat, pb, cols, jj, br, nf, seq, nfull, w0, wend, T,
             WIDTH, NWS, key_lo, key_hi,
-            H, DK, DV, BV, L, LP, AFMT, ASR, SHARED, DELTA, EXACT, PRE, PREC, SPLIT)
+            H, DK, DV, BV, L, LP, AFMT, ASR, SHARED, DELTA, EXACT, PRE, PREC, SPLIT, VEC)
     else:
         # several row blocks per program: an NVFP4 anchor (two-pass cast with the matrix amax)
         # or exact prefill with one (chunk_launch_config gives other anchors one row block)
@@ -466,7 +530,7 @@ def _chain_kernel(
             tb = mat * NWS + (w - w0)
             x_tile = Xs + (mat * (NWS + 1) + (w - w0) + 1) * (DV * DK) + cols[None, :]
             Kt, Wm, G, qL, tokL = _chain_inputs(tok_ptr, Kw, Ww, QLw, Gw, b, mat, w, w0, cols, jj,
-                                                WIDTH, NWS, DK, L, LP, DELTA)
+                                                WIDTH, NWS, DK, L, LP, DELTA, VEC)
             yrow = (b.to(tl.int64) * T + tl.maximum(tokL, 0)) * H + h
             fi = nf + w + 1
             last = w == nfull - 1
@@ -476,7 +540,7 @@ def _chain_kernel(
                 rows = (pb * NRB + rb) * BV + br
                 A = tl.load(a_tile + rows[:, None] * DK)
                 S = _chain_state(A, _chain_U(Uw, mat, w, w0, rows, jj, NWS, DV, LP), Wm, Kt, G,
-                                 jj, L, DELTA, PREC)
+                                 jj, L, DELTA, PREC, VEC)
                 if EXACT:
                     tl.store(x_tile + rows[:, None] * DK, S)
                     tl.store(a_tile + rows[:, None] * DK, S)
@@ -668,11 +732,12 @@ def chunk_launch_config(pair, B: int, H: int, d_v: int, d_k: int, L: int,
             "out_bv": min(d_v, 32), "out_warps": 4}
 
 
-def group_windows(BH: int, d_k: int, d_v: int, LP: int, delta: bool, sr_bits: bool = False) -> int:
+def group_windows(BH: int, d_k: int, d_v: int, LP: int, delta: bool, sr_bits: bool = False,
+                  vector_gate: bool = False) -> int:
     """Windows per launch group: at most MAX_GROUP_WINDOWS and SCRATCH_BYTES of scratch (each
-    window and matrix holds K, P (, W), q_L, U, C, G, one FP32 checkpoint and, with sr_bits,
-    the flush's SR bits), at least one."""
-    per = 4 * (LP * d_k * (3 if delta else 2) + d_k + 2 * LP * d_v + LP
+    window and matrix holds K, P (, W), q_L, U, C, G (vector gates: G_L [d_k]), one FP32
+    checkpoint and, with sr_bits, the flush's SR bits), at least one."""
+    per = 4 * (LP * d_k * (3 if delta else 2) + d_k + 2 * LP * d_v + (d_k if vector_gate else LP)
                + d_v * d_k * (2 if sr_bits else 1))
     return max(1, min(MAX_GROUP_WINDOWS, SCRATCH_BYTES // (BH * per)))
 
@@ -715,10 +780,21 @@ def _token_map(state: ScanState, valid, B: int, T: int, L: int, width: int, dev)
 
 
 def chunk_scan(state: ScanState, q, k, v, log_a, beta=None, *, pair, seed: int = 0,
-               layer: int = 0, valid=None, exact: bool = False):
+               layer: int = 0, valid=None, exact: bool = False,
+               precompute_sr_bits: bool = False, pass_events: list | None = None):
     """Triton version of `chunk_ref.chunk_scan_ref` (same arguments, same result within FP32
     reassociation, same SR bits): returns (y [B, T, H, d_v] float32, the ScanState after the
-    segment). Inputs may be any float dtype (read as float32 in the kernel)."""
+    segment). Inputs may be any float dtype (read as float32 in the kernel); log_a [B, T, H,
+    d_k] for a vector-gated state (KDA), as the reference.
+
+    Two options for benchmarks, neither changes the result:
+    precompute_sr_bits: a stochastically rounded anchor's SR bits of each flush are drawn by
+    pass 1 (4 bytes per state element and window in the scratch) and read by the sequential
+    pass (the same bits); False (the default): the sequential pass draws them (Philox) itself.
+    H200, Qwen3.5-4B layer at 8K tokens: tp4_hi16_sr 6.74 ms drawn in the chain against 7.00
+    precomputed, f4_sr_rs (split chain) 8.33 against 8.98.
+    pass_events: a list to which each launch appends (pass name, start, end) CUDA events
+    (CUDA only; None: no events)."""
     _check_inputs(state, q, k, v, log_a, beta, valid)
     if pair.buffer_len != state.buffer_len:
         raise ValueError(f"pair {pair.label()} has buffer_len {pair.buffer_len} but the state was "
@@ -756,6 +832,7 @@ def chunk_scan(state: ScanState, q, k, v, log_a, beta=None, *, pair, seed: int =
 
     f32, i64 = torch.float32, torch.int64
     delta = beta is not None
+    vec = state.vector_gate
     q, k, v, log_a = (x.contiguous() for x in (q, k, v, log_a))
     beta = None if beta is None else beta.contiguous()
     anchor = core.qt_clone(state.anchor)
@@ -766,7 +843,7 @@ def chunk_scan(state: ScanState, q, k, v, log_a, beta=None, *, pair, seed: int =
     y = _empty((B, T, H, dv), f32, dev)
     nk = _empty((B, H, L, dk), f32, dev)
     nv = _empty((B, H, L, dv), f32, dev)
-    nG = _empty((B, H, L), f32, dev)
+    nG = _empty((B, H, L, dk) if vec else (B, H, L), f32, dev)
     nb = _empty((B, H, L), f32, dev) if delta else None
     bk, bv, bG = (t.to(f32).contiguous() for t in (state.k, state.v, state.G))
     bb = state.beta.to(f32).contiguous() if delta else None
@@ -782,13 +859,13 @@ def chunk_scan(state: ScanState, q, k, v, log_a, beta=None, *, pair, seed: int =
 
     # group scratch (reused by every group): window slots [BH, G] and checkpoints [BH, G + 1]
     asr = pair.anchor.rounding == "stochastic"
-    pre = bool(PRECOMPUTE_SR_BITS and asr and not exact)
-    G = min(group_windows(BH, dk, dv, LP, delta, pre), W + 1)
+    pre = bool(precompute_sr_bits and asr and not exact)
+    G = min(group_windows(BH, dk, dv, LP, delta, pre, vec), W + 1)
     Kw = torch.empty(BH, G, LP, dk, dtype=f32, device=dev)
     Pw = torch.empty_like(Kw)
     Ww = torch.empty_like(Kw) if delta else Kw
     QLw = torch.empty(BH, G, dk, dtype=f32, device=dev)
-    Gw = torch.empty(BH, G, LP, dtype=f32, device=dev)
+    Gw = torch.empty(BH, G, dk if vec else LP, dtype=f32, device=dev)   # G, or G_L per channel
     Uw = torch.empty(BH, G, LP, dv, dtype=f32, device=dev)
     Cw = torch.empty_like(Uw)
     Xs = torch.empty(BH, G + 1, dv, dk, dtype=f32, device=dev)
@@ -807,7 +884,7 @@ def chunk_scan(state: ScanState, q, k, v, log_a, beta=None, *, pair, seed: int =
     cons = dict(H=H, DK=dk, DV=dv, L=L, LP=LP, EXACT=bool(exact), PREC=options.get().chunk_dot)
     rsr = pair.read_spec.rounding == "stochastic"
     cast = exact or not shared
-    events = PASS_EVENTS if (PASS_EVENTS is not None and dev.type == "cuda") else None
+    events = pass_events if (pass_events is not None and dev.type == "cuda") else None
 
     def launch(name, kernel, grid, *args, **kw):
         if events is None:
@@ -831,13 +908,13 @@ def chunk_scan(state: ScanState, q, k, v, log_a, beta=None, *, pair, seed: int =
                 tok, q, k, v, log_a, beta if delta else log_a, bk, bv, bG, bb if delta else bG,
                 h0k, nfu, Kw, Ww, Pw, QLw, Gw, Uw, Cw, nk, nv, nG, nb if delta else nG,
                 Rb, nfl, seq, T, width, w0, G, klo, khi, BV=cfg["terms_bv"], DELTA=delta, PRE=pre,
-                num_warps=cfg["terms_warps"], **cons)
+                VEC=vec, num_warps=cfg["terms_warps"], **cons)
             launch("chain", _chain_kernel, (BH, dv // cfg["chain_rows"]),
                 tok, y, nfl, seq, nw, nfu, Kw, Ww, QLw, Gw, Uw, Xs, As, *Aout[:3], Rb,
                 Mx, Cn, err, T, width, w0, G, klo, khi, SPIN_LIMIT,
                 BV=cfg["chain_bv"], NRB=cfg["chain_rows"] // cfg["chain_bv"],
                 AFMT=Aout[3], ASR=asr, SHARED=shared, DELTA=delta, PRE=pre, SPLIT=split,
-                num_warps=cfg["chain_warps"], **cons)
+                VEC=vec, num_warps=cfg["chain_warps"], **cons)
             if cast:
                 launch("cast", _cast_kernel, (n, BH),
                     nfl, seq, nw, nfu, Xs, *Aout[:3], *Rout[:3], w0, G, klo, khi,

@@ -22,6 +22,15 @@ boundaries), then one cast of the final state, as a server's prefill would.
 
 Shapes (B sequences, T tokens, H heads): q, k [B, T, H, d_k]; v [B, T, H, d_v]; log_a and beta
 [B, T, H]; states [B, H, d_v, d_k] float32. All arithmetic is float32.
+
+Vector gates (Kimi Delta Attention): log_a [B, T, H, d_k], one log decay per key channel, and
+the buffer's G [B, H, L, d_k] (a state is built for one kind, `initial_scan_state(...,
+vector_gate=True)`). The decay multiplies the state's key axis, S Diag(exp(G)), so within a
+window the products take channel-decayed keys and queries: q_t . (k_j * exp(G_t - G_j)) for
+j <= t, the state rebuilt as S_c Diag(exp(G_L)) + sum_j u_j (k_j * exp(G_L - G_j))^T. Only
+exp(G_t) and exp(G_t - G_j) with t >= j are formed (both <= 1 for gates <= 1); exp(-G_j) alone,
+which overflows once a channel has forgotten enough, never is. A constant vector gives the
+scalar path's result within FP32 reassociation.
 """
 
 from __future__ import annotations
@@ -45,7 +54,7 @@ class ScanState:
     Same content and buffer layout as `ReplayState` (replayquant.replay.core):
     anchor: QTensor [B, H, d_v, d_k]; read: QTensor or None (shared pair: the anchor is read);
     k [B, H, L, d_k], v [B, H, L, d_v] raw inputs of the buffered steps; G [B, H, L] cumulative
-    log gate since the checkpoint; beta [B, H, L] (GDN) or None; count [B]: buffered steps;
+    log gate since the checkpoint ([B, H, L, d_k] per key channel for vector gates); beta [B, H, L] (GDN) or None; count [B]: buffered steps;
     flushes [B]: flush index of the current anchor (0 = the cast of the initial state);
     rows [B]: the sequence ids that key the SR streams. Slots >= count are ignored.
     """
@@ -76,6 +85,11 @@ class ScanState:
     def delta(self) -> bool:
         return self.beta is not None
 
+    @property
+    def vector_gate(self) -> bool:
+        """Whether the gates are per key channel (G [B, H, L, d_k], KDA)."""
+        return self.G.dim() == 4
+
 
 def anchor_f32(state: ScanState, pair) -> torch.Tensor:
     return pair.anchor.fmt.dequantize(state.anchor)
@@ -104,9 +118,10 @@ def cast_roles(S: torch.Tensor, pair, *, seed: int, layer: int, flush_index, row
 
 
 def initial_scan_state(S0: torch.Tensor, pair, *, delta: bool, seed: int = 0, layer: int = 0,
-                       rows=None) -> ScanState:
+                       rows=None, vector_gate: bool = False) -> ScanState:
     """The state `ReplayState(S0, pair, delta, seed, layer, rows)` starts from: S0 cast into both
-    roles (flush index 0), an empty buffer."""
+    roles (flush index 0), an empty buffer. vector_gate: log_a per key channel (G [B, H, L,
+    d_k], KDA), else one per head."""
     if not isinstance(S0, torch.Tensor) or S0.dim() != 4:
         raise ValueError("initial state must be a tensor [B, H, d_v, d_k]")
     S0 = S0.to(torch.float32)
@@ -117,7 +132,8 @@ def initial_scan_state(S0: torch.Tensor, pair, *, delta: bool, seed: int = 0, la
     a, r = cast_roles(S0, pair, seed=seed, layer=layer, flush_index=0, rows=rows)
     z = torch.zeros
     return ScanState(anchor=a, read=r, k=z(B, H, L, dk, device=dev), v=z(B, H, L, dv, device=dev),
-                     G=z(B, H, L, device=dev), beta=z(B, H, L, device=dev) if delta else None,
+                     G=z(B, H, L, dk, device=dev) if vector_gate else z(B, H, L, device=dev),
+                     beta=z(B, H, L, device=dev) if delta else None,
                      count=torch.zeros(B, dtype=torch.int64, device=dev),
                      flushes=torch.zeros(B, dtype=torch.int64, device=dev),
                      rows=rows.to(torch.int64))
@@ -146,8 +162,12 @@ def _check_inputs(state, q, k, v, log_a, beta, valid):
     B, T, H, dk = q.shape
     if v.dim() != 4 or tuple(v.shape[:3]) != (B, T, H):
         raise ValueError(f"v must be [B, T, H, d_v] = [{B}, {T}, {H}, d_v], got {tuple(v.shape)}")
-    if tuple(log_a.shape) != (B, T, H):
-        raise ValueError(f"log_a must be [B, T, H] = [{B}, {T}, {H}], got {tuple(log_a.shape)}")
+    want = (B, T, H, dk) if state.vector_gate else (B, T, H)
+    if tuple(log_a.shape) != want:
+        kind = "per key channel" if state.vector_gate else "one per head"
+        raise ValueError(f"log_a must be {list(want)}: the state's gates are {kind}; got "
+                         f"{tuple(log_a.shape)}. Build the state for the gates you pass "
+                         f"(initial_scan_state(..., vector_gate={not state.vector_gate}))")
     if state.delta != (beta is not None):
         raise ValueError("beta must be given for a delta-rule (GDN) state, and None for Mamba-2")
     if beta is not None and tuple(beta.shape) != (B, T, H):
@@ -161,24 +181,36 @@ def _check_inputs(state, q, k, v, log_a, beta, valid):
 
 
 def _window_terms(G, kw, qw, vw, bw):
-    """State-independent quantities of each window. G [..., L] cumulative log gate; kw, qw
-    [..., L, d_k]; vw [..., L, d_v]; bw [..., L] (GDN) or None.
+    """State-independent quantities of each window. G [..., L] cumulative log gate, or
+    [..., L, d_k] per key channel; kw, qw [..., L, d_k]; vw [..., L, d_v]; bw [..., L] (GDN) or
+    None.
 
-    Returns the decayed q.k matrix Aqk[t, j] = exp(G_t - G_j) (q_t . k_j) for j <= t, and for GDN
-    (Vb, Kb) with u(X) = Vb - Kb X^T the solution of the unit lower-triangular system
-    u_j + beta_j sum_{i<j} exp(G_j - G_i) (k_i . k_j) u_i = beta_j (v_j - exp(G_j) X k_j).
+    Returns the decayed q.k matrix Aqk[t, j] = q_t . (k_j * exp(G_t - G_j)) for j <= t, and for
+    GDN (Vb, Kb) with u(X) = Vb - Kb X^T the solution of the unit lower-triangular system
+    u_j + beta_j sum_{i<j} (k_i * exp(G_j - G_i)) . k_j u_i = beta_j (v_j - X (exp(G_j) * k_j))
+    (a scalar gate: exp(G_j - G_i) (k_i . k_j) and exp(G_j) X k_j). Vector gates form the
+    decay of every (t, j, channel), [..., L, L, d_k], with exponents G_t - G_j <= 0 only.
     """
-    L = G.shape[-1]
+    L = kw.shape[-2]
+    vec = G.dim() == kw.dim()
     tril = torch.ones(L, L, dtype=torch.bool, device=G.device).tril()
-    D = (G.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill(~tril, float("-inf")).exp()
-    Aqk = (qw @ kw.transpose(-1, -2)) * D
+    mask = tril[:, :, None] if vec else tril
+    D = (G.unsqueeze(-2 if vec else -1) - G.unsqueeze(-3 if vec else -2)) \
+        .masked_fill(~mask, float("-inf")).exp()                 # [..., t, j (, d_k)]
+    if vec:
+        kd = kw.unsqueeze(-3) * D                                # k_j * exp(G_t - G_j)
+        Aqk = (qw.unsqueeze(-2) * kd).sum(-1)
+    else:
+        Aqk = (qw @ kw.transpose(-1, -2)) * D
     if bw is None:
         return Aqk, None, None
     strict = torch.ones(L, L, dtype=torch.bool, device=G.device).tril(-1)
-    Tm = (bw.unsqueeze(-1) * (kw @ kw.transpose(-1, -2)) * D).masked_fill(~strict, 0.0)
+    KK = (kw.unsqueeze(-2) * kd).sum(-1) if vec else (kw @ kw.transpose(-1, -2)) * D
+    Tm = (bw.unsqueeze(-1) * KK).masked_fill(~strict, 0.0)
     Tm = Tm + torch.eye(L, dtype=Tm.dtype, device=Tm.device)
     Vb = torch.linalg.solve_triangular(Tm, bw.unsqueeze(-1) * vw, upper=False, unitriangular=True)
-    Kb = torch.linalg.solve_triangular(Tm, (bw * G.exp()).unsqueeze(-1) * kw, upper=False,
+    eG = G.exp() if vec else G.exp().unsqueeze(-1)
+    Kb = torch.linalg.solve_triangular(Tm, bw.unsqueeze(-1) * eG * kw, upper=False,
                                        unitriangular=True)
     return Aqk, Vb, Kb
 
@@ -227,7 +259,7 @@ def chunk_scan_ref(state: ScanState, q, k, v, log_a, beta=None, *, pair, seed: i
     state: the ScanState before the segment (`initial_scan_state`, `scan_state_of(ReplayState)`
     or a previous call). q, k [B, T, H, d_k]; v [B, T, H, d_v]; log_a [B, T, H]; beta [B, T, H]
     for GDN, else None (GDN: q, k L2-normalised and q scaled by the caller; Mamba-2: v = dt x,
-    k = B, q = C, log_a = dt A). valid [B, T] bool or None: False marks padding, which is
+    k = B, q = C, log_a = dt A); log_a [B, T, H, d_k] for a vector-gated state (KDA). valid [B, T] bool or None: False marks padding, which is
     skipped (no buffer slot, no gate) and gets output 0. exact: FP32 through the segment (the
     buffered steps included) and one cast at its end, flush index + 1 (prefill="exact").
     seed, layer: as given to ReplayState (SR streams).
@@ -280,21 +312,30 @@ def _scan(state, q, k, v, log_a, beta, *, pair, seed, layer, valid, exact):
     Ek, Ev, Eq = lay(state.k, k, (dk,)), lay(state.v, v, (dv,)), lay(None, q, (dk,))
     Eb = None if beta is None else lay(state.beta, beta, ())
     # gate increments; window 0 continues the buffer's cumulative G (sequential adds, as a step)
-    inc = lay(None, log_a, ())
-    prev = state.G.to(f32).gather(2, (h0 - 1).clamp(min=0).view(B, 1, 1).expand(B, H, 1))[..., 0]
-    last = torch.where((h0 > 0)[:, None], prev, torch.zeros((), device=dev))      # [B, H]
+    vec = state.vector_gate
+    gt = (dk,) if vec else ()                               # a gate per key channel, or per head
+    inc = lay(None, log_a, gt)
+    at = (h0 - 1).clamp(min=0).view(B, 1, 1, *([1] * len(gt))).expand(B, H, 1, *gt)
+    prev = state.G.to(f32).gather(2, at)[:, :, 0]                                  # [B, H(, d_k)]
+    last = torch.where((h0 > 0).view(B, 1, *([1] * len(gt))), prev, torch.zeros((), device=dev))
     inc[torch.arange(B, device=dev), :, (h0 - 1).clamp(min=0)] += last
-    G = inc.reshape(B, H, W, L).cumsum(-1)
-    G[:, :, 0] = torch.where(live0[:, None, :], state.G.to(f32), G[:, :, 0])
+    G = inc.reshape(B, H, W, L, *gt).cumsum(3)
+    G[:, :, 0] = torch.where(live0.view(B, 1, L, *([1] * len(gt))), state.G.to(f32), G[:, :, 0])
 
     kw = Ek.reshape(B, H, W, L, dk)
     vw = Ev.reshape(B, H, W, L, dv)
     qw = Eq.reshape(B, H, W, L, dk)
     bw = None if Eb is None else Eb.reshape(B, H, W, L)
     Aqk, Vb, Kb = _window_terms(G, kw, qw, vw, bw)
-    eG = G.exp()
-    eGL = G[..., -1].exp()
-    wL = (G[..., -1:] - G).exp()
+    if vec:                                                 # decay on the key axis, per channel
+        qe = qw * G.exp()                                   # q_t * exp(G_t)
+        kL = kw * (G[..., -1:, :] - G).exp()                # k_j * exp(G_L - G_j)
+        eGL = G[..., -1, :].exp().unsqueeze(-2)             # S_c Diag(exp(G_L))
+    else:
+        qe = None
+        eG = G.exp()
+        eGL = G[..., -1].exp()[..., None, None]
+        wL = (G[..., -1:] - G).exp()
 
     A = anchor_f32(state, pair)
     R = A if state.read is None else read_f32(state, pair)
@@ -312,10 +353,17 @@ def _scan(state, q, k, v, log_a, beta, *, pair, seed, layer, valid, exact):
             uA = Vb[:, :, w] - Kb[:, :, w] @ A.transpose(-1, -2)
             uR = uA if (R is A or exact) else Vb[:, :, w] - Kb[:, :, w] @ R.transpose(-1, -2)
         X = A if exact else R
-        Y[:, :, w] = eG[:, :, w, :, None] * (qw[:, :, w] @ X.transpose(-1, -2)) + Aqk[:, :, w] @ uR
+        if vec:
+            Y[:, :, w] = qe[:, :, w] @ X.transpose(-1, -2) + Aqk[:, :, w] @ uR
+        else:
+            Y[:, :, w] = eG[:, :, w, :, None] * (qw[:, :, w] @ X.transpose(-1, -2)) \
+                + Aqk[:, :, w] @ uR
         if uR_only:
             continue
-        S = eGL[:, :, w, None, None] * A + (uA * wL[:, :, w, :, None]).transpose(-1, -2) @ kw[:, :, w]
+        if vec:
+            S = eGL[:, :, w] * A + uA.transpose(-1, -2) @ kL[:, :, w]
+        else:
+            S = eGL[:, :, w] * A + (uA * wL[:, :, w, :, None]).transpose(-1, -2) @ kw[:, :, w]
         if exact:
             A = S
             continue
@@ -357,8 +405,8 @@ def _scan(state, q, k, v, log_a, beta, *, pair, seed, layer, valid, exact):
         g = E.gather(2, idx.view(B, 1, L, *([1] * len(tail))).expand(B, H, L, *tail))
         return torch.where(live.view(B, 1, L, *([1] * len(tail))), g, 0.0)
 
-    Gf = G.reshape(B, H, width)
-    new = replace(state, anchor=aq, read=rq, k=take(Ek, (dk,)), v=take(Ev, (dv,)), G=take(Gf, ()),
+    Gf = G.reshape(B, H, width, *gt)
+    new = replace(state, anchor=aq, read=rq, k=take(Ek, (dk,)), v=take(Ev, (dv,)), G=take(Gf, gt),
                   beta=None if Eb is None else take(Eb, ()), count=count,
                   flushes=state.flushes + full)
     return y, new
