@@ -1,16 +1,18 @@
 """Conventional decode step (Triton, interpreter) against its torch reference and against
-ConventionalState: every format, nearest and stochastic rounding, GDN and Mamba-2, odd batch sizes,
-padding rows, poisoned outputs."""
+ConventionalState: every format, nearest and stochastic rounding, GDN, KDA (a gate per key
+channel) and Mamba-2, odd batch sizes, padding rows, poisoned outputs."""
 
 import pytest
 import torch
 
-from replayquant.bench.inputs import (gdn_params, gdn_step_inputs, mamba2_params,
-                                      mamba2_step_inputs, random_state)
+from replayquant.bench.inputs import (gdn_params, gdn_step_inputs, kda_step_inputs,
+                                      mamba2_params, mamba2_step_inputs, random_state)
 from replayquant.kernels.conventional import (ConventionalStore, conventional_gdn_step,
-                                              conventional_gdn_step_ref, conventional_mamba2_step,
+                                              conventional_gdn_step_ref, conventional_kda_step,
+                                              conventional_kda_step_ref, conventional_mamba2_step,
                                               conventional_mamba2_step_ref, gdn_frontend_ref,
-                                              mamba2_frontend_ref, mamba2_post_ref)
+                                              kda_frontend_ref, mamba2_frontend_ref,
+                                              mamba2_post_ref)
 from replayquant.replay import ConventionalState
 from _helpers import assert_states_close
 
@@ -190,3 +192,88 @@ def test_conventional_mamba2_dt_limit(fmt, pair):
         with pytest.raises(ValueError, match="dt_limit"):
             conventional_mamba2_step(a, x, dt, A, Bm, C, dt_bias=dtb, state_indices=idx,
                                      dt_limit=bad)
+
+
+# ------------------------------------------------------------------ KDA (per-channel gates)
+
+@pytest.mark.parametrize("fmt,rounding", [("fp32", "nearest"), ("bf16", "stochastic"),
+                                          ("fp8", "nearest"), ("nvfp4", "stochastic")])
+def test_conventional_kda_step_matches_reference(fmt, rounding):
+    """KDA step kernel == its torch reference (3 steps, odd batch with a padding row, 2 key
+    heads for 4 value heads, channels that forget within a step beside ones that hardly do)."""
+    N, HK, H, dk, dv = 4, 2, 4, 32, 16
+    idx = torch.tensor([2, -1, 0, 3, 1])
+    store = ConventionalStore.from_state(random_state(N, H, dv, dk, seed=13), fmt, rounding,
+                                         seed=5, layer=2)
+    ref = store.clone()
+    for step in range(3):
+        q, k, v, g, beta = kda_step_inputs(5, HK, H, dk, dv, seed=200 + step)
+        y = conventional_kda_step(store, q, k, v, g, beta, state_indices=idx, out=poisoned(5, H, dv))
+        y2 = conventional_kda_step_ref(ref, q, k, v, g, beta, state_indices=idx)
+        assert (y[1] == 0).all() and torch.isfinite(y).all()
+        tol = 1e-5 if fmt == "fp32" else 1e-3
+        torch.testing.assert_close(y, y2, rtol=tol, atol=tol * y2.abs().max().item())
+    assert torch.equal(store.n_casts, ref.n_casts) and store.n_casts.tolist() == [3, 3, 3, 3]
+    assert_states_close(store.state.dequantize(), ref.state.dequantize())
+
+
+@pytest.mark.parametrize("pair", ["s32_rs", "f4_sr_rs"])
+def test_conventional_kda_step_matches_conventional_state(pair):
+    """Against ConventionalState(vector_gate=True) fed kda_frontend_ref's inputs (batch rows
+    permuted onto slots); with s32_rs also against the float64 recurrence."""
+    from replayquant.pairs import PrecisionPair
+    from replayquant.replay import recurrent_reference
+    N, HK, H, dk, dv = 3, 1, 2, 16, 16
+    P = PrecisionPair.load(pair)
+    idx = torch.tensor([2, 0, -1, 1])
+    live = idx >= 0
+    perm = torch.empty(N, dtype=torch.long)
+    perm[idx[live]] = live.nonzero().flatten()
+    init = random_state(N, H, dv, dk, seed=3)
+    store = ConventionalStore.from_state(init, P.anchor.format, P.anchor.rounding, seed=9)
+    cs = ConventionalState(init, P, delta=True, seed=9, vector_gate=True)
+    steps = [kda_step_inputs(4, HK, H, dk, dv, seed=300 + t) for t in range(4)]
+    ys = []
+    for q, k, v, g, beta in steps:
+        y = conventional_kda_step(store, q, k, v, g, beta, state_indices=idx)
+        fe = [t[perm] for t in kda_frontend_ref(q, k, v, g, beta)]
+        yr = cs.step(*fe)
+        tol = 1e-5 if pair == "s32_rs" else 1e-3
+        torch.testing.assert_close(y[perm], yr, rtol=tol, atol=tol * yr.abs().max().item())
+        ys.append((y[perm], fe))
+    assert_states_close(store.state.dequantize(), cs.anchor())
+    if pair == "s32_rs":
+        fe = [torch.stack([f[i] for _, f in ys], 1) for i in range(5)]
+        Y, S = recurrent_reference(init, *fe, dtype=torch.float64)
+        y = torch.stack([y for y, _ in ys], 1)
+        assert ((y.double() - Y).abs().max() / Y.abs().max()).item() <= 2e-6
+        assert ((store.state.dequantize().double() - S).abs().max() / S.abs().max()).item() <= 2e-6
+
+
+def test_conventional_kda_constant_gate_equals_gdn():
+    """A KDA gate that is the same on every channel is the GDN step: the KDA kernel fed GDN's
+    g (expanded over d_k) and sigmoid(b) gives the GDN kernel's outputs and state (FP32)."""
+    N, HK, H, dk, dv = 3, 1, 2, 16, 32
+    init = random_state(N, H, dv, dk, seed=2)
+    a_st = ConventionalStore.from_state(init, "fp32")
+    b_st = a_st.clone()
+    for step in range(2):
+        q, k, v, a, b = gdn_step_inputs(N, HK, H, dk, dv, seed=400 + step)
+        A_log, dtb = gdn_params(H, 4)
+        _, _, _, g, beta = gdn_frontend_ref(q, k, v, a, b, A_log, dtb)
+        y1 = conventional_gdn_step(a_st, q, k, v, a, b, A_log, dtb)
+        y2 = conventional_kda_step(b_st, q, k, v, g[..., None].expand(-1, -1, dk), beta)
+        torch.testing.assert_close(y2, y1, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(b_st.state.payload, a_st.state.payload, rtol=1e-5, atol=1e-6)
+
+
+def test_conventional_kda_bad_inputs():
+    store = ConventionalStore.from_state(random_state(2, 2, 16, 16), "fp16")
+    q, k, v, g, beta = kda_step_inputs(2, 1, 2, 16, 16)
+    for fn in (conventional_kda_step, conventional_kda_step_ref):
+        with pytest.raises(ValueError, match=r"g has shape \(2, 2\), expected \(2, 2, 16\)"):
+            fn(store, q, k, v, g[..., 0], beta)
+        with pytest.raises(ValueError, match="beta has shape"):
+            fn(store, q, k, v, g, beta[:, :1])
+        with pytest.raises(ValueError, match="KDA needs g"):
+            fn(store, q, k, v, None, beta)

@@ -40,6 +40,23 @@ def gdn_params(H, seed=0, device="cpu"):
     return A_log.to(device), dt_bias.to(device)
 
 
+def kda_step_inputs(B, HK, H, dk, dv, T=None, seed=0, device="cpu"):
+    """(q, k, v, g, beta) of one Kimi Delta Attention step ([B, ...]) or T drafts ([B, T, ...]):
+    q, k, v bf16; g [.., H, dk] FP32 log decay per key channel, -rate * softplus(f) with a rate
+    per (head, channel) spread log-uniformly over [1e-3, 5], so some channels keep their
+    state for thousands of steps while others forget within one; beta = sigmoid(b) FP32."""
+    g = cpu_generator(seed)
+    lead = (B,) if T is None else (B, T)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    q = r(*lead, HK, dk).bfloat16()
+    k = r(*lead, HK, dk).bfloat16()
+    v = r(*lead, H, dv).bfloat16()
+    rate = 10.0 ** (torch.rand(H, dk, generator=g) * 3.7 - 3.0)
+    gate = -rate * torch.nn.functional.softplus(r(*lead, H, dk) * 0.5)
+    beta = torch.sigmoid(r(*lead, H))
+    return tuple(t.to(device) for t in (q, k, v, gate, beta))
+
+
 def mamba2_step_inputs(B, G, H, N, P, T=None, seed=0, device="cpu", z=True):
     """(x, dt, Bm, C, z) of one step or T drafts; x, B, C, z bf16, dt raw FP32."""
     g = cpu_generator(seed)

@@ -1,7 +1,9 @@
 """Conventional SSM decode step (the baseline serving engines run): in-place read-modify-write
-of the recurrent state stored in any format, for Gated DeltaNet and Mamba-2.
+of the recurrent state stored in any format, for Gated DeltaNet, Kimi Delta Attention (KDA: a
+gate per key channel) and Mamba-2.
 
     S_t = Q(a_t deq(S_{t-1}) + u_t k_t^T),   y_t = S_t q_t          (DESIGN section 4)
+    KDA:  S_t = Q(deq(S_{t-1}) Diag(a_t) + u_t k_t^T), a_t in (0, 1]^{d_k}
 
 This file also holds what every decode kernel of the package shares:
 
@@ -13,8 +15,9 @@ This file also holds what every decode kernel of the package shares:
   store a float32 tile back with nearest or stochastic rounding. Rounding follows
   `kernels/quant_ref.py` bit for bit; SR bits follow `streams.py` (Philox counter = element
   index in its matrix, stream = sr_stream(flush index, role, slot, head), key = layer seed).
-* The GDN and Mamba-2 front ends as real models need them (GDN: q/k L2 norm in kernel,
-  g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b) in FP32; Mamba-2: groups over B/C,
+* The GDN, KDA and Mamba-2 front ends as real models need them (GDN: q/k L2 norm in kernel,
+  g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b) in FP32; KDA: q/k L2 norm in
+  kernel, the per-channel log decay g and beta as the layer computes them; Mamba-2: groups over B/C,
   softplus(dt + dt_bias) then clamped to dt_limit = (lo, hi) when one is given (as
   transformers' time_step_limit and replay.frontends.mamba2_inputs), A per head, D skip,
   optional z gate) and their torch twins.
@@ -425,6 +428,34 @@ def _rank1_step(S, q, k, v, log_a, beta, DELTA: tl.constexpr):
     return S, y
 
 
+@triton.jit
+def _kda_front_end(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, row, hv, hk, rows, cols, scale,
+                   HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                   L2NORM: tl.constexpr):
+    """One KDA step's inputs in float32 as the layer gives them: q, k [DK] (L2-normalised, q
+    scaled), v [BV rows], the log decay g [DK] of value head hv, beta."""
+    q = tl.load(q_ptr + (row * HK + hk) * DK + cols).to(tl.float32)
+    k = tl.load(k_ptr + (row * HK + hk) * DK + cols).to(tl.float32)
+    if L2NORM:
+        q = _l2norm(q)
+        k = _l2norm(k)
+    v = tl.load(v_ptr + (row * HV + hv) * DV + rows).to(tl.float32)
+    g = tl.load(g_ptr + (row * HV + hv) * DK + cols).to(tl.float32)
+    beta = tl.load(b_ptr + row * HV + hv).to(tl.float32)
+    return q * scale, k, v, g, beta
+
+
+@triton.jit
+def _vector_gate_step(S, q, k, v, log_a, beta):
+    """The delta rule with a gate per key channel (KDA), rows S [BV, DK]: S <- S Diag(a),
+    u = beta (v - S k), S <- S + u k^T; returns (S, y = S q). log_a [DK]."""
+    S = S * tl.exp(log_a)[None, :]
+    u = beta * (v - tl.sum(S * k[None, :], axis=1))
+    S = S + u[:, None] * k[None, :]
+    y = tl.sum(S * q[None, :], axis=1)
+    return S, y
+
+
 # ============================================================================ conventional step
 
 @dataclass
@@ -489,6 +520,21 @@ def gdn_frontend_ref(q, k, v, a, b, A_log, dt_bias, scale=None, use_qk_l2norm=Tr
     return q, k, v.float(), g, beta
 
 
+def kda_frontend_ref(q, k, v, g, beta, scale=None, use_qk_l2norm=True):
+    """torch twin of the KDA front end: (q, k expanded to value heads, v, log_a = g, beta) in
+    float32; q, k L2-normalised as transformers' KDA (x / sqrt(sum x^2 + 1e-6)), q scaled by
+    `scale` (default d_k^-1/2)."""
+    HK, HV = q.shape[1], v.shape[1]
+    q, k = q.float(), k.float()
+    if use_qk_l2norm:
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + GDN_L2NORM_EPS)
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + GDN_L2NORM_EPS)
+    q = q * (scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+    r = HV // HK
+    q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)
+    return q, k, v.float(), g.float(), beta.float()
+
+
 def mamba2_frontend_ref(x, dt, A, Bm, Cm, dt_bias=None, dt_limit=None):
     """torch twin of the Mamba-2 front end: (q = C, k = B per head, v = dt x, log_a = dt A, dt),
     dt = softplus(dt + dt_bias) clamped to dt_limit (None / (0, inf): no clamp)."""
@@ -535,6 +581,28 @@ def _conventional_kernel(
         _tile_store(S, S_pay, S_sc, S_gs, mat, rows, cols, key_lo, key_hi, fi, slot, hv,
                     DV, DK, BV, FMT, SR, 0)
         y = _gate_out(y + skip, z_ptr, row, hv, rows, HV, DV, HAS_Z)
+    else:
+        y = tl.zeros([BV], tl.float32)
+    tl.store(out_ptr + (row * HV + hv) * DV + rows, y)
+
+
+@triton.jit(do_not_specialize=["key_lo", "key_hi"])
+def _conventional_kda_kernel(
+        S_pay, S_sc, S_gs, ncast_ptr, idx_ptr, out_ptr, q_ptr, k_ptr, v_ptr, g_ptr, b_ptr,
+        scale, key_lo, key_hi,
+        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+        BV: tl.constexpr, FMT: tl.constexpr, SR: tl.constexpr, L2NORM: tl.constexpr):
+    """`_conventional_kernel` for KDA: the decay is a vector over the key channels."""
+    row, hv, hk, rows, cols, slot = _program_tile(idx_ptr, HK, HV, DK, BV)
+    if slot >= 0:
+        q, k, v, g, beta = _kda_front_end(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, row, hv, hk, rows,
+                                          cols, scale, HK, HV, DK, DV, L2NORM)
+        mat = slot * HV + hv
+        S = _tile_load(S_pay, S_sc, S_gs, mat, rows, cols, DV, DK, BV, FMT)
+        S, y = _vector_gate_step(S, q, k, v, g, beta)
+        fi = tl.load(ncast_ptr + slot) + 1
+        _tile_store(S, S_pay, S_sc, S_gs, mat, rows, cols, key_lo, key_hi, fi, slot, hv,
+                    DV, DK, BV, FMT, SR, 0)
     else:
         y = tl.zeros([BV], tl.float32)
     tl.store(out_ptr + (row * HV + hv) * DV + rows, y)
@@ -666,7 +734,7 @@ def _conventional_ref(store, q, k, v, log_a, beta, state_indices, delta):
     slots = idx[live]
     S = st.dequantize(slots)
     qq, kk, vv, la = q[live], k[live], v[live], log_a[live]
-    S = S * torch.exp(la)[..., None, None]
+    S = S * (torch.exp(la)[..., None, :] if la.dim() == 3 else torch.exp(la)[..., None, None])
     if delta:
         u = beta[live][..., None] * (vv - (S * kk[:, :, None, :]).sum(-1))
     else:
@@ -693,6 +761,64 @@ def conventional_gdn_step_ref(store: ConventionalStore, q, k, v, a, b, A_log, dt
     """torch reference of conventional_gdn_step (same signature, same in-place effect)."""
     qf, kf, vf, g, beta = gdn_frontend_ref(q, k, v, a, b, A_log, dt_bias, scale, use_qk_l2norm)
     y, idx, live = _conventional_ref(store, qf, kf, vf, g, beta, state_indices, True)
+    if advance and live.numel():
+        store.n_casts[idx[live]] += 1
+    return _into(out, y)
+
+
+def _kda_launch_inputs(store, q, k, v, g, beta, state_indices):
+    """Checks of a KDA step's inputs against the store -> (B, HK, slot indices)."""
+    st: PackedRole = store.state
+    N, HV, dv, dk = st.shape
+    _pow2_dims(st.shape)
+    B, HK = _gdn_shapes(st.shape, q, v)
+    _check_inputs("kda", st.shape, B, {
+        "q": (q, (B, HK, dk)), "k": (k, (B, HK, dk)), "v": (v, (B, HV, dv)),
+        "g": (g, (B, HV, dk)), "beta": (beta, (B, HV))})
+    return B, HK, _indices(state_indices, B, q.device)
+
+
+def conventional_kda_step(store: ConventionalStore, q, k, v, g, beta, state_indices=None,
+                          scale=None, out=None, use_qk_l2norm=True, block_v=None,
+                          num_warps=None, advance=True):
+    """One Kimi Delta Attention decode step for a batch, state updated in place (Triton).
+
+    q, k [B, HK, dk] (raw; L2-normalised in kernel), v [B, HV, dv], g [B, HV, dk] the log decay
+    per key channel (the layer's forget gate output, <= 0), beta [B, HV] (after its sigmoid),
+    as the layer hands them to fused_recurrent_kda. S <- S Diag(exp(g)), u = beta (v - S k),
+    S <- Q(S + u k^T), y = S q (q scaled by `scale`, default d_k^-1/2).
+    Returns y float32 [B, HV, dv] (zero on padding rows)."""
+    if g is None or beta is None:
+        raise ValueError("KDA needs g (log decay per key channel) [batch, value heads, d_k] and "
+                         "beta [batch, value heads]")
+    st: PackedRole = store.state
+    N, HV, dv, dk = st.shape
+    B, HK, idx = _kda_launch_inputs(store, q, k, v, g, beta, state_indices)
+    if out is None:
+        out = torch.empty(B, HV, dv, dtype=torch.float32, device=q.device)
+    BV, nw = launch_config(st.fmt, B * HV, dv, dk, block_v, num_warps)
+    pay, sc, gs, fid = st.kernel_args()
+    q, k, v, g, beta = map(_prep, (q, k, v, g, beta))
+    _conventional_kda_kernel[(B * HV, dv // BV)](
+        pay, sc, gs, store.n_casts, idx, out, q, k, v, g, beta,
+        float(scale if scale is not None else 1.0 / math.sqrt(dk)), *split_key(store.key),
+        HK=HK, HV=HV, DK=dk, DV=dv, BV=BV, FMT=fid, SR=st.rounding == "stochastic",
+        L2NORM=use_qk_l2norm, num_warps=nw)
+    if advance:
+        _advance_casts_kernel[(1,)](store.n_casts, idx, B)
+    return out
+
+
+def conventional_kda_step_ref(store: ConventionalStore, q, k, v, g, beta, state_indices=None,
+                              scale=None, out=None, use_qk_l2norm=True, block_v=None,
+                              num_warps=None, advance=True):
+    """torch reference of conventional_kda_step (same signature, same in-place effect)."""
+    if g is None or beta is None:
+        raise ValueError("KDA needs g (log decay per key channel) [batch, value heads, d_k] and "
+                         "beta [batch, value heads]")
+    _kda_launch_inputs(store, q, k, v, g, beta, state_indices)
+    qf, kf, vf, la, bf = kda_frontend_ref(q, k, v, g, beta, scale, use_qk_l2norm)
+    y, idx, live = _conventional_ref(store, qf, kf, vf, la, bf, state_indices, True)
     if advance and live.numel():
         store.n_casts[idx[live]] += 1
     return _into(out, y)
