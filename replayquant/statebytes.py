@@ -16,6 +16,17 @@ Triton kernels (`replayquant.kernels.replay_decode.ReplayStore`):
 * the conventional step reads and writes the whole state every step;
 * every step also reads its inputs (bf16 activations, fp32 gates) and writes its output (fp32).
 
+Kimi Delta Attention (kind "kda": Kimi Linear, GLM-5-Next) is counted as GDN with its one
+difference, the decay: a vector over the key channels instead of one scalar per head and step
+(docs/DESIGN.md 3.1). So its step reads a gate input of d_k fp32 per head, and its buffered
+cumulative gate G is d_k fp32 per entry and head ([B, H, L, d_k] in `ReplayState`'s buffer, as
+many elements as the buffered keys), read wherever GDN reads its scalar G (the outputs' decayed
+key products, the rebuild at the flush) and written with each entry. Its q / k / v heads are
+equal (HK = H: no key shared by several heads). Everything else (k, v, u, beta, the state
+matrices, the output) is counted as for GDN, in the GDN decode kernel's ring layout (bf16 k, v,
+u; fp32 G and beta) with G widened to the d_k channels that `ReplayState(vector_gate=True)`
+buffers; the kernels grid has no KDA row, so this count is derived, not checked against a bench.
+
 `replay_window_bytes` is the mean over a window of L steps (L - 1 read steps at h = 0 .. L - 2,
 then one flush). `StepBytes` splits the same mean per sequence into its parts (read copy, ring
 entries, amortised flush, inputs / output); its total equals `replay_window_bytes / B`
@@ -32,7 +43,7 @@ __all__ = ["state_bytes", "io_bytes", "entry_bytes", "conventional_bytes", "repl
            "layer_memory_bytes", "layer_conventional_memory", "model_step_bytes",
            "model_memory_bytes", "model_conventional"]
 
-KINDS = ("gdn", "mamba2")
+KINDS = ("gdn", "kda", "mamba2")
 
 
 # ---------------------------------------------------------------------------- per (row, head)
@@ -47,12 +58,20 @@ def state_bytes(fmt: str, dv: int, dk: int) -> float:
     return table[fmt]
 
 
+def _gate_bytes(kind, dk):
+    """fp32 bytes of one step's decay per head: a scalar (GDN, Mamba-2), d_k channels (KDA)."""
+    if kind not in KINDS:
+        raise ValueError(f"layer kind must be one of {KINDS}, got {kind!r}")
+    return 4 * dk if kind == "kda" else 4
+
+
 def io_bytes(kind, H, HK, dv, dk):
     """Inputs + output of one (row, head) per step: bf16 activations, fp32 gates, fp32 out."""
     r = H / HK
-    if kind == "gdn":
-        return 2 * dk * 2 / r + dv * 2 + 8 + dv * 4          # q, k (shared by r heads), v, a, b; y
-    return 2 * dk * 2 / r + 2 * dv * 2 + 4 + dv * 4          # B, C (per group), x, z, dt; y
+    g = _gate_bytes(kind, dk)
+    if kind in ("gdn", "kda"):
+        return 2 * dk * 2 / r + dv * 2 + g + 4 + dv * 4      # q, k (shared by r heads), v, a, b; y
+    return 2 * dk * 2 / r + 2 * dv * 2 + g + dv * 4          # B, C (per group), x, z, dt; y
 
 
 def entry_bytes(kind, H, HK, dv, dk, u_bytes=2):
@@ -60,13 +79,14 @@ def entry_bytes(kind, H, HK, dv, dk, u_bytes=2):
     flush reads per entry), per (row, head)."""
     r = H / HK
     kb = dk * 2 / r                                          # k / B per head (shared by the group)
-    if kind == "gdn":
-        read_nf = kb + dv * u_bytes + 8                      # k, u, G, beta (outputs)
-        write = kb + dv * 2 + dv * u_bytes + 8               # k, v, u, G, beta
-        read_fl = kb + dv * 2 + 8                            # k, v, G, beta (rebuild)
+    gb = _gate_bytes(kind, dk) + 4                           # G (per channel for KDA), beta / dt
+    if kind in ("gdn", "kda"):
+        read_nf = kb + dv * u_bytes + gb                     # k, u, G, beta (outputs)
+        write = kb + dv * 2 + dv * u_bytes + gb              # k, v, u, G, beta
+        read_fl = kb + dv * 2 + gb                           # k, v, G, beta (rebuild)
     else:
-        read_nf = read_fl = kb + dv * 2 + 8                  # B, x, G, dt
-        write = kb + dv * 2 + 8
+        read_nf = read_fl = kb + dv * 2 + gb                 # B, x, G, dt
+        write = kb + dv * 2 + gb
     return read_nf, write, read_fl
 
 
@@ -106,8 +126,9 @@ def replay_flush_step_bytes(kind, anchor_fmt, read_fmt, L, B, H, HK, dv, dk):
 
 @dataclass(frozen=True)
 class LayerShape:
-    """The state shape of one recurrent layer: kind ('gdn' | 'mamba2'), value heads H, key heads
-    (GDN) or groups (Mamba-2) HK, d_v x d_k per head; name and index in the model."""
+    """The state shape of one recurrent layer: kind ('gdn' | 'kda' | 'mamba2'), value heads H,
+    key heads (GDN; KDA: H) or groups (Mamba-2) HK, d_v x d_k per head; name and index in the
+    model."""
     kind: str
     H: int
     HK: int
@@ -136,13 +157,15 @@ class LayerShape:
 
 def layer_shapes(model) -> list[LayerShape]:
     """The LayerShape of every recurrent layer of a Hugging Face model (as `recurrent_layers`
-    finds them): GDN value / key heads and head dims, Mamba-2 heads, groups, head dim and state
-    size, read from the layer modules."""
+    finds them): GDN value / key heads and head dims, KDA heads and head dim (q, k, v alike),
+    Mamba-2 heads, groups, head dim and state size, read from the layer modules."""
     from replayquant.models.patching import recurrent_layers
     out = []
     for name, m, kind in recurrent_layers(model):
         if kind == "gdn":
             H, HK, dv, dk = m.num_v_heads, m.num_k_heads, m.head_v_dim, m.head_k_dim
+        elif kind == "kda":
+            H, HK, dv, dk = m.num_heads, m.num_heads, m.head_dim, m.head_dim
         else:
             H, HK, dv, dk = m.num_heads, m.n_groups, m.head_dim, m.ssm_state_size
         out.append(LayerShape(kind, int(H), int(HK), int(dv), int(dk), name, int(m.layer_idx)))
@@ -227,7 +250,8 @@ def layer_conventional_bytes(shape: LayerShape, fmt: str = "fp32") -> StepBytes:
 def layer_memory_bytes(shape: LayerShape, pair, L: int | None = None, u_bytes: int = 2,
                        max_drafts: int = 0) -> MemoryBytes:
     """State memory of one sequence in one layer: the bytes a ReplayStore slot holds (anchor,
-    read copy, ring of L + max_drafts entries: k per key head / group, v, GDN u, G and beta / dt)."""
+    read copy, ring of L + max_drafts entries: k per key head / group, v, GDN / KDA u, G (KDA:
+    per key channel) and beta / dt)."""
     L = pair.buffer_len if L is None else int(L)
     af, rf = _fmts(pair)
     s = shape

@@ -12,8 +12,9 @@ Command line::
 * `sweep` (`replayquant.sweep.command`): every (pair, L) of the grid is one variant of one KL
   run (`replayquant kl`'s harness: the FP32-state reference and every variant in lockstep over
   the same documents, the reference computed once, resumable). Per variant it adds the state
-  bytes a decode step moves per sequence, summed over the model's recurrent layers, and the
-  state memory per sequence (`replayquant.statebytes`, the kernels bench's byte model), and with
+  bytes a decode step moves per sequence, summed over the model's recurrent layers (Gated
+  DeltaNet, Kimi Delta Attention, Mamba-2: each counted as its kind), and the state memory per
+  sequence (`replayquant.statebytes`, the kernels bench's byte model), and with
   `--kernels` the decode-kernel time measured for the same pair and L at the nearest batch
   (`replayquant.sweep.measured`). Writes NAME.json (kind `replayquant.sweep`), NAME.png (KL
   against bytes per step, log-log, Pareto front, the FP32 conventional step as the reference

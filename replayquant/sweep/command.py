@@ -262,8 +262,11 @@ def print_sweep(sw: dict, console=None) -> None:
     console.print(t)
     if has_k:
         ks = sw["kernels"]
+        cu = conv["kernel"].get("us_per_step")
+        base = (f"speedup over the FP32 conventional step's {cu:.1f} us" if cu is not None else
+                f"no speedup: the FP32 conventional step is not timed for "
+                f"{'; '.join(conv['kernel'].get('missing', []))}")
         console.print(f"us/step: {ks.get('device')} kernels grid {ks.get('file')} at the batch nearest "
                       f"{ks['batch_requested']}, each layer timed at the grid's shape of its kind "
-                      f"(not scaled to this model's); speedup over the FP32 conventional step's "
-                      f"{conv['kernel'].get('us_per_step') or float('nan'):.1f} us")
+                      f"(not scaled to this model's); {base}")
     console.print("Pareto front (fewest bytes first): " + " -> ".join(sw["front"]))

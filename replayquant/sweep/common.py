@@ -54,19 +54,21 @@ def load_json_kind(path, kind: str, writer: str) -> dict:
 
 def shapes_of_model(model: str, revision: str | None = None):
     """(LayerShapes of the recurrent layers, tokenizer, config, resolved name) of a model without
-    loading its weights: the model is built from its config on the meta device."""
+    loading its weights: the model is built from its config on the meta device, with the class
+    load_model uses (`auto_model_class`: GLM-5-Next's conditional-generation class)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from replayquant.kl.command import load_tokenizer_and_config
+    from replayquant.models.families import KIND_NAMES
+    from replayquant.models.patching import auto_model_class
     from replayquant.statebytes import layer_shapes
     tok, cfg, resolved = load_tokenizer_and_config(model, revision)
     with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(cfg)
+        meta = auto_model_class(cfg).from_config(cfg)
     shapes = layer_shapes(meta)
     if not shapes:
-        raise ValueError(f"{model}: the model has no recurrent layer replayquant can patch (Gated "
-                         f"DeltaNet or Mamba-2); there is no recurrent state to sweep")
+        raise ValueError(f"{model}: the model has no recurrent layer replayquant can patch "
+                         f"({', '.join(KIND_NAMES.values())}); there is no recurrent state to sweep")
     return shapes, meta, tok, cfg, resolved
 
 

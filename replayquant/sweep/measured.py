@@ -14,7 +14,9 @@ pointer kernel included) with the read the decode step picks at that batch
 block read `replay-window`); the conventional step (`conventional`, fp32) for the FP32 baseline
 and for layers a policy keeps `exact`. Where the grid did not time that row (it times the dots
 read only at each kind's main L), the time is None and `missing` says which row is absent: a
-time of another read variant is never put in its place.
+time of another read variant is never put in its place. A layer of a kind the grid has no shape
+for (e.g. Kimi Delta Attention in a grid of GDN and Mamba-2 rows) has no time either, and
+`missing` names the kind: a GDN time is not taken for a KDA layer, whose gate is d_k wide.
 """
 
 from __future__ import annotations
