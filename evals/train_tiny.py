@@ -1,4 +1,5 @@
-"""Rebuild the embedded tiny models: corpus, tokenizer, one Qwen3.5 and one Mamba-2 model.
+"""Rebuild the embedded tiny models: corpus, tokenizer, one Qwen3.5, one Mamba-2 and one Kimi
+Linear model (--models qwen,mamba,kimi; each trained the same way, on the same data and budget).
 
 Stages (each deterministic from its inputs and --seed):
 
@@ -24,6 +25,8 @@ Fast training paths (GPU only; the shipped models run on Hugging Face's torch co
   * Qwen3.5: with flash-linear-attention (`fla`) importable before transformers loads the model
     file, transformers' Gated DeltaNet calls fla's `chunk_gated_delta_rule` (checked: the step
     aborts if the resolved function is not fla's).
+  * Kimi Linear: likewise, transformers' Kimi Delta Attention calls fla's `chunk_kda` (the same
+    check, and its outputs and gradients against transformers' torch chunk_kimi_delta_attention).
   * Mamba-2: transformers' fast path needs the mamba_ssm / causal_conv1d CUDA builds. Instead the
     SSD scan alone (`modeling_mamba2.mamba2_chunk_scan`) is replaced, for training, by fla's
     `chunk_simple_gla`: the Mamba-2 recurrence h_t = exp(dt_t A) h_{t-1} + dt_t B_t x_t^T,
@@ -37,7 +40,9 @@ tokens):
   * trained at 8K context on contiguous text (random 8K windows of the EOS-joined training books);
   * decay gates initialised toward long memory: GDN heads' decay rate A * softplus(dt_bias) spread
     log-uniformly over [1e-4, 1] per layer (transformers' default puts every head between 0.013
-    and 21, i.e. memories of at most ~75 tokens); Mamba-2 time_step_min 1e-4 (default 1e-3);
+    and 21, i.e. memories of at most ~75 tokens); Kimi Delta Attention's per-channel rates
+    exp(A_log) softplus(dt_bias) likewise over the channels of each layer (default 1e-3 .. 1.6);
+    Mamba-2 time_step_min 1e-4 (default 1e-3);
   * residual dropout (training only, forward hooks on each mixer / MLP / embedding output) against
     the overfitting of a few epochs of a 0.9M-token corpus.
 
@@ -91,7 +96,7 @@ sys.path.insert(0, str(ROOT))
 
 import tiny_data  # noqa: E402
 
-MODEL_NAMES = {"qwen": "tiny-qwen3.5", "mamba": "tiny-mamba2"}
+MODEL_NAMES = {"qwen": "tiny-qwen3.5", "mamba": "tiny-mamba2", "kimi": "tiny-kimi-linear"}
 ASSETS = ROOT / "replayquant" / "assets"
 RESULTS = ROOT / "results" / "train_tiny"
 DEMO_RESULTS = ROOT / "results" / "demo"
@@ -137,30 +142,84 @@ def mamba_config(vocab_size: int, eos_id: int):
         bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id)
 
 
+def kimi_config(vocab_size: int, eos_id: int):
+    """Kimi Linear architecture, sized as tiny-qwen3.5: 6 Kimi Delta Attention layers + 2
+    attention layers (the 3:1 pattern), KDA 2 heads of 128 (Kimi Linear's head size; each head a
+    128x128 state: as many state elements per layer as tiny-qwen3.5's 4 x 128x64); the attention
+    layers are Kimi Linear's MLA (no positional encoding, as in Kimi Linear), 4 heads; dense MLPs
+    of 384 everywhere (the MoE of the large model buys nothing at this size). The LM head is its
+    own matrix: transformers' KimiLinearForCausalLM ties no weights (5.3M parameters in all)."""
+    from transformers import KimiLinearConfig
+    return KimiLinearConfig(
+        vocab_size=vocab_size, hidden_size=256, intermediate_size=384, num_hidden_layers=8,
+        layer_types=["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3
+        + ["full_attention"], mlp_layer_types=["dense"] * 8,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=128,
+        qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
+        linear_num_heads=2, linear_head_dim=128, linear_conv_kernel_dim=4,
+        max_position_embeddings=131072, tie_word_embeddings=False, use_cache=True,
+        bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id)
+
+
 def build_model(kind: str, vocab_size: int, eos_id: int):
-    from transformers import Mamba2ForCausalLM, Qwen3_5ForCausalLM
+    from transformers import KimiLinearForCausalLM, Mamba2ForCausalLM, Qwen3_5ForCausalLM
     if kind == "qwen":
         return Qwen3_5ForCausalLM(qwen_config(vocab_size, eos_id))
     if kind == "mamba":
         return Mamba2ForCausalLM(mamba_config(vocab_size, eos_id))
-    raise ValueError(f"unknown model kind {kind!r}: use 'qwen' or 'mamba'")
+    if kind == "kimi":
+        return KimiLinearForCausalLM(kimi_config(vocab_size, eos_id))
+    raise ValueError(f"unknown model kind {kind!r}: use one of {', '.join(MODEL_NAMES)}")
 
 
 def n_params(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def _is_kda_gate(mod) -> bool:
+    """A Kimi Delta Attention forget gate (A_log per head, dt_bias per head and key channel)."""
+    return type(mod).__name__.endswith("ForgetGate") and hasattr(mod, "dt_bias")
+
+
+def _kda_rates(mod):
+    """Decay rate at zero input of each channel of a KDA forget gate, exp(A_log) *
+    softplus(dt_bias): [H, d_k] float64 (memory ~ 1 / rate tokens)."""
+    import torch.nn.functional as F
+    H = mod.A_log.numel()
+    sp = F.softplus(mod.dt_bias.detach().double().cpu()).reshape(H, -1)
+    return mod.A_log.detach().double().cpu().reshape(H, 1).exp() * sp
+
+
+def _quantiles(r) -> list[list[float]]:
+    """Per head: min, quartiles and max of its channels' rates (3 significant digits)."""
+    import torch
+    q = torch.quantile(r, torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0], dtype=r.dtype), dim=1).T
+    return [[float(f"{x:.3g}") for x in row] for row in q]
+
+
 def init_long_memory(model, seed: int, lo: float = 1e-4, hi: float = 1.0) -> list[list[float]]:
     """GDN layers: set A_log so that each head's decay rate at a = 0, A * softplus(dt_bias), is
     spread log-uniformly over [lo, hi] (heads evenly spaced in log space, a random offset per
-    layer). Returns the rates per layer. Mamba-2 needs nothing here (see mamba_config)."""
+    layer). Kimi Delta Attention layers: the same over the H * d_k channels of each layer (A_log
+    = 0 and dt_bias = softplus^-1 of the rate; the rates dealt to the channels in a random order,
+    so every head holds short and long memories); their record per head is [min, quartiles,
+    max]. Returns the rates per layer. Mamba-2 needs nothing here (see mamba_config)."""
     import torch
     import torch.nn.functional as F
     gen = torch.Generator().manual_seed(seed + 17)
     rates = []
     with torch.no_grad():
         for mod in model.modules():
-            if type(mod).__name__.endswith("GatedDeltaNet"):
+            if _is_kda_gate(mod):
+                n = mod.dt_bias.numel()
+                u = (torch.arange(n, dtype=torch.float64) + torch.rand(1, generator=gen,
+                                                                       dtype=torch.float64)) / n
+                r = torch.exp(math.log(lo) + u * (math.log(hi) - math.log(lo)))
+                r = r[torch.randperm(n, generator=gen)]
+                mod.A_log.zero_()
+                mod.dt_bias.copy_(torch.log(torch.expm1(r)).to(mod.dt_bias.dtype))
+                rates.append(_quantiles(_kda_rates(mod)))
+            elif type(mod).__name__.endswith("GatedDeltaNet"):
                 h = mod.A_log.numel()
                 u = (torch.arange(h, dtype=torch.float64) + torch.rand(1, generator=gen,
                                                                        dtype=torch.float64)) / h
@@ -173,11 +232,14 @@ def init_long_memory(model, seed: int, lo: float = 1e-4, hi: float = 1.0) -> lis
 
 def decay_rates(model) -> list[list[float]]:
     """Per layer and head, the decay rate at zero input of the trained model (GDN: A *
-    softplus(dt_bias); Mamba-2: A * softplus(dt_bias)): memory ~ 1 / rate tokens."""
+    softplus(dt_bias); Mamba-2: A * softplus(dt_bias); Kimi Delta Attention: per head [min,
+    quartiles, max] of its channels' exp(A_log) softplus(dt_bias)): memory ~ 1 / rate tokens."""
     import torch.nn.functional as F
     out = []
     for mod in model.modules():
-        if hasattr(mod, "A_log") and hasattr(mod, "dt_bias"):
+        if _is_kda_gate(mod):
+            out.append(_quantiles(_kda_rates(mod)))
+        elif hasattr(mod, "A_log") and hasattr(mod, "dt_bias"):
             r = mod.A_log.detach().float().exp() * F.softplus(mod.dt_bias.detach().float())
             out.append([float(f"{x:.3g}") for x in r.cpu()])
     return out
@@ -230,9 +292,31 @@ def hf_gdn_reference():
     return getattr(fn, "__wrapped__", fn)
 
 
+def _hf_kimi():
+    from transformers.models.kimi_linear import modeling_kimi_linear as km
+    return km
+
+
+@functools.cache
+def _hf_kda_wrapper():
+    """transformers' module-level `chunk_kimi_delta_attention` as imported (before any patch)."""
+    return _hf_kimi().chunk_kimi_delta_attention
+
+
+def hf_kda_reference():
+    """transformers' torch chunked Kimi Delta Attention (what its wrapper falls back to)."""
+    fn = _hf_kda_wrapper()
+    return getattr(fn, "__wrapped__", fn)
+
+
 def gdn_fla_impl():
     """The fla function transformers' Qwen3.5 GDN resolved at import, or None (torch fallback)."""
-    fn = _hf_gdn_wrapper()
+    return fla_impl(_hf_gdn_wrapper())
+
+
+def fla_impl(fn):
+    """The fla function a transformers kernel wrapper resolved at import, or None (its torch
+    fallback)."""
     for cell in fn.__closure__ or ():
         try:
             obj = cell.cell_contents
@@ -333,7 +417,8 @@ def reference_paths():
     """transformers' torch scans for both architectures (the code the shipped models run)."""
     qm, mm = _hf_modules()
     with patched(qm, "torch_chunk_gated_delta_rule", hf_gdn_reference()), \
-            patched(mm, "mamba2_chunk_scan", hf_mamba_scan()):
+            patched(mm, "mamba2_chunk_scan", hf_mamba_scan()), \
+            patched(_hf_kimi(), "chunk_kimi_delta_attention", hf_kda_reference()):
         yield
 
 
@@ -374,11 +459,14 @@ def segment_reset(fn, seg: int):
 
 @contextlib.contextmanager
 def recurrent_reset(seg: int):
-    """The recurrent state of every GDN / Mamba-2 layer restarts from zero every `seg` tokens;
-    everything else (attention layers, the 4-tap convolutions) still sees the whole window."""
+    """The recurrent state of every GDN / KDA / Mamba-2 layer restarts from zero every `seg`
+    tokens; everything else (attention layers, the 4-tap convolutions) still sees the whole
+    window."""
     qm, mm = _hf_modules()
+    km = _hf_kimi()
     with patched(qm, "torch_chunk_gated_delta_rule", segment_reset(qm.torch_chunk_gated_delta_rule, seg)), \
-            patched(mm, "mamba2_chunk_scan", segment_reset(mm.mamba2_chunk_scan, seg)):
+            patched(mm, "mamba2_chunk_scan", segment_reset(mm.mamba2_chunk_scan, seg)), \
+            patched(km, "chunk_kimi_delta_attention", segment_reset(km.chunk_kimi_delta_attention, seg)):
         yield
 
 
@@ -405,6 +493,16 @@ def check_scan(kind: str, fast, device, bf16: bool, T: int = 512, seed: int = 0)
                "g": (-torch.rand(B, T, H, generator=gen) ** 3 * 2).to(device),
                "beta": torch.rand(B, T, H, generator=gen).to(device=device, dtype=dt_in)}
         ref = hf_gdn_reference()
+
+        def run(fn, t):
+            return fn(t["query"], t["key"], t["value"], g=t["g"], beta=t["beta"],
+                      use_qk_l2norm_in_kernel=True)[0]
+    elif kind == "kimi":
+        B, H, K = 2, 2, 128
+        ins = {"query": rnd(B, T, H, K), "key": rnd(B, T, H, K), "value": rnd(B, T, H, K),
+               "g": (-torch.rand(B, T, H, K, generator=gen) ** 3 * 2).to(device),
+               "beta": torch.rand(B, T, H, generator=gen).to(device=device, dtype=dt_in)}
+        ref = hf_kda_reference()
 
         def run(fn, t):
             return fn(t["query"], t["key"], t["value"], g=t["g"], beta=t["beta"],
@@ -594,8 +692,9 @@ def setup_fast_paths(args, device) -> dict:
     cuda = device.type == "cuda"
     rec = {}
     _hf_gdn_wrapper()                  # capture transformers' own functions before any patching
+    _hf_kda_wrapper()
     hf_mamba_scan()
-    qwen_cands, mamba_cands = [], []
+    qwen_cands, mamba_cands, kimi_cands = [], [], []
     if args.require_fla:
         try:
             import fla  # noqa: F401
@@ -611,6 +710,12 @@ def setup_fast_paths(args, device) -> dict:
         if getattr(fla_chunk_o, "TRITON_ABOVE_3_7_1", True) is False:
             fla_chunk_o.TRITON_ABOVE_3_7_1 = True          # lift the #640 refusal; checked below
             rec["fla_hopper_guard_lifted"] = True
+        kda = fla_impl(_hf_kda_wrapper())
+        if kda is None and "kimi" in args.models.split(","):
+            raise SystemExit("FAST PATH MISSING: transformers' Kimi Delta Attention did not "
+                             "resolve fla's chunk_kda")
+        # transformers' own call of chunk_kda (its wrapper as imported, fla inside)
+        kimi_cands = [("fla chunk_kda (transformers' call)", _hf_kda_wrapper())]
         from fla.ops.simple_gla import chunk_simple_gla, fused_chunk_simple_gla
         qwen_cands = [("fla chunk_gated_delta_rule, chunk 64", make_gdn(impl, 64)),
                       ("fla chunk_gated_delta_rule, chunk 32", make_gdn(impl, 32))]
@@ -626,7 +731,7 @@ def setup_fast_paths(args, device) -> dict:
     tol = 0.1 if cuda else 0.02
     chosen = {}
     trained = [k for k in args.models.split(",") if k]
-    for kind, cands in (("qwen", qwen_cands), ("mamba", mamba_cands)):
+    for kind, cands in (("qwen", qwen_cands), ("mamba", mamba_cands), ("kimi", kimi_cands)):
         if kind not in trained:                # nothing to train: no kernels to compile and check
             cands = []
         rec[f"{kind}_checks"] = []
@@ -645,15 +750,16 @@ def setup_fast_paths(args, device) -> dict:
                 chosen[kind] = (fn, label)
                 break
         if cands and chosen[kind][0] is None:
-            if kind == "qwen" and not args.fast_fallback:
-                raise SystemExit("FAST PATH WRONG: no fla GDN candidate matches transformers' scan")
+            if kind in ("qwen", "kimi") and not args.fast_fallback:
+                raise SystemExit(f"FAST PATH WRONG: no fla {kind} candidate matches "
+                                 f"transformers' scan")
             log(f"!!! {kind}: NO FAST SCAN PASSED ITS CHECK; training on transformers' torch scan "
                 f"(slow) !!!")
         rec[f"{kind}_training_scan"] = chosen[kind][1]
     if cuda:
         torch.cuda.synchronize()
     return {"record": rec, "qwen_scan": chosen["qwen"][0], "mamba_scan": chosen["mamba"][0],
-            "labels": {k: v[1] for k, v in chosen.items()}}
+            "kimi_scan": chosen["kimi"][0], "labels": {k: v[1] for k, v in chosen.items()}}
 
 
 # ------------------------------------------------------------------------------------------- train
@@ -684,7 +790,8 @@ def train_one(kind: str, data: Path, out: Path, args, steps: str, budget: float,
     torch.manual_seed(args.seed)
     np_rng = np.random.default_rng(args.seed)
     model = build_model(kind, vocab, eos_id)
-    init_rates = init_long_memory(model, args.seed) if (kind == "qwen" and args.long_memory_init) else None
+    init_rates = (init_long_memory(model, args.seed)
+                  if kind in ("qwen", "kimi") and args.long_memory_init else None)
     model = model.to(device)
     model.config.use_cache = False
     model.train()
@@ -701,6 +808,7 @@ def train_one(kind: str, data: Path, out: Path, args, steps: str, budget: float,
     scan = fast[f"{kind}_scan"]
     scan_ctx = (contextlib.nullcontext() if scan is None
                 else patched(qm, "torch_chunk_gated_delta_rule", scan) if kind == "qwen"
+                else patched(_hf_kimi(), "chunk_kimi_delta_attention", scan) if kind == "kimi"
                 else patched(mm, "mamba2_chunk_scan", scan))
     log(f"[{name}] {nparam / 1e6:.3f}M parameters, batch {B} x {T}, device {device}, "
         f"budget {budget:.0f} s, dropout {args.dropout}")
@@ -800,7 +908,9 @@ def train_one(kind: str, data: Path, out: Path, args, steps: str, budget: float,
         "optimizer": "AdamW(0.9, 0.95), cosine to 10%, grad clip 1.0, bf16 autocast",
         "training_scan": fast["labels"][kind],
         "training_vs_hf_forward": check,
-        "long_memory_init": ({"gdn_decay_rate_per_head": init_rates} if init_rates
+        "long_memory_init": ({"kda_decay_rate_per_head_min_quartiles_max": init_rates}
+                             if init_rates and kind == "kimi"
+                             else {"gdn_decay_rate_per_head": init_rates} if init_rates
                              else {"mamba2_time_step_min": model.config.time_step_min}
                              if kind == "mamba" else None),
         "decay_rate_per_head_trained": decay_rates(model),
@@ -896,7 +1006,7 @@ def plot_losses(logs: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.4))
-    for lg, c in zip(logs, ["tab:blue", "tab:orange"]):
+    for lg, c in zip(logs, ["tab:blue", "tab:orange", "tab:green"]):
         if lg.get("train_loss"):
             y = np.array(lg["train_loss"])
             k = min(10, len(y))
@@ -1176,7 +1286,8 @@ def main(argv=None) -> None:
         t = sub.add_parser(cmd, help=hlp)
         t.add_argument("--data", default=str(ROOT / ".gpu" / "tiny"))
         t.add_argument("--out", required=True)
-        t.add_argument("--models", default="qwen,mamba")
+        t.add_argument("--models", default="qwen,mamba",
+                       help=f"the models to train, comma-separated, of {','.join(MODEL_NAMES)}")
         t.add_argument("--device", default="cuda")
         t.add_argument("--seed", type=int, default=0)
         t.add_argument("--seq-len", type=int, default=8192)
@@ -1214,7 +1325,7 @@ def main(argv=None) -> None:
                        help="score only the first N tokens of each held-out book (smoke tests)")
         t.add_argument("--deterministic", action="store_true", default=True)
         t.add_argument("--evaluate-also", default="",
-                       help="models (qwen,mamba) not trained here: evaluate the folder in "
+                       help="models (qwen,mamba,kimi) not trained here: evaluate the folder in "
                             "replayquant/assets and demo it too")
         t.add_argument("--train-stdout", default=None,
                        help="stdout of the run that trained the --evaluate-also model (its record)")
