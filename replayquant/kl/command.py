@@ -54,8 +54,9 @@ def load_weights(resolved: str, dtype: str = "bfloat16", device_map=None, revisi
     except ImportError:
         load = None
     try:
-        if load is not None and not revision:
-            m = load(resolved, dtype=dtype, device_map=device_map)
+        if load is not None:
+            m = load(resolved, dtype=dtype, device_map=device_map,
+                     **({"revision": revision} if revision else {}))
         else:
             kw = {"dtype": "auto" if dtype == "auto" else DTYPES[dtype], **({"device_map": device_map} if device_map is not None else {}),
                   **({"revision": revision} if revision else {})}
