@@ -4,6 +4,14 @@
 #   bash evals/gpu_runs.sh JOB        with OUT set to a folder for results (the device tool sets it)
 #
 # Jobs (wall time on one H200; each fits a 10-minute call):
+#   kernels         `replayquant bench kernels --preset targets` beside the ReplaySSM authors'
+#                   kernels (.gpu/authors): GPU checks, accuracy against float64, both kinds at
+#                   their main L over every batch, pairs s32_rs / tp8_hi32 / tp4_hi32, peers,
+#                   staggered windows at B = 32 and 256, speculative rounds T = 4 at B = 512;
+#                   every target of bench/targets.py from one call (plan's estimate ~240 s)
+#   probe           evals/gpu_checks.py, then `bench kernels --preset probe` beside the authors:
+#                   s32_rs, tp4_hi32 and conventional at B = 32 and 256, both kinds, in phase
+#                   and staggered, accuracy (~3 minutes)
 #   kernels-gdn     `replayquant bench kernels` for GDN (GPU checks and the fla peer first, every
 #                   batch, L and pair, no sweep), then the speculative rounds at T = 4, both kinds
 #                   (231 + 58 s on an H200)
@@ -25,13 +33,14 @@
 # At most 8 files come back from $OUT per call: the jobs write their JSON there (and the generate
 # check its log) and keep the other logs in /tmp, printing the lines that matter.
 #
-# Carry .gpu (fla-core and einops wheels in .gpu/wheels, mamba_ssm's selective_state_update files,
-# the tiny corpus for `train`); pass REPLAYQUANT_GIT_COMMIT=$(git rev-parse HEAD) (the device copy
+# Carry .gpu (fla-core and einops wheels in .gpu/wheels, mamba_ssm's selective_state_update files
+# with their COMMIT, the authors' kernel files in .gpu/authors with their COMMIT, the tiny corpus
+# for `train`); pass REPLAYQUANT_GIT_COMMIT=$(git rev-parse HEAD) (the device copy
 # has no .git). The image has torch, triton, transformers, accelerate, rich, typer, matplotlib;
 # not fla.
 set -uo pipefail
 : "${OUT:?set OUT to the folder where results go}"
-jobs="kernels-gdn|kernels-mamba2|checks|tf|generate|train"
+jobs="kernels|probe|kernels-gdn|kernels-mamba2|checks|tf|generate|train"
 job=${1:?usage: bash evals/gpu_runs.sh $jobs}
 [[ "|$jobs|" == *"|$job|"* ]] \
     || { echo "gpu_runs: unknown job '$job'; choose one of $jobs" >&2; exit 2; }
@@ -49,6 +58,19 @@ bench_part() {  # NAME TIMEOUT [bench kernels options]: one part of the grid, th
   grep -E "^\[bench|^copy|Not measured|failed" "/tmp/$name.log" | cut -c1-2000
 }
 case "$job" in
+  kernels)
+    timeout 560 "${rq[@]}" bench kernels --out "$OUT" --name kernels --preset targets \
+        --authors .gpu/authors --budget-s 520 > "$OUT/kernels.log" 2>&1; echo "kernels rc=$?"
+    grep -E "^\[bench|^copy|Not measured|failed|^  (ours|authors)" "$OUT/kernels.log" | cut -c1-2000
+    ;;
+  probe)
+    timeout 200 python3 evals/gpu_checks.py "$OUT/gpu_checks.json" > "$OUT/gpu_checks.log" 2>&1
+    echo "checks rc=$?"; grep -E "max_rel|equal|frac" "$OUT/gpu_checks.log" | head -60
+    timeout 330 "${rq[@]}" bench kernels --out "$OUT" --name probe --preset probe \
+        --authors .gpu/authors --budget-s 300 > "$OUT/probe.log" 2>&1; echo "probe rc=$?"
+    grep -E "^\[bench|^copy|Not measured|failed|^  (ours|authors)|^  (gdn|mamba2) " \
+        "$OUT/probe.log" | cut -c1-2000
+    ;;
   kernels-gdn)
     bench_part kernels_part_gdn 420 --kinds gdn --spec-batches= --budget-s 400
     bench_part kernels_spec_t4 150 --batches= --T 4 --no-checks --no-peers --budget-s 140

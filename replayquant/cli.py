@@ -307,6 +307,11 @@ def bench_kernels_cmd(
     budget_s: float = typer.Option(500.0, help="skip sections (lowest priority first) past this many seconds"),
     estimate_only: bool = typer.Option(False, help="print the plan and its runtime estimate, run nothing"),
     name: str = typer.Option("kernels", help="output file stem"),
+    authors: str = typer.Option(None, help="checkout of the ReplaySSM authors' fork (Johnny-Liou/ReplaySSM): time their kernels beside ours on the same inputs"),
+    authors_commit: str = typer.Option(None, help="the fork's commit, where PATH is neither a git checkout nor holds a COMMIT file"),
+    staggered_batches: str = typer.Option("256", help="batches whose windows are also timed with rows out of phase"),
+    accuracy: bool = typer.Option(True, help="errors against a float64 recurrence over three windows (ours; the authors' with --authors)"),
+    preset: str = typer.Option(None, help="a grid replacing the grid options: 'targets' (every row the targets read, one device call) or 'probe'"),
 ):
     """GPU: conventional vs replay decode kernels over the benchmark grid (B x L x pair, T),
     peers, speculative verify, against the copy bandwidth measured in the same call. Prints a
@@ -314,21 +319,35 @@ def bench_kernels_cmd(
     H200); sections past --budget-s (default 500) are skipped
     from the end of the plan and listed, so split the grid with --kinds / --pairs / --batches
     over two or more calls."""
+    from replayquant.bench.authors import checkout_commit
     from replayquant.bench.decode import estimate_s, plan, run_kernels_bench
+    from replayquant.bench.targets import PRESETS
     ints = lambda s: tuple(int(x) for x in s.split(",") if x)  # noqa: E731
     strs = lambda s: tuple(x for x in s.split(",") if x)  # noqa: E731
+    grid = dict(batches=ints(batches), Ls=ints(buffer_lens), pairs=strs(pairs), Ts=ints(drafts),
+                spec_batches=ints(spec_batches), peers=peers, checks=checks, sweep=sweep,
+                staggered_batches=ints(staggered_batches), main_L_only=False, accuracy=accuracy)
+    with _user_errors():
+        if preset is not None:
+            if preset not in PRESETS:
+                raise ValueError(f"--preset {preset!r}: choose from {', '.join(PRESETS)}")
+            grid.update(PRESETS[preset])
+        if authors is not None:
+            checkout_commit(authors, authors_commit)        # a bad PATH fails before anything runs
     if estimate_only:
         with _user_errors():
-            sec = plan(ints(batches), ints(buffer_lens), strs(pairs), ints(drafts),
-                       ints(spec_batches), strs(kinds), peers, checks, sweep)
+            sec = plan(grid["batches"], grid["Ls"], grid["pairs"], grid["Ts"],
+                       grid["spec_batches"], strs(kinds), grid["peers"], grid["checks"],
+                       grid["sweep"], authors=authors is not None,
+                       staggered_batches=grid["staggered_batches"],
+                       main_L_only=grid["main_L_only"], accuracy=grid["accuracy"])
         for key, est, _ in sec:
             typer.echo(f"{est:7.1f} s  {key}")
         typer.echo(f"{len(sec)} sections, estimated {estimate_s(sec):.0f} s (budget {budget_s:.0f} s)")
         return
     with _user_errors():
-        run_kernels_bench(out=out, batches=ints(batches), Ls=ints(buffer_lens), pairs=strs(pairs),
-                          Ts=ints(drafts), spec_batches=ints(spec_batches), kinds=strs(kinds),
-                          peers=peers, checks=checks, sweep=sweep, budget_s=budget_s, name=name)
+        run_kernels_bench(out=out, kinds=strs(kinds), budget_s=budget_s, name=name,
+                          authors=authors, authors_commit=authors_commit, **grid)
 
 
 bench_app.command("decode", hidden=True, help="alias of 'bench kernels'")(bench_kernels_cmd)

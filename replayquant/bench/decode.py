@@ -31,6 +31,9 @@ from replayquant.statebytes import (conventional_bytes, replay_flush_step_bytes,
 from replayquant.statebytes import entry_bytes as _entry_bytes  # noqa: E402,F401
 from replayquant.statebytes import io_bytes as _io_bytes  # noqa: E402
 
+# the targets of the decode kernels, from the rows of a run (replayquant.bench.targets)
+from replayquant.bench.targets import targets  # noqa: E402,F401
+
 
 # ---------------------------------------------------------------------------- timing
 
@@ -235,6 +238,18 @@ def gpu_checks(device="cuda") -> dict:
 def _peer_gdn():
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
     return fused_recurrent_gated_delta_rule
+
+
+def _mamba_ssm_commit():
+    """The state-spaces/mamba commit of the importable mamba_ssm: a COMMIT file at the top of the
+    package (the device carries only its selective_state_update modules), else its version."""
+    try:
+        import mamba_ssm
+    except Exception:  # noqa: BLE001 (peers are optional)
+        return None
+    from pathlib import Path
+    f = Path(mamba_ssm.__file__).parent / "COMMIT"
+    return f.read_text().strip() if f.is_file() else getattr(mamba_ssm, "__version__", "?")
 
 
 def _peer_mamba():
@@ -791,87 +806,6 @@ def _find(rows, **kv):
     return [r for r in rows if all(r.get(k) == v for k, v in kv.items())]
 
 
-# read variants' row suffixes ('-dots-staggered': a window with rows out of phase; it has no
-# read-step rows)
-READ_KERNELS = (("", ""), ("-kh", " kh"), ("-dots", " dots"), ("-dots-staggered", " dots staggered"))
-
-
-def targets(res) -> list:
-    """The benchmark's targets (decode-kernel speedups over the conventional step, byte
-    ceilings), each with the measured value(s) and met / not met / not measured."""
-    rows = res["rows"]
-    bw = res.get("copy_GBps")
-    out = []
-
-    def add(name, vals, ok, ceiling=None):
-        out.append(dict(target=name, measured=vals, met=None if not vals else ok,
-                        **({"ceiling": ceiling} if ceiling else {})))
-
-    def at_copy_us(r):          # the row's counted bytes at the copy bandwidth of the run
-        return r["bytes"] / bw / 1e3 if bw and r.get("bytes") else None
-    for kind in SHAPES:
-        v = {r["B"]: round(r["pct_copy"], 1) for r in _find(rows, kind=kind, kernel="conventional",
-                                                            variant="fp32") if r["B"] >= 128}
-        add(f"{kind}: conventional FP32 >= 85% of copy at B >= 128", v,
-            bool(v) and min(v.values()) >= 85)
-        v, main, ceil = {}, [], {}
-        conv = _find(rows, kind=kind, kernel="conventional", variant="fp32", B=256)
-        for kern, tag in READ_KERNELS:
-            for r in _find(rows, kind=kind, kernel=f"replay-window{kern}", variant="s32_rs", B=256):
-                if "speedup_vs_conv_fp32" in r:
-                    v[f"L={r['L']}{tag}"] = round(r["speedup_vs_conv_fp32"], 3)
-                    if r["L"] == 16:
-                        main.append(r["speedup_vs_conv_fp32"])
-                    if conv and at_copy_us(r):
-                        ceil[f"L={r['L']}"] = dict(
-                            byte_ratio=round(conv[0]["bytes"] / r["bytes"], 3),
-                            at_copy_bw=round(conv[0]["us"] / at_copy_us(r), 3))
-        add(f"{kind}: replay FP32 (s32_rs) L = 16 >= 1.9x conventional at B = 256 (by L and "
-            "read variant)", v, bool(main) and max(main) >= 1.9, ceil)
-        v, best, ceil = {}, {}, {}
-        for kern, tag in READ_KERNELS:
-            r32 = {r["L"]: r for r in _find(rows, kind=kind, kernel=f"replay-read-step{kern}",
-                                            variant="s32_rs", B=256)}
-            r4 = {r["L"]: r for r in _find(rows, kind=kind, kernel=f"replay-read-step{kern}",
-                                           variant="tp4_hi32", B=256)}
-            for L in r32:
-                if L in r4:
-                    v[f"L={L}{tag}"] = round(r32[L]["us"] / r4[L]["us"], 3)
-                    b = best.setdefault(L, [math.inf, math.inf])
-                    b[0], b[1] = min(b[0], r32[L]["us"]), min(b[1], r4[L]["us"])
-                    if at_copy_us(r4[L]) and r32[L].get("bytes"):
-                        ceil[f"L={L}"] = dict(
-                            byte_ratio=round(r32[L]["bytes"] / r4[L]["bytes"], 3),
-                            at_copy_bw=round(b[0] / at_copy_us(r4[L]), 3))
-        for L, (a32, a4) in best.items():
-            v[f"L={L} best FP32 / best NVFP4 read"] = round(a32 / a4, 3)
-        add(f"{kind}: non-flush step reading NVFP4 >= 5x an FP32 read (B = 256, by L and read "
-            "variant)", v, bool(v) and max(v.values()) >= 5, ceil)
-        v = {r["variant"]: round(r["speedup_vs_snapshot_round"], 3) for r in
-             _find(rows, kind=kind, kernel="spec-replay-round", B=512, T=4)
-             if "speedup_vs_snapshot_round" in r}
-        add(f"{kind}: verify T = 4 at B = 512 >= 3.3x the snapshot round (by pair)", v,
-            bool(v) and max(v.values()) >= 3.3)
-        v = {}
-        for r in _find(rows, kind=kind, B=1):
-            if r["kernel"] in ("replay-window", "replay-forced-flush-layer", "replay-forced-auto",
-                               "replay-forced-auto-layer", "replay-window-fused",
-                               "replay-forced-flush-fused") \
-                    and "speedup_vs_conv_fp32" in r:
-                key = f"{r['variant']} L={r.get('L')} {r['kernel']}"
-                v[key] = round(r["speedup_vs_conv_fp32"], 3)
-        for r in _find(rows, kind=kind, B=1, kernel="replay-forced-auto-layer-alternated"):
-            v[f"{r['variant']} L={r.get('L')} replay-forced-auto-layer, alternated with the "
-              "conventional kernel"] = round(r["speedup_vs_alternated_conv"], 3)
-        best = {}
-        for key, x in v.items():
-            pair = key.split()[0]
-            best[pair] = max(best.get(pair, 0), x)
-        add(f"{kind}: batch 1 >= 0.95x (best path per pair; forced flush is the default only "
-            "for s32_rs)", v, bool(best) and min(best.values()) >= 0.95)
-    return out
-
-
 def dispatch_thresholds(res) -> dict:
     """For each (kind, L): the smallest measured batch from which the s32_rs replay window (mean
     step, pointer kernel included) was no slower than flushing every step (forced flush at the
@@ -928,14 +862,23 @@ def render_markdown(res) -> str:
         lines += ["Not measured (time budget): " + ", ".join(res["skipped"]), ""]
     tg = res.get("targets") or []
     if tg:
-        lines += ["## Targets", "", "Byte ceiling (two targets): `byte_ratio`, the speedup "
-                  "if both sides moved their counted bytes equally fast; `at_copy_bw`, the "
-                  "measured baseline over the replay side's bytes at this run's copy bandwidth "
-                  "(no kernel can beat it).", "",
-                  "| target | measured | met | byte ceiling |", "| --- | --- | --- | --- |"]
+        lines += ["## Targets", "", "Ratios: the baseline's time over ours (the smallest over "
+                  "the entry's rows); floor: the counted bytes at this run's copy bandwidth.", "",
+                  "| target | measured | met | floor (us) |", "| --- | --- | --- | --- |"]
         for t in tg:
-            m = "not measured" if t["met"] is None else ("yes" if t["met"] else "no")
-            lines.append(f"| {t['target']} | {t['measured']} | {m} | {t.get('ceiling', '')} |")
+            m = (t.get("reason") or "not measured") if t["met"] is None else \
+                ("yes" if t["met"] else "no")
+            v = "" if t["measured"] is None else f"{t['measured']:.4g} {t['unit']}"
+            lines.append(f"| {t['target']} | {v} | {m} | {t.get('floor_us', '')} |")
+        lines.append("")
+    for kind, a in (res.get("accuracy") or {}).items():
+        lines += [f"## {kind}: relative Frobenius error after {a['windows']} windows (B = "
+                  f"{a['B']}, L = {a['L']}) against a float64 recurrence", "",
+                  "| kernel | variant | state / anchor | outputs |", "| --- | --- | ---: | ---: |"]
+        for who in ("ours", "authors", "ours_vs_authors"):
+            for v, d in a.get(who, {}).items():
+                st = d.get("anchor", d.get("state"))
+                lines.append(f"| {who} | {v} | {st:.2e} | {d['outputs']:.2e} |")
         lines.append("")
     for kind in SHAPES:
         Bs = sorted({r["B"] for r in _find(rows, kind=kind) if not r["kernel"].startswith(("sweep", "spec"))})
@@ -1055,11 +998,15 @@ def _check_names(pairs, kinds) -> None:
 
 def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
          spec_batches=GRID["spec_batches"], kinds=tuple(SHAPES), peers=True, checks=True,
-         sweep=True, detail_batches=(256,), shapes=None, variant_min_b=VARIANT_MIN_B):
+         sweep=True, detail_batches=(256,), shapes=None, variant_min_b=VARIANT_MIN_B,
+         authors=False, staggered_batches=(), main_L_only=False, accuracy=False):
     """The benchmark's sections in priority order, each (key, estimated seconds, what): the
     targets first (conventional, every pair at the kind's main L with the one-launch
-    window up to FUSED_MAX_B, T = 4 at the largest spec batch), then the 'dots' rows, the
-    peers, the other L values and the other T values."""
+    window up to FUSED_MAX_B, the authors' windows and the staggered windows, T = 4 at the
+    largest spec batch), then the 'dots' rows, the peers, the other L values (none with
+    main_L_only) and the other T values. authors: the authors' rows (bench.authors);
+    staggered_batches: where the windows are also timed with rows out of phase; accuracy: the
+    float64 comparison after the checks."""
     _check_names(pairs, kinds)
     shapes = shapes or SHAPES
     E = _EST
@@ -1068,6 +1015,9 @@ def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
     sec = []
     if checks:
         sec.append(("checks", E["checks"], ("checks",)))
+    for kind in kinds if accuracy else ():   # against float64: ours, the authors' (bench.authors)
+        sec.append((f"accuracy/{kind}", E["compile"] * (2 * len(pairs) + 4 * authors) + 2.0,
+                    ("accuracy", kind)))
     for kind in kinds:
         if sweep:
             n = 3 + P * 5
@@ -1104,9 +1054,29 @@ def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
                             rounds * (E["fixed"] + gb * E["per_GB"] * (1 + T / 2))
                             + P * E["compile"] + 2 * n_sr * E["sr_per_GB"] * gb,
                             ("spec", kind, B, T)))
+    # beside the authors' kernels (replayquant.bench.authors): their windows and our staggered
+    # windows, then (below) their GDN speculative round
+    for kind in kinds:
+        L = mainL[kind]
+        for B in batches:
+            gb = _gb(kind, B, shapes[kind])
+            stag = B in staggered_batches
+            if authors:
+                sec.append((f"authors/{kind}/B{B}", (1 + stag) * (E["fixed"] + gb * E["per_GB"]
+                                                                  * (L / 8))
+                            + (2 * E["compile"] if B == batches[0] else 0),
+                            ("authors", kind, B, stag)))
+            for pair in pairs if stag else ():
+                sec.append((f"staggered/{kind}/B{B}/{pair}", E["fixed"] + gb * E["per_GB"]
+                            * (L / 8), ("staggered", kind, B, pair)))
     bigT = max(Ts) if Ts else None
     if bigT:
         spec_sections(bigT)
+        if authors and "gdn" in kinds:
+            for B in sorted(spec_batches, reverse=True):
+                sec.append((f"spec-authors/gdn/B{B}/T{bigT}", E["compile"] * 2 + E["fixed"]
+                            + _gb("gdn", B, shapes["gdn"]) * E["per_GB"] * (1 + bigT / 2),
+                            ("spec-authors", "gdn", B, bigT)))
     # the 'dots' read variant of the split launch, both kinds; from batch VARIANT_MIN_B (below
     # it the one-launch path is the default). ('kh', one program per (row, key head), is not a
     # read variant: it was slower than 'dots', see replay_decode.DOTS_MIN_ROWS.)
@@ -1132,7 +1102,7 @@ def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
                                                        * E["per_GB"]), ("peers", kind, B)))
     for kind in kinds:
         for L in Ls:
-            if L == mainL[kind]:
+            if L == mainL[kind] or main_L_only:
                 continue
             for B in batches:
                 gb = _gb(kind, B, shapes[kind])
@@ -1158,12 +1128,16 @@ def run_kernels_bench(out: str = "build/bench", batches=GRID["batches"], Ls=GRID
                       kinds=tuple(SHAPES), peers: bool = True, checks: bool = True,
                       sweep: bool = True, detail_batches=(256,), budget_s: float = 500.0,
                       device: str = "cuda", name: str = "kernels", plot: bool = True,
-                      shapes=None, variant_min_b: int = VARIANT_MIN_B) -> dict:
+                      shapes=None, variant_min_b: int = VARIANT_MIN_B, authors=None,
+                      authors_commit=None, staggered_batches=(256,), main_L_only=False,
+                      accuracy=True) -> dict:
     """`replayquant bench kernels`: copy bandwidth, GPU checks, launch-config sweep, conventional
     / replay / peer decode steps over the grid (B x L x pair) and speculative rounds
     (T), in priority order (plan) under a time budget: sections whose estimate would pass
     budget_s are skipped and listed. Writes {name}.json (after every section), {name}.md and
-    {name}_speedup.png.
+    {name}_speedup.png. authors: a checkout of the ReplaySSM authors' fork, whose kernels are
+    timed beside ours (replayquant.bench.authors; its commit from the checkout, or
+    authors_commit); staggered_batches, main_L_only, accuracy: as plan.
 
     device 'cpu' is a smoke run of this code (tiny `shapes`, Triton interpreter, wall-clock
     timing): never a result."""
@@ -1184,6 +1158,8 @@ def run_kernels_bench(out: str = "build/bench", batches=GRID["batches"], Ls=GRID
         raise ValueError(f"need batches or spec batches, L >= 1 and T >= 1 (got "
                          f"{list(batches)}, {list(spec_batches)}, {list(Ls)}, {list(Ts)}); a "
                          "speculative T larger than the kind's L is skipped")
+    from replayquant.bench import authors as side
+    A = side.load(authors, authors_commit) if authors else None   # bad PATH: before measuring
     t0 = time.time()
     saved_shapes = SHAPES
     if shapes is not None:
@@ -1193,7 +1169,8 @@ def run_kernels_bench(out: str = "build/bench", batches=GRID["batches"], Ls=GRID
     _CPU_TIMING["on"] = cpu
     try:
         sections = plan(batches, Ls, pairs, Ts, spec_batches, tuple(SHAPES), peers and not cpu,
-                        checks and not cpu, sweep, detail_batches, SHAPES, variant_min_b)
+                        checks and not cpu, sweep, detail_batches, SHAPES, variant_min_b,
+                        A is not None, staggered_batches, main_L_only, accuracy)
         est = estimate_s(sections)
         print(f"[bench kernels] {len(sections)} sections, estimated {est:.0f} s "
               f"(budget {budget_s:.0f} s"
@@ -1204,11 +1181,15 @@ def run_kernels_bench(out: str = "build/bench", batches=GRID["batches"], Ls=GRID
                       spec_batches=list(spec_batches), main_L=dict(PAIR_L), shapes=SHAPES,
                       peers=peers, checks=checks, sweep=sweep, detail_batches=list(detail_batches),
                       budget_s=budget_s, estimate_s=est, smoke_cpu=cpu,
-                      fused_max_b=FUSED_MAX_B, variant_min_b=variant_min_b)
+                      fused_max_b=FUSED_MAX_B, variant_min_b=variant_min_b,
+                      staggered_batches=list(staggered_batches), main_L_only=main_L_only,
+                      accuracy=accuracy)
         res = {"provenance": provenance(device, **params), "rows": [], "errors": {},
                "skipped": [], "copy_GBps": None}
         if cpu:
             res["provenance"]["note"] = "CPU smoke run of the benchmark code: not a result"
+        if A is not None:
+            res["provenance"]["authors"] = A.provenance()
         outp = Path(out)
         outp.mkdir(parents=True, exist_ok=True)
 
@@ -1220,6 +1201,7 @@ def run_kernels_bench(out: str = "build/bench", batches=GRID["batches"], Ls=GRID
                 res["provenance"]["versions"]["fla"] = getattr(fla, "__version__", "?")
             except Exception:  # noqa: BLE001
                 pass
+            res["provenance"]["versions"]["mamba_ssm"] = _mamba_ssm_commit()
         copy_bw = 1.0 if cpu else copy_bandwidth_GBps(device)
         res["copy_GBps"] = copy_bw
         print(f"copy bandwidth {copy_bw:.0f} GB/s", flush=True)
@@ -1267,6 +1249,27 @@ def run_kernels_bench(out: str = "build/bench", batches=GRID["batches"], Ls=GRID
                 res["rows"] += _try(lambda: bench_spec(
                     kind, B, T, device, copy_bw, cfgs.get(kind) if B >= 128 else None, pairs, L,
                     S=SHAPES[kind]), E, key, [])
+            elif op == "accuracy":
+                kind = what[1]
+                acc = _try(lambda: side.accuracy(kind, SHAPES[kind], 8 if not cpu else 2,
+                                                 PAIR_L[kind] if PAIR_L[kind] in Ls else Ls[0],
+                                                 device, A, pairs=[p for p in pairs
+                                                                   if p in side.ACC_PAIRS]),
+                           E, key)
+                if acc:
+                    res.setdefault("accuracy", {})[kind] = acc
+                    side.print_accuracy(kind, acc)
+            elif op in ("authors", "staggered", "spec-authors"):
+                kind, B = what[1:3]
+                L = PAIR_L[kind] if PAIR_L[kind] in Ls else Ls[0]
+                sk = SHAPES[kind]
+                run = {"authors": lambda: side.bench_window(kind, B, L, device, copy_bw, sk, A,
+                                                            what[3]),
+                       "staggered": lambda: side.bench_ours_staggered(kind, B, what[3], L, device,
+                                                                      copy_bw, sk),
+                       "spec-authors": lambda: side.bench_spec(kind, B, what[3], L, device,
+                                                               copy_bw, sk, A)}[op]
+                res["rows"] += _try(run, E, key, [])
             elif op == "peers":
                 kind, B = what[1:]
                 res["rows"] += _try(lambda: bench_peers(kind, B, device, copy_bw,
@@ -1354,7 +1357,7 @@ def merge_kernels(parts, out: str = "build/bench", name: str = "kernels",
         errors.update({f"part {i}: {k}": v for k, v in r.get("errors", {}).items()})
         configs.update(r.get("configs") or {})
         skipped += [k for k in r.get("skipped", []) if k.split(" ")[0] not in ran]
-        for k in ("checks", "peer_comparison"):
+        for k in ("checks", "peer_comparison", "accuracy"):
             if r.get(k) is not None and k not in res:
                 res[k] = r[k]
         q = r["provenance"]
