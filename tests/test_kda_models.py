@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from replayquant.models import load_model, patch, recurrent_layers, unpatch
-from replayquant.models.families import KDA_DECODE, family_of
+from replayquant.models.families import family_of
+from replayquant.models.runtime import KDA_DECODE, decode_path
 from test_families import VOCAB, _batch, _generate, _logits, _tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -173,6 +174,7 @@ def test_decode_runs_the_torch_step_and_says_so_once(work, monkeypatch):
         warnings.simplefilter("always")
         seq_k, sc_k = _generate(model, ids, mask, n=3)
     decode = [str(x.message) for x in w if "replayquant decode" in str(x.message)]
+    assert decode_path(vector_gate=True) == f"torch ({KDA_DECODE})"
     assert not calls and len(scans) == 2
     assert len(decode) == 2 and all(KDA_DECODE in m for m in decode), decode
     assert torch.equal(seq_k, seq_t)

@@ -368,12 +368,6 @@ def mamba2_forward(self, hidden_states, cache=None, attention_mask=None, cache_p
 
 # ---------------------------------------------------------------- Kimi Delta Attention
 
-# why decode runs ReplayState.step for every KDA layer, whatever the device (LayerRuntime says it
-# once per layer where the kernel would otherwise run)
-KDA_DECODE = ("the replay decode kernel takes one decay per head and step; Kimi Delta Attention "
-              "decays each key channel")
-
-
 @force_accelerate_hooks("conv1d")
 def kda_forward(self, hidden_states, cache=None, attention_mask=None, cache_params=None, **kwargs):
     """Kimi Delta Attention layer forward (every "kda" family) with the replay recurrence."""
@@ -392,7 +386,9 @@ def kda_forward(self, hidden_states, cache=None, attention_mask=None, cache_para
     g = fam.role(self, "decay")(hidden_states)          # log decay [B, T, H, d_k], FP32
     # beta = sigmoid(b) in FP32, as for Gated DeltaNet (HF takes it in the model dtype)
     q, k, v, log_a, beta = kda_inputs(query, key, value, g, _apply(fam, self, "b", hidden_states))
-    y = rt.run(cache, had_prev, q, k, v, log_a, beta, _valid(attention_mask, B, T), raw=KDA_DECODE)
+    # decode runs ReplayState.step (runtime.KDA_DECODE says why, once per layer, where the decode
+    # kernel would otherwise run): no raw inputs for the kernel
+    y = rt.run(cache, had_prev, q, k, v, log_a, beta, _valid(attention_mask, B, T))
     gate = fam.role(self, "z_b")(fam.role(self, "z_a")(hidden_states)).reshape(B, T, -1, self.head_dim)
     core = fam.role(self, "norm")(y.to(query.dtype), gate)
     return fam.role(self, "out")(core.reshape(B, T, -1))

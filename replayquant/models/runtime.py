@@ -22,8 +22,7 @@ Which path runs:
   `ReplayState.step`, the torch reference. `decode_path()` says which; a layer the kernel does
   not handle (d_k or d_v not a power of two >= 16) runs the torch reference
   with one warning per layer that names the reason; so does every Kimi Delta Attention layer
-  (one decay per key channel, `vector_gate`; the decode kernel takes one per head), which passes
-  that reason as its `raw` (families.KDA_DECODE).
+  (one decay per key channel, `vector_gate`; the decode kernel takes one per head: KDA_DECODE).
 * any other forward (prompt, teacher forcing, segments continuing a cache): the chunked scan
   (DESIGN section 7). On CUDA tensors (or with REPLAYQUANT_BACKEND=triton) the Triton kernel
   `replayquant.kernels.chunk` runs; elsewhere the torch reference `chunk_ref.teacher_force`.
@@ -55,7 +54,7 @@ from replayquant.replay import ReplayState
 from replayquant.replay.state import find_nonfinite
 
 __all__ = ["LayerRuntime", "KernelDecodeState", "ScanHeld", "decode_step", "decode_path",
-           "teacher_force_path", "state_to_store", "store_to_state", "STATE_ATTR"]
+           "teacher_force_path", "state_to_store", "store_to_state", "STATE_ATTR", "KDA_DECODE"]
 
 STATE_ATTR = "_replayquant_state"
 KERNEL_U_DTYPE = torch.bfloat16       # the decode kernel's default ring-buffer dtype for GDN u
@@ -64,6 +63,9 @@ KERNEL_U_DTYPE = torch.bfloat16       # the decode kernel's default ring-buffer 
 # back continues the same schedule. (The kernel's 'auto' would flush every step at small batch for
 # a shared FP32 anchor: lossless but another schedule; a serving choice, not the patch's.)
 DECODE_KERNEL_PATH = "replay"
+# why a vector-gated layer (Kimi Delta Attention) decodes on ReplayState.step whatever the device
+KDA_DECODE = ("the replay decode kernel takes one decay per head and step; Kimi Delta Attention "
+              "decays each key channel")
 
 
 def _pow2_16(d: int) -> bool:
@@ -71,15 +73,16 @@ def _pow2_16(d: int) -> bool:
 
 
 def decode_path(x: torch.Tensor | None = None, d_k: int | None = None, d_v: int | None = None,
-                dt_limit=None) -> str:
+                dt_limit=None, vector_gate: bool = False) -> str:
     """Which implementation a decode step runs for inputs like x with d_k x d_v states:
     'triton' (the replay decode kernel, replayquant.kernels.replay_decode), 'torch'
     (ReplayState.step) or 'torch (<why the kernel cannot run>)'. x None: the CPU
     (REPLAYQUANT_BACKEND decides). dt_limit: a Mamba-2 layer's time_step_limit (the kernel
-    clamps dt to it, so it never forces the torch path; a malformed one raises ValueError)."""
+    clamps dt to it, so it never forces the torch path; a malformed one raises ValueError).
+    vector_gate: a decay per key channel (Kimi Delta Attention), which the kernel does not take."""
     if not use_triton(x if x is not None else torch.empty(0)):
         return "torch"
-    why = []
+    why = [KDA_DECODE] if vector_gate else []
     if d_k is not None and d_v is not None and not (_pow2_16(d_k) and _pow2_16(d_v)):
         why.append(f"the Triton replay decode kernel needs d_k, d_v powers of two >= 16, got "
                    f"d_k={d_k}, d_v={d_v}")
@@ -394,7 +397,8 @@ class LayerRuntime:
     def decode_path(self, x, d_k, d_v, raw) -> str:
         """decode_path for this layer (raw None: the caller has no raw inputs -> torch; raw a
         str: why the decode kernel cannot take this layer -> torch, saying so)."""
-        path = decode_path(x, d_k, d_v, raw.get("dt_limit") if isinstance(raw, dict) else None)
+        path = decode_path(x, d_k, d_v, raw.get("dt_limit") if isinstance(raw, dict) else None,
+                           self.vector_gate)
         if path == "triton" and not isinstance(raw, dict):
             return f"torch ({raw or 'the layer passed no raw inputs for the decode kernel'})"
         return path
