@@ -43,12 +43,13 @@ def _config(fam):
             q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, num_experts=2,
             num_experts_per_token=1, pad_token_id=0, bos_token_id=None, eos_token_id=1,
             initializer_range=0.2, **MLA, **LINEAR)
-    # index_topk covers every position the generate tests reach (the DSA indexer's sparse
-    # selection of fewer positions makes the unpatched model's own decode differ from its
-    # teacher forcing)
+    # "full_attention": the DSA layer, by the name both 5.17 and 5.24 accept (each renames it:
+    # deepseek_sparse_attention / indexed_attention). index_topk covers every position the
+    # generate tests reach (the DSA indexer's sparse selection of fewer positions makes the
+    # unpatched model's own decode differ from its teacher forcing)
     text = tf.Glm5NextTextConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-        num_hidden_layers=3, layer_types=["linear_attention", "indexed_attention", "linear_attention"],
+        num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
         mlp_layer_types=["dense", "sparse", "dense"], n_routed_experts=2, num_experts_per_tok=1,
         q_lora_rank=16, qk_rope_head_dim=0, qk_nope_head_dim=16, index_topk=32, index_head_dim=16,
         index_n_heads=2, index_kpool=4, hc_mult=2, pad_token_id=0, eos_token_id=1,
