@@ -63,12 +63,14 @@ LM_EVAL_INTERNALS = {
     "lm_eval.models.huggingface:HFLM._model_call": ("attn_mask", "labels"),
     "lm_eval.models.huggingface:HFLM._model_generate": (),
     "lm_eval.models.huggingface:HFLM.get_model_info": (),
+    "lm_eval.models.huggingface:HFLM._get_backend": ("config", "backend", "trust_remote_code"),
     "lm_eval.__main__:cli_evaluate": (),
     "lm_eval.evaluator:get_git_commit_hash": (),
 }
 LM_EVAL_CALLS = {   # "caller": "what its source must call"
     "lm_eval.models.huggingface:HFLM._loglikelihood_tokens": "self._model_call(",
     "lm_eval.models.huggingface:HFLM.generate_until": "self._model_generate(",
+    "lm_eval.models.huggingface:HFLM.__init__": "self._get_backend(",
 }
 
 
