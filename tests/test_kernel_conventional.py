@@ -219,10 +219,11 @@ def test_conventional_kda_step_matches_reference(fmt, rounding):
 
 @pytest.mark.parametrize("pair", ["s32_rs", "f4_sr_rs"])
 def test_conventional_kda_step_matches_conventional_state(pair):
-    """Against ConventionalState(vector_gate=True) fed kda_frontend_ref's inputs (batch rows
-    permuted onto slots); with s32_rs also against the float64 recurrence."""
+    """Against ConventionalState(vector_gate=True) fed the model path's front end
+    (replay.kda_inputs, which kda_frontend_ref equals bit for bit; batch rows permuted onto
+    slots); with s32_rs also against the float64 recurrence."""
     from replayquant.pairs import PrecisionPair
-    from replayquant.replay import recurrent_reference
+    from replayquant.replay import kda_inputs, recurrent_reference
     N, HK, H, dk, dv = 3, 1, 2, 16, 16
     P = PrecisionPair.load(pair)
     idx = torch.tensor([2, 0, -1, 1])
@@ -236,7 +237,8 @@ def test_conventional_kda_step_matches_conventional_state(pair):
     ys = []
     for q, k, v, g, beta in steps:
         y = conventional_kda_step(store, q, k, v, g, beta, state_indices=idx)
-        fe = [t[perm] for t in kda_frontend_ref(q, k, v, g, beta)]
+        fe = [t[perm] for t in kda_inputs(q, k, v, g, beta=beta)]
+        assert all(torch.equal(a[perm], b) for a, b in zip(kda_frontend_ref(q, k, v, g, beta), fe))
         yr = cs.step(*fe)
         tol = 1e-5 if pair == "s32_rs" else 1e-3
         torch.testing.assert_close(y[perm], yr, rtol=tol, atol=tol * yr.abs().max().item())

@@ -415,11 +415,13 @@ def _chain_state(A, U, Wm, Kt, G, jj, L: tl.constexpr, DELTA: tl.constexpr,
     else:
         u = U
     if VEC:
-        return tl.exp(G)[None, :] * A + tl.dot(tl.trans(u), Kt, input_precision=PREC)
-    GL = tl.sum(tl.where(jj == L - 1, G, 0.0), axis=0)
-    inw = jj < L
-    wL = tl.where(inw, tl.exp(tl.where(inw, GL - G, 0.0)), 0.0)
-    return tl.exp(GL) * A + tl.dot(tl.trans(u * wL[:, None]), Kt, input_precision=PREC)
+        S = tl.exp(G)[None, :] * A + tl.dot(tl.trans(u), Kt, input_precision=PREC)
+    else:
+        GL = tl.sum(tl.where(jj == L - 1, G, 0.0), axis=0)
+        inw = jj < L
+        wL = tl.where(inw, tl.exp(tl.where(inw, GL - G, 0.0)), 0.0)
+        S = tl.exp(GL) * A + tl.dot(tl.trans(u * wL[:, None]), Kt, input_precision=PREC)
+    return S
 
 
 @triton.jit

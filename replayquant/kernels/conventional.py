@@ -433,12 +433,13 @@ def _kda_front_end(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, row, hv, hk, rows, cols, s
                    HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                    L2NORM: tl.constexpr):
     """One KDA step's inputs in float32 as the layer gives them: q, k [DK] (L2-normalised, q
-    scaled), v [BV rows], the log decay g [DK] of value head hv, beta."""
+    scaled), v [BV rows], the log decay g [DK] of value head hv, beta. The norm is KDA's own
+    form, x / sqrt(sum x^2 + 1e-6) (GDN's multiplies by the reciprocal root)."""
     q = tl.load(q_ptr + (row * HK + hk) * DK + cols).to(tl.float32)
     k = tl.load(k_ptr + (row * HK + hk) * DK + cols).to(tl.float32)
     if L2NORM:
-        q = _l2norm(q)
-        k = _l2norm(k)
+        q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)
+        k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
     v = tl.load(v_ptr + (row * HV + hv) * DV + rows).to(tl.float32)
     g = tl.load(g_ptr + (row * HV + hv) * DK + cols).to(tl.float32)
     beta = tl.load(b_ptr + row * HV + hv).to(tl.float32)
@@ -522,13 +523,13 @@ def gdn_frontend_ref(q, k, v, a, b, A_log, dt_bias, scale=None, use_qk_l2norm=Tr
 
 def kda_frontend_ref(q, k, v, g, beta, scale=None, use_qk_l2norm=True):
     """torch twin of the KDA front end: (q, k expanded to value heads, v, log_a = g, beta) in
-    float32; q, k L2-normalised as transformers' KDA (x / sqrt(sum x^2 + 1e-6)), q scaled by
-    `scale` (default d_k^-1/2)."""
+    float32; q, k L2-normalised as transformers' KDA (x / sqrt(sum x^2 + 1e-6), as
+    replay.kda_inputs), q scaled by `scale` (default d_k^-1/2)."""
     HK, HV = q.shape[1], v.shape[1]
     q, k = q.float(), k.float()
     if use_qk_l2norm:
-        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + GDN_L2NORM_EPS)
-        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + GDN_L2NORM_EPS)
+        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + GDN_L2NORM_EPS)
+        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + GDN_L2NORM_EPS)
     q = q * (scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
     r = HV // HK
     q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)
