@@ -1,14 +1,17 @@
 """The ReplaySSM authors' decode kernels beside ours (`replayquant bench kernels --authors PATH`).
 
 PATH is a checkout of their vLLM fork (github.com/Johnny-Liou/ReplaySSM) or a folder holding only
-the files of `FILES` at the same relative paths (with a COMMIT file naming the fork's commit).
+the files of `FILES` at the same relative paths (with a COMMIT file naming the fork's commit):
+their GDN decode and verify, their Mamba-2 decode (output-only route) and verify, and the launch
+config module all four import.
 Their code stays there: `load` imports those files under their own module names after putting
 stand-ins for the few vLLM names they import into sys.modules (`vllm.triton_utils`: triton and
 tl; `vllm.platforms.current_platform`; `NULL_BLOCK_ID`; the softplus of vLLM's mamba_ssm ops),
 and takes the stand-ins out again once the files are loaded.
 
 The runners give their kernels the inputs of our rows (`replayquant.bench.inputs`, drawn by
-`decode._kw`): q, k, v packed into their mixed_qkv layout [B, 2 HK d_k + H d_v] (bf16), the FP32
+`decode._kw`): q, k, v packed into their mixed_qkv layout [B, 2 HK d_k + H d_v] (bf16; Mamba-2's
+verify: x, B, C packed as their post-conv output), gates and dt in FP32 as ours, the FP32
 state [slots, H, d_v, d_k] with slot 0 their null block (batch row r lives in slot r + 1), the
 ring caches in the activation dtype (bf16, their production setting; float32 for their
 FP32-activation variant) and the per-row write position, which their metadata builder computes
@@ -36,6 +39,7 @@ _MODS = {   # module name -> file, relative to the checkout
     "gdn_verify": "vllm/model_executor/layers/fla/ops/gdn_replayssm_spec_decode.py",
     "mamba2_decode": "vllm/model_executor/layers/mamba/ops/"
                      "selective_state_update_replayssm_output_only.py",
+    "mamba2_verify": "vllm/model_executor/layers/mamba/ops/selective_state_update_replayssm_spec.py",
 }
 _CONFIG = "vllm/model_executor/layers/mamba/ops/replayssm_config.py"   # imported by all three
 FILES = (*_MODS.values(), _CONFIG)
@@ -81,6 +85,8 @@ class Authors:
     gdn_verify: object          # gdn_replayssm_spec_decode
     gdn_commit: object          # commit_gdn_replayssm_spec (their accept: moves the cursors)
     mamba2_step: object         # selective_state_update_replayssm_output_only
+    mamba2_verify: object       # selective_state_update_replayssm_spec
+    mamba2_commit: object       # commit_replayssm_spec
 
     def provenance(self) -> dict:
         return {"repo": FORK, "commit": self.commit, "path": self.path, "files": list(FILES)}
@@ -146,18 +152,22 @@ def load(path, commit: str | None = None) -> Authors:
         for n in names:
             sys.modules.pop(n, None)
         sys.modules.update(saved)
-    g, v, m = (loaded[_MODS[k]] for k in ("gdn_decode", "gdn_verify", "mamba2_decode"))
+    g, v, m, mv = (loaded[_MODS[k]] for k in _MODS)
     return Authors(str(path), commit, g.fused_recurrent_gated_delta_rule_replayssm,
                    v.gdn_replayssm_spec_decode, v.commit_gdn_replayssm_spec,
-                   m.selective_state_update_replayssm_output_only)
+                   m.selective_state_update_replayssm_output_only,
+                   mv.selective_state_update_replayssm_spec, mv.commit_replayssm_spec)
 
 
 # ---------------------------------------------------------------------------- runners
 
 def write_positions(B: int, L: int, stagger: int, device) -> list:
-    """Their write_pos of each step of one window: [B] int32, row r at (r * stagger + s) mod L."""
+    """Their per-row cursors of each step of one window, as their metadata builder hands them
+    over: (write_pos [B] int32, row r at (r * stagger + s) mod L; is_flush [B] bool, write_pos
+    == L - 1, which their Mamba-2 kernel takes besides)."""
     r = torch.arange(B, dtype=torch.int32, device=device) * int(stagger)
-    return [((r + s) % L).to(torch.int32) for s in range(L)]
+    pos = [((r + s) % L).to(torch.int32) for s in range(L)]
+    return [(p, p == L - 1) for p in pos]
 
 
 class GdnRunner:
@@ -184,7 +194,8 @@ class GdnRunner:
         self.a, self.b = kw["a"].float().contiguous(), kw["b"].float().contiguous()
         self.A_log, self.dt_bias = kw["A_log"].float(), kw["dt_bias"].float()
 
-    def step(self, write_pos):
+    def step(self, cursor):
+        write_pos, _ = cursor
         self.A.gdn_step(mixed_qkv=self.mixed, a=self.a, b=self.b, A_log=self.A_log,
                         dt_bias=self.dt_bias, scale=self.dk ** -0.5, initial_state=self.state,
                         d_cache=self.d, k_cache=self.k, g_cache=self.g, out=self.out,
@@ -228,11 +239,12 @@ class Mamba2Runner:
         self.D = kw["D"].float()[:, None].expand(H, P)
         self.dt_bias = kw["dt_bias"].float()[:, None].expand(H, P)
 
-    def step(self, write_pos):
+    def step(self, cursor):
+        write_pos, is_flush = cursor
         self.A.mamba2_step(self.state, self.x, self.dt, self.Am, self.Bm, self.C, self.D,
                            self.dt_bias, z=self.z, dt_softplus=True, x_cache=self.x_cache,
                            dt_cache=self.dt_cache, B_cache=self.B_cache, bc_pre=self.bc_pre,
-                           write_pos=write_pos, is_flush=write_pos == self.L - 1,
+                           write_pos=write_pos, is_flush=is_flush,
                            max_cache_len=self.L, state_batch_indices=self.idx, out=self.out)
         return self.out
 
@@ -275,6 +287,48 @@ class GdnSpecRunner:
                           max_spec_len=self.T)
         self.A.gdn_commit(self.write_pos, self.cache_base, self.is_flush, n_accepted, self.idx,
                           max_cache_len=self.L, max_spec_len=self.T)
+        return self.out
+
+
+class Mamba2SpecRunner:
+    """Their Mamba-2 speculative round on one batch: verify of T tokens per row from their packed
+    post-conv layout (conv_out [B T, x | B | C], a circular cache of x | B and dt), three
+    launches (scatter + B.C precompute, verify rows, flush rows), then their commit."""
+
+    def __init__(self, A: Authors, init, kw, L, G, T, act=torch.bfloat16):
+        B, H, P, N = init.shape
+        dev = init.device
+        n, buf = B * T, triton.next_power_of_2(L)
+        self.A, self.L, self.T, self.G, self.N, self.d_inner = A, L, T, G, N, H * P
+        self.state = torch.zeros(B + 1, H, P, N, device=dev)
+        self.state[1:] = init
+        self.cache = torch.zeros(B + 1, buf, H * P + G * N, dtype=act, device=dev)
+        self.dt_cache = torch.zeros(B + 1, H, buf, device=dev)
+        self.conv_out = torch.cat([kw["x"].reshape(n, -1), kw["B"].reshape(n, -1),
+                                   kw["C"].reshape(n, -1)], 1).to(act).contiguous()
+        self.dt = kw["dt"].float().reshape(n, H).contiguous()
+        self.Am = kw["A"].float()[:, None, None].expand(H, P, N)
+        self.D = kw["D"].float()[:, None].expand(H, P)
+        self.dt_bias = kw["dt_bias"].float()
+        self.z = kw["z"].to(act).reshape(n, H, P).contiguous()
+        self.write_pos = torch.zeros(B + 1, dtype=torch.int32, device=dev)
+        self.origin = torch.zeros(B + 1, dtype=torch.int32, device=dev)
+        self.is_flush = torch.zeros(B + 1, dtype=torch.int8, device=dev)
+        self.idx = torch.arange(1, B + 1, dtype=torch.int32, device=dev)
+        self.qsl = torch.arange(0, n + 1, T, dtype=torch.int32, device=dev)
+        self.bc_pre = torch.zeros(B, G, buf, triton.next_power_of_2(T), dtype=act, device=dev)
+        self.out = torch.empty(n, H, P, dtype=act, device=dev)
+
+    def round(self, n_accepted):
+        self.A.mamba2_verify(self.state, self.cache, self.dt_cache, self.conv_out, self.dt,
+                             self.Am, write_pos=self.write_pos, post_conv_state_pos=self.origin,
+                             is_flush=self.is_flush, query_start_loc=self.qsl,
+                             state_batch_indices=self.idx, max_cache_len=self.L,
+                             max_spec_len=self.T, d_inner=self.d_inner, ngroups=self.G,
+                             dstate=self.N, D=self.D, z=self.z, dt_bias=self.dt_bias,
+                             dt_softplus=True, out=self.out, bc_pre=self.bc_pre)
+        self.A.mamba2_commit(self.write_pos, self.origin, self.is_flush, n_accepted, self.idx,
+                             max_cache_len=self.L, max_spec_len=self.T)
         return self.out
 
 
@@ -350,20 +404,19 @@ def bench_spec(kind, B, T, L, device, copy_bw, S, A: Authors) -> list:
     counts of our spec-replay-round rows at the same (B, T) (bench_spec's draw)."""
     from replayquant.bench import decode as bd
     from replayquant.bench.inputs import random_state
-    if kind != "gdn":
-        return []
     H, HK, dv, dk = S["H"], S["HK"], S["dv"], S["dk"]
     init = random_state(B, H, dv, dk, seed=B + 1, device=device)
     kw = bd._kw(kind, S, B, T=T, seed=3, device=device)
     g = torch.Generator().manual_seed(B)
     n = torch.randint(0, T + 1, (B,), generator=g, dtype=torch.int32).to(device)
-    sr = GdnSpecRunner(A, init, kw, L, HK, T)
+    sr = (GdnSpecRunner if kind == "gdn" else Mamba2SpecRunner)(A, init, kw, L, HK, T)
     ms = bd.time_calls(lambda: sr.round(n), 8)
     tokens = B * (float(n.float().mean()) + 1.0)
     row = bd._row(kind, "spec-authors-round", "fp32", B, ms, None, copy_bw, T=T, L=L,
                   tokens_per_s=tokens / ms * 1e3, mean_accept=float(n.float().mean()),
-                  commit=A.commit, note="the authors' verify (flush launch + verify launch) and "
-                  "their cursor commit of the same accept counts as spec-replay-round")
+                  commit=A.commit, note="the authors' verify (its launches: flush rows, verify "
+                  "rows; Mamba-2 also a scatter + B.C launch) and their cursor commit, with the "
+                  "accept counts of spec-replay-round")
     del sr
     bd._empty_cache()
     return [row]

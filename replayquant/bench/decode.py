@@ -1072,11 +1072,11 @@ def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
     bigT = max(Ts) if Ts else None
     if bigT:
         spec_sections(bigT)
-        if authors and "gdn" in kinds:
+        for kind in kinds if authors else ():
             for B in sorted(spec_batches, reverse=True):
-                sec.append((f"spec-authors/gdn/B{B}/T{bigT}", E["compile"] * 2 + E["fixed"]
-                            + _gb("gdn", B, shapes["gdn"]) * E["per_GB"] * (1 + bigT / 2),
-                            ("spec-authors", "gdn", B, bigT)))
+                sec.append((f"spec-authors/{kind}/B{B}/T{bigT}", E["compile"] * 2 + E["fixed"]
+                            + _gb(kind, B, shapes[kind]) * E["per_GB"] * (1 + bigT / 2),
+                            ("spec-authors", kind, B, bigT)))
     # the 'dots' read variant of the split launch, both kinds; from batch VARIANT_MIN_B (below
     # it the one-launch path is the default). ('kh', one program per (row, key head), is not a
     # read variant: it was slower than 'dots', see replay_decode.DOTS_MIN_ROWS.)
