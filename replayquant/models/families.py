@@ -389,8 +389,8 @@ def kda_forward(self, hidden_states, cache=None, attention_mask=None, cache_para
     # decode runs ReplayState.step (runtime.KDA_DECODE says why, once per layer, where the decode
     # kernel would otherwise run): no raw inputs for the kernel
     y = rt.run(cache, had_prev, q, k, v, log_a, beta, _valid(attention_mask, B, T))
-    gate = fam.role(self, "z_b")(fam.role(self, "z_a")(hidden_states)).reshape(B, T, -1, self.head_dim)
-    core = fam.role(self, "norm")(y.to(query.dtype), gate)
+    z = fam.role(self, "z_b")(fam.role(self, "z_a")(hidden_states))
+    core = fam.role(self, "norm")(y.to(query.dtype), z.reshape(B, T, -1, self.head_dim))
     return fam.role(self, "out")(core.reshape(B, T, -1))
 
 
