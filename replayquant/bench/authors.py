@@ -69,9 +69,9 @@ def checkout_commit(path, commit: str | None = None) -> str:
             return lines[1]
     except (OSError, subprocess.SubprocessError):
         pass
-    cf = root / "COMMIT"
-    if cf.is_file() and cf.read_text().split():
-        return cf.read_text().split()[0]
+    words = (root / "COMMIT").read_text().split() if (root / "COMMIT").is_file() else []
+    if words:
+        return words[0]
     raise ValueError(f"--authors {path}: cannot tell the fork's commit (not the top of a git "
                      "checkout, no COMMIT file); pass --authors-commit")
 
@@ -114,12 +114,11 @@ def _stand_ins() -> dict:
 
     names = ["vllm", "vllm.model_executor", "vllm.model_executor.layers",
              "vllm.model_executor.layers.fla", "vllm.model_executor.layers.fla.ops",
-             "vllm.model_executor.layers.mamba", "vllm.v1", "vllm.v1.attention",
-             "vllm.v1.attention.backends"]
+             "vllm.model_executor.layers.mamba", "vllm.model_executor.layers.mamba.ops",
+             "vllm.v1", "vllm.v1.attention", "vllm.v1.attention.backends"]
     out = {n: mod(n) for n in names}
     out["vllm.triton_utils"] = mod("vllm.triton_utils", triton=triton, tl=tl)
     out["vllm.platforms"] = mod("vllm.platforms", current_platform=Platform())
-    out["vllm.model_executor.layers.mamba.ops"] = mod("vllm.model_executor.layers.mamba.ops")
     out["vllm.model_executor.layers.mamba.ops.mamba_ssm"] = mod(
         "vllm.model_executor.layers.mamba.ops.mamba_ssm", softplus=_softplus)
     out["vllm.v1.attention.backends.utils"] = mod("vllm.v1.attention.backends.utils",
