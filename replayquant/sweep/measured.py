@@ -8,15 +8,17 @@ times are not scaled to the model's own shape, and the record says which shape w
 the same pair formats and L at the measured batch nearest to the one asked for (on a log
 scale), and summed over the model's layers: microseconds per decode step of the whole batch.
 
-Which row: the mean step over a window of L steps in the split launch (one flush per row,
-pointer kernel included) with the read the decode step picks at that batch
-(`replay_decode.resolve_read_variant`: `replay-window-dots` from DOTS_MIN_ROWS rows, else the
-block read `replay-window`); the conventional step (`conventional`, fp32) for the FP32 baseline
-and for layers a policy keeps `exact`. Where the grid did not time that row (it times the dots
-read only at each kind's main L), the time is None and `missing` says which row is absent: a
-time of another read variant is never put in its place. A layer of a kind the grid has no shape
-for (e.g. Kimi Delta Attention in a grid of GDN and Mamba-2 rows) has no time either, and
-`missing` names the kind: a GDN time is not taken for a KDA layer, whose gate is d_k wide.
+Which row: the mean step over a window of L steps (one flush per row) with the read the decode
+step picked at that batch when the grid was timed, as the grid records it: the bench times the
+dots read (`replay-window-dots`) at the batches where the decode step picks it, so where the
+grid has a dots row of the kind at that batch the dots row is taken, else `replay-window` (the
+rule of the kernels installed now is not asked: the grid was timed with the code of its own
+commit); the conventional step (`conventional`, fp32) for the FP32 baseline and for layers a
+policy keeps `exact`. Where the grid did not time that row (it times the dots read only at each
+kind's main L), the time is None and `missing` says which row is absent: a time of another read
+variant is never put in its place. A layer of a kind the grid has no shape for (e.g. Kimi Delta
+Attention in a grid of GDN and Mamba-2 rows) has no time either, and `missing` names the kind:
+a GDN time is not taken for a KDA layer, whose gate is d_k wide.
 """
 
 from __future__ import annotations
@@ -65,10 +67,11 @@ def _nearest_batch(batches, batch: int) -> int:
     return min(batches, key=lambda b: (abs(math.log(b) - math.log(batch)), -b))
 
 
-def _read_kernel(kind: str, B: int) -> str:
-    from replayquant.kernels.replay_decode import DOTS_MIN_ROWS
-    m = DOTS_MIN_ROWS.get(kind)
-    return "replay-window-dots" if m is not None and B >= m else "replay-window"
+def _read_kernel(rows, kind: str, B: int) -> str:
+    """The window row of the read the decode step picked at batch B (module doc)."""
+    dots = any(r.get("kind") == kind and r.get("B") == B and r.get("kernel") == "replay-window-dots"
+               for r in rows)
+    return "replay-window-dots" if dots else "replay-window"
 
 
 def _window_row(kern, kind, pair, L, batch):
@@ -84,7 +87,7 @@ def _window_row(kern, kind, pair, L, batch):
     if not cand:
         return None, f"{pair.label()} L={L} (not in the grid)"
     B = _nearest_batch(sorted({r["B"] for r in cand}), batch)
-    want = _read_kernel(kind, B)
+    want = _read_kernel(rows, kind, B)
     hit = [r for r in cand if r["B"] == B and r["kernel"] == want]
     if not hit:
         return None, f"{pair.label()} L={L} B={B} {want} (not timed by the grid)"
