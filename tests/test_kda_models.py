@@ -5,7 +5,9 @@ tiny random model built from its real config classes (hidden 32, two KDA layers 
 their families, a shared FP32 pair changes no logit, a shared NVFP4 pair does, unpatch restores
 the logits bit for bit, decode through generate equals teacher forcing for the same pair, decode
 runs ReplayState.step (the replay decode kernel takes scalar gates) and says so once per layer,
-`run_kl` and `replayquant kl` run three pairs, and the lm-eval model scores.
+`run_kl` and `replayquant kl` run three pairs, and the lm-eval model scores; and the CPU parts
+of evals/train_tiny.py's tiny-kimi-linear. Every test here passes under transformers 5.17 and
+5.24.
 
 Gates that remember: the HF init forgets within tens of tokens (A_log = log U(1, 16)), which would
 hide state errors. `_remember` scales the gate projection f_b_proj to a twentieth, so the decay
