@@ -119,10 +119,6 @@ class ScanHeld:
         self.ss, self.pair, self.delta, self.seed, self.layer = ss, pair, delta, seed, layer
 
     @property
-    def vector_gate(self) -> bool:
-        return self.ss.G.dim() == 4
-
-    @property
     def B(self) -> int:
         return self.ss.batch
 
