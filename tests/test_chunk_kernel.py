@@ -252,27 +252,32 @@ def test_kernel_bad_inputs():
     assert chunk.supports(128, 64) and not chunk.supports(96, 128) and not chunk.supports(8, 16)
 
 
-@pytest.mark.parametrize("fam", ["qwen3_5", "mamba2"])
+@pytest.mark.parametrize("fam", ["qwen3_5", "mamba2", "kimi_linear"])
 def test_patched_model_runs_the_kernel(fam, monkeypatch):
     """A patched tiny HF model with the Triton backend (REPLAYQUANT_BACKEND=triton: what CUDA
     tensors get) runs the chunk kernel and gives the torch path's logits within reassociation,
-    in segments with a ragged batch."""
+    in segments with a ragged batch (Kimi Linear: per-channel gates, the tiny model of
+    tests/test_kda_models.py with gates that remember)."""
     transformers = pytest.importorskip("transformers")
     from transformers import AutoModelForCausalLM, Mamba2Config, Qwen3_5TextConfig
     from replayquant.models import patch, runtime
     transformers.logging.set_verbosity_error()
-    if fam == "qwen3_5":
-        cfg = Qwen3_5TextConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
-                                num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                                head_dim=16, linear_num_key_heads=1, linear_num_value_heads=2,
-                                linear_key_head_dim=16, linear_value_head_dim=16,
-                                linear_conv_kernel_dim=4,
-                                layer_types=["linear_attention", "full_attention"])
+    if fam == "kimi_linear":
+        from test_kda_models import _model
+        model = _model("kimi_linear", 3)
     else:
-        cfg = Mamba2Config(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_heads=4,
-                           head_dim=16, state_size=16, n_groups=1, expand=2, chunk_size=8)
-    torch.manual_seed(3)
-    model = AutoModelForCausalLM.from_config(cfg).eval()
+        if fam == "qwen3_5":
+            cfg = Qwen3_5TextConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
+                                    num_hidden_layers=2, num_attention_heads=2,
+                                    num_key_value_heads=1, head_dim=16, linear_num_key_heads=1,
+                                    linear_num_value_heads=2, linear_key_head_dim=16,
+                                    linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                                    layer_types=["linear_attention", "full_attention"])
+        else:
+            cfg = Mamba2Config(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_heads=4,
+                               head_dim=16, state_size=16, n_groups=1, expand=2, chunk_size=8)
+        torch.manual_seed(3)
+        model = AutoModelForCausalLM.from_config(cfg).eval()
     patch(model, "tp4_hi16_sr", buffer_len=4, seed=2)
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, 64, (2, 11), generator=g)
