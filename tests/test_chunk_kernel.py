@@ -382,7 +382,7 @@ def test_kernel_vector_gates_against_float64_and_scalar_path():
     from replayquant.kernels.chunk_ref import rebuild_state
     from replayquant.replay import recurrent_reference
     gen = torch.Generator().manual_seed(71)
-    B, T, H, dk, dv, L = 2, 13, 2, 16, 16, 4
+    B, T, H, dk, dv, L = 2, 13, 1, 16, 16, 4
     pair = PrecisionPair.load("s32_rs").with_buffer_len(L)
     q, k, v, log_a, beta = scan_inputs(gen, B, T, H, dk, dv, True)
     la_vec = vector_log_a(gen, B, T, H, dk)

@@ -199,9 +199,9 @@ def test_conventional_mamba2_dt_limit(fmt, pair):
 @pytest.mark.parametrize("fmt,rounding", [("fp32", "nearest"), ("bf16", "stochastic"),
                                           ("fp8", "nearest"), ("nvfp4", "stochastic")])
 def test_conventional_kda_step_matches_reference(fmt, rounding):
-    """KDA step kernel == its torch reference (3 steps, odd batch with a padding row, 2 key
-    heads for 4 value heads, channels that forget within a step beside ones that hardly do)."""
-    N, HK, H, dk, dv = 4, 2, 4, 32, 16
+    """KDA step kernel == its torch reference (3 steps, odd batch with a padding row, channels
+    that forget within a step beside ones that hardly do)."""
+    N, HK, H, dk, dv = 4, 1, 2, 32, 16
     idx = torch.tensor([2, -1, 0, 3, 1])
     store = ConventionalStore.from_state(random_state(N, H, dv, dk, seed=13), fmt, rounding,
                                          seed=5, layer=2)
@@ -254,8 +254,9 @@ def test_conventional_kda_step_matches_conventional_state(pair):
 
 def test_conventional_kda_constant_gate_equals_gdn():
     """A KDA gate that is the same on every channel is the GDN step: the KDA kernel fed GDN's
-    g (expanded over d_k) and sigmoid(b) gives the GDN kernel's outputs and state (FP32)."""
-    N, HK, H, dk, dv = 3, 1, 2, 16, 32
+    g (expanded over d_k) and sigmoid(b) gives the GDN kernel's outputs and state (FP32; 2 key
+    heads for 4 value heads)."""
+    N, HK, H, dk, dv = 3, 2, 4, 16, 16
     init = random_state(N, H, dv, dk, seed=2)
     a_st = ConventionalStore.from_state(init, "fp32")
     b_st = a_st.clone()
