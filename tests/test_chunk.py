@@ -383,3 +383,19 @@ def test_vector_gate_shape_mismatch():
         ss = initial_scan_state(torch.zeros(2, 2, 8, 16), pair, delta=True, vector_gate=vg)
         with pytest.raises(ValueError, match=f"log_a must be .*vector_gate={not vg}"):
             chunk_scan_ref(ss, q, q, v, la, la[..., 0] if la.dim() == 4 else la, pair=pair)
+
+
+def test_vector_terms_in_window_blocks(monkeypatch):
+    """The per-channel decays of a long segment are formed a block of windows at a time (a
+    memory bound): the same bits as all windows at once."""
+    from replayquant.kernels import chunk_ref
+    gen = torch.Generator().manual_seed(73)
+    B, T, H, dk, dv = 2, 27, 2, 16, 8
+    pair = PrecisionPair.load("tp4_hi16_sr").with_buffer_len(4)
+    q, k, v, log_a, beta = _vector_case(gen, B, T, H, dk, dv, True)
+    ss = initial_scan_state(torch.randn(B, H, dv, dk, generator=gen), pair, delta=True,
+                            vector_gate=True)
+    y, s = chunk_scan_ref(ss, q, k, v, log_a, beta, pair=pair)
+    monkeypatch.setattr(chunk_ref, "VECTOR_TERMS_ELEMENTS", 3 * B * H * 4 * 4 * dk)
+    y2, s2 = chunk_scan_ref(ss, q, k, v, log_a, beta, pair=pair)
+    assert torch.equal(y, y2) and torch.equal(s.anchor.payload, s2.anchor.payload)

@@ -180,6 +180,9 @@ def _check_inputs(state, q, k, v, log_a, beta, valid):
                          f"d_v={v.shape[-1]}")
 
 
+VECTOR_TERMS_ELEMENTS = 1 << 25     # per-channel decays formed at once (128 MiB in FP32)
+
+
 def _window_terms(G, kw, qw, vw, bw):
     """State-independent quantities of each window. G [..., L] cumulative log gate, or
     [..., L, d_k] per key channel; kw, qw [..., L, d_k]; vw [..., L, d_v]; bw [..., L] (GDN) or
@@ -189,10 +192,19 @@ def _window_terms(G, kw, qw, vw, bw):
     GDN (Vb, Kb) with u(X) = Vb - Kb X^T the solution of the unit lower-triangular system
     u_j + beta_j sum_{i<j} (k_i * exp(G_j - G_i)) . k_j u_i = beta_j (v_j - X (exp(G_j) * k_j))
     (a scalar gate: exp(G_j - G_i) (k_i . k_j) and exp(G_j) X k_j). Vector gates form the
-    decay of every (t, j, channel), [..., L, L, d_k], with exponents G_t - G_j <= 0 only.
+    decay of every (t, j, channel), [..., L, L, d_k], with exponents G_t - G_j <= 0 only, for
+    at most VECTOR_TERMS_ELEMENTS of them at a time (windows, dim -3, in blocks).
     """
     L = kw.shape[-2]
     vec = G.dim() == kw.dim()
+    per_window = kw[..., 0, 0, 0].numel() * L * L * kw.shape[-1]
+    W = kw.shape[-3]
+    if vec and W > 1 and per_window * W > VECTOR_TERMS_ELEMENTS:
+        n = max(1, VECTOR_TERMS_ELEMENTS // per_window)
+        parts = [_window_terms(G[..., a:a + n, :, :], kw[..., a:a + n, :, :], qw[..., a:a + n, :, :],
+                               vw[..., a:a + n, :, :], None if bw is None else bw[..., a:a + n, :])
+                 for a in range(0, W, n)]
+        return tuple(None if p[0] is None else torch.cat(p, dim=-3) for p in zip(*parts))
     tril = torch.ones(L, L, dtype=torch.bool, device=G.device).tril()
     mask = tril[:, :, None] if vec else tril
     D = (G.unsqueeze(-2 if vec else -1) - G.unsqueeze(-3 if vec else -2)) \
