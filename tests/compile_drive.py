@@ -4,10 +4,8 @@ patched with each pair (PLAN), seed 0 (layer 1's Philox key is then 1, which Tri
 unless the kernel says do_not_specialize), with a prompt longer than the buffer (chunked
 prefill, which flushes) and one decode step.
 
-One decode step is enough: every decode step of a generate launches the same kernels with the
-same specializations (the flush kernel runs each step and finds its rows on the device).
-Recorded over five decode steps per generate, the three models reached the same 45
-specializations as over the first step alone.
+One decode step is enough: every decode step of a generate launches the same kernel with the
+same specialization (a row flushes or reads inside it, whatever the batch).
 
     python tests/compile_drive.py MODEL [PAIR ...]       MODEL: qwen3_5, mamba2, nemotron_h
 """
@@ -18,19 +16,15 @@ import torch
 from transformers import AutoModelForCausalLM, Mamba2Config, NemotronHConfig, Qwen3_5TextConfig
 
 from replayquant import options
-from replayquant.kernels import replay_decode as rd
 from replayquant.models import patch
 
 VOCAB = 64
-# What each generate of the drive runs, beyond the pair, on a batch of 3 rows: s32_rs takes the
-# one-launch step there (below FUSED_THRESHOLD) and, on 9 rows with the threshold set to one row,
-# the split step that larger batches take (other choices by row count, such as the 'dots' read
-# from DOTS_MIN_ROWS rows, stay those of a small batch); an NVFP4 role always takes the split step;
-# f4_sr_rs prefills with the two-pass NVFP4 chain (what the interpreter chooses), with the split
-# chain (the option nvfp4_chain_split, on one program) and in exact prefill; the last two differ
-# from the first in the prefill alone, so they stop there (one new token: no decode step).
-PLAN = [dict(pair="s32_rs"), dict(pair="s32_rs", split_step=True, B=9), dict(pair="tp4_hi32"),
-        dict(pair="f4_sr_rs"), dict(pair="f4_sr_rs", chain_split=1, new=1),
+# What each generate of the drive runs, beyond the pair, on a batch of 3 rows: f4_sr_rs prefills
+# with the two-pass NVFP4 chain (what the interpreter chooses), with the split chain (the option
+# nvfp4_chain_split, on one program) and in exact prefill; the last two differ from the first in
+# the prefill alone, so they stop there (one new token: no decode step).
+PLAN = [dict(pair="s32_rs"), dict(pair="tp4_hi32"), dict(pair="f4_sr_rs"),
+        dict(pair="f4_sr_rs", chain_split=1, new=1),
         dict(pair="f4_sr_rs", prefill="exact", new=1), dict(pair="tp4_hi16_sr")]
 CONFIGS = {
     "qwen3_5": Qwen3_5TextConfig(
@@ -53,23 +47,18 @@ def main(argv):
         print(f"usage: python tests/compile_drive.py {{{','.join(CONFIGS)}}} [PAIR ...]",
               file=sys.stderr)
         return 2
-    plan = [dict(pair=p) for p in argv[1:]] + [dict(pair=p, split_step=True, B=9)
-                                                for p in argv[1:]]
+    plan = [dict(pair=p) for p in argv[1:]]
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(CONFIGS[argv[0]]).eval()
-    thresholds = dict(rd.FUSED_THRESHOLD)
     for run in plan or PLAN:
         patch(model, run["pair"], prefill=run.get("prefill", "replay"), buffer_len=4, seed=0)
-        rd.FUSED_THRESHOLD.update({k: 1 for k in thresholds} if run.get("split_step")
-                                  else thresholds)
-        ids = torch.randint(0, VOCAB, (run.get("B", 3), 6))
+        ids = torch.randint(0, VOCAB, (3, 6))
         mask = torch.ones_like(ids)
         mask[1, :2] = 0
         new = run.get("new", 2)
         with torch.no_grad(), options.override(nvfp4_chain_split=run.get("chain_split")):
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
                            min_new_tokens=new, do_sample=False, use_cache=True)
-    rd.FUSED_THRESHOLD.update(thresholds)
     print(argv[0], "done", flush=True)
     return 0
 

@@ -94,8 +94,6 @@ def plain_ms(fn) -> float:
 # ---------------------------------------------------------------------------- the run
 
 PAIR_L = {"gdn": 16, "mamba2": 8}
-FUSED_MAX_B = 128           # launch='fused' windows are timed at the main L up to this batch
-VARIANT_MIN_B = 128         # the read variant 'dots' is timed from this batch
 
 
 def _kw(kind, S, B, T=None, seed=0, device="cuda"):
@@ -113,15 +111,16 @@ def _kw(kind, S, B, T=None, seed=0, device="cuda"):
 def _fns(kind):
     from replayquant.kernels import conventional as cv
     from replayquant.kernels import replay_decode as rd
+    from replayquant.kernels import replay_ref as rr
     from replayquant.kernels import verify as vf
     if kind == "gdn":
         return dict(conv=cv.conventional_gdn_step, conv_ref=cv.conventional_gdn_step_ref,
-                    step=rd.replay_gdn_step, step_ref=rd.replay_gdn_step_ref,
-                    verify=vf.replay_gdn_verify, verify_ref=vf.replay_gdn_verify_ref,
+                    step=rd.replay_gdn_step, step_ref=rr.replay_gdn_step_ref,
+                    verify=vf.replay_gdn_verify, verify_ref=rr.replay_gdn_verify_ref,
                     cverify=vf.conventional_gdn_verify, cverify_ref=vf.conventional_gdn_verify_ref)
     return dict(conv=cv.conventional_mamba2_step, conv_ref=cv.conventional_mamba2_step_ref,
-                step=rd.replay_mamba2_step, step_ref=rd.replay_mamba2_step_ref,
-                verify=vf.replay_mamba2_verify, verify_ref=vf.replay_mamba2_verify_ref,
+                step=rd.replay_mamba2_step, step_ref=rr.replay_mamba2_step_ref,
+                verify=vf.replay_mamba2_verify, verify_ref=rr.replay_mamba2_verify_ref,
                 cverify=vf.conventional_mamba2_verify, cverify_ref=vf.conventional_mamba2_verify_ref)
 
 
@@ -155,9 +154,10 @@ def _ref_cast_device_vs_cpu(device) -> dict:
 def gpu_checks(device="cuda") -> dict:
     """The kernel-vs-reference comparisons of the CPU tests, on the GPU at the real head shapes."""
     from replayquant.kernels.conventional import ConventionalStore
-    from replayquant.kernels.replay_decode import ReplayStore
+    from replayquant.kernels.replay_decode import ReplayStore, advance_pointers
+    from replayquant.kernels.replay_ref import replay_accept_ref
     from replayquant.kernels.verify import (conventional_accept, conventional_accept_ref,
-                                            make_snapshots, replay_accept, replay_accept_ref)
+                                            make_snapshots, replay_accept)
     from replayquant.pairs import PrecisionPair
     torch.backends.cuda.matmul.allow_tf32 = False
     out = {"reference_cast_device_equals_cpu": _ref_cast_device_vs_cpu(device)}
@@ -174,7 +174,7 @@ def gpu_checks(device="cuda") -> dict:
             st = ReplayStore.from_state(init, P, kind, key_heads=HK, seed=3, u_dtype=ud,
                                         max_drafts=2)
             ref = st.clone()
-            errs, errs1, fused_vs_split, fused_same = [], [], [], True
+            errs, errs1, later_vs_kernel, later_same = [], [], [], True
             for i in range(9):
                 one = st.clone()            # the reference from the kernel's own store: one call
                 if i % 3 == 2:
@@ -189,13 +189,13 @@ def gpu_checks(device="cuda") -> dict:
                     kw = _kw(kind, S, B, seed=i, device=device)
                     out_t = torch.full((B, H, dv), float("nan"), device=device)
                     sp = st.clone()
-                    y = f["step"](st, **kw, state_indices=idx, out=out_t, path="replay",
-                                  launch="fused")
+                    y = f["step"](st, **kw, state_indices=idx, out=out_t, path="replay")
                     y2 = f["step_ref"](ref, **kw, state_indices=idx, path="replay")
                     y1 = f["step_ref"](one, **kw, state_indices=idx, path="replay")
-                    ys = f["step"](sp, **kw, state_indices=idx, path="replay", launch="split")
-                    fused_vs_split.append(_rel(y, ys))
-                    fused_same &= bool(torch.equal(sp.committed, st.committed)
+                    ys = f["step"](sp, **kw, state_indices=idx, path="replay", advance=False)
+                    advance_pointers(sp, idx)
+                    later_vs_kernel.append(_rel(y, ys))
+                    later_same &= bool(torch.equal(sp.committed, st.committed)
                                        and torch.equal(sp.n_flush, st.n_flush)
                                        and torch.equal(sp.anchor.payload, st.anchor.payload)
                                        and not st.arrive.any())
@@ -211,8 +211,8 @@ def gpu_checks(device="cuda") -> dict:
                 "anchor": _state_cmp(st.anchor.dequantize(), ref.anchor.dequantize()),
                 "read": _state_cmp(st.read_role.dequantize(), ref.read_role.dequantize()),
                 "n_flush": st.n_flush.tolist(),
-                "fused_vs_split_max_rel_y": max(fused_vs_split),
-                "fused_pointers_anchor_equal_split": fused_same}
+                "advance_later_vs_in_kernel_max_rel_y": max(later_vs_kernel),
+                "advance_later_pointers_anchor_equal": later_same}
             del st, ref
         for fmt, rnd in (("fp32", "nearest"), ("fp16", "stochastic")):
             cs = ConventionalStore.from_state(init, fmt, rnd, seed=2)
@@ -381,43 +381,38 @@ def config_sweep(kind, B, device, copy_bw, pairs=PAIRS, L=None, S=None):
         st = ReplayStore.from_state(init, P, kind, key_heads=HK)
         cands = []
         h = L // 2
-        for bv, nw in [(16, 1), (32, 2), (64, 4)]:
+        nv = "nvfp4" in (af, rf)
+        fcs = [(dv, 4), (dv, 8)] if nv else [(16, 1), (16, 2), (32, 4)]
+        for bv, nw in fcs:
             if bv > dv:
                 continue
             c = dict(block_v=bv, num_warps=nw)
             st.committed.fill_(h)
             ms = time_calls(lambda: f["step"](st, **kw, state_indices=idx, out=out, path="replay",
-                                              advance=False, launch="split",
-                                              read_variant="block", **c), 8)
+                                              advance=False, **c), 8)
             cands.append(_row(kind, "sweep/replay-read-step", pair, B, ms,
                               replay_read_step_bytes(kind, rf or af, h, B, H, HK, dv, dk),
                               copy_bw, cfg=c, h=h, L=L))
         pick(f"read/{pair}", cands)
-        cands = []
-        nv = "nvfp4" in (af, rf)
-        fcs = [(dv, 8), (dv, 16)] if nv else [(16, 1), (16, 2), (32, 4)]
-        for bv, nw in fcs:
+        for bv, nw in fcs:          # the same launch's flush step, timed beside (not picked)
             if bv > dv:
                 continue
-            c = dict(flush_config=(bv, nw))
+            c = dict(block_v=bv, num_warps=nw)
             st.committed.fill_(L - 1)
             ms = time_calls(lambda: f["step"](st, **kw, state_indices=idx, out=out, path="replay",
-                                              advance=False, launch="split",
-                                              read_variant="block", **c), 4)
-            cands.append(_row(kind, "sweep/replay-flush-step", pair, B, ms,
-                              replay_flush_step_bytes(kind, af, rf, L, B, H, HK, dv, dk),
-                              copy_bw, cfg=c, L=L))
-        pick(f"flush/{pair}", cands)
+                                              advance=False, **c), 4)
+            rows.append(_row(kind, "sweep/replay-flush-step", pair, B, ms,
+                             replay_flush_step_bytes(kind, af, rf, L, B, H, HK, dv, dk),
+                             copy_bw, cfg=c, L=L))
         del st
     _empty_cache()
     return rows, cfg
 
 
 def _cfg(cfg, pair, read="read"):
-    """A pair's launch config: the read kernel's under `read` ('read': the block read of a step,
-    picked by the sweep; 'dots'; 'verify') and the flush kernel's. A verify or a 'dots' read
-    never takes the block read's pick: they keep their own defaults (VERIFY_BLOCK, DOTS_BLOCK)
-    unless given."""
+    """A pair's launch config under `read` ('read': the step's, picked by the sweep; 'verify')
+    and any given under 'flush/PAIR'. A verify never takes the step's pick: it keeps the launch
+    table's unless given its own."""
     return {**cfg.get(f"{read}/{pair}", {}), **cfg.get(f"flush/{pair}", {})}
 
 
@@ -467,24 +462,21 @@ def _replay_setup(kind, B, pair, L, device, cfg, S, read="read"):
 
 
 def bench_replay(kind, B, pair, L, device, copy_bw, cfg=None, detail=False, forced=False,
-                 pointer=False, S=None, fused=False):
-    """Replay rows of one (pair, L) at batch B, split launch (flush, read, pointer kernels): the
+                 pointer=False, S=None):
+    """Replay rows of one (pair, L) at batch B, one launch per step (pointer move inside): the
     mean step of a whole window of L steps (one flush per row; state copies rotated for a cold
-    L2; pointer kernel included); with detail the read step (h = L/2) and the flush step alone;
-    with forced the path='flush' step (every step flushes: the small-batch dispatch); with
-    pointer the pointer kernel alone; with fused the same window (and forced flush) in one
-    launch per step (launch='fused', pointer move inside)."""
+    L2); with detail the read step (h = L/2) and the flush step alone; with forced the
+    path='flush' step (every step flushes); with pointer the pointer kernel alone."""
     from replayquant.kernels.replay_decode import advance_pointers
     H, HK, dv, dk, f, idx, kw, out, af, rf, c, R, sts = _replay_setup(kind, B, pair, L, device,
                                                                      cfg, S)
-    c = {**c, "launch": "split", "read_variant": "block"}
     calls = [lambda st=st: f["step"](st, **kw, state_indices=idx, out=out, path="replay", **c)
              for st in sts]
     ms = time_calls(lambda: [g() for g in calls], L) / R
     rows = [_row(kind, "replay-window", pair, B, ms,
                  replay_window_bytes(kind, af, rf, L, B, H, HK, dv, dk), copy_bw, L=L, config=c,
                  rot=R, note="mean step over a window of L steps (one flush per row), pointer "
-                             "kernel included")]
+                             "move included")]
     st = sts[0]
     if detail:
         h = L // 2
@@ -502,23 +494,12 @@ def bench_replay(kind, B, pair, L, device, copy_bw, cfg=None, detail=False, forc
                          L=L, config=c))
         st.committed.zero_()
     if forced:
-        # (kernel, step options, note); the '-auto' rows run every option at its default
         for kernel, opts, note in (
-                ("replay-forced-flush", c, "path='flush' (small-batch dispatch): every step "
-                 "flushes, pointer kernel included"),
+                ("replay-forced-flush", c, "path='flush': every step flushes, pointer move "
+                 "included"),
                 ("replay-forced-flush-layer", {**c, "advance": False}, "path='flush' without the "
-                 "pointer kernel (a model advances the pointers once per token for all its "
-                 "layers)"),
-                ("replay-forced-auto", {}, "path='flush', every other option at its default, "
-                 "buffers known empty: a lossless pair runs the conventional kernel on its "
-                 "anchor (pointer move included)"),
-                ("replay-forced-auto-layer", {"advance": False}, "replay-forced-auto without the "
-                 "pointer kernel, as replay-forced-flush-layer")):
-            if kernel == "replay-forced-auto":
-                # idx covers every slot and the forced steps left committed = 0 everywhere:
-                # the buffers are empty, which a store knows from from_state (buffers_empty)
-                for s_ in sts:
-                    s_.buffers_empty = True
+                 "pointer move (a model advances the pointers once per token for all its "
+                 "layers)")):
             calls = [lambda st=st, o=opts: f["step"](st, **kw, state_indices=idx, out=out,
                                                      path="flush", **o) for st in sts]
             ms = time_calls(lambda: [g() for g in calls], 8) / R
@@ -529,23 +510,6 @@ def bench_replay(kind, B, pair, L, device, copy_bw, cfg=None, detail=False, forc
         ms = time_calls(lambda: advance_pointers(st, idx), 8)
         rows.append(_row(kind, "pointer-advance", "-", B, ms, None, copy_bw,
                          note="once per token for all layers of a model"))
-    if fused:
-        for s_ in sts:                      # a fresh window (the forced rows left h = 0)
-            s_.committed.zero_()
-        calls = [lambda st=st: f["step"](st, **kw, state_indices=idx, out=out, path="replay",
-                                         launch="fused") for st in sts]
-        ms = time_calls(lambda: [g() for g in calls], L) / R
-        rows.append(_row(kind, "replay-window-fused", pair, B, ms,
-                         replay_window_bytes(kind, af, rf, L, B, H, HK, dv, dk), copy_bw, L=L,
-                         rot=R, note="launch='fused': one kernel per step (flush or read per "
-                                     "row, pointer move inside)"))
-        if forced:
-            calls = [lambda st=st: f["step"](st, **kw, state_indices=idx, out=out, path="flush",
-                                             launch="fused") for st in sts]
-            ms = time_calls(lambda: [g() for g in calls], 8) / R
-            rows.append(_row(kind, "replay-forced-flush-fused", pair, B, ms, None, copy_bw, L=L,
-                             rot=R, note="path='flush', launch='fused': every step flushes, "
-                                         "pointer move inside the one launch"))
     del sts, calls
     _empty_cache()
     return rows
@@ -564,11 +528,9 @@ def conv_calls(f, kw, idx, out, stores, **cfg) -> list:
 def anchor_ways(f, kw, idx, out, sts) -> dict:
     """The two ways of running one compiled launch at small batch, each a list of calls over
     the rotated ReplayStores `sts`: the conventional FP32 kernel on ConventionalStore views of
-    their anchors ('conv-on-anchor') and the replay step with path='flush', buffers known empty
-    and no pointer kernel ('replay-forced-auto-layer')."""
+    their anchors ('conv-on-anchor') and the replay step with path='flush' on empty buffers and
+    no pointer move ('replay-forced-auto-layer')."""
     from replayquant.kernels.conventional import ConventionalStore
-    for st in sts:
-        st.buffers_empty = True
     views = [ConventionalStore(s.anchor, s.n_flush, s.key) for s in sts]
     return {"conv-on-anchor": conv_calls(f, kw, idx, out, views),
             "replay-forced-auto-layer": [
@@ -605,66 +567,6 @@ def _alternated(kind, B, pair, L, f, kw, idx, out, sts, R, copy_bw):
                          speedup_vs_alternated_conv=conv / ms,
                          note="median of alternated timings (conventional kernel on the same "
                               "anchors / replay-forced-auto-layer)"))
-    return rows
-
-
-# read configs (block_v, num_warps, read_blocks) the detail batch sweeps, by read variant: the
-# defaults of replay_decode.DOTS_BLOCK and their neighbours in the H200 sweep behind them (2 and
-# 4 warps were slower for every pair there)
-VARIANT_CFGS = {"dots": [(16, 1, 1), (16, 1, 4), (16, 1, 8), (32, 1, 1), (32, 1, 4), (64, 1, 1)]}
-# (16 rows with 2 / 4 warps: the NVFP4 'dots' read at 105 / 64 registers instead of 168 with one
-# warp, ptxas -v for sm_90a; not timed)
-
-
-def bench_replay_variant(kind, B, pair, L, device, copy_bw, cfg=None, detail=False, S=None,
-                         variant="dots"):
-    """A read variant of the split launch: 'dots' (per-entry dot products once per (row, key
-    head) by a small kernel, then the block read kernel): the window at batch B (state copies rotated as in bench_replay) and, with detail,
-    its read-step configs and best."""
-    H, HK, dv, dk, f, idx, kw, out, af, rf, c, R, sts = _replay_setup(kind, B, pair, L, device,
-                                                                     cfg, S, variant)
-    st = sts[0]
-    rows = []
-    # its own configs at the detail batch, the window with the best (elsewhere: its defaults,
-    # replay_decode.DOTS_BLOCK, or a given cfg['dots/PAIR'])
-    ck = {k_: c[k_] for k_ in ("block_v", "num_warps", "read_blocks") if k_ in c}
-    fc = {"flush_config": c["flush_config"]} if "flush_config" in c else {}
-    fc["launch"] = "split"
-    if detail:
-        cands = []
-        for bv, nw, nt in VARIANT_CFGS[variant]:
-            if bv * nt > dv:
-                continue
-            c2 = dict(block_v=bv, num_warps=nw, read_blocks=nt)
-            st.committed.fill_(L // 2)
-            ms = time_calls(lambda: f["step"](st, **kw, state_indices=idx, out=out,
-                                              path="replay", advance=False, read_variant=variant,
-                                              **c2, **fc), 8)
-            cands.append(_row(kind, f"sweep/replay-read-step-{variant}", pair, B, ms,
-                              replay_read_step_bytes(kind, rf or af, L // 2, B, H, HK, dv, dk),
-                              copy_bw, cfg=c2, h=L // 2, L=L))
-        best = min(cands, key=lambda r: r["us"])
-        rows += cands
-        rows.append({**best, "kernel": f"replay-read-step-{variant}"})
-        ck = best["cfg"]
-        st.committed.zero_()
-    calls = [lambda st=st: f["step"](st, **kw, state_indices=idx, out=out, path="replay",
-                                     read_variant=variant, **ck, **fc) for st in sts]
-    ms = time_calls(lambda: [g() for g in calls], L) / R
-    rows.append(_row(kind, f"replay-window-{variant}", pair, B, ms,
-                     replay_window_bytes(kind, af, rf, L, B, H, HK, dv, dk), copy_bw, L=L,
-                     config={**ck, **fc}, rot=R, note=f"read_variant={variant!r}"))
-    # rows out of phase, as in serving: row b starts at fill b % L, so about B / L rows flush
-    # in every step (above, every row flushes in the same step of the window)
-    for s_ in sts:
-        s_.committed.copy_(torch.arange(B, device=s_.committed.device, dtype=torch.int32) % L)
-    ms = time_calls(lambda: [g() for g in calls], L) / R
-    rows.append(_row(kind, f"replay-window-{variant}-staggered", pair, B, ms,
-                     replay_window_bytes(kind, af, rf, L, B, H, HK, dv, dk), copy_bw, L=L,
-                     config={**ck, **fc}, rot=R, note=f"read_variant={variant!r}, row b starts "
-                     "the window at fill b % L: about B / L rows flush per step"))
-    del sts, calls
-    _empty_cache()
     return rows
 
 
@@ -716,28 +618,18 @@ def bench_spec(kind, B, T, device, copy_bw, cfg=None, pairs=PAIRS, L=None, S=Non
     rows = []
     # the measured round, and the same round with every draft rejected: nothing is committed,
     # so no row ever flushes; the difference between the two is what the flushes cost
-    # and the measured round with the block read where the default read is 'dots' (the
-    # per-entry dot products formed once per (row, key head), for verify as for a step)
-    from replayquant.kernels.replay_decode import resolve_read_variant
-    rounds = (("spec-replay-round", n, "auto"),
-              ("spec-replay-round-no-flush", torch.zeros_like(n), "auto"),
-              ("spec-replay-round-block", n, "block"))
+    rounds = (("spec-replay-round", n), ("spec-replay-round-no-flush", torch.zeros_like(n)))
     for pair in pairs:
         c = _cfg(cfg, pair, "verify")
-        default_rv = None                           # the read of the 'auto' rounds
-        for kernel, acc, rv in rounds:
-            if rv == "block" and default_rv == "block":
-                continue                            # the measured round already read 'block'
+        for kernel, acc in rounds:
             st = ReplayStore.from_state(init, _pair(pair, L)[0], kind, key_heads=HK, max_drafts=T)
-            default_rv = default_rv or resolve_read_variant(st, B)
 
             def rnd():
-                f["verify"](st, **kw, state_indices=idx, out=out, read_variant=rv, **c)
+                f["verify"](st, **kw, state_indices=idx, out=out, **c)
                 replay_accept(st, acc, idx, check=False)
             ms = time_calls(rnd, 8)
             if acc is n:
-                extra = dict(tokens_per_s=tokens / ms * 1e3, mean_accept=float(n.float().mean()),
-                             read_variant=resolve_read_variant(st, B, rv))
+                extra = dict(tokens_per_s=tokens / ms * 1e3, mean_accept=float(n.float().mean()))
             else:
                 extra = dict(note="every draft rejected: verify + pointer move, never a flush")
             rows.append(_row(kind, kernel, pair, B, ms, None, copy_bw, T=T, L=L, **extra))
@@ -785,58 +677,20 @@ def _derive(rows):
     for r in rows:
         k = (r["kind"], r["B"])
         if r["kernel"] in ("conventional", "replay-window", "replay-read-step", "replay-forced-flush",
-                           "replay-forced-flush-layer", "replay-forced-auto",
-                           "replay-forced-auto-layer", "replay-window-fused",
-                           "replay-forced-flush-fused", "sweep/conventional",
-                           "sweep/replay-read-step", "replay-window-kh", "replay-read-step-kh",
-                           "sweep/replay-read-step-kh", "replay-window-dots",
-                           "replay-window-dots-staggered",
-                           "replay-read-step-dots", "sweep/replay-read-step-dots") and k in base:
+                           "replay-forced-flush-layer", "replay-forced-auto-layer",
+                           "replay-window-staggered",
+                           "sweep/conventional", "sweep/replay-read-step") and k in base:
             r["speedup_vs_conv_fp32"] = base[k] / r["us"]
             p = peer.get((r["kind"], r["B"], "float32"))
             if p:
                 r["speedup_vs_peer_fp32"] = p / r["us"]
-        if r["kernel"] in ("spec-replay-round", "spec-replay-round-block") \
-                and (*k, r.get("T")) in snap:
+        if r["kernel"] == "spec-replay-round" and (*k, r.get("T")) in snap:
             r["speedup_vs_snapshot_round"] = snap[(*k, r.get("T"))] / r["us"]
     return rows
 
 
 def _find(rows, **kv):
     return [r for r in rows if all(r.get(k) == v for k, v in kv.items())]
-
-
-def dispatch_thresholds(res) -> dict:
-    """For each (kind, L): the smallest measured batch from which the s32_rs replay window (mean
-    step, pointer kernel included) was no slower than flushing every step (forced flush at the
-    kind's main L, pointer kernel included; it does not depend on L) -> DISPATCH_THRESHOLD
-    candidates for choose_path."""
-    rows = res["rows"]
-    out = {}
-    for kind in SHAPES:
-        ff = {r["B"]: r["us"] for r in _find(rows, kind=kind, kernel="replay-forced-flush",
-                                             variant="s32_rs")}
-        for L in sorted({r.get("L") for r in _find(rows, kind=kind, kernel="replay-window",
-                                                   variant="s32_rs")}):
-            win = {r["B"]: r["us"] for r in _find(rows, kind=kind, kernel="replay-window",
-                                                  variant="s32_rs", L=L)}
-            Bs = sorted(set(win) & set(ff))
-            wins = [B for B in Bs if win[B] <= ff[B]]
-            out[f"{kind}/L{L}"] = dict(replay_faster_from_B=min(wins) if wins else None,
-                                       window_us=win, forced_flush_us=ff)
-        for pair, L in sorted({(r["variant"], r.get("L")) for r in
-                               _find(rows, kind=kind, kernel="replay-window-fused")}):
-            fu = {r["B"]: r["us"] for r in _find(rows, kind=kind, kernel="replay-window-fused",
-                                                 variant=pair, L=L)}
-            sp = {r["B"]: r["us"] for r in _find(rows, kind=kind, kernel="replay-window",
-                                                 variant=pair, L=L)}
-            Bs = sorted(set(fu) & set(sp))
-            slower = [B for B in Bs if sp[B] <= fu[B]]
-            out[f"{kind}/launch/{pair}/L{L}"] = dict(
-                split_no_slower_from_B=min(slower) if slower else None,
-                fused_faster_at_B=[B for B in Bs if fu[B] < sp[B]],
-                fused_us=fu, split_us=sp)
-    return out
 
 
 def render_markdown(res) -> str:
@@ -923,17 +777,6 @@ def render_markdown(res) -> str:
                          f"{r.get('L', '')} | {r['us']:.1f} | {fmt(r.get('tokens_per_s'), '.3g')} | "
                          f"{fmt(r.get('speedup_vs_snapshot_round'))} |")
         lines.append("")
-    if res.get("dispatch"):
-        lines += ["## Dispatch: smallest batch where the s32_rs replay window beat the forced "
-                  "flush (DISPATCH_THRESHOLD), and the one-launch window (launch='fused') vs the "
-                  "split launch per pair (FUSED_THRESHOLD)", ""]
-        for k, d in res["dispatch"].items():
-            if "replay_faster_from_B" in d:
-                lines.append(f"* {k}: {d['replay_faster_from_B']}")
-            else:
-                lines.append(f"* {k}: fused faster at B = {d['fused_faster_at_B']}; split no "
-                             f"slower from B = {d['split_no_slower_from_B']}")
-        lines.append("")
     sweep = [r for r in rows if r["kernel"].startswith("sweep")]
     if sweep:
         lines += ["## Launch-config sweep", "", "| kind | kernel | variant | B | block_v | warps | us/step |",
@@ -998,12 +841,10 @@ def _check_names(pairs, kinds) -> None:
 
 def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
          spec_batches=GRID["spec_batches"], kinds=tuple(SHAPES), peers=True, checks=True,
-         sweep=True, detail_batches=(256,), shapes=None, variant_min_b=VARIANT_MIN_B,
-         authors=False, staggered_batches=(), main_L_only=False, accuracy=False):
+         sweep=True, detail_batches=(256,), shapes=None, authors=False, staggered_batches=(), main_L_only=False, accuracy=False):
     """The benchmark's sections in priority order, each (key, estimated seconds, what): the
-    targets first (conventional, every pair at the kind's main L with the one-launch
-    window up to FUSED_MAX_B, the authors' windows and the staggered windows, T = 4 at the
-    largest spec batch), then the 'dots' rows, the peers, the other L values (none with
+    targets first (conventional, every pair at the kind's main L, the authors' windows and the
+    staggered windows, T = 4 at the largest spec batch), then the peers, the other L values (none with
     main_L_only) and the other T values. authors: the authors' rows (bench.authors);
     staggered_batches: where the windows are also timed with rows out of phase; accuracy: the
     float64 comparison after the checks."""
@@ -1032,17 +873,16 @@ def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
             for pair in pairs:
                 det = B in detail_batches
                 forced = pair == "s32_rs"
-                fu = B <= FUSED_MAX_B
                 alt = 2 * ALTERNATE_REPEATS * (forced and B <= ALTERNATE_MAX_B)
-                n = 1 + 2 * det + 2 * forced + (pair == pairs[0]) + fu * (1 + forced) + alt
+                n = 1 + 2 * det + 2 * forced + (pair == pairs[0]) + alt
                 sec.append((f"{kind}/B{B}/{pair}/L{mainL[kind]}",
-                            n * E["fixed"] + (1 + det + fu) * gb * E["per_GB"] * (mainL[kind] / 8)
-                            + (E["compile"] * (2 + fu) if B == batches[0] else 0)
-                            + (1 + 2 * forced + fu * (1 + forced) + alt) * E["launch"]
+                            n * E["fixed"] + (1 + det) * gb * E["per_GB"] * (mainL[kind] / 8)
+                            + (E["compile"] * 2 if B == batches[0] else 0)
+                            + (1 + 2 * forced + alt) * E["launch"]
                             * _launches(kind, B, mainL[kind], shapes[kind])
                             + sr[pair] * E["sr_per_GB"] * gb,
                             ("replay", kind, B, pair, mainL[kind], det, forced, pair == pairs[0],
-                             fu)))
+                             )))
     n_sr = sum(sr.values())
 
     def spec_sections(T):
@@ -1077,24 +917,6 @@ def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
                 sec.append((f"spec-authors/{kind}/B{B}/T{bigT}", E["compile"] * 2 + E["fixed"]
                             + _gb(kind, B, shapes[kind]) * E["per_GB"] * (1 + bigT / 2),
                             ("spec-authors", kind, B, bigT)))
-    # the 'dots' read variant of the split launch, both kinds; from batch VARIANT_MIN_B (below
-    # it the one-launch path is the default). ('kh', one program per (row, key head), is not a
-    # read variant: it was slower than 'dots', see replay_decode.DOTS_MIN_ROWS.)
-    for variant, vkinds in (("dots", ("gdn", "mamba2")),):
-        for kind in (k for k in vkinds if k in kinds):
-            L = mainL[kind]
-            vb = [B for B in batches if B >= variant_min_b]
-            for B in vb:
-                gb = _gb(kind, B, shapes[kind])
-                for pair in pairs:
-                    det = B in detail_batches
-                    n = len(VARIANT_CFGS[variant])
-                    sec.append((f"{variant}/{kind}/B{B}/{pair}/L{L}",
-                                (2 + n * det) * E["fixed"] + 2 * gb * E["per_GB"] * (L / 8)
-                                + (E["compile"] if B == vb[0] else 0)
-                                + 2 * E["launch"] * _launches(kind, B, L, shapes[kind])
-                                + sr[pair] * E["sr_per_GB"] * gb,
-                                ("variant", kind, B, pair, L, det, variant)))
     if peers:                           # fla / mamba_ssm: before the other L values
         for kind in kinds:
             for B in batches:
@@ -1128,7 +950,7 @@ def run_kernels_bench(out: str = "build/bench", batches=GRID["batches"], Ls=GRID
                       kinds=tuple(SHAPES), peers: bool = True, checks: bool = True,
                       sweep: bool = True, detail_batches=(256,), budget_s: float = 500.0,
                       device: str = "cuda", name: str = "kernels", plot: bool = True,
-                      shapes=None, variant_min_b: int = VARIANT_MIN_B, authors=None,
+                      shapes=None, authors=None,
                       authors_commit=None, staggered_batches=(256,), main_L_only=False,
                       accuracy=True) -> dict:
     """`replayquant bench kernels`: copy bandwidth, GPU checks, launch-config sweep, conventional
@@ -1169,8 +991,7 @@ def run_kernels_bench(out: str = "build/bench", batches=GRID["batches"], Ls=GRID
     _CPU_TIMING["on"] = cpu
     try:
         sections = plan(batches, Ls, pairs, Ts, spec_batches, tuple(SHAPES), peers and not cpu,
-                        checks and not cpu, sweep, detail_batches, SHAPES, variant_min_b,
-                        A is not None, staggered_batches, main_L_only, accuracy)
+                        checks and not cpu, sweep, detail_batches, SHAPES, A is not None, staggered_batches, main_L_only, accuracy)
         est = estimate_s(sections)
         print(f"[bench kernels] {len(sections)} sections, estimated {est:.0f} s "
               f"(budget {budget_s:.0f} s"
@@ -1181,7 +1002,6 @@ def run_kernels_bench(out: str = "build/bench", batches=GRID["batches"], Ls=GRID
                       spec_batches=list(spec_batches), main_L=dict(PAIR_L), shapes=SHAPES,
                       peers=peers, checks=checks, sweep=sweep, detail_batches=list(detail_batches),
                       budget_s=budget_s, estimate_s=est, smoke_cpu=cpu,
-                      fused_max_b=FUSED_MAX_B, variant_min_b=variant_min_b,
                       staggered_batches=list(staggered_batches), main_L_only=main_L_only,
                       accuracy=accuracy)
         res = {"provenance": provenance(device, **params), "rows": [], "errors": {},
@@ -1231,15 +1051,10 @@ def run_kernels_bench(out: str = "build/bench", batches=GRID["batches"], Ls=GRID
                     kind, B, device, copy_bw, cfgs.get(kind) if B >= 128 else None,
                     S=SHAPES[kind]), E, key, [])
             elif op == "replay":
-                kind, B, pair, L, det, forced, ptr, fu = what[1:]
+                kind, B, pair, L, det, forced, ptr = what[1:]
                 res["rows"] += _try(lambda: bench_replay(
                     kind, B, pair, L, device, copy_bw, cfgs.get(kind) if B >= 128 else None,
-                    detail=det, forced=forced, pointer=ptr, S=SHAPES[kind], fused=fu), E, key, [])
-            elif op == "variant":
-                kind, B, pair, L, det, variant = what[1:]
-                res["rows"] += _try(lambda: bench_replay_variant(
-                    kind, B, pair, L, device, copy_bw, cfgs.get(kind) if B >= 128 else None,
-                    detail=det, S=SHAPES[kind], variant=variant), E, key, [])
+                    detail=det, forced=forced, pointer=ptr, S=SHAPES[kind]), E, key, [])
             elif op == "spec":
                 kind, B, T = what[1:]
                 L = PAIR_L[kind] if PAIR_L[kind] in Ls else Ls[0]
@@ -1279,7 +1094,6 @@ def run_kernels_bench(out: str = "build/bench", batches=GRID["batches"], Ls=GRID
         res["configs"] = cfgs
         _derive(res["rows"])
         res["targets"] = targets(res)
-        res["dispatch"] = dispatch_thresholds(res)
         res["wall_s"] = time.time() - t0
         save()
         md = render_markdown(res)
@@ -1312,7 +1126,7 @@ def merge_kernels(parts, out: str = "build/bench", name: str = "kernels",
     kernels` runs of one commit on one device kind (the grid split over calls of at most ten
     minutes). Speedups are derived within each part (a part is one call, perhaps one machine:
     split the grid by layer kind so that a kind's conventional and replay rows share a part);
-    targets and dispatch come from the merged rows; a section skipped by one part and run by
+    targets come from the merged rows; a section skipped by one part and run by
     another is not listed as skipped. Each row names its part; the provenance lists the parts."""
     import json
     from pathlib import Path
@@ -1373,7 +1187,6 @@ def merge_kernels(parts, out: str = "build/bench", name: str = "kernels",
     pv["merged"] = dict(by="replayquant bench merge", date=me.get("date"),
                         git_commit=me.get("git_commit"))
     res["targets"] = targets(res)
-    res["dispatch"] = dispatch_thresholds(res)
     res["wall_s"] = sum(r.get("wall_s") or 0 for r in runs)
     outp = Path(out)
     outp.mkdir(parents=True, exist_ok=True)
@@ -1409,18 +1222,14 @@ def plot_kernels(res, png: str) -> None:
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=f"L={L}")
             L0 = PAIR_L[kind]
             for kern, lab, ls, mk in (
-                    ("replay-window-fused", f"L={L0} one launch", "-.", "^"),
-                    ("replay-window-dots", f"L={L0} dots (default from {VARIANT_MIN_B})", "-", "D"),
-                    ("replay-window-dots-staggered", f"L={L0} dots, rows out of phase", "--",
-                     "d")):
+                    ("replay-window-staggered", f"L={L0}, rows out of phase", "--", "d"),):
                 pts = sorted((r["B"], r["speedup_vs_conv_fp32"]) for r in
                              _find(rows, kind=kind, kernel=kern, variant=pair, L=L0)
                              if "speedup_vs_conv_fp32" in r)
                 if pts:
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], ls=ls, marker=mk, ms=3,
                             label=lab)
-            for kern, lab in (("replay-forced-flush-layer", "flush every step"),
-                              ("replay-forced-auto", "flush every step, default path")):
+            for kern, lab in (("replay-forced-flush-layer", "flush every step"),):
                 pts = sorted((r["B"], r["speedup_vs_conv_fp32"]) for r in
                              _find(rows, kind=kind, kernel=kern, variant=pair, L=L0)
                              if "speedup_vs_conv_fp32" in r)

@@ -185,12 +185,16 @@ def count_sass(disassembly: str) -> int:
 def _compile_inputs(ln: dict):
     """(JIT function, signature, constexprs, attrs) that Triton compiles for one recorded
     launch: an argument in the kernel's do_not_specialize list stays a runtime integer (1
-    included) without a divisibility hint, as Triton's launcher treats it."""
+    included) without a divisibility hint, as Triton's launcher treats it. A constexpr ON_GPU
+    (False in the interpreter, where a kernel takes another route around an interpreter
+    limitation) is compiled as the GPU runs it, True."""
     import importlib
 
     fn = getattr(importlib.import_module(ln["module"]), ln["kernel"])
     keep = {p.name for p in fn.params if p.do_not_specialize}   # 1 stays a runtime integer
     sig, consts, attrs = {}, dict(ln["constexprs"]), {}
+    if "ON_GPU" in consts:
+        consts["ON_GPU"] = True
     for i, name in enumerate(fn.arg_names):
         if name in ln.get("aligned", ()) and name not in keep:
             attrs[(i,)] = [["tt.divisibility", 16]]

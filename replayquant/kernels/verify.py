@@ -1,5 +1,5 @@
-"""Speculative decoding kernels: replay verify + accept, and the conventional per-draft snapshot
-baseline (vLLM's scheme), each beside its torch reference.
+"""Speculative decoding kernels: replay verify + accept (torch references in `replay_ref`), and
+the conventional per-draft snapshot baseline (vLLM's scheme) beside its torch reference.
 
 Replay (DESIGN section 4, `ReplayState.verify` / `accept`):
 
@@ -7,10 +7,10 @@ Replay (DESIGN section 4, `ReplayState.verify` / `accept`):
     replay_accept(store, n, state_indices)                                      # pointer move only
 
   Rows whose committed entries would not leave T free slots (h + T > L, h > 0) flush them first
-  (inside the kernel); the T drafts are appended after the committed pointer and verified against
-  the read copy and the buffer with a causal mask (GDN: T x T forward substitution against the
-  read copy). Nothing committed changes; accept adds n to the committed length. A flush never
-  folds uncommitted drafts (rejected entries are simply overwritten later).
+  (inside the same launch, `replay_decode._replay_kernel`); the T drafts are appended after the
+  committed pointer and read in order against the read copy and the buffer, draft t seeing the
+  drafts before it. Nothing committed changes; accept adds n to the committed length. A flush
+  never folds uncommitted drafts (rejected entries are simply overwritten later).
 
 Conventional baseline (`ConventionalState.verify` / `accept`):
 
@@ -38,13 +38,10 @@ from replayquant.kernels.conventional import (_into, _program_tile, Conventional
                                               gdn_frontend_ref, launch_config,
                                               mamba2_frontend_ref, mamba2_post_ref,
                                               role_streams, split_key)
-from replayquant.kernels.replay_decode import (ReplayStore, _launch, advance_pointers,
-                                               advance_pointers_ref, replay_ref_core,
-                                               resolve_read_variant)
+from replayquant.kernels.replay_decode import ReplayStore, _launch, advance_pointers
 from replayquant.streams import ANCHOR
 
-__all__ = ["replay_gdn_verify", "replay_gdn_verify_ref", "replay_mamba2_verify",
-           "replay_mamba2_verify_ref", "replay_accept", "replay_accept_ref", "make_snapshots",
+__all__ = ["replay_gdn_verify", "replay_mamba2_verify", "replay_accept", "make_snapshots",
            "conventional_gdn_verify", "conventional_gdn_verify_ref", "conventional_mamba2_verify",
            "conventional_mamba2_verify_ref", "conventional_accept", "conventional_accept_ref"]
 
@@ -73,45 +70,36 @@ def _check_accept(n, B, T, device, check=True):
 def _pending(store, T, what):
     if getattr(store, "pending_T", None):
         raise ValueError(f"{what}: {store.pending_T} drafts are pending; call accept first")
-    if hasattr(store, "buffers_empty"):
-        store.buffers_empty = False     # the drafts are buffered; accept commits them
 
 
 def replay_gdn_verify(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, state_indices=None,
                       scale=None, out=None, use_qk_l2norm=True, block_v=None, num_warps=None,
-                      flush_config=None, read_variant="auto", read_blocks=None):
-    """Outputs of T GDN drafts per row [B, T, H, d_v] (Triton). q, k [B, T, HK, d_k],
-    v [B, T, H, d_v] (k, v bf16), a, b [B, T, H]. Then call replay_accept. read_variant as
-    replay_gdn_step ('dots': the per-entry dot products of every draft formed once per (row,
-    key head) before the read kernel), read_blocks as replay_gdn_step."""
+                      beta_scale=1.0):
+    """Outputs of T GDN drafts per row [B, T, H, d_v] (Triton, one launch with the pointer
+    move). q, k [B, T, HK, d_k], v [B, T, H, d_v] (k, v bf16), a, b [B, T, H]; beta_scale,
+    block_v and num_warps as replay_gdn_step. Then call replay_accept."""
     if store.kind != "gdn":
         raise ValueError("replay_gdn_verify needs a store built with kind='gdn'")
     T = _draft_count(q, "q")
     _pending(store, T, "verify")
-    rv = resolve_read_variant(store, q.shape[0], read_variant)
-    out, idx, _ = _launch(store, q, k, v, a, b, A_log, dt_bias, None, None, state_indices, out,
-                          scale, use_qk_l2norm, T, False, False, block_v, num_warps, flush_config,
-                          rv, read_blocks=read_blocks)
-    advance_pointers(store, idx, T, step=False)
+    out, _ = _launch(store, q, k, v, a, b, A_log, dt_bias, None, None, state_indices, out, scale,
+                     use_qk_l2norm, T, False, False, block_v, num_warps, beta_scale=beta_scale)
     store.pending_T = T
     return out
 
 
 def replay_mamba2_verify(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None, z=None,
-                         dt_bias=None, out=None, block_v=None, num_warps=None, flush_config=None,
-                         dt_limit=NO_DT_LIMIT, read_variant="auto", read_blocks=None):
-    """Outputs of T Mamba-2 drafts [B, T, H, P] (Triton). x [B, T, H, P], dt [B, T, H],
-    B, C [B, T, G, N], z [B, T, H, P] (x, B bf16); dt_limit, read_variant and read_blocks as
-    replay_mamba2_step."""
+                         dt_bias=None, out=None, block_v=None, num_warps=None,
+                         dt_limit=NO_DT_LIMIT):
+    """Outputs of T Mamba-2 drafts [B, T, H, P] (Triton, one launch). x [B, T, H, P],
+    dt [B, T, H], B, C [B, T, G, N], z [B, T, H, P] (x, B bf16); dt_limit as
+    replay_mamba2_step. Then call replay_accept."""
     if store.kind != "mamba2":
         raise ValueError("replay_mamba2_verify needs a store built with kind='mamba2'")
     T = _draft_count(x, "x")
     _pending(store, T, "verify")
-    rv = resolve_read_variant(store, x.shape[0], read_variant)
-    out, idx, _ = _launch(store, C, B, x, dt, None, A, dt_bias, D, z, state_indices, out, None,
-                          False, T, False, False, block_v, num_warps, flush_config, rv,
-                          dt_limit=dt_limit, read_blocks=read_blocks)
-    advance_pointers(store, idx, T, step=False)
+    out, _ = _launch(store, C, B, x, dt, None, A, dt_bias, D, z, state_indices, out, None, False,
+                     T, False, False, block_v, num_warps, dt_limit=dt_limit)
     store.pending_T = T
     return out
 
@@ -127,51 +115,6 @@ def replay_accept(store: ReplayStore, n, state_indices=None, check=True):
     n = _check_accept(n, B, T, store.committed.device, check)
     advance_pointers(store, idx, accepted=n)
     store.pending_T = None
-
-
-def replay_accept_ref(store: ReplayStore, n, state_indices=None, check=True):
-    T = getattr(store, "pending_T", None)
-    if not T:
-        raise ValueError("accept: no drafts pending; call verify first")
-    B = n.shape[0] if isinstance(n, torch.Tensor) else state_indices.shape[0]
-    idx = _indices(state_indices, B, store.committed.device)
-    n = _check_accept(n, B, T, store.committed.device)
-    advance_pointers_ref(store, idx, accepted=n)
-    store.pending_T = None
-
-
-def replay_gdn_verify_ref(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None,
-                          state_indices=None, scale=None, out=None, use_qk_l2norm=True,
-                          block_v=None, num_warps=None, flush_config=None, read_variant="auto",
-                          read_blocks=None):
-    """torch reference of replay_gdn_verify."""
-    T = _draft_count(q, "q")
-    _pending(store, T, "verify")
-    fe = gdn_frontend_ref(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), a.flatten(0, 1),
-                          b.flatten(0, 1), A_log, dt_bias, scale, use_qk_l2norm)
-    fe = tuple(t.unflatten(0, (q.shape[0], T)) for t in fe)
-    y = replay_ref_core(store, fe, (k, v), state_indices, T, False, False)
-    advance_pointers_ref(store, _indices(state_indices, q.shape[0], q.device), T, step=False)
-    store.pending_T = T
-    return _into(out, y)
-
-
-def replay_mamba2_verify_ref(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None,
-                             z=None, dt_bias=None, out=None, block_v=None, num_warps=None,
-                             flush_config=None, dt_limit=NO_DT_LIMIT, read_variant="auto",
-                             read_blocks=None):
-    """torch reference of replay_mamba2_verify."""
-    T = _draft_count(x, "x")
-    _pending(store, T, "verify")
-    fe = mamba2_frontend_ref(x.flatten(0, 1), dt.flatten(0, 1), A, B.flatten(0, 1),
-                             C.flatten(0, 1), dt_bias, dt_limit)
-    fe = tuple(t.unflatten(0, (x.shape[0], T)) for t in fe)
-    post = lambda y, b_, t: mamba2_post_ref(y[None], x[b_:b_ + 1, t], D,  # noqa: E731
-                                            None if z is None else z[b_:b_ + 1, t])[0]
-    y = replay_ref_core(store, fe, (B, x), state_indices, T, False, False, post)
-    advance_pointers_ref(store, _indices(state_indices, x.shape[0], x.device), T, step=False)
-    store.pending_T = T
-    return _into(out, y)
 
 
 # ============================================================================ conventional

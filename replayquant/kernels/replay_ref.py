@@ -1,0 +1,260 @@
+"""Torch references of the replay decode step, verify and accept (`replay_decode`, `verify`):
+the same signatures and the same effect on a `ReplayStore`, element by element in float32;
+tests compare the kernels with them, and both with `ReplayState`.
+
+Per row: a pre-flush folds the committed entries when they would not leave T free slots
+(h + T > L, h > 0); a step whose entry fills the buffer (or a forced step) rebuilds the
+unrounded state from the anchor and its entries, applies the step, outputs S q and casts both
+roles from S; any other step or draft reads the read copy and the buffer and appends its entry.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from replayquant.kernels.conventional import (_indices, _into, gdn_frontend_ref, mamba2_frontend_ref,
+                                              mamba2_post_ref, role_streams, NO_DT_LIMIT)
+from replayquant.kernels.replay_decode import ReplayStore, _default_force, _force, _no_pending
+from replayquant.kernels.verify import _check_accept, _draft_count, _pending
+from replayquant.streams import ANCHOR, READ
+
+__all__ = ["replay_gdn_step_ref", "replay_mamba2_step_ref", "replay_gdn_verify_ref",
+           "replay_mamba2_verify_ref", "replay_accept_ref", "advance_pointers_ref",
+           "replay_ref_core"]
+
+
+def advance_pointers_ref(store: ReplayStore, state_indices, T: int = 1, step: bool = True,
+                         force_flush: bool | None = None, accepted=None):
+    """torch reference of replay_decode.advance_pointers."""
+    force_flush = _default_force(store, step, accepted, force_flush)
+    idx = _indices(state_indices, state_indices.shape[0], store.committed.device)
+    for b, s in enumerate(idx.long().tolist()):
+        if s < 0:
+            continue
+        h, nf, st = int(store.committed[s]), int(store.n_flush[s]), int(store.start[s])
+        if accepted is not None:
+            h += int(accepted[b])
+        else:
+            if h + T > store.L and h > 0:
+                nf, st, h = nf + 1, (st + h) % store.capacity, 0
+            if step:
+                if h + 1 == store.L or force_flush:
+                    nf, h = nf + 1, 0
+                else:
+                    h += 1
+        store.committed[s] = h
+        store.n_flush[s] = nf
+        store.start[s] = st
+
+
+def _entries_ref(store: ReplayStore, s: int, n: int, start: int):
+    """Float32 entries 0..n-1 of slot s for all heads: K [H, n, dk] (GDN re-normalised),
+    V (GDN raw v; Mamba-2 v = dt x) [H, n, dv], U (GDN stored u) [H, n, dv], G [H, n], Bt [H, n]."""
+    H = store.shape[1]
+    pos = [(start + j) % store.capacity for j in range(n)]
+    K = store.kbuf[s, pos].float().transpose(0, 1).repeat_interleave(H // store.key_heads, dim=0)
+    if store.kind == "gdn":
+        K = K * torch.rsqrt((K * K).sum(-1, keepdim=True) + 1e-6)
+    V = store.vbuf[s, pos].float().transpose(0, 1)
+    G = store.Gbuf[s, pos].transpose(0, 1)
+    Bt = store.bbuf[s, pos].transpose(0, 1)
+    if store.kind == "mamba2":
+        V = Bt.unsqueeze(-1) * V
+    U = None if store.ubuf is None else store.ubuf[s, pos].float().transpose(0, 1)
+    return K, V, U, G, Bt
+
+
+def _rebuild_ref(A, K, V, G, Bt, delta, cur=None):
+    """Unrounded state after the entries (K [H, n, dk], V [H, n, dv], G, Bt [H, n]) and, if given,
+    the current step cur = (k, v, log_a, beta) [H, ...], from checkpoint A [H, dv, dk]: GDN as
+    the recurrence entry by entry (a_j = exp(G_j - G_{j-1}); the kernel solves the same
+    triangular system in WY form), Mamba-2 as the closed form exp(G_n) A +
+    sum_j exp(G_n - G_j) v_j k_j^T; the current step as the conventional step."""
+    n = G.shape[1]
+    H = A.shape[0]
+    if delta:
+        S = A
+        Gprev = torch.zeros(H, device=A.device)
+        for j in range(n):
+            S = S * torch.exp(G[:, j] - Gprev)[:, None, None]
+            u = Bt[:, j:j + 1] * (V[:, j] - (S * K[:, j].unsqueeze(1)).sum(-1))
+            S = S + u.unsqueeze(-1) * K[:, j].unsqueeze(1)
+            Gprev = G[:, j]
+    else:
+        Gn = G[:, n - 1] if n > 0 else torch.zeros(H, device=A.device)
+        S = A * torch.exp(Gn)[:, None, None]
+        for j in range(n):
+            S = S + (torch.exp(Gn - G[:, j]).unsqueeze(-1) * V[:, j]).unsqueeze(-1) \
+                * K[:, j].unsqueeze(1)
+    if cur is not None:
+        k, v, log_a, beta = cur
+        S = S * torch.exp(log_a)[:, None, None]
+        u = beta.unsqueeze(-1) * (v - (S * k.unsqueeze(1)).sum(-1)) if delta else v
+        S = S + u.unsqueeze(-1) * k.unsqueeze(1)
+    return S
+
+
+def _write_roles_ref(store: ReplayStore, s: int, S, fi: int):
+    H = store.shape[1]
+    store.anchor.write_([s], S[None], store.key, role_streams(fi, ANCHOR, [s], H))
+    if store.read is not None:
+        store.read.write_([s], S[None], store.key, role_streams(fi, READ, [s], H))
+
+
+def replay_ref_core(store: ReplayStore, fe, raw, state_indices, T: int, step: bool, force: bool,
+                    post=None):
+    """Torch twin of _replay_kernel. fe: front-end tensors (q, k, v, log_a, gate2) float32 with
+    value heads, each [B, T, H, ...] (gate2: GDN beta, Mamba-2 dt); raw: (k raw [B, T, HK, dk],
+    x/v raw [B, T, H, dv]) as stored. post(y, b, t) applies the Mamba-2 D skip / z gate.
+    Returns y [B, T, H, dv]."""
+    q, k, v, log_a, beta = fe
+    kraw, xraw = raw
+    delta = store.kind == "gdn"
+    B = q.shape[0]
+    N, H, dv, dk = store.shape
+    L = store.L
+    idx = _indices(state_indices, B, q.device).long()
+    y = torch.zeros(B, T, H, dv, dtype=torch.float32, device=q.device)
+    bf = torch.bfloat16 if store.ubuf is None else store.ubuf.dtype
+    for b_, s in enumerate(idx.tolist()):
+        if s < 0:
+            continue
+        h, nf, start = int(store.committed[s]), int(store.n_flush[s]), int(store.start[s])
+        if h + T > L and h > 0:
+            K, V, _, G, Bt = _entries_ref(store, s, h, start)
+            S = _rebuild_ref(store.anchor.dequantize([s])[0], K, V, G, Bt, delta)
+            _write_roles_ref(store, s, S, nf + 1)
+            nf, start, h = nf + 1, (start + h) % store.capacity, 0
+        if step and (h + 1 == L or force):
+            K, V, _, G, Bt = _entries_ref(store, s, h, start)
+            S = _rebuild_ref(store.anchor.dequantize([s])[0], K, V, G, Bt, delta,
+                             cur=(k[b_, 0], v[b_, 0], log_a[b_, 0], beta[b_, 0]))
+            y[b_, 0] = (S * q[b_, 0].unsqueeze(1)).sum(-1)
+            _write_roles_ref(store, s, S, nf + 1)
+        else:
+            R = store.read_role.dequantize([s])[0]
+            K, V, U, G, Bt = _entries_ref(store, s, h, start)
+            X = U if delta else V
+            Gp = G[:, h - 1] if h > 0 else torch.zeros(H, device=q.device)
+            for t in range(T):
+                p = h + t
+                Gp = Gp + log_a[b_, t]
+                wdec = torch.exp(Gp.unsqueeze(-1) - G)                  # [H, p]
+                eG = torch.exp(Gp)
+                kt, qt = k[b_, t], q[b_, t]
+                if delta:
+                    corr = torch.einsum("hj,hjd->hd", wdec * (K * kt.unsqueeze(1)).sum(-1), X)
+                    rk = (R * kt.unsqueeze(1)).sum(-1)
+                    bt = beta[b_, t].unsqueeze(-1)
+                    u = bt * (v[b_, t] - eG.unsqueeze(-1) * rk) - bt * corr
+                    u = u.to(bf).float()
+                else:
+                    u = v[b_, t]
+                qk = (K * qt.unsqueeze(1)).sum(-1)
+                y[b_, t] = eG.unsqueeze(-1) * (R * qt.unsqueeze(1)).sum(-1) \
+                    + torch.einsum("hj,hjd->hd", wdec * qk, X) + (kt * qt).sum(-1, keepdim=True) * u
+                K = torch.cat([K, kt.unsqueeze(1)], 1)
+                X = torch.cat([X, u.unsqueeze(1)], 1)
+                G = torch.cat([G, Gp.unsqueeze(1)], 1)
+                p = (start + p) % store.capacity
+                store.kbuf[s, p] = kraw[b_, t].to(torch.bfloat16)
+                store.vbuf[s, p] = xraw[b_, t].to(torch.bfloat16)
+                if delta:
+                    store.ubuf[s, p] = u.to(store.ubuf.dtype)
+                store.bbuf[s, p] = beta[b_, t]
+                store.Gbuf[s, p] = Gp
+        if post is not None:
+            for t in range(T):
+                y[b_, t] = post(y[b_, t], b_, t)
+    return y
+
+
+def _gdn_fe(q, k, v, a, b, A_log, dt_bias, scale, use_qk_l2norm, beta_scale):
+    """The GDN front end of [B, T, ...] inputs, each [B, T, H, ...]; beta = beta_scale sigmoid(b)."""
+    B, T = q.shape[:2]
+    fe = gdn_frontend_ref(*(t.flatten(0, 1) for t in (q, k, v, a, b)), A_log, dt_bias, scale,
+                          use_qk_l2norm)
+    fe = [t.unflatten(0, (B, T)) for t in fe]
+    fe[4] = fe[4] * float(beta_scale)
+    return tuple(fe)
+
+
+def _mamba2_fe(x, dt, A, Bm, C, dt_bias, dt_limit):
+    Bt, T = x.shape[:2]
+    fe = mamba2_frontend_ref(x.flatten(0, 1), dt.flatten(0, 1), A, Bm.flatten(0, 1),
+                             C.flatten(0, 1), dt_bias, dt_limit)
+    return tuple(t.unflatten(0, (Bt, T)) for t in fe)
+
+
+def _mamba2_post(x, D, z):
+    """post(y, b, t) of replay_ref_core for x, z [B, T, H, P]."""
+    return lambda y, b_, t: mamba2_post_ref(y[None], x[b_:b_ + 1, t], D,  # noqa: E731
+                                            None if z is None else z[b_:b_ + 1, t])[0]
+
+
+def replay_gdn_step_ref(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None,
+                        state_indices=None, scale=None, out=None, use_qk_l2norm=True,
+                        path="auto", block_v=None, num_warps=None, advance=True, beta_scale=1.0):
+    """torch reference of replay_gdn_step (same signature, same effect on the store)."""
+    _no_pending(store)
+    force = _force(path, store, q.shape[0])
+    one = lambda t: t.unsqueeze(1)  # noqa: E731
+    fe = _gdn_fe(one(q), one(k), one(v), one(a), one(b), A_log, dt_bias, scale, use_qk_l2norm,
+                 beta_scale)
+    y = replay_ref_core(store, fe, (one(k), one(v)), state_indices, 1, True, force)[:, 0]
+    if advance:
+        advance_pointers_ref(store, _indices(state_indices, q.shape[0], q.device), 1, True, force)
+    return _into(out, y)
+
+
+def replay_mamba2_step_ref(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None, z=None,
+                           dt_bias=None, out=None, path="auto", block_v=None, num_warps=None,
+                           advance=True, dt_limit=NO_DT_LIMIT):
+    """torch reference of replay_mamba2_step."""
+    _no_pending(store)
+    force = _force(path, store, x.shape[0])
+    one = lambda t: None if t is None else t.unsqueeze(1)  # noqa: E731
+    fe = _mamba2_fe(one(x), one(dt), A, one(B), one(C), dt_bias, dt_limit)
+    y = replay_ref_core(store, fe, (one(B), one(x)), state_indices, 1, True, force,
+                        _mamba2_post(one(x), D, one(z)))[:, 0]
+    if advance:
+        advance_pointers_ref(store, _indices(state_indices, x.shape[0], x.device), 1, True, force)
+    return _into(out, y)
+
+
+def replay_gdn_verify_ref(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None,
+                          state_indices=None, scale=None, out=None, use_qk_l2norm=True,
+                          block_v=None, num_warps=None, beta_scale=1.0):
+    """torch reference of replay_gdn_verify."""
+    T = _draft_count(q, "q")
+    _pending(store, T, "verify")
+    fe = _gdn_fe(q, k, v, a, b, A_log, dt_bias, scale, use_qk_l2norm, beta_scale)
+    y = replay_ref_core(store, fe, (k, v), state_indices, T, False, False)
+    advance_pointers_ref(store, _indices(state_indices, q.shape[0], q.device), T, step=False)
+    store.pending_T = T
+    return _into(out, y)
+
+
+def replay_mamba2_verify_ref(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None,
+                             z=None, dt_bias=None, out=None, block_v=None, num_warps=None,
+                             dt_limit=NO_DT_LIMIT):
+    """torch reference of replay_mamba2_verify."""
+    T = _draft_count(x, "x")
+    _pending(store, T, "verify")
+    fe = _mamba2_fe(x, dt, A, B, C, dt_bias, dt_limit)
+    y = replay_ref_core(store, fe, (B, x), state_indices, T, False, False, _mamba2_post(x, D, z))
+    advance_pointers_ref(store, _indices(state_indices, x.shape[0], x.device), T, step=False)
+    store.pending_T = T
+    return _into(out, y)
+
+
+def replay_accept_ref(store: ReplayStore, n, state_indices=None, check=True):
+    """torch reference of verify.replay_accept."""
+    T = getattr(store, "pending_T", None)
+    if not T:
+        raise ValueError("accept: no drafts pending; call verify first")
+    B = n.shape[0] if isinstance(n, torch.Tensor) else state_indices.shape[0]
+    idx = _indices(state_indices, B, store.committed.device)
+    n = _check_accept(n, B, T, store.committed.device)
+    advance_pointers_ref(store, idx, accepted=n)
+    store.pending_T = None
