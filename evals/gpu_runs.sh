@@ -6,9 +6,9 @@
 # Jobs (wall time on one H200; each fits a 10-minute call):
 #   kernels         `replayquant bench kernels --preset targets` beside the ReplaySSM authors'
 #                   kernels (.gpu/authors): GPU checks, accuracy against float64, both kinds at
-#                   their main L over every batch, pairs s32_rs / tp8_hi32 / tp4_hi32, peers,
-#                   staggered windows at B = 32 and 256, speculative rounds T = 4 at B = 512;
-#                   every target of bench/targets.py from one call (plan's estimate ~240 s)
+#                   their main L over every batch, in phase and staggered, pairs s32_rs /
+#                   tp8_hi32 / tp4_hi32, peers, speculative rounds T = 4 at B = 512; every
+#                   target of bench/targets.py from one call (plan's estimate ~205 s)
 #   probe           evals/gpu_checks.py, then `bench kernels --preset probe` beside the authors:
 #                   s32_rs, tp4_hi32 and conventional at B = 32 and 256, both kinds, in phase
 #                   and staggered, accuracy (~3 minutes)
