@@ -318,7 +318,9 @@ def bench_kernels_cmd(
     runtime estimate first (the whole grid, checks and sweep included: about 9 minutes on an
     H200); sections past --budget-s (default 500) are skipped
     from the end of the plan and listed, so split the grid with --kinds / --pairs / --batches
-    over two or more calls."""
+    over two or more calls. With --authors PATH the ReplaySSM authors' kernels run beside ours on
+    the same inputs; --preset targets measures every target of the decode kernels in one call
+    (kernels.json `targets`)."""
     from replayquant.bench.authors import checkout_commit
     from replayquant.bench.decode import estimate_s, plan, run_kernels_bench
     from replayquant.bench.targets import PRESETS
