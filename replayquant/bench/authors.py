@@ -440,7 +440,6 @@ def bench_ours_staggered(kind, B, pair, L, device, copy_bw, S) -> list:
     sts = [ReplayStore.from_state(init, P, kind, key_heads=HK) for _ in range(R)]
     for st in sts:
         st.committed.copy_(torch.arange(B, dtype=torch.int32, device=device) % L)
-        st.buffers_empty = False
     step = _our_step(kind)
 
     def window_step():

@@ -678,7 +678,7 @@ def _derive(rows):
         k = (r["kind"], r["B"])
         if r["kernel"] in ("conventional", "replay-window", "replay-read-step", "replay-forced-flush",
                            "replay-forced-flush-layer", "replay-forced-auto-layer",
-                           "replay-window-staggered",
+                           "replay-window-staggered", "authors", "authors-staggered",
                            "sweep/conventional", "sweep/replay-read-step") and k in base:
             r["speedup_vs_conv_fp32"] = base[k] / r["us"]
             p = peer.get((r["kind"], r["B"], "float32"))
