@@ -242,7 +242,6 @@ def _cols_load(pay, sc, gs, mat, rows, c0, DV: tl.constexpr, DK: tl.constexpr,
                CW: tl.constexpr, FMT: tl.constexpr):
     """float32 [BV, CW] tile of a packed role: columns c0 .. c0 + CW of its rows (as _tile_load,
     CW a multiple of 16)."""
-    cc = c0 + tl.arange(0, CW)
     if FMT == 4:
         hc = c0 // 2 + tl.arange(0, CW // 2)
         p = tl.load(pay + mat * (DV * (DK // 2)) + rows[:, None] * (DK // 2) + hc[None, :])
@@ -251,14 +250,15 @@ def _cols_load(pay, sc, gs, mat, rows, c0, DV: tl.constexpr, DK: tl.constexpr,
         nb = c0 // 16 + tl.arange(0, CW // 16)
         bs = decode_e4m3(tl.load(sc + mat * (DV * (DK // 16)) + rows[:, None] * (DK // 16)
                                  + nb[None, :]))
-        return tl.reshape(v * bs[:, :, None], (rows.shape[0], CW)) * tl.load(gs + mat)
-    x = tl.load(pay + mat * (DV * DK) + rows[:, None] * DK + cc[None, :])
-    if FMT == 1:
-        x = decode_fp16(x)
-    elif FMT == 2:
-        x = decode_bf16(x)
-    elif FMT == 3:
-        x = decode_e4m3(x) * tl.load(sc + mat * DV + rows)[:, None]
+        x = tl.reshape(v * bs[:, :, None], (rows.shape[0], CW)) * tl.load(gs + mat)
+    else:
+        x = tl.load(pay + mat * (DV * DK) + rows[:, None] * DK + c0 + tl.arange(0, CW)[None, :])
+        if FMT == 1:
+            x = decode_fp16(x)
+        elif FMT == 2:
+            x = decode_bf16(x)
+        elif FMT == 3:
+            x = decode_e4m3(x) * tl.load(sc + mat * DV + rows)[:, None]
     return x
 
 

@@ -320,11 +320,10 @@ def gdn_forward(self, hidden_states, cache=None, attention_mask=None, cache_para
     scale = 1.0 if fam.beta_scale is None else float(fam.beta_scale(self))
     if scale == 1.0:
         q, k, v, log_a, beta = gdn_inputs(query, key, value, g, b)
-        raw = dict(q=query, k=key, v=value, a=a, b=b, A_log=self.A_log, dt_bias=self.dt_bias)
     else:
         q, k, v, log_a, beta = gdn_inputs(query, key, value, g, beta=scale * torch.sigmoid(b.float()))
-        raw = (f"the decode kernel takes beta = sigmoid(b); {type(self).__name__} uses "
-               f"beta = {scale:g} sigmoid(b)")
+    raw = dict(q=query, k=key, v=value, a=a, b=b, A_log=self.A_log, dt_bias=self.dt_bias,
+               beta_scale=scale)
     y = rt.run(cache, had_prev, q, k, v, log_a, beta, _valid(attention_mask, B, T), raw=raw)
     core = y.to(query.dtype).reshape(-1, self.head_v_dim)
     core = fam.role(self, "norm")(core, z.reshape(-1, self.head_v_dim))

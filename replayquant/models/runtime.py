@@ -305,7 +305,8 @@ class KernelDecodeState:
             return rd.replay_gdn_step(self.store, raw["q"], raw["k"].to(bf), raw["v"].to(bf),
                                       raw["a"], raw["b"], raw["A_log"], raw["dt_bias"],
                                       state_indices=self.state_indices, use_qk_l2norm=True,
-                                      path=DECODE_KERNEL_PATH)
+                                      path=DECODE_KERNEL_PATH,
+                                      beta_scale=raw.get("beta_scale", 1.0))
         return rd.replay_mamba2_step(self.store, raw["x"].to(bf), raw["dt"], raw["A"],
                                      raw["B"].to(bf), raw["C"], state_indices=self.state_indices,
                                      dt_bias=raw["dt_bias"], path=DECODE_KERNEL_PATH,
@@ -405,9 +406,10 @@ class LayerRuntime:
         """q, k [B, T, H, d_k]; v [B, T, H, d_v]; log_a [B, T, H] ([B, T, H, d_k] for a layer built
         with vector_gate), beta [B, T, H]; valid [B, T] or None.
         raw: the layer's raw inputs for the decode kernel, each [B, T, ...] (per-head
-        parameters unbatched): GDN q, k [.., HK, d_k], v, a, b, A_log, dt_bias; Mamba-2 x, dt,
-        A, B, C [.., G, N], dt_bias, dt_limit; or a str saying why the kernel cannot take the
-        layer (decode then runs the torch reference, with one warning that says so). Returns y
+        parameters unbatched): GDN q, k [.., HK, d_k], v, a, b, A_log, dt_bias, beta_scale
+        (beta = beta_scale sigmoid(b)); Mamba-2 x, dt, A, B, C [.., G, N], dt_bias, dt_limit;
+        or a str saying why the kernel cannot take the layer (decode then runs the torch
+        reference, with one warning that says so). Returns y
         float32 [B, T, H, d_v]."""
         B, T, H, dk = q.shape
         dv = v.shape[-1]
