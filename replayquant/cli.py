@@ -363,7 +363,7 @@ def bench_merge_cmd(
 ):
     """One kernels table from several `bench kernels` runs of one commit (split by --kinds /
     --spec-batches over device calls): rows kept with their run, speedups derived within a run,
-    targets and dispatch from the merged rows."""
+    targets from the merged rows."""
     from replayquant.bench.decode import merge_kernels
     with _user_errors():
         res = merge_kernels(parts, out=out, name=name)

@@ -287,6 +287,26 @@ def test_flush_path_mid_window_and_blocks():
     assert_states_close(store.anchor.dequantize(), ref.anchor.dequantize())
 
 
+@pytest.mark.parametrize("kind", ["gdn", "mamba2"])
+def test_nvfp4_read_copy_cast_in_row_pieces(kind):
+    """A whole-matrix program of more than 32 rows casts an NVFP4 read copy beside an FP32
+    anchor from the anchor it wrote, 32 rows at a time with the matrix's amax: the same bits as
+    the reference's whole-matrix cast (4 steps, L = 3, one flush per row)."""
+    N, HK, H, dk, dv = 2, 1, 1, 16, 64
+    dr = Driver(kind, N, HK, H, dk, dv)
+    store = ReplayStore.from_state(random_state(N, H, dv, dk, seed=9), "tp4_hi32", kind,
+                                   key_heads=HK, buffer_len=3, u_dtype=torch.float32)
+    assert replay_launch_config(store)[0] == 64
+    ref = store.clone()
+    for step in range(4):
+        inp = dr.inputs(seed=60 + step)
+        y, y2 = dr.kernel(store, inp, None), dr.ref(ref, inp, None)
+        assert_outputs_close(y, y2, PrecisionPair.load("tp4_hi32"))
+    assert store.n_flush.tolist() == [1, 1]
+    assert_states_close(store.read.dequantize(), ref.read.dequantize())
+    torch.testing.assert_close(store.read.gscale, ref.read.gscale, rtol=1e-5, atol=0)
+
+
 def test_launch_table_and_path():
     """One launch table: an NVFP4 role takes whole matrices, other pairs 16-row tiles; block_v
     and num_warps override it, with one error for a block the kernel cannot take. 'auto' is

@@ -1,6 +1,6 @@
 """Replay decode step and speculative verify (ReplaySSM) in Triton: one launch per step for the
-whole batch, the flush decided per row inside the kernel (DESIGN sections 3 and 4;
-`replayquant.kernels.replay_ref` is the torch specification with the same signatures).
+whole batch, the flush decided per row inside the kernel (DESIGN sections 3 and 4; the torch
+references with the same signatures are in `replayquant.kernels.replay_ref`).
 
 Storage of one layer (`ReplayStore`; slots N, value heads H, key heads / groups HK):
 
@@ -9,38 +9,32 @@ Storage of one layer (`ReplayStore`; slots N, value heads H, key heads / groups 
     kbuf        bf16 [N, C, HK, d_k]            raw k (GDN, re-normalised on read) / B (Mamba-2)
     vbuf        bf16 [N, C, H, d_v]             raw v (GDN) / x (Mamba-2; v = dt x on read)
     ubuf        u_dtype [N, C, H, d_v]          GDN: u computed against the read copy (outputs only)
-    Gbuf        fp32 [N, C, H]                  cumulative log gate since the checkpoint
-    bbuf        fp32 [N, C, H]                  GDN: beta; Mamba-2: dt
+    Gbuf, bbuf  fp32 [N, C, H]                  cumulative log gate since the checkpoint; GDN beta
+                                                (beta_scale included) / Mamba-2 dt
     committed   int32 [N]                       committed buffer entries h (0..L)
     start       int32 [N]                       ring position of the window's first entry
     n_flush     int64 [N]                       flush index of the current anchor (0 = initial cast)
 
-The buffer is a ring of C = L + max_drafts entries: entry j of the window lives at (start + j)
-mod C. When committed entries are flushed just before new entries are appended in the same
-launch, the new window starts after the old entries, so no program overwrites an entry that
-another program of the row still reads.
+The buffer is a ring of C = L + max_drafts entries, entry j of the window at (start + j) mod C:
+committed entries flushed just before new ones are appended in the same launch stay where they
+are for the row's other programs, the new window starting after them.
 
-`_replay_kernel`: a program holds a [BV, d_k] tile of one (batch row, value head) and, for a row
-with slot s and committed fill h:
+`_replay_kernel`: a program holds a [BV, d_k] tile of one (batch row, value head); per row
+with committed fill h:
 
 * pre-flush (h + T > L, h > 0; in a step h == L, left so by a speculative accept): fold the h
   committed entries into the anchor and cast both roles;
-* flush step (h + 1 == L, or a forced step): rebuild the unrounded FP32 state, apply this
-  step (the conventional step's arithmetic), output S q, then anchor <- Q_anchor(S) and
+* flush step (h + 1 == L, or a forced step): rebuild the unrounded FP32 state, apply this step
+  (the conventional step's arithmetic), output S q, then anchor <- Q_anchor(S) and
   read <- Q_read(S), cast independently from S, each with its own SR stream;
 * otherwise read: the outputs of the T entries from the packed read copy (decoded in
   registers, never written back) and the buffer, output-only, and their appends.
 
-The rebuild uses tensor-core products, not a pass per entry (the WY form of the chunked delta
-rule): W = K S0^T, A[j, i] = beta_j e^{G_j - G_i} (k_i . k_j) for i < j,
-U = (I + A)^{-1} (beta (V - e^G W)), S = e^{G_n} S0 + (U e^{G_n - G})^T K; Mamba-2 U = dt x.
-The products run in 3xTF32 (`tf32x3`) on the GPU, close to FP32 (TF32 alone drifts the anchor
-~3e-4); the interpreter computes them in FP32.
-
-The last program of each row moves that row's pointers (arrival counter `ReplayStore.arrive`),
-so a step is one launch. A model with several layers shares one pair of pointer tensors between
-its layers' stores and advances them once per token (`advance=False` for all but the last
-layer, or `advance_pointers` after them).
+The rebuild uses tensor-core products (the WY form of the chunked delta rule): W = K S0^T,
+A[j, i] = beta_j e^{G_j - G_i} (k_i . k_j) for i < j, U = (I + A)^{-1} (beta (V - e^G W)),
+S = e^{G_n} S0 + (U e^{G_n - G})^T K; Mamba-2 U = dt x. The last program of each row moves
+that row's pointers (arrival counter `ReplayStore.arrive`); a model with several layers sharing
+one pair of pointer tensors passes advance=False to all but its last layer.
 """
 
 from __future__ import annotations
@@ -53,12 +47,13 @@ import triton
 import triton.language as tl
 
 from replayquant.kernels.conventional import (PackedRole, _check_inputs, _front_end, _gate_out,
-                                              _indices, _prep, _program_tile, _rank1_step,
+                                              _indices, _nv_store, _prep, _program_tile,
+                                              _rank1_step, _role_bits,
                                               _tile_load, _tile_store, unit_lower_inverse,
                                               NO_DT_LIMIT, dt_limit_args, role_streams,
                                               split_key, _pow2_dims)
-from replayquant.kernels.quant import (decode_bf16, decode_e2m1, decode_e4m3, decode_fp16,
-                                       small_float_at, small_float_pair_at)
+from replayquant.kernels.quant import (decode_bf16, decode_fp16, small_float_at,
+                                       small_float_pair_at)
 from replayquant.streams import ANCHOR, READ, layer_seed
 
 __all__ = ["ReplayStore", "replay_gdn_step", "replay_mamba2_step", "advance_pointers",
@@ -238,31 +233,6 @@ def _dot3(a, b, acc, SPLIT_B: tl.constexpr, ON_GPU: tl.constexpr):
 
 
 @triton.jit
-def _cols_load(pay, sc, gs, mat, rows, c0, DV: tl.constexpr, DK: tl.constexpr,
-               CW: tl.constexpr, FMT: tl.constexpr):
-    """float32 [BV, CW] tile of a packed role: columns c0 .. c0 + CW of its rows (as _tile_load,
-    CW a multiple of 16)."""
-    if FMT == 4:
-        hc = c0 // 2 + tl.arange(0, CW // 2)
-        p = tl.load(pay + mat * (DV * (DK // 2)) + rows[:, None] * (DK // 2) + hc[None, :])
-        p = p.to(tl.int32)
-        v = tl.reshape(tl.join(decode_e2m1(p), decode_e2m1(p >> 4)), (rows.shape[0], CW // 16, 16))
-        nb = c0 // 16 + tl.arange(0, CW // 16)
-        bs = decode_e4m3(tl.load(sc + mat * (DV * (DK // 16)) + rows[:, None] * (DK // 16)
-                                 + nb[None, :]))
-        x = tl.reshape(v * bs[:, :, None], (rows.shape[0], CW)) * tl.load(gs + mat)
-    else:
-        x = tl.load(pay + mat * (DV * DK) + rows[:, None] * DK + c0 + tl.arange(0, CW)[None, :])
-        if FMT == 1:
-            x = decode_fp16(x)
-        elif FMT == 2:
-            x = decode_bf16(x)
-        elif FMT == 3:
-            x = decode_e4m3(x) * tl.load(sc + mat * DV + rows)[:, None]
-    return x
-
-
-@triton.jit
 def _rebuild(S0, Kb, r, X, G, Bt, jj, n, A_pay, A_sc, A_gs, mat, rows, kbuf, e, hk,
              HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, AFMT: tl.constexpr,
              DELTA: tl.constexpr, PREC: tl.constexpr, ON_GPU: tl.constexpr):
@@ -271,19 +241,20 @@ def _rebuild(S0, Kb, r, X, G, Bt, jj, n, A_pay, A_sc, A_gs, mat, rows, kbuf, e, 
     with tensor-core products (module docstring). GDN: u solves the unit lower triangular
     system of DESIGN section 3 against S0; W = K S0^T and K K^T are formed over 32-column
     pieces of the anchor and the k entries, reloaded (cache hits), so that no full-width dot
-    operand is held beside S0."""
+    operand is held beside S0 (an NVFP4 anchor, whose blocks decode whole rows, in one piece)."""
     m = jj < n
     Gn = tl.sum(tl.where(jj == n - 1, G, 0.0), axis=0)
     U = X
     if DELTA:
-        CW: tl.constexpr = 32 if DK >= 32 else DK
+        CW: tl.constexpr = DK if (AFMT == 4) or (DK < 32) else 32      # NVFP4: whole rows
         W = tl.zeros_like(X)                                                # [LP, BV]: S0 k_j
         KK = tl.zeros([X.shape[0], X.shape[0]], tl.float32)                 # [LP, LP]: k_j . k_i
         for c0 in range(0, DK, CW):
-            Kc = tl.load(kbuf + (e[:, None] * HK + hk) * DK + c0 + tl.arange(0, CW)[None, :],
-                         mask=m[:, None], other=0.0)
-            W = _dot3(Kc, tl.trans(_cols_load(A_pay, A_sc, A_gs, mat, rows, c0, DV, DK, CW, AFMT)),
-                      W, True, ON_GPU)
+            cc = c0 + tl.arange(0, CW)
+            Kc = tl.load(kbuf + (e[:, None] * HK + hk) * DK + cc[None, :], mask=m[:, None],
+                         other=0.0)
+            W = _dot3(Kc, tl.trans(_tile_load(A_pay, A_sc, A_gs, mat, rows, cc, DV, DK,
+                                              rows.shape[0], AFMT)), W, True, ON_GPU)
             KK = _mm(Kc, tl.trans(Kc), KK, ON_GPU)
         R = Bt[:, None] * (X - tl.where(m, tl.exp(G), 0.0)[:, None] * (r[:, None] * W))
         low = (jj[None, :] < jj[:, None]) & m[:, None]
@@ -299,12 +270,25 @@ def _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_l
                  slot, hv, DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
                  AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr, RSR: tl.constexpr,
                  SHARED: tl.constexpr):
-    """anchor <- Q_anchor(S), read <- Q_read(S): two independent casts of the same S."""
+    """anchor <- Q_anchor(S), read <- Q_read(S): two independent casts of the same S. An NVFP4
+    read copy beside an FP32 anchor (which holds S itself) is cast from the anchor just written,
+    32 rows at a time with the matrix's amax from S: the same bits as casting S whole, without
+    the whole-matrix encode's temporaries beside S in registers."""
     _tile_store(S, A_pay, A_sc, A_gs, mat, rows, cols, key_lo, key_hi, fi, slot, hv,
                 DV, DK, BV, AFMT, ASR, 0)
     if not SHARED:
-        _tile_store(S, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi, fi, slot, hv,
-                    DV, DK, BV, RFMT, RSR, 1)
+        if (AFMT == 0) and (RFMT == 4) and (BV > 32):
+            amax = tl.max(tl.max(tl.abs(S), axis=1), axis=0)
+            tl.debug_barrier()
+            for r0 in range(0, BV, 32):
+                rc = r0 + tl.arange(0, 32)
+                offs = rc[:, None] * DK + cols[None, :]
+                _nv_store(tl.load(A_pay + mat * (DV * DK) + offs), amax, R_pay, R_sc, R_gs, mat,
+                          rc, _role_bits(offs, RSR, key_lo, key_hi, fi, 1, slot, hv), DV, DK, 32,
+                          RSR)
+        else:
+            _tile_store(S, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi, fi, slot, hv,
+                        DV, DK, BV, RFMT, RSR, 1)
 
 
 @triton.jit
