@@ -48,9 +48,11 @@ def test_wheel_contents(wheel):
         assert f"replayquant/configs/pairs/{p}.yaml" in names
     for t in (ROOT / "replayquant" / "gpqa" / "templates").glob("*.yaml"):
         assert f"replayquant/gpqa/templates/{t.name}" in names
-    for model in ("tiny-qwen3.5", "tiny-mamba2"):
-        assert f"replayquant/assets/{model}/model.safetensors" in names
-        assert f"replayquant/assets/{model}/config.json" in names
+    from replayquant.data import TINY_MODELS
+    assert len(TINY_MODELS) == 3
+    for model in TINY_MODELS:
+        for f in ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"):
+            assert f"replayquant/assets/{model}/{f}" in names
     assert "replayquant/data/kjv_heldout.jsonl.gz" in names
     # nothing of the checkout but the package: no tests, evals or results in the wheel
     assert not [n for n in names if n.split("/")[0] in ("tests", "evals", "results", "configs")]

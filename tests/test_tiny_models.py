@@ -46,8 +46,9 @@ def test_model_loads_and_is_trained(name, heldout):
     assert torch.isfinite(logits).all()
     nll = torch.nn.functional.cross_entropy(logits[0, :-1], x[0, 1:])
     ppl = math.exp(nll.item())
-    # this snippet: ppl 32 (tiny-qwen3.5) / 36 (tiny-mamba2); results/train_tiny/train_log.json
-    # has the whole held-out set (35 / 40 at 4K context); uniform would be 4096
+    # this snippet: ppl 32 / 36 / 28 (tiny-qwen3.5, tiny-mamba2, tiny-kimi-linear);
+    # results/train_tiny/train_log*.json have the whole held-out set (35 / 40 / 33 at 4K
+    # context); uniform would be 4096
     assert ppl < 100, f"{name}: held-out perplexity {ppl:.1f} is not that of a trained model"
 
 
@@ -63,6 +64,34 @@ def test_load_model_by_short_name():
     model = load_model("tiny-mamba2")
     assert type(model).__name__ == "Mamba2ForCausalLM"
     assert next(model.parameters()).dtype == torch.float32
+
+
+def test_tiny_kimi_linear_generates_and_runs_kl(heldout, tmp_path):
+    """tiny-kimi-linear by its short name: six Kimi Delta Attention layers found; greedy generate
+    with s32_rs at L = 1 (the conventional FP32 recurrence) gives the unpatched model's tokens;
+    `run_kl` with three pairs on held-out text: s32_rs agrees to float32 rounding and the shared
+    NVFP4 state (f4_sr_rs) is further off than an NVFP4 read copy over an FP32 anchor (tp4_hi32)."""
+    from transformers import AutoTokenizer
+
+    from replayquant.kl import run_kl
+    from replayquant.models import load_model, patch, recurrent_layers
+    model = load_model("tiny-kimi-linear")
+    assert type(model).__name__ == "KimiLinearForCausalLM"
+    assert [kind for _, _, kind in recurrent_layers(model)] == ["kda"] * 6
+    tok = AutoTokenizer.from_pretrained(tiny_model_path("tiny-kimi-linear"))
+    text = heldout[3]["text"]                        # John
+    x = torch.tensor([[tok.eos_token_id] + tok(text[len(text) // 2:])["input_ids"][:48]])
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=tok.eos_token_id)
+    with torch.no_grad():
+        ref = model.generate(x, **kw)
+        patch(model, "s32_rs", buffer_len=1)
+        assert torch.equal(model.generate(x, **kw), ref)
+    res = run_kl(model, tok, ["s32_rs", "tp4_hi32", "f4_sr_rs"], dataset=heldout_path(tmp_path),
+                 context=160, n_docs=1, segment=64, out=tmp_path / "kl.json", progress=False,
+                 plot=False)
+    r = {p: v["kl_mean"] for p, v in res["results"].items()}
+    assert abs(r["s32_rs"]) < 1e-6, r
+    assert r["f4_sr_rs"] > r["tp4_hi32"] > 0, r
 
 
 def test_heldout_text(heldout, tmp_path):

@@ -3,7 +3,7 @@
 * `kjv_heldout.jsonl.gz`: seven books of the King James Version (Job, Isaiah, Daniel, John, Acts,
   Romans, Revelation; 193,254 tokens of the tiny models' tokenizer) that the tiny models never saw
   in training. One JSON object per line: {"id", "book", "text"}. Source and licence: SOURCE.md here.
-* `replayquant/assets/tiny-qwen3.5`, `replayquant/assets/tiny-mamba2`: Hugging Face model folders
+* `replayquant/assets/tiny-qwen3.5`, `tiny-mamba2`, `tiny-kimi-linear`: Hugging Face model folders
   (config, bf16 safetensors, tokenizer) trained by `evals/train_tiny.py`; see the README there.
 
 `heldout_path()` writes the held-out books once as a plain `.jsonl` (the KL harness reads .jsonl)
@@ -27,7 +27,8 @@ HELDOUT_FILE = _HERE / "kjv_heldout.jsonl.gz"
 HELDOUT_SHA256 = "25a87beb7519639351adf0c1ca58e136e4edfd383a0c652bc23af1ac34391b9f"  # uncompressed
 HELDOUT_BOOKS = ["Job", "Isaiah", "Daniel", "John", "Acts", "Romans", "Revelation"]
 ASSETS = _HERE.parent / "assets"
-TINY_MODELS = {"tiny-qwen3.5": ASSETS / "tiny-qwen3.5", "tiny-mamba2": ASSETS / "tiny-mamba2"}
+TINY_MODELS = {"tiny-qwen3.5": ASSETS / "tiny-qwen3.5", "tiny-mamba2": ASSETS / "tiny-mamba2",
+               "tiny-kimi-linear": ASSETS / "tiny-kimi-linear"}
 
 
 def _heldout_bytes() -> bytes:
@@ -81,7 +82,7 @@ def heldout_path(cache_dir: str | os.PathLike | None = None) -> Path:
 
 
 def tiny_model_path(name: str) -> Path:
-    """Folder of an embedded tiny model ('tiny-qwen3.5' or 'tiny-mamba2')."""
+    """Folder of an embedded tiny model ('tiny-qwen3.5', 'tiny-mamba2' or 'tiny-kimi-linear')."""
     if name not in TINY_MODELS:
         raise ValueError(f"unknown tiny model {name!r}; the embedded ones are {', '.join(TINY_MODELS)}")
     path = TINY_MODELS[name]

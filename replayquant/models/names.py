@@ -54,13 +54,15 @@ Olmo-Hybrid-7B                allenai/Olmo-Hybrid-7B                     Gated D
 Kimi-Linear-48B-A3B-Instruct  moonshotai/Kimi-Linear-48B-A3B-Instruct    Kimi Delta Attention (MoE)
 Kimi-Linear-48B-A3B-Base      moonshotai/Kimi-Linear-48B-A3B-Base        Kimi Delta Attention (MoE)
 GLM-5.3-Flash                 zai-org/GLM-5.3-Flash                      Kimi Delta Attention (MoE)
-tiny-qwen3.5                  replayquant/assets/tiny-qwen3.5 (shipped)  Gated DeltaNet (dense)
-tiny-mamba2                   replayquant/assets/tiny-mamba2 (shipped)   Mamba-2 (pure)
+tiny-qwen3.5                  replayquant/assets/tiny-qwen3.5            Gated DeltaNet (dense)
+tiny-mamba2                   replayquant/assets/tiny-mamba2             Mamba-2 (pure)
+tiny-kimi-linear              replayquant/assets/tiny-kimi-linear        Kimi Delta Attention (dense)
 ============================  =========================================  ============================
 
 Matching is case-insensitive; a name not in the table is used as given (a hub id or a local
 path). The ids are the checkpoints as their publishers name them; they were not checked against
-the hub from this machine (no hub access).
+the hub from this machine (no hub access). The tiny-* models ship inside the package (trained by
+evals/train_tiny.py on the KJV; replayquant/assets/README.md).
 """
 
 from __future__ import annotations
@@ -127,6 +129,8 @@ SHORT_NAMES: dict[str, str] = {
                                  "assets", "tiny-qwen3.5"),
     "tiny-mamba2": os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "assets", "tiny-mamba2"),
+    "tiny-kimi-linear": os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                     "assets", "tiny-kimi-linear"),
 }
 
 
