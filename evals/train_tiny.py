@@ -18,8 +18,10 @@ Stages (each deterministic from its inputs and --seed):
               Qwen3.5 one is not there.
   evaluate    the long-memory evaluation alone, on the shipped folders (any device), with each
               model's training record read from the log of the run that trained it.
-  install     copy the model folders from a train output into replayquant/assets/ and the log,
-              PNG and stdout into results/train_tiny/ (and demo results into results/demo/).
+  install     copy the model folders from a train output into replayquant/assets/, the log and
+              stdouts into results/train_tiny/ (a log of other models than train_log.json's as
+              train_log_<model>.json beside it), redraw loss_curve.png there from every log, and
+              unpack the demo results into results/demo/.
 
 Fast training paths (GPU only; the shipped models run on Hugging Face's torch code everywhere):
   * Qwen3.5: with flash-linear-attention (`fla`) importable before transformers loads the model
@@ -46,8 +48,9 @@ tokens):
   * residual dropout (training only, forward hooks on each mixer / MLP / embedding output) against
     the overfitting of a few epochs of a 0.9M-token corpus.
 
-How the shipped models were made (results/train_tiny/: train_log.json with both models'
-training and evaluation, loss_curve.png, and tiny-qwen3.5's training stdout):
+How the shipped models were made (results/train_tiny/: train_log.json with tiny-qwen3.5's and
+tiny-mamba2's training and evaluation, train_log_tiny-kimi-linear.json with tiny-kimi-linear's,
+loss_curve.png of all three, and the training stdouts):
 
   python evals/train_tiny.py prepare --heldout-out replayquant/data/kjv_heldout.jsonl.gz
   # on one H200 (evals/gpu_runs.sh, .gpu/tiny + .gpu/wheels carried; torch 2.11, Triton 3.6,
@@ -60,7 +63,12 @@ training and evaluation, loss_curve.png, and tiny-qwen3.5's training stdout):
   python evals/train_tiny.py device-run --data .gpu/tiny --out $OUT --models mamba --steps 400 \
       --evaluate-also qwen --train-stdout results/train_tiny/train_stdout_tiny-qwen3.5.txt \
       --deadline 185 --reserve 60 --source-commit <commit>
+  # tiny-kimi-linear: 524 steps x 8 x 8K tokens in 85 s (0.163 s/step, fla's chunk_kda):
+  python evals/train_tiny.py device-run --data .gpu/tiny --out $OUT --models kimi \
+      --time-budget 100 --deadline 390 --reserve 80 --source-commit <commit>
   python evals/train_tiny.py install --from <the device-run output>
+  python evals/train_tiny.py plot --log results/train_tiny/train_log.json \
+      --log results/train_tiny/train_log_tiny-kimi-linear.json --out results/train_tiny/loss_curve.png
   # the long-memory evaluation alone, of both shipped folders:
   python evals/train_tiny.py evaluate --data .gpu/tiny --out <dir> \
       --train-record qwen=results/train_tiny/train_stdout_tiny-qwen3.5.txt \
@@ -1223,9 +1231,25 @@ def cmd_evaluate(args) -> None:
     log(f"wrote {out / 'train_log.json'} and {out / 'loss_curve.png'}")
 
 
+def log_models(paths: list[Path]) -> list[dict]:
+    """The model records of several train logs, one per model name (where two logs hold the same
+    model, the one of the later run by provenance date), in MODEL_NAMES order."""
+    latest = {}
+    for path in paths:
+        rec = json.loads(Path(path).read_text())
+        date = rec.get("provenance", {}).get("date", "")
+        for m in rec["models"]:
+            if m["name"] not in latest or date >= latest[m["name"]][0]:
+                latest[m["name"]] = (date, m)
+    order = list(MODEL_NAMES.values())
+    return [latest[n][1] for n in sorted(latest, key=lambda n: (n not in order, order.index(n)
+                                                                 if n in order else 0, n))]
+
+
 def cmd_plot(args) -> None:
-    """Redraw a log's PNG (e.g. after a change to the plot) from the log alone."""
-    plot_losses(json.loads(Path(args.log).read_text())["models"], Path(args.out))
+    """Redraw the PNG (e.g. after a change to the plot) from the logs alone, all their models in
+    one figure."""
+    plot_losses(log_models(args.log), Path(args.out))
 
 
 def cmd_prepare(args) -> None:
@@ -1263,13 +1287,30 @@ def cmd_install(args) -> None:
             shutil.rmtree(dest)
         ASSETS.mkdir(parents=True, exist_ok=True)
         _extract(src / f"{name}.tar", ASSETS)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    for f in ("train_log.json", "loss_curve.png", "train_stdout.txt"):
-        if (src / f).is_file():
-            shutil.copy(src / f, RESULTS / f)
+    install_logs(src, RESULTS)
     if (src / "demo.tar").is_file():
         _extract(src / "demo.tar", ROOT)
     print(f"installed into {ASSETS} and {RESULTS}")
+
+
+def install_logs(src: Path, results: Path) -> None:
+    """A run's train log into results/: train_log.json when that file is not there or holds the
+    same models (a rerun replaces it); a run of other models keeps its own file beside it,
+    train_log_<model>[+<model>...].json, so the log of each run stays as it was written. The
+    training stdouts are copied by name, and loss_curve.png is redrawn from every log there."""
+    results.mkdir(parents=True, exist_ok=True)
+    if (src / "train_log.json").is_file():
+        models = [m["name"] for m in json.loads((src / "train_log.json").read_text())["models"]]
+        main = results / "train_log.json"
+        same = main.is_file() and sorted(
+            m["name"] for m in json.loads(main.read_text())["models"]) == sorted(models)
+        name = "train_log.json" if same or not main.is_file() else f"train_log_{'+'.join(models)}.json"
+        shutil.copy(src / "train_log.json", results / name)
+    for f in src.glob("train_stdout*.txt"):
+        shutil.copy(f, results / f.name)
+    logs = sorted(results.glob("train_log*.json"))
+    if logs:
+        plot_losses(log_models(logs), results / "loss_curve.png")
 
 
 def main(argv=None) -> None:
@@ -1347,8 +1388,9 @@ def main(argv=None) -> None:
                    help="KIND=PATH: the training run's stdout (.txt) or train_log.json")
     e.add_argument("--source-commit", default=None)
     e.add_argument("--deterministic", action="store_true", default=True)
-    pl = sub.add_parser("plot", help="redraw the PNG of a train_log.json")
-    pl.add_argument("--log", required=True)
+    pl = sub.add_parser("plot", help="redraw the loss PNG from train logs (all their models)")
+    pl.add_argument("--log", required=True, action="append", type=Path,
+                    help="a train_log*.json; give it once per log")
     pl.add_argument("--out", required=True)
     i = sub.add_parser("install", help="copy a train output into the package and results/")
     i.add_argument("--from", dest="src", required=True)

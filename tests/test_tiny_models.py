@@ -3,6 +3,7 @@ uniform guess), held-out text present and large enough, short names resolve to t
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -173,3 +174,34 @@ def test_segment_reset_restarts_the_state():
     parts = [gdn(q[:, s:s + 32], k[:, s:s + 32], v[:, s:s + 32], g=gg[:, s:s + 32],
                  beta=beta[:, s:s + 32], use_qk_l2norm_in_kernel=True)[0] for s in range(0, 100, 32)]
     assert torch.allclose(out, torch.cat(parts, 1), atol=1e-5)
+
+
+def test_install_keeps_the_log_of_other_models(tmp_path):
+    """`install` of a run of one model beside a train_log.json of two others: the existing log is
+    left byte for byte, the run's log goes to train_log_<model>.json, its stdout is copied, and
+    loss_curve.png is redrawn with all three models; a rerun of the same model replaces its log."""
+    tt = _train_tiny()
+    logs = tt.ROOT / "results" / "train_tiny"
+    results, src = tmp_path / "results", tmp_path / "run"
+    results.mkdir()
+    src.mkdir()
+    shutil.copy(logs / "train_log.json", results / "train_log.json")
+    shutil.copy(logs / "train_log_tiny-kimi-linear.json", src / "train_log.json")
+    (src / "train_stdout_tiny-kimi-linear.txt").write_text("step 1\n")
+    tt.install_logs(src, results)
+    assert (results / "train_log.json").read_bytes() == (logs / "train_log.json").read_bytes()
+    assert (results / "train_log_tiny-kimi-linear.json").read_bytes() == \
+        (src / "train_log.json").read_bytes()
+    assert (results / "train_stdout_tiny-kimi-linear.txt").read_text() == "step 1\n"
+    assert (results / "loss_curve.png").stat().st_size > 10_000
+    models = tt.log_models(sorted(results.glob("train_log*.json")))
+    assert [m["name"] for m in models] == ["tiny-qwen3.5", "tiny-mamba2", "tiny-kimi-linear"]
+    rerun = json.loads((src / "train_log.json").read_text())
+    rerun["provenance"]["date"] = "2100-01-01T00:00:00+00:00"
+    rerun["models"][0]["best_val"] = {"step": 1}
+    (src / "train_log.json").write_text(json.dumps(rerun))
+    tt.install_logs(src, results)
+    assert sorted(p.name for p in results.glob("train_log*.json")) == \
+        ["train_log.json", "train_log_tiny-kimi-linear.json"]
+    models = tt.log_models(sorted(results.glob("train_log*.json")))
+    assert models[2]["best_val"] == {"step": 1}
