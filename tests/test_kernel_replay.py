@@ -14,6 +14,8 @@ from replayquant.kernels.conventional import (ConventionalStore, conventional_gd
 from replayquant.kernels.replay_decode import (LAUNCH_TABLE, ReplayStore, advance_pointers,
                                                replay_gdn_step, replay_launch_config,
                                                replay_mamba2_step, resolve_path)
+from replayquant.kernels import replay_ref as rr
+from replayquant.kernels import verify as vf
 from replayquant.kernels.replay_ref import replay_gdn_step_ref, replay_mamba2_step_ref
 from replayquant.pairs import PrecisionPair, list_pairs
 from replayquant.replay import ReplayState
@@ -287,37 +289,68 @@ def test_flush_path_mid_window_and_blocks():
     assert_states_close(store.anchor.dequantize(), ref.anchor.dequantize())
 
 
-@pytest.mark.parametrize("kind", ["gdn", "mamba2"])
-def test_nvfp4_read_copy_cast_in_row_pieces(kind):
-    """A whole-matrix program of more than 32 rows casts an NVFP4 read copy beside an FP32
-    anchor from the anchor it wrote, 32 rows at a time with the matrix's amax: the same bits as
-    the reference's whole-matrix cast (4 steps, L = 3, one flush per row)."""
-    N, HK, H, dk, dv = 2, 1, 1, 16, 64
-    dr = Driver(kind, N, HK, H, dk, dv)
+@pytest.mark.parametrize("kind,block_v", [("gdn", None), ("mamba2", 16)])
+def test_nvfp4_read_copy_beside_fp32_anchor_in_row_blocks(kind, block_v):
+    """An NVFP4 read copy beside an FP32 anchor: a program loops over its matrix's row blocks
+    (64 rows in 2 or 4 blocks), writes the anchor, then casts the read copy from it with the
+    matrix's amax: the reference's whole-matrix cast within float32 reassociation of the
+    rebuilt state; steps across a flush (L = 3), a verify of 2 drafts with its pre-flush and an
+    accept, poisoned buffers, a padding row."""
+    from replayquant.kernels.replay_ref import replay_accept_ref
+    from replayquant.kernels.verify import replay_accept
+    N, HK, H, dk, dv, T = 2, 1, 1, 16, 64, 2
+    dr = Driver(kind, N + 1, HK, H, dk, dv)
     store = ReplayStore.from_state(random_state(N, H, dv, dk, seed=9), "tp4_hi32", kind,
-                                   key_heads=HK, buffer_len=3, u_dtype=torch.float32)
-    assert replay_launch_config(store)[0] == 64
+                                   key_heads=HK, buffer_len=3, u_dtype=torch.float32,
+                                   max_drafts=T)
+    assert replay_launch_config(store, block_v)[1] == dv // (block_v or 32)
+    poison_buffers(store)
     ref = store.clone()
-    for step in range(4):
-        inp = dr.inputs(seed=60 + step)
-        y, y2 = dr.kernel(store, inp, None), dr.ref(ref, inp, None)
-        assert_outputs_close(y, y2, PrecisionPair.load("tp4_hi32"))
-    assert store.n_flush.tolist() == [1, 1]
+    idx = torch.tensor([1, -1, 0])
+    pair = PrecisionPair.load("tp4_hi32")
+    for step in range(5):
+        if step == 2:
+            fn, fr = ((vf.replay_gdn_verify, rr.replay_gdn_verify_ref) if kind == "gdn"
+                      else (vf.replay_mamba2_verify, rr.replay_mamba2_verify_ref))
+            if kind == "gdn":
+                q, k, v, a, b = gdn_step_inputs(N + 1, HK, H, dk, dv, T=T, seed=70)
+                A_log, dtb = gdn_params(H, 70)
+                y = fn(store, q, k, v, a, b, A_log, dtb, state_indices=idx, block_v=block_v)
+                y2 = fr(ref, q, k, v, a, b, A_log, dtb, state_indices=idx)
+            else:
+                x, dt, Bm, C, z = mamba2_step_inputs(N + 1, HK, H, dk, dv, T=T, seed=70)
+                A, D, dtb = mamba2_params(H, 70)
+                y = fn(store, x, dt, A, Bm, C, state_indices=idx, D=D, z=z, dt_bias=dtb,
+                       block_v=block_v)
+                y2 = fr(ref, x, dt, A, Bm, C, state_indices=idx, D=D, z=z, dt_bias=dtb)
+            n = torch.tensor([2, 0, 1])
+            replay_accept(store, n, idx)
+            replay_accept_ref(ref, n, idx)
+        else:
+            inp = dr.inputs(seed=60 + step)
+            y, y2 = dr.kernel(store, inp, idx, block_v=block_v), dr.ref(ref, inp, idx)
+        assert (y[1] == 0).all()
+        assert_outputs_close(y, y2, pair)
+        assert store.committed.tolist() == ref.committed.tolist()
+    assert store.n_flush.tolist() == ref.n_flush.tolist() and min(store.n_flush.tolist()) >= 2
+    assert_states_close(store.anchor.dequantize(), ref.anchor.dequantize())
     assert_states_close(store.read.dequantize(), ref.read.dequantize())
     torch.testing.assert_close(store.read.gscale, ref.read.gscale, rtol=1e-5, atol=0)
 
 
 def test_launch_table_and_path():
-    """One launch table: an NVFP4 role takes whole matrices, other pairs 16-row tiles; block_v
-    and num_warps override it, with one error for a block the kernel cannot take. 'auto' is
-    'replay' at every batch."""
-    mk = lambda pair, dv=32: ReplayStore.from_state(random_state(2, 2, dv, 16), pair, "gdn",  # noqa: E731
-                                                    key_heads=1, buffer_len=4)
+    """One launch table: an NVFP4 role takes whole matrices (beside an FP32 anchor in 32-row
+    blocks, looped), other pairs 16-row tiles; block_v and num_warps override it, with one error
+    for a block the kernel cannot take. 'auto' is 'replay' at every batch."""
+    def mk(pair, dv=32):
+        return ReplayStore.from_state(random_state(2, 2, dv, 16), pair, "gdn", key_heads=1,
+                                      buffer_len=4)
     assert LAUNCH_TABLE["other"]["rows"] == 16
-    assert replay_launch_config(mk("s32_rs"))[0] == 16
-    assert replay_launch_config(mk("tp4_hi32"))[0] == 32
-    assert replay_launch_config(mk("f4_sr_rs"))[0] == 32
-    assert replay_launch_config(mk("tp8_hi32"), block_v=32, num_warps=4) == (32, 4)
+    assert replay_launch_config(mk("s32_rs")) == (16, 1, 1)
+    assert replay_launch_config(mk("tp4_hi32", 64)) == (32, 2, 1)
+    assert replay_launch_config(mk("tp4_hi32"), block_v=16) == (16, 2, 1)
+    assert replay_launch_config(mk("f4_sr_rs")) == (32, 1, 1)
+    assert replay_launch_config(mk("tp8_hi32"), block_v=32, num_warps=4) == (32, 1, 4)
     with pytest.raises(ValueError, match="block_v must be d_v"):
         replay_launch_config(mk("tp4_hi16_sr"), block_v=16)
     with pytest.raises(ValueError, match="power of two >= 16"):

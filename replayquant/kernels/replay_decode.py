@@ -269,26 +269,30 @@ def _rebuild(S0, Kb, r, X, G, Bt, jj, n, A_pay, A_sc, A_gs, mat, rows, kbuf, e, 
 def _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi, fi,
                  slot, hv, DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
                  AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr, RSR: tl.constexpr,
-                 SHARED: tl.constexpr):
-    """anchor <- Q_anchor(S), read <- Q_read(S): two independent casts of the same S. An NVFP4
-    read copy beside an FP32 anchor (which holds S itself) is cast from the anchor just written,
-    32 rows at a time with the matrix's amax from S: the same bits as casting S whole, without
-    the whole-matrix encode's temporaries beside S in registers."""
+                 SHARED: tl.constexpr, NB: tl.constexpr):
+    """anchor <- Q_anchor(S), read <- Q_read(S): two independent casts of the same S. NB > 1
+    (an NVFP4 read copy beside an FP32 anchor, a program looping over its matrix's NB row
+    blocks): only the anchor, which holds S itself; _nv_from_anchor casts the read copy after
+    the last block."""
     _tile_store(S, A_pay, A_sc, A_gs, mat, rows, cols, key_lo, key_hi, fi, slot, hv,
                 DV, DK, BV, AFMT, ASR, 0)
     if not SHARED:
-        if (AFMT == 0) and (RFMT == 4) and (BV > 32):
-            amax = tl.max(tl.max(tl.abs(S), axis=1), axis=0)
-            tl.debug_barrier()
-            for r0 in range(0, BV, 32):
-                rc = r0 + tl.arange(0, 32)
-                offs = rc[:, None] * DK + cols[None, :]
-                _nv_store(tl.load(A_pay + mat * (DV * DK) + offs), amax, R_pay, R_sc, R_gs, mat,
-                          rc, _role_bits(offs, RSR, key_lo, key_hi, fi, 1, slot, hv), DV, DK, 32,
-                          RSR)
-        else:
+        if NB == 1:
             _tile_store(S, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi, fi, slot, hv,
                         DV, DK, BV, RFMT, RSR, 1)
+
+
+@triton.jit
+def _nv_from_anchor(A_pay, R_pay, R_sc, R_gs, mat, amax, cols, key_lo, key_hi, fi, slot, hv,
+                    DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, RSR: tl.constexpr):
+    """The NVFP4 read copy of matrix mat cast from the FP32 anchor just written (S itself), BV
+    rows at a time, with the matrix's amax of S: the same bits as casting S whole."""
+    tl.debug_barrier()                          # the anchor rows of every block are written
+    for r0 in range(0, DV, BV):
+        rb = r0 + tl.arange(0, BV)
+        offs = rb[:, None] * DK + cols[None, :]
+        _nv_store(tl.load(A_pay + mat * (DV * DK) + offs), amax, R_pay, R_sc, R_gs, mat, rb,
+                  _role_bits(offs, RSR, key_lo, key_hi, fi, 1, slot, hv), DV, DK, BV, RSR)
 
 
 @triton.jit
@@ -432,7 +436,7 @@ def _moved_pointers(h, st, nf, force, L: tl.constexpr, CAP: tl.constexpr, T: tl.
 @triton.jit
 def _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, out_ptr, q_ptr, k_ptr, v_ptr, a_ptr,
                  b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, beta_scale, dt_lo, dt_hi, row, hv,
-                 hk, rows, cols, slot, start, h, jj, HK: tl.constexpr, HV: tl.constexpr,
+                 hk, rows, cols, slot, start, h, jj, lead, HK: tl.constexpr, HV: tl.constexpr,
                  DK: tl.constexpr, DV: tl.constexpr, CAP: tl.constexpr, T: tl.constexpr,
                  RFMT: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
                  HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
@@ -441,7 +445,8 @@ def _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, out_ptr, q_ptr, k_ptr, 
     output-only: y = e^{G_p} (R q) + sum_j e^{G_p - G_j} (k_j . q) u_j + (k . q) u, draft t
     seeing the drafts before it; GDN u = beta (v - e^{G_p} R k - sum_j e^{G_p - G_j}
     (k_j . k) u_j), R k and R q in one pass over the tile. Appends each entry at h + t (raw k and
-    v / x in bf16, u, G, beta / dt)."""
+    v / x in bf16, u, G, beta / dt; lead: the one block of the head that writes its k, G and
+    beta)."""
     Kb, r, X, G, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start, hv, hk, rows,
                                     cols, jj, h, HK, HV, DK, DV, CAP, DELTA, L2NORM, DELTA)
     Gp = tl.sum(tl.where(jj == h - 1, G, 0.0), axis=0)       # the last committed gate
@@ -487,7 +492,7 @@ def _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, out_ptr, q_ptr, k_ptr, 
                  tl.load(v_ptr + (tok * HV + hv) * DV + rows).to(tl.bfloat16))
         if DELTA:
             tl.store(ubuf + (e * HV + hv) * DV + rows, u.to(ubuf.dtype.element_ty))
-        if tl.program_id(1) == 0:                # one row block writes the head's entries
+        if lead:                                # one row block writes the head's entries
             tl.store(Gbuf + e * HV + hv, Gp)
             tl.store(bbuf + e * HV + hv, beta)
             if hv % (HV // HK) == 0:
@@ -502,8 +507,9 @@ def _replay_kernel(
         q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr,
         scale, beta_scale, key_lo, key_hi, dt_lo, dt_hi,
         HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-        BV: tl.constexpr, L: tl.constexpr, CAP: tl.constexpr, LP: tl.constexpr, T: tl.constexpr,
-        STEP: tl.constexpr, FORCE: tl.constexpr, ADVANCE: tl.constexpr,
+        BV: tl.constexpr, NB: tl.constexpr, L: tl.constexpr, CAP: tl.constexpr,
+        LP: tl.constexpr, T: tl.constexpr, STEP: tl.constexpr, FORCE: tl.constexpr,
+        ADVANCE: tl.constexpr,
         AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr, RSR: tl.constexpr,
         SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr, HAS_DTB: tl.constexpr,
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, U_BF16: tl.constexpr, DT_CLAMP: tl.constexpr,
@@ -512,12 +518,13 @@ def _replay_kernel(
     row, value head): pre-flush, then flush or read (module docstring). With ADVANCE every
     program of a row, once done with the row's pointers, increments the row's arrival counter;
     the last one moves committed / start / n_flush (_moved_pointers) and resets the counter."""
-    row, hv, hk, rows, cols, slot = _program_tile(idx_ptr, HK, HV, DK, BV)
+    row, hv, hk, rows0, cols, slot = _program_tile(idx_ptr, HK, HV, DK, BV, NB)
     if slot >= 0:
         mat = slot * HV + hv
         jj = tl.arange(0, LP)
-        # the read copy is loaded before the pointers: one dependent load less before the read
-        P, Pb = _tile_raw(R_pay, R_sc, mat, rows, DV, DK, RFMT)
+        # one block per program: the read copy is loaded before the pointers (one dependent load
+        # less before the read); NB blocks: each block loads its own in the read loop
+        P, Pb = _tile_raw(R_pay, R_sc, mat, rows0, DV, DK, RFMT)
         s = 1.0
         if RFMT == 4:
             s = tl.load(R_gs + mat)
@@ -526,60 +533,82 @@ def _replay_kernel(
         nf = tl.load(nf_ptr + slot)
         pre, fill = _flush_flags(h, T, L, STEP)
         if pre:
-            Kb, r, X, G, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start, hv, hk,
-                                            rows, cols, jj, h, HK, HV, DK, DV, CAP, DELTA,
-                                            L2NORM, False)
-            S = _rebuild(_tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT),
-                         Kb, r, X, G, Bt, jj, h, A_pay, A_sc, A_gs, mat, rows, kbuf,
-                         _entry(slot, start, jj, CAP), hk, HK, DK, DV, AFMT, DELTA, PREC, ON_GPU)
-            _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_lo,
-                         key_hi, nf + 1, slot, hv, DV, DK, BV, AFMT, ASR, RFMT, RSR, SHARED)
+            amax = 0.0
+            for ib in range(NB):
+                rows = rows0 + ib * BV
+                Kb, r, X, G, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start, hv,
+                                                hk, rows, cols, jj, h, HK, HV, DK, DV, CAP,
+                                                DELTA, L2NORM, False)
+                S = _rebuild(_tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT),
+                             Kb, r, X, G, Bt, jj, h, A_pay, A_sc, A_gs, mat, rows, kbuf,
+                             _entry(slot, start, jj, CAP), hk, HK, DK, DV, AFMT, DELTA, PREC,
+                             ON_GPU)
+                _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_lo,
+                             key_hi, nf + 1, slot, hv, DV, DK, BV, AFMT, ASR, RFMT, RSR, SHARED,
+                             NB)
+                if NB > 1:
+                    amax = tl.maximum(amax, tl.max(tl.max(tl.abs(S), axis=1), axis=0))
+            if NB > 1:
+                _nv_from_anchor(A_pay, R_pay, R_sc, R_gs, mat, amax, cols, key_lo, key_hi, nf + 1,
+                                slot, hv, DV, DK, BV, RSR)
             nf = nf + 1
             start = (start + h) % CAP
             h = h * 0
             tl.debug_barrier()          # what follows reads the roles just written
-            P, Pb = _tile_raw(R_pay, R_sc, mat, rows, DV, DK, RFMT)
+            P, Pb = _tile_raw(R_pay, R_sc, mat, rows0, DV, DK, RFMT)
             if RFMT == 4:
                 s = tl.load(R_gs + mat)
+        go = True                       # read (a verify always reads)
         if STEP:
+            go = ~(fill | FORCE)
             if fill | FORCE:
-                q, k, v, log_a, beta, skip = _front_end(
-                    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, row, hv, hk, rows,
-                    cols, scale, dt_lo, dt_hi, HK, HV, DK, DV, DELTA, L2NORM, HAS_DTB, HAS_D,
-                    DT_CLAMP)
-                if SHARED and AFMT == 0:
-                    S = P                       # the anchor itself, already loaded
-                else:
-                    S = _tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT)
-                if h > 0:
-                    Kb, r, X, G, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start,
-                                                    hv, hk, rows, cols, jj, h, HK, HV, DK, DV,
-                                                    CAP, DELTA, L2NORM, False)
-                    S = _rebuild(S, Kb, r, X, G, Bt, jj, h, A_pay, A_sc, A_gs, mat, rows, kbuf,
-                                 _entry(slot, start, jj, CAP), hk, HK, DK, DV, AFMT, DELTA, PREC,
-                                 ON_GPU)
-                # this step on the rebuilt state: the conventional step's arithmetic (L = 1 and
-                # a forced step on empty buffers are the conventional kernel, bit for bit)
-                S, y = _rank1_step(S, q, k, v, log_a, beta * beta_scale if DELTA else beta,
-                                   DELTA)
-                _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_lo,
-                             key_hi, nf + 1, slot, hv, DV, DK, BV, AFMT, ASR, RFMT, RSR, SHARED)
-                y = _gate_out(y + skip, z_ptr, row, hv, rows, HV, DV, HAS_Z)
-                tl.store(out_ptr + (row * HV + hv) * DV + rows, y)
-            else:
+                amax = 0.0
+                for ib in range(NB):
+                    rows = rows0 + ib * BV
+                    q, k, v, log_a, beta, skip = _front_end(
+                        q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, row, hv, hk, rows,
+                        cols, scale, dt_lo, dt_hi, HK, HV, DK, DV, DELTA, L2NORM, HAS_DTB, HAS_D,
+                        DT_CLAMP)
+                    if SHARED and AFMT == 0 and NB == 1:
+                        S = P                       # the anchor itself, already loaded
+                    else:
+                        S = _tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT)
+                    if h > 0:
+                        Kb, r, X, G, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start,
+                                                        hv, hk, rows, cols, jj, h, HK, HV, DK, DV,
+                                                        CAP, DELTA, L2NORM, False)
+                        S = _rebuild(S, Kb, r, X, G, Bt, jj, h, A_pay, A_sc, A_gs, mat, rows,
+                                     kbuf, _entry(slot, start, jj, CAP), hk, HK, DK, DV, AFMT,
+                                     DELTA, PREC, ON_GPU)
+                    # this step on the rebuilt state: the conventional step's arithmetic (L = 1 and
+                    # a forced step on empty buffers are the conventional kernel, bit for bit)
+                    S, y = _rank1_step(S, q, k, v, log_a, beta * beta_scale if DELTA else beta,
+                                       DELTA)
+                    _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_lo,
+                                 key_hi, nf + 1, slot, hv, DV, DK, BV, AFMT, ASR, RFMT, RSR, SHARED,
+                                 NB)
+                    if NB > 1:
+                        amax = tl.maximum(amax, tl.max(tl.max(tl.abs(S), axis=1), axis=0))
+                    y = _gate_out(y + skip, z_ptr, row, hv, rows, HV, DV, HAS_Z)
+                    tl.store(out_ptr + (row * HV + hv) * DV + rows, y)
+                if NB > 1:
+                    _nv_from_anchor(A_pay, R_pay, R_sc, R_gs, mat, amax, cols, key_lo, key_hi,
+                                    nf + 1, slot, hv, DV, DK, BV, RSR)
+        if go:
+            for ib in range(NB):
+                rows = rows0 + ib * BV
+                if NB > 1:
+                    P, Pb = _tile_raw(R_pay, R_sc, mat, rows, DV, DK, RFMT)
                 _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, out_ptr, q_ptr, k_ptr, v_ptr,
                              a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, beta_scale, dt_lo,
-                             dt_hi, row, hv, hk, rows, cols, slot, start, h, jj, HK, HV, DK, DV,
-                             CAP, 1, RFMT, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, U_BF16, DT_CLAMP)
-        else:
-            _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, out_ptr, q_ptr, k_ptr, v_ptr,
-                         a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, beta_scale, dt_lo,
-                         dt_hi, row, hv, hk, rows, cols, slot, start, h, jj, HK, HV, DK, DV,
-                         CAP, T, RFMT, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, U_BF16, DT_CLAMP)
+                             dt_hi, row, hv, hk, rows, cols, slot, start, h, jj,
+                             (tl.program_id(1) == 0) & (ib == 0), HK, HV, DK, DV, CAP,
+                             T, RFMT, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z,
+                             U_BF16, DT_CLAMP)
         if ADVANCE:
             tl.debug_barrier()                  # every thread of the program is past its loads
             arrived = tl.atomic_add(cnt_ptr + slot, 1)          # acq_rel, gpu scope
-            if arrived == HV * (DV // BV) - 1:                  # the row's last program
+            if arrived == HV * (DV // (BV * NB)) - 1:           # the row's last program
                 h, st, nf = _moved_pointers(tl.load(h_ptr + slot), tl.load(st_ptr + slot),
                                             tl.load(nf_ptr + slot), FORCE, L, CAP, T, STEP)
                 tl.store(h_ptr + slot, h)
@@ -588,7 +617,9 @@ def _replay_kernel(
                 tl.store(cnt_ptr + slot, 0)
     else:
         for t in tl.static_range(T):
-            tl.store(out_ptr + ((row * T + t) * HV + hv) * DV + rows, tl.zeros([BV], tl.float32))
+            for ib in range(NB):
+                tl.store(out_ptr + ((row * T + t) * HV + hv) * DV + rows0 + ib * BV,
+                         tl.zeros([BV], tl.float32))
 
 
 @triton.jit
@@ -615,11 +646,15 @@ def _advance_kernel(h_ptr, st_ptr, nf_ptr, idx_ptr, acc_ptr, B, L: tl.constexpr,
 
 # ============================================================================ host side
 
-# The launch table: rows BV of a program's [BV, d_k] tile by whether a flush writes an NVFP4
-# role, and the state elements each thread holds (warps = BV d_k / (32 x per_thread), 1..8).
+# The launch table: rows BV of a program's [BV, d_k] tile by what a flush writes, and the state
+# elements each thread holds (warps = BV d_k / (32 x per_thread), 1..8). An NVFP4 role has one
+# FP32 scale per matrix, so its program covers the whole matrix (amax before the encode).
 LAUNCH_TABLE = {
-    # one FP32 scale per matrix: the flush needs the whole matrix's amax in one program
-    # (GDN 128 x 128 on 8 warps); the matrix is cast in registers, no separate cast kernel
+    # NVFP4 read copy beside an FP32 anchor: the program loops over 32-row blocks, writes the
+    # anchor (S itself) and casts the read copy from it after the last block; 4 warps (GDN:
+    # no spill, where 2 warps spilled 340 bytes a thread by ptxas for sm_90)
+    "nvfp4_read": dict(rows=32, per_thread=32),
+    # any other NVFP4 role: the whole matrix cast in registers (GDN 128 x 128 on 8 warps)
     "nvfp4": dict(rows=None, per_thread=64),
     # the smallest tile tl.dot takes: the most programs for a read step that moves bytes
     # (16 x 128 on one warp)
@@ -629,16 +664,19 @@ PATHS = ("auto", "replay", "flush")
 
 
 def replay_launch_config(store: ReplayStore, block_v=None, num_warps=None):
-    """(BV, num_warps) of _replay_kernel for this store: LAUNCH_TABLE's, or block_v / num_warps
-    as given (an NVFP4 role needs block_v = d_v)."""
+    """(BV, NB, num_warps) of _replay_kernel for this store: tile rows, row blocks per program
+    (the whole matrix where an NVFP4 role is written, else 1) and warps: LAUNCH_TABLE's, or
+    block_v / num_warps as given."""
     N, HV, dv, dk = store.shape
     nv = "nvfp4" in (store.anchor.fmt, store.read_role.fmt)
-    cfg = LAUNCH_TABLE["nvfp4" if nv else "other"]
+    looped = (not store.shared and store.anchor.fmt == "fp32" and store.read.fmt == "nvfp4")
+    cfg = LAUNCH_TABLE["nvfp4_read" if looped else "nvfp4" if nv else "other"]
     if block_v is None:
         block_v = dv if cfg["rows"] is None else min(dv, cfg["rows"])
-    if nv and block_v != dv:
-        raise ValueError(f"an NVFP4 role is cast a whole matrix at a time (one FP32 scale per "
-                         f"matrix): block_v must be d_v = {dv}, got {block_v}")
+    if nv and not looped and block_v != dv:
+        raise ValueError(f"an NVFP4 role beside an anchor that is not FP32 is cast a whole matrix "
+                         f"at a time (one FP32 scale per matrix): block_v must be d_v = {dv}, "
+                         f"got {block_v}")
     if block_v < 16 or dv % block_v or block_v & (block_v - 1):
         raise ValueError(f"block_v={block_v} must be a power of two >= 16 dividing d_v={dv} "
                          f"(the flush's tensor-core products take tiles of 16 rows or more)")
@@ -646,7 +684,7 @@ def replay_launch_config(store: ReplayStore, block_v=None, num_warps=None):
         num_warps = max(1, min(8, block_v * dk // (32 * cfg["per_thread"])))
     if num_warps < 1 or num_warps & (num_warps - 1):
         raise ValueError(f"num_warps={num_warps} must be a power of two")
-    return block_v, num_warps
+    return block_v, (dv // block_v if nv else 1), num_warps
 
 
 def resolve_path(store: ReplayStore, n_rows: int, path: str = "auto") -> str:
@@ -720,7 +758,7 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
     if not (math.isfinite(beta_scale) and beta_scale > 0):
         raise ValueError(f"beta_scale must be a finite number > 0, got {beta_scale}")
     dt_lo, dt_hi, dt_clamp = dt_limit_args(dt_limit)
-    BV, nw = replay_launch_config(store, block_v, num_warps)
+    BV, NB, nw = replay_launch_config(store, block_v, num_warps)
     idx = _indices(state_indices, B, q.device)
     if out is None:
         out = torch.empty(*lead, HV, dv, dtype=torch.float32, device=q.device)
@@ -730,13 +768,13 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
     Rp, Rs, Rg, rfid = store.read_role.kernel_args()
     q, k, v, a, b, A, dt_bias, D, z = map(_prep, (q, k, v, a, b, A, dt_bias, D, z))
     inputs = [t if t is not None else a for t in (q, k, v, a, b, A, dt_bias, D, z)]
-    _replay_kernel[(B * HV, dv // BV)](
+    _replay_kernel[(B * HV, dv // (BV * NB))](
         Ap, As, Ag, Rp, Rs, Rg, store.kbuf, store.vbuf,
         store.ubuf if store.ubuf is not None else store.vbuf, store.Gbuf, store.bbuf,
         store.committed, store.start, store.n_flush, store.arrive, idx, out, *inputs,
         float(scale if scale is not None else 1.0 / math.sqrt(dk)), beta_scale,
         *split_key(store.key), dt_lo, dt_hi,
-        HK=HK, HV=HV, DK=dk, DV=dv, BV=BV, L=store.L, CAP=store.capacity,
+        HK=HK, HV=HV, DK=dk, DV=dv, BV=BV, NB=NB, L=store.L, CAP=store.capacity,
         LP=max(16, triton.next_power_of_2(store.L)), T=T, STEP=step, FORCE=bool(force),
         ADVANCE=bool(advance), AFMT=afid, ASR=store.anchor.rounding == "stochastic", RFMT=rfid,
         RSR=store.read_role.rounding == "stochastic", SHARED=store.shared, DELTA=delta,
