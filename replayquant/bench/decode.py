@@ -382,7 +382,8 @@ def config_sweep(kind, B, device, copy_bw, pairs=PAIRS, L=None, S=None):
         cands = []
         h = L // 2
         nv = "nvfp4" in (af, rf)
-        fcs = [(dv, 4), (dv, 8)] if nv else [(16, 1), (16, 2), (32, 4)]
+        looped = af == "fp32" and rf == "nvfp4"      # 32-row blocks looped over the matrix
+        fcs = [(dv, 4), (dv, 8)] if nv and not looped else [(16, 1), (32, 2), (32, 4)]
         for bv, nw in fcs:
             if bv > dv:
                 continue
