@@ -300,7 +300,7 @@ def bench_kernels_cmd(
     pairs: str = typer.Option("s32_rs,tp8_hi32,tp4_hi32,tp4_hi16_sr", help="precision pairs"),
     drafts: str = typer.Option("2,4", "--T", help="drafts per speculative round"),
     spec_batches: str = typer.Option("32,256,512", help="batch sizes of the speculative rounds"),
-    kinds: str = typer.Option("gdn,mamba2", help="layer kinds (Qwen3.5-4B GDN, Nemotron-H Mamba-2)"),
+    kinds: str = typer.Option("gdn,mamba2,kda", help="layer kinds (Qwen3.5-4B GDN, Nemotron-H Mamba-2, Kimi-Linear-48B KDA: conventional and peer rows only)"),
     peers: bool = typer.Option(True, help="also time fla / mamba_ssm (skipped if not importable)"),
     checks: bool = typer.Option(True, help="kernel-vs-reference checks at the real head shapes first"),
     sweep: bool = typer.Option(True, help="launch-config sweep at batch 256"),
@@ -328,7 +328,8 @@ def bench_kernels_cmd(
     strs = lambda s: tuple(x for x in s.split(",") if x)  # noqa: E731
     grid = dict(batches=ints(batches), Ls=ints(buffer_lens), pairs=strs(pairs), Ts=ints(drafts),
                 spec_batches=ints(spec_batches), peers=peers, checks=checks, sweep=sweep,
-                staggered_batches=ints(staggered_batches), main_L_only=False, accuracy=accuracy)
+                staggered_batches=ints(staggered_batches), main_L_only=False, accuracy=accuracy,
+                kinds=strs(kinds))
     with _user_errors():
         if preset is not None:
             if preset not in PRESETS:
@@ -339,7 +340,7 @@ def bench_kernels_cmd(
     if estimate_only:
         with _user_errors():
             sec = plan(grid["batches"], grid["Ls"], grid["pairs"], grid["Ts"],
-                       grid["spec_batches"], strs(kinds), grid["peers"], grid["checks"],
+                       grid["spec_batches"], grid["kinds"], grid["peers"], grid["checks"],
                        grid["sweep"], authors=authors is not None,
                        staggered_batches=grid["staggered_batches"],
                        main_L_only=grid["main_L_only"], accuracy=grid["accuracy"])
@@ -348,7 +349,7 @@ def bench_kernels_cmd(
         typer.echo(f"{len(sec)} sections, estimated {estimate_s(sec):.0f} s (budget {budget_s:.0f} s)")
         return
     with _user_errors():
-        run_kernels_bench(out=out, kinds=strs(kinds), budget_s=budget_s, name=name,
+        run_kernels_bench(out=out, budget_s=budget_s, name=name,
                           authors=authors, authors_commit=authors_commit, **grid)
 
 

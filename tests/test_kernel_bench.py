@@ -409,3 +409,35 @@ def test_presets_fit_one_device_call():
         assert f"spec/{kind}/B512/T4" in keys and f"accuracy/{kind}" in keys
     assert "spec-authors/gdn/B512/T4" in keys and "spec-authors/mamba2/B512/T4" in keys
     assert "checks" in keys
+
+
+def test_kda_rows_conventional_only(tmp_path):
+    """A KDA run (CPU smoke, tiny shape): conventional FP32 and BF16 rows whose bytes are the byte
+    model's, the replay rows listed as skipped with the reason, and the conventional KDA kernel
+    against its reference as the GPU checks run it; the full grid plans no KDA replay section."""
+    from replayquant.statebytes import LayerShape, layer_conventional_bytes
+    S = dict(kind="kda", H=2, HK=2, dv=16, dk=16)
+    res = bd.run_kernels_bench(out=str(tmp_path), batches=(1, 3), Ls=(2,), pairs=("s32_rs",),
+                               Ts=(2,), spec_batches=(), peers=False, checks=False, sweep=False,
+                               detail_batches=(), device="cpu", shapes={"kda": S},
+                               accuracy=False)
+    assert not res["errors"], res["errors"]
+    assert not (tmp_path / "kernels_speedup.png").exists()       # no replay panels to draw
+    rows = {(r["kernel"], r["variant"], r["B"]): r for r in res["rows"]}
+    assert set(rows) == {("conventional", f, B) for f in ("fp32", "bf16") for B in (1, 3)}
+    sh = LayerShape("kda", S["H"], S["HK"], S["dv"], S["dk"])
+    for (_, fmt, B), r in rows.items():
+        assert r["bytes"] == layer_conventional_bytes(sh, fmt).total * B
+        assert r["GBps"] > 0
+    assert res["skipped"] == [f"kda/replay ({bd.NO_REPLAY['kda']})"]
+    assert "per key channel" in bd.NO_REPLAY["kda"]
+    assert "kda/replay" in (tmp_path / "kernels.md").read_text()
+    idx = torch.tensor([2, -1, 0, 1], dtype=torch.int32)
+    chk = bd.conventional_checks("kda", S, idx, "cpu", N=3, steps=2)
+    for key in ("kda/conventional/fp32-nearest", "kda/conventional/fp16-stochastic"):
+        assert chk[key]["max_rel_y"] < 1e-5 and chk[key]["state"]["max_rel"] < 1e-5, chk
+        assert chk[key]["n_casts_equal"]
+    keys = [k for k, _, _ in bd.plan()]
+    assert "kda/B512/conventional" in keys and "peers/kda/B1" in keys
+    assert not [k for k in keys if "kda" in k and not k.endswith("conventional")
+                and not k.startswith("peers/")]

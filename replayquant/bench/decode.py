@@ -10,7 +10,8 @@ import sys
 import torch
 
 from replayquant.bench.inputs import (cpu_generator, gdn_params, gdn_step_inputs,
-                                      mamba2_params, mamba2_step_inputs, random_state)
+                                      kda_step_inputs, mamba2_params, mamba2_step_inputs,
+                                      random_state)
 
 # ---------------------------------------------------------------------------- shapes
 
@@ -19,7 +20,18 @@ SHAPES = {
     "gdn": dict(kind="gdn", H=32, HK=16, dv=128, dk=128),
     # Nemotron-H Mamba-2 layer: 128 heads, head dim 64, state 128, 8 groups
     "mamba2": dict(kind="mamba2", H=128, HK=8, dv=64, dk=128),
+    # Kimi-Linear-48B Kimi Delta Attention layer (transformers' KimiLinearConfig: 32 linear heads,
+    # head dim 128; q, k, v heads equal)
+    "kda": dict(kind="kda", H=32, HK=32, dv=128, dk=128),
 }
+# the kinds with replay decode kernels; the others have conventional and peer rows only, and a
+# run lists their replay rows among `skipped` with the reason
+REPLAY_KINDS = ("gdn", "mamba2")
+NO_REPLAY = {"kda": "the replay decode kernel (kernels/replay_decode.py) takes one decay per "
+                    "head and step, not KDA's decay per key channel"}
+PEERS = {"gdn": ("peer:fla", "fla fused_recurrent_gated_delta_rule"),
+         "mamba2": ("peer:mamba_ssm", "mamba_ssm selective_state_update"),
+         "kda": ("peer:fla", "fla fused_recurrent_kda")}
 
 
 # ---------------------------------------------------------------------------- bytes moved
@@ -103,6 +115,9 @@ def _kw(kind, S, B, T=None, seed=0, device="cuda"):
         q, k, v, a, b = gdn_step_inputs(B, HK, H, dk, dv, T=T, seed=seed, device=device)
         A_log, dtb = gdn_params(H, seed, device)
         return dict(q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dtb)
+    if kind == "kda":
+        q, k, v, g, beta = kda_step_inputs(B, HK, H, dk, dv, T=T, seed=seed, device=device)
+        return dict(q=q, k=k, v=v, g=g, beta=beta)
     x, dt, Bm, C, z = mamba2_step_inputs(B, HK, H, dk, dv, T=T, seed=seed, device=device)
     A, D, dtb = mamba2_params(H, seed, device)
     return dict(x=x, dt=dt, A=A, B=Bm, C=C, D=D, z=z, dt_bias=dtb)
@@ -118,6 +133,8 @@ def _fns(kind):
                     step=rd.replay_gdn_step, step_ref=rr.replay_gdn_step_ref,
                     verify=vf.replay_gdn_verify, verify_ref=rr.replay_gdn_verify_ref,
                     cverify=vf.conventional_gdn_verify, cverify_ref=vf.conventional_gdn_verify_ref)
+    if kind == "kda":                       # no KDA replay or verify kernels
+        return dict(conv=cv.conventional_kda_step, conv_ref=cv.conventional_kda_step_ref)
     return dict(conv=cv.conventional_mamba2_step, conv_ref=cv.conventional_mamba2_step_ref,
                 step=rd.replay_mamba2_step, step_ref=rr.replay_mamba2_step_ref,
                 verify=vf.replay_mamba2_verify, verify_ref=rr.replay_mamba2_verify_ref,
@@ -165,6 +182,9 @@ def gpu_checks(device="cuda") -> dict:
     idx = torch.tensor([5, -1, 0, 3, 1, 2, 4], dtype=torch.int32, device=device)
     B = idx.shape[0]
     for kind, S in SHAPES.items():
+        if kind not in REPLAY_KINDS:
+            out.update(conventional_checks(kind, S, idx, device))
+            continue
         f = _fns(kind)
         H, HK, dv, dk = S["H"], S["HK"], S["dv"], S["dk"]
         init = random_state(N, H, dv, dk, seed=1, device=device)
@@ -235,6 +255,29 @@ def gpu_checks(device="cuda") -> dict:
     return out
 
 
+def conventional_checks(kind, S, idx, device, N=6, steps=3) -> dict:
+    """gpu_checks for a kind with a conventional step only (KDA): the kernel against its torch
+    reference over `steps` steps on padded slot indices, FP32 and FP16 with stochastic rounding."""
+    from replayquant.kernels.conventional import ConventionalStore
+    f = _fns(kind)
+    init = random_state(N, S["H"], S["dv"], S["dk"], seed=1, device=device)
+    out = {}
+    for fmt, rnd in (("fp32", "nearest"), ("fp16", "stochastic")):
+        cs = ConventionalStore.from_state(init, fmt, rnd, seed=2)
+        ref = cs.clone()
+        errs = []
+        for i in range(steps):
+            kw = _kw(kind, S, idx.shape[0], seed=20 + i, device=device)
+            y = torch.full((idx.shape[0], S["H"], S["dv"]), float("nan"), device=device)
+            errs.append(_rel(f["conv"](cs, **kw, state_indices=idx, out=y),
+                             f["conv_ref"](ref, **kw, state_indices=idx)))
+        out[f"{kind}/conventional/{fmt}-{rnd}"] = {
+            "max_rel_y": max(errs), "state": _state_cmp(cs.state.dequantize(), ref.state.dequantize()),
+            "n_casts_equal": bool(torch.equal(cs.n_casts, ref.n_casts))}
+        del cs, ref
+    return out
+
+
 def _peer_gdn():
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
     return fused_recurrent_gated_delta_rule
@@ -267,6 +310,14 @@ def peer_call(kind, S, kw, state):
                    use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=kw["A_log"],
                    dt_bias=kw["dt_bias"], use_beta_sigmoid_in_kernel=True, state_v_first=True)
         return o[:, 0], fs
+    if kind == "kda":       # the layer's call: log decay g and beta after the gate and sigmoid
+        from fla.ops.kda import fused_recurrent_kda
+        o, fs = fused_recurrent_kda(kw["q"].unsqueeze(1), kw["k"].unsqueeze(1),
+                                    kw["v"].unsqueeze(1), g=kw["g"].unsqueeze(1),
+                                    beta=kw["beta"].unsqueeze(1), scale=S["dk"] ** -0.5,
+                                    initial_state=state, output_final_state=True,
+                                    use_qk_l2norm_in_kernel=True, state_v_first=True)
+        return o[:, 0], fs
     fn = _peer_mamba()
     B, H, P = kw["x"].shape
     N = S["dk"]
@@ -290,8 +341,7 @@ def peer_comparison(device="cuda") -> dict:
             y = f["conv"](cs, **kw)
             peer_state = init.clone()
             yp, sp = peer_call(kind, S, kw, peer_state)
-            out[kind] = {"peer": "fla fused_recurrent_gated_delta_rule" if kind == "gdn"
-                         else "mamba_ssm selective_state_update",
+            out[kind] = {"peer": PEERS[kind][1],
                          "max_abs_y": float((y - yp.float()).abs().max()),
                          "max_abs_y_ref_scale": float(y.abs().max()),
                          "peer_out_dtype": str(yp.dtype),
@@ -572,28 +622,30 @@ def _alternated(kind, B, pair, L, f, kw, idx, out, sts, R, copy_bw):
 
 
 def bench_peers(kind, B, device, copy_bw, S=None):
-    """Peer kernels (fla / mamba_ssm) on our inputs, FP32 and BF16 states, graph and no graph."""
+    """Peer kernels (fla / mamba_ssm) on our inputs, FP32 and BF16 states: in a graph with the
+    states rotated (cold L2, as our rows), and FP32 without a graph on one state."""
     S = S or SHAPES[kind]
     H, HK, dv, dk = S["H"], S["HK"], S["dv"], S["dk"]
     init = random_state(B, H, dv, dk, seed=B, device=device)
     kw = _kw(kind, S, B, seed=1, device=device)
     rows = []
+    label = PEERS[kind][0]
     for sd in (torch.float32, torch.bfloat16):
         name = str(sd).split(".")[-1]
-        state = init.to(sd)
         esz = torch.finfo(sd).bits // 8
         io = B * H * _io_bytes(kind, H, HK, dv, dk)
-        if kind == "gdn":   # fla reads the state in its dtype and writes a new fp32 state
+        if label == "peer:fla":   # fla reads the state in its dtype and writes a new fp32 state
             nb = B * H * dv * dk * (esz + 4) + io
         else:
             nb = 2 * B * H * dv * dk * esz + io
-        label = "peer:fla" if kind == "gdn" else "peer:mamba_ssm"
-        ms = graph_ms(lambda: peer_call(kind, S, kw, state), 8)
-        rows.append(_row(kind, label, name, B, ms, nb, copy_bw))
+        R = _rotations(B * H * dv * dk * esz, device)
+        states = [init.to(sd) for _ in range(R)]
+        ms = graph_ms(lambda: [peer_call(kind, S, kw, st) for st in states], 8) / R
+        rows.append(_row(kind, label, name, B, ms, nb, copy_bw, rot=R))
         if sd == torch.float32:
-            ms = plain_ms(lambda: peer_call(kind, S, kw, state))
+            ms = plain_ms(lambda: peer_call(kind, S, kw, states[0]))
             rows.append(_row(kind, label + "(no graph)", name, B, ms, nb, copy_bw))
-        del state
+        del states
     del init
     _empty_cache()
     return rows
@@ -714,7 +766,8 @@ def render_markdown(res) -> str:
                   f"{fmt(p['copy_GBps'], '.0f')} GB/s" for i, p in enumerate(pv["parts"])]
         lines.append("")
     if res.get("skipped"):
-        lines += ["Not measured (time budget): " + ", ".join(res["skipped"]), ""]
+        lines += ["Not measured (time budget, or the reason given): " + ", ".join(res["skipped"]),
+                  ""]
     tg = res.get("targets") or []
     if tg:
         lines += ["## Targets", "", "Ratios: the baseline's time over ours (the smallest over "
@@ -835,28 +888,33 @@ def _check_names(pairs, kinds) -> None:
     bad = [p for p in pairs if p not in PAIRS]
     if bad:
         raise ValueError(f"pairs {bad}: choose from {list(PAIRS)}")
-    bad = [k for k in kinds if k not in ("gdn", "mamba2")]
+    bad = [k for k in kinds if k not in SHAPES]
     if bad:
-        raise ValueError(f"kinds {bad}: choose from gdn, mamba2")
+        raise ValueError(f"kinds {bad}: choose from {', '.join(SHAPES)}")
 
 
 def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
-         spec_batches=GRID["spec_batches"], kinds=tuple(SHAPES), peers=True, checks=True,
+         spec_batches=GRID["spec_batches"], kinds=None, peers=True, checks=True,
          sweep=True, detail_batches=(256,), shapes=None, authors=False, staggered_batches=(), main_L_only=False, accuracy=False):
     """The benchmark's sections in priority order, each (key, estimated seconds, what): the
     targets first (conventional, every pair at the kind's main L, the authors' windows and the
     staggered windows, T = 4 at the largest spec batch), then the peers, the other L values (none with
     main_L_only) and the other T values. authors: the authors' rows (bench.authors);
     staggered_batches: where the windows are also timed with rows out of phase; accuracy: the
-    float64 comparison after the checks."""
-    _check_names(pairs, kinds)
+    float64 comparison after the checks. kinds: default every kind of `shapes`; a kind without
+    replay kernels (not in REPLAY_KINDS: KDA) has conventional and peer sections only (its
+    kernels compiled at the first batch)."""
     shapes = shapes or SHAPES
+    kinds = tuple(shapes) if kinds is None else tuple(kinds)
+    _check_names(pairs, kinds)
+    conv_only = [k for k in kinds if k not in REPLAY_KINDS]
+    kinds_all, kinds = kinds, tuple(k for k in kinds if k in REPLAY_KINDS)
     E = _EST
     P = len(pairs)
     sr = {p: _sr_pair(p) for p in pairs}       # stores of these pairs are slow to build
     sec = []
     if checks:
-        sec.append(("checks", E["checks"], ("checks",)))
+        sec.append(("checks", E["checks"] + 3 * E["compile"] * len(conv_only), ("checks",)))
     for kind in kinds if accuracy else ():   # against float64: ours, the authors' (bench.authors)
         sec.append((f"accuracy/{kind}", E["compile"] * (2 * len(pairs) + 4 * authors) + 2.0,
                     ("accuracy", kind)))
@@ -866,12 +924,14 @@ def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
             sec.append((f"sweep/{kind}", n * (E["fixed"] + E["compile"] * 0.6)
                         + n * 1.5 * _gb(kind, 256, shapes[kind]) * E["per_GB"], ("sweep", kind)))
     mainL = {k: (PAIR_L[k] if PAIR_L[k] in Ls else Ls[0]) for k in kinds}
-    for kind in kinds:
+    for kind in kinds_all:
         for B in batches:
             gb = _gb(kind, B, shapes[kind])
             sec.append((f"{kind}/B{B}/conventional", 2 * (E["fixed"] + gb * E["per_GB"])
-                        + 2 * E["launch"] * _launches(kind, B, 8, shapes[kind]), ("conv", kind, B)))
-            for pair in pairs:
+                        + 2 * E["launch"] * _launches(kind, B, 8, shapes[kind])
+                        + 2 * E["compile"] * (kind in conv_only and B == batches[0]),
+                        ("conv", kind, B)))
+            for pair in pairs if kind in kinds else ():
                 det = B in detail_batches
                 forced = pair == "s32_rs"
                 alt = 2 * ALTERNATE_REPEATS * (forced and B <= ALTERNATE_MAX_B)
@@ -919,10 +979,12 @@ def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
                             + _gb(kind, B, shapes[kind]) * E["per_GB"] * (1 + bigT / 2),
                             ("spec-authors", kind, B, bigT)))
     if peers:                           # fla / mamba_ssm: before the other L values
-        for kind in kinds:
+        for kind in kinds_all:
             for B in batches:
                 sec.append((f"peers/{kind}/B{B}", 3 * (E["peer"] + _gb(kind, B, shapes[kind])
-                                                       * E["per_GB"]), ("peers", kind, B)))
+                                                       * E["per_GB"])
+                            + E["compile"] * (kind in conv_only and B == batches[0]),
+                            ("peers", kind, B)))
     for kind in kinds:
         for L in Ls:
             if L == mainL[kind] or main_L_only:
@@ -948,7 +1010,7 @@ def estimate_s(sections) -> float:
 
 def run_kernels_bench(out: str = "build/bench", batches=GRID["batches"], Ls=GRID["Ls"],
                       pairs=PAIRS, Ts=GRID["Ts"], spec_batches=GRID["spec_batches"],
-                      kinds=tuple(SHAPES), peers: bool = True, checks: bool = True,
+                      kinds=None, peers: bool = True, checks: bool = True,
                       sweep: bool = True, detail_batches=(256,), budget_s: float = 500.0,
                       device: str = "cuda", name: str = "kernels", plot: bool = True,
                       shapes=None, authors=None,
@@ -960,7 +1022,9 @@ def run_kernels_bench(out: str = "build/bench", batches=GRID["batches"], Ls=GRID
     budget_s are skipped and listed. Writes {name}.json (after every section), {name}.md and
     {name}_speedup.png. authors: a checkout of the ReplaySSM authors' fork, whose kernels are
     timed beside ours (replayquant.bench.authors; its commit from the checkout, or
-    authors_commit); staggered_batches, main_L_only, accuracy: as plan.
+    authors_commit); kinds (default: every kind of `shapes`), staggered_batches, main_L_only,
+    accuracy: as plan. A kind without replay kernels (KDA) lists its replay rows in `skipped`
+    with the reason (NO_REPLAY).
 
     device 'cpu' is a smoke run of this code (tiny `shapes`, Triton interpreter, wall-clock
     timing): never a result."""
@@ -975,6 +1039,7 @@ def run_kernels_bench(out: str = "build/bench", batches=GRID["batches"], Ls=GRID
         raise ValueError("bench kernels needs a CUDA GPU (device='cpu' only smoke-tests the code)")
     if cpu and shapes is None:
         raise ValueError("a CPU run needs tiny `shapes` (it only smoke-tests the benchmark code)")
+    kinds = tuple(SHAPES if shapes is None else shapes) if kinds is None else tuple(kinds)
     _check_names(pairs, kinds)
     if any(T < 1 for T in Ts) or any(L < 1 for L in Ls) or not Ls \
             or not (batches or spec_batches):
@@ -1009,6 +1074,10 @@ def run_kernels_bench(out: str = "build/bench", batches=GRID["batches"], Ls=GRID
                "skipped": [], "copy_GBps": None}
         if cpu:
             res["provenance"]["note"] = "CPU smoke run of the benchmark code: not a result"
+        for kind in SHAPES:
+            if kind not in REPLAY_KINDS:
+                res["skipped"].append(f"{kind}/replay ({NO_REPLAY[kind]})")
+                print(f"[bench kernels] {kind}: no replay rows ({NO_REPLAY[kind]})", flush=True)
         if A is not None:
             res["provenance"]["authors"] = A.provenance()
         outp = Path(out)
@@ -1201,12 +1270,17 @@ def merge_kernels(parts, out: str = "build/bench", name: str = "kernels",
 
 def plot_kernels(res, png: str) -> None:
     """PNG of per-step speedup over our conventional FP32 step against batch: one panel per
-    (kind, pair), one line per L (replay window), plus the forced flush (s32_rs) and the peer."""
+    (kind, pair), one line per L (replay window), plus the forced flush (s32_rs) and the peer;
+    no PNG from a run of kinds without replay rows alone (KDA)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     rows = res["rows"]
-    kinds = [k for k in SHAPES if _find(rows, kind=k)] or list(SHAPES)
+    # kinds with replay rows (KDA's conventional and peer rows are in the tables only)
+    kinds = [k for k in SHAPES if k in REPLAY_KINDS and _find(rows, kind=k)] or \
+        [k for k in SHAPES if k in REPLAY_KINDS]
+    if not kinds:
+        return
     pairs = list(res["provenance"].get("pairs") or PAIRS)
     fig, axes = plt.subplots(len(kinds), len(pairs), figsize=(3.2 * len(pairs), 3.0 * len(kinds)),
                              sharey=True, squeeze=False)

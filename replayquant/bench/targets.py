@@ -206,15 +206,16 @@ def targets(res) -> list:
 
 
 # grids of `bench kernels --preset NAME` (they replace the grid options): 'targets' times every
-# row the targets read, in phase and staggered at every batch, in one device call (plan's
-# estimate ~3.5 minutes on an H200); 'probe' is a short look at both kinds beside the authors
-# (B = 32 and 256, in phase and staggered)
+# row the targets read, in phase and staggered at every batch, and KDA's conventional and peer
+# rows, in one device call (plan's estimate ~3.7 minutes on an H200); 'probe' is a short look at
+# GDN and Mamba-2 beside the authors (B = 32 and 256, in phase and staggered)
 PRESETS = {
     "targets": dict(batches=(1, 8, 32, 128, 256, 512), Ls=(8, 16), pairs=PAIRS, Ts=(4,),
                     spec_batches=(512,), peers=True, checks=True, sweep=False,
                     staggered_batches=(1, 8, 32, 128, 256, 512), main_L_only=True,
-                    accuracy=True),
+                    accuracy=True, kinds=("gdn", "mamba2", "kda")),
     "probe": dict(batches=(32, 256), Ls=(8, 16), pairs=("s32_rs", "tp4_hi32"), Ts=(4,),
                   spec_batches=(), peers=False, checks=False, sweep=False,
-                  staggered_batches=(32, 256), main_L_only=True, accuracy=True),
+                  staggered_batches=(32, 256), main_L_only=True, accuracy=True,
+                  kinds=("gdn", "mamba2")),
 }
