@@ -289,25 +289,28 @@ def test_flush_path_mid_window_and_blocks():
     assert_states_close(store.anchor.dequantize(), ref.anchor.dequantize())
 
 
-@pytest.mark.parametrize("kind,block_v", [("gdn", None), ("mamba2", 16)])
-def test_nvfp4_read_copy_beside_fp32_anchor_in_row_blocks(kind, block_v):
-    """An NVFP4 read copy beside an FP32 anchor: a program loops over its matrix's row blocks
-    (64 rows in 2 or 4 blocks), writes the anchor, then casts the read copy from it with the
-    matrix's amax: the reference's whole-matrix cast within float32 reassociation of the
-    rebuilt state; steps across a flush (L = 3), a verify of 2 drafts with its pre-flush and an
-    accept, poisoned buffers, a padding row."""
+@pytest.mark.parametrize("kind,block_v,pair", [("gdn", None, "tp4_hi32"),
+                                               ("mamba2", 16, "tp4_hi32"),
+                                               ("gdn", 16, "tp4_hi16_sr")])
+def test_nvfp4_read_copy_in_row_blocks(kind, block_v, pair):
+    """An NVFP4 read copy: a program loops over its matrix's row blocks (64 rows in 2 or 4
+    blocks); beside an FP32 anchor it writes the anchor, then casts the read copy from it with
+    the matrix's amax; beside an FP16 + SR anchor a first pass finds the amax, a second writes
+    both roles: the reference's whole-matrix casts within float32 reassociation of the rebuilt
+    state; steps across a flush (L = 3), a verify of 2 drafts with its pre-flush and an accept,
+    poisoned buffers, a padding row."""
     from replayquant.kernels.replay_ref import replay_accept_ref
     from replayquant.kernels.verify import replay_accept
     N, HK, H, dk, dv, T = 2, 1, 1, 16, 64, 2
     dr = Driver(kind, N + 1, HK, H, dk, dv)
-    store = ReplayStore.from_state(random_state(N, H, dv, dk, seed=9), "tp4_hi32", kind,
+    store = ReplayStore.from_state(random_state(N, H, dv, dk, seed=9), pair, kind,
                                    key_heads=HK, buffer_len=3, u_dtype=torch.float32,
                                    max_drafts=T)
     assert replay_launch_config(store, block_v)[1] == dv // (block_v or 32)
     poison_buffers(store)
     ref = store.clone()
     idx = torch.tensor([1, -1, 0])
-    pair = PrecisionPair.load("tp4_hi32")
+    P = PrecisionPair.load(pair)
     for step in range(5):
         if step == 2:
             fn, fr = ((vf.replay_gdn_verify, rr.replay_gdn_verify_ref) if kind == "gdn"
@@ -330,7 +333,7 @@ def test_nvfp4_read_copy_beside_fp32_anchor_in_row_blocks(kind, block_v):
             inp = dr.inputs(seed=60 + step)
             y, y2 = dr.kernel(store, inp, idx, block_v=block_v), dr.ref(ref, inp, idx)
         assert (y[1] == 0).all()
-        assert_outputs_close(y, y2, pair)
+        assert_outputs_close(y, y2, P)
         assert store.committed.tolist() == ref.committed.tolist()
     assert store.n_flush.tolist() == ref.n_flush.tolist() and min(store.n_flush.tolist()) >= 2
     assert_states_close(store.anchor.dequantize(), ref.anchor.dequantize())
@@ -339,7 +342,7 @@ def test_nvfp4_read_copy_beside_fp32_anchor_in_row_blocks(kind, block_v):
 
 
 def test_launch_table_and_path():
-    """One launch table: an NVFP4 role takes whole matrices (beside an FP32 anchor in 32-row
+    """One launch table: an NVFP4 role takes whole matrices (an NVFP4 read copy in 32-row
     blocks, looped), other pairs 16-row tiles; block_v and num_warps override it, with one error
     for a block the kernel cannot take. 'auto' is 'replay' at every batch."""
     def mk(pair, dv=32):
@@ -351,8 +354,9 @@ def test_launch_table_and_path():
     assert replay_launch_config(mk("tp4_hi32"), block_v=16) == (16, 2, 1)
     assert replay_launch_config(mk("f4_sr_rs")) == (32, 1, 1)
     assert replay_launch_config(mk("tp8_hi32"), block_v=32, num_warps=4) == (32, 1, 4)
+    assert replay_launch_config(mk("tp4_hi16_sr"), block_v=16) == (16, 2, 1)
     with pytest.raises(ValueError, match="block_v must be d_v"):
-        replay_launch_config(mk("tp4_hi16_sr"), block_v=16)
+        replay_launch_config(mk("f4_sr_rs"), block_v=16)
     with pytest.raises(ValueError, match="power of two >= 16"):
         replay_launch_config(mk("s32_rs"), block_v=8)
     with pytest.raises(ValueError, match="num_warps"):
@@ -431,7 +435,7 @@ def test_replay_bad_inputs():
         replay_mamba2_step(store, v, a, A_log, k, q)
     with pytest.raises(ValueError, match="key_heads"):
         ReplayStore.from_state(random_state(2, 3, 16, 16), "s32_rs", "gdn", key_heads=2)
-    nv = ReplayStore.from_state(random_state(2, 2, 32, 16), "tp4_hi16_sr", "gdn", key_heads=1)
+    nv = ReplayStore.from_state(random_state(2, 2, 32, 16), "f4_sr_rs", "gdn", key_heads=1)
     with pytest.raises(ValueError, match="block_v must be d_v"):
         replay_gdn_step(nv, q, k, gdn_step_inputs(2, 1, 2, 16, 32)[2], a, b, A_log, dtb,
                         block_v=16)

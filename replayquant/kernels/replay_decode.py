@@ -269,17 +269,22 @@ def _rebuild(S0, Kb, r, X, G, Bt, jj, n, A_pay, A_sc, A_gs, mat, rows, kbuf, e, 
 def _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi, fi,
                  slot, hv, DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
                  AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr, RSR: tl.constexpr,
-                 SHARED: tl.constexpr, NB: tl.constexpr):
+                 SHARED: tl.constexpr, NB: tl.constexpr, amax=0.0):
     """anchor <- Q_anchor(S), read <- Q_read(S): two independent casts of the same S. NB > 1
-    (an NVFP4 read copy beside an FP32 anchor, a program looping over its matrix's NB row
-    blocks): only the anchor, which holds S itself; _nv_from_anchor casts the read copy after
-    the last block."""
+    (an NVFP4 read copy, a program looping over its matrix's NB row blocks): beside an FP32
+    anchor (which holds S itself) only the anchor, _nv_from_anchor casting the read copy after
+    the last block; beside another anchor the read block too, with the matrix's amax of S
+    (found by a first pass over the blocks)."""
     _tile_store(S, A_pay, A_sc, A_gs, mat, rows, cols, key_lo, key_hi, fi, slot, hv,
                 DV, DK, BV, AFMT, ASR, 0)
     if not SHARED:
         if NB == 1:
             _tile_store(S, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi, fi, slot, hv,
                         DV, DK, BV, RFMT, RSR, 1)
+        elif AFMT != 0:
+            offs = rows[:, None] * DK + cols[None, :]
+            _nv_store(S, amax, R_pay, R_sc, R_gs, mat, rows,
+                      _role_bits(offs, RSR, key_lo, key_hi, fi, 1, slot, hv), DV, DK, BV, RSR)
 
 
 @triton.jit
@@ -532,23 +537,28 @@ def _replay_kernel(
         start = tl.load(st_ptr + slot)
         nf = tl.load(nf_ptr + slot)
         pre, fill = _flush_flags(h, T, L, STEP)
+        # row blocks beside an anchor that is not FP32: a first pass finds the matrix amax
+        NP: tl.constexpr = 2 if (NB > 1) and (AFMT != 0) else 1
         if pre:
             amax = 0.0
-            for ib in range(NB):
-                rows = rows0 + ib * BV
-                Kb, r, X, G, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start, hv,
-                                                hk, rows, cols, jj, h, HK, HV, DK, DV, CAP,
-                                                DELTA, L2NORM, False)
-                S = _rebuild(_tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT),
-                             Kb, r, X, G, Bt, jj, h, A_pay, A_sc, A_gs, mat, rows, kbuf,
-                             _entry(slot, start, jj, CAP), hk, HK, DK, DV, AFMT, DELTA, PREC,
-                             ON_GPU)
-                _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_lo,
-                             key_hi, nf + 1, slot, hv, DV, DK, BV, AFMT, ASR, RFMT, RSR, SHARED,
-                             NB)
-                if NB > 1:
-                    amax = tl.maximum(amax, tl.max(tl.max(tl.abs(S), axis=1), axis=0))
-            if NB > 1:
+            for ps in tl.static_range(NP):
+                for ib in range(NB):
+                    rows = rows0 + ib * BV
+                    Kb, r, X, G, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start,
+                                                    hv, hk, rows, cols, jj, h, HK, HV, DK, DV,
+                                                    CAP, DELTA, L2NORM, False)
+                    S = _rebuild(_tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV,
+                                            AFMT), Kb, r, X, G, Bt, jj, h, A_pay, A_sc, A_gs,
+                                 mat, rows, kbuf, _entry(slot, start, jj, CAP), hk, HK, DK, DV,
+                                 AFMT, DELTA, PREC, ON_GPU)
+                    if ps == NP - 1:
+                        _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols,
+                                     key_lo, key_hi, nf + 1, slot, hv, DV, DK, BV, AFMT, ASR,
+                                     RFMT, RSR, SHARED, NB, amax)
+                    if NB > 1:
+                        if ps == 0:
+                            amax = tl.maximum(amax, tl.max(tl.max(tl.abs(S), axis=1), axis=0))
+            if (NB > 1) and (AFMT == 0):
                 _nv_from_anchor(A_pay, R_pay, R_sc, R_gs, mat, amax, cols, key_lo, key_hi, nf + 1,
                                 slot, hv, DV, DK, BV, RSR)
             nf = nf + 1
@@ -563,35 +573,39 @@ def _replay_kernel(
             go = ~(fill | FORCE)
             if fill | FORCE:
                 amax = 0.0
-                for ib in range(NB):
-                    rows = rows0 + ib * BV
-                    q, k, v, log_a, beta, skip = _front_end(
-                        q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, row, hv, hk, rows,
-                        cols, scale, dt_lo, dt_hi, HK, HV, DK, DV, DELTA, L2NORM, HAS_DTB, HAS_D,
-                        DT_CLAMP)
-                    if SHARED and AFMT == 0 and NB == 1:
-                        S = P                       # the anchor itself, already loaded
-                    else:
-                        S = _tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT)
-                    if h > 0:
-                        Kb, r, X, G, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start,
-                                                        hv, hk, rows, cols, jj, h, HK, HV, DK, DV,
-                                                        CAP, DELTA, L2NORM, False)
-                        S = _rebuild(S, Kb, r, X, G, Bt, jj, h, A_pay, A_sc, A_gs, mat, rows,
-                                     kbuf, _entry(slot, start, jj, CAP), hk, HK, DK, DV, AFMT,
-                                     DELTA, PREC, ON_GPU)
-                    # this step on the rebuilt state: the conventional step's arithmetic (L = 1 and
-                    # a forced step on empty buffers are the conventional kernel, bit for bit)
-                    S, y = _rank1_step(S, q, k, v, log_a, beta * beta_scale if DELTA else beta,
-                                       DELTA)
-                    _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_lo,
-                                 key_hi, nf + 1, slot, hv, DV, DK, BV, AFMT, ASR, RFMT, RSR, SHARED,
-                                 NB)
-                    if NB > 1:
-                        amax = tl.maximum(amax, tl.max(tl.max(tl.abs(S), axis=1), axis=0))
-                    y = _gate_out(y + skip, z_ptr, row, hv, rows, HV, DV, HAS_Z)
-                    tl.store(out_ptr + (row * HV + hv) * DV + rows, y)
-                if NB > 1:
+                for ps in tl.static_range(NP):
+                    for ib in range(NB):
+                        rows = rows0 + ib * BV
+                        q, k, v, log_a, beta, skip = _front_end(
+                            q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, row, hv, hk,
+                            rows, cols, scale, dt_lo, dt_hi, HK, HV, DK, DV, DELTA, L2NORM,
+                            HAS_DTB, HAS_D, DT_CLAMP)
+                        if SHARED and AFMT == 0 and NB == 1:
+                            S = P                       # the anchor itself, already loaded
+                        else:
+                            S = _tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT)
+                        if h > 0:
+                            Kb, r, X, G, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot,
+                                                            start, hv, hk, rows, cols, jj, h, HK,
+                                                            HV, DK, DV, CAP, DELTA, L2NORM, False)
+                            S = _rebuild(S, Kb, r, X, G, Bt, jj, h, A_pay, A_sc, A_gs, mat, rows,
+                                         kbuf, _entry(slot, start, jj, CAP), hk, HK, DK, DV,
+                                         AFMT, DELTA, PREC, ON_GPU)
+                        # this step on the rebuilt state: the conventional step's arithmetic
+                        # (L = 1 and a forced step on empty buffers are the conventional kernel)
+                        S, y = _rank1_step(S, q, k, v, log_a,
+                                           beta * beta_scale if DELTA else beta, DELTA)
+                        if ps == NP - 1:
+                            _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols,
+                                         key_lo, key_hi, nf + 1, slot, hv, DV, DK, BV, AFMT, ASR,
+                                         RFMT, RSR, SHARED, NB, amax)
+                            y = _gate_out(y + skip, z_ptr, row, hv, rows, HV, DV, HAS_Z)
+                            tl.store(out_ptr + (row * HV + hv) * DV + rows, y)
+                        if NB > 1:
+                            if ps == 0:
+                                amax = tl.maximum(amax,
+                                                  tl.max(tl.max(tl.abs(S), axis=1), axis=0))
+                if (NB > 1) and (AFMT == 0):
                     _nv_from_anchor(A_pay, R_pay, R_sc, R_gs, mat, amax, cols, key_lo, key_hi,
                                     nf + 1, slot, hv, DV, DK, BV, RSR)
         if go:
@@ -669,14 +683,13 @@ def replay_launch_config(store: ReplayStore, block_v=None, num_warps=None):
     block_v / num_warps as given."""
     N, HV, dv, dk = store.shape
     nv = "nvfp4" in (store.anchor.fmt, store.read_role.fmt)
-    looped = (not store.shared and store.anchor.fmt == "fp32" and store.read.fmt == "nvfp4")
+    looped = (not store.shared and store.anchor.fmt != "nvfp4" and store.read.fmt == "nvfp4")
     cfg = LAUNCH_TABLE["nvfp4_read" if looped else "nvfp4" if nv else "other"]
     if block_v is None:
         block_v = dv if cfg["rows"] is None else min(dv, cfg["rows"])
     if nv and not looped and block_v != dv:
-        raise ValueError(f"an NVFP4 role beside an anchor that is not FP32 is cast a whole matrix "
-                         f"at a time (one FP32 scale per matrix): block_v must be d_v = {dv}, "
-                         f"got {block_v}")
+        raise ValueError(f"an NVFP4 anchor is cast a whole matrix at a time (one FP32 scale per "
+                         f"matrix): block_v must be d_v = {dv}, got {block_v}")
     if block_v < 16 or dv % block_v or block_v & (block_v - 1):
         raise ValueError(f"block_v={block_v} must be a power of two >= 16 dividing d_v={dv} "
                          f"(the flush's tensor-core products take tiles of 16 rows or more)")
