@@ -28,11 +28,14 @@ def _own_checkout() -> Path | None:
 def git_commit() -> str:
     """What code produced a result.
 
-    * In replayquant's own checkout: its HEAD commit ('+dirty' if tracked files have changes).
-    * Elsewhere, REPLAYQUANT_GIT_COMMIT when set (a source tree copied without .git, e.g. to a GPU
-      machine, where the sender sets the commit it copied).
+    * REPLAYQUANT_GIT_COMMIT when set: the sender of a source tree copied to another machine (a GPU
+      machine) names the commit it copied; the copy's own git metadata, if any came along, can be
+      older than its files (a device copy once reported its session's first commit + dirty).
+    * Else, in replayquant's own checkout: its HEAD commit ('+dirty' if tracked files have changes).
     * Else an installed package: 'replayquant==VERSION'.
     """
+    if os.environ.get("REPLAYQUANT_GIT_COMMIT"):
+        return os.environ["REPLAYQUANT_GIT_COMMIT"]
     root = _own_checkout()
     if root is not None:
         try:
@@ -43,8 +46,6 @@ def git_commit() -> str:
             return sha + ("+dirty" if dirty else "")
         except (OSError, subprocess.CalledProcessError):
             pass
-    if os.environ.get("REPLAYQUANT_GIT_COMMIT"):
-        return os.environ["REPLAYQUANT_GIT_COMMIT"]
     import replayquant
     return f"replayquant=={replayquant.__version__}"
 

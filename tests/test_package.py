@@ -110,3 +110,13 @@ def test_git_commit_only_from_own_checkout(tmp_path):
     got = subprocess.run([sys.executable, "-c", code, str(site)], capture_output=True, text=True,
                          check=True, env=env, cwd=tmp_path).stdout.strip()
     assert got == "abc123"
+
+
+def test_git_commit_named_by_the_sender_wins_over_the_checkout(monkeypatch):
+    """A tree copied to a GPU machine may carry git metadata older than its files: the commit its
+    sender names (REPLAYQUANT_GIT_COMMIT) is the one recorded, also inside a checkout."""
+    from replayquant.provenance import git_commit
+    monkeypatch.setenv("REPLAYQUANT_GIT_COMMIT", "feedbeef")
+    assert git_commit() == "feedbeef"
+    monkeypatch.delenv("REPLAYQUANT_GIT_COMMIT")
+    assert git_commit() != "feedbeef"
