@@ -262,6 +262,19 @@ def _pop_cache(cache, cache_params):
     return cache if cache is not None else cache_params
 
 
+def _enter(module, hidden_states, cache, cache_params, attention_mask, kwargs):
+    """What every forward starts with: the layer's runtime and family, the cache under either
+    argument name, packed sequences refused, padding positions zeroed, and whether the cache
+    holds a previous step. Returns (rt, fam, cache, hidden_states, had_prev)."""
+    rt, fam = module._replayquant, _BY_TYPE[type(module)]
+    cache = _pop_cache(cache, cache_params)
+    _check_kwargs(kwargs)
+    kwargs.pop("cu_seq_lens_q", None)
+    hidden_states = _mask_padding(module, hidden_states, attention_mask)
+    had_prev = cache is not None and rt.has_previous(rt.cache_layer(cache))
+    return rt, fam, cache, hidden_states, had_prev
+
+
 def _check_kwargs(kwargs):
     for key in ("cu_seq_lens_q", "cu_seqlens", "seq_idx"):
         if kwargs.get(key) is not None:
@@ -298,13 +311,9 @@ def _gdn_project(fam, m, h):
 @force_accelerate_hooks("conv1d")
 def gdn_forward(self, hidden_states, cache=None, attention_mask=None, cache_params=None, **kwargs):
     """Gated DeltaNet layer forward (every "gdn" family) with the replay recurrence."""
-    rt, fam = self._replayquant, _BY_TYPE[type(self)]
-    cache = _pop_cache(cache, cache_params)
-    _check_kwargs(kwargs)
-    kwargs.pop("cu_seq_lens_q", None)
-    hidden_states = _mask_padding(self, hidden_states, attention_mask)
+    rt, fam, cache, hidden_states, had_prev = _enter(self, hidden_states, cache, cache_params,
+                                                     attention_mask, kwargs)
     B, T, _ = hidden_states.shape
-    had_prev = cache is not None and rt.has_previous(rt.cache_layer(cache))
 
     project = fam.project or (lambda m, h: _gdn_project(fam, m, h))
     mixed_qkv, z, b, a = project(self, hidden_states)
@@ -335,13 +344,10 @@ def gdn_forward(self, hidden_states, cache=None, attention_mask=None, cache_para
 @force_accelerate_hooks("conv1d")
 def mamba2_forward(self, hidden_states, cache=None, attention_mask=None, cache_params=None, **kwargs):
     """Mamba-2 mixer forward (every "mamba2" family) with the replay recurrence."""
-    rt, fam = self._replayquant, _BY_TYPE[type(self)]
-    cache = _pop_cache(cache, cache_params)
-    _check_kwargs(kwargs)
+    rt, fam, cache, hidden_states, had_prev = _enter(self, hidden_states, cache, cache_params,
+                                                     attention_mask, kwargs)
     B, T, _ = hidden_states.shape
     dtype = hidden_states.dtype
-    had_prev = cache is not None and rt.has_previous(rt.cache_layer(cache))
-    hidden_states = _mask_padding(self, hidden_states, attention_mask)
     if fam.in_scale:
         hidden_states = hidden_states * getattr(self, fam.in_scale)
     projected = _apply(fam, self, "in_proj", hidden_states)
@@ -370,13 +376,9 @@ def mamba2_forward(self, hidden_states, cache=None, attention_mask=None, cache_p
 @force_accelerate_hooks("conv1d")
 def kda_forward(self, hidden_states, cache=None, attention_mask=None, cache_params=None, **kwargs):
     """Kimi Delta Attention layer forward (every "kda" family) with the replay recurrence."""
-    rt, fam = self._replayquant, _BY_TYPE[type(self)]
-    cache = _pop_cache(cache, cache_params)
-    _check_kwargs(kwargs)
-    kwargs.pop("cu_seq_lens_q", None)
-    hidden_states = _mask_padding(self, hidden_states, attention_mask)
+    rt, fam, cache, hidden_states, had_prev = _enter(self, hidden_states, cache, cache_params,
+                                                     attention_mask, kwargs)
     B, T, _ = hidden_states.shape
-    had_prev = cache is not None and rt.has_previous(rt.cache_layer(cache))
 
     mixed_qkv = _conv(self, _apply(fam, self, "qkv", hidden_states).transpose(1, 2), cache,
                       had_prev, self.activation, **kwargs).transpose(1, 2)
