@@ -62,12 +62,21 @@ SHORT = ["--context", "256", "--docs", "1", "--segment", "128", "--dtype", "floa
 
 def test_byte_model_equals_kernels_bench_counts():
     """Per sequence x batch = the `bytes` of every window and conventional row of the committed
-    kernels grid (the bench's own count), and the parts add up to the bench's window total."""
+    kernels grid (the bench's own count), and the parts add up to the bench's window total. The
+    grid is the `targets` preset's: each replay kind at its main L, three pairs, every batch;
+    KDA conventional rows only."""
     grid = json.loads((ROOT / "results/bench/kernels.json").read_text())
-    shapes = grid["provenance"]["shapes"]
+    prov = grid["provenance"]
+    shapes = prov["shapes"]
+    windows = {(r["kind"], r["variant"], r["L"], r["B"]) for r in grid["rows"] if r["kernel"] == "replay-window"}
+    assert windows == {(k, p, prov["main_L"][k], B) for k in ("gdn", "mamba2")
+                       for p in ("s32_rs", "tp8_hi32", "tp4_hi32") for B in (1, 8, 32, 128, 256, 512)}
+    convs = {(r["kind"], r["variant"], r["B"]) for r in grid["rows"] if r["kernel"] == "conventional"}
+    assert convs == {(k, v, B) for k in ("gdn", "mamba2", "kda") for v in ("fp32", "bf16")
+                     for B in (1, 8, 32, 128, 256, 512)}
     n = 0
     for r in grid["rows"]:
-        if r["kernel"] not in ("replay-window", "replay-window-dots", "conventional") or not r.get("bytes"):
+        if r["kernel"] not in ("replay-window", "conventional") or not r.get("bytes"):
             continue
         S = shapes[r["kind"]]
         sh = LayerShape(r["kind"], S["H"], S["HK"], S["dv"], S["dk"])
@@ -77,7 +86,7 @@ def test_byte_model_equals_kernels_bench_counts():
             got = layer_step_bytes(sh, PrecisionPair.load(r["variant"]), r["L"]).total * r["B"]
         assert got == pytest.approx(r["bytes"], rel=1e-12), r
         n += 1
-    assert n >= 200
+    assert n == len(windows) + len(convs)
     # the tiny models' shapes, every shipped pair and L
     for kind, H, HK, dv, dk in (("gdn", 4, 2, 64, 128), ("mamba2", 8, 1, 64, 128)):
         sh = LayerShape(kind, H, HK, dv, dk)
@@ -225,9 +234,13 @@ def test_sweep_file_plot_and_resume(demo_sweep):
     kls = [front_kl(v["kl"]["kl_mean"], v["kl"]["kl_unc"])
            for v in sorted(front, key=lambda v: v["bytes_per_step"]["state"])]
     assert kls == sorted(kls, reverse=True) and len(set(kls)) == len(kls)
-    # measured times: the grid timed tp4_hi32 at the GDN main L = 16 with the dots read at B = 256
+    # measured times: the grid timed tp4_hi32 at the GDN main L = 16 at B = 256, not at L = 8
+    # (whose time is absent, never another L's)
     k = next(v for v in sw["variants"] if v["name"] == "tp4_hi32@L16")["kernel"]
-    assert k["us_per_step"] > 0 and k["batch"] == 256 and k["parts"][0]["kernel"] == "replay-window-dots"
+    assert k["us_per_step"] > 0 and k["batch"] == 256 and k["parts"][0]["kernel"] == "replay-window"
+    k8 = next(v for v in sw["variants"] if v["name"] == "tp4_hi32@L8")["kernel"]
+    assert k8["us_per_step"] is None and len(k8["missing"]) == 1 \
+        and k8["missing"][0].startswith("gdn ") and k8["missing"][0].endswith("L=8 (not in the grid)")
     assert next(v for v in sw["variants"] if v["name"] == "f4_sr_rs@L16")["kernel"]["us_per_step"] is None
     assert out.with_suffix(".png").stat().st_size > 10_000
     # a KL of 0 or below the floor is drawn at the axis floor, never dropped

@@ -8,17 +8,14 @@ times are not scaled to the model's own shape, and the record says which shape w
 the same pair formats and L at the measured batch nearest to the one asked for (on a log
 scale), and summed over the model's layers: microseconds per decode step of the whole batch.
 
-Which row: the mean step over a window of L steps (one flush per row) with the read the decode
-step picked at that batch when the grid was timed, as the grid records it: the bench times the
-dots read (`replay-window-dots`) at the batches where the decode step picks it, so where the
-grid has a dots row of the kind at that batch the dots row is taken, else `replay-window` (the
-rule of the kernels installed now is not asked: the grid was timed with the code of its own
-commit); the conventional step (`conventional`, fp32) for the FP32 baseline and for layers a
-policy keeps `exact`. Where the grid did not time that row (it times the dots read only at each
-kind's main L), the time is None and `missing` says which row is absent: a time of another read
-variant is never put in its place. A layer of a kind the grid has no shape for (e.g. Kimi Delta
-Attention in a grid of GDN and Mamba-2 rows) has no time either, and `missing` names the kind:
-a GDN time is not taken for a KDA layer, whose gate is d_k wide.
+Which row: the mean step over a window of L steps (one flush per row, rows in phase:
+`replay-window`) for the replay pairs; the conventional step (`conventional`, fp32) for the FP32
+baseline and for layers a policy keeps `exact`. Where the grid did not time that row (the
+`targets` preset times each kind at its main L only), the time is None and `missing` says which
+row is absent: a time of another L, batch row or pair is never put in its place. A kind the grid
+has no shape for, or no replay rows of (Kimi Delta Attention: conventional rows only, the replay
+decode kernel takes one decay per head and step), has no replay time either, and `missing` names
+the kind: a GDN time is not taken for a KDA layer, whose gate is d_k wide.
 """
 
 from __future__ import annotations
@@ -29,7 +26,7 @@ from .common import pair_formats
 
 __all__ = ["load_kernels", "variant_us", "conventional_us", "kernels_record"]
 
-WINDOW_KERNELS = ("replay-window-dots", "replay-window")
+WINDOW_KERNELS = ("replay-window",)
 
 
 def load_kernels(path) -> dict:
@@ -67,31 +64,22 @@ def _nearest_batch(batches, batch: int) -> int:
     return min(batches, key=lambda b: (abs(math.log(b) - math.log(batch)), -b))
 
 
-def _read_kernel(rows, kind: str, B: int) -> str:
-    """The window row of the read the decode step picked at batch B (module doc)."""
-    dots = any(r.get("kind") == kind and r.get("B") == B and r.get("kernel") == "replay-window-dots"
-               for r in rows)
-    return "replay-window-dots" if dots else "replay-window"
-
-
 def _window_row(kern, kind, pair, L, batch):
-    """(the grid's row for one layer kind, pair formats and L at the nearest batch with the read
-    the decode step picks there, or None; what was looked for)."""
+    """(the grid's window row for one layer kind, pair formats and L at the nearest batch, or
+    None; what was looked for)."""
     rows = kern["rows"]
     fm = pair_formats(pair)
     names = [n for n, f in _bench_pairs(rows).items() if f == fm]
     cand = [r for r in rows if r.get("kind") == kind and r.get("kernel") in WINDOW_KERNELS
             and r.get("variant") in names and r.get("L") == L and r.get("us")]
+    if not any(r.get("kind") == kind and r.get("kernel") in WINDOW_KERNELS for r in rows):
+        return None, f"{pair.label()} (the grid has no replay rows of the kind)"
     if not names:
         return None, f"{pair.label()} (no pair with its formats in the grid)"
     if not cand:
         return None, f"{pair.label()} L={L} (not in the grid)"
     B = _nearest_batch(sorted({r["B"] for r in cand}), batch)
-    want = _read_kernel(rows, kind, B)
-    hit = [r for r in cand if r["B"] == B and r["kernel"] == want]
-    if not hit:
-        return None, f"{pair.label()} L={L} B={B} {want} (not timed by the grid)"
-    return hit[0], ""
+    return next(r for r in cand if r["B"] == B), ""
 
 
 def _conv_row(kern, kind, batch):
