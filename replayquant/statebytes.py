@@ -25,7 +25,9 @@ key products, the rebuild at the flush) and written with each entry. Its q / k /
 equal (HK = H: no key shared by several heads). Everything else (k, v, u, beta, the state
 matrices, the output) is counted as for GDN, in the GDN decode kernel's ring layout (bf16 k, v,
 u; fp32 G and beta) with G widened to the d_k channels that `ReplayState(vector_gate=True)`
-buffers; the kernels grid has no KDA row, so this count is derived, not checked against a bench.
+buffers. The kernels grid has KDA conventional rows (the conventional step's count is checked
+against them); it has no KDA replay rows (the replay decode kernel takes one decay per head and
+step), so the replay count is derived, not checked against a bench.
 
 `replay_window_bytes` is the mean over a window of L steps (L - 1 read steps at h = 0 .. L - 2,
 then one flush). `StepBytes` splits the same mean per sequence into its parts (read copy, ring
