@@ -7,19 +7,13 @@
 #   kernels         `replayquant bench kernels --preset targets` beside the ReplaySSM authors'
 #                   kernels (.gpu/authors): GPU checks, accuracy against float64, both kinds at
 #                   their main L over every batch, in phase and staggered, pairs s32_rs /
-#                   tp8_hi32 / tp4_hi32, peers, speculative rounds T = 4 at B = 512; every
-#                   target of bench/targets.py from one call (plan's estimate ~205 s)
+#                   tp8_hi32 / tp4_hi32, KDA conventional rows, peers, speculative rounds T = 4 at
+#                   B = 512; every target of bench/targets.py from one call, one kernels.json
+#                   (265 s of wall time including the install; the plan estimated 220 s and the
+#                   budget skipped its last sections, listed in the file's `skipped`)
 #   probe           evals/gpu_checks.py, then `bench kernels --preset probe` beside the authors:
 #                   s32_rs, tp4_hi32 and conventional at B = 32 and 256, both kinds, in phase
-#                   and staggered, accuracy (~3 minutes)
-#   kernels-gdn     `replayquant bench kernels` for GDN (GPU checks and the fla peer first, every
-#                   batch, L and pair, no sweep), then the speculative rounds at T = 4, both kinds
-#                   (231 + 58 s on an H200)
-#   kernels-mamba2  the same for Mamba-2 (mamba_ssm peer; the checks cover both kinds and ran in
-#                   kernels-gdn), then the speculative rounds at T = 2 (117 + 38 s)
-#                   then, here, one table from the four parts:
-#                   replayquant bench merge kernels_part_gdn.json kernels_part_mamba2.json \
-#                       kernels_spec_t4.json kernels_spec_t2.json --out results/bench
+#                   and staggered, accuracy (the bench 56 s on one H200, after the checks)
 #   checks          evals/gpu_checks.py: the kernels against their torch references at the real
 #                   head shapes, the reference casts on the device against the CPU (~50 s)
 #   tf              `bench teacher-forcing`: the chunk kernel check and per-layer timing at 8K,
@@ -40,7 +34,7 @@
 # not fla.
 set -uo pipefail
 : "${OUT:?set OUT to the folder where results go}"
-jobs="kernels|probe|kernels-gdn|kernels-mamba2|checks|tf|generate|train"
+jobs="kernels|probe|checks|tf|generate|train"
 job=${1:?usage: bash evals/gpu_runs.sh $jobs}
 [[ "|$jobs|" == *"|$job|"* ]] \
     || { echo "gpu_runs: unknown job '$job'; choose one of $jobs" >&2; exit 2; }
@@ -51,12 +45,6 @@ export PYTHONPATH=$PWD:/tmp/site:$PWD/.gpu
 python3 -c "import fla, einops; print('fla', fla.__version__)" \
     || { echo "gpu_runs: fla does not import; HF would fall back to its slow torch path" >&2; exit 1; }
 rq=(python3 -m replayquant.cli)      # an array: `timeout` cannot run a shell function
-bench_part() {  # NAME TIMEOUT [bench kernels options]: one part of the grid, then its summary
-  local name=$1 secs=$2; shift 2
-  timeout "$secs" "${rq[@]}" bench kernels --out "$OUT" --name "$name" --no-sweep "$@" \
-      > "/tmp/$name.log" 2>&1; echo "$name rc=$?"
-  grep -E "^\[bench|^copy|Not measured|failed" "/tmp/$name.log" | cut -c1-2000
-}
 case "$job" in
   kernels)
     timeout 560 "${rq[@]}" bench kernels --out "$OUT" --name kernels --preset targets \
@@ -70,14 +58,6 @@ case "$job" in
         --authors .gpu/authors --budget-s 300 > "$OUT/probe.log" 2>&1; echo "probe rc=$?"
     grep -E "^\[bench|^copy|Not measured|failed|^  (ours|authors)|^  (gdn|mamba2) " \
         "$OUT/probe.log" | cut -c1-2000
-    ;;
-  kernels-gdn)
-    bench_part kernels_part_gdn 420 --kinds gdn --spec-batches= --budget-s 400
-    bench_part kernels_spec_t4 150 --batches= --T 4 --no-checks --no-peers --budget-s 140
-    ;;
-  kernels-mamba2)
-    bench_part kernels_part_mamba2 300 --kinds mamba2 --spec-batches= --no-checks --budget-s 280
-    bench_part kernels_spec_t2 150 --batches= --T 2 --no-checks --no-peers --budget-s 140
     ;;
   checks)
     timeout 300 python3 evals/gpu_checks.py "$OUT/gpu_checks.json" > /tmp/gpu_checks.log 2>&1
