@@ -6,11 +6,12 @@ Storage of one layer (`ReplayStore`; slots N, value heads H, key heads / groups 
 
     anchor      PackedRole [N, H, d_v, d_k]     high precision, written only at a flush
     read copy   PackedRole [N, H, d_v, d_k]     low precision, physically packed (None: shared pair)
-    kbuf        bf16 [N, C, HK, d_k]            raw k (GDN, re-normalised on read) / B (Mamba-2)
-    vbuf        bf16 [N, C, H, d_v]             raw v (GDN) / x (Mamba-2; v = dt x on read)
-    ubuf        u_dtype [N, C, H, d_v]          GDN: u computed against the read copy (outputs only)
-    Gbuf, bbuf  fp32 [N, C, H]                  cumulative log gate since the checkpoint; GDN beta
-                                                (beta_scale included) / Mamba-2 dt
+    kbuf        bf16 [N, C, HK, d_k]            raw k (GDN / KDA: re-normalised on read) / B
+    vbuf        bf16 [N, C, H, d_v]             raw v (GDN / KDA) / x (Mamba-2; v = dt x on read)
+    ubuf        u_dtype [N, C, H, d_v]          GDN / KDA: u against the read copy (outputs only)
+    Gbuf, bbuf  fp32 [N, C, H]                  cumulative log gate since the checkpoint (KDA:
+                                                Gbuf [N, C, H, d_k], per key channel); GDN /
+                                                KDA beta (beta_scale included) / Mamba-2 dt
     committed   int32 [N]                       committed buffer entries h (0..L)
     start       int32 [N]                       ring position of the window's first entry
     n_flush     int64 [N]                       flush index of the current anchor (0 = initial cast)
@@ -32,9 +33,11 @@ with committed fill h:
 
 The rebuild uses tensor-core products (the WY form of the chunked delta rule): W = K S0^T,
 A[j, i] = beta_j e^{G_j - G_i} (k_i . k_j) for i < j, U = (I + A)^{-1} (beta (V - e^G W)),
-S = e^{G_n} S0 + (U e^{G_n - G})^T K; Mamba-2 U = dt x. The last program of each row moves
-that row's pointers (arrival counter `ReplayStore.arrive`); a model with several layers sharing
-one pair of pointer tensors passes advance=False to all but its last layer.
+S = e^{G_n} S0 + (U e^{G_n - G})^T K; Mamba-2 U = dt x. KDA (VEC, a gate per key channel)
+folds the entries one after another (_rebuild_vec), forming only exp(G_j - G_{j-1}). The last
+program of each row moves that row's pointers (arrival counter `ReplayStore.arrive`); a model
+with several layers sharing one pair of pointer tensors passes advance=False to all but its last
+layer.
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ import triton
 import triton.language as tl
 
 from replayquant.kernels.conventional import (PackedRole, _check_inputs, _front_end, _gate_out,
-                                              _indices, _nv_store, _prep, _program_tile,
+                                              _indices, _kda_front_end, _nv_store, _prep,
+                                              _program_tile, _vector_gate_step,
                                               _rank1_step, _role_bits,
                                               _tile_load, _tile_store, unit_lower_inverse,
                                               NO_DT_LIMIT, dt_limit_args, role_streams,
@@ -56,7 +60,8 @@ from replayquant.kernels.quant import (decode_bf16, decode_fp16, small_float_at,
                                        small_float_pair_at)
 from replayquant.streams import ANCHOR, READ, layer_seed
 
-__all__ = ["ReplayStore", "replay_gdn_step", "replay_mamba2_step", "advance_pointers",
+__all__ = ["ReplayStore", "replay_gdn_step", "replay_mamba2_step", "replay_kda_step",
+           "advance_pointers",
            "resolve_path", "replay_launch_config", "PATHS"]
 
 
@@ -105,9 +110,10 @@ class ReplayStore:
                    buffer_len: int | None = None, max_drafts: int = 0) -> "ReplayStore":
         """Cast float32 initial [N, H, d_v, d_k] into anchor and read copy (flush index 0,
         independently, as ReplayState), empty buffers. key_heads: GDN key heads / Mamba-2
-        groups (default H). max_drafts: the largest T of speculative verify (0: plain decode)."""
-        if kind not in ("gdn", "mamba2"):
-            raise ValueError(f"kind must be 'gdn' or 'mamba2', got {kind!r}")
+        groups (default H). max_drafts: the largest T of speculative verify (0: plain decode).
+        kind 'kda': the delta rule with a gate per key channel (Gbuf per channel)."""
+        if kind not in ("gdn", "mamba2", "kda"):
+            raise ValueError(f"kind must be 'gdn', 'mamba2' or 'kda', got {kind!r}")
         if not isinstance(initial, torch.Tensor) or initial.dim() != 4 or not initial.is_floating_point():
             raise ValueError("initial state must be a float tensor [slots, heads, d_v, d_k]")
         (afmt, arnd), read, L = _pair_roles(pair)
@@ -139,8 +145,9 @@ class ReplayStore:
         return cls(kind, anchor, rrole, L, HK,
                    kbuf=torch.zeros(N, C, HK, dk, dtype=bf, device=dev),
                    vbuf=torch.zeros(N, C, H, dv, dtype=bf, device=dev),
-                   ubuf=torch.zeros(N, C, H, dv, dtype=u_dtype, device=dev) if kind == "gdn" else None,
-                   Gbuf=torch.zeros(N, C, H, dtype=torch.float32, device=dev),
+                   ubuf=torch.zeros(N, C, H, dv, dtype=u_dtype, device=dev) if kind != "mamba2" else None,
+                   Gbuf=torch.zeros((N, C, H, dk) if kind == "kda" else (N, C, H),
+                                    dtype=torch.float32, device=dev),
                    bbuf=torch.zeros(N, C, H, dtype=torch.float32, device=dev),
                    committed=torch.zeros(N, dtype=torch.int32, device=dev),
                    n_flush=torch.zeros(N, dtype=torch.int64, device=dev), key=key,
@@ -179,11 +186,11 @@ def _entry(slot, start, j, CAP: tl.constexpr):
 def _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, jj, n,
                   HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                   CAP: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
-                  WANT_U: tl.constexpr):
+                  WANT_U: tl.constexpr, VEC: tl.constexpr):
     """Buffer entries 0..n-1 of one (slot, head) as tiles (rows >= n are zero): Kb [LP, DK] the
     raw bf16 k / B, r [LP] its row factor (GDN with L2NORM: 1 / |k|, the re-normalisation,
     applied to the products; else 1), X [LP, BV] float32 (GDN: raw v, or u when WANT_U;
-    Mamba-2: v = dt x), G [LP] cumulative log gate, Bt [LP] (beta / dt)."""
+    Mamba-2: v = dt x), G [LP] cumulative log gate (VEC: [LP, DK]), Bt [LP] (beta / dt)."""
     m = jj < n
     e = _entry(slot, start, jj, CAP)
     Kb = tl.load(kbuf + (e[:, None] * HK + hk) * DK + cols[None, :], mask=m[:, None], other=0.0)
@@ -192,7 +199,11 @@ def _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols,
         if L2NORM:
             Kf = Kb.to(tl.float32)
             r = 1.0 / tl.sqrt(tl.sum(Kf * Kf, axis=1) + 1e-6)
-    G = tl.load(Gbuf + e * HV + hv, mask=m, other=0.0)
+    if VEC:
+        G = tl.load(Gbuf + (e[:, None] * HV + hv) * DK + cols[None, :], mask=m[:, None],
+                    other=0.0)
+    else:
+        G = tl.load(Gbuf + e * HV + hv, mask=m, other=0.0)
     Bt = tl.load(bbuf + e * HV + hv, mask=m, other=0.0)
     xo = (e[:, None] * HV + hv) * DV + rows[None, :]
     if WANT_U:
@@ -263,6 +274,42 @@ def _rebuild(S0, Kb, r, X, G, Bt, jj, n, A_pay, A_sc, A_gs, mat, rows, kbuf, e, 
         U = tl.dot(unit_lower_inverse(A, jj, n), R, input_precision=PREC)
     w = tl.where(m, tl.exp(tl.where(m, Gn - G, 0.0)), 0.0) * r
     return _dot3(tl.trans(U * w[:, None]), Kb, tl.exp(Gn) * S0, False, ON_GPU)
+
+
+@triton.jit
+def _rebuild_vec(S0, Kb, r, X, G, Bt, jj, n):
+    """KDA: the unrounded state after n > 0 entries from the checkpoint tile S0 [BV, DK], the
+    recurrence entry by entry (S <- S Diag(exp(G_j - G_{j-1})), u_j = beta_j (v_j - S k_j),
+    S <- S + u_j k_j^T; G [LP, DK] per key channel, X the raw v). The WY form would need
+    e^{G_j - G_i} per pair and channel ([LP, LP, DK]) or e^{-G_j}, which overflows for a
+    channel that forgets fast, so the fold stays sequential."""
+    S = S0
+    Kf = Kb.to(tl.float32) * r[:, None]
+    Gprev = tl.zeros([Kb.shape[1]], tl.float32)
+    for j in range(0, n):
+        sel = jj == j
+        kj = tl.sum(tl.where(sel[:, None], Kf, 0.0), axis=0)
+        Gj = tl.sum(tl.where(sel[:, None], G, 0.0), axis=0)
+        vj = tl.sum(tl.where(sel[:, None], X, 0.0), axis=0)
+        bj = tl.sum(tl.where(sel, Bt, 0.0), axis=0)
+        S = S * tl.exp(Gj - Gprev)[None, :]
+        u = bj * (vj - tl.sum(S * kj[None, :], axis=1))
+        S = S + u[:, None] * kj[None, :]
+        Gprev = Gj
+    return S
+
+
+@triton.jit
+def _fold(S0, Kb, r, X, G, Bt, jj, n, A_pay, A_sc, A_gs, mat, rows, kbuf, e, hk,
+          HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, AFMT: tl.constexpr,
+          DELTA: tl.constexpr, PREC: tl.constexpr, ON_GPU: tl.constexpr, VEC: tl.constexpr):
+    """_rebuild, or _rebuild_vec for a gate per key channel (VEC)."""
+    if VEC:
+        S = _rebuild_vec(S0, Kb, r, X, G, Bt, jj, n)
+    else:
+        S = _rebuild(S0, Kb, r, X, G, Bt, jj, n, A_pay, A_sc, A_gs, mat, rows, kbuf, e, hk,
+                     HK, DK, DV, AFMT, DELTA, PREC, ON_GPU)
+    return S
 
 
 @triton.jit
@@ -445,39 +492,62 @@ def _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, out_ptr, q_ptr, k_ptr, 
                  DK: tl.constexpr, DV: tl.constexpr, CAP: tl.constexpr, T: tl.constexpr,
                  RFMT: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
                  HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
-                 U_BF16: tl.constexpr, DT_CLAMP: tl.constexpr):
+                 U_BF16: tl.constexpr, DT_CLAMP: tl.constexpr, VEC: tl.constexpr):
     """Outputs of T entries from the read copy tile (P, Pb, s) and the h committed entries,
     output-only: y = e^{G_p} (R q) + sum_j e^{G_p - G_j} (k_j . q) u_j + (k . q) u, draft t
     seeing the drafts before it; GDN u = beta (v - e^{G_p} R k - sum_j e^{G_p - G_j}
     (k_j . k) u_j), R k and R q in one pass over the tile. Appends each entry at h + t (raw k and
     v / x in bf16, u, G, beta / dt; lead: the one block of the head that writes its k, G and
-    beta)."""
+    beta). VEC (KDA, G [LP, DK] per key channel): the decays enter the keys, e^{G_p} on R's
+    columns (R (e^{G_p} * k), R (e^{G_p} * q)) and e^{G_p - G_j} on k_j."""
     Kb, r, X, G, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start, hv, hk, rows,
-                                    cols, jj, h, HK, HV, DK, DV, CAP, DELTA, L2NORM, DELTA)
-    Gp = tl.sum(tl.where(jj == h - 1, G, 0.0), axis=0)       # the last committed gate
+                                    cols, jj, h, HK, HV, DK, DV, CAP, DELTA, L2NORM, DELTA, VEC)
+    if VEC:
+        Gp = tl.sum(tl.where((jj == h - 1)[:, None], G, 0.0), axis=0)
+    else:
+        Gp = tl.sum(tl.where(jj == h - 1, G, 0.0), axis=0)   # the last committed gate
     for t in tl.static_range(T):
         tok = row * T + t
-        q, k, v, log_a, beta, skip = _front_end(
-            q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, tok, hv, hk, rows, cols,
-            scale, dt_lo, dt_hi, HK, HV, DK, DV, DELTA, L2NORM, HAS_DTB, HAS_D, DT_CLAMP)
+        if VEC:
+            q, k, v, log_a, beta = _kda_front_end(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, tok, hv, hk,
+                                                  rows, cols, scale, HK, HV, DK, DV, L2NORM)
+            skip = 0.0
+        else:
+            q, k, v, log_a, beta, skip = _front_end(
+                q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, tok, hv, hk, rows,
+                cols, scale, dt_lo, dt_hi, HK, HV, DK, DV, DELTA, L2NORM, HAS_DTB, HAS_D,
+                DT_CLAMP)
         p = h + t
         Gp = Gp + log_a
         prev = jj < p
-        wdec = tl.where(prev, tl.exp(tl.where(prev, Gp - G, 0.0)), 0.0)
-        eG = tl.exp(Gp)
-        if DELTA:
-            beta = beta * beta_scale
-            rk, rq = _tile_mv(P, Pb, s, k, q, True, DK, RFMT)
-            kk = r * tl.sum(Kb.to(tl.float32) * k[None, :], axis=1)
-            corr = tl.sum((wdec * kk)[:, None] * X, axis=0)
-            u = beta * (v - eG * rk) - beta * corr
+        if VEC:
+            wdec = tl.where(prev[:, None], tl.exp(tl.where(prev[:, None], Gp[None, :] - G, 0.0)),
+                            0.0)
+            eG = tl.exp(Gp)
+            Kw = Kb.to(tl.float32) * wdec
+            rk, rq = _tile_mv(P, Pb, s, eG * k, eG * q, True, DK, RFMT)
+            corr = tl.sum((r * tl.sum(Kw * k[None, :], axis=1))[:, None] * X, axis=0)
+            u = beta * (v - rk) - beta * corr
             if U_BF16:
                 u = u.to(tl.bfloat16).to(tl.float32)
+            y = rq + tl.sum((r * tl.sum(Kw * q[None, :], axis=1))[:, None] * X, axis=0) \
+                + tl.sum(k * q, axis=0) * u
         else:
-            rq, _ = _tile_mv(P, Pb, s, q, q, False, DK, RFMT)
-            u = v
-        qk = r * tl.sum(Kb.to(tl.float32) * q[None, :], axis=1)
-        y = eG * rq + tl.sum((wdec * qk)[:, None] * X, axis=0) + tl.sum(k * q, axis=0) * u
+            wdec = tl.where(prev, tl.exp(tl.where(prev, Gp - G, 0.0)), 0.0)
+            eG = tl.exp(Gp)
+            if DELTA:
+                beta = beta * beta_scale
+                rk, rq = _tile_mv(P, Pb, s, k, q, True, DK, RFMT)
+                kk = r * tl.sum(Kb.to(tl.float32) * k[None, :], axis=1)
+                corr = tl.sum((wdec * kk)[:, None] * X, axis=0)
+                u = beta * (v - eG * rk) - beta * corr
+                if U_BF16:
+                    u = u.to(tl.bfloat16).to(tl.float32)
+            else:
+                rq, _ = _tile_mv(P, Pb, s, q, q, False, DK, RFMT)
+                u = v
+            qk = r * tl.sum(Kb.to(tl.float32) * q[None, :], axis=1)
+            y = eG * rq + tl.sum((wdec * qk)[:, None] * X, axis=0) + tl.sum(k * q, axis=0) * u
         y = _gate_out(y + skip, z_ptr, tok, hv, rows, HV, DV, HAS_Z)
         tl.store(out_ptr + (tok * HV + hv) * DV + rows, y)
         e = _entry(slot, start, p, CAP)
@@ -492,13 +562,19 @@ def _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, out_ptr, q_ptr, k_ptr, 
                     rk_ = 1.0 / tl.sqrt(tl.sum(kf * kf, axis=0) + 1e-6)
             r = tl.where(cur, rk_, r)
             X = tl.where(cur[:, None], u[None, :], X)
-            G = tl.where(cur, Gp, G)
+            if VEC:
+                G = tl.where(cur[:, None], Gp[None, :], G)
+            else:
+                G = tl.where(cur, Gp, G)
         tl.store(vbuf + (e * HV + hv) * DV + rows,
                  tl.load(v_ptr + (tok * HV + hv) * DV + rows).to(tl.bfloat16))
         if DELTA:
             tl.store(ubuf + (e * HV + hv) * DV + rows, u.to(ubuf.dtype.element_ty))
         if lead:                                # one row block writes the head's entries
-            tl.store(Gbuf + e * HV + hv, Gp)
+            if VEC:
+                tl.store(Gbuf + (e * HV + hv) * DK + cols, Gp)
+            else:
+                tl.store(Gbuf + e * HV + hv, Gp)
             tl.store(bbuf + e * HV + hv, beta)
             if hv % (HV // HK) == 0:
                 tl.store(kbuf + (e * HK + hk) * DK + cols, kraw.to(tl.bfloat16))
@@ -518,9 +594,10 @@ def _replay_kernel(
         AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr, RSR: tl.constexpr,
         SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr, HAS_DTB: tl.constexpr,
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, U_BF16: tl.constexpr, DT_CLAMP: tl.constexpr,
-        PREC: tl.constexpr, ON_GPU: tl.constexpr):
+        PREC: tl.constexpr, ON_GPU: tl.constexpr, VEC: tl.constexpr):
     """A decode step (STEP, T = 1) or a verify of T drafts for one [BV, d_k] tile of one (batch
-    row, value head): pre-flush, then flush or read (module docstring). With ADVANCE every
+    row, value head): pre-flush, then flush or read (module docstring); VEC: KDA (DELTA with a
+    gate per key channel, a_ptr the log decay g [B, H, d_k], b_ptr beta). With ADVANCE every
     program of a row, once done with the row's pointers, increments the row's arrival counter;
     the last one moves committed / start / n_flush (_moved_pointers) and resets the counter."""
     row, hv, hk, rows0, cols, slot = _program_tile(idx_ptr, HK, HV, DK, BV, NB)
@@ -546,11 +623,11 @@ def _replay_kernel(
                     rows = rows0 + ib * BV
                     Kb, r, X, G, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start,
                                                     hv, hk, rows, cols, jj, h, HK, HV, DK, DV,
-                                                    CAP, DELTA, L2NORM, False)
-                    S = _rebuild(_tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV,
-                                            AFMT), Kb, r, X, G, Bt, jj, h, A_pay, A_sc, A_gs,
-                                 mat, rows, kbuf, _entry(slot, start, jj, CAP), hk, HK, DK, DV,
-                                 AFMT, DELTA, PREC, ON_GPU)
+                                                    CAP, DELTA, L2NORM, False, VEC)
+                    S = _fold(_tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV,
+                                         AFMT), Kb, r, X, G, Bt, jj, h, A_pay, A_sc, A_gs,
+                              mat, rows, kbuf, _entry(slot, start, jj, CAP), hk, HK, DK, DV,
+                              AFMT, DELTA, PREC, ON_GPU, VEC)
                     if ps == NP - 1:
                         _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols,
                                      key_lo, key_hi, nf + 1, slot, hv, DV, DK, BV, AFMT, ASR,
@@ -576,10 +653,16 @@ def _replay_kernel(
                 for ps in tl.static_range(NP):
                     for ib in range(NB):
                         rows = rows0 + ib * BV
-                        q, k, v, log_a, beta, skip = _front_end(
-                            q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, row, hv, hk,
-                            rows, cols, scale, dt_lo, dt_hi, HK, HV, DK, DV, DELTA, L2NORM,
-                            HAS_DTB, HAS_D, DT_CLAMP)
+                        if VEC:
+                            q, k, v, log_a, beta = _kda_front_end(
+                                q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, row, hv, hk, rows, cols, scale,
+                                HK, HV, DK, DV, L2NORM)
+                            skip = 0.0
+                        else:
+                            q, k, v, log_a, beta, skip = _front_end(
+                                q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, row, hv,
+                                hk, rows, cols, scale, dt_lo, dt_hi, HK, HV, DK, DV, DELTA,
+                                L2NORM, HAS_DTB, HAS_D, DT_CLAMP)
                         if SHARED and AFMT == 0 and NB == 1:
                             S = P                       # the anchor itself, already loaded
                         else:
@@ -587,14 +670,18 @@ def _replay_kernel(
                         if h > 0:
                             Kb, r, X, G, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot,
                                                             start, hv, hk, rows, cols, jj, h, HK,
-                                                            HV, DK, DV, CAP, DELTA, L2NORM, False)
-                            S = _rebuild(S, Kb, r, X, G, Bt, jj, h, A_pay, A_sc, A_gs, mat, rows,
-                                         kbuf, _entry(slot, start, jj, CAP), hk, HK, DK, DV,
-                                         AFMT, DELTA, PREC, ON_GPU)
+                                                            HV, DK, DV, CAP, DELTA, L2NORM, False,
+                                                            VEC)
+                            S = _fold(S, Kb, r, X, G, Bt, jj, h, A_pay, A_sc, A_gs, mat, rows,
+                                      kbuf, _entry(slot, start, jj, CAP), hk, HK, DK, DV,
+                                      AFMT, DELTA, PREC, ON_GPU, VEC)
                         # this step on the rebuilt state: the conventional step's arithmetic
                         # (L = 1 and a forced step on empty buffers are the conventional kernel)
-                        S, y = _rank1_step(S, q, k, v, log_a,
-                                           beta * beta_scale if DELTA else beta, DELTA)
+                        if VEC:
+                            S, y = _vector_gate_step(S, q, k, v, log_a, beta)
+                        else:
+                            S, y = _rank1_step(S, q, k, v, log_a,
+                                               beta * beta_scale if DELTA else beta, DELTA)
                         if ps == NP - 1:
                             _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols,
                                          key_lo, key_hi, nf + 1, slot, hv, DV, DK, BV, AFMT, ASR,
@@ -618,7 +705,7 @@ def _replay_kernel(
                              dt_hi, row, hv, hk, rows, cols, slot, start, h, jj,
                              (tl.program_id(1) == 0) & (ib == 0), HK, HV, DK, DV, CAP,
                              T, RFMT, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z,
-                             U_BF16, DT_CLAMP)
+                             U_BF16, DT_CLAMP, VEC)
         if ADVANCE:
             tl.debug_barrier()                  # every thread of the program is past its loads
             arrived = tl.atomic_add(cnt_ptr + slot, 1)          # acq_rel, gpu scope
@@ -750,8 +837,10 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
             use_qk_l2norm, T, step, force, block_v, num_warps, dt_limit=None, advance=True,
             beta_scale=1.0):
     """Launch _replay_kernel for a step (T = 1, step) or a verify of T drafts; returns (out, idx).
-    With advance the kernel moves the pointers (the last program of each row)."""
-    delta = store.kind == "gdn"
+    With advance the kernel moves the pointers (the last program of each row). KDA: a is the log
+    decay g per key channel, b beta, A None."""
+    delta = store.kind != "mamba2"
+    vec = store.kind == "kda"
     N, HV, dv, dk = store.shape
     HK = store.key_heads
     lead = (q.shape[0],) if T == 1 and step else (q.shape[0], T)
@@ -759,6 +848,8 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
         raise ValueError(f"{'q' if delta else 'C'} must have shape {list(lead) + [HK, dk]}")
     B = q.shape[0]
     _check_inputs(store.kind, store.shape, B, {
+        "q": (q, lead + (HK, dk)), "k": (k, lead + (HK, dk)), "v": (v, lead + (HV, dv)),
+        "g": (a, lead + (HV, dk)), "beta": (b, lead + (HV,))} if vec else {
         "q" if delta else "C": (q, lead + (HK, dk)), "k" if delta else "B": (k, lead + (HK, dk)),
         "v" if delta else "x": (v, lead + (HV, dv)), "a" if delta else "dt": (a, lead + (HV,)),
         "b": (b, lead + (HV,)), "A_log" if delta else "A": (A, (HV,)), "dt_bias": (dt_bias, (HV,)),
@@ -793,7 +884,7 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
         RSR=store.read_role.rounding == "stochastic", SHARED=store.shared, DELTA=delta,
         L2NORM=use_qk_l2norm, HAS_DTB=dt_bias is not None, HAS_D=D is not None,
         HAS_Z=z is not None, U_BF16=store.ubuf is not None and store.ubuf.dtype == torch.bfloat16,
-        DT_CLAMP=dt_clamp, PREC="tf32x3", ON_GPU=q.is_cuda, num_warps=nw)
+        DT_CLAMP=dt_clamp, PREC="tf32x3", ON_GPU=q.is_cuda, VEC=vec, num_warps=nw)
     return out, idx
 
 
@@ -834,4 +925,24 @@ def replay_mamba2_step(store: ReplayStore, x, dt, A, B, C, state_indices=None, D
     force = _force(path, store, x.shape[0])
     out, _ = _launch(store, C, B, x, dt, None, A, dt_bias, D, z, state_indices, out, None, False,
                      1, True, force, block_v, num_warps, dt_limit=dt_limit, advance=advance)
+    return out
+
+
+def replay_kda_step(store: ReplayStore, q, k, v, g, beta, state_indices=None, scale=None,
+                    out=None, use_qk_l2norm=True, path="auto", block_v=None, num_warps=None,
+                    advance=True):
+    """One Kimi Delta Attention replay decode step (Triton, one launch), inputs as
+    conventional_kda_step: q, k [B, HK, d_k] (k bf16), v [B, H, d_v] (bf16), g [B, H, d_k] the
+    log decay per key channel, beta [B, H] (after its sigmoid); path, advance, block_v,
+    num_warps as replay_gdn_step. Returns y float32 [B, H, d_v]."""
+    if store.kind != "kda":
+        raise ValueError(f"replay_kda_step needs a store built with kind='kda', got "
+                         f"{store.kind!r}")
+    if g is None or beta is None:
+        raise ValueError("KDA needs g (log decay per key channel) [batch, value heads, d_k] and "
+                         "beta [batch, value heads]")
+    _no_pending(store)
+    force = _force(path, store, q.shape[0])
+    out, _ = _launch(store, q, k, v, g, beta, None, None, None, None, state_indices, out, scale,
+                     use_qk_l2norm, 1, True, force, block_v, num_warps, advance=advance)
     return out

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import torch
 
-from replayquant.kernels.conventional import (_indices, _into, gdn_frontend_ref, mamba2_frontend_ref,
-                                              mamba2_post_ref, role_streams, NO_DT_LIMIT)
+from replayquant.kernels.conventional import (_indices, _into, gdn_frontend_ref, kda_frontend_ref,
+                                              mamba2_frontend_ref, mamba2_post_ref, role_streams,
+                                              NO_DT_LIMIT)
 from replayquant.kernels.replay_decode import ReplayStore, _default_force, _force, _no_pending
 from replayquant.kernels.verify import _check_accept, _draft_count, _pending
 from replayquant.streams import ANCHOR, READ
 
 __all__ = ["replay_gdn_step_ref", "replay_mamba2_step_ref", "replay_gdn_verify_ref",
-           "replay_mamba2_verify_ref", "replay_accept_ref", "advance_pointers_ref",
+           "replay_mamba2_verify_ref", "replay_kda_step_ref", "replay_kda_verify_ref", "replay_accept_ref", "advance_pointers_ref",
            "replay_ref_core"]
 
 
@@ -48,13 +49,16 @@ def advance_pointers_ref(store: ReplayStore, state_indices, T: int = 1, step: bo
 
 
 def _entries_ref(store: ReplayStore, s: int, n: int, start: int):
-    """Float32 entries 0..n-1 of slot s for all heads: K [H, n, dk] (GDN re-normalised),
-    V (GDN raw v; Mamba-2 v = dt x) [H, n, dv], U (GDN stored u) [H, n, dv], G [H, n], Bt [H, n]."""
+    """Float32 entries 0..n-1 of slot s for all heads: K [H, n, dk] (GDN / KDA re-normalised),
+    V (GDN / KDA raw v; Mamba-2 v = dt x) [H, n, dv], U (stored u) [H, n, dv], G [H, n]
+    (KDA: [H, n, dk], per key channel), Bt [H, n]."""
     H = store.shape[1]
     pos = [(start + j) % store.capacity for j in range(n)]
     K = store.kbuf[s, pos].float().transpose(0, 1).repeat_interleave(H // store.key_heads, dim=0)
     if store.kind == "gdn":
         K = K * torch.rsqrt((K * K).sum(-1, keepdim=True) + 1e-6)
+    elif store.kind == "kda":
+        K = K / torch.sqrt((K * K).sum(-1, keepdim=True) + 1e-6)
     V = store.vbuf[s, pos].float().transpose(0, 1)
     G = store.Gbuf[s, pos].transpose(0, 1)
     Bt = store.bbuf[s, pos].transpose(0, 1)
@@ -64,19 +68,21 @@ def _entries_ref(store: ReplayStore, s: int, n: int, start: int):
     return K, V, U, G, Bt
 
 
-def _rebuild_ref(A, K, V, G, Bt, delta, cur=None):
+def _rebuild_ref(A, K, V, G, Bt, delta, cur=None, vec=False):
     """Unrounded state after the entries (K [H, n, dk], V [H, n, dv], G, Bt [H, n]) and, if given,
     the current step cur = (k, v, log_a, beta) [H, ...], from checkpoint A [H, dv, dk]: GDN as
     the recurrence entry by entry (a_j = exp(G_j - G_{j-1}); the kernel solves the same
     triangular system in WY form), Mamba-2 as the closed form exp(G_n) A +
-    sum_j exp(G_n - G_j) v_j k_j^T; the current step as the conventional step."""
+    sum_j exp(G_n - G_j) v_j k_j^T; the current step as the conventional step. vec (KDA):
+    G [H, n, dk] and log_a [H, dk] decay each key channel (column) of S."""
     n = G.shape[1]
     H = A.shape[0]
+    col = (lambda x: x[:, None, :]) if vec else (lambda x: x[:, None, None])  # noqa: E731
     if delta:
         S = A
-        Gprev = torch.zeros(H, device=A.device)
+        Gprev = G.new_zeros(G.shape[:1] + G.shape[2:])
         for j in range(n):
-            S = S * torch.exp(G[:, j] - Gprev)[:, None, None]
+            S = S * col(torch.exp(G[:, j] - Gprev))
             u = Bt[:, j:j + 1] * (V[:, j] - (S * K[:, j].unsqueeze(1)).sum(-1))
             S = S + u.unsqueeze(-1) * K[:, j].unsqueeze(1)
             Gprev = G[:, j]
@@ -88,7 +94,7 @@ def _rebuild_ref(A, K, V, G, Bt, delta, cur=None):
                 * K[:, j].unsqueeze(1)
     if cur is not None:
         k, v, log_a, beta = cur
-        S = S * torch.exp(log_a)[:, None, None]
+        S = S * col(torch.exp(log_a))
         u = beta.unsqueeze(-1) * (v - (S * k.unsqueeze(1)).sum(-1)) if delta else v
         S = S + u.unsqueeze(-1) * k.unsqueeze(1)
     return S
@@ -109,7 +115,8 @@ def replay_ref_core(store: ReplayStore, fe, raw, state_indices, T: int, step: bo
     Returns y [B, T, H, dv]."""
     q, k, v, log_a, beta = fe
     kraw, xraw = raw
-    delta = store.kind == "gdn"
+    delta = store.kind != "mamba2"
+    vec = store.kind == "kda"
     B = q.shape[0]
     N, H, dv, dk = store.shape
     L = store.L
@@ -122,37 +129,51 @@ def replay_ref_core(store: ReplayStore, fe, raw, state_indices, T: int, step: bo
         h, nf, start = int(store.committed[s]), int(store.n_flush[s]), int(store.start[s])
         if h + T > L and h > 0:
             K, V, _, G, Bt = _entries_ref(store, s, h, start)
-            S = _rebuild_ref(store.anchor.dequantize([s])[0], K, V, G, Bt, delta)
+            S = _rebuild_ref(store.anchor.dequantize([s])[0], K, V, G, Bt, delta, vec=vec)
             _write_roles_ref(store, s, S, nf + 1)
             nf, start, h = nf + 1, (start + h) % store.capacity, 0
         if step and (h + 1 == L or force):
             K, V, _, G, Bt = _entries_ref(store, s, h, start)
             S = _rebuild_ref(store.anchor.dequantize([s])[0], K, V, G, Bt, delta,
-                             cur=(k[b_, 0], v[b_, 0], log_a[b_, 0], beta[b_, 0]))
+                             cur=(k[b_, 0], v[b_, 0], log_a[b_, 0], beta[b_, 0]), vec=vec)
             y[b_, 0] = (S * q[b_, 0].unsqueeze(1)).sum(-1)
             _write_roles_ref(store, s, S, nf + 1)
         else:
             R = store.read_role.dequantize([s])[0]
             K, V, U, G, Bt = _entries_ref(store, s, h, start)
             X = U if delta else V
-            Gp = G[:, h - 1] if h > 0 else torch.zeros(H, device=q.device)
+            Gp = G[:, h - 1] if h > 0 else G.new_zeros(G.shape[:1] + G.shape[2:])
             for t in range(T):
                 p = h + t
                 Gp = Gp + log_a[b_, t]
-                wdec = torch.exp(Gp.unsqueeze(-1) - G)                  # [H, p]
-                eG = torch.exp(Gp)
                 kt, qt = k[b_, t], q[b_, t]
-                if delta:
-                    corr = torch.einsum("hj,hjd->hd", wdec * (K * kt.unsqueeze(1)).sum(-1), X)
-                    rk = (R * kt.unsqueeze(1)).sum(-1)
+                if vec:         # decays per key channel: into the keys, the read copy's columns
+                    wdec = torch.exp(Gp.unsqueeze(1) - G)               # [H, p, dk]
+                    eG = torch.exp(Gp)                                   # [H, dk]
+                    rk = (R * (eG * kt).unsqueeze(1)).sum(-1)
+                    rq = (R * (eG * qt).unsqueeze(1)).sum(-1)
+                    kk = (wdec * K * kt.unsqueeze(1)).sum(-1)
+                    qk = (wdec * K * qt.unsqueeze(1)).sum(-1)
                     bt = beta[b_, t].unsqueeze(-1)
-                    u = bt * (v[b_, t] - eG.unsqueeze(-1) * rk) - bt * corr
+                    u = bt * (v[b_, t] - rk) - bt * torch.einsum("hj,hjd->hd", kk, X)
                     u = u.to(bf).float()
+                    y[b_, t] = rq + torch.einsum("hj,hjd->hd", qk, X) \
+                        + (kt * qt).sum(-1, keepdim=True) * u
                 else:
-                    u = v[b_, t]
-                qk = (K * qt.unsqueeze(1)).sum(-1)
-                y[b_, t] = eG.unsqueeze(-1) * (R * qt.unsqueeze(1)).sum(-1) \
-                    + torch.einsum("hj,hjd->hd", wdec * qk, X) + (kt * qt).sum(-1, keepdim=True) * u
+                    wdec = torch.exp(Gp.unsqueeze(-1) - G)              # [H, p]
+                    eG = torch.exp(Gp)
+                    if delta:
+                        corr = torch.einsum("hj,hjd->hd", wdec * (K * kt.unsqueeze(1)).sum(-1), X)
+                        rk = (R * kt.unsqueeze(1)).sum(-1)
+                        bt = beta[b_, t].unsqueeze(-1)
+                        u = bt * (v[b_, t] - eG.unsqueeze(-1) * rk) - bt * corr
+                        u = u.to(bf).float()
+                    else:
+                        u = v[b_, t]
+                    qk = (K * qt.unsqueeze(1)).sum(-1)
+                    y[b_, t] = eG.unsqueeze(-1) * (R * qt.unsqueeze(1)).sum(-1) \
+                        + torch.einsum("hj,hjd->hd", wdec * qk, X) \
+                        + (kt * qt).sum(-1, keepdim=True) * u
                 K = torch.cat([K, kt.unsqueeze(1)], 1)
                 X = torch.cat([X, u.unsqueeze(1)], 1)
                 G = torch.cat([G, Gp.unsqueeze(1)], 1)
@@ -244,6 +265,39 @@ def replay_mamba2_verify_ref(store: ReplayStore, x, dt, A, B, C, state_indices=N
     fe = _mamba2_fe(x, dt, A, B, C, dt_bias, dt_limit)
     y = replay_ref_core(store, fe, (B, x), state_indices, T, False, False, _mamba2_post(x, D, z))
     advance_pointers_ref(store, _indices(state_indices, x.shape[0], x.device), T, step=False)
+    store.pending_T = T
+    return _into(out, y)
+
+
+def _kda_fe(q, k, v, g, beta, scale, use_qk_l2norm):
+    """The KDA front end of [B, T, ...] inputs, each [B, T, H, ...]."""
+    B, T = q.shape[:2]
+    fe = kda_frontend_ref(*(t.flatten(0, 1) for t in (q, k, v, g, beta)), scale, use_qk_l2norm)
+    return tuple(t.unflatten(0, (B, T)) for t in fe)
+
+
+def replay_kda_step_ref(store: ReplayStore, q, k, v, g, beta, state_indices=None, scale=None,
+                        out=None, use_qk_l2norm=True, path="auto", block_v=None, num_warps=None,
+                        advance=True):
+    """torch reference of replay_kda_step."""
+    _no_pending(store)
+    force = _force(path, store, q.shape[0])
+    one = lambda t: t.unsqueeze(1)  # noqa: E731
+    fe = _kda_fe(one(q), one(k), one(v), one(g), one(beta), scale, use_qk_l2norm)
+    y = replay_ref_core(store, fe, (one(k), one(v)), state_indices, 1, True, force)[:, 0]
+    if advance:
+        advance_pointers_ref(store, _indices(state_indices, q.shape[0], q.device), 1, True, force)
+    return _into(out, y)
+
+
+def replay_kda_verify_ref(store: ReplayStore, q, k, v, g, beta, state_indices=None, scale=None,
+                          out=None, use_qk_l2norm=True, block_v=None, num_warps=None):
+    """torch reference of replay_kda_verify."""
+    T = _draft_count(q, "q")
+    _pending(store, T, "verify")
+    fe = _kda_fe(q, k, v, g, beta, scale, use_qk_l2norm)
+    y = replay_ref_core(store, fe, (k, v), state_indices, T, False, False)
+    advance_pointers_ref(store, _indices(state_indices, q.shape[0], q.device), T, step=False)
     store.pending_T = T
     return _into(out, y)
 

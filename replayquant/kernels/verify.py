@@ -41,7 +41,7 @@ from replayquant.kernels.conventional import (_into, _program_tile, Conventional
 from replayquant.kernels.replay_decode import ReplayStore, _launch, advance_pointers
 from replayquant.streams import ANCHOR
 
-__all__ = ["replay_gdn_verify", "replay_mamba2_verify", "replay_accept", "make_snapshots",
+__all__ = ["replay_gdn_verify", "replay_mamba2_verify", "replay_kda_verify", "replay_accept", "make_snapshots",
            "conventional_gdn_verify", "conventional_gdn_verify_ref", "conventional_mamba2_verify",
            "conventional_mamba2_verify_ref", "conventional_accept", "conventional_accept_ref"]
 
@@ -100,6 +100,22 @@ def replay_mamba2_verify(store: ReplayStore, x, dt, A, B, C, state_indices=None,
     _pending(store, T, "verify")
     out, _ = _launch(store, C, B, x, dt, None, A, dt_bias, D, z, state_indices, out, None, False,
                      T, False, False, block_v, num_warps, dt_limit=dt_limit)
+    store.pending_T = T
+    return out
+
+
+def replay_kda_verify(store: ReplayStore, q, k, v, g, beta, state_indices=None, scale=None,
+                      out=None, use_qk_l2norm=True, block_v=None, num_warps=None):
+    """Outputs of T Kimi Delta Attention drafts per row [B, T, H, d_v] (Triton, one launch).
+    q, k [B, T, HK, d_k], v [B, T, H, d_v] (k, v bf16), g [B, T, H, d_k] the log decay per key
+    channel, beta [B, T, H]. Then call replay_accept."""
+    if store.kind != "kda":
+        raise ValueError(f"replay_kda_verify needs a store built with kind='kda', got "
+                         f"{store.kind!r}")
+    T = _draft_count(q, "q")
+    _pending(store, T, "verify")
+    out, _ = _launch(store, q, k, v, g, beta, None, None, None, None, state_indices, out, scale,
+                     use_qk_l2norm, T, False, False, block_v, num_warps)
     store.pending_T = T
     return out
 
