@@ -14,15 +14,16 @@ the replay state the same way. The conv state is HF's, untouched.
 Which path runs:
 * a single-token forward with a cache and no padding (every decode step of `generate`): on CUDA
   tensors (or with REPLAYQUANT_BACKEND=triton, as the formats; on the CPU that is the Triton
-  interpreter) the Triton replay decode kernel `replay_gdn_step` / `replay_mamba2_step` of
+  interpreter) the Triton replay decode kernel `replay_gdn_step` / `replay_mamba2_step` /
+  `replay_kda_step` of
   `replayquant.kernels.replay_decode`, fed the layer's raw inputs (GDN: q, k, v after the short
   convolution, a, b, A_log, dt_bias; the kernel does the L2 norm, softplus and sigmoid; Mamba-2:
   x, dt, A, B, C, dt_bias, and its time_step_limit, which the kernel clamps dt to (Nemotron-H);
-  the D skip and the gated norm stay in the layer). Elsewhere
+  the D skip and the gated norm stay in the layer; Kimi Delta Attention: the core's q, k, v,
+  per-channel log decay and beta, the kernel re-normalising q and k). Elsewhere
   `ReplayState.step`, the torch reference. `decode_path()` says which; a layer the kernel does
   not handle (d_k or d_v not a power of two >= 16) runs the torch reference
-  with one warning per layer that names the reason; so does every Kimi Delta Attention layer
-  (one decay per key channel, `vector_gate`; the decode kernel takes one per head: KDA_DECODE).
+  with one warning per layer that names the reason.
 * any other forward (prompt, teacher forcing, segments continuing a cache): the chunked scan
   (DESIGN section 7). On CUDA tensors (or with REPLAYQUANT_BACKEND=triton) the Triton kernel
   `replayquant.kernels.chunk` runs; elsewhere the torch reference `chunk_ref.teacher_force`.
@@ -44,6 +45,7 @@ are rounded to bf16 on the way in.
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -54,7 +56,7 @@ from replayquant.replay import ReplayState
 from replayquant.replay.state import find_nonfinite
 
 __all__ = ["LayerRuntime", "KernelDecodeState", "ScanHeld", "decode_step", "decode_path",
-           "teacher_force_path", "state_to_store", "store_to_state", "STATE_ATTR", "KDA_DECODE"]
+           "teacher_force_path", "state_to_store", "store_to_state", "STATE_ATTR"]
 
 STATE_ATTR = "_replayquant_state"
 KERNEL_U_DTYPE = torch.bfloat16       # the decode kernel's default ring-buffer dtype for GDN u
@@ -63,9 +65,6 @@ KERNEL_U_DTYPE = torch.bfloat16       # the decode kernel's default ring-buffer 
 # back continues the same schedule. (The kernel's 'auto' would flush every step at small batch for
 # a shared FP32 anchor: lossless but another schedule; a serving choice, not the patch's.)
 DECODE_KERNEL_PATH = "replay"
-# why a vector-gated layer (Kimi Delta Attention) decodes on ReplayState.step whatever the device
-KDA_DECODE = ("the replay decode kernel takes one decay per head and step; Kimi Delta Attention "
-              "decays each key channel")
 
 
 def _pow2_16(d: int) -> bool:
@@ -79,10 +78,10 @@ def decode_path(x: torch.Tensor | None = None, d_k: int | None = None, d_v: int 
     (ReplayState.step) or 'torch (<why the kernel cannot run>)'. x None: the CPU
     (REPLAYQUANT_BACKEND decides). dt_limit: a Mamba-2 layer's time_step_limit (the kernel
     clamps dt to it, so it never forces the torch path; a malformed one raises ValueError).
-    vector_gate: a decay per key channel (Kimi Delta Attention), which the kernel does not take."""
+    vector_gate: a decay per key channel (Kimi Delta Attention; the kernel's replay_kda_step)."""
     if not use_triton(x if x is not None else torch.empty(0)):
         return "torch"
-    why = [KDA_DECODE] if vector_gate else []
+    why = []
     if d_k is not None and d_v is not None and not (_pow2_16(d_k) and _pow2_16(d_v)):
         why.append(f"the Triton replay decode kernel needs d_k, d_v powers of two >= 16, got "
                    f"d_k={d_k}, d_v={d_v}")
@@ -226,6 +225,7 @@ def state_to_store(st: ReplayState, key_heads: int, u_dtype=None):
         out[slots] = t.transpose(1, 2)
         return out
 
+    vec = st.vector_gate                 # KDA: G per key channel
     kbuf = ring(parts["k"][:, ::r], (key_heads, dk)).to(bf)
     if st.delta:
         vbuf = ring(parts["v"], (H, dv)).to(bf)
@@ -235,12 +235,13 @@ def state_to_store(st: ReplayState, key_heads: int, u_dtype=None):
         vbuf = ring(parts["v"], (H, dv)).to(bf)          # x := v, dt := 1
         ubuf = None
         bbuf = ring(torch.ones_like(parts["G"]), (H,)).to(f32)
-    Gbuf = ring(parts["G"], (H,)).to(f32)
+    Gbuf = ring(parts["G"], (H, dk) if vec else (H,)).to(f32)
     committed = torch.zeros(N, dtype=torch.int32, device=dev)
     committed[slots] = parts["committed"].to(torch.int32)
     n_flush = torch.zeros(N, dtype=torch.int64, device=dev)
     n_flush[slots] = parts["flushes"].to(torch.int64)
-    store = ReplayStore("gdn" if st.delta else "mamba2", anchor, read, L, key_heads,
+    store = ReplayStore("kda" if vec else "gdn" if st.delta else "mamba2", anchor, read, L,
+                        key_heads,
                         kbuf=kbuf, vbuf=vbuf, ubuf=ubuf, Gbuf=Gbuf, bbuf=bbuf,
                         committed=committed, n_flush=n_flush, key=layer_seed(st.seed, st.layer),
                         start=torch.zeros(N, dtype=torch.int32, device=dev), max_drafts=0)
@@ -257,7 +258,7 @@ def store_to_state(store, state_indices: torch.Tensor, pair, seed: int, layer: i
     N, H, dv, dk = store.shape
     L, C = store.L, store.capacity
     r = H // store.key_heads
-    delta = store.kind == "gdn"
+    delta = store.kind != "mamba2"
     dev = store.kbuf.device
     pos = (store.start[slots].long()[:, None] + torch.arange(L, device=dev)[None, :]) % C
     bi = torch.arange(B, device=dev)[:, None]
@@ -266,8 +267,10 @@ def store_to_state(store, state_indices: torch.Tensor, pair, seed: int, layer: i
         return buf[slots][bi, pos].float().transpose(1, 2).contiguous()
 
     k = take(store.kbuf)
-    if delta:
+    if store.kind == "gdn":
         k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    elif store.kind == "kda":                            # KDA's own form of the norm
+        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
     k = k.repeat_interleave(r, dim=1)
     G = take(store.Gbuf)
     bt = take(store.bbuf)
@@ -290,6 +293,7 @@ class KernelDecodeState:
 
     def __init__(self, st: ReplayState, key_heads: int):
         self.pair, self.delta, self.seed, self.layer = st.pair, st.delta, st.seed, st.layer
+        self.vector_gate = st.vector_gate
         self.B, self.H, self.d_v, self.d_k, self.device = st.B, st.H, st.d_v, st.d_k, st.device
         self.store, self.state_indices = state_to_store(st, key_heads)
 
@@ -301,6 +305,11 @@ class KernelDecodeState:
         -> y float32 [B, H, d_v] (Mamba-2: without the D skip)."""
         from replayquant.kernels import replay_decode as rd
         bf = torch.bfloat16
+        if self.vector_gate:
+            return rd.replay_kda_step(self.store, raw["q"], raw["k"].to(bf), raw["v"].to(bf),
+                                      raw["g"], raw["beta"], state_indices=self.state_indices,
+                                      scale=raw["scale"], use_qk_l2norm=True,
+                                      path=DECODE_KERNEL_PATH)
         if self.delta:
             return rd.replay_gdn_step(self.store, raw["q"], raw["k"].to(bf), raw["v"].to(bf),
                                       raw["a"], raw["b"], raw["A_log"], raw["dt_bias"],
@@ -311,6 +320,15 @@ class KernelDecodeState:
                                      raw["B"].to(bf), raw["C"], state_indices=self.state_indices,
                                      dt_bias=raw["dt_bias"], path=DECODE_KERNEL_PATH,
                                      dt_limit=raw.get("dt_limit"))
+
+
+def _kda_raw(q, k, v, log_a, beta) -> dict:
+    """The decode kernel's KDA inputs from the core's (q, k unit vectors per value head, q times
+    d_k^-1/2): q back to unit length and the scale passed apart, so that the kernel's
+    re-normalisation (which the bf16 k of its ring buffer needs) leaves q and k as they are."""
+    dk = q.shape[-1]
+    return {"q": q * math.sqrt(dk), "k": k, "v": v, "g": log_a, "beta": beta,
+            "scale": 1.0 / math.sqrt(dk)}
 
 
 class LayerRuntime:
@@ -446,6 +464,8 @@ class LayerRuntime:
     def _decode(self, st, q, k, v, log_a, beta, raw):
         if isinstance(st, ScanHeld):                        # decode starts after a prefill
             st = st.to_replay_state()
+        if self.vector_gate and raw is None:
+            raw = _kda_raw(q, k, v, log_a, beta)
         path = self.decode_path(q, q.shape[-1], v.shape[-1], raw)
         if path == "triton" and isinstance(st, ReplayState):
             rows = st.export()["rows"]
