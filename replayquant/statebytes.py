@@ -26,8 +26,8 @@ equal (HK = H: no key shared by several heads). Everything else (k, v, u, beta, 
 matrices, the output) is counted as for GDN, in the GDN decode kernel's ring layout (bf16 k, v,
 u; fp32 G and beta) with G widened to the d_k channels that `ReplayState(vector_gate=True)`
 buffers. The kernels grid has KDA conventional rows (the conventional step's count is checked
-against them); it has no KDA replay rows (the replay decode kernel takes one decay per head and
-step), so the replay count is derived, not checked against a bench.
+against them); it has no KDA replay rows (the bench does not time the replay kernel's per-channel
+specialization, `replay_kda_step`), so the replay count is derived, not checked against a bench.
 
 `replay_window_bytes` is the mean over a window of L steps (L - 1 read steps at h = 0 .. L - 2,
 then one flush). `StepBytes` splits the same mean per sequence into its parts (read copy, ring

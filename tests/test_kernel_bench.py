@@ -430,7 +430,7 @@ def test_kda_rows_conventional_only(tmp_path):
         assert r["bytes"] == layer_conventional_bytes(sh, fmt).total * B
         assert r["GBps"] > 0
     assert res["skipped"] == [f"kda/replay ({bd.NO_REPLAY['kda']})"]
-    assert "per key channel" in bd.NO_REPLAY["kda"]
+    assert "replay_kda_step" in bd.NO_REPLAY["kda"]
     assert "kda/replay" in (tmp_path / "kernels.md").read_text()
     idx = torch.tensor([2, -1, 0, 1], dtype=torch.int32)
     chk = bd.conventional_checks("kda", S, idx, "cpu", N=3, steps=2)

@@ -27,8 +27,8 @@ SHAPES = {
 # the kinds with replay decode kernels; the others have conventional and peer rows only, and a
 # run lists their replay rows among `skipped` with the reason
 REPLAY_KINDS = ("gdn", "mamba2")
-NO_REPLAY = {"kda": "the replay decode kernel (kernels/replay_decode.py) takes one decay per "
-                    "head and step, not KDA's decay per key channel"}
+NO_REPLAY = {"kda": "the bench has no rows for the replay kernel's per-channel specialization "
+                    "(replay_kda_step) yet"}
 PEERS = {"gdn": ("peer:fla", "fla fused_recurrent_gated_delta_rule"),
          "mamba2": ("peer:mamba_ssm", "mamba_ssm selective_state_update"),
          "kda": ("peer:fla", "fla fused_recurrent_kda")}

@@ -387,8 +387,7 @@ def kda_forward(self, hidden_states, cache=None, attention_mask=None, cache_para
     g = fam.role(self, "decay")(hidden_states)          # log decay [B, T, H, d_k], FP32
     # beta = sigmoid(b) in FP32, as for Gated DeltaNet (HF takes it in the model dtype)
     q, k, v, log_a, beta = kda_inputs(query, key, value, g, _apply(fam, self, "b", hidden_states))
-    # decode runs ReplayState.step (runtime.KDA_DECODE says why, once per layer, where the decode
-    # kernel would otherwise run): no raw inputs for the kernel
+    # no raw inputs: the runtime builds the KDA decode kernel's inputs from these (q, k unit length)
     y = rt.run(cache, had_prev, q, k, v, log_a, beta, _valid(attention_mask, B, T))
     z = fam.role(self, "z_b")(fam.role(self, "z_a")(hidden_states))
     core = fam.role(self, "norm")(y.to(query.dtype), z.reshape(B, T, -1, self.head_dim))

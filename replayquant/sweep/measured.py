@@ -13,8 +13,8 @@ Which row: the mean step over a window of L steps (one flush per row, rows in ph
 baseline and for layers a policy keeps `exact`. Where the grid did not time that row (the
 `targets` preset times each kind at its main L only), the time is None and `missing` says which
 row is absent: a time of another L, batch row or pair is never put in its place. A kind the grid
-has no shape for, or no replay rows of (Kimi Delta Attention: conventional rows only, the replay
-decode kernel takes one decay per head and step), has no replay time either, and `missing` names
+has no shape for, or no replay rows of (Kimi Delta Attention: conventional rows only; the bench
+does not time `replay_kda_step`), has no replay time either, and `missing` names
 the kind: a GDN time is not taken for a KDA layer, whose gate is d_k wide.
 """
 
