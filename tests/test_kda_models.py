@@ -83,9 +83,8 @@ def _remember(model):
             gate.A_log.uniform_(-4.0, -2.0)
 
 
-@pytest.fixture(scope="module")
-def work(tmp_path_factory):
-    root = tmp_path_factory.mktemp("kda")
+def save_models(root):
+    """Both tiny models saved with the tokenizer under root, and a text file: (dirs, doc, text)."""
     tok, text = _tokenizer()
     (root / "doc.txt").write_text(text)
     dirs = {}
@@ -93,8 +92,14 @@ def work(tmp_path_factory):
         d = root / fam
         _model(fam, 300 + i).save_pretrained(d)
         tok.save_pretrained(d)
-        dirs[fam] = str(d)
-    return {"dirs": dirs, "text_file": str(root / "doc.txt"), "text": text}
+        dirs[fam] = d
+    return dirs, root / "doc.txt", text
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    dirs, doc, text = save_models(tmp_path_factory.mktemp("kda"))
+    return {"dirs": {f: str(d) for f, d in dirs.items()}, "text_file": str(doc), "text": text}
 
 
 def test_gates_remember(work):

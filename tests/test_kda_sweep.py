@@ -19,8 +19,7 @@ from replayquant.statebytes import (LayerShape, conventional_bytes, io_bytes, la
 
 transformers = pytest.importorskip("transformers")
 
-from test_families import _tokenizer  # noqa: E402
-from test_kda_models import FAMS, _model  # noqa: E402
+from test_kda_models import FAMS, save_models  # noqa: E402
 from test_sweep import ROOT, _cli  # noqa: E402
 
 PAIRS = ("s32_rs", "tp4_hi32", "tp8_hi16_sr", "f4_sr_rs")
@@ -73,16 +72,8 @@ def test_kda_ring_is_the_replay_buffer():
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("kda_sweep")
-    tok, text = _tokenizer()
-    (root / "doc.txt").write_text(text)
-    dirs = {}
-    for i, fam in enumerate(FAMS):
-        d = root / fam
-        _model(fam, 300 + i).save_pretrained(d)
-        tok.save_pretrained(d)
-        dirs[fam] = d
-    return dirs, root / "doc.txt"
+    dirs, doc, _ = save_models(tmp_path_factory.mktemp("kda_sweep"))
+    return dirs, doc
 
 
 def test_layer_shapes_of_kda_models(folders):
