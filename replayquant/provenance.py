@@ -29,8 +29,8 @@ def git_commit() -> str:
     """What code produced a result.
 
     * REPLAYQUANT_GIT_COMMIT when set: the sender of a source tree copied to another machine (a GPU
-      machine) names the commit it copied; the copy's own git metadata, if any came along, can be
-      older than its files (a device copy once reported its session's first commit + dirty).
+      machine) names the commit it copied; the copy's own git metadata, if any came along, can
+      name an older commit than its files hold (it then reads as that commit + dirty).
     * Else, in replayquant's own checkout: its HEAD commit ('+dirty' if tracked files have changes).
     * Else an installed package: 'replayquant==VERSION'.
     """
