@@ -188,16 +188,13 @@ def test_found_fp32_changes_nothing_nvfp4_does_unpatch_restores(work, fam):
     assert torch.equal(_logits(model, ids, mask), ref)
 
 
-@pytest.mark.parametrize("fam", NEW)
-def test_generate_equals_hf_and_decode_equals_teacher_forcing(work, fam):
-    """Greedy generate with s32_rs at L = 1 (the conventional FP32 recurrence) gives the
-    unpatched model's tokens and scores; with f4_sr_rs (L = 4: the 6 decode steps cross flushes)
-    the scores of every decode step equal teacher forcing of the generated sequence through the
-    same pair within reassociation (a cast may flip one NVFP4 step where reassociation crosses a
-    rounding boundary: bounded by a quarter of the pair's own effect)."""
+def generate_then_teacher_force(model, reference_generate):
+    """The checks both the families and the KDA models run: greedy generate with s32_rs at L = 1
+    equals `reference_generate` of the unpatched model (tokens, and scores within 1e-5); then,
+    with f4_sr_rs at L = 4, returns (|decode scores - teacher forcing of the generated sequence|,
+    those teacher-forced logits, the pair's own largest effect on them)."""
     ids, mask = _batch(seed=1)
-    model = load_model(work["dirs"][fam], dtype="float32")
-    seq_ref, sc_ref = _hf_generate(model, ids, mask)
+    seq_ref, sc_ref = reference_generate(model, ids, mask)
     patch(model, "s32_rs", buffer_len=1)
     seq, sc = _generate(model, ids, mask)
     assert torch.equal(seq, seq_ref)
@@ -210,7 +207,18 @@ def test_generate_equals_hf_and_decode_equals_teacher_forcing(work, fam):
     tf = _logits(model, seq, fmask)[:, P - 1:P - 1 + n]
     unpatch(model)
     effect = (tf - _logits(model, seq, fmask)[:, P - 1:P - 1 + n]).abs().max().item()
-    d = (sc - tf).abs()
+    return (sc - tf).abs(), tf, effect
+
+
+@pytest.mark.parametrize("fam", NEW)
+def test_generate_equals_hf_and_decode_equals_teacher_forcing(work, fam):
+    """Greedy generate with s32_rs at L = 1 (the conventional FP32 recurrence) gives the
+    unpatched model's tokens and scores; with f4_sr_rs (L = 4: the 6 decode steps cross flushes)
+    the scores of every decode step equal teacher forcing of the generated sequence through the
+    same pair within reassociation (a cast may flip one NVFP4 step where reassociation crosses a
+    rounding boundary: bounded by a quarter of the pair's own effect)."""
+    model = load_model(work["dirs"][fam], dtype="float32")
+    d, tf, effect = generate_then_teacher_force(model, _hf_generate)
     print(f"{fam}: decode vs teacher forcing max {d.max().item():.2e}, pair effect {effect:.2e}")
     assert effect > 0
     assert (d > 1e-5 * tf.abs().max()).float().mean().item() <= 0.1

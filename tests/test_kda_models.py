@@ -26,7 +26,7 @@ import torch
 from replayquant.models import load_model, patch, recurrent_layers, unpatch
 from replayquant.models.families import family_of
 from replayquant.models.runtime import decode_path
-from test_families import VOCAB, _batch, _generate, _logits, _tokenizer
+from test_families import VOCAB, _batch, _generate, _logits, _tokenizer, generate_then_teacher_force
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -140,22 +140,8 @@ def test_generate_equals_hf_and_decode_equals_teacher_forcing(work, fam):
     unpatched model's tokens and scores; with f4_sr_rs (L = 4: the 6 decode steps cross flushes)
     the scores of every decode step equal teacher forcing of the generated sequence through the
     same pair within reassociation (bounded as in tests/test_families.py)."""
-    ids, mask = _batch(seed=1)
     model = load_model(work["dirs"][fam], dtype="float32")
-    seq_ref, sc_ref = _generate(model, ids, mask)
-    patch(model, "s32_rs", buffer_len=1)
-    seq, sc = _generate(model, ids, mask)
-    assert torch.equal(seq, seq_ref)
-    torch.testing.assert_close(sc, sc_ref, rtol=1e-5, atol=1e-5 * sc_ref.abs().max().item())
-
-    patch(model, "f4_sr_rs", buffer_len=4, seed=3)
-    seq, sc = _generate(model, ids, mask)
-    P, n = ids.shape[1], sc.shape[1]
-    fmask = torch.cat([mask, torch.ones(2, n, dtype=mask.dtype)], 1)
-    tf = _logits(model, seq, fmask)[:, P - 1:P - 1 + n]
-    unpatch(model)
-    effect = (tf - _logits(model, seq, fmask)[:, P - 1:P - 1 + n]).abs().max().item()
-    d = (sc - tf).abs()
+    d, tf, effect = generate_then_teacher_force(model, _generate)
     assert effect > 0
     assert (d > 1e-5 * tf.abs().max()).float().mean().item() <= 0.1
     assert d.max().item() <= 1e-5 * tf.abs().max().item() + 0.25 * effect

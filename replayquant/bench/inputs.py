@@ -19,14 +19,17 @@ def cpu_generator(seed) -> torch.Generator:
     return g
 
 
-def gdn_step_inputs(B, HK, H, dk, dv, T=None, seed=0, device="cpu"):
-    """(q, k, v, a, b) of one step ([B, ...]) or T drafts ([B, T, ...]); q, k, v bf16."""
+def _qkv(B, HK, H, dk, dv, T, seed):
+    """The draws a step's inputs start with: (generator, leading shape, normal draw, q, k, v bf16)."""
     g = cpu_generator(seed)
     lead = (B,) if T is None else (B, T)
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
-    q = r(*lead, HK, dk).bfloat16()
-    k = r(*lead, HK, dk).bfloat16()
-    v = r(*lead, H, dv).bfloat16()
+    return g, lead, r, r(*lead, HK, dk).bfloat16(), r(*lead, HK, dk).bfloat16(), r(*lead, H, dv).bfloat16()
+
+
+def gdn_step_inputs(B, HK, H, dk, dv, T=None, seed=0, device="cpu"):
+    """(q, k, v, a, b) of one step ([B, ...]) or T drafts ([B, T, ...]); q, k, v bf16."""
+    _, lead, r, q, k, v = _qkv(B, HK, H, dk, dv, T, seed)
     a = r(*lead, H) * 0.5
     b = r(*lead, H)
     return tuple(t.to(device) for t in (q, k, v, a, b))
@@ -45,12 +48,7 @@ def kda_step_inputs(B, HK, H, dk, dv, T=None, seed=0, device="cpu"):
     q, k, v bf16; g [.., H, dk] FP32 log decay per key channel, -rate * softplus(f) with a rate
     per (head, channel) spread log-uniformly over [1e-3, 5], so some channels keep their
     state for thousands of steps while others forget within one; beta = sigmoid(b) FP32."""
-    g = cpu_generator(seed)
-    lead = (B,) if T is None else (B, T)
-    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
-    q = r(*lead, HK, dk).bfloat16()
-    k = r(*lead, HK, dk).bfloat16()
-    v = r(*lead, H, dv).bfloat16()
+    g, lead, r, q, k, v = _qkv(B, HK, H, dk, dv, T, seed)
     rate = 10.0 ** (torch.rand(H, dk, generator=g) * 3.7 - 3.0)
     gate = -rate * torch.nn.functional.softplus(r(*lead, H, dk) * 0.5)
     beta = torch.sigmoid(r(*lead, H))
