@@ -282,7 +282,8 @@ def test_flush_path_mid_window_and_blocks():
         inp = dr.inputs(seed=step)
         out = torch.full((2, H, dv), float("nan"))
         fn_in = inp
-        y = replay_gdn_step(store, *fn_in[:5], *fn_in[5:], out=out, path=path, block_v=16)
+        y = replay_gdn_step(store, *fn_in[:5], *fn_in[5:], out=out, path=path,
+                            launch={"flush": (16, None), "read": (16, None)})
         y2 = dr.ref(ref, inp, None, path=path)
         torch.testing.assert_close(y, y2, rtol=1e-4, atol=1e-5 * y2.abs().max().item())
     assert store.committed.tolist() == [1, 1] and store.n_flush.tolist() == [1, 1]
@@ -306,7 +307,8 @@ def test_nvfp4_read_copy_in_row_blocks(kind, block_v, pair):
     store = ReplayStore.from_state(random_state(N, H, dv, dk, seed=9), pair, kind,
                                    key_heads=HK, buffer_len=3, u_dtype=torch.float32,
                                    max_drafts=T)
-    assert replay_launch_config(store, block_v)[1] == dv // (block_v or 32)
+    launch = {"flush": (block_v, None), "read": (16, None)}     # 4 read programs a matrix
+    assert replay_launch_config(store, "flush", launch)[1] == dv // (block_v or 32)
     poison_buffers(store)
     ref = store.clone()
     idx = torch.tensor([1, -1, 0])
@@ -318,20 +320,20 @@ def test_nvfp4_read_copy_in_row_blocks(kind, block_v, pair):
             if kind == "gdn":
                 q, k, v, a, b = gdn_step_inputs(N + 1, HK, H, dk, dv, T=T, seed=70)
                 A_log, dtb = gdn_params(H, 70)
-                y = fn(store, q, k, v, a, b, A_log, dtb, state_indices=idx, block_v=block_v)
+                y = fn(store, q, k, v, a, b, A_log, dtb, state_indices=idx, launch=launch)
                 y2 = fr(ref, q, k, v, a, b, A_log, dtb, state_indices=idx)
             else:
                 x, dt, Bm, C, z = mamba2_step_inputs(N + 1, HK, H, dk, dv, T=T, seed=70)
                 A, D, dtb = mamba2_params(H, 70)
                 y = fn(store, x, dt, A, Bm, C, state_indices=idx, D=D, z=z, dt_bias=dtb,
-                       block_v=block_v)
+                       launch=launch)
                 y2 = fr(ref, x, dt, A, Bm, C, state_indices=idx, D=D, z=z, dt_bias=dtb)
             n = torch.tensor([2, 0, 1])
             replay_accept(store, n, idx)
             replay_accept_ref(ref, n, idx)
         else:
             inp = dr.inputs(seed=60 + step)
-            y, y2 = dr.kernel(store, inp, idx, block_v=block_v), dr.ref(ref, inp, idx)
+            y, y2 = dr.kernel(store, inp, idx, launch=launch), dr.ref(ref, inp, idx)
         assert (y[1] == 0).all()
         assert_outputs_close(y, y2, P)
         assert store.committed.tolist() == ref.committed.tolist()
@@ -342,25 +344,32 @@ def test_nvfp4_read_copy_in_row_blocks(kind, block_v, pair):
 
 
 def test_launch_table_and_path():
-    """One launch table: an NVFP4 role takes whole matrices (an NVFP4 read copy in 32-row
-    blocks, looped), other pairs 16-row tiles; block_v and num_warps override it, with one error
-    for a block the kernel cannot take. 'auto' is 'replay' at every batch."""
+    """One launch table for the two launches of a step: the read launch's tiles; a flush that
+    writes an NVFP4 role takes whole matrices (an NVFP4 read copy in 32-row blocks, looped),
+    other flushes 16-row tiles; `launch` overrides it, with one error for a tile the kernel
+    cannot take. 'auto' is 'replay' at every batch."""
     def mk(pair, dv=32):
         return ReplayStore.from_state(random_state(2, 2, dv, 16), pair, "gdn", key_heads=1,
                                       buffer_len=4)
-    assert LAUNCH_TABLE["other"]["rows"] == 16
-    assert replay_launch_config(mk("s32_rs")) == (16, 1, 1)
-    assert replay_launch_config(mk("tp4_hi32", 64)) == (32, 2, 1)
-    assert replay_launch_config(mk("tp4_hi32"), block_v=16) == (16, 2, 1)
-    assert replay_launch_config(mk("f4_sr_rs")) == (32, 1, 1)
-    assert replay_launch_config(mk("tp8_hi32"), block_v=32, num_warps=4) == (32, 1, 4)
-    assert replay_launch_config(mk("tp4_hi16_sr"), block_v=16) == (16, 2, 1)
-    with pytest.raises(ValueError, match="block_v must be d_v"):
-        replay_launch_config(mk("f4_sr_rs"), block_v=16)
+    cfg = replay_launch_config
+    assert LAUNCH_TABLE["flush"]["rows"] == 16
+    assert cfg(mk("s32_rs"), "flush") == (16, 1, 1)
+    assert cfg(mk("s32_rs", 128), "read") == (min(128, LAUNCH_TABLE["read"]["rows"]), 1,
+                                               cfg(mk("s32_rs", 128), "read")[2])
+    assert cfg(mk("tp4_hi32", 64), "flush") == (32, 2, 1)
+    assert cfg(mk("tp4_hi32", 64), "read")[1] == 1          # reads need no matrix amax
+    assert cfg(mk("tp4_hi32"), "flush", {"flush": (16, None)}) == (16, 2, 1)
+    assert cfg(mk("f4_sr_rs"), "flush") == (32, 1, 1)
+    assert cfg(mk("tp8_hi32"), "read", {"read": (16, 2)}) == (16, 1, 2)
+    assert cfg(mk("tp8_hi32"), "flush", {"flush": (32, 4)}) == (32, 1, 4)
+    with pytest.raises(ValueError, match="rows must be d_v"):
+        cfg(mk("f4_sr_rs"), "flush", {"flush": (16, None)})
     with pytest.raises(ValueError, match="power of two >= 16"):
-        replay_launch_config(mk("s32_rs"), block_v=8)
-    with pytest.raises(ValueError, match="num_warps"):
-        replay_launch_config(mk("s32_rs"), num_warps=3)
+        cfg(mk("s32_rs"), "read", {"read": (8, None)})
+    with pytest.raises(ValueError, match="warps"):
+        cfg(mk("s32_rs"), "flush", {"flush": (None, 3)})
+    with pytest.raises(ValueError, match="keys"):
+        cfg(mk("s32_rs"), "read", {"reads": (16, 1)})
     st = mk("s32_rs", 16)
     for B in (1, 512):
         assert resolve_path(st, B) == "replay" and resolve_path(st, B, "flush") == "flush"
@@ -436,9 +445,9 @@ def test_replay_bad_inputs():
     with pytest.raises(ValueError, match="key_heads"):
         ReplayStore.from_state(random_state(2, 3, 16, 16), "s32_rs", "gdn", key_heads=2)
     nv = ReplayStore.from_state(random_state(2, 2, 32, 16), "f4_sr_rs", "gdn", key_heads=1)
-    with pytest.raises(ValueError, match="block_v must be d_v"):
+    with pytest.raises(ValueError, match="rows must be d_v"):
         replay_gdn_step(nv, q, k, gdn_step_inputs(2, 1, 2, 16, 32)[2], a, b, A_log, dtb,
-                        block_v=16)
+                        launch={"flush": (16, None)})
 
 
 @pytest.mark.parametrize("pair", ["s32_rs", "tp4_hi32"])

@@ -594,22 +594,27 @@ def _replay_kernel(
         AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr, RSR: tl.constexpr,
         SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr, HAS_DTB: tl.constexpr,
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, U_BF16: tl.constexpr, DT_CLAMP: tl.constexpr,
-        PREC: tl.constexpr, ON_GPU: tl.constexpr, VEC: tl.constexpr):
+        PREC: tl.constexpr, ON_GPU: tl.constexpr, VEC: tl.constexpr, FLUSHES: tl.constexpr):
     """A decode step (STEP, T = 1) or a verify of T drafts for one [BV, d_k] tile of one (batch
-    row, value head): pre-flush, then flush or read (module docstring); VEC: KDA (DELTA with a
-    gate per key channel, a_ptr the log decay g [B, H, d_k], b_ptr beta). With ADVANCE every
-    program of a row, once done with the row's pointers, increments the row's arrival counter;
+    row, value head), in two launches that make the same per-row decisions from the same
+    pointers: FLUSHES, the flush launch (first): the pre-flush and the flush step of the rows
+    that have one, every other program returns at once; else the read launch: the reads, and,
+    with ADVANCE, the pointer moves of every row. Each launch compiles only its own path, so a
+    read step does not pay the registers of the flush's products. VEC: KDA (DELTA with a gate
+    per key channel, a_ptr the log decay g [B, H, d_k], b_ptr beta). With ADVANCE every program
+    of the read launch, once done with its row's pointers, increments the row's arrival counter;
     the last one moves committed / start / n_flush (_moved_pointers) and resets the counter."""
     row, hv, hk, rows0, cols, slot = _program_tile(idx_ptr, HK, HV, DK, BV, NB)
     if slot >= 0:
         mat = slot * HV + hv
         jj = tl.arange(0, LP)
-        # one block per program: the read copy is loaded before the pointers (one dependent load
-        # less before the read); NB blocks: each block loads its own in the read loop
-        P, Pb = _tile_raw(R_pay, R_sc, mat, rows0, DV, DK, RFMT)
-        s = 1.0
-        if RFMT == 4:
-            s = tl.load(R_gs + mat)
+        if not FLUSHES:
+            # the read copy is loaded before the pointers (one dependent load less before the
+            # read); the flush launch has already written it for a row that pre-flushed
+            P, Pb = _tile_raw(R_pay, R_sc, mat, rows0, DV, DK, RFMT)
+            s = 1.0
+            if RFMT == 4:
+                s = tl.load(R_gs + mat)
         h = tl.load(h_ptr + slot)
         start = tl.load(st_ptr + slot)
         nf = tl.load(nf_ptr + slot)
@@ -617,77 +622,22 @@ def _replay_kernel(
         # row blocks beside an anchor that is not FP32: a first pass finds the matrix amax
         NP: tl.constexpr = 2 if (NB > 1) and (AFMT != 0) else 1
         if pre:
-            amax = 0.0
-            for ps in tl.static_range(NP):
-                for ib in range(NB):
-                    rows = rows0 + ib * BV
-                    Kb, r, X, G, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start,
-                                                    hv, hk, rows, cols, jj, h, HK, HV, DK, DV,
-                                                    CAP, DELTA, L2NORM, False, VEC)
-                    S = _fold(_tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV,
-                                         AFMT), Kb, r, X, G, Bt, jj, h, A_pay, A_sc, A_gs,
-                              mat, rows, kbuf, _entry(slot, start, jj, CAP), hk, HK, DK, DV,
-                              AFMT, DELTA, PREC, ON_GPU, VEC)
-                    if ps == NP - 1:
-                        _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols,
-                                     key_lo, key_hi, nf + 1, slot, hv, DV, DK, BV, AFMT, ASR,
-                                     RFMT, RSR, SHARED, NB, amax)
-                    if NB > 1:
-                        if ps == 0:
-                            amax = tl.maximum(amax, tl.max(tl.max(tl.abs(S), axis=1), axis=0))
-            if (NB > 1) and (AFMT == 0):
-                _nv_from_anchor(A_pay, R_pay, R_sc, R_gs, mat, amax, cols, key_lo, key_hi, nf + 1,
-                                slot, hv, DV, DK, BV, RSR)
-            nf = nf + 1
-            start = (start + h) % CAP
-            h = h * 0
-            tl.debug_barrier()          # what follows reads the roles just written
-            P, Pb = _tile_raw(R_pay, R_sc, mat, rows0, DV, DK, RFMT)
-            if RFMT == 4:
-                s = tl.load(R_gs + mat)
-        go = True                       # read (a verify always reads)
-        if STEP:
-            go = ~(fill | FORCE)
-            if fill | FORCE:
+            if FLUSHES:
                 amax = 0.0
                 for ps in tl.static_range(NP):
                     for ib in range(NB):
                         rows = rows0 + ib * BV
-                        if VEC:
-                            q, k, v, log_a, beta = _kda_front_end(
-                                q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, row, hv, hk, rows, cols, scale,
-                                HK, HV, DK, DV, L2NORM)
-                            skip = 0.0
-                        else:
-                            q, k, v, log_a, beta, skip = _front_end(
-                                q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, row, hv,
-                                hk, rows, cols, scale, dt_lo, dt_hi, HK, HV, DK, DV, DELTA,
-                                L2NORM, HAS_DTB, HAS_D, DT_CLAMP)
-                        if SHARED and AFMT == 0 and NB == 1:
-                            S = P                       # the anchor itself, already loaded
-                        else:
-                            S = _tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT)
-                        if h > 0:
-                            Kb, r, X, G, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot,
-                                                            start, hv, hk, rows, cols, jj, h, HK,
-                                                            HV, DK, DV, CAP, DELTA, L2NORM, False,
-                                                            VEC)
-                            S = _fold(S, Kb, r, X, G, Bt, jj, h, A_pay, A_sc, A_gs, mat, rows,
-                                      kbuf, _entry(slot, start, jj, CAP), hk, HK, DK, DV,
-                                      AFMT, DELTA, PREC, ON_GPU, VEC)
-                        # this step on the rebuilt state: the conventional step's arithmetic
-                        # (L = 1 and a forced step on empty buffers are the conventional kernel)
-                        if VEC:
-                            S, y = _vector_gate_step(S, q, k, v, log_a, beta)
-                        else:
-                            S, y = _rank1_step(S, q, k, v, log_a,
-                                               beta * beta_scale if DELTA else beta, DELTA)
+                        Kb, r, X, G, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot,
+                                                        start, hv, hk, rows, cols, jj, h, HK, HV,
+                                                        DK, DV, CAP, DELTA, L2NORM, False, VEC)
+                        S = _fold(_tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV,
+                                             AFMT), Kb, r, X, G, Bt, jj, h, A_pay, A_sc, A_gs,
+                                  mat, rows, kbuf, _entry(slot, start, jj, CAP), hk, HK, DK, DV,
+                                  AFMT, DELTA, PREC, ON_GPU, VEC)
                         if ps == NP - 1:
-                            _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols,
-                                         key_lo, key_hi, nf + 1, slot, hv, DV, DK, BV, AFMT, ASR,
-                                         RFMT, RSR, SHARED, NB, amax)
-                            y = _gate_out(y + skip, z_ptr, row, hv, rows, HV, DV, HAS_Z)
-                            tl.store(out_ptr + (row * HV + hv) * DV + rows, y)
+                            _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows,
+                                         cols, key_lo, key_hi, nf + 1, slot, hv, DV, DK, BV,
+                                         AFMT, ASR, RFMT, RSR, SHARED, NB, amax)
                         if NB > 1:
                             if ps == 0:
                                 amax = tl.maximum(amax,
@@ -695,31 +645,84 @@ def _replay_kernel(
                 if (NB > 1) and (AFMT == 0):
                     _nv_from_anchor(A_pay, R_pay, R_sc, R_gs, mat, amax, cols, key_lo, key_hi,
                                     nf + 1, slot, hv, DV, DK, BV, RSR)
-        if go:
-            for ib in range(NB):
-                rows = rows0 + ib * BV
-                if NB > 1:
-                    P, Pb = _tile_raw(R_pay, R_sc, mat, rows, DV, DK, RFMT)
+            nf = nf + 1
+            start = (start + h) % CAP
+            h = h * 0
+            if FLUSHES:
+                tl.debug_barrier()      # a flush step after it reads the anchor just written
+        flush = fill | FORCE
+        if FLUSHES:
+            if STEP:
+                if flush:
+                    amax = 0.0
+                    for ps in tl.static_range(NP):
+                        for ib in range(NB):
+                            rows = rows0 + ib * BV
+                            if VEC:
+                                q, k, v, log_a, beta = _kda_front_end(
+                                    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, row, hv, hk, rows, cols,
+                                    scale, HK, HV, DK, DV, L2NORM)
+                                skip = 0.0
+                            else:
+                                q, k, v, log_a, beta, skip = _front_end(
+                                    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, row,
+                                    hv, hk, rows, cols, scale, dt_lo, dt_hi, HK, HV, DK, DV,
+                                    DELTA, L2NORM, HAS_DTB, HAS_D, DT_CLAMP)
+                            S = _tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT)
+                            if h > 0:
+                                Kb, r, X, G, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf,
+                                                                slot, start, hv, hk, rows, cols,
+                                                                jj, h, HK, HV, DK, DV, CAP, DELTA,
+                                                                L2NORM, False, VEC)
+                                S = _fold(S, Kb, r, X, G, Bt, jj, h, A_pay, A_sc, A_gs, mat, rows,
+                                          kbuf, _entry(slot, start, jj, CAP), hk, HK, DK, DV,
+                                          AFMT, DELTA, PREC, ON_GPU, VEC)
+                            # this step on the rebuilt state: the conventional step's arithmetic
+                            # (L = 1 and a forced step on empty buffers are the conventional
+                            # kernel)
+                            if VEC:
+                                S, y = _vector_gate_step(S, q, k, v, log_a, beta)
+                            else:
+                                S, y = _rank1_step(S, q, k, v, log_a,
+                                                   beta * beta_scale if DELTA else beta, DELTA)
+                            if ps == NP - 1:
+                                _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows,
+                                             cols, key_lo, key_hi, nf + 1, slot, hv, DV, DK, BV,
+                                             AFMT, ASR, RFMT, RSR, SHARED, NB, amax)
+                                y = _gate_out(y + skip, z_ptr, row, hv, rows, HV, DV, HAS_Z)
+                                tl.store(out_ptr + (row * HV + hv) * DV + rows, y)
+                            if NB > 1:
+                                if ps == 0:
+                                    amax = tl.maximum(amax,
+                                                      tl.max(tl.max(tl.abs(S), axis=1), axis=0))
+                    if (NB > 1) and (AFMT == 0):
+                        _nv_from_anchor(A_pay, R_pay, R_sc, R_gs, mat, amax, cols, key_lo,
+                                        key_hi, nf + 1, slot, hv, DV, DK, BV, RSR)
+        else:
+            go = True                       # read (a verify always reads)
+            if STEP:
+                go = ~flush
+            if go:
                 _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, out_ptr, q_ptr, k_ptr, v_ptr,
                              a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, beta_scale, dt_lo,
-                             dt_hi, row, hv, hk, rows, cols, slot, start, h, jj,
-                             (tl.program_id(1) == 0) & (ib == 0), HK, HV, DK, DV, CAP,
+                             dt_hi, row, hv, hk, rows0, cols, slot, start, h, jj,
+                             tl.program_id(1) == 0, HK, HV, DK, DV, CAP,
                              T, RFMT, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z,
                              U_BF16, DT_CLAMP, VEC)
-        if ADVANCE:
-            tl.debug_barrier()                  # every thread of the program is past its loads
-            arrived = tl.atomic_add(cnt_ptr + slot, 1)          # acq_rel, gpu scope
-            if arrived == HV * (DV // (BV * NB)) - 1:           # the row's last program
-                h, st, nf = _moved_pointers(tl.load(h_ptr + slot), tl.load(st_ptr + slot),
-                                            tl.load(nf_ptr + slot), FORCE, L, CAP, T, STEP)
-                tl.store(h_ptr + slot, h)
-                tl.store(st_ptr + slot, st)
-                tl.store(nf_ptr + slot, nf)
-                tl.store(cnt_ptr + slot, 0)
+            if ADVANCE:
+                tl.debug_barrier()              # every thread of the program is past its loads
+                arrived = tl.atomic_add(cnt_ptr + slot, 1)          # acq_rel, gpu scope
+                if arrived == HV * (DV // BV) - 1:                  # the row's last program
+                    h, st, nf = _moved_pointers(tl.load(h_ptr + slot), tl.load(st_ptr + slot),
+                                                tl.load(nf_ptr + slot), FORCE, L, CAP, T, STEP)
+                    tl.store(h_ptr + slot, h)
+                    tl.store(st_ptr + slot, st)
+                    tl.store(nf_ptr + slot, nf)
+                    tl.store(cnt_ptr + slot, 0)
     else:
-        for t in tl.static_range(T):
-            for ib in range(NB):
-                tl.store(out_ptr + ((row * T + t) * HV + hv) * DV + rows0 + ib * BV,
+        if not FLUSHES:
+            for t in tl.static_range(T):
+                tl.store(out_ptr + ((row * T + t) * HV + hv) * DV + rows0,
                          tl.zeros([BV], tl.float32))
 
 
@@ -747,43 +750,58 @@ def _advance_kernel(h_ptr, st_ptr, nf_ptr, idx_ptr, acc_ptr, B, L: tl.constexpr,
 
 # ============================================================================ host side
 
-# The launch table: rows BV of a program's [BV, d_k] tile by what a flush writes, and the state
-# elements each thread holds (warps = BV d_k / (32 x per_thread), 1..8). An NVFP4 role has one
-# FP32 scale per matrix, so its program covers the whole matrix (amax before the encode).
+# The launch table: rows BV of a program's [BV, d_k] tile and the state elements each thread
+# holds (warps = BV d_k / (32 x per_thread), 1..8), per launch of a step. An NVFP4 role has one
+# FP32 scale per matrix, so a flush that writes one covers the whole matrix (amax first).
 LAUNCH_TABLE = {
-    # NVFP4 read copy beside an FP32 anchor: the program loops over 32-row blocks, writes the
-    # anchor (S itself) and casts the read copy from it after the last block; 4 warps (GDN:
-    # no spill, where 2 warps spilled 340 bytes a thread by ptxas for sm_90)
-    "nvfp4_read": dict(rows=32, per_thread=32),
-    # any other NVFP4 role: the whole matrix cast in registers (GDN 128 x 128 on 8 warps)
-    "nvfp4": dict(rows=None, per_thread=64),
-    # the smallest tile tl.dot takes: the most programs for a read step that moves bytes
-    # (16 x 128 on one warp)
-    "other": dict(rows=16, per_thread=64),
+    # read launch: the read copy, the ring entries (once per program) and the step's inputs
+    "read": dict(rows=64, per_thread=64),
+    # flush launch, NVFP4 read copy beside an FP32 anchor: the program loops over 32-row blocks,
+    # writes the anchor (S itself) and casts the read copy from it after the last block; 4 warps
+    # (GDN: no spill, where 2 warps spilled 340 bytes a thread by ptxas for sm_90)
+    "flush_nvfp4_read": dict(rows=32, per_thread=32),
+    # flush launch, any other NVFP4 role: the whole matrix cast in registers (GDN 128 x 128 on
+    # 8 warps)
+    "flush_nvfp4": dict(rows=None, per_thread=64),
+    # flush launch, other pairs: the smallest tile tl.dot takes (16 x 128 on one warp)
+    "flush": dict(rows=16, per_thread=64),
 }
 PATHS = ("auto", "replay", "flush")
+LAUNCHES = ("flush", "read")
 
 
-def replay_launch_config(store: ReplayStore, block_v=None, num_warps=None):
-    """(BV, NB, num_warps) of _replay_kernel for this store: tile rows, row blocks per program
-    (the whole matrix where an NVFP4 role is written, else 1) and warps: LAUNCH_TABLE's, or
-    block_v / num_warps as given."""
+def replay_launch_config(store: ReplayStore, which: str = "read", launch=None):
+    """(BV, NB, num_warps) of the flush or the read launch (`which`) of _replay_kernel for this
+    store: tile rows, row blocks per program (a flush launch that writes an NVFP4 role: the whole
+    matrix; else 1) and warps, from LAUNCH_TABLE, or as given in launch: a mapping
+    {'read' / 'flush': (rows, warps)} whose entries may be None (the table's)."""
+    if which not in LAUNCHES:
+        raise ValueError(f"which must be 'flush' or 'read', got {which!r}")
+    launch = dict(launch or {})
+    bad = set(launch) - set(LAUNCHES)
+    if bad:
+        raise ValueError(f"launch takes the keys 'flush' and 'read' -> (rows, warps), got "
+                         f"{sorted(bad)}")
+    block_v, num_warps = launch.get(which) or (None, None)
     N, HV, dv, dk = store.shape
-    nv = "nvfp4" in (store.anchor.fmt, store.read_role.fmt)
-    looped = (not store.shared and store.anchor.fmt != "nvfp4" and store.read.fmt == "nvfp4")
-    cfg = LAUNCH_TABLE["nvfp4_read" if looped else "nvfp4" if nv else "other"]
+    nv = which == "flush" and "nvfp4" in (store.anchor.fmt, store.read_role.fmt)
+    looped = nv and (not store.shared and store.anchor.fmt != "nvfp4"
+                     and store.read.fmt == "nvfp4")
+    cfg = LAUNCH_TABLE["read" if which == "read" else "flush_nvfp4_read" if looped
+                       else "flush_nvfp4" if nv else "flush"]
     if block_v is None:
         block_v = dv if cfg["rows"] is None else min(dv, cfg["rows"])
     if nv and not looped and block_v != dv:
         raise ValueError(f"an NVFP4 anchor is cast a whole matrix at a time (one FP32 scale per "
-                         f"matrix): block_v must be d_v = {dv}, got {block_v}")
+                         f"matrix): the flush launch's rows must be d_v = {dv}, got {block_v}")
     if block_v < 16 or dv % block_v or block_v & (block_v - 1):
-        raise ValueError(f"block_v={block_v} must be a power of two >= 16 dividing d_v={dv} "
-                         f"(the flush's tensor-core products take tiles of 16 rows or more)")
+        raise ValueError(f"{which} launch rows={block_v} must be a power of two >= 16 dividing "
+                         f"d_v={dv} (the flush's tensor-core products take tiles of 16 rows or "
+                         f"more)")
     if num_warps is None:
         num_warps = max(1, min(8, block_v * dk // (32 * cfg["per_thread"])))
     if num_warps < 1 or num_warps & (num_warps - 1):
-        raise ValueError(f"num_warps={num_warps} must be a power of two")
+        raise ValueError(f"{which} launch warps={num_warps} must be a power of two")
     return block_v, (dv // block_v if nv else 1), num_warps
 
 
@@ -834,11 +852,11 @@ def _force(path, store, B):
 
 
 def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, out, scale,
-            use_qk_l2norm, T, step, force, block_v, num_warps, dt_limit=None, advance=True,
+            use_qk_l2norm, T, step, force, launch=None, dt_limit=None, advance=True,
             beta_scale=1.0):
-    """Launch _replay_kernel for a step (T = 1, step) or a verify of T drafts; returns (out, idx).
-    With advance the kernel moves the pointers (the last program of each row). KDA: a is the log
-    decay g per key channel, b beta, A None."""
+    """Launch _replay_kernel's flush launch, then its read launch, for a step (T = 1, step) or a
+    verify of T drafts; returns (out, idx). With advance the read launch moves the pointers (the
+    last program of each row). KDA: a is the log decay g per key channel, b beta, A None."""
     delta = store.kind != "mamba2"
     vec = store.kind == "kda"
     N, HV, dv, dk = store.shape
@@ -862,7 +880,7 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
     if not (math.isfinite(beta_scale) and beta_scale > 0):
         raise ValueError(f"beta_scale must be a finite number > 0, got {beta_scale}")
     dt_lo, dt_hi, dt_clamp = dt_limit_args(dt_limit)
-    BV, NB, nw = replay_launch_config(store, block_v, num_warps)
+    configs = [replay_launch_config(store, w, launch) for w in LAUNCHES]
     idx = _indices(state_indices, B, q.device)
     if out is None:
         out = torch.empty(*lead, HV, dv, dtype=torch.float32, device=q.device)
@@ -872,19 +890,23 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
     Rp, Rs, Rg, rfid = store.read_role.kernel_args()
     q, k, v, a, b, A, dt_bias, D, z = map(_prep, (q, k, v, a, b, A, dt_bias, D, z))
     inputs = [t if t is not None else a for t in (q, k, v, a, b, A, dt_bias, D, z)]
-    _replay_kernel[(B * HV, dv // (BV * NB))](
-        Ap, As, Ag, Rp, Rs, Rg, store.kbuf, store.vbuf,
-        store.ubuf if store.ubuf is not None else store.vbuf, store.Gbuf, store.bbuf,
-        store.committed, store.start, store.n_flush, store.arrive, idx, out, *inputs,
-        float(scale if scale is not None else 1.0 / math.sqrt(dk)), beta_scale,
-        *split_key(store.key), dt_lo, dt_hi,
-        HK=HK, HV=HV, DK=dk, DV=dv, BV=BV, NB=NB, L=store.L, CAP=store.capacity,
-        LP=max(16, triton.next_power_of_2(store.L)), T=T, STEP=step, FORCE=bool(force),
-        ADVANCE=bool(advance), AFMT=afid, ASR=store.anchor.rounding == "stochastic", RFMT=rfid,
-        RSR=store.read_role.rounding == "stochastic", SHARED=store.shared, DELTA=delta,
-        L2NORM=use_qk_l2norm, HAS_DTB=dt_bias is not None, HAS_D=D is not None,
-        HAS_Z=z is not None, U_BF16=store.ubuf is not None and store.ubuf.dtype == torch.bfloat16,
-        DT_CLAMP=dt_clamp, PREC="tf32x3", ON_GPU=q.is_cuda, VEC=vec, num_warps=nw)
+    for flushes, (BV, NB, nw) in zip((True, False), configs):
+        _replay_kernel[(B * HV, dv // (BV * NB))](
+            Ap, As, Ag, Rp, Rs, Rg, store.kbuf, store.vbuf,
+            store.ubuf if store.ubuf is not None else store.vbuf, store.Gbuf, store.bbuf,
+            store.committed, store.start, store.n_flush, store.arrive, idx, out, *inputs,
+            float(scale if scale is not None else 1.0 / math.sqrt(dk)), beta_scale,
+            *split_key(store.key), dt_lo, dt_hi,
+            HK=HK, HV=HV, DK=dk, DV=dv, BV=BV, NB=NB, L=store.L, CAP=store.capacity,
+            LP=max(16, triton.next_power_of_2(store.L)), T=T, STEP=step, FORCE=bool(force),
+            ADVANCE=bool(advance) and not flushes, AFMT=afid,
+            ASR=store.anchor.rounding == "stochastic", RFMT=rfid,
+            RSR=store.read_role.rounding == "stochastic", SHARED=store.shared, DELTA=delta,
+            L2NORM=use_qk_l2norm, HAS_DTB=dt_bias is not None, HAS_D=D is not None,
+            HAS_Z=z is not None,
+            U_BF16=store.ubuf is not None and store.ubuf.dtype == torch.bfloat16,
+            DT_CLAMP=dt_clamp, PREC="tf32x3", ON_GPU=q.is_cuda, VEC=vec, FLUSHES=flushes,
+            num_warps=nw)
     return out, idx
 
 
@@ -894,13 +916,13 @@ def _no_pending(store):
 
 
 def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, state_indices=None,
-                    scale=None, out=None, use_qk_l2norm=True, path="auto", block_v=None,
-                    num_warps=None, advance=True, beta_scale=1.0):
+                    scale=None, out=None, use_qk_l2norm=True, path="auto", launch=None,
+                    advance=True, beta_scale=1.0):
     """One GDN replay decode step for a batch (Triton, one launch): q, k [B, HK, d_k],
     v [B, H, d_v] (k, v bf16), a, b [B, H], A_log, dt_bias [H]; beta = beta_scale sigmoid(b).
     path (resolve_path): 'auto' / 'replay' or 'flush'. Returns y float32 [B, H, d_v]; with
-    advance=False the caller moves the pointers (advance_pointers). block_v / num_warps override
-    the launch table (replay_launch_config)."""
+    advance=False the caller moves the pointers (advance_pointers). launch {'read' / 'flush':
+    (rows, warps)} overrides the launch table (replay_launch_config)."""
     if store.kind != "gdn":
         raise ValueError("replay_gdn_step needs a store built with kind='gdn'")
     if b is None:
@@ -908,33 +930,32 @@ def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, stat
     _no_pending(store)
     force = _force(path, store, q.shape[0])
     out, _ = _launch(store, q, k, v, a, b, A_log, dt_bias, None, None, state_indices, out, scale,
-                     use_qk_l2norm, 1, True, force, block_v, num_warps, advance=advance,
+                     use_qk_l2norm, 1, True, force, launch, advance=advance,
                      beta_scale=beta_scale)
     return out
 
 
 def replay_mamba2_step(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None, z=None,
-                       dt_bias=None, out=None, path="auto", block_v=None, num_warps=None,
-                       advance=True, dt_limit=NO_DT_LIMIT):
+                       dt_bias=None, out=None, path="auto", launch=None, advance=True,
+                       dt_limit=NO_DT_LIMIT):
     """One Mamba-2 replay decode step (Triton, one launch), inputs as conventional_mamba2_step
     (x, B bf16; dt_limit = (lo, hi) clamps softplus(dt + dt_bias), (0, inf): no clamp); path,
-    advance, block_v, num_warps as replay_gdn_step."""
+    advance, launch as replay_gdn_step."""
     if store.kind != "mamba2":
         raise ValueError("replay_mamba2_step needs a store built with kind='mamba2'")
     _no_pending(store)
     force = _force(path, store, x.shape[0])
     out, _ = _launch(store, C, B, x, dt, None, A, dt_bias, D, z, state_indices, out, None, False,
-                     1, True, force, block_v, num_warps, dt_limit=dt_limit, advance=advance)
+                     1, True, force, launch, dt_limit=dt_limit, advance=advance)
     return out
 
 
 def replay_kda_step(store: ReplayStore, q, k, v, g, beta, state_indices=None, scale=None,
-                    out=None, use_qk_l2norm=True, path="auto", block_v=None, num_warps=None,
-                    advance=True):
+                    out=None, use_qk_l2norm=True, path="auto", launch=None, advance=True):
     """One Kimi Delta Attention replay decode step (Triton, one launch), inputs as
     conventional_kda_step: q, k [B, HK, d_k] (k bf16), v [B, H, d_v] (bf16), g [B, H, d_k] the
-    log decay per key channel, beta [B, H] (after its sigmoid); path, advance, block_v,
-    num_warps as replay_gdn_step. Returns y float32 [B, H, d_v]."""
+    log decay per key channel, beta [B, H] (after its sigmoid); path, advance, launch
+    as replay_gdn_step. Returns y float32 [B, H, d_v]."""
     if store.kind != "kda":
         raise ValueError(f"replay_kda_step needs a store built with kind='kda', got "
                          f"{store.kind!r}")
@@ -944,5 +965,5 @@ def replay_kda_step(store: ReplayStore, q, k, v, g, beta, state_indices=None, sc
     _no_pending(store)
     force = _force(path, store, q.shape[0])
     out, _ = _launch(store, q, k, v, g, beta, None, None, None, None, state_indices, out, scale,
-                     use_qk_l2norm, 1, True, force, block_v, num_warps, advance=advance)
+                     use_qk_l2norm, 1, True, force, launch, advance=advance)
     return out

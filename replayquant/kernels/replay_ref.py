@@ -215,7 +215,7 @@ def _mamba2_post(x, D, z):
 
 def replay_gdn_step_ref(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None,
                         state_indices=None, scale=None, out=None, use_qk_l2norm=True,
-                        path="auto", block_v=None, num_warps=None, advance=True, beta_scale=1.0):
+                        path="auto", launch=None, advance=True, beta_scale=1.0):
     """torch reference of replay_gdn_step (same signature, same effect on the store)."""
     _no_pending(store)
     force = _force(path, store, q.shape[0])
@@ -229,7 +229,7 @@ def replay_gdn_step_ref(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None,
 
 
 def replay_mamba2_step_ref(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None, z=None,
-                           dt_bias=None, out=None, path="auto", block_v=None, num_warps=None,
+                           dt_bias=None, out=None, path="auto", launch=None,
                            advance=True, dt_limit=NO_DT_LIMIT):
     """torch reference of replay_mamba2_step."""
     _no_pending(store)
@@ -245,7 +245,7 @@ def replay_mamba2_step_ref(store: ReplayStore, x, dt, A, B, C, state_indices=Non
 
 def replay_gdn_verify_ref(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None,
                           state_indices=None, scale=None, out=None, use_qk_l2norm=True,
-                          block_v=None, num_warps=None, beta_scale=1.0):
+                          launch=None, beta_scale=1.0):
     """torch reference of replay_gdn_verify."""
     T = _draft_count(q, "q")
     _pending(store, T, "verify")
@@ -257,7 +257,7 @@ def replay_gdn_verify_ref(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None
 
 
 def replay_mamba2_verify_ref(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None,
-                             z=None, dt_bias=None, out=None, block_v=None, num_warps=None,
+                             z=None, dt_bias=None, out=None, launch=None,
                              dt_limit=NO_DT_LIMIT):
     """torch reference of replay_mamba2_verify."""
     T = _draft_count(x, "x")
@@ -277,7 +277,7 @@ def _kda_fe(q, k, v, g, beta, scale, use_qk_l2norm):
 
 
 def replay_kda_step_ref(store: ReplayStore, q, k, v, g, beta, state_indices=None, scale=None,
-                        out=None, use_qk_l2norm=True, path="auto", block_v=None, num_warps=None,
+                        out=None, use_qk_l2norm=True, path="auto", launch=None,
                         advance=True):
     """torch reference of replay_kda_step."""
     _no_pending(store)
@@ -291,7 +291,7 @@ def replay_kda_step_ref(store: ReplayStore, q, k, v, g, beta, state_indices=None
 
 
 def replay_kda_verify_ref(store: ReplayStore, q, k, v, g, beta, state_indices=None, scale=None,
-                          out=None, use_qk_l2norm=True, block_v=None, num_warps=None):
+                          out=None, use_qk_l2norm=True, launch=None):
     """torch reference of replay_kda_verify."""
     T = _draft_count(q, "q")
     _pending(store, T, "verify")

@@ -73,25 +73,24 @@ def _pending(store, T, what):
 
 
 def replay_gdn_verify(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, state_indices=None,
-                      scale=None, out=None, use_qk_l2norm=True, block_v=None, num_warps=None,
-                      beta_scale=1.0):
-    """Outputs of T GDN drafts per row [B, T, H, d_v] (Triton, one launch with the pointer
-    move). q, k [B, T, HK, d_k], v [B, T, H, d_v] (k, v bf16), a, b [B, T, H]; beta_scale,
-    block_v and num_warps as replay_gdn_step. Then call replay_accept."""
+                      scale=None, out=None, use_qk_l2norm=True, launch=None, beta_scale=1.0):
+    """Outputs of T GDN drafts per row [B, T, H, d_v] (Triton: the flush launch for rows that
+    pre-flush, the read launch with the pointer move). q, k [B, T, HK, d_k], v [B, T, H, d_v]
+    (k, v bf16), a, b [B, T, H]; beta_scale and launch as replay_gdn_step. Then call
+    replay_accept."""
     if store.kind != "gdn":
         raise ValueError("replay_gdn_verify needs a store built with kind='gdn'")
     T = _draft_count(q, "q")
     _pending(store, T, "verify")
     out, _ = _launch(store, q, k, v, a, b, A_log, dt_bias, None, None, state_indices, out, scale,
-                     use_qk_l2norm, T, False, False, block_v, num_warps, beta_scale=beta_scale)
+                     use_qk_l2norm, T, False, False, launch, beta_scale=beta_scale)
     store.pending_T = T
     return out
 
 
 def replay_mamba2_verify(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None, z=None,
-                         dt_bias=None, out=None, block_v=None, num_warps=None,
-                         dt_limit=NO_DT_LIMIT):
-    """Outputs of T Mamba-2 drafts [B, T, H, P] (Triton, one launch). x [B, T, H, P],
+                         dt_bias=None, out=None, launch=None, dt_limit=NO_DT_LIMIT):
+    """Outputs of T Mamba-2 drafts [B, T, H, P] (Triton, as replay_gdn_verify). x [B, T, H, P],
     dt [B, T, H], B, C [B, T, G, N], z [B, T, H, P] (x, B bf16); dt_limit as
     replay_mamba2_step. Then call replay_accept."""
     if store.kind != "mamba2":
@@ -99,14 +98,15 @@ def replay_mamba2_verify(store: ReplayStore, x, dt, A, B, C, state_indices=None,
     T = _draft_count(x, "x")
     _pending(store, T, "verify")
     out, _ = _launch(store, C, B, x, dt, None, A, dt_bias, D, z, state_indices, out, None, False,
-                     T, False, False, block_v, num_warps, dt_limit=dt_limit)
+                     T, False, False, launch, dt_limit=dt_limit)
     store.pending_T = T
     return out
 
 
 def replay_kda_verify(store: ReplayStore, q, k, v, g, beta, state_indices=None, scale=None,
-                      out=None, use_qk_l2norm=True, block_v=None, num_warps=None):
-    """Outputs of T Kimi Delta Attention drafts per row [B, T, H, d_v] (Triton, one launch).
+                      out=None, use_qk_l2norm=True, launch=None):
+    """Outputs of T Kimi Delta Attention drafts per row [B, T, H, d_v] (Triton, as
+    replay_gdn_verify).
     q, k [B, T, HK, d_k], v [B, T, H, d_v] (k, v bf16), g [B, T, H, d_k] the log decay per key
     channel, beta [B, T, H]. Then call replay_accept."""
     if store.kind != "kda":
@@ -115,7 +115,7 @@ def replay_kda_verify(store: ReplayStore, q, k, v, g, beta, state_indices=None, 
     T = _draft_count(q, "q")
     _pending(store, T, "verify")
     out, _ = _launch(store, q, k, v, g, beta, None, None, None, None, state_indices, out, scale,
-                     use_qk_l2norm, T, False, False, block_v, num_warps)
+                     use_qk_l2norm, T, False, False, launch)
     store.pending_T = T
     return out
 
