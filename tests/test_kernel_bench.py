@@ -124,15 +124,12 @@ def test_bench_bad_arguments(tmp_path):
         bd.run_kernels_bench(out=str(tmp_path), device="cpu")
 
 
-def test_sweep_picks_stay_with_the_block_read():
-    """The bench's sweep picks the block read's config of a step (cfg['read/PAIR']); a verify and
-    the 'dots' read keep their own defaults (VERIFY_BLOCK, DOTS_BLOCK) unless given theirs, and
-    all take the flush pick."""
-    cfg = {"read/p": {"block_v": 32, "num_warps": 2}, "flush/p": {"flush_config": (16, 1)},
-           "verify/q": {"block_v": 16}}
-    assert bd._cfg(cfg, "p") == {"block_v": 32, "num_warps": 2, "flush_config": (16, 1)}
-    assert bd._cfg(cfg, "p", "verify") == bd._cfg(cfg, "p", "dots") == {"flush_config": (16, 1)}
-    assert bd._cfg(cfg, "q", "verify") == {"block_v": 16}
+def test_sweep_pick_is_the_launch_of_step_and_verify():
+    """The sweep's pick of a pair ('replay/PAIR': the read and the flush launch) serves its steps
+    and verifies alike; without one the launch table's."""
+    cfg = {"replay/p": {"launch": {"read": (64, 4), "flush": (16, 1)}}}
+    assert bd._cfg(cfg, "p") == {"launch": {"read": (64, 4), "flush": (16, 1)}}
+    assert bd._cfg(cfg, "q") == {}
 
 
 # ---------------------------------------------------------------------------- the authors' kernels
@@ -390,8 +387,8 @@ def test_targets_met_not_met_not_measured():
 
 def test_presets_fit_one_device_call():
     """The 'targets' preset plans every row the targets read within one ~8-minute call by the
-    bench's estimate (the fit to H200 grids), beside the authors; 'probe' within ~3 minutes."""
-    for name, limit in (("targets", 400), ("probe", 150)):
+    bench's estimate (the fit to H200 grids), beside the authors; 'probe' within ~5 minutes."""
+    for name, limit in (("targets", 400), ("probe", 300)):
         g = dict(targets_mod.PRESETS[name])
         sec = bd.plan(g.pop("batches"), g.pop("Ls"), g.pop("pairs"), g.pop("Ts"),
                       g.pop("spec_batches"), authors=True, **g)
@@ -411,27 +408,29 @@ def test_presets_fit_one_device_call():
     assert "checks" in keys
 
 
-def test_kda_rows_conventional_only(tmp_path):
-    """A KDA run (CPU smoke, tiny shape): conventional FP32 and BF16 rows whose bytes are the byte
-    model's, the replay rows listed as skipped with the reason, and the conventional KDA kernel
-    against its reference as the GPU checks run it; the full grid plans no KDA replay section."""
-    from replayquant.statebytes import LayerShape, layer_conventional_bytes
+def test_kda_rows(tmp_path):
+    """A KDA run (CPU smoke, tiny shape): conventional FP32 and BF16 rows and replay windows
+    whose bytes are the byte model's, and the conventional KDA kernel against its reference as
+    the GPU checks run it; the full grid plans KDA's conventional, replay and peer sections, and
+    no speculative, authors' or accuracy section (no conventional KDA verify, no authors' KDA)."""
+    from replayquant.statebytes import (LayerShape, layer_conventional_bytes,
+                                        replay_window_bytes)
     S = dict(kind="kda", H=2, HK=2, dv=16, dk=16)
     res = bd.run_kernels_bench(out=str(tmp_path), batches=(1, 3), Ls=(2,), pairs=("s32_rs",),
                                Ts=(2,), spec_batches=(), peers=False, checks=False, sweep=False,
                                detail_batches=(), device="cpu", shapes={"kda": S},
                                accuracy=False)
     assert not res["errors"], res["errors"]
-    assert not (tmp_path / "kernels_speedup.png").exists()       # no replay panels to draw
     rows = {(r["kernel"], r["variant"], r["B"]): r for r in res["rows"]}
-    assert set(rows) == {("conventional", f, B) for f in ("fp32", "bf16") for B in (1, 3)}
+    assert {("conventional", f, B) for f in ("fp32", "bf16") for B in (1, 3)} <= set(rows)
     sh = LayerShape("kda", S["H"], S["HK"], S["dv"], S["dk"])
-    for (_, fmt, B), r in rows.items():
-        assert r["bytes"] == layer_conventional_bytes(sh, fmt).total * B
-        assert r["GBps"] > 0
-    assert res["skipped"] == [f"kda/replay ({bd.NO_REPLAY['kda']})"]
-    assert "replay_kda_step" in bd.NO_REPLAY["kda"]
-    assert "kda/replay" in (tmp_path / "kernels.md").read_text()
+    for B in (1, 3):
+        for fmt in ("fp32", "bf16"):
+            assert rows[("conventional", fmt, B)]["bytes"] == \
+                layer_conventional_bytes(sh, fmt).total * B
+        w = rows[("replay-window", "s32_rs", B)]
+        assert w["bytes"] == replay_window_bytes("kda", "fp32", None, 2, B, 2, 2, 16, 16)
+        assert w["GBps"] > 0
     idx = torch.tensor([2, -1, 0, 1], dtype=torch.int32)
     chk = bd.conventional_checks("kda", S, idx, "cpu", N=3, steps=2)
     for key in ("kda/conventional/fp32-nearest", "kda/conventional/fp16-stochastic"):
@@ -439,5 +438,6 @@ def test_kda_rows_conventional_only(tmp_path):
         assert chk[key]["n_casts_equal"]
     keys = [k for k, _, _ in bd.plan()]
     assert "kda/B512/conventional" in keys and "peers/kda/B1" in keys
-    assert not [k for k in keys if "kda" in k and not k.endswith("conventional")
-                and not k.startswith("peers/")]
+    assert "kda/B256/tp4_hi32/L16" in keys
+    assert not [k for k in keys if "kda" in k and k.startswith(("spec", "authors", "accuracy",
+                                                                  "staggered"))]

@@ -24,11 +24,9 @@ SHAPES = {
     # head dim 128; q, k, v heads equal)
     "kda": dict(kind="kda", H=32, HK=32, dv=128, dk=128),
 }
-# the kinds with replay decode kernels; the others have conventional and peer rows only, and a
-# run lists their replay rows among `skipped` with the reason
-REPLAY_KINDS = ("gdn", "mamba2")
-NO_REPLAY = {"kda": "the bench has no rows for the replay kernel's per-channel specialization "
-                    "(replay_kda_step) yet"}
+# speculative rounds, the authors' kernels and the float64 accuracy comparison cover GDN and
+# Mamba-2 (KDA has no conventional verify kernel, the authors none for KDA)
+SPEC_KINDS = ("gdn", "mamba2")
 PEERS = {"gdn": ("peer:fla", "fla fused_recurrent_gated_delta_rule"),
          "mamba2": ("peer:mamba_ssm", "mamba_ssm selective_state_update"),
          "kda": ("peer:fla", "fla fused_recurrent_kda")}
@@ -105,7 +103,7 @@ def plain_ms(fn) -> float:
 
 # ---------------------------------------------------------------------------- the run
 
-PAIR_L = {"gdn": 16, "mamba2": 8}
+PAIR_L = {"gdn": 16, "mamba2": 8, "kda": 16}
 
 
 def _kw(kind, S, B, T=None, seed=0, device="cuda"):
@@ -133,8 +131,10 @@ def _fns(kind):
                     step=rd.replay_gdn_step, step_ref=rr.replay_gdn_step_ref,
                     verify=vf.replay_gdn_verify, verify_ref=rr.replay_gdn_verify_ref,
                     cverify=vf.conventional_gdn_verify, cverify_ref=vf.conventional_gdn_verify_ref)
-    if kind == "kda":                       # no KDA replay or verify kernels
-        return dict(conv=cv.conventional_kda_step, conv_ref=cv.conventional_kda_step_ref)
+    if kind == "kda":                       # no conventional KDA verify kernel
+        return dict(conv=cv.conventional_kda_step, conv_ref=cv.conventional_kda_step_ref,
+                    step=rd.replay_kda_step, step_ref=rr.replay_kda_step_ref,
+                    verify=vf.replay_kda_verify, verify_ref=rr.replay_kda_verify_ref)
     return dict(conv=cv.conventional_mamba2_step, conv_ref=cv.conventional_mamba2_step_ref,
                 step=rd.replay_mamba2_step, step_ref=rr.replay_mamba2_step_ref,
                 verify=vf.replay_mamba2_verify, verify_ref=rr.replay_mamba2_verify_ref,
@@ -182,9 +182,6 @@ def gpu_checks(device="cuda") -> dict:
     idx = torch.tensor([5, -1, 0, 3, 1, 2, 4], dtype=torch.int32, device=device)
     B = idx.shape[0]
     for kind, S in SHAPES.items():
-        if kind not in REPLAY_KINDS:
-            out.update(conventional_checks(kind, S, idx, device))
-            continue
         f = _fns(kind)
         H, HK, dv, dk = S["H"], S["HK"], S["dv"], S["dk"]
         init = random_state(N, H, dv, dk, seed=1, device=device)
@@ -234,6 +231,9 @@ def gpu_checks(device="cuda") -> dict:
                 "advance_later_vs_in_kernel_max_rel_y": max(later_vs_kernel),
                 "advance_later_pointers_anchor_equal": later_same}
             del st, ref
+        if "cverify" not in f:                  # KDA: the conventional step alone
+            out.update(conventional_checks(kind, S, idx, device))
+            continue
         for fmt, rnd in (("fp32", "nearest"), ("fp16", "stochastic")):
             cs = ConventionalStore.from_state(init, fmt, rnd, seed=2)
             ref = cs.clone()
@@ -393,10 +393,21 @@ def _rotations(nbytes: float, device) -> int:
     return int(min(64, max(1, math.ceil(2 * l2 / max(nbytes, 1.0)))))
 
 
+# Launch-config candidates of the sweep, (rows, warps): the read launch (any tile), the flush
+# launch of pairs that write no NVFP4 role, of an NVFP4 read copy beside an FP32 anchor (row
+# blocks looped over the matrix), and of an NVFP4 anchor (whole matrices)
+READ_CANDIDATES = ((16, 1), (32, 1), (32, 2), (64, 2), (64, 4), (128, 4), (128, 8))
+FLUSH_CANDIDATES = {"plain": ((16, 1), (16, 2), (32, 2), (32, 4), (64, 4)),
+                    "looped": ((16, 2), (32, 2), (32, 4), (64, 4), (64, 8)),
+                    "whole": ((None, 4), (None, 8))}
+
+
 def config_sweep(kind, B, device, copy_bw, pairs=PAIRS, L=None, S=None):
-    """Launch configs (block_v, num_warps) timed at batch B on fresh stores (never by re-running
-    a live in-place state): the conventional step, the replay read step (h = L/2, pointers held)
-    and the replay flush step (h = L - 1). Returns (rows, best config per kernel variant)."""
+    """Launch configs timed at batch B on fresh stores (never by re-running a live in-place
+    state): the conventional step (block_v, num_warps); per pair the replay read launch on a read
+    step (h = L/2, pointers held) and the flush launch on a flush step (h = L - 1), each with the
+    other launch at the table's config (its programs all return at once). Returns (rows, best
+    config per kernel: 'conventional/fp32' and 'replay/PAIR' {'launch': {'read', 'flush'}})."""
     from replayquant.kernels.conventional import ConventionalStore
     from replayquant.kernels.replay_decode import ReplayStore
     S = S or SHAPES[kind]
@@ -409,11 +420,6 @@ def config_sweep(kind, B, device, copy_bw, pairs=PAIRS, L=None, S=None):
     out = torch.empty(B, H, dv, device=device)
     rows, cfg = [], {}
 
-    def pick(key, cands):
-        best = min(cands, key=lambda r: r["us"])
-        cfg[key] = best["cfg"]
-        rows.extend(cands)
-
     cs = ConventionalStore.from_state(init, "fp32")
     cands = []
     # candidates: the (rows, warps) of an earlier, wider H200 sweep less those that never won
@@ -424,47 +430,44 @@ def config_sweep(kind, B, device, copy_bw, pairs=PAIRS, L=None, S=None):
         ms = time_calls(lambda: f["conv"](cs, **kw, state_indices=idx, out=out, advance=False, **c), 8)
         cands.append(_row(kind, "sweep/conventional", "fp32", B, ms,
                           conventional_bytes(kind, "fp32", B, H, HK, dv, dk), copy_bw, cfg=c))
-    pick("conventional/fp32", cands)
+    cfg["conventional/fp32"] = min(cands, key=lambda r: r["us"])["cfg"]
+    rows += cands
     del cs
     for pair in pairs:
         P, af, rf = _pair(pair, L)
         st = ReplayStore.from_state(init, P, kind, key_heads=HK)
-        cands = []
-        h = L // 2
         nv = "nvfp4" in (af, rf)
-        looped = af == "fp32" and rf == "nvfp4"      # 32-row blocks looped over the matrix
-        fcs = [(dv, 4), (dv, 8)] if nv and not looped else [(16, 1), (32, 2), (32, 4)]
-        for bv, nw in fcs:
-            if bv > dv:
-                continue
-            c = dict(block_v=bv, num_warps=nw)
-            st.committed.fill_(h)
-            ms = time_calls(lambda: f["step"](st, **kw, state_indices=idx, out=out, path="replay",
-                                              advance=False, **c), 8)
-            cands.append(_row(kind, "sweep/replay-read-step", pair, B, ms,
-                              replay_read_step_bytes(kind, rf or af, h, B, H, HK, dv, dk),
-                              copy_bw, cfg=c, h=h, L=L))
-        pick(f"read/{pair}", cands)
-        for bv, nw in fcs:          # the same launch's flush step, timed beside (not picked)
-            if bv > dv:
-                continue
-            c = dict(block_v=bv, num_warps=nw)
-            st.committed.fill_(L - 1)
-            ms = time_calls(lambda: f["step"](st, **kw, state_indices=idx, out=out, path="replay",
-                                              advance=False, **c), 4)
-            rows.append(_row(kind, "sweep/replay-flush-step", pair, B, ms,
-                             replay_flush_step_bytes(kind, af, rf, L, B, H, HK, dv, dk),
-                             copy_bw, cfg=c, L=L))
+        flush_c = FLUSH_CANDIDATES["looped" if af != "nvfp4" and rf == "nvfp4" else
+                                   "whole" if nv else "plain"]
+        pick = {}
+        for which, h, cands_w, nbytes in (
+                ("read", L // 2, READ_CANDIDATES,
+                 replay_read_step_bytes(kind, rf or af, L // 2, B, H, HK, dv, dk)),
+                ("flush", L - 1, flush_c,
+                 replay_flush_step_bytes(kind, af, rf, L, B, H, HK, dv, dk))):
+            cands = []
+            for bv, nw in cands_w:
+                if (bv or dv) > dv:
+                    continue
+                launch = {which: (bv, nw)}
+                st.committed.fill_(h)
+                ms = time_calls(lambda: f["step"](st, **kw, state_indices=idx, out=out,
+                                                  path="replay", advance=False, launch=launch),
+                                8 if which == "read" else 4)
+                cands.append(_row(kind, f"sweep/replay-{which}-step", pair, B, ms, nbytes,
+                                  copy_bw, cfg={"launch": launch}, h=h, L=L))
+            pick[which] = min(cands, key=lambda r: r["us"])["cfg"]["launch"][which]
+            rows += cands
+        cfg[f"replay/{pair}"] = {"launch": pick}
         del st
     _empty_cache()
     return rows, cfg
 
 
-def _cfg(cfg, pair, read="read"):
-    """A pair's launch config under `read` ('read': the step's, picked by the sweep; 'verify')
-    and any given under 'flush/PAIR'. A verify never takes the step's pick: it keeps the launch
-    table's unless given its own."""
-    return {**cfg.get(f"{read}/{pair}", {}), **cfg.get(f"flush/{pair}", {})}
+def _cfg(cfg, pair):
+    """A pair's replay launch config, {'launch': ...} as picked by the sweep (step and verify
+    alike), or {} (the launch table's)."""
+    return dict(cfg.get(f"replay/{pair}", {}))
 
 
 def bench_conventional(kind, B, device, copy_bw, cfg=None, S=None):
@@ -493,7 +496,7 @@ def bench_conventional(kind, B, device, copy_bw, cfg=None, S=None):
     return rows
 
 
-def _replay_setup(kind, B, pair, L, device, cfg, S, read="read"):
+def _replay_setup(kind, B, pair, L, device, cfg, S):
     """Inputs, output buffer and R rotated ReplayStore copies (cold L2) of one (pair, L) at
     batch B: (H, HK, dv, dk, step functions, idx, inputs, out, anchor fmt, read fmt, config, R,
     stores)."""
@@ -505,7 +508,7 @@ def _replay_setup(kind, B, pair, L, device, cfg, S, read="read"):
     kw = _kw(kind, S, B, seed=1, device=device)
     out = torch.empty(B, H, dv, device=device)
     P, af, rf = _pair(pair, L)
-    c = _cfg(cfg or {}, pair, read)
+    c = _cfg(cfg or {}, pair)
     per = B * H * (state_bytes(af, dv, dk) + (state_bytes(rf, dv, dk) if rf else 0))
     R = _rotations(per, device)
     sts = [ReplayStore.from_state(init, P, kind, key_heads=HK) for _ in range(R)]
@@ -673,7 +676,7 @@ def bench_spec(kind, B, T, device, copy_bw, cfg=None, pairs=PAIRS, L=None, S=Non
     # so no row ever flushes; the difference between the two is what the flushes cost
     rounds = (("spec-replay-round", n), ("spec-replay-round-no-flush", torch.zeros_like(n)))
     for pair in pairs:
-        c = _cfg(cfg, pair, "verify")
+        c = _cfg(cfg, pair)
         for kernel, acc in rounds:
             st = ReplayStore.from_state(init, _pair(pair, L)[0], kind, key_heads=HK, max_drafts=T)
 
@@ -837,7 +840,8 @@ def render_markdown(res) -> str:
                   "| --- | --- | --- | ---: | ---: | ---: | ---: |"]
         for r in sweep:
             c = r["cfg"]
-            bv, nw = c.get("flush_config") or (c.get("block_v"), c.get("num_warps"))
+            bv, nw = (next(iter(c["launch"].values())) if "launch" in c
+                      else (c.get("block_v"), c.get("num_warps")))
             lines.append(f"| {r['kind']} | {r['kernel']} | {r['variant']} | {r['B']} | {bv} | "
                          f"{nw} | {r['us']:.1f} |")
     if res.get("errors"):
@@ -901,26 +905,24 @@ def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
     staggered windows, T = 4 at the largest spec batch), then the peers, the other L values (none with
     main_L_only) and the other T values. authors: the authors' rows (bench.authors);
     staggered_batches: where the windows are also timed with rows out of phase; accuracy: the
-    float64 comparison after the checks. kinds: default every kind of `shapes`; a kind without
-    replay kernels (not in REPLAY_KINDS: KDA) has conventional and peer sections only (its
-    kernels compiled at the first batch)."""
+    float64 comparison after the checks. kinds: default every kind of `shapes`; speculative
+    rounds, the authors' rows and the accuracy comparison for SPEC_KINDS only."""
     shapes = shapes or SHAPES
     kinds = tuple(shapes) if kinds is None else tuple(kinds)
     _check_names(pairs, kinds)
-    conv_only = [k for k in kinds if k not in REPLAY_KINDS]
-    kinds_all, kinds = kinds, tuple(k for k in kinds if k in REPLAY_KINDS)
+    kinds_all = kinds
     E = _EST
     P = len(pairs)
     sr = {p: _sr_pair(p) for p in pairs}       # stores of these pairs are slow to build
     sec = []
     if checks:
-        sec.append(("checks", E["checks"] + 3 * E["compile"] * len(conv_only), ("checks",)))
-    for kind in kinds if accuracy else ():   # against float64: ours, the authors' (bench.authors)
+        sec.append(("checks", E["checks"], ("checks",)))
+    for kind in [k for k in kinds if k in SPEC_KINDS] if accuracy else ():   # against float64: ours, the authors' (bench.authors)
         sec.append((f"accuracy/{kind}", E["compile"] * (2 * len(pairs) + 4 * authors) + 2.0,
                     ("accuracy", kind)))
     for kind in kinds:
         if sweep:
-            n = 3 + P * 5
+            n = 3 + P * (len(READ_CANDIDATES) + 5)
             sec.append((f"sweep/{kind}", n * (E["fixed"] + E["compile"] * 0.6)
                         + n * 1.5 * _gb(kind, 256, shapes[kind]) * E["per_GB"], ("sweep", kind)))
     mainL = {k: (PAIR_L[k] if PAIR_L[k] in Ls else Ls[0]) for k in kinds}
@@ -929,7 +931,7 @@ def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
             gb = _gb(kind, B, shapes[kind])
             sec.append((f"{kind}/B{B}/conventional", 2 * (E["fixed"] + gb * E["per_GB"])
                         + 2 * E["launch"] * _launches(kind, B, 8, shapes[kind])
-                        + 2 * E["compile"] * (kind in conv_only and B == batches[0]),
+                        + 2 * E["compile"] * (kind == "kda" and B == batches[0]),
                         ("conv", kind, B)))
             for pair in pairs if kind in kinds else ():
                 det = B in detail_batches
@@ -947,7 +949,7 @@ def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
     n_sr = sum(sr.values())
 
     def spec_sections(T):
-        for kind in kinds:
+        for kind in [k for k in kinds if k in SPEC_KINDS]:
             for B in sorted(spec_batches, reverse=True):
                 gb = _gb(kind, B, shapes[kind])
                 rounds = (2 + (B >= 128)) * P + 2       # + the block-read round at B >= 128
@@ -957,7 +959,7 @@ def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
                             ("spec", kind, B, T)))
     # beside the authors' kernels (replayquant.bench.authors): their windows and our staggered
     # windows, then (below) their GDN speculative round
-    for kind in kinds:
+    for kind in [k for k in kinds if k in SPEC_KINDS]:
         L = mainL[kind]
         for B in batches:
             gb = _gb(kind, B, shapes[kind])
@@ -973,7 +975,7 @@ def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
     bigT = max(Ts) if Ts else None
     if bigT:
         spec_sections(bigT)
-        for kind in kinds if authors else ():
+        for kind in [k for k in kinds if k in SPEC_KINDS] if authors else ():
             for B in sorted(spec_batches, reverse=True):
                 sec.append((f"spec-authors/{kind}/B{B}/T{bigT}", E["compile"] * 2 + E["fixed"]
                             + _gb(kind, B, shapes[kind]) * E["per_GB"] * (1 + bigT / 2),
@@ -983,7 +985,7 @@ def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
             for B in batches:
                 sec.append((f"peers/{kind}/B{B}", 3 * (E["peer"] + _gb(kind, B, shapes[kind])
                                                        * E["per_GB"])
-                            + E["compile"] * (kind in conv_only and B == batches[0]),
+                            + E["compile"] * (kind == "kda" and B == batches[0]),
                             ("peers", kind, B)))
     for kind in kinds:
         for L in Ls:
@@ -1023,8 +1025,7 @@ def run_kernels_bench(out: str = "build/bench", batches=GRID["batches"], Ls=GRID
     {name}_speedup.png. authors: a checkout of the ReplaySSM authors' fork, whose kernels are
     timed beside ours (replayquant.bench.authors; its commit from the checkout, or
     authors_commit); kinds (default: every kind of `shapes`), staggered_batches, main_L_only,
-    accuracy: as plan. A kind without replay kernels (KDA) lists its replay rows in `skipped`
-    with the reason (NO_REPLAY).
+    accuracy: as plan.
 
     device 'cpu' is a smoke run of this code (tiny `shapes`, Triton interpreter, wall-clock
     timing): never a result."""
@@ -1074,10 +1075,6 @@ def run_kernels_bench(out: str = "build/bench", batches=GRID["batches"], Ls=GRID
                "skipped": [], "copy_GBps": None}
         if cpu:
             res["provenance"]["note"] = "CPU smoke run of the benchmark code: not a result"
-        for kind in SHAPES:
-            if kind not in REPLAY_KINDS:
-                res["skipped"].append(f"{kind}/replay ({NO_REPLAY[kind]})")
-                print(f"[bench kernels] {kind}: no replay rows ({NO_REPLAY[kind]})", flush=True)
         if A is not None:
             res["provenance"]["authors"] = A.provenance()
         outp = Path(out)
@@ -1276,9 +1273,8 @@ def plot_kernels(res, png: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     rows = res["rows"]
-    # kinds with replay rows (KDA's conventional and peer rows are in the tables only)
-    kinds = [k for k in SHAPES if k in REPLAY_KINDS and _find(rows, kind=k)] or \
-        [k for k in SHAPES if k in REPLAY_KINDS]
+    # kinds with replay rows
+    kinds = [k for k in SHAPES if _find(rows, kind=k, kernel="replay-window")]
     if not kinds:
         return
     pairs = list(res["provenance"].get("pairs") or PAIRS)

@@ -206,16 +206,16 @@ def targets(res) -> list:
 
 
 # grids of `bench kernels --preset NAME` (they replace the grid options): 'targets' times every
-# row the targets read, in phase and staggered at every batch, and KDA's conventional and peer
-# rows, in one device call (plan's estimate ~3.7 minutes on an H200); 'probe' is a short look at
-# GDN and Mamba-2 beside the authors (B = 32 and 256, in phase and staggered)
+# row the targets read, in phase and staggered at every batch, and KDA's conventional, replay
+# and peer rows, in one device call; 'probe' is the launch-config sweep of every kind at B = 256
+# (bench.decode.config_sweep: the read and the flush launch of each pair apart) with the windows
+# of its picks beside the authors' at B = 256, and the speculative rounds at B = 512
 PRESETS = {
     "targets": dict(batches=(1, 8, 32, 128, 256, 512), Ls=(8, 16), pairs=PAIRS, Ts=(4,),
                     spec_batches=(512,), peers=True, checks=True, sweep=False,
                     staggered_batches=(1, 8, 32, 128, 256, 512), main_L_only=True,
                     accuracy=True, kinds=("gdn", "mamba2", "kda")),
-    "probe": dict(batches=(32, 256), Ls=(8, 16), pairs=("s32_rs", "tp4_hi32"), Ts=(4,),
-                  spec_batches=(), peers=False, checks=False, sweep=False,
-                  staggered_batches=(32, 256), main_L_only=True, accuracy=True,
-                  kinds=("gdn", "mamba2")),
+    "probe": dict(batches=(256,), Ls=(8, 16), pairs=PAIRS, Ts=(4,), spec_batches=(512,),
+                  peers=False, checks=False, sweep=True, staggered_batches=(), main_L_only=True,
+                  accuracy=False, kinds=("gdn", "mamba2", "kda")),
 }
