@@ -294,10 +294,10 @@ def test_flush_path_mid_window_and_blocks():
                                                ("mamba2", 16, "tp4_hi32"),
                                                ("gdn", 16, "tp4_hi16_sr")])
 def test_nvfp4_read_copy_in_row_blocks(kind, block_v, pair):
-    """An NVFP4 read copy: a program loops over its matrix's row blocks (64 rows in 2 or 4
-    blocks); beside an FP32 anchor it writes the anchor, then casts the read copy from it with
-    the matrix's amax; beside an FP16 + SR anchor a first pass finds the amax, a second writes
-    both roles: the reference's whole-matrix casts within float32 reassociation of the rebuilt
+    """An NVFP4 read copy of a matrix of 64 rows in 4 flush tiles: beside an FP32 anchor each
+    program writes its anchor rows and adds its amax, the matrix's last casts the read copy from
+    the anchor; beside an FP16 + SR anchor one program loops over the blocks, a first pass
+    finding the amax, a second writing both roles: the reference's whole-matrix casts within float32 reassociation of the rebuilt
     state; steps across a flush (L = 3), a verify of 2 drafts with its pre-flush and an accept,
     poisoned buffers, a padding row."""
     from replayquant.kernels.replay_ref import replay_accept_ref
@@ -308,7 +308,9 @@ def test_nvfp4_read_copy_in_row_blocks(kind, block_v, pair):
                                    key_heads=HK, buffer_len=3, u_dtype=torch.float32,
                                    max_drafts=T)
     launch = {"flush": (block_v, None), "read": (16, None)}     # 4 read programs a matrix
-    assert replay_launch_config(store, "flush", launch)[1] == dv // (block_v or 32)
+    synced = pair == "tp4_hi32"             # FP32 anchor: tiles synchronised per matrix
+    assert replay_launch_config(store, "flush", launch)[:2] == \
+        ((block_v or 16, 1) if synced else (block_v, dv // block_v))
     poison_buffers(store)
     ref = store.clone()
     idx = torch.tensor([1, -1, 0])
@@ -356,9 +358,10 @@ def test_launch_table_and_path():
     assert cfg(mk("s32_rs"), "flush") == (16, 1, 1)
     assert cfg(mk("s32_rs", 128), "read") == (min(128, LAUNCH_TABLE["read"]["rows"]), 1,
                                                cfg(mk("s32_rs", 128), "read")[2])
-    assert cfg(mk("tp4_hi32", 64), "flush") == (32, 2, 1)
-    assert cfg(mk("tp4_hi32", 64), "read")[1] == 1          # reads need no matrix amax
-    assert cfg(mk("tp4_hi32"), "flush", {"flush": (16, None)}) == (16, 2, 1)
+    assert cfg(mk("tp4_hi32", 64), "flush") == (16, 1, 1)    # tiles synchronised per matrix
+    assert cfg(mk("tp4_hi16_sr", 64), "flush") == (32, 2, 1)     # looped over the matrix
+    assert cfg(mk("tp4_hi16_sr", 64), "read")[1] == 1        # reads need no matrix amax
+    assert cfg(mk("tp4_hi16_sr"), "flush", {"flush": (16, None)}) == (16, 2, 1)
     assert cfg(mk("f4_sr_rs"), "flush") == (32, 1, 1)
     assert cfg(mk("tp8_hi32"), "read", {"read": (16, 2)}) == (16, 1, 2)
     assert cfg(mk("tp8_hi32"), "flush", {"flush": (32, 4)}) == (32, 1, 4)

@@ -99,6 +99,8 @@ class ReplayStore:
     pending_T: int | None = None     # drafts verified and not yet accepted
     last_force: bool = False         # path of the last step: True = it flushed every row (force)
     arrive: torch.Tensor | None = None   # int32 [N]: arrival counters of the pointer move (zero)
+    sync: torch.Tensor | None = None     # int32 [N, H, 4]: per-matrix arrivals and amax of a
+                                         # flush that casts an NVFP4 read copy (zero)
 
     @property
     def capacity(self) -> int:
@@ -316,15 +318,17 @@ def _fold(S0, Kb, r, X, G, Bt, jj, n, A_pay, A_sc, A_gs, mat, rows, kbuf, e, hk,
 def _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi, fi,
                  slot, hv, DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
                  AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr, RSR: tl.constexpr,
-                 SHARED: tl.constexpr, NB: tl.constexpr, amax=0.0):
-    """anchor <- Q_anchor(S), read <- Q_read(S): two independent casts of the same S. NB > 1
+                 SHARED: tl.constexpr, NB: tl.constexpr, SYNC: tl.constexpr, amax=0.0):
+    """anchor <- Q_anchor(S), read <- Q_read(S): two independent casts of the same S. SYNC
+    (an NVFP4 read copy beside an FP32 anchor, the matrix in tiles of several programs): the
+    anchor only, _read_copy_last casting the read copy after the matrix's last tile. NB > 1
     (an NVFP4 read copy, a program looping over its matrix's NB row blocks): beside an FP32
     anchor (which holds S itself) only the anchor, _nv_from_anchor casting the read copy after
     the last block; beside another anchor the read block too, with the matrix's amax of S
     (found by a first pass over the blocks)."""
     _tile_store(S, A_pay, A_sc, A_gs, mat, rows, cols, key_lo, key_hi, fi, slot, hv,
                 DV, DK, BV, AFMT, ASR, 0)
-    if not SHARED:
+    if not SHARED and not SYNC:
         if NB == 1:
             _tile_store(S, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi, fi, slot, hv,
                         DV, DK, BV, RFMT, RSR, 1)
@@ -345,6 +349,25 @@ def _nv_from_anchor(A_pay, R_pay, R_sc, R_gs, mat, amax, cols, key_lo, key_hi, f
         offs = rb[:, None] * DK + cols[None, :]
         _nv_store(tl.load(A_pay + mat * (DV * DK) + offs), amax, R_pay, R_sc, R_gs, mat, rb,
                   _role_bits(offs, RSR, key_lo, key_hi, fi, 1, slot, hv), DV, DK, BV, RSR)
+
+
+@triton.jit
+def _read_copy_last(S, sync_ptr, A_pay, R_pay, R_sc, R_gs, mat, cols, key_lo, key_hi, fi, slot,
+                    hv, DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
+                    RSR: tl.constexpr):
+    """SYNC (an NVFP4 read copy beside an FP32 anchor, one tile of the matrix per program):
+    each program adds its tile's amax of S to the matrix's (sync_ptr [2]: arrivals, amax as the
+    bits of a non-negative float32, which order as integers) once its anchor rows are stored;
+    the last to arrive casts the read copy from the anchor (S itself) with the matrix's amax,
+    as _nv_from_anchor, and resets both."""
+    am = tl.max(tl.max(tl.abs(S), axis=1), axis=0)
+    tl.atomic_max(sync_ptr + 1, am.to(tl.int32, bitcast=True))
+    tl.debug_barrier()                          # every thread's anchor stores are issued
+    if tl.atomic_add(sync_ptr, 1) == DV // BV - 1:          # acq_rel, gpu scope
+        amax = tl.atomic_xchg(sync_ptr + 1, 0).to(tl.float32, bitcast=True)
+        _nv_from_anchor(A_pay, R_pay, R_sc, R_gs, mat, amax, cols, key_lo, key_hi, fi, slot, hv,
+                        DV, DK, BV, RSR)
+        tl.atomic_xchg(sync_ptr, 0)
 
 
 @triton.jit
@@ -584,7 +607,7 @@ def _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, out_ptr, q_ptr, k_ptr, 
 @triton.jit(do_not_specialize=["key_lo", "key_hi"])
 def _replay_kernel(
         A_pay, A_sc, A_gs, R_pay, R_sc, R_gs,
-        kbuf, vbuf, ubuf, Gbuf, bbuf, h_ptr, st_ptr, nf_ptr, cnt_ptr, idx_ptr, out_ptr,
+        kbuf, vbuf, ubuf, Gbuf, bbuf, h_ptr, st_ptr, nf_ptr, cnt_ptr, sync_ptr, idx_ptr, out_ptr,
         q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr,
         scale, beta_scale, key_lo, key_hi, dt_lo, dt_hi,
         HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
@@ -594,7 +617,8 @@ def _replay_kernel(
         AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr, RSR: tl.constexpr,
         SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr, HAS_DTB: tl.constexpr,
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, U_BF16: tl.constexpr, DT_CLAMP: tl.constexpr,
-        PREC: tl.constexpr, ON_GPU: tl.constexpr, VEC: tl.constexpr, FLUSHES: tl.constexpr):
+        PREC: tl.constexpr, ON_GPU: tl.constexpr, VEC: tl.constexpr, FLUSHES: tl.constexpr,
+        SYNC: tl.constexpr):
     """A decode step (STEP, T = 1) or a verify of T drafts for one [BV, d_k] tile of one (batch
     row, value head), in two launches that make the same per-row decisions from the same
     pointers: FLUSHES, the flush launch (first): the pre-flush and the flush step of the rows
@@ -637,7 +661,11 @@ def _replay_kernel(
                         if ps == NP - 1:
                             _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows,
                                          cols, key_lo, key_hi, nf + 1, slot, hv, DV, DK, BV,
-                                         AFMT, ASR, RFMT, RSR, SHARED, NB, amax)
+                                         AFMT, ASR, RFMT, RSR, SHARED, NB, SYNC, amax)
+                            if SYNC:            # sync slots 0, 1: the pre-flush's
+                                _read_copy_last(S, sync_ptr + mat * 4, A_pay, R_pay, R_sc, R_gs,
+                                                mat, cols, key_lo, key_hi, nf + 1, slot, hv, DV,
+                                                DK, BV, RSR)
                         if NB > 1:
                             if ps == 0:
                                 amax = tl.maximum(amax,
@@ -688,7 +716,11 @@ def _replay_kernel(
                             if ps == NP - 1:
                                 _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows,
                                              cols, key_lo, key_hi, nf + 1, slot, hv, DV, DK, BV,
-                                             AFMT, ASR, RFMT, RSR, SHARED, NB, amax)
+                                             AFMT, ASR, RFMT, RSR, SHARED, NB, SYNC, amax)
+                                if SYNC:        # sync slots 2, 3: the flush step's
+                                    _read_copy_last(S, sync_ptr + mat * 4 + 2, A_pay, R_pay,
+                                                    R_sc, R_gs, mat, cols, key_lo, key_hi, nf + 1,
+                                                    slot, hv, DV, DK, BV, RSR)
                                 y = _gate_out(y + skip, z_ptr, row, hv, rows, HV, DV, HAS_Z)
                                 tl.store(out_ptr + (row * HV + hv) * DV + rows, y)
                             if NB > 1:
@@ -754,20 +786,27 @@ def _advance_kernel(h_ptr, st_ptr, nf_ptr, idx_ptr, acc_ptr, B, L: tl.constexpr,
 # holds (warps = BV d_k / (32 x per_thread), 1..8), per launch of a step. An NVFP4 role has one
 # FP32 scale per matrix, so a flush that writes one covers the whole matrix (amax first).
 LAUNCH_TABLE = {
-    # read launch: the read copy, the ring entries (once per program) and the step's inputs
-    "read": dict(rows=64, per_thread=64),
-    # flush launch, NVFP4 read copy beside an FP32 anchor: the program loops over 32-row blocks,
-    # writes the anchor (S itself) and casts the read copy from it after the last block; 4 warps
-    # (GDN: no spill, where 2 warps spilled 340 bytes a thread by ptxas for sm_90)
-    "flush_nvfp4_read": dict(rows=32, per_thread=32),
-    # flush launch, any other NVFP4 role: the whole matrix cast in registers (GDN 128 x 128 on
-    # 8 warps)
-    "flush_nvfp4": dict(rows=None, per_thread=64),
-    # flush launch, other pairs: the smallest tile tl.dot takes (16 x 128 on one warp)
+    # read launch: 32 rows a warp (B = 256 on the H200, bench.decode.config_sweep: 64 x 128 on
+    # 2 warps fastest for GDN and Mamba-2, within 8% of 32 x 128 on one; 4 or 8 warps slower)
+    "read": dict(rows=64, per_thread=128),
+    # flush launch, and the flush of an NVFP4 read copy beside an FP32 anchor (its tiles add
+    # their amax, the matrix's last program casts the copy from the anchor, _read_copy_last):
+    # the smallest tile tl.dot takes, 16 x 128 on one warp (fastest in the same sweep)
     "flush": dict(rows=16, per_thread=64),
+    # flush launch, NVFP4 read copy beside an FP16 / BF16 anchor: the program loops over 32-row
+    # blocks of its matrix, a first pass finding the amax (2 warps)
+    "flush_nvfp4_read": dict(rows=32, per_thread=64),
+    # flush launch, NVFP4 anchor: the whole matrix cast in registers (GDN 128 x 128 on 8 warps)
+    "flush_nvfp4": dict(rows=None, per_thread=64),
 }
 PATHS = ("auto", "replay", "flush")
 LAUNCHES = ("flush", "read")
+
+
+def _synced(store: ReplayStore) -> bool:
+    """An NVFP4 read copy beside an FP32 anchor: the flush's tiles synchronise per matrix
+    (_read_copy_last) instead of one program looping over the matrix."""
+    return not store.shared and store.anchor.fmt == "fp32" and store.read.fmt == "nvfp4"
 
 
 def replay_launch_config(store: ReplayStore, which: str = "read", launch=None):
@@ -784,7 +823,8 @@ def replay_launch_config(store: ReplayStore, which: str = "read", launch=None):
                          f"{sorted(bad)}")
     block_v, num_warps = launch.get(which) or (None, None)
     N, HV, dv, dk = store.shape
-    nv = which == "flush" and "nvfp4" in (store.anchor.fmt, store.read_role.fmt)
+    nv = (which == "flush" and "nvfp4" in (store.anchor.fmt, store.read_role.fmt)
+          and not _synced(store))
     looped = nv and (not store.shared and store.anchor.fmt != "nvfp4"
                      and store.read.fmt == "nvfp4")
     cfg = LAUNCH_TABLE["read" if which == "read" else "flush_nvfp4_read" if looped
@@ -886,6 +926,9 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
         out = torch.empty(*lead, HV, dv, dtype=torch.float32, device=q.device)
     if store.arrive is None or store.arrive.shape[0] != N:
         store.arrive = torch.zeros(N, dtype=torch.int32, device=store.committed.device)
+    sync = _synced(store)
+    if sync and (store.sync is None or store.sync.shape[:2] != (N, HV)):
+        store.sync = torch.zeros(N, HV, 4, dtype=torch.int32, device=store.committed.device)
     Ap, As, Ag, afid = store.anchor.kernel_args()
     Rp, Rs, Rg, rfid = store.read_role.kernel_args()
     q, k, v, a, b, A, dt_bias, D, z = map(_prep, (q, k, v, a, b, A, dt_bias, D, z))
@@ -894,7 +937,8 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
         _replay_kernel[(B * HV, dv // (BV * NB))](
             Ap, As, Ag, Rp, Rs, Rg, store.kbuf, store.vbuf,
             store.ubuf if store.ubuf is not None else store.vbuf, store.Gbuf, store.bbuf,
-            store.committed, store.start, store.n_flush, store.arrive, idx, out, *inputs,
+            store.committed, store.start, store.n_flush, store.arrive,
+            store.sync if sync else store.arrive, idx, out, *inputs,
             float(scale if scale is not None else 1.0 / math.sqrt(dk)), beta_scale,
             *split_key(store.key), dt_lo, dt_hi,
             HK=HK, HV=HV, DK=dk, DV=dv, BV=BV, NB=NB, L=store.L, CAP=store.capacity,
@@ -906,7 +950,7 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
             HAS_Z=z is not None,
             U_BF16=store.ubuf is not None and store.ubuf.dtype == torch.bfloat16,
             DT_CLAMP=dt_clamp, PREC="tf32x3", ON_GPU=q.is_cuda, VEC=vec, FLUSHES=flushes,
-            num_warps=nw)
+            SYNC=sync and flushes, num_warps=nw)
     return out, idx
 
 
