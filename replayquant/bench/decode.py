@@ -540,6 +540,16 @@ def bench_replay(kind, B, pair, L, device, copy_bw, cfg=None, detail=False, forc
         rows.append(_row(kind, "replay-read-step", pair, B, ms,
                          replay_read_step_bytes(kind, rf or af, h, B, H, HK, dv, dk), copy_bw,
                          L=L, h=h, config=c))
+        # the same read step with the read launch's registers capped (more programs an SM,
+        # ptxas spilling what does not fit): occupancy against spills, side by side
+        base = (c.get("launch") or {}).get("read") or (None, None)
+        for regs in READ_REG_CAPS:
+            lc = {**(c.get("launch") or {}), "read": (*base[:2], regs)}
+            ms = time_calls(lambda: f["step"](st, **kw, state_indices=idx, out=out,
+                                              path="replay", advance=False, launch=lc), 8)
+            rows.append(_row(kind, f"replay-read-step-regs{regs}", pair, B, ms,
+                             replay_read_step_bytes(kind, rf or af, h, B, H, HK, dv, dk),
+                             copy_bw, L=L, h=h, config={"launch": lc}))
         st.committed.fill_(L - 1)
         ms = time_calls(lambda: f["step"](st, **kw, state_indices=idx, out=out, path="replay",
                                           advance=False, **c), 4)
@@ -569,6 +579,7 @@ def bench_replay(kind, B, pair, L, device, copy_bw, cfg=None, detail=False, forc
     return rows
 
 
+READ_REG_CAPS = (168, 128)  # registers a thread of the read launch's capped variants (detail rows)
 ALTERNATE_MAX_B = 8         # the forced step is timed alternately with the conventional one up to here
 ALTERNATE_REPEATS = 3
 
@@ -817,8 +828,8 @@ def render_markdown(res) -> str:
                 c = f"{r['us']:.1f}"
                 if r.get("speedup_vs_conv_fp32") is not None:
                     c += f" ({r['speedup_vs_conv_fp32']:.2f}x)"
-                if r.get("pct_copy") is not None and k[0] in ("conventional", "replay-read-step",
-                                                             "replay-flush-step") \
+                if r.get("pct_copy") is not None and k[0].startswith(
+                        ("conventional", "replay-read-step", "replay-flush-step")) \
                         or k[0].startswith("peer"):
                     c += f" {fmt(r.get('pct_copy'), '.0f')}%"
                 cells.append(c)
@@ -937,7 +948,7 @@ def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
                 det = B in detail_batches
                 forced = pair == "s32_rs"
                 alt = 2 * ALTERNATE_REPEATS * (forced and B <= ALTERNATE_MAX_B)
-                n = 1 + 2 * det + 2 * forced + (pair == pairs[0]) + alt
+                n = 1 + (2 + len(READ_REG_CAPS)) * det + 2 * forced + (pair == pairs[0]) + alt
                 sec.append((f"{kind}/B{B}/{pair}/L{mainL[kind]}",
                             n * E["fixed"] + (1 + det) * gb * E["per_GB"] * (mainL[kind] / 8)
                             + (E["compile"] * 2 if B == batches[0] else 0)

@@ -809,11 +809,21 @@ def _synced(store: ReplayStore) -> bool:
     return not store.shared and store.anchor.fmt == "fp32" and store.read.fmt == "nvfp4"
 
 
+def _max_regs(launch, which: str):
+    """The register cap of a launch given as (rows, warps, regs), else None (ptxas's choice)."""
+    c = (launch or {}).get(which) or ()
+    if len(c) > 2 and c[2] is not None and not 16 <= int(c[2]) <= 255:
+        raise ValueError(f"{which} launch regs={c[2]} must lie in 16..255")
+    return int(c[2]) if len(c) > 2 and c[2] is not None else None
+
+
 def replay_launch_config(store: ReplayStore, which: str = "read", launch=None):
     """(BV, NB, num_warps) of the flush or the read launch (`which`) of _replay_kernel for this
     store: tile rows, row blocks per program (a flush launch that writes an NVFP4 role: the whole
     matrix; else 1) and warps, from LAUNCH_TABLE, or as given in launch: a mapping
-    {'read' / 'flush': (rows, warps)} whose entries may be None (the table's)."""
+    {'read' / 'flush': (rows, warps) or (rows, warps, regs)} whose entries may be None (the
+    table's); regs caps the registers a thread (ptxas's maxnreg; the bench's variants), see
+    _max_regs."""
     if which not in LAUNCHES:
         raise ValueError(f"which must be 'flush' or 'read', got {which!r}")
     launch = dict(launch or {})
@@ -821,7 +831,7 @@ def replay_launch_config(store: ReplayStore, which: str = "read", launch=None):
     if bad:
         raise ValueError(f"launch takes the keys 'flush' and 'read' -> (rows, warps), got "
                          f"{sorted(bad)}")
-    block_v, num_warps = launch.get(which) or (None, None)
+    block_v, num_warps = (launch.get(which) or (None, None))[:2]
     N, HV, dv, dk = store.shape
     nv = (which == "flush" and "nvfp4" in (store.anchor.fmt, store.read_role.fmt)
           and not _synced(store))
@@ -933,7 +943,8 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
     Rp, Rs, Rg, rfid = store.read_role.kernel_args()
     q, k, v, a, b, A, dt_bias, D, z = map(_prep, (q, k, v, a, b, A, dt_bias, D, z))
     inputs = [t if t is not None else a for t in (q, k, v, a, b, A, dt_bias, D, z)]
-    for flushes, (BV, NB, nw) in zip((True, False), configs):
+    for which, flushes, (BV, NB, nw) in zip(LAUNCHES, (True, False), configs):
+        regs = _max_regs(launch, which)
         _replay_kernel[(B * HV, dv // (BV * NB))](
             Ap, As, Ag, Rp, Rs, Rg, store.kbuf, store.vbuf,
             store.ubuf if store.ubuf is not None else store.vbuf, store.Gbuf, store.bbuf,
@@ -950,7 +961,7 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
             HAS_Z=z is not None,
             U_BF16=store.ubuf is not None and store.ubuf.dtype == torch.bfloat16,
             DT_CLAMP=dt_clamp, PREC="tf32x3", ON_GPU=q.is_cuda, VEC=vec, FLUSHES=flushes,
-            SYNC=sync and flushes, num_warps=nw)
+            SYNC=sync and flushes, num_warps=nw, **({} if regs is None else {"maxnreg": regs}))
     return out, idx
 
 
