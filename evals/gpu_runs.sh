@@ -14,6 +14,9 @@
 #   probe           evals/gpu_checks.py, then `bench kernels --preset probe` beside the authors:
 #                   s32_rs, tp4_hi32 and conventional at B = 32 and 256, both kinds, in phase
 #                   and staggered, accuracy (the bench 56 s on one H200, after the checks)
+#   ncu             Nsight Compute on one GDN tp4_hi32 read step at B = 256 (evals/ncu_read_step.py):
+#                   the flush launch (its programs all return) and the read launch: speed of light,
+#                   memory, warp state, launch statistics, occupancy (~60 s)
 #   checks          evals/gpu_checks.py: the kernels against their torch references at the real
 #                   head shapes, the reference casts on the device against the CPU (~50 s)
 #   tf              `bench teacher-forcing`: the chunk kernel check and per-layer timing at 8K,
@@ -34,7 +37,7 @@
 # not fla.
 set -uo pipefail
 : "${OUT:?set OUT to the folder where results go}"
-jobs="kernels|probe|checks|tf|generate|train"
+jobs="kernels|probe|ncu|checks|tf|generate|train"
 job=${1:?usage: bash evals/gpu_runs.sh $jobs}
 [[ "|$jobs|" == *"|$job|"* ]] \
     || { echo "gpu_runs: unknown job '$job'; choose one of $jobs" >&2; exit 2; }
@@ -58,6 +61,12 @@ case "$job" in
         --authors .gpu/authors --budget-s 300 > "$OUT/probe.log" 2>&1; echo "probe rc=$?"
     grep -E "^\[bench|^copy|Not measured|failed|^  (ours|authors)|^  (gdn|mamba2) " \
         "$OUT/probe.log" | cut -c1-2000
+    ;;
+  ncu)
+    timeout 200 ncu -k regex:_replay_kernel --launch-skip 2 --launch-count 2 --section SpeedOfLight \
+        --section MemoryWorkloadAnalysis --section WarpStateStats --section LaunchStats \
+        --section Occupancy python3 evals/ncu_read_step.py gdn tp4_hi32 256 > "$OUT/ncu.txt" 2>&1
+    echo "ncu rc=$?"; grep -E "_replay_kernel|Duration|Throughput|Registers|Occupancy" "$OUT/ncu.txt"
     ;;
   checks)
     timeout 300 python3 evals/gpu_checks.py "$OUT/gpu_checks.json" > /tmp/gpu_checks.log 2>&1

@@ -1,0 +1,41 @@
+"""One replay read step under Nsight Compute (the `ncu` job of evals/gpu_runs.sh): three read
+steps (h = L/2, pointers held) of one layer kind and pair at a batch, on the bench's shapes and
+inputs; ncu profiles the second step's two launches (the first step compiles): the flush
+launch, whose programs all return, then the read launch. The counters are ncu's.
+
+    ncu -k regex:_replay_kernel --launch-skip 2 --launch-count 2 python3 evals/ncu_read_step.py \
+        [KIND [PAIR [B]]]
+"""
+
+import sys
+
+import torch
+
+from replayquant.bench import decode as bd
+from replayquant.bench.inputs import random_state
+from replayquant.kernels.replay_decode import ReplayStore
+
+
+def main(argv) -> int:
+    kind = argv[0] if argv else "gdn"
+    pair = argv[1] if len(argv) > 1 else "tp4_hi32"
+    B = int(argv[2]) if len(argv) > 2 else 256
+    if bd.no_gpu("ncu_read_step"):
+        return 1
+    S = bd.SHAPES[kind]
+    H, HK, dv, dk = S["H"], S["HK"], S["dv"], S["dk"]
+    L = bd.PAIR_L[kind]
+    f = bd._fns(kind)
+    kw = bd._kw(kind, S, B, seed=1, device="cuda")
+    idx = torch.arange(B, dtype=torch.int32, device="cuda")
+    st = ReplayStore.from_state(random_state(B, H, dv, dk, seed=B, device="cuda"),
+                                bd._pair(pair, L)[0], kind, key_heads=HK)
+    for _ in range(3):
+        st.committed.fill_(L // 2)
+        f["step"](st, **kw, state_indices=idx, path="replay", advance=False)
+    torch.cuda.synchronize()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
