@@ -63,13 +63,13 @@ SHORT = ["--context", "256", "--docs", "1", "--segment", "128", "--dtype", "floa
 def test_byte_model_equals_kernels_bench_counts():
     """Per sequence x batch = the `bytes` of every window and conventional row of the committed
     kernels grid (the bench's own count), and the parts add up to the bench's window total. The
-    grid is the `targets` preset's: each replay kind at its main L, three pairs, every batch;
-    KDA conventional rows only."""
+    grid is the `targets` preset's: each kind (GDN, Mamba-2, KDA) at its main L, three pairs,
+    every batch."""
     grid = json.loads((ROOT / "results/bench/kernels.json").read_text())
     prov = grid["provenance"]
     shapes = prov["shapes"]
     windows = {(r["kind"], r["variant"], r["L"], r["B"]) for r in grid["rows"] if r["kernel"] == "replay-window"}
-    assert windows == {(k, p, prov["main_L"][k], B) for k in ("gdn", "mamba2")
+    assert windows == {(k, p, prov["main_L"][k], B) for k in ("gdn", "mamba2", "kda")
                        for p in ("s32_rs", "tp8_hi32", "tp4_hi32") for B in (1, 8, 32, 128, 256, 512)}
     convs = {(r["kind"], r["variant"], r["B"]) for r in grid["rows"] if r["kernel"] == "conventional"}
     assert convs == {(k, v, B) for k in ("gdn", "mamba2", "kda") for v in ("fp32", "bf16")

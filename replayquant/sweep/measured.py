@@ -2,7 +2,7 @@
 kernels`, e.g. results/bench/kernels.json).
 
 The grid times one layer of one shape per kind (its provenance's `shapes`: the Qwen3.5-4B GDN
-layer, the Nemotron-H Mamba-2 layer) at a few batches. For each recurrent layer of the swept
+layer, the Nemotron-H Mamba-2 layer, the Kimi-Linear-48B KDA layer) at a few batches. For each recurrent layer of the swept
 model the time of the bench's layer of the same kind is taken (the nearest measured shape; the
 times are not scaled to the model's own shape, and the record says which shape was timed), for
 the same pair formats and L at the measured batch nearest to the one asked for (on a log
@@ -13,9 +13,8 @@ Which row: the mean step over a window of L steps (one flush per row, rows in ph
 baseline and for layers a policy keeps `exact`. Where the grid did not time that row (the
 `targets` preset times each kind at its main L only), the time is None and `missing` says which
 row is absent: a time of another L, batch row or pair is never put in its place. A kind the grid
-has no shape for, or no replay rows of (Kimi Delta Attention: conventional rows only; the bench
-does not time `replay_kda_step`), has no replay time either, and `missing` names
-the kind: a GDN time is not taken for a KDA layer, whose gate is d_k wide.
+has no shape for, or no replay rows of (a grid run without KDA), has no replay time either, and
+`missing` names the kind: a GDN time is not taken for a KDA layer, whose gate is d_k wide.
 """
 
 from __future__ import annotations
