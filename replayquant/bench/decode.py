@@ -517,7 +517,7 @@ def _replay_setup(kind, B, pair, L, device, cfg, S):
 
 def bench_replay(kind, B, pair, L, device, copy_bw, cfg=None, detail=False, forced=False,
                  pointer=False, S=None):
-    """Replay rows of one (pair, L) at batch B, one launch per step (pointer move inside): the
+    """Replay rows of one (pair, L) at batch B, a step's two launches (pointer move inside): the
     mean step of a whole window of L steps (one flush per row; state copies rotated for a cold
     L2); with detail the read step (h = L/2) and the flush step alone; with forced the
     path='flush' step (every step flushes); with pointer the pointer kernel alone."""

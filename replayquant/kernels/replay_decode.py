@@ -1,6 +1,6 @@
-"""Replay decode step and speculative verify (ReplaySSM) in Triton: one launch per step for the
-whole batch, the flush decided per row inside the kernel (DESIGN sections 3 and 4; the torch
-references with the same signatures are in `replayquant.kernels.replay_ref`).
+"""Replay decode step and speculative verify (ReplaySSM) in Triton: two launches of one kernel per
+step for the whole batch, the flush decided per row inside the kernel (DESIGN sections 3 and 4;
+the torch references with the same signatures are in `replayquant.kernels.replay_ref`).
 
 Storage of one layer (`ReplayStore`; slots N, value heads H, key heads / groups HK):
 
@@ -31,11 +31,16 @@ with committed fill h:
 * otherwise read: the outputs of the T entries from the packed read copy (decoded in
   registers, never written back) and the buffer, output-only, and their appends.
 
+The flush launch (FLUSHES) runs the first two for the rows that have them, every other program
+returning at once; the read launch then reads and moves every row's pointers, each compiled
+with its own path only.
+
 The rebuild uses tensor-core products (the WY form of the chunked delta rule): W = K S0^T,
 A[j, i] = beta_j e^{G_j - G_i} (k_i . k_j) for i < j, U = (I + A)^{-1} (beta (V - e^G W)),
 S = e^{G_n} S0 + (U e^{G_n - G})^T K; Mamba-2 U = dt x. KDA (VEC, a gate per key channel)
 folds the entries one after another (_rebuild_vec), forming only exp(G_j - G_{j-1}). The last
-program of each row moves that row's pointers (arrival counter `ReplayStore.arrive`); a model
+program of each row in the read launch moves that row's pointers (arrival counter
+`ReplayStore.arrive`); a model
 with several layers sharing one pair of pointer tensors passes advance=False to all but its last
 layer.
 """
@@ -973,11 +978,12 @@ def _no_pending(store):
 def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, state_indices=None,
                     scale=None, out=None, use_qk_l2norm=True, path="auto", launch=None,
                     advance=True, beta_scale=1.0):
-    """One GDN replay decode step for a batch (Triton, one launch): q, k [B, HK, d_k],
-    v [B, H, d_v] (k, v bf16), a, b [B, H], A_log, dt_bias [H]; beta = beta_scale sigmoid(b).
-    path (resolve_path): 'auto' / 'replay' or 'flush'. Returns y float32 [B, H, d_v]; with
-    advance=False the caller moves the pointers (advance_pointers). launch {'read' / 'flush':
-    (rows, warps)} overrides the launch table (replay_launch_config)."""
+    """One GDN replay decode step for a batch (Triton, the flush and the read launch): q, k
+    [B, HK, d_k], v [B, H, d_v] (k, v bf16), a, b [B, H], A_log, dt_bias [H]; beta = beta_scale
+    sigmoid(b). path (resolve_path): 'auto' / 'replay' or 'flush'. Returns y float32
+    [B, H, d_v]; with advance=False the caller moves the pointers (advance_pointers). launch
+    {'read' / 'flush': (rows, warps[, regs])} overrides the launch table
+    (replay_launch_config)."""
     if store.kind != "gdn":
         raise ValueError("replay_gdn_step needs a store built with kind='gdn'")
     if b is None:
@@ -993,8 +999,8 @@ def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, stat
 def replay_mamba2_step(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None, z=None,
                        dt_bias=None, out=None, path="auto", launch=None, advance=True,
                        dt_limit=NO_DT_LIMIT):
-    """One Mamba-2 replay decode step (Triton, one launch), inputs as conventional_mamba2_step
-    (x, B bf16; dt_limit = (lo, hi) clamps softplus(dt + dt_bias), (0, inf): no clamp); path,
+    """One Mamba-2 replay decode step (Triton, as replay_gdn_step), inputs as
+    conventional_mamba2_step (x, B bf16; dt_limit = (lo, hi) clamps softplus(dt + dt_bias), (0, inf): no clamp); path,
     advance, launch as replay_gdn_step."""
     if store.kind != "mamba2":
         raise ValueError("replay_mamba2_step needs a store built with kind='mamba2'")
@@ -1007,7 +1013,7 @@ def replay_mamba2_step(store: ReplayStore, x, dt, A, B, C, state_indices=None, D
 
 def replay_kda_step(store: ReplayStore, q, k, v, g, beta, state_indices=None, scale=None,
                     out=None, use_qk_l2norm=True, path="auto", launch=None, advance=True):
-    """One Kimi Delta Attention replay decode step (Triton, one launch), inputs as
+    """One Kimi Delta Attention replay decode step (Triton, as replay_gdn_step), inputs as
     conventional_kda_step: q, k [B, HK, d_k] (k bf16), v [B, H, d_v] (bf16), g [B, H, d_k] the
     log decay per key channel, beta [B, H] (after its sigmoid); path, advance, launch
     as replay_gdn_step. Returns y float32 [B, H, d_v]."""
