@@ -376,6 +376,38 @@ def _read_copy_last(S, sync_ptr, A_pay, R_pay, R_sc, R_gs, mat, cols, key_lo, ke
 
 
 @triton.jit
+def _flushed_tile(S, PS: tl.constexpr, NP: tl.constexpr, amax, A_pay, A_sc, A_gs, R_pay, R_sc,
+                  R_gs, sync_ptr, mat, rows, cols, key_lo, key_hi, fi, slot, hv,
+                  DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, NB: tl.constexpr,
+                  AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr, RSR: tl.constexpr,
+                  SHARED: tl.constexpr, SYNC: tl.constexpr):
+    """The flushed state S of one tile, in pass PS of NP (the pre-flush and the flush step
+    alike): in the last pass both roles (_store_roles; SYNC: the read copy after the matrix's
+    last tile, sync_ptr its two slots), in the first of two the matrix amax. Returns the amax."""
+    if PS == NP - 1:
+        _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi,
+                     fi, slot, hv, DV, DK, BV, AFMT, ASR, RFMT, RSR, SHARED, NB, SYNC, amax)
+        if SYNC:
+            _read_copy_last(S, sync_ptr, A_pay, R_pay, R_sc, R_gs, mat, cols, key_lo, key_hi, fi,
+                            slot, hv, DV, DK, BV, RSR)
+    if NB > 1:
+        if PS == 0:
+            amax = tl.maximum(amax, tl.max(tl.max(tl.abs(S), axis=1), axis=0))
+    return amax
+
+
+@triton.jit
+def _flushed_matrix(amax, A_pay, R_pay, R_sc, R_gs, mat, cols, key_lo, key_hi, fi, slot, hv,
+                    DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, NB: tl.constexpr,
+                    AFMT: tl.constexpr, RSR: tl.constexpr):
+    """After the row blocks of a program that loops over its matrix beside an FP32 anchor: the
+    NVFP4 read copy cast from the anchor (_nv_from_anchor); nothing otherwise."""
+    if (NB > 1) and (AFMT == 0):
+        _nv_from_anchor(A_pay, R_pay, R_sc, R_gs, mat, amax, cols, key_lo, key_hi, fi, slot, hv,
+                        DV, DK, BV, RSR)
+
+
+@triton.jit
 def _tile_raw(pay, sc, mat, rows, DV: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr):
     """The loads of the read copy's rows, not decoded: (payload, scales). NVFP4:
     int32 words [BV, DK/8] (column 8w+i in bits 4i..4i+3) and each word's E4M3 block scale byte;
@@ -663,21 +695,13 @@ def _replay_kernel(
                                              AFMT), Kb, r, X, G, Bt, jj, h, A_pay, A_sc, A_gs,
                                   mat, rows, kbuf, _entry(slot, start, jj, CAP), hk, HK, DK, DV,
                                   AFMT, DELTA, PREC, ON_GPU, VEC)
-                        if ps == NP - 1:
-                            _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows,
-                                         cols, key_lo, key_hi, nf + 1, slot, hv, DV, DK, BV,
-                                         AFMT, ASR, RFMT, RSR, SHARED, NB, SYNC, amax)
-                            if SYNC:            # sync slots 0, 1: the pre-flush's
-                                _read_copy_last(S, sync_ptr + mat * 4, A_pay, R_pay, R_sc, R_gs,
-                                                mat, cols, key_lo, key_hi, nf + 1, slot, hv, DV,
-                                                DK, BV, RSR)
-                        if NB > 1:
-                            if ps == 0:
-                                amax = tl.maximum(amax,
-                                                  tl.max(tl.max(tl.abs(S), axis=1), axis=0))
-                if (NB > 1) and (AFMT == 0):
-                    _nv_from_anchor(A_pay, R_pay, R_sc, R_gs, mat, amax, cols, key_lo, key_hi,
-                                    nf + 1, slot, hv, DV, DK, BV, RSR)
+                        # sync slots 0, 1: the pre-flush's
+                        amax = _flushed_tile(S, ps, NP, amax, A_pay, A_sc, A_gs, R_pay, R_sc,
+                                             R_gs, sync_ptr + mat * 4, mat, rows, cols, key_lo,
+                                             key_hi, nf + 1, slot, hv, DV, DK, BV, NB, AFMT, ASR,
+                                             RFMT, RSR, SHARED, SYNC)
+                _flushed_matrix(amax, A_pay, R_pay, R_sc, R_gs, mat, cols, key_lo, key_hi, nf + 1,
+                                slot, hv, DV, DK, BV, NB, AFMT, RSR)
             nf = nf + 1
             start = (start + h) % CAP
             h = h * 0
@@ -718,23 +742,16 @@ def _replay_kernel(
                             else:
                                 S, y = _rank1_step(S, q, k, v, log_a,
                                                    beta * beta_scale if DELTA else beta, DELTA)
+                            # sync slots 2, 3: the flush step's
+                            amax = _flushed_tile(S, ps, NP, amax, A_pay, A_sc, A_gs, R_pay, R_sc,
+                                                 R_gs, sync_ptr + mat * 4 + 2, mat, rows, cols,
+                                                 key_lo, key_hi, nf + 1, slot, hv, DV, DK, BV, NB,
+                                                 AFMT, ASR, RFMT, RSR, SHARED, SYNC)
                             if ps == NP - 1:
-                                _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows,
-                                             cols, key_lo, key_hi, nf + 1, slot, hv, DV, DK, BV,
-                                             AFMT, ASR, RFMT, RSR, SHARED, NB, SYNC, amax)
-                                if SYNC:        # sync slots 2, 3: the flush step's
-                                    _read_copy_last(S, sync_ptr + mat * 4 + 2, A_pay, R_pay,
-                                                    R_sc, R_gs, mat, cols, key_lo, key_hi, nf + 1,
-                                                    slot, hv, DV, DK, BV, RSR)
                                 y = _gate_out(y + skip, z_ptr, row, hv, rows, HV, DV, HAS_Z)
                                 tl.store(out_ptr + (row * HV + hv) * DV + rows, y)
-                            if NB > 1:
-                                if ps == 0:
-                                    amax = tl.maximum(amax,
-                                                      tl.max(tl.max(tl.abs(S), axis=1), axis=0))
-                    if (NB > 1) and (AFMT == 0):
-                        _nv_from_anchor(A_pay, R_pay, R_sc, R_gs, mat, amax, cols, key_lo,
-                                        key_hi, nf + 1, slot, hv, DV, DK, BV, RSR)
+                    _flushed_matrix(amax, A_pay, R_pay, R_sc, R_gs, mat, cols, key_lo, key_hi,
+                                    nf + 1, slot, hv, DV, DK, BV, NB, AFMT, RSR)
         else:
             go = True                       # read (a verify always reads)
             if STEP:
