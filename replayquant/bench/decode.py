@@ -393,10 +393,11 @@ def _rotations(nbytes: float, device) -> int:
     return int(min(64, max(1, math.ceil(2 * l2 / max(nbytes, 1.0)))))
 
 
-# Launch-config candidates of the sweep, (rows, warps): the read launch (any tile), the flush
-# launch of pairs that write no NVFP4 role, of an NVFP4 read copy beside an FP32 anchor (row
-# blocks looped over the matrix), and of an NVFP4 anchor (whole matrices)
-READ_CANDIDATES = ((16, 1), (32, 1), (32, 2), (64, 2), (64, 4), (128, 4), (128, 8))
+# Launch-config candidates of the sweep, (rows, warps[, register cap]): the read launch (any
+# tile), the flush launch of pairs that write no NVFP4 role, of an NVFP4 read copy (row blocks),
+# and of an NVFP4 anchor (whole matrices)
+READ_CANDIDATES = ((16, 1), (16, 2), (32, 1), (32, 2), (32, 4), (64, 2), (64, 2, 168), (64, 4),
+                   (64, 8), (128, 4))
 FLUSH_CANDIDATES = {"plain": ((16, 1), (16, 2), (32, 2), (32, 4), (64, 4)),
                     "looped": ((16, 2), (32, 2), (32, 4), (64, 4), (64, 8)),
                     "whole": ((None, 4), (None, 8))}
@@ -446,10 +447,10 @@ def config_sweep(kind, B, device, copy_bw, pairs=PAIRS, L=None, S=None):
                 ("flush", L - 1, flush_c,
                  replay_flush_step_bytes(kind, af, rf, L, B, H, HK, dv, dk))):
             cands = []
-            for bv, nw in cands_w:
-                if (bv or dv) > dv:
+            for c in cands_w:
+                if (c[0] or dv) > dv:
                     continue
-                launch = {which: (bv, nw)}
+                launch = {which: tuple(c)}
                 st.committed.fill_(h)
                 ms = time_calls(lambda: f["step"](st, **kw, state_indices=idx, out=out,
                                                   path="replay", advance=False, launch=launch),

@@ -640,13 +640,108 @@ def _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, out_ptr, q_ptr, k_ptr, 
                 tl.store(kbuf + (e * HK + hk) * DK + cols, kraw.to(tl.bfloat16))
 
 
+@triton.jit
+def _flush_tile(tile, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, ubuf, Gbuf, bbuf, h_ptr,
+                st_ptr, nf_ptr, sync_ptr, idx_ptr, out_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
+                A_ptr, dtb_ptr, D_ptr, z_ptr, scale, beta_scale, key_lo, key_hi, dt_lo, dt_hi,
+                HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                BV: tl.constexpr, NB: tl.constexpr, L: tl.constexpr, CAP: tl.constexpr,
+                LP: tl.constexpr, T: tl.constexpr, STEP: tl.constexpr, FORCE: tl.constexpr,
+                AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr, RSR: tl.constexpr,
+                SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
+                HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
+                DT_CLAMP: tl.constexpr, PREC: tl.constexpr, ON_GPU: tl.constexpr,
+                VEC: tl.constexpr, SYNC: tl.constexpr):
+    """The flush launch's work on one tile (batch row, value head, NB blocks of BV rows) of a
+    row that pre-flushes or flushes: the pre-flush (fold the h committed entries, cast both
+    roles), then in a step the flush step (rebuild, this step, output S q, cast both roles)."""
+    NBLK: tl.constexpr = DV // (BV * NB)
+    row = tile // (HV * NBLK)
+    hv = (tile // NBLK) % HV
+    hk = hv // (HV // HK)
+    rows0 = (tile % NBLK) * (BV * NB) + tl.arange(0, BV)
+    cols = tl.arange(0, DK)
+    slot = tl.load(idx_ptr + row).to(tl.int64)
+    mat = slot * HV + hv
+    jj = tl.arange(0, LP)
+    h = tl.load(h_ptr + slot)
+    start = tl.load(st_ptr + slot)
+    nf = tl.load(nf_ptr + slot)
+    pre, fill = _flush_flags(h, T, L, STEP)
+    # row blocks beside an anchor that is not FP32: a first pass finds the matrix amax
+    NP: tl.constexpr = 2 if (NB > 1) and (AFMT != 0) else 1
+    if pre:
+        amax = 0.0
+        for ps in tl.static_range(NP):
+            for ib in range(NB):
+                rows = rows0 + ib * BV
+                Kb, r, X, G, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start, hv,
+                                                hk, rows, cols, jj, h, HK, HV, DK, DV, CAP,
+                                                DELTA, L2NORM, False, VEC)
+                S = _fold(_tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT), Kb,
+                          r, X, G, Bt, jj, h, A_pay, A_sc, A_gs, mat, rows, kbuf,
+                          _entry(slot, start, jj, CAP), hk, HK, DK, DV, AFMT, DELTA, PREC,
+                          ON_GPU, VEC)
+                amax = _flushed_tile(S, ps, NP, amax, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs,
+                                     sync_ptr + mat * 4, mat, rows, cols, key_lo, key_hi,
+                                     nf + 1, slot, hv, DV, DK, BV, NB, AFMT, ASR, RFMT, RSR,
+                                     SHARED, SYNC)                 # sync slots 0, 1
+        _flushed_matrix(amax, A_pay, R_pay, R_sc, R_gs, mat, cols, key_lo, key_hi, nf + 1, slot,
+                        hv, DV, DK, BV, NB, AFMT, RSR)
+        nf = nf + 1
+        start = (start + h) % CAP
+        h = h * 0
+        tl.debug_barrier()          # a flush step after it reads the anchor just written
+    if STEP:
+        if fill | FORCE:
+            amax = 0.0
+            for ps in tl.static_range(NP):
+                for ib in range(NB):
+                    rows = rows0 + ib * BV
+                    if VEC:
+                        q, k, v, log_a, beta = _kda_front_end(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
+                                                              row, hv, hk, rows, cols, scale, HK,
+                                                              HV, DK, DV, L2NORM)
+                        skip = 0.0
+                    else:
+                        q, k, v, log_a, beta, skip = _front_end(
+                            q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, row, hv,
+                            hk, rows, cols, scale, dt_lo, dt_hi, HK, HV, DK, DV, DELTA, L2NORM,
+                            HAS_DTB, HAS_D, DT_CLAMP)
+                    S = _tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT)
+                    if h > 0:
+                        Kb, r, X, G, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot,
+                                                        start, hv, hk, rows, cols, jj, h, HK,
+                                                        HV, DK, DV, CAP, DELTA, L2NORM, False,
+                                                        VEC)
+                        S = _fold(S, Kb, r, X, G, Bt, jj, h, A_pay, A_sc, A_gs, mat, rows, kbuf,
+                                  _entry(slot, start, jj, CAP), hk, HK, DK, DV, AFMT, DELTA,
+                                  PREC, ON_GPU, VEC)
+                    # this step on the rebuilt state: the conventional step's arithmetic (L = 1
+                    # and a forced step on empty buffers are the conventional kernel)
+                    if VEC:
+                        S, y = _vector_gate_step(S, q, k, v, log_a, beta)
+                    else:
+                        S, y = _rank1_step(S, q, k, v, log_a,
+                                           beta * beta_scale if DELTA else beta, DELTA)
+                    amax = _flushed_tile(S, ps, NP, amax, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs,
+                                         sync_ptr + mat * 4 + 2, mat, rows, cols, key_lo,
+                                         key_hi, nf + 1, slot, hv, DV, DK, BV, NB, AFMT, ASR,
+                                         RFMT, RSR, SHARED, SYNC)   # sync slots 2, 3
+                    if ps == NP - 1:
+                        y = _gate_out(y + skip, z_ptr, row, hv, rows, HV, DV, HAS_Z)
+                        tl.store(out_ptr + (row * HV + hv) * DV + rows, y)
+            _flushed_matrix(amax, A_pay, R_pay, R_sc, R_gs, mat, cols, key_lo, key_hi, nf + 1,
+                            slot, hv, DV, DK, BV, NB, AFMT, RSR)
+
+
 # key_lo / key_hi: not specialized (Triton makes an integer argument equal to 1 a constexpr)
-@triton.jit(do_not_specialize=["key_lo", "key_hi"])
+@triton.jit(do_not_specialize=["key_lo", "key_hi", "n_rows"])
 def _replay_kernel(
         A_pay, A_sc, A_gs, R_pay, R_sc, R_gs,
         kbuf, vbuf, ubuf, Gbuf, bbuf, h_ptr, st_ptr, nf_ptr, cnt_ptr, sync_ptr, idx_ptr, out_ptr,
         q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr,
-        scale, beta_scale, key_lo, key_hi, dt_lo, dt_hi,
+        scale, beta_scale, key_lo, key_hi, dt_lo, dt_hi, n_rows,
         HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
         BV: tl.constexpr, NB: tl.constexpr, L: tl.constexpr, CAP: tl.constexpr,
         LP: tl.constexpr, T: tl.constexpr, STEP: tl.constexpr, FORCE: tl.constexpr,
@@ -655,107 +750,60 @@ def _replay_kernel(
         SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr, HAS_DTB: tl.constexpr,
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, U_BF16: tl.constexpr, DT_CLAMP: tl.constexpr,
         PREC: tl.constexpr, ON_GPU: tl.constexpr, VEC: tl.constexpr, FLUSHES: tl.constexpr,
-        SYNC: tl.constexpr):
-    """A decode step (STEP, T = 1) or a verify of T drafts for one [BV, d_k] tile of one (batch
-    row, value head), in two launches that make the same per-row decisions from the same
-    pointers: FLUSHES, the flush launch (first): the pre-flush and the flush step of the rows
-    that have one, every other program returns at once; else the read launch: the reads, and,
-    with ADVANCE, the pointer moves of every row. Each launch compiles only its own path, so a
-    read step does not pay the registers of the flush's products. VEC: KDA (DELTA with a gate
-    per key channel, a_ptr the log decay g [B, H, d_k], b_ptr beta). With ADVANCE every program
-    of the read launch, once done with its row's pointers, increments the row's arrival counter;
-    the last one moves committed / start / n_flush (_moved_pointers) and resets the counter."""
-    row, hv, hk, rows0, cols, slot = _program_tile(idx_ptr, HK, HV, DK, BV, NB)
-    if slot >= 0:
-        mat = slot * HV + hv
-        jj = tl.arange(0, LP)
-        if not FLUSHES:
+        SYNC: tl.constexpr, TPP: tl.constexpr):
+    """A decode step (STEP, T = 1) or a verify of T drafts, in two launches that make the same
+    per-row decisions from the same pointers.
+
+    FLUSHES, the flush launch (first): a grid sized to the machine, not to the batch; program p
+    takes the tiles p, p + P, p + 2P, ... (P programs, at most TPP tiles each; a tile is NB
+    blocks of BV rows of one (batch row, value head)), reads their rows' pointers at once and
+    runs _flush_tile on those whose row pre-flushes or flushes, one after another. On a read
+    step its programs return after one round of pointer loads, instead of one program per tile
+    each reading its row's pointers (a launch as large as the read launch, 8 programs of 255
+    registers an SM).
+    Else the read launch (a program per [BV, d_k] tile of a (batch row, value head)): the reads,
+    and, with ADVANCE, the pointer moves of every row: every program, once done with its row's
+    pointers, increments the row's arrival counter; the last one moves committed / start /
+    n_flush (_moved_pointers) and resets the counter. Each launch compiles only its own path, so
+    a read step does not pay the registers of the flush's products. VEC: KDA (DELTA with a gate
+    per key channel, a_ptr the log decay g [B, H, d_k], b_ptr beta)."""
+    if FLUSHES:
+        NT = n_rows * (HV * (DV // (BV * NB)))
+        tiles = tl.program_id(0) + tl.arange(0, TPP) * tl.num_programs(0)
+        okt = tiles < NT
+        tslot = tl.load(idx_ptr + tiles // (HV * (DV // (BV * NB))), mask=okt, other=-1)
+        th = tl.load(h_ptr + tslot, mask=tslot >= 0, other=0)
+        tpre, tfill = _flush_flags(th, T, L, STEP)
+        need = ((tpre | tfill | FORCE) & (tslot >= 0)).to(tl.int32)
+        rank = tl.cumsum(need, axis=0)
+        for i in range(tl.sum(need, axis=0)):
+            tile = tl.sum(tl.where((need > 0) & (rank == i + 1), tiles, 0), axis=0)
+            _flush_tile(tile, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, ubuf, Gbuf, bbuf,
+                        h_ptr, st_ptr, nf_ptr, sync_ptr, idx_ptr, out_ptr, q_ptr, k_ptr, v_ptr,
+                        a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, beta_scale, key_lo,
+                        key_hi, dt_lo, dt_hi, HK, HV, DK, DV, BV, NB, L, CAP, LP, T, STEP, FORCE,
+                        AFMT, ASR, RFMT, RSR, SHARED, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z,
+                        DT_CLAMP, PREC, ON_GPU, VEC, SYNC)
+    else:
+        row, hv, hk, rows0, cols, slot = _program_tile(idx_ptr, HK, HV, DK, BV, NB)
+        if slot >= 0:
+            mat = slot * HV + hv
+            jj = tl.arange(0, LP)
             # the read copy is loaded before the pointers (one dependent load less before the
             # read); the flush launch has already written it for a row that pre-flushed
             P, Pb = _tile_raw(R_pay, R_sc, mat, rows0, DV, DK, RFMT)
             s = 1.0
             if RFMT == 4:
                 s = tl.load(R_gs + mat)
-        h = tl.load(h_ptr + slot)
-        start = tl.load(st_ptr + slot)
-        nf = tl.load(nf_ptr + slot)
-        pre, fill = _flush_flags(h, T, L, STEP)
-        # row blocks beside an anchor that is not FP32: a first pass finds the matrix amax
-        NP: tl.constexpr = 2 if (NB > 1) and (AFMT != 0) else 1
-        if pre:
-            if FLUSHES:
-                amax = 0.0
-                for ps in tl.static_range(NP):
-                    for ib in range(NB):
-                        rows = rows0 + ib * BV
-                        Kb, r, X, G, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot,
-                                                        start, hv, hk, rows, cols, jj, h, HK, HV,
-                                                        DK, DV, CAP, DELTA, L2NORM, False, VEC)
-                        S = _fold(_tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV,
-                                             AFMT), Kb, r, X, G, Bt, jj, h, A_pay, A_sc, A_gs,
-                                  mat, rows, kbuf, _entry(slot, start, jj, CAP), hk, HK, DK, DV,
-                                  AFMT, DELTA, PREC, ON_GPU, VEC)
-                        # sync slots 0, 1: the pre-flush's
-                        amax = _flushed_tile(S, ps, NP, amax, A_pay, A_sc, A_gs, R_pay, R_sc,
-                                             R_gs, sync_ptr + mat * 4, mat, rows, cols, key_lo,
-                                             key_hi, nf + 1, slot, hv, DV, DK, BV, NB, AFMT, ASR,
-                                             RFMT, RSR, SHARED, SYNC)
-                _flushed_matrix(amax, A_pay, R_pay, R_sc, R_gs, mat, cols, key_lo, key_hi, nf + 1,
-                                slot, hv, DV, DK, BV, NB, AFMT, RSR)
-            nf = nf + 1
-            start = (start + h) % CAP
-            h = h * 0
-            if FLUSHES:
-                tl.debug_barrier()      # a flush step after it reads the anchor just written
-        flush = fill | FORCE
-        if FLUSHES:
-            if STEP:
-                if flush:
-                    amax = 0.0
-                    for ps in tl.static_range(NP):
-                        for ib in range(NB):
-                            rows = rows0 + ib * BV
-                            if VEC:
-                                q, k, v, log_a, beta = _kda_front_end(
-                                    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, row, hv, hk, rows, cols,
-                                    scale, HK, HV, DK, DV, L2NORM)
-                                skip = 0.0
-                            else:
-                                q, k, v, log_a, beta, skip = _front_end(
-                                    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, row,
-                                    hv, hk, rows, cols, scale, dt_lo, dt_hi, HK, HV, DK, DV,
-                                    DELTA, L2NORM, HAS_DTB, HAS_D, DT_CLAMP)
-                            S = _tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT)
-                            if h > 0:
-                                Kb, r, X, G, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf,
-                                                                slot, start, hv, hk, rows, cols,
-                                                                jj, h, HK, HV, DK, DV, CAP, DELTA,
-                                                                L2NORM, False, VEC)
-                                S = _fold(S, Kb, r, X, G, Bt, jj, h, A_pay, A_sc, A_gs, mat, rows,
-                                          kbuf, _entry(slot, start, jj, CAP), hk, HK, DK, DV,
-                                          AFMT, DELTA, PREC, ON_GPU, VEC)
-                            # this step on the rebuilt state: the conventional step's arithmetic
-                            # (L = 1 and a forced step on empty buffers are the conventional
-                            # kernel)
-                            if VEC:
-                                S, y = _vector_gate_step(S, q, k, v, log_a, beta)
-                            else:
-                                S, y = _rank1_step(S, q, k, v, log_a,
-                                                   beta * beta_scale if DELTA else beta, DELTA)
-                            # sync slots 2, 3: the flush step's
-                            amax = _flushed_tile(S, ps, NP, amax, A_pay, A_sc, A_gs, R_pay, R_sc,
-                                                 R_gs, sync_ptr + mat * 4 + 2, mat, rows, cols,
-                                                 key_lo, key_hi, nf + 1, slot, hv, DV, DK, BV, NB,
-                                                 AFMT, ASR, RFMT, RSR, SHARED, SYNC)
-                            if ps == NP - 1:
-                                y = _gate_out(y + skip, z_ptr, row, hv, rows, HV, DV, HAS_Z)
-                                tl.store(out_ptr + (row * HV + hv) * DV + rows, y)
-                    _flushed_matrix(amax, A_pay, R_pay, R_sc, R_gs, mat, cols, key_lo, key_hi,
-                                    nf + 1, slot, hv, DV, DK, BV, NB, AFMT, RSR)
-        else:
+            h = tl.load(h_ptr + slot)
+            start = tl.load(st_ptr + slot)
+            pre, fill = _flush_flags(h, T, L, STEP)
+            if pre:                         # folded by the flush launch
+                start = (start + h) % CAP
+                h = h * 0
             go = True                       # read (a verify always reads)
             if STEP:
-                go = ~flush
+                go = ~(fill | FORCE)
             if go:
                 _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, out_ptr, q_ptr, k_ptr, v_ptr,
                              a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, beta_scale, dt_lo,
@@ -773,8 +821,7 @@ def _replay_kernel(
                     tl.store(st_ptr + slot, st)
                     tl.store(nf_ptr + slot, nf)
                     tl.store(cnt_ptr + slot, 0)
-    else:
-        if not FLUSHES:
+        else:
             for t in tl.static_range(T):
                 tl.store(out_ptr + ((row * T + t) * HV + hv) * DV + rows0,
                          tl.zeros([BV], tl.float32))
@@ -823,6 +870,27 @@ LAUNCH_TABLE = {
 }
 PATHS = ("auto", "replay", "flush")
 LAUNCHES = ("flush", "read")
+
+
+# The flush launch's grid: about FLUSH_PROGRAMS_PER_SM programs an SM (the one-warp flush tile of
+# 255 registers fits 8), each taking up to FLUSH_MAX_TILES tiles (a power of two) of the batch.
+FLUSH_PROGRAMS_PER_SM = 8
+FLUSH_MAX_TILES = 256
+_CPU_SMS = 2                # the interpreter's stand-in, so that its programs loop over tiles
+
+
+def _sm_count(device) -> int:
+    device = torch.device(device)
+    if device.type != "cuda":
+        return _CPU_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _flush_grid(n_tiles: int, device):
+    """(tiles a program, grid) of the flush launch for n_tiles tiles."""
+    target = max(1, _sm_count(device) * FLUSH_PROGRAMS_PER_SM)
+    tpp = min(FLUSH_MAX_TILES, triton.next_power_of_2(max(1, -(-n_tiles // target))))
+    return tpp, (-(-n_tiles // tpp),)
 
 
 def _synced(store: ReplayStore) -> bool:
@@ -967,13 +1035,16 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
     inputs = [t if t is not None else a for t in (q, k, v, a, b, A, dt_bias, D, z)]
     for which, flushes, (BV, NB, nw) in zip(LAUNCHES, (True, False), configs):
         regs = _max_regs(launch, which)
-        _replay_kernel[(B * HV, dv // (BV * NB))](
+        tpp, grid = 1, (B * HV, dv // (BV * NB))
+        if flushes:
+            tpp, grid = _flush_grid(B * HV * (dv // (BV * NB)), q.device)
+        _replay_kernel[grid](
             Ap, As, Ag, Rp, Rs, Rg, store.kbuf, store.vbuf,
             store.ubuf if store.ubuf is not None else store.vbuf, store.Gbuf, store.bbuf,
             store.committed, store.start, store.n_flush, store.arrive,
             store.sync if sync else store.arrive, idx, out, *inputs,
             float(scale if scale is not None else 1.0 / math.sqrt(dk)), beta_scale,
-            *split_key(store.key), dt_lo, dt_hi,
+            *split_key(store.key), dt_lo, dt_hi, B,
             HK=HK, HV=HV, DK=dk, DV=dv, BV=BV, NB=NB, L=store.L, CAP=store.capacity,
             LP=max(16, triton.next_power_of_2(store.L)), T=T, STEP=step, FORCE=bool(force),
             ADVANCE=bool(advance) and not flushes, AFMT=afid,
@@ -983,7 +1054,7 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
             HAS_Z=z is not None,
             U_BF16=store.ubuf is not None and store.ubuf.dtype == torch.bfloat16,
             DT_CLAMP=dt_clamp, PREC="tf32x3", ON_GPU=q.is_cuda, VEC=vec, FLUSHES=flushes,
-            SYNC=sync and flushes, num_warps=nw, **({} if regs is None else {"maxnreg": regs}))
+            SYNC=sync and flushes, TPP=tpp, num_warps=nw, **({} if regs is None else {"maxnreg": regs}))
     return out, idx
 
 
