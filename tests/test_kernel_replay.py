@@ -11,7 +11,8 @@ from replayquant.bench.inputs import (gdn_params, gdn_step_inputs, mamba2_params
 from replayquant.kernels.conventional import (ConventionalStore, conventional_gdn_step,
                                               conventional_mamba2_step, gdn_frontend_ref,
                                               mamba2_frontend_ref, mamba2_post_ref)
-from replayquant.kernels.replay_decode import (LAUNCH_TABLE, ReplayStore, advance_pointers,
+from replayquant.kernels.replay_decode import (LAUNCH_TABLE, READ_REGS, ReplayStore, _flush_grid,
+                                               _max_regs, advance_pointers,
                                                replay_gdn_step, replay_launch_config,
                                                replay_mamba2_step, resolve_path)
 from replayquant.kernels import replay_ref as rr
@@ -373,6 +374,16 @@ def test_launch_table_and_path():
         cfg(mk("s32_rs"), "flush", {"flush": (None, 3)})
     with pytest.raises(ValueError, match="keys"):
         cfg(mk("s32_rs"), "read", {"reads": (16, 1)})
+    # the read launch's register cap: READ_REGS's unless the launch names rows, warps or regs
+    assert _max_regs(mk("tp4_hi32"), None, "read") == READ_REGS[("gdn", "nvfp4")]
+    assert _max_regs(mk("tp4_hi32"), {"read": (64, 2)}, "read") is None
+    assert _max_regs(mk("s32_rs"), {"read": (64, 2, 128)}, "read") == 128
+    assert _max_regs(mk("s32_rs"), None, "read") is None
+    assert _max_regs(mk("tp4_hi32"), None, "flush") is None
+    with pytest.raises(ValueError, match="16..255"):
+        _max_regs(mk("s32_rs"), {"read": (64, 2, 300)}, "read")
+    # the flush launch's grid: TPP consecutive tiles a program (all FLUSH_MAX_TILES on the CPU)
+    assert _flush_grid(12, "cpu") == (8, (2,)) and _flush_grid(3, "cpu") == (4, (1,))
     st = mk("s32_rs", 16)
     for B in (1, 512):
         assert resolve_path(st, B) == "replay" and resolve_path(st, B, "flush") == "flush"

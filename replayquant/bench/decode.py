@@ -852,7 +852,7 @@ def render_markdown(res) -> str:
                   "| --- | --- | --- | ---: | ---: | ---: | ---: |"]
         for r in sweep:
             c = r["cfg"]
-            bv, nw = (next(iter(c["launch"].values())) if "launch" in c
+            bv, nw = (tuple(next(iter(c["launch"].values())))[:2] if "launch" in c
                       else (c.get("block_v"), c.get("num_warps")))
             lines.append(f"| {r['kind']} | {r['kernel']} | {r['variant']} | {r['B']} | {bv} | "
                          f"{nw} | {r['us']:.1f} |")

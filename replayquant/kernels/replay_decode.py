@@ -754,13 +754,12 @@ def _replay_kernel(
     """A decode step (STEP, T = 1) or a verify of T drafts, in two launches that make the same
     per-row decisions from the same pointers.
 
-    FLUSHES, the flush launch (first): a grid sized to the machine, not to the batch; program p
-    takes the tiles p, p + P, p + 2P, ... (P programs, at most TPP tiles each; a tile is NB
-    blocks of BV rows of one (batch row, value head)), reads their rows' pointers at once and
-    runs _flush_tile on those whose row pre-flushes or flushes, one after another. On a read
-    step its programs return after one round of pointer loads, instead of one program per tile
-    each reading its row's pointers (a launch as large as the read launch, 8 programs of 255
-    registers an SM).
+    FLUSHES, the flush launch (first): program p takes the TPP consecutive tiles from p TPP on
+    (a tile is NB blocks of BV rows of one (batch row, value head); _flush_grid), reads their
+    rows' pointers at once and runs _flush_tile on those whose row pre-flushes or flushes, one
+    after another. On a read step its programs return after one round of pointer loads: a
+    program per tile, each reading its row's pointers, made the flush launch as large as the
+    read launch (8 programs of 255 registers an SM).
     Else the read launch (a program per [BV, d_k] tile of a (batch row, value head)): the reads,
     and, with ADVANCE, the pointer moves of every row: every program, once done with its row's
     pointers, increments the row's arrival counter; the last one moves committed / start /
@@ -769,7 +768,7 @@ def _replay_kernel(
     per key channel, a_ptr the log decay g [B, H, d_k], b_ptr beta)."""
     if FLUSHES:
         NT = n_rows * (HV * (DV // (BV * NB)))
-        tiles = tl.program_id(0) + tl.arange(0, TPP) * tl.num_programs(0)
+        tiles = tl.program_id(0) * TPP + tl.arange(0, TPP)
         okt = tiles < NT
         tslot = tl.load(idx_ptr + tiles // (HV * (DV // (BV * NB))), mask=okt, other=-1)
         th = tl.load(h_ptr + tslot, mask=tslot >= 0, other=0)
@@ -855,8 +854,9 @@ def _advance_kernel(h_ptr, st_ptr, nf_ptr, idx_ptr, acc_ptr, B, L: tl.constexpr,
 # holds (warps = BV d_k / (32 x per_thread), 1..8), per launch of a step. An NVFP4 role has one
 # FP32 scale per matrix, so a flush that writes one covers the whole matrix (amax first).
 LAUNCH_TABLE = {
-    # read launch: 32 rows a warp (B = 256 on the H200, bench.decode.config_sweep: 64 x 128 on
-    # 2 warps fastest for GDN and Mamba-2, within 8% of 32 x 128 on one; 4 or 8 warps slower)
+    # read launch: 32 rows a warp (B = 256 on the H200, bench.decode.config_sweep at fcda2a5:
+    # 64 x 128 on 2 warps fastest for GDN and Mamba-2, GDN s32_rs 199.1 us against 205.4 for
+    # 32 x 128 on one warp, 218.9 for 128 on 4, 287.4 for 32 on 4; register caps in READ_REGS)
     "read": dict(rows=64, per_thread=128),
     # flush launch, and the flush of an NVFP4 read copy beside an FP32 anchor (its tiles add
     # their amax, the matrix's last program casts the copy from the anchor, _read_copy_last):
@@ -868,27 +868,39 @@ LAUNCH_TABLE = {
     # flush launch, NVFP4 anchor: the whole matrix cast in registers (GDN 128 x 128 on 8 warps)
     "flush_nvfp4": dict(rows=None, per_thread=64),
 }
+# register cap of the read launch by (kind, read copy format), where ptxas's own choice (255) is
+# slower (B = 256 on the H200, config_sweep at fcda2a5, us per read step capped / not): fewer
+# registers, more programs an SM. GDN NVFP4 130.2 / 148.5, KDA FP8 202.4 / 227.2, KDA NVFP4
+# 176.6 / 217.8, Mamba-2 FP32 283.3 / 302.2; the others are slower capped (GDN FP32 232.9 /
+# 199.1, KDA FP32 377.0 / 314.8, Mamba-2 FP8 158.1 / 139.0) or even.
+READ_REGS = {("gdn", "nvfp4"): 168, ("kda", "fp8"): 168, ("kda", "nvfp4"): 168,
+             ("mamba2", "fp32"): 168}
+# and of the flush launch by kind: Mamba-2 flush steps at 168 registers, s32_rs 698.8 us against
+# 761.8, tp4_hi32 1354.1 against 1504.2 (B = 256, H200, 16-row tiles, 8 a program); GDN and KDA
+# are slower capped (GDN s32_rs 1274.5 against 958.6, KDA 1931.0 against 1771.1)
+FLUSH_REGS = {"mamba2": 168}
 PATHS = ("auto", "replay", "flush")
 LAUNCHES = ("flush", "read")
 
 
-# The flush launch's grid: about FLUSH_PROGRAMS_PER_SM programs an SM (the one-warp flush tile of
-# 255 registers fits 8), each taking up to FLUSH_MAX_TILES tiles (a power of two) of the batch.
+# The flush launch's grid: a program takes TPP consecutive tiles (a power of two), as few as keep
+# FLUSH_PROGRAMS_PER_SM programs an SM busy (the one-warp flush tile of 255 registers fits 8) and
+# at most FLUSH_MAX_TILES (B = 256, H200: a read step's flush launch costs GDN s32_rs 239.3 ->
+# 204.0 us at 8 tiles; the flush step 863.6 -> 965.5 us, tp4_hi32 1765.1 -> 1441.9; 64 tiles
+# taken p, p + P, ...: read 198.2 us, but flush steps 1001.4 / 3722.6)
 FLUSH_PROGRAMS_PER_SM = 8
-FLUSH_MAX_TILES = 256
-_CPU_SMS = 2                # the interpreter's stand-in, so that its programs loop over tiles
-
-
-def _sm_count(device) -> int:
-    device = torch.device(device)
-    if device.type != "cuda":
-        return _CPU_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
+FLUSH_MAX_TILES = 8
 
 
 def _flush_grid(n_tiles: int, device):
-    """(tiles a program, grid) of the flush launch for n_tiles tiles."""
-    target = max(1, _sm_count(device) * FLUSH_PROGRAMS_PER_SM)
+    """(tiles a program TPP, grid) of the flush launch for n_tiles tiles. On the CPU (the
+    interpreter) every program takes FLUSH_MAX_TILES, so that one program meets tiles of rows
+    that flush, rows that do not and padding rows."""
+    device = torch.device(device)
+    target = 1
+    if device.type == "cuda":
+        target = torch.cuda.get_device_properties(device).multi_processor_count \
+            * FLUSH_PROGRAMS_PER_SM
     tpp = min(FLUSH_MAX_TILES, triton.next_power_of_2(max(1, -(-n_tiles // target))))
     return tpp, (-(-n_tiles // tpp),)
 
@@ -899,12 +911,19 @@ def _synced(store: ReplayStore) -> bool:
     return not store.shared and store.anchor.fmt == "fp32" and store.read.fmt == "nvfp4"
 
 
-def _max_regs(launch, which: str):
-    """The register cap of a launch given as (rows, warps, regs), else None (ptxas's choice)."""
+def _max_regs(store: ReplayStore, launch, which: str):
+    """The register cap of a launch given as (rows, warps, regs); of a launch not given,
+    READ_REGS's or FLUSH_REGS's; else None (ptxas's choice)."""
     c = (launch or {}).get(which) or ()
     if len(c) > 2 and c[2] is not None and not 16 <= int(c[2]) <= 255:
         raise ValueError(f"{which} launch regs={c[2]} must lie in 16..255")
-    return int(c[2]) if len(c) > 2 and c[2] is not None else None
+    if len(c) > 2 and c[2] is not None:
+        return int(c[2])
+    if any(x is not None for x in c):
+        return None
+    if which == "read":
+        return READ_REGS.get((store.kind, store.read_role.fmt))
+    return FLUSH_REGS.get(store.kind)
 
 
 def replay_launch_config(store: ReplayStore, which: str = "read", launch=None):
@@ -1034,7 +1053,7 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
     q, k, v, a, b, A, dt_bias, D, z = map(_prep, (q, k, v, a, b, A, dt_bias, D, z))
     inputs = [t if t is not None else a for t in (q, k, v, a, b, A, dt_bias, D, z)]
     for which, flushes, (BV, NB, nw) in zip(LAUNCHES, (True, False), configs):
-        regs = _max_regs(launch, which)
+        regs = _max_regs(store, launch, which)
         tpp, grid = 1, (B * HV, dv // (BV * NB))
         if flushes:
             tpp, grid = _flush_grid(B * HV * (dv // (BV * NB)), q.device)
