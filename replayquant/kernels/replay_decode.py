@@ -31,9 +31,9 @@ with committed fill h:
 * otherwise read: the outputs of the T entries from the packed read copy (decoded in
   registers, never written back) and the buffer, output-only, and their appends.
 
-The flush launch (FLUSHES) runs the first two for the rows that have them, every other program
-returning at once; the read launch then reads and moves every row's pointers, each compiled
-with its own path only.
+The flush launch (FLUSHES) runs the first two for the rows that have them, a program taking up
+to 8 consecutive tiles whose rows' pointers it reads at once (_flush_grid); the read launch then
+reads and moves every row's pointers, each compiled with its own path only.
 
 The rebuild uses tensor-core products (the WY form of the chunked delta rule): W = K S0^T,
 A[j, i] = beta_j e^{G_j - G_i} (k_i . k_j) for i < j, U = (I + A)^{-1} (beta (V - e^G W)),
