@@ -12,8 +12,10 @@
 #                   (265 s of wall time including the install; the plan estimated 220 s and the
 #                   budget skipped its last sections, listed in the file's `skipped`)
 #   probe           evals/gpu_checks.py, then `bench kernels --preset probe` beside the authors:
-#                   s32_rs, tp4_hi32 and conventional at B = 32 and 256, both kinds, in phase
-#                   and staggered, accuracy (the bench 56 s on one H200, after the checks)
+#                   the launch-config sweep of every kind at B = 256 (read and flush launch of
+#                   each pair apart), then its picks' windows and the speculative rounds; the
+#                   sweep of three kinds with ten read candidates filled the 300-s budget (478 s
+#                   of wall time in all) and the budget skipped the sections after GDN s32_rs
 #   ncu             Nsight Compute on one GDN tp4_hi32 read step at B = 256 (evals/ncu_read_step.py):
 #                   the flush launch (its programs all return) and the read launch: speed of light,
 #                   memory, warp state, launch statistics, occupancy (~60 s)

@@ -396,8 +396,7 @@ def _rotations(nbytes: float, device) -> int:
 # Launch-config candidates of the sweep, (rows, warps[, register cap]): the read launch (any
 # tile), the flush launch of pairs that write no NVFP4 role, of an NVFP4 read copy (row blocks),
 # and of an NVFP4 anchor (whole matrices)
-READ_CANDIDATES = ((16, 1), (16, 2), (32, 1), (32, 2), (32, 4), (64, 2), (64, 2, 168), (64, 4),
-                   (64, 8), (128, 4))
+READ_CANDIDATES = ((16, 1), (32, 1), (32, 2), (32, 4), (64, 2), (64, 2, 168), (64, 4), (128, 4))
 FLUSH_CANDIDATES = {"plain": ((16, 1), (16, 2), (32, 2), (32, 4), (64, 4)),
                     "looped": ((16, 2), (32, 2), (32, 4), (64, 4), (64, 8)),
                     "whole": ((None, 4), (None, 8))}
@@ -407,8 +406,9 @@ def config_sweep(kind, B, device, copy_bw, pairs=PAIRS, L=None, S=None):
     """Launch configs timed at batch B on fresh stores (never by re-running a live in-place
     state): the conventional step (block_v, num_warps); per pair the replay read launch on a read
     step (h = L/2, pointers held) and the flush launch on a flush step (h = L - 1), each with the
-    other launch at the table's config (its programs all return at once). Returns (rows, best
-    config per kernel: 'conventional/fp32' and 'replay/PAIR' {'launch': {'read', 'flush'}})."""
+    other launch at the table's config (on a read step the flush launch only reads pointers).
+    Returns (rows, best config per kernel: 'conventional/fp32' and 'replay/PAIR' {'launch':
+    {'read', 'flush'}})."""
     from replayquant.kernels.conventional import ConventionalStore
     from replayquant.kernels.replay_decode import ReplayStore
     S = S or SHAPES[kind]
