@@ -641,6 +641,15 @@ def _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, out_ptr, q_ptr, k_ptr, 
 
 
 @triton.jit
+def _flush_tile_at(tile, HV: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+                   NB: tl.constexpr):
+    """(batch row, value head, row block) of flush-launch tile `tile` (a scalar or a block): the
+    tiles of a batch row are consecutive, its value heads' row blocks in order."""
+    NBLK: tl.constexpr = DV // (BV * NB)
+    return tile // (HV * NBLK), (tile // NBLK) % HV, tile % NBLK
+
+
+@triton.jit
 def _flush_tile(tile, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, ubuf, Gbuf, bbuf, h_ptr,
                 st_ptr, nf_ptr, sync_ptr, idx_ptr, out_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
                 A_ptr, dtb_ptr, D_ptr, z_ptr, scale, beta_scale, key_lo, key_hi, dt_lo, dt_hi,
@@ -655,11 +664,9 @@ def _flush_tile(tile, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, ubuf, Gb
     """The flush launch's work on one tile (batch row, value head, NB blocks of BV rows) of a
     row that pre-flushes or flushes: the pre-flush (fold the h committed entries, cast both
     roles), then in a step the flush step (rebuild, this step, output S q, cast both roles)."""
-    NBLK: tl.constexpr = DV // (BV * NB)
-    row = tile // (HV * NBLK)
-    hv = (tile // NBLK) % HV
+    row, hv, blk = _flush_tile_at(tile, HV, DV, BV, NB)
     hk = hv // (HV // HK)
-    rows0 = (tile % NBLK) * (BV * NB) + tl.arange(0, BV)
+    rows0 = blk * (BV * NB) + tl.arange(0, BV)
     cols = tl.arange(0, DK)
     slot = tl.load(idx_ptr + row).to(tl.int64)
     mat = slot * HV + hv
@@ -770,7 +777,8 @@ def _replay_kernel(
         NT = n_rows * (HV * (DV // (BV * NB)))
         tiles = tl.program_id(0) * TPP + tl.arange(0, TPP)
         okt = tiles < NT
-        tslot = tl.load(idx_ptr + tiles // (HV * (DV // (BV * NB))), mask=okt, other=-1)
+        trow, _, _ = _flush_tile_at(tiles, HV, DV, BV, NB)
+        tslot = tl.load(idx_ptr + trow, mask=okt, other=-1)
         th = tl.load(h_ptr + tslot, mask=tslot >= 0, other=0)
         tpre, tfill = _flush_flags(th, T, L, STEP)
         need = ((tpre | tfill | FORCE) & (tslot >= 0)).to(tl.int32)
