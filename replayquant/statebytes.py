@@ -7,12 +7,14 @@ Triton kernels (`replayquant.kernels.replay_decode.ReplayStore`):
 
 * a state matrix of d_v x d_k elements in its physical format (`state_bytes`: payload + scales);
 * the ring buffer, one entry per buffered step and head: k / B in bf16 (one per key head or
-  group, shared by its H / HK heads), v / x in bf16, GDN's u in bf16 (the outputs' correction
-  terms computed against the read copy), the cumulative gate and beta / dt in fp32;
+  group, shared by its H / HK heads), v / x in bf16, GDN's u (the outputs' correction terms
+  computed against the read copy) in bf16, in fp32 for a shared pair (`ring_u_bytes`), the
+  cumulative gate and beta / dt in fp32;
 * a read step (committed length h) reads the read copy and the h buffered entries (GDN: k, u, G,
   beta) and writes its own entry (GDN: k, v, u, G, beta); the flush step (the L-th) reads the
   anchor and the L - 1 entries (GDN: k, v, G, beta, to rebuild S and recompute u from the
-  anchor), writes the anchor and, in a pair with a separate read copy, the read copy;
+  anchor; a shared pair: k, u, G, beta, folding its cached u), writes the anchor and, in a pair
+  with a separate read copy, the read copy;
 * the conventional step reads and writes the whole state every step;
 * every step also reads its inputs (bf16 activations, fp32 gates) and writes its output (fp32).
 
@@ -76,16 +78,22 @@ def io_bytes(kind, H, HK, dv, dk):
     return 2 * dk * 2 / r + 2 * dv * 2 + g + dv * 4          # B, C (per group), x, z, dt; y
 
 
-def entry_bytes(kind, H, HK, dv, dk, u_bytes=2):
+def ring_u_bytes(read_fmt) -> int:
+    """Bytes of one cached u element: 4 for a shared pair (read_fmt None), whose flush folds the
+    FP32 u (`replay_decode.folds_u`), else 2 (bf16, outputs only)."""
+    return 4 if read_fmt is None else 2
+
+
+def entry_bytes(kind, H, HK, dv, dk, u_bytes=2, fold_u=False):
     """(bytes a read step reads per buffered entry, bytes it writes for its own entry, bytes the
-    flush reads per entry), per (row, head)."""
+    flush reads per entry), per (row, head). fold_u: the flush reads u instead of v."""
     r = H / HK
     kb = dk * 2 / r                                          # k / B per head (shared by the group)
     gb = _gate_bytes(kind, dk) + 4                           # G (per channel for KDA), beta / dt
     if kind in ("gdn", "kda"):
         read_nf = kb + dv * u_bytes + gb                     # k, u, G, beta (outputs)
         write = kb + dv * 2 + dv * u_bytes + gb              # k, v, u, G, beta
-        read_fl = kb + dv * 2 + gb                           # k, v, G, beta (rebuild)
+        read_fl = kb + dv * (u_bytes if fold_u else 2) + gb  # k, v or u, G, beta (rebuild)
     else:
         read_nf = read_fl = kb + dv * 2 + gb                 # B, x, G, dt
         write = kb + dv * 2 + gb
@@ -99,11 +107,11 @@ def conventional_bytes(kind, fmt, B, H, HK, dv, dk):
     return B * H * (2 * state_bytes(fmt, dv, dk) + io_bytes(kind, H, HK, dv, dk))
 
 
-def replay_window_bytes(kind, anchor_fmt, read_fmt, L, B, H, HK, dv, dk, u_bytes=2):
+def replay_window_bytes(kind, anchor_fmt, read_fmt, L, B, H, HK, dv, dk):
     """Mean HBM bytes per step over a window of L steps (L - 1 read steps at h = 0..L-2, then one
     flush), as the kernel moves them. read_fmt None: shared pair."""
     io = io_bytes(kind, H, HK, dv, dk)
-    rd_nf, wr, rd_fl = entry_bytes(kind, H, HK, dv, dk, u_bytes)
+    rd_nf, wr, rd_fl = entry_bytes(kind, H, HK, dv, dk, ring_u_bytes(read_fmt), read_fmt is None)
     R = state_bytes(read_fmt or anchor_fmt, dv, dk)
     A = state_bytes(anchor_fmt, dv, dk)
     total = sum(R + h * rd_nf + wr + io for h in range(L - 1))
@@ -112,13 +120,14 @@ def replay_window_bytes(kind, anchor_fmt, read_fmt, L, B, H, HK, dv, dk, u_bytes
 
 
 def replay_read_step_bytes(kind, read_fmt, h, B, H, HK, dv, dk, u_bytes=2):
-    """HBM bytes of one non-flush step at committed length h."""
+    """HBM bytes of one non-flush step at committed length h (u_bytes: ring_u_bytes of the
+    pair)."""
     rd_nf, wr, _ = entry_bytes(kind, H, HK, dv, dk, u_bytes)
     return B * H * (state_bytes(read_fmt, dv, dk) + h * rd_nf + wr + io_bytes(kind, H, HK, dv, dk))
 
 
 def replay_flush_step_bytes(kind, anchor_fmt, read_fmt, L, B, H, HK, dv, dk):
-    _, _, rd_fl = entry_bytes(kind, H, HK, dv, dk, 2)
+    _, _, rd_fl = entry_bytes(kind, H, HK, dv, dk, ring_u_bytes(read_fmt), read_fmt is None)
     A = state_bytes(anchor_fmt, dv, dk)
     R = 0 if read_fmt is None else state_bytes(read_fmt, dv, dk)
     return B * H * (2 * A + R + (L - 1) * rd_fl + io_bytes(kind, H, HK, dv, dk))
@@ -225,13 +234,13 @@ class MemoryBytes:
                 "total": self.total}
 
 
-def layer_step_bytes(shape: LayerShape, pair, L: int | None = None, u_bytes: int = 2) -> StepBytes:
+def layer_step_bytes(shape: LayerShape, pair, L: int | None = None) -> StepBytes:
     """Mean bytes per decode step of one sequence in one layer holding `pair` with buffer length
     L (default the pair's own): the parts of `replay_window_bytes` for B = 1."""
     L = pair.buffer_len if L is None else int(L)
     af, rf = _fmts(pair)
     s = shape
-    rd_nf, wr, rd_fl = entry_bytes(s.kind, s.H, s.HK, s.dv, s.dk, u_bytes)
+    rd_nf, wr, rd_fl = entry_bytes(s.kind, s.H, s.HK, s.dv, s.dk, ring_u_bytes(rf), rf is None)
     R = state_bytes(rf or af, s.dv, s.dk)
     A = state_bytes(af, s.dv, s.dk)
     read_copy = (L - 1) * R
@@ -249,7 +258,7 @@ def layer_conventional_bytes(shape: LayerShape, fmt: str = "fp32") -> StepBytes:
                      s.H * io_bytes(s.kind, s.H, s.HK, s.dv, s.dk))
 
 
-def layer_memory_bytes(shape: LayerShape, pair, L: int | None = None, u_bytes: int = 2,
+def layer_memory_bytes(shape: LayerShape, pair, L: int | None = None,
                        max_drafts: int = 0) -> MemoryBytes:
     """State memory of one sequence in one layer: the bytes a ReplayStore slot holds (anchor,
     read copy, ring of L + max_drafts entries: k per key head / group, v, GDN / KDA u, G (KDA:
@@ -257,7 +266,7 @@ def layer_memory_bytes(shape: LayerShape, pair, L: int | None = None, u_bytes: i
     L = pair.buffer_len if L is None else int(L)
     af, rf = _fmts(pair)
     s = shape
-    _, wr, _ = entry_bytes(s.kind, s.H, s.HK, s.dv, s.dk, u_bytes)
+    _, wr, _ = entry_bytes(s.kind, s.H, s.HK, s.dv, s.dk, ring_u_bytes(rf))
     return MemoryBytes(s.H * state_bytes(af, s.dv, s.dk),
                        0.0 if rf is None else s.H * state_bytes(rf, s.dv, s.dk),
                        s.H * (L + max_drafts) * wr)

@@ -57,11 +57,12 @@ def test_kda_bytes_are_gdns_but_the_gate(H, dv, dk):
 
 def test_kda_ring_is_the_replay_buffer():
     """A KDA layer's ring is what a vector-gated ReplayState buffers (k, v, u, G per key channel,
-    beta for L entries), at the kernel ring's widths (bf16 k, v, u; fp32 G, beta)."""
+    beta for L entries), at the kernel ring's widths (bf16 k, v; u bf16, fp32 for a shared pair;
+    fp32 G, beta)."""
     from replayquant.replay import ReplayState
     H, dv, dk = 2, 8, 16
-    width = {"k": 2, "v": 2, "u": 2, "G": 4, "beta": 4}
     for name in ("s32_rs", "tp4_hi32"):
+        width = {"k": 2, "v": 2, "u": 4 if name == "s32_rs" else 2, "G": 4, "beta": 4}
         P = PrecisionPair.load(name).with_buffer_len(8)
         st = ReplayState(torch.zeros(1, H, dv, dk), P, delta=True, vector_gate=True)
         buf = st.buffer

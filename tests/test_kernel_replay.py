@@ -218,13 +218,19 @@ def test_gdn_fold_strong_decay(pair):
     assert_states_close(store.read_role.dequantize(), rs.read_copy())
 
 
-def test_replay_bf16_u_buffer_against_reference():
-    """Default buffer precision (u in bf16): the reference models the bf16 storage of u."""
+@pytest.mark.parametrize("pair", ["tp4_hi32", "s32_rs"])
+def test_replay_bf16_u_buffer_against_reference(pair):
+    """u in bf16 (the default beside a separate read copy; a shared pair's default is FP32, which
+    its flush folds, so a shared pair given bf16 u solves for u as the others do): the reference
+    models the bf16 storage of u."""
     N, HK, H, dk, dv = 3, 1, 2, 32, 16
     dr = Driver("gdn", 3, HK, H, dk, dv)
-    store = ReplayStore.from_state(random_state(N, H, dv, dk), "tp4_hi32", "gdn", key_heads=HK,
-                                   buffer_len=4)
-    assert store.ubuf.dtype == torch.bfloat16
+    init = random_state(N, H, dv, dk)
+    assert ReplayStore.from_state(init, pair, "gdn").ubuf.dtype == \
+        (torch.float32 if pair == "s32_rs" else torch.bfloat16)
+    store = ReplayStore.from_state(init, pair, "gdn", key_heads=HK, buffer_len=4,
+                                   u_dtype=torch.bfloat16)
+    assert not rr.folds_u(store)
     ref = store.clone()
     for step in range(6):
         inp = dr.inputs(seed=step)

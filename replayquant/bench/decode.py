@@ -37,7 +37,8 @@ PEERS = {"gdn": ("peer:fla", "fla fused_recurrent_gated_delta_rule"),
 # The byte model is shared with the sweep (replayquant.statebytes): one count of what a
 # decode step moves, for the rows' `bytes`, byte ratios and copy-bandwidth ceilings here.
 from replayquant.statebytes import (conventional_bytes, replay_flush_step_bytes,  # noqa: E402,F401
-                                    replay_read_step_bytes, replay_window_bytes, state_bytes)
+                                    replay_read_step_bytes, replay_window_bytes, ring_u_bytes,
+                                    state_bytes)
 from replayquant.statebytes import entry_bytes as _entry_bytes  # noqa: E402,F401
 from replayquant.statebytes import io_bytes as _io_bytes  # noqa: E402
 
@@ -443,7 +444,8 @@ def config_sweep(kind, B, device, copy_bw, pairs=PAIRS, L=None, S=None):
         pick = {}
         for which, h, cands_w, nbytes in (
                 ("read", L // 2, READ_CANDIDATES,
-                 replay_read_step_bytes(kind, rf or af, L // 2, B, H, HK, dv, dk)),
+                 replay_read_step_bytes(kind, rf or af, L // 2, B, H, HK, dv, dk,
+                                        ring_u_bytes(rf))),
                 ("flush", L - 1, flush_c,
                  replay_flush_step_bytes(kind, af, rf, L, B, H, HK, dv, dk))):
             cands = []
@@ -539,7 +541,8 @@ def bench_replay(kind, B, pair, L, device, copy_bw, cfg=None, detail=False, forc
         ms = time_calls(lambda: f["step"](st, **kw, state_indices=idx, out=out, path="replay",
                                           advance=False, **c), 8)
         rows.append(_row(kind, "replay-read-step", pair, B, ms,
-                         replay_read_step_bytes(kind, rf or af, h, B, H, HK, dv, dk), copy_bw,
+                         replay_read_step_bytes(kind, rf or af, h, B, H, HK, dv, dk,
+                                                ring_u_bytes(rf)), copy_bw,
                          L=L, h=h, config=c))
         # the same read step with the read launch's registers capped (more programs an SM,
         # ptxas spilling what does not fit): occupancy against spills, side by side
@@ -549,7 +552,8 @@ def bench_replay(kind, B, pair, L, device, copy_bw, cfg=None, detail=False, forc
             ms = time_calls(lambda: f["step"](st, **kw, state_indices=idx, out=out,
                                               path="replay", advance=False, launch=lc), 8)
             rows.append(_row(kind, f"replay-read-step-regs{regs}", pair, B, ms,
-                             replay_read_step_bytes(kind, rf or af, h, B, H, HK, dv, dk),
+                             replay_read_step_bytes(kind, rf or af, h, B, H, HK, dv, dk,
+                                                    ring_u_bytes(rf)),
                              copy_bw, L=L, h=h, config={"launch": lc}))
         st.committed.fill_(L - 1)
         ms = time_calls(lambda: f["step"](st, **kw, state_indices=idx, out=out, path="replay",

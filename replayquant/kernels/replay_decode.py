@@ -8,7 +8,8 @@ Storage of one layer (`ReplayStore`; slots N, value heads H, key heads / groups 
     read copy   PackedRole [N, H, d_v, d_k]     low precision, physically packed (None: shared pair)
     kbuf        bf16 [N, C, HK, d_k]            raw k (GDN / KDA: re-normalised on read) / B
     vbuf        bf16 [N, C, H, d_v]             raw v (GDN / KDA) / x (Mamba-2; v = dt x on read)
-    ubuf        u_dtype [N, C, H, d_v]          GDN / KDA: u against the read copy (outputs only)
+    ubuf        u_dtype [N, C, H, d_v]          GDN / KDA: u against the read copy (outputs; a
+                                                shared pair's FP32 u is the anchor's: folded)
     Gbuf, bbuf  fp32 [N, C, H]                  cumulative log gate since the checkpoint (KDA:
                                                 Gbuf [N, C, H, d_k], per key channel); GDN /
                                                 KDA beta (beta_scale included) / Mamba-2 dt
@@ -37,7 +38,9 @@ reads and moves every row's pointers, each compiled with its own path only.
 
 The rebuild uses tensor-core products (the WY form of the chunked delta rule): W = K S0^T,
 A[j, i] = beta_j e^{G_j - G_i} (k_i . k_j) for i < j, U = (I + A)^{-1} (beta (V - e^G W)),
-S = e^{G_n} S0 + (U e^{G_n - G})^T K; Mamba-2 U = dt x. KDA (VEC, a gate per key channel)
+S = e^{G_n} S0 + (U e^{G_n - G})^T K; Mamba-2 U = dt x. A shared pair with FP32 u (the
+default) folds the cached u as it is (folds_u): one product, as the authors' kernel does. KDA
+(VEC, a gate per key channel) folds it as S0 e^{G_n} + U^T (K e^{G_n - G}); solving for u it
 folds the entries one after another (_rebuild_vec), forming only exp(G_j - G_{j-1}). The last
 program of each row in the read launch moves that row's pointers (arrival counter
 `ReplayStore.arrive`); a model
@@ -113,12 +116,14 @@ class ReplayStore:
 
     @classmethod
     def from_state(cls, initial: torch.Tensor, pair, kind: str, key_heads: int | None = None,
-                   seed: int = 0, layer: int = 0, u_dtype=torch.bfloat16,
+                   seed: int = 0, layer: int = 0, u_dtype=None,
                    buffer_len: int | None = None, max_drafts: int = 0) -> "ReplayStore":
         """Cast float32 initial [N, H, d_v, d_k] into anchor and read copy (flush index 0,
         independently, as ReplayState), empty buffers. key_heads: GDN key heads / Mamba-2
         groups (default H). max_drafts: the largest T of speculative verify (0: plain decode).
-        kind 'kda': the delta rule with a gate per key channel (Gbuf per channel)."""
+        kind 'kda': the delta rule with a gate per key channel (Gbuf per channel). u_dtype (GDN /
+        KDA u in the ring): None is float32 for a shared pair (its flush folds the cached u,
+        folds_u) and bfloat16 beside a separate read copy (whose flush solves for u)."""
         if kind not in ("gdn", "mamba2", "kda"):
             raise ValueError(f"kind must be 'gdn', 'mamba2' or 'kda', got {kind!r}")
         if not isinstance(initial, torch.Tensor) or initial.dim() != 4 or not initial.is_floating_point():
@@ -143,6 +148,8 @@ class ReplayStore:
         if read is not None:
             rrole = PackedRole.empty(read[0], read[1], tuple(initial.shape), dev)
             rrole.write_(slots, x, key, role_streams(0, READ, slots, H))
+        if u_dtype is None:
+            u_dtype = torch.float32 if read is None else torch.bfloat16
         if u_dtype not in (torch.bfloat16, torch.float32):
             raise ValueError("u_dtype must be torch.bfloat16 or torch.float32")
         if max_drafts < 0 or max_drafts > L:
@@ -253,17 +260,20 @@ def _dot3(a, b, acc, SPLIT_B: tl.constexpr, ON_GPU: tl.constexpr):
 @triton.jit
 def _rebuild(S0, Kb, r, X, G, Bt, jj, n, A_pay, A_sc, A_gs, mat, rows, kbuf, e, hk,
              HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, AFMT: tl.constexpr,
-             DELTA: tl.constexpr, PREC: tl.constexpr, ON_GPU: tl.constexpr):
+             DELTA: tl.constexpr, PREC: tl.constexpr, ON_GPU: tl.constexpr,
+             FOLD_U: tl.constexpr):
     """The unrounded state after n > 0 entries (_load_entries' Kb, r, X, G, Bt, at ring
     entries e; rows >= n zero) from the checkpoint tile S0 [BV, DK] (the anchor's rows `rows`),
-    with tensor-core products (module docstring). GDN: u solves the unit lower triangular
+    with tensor-core products (module docstring). FOLD_U: X is the cached FP32 u (a shared
+    pair, whose read steps computed it against the anchor itself), folded as it is. Else GDN:
+    u solves the unit lower triangular
     system of DESIGN section 3 against S0; W = K S0^T and K K^T are formed over 32-column
     pieces of the anchor and the k entries, reloaded (cache hits), so that no full-width dot
     operand is held beside S0 (an NVFP4 anchor, whose blocks decode whole rows, in one piece)."""
     m = jj < n
     Gn = tl.sum(tl.where(jj == n - 1, G, 0.0), axis=0)
     U = X
-    if DELTA:
+    if DELTA and not FOLD_U:
         CW: tl.constexpr = DK if (AFMT == 4) or (DK < 32) else 32      # NVFP4: whole rows
         W = tl.zeros_like(X)                                                # [LP, BV]: S0 k_j
         KK = tl.zeros([X.shape[0], X.shape[0]], tl.float32)                 # [LP, LP]: k_j . k_i
@@ -307,15 +317,30 @@ def _rebuild_vec(S0, Kb, r, X, G, Bt, jj, n):
 
 
 @triton.jit
+def _fold_vec_u(S0, Kb, r, U, G, jj, n, PREC: tl.constexpr):
+    """KDA with the cached FP32 u (FOLD_U): S = S0 Diag(e^{G_n}) + U^T (K * e^{G_n - G}), one
+    product (3xTF32: both operands float32), every exponential in (0, 1]."""
+    m = jj < n
+    Gn = tl.sum(tl.where((jj == n - 1)[:, None], G, 0.0), axis=0)
+    Kw = tl.where(m[:, None], tl.exp(tl.where(m[:, None], Gn[None, :] - G, 0.0)), 0.0) \
+        * (Kb.to(tl.float32) * r[:, None])
+    return tl.dot(tl.trans(U), Kw, S0 * tl.exp(Gn)[None, :], input_precision=PREC)
+
+
+@triton.jit
 def _fold(S0, Kb, r, X, G, Bt, jj, n, A_pay, A_sc, A_gs, mat, rows, kbuf, e, hk,
           HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, AFMT: tl.constexpr,
-          DELTA: tl.constexpr, PREC: tl.constexpr, ON_GPU: tl.constexpr, VEC: tl.constexpr):
-    """_rebuild, or _rebuild_vec for a gate per key channel (VEC)."""
+          DELTA: tl.constexpr, PREC: tl.constexpr, ON_GPU: tl.constexpr, VEC: tl.constexpr,
+          FOLD_U: tl.constexpr):
+    """_rebuild, or for a gate per key channel (VEC) _fold_vec_u (FOLD_U) / _rebuild_vec."""
     if VEC:
-        S = _rebuild_vec(S0, Kb, r, X, G, Bt, jj, n)
+        if FOLD_U:
+            S = _fold_vec_u(S0, Kb, r, X, G, jj, n, PREC)
+        else:
+            S = _rebuild_vec(S0, Kb, r, X, G, Bt, jj, n)
     else:
         S = _rebuild(S0, Kb, r, X, G, Bt, jj, n, A_pay, A_sc, A_gs, mat, rows, kbuf, e, hk,
-                     HK, DK, DV, AFMT, DELTA, PREC, ON_GPU)
+                     HK, DK, DV, AFMT, DELTA, PREC, ON_GPU, FOLD_U)
     return S
 
 
@@ -660,7 +685,7 @@ def _flush_tile(tile, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, ubuf, Gb
                 SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
                 HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
                 DT_CLAMP: tl.constexpr, PREC: tl.constexpr, ON_GPU: tl.constexpr,
-                VEC: tl.constexpr, SYNC: tl.constexpr):
+                VEC: tl.constexpr, SYNC: tl.constexpr, FOLD_U: tl.constexpr):
     """The flush launch's work on one tile (batch row, value head, NB blocks of BV rows) of a
     row that pre-flushes or flushes: the pre-flush (fold the h committed entries, cast both
     roles), then in a step the flush step (rebuild, this step, output S q, cast both roles)."""
@@ -684,11 +709,11 @@ def _flush_tile(tile, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, ubuf, Gb
                 rows = rows0 + ib * BV
                 Kb, r, X, G, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start, hv,
                                                 hk, rows, cols, jj, h, HK, HV, DK, DV, CAP,
-                                                DELTA, L2NORM, False, VEC)
+                                                DELTA, L2NORM, FOLD_U, VEC)
                 S = _fold(_tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT), Kb,
                           r, X, G, Bt, jj, h, A_pay, A_sc, A_gs, mat, rows, kbuf,
                           _entry(slot, start, jj, CAP), hk, HK, DK, DV, AFMT, DELTA, PREC,
-                          ON_GPU, VEC)
+                          ON_GPU, VEC, FOLD_U)
                 amax = _flushed_tile(S, ps, NP, amax, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs,
                                      sync_ptr + mat * 4, mat, rows, cols, key_lo, key_hi,
                                      nf + 1, slot, hv, DV, DK, BV, NB, AFMT, ASR, RFMT, RSR,
@@ -719,11 +744,11 @@ def _flush_tile(tile, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, ubuf, Gb
                     if h > 0:
                         Kb, r, X, G, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot,
                                                         start, hv, hk, rows, cols, jj, h, HK,
-                                                        HV, DK, DV, CAP, DELTA, L2NORM, False,
+                                                        HV, DK, DV, CAP, DELTA, L2NORM, FOLD_U,
                                                         VEC)
                         S = _fold(S, Kb, r, X, G, Bt, jj, h, A_pay, A_sc, A_gs, mat, rows, kbuf,
                                   _entry(slot, start, jj, CAP), hk, HK, DK, DV, AFMT, DELTA,
-                                  PREC, ON_GPU, VEC)
+                                  PREC, ON_GPU, VEC, FOLD_U)
                     # this step on the rebuilt state: the conventional step's arithmetic (L = 1
                     # and a forced step on empty buffers are the conventional kernel)
                     if VEC:
@@ -757,7 +782,7 @@ def _replay_kernel(
         SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr, HAS_DTB: tl.constexpr,
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, U_BF16: tl.constexpr, DT_CLAMP: tl.constexpr,
         PREC: tl.constexpr, ON_GPU: tl.constexpr, VEC: tl.constexpr, FLUSHES: tl.constexpr,
-        SYNC: tl.constexpr, TPP: tl.constexpr):
+        SYNC: tl.constexpr, TPP: tl.constexpr, FOLD_U: tl.constexpr):
     """A decode step (STEP, T = 1) or a verify of T drafts, in two launches that make the same
     per-row decisions from the same pointers.
 
@@ -790,7 +815,7 @@ def _replay_kernel(
                         a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, beta_scale, key_lo,
                         key_hi, dt_lo, dt_hi, HK, HV, DK, DV, BV, NB, L, CAP, LP, T, STEP, FORCE,
                         AFMT, ASR, RFMT, RSR, SHARED, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z,
-                        DT_CLAMP, PREC, ON_GPU, VEC, SYNC)
+                        DT_CLAMP, PREC, ON_GPU, VEC, SYNC, FOLD_U)
     else:
         row, hv, hk, rows0, cols, slot = _program_tile(idx_ptr, HK, HV, DK, BV, NB)
         if slot >= 0:
@@ -911,6 +936,14 @@ def _flush_grid(n_tiles: int, device):
             * FLUSH_PROGRAMS_PER_SM
     tpp = min(FLUSH_MAX_TILES, triton.next_power_of_2(max(1, -(-n_tiles // target))))
     return tpp, (-(-n_tiles // tpp),)
+
+
+def folds_u(store: ReplayStore) -> bool:
+    """Whether the flush folds the ring's cached u as it is (a shared GDN / KDA pair with FP32 u:
+    its read steps computed u against the anchor itself, to FP32 rounding) instead of solving
+    for u against the anchor (DESIGN section 4): S = e^{G_n} S0 + (U e^{G_n - G})^T K, one
+    tensor-core product, no W = K S0^T, no triangular solve."""
+    return store.shared and store.ubuf is not None and store.ubuf.dtype == torch.float32
 
 
 def _synced(store: ReplayStore) -> bool:
@@ -1081,7 +1114,7 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
             HAS_Z=z is not None,
             U_BF16=store.ubuf is not None and store.ubuf.dtype == torch.bfloat16,
             DT_CLAMP=dt_clamp, PREC="tf32x3", ON_GPU=q.is_cuda, VEC=vec, FLUSHES=flushes,
-            SYNC=sync and flushes, TPP=tpp, num_warps=nw, **({} if regs is None else {"maxnreg": regs}))
+            SYNC=sync and flushes, TPP=tpp, FOLD_U=folds_u(store), num_warps=nw, **({} if regs is None else {"maxnreg": regs}))
     return out, idx
 
 

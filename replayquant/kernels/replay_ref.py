@@ -15,7 +15,8 @@ import torch
 from replayquant.kernels.conventional import (_indices, _into, gdn_frontend_ref, kda_frontend_ref,
                                               mamba2_frontend_ref, mamba2_post_ref, role_streams,
                                               NO_DT_LIMIT)
-from replayquant.kernels.replay_decode import ReplayStore, _default_force, _force, _no_pending
+from replayquant.kernels.replay_decode import (ReplayStore, _default_force, _force, _no_pending,
+                                               folds_u)
 from replayquant.kernels.verify import _check_accept, _draft_count, _pending
 from replayquant.streams import ANCHOR, READ
 
@@ -68,11 +69,12 @@ def _entries_ref(store: ReplayStore, s: int, n: int, start: int):
     return K, V, U, G, Bt
 
 
-def _rebuild_ref(A, K, V, G, Bt, delta, cur=None, vec=False):
+def _rebuild_ref(A, K, V, G, Bt, delta, cur=None, vec=False, U=None):
     """Unrounded state after the entries (K [H, n, dk], V [H, n, dv], G, Bt [H, n]) and, if given,
     the current step cur = (k, v, log_a, beta) [H, ...], from checkpoint A [H, dv, dk]: GDN as
     the recurrence entry by entry (a_j = exp(G_j - G_{j-1}); the kernel solves the same
-    triangular system in WY form), Mamba-2 as the closed form exp(G_n) A +
+    triangular system in WY form; with U [H, n, dv], the cached u of a store that folds it,
+    replay_decode.folds_u, u_j = U_j), Mamba-2 as the closed form exp(G_n) A +
     sum_j exp(G_n - G_j) v_j k_j^T; the current step as the conventional step. vec (KDA):
     G [H, n, dk] and log_a [H, dk] decay each key channel (column) of S."""
     n = G.shape[1]
@@ -83,7 +85,10 @@ def _rebuild_ref(A, K, V, G, Bt, delta, cur=None, vec=False):
         Gprev = G.new_zeros(G.shape[:1] + G.shape[2:])
         for j in range(n):
             S = S * col(torch.exp(G[:, j] - Gprev))
-            u = Bt[:, j:j + 1] * (V[:, j] - (S * K[:, j].unsqueeze(1)).sum(-1))
+            if U is None:
+                u = Bt[:, j:j + 1] * (V[:, j] - (S * K[:, j].unsqueeze(1)).sum(-1))
+            else:
+                u = U[:, j]
             S = S + u.unsqueeze(-1) * K[:, j].unsqueeze(1)
             Gprev = G[:, j]
     else:
@@ -123,19 +128,22 @@ def replay_ref_core(store: ReplayStore, fe, raw, state_indices, T: int, step: bo
     idx = _indices(state_indices, B, q.device).long()
     y = torch.zeros(B, T, H, dv, dtype=torch.float32, device=q.device)
     bf = torch.bfloat16 if store.ubuf is None else store.ubuf.dtype
+    fold = folds_u(store)
     for b_, s in enumerate(idx.tolist()):
         if s < 0:
             continue
         h, nf, start = int(store.committed[s]), int(store.n_flush[s]), int(store.start[s])
         if h + T > L and h > 0:
-            K, V, _, G, Bt = _entries_ref(store, s, h, start)
-            S = _rebuild_ref(store.anchor.dequantize([s])[0], K, V, G, Bt, delta, vec=vec)
+            K, V, U, G, Bt = _entries_ref(store, s, h, start)
+            S = _rebuild_ref(store.anchor.dequantize([s])[0], K, V, G, Bt, delta, vec=vec,
+                             U=U if fold else None)
             _write_roles_ref(store, s, S, nf + 1)
             nf, start, h = nf + 1, (start + h) % store.capacity, 0
         if step and (h + 1 == L or force):
-            K, V, _, G, Bt = _entries_ref(store, s, h, start)
+            K, V, U, G, Bt = _entries_ref(store, s, h, start)
             S = _rebuild_ref(store.anchor.dequantize([s])[0], K, V, G, Bt, delta,
-                             cur=(k[b_, 0], v[b_, 0], log_a[b_, 0], beta[b_, 0]), vec=vec)
+                             cur=(k[b_, 0], v[b_, 0], log_a[b_, 0], beta[b_, 0]), vec=vec,
+                             U=U if fold else None)
             y[b_, 0] = (S * q[b_, 0].unsqueeze(1)).sum(-1)
             _write_roles_ref(store, s, S, nf + 1)
         else:

@@ -198,11 +198,13 @@ def state_to_store(st: ReplayState, key_heads: int, u_dtype=None):
     anchor and read copy move bit for bit. The committed entries move into the ring (start 0) in
     the kernel's layout: k per key head / group in bf16 (GDN: the normalised k, re-normalised by
     the kernel on read), v in bf16 (GDN: v; Mamba-2: v = dt x stored as x = v with dt = 1),
-    G and beta in fp32, GDN u in u_dtype (None: KERNEL_U_DTYPE, the kernel's bf16 default).
+    G and beta in fp32, GDN u in u_dtype (None: the kernel's default, ReplayStore.from_state:
+    float32 for a shared pair, whose flush folds it, else KERNEL_U_DTYPE).
     Raises ValueError for rows that repeat."""
     from replayquant.kernels.replay_decode import ReplayStore
     from replayquant.streams import layer_seed
-    u_dtype = KERNEL_U_DTYPE if u_dtype is None else u_dtype
+    if u_dtype is None:
+        u_dtype = torch.float32 if st.pair.read is None else KERNEL_U_DTYPE
     parts = st.export()
     B, H, dv, dk, L = st.B, st.H, st.d_v, st.d_k, st.L
     if H % key_heads:
