@@ -357,14 +357,14 @@ def test_launch_table_and_path():
     writes an NVFP4 role takes whole matrices (an NVFP4 read copy in 32-row blocks, looped),
     other flushes 16-row tiles; `launch` overrides it, with one error for a tile the kernel
     cannot take. 'auto' is 'replay' at every batch."""
-    def mk(pair, dv=32):
-        return ReplayStore.from_state(random_state(2, 2, dv, 16), pair, "gdn", key_heads=1,
+    def mk(pair, dv=32, dk=16):
+        return ReplayStore.from_state(random_state(2, 2, dv, dk), pair, "gdn", key_heads=1,
                                       buffer_len=4)
     cfg = replay_launch_config
     assert LAUNCH_TABLE["flush"]["rows"] == 16
     assert cfg(mk("s32_rs"), "flush") == (16, 1, 1)
-    assert cfg(mk("s32_rs", 128), "read") == (min(128, LAUNCH_TABLE["read"]["rows"]), 1,
-                                               cfg(mk("s32_rs", 128), "read")[2])
+    assert cfg(mk("s32_rs", 128, 128), "read") == (64, 1, 1)    # FP32: 64 rows a warp, chunked
+    assert cfg(mk("tp8_hi32", 128, 128), "read") == (64, 1, 2)  # a whole decoded tile, 2 warps
     assert cfg(mk("tp4_hi32", 64), "flush") == (16, 1, 1)    # tiles synchronised per matrix
     assert cfg(mk("tp4_hi16_sr", 64), "flush") == (32, 2, 1)     # looped over the matrix
     assert cfg(mk("tp4_hi16_sr", 64), "read")[1] == 1        # reads need no matrix amax
@@ -388,7 +388,7 @@ def test_launch_table_and_path():
     assert _max_regs(mk("tp4_hi32"), None, "flush") is None
     with pytest.raises(ValueError, match="16..255"):
         _max_regs(mk("s32_rs"), {"read": (64, 2, 300)}, "read")
-    # the flush launch's grid: TPP consecutive tiles a program (all FLUSH_MAX_TILES on the CPU)
+    # the flush launch's grid: TPP tiles a program (all FLUSH_MAX_TILES on the CPU)
     assert _flush_grid(12, "cpu") == (8, (2,)) and _flush_grid(3, "cpu") == (4, (1,))
     st = mk("s32_rs", 16)
     for B in (1, 512):

@@ -33,7 +33,8 @@ with committed fill h:
   registers, never written back) and the buffer, output-only, and their appends.
 
 The flush launch (FLUSHES) runs the first two for the rows that have them, a program taking up
-to 8 consecutive tiles whose rows' pointers it reads at once (_flush_grid); the read launch then
+to 8 tiles (of as many batch rows; _flush_tile_at) whose rows' pointers it reads at once
+(_flush_grid); the read launch then
 reads and moves every row's pointers, each compiled with its own path only.
 
 The rebuild uses tensor-core products (the WY form of the chunked delta rule): W = K S0^T,
@@ -190,6 +191,14 @@ class ReplayStore:
 
 
 # ============================================================================ Triton
+
+# The FP32 read copy is read READ_CHUNK columns at a time with the next chunks' loads in flight
+# (READ_STAGES), 64 rows on one warp (LAUNCH_TABLE 'read_fp32'). B = 256 read steps on the H200
+# (h = L/2; us, chunked / the whole [64, d_k] tile on 2 warps): GDN 171.6 / 187.9, Mamba-2
+# 279.6 / 293.3, KDA 241.2 / 284.0; chunks of 16 or 64 columns, one stage, 32 rows a warp or 128
+# rows on 4 warps are slower in every kind (`.gpu`-side variants, docs/kernels.md).
+READ_CHUNK = tl.constexpr(32)
+READ_STAGES = tl.constexpr(3)
 
 @triton.jit
 def _entry(slot, start, j, CAP: tl.constexpr):
@@ -451,6 +460,9 @@ def _tile_raw(pay, sc, mat, rows, DV: tl.constexpr, DK: tl.constexpr, FMT: tl.co
         p = tl.load(pay.to(tl.pointer_type(tl.int32)) + mat * (DV * NW) + rows[:, None] * NW
                     + w[None, :])
         b = tl.load(sc + mat * DV + rows)
+    elif FMT == 0:
+        p = pay + mat * (DV * DK) + rows * DK             # row pointers: _tile_mv reads chunks
+        b = tl.zeros([1], tl.float32)
     else:
         p = tl.load(pay + mat * (DV * DK) + rows[:, None] * DK + tl.arange(0, DK)[None, :])
         b = tl.zeros([1], tl.float32)
@@ -492,7 +504,8 @@ def _tile_mv(p, b, s, x, y, TWO: tl.constexpr, DK: tl.constexpr, FMT: tl.constex
     decoding each code once, in registers, as it is used (one pass serves both vectors); without
     TWO the second value is the first. NVFP4: sums over each word's 8 columns, times the word's
     block scale, summed over the row, times the matrix scale (and the decode's 2^14 2^8); FP8:
-    the row's sum times its scale (and 2^8)."""
+    the row's sum times its scale (and 2^8); FP32: the rows read READ_CHUNK columns at a time
+    from the row pointers p."""
     if FMT == 4:
         NW: tl.constexpr = DK // 8
         xe, xo = tl.split(tl.reshape(x, (NW * 4, 2)))       # columns 8w + 2j, 8w + 2j + 1
@@ -526,10 +539,27 @@ def _tile_mv(p, b, s, x, y, TWO: tl.constexpr, DK: tl.constexpr, FMT: tl.constex
             y0, y1, y2, y3 = _split4(y, NW)
             ry = tl.sum(c0 * y0[None, :] + c1 * y1[None, :] + c2 * y2[None, :]
                         + c3 * y3[None, :], axis=1) * sc
+    elif FMT == 0:
+        # FP32: p holds the row pointers; READ_CHUNK columns at a time, the loads of the next
+        # chunks in flight (READ_STAGES) while one is reduced: one warp holds 64 rows
+        CK: tl.constexpr = READ_CHUNK if DK > READ_CHUNK else DK
+        NC: tl.constexpr = DK // CK
+        ci = tl.arange(0, NC)
+        x2 = tl.reshape(x, (NC, CK))
+        y2 = tl.reshape(y, (NC, CK))
+        rx = tl.zeros([p.shape[0]], tl.float32)
+        ry = tl.zeros([p.shape[0]], tl.float32)
+        for c in tl.range(0, NC, num_stages=READ_STAGES):
+            Tc = tl.load(p[:, None] + (c * CK + tl.arange(0, CK))[None, :])
+            rx += tl.sum(Tc * tl.sum(tl.where((ci == c)[:, None], x2, 0.0), axis=0)[None, :],
+                         axis=1)
+            if TWO:
+                ry += tl.sum(Tc * tl.sum(tl.where((ci == c)[:, None], y2, 0.0), axis=0)[None, :],
+                             axis=1)
+        if not TWO:
+            ry = rx
     else:
-        if FMT == 0:
-            T = p
-        elif FMT == 1:
+        if FMT == 1:
             T = decode_fp16(p)
         else:
             T = decode_bf16(p)
@@ -666,18 +696,27 @@ def _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, out_ptr, q_ptr, k_ptr, 
 
 
 @triton.jit
-def _flush_tile_at(tile, HV: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-                   NB: tl.constexpr):
-    """(batch row, value head, row block) of flush-launch tile `tile` (a scalar or a block): the
-    tiles of a batch row are consecutive, its value heads' row blocks in order."""
+def _flush_tile_at(tile, n_rows, HV: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+                   NB: tl.constexpr, SYNC: tl.constexpr):
+    """(batch row, value head, row block) of flush-launch tile `tile` (a scalar or a block). The
+    tiles of one (value head, row block) are consecutive over the batch rows, so that the tiles
+    of a program belong to different rows and rows flushing out of phase spread over the
+    programs (H200, B = 32, GDN s32_rs staggered window 70.0 -> 44.3 us, Mamba-2 86.2 -> 66.7;
+    in phase unchanged). SYNC (an NVFP4 read copy beside an FP32 anchor, whose tiles meet per
+    matrix): a row's tiles are consecutive, its value heads' row blocks in order, one matrix a
+    program (GDN tp4_hi32 in phase, B = 32: 34.3 us against 51.8 interleaved; B = 256: 238.4
+    against 270.4; staggered at B = 32 175.0 against 85.1)."""
     NBLK: tl.constexpr = DV // (BV * NB)
-    return tile // (HV * NBLK), (tile // NBLK) % HV, tile % NBLK
+    if SYNC:
+        return tile // (HV * NBLK), (tile // NBLK) % HV, tile % NBLK
+    hb = tile // n_rows
+    return tile % n_rows, hb // NBLK, hb % NBLK
 
 
 @triton.jit
-def _flush_tile(tile, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, ubuf, Gbuf, bbuf, h_ptr,
-                st_ptr, nf_ptr, sync_ptr, idx_ptr, out_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
-                A_ptr, dtb_ptr, D_ptr, z_ptr, scale, beta_scale, key_lo, key_hi, dt_lo, dt_hi,
+def _flush_tile(tile, n_rows, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, ubuf, Gbuf, bbuf,
+                h_ptr, st_ptr, nf_ptr, sync_ptr, idx_ptr, out_ptr, q_ptr, k_ptr, v_ptr, a_ptr,
+                b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, beta_scale, key_lo, key_hi, dt_lo, dt_hi,
                 HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                 BV: tl.constexpr, NB: tl.constexpr, L: tl.constexpr, CAP: tl.constexpr,
                 LP: tl.constexpr, T: tl.constexpr, STEP: tl.constexpr, FORCE: tl.constexpr,
@@ -689,7 +728,7 @@ def _flush_tile(tile, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, ubuf, Gb
     """The flush launch's work on one tile (batch row, value head, NB blocks of BV rows) of a
     row that pre-flushes or flushes: the pre-flush (fold the h committed entries, cast both
     roles), then in a step the flush step (rebuild, this step, output S q, cast both roles)."""
-    row, hv, blk = _flush_tile_at(tile, HV, DV, BV, NB)
+    row, hv, blk = _flush_tile_at(tile, n_rows, HV, DV, BV, NB, SYNC)
     hk = hv // (HV // HK)
     rows0 = blk * (BV * NB) + tl.arange(0, BV)
     cols = tl.arange(0, DK)
@@ -786,8 +825,9 @@ def _replay_kernel(
     """A decode step (STEP, T = 1) or a verify of T drafts, in two launches that make the same
     per-row decisions from the same pointers.
 
-    FLUSHES, the flush launch (first): program p takes the TPP consecutive tiles from p TPP on
-    (a tile is NB blocks of BV rows of one (batch row, value head); _flush_grid), reads their
+    FLUSHES, the flush launch (first): program p takes the TPP tiles from p TPP on (a tile is
+    NB blocks of BV rows of one (batch row, value head), in _flush_tile_at's order;
+    _flush_grid), reads their
     rows' pointers at once and runs _flush_tile on those whose row pre-flushes or flushes, one
     after another. On a read step its programs return after one round of pointer loads: a
     program per tile, each reading its row's pointers, made the flush launch as large as the
@@ -802,7 +842,7 @@ def _replay_kernel(
         NT = n_rows * (HV * (DV // (BV * NB)))
         tiles = tl.program_id(0) * TPP + tl.arange(0, TPP)
         okt = tiles < NT
-        trow, _, _ = _flush_tile_at(tiles, HV, DV, BV, NB)
+        trow, _, _ = _flush_tile_at(tiles, n_rows, HV, DV, BV, NB, SYNC)
         tslot = tl.load(idx_ptr + trow, mask=okt, other=-1)
         th = tl.load(h_ptr + tslot, mask=tslot >= 0, other=0)
         tpre, tfill = _flush_flags(th, T, L, STEP)
@@ -810,9 +850,9 @@ def _replay_kernel(
         rank = tl.cumsum(need, axis=0)
         for i in range(tl.sum(need, axis=0)):
             tile = tl.sum(tl.where((need > 0) & (rank == i + 1), tiles, 0), axis=0)
-            _flush_tile(tile, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, ubuf, Gbuf, bbuf,
-                        h_ptr, st_ptr, nf_ptr, sync_ptr, idx_ptr, out_ptr, q_ptr, k_ptr, v_ptr,
-                        a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, beta_scale, key_lo,
+            _flush_tile(tile, n_rows, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, ubuf,
+                        Gbuf, bbuf, h_ptr, st_ptr, nf_ptr, sync_ptr, idx_ptr, out_ptr, q_ptr, k_ptr,
+                        v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, beta_scale, key_lo,
                         key_hi, dt_lo, dt_hi, HK, HV, DK, DV, BV, NB, L, CAP, LP, T, STEP, FORCE,
                         AFMT, ASR, RFMT, RSR, SHARED, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z,
                         DT_CLAMP, PREC, ON_GPU, VEC, SYNC, FOLD_U)
@@ -887,10 +927,14 @@ def _advance_kernel(h_ptr, st_ptr, nf_ptr, idx_ptr, acc_ptr, B, L: tl.constexpr,
 # holds (warps = BV d_k / (32 x per_thread), 1..8), per launch of a step. An NVFP4 role has one
 # FP32 scale per matrix, so a flush that writes one covers the whole matrix (amax first).
 LAUNCH_TABLE = {
-    # read launch: 32 rows a warp (B = 256 on the H200, bench.decode.config_sweep at fcda2a5:
-    # 64 x 128 on 2 warps fastest for GDN and Mamba-2, GDN s32_rs 199.1 us against 205.4 for
-    # 32 x 128 on one warp, 218.9 for 128 on 4, 287.4 for 32 on 4; register caps in READ_REGS)
+    # read launch, the whole tile decoded in registers (FP16 / BF16 / FP8 / NVFP4 read copies):
+    # 32 rows a warp (B = 256 on the H200, bench.decode.config_sweep at fcda2a5: 64 x 128 on 2
+    # warps fastest for GDN and Mamba-2, GDN s32_rs 199.1 us against 205.4 for 32 x 128 on one
+    # warp, 218.9 for 128 on 4, 287.4 for 32 on 4; register caps in READ_REGS)
     "read": dict(rows=64, per_thread=128),
+    # read launch of an FP32 read copy (read READ_CHUNK columns at a time): 64 rows on one warp
+    # (B = 256, GDN 171.6 us against 196.0 for 16-column chunks, 191.0 for 32 rows on a warp)
+    "read_fp32": dict(rows=64, per_thread=256),
     # flush launch, and the flush of an NVFP4 read copy beside an FP32 anchor (its tiles add
     # their amax, the matrix's last program casts the copy from the anchor, _read_copy_last):
     # the smallest tile tl.dot takes, 16 x 128 on one warp (fastest in the same sweep)
@@ -904,10 +948,9 @@ LAUNCH_TABLE = {
 # register cap of the read launch by (kind, read copy format), where ptxas's own choice (255) is
 # slower (B = 256 on the H200, config_sweep at fcda2a5, us per read step capped / not): fewer
 # registers, more programs an SM. GDN NVFP4 130.2 / 148.5, KDA FP8 202.4 / 227.2, KDA NVFP4
-# 176.6 / 217.8, Mamba-2 FP32 283.3 / 302.2; the others are slower capped (GDN FP32 232.9 /
-# 199.1, KDA FP32 377.0 / 314.8, Mamba-2 FP8 158.1 / 139.0) or even.
-READ_REGS = {("gdn", "nvfp4"): 168, ("kda", "fp8"): 168, ("kda", "nvfp4"): 168,
-             ("mamba2", "fp32"): 168}
+# 176.6 / 217.8; the others are slower capped (Mamba-2 FP8 158.1 / 139.0) or even (the FP32 read
+# copies were measured so as whole tiles; chunked, they run uncapped).
+READ_REGS = {("gdn", "nvfp4"): 168, ("kda", "fp8"): 168, ("kda", "nvfp4"): 168}
 # and of the flush launch by kind: Mamba-2 flush steps at 168 registers, s32_rs 698.8 us against
 # 761.8, tp4_hi32 1354.1 against 1504.2 (B = 256, H200, 16-row tiles, 8 a program); GDN and KDA
 # are slower capped (GDN s32_rs 1274.5 against 958.6, KDA 1931.0 against 1771.1)
@@ -916,11 +959,12 @@ PATHS = ("auto", "replay", "flush")
 LAUNCHES = ("flush", "read")
 
 
-# The flush launch's grid: a program takes TPP consecutive tiles (a power of two), as few as keep
+# The flush launch's grid: a program takes TPP tiles (a power of two, _flush_tile_at's order), as
+# few as keep
 # FLUSH_PROGRAMS_PER_SM programs an SM busy (the one-warp flush tile of 255 registers fits 8) and
 # at most FLUSH_MAX_TILES (B = 256, H200: a read step's flush launch costs GDN s32_rs 239.3 ->
-# 204.0 us at 8 tiles; the flush step 863.6 -> 965.5 us, tp4_hi32 1765.1 -> 1441.9; 64 tiles
-# taken p, p + P, ...: read 198.2 us, but flush steps 1001.4 / 3722.6)
+# 204.0 us at 8 tiles of one matrix; the flush step 863.6 -> 965.5 us, tp4_hi32 1765.1 -> 1441.9;
+# 64 tiles taken p, p + P, ...: read 198.2 us, but flush steps 1001.4 / 3722.6)
 FLUSH_PROGRAMS_PER_SM = 8
 FLUSH_MAX_TILES = 8
 
@@ -987,7 +1031,8 @@ def replay_launch_config(store: ReplayStore, which: str = "read", launch=None):
           and not _synced(store))
     looped = nv and (not store.shared and store.anchor.fmt != "nvfp4"
                      and store.read.fmt == "nvfp4")
-    cfg = LAUNCH_TABLE["read" if which == "read" else "flush_nvfp4_read" if looped
+    read = "read_fp32" if store.read_role.fmt == "fp32" else "read"
+    cfg = LAUNCH_TABLE[read if which == "read" else "flush_nvfp4_read" if looped
                        else "flush_nvfp4" if nv else "flush"]
     if block_v is None:
         block_v = dv if cfg["rows"] is None else min(dv, cfg["rows"])
