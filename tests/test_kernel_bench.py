@@ -364,7 +364,7 @@ def test_targets_met_not_met_not_measured():
     tg = {t["name"]: t for t in targets_mod.targets(res)}
     t = tg["gdn/s32_rs-vs-authors-B256"]
     assert t["met"] is True and t["measured"] == round(160 / 150, 3) and t["unit"] == "x"
-    assert abs(t["floor_us"] - 144.1) < 0.2              # the byte model at 4218 GB/s
+    assert abs(t["floor_us"] - 148.3) < 0.2     # the byte model at 4218 GB/s (FP32 u, shared)
     assert tg["gdn/s32_rs-vs-authors-other-B"]["met"] is False      # 26 / 30 at B = 32
     assert tg["gdn/s32_rs-vs-authors-other-B"]["detail"]["not_measured"] == \
         ["B=1", "B=8", "B=128", "B=512"]
