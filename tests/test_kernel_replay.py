@@ -218,6 +218,23 @@ def test_gdn_fold_strong_decay(pair):
     assert_states_close(store.read_role.dequantize(), rs.read_copy())
 
 
+@pytest.mark.parametrize("pair", ["tp8_hi32", "tp4_hi32"])
+def test_packed_read_in_chunks(pair):
+    """GDN read copies in READ_CHUNKS are read in chunks of columns once d_k exceeds the chunk
+    (d_k = 128: FP8 four chunks, NVFP4 two), against the reference over two windows."""
+    N, HK, H, dk, dv = 2, 1, 1, 128, 16
+    dr = Driver("gdn", N, HK, H, dk, dv)
+    store = ReplayStore.from_state(random_state(N, H, dv, dk, seed=4), pair, "gdn", key_heads=HK,
+                                   buffer_len=3, u_dtype=torch.float32)
+    poison_buffers(store)
+    ref = store.clone()
+    P = PrecisionPair.load(pair)
+    for step in range(6):
+        inp = dr.inputs(seed=40 + step)
+        assert_outputs_close(dr.kernel(store, inp, None), dr.ref(ref, inp, None), P)
+    assert_states_close(store.anchor.dequantize(), ref.anchor.dequantize())
+
+
 @pytest.mark.parametrize("pair", ["tp4_hi32", "s32_rs"])
 def test_replay_bf16_u_buffer_against_reference(pair):
     """u in bf16 (the default beside a separate read copy; a shared pair's default is FP32, which
@@ -364,7 +381,8 @@ def test_launch_table_and_path():
     assert LAUNCH_TABLE["flush"]["rows"] == 16
     assert cfg(mk("s32_rs"), "flush") == (16, 1, 1)
     assert cfg(mk("s32_rs", 128, 128), "read") == (64, 1, 1)    # FP32: 64 rows a warp, chunked
-    assert cfg(mk("tp8_hi32", 128, 128), "read") == (64, 1, 2)  # a whole decoded tile, 2 warps
+    assert cfg(mk("tp4_hi32", 128, 128), "read") == (64, 1, 1)  # READ_CHUNKS: chunked as well
+    assert cfg(mk("s16_sr", 128, 128), "read") == (64, 1, 2)    # a whole decoded tile, 2 warps
     assert cfg(mk("tp4_hi32", 64), "flush") == (16, 1, 1)    # tiles synchronised per matrix
     assert cfg(mk("tp4_hi16_sr", 64), "flush") == (32, 2, 1)     # looped over the matrix
     assert cfg(mk("tp4_hi16_sr", 64), "read")[1] == 1        # reads need no matrix amax
@@ -381,7 +399,7 @@ def test_launch_table_and_path():
     with pytest.raises(ValueError, match="keys"):
         cfg(mk("s32_rs"), "read", {"reads": (16, 1)})
     # the read launch's register cap: READ_REGS's unless the launch names rows, warps or regs
-    assert _max_regs(mk("tp4_hi32"), None, "read") == READ_REGS[("gdn", "nvfp4")]
+    assert _max_regs(mk("tp4_hi32"), None, "read") is None and READ_REGS[("kda", "nvfp4")]
     assert _max_regs(mk("tp4_hi32"), {"read": (64, 2)}, "read") is None
     assert _max_regs(mk("s32_rs"), {"read": (64, 2, 128)}, "read") == 128
     assert _max_regs(mk("s32_rs"), None, "read") is None

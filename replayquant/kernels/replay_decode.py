@@ -442,13 +442,20 @@ def _flushed_matrix(amax, A_pay, R_pay, R_sc, R_gs, mat, cols, key_lo, key_hi, f
 
 
 @triton.jit
-def _tile_raw(pay, sc, mat, rows, DV: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr):
+def _tile_raw(pay, sc, mat, rows, DV: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr,
+              PCK: tl.constexpr):
     """The loads of the read copy's rows, not decoded: (payload, scales). NVFP4:
     int32 words [BV, DK/8] (column 8w+i in bits 4i..4i+3) and each word's E4M3 block scale byte;
     FP8: int32 words [BV, DK/4] (column 4w+i in byte i) and the row scales; FP32 / FP16 / BF16:
     the stored values [BV, DK]. Codes packed four or eight to a register keep the payload in few
     registers."""
-    if FMT == 4:
+    if (FMT == 4) and (0 < PCK) and (PCK < DK):          # row pointers: _tile_mv reads chunks
+        p = pay.to(tl.pointer_type(tl.int32)) + mat * (DV * (DK // 8)) + rows * (DK // 8)
+        b = sc + mat * (DV * (DK // 16)) + rows * (DK // 16)
+    elif (FMT == 3) and (0 < PCK) and (PCK < DK):
+        p = pay.to(tl.pointer_type(tl.int32)) + mat * (DV * (DK // 4)) + rows * (DK // 4)
+        b = tl.load(sc + mat * DV + rows)
+    elif FMT == 4:
         NW: tl.constexpr = DK // 8
         w = tl.arange(0, NW)
         p = tl.load(pay.to(tl.pointer_type(tl.int32)) + mat * (DV * NW) + rows[:, None] * NW
@@ -499,15 +506,10 @@ def _nib_pair(p, I: tl.constexpr, xa, xb, ya, yb, TWO: tl.constexpr, ax=None, ay
 
 
 @triton.jit
-def _tile_mv(p, b, s, x, y, TWO: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr):
-    """(read copy) @ x and, with TWO, (read copy) @ y (x, y [DK] float32) from _tile_raw's loads,
-    decoding each code once, in registers, as it is used (one pass serves both vectors); without
-    TWO the second value is the first. NVFP4: sums over each word's 8 columns, times the word's
-    block scale, summed over the row, times the matrix scale (and the decode's 2^14 2^8); FP8:
-    the row's sum times its scale (and 2^8); FP32: the rows read READ_CHUNK columns at a time
-    from the row pointers p."""
+def _words_mv(p, b, s, x, y, TWO: tl.constexpr, NW: tl.constexpr, FMT: tl.constexpr):
+    """(rows of words p [BV, NW]) @ x and @ y (x, y [8 NW] NVFP4 / [4 NW] FP8 columns): the codes
+    decoded once each, in registers; b the words' block scale bytes (NVFP4) / the row scales."""
     if FMT == 4:
-        NW: tl.constexpr = DK // 8
         xe, xo = tl.split(tl.reshape(x, (NW * 4, 2)))       # columns 8w + 2j, 8w + 2j + 1
         x0, x2, x4, x6 = _split4(xe, NW)
         x1, x3, x5, x7 = _split4(xo, NW)
@@ -527,7 +529,6 @@ def _tile_mv(p, b, s, x, y, TWO: tl.constexpr, DK: tl.constexpr, FMT: tl.constex
         if TWO:
             ry = tl.sum(ay * bs, axis=1)
     elif FMT == 3:
-        NW: tl.constexpr = DK // 4
         x0, x1, x2, x3 = _split4(x, NW)
         c0, c2 = small_float_pair_at(p, 0, 4, 3)
         c1, c3 = small_float_pair_at(p, 8, 4, 3)
@@ -539,6 +540,47 @@ def _tile_mv(p, b, s, x, y, TWO: tl.constexpr, DK: tl.constexpr, FMT: tl.constex
             y0, y1, y2, y3 = _split4(y, NW)
             ry = tl.sum(c0 * y0[None, :] + c1 * y1[None, :] + c2 * y2[None, :]
                         + c3 * y3[None, :], axis=1) * sc
+    return rx, ry
+
+
+@triton.jit
+def _tile_mv(p, b, s, x, y, TWO: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr,
+             PCK: tl.constexpr):
+    """(read copy) @ x and, with TWO, (read copy) @ y (x, y [DK] float32) from _tile_raw's loads,
+    decoding each code once, in registers, as it is used (one pass serves both vectors); without
+    TWO the second value is the first. NVFP4: sums over each word's 8 columns, times the word's
+    block scale, summed over the row, times the matrix scale (and the decode's 2^14 2^8); FP8:
+    the row's sum times its scale (and 2^8); FP32: the rows read READ_CHUNK columns at a time
+    from the row pointers p."""
+    if ((FMT == 4) or (FMT == 3)) and (0 < PCK) and (PCK < DK):
+        # p, b: row pointers (NVFP4: of the words and the scale bytes; FP8: words, b the row
+        # scales); PCK columns at a time, the next chunks' loads in flight
+        CPW: tl.constexpr = 8 if FMT == 4 else 4            # columns a word
+        NC: tl.constexpr = DK // PCK
+        NWC: tl.constexpr = PCK // CPW
+        ci = tl.arange(0, NC)
+        x2 = tl.reshape(x, (NC, PCK))
+        y2 = tl.reshape(y, (NC, PCK))
+        rx = tl.zeros([p.shape[0]], tl.float32)
+        ry = tl.zeros([p.shape[0]], tl.float32)
+        for c in tl.range(0, NC, num_stages=READ_STAGES):
+            w = c * NWC + tl.arange(0, NWC)
+            pc = tl.load(p[:, None] + w[None, :])
+            if FMT == 4:
+                bc = tl.load(b[:, None] + (w // 2)[None, :])
+            else:
+                bc = b
+            xc = tl.sum(tl.where((ci == c)[:, None], x2, 0.0), axis=0)
+            yc = xc
+            if TWO:
+                yc = tl.sum(tl.where((ci == c)[:, None], y2, 0.0), axis=0)
+            ax, ay = _words_mv(pc, bc, s, xc, yc, TWO, NWC, FMT)
+            rx += ax
+            ry += ay
+    elif FMT == 4:
+        rx, ry = _words_mv(p, b, s, x, y, TWO, DK // 8, FMT)
+    elif FMT == 3:
+        rx, ry = _words_mv(p, b, s, x, y, TWO, DK // 4, FMT)
     elif FMT == 0:
         # FP32: p holds the row pointers; READ_CHUNK columns at a time, the loads of the next
         # chunks in flight (READ_STAGES) while one is reduced: one warp holds 64 rows
@@ -607,7 +649,8 @@ def _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, out_ptr, q_ptr, k_ptr, 
                  DK: tl.constexpr, DV: tl.constexpr, CAP: tl.constexpr, T: tl.constexpr,
                  RFMT: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
                  HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
-                 U_BF16: tl.constexpr, DT_CLAMP: tl.constexpr, VEC: tl.constexpr):
+                 U_BF16: tl.constexpr, DT_CLAMP: tl.constexpr, VEC: tl.constexpr,
+                 PCK: tl.constexpr):
     """Outputs of T entries from the read copy tile (P, Pb, s) and the h committed entries,
     output-only: y = e^{G_p} (R q) + sum_j e^{G_p - G_j} (k_j . q) u_j + (k . q) u, draft t
     seeing the drafts before it; GDN u = beta (v - e^{G_p} R k - sum_j e^{G_p - G_j}
@@ -640,7 +683,7 @@ def _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, out_ptr, q_ptr, k_ptr, 
                             0.0)
             eG = tl.exp(Gp)
             Kw = Kb.to(tl.float32) * wdec
-            rk, rq = _tile_mv(P, Pb, s, eG * k, eG * q, True, DK, RFMT)
+            rk, rq = _tile_mv(P, Pb, s, eG * k, eG * q, True, DK, RFMT, PCK)
             corr = tl.sum((r * tl.sum(Kw * k[None, :], axis=1))[:, None] * X, axis=0)
             u = beta * (v - rk) - beta * corr
             if U_BF16:
@@ -652,14 +695,14 @@ def _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, out_ptr, q_ptr, k_ptr, 
             eG = tl.exp(Gp)
             if DELTA:
                 beta = beta * beta_scale
-                rk, rq = _tile_mv(P, Pb, s, k, q, True, DK, RFMT)
+                rk, rq = _tile_mv(P, Pb, s, k, q, True, DK, RFMT, PCK)
                 kk = r * tl.sum(Kb.to(tl.float32) * k[None, :], axis=1)
                 corr = tl.sum((wdec * kk)[:, None] * X, axis=0)
                 u = beta * (v - eG * rk) - beta * corr
                 if U_BF16:
                     u = u.to(tl.bfloat16).to(tl.float32)
             else:
-                rq, _ = _tile_mv(P, Pb, s, q, q, False, DK, RFMT)
+                rq, _ = _tile_mv(P, Pb, s, q, q, False, DK, RFMT, PCK)
                 u = v
             qk = r * tl.sum(Kb.to(tl.float32) * q[None, :], axis=1)
             y = eG * rq + tl.sum((wdec * qk)[:, None] * X, axis=0) + tl.sum(k * q, axis=0) * u
@@ -821,7 +864,7 @@ def _replay_kernel(
         SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr, HAS_DTB: tl.constexpr,
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, U_BF16: tl.constexpr, DT_CLAMP: tl.constexpr,
         PREC: tl.constexpr, ON_GPU: tl.constexpr, VEC: tl.constexpr, FLUSHES: tl.constexpr,
-        SYNC: tl.constexpr, TPP: tl.constexpr, FOLD_U: tl.constexpr):
+        SYNC: tl.constexpr, TPP: tl.constexpr, FOLD_U: tl.constexpr, PCK: tl.constexpr):
     """A decode step (STEP, T = 1) or a verify of T drafts, in two launches that make the same
     per-row decisions from the same pointers.
 
@@ -863,7 +906,7 @@ def _replay_kernel(
             jj = tl.arange(0, LP)
             # the read copy is loaded before the pointers (one dependent load less before the
             # read); the flush launch has already written it for a row that pre-flushed
-            P, Pb = _tile_raw(R_pay, R_sc, mat, rows0, DV, DK, RFMT)
+            P, Pb = _tile_raw(R_pay, R_sc, mat, rows0, DV, DK, RFMT, PCK)
             s = 1.0
             if RFMT == 4:
                 s = tl.load(R_gs + mat)
@@ -882,7 +925,7 @@ def _replay_kernel(
                              dt_hi, row, hv, hk, rows0, cols, slot, start, h, jj,
                              tl.program_id(1) == 0, HK, HV, DK, DV, CAP,
                              T, RFMT, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z,
-                             U_BF16, DT_CLAMP, VEC)
+                             U_BF16, DT_CLAMP, VEC, PCK)
             if ADVANCE:
                 tl.debug_barrier()              # every thread of the program is past its loads
                 arrived = tl.atomic_add(cnt_ptr + slot, 1)          # acq_rel, gpu scope
@@ -932,9 +975,10 @@ LAUNCH_TABLE = {
     # warps fastest for GDN and Mamba-2, GDN s32_rs 199.1 us against 205.4 for 32 x 128 on one
     # warp, 218.9 for 128 on 4, 287.4 for 32 on 4; register caps in READ_REGS)
     "read": dict(rows=64, per_thread=128),
-    # read launch of an FP32 read copy (read READ_CHUNK columns at a time): 64 rows on one warp
-    # (B = 256, GDN 171.6 us against 196.0 for 16-column chunks, 191.0 for 32 rows on a warp)
-    "read_fp32": dict(rows=64, per_thread=256),
+    # read launch of an FP32 read copy (read READ_CHUNK columns at a time) or of one read in
+    # READ_CHUNKS: 64 rows on one warp (B = 256, GDN FP32 171.6 us against 196.0 for 16-column
+    # chunks, 191.0 for 32 rows on a warp; GDN FP8 125.2 against 181.7 for 32 rows)
+    "read_chunked": dict(rows=64, per_thread=256),
     # flush launch, and the flush of an NVFP4 read copy beside an FP32 anchor (its tiles add
     # their amax, the matrix's last program casts the copy from the anchor, _read_copy_last):
     # the smallest tile tl.dot takes, 16 x 128 on one warp (fastest in the same sweep)
@@ -947,10 +991,16 @@ LAUNCH_TABLE = {
 }
 # register cap of the read launch by (kind, read copy format), where ptxas's own choice (255) is
 # slower (B = 256 on the H200, config_sweep at fcda2a5, us per read step capped / not): fewer
-# registers, more programs an SM. GDN NVFP4 130.2 / 148.5, KDA FP8 202.4 / 227.2, KDA NVFP4
-# 176.6 / 217.8; the others are slower capped (Mamba-2 FP8 158.1 / 139.0) or even (the FP32 read
+# registers, more programs an SM. KDA FP8 202.4 / 227.2, KDA NVFP4 176.6 / 217.8 (GDN NVFP4
+# 130.2 / 148.5 whole, now read in chunks, READ_CHUNKS); the others are slower capped (Mamba-2 FP8 158.1 / 139.0) or even (the FP32 read
 # copies were measured so as whole tiles; chunked, they run uncapped).
-READ_REGS = {("gdn", "nvfp4"): 168, ("kda", "fp8"): 168, ("kda", "nvfp4"): 168}
+READ_REGS = {("kda", "fp8"): 168, ("kda", "nvfp4"): 168}
+# packed read copies read in chunks of this many columns (64 rows on one warp, READ_STAGES loads
+# in flight) by (kind, format); the others decode their whole tile. B = 256 read steps on the
+# H200 (h = L/2, us, chunked / whole tile capped as READ_REGS was): GDN FP8 125.2 / 151.3
+# (64-column chunks 129.9), GDN NVFP4 122.1 / 134.2 (32 columns 126.8); Mamba-2 (d_v 64) is
+# slower chunked (FP8 150.7 / 147.4, NVFP4 170.4 / 159.5); KDA's were not timed chunked.
+READ_CHUNKS = {("gdn", "fp8"): 32, ("gdn", "nvfp4"): 64}
 # and of the flush launch by kind: Mamba-2 flush steps at 168 registers, s32_rs 698.8 us against
 # 761.8, tp4_hi32 1354.1 against 1504.2 (B = 256, H200, 16-row tiles, 8 a program); GDN and KDA
 # are slower capped (GDN s32_rs 1274.5 against 958.6, KDA 1931.0 against 1771.1)
@@ -1031,7 +1081,8 @@ def replay_launch_config(store: ReplayStore, which: str = "read", launch=None):
           and not _synced(store))
     looped = nv and (not store.shared and store.anchor.fmt != "nvfp4"
                      and store.read.fmt == "nvfp4")
-    read = "read_fp32" if store.read_role.fmt == "fp32" else "read"
+    read = "read_chunked" if store.read_role.fmt == "fp32" or \
+        (store.kind, store.read_role.fmt) in READ_CHUNKS else "read"
     cfg = LAUNCH_TABLE[read if which == "read" else "flush_nvfp4_read" if looped
                        else "flush_nvfp4" if nv else "flush"]
     if block_v is None:
@@ -1159,7 +1210,8 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
             HAS_Z=z is not None,
             U_BF16=store.ubuf is not None and store.ubuf.dtype == torch.bfloat16,
             DT_CLAMP=dt_clamp, PREC="tf32x3", ON_GPU=q.is_cuda, VEC=vec, FLUSHES=flushes,
-            SYNC=sync and flushes, TPP=tpp, FOLD_U=folds_u(store), num_warps=nw, **({} if regs is None else {"maxnreg": regs}))
+            SYNC=sync and flushes, TPP=tpp, FOLD_U=folds_u(store),
+            PCK=READ_CHUNKS.get((store.kind, store.read_role.fmt), 0), num_warps=nw, **({} if regs is None else {"maxnreg": regs}))
     return out, idx
 
 
