@@ -26,7 +26,8 @@ OTHER_B = (1, 8, 32, 128, 512)
 WINDOW_US = {"gdn": {"tp4_hi32": 80.0, "tp8_hi32": 95.0},
              "mamba2": {"tp4_hi32": 180.0, "tp8_hi32": 210.0}}
 ANCHOR_TOL = 1e-5           # relative Frobenius error of an FP32 anchor after three windows
-# outputs between flushes carry the ring's bf16 rounding (u in bf16): one bf16 unit roundoff
+# outputs between flushes carry the ring's bf16 rounding (k, v; u beside a read copy): one bf16
+# unit roundoff
 BF16_RING_BOUND = 2.0 ** -8
 LINE_BUDGET = 1500
 _FORMATS = {"s32_rs": ("fp32", None), "tp8_hi32": ("fp32", "fp8"), "tp4_hi32": ("fp32", "nvfp4")}

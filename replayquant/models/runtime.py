@@ -39,8 +39,9 @@ later decode steps run on the store; a multi-token forward continuing the cache 
 reorder) converts it back (`store_to_state`) before the chunked scan runs. The conversion keeps
 the anchor and read copy bit for bit (same packed bytes, same SR streams: slot id = the
 state's sequence id) and the committed buffer entries; the kernel's ring buffer keeps k and v
-in bf16 and GDN's u in bf16 (half the buffer traffic of the decode kernels), so buffered entries
-are rounded to bf16 on the way in.
+in bf16 and GDN's u in bf16 beside a separate read copy (half the buffer traffic of the decode
+kernels), in FP32 for a shared pair (its flush folds u), so buffered entries are rounded to bf16
+on the way in.
 """
 
 from __future__ import annotations
