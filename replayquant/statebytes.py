@@ -8,12 +8,12 @@ Triton kernels (`replayquant.kernels.replay_decode.ReplayStore`):
 * a state matrix of d_v x d_k elements in its physical format (`state_bytes`: payload + scales);
 * the ring buffer, one entry per buffered step and head: k / B in bf16 (one per key head or
   group, shared by its H / HK heads), v / x in bf16, GDN's u (the outputs' correction terms
-  computed against the read copy) in bf16, in fp32 for a shared pair (`ring_u_bytes`), the
+  computed against the read copy) in bf16, in fp32 for a shared FP32 pair (`ring_u_bytes`), the
   cumulative gate and beta / dt in fp32;
 * a read step (committed length h) reads the read copy and the h buffered entries (GDN: k, u, G,
   beta) and writes its own entry (GDN: k, v, u, G, beta); the flush step (the L-th) reads the
   anchor and the L - 1 entries (GDN: k, v, G, beta, to rebuild S and recompute u from the
-  anchor; a shared pair: k, u, G, beta, folding its cached u), writes the anchor and, in a pair
+  anchor; a shared FP32 pair: k, u, G, beta, folding its cached u), writes the anchor and, in a pair
   with a separate read copy, the read copy;
 * the conventional step reads and writes the whole state every step;
 * every step also reads its inputs (bf16 activations, fp32 gates) and writes its output (fp32).
@@ -78,10 +78,11 @@ def io_bytes(kind, H, HK, dv, dk):
     return 2 * dk * 2 / r + 2 * dv * 2 + g + dv * 4          # B, C (per group), x, z, dt; y
 
 
-def ring_u_bytes(read_fmt) -> int:
-    """Bytes of one cached u element: 4 for a shared pair (read_fmt None), whose flush folds the
-    FP32 u (`replay_decode.folds_u`), else 2 (bf16, outputs only)."""
-    return 4 if read_fmt is None else 2
+def ring_u_bytes(anchor_fmt, read_fmt) -> int:
+    """Bytes of one cached u element: 4 for a shared FP32 pair (read_fmt None), whose flush folds
+    the FP32 u (`replay_decode.folds_u`), else 2 (bf16: outputs only, the flush solves for u; a
+    shared FP16 / BF16 / NVFP4 anchor would pay 5-19% more state memory for the FP32 u)."""
+    return 4 if read_fmt is None and anchor_fmt == "fp32" else 2
 
 
 def entry_bytes(kind, H, HK, dv, dk, u_bytes=2, fold_u=False):
@@ -111,7 +112,8 @@ def replay_window_bytes(kind, anchor_fmt, read_fmt, L, B, H, HK, dv, dk):
     """Mean HBM bytes per step over a window of L steps (L - 1 read steps at h = 0..L-2, then one
     flush), as the kernel moves them. read_fmt None: shared pair."""
     io = io_bytes(kind, H, HK, dv, dk)
-    rd_nf, wr, rd_fl = entry_bytes(kind, H, HK, dv, dk, ring_u_bytes(read_fmt), read_fmt is None)
+    ub = ring_u_bytes(anchor_fmt, read_fmt)
+    rd_nf, wr, rd_fl = entry_bytes(kind, H, HK, dv, dk, ub, ub == 4)
     R = state_bytes(read_fmt or anchor_fmt, dv, dk)
     A = state_bytes(anchor_fmt, dv, dk)
     total = sum(R + h * rd_nf + wr + io for h in range(L - 1))
@@ -127,7 +129,8 @@ def replay_read_step_bytes(kind, read_fmt, h, B, H, HK, dv, dk, u_bytes=2):
 
 
 def replay_flush_step_bytes(kind, anchor_fmt, read_fmt, L, B, H, HK, dv, dk):
-    _, _, rd_fl = entry_bytes(kind, H, HK, dv, dk, ring_u_bytes(read_fmt), read_fmt is None)
+    ub = ring_u_bytes(anchor_fmt, read_fmt)
+    _, _, rd_fl = entry_bytes(kind, H, HK, dv, dk, ub, ub == 4)
     A = state_bytes(anchor_fmt, dv, dk)
     R = 0 if read_fmt is None else state_bytes(read_fmt, dv, dk)
     return B * H * (2 * A + R + (L - 1) * rd_fl + io_bytes(kind, H, HK, dv, dk))
@@ -240,7 +243,8 @@ def layer_step_bytes(shape: LayerShape, pair, L: int | None = None) -> StepBytes
     L = pair.buffer_len if L is None else int(L)
     af, rf = _fmts(pair)
     s = shape
-    rd_nf, wr, rd_fl = entry_bytes(s.kind, s.H, s.HK, s.dv, s.dk, ring_u_bytes(rf), rf is None)
+    ub = ring_u_bytes(af, rf)
+    rd_nf, wr, rd_fl = entry_bytes(s.kind, s.H, s.HK, s.dv, s.dk, ub, ub == 4)
     R = state_bytes(rf or af, s.dv, s.dk)
     A = state_bytes(af, s.dv, s.dk)
     read_copy = (L - 1) * R
@@ -266,7 +270,7 @@ def layer_memory_bytes(shape: LayerShape, pair, L: int | None = None,
     L = pair.buffer_len if L is None else int(L)
     af, rf = _fmts(pair)
     s = shape
-    _, wr, _ = entry_bytes(s.kind, s.H, s.HK, s.dv, s.dk, ring_u_bytes(rf))
+    _, wr, _ = entry_bytes(s.kind, s.H, s.HK, s.dv, s.dk, ring_u_bytes(af, rf))
     return MemoryBytes(s.H * state_bytes(af, s.dv, s.dk),
                        0.0 if rf is None else s.H * state_bytes(rf, s.dv, s.dk),
                        s.H * (L + max_drafts) * wr)

@@ -40,7 +40,7 @@ reads and moves every row's pointers, each compiled with its own path only.
 The rebuild uses tensor-core products (the WY form of the chunked delta rule): W = K S0^T,
 A[j, i] = beta_j e^{G_j - G_i} (k_i . k_j) for i < j, U = (I + A)^{-1} (beta (V - e^G W)),
 S = e^{G_n} S0 + (U e^{G_n - G})^T K; Mamba-2 U = dt x. A shared pair with FP32 u (the
-default) folds the cached u as it is (folds_u): one product, as the authors' kernel does. KDA
+default of a shared FP32 pair) folds the cached u as it is (folds_u): one product, as the authors' kernel does. KDA
 (VEC, a gate per key channel) folds it as S0 e^{G_n} + U^T (K e^{G_n - G}); solving for u it
 folds the entries one after another (_rebuild_vec), forming only exp(G_j - G_{j-1}). The last
 program of each row in the read launch moves that row's pointers (arrival counter
@@ -67,6 +67,7 @@ from replayquant.kernels.conventional import (PackedRole, _check_inputs, _front_
                                               split_key, _pow2_dims)
 from replayquant.kernels.quant import (decode_bf16, decode_fp16, small_float_at,
                                        small_float_pair_at)
+from replayquant.statebytes import ring_u_bytes
 from replayquant.streams import ANCHOR, READ, layer_seed
 
 __all__ = ["ReplayStore", "replay_gdn_step", "replay_mamba2_step", "replay_kda_step",
@@ -123,8 +124,8 @@ class ReplayStore:
         independently, as ReplayState), empty buffers. key_heads: GDN key heads / Mamba-2
         groups (default H). max_drafts: the largest T of speculative verify (0: plain decode).
         kind 'kda': the delta rule with a gate per key channel (Gbuf per channel). u_dtype (GDN /
-        KDA u in the ring): None is float32 for a shared pair (its flush folds the cached u,
-        folds_u) and bfloat16 beside a separate read copy (whose flush solves for u)."""
+        KDA u in the ring): None is float32 for a shared FP32 pair (its flush folds the cached u,
+        folds_u), else bfloat16, the flush solving for u (statebytes.ring_u_bytes)."""
         if kind not in ("gdn", "mamba2", "kda"):
             raise ValueError(f"kind must be 'gdn', 'mamba2' or 'kda', got {kind!r}")
         if not isinstance(initial, torch.Tensor) or initial.dim() != 4 or not initial.is_floating_point():
@@ -150,7 +151,8 @@ class ReplayStore:
             rrole = PackedRole.empty(read[0], read[1], tuple(initial.shape), dev)
             rrole.write_(slots, x, key, role_streams(0, READ, slots, H))
         if u_dtype is None:
-            u_dtype = torch.float32 if read is None else torch.bfloat16
+            u_dtype = torch.float32 if ring_u_bytes(afmt, None if read is None else read[0]) == 4 \
+                else torch.bfloat16
         if u_dtype not in (torch.bfloat16, torch.float32):
             raise ValueError("u_dtype must be torch.bfloat16 or torch.float32")
         if max_drafts < 0 or max_drafts > L:

@@ -40,7 +40,7 @@ reorder) converts it back (`store_to_state`) before the chunked scan runs. The c
 the anchor and read copy bit for bit (same packed bytes, same SR streams: slot id = the
 state's sequence id) and the committed buffer entries; the kernel's ring buffer keeps k and v
 in bf16 and GDN's u in bf16 beside a separate read copy (half the buffer traffic of the decode
-kernels), in FP32 for a shared pair (its flush folds u), so buffered entries are rounded to bf16
+kernels), in FP32 for a shared FP32 pair (its flush folds u), so buffered entries are rounded to bf16
 on the way in.
 """
 
@@ -55,6 +55,7 @@ from replayquant.formats import QTensor, use_triton
 from replayquant.kernels.chunk_ref import teacher_force
 from replayquant.replay import ReplayState
 from replayquant.replay.state import find_nonfinite
+from replayquant.statebytes import ring_u_bytes
 
 __all__ = ["LayerRuntime", "KernelDecodeState", "ScanHeld", "decode_step", "decode_path",
            "teacher_force_path", "state_to_store", "store_to_state", "STATE_ATTR"]
@@ -200,12 +201,13 @@ def state_to_store(st: ReplayState, key_heads: int, u_dtype=None):
     the kernel's layout: k per key head / group in bf16 (GDN: the normalised k, re-normalised by
     the kernel on read), v in bf16 (GDN: v; Mamba-2: v = dt x stored as x = v with dt = 1),
     G and beta in fp32, GDN u in u_dtype (None: the kernel's default, ReplayStore.from_state:
-    float32 for a shared pair, whose flush folds it, else KERNEL_U_DTYPE).
+    float32 for a shared FP32 pair, whose flush folds it, else KERNEL_U_DTYPE).
     Raises ValueError for rows that repeat."""
     from replayquant.kernels.replay_decode import ReplayStore
     from replayquant.streams import layer_seed
     if u_dtype is None:
-        u_dtype = torch.float32 if st.pair.read is None else KERNEL_U_DTYPE
+        u_dtype = torch.float32 if ring_u_bytes(st.pair.anchor.format, None if st.pair.read is None
+                                                else st.pair.read.format) == 4 else KERNEL_U_DTYPE
     parts = st.export()
     B, H, dv, dk, L = st.B, st.H, st.d_v, st.d_k, st.L
     if H % key_heads:
