@@ -34,14 +34,15 @@ with committed fill h:
 
 The flush launch (FLUSHES) runs the first two for the rows that have them, a program taking up
 to 8 tiles (of as many batch rows; _flush_tile_at) whose rows' pointers it reads at once
-(_flush_grid); the read launch then
-reads and moves every row's pointers, each compiled with its own path only.
+(_flush_grid); the read launch then reads and moves every row's pointers, each compiled with
+its own path only.
 
 The rebuild uses tensor-core products (the WY form of the chunked delta rule): W = K S0^T,
 A[j, i] = beta_j e^{G_j - G_i} (k_i . k_j) for i < j, U = (I + A)^{-1} (beta (V - e^G W)),
 S = e^{G_n} S0 + (U e^{G_n - G})^T K; Mamba-2 U = dt x. A shared pair with FP32 u (the
-default of a shared FP32 pair) folds the cached u as it is (folds_u): one product, as the authors' kernel does. KDA
-(VEC, a gate per key channel) folds it as S0 e^{G_n} + U^T (K e^{G_n - G}); solving for u it
+default of a shared FP32 pair) folds the cached u as it is (folds_u): one product, as the
+authors' kernel does. KDA (VEC, a gate per key channel) folds it as S0 e^{G_n} +
+U^T (K e^{G_n - G}); solving for u it
 folds the entries one after another (_rebuild_vec), forming only exp(G_j - G_{j-1}). The last
 program of each row in the read launch moves that row's pointers (arrival counter
 `ReplayStore.arrive`); a model
@@ -194,12 +195,8 @@ class ReplayStore:
 
 # ============================================================================ Triton
 
-# The FP32 read copy is read READ_CHUNK columns at a time with the next chunks' loads in flight
-# (READ_STAGES), 64 rows on one warp (LAUNCH_TABLE 'read_fp32'). B = 256 read steps on the H200
-# (h = L/2; us, chunked / the whole [64, d_k] tile on 2 warps): GDN 171.6 / 187.9, Mamba-2
-# 279.6 / 293.3, KDA 241.2 / 284.0; chunks of 16 or 64 columns, one stage, 32 rows a warp or 128
-# rows on 4 warps are slower in every kind (`.gpu`-side variants, docs/kernels.md).
-READ_CHUNK = tl.constexpr(32)
+# A read copy in READ_CHUNKS is read in chunks of columns with the next chunks' loads in flight
+# (READ_STAGES, docs/kernels.md).
 READ_STAGES = tl.constexpr(3)
 
 @triton.jit
@@ -509,9 +506,15 @@ def _nib_pair(p, I: tl.constexpr, xa, xb, ya, yb, TWO: tl.constexpr, ax=None, ay
 
 @triton.jit
 def _words_mv(p, b, s, x, y, TWO: tl.constexpr, NW: tl.constexpr, FMT: tl.constexpr):
-    """(rows of words p [BV, NW]) @ x and @ y (x, y [8 NW] NVFP4 / [4 NW] FP8 columns): the codes
-    decoded once each, in registers; b the words' block scale bytes (NVFP4) / the row scales."""
-    if FMT == 4:
+    """(rows of words p [BV, NW]) @ x and @ y (x, y [8 NW] NVFP4 / [4 NW] FP8 / [NW] FP32
+    columns): the codes decoded once each, in registers; b the words' block scale bytes (NVFP4) /
+    the row scales (FP8)."""
+    if FMT == 0:
+        rx = tl.sum(p * x[None, :], axis=1)
+        ry = rx
+        if TWO:
+            ry = tl.sum(p * y[None, :], axis=1)
+    elif FMT == 4:
         xe, xo = tl.split(tl.reshape(x, (NW * 4, 2)))       # columns 8w + 2j, 8w + 2j + 1
         x0, x2, x4, x6 = _split4(xe, NW)
         x1, x3, x5, x7 = _split4(xo, NW)
@@ -552,17 +555,18 @@ def _tile_mv(p, b, s, x, y, TWO: tl.constexpr, DK: tl.constexpr, FMT: tl.constex
     decoding each code once, in registers, as it is used (one pass serves both vectors); without
     TWO the second value is the first. NVFP4: sums over each word's 8 columns, times the word's
     block scale, summed over the row, times the matrix scale (and the decode's 2^14 2^8); FP8:
-    the row's sum times its scale (and 2^8); FP32: the rows read READ_CHUNK columns at a time
-    from the row pointers p."""
-    if ((FMT == 4) or (FMT == 3)) and (0 < PCK) and (PCK < DK):
-        # p, b: row pointers (NVFP4: of the words and the scale bytes; FP8: words, b the row
-        # scales); PCK columns at a time, the next chunks' loads in flight
-        CPW: tl.constexpr = 8 if FMT == 4 else 4            # columns a word
-        NC: tl.constexpr = DK // PCK
-        NWC: tl.constexpr = PCK // CPW
+    the row's sum times its scale (and 2^8); FP32 and the copies with a PCK (READ_CHUNKS): the
+    rows read PCK columns at a time from the row pointers _tile_raw gives."""
+    if (FMT == 0) or (((FMT == 4) or (FMT == 3)) and (0 < PCK) and (PCK < DK)):
+        # p (and b for NVFP4): row pointers (of the values / words, of the scale bytes; FP8: b
+        # the row scales); PCK columns at a time, the next chunks' loads in flight (READ_STAGES)
+        CPW: tl.constexpr = 8 if FMT == 4 else 4 if FMT == 3 else 1       # columns a word
+        CK: tl.constexpr = PCK if PCK < DK else DK
+        NC: tl.constexpr = DK // CK
+        NWC: tl.constexpr = CK // CPW
         ci = tl.arange(0, NC)
-        x2 = tl.reshape(x, (NC, PCK))
-        y2 = tl.reshape(y, (NC, PCK))
+        x2 = tl.reshape(x, (NC, CK))
+        y2 = tl.reshape(y, (NC, CK))
         rx = tl.zeros([p.shape[0]], tl.float32)
         ry = tl.zeros([p.shape[0]], tl.float32)
         for c in tl.range(0, NC, num_stages=READ_STAGES):
@@ -583,25 +587,6 @@ def _tile_mv(p, b, s, x, y, TWO: tl.constexpr, DK: tl.constexpr, FMT: tl.constex
         rx, ry = _words_mv(p, b, s, x, y, TWO, DK // 8, FMT)
     elif FMT == 3:
         rx, ry = _words_mv(p, b, s, x, y, TWO, DK // 4, FMT)
-    elif FMT == 0:
-        # FP32: p holds the row pointers; READ_CHUNK columns at a time, the loads of the next
-        # chunks in flight (READ_STAGES) while one is reduced: one warp holds 64 rows
-        CK: tl.constexpr = READ_CHUNK if DK > READ_CHUNK else DK
-        NC: tl.constexpr = DK // CK
-        ci = tl.arange(0, NC)
-        x2 = tl.reshape(x, (NC, CK))
-        y2 = tl.reshape(y, (NC, CK))
-        rx = tl.zeros([p.shape[0]], tl.float32)
-        ry = tl.zeros([p.shape[0]], tl.float32)
-        for c in tl.range(0, NC, num_stages=READ_STAGES):
-            Tc = tl.load(p[:, None] + (c * CK + tl.arange(0, CK))[None, :])
-            rx += tl.sum(Tc * tl.sum(tl.where((ci == c)[:, None], x2, 0.0), axis=0)[None, :],
-                         axis=1)
-            if TWO:
-                ry += tl.sum(Tc * tl.sum(tl.where((ci == c)[:, None], y2, 0.0), axis=0)[None, :],
-                             axis=1)
-        if not TWO:
-            ry = rx
     else:
         if FMT == 1:
             T = decode_fp16(p)
@@ -977,8 +962,7 @@ LAUNCH_TABLE = {
     # warps fastest for GDN and Mamba-2, GDN s32_rs 199.1 us against 205.4 for 32 x 128 on one
     # warp, 218.9 for 128 on 4, 287.4 for 32 on 4; register caps in READ_REGS)
     "read": dict(rows=64, per_thread=128),
-    # read launch of an FP32 read copy (read READ_CHUNK columns at a time) or of one read in
-    # READ_CHUNKS: 64 rows on one warp (B = 256, GDN FP32 171.6 us against 196.0 for 16-column
+    # read launch of a read copy in READ_CHUNKS (read in chunks of columns): 64 rows on one warp (B = 256, GDN FP32 171.6 us against 196.0 for 16-column
     # chunks, 191.0 for 32 rows on a warp; GDN FP8 125.2 against 181.7 for 32 rows)
     "read_chunked": dict(rows=64, per_thread=256),
     # flush launch, and the flush of an NVFP4 read copy beside an FP32 anchor (its tiles add
@@ -1002,7 +986,12 @@ READ_REGS = {("kda", "fp8"): 168, ("kda", "nvfp4"): 168}
 # H200 (h = L/2, us, chunked / whole tile capped as READ_REGS was): GDN FP8 125.2 / 151.3
 # (64-column chunks 129.9), GDN NVFP4 122.1 / 134.2 (32 columns 126.8); Mamba-2 (d_v 64) is
 # slower chunked (FP8 150.7 / 147.4, NVFP4 170.4 / 159.5); KDA's were not timed chunked.
-READ_CHUNKS = {("gdn", "fp8"): 32, ("gdn", "nvfp4"): 64}
+# FP32 read copies (always read from row pointers) in 32 columns (B = 256 read steps, h = L/2;
+# us, chunked / the whole [64, d_k] tile on 2 warps: GDN 171.6 / 187.9, Mamba-2 279.6 / 293.3,
+# KDA 241.2 / 284.0; chunks of 16 or 64 columns, one stage, 32 rows a warp or 128 rows on 4 warps
+# are slower in every kind).
+READ_CHUNKS = {("gdn", "fp8"): 32, ("gdn", "nvfp4"): 64,
+               ("gdn", "fp32"): 32, ("mamba2", "fp32"): 32, ("kda", "fp32"): 32}
 # and of the flush launch by kind: Mamba-2 flush steps at 168 registers, s32_rs 698.8 us against
 # 761.8, tp4_hi32 1354.1 against 1504.2 (B = 256, H200, 16-row tiles, 8 a program); GDN and KDA
 # are slower capped (GDN s32_rs 1274.5 against 958.6, KDA 1931.0 against 1771.1)
@@ -1083,8 +1072,7 @@ def replay_launch_config(store: ReplayStore, which: str = "read", launch=None):
           and not _synced(store))
     looped = nv and (not store.shared and store.anchor.fmt != "nvfp4"
                      and store.read.fmt == "nvfp4")
-    read = "read_chunked" if store.read_role.fmt == "fp32" or \
-        (store.kind, store.read_role.fmt) in READ_CHUNKS else "read"
+    read = "read_chunked" if (store.kind, store.read_role.fmt) in READ_CHUNKS else "read"
     cfg = LAUNCH_TABLE[read if which == "read" else "flush_nvfp4_read" if looped
                        else "flush_nvfp4" if nv else "flush"]
     if block_v is None:
