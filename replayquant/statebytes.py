@@ -9,7 +9,8 @@ Triton kernels (`replayquant.kernels.replay_decode.ReplayStore`):
 * the ring buffer, one entry per buffered step and head: k / B in bf16 (one per key head or
   group, shared by its H / HK heads), v / x in bf16, GDN's u (the outputs' correction terms
   computed against the read copy) in bf16, in fp32 for a shared FP32 pair (`ring_u_bytes`), the
-  cumulative gate and beta / dt in fp32;
+  cumulative gate and beta / dt in fp32, and for a GDN pair that does not fold its u the entry's
+  row of the key factors (I + A)^{-1} (L fp32, read with the entries, `ReplayStore.Tbuf`);
 * a read step (committed length h) reads the read copy and the h buffered entries (GDN: k, u, G,
   beta) and writes its own entry (GDN: k, v, u, G, beta); the flush step (the L-th) reads the
   anchor and the L - 1 entries (GDN: k, v, G, beta, to rebuild S and recompute u from the
@@ -85,12 +86,16 @@ def ring_u_bytes(anchor_fmt, read_fmt) -> int:
     return 4 if read_fmt is None and anchor_fmt == "fp32" else 2
 
 
-def entry_bytes(kind, H, HK, dv, dk, u_bytes=2, fold_u=False):
+def entry_bytes(kind, H, HK, dv, dk, u_bytes=2, fold_u=False, L=0):
     """(bytes a read step reads per buffered entry, bytes it writes for its own entry, bytes the
-    flush reads per entry), per (row, head). fold_u: the flush reads u instead of v."""
+    flush reads per entry), per (row, head). fold_u: the flush reads u instead of v. L > 0: a
+    GDN entry that does not fold also has its row of the key factors (L fp32, Tbuf), read by a
+    read step and the flush, written with the entry."""
     r = H / HK
     kb = dk * 2 / r                                          # k / B per head (shared by the group)
     gb = _gate_bytes(kind, dk) + 4                           # G (per channel for KDA), beta / dt
+    if kind == "gdn" and not fold_u:
+        gb += 4 * L                                          # key factors (Tbuf)
     if kind in ("gdn", "kda"):
         read_nf = kb + dv * u_bytes + gb                     # k, u, G, beta (outputs)
         write = kb + dv * 2 + dv * u_bytes + gb              # k, v, u, G, beta
@@ -113,7 +118,7 @@ def replay_window_bytes(kind, anchor_fmt, read_fmt, L, B, H, HK, dv, dk):
     flush), as the kernel moves them. read_fmt None: shared pair."""
     io = io_bytes(kind, H, HK, dv, dk)
     ub = ring_u_bytes(anchor_fmt, read_fmt)
-    rd_nf, wr, rd_fl = entry_bytes(kind, H, HK, dv, dk, ub, ub == 4)
+    rd_nf, wr, rd_fl = entry_bytes(kind, H, HK, dv, dk, ub, ub == 4, L)
     R = state_bytes(read_fmt or anchor_fmt, dv, dk)
     A = state_bytes(anchor_fmt, dv, dk)
     total = sum(R + h * rd_nf + wr + io for h in range(L - 1))
@@ -121,16 +126,16 @@ def replay_window_bytes(kind, anchor_fmt, read_fmt, L, B, H, HK, dv, dk):
     return B * H * total / L
 
 
-def replay_read_step_bytes(kind, read_fmt, h, B, H, HK, dv, dk, u_bytes=2):
+def replay_read_step_bytes(kind, read_fmt, h, B, H, HK, dv, dk, u_bytes=2, L=0):
     """HBM bytes of one non-flush step at committed length h (u_bytes: ring_u_bytes of the
-    pair)."""
-    rd_nf, wr, _ = entry_bytes(kind, H, HK, dv, dk, u_bytes)
+    pair; L: its buffer length, for the key factors of a GDN pair that does not fold)."""
+    rd_nf, wr, _ = entry_bytes(kind, H, HK, dv, dk, u_bytes, u_bytes == 4, L)
     return B * H * (state_bytes(read_fmt, dv, dk) + h * rd_nf + wr + io_bytes(kind, H, HK, dv, dk))
 
 
 def replay_flush_step_bytes(kind, anchor_fmt, read_fmt, L, B, H, HK, dv, dk):
     ub = ring_u_bytes(anchor_fmt, read_fmt)
-    _, _, rd_fl = entry_bytes(kind, H, HK, dv, dk, ub, ub == 4)
+    _, _, rd_fl = entry_bytes(kind, H, HK, dv, dk, ub, ub == 4, L)
     A = state_bytes(anchor_fmt, dv, dk)
     R = 0 if read_fmt is None else state_bytes(read_fmt, dv, dk)
     return B * H * (2 * A + R + (L - 1) * rd_fl + io_bytes(kind, H, HK, dv, dk))
@@ -244,7 +249,7 @@ def layer_step_bytes(shape: LayerShape, pair, L: int | None = None) -> StepBytes
     af, rf = _fmts(pair)
     s = shape
     ub = ring_u_bytes(af, rf)
-    rd_nf, wr, rd_fl = entry_bytes(s.kind, s.H, s.HK, s.dv, s.dk, ub, ub == 4)
+    rd_nf, wr, rd_fl = entry_bytes(s.kind, s.H, s.HK, s.dv, s.dk, ub, ub == 4, L)
     R = state_bytes(rf or af, s.dv, s.dk)
     A = state_bytes(af, s.dv, s.dk)
     read_copy = (L - 1) * R
@@ -266,11 +271,12 @@ def layer_memory_bytes(shape: LayerShape, pair, L: int | None = None,
                        max_drafts: int = 0) -> MemoryBytes:
     """State memory of one sequence in one layer: the bytes a ReplayStore slot holds (anchor,
     read copy, ring of L + max_drafts entries: k per key head / group, v, GDN / KDA u, G (KDA:
-    per key channel) and beta / dt)."""
+    per key channel), beta / dt and GDN's key factors where it does not fold)."""
     L = pair.buffer_len if L is None else int(L)
     af, rf = _fmts(pair)
     s = shape
-    _, wr, _ = entry_bytes(s.kind, s.H, s.HK, s.dv, s.dk, ring_u_bytes(af, rf))
+    ub = ring_u_bytes(af, rf)
+    _, wr, _ = entry_bytes(s.kind, s.H, s.HK, s.dv, s.dk, ub, ub == 4, L)
     return MemoryBytes(s.H * state_bytes(af, s.dv, s.dk),
                        0.0 if rf is None else s.H * state_bytes(rf, s.dv, s.dk),
                        s.H * (L + max_drafts) * wr)

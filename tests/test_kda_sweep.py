@@ -14,6 +14,7 @@ import torch
 
 from replayquant.pairs import PrecisionPair
 from replayquant.statebytes import (LayerShape, conventional_bytes, io_bytes, layer_memory_bytes,
+                                    ring_u_bytes,
                                     layer_step_bytes, model_memory_bytes, model_step_bytes,
                                     replay_window_bytes)
 
@@ -35,20 +36,23 @@ def _fmts(p):
 def test_kda_bytes_are_gdns_but_the_gate(H, dv, dk):
     """KDA minus GDN (q / k / v heads equal) = the gate's extra 4 (d_k - 1) bytes per head
     wherever a gate moves: each step's input, each entry written, read by the flush and read by
-    the read steps (h of them at committed length h); the state matrices and the rest alike."""
+    the read steps (h of them at committed length h); less, where GDN solves for u, its key
+    factors (4 L bytes an entry, moved with the entries, not as an input); the state matrices
+    and the rest alike."""
     B, extra = 3, 4 * (dk - 1)
     for name in PAIRS:
         p = PrecisionPair.load(name)
         for L in (1, 4, 16):
+            kf = 0 if ring_u_bytes(*_fmts(p)) == 4 else 4 * L
             kda = replay_window_bytes("kda", *_fmts(p), L, B, H, H, dv, dk)
             gdn = replay_window_bytes("gdn", *_fmts(p), L, B, H, H, dv, dk)
             moved = L + 2 * (L - 1) + (L - 1) * (L - 2) / 2
-            assert kda - gdn == pytest.approx(B * H * extra * moved / L)
+            assert kda - gdn == pytest.approx(B * H * (extra * moved - kf * (moved - L)) / L)
             sh = LayerShape("kda", H, H, dv, dk)
             assert layer_step_bytes(sh, p, L).total * B == pytest.approx(kda)
             mk, mg = (layer_memory_bytes(LayerShape(k, H, H, dv, dk), p, L) for k in ("kda", "gdn"))
             assert (mk.anchor, mk.read_copy) == (mg.anchor, mg.read_copy)
-            assert mk.ring - mg.ring == H * L * extra
+            assert mk.ring - mg.ring == H * L * (extra - kf)
     assert conventional_bytes("kda", "fp32", B, H, H, dv, dk) - \
         conventional_bytes("gdn", "fp32", B, H, H, dv, dk) == B * H * extra
     with pytest.raises(ValueError, match="layer kind must be one of"):

@@ -49,7 +49,7 @@ def assert_outputs_close(y, y2, pair):
 
 def poison_buffers(store):
     """Buffer entries are never read before they are written: NaN everywhere must not leak."""
-    for t in (store.kbuf, store.vbuf, store.ubuf, store.Gbuf, store.bbuf):
+    for t in (store.kbuf, store.vbuf, store.ubuf, store.Gbuf, store.bbuf, store.Tbuf):
         if t is not None:
             t.view(torch.uint8).fill_(0xFF)
 
@@ -66,7 +66,7 @@ def assert_same_store(a, b):
                 if getattr(ra, t, None) is not None:
                     assert torch.equal(getattr(ra, t).view(torch.uint8),
                                        getattr(rb, t).view(torch.uint8)), (role, t)
-    for name in ("kbuf", "vbuf", "ubuf", "Gbuf", "bbuf"):
+    for name in ("kbuf", "vbuf", "ubuf", "Gbuf", "bbuf", "Tbuf"):
         ta, tb = getattr(a, name), getattr(b, name)
         if ta is not None:
             assert torch.equal(ta.view(torch.uint8), tb.view(torch.uint8)), name
@@ -158,6 +158,10 @@ def test_replay_step_matches_reference(kind, pair):
         a, b = getattr(store, name), getattr(ref, name)
         live = torch.isfinite(b.float())
         assert torch.equal(torch.isfinite(a.float()), live) and torch.equal(a[live], b[live])
+    if store.Tbuf is not None:          # key factors appended by the reads: the same rows
+        live = torch.isfinite(ref.Tbuf)
+        assert torch.equal(torch.isfinite(store.Tbuf), live) and live.any()
+        torch.testing.assert_close(store.Tbuf[live], ref.Tbuf[live], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("kind", ["gdn", "mamba2"])

@@ -445,7 +445,7 @@ def config_sweep(kind, B, device, copy_bw, pairs=PAIRS, L=None, S=None):
         for which, h, cands_w, nbytes in (
                 ("read", L // 2, READ_CANDIDATES,
                  replay_read_step_bytes(kind, rf or af, L // 2, B, H, HK, dv, dk,
-                                        ring_u_bytes(af, rf))),
+                                        ring_u_bytes(af, rf), L)),
                 ("flush", L - 1, flush_c,
                  replay_flush_step_bytes(kind, af, rf, L, B, H, HK, dv, dk))):
             cands = []
@@ -542,7 +542,7 @@ def bench_replay(kind, B, pair, L, device, copy_bw, cfg=None, detail=False, forc
                                           advance=False, **c), 8)
         rows.append(_row(kind, "replay-read-step", pair, B, ms,
                          replay_read_step_bytes(kind, rf or af, h, B, H, HK, dv, dk,
-                                                ring_u_bytes(af, rf)), copy_bw,
+                                                ring_u_bytes(af, rf), L), copy_bw,
                          L=L, h=h, config=c))
         # the same read step with the read launch's registers capped (more programs an SM,
         # ptxas spilling what does not fit): occupancy against spills, side by side
@@ -553,7 +553,7 @@ def bench_replay(kind, B, pair, L, device, copy_bw, cfg=None, detail=False, forc
                                               path="replay", advance=False, launch=lc), 8)
             rows.append(_row(kind, f"replay-read-step-regs{regs}", pair, B, ms,
                              replay_read_step_bytes(kind, rf or af, h, B, H, HK, dv, dk,
-                                                    ring_u_bytes(af, rf)),
+                                                    ring_u_bytes(af, rf), L),
                              copy_bw, L=L, h=h, config={"launch": lc}))
         st.committed.fill_(L - 1)
         ms = time_calls(lambda: f["step"](st, **kw, state_indices=idx, out=out, path="replay",

@@ -13,6 +13,9 @@ Storage of one layer (`ReplayStore`; slots N, value heads H, key heads / groups 
     Gbuf, bbuf  fp32 [N, C, H]                  cumulative log gate since the checkpoint (KDA:
                                                 Gbuf [N, C, H, d_k], per key channel); GDN /
                                                 KDA beta (beta_scale included) / Mamba-2 dt
+    Tbuf        fp32 [N, C, H, L]               GDN whose flush solves for u (solves_u): the
+                                                entry's row of the key factors (I + A)^{-1},
+                                                over the window's entries (None otherwise)
     committed   int32 [N]                       committed buffer entries h (0..L)
     start       int32 [N]                       ring position of the window's first entry
     n_flush     int64 [N]                       flush index of the current anchor (0 = initial cast)
@@ -39,7 +42,9 @@ its own path only.
 
 The rebuild uses tensor-core products (the WY form of the chunked delta rule): W = K S0^T,
 A[j, i] = beta_j e^{G_j - G_i} (k_i . k_j) for i < j, U = (I + A)^{-1} (beta (V - e^G W)),
-S = e^{G_n} S0 + (U e^{G_n - G})^T K; Mamba-2 U = dt x. A shared pair with FP32 u (the
+S = e^{G_n} S0 + (U e^{G_n - G})^T K; Mamba-2 U = dt x. (I + A)^{-1} depends on neither the
+state nor the tile: the read steps append its rows to the ring (Tbuf, solves_u), so the flush
+loads it instead of solving per tile. A shared pair with FP32 u (the
 default of a shared FP32 pair) folds the cached u as it is (folds_u): one product, as the
 authors' kernel does. KDA (VEC, a gate per key channel) folds it as S0 e^{G_n} +
 U^T (K e^{G_n - G}); solving for u it
@@ -63,7 +68,7 @@ from replayquant.kernels.conventional import (PackedRole, _check_inputs, _front_
                                               _indices, _kda_front_end, _nv_store, _prep,
                                               _program_tile, _vector_gate_step,
                                               _rank1_step, _role_bits,
-                                              _tile_load, _tile_store, unit_lower_inverse,
+                                              _tile_load, _tile_store,
                                               NO_DT_LIMIT, dt_limit_args, role_streams,
                                               split_key, _pow2_dims)
 from replayquant.kernels.quant import (decode_bf16, decode_fp16, small_float_at,
@@ -112,6 +117,7 @@ class ReplayStore:
     arrive: torch.Tensor | None = None   # int32 [N]: arrival counters of the pointer move (zero)
     sync: torch.Tensor | None = None     # int32 [N, H, 4]: per-matrix arrivals and amax of a
                                          # flush that casts an NVFP4 read copy (zero)
+    Tbuf: torch.Tensor | None = None     # fp32 [N, C, H, L]: key factors (solves_u stores)
 
     @property
     def capacity(self) -> int:
@@ -160,7 +166,7 @@ class ReplayStore:
             raise ValueError(f"max_drafts={max_drafts} must lie in 0..buffer_len={L}")
         bf = torch.bfloat16
         C = L + int(max_drafts)
-        return cls(kind, anchor, rrole, L, HK,
+        store = cls(kind, anchor, rrole, L, HK,
                    kbuf=torch.zeros(N, C, HK, dk, dtype=bf, device=dev),
                    vbuf=torch.zeros(N, C, H, dv, dtype=bf, device=dev),
                    ubuf=torch.zeros(N, C, H, dv, dtype=u_dtype, device=dev) if kind != "mamba2" else None,
@@ -171,6 +177,9 @@ class ReplayStore:
                    n_flush=torch.zeros(N, dtype=torch.int64, device=dev), key=key,
                    start=torch.zeros(N, dtype=torch.int32, device=dev), max_drafts=int(max_drafts),
                    arrive=torch.zeros(N, dtype=torch.int32, device=dev))
+        if solves_u(store):
+            store.Tbuf = torch.zeros(N, C, H, L, device=dev)
+        return store
 
     @property
     def shape(self):
@@ -190,7 +199,7 @@ class ReplayStore:
                            self.L, self.key_heads, c(self.kbuf), c(self.vbuf), c(self.ubuf),
                            c(self.Gbuf), c(self.bbuf), c(self.committed), c(self.n_flush), self.key,
                            c(self.start), self.max_drafts, self.pending_T, self.last_force,
-                           c(self.arrive))
+                           c(self.arrive), Tbuf=c(self.Tbuf))
 
 
 # ============================================================================ Triton
@@ -266,8 +275,8 @@ def _dot3(a, b, acc, SPLIT_B: tl.constexpr, ON_GPU: tl.constexpr):
 
 
 @triton.jit
-def _rebuild(S0, Kb, r, X, G, Bt, jj, n, A_pay, A_sc, A_gs, mat, rows, kbuf, e, hk,
-             HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, AFMT: tl.constexpr,
+def _rebuild(S0, Kb, r, X, G, Bt, jj, n, A_pay, A_sc, A_gs, mat, rows, kbuf, Tbuf, e, hk, hv,
+             HK: tl.constexpr, HV: tl.constexpr, L: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, AFMT: tl.constexpr,
              DELTA: tl.constexpr, PREC: tl.constexpr, ON_GPU: tl.constexpr,
              FOLD_U: tl.constexpr):
     """The unrounded state after n > 0 entries (_load_entries' Kb, r, X, G, Bt, at ring
@@ -284,19 +293,16 @@ def _rebuild(S0, Kb, r, X, G, Bt, jj, n, A_pay, A_sc, A_gs, mat, rows, kbuf, e, 
     if DELTA and not FOLD_U:
         CW: tl.constexpr = DK if (AFMT == 4) or (DK < 32) else 32      # NVFP4: whole rows
         W = tl.zeros_like(X)                                                # [LP, BV]: S0 k_j
-        KK = tl.zeros([X.shape[0], X.shape[0]], tl.float32)                 # [LP, LP]: k_j . k_i
         for c0 in range(0, DK, CW):
             cc = c0 + tl.arange(0, CW)
             Kc = tl.load(kbuf + (e[:, None] * HK + hk) * DK + cc[None, :], mask=m[:, None],
                          other=0.0)
             W = _dot3(Kc, tl.trans(_tile_load(A_pay, A_sc, A_gs, mat, rows, cc, DV, DK,
                                               rows.shape[0], AFMT)), W, True, ON_GPU)
-            KK = _mm(Kc, tl.trans(Kc), KK, ON_GPU)
         R = Bt[:, None] * (X - tl.where(m, tl.exp(G), 0.0)[:, None] * (r[:, None] * W))
-        low = (jj[None, :] < jj[:, None]) & m[:, None]
-        A = tl.where(low, Bt[:, None] * tl.exp(tl.where(low, G[:, None] - G[None, :], 0.0))
-                     * (KK * (r[:, None] * r[None, :])), 0.0)
-        U = tl.dot(unit_lower_inverse(A, jj, n), R, input_precision=PREC)
+        Tm = tl.load(Tbuf + (e[:, None] * HV + hv) * L + jj[None, :],      # (I + A)^-1, rows
+                     mask=m[:, None] & m[None, :], other=0.0)              # of the ring
+        U = tl.dot(Tm, R, input_precision=PREC)
     w = tl.where(m, tl.exp(tl.where(m, Gn - G, 0.0)), 0.0) * r
     return _dot3(tl.trans(U * w[:, None]), Kb, tl.exp(Gn) * S0, False, ON_GPU)
 
@@ -336,8 +342,8 @@ def _fold_vec_u(S0, Kb, r, U, G, jj, n, PREC: tl.constexpr):
 
 
 @triton.jit
-def _fold(S0, Kb, r, X, G, Bt, jj, n, A_pay, A_sc, A_gs, mat, rows, kbuf, e, hk,
-          HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, AFMT: tl.constexpr,
+def _fold(S0, Kb, r, X, G, Bt, jj, n, A_pay, A_sc, A_gs, mat, rows, kbuf, Tbuf, e, hk, hv,
+          HK: tl.constexpr, HV: tl.constexpr, L: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, AFMT: tl.constexpr,
           DELTA: tl.constexpr, PREC: tl.constexpr, ON_GPU: tl.constexpr, VEC: tl.constexpr,
           FOLD_U: tl.constexpr):
     """_rebuild, or for a gate per key channel (VEC) _fold_vec_u (FOLD_U) / _rebuild_vec."""
@@ -347,8 +353,8 @@ def _fold(S0, Kb, r, X, G, Bt, jj, n, A_pay, A_sc, A_gs, mat, rows, kbuf, e, hk,
         else:
             S = _rebuild_vec(S0, Kb, r, X, G, Bt, jj, n)
     else:
-        S = _rebuild(S0, Kb, r, X, G, Bt, jj, n, A_pay, A_sc, A_gs, mat, rows, kbuf, e, hk,
-                     HK, DK, DV, AFMT, DELTA, PREC, ON_GPU, FOLD_U)
+        S = _rebuild(S0, Kb, r, X, G, Bt, jj, n, A_pay, A_sc, A_gs, mat, rows, kbuf, Tbuf, e, hk,
+                     hv, HK, HV, L, DK, DV, AFMT, DELTA, PREC, ON_GPU, FOLD_U)
     return S
 
 
@@ -630,23 +636,30 @@ def _moved_pointers(h, st, nf, force, L: tl.constexpr, CAP: tl.constexpr, T: tl.
 
 
 @triton.jit
-def _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, out_ptr, q_ptr, k_ptr, v_ptr, a_ptr,
+def _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, out_ptr, q_ptr, k_ptr, v_ptr, a_ptr,
                  b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, beta_scale, dt_lo, dt_hi, row, hv,
                  hk, rows, cols, slot, start, h, jj, lead, HK: tl.constexpr, HV: tl.constexpr,
                  DK: tl.constexpr, DV: tl.constexpr, CAP: tl.constexpr, T: tl.constexpr,
                  RFMT: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
                  HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
                  U_BF16: tl.constexpr, DT_CLAMP: tl.constexpr, VEC: tl.constexpr,
-                 PCK: tl.constexpr):
+                 PCK: tl.constexpr, KF: tl.constexpr, L: tl.constexpr):
     """Outputs of T entries from the read copy tile (P, Pb, s) and the h committed entries,
     output-only: y = e^{G_p} (R q) + sum_j e^{G_p - G_j} (k_j . q) u_j + (k . q) u, draft t
     seeing the drafts before it; GDN u = beta (v - e^{G_p} R k - sum_j e^{G_p - G_j}
     (k_j . k) u_j), R k and R q in one pass over the tile. Appends each entry at h + t (raw k and
     v / x in bf16, u, G, beta / dt; lead: the one block of the head that writes its k, G and
     beta). VEC (KDA, G [LP, DK] per key channel): the decays enter the keys, e^{G_p} on R's
-    columns (R (e^{G_p} * k), R (e^{G_p} * q)) and e^{G_p - G_j} on k_j."""
+    columns (R (e^{G_p} * k), R (e^{G_p} * q)) and e^{G_p - G_j} on k_j. KF (GDN whose flush
+    solves for u): lead also appends the entry's row of the key factors (I + A)^{-1} (DESIGN
+    section 4), T_p = e_p - sum_{j<p} A_pj T_j with A_pj = beta e^{G_p - G_j} (k_j . k): the
+    solve's forward substitution, one row a step, so that the flush only multiplies."""
     Kb, r, X, G, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start, hv, hk, rows,
                                     cols, jj, h, HK, HV, DK, DV, CAP, DELTA, L2NORM, DELTA, VEC)
+    if KF:                          # the key factors of the committed entries (lead only)
+        hl = tl.where(lead, h, 0)
+        Tm = tl.load(Tbuf + (_entry(slot, start, jj, CAP)[:, None] * HV + hv) * L + jj[None, :],
+                     mask=(jj < hl)[:, None] & (jj < hl)[None, :], other=0.0)
     if VEC:
         Gp = tl.sum(tl.where((jj == h - 1)[:, None], G, 0.0), axis=0)
     else:
@@ -688,6 +701,9 @@ def _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, out_ptr, q_ptr, k_ptr, 
                 u = beta * (v - eG * rk) - beta * corr
                 if U_BF16:
                     u = u.to(tl.bfloat16).to(tl.float32)
+                if KF:
+                    trow = tl.where(jj == p, 1.0, 0.0) \
+                        - tl.sum((beta * wdec * kk)[:, None] * Tm, axis=0)
             else:
                 rq, _ = _tile_mv(P, Pb, s, q, q, False, DK, RFMT, PCK)
                 u = v
@@ -697,8 +713,13 @@ def _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, out_ptr, q_ptr, k_ptr, 
         tl.store(out_ptr + (tok * HV + hv) * DV + rows, y)
         e = _entry(slot, start, p, CAP)
         kraw = tl.load(k_ptr + (tok * HK + hk) * DK + cols)
+        if KF:
+            if lead:
+                tl.store(Tbuf + (e * HV + hv) * L + jj, trow, mask=jj < L)
         if T > 1:                   # draft t is entry p of the drafts after it
             cur = jj == p
+            if KF:
+                Tm = tl.where(cur[:, None], trow[None, :], Tm)
             Kb = tl.where(cur[:, None], kraw.to(tl.bfloat16)[None, :], Kb)
             rk_ = 1.0
             if DELTA:
@@ -745,7 +766,7 @@ def _flush_tile_at(tile, n_rows, HV: tl.constexpr, DV: tl.constexpr, BV: tl.cons
 
 @triton.jit
 def _flush_tile(tile, n_rows, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, ubuf, Gbuf, bbuf,
-                h_ptr, st_ptr, nf_ptr, sync_ptr, idx_ptr, out_ptr, q_ptr, k_ptr, v_ptr, a_ptr,
+                Tbuf,                h_ptr, st_ptr, nf_ptr, sync_ptr, idx_ptr, out_ptr, q_ptr, k_ptr, v_ptr, a_ptr,
                 b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, beta_scale, key_lo, key_hi, dt_lo, dt_hi,
                 HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                 BV: tl.constexpr, NB: tl.constexpr, L: tl.constexpr, CAP: tl.constexpr,
@@ -780,8 +801,8 @@ def _flush_tile(tile, n_rows, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, 
                                                 hk, rows, cols, jj, h, HK, HV, DK, DV, CAP,
                                                 DELTA, L2NORM, FOLD_U, VEC)
                 S = _fold(_tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT), Kb,
-                          r, X, G, Bt, jj, h, A_pay, A_sc, A_gs, mat, rows, kbuf,
-                          _entry(slot, start, jj, CAP), hk, HK, DK, DV, AFMT, DELTA, PREC,
+                          r, X, G, Bt, jj, h, A_pay, A_sc, A_gs, mat, rows, kbuf, Tbuf,
+                          _entry(slot, start, jj, CAP), hk, hv, HK, HV, L, DK, DV, AFMT, DELTA, PREC,
                           ON_GPU, VEC, FOLD_U)
                 amax = _flushed_tile(S, ps, NP, amax, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs,
                                      sync_ptr + mat * 4, mat, rows, cols, key_lo, key_hi,
@@ -816,7 +837,7 @@ def _flush_tile(tile, n_rows, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, 
                                                         HV, DK, DV, CAP, DELTA, L2NORM, FOLD_U,
                                                         VEC)
                         S = _fold(S, Kb, r, X, G, Bt, jj, h, A_pay, A_sc, A_gs, mat, rows, kbuf,
-                                  _entry(slot, start, jj, CAP), hk, HK, DK, DV, AFMT, DELTA,
+                                  Tbuf, _entry(slot, start, jj, CAP), hk, hv, HK, HV, L, DK, DV, AFMT, DELTA,
                                   PREC, ON_GPU, VEC, FOLD_U)
                     # this step on the rebuilt state: the conventional step's arithmetic (L = 1
                     # and a forced step on empty buffers are the conventional kernel)
@@ -840,7 +861,7 @@ def _flush_tile(tile, n_rows, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, 
 @triton.jit(do_not_specialize=["key_lo", "key_hi", "n_rows"])
 def _replay_kernel(
         A_pay, A_sc, A_gs, R_pay, R_sc, R_gs,
-        kbuf, vbuf, ubuf, Gbuf, bbuf, h_ptr, st_ptr, nf_ptr, cnt_ptr, sync_ptr, idx_ptr, out_ptr,
+        kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, h_ptr, st_ptr, nf_ptr, cnt_ptr, sync_ptr, idx_ptr, out_ptr,
         q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr,
         scale, beta_scale, key_lo, key_hi, dt_lo, dt_hi, n_rows,
         HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
@@ -851,7 +872,8 @@ def _replay_kernel(
         SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr, HAS_DTB: tl.constexpr,
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, U_BF16: tl.constexpr, DT_CLAMP: tl.constexpr,
         PREC: tl.constexpr, ON_GPU: tl.constexpr, VEC: tl.constexpr, FLUSHES: tl.constexpr,
-        SYNC: tl.constexpr, TPP: tl.constexpr, FOLD_U: tl.constexpr, PCK: tl.constexpr):
+        SYNC: tl.constexpr, TPP: tl.constexpr, FOLD_U: tl.constexpr, PCK: tl.constexpr,
+        KF: tl.constexpr):
     """A decode step (STEP, T = 1) or a verify of T drafts, in two launches that make the same
     per-row decisions from the same pointers.
 
@@ -881,7 +903,7 @@ def _replay_kernel(
         for i in range(tl.sum(need, axis=0)):
             tile = tl.sum(tl.where((need > 0) & (rank == i + 1), tiles, 0), axis=0)
             _flush_tile(tile, n_rows, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, ubuf,
-                        Gbuf, bbuf, h_ptr, st_ptr, nf_ptr, sync_ptr, idx_ptr, out_ptr, q_ptr, k_ptr,
+                        Gbuf, bbuf, Tbuf, h_ptr, st_ptr, nf_ptr, sync_ptr, idx_ptr, out_ptr, q_ptr, k_ptr,
                         v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, beta_scale, key_lo,
                         key_hi, dt_lo, dt_hi, HK, HV, DK, DV, BV, NB, L, CAP, LP, T, STEP, FORCE,
                         AFMT, ASR, RFMT, RSR, SHARED, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z,
@@ -907,12 +929,12 @@ def _replay_kernel(
             if STEP:
                 go = ~(fill | FORCE)
             if go:
-                _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, out_ptr, q_ptr, k_ptr, v_ptr,
+                _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, out_ptr, q_ptr, k_ptr, v_ptr,
                              a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, beta_scale, dt_lo,
                              dt_hi, row, hv, hk, rows0, cols, slot, start, h, jj,
                              tl.program_id(1) == 0, HK, HV, DK, DV, CAP,
                              T, RFMT, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z,
-                             U_BF16, DT_CLAMP, VEC, PCK)
+                             U_BF16, DT_CLAMP, VEC, PCK, KF, L)
             if ADVANCE:
                 tl.debug_barrier()              # every thread of the program is past its loads
                 arrived = tl.atomic_add(cnt_ptr + slot, 1)          # acq_rel, gpu scope
@@ -1021,6 +1043,15 @@ def _flush_grid(n_tiles: int, device):
             * FLUSH_PROGRAMS_PER_SM
     tpp = min(FLUSH_MAX_TILES, triton.next_power_of_2(max(1, -(-n_tiles // target))))
     return tpp, (-(-n_tiles // tpp),)
+
+
+def solves_u(store: ReplayStore) -> bool:
+    """Whether the GDN flush solves for u against the anchor (a separate read copy, or a shared
+    anchor with bf16 u): the read steps append the rows of the key factors (I + A)^{-1} of
+    DESIGN section 4 (Tbuf), which depend on the keys, gates and betas alone, so the flush
+    forms U = T (beta (V - e^G W)) with one product and no triangular solve. A store that
+    folds (folds_u) and KDA (whose solve is the sequential fold) keep none."""
+    return store.kind == "gdn" and not folds_u(store)
 
 
 def folds_u(store: ReplayStore) -> bool:
@@ -1187,7 +1218,7 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
         _replay_kernel[grid](
             Ap, As, Ag, Rp, Rs, Rg, store.kbuf, store.vbuf,
             store.ubuf if store.ubuf is not None else store.vbuf, store.Gbuf, store.bbuf,
-            store.committed, store.start, store.n_flush, store.arrive,
+            store.Tbuf if store.Tbuf is not None else store.bbuf, store.committed, store.start, store.n_flush, store.arrive,
             store.sync if sync else store.arrive, idx, out, *inputs,
             float(scale if scale is not None else 1.0 / math.sqrt(dk)), beta_scale,
             *split_key(store.key), dt_lo, dt_hi, B,
@@ -1200,7 +1231,7 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
             HAS_Z=z is not None,
             U_BF16=store.ubuf is not None and store.ubuf.dtype == torch.bfloat16,
             DT_CLAMP=dt_clamp, PREC="tf32x3", ON_GPU=q.is_cuda, VEC=vec, FLUSHES=flushes,
-            SYNC=sync and flushes, TPP=tpp, FOLD_U=folds_u(store),
+            SYNC=sync and flushes, TPP=tpp, FOLD_U=folds_u(store), KF=store.Tbuf is not None,
             PCK=READ_CHUNKS.get((store.kind, store.read_role.fmt), 0), num_warps=nw, **({} if regs is None else {"maxnreg": regs}))
     return out, idx
 

@@ -16,13 +16,13 @@ from replayquant.kernels.conventional import (_indices, _into, gdn_frontend_ref,
                                               mamba2_frontend_ref, mamba2_post_ref, role_streams,
                                               NO_DT_LIMIT)
 from replayquant.kernels.replay_decode import (ReplayStore, _default_force, _force, _no_pending,
-                                               folds_u)
+                                               folds_u, solves_u)
 from replayquant.kernels.verify import _check_accept, _draft_count, _pending
 from replayquant.streams import ANCHOR, READ
 
 __all__ = ["replay_gdn_step_ref", "replay_mamba2_step_ref", "replay_gdn_verify_ref",
            "replay_mamba2_verify_ref", "replay_kda_step_ref", "replay_kda_verify_ref", "replay_accept_ref", "advance_pointers_ref",
-           "replay_ref_core"]
+           "replay_ref_core", "key_factors_ref", "fill_key_factors_ref"]
 
 
 def advance_pointers_ref(store: ReplayStore, state_indices, T: int = 1, step: bool = True,
@@ -67,6 +67,39 @@ def _entries_ref(store: ReplayStore, s: int, n: int, start: int):
         V = Bt.unsqueeze(-1) * V
     U = None if store.ubuf is None else store.ubuf[s, pos].float().transpose(0, 1)
     return K, V, U, G, Bt
+
+
+def key_factors_ref(K, G, Bt):
+    """(I + A)^{-1} [H, n, n] of n GDN entries (K [H, n, dk] normalised, G, Bt [H, n]):
+    A[j, i] = Bt_j e^{G_j - G_i} (k_j . k_i) for i < j, the unit lower triangular system of
+    DESIGN section 4, whose rows a store that solves for u keeps in Tbuf (solves_u)."""
+    n = K.shape[1]
+    low = torch.ones(n, n, dtype=torch.bool, device=K.device).tril(-1)
+    d = torch.where(low, G[:, :, None] - G[:, None, :], 0.0)
+    A = torch.where(low, Bt[:, :, None] * torch.exp(d) * (K @ K.transpose(1, 2)), 0.0)
+    eye = torch.eye(n, device=K.device).expand_as(A)
+    return torch.linalg.solve_triangular(eye + A, eye, upper=False, unitriangular=True)
+
+
+def _key_factor_rows_ref(store: ReplayStore, s: int, start: int, lo: int, n: int):
+    """Tbuf rows of window entries lo..n-1 of slot s, from the ring's first n entries."""
+    K, _, _, G, Bt = _entries_ref(store, s, n, start)
+    T = key_factors_ref(K, G, Bt)
+    for j in range(lo, n):
+        e = (start + j) % store.capacity
+        store.Tbuf[s, e] = 0.0
+        store.Tbuf[s, e, :, :n] = T[:, j]
+
+
+def fill_key_factors_ref(store: ReplayStore, slots) -> None:
+    """The key factors of every committed entry of the given slots (a store built from a
+    ReplayState, models.runtime.state_to_store); nothing for a store without Tbuf."""
+    if store.Tbuf is None:
+        return
+    for s in [int(x) for x in slots]:
+        h = int(store.committed[s])
+        if h > 0:
+            _key_factor_rows_ref(store, s, int(store.start[s]), 0, h)
 
 
 def _rebuild_ref(A, K, V, G, Bt, delta, cur=None, vec=False, U=None):
@@ -185,13 +218,15 @@ def replay_ref_core(store: ReplayStore, fe, raw, state_indices, T: int, step: bo
                 K = torch.cat([K, kt.unsqueeze(1)], 1)
                 X = torch.cat([X, u.unsqueeze(1)], 1)
                 G = torch.cat([G, Gp.unsqueeze(1)], 1)
-                p = (start + p) % store.capacity
-                store.kbuf[s, p] = kraw[b_, t].to(torch.bfloat16)
-                store.vbuf[s, p] = xraw[b_, t].to(torch.bfloat16)
+                e = (start + p) % store.capacity
+                store.kbuf[s, e] = kraw[b_, t].to(torch.bfloat16)
+                store.vbuf[s, e] = xraw[b_, t].to(torch.bfloat16)
                 if delta:
-                    store.ubuf[s, p] = u.to(store.ubuf.dtype)
-                store.bbuf[s, p] = beta[b_, t]
-                store.Gbuf[s, p] = Gp
+                    store.ubuf[s, e] = u.to(store.ubuf.dtype)
+                store.bbuf[s, e] = beta[b_, t]
+                store.Gbuf[s, e] = Gp
+                if solves_u(store):
+                    _key_factor_rows_ref(store, s, start, p, p + 1)
         if post is not None:
             for t in range(T):
                 y[b_, t] = post(y[b_, t], b_, t)

@@ -201,9 +201,11 @@ def state_to_store(st: ReplayState, key_heads: int, u_dtype=None):
     the kernel's layout: k per key head / group in bf16 (GDN: the normalised k, re-normalised by
     the kernel on read), v in bf16 (GDN: v; Mamba-2: v = dt x stored as x = v with dt = 1),
     G and beta in fp32, GDN u in u_dtype (None: the kernel's default, ReplayStore.from_state:
-    float32 for a shared FP32 pair, whose flush folds it, else KERNEL_U_DTYPE).
+    float32 for a shared FP32 pair, whose flush folds it, else KERNEL_U_DTYPE) and, where its
+    flush solves for u, GDN's key factors (Tbuf, computed from the entries).
     Raises ValueError for rows that repeat."""
-    from replayquant.kernels.replay_decode import ReplayStore
+    from replayquant.kernels.replay_decode import ReplayStore, solves_u
+    from replayquant.kernels.replay_ref import fill_key_factors_ref
     from replayquant.streams import layer_seed
     if u_dtype is None:
         u_dtype = torch.float32 if ring_u_bytes(st.pair.anchor.format, None if st.pair.read is None
@@ -250,6 +252,9 @@ def state_to_store(st: ReplayState, key_heads: int, u_dtype=None):
                         kbuf=kbuf, vbuf=vbuf, ubuf=ubuf, Gbuf=Gbuf, bbuf=bbuf,
                         committed=committed, n_flush=n_flush, key=layer_seed(st.seed, st.layer),
                         start=torch.zeros(N, dtype=torch.int32, device=dev), max_drafts=0)
+    if solves_u(store):                  # the key factors of the committed entries (Tbuf)
+        store.Tbuf = torch.zeros(N, L, H, L, dtype=f32, device=dev)
+        fill_key_factors_ref(store, slots)
     return store, rows.to(torch.int32)
 
 
