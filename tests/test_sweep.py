@@ -104,7 +104,8 @@ def test_byte_model_equals_kernels_bench_counts():
 
 
 def test_memory_equals_replay_store_allocation():
-    """State memory per sequence = what a one-slot ReplayStore allocates (anchor, read copy, ring)."""
+    """State memory per sequence = what a one-slot ReplayStore allocates (anchor, read copy, ring
+    with GDN's key factors where it solves for u)."""
     from replayquant.kernels.replay_decode import ReplayStore
 
     def nb(t):
@@ -115,7 +116,7 @@ def test_memory_equals_replay_store_allocation():
             st = ReplayStore.from_state(torch.zeros(1, H, dv, dk), P, kind, key_heads=HK)
             roles = [st.anchor] + ([st.read] if st.read is not None else [])
             got = sum(nb(r.payload) + nb(r.scale) + nb(r.gscale) for r in roles)
-            got += sum(nb(x) for x in (st.kbuf, st.vbuf, st.ubuf, st.Gbuf, st.bbuf))
+            got += sum(nb(x) for x in (st.kbuf, st.vbuf, st.ubuf, st.Gbuf, st.bbuf, st.Tbuf))
             assert layer_memory_bytes(LayerShape(kind, H, HK, dv, dk), P).total == got, (kind, name)
 
 
