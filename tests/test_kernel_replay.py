@@ -259,6 +259,10 @@ def test_replay_bf16_u_buffer_against_reference(pair):
         # a one-ulp bf16 difference of a cached u moves an output by ~2^-8 of that term
         torch.testing.assert_close(y, y2, rtol=2e-2, atol=2e-2 * y2.abs().max().item())
     assert_states_close(store.anchor.dequantize(), ref.anchor.dequantize())
+    # the key factors are part of a store that solves for u: without them, one clear error
+    store.Tbuf = None
+    with pytest.raises(ValueError, match="needs its key factors: Tbuf"):
+        dr.kernel(store, dr.inputs(seed=9), None)
 
 
 @pytest.mark.parametrize("kind", ["gdn", "mamba2"])

@@ -276,7 +276,8 @@ def _dot3(a, b, acc, SPLIT_B: tl.constexpr, ON_GPU: tl.constexpr):
 
 @triton.jit
 def _rebuild(S0, Kb, r, X, G, Bt, jj, n, A_pay, A_sc, A_gs, mat, rows, kbuf, Tbuf, e, hk, hv,
-             HK: tl.constexpr, HV: tl.constexpr, L: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, AFMT: tl.constexpr,
+             HK: tl.constexpr, HV: tl.constexpr, L: tl.constexpr, DK: tl.constexpr,
+             DV: tl.constexpr, AFMT: tl.constexpr,
              DELTA: tl.constexpr, PREC: tl.constexpr, ON_GPU: tl.constexpr,
              FOLD_U: tl.constexpr):
     """The unrounded state after n > 0 entries (_load_entries' Kb, r, X, G, Bt, at ring
@@ -343,7 +344,8 @@ def _fold_vec_u(S0, Kb, r, U, G, jj, n, PREC: tl.constexpr):
 
 @triton.jit
 def _fold(S0, Kb, r, X, G, Bt, jj, n, A_pay, A_sc, A_gs, mat, rows, kbuf, Tbuf, e, hk, hv,
-          HK: tl.constexpr, HV: tl.constexpr, L: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, AFMT: tl.constexpr,
+          HK: tl.constexpr, HV: tl.constexpr, L: tl.constexpr, DK: tl.constexpr,
+          DV: tl.constexpr, AFMT: tl.constexpr,
           DELTA: tl.constexpr, PREC: tl.constexpr, ON_GPU: tl.constexpr, VEC: tl.constexpr,
           FOLD_U: tl.constexpr):
     """_rebuild, or for a gate per key channel (VEC) _fold_vec_u (FOLD_U) / _rebuild_vec."""
@@ -636,8 +638,8 @@ def _moved_pointers(h, st, nf, force, L: tl.constexpr, CAP: tl.constexpr, T: tl.
 
 
 @triton.jit
-def _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, out_ptr, q_ptr, k_ptr, v_ptr, a_ptr,
-                 b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, beta_scale, dt_lo, dt_hi, row, hv,
+def _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, out_ptr, q_ptr, k_ptr, v_ptr,
+                 a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, beta_scale, dt_lo, dt_hi, row, hv,
                  hk, rows, cols, slot, start, h, jj, lead, HK: tl.constexpr, HV: tl.constexpr,
                  DK: tl.constexpr, DV: tl.constexpr, CAP: tl.constexpr, T: tl.constexpr,
                  RFMT: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
@@ -766,8 +768,8 @@ def _flush_tile_at(tile, n_rows, HV: tl.constexpr, DV: tl.constexpr, BV: tl.cons
 
 @triton.jit
 def _flush_tile(tile, n_rows, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, ubuf, Gbuf, bbuf,
-                Tbuf,                h_ptr, st_ptr, nf_ptr, sync_ptr, idx_ptr, out_ptr, q_ptr, k_ptr, v_ptr, a_ptr,
-                b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, beta_scale, key_lo, key_hi, dt_lo, dt_hi,
+                Tbuf, h_ptr, st_ptr, nf_ptr, sync_ptr, idx_ptr, out_ptr, q_ptr, k_ptr, v_ptr,
+                a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, beta_scale, key_lo, key_hi, dt_lo, dt_hi,
                 HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                 BV: tl.constexpr, NB: tl.constexpr, L: tl.constexpr, CAP: tl.constexpr,
                 LP: tl.constexpr, T: tl.constexpr, STEP: tl.constexpr, FORCE: tl.constexpr,
@@ -903,8 +905,8 @@ def _replay_kernel(
         for i in range(tl.sum(need, axis=0)):
             tile = tl.sum(tl.where((need > 0) & (rank == i + 1), tiles, 0), axis=0)
             _flush_tile(tile, n_rows, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, ubuf,
-                        Gbuf, bbuf, Tbuf, h_ptr, st_ptr, nf_ptr, sync_ptr, idx_ptr, out_ptr, q_ptr, k_ptr,
-                        v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, beta_scale, key_lo,
+                        Gbuf, bbuf, Tbuf, h_ptr, st_ptr, nf_ptr, sync_ptr, idx_ptr, out_ptr, q_ptr,
+                        k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, beta_scale, key_lo,
                         key_hi, dt_lo, dt_hi, HK, HV, DK, DV, BV, NB, L, CAP, LP, T, STEP, FORCE,
                         AFMT, ASR, RFMT, RSR, SHARED, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z,
                         DT_CLAMP, PREC, ON_GPU, VEC, SYNC, FOLD_U)
@@ -929,8 +931,8 @@ def _replay_kernel(
             if STEP:
                 go = ~(fill | FORCE)
             if go:
-                _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, out_ptr, q_ptr, k_ptr, v_ptr,
-                             a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, beta_scale, dt_lo,
+                _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, out_ptr, q_ptr, k_ptr,
+                             v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, beta_scale, dt_lo,
                              dt_hi, row, hv, hk, rows0, cols, slot, start, h, jj,
                              tl.program_id(1) == 0, HK, HV, DK, DV, CAP,
                              T, RFMT, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z,
@@ -1203,6 +1205,12 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
         out = torch.empty(*lead, HV, dv, dtype=torch.float32, device=q.device)
     if store.arrive is None or store.arrive.shape[0] != N:
         store.arrive = torch.zeros(N, dtype=torch.int32, device=store.committed.device)
+    kf = solves_u(store)
+    if kf and (store.Tbuf is None or store.Tbuf.shape != (N, store.capacity, HV, store.L)):
+        raise ValueError(f"a GDN store whose flush solves for u needs its key factors: Tbuf "
+                         f"float32 [{N}, {store.capacity}, {HV}, {store.L}] (ReplayStore.from_state "
+                         f"allocates it), got "
+                         f"{None if store.Tbuf is None else list(store.Tbuf.shape)}")
     sync = _synced(store)
     if sync and (store.sync is None or store.sync.shape[:2] != (N, HV)):
         store.sync = torch.zeros(N, HV, 4, dtype=torch.int32, device=store.committed.device)
@@ -1218,7 +1226,8 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
         _replay_kernel[grid](
             Ap, As, Ag, Rp, Rs, Rg, store.kbuf, store.vbuf,
             store.ubuf if store.ubuf is not None else store.vbuf, store.Gbuf, store.bbuf,
-            store.Tbuf if store.Tbuf is not None else store.bbuf, store.committed, store.start, store.n_flush, store.arrive,
+            store.Tbuf if kf else store.bbuf, store.committed, store.start, store.n_flush,
+            store.arrive,
             store.sync if sync else store.arrive, idx, out, *inputs,
             float(scale if scale is not None else 1.0 / math.sqrt(dk)), beta_scale,
             *split_key(store.key), dt_lo, dt_hi, B,
@@ -1231,7 +1240,7 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
             HAS_Z=z is not None,
             U_BF16=store.ubuf is not None and store.ubuf.dtype == torch.bfloat16,
             DT_CLAMP=dt_clamp, PREC="tf32x3", ON_GPU=q.is_cuda, VEC=vec, FLUSHES=flushes,
-            SYNC=sync and flushes, TPP=tpp, FOLD_U=folds_u(store), KF=store.Tbuf is not None,
+            SYNC=sync and flushes, TPP=tpp, FOLD_U=folds_u(store), KF=kf,
             PCK=READ_CHUNKS.get((store.kind, store.read_role.fmt), 0), num_warps=nw, **({} if regs is None else {"maxnreg": regs}))
     return out, idx
 
