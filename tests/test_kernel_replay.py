@@ -407,7 +407,7 @@ def test_launch_table_and_path():
     with pytest.raises(ValueError, match="keys"):
         cfg(mk("s32_rs"), "read", {"reads": (16, 1)})
     # the read launch's register cap: READ_REGS's unless the launch names rows, warps or regs
-    assert _max_regs(mk("tp4_hi32"), None, "read") is None and READ_REGS[("kda", "nvfp4")]
+    assert _max_regs(mk("tp4_hi32"), None, "read") == READ_REGS[("gdn", "nvfp4")]
     assert _max_regs(mk("tp4_hi32"), {"read": (64, 2)}, "read") is None
     assert _max_regs(mk("s32_rs"), {"read": (64, 2, 128)}, "read") == 128
     assert _max_regs(mk("s32_rs"), None, "read") is None

@@ -679,38 +679,41 @@ def _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, out_ptr, q_ptr, k
                 DT_CLAMP)
         p = h + t
         Gp = Gp + log_a
+        # the buffer's terms before the read copy's pass (_tile_mv), so that the entries' tiles
+        # are dead during it: GDN's NVFP4 read spills nothing at 128 registers (255 and spills)
         prev = jj < p
         if VEC:
             wdec = tl.where(prev[:, None], tl.exp(tl.where(prev[:, None], Gp[None, :] - G, 0.0)),
                             0.0)
             eG = tl.exp(Gp)
             Kw = Kb.to(tl.float32) * wdec
-            rk, rq = _tile_mv(P, Pb, s, eG * k, eG * q, True, DK, RFMT, PCK)
             corr = tl.sum((r * tl.sum(Kw * k[None, :], axis=1))[:, None] * X, axis=0)
+            yb = tl.sum((r * tl.sum(Kw * q[None, :], axis=1))[:, None] * X, axis=0)
+            rk, rq = _tile_mv(P, Pb, s, eG * k, eG * q, True, DK, RFMT, PCK)
             u = beta * (v - rk) - beta * corr
             if U_BF16:
                 u = u.to(tl.bfloat16).to(tl.float32)
-            y = rq + tl.sum((r * tl.sum(Kw * q[None, :], axis=1))[:, None] * X, axis=0) \
-                + tl.sum(k * q, axis=0) * u
+            y = rq + yb + tl.sum(k * q, axis=0) * u
         else:
             wdec = tl.where(prev, tl.exp(tl.where(prev, Gp - G, 0.0)), 0.0)
             eG = tl.exp(Gp)
+            qk = r * tl.sum(Kb.to(tl.float32) * q[None, :], axis=1)
+            yb = tl.sum((wdec * qk)[:, None] * X, axis=0)
             if DELTA:
                 beta = beta * beta_scale
-                rk, rq = _tile_mv(P, Pb, s, k, q, True, DK, RFMT, PCK)
                 kk = r * tl.sum(Kb.to(tl.float32) * k[None, :], axis=1)
                 corr = tl.sum((wdec * kk)[:, None] * X, axis=0)
-                u = beta * (v - eG * rk) - beta * corr
-                if U_BF16:
-                    u = u.to(tl.bfloat16).to(tl.float32)
                 if KF:
                     trow = tl.where(jj == p, 1.0, 0.0) \
                         - tl.sum((beta * wdec * kk)[:, None] * Tm, axis=0)
+                rk, rq = _tile_mv(P, Pb, s, k, q, True, DK, RFMT, PCK)
+                u = beta * (v - eG * rk) - beta * corr
+                if U_BF16:
+                    u = u.to(tl.bfloat16).to(tl.float32)
             else:
                 rq, _ = _tile_mv(P, Pb, s, q, q, False, DK, RFMT, PCK)
                 u = v
-            qk = r * tl.sum(Kb.to(tl.float32) * q[None, :], axis=1)
-            y = eG * rq + tl.sum((wdec * qk)[:, None] * X, axis=0) + tl.sum(k * q, axis=0) * u
+            y = eG * rq + yb + tl.sum(k * q, axis=0) * u
         y = _gate_out(y + skip, z_ptr, tok, hv, rows, HV, DV, HAS_Z)
         tl.store(out_ptr + (tok * HV + hv) * DV + rows, y)
         e = _entry(slot, start, p, CAP)
@@ -999,12 +1002,15 @@ LAUNCH_TABLE = {
     # flush launch, NVFP4 anchor: the whole matrix cast in registers (GDN 128 x 128 on 8 warps)
     "flush_nvfp4": dict(rows=None, per_thread=64),
 }
-# register cap of the read launch by (kind, read copy format), where ptxas's own choice (255) is
-# slower (B = 256 on the H200, config_sweep at fcda2a5, us per read step capped / not): fewer
-# registers, more programs an SM. KDA FP8 202.4 / 227.2, KDA NVFP4 176.6 / 217.8 (GDN NVFP4
-# 130.2 / 148.5 whole, now read in chunks, READ_CHUNKS); the others are slower capped (Mamba-2 FP8 158.1 / 139.0) or even (the FP32 read
-# copies were measured so as whole tiles; chunked, they run uncapped).
-READ_REGS = {("kda", "fp8"): 168, ("kda", "nvfp4"): 168}
+# register cap of the read launch by (kind, read copy format), where ptxas's own choice is
+# slower: fewer registers, more programs an SM. B = 256 read steps on the H200 (h = L/2, us,
+# capped / not; the buffer's terms are formed before the read copy's pass, so these caps spill
+# nothing): GDN FP8 96.5 / 133.8 (112: 105.1, 96: 116.0, 168: 106.6), GDN NVFP4 100.1 / 125.0
+# (112: 109.6, 96: 115.8, 168: 110.2), KDA NVFP4 164.2 / 172.7 at 168; KDA FP8 at 168 202.4 /
+# 227.2 (config_sweep at fcda2a5). Caps do not move the others: GDN FP32 at 128 161.3 / 162.9,
+# Mamba-2 NVFP4 at 96 144.6 / 143.1, Mamba-2 FP8 at 80 136.7 / 136.4.
+READ_REGS = {("gdn", "fp8"): 128, ("gdn", "nvfp4"): 128, ("kda", "fp8"): 168,
+             ("kda", "nvfp4"): 128}
 # packed read copies read in chunks of this many columns (64 rows on one warp, READ_STAGES loads
 # in flight) by (kind, format); the others decode their whole tile. B = 256 read steps on the
 # H200 (h = L/2, us, chunked / whole tile capped as READ_REGS was): GDN FP8 125.2 / 151.3
