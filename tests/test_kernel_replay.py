@@ -408,6 +408,7 @@ def test_launch_table_and_path():
         cfg(mk("s32_rs"), "read", {"reads": (16, 1)})
     # the read launch's register cap: READ_REGS's unless the launch names rows, warps or regs
     assert _max_regs(mk("tp4_hi32"), None, "read") == READ_REGS[("gdn", "nvfp4")]
+    assert _max_regs(mk("tp4_hi32"), None, "read", T=4) is None     # a verify: uncapped
     assert _max_regs(mk("tp4_hi32"), {"read": (64, 2)}, "read") is None
     assert _max_regs(mk("s32_rs"), {"read": (64, 2, 128)}, "read") == 128
     assert _max_regs(mk("s32_rs"), None, "read") is None
