@@ -1080,8 +1080,8 @@ def _max_regs(store: ReplayStore, launch, which: str, T: int = 1):
     """The register cap of a launch given as (rows, warps, regs); of a launch not given,
     READ_REGS's for a step's read (T = 1) or FLUSH_REGS's; else None (ptxas's choice). A verify
     of T > 1 drafts keeps the drafts' entries live across the read copy's pass, so READ_REGS's
-    caps would spill (H200, GDN T = 4 rounds at B = 512, tp8_hi32 2483.9 us at 128 registers
-    against 1124.3 uncapped)."""
+    caps would spill (H200, GDN T = 4 rounds at B = 512: tp8_hi32 2483.9 us, tp4_hi32 2551.6 at
+    128 registers, kernels.json of 036fb62; 1124.3 / 1554.3 uncapped at 810ba0a)."""
     c = (launch or {}).get(which) or ()
     if len(c) > 2 and c[2] is not None and not 16 <= int(c[2]) <= 255:
         raise ValueError(f"{which} launch regs={c[2]} must lie in 16..255")
