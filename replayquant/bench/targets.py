@@ -89,7 +89,9 @@ def _ratio_entry(name, target, pairs_of_us, need, reason):
 def kernel_lines() -> dict:
     """Lines of the decode, verify and conventional kernels with their launch code: the three
     modules less their torch references (functions and classes whose name ends in '_ref' or
-    holds '_ref_'), blank lines and comments counted as the file has them."""
+    holds '_ref_'), blank lines and comments counted as the file has them. The stored roles and
+    their casts in registers (kernels/roles.py, shared with the chunk kernel) and the format
+    codecs (kernels/quant.py) are not counted."""
     root = Path(__file__).resolve().parents[1] / "kernels"
     out = {}
     for name in ("replay_decode.py", "verify.py", "conventional.py"):

@@ -281,7 +281,7 @@ def resource_report(pairs=("tp4_hi16_sr", "s32_rs", "f4_sr_rs", "tp4_hi32"), H: 
     chunk_scan uses for B = 1, H heads, d_k = d_v = d (GDN, prefill="replay")."""
     from replayquant.kernels import chunk
     from replayquant.kernels.compile_check import assemble, compile_ptx, ptxas_report
-    from replayquant.kernels.conventional import FMT_IDS
+    from replayquant.kernels.roles import FMT_IDS
     from replayquant.pairs import PrecisionPair
 
     ptr = {"fp32": ("*fp32", "*fp32", "*fp32"), "fp16": ("*i16", "*i16", "*i16"),

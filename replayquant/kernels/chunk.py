@@ -63,8 +63,8 @@ import triton.language as tl
 from replayquant import options
 from replayquant.formats import QTensor
 from replayquant.kernels.chunk_ref import ScanState, _check_inputs, cpu_threads
-from replayquant.kernels.conventional import (_FP8_DIV, _NV_DIV, FMT_IDS, _role_bits, _sr_bits,
-                                              nv_block_encode, split_key, unit_lower_inverse)
+from replayquant.kernels.roles import (_FP8_DIV, _NV_DIV, FMT_IDS, _role_bits, _sr_bits,
+                                       nv_block_encode, split_key)
 from replayquant.kernels.quant import (decode_bf16, decode_e2m1, decode_e4m3, decode_fp16,
                                        encode_bf16, encode_e4m3, encode_fp16)
 from replayquant.replay import core
@@ -85,6 +85,19 @@ MAX_GROUP_WINDOWS = 512          # windows per launch group at most
 
 
 # ============================================================================ Triton
+
+@triton.jit
+def unit_lower_inverse(Tm, jj, N: tl.constexpr):
+    """(I + Tm)^-1 for a strictly lower triangular Tm [LP, LP] whose rows >= N are zero, by
+    forward substitution row by row (jj = arange(LP))."""
+    Tinv = tl.where(jj[:, None] == jj[None, :], 1.0, 0.0)
+    for i in range(1, N):
+        sel = jj == i
+        ti = tl.sum(tl.where(sel[:, None], Tm, 0.0), axis=0)              # T[i, :]
+        row = tl.sum(ti[:, None] * Tinv, axis=0)                           # T[i, :] Tinv
+        Tinv = tl.where(sel[:, None], Tinv - row[None, :], Tinv)
+    return Tinv
+
 
 @triton.jit
 def _slot_tokens(tok_ptr, b, h, w, T, WIDTH, jj, H: tl.constexpr, L: tl.constexpr):

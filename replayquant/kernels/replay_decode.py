@@ -64,13 +64,12 @@ import torch
 import triton
 import triton.language as tl
 
-from replayquant.kernels.conventional import (PackedRole, _check_inputs, _front_end, _gate_out,
-                                              _indices, _kda_front_end, _nv_store, _prep,
-                                              _program_tile, _vector_gate_step,
-                                              _rank1_step, _role_bits,
-                                              _tile_load, _tile_store,
-                                              NO_DT_LIMIT, dt_limit_args, role_streams,
-                                              split_key, _pow2_dims)
+from replayquant.kernels.conventional import (_check_inputs, _front_end, _gate_out, _indices,
+                                              _kda_front_end, _prep, _program_tile,
+                                              _vector_gate_step, _rank1_step, NO_DT_LIMIT,
+                                              dt_limit_args, _pow2_dims)
+from replayquant.kernels.roles import (PackedRole, _nv_store, _role_bits, _tile_load, _tile_store,
+                                       role_streams, split_key)
 from replayquant.kernels.quant import (decode_bf16, decode_fp16, small_float_at,
                                        small_float_pair_at)
 from replayquant.statebytes import ring_u_bytes

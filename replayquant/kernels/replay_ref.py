@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from replayquant.kernels.conventional import (_indices, _into, gdn_frontend_ref, kda_frontend_ref,
-                                              mamba2_frontend_ref, mamba2_post_ref, role_streams,
-                                              NO_DT_LIMIT)
+                                              mamba2_frontend_ref, mamba2_post_ref, NO_DT_LIMIT)
+from replayquant.kernels.roles import role_streams
 from replayquant.kernels.replay_decode import (ReplayStore, _default_force, _force, _no_pending,
                                                folds_u, solves_u)
 from replayquant.kernels.verify import _check_accept, _draft_count, _pending

@@ -31,13 +31,12 @@ import torch
 import triton
 import triton.language as tl
 
-from replayquant.kernels.conventional import (_into, _program_tile, ConventionalStore, PackedRole, _check_inputs,
-                                              _front_end, _gate_out, _indices, _prep,
-                                              _rank1_step, _tile_load, _tile_store,
-                                              NO_DT_LIMIT, dt_limit_args,
-                                              gdn_frontend_ref, launch_config,
-                                              mamba2_frontend_ref, mamba2_post_ref,
-                                              role_streams, split_key)
+from replayquant.kernels.conventional import (_into, _program_tile, ConventionalStore,
+                                              _check_inputs, _front_end, _gate_out, _indices, _prep,
+                                              _rank1_step, NO_DT_LIMIT, dt_limit_args,
+                                              gdn_frontend_ref, launch_config, mamba2_frontend_ref,
+                                              mamba2_post_ref)
+from replayquant.kernels.roles import PackedRole, _tile_load, _tile_store, role_streams, split_key
 from replayquant.kernels.replay_decode import ReplayStore, _launch, advance_pointers
 from replayquant.streams import ANCHOR
 

@@ -162,7 +162,7 @@ def decode_step(st: ReplayState, q, k, v, log_a, beta):
 def _role_to_packed(q: QTensor, spec, N: int, slots: torch.Tensor, shape):
     """A PackedRole [N, H, d_v, d_k] holding the packed QTensor q ([B, H, d_v, d_k]) in `slots`
     (same bytes; other slots zero)."""
-    from replayquant.kernels.conventional import PackedRole
+    from replayquant.kernels.roles import PackedRole
     B, H, dv, dk = shape
     role = PackedRole.empty(spec.format, spec.rounding, (N, H, dv, dk), q.device)
     for t in (role.payload, role.scale, role.gscale):
