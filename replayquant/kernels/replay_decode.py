@@ -679,7 +679,8 @@ def _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, out_ptr, q_ptr, k
         p = h + t
         Gp = Gp + log_a
         # the buffer's terms before the read copy's pass (_tile_mv), so that the entries' tiles
-        # are dead during it: GDN's NVFP4 read spills nothing at 128 registers (255 and spills)
+        # are dead during it: GDN's NVFP4 read fits 168 registers without spills (255 and 52
+        # spilled bytes before) and READ_REGS's 128 with 152 bytes
         prev = jj < p
         if VEC:
             wdec = tl.where(prev[:, None], tl.exp(tl.where(prev[:, None], Gp[None, :] - G, 0.0)),
@@ -1003,8 +1004,8 @@ LAUNCH_TABLE = {
 }
 # register cap of the read launch by (kind, read copy format), where ptxas's own choice is
 # slower: fewer registers, more programs an SM. B = 256 read steps on the H200 (h = L/2, us,
-# capped / not; the buffer's terms are formed before the read copy's pass, so these caps spill
-# nothing): GDN FP8 96.5 / 133.8 (112: 105.1, 96: 116.0, 168: 106.6), GDN NVFP4 100.1 / 125.0
+# capped / not; the buffer's terms are formed before the read copy's pass, so that 128 spills
+# only 88 / 152 bytes for GDN FP8 / NVFP4): GDN FP8 96.5 / 133.8 (112: 105.1, 96: 116.0, 168: 106.6), GDN NVFP4 100.1 / 125.0
 # (112: 109.6, 96: 115.8, 168: 110.2), KDA NVFP4 164.2 / 172.7 at 168; KDA FP8 at 168 202.4 /
 # 227.2 (config_sweep at fcda2a5). Caps do not move the others: GDN FP32 at 128 161.3 / 162.9,
 # Mamba-2 NVFP4 at 96 144.6 / 143.1, Mamba-2 FP8 at 80 136.7 / 136.4.
