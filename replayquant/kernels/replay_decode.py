@@ -1005,10 +1005,11 @@ LAUNCH_TABLE = {
 # register cap of the read launch by (kind, read copy format), where ptxas's own choice is
 # slower: fewer registers, more programs an SM. B = 256 read steps on the H200 (h = L/2, us,
 # capped / not; the buffer's terms are formed before the read copy's pass, so that 128 spills
-# only 88 / 152 bytes for GDN FP8 / NVFP4): GDN FP8 96.5 / 133.8 (112: 105.1, 96: 116.0, 168: 106.6), GDN NVFP4 100.1 / 125.0
-# (112: 109.6, 96: 115.8, 168: 110.2), KDA NVFP4 164.2 / 172.7 at 168; KDA FP8 at 168 202.4 /
-# 227.2 (config_sweep at fcda2a5). Caps do not move the others: GDN FP32 at 128 161.3 / 162.9,
-# Mamba-2 NVFP4 at 96 144.6 / 143.1, Mamba-2 FP8 at 80 136.7 / 136.4.
+# only 88 / 152 bytes for GDN FP8 / NVFP4): GDN FP8 96.5 / 133.8 (112: 105.1, 96: 116.0, 168:
+# 106.6), GDN NVFP4 100.1 / 125.0 (112: 109.6, 96: 115.8, 168: 110.2), KDA NVFP4 164.2 / 172.7
+# at 168; KDA FP8 at 168 202.4 / 227.2 (config_sweep at fcda2a5). Caps do not move the others:
+# GDN FP32 at 128 161.3 / 162.9, Mamba-2 NVFP4 at 96 144.6 / 143.1, Mamba-2 FP8 at 80 136.7 /
+# 136.4.
 READ_REGS = {("gdn", "fp8"): 128, ("gdn", "nvfp4"): 128, ("kda", "fp8"): 168,
              ("kda", "nvfp4"): 128}
 # packed read copies read in chunks of this many columns (64 rows on one warp, READ_STAGES loads
