@@ -327,9 +327,8 @@ def test_flush_path_mid_window_and_blocks():
                                                ("gdn", 16, "tp4_hi16_sr")])
 def test_nvfp4_read_copy_in_row_blocks(kind, block_v, pair):
     """An NVFP4 read copy of a matrix of 64 rows in 4 flush tiles: beside an FP32 anchor each
-    flush tile writes its anchor rows and adds its amax, and each of the read launch's 4
-    programs casts its rows of the read copy from the anchor (before reading them, after a
-    verify's pre-flush); beside an FP16 + SR anchor one program loops over the blocks, a first pass
+    program writes its anchor rows and adds its amax, the matrix's last casts the read copy from
+    the anchor; beside an FP16 + SR anchor one program loops over the blocks, a first pass
     finding the amax, a second writing both roles: the reference's whole-matrix casts within float32 reassociation of the rebuilt
     state; steps across a flush (L = 3), a verify of 2 drafts with its pre-flush and an accept,
     poisoned buffers, a padding row."""
@@ -341,7 +340,7 @@ def test_nvfp4_read_copy_in_row_blocks(kind, block_v, pair):
                                    key_heads=HK, buffer_len=3, u_dtype=torch.float32,
                                    max_drafts=T)
     launch = {"flush": (block_v, None), "read": (16, None)}     # 4 read programs a matrix
-    synced = pair == "tp4_hi32"             # FP32 anchor: the read launch casts the copy
+    synced = pair == "tp4_hi32"             # FP32 anchor: tiles synchronised per matrix
     assert replay_launch_config(store, "flush", launch)[:2] == \
         ((block_v or 16, 1) if synced else (block_v, dv // block_v))
     poison_buffers(store)
@@ -392,7 +391,7 @@ def test_launch_table_and_path():
     assert cfg(mk("s32_rs", 128, 128), "read") == (64, 1, 1)    # FP32: 64 rows a warp, chunked
     assert cfg(mk("tp4_hi32", 128, 128), "read") == (64, 1, 1)  # READ_CHUNKS: chunked as well
     assert cfg(mk("s16_sr", 128, 128), "read") == (64, 1, 2)    # a whole decoded tile, 2 warps
-    assert cfg(mk("tp4_hi32", 64), "flush") == (16, 1, 1)    # the read launch casts the copy
+    assert cfg(mk("tp4_hi32", 64), "flush") == (16, 1, 1)    # tiles synchronised per matrix
     assert cfg(mk("tp4_hi16_sr", 64), "flush") == (32, 2, 1)     # looped over the matrix
     assert cfg(mk("tp4_hi16_sr", 64), "read")[1] == 1        # reads need no matrix amax
     assert cfg(mk("tp4_hi16_sr"), "flush", {"flush": (16, None)}) == (16, 2, 1)

@@ -38,10 +38,7 @@ with committed fill h:
 The flush launch (FLUSHES) runs the first two for the rows that have them, a program taking up
 to 8 tiles (of as many batch rows; _flush_tile_at) whose rows' pointers it reads at once
 (_flush_grid); the read launch then reads and moves every row's pointers, each compiled with
-its own path only. An NVFP4 read copy beside an FP32 anchor (SYNC) needs the whole matrix's
-amax of S: the flush launch writes the anchor and adds each tile's amax, and the read launch's
-programs of the rows that flushed cast the read copy from the anchor, each its own rows
-(_read_copy_tile).
+its own path only.
 
 The rebuild uses tensor-core products (the WY form of the chunked delta rule): W = K S0^T,
 A[j, i] = beta_j e^{G_j - G_i} (k_i . k_j) for i < j, U = (I + A)^{-1} (beta (V - e^G W)),
@@ -368,56 +365,54 @@ def _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_l
                  AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr, RSR: tl.constexpr,
                  SHARED: tl.constexpr, NB: tl.constexpr, SYNC: tl.constexpr, amax=0.0):
     """anchor <- Q_anchor(S), read <- Q_read(S): two independent casts of the same S. SYNC
-    (an NVFP4 read copy beside an FP32 anchor): the anchor only, the read launch casting the
-    read copy from it (_read_copy_tile). NB > 1 (an NVFP4 read copy beside an FP16 / BF16
-    anchor, a program looping over its matrix's NB row blocks): the read block too, with the
-    matrix's amax of S (found by a first pass over the blocks)."""
+    (an NVFP4 read copy beside an FP32 anchor, the matrix in tiles of several programs): the
+    anchor only, _read_copy_last casting the read copy after the matrix's last tile. NB > 1
+    (an NVFP4 read copy, a program looping over its matrix's NB row blocks): beside an FP32
+    anchor (which holds S itself) only the anchor, _nv_from_anchor casting the read copy after
+    the last block; beside another anchor the read block too, with the matrix's amax of S
+    (found by a first pass over the blocks)."""
     _tile_store(S, A_pay, A_sc, A_gs, mat, rows, cols, key_lo, key_hi, fi, slot, hv,
                 DV, DK, BV, AFMT, ASR, 0)
     if not SHARED and not SYNC:
         if NB == 1:
             _tile_store(S, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi, fi, slot, hv,
                         DV, DK, BV, RFMT, RSR, 1)
-        else:
+        elif AFMT != 0:
             offs = rows[:, None] * DK + cols[None, :]
             _nv_store(S, amax, R_pay, R_sc, R_gs, mat, rows,
                       _role_bits(offs, RSR, key_lo, key_hi, fi, 1, slot, hv), DV, DK, BV, RSR)
 
 
 @triton.jit
-def _tile_amax_to(S, amax_ptr):
-    """SYNC (an NVFP4 read copy beside an FP32 anchor): the tile's amax of S added to the
-    matrix's (amax_ptr: the bits of a non-negative float32, which order as integers); the read
-    launch casts the read copy from the anchor with it (_read_copy_tile)."""
-    am = tl.max(tl.max(tl.abs(S), axis=1), axis=0)
-    tl.atomic_max(amax_ptr, am.to(tl.int32, bitcast=True))
+def _nv_from_anchor(A_pay, R_pay, R_sc, R_gs, mat, amax, cols, key_lo, key_hi, fi, slot, hv,
+                    DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, RSR: tl.constexpr):
+    """The NVFP4 read copy of matrix mat cast from the FP32 anchor just written (S itself), BV
+    rows at a time, with the matrix's amax of S: the same bits as casting S whole."""
+    tl.debug_barrier()                          # the anchor rows of every block are written
+    for r0 in range(0, DV, BV):
+        rb = r0 + tl.arange(0, BV)
+        offs = rb[:, None] * DK + cols[None, :]
+        _nv_store(tl.load(A_pay + mat * (DV * DK) + offs), amax, R_pay, R_sc, R_gs, mat, rb,
+                  _role_bits(offs, RSR, key_lo, key_hi, fi, 1, slot, hv), DV, DK, BV, RSR)
 
 
 @triton.jit
-def _read_copy_tile(sync_ptr, stepped, A_pay, R_pay, R_sc, R_gs, mat, rows0, cols, key_lo, key_hi,
-                    fi, slot, hv, DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
+def _read_copy_last(S, sync_ptr, A_pay, R_pay, R_sc, R_gs, mat, cols, key_lo, key_hi, fi, slot,
+                    hv, DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
                     RSR: tl.constexpr):
-    """SYNC, in the read launch, for a row the flush launch flushed: the NVFP4 read copy of this
-    program's BV rows cast from the FP32 anchor just written (S itself), 8 rows at a time (the
-    GDN NVFP4 read launch compiled with it spills 132 bytes at 128 registers, 212 with 16), with
-    the matrix's amax that the flush launch's tiles added (sync_ptr [4]: arrivals, the amax of a
-    pre-flush, -, the amax of the step's flush; stepped: the step's flush (fill or forced) came
-    last, so its S is the one to cast); the same bits as casting S whole. The matrix's last
-    program to arrive resets the slots for the next flush. Spread over every program of the read
-    launch, the cast costs the flush step less than the matrix's last flush program casting it
-    alone."""
-    amax = tl.load(sync_ptr + tl.where(stepped, 3, 1)).to(tl.float32, bitcast=True)
-    r0 = tl.min(rows0, axis=0)
-    for ib in range(0, BV, 8):
-        rb = r0 + ib + tl.arange(0, 8)
-        offs = rb[:, None] * DK + cols[None, :]
-        _nv_store(tl.load(A_pay + mat * (DV * DK) + offs), amax, R_pay, R_sc, R_gs, mat, rb,
-                  _role_bits(offs, RSR, key_lo, key_hi, fi, 1, slot, hv), DV, DK, 8, RSR)
-    tl.debug_barrier()                          # every thread has read the amax, stored its rows
+    """SYNC (an NVFP4 read copy beside an FP32 anchor, one tile of the matrix per program):
+    each program adds its tile's amax of S to the matrix's (sync_ptr [2]: arrivals, amax as the
+    bits of a non-negative float32, which order as integers) once its anchor rows are stored;
+    the last to arrive casts the read copy from the anchor (S itself) with the matrix's amax,
+    as _nv_from_anchor, and resets both."""
+    am = tl.max(tl.max(tl.abs(S), axis=1), axis=0)
+    tl.atomic_max(sync_ptr + 1, am.to(tl.int32, bitcast=True))
+    tl.debug_barrier()                          # every thread's anchor stores are issued
     if tl.atomic_add(sync_ptr, 1) == DV // BV - 1:          # acq_rel, gpu scope
-        tl.store(sync_ptr + 1, 0)
-        tl.store(sync_ptr + 3, 0)
-        tl.store(sync_ptr, 0)
+        amax = tl.atomic_xchg(sync_ptr + 1, 0).to(tl.float32, bitcast=True)
+        _nv_from_anchor(A_pay, R_pay, R_sc, R_gs, mat, amax, cols, key_lo, key_hi, fi, slot, hv,
+                        DV, DK, BV, RSR)
+        tl.atomic_xchg(sync_ptr, 0)
 
 
 @triton.jit
@@ -427,14 +422,14 @@ def _flushed_tile(S, PS: tl.constexpr, NP: tl.constexpr, amax, A_pay, A_sc, A_gs
                   AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr, RSR: tl.constexpr,
                   SHARED: tl.constexpr, SYNC: tl.constexpr):
     """The flushed state S of one tile, in pass PS of NP (the pre-flush and the flush step
-    alike): in the last pass both roles (_store_roles; SYNC: the anchor, and the tile's amax
-    added to sync_ptr's second slot for the read launch's cast), in the first of two the matrix
-    amax. Returns the amax."""
+    alike): in the last pass both roles (_store_roles; SYNC: the read copy after the matrix's
+    last tile, sync_ptr its two slots), in the first of two the matrix amax. Returns the amax."""
     if PS == NP - 1:
         _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi,
                      fi, slot, hv, DV, DK, BV, AFMT, ASR, RFMT, RSR, SHARED, NB, SYNC, amax)
         if SYNC:
-            _tile_amax_to(S, sync_ptr + 1)
+            _read_copy_last(S, sync_ptr, A_pay, R_pay, R_sc, R_gs, mat, cols, key_lo, key_hi, fi,
+                            slot, hv, DV, DK, BV, RSR)
     if NB > 1:
         if PS == 0:
             amax = tl.maximum(amax, tl.max(tl.max(tl.abs(S), axis=1), axis=0))
@@ -758,13 +753,18 @@ def _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, out_ptr, q_ptr, k
 
 @triton.jit
 def _flush_tile_at(tile, n_rows, HV: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-                   NB: tl.constexpr):
+                   NB: tl.constexpr, SYNC: tl.constexpr):
     """(batch row, value head, row block) of flush-launch tile `tile` (a scalar or a block). The
     tiles of one (value head, row block) are consecutive over the batch rows, so that the tiles
     of a program belong to different rows and rows flushing out of phase spread over the
     programs (H200, B = 32, GDN s32_rs staggered window 70.0 -> 44.3 us, Mamba-2 86.2 -> 66.7;
-    in phase unchanged)."""
+    in phase unchanged). SYNC (an NVFP4 read copy beside an FP32 anchor, whose tiles meet per
+    matrix): a row's tiles are consecutive, its value heads' row blocks in order, one matrix a
+    program (GDN tp4_hi32 in phase, B = 32: 34.3 us against 51.8 interleaved; B = 256: 238.4
+    against 270.4; staggered at B = 32 175.0 against 85.1)."""
     NBLK: tl.constexpr = DV // (BV * NB)
+    if SYNC:
+        return tile // (HV * NBLK), (tile // NBLK) % HV, tile % NBLK
     hb = tile // n_rows
     return tile % n_rows, hb // NBLK, hb % NBLK
 
@@ -784,7 +784,7 @@ def _flush_tile(tile, n_rows, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, 
     """The flush launch's work on one tile (batch row, value head, NB blocks of BV rows) of a
     row that pre-flushes or flushes: the pre-flush (fold the h committed entries, cast both
     roles), then in a step the flush step (rebuild, this step, output S q, cast both roles)."""
-    row, hv, blk = _flush_tile_at(tile, n_rows, HV, DV, BV, NB)
+    row, hv, blk = _flush_tile_at(tile, n_rows, HV, DV, BV, NB, SYNC)
     hk = hv // (HV // HK)
     rows0 = blk * (BV * NB) + tl.arange(0, BV)
     cols = tl.arange(0, DK)
@@ -813,6 +813,8 @@ def _flush_tile(tile, n_rows, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, 
                                      sync_ptr + mat * 4, mat, rows, cols, key_lo, key_hi,
                                      nf + 1, slot, hv, DV, DK, BV, NB, AFMT, ASR, RFMT, RSR,
                                      SHARED, SYNC)                 # sync slots 0, 1
+        _flushed_matrix(amax, A_pay, R_pay, R_sc, R_gs, mat, cols, key_lo, key_hi, nf + 1, slot,
+                        hv, DV, DK, BV, NB, AFMT, RSR)
         nf = nf + 1
         start = (start + h) % CAP
         h = h * 0
@@ -856,6 +858,8 @@ def _flush_tile(tile, n_rows, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, 
                     if ps == NP - 1:
                         y = _gate_out(y + skip, z_ptr, row, hv, rows, HV, DV, HAS_Z)
                         tl.store(out_ptr + (row * HV + hv) * DV + rows, y)
+            _flushed_matrix(amax, A_pay, R_pay, R_sc, R_gs, mat, cols, key_lo, key_hi, nf + 1,
+                            slot, hv, DV, DK, BV, NB, AFMT, RSR)
 
 
 # key_lo / key_hi: not specialized (Triton makes an integer argument equal to 1 a constexpr)
@@ -895,7 +899,7 @@ def _replay_kernel(
         NT = n_rows * (HV * (DV // (BV * NB)))
         tiles = tl.program_id(0) * TPP + tl.arange(0, TPP)
         okt = tiles < NT
-        trow, _, _ = _flush_tile_at(tiles, n_rows, HV, DV, BV, NB)
+        trow, _, _ = _flush_tile_at(tiles, n_rows, HV, DV, BV, NB, SYNC)
         tslot = tl.load(idx_ptr + trow, mask=okt, other=-1)
         th = tl.load(h_ptr + tslot, mask=tslot >= 0, other=0)
         tpre, tfill = _flush_flags(th, T, L, STEP)
@@ -915,8 +919,7 @@ def _replay_kernel(
             mat = slot * HV + hv
             jj = tl.arange(0, LP)
             # the read copy is loaded before the pointers (one dependent load less before the
-            # read); the flush launch has already written it for a row that pre-flushed (SYNC:
-            # this launch casts it, then loads it again)
+            # read); the flush launch has already written it for a row that pre-flushed
             P, Pb = _tile_raw(R_pay, R_sc, mat, rows0, DV, DK, RFMT, PCK)
             s = 1.0
             if RFMT == 4:
@@ -924,25 +927,12 @@ def _replay_kernel(
             h = tl.load(h_ptr + slot)
             start = tl.load(st_ptr + slot)
             pre, fill = _flush_flags(h, T, L, STEP)
-            go = True                       # read (a verify always reads)
-            if STEP:
-                go = ~(fill | FORCE)
-            if SYNC:                        # the read copy of a row the flush launch flushed
-                stepped = pre & (h < 0)     # False: the step's flush (fill or forced) came last
-                if STEP:
-                    stepped = fill | FORCE
-                if pre | stepped:
-                    nf = tl.load(nf_ptr + slot)
-                    _read_copy_tile(sync_ptr + mat * 4, stepped, A_pay, R_pay, R_sc, R_gs, mat,
-                                    rows0, cols, key_lo, key_hi,
-                                    nf + 1 + (pre & stepped).to(nf.dtype), slot, hv, DV, DK, BV,
-                                    RSR)
-                    if go:                  # pre-flushed: its drafts read the copy just cast
-                        P, Pb = _tile_raw(R_pay, R_sc, mat, rows0, DV, DK, RFMT, PCK)
-                        s = tl.load(R_gs + mat)
             if pre:                         # folded by the flush launch
                 start = (start + h) % CAP
                 h = h * 0
+            go = True                       # read (a verify always reads)
+            if STEP:
+                go = ~(fill | FORCE)
             if go:
                 _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, out_ptr, q_ptr, k_ptr,
                              v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, beta_scale, dt_lo,
@@ -1002,9 +992,9 @@ LAUNCH_TABLE = {
     # read launch of a read copy in READ_CHUNKS (read in chunks of columns): 64 rows on one warp (B = 256, GDN FP32 171.6 us against 196.0 for 16-column
     # chunks, 191.0 for 32 rows on a warp; GDN FP8 125.2 against 181.7 for 32 rows)
     "read_chunked": dict(rows=64, per_thread=256),
-    # flush launch, an NVFP4 read copy beside an FP32 anchor included (its tiles add their
-    # amax, the read launch casts the copy from the anchor, _read_copy_tile): the smallest tile
-    # tl.dot takes, 16 x 128 on one warp (fastest in the same sweep)
+    # flush launch, and the flush of an NVFP4 read copy beside an FP32 anchor (its tiles add
+    # their amax, the matrix's last program casts the copy from the anchor, _read_copy_last):
+    # the smallest tile tl.dot takes, 16 x 128 on one warp (fastest in the same sweep)
     "flush": dict(rows=16, per_thread=64),
     # flush launch, NVFP4 read copy beside an FP16 / BF16 anchor: the program loops over 32-row
     # blocks of its matrix, a first pass finding the amax (2 warps)
@@ -1082,9 +1072,8 @@ def folds_u(store: ReplayStore) -> bool:
 
 
 def _synced(store: ReplayStore) -> bool:
-    """An NVFP4 read copy beside an FP32 anchor: the flush's tiles add their amax of S per matrix
-    and the read launch casts the copy from the anchor (_read_copy_tile), instead of one program
-    looping over the matrix."""
+    """An NVFP4 read copy beside an FP32 anchor: the flush's tiles synchronise per matrix
+    (_read_copy_last) instead of one program looping over the matrix."""
     return not store.shared and store.anchor.fmt == "fp32" and store.read.fmt == "nvfp4"
 
 
@@ -1261,7 +1250,7 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
             HAS_Z=z is not None,
             U_BF16=store.ubuf is not None and store.ubuf.dtype == torch.bfloat16,
             DT_CLAMP=dt_clamp, PREC="tf32x3", ON_GPU=q.is_cuda, VEC=vec, FLUSHES=flushes,
-            SYNC=sync, TPP=tpp, FOLD_U=folds_u(store), KF=kf,
+            SYNC=sync and flushes, TPP=tpp, FOLD_U=folds_u(store), KF=kf,
             PCK=READ_CHUNKS.get((store.kind, store.read_role.fmt), 0), num_warps=nw, **({} if regs is None else {"maxnreg": regs}))
     return out, idx
 
