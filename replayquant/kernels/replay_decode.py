@@ -117,6 +117,8 @@ class ReplayStore:
     sync: torch.Tensor | None = None     # int32 [N, H, 4]: per-matrix arrivals and amax of a
                                          # flush that casts an NVFP4 read copy (zero)
     Tbuf: torch.Tensor | None = None     # fp32 [N, C, H, L]: key factors (solves_u stores)
+    casts: torch.Tensor | None = None    # int32 [1 + N H, 4]: the NVFP4 read copies a flush
+                                         # queued for _read_copy_kernel (count, then entries)
 
     @property
     def capacity(self) -> int:
@@ -366,85 +368,84 @@ def _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_l
                  SHARED: tl.constexpr, NB: tl.constexpr, SYNC: tl.constexpr, amax=0.0):
     """anchor <- Q_anchor(S), read <- Q_read(S): two independent casts of the same S. SYNC
     (an NVFP4 read copy beside an FP32 anchor, the matrix in tiles of several programs): the
-    anchor only, _read_copy_last casting the read copy after the matrix's last tile. NB > 1
-    (an NVFP4 read copy, a program looping over its matrix's NB row blocks): beside an FP32
-    anchor (which holds S itself) only the anchor, _nv_from_anchor casting the read copy after
-    the last block; beside another anchor the read block too, with the matrix's amax of S
-    (found by a first pass over the blocks)."""
+    anchor only, _read_copy_kernel casting the read copy from it. NB > 1 (an NVFP4 read copy
+    beside an FP16 / BF16 anchor, a program looping over its matrix's NB row blocks): the read
+    block too, with the matrix's amax of S (found by a first pass over the blocks)."""
     _tile_store(S, A_pay, A_sc, A_gs, mat, rows, cols, key_lo, key_hi, fi, slot, hv,
                 DV, DK, BV, AFMT, ASR, 0)
     if not SHARED and not SYNC:
         if NB == 1:
             _tile_store(S, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi, fi, slot, hv,
                         DV, DK, BV, RFMT, RSR, 1)
-        elif AFMT != 0:
+        else:
             offs = rows[:, None] * DK + cols[None, :]
             _nv_store(S, amax, R_pay, R_sc, R_gs, mat, rows,
                       _role_bits(offs, RSR, key_lo, key_hi, fi, 1, slot, hv), DV, DK, BV, RSR)
 
 
 @triton.jit
-def _nv_from_anchor(A_pay, R_pay, R_sc, R_gs, mat, amax, cols, key_lo, key_hi, fi, slot, hv,
-                    DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, RSR: tl.constexpr):
-    """The NVFP4 read copy of matrix mat cast from the FP32 anchor just written (S itself), BV
-    rows at a time, with the matrix's amax of S: the same bits as casting S whole."""
-    tl.debug_barrier()                          # the anchor rows of every block are written
-    for r0 in range(0, DV, BV):
-        rb = r0 + tl.arange(0, BV)
-        offs = rb[:, None] * DK + cols[None, :]
-        _nv_store(tl.load(A_pay + mat * (DV * DK) + offs), amax, R_pay, R_sc, R_gs, mat, rb,
-                  _role_bits(offs, RSR, key_lo, key_hi, fi, 1, slot, hv), DV, DK, BV, RSR)
+def _queue_read_copy(S, sync_ptr, queue, cast_ptr, mat, fi, slot, hv, DV: tl.constexpr,
+                     BV: tl.constexpr):
+    """SYNC (an NVFP4 read copy beside an FP32 anchor, one tile of the matrix per program):
+    each program adds its tile's amax of S to the matrix's (sync_ptr [2]: arrivals, amax as the
+    bits of a non-negative float32, which order as integers); the last to arrive resets both
+    and, with queue, appends (slot, head, flush index, amax) to the casts of _read_copy_kernel
+    (cast_ptr: the count, then the entries), which casts the copy from the anchor (S itself)."""
+    am = tl.max(tl.max(tl.abs(S), axis=1), axis=0)
+    tl.atomic_max(sync_ptr + 1, am.to(tl.int32, bitcast=True))
+    tl.debug_barrier()                          # the program's amax is in before it arrives
+    if tl.atomic_add(sync_ptr, 1) == DV // BV - 1:          # acq_rel, gpu scope
+        amax = tl.atomic_xchg(sync_ptr + 1, 0)
+        tl.atomic_xchg(sync_ptr, 0)
+        if queue:
+            e = cast_ptr + 4 + 4 * tl.atomic_add(cast_ptr, 1)
+            tl.store(e, slot.to(tl.int32))
+            tl.store(e + 1, hv)
+            tl.store(e + 2, fi.to(tl.int32))
+            tl.store(e + 3, amax)
 
 
 @triton.jit
-def _read_copy_last(S, sync_ptr, A_pay, R_pay, R_sc, R_gs, mat, cols, key_lo, key_hi, fi, slot,
-                    hv, DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
-                    RSR: tl.constexpr):
-    """SYNC (an NVFP4 read copy beside an FP32 anchor, one tile of the matrix per program):
-    each program adds its tile's amax of S to the matrix's (sync_ptr [2]: arrivals, amax as the
-    bits of a non-negative float32, which order as integers) once its anchor rows are stored;
-    the last to arrive casts the read copy from the anchor (S itself) with the matrix's amax,
-    as _nv_from_anchor, and resets both."""
-    am = tl.max(tl.max(tl.abs(S), axis=1), axis=0)
-    tl.atomic_max(sync_ptr + 1, am.to(tl.int32, bitcast=True))
-    tl.debug_barrier()                          # every thread's anchor stores are issued
-    if tl.atomic_add(sync_ptr, 1) == DV // BV - 1:          # acq_rel, gpu scope
-        amax = tl.atomic_xchg(sync_ptr + 1, 0).to(tl.float32, bitcast=True)
-        _nv_from_anchor(A_pay, R_pay, R_sc, R_gs, mat, amax, cols, key_lo, key_hi, fi, slot, hv,
-                        DV, DK, BV, RSR)
-        tl.atomic_xchg(sync_ptr, 0)
+def _read_copy_kernel(A_pay, R_pay, R_sc, R_gs, cast_ptr, key_lo, key_hi, HV: tl.constexpr,
+                      DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, RSR: tl.constexpr):
+    """The NVFP4 read copies that the flush launch queued (_queue_read_copy), cast from their
+    FP32 anchors (S itself) with the matrix's amax of S, BV rows a work item, the items spread
+    over a fixed grid: the same bits as casting S whole. On a read step the count is zero and
+    every program returns after one load (the read launch resets it)."""
+    NBLK: tl.constexpr = DV // BV
+    cols = tl.arange(0, DK)
+    for w in range(tl.program_id(0), tl.load(cast_ptr) * NBLK, tl.num_programs(0)):
+        e = cast_ptr + 4 + 4 * (w // NBLK)
+        slot = tl.load(e).to(tl.int64)
+        hv = tl.load(e + 1)
+        mat = slot * HV + hv
+        rb = (w % NBLK) * BV + tl.arange(0, BV)
+        offs = rb[:, None] * DK + cols[None, :]
+        _nv_store(tl.load(A_pay + mat * (DV * DK) + offs),
+                  tl.load(e + 3).to(tl.float32, bitcast=True), R_pay, R_sc, R_gs, mat, rb,
+                  _role_bits(offs, RSR, key_lo, key_hi, tl.load(e + 2), 1, slot, hv), DV, DK,
+                  BV, RSR)
 
 
 @triton.jit
 def _flushed_tile(S, PS: tl.constexpr, NP: tl.constexpr, amax, A_pay, A_sc, A_gs, R_pay, R_sc,
-                  R_gs, sync_ptr, mat, rows, cols, key_lo, key_hi, fi, slot, hv,
+                  R_gs, sync_ptr, queue, cast_ptr, mat, rows, cols, key_lo, key_hi, fi, slot, hv,
                   DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, NB: tl.constexpr,
                   AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr, RSR: tl.constexpr,
                   SHARED: tl.constexpr, SYNC: tl.constexpr):
     """The flushed state S of one tile, in pass PS of NP (the pre-flush and the flush step
-    alike): in the last pass both roles (_store_roles; SYNC: the read copy after the matrix's
-    last tile, sync_ptr its two slots), in the first of two the matrix amax. Returns the amax."""
+    alike): in the last pass both roles (_store_roles; SYNC: the read copy queued after the
+    matrix's last tile, sync_ptr its two slots, if queue), in the first of two the matrix amax.
+    Returns the amax."""
     if PS == NP - 1:
         _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi,
                      fi, slot, hv, DV, DK, BV, AFMT, ASR, RFMT, RSR, SHARED, NB, SYNC, amax)
         if SYNC:
-            _read_copy_last(S, sync_ptr, A_pay, R_pay, R_sc, R_gs, mat, cols, key_lo, key_hi, fi,
-                            slot, hv, DV, DK, BV, RSR)
+            _queue_read_copy(S, sync_ptr, queue, cast_ptr, mat, fi, slot, hv, DV, BV)
     if NB > 1:
         if PS == 0:
             amax = tl.maximum(amax, tl.max(tl.max(tl.abs(S), axis=1), axis=0))
     return amax
-
-
-@triton.jit
-def _flushed_matrix(amax, A_pay, R_pay, R_sc, R_gs, mat, cols, key_lo, key_hi, fi, slot, hv,
-                    DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, NB: tl.constexpr,
-                    AFMT: tl.constexpr, RSR: tl.constexpr):
-    """After the row blocks of a program that loops over its matrix beside an FP32 anchor: the
-    NVFP4 read copy cast from the anchor (_nv_from_anchor); nothing otherwise."""
-    if (NB > 1) and (AFMT == 0):
-        _nv_from_anchor(A_pay, R_pay, R_sc, R_gs, mat, amax, cols, key_lo, key_hi, fi, slot, hv,
-                        DV, DK, BV, RSR)
 
 
 @triton.jit
@@ -771,7 +772,8 @@ def _flush_tile_at(tile, n_rows, HV: tl.constexpr, DV: tl.constexpr, BV: tl.cons
 
 @triton.jit
 def _flush_tile(tile, n_rows, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, ubuf, Gbuf, bbuf,
-                Tbuf, h_ptr, st_ptr, nf_ptr, sync_ptr, idx_ptr, out_ptr, q_ptr, k_ptr, v_ptr,
+                Tbuf, h_ptr, st_ptr, nf_ptr, sync_ptr, cast_ptr, idx_ptr, out_ptr, q_ptr, k_ptr,
+                v_ptr,
                 a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, beta_scale, key_lo, key_hi, dt_lo, dt_hi,
                 HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                 BV: tl.constexpr, NB: tl.constexpr, L: tl.constexpr, CAP: tl.constexpr,
@@ -797,6 +799,9 @@ def _flush_tile(tile, n_rows, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, 
     pre, fill = _flush_flags(h, T, L, STEP)
     # row blocks beside an anchor that is not FP32: a first pass finds the matrix amax
     NP: tl.constexpr = 2 if (NB > 1) and (AFMT != 0) else 1
+    last = True                 # no flush step follows the pre-flush: it queues its read copy
+    if STEP:
+        last = ~(fill | FORCE)
     if pre:
         amax = 0.0
         for ps in tl.static_range(NP):
@@ -810,11 +815,9 @@ def _flush_tile(tile, n_rows, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, 
                           _entry(slot, start, jj, CAP), hk, hv, HK, HV, L, DK, DV, AFMT, DELTA, PREC,
                           ON_GPU, VEC, FOLD_U)
                 amax = _flushed_tile(S, ps, NP, amax, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs,
-                                     sync_ptr + mat * 4, mat, rows, cols, key_lo, key_hi,
+                                     sync_ptr + mat * 4, last, cast_ptr, mat, rows, cols, key_lo, key_hi,
                                      nf + 1, slot, hv, DV, DK, BV, NB, AFMT, ASR, RFMT, RSR,
                                      SHARED, SYNC)                 # sync slots 0, 1
-        _flushed_matrix(amax, A_pay, R_pay, R_sc, R_gs, mat, cols, key_lo, key_hi, nf + 1, slot,
-                        hv, DV, DK, BV, NB, AFMT, RSR)
         nf = nf + 1
         start = (start + h) % CAP
         h = h * 0
@@ -852,21 +855,21 @@ def _flush_tile(tile, n_rows, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, 
                         S, y = _rank1_step(S, q, k, v, log_a,
                                            beta * beta_scale if DELTA else beta, DELTA)
                     amax = _flushed_tile(S, ps, NP, amax, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs,
-                                         sync_ptr + mat * 4 + 2, mat, rows, cols, key_lo,
+                                         sync_ptr + mat * 4 + 2, True, cast_ptr, mat, rows,
+                                         cols, key_lo,
                                          key_hi, nf + 1, slot, hv, DV, DK, BV, NB, AFMT, ASR,
                                          RFMT, RSR, SHARED, SYNC)   # sync slots 2, 3
                     if ps == NP - 1:
                         y = _gate_out(y + skip, z_ptr, row, hv, rows, HV, DV, HAS_Z)
                         tl.store(out_ptr + (row * HV + hv) * DV + rows, y)
-            _flushed_matrix(amax, A_pay, R_pay, R_sc, R_gs, mat, cols, key_lo, key_hi, nf + 1,
-                            slot, hv, DV, DK, BV, NB, AFMT, RSR)
 
 
 # key_lo / key_hi: not specialized (Triton makes an integer argument equal to 1 a constexpr)
 @triton.jit(do_not_specialize=["key_lo", "key_hi", "n_rows"])
 def _replay_kernel(
         A_pay, A_sc, A_gs, R_pay, R_sc, R_gs,
-        kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, h_ptr, st_ptr, nf_ptr, cnt_ptr, sync_ptr, idx_ptr, out_ptr,
+        kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, h_ptr, st_ptr, nf_ptr, cnt_ptr, sync_ptr, cast_ptr,
+        idx_ptr, out_ptr,
         q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr,
         scale, beta_scale, key_lo, key_hi, dt_lo, dt_hi, n_rows,
         HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
@@ -908,12 +911,16 @@ def _replay_kernel(
         for i in range(tl.sum(need, axis=0)):
             tile = tl.sum(tl.where((need > 0) & (rank == i + 1), tiles, 0), axis=0)
             _flush_tile(tile, n_rows, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, ubuf,
-                        Gbuf, bbuf, Tbuf, h_ptr, st_ptr, nf_ptr, sync_ptr, idx_ptr, out_ptr, q_ptr,
+                        Gbuf, bbuf, Tbuf, h_ptr, st_ptr, nf_ptr, sync_ptr, cast_ptr, idx_ptr,
+                        out_ptr, q_ptr,
                         k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, beta_scale, key_lo,
                         key_hi, dt_lo, dt_hi, HK, HV, DK, DV, BV, NB, L, CAP, LP, T, STEP, FORCE,
                         AFMT, ASR, RFMT, RSR, SHARED, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z,
                         DT_CLAMP, PREC, ON_GPU, VEC, SYNC, FOLD_U)
     else:
+        if SYNC:                    # the read copies queued by this launch's flush are cast
+            if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+                tl.store(cast_ptr, 0)
         row, hv, hk, rows0, cols, slot = _program_tile(idx_ptr, HK, HV, DK, BV, NB)
         if slot >= 0:
             mat = slot * HV + hv
@@ -1039,6 +1046,9 @@ LAUNCHES = ("flush", "read")
 # 64 tiles taken p, p + P, ...: read 198.2 us, but flush steps 1001.4 / 3722.6)
 FLUSH_PROGRAMS_PER_SM = 8
 FLUSH_MAX_TILES = 8
+# The cast of the queued NVFP4 read copies: 32-row items on 4 warps, 8 programs an SM
+CAST_ROWS = 32
+CAST_PROGRAMS_PER_SM = 8
 
 
 def _flush_grid(n_tiles: int, device):
@@ -1052,6 +1062,16 @@ def _flush_grid(n_tiles: int, device):
             * FLUSH_PROGRAMS_PER_SM
     tpp = min(FLUSH_MAX_TILES, triton.next_power_of_2(max(1, -(-n_tiles // target))))
     return tpp, (-(-n_tiles // tpp),)
+
+
+def _cast_grid(device):
+    """_read_copy_kernel's fixed grid: CAST_PROGRAMS_PER_SM programs an SM (the interpreter: 3,
+    so that programs take several items)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return (3,)
+    return (torch.cuda.get_device_properties(device).multi_processor_count
+            * CAST_PROGRAMS_PER_SM,)
 
 
 def solves_u(store: ReplayStore) -> bool:
@@ -1224,6 +1244,7 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
     sync = _synced(store)
     if sync and (store.sync is None or store.sync.shape[:2] != (N, HV)):
         store.sync = torch.zeros(N, HV, 4, dtype=torch.int32, device=store.committed.device)
+        store.casts = torch.zeros(1 + N * HV, 4, dtype=torch.int32, device=store.committed.device)
     Ap, As, Ag, afid = store.anchor.kernel_args()
     Rp, Rs, Rg, rfid = store.read_role.kernel_args()
     q, k, v, a, b, A, dt_bias, D, z = map(_prep, (q, k, v, a, b, A, dt_bias, D, z))
@@ -1238,7 +1259,8 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
             store.ubuf if store.ubuf is not None else store.vbuf, store.Gbuf, store.bbuf,
             store.Tbuf if kf else store.bbuf, store.committed, store.start, store.n_flush,
             store.arrive,
-            store.sync if sync else store.arrive, idx, out, *inputs,
+            store.sync if sync else store.arrive, store.casts if sync else store.arrive, idx,
+            out, *inputs,
             float(scale if scale is not None else 1.0 / math.sqrt(dk)), beta_scale,
             *split_key(store.key), dt_lo, dt_hi, B,
             HK=HK, HV=HV, DK=dk, DV=dv, BV=BV, NB=NB, L=store.L, CAP=store.capacity,
@@ -1250,8 +1272,12 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
             HAS_Z=z is not None,
             U_BF16=store.ubuf is not None and store.ubuf.dtype == torch.bfloat16,
             DT_CLAMP=dt_clamp, PREC="tf32x3", ON_GPU=q.is_cuda, VEC=vec, FLUSHES=flushes,
-            SYNC=sync and flushes, TPP=tpp, FOLD_U=folds_u(store), KF=kf,
+            SYNC=sync, TPP=tpp, FOLD_U=folds_u(store), KF=kf,
             PCK=READ_CHUNKS.get((store.kind, store.read_role.fmt), 0), num_warps=nw, **({} if regs is None else {"maxnreg": regs}))
+        if sync and flushes:
+            _read_copy_kernel[_cast_grid(q.device)](
+                Ap, Rp, Rs, Rg, store.casts, *split_key(store.key), HV=HV, DV=dv, DK=dk,
+                BV=min(dv, CAST_ROWS), RSR=store.read.rounding == "stochastic", num_warps=4)
     return out, idx
 
 
