@@ -1,10 +1,12 @@
-"""One replay read step under Nsight Compute (the `ncu` job of evals/gpu_runs.sh): three read
-steps (h = L/2, pointers held) of one layer kind and pair at a batch, on the bench's shapes and
-inputs; ncu profiles the second step's two launches (the first step compiles): the flush
-launch, whose programs all return, then the read launch. The counters are ncu's.
+"""One replay step under Nsight Compute (the `ncu` job of evals/gpu_runs.sh): three steps at
+committed fill h (default L/2, a read step; L - 1: a flush step), pointers held, of one layer
+kind and pair at a batch, on the bench's shapes and inputs; ncu profiles the second step's
+launches (the first step compiles): the flush launch (on a read step its programs all return),
+for an NVFP4 read copy beside an FP32 anchor the cast launch, then the read launch. The counters
+are ncu's.
 
     ncu -k regex:_replay_kernel --launch-skip 2 --launch-count 2 python3 evals/ncu_read_step.py \
-        [KIND [PAIR [B]]]
+        [KIND [PAIR [B [H]]]]
 """
 
 import sys
@@ -25,13 +27,14 @@ def main(argv) -> int:
     S = bd.SHAPES[kind]
     H, HK, dv, dk = S["H"], S["HK"], S["dv"], S["dk"]
     L = bd.PAIR_L[kind]
+    h = int(argv[3]) if len(argv) > 3 else L // 2
     f = bd._fns(kind)
     kw = bd._kw(kind, S, B, seed=1, device="cuda")
     idx = torch.arange(B, dtype=torch.int32, device="cuda")
     st = ReplayStore.from_state(random_state(B, H, dv, dk, seed=B, device="cuda"),
                                 bd._pair(pair, L)[0], kind, key_heads=HK)
     for _ in range(3):
-        st.committed.fill_(L // 2)
+        st.committed.fill_(h)
         f["step"](st, **kw, state_indices=idx, path="replay", advance=False)
     torch.cuda.synchronize()
     return 0
