@@ -11,7 +11,7 @@ from replayquant.bench.inputs import (gdn_params, gdn_step_inputs, mamba2_params
 from replayquant.kernels.conventional import (ConventionalStore, conventional_gdn_step,
                                               conventional_mamba2_step, gdn_frontend_ref,
                                               mamba2_frontend_ref, mamba2_post_ref)
-from replayquant.kernels.replay_decode import (LAUNCH_TABLE, READ_REGS, ReplayStore, _flush_grid,
+from replayquant.kernels.replay_decode import (LAUNCH_TABLE, ReplayStore, _flush_grid,
                                                _max_regs, advance_pointers,
                                                replay_gdn_step, replay_launch_config,
                                                replay_mamba2_step, resolve_path)
@@ -386,10 +386,10 @@ def test_launch_table_and_path():
         return ReplayStore.from_state(random_state(2, 2, dv, dk), pair, "gdn", key_heads=1,
                                       buffer_len=4)
     cfg = replay_launch_config
-    assert LAUNCH_TABLE["flush"]["rows"] == 16
+    assert LAUNCH_TABLE[-1][:4] == ("flush", "*", "*", 16)      # a catch-all row each launch
     assert cfg(mk("s32_rs"), "flush") == (16, 1, 1)
     assert cfg(mk("s32_rs", 128, 128), "read") == (64, 1, 1)    # FP32: 64 rows a warp, chunked
-    assert cfg(mk("tp4_hi32", 128, 128), "read") == (64, 1, 1)  # READ_CHUNKS: chunked as well
+    assert cfg(mk("tp4_hi32", 128, 128), "read") == (64, 1, 1)  # chunked as well
     assert cfg(mk("s16_sr", 128, 128), "read") == (64, 1, 2)    # a whole decoded tile, 2 warps
     assert cfg(mk("tp4_hi32", 64), "flush") == (16, 1, 1)    # tiles synchronised per matrix
     assert cfg(mk("tp4_hi16_sr", 64), "flush") == (32, 2, 1)     # looped over the matrix
@@ -406,8 +406,8 @@ def test_launch_table_and_path():
         cfg(mk("s32_rs"), "flush", {"flush": (None, 3)})
     with pytest.raises(ValueError, match="keys"):
         cfg(mk("s32_rs"), "read", {"reads": (16, 1)})
-    # the read launch's register cap: READ_REGS's unless the launch names rows, warps or regs
-    assert _max_regs(mk("tp4_hi32"), None, "read") == READ_REGS[("gdn", "nvfp4")]
+    # the read launch's register cap: the table's unless the launch names rows, warps or regs
+    assert _max_regs(mk("tp4_hi32"), None, "read") == 128
     assert _max_regs(mk("tp4_hi32"), None, "read", T=4) is None     # a verify: uncapped
     assert _max_regs(mk("tp4_hi32"), {"read": (64, 2)}, "read") is None
     assert _max_regs(mk("s32_rs"), {"read": (64, 2, 128)}, "read") == 128

@@ -205,9 +205,10 @@ class ReplayStore:
 
 # ============================================================================ Triton
 
-# A read copy in READ_CHUNKS is read in chunks of columns with the next chunks' loads in flight
-# (READ_STAGES, docs/kernels.md).
+# A read copy with a chunk in LAUNCH_TABLE is read in chunks of columns, READ_STAGES chunks' loads
+# in flight (one stage is slower in every kind, docs/kernels.md)
 READ_STAGES = tl.constexpr(3)
+
 
 @triton.jit
 def _entry(slot, start, j, CAP: tl.constexpr):
@@ -563,7 +564,7 @@ def _tile_mv(p, b, s, x, y, TWO: tl.constexpr, DK: tl.constexpr, FMT: tl.constex
     decoding each code once, in registers, as it is used (one pass serves both vectors); without
     TWO the second value is the first. NVFP4: sums over each word's 8 columns, times the word's
     block scale, summed over the row, times the matrix scale (and the decode's 2^14 2^8); FP8:
-    the row's sum times its scale (and 2^8); FP32 and the copies with a PCK (READ_CHUNKS): the
+    the row's sum times its scale (and 2^8); FP32 and the copies with a PCK (LAUNCH_TABLE): the
     rows read PCK columns at a time from the row pointers _tile_raw gives."""
     if (FMT == 0) or (((FMT == 4) or (FMT == 3)) and (0 < PCK) and (PCK < DK)):
         # p (and b for NVFP4): row pointers (of the values / words, of the scale bytes; FP8: b
@@ -681,7 +682,7 @@ def _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, out_ptr, q_ptr, k
         Gp = Gp + log_a
         # the buffer's terms before the read copy's pass (_tile_mv), so that the entries' tiles
         # are dead during it: GDN's NVFP4 read fits 168 registers without spills (255 and 52
-        # spilled bytes before) and READ_REGS's 128 with 152 bytes
+        # spilled bytes before) and LAUNCH_TABLE's 128 with 152 bytes
         prev = jj < p
         if VEC:
             wdec = tl.where(prev[:, None], tl.exp(tl.where(prev[:, None], Gp[None, :] - G, 0.0)),
@@ -987,63 +988,53 @@ def _advance_kernel(h_ptr, st_ptr, nf_ptr, idx_ptr, acc_ptr, B, L: tl.constexpr,
 
 # ============================================================================ host side
 
-# The launch table: rows BV of a program's [BV, d_k] tile and the state elements each thread
-# holds (warps = BV d_k / (32 x per_thread), 1..8), per launch of a step. An NVFP4 role has one
-# FP32 scale per matrix, so a flush that writes one covers the whole matrix (amax first).
-LAUNCH_TABLE = {
-    # read launch, the whole tile decoded in registers (FP16 / BF16 / FP8 / NVFP4 read copies):
-    # 32 rows a warp (B = 256 on the H200, bench.decode.config_sweep at fcda2a5: 64 x 128 on 2
-    # warps fastest for GDN and Mamba-2, GDN s32_rs 199.1 us against 205.4 for 32 x 128 on one
-    # warp, 218.9 for 128 on 4, 287.4 for 32 on 4; register caps in READ_REGS)
-    "read": dict(rows=64, per_thread=128),
-    # read launch of a read copy in READ_CHUNKS (read in chunks of columns): 64 rows on one warp (B = 256, GDN FP32 171.6 us against 196.0 for 16-column
-    # chunks, 191.0 for 32 rows on a warp; GDN FP8 125.2 against 181.7 for 32 rows)
-    "read_chunked": dict(rows=64, per_thread=256),
-    # flush launch, and the flush of an NVFP4 read copy beside an FP32 anchor (its tiles add
-    # their amax, the matrix's last program casts the copy from the anchor, _read_copy_last):
-    # the smallest tile tl.dot takes, 16 x 128 on one warp (fastest in the same sweep)
-    "flush": dict(rows=16, per_thread=64),
-    # flush launch, NVFP4 read copy beside an FP16 / BF16 anchor: the program loops over 32-row
-    # blocks of its matrix, a first pass finding the amax (2 warps)
-    "flush_nvfp4_read": dict(rows=32, per_thread=64),
-    # flush launch, NVFP4 anchor: the whole matrix cast in registers (GDN 128 x 128 on 8 warps)
-    "flush_nvfp4": dict(rows=None, per_thread=64),
-}
-# register cap of the read launch by (kind, read copy format), where ptxas's own choice is
-# slower: fewer registers, more programs an SM. B = 256 read steps on the H200 (h = L/2, us,
-# capped / not; the buffer's terms are formed before the read copy's pass, so that 128 spills
-# only 88 / 152 bytes for GDN FP8 / NVFP4): GDN FP8 96.5 / 133.8 (112: 105.1, 96: 116.0, 168:
-# 106.6), GDN NVFP4 100.1 / 125.0 (112: 109.6, 96: 115.8, 168: 110.2), KDA NVFP4 164.2 / 172.7
-# at 168; KDA FP8 at 168 202.4 / 227.2 (config_sweep at fcda2a5). Caps do not move the others:
-# GDN FP32 at 128 161.3 / 162.9, Mamba-2 NVFP4 at 96 144.6 / 143.1, Mamba-2 FP8 at 80 136.7 /
-# 136.4.
-READ_REGS = {("gdn", "fp8"): 128, ("gdn", "nvfp4"): 128, ("kda", "fp8"): 168,
-             ("kda", "nvfp4"): 128}
-# packed read copies read in chunks of this many columns (64 rows on one warp, READ_STAGES loads
-# in flight) by (kind, format); the others decode their whole tile. B = 256 read steps on the
-# H200 (h = L/2, us, chunked / whole tile capped as READ_REGS was): GDN FP8 125.2 / 151.3
-# (64-column chunks 129.9), GDN NVFP4 122.1 / 134.2 (32 columns 126.8); Mamba-2 (d_v 64) is
-# slower chunked (FP8 150.7 / 147.4, NVFP4 170.4 / 159.5); KDA's were not timed chunked.
-# FP32 read copies (always read from row pointers) in 32 columns (B = 256 read steps, h = L/2;
-# us, chunked / the whole [64, d_k] tile on 2 warps: GDN 171.6 / 187.9, Mamba-2 279.6 / 293.3,
-# KDA 241.2 / 284.0; chunks of 16 or 64 columns, one stage, 32 rows a warp or 128 rows on 4 warps
-# are slower in every kind).
-READ_CHUNKS = {("gdn", "fp8"): 32, ("gdn", "nvfp4"): 64,
-               ("gdn", "fp32"): 32, ("mamba2", "fp32"): 32, ("kda", "fp32"): 32}
-# and of the flush launch by kind: Mamba-2 flush steps at 168 registers, s32_rs 698.8 us against
-# 761.8, tp4_hi32 1354.1 against 1504.2 (B = 256, H200, 16-row tiles, 8 a program); GDN and KDA
-# are slower capped (GDN s32_rs 1274.5 against 958.6, KDA 1931.0 against 1771.1)
-FLUSH_REGS = {"mamba2": 168}
+# The launch table, chosen by shape: (launch, kind, role) -> rows BV of a program's [BV, d_k]
+# tile, state elements a thread holds (warps = BV d_k / (32 per_thread), 1..8), register cap
+# (None: ptxas's), columns a chunk of the read (0: the whole tile decoded). The first matching
+# row wins ('*': any). role: the read launch's read copy; the flush's 'nvfp4 anchor' (one FP32
+# scale per matrix: whole matrices), 'nvfp4 looped' (an NVFP4 read copy beside an FP16 / BF16
+# anchor: 32-row blocks, an amax pass first), else '*'. Reasons: read / flush steps, H200,
+# B = 256, us, docs/kernels.md.
+LAUNCH_TABLE = (   # launch, kind, role, rows, per_thread, regs, chunk  # reason
+    ("read", "gdn", "fp8", 64, 256, 128, 32),       # 96.5 vs 133.8 uncapped, 151.3 whole
+    ("read", "gdn", "nvfp4", 64, 256, 128, 64),     # 100.1 vs 125.0 uncapped, 134.2 whole
+    ("read", "kda", "fp8", 64, 128, 168, 0),        # 202.4 vs 227.2 uncapped
+    ("read", "kda", "nvfp4", 64, 128, 128, 0),      # 164.2 vs 172.7 at 168
+    ("read", "*", "fp32", 64, 256, None, 32),       # GDN 171.6 vs 187.9 whole, 196.0 at 16
+    ("read", "*", "*", 64, 128, None, 0),           # GDN 199.1 vs 205.4 on 1 warp, 218.9 on 4
+    ("flush", "mamba2", "nvfp4 anchor", None, 64, 168, 0),   # cast whole; the cap as below
+    ("flush", "*", "nvfp4 anchor", None, 64, None, 0),       # one FP32 scale a matrix
+    ("flush", "mamba2", "nvfp4 looped", 32, 64, 168, 0),     # blocks; the cap as below
+    ("flush", "*", "nvfp4 looped", 32, 64, None, 0),         # one FP32 scale a matrix
+    ("flush", "mamba2", "*", 16, 64, 168, 0),       # s32_rs 698.8 vs 761.8 uncapped
+    ("flush", "*", "*", 16, 64, None, 0),           # smallest dot tile; GDN 1274.5 at 168
+)
 PATHS = ("auto", "replay", "flush")
 LAUNCHES = ("flush", "read")
 
 
+def _role(store: ReplayStore, which: str) -> str:
+    """The role of `which` launch that LAUNCH_TABLE's rows match."""
+    if which == "read":
+        return store.read_role.fmt
+    return ("nvfp4 anchor" if store.anchor.fmt == "nvfp4" else "nvfp4 looped"
+            if store.read_role.fmt == "nvfp4" and store.anchor.fmt != "fp32" else "*")
+
+
+def _table(store: ReplayStore, which: str):
+    """LAUNCH_TABLE's first row for this store's launch `which`: (rows, per_thread, regs,
+    chunk)."""
+    role = _role(store, which)
+    for launch, kind, r, *cfg in LAUNCH_TABLE:
+        if launch == which and kind in ("*", store.kind) and r in ("*", role):
+            return cfg
+    raise AssertionError("LAUNCH_TABLE ends with a catch-all row for each launch")
+
+
 # The flush launch's grid: a program takes TPP tiles (a power of two, _flush_tile_at's order), as
-# few as keep
-# FLUSH_PROGRAMS_PER_SM programs an SM busy (the one-warp flush tile of 255 registers fits 8) and
-# at most FLUSH_MAX_TILES (B = 256, H200: a read step's flush launch costs GDN s32_rs 239.3 ->
-# 204.0 us at 8 tiles of one matrix; the flush step 863.6 -> 965.5 us, tp4_hi32 1765.1 -> 1441.9;
-# 64 tiles taken p, p + P, ...: read 198.2 us, but flush steps 1001.4 / 3722.6)
+# few as keep FLUSH_PROGRAMS_PER_SM programs an SM busy (the one-warp flush tile of 255 registers
+# fits 8), at most FLUSH_MAX_TILES, so that a read step's flush launch, whose programs return,
+# stays small (docs/kernels.md)
 FLUSH_PROGRAMS_PER_SM = 8
 FLUSH_MAX_TILES = 8
 # The cast of the queued NVFP4 read copies: 32-row items on 4 warps, up to 32 programs an SM
@@ -1101,20 +1092,16 @@ def _synced(store: ReplayStore) -> bool:
 
 def _max_regs(store: ReplayStore, launch, which: str, T: int = 1):
     """The register cap of a launch given as (rows, warps, regs); of a launch not given,
-    READ_REGS's for a step's read (T = 1) or FLUSH_REGS's; else None (ptxas's choice). A verify
-    of T > 1 drafts keeps the drafts' entries live across the read copy's pass, so READ_REGS's
-    caps would spill (H200, GDN T = 4 rounds at B = 512: tp8_hi32 2483.9 us, tp4_hi32 2551.6 at
-    128 registers, kernels.json of 036fb62; 1124.3 / 1554.3 uncapped at 810ba0a)."""
+    LAUNCH_TABLE's, except for a verify's read (T > 1, whose drafts' entries stay live across
+    the read copy's pass: the caps spill, docs/kernels.md); else None (ptxas's choice)."""
     c = (launch or {}).get(which) or ()
     if len(c) > 2 and c[2] is not None and not 16 <= int(c[2]) <= 255:
         raise ValueError(f"{which} launch regs={c[2]} must lie in 16..255")
     if len(c) > 2 and c[2] is not None:
         return int(c[2])
-    if any(x is not None for x in c):
+    if any(x is not None for x in c) or (which == "read" and T > 1):
         return None
-    if which == "read":
-        return READ_REGS.get((store.kind, store.read_role.fmt)) if T == 1 else None
-    return FLUSH_REGS.get(store.kind)
+    return _table(store, which)[2]
 
 
 def replay_launch_config(store: ReplayStore, which: str = "read", launch=None):
@@ -1133,16 +1120,11 @@ def replay_launch_config(store: ReplayStore, which: str = "read", launch=None):
                          f"{sorted(bad)}")
     block_v, num_warps = (launch.get(which) or (None, None))[:2]
     N, HV, dv, dk = store.shape
-    nv = (which == "flush" and "nvfp4" in (store.anchor.fmt, store.read_role.fmt)
-          and not _synced(store))
-    looped = nv and (not store.shared and store.anchor.fmt != "nvfp4"
-                     and store.read.fmt == "nvfp4")
-    read = "read_chunked" if (store.kind, store.read_role.fmt) in READ_CHUNKS else "read"
-    cfg = LAUNCH_TABLE[read if which == "read" else "flush_nvfp4_read" if looped
-                       else "flush_nvfp4" if nv else "flush"]
+    rows, per_thread, _, _ = _table(store, which)
+    nv = which == "flush" and _role(store, which) != "*"    # it writes an NVFP4 role
     if block_v is None:
-        block_v = dv if cfg["rows"] is None else min(dv, cfg["rows"])
-    if nv and not looped and block_v != dv:
+        block_v = dv if rows is None else min(dv, rows)
+    if _role(store, which) == "nvfp4 anchor" and block_v != dv:
         raise ValueError(f"an NVFP4 anchor is cast a whole matrix at a time (one FP32 scale per "
                          f"matrix): the flush launch's rows must be d_v = {dv}, got {block_v}")
     if block_v < 16 or dv % block_v or block_v & (block_v - 1):
@@ -1150,7 +1132,7 @@ def replay_launch_config(store: ReplayStore, which: str = "read", launch=None):
                          f"d_v={dv} (the flush's tensor-core products take tiles of 16 rows or "
                          f"more)")
     if num_warps is None:
-        num_warps = max(1, min(8, block_v * dk // (32 * cfg["per_thread"])))
+        num_warps = max(1, min(8, block_v * dk // (32 * per_thread)))
     if num_warps < 1 or num_warps & (num_warps - 1):
         raise ValueError(f"{which} launch warps={num_warps} must be a power of two")
     return block_v, (dv // block_v if nv else 1), num_warps
@@ -1275,7 +1257,7 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
             U_BF16=store.ubuf is not None and store.ubuf.dtype == torch.bfloat16,
             DT_CLAMP=dt_clamp, PREC="tf32x3", ON_GPU=q.is_cuda, VEC=vec, FLUSHES=flushes,
             SYNC=sync, TPP=tpp, FOLD_U=folds_u(store), KF=kf,
-            PCK=READ_CHUNKS.get((store.kind, store.read_role.fmt), 0), num_warps=nw, **({} if regs is None else {"maxnreg": regs}))
+            PCK=_table(store, "read")[3], num_warps=nw, **({} if regs is None else {"maxnreg": regs}))
         if sync and flushes:
             _read_copy_kernel[_cast_grid(B * HV * (dv // min(dv, CAST_ROWS)), q.device)](
                 Ap, Rp, Rs, Rg, store.casts, *split_key(store.key), HV=HV, DV=dv, DK=dk,
