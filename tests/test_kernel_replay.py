@@ -387,7 +387,8 @@ def test_launch_table_and_path():
                                       buffer_len=4)
     cfg = replay_launch_config
     assert LAUNCH_TABLE[-1][:4] == ("flush", "*", "*", 16)      # a catch-all row each launch
-    assert cfg(mk("s32_rs"), "flush") == (16, 1, 1)
+    assert cfg(mk("s32_rs"), "flush") == (32, 1, 1)         # an FP32 shared pair folds u
+    assert cfg(mk("tp8_hi32"), "flush") == (16, 1, 1)
     assert cfg(mk("s32_rs", 128, 128), "read") == (64, 1, 1)    # FP32: 64 rows a warp, chunked
     assert cfg(mk("tp4_hi32", 128, 128), "read") == (64, 1, 1)  # chunked as well
     assert cfg(mk("s16_sr", 128, 128), "read") == (64, 1, 2)    # a whole decoded tile, 2 warps

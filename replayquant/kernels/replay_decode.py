@@ -993,8 +993,8 @@ def _advance_kernel(h_ptr, st_ptr, nf_ptr, idx_ptr, acc_ptr, B, L: tl.constexpr,
 # (None: ptxas's), columns a chunk of the read (0: the whole tile decoded). The first matching
 # row wins ('*': any). role: the read launch's read copy; the flush's 'nvfp4 anchor' (one FP32
 # scale per matrix: whole matrices), 'nvfp4 looped' (an NVFP4 read copy beside an FP16 / BF16
-# anchor: 32-row blocks, an amax pass first), else '*'. Reasons: read / flush steps, H200,
-# B = 256, us, docs/kernels.md.
+# anchor: 32-row blocks, an amax pass first), 'fp32 shared' (GDN: folds the cached u), else
+# '*'. Reasons: read / flush steps, H200, B = 256, us, docs/kernels.md.
 LAUNCH_TABLE = (   # launch, kind, role, rows, per_thread, regs, chunk  # reason
     ("read", "gdn", "fp8", 64, 256, 128, 32),       # 96.5 vs 133.8 uncapped, 151.3 whole
     ("read", "gdn", "nvfp4", 64, 256, 128, 64),     # 100.1 vs 125.0 uncapped, 134.2 whole
@@ -1006,6 +1006,8 @@ LAUNCH_TABLE = (   # launch, kind, role, rows, per_thread, regs, chunk  # reason
     ("flush", "*", "nvfp4 anchor", None, 64, None, 0),       # one FP32 scale a matrix
     ("flush", "mamba2", "nvfp4 looped", 32, 64, 168, 0),     # blocks; the cap as below
     ("flush", "*", "nvfp4 looped", 32, 64, None, 0),         # one FP32 scale a matrix
+    ("flush", "gdn", "fp32 shared", 32, 128, None, 0),      # s32_rs 417.7 vs 506.8 at 16 rows
+    ("flush", "mamba2", "fp32 shared", 32, 128, None, 0),   # s32_rs 676.8 vs 702.5 at 16, 168
     ("flush", "mamba2", "*", 16, 64, 168, 0),       # s32_rs 698.8 vs 761.8 uncapped
     ("flush", "*", "*", 16, 64, None, 0),           # smallest dot tile; GDN 1274.5 at 168
 )
@@ -1017,8 +1019,11 @@ def _role(store: ReplayStore, which: str) -> str:
     """The role of `which` launch that LAUNCH_TABLE's rows match."""
     if which == "read":
         return store.read_role.fmt
-    return ("nvfp4 anchor" if store.anchor.fmt == "nvfp4" else "nvfp4 looped"
-            if store.read_role.fmt == "nvfp4" and store.anchor.fmt != "fp32" else "*")
+    if store.anchor.fmt == "nvfp4":
+        return "nvfp4 anchor"
+    if store.read_role.fmt == "nvfp4" and store.anchor.fmt != "fp32":
+        return "nvfp4 looped"
+    return "fp32 shared" if store.shared and store.anchor.fmt == "fp32" else "*"
 
 
 def _table(store: ReplayStore, which: str):
@@ -1121,7 +1126,7 @@ def replay_launch_config(store: ReplayStore, which: str = "read", launch=None):
     block_v, num_warps = (launch.get(which) or (None, None))[:2]
     N, HV, dv, dk = store.shape
     rows, per_thread, _, _ = _table(store, which)
-    nv = which == "flush" and _role(store, which) != "*"    # it writes an NVFP4 role
+    nv = which == "flush" and _role(store, which).startswith("nvfp4")  # writes an NVFP4 role
     if block_v is None:
         block_v = dv if rows is None else min(dv, rows)
     if _role(store, which) == "nvfp4 anchor" and block_v != dv:
