@@ -1,5 +1,6 @@
 """Replay decode step and speculative verify (ReplaySSM) in Triton: two launches of one kernel per
-step for the whole batch, the flush decided per row inside the kernel (DESIGN sections 3 and 4;
+step for the whole batch (and a cast launch for an NVFP4 read copy beside an FP32 anchor), the
+flush decided per row inside the kernel (DESIGN sections 3 and 4;
 the torch references with the same signatures are in `replayquant.kernels.replay_ref`).
 
 Storage of one layer (`ReplayStore`; slots N, value heads H, key heads / groups HK):
@@ -37,8 +38,9 @@ with committed fill h:
 
 The flush launch (FLUSHES) runs the first two for the rows that have them, a program taking up
 to 8 tiles (of as many batch rows; _flush_tile_at) whose rows' pointers it reads at once
-(_flush_grid); the read launch then reads and moves every row's pointers, each compiled with
-its own path only.
+(_flush_grid); an NVFP4 read copy beside an FP32 anchor is then cast by a launch of its own
+(_read_copy_kernel, from the copies the flush queued); the read launch then reads and moves
+every row's pointers, each compiled with its own path only.
 
 The rebuild uses tensor-core products (the WY form of the chunked delta rule): W = K S0^T,
 A[j, i] = beta_j e^{G_j - G_i} (k_i . k_j) for i < j, U = (I + A)^{-1} (beta (V - e^G W)),
@@ -896,7 +898,8 @@ def _replay_kernel(
     Else the read launch (a program per [BV, d_k] tile of a (batch row, value head)): the reads,
     and, with ADVANCE, the pointer moves of every row: every program, once done with its row's
     pointers, increments the row's arrival counter; the last one moves committed / start /
-    n_flush (_moved_pointers) and resets the counter. Each launch compiles only its own path, so
+    n_flush (_moved_pointers) and resets the counter; with SYNC program (0, 0) empties the
+    queue of read copies the cast launch has cast. Each launch compiles only its own path, so
     a read step does not pay the registers of the flush's products. VEC: KDA (DELTA with a gate
     per key channel, a_ptr the log decay g [B, H, d_k], b_ptr beta)."""
     if FLUSHES:
@@ -1090,8 +1093,9 @@ def folds_u(store: ReplayStore) -> bool:
 
 
 def _synced(store: ReplayStore) -> bool:
-    """An NVFP4 read copy beside an FP32 anchor: the flush's tiles synchronise per matrix
-    (_read_copy_last) instead of one program looping over the matrix."""
+    """An NVFP4 read copy beside an FP32 anchor: the flush's tiles add their amax per matrix and
+    queue the copy (_queue_read_copy), which a launch of its own casts from the anchor
+    (_read_copy_kernel)."""
     return not store.shared and store.anchor.fmt == "fp32" and store.read.fmt == "nvfp4"
 
 
