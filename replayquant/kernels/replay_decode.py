@@ -884,7 +884,7 @@ def _replay_kernel(
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, U_BF16: tl.constexpr, DT_CLAMP: tl.constexpr,
         PREC: tl.constexpr, ON_GPU: tl.constexpr, VEC: tl.constexpr, FLUSHES: tl.constexpr,
         SYNC: tl.constexpr, TPP: tl.constexpr, FOLD_U: tl.constexpr, PCK: tl.constexpr,
-        KF: tl.constexpr, FUSED: tl.constexpr):
+        KF: tl.constexpr):
     """A decode step (STEP, T = 1) or a verify of T drafts, in two launches that make the same
     per-row decisions from the same pointers.
 
@@ -900,11 +900,8 @@ def _replay_kernel(
     pointers, increments the row's arrival counter; the last one moves committed / start /
     n_flush (_moved_pointers) and resets the counter; with SYNC program (0, 0) empties the
     queue of read copies the cast launch has cast. Each launch compiles only its own path, so
-    a read step does not pay the registers of the flush's products. FUSED (a decode step at
-    small batch, _fused): the read launch alone, on the flush's tiles, each program flushing its
-    own tile first if its row flushes (the casts of its roles are tile-local), then reading.
-    VEC: KDA (DELTA with a gate per key channel, a_ptr the log decay g [B, H, d_k], b_ptr
-    beta)."""
+    a read step does not pay the registers of the flush's products. VEC: KDA (DELTA with a gate
+    per key channel, a_ptr the log decay g [B, H, d_k], b_ptr beta)."""
     if FLUSHES:
         NT = n_rows * (HV * (DV // (BV * NB)))
         tiles = tl.program_id(0) * TPP + tl.arange(0, TPP)
@@ -934,26 +931,13 @@ def _replay_kernel(
             jj = tl.arange(0, LP)
             # the read copy is loaded before the pointers (one dependent load less before the
             # read); the flush launch has already written it for a row that pre-flushed
-            if not FUSED:
-                P, Pb = _tile_raw(R_pay, R_sc, mat, rows0, DV, DK, RFMT, PCK)
-            h = tl.load(h_ptr + slot)
-            start = tl.load(st_ptr + slot)
-            pre, fill = _flush_flags(h, T, L, STEP)
-            if FUSED:                       # this tile's own flush first, then its read copy
-                if pre | fill | FORCE:
-                    _flush_tile((hv * (DV // BV) + tl.program_id(1)) * n_rows + row, n_rows,
-                                A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, ubuf, Gbuf,
-                                bbuf, Tbuf, h_ptr, st_ptr, nf_ptr, sync_ptr, cast_ptr, idx_ptr,
-                                out_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr,
-                                D_ptr, z_ptr, scale, beta_scale, key_lo, key_hi, dt_lo, dt_hi,
-                                HK, HV, DK, DV, BV, 1, L, CAP, LP, T, STEP, FORCE, AFMT, ASR,
-                                RFMT, RSR, SHARED, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z,
-                                DT_CLAMP, PREC, ON_GPU, VEC, False, FOLD_U)
-                    tl.debug_barrier()      # the tile's roles are written
-                P, Pb = _tile_raw(R_pay, R_sc, mat, rows0, DV, DK, RFMT, PCK)
+            P, Pb = _tile_raw(R_pay, R_sc, mat, rows0, DV, DK, RFMT, PCK)
             s = 1.0
             if RFMT == 4:
                 s = tl.load(R_gs + mat)
+            h = tl.load(h_ptr + slot)
+            start = tl.load(st_ptr + slot)
+            pre, fill = _flush_flags(h, T, L, STEP)
             if pre:                         # folded by the flush launch
                 start = (start + h) % CAP
                 h = h * 0
@@ -1091,20 +1075,6 @@ def _cast_grid(n_items: int, device):
                 * CAST_PROGRAMS_PER_SM),)
 
 
-def _fused(store: ReplayStore, T: int, step: bool, launch) -> bool:
-    """Whether a step runs as one launch (launch={'fused': True}; FUSED: each program of the
-    flush's tiles flushes its own tile if its row flushes, then reads; at small batch a step is
-    its launches' latency, docs/kernels.md): a decode step whose casts are tile-local (no NVFP4
-    role, whose scale is the whole matrix's). Two launches unless asked."""
-    want = (launch or {}).get("fused", False)
-    if not isinstance(want, bool):
-        raise ValueError(f"launch['fused'] must be True or False, got {want!r}")
-    if want and not (step and T == 1 and "nvfp4" not in (store.anchor.fmt, store.read_role.fmt)):
-        raise ValueError("launch={'fused': True} takes a decode step of a store without an "
-                         "NVFP4 role (an NVFP4 scale covers the whole matrix)")
-    return want
-
-
 def solves_u(store: ReplayStore) -> bool:
     """Whether the GDN flush solves for u against the anchor (a separate read copy, or a shared
     anchor with bf16 u): the read steps append the rows of the key factors (I + A)^{-1} of
@@ -1153,10 +1123,10 @@ def replay_launch_config(store: ReplayStore, which: str = "read", launch=None):
     if which not in LAUNCHES:
         raise ValueError(f"which must be 'flush' or 'read', got {which!r}")
     launch = dict(launch or {})
-    bad = set(launch) - set(LAUNCHES) - {"fused"}
+    bad = set(launch) - set(LAUNCHES)
     if bad:
-        raise ValueError(f"launch takes the keys 'flush' and 'read' -> (rows, warps) and "
-                         f"'fused' -> bool, got {sorted(bad)}")
+        raise ValueError(f"launch takes the keys 'flush' and 'read' -> (rows, warps), got "
+                         f"{sorted(bad)}")
     block_v, num_warps = (launch.get(which) or (None, None))[:2]
     N, HV, dv, dk = store.shape
     rows, per_thread, _, _ = _table(store, which)
@@ -1252,7 +1222,6 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
     if not (math.isfinite(beta_scale) and beta_scale > 0):
         raise ValueError(f"beta_scale must be a finite number > 0, got {beta_scale}")
     dt_lo, dt_hi, dt_clamp = dt_limit_args(dt_limit)
-    fused = _fused(store, T, step, launch)
     configs = [replay_launch_config(store, w, launch) for w in LAUNCHES]
     idx = _indices(state_indices, B, q.device)
     if out is None:
@@ -1273,9 +1242,7 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
     Rp, Rs, Rg, rfid = store.read_role.kernel_args()
     q, k, v, a, b, A, dt_bias, D, z = map(_prep, (q, k, v, a, b, A, dt_bias, D, z))
     inputs = [t if t is not None else a for t in (q, k, v, a, b, A, dt_bias, D, z)]
-    runs = [("flush", False, configs[0])] if fused else \
-        list(zip(LAUNCHES, (True, False), configs))
-    for which, flushes, (BV, NB, nw) in runs:       # fused: one launch with the flush's tiles
+    for which, flushes, (BV, NB, nw) in zip(LAUNCHES, (True, False), configs):
         regs = _max_regs(store, launch, which, T)
         tpp, grid = 1, (B * HV, dv // (BV * NB))
         if flushes:
@@ -1291,7 +1258,7 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
             *split_key(store.key), dt_lo, dt_hi, B,
             HK=HK, HV=HV, DK=dk, DV=dv, BV=BV, NB=NB, L=store.L, CAP=store.capacity,
             LP=max(16, triton.next_power_of_2(store.L)), T=T, STEP=step, FORCE=bool(force),
-            ADVANCE=bool(advance) and not flushes, AFMT=afid, FUSED=fused,
+            ADVANCE=bool(advance) and not flushes, AFMT=afid,
             ASR=store.anchor.rounding == "stochastic", RFMT=rfid,
             RSR=store.read_role.rounding == "stochastic", SHARED=store.shared, DELTA=delta,
             L2NORM=use_qk_l2norm, HAS_DTB=dt_bias is not None, HAS_D=D is not None,
@@ -1320,7 +1287,7 @@ def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, stat
     sigmoid(b). path (resolve_path): 'auto' / 'replay' or 'flush'. Returns y float32
     [B, H, d_v]; with advance=False the caller moves the pointers (advance_pointers). launch
     {'read' / 'flush': (rows, warps[, regs])} overrides the launch table
-    (replay_launch_config); {'fused': True} runs the step as one launch (_fused)."""
+    (replay_launch_config)."""
     if store.kind != "gdn":
         raise ValueError("replay_gdn_step needs a store built with kind='gdn'")
     if b is None:
