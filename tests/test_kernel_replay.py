@@ -224,8 +224,9 @@ def test_gdn_fold_strong_decay(pair):
 
 @pytest.mark.parametrize("pair", ["s32_rs", "tp8_hi32", "tp4_hi32"])
 def test_read_in_chunks(pair):
-    """GDN read copies with a chunk in LAUNCH_TABLE are read in chunks of columns once d_k exceeds the chunk
-    (d_k = 128: FP32 and FP8 four chunks, NVFP4 two), against the reference over two windows."""
+    """GDN read copies with a chunk in LAUNCH_TABLE are read in chunks of columns once d_k
+    exceeds the chunk (d_k = 128: FP32 and FP8 four chunks, NVFP4 two), against the reference
+    over two windows."""
     N, HK, H, dk, dv = 2, 1, 1, 128, 16
     dr = Driver("gdn", N, HK, H, dk, dv)
     store = ReplayStore.from_state(random_state(N, H, dv, dk, seed=4), pair, "gdn", key_heads=HK,

@@ -996,8 +996,9 @@ def _advance_kernel(h_ptr, st_ptr, nf_ptr, idx_ptr, acc_ptr, B, L: tl.constexpr,
 # (None: ptxas's), columns a chunk of the read (0: the whole tile decoded). The first matching
 # row wins ('*': any). role: the read launch's read copy; the flush's 'nvfp4 anchor' (one FP32
 # scale per matrix: whole matrices), 'nvfp4 looped' (an NVFP4 read copy beside an FP16 / BF16
-# anchor: 32-row blocks, an amax pass first), 'fp32 shared' (GDN: folds the cached u), else
-# '*'. Reasons: read / flush steps, H200, B = 256, us, docs/kernels.md.
+# anchor: 32-row blocks, an amax pass first), 'fp32 shared' (an FP32 anchor that is also the
+# read copy; GDN's flush folds its cached u), else '*'. Reasons: read / flush steps, H200,
+# B = 256, us, docs/kernels.md.
 LAUNCH_TABLE = (   # launch, kind, role, rows, per_thread, regs, chunk  # reason
     ("read", "gdn", "fp8", 64, 256, 128, 32),       # 96.5 vs 133.8 uncapped, 151.3 whole
     ("read", "gdn", "nvfp4", 64, 256, 128, 64),     # 100.1 vs 125.0 uncapped, 134.2 whole
@@ -1130,10 +1131,11 @@ def replay_launch_config(store: ReplayStore, which: str = "read", launch=None):
     block_v, num_warps = (launch.get(which) or (None, None))[:2]
     N, HV, dv, dk = store.shape
     rows, per_thread, _, _ = _table(store, which)
-    nv = which == "flush" and _role(store, which).startswith("nvfp4")  # writes an NVFP4 role
+    role = _role(store, which)
+    nv = which == "flush" and role.startswith("nvfp4")      # a flush that writes an NVFP4 role
     if block_v is None:
         block_v = dv if rows is None else min(dv, rows)
-    if _role(store, which) == "nvfp4 anchor" and block_v != dv:
+    if role == "nvfp4 anchor" and block_v != dv:
         raise ValueError(f"an NVFP4 anchor is cast a whole matrix at a time (one FP32 scale per "
                          f"matrix): the flush launch's rows must be d_v = {dv}, got {block_v}")
     if block_v < 16 or dv % block_v or block_v & (block_v - 1):
@@ -1242,6 +1244,7 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
     Rp, Rs, Rg, rfid = store.read_role.kernel_args()
     q, k, v, a, b, A, dt_bias, D, z = map(_prep, (q, k, v, a, b, A, dt_bias, D, z))
     inputs = [t if t is not None else a for t in (q, k, v, a, b, A, dt_bias, D, z)]
+    pck = _table(store, "read")[3]
     for which, flushes, (BV, NB, nw) in zip(LAUNCHES, (True, False), configs):
         regs = _max_regs(store, launch, which, T)
         tpp, grid = 1, (B * HV, dv // (BV * NB))
@@ -1266,7 +1269,7 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
             U_BF16=store.ubuf is not None and store.ubuf.dtype == torch.bfloat16,
             DT_CLAMP=dt_clamp, PREC="tf32x3", ON_GPU=q.is_cuda, VEC=vec, FLUSHES=flushes,
             SYNC=sync, TPP=tpp, FOLD_U=folds_u(store), KF=kf,
-            PCK=_table(store, "read")[3], num_warps=nw, **({} if regs is None else {"maxnreg": regs}))
+            PCK=pck, num_warps=nw, **({} if regs is None else {"maxnreg": regs}))
         if sync and flushes:
             _read_copy_kernel[_cast_grid(B * HV * (dv // min(dv, CAST_ROWS)), q.device)](
                 Ap, Rp, Rs, Rg, store.casts, *split_key(store.key), HV=HV, DV=dv, DK=dk,
