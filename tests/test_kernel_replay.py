@@ -164,6 +164,34 @@ def test_replay_step_matches_reference(kind, pair):
         torch.testing.assert_close(store.Tbuf[live], ref.Tbuf[live], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("kind,pair", [("gdn", "s32_rs"), ("gdn", "tp8_hi16_sr"),
+                                       ("mamba2", "tp8_hi32")])
+def test_fused_step_equals_two_launches(kind, pair):
+    """launch={'fused': True} (one launch a step: each program flushes its own tile, then reads)
+    gives the two launches' outputs and store bit for bit, over windows with rows out of phase,
+    padding rows and a forced flush; a store with an NVFP4 role cannot fuse."""
+    N, HK, H, dk, dv = 4, 1, 2, 32, 32
+    dr = Driver(kind, 5, HK, H, dk, dv)
+    store = ReplayStore.from_state(random_state(N, H, dv, dk, seed=5), pair, kind, key_heads=HK,
+                                   seed=3, buffer_len=3)
+    poison_buffers(store)
+    two = store.clone()
+    idx = torch.tensor([2, -1, 0, 3, 1])
+    for step in range(7):
+        if step == 2:
+            idx = torch.tensor([2, -1, 0, -1, 1])
+        if step == 3:
+            idx = torch.tensor([2, 3, 0, -1, 1])
+        inp = dr.inputs(seed=40 + step)
+        path = "flush" if step == 5 else "replay"
+        y = dr.kernel(store, inp, idx, path=path, launch={"fused": True})
+        assert torch.equal(y, dr.kernel(two, inp, idx, path=path))
+        assert_same_store(store, two)
+    st4 = ReplayStore.from_state(random_state(N, H, dv, dk), "tp4_hi32", kind, key_heads=HK)
+    with pytest.raises(ValueError, match="NVFP4"):
+        dr.kernel(st4, dr.inputs(0), idx, launch={"fused": True})
+
+
 @pytest.mark.parametrize("kind", ["gdn", "mamba2"])
 @pytest.mark.parametrize("pair", ["s32_rs", "tp8_hi32", "tp4_hi16_sr", "f4_sr_rs"])
 def test_replay_step_matches_replay_state(kind, pair):

@@ -40,7 +40,8 @@ The flush launch (FLUSHES) runs the first two for the rows that have them, a pro
 to 8 tiles (of as many batch rows; _flush_tile_at) whose rows' pointers it reads at once
 (_flush_grid); an NVFP4 read copy beside an FP32 anchor is then cast by a launch of its own
 (_read_copy_kernel, from the copies the flush queued); the read launch then reads and moves
-every row's pointers, each compiled with its own path only.
+every row's pointers, each compiled with its own path only. At small batch (_fused) a step is
+one launch: the read launch on the flush's tiles, a program flushing its own tile first.
 
 The rebuild uses tensor-core products (the WY form of the chunked delta rule): W = K S0^T,
 A[j, i] = beta_j e^{G_j - G_i} (k_i . k_j) for i < j, U = (I + A)^{-1} (beta (V - e^G W)),
@@ -884,7 +885,7 @@ def _replay_kernel(
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, U_BF16: tl.constexpr, DT_CLAMP: tl.constexpr,
         PREC: tl.constexpr, ON_GPU: tl.constexpr, VEC: tl.constexpr, FLUSHES: tl.constexpr,
         SYNC: tl.constexpr, TPP: tl.constexpr, FOLD_U: tl.constexpr, PCK: tl.constexpr,
-        KF: tl.constexpr):
+        KF: tl.constexpr, FUSED: tl.constexpr):
     """A decode step (STEP, T = 1) or a verify of T drafts, in two launches that make the same
     per-row decisions from the same pointers.
 
@@ -900,8 +901,11 @@ def _replay_kernel(
     pointers, increments the row's arrival counter; the last one moves committed / start /
     n_flush (_moved_pointers) and resets the counter; with SYNC program (0, 0) empties the
     queue of read copies the cast launch has cast. Each launch compiles only its own path, so
-    a read step does not pay the registers of the flush's products. VEC: KDA (DELTA with a gate
-    per key channel, a_ptr the log decay g [B, H, d_k], b_ptr beta)."""
+    a read step does not pay the registers of the flush's products. FUSED (a decode step at
+    small batch, _fused): the read launch alone, on the flush's tiles, each program flushing its
+    own tile first if its row flushes (the casts of its roles are tile-local), then reading.
+    VEC: KDA (DELTA with a gate per key channel, a_ptr the log decay g [B, H, d_k], b_ptr
+    beta)."""
     if FLUSHES:
         NT = n_rows * (HV * (DV // (BV * NB)))
         tiles = tl.program_id(0) * TPP + tl.arange(0, TPP)
@@ -931,13 +935,26 @@ def _replay_kernel(
             jj = tl.arange(0, LP)
             # the read copy is loaded before the pointers (one dependent load less before the
             # read); the flush launch has already written it for a row that pre-flushed
-            P, Pb = _tile_raw(R_pay, R_sc, mat, rows0, DV, DK, RFMT, PCK)
-            s = 1.0
-            if RFMT == 4:
-                s = tl.load(R_gs + mat)
+            if not FUSED:
+                P, Pb = _tile_raw(R_pay, R_sc, mat, rows0, DV, DK, RFMT, PCK)
             h = tl.load(h_ptr + slot)
             start = tl.load(st_ptr + slot)
             pre, fill = _flush_flags(h, T, L, STEP)
+            if FUSED:                       # this tile's own flush first, then its read copy
+                if pre | fill | FORCE:
+                    _flush_tile((hv * (DV // BV) + tl.program_id(1)) * n_rows + row, n_rows,
+                                A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, ubuf, Gbuf,
+                                bbuf, Tbuf, h_ptr, st_ptr, nf_ptr, sync_ptr, cast_ptr, idx_ptr,
+                                out_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr,
+                                D_ptr, z_ptr, scale, beta_scale, key_lo, key_hi, dt_lo, dt_hi,
+                                HK, HV, DK, DV, BV, 1, L, CAP, LP, T, STEP, FORCE, AFMT, ASR,
+                                RFMT, RSR, SHARED, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z,
+                                DT_CLAMP, PREC, ON_GPU, VEC, False, FOLD_U)
+                    tl.debug_barrier()      # the tile's roles are written
+                P, Pb = _tile_raw(R_pay, R_sc, mat, rows0, DV, DK, RFMT, PCK)
+            s = 1.0
+            if RFMT == 4:
+                s = tl.load(R_gs + mat)
             if pre:                         # folded by the flush launch
                 start = (start + h) % CAP
                 h = h * 0
@@ -1076,6 +1093,30 @@ def _cast_grid(n_items: int, device):
                 * CAST_PROGRAMS_PER_SM),)
 
 
+def _fused(store: ReplayStore, T: int, step: bool, launch, n_tiles: int, device) -> bool:
+    """Whether a step runs as one launch (FUSED: each program of the flush's tiles flushes its
+    own tile if its row flushes, then reads). It takes a decode step whose casts are tile-local
+    (no NVFP4 role, whose scale is the whole matrix's). launch={'fused': True / False} decides;
+    by default a step on the GPU fuses when the flush's n_tiles fit one wave of the flush launch
+    (FLUSH_PROGRAMS_PER_SM an SM), where a step is its launches' latency (H200, window of L
+    steps, us, fused / two launches: B = 1 GDN s32_rs 7.76 / 10.19, tp8_hi32 6.42 / 10.14,
+    Mamba-2 s32_rs 7.33 / 9.85; GDN s32_rs B = 8, 1024 tiles, 11.3 / 13.4; 2048 tiles or more
+    slower: GDN tp8_hi32 B = 8 14.6 / 12.7, B = 32 s32_rs 35.1 / 34.5); the interpreter runs
+    two launches unless asked."""
+    ok = step and T == 1 and "nvfp4" not in (store.anchor.fmt, store.read_role.fmt)
+    want = (launch or {}).get("fused")
+    if want is None:
+        device = torch.device(device)
+        return ok and device.type == "cuda" and n_tiles <= FLUSH_PROGRAMS_PER_SM * \
+            torch.cuda.get_device_properties(device).multi_processor_count
+    if not isinstance(want, bool):
+        raise ValueError(f"launch['fused'] must be True or False, got {want!r}")
+    if want and not ok:
+        raise ValueError("launch={'fused': True} takes a decode step of a store without an "
+                         "NVFP4 role (an NVFP4 scale covers the whole matrix)")
+    return want
+
+
 def solves_u(store: ReplayStore) -> bool:
     """Whether the GDN flush solves for u against the anchor (a separate read copy, or a shared
     anchor with bf16 u): the read steps append the rows of the key factors (I + A)^{-1} of
@@ -1124,10 +1165,10 @@ def replay_launch_config(store: ReplayStore, which: str = "read", launch=None):
     if which not in LAUNCHES:
         raise ValueError(f"which must be 'flush' or 'read', got {which!r}")
     launch = dict(launch or {})
-    bad = set(launch) - set(LAUNCHES)
+    bad = set(launch) - set(LAUNCHES) - {"fused"}
     if bad:
-        raise ValueError(f"launch takes the keys 'flush' and 'read' -> (rows, warps), got "
-                         f"{sorted(bad)}")
+        raise ValueError(f"launch takes the keys 'flush' and 'read' -> (rows, warps) and "
+                         f"'fused' -> bool, got {sorted(bad)}")
     block_v, num_warps = (launch.get(which) or (None, None))[:2]
     N, HV, dv, dk = store.shape
     rows, per_thread, _, _ = _table(store, which)
@@ -1225,6 +1266,7 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
         raise ValueError(f"beta_scale must be a finite number > 0, got {beta_scale}")
     dt_lo, dt_hi, dt_clamp = dt_limit_args(dt_limit)
     configs = [replay_launch_config(store, w, launch) for w in LAUNCHES]
+    fused = _fused(store, T, step, launch, B * HV * (dv // configs[0][0]), q.device)
     idx = _indices(state_indices, B, q.device)
     if out is None:
         out = torch.empty(*lead, HV, dv, dtype=torch.float32, device=q.device)
@@ -1245,7 +1287,9 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
     q, k, v, a, b, A, dt_bias, D, z = map(_prep, (q, k, v, a, b, A, dt_bias, D, z))
     inputs = [t if t is not None else a for t in (q, k, v, a, b, A, dt_bias, D, z)]
     pck = _table(store, "read")[3]
-    for which, flushes, (BV, NB, nw) in zip(LAUNCHES, (True, False), configs):
+    runs = [("flush", False, configs[0])] if fused else \
+        list(zip(LAUNCHES, (True, False), configs))
+    for which, flushes, (BV, NB, nw) in runs:       # fused: one launch with the flush's tiles
         regs = _max_regs(store, launch, which, T)
         tpp, grid = 1, (B * HV, dv // (BV * NB))
         if flushes:
@@ -1261,7 +1305,7 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
             *split_key(store.key), dt_lo, dt_hi, B,
             HK=HK, HV=HV, DK=dk, DV=dv, BV=BV, NB=NB, L=store.L, CAP=store.capacity,
             LP=max(16, triton.next_power_of_2(store.L)), T=T, STEP=step, FORCE=bool(force),
-            ADVANCE=bool(advance) and not flushes, AFMT=afid,
+            ADVANCE=bool(advance) and not flushes, AFMT=afid, FUSED=fused,
             ASR=store.anchor.rounding == "stochastic", RFMT=rfid,
             RSR=store.read_role.rounding == "stochastic", SHARED=store.shared, DELTA=delta,
             L2NORM=use_qk_l2norm, HAS_DTB=dt_bias is not None, HAS_D=D is not None,
@@ -1290,7 +1334,8 @@ def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, stat
     sigmoid(b). path (resolve_path): 'auto' / 'replay' or 'flush'. Returns y float32
     [B, H, d_v]; with advance=False the caller moves the pointers (advance_pointers). launch
     {'read' / 'flush': (rows, warps[, regs])} overrides the launch table
-    (replay_launch_config)."""
+    (replay_launch_config); 'fused': True / False one launch a step or two (default: _fused's
+    choice by batch)."""
     if store.kind != "gdn":
         raise ValueError("replay_gdn_step needs a store built with kind='gdn'")
     if b is None:
