@@ -453,36 +453,19 @@ def _flushed_tile(S, PS: tl.constexpr, NP: tl.constexpr, amax, A_pay, A_sc, A_gs
 
 
 @triton.jit
-def _tile_raw(pay, sc, mat, rows, DV: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr,
-              PCK: tl.constexpr):
-    """The loads of the read copy's rows, not decoded: (payload, scales). NVFP4:
-    int32 words [BV, DK/8] (column 8w+i in bits 4i..4i+3) and each word's E4M3 block scale byte;
-    FP8: int32 words [BV, DK/4] (column 4w+i in byte i) and the row scales; FP32 / FP16 / BF16:
-    the stored values [BV, DK]. Codes packed four or eight to a register keep the payload in few
-    registers."""
-    if (FMT == 4) and (0 < PCK) and (PCK < DK):          # row pointers: _tile_mv reads chunks
+def _row_ptrs(pay, sc, mat, rows, DV: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr):
+    """Row pointers of the read copy's tile, which _tile_mv reads in chunks: (payload, scales).
+    NVFP4: int32 words (column 8w+i in bits 4i..4i+3) and the E4M3 block scale bytes (one a 16
+    columns); FP8: int32 words (column 4w+i in byte i) and the row scales, loaded; FP32 / FP16 /
+    BF16: the values. Codes packed four or eight to a register keep a chunk in few registers."""
+    if FMT == 4:
         p = pay.to(tl.pointer_type(tl.int32)) + mat * (DV * (DK // 8)) + rows * (DK // 8)
         b = sc + mat * (DV * (DK // 16)) + rows * (DK // 16)
-    elif (FMT == 3) and (0 < PCK) and (PCK < DK):
+    elif FMT == 3:
         p = pay.to(tl.pointer_type(tl.int32)) + mat * (DV * (DK // 4)) + rows * (DK // 4)
         b = tl.load(sc + mat * DV + rows)
-    elif FMT == 4:
-        NW: tl.constexpr = DK // 8
-        w = tl.arange(0, NW)
-        p = tl.load(pay.to(tl.pointer_type(tl.int32)) + mat * (DV * NW) + rows[:, None] * NW
-                    + w[None, :])
-        b = tl.load(sc + mat * (DV * (DK // 16)) + rows[:, None] * (DK // 16) + (w // 2)[None, :])
-    elif FMT == 3:
-        NW: tl.constexpr = DK // 4
-        w = tl.arange(0, NW)
-        p = tl.load(pay.to(tl.pointer_type(tl.int32)) + mat * (DV * NW) + rows[:, None] * NW
-                    + w[None, :])
-        b = tl.load(sc + mat * DV + rows)
-    elif FMT == 0:
-        p = pay + mat * (DV * DK) + rows * DK             # row pointers: _tile_mv reads chunks
-        b = tl.zeros([1], tl.float32)
     else:
-        p = tl.load(pay + mat * (DV * DK) + rows[:, None] * DK + tl.arange(0, DK)[None, :])
+        p = pay + mat * (DV * DK) + rows * DK
         b = tl.zeros([1], tl.float32)
     return p, b
 
@@ -518,10 +501,14 @@ def _nib_pair(p, I: tl.constexpr, xa, xb, ya, yb, TWO: tl.constexpr, ax=None, ay
 
 @triton.jit
 def _words_mv(p, b, s, x, y, TWO: tl.constexpr, NW: tl.constexpr, FMT: tl.constexpr):
-    """(rows of words p [BV, NW]) @ x and @ y (x, y [8 NW] NVFP4 / [4 NW] FP8 / [NW] FP32
-    columns): the codes decoded once each, in registers; b the words' block scale bytes (NVFP4) /
-    the row scales (FP8)."""
-    if FMT == 0:
+    """(rows of words p [BV, NW]) @ x and @ y (x, y [8 NW] NVFP4 / [4 NW] FP8 / [NW] FP32, FP16,
+    BF16 columns): the codes decoded once each, in registers; b the words' block scale bytes
+    (NVFP4) / the row scales (FP8)."""
+    if FMT < 3:
+        if FMT == 1:
+            p = decode_fp16(p)
+        elif FMT == 2:
+            p = decode_bf16(p)
         rx = tl.sum(p * x[None, :], axis=1)
         ry = rx
         if TWO:
@@ -563,51 +550,35 @@ def _words_mv(p, b, s, x, y, TWO: tl.constexpr, NW: tl.constexpr, FMT: tl.conste
 @triton.jit
 def _tile_mv(p, b, s, x, y, TWO: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr,
              PCK: tl.constexpr):
-    """(read copy) @ x and, with TWO, (read copy) @ y (x, y [DK] float32) from _tile_raw's loads,
-    decoding each code once, in registers, as it is used (one pass serves both vectors); without
-    TWO the second value is the first. NVFP4: sums over each word's 8 columns, times the word's
-    block scale, summed over the row, times the matrix scale (and the decode's 2^14 2^8); FP8:
-    the row's sum times its scale (and 2^8); FP32 and the copies with a PCK (LAUNCH_TABLE): the
-    rows read PCK columns at a time from the row pointers _tile_raw gives."""
-    if (FMT == 0) or (((FMT == 4) or (FMT == 3)) and (0 < PCK) and (PCK < DK)):
-        # p (and b for NVFP4): row pointers (of the values / words, of the scale bytes; FP8: b
-        # the row scales); PCK columns at a time, the next chunks' loads in flight (READ_STAGES)
-        CPW: tl.constexpr = 8 if FMT == 4 else 4 if FMT == 3 else 1       # columns a word
-        CK: tl.constexpr = PCK if PCK < DK else DK
-        NC: tl.constexpr = DK // CK
-        NWC: tl.constexpr = CK // CPW
-        ci = tl.arange(0, NC)
-        x2 = tl.reshape(x, (NC, CK))
-        y2 = tl.reshape(y, (NC, CK))
-        rx = tl.zeros([p.shape[0]], tl.float32)
-        ry = tl.zeros([p.shape[0]], tl.float32)
-        for c in tl.range(0, NC, num_stages=READ_STAGES):
-            w = c * NWC + tl.arange(0, NWC)
-            pc = tl.load(p[:, None] + w[None, :])
-            if FMT == 4:
-                bc = tl.load(b[:, None] + (w // 2)[None, :])
-            else:
-                bc = b
-            xc = tl.sum(tl.where((ci == c)[:, None], x2, 0.0), axis=0)
+    """(read copy) @ x and, with TWO, (read copy) @ y (x, y [DK] float32) from _row_ptrs' rows,
+    PCK columns a chunk (LAUNCH_TABLE; 0: one chunk), the next chunks' loads in flight
+    (READ_STAGES), each code decoded once, in registers, as it is used (one pass serves both
+    vectors); without TWO the second value is the first. NVFP4: sums over each word's 8
+    columns, times the word's block scale, summed over the row, times the matrix scale (and the
+    decode's 2^14 2^8); FP8: the row's sum times its scale (and 2^8)."""
+    CPW: tl.constexpr = 8 if FMT == 4 else 4 if FMT == 3 else 1       # columns a word
+    CK: tl.constexpr = PCK if (0 < PCK) and (PCK < DK) else DK
+    NC: tl.constexpr = DK // CK
+    NWC: tl.constexpr = CK // CPW
+    ci = tl.arange(0, NC)
+    rx = tl.zeros([p.shape[0]], tl.float32)
+    ry = tl.zeros([p.shape[0]], tl.float32)
+    for c in tl.range(0, NC, num_stages=READ_STAGES):
+        w = c * NWC + tl.arange(0, NWC)
+        pc = tl.load(p[:, None] + w[None, :])
+        bc = b
+        if FMT == 4:
+            bc = tl.load(b[:, None] + (w // 2)[None, :])
+        xc = x
+        yc = y
+        if NC > 1:
+            xc = tl.sum(tl.where((ci == c)[:, None], tl.reshape(x, (NC, CK)), 0.0), axis=0)
             yc = xc
             if TWO:
-                yc = tl.sum(tl.where((ci == c)[:, None], y2, 0.0), axis=0)
-            ax, ay = _words_mv(pc, bc, s, xc, yc, TWO, NWC, FMT)
-            rx += ax
-            ry += ay
-    elif FMT == 4:
-        rx, ry = _words_mv(p, b, s, x, y, TWO, DK // 8, FMT)
-    elif FMT == 3:
-        rx, ry = _words_mv(p, b, s, x, y, TWO, DK // 4, FMT)
-    else:
-        if FMT == 1:
-            T = decode_fp16(p)
-        else:
-            T = decode_bf16(p)
-        rx = tl.sum(T * x[None, :], axis=1)
-        ry = rx
-        if TWO:
-            ry = tl.sum(T * y[None, :], axis=1)
+                yc = tl.sum(tl.where((ci == c)[:, None], tl.reshape(y, (NC, CK)), 0.0), axis=0)
+        ax, ay = _words_mv(pc, bc, s, xc, yc, TWO, NWC, FMT)
+        rx += ax
+        ry += ay
     return rx, ry
 
 
@@ -933,10 +904,6 @@ def _replay_kernel(
         if slot >= 0:
             mat = slot * HV + hv
             jj = tl.arange(0, LP)
-            # the read copy is loaded before the pointers (one dependent load less before the
-            # read); the flush launch has already written it for a row that pre-flushed
-            if not FUSED:
-                P, Pb = _tile_raw(R_pay, R_sc, mat, rows0, DV, DK, RFMT, PCK)
             h = tl.load(h_ptr + slot)
             start = tl.load(st_ptr + slot)
             pre, fill = _flush_flags(h, T, L, STEP)
@@ -951,7 +918,7 @@ def _replay_kernel(
                                 RFMT, RSR, SHARED, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z,
                                 DT_CLAMP, PREC, ON_GPU, VEC, False, FOLD_U)
                     tl.debug_barrier()      # the tile's roles are written
-                P, Pb = _tile_raw(R_pay, R_sc, mat, rows0, DV, DK, RFMT, PCK)
+            P, Pb = _row_ptrs(R_pay, R_sc, mat, rows0, DV, DK, RFMT)
             s = 1.0
             if RFMT == 4:
                 s = tl.load(R_gs + mat)
@@ -1010,7 +977,7 @@ def _advance_kernel(h_ptr, st_ptr, nf_ptr, idx_ptr, acc_ptr, B, L: tl.constexpr,
 
 # The launch table, chosen by shape: (launch, kind, role) -> rows BV of a program's [BV, d_k]
 # tile, state elements a thread holds (warps = BV d_k / (32 per_thread), 1..8), register cap
-# (None: ptxas's), columns a chunk of the read (0: the whole tile decoded). The first matching
+# (None: ptxas's), columns a chunk of the read (0: the whole row in one chunk). The first matching
 # row wins ('*': any). role: the read launch's read copy; the flush's 'nvfp4 anchor' (one FP32
 # scale per matrix: whole matrices), 'nvfp4 looped' (an NVFP4 read copy beside an FP16 / BF16
 # anchor: 32-row blocks, an amax pass first), 'fp32 shared' (an FP32 anchor that is also the
