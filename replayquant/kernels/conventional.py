@@ -297,50 +297,52 @@ def mamba2_post_ref(y, x, D=None, z=None):
 # key_lo / key_hi: not specialized (Triton makes an integer argument equal to 1 a constexpr)
 @triton.jit(do_not_specialize=["key_lo", "key_hi"])
 def _conventional_kernel(
-        S_pay, S_sc, S_gs, ncast_ptr, idx_ptr, out_ptr,
+        S_pay, S_sc, S_gs, P_pay, P_sc, P_gs, ncast_ptr, idx_ptr, out_ptr,
         q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr,
         scale, key_lo, key_hi, dt_lo, dt_hi,
         HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-        BV: tl.constexpr, FMT: tl.constexpr, SR: tl.constexpr, DELTA: tl.constexpr,
-        L2NORM: tl.constexpr, HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
+        BV: tl.constexpr, T: tl.constexpr, SNAP: tl.constexpr, FMT: tl.constexpr,
+        SR: tl.constexpr, DELTA: tl.constexpr, VEC: tl.constexpr, L2NORM: tl.constexpr,
+        HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
         DT_CLAMP: tl.constexpr):
+    """A step (T = 1: the state S read-modify-written in place, P = S) or, with SNAP, a verify of
+    T drafts (vLLM's scheme: draft t cast into its snapshot of P, flush index n_casts + t + 1,
+    the next draft reading the cast snapshot). VEC: KDA (a_ptr the log decay per key channel,
+    b_ptr beta)."""
     row, hv, hk, rows, cols, slot = _program_tile(idx_ptr, HK, HV, DK, BV)
     if slot >= 0:
-        q, k, v, log_a, beta, skip = _front_end(
-            q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, row, hv, hk, rows, cols,
-            scale, dt_lo, dt_hi, HK, HV, DK, DV, DELTA, L2NORM, HAS_DTB, HAS_D, DT_CLAMP)
         mat = slot * HV + hv
-        S = _tile_load(S_pay, S_sc, S_gs, mat, rows, cols, DV, DK, BV, FMT)
-        S, y = _rank1_step(S, q, k, v, log_a, beta, DELTA)
         fi = tl.load(ncast_ptr + slot) + 1
-        _tile_store(S, S_pay, S_sc, S_gs, mat, rows, cols, key_lo, key_hi, fi, slot, hv,
-                    DV, DK, BV, FMT, SR, 0)
-        y = _gate_out(y + skip, z_ptr, row, hv, rows, HV, DV, HAS_Z)
+        for t in tl.static_range(T):
+            tok = row * T + t
+            if VEC:
+                q, k, v, log_a, beta = _kda_front_end(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, tok, hv,
+                                                      hk, rows, cols, scale, HK, HV, DK, DV,
+                                                      L2NORM)
+            else:
+                q, k, v, log_a, beta, skip = _front_end(
+                    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, tok, hv, hk, rows,
+                    cols, scale, dt_lo, dt_hi, HK, HV, DK, DV, DELTA, L2NORM, HAS_DTB, HAS_D,
+                    DT_CLAMP)
+            if t == 0:
+                S = _tile_load(S_pay, S_sc, S_gs, mat, rows, cols, DV, DK, BV, FMT)
+            if VEC:
+                S, y = _vector_gate_step(S, q, k, v, log_a, beta)
+            else:
+                S, y = _rank1_step(S, q, k, v, log_a, beta, DELTA)
+            dst = (slot * T + t) * HV + hv if SNAP else mat
+            _tile_store(S, P_pay, P_sc, P_gs, dst, rows, cols, key_lo, key_hi, fi + t, slot, hv,
+                        DV, DK, BV, FMT, SR, 0)
+            if not VEC:
+                y = _gate_out(y + skip, z_ptr, tok, hv, rows, HV, DV, HAS_Z)
+            tl.store(out_ptr + (tok * HV + hv) * DV + rows, y)
+            if t + 1 < T:
+                if FMT != 0:
+                    tl.debug_barrier()      # the next draft reads the cast snapshot
+                    S = _tile_load(P_pay, P_sc, P_gs, dst, rows, cols, DV, DK, BV, FMT)
     else:
-        y = tl.zeros([BV], tl.float32)
-    tl.store(out_ptr + (row * HV + hv) * DV + rows, y)
-
-
-@triton.jit(do_not_specialize=["key_lo", "key_hi"])
-def _conventional_kda_kernel(
-        S_pay, S_sc, S_gs, ncast_ptr, idx_ptr, out_ptr, q_ptr, k_ptr, v_ptr, g_ptr, b_ptr,
-        scale, key_lo, key_hi,
-        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-        BV: tl.constexpr, FMT: tl.constexpr, SR: tl.constexpr, L2NORM: tl.constexpr):
-    """`_conventional_kernel` for KDA: the decay is a vector over the key channels."""
-    row, hv, hk, rows, cols, slot = _program_tile(idx_ptr, HK, HV, DK, BV)
-    if slot >= 0:
-        q, k, v, g, beta = _kda_front_end(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, row, hv, hk, rows,
-                                          cols, scale, HK, HV, DK, DV, L2NORM)
-        mat = slot * HV + hv
-        S = _tile_load(S_pay, S_sc, S_gs, mat, rows, cols, DV, DK, BV, FMT)
-        S, y = _vector_gate_step(S, q, k, v, g, beta)
-        fi = tl.load(ncast_ptr + slot) + 1
-        _tile_store(S, S_pay, S_sc, S_gs, mat, rows, cols, key_lo, key_hi, fi, slot, hv,
-                    DV, DK, BV, FMT, SR, 0)
-    else:
-        y = tl.zeros([BV], tl.float32)
-    tl.store(out_ptr + (row * HV + hv) * DV + rows, y)
+        for t in tl.static_range(T):
+            tl.store(out_ptr + ((row * T + t) * HV + hv) * DV + rows, tl.zeros([BV], tl.float32))
 
 
 @triton.jit
@@ -398,49 +400,64 @@ def _prep(t):
     return None if t is None else t.contiguous()
 
 
-def _gdn_shapes(store_shape, q, v):
-    N, HV, dv, dk = store_shape
-    if q is None or q.dim() != 3 or v is None or v.dim() != 3:
-        raise ValueError("GDN inputs: q, k [batch, key heads, d_k]; v [batch, value heads, d_v]")
-    B, HK = q.shape[:2]
+def step_inputs(kind, shape, drafts, q, k, v, a, b, A, dt_bias, D, z):
+    """Checks of a step's (drafts False: [batch, ...]) or a verify's ([batch, T, ...]) inputs
+    against a state of `shape`, named as the kind's callers name them (KDA: a = g, b = beta) ->
+    (lead dims (B,) or (B, T), key heads HK)."""
+    N, HV, dv, dk = shape
+    delta, vec = kind != "mamba2", kind == "kda"
+    if delta and (a is None or b is None):
+        raise ValueError("KDA needs g (log decay per key channel) [batch, value heads, d_k] and "
+                         "beta [batch, value heads]" if vec else
+                         "GDN needs b (beta logits) [batch, value heads]")
+    nd = 4 if drafts else 3
+    if not all(isinstance(t, torch.Tensor) and t.dim() == nd for t in (q, v)):
+        raise ValueError(f"{'q, k' if delta else 'C, B'} and {'v' if delta else 'x'} must be "
+                         f"tensors [batch, {'T drafts, ' if drafts else ''}heads, dim]")
+    lead, HK = tuple(q.shape[:nd - 2]), q.shape[nd - 2]
     if HV % HK:
         raise ValueError(f"value heads ({HV}) must be a multiple of key heads ({HK})")
-    return B, HK
+    _check_inputs(kind, shape, lead[0], {
+        "q": (q, lead + (HK, dk)), "k": (k, lead + (HK, dk)), "v": (v, lead + (HV, dv)),
+        "g": (a, lead + (HV, dk)), "beta": (b, lead + (HV,))} if vec else {
+        "q" if delta else "C": (q, lead + (HK, dk)), "k" if delta else "B": (k, lead + (HK, dk)),
+        "v" if delta else "x": (v, lead + (HV, dv)), "a" if delta else "dt": (a, lead + (HV,)),
+        "b": (b, lead + (HV,)), "A_log" if delta else "A": (A, (HV,)), "dt_bias": (dt_bias, (HV,)),
+        "D": (D, (HV,)), "z": (z, lead + (HV, dv))})
+    return lead, HK
 
 
-def _run_step(kernel_store, q, k, v, a, b, A, dt_bias, D, z, state_indices, out, scale, delta,
-              use_qk_l2norm, block_v, num_warps, advance, dt_limit=None):
-    st: PackedRole = kernel_store.state
+def conv_launch(store: ConventionalStore, kind, q, k, v, a, b, A, dt_bias, D, z, state_indices,
+                out, scale, use_qk_l2norm, block_v, num_warps, advance=True, dt_limit=None,
+                snaps=None):
+    """_conventional_kernel for a step of `kind` (the state in place; advance: n_casts += 1) or,
+    with snaps (make_snapshots), a verify of the drafts on axis 1 of the inputs."""
+    st: PackedRole = store.state
     N, HV, dv, dk = st.shape
     _pow2_dims(st.shape)
-    B, HK = _gdn_shapes(st.shape, q, v)
-    kind = "gdn" if delta else "mamba2"
-    _check_inputs(kind, st.shape, B, {
-        "q" if delta else "C": (q, (B, HK, dk)), "k" if delta else "B": (k, (B, HK, dk)),
-        "v" if delta else "x": (v, (B, HV, dv)), "a" if delta else "dt": (a, (B, HV)),
-        "b": (b, (B, HV)), "A_log" if delta else "A": (A, (HV,)), "dt_bias": (dt_bias, (HV,)),
-        "D": (D, (HV,)), "z": (z, (B, HV, dv))})
+    lead, HK = step_inputs(kind, st.shape, snaps is not None, q, k, v, a, b, A, dt_bias, D, z)
+    B, T = lead[0], lead[-1] if snaps is not None else 1
+    if snaps is not None and (getattr(snaps, "T", None) != T or snaps.fmt != st.fmt):
+        raise ValueError(f"snapshots were made for T={getattr(snaps, 'T', None)} drafts in "
+                         f"{snaps.fmt}; call make_snapshots(store, T={T})")
     dt_lo, dt_hi, dt_clamp = dt_limit_args(dt_limit)
     idx = _indices(state_indices, B, q.device)
     if out is None:
-        out = torch.empty(B, HV, dv, dtype=torch.float32, device=q.device)
+        out = torch.empty(*lead, HV, dv, dtype=torch.float32, device=q.device)
     BV, nw = launch_config(st.fmt, B * HV, dv, dk, block_v, num_warps)
-    pay, sc, gs, fid = st.kernel_args()
-    q, k, v, a, b, A, dt_bias, D, z = map(_prep, (q, k, v, a, b, A, dt_bias, D, z))
-    dummy = a
-    grid = (B * HV, dv // BV)
-    _conventional_kernel[grid](
-        pay, sc, gs, kernel_store.n_casts, idx, out,
-        q, k, v, a, b if b is not None else dummy, A,
-        dt_bias if dt_bias is not None else dummy, D if D is not None else dummy,
-        z if z is not None else dummy,
-        float(scale if scale is not None else 1.0 / math.sqrt(dk)), *split_key(kernel_store.key),
-        dt_lo, dt_hi,
-        HK=HK, HV=HV, DK=dk, DV=dv, BV=BV, FMT=fid, SR=st.rounding == "stochastic",
-        DELTA=delta, L2NORM=use_qk_l2norm, HAS_DTB=dt_bias is not None, HAS_D=D is not None,
-        HAS_Z=z is not None, DT_CLAMP=dt_clamp, num_warps=nw)
-    if advance:
-        _advance_casts_kernel[(1,)](kernel_store.n_casts, idx, B)
+    args = st.kernel_args()
+    flags = dict(HAS_DTB=dt_bias is not None, HAS_D=D is not None, HAS_Z=z is not None)
+    q, k, v, a, b, A, dt_bias, D, z = (t.contiguous() if t is not None else a
+                                       for t in (q, k, v, a, b, A, dt_bias, D, z))
+    _conventional_kernel[(B * HV, dv // BV)](
+        *args[:3], *(args if snaps is None else snaps.kernel_args())[:3], store.n_casts, idx,
+        out, q, k, v, a, b, A, dt_bias, D, z,
+        float(scale if scale is not None else 1.0 / math.sqrt(dk)), *split_key(store.key),
+        dt_lo, dt_hi, HK=HK, HV=HV, DK=dk, DV=dv, BV=BV, T=T, SNAP=snaps is not None,
+        FMT=args[3], SR=st.rounding == "stochastic", DELTA=kind != "mamba2", VEC=kind == "kda",
+        L2NORM=use_qk_l2norm, DT_CLAMP=dt_clamp, num_warps=nw, **flags)
+    if advance and snaps is None:
+        _advance_casts_kernel[(1,)](store.n_casts, idx, B)
     return out
 
 
@@ -452,10 +469,8 @@ def conventional_gdn_step(store: ConventionalStore, q, k, v, a, b, A_log, dt_bia
     q, k [B, HK, dk] (raw; L2-normalised in kernel), v [B, HV, dv], a, b [B, HV] (raw gates),
     A_log, dt_bias [HV]; g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b) in FP32.
     Returns y float32 [B, HV, dv] (zero on padding rows)."""
-    if b is None:
-        raise ValueError("GDN needs b (beta logits) [batch, value heads]")
-    return _run_step(store, q, k, v, a, b, A_log, dt_bias, None, None, state_indices, out, scale,
-                     True, use_qk_l2norm, block_v, num_warps, advance)
+    return conv_launch(store, "gdn", q, k, v, a, b, A_log, dt_bias, None, None, state_indices,
+                       out, scale, use_qk_l2norm, block_v, num_warps, advance)
 
 
 def _conventional_ref(store, q, k, v, log_a, beta, state_indices, delta):
@@ -501,18 +516,6 @@ def conventional_gdn_step_ref(store: ConventionalStore, q, k, v, a, b, A_log, dt
     return _into(out, y)
 
 
-def _kda_launch_inputs(store, q, k, v, g, beta, state_indices):
-    """Checks of a KDA step's inputs against the store -> (B, HK, slot indices)."""
-    st: PackedRole = store.state
-    N, HV, dv, dk = st.shape
-    _pow2_dims(st.shape)
-    B, HK = _gdn_shapes(st.shape, q, v)
-    _check_inputs("kda", st.shape, B, {
-        "q": (q, (B, HK, dk)), "k": (k, (B, HK, dk)), "v": (v, (B, HV, dv)),
-        "g": (g, (B, HV, dk)), "beta": (beta, (B, HV))})
-    return B, HK, _indices(state_indices, B, q.device)
-
-
 def conventional_kda_step(store: ConventionalStore, q, k, v, g, beta, state_indices=None,
                           scale=None, out=None, use_qk_l2norm=True, block_v=None,
                           num_warps=None, advance=True):
@@ -523,35 +526,15 @@ def conventional_kda_step(store: ConventionalStore, q, k, v, g, beta, state_indi
     as the layer hands them to fused_recurrent_kda. S <- S Diag(exp(g)), u = beta (v - S k),
     S <- Q(S + u k^T), y = S q (q scaled by `scale`, default d_k^-1/2).
     Returns y float32 [B, HV, dv] (zero on padding rows)."""
-    if g is None or beta is None:
-        raise ValueError("KDA needs g (log decay per key channel) [batch, value heads, d_k] and "
-                         "beta [batch, value heads]")
-    st: PackedRole = store.state
-    N, HV, dv, dk = st.shape
-    B, HK, idx = _kda_launch_inputs(store, q, k, v, g, beta, state_indices)
-    if out is None:
-        out = torch.empty(B, HV, dv, dtype=torch.float32, device=q.device)
-    BV, nw = launch_config(st.fmt, B * HV, dv, dk, block_v, num_warps)
-    pay, sc, gs, fid = st.kernel_args()
-    q, k, v, g, beta = map(_prep, (q, k, v, g, beta))
-    _conventional_kda_kernel[(B * HV, dv // BV)](
-        pay, sc, gs, store.n_casts, idx, out, q, k, v, g, beta,
-        float(scale if scale is not None else 1.0 / math.sqrt(dk)), *split_key(store.key),
-        HK=HK, HV=HV, DK=dk, DV=dv, BV=BV, FMT=fid, SR=st.rounding == "stochastic",
-        L2NORM=use_qk_l2norm, num_warps=nw)
-    if advance:
-        _advance_casts_kernel[(1,)](store.n_casts, idx, B)
-    return out
+    return conv_launch(store, "kda", q, k, v, g, beta, None, None, None, None, state_indices,
+                       out, scale, use_qk_l2norm, block_v, num_warps, advance)
 
 
 def conventional_kda_step_ref(store: ConventionalStore, q, k, v, g, beta, state_indices=None,
                               scale=None, out=None, use_qk_l2norm=True, block_v=None,
                               num_warps=None, advance=True):
     """torch reference of conventional_kda_step (same signature, same in-place effect)."""
-    if g is None or beta is None:
-        raise ValueError("KDA needs g (log decay per key channel) [batch, value heads, d_k] and "
-                         "beta [batch, value heads]")
-    _kda_launch_inputs(store, q, k, v, g, beta, state_indices)
+    step_inputs("kda", store.state.shape, False, q, k, v, g, beta, None, None, None, None)
     qf, kf, vf, la, bf = kda_frontend_ref(q, k, v, g, beta, scale, use_qk_l2norm)
     y, idx, live = _conventional_ref(store, qf, kf, vf, la, bf, state_indices, True)
     if advance and live.numel():
@@ -567,8 +550,8 @@ def conventional_mamba2_step(store: ConventionalStore, x, dt, A, B, C, state_ind
     clamped to dt_limit = (lo, hi) unless it is (0, inf), as transformers' time_step_limit),
     A [H] (negative), B, C [B, G, N] (groups), D [H], z [B, H, P] optional (y * silu(z)).
     Returns y float32 [B, H, P]."""
-    return _run_step(store, C, B, x, dt, None, A, dt_bias, D, z, state_indices, out, None,
-                     False, False, block_v, num_warps, advance, dt_limit)
+    return conv_launch(store, "mamba2", C, B, x, dt, None, A, dt_bias, D, z, state_indices, out,
+                       None, False, block_v, num_warps, advance, dt_limit)
 
 
 def conventional_mamba2_step_ref(store: ConventionalStore, x, dt, A, B, C, state_indices=None,

@@ -67,7 +67,7 @@ import torch
 import triton
 import triton.language as tl
 
-from replayquant.kernels.conventional import (_check_inputs, _front_end, _gate_out, _indices,
+from replayquant.kernels.conventional import (step_inputs, _front_end, _gate_out, _indices,
                                               _kda_front_end, _prep, _program_tile,
                                               _vector_gate_step, _rank1_step, NO_DT_LIMIT,
                                               dt_limit_args, _pow2_dims)
@@ -1197,37 +1197,38 @@ def _check_buffered_bf16(delta: bool, k, v):
                              f"got {t.dtype}")
 
 
-def _force(path, store, B):
-    force = resolve_path(store, B, path) == "flush"
-    store.last_force = force
-    return force
+def _begin(store: ReplayStore, kind: str, step: bool, path) -> bool:
+    """The checks of a step or verify (kernel and reference) before it touches the store; returns
+    whether the step flushes every row (force, resolve_path)."""
+    if store.kind != kind:
+        raise ValueError(f"this {'step' if step else 'verify'} needs a store built with "
+                         f"kind={kind!r}, got {store.kind!r}")
+    if store.pending_T:
+        raise ValueError(f"{'step' if step else 'verify'}: {store.pending_T} drafts are pending; "
+                         f"call replay_accept first")
+    return step and resolve_path(store, 0, path) == "flush"
 
 
-def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, out, scale,
-            use_qk_l2norm, T, step, force, launch=None, dt_limit=None, advance=True,
+def _launch(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, state_indices, out,
+            scale, use_qk_l2norm, step, path="replay", launch=None, dt_limit=None, advance=True,
             beta_scale=1.0):
-    """Launch _replay_kernel's flush launch, then its read launch, for a step (T = 1, step) or a
-    verify of T drafts; returns (out, idx). With advance the read launch moves the pointers (the
-    last program of each row). KDA: a is the log decay g per key channel, b beta, A None."""
-    delta = store.kind != "mamba2"
-    vec = store.kind == "kda"
+    """A step (step True; path as resolve_path) or a verify of the drafts on axis 1 of the
+    inputs (then replay_accept) of a `kind` store: _replay_kernel's flush launch, its cast
+    launch (_synced), then its read launch, or one launch (_fused); returns out. With advance
+    the read launch moves the pointers (the last program of each row). KDA: a is the log decay
+    g per key channel, b beta, A None."""
+    delta = kind != "mamba2"
     N, HV, dv, dk = store.shape
     HK = store.key_heads
-    lead = (q.shape[0],) if T == 1 and step else (q.shape[0], T)
-    if q.dim() != len(lead) + 2:
-        raise ValueError(f"{'q' if delta else 'C'} must have shape {list(lead) + [HK, dk]}")
-    B = q.shape[0]
-    _check_inputs(store.kind, store.shape, B, {
-        "q": (q, lead + (HK, dk)), "k": (k, lead + (HK, dk)), "v": (v, lead + (HV, dv)),
-        "g": (a, lead + (HV, dk)), "beta": (b, lead + (HV,))} if vec else {
-        "q" if delta else "C": (q, lead + (HK, dk)), "k" if delta else "B": (k, lead + (HK, dk)),
-        "v" if delta else "x": (v, lead + (HV, dv)), "a" if delta else "dt": (a, lead + (HV,)),
-        "b": (b, lead + (HV,)), "A_log" if delta else "A": (A, (HV,)), "dt_bias": (dt_bias, (HV,)),
-        "D": (D, (HV,)), "z": (z, lead + (HV, dv))})
-    _check_buffered_bf16(delta, k, v)
+    force = _begin(store, kind, step, path)
+    lead, hk = step_inputs(kind, store.shape, not step, q, k, v, a, b, A, dt_bias, D, z)
+    if hk != HK:
+        raise ValueError(f"the inputs have {hk} key heads, the store {HK} (key_heads)")
+    B, T = lead[0], 1 if step else lead[1]
     if not step and T > store.max_drafts:
         raise ValueError(f"T={T} drafts, but the store was built with max_drafts="
                          f"{store.max_drafts} (ReplayStore.from_state(..., max_drafts=T))")
+    _check_buffered_bf16(delta, k, v)
     beta_scale = float(beta_scale)
     if not (math.isfinite(beta_scale) and beta_scale > 0):
         raise ValueError(f"beta_scale must be a finite number > 0, got {beta_scale}")
@@ -1278,56 +1279,42 @@ def _launch(store: ReplayStore, q, k, v, a, b, A, dt_bias, D, z, state_indices, 
             L2NORM=use_qk_l2norm, HAS_DTB=dt_bias is not None, HAS_D=D is not None,
             HAS_Z=z is not None,
             U_BF16=store.ubuf is not None and store.ubuf.dtype == torch.bfloat16,
-            DT_CLAMP=dt_clamp, PREC="tf32x3", ON_GPU=q.is_cuda, VEC=vec, FLUSHES=flushes,
+            DT_CLAMP=dt_clamp, PREC="tf32x3", ON_GPU=q.is_cuda, VEC=kind == "kda", FLUSHES=flushes,
             SYNC=sync, TPP=tpp, FOLD_U=folds_u(store), KF=kf,
             PCK=pck, num_warps=nw, **({} if regs is None else {"maxnreg": regs}))
         if sync and flushes:
             _read_copy_kernel[_cast_grid(B * HV * (dv // min(dv, CAST_ROWS)), q.device)](
                 Ap, Rp, Rs, Rg, store.casts, *split_key(store.key), HV=HV, DV=dv, DK=dk,
                 BV=min(dv, CAST_ROWS), RSR=store.read.rounding == "stochastic", num_warps=4)
-    return out, idx
-
-
-def _no_pending(store):
-    if store.pending_T:
-        raise ValueError(f"step: {store.pending_T} drafts are pending; call replay_accept first")
+    if step:
+        store.last_force = force
+    else:
+        store.pending_T = T
+    return out
 
 
 def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, state_indices=None,
                     scale=None, out=None, use_qk_l2norm=True, path="auto", launch=None,
                     advance=True, beta_scale=1.0):
-    """One GDN replay decode step for a batch (Triton, the flush and the read launch): q, k
-    [B, HK, d_k], v [B, H, d_v] (k, v bf16), a, b [B, H], A_log, dt_bias [H]; beta = beta_scale
-    sigmoid(b). path (resolve_path): 'auto' / 'replay' or 'flush'. Returns y float32
-    [B, H, d_v]; with advance=False the caller moves the pointers (advance_pointers). launch
-    {'read' / 'flush': (rows, warps[, regs])} overrides the launch table
-    (replay_launch_config); 'fused': True / False one launch a step or two (default: _fused's
-    choice by batch)."""
-    if store.kind != "gdn":
-        raise ValueError("replay_gdn_step needs a store built with kind='gdn'")
-    if b is None:
-        raise ValueError("GDN needs b (beta logits) [batch, value heads]")
-    _no_pending(store)
-    force = _force(path, store, q.shape[0])
-    out, _ = _launch(store, q, k, v, a, b, A_log, dt_bias, None, None, state_indices, out, scale,
-                     use_qk_l2norm, 1, True, force, launch, advance=advance,
-                     beta_scale=beta_scale)
-    return out
+    """One GDN replay decode step for a batch (Triton, _launch): q, k [B, HK, d_k], v [B, H, d_v]
+    (k, v bf16), a, b [B, H], A_log, dt_bias [H]; beta = beta_scale sigmoid(b). path
+    (resolve_path): 'auto' / 'replay' or 'flush'. Returns y float32 [B, H, d_v]; with
+    advance=False the caller moves the pointers (advance_pointers). launch {'read' / 'flush':
+    (rows, warps[, regs])} overrides the launch table (replay_launch_config); 'fused': True /
+    False one launch a step or two (default: _fused's choice by batch)."""
+    return _launch(store, "gdn", q, k, v, a, b, A_log, dt_bias, None, None, state_indices, out,
+                   scale, use_qk_l2norm, True, path, launch, advance=advance,
+                   beta_scale=beta_scale)
 
 
 def replay_mamba2_step(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None, z=None,
                        dt_bias=None, out=None, path="auto", launch=None, advance=True,
                        dt_limit=NO_DT_LIMIT):
     """One Mamba-2 replay decode step (Triton, as replay_gdn_step), inputs as
-    conventional_mamba2_step (x, B bf16; dt_limit = (lo, hi) clamps softplus(dt + dt_bias), (0, inf): no clamp); path,
-    advance, launch as replay_gdn_step."""
-    if store.kind != "mamba2":
-        raise ValueError("replay_mamba2_step needs a store built with kind='mamba2'")
-    _no_pending(store)
-    force = _force(path, store, x.shape[0])
-    out, _ = _launch(store, C, B, x, dt, None, A, dt_bias, D, z, state_indices, out, None, False,
-                     1, True, force, launch, dt_limit=dt_limit, advance=advance)
-    return out
+    conventional_mamba2_step (x, B bf16; dt_limit = (lo, hi) clamps softplus(dt + dt_bias),
+    (0, inf): no clamp); path, advance, launch as replay_gdn_step."""
+    return _launch(store, "mamba2", C, B, x, dt, None, A, dt_bias, D, z, state_indices, out,
+                   None, False, True, path, launch, dt_limit=dt_limit, advance=advance)
 
 
 def replay_kda_step(store: ReplayStore, q, k, v, g, beta, state_indices=None, scale=None,
@@ -1336,14 +1323,5 @@ def replay_kda_step(store: ReplayStore, q, k, v, g, beta, state_indices=None, sc
     conventional_kda_step: q, k [B, HK, d_k] (k bf16), v [B, H, d_v] (bf16), g [B, H, d_k] the
     log decay per key channel, beta [B, H] (after its sigmoid); path, advance, launch
     as replay_gdn_step. Returns y float32 [B, H, d_v]."""
-    if store.kind != "kda":
-        raise ValueError(f"replay_kda_step needs a store built with kind='kda', got "
-                         f"{store.kind!r}")
-    if g is None or beta is None:
-        raise ValueError("KDA needs g (log decay per key channel) [batch, value heads, d_k] and "
-                         "beta [batch, value heads]")
-    _no_pending(store)
-    force = _force(path, store, q.shape[0])
-    out, _ = _launch(store, q, k, v, g, beta, None, None, None, None, state_indices, out, scale,
-                     use_qk_l2norm, 1, True, force, launch, advance=advance)
-    return out
+    return _launch(store, "kda", q, k, v, g, beta, None, None, None, None, state_indices, out,
+                   scale, use_qk_l2norm, True, path, launch, advance=advance)

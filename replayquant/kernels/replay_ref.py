@@ -15,9 +15,9 @@ import torch
 from replayquant.kernels.conventional import (_indices, _into, gdn_frontend_ref, kda_frontend_ref,
                                               mamba2_frontend_ref, mamba2_post_ref, NO_DT_LIMIT)
 from replayquant.kernels.roles import role_streams
-from replayquant.kernels.replay_decode import (ReplayStore, _default_force, _force, _no_pending,
-                                               folds_u, solves_u)
-from replayquant.kernels.verify import _check_accept, _draft_count, _pending
+from replayquant.kernels.replay_decode import (ReplayStore, _begin, _default_force, folds_u,
+                                               solves_u)
+from replayquant.kernels.verify import _check_accept
 from replayquant.streams import ANCHOR, READ
 
 __all__ = ["replay_gdn_step_ref", "replay_mamba2_step_ref", "replay_gdn_verify_ref",
@@ -260,8 +260,8 @@ def replay_gdn_step_ref(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None,
                         state_indices=None, scale=None, out=None, use_qk_l2norm=True,
                         path="auto", launch=None, advance=True, beta_scale=1.0):
     """torch reference of replay_gdn_step (same signature, same effect on the store)."""
-    _no_pending(store)
-    force = _force(path, store, q.shape[0])
+    force = _begin(store, "gdn", True, path)
+    store.last_force = force
     one = lambda t: t.unsqueeze(1)  # noqa: E731
     fe = _gdn_fe(one(q), one(k), one(v), one(a), one(b), A_log, dt_bias, scale, use_qk_l2norm,
                  beta_scale)
@@ -275,8 +275,8 @@ def replay_mamba2_step_ref(store: ReplayStore, x, dt, A, B, C, state_indices=Non
                            dt_bias=None, out=None, path="auto", launch=None,
                            advance=True, dt_limit=NO_DT_LIMIT):
     """torch reference of replay_mamba2_step."""
-    _no_pending(store)
-    force = _force(path, store, x.shape[0])
+    force = _begin(store, "mamba2", True, path)
+    store.last_force = force
     one = lambda t: None if t is None else t.unsqueeze(1)  # noqa: E731
     fe = _mamba2_fe(one(x), one(dt), A, one(B), one(C), dt_bias, dt_limit)
     y = replay_ref_core(store, fe, (one(B), one(x)), state_indices, 1, True, force,
@@ -290,8 +290,8 @@ def replay_gdn_verify_ref(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None
                           state_indices=None, scale=None, out=None, use_qk_l2norm=True,
                           launch=None, beta_scale=1.0):
     """torch reference of replay_gdn_verify."""
-    T = _draft_count(q, "q")
-    _pending(store, T, "verify")
+    T = q.shape[1]
+    _begin(store, "gdn", False, None)
     fe = _gdn_fe(q, k, v, a, b, A_log, dt_bias, scale, use_qk_l2norm, beta_scale)
     y = replay_ref_core(store, fe, (k, v), state_indices, T, False, False)
     advance_pointers_ref(store, _indices(state_indices, q.shape[0], q.device), T, step=False)
@@ -303,8 +303,8 @@ def replay_mamba2_verify_ref(store: ReplayStore, x, dt, A, B, C, state_indices=N
                              z=None, dt_bias=None, out=None, launch=None,
                              dt_limit=NO_DT_LIMIT):
     """torch reference of replay_mamba2_verify."""
-    T = _draft_count(x, "x")
-    _pending(store, T, "verify")
+    T = x.shape[1]
+    _begin(store, "mamba2", False, None)
     fe = _mamba2_fe(x, dt, A, B, C, dt_bias, dt_limit)
     y = replay_ref_core(store, fe, (B, x), state_indices, T, False, False, _mamba2_post(x, D, z))
     advance_pointers_ref(store, _indices(state_indices, x.shape[0], x.device), T, step=False)
@@ -323,8 +323,8 @@ def replay_kda_step_ref(store: ReplayStore, q, k, v, g, beta, state_indices=None
                         out=None, use_qk_l2norm=True, path="auto", launch=None,
                         advance=True):
     """torch reference of replay_kda_step."""
-    _no_pending(store)
-    force = _force(path, store, q.shape[0])
+    force = _begin(store, "kda", True, path)
+    store.last_force = force
     one = lambda t: t.unsqueeze(1)  # noqa: E731
     fe = _kda_fe(one(q), one(k), one(v), one(g), one(beta), scale, use_qk_l2norm)
     y = replay_ref_core(store, fe, (one(k), one(v)), state_indices, 1, True, force)[:, 0]
@@ -336,8 +336,8 @@ def replay_kda_step_ref(store: ReplayStore, q, k, v, g, beta, state_indices=None
 def replay_kda_verify_ref(store: ReplayStore, q, k, v, g, beta, state_indices=None, scale=None,
                           out=None, use_qk_l2norm=True, launch=None):
     """torch reference of replay_kda_verify."""
-    T = _draft_count(q, "q")
-    _pending(store, T, "verify")
+    T = q.shape[1]
+    _begin(store, "kda", False, None)
     fe = _kda_fe(q, k, v, g, beta, scale, use_qk_l2norm)
     y = replay_ref_core(store, fe, (k, v), state_indices, T, False, False)
     advance_pointers_ref(store, _indices(state_indices, q.shape[0], q.device), T, step=False)

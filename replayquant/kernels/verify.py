@@ -25,30 +25,20 @@ Conventional baseline (`ConventionalState.verify` / `accept`):
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
-from replayquant.kernels.conventional import (_into, _program_tile, ConventionalStore,
-                                              _check_inputs, _front_end, _gate_out, _indices, _prep,
-                                              _rank1_step, NO_DT_LIMIT, dt_limit_args,
-                                              gdn_frontend_ref, launch_config, mamba2_frontend_ref,
+from replayquant.kernels.conventional import (_into, ConventionalStore, _indices, NO_DT_LIMIT,
+                                              conv_launch, gdn_frontend_ref, mamba2_frontend_ref,
                                               mamba2_post_ref)
-from replayquant.kernels.roles import PackedRole, _tile_load, _tile_store, role_streams, split_key
+from replayquant.kernels.roles import PackedRole, role_streams
 from replayquant.kernels.replay_decode import ReplayStore, _launch, advance_pointers
 from replayquant.streams import ANCHOR
 
 __all__ = ["replay_gdn_verify", "replay_mamba2_verify", "replay_kda_verify", "replay_accept", "make_snapshots",
            "conventional_gdn_verify", "conventional_gdn_verify_ref", "conventional_mamba2_verify",
            "conventional_mamba2_verify_ref", "conventional_accept", "conventional_accept_ref"]
-
-
-def _draft_count(x, name):
-    if not isinstance(x, torch.Tensor) or x.dim() != 4:
-        raise ValueError(f"{name} must be a tensor [batch, T drafts, heads, dim]")
-    return x.shape[1]
 
 
 def _check_accept(n, B, T, device, check=True):
@@ -66,25 +56,14 @@ def _check_accept(n, B, T, device, check=True):
 
 # ============================================================================ replay verify
 
-def _pending(store, T, what):
-    if getattr(store, "pending_T", None):
-        raise ValueError(f"{what}: {store.pending_T} drafts are pending; call accept first")
-
-
 def replay_gdn_verify(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, state_indices=None,
                       scale=None, out=None, use_qk_l2norm=True, launch=None, beta_scale=1.0):
     """Outputs of T GDN drafts per row [B, T, H, d_v] (Triton: the flush launch for rows that
     pre-flush, the read launch with the pointer move). q, k [B, T, HK, d_k], v [B, T, H, d_v]
     (k, v bf16), a, b [B, T, H]; beta_scale and launch as replay_gdn_step. Then call
     replay_accept."""
-    if store.kind != "gdn":
-        raise ValueError("replay_gdn_verify needs a store built with kind='gdn'")
-    T = _draft_count(q, "q")
-    _pending(store, T, "verify")
-    out, _ = _launch(store, q, k, v, a, b, A_log, dt_bias, None, None, state_indices, out, scale,
-                     use_qk_l2norm, T, False, False, launch, beta_scale=beta_scale)
-    store.pending_T = T
-    return out
+    return _launch(store, "gdn", q, k, v, a, b, A_log, dt_bias, None, None, state_indices, out,
+                   scale, use_qk_l2norm, False, launch=launch, beta_scale=beta_scale)
 
 
 def replay_mamba2_verify(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None, z=None,
@@ -92,31 +71,17 @@ def replay_mamba2_verify(store: ReplayStore, x, dt, A, B, C, state_indices=None,
     """Outputs of T Mamba-2 drafts [B, T, H, P] (Triton, as replay_gdn_verify). x [B, T, H, P],
     dt [B, T, H], B, C [B, T, G, N], z [B, T, H, P] (x, B bf16); dt_limit as
     replay_mamba2_step. Then call replay_accept."""
-    if store.kind != "mamba2":
-        raise ValueError("replay_mamba2_verify needs a store built with kind='mamba2'")
-    T = _draft_count(x, "x")
-    _pending(store, T, "verify")
-    out, _ = _launch(store, C, B, x, dt, None, A, dt_bias, D, z, state_indices, out, None, False,
-                     T, False, False, launch, dt_limit=dt_limit)
-    store.pending_T = T
-    return out
+    return _launch(store, "mamba2", C, B, x, dt, None, A, dt_bias, D, z, state_indices, out,
+                   None, False, False, launch=launch, dt_limit=dt_limit)
 
 
 def replay_kda_verify(store: ReplayStore, q, k, v, g, beta, state_indices=None, scale=None,
                       out=None, use_qk_l2norm=True, launch=None):
     """Outputs of T Kimi Delta Attention drafts per row [B, T, H, d_v] (Triton, as
-    replay_gdn_verify).
-    q, k [B, T, HK, d_k], v [B, T, H, d_v] (k, v bf16), g [B, T, H, d_k] the log decay per key
-    channel, beta [B, T, H]. Then call replay_accept."""
-    if store.kind != "kda":
-        raise ValueError(f"replay_kda_verify needs a store built with kind='kda', got "
-                         f"{store.kind!r}")
-    T = _draft_count(q, "q")
-    _pending(store, T, "verify")
-    out, _ = _launch(store, q, k, v, g, beta, None, None, None, None, state_indices, out, scale,
-                     use_qk_l2norm, T, False, False, launch)
-    store.pending_T = T
-    return out
+    replay_gdn_verify). q, k [B, T, HK, d_k], v [B, T, H, d_v] (k, v bf16), g [B, T, H, d_k]
+    the log decay per key channel, beta [B, T, H]. Then call replay_accept."""
+    return _launch(store, "kda", q, k, v, g, beta, None, None, None, None, state_indices, out,
+                   scale, use_qk_l2norm, False, launch=launch)
 
 
 def replay_accept(store: ReplayStore, n, state_indices=None, check=True):
@@ -144,85 +109,13 @@ def make_snapshots(store: ConventionalStore, T: int) -> PackedRole:
     return snaps
 
 
-# key_lo / key_hi: not specialized (Triton makes an integer argument equal to 1 a constexpr)
-@triton.jit(do_not_specialize=["key_lo", "key_hi"])
-def _conv_verify_kernel(
-        S_pay, S_sc, S_gs, P_pay, P_sc, P_gs, ncast_ptr, idx_ptr, out_ptr,
-        q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr,
-        scale, key_lo, key_hi, dt_lo, dt_hi,
-        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-        BV: tl.constexpr, T: tl.constexpr, FMT: tl.constexpr, SR: tl.constexpr,
-        DELTA: tl.constexpr, L2NORM: tl.constexpr, HAS_DTB: tl.constexpr, HAS_D: tl.constexpr,
-        HAS_Z: tl.constexpr, DT_CLAMP: tl.constexpr):
-    row, hv, hk, rows, cols, slot = _program_tile(idx_ptr, HK, HV, DK, BV)
-    if slot >= 0:
-        S = _tile_load(S_pay, S_sc, S_gs, slot * HV + hv, rows, cols, DV, DK, BV, FMT)
-        nc = tl.load(ncast_ptr + slot)
-        for t in tl.static_range(T):
-            tok = row * T + t
-            q, k, v, log_a, beta, skip = _front_end(
-                q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, tok, hv, hk, rows, cols,
-                scale, dt_lo, dt_hi, HK, HV, DK, DV, DELTA, L2NORM, HAS_DTB, HAS_D, DT_CLAMP)
-            S, y = _rank1_step(S, q, k, v, log_a, beta, DELTA)
-            snap = (slot * T + t) * HV + hv
-            _tile_store(S, P_pay, P_sc, P_gs, snap, rows, cols, key_lo, key_hi, nc + t + 1, slot,
-                        hv, DV, DK, BV, FMT, SR, 0)
-            y = _gate_out(y + skip, z_ptr, tok, hv, rows, HV, DV, HAS_Z)
-            tl.store(out_ptr + (tok * HV + hv) * DV + rows, y)
-            if t + 1 < T:
-                if FMT != 0:
-                    tl.debug_barrier()      # the next draft reads the cast snapshot
-                    S = _tile_load(P_pay, P_sc, P_gs, snap, rows, cols, DV, DK, BV, FMT)
-    else:
-        for t in tl.static_range(T):
-            tl.store(out_ptr + ((row * T + t) * HV + hv) * DV + rows, tl.zeros([BV], tl.float32))
-
-
-def _conv_verify(store: ConventionalStore, snaps: PackedRole, q, k, v, a, b, A, dt_bias, D, z,
-                 state_indices, out, scale, delta, use_qk_l2norm, block_v, num_warps,
-                 dt_limit=None):
-    st = store.state
-    N, HV, dv, dk = st.shape
-    if q.dim() != 4:
-        raise ValueError("verify inputs need a draft axis: [batch, T, heads, dim]")
-    B, T, HK = q.shape[:3]
-    if getattr(snaps, "T", None) != T or snaps.fmt != st.fmt:
-        raise ValueError(f"snapshots were made for T={getattr(snaps, 'T', None)} drafts in "
-                         f"{snaps.fmt}; call make_snapshots(store, T={T})")
-    kind = "gdn" if delta else "mamba2"
-    _check_inputs(kind, st.shape, B, {
-        "q" if delta else "C": (q, (B, T, HK, dk)), "k" if delta else "B": (k, (B, T, HK, dk)),
-        "v" if delta else "x": (v, (B, T, HV, dv)), "a" if delta else "dt": (a, (B, T, HV)),
-        "b": (b, (B, T, HV)), "A_log" if delta else "A": (A, (HV,)), "dt_bias": (dt_bias, (HV,)),
-        "D": (D, (HV,)), "z": (z, (B, T, HV, dv))})
-    dt_lo, dt_hi, dt_clamp = dt_limit_args(dt_limit)
-    idx = _indices(state_indices, B, q.device)
-    if out is None:
-        out = torch.empty(B, T, HV, dv, dtype=torch.float32, device=q.device)
-    BV, nw = launch_config(st.fmt, B * HV, dv, dk, block_v, num_warps)
-    Sp, Ss, Sg, fid = st.kernel_args()
-    Pp, Ps, Pg, _ = snaps.kernel_args()
-    q, k, v, a, b, A, dt_bias, D, z = map(_prep, (q, k, v, a, b, A, dt_bias, D, z))
-    dummy = a
-    _conv_verify_kernel[(B * HV, dv // BV)](
-        Sp, Ss, Sg, Pp, Ps, Pg, store.n_casts, idx, out,
-        q, k, v, a, b if b is not None else dummy, A, dt_bias if dt_bias is not None else dummy,
-        D if D is not None else dummy, z if z is not None else dummy,
-        float(scale if scale is not None else 1.0 / math.sqrt(dk)), *split_key(store.key),
-        dt_lo, dt_hi,
-        HK=HK, HV=HV, DK=dk, DV=dv, BV=BV, T=T, FMT=fid, SR=st.rounding == "stochastic",
-        DELTA=delta, L2NORM=use_qk_l2norm, HAS_DTB=dt_bias is not None, HAS_D=D is not None,
-        HAS_Z=z is not None, DT_CLAMP=dt_clamp, num_warps=nw)
-    return out
-
-
 def conventional_gdn_verify(store: ConventionalStore, snaps: PackedRole, q, k, v, a, b, A_log,
                             dt_bias=None, state_indices=None, scale=None, out=None,
                             use_qk_l2norm=True, block_v=None, num_warps=None):
     """T GDN drafts as read-modify-write steps, each cast into its own snapshot (Triton).
     Returns y [B, T, H, d_v]; the state itself is untouched until conventional_accept."""
-    return _conv_verify(store, snaps, q, k, v, a, b, A_log, dt_bias, None, None, state_indices,
-                        out, scale, True, use_qk_l2norm, block_v, num_warps)
+    return conv_launch(store, "gdn", q, k, v, a, b, A_log, dt_bias, None, None, state_indices,
+                       out, scale, use_qk_l2norm, block_v, num_warps, snaps=snaps)
 
 
 def conventional_mamba2_verify(store: ConventionalStore, snaps: PackedRole, x, dt, A, B, C,
@@ -230,8 +123,8 @@ def conventional_mamba2_verify(store: ConventionalStore, snaps: PackedRole, x, d
                                block_v=None, num_warps=None, dt_limit=NO_DT_LIMIT):
     """T Mamba-2 drafts with per-draft snapshots (Triton). Returns y [B, T, H, P].
     dt_limit as conventional_mamba2_step."""
-    return _conv_verify(store, snaps, C, B, x, dt, None, A, dt_bias, D, z, state_indices, out,
-                        None, False, False, block_v, num_warps, dt_limit)
+    return conv_launch(store, "mamba2", C, B, x, dt, None, A, dt_bias, D, z, state_indices, out,
+                       None, False, block_v, num_warps, dt_limit=dt_limit, snaps=snaps)
 
 
 @triton.jit
