@@ -453,8 +453,11 @@ def _flushed_tile(S, PS: tl.constexpr, NP: tl.constexpr, amax, A_pay, A_sc, A_gs
 
 
 @triton.jit
-def _row_ptrs(pay, sc, mat, rows, DV: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr):
-    """Row pointers of the read copy's tile, which _tile_mv reads in chunks: (payload, scales).
+def _row_ptrs(pay, sc, mat, rows, DV: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr,
+              PCK: tl.constexpr):
+    """The read copy's tile as _tile_mv takes it: row pointers (payload, scales), or with PCK 0
+    (one chunk, LAUNCH_TABLE) the chunk's loads, issued here, before the row's pointers are read
+    (Mamba-2 FP8 / NVFP4 read steps 136.5 / 148.8 us against 146.2 / 159.3 loading at the pass).
     NVFP4: int32 words (column 8w+i in bits 4i..4i+3) and the E4M3 block scale bytes (one a 16
     columns); FP8: int32 words (column 4w+i in byte i) and the row scales, loaded; FP32 / FP16 /
     BF16: the values. Codes packed four or eight to a register keep a chunk in few registers."""
@@ -467,7 +470,18 @@ def _row_ptrs(pay, sc, mat, rows, DV: tl.constexpr, DK: tl.constexpr, FMT: tl.co
     else:
         p = pay + mat * (DV * DK) + rows * DK
         b = tl.zeros([1], tl.float32)
+    if PCK == 0:
+        p, b = _chunk(p, b, 0, DK // (8 if FMT == 4 else 4 if FMT == 3 else 1), FMT)
     return p, b
+
+
+@triton.jit
+def _chunk(p, b, c, NWC: tl.constexpr, FMT: tl.constexpr):
+    """The loads of chunk c (NWC words of each row) from row pointers p (NVFP4: and b)."""
+    w = c * NWC + tl.arange(0, NWC)
+    if FMT == 4:
+        b = tl.load(b[:, None] + (w // 2)[None, :])
+    return tl.load(p[:, None] + w[None, :]), b
 
 
 @triton.jit
@@ -550,35 +564,34 @@ def _words_mv(p, b, s, x, y, TWO: tl.constexpr, NW: tl.constexpr, FMT: tl.conste
 @triton.jit
 def _tile_mv(p, b, s, x, y, TWO: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr,
              PCK: tl.constexpr):
-    """(read copy) @ x and, with TWO, (read copy) @ y (x, y [DK] float32) from _row_ptrs' rows,
-    PCK columns a chunk (LAUNCH_TABLE; 0: one chunk), the next chunks' loads in flight
-    (READ_STAGES), each code decoded once, in registers, as it is used (one pass serves both
-    vectors); without TWO the second value is the first. NVFP4: sums over each word's 8
-    columns, times the word's block scale, summed over the row, times the matrix scale (and the
-    decode's 2^14 2^8); FP8: the row's sum times its scale (and 2^8)."""
+    """(read copy) @ x and, with TWO, (read copy) @ y (x, y [DK] float32) from _row_ptrs' tile,
+    PCK columns a chunk (LAUNCH_TABLE; 0: one chunk, loaded; >= DK: one chunk loaded here), the
+    next chunks' loads in flight (READ_STAGES), each code decoded once, in registers, as it is
+    used (one pass serves both vectors); without TWO the second value is the first. NVFP4: sums
+    over each word's 8 columns, times the word's block scale, summed over the row, times the
+    matrix scale (and the decode's 2^14 2^8); FP8: the row's sum times its scale (and 2^8)."""
     CPW: tl.constexpr = 8 if FMT == 4 else 4 if FMT == 3 else 1       # columns a word
-    CK: tl.constexpr = PCK if (0 < PCK) and (PCK < DK) else DK
-    NC: tl.constexpr = DK // CK
-    NWC: tl.constexpr = CK // CPW
-    ci = tl.arange(0, NC)
-    rx = tl.zeros([p.shape[0]], tl.float32)
-    ry = tl.zeros([p.shape[0]], tl.float32)
-    for c in tl.range(0, NC, num_stages=READ_STAGES):
-        w = c * NWC + tl.arange(0, NWC)
-        pc = tl.load(p[:, None] + w[None, :])
-        bc = b
-        if FMT == 4:
-            bc = tl.load(b[:, None] + (w // 2)[None, :])
-        xc = x
-        yc = y
-        if NC > 1:
-            xc = tl.sum(tl.where((ci == c)[:, None], tl.reshape(x, (NC, CK)), 0.0), axis=0)
-            yc = xc
-            if TWO:
-                yc = tl.sum(tl.where((ci == c)[:, None], tl.reshape(y, (NC, CK)), 0.0), axis=0)
-        ax, ay = _words_mv(pc, bc, s, xc, yc, TWO, NWC, FMT)
-        rx += ax
-        ry += ay
+    if PCK == 0:
+        rx, ry = _words_mv(p, b, s, x, y, TWO, DK // CPW, FMT)
+    else:
+        CK: tl.constexpr = PCK if PCK < DK else DK
+        NC: tl.constexpr = DK // CK
+        ci = tl.arange(0, NC)
+        rx = tl.zeros([p.shape[0]], tl.float32)
+        ry = tl.zeros([p.shape[0]], tl.float32)
+        for c in tl.range(0, NC, num_stages=READ_STAGES):
+            pc, bc = _chunk(p, b, c, CK // CPW, FMT)
+            xc = x
+            yc = y
+            if NC > 1:
+                xc = tl.sum(tl.where((ci == c)[:, None], tl.reshape(x, (NC, CK)), 0.0), axis=0)
+                yc = xc
+                if TWO:
+                    yc = tl.sum(tl.where((ci == c)[:, None], tl.reshape(y, (NC, CK)), 0.0),
+                                axis=0)
+            ax, ay = _words_mv(pc, bc, s, xc, yc, TWO, CK // CPW, FMT)
+            rx += ax
+            ry += ay
     return rx, ry
 
 
@@ -904,6 +917,8 @@ def _replay_kernel(
         if slot >= 0:
             mat = slot * HV + hv
             jj = tl.arange(0, LP)
+            if not FUSED:           # (with one chunk its loads before the pointers')
+                P, Pb = _row_ptrs(R_pay, R_sc, mat, rows0, DV, DK, RFMT, PCK)
             h = tl.load(h_ptr + slot)
             start = tl.load(st_ptr + slot)
             pre, fill = _flush_flags(h, T, L, STEP)
@@ -918,7 +933,7 @@ def _replay_kernel(
                                 RFMT, RSR, SHARED, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z,
                                 DT_CLAMP, PREC, ON_GPU, VEC, False, FOLD_U)
                     tl.debug_barrier()      # the tile's roles are written
-            P, Pb = _row_ptrs(R_pay, R_sc, mat, rows0, DV, DK, RFMT)
+                P, Pb = _row_ptrs(R_pay, R_sc, mat, rows0, DV, DK, RFMT, PCK)
             s = 1.0
             if RFMT == 4:
                 s = tl.load(R_gs + mat)
@@ -977,17 +992,17 @@ def _advance_kernel(h_ptr, st_ptr, nf_ptr, idx_ptr, acc_ptr, B, L: tl.constexpr,
 
 # The launch table, chosen by shape: (launch, kind, role) -> rows BV of a program's [BV, d_k]
 # tile, state elements a thread holds (warps = BV d_k / (32 per_thread), 1..8), register cap
-# (None: ptxas's), columns a chunk of the read (0: the whole row in one chunk). The first matching
-# row wins ('*': any). role: the read launch's read copy; the flush's 'nvfp4 anchor' (one FP32
-# scale per matrix: whole matrices), 'nvfp4 looped' (an NVFP4 read copy beside an FP16 / BF16
-# anchor: 32-row blocks, an amax pass first), 'fp32 shared' (an FP32 anchor that is also the
-# read copy; GDN's flush folds its cached u), else '*'. Reasons: read / flush steps, H200,
-# B = 256, us, docs/kernels.md.
+# (None: ptxas's), columns a chunk of the read (0: one chunk loaded before the row's pointers;
+# d_k: one chunk loaded at the pass). The first matching row wins ('*': any). role: the read
+# launch's read copy; the flush's 'nvfp4 anchor' (one FP32 scale per matrix: whole matrices),
+# 'nvfp4 looped' (an NVFP4 read copy beside an FP16 / BF16 anchor: 32-row blocks, an amax pass
+# first), 'fp32 shared' (an FP32 anchor that is also the read copy; GDN's flush folds its cached
+# u), else '*'. Reasons: read / flush steps, H200, B = 256, us, docs/kernels.md.
 LAUNCH_TABLE = (   # launch, kind, role, rows, per_thread, regs, chunk  # reason
     ("read", "gdn", "fp8", 64, 256, 128, 32),       # 96.5 vs 133.8 uncapped, 151.3 whole
     ("read", "gdn", "nvfp4", 64, 256, 128, 64),     # 100.1 vs 125.0 uncapped, 134.2 whole
-    ("read", "kda", "fp8", 64, 128, 168, 0),        # 202.4 vs 227.2 uncapped
-    ("read", "kda", "nvfp4", 64, 128, 128, 0),      # 164.2 vs 172.7 at 168
+    ("read", "kda", "fp8", 64, 128, 128, 128),      # 165.2 vs 184.4 loaded early at 168
+    ("read", "kda", "nvfp4", 64, 128, 128, 128),    # 159.3 vs 168.6 loaded early
     ("read", "*", "fp32", 64, 256, None, 32),       # GDN 171.6 vs 187.9 whole, 196.0 at 16
     ("read", "*", "*", 64, 128, None, 0),           # GDN 199.1 vs 205.4 on 1 warp, 218.9 on 4
     ("flush", "mamba2", "nvfp4 anchor", None, 64, 168, 0),   # cast whole; the cap as below
