@@ -1,65 +1,34 @@
-"""Replay decode step and speculative verify (ReplaySSM) in Triton: two launches of one kernel per
-step for the whole batch (and a cast launch for an NVFP4 read copy beside an FP32 anchor), the
-flush decided per row inside the kernel (DESIGN sections 3 and 4;
-the torch references with the same signatures are in `replayquant.kernels.replay_ref`).
+"""Replay decode step and speculative verify (ReplaySSM) in Triton, one kernel for GDN, Mamba-2
+and KDA (DESIGN sections 3 and 4; the torch references with the same signatures are in
+`replayquant.kernels.replay_ref`; what each design choice measured is in docs/kernels.md).
 
-Storage of one layer (`ReplayStore`; slots N, value heads H, key heads / groups HK):
+Storage of one layer (`ReplayStore`; slots N, value heads H, key heads / groups HK, ring of
+C = L + max_drafts entries, entry j of the window at (start + j) mod C):
 
     anchor      PackedRole [N, H, d_v, d_k]     high precision, written only at a flush
-    read copy   PackedRole [N, H, d_v, d_k]     low precision, physically packed (None: shared pair)
-    kbuf        bf16 [N, C, HK, d_k]            raw k (GDN / KDA: re-normalised on read) / B
-    vbuf        bf16 [N, C, H, d_v]             raw v (GDN / KDA) / x (Mamba-2; v = dt x on read)
-    ubuf        u_dtype [N, C, H, d_v]          GDN / KDA: u against the read copy (outputs; a
-                                                shared pair's FP32 u is the anchor's: folded)
-    Gbuf, bbuf  fp32 [N, C, H]                  cumulative log gate since the checkpoint (KDA:
-                                                Gbuf [N, C, H, d_k], per key channel); GDN /
-                                                KDA beta (beta_scale included) / Mamba-2 dt
-    Tbuf        fp32 [N, C, H, L]               GDN whose flush solves for u (solves_u): the
-                                                entry's row of the key factors (I + A)^{-1},
-                                                over the window's entries (None otherwise)
-    committed   int32 [N]                       committed buffer entries h (0..L)
-    start       int32 [N]                       ring position of the window's first entry
-    n_flush     int64 [N]                       flush index of the current anchor (0 = initial cast)
+    read copy   PackedRole [N, H, d_v, d_k]     low precision, packed (None: shared pair)
+    kbuf, vbuf  bf16 [N, C, HK, d_k], [N, C, H, d_v]   raw k / B and v / x
+    ubuf        u_dtype [N, C, H, d_v]          GDN / KDA: u against the read copy
+    Gbuf, bbuf  fp32 [N, C, H] (KDA Gbuf [.., d_k])    cumulative log gate; beta / dt
+    Tbuf        fp32 [N, C, H, L]               GDN solving for u: rows of (I + A)^{-1}
+    committed, start, n_flush   [N]             fill h, window start, flush index
 
-The buffer is a ring of C = L + max_drafts entries, entry j of the window at (start + j) mod C:
-committed entries flushed just before new ones are appended in the same launch stay where they
-are for the row's other programs, the new window starting after them.
-
-`_replay_kernel`: a program holds a [BV, d_k] tile of one (batch row, value head); per row
-with committed fill h:
-
-* pre-flush (h + T > L, h > 0; in a step h == L, left so by a speculative accept): fold the h
-  committed entries into the anchor and cast both roles;
-* flush step (h + 1 == L, or a forced step): rebuild the unrounded FP32 state, apply this step
-  (the conventional step's arithmetic), output S q, then anchor <- Q_anchor(S) and
-  read <- Q_read(S), cast independently from S, each with its own SR stream;
-* otherwise read: the outputs of the T entries from the packed read copy (decoded in
-  registers, never written back) and the buffer, output-only, and their appends.
-
-The flush launch (FLUSHES) runs the first two for the rows that have them, a program taking up
-to 8 tiles (of as many batch rows; _flush_tile_at) whose rows' pointers it reads at once
-(_flush_grid); an NVFP4 read copy beside an FP32 anchor is then cast by a launch of its own
-(_read_copy_kernel, from the copies the flush queued); the read launch then reads and moves
-every row's pointers, each compiled with its own path only. At small batch (_fused) a step is
-one launch: the read launch on the flush's tiles, a program flushing its own tile first.
-
-The rebuild uses tensor-core products (the WY form of the chunked delta rule): W = K S0^T,
-A[j, i] = beta_j e^{G_j - G_i} (k_i . k_j) for i < j, U = (I + A)^{-1} (beta (V - e^G W)),
-S = e^{G_n} S0 + (U e^{G_n - G})^T K; Mamba-2 U = dt x. (I + A)^{-1} depends on neither the
-state nor the tile: the read steps append its rows to the ring (Tbuf, solves_u), so the flush
-loads it instead of solving per tile. A shared pair with FP32 u (the
-default of a shared FP32 pair) folds the cached u as it is (folds_u): one product, as the
-authors' kernel does. KDA (VEC, a gate per key channel) folds it as S0 e^{G_n} +
-U^T (K e^{G_n - G}); solving for u it
-folds the entries one after another (_rebuild_vec), forming only exp(G_j - G_{j-1}). The last
-program of each row in the read launch moves that row's pointers (arrival counter
-`ReplayStore.arrive`); a model
-with several layers sharing one pair of pointer tensors passes advance=False to all but its last
-layer.
+A step runs, per row with committed fill h: a pre-flush when the committed entries would not
+leave T free slots (fold them into the anchor, cast both roles); a flush step when this step
+fills the buffer or is forced (rebuild the unrounded state, apply the step, output S q, cast
+anchor and read copy independently from S, each with its own SR stream); else a read (outputs
+from the packed read copy, decoded in registers, and the buffer; the step's entry appended).
+The flush launch runs the first two, the read launch the reads and, in its last program of a
+row, the pointer moves; an NVFP4 read copy beside an FP32 anchor is cast by a launch between
+them (_read_copy_kernel); at small batch one launch does both (_fused). The rebuild uses the
+WY form of the chunked delta rule with tensor-core products (_rebuild); a shared FP32 pair
+folds its cached u as it is (folds_u); KDA solving for u folds entry by entry (_rebuild_vec).
+Layers sharing one pair of pointer tensors pass advance=False to all but their last.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -198,12 +167,9 @@ class ReplayStore:
         return self.anchor if self.read is None else self.read
 
     def clone(self) -> "ReplayStore":
-        c = lambda t: None if t is None else t.clone()  # noqa: E731
-        return ReplayStore(self.kind, self.anchor.clone(), None if self.read is None else self.read.clone(),
-                           self.L, self.key_heads, c(self.kbuf), c(self.vbuf), c(self.ubuf),
-                           c(self.Gbuf), c(self.bbuf), c(self.committed), c(self.n_flush), self.key,
-                           c(self.start), self.max_drafts, self.pending_T, self.last_force,
-                           c(self.arrive), Tbuf=c(self.Tbuf))
+        return dataclasses.replace(self, **{
+            f.name: getattr(self, f.name).clone() for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), (torch.Tensor, PackedRole))})
 
 
 # ============================================================================ Triton
@@ -915,26 +881,16 @@ def _replay_kernel(
         PREC: tl.constexpr, ON_GPU: tl.constexpr, VEC: tl.constexpr, FLUSHES: tl.constexpr,
         SYNC: tl.constexpr, TPP: tl.constexpr, FOLD_U: tl.constexpr, PCK: tl.constexpr,
         KF: tl.constexpr, FUSED: tl.constexpr):
-    """A decode step (STEP, T = 1) or a verify of T drafts, in two launches that make the same
-    per-row decisions from the same pointers.
-
-    FLUSHES, the flush launch (first): program p takes the TPP tiles from p TPP on (a tile is
-    NB blocks of BV rows of one (batch row, value head), in _flush_tile_at's order;
-    _flush_grid), reads their
-    rows' pointers at once and runs _flush_tile on those whose row pre-flushes or flushes, one
-    after another. On a read step its programs return after one round of pointer loads: a
-    program per tile, each reading its row's pointers, made the flush launch as large as the
-    read launch (8 programs of 255 registers an SM).
-    Else the read launch (a program per [BV, d_k] tile of a (batch row, value head)): the reads,
-    and, with ADVANCE, the pointer moves of every row: every program, once done with its row's
-    pointers, increments the row's arrival counter; the last one moves committed / start /
-    n_flush (_moved_pointers) and resets the counter; with SYNC program (0, 0) empties the
-    queue of read copies the cast launch has cast. Each launch compiles only its own path, so
-    a read step does not pay the registers of the flush's products. FUSED (a decode step at
-    small batch, _fused): the read launch alone, on the flush's tiles, each program flushing its
-    own tile first if its row flushes (the casts of its roles are tile-local), then reading.
-    VEC: KDA (DELTA with a gate per key channel, a_ptr the log decay g [B, H, d_k], b_ptr
-    beta)."""
+    """A decode step (STEP, T = 1) or a verify of T drafts, in launches that make the same
+    per-row decisions from the same pointers. FLUSHES, the flush launch: program p takes the
+    TPP tiles from p TPP on (_flush_tile_at's order, _flush_grid), reads their rows' pointers at
+    once and runs _flush_tile on those whose row pre-flushes or flushes (on a read step it
+    returns after that one round of loads). Else the read launch, a program per [BV, d_k] tile:
+    the reads (_read_drafts), and with ADVANCE the pointer moves: the row's last program to
+    arrive (arrival counter) moves committed / start / n_flush (_moved_pointers); with SYNC
+    program (0, 0) empties the queue of read copies the cast launch has cast. FUSED (_fused): the
+    read launch alone on the flush's tiles, a program flushing its own tile first. Each launch
+    compiles its own path only. VEC: KDA (a_ptr the log decay per key channel, b_ptr beta)."""
     if FLUSHES:
         NT = n_rows * (HV * (DV // (BV * NB)))
         tiles = tl.program_id(0) * TPP + tl.arange(0, TPP)
