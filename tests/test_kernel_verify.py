@@ -141,36 +141,26 @@ def test_replay_verify_accept(kind, pair):
     assert_states_close(st.anchor.dequantize(), ref.anchor.dequantize())
 
 
-@pytest.mark.parametrize("kind", ["gdn", "mamba2"])
 @pytest.mark.parametrize("pair", ["s32_rs", "tp8_hi32", "tp4_hi32"])
-def test_verify_reads_chunks_once(kind, pair):
-    """A verify reads the copy once for all its drafts (_tile_mv_t); at d_k = 128 an FP32 copy in
-    4 column chunks (GDN's FP8 4, NVFP4 2; Mamba-2's packed copies in one loaded chunk): a verify
-    of T = 3 drafts after two committed steps against its reference, outputs (NaN-poisoned) and
-    pointers."""
+def test_verify_reads_chunks_once(pair):
+    """A Mamba-2 verify reads the copy once for all its drafts (_tile_mv_t); at d_k = 128 an FP32
+    copy in 4 column chunks, FP8 / NVFP4 in one loaded chunk: a verify of T = 3 drafts after two
+    committed steps against its reference, outputs (NaN-poisoned) and pointers."""
     dk, T, idx = 128, 3, torch.tensor([1, 0])
     st = ReplayStore.from_state(random_state(2, 2, 16, dk, seed=8),
-                                PrecisionPair.load(pair).with_buffer_len(6), kind,
+                                PrecisionPair.load(pair).with_buffer_len(6), "mamba2",
                                 key_heads=1, seed=2, max_drafts=T)
     ref = st.clone()
     tol = 1e-5 if pair == "s32_rs" else 1e-2      # lossy copies: codes rounding either way
-    step, step_ref, ver, ver_ref = FN[kind][:4]
-    if kind == "gdn":
-        A_log, dtb = gdn_params(2, 3)
-    else:
-        A, D, dtb = mamba2_params(2, 3)
+    A, D, dtb = mamba2_params(2, 3)
     for seed, t in ((1, None), (2, None), (3, T)):
-        if kind == "gdn":
-            q, k, v, a, b = gdn_step_inputs(2, 1, 2, dk, 16, T=t, seed=seed)
-            kw = dict(q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dtb, state_indices=idx)
-        else:
-            x, dt, Bm, C, z = mamba2_step_inputs(2, 1, 2, dk, 16, T=t, seed=seed)
-            kw = dict(x=x, dt=dt, A=A, B=Bm, C=C, D=D, z=z, dt_bias=dtb, state_indices=idx)
+        x, dt, Bm, C, z = mamba2_step_inputs(2, 1, 2, dk, 16, T=t, seed=seed)
+        kw = dict(x=x, dt=dt, A=A, B=Bm, C=C, D=D, z=z, dt_bias=dtb, state_indices=idx)
         if t is None:
-            close(step(st, **kw), step_ref(ref, **kw), tol)
+            close(replay_mamba2_step(st, **kw), replay_mamba2_step_ref(ref, **kw), tol)
         else:
-            y = ver(st, **kw, out=torch.full((2, T, 2, 16), float("nan")))
-            close(y, ver_ref(ref, **kw), tol)
+            y = replay_mamba2_verify(st, **kw, out=torch.full((2, T, 2, 16), float("nan")))
+            close(y, replay_mamba2_verify_ref(ref, **kw), tol)
     assert torch.equal(st.committed, ref.committed) and st.pending_T == ref.pending_T == T
 
 

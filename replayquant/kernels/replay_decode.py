@@ -568,34 +568,28 @@ def _row_of(M, t):
 
 
 @triton.jit
-def _tile_mv_t(p, b, s, x_ptr, y_ptr, off, NX, NY, STRIDE: tl.constexpr, TWO: tl.constexpr,
-               DK: tl.constexpr, FMT: tl.constexpr, PCK: tl.constexpr, T: tl.constexpr):
-    """(R X^T, R Y^T) [BV, TP] of a verify's T drafts in one pass over the read copy: each chunk
-    loaded once and read T times from registers, draft t's vectors x_t = NX[t] x_ptr[off +
-    t STRIDE + columns] (y_t likewise; GDN: k and q with their norms' factors, Mamba-2: C),
-    loaded a chunk at a time (T passes loaded the copy T times)."""
+def _tile_mv_t(p, b, s, Y, DK: tl.constexpr, FMT: tl.constexpr, PCK: tl.constexpr,
+               T: tl.constexpr):
+    """R Y^T [BV, TP] of a Mamba-2 verify's T drafts (Y [TP, DK], row t: draft t's C) in one pass
+    over the read copy, each chunk loaded once and read T times from registers. H200, T = 4,
+    B = 512, rounds, us: Mamba-2 s32_rs 1583.4 against 1848.7 in T passes (B = 32: 121.0 / 156.2);
+    GDN, whose drafts need R k and R q, lost (s32_rs 1431.5 / 1033.8): it keeps T passes."""
     CPW: tl.constexpr = 8 if FMT == 4 else 4 if FMT == 3 else 1       # columns a word
     CK: tl.constexpr = DK if (PCK == 0) or (PCK >= DK) else PCK
     NC: tl.constexpr = DK // CK
-    tt = tl.arange(0, NX.shape[0])
-    RX = tl.zeros([p.shape[0], NX.shape[0]], tl.float32)
-    RY = RX
+    tt = tl.arange(0, Y.shape[0])
+    RY = tl.zeros([p.shape[0], Y.shape[0]], tl.float32)
     for c in tl.range(0, NC, num_stages=READ_STAGES):
         pc, bc = p, b
         if PCK != 0:
             pc, bc = _chunk(p, b, c, CK // CPW, FMT)
-        cc = c * CK + tl.arange(0, CK)
         for t in tl.static_range(T):
-            xc = tl.load(x_ptr + off + t * STRIDE + cc).to(tl.float32) \
-                * tl.sum(tl.where(tt == t, NX, 0.0), axis=0)
-            yc = xc
-            if TWO:
-                yc = tl.load(y_ptr + off + t * STRIDE + cc).to(tl.float32) \
-                    * tl.sum(tl.where(tt == t, NY, 0.0), axis=0)
-            ax, ay = _words_mv(pc, bc, s, xc, yc, TWO, CK // CPW, FMT)
-            RX += tl.where((tt == t)[None, :], ax[:, None], 0.0)
+            yc = _row_of(Y, t)
+            if NC > 1:
+                yc = _row_of(tl.reshape(yc, (NC, CK)), c)
+            ay, _ = _words_mv(pc, bc, s, yc, yc, False, CK // CPW, FMT)
             RY += tl.where((tt == t)[None, :], ay[:, None], 0.0)
-    return RX, RY
+    return RY
 
 
 @triton.jit
@@ -657,25 +651,17 @@ def _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, out_ptr, q_ptr, k
         Gp = tl.sum(tl.where((jj == h - 1)[:, None], G, 0.0), axis=0)
     else:
         Gp = tl.sum(tl.where(jj == h - 1, G, 0.0), axis=0)   # the last committed gate
-    if (T > 1) and not VEC:         # the drafts' R k and R q in one pass (_tile_mv_t)
+    if (T > 1) and not DELTA:       # Mamba-2: the drafts' R q in one pass (_tile_mv_t)
         TP: tl.constexpr = 2 if T <= 2 else 4 if T <= 4 else 8 if T <= 8 else 16 if T <= 16 else 32
         tt = tl.arange(0, TP)
-        NQ = tl.full([TP], 1.0, tl.float32)     # GDN: the factors of q and k's front end
-        NK = NQ
-        if DELTA:
-            for t in tl.static_range(T):
-                o = ((row * T + t) * HK + hk) * DK + cols
-                nq = scale
-                nk = 1.0
-                if L2NORM:
-                    qr = tl.load(q_ptr + o).to(tl.float32)
-                    kr = tl.load(k_ptr + o).to(tl.float32)
-                    nq = (1.0 / tl.sqrt(tl.sum(qr * qr, axis=0) + 1e-6)) * scale
-                    nk = 1.0 / tl.sqrt(tl.sum(kr * kr, axis=0) + 1e-6)
-                NQ = tl.where(tt == t, nq, NQ)
-                NK = tl.where(tt == t, nk, NK)
-        RK, RQ = _tile_mv_t(P, Pb, s, k_ptr if DELTA else q_ptr, q_ptr, (row * T * HK + hk) * DK,
-                            NK if DELTA else NQ, NQ, HK * DK, DELTA, DK, RFMT, PCK, T)
+        Ym = tl.zeros([TP, DK], tl.float32)
+        for t in tl.static_range(T):
+            q, k, v, log_a, beta, skip = _front_end(
+                q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, row * T + t, hv, hk,
+                rows, cols, scale, dt_lo, dt_hi, HK, HV, DK, DV, DELTA, L2NORM, HAS_DTB, HAS_D,
+                DT_CLAMP)
+            Ym = tl.where((tt == t)[:, None], q[None, :], Ym)
+        RQ = _tile_mv_t(P, Pb, s, Ym, DK, RFMT, PCK, T)
     for t in tl.static_range(T):
         tok = row * T + t
         if VEC:
@@ -717,11 +703,7 @@ def _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, out_ptr, q_ptr, k
                 if KF:
                     trow = tl.where(jj == p, 1.0, 0.0) \
                         - tl.sum((beta * wdec * kk)[:, None] * Tm, axis=0)
-                if T > 1:
-                    rk = tl.sum(tl.where((tt == t)[None, :], RK, 0.0), axis=1)
-                    rq = tl.sum(tl.where((tt == t)[None, :], RQ, 0.0), axis=1)
-                else:
-                    rk, rq = _tile_mv(P, Pb, s, k, q, True, DK, RFMT, PCK)
+                rk, rq = _tile_mv(P, Pb, s, k, q, True, DK, RFMT, PCK)
                 u = beta * (v - eG * rk) - beta * corr
                 if U_BF16:
                     u = u.to(tl.bfloat16).to(tl.float32)
