@@ -396,8 +396,11 @@ def _indices(state_indices, B, device):
     return state_indices.to(device=device, dtype=torch.int32).contiguous()
 
 
-def _prep(t):
-    return None if t is None else t.contiguous()
+def _kernel_inputs(q, k, v, a, b, A, dt_bias, D, z) -> list:
+    """A step's input tensors as the kernels take them: contiguous, an absent one replaced by `a`
+    (a pointer the kernel never reads: its HAS_* flag is False)."""
+    a = a.contiguous()
+    return [a if t is None else t.contiguous() for t in (q, k, v, a, b, A, dt_bias, D, z)]
 
 
 def step_inputs(kind, shape, drafts, q, k, v, a, b, A, dt_bias, D, z):
@@ -446,16 +449,14 @@ def conv_launch(store: ConventionalStore, kind, q, k, v, a, b, A, dt_bias, D, z,
         out = torch.empty(*lead, HV, dv, dtype=torch.float32, device=q.device)
     BV, nw = launch_config(st.fmt, B * HV, dv, dk, block_v, num_warps)
     args = st.kernel_args()
-    flags = dict(HAS_DTB=dt_bias is not None, HAS_D=D is not None, HAS_Z=z is not None)
-    q, k, v, a, b, A, dt_bias, D, z = (t.contiguous() if t is not None else a
-                                       for t in (q, k, v, a, b, A, dt_bias, D, z))
     _conventional_kernel[(B * HV, dv // BV)](
         *args[:3], *(args if snaps is None else snaps.kernel_args())[:3], store.n_casts, idx,
-        out, q, k, v, a, b, A, dt_bias, D, z,
+        out, *_kernel_inputs(q, k, v, a, b, A, dt_bias, D, z),
         float(scale if scale is not None else 1.0 / math.sqrt(dk)), *split_key(store.key),
         dt_lo, dt_hi, HK=HK, HV=HV, DK=dk, DV=dv, BV=BV, T=T, SNAP=snaps is not None,
         FMT=args[3], SR=st.rounding == "stochastic", DELTA=kind != "mamba2", VEC=kind == "kda",
-        L2NORM=use_qk_l2norm, DT_CLAMP=dt_clamp, num_warps=nw, **flags)
+        L2NORM=use_qk_l2norm, HAS_DTB=dt_bias is not None, HAS_D=D is not None,
+        HAS_Z=z is not None, DT_CLAMP=dt_clamp, num_warps=nw)
     if advance and snaps is None:
         _advance_casts_kernel[(1,)](store.n_casts, idx, B)
     return out

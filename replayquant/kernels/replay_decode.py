@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from replayquant.kernels.conventional import (step_inputs, _front_end, _gate_out, _indices,
-                                              _kda_front_end, _prep, _program_tile,
+                                              _kda_front_end, _kernel_inputs, _program_tile,
                                               _vector_gate_step, _rank1_step, NO_DT_LIMIT,
                                               dt_limit_args, _pow2_dims)
 from replayquant.kernels.roles import (PackedRole, _nv_store, _role_bits, _tile_load, _tile_store,
@@ -528,6 +528,12 @@ def _words_mv(p, b, s, x, y, TWO: tl.constexpr, NW: tl.constexpr, FMT: tl.conste
 
 
 @triton.jit
+def _row_of(M, t):
+    """Row t of M [R, N] (t a scalar, e.g. a loop index)."""
+    return tl.sum(tl.where((tl.arange(0, M.shape[0]) == t)[:, None], M, 0.0), axis=0)
+
+
+@triton.jit
 def _tile_mv(p, b, s, x, y, TWO: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr,
              PCK: tl.constexpr):
     """(read copy) @ x and, with TWO, (read copy) @ y (x, y [DK] float32) from _row_ptrs' tile,
@@ -542,7 +548,6 @@ def _tile_mv(p, b, s, x, y, TWO: tl.constexpr, DK: tl.constexpr, FMT: tl.constex
     else:
         CK: tl.constexpr = PCK if PCK < DK else DK
         NC: tl.constexpr = DK // CK
-        ci = tl.arange(0, NC)
         rx = tl.zeros([p.shape[0]], tl.float32)
         ry = tl.zeros([p.shape[0]], tl.float32)
         for c in tl.range(0, NC, num_stages=READ_STAGES):
@@ -550,21 +555,14 @@ def _tile_mv(p, b, s, x, y, TWO: tl.constexpr, DK: tl.constexpr, FMT: tl.constex
             xc = x
             yc = y
             if NC > 1:
-                xc = tl.sum(tl.where((ci == c)[:, None], tl.reshape(x, (NC, CK)), 0.0), axis=0)
+                xc = _row_of(tl.reshape(x, (NC, CK)), c)
                 yc = xc
                 if TWO:
-                    yc = tl.sum(tl.where((ci == c)[:, None], tl.reshape(y, (NC, CK)), 0.0),
-                                axis=0)
+                    yc = _row_of(tl.reshape(y, (NC, CK)), c)
             ax, ay = _words_mv(pc, bc, s, xc, yc, TWO, CK // CPW, FMT)
             rx += ax
             ry += ay
     return rx, ry
-
-
-@triton.jit
-def _row_of(M, t):
-    """Row t of M [TP, N]."""
-    return tl.sum(tl.where((tl.arange(0, M.shape[0]) == t)[:, None], M, 0.0), axis=0)
 
 
 @triton.jit
@@ -1268,8 +1266,7 @@ def _launch(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, state_ind
         store.casts = torch.zeros(1 + N * HV, 4, dtype=torch.int32, device=store.committed.device)
     Ap, As, Ag, afid = store.anchor.kernel_args()
     Rp, Rs, Rg, rfid = store.read_role.kernel_args()
-    q, k, v, a, b, A, dt_bias, D, z = map(_prep, (q, k, v, a, b, A, dt_bias, D, z))
-    inputs = [t if t is not None else a for t in (q, k, v, a, b, A, dt_bias, D, z)]
+    inputs = _kernel_inputs(q, k, v, a, b, A, dt_bias, D, z)
     pck = _table(store, "read")[3]
     runs = [("flush", False, configs[0])] if fused else \
         list(zip(LAUNCHES, (True, False), configs))
