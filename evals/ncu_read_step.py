@@ -15,7 +15,7 @@ import torch
 
 from replayquant.bench import decode as bd
 from replayquant.bench.inputs import random_state
-from replayquant.kernels.replay_decode import ReplayStore
+from replayquant.kernels.stores import ReplayStore
 
 
 def main(argv) -> int:

@@ -8,13 +8,14 @@ import torch
 
 from replayquant.bench.inputs import (gdn_params, gdn_step_inputs, mamba2_params,
                                       mamba2_step_inputs, random_state)
-from replayquant.kernels.conventional import (ConventionalStore, conventional_gdn_step,
-                                              conventional_mamba2_step, gdn_frontend_ref,
-                                              mamba2_frontend_ref, mamba2_post_ref)
-from replayquant.kernels.replay_decode import (LAUNCH_TABLE, ReplayStore, _flush_grid,
-                                               _max_regs, advance_pointers,
-                                               replay_gdn_step, replay_launch_config,
-                                               replay_mamba2_step, resolve_path)
+from replayquant.kernels.conventional import (conventional_gdn_step, conventional_mamba2_step,
+                                              gdn_frontend_ref, mamba2_frontend_ref,
+                                              mamba2_post_ref)
+from replayquant.kernels.stores import ConventionalStore
+from replayquant.kernels.replay_decode import (LAUNCH_TABLE, _flush_grid, _max_regs,
+                                               advance_pointers, replay_gdn_step,
+                                               replay_launch_config, replay_mamba2_step)
+from replayquant.kernels.stores import ReplayStore, resolve_path
 from replayquant.kernels import replay_ref as rr
 from replayquant.kernels import verify as vf
 from replayquant.kernels.replay_ref import replay_gdn_step_ref, replay_mamba2_step_ref
@@ -351,16 +352,14 @@ def test_flush_path_mid_window_and_blocks():
     assert_states_close(store.anchor.dequantize(), ref.anchor.dequantize())
 
 
-@pytest.mark.parametrize("kind,block_v,pair", [("gdn", None, "tp4_hi32"),
-                                               ("mamba2", 16, "tp4_hi32"),
-                                               ("gdn", 16, "tp4_hi16_sr")])
-def test_nvfp4_read_copy_in_row_blocks(kind, block_v, pair):
-    """An NVFP4 read copy of a matrix of 64 rows in 4 flush tiles: beside an FP32 anchor each
-    program writes its anchor rows and adds its amax, the matrix's last casts the read copy from
-    the anchor; beside an FP16 + SR anchor one program loops over the blocks, a first pass
-    finding the amax, a second writing both roles: the reference's whole-matrix casts within float32 reassociation of the rebuilt
-    state; steps across a flush (L = 3), a verify of 2 drafts with its pre-flush and an accept,
-    poisoned buffers, a padding row."""
+@pytest.mark.parametrize("kind,pair", [("gdn", "tp4_hi32"), ("mamba2", "tp4_hi32"),
+                                       ("gdn", "tp4_hi16_sr")])
+def test_nvfp4_read_copy_whole_matrices(kind, pair):
+    """An NVFP4 read copy of a matrix of 64 rows: the flush takes the whole matrix (one scale a
+    matrix), the read launch 4 tiles of it; beside an FP32 anchor and an FP16 + SR one, the
+    reference's casts within float32 reassociation of the rebuilt state; steps across a flush
+    (L = 3), a verify of 2 drafts with its pre-flush and an accept, poisoned buffers, a padding
+    row."""
     from replayquant.kernels.replay_ref import replay_accept_ref
     from replayquant.kernels.verify import replay_accept
     N, HK, H, dk, dv, T = 2, 1, 1, 16, 64, 2
@@ -368,10 +367,8 @@ def test_nvfp4_read_copy_in_row_blocks(kind, block_v, pair):
     store = ReplayStore.from_state(random_state(N, H, dv, dk, seed=9), pair, kind,
                                    key_heads=HK, buffer_len=3, u_dtype=torch.float32,
                                    max_drafts=T)
-    launch = {"flush": (block_v, None), "read": (16, None)}     # 4 read programs a matrix
-    synced = pair == "tp4_hi32"             # FP32 anchor: tiles synchronised per matrix
-    assert replay_launch_config(store, "flush", launch)[:2] == \
-        ((block_v or 16, 1) if synced else (block_v, dv // block_v))
+    launch = {"read": (16, None)}     # 4 read programs a matrix
+    assert replay_launch_config(store, "flush", launch) == (dv, 1)
     poison_buffers(store)
     ref = store.clone()
     idx = torch.tensor([1, -1, 0])
@@ -408,28 +405,26 @@ def test_nvfp4_read_copy_in_row_blocks(kind, block_v, pair):
 
 def test_launch_table_and_path():
     """One launch table for the two launches of a step: the read launch's tiles; a flush that
-    writes an NVFP4 role takes whole matrices (an NVFP4 read copy in 32-row blocks, looped),
-    other flushes 16-row tiles; `launch` overrides it, with one error for a tile the kernel
+    writes an NVFP4 role takes whole matrices, other flushes 16- or 32-row tiles; `launch` overrides it, with one error for a tile the kernel
     cannot take. 'auto' is 'replay' at every batch."""
     def mk(pair, dv=32, dk=16):
         return ReplayStore.from_state(random_state(2, 2, dv, dk), pair, "gdn", key_heads=1,
                                       buffer_len=4)
     cfg = replay_launch_config
     assert LAUNCH_TABLE[-1][:4] == ("flush", "*", "*", 16)      # a catch-all row each launch
-    assert cfg(mk("s32_rs"), "flush") == (32, 1, 1)         # an FP32 shared pair folds u
-    assert cfg(mk("tp8_hi32"), "flush") == (16, 1, 1)
-    assert cfg(mk("s32_rs", 128, 128), "read") == (64, 1, 1)    # FP32: 64 rows a warp, chunked
-    assert cfg(mk("tp4_hi32", 128, 128), "read") == (64, 1, 1)  # chunked as well
-    assert cfg(mk("s16_sr", 128, 128), "read") == (64, 1, 2)    # a whole decoded tile, 2 warps
-    assert cfg(mk("tp4_hi32", 64), "flush") == (16, 1, 1)    # tiles synchronised per matrix
-    assert cfg(mk("tp4_hi16_sr", 64), "flush") == (32, 2, 1)     # looped over the matrix
-    assert cfg(mk("tp4_hi16_sr", 64), "read")[1] == 1        # reads need no matrix amax
-    assert cfg(mk("tp4_hi16_sr"), "flush", {"flush": (16, None)}) == (16, 2, 1)
-    assert cfg(mk("f4_sr_rs"), "flush") == (32, 1, 1)
-    assert cfg(mk("tp8_hi32"), "read", {"read": (16, 2)}) == (16, 1, 2)
-    assert cfg(mk("tp8_hi32"), "flush", {"flush": (32, 4)}) == (32, 1, 4)
-    with pytest.raises(ValueError, match="rows must be d_v"):
-        cfg(mk("f4_sr_rs"), "flush", {"flush": (16, None)})
+    assert cfg(mk("s32_rs"), "flush") == (32, 1)         # an FP32 shared pair folds u
+    assert cfg(mk("tp8_hi32"), "flush") == (16, 1)
+    assert cfg(mk("s32_rs", 128, 128), "read") == (64, 1)    # FP32: 64 rows a warp, chunked
+    assert cfg(mk("tp4_hi32", 128, 128), "read") == (64, 1)  # chunked as well
+    assert cfg(mk("s16_sr", 128, 128), "read") == (64, 2)    # a whole decoded tile, 2 warps
+    assert cfg(mk("tp4_hi32", 64), "flush") == (64, 1)       # an NVFP4 role: whole matrices
+    assert cfg(mk("tp4_hi16_sr", 64), "read") == (64, 1)     # reads need no matrix amax
+    assert cfg(mk("f4_sr_rs"), "flush") == (32, 1)
+    assert cfg(mk("tp8_hi32"), "read", {"read": (16, 2)}) == (16, 2)
+    assert cfg(mk("tp8_hi32"), "flush", {"flush": (32, 4)}) == (32, 4)
+    for pair in ("f4_sr_rs", "tp4_hi32"):
+        with pytest.raises(ValueError, match="rows must be d_v"):
+            cfg(mk(pair), "flush", {"flush": (16, None)})
     with pytest.raises(ValueError, match="power of two >= 16"):
         cfg(mk("s32_rs"), "read", {"read": (8, None)})
     with pytest.raises(ValueError, match="warps"):

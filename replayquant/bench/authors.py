@@ -427,7 +427,7 @@ def bench_ours_staggered(kind, B, pair, L, device, copy_bw, S) -> list:
     flush in the same step)."""
     from replayquant.bench import decode as bd
     from replayquant.bench.inputs import random_state
-    from replayquant.kernels.replay_decode import ReplayStore
+    from replayquant.kernels.stores import ReplayStore
     from replayquant.statebytes import state_bytes
     H, HK, dv, dk = S["H"], S["HK"], S["dv"], S["dk"]
     P, af, rf = bd._pair(pair, L)
@@ -498,7 +498,7 @@ def accuracy(kind, S, B, L, device, A: Authors | None = None, pairs=ACC_PAIRS,
     inputs."""
     from replayquant.bench import decode as bd
     from replayquant.bench.inputs import random_state
-    from replayquant.kernels.replay_decode import ReplayStore
+    from replayquant.kernels.stores import ReplayStore
     H, HK, dv, dk = S["H"], S["HK"], S["dv"], S["dk"]
     init = random_state(B, H, dv, dk, seed=77, device=device)
     n = windows * L

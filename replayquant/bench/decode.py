@@ -171,8 +171,9 @@ def _ref_cast_device_vs_cpu(device) -> dict:
 
 def gpu_checks(device="cuda") -> dict:
     """The kernel-vs-reference comparisons of the CPU tests, on the GPU at the real head shapes."""
-    from replayquant.kernels.conventional import ConventionalStore
-    from replayquant.kernels.replay_decode import ReplayStore, advance_pointers
+    from replayquant.kernels.stores import ConventionalStore
+    from replayquant.kernels.replay_decode import advance_pointers
+    from replayquant.kernels.stores import ReplayStore
     from replayquant.kernels.replay_ref import replay_accept_ref
     from replayquant.kernels.verify import (conventional_accept, conventional_accept_ref,
                                             make_snapshots, replay_accept)
@@ -259,7 +260,7 @@ def gpu_checks(device="cuda") -> dict:
 def conventional_checks(kind, S, idx, device, N=6, steps=3) -> dict:
     """gpu_checks for a kind with a conventional step only (KDA): the kernel against its torch
     reference over `steps` steps on padded slot indices, FP32 and FP16 with stochastic rounding."""
-    from replayquant.kernels.conventional import ConventionalStore
+    from replayquant.kernels.stores import ConventionalStore
     f = _fns(kind)
     init = random_state(N, S["H"], S["dv"], S["dk"], seed=1, device=device)
     out = {}
@@ -330,7 +331,7 @@ def peer_call(kind, S, kw, state):
 
 def peer_comparison(device="cuda") -> dict:
     """Our conventional FP32 step vs the peer on identical inputs: max abs difference."""
-    from replayquant.kernels.conventional import ConventionalStore
+    from replayquant.kernels.stores import ConventionalStore
     out = {}
     B = 32
     for kind, S in SHAPES.items():
@@ -410,8 +411,8 @@ def config_sweep(kind, B, device, copy_bw, pairs=PAIRS, L=None, S=None):
     other launch at the table's config (on a read step the flush launch only reads pointers).
     Returns (rows, best config per kernel: 'conventional/fp32' and 'replay/PAIR' {'launch':
     {'read', 'flush'}})."""
-    from replayquant.kernels.conventional import ConventionalStore
-    from replayquant.kernels.replay_decode import ReplayStore
+    from replayquant.kernels.stores import ConventionalStore
+    from replayquant.kernels.stores import ReplayStore
     S = S or SHAPES[kind]
     H, HK, dv, dk = S["H"], S["HK"], S["dv"], S["dk"]
     f = _fns(kind)
@@ -475,7 +476,7 @@ def _cfg(cfg, pair):
 
 def bench_conventional(kind, B, device, copy_bw, cfg=None, S=None):
     """Conventional FP32 and BF16 steps at batch B (cold L2: state copies rotated)."""
-    from replayquant.kernels.conventional import ConventionalStore
+    from replayquant.kernels.stores import ConventionalStore
     cfg = cfg or {}
     S = S or SHAPES[kind]
     H, HK, dv, dk = S["H"], S["HK"], S["dv"], S["dk"]
@@ -503,7 +504,7 @@ def _replay_setup(kind, B, pair, L, device, cfg, S):
     """Inputs, output buffer and R rotated ReplayStore copies (cold L2) of one (pair, L) at
     batch B: (H, HK, dv, dk, step functions, idx, inputs, out, anchor fmt, read fmt, config, R,
     stores)."""
-    from replayquant.kernels.replay_decode import ReplayStore
+    from replayquant.kernels.stores import ReplayStore
     S = S or SHAPES[kind]
     H, HK, dv, dk = S["H"], S["HK"], S["dv"], S["dk"]
     init = random_state(B, H, dv, dk, seed=B, device=device)
@@ -600,7 +601,7 @@ def anchor_ways(f, kw, idx, out, sts) -> dict:
     the rotated ReplayStores `sts`: the conventional FP32 kernel on ConventionalStore views of
     their anchors ('conv-on-anchor') and the replay step with path='flush' on empty buffers and
     no pointer move ('replay-forced-auto-layer')."""
-    from replayquant.kernels.conventional import ConventionalStore
+    from replayquant.kernels.stores import ConventionalStore
     views = [ConventionalStore(s.anchor, s.n_flush, s.key) for s in sts]
     return {"conv-on-anchor": conv_calls(f, kw, idx, out, views),
             "replay-forced-auto-layer": [
@@ -672,8 +673,8 @@ def bench_peers(kind, B, device, copy_bw, S=None):
 
 def bench_spec(kind, B, T, device, copy_bw, cfg=None, pairs=PAIRS, L=None, S=None):
     """Speculative rounds: replay verify + accept vs conventional per-draft snapshots + accept."""
-    from replayquant.kernels.conventional import ConventionalStore
-    from replayquant.kernels.replay_decode import ReplayStore
+    from replayquant.kernels.stores import ConventionalStore
+    from replayquant.kernels.stores import ReplayStore
     from replayquant.kernels.verify import conventional_accept, make_snapshots, replay_accept
     cfg = cfg or {}
     S = S or SHAPES[kind]

@@ -90,8 +90,10 @@ def kernel_lines() -> dict:
     """Lines of the decode, verify and conventional kernels with their launch code: the three
     modules less their torch references (functions and classes whose name ends in '_ref' or
     holds '_ref_'), blank lines and comments counted as the file has them. The stored roles and
-    their casts in registers (kernels/roles.py, shared with the chunk kernel) and the format
-    codecs (kernels/quant.py) are not counted."""
+    their casts in registers (kernels/roles.py, shared with the chunk kernel), the format
+    codecs (kernels/quant.py) and the stores with their input checks (kernels/stores.py, shared
+    with the references) are not counted: the target's detail gives stores.py's lines beside
+    them."""
     root = Path(__file__).resolve().parents[1] / "kernels"
     out = {}
     for name in ("replay_decode.py", "verify.py", "conventional.py"):
@@ -204,7 +206,10 @@ def targets(res) -> list:
     out.append(_entry("kernel-lines", f"decode, verify and conventional kernels with their launch "
                       f"code in at most {LINE_BUDGET} lines (references apart); launch configs "
                       "from one small table, no module-level switches (these two by review)",
-                      "lines", total, total <= LINE_BUDGET, lines))
+                      "lines", total, total <= LINE_BUDGET,
+                      {**lines, "stores.py (not counted)": len(
+                          (Path(__file__).resolve().parents[1] / "kernels" / "stores.py")
+                          .read_text().splitlines())}))
     return out
 
 

@@ -23,37 +23,17 @@ same signature below it; tests compare the two.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from replayquant.kernels.roles import PackedRole, _tile_load, _tile_store, role_streams, split_key
-from replayquant.streams import ANCHOR, layer_seed
+from replayquant.kernels.roles import _tile_load, _tile_store, role_streams, split_key
+from replayquant.kernels.stores import (NO_DT_LIMIT, ConventionalStore, _indices, _pow2_dims,
+                                        dt_limit_args, step_inputs)
+from replayquant.streams import ANCHOR
 
-KINDS = ("gdn", "mamba2")
 GDN_L2NORM_EPS = 1e-6
-NO_DT_LIMIT = (0.0, math.inf)
-
-
-def dt_limit_args(dt_limit):
-    """(lo, hi, clamp) kernel arguments of a Mamba-2 dt_limit: dt = softplus(dt + dt_bias) is
-    clamped to [lo, hi] unless dt_limit is None or (0, inf) (clamp False: no clamp at all, as
-    replay.frontends.mamba2_inputs). lo and hi are runtime floats (one compile for every model)."""
-    if dt_limit is None:
-        return 0.0, math.inf, False
-    try:
-        lo, hi = (float(t) for t in dt_limit)
-    except (TypeError, ValueError):
-        raise ValueError(f"dt_limit must be a pair (lo, hi) of floats, e.g. (0.0, inf) for no "
-                         f"clamp, got {dt_limit!r}") from None
-    if math.isnan(lo) or math.isnan(hi) or lo > hi:
-        raise ValueError(f"dt_limit=({lo}, {hi}): need lo <= hi, neither NaN")
-    return lo, hi, (lo, hi) != NO_DT_LIMIT
-
-
-# ============================================================================ packed storage
 
 
 # ---------------------------------------------------------------------------- front ends
@@ -70,15 +50,13 @@ def _l2norm(x):
 
 
 @triton.jit
-def _program_tile(idx_ptr, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
-                  NT: tl.constexpr = 1):
+def _program_tile(idx_ptr, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr):
     """Grid (batch row x value head, row block) -> batch row, value head, its key head, the
-    block's state rows (its first BV rows when a program takes NT blocks) and columns, and the
-    row's state slot (negative: padding row)."""
+    block's state rows and columns, and the row's state slot (negative: padding row)."""
     pid = tl.program_id(0)
     row = pid // HV
     hv = pid % HV
-    rows = tl.program_id(1) * (BV * NT) + tl.arange(0, BV)
+    rows = tl.program_id(1) * BV + tl.arange(0, BV)
     slot = tl.load(idx_ptr + row).to(tl.int64)
     return row, hv, hv // (HV // HK), rows, tl.arange(0, DK), slot
 
@@ -87,72 +65,67 @@ def _program_tile(idx_ptr, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
 def _front_end(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, row, hv, hk, rows, cols,
                scale, dt_lo, dt_hi, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
                DV: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr, HAS_DTB: tl.constexpr,
-               HAS_D: tl.constexpr, DT_CLAMP: tl.constexpr):
-    """One step's inputs in float32: the loads of token `row`, then _front_math."""
+               HAS_D: tl.constexpr, DT_CLAMP: tl.constexpr, VEC: tl.constexpr):
+    """Token `row`'s inputs of value head hv in float32: (q, k [DK], v [rows], log_a, beta, skip).
+    GDN (DELTA): q, k L2-normalised (times the reciprocal root), q scaled, log_a = -e^A
+    softplus(a + dt_bias), beta = sigmoid(b). KDA (VEC): q, k normalised in KDA's own form
+    x / sqrt(sum x^2 + 1e-6), q scaled, log_a the layer's decay per key channel [DK] (a_ptr), beta
+    as given (b_ptr). Mamba-2: q = C, k = B of the head's group, v = dt x, log_a = dt A,
+    beta = dt, skip = D x (zeros without D); dt = softplus(dt + dt_bias), then (DT_CLAMP)
+    min(max(dt, dt_lo), dt_hi) as torch.clamp."""
     q = tl.load(q_ptr + (row * HK + hk) * DK + cols).to(tl.float32)
     k = tl.load(k_ptr + (row * HK + hk) * DK + cols).to(tl.float32)
     x = tl.load(v_ptr + (row * HV + hv) * DV + rows).to(tl.float32)
-    a = tl.load(a_ptr + row * HV + hv).to(tl.float32)
-    bb = a
-    if DELTA:
-        bb = tl.load(b_ptr + row * HV + hv).to(tl.float32)
-    return _front_math(q, k, x, a, bb, A_ptr, dtb_ptr, D_ptr, hv, scale, dt_lo, dt_hi, DELTA,
-                       L2NORM, HAS_DTB, HAS_D, DT_CLAMP)
-
-
-@triton.jit
-def _front_math(q, k, x, a, bb, A_ptr, dtb_ptr, D_ptr, hv, scale, dt_lo, dt_hi,
-                DELTA: tl.constexpr, L2NORM: tl.constexpr, HAS_DTB: tl.constexpr,
-                HAS_D: tl.constexpr, DT_CLAMP: tl.constexpr):
-    """One step's inputs in float32 from its raw values (q, k [DK], x the v / x rows, a, and
-    bb = b for GDN, each float32) and the head's parameters.
-    GDN (DELTA): q, k [DK] normalised (q scaled), v [DV-block], log_a = g, beta.
-    Mamba-2: q = C, k = B of the head's group, v = dt x, log_a = dt A, beta = dt, and the
-    D-skip term D x (zeros without D); dt = softplus(dt + dt_bias), then (DT_CLAMP)
-    min(max(dt, dt_lo), dt_hi) as torch.clamp."""
-    if HAS_DTB:
-        a = a + tl.load(dtb_ptr + hv).to(tl.float32)
-    A = tl.load(A_ptr + hv).to(tl.float32)
-    if DELTA:
+    v = x
+    skip = x * 0.0
+    if VEC:
         if L2NORM:
-            q = _l2norm(q)
-            k = _l2norm(k)
+            q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)
+            k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
         q = q * scale
-        log_a = -tl.exp(A) * _softplus(a)
-        beta = 1.0 / (1.0 + tl.exp(-bb))
-        v = x
-        skip = x * 0.0
+        log_a = tl.load(a_ptr + (row * HV + hv) * DK + cols).to(tl.float32)
+        beta = tl.load(b_ptr + row * HV + hv).to(tl.float32)
     else:
-        dt = _softplus(a)
-        if DT_CLAMP:
-            dt = tl.minimum(tl.maximum(dt, dt_lo), dt_hi)
-        log_a = dt * A
-        beta = dt
-        v = dt * x
-        if HAS_D:
-            skip = tl.load(D_ptr + hv).to(tl.float32) * x
+        a = tl.load(a_ptr + row * HV + hv).to(tl.float32)
+        if HAS_DTB:
+            a = a + tl.load(dtb_ptr + hv).to(tl.float32)
+        A = tl.load(A_ptr + hv).to(tl.float32)
+        if DELTA:
+            if L2NORM:
+                q = _l2norm(q)
+                k = _l2norm(k)
+            q = q * scale
+            log_a = -tl.exp(A) * _softplus(a)
+            beta = 1.0 / (1.0 + tl.exp(-tl.load(b_ptr + row * HV + hv).to(tl.float32)))
         else:
-            skip = x * 0.0
+            dt = _softplus(a)
+            if DT_CLAMP:
+                dt = tl.minimum(tl.maximum(dt, dt_lo), dt_hi)
+            log_a = dt * A
+            beta = dt
+            v = dt * x
+            if HAS_D:
+                skip = tl.load(D_ptr + hv).to(tl.float32) * x
     return q, k, v, log_a, beta, skip
 
 
 @triton.jit
 def _gate_out(y, z_ptr, row, hv, rows, HV: tl.constexpr, DV: tl.constexpr, HAS_Z: tl.constexpr):
+    """The output gate y * silu(z) (HAS_Z)."""
     if HAS_Z:
-        y = _gate_z(y, tl.load(z_ptr + (row * HV + hv) * DV + rows).to(tl.float32))
+        z = tl.load(z_ptr + (row * HV + hv) * DV + rows).to(tl.float32)
+        y = y * z / (1.0 + tl.exp(-z))
     return y
 
 
 @triton.jit
-def _gate_z(y, z):
-    """The output gate y * silu(z)."""
-    return y * z / (1.0 + tl.exp(-z))
-
-
-@triton.jit
-def _rank1_step(S, q, k, v, log_a, beta, DELTA: tl.constexpr):
-    """S <- a S + u k^T (u = v, or beta (v - a S k) for GDN); returns (S, y = S q)."""
-    S = S * tl.exp(log_a)
+def _gated_step(S, q, k, v, log_a, beta, DELTA: tl.constexpr, VEC: tl.constexpr):
+    """S <- a S + u k^T (VEC, KDA's gate per key channel: S Diag(a), log_a [DK]), u = v or
+    (DELTA) beta (v - (a S) k); returns (S, y = S q)."""
+    if VEC:
+        S = S * tl.exp(log_a)[None, :]
+    else:
+        S = S * tl.exp(log_a)
     if DELTA:
         u = beta * (v - tl.sum(S * k[None, :], axis=1))
     else:
@@ -162,81 +135,7 @@ def _rank1_step(S, q, k, v, log_a, beta, DELTA: tl.constexpr):
     return S, y
 
 
-@triton.jit
-def _kda_front_end(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, row, hv, hk, rows, cols, scale,
-                   HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                   L2NORM: tl.constexpr):
-    """One KDA step's inputs in float32 as the layer gives them: q, k [DK] (L2-normalised, q
-    scaled), v [BV rows], the log decay g [DK] of value head hv, beta. The norm is KDA's own
-    form, x / sqrt(sum x^2 + 1e-6) (GDN's multiplies by the reciprocal root)."""
-    q = tl.load(q_ptr + (row * HK + hk) * DK + cols).to(tl.float32)
-    k = tl.load(k_ptr + (row * HK + hk) * DK + cols).to(tl.float32)
-    if L2NORM:
-        q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)
-        k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
-    v = tl.load(v_ptr + (row * HV + hv) * DV + rows).to(tl.float32)
-    g = tl.load(g_ptr + (row * HV + hv) * DK + cols).to(tl.float32)
-    beta = tl.load(b_ptr + row * HV + hv).to(tl.float32)
-    return q * scale, k, v, g, beta
-
-
-@triton.jit
-def _vector_gate_step(S, q, k, v, log_a, beta):
-    """The delta rule with a gate per key channel (KDA), rows S [BV, DK]: S <- S Diag(a),
-    u = beta (v - S k), S <- S + u k^T; returns (S, y = S q). log_a [DK]."""
-    S = S * tl.exp(log_a)[None, :]
-    u = beta * (v - tl.sum(S * k[None, :], axis=1))
-    S = S + u[:, None] * k[None, :]
-    y = tl.sum(S * q[None, :], axis=1)
-    return S, y
-
-
 # ============================================================================ conventional step
-
-@dataclass
-class ConventionalStore:
-    """Conventional state of one layer: one packed copy, read-modify-written every step.
-    n_casts[s] counts the casts of slot s after the initial one (stream flush index of the
-    next write = n_casts + 1, as every step of the baseline is a flush of a shared pair)."""
-
-    state: PackedRole
-    n_casts: torch.Tensor          # int64 [N]
-    key: int                       # Philox key = layer_seed(seed, layer)
-
-    @classmethod
-    def from_state(cls, initial: torch.Tensor, fmt: str, rounding: str = "nearest", seed: int = 0,
-                   layer: int = 0) -> "ConventionalStore":
-        if not isinstance(initial, torch.Tensor) or initial.dim() != 4:
-            raise ValueError("initial state must be a float tensor [slots, heads, d_v, d_k]")
-        _pow2_dims(initial.shape)
-        N, H = initial.shape[:2]
-        role = PackedRole.empty(fmt, rounding, tuple(initial.shape), initial.device)
-        key = layer_seed(seed, layer)
-        role.write_(torch.arange(N), initial.float(), key, role_streams(0, ANCHOR, torch.arange(N), H))
-        return cls(role, torch.zeros(N, dtype=torch.int64, device=initial.device), key)
-
-    def clone(self) -> "ConventionalStore":
-        return ConventionalStore(self.state.clone(), self.n_casts.clone(), self.key)
-
-
-def _check_inputs(kind, shape, B, tensors: dict, dtypes_bf16=()):
-    N, H, dv, dk = shape
-    for name, (t, want) in tensors.items():
-        if t is None:
-            continue
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a tensor of shape {want}")
-        if tuple(t.shape) != tuple(want):
-            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(want)} "
-                             f"({kind}: batch {B}, {H} heads, d_v {dv}, d_k {dk})")
-        if not t.is_floating_point() and name != "state_indices":
-            raise ValueError(f"{name} must be a floating-point tensor")
-
-
-def _pow2_dims(shape):
-    for name, d in zip(("d_v", "d_k"), shape[2:]):
-        if d < 16 or d & (d - 1):
-            raise ValueError(f"{name} = {d}: the decode kernels need a power of two >= 16")
 
 
 def gdn_frontend_ref(q, k, v, a, b, A_log, dt_bias, scale=None, use_qk_l2norm=True):
@@ -315,26 +214,16 @@ def _conventional_kernel(
         fi = tl.load(ncast_ptr + slot) + 1
         for t in tl.static_range(T):
             tok = row * T + t
-            if VEC:
-                q, k, v, log_a, beta = _kda_front_end(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, tok, hv,
-                                                      hk, rows, cols, scale, HK, HV, DK, DV,
-                                                      L2NORM)
-            else:
-                q, k, v, log_a, beta, skip = _front_end(
-                    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, tok, hv, hk, rows,
-                    cols, scale, dt_lo, dt_hi, HK, HV, DK, DV, DELTA, L2NORM, HAS_DTB, HAS_D,
-                    DT_CLAMP)
+            q, k, v, log_a, beta, skip = _front_end(
+                q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, tok, hv, hk, rows, cols,
+                scale, dt_lo, dt_hi, HK, HV, DK, DV, DELTA, L2NORM, HAS_DTB, HAS_D, DT_CLAMP, VEC)
             if t == 0:
                 S = _tile_load(S_pay, S_sc, S_gs, mat, rows, cols, DV, DK, BV, FMT)
-            if VEC:
-                S, y = _vector_gate_step(S, q, k, v, log_a, beta)
-            else:
-                S, y = _rank1_step(S, q, k, v, log_a, beta, DELTA)
+            S, y = _gated_step(S, q, k, v, log_a, beta, DELTA, VEC)
             dst = (slot * T + t) * HV + hv if SNAP else mat
             _tile_store(S, P_pay, P_sc, P_gs, dst, rows, cols, key_lo, key_hi, fi + t, slot, hv,
                         DV, DK, BV, FMT, SR, 0)
-            if not VEC:
-                y = _gate_out(y + skip, z_ptr, tok, hv, rows, HV, DV, HAS_Z)
+            y = _gate_out(y + skip, z_ptr, tok, hv, rows, HV, DV, HAS_Z)
             tl.store(out_ptr + (tok * HV + hv) * DV + rows, y)
             if t + 1 < T:
                 if FMT != 0:
@@ -386,16 +275,6 @@ def launch_config(fmt_written: str, n_programs_heads: int, dv: int, dk: int, blo
     return block_v, num_warps
 
 
-def _indices(state_indices, B, device):
-    if state_indices is None:
-        return torch.arange(B, dtype=torch.int32, device=device)
-    if not isinstance(state_indices, torch.Tensor) or state_indices.shape != (B,) \
-            or state_indices.is_floating_point():
-        raise ValueError(f"state_indices must be an integer tensor [batch={B}] of state slots "
-                         f"(negative = padding row)")
-    return state_indices.to(device=device, dtype=torch.int32).contiguous()
-
-
 def _kernel_inputs(q, k, v, a, b, A, dt_bias, D, z) -> list:
     """A step's input tensors as the kernels take them: contiguous, an absent one replaced by `a`
     (a pointer the kernel never reads: its HAS_* flag is False)."""
@@ -403,39 +282,12 @@ def _kernel_inputs(q, k, v, a, b, A, dt_bias, D, z) -> list:
     return [a if t is None else t.contiguous() for t in (q, k, v, a, b, A, dt_bias, D, z)]
 
 
-def step_inputs(kind, shape, drafts, q, k, v, a, b, A, dt_bias, D, z):
-    """Checks of a step's (drafts False: [batch, ...]) or a verify's ([batch, T, ...]) inputs
-    against a state of `shape`, named as the kind's callers name them (KDA: a = g, b = beta) ->
-    (lead dims (B,) or (B, T), key heads HK)."""
-    N, HV, dv, dk = shape
-    delta, vec = kind != "mamba2", kind == "kda"
-    if delta and (a is None or b is None):
-        raise ValueError("KDA needs g (log decay per key channel) [batch, value heads, d_k] and "
-                         "beta [batch, value heads]" if vec else
-                         "GDN needs b (beta logits) [batch, value heads]")
-    nd = 4 if drafts else 3
-    if not all(isinstance(t, torch.Tensor) and t.dim() == nd for t in (q, v)):
-        raise ValueError(f"{'q, k' if delta else 'C, B'} and {'v' if delta else 'x'} must be "
-                         f"tensors [batch, {'T drafts, ' if drafts else ''}heads, dim]")
-    lead, HK = tuple(q.shape[:nd - 2]), q.shape[nd - 2]
-    if HV % HK:
-        raise ValueError(f"value heads ({HV}) must be a multiple of key heads ({HK})")
-    _check_inputs(kind, shape, lead[0], {
-        "q": (q, lead + (HK, dk)), "k": (k, lead + (HK, dk)), "v": (v, lead + (HV, dv)),
-        "g": (a, lead + (HV, dk)), "beta": (b, lead + (HV,))} if vec else {
-        "q" if delta else "C": (q, lead + (HK, dk)), "k" if delta else "B": (k, lead + (HK, dk)),
-        "v" if delta else "x": (v, lead + (HV, dv)), "a" if delta else "dt": (a, lead + (HV,)),
-        "b": (b, lead + (HV,)), "A_log" if delta else "A": (A, (HV,)), "dt_bias": (dt_bias, (HV,)),
-        "D": (D, (HV,)), "z": (z, lead + (HV, dv))})
-    return lead, HK
-
-
 def conv_launch(store: ConventionalStore, kind, q, k, v, a, b, A, dt_bias, D, z, state_indices,
                 out, scale, use_qk_l2norm, block_v, num_warps, advance=True, dt_limit=None,
                 snaps=None):
     """_conventional_kernel for a step of `kind` (the state in place; advance: n_casts += 1) or,
     with snaps (make_snapshots), a verify of the drafts on axis 1 of the inputs."""
-    st: PackedRole = store.state
+    st = store.state
     N, HV, dv, dk = st.shape
     _pow2_dims(st.shape)
     lead, HK = step_inputs(kind, st.shape, snaps is not None, q, k, v, a, b, A, dt_bias, D, z)

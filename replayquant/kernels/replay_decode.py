@@ -2,16 +2,7 @@
 and KDA (DESIGN sections 3 and 4; the torch references with the same signatures are in
 `replayquant.kernels.replay_ref`; what each design choice measured is in docs/kernels.md).
 
-Storage of one layer (`ReplayStore`; slots N, value heads H, key heads / groups HK, ring of
-C = L + max_drafts entries, entry j of the window at (start + j) mod C):
-
-    anchor      PackedRole [N, H, d_v, d_k]     high precision, written only at a flush
-    read copy   PackedRole [N, H, d_v, d_k]     low precision, packed (None: shared pair)
-    kbuf, vbuf  bf16 [N, C, HK, d_k], [N, C, H, d_v]   raw k / B and v / x
-    ubuf        u_dtype [N, C, H, d_v]          GDN / KDA: u against the read copy
-    Gbuf, bbuf  fp32 [N, C, H] (KDA Gbuf [.., d_k])    cumulative log gate; beta / dt
-    Tbuf        fp32 [N, C, H, L]               GDN solving for u: rows of (I + A)^{-1}
-    committed, start, n_flush   [N]             fill h, window start, flush index
+The store of one layer (`stores.ReplayStore`) holds the anchor, the read copy and the ring.
 
 A step runs, per row with committed fill h: a pre-flush when the committed entries would not
 leave T free slots (fold them into the anchor, cast both roles); a flush step when this step
@@ -19,8 +10,8 @@ fills the buffer or is forced (rebuild the unrounded state, apply the step, outp
 anchor and read copy independently from S, each with its own SR stream); else a read (outputs
 from the packed read copy, decoded in registers, and the buffer; the step's entry appended).
 The flush launch runs the first two, the read launch the reads and, in its last program of a
-row, the pointer moves; an NVFP4 read copy beside an FP32 anchor is cast by a launch between
-them (_read_copy_kernel); at small batch one launch does both (_fused). The rebuild uses the
+row, the pointer moves (a flush writing an NVFP4 role takes whole matrices: one scale per
+matrix); at small batch one launch does both (_fused). The rebuild uses the
 WY form of the chunked delta rule with tensor-core products (_rebuild); a shared FP32 pair
 folds its cached u as it is (folds_u); KDA solving for u folds entry by entry (_rebuild_vec).
 Layers sharing one pair of pointer tensors pass advance=False to all but their last.
@@ -28,148 +19,23 @@ Layers sharing one pair of pointer tensors pass advance=False to all but their l
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from replayquant.kernels.conventional import (step_inputs, _front_end, _gate_out, _indices,
-                                              _kda_front_end, _kernel_inputs, _program_tile,
-                                              _vector_gate_step, _rank1_step, NO_DT_LIMIT,
-                                              dt_limit_args, _pow2_dims)
-from replayquant.kernels.roles import (PackedRole, _nv_store, _role_bits, _tile_load, _tile_store,
-                                       role_streams, split_key)
+from replayquant.kernels.conventional import (_front_end, _gate_out, _gated_step,
+                                              _kernel_inputs, _program_tile)
 from replayquant.kernels.quant import (decode_bf16, decode_fp16, small_float_at,
                                        small_float_pair_at)
-from replayquant.statebytes import ring_u_bytes
-from replayquant.streams import ANCHOR, READ, layer_seed
+from replayquant.kernels.roles import _tile_load, _tile_store, split_key
+from replayquant.kernels.stores import (NO_DT_LIMIT, ReplayStore, _begin, _default_force,
+                                        _check_buffered_bf16, _indices, dt_limit_args, folds_u,
+                                        solves_u, step_inputs)
 
-__all__ = ["ReplayStore", "replay_gdn_step", "replay_mamba2_step", "replay_kda_step",
-           "advance_pointers",
-           "resolve_path", "replay_launch_config", "PATHS"]
-
-
-def _pair_roles(pair):
-    """(anchor (fmt, rounding), read (fmt, rounding) or None, L) of a PrecisionPair or name."""
-    from replayquant.pairs import PrecisionPair
-    if isinstance(pair, str):
-        pair = PrecisionPair.load(pair)
-    if not isinstance(pair, PrecisionPair):
-        raise ValueError(f"pair must be a PrecisionPair or a pair name, got {type(pair).__name__}")
-    anchor = (pair.anchor.format, pair.anchor.rounding)
-    read = None if pair.read is None else (pair.read.format, pair.read.rounding)
-    return anchor, read, pair.buffer_len
-
-
-@dataclass
-class ReplayStore:
-    """Replay state of one layer for N slots (module docstring for the layout)."""
-
-    kind: str
-    anchor: PackedRole
-    read: PackedRole | None
-    L: int
-    key_heads: int
-    kbuf: torch.Tensor
-    vbuf: torch.Tensor
-    ubuf: torch.Tensor | None
-    Gbuf: torch.Tensor
-    bbuf: torch.Tensor
-    committed: torch.Tensor
-    n_flush: torch.Tensor
-    key: int
-    start: torch.Tensor | None = None
-    max_drafts: int = 0
-    pending_T: int | None = None     # drafts verified and not yet accepted
-    last_force: bool = False         # path of the last step: True = it flushed every row (force)
-    arrive: torch.Tensor | None = None   # int32 [N]: arrival counters of the pointer move (zero)
-    sync: torch.Tensor | None = None     # int32 [N, H, 4]: per-matrix arrivals and amax of a
-                                         # flush that casts an NVFP4 read copy (zero)
-    Tbuf: torch.Tensor | None = None     # fp32 [N, C, H, L]: key factors (solves_u stores)
-    casts: torch.Tensor | None = None    # int32 [1 + N H, 4]: the NVFP4 read copies a flush
-                                         # queued for _read_copy_kernel (count, then entries)
-
-    @property
-    def capacity(self) -> int:
-        return self.L + self.max_drafts
-
-    @classmethod
-    def from_state(cls, initial: torch.Tensor, pair, kind: str, key_heads: int | None = None,
-                   seed: int = 0, layer: int = 0, u_dtype=None,
-                   buffer_len: int | None = None, max_drafts: int = 0) -> "ReplayStore":
-        """Cast float32 initial [N, H, d_v, d_k] into anchor and read copy (flush index 0,
-        independently, as ReplayState), empty buffers. key_heads: GDN key heads / Mamba-2
-        groups (default H). max_drafts: the largest T of speculative verify (0: plain decode).
-        kind 'kda': the delta rule with a gate per key channel (Gbuf per channel). u_dtype (GDN /
-        KDA u in the ring): None is float32 for a shared FP32 pair (its flush folds the cached u,
-        folds_u), else bfloat16, the flush solving for u (statebytes.ring_u_bytes)."""
-        if kind not in ("gdn", "mamba2", "kda"):
-            raise ValueError(f"kind must be 'gdn', 'mamba2' or 'kda', got {kind!r}")
-        if not isinstance(initial, torch.Tensor) or initial.dim() != 4 or not initial.is_floating_point():
-            raise ValueError("initial state must be a float tensor [slots, heads, d_v, d_k]")
-        (afmt, arnd), read, L = _pair_roles(pair)
-        if buffer_len is not None:
-            L = int(buffer_len)
-        if L < 1:
-            raise ValueError(f"buffer_len must be >= 1, got {L}")
-        N, H, dv, dk = initial.shape
-        HK = H if key_heads is None else int(key_heads)
-        if HK < 1 or H % HK:
-            raise ValueError(f"key_heads={HK} must divide the {H} heads")
-        _pow2_dims(initial.shape)
-        dev = initial.device
-        key = layer_seed(seed, layer)
-        slots = torch.arange(N)
-        x = initial.float()
-        anchor = PackedRole.empty(afmt, arnd, tuple(initial.shape), dev)
-        anchor.write_(slots, x, key, role_streams(0, ANCHOR, slots, H))
-        rrole = None
-        if read is not None:
-            rrole = PackedRole.empty(read[0], read[1], tuple(initial.shape), dev)
-            rrole.write_(slots, x, key, role_streams(0, READ, slots, H))
-        if u_dtype is None:
-            u_dtype = torch.float32 if ring_u_bytes(afmt, None if read is None else read[0]) == 4 \
-                else torch.bfloat16
-        if u_dtype not in (torch.bfloat16, torch.float32):
-            raise ValueError("u_dtype must be torch.bfloat16 or torch.float32")
-        if max_drafts < 0 or max_drafts > L:
-            raise ValueError(f"max_drafts={max_drafts} must lie in 0..buffer_len={L}")
-        bf = torch.bfloat16
-        C = L + int(max_drafts)
-        store = cls(kind, anchor, rrole, L, HK,
-                   kbuf=torch.zeros(N, C, HK, dk, dtype=bf, device=dev),
-                   vbuf=torch.zeros(N, C, H, dv, dtype=bf, device=dev),
-                   ubuf=torch.zeros(N, C, H, dv, dtype=u_dtype, device=dev) if kind != "mamba2" else None,
-                   Gbuf=torch.zeros((N, C, H, dk) if kind == "kda" else (N, C, H),
-                                    dtype=torch.float32, device=dev),
-                   bbuf=torch.zeros(N, C, H, dtype=torch.float32, device=dev),
-                   committed=torch.zeros(N, dtype=torch.int32, device=dev),
-                   n_flush=torch.zeros(N, dtype=torch.int64, device=dev), key=key,
-                   start=torch.zeros(N, dtype=torch.int32, device=dev), max_drafts=int(max_drafts),
-                   arrive=torch.zeros(N, dtype=torch.int32, device=dev))
-        if solves_u(store):
-            store.Tbuf = torch.zeros(N, C, H, L, device=dev)
-        return store
-
-    @property
-    def shape(self):
-        return self.anchor.shape
-
-    @property
-    def shared(self) -> bool:
-        return self.read is None
-
-    @property
-    def read_role(self) -> PackedRole:
-        return self.anchor if self.read is None else self.read
-
-    def clone(self) -> "ReplayStore":
-        return dataclasses.replace(self, **{
-            f.name: getattr(self, f.name).clone() for f in dataclasses.fields(self)
-            if isinstance(getattr(self, f.name), (torch.Tensor, PackedRole))})
+__all__ = ["replay_gdn_step", "replay_mamba2_step", "replay_kda_step", "advance_pointers",
+           "replay_launch_config"]
 
 
 # ============================================================================ Triton
@@ -335,87 +201,14 @@ def _fold(S0, Kb, r, X, G, Bt, jj, n, A_pay, A_sc, A_gs, mat, rows, kbuf, Tbuf, 
 def _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi, fi,
                  slot, hv, DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
                  AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr, RSR: tl.constexpr,
-                 SHARED: tl.constexpr, NB: tl.constexpr, SYNC: tl.constexpr, amax=0.0):
-    """anchor <- Q_anchor(S), read <- Q_read(S): two independent casts of the same S. SYNC
-    (an NVFP4 read copy beside an FP32 anchor, the matrix in tiles of several programs): the
-    anchor only, _read_copy_kernel casting the read copy from it. NB > 1 (an NVFP4 read copy
-    beside an FP16 / BF16 anchor, a program looping over its matrix's NB row blocks): the read
-    block too, with the matrix's amax of S (found by a first pass over the blocks)."""
+                 SHARED: tl.constexpr):
+    """anchor <- Q_anchor(S), read <- Q_read(S): two independent casts of the same S (a role in
+    NVFP4 takes the whole matrix, BV = DV: one scale per matrix)."""
     _tile_store(S, A_pay, A_sc, A_gs, mat, rows, cols, key_lo, key_hi, fi, slot, hv,
                 DV, DK, BV, AFMT, ASR, 0)
-    if not SHARED and not SYNC:
-        if NB == 1:
-            _tile_store(S, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi, fi, slot, hv,
-                        DV, DK, BV, RFMT, RSR, 1)
-        else:
-            offs = rows[:, None] * DK + cols[None, :]
-            _nv_store(S, amax, R_pay, R_sc, R_gs, mat, rows,
-                      _role_bits(offs, RSR, key_lo, key_hi, fi, 1, slot, hv), DV, DK, BV, RSR)
-
-
-@triton.jit
-def _queue_read_copy(S, sync_ptr, queue, cast_ptr, mat, fi, slot, hv, DV: tl.constexpr,
-                     BV: tl.constexpr):
-    """SYNC (an NVFP4 read copy beside an FP32 anchor, one tile of the matrix per program):
-    each program adds its tile's amax of S to the matrix's (sync_ptr [2]: arrivals, amax as the
-    bits of a non-negative float32, which order as integers); the last to arrive resets both
-    and, with queue, appends (slot, head, flush index, amax) to the casts of _read_copy_kernel
-    (cast_ptr: the count, then the entries), which casts the copy from the anchor (S itself)."""
-    am = tl.max(tl.max(tl.abs(S), axis=1), axis=0)
-    tl.atomic_max(sync_ptr + 1, am.to(tl.int32, bitcast=True))
-    tl.debug_barrier()                          # the program's amax is in before it arrives
-    if tl.atomic_add(sync_ptr, 1) == DV // BV - 1:          # acq_rel, gpu scope
-        amax = tl.atomic_xchg(sync_ptr + 1, 0)
-        tl.atomic_xchg(sync_ptr, 0)
-        if queue:
-            e = cast_ptr + 4 + 4 * tl.atomic_add(cast_ptr, 1)
-            tl.store(e, slot.to(tl.int32))
-            tl.store(e + 1, hv)
-            tl.store(e + 2, fi.to(tl.int32))
-            tl.store(e + 3, amax)
-
-
-@triton.jit
-def _read_copy_kernel(A_pay, R_pay, R_sc, R_gs, cast_ptr, key_lo, key_hi, HV: tl.constexpr,
-                      DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, RSR: tl.constexpr):
-    """The NVFP4 read copies that the flush launch queued (_queue_read_copy), cast from their
-    FP32 anchors (S itself) with the matrix's amax of S, BV rows a work item, the items spread
-    over a fixed grid: the same bits as casting S whole. On a read step the count is zero and
-    every program returns after one load (the read launch resets it)."""
-    NBLK: tl.constexpr = DV // BV
-    cols = tl.arange(0, DK)
-    for w in range(tl.program_id(0), tl.load(cast_ptr) * NBLK, tl.num_programs(0)):
-        e = cast_ptr + 4 + 4 * (w // NBLK)
-        slot = tl.load(e).to(tl.int64)
-        hv = tl.load(e + 1)
-        mat = slot * HV + hv
-        rb = (w % NBLK) * BV + tl.arange(0, BV)
-        offs = rb[:, None] * DK + cols[None, :]
-        _nv_store(tl.load(A_pay + mat * (DV * DK) + offs),
-                  tl.load(e + 3).to(tl.float32, bitcast=True), R_pay, R_sc, R_gs, mat, rb,
-                  _role_bits(offs, RSR, key_lo, key_hi, tl.load(e + 2), 1, slot, hv), DV, DK,
-                  BV, RSR)
-
-
-@triton.jit
-def _flushed_tile(S, PS: tl.constexpr, NP: tl.constexpr, amax, A_pay, A_sc, A_gs, R_pay, R_sc,
-                  R_gs, sync_ptr, queue, cast_ptr, mat, rows, cols, key_lo, key_hi, fi, slot, hv,
-                  DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, NB: tl.constexpr,
-                  AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr, RSR: tl.constexpr,
-                  SHARED: tl.constexpr, SYNC: tl.constexpr):
-    """The flushed state S of one tile, in pass PS of NP (the pre-flush and the flush step
-    alike): in the last pass both roles (_store_roles; SYNC: the read copy queued after the
-    matrix's last tile, sync_ptr its two slots, if queue), in the first of two the matrix amax.
-    Returns the amax."""
-    if PS == NP - 1:
-        _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi,
-                     fi, slot, hv, DV, DK, BV, AFMT, ASR, RFMT, RSR, SHARED, NB, SYNC, amax)
-        if SYNC:
-            _queue_read_copy(S, sync_ptr, queue, cast_ptr, mat, fi, slot, hv, DV, BV)
-    if NB > 1:
-        if PS == 0:
-            amax = tl.maximum(amax, tl.max(tl.max(tl.abs(S), axis=1), axis=0))
-    return amax
+    if not SHARED:
+        _tile_store(S, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi, fi, slot, hv,
+                    DV, DK, BV, RFMT, RSR, 1)
 
 
 @triton.jit
@@ -569,9 +362,8 @@ def _tile_mv(p, b, s, x, y, TWO: tl.constexpr, DK: tl.constexpr, FMT: tl.constex
 def _tile_mv_t(p, b, s, Y, DK: tl.constexpr, FMT: tl.constexpr, PCK: tl.constexpr,
                T: tl.constexpr):
     """R Y^T [BV, TP] of a Mamba-2 verify's T drafts (Y [TP, DK], row t: draft t's C) in one pass
-    over the read copy, each chunk loaded once and read T times from registers. H200, T = 4,
-    B = 512, rounds, us: Mamba-2 s32_rs 1583.4 against 1848.7 in T passes (B = 32: 121.0 / 156.2);
-    GDN, whose drafts need R k and R q, lost (s32_rs 1431.5 / 1033.8): it keeps T passes."""
+    over the read copy, each chunk loaded once and read T times from registers (GDN, whose
+    drafts need R k and R q, keeps T passes: docs/kernels.md)."""
     CPW: tl.constexpr = 8 if FMT == 4 else 4 if FMT == 3 else 1       # columns a word
     CK: tl.constexpr = DK if (PCK == 0) or (PCK >= DK) else PCK
     NC: tl.constexpr = DK // CK
@@ -657,20 +449,14 @@ def _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, out_ptr, q_ptr, k
             q, k, v, log_a, beta, skip = _front_end(
                 q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, row * T + t, hv, hk,
                 rows, cols, scale, dt_lo, dt_hi, HK, HV, DK, DV, DELTA, L2NORM, HAS_DTB, HAS_D,
-                DT_CLAMP)
+                DT_CLAMP, VEC)
             Ym = tl.where((tt == t)[:, None], q[None, :], Ym)
         RQ = _tile_mv_t(P, Pb, s, Ym, DK, RFMT, PCK, T)
     for t in tl.static_range(T):
         tok = row * T + t
-        if VEC:
-            q, k, v, log_a, beta = _kda_front_end(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, tok, hv, hk,
-                                                  rows, cols, scale, HK, HV, DK, DV, L2NORM)
-            skip = 0.0
-        else:
-            q, k, v, log_a, beta, skip = _front_end(
-                q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, tok, hv, hk, rows,
-                cols, scale, dt_lo, dt_hi, HK, HV, DK, DV, DELTA, L2NORM, HAS_DTB, HAS_D,
-                DT_CLAMP)
+        q, k, v, log_a, beta, skip = _front_end(
+            q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, tok, hv, hk, rows, cols,
+            scale, dt_lo, dt_hi, HK, HV, DK, DV, DELTA, L2NORM, HAS_DTB, HAS_D, DT_CLAMP, VEC)
         p = h + t
         Gp = Gp + log_a
         # the buffer's terms before the read copy's pass (_tile_mv), so that the entries' tiles
@@ -750,42 +536,33 @@ def _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, out_ptr, q_ptr, k
 
 
 @triton.jit
-def _flush_tile_at(tile, n_rows, HV: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-                   NB: tl.constexpr, SYNC: tl.constexpr):
+def _flush_tile_at(tile, n_rows, HV: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
     """(batch row, value head, row block) of flush-launch tile `tile` (a scalar or a block). The
     tiles of one (value head, row block) are consecutive over the batch rows, so that the tiles
     of a program belong to different rows and rows flushing out of phase spread over the
-    programs (H200, B = 32, GDN s32_rs staggered window 70.0 -> 44.3 us, Mamba-2 86.2 -> 66.7;
-    in phase unchanged). SYNC (an NVFP4 read copy beside an FP32 anchor, whose tiles meet per
-    matrix): a row's tiles are consecutive, its value heads' row blocks in order, one matrix a
-    program (GDN tp4_hi32 in phase, B = 32: 34.3 us against 51.8 interleaved; B = 256: 238.4
-    against 270.4; staggered at B = 32 175.0 against 85.1)."""
-    NBLK: tl.constexpr = DV // (BV * NB)
-    if SYNC:
-        return tile // (HV * NBLK), (tile // NBLK) % HV, tile % NBLK
+    programs (docs/kernels.md, flush tiles' order)."""
     hb = tile // n_rows
-    return tile % n_rows, hb // NBLK, hb % NBLK
+    return tile % n_rows, hb // (DV // BV), hb % (DV // BV)
 
 
 @triton.jit
 def _flush_tile(tile, n_rows, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, ubuf, Gbuf, bbuf,
-                Tbuf, h_ptr, st_ptr, nf_ptr, sync_ptr, cast_ptr, idx_ptr, out_ptr, q_ptr, k_ptr,
-                v_ptr,
-                a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, beta_scale, key_lo, key_hi, dt_lo, dt_hi,
+                Tbuf, h_ptr, st_ptr, nf_ptr, idx_ptr, out_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
+                A_ptr, dtb_ptr, D_ptr, z_ptr, scale, beta_scale, key_lo, key_hi, dt_lo, dt_hi,
                 HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                BV: tl.constexpr, NB: tl.constexpr, L: tl.constexpr, CAP: tl.constexpr,
+                BV: tl.constexpr, L: tl.constexpr, CAP: tl.constexpr,
                 LP: tl.constexpr, T: tl.constexpr, STEP: tl.constexpr, FORCE: tl.constexpr,
                 AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr, RSR: tl.constexpr,
                 SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
                 HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
                 DT_CLAMP: tl.constexpr, PREC: tl.constexpr, ON_GPU: tl.constexpr,
-                VEC: tl.constexpr, SYNC: tl.constexpr, FOLD_U: tl.constexpr):
-    """The flush launch's work on one tile (batch row, value head, NB blocks of BV rows) of a
-    row that pre-flushes or flushes: the pre-flush (fold the h committed entries, cast both
-    roles), then in a step the flush step (rebuild, this step, output S q, cast both roles)."""
-    row, hv, blk = _flush_tile_at(tile, n_rows, HV, DV, BV, NB, SYNC)
+                VEC: tl.constexpr, FOLD_U: tl.constexpr):
+    """The flush launch's work on one tile (batch row, value head, BV rows) of a row that
+    pre-flushes or flushes: the pre-flush (fold the h committed entries, cast both roles), then
+    in a step the flush step (rebuild, this step, output S q, cast both roles)."""
+    row, hv, blk = _flush_tile_at(tile, n_rows, HV, DV, BV)
     hk = hv // (HV // HK)
-    rows0 = blk * (BV * NB) + tl.arange(0, BV)
+    rows = blk * BV + tl.arange(0, BV)
     cols = tl.arange(0, DK)
     slot = tl.load(idx_ptr + row).to(tl.int64)
     mat = slot * HV + hv
@@ -794,90 +571,59 @@ def _flush_tile(tile, n_rows, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, 
     start = tl.load(st_ptr + slot)
     nf = tl.load(nf_ptr + slot)
     pre, fill = _flush_flags(h, T, L, STEP)
-    # row blocks beside an anchor that is not FP32: a first pass finds the matrix amax
-    NP: tl.constexpr = 2 if (NB > 1) and (AFMT != 0) else 1
-    last = True                 # no flush step follows the pre-flush: it queues its read copy
-    if STEP:
-        last = ~(fill | FORCE)
     if pre:
-        amax = 0.0
-        for ps in tl.static_range(NP):
-            for ib in range(NB):
-                rows = rows0 + ib * BV
-                Kb, r, X, G, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start, hv,
-                                                hk, rows, cols, jj, h, HK, HV, DK, DV, CAP,
-                                                DELTA, L2NORM, FOLD_U, VEC)
-                S = _fold(_tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT), Kb,
-                          r, X, G, Bt, jj, h, A_pay, A_sc, A_gs, mat, rows, kbuf, Tbuf,
-                          _entry(slot, start, jj, CAP), hk, hv, HK, HV, L, DK, DV, AFMT, DELTA, PREC,
-                          ON_GPU, VEC, FOLD_U)
-                amax = _flushed_tile(S, ps, NP, amax, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs,
-                                     sync_ptr + mat * 4, last, cast_ptr, mat, rows, cols, key_lo, key_hi,
-                                     nf + 1, slot, hv, DV, DK, BV, NB, AFMT, ASR, RFMT, RSR,
-                                     SHARED, SYNC)                 # sync slots 0, 1
+        Kb, r, X, G, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start, hv, hk, rows,
+                                        cols, jj, h, HK, HV, DK, DV, CAP, DELTA, L2NORM, FOLD_U,
+                                        VEC)
+        S = _fold(_tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT), Kb, r, X, G,
+                  Bt, jj, h, A_pay, A_sc, A_gs, mat, rows, kbuf, Tbuf, _entry(slot, start, jj, CAP),
+                  hk, hv, HK, HV, L, DK, DV, AFMT, DELTA, PREC, ON_GPU, VEC, FOLD_U)
         nf = nf + 1
+        _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi,
+                     nf, slot, hv, DV, DK, BV, AFMT, ASR, RFMT, RSR, SHARED)
         start = (start + h) % CAP
         h = h * 0
         tl.debug_barrier()          # a flush step after it reads the anchor just written
     if STEP:
         if fill | FORCE:
-            amax = 0.0
-            for ps in tl.static_range(NP):
-                for ib in range(NB):
-                    rows = rows0 + ib * BV
-                    if VEC:
-                        q, k, v, log_a, beta = _kda_front_end(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
-                                                              row, hv, hk, rows, cols, scale, HK,
-                                                              HV, DK, DV, L2NORM)
-                        skip = 0.0
-                    else:
-                        q, k, v, log_a, beta, skip = _front_end(
-                            q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, row, hv,
-                            hk, rows, cols, scale, dt_lo, dt_hi, HK, HV, DK, DV, DELTA, L2NORM,
-                            HAS_DTB, HAS_D, DT_CLAMP)
-                    S = _tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT)
-                    if h > 0:
-                        Kb, r, X, G, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot,
-                                                        start, hv, hk, rows, cols, jj, h, HK,
-                                                        HV, DK, DV, CAP, DELTA, L2NORM, FOLD_U,
-                                                        VEC)
-                        S = _fold(S, Kb, r, X, G, Bt, jj, h, A_pay, A_sc, A_gs, mat, rows, kbuf,
-                                  Tbuf, _entry(slot, start, jj, CAP), hk, hv, HK, HV, L, DK, DV, AFMT, DELTA,
-                                  PREC, ON_GPU, VEC, FOLD_U)
-                    # this step on the rebuilt state: the conventional step's arithmetic (L = 1
-                    # and a forced step on empty buffers are the conventional kernel)
-                    if VEC:
-                        S, y = _vector_gate_step(S, q, k, v, log_a, beta)
-                    else:
-                        S, y = _rank1_step(S, q, k, v, log_a,
-                                           beta * beta_scale if DELTA else beta, DELTA)
-                    amax = _flushed_tile(S, ps, NP, amax, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs,
-                                         sync_ptr + mat * 4 + 2, True, cast_ptr, mat, rows,
-                                         cols, key_lo,
-                                         key_hi, nf + 1, slot, hv, DV, DK, BV, NB, AFMT, ASR,
-                                         RFMT, RSR, SHARED, SYNC)   # sync slots 2, 3
-                    if ps == NP - 1:
-                        y = _gate_out(y + skip, z_ptr, row, hv, rows, HV, DV, HAS_Z)
-                        tl.store(out_ptr + (row * HV + hv) * DV + rows, y)
+            q, k, v, log_a, beta, skip = _front_end(
+                q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, row, hv, hk, rows,
+                cols, scale, dt_lo, dt_hi, HK, HV, DK, DV, DELTA, L2NORM, HAS_DTB, HAS_D,
+                DT_CLAMP, VEC)
+            S = _tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT)
+            if h > 0:
+                Kb, r, X, G, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start, hv,
+                                                hk, rows, cols, jj, h, HK, HV, DK, DV, CAP,
+                                                DELTA, L2NORM, FOLD_U, VEC)
+                S = _fold(S, Kb, r, X, G, Bt, jj, h, A_pay, A_sc, A_gs, mat, rows, kbuf, Tbuf,
+                          _entry(slot, start, jj, CAP), hk, hv, HK, HV, L, DK, DV, AFMT, DELTA,
+                          PREC, ON_GPU, VEC, FOLD_U)
+            # this step on the rebuilt state: the conventional step's arithmetic (L = 1 and a
+            # forced step on empty buffers are the conventional kernel)
+            S, y = _gated_step(S, q, k, v, log_a, beta * beta_scale if DELTA else beta, DELTA,
+                               VEC)
+            _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_lo,
+                         key_hi, nf + 1, slot, hv, DV, DK, BV, AFMT, ASR, RFMT, RSR, SHARED)
+            y = _gate_out(y + skip, z_ptr, row, hv, rows, HV, DV, HAS_Z)
+            tl.store(out_ptr + (row * HV + hv) * DV + rows, y)
 
 
 # key_lo / key_hi: not specialized (Triton makes an integer argument equal to 1 a constexpr)
 @triton.jit(do_not_specialize=["key_lo", "key_hi", "n_rows"])
 def _replay_kernel(
         A_pay, A_sc, A_gs, R_pay, R_sc, R_gs,
-        kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, h_ptr, st_ptr, nf_ptr, cnt_ptr, sync_ptr, cast_ptr,
-        idx_ptr, out_ptr,
+        kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, h_ptr, st_ptr, nf_ptr, cnt_ptr, idx_ptr, out_ptr,
         q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr,
         scale, beta_scale, key_lo, key_hi, dt_lo, dt_hi, n_rows,
         HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-        BV: tl.constexpr, NB: tl.constexpr, L: tl.constexpr, CAP: tl.constexpr,
+        BV: tl.constexpr, L: tl.constexpr, CAP: tl.constexpr,
         LP: tl.constexpr, T: tl.constexpr, STEP: tl.constexpr, FORCE: tl.constexpr,
         ADVANCE: tl.constexpr,
         AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr, RSR: tl.constexpr,
         SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr, HAS_DTB: tl.constexpr,
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, U_BF16: tl.constexpr, DT_CLAMP: tl.constexpr,
         PREC: tl.constexpr, ON_GPU: tl.constexpr, VEC: tl.constexpr, FLUSHES: tl.constexpr,
-        SYNC: tl.constexpr, TPP: tl.constexpr, FOLD_U: tl.constexpr, PCK: tl.constexpr,
+        TPP: tl.constexpr, FOLD_U: tl.constexpr, PCK: tl.constexpr,
         KF: tl.constexpr, FUSED: tl.constexpr):
     """A decode step (STEP, T = 1) or a verify of T drafts, in launches that make the same
     per-row decisions from the same pointers. FLUSHES, the flush launch: program p takes the
@@ -885,15 +631,14 @@ def _replay_kernel(
     once and runs _flush_tile on those whose row pre-flushes or flushes (on a read step it
     returns after that one round of loads). Else the read launch, a program per [BV, d_k] tile:
     the reads (_read_drafts), and with ADVANCE the pointer moves: the row's last program to
-    arrive (arrival counter) moves committed / start / n_flush (_moved_pointers); with SYNC
-    program (0, 0) empties the queue of read copies the cast launch has cast. FUSED (_fused): the
+    arrive (arrival counter) moves committed / start / n_flush (_moved_pointers). FUSED (_fused): the
     read launch alone on the flush's tiles, a program flushing its own tile first. Each launch
     compiles its own path only. VEC: KDA (a_ptr the log decay per key channel, b_ptr beta)."""
     if FLUSHES:
-        NT = n_rows * (HV * (DV // (BV * NB)))
+        NT = n_rows * (HV * (DV // BV))
         tiles = tl.program_id(0) * TPP + tl.arange(0, TPP)
         okt = tiles < NT
-        trow, _, _ = _flush_tile_at(tiles, n_rows, HV, DV, BV, NB, SYNC)
+        trow, _, _ = _flush_tile_at(tiles, n_rows, HV, DV, BV)
         tslot = tl.load(idx_ptr + trow, mask=okt, other=-1)
         th = tl.load(h_ptr + tslot, mask=tslot >= 0, other=0)
         tpre, tfill = _flush_flags(th, T, L, STEP)
@@ -902,17 +647,13 @@ def _replay_kernel(
         for i in range(tl.sum(need, axis=0)):
             tile = tl.sum(tl.where((need > 0) & (rank == i + 1), tiles, 0), axis=0)
             _flush_tile(tile, n_rows, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, ubuf,
-                        Gbuf, bbuf, Tbuf, h_ptr, st_ptr, nf_ptr, sync_ptr, cast_ptr, idx_ptr,
-                        out_ptr, q_ptr,
-                        k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, beta_scale, key_lo,
-                        key_hi, dt_lo, dt_hi, HK, HV, DK, DV, BV, NB, L, CAP, LP, T, STEP, FORCE,
-                        AFMT, ASR, RFMT, RSR, SHARED, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z,
-                        DT_CLAMP, PREC, ON_GPU, VEC, SYNC, FOLD_U)
+                        Gbuf, bbuf, Tbuf, h_ptr, st_ptr, nf_ptr, idx_ptr, out_ptr, q_ptr, k_ptr,
+                        v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, beta_scale,
+                        key_lo, key_hi, dt_lo, dt_hi, HK, HV, DK, DV, BV, L, CAP, LP, T, STEP,
+                        FORCE, AFMT, ASR, RFMT, RSR, SHARED, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z,
+                        DT_CLAMP, PREC, ON_GPU, VEC, FOLD_U)
     else:
-        if SYNC:                    # the read copies queued by this launch's flush are cast
-            if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
-                tl.store(cast_ptr, 0)
-        row, hv, hk, rows0, cols, slot = _program_tile(idx_ptr, HK, HV, DK, BV, NB)
+        row, hv, hk, rows0, cols, slot = _program_tile(idx_ptr, HK, HV, DK, BV)
         if slot >= 0:
             mat = slot * HV + hv
             jj = tl.arange(0, LP)
@@ -925,12 +666,12 @@ def _replay_kernel(
                 if pre | fill | FORCE:
                     _flush_tile((hv * (DV // BV) + tl.program_id(1)) * n_rows + row, n_rows,
                                 A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, ubuf, Gbuf,
-                                bbuf, Tbuf, h_ptr, st_ptr, nf_ptr, sync_ptr, cast_ptr, idx_ptr,
-                                out_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr,
-                                D_ptr, z_ptr, scale, beta_scale, key_lo, key_hi, dt_lo, dt_hi,
-                                HK, HV, DK, DV, BV, 1, L, CAP, LP, T, STEP, FORCE, AFMT, ASR,
-                                RFMT, RSR, SHARED, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z,
-                                DT_CLAMP, PREC, ON_GPU, VEC, False, FOLD_U)
+                                bbuf, Tbuf, h_ptr, st_ptr, nf_ptr, idx_ptr, out_ptr, q_ptr, k_ptr,
+                                v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale,
+                                beta_scale, key_lo, key_hi, dt_lo, dt_hi, HK, HV, DK, DV, BV, L,
+                                CAP, LP, T, STEP, FORCE, AFMT, ASR, RFMT, RSR, SHARED, DELTA,
+                                L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP, PREC, ON_GPU, VEC,
+                                FOLD_U)
                     tl.debug_barrier()      # the tile's roles are written
                 P, Pb = _row_ptrs(R_pay, R_sc, mat, rows0, DV, DK, RFMT, PCK)
             s = 1.0
@@ -993,10 +734,9 @@ def _advance_kernel(h_ptr, st_ptr, nf_ptr, idx_ptr, acc_ptr, B, L: tl.constexpr,
 # tile, state elements a thread holds (warps = BV d_k / (32 per_thread), 1..8), register cap
 # (None: ptxas's), columns a chunk of the read (0: one chunk loaded before the row's pointers;
 # d_k: one chunk loaded at the pass). The first matching row wins ('*': any). role: the read
-# launch's read copy; the flush's 'nvfp4 anchor' (one FP32 scale per matrix: whole matrices),
-# 'nvfp4 looped' (an NVFP4 read copy beside an FP16 / BF16 anchor: 32-row blocks, an amax pass
-# first), 'fp32 shared' (an FP32 anchor that is also the read copy; GDN's flush folds its cached
-# u), else '*'. Reasons: read / flush steps, H200, B = 256, us, docs/kernels.md.
+# launch's read copy; the flush's 'nvfp4' (either role in NVFP4, one FP32 scale per matrix: whole
+# matrices), 'fp32 shared' (an FP32 anchor that is also the read copy; GDN's flush folds its
+# cached u), else '*'. Reasons: read / flush steps, H200, B = 256, us, docs/kernels.md.
 LAUNCH_TABLE = (   # launch, kind, role, rows, per_thread, regs, chunk  # reason
     ("read", "gdn", "fp8", 64, 256, 128, 32),       # 96.5 vs 133.8 uncapped, 151.3 whole
     ("read", "gdn", "nvfp4", 64, 256, 128, 64),     # 100.1 vs 125.0 uncapped, 134.2 whole
@@ -1004,16 +744,13 @@ LAUNCH_TABLE = (   # launch, kind, role, rows, per_thread, regs, chunk  # reason
     ("read", "kda", "nvfp4", 64, 128, 128, 128),    # 159.3 vs 168.6 loaded early
     ("read", "*", "fp32", 64, 256, None, 32),       # GDN 171.6 vs 187.9 whole, 196.0 at 16
     ("read", "*", "*", 64, 128, None, 0),           # GDN 199.1 vs 205.4 on 1 warp, 218.9 on 4
-    ("flush", "mamba2", "nvfp4 anchor", None, 64, 168, 0),   # cast whole; the cap as below
-    ("flush", "*", "nvfp4 anchor", None, 64, None, 0),       # one FP32 scale a matrix
-    ("flush", "mamba2", "nvfp4 looped", 32, 64, 168, 0),     # blocks; the cap as below
-    ("flush", "*", "nvfp4 looped", 32, 64, None, 0),         # one FP32 scale a matrix
+    ("flush", "mamba2", "nvfp4", None, 64, 168, 0),  # whole matrices; the cap as below
+    ("flush", "*", "nvfp4", None, 64, None, 0),      # one FP32 scale a matrix: whole matrices
     ("flush", "gdn", "fp32 shared", 32, 128, None, 0),      # s32_rs 417.7 vs 506.8 at 16 rows
     ("flush", "mamba2", "fp32 shared", 32, 128, None, 0),   # s32_rs 676.8 vs 702.5 at 16, 168
     ("flush", "mamba2", "*", 16, 64, 168, 0),       # s32_rs 698.8 vs 761.8 uncapped
     ("flush", "*", "*", 16, 64, None, 0),           # smallest dot tile; GDN 1274.5 at 168
 )
-PATHS = ("auto", "replay", "flush")
 LAUNCHES = ("flush", "read")
 
 
@@ -1021,10 +758,8 @@ def _role(store: ReplayStore, which: str) -> str:
     """The role of `which` launch that LAUNCH_TABLE's rows match."""
     if which == "read":
         return store.read_role.fmt
-    if store.anchor.fmt == "nvfp4":
-        return "nvfp4 anchor"
-    if store.read_role.fmt == "nvfp4" and store.anchor.fmt != "fp32":
-        return "nvfp4 looped"
+    if "nvfp4" in (store.anchor.fmt, store.read_role.fmt):
+        return "nvfp4"
     return "fp32 shared" if store.shared and store.anchor.fmt == "fp32" else "*"
 
 
@@ -1044,11 +779,6 @@ def _table(store: ReplayStore, which: str):
 # stays small (docs/kernels.md)
 FLUSH_PROGRAMS_PER_SM = 8
 FLUSH_MAX_TILES = 8
-# The cast of the queued NVFP4 read copies: 32-row items on 4 warps, up to 32 programs an SM
-# (_read_copy_kernel alone on a full queue, B = 256, H200: GDN 208.1 us, 69% of the copy
-# bandwidth, against 245.2 at 8 programs an SM; 16 or 64 rows, 2 or 8 warps no faster)
-CAST_ROWS = 32
-CAST_PROGRAMS_PER_SM = 32
 
 
 def _flush_grid(n_tiles: int, device):
@@ -1064,26 +794,13 @@ def _flush_grid(n_tiles: int, device):
     return tpp, (-(-n_tiles // tpp),)
 
 
-def _cast_grid(n_items: int, device):
-    """_read_copy_kernel's grid for at most n_items queued items: CAST_PROGRAMS_PER_SM programs
-    an SM, fewer for a small batch (the interpreter: 3, so that programs take several items)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return (3,)
-    return (min(n_items, torch.cuda.get_device_properties(device).multi_processor_count
-                * CAST_PROGRAMS_PER_SM),)
-
-
 def _fused(store: ReplayStore, T: int, step: bool, launch, n_tiles: int, device) -> bool:
     """Whether a step runs as one launch (FUSED: each program of the flush's tiles flushes its
     own tile if its row flushes, then reads). It takes a decode step whose casts are tile-local
     (no NVFP4 role, whose scale is the whole matrix's). launch={'fused': True / False} decides;
     by default a step on the GPU fuses when the flush's n_tiles fit one wave of the flush launch
-    (FLUSH_PROGRAMS_PER_SM an SM), where a step is its launches' latency (H200, window of L
-    steps, us, fused / two launches: B = 1 GDN s32_rs 7.76 / 10.19, tp8_hi32 6.42 / 10.14,
-    Mamba-2 s32_rs 7.33 / 9.85; GDN s32_rs B = 8, 1024 tiles, 11.3 / 13.4; 2048 tiles or more
-    slower: GDN tp8_hi32 B = 8 14.6 / 12.7, B = 32 s32_rs 35.1 / 34.5); the interpreter runs
-    two launches unless asked."""
+    (FLUSH_PROGRAMS_PER_SM an SM), where a step is its launches' latency (docs/kernels.md, one
+    launch at small batch); the interpreter runs two launches unless asked."""
     ok = step and T == 1 and "nvfp4" not in (store.anchor.fmt, store.read_role.fmt)
     want = (launch or {}).get("fused")
     if want is None:
@@ -1096,30 +813,6 @@ def _fused(store: ReplayStore, T: int, step: bool, launch, n_tiles: int, device)
         raise ValueError("launch={'fused': True} takes a decode step of a store without an "
                          "NVFP4 role (an NVFP4 scale covers the whole matrix)")
     return want
-
-
-def solves_u(store: ReplayStore) -> bool:
-    """Whether the GDN flush solves for u against the anchor (a separate read copy, or a shared
-    anchor with bf16 u): the read steps append the rows of the key factors (I + A)^{-1} of
-    DESIGN section 4 (Tbuf), which depend on the keys, gates and betas alone, so the flush
-    forms U = T (beta (V - e^G W)) with one product and no triangular solve. A store that
-    folds (folds_u) and KDA (whose solve is the sequential fold) keep none."""
-    return store.kind == "gdn" and not folds_u(store)
-
-
-def folds_u(store: ReplayStore) -> bool:
-    """Whether the flush folds the ring's cached u as it is (a shared GDN / KDA pair with FP32 u:
-    its read steps computed u against the anchor itself, to FP32 rounding) instead of solving
-    for u against the anchor (DESIGN section 4): S = e^{G_n} S0 + (U e^{G_n - G})^T K, one
-    tensor-core product, no W = K S0^T, no triangular solve."""
-    return store.shared and store.ubuf is not None and store.ubuf.dtype == torch.float32
-
-
-def _synced(store: ReplayStore) -> bool:
-    """An NVFP4 read copy beside an FP32 anchor: the flush's tiles add their amax per matrix and
-    queue the copy (_queue_read_copy), which a launch of its own casts from the anchor
-    (_read_copy_kernel)."""
-    return not store.shared and store.anchor.fmt == "fp32" and store.read.fmt == "nvfp4"
 
 
 def _max_regs(store: ReplayStore, launch, which: str, T: int = 1):
@@ -1137,9 +830,8 @@ def _max_regs(store: ReplayStore, launch, which: str, T: int = 1):
 
 
 def replay_launch_config(store: ReplayStore, which: str = "read", launch=None):
-    """(BV, NB, num_warps) of the flush or the read launch (`which`) of _replay_kernel for this
-    store: tile rows, row blocks per program (a flush launch that writes an NVFP4 role: the whole
-    matrix; else 1) and warps, from LAUNCH_TABLE, or as given in launch: a mapping
+    """(BV, num_warps) of the flush or the read launch (`which`) of _replay_kernel for this
+    store: tile rows and warps, from LAUNCH_TABLE, or as given in launch: a mapping
     {'read' / 'flush': (rows, warps) or (rows, warps, regs)} whose entries may be None (the
     table's); regs caps the registers a thread (ptxas's maxnreg; the bench's variants), see
     _max_regs."""
@@ -1153,12 +845,10 @@ def replay_launch_config(store: ReplayStore, which: str = "read", launch=None):
     block_v, num_warps = (launch.get(which) or (None, None))[:2]
     N, HV, dv, dk = store.shape
     rows, per_thread, _, _ = _table(store, which)
-    role = _role(store, which)
-    nv = which == "flush" and role.startswith("nvfp4")      # a flush that writes an NVFP4 role
     if block_v is None:
         block_v = dv if rows is None else min(dv, rows)
-    if role == "nvfp4 anchor" and block_v != dv:
-        raise ValueError(f"an NVFP4 anchor is cast a whole matrix at a time (one FP32 scale per "
+    if which == "flush" and _role(store, which) == "nvfp4" and block_v != dv:
+        raise ValueError(f"an NVFP4 role is cast a whole matrix at a time (one FP32 scale per "
                          f"matrix): the flush launch's rows must be d_v = {dv}, got {block_v}")
     if block_v < 16 or dv % block_v or block_v & (block_v - 1):
         raise ValueError(f"{which} launch rows={block_v} must be a power of two >= 16 dividing "
@@ -1168,22 +858,7 @@ def replay_launch_config(store: ReplayStore, which: str = "read", launch=None):
         num_warps = max(1, min(8, block_v * dk // (32 * per_thread)))
     if num_warps < 1 or num_warps & (num_warps - 1):
         raise ValueError(f"{which} launch warps={num_warps} must be a power of two")
-    return block_v, (dv // block_v if nv else 1), num_warps
-
-
-def resolve_path(store: ReplayStore, n_rows: int, path: str = "auto") -> str:
-    """'replay' (the ReplayState schedule: a row flushes when its buffer fills) or 'flush'
-    (every row flushes this step: with a shared pair and empty buffers the conventional
-    read-modify-write, bit for bit). 'auto', the default, is 'replay' at every batch."""
-    if path not in PATHS:
-        raise ValueError(f"path must be one of {', '.join(map(repr, PATHS))}, got {path!r}")
-    return "flush" if path == "flush" else "replay"
-
-
-def _default_force(store, step, accepted, force_flush):
-    if force_flush is None:     # the path the last step of this store took
-        return bool(store.last_force) if step and accepted is None else False
-    return bool(force_flush)
+    return block_v, num_warps
 
 
 def advance_pointers(store: ReplayStore, state_indices, T: int = 1, step: bool = True,
@@ -1204,31 +879,12 @@ def advance_pointers(store: ReplayStore, state_indices, T: int = 1, step: bool =
         STEP=step, force=int(force_flush), HAS_ACC=acc is not None, BLOCK=BLOCK)
 
 
-def _check_buffered_bf16(delta: bool, k, v):
-    for name, t in (("k" if delta else "B", k), ("v" if delta else "x", v)):
-        if t.dtype != torch.bfloat16:
-            raise ValueError(f"{name} must be bfloat16 (the replay buffer stores it in bf16), "
-                             f"got {t.dtype}")
-
-
-def _begin(store: ReplayStore, kind: str, step: bool, path) -> bool:
-    """The checks of a step or verify (kernel and reference) before it touches the store; returns
-    whether the step flushes every row (force, resolve_path)."""
-    if store.kind != kind:
-        raise ValueError(f"this {'step' if step else 'verify'} needs a store built with "
-                         f"kind={kind!r}, got {store.kind!r}")
-    if store.pending_T:
-        raise ValueError(f"{'step' if step else 'verify'}: {store.pending_T} drafts are pending; "
-                         f"call replay_accept first")
-    return step and resolve_path(store, 0, path) == "flush"
-
-
 def _launch(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, state_indices, out,
             scale, use_qk_l2norm, step, path="replay", launch=None, dt_limit=None, advance=True,
             beta_scale=1.0):
     """A step (step True; path as resolve_path) or a verify of the drafts on axis 1 of the
-    inputs (then replay_accept) of a `kind` store: _replay_kernel's flush launch, its cast
-    launch (_synced), then its read launch, or one launch (_fused); returns out. With advance
+    inputs (then replay_accept) of a `kind` store: _replay_kernel's flush launch, then its read
+    launch, or one launch (_fused); returns out. With advance
     the read launch moves the pointers (the last program of each row). KDA: a is the log decay
     g per key channel, b beta, A None."""
     delta = kind != "mamba2"
@@ -1260,31 +916,25 @@ def _launch(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, state_ind
                          f"float32 [{N}, {store.capacity}, {HV}, {store.L}] (ReplayStore.from_state "
                          f"allocates it), got "
                          f"{None if store.Tbuf is None else list(store.Tbuf.shape)}")
-    sync = _synced(store)
-    if sync and (store.sync is None or store.sync.shape[:2] != (N, HV)):
-        store.sync = torch.zeros(N, HV, 4, dtype=torch.int32, device=store.committed.device)
-        store.casts = torch.zeros(1 + N * HV, 4, dtype=torch.int32, device=store.committed.device)
     Ap, As, Ag, afid = store.anchor.kernel_args()
     Rp, Rs, Rg, rfid = store.read_role.kernel_args()
     inputs = _kernel_inputs(q, k, v, a, b, A, dt_bias, D, z)
     pck = _table(store, "read")[3]
     runs = [("flush", False, configs[0])] if fused else \
         list(zip(LAUNCHES, (True, False), configs))
-    for which, flushes, (BV, NB, nw) in runs:       # fused: one launch with the flush's tiles
+    for which, flushes, (BV, nw) in runs:       # fused: one launch with the flush's tiles
         regs = _max_regs(store, launch, which, T)
-        tpp, grid = 1, (B * HV, dv // (BV * NB))
+        tpp, grid = 1, (B * HV, dv // BV)
         if flushes:
-            tpp, grid = _flush_grid(B * HV * (dv // (BV * NB)), q.device)
+            tpp, grid = _flush_grid(B * HV * (dv // BV), q.device)
         _replay_kernel[grid](
             Ap, As, Ag, Rp, Rs, Rg, store.kbuf, store.vbuf,
             store.ubuf if store.ubuf is not None else store.vbuf, store.Gbuf, store.bbuf,
             store.Tbuf if kf else store.bbuf, store.committed, store.start, store.n_flush,
-            store.arrive,
-            store.sync if sync else store.arrive, store.casts if sync else store.arrive, idx,
-            out, *inputs,
+            store.arrive, idx, out, *inputs,
             float(scale if scale is not None else 1.0 / math.sqrt(dk)), beta_scale,
             *split_key(store.key), dt_lo, dt_hi, B,
-            HK=HK, HV=HV, DK=dk, DV=dv, BV=BV, NB=NB, L=store.L, CAP=store.capacity,
+            HK=HK, HV=HV, DK=dk, DV=dv, BV=BV, L=store.L, CAP=store.capacity,
             LP=max(16, triton.next_power_of_2(store.L)), T=T, STEP=step, FORCE=bool(force),
             ADVANCE=bool(advance) and not flushes, AFMT=afid, FUSED=fused,
             ASR=store.anchor.rounding == "stochastic", RFMT=rfid,
@@ -1293,12 +943,8 @@ def _launch(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, state_ind
             HAS_Z=z is not None,
             U_BF16=store.ubuf is not None and store.ubuf.dtype == torch.bfloat16,
             DT_CLAMP=dt_clamp, PREC="tf32x3", ON_GPU=q.is_cuda, VEC=kind == "kda", FLUSHES=flushes,
-            SYNC=sync, TPP=tpp, FOLD_U=folds_u(store), KF=kf,
+            TPP=tpp, FOLD_U=folds_u(store), KF=kf,
             PCK=pck, num_warps=nw, **({} if regs is None else {"maxnreg": regs}))
-        if sync and flushes:
-            _read_copy_kernel[_cast_grid(B * HV * (dv // min(dv, CAST_ROWS)), q.device)](
-                Ap, Rp, Rs, Rg, store.casts, *split_key(store.key), HV=HV, DV=dv, DK=dk,
-                BV=min(dv, CAST_ROWS), RSR=store.read.rounding == "stochastic", num_warps=4)
     if step:
         store.last_force = force
     else:

@@ -29,29 +29,17 @@ import torch
 import triton
 import triton.language as tl
 
-from replayquant.kernels.conventional import (_into, ConventionalStore, _indices, NO_DT_LIMIT,
-                                              conv_launch, gdn_frontend_ref, mamba2_frontend_ref,
-                                              mamba2_post_ref)
+from replayquant.kernels.conventional import (_into, conv_launch, gdn_frontend_ref,
+                                              mamba2_frontend_ref, mamba2_post_ref)
+from replayquant.kernels.replay_decode import _launch, advance_pointers
 from replayquant.kernels.roles import PackedRole, role_streams
-from replayquant.kernels.replay_decode import ReplayStore, _launch, advance_pointers
+from replayquant.kernels.stores import (NO_DT_LIMIT, ConventionalStore, ReplayStore,
+                                        _check_accept, _indices)
 from replayquant.streams import ANCHOR
 
 __all__ = ["replay_gdn_verify", "replay_mamba2_verify", "replay_kda_verify", "replay_accept", "make_snapshots",
            "conventional_gdn_verify", "conventional_gdn_verify_ref", "conventional_mamba2_verify",
            "conventional_mamba2_verify_ref", "conventional_accept", "conventional_accept_ref"]
-
-
-def _check_accept(n, B, T, device, check=True):
-    if not check:                     # no host synchronisation (CUDA graph capture)
-        return n if n.dtype == torch.int32 else n.to(device=device, dtype=torch.int32)
-    if isinstance(n, int) and not isinstance(n, bool):
-        n = torch.full((B,), n, dtype=torch.int32, device=device)
-    if not isinstance(n, torch.Tensor) or n.is_floating_point() or n.dtype == torch.bool \
-            or n.shape != (B,):
-        raise ValueError(f"accept: n must be an int or an integer tensor [batch={B}]")
-    if T is not None and bool(((n < 0) | (n > T)).any()):
-        raise ValueError(f"accept: every n must lie in 0..T={T}")
-    return n.to(device=device, dtype=torch.int32).contiguous()
 
 
 # ============================================================================ replay verify

@@ -88,7 +88,7 @@ def decode_path(x: torch.Tensor | None = None, d_k: int | None = None, d_v: int 
         why.append(f"the Triton replay decode kernel needs d_k, d_v powers of two >= 16, got "
                    f"d_k={d_k}, d_v={d_v}")
     if dt_limit is not None:
-        from replayquant.kernels.conventional import dt_limit_args
+        from replayquant.kernels.stores import dt_limit_args
         dt_limit_args(dt_limit)
     if why:
         return "torch (" + "; ".join(why) + ")"
@@ -204,7 +204,7 @@ def state_to_store(st: ReplayState, key_heads: int, u_dtype=None):
     float32 for a shared FP32 pair, whose flush folds it, else KERNEL_U_DTYPE) and, where its
     flush solves for u, GDN's key factors (Tbuf, computed from the entries).
     Raises ValueError for rows that repeat."""
-    from replayquant.kernels.replay_decode import ReplayStore, solves_u
+    from replayquant.kernels.stores import ReplayStore, solves_u
     from replayquant.kernels.replay_ref import fill_key_factors_ref
     from replayquant.streams import layer_seed
     if u_dtype is None:

@@ -1,0 +1,314 @@
+"""The decode stores of one layer and the checks of a step's inputs, shared by the Triton
+kernels (`replay_decode`, `verify`, `conventional`) and their torch references (`replay_ref`,
+the `_ref` functions beside the kernels).
+
+`ReplayStore` (slots N, value heads H, key heads / groups HK, ring of C = L + max_drafts
+entries, entry j of the window at (start + j) mod C):
+
+    anchor      PackedRole [N, H, d_v, d_k]     high precision, written only at a flush
+    read copy   PackedRole [N, H, d_v, d_k]     low precision, packed (None: shared pair)
+    kbuf, vbuf  bf16 [N, C, HK, d_k], [N, C, H, d_v]   raw k / B and v / x
+    ubuf        u_dtype [N, C, H, d_v]          GDN / KDA: u against the read copy
+    Gbuf, bbuf  fp32 [N, C, H] (KDA Gbuf [.., d_k])    cumulative log gate; beta / dt
+    Tbuf        fp32 [N, C, H, L]               GDN solving for u: rows of (I + A)^{-1}
+    committed, start, n_flush   [N]             fill h, window start, flush index
+
+`ConventionalStore`: one packed state, read-modify-written every step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+
+from replayquant.kernels.roles import PackedRole, role_streams
+from replayquant.statebytes import ring_u_bytes
+from replayquant.streams import ANCHOR, READ, layer_seed
+
+
+NO_DT_LIMIT = (0.0, math.inf)
+
+
+def dt_limit_args(dt_limit):
+    """(lo, hi, clamp) kernel arguments of a Mamba-2 dt_limit: dt = softplus(dt + dt_bias) is
+    clamped to [lo, hi] unless dt_limit is None or (0, inf) (clamp False: no clamp at all, as
+    replay.frontends.mamba2_inputs). lo and hi are runtime floats (one compile for every model)."""
+    if dt_limit is None:
+        return 0.0, math.inf, False
+    try:
+        lo, hi = (float(t) for t in dt_limit)
+    except (TypeError, ValueError):
+        raise ValueError(f"dt_limit must be a pair (lo, hi) of floats, e.g. (0.0, inf) for no "
+                         f"clamp, got {dt_limit!r}") from None
+    if math.isnan(lo) or math.isnan(hi) or lo > hi:
+        raise ValueError(f"dt_limit=({lo}, {hi}): need lo <= hi, neither NaN")
+    return lo, hi, (lo, hi) != NO_DT_LIMIT
+
+
+def _pow2_dims(shape):
+    for name, d in zip(("d_v", "d_k"), shape[2:]):
+        if d < 16 or d & (d - 1):
+            raise ValueError(f"{name} = {d}: the decode kernels need a power of two >= 16")
+
+
+def _indices(state_indices, B, device):
+    if state_indices is None:
+        return torch.arange(B, dtype=torch.int32, device=device)
+    if not isinstance(state_indices, torch.Tensor) or state_indices.shape != (B,) \
+            or state_indices.is_floating_point():
+        raise ValueError(f"state_indices must be an integer tensor [batch={B}] of state slots "
+                         f"(negative = padding row)")
+    return state_indices.to(device=device, dtype=torch.int32).contiguous()
+
+
+def _check_inputs(kind, shape, B, tensors: dict, dtypes_bf16=()):
+    N, H, dv, dk = shape
+    for name, (t, want) in tensors.items():
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a tensor of shape {want}")
+        if tuple(t.shape) != tuple(want):
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(want)} "
+                             f"({kind}: batch {B}, {H} heads, d_v {dv}, d_k {dk})")
+        if not t.is_floating_point() and name != "state_indices":
+            raise ValueError(f"{name} must be a floating-point tensor")
+
+
+def step_inputs(kind, shape, drafts, q, k, v, a, b, A, dt_bias, D, z):
+    """Checks of a step's (drafts False: [batch, ...]) or a verify's ([batch, T, ...]) inputs
+    against a state of `shape`, named as the kind's callers name them (KDA: a = g, b = beta) ->
+    (lead dims (B,) or (B, T), key heads HK)."""
+    N, HV, dv, dk = shape
+    delta, vec = kind != "mamba2", kind == "kda"
+    if delta and (a is None or b is None):
+        raise ValueError("KDA needs g (log decay per key channel) [batch, value heads, d_k] and "
+                         "beta [batch, value heads]" if vec else
+                         "GDN needs b (beta logits) [batch, value heads]")
+    nd = 4 if drafts else 3
+    if not all(isinstance(t, torch.Tensor) and t.dim() == nd for t in (q, v)):
+        raise ValueError(f"{'q, k' if delta else 'C, B'} and {'v' if delta else 'x'} must be "
+                         f"tensors [batch, {'T drafts, ' if drafts else ''}heads, dim]")
+    lead, HK = tuple(q.shape[:nd - 2]), q.shape[nd - 2]
+    if HV % HK:
+        raise ValueError(f"value heads ({HV}) must be a multiple of key heads ({HK})")
+    _check_inputs(kind, shape, lead[0], {
+        "q": (q, lead + (HK, dk)), "k": (k, lead + (HK, dk)), "v": (v, lead + (HV, dv)),
+        "g": (a, lead + (HV, dk)), "beta": (b, lead + (HV,))} if vec else {
+        "q" if delta else "C": (q, lead + (HK, dk)), "k" if delta else "B": (k, lead + (HK, dk)),
+        "v" if delta else "x": (v, lead + (HV, dv)), "a" if delta else "dt": (a, lead + (HV,)),
+        "b": (b, lead + (HV,)), "A_log" if delta else "A": (A, (HV,)), "dt_bias": (dt_bias, (HV,)),
+        "D": (D, (HV,)), "z": (z, lead + (HV, dv))})
+    return lead, HK
+
+
+def _check_buffered_bf16(delta: bool, k, v):
+    for name, t in (("k" if delta else "B", k), ("v" if delta else "x", v)):
+        if t.dtype != torch.bfloat16:
+            raise ValueError(f"{name} must be bfloat16 (the replay buffer stores it in bf16), "
+                             f"got {t.dtype}")
+
+
+@dataclass
+class ConventionalStore:
+    """Conventional state of one layer: one packed copy, read-modify-written every step.
+    n_casts[s] counts the casts of slot s after the initial one (stream flush index of the
+    next write = n_casts + 1, as every step of the baseline is a flush of a shared pair)."""
+
+    state: PackedRole
+    n_casts: torch.Tensor          # int64 [N]
+    key: int                       # Philox key = layer_seed(seed, layer)
+
+    @classmethod
+    def from_state(cls, initial: torch.Tensor, fmt: str, rounding: str = "nearest", seed: int = 0,
+                   layer: int = 0) -> "ConventionalStore":
+        if not isinstance(initial, torch.Tensor) or initial.dim() != 4:
+            raise ValueError("initial state must be a float tensor [slots, heads, d_v, d_k]")
+        _pow2_dims(initial.shape)
+        N, H = initial.shape[:2]
+        role = PackedRole.empty(fmt, rounding, tuple(initial.shape), initial.device)
+        key = layer_seed(seed, layer)
+        role.write_(torch.arange(N), initial.float(), key, role_streams(0, ANCHOR, torch.arange(N), H))
+        return cls(role, torch.zeros(N, dtype=torch.int64, device=initial.device), key)
+
+    def clone(self) -> "ConventionalStore":
+        return ConventionalStore(self.state.clone(), self.n_casts.clone(), self.key)
+
+
+def _pair_roles(pair):
+    """(anchor (fmt, rounding), read (fmt, rounding) or None, L) of a PrecisionPair or name."""
+    from replayquant.pairs import PrecisionPair
+    if isinstance(pair, str):
+        pair = PrecisionPair.load(pair)
+    if not isinstance(pair, PrecisionPair):
+        raise ValueError(f"pair must be a PrecisionPair or a pair name, got {type(pair).__name__}")
+    anchor = (pair.anchor.format, pair.anchor.rounding)
+    read = None if pair.read is None else (pair.read.format, pair.read.rounding)
+    return anchor, read, pair.buffer_len
+
+
+@dataclass
+class ReplayStore:
+    """Replay state of one layer for N slots (module docstring for the layout)."""
+
+    kind: str
+    anchor: PackedRole
+    read: PackedRole | None
+    L: int
+    key_heads: int
+    kbuf: torch.Tensor
+    vbuf: torch.Tensor
+    ubuf: torch.Tensor | None
+    Gbuf: torch.Tensor
+    bbuf: torch.Tensor
+    committed: torch.Tensor
+    n_flush: torch.Tensor
+    key: int
+    start: torch.Tensor | None = None
+    max_drafts: int = 0
+    pending_T: int | None = None     # drafts verified and not yet accepted
+    last_force: bool = False         # path of the last step: True = it flushed every row (force)
+    arrive: torch.Tensor | None = None   # int32 [N]: arrival counters of the pointer move (zero)
+    Tbuf: torch.Tensor | None = None     # fp32 [N, C, H, L]: key factors (solves_u stores)
+
+    @property
+    def capacity(self) -> int:
+        return self.L + self.max_drafts
+
+    @classmethod
+    def from_state(cls, initial: torch.Tensor, pair, kind: str, key_heads: int | None = None,
+                   seed: int = 0, layer: int = 0, u_dtype=None,
+                   buffer_len: int | None = None, max_drafts: int = 0) -> "ReplayStore":
+        """Cast float32 initial [N, H, d_v, d_k] into anchor and read copy (flush index 0,
+        independently, as ReplayState), empty buffers. key_heads: GDN key heads / Mamba-2
+        groups (default H). max_drafts: the largest T of speculative verify (0: plain decode).
+        kind 'kda': the delta rule with a gate per key channel (Gbuf per channel). u_dtype (GDN /
+        KDA u in the ring): None is float32 for a shared FP32 pair (its flush folds the cached u,
+        folds_u), else bfloat16, the flush solving for u (statebytes.ring_u_bytes)."""
+        if kind not in ("gdn", "mamba2", "kda"):
+            raise ValueError(f"kind must be 'gdn', 'mamba2' or 'kda', got {kind!r}")
+        if not isinstance(initial, torch.Tensor) or initial.dim() != 4 or not initial.is_floating_point():
+            raise ValueError("initial state must be a float tensor [slots, heads, d_v, d_k]")
+        (afmt, arnd), read, L = _pair_roles(pair)
+        if buffer_len is not None:
+            L = int(buffer_len)
+        if L < 1:
+            raise ValueError(f"buffer_len must be >= 1, got {L}")
+        N, H, dv, dk = initial.shape
+        HK = H if key_heads is None else int(key_heads)
+        if HK < 1 or H % HK:
+            raise ValueError(f"key_heads={HK} must divide the {H} heads")
+        _pow2_dims(initial.shape)
+        dev = initial.device
+        key = layer_seed(seed, layer)
+        slots = torch.arange(N)
+        x = initial.float()
+        anchor = PackedRole.empty(afmt, arnd, tuple(initial.shape), dev)
+        anchor.write_(slots, x, key, role_streams(0, ANCHOR, slots, H))
+        rrole = None
+        if read is not None:
+            rrole = PackedRole.empty(read[0], read[1], tuple(initial.shape), dev)
+            rrole.write_(slots, x, key, role_streams(0, READ, slots, H))
+        if u_dtype is None:
+            u_dtype = torch.float32 if ring_u_bytes(afmt, None if read is None else read[0]) == 4 \
+                else torch.bfloat16
+        if u_dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError("u_dtype must be torch.bfloat16 or torch.float32")
+        if max_drafts < 0 or max_drafts > L:
+            raise ValueError(f"max_drafts={max_drafts} must lie in 0..buffer_len={L}")
+        bf = torch.bfloat16
+        C = L + int(max_drafts)
+        store = cls(kind, anchor, rrole, L, HK,
+                   kbuf=torch.zeros(N, C, HK, dk, dtype=bf, device=dev),
+                   vbuf=torch.zeros(N, C, H, dv, dtype=bf, device=dev),
+                   ubuf=torch.zeros(N, C, H, dv, dtype=u_dtype, device=dev) if kind != "mamba2" else None,
+                   Gbuf=torch.zeros((N, C, H, dk) if kind == "kda" else (N, C, H),
+                                    dtype=torch.float32, device=dev),
+                   bbuf=torch.zeros(N, C, H, dtype=torch.float32, device=dev),
+                   committed=torch.zeros(N, dtype=torch.int32, device=dev),
+                   n_flush=torch.zeros(N, dtype=torch.int64, device=dev), key=key,
+                   start=torch.zeros(N, dtype=torch.int32, device=dev), max_drafts=int(max_drafts),
+                   arrive=torch.zeros(N, dtype=torch.int32, device=dev))
+        if solves_u(store):
+            store.Tbuf = torch.zeros(N, C, H, L, device=dev)
+        return store
+
+    @property
+    def shape(self):
+        return self.anchor.shape
+
+    @property
+    def shared(self) -> bool:
+        return self.read is None
+
+    @property
+    def read_role(self) -> PackedRole:
+        return self.anchor if self.read is None else self.read
+
+    def clone(self) -> "ReplayStore":
+        return dataclasses.replace(self, **{
+            f.name: getattr(self, f.name).clone() for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), (torch.Tensor, PackedRole))})
+
+
+def solves_u(store: ReplayStore) -> bool:
+    """Whether the GDN flush solves for u against the anchor (a separate read copy, or a shared
+    anchor with bf16 u): the read steps append the rows of the key factors (I + A)^{-1} of
+    DESIGN section 4 (Tbuf), which depend on the keys, gates and betas alone, so the flush
+    forms U = T (beta (V - e^G W)) with one product and no triangular solve. A store that
+    folds (folds_u) and KDA (whose solve is the sequential fold) keep none."""
+    return store.kind == "gdn" and not folds_u(store)
+
+
+def folds_u(store: ReplayStore) -> bool:
+    """Whether the flush folds the ring's cached u as it is (a shared GDN / KDA pair with FP32 u:
+    its read steps computed u against the anchor itself, to FP32 rounding) instead of solving
+    for u against the anchor (DESIGN section 4): S = e^{G_n} S0 + (U e^{G_n - G})^T K, one
+    tensor-core product, no W = K S0^T, no triangular solve."""
+    return store.shared and store.ubuf is not None and store.ubuf.dtype == torch.float32
+
+
+PATHS = ("auto", "replay", "flush")
+
+
+def resolve_path(store: ReplayStore, n_rows: int, path: str = "auto") -> str:
+    """'replay' (the ReplayState schedule: a row flushes when its buffer fills) or 'flush'
+    (every row flushes this step: with a shared pair and empty buffers the conventional
+    read-modify-write, bit for bit). 'auto', the default, is 'replay' at every batch."""
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {', '.join(map(repr, PATHS))}, got {path!r}")
+    return "flush" if path == "flush" else "replay"
+
+
+def _default_force(store, step, accepted, force_flush):
+    if force_flush is None:     # the path the last step of this store took
+        return bool(store.last_force) if step and accepted is None else False
+    return bool(force_flush)
+
+
+def _begin(store: ReplayStore, kind: str, step: bool, path) -> bool:
+    """The checks of a step or verify (kernel and reference) before it touches the store; returns
+    whether the step flushes every row (force, resolve_path)."""
+    if store.kind != kind:
+        raise ValueError(f"this {'step' if step else 'verify'} needs a store built with "
+                         f"kind={kind!r}, got {store.kind!r}")
+    if store.pending_T:
+        raise ValueError(f"{'step' if step else 'verify'}: {store.pending_T} drafts are pending; "
+                         f"call replay_accept first")
+    return step and resolve_path(store, 0, path) == "flush"
+
+
+def _check_accept(n, B, T, device, check=True):
+    if not check:                     # no host synchronisation (CUDA graph capture)
+        return n if n.dtype == torch.int32 else n.to(device=device, dtype=torch.int32)
+    if isinstance(n, int) and not isinstance(n, bool):
+        n = torch.full((B,), n, dtype=torch.int32, device=device)
+    if not isinstance(n, torch.Tensor) or n.is_floating_point() or n.dtype == torch.bool \
+            or n.shape != (B,):
+        raise ValueError(f"accept: n must be an int or an integer tensor [batch={B}]")
+    if T is not None and bool(((n < 0) | (n > T)).any()):
+        raise ValueError(f"accept: every n must lie in 0..T={T}")
+    return n.to(device=device, dtype=torch.int32).contiguous()
