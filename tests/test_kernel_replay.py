@@ -12,7 +12,7 @@ from replayquant.kernels.conventional import (conventional_gdn_step, conventiona
                                               gdn_frontend_ref, mamba2_frontend_ref,
                                               mamba2_post_ref)
 from replayquant.kernels.stores import ConventionalStore
-from replayquant.kernels.replay_decode import (LAUNCH_TABLE, _flush_grid, _max_regs,
+from replayquant.kernels.replay_decode import (LAUNCH_TABLE, _flush_grid, _fused, _max_regs,
                                                advance_pointers, replay_gdn_step,
                                                replay_launch_config, replay_mamba2_step)
 from replayquant.kernels.stores import ReplayStore, resolve_path
@@ -166,11 +166,12 @@ def test_replay_step_matches_reference(kind, pair):
 
 
 @pytest.mark.parametrize("kind,pair", [("gdn", "s32_rs"), ("gdn", "tp8_hi16_sr"),
-                                       ("mamba2", "tp8_hi32")])
+                                       ("mamba2", "tp8_hi32"), ("gdn", "tp4_hi32")])
 def test_fused_step_equals_two_launches(kind, pair):
-    """launch={'fused': True} (one launch a step: each program flushes its own tile, then reads)
-    gives the two launches' outputs and store bit for bit, over windows with rows out of phase,
-    padding rows and a forced flush; a store with an NVFP4 role cannot fuse."""
+    """launch={'fused': True} (one launch a step: each program flushes its own tile, whole
+    matrices for an NVFP4 role, then reads) gives the two launches' outputs and store bit for
+    bit, over windows with rows out of phase, padding rows and a forced flush; a verify cannot
+    fuse."""
     N, HK, H, dk, dv = 4, 1, 2, 32, 32
     dr = Driver(kind, 5, HK, H, dk, dv)
     store = ReplayStore.from_state(random_state(N, H, dv, dk, seed=5), pair, kind, key_heads=HK,
@@ -188,9 +189,8 @@ def test_fused_step_equals_two_launches(kind, pair):
         y = dr.kernel(store, inp, idx, path=path, launch={"fused": True})
         assert torch.equal(y, dr.kernel(two, inp, idx, path=path))
         assert_same_store(store, two)
-    st4 = ReplayStore.from_state(random_state(N, H, dv, dk), "tp4_hi32", kind, key_heads=HK)
-    with pytest.raises(ValueError, match="NVFP4"):
-        dr.kernel(st4, dr.inputs(0), idx, launch={"fused": True})
+    with pytest.raises(ValueError, match="not a verify"):
+        _fused(4, False, {"fused": True}, 1, "cpu")
 
 
 @pytest.mark.parametrize("kind", ["gdn", "mamba2"])

@@ -794,24 +794,23 @@ def _flush_grid(n_tiles: int, device):
     return tpp, (-(-n_tiles // tpp),)
 
 
-def _fused(store: ReplayStore, T: int, step: bool, launch, n_tiles: int, device) -> bool:
-    """Whether a step runs as one launch (FUSED: each program of the flush's tiles flushes its
-    own tile if its row flushes, then reads). It takes a decode step whose casts are tile-local
-    (no NVFP4 role, whose scale is the whole matrix's). launch={'fused': True / False} decides;
-    by default a step on the GPU fuses when the flush's n_tiles fit one wave of the flush launch
-    (FLUSH_PROGRAMS_PER_SM an SM), where a step is its launches' latency (docs/kernels.md, one
-    launch at small batch); the interpreter runs two launches unless asked."""
-    ok = step and T == 1 and "nvfp4" not in (store.anchor.fmt, store.read_role.fmt)
+def _fused(T: int, step: bool, launch, n_warps: int, device) -> bool:
+    """Whether a decode step runs as one launch (FUSED: each program of the flush's tiles, whole
+    matrices where a role is NVFP4, flushes its own tile if its row flushes, then reads).
+    launch={'fused': True / False} decides; by default a step on the GPU fuses when the flush's
+    tiles, n_warps warps in all, fit one wave of the flush launch (FLUSH_PROGRAMS_PER_SM one-warp
+    programs an SM), where a step is its launches' latency (docs/kernels.md, one launch at small
+    batch); the interpreter runs two launches unless asked."""
+    ok = step and T == 1
     want = (launch or {}).get("fused")
     if want is None:
         device = torch.device(device)
-        return ok and device.type == "cuda" and n_tiles <= FLUSH_PROGRAMS_PER_SM * \
+        return ok and device.type == "cuda" and n_warps <= FLUSH_PROGRAMS_PER_SM * \
             torch.cuda.get_device_properties(device).multi_processor_count
     if not isinstance(want, bool):
         raise ValueError(f"launch['fused'] must be True or False, got {want!r}")
     if want and not ok:
-        raise ValueError("launch={'fused': True} takes a decode step of a store without an "
-                         "NVFP4 role (an NVFP4 scale covers the whole matrix)")
+        raise ValueError("launch={'fused': True} takes a decode step, not a verify")
     return want
 
 
@@ -904,7 +903,7 @@ def _launch(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, state_ind
         raise ValueError(f"beta_scale must be a finite number > 0, got {beta_scale}")
     dt_lo, dt_hi, dt_clamp = dt_limit_args(dt_limit)
     configs = [replay_launch_config(store, w, launch) for w in LAUNCHES]
-    fused = _fused(store, T, step, launch, B * HV * (dv // configs[0][0]), q.device)
+    fused = _fused(T, step, launch, B * HV * (dv // configs[0][0]) * configs[0][1], q.device)
     idx = _indices(state_indices, B, q.device)
     if out is None:
         out = torch.empty(*lead, HV, dv, dtype=torch.float32, device=q.device)
