@@ -146,21 +146,25 @@ def _rebuild(S0, Kb, r, X, G, Bt, jj, n, A_pay, A_sc, A_gs, mat, rows, kbuf, Tbu
 
 
 @triton.jit
-def _rebuild_vec(S0, Kb, r, X, G, Bt, jj, n):
-    """KDA: the unrounded state after n > 0 entries from the checkpoint tile S0 [BV, DK], the
-    recurrence entry by entry (S <- S Diag(exp(G_j - G_{j-1})), u_j = beta_j (v_j - S k_j),
-    S <- S + u_j k_j^T; G [LP, DK] per key channel, X the raw v). The WY form would need
-    e^{G_j - G_i} per pair and channel ([LP, LP, DK]) or e^{-G_j}, which overflows for a
-    channel that forgets fast, so the fold stays sequential."""
+def _rebuild_vec(S0, kbuf, vbuf, Gbuf, bbuf, e, jj, n, hk, hv, rows, cols, HK: tl.constexpr,
+                 HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, L2NORM: tl.constexpr):
+    """KDA: the unrounded state after n > 0 entries (at ring entries e) from the checkpoint tile
+    S0 [BV, DK], the recurrence entry by entry (S <- S Diag(exp(G_j - G_{j-1})), u_j = beta_j
+    (v_j - S k_j), S <- S + u_j k_j^T; G per key channel, v raw), entry j's vectors loaded from
+    the ring (cache hits) rather than picked from the entries' tiles, whose reductions across
+    rows cross warps in a whole-matrix tile. The WY form would need e^{G_j - G_i} per pair and
+    channel ([LP, LP, DK]) or e^{-G_j}, which overflows for a channel that forgets fast, so the
+    fold stays sequential."""
     S = S0
-    Kf = Kb.to(tl.float32) * r[:, None]
-    Gprev = tl.zeros([Kb.shape[1]], tl.float32)
+    Gprev = tl.zeros([DK], tl.float32)
     for j in range(0, n):
-        sel = jj == j
-        kj = tl.sum(tl.where(sel[:, None], Kf, 0.0), axis=0)
-        Gj = tl.sum(tl.where(sel[:, None], G, 0.0), axis=0)
-        vj = tl.sum(tl.where(sel[:, None], X, 0.0), axis=0)
-        bj = tl.sum(tl.where(sel, Bt, 0.0), axis=0)
+        ej = tl.sum(tl.where(jj == j, e, 0), axis=0)
+        kj = tl.load(kbuf + (ej * HK + hk) * DK + cols).to(tl.float32)
+        if L2NORM:
+            kj = kj * (1.0 / tl.sqrt(tl.sum(kj * kj, axis=0) + 1e-6))
+        Gj = tl.load(Gbuf + (ej * HV + hv) * DK + cols)
+        vj = tl.load(vbuf + (ej * HV + hv) * DV + rows).to(tl.float32)
+        bj = tl.load(bbuf + ej * HV + hv)
         S = S * tl.exp(Gj - Gprev)[None, :]
         u = bj * (vj - tl.sum(S * kj[None, :], axis=1))
         S = S + u[:, None] * kj[None, :]
@@ -180,17 +184,17 @@ def _fold_vec_u(S0, Kb, r, U, G, jj, n, PREC: tl.constexpr):
 
 
 @triton.jit
-def _fold(S0, Kb, r, X, G, Bt, jj, n, A_pay, A_sc, A_gs, mat, rows, kbuf, Tbuf, e, hk, hv,
-          HK: tl.constexpr, HV: tl.constexpr, L: tl.constexpr, DK: tl.constexpr,
-          DV: tl.constexpr, AFMT: tl.constexpr,
-          DELTA: tl.constexpr, PREC: tl.constexpr, ON_GPU: tl.constexpr, VEC: tl.constexpr,
-          FOLD_U: tl.constexpr):
+def _fold(S0, Kb, r, X, G, Bt, jj, n, A_pay, A_sc, A_gs, mat, rows, cols, kbuf, vbuf, Gbuf, bbuf,
+          Tbuf, e, hk, hv, HK: tl.constexpr, HV: tl.constexpr, L: tl.constexpr, DK: tl.constexpr,
+          DV: tl.constexpr, AFMT: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr,
+          ON_GPU: tl.constexpr, VEC: tl.constexpr, FOLD_U: tl.constexpr, L2NORM: tl.constexpr):
     """_rebuild, or for a gate per key channel (VEC) _fold_vec_u (FOLD_U) / _rebuild_vec."""
     if VEC:
         if FOLD_U:
             S = _fold_vec_u(S0, Kb, r, X, G, jj, n, PREC)
         else:
-            S = _rebuild_vec(S0, Kb, r, X, G, Bt, jj, n)
+            S = _rebuild_vec(S0, kbuf, vbuf, Gbuf, bbuf, e, jj, n, hk, hv, rows, cols, HK, HV, DK,
+                             DV, L2NORM)
     else:
         S = _rebuild(S0, Kb, r, X, G, Bt, jj, n, A_pay, A_sc, A_gs, mat, rows, kbuf, Tbuf, e, hk,
                      hv, HK, HV, L, DK, DV, AFMT, DELTA, PREC, ON_GPU, FOLD_U)
@@ -576,8 +580,9 @@ def _flush_tile(tile, n_rows, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, 
                                         cols, jj, h, HK, HV, DK, DV, CAP, DELTA, L2NORM, FOLD_U,
                                         VEC)
         S = _fold(_tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT), Kb, r, X, G,
-                  Bt, jj, h, A_pay, A_sc, A_gs, mat, rows, kbuf, Tbuf, _entry(slot, start, jj, CAP),
-                  hk, hv, HK, HV, L, DK, DV, AFMT, DELTA, PREC, ON_GPU, VEC, FOLD_U)
+                  Bt, jj, h, A_pay, A_sc, A_gs, mat, rows, cols, kbuf, vbuf, Gbuf, bbuf, Tbuf,
+                  _entry(slot, start, jj, CAP), hk, hv, HK, HV, L, DK, DV, AFMT, DELTA, PREC,
+                  ON_GPU, VEC, FOLD_U, L2NORM)
         nf = nf + 1
         _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi,
                      nf, slot, hv, DV, DK, BV, AFMT, ASR, RFMT, RSR, SHARED)
@@ -595,9 +600,9 @@ def _flush_tile(tile, n_rows, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, 
                 Kb, r, X, G, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start, hv,
                                                 hk, rows, cols, jj, h, HK, HV, DK, DV, CAP,
                                                 DELTA, L2NORM, FOLD_U, VEC)
-                S = _fold(S, Kb, r, X, G, Bt, jj, h, A_pay, A_sc, A_gs, mat, rows, kbuf, Tbuf,
-                          _entry(slot, start, jj, CAP), hk, hv, HK, HV, L, DK, DV, AFMT, DELTA,
-                          PREC, ON_GPU, VEC, FOLD_U)
+                S = _fold(S, Kb, r, X, G, Bt, jj, h, A_pay, A_sc, A_gs, mat, rows, cols, kbuf,
+                          vbuf, Gbuf, bbuf, Tbuf, _entry(slot, start, jj, CAP), hk, hv, HK, HV, L,
+                          DK, DV, AFMT, DELTA, PREC, ON_GPU, VEC, FOLD_U, L2NORM)
             # this step on the rebuilt state: the conventional step's arithmetic (L = 1 and a
             # forced step on empty buffers are the conventional kernel)
             S, y = _gated_step(S, q, k, v, log_a, beta * beta_scale if DELTA else beta, DELTA,
