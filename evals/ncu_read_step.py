@@ -2,8 +2,7 @@
 committed fill h (default L/2, a read step; L - 1: a flush step), pointers held, of one layer
 kind and pair at a batch, on the bench's shapes and inputs; ncu profiles the second step's
 launches (the first step compiles): the flush launch (on a read step its programs all return),
-for an NVFP4 read copy beside an FP32 anchor the cast launch, then the read launch. The counters
-are ncu's.
+then the read launch. The counters are ncu's.
 
     ncu -k regex:_replay_kernel --launch-skip 2 --launch-count 2 python3 evals/ncu_read_step.py \
         [KIND [PAIR [B [H]]]]

@@ -171,9 +171,8 @@ def _ref_cast_device_vs_cpu(device) -> dict:
 
 def gpu_checks(device="cuda") -> dict:
     """The kernel-vs-reference comparisons of the CPU tests, on the GPU at the real head shapes."""
-    from replayquant.kernels.stores import ConventionalStore
     from replayquant.kernels.replay_decode import advance_pointers
-    from replayquant.kernels.stores import ReplayStore
+    from replayquant.kernels.stores import ConventionalStore, ReplayStore
     from replayquant.kernels.replay_ref import replay_accept_ref
     from replayquant.kernels.verify import (conventional_accept, conventional_accept_ref,
                                             make_snapshots, replay_accept)
@@ -396,12 +395,10 @@ def _rotations(nbytes: float, device) -> int:
 
 
 # Launch-config candidates of the sweep, (rows, warps[, register cap]): the read launch (any
-# tile), the flush launch of pairs that write no NVFP4 role, of an NVFP4 read copy (row blocks),
-# and of an NVFP4 anchor (whole matrices)
+# tile), the flush launch of pairs that write no NVFP4 role, and of those that do (whole matrices)
 READ_CANDIDATES = ((16, 1), (32, 1), (32, 2), (32, 4), (64, 2), (64, 2, 168), (64, 4), (128, 4))
 FLUSH_CANDIDATES = {"plain": ((16, 1), (16, 2), (32, 2), (32, 4), (64, 4)),
-                    "looped": ((16, 2), (32, 2), (32, 4), (64, 4), (64, 8)),
-                    "whole": ((None, 4), (None, 8))}
+                    "whole": ((None, 4), (None, 8), (None, 4, 168))}
 
 
 def config_sweep(kind, B, device, copy_bw, pairs=PAIRS, L=None, S=None):
@@ -411,8 +408,7 @@ def config_sweep(kind, B, device, copy_bw, pairs=PAIRS, L=None, S=None):
     other launch at the table's config (on a read step the flush launch only reads pointers).
     Returns (rows, best config per kernel: 'conventional/fp32' and 'replay/PAIR' {'launch':
     {'read', 'flush'}})."""
-    from replayquant.kernels.stores import ConventionalStore
-    from replayquant.kernels.stores import ReplayStore
+    from replayquant.kernels.stores import ConventionalStore, ReplayStore
     S = S or SHAPES[kind]
     H, HK, dv, dk = S["H"], S["HK"], S["dv"], S["dk"]
     f = _fns(kind)
@@ -440,8 +436,7 @@ def config_sweep(kind, B, device, copy_bw, pairs=PAIRS, L=None, S=None):
         P, af, rf = _pair(pair, L)
         st = ReplayStore.from_state(init, P, kind, key_heads=HK)
         nv = "nvfp4" in (af, rf)
-        flush_c = FLUSH_CANDIDATES["looped" if af != "nvfp4" and rf == "nvfp4" else
-                                   "whole" if nv else "plain"]
+        flush_c = FLUSH_CANDIDATES["whole" if nv else "plain"]
         pick = {}
         for which, h, cands_w, nbytes in (
                 ("read", L // 2, READ_CANDIDATES,
@@ -673,8 +668,7 @@ def bench_peers(kind, B, device, copy_bw, S=None):
 
 def bench_spec(kind, B, T, device, copy_bw, cfg=None, pairs=PAIRS, L=None, S=None):
     """Speculative rounds: replay verify + accept vs conventional per-draft snapshots + accept."""
-    from replayquant.kernels.stores import ConventionalStore
-    from replayquant.kernels.stores import ReplayStore
+    from replayquant.kernels.stores import ConventionalStore, ReplayStore
     from replayquant.kernels.verify import conventional_accept, make_snapshots, replay_accept
     cfg = cfg or {}
     S = S or SHAPES[kind]
