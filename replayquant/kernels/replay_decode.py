@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from replayquant.kernels.conventional import (_front_end, _gate_out, _gated_step,
-                                              _kernel_inputs, _program_tile)
+                                              _kernel_inputs, _l2norm, _program_tile)
 from replayquant.kernels.quant import (decode_bf16, decode_fp16, small_float_at,
                                        small_float_pair_at)
 from replayquant.kernels.roles import _tile_load, _tile_store, split_key
@@ -161,7 +161,7 @@ def _rebuild_vec(S0, kbuf, vbuf, Gbuf, bbuf, e, jj, n, hk, hv, rows, cols, HK: t
         ej = tl.sum(tl.where(jj == j, e, 0), axis=0)
         kj = tl.load(kbuf + (ej * HK + hk) * DK + cols).to(tl.float32)
         if L2NORM:
-            kj = kj * (1.0 / tl.sqrt(tl.sum(kj * kj, axis=0) + 1e-6))
+            kj = _l2norm(kj)
         Gj = tl.load(Gbuf + (ej * HV + hv) * DK + cols)
         vj = tl.load(vbuf + (ej * HV + hv) * DV + rows).to(tl.float32)
         bj = tl.load(bbuf + ej * HV + hv)

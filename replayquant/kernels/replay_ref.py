@@ -14,10 +14,9 @@ import torch
 
 from replayquant.kernels.conventional import (_into, gdn_frontend_ref, kda_frontend_ref,
                                               mamba2_frontend_ref, mamba2_post_ref)
-from replayquant.kernels.stores import _indices, NO_DT_LIMIT
 from replayquant.kernels.roles import role_streams
-from replayquant.kernels.stores import ReplayStore, _begin, _default_force, folds_u, solves_u
-from replayquant.kernels.stores import _check_accept
+from replayquant.kernels.stores import (NO_DT_LIMIT, ReplayStore, _begin, _check_accept,
+                                        _default_force, _indices, folds_u, solves_u)
 from replayquant.streams import ANCHOR, READ
 
 __all__ = ["replay_gdn_step_ref", "replay_mamba2_step_ref", "replay_gdn_verify_ref",
