@@ -11,8 +11,7 @@ anchor and read copy independently from S, each with its own SR stream); else a 
 from the packed read copy, decoded in registers, and the buffer; the step's entry appended).
 The flush launch runs the first two, the read launch the reads and, in its last program of a
 row, the pointer moves (a flush writing an NVFP4 role takes whole matrices: one scale per
-matrix); at small batch one launch does both (_fused). A shared FP32 anchor is one launch at
-every batch (folds_in_read): a row that flushes is read, then folded in column chunks. The rebuild uses the
+matrix); at small batch one launch does both (_fused). The rebuild uses the
 WY form of the chunked delta rule with tensor-core products (_rebuild); a shared FP32 pair
 folds its cached u as it is (folds_u); KDA solving for u folds entry by entry (_rebuild_vec).
 Layers sharing one pair of pointer tensors pass advance=False to all but their last.
@@ -32,8 +31,8 @@ from replayquant.kernels.quant import (decode_bf16, decode_fp16, small_float_at,
                                        small_float_pair_at)
 from replayquant.kernels.roles import _tile_load, _tile_store, split_key
 from replayquant.kernels.stores import (NO_DT_LIMIT, ReplayStore, _begin, _default_force,
-                                        _check_buffered_bf16, _indices, dt_limit_args,
-                                        folds_in_read, folds_u, solves_u, step_inputs)
+                                        _check_buffered_bf16, _indices, dt_limit_args, folds_u,
+                                        solves_u, step_inputs)
 
 __all__ = ["replay_gdn_step", "replay_mamba2_step", "replay_kda_step", "advance_pointers",
            "replay_launch_config"]
@@ -200,32 +199,6 @@ def _fold(S0, Kb, r, X, G, Bt, jj, n, A_pay, A_sc, A_gs, mat, rows, cols, kbuf, 
         S = _rebuild(S0, Kb, r, X, G, Bt, jj, n, A_pay, A_sc, A_gs, mat, rows, kbuf, Tbuf, e, hk,
                      hv, HK, HV, L, DK, DV, AFMT, DELTA, PREC, ON_GPU, FOLD_U)
     return S
-
-
-@triton.jit
-def _fold_in_read(A_pay, kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start, n, mat, hv, hk, rows, jj,
-                  HK: tl.constexpr, HV: tl.constexpr, L: tl.constexpr, DK: tl.constexpr,
-                  DV: tl.constexpr, CAP: tl.constexpr, CW: tl.constexpr, DELTA: tl.constexpr,
-                  PREC: tl.constexpr, ON_GPU: tl.constexpr, VEC: tl.constexpr,
-                  L2NORM: tl.constexpr):
-    """A shared FP32 anchor's rows `rows` <- the fold of its n > 0 ring entries (_fold with
-    the cached u: the flush launch's products), streamed CW columns at a time by the read
-    program that owns the rows: no flush launch, no whole tile in registers."""
-    cols = tl.arange(0, DK)
-    Kb, r, X, G, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start, hv, hk, rows,
-                                    cols, jj, n, HK, HV, DK, DV, CAP, DELTA, L2NORM, DELTA, False)
-    e = _entry(slot, start, jj, CAP)
-    for c0 in tl.static_range(0, DK, CW):
-        cc = c0 + tl.arange(0, CW)
-        Kc = tl.load(kbuf + (e[:, None] * HK + hk) * DK + cc[None, :], mask=(jj < n)[:, None],
-                     other=0.0)
-        if VEC:
-            G = tl.load(Gbuf + (e[:, None] * HV + hv) * DK + cc[None, :],
-                        mask=(jj < n)[:, None], other=0.0)
-        p = A_pay + mat * (DV * DK) + rows[:, None] * DK + cc[None, :]
-        tl.store(p, _fold(tl.load(p), Kc, r, X, G, Bt, jj, n, A_pay, A_pay, A_pay, mat, rows, cc,
-                          kbuf, vbuf, Gbuf, bbuf, bbuf, e, hk, hv, HK, HV, L, DK, DV, 0, DELTA,
-                          PREC, ON_GPU, VEC, True, L2NORM))
 
 
 @triton.jit
@@ -446,7 +419,7 @@ def _moved_pointers(h, st, nf, force, L: tl.constexpr, CAP: tl.constexpr, T: tl.
 @triton.jit
 def _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, out_ptr, q_ptr, k_ptr, v_ptr,
                  a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, beta_scale, dt_lo, dt_hi, row, hv,
-                 hk, rows, cols, slot, start, h, jj, lead, lead_k, HK: tl.constexpr, HV: tl.constexpr,
+                 hk, rows, cols, slot, start, h, jj, lead, HK: tl.constexpr, HV: tl.constexpr,
                  DK: tl.constexpr, DV: tl.constexpr, CAP: tl.constexpr, T: tl.constexpr,
                  RFMT: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
                  HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
@@ -456,8 +429,8 @@ def _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, out_ptr, q_ptr, k
     output-only: y = e^{G_p} (R q) + sum_j e^{G_p - G_j} (k_j . q) u_j + (k . q) u, draft t
     seeing the drafts before it; GDN u = beta (v - e^{G_p} R k - sum_j e^{G_p - G_j}
     (k_j . k) u_j), R k and R q in one pass over the tile. Appends each entry at h + t (raw k and
-    v / x in bf16, u, G, beta / dt; lead: the blocks that write the head's G and beta,
-    lead_k its k). VEC (KDA, G [LP, DK] per key channel): the decays enter the keys, e^{G_p} on R's
+    v / x in bf16, u, G, beta / dt; lead: the one block of the head that writes its k, G and
+    beta). VEC (KDA, G [LP, DK] per key channel): the decays enter the keys, e^{G_p} on R's
     columns (R (e^{G_p} * k), R (e^{G_p} * q)) and e^{G_p - G_j} on k_j. KF (GDN whose flush
     solves for u): lead also appends the entry's row of the key factors (I + A)^{-1} (DESIGN
     section 4), T_p = e_p - sum_{j<p} A_pj T_j with A_pj = beta e^{G_p - G_j} (k_j . k): the
@@ -562,7 +535,7 @@ def _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, out_ptr, q_ptr, k
             else:
                 tl.store(Gbuf + e * HV + hv, Gp)
             tl.store(bbuf + e * HV + hv, beta)
-            if lead_k:
+            if hv % (HV // HK) == 0:
                 tl.store(kbuf + (e * HK + hk) * DK + cols, kraw.to(tl.bfloat16))
 
 
@@ -656,7 +629,7 @@ def _replay_kernel(
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, U_BF16: tl.constexpr, DT_CLAMP: tl.constexpr,
         PREC: tl.constexpr, ON_GPU: tl.constexpr, VEC: tl.constexpr, FLUSHES: tl.constexpr,
         TPP: tl.constexpr, FOLD_U: tl.constexpr, PCK: tl.constexpr,
-        KF: tl.constexpr, FUSED: tl.constexpr, RF: tl.constexpr):
+        KF: tl.constexpr, FUSED: tl.constexpr):
     """A decode step (STEP, T = 1) or a verify of T drafts, in launches that make the same
     per-row decisions from the same pointers. FLUSHES, the flush launch: program p takes the
     TPP tiles from p TPP on (_flush_tile_at's order, _flush_grid), reads their rows' pointers at
@@ -709,36 +682,19 @@ def _replay_kernel(
             s = 1.0
             if RFMT == 4:
                 s = tl.load(R_gs + mat)
-            CW: tl.constexpr = DK if (PCK == 0) or (PCK > DK) else PCK
-            if pre:                         # folded by the flush launch (RF: here, first)
-                if RF:
-                    _fold_in_read(A_pay, kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start, h, mat, hv,
-                                  hk, rows0, jj, HK, HV, L, DK, DV, CAP, CW, DELTA, PREC, ON_GPU,
-                                  VEC, L2NORM)
-                    tl.debug_barrier()      # the read below reads these rows
+            if pre:                         # folded by the flush launch
                 start = (start + h) % CAP
                 h = h * 0
-            go = True                       # read (a verify always reads; RF: every step)
-            if STEP and not RF:
+            go = True                       # read (a verify always reads)
+            if STEP:
                 go = ~(fill | FORCE)
-            lead = tl.program_id(1) == 0
-            lead_k = lead & (hv % (HV // HK) == 0)
-            if RF:                          # each program folds the entry it appends
-                lead = lead | fill
-                lead_k = lead_k | fill
             if go:
                 _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, out_ptr, q_ptr, k_ptr,
                              v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, beta_scale, dt_lo,
                              dt_hi, row, hv, hk, rows0, cols, slot, start, h, jj,
-                             lead, lead_k, HK, HV, DK, DV, CAP,
+                             tl.program_id(1) == 0, HK, HV, DK, DV, CAP,
                              T, RFMT, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z,
                              U_BF16, DT_CLAMP, VEC, PCK, KF, L)
-            if RF and STEP:
-                if fill:                    # the row flushes: its window's L entries
-                    tl.debug_barrier()      # the entry appended above
-                    _fold_in_read(A_pay, kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start, h + 1, mat,
-                                  hv, hk, rows0, jj, HK, HV, L, DK, DV, CAP, CW, DELTA, PREC,
-                                  ON_GPU, VEC, L2NORM)
             if ADVANCE:
                 tl.debug_barrier()              # every thread of the program is past its loads
                 arrived = tl.atomic_add(cnt_ptr + slot, 1)          # acq_rel, gpu scope
@@ -953,7 +909,6 @@ def _launch(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, state_ind
     dt_lo, dt_hi, dt_clamp = dt_limit_args(dt_limit)
     configs = [replay_launch_config(store, w, launch) for w in LAUNCHES]
     fused = _fused(T, step, launch, B * HV * (dv // configs[0][0]) * configs[0][1], q.device)
-    rf = folds_in_read(store) and not force and "fused" not in (launch or {})
     idx = _indices(state_indices, B, q.device)
     if out is None:
         out = torch.empty(*lead, HV, dv, dtype=torch.float32, device=q.device)
@@ -969,8 +924,8 @@ def _launch(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, state_ind
     Rp, Rs, Rg, rfid = store.read_role.kernel_args()
     inputs = _kernel_inputs(q, k, v, a, b, A, dt_bias, D, z)
     pck = _table(store, "read")[3]
-    runs = [("flush", False, configs[0])] if fused and not rf else [("read", False, configs[1])] \
-        if rf else list(zip(LAUNCHES, (True, False), configs))
+    runs = [("flush", False, configs[0])] if fused else \
+        list(zip(LAUNCHES, (True, False), configs))
     for which, flushes, (BV, nw) in runs:       # fused: one launch with the flush's tiles
         regs = _max_regs(store, launch, which, T)
         tpp, grid = 1, (B * HV, dv // BV)
@@ -985,14 +940,14 @@ def _launch(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, state_ind
             *split_key(store.key), dt_lo, dt_hi, B,
             HK=HK, HV=HV, DK=dk, DV=dv, BV=BV, L=store.L, CAP=store.capacity,
             LP=max(16, triton.next_power_of_2(store.L)), T=T, STEP=step, FORCE=bool(force),
-            ADVANCE=bool(advance) and not flushes, AFMT=afid, FUSED=fused and not rf,
+            ADVANCE=bool(advance) and not flushes, AFMT=afid, FUSED=fused,
             ASR=store.anchor.rounding == "stochastic", RFMT=rfid,
             RSR=store.read_role.rounding == "stochastic", SHARED=store.shared, DELTA=delta,
             L2NORM=use_qk_l2norm, HAS_DTB=dt_bias is not None, HAS_D=D is not None,
             HAS_Z=z is not None,
             U_BF16=store.ubuf is not None and store.ubuf.dtype == torch.bfloat16,
             DT_CLAMP=dt_clamp, PREC="tf32x3", ON_GPU=q.is_cuda, VEC=kind == "kda", FLUSHES=flushes,
-            TPP=tpp, FOLD_U=folds_u(store), KF=kf, RF=rf,
+            TPP=tpp, FOLD_U=folds_u(store), KF=kf,
             PCK=pck, num_warps=nw, **({} if regs is None else {"maxnreg": regs}))
     if step:
         store.last_force = force

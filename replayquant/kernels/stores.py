@@ -271,16 +271,6 @@ def folds_u(store: ReplayStore) -> bool:
     return store.shared and store.ubuf is not None and store.ubuf.dtype == torch.float32
 
 
-def folds_in_read(store: ReplayStore) -> bool:
-    """Whether a step or verify runs as the read launch alone, which folds the ring into the
-    anchor itself (a shared FP32 anchor that needs no solve: GDN / KDA with FP32 u, Mamba-2;
-    L > 1): a row that flushes is read like the others, then the program folds its rows' L
-    entries in column chunks (a pre-flush: before it reads). L = 1 keeps the flush launch,
-    whose step is the conventional kernel's bit for bit (DESIGN invariant 1)."""
-    return store.shared and store.anchor.fmt == "fp32" and store.L > 1 and \
-        (store.kind == "mamba2" or folds_u(store))
-
-
 PATHS = ("auto", "replay", "flush")
 
 
