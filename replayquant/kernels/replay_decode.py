@@ -207,12 +207,15 @@ def _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_l
                  AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr, RSR: tl.constexpr,
                  SHARED: tl.constexpr):
     """anchor <- Q_anchor(S), read <- Q_read(S): two independent casts of the same S (a role in
-    NVFP4 takes the whole matrix, BV = DV: one scale per matrix)."""
-    _tile_store(S, A_pay, A_sc, A_gs, mat, rows, cols, key_lo, key_hi, fi, slot, hv,
-                DV, DK, BV, AFMT, ASR, 0)
-    if not SHARED:
-        _tile_store(S, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi, fi, slot, hv,
-                    DV, DK, BV, RFMT, RSR, 1)
+    NVFP4 takes the whole matrix, BV = DV: one scale per matrix). A tile holding NaN or infinity
+    (a non-finite input; the host names it, models.runtime) keeps both roles as they were."""
+    bad = tl.sum(tl.sum(((S != S) | (tl.abs(S) == float("inf"))).to(tl.int32), axis=1), axis=0)
+    if bad == 0:
+        _tile_store(S, A_pay, A_sc, A_gs, mat, rows, cols, key_lo, key_hi, fi, slot, hv,
+                    DV, DK, BV, AFMT, ASR, 0)
+        if not SHARED:
+            _tile_store(S, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi, fi, slot, hv,
+                        DV, DK, BV, RFMT, RSR, 1)
 
 
 @triton.jit

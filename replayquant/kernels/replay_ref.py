@@ -138,7 +138,25 @@ def _rebuild_ref(A, K, V, G, Bt, delta, cur=None, vec=False, U=None):
 
 
 def _write_roles_ref(store: ReplayStore, s: int, S, fi: int):
+    """Both roles of slot s cast from S; a tile of the flush launch (replay_launch_config's rows
+    of one head) whose S holds NaN or infinity keeps both roles as they were, as in the kernel."""
+    from replayquant.kernels.replay_decode import replay_launch_config
     H = store.shape[1]
+    bv = replay_launch_config(store, "flush")[0]
+    keep = ~torch.isfinite(S).unflatten(1, (-1, bv)).flatten(2).all(2)     # [H, tiles]
+    keep = keep.repeat_interleave(bv, 1)[:, :, None]                       # [H, d_v, 1]
+    if bool(keep.any()):
+        roles = [r for r in (store.anchor, store.read) if r is not None]
+        u8 = lambda t: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t  # noqa: E731
+        before = [[None if t is None else u8(t)[s].clone() for t in (r.payload, r.scale, r.gscale)]
+                  for r in roles]
+        _write_roles_ref(store, s, torch.where(keep, 0.0, S), fi)
+        for r, old in zip(roles, before):             # the kept tiles' bytes as they were
+            for t, o in zip((r.payload, r.scale, r.gscale), old):
+                if t is not None:
+                    m = keep if o.dim() == 3 else keep[..., 0] if o.dim() == 2 else keep[:, 0, 0]
+                    u8(t)[s] = torch.where(m, o, u8(t)[s])
+        return
     store.anchor.write_([s], S[None], store.key, role_streams(fi, ANCHOR, [s], H))
     if store.read is not None:
         store.read.write_([s], S[None], store.key, role_streams(fi, READ, [s], H))

@@ -61,6 +61,7 @@ __all__ = ["LayerRuntime", "KernelDecodeState", "ScanHeld", "decode_step", "deco
            "teacher_force_path", "state_to_store", "store_to_state", "STATE_ATTR"]
 
 STATE_ATTR = "_replayquant_state"
+MARKER_ATTR = "_replayquant_marker"   # the row-id tensor put_state left in the recurrent slot
 KERNEL_U_DTYPE = torch.bfloat16       # the decode kernel's default ring-buffer dtype for GDN u
 # The kernel's step path: 'replay' keeps ReplayState's flush schedule (a flush every L tokens), so
 # the kernel and the torch reference hold the same committed / flush counters and a hand-off
@@ -297,39 +298,114 @@ def store_to_state(store, state_indices: torch.Tensor, pair, seed: int, layer: i
 
 
 class KernelDecodeState:
-    """The replay state of one layer while decode runs on the Triton kernel: a ReplayStore and
-    the slot of each batch row. Built from a ReplayState by `state_to_store`, turned back by
-    `to_replay_state()`."""
+    """The replay state of one layer while decode runs on the Triton kernel: a ReplayStore, the
+    slot of each batch row, and what a decode step keeps on the device instead of reading it on
+    the host (no host synchronisation in a step, so that torch.compile traces it whole and CUDA
+    graphs capture it):
+    * `marker`: the tensor the cache's recurrent slot held when this state was last put there. HF
+      replaces that tensor on a beam reorder (`reorder_cache`: index_select), so a slot that is
+      still `marker` (identity, a host check) means no reorder; a replaced one holds the beam ids,
+      and `reorder` gathers every slot's store on the device (`take_slots`).
+    * `bad`: int64 [B, n inputs] the decode step at which each input of each row first held NaN or
+      infinity (-1: never), `steps` the decode steps run; `LayerRuntime.raise_nonfinite` reads them
+      at a boundary the host already waits at. The kernel never writes a non-finite state into
+      the anchor or the read copy (it keeps the roles of a flush whose state is not finite).
+    Built from a ReplayState by `state_to_store`, turned back by `to_replay_state()`."""
 
     def __init__(self, st: ReplayState, key_heads: int):
+        from replayquant.kernels.ops import store_meta
         self.pair, self.delta, self.seed, self.layer = st.pair, st.delta, st.seed, st.layer
         self.vector_gate = st.vector_gate
         self.B, self.H, self.d_v, self.d_k, self.device = st.B, st.H, st.d_v, st.d_k, st.device
         self.store, self.state_indices = state_to_store(st, key_heads)
+        self.meta = store_meta(self.store)
+        self.marker = None
+        self.bad = None
+        self.bad_names: tuple = ()
+        self.steps = torch.zeros((), dtype=torch.int64, device=self.device)
 
     def to_replay_state(self) -> ReplayState:
         return store_to_state(self.store, self.state_indices, self.pair, self.seed, self.layer)
 
+    def reorder(self, ids: torch.Tensor) -> None:
+        """Batch row i continues row ids[i] (a device tensor; repeats allowed: beam search)."""
+        take_slots(self.store, self.state_indices, self.state_indices[ids.to(self.device)])
+        if self.bad is not None:
+            self.bad.copy_(self.bad[ids.to(self.device)])
+
+    def record_nonfinite(self, inputs: dict) -> None:
+        """Note, on the device, the step at which an input of a row first held NaN or infinity."""
+        names = tuple(n for n, t in inputs.items() if isinstance(t, torch.Tensor))
+        sums = torch.stack([inputs[n].reshape(self.B, -1).sum(1, dtype=torch.float32)
+                            for n in names], 1)
+        if self.bad is None or self.bad_names != names:
+            self.bad = torch.full(sums.shape, -1, dtype=torch.int64, device=self.device)
+            self.bad_names = names
+        self.bad.copy_(torch.where((self.bad < 0) & ~torch.isfinite(sums), self.steps, self.bad))
+        self.steps.add_(1)
+
+    def raise_nonfinite(self) -> None:
+        """One ValueError naming the layer, the input, the row and the decode step, if an input
+        of a decode step since the store was built held NaN or infinity (one host read)."""
+        if self.bad is None:
+            return
+        bad = self.bad.cpu()
+        if not bool((bad >= 0).any()):
+            return
+        first = torch.where(bad >= 0, bad, torch.iinfo(torch.int64).max)
+        row, col = divmod(int(first.argmin()), bad.shape[1])
+        kind = self.store.kind
+        raise ValueError(
+            f"layer {self.layer} ({kind}): input {self.bad_names[col]} held NaN or infinity at "
+            f"decode step {int(bad[row, col])} after the prompt, batch row {row}; the anchor and "
+            f"read copy keep the last finite flush. The inputs are the layer's projections of its "
+            f"hidden states: find where the model's activations first become non-finite (e.g. a "
+            f"float16 overflow)")
+
     def step(self, raw: dict) -> torch.Tensor:
         """One decode step from the layer's raw inputs (one token each, see LayerRuntime.run)
-        -> y float32 [B, H, d_v] (Mamba-2: without the D skip)."""
-        from replayquant.kernels import replay_decode as rd
+        -> y float32 [B, H, d_v] (Mamba-2: without the D skip), through the custom operator
+        replayquant::replay_step (replayquant.kernels.ops)."""
+        from replayquant.kernels.ops import replay_step
         bf = torch.bfloat16
         if self.vector_gate:
-            return rd.replay_kda_step(self.store, raw["q"], raw["k"].to(bf), raw["v"].to(bf),
-                                      raw["g"], raw["beta"], state_indices=self.state_indices,
-                                      scale=raw["scale"], use_qk_l2norm=True,
-                                      path=DECODE_KERNEL_PATH)
-        if self.delta:
-            return rd.replay_gdn_step(self.store, raw["q"], raw["k"].to(bf), raw["v"].to(bf),
-                                      raw["a"], raw["b"], raw["A_log"], raw["dt_bias"],
-                                      state_indices=self.state_indices, use_qk_l2norm=True,
-                                      path=DECODE_KERNEL_PATH,
-                                      beta_scale=raw.get("beta_scale", 1.0))
-        return rd.replay_mamba2_step(self.store, raw["x"].to(bf), raw["dt"], raw["A"],
-                                     raw["B"].to(bf), raw["C"], state_indices=self.state_indices,
-                                     dt_bias=raw["dt_bias"], path=DECODE_KERNEL_PATH,
-                                     dt_limit=raw.get("dt_limit"))
+            ins = dict(q=raw["q"], k=raw["k"].to(bf), v=raw["v"].to(bf), g=raw["g"],
+                       beta=raw["beta"], scale=raw["scale"])
+        elif self.delta:
+            ins = dict(q=raw["q"], k=raw["k"].to(bf), v=raw["v"].to(bf), a=raw["a"], b=raw["b"],
+                       A_log=raw["A_log"], dt_bias=raw["dt_bias"],
+                       beta_scale=raw.get("beta_scale", 1.0))
+        else:
+            ins = dict(x=raw["x"].to(bf), dt=raw["dt"], A=raw["A"], B=raw["B"].to(bf), C=raw["C"],
+                       dt_bias=raw["dt_bias"], dt_limit=raw.get("dt_limit"))
+        return replay_step(self.store, ins, self.state_indices, DECODE_KERNEL_PATH, self.meta)
+
+
+def take_slots(store, dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Slot dst[i] of every per-slot tensor of a ReplayStore becomes a copy of slot src[i] (on
+    the device, no host read; src may repeat). Streams of stochastic rounding are keyed by slot,
+    so a row copied into another slot draws that slot's streams from its next flush on."""
+    dst, src = dst.long(), src.long()
+    roles = [r for r in (store.anchor, store.read) if r is not None]
+    for t in [x for r in roles for x in (r.payload, r.scale, r.gscale)] + [
+            store.kbuf, store.vbuf, store.ubuf, store.Gbuf, store.bbuf, store.Tbuf,
+            store.committed, store.start, store.n_flush]:
+        if t is not None:
+            t = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+            t.index_copy_(0, dst, t.index_select(0, src))
+
+
+# the raw decode inputs that hold one value per batch row (the rest are the layer's parameters)
+_PER_ROW = {"gdn": ("q", "k", "v", "a", "b"), "mamba2": ("x", "dt", "B", "C"),
+            "kda": ("q", "k", "v", "g", "beta")}
+
+
+def _static(cache) -> bool:
+    """Whether cache is one that HF's generate compiles the decode step for (as
+    GenerationMixin._valid_auto_compile_criteria: compileable and not a DynamicCache)."""
+    from transformers import DynamicCache
+    return cache is not None and bool(getattr(cache, "is_compileable", False)) \
+        and type(cache) is not DynamicCache
 
 
 def _kda_raw(q, k, v, log_a, beta) -> dict:
@@ -394,16 +470,19 @@ class LayerRuntime:
             if self.delta:                       # HF GDN and KDA keep [B, H, d_k, d_v]
                 S0 = S0.transpose(-1, -2)
             return self._fresh(B, H, dv, dk, device, S0.contiguous())
-        if slot is not None and slot.dim() == 2 and slot.shape[1] == 1:
+        if slot is not getattr(lay, MARKER_ATTR, None) and slot is not None and slot.dim() == 2 \
+                and slot.shape[1] == 1:
+            # HF replaced the marker (a beam reorder): it holds the row each row continues
             ids = slot[:, 0].round().long().to(st.device)
-            if ids.shape[0] != st.B or not torch.equal(ids, torch.arange(st.B, device=st.device)):
-                if isinstance(st, KernelDecodeState) and ids.shape[0] == st.B \
-                        and len(torch.unique(ids)) == st.B:
-                    st.state_indices = st.state_indices[ids].contiguous()   # a permutation
-                else:
-                    if isinstance(st, (KernelDecodeState, ScanHeld)):
-                        st = st.to_replay_state()
-                    st = reorder_state(st, ids)
+            if isinstance(st, KernelDecodeState) and ids.shape[0] == st.B:
+                st.reorder(ids)
+            else:
+                if isinstance(st, ScanHeld):
+                    st = st.to_replay_state()
+                elif isinstance(st, KernelDecodeState):
+                    st = st.to_replay_state()
+                st = reorder_state(st, ids)
+            setattr(lay, MARKER_ATTR, None)          # put_state writes a fresh marker
         if st.B != B:
             raise ValueError(f"layer {self.layer_idx}: the cache holds {st.B} sequences but the "
                              f"input has {B}; the replay patch follows HF's reorder_cache only")
@@ -411,13 +490,16 @@ class LayerRuntime:
 
     def put_state(self, cache, lay, st) -> None:
         setattr(lay, STATE_ATTR, st)
-        marker = torch.arange(st.B, dtype=torch.float32, device=st.device).view(st.B, 1)
         slot = lay.recurrent_states[0]
+        if slot is not None and slot is getattr(lay, MARKER_ATTR, None):
+            return                                   # the marker is in place (a decode step)
+        marker = torch.arange(st.B, dtype=torch.float32, device=st.device).view(st.B, 1)
         if slot is not None and tuple(slot.shape) != (st.B, 1):
             # a slot of another shape (an adopted HF state): replace it by the marker
             lay.recurrent_states[0] = marker
         else:
             cache.update_recurrent_state(marker, self.layer_idx)
+        setattr(lay, MARKER_ATTR, lay.recurrent_states[0])
 
     def decode_path(self, x, d_k, d_v, raw) -> str:
         """decode_path for this layer (raw None: the caller has no raw inputs -> torch; raw a
@@ -441,18 +523,55 @@ class LayerRuntime:
         float32 [B, T, H, d_v]."""
         B, T, H, dk = q.shape
         dv = v.shape[-1]
-        self._check_inputs(q, k, v, log_a, beta, valid, decode=T == 1 and had_prev)
         lay = None if cache is None else self.cache_layer(cache)
         st = self.get_state(lay, had_prev, B, H, dv, dk, q.device)
-        if T == 1 and had_prev and (valid is None or bool(valid.all())):
-            st, y = self._decode(st, q, k, v, log_a, beta, raw)
-        else:
-            if isinstance(st, KernelDecodeState):          # hand back to the chunked scan
-                st = st.to_replay_state()
-            y, st = _teacher_force(st, q, k, v, log_a, beta, valid, self.prefill == "exact")
+        decode = T == 1 and had_prev and (valid is None or bool(valid.all()))
+        y = self._kernel_step(st, q, k, v, log_a, beta, raw) if decode else None
+        if y is None:
+            if isinstance(st, KernelDecodeState):
+                st.raise_nonfinite()                       # a boundary: the steps before it
+            self._check_inputs(q, k, v, log_a, beta, valid, decode=T == 1 and had_prev)
+            if decode:
+                st, y = self._decode(st, q, k, v, log_a, beta, raw)
+            else:
+                if isinstance(st, KernelDecodeState):      # hand back to the chunked scan
+                    st = st.to_replay_state()
+                y, st = _teacher_force(st, q, k, v, log_a, beta, valid, self.prefill == "exact")
+                if _static(cache):
+                    st = self._decode_ready(st, q, k, v, log_a, beta, raw)
         if lay is not None:
             self.put_state(cache, lay, st)
         return y
+
+    def _kernel_step(self, st, q, k, v, log_a, beta, raw):
+        """A decode step on the store a previous decode step (or a prefill into a static cache)
+        left, with no host read: y [B, 1, H, d_v], or None where this step is not one (the state
+        is not a store yet, or the decode kernel cannot take the inputs)."""
+        if not isinstance(st, KernelDecodeState):
+            return None
+        if self.vector_gate and raw is None:
+            raw = _kda_raw(q, k, v, log_a, beta)
+        if self.decode_path(q, q.shape[-1], v.shape[-1], raw) != "triton":
+            return None
+        one = {n: (t[:, 0] if isinstance(t, torch.Tensor) and t.dim() >= 2 else t)
+               for n, t in raw.items()}
+        st.record_nonfinite({n: one[n] for n in _PER_ROW[self.kind]})
+        return st.step(one).unsqueeze(1)
+
+    def _decode_ready(self, st, q, k, v, log_a, beta, raw):
+        """The state a multi-token forward leaves in a static cache (a compiled generate's):
+        already the decode kernel's store where decode will run the kernel, so that the first
+        decode step, which torch.compile traces, finds the store and converts nothing."""
+        if self.vector_gate and raw is None:
+            raw = _kda_raw(q, k, v, log_a, beta)
+        if self.decode_path(q, q.shape[-1], v.shape[-1], raw) != "triton":
+            return st
+        if isinstance(st, ScanHeld):
+            st = st.to_replay_state()
+        if len(torch.unique(st.export()["rows"])) != st.B:
+            return st
+        HK = raw["k"].shape[-2] if self.delta else raw["B"].shape[-2]
+        return KernelDecodeState(st, HK)
 
     def _check_inputs(self, q, k, v, log_a, beta, valid, decode: bool) -> None:
         """A NaN or infinity in this forward's recurrence inputs (valid tokens only) is one
