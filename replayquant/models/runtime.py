@@ -545,14 +545,12 @@ class LayerRuntime:
 
     def _kernel_step(self, st, q, k, v, log_a, beta, raw):
         """A decode step on the store a previous decode step (or a prefill into a static cache)
-        left, with no host read: y [B, 1, H, d_v], or None where this step is not one (the state
-        is not a store yet, or the decode kernel cannot take the inputs)."""
+        left, with no host read: y [B, 1, H, d_v], or None where the state is not a store yet.
+        (The store exists only where decode_path chose the kernel for this layer.)"""
         if not isinstance(st, KernelDecodeState):
             return None
         if self.vector_gate and raw is None:
             raw = _kda_raw(q, k, v, log_a, beta)
-        if self.decode_path(q, q.shape[-1], v.shape[-1], raw) != "triton":
-            return None
         one = {n: (t[:, 0] if isinstance(t, torch.Tensor) and t.dim() >= 2 else t)
                for n, t in raw.items()}
         st.record_nonfinite({n: one[n] for n in _PER_ROW[self.kind]})
