@@ -543,6 +543,25 @@ class LayerRuntime:
             self.put_state(cache, lay, st)
         return y
 
+    def kernel_decode(self, cache, had_prev: bool, raw, valid):
+        """The decode step of a layer whose state is already the decode kernel's store, from its
+        raw inputs alone (the torch front end is not computed): y float32 [B, 1, H, d_v], or
+        None where `run` must take the step (no cache or previous state, more than one token, a
+        padding mask, no store yet, no raw inputs)."""
+        if cache is None or not had_prev or not isinstance(raw, dict) or valid is not None:
+            return None
+        lead = raw["v" if self.delta else "x"]
+        if lead.shape[1] != 1:
+            return None
+        lay = self.cache_layer(cache)
+        st = getattr(lay, STATE_ATTR, None)
+        if not isinstance(st, KernelDecodeState):
+            return None
+        st = self.get_state(lay, had_prev, lead.shape[0], st.H, st.d_v, st.d_k, lead.device)
+        y = self._kernel_step(st, None, None, None, None, None, raw)
+        self.put_state(cache, lay, st)
+        return y
+
     def _kernel_step(self, st, q, k, v, log_a, beta, raw):
         """A decode step on the store a previous decode step (or a prefill into a static cache)
         left, with no host read: y [B, 1, H, d_v], or None where the state is not a store yet.
