@@ -7,9 +7,9 @@ import math
 import re
 from pathlib import Path
 
-__all__ = ["kl_bound", "kl_figures", "load_json_kind", "shapes_of_model", "fmt_bytes",
-           "pair_formats", "clean_name", "write_json", "kl_file_for", "KL_FIGURES", "front_kl",
-           "pareto_front"]
+__all__ = ["kl_bound", "kl_figures", "kl_problem", "load_json_kind", "check_structure", "REAL",
+           "SIZE", "shapes_of_model", "fmt_bytes", "pair_formats", "clean_name", "write_json",
+           "kl_file_for", "KL_FIGURES", "front_kl", "pareto_front"]
 
 # the KL statistics a sweep / sensitivity file keeps per variant (the KL run's file has them all)
 KL_FIGURES = ("n_tokens", "n_documents", "kl_mean", "kl_mean_unc", "kl_mean_unc_docs", "kl_median",
@@ -34,6 +34,80 @@ def kl_figures(stats: dict) -> dict:
     mean, unc, upper = kl_bound(stats)
     out.update(kl_unc=unc, kl_upper=upper)
     return out
+
+
+def kl_problem(figures: dict) -> str | None:
+    """Why a variant's KL figures cannot meet any budget, or None when they can: a mean or
+    upper bound that is not a finite number (NaN from a diverged run, infinity), or an upper
+    bound below zero (a KL is never negative; a mean below zero by no more than its uncertainty
+    is float noise around an exact variant, and counts)."""
+    vals = {k: figures.get(k) for k in ("kl_mean", "kl_upper")}
+    for k, v in vals.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            return f"{k} {v!r} is not a finite number"
+    if vals["kl_upper"] < 0:
+        return f"kl_upper {vals['kl_upper']:.3g} is below zero (a KL is never negative)"
+    return None
+
+
+class _Real:
+    """Schema marker: a JSON number (NaN and infinity included; bools are not numbers)."""
+    what = "a number"
+
+    def ok(self, v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+class _Size(_Real):
+    """Schema marker: a finite number >= 0 (bytes, counts)."""
+    what = "a finite number >= 0"
+
+    def ok(self, v):
+        return super().ok(v) and math.isfinite(v) and v >= 0
+
+
+REAL, SIZE = _Real(), _Size()
+
+
+def check_structure(obj, schema, source: str, writer: str, where: str = "") -> None:
+    """One ValueError naming the file and the first place where `obj` (a parsed results file)
+    does not have the structure `schema` describes, so that a damaged file stops at load and not
+    in a KeyError deep in a command. A schema is a type (or tuple of types) the value must be,
+    REAL / SIZE, a dict {key: schema} (the value a mapping holding those keys; a key ending in
+    "?" may be missing or null), or a one-element list [schema] (a list whose items match;
+    [schema, ...] the same, and not empty)."""
+    def fail(what):
+        got = repr(obj)
+        got = got if len(got) <= 60 else got[:57] + "..."
+        raise ValueError(f"{source}: {where or 'the file'} should be {what}, got {got}; the file "
+                         f"is damaged or was not written by `{writer}`: run it again")
+    if isinstance(schema, _Real):
+        if not schema.ok(obj):
+            fail(schema.what)
+    elif isinstance(schema, dict):
+        if not isinstance(obj, dict):
+            fail("a mapping")
+        for key, sub in schema.items():
+            optional = key.endswith("?")
+            key = key.rstrip("?")
+            at = f"{where}.{key}" if where else key
+            if optional and obj.get(key) is None:
+                continue
+            if key not in obj:
+                raise ValueError(f"{source}: {at} is missing; the file is damaged or was not "
+                                 f"written by `{writer}`: run it again")
+            check_structure(obj[key], sub, source, writer, at)
+    elif isinstance(schema, list):
+        if not isinstance(obj, list):
+            fail("a list")
+        if len(schema) > 1 and not obj:
+            fail("a non-empty list")
+        for i, item in enumerate(obj):
+            check_structure(item, schema[0], source, writer, f"{where}[{i}]")
+    elif not isinstance(obj, schema) or (isinstance(obj, bool) and schema is not bool):
+        names = schema if isinstance(schema, tuple) else (schema,)
+        fail(" or ".join({str: "a string", int: "an integer", bool: "true or false",
+                          dict: "a mapping", list: "a list"}.get(t, t.__name__) for t in names))
 
 
 def load_json_kind(path, kind: str, writer: str) -> dict:

@@ -26,10 +26,12 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from .common import fmt_bytes, kl_figures, kl_file_for, load_json_kind, write_json
+from .common import (REAL, SIZE, check_structure, fmt_bytes, kl_figures, kl_file_for, kl_problem,
+                     load_json_kind, write_json)
 
 __all__ = ["NoFit", "recommend", "print_recommendation", "build_policy", "recommend_per_layer",
-           "print_per_layer", "RECOMMEND_KIND", "PER_LAYER_KIND"]
+           "print_per_layer", "check_sweep", "check_sensitivity", "RECOMMEND_KIND",
+           "PER_LAYER_KIND"]
 
 RECOMMEND_KIND = "replayquant.recommendation"
 PER_LAYER_KIND = "replayquant.per_layer_recommendation"
@@ -37,6 +39,83 @@ PER_LAYER_KIND = "replayquant.per_layer_recommendation"
 
 class NoFit(Exception):
     """No variant (or no layer policy) within the budgets; the message names the closest."""
+
+
+# What recommend reads of the files it is given (common.check_structure): a file that lacks it
+# or holds other types is refused at load with one error naming the place.
+_KL = {"kl_mean": REAL, "kl_unc": REAL, "kl_upper": REAL}
+_SWEEP_SCHEMA = {
+    "complete": bool,
+    "conventional_fp32": {"bytes_per_step": {"state": SIZE}, "memory": {"total": SIZE}},
+    "variants": [{"name": str, "pair": dict, "kl?": _KL, "bytes_per_step": {"state": SIZE},
+                  "memory": {"total": SIZE},
+                  "vs_fp32_conventional": {"state_bytes?": SIZE, "memory?": SIZE},
+                  "kernel?": {"us_per_step?": REAL, "speedup_vs_fp32_conventional?": REAL}}, ...],
+    "front?": [str],
+}
+_SENS_SCHEMA = {
+    "complete": bool,
+    "model": {"id?": str, "local_hash?": str, "revision?": str},
+    "kl_args": {"model": str},
+    "layers": [{"kind": str, "H": int, "HK": int, "dv": int, "dk": int, "name": str,
+                "index": int}, ...],
+    "pairs": [{"name": str}, ...],
+    "per_layer": dict,
+    "all_layers": dict,
+}
+_SENS_ROWS = [{"index": int, "name": str, "kl": _KL}, ...]
+
+
+def _incomplete(source: str, obj: dict, command: str) -> ValueError:
+    done, planned = obj.get("documents_done"), obj.get("documents_planned")
+    of = f"{done} of {planned}" if planned is not None else f"{done}"
+    return ValueError(f"{source}: the run is not complete ({of} documents done): its KL figures "
+                      f"do not cover the documents it planned, so they cannot be held against a "
+                      f"budget; run the same `{command}` again to finish it (it resumes), then "
+                      f"recommend from it")
+
+
+def check_sweep(sweep, source: str = "") -> None:
+    """One ValueError naming the file for a sweep dict recommend cannot use: damaged structure
+    (`_SWEEP_SCHEMA`), two variants of one name, or a run that did not finish."""
+    src = source or "the sweep"
+    check_structure(sweep, _SWEEP_SCHEMA, src, "replayquant sweep")
+    names = [v["name"] for v in sweep["variants"]]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"{src}: variant(s) {', '.join(dup)} come more than once; the file is "
+                         f"damaged or was not written by `replayquant sweep`: run it again")
+    if not sweep["complete"]:
+        raise _incomplete(src, sweep, "replayquant sweep")
+
+
+def check_sensitivity(sens, source: str = "") -> None:
+    """One ValueError naming the file for a sensitivity dict a layer policy cannot be built
+    from: damaged structure (`_SENS_SCHEMA`), per-layer rows of a pair that are missing, empty
+    or name other layers than the other pair's, or a run that did not finish."""
+    src = source or "the sensitivity file"
+    writer = "replayquant sensitivity"
+    check_structure(sens, _SENS_SCHEMA, src, writer)
+    known = {p["name"] for p in sens["pairs"]}
+    layers = {s["index"] for s in sens["layers"]}
+    if not sens["per_layer"]:
+        raise ValueError(f"{src}: per_layer holds no pair; the file is damaged or was not written "
+                         f"by `{writer}`: run it again")
+    first = None
+    for name, rows in sens["per_layer"].items():
+        check_structure(rows, _SENS_ROWS, src, writer, f"per_layer.{name}")
+        check_structure(sens["all_layers"].get(name), _KL, src, writer, f"all_layers.{name}")
+        idx = [r["index"] for r in rows]
+        why = ("is not among its pairs" if name not in known else
+               "names a layer twice" if len(set(idx)) != len(idx) else
+               "names layers the file's layers do not hold" if not set(idx) <= layers else
+               f"measured other layers than {first[0]}" if first and set(idx) != first[1] else None)
+        if why:
+            raise ValueError(f"{src}: per_layer.{name} {why}; the file is damaged or was not "
+                             f"written by `{writer}`: run it again")
+        first = first or (name, set(idx))
+    if not sens["complete"]:
+        raise _incomplete(src, sens, writer)
 
 
 def _positive(name, v, zero_ok=False):
@@ -115,27 +194,30 @@ def recommend(sweep: dict, kl_budget: float, max_bytes: float | None = None,
     if (gpqa is None) != (gpqa_budget is None):
         raise ValueError("--gpqa and --gpqa-budget go together: give the GPQA summary and the "
                          "largest accuracy drop in points you accept (e.g. --gpqa-budget 1.0)")
+    check_sweep(sweep, source)
     conv = sweep["conventional_fp32"]
     measured = [v for v in sweep["variants"] if v.get("kl")]
     if not measured:
         raise ValueError(f"{source or 'the sweep'} holds no measured variant (no document finished); "
                          f"run the sweep to the end first")
+    # a KL that is NaN, infinite or below zero fits no budget: such variants are left out
+    invalid = {v["name"]: kl_problem(v["kl"]) for v in measured if kl_problem(v["kl"])}
     drops = gpqa_drops(gpqa) if gpqa is not None else None
     no_gpqa = [v["name"] for v in measured if drops is not None and _gpqa_of(v, drops) is None]
-    pool = [v for v in measured if v["name"] not in no_gpqa]
+    pool = [v for v in measured if v["name"] not in no_gpqa and v["name"] not in invalid]
 
     def misses(v) -> dict:
         """{constraint: value / limit} for every limit the variant exceeds."""
-        m = {}
-        if v["kl"]["kl_upper"] > kl_budget:
+        m = {}                      # `not x <= limit`: a value that is not a number never fits
+        if not v["kl"]["kl_upper"] <= kl_budget:
             m["kl"] = v["kl"]["kl_upper"] / kl_budget
-        if max_bytes is not None and v["bytes_per_step"]["state"] > max_bytes:
+        if max_bytes is not None and not v["bytes_per_step"]["state"] <= max_bytes:
             m["bytes"] = v["bytes_per_step"]["state"] / max_bytes
-        if max_memory is not None and v["memory"]["total"] > max_memory:
+        if max_memory is not None and not v["memory"]["total"] <= max_memory:
             m["memory"] = v["memory"]["total"] / max_memory
         if drops is not None:
             g = _gpqa_of(v, drops)
-            if g["drop_upper_pts"] > gpqa_budget:
+            if not g["drop_upper_pts"] <= gpqa_budget:
                 m["gpqa"] = (g["drop_upper_pts"] - gpqa_budget)
         return m
 
@@ -146,6 +228,9 @@ def recommend(sweep: dict, kl_budget: float, max_bytes: float | None = None,
     budgets = {"kl_budget": kl_budget, "max_bytes": max_bytes, "max_memory": max_memory,
                "gpqa_budget_pts": gpqa_budget}
     if not fits:
+        if not pool and invalid and not no_gpqa:
+            raise NoFit(f"no variant of {source or 'the sweep'} has a KL that can meet a budget: "
+                        + "; ".join(f"{n}: {why}" for n, why in invalid.items()))
         if not pool:
             raise NoFit(f"no variant of {source or 'the sweep'} has a GPQA result in the summary "
                         f"given ({', '.join(no_gpqa)}); run `replayquant gpqa` with the swept "
@@ -163,6 +248,7 @@ def recommend(sweep: dict, kl_budget: float, max_bytes: float | None = None,
         "fitting": [v["name"] for v in fits],
         "not_fitting": {v["name"]: misses(v) for v in pool if misses(v)},
         "without_gpqa_result": no_gpqa,
+        "kl_not_valid": invalid,
         "front": sweep.get("front"),
         "provenance": provenance(sweep=source, **budgets),
     }
@@ -237,6 +323,9 @@ def print_recommendation(rec: dict, console=None) -> None:
     if rec.get("without_gpqa_result"):
         console.print(f"not considered (no GPQA result): {', '.join(rec['without_gpqa_result'])}",
                       soft_wrap=True)
+    if rec.get("kl_not_valid"):
+        console.print("not considered (KL fits no budget): " + "; ".join(
+            f"{n}: {why}" for n, why in rec["kl_not_valid"].items()), soft_wrap=True)
 
 
 # ============================================================ per-layer policies
@@ -246,16 +335,24 @@ def _pair_costs(sens: dict, name: str):
     from replayquant.statebytes import LayerShape, layer_step_bytes
     rec = next(p for p in sens["pairs"] if p["name"] == name)
     pair = PrecisionPair.from_dict(rec, source=f"pair {name} of the sensitivity file")
-    shapes = [LayerShape.from_dict(s) for s in sens["layers"]]
+    try:
+        shapes = [LayerShape.from_dict(s) for s in sens["layers"]]
+    except ValueError as e:
+        raise ValueError(f"the sensitivity file's layers: {e}; the file is damaged: run "
+                         f"`replayquant sensitivity` again") from None
     return pair, {s.index: layer_step_bytes(s, pair).state for s in shapes}
 
 
-def build_policy(sens: dict, kl_budget: float, low: str | None = None, high: str | None = None):
+def build_policy(sens: dict, kl_budget: float, low: str | None = None, high: str | None = None,
+                 source: str = ""):
     """(LayerPolicy, plan dict) from a sensitivity dict: the cheapest assignment of `low` /
     `high` per layer (most KL removed first) whose predicted KL upper bound fits the budget.
-    Raises NoFit when even every layer at `high` is predicted over the budget."""
+    Raises NoFit when even every layer at `high` is predicted over the budget, ValueError for a
+    file it cannot build from (`check_sensitivity`) and for single-layer KLs of `low` or `high`
+    that are not finite numbers >= 0 (no sum of them predicts anything)."""
     from replayquant.policy import LayerPolicy, Override
     _positive("--kl-budget", kl_budget)
+    check_sensitivity(sens, source)
     names = list(sens["per_layer"])
     if len(names) < 2:
         raise ValueError(f"the sensitivity file measured one pair ({names[0]}); a layer policy needs "
@@ -273,6 +370,14 @@ def build_policy(sens: dict, kl_budget: float, low: str | None = None, high: str
                              f"{', '.join(names)})")
     if low == high:
         raise ValueError(f"--low and --high are both {low}; give two different pairs")
+    for n in (low, high):
+        for r in sens["per_layer"][n]:
+            why = kl_problem(r["kl"])
+            if why:
+                raise ValueError(f"{source or 'the sensitivity file'}: the single-layer KL of {n} "
+                                 f"on layer {r['index']} cannot go into a prediction: {why} (a "
+                                 f"diverged measurement, or a damaged file); measure it again or "
+                                 f"choose other --low / --high pairs")
     lo = {r["index"]: r for r in sens["per_layer"][low]}
     hi = {r["index"]: r for r in sens["per_layer"][high]}
     order = sorted(lo, key=lambda i: -(lo[i]["kl"]["kl_mean"] - hi[i]["kl"]["kl_mean"]))
@@ -288,7 +393,7 @@ def build_policy(sens: dict, kl_budget: float, low: str | None = None, high: str
             break
         up.append(i)
         mean, upper = predict(set(up))
-    if upper > kl_budget:
+    if not upper <= kl_budget:
         raise NoFit(f"no layer policy of {low} and {high} is predicted within the KL budget "
                     f"{kl_budget:.3g}: with every layer at {high} the predicted KL upper bound is "
                     f"{upper:.3g} (sum of single-layer upper bounds, mean {mean:.3g}); raise the "
@@ -326,7 +431,7 @@ def recommend_per_layer(sens_path, kl_budget: float, low: str | None = None,
     from .command import check_sweep_out, variant_costs
     from .sensitivity import SENS_KIND
     sens = load_json_kind(sens_path, SENS_KIND, "replayquant sensitivity")
-    policy, plan = build_policy(sens, kl_budget, low, high)
+    policy, plan = build_policy(sens, kl_budget, low, high, source=str(sens_path))
     out_path = check_sweep_out(out or Path("build/recommend") / f"{Path(sens_path).stem}_"
                                f"{policy.name}.json")
     kl_path = kl_file_for(out_path)
@@ -356,7 +461,7 @@ def recommend_per_layer(sens_path, kl_budget: float, low: str | None = None,
         "model": sens["model"], "kl_budget": kl_budget,
         "policy": policy.to_dict(), "policy_file": yaml_path.name, "plan": plan,
         "predicted": plan["predicted"], "measured": measured,
-        "measured_fits": measured["kl_upper"] <= kl_budget,
+        "measured_fits": kl_problem(measured) is None and measured["kl_upper"] <= kl_budget,
         "measured_over_predicted": (measured["kl_mean"] / plan["predicted"]["kl_mean"]
                                     if plan["predicted"]["kl_mean"] > 0 else None),
         "costs": costs, "kl_results": kl_path.name,

@@ -1,0 +1,202 @@
+"""Results and sizes a command cannot trust: NaN, negative or incomplete KL figures never fit a
+budget, damaged or mismatched files of ours stop at load with one error naming the file, and
+sizes that cannot fit are refused before any work with the memory they would need.
+
+Every case runs on the committed demo sweep and sensitivity files (copied and damaged in a
+temporary folder) or stops before the model loads, so the file takes seconds."""
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from replayquant.cli import app
+from replayquant.kl import command as C
+from replayquant.sweep import recommend as R
+
+ROOT = Path(__file__).resolve().parents[1]
+SWEEP = ROOT / "results/demo/tiny-qwen3.5_sweep.json"
+SENS = ROOT / "results/sensitivity/tiny-qwen3.5_tp4_hi16_sr+tp8_hi16_sr_ctx2k.json"
+
+
+def _invoke(args, env=None):
+    res = CliRunner().invoke(app, [str(a) for a in args], env=env)
+    text = (res.stdout or "") + (getattr(res, "stderr", "") or "")
+    if res.exception is not None and not isinstance(res.exception, SystemExit):
+        text += f"\nTraceback {type(res.exception).__name__}: {res.exception}"
+    return res.exit_code, text
+
+
+def _one_clear_error(code, text, *needles, exit_code=2):
+    assert code == exit_code, text
+    assert "Traceback" not in text, text
+    for n in needles:
+        assert n in text, (n, text)
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Fails a test that loads the model (tokenizer, config or weights)."""
+    def boom(*a, **k):
+        raise AssertionError("the model was loaded before the bad input was refused")
+    monkeypatch.setattr(C, "load_tokenizer_and_config", boom)
+    monkeypatch.setattr(C, "load_weights", boom)
+
+
+def _sweep():
+    return json.loads(SWEEP.read_text())
+
+
+def _sens():
+    return json.loads(SENS.read_text())
+
+
+def _write(tmp_path, obj, name="f.json"):
+    p = tmp_path / name
+    p.write_text(json.dumps(obj, allow_nan=True))
+    return p
+
+
+# ------------------------------------------------------------------ NaN, negative, incomplete
+
+
+def _cheapest(sw):
+    return min(sw["variants"], key=lambda v: v["bytes_per_step"]["state"])
+
+
+@pytest.mark.parametrize("mean, upper", [(float("nan"), float("nan")), (0.0, float("nan")),
+                                         (float("inf"), float("inf")), (-0.5, -0.4)])
+def test_kl_that_is_not_a_number_or_negative_fits_no_budget(tmp_path, mean, upper):
+    sw = _sweep()
+    v = _cheapest(sw)
+    v["kl"].update(kl_mean=mean, kl_upper=upper)
+    code, text = _invoke(["recommend", _write(tmp_path, sw), "--kl-budget", 1e-3])
+    assert code == 0, text
+    assert f"recommended {v['name']}" not in text and "recommended" in text, text
+    assert "not considered (KL fits no budget)" in text and v["name"] in text, text
+    rec = R.recommend(sw, 1e-3)
+    assert rec["recommended"]["name"] != v["name"] and v["name"] in rec["kl_not_valid"]
+    assert v["name"] not in rec["fitting"]
+
+
+def test_noise_level_negative_kl_still_counts():
+    sw = _sweep()
+    v = next(v for v in sw["variants"] if v["name"] == "s32_rs@L8")
+    v["kl"].update(kl_mean=-1e-10, kl_upper=-1e-10 + v["kl"]["kl_unc"])
+    assert "s32_rs@L8" in R.recommend(sw, 1e-3)["fitting"]
+
+
+def test_every_kl_nan_is_no_fit(tmp_path):
+    sw = _sweep()
+    for v in sw["variants"]:
+        v["kl"]["kl_upper"] = float("nan")
+    code, text = _invoke(["recommend", _write(tmp_path, sw), "--kl-budget", 1e-3])
+    _one_clear_error(code, text, "no variant", "not a finite number", exit_code=1)
+
+
+def test_incomplete_sweep_is_refused(tmp_path):
+    sw = _sweep()
+    sw.update(complete=False, documents_done=1, documents_planned=2)
+    code, text = _invoke(["recommend", _write(tmp_path, sw), "--kl-budget", 1e-3])
+    _one_clear_error(code, text, "f.json", "not complete (1 of 2 documents", "replayquant sweep")
+
+
+# ------------------------------------------------------------------ damaged sweep files
+
+
+def _damage(obj, path, value):
+    """obj with the value at `path` (keys / indices) replaced, or deleted for value ...."""
+    obj = copy.deepcopy(obj)
+    at = obj
+    for k in path[:-1]:
+        at = at[k]
+    if value is ...:
+        del at[path[-1]]
+    else:
+        at[path[-1]] = value
+    return obj
+
+
+@pytest.mark.parametrize("path, value, where", [
+    (("variants",), ..., "variants is missing"),
+    (("variants",), {"a": 1}, "variants should be a list"),
+    (("variants", 0), [1, 2], "variants[0] should be a mapping"),
+    (("variants", 0, "kl"), "x", "variants[0].kl should be a mapping"),
+    (("variants", 0, "kl", "kl_upper"), ..., "variants[0].kl.kl_upper is missing"),
+    (("variants", 0, "kl", "kl_upper"), "0.1", "variants[0].kl.kl_upper should be a number"),
+    (("variants", 2, "bytes_per_step"), ..., "variants[2].bytes_per_step is missing"),
+    (("variants", 2, "memory", "total"), None, "variants[2].memory.total should be a finite"),
+    (("variants", 1, "name"), 3, "variants[1].name should be a string"),
+    (("variants", 1, "kernel"), [], "variants[1].kernel should be a mapping"),
+    (("conventional_fp32",), [], "conventional_fp32 should be a mapping"),
+    (("conventional_fp32", "memory"), ..., "conventional_fp32.memory is missing"),
+    (("complete",), ..., "complete is missing"),
+    (("front",), "a", "front should be a list"),
+])
+def test_damaged_sweep_is_one_error(tmp_path, path, value, where):
+    code, text = _invoke(["recommend", _write(tmp_path, _damage(_sweep(), path, value)),
+                          "--kl-budget", 1e-3])
+    _one_clear_error(code, text, "f.json", where, "replayquant sweep")
+
+
+def test_sweep_of_repeated_variants_is_refused(tmp_path):
+    sw = _sweep()
+    sw["variants"].append(sw["variants"][0])
+    code, text = _invoke(["recommend", _write(tmp_path, sw), "--kl-budget", 1e-3])
+    _one_clear_error(code, text, "f.json", "s32_rs@L8 come more than once")
+
+
+# ------------------------------------------------------------------ damaged sensitivity files
+
+
+def _per_layer(tmp_path, sens, *extra):
+    return _invoke(["recommend", "--per-layer", _write(tmp_path, sens, "s.json"), "--kl-budget",
+                    1e-3, "--out", tmp_path / "r.json", "--no-progress", *extra])
+
+
+@pytest.mark.parametrize("path, value, where", [
+    (("per_layer",), ..., "per_layer is missing"),
+    (("per_layer",), {}, "per_layer holds no pair"),
+    (("per_layer", "tp4_hi16_sr"), [], "per_layer.tp4_hi16_sr should be a non-empty list"),
+    (("per_layer", "tp4_hi16_sr", 0), ..., "per_layer.tp8_hi16_sr measured other layers"),
+    (("per_layer", "tp4_hi16_sr", 0, "kl"), ..., "per_layer.tp4_hi16_sr[0].kl is missing"),
+    (("per_layer", "tp4_hi16_sr", 0, "index"), 99, "names layers the file's layers do not hold"),
+    (("pairs",), [], "pairs should be a non-empty list"),
+    (("pairs", 0, "name"), "other", "per_layer.tp4_hi16_sr is not among its pairs"),
+    (("layers", 0), ..., "names layers the file's layers do not hold"),
+    (("layers", 0, "kind"), "lstm", "layer kind must be one of"),
+    (("all_layers", "tp8_hi16_sr"), ..., "all_layers.tp8_hi16_sr should be a mapping"),
+    (("kl_args",), ..., "kl_args is missing"),
+    (("kl_args", "model"), 1, "kl_args.model should be a string"),
+])
+def test_damaged_sensitivity_is_one_error(tmp_path, no_model, path, value, where):
+    code, text = _per_layer(tmp_path, _damage(_sens(), path, value))
+    _one_clear_error(code, text, where)
+    assert "s.json" in text or "sensitivity file" in text, text
+    assert not (tmp_path / "r.json").exists() and not list(tmp_path.glob("r_*"))
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0])
+def test_per_layer_kl_not_a_number_is_refused(tmp_path, no_model, value):
+    sens = _sens()
+    sens["per_layer"]["tp8_hi16_sr"][2]["kl"].update(kl_mean=value, kl_upper=value)
+    code, text = _per_layer(tmp_path, sens)
+    _one_clear_error(code, text, "s.json", "single-layer KL of tp8_hi16_sr on layer")
+    assert "budget met" not in text
+
+
+def test_incomplete_sensitivity_is_refused(tmp_path, no_model):
+    sens = _sens()
+    sens.update(complete=False, documents_done=1)
+    code, text = _per_layer(tmp_path, sens)
+    _one_clear_error(code, text, "s.json", "not complete", "replayquant sensitivity")
+
+
+def test_nan_upper_bounds_build_no_policy():
+    sens = _sens()
+    for r in sens["per_layer"]["tp8_hi16_sr"]:
+        r["kl"]["kl_upper"] = float("nan")
+    with pytest.raises(ValueError, match="kl_upper nan is not a finite number"):
+        R.build_policy(sens, 1e-3)
