@@ -200,3 +200,25 @@ def test_nan_upper_bounds_build_no_policy():
         r["kl"]["kl_upper"] = float("nan")
     with pytest.raises(ValueError, match="kl_upper nan is not a finite number"):
         R.build_policy(sens, 1e-3)
+
+
+# ------------------------------------------------------------------ the model a file measured
+
+
+def test_per_layer_refuses_another_model_than_the_file_measured(tmp_path, monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("the KL run started on another model")
+    monkeypatch.setattr(C, "kl_command", boom)
+    sens = _sens()
+    sens["model"]["local_hash"] = "sha256:" + "0" * 32
+    code, text = _per_layer(tmp_path, sens)
+    _one_clear_error(code, text, "s.json", "sha256:" + "0" * 32, "sha256:079e0a9f", "now holds another")
+    assert not (tmp_path / "r.json").exists() and not list(tmp_path.glob("r_*"))
+
+
+def test_per_layer_measures_the_recorded_hub_revision():
+    sens = _sens()
+    sens["model"] = {"id": "Qwen/Qwen3.5-4B", "revision": "abc123"}
+    sens["kl_args"]["model"] = "Qwen/Qwen3.5-4B"
+    assert R.check_same_model(sens)["revision"] == "abc123"
+    assert R.check_same_model(_sens())["revision"] is None

@@ -30,7 +30,8 @@ from .common import (REAL, SIZE, check_structure, fmt_bytes, kl_figures, kl_file
                      load_json_kind, write_json)
 
 __all__ = ["NoFit", "recommend", "print_recommendation", "build_policy", "recommend_per_layer",
-           "print_per_layer", "check_sweep", "check_sensitivity", "RECOMMEND_KIND",
+           "print_per_layer", "check_sweep", "check_sensitivity", "check_same_model",
+           "RECOMMEND_KIND",
            "PER_LAYER_KIND"]
 
 RECOMMEND_KIND = "replayquant.recommendation"
@@ -418,6 +419,30 @@ def build_policy(sens: dict, kl_budget: float, low: str | None = None, high: str
     return policy, plan
 
 
+def check_same_model(sens: dict, source: str = "") -> dict:
+    """The KL options of the sensitivity run, checked to name the model the file measured: a
+    local folder must hold the weights it fingerprinted (`local_hash`), or one ValueError names
+    both; a hub model is measured at the revision the file recorded (where the run named none)."""
+    import os
+
+    from replayquant.kl.runner import local_fingerprint
+    from replayquant.models.names import resolve_model_name
+    args = dict(sens["kl_args"])
+    rec, src = sens["model"], source or "the sensitivity file"
+    resolved = resolve_model_name(args["model"])
+    if os.path.isdir(resolved) and rec.get("local_hash"):
+        now = local_fingerprint(Path(resolved))
+        if now != rec["local_hash"]:
+            raise ValueError(f"{src} measured the model {rec.get('id', args['model'])} "
+                             f"({rec['local_hash']}); {os.path.realpath(resolved)} now holds "
+                             f"another ({now}): the policy would be measured on a model its "
+                             f"sensitivity file did not measure; put that model back, or run "
+                             f"`replayquant sensitivity` again on this one")
+    elif rec.get("revision") and not args.get("revision"):
+        args["revision"] = rec["revision"]
+    return args
+
+
 def recommend_per_layer(sens_path, kl_budget: float, low: str | None = None,
                         high: str | None = None, out: str | None = None, progress: bool = True,
                         device_map: str | None = None) -> dict | None:
@@ -432,11 +457,11 @@ def recommend_per_layer(sens_path, kl_budget: float, low: str | None = None,
     from .sensitivity import SENS_KIND
     sens = load_json_kind(sens_path, SENS_KIND, "replayquant sensitivity")
     policy, plan = build_policy(sens, kl_budget, low, high, source=str(sens_path))
+    args = check_same_model(sens, str(sens_path))
     out_path = check_sweep_out(out or Path("build/recommend") / f"{Path(sens_path).stem}_"
                                f"{policy.name}.json")
     kl_path = kl_file_for(out_path)
     yaml_path = out_path.with_name(out_path.stem + "_policy.yaml")
-    args = dict(sens["kl_args"])
     model = args.pop("model")
     args["progress"] = progress
     if device_map is not None:
