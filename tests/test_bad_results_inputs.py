@@ -222,3 +222,55 @@ def test_per_layer_measures_the_recorded_hub_revision():
     sens["kl_args"]["model"] = "Qwen/Qwen3.5-4B"
     assert R.check_same_model(sens)["revision"] == "abc123"
     assert R.check_same_model(_sens())["revision"] is None
+
+
+# ------------------------------------------------------------------ sizes, before any work
+
+TINY = "tiny-qwen3.5"
+
+
+@pytest.fixture
+def no_weights(monkeypatch):
+    """Fails a test that loads weights or documents (config and tokenizer may load)."""
+    from replayquant.kl import data as D
+
+    def boom(*a, **k):
+        raise AssertionError("weights or documents were loaded before the bad size was refused")
+    monkeypatch.setattr(C, "load_weights", boom)
+    monkeypatch.setattr(D, "load_documents", boom)
+
+
+def _pair_yaml(tmp_path, L, name="long"):
+    p = tmp_path / f"{name}.yaml"
+    p.write_text(f"name: {name}\nanchor: {{format: fp16, rounding: stochastic}}\nbuffer_len: {L}\n")
+    return p
+
+
+def test_sweep_buffer_not_below_the_context_is_refused(tmp_path, no_weights):
+    code, text = _invoke(["sweep", "--model", TINY, "--pair", "s32_rs", "--buffer-len", "8,512",
+                          "--context", 256, "--docs", 1, "--out", tmp_path / "s.json"])
+    _one_clear_error(code, text, "buffer length 512 is not below --context 256", "no flush")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("L", [256, 100000000])
+def test_kl_pair_yaml_buffer_not_below_the_context_is_refused(tmp_path, no_weights, L):
+    code, text = _invoke(["kl", "--model", TINY, "--pair", _pair_yaml(tmp_path, L), "--context",
+                          256, "--out", tmp_path / "k.json"])
+    _one_clear_error(code, text, f"buffer length {L} is not below --context 256")
+
+
+def test_caches_that_do_not_fit_are_refused_with_the_memory_they_need(tmp_path, no_weights,
+                                                                       monkeypatch):
+    from replayquant import memory
+    monkeypatch.setattr(memory, "available_bytes", lambda device=None: (2.0 ** 30, "the host"))
+    # tiny-qwen3.5: 6 GDN layers of 4 heads, d_k 128, d_v 64: 258 FP32 values per head and entry
+    need = 6 * 4 * 4 * (100000 * 258 + 2 * 64 * 128)
+    code, text = _invoke(["sweep", "--model", TINY, "--pair", "s32_rs", "--buffer-len", 100000,
+                          "--context", 131072, "--out", tmp_path / "s.json"])
+    _one_clear_error(code, text, f"would need {need / 2 ** 30:.3g} GiB of memory",
+                     "more than the 1 GiB free on the host")
+    from replayquant.pairs import PrecisionPair
+    from replayquant.sweep.common import shapes_of_model
+    pair = PrecisionPair.load("s32_rs").with_buffer_len(100000)
+    assert memory.kl_cache_bytes([pair], shapes_of_model(TINY)[0]) == need

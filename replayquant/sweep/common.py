@@ -8,8 +8,8 @@ import re
 from pathlib import Path
 
 __all__ = ["kl_bound", "kl_figures", "kl_problem", "load_json_kind", "check_structure", "REAL",
-           "SIZE", "shapes_of_model", "fmt_bytes", "pair_formats", "clean_name", "write_json",
-           "kl_file_for", "KL_FIGURES", "front_kl", "pareto_front"]
+           "SIZE", "shapes_of_config", "shapes_of_model", "fmt_bytes", "pair_formats",
+           "clean_name", "write_json", "kl_file_for", "KL_FIGURES", "front_kl", "pareto_front"]
 
 # the KL statistics a sweep / sensitivity file keeps per variant (the KL run's file has them all)
 KL_FIGURES = ("n_tokens", "n_documents", "kl_mean", "kl_mean_unc", "kl_mean_unc_docs", "kl_median",
@@ -126,20 +126,31 @@ def load_json_kind(path, kind: str, writer: str) -> dict:
     return obj
 
 
-def shapes_of_model(model: str, revision: str | None = None):
-    """(LayerShapes of the recurrent layers, tokenizer, config, resolved name) of a model without
-    loading its weights: the model is built from its config on the meta device, with the class
-    load_model uses (`auto_model_class`: GLM-5-Next's conditional-generation class)."""
+def shapes_of_config(cfg) -> list:
+    """The LayerShapes of the recurrent layers of a model config (none for a model without
+    one): the model is built from the config on the meta device, with the class load_model uses
+    (`auto_model_class`: GLM-5-Next's conditional-generation class), so no weights load."""
+    return _meta_shapes(cfg)[0]
+
+
+def _meta_shapes(cfg):
     import torch
 
-    from replayquant.kl.command import load_tokenizer_and_config
-    from replayquant.models.families import KIND_NAMES
     from replayquant.models.patching import auto_model_class
     from replayquant.statebytes import layer_shapes
-    tok, cfg, resolved = load_tokenizer_and_config(model, revision)
     with torch.device("meta"):
         meta = auto_model_class(cfg).from_config(cfg)
-    shapes = layer_shapes(meta)
+    return layer_shapes(meta), meta
+
+
+def shapes_of_model(model: str, revision: str | None = None):
+    """(LayerShapes of the recurrent layers, meta model, tokenizer, config, resolved name) of a
+    model without loading its weights (`shapes_of_config`); one ValueError for a model without
+    a recurrent layer."""
+    from replayquant.kl.command import load_tokenizer_and_config
+    from replayquant.models.families import KIND_NAMES
+    tok, cfg, resolved = load_tokenizer_and_config(model, revision)
+    shapes, meta = _meta_shapes(cfg)
     if not shapes:
         raise ValueError(f"{model}: the model has no recurrent layer replayquant can patch "
                          f"({', '.join(KIND_NAMES.values())}); there is no recurrent state to sweep")
