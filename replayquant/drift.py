@@ -153,6 +153,11 @@ def run_drift(kind: str, pairs, steps: int = 4096, seeds=(42, 43, 44), batch: in
     seeds = [int(s) for s in seeds]
     if not seeds:
         raise ValueError("give at least one seed")
+    again = sorted({s for s in seeds if seeds.count(s) > 1})
+    if again:
+        raise ValueError(f"seed(s) {', '.join(map(str, again))} given more than once: a repeated "
+                         f"seed repeats the same run, and its spread over seeds would read 0; "
+                         f"give each seed once")
     from replayquant.formats.report import check_dims
     check_dims({"--batch": batch, "--heads": heads, "--d-k": d_k, "--d-v": d_v})
     if heads >= 1 << 16:

@@ -177,10 +177,13 @@ class PrecisionPair:
 
     @classmethod
     def load(cls, name_or_path) -> "PrecisionPair":
-        """Load a pair by name (a file in configs/pairs/) or from a YAML path."""
-        p = Path(name_or_path)
+        """Load a pair by name (a file in configs/pairs/) or from a YAML path. A file named (or
+        whose name: line names it) like a shipped pair must store what the shipped pair stores
+        (read and anchor formats and roundings): results are keyed by pair name, and would show
+        other formats under the shipped name."""
+        p, own_file = Path(name_or_path), True
         if p.suffix not in (".yaml", ".yml") and not p.exists():
-            p = PAIRS_DIR / f"{name_or_path}.yaml"
+            p, own_file = PAIRS_DIR / f"{name_or_path}.yaml", False
             if not p.is_file():
                 raise ValueError(f"unknown precision pair {str(name_or_path)!r}; shipped pairs: "
                                  f"{', '.join(list_pairs())} (or pass a path to a .yaml file)")
@@ -188,6 +191,17 @@ class PrecisionPair:
         pair = cls.from_dict(data, source=str(p))
         if pair.name is None:
             object.__setattr__(pair, "name", p.stem)
+        shipped = PAIRS_DIR / f"{pair.name}.yaml"
+        if not own_file or not shipped.is_file():
+            return pair
+        ref = cls.from_dict(read_yaml(shipped, "precision pair file"), source=str(shipped))
+        if (pair.read, pair.anchor) != (ref.read, ref.anchor):
+            def what(x):
+                return f"read {x.read or '(shared)'} and anchor {x.anchor}"
+            raise ValueError(f"{p}: the pair is named {pair.name}, as a shipped pair, but holds "
+                             f"{what(pair)} where the shipped {pair.name} holds {what(ref)}; "
+                             f"results would show it under the shipped pair's name: give it "
+                             f"another name (its name: line, or the file's name)")
         return pair
 
     def to_dict(self) -> dict:

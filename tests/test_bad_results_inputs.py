@@ -274,3 +274,27 @@ def test_caches_that_do_not_fit_are_refused_with_the_memory_they_need(tmp_path, 
     from replayquant.sweep.common import shapes_of_model
     pair = PrecisionPair.load("s32_rs").with_buffer_len(100000)
     assert memory.kl_cache_bytes([pair], shapes_of_model(TINY)[0]) == need
+
+
+# ------------------------------------------------------------------ names and seeds that would mislead
+
+
+def test_user_pair_named_like_a_shipped_pair_must_store_its_formats(tmp_path, no_model):
+    other = tmp_path / "tp4_hi32.yaml"                 # the shipped name from the file's name
+    other.write_text("read: {format: fp8}\nanchor: {format: fp32}\n")
+    named = tmp_path / "mine.yaml"                     # ... or from its name: line
+    named.write_text("name: s16_sr\nanchor: {format: fp16, rounding: nearest}\n")
+    for p, name in ((other, "tp4_hi32"), (named, "s16_sr")):
+        code, text = _invoke(["kl", "--model", TINY, "--pair", p, "--out", tmp_path / "k.json"])
+        _one_clear_error(code, text, str(p), f"named {name}, as a shipped pair", "another name")
+    same = tmp_path / "s32_rs.yaml"                    # the same formats (another L) are that pair
+    same.write_text("anchor: {format: fp32}\nbuffer_len: 4\n")
+    from replayquant.pairs import PrecisionPair
+    assert PrecisionPair.load(same).buffer_len == 4
+
+
+def test_drift_repeated_seed_is_refused(tmp_path):
+    code, text = _invoke(["drift", "--kind", "gdn", "--pair", "s32_rs", "--steps", 32, "--seeds",
+                          "1,1", "--out", tmp_path])
+    _one_clear_error(code, text, "seed(s) 1 given more than once")
+    assert list(tmp_path.iterdir()) == []
