@@ -298,3 +298,24 @@ def test_drift_repeated_seed_is_refused(tmp_path):
                           "1,1", "--out", tmp_path])
     _one_clear_error(code, text, "seed(s) 1 given more than once")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["drift", "--kind", "gdn", "--pair", "s32_rs", "--steps", 100000000, "--seeds", "1"],
+     ["a drift of 100000000 steps", "would need 1.44e+03 GiB of memory", "fewer --steps"]),
+    (["drift", "--kind", "kda", "--pair", "s32_rs", "--steps", 100000000, "--seeds", "1"],
+     ["would need 1.82e+03 GiB of memory"]),
+    (["formats", "--d", 1000000], ["the test tensor [8, 1000000, 1000000]",
+                                   "would need 4.77e+05 GiB of memory", "smaller --d"]),
+])
+def test_huge_drift_and_formats_sizes_are_refused_before_any_work(tmp_path, monkeypatch, args,
+                                                                  needles):
+    import replayquant.drift as drift
+    import replayquant.formats.report as report
+
+    def boom(*a, **k):
+        raise AssertionError("the work started before the size was refused")
+    monkeypatch.setattr(drift, "make_inputs", boom)
+    monkeypatch.setattr(report, "state_like_tensor", boom)
+    code, text = _invoke([*args, *(["--out", tmp_path] if args[0] == "drift" else [])])
+    _one_clear_error(code, text, "more than the", "free on the host", *needles)
