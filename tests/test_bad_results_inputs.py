@@ -319,3 +319,27 @@ def test_huge_drift_and_formats_sizes_are_refused_before_any_work(tmp_path, monk
     monkeypatch.setattr(report, "state_like_tensor", boom)
     code, text = _invoke([*args, *(["--out", tmp_path] if args[0] == "drift" else [])])
     _one_clear_error(code, text, "more than the", "free on the host", *needles)
+
+
+# ------------------------------------------------------------------ the Triton backend without a GPU
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a CUDA GPU runs the kernels")
+def test_triton_backend_without_gpu_or_interpreter_is_one_error_at_once(monkeypatch):
+    import torch
+
+    from replayquant import formats
+    from replayquant.formats import report
+
+    def boom(*a, **k):
+        raise AssertionError("the command started before the backend was refused")
+    monkeypatch.setattr(report, "print_formats_table", boom)
+    env = {"REPLAYQUANT_BACKEND": "triton", "TRITON_INTERPRET": "0"}
+    code, text = _invoke(["formats"], env=env)
+    _one_clear_error(code, text, "REPLAYQUANT_BACKEND=triton", "no CUDA GPU", "TRITON_INTERPRET=1")
+    monkeypatch.setenv("REPLAYQUANT_BACKEND", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="the tensor is not on a CUDA GPU"):
+        formats.get_format("fp16").quantize(torch.ones(4, 16))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert formats.use_triton(torch.ones(1))
