@@ -48,14 +48,69 @@ def _pairs_dir():
 
 PAIRS_DIR = _pairs_dir()
 
+# A pair or policy file holds tens of values; a file that is longer than MAX_YAML_BYTES or
+# expands to more than MAX_YAML_VALUES values (aliases *a repeat what an anchor &a holds, so a few
+# lines can expand to billions: "billion laughs") is refused at load instead of filling memory
+# (or taking minutes) when its values are first used.
+MAX_YAML_VALUES = 100_000
+MAX_YAML_BYTES = 1 << 20
+
+
+class _TooLarge(ValueError):
+    pass
+
+
+def _yaml_loader():
+    """A safe YAML loader (libyaml's where installed) that refuses documents expanding to more
+    than MAX_YAML_VALUES values or referring to themselves."""
+    import yaml
+    base = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+    class Loader(base):
+        def construct_document(self, node):
+            sizes, open_ = {}, set()
+
+            def size(n) -> int:             # values once aliases are expanded, memoised per node
+                if id(n) in sizes:
+                    return sizes[id(n)]
+                if id(n) in open_:
+                    raise _TooLarge("an alias refers to the value that holds it (a recursive "
+                                    "YAML value)")
+                open_.add(id(n))
+                kids = (n.value if isinstance(n, yaml.SequenceNode) else
+                        [x for kv in n.value for x in kv] if isinstance(n, yaml.MappingNode) else [])
+                total = 1
+                for k in kids:
+                    total += size(k)
+                    if total > MAX_YAML_VALUES:
+                        raise _TooLarge(f"it holds more than {MAX_YAML_VALUES} values (counting "
+                                        f"what its aliases *name repeat); a pair or policy file "
+                                        f"holds a few dozen")
+                open_.discard(id(n))
+                sizes[id(n)] = total
+                return total
+            size(node)
+            return super().construct_document(node)
+    return Loader
+
+
 def read_yaml(path, what: str):
     """The parsed contents of a YAML file (a Path or a package resource), or one error naming
-    `what` the file should be when it is missing or not YAML."""
+    `what` the file should be when it is missing, not YAML, or larger than a pair or policy
+    can be (MAX_YAML_VALUES)."""
     import yaml
     if not path.is_file():
         raise ValueError(f"{what} {str(path)!r} does not exist")
+    size = path.stat().st_size if hasattr(path, "stat") else 0     # package data: ours, small
+    if size > MAX_YAML_BYTES:
+        raise ValueError(f"{path}: not a {what}: it is {size / 2 ** 20:.1f} MiB long, and a pair "
+                         f"or policy file is a few hundred bytes (files over "
+                         f"{MAX_YAML_BYTES // 2 ** 20} MiB are refused)")
+    text = path.read_text()
     try:
-        return yaml.safe_load(path.read_text())
+        return yaml.load(text, Loader=_yaml_loader())
+    except _TooLarge as e:
+        raise ValueError(f"{path}: not a {what}: {e}") from None
     except yaml.YAMLError as e:
         raise ValueError(f"{path}: not valid YAML ({e})") from None
 

@@ -343,3 +343,55 @@ def test_triton_backend_without_gpu_or_interpreter_is_one_error_at_once(monkeypa
         formats.get_format("fp16").quantize(torch.ones(4, 16))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert formats.use_triton(torch.ones(1))
+
+
+# ------------------------------------------------------------------ YAML that would fill memory or hang
+
+
+def _bomb(levels=9):
+    lines = ['a0: &a0 "lol"']
+    for i in range(1, levels + 1):
+        lines.append(f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]")
+    return lines
+
+
+def test_alias_bomb_in_a_policy_is_refused_before_any_kl_work(tmp_path, no_weights):
+    pol = tmp_path / "bomb.yaml"
+    pol.write_text("x_: &x\n" + "\n".join("  " + ln for ln in _bomb()) +
+                   "\ndefault: tp4_hi32\ndescription: *x\n")
+    code, text = _invoke(["kl", "--model", TINY, "--pair", pol, "--out", tmp_path / "k.json"])
+    _one_clear_error(code, text, "bomb.yaml", "more than 100000 values", "aliases")
+    pair = tmp_path / "p.yaml"                          # a pair file the same
+    pair.write_text("\n".join(_bomb()) + "\nanchor: {format: fp32}\n")
+    code, text = _invoke(["kl", "--model", TINY, "--pair", pair, "--out", tmp_path / "k.json"])
+    _one_clear_error(code, text, "p.yaml", "more than 100000 values")
+    rec = tmp_path / "r.yaml"                           # a value holding itself
+    rec.write_text("default: tp4_hi32\ndescription: &d [*d]\n")
+    code, text = _invoke(["kl", "--model", TINY, "--pair", rec, "--out", tmp_path / "k.json"])
+    _one_clear_error(code, text, "r.yaml", "refers to the value that holds it")
+
+
+def test_anchors_of_a_reasonable_policy_still_load(tmp_path):
+    from replayquant.policy import LayerPolicy
+    pol = tmp_path / "ok.yaml"
+    pol.write_text("default: tp4_hi32\noverrides:\n  - {layers: [0], pair: &hi {anchor: "
+                   "{format: fp32}, read: {format: fp8}}}\n  - {layers: [3], pair: *hi}\n")
+    p = LayerPolicy.load(pol)
+    assert p.overrides[0].pair == p.overrides[1].pair
+
+
+def test_many_overrides_load_fast_and_too_many_are_refused(tmp_path):
+    import time
+
+    from replayquant.policy import LayerPolicy
+
+    def policy(n):
+        p = tmp_path / f"p{n}.yaml"
+        p.write_text("default: tp4_hi32\noverrides:\n" + "".join(
+            f"  - {{layers: [{i}], pair: tp8_hi32}}\n" for i in range(n)))
+        return p
+    t = time.perf_counter()
+    assert len(LayerPolicy.load(policy(5000)).overrides) == 5000      # each pair file read once
+    with pytest.raises(ValueError, match="MiB long"):
+        LayerPolicy.load(policy(200000))
+    assert time.perf_counter() - t < 10
