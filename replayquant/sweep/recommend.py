@@ -9,6 +9,9 @@ uncertainty (`--gpqa SUMMARY.json`, matched to variants by formats and L, in eve
 summary). The cheapest fitting variant (fewest state bytes per step; then less memory, then
 lower KL) is the recommendation, the next one the runner-up. When nothing fits, `NoFit` names
 the closest variant (the one that misses its budgets by the smallest factor) and by how much.
+A variant whose KL mean or upper bound is not a finite number, or whose upper bound is below
+zero, fits no budget: it is left out and listed (`kl_not_valid`). A sweep that did not finish
+(`complete: false`) is refused, as is a damaged one (`check_sweep`: one error naming the place).
 
 From a sensitivity run (`recommend --per-layer SENSITIVITY.json --kl-budget B`): every layer
 starts with the cheaper pair (`--low`); layers move to the other pair (`--high`) in the order of
@@ -18,7 +21,9 @@ budget), which assumes the layers' errors add; the sensitivity file's `sum_vs_al
 well that held for one pair on every layer. The policy is then measured with the KL harness on
 the same documents and settings as the sensitivity run, and the measurement is reported beside
 the prediction; a measured upper bound over the budget is reported as such (exit 1 on the
-command line).
+command line). The sensitivity file must be complete and whole (`check_sensitivity`), the
+single-layer KLs of the two pairs finite and not below zero, and the model its KL options name
+the one it measured (`check_same_model`).
 """
 
 from __future__ import annotations
