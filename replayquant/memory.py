@@ -71,10 +71,14 @@ def _pairs_of(variant) -> list:
 
 
 def check_kl_sizes(variants, shapes, context: int, prefill: str, device: str | None) -> None:
-    """Before a KL run loads weights: with prefill "replay" every pair's buffer length must be
-    below the context (else no flush happens inside a document, and the KL would measure no
-    anchor at all), and the variants' caches must fit in memory."""
+    """Before a KL run loads weights: the variants' caches must fit in memory, and with prefill
+    "replay" every pair's buffer length must be below the context (else no flush happens inside
+    a document, and the KL would measure no anchor at all)."""
     Ls = [p.buffer_len for v in variants for p in _pairs_of(v)]
+    check_fits(kl_cache_bytes(variants, shapes),
+               f"the caches of {len(variants)} variant(s) over {len(shapes)} recurrent layers "
+               f"(buffer lengths up to {max(Ls, default=0)})",
+               "give shorter buffer lengths or fewer pairs per run", device)
     if prefill == "replay":
         for v in variants:
             long = [p.buffer_len for p in _pairs_of(v) if p.buffer_len >= context]
@@ -84,7 +88,3 @@ def check_kl_sizes(variants, shapes, context: int, prefill: str, device: str | N
                                  f"would not measure the anchor at all; give a buffer length "
                                  f"below {context} (--buffer-len of sweep / sensitivity, "
                                  f"buffer_len: of the pair YAML) or a longer --context")
-    check_fits(kl_cache_bytes(variants, shapes),
-               f"the caches of {len(variants)} variant(s) over {len(shapes)} recurrent layers "
-               f"(buffer lengths up to {max(Ls, default=0)})",
-               "give shorter buffer lengths or fewer pairs per run", device)

@@ -253,11 +253,24 @@ def test_sweep_buffer_not_below_the_context_is_refused(tmp_path, no_weights):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("L", [256, 100000000])
-def test_kl_pair_yaml_buffer_not_below_the_context_is_refused(tmp_path, no_weights, L):
-    code, text = _invoke(["kl", "--model", TINY, "--pair", _pair_yaml(tmp_path, L), "--context",
+def test_kl_pair_yaml_buffer_not_below_the_context_is_refused(tmp_path, no_weights):
+    code, text = _invoke(["kl", "--model", TINY, "--pair", _pair_yaml(tmp_path, 256), "--context",
                           256, "--out", tmp_path / "k.json"])
-    _one_clear_error(code, text, f"buffer length {L} is not below --context 256")
+    _one_clear_error(code, text, "buffer length 256 is not below --context 256")
+
+
+@pytest.mark.parametrize("args", [["--pair", "YAML"], ["--pair", "s32_rs", "--buffer-len", 10 ** 6]])
+def test_huge_buffer_lengths_are_refused_with_the_memory_they_need(tmp_path, no_weights, args,
+                                                                    monkeypatch):
+    from replayquant import memory
+    monkeypatch.setattr(memory, "available_bytes", lambda device=None: (16 * 2.0 ** 30, "the host"))
+    args = [_pair_yaml(tmp_path, 10 ** 8) if a == "YAML" else a for a in args]
+    code, text = _invoke(["sweep" if "--buffer-len" in args else "kl", "--model", TINY, *args,
+                          "--out", tmp_path / "k.json"])
+    L = 10 ** 8 if "--buffer-len" not in args else 10 ** 6
+    need = 6 * 4 * 4 * (L * 258 + 2 * 64 * 128)
+    _one_clear_error(code, text, f"would need {need / 2 ** 30:.3g} GiB of memory",
+                     f"buffer lengths up to {L}")
 
 
 def test_caches_that_do_not_fit_are_refused_with_the_memory_they_need(tmp_path, no_weights,
