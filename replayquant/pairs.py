@@ -111,6 +111,9 @@ def read_yaml(path, what: str):
         return yaml.load(text, Loader=_yaml_loader())
     except _TooLarge as e:
         raise ValueError(f"{path}: not a {what}: {e}") from None
+    except RecursionError:
+        raise ValueError(f"{path}: not a {what}: its values nest too deeply (a pair or policy "
+                         f"nests three levels)") from None
     except yaml.YAMLError as e:
         raise ValueError(f"{path}: not valid YAML ({e})") from None
 

@@ -408,3 +408,11 @@ def test_many_overrides_load_fast_and_too_many_are_refused(tmp_path):
     with pytest.raises(ValueError, match="MiB long"):
         LayerPolicy.load(policy(200000))
     assert time.perf_counter() - t < 10
+
+
+def test_deeply_nested_yaml_is_one_error(tmp_path):
+    from replayquant.pairs import PrecisionPair
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("anchor: " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(ValueError, match="deep.yaml: not (valid YAML|a precision pair file)"):
+        PrecisionPair.load(deep)

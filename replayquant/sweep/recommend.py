@@ -36,8 +36,7 @@ from .common import (REAL, SIZE, check_structure, fmt_bytes, kl_figures, kl_file
 
 __all__ = ["NoFit", "recommend", "print_recommendation", "build_policy", "recommend_per_layer",
            "print_per_layer", "check_sweep", "check_sensitivity", "check_same_model",
-           "RECOMMEND_KIND",
-           "PER_LAYER_KIND"]
+           "RECOMMEND_KIND", "PER_LAYER_KIND"]
 
 RECOMMEND_KIND = "replayquant.recommendation"
 PER_LAYER_KIND = "replayquant.per_layer_recommendation"
@@ -74,8 +73,9 @@ _SENS_ROWS = [{"index": int, "name": str, "kl": _KL}, ...]
 
 def _incomplete(source: str, obj: dict, command: str) -> ValueError:
     done, planned = obj.get("documents_done"), obj.get("documents_planned")
-    of = f"{done} of {planned}" if planned is not None else f"{done}"
-    return ValueError(f"{source}: the run is not complete ({of} documents done): its KL figures "
+    of = ("" if done is None else f" ({done} of {planned} documents done)" if planned is not None
+          else f" ({done} documents done)")
+    return ValueError(f"{source}: the run is not complete{of}: its KL figures "
                       f"do not cover the documents it planned, so they cannot be held against a "
                       f"budget; run the same `{command}` again to finish it (it resumes), then "
                       f"recommend from it")
@@ -86,8 +86,8 @@ def check_sweep(sweep, source: str = "") -> None:
     (`_SWEEP_SCHEMA`), two variants of one name, or a run that did not finish."""
     src = source or "the sweep"
     check_structure(sweep, _SWEEP_SCHEMA, src, "replayquant sweep")
-    names = [v["name"] for v in sweep["variants"]]
-    dup = sorted({n for n in names if names.count(n) > 1})
+    from collections import Counter
+    dup = sorted(n for n, k in Counter(v["name"] for v in sweep["variants"]).items() if k > 1)
     if dup:
         raise ValueError(f"{src}: variant(s) {', '.join(dup)} come more than once; the file is "
                          f"damaged or was not written by `replayquant sweep`: run it again")
