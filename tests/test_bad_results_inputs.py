@@ -170,6 +170,9 @@ def _per_layer(tmp_path, sens, *extra):
     (("all_layers", "tp8_hi16_sr"), ..., "all_layers.tp8_hi16_sr should be a mapping"),
     (("kl_args",), ..., "kl_args is missing"),
     (("kl_args", "model"), 1, "kl_args.model should be a string"),
+    (("kl_args", "context"), "2048", "kl_args.context should be an integer"),
+    (("kl_args", "pack"), 0, "kl_args.pack should be true or false"),
+    (("kl_args", "colour"), "red", "kl_args holds ['colour'], which no KL run takes"),
 ])
 def test_damaged_sensitivity_is_one_error(tmp_path, no_model, path, value, where):
     code, text = _per_layer(tmp_path, _damage(_sens(), path, value))

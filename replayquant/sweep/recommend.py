@@ -61,7 +61,10 @@ _SWEEP_SCHEMA = {
 _SENS_SCHEMA = {
     "complete": bool,
     "model": {"id?": str, "local_hash?": str, "revision?": str},
-    "kl_args": {"model": str},
+    "kl_args": {"model": str, "context": int, "docs": int, "segment": int, "seed?": int,
+                "dataset?": str, "split?": str, "text_field?": str, "prefill?": str,
+                "dtype?": str, "reference?": str, "pack?": bool, "revision?": str,
+                "device_map?": str, "dataset_config?": str, "data_files?": [str]},
     "layers": [{"kind": str, "H": int, "HK": int, "dv": int, "dk": int, "name": str,
                 "index": int}, ...],
     "pairs": [{"name": str}, ...],
@@ -102,6 +105,14 @@ def check_sensitivity(sens, source: str = "") -> None:
     src = source or "the sensitivity file"
     writer = "replayquant sensitivity"
     check_structure(sens, _SENS_SCHEMA, src, writer)
+    import inspect
+
+    from replayquant.kl.command import kl_command
+    takes = set(inspect.signature(kl_command).parameters) - {"pairs", "out", "progress"}
+    extra = sorted(set(sens["kl_args"]) - takes)
+    if extra:
+        raise ValueError(f"{src}: kl_args holds {extra}, which no KL run takes; the file is "
+                         f"damaged or was not written by `{writer}`: run it again")
     known = {p["name"] for p in sens["pairs"]}
     layers = {s["index"] for s in sens["layers"]}
     if not sens["per_layer"]:
