@@ -419,3 +419,14 @@ def test_deeply_nested_yaml_is_one_error(tmp_path):
     deep.write_text("anchor: " + "[" * 5000 + "]" * 5000 + "\n")
     with pytest.raises(ValueError, match="deep.yaml: not (valid YAML|a precision pair file)"):
         PrecisionPair.load(deep)
+
+
+@pytest.mark.parametrize("summary, where", [
+    ({"pairs": "x", "rows": []}, "pairs should be a list"),
+    ({"pairs": [{"label": "a"}], "rows": []}, "pairs[0].pair is missing"),
+    ({"pairs": [], "rows": [{"pair": "a", "delta": "0.1", "task": "t"}]}, "rows[0].delta should be"),
+])
+def test_damaged_gpqa_summary_is_one_error(summary, where):
+    with pytest.raises(ValueError, match=r"the GPQA summary: " + __import__("re").escape(where)):
+        R.recommend(_sweep(), 1e-3, gpqa={"kind": "replayquant.gpqa_summary", **summary},
+                    gpqa_budget=1.0)

@@ -72,6 +72,9 @@ _SENS_SCHEMA = {
     "all_layers": dict,
 }
 _SENS_ROWS = [{"index": int, "name": str, "kl": _KL}, ...]
+_GPQA_SCHEMA = {"pairs": [{"label": str, "pair": dict}],
+                "rows": [{"pair?": str, "task": str, "primary?": bool, "delta?": REAL,
+                          "delta_stderr?": REAL}]}
 
 
 def _incomplete(source: str, obj: dict, command: str) -> ValueError:
@@ -161,10 +164,11 @@ def gpqa_drops(summary: dict) -> dict:
     summary's primary rows: the largest drop over its tasks, in percentage points, against the
     summary's first pair, at the upper end of the paired uncertainty."""
     import json
-    by_label = {p["label"]: p for p in summary.get("pairs", [])}
+    check_structure(summary, _GPQA_SCHEMA, "the GPQA summary", "replayquant gpqa")
+    by_label = {p["label"]: p for p in summary["pairs"]}
     out = {}
     for label, p in by_label.items():
-        rows = [r for r in summary.get("rows", []) if r.get("pair") == label and r.get("primary")]
+        rows = [r for r in summary["rows"] if r.get("pair") == label and r.get("primary")]
         if not rows or any(r.get("delta") is None for r in rows):
             continue
         drops = [(-100 * r["delta"], 100 * (r.get("delta_stderr") or 0.0), r["task"]) for r in rows]
