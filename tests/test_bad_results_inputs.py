@@ -433,3 +433,11 @@ def test_damaged_gpqa_summary_is_one_error(summary, where):
     with pytest.raises(ValueError, match=r"the GPQA summary: " + __import__("re").escape(where)):
         R.recommend(_sweep(), 1e-3, gpqa={"kind": "replayquant.gpqa_summary", **summary},
                     gpqa_budget=1.0)
+
+
+def test_kl_that_fits_no_budget_is_on_no_front():
+    from replayquant.sweep.common import pareto_front
+    pts = [("nan", 1, float("nan"), 0.0), ("neg", 2, -0.5, 0.01), ("inf", 3, float("inf"), 0.0),
+           ("noise", 4, -1e-10, 1e-9), ("ok", 5, 1e-3, 1e-5)]
+    assert pareto_front(pts) == ["noise"]
+    assert pareto_front([("ok", 5, 1e-3, 1e-5), ("neg", 2, -0.5, 0.01)]) == ["ok"]

@@ -206,9 +206,12 @@ def front_kl(mean: float, unc: float = 0.0) -> float:
 def pareto_front(points) -> list[str]:
     """Names on the front of (name, bytes, KL mean[, KL uncertainty]): no other point has fewer
     or equal bytes and a lower KL (`front_kl`: noise-level KLs count as 0, so noise does not put
-    a costlier exact variant on the front). In bytes order."""
+    a costlier exact variant on the front). A KL that fits no budget (`kl_problem`: NaN,
+    infinite, below zero beyond its uncertainty) is on no front. In bytes order."""
     front, best = [], float("inf")
-    pts = [(p[0], p[1], front_kl(p[2], p[3] if len(p) > 3 else 0.0)) for p in points]
+    pts = [(p[0], p[1], front_kl(p[2], p[3] if len(p) > 3 else 0.0)) for p in points
+           if kl_problem({"kl_mean": p[2], "kl_upper": p[2] + (p[3] if len(p) > 3 else 0.0)})
+           is None]
     for name, b, kl in sorted(pts, key=lambda t: (t[1], t[2])):
         if kl < best:
             front.append(name)
