@@ -441,3 +441,10 @@ def test_kl_that_fits_no_budget_is_on_no_front():
            ("noise", 4, -1e-10, 1e-9), ("ok", 5, 1e-3, 1e-5)]
     assert pareto_front(pts) == ["noise"]
     assert pareto_front([("ok", 5, 1e-3, 1e-5), ("neg", 2, -0.5, 0.01)]) == ["ok"]
+
+
+def test_per_layer_model_gone_names_the_file(tmp_path, no_model):
+    sens = _sens()
+    sens["kl_args"]["model"] = str(tmp_path / "gone")
+    code, text = _per_layer(tmp_path, sens)
+    _one_clear_error(code, text, "s.json measured the model", "gone")

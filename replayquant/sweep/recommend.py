@@ -449,7 +449,11 @@ def check_same_model(sens: dict, source: str = "") -> dict:
     from replayquant.models.names import resolve_model_name
     args = dict(sens["kl_args"])
     rec, src = sens["model"], source or "the sensitivity file"
-    resolved = resolve_model_name(args["model"])
+    try:
+        resolved = resolve_model_name(args["model"])
+    except ValueError as e:
+        raise ValueError(f"{src} measured the model {args['model']!r}, which is not there now "
+                         f"({e})") from None
     if os.path.isdir(resolved) and rec.get("local_hash"):
         now = local_fingerprint(Path(resolved))
         if now != rec["local_hash"]:
