@@ -103,17 +103,17 @@ def read_yaml(path, what: str):
         raise ValueError(f"{what} {str(path)!r} does not exist")
     size = path.stat().st_size if hasattr(path, "stat") else 0     # package data: ours, small
     if size > MAX_YAML_BYTES:
-        raise ValueError(f"{path}: not a {what}: it is {size / 2 ** 20:.1f} MiB long, and a pair "
-                         f"or policy file is a few hundred bytes (files over "
-                         f"{MAX_YAML_BYTES // 2 ** 20} MiB are refused)")
+        raise ValueError(f"{path}: it is {size / 2 ** 20:.1f} MiB long, and a pair or policy "
+                         f"file is a few hundred bytes (files over {MAX_YAML_BYTES // 2 ** 20} "
+                         f"MiB are refused)")
     text = path.read_text()
     try:
         return yaml.load(text, Loader=_yaml_loader())
     except _TooLarge as e:
-        raise ValueError(f"{path}: not a {what}: {e}") from None
+        raise ValueError(f"{path}: {e}") from None
     except RecursionError:
-        raise ValueError(f"{path}: not a {what}: its values nest too deeply (a pair or policy "
-                         f"nests three levels)") from None
+        raise ValueError(f"{path}: its values nest too deeply (a pair or policy nests three "
+                         f"levels)") from None
     except yaml.YAMLError as e:
         raise ValueError(f"{path}: not valid YAML ({e})") from None
 
