@@ -32,6 +32,11 @@ def _print_version(value: bool):
 def _main(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
                                        help="print replayquant's version and exit")):
     """Low-precision SSM state for hybrid models (ReplaySSM)."""
+    from replayquant.options import check_backend
+    with _user_errors():                  # the run-time options, before any command does work
+        check_backend()
+
+
 bench_app = typer.Typer(no_args_is_help=True, help="GPU benchmarks (not run in CI).")
 app.add_typer(bench_app, name="bench")
 

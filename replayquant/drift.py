@@ -153,6 +153,11 @@ def run_drift(kind: str, pairs, steps: int = 4096, seeds=(42, 43, 44), batch: in
     seeds = [int(s) for s in seeds]
     if not seeds:
         raise ValueError("give at least one seed")
+    again = sorted({s for s in seeds if seeds.count(s) > 1})
+    if again:
+        raise ValueError(f"seed(s) {', '.join(map(str, again))} given more than once: a repeated "
+                         f"seed repeats the same run, and its spread over seeds would read 0; "
+                         f"give each seed once")
     from replayquant.formats.report import check_dims
     check_dims({"--batch": batch, "--heads": heads, "--d-k": d_k, "--d-v": d_v})
     if heads >= 1 << 16:
@@ -179,6 +184,12 @@ def run_drift(kind: str, pairs, steps: int = 4096, seeds=(42, 43, 44), batch: in
         if steps < L:
             raise ValueError(f"steps={steps} is shorter than {p.label()}'s buffer_len {L}: "
                              f"no flush would happen")
+    from replayquant.memory import check_fits
+    extra_gate = 2 * d_k if kind == "kda" else 0      # KDA's per-channel decay and its rates
+    check_fits(4.0 * batch * steps * heads * (4 * d_k + 7 * d_v + 4 + extra_gate),
+               f"a drift of {steps} steps ({batch} x {heads} heads, {d_v} x {d_k} state: its "
+               f"inputs, the reference's outputs and one pair's)",
+               "give fewer --steps or smaller --batch / --heads / --d-k / --d-v", "cpu")
     per = {i: [] for i in range(len(runs))}
     t0 = time.time()
     S0 = torch.zeros(batch, heads, d_v, d_k)

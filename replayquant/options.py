@@ -2,7 +2,7 @@
 
 | variable | option | values | what it chooses |
 | --- | --- | --- | --- |
-| REPLAYQUANT_BACKEND | backend | auto, triton, torch | where format casts run: auto = the Triton kernels on CUDA tensors, the torch reference on CPU ones; triton forces the kernels (e.g. under TRITON_INTERPRET=1) |
+| REPLAYQUANT_BACKEND | backend | auto, triton, torch | where format casts run: auto = the Triton kernels on CUDA tensors, the torch reference on CPU ones; triton forces the kernels (CPU tensors only under TRITON_INTERPRET=1; `check_backend` refuses it otherwise) |
 | REPLAYQUANT_CHUNK_DOT | chunk_dot | tf32x3, ieee | the chunk kernel's tl.dot input precision (see replayquant/kernels/chunk.py) |
 | REPLAYQUANT_NVFP4_CHAIN_SPLIT | nvfp4_chain_split | unset, 0, N >= 1 | the chunk kernel's NVFP4 chain: unset chooses by shape, 0 forces two-pass, N splits a matrix over N programs |
 | REPLAYQUANT_CPU_THREADS | cpu_threads | N >= 1 (default 1) | intra-op threads of the CPU teacher-forcing scan |
@@ -23,7 +23,7 @@ import contextvars
 import dataclasses
 import os
 
-__all__ = ["Options", "get", "override", "ENV"]
+__all__ = ["Options", "get", "override", "ENV", "triton_interpreter", "check_backend"]
 
 ENV = {
     "backend": "REPLAYQUANT_BACKEND",
@@ -76,6 +76,31 @@ def _from_env() -> Options:
 
 
 _overrides: contextvars.ContextVar[dict] = contextvars.ContextVar("replayquant_options", default={})
+
+
+def triton_interpreter() -> bool:
+    """True where Triton runs its kernels in the CPU interpreter (TRITON_INTERPRET=1, as Triton
+    reads it: 1, true, on or yes; it must be set before triton is imported)."""
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")
+
+
+def check_backend(on_cuda: bool | None = None) -> None:
+    """One ValueError where backend = triton cannot run: without TRITON_INTERPRET=1 the Triton
+    kernels need CUDA tensors (`on_cuda`: the tensor at hand; None: whether this machine has a
+    CUDA GPU at all, the check a command makes before any work)."""
+    if get().backend != "triton" or triton_interpreter():
+        return
+    if on_cuda is None:
+        import torch
+        on_cuda = torch.cuda.is_available()
+        where = "this machine has no CUDA GPU"
+    else:
+        where = "the tensor is not on a CUDA GPU"
+    if not on_cuda:
+        raise ValueError(f"{ENV['backend']}=triton runs the Triton kernels, which need a CUDA GPU "
+                         f"or Triton's CPU interpreter, and {where}: set TRITON_INTERPRET=1 (the "
+                         f"interpreter), or unset {ENV['backend']} (auto: the torch reference on "
+                         f"the CPU)")
 
 
 def get() -> Options:

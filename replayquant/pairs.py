@@ -48,14 +48,72 @@ def _pairs_dir():
 
 PAIRS_DIR = _pairs_dir()
 
+# A pair or policy file holds tens of values; a file that is longer than MAX_YAML_BYTES or
+# expands to more than MAX_YAML_VALUES values (aliases *a repeat what an anchor &a holds, so a few
+# lines can expand to billions: "billion laughs") is refused at load instead of filling memory
+# (or taking minutes) when its values are first used.
+MAX_YAML_VALUES = 100_000
+MAX_YAML_BYTES = 1 << 20
+
+
+class _TooLarge(ValueError):
+    pass
+
+
+def _yaml_loader():
+    """A safe YAML loader (libyaml's where installed) that refuses documents expanding to more
+    than MAX_YAML_VALUES values or referring to themselves."""
+    import yaml
+    base = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+    class Loader(base):
+        def construct_document(self, node):
+            sizes, open_ = {}, set()
+
+            def size(n) -> int:             # values once aliases are expanded, memoised per node
+                if id(n) in sizes:
+                    return sizes[id(n)]
+                if id(n) in open_:
+                    raise _TooLarge("an alias refers to the value that holds it (a recursive "
+                                    "YAML value)")
+                open_.add(id(n))
+                kids = (n.value if isinstance(n, yaml.SequenceNode) else
+                        [x for kv in n.value for x in kv] if isinstance(n, yaml.MappingNode) else [])
+                total = 1
+                for k in kids:
+                    total += size(k)
+                    if total > MAX_YAML_VALUES:
+                        raise _TooLarge(f"it holds more than {MAX_YAML_VALUES} values (counting "
+                                        f"what its aliases *name repeat); a pair or policy file "
+                                        f"holds a few dozen")
+                open_.discard(id(n))
+                sizes[id(n)] = total
+                return total
+            size(node)
+            return super().construct_document(node)
+    return Loader
+
+
 def read_yaml(path, what: str):
     """The parsed contents of a YAML file (a Path or a package resource), or one error naming
-    `what` the file should be when it is missing or not YAML."""
+    `what` the file should be when it is missing, not YAML, or larger than a pair or policy
+    can be (MAX_YAML_VALUES)."""
     import yaml
     if not path.is_file():
         raise ValueError(f"{what} {str(path)!r} does not exist")
+    size = path.stat().st_size if hasattr(path, "stat") else 0     # package data: ours, small
+    if size > MAX_YAML_BYTES:
+        raise ValueError(f"{path}: it is {size / 2 ** 20:.1f} MiB long, and a pair or policy "
+                         f"file is a few hundred bytes (files over {MAX_YAML_BYTES // 2 ** 20} "
+                         f"MiB are refused)")
+    text = path.read_text()
     try:
-        return yaml.safe_load(path.read_text())
+        return yaml.load(text, Loader=_yaml_loader())
+    except _TooLarge as e:
+        raise ValueError(f"{path}: {e}") from None
+    except RecursionError:
+        raise ValueError(f"{path}: its values nest too deeply (a pair or policy nests three "
+                         f"levels)") from None
     except yaml.YAMLError as e:
         raise ValueError(f"{path}: not valid YAML ({e})") from None
 
@@ -177,10 +235,13 @@ class PrecisionPair:
 
     @classmethod
     def load(cls, name_or_path) -> "PrecisionPair":
-        """Load a pair by name (a file in configs/pairs/) or from a YAML path."""
-        p = Path(name_or_path)
+        """Load a pair by name (a file in configs/pairs/) or from a YAML path. A file named (or
+        whose name: line names it) like a shipped pair must store what the shipped pair stores
+        (read and anchor formats and roundings): results are keyed by pair name, and would show
+        other formats under the shipped name."""
+        p, own_file = Path(name_or_path), True
         if p.suffix not in (".yaml", ".yml") and not p.exists():
-            p = PAIRS_DIR / f"{name_or_path}.yaml"
+            p, own_file = PAIRS_DIR / f"{name_or_path}.yaml", False
             if not p.is_file():
                 raise ValueError(f"unknown precision pair {str(name_or_path)!r}; shipped pairs: "
                                  f"{', '.join(list_pairs())} (or pass a path to a .yaml file)")
@@ -188,6 +249,17 @@ class PrecisionPair:
         pair = cls.from_dict(data, source=str(p))
         if pair.name is None:
             object.__setattr__(pair, "name", p.stem)
+        shipped = PAIRS_DIR / f"{pair.name}.yaml"
+        if not own_file or not shipped.is_file():
+            return pair
+        ref = cls.from_dict(read_yaml(shipped, "precision pair file"), source=str(shipped))
+        if (pair.read, pair.anchor) != (ref.read, ref.anchor):
+            def what(x):
+                return f"read {x.read or '(shared)'} and anchor {x.anchor}"
+            raise ValueError(f"{p}: the pair is named {pair.name}, as a shipped pair, but holds "
+                             f"{what(pair)} where the shipped {pair.name} holds {what(ref)}; "
+                             f"results would show it under the shipped pair's name: give it "
+                             f"another name (its name: line, or the file's name)")
         return pair
 
     def to_dict(self) -> dict:

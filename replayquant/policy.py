@@ -39,8 +39,9 @@ _POLICY_KEYS = ("name", "default", "buffer_len", "overrides", "description")
 _OVERRIDE_KEYS = ("layers", "match", "pair")
 
 
-def _parse_pair(value, where: str, base: Path | None):
-    """A PrecisionPair or EXACT from a policy's pair entry."""
+def _parse_pair(value, where: str, base: Path | None, loaded: dict | None = None):
+    """A PrecisionPair or EXACT from a policy's pair entry; `loaded` keeps the pairs read from
+    files by name or path, so that a policy naming one pair in many overrides reads it once."""
     if isinstance(value, PrecisionPair) or value == EXACT:
         return value
     if isinstance(value, dict):
@@ -50,10 +51,15 @@ def _parse_pair(value, where: str, base: Path | None):
         p = Path(v)
         if p.suffix in (".yaml", ".yml") and not p.is_absolute() and base is not None:
             p = base / p
+        key = str(p) if p.suffix in (".yaml", ".yml") else v
+        if loaded is not None and key in loaded:
+            return loaded[key]
         try:
-            pair = PrecisionPair.load(str(p) if p.suffix in (".yaml", ".yml") else v)
+            pair = PrecisionPair.load(key)
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
+        if loaded is not None:
+            loaded[key] = pair
         return pair
     raise ValueError(f"{where}: expected a pair name, a pair YAML path, an inline pair mapping or "
                      f"'{EXACT}', got {value!r}")
@@ -116,11 +122,7 @@ class LayerPolicy:
 
     def pairs(self) -> list:
         """Every distinct pair the policy names (default first)."""
-        out = []
-        for p in [self.default] + [o.pair for o in self.overrides]:
-            if p not in out:
-                out.append(p)
-        return out
+        return list(dict.fromkeys([self.default] + [o.pair for o in self.overrides]))
 
     @property
     def buffer_len(self) -> int | None:
@@ -201,7 +203,8 @@ class LayerPolicy:
         L = data.get("buffer_len")
         if L is not None and (isinstance(L, bool) or not isinstance(L, int) or L < 1):
             raise ValueError(f"{source}: buffer_len must be an integer >= 1, got {L!r}")
-        default = _parse_pair(data["default"], f"{source}: default", base)
+        loaded = {}
+        default = _parse_pair(data["default"], f"{source}: default", base, loaded)
         raw = data.get("overrides") or []
         if not isinstance(raw, list):
             raise ValueError(f"{source}: overrides must be a list of mappings "
@@ -221,7 +224,7 @@ class LayerPolicy:
             if ("layers" in o) == ("match" in o):
                 raise ValueError(f"{where}: give exactly one of 'layers' (indices) or 'match' "
                                  f"(a name pattern)")
-            pair = _parse_pair(o["pair"], f"{where}: pair", base)
+            pair = _parse_pair(o["pair"], f"{where}: pair", base, loaded)
             if "match" in o:
                 if not isinstance(o["match"], str) or not o["match"].strip():
                     raise ValueError(f"{where}: match must be a non-empty name pattern, got "
@@ -254,11 +257,10 @@ class LayerPolicy:
 
 
 def _yaml_mapping(p: Path):
-    import yaml
     try:
-        return yaml.safe_load(p.read_text())
-    except (OSError, yaml.YAMLError):
-        return None
+        return read_yaml(p, "pair or layer policy file")
+    except (OSError, ValueError):
+        return None                 # loading it as a pair says what is wrong
 
 
 def is_policy_file(spec) -> bool:

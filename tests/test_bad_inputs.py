@@ -301,7 +301,7 @@ def test_kl_duplicate_pair_names_and_reference_refused_before_the_model_loads(te
     ref = tmp_path / "reference.yaml"
     ref.write_text("anchor: {format: fp32}\n")
     twin = tmp_path / "twin.yaml"
-    twin.write_text("name: s32_rs\nanchor: {format: fp16}\n")
+    twin.write_text("name: s32_rs\nanchor: {format: fp32}\nbuffer_len: 4\n")
     base = ["kl", "--model", TINY, "--dataset", texts, "--context", CTX, "--out", tmp_path / "p.json"]
     for pairs, msg in ((["s32_rs", "s32_rs"], "s32_rs given more than once"),
                        (["s32_rs", twin], "s32_rs given more than once"),

@@ -31,11 +31,14 @@ __all__ = ["FORMATS", "Format", "QTensor", "get_format", "use_triton"]
 
 def use_triton(x: torch.Tensor) -> bool:
     """True where the Triton kernels run: CUDA tensors, or the option backend = triton
-    (REPLAYQUANT_BACKEND, replayquant.options)."""
+    (REPLAYQUANT_BACKEND, replayquant.options; a CPU tensor then needs TRITON_INTERPRET=1, else
+    one ValueError says so)."""
     from replayquant import options
     choice = options.get().backend
     if choice == "auto":
         return x.is_cuda
+    if choice == "triton":
+        options.check_backend(on_cuda=x.is_cuda)
     return choice == "triton"
 
 

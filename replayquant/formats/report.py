@@ -72,6 +72,11 @@ def formats_report(shape=DEFAULT_SHAPE, seed: int = DEFAULT_SEED, d: int = 128) 
         raise ValueError(f"the test tensor's shape must be (heads, rows, cols), got {tuple(shape)}")
     check_dims({"--heads": shape[0]}, {"--d": shape[2]})
     check_dims({"rows": shape[1]})
+    from replayquant.memory import check_fits
+    n = shape[0] * shape[1] * shape[2]
+    check_fits(64.0 * n, f"the test tensor {list(shape)} ({n} elements: its float64 draw, the "
+                         f"round trips and their error statistics)",
+               "give a smaller --d or fewer --heads", "cpu")
     x = state_like_tensor(shape, seed)
     rows = []
     for name, fmt in FORMATS.items():

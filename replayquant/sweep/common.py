@@ -7,9 +7,9 @@ import math
 import re
 from pathlib import Path
 
-__all__ = ["kl_bound", "kl_figures", "load_json_kind", "shapes_of_model", "fmt_bytes",
-           "pair_formats", "clean_name", "write_json", "kl_file_for", "KL_FIGURES", "front_kl",
-           "pareto_front"]
+__all__ = ["kl_bound", "kl_figures", "kl_problem", "load_json_kind", "check_structure", "REAL",
+           "SIZE", "shapes_of_config", "shapes_of_model", "fmt_bytes", "pair_formats",
+           "clean_name", "write_json", "kl_file_for", "KL_FIGURES", "front_kl", "pareto_front"]
 
 # the KL statistics a sweep / sensitivity file keeps per variant (the KL run's file has them all)
 KL_FIGURES = ("n_tokens", "n_documents", "kl_mean", "kl_mean_unc", "kl_mean_unc_docs", "kl_median",
@@ -36,6 +36,80 @@ def kl_figures(stats: dict) -> dict:
     return out
 
 
+def kl_problem(figures: dict) -> str | None:
+    """Why a variant's KL figures cannot meet any budget, or None when they can: a mean or
+    upper bound that is not a finite number (NaN from a diverged run, infinity), or an upper
+    bound below zero (a KL is never negative; a mean below zero by no more than its uncertainty
+    is float noise around an exact variant, and counts)."""
+    vals = {k: figures.get(k) for k in ("kl_mean", "kl_upper")}
+    for k, v in vals.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            return f"{k} {v!r} is not a finite number"
+    if vals["kl_upper"] < 0:
+        return f"kl_upper {vals['kl_upper']:.3g} is below zero (a KL is never negative)"
+    return None
+
+
+class _Real:
+    """Schema marker: a JSON number (NaN and infinity included; bools are not numbers)."""
+    what = "a number"
+
+    def ok(self, v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+class _Size(_Real):
+    """Schema marker: a finite number >= 0 (bytes, counts)."""
+    what = "a finite number >= 0"
+
+    def ok(self, v):
+        return super().ok(v) and math.isfinite(v) and v >= 0
+
+
+REAL, SIZE = _Real(), _Size()
+
+
+def check_structure(obj, schema, source: str, writer: str, where: str = "") -> None:
+    """One ValueError naming the file and the first place where `obj` (a parsed results file)
+    does not have the structure `schema` describes, so that a damaged file stops at load and not
+    in a KeyError deep in a command. A schema is a type (or tuple of types) the value must be,
+    REAL / SIZE, a dict {key: schema} (the value a mapping holding those keys; a key ending in
+    "?" may be missing or null), or a one-element list [schema] (a list whose items match;
+    [schema, ...] the same, and not empty)."""
+    def fail(what):
+        got = repr(obj)
+        got = got if len(got) <= 60 else got[:57] + "..."
+        raise ValueError(f"{source}: {where or 'the file'} should be {what}, got {got}; the file "
+                         f"is damaged or was not written by `{writer}`: run it again")
+    if isinstance(schema, _Real):
+        if not schema.ok(obj):
+            fail(schema.what)
+    elif isinstance(schema, dict):
+        if not isinstance(obj, dict):
+            fail("a mapping")
+        for key, sub in schema.items():
+            optional = key.endswith("?")
+            key = key.rstrip("?")
+            at = f"{where}.{key}" if where else key
+            if optional and obj.get(key) is None:
+                continue
+            if key not in obj:
+                raise ValueError(f"{source}: {at} is missing; the file is damaged or was not "
+                                 f"written by `{writer}`: run it again")
+            check_structure(obj[key], sub, source, writer, at)
+    elif isinstance(schema, list):
+        if not isinstance(obj, list):
+            fail("a list")
+        if len(schema) > 1 and not obj:
+            fail("a non-empty list")
+        for i, item in enumerate(obj):
+            check_structure(item, schema[0], source, writer, f"{where}[{i}]")
+    elif not isinstance(obj, schema) or (isinstance(obj, bool) and schema is not bool):
+        names = schema if isinstance(schema, tuple) else (schema,)
+        fail(" or ".join({str: "a string", int: "an integer", bool: "true or false",
+                          dict: "a mapping", list: "a list"}.get(t, t.__name__) for t in names))
+
+
 def load_json_kind(path, kind: str, writer: str) -> dict:
     """A results file of `kind`, with one ValueError naming the command that writes it."""
     p = Path(path)
@@ -52,20 +126,31 @@ def load_json_kind(path, kind: str, writer: str) -> dict:
     return obj
 
 
-def shapes_of_model(model: str, revision: str | None = None):
-    """(LayerShapes of the recurrent layers, tokenizer, config, resolved name) of a model without
-    loading its weights: the model is built from its config on the meta device, with the class
-    load_model uses (`auto_model_class`: GLM-5-Next's conditional-generation class)."""
+def shapes_of_config(cfg) -> list:
+    """The LayerShapes of the recurrent layers of a model config (none for a model without
+    one): the model is built from the config on the meta device, with the class load_model uses
+    (`auto_model_class`: GLM-5-Next's conditional-generation class), so no weights load."""
+    return _meta_shapes(cfg)[0]
+
+
+def _meta_shapes(cfg):
     import torch
 
-    from replayquant.kl.command import load_tokenizer_and_config
-    from replayquant.models.families import KIND_NAMES
     from replayquant.models.patching import auto_model_class
     from replayquant.statebytes import layer_shapes
-    tok, cfg, resolved = load_tokenizer_and_config(model, revision)
     with torch.device("meta"):
         meta = auto_model_class(cfg).from_config(cfg)
-    shapes = layer_shapes(meta)
+    return layer_shapes(meta), meta
+
+
+def shapes_of_model(model: str, revision: str | None = None):
+    """(LayerShapes of the recurrent layers, meta model, tokenizer, config, resolved name) of a
+    model without loading its weights (`shapes_of_config`); one ValueError for a model without
+    a recurrent layer."""
+    from replayquant.kl.command import load_tokenizer_and_config
+    from replayquant.models.families import KIND_NAMES
+    tok, cfg, resolved = load_tokenizer_and_config(model, revision)
+    shapes, meta = _meta_shapes(cfg)
     if not shapes:
         raise ValueError(f"{model}: the model has no recurrent layer replayquant can patch "
                          f"({', '.join(KIND_NAMES.values())}); there is no recurrent state to sweep")
@@ -121,9 +206,12 @@ def front_kl(mean: float, unc: float = 0.0) -> float:
 def pareto_front(points) -> list[str]:
     """Names on the front of (name, bytes, KL mean[, KL uncertainty]): no other point has fewer
     or equal bytes and a lower KL (`front_kl`: noise-level KLs count as 0, so noise does not put
-    a costlier exact variant on the front). In bytes order."""
+    a costlier exact variant on the front). A KL that fits no budget (`kl_problem`: NaN,
+    infinite, below zero beyond its uncertainty) is on no front. In bytes order."""
     front, best = [], float("inf")
-    pts = [(p[0], p[1], front_kl(p[2], p[3] if len(p) > 3 else 0.0)) for p in points]
+    pts = [(p[0], p[1], front_kl(p[2], p[3] if len(p) > 3 else 0.0)) for p in points
+           if kl_problem({"kl_mean": p[2], "kl_upper": p[2] + (p[3] if len(p) > 3 else 0.0)})
+           is None]
     for name, b, kl in sorted(pts, key=lambda t: (t[1], t[2])):
         if kl < best:
             front.append(name)

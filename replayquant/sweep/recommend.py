@@ -9,6 +9,9 @@ uncertainty (`--gpqa SUMMARY.json`, matched to variants by formats and L, in eve
 summary). The cheapest fitting variant (fewest state bytes per step; then less memory, then
 lower KL) is the recommendation, the next one the runner-up. When nothing fits, `NoFit` names
 the closest variant (the one that misses its budgets by the smallest factor) and by how much.
+A variant whose KL mean or upper bound is not a finite number, or whose upper bound is below
+zero, fits no budget: it is left out and listed (`kl_not_valid`). A sweep that did not finish
+(`complete: false`) is refused, as is a damaged one (`check_sweep`: one error naming the place).
 
 From a sensitivity run (`recommend --per-layer SENSITIVITY.json --kl-budget B`): every layer
 starts with the cheaper pair (`--low`); layers move to the other pair (`--high`) in the order of
@@ -18,7 +21,9 @@ budget), which assumes the layers' errors add; the sensitivity file's `sum_vs_al
 well that held for one pair on every layer. The policy is then measured with the KL harness on
 the same documents and settings as the sensitivity run, and the measurement is reported beside
 the prediction; a measured upper bound over the budget is reported as such (exit 1 on the
-command line).
+command line). The sensitivity file must be complete and whole (`check_sensitivity`), the
+single-layer KLs of the two pairs finite and not below zero, and the model its KL options name
+the one it measured (`check_same_model`).
 """
 
 from __future__ import annotations
@@ -26,10 +31,12 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from .common import fmt_bytes, kl_figures, kl_file_for, load_json_kind, write_json
+from .common import (REAL, SIZE, check_structure, fmt_bytes, kl_figures, kl_file_for, kl_problem,
+                     load_json_kind, write_json)
 
 __all__ = ["NoFit", "recommend", "print_recommendation", "build_policy", "recommend_per_layer",
-           "print_per_layer", "RECOMMEND_KIND", "PER_LAYER_KIND"]
+           "print_per_layer", "check_sweep", "check_sensitivity", "check_same_model",
+           "RECOMMEND_KIND", "PER_LAYER_KIND"]
 
 RECOMMEND_KIND = "replayquant.recommendation"
 PER_LAYER_KIND = "replayquant.per_layer_recommendation"
@@ -37,6 +44,98 @@ PER_LAYER_KIND = "replayquant.per_layer_recommendation"
 
 class NoFit(Exception):
     """No variant (or no layer policy) within the budgets; the message names the closest."""
+
+
+# What recommend reads of the files it is given (common.check_structure): a file that lacks it
+# or holds other types is refused at load with one error naming the place.
+_KL = {"kl_mean": REAL, "kl_unc": REAL, "kl_upper": REAL}
+_SWEEP_SCHEMA = {
+    "complete": bool,
+    "conventional_fp32": {"bytes_per_step": {"state": SIZE}, "memory": {"total": SIZE}},
+    "variants": [{"name": str, "pair": dict, "kl?": _KL, "bytes_per_step": {"state": SIZE},
+                  "memory": {"total": SIZE},
+                  "vs_fp32_conventional": {"state_bytes?": SIZE, "memory?": SIZE},
+                  "kernel?": {"us_per_step?": REAL, "speedup_vs_fp32_conventional?": REAL}}, ...],
+    "front?": [str],
+}
+_SENS_SCHEMA = {
+    "complete": bool,
+    "model": {"id?": str, "local_hash?": str, "revision?": str},
+    "kl_args": {"model": str, "context": int, "docs": int, "segment": int, "seed?": int,
+                "dataset?": str, "split?": str, "text_field?": str, "prefill?": str,
+                "dtype?": str, "reference?": str, "pack?": bool, "revision?": str,
+                "device_map?": str, "dataset_config?": str, "data_files?": [str]},
+    "layers": [{"kind": str, "H": int, "HK": int, "dv": int, "dk": int, "name": str,
+                "index": int}, ...],
+    "pairs": [{"name": str}, ...],
+    "per_layer": dict,
+    "all_layers": dict,
+}
+_SENS_ROWS = [{"index": int, "name": str, "kl": _KL}, ...]
+_GPQA_SCHEMA = {"pairs": [{"label": str, "pair": dict}],
+                "rows": [{"pair?": str, "task": str, "primary?": bool, "delta?": REAL,
+                          "delta_stderr?": REAL}]}
+
+
+def _incomplete(source: str, obj: dict, command: str) -> ValueError:
+    done, planned = obj.get("documents_done"), obj.get("documents_planned")
+    of = ("" if done is None else f" ({done} of {planned} documents done)" if planned is not None
+          else f" ({done} documents done)")
+    return ValueError(f"{source}: the run is not complete{of}: its KL figures "
+                      f"do not cover the documents it planned, so they cannot be held against a "
+                      f"budget; run the same `{command}` again to finish it (it resumes), then "
+                      f"recommend from it")
+
+
+def check_sweep(sweep, source: str = "") -> None:
+    """One ValueError naming the file for a sweep dict recommend cannot use: damaged structure
+    (`_SWEEP_SCHEMA`), two variants of one name, or a run that did not finish."""
+    src = source or "the sweep"
+    check_structure(sweep, _SWEEP_SCHEMA, src, "replayquant sweep")
+    from collections import Counter
+    dup = sorted(n for n, k in Counter(v["name"] for v in sweep["variants"]).items() if k > 1)
+    if dup:
+        raise ValueError(f"{src}: variant(s) {', '.join(dup)} come more than once; the file is "
+                         f"damaged or was not written by `replayquant sweep`: run it again")
+    if not sweep["complete"]:
+        raise _incomplete(src, sweep, "replayquant sweep")
+
+
+def check_sensitivity(sens, source: str = "") -> None:
+    """One ValueError naming the file for a sensitivity dict a layer policy cannot be built
+    from: damaged structure (`_SENS_SCHEMA`), per-layer rows of a pair that are missing, empty
+    or name other layers than the other pair's, or a run that did not finish."""
+    src = source or "the sensitivity file"
+    writer = "replayquant sensitivity"
+    check_structure(sens, _SENS_SCHEMA, src, writer)
+    import inspect
+
+    from replayquant.kl.command import kl_command
+    takes = set(inspect.signature(kl_command).parameters) - {"pairs", "out", "progress"}
+    extra = sorted(set(sens["kl_args"]) - takes)
+    if extra:
+        raise ValueError(f"{src}: kl_args holds {extra}, which no KL run takes; the file is "
+                         f"damaged or was not written by `{writer}`: run it again")
+    known = {p["name"] for p in sens["pairs"]}
+    layers = {s["index"] for s in sens["layers"]}
+    if not sens["per_layer"]:
+        raise ValueError(f"{src}: per_layer holds no pair; the file is damaged or was not written "
+                         f"by `{writer}`: run it again")
+    first = None
+    for name, rows in sens["per_layer"].items():
+        check_structure(rows, _SENS_ROWS, src, writer, f"per_layer.{name}")
+        check_structure(sens["all_layers"].get(name), _KL, src, writer, f"all_layers.{name}")
+        idx = [r["index"] for r in rows]
+        why = ("is not among its pairs" if name not in known else
+               "names a layer twice" if len(set(idx)) != len(idx) else
+               "names layers the file's layers do not hold" if not set(idx) <= layers else
+               f"measured other layers than {first[0]}" if first and set(idx) != first[1] else None)
+        if why:
+            raise ValueError(f"{src}: per_layer.{name} {why}; the file is damaged or was not "
+                             f"written by `{writer}`: run it again")
+        first = first or (name, set(idx))
+    if not sens["complete"]:
+        raise _incomplete(src, sens, writer)
 
 
 def _positive(name, v, zero_ok=False):
@@ -65,10 +164,11 @@ def gpqa_drops(summary: dict) -> dict:
     summary's primary rows: the largest drop over its tasks, in percentage points, against the
     summary's first pair, at the upper end of the paired uncertainty."""
     import json
-    by_label = {p["label"]: p for p in summary.get("pairs", [])}
+    check_structure(summary, _GPQA_SCHEMA, "the GPQA summary", "replayquant gpqa")
+    by_label = {p["label"]: p for p in summary["pairs"]}
     out = {}
     for label, p in by_label.items():
-        rows = [r for r in summary.get("rows", []) if r.get("pair") == label and r.get("primary")]
+        rows = [r for r in summary["rows"] if r.get("pair") == label and r.get("primary")]
         if not rows or any(r.get("delta") is None for r in rows):
             continue
         drops = [(-100 * r["delta"], 100 * (r.get("delta_stderr") or 0.0), r["task"]) for r in rows]
@@ -115,27 +215,30 @@ def recommend(sweep: dict, kl_budget: float, max_bytes: float | None = None,
     if (gpqa is None) != (gpqa_budget is None):
         raise ValueError("--gpqa and --gpqa-budget go together: give the GPQA summary and the "
                          "largest accuracy drop in points you accept (e.g. --gpqa-budget 1.0)")
+    check_sweep(sweep, source)
     conv = sweep["conventional_fp32"]
     measured = [v for v in sweep["variants"] if v.get("kl")]
     if not measured:
         raise ValueError(f"{source or 'the sweep'} holds no measured variant (no document finished); "
                          f"run the sweep to the end first")
+    # a KL that is NaN, infinite or below zero fits no budget: such variants are left out
+    invalid = {v["name"]: kl_problem(v["kl"]) for v in measured if kl_problem(v["kl"])}
     drops = gpqa_drops(gpqa) if gpqa is not None else None
     no_gpqa = [v["name"] for v in measured if drops is not None and _gpqa_of(v, drops) is None]
-    pool = [v for v in measured if v["name"] not in no_gpqa]
+    pool = [v for v in measured if v["name"] not in no_gpqa and v["name"] not in invalid]
 
     def misses(v) -> dict:
         """{constraint: value / limit} for every limit the variant exceeds."""
-        m = {}
-        if v["kl"]["kl_upper"] > kl_budget:
+        m = {}                      # `not x <= limit`: a value that is not a number never fits
+        if not v["kl"]["kl_upper"] <= kl_budget:
             m["kl"] = v["kl"]["kl_upper"] / kl_budget
-        if max_bytes is not None and v["bytes_per_step"]["state"] > max_bytes:
+        if max_bytes is not None and not v["bytes_per_step"]["state"] <= max_bytes:
             m["bytes"] = v["bytes_per_step"]["state"] / max_bytes
-        if max_memory is not None and v["memory"]["total"] > max_memory:
+        if max_memory is not None and not v["memory"]["total"] <= max_memory:
             m["memory"] = v["memory"]["total"] / max_memory
         if drops is not None:
             g = _gpqa_of(v, drops)
-            if g["drop_upper_pts"] > gpqa_budget:
+            if not g["drop_upper_pts"] <= gpqa_budget:
                 m["gpqa"] = (g["drop_upper_pts"] - gpqa_budget)
         return m
 
@@ -146,6 +249,9 @@ def recommend(sweep: dict, kl_budget: float, max_bytes: float | None = None,
     budgets = {"kl_budget": kl_budget, "max_bytes": max_bytes, "max_memory": max_memory,
                "gpqa_budget_pts": gpqa_budget}
     if not fits:
+        if not pool and invalid and not no_gpqa:
+            raise NoFit(f"no variant of {source or 'the sweep'} has a KL that can meet a budget: "
+                        + "; ".join(f"{n}: {why}" for n, why in invalid.items()))
         if not pool:
             raise NoFit(f"no variant of {source or 'the sweep'} has a GPQA result in the summary "
                         f"given ({', '.join(no_gpqa)}); run `replayquant gpqa` with the swept "
@@ -163,6 +269,7 @@ def recommend(sweep: dict, kl_budget: float, max_bytes: float | None = None,
         "fitting": [v["name"] for v in fits],
         "not_fitting": {v["name"]: misses(v) for v in pool if misses(v)},
         "without_gpqa_result": no_gpqa,
+        "kl_not_valid": invalid,
         "front": sweep.get("front"),
         "provenance": provenance(sweep=source, **budgets),
     }
@@ -237,6 +344,9 @@ def print_recommendation(rec: dict, console=None) -> None:
     if rec.get("without_gpqa_result"):
         console.print(f"not considered (no GPQA result): {', '.join(rec['without_gpqa_result'])}",
                       soft_wrap=True)
+    if rec.get("kl_not_valid"):
+        console.print("not considered (KL fits no budget): " + "; ".join(
+            f"{n}: {why}" for n, why in rec["kl_not_valid"].items()), soft_wrap=True)
 
 
 # ============================================================ per-layer policies
@@ -246,16 +356,24 @@ def _pair_costs(sens: dict, name: str):
     from replayquant.statebytes import LayerShape, layer_step_bytes
     rec = next(p for p in sens["pairs"] if p["name"] == name)
     pair = PrecisionPair.from_dict(rec, source=f"pair {name} of the sensitivity file")
-    shapes = [LayerShape.from_dict(s) for s in sens["layers"]]
+    try:
+        shapes = [LayerShape.from_dict(s) for s in sens["layers"]]
+    except ValueError as e:
+        raise ValueError(f"the sensitivity file's layers: {e}; the file is damaged: run "
+                         f"`replayquant sensitivity` again") from None
     return pair, {s.index: layer_step_bytes(s, pair).state for s in shapes}
 
 
-def build_policy(sens: dict, kl_budget: float, low: str | None = None, high: str | None = None):
+def build_policy(sens: dict, kl_budget: float, low: str | None = None, high: str | None = None,
+                 source: str = ""):
     """(LayerPolicy, plan dict) from a sensitivity dict: the cheapest assignment of `low` /
     `high` per layer (most KL removed first) whose predicted KL upper bound fits the budget.
-    Raises NoFit when even every layer at `high` is predicted over the budget."""
+    Raises NoFit when even every layer at `high` is predicted over the budget, ValueError for a
+    file it cannot build from (`check_sensitivity`) and for single-layer KLs of `low` or `high`
+    that are not finite numbers >= 0 (no sum of them predicts anything)."""
     from replayquant.policy import LayerPolicy, Override
     _positive("--kl-budget", kl_budget)
+    check_sensitivity(sens, source)
     names = list(sens["per_layer"])
     if len(names) < 2:
         raise ValueError(f"the sensitivity file measured one pair ({names[0]}); a layer policy needs "
@@ -273,6 +391,14 @@ def build_policy(sens: dict, kl_budget: float, low: str | None = None, high: str
                              f"{', '.join(names)})")
     if low == high:
         raise ValueError(f"--low and --high are both {low}; give two different pairs")
+    for n in (low, high):
+        for r in sens["per_layer"][n]:
+            why = kl_problem(r["kl"])
+            if why:
+                raise ValueError(f"{source or 'the sensitivity file'}: the single-layer KL of {n} "
+                                 f"on layer {r['index']} cannot go into a prediction: {why} (a "
+                                 f"diverged measurement, or a damaged file); measure it again or "
+                                 f"choose other --low / --high pairs")
     lo = {r["index"]: r for r in sens["per_layer"][low]}
     hi = {r["index"]: r for r in sens["per_layer"][high]}
     order = sorted(lo, key=lambda i: -(lo[i]["kl"]["kl_mean"] - hi[i]["kl"]["kl_mean"]))
@@ -288,7 +414,7 @@ def build_policy(sens: dict, kl_budget: float, low: str | None = None, high: str
             break
         up.append(i)
         mean, upper = predict(set(up))
-    if upper > kl_budget:
+    if not upper <= kl_budget:
         raise NoFit(f"no layer policy of {low} and {high} is predicted within the KL budget "
                     f"{kl_budget:.3g}: with every layer at {high} the predicted KL upper bound is "
                     f"{upper:.3g} (sum of single-layer upper bounds, mean {mean:.3g}); raise the "
@@ -313,6 +439,34 @@ def build_policy(sens: dict, kl_budget: float, low: str | None = None, high: str
     return policy, plan
 
 
+def check_same_model(sens: dict, source: str = "") -> dict:
+    """The KL options of the sensitivity run, checked to name the model the file measured: a
+    local folder must hold the weights it fingerprinted (`local_hash`), or one ValueError names
+    both; a hub model is measured at the revision the file recorded (where the run named none)."""
+    import os
+
+    from replayquant.kl.runner import local_fingerprint
+    from replayquant.models.names import resolve_model_name
+    args = dict(sens["kl_args"])
+    rec, src = sens["model"], source or "the sensitivity file"
+    try:
+        resolved = resolve_model_name(args["model"])
+    except ValueError as e:
+        raise ValueError(f"{src} measured the model {args['model']!r}, which is not there now "
+                         f"({e})") from None
+    if os.path.isdir(resolved) and rec.get("local_hash"):
+        now = local_fingerprint(Path(resolved))
+        if now != rec["local_hash"]:
+            raise ValueError(f"{src} measured the model {rec.get('id', args['model'])} "
+                             f"({rec['local_hash']}); {os.path.realpath(resolved)} now holds "
+                             f"another ({now}): the policy would be measured on a model its "
+                             f"sensitivity file did not measure; put that model back, or run "
+                             f"`replayquant sensitivity` again on this one")
+    elif rec.get("revision") and not args.get("revision"):
+        args["revision"] = rec["revision"]
+    return args
+
+
 def recommend_per_layer(sens_path, kl_budget: float, low: str | None = None,
                         high: str | None = None, out: str | None = None, progress: bool = True,
                         device_map: str | None = None) -> dict | None:
@@ -326,12 +480,12 @@ def recommend_per_layer(sens_path, kl_budget: float, low: str | None = None,
     from .command import check_sweep_out, variant_costs
     from .sensitivity import SENS_KIND
     sens = load_json_kind(sens_path, SENS_KIND, "replayquant sensitivity")
-    policy, plan = build_policy(sens, kl_budget, low, high)
+    policy, plan = build_policy(sens, kl_budget, low, high, source=str(sens_path))
+    args = check_same_model(sens, str(sens_path))
     out_path = check_sweep_out(out or Path("build/recommend") / f"{Path(sens_path).stem}_"
                                f"{policy.name}.json")
     kl_path = kl_file_for(out_path)
     yaml_path = out_path.with_name(out_path.stem + "_policy.yaml")
-    args = dict(sens["kl_args"])
     model = args.pop("model")
     args["progress"] = progress
     if device_map is not None:
@@ -356,7 +510,7 @@ def recommend_per_layer(sens_path, kl_budget: float, low: str | None = None,
         "model": sens["model"], "kl_budget": kl_budget,
         "policy": policy.to_dict(), "policy_file": yaml_path.name, "plan": plan,
         "predicted": plan["predicted"], "measured": measured,
-        "measured_fits": measured["kl_upper"] <= kl_budget,
+        "measured_fits": kl_problem(measured) is None and measured["kl_upper"] <= kl_budget,
         "measured_over_predicted": (measured["kl_mean"] / plan["predicted"]["kl_mean"]
                                     if plan["predicted"]["kl_mean"] > 0 else None),
         "costs": costs, "kl_results": kl_path.name,

@@ -1,0 +1,90 @@
+"""Memory a run would need, checked against what the machine has before any work.
+
+A size that cannot fit (a buffer length of a million steps, a drift of 10^8 steps, a test
+tensor of 10^12 elements) is refused with one ValueError naming the memory it would need and
+the memory there is, instead of an allocator error after the model has loaded. The estimates
+are upper estimates from the shapes the command knows; what is available is the free memory of
+the GPUs the run would use, or the host's available memory (psutil) for a CPU run.
+"""
+
+from __future__ import annotations
+
+__all__ = ["available_bytes", "check_fits", "replay_cache_bytes", "kl_cache_bytes",
+           "check_kl_sizes"]
+
+
+def _gib(b: float) -> str:
+    return f"{b / 2 ** 30:.3g} GiB"
+
+
+def available_bytes(device: str | None = None) -> tuple[float, str]:
+    """(bytes free, where) for a run on `device`: a CUDA device or map (None / "auto" on a
+    machine with CUDA: every visible GPU together), else the host's available memory."""
+    import torch
+    dev = "auto" if device is None else str(device).strip()
+    if torch.cuda.is_available() and not dev.startswith(("cpu", "meta", "mps")):
+        if dev.startswith("cuda:"):
+            idx = [int(dev.split(":", 1)[1])]
+        else:
+            idx = list(range(torch.cuda.device_count()))
+        free = sum(torch.cuda.mem_get_info(i)[0] for i in idx)
+        return float(free), ("GPU " + ", ".join(map(str, idx)) if len(idx) > 1 else f"cuda:{idx[0]}")
+    import psutil
+    return float(psutil.virtual_memory().available), "the host"
+
+
+def check_fits(needed: float, what: str, fix: str, device: str | None = None) -> None:
+    """One ValueError when `needed` bytes are more than the memory available for `device`:
+    '{what} would need N GiB of memory, more than the M GiB free on WHERE; {fix}'."""
+    free, where = available_bytes(device)
+    if needed > free:
+        raise ValueError(f"{what} would need {_gib(needed)} of memory, more than the "
+                         f"{_gib(free)} free on {where}; {fix}")
+
+
+def replay_cache_bytes(shape, pair) -> float:
+    """Bytes of one sequence's `ReplayState` for one layer (the KL harness's cache): the anchor
+    and read copy dequantized (FP32, an upper estimate of their stored formats) and the FP32
+    buffer of L entries (k, v, the gate: d_k channels for KDA, one for GDN / Mamba-2; beta and u
+    for the delta rule)."""
+    s = shape
+    per_entry = s.dk + s.dv + (s.dk if s.kind == "kda" else 1) + (0 if s.kind == "mamba2" else 1 + s.dv)
+    return 4.0 * s.H * (pair.buffer_len * per_entry + 2 * s.dv * s.dk)
+
+
+def kl_cache_bytes(variants, shapes) -> float:
+    """Bytes of the caches of every variant of a KL run (one sequence each), over the layers."""
+    from replayquant.policy import EXACT, LayerPolicy
+    total = 0.0
+    for v in variants:
+        pairs = (v.assign([(s.name, s.index) for s in shapes]) if isinstance(v, LayerPolicy)
+                 else [v] * len(shapes))
+        total += sum(replay_cache_bytes(s, p) for s, p in zip(shapes, pairs) if p != EXACT)
+    return total
+
+
+def _pairs_of(variant) -> list:
+    """The precision pairs a pair or layer policy holds (EXACT layers hold none)."""
+    from replayquant.policy import EXACT, LayerPolicy
+    pairs = variant.pairs() if isinstance(variant, LayerPolicy) else [variant]
+    return [p for p in pairs if p != EXACT]
+
+
+def check_kl_sizes(variants, shapes, context: int, prefill: str, device: str | None) -> None:
+    """Before a KL run loads weights: the variants' caches must fit in memory, and with prefill
+    "replay" every pair's buffer length must be below the context (else no flush happens inside
+    a document, and the KL would measure no anchor at all)."""
+    Ls = [p.buffer_len for v in variants for p in _pairs_of(v)]
+    check_fits(kl_cache_bytes(variants, shapes),
+               f"the caches of {len(variants)} variant(s) over {len(shapes)} recurrent layers "
+               f"(buffer lengths up to {max(Ls, default=0)})",
+               "give shorter buffer lengths or fewer pairs per run", device)
+    if prefill == "replay":
+        for v in variants:
+            long = [p.buffer_len for p in _pairs_of(v) if p.buffer_len >= context]
+            if long:
+                raise ValueError(f"{v.label()}: buffer length {max(long)} is not below --context "
+                                 f"{context}: no flush would happen inside a document, so the KL "
+                                 f"would not measure the anchor at all; give a buffer length "
+                                 f"below {context} (--buffer-len of sweep / sensitivity, "
+                                 f"buffer_len: of the pair YAML) or a longer --context")
