@@ -345,8 +345,11 @@ def test_unsupported_layer_warns_once(monkeypatch):
 
 
 def test_beam_reorder_of_kernel_state():
-    """A permutation (HF reorder_cache) moves only the row -> slot map of the store; a reorder
-    that repeats rows hands the state back to a ReplayState (the kernel holds one row per slot)."""
+    """A beam reorder (HF reorder_cache replaces the cache's marker tensor by its rows picked by
+    the beam ids) gathers the store's slots on the device, repeats included, and the state stays
+    the kernel's store: anchor, read copy, counters and entries are those of the torch
+    reorder; the SR stream ids are the slots (each row draws its slot's streams from its next
+    flush on)."""
     from types import SimpleNamespace
     from replayquant.pairs import PrecisionPair
     pr = PrecisionPair.load("tp4_hi32").with_buffer_len(BUFFER_LEN)
@@ -356,15 +359,15 @@ def test_beam_reorder_of_kernel_state():
         st.step(*(torch.randn(3, 2, 16, generator=g) for _ in range(3)),
                 -torch.rand(3, 2, generator=g))
     rt = runtime.LayerRuntime(pr, "replay", 0, 0, delta=False, kind="mamba2")
-    for ids, same in (([2, 0, 1], True), ([0, 0, 1], False)):
+    for ids in ([2, 0, 1], [0, 0, 1]):
         lay = SimpleNamespace(recurrent_states=[torch.tensor(ids, dtype=torch.float32)[:, None]],
                               has_previous_state=[True])
         setattr(lay, runtime.STATE_ATTR, runtime.KernelDecodeState(st, 2))
         got = rt.get_state(lay, True, 3, 2, 16, 16, torch.device("cpu"))
-        assert isinstance(got, runtime.KernelDecodeState) == same
-        back = got.to_replay_state() if same else got
+        assert isinstance(got, runtime.KernelDecodeState)
+        back = got.to_replay_state()
         ref = runtime.reorder_state(st, torch.tensor(ids))
-        assert torch.equal(back.export()["rows"], ref.export()["rows"])
+        assert torch.equal(back.export()["rows"], torch.arange(3))
         assert torch.equal(back.anchor(), ref.anchor()) and torch.equal(back.read_copy(), ref.read_copy())
         assert torch.equal(back.committed, ref.committed) and torch.equal(back.flushes, ref.flushes)
         S, S_ref = back.current_state(), ref.current_state()    # entries went through bf16

@@ -306,13 +306,13 @@ class KernelDecodeState:
       replaces that tensor on a beam reorder (`reorder_cache`: index_select), so a slot that is
       still `marker` (identity, a host check) means no reorder; a replaced one holds the beam ids,
       and `reorder` gathers every slot's store on the device (`take_slots`).
-    * `bad`: int64 [B, n inputs] the decode step at which each input of each row first held NaN or
-      infinity (-1: never), `steps` the decode steps run; `LayerRuntime.raise_nonfinite` reads them
+    * `bad`: int64 [B, n inputs] the decode step (1 = the first after the prompt) at which each
+      input of each row first held NaN or infinity (-1: never), `steps` the decode steps run; `LayerRuntime.raise_nonfinite` reads them
       at a boundary the host already waits at. The kernel never writes a non-finite state into
       the anchor or the read copy (it keeps the roles of a flush whose state is not finite).
     Built from a ReplayState by `state_to_store`, turned back by `to_replay_state()`."""
 
-    def __init__(self, st: ReplayState, key_heads: int):
+    def __init__(self, st: ReplayState, key_heads: int, steps_done: int = 0):
         from replayquant.kernels.ops import store_meta
         self.pair, self.delta, self.seed, self.layer = st.pair, st.delta, st.seed, st.layer
         self.vector_gate = st.vector_gate
@@ -322,7 +322,8 @@ class KernelDecodeState:
         self.marker = None
         self.bad = None
         self.bad_names: tuple = ()
-        self.steps = torch.zeros((), dtype=torch.int64, device=self.device)
+        # decode steps taken before the store's first (1 where the hand-off step is one)
+        self.steps = torch.full((), int(steps_done), dtype=torch.int64, device=self.device)
 
     def to_replay_state(self) -> ReplayState:
         return store_to_state(self.store, self.state_indices, self.pair, self.seed, self.layer)
@@ -341,8 +342,8 @@ class KernelDecodeState:
         if self.bad is None or self.bad_names != names:
             self.bad = torch.full(sums.shape, -1, dtype=torch.int64, device=self.device)
             self.bad_names = names
+        self.steps.add_(1)                  # this step's number, counted from 1 after the prompt
         self.bad.copy_(torch.where((self.bad < 0) & ~torch.isfinite(sums), self.steps, self.bad))
-        self.steps.add_(1)
 
     def raise_nonfinite(self) -> None:
         """One ValueError naming the layer, the input, the row and the decode step, if an input
@@ -621,7 +622,7 @@ class LayerRuntime:
         if path == "triton":
             if isinstance(st, ReplayState):                 # hand-off: once, at decode start
                 HK = raw["k"].shape[-2] if self.delta else raw["B"].shape[-2]
-                st = KernelDecodeState(st, HK)
+                st = KernelDecodeState(st, HK, steps_done=1)
             one = {n: (t[:, 0] if isinstance(t, torch.Tensor) and t.dim() >= 2 else t)
                    for n, t in raw.items()}
             return st, st.step(one).unsqueeze(1)

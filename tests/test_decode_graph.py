@@ -1,0 +1,137 @@
+"""A decode step of a patched model as the GPU needs it: no host synchronisation once the layers'
+states are the decode kernel's stores, one graph for torch.compile(fullgraph=True), and HF's
+compiled static-cache generate giving the tokens of the eager generate; a non-finite input
+named at the next boundary with the anchor kept. Embedded models, the Triton kernels in the
+interpreter (REPLAYQUANT_BACKEND=triton), backend 'eager' for torch.compile (what is traced is
+the point, not Inductor's code)."""
+
+import warnings
+
+import pytest
+import torch
+
+import replayquant
+from replayquant import options
+from replayquant.hostsync import HostSyncCounter
+from replayquant.models import runtime
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+MODELS = ("tiny-qwen3.5", "tiny-mamba2", "tiny-kimi-linear")
+L = 4
+
+
+def _model(name, pair="s32_rs"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return replayquant.load_model(name, pair=pair, dtype="float32", device_map="cpu",
+                                      buffer_len=L)
+
+
+def _cache_kw(model):
+    import inspect
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _prefill(model, B=2, T=5, seed=0):
+    from transformers import DynamicCache
+    ids = torch.randint(3, 200, (B, T), generator=torch.Generator().manual_seed(seed))
+    cache = DynamicCache(config=model.config)
+    kw = {_cache_kw(model): cache, "use_cache": True}
+    logits = model(ids, **kw).logits
+    return cache, kw, logits[:, -1:].argmax(-1)
+
+
+
+def _step(model, tok, kw):
+    out = model(tok, **kw).logits
+    return out, out[:, -1:].argmax(-1)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_decode_step_on_the_store_is_one_graph_without_host_sync(name):
+    """After the first decode step (the hand-off into the store, which still reads the host for
+    its checks), L + 1 decode forwards, a flush among them, read nothing on the host; then
+    torch.compile(fullgraph=True) traces a decode forward (the kernel is one custom operator)
+    and gives the eager forward's logits bit for bit through another flush. The prompts run on
+    the torch path (the chunk kernel in the interpreter is slow; the hand-off is the same)."""
+    model = _model(name, "tp4_hi16_sr")
+    with torch.no_grad():
+        with options.override(backend="torch"):
+            eager_kw, comp_kw = _prefill(model)[1:], _prefill(model)[1:]
+        (ekw, etok), (ckw, ctok) = eager_kw, comp_kw
+        with options.override(backend="triton"):
+            with HostSyncCounter() as first:
+                _, etok = _step(model, etok, ekw)
+            _, ctok = _step(model, ctok, ckw)
+            with HostSyncCounter(record_where=True) as later:
+                for _ in range(L + 1):
+                    _, etok = _step(model, etok, ekw)
+                    _, ctok = _step(model, ctok, ckw)
+            assert first.syncs > 0
+            assert later.syncs == 0, later.where
+            torch._dynamo.reset()
+            f = torch.compile(lambda t, kw: model(t, **kw).logits, backend="eager", fullgraph=True)
+            for _ in range(L):
+                e, etok = _step(model, etok, ekw)
+                c = f(ctok, ckw)
+                ctok = c[:, -1:].argmax(-1)
+                assert torch.equal(c, e)
+
+
+@pytest.mark.parametrize("name,pair", [("tiny-qwen3.5", "tp4_hi16_sr"), ("tiny-mamba2", "s32_rs"),
+                                       ("tiny-kimi-linear", "tp8_hi32")])
+def test_compiled_static_cache_generate_equals_eager(name, pair):
+    """HF's generate with cache_implementation='static' and a compile config (compiled on the
+    CPU too through CompileConfig._compile_all_devices): the prefill into the static cache leaves
+    the decode stores, the compiled decode steps run on them, and the greedy tokens equal the
+    eager generate's."""
+    from transformers import CompileConfig
+    model = _model(name, pair)
+    ids = torch.randint(3, 200, (2, 4), generator=torch.Generator().manual_seed(3))
+    args = dict(max_new_tokens=L + 3, min_new_tokens=L + 3, do_sample=False,
+                attention_mask=torch.ones_like(ids))
+    cc = CompileConfig(backend="eager", fullgraph=True)
+    cc._compile_all_devices = True
+    with torch.no_grad(), options.override(backend="triton"):
+        eager = model.generate(ids, **args)
+        torch._dynamo.reset()
+        compiled = model.generate(ids, cache_implementation="static", compile_config=cc, **args)
+    assert torch.equal(compiled, eager)
+
+
+def test_nonfinite_decode_input_is_named_and_the_anchor_kept():
+    """A NaN in one row's beta logits at a decode step on the store: no host read at that step;
+    the flush after it keeps that row's anchor as it was; the next multi-token forward raises
+    one ValueError naming the layer, the input, the row and the step."""
+    model = _model("tiny-qwen3.5")
+    lay_mod = next(m for _, m, _ in replayquant.models.recurrent_layers(model))
+    poison = {"on": False}
+
+    def hook(mod, args, out):
+        if poison["on"]:
+            out = out.clone()
+            out[1] = float("nan")
+        return out
+
+    with torch.no_grad(), options.override(backend="torch"):
+        cache, kw, tok = _prefill(model)
+    with torch.no_grad(), options.override(backend="triton"):
+        _, tok = _step(model, tok, kw)
+        st = getattr(cache.layers[lay_mod.layer_idx], runtime.STATE_ATTR)
+        before = st.store.anchor.payload[1].clone()
+        handle = lay_mod.in_proj_b.register_forward_hook(hook)
+        poison["on"] = True
+        with HostSyncCounter() as c:
+            _, tok = _step(model, tok, kw)
+        poison["on"] = False
+        assert c.syncs == 0
+        for _ in range(L):
+            _, tok = _step(model, tok, kw)
+        handle.remove()
+        assert int(st.store.n_flush[1]) >= 1
+        assert torch.equal(st.store.anchor.payload[1], before)
+        with pytest.raises(ValueError, match=rf"layer {lay_mod.layer_idx} \(gdn\): input b held "
+                                             rf"NaN or infinity at decode step 2 .*batch row 1"):
+            model(torch.ones(2, 3, dtype=torch.long), **kw)
