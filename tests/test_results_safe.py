@@ -345,3 +345,19 @@ def test_a_second_run_into_an_output_is_refused_and_a_dead_holder_blocks_nothing
     code, text = _invoke(_kl(texts, tmp_path / "mine.json"))
     _one_clear_error(code, text, "mine.lock is there and is not a replayquant lock file")
     assert mine.read_text() == "my notes"
+
+
+# ------------------------------------------------------------------ resume says what it found
+
+
+def test_a_resumed_kl_run_says_how_many_documents_it_kept(texts, tmp_path):
+    out = tmp_path / "r.json"
+    code, text = _invoke(_kl(texts, out, docs=1))
+    assert code == 0 and "already done" not in text, text
+    code, text = _invoke(_kl(texts, out, docs=2))
+    assert code == 0, text
+    assert "1 of 2 document(s) already done and kept" in text and "computing the other 1" in text
+    code, text = _invoke(_kl(texts, out, docs=2))
+    assert code == 0, text
+    assert "2 of 2 document(s) already done and kept" in text and "nothing left to compute" in text
+    assert not list(tmp_path.glob("*.lock")) and not list(tmp_path.rglob("*.tmp"))

@@ -374,7 +374,7 @@ def _code_str(code) -> str:
 
 def _say(console, msg: str) -> None:
     if console is not None:
-        console.print(msg, markup=False, highlight=False)
+        console.print(msg, markup=False, highlight=False, soft_wrap=True)
     else:
         import sys
         print(msg, file=sys.stderr)
@@ -614,6 +614,10 @@ def run_kl(model, tokenizer, pairs: list, *, dataset: str, out: str | os.PathLik
     done = finished_documents(out, config, docs, code, fingerprints,
                               report=(lambda msg: _say(console, msg)) if is_main else None)
     pending = [d for d in docs.documents if d.index not in done]
+    if is_main and done:
+        _say(console, f"resuming {out}: {len(done)} of {len(docs.documents)} document(s) already "
+                      f"done and kept (in {run_dir}/); " +
+                      (f"computing the other {len(pending)}" if pending else "nothing left to compute"))
     mine = pending[rank::world]
     if state is not None:
         state.wait_for_everyone()   # every process has read the same finished set before any writes
