@@ -77,12 +77,23 @@ def _file_mode() -> int:
     return 0o666 & ~mask
 
 
+def _read_only(path: Path) -> bool:
+    """Whether a file is marked read-only (no write bit at all; for root too, who could write it:
+    a results file made read-only is one its owner wants kept)."""
+    try:
+        return os.stat(path).st_mode & 0o222 == 0
+    except OSError:
+        return False
+
+
 def write_file(path, content: bytes | str | Callable) -> Path:
     """Write `path` atomically through a temporary file of its own in the same folder (see the
     module docstring). `content`: bytes, text (UTF-8), or a function that writes to a binary file
     object. Raises WriteError naming `path` when the write fails."""
     path = Path(path)
     existed = path.exists()
+    if existed and _read_only(path):     # a rename would replace it all the same
+        raise _write_error(path, PermissionError(errno.EACCES, "it is read-only"), existed)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -224,6 +235,9 @@ def check_owned(out, kind: str, writer: str, *, identity: dict | None = None,
         return
     if not out.is_file():
         raise ValueError(f"--out {out} exists and is not a regular file; give another --out")
+    if _read_only(out):
+        raise ValueError(f"--out {out} is read-only; refusing to replace it: make it writable "
+                         f"(chmod u+w) or give another --out")
     try:
         old = json.loads(out.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError, OSError):

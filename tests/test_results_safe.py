@@ -108,6 +108,19 @@ def test_a_failed_write_keeps_the_earlier_file_and_names_it(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.json.tmp"]
     assert (tmp_path / "r.json.tmp").read_text() == "someone else's"
     assert oct(target.stat().st_mode & 0o777) == oct(0o666 & ~_umask())   # not mkstemp's 0600
+    # an append that fails is cut back: the log is as it was
+    from replayquant.outputs import append_line
+    log = tmp_path / "progress.jsonl"
+    append_line(log, '{"a": 1}')
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
+        with pytest.raises(WriteError, match="progress.jsonl: full"):
+            append_line(log, '{"b": 2}')
+    assert log.read_text() == '{"a": 1}\n'
+    os.chmod(target, 0o444)                                     # read-only: kept, for root too
+    with pytest.raises(WriteError, match="it is read-only"):
+        write_json(target, {"b": 2})
+    assert json.loads(target.read_text()) == {"a": 1}
 
 
 def _umask():
@@ -234,6 +247,14 @@ def test_sweep_sensitivity_recommend_refuse_files_of_another_kind(tmp_path, no_k
     _one_clear_error(code, text, "mine.png is there but mine.json is not")
     code, text = _invoke(_kl(tmp_path, sweep))
     _one_clear_error(code, text, "holds a replayquant.sweep file, not the replayquant.kl results")
+    assert _snapshot(tmp_path) == before
+    # a results file of its own kind made read-only is not replaced either
+    os.chmod(sweep, 0o444)
+    for args in (["sweep", "--model", TINY, "--pair", "s32_rs", "--out", sweep],
+                 ["kl", "--model", TINY, "--pair", "s32_rs", "--out", sweep]):
+        code, text = _invoke(args)
+        _one_clear_error(code, text, "is read-only")
+    os.chmod(sweep, 0o644)
     assert _snapshot(tmp_path) == before
 
 
