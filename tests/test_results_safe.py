@@ -247,6 +247,8 @@ def test_sweep_sensitivity_recommend_refuse_files_of_another_kind(tmp_path, no_k
     _one_clear_error(code, text, "mine.png is there but mine.json is not")
     code, text = _invoke(_kl(tmp_path, sweep))
     _one_clear_error(code, text, "holds a replayquant.sweep file, not the replayquant.kl results")
+    code, text = _invoke(_kl(tmp_path, tmp_path / "notes.json"))    # no run of it to rebuild from
+    _one_clear_error(code, text, "not JSON", "refusing to overwrite it")
     assert _snapshot(tmp_path) == before
     # a results file of its own kind made read-only is not replaced either
     os.chmod(sweep, 0o444)

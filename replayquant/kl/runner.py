@@ -306,7 +306,7 @@ def check_out(out: str | os.PathLike) -> Path:
     # a file there is replaced only when it is a KL results file (the configuration is compared
     # with the run's in `finished_documents`); the plot only with it or with its run's folder
     check_owned(out, RESULTS_KIND, "replayquant kl", beside=() if run_dir.is_dir() else (png,),
-                rebuilt_from=f"{run_dir}/")
+                rebuilt_from=f"{run_dir}/" if run_dir.is_dir() else None)
     return out
 
 
@@ -401,7 +401,8 @@ def finished_documents(out: Path, config: dict, docs: DocumentSet, code: dict | 
                 f"this is {_code_str(code)}: refusing to mix results of two code versions. Resume "
                 f"with that code, pass a new --out, or delete {out} and {run_dir}/ to recompute")
     check_owned(out, RESULTS_KIND, "replayquant kl", identity=config,
-                recorded=lambda old: old.get("config", {}), rebuilt_from=f"{run_dir}/",
+                recorded=lambda old: old.get("config", {}),
+                rebuilt_from=f"{run_dir}/" if run_dir.is_dir() else None,
                 fresh=_fresh(out))
     for h in headers:
         diffs = diff_records(h["config"], config)
