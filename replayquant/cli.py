@@ -141,7 +141,9 @@ def kl_cmd(
     dtype: str = typer.Option("bfloat16", help="bfloat16 | float16 | float32 | auto (the model's own)"),
     device_map: str = typer.Option(None, help="e.g. auto (default on CUDA), cpu, cuda:0"),
     seed: int = typer.Option(0, help="stochastic-rounding seed"),
-    out: str = typer.Option(None, help="results JSON (default build/kl/MODEL_PAIRS_ctxN_PREFILL.json)"),
+    out: str = typer.Option(None, help="results JSON (default build/kl/MODEL_PAIRS_ctxN_PREFILL.json; "
+                            "the same run resumes there, a file of another kind or configuration is "
+                            "refused, and so is a second run while one runs)"),
     pack: bool = typer.Option(False, help="concatenate documents (EOS between) instead of skipping short ones"),
     revision: str = typer.Option(None, help="model revision on the hub"),
     reference: str = typer.Option("exact", help="exact (s32_rs, FP32 prefill: exact FP32 state) | hf (the unpatched model)"),
@@ -417,7 +419,9 @@ def sweep_cmd(
     revision: str = typer.Option(None, help="model revision on the hub"),
     reference: str = typer.Option("exact", help="exact | hf (as `replayquant kl`)"),
     out: str = typer.Option(None, help="sweep JSON (default build/sweep/MODEL_PAIRS_LLS_ctxN.json; the "
-                            "plot and the KL run's NAME_kl.* go beside it)"),
+                            "plot and the KL run's NAME_kl.* go beside it; the same variants resume "
+                            "there, a file of another kind or run is refused, and so is a second "
+                            "run while one runs)"),
     progress: bool = typer.Option(True, help="progress bar"),
 ):
     """Every (pair, L) in one KL run against the FP32-state reference, with the state bytes per
@@ -455,14 +459,16 @@ def recommend_cmd(
     device_map: str = typer.Option(None, help="--per-layer: device map of the KL run (default: the "
                                    "sensitivity run's)"),
     out: str = typer.Option(None, help="JSON to write (default: none for a sweep; "
-                            "build/recommend/NAME.json with --per-layer)"),
+                            "build/recommend/NAME.json with --per-layer); it replaces only a "
+                            "recommendation of the same budgets (--per-layer: the same policy); "
+                            "anything else, an input, or a second run while one runs is refused"),
     progress: bool = typer.Option(True, help="progress bar (--per-layer)"),
 ):
     """The cheapest variant of a sweep within the budgets, its savings against the FP32
     conventional step and the runner-up (exit 1 when nothing fits); or, with --per-layer, a layer
     policy from a sensitivity run, measured with the KL harness beside its prediction."""
     from replayquant.sweep import recommend as R
-    from replayquant.sweep.common import load_json_kind, write_json
+    from replayquant.sweep.common import load_json_kind
     try:
         if per_layer is not None:
             if sweep is not None or gpqa is not None or max_bytes is not None or max_memory is not None:
@@ -483,6 +489,7 @@ def recommend_cmd(
                              "--per-layer SENSITIVITY.json")
         if low is not None or high is not None:
             raise ValueError("--low / --high go with --per-layer")
+        out_path = None if out is None else R.check_recommendation_out(out, (sweep, gpqa))
         from replayquant.sweep.command import SWEEP_KIND
         sw = load_json_kind(sweep, SWEEP_KIND, "replayquant sweep")
         summary = None
@@ -492,10 +499,9 @@ def recommend_cmd(
         rec = R.recommend(sw, kl_budget, max_bytes=max_bytes, max_memory=max_memory, gpqa=summary,
                           gpqa_budget=gpqa_budget, source=sweep)
         R.print_recommendation(rec)
-        if out is not None:
-            from pathlib import Path
-            write_json(Path(out), rec)
-            typer.echo(f"wrote {out}", err=True)
+        if out_path is not None:
+            R.write_recommendation(out_path, rec, (sweep, gpqa))
+            typer.echo(f"wrote {out_path}", err=True)
     except R.NoFit as e:
         typer.echo(f"no fit: {e}", err=True)
         raise typer.Exit(1)
@@ -531,7 +537,9 @@ def sensitivity_cmd(
     pack: bool = typer.Option(False, help="concatenate documents instead of skipping short ones"),
     revision: str = typer.Option(None, help="model revision on the hub"),
     reference: str = typer.Option("exact", help="exact | hf (as `replayquant kl`)"),
-    out: str = typer.Option(None, help="sensitivity JSON (default build/sensitivity/MODEL_PAIRS_ctxN.json)"),
+    out: str = typer.Option(None, help="sensitivity JSON (default build/sensitivity/MODEL_PAIRS_ctxN.json; "
+                            "the same pairs and layers resume there, a file of another kind or run "
+                            "is refused, and so is a second run while one runs)"),
     progress: bool = typer.Option(True, help="progress bar"),
 ):
     """Per recurrent layer, the KL when only that layer holds the pair (every other layer exact

@@ -34,13 +34,13 @@ Protocol (one run = one kind, one seed; every pair sees the same inputs):
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
 
 import torch
 
+from replayquant.outputs import write_json, write_text
 from replayquant.pairs import PrecisionPair, list_pairs
 from replayquant.replay import (ConventionalState, ReplayState, gdn_inputs, kda_inputs,
                                 mamba2_inputs, recurrent_reference)
@@ -243,9 +243,8 @@ def drift_out_path(out_dir, kind: str, steps: int, name: str | None = None) -> P
 def write_drift(result: dict, out_dir="build/drift", name: str | None = None) -> Path:
     p = result["params"]
     path = drift_out_path(out_dir, p["kind"], p["steps"], name)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1) + "\n")
-    path.with_suffix(".md").write_text(render_markdown(result))
+    write_json(path, result)
+    write_text(path.with_suffix(".md"), render_markdown(result))
     return path
 
 

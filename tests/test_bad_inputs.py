@@ -169,10 +169,13 @@ def test_damaged_document_file_named_with_what_to_do_and_writes_are_durable(text
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
     npy = tmp_path / "d.kl" / "doc00001.npy"
-    tmp = str(npy) + ".tmp"
-    assert log.index(("fsync", tmp)) < log.index(("replace", tmp, str(npy)))
-    assert ("fsync", str(npy.parent)) in log[log.index(("replace", tmp, str(npy))):]
-    assert ("fsync", str(out) + ".tmp") in log                  # the results file too
+    for target in (npy, out):                                   # a per-document file, the results
+        i, (_, tmp, _) = next((i, e) for i, e in enumerate(log) if e[0] == "replace" and e[2] == str(target))
+        tmp = Path(tmp)                # a temporary file of its own in the same folder, then gone
+        assert tmp.parent == target.parent and tmp.name.startswith(f".{target.name}.") \
+            and tmp.suffix == ".tmp" and not tmp.exists()
+        assert log.index(("fsync", str(tmp))) < i
+        assert ("fsync", str(target.parent)) in log[i:]
 
     calls = _count_scored(monkeypatch)
     good = npy.read_bytes()

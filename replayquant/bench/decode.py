@@ -12,6 +12,7 @@ import torch
 from replayquant.bench.inputs import (cpu_generator, gdn_params, gdn_step_inputs,
                                       kda_step_inputs, mamba2_params, mamba2_step_inputs,
                                       random_state)
+from replayquant.outputs import save_figure, write_json, write_text
 
 # ---------------------------------------------------------------------------- shapes
 
@@ -1040,7 +1041,6 @@ def run_kernels_bench(out: str = "build/bench", batches=GRID["batches"], Ls=GRID
 
     device 'cpu' is a smoke run of this code (tiny `shapes`, Triton interpreter, wall-clock
     timing): never a result."""
-    import json
     import time
     from pathlib import Path
 
@@ -1092,7 +1092,7 @@ def run_kernels_bench(out: str = "build/bench", batches=GRID["batches"], Ls=GRID
         outp.mkdir(parents=True, exist_ok=True)
 
         def save():
-            (outp / f"{name}.json").write_text(json.dumps(res, indent=1, default=str))
+            write_json(outp / f"{name}.json", res, default=str)
         if peers and not cpu:
             try:
                 import fla
@@ -1175,7 +1175,7 @@ def run_kernels_bench(out: str = "build/bench", batches=GRID["batches"], Ls=GRID
         res["wall_s"] = time.time() - t0
         save()
         md = render_markdown(res)
-        (outp / f"{name}.md").write_text(md)
+        write_text(outp / f"{name}.md", md)
         print(md, flush=True)
         if plot:
             _try(lambda: plot_kernels(res, str(outp / f"{name}_speedup.png")), E, "plot")
@@ -1269,10 +1269,10 @@ def merge_kernels(parts, out: str = "build/bench", name: str = "kernels",
     outp = Path(out)
     outp.mkdir(parents=True, exist_ok=True)
     md = render_markdown(res)
-    (outp / f"{name}.md").write_text(md)
+    write_text(outp / f"{name}.md", md)
     if plot:
         plot_kernels(res, str(outp / f"{name}_speedup.png"))
-    (outp / f"{name}.json").write_text(json.dumps(res, indent=1, default=str))
+    write_json(outp / f"{name}.json", res, default=str)
     return res
 
 
@@ -1335,5 +1335,7 @@ def plot_kernels(res, png: str) -> None:
     pv = res["provenance"]
     fig.suptitle(f"{pv['device']}, git {str(pv['git_commit'])[:8]}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    try:
+        save_figure(fig, png, dpi=110)
+    finally:
+        plt.close(fig)

@@ -16,11 +16,12 @@ bit for bit with the CPU torch reference; the result is stored with the timings.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import torch
+
+from replayquant.outputs import write_json, write_text
 
 D = 128
 
@@ -174,8 +175,8 @@ def run_formats_bench(mbytes: int = 512, out: str = "build/bench", formats=None,
     }
     outdir = Path(out)
     outdir.mkdir(parents=True, exist_ok=True)
-    (outdir / "formats.json").write_text(json.dumps(result, indent=2) + "\n")
-    (outdir / "formats.md").write_text(render_markdown(result))
+    write_json(outdir / "formats.json", result, indent=2)
+    write_text(outdir / "formats.md", render_markdown(result))
     print(f"wrote {outdir / 'formats.json'} and {outdir / 'formats.md'}", flush=True)
     return result
 

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from replayquant import options
+from replayquant.outputs import write_json
 from replayquant.bench.timing import (HF_TARGETS, REPLAY_TARGETS, KernelClock, fla_version,
                                      hf_chunk_function)
 
@@ -348,8 +349,7 @@ def _merge(out, **sections) -> dict:
     path = Path(out)
     data = json.loads(path.read_text()) if path.exists() else {}
     data.update(sections)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1) + "\n")
+    write_json(path, data)
     return data
 
 

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from replayquant.gpqa.summary import build_summary
+from replayquant.outputs import write_json, write_text
 from replayquant.gpqa.tasks import (HUB_CONFIG, HUB_DATASET, check_csv, check_hub_access,
                                     check_tasks, file_sha256, write_task_dir)
 
@@ -149,7 +150,7 @@ def run_gpqa(model: str, pairs: list, *, tasks=None, gpqa_csv=None, limit=None, 
                                                   num_fewshot=num_fewshot, gen_kwargs=gen_kwargs,
                                                   apply_chat_template=apply_chat_template,
                                                   world_size=lm.world_size))
-    (out / "SUMMARY.json").write_text(json.dumps(summary, indent=2, default=handle_non_serializable))
+    write_json(out / "SUMMARY.json", summary, indent=2, default=handle_non_serializable)
     return summary
 
 
@@ -186,13 +187,12 @@ def _run_pairs(lm, resolved, labels, tasks, task_manager, out, *, model, limit, 
                                   "questions_digest": digests, "per_doc": per_doc}
         out.mkdir(parents=True, exist_ok=True)
         res_path = out / f"{_slug(label)}.json"
-        res_path.write_text(json.dumps(results, indent=2, default=handle_non_serializable,
-                                       ensure_ascii=False))
+        write_json(res_path, results, indent=2, default=handle_non_serializable, ensure_ascii=False)
         if log_samples:
             for t in tasks:
-                with open(out / f"{_slug(label)}.samples.{t}.jsonl", "w", encoding="utf-8") as f:
-                    for s in samples.get(t, []):
-                        f.write(json.dumps(s, default=handle_non_serializable, ensure_ascii=False) + "\n")
+                write_text(out / f"{_slug(label)}.samples.{t}.jsonl", "".join(
+                    json.dumps(s, default=handle_non_serializable, ensure_ascii=False) + "\n"
+                    for s in samples.get(t, [])))
         per_pair.append({"label": label, "file": res_path.name, "results": results})
 
     return per_pair

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import yaml
 
+from replayquant.outputs import write_text
+
 __all__ = [
     "GPQA_TASKS", "HUB_DATASET", "HUB_CONFIG", "REQUIRED_COLUMNS", "DEFAULT_TASK",
     "check_csv", "check_hub_access", "check_tasks", "write_task_dir", "templates_dir", "file_sha256",
@@ -133,7 +135,7 @@ def write_task_dir(csv_path, out_dir, tasks=None) -> Path:
         cfg["include"] = str(target)
         cfg["dataset_kwargs"]["data_files"]["train"] = csv_abs
         head = (f"# Written by replayquant from {tpl.name}: lm-eval's {task} reading {csv_abs}\n")
-        (out / f"{task}.yaml").write_text(head + yaml.safe_dump(cfg, sort_keys=False))
+        write_text(out / f"{task}.yaml", head + yaml.safe_dump(cfg, sort_keys=False))
     return out
 
 

@@ -288,8 +288,8 @@ def main(argv: list[str]) -> int:
                 runpy.run_path(cmd[0], run_name="__main__")
         except SystemExit as e:
             rc = e.code if isinstance(e.code, int) else 1
-        with open(out, "w") as f:
-            json.dump(unique(launches), f, indent=1)
+        from replayquant.outputs import write_json
+        write_json(out, unique(launches))
         print(f"compile_check: {len(unique(launches))} distinct launches -> {out} (command rc={rc})")
         return rc
     if os.environ.get("TRITON_INTERPRET") == "1":

@@ -37,9 +37,10 @@ Outputs of `--out build/kl/NAME.json`: NAME.json (results, config, provenance), 
 (per-token KL per document as float16 .npy [n_pairs, context-1], per-token delta-p as float32
 .dp.npy, and the append-only progress logs), NAME.png (KL against position, log x, one line per pair). Re-running the same command
 resumes: finished documents are skipped, a larger `--docs` adds documents, an interrupted run
-loses at most the document in flight; a different configuration into the same file is refused,
-and a document whose tokens changed since it was scored is recomputed (its record keeps a token
-fingerprint).
+loses at most the document in flight, and says how many documents it found done and kept; a
+different configuration into the same file is refused (so is a file of another kind, or a second
+run while one holds NAME.lock), and a document whose tokens changed since it was scored is
+recomputed (its record keeps a token fingerprint).
 
 Python: `run_kl(model, tokenizer, pairs, dataset=..., out=...)` does the same on a model you hold.
 """

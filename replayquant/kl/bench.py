@@ -17,12 +17,13 @@ state, only the time of the MLPs).
 
 from __future__ import annotations
 
-import json
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from replayquant.outputs import write_json
 
 SHAPES = {
     "qwen3.5-4b": dict(hidden_size=2560, num_hidden_layers=32, intermediate_size=9216,
@@ -159,7 +160,5 @@ def bench_kl(shape: str = "qwen3.5-4b", context: int = 131072, segment: int = 81
                                  segment=segment, pairs=list(pairs), prefill=prefill,
                                  reference=reference, dtype=dtype),
     }
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    write_json(out, result)
     return result

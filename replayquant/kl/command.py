@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from pathlib import Path
@@ -89,12 +90,11 @@ def kl_command(model: str, pairs: list[str], dataset: str = "pg19", split: str =
                seed: int = 0, out: str | None = None, pack: bool = False, revision: str | None = None,
                reference: str = "exact", progress: bool = True, dataset_config: str | None = None,
                data_files=None) -> dict | None:
-    """Everything `replayquant kl` does; returns the results dict on the main process."""
-    from accelerate import PartialState
-    from rich.console import Console
+    """Everything `replayquant kl` does; returns the results dict on the main process. A second
+    run into the same --out while one runs is refused (`replayquant.outputs.output_lock`)."""
+    from replayquant.outputs import output_lock
 
-    from .report import print_summary
-    from .runner import model_record, run_kl
+    from .runner import check_out
 
     # cheap checks first: no weights are loaded for a run that cannot start
     if prefill not in ("replay", "exact"):
@@ -106,11 +106,28 @@ def kl_command(model: str, pairs: list[str], dataset: str = "pg19", split: str =
             raise ValueError(f"{name} must be >= {lo}, got {v}")
     if dtype != "auto" and dtype not in DTYPES:
         raise ValueError(f"--dtype must be auto or one of {sorted(DTYPES)}, got {dtype!r}")
+    out_path = check_out(out if out else default_out(model, pairs, context, prefill))
+    # the main process holds the output from here (run_kl takes the same lock again)
+    main = int(os.environ.get("RANK", "0")) == 0
+    with output_lock(out_path) if main else contextlib.nullcontext():
+        return _checked_kl(model, pairs, out_path, dataset=dataset, split=split,
+                           text_field=text_field, context=context, docs=docs, segment=segment,
+                           prefill=prefill, dtype=dtype, device_map=device_map, seed=seed,
+                           pack=pack, revision=revision, reference=reference, progress=progress,
+                           dataset_config=dataset_config, data_files=data_files)
+
+
+def _checked_kl(model, pairs, out_path: Path, *, dataset, split, text_field, context, docs,
+                segment, prefill, dtype, device_map, seed, pack, revision, reference, progress,
+                dataset_config, data_files) -> dict | None:
+    from accelerate import PartialState
+    from rich.console import Console
+
     from replayquant.models.device import check_device_map, describe_devices
 
     from .data import load_documents
-    from .runner import check_out, check_pair_names, resolve_pair
-    out_path = check_out(out if out else default_out(model, pairs, context, prefill))
+    from .report import print_summary
+    from .runner import check_pair_names, model_record, resolve_pair, run_kl
     device_map = check_device_map(device_map)
     check_pair_names([resolve_pair(p) for p in pairs])
     tok, cfg, resolved = load_tokenizer_and_config(model, revision)

@@ -58,10 +58,13 @@ def log_floor(curves: list[np.ndarray]) -> float | None:
 def plot_kl_vs_position(results: dict, arrays: dict, pair_names: list[str], png: Path):
     """Write a PNG: x = token position (log), y = mean KL(ref || test) (log where any is positive)."""
     import matplotlib.pyplot as plt
+
+    from replayquant.outputs import save_figure
     fig = kl_figure(results, arrays, pair_names)
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, bbox_inches="tight")
-    plt.close(fig)
+    try:
+        save_figure(fig, png, bbox_inches="tight")
+    finally:
+        plt.close(fig)
 
 
 def kl_figure(results: dict, arrays: dict, pair_names: list[str]):

@@ -9,7 +9,10 @@ logits exist only for `lm_chunk` positions at once (never for a whole segment, l
 whole context). The reference's log-probabilities of a chunk serve every pair.
 
 Files of a run with `out = build/kl/NAME.json` (checked before any work, `check_out`: a .json
-name in a writable folder), each written durably (temporary file, fsync, rename):
+name in a writable folder, not holding a file of another kind), each written through
+`replayquant.outputs` (a temporary file of its own, fsync, rename; a failed write keeps the
+earlier file); NAME.lock beside them while the run holds the output (a second run into it is
+refused):
 * `NAME.json`: the results (statistics per pair, per bucket, per document, provenance); rewritten
   after every finished document (`"complete": false` until the last one);
 * `NAME.kl/docNNNNN.npy`: per-token KL of one document, float16 [n_pairs, context - 1];
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import inspect
 import json
@@ -37,6 +41,9 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+
+from replayquant.outputs import (append_line, check_owned, check_writable_folder, diff_records,
+                                 other_run_error, output_lock, save_npy, write_json)
 
 from . import stats as S
 from .data import Document, DocumentSet, load_documents
@@ -267,31 +274,8 @@ def score_document(runner: SegmentRunner, doc: Document, reference: Variant, tes
 # ----------------------------------------------------------------------------------------------
 # Progress files and resume.
 
-def _canon(x) -> str:
-    return json.dumps(x, sort_keys=True, separators=(",", ":"))
-
-
 def _paths(out: Path) -> tuple[Path, Path]:
     return out.with_suffix(".kl"), out.with_suffix(".png")
-
-
-def check_writable_folder(folder: Path, out) -> None:
-    """Raise ValueError (naming the --out value `out`) unless a file can be created in `folder`
-    or in the nearest folder above it that exists (a trial file, removed at once: permissions
-    alone do not tell, e.g. for root on a read-only file system)."""
-    import tempfile
-    probe = Path(folder)
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    if not probe.is_dir():
-        raise ValueError(f"--out {out}: {probe} is a file, not a folder; give a path in a folder")
-    try:
-        fd, name = tempfile.mkstemp(dir=probe, prefix=".replayquant-write-test-")
-    except OSError as e:
-        raise ValueError(f"--out {out}: cannot write in {probe} ({e.strerror or e}); give an --out "
-                         f"in a writable folder") from None
-    os.close(fd)
-    os.unlink(name)
 
 
 def check_out(out: str | os.PathLike) -> Path:
@@ -319,6 +303,10 @@ def check_out(out: str | os.PathLike) -> Path:
     check_writable_folder(out.parent, out)
     if run_dir.is_dir():
         check_writable_folder(run_dir, out)
+    # a file there is replaced only when it is a KL results file (the configuration is compared
+    # with the run's in `finished_documents`); the plot only with it or with its run's folder
+    check_owned(out, RESULTS_KIND, "replayquant kl", beside=() if run_dir.is_dir() else (png,),
+                rebuilt_from=f"{run_dir}/" if run_dir.is_dir() else None)
     return out
 
 
@@ -339,21 +327,10 @@ def read_progress(run_dir: Path) -> tuple[list[dict], list[dict]]:
     return headers, records
 
 
-def _mismatch(a: dict, b: dict, prefix="") -> list[str]:
-    diffs = []
-    for k in sorted(set(a) | set(b)):
-        va, vb = a.get(k), b.get(k)
-        if isinstance(va, dict) and isinstance(vb, dict):
-            diffs += _mismatch(va, vb, prefix + k + ".")
-        elif _canon(va) != _canon(vb):
-            diffs.append(f"{prefix}{k}: {va!r} (file) vs {vb!r} (now)")
-    return diffs
-
-
-def _refuse(out: Path, run_dir: Path, diffs: list[str]):
-    shown = "; ".join(diffs[:4]) + (" ..." if len(diffs) > 4 else "")
-    raise ValueError(f"{out} holds results of a different configuration ({shown}); refusing to mix "
-                     f"them. Pass a new --out, or delete {out} and {run_dir}/ to start fresh")
+def _fresh(out: Path) -> list[str]:
+    """The files of a run besides NAME.json, named where a message says how to start fresh."""
+    run_dir, png = _paths(out)
+    return [str(png), f"{run_dir}/"]
 
 
 def _kl_shape(config: dict) -> tuple[int, int]:
@@ -397,7 +374,7 @@ def _code_str(code) -> str:
 
 def _say(console, msg: str) -> None:
     if console is not None:
-        console.print(msg, markup=False, highlight=False)
+        console.print(msg, markup=False, highlight=False, soft_wrap=True)
     else:
         import sys
         print(msg, file=sys.stderr)
@@ -423,22 +400,14 @@ def finished_documents(out: Path, config: dict, docs: DocumentSet, code: dict | 
                 f"{run_dir}/ holds per-document results computed by {_code_str(r.get('code'))}; "
                 f"this is {_code_str(code)}: refusing to mix results of two code versions. Resume "
                 f"with that code, pass a new --out, or delete {out} and {run_dir}/ to recompute")
-    if out.exists():
-        try:
-            old = json.loads(out.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ValueError(f"{out} exists but is not a results file (invalid JSON); pass another "
-                             f"--out, or delete it: a results file is rebuilt from {run_dir}/, "
-                             f"so nothing computed is lost") from None
-        if not isinstance(old, dict) or old.get("kind") != RESULTS_KIND:
-            raise ValueError(f"{out} exists and is not a KL results file; pass another --out")
-        diffs = _mismatch(old.get("config", {}), config)
-        if diffs:
-            _refuse(out, run_dir, diffs)
+    check_owned(out, RESULTS_KIND, "replayquant kl", identity=config,
+                recorded=lambda old: old.get("config", {}),
+                rebuilt_from=f"{run_dir}/" if run_dir.is_dir() else None,
+                fresh=_fresh(out))
     for h in headers:
-        diffs = _mismatch(h["config"], config)
+        diffs = diff_records(h["config"], config)
         if diffs:
-            _refuse(out, run_dir, diffs)
+            raise other_run_error(out, diffs, _fresh(out))
     planned = {d.index: d for d in docs.documents}
     done, stale = {}, {}
     for r in records:
@@ -464,46 +433,7 @@ def finished_documents(out: Path, config: dict, docs: DocumentSet, code: dict | 
 
 
 def _append(path: Path, obj: dict):
-    line = json.dumps(obj) + "\n"
-    with open(path, "a+b") as fh:
-        fh.seek(0, os.SEEK_END)
-        if fh.tell() > 0:            # a killed run may have left a torn line without its newline
-            fh.seek(-1, os.SEEK_END)
-            if fh.read(1) != b"\n":
-                line = "\n" + line
-        fh.write(line.encode("utf-8"))
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make a rename in `folder` durable (where the platform can open a folder)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_durable(path: Path, write: Callable) -> None:
-    """Write a file through a temporary one: write(fh), flush, fsync, rename over `path`, fsync
-    the folder. A crash leaves the old file or the new one, never a part of one."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        write(fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _save_npy(path: Path, arr: np.ndarray):
-    _write_durable(path, lambda fh: np.save(fh, arr, allow_pickle=False))
+    append_line(path, json.dumps(obj))
 
 
 def load_document_kl(path: Path, shape: tuple, index: int) -> np.ndarray:
@@ -602,6 +532,24 @@ def max_context(model) -> int | None:
 # ----------------------------------------------------------------------------------------------
 # The run.
 
+def _one_run_per_output(run):
+    """`run` with its `out` checked (`check_out`) and locked (`replayquant.outputs.output_lock`)
+    by the main process for the whole run: a second run into the same output is refused."""
+    params = inspect.signature(run)
+
+    @functools.wraps(run)
+    def locked(*args, **kwargs):
+        bound = params.bind(*args, **kwargs)
+        bound.apply_defaults()
+        out = bound.arguments["out"] = check_out(bound.arguments["out"])
+        state = bound.arguments["state"]
+        main = state is None or state.is_main_process
+        with output_lock(out) if main else contextlib.nullcontext():
+            return run(*bound.args, **bound.kwargs)
+    return locked
+
+
+@_one_run_per_output
 def run_kl(model, tokenizer, pairs: list, *, dataset: str, out: str | os.PathLike,
            context: int = 131072, n_docs: int = 10, segment: int = 8192, prefill: str = "replay",
            seed: int = 0, split: str | None = "test", text_field: str = "text", pack: bool = False,
@@ -667,6 +615,10 @@ def run_kl(model, tokenizer, pairs: list, *, dataset: str, out: str | os.PathLik
     done = finished_documents(out, config, docs, code, fingerprints,
                               report=(lambda msg: _say(console, msg)) if is_main else None)
     pending = [d for d in docs.documents if d.index not in done]
+    if is_main and done:
+        _say(console, f"resuming {out}: {len(done)} of {len(docs.documents)} document(s) already "
+                      f"done and kept (in {run_dir}/); " +
+                      (f"computing the other {len(pending)}" if pending else "nothing left to compute"))
     mine = pending[rank::world]
     if state is not None:
         state.wait_for_everyone()   # every process has read the same finished set before any writes
@@ -688,9 +640,9 @@ def run_kl(model, tokenizer, pairs: list, *, dataset: str, out: str | os.PathLik
                 metrics = score_document(runner, doc, reference, tests, segment, lm_chunk,
                                          on_segment=bar.advance)
                 npy = f"doc{doc.index:05d}.npy"
-                _save_npy(run_dir / npy, np.stack([metrics[v.name]["kl"].numpy().astype(np.float16)
+                save_npy(run_dir / npy, np.stack([metrics[v.name]["kl"].numpy().astype(np.float16)
                                                    for v in tests]))
-                _save_npy(run_dir / _dp_name(npy), np.stack([metrics[v.name]["dp"].numpy().astype(np.float32)
+                save_npy(run_dir / _dp_name(npy), np.stack([metrics[v.name]["dp"].numpy().astype(np.float32)
                                                              for v in tests]))
                 rec = {"type": "document", "index": doc.index, "id": doc.id, "n_tokens": context,
                        "tokens": fingerprints[doc.index], "code": code, "npy": npy, "wall_s": time.time() - t0, "rank": rank, **_peak_memory(),
@@ -763,9 +715,7 @@ def write_results(out: Path, config: dict, docs: DocumentSet, t_start: float,
         "kl_tokens_dir": run_dir.name,
         "results": results,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(res, indent=1, allow_nan=True) + "\n"
-    _write_durable(out, lambda fh: fh.write(text.encode("utf-8")))
+    write_json(out, res)
     if plot and recs:
         from .plot import plot_kl_vs_position
         plot_kl_vs_position(res, arrays, [p["name"] for p in config["pairs"]], png)

@@ -20,18 +20,24 @@ Per variant the sweep file (NAME.json, kind `replayquant.sweep`) holds:
 * `kernel` (with `--kernels`): measured microseconds per step (`replayquant.sweep.measured`);
 * `on_front`: on the Pareto front of state bytes per step against mean KL.
 NAME.png plots mean KL against state bytes per step (log-log; `replayquant.sweep.plot`).
+
+A sweep run again with the same variants into its own NAME.json resumes its KL run and rewrites
+NAME.json and NAME.png; a file of another kind or of other variants at --out is refused before
+any work, as is a second run into an output while one runs (`replayquant.outputs`).
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-from .common import (clean_name, fmt_bytes, front_kl, kl_figures, kl_file_for, pareto_front,
-                     shapes_of_model, write_json)
+from replayquant.outputs import check_owned, output_lock
+
+from .common import (check_results_out, clean_name, fmt_bytes, front_kl, kl_figures, kl_file_for,
+                     pareto_front, shapes_of_model, write_json)
 
 __all__ = ["SWEEP_KIND", "parse_buffer_lens", "sweep_variants", "layer_pairs", "variant_costs",
-           "front_kl", "pareto_front", "build_sweep", "sweep_command", "print_sweep"]
+           "front_kl", "pareto_front", "build_sweep", "variants_record", "sweep_command",
+           "print_sweep"]
 
 SWEEP_KIND = "replayquant.sweep"
 SWEEP_VERSION = 1
@@ -174,15 +180,14 @@ def default_out(model: str, bases: list[str], buffer_lens, context: int) -> Path
     return Path("build/sweep") / f"{clean_name(Path(model).name)}_{pairs}_L{Ls}_ctx{context}.json"
 
 
-def check_sweep_out(out) -> Path:
-    """The sweep file's path: NAME.json, not a folder (the KL run's files go beside it)."""
-    p = Path(os.path.expanduser(str(out)))
-    if p.suffix.lower() != ".json":
-        raise ValueError(f"--out {out}: the sweep file must end in .json (NAME.png and the KL run's "
-                         f"NAME_kl.* go beside it); give e.g. --out {p.with_suffix('.json')}")
-    if p.is_dir():
-        raise ValueError(f"--out {out} is a folder; give a file name, e.g. --out {p / 'sweep.json'}")
-    return p
+def variants_record(variants: list[dict]) -> dict:
+    """What makes a sweep file the same run (beside its KL run's configuration, which the KL run
+    checks): its variants, by name and what each stores."""
+    return {"variants": [{"name": v["variant"].name, "pair": v["variant"].to_dict()} for v in variants]}
+
+
+def _recorded_variants(old: dict) -> dict:
+    return {"variants": [{"name": r["name"], "pair": r["pair"]} for r in old["variants"]]}
 
 
 def sweep_command(model: str, pairs: list, buffer_lens=None, *, kernels: str | None = None,
@@ -203,23 +208,29 @@ def sweep_command(model: str, pairs: list, buffer_lens=None, *, kernels: str | N
     kern = measured.load_kernels(kernels) if kernels else None
     context = kl_args.get("context", 131072)
     bases = list(dict.fromkeys(v["base"] for v in variants))
-    out_path = check_sweep_out(out or default_out(model, bases, Ls, context))
-    shapes, *_ = shapes_of_model(model, kl_args.get("revision"))
-    for v in variants:                      # a policy's layer errors before any weights load
-        layer_pairs(v["variant"], shapes)
-    kl_path = kl_file_for(out_path)
-    res = kl_command(model, [v["variant"] for v in variants], out=str(kl_path), **kl_args)
-    if res is None:
-        return None
-    settings = {"model_arg": model, "pairs": [str(p) for p in pairs], "buffer_lens": Ls,
-                "batch": batch, **{k: v for k, v in kl_args.items()}}
-    sw = build_sweep(res, variants, shapes, kl_path, settings, kern, kernels, batch)
-    write_json(out_path, sw)
-    if plot:
-        from .plot import plot_sweep
-        plot_sweep(sw, out_path.with_suffix(".png"))
+    out_path = check_results_out(out or default_out(model, bases, Ls, context))
+    png, kl_path = out_path.with_suffix(".png"), kl_file_for(out_path)
+    with output_lock(out_path):
+        # the same variants replace their own sweep file (the KL run resumes); anything else
+        # at --out is refused before any work
+        check_owned(out_path, SWEEP_KIND, "replayquant sweep", identity=variants_record(variants),
+                    recorded=_recorded_variants, inputs=(kernels,), beside=(png,),
+                    fresh=(png, kl_path, kl_path.with_suffix(".png"), f"{kl_path.with_suffix('.kl')}/"))
+        shapes, *_ = shapes_of_model(model, kl_args.get("revision"))
+        for v in variants:                      # a policy's layer errors before any weights load
+            layer_pairs(v["variant"], shapes)
+        res = kl_command(model, [v["variant"] for v in variants], out=str(kl_path), **kl_args)
+        if res is None:
+            return None
+        settings = {"model_arg": model, "pairs": [str(p) for p in pairs], "buffer_lens": Ls,
+                    "batch": batch, **{k: v for k, v in kl_args.items()}}
+        sw = build_sweep(res, variants, shapes, kl_path, settings, kern, kernels, batch)
+        write_json(out_path, sw)
+        if plot:
+            from .plot import plot_sweep
+            plot_sweep(sw, png)
     print_sweep(sw, console)
-    Console(stderr=True).print(f"wrote {out_path} and {out_path.with_suffix('.png')}")
+    Console(stderr=True).print(f"wrote {out_path} and {png}")
     return sw
 
 

@@ -7,9 +7,12 @@ import math
 import re
 from pathlib import Path
 
+from replayquant.outputs import write_json
+
 __all__ = ["kl_bound", "kl_figures", "kl_problem", "load_json_kind", "check_structure", "REAL",
            "SIZE", "shapes_of_config", "shapes_of_model", "fmt_bytes", "pair_formats",
-           "clean_name", "write_json", "kl_file_for", "KL_FIGURES", "front_kl", "pareto_front"]
+           "clean_name", "write_json", "check_results_out", "kl_file_for", "KL_FIGURES",
+           "front_kl", "pareto_front"]
 
 # the KL statistics a sweep / sensitivity file keeps per variant (the KL run's file has them all)
 KL_FIGURES = ("n_tokens", "n_documents", "kl_mean", "kl_mean_unc", "kl_mean_unc_docs", "kl_median",
@@ -189,12 +192,23 @@ def kl_file_for(out: Path, k: int | None = None) -> Path:
     return out.with_name(f"{out.stem}_kl{'' if k is None else k}.json")
 
 
-def write_json(path: Path, obj: dict) -> None:
+def check_results_out(out) -> Path:
+    """A sweep / sensitivity / recommendation file's path, checked before any work: NAME.json
+    (its plot, policy and KL run's files go beside it), not a folder, in a folder that can be
+    written (created if missing)."""
     import os
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(obj, indent=1, allow_nan=True) + "\n")
-    os.replace(tmp, path)
+
+    from replayquant.outputs import check_writable_folder
+    p = Path(os.path.expanduser(str(out)))
+    if p.suffix.lower() != ".json":
+        raise ValueError(f"--out {out}: the results file must end in .json (NAME.png and the KL "
+                         f"run's NAME_kl.* go beside it); give e.g. --out {p.with_suffix('.json')}")
+    if p.is_dir():
+        raise ValueError(f"--out {out} is a folder; give a file name, e.g. --out {p / 'results.json'}")
+    if p.exists() and not p.is_file():
+        raise ValueError(f"--out {out} exists and is not a regular file; give another --out")
+    check_writable_folder(p.parent, out)
+    return p
 
 
 def front_kl(mean: float, unc: float = 0.0) -> float:

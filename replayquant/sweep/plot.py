@@ -30,6 +30,15 @@ def _plt():
     return plt
 
 
+def _save(fig, png: Path) -> None:
+    """Write the figure atomically (`replayquant.outputs.save_figure`) and close it."""
+    from replayquant.outputs import save_figure
+    try:
+        save_figure(fig, png)
+    finally:
+        _plt().close(fig)
+
+
 def _title(sw) -> str:
     from replayquant.kl.report import model_label
     s = sw["settings"]
@@ -96,9 +105,7 @@ def plot_sweep(sw: dict, png: Path) -> list[tuple[str, float, float]]:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)  # beside
     fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png)
-    plt.close(fig)
+    _save(fig, png)
     return drawn
 
 
@@ -134,6 +141,4 @@ def plot_sensitivity(sens: dict, png: Path) -> None:
     ax.grid(True, axis="y", which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png)
-    plt.close(fig)
+    _save(fig, png)

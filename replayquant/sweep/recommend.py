@@ -477,21 +477,21 @@ def recommend_per_layer(sens_path, kl_budget: float, low: str | None = None,
     from replayquant.kl.command import kl_command
     from replayquant.provenance import provenance
 
-    from .command import check_sweep_out, variant_costs
+    from .command import variant_costs
+    from .common import check_results_out
     from .sensitivity import SENS_KIND
     sens = load_json_kind(sens_path, SENS_KIND, "replayquant sensitivity")
     policy, plan = build_policy(sens, kl_budget, low, high, source=str(sens_path))
     args = check_same_model(sens, str(sens_path))
-    out_path = check_sweep_out(out or Path("build/recommend") / f"{Path(sens_path).stem}_"
-                               f"{policy.name}.json")
+    out_path = check_results_out(out or Path("build/recommend") / f"{Path(sens_path).stem}_"
+                                 f"{policy.name}.json")
     kl_path = kl_file_for(out_path)
     yaml_path = out_path.with_name(out_path.stem + "_policy.yaml")
     model = args.pop("model")
     args["progress"] = progress
     if device_map is not None:
         args["device_map"] = device_map
-    yaml_path.parent.mkdir(parents=True, exist_ok=True)
-    yaml_path.write_text(policy.to_yaml())
+    _check_policy_out(out_path, yaml_path, kl_path, policy, kl_budget, sens_path)
     res = kl_command(model, [policy], out=str(kl_path), **args)
     if res is None:
         return None
@@ -518,7 +518,7 @@ def recommend_per_layer(sens_path, kl_budget: float, low: str | None = None,
                                  high=plan["high"], kl_results=str(kl_path),
                                  kl_git_commit=res.get("provenance", {}).get("git_commit")),
     }
-    write_json(out_path, result)
+    _write_policy_out(out_path, yaml_path, kl_path, result, policy, sens_path)
     print_per_layer(result)
     from rich.console import Console
     Console(stderr=True).print(f"wrote {out_path}, {yaml_path} and {kl_path}")
@@ -544,3 +544,58 @@ def print_per_layer(r: dict, console=None) -> None:
     console.print(f"  {fmt_bytes(pb)} of state per decode step and sequence: {conv / pb:.2f}x less than "
                   f"the FP32 conventional step ({fmt_bytes(conv)}), {hb / pb:.2f}x less than "
                   f"{plan['high']} on every layer ({fmt_bytes(hb)})", soft_wrap=True)
+
+
+# ============================================================ writing
+
+def check_recommendation_out(out, sources=()) -> Path:
+    """The path of a recommendation file (`recommend SWEEP.json --out`), checked before any work:
+    a .json in a writable folder, not one of the files read (`sources`), not a file of another
+    kind. Returns it as a Path; one ValueError saying what to give instead."""
+    from replayquant.outputs import check_owned
+
+    from .common import check_results_out
+    path = check_results_out(out)
+    check_owned(path, RECOMMEND_KIND, "replayquant recommend", inputs=sources)
+    return path
+
+
+def write_recommendation(path: Path, rec: dict, sources=()) -> None:
+    """Write a recommendation file, holding its lock: it replaces a recommendation for the same
+    budgets of a sweep of the same model only."""
+    from replayquant.outputs import check_owned, output_lock
+    with output_lock(path):
+        check_owned(path, RECOMMEND_KIND, "replayquant recommend", inputs=sources,
+                    identity={"model": rec.get("model"), "budgets": rec["budgets"]},
+                    recorded=lambda old: {"model": old["model"], "budgets": old["budgets"]})
+        write_json(path, rec)
+
+
+def _policy_run(policy, kl_budget) -> dict:
+    """What makes a per-layer recommendation the same run: the policy and the budget."""
+    return {"policy": policy.to_dict(), "kl_budget": kl_budget}
+
+
+def _check_policy_out(out_path: Path, yaml_path: Path, kl_path: Path, policy, kl_budget,
+                      sens_path) -> None:
+    """Refuse, before any work, an --out holding anything but this policy's recommendation (and
+    a policy YAML there without its recommendation), so the JSON and the YAML always describe
+    one policy."""
+    from replayquant.outputs import check_owned
+    check_owned(out_path, PER_LAYER_KIND, "replayquant recommend --per-layer",
+                identity=_policy_run(policy, kl_budget),
+                recorded=lambda old: {"policy": old["policy"], "kl_budget": old["kl_budget"]},
+                inputs=(sens_path,), beside=(yaml_path,),
+                fresh=(yaml_path, kl_path, kl_path.with_suffix(".png"),
+                       f"{kl_path.with_suffix('.kl')}/"))
+
+
+def _write_policy_out(out_path: Path, yaml_path: Path, kl_path: Path, result: dict, policy,
+                      sens_path) -> None:
+    """The recommendation JSON, then its policy YAML (each atomic), holding the output's lock,
+    checked again as before the run (another run may have written it since)."""
+    from replayquant.outputs import output_lock, write_text
+    with output_lock(out_path):
+        _check_policy_out(out_path, yaml_path, kl_path, policy, result["kl_budget"], sens_path)
+        write_json(out_path, result)
+        write_text(yaml_path, policy.to_yaml())

@@ -13,14 +13,20 @@ Writes NAME.json (kind `replayquant.sensitivity`): per pair the layers with thei
 KL figures and rank (1 = largest KL), the all-layers KL, and the sum of the single-layer means
 against it (`sum_vs_all`: a ratio near 1 says the layers' errors add); NAME.png (bars by layer,
 `replayquant.sweep.plot.plot_sensitivity`); the KL run's files NAME_kl.* (NAME_kl1.*, ... with
---per-pass).
+--per-pass). Run again with the same pairs, layers and --per-pass into its own NAME.json, it
+resumes its KL runs and rewrites NAME.json and NAME.png; a file of another kind or of another
+run at --out is refused before any work, as is a second run into an output while one runs
+(`replayquant.outputs`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from .common import clean_name, kl_figures, kl_file_for, shapes_of_model, write_json
+from replayquant.outputs import check_owned, output_lock
+
+from .common import (check_results_out, clean_name, kl_figures, kl_file_for, shapes_of_model,
+                     write_json)
 
 __all__ = ["SENS_KIND", "sensitivity_variants", "sensitivity_command", "print_sensitivity"]
 
@@ -86,10 +92,6 @@ def sensitivity_command(model: str, pairs: list, *, buffer_len: int | None = Non
     kl_args go to `replayquant.kl.command.kl_command`."""
     from rich.console import Console
 
-    from replayquant.kl.command import kl_command
-    from replayquant.provenance import provenance
-
-    from .command import check_sweep_out
     if buffer_len is not None and (isinstance(buffer_len, bool) or not isinstance(buffer_len, int)
                                    or buffer_len < 1):
         raise ValueError(f"--buffer-len must be an integer >= 1, got {buffer_len!r}")
@@ -100,12 +102,49 @@ def sensitivity_command(model: str, pairs: list, *, buffer_len: int | None = Non
     chosen = _parse_layers(layers, shapes)
     variants = sensitivity_variants(pairs, chosen, buffer_len)
     names = list(dict.fromkeys(v["pair"] for v in variants))
-    out_path = check_sweep_out(out or default_out(model, names, kl_args.get("context", 131072)))
+    out_path = check_results_out(out or default_out(model, names, kl_args.get("context", 131072)))
     n = per_pass or len(variants)
     chunks = [variants[i:i + n] for i in range(0, len(variants), n)]
+    kl_paths = [kl_file_for(out_path, k if len(chunks) > 1 else None) for k in range(1, len(chunks) + 1)]
+    png = out_path.with_suffix(".png")
+    with output_lock(out_path):
+        # the same pairs, layers and passes replace their own file (the KL runs resume); anything
+        # else at --out is refused before any work
+        check_owned(out_path, SENS_KIND, "replayquant sensitivity",
+                    identity=_run_record(names, variants, chosen, per_pass), recorded=_recorded_run,
+                    beside=(png,), fresh=(png, *(f"{p.with_suffix('')}.*" for p in kl_paths)))
+        sens = _measure(model, pairs, names, variants, shapes, chosen, chunks, kl_paths, buffer_len,
+                        per_pass, kl_args)
+        if sens is None:
+            return None
+        write_json(out_path, sens)
+        if plot:
+            from .plot import plot_sensitivity
+            plot_sensitivity(sens, png)
+    print_sensitivity(sens)
+    Console(stderr=True).print(f"wrote {out_path} and {png}")
+    return sens
+
+
+def _run_record(names, variants, chosen, per_pass) -> dict:
+    """What makes a sensitivity file the same run (beside its KL runs' configuration, which the
+    KL runs check): its pairs, its layers and how the variants are split into passes."""
+    return {"pairs": [next(v["record"] for v in variants if v["pair"] == nm) for nm in names],
+            "layers": [s.index for s in chosen], "per_pass": per_pass}
+
+
+def _recorded_run(old: dict) -> dict:
+    return {"pairs": old["pairs"], "layers": old["settings"]["layers"],
+            "per_pass": old["settings"]["per_pass"]}
+
+
+def _measure(model, pairs, names, variants, shapes, chosen, chunks, kl_paths, buffer_len, per_pass,
+             kl_args) -> dict | None:
+    """The KL runs of the variants and the sensitivity record (None on ranks > 0)."""
+    from replayquant.kl.command import kl_command
+    from replayquant.provenance import provenance
     stats, kl_files, last = {}, [], None
-    for k, chunk in enumerate(chunks, start=1):
-        kl_path = kl_file_for(out_path, k if len(chunks) > 1 else None)
+    for chunk, kl_path in zip(chunks, kl_paths):
         res = kl_command(model, [v["variant"] for v in chunk], out=str(kl_path), **kl_args)
         if res is None:
             return None
@@ -142,12 +181,6 @@ def sensitivity_command(model: str, pairs: list, *, buffer_len: int | None = Non
         "provenance": provenance(kl_results=kl_files, kl_git_commit=last.get("provenance", {})
                                  .get("git_commit"), **kl_args_rec),
     }
-    write_json(out_path, sens)
-    if plot:
-        from .plot import plot_sensitivity
-        plot_sensitivity(sens, out_path.with_suffix(".png"))
-    print_sensitivity(sens)
-    Console(stderr=True).print(f"wrote {out_path} and {out_path.with_suffix('.png')}")
     return sens
 
 
