@@ -12,9 +12,11 @@ Files of a run with `out = build/kl/NAME.json` (checked before any work, `check_
 name in a writable folder), each written durably (temporary file, fsync, rename):
 * `NAME.json`: the results (statistics per pair, per bucket, per document, provenance); rewritten
   after every finished document (`"complete": false` until the last one);
-* `NAME.kl/docNNNNN.npy`: per-token KL of one document, float16 [n_pairs, context - 1];
-* `NAME.kl/docNNNNN.dp.npy`: per-token delta-p of one document, float32 [n_pairs, context - 1]
-  (for the delta-p percentiles; float16 would round 0.5 by 2.4e-4, visible in llama.cpp's layout);
+* `NAME.kl/docNNNNN.npy`: per-token KL of one document, float32 [n_pairs, n_scored] (the scored
+  positions, `stats.scored_range`: context - 1 of them under --scoring all, the second half under
+  llama); float32 as llama.cpp keeps them, so percentiles and medians are those of the values
+  computed (float16 would move them by up to 2^-11 of their size);
+* `NAME.kl/docNNNNN.dp.npy`: per-token delta-p of one document, float32 [n_pairs, n_scored];
 * `NAME.kl/progress.rankR.jsonl`: append-only log, a config line then one line per finished
   document with exact float64 sums, the sha256 of its tokens and the code version; resume reads
   these and skips finished documents, recomputes (saying so) a document whose tokens or id
@@ -220,12 +222,13 @@ def default_lm_chunk(vocab: int) -> int:
 
 
 def score_document(runner: SegmentRunner, doc: Document, reference: Variant, tests: list[Variant],
-                   segment: int, lm_chunk: int | None = None, on_segment: Callable[[int], None] | None = None
-                   ) -> dict[str, dict]:
+                   segment: int, lm_chunk: int | None = None, on_segment: Callable[[int], None] | None = None,
+                   first: int = 0) -> dict[str, dict]:
     """Per-token metrics of every test variant against the reference over one document.
 
-    Returns {variant name: {"kl", "nll_ref", "nll_test", "dp", "same_top": cpu tensors [T-1]}};
-    position t predicts token t+1, so a document of T tokens has T-1 scored positions.
+    Returns {variant name: {"kl", "nll_ref", "nll_test", "dp", "same_top": cpu tensors [T-1-first]}};
+    position t predicts token t+1, so a document of T tokens has T-1 positions to score; the
+    positions before `first` run through the models (they build the state) but are not scored.
     """
     toks = doc.tokens
     T = toks.numel()
@@ -243,7 +246,7 @@ def score_document(runner: SegmentRunner, doc: Document, reference: Variant, tes
                 hidden[v.name], caches[v.name] = runner.forward(ids, caches[v.name], s)
         n_scored = min(e, T - 1) - s   # the document's last position has no next token
         chunk = lm_chunk or default_lm_chunk(runner.head.weight.shape[0])
-        for c in range(0, n_scored, chunk):
+        for c in range(max(0, first - s), n_scored, chunk):
             c1 = min(n_scored, c + chunk)
             targets = dev_ids[s + c + 1: s + c1 + 1]
             ref_logits = runner.logits(hidden[reference.name][c:c1])
@@ -356,8 +359,35 @@ def _refuse(out: Path, run_dir: Path, diffs: list[str]):
                      f"them. Pass a new --out, or delete {out} and {run_dir}/ to start fresh")
 
 
+def _scoring(config: dict) -> str:
+    """The scoring of a configuration; files written before scorings existed scored every position."""
+    return config.get("scoring", "all")
+
+
+def _check_scoring(out: Path, run_dir: Path, old: dict, config: dict) -> None:
+    """One ValueError when results on disk were scored another way than this run scores, or by
+    a version that recorded no scoring (and kept per-token KL in float16)."""
+    if not isinstance(old, dict) or "context" not in old:
+        return
+    if "scoring" not in old:
+        raise ValueError(f"{out} holds results of an earlier replayquant, which recorded no "
+                         f"scoring and kept per-token KL in float16 (this one keeps float32, so "
+                         f"the percentiles would mix the two): refusing to resume it. Pass a new "
+                         f"--out, or delete {out} and {run_dir}/ to recompute")
+    was, now = _scoring(old), _scoring(config)
+    if was != now:
+        raise ValueError(f"{out} holds results scored with --scoring {was} ({_SCORING_WORDS.get(was, was)}); "
+                         f"this run scores with --scoring {now} ({_SCORING_WORDS[now]}): refusing to "
+                         f"mix them. Run with --scoring {was} to resume, pass a new --out, or delete "
+                         f"{out} and {run_dir}/ to start fresh")
+
+
+_SCORING_WORDS = {"all": "every position", "llama": "the second half of each window, as llama.cpp"}
+
+
 def _kl_shape(config: dict) -> tuple[int, int]:
-    return len(config["pairs"]), config["context"] - 1
+    first, stop = S.scored_range(config["context"], _scoring(config))
+    return len(config["pairs"]), stop - first
 
 
 def document_fingerprint(tokens: torch.Tensor) -> str:
@@ -397,7 +427,7 @@ def _code_str(code) -> str:
 
 def _say(console, msg: str) -> None:
     if console is not None:
-        console.print(msg, markup=False, highlight=False)
+        console.print(msg, markup=False, highlight=False, soft_wrap=True)   # paths stay whole
     else:
         import sys
         print(msg, file=sys.stderr)
@@ -432,10 +462,12 @@ def finished_documents(out: Path, config: dict, docs: DocumentSet, code: dict | 
                              f"so nothing computed is lost") from None
         if not isinstance(old, dict) or old.get("kind") != RESULTS_KIND:
             raise ValueError(f"{out} exists and is not a KL results file; pass another --out")
+        _check_scoring(out, run_dir, old.get("config", {}), config)
         diffs = _mismatch(old.get("config", {}), config)
         if diffs:
             _refuse(out, run_dir, diffs)
     for h in headers:
+        _check_scoring(out, run_dir, h["config"], config)
         diffs = _mismatch(h["config"], config)
         if diffs:
             _refuse(out, run_dir, diffs)
@@ -507,7 +539,7 @@ def _save_npy(path: Path, arr: np.ndarray):
 
 
 def load_document_kl(path: Path, shape: tuple, index: int) -> np.ndarray:
-    """A document's per-token KL file, float16 [n_pairs, context - 1]; a damaged or foreign one
+    """A document's per-token KL file, float32 [n_pairs, n_scored]; a damaged or foreign one
     is one ValueError naming it and saying how to recompute that document."""
     what = (f"delete it and re-run the same command to recompute document {index} (the other "
             f"finished documents are kept)")
@@ -516,9 +548,9 @@ def load_document_kl(path: Path, shape: tuple, index: int) -> np.ndarray:
     except (OSError, ValueError, EOFError) as e:
         raise ValueError(f"{path}, the per-token KL of document {index}, is damaged "
                          f"({type(e).__name__}: {e}); {what}") from None
-    if a.dtype != np.float16 or tuple(a.shape) != tuple(shape):
+    if a.dtype != np.float32 or tuple(a.shape) != tuple(shape):
         raise ValueError(f"{path}, the per-token KL of document {index}, holds {a.dtype} "
-                         f"{list(a.shape)} where float16 {list(shape)} was written; {what}")
+                         f"{list(a.shape)} where float32 {list(shape)} was written; {what}")
     return a
 
 
@@ -527,7 +559,7 @@ def _dp_name(npy: str) -> str:
 
 
 def load_document_dp(run_dir: Path, recs: list[dict], shape: tuple) -> dict[int, np.ndarray] | None:
-    """Per document, the per-token delta-p file (float32 [n_pairs, context - 1], for the delta-p
+    """Per document, the per-token delta-p file (float32 [n_pairs, n_scored], for the delta-p
     percentiles); None when a document has none (computed by a version that did not write them).
     A damaged one is one ValueError naming it."""
     out = {}
@@ -608,7 +640,8 @@ def run_kl(model, tokenizer, pairs: list, *, dataset: str, out: str | os.PathLik
            model_info: dict | None = None, make_variant: Callable | None = None,
            reference: str | Variant = "exact", bucket_base: int = 1024, lm_chunk: int | None = None,
            progress: bool = True, console=None, state=None, plot: bool = True,
-           extra_params: dict | None = None, documents: DocumentSet | None = None) -> dict | None:
+           extra_params: dict | None = None, documents: DocumentSet | None = None,
+           scoring: str = "all") -> dict | None:
     """Run (or resume) a KL measurement; returns the results dict (on the main process).
 
     pairs: pair names / YAML paths / pair objects. make_variant(model, pair, prefill, seed) -> Variant
@@ -617,12 +650,16 @@ def run_kl(model, tokenizer, pairs: list, *, dataset: str, out: str | os.PathLik
     state: an accelerate PartialState for data-parallel runs (documents are split round-robin
     between processes; process 0 merges the results).
     `documents`: a DocumentSet already loaded (by `load_documents` with the same settings).
+    scoring: "all" (every position) or "llama" (the second half of each document, as llama.cpp's
+    `--kl-divergence`; `stats.scored_range`); recorded in the results, and a resume with another
+    scoring is refused.
     """
     t_start = time.time()
     if prefill not in ("replay", "exact"):
         raise ValueError(f"--prefill must be 'replay' or 'exact', got {prefill!r}")
     if segment < 1:
         raise ValueError(f"--segment must be >= 1, got {segment}")
+    first, _ = S.scored_range(context, scoring)
     if not pairs:
         raise ValueError("give at least one --pair")
     limit = max_context(model)
@@ -656,6 +693,7 @@ def run_kl(model, tokenizer, pairs: list, *, dataset: str, out: str | os.PathLik
                     "split": docs.split, "pack": pack,
                     "text_field": None if docs.kind in ("folder", "txt") else text_field},
         "context": context, "segment": segment, "seed": seed, "bucket_base": bucket_base,
+        "scoring": scoring,
     }
     run_dir, png = _paths(out)
     rank = state.process_index if state is not None else 0
@@ -667,6 +705,9 @@ def run_kl(model, tokenizer, pairs: list, *, dataset: str, out: str | os.PathLik
     done = finished_documents(out, config, docs, code, fingerprints,
                               report=(lambda msg: _say(console, msg)) if is_main else None)
     pending = [d for d in docs.documents if d.index not in done]
+    if is_main and done:
+        _say(console, f"resuming {out}: {len(done)} of {len(docs.documents)} documents already "
+                      f"finished and kept (in {run_dir}/), {len(pending)} to compute")
     mine = pending[rank::world]
     if state is not None:
         state.wait_for_everyone()   # every process has read the same finished set before any writes
@@ -686,15 +727,16 @@ def run_kl(model, tokenizer, pairs: list, *, dataset: str, out: str | os.PathLik
                     for d in range(torch.cuda.device_count()):
                         torch.cuda.reset_peak_memory_stats(d)
                 metrics = score_document(runner, doc, reference, tests, segment, lm_chunk,
-                                         on_segment=bar.advance)
+                                         on_segment=bar.advance, first=first)
                 npy = f"doc{doc.index:05d}.npy"
-                _save_npy(run_dir / npy, np.stack([metrics[v.name]["kl"].numpy().astype(np.float16)
+                _save_npy(run_dir / npy, np.stack([metrics[v.name]["kl"].numpy().astype(np.float32)
                                                    for v in tests]))
                 _save_npy(run_dir / _dp_name(npy), np.stack([metrics[v.name]["dp"].numpy().astype(np.float32)
                                                              for v in tests]))
                 rec = {"type": "document", "index": doc.index, "id": doc.id, "n_tokens": context,
                        "tokens": fingerprints[doc.index], "code": code, "npy": npy, "wall_s": time.time() - t0, "rank": rank, **_peak_memory(),
-                       "pairs": {v.name: S.document_sums(metrics[v.name], bucket_base) for v in tests}}
+                       "pairs": {v.name: S.document_sums(metrics[v.name], bucket_base, first)
+                                 for v in tests}}
                 _append(prog_file, rec)
                 if is_main and world == 1:
                     summary = write_results(out, config, docs, t_start, extra_params, plot=False,
@@ -746,7 +788,8 @@ def write_results(out: Path, config: dict, docs: DocumentSet, t_start: float,
     params = {
         "model": config["model"], "pairs": config["pairs"],
         "buffer_len": {p["name"]: p.get("buffer_len") for p in config["pairs"]},
-        "prefill": config["prefill"], "dataset": docs.record(), "context": config["context"],
+        "prefill": config["prefill"], "scoring": _scoring(config), "dataset": docs.record(),
+        "context": config["context"],
         "segment": config["segment"], "seed": config["seed"],
         "document_ids": [r["id"] for r in recs],
         "wall_time_s": time.time() - t_start,
@@ -768,7 +811,8 @@ def write_results(out: Path, config: dict, docs: DocumentSet, t_start: float,
     _write_durable(out, lambda fh: fh.write(text.encode("utf-8")))
     if plot and recs:
         from .plot import plot_kl_vs_position
-        plot_kl_vs_position(res, arrays, [p["name"] for p in config["pairs"]], png)
+        plot_kl_vs_position(res, arrays, [p["name"] for p in config["pairs"]], png,
+                            first=S.scored_range(config["context"], _scoring(config))[0])
     return res
 
 
