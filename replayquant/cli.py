@@ -197,6 +197,9 @@ def table_cmd(
                                        "--kl-divergence's text block per pair; its numbers where the "
                                        "run had --scoring llama)"),
     by: TableOrder = typer.Option("pair", "--by", help="row order"),
+    scoring: Scoring = typer.Option(None, "--scoring", help="KL results: re-score to llama (positions "
+                                    "n/2 ... n-2 of each document, as llama.cpp) from a run's "
+                                    "per-token values (default: as each run scored)"),
 ):
     """One table from KL results files, GPQA summaries (build/gpqa/*/SUMMARY.json) or the lm-eval
     results `replayquant lm-eval` / `replayquant gpqa` write: pairs as rows."""
@@ -205,9 +208,11 @@ def table_cmd(
         from replayquant.gpqa.summary import table_for_files  # GPQA summaries (build/gpqa/*/SUMMARY.json)
         gpqa_table = table_for_files(files, fmt=format)
         if gpqa_table is not None:
+            if scoring is not None:
+                raise ValueError("--scoring applies to KL results files, not to GPQA or lm-eval results")
             typer.echo(gpqa_table, nl=False)
             return
-        typer.echo(render_table(files, fmt=format, by=by), nl=False)
+        typer.echo(render_table(files, fmt=format, by=by, scoring=scoring), nl=False)
 
 
 @bench_app.command("kl")

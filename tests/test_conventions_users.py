@@ -144,10 +144,42 @@ def test_table_refuses_to_mix_scorings_and_llama_format_says_which(runs):
     assert "scoring=llama (positions n/2 ... n-2 of each window, as llama.cpp)" in text
     assert "Mean    KLD:" in text
     code, text = _invoke(["table", runs["all"], "--format", "llama"])
-    assert code == 0 and "scoring=all (every position" in text
+    assert code == 0 and "scoring=all (every position" in text and "--scoring llama` for its numbers" in text
     code, text = _invoke(["table", runs["llama"], "--format", "csv"])
     assert code == 0 and text.splitlines()[0].split(",")[3] == "scoring"
     assert text.splitlines()[1].split(",")[3] == "llama"
+
+
+def test_table_rescores_a_run_of_every_position_to_llamas_window(runs, tmp_path):
+    import shutil
+
+    from replayquant.kl.runner import rescore
+    a, b = (json.loads(runs[k].read_text()) for k in ("all", "llama"))
+    got, want = rescore(a, runs["all"], "llama")["results"]["f4_sr_rs"], b["results"]["f4_sr_rs"]
+    for k in ("n_tokens", "kl_mean", "kl_max", "kl_min", "kl_median", "same_top", "ppl_ref", "ppl_test",
+              "ln_ppl_ratio", "ln_ppl_ratio_unc", "ln_ppl_cor", "dp_mean", "dp_rms", "dp_median"):
+        assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-9), k
+    for k in ("kl_percentiles", "dp_percentiles"):
+        assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-9), k
+    assert [(r["lo"], r["n_tokens"]) for r in got["by_position"]] == \
+        [(r["lo"], r["n_tokens"]) for r in want["by_position"]]
+    code, text = _invoke(["table", runs["all"], "--format", "llama", "--scoring", "llama"])
+    assert code == 0, text
+    code2, direct = _invoke(["table", runs["llama"], "--format", "llama"])
+    assert text.splitlines()[1:] == direct.splitlines()[1:]          # the same block
+    assert "re-scored from the per-token values of a run that scored every position" in text
+    # mixing is judged after re-scoring; fewer positions cannot be re-scored to more
+    code, text = _invoke(["table", runs["all"], runs["llama"], "--scoring", "llama"])
+    assert code == 0, text
+    code, text = _invoke(["table", runs["llama"], "--scoring", "all"])
+    assert code == 2 and "cannot be re-scored with --scoring all" in text
+    # a run without the per-token NLL (an earlier version) says so
+    old = tmp_path / "old.json"
+    shutil.copy(runs["all"], old)
+    shutil.copytree(runs["all"].with_suffix(".kl"), tmp_path / "all.kl")    # kl_tokens_dir
+    (tmp_path / "all.kl" / "doc00000.nll.npy").unlink()
+    code, text = _invoke(["table", old, "--scoring", "llama"])
+    assert code == 2 and "doc00000.nll.npy (the per-token NLL of document 0) is missing" in text
 
 
 def test_default_out_names_the_scoring():
@@ -178,6 +210,8 @@ def test_table_takes_lm_eval_results_of_the_plain_hf_model(tmp_path):
     assert "| tp4_hi16_sr | replay |" in rows[1] and "0.3800" in rows[1]
     code, text = _invoke(["table", hf, "--format", "csv"])
     assert code == 0 and "unpatched (hf)" in text
+    code, text = _invoke(["table", hf, "--scoring", "llama"])
+    assert code == 2 and "--scoring applies to KL results files" in text
     # other lm-eval models still are not ours to read
     other = tmp_path / "vllm.json"
     other.write_text(json.dumps(_lm_eval({"model": "vllm"}, 0.4)))

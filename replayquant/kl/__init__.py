@@ -7,7 +7,7 @@ Command line::
         [--split test] [--dataset-config C] [--data-files F] [--text-column text] [--context 131072] [--docs 10] [--segment 8192] [--prefill replay|exact] \\
         [--reference exact|hf] [--scoring all|llama] [--dtype auto] [--device-map auto] [--seed 0] [--pack] \\
         [--out build/kl/NAME.json]
-    replayquant table build/kl/*.json [--format md|csv|llama] [--by pair|model]
+    replayquant table build/kl/*.json [--format md|csv|llama] [--by pair|model] [--scoring llama]
     accelerate launch -m replayquant kl ...      # documents split across processes, one results file
 
 What is compared: the reference is the model with exact FP32 recurrent state (default
@@ -35,8 +35,9 @@ uncertainties treat tokens as independent (as llama.cpp does); `kl_mean_unc_docs
 standard error over documents, the more honest one for long correlated documents.
 
 Outputs of `--out build/kl/NAME.json`: NAME.json (results, config, provenance), NAME.kl/
-(per-token KL per document as float32 .npy [n_pairs, scored positions], per-token delta-p
-as float32 .dp.npy, and the append-only progress logs), NAME.png (KL against position, log x, one line per pair). Re-running the same command
+(per-token KL per document as float32 .npy [n_pairs, scored positions], per-token delta-p,
+NLL and top-token agreement as .dp.npy, .nll.npy and .top.npy, and the append-only progress
+logs), NAME.png (KL against position, log x, one line per pair). Re-running the same command
 resumes: finished documents are skipped, a larger `--docs` adds documents, an interrupted run
 loses at most the document in flight; a different configuration into the same file is refused,
 and a document whose tokens changed since it was scored is recomputed (its record keeps a token

@@ -8,6 +8,8 @@
 
 Every table says which positions were scored (`scoring`: all, or llama's second half of each
 window), and one table takes results of one scoring only: their means are over other tokens.
+`scoring="llama"` re-scores runs that scored every position to llama.cpp's window from their
+per-token values (`runner.rescore`), so `--format llama` compares with llama.cpp's numbers.
 """
 
 from __future__ import annotations
@@ -175,14 +177,18 @@ def load_results(paths: list[str | Path]) -> list[tuple[str, dict]]:
     return out
 
 
-def render_table(paths: list[str | Path], fmt: str = "md", by: str = "pair") -> str:
+def render_table(paths: list[str | Path], fmt: str = "md", by: str = "pair",
+                 scoring: str | None = None) -> str:
     """One table over results files: pairs as rows. fmt: md | csv | llama; by: pair | model (row
-    order)."""
+    order); scoring: None (as each file was scored) or a scoring to re-score them to."""
     if fmt not in FORMATS:
         raise ValueError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if by not in ("pair", "model"):
         raise ValueError(f"--by must be pair or model, got {by!r}")
     loaded = load_results(paths)
+    if scoring is not None:
+        from .runner import rescore
+        loaded = [(src, rescore(res, src, scoring)) for src, res in loaded]
     check_one_scoring(loaded)
     if fmt == "llama":
         return render_llama(loaded)
@@ -276,10 +282,12 @@ def render_llama(loaded: list[tuple[str, dict]]) -> str:
     for src, res in loaded:
         cfg = res["config"]
         scoring = scoring_of(res)
-        scored = ("scoring=llama (positions n/2 ... n-2 of each window, as llama.cpp)"
+        scored = ("scoring=llama (positions n/2 ... n-2 of each window, as llama.cpp"
+                  + ("; re-scored from the per-token values of a run that scored every position)"
+                     if res.get("rescored_from") else ")")
                   if scoring == "llama" else
                   "scoring=all (every position; llama.cpp scores only the second half of each "
-                  "window: `replayquant kl --scoring llama` for its numbers)")
+                  "window: `replayquant table --format llama --scoring llama` for its numbers)")
         ref = (cfg.get("reference") or {}).get("mode", "reference")
         done = f"{res['documents_done']}" + ("" if res.get("complete") else f" of {res['documents_planned']}")
         for p in cfg["pairs"]:

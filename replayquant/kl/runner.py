@@ -17,6 +17,10 @@ name in a writable folder), each written durably (temporary file, fsync, rename)
   llama); float32 as llama.cpp keeps them, so percentiles and medians are those of the values
   computed (float16 would move them by up to 2^-11 of their size);
 * `NAME.kl/docNNNNN.dp.npy`: per-token delta-p of one document, float32 [n_pairs, n_scored];
+* `NAME.kl/docNNNNN.nll.npy`: per-token NLL, float32 [1 + n_pairs, n_scored] (row 0 the
+  reference's, row 1 + j pair j's), and `docNNNNN.top.npy`, whether the top tokens agree, bool
+  [n_pairs, n_scored]: with the KL and delta-p, every per-token value the statistics are made of,
+  so a run that scored every position can be re-scored to llama.cpp's window (`rescore`);
 * `NAME.kl/progress.rankR.jsonl`: append-only log, a config line then one line per finished
   document with exact float64 sums, the sha256 of its tokens and the code version; resume reads
   these and skips finished documents, recomputes (saying so) a document whose tokens or id
@@ -558,6 +562,74 @@ def _dp_name(npy: str) -> str:
     return npy[:-len(".npy")] + ".dp.npy"
 
 
+def _side_name(npy: str, what: str) -> str:
+    return npy[:-len(".npy")] + f".{what}.npy"
+
+
+def _load_side(path: Path, dtype, shape: tuple, what: str, index: int) -> np.ndarray:
+    """A per-token side file (NLL, top-token agreement) of document `index`, checked."""
+    if not path.is_file():
+        raise ValueError(f"{path} (the per-token {what} of document {index}) is missing: the run "
+                         f"was written by an earlier replayquant, which kept no per-token {what}; "
+                         f"run `replayquant kl --scoring llama` for llama.cpp's window")
+    try:
+        a = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as e:
+        a = e
+    if not isinstance(a, np.ndarray) or a.dtype != dtype or tuple(a.shape) != tuple(shape):
+        raise ValueError(f"{path}, the per-token {what} of document {index}, is damaged; delete it "
+                         f"and {path.name.split('.')[0]}.npy and re-run the kl command to recompute "
+                         f"that document")
+    return a
+
+
+def rescore(res: dict, path: str | os.PathLike, scoring: str) -> dict:
+    """The results `res` of the results file `path` as `scoring` gives them, rebuilt from the
+    per-token values in its NAME.kl/ folder (KL, delta-p, NLL, top-token agreement): a run that
+    scored every position re-scored to llama.cpp's window, as `kl --scoring llama` over the same
+    documents gives it. The same scoring returns `res`; a run that scored fewer positions than
+    asked for is one ValueError."""
+    cfg = res["config"]
+    was = _scoring(cfg)
+    if scoring == was:
+        return res
+    if was != "all":
+        raise ValueError(f"{path} scored only positions {S.scored_range(cfg['context'], was)[0]} "
+                         f"... of each document (--scoring {was}); it cannot be re-scored with "
+                         f"--scoring {scoring}: run `replayquant kl --scoring {scoring}`")
+    path = Path(path)
+    run_dir = path.parent / res.get("kl_tokens_dir", path.with_suffix(".kl").name)
+    first, _ = S.scored_range(cfg["context"], scoring)
+    shape = _kl_shape(cfg)
+    names = [p["name"] for p in cfg["pairs"]]
+    docs = next((st["per_document"] for st in res["results"].values() if st), [])
+    per_pair: dict[str, list] = {n: [] for n in names}
+    kl_all: dict[str, list] = {n: [] for n in names}
+    dp_all: dict[str, list] = {n: [] for n in names}
+    for d in docs:
+        i = d["index"]
+        npy = f"doc{i:05d}.npy"
+        kl = load_document_kl(run_dir / npy, shape, i)
+        dp = load_document_dp(run_dir, [{"index": i, "npy": npy}], shape)
+        if dp is None:
+            raise ValueError(f"{run_dir / _dp_name(npy)} (the per-token delta-p of document {i}) "
+                             f"is missing; run `replayquant kl --scoring {scoring}`")
+        dp = dp[i]
+        nll = _load_side(run_dir / _side_name(npy, "nll"), np.float32, (1 + shape[0], shape[1]), "NLL", i)
+        top = _load_side(run_dir / _side_name(npy, "top"), np.bool_, shape, "top-token agreement", i)
+        for j, n in enumerate(names):
+            m = {"kl": torch.from_numpy(kl[j, first:]), "dp": torch.from_numpy(dp[j, first:]),
+                 "nll_ref": torch.from_numpy(nll[0, first:]), "nll_test": torch.from_numpy(nll[1 + j, first:]),
+                 "same_top": torch.from_numpy(top[j, first:])}
+            per_pair[n].append({"id": d["id"], "index": i, **S.document_sums(m, cfg["bucket_base"], first)})
+            kl_all[n].append(kl[j, first:])
+            dp_all[n].append(dp[j, first:])
+    results = {n: (S.summarize(per_pair[n], np.concatenate(kl_all[n]), cfg["bucket_base"],
+                               dp_values=np.concatenate(dp_all[n])) if per_pair[n] else None)
+               for n in names}
+    return {**res, "config": {**cfg, "scoring": scoring}, "results": results, "rescored_from": was}
+
+
 def load_document_dp(run_dir: Path, recs: list[dict], shape: tuple) -> dict[int, np.ndarray] | None:
     """Per document, the per-token delta-p file (float32 [n_pairs, n_scored], for the delta-p
     percentiles); None when a document has none (computed by a version that did not write them).
@@ -733,6 +805,11 @@ def run_kl(model, tokenizer, pairs: list, *, dataset: str, out: str | os.PathLik
                                                    for v in tests]))
                 _save_npy(run_dir / _dp_name(npy), np.stack([metrics[v.name]["dp"].numpy().astype(np.float32)
                                                              for v in tests]))
+                _save_npy(run_dir / _side_name(npy, "nll"), np.stack(
+                    [metrics[tests[0].name]["nll_ref"].numpy()] +
+                    [metrics[v.name]["nll_test"].numpy() for v in tests]).astype(np.float32))
+                _save_npy(run_dir / _side_name(npy, "top"), np.stack([metrics[v.name]["same_top"].numpy()
+                                                                      for v in tests]))
                 rec = {"type": "document", "index": doc.index, "id": doc.id, "n_tokens": context,
                        "tokens": fingerprints[doc.index], "code": code, "npy": npy, "wall_s": time.time() - t0, "rank": rank, **_peak_memory(),
                        "pairs": {v.name: S.document_sums(metrics[v.name], bucket_base, first)
