@@ -3,8 +3,30 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
+from enum import Enum
+from typing import Literal
 
 import typer
+
+# Options with a fixed set of values: typer checks them and `--help` lists them.
+# Dtype: replayquant.models.patching.DTYPES (Hugging Face's names and the short ones) and auto.
+Dtype = Literal["auto", "bfloat16", "float16", "float32", "bf16", "fp16", "fp32", "half", "float",
+                "float64", "double"]
+Prefill = Literal["replay", "exact"]
+Reference = Literal["exact", "hf"]
+Scoring = Literal["all", "llama"]
+TableFormat = Literal["md", "csv", "llama"]
+TableOrder = Literal["pair", "model"]
+LayerKind = Literal["gdn", "kda", "mamba2"]
+BenchShape = Literal["qwen3.5-4b", "tiny"]
+BenchPart = Literal["model", "layer", "all"]
+KernelPreset = Literal["targets", "probe"]
+BenchFormat = Enum("BenchFormat", {f: f for f in ("fp16", "bf16", "fp8", "nvfp4")}, type=str)
+# (an Enum: typer takes no list of a Literal; the formats replayquant/bench/formats.py times)
+
+# Plain help (not rich's panels, whose first column cuts long option names at 80 columns): option
+# names are always whole, the text wraps at up to 120 columns.
+_HELP = {"max_content_width": 120}
 
 
 @contextmanager
@@ -17,7 +39,8 @@ def _user_errors():
         raise typer.Exit(2) from None
 
 
-app = typer.Typer(no_args_is_help=True, add_completion=False,
+app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None,
+                  context_settings=_HELP,
                   help="Low-precision SSM state for hybrid models (ReplaySSM).")
 
 
@@ -37,7 +60,8 @@ def _main(version: bool = typer.Option(False, "--version", callback=_print_versi
         check_backend()
 
 
-bench_app = typer.Typer(no_args_is_help=True, help="GPU benchmarks (not run in CI).")
+bench_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, context_settings=_HELP,
+                        help="GPU benchmarks (not run in CI).")
 app.add_typer(bench_app, name="bench")
 
 
@@ -58,12 +82,12 @@ def formats_cmd(
 def bench_formats_cmd(
     mbytes: int = typer.Option(512, help="input size in MB of float32 [N, 128, 128] matrices (>= 256)"),
     out: str = typer.Option("build/bench", help="folder for formats.json and formats.md"),
-    formats: list[str] = typer.Option(None, "--format", help="formats to time (default: all)"),
+    formats: list[BenchFormat] = typer.Option(None, "--format", help="formats to time (repeatable; default: all)"),
 ):
     """GPU: quantize / dequantize GB/s per format and rounding against the device copy bandwidth."""
     from replayquant.bench.formats import run_formats_bench
     with _user_errors():
-        run_formats_bench(mbytes=mbytes, out=out, formats=formats or None)
+        run_formats_bench(mbytes=mbytes, out=out, formats=[f.value for f in formats or ()] or None)
 # --- end formats -------------------------------------------------------------------------------
 
 
@@ -85,7 +109,7 @@ def pairs_cmd(
 
 @app.command("drift")
 def drift_cmd(
-    kind: str = typer.Option(..., "--kind", help="gdn | kda | mamba2"),
+    kind: LayerKind = typer.Option(..., "--kind", help="layer kind"),
     pair: list[str] = typer.Option(None, "--pair", help="pair name or YAML path (repeatable; default: all shipped)"),
     steps: int = typer.Option(4096, "--steps", help="decode steps"),
     seeds: str = typer.Option("42,43,44", "--seeds", help="comma-separated seeds"),
@@ -122,7 +146,8 @@ def kl_cmd(
     model: str = typer.Option(..., "--model", help="hub id, short name (Qwen3.5-4B) or local folder"),
     pair: list[str] = typer.Option(..., "--pair", help="precision pair name, pair YAML or layer policy "
                                    "YAML (replayquant.policy; repeatable)"),
-    dataset: str = typer.Option("pg19", help="pg19 (emozilla/pg19), a hub dataset name, a folder of .txt, "
+    dataset: str = typer.Option("pg19", help="heldout (the held-out books shipped with replayquant), "
+                                "pg19 (emozilla/pg19), a hub dataset name, a folder of .txt, "
                                 "a .txt / .jsonl / .parquet / .arrow / .json / .csv file, a save_to_disk "
                                 "folder, a hub-layout folder (data/*.parquet), or a builder name "
                                 "(parquet, json, csv, ...) with --data-files"),
@@ -137,8 +162,8 @@ def kl_cmd(
     context: int = typer.Option(131072, help="tokens per document (shorter documents are skipped)"),
     docs: int = typer.Option(10, help="number of documents, the first ones in the dataset's order"),
     segment: int = typer.Option(8192, help="tokens per forward (caches carry state between segments)"),
-    prefill: str = typer.Option("replay", help="replay (every token through the step semantics) | exact"),
-    dtype: str = typer.Option("bfloat16", help="bfloat16 | float16 | float32 | auto (the model's own)"),
+    prefill: Prefill = typer.Option("replay", help="replay (every token through the step semantics) | exact"),
+    dtype: Dtype = typer.Option("bfloat16", help="weights and activations (auto: the model's own)"),
     device_map: str = typer.Option(None, help="e.g. auto (default on CUDA), cpu, cuda:0"),
     seed: int = typer.Option(0, help="stochastic-rounding seed"),
     out: str = typer.Option(None, help="results JSON (default build/kl/MODEL_PAIRS_ctxN_PREFILL.json; "
@@ -146,7 +171,9 @@ def kl_cmd(
                             "refused, and so is a second run while one runs)"),
     pack: bool = typer.Option(False, help="concatenate documents (EOS between) instead of skipping short ones"),
     revision: str = typer.Option(None, help="model revision on the hub"),
-    reference: str = typer.Option("exact", help="exact (s32_rs, FP32 prefill: exact FP32 state) | hf (the unpatched model)"),
+    reference: Reference = typer.Option("exact", help="exact (s32_rs, FP32 prefill: exact FP32 state) | hf (the unpatched model)"),
+    scoring: Scoring = typer.Option("all", help="positions scored: all | llama (positions n/2 ... "
+                                    "n-2 of each n-token document, as llama.cpp's --kl-divergence)"),
     progress: bool = typer.Option(True, help="progress bar"),
 ):
     """KL(reference || pair) over long documents, reference and pairs in lockstep; resumable."""
@@ -159,7 +186,8 @@ def kl_cmd(
         kl_command(model, pair, dataset=dataset, split=split, text_field=text_field, context=context,
                    docs=docs, segment=segment, prefill=prefill, dtype=dtype, device_map=device_map,
                    seed=seed, out=out, pack=pack, revision=revision, reference=reference,
-                   progress=progress, dataset_config=dataset_config, data_files=data_files or None)
+                   progress=progress, dataset_config=dataset_config, data_files=data_files or None,
+                   scoring=scoring)
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2)
@@ -171,10 +199,14 @@ def kl_cmd(
 @app.command("table")
 def table_cmd(
     files: list[str] = typer.Argument(..., help="results files (build/kl/*.json)"),
-    format: str = typer.Option("md", "--format", help="md | csv (values and uncertainties in separate "
-                               "numeric columns) | llama (KL results: llama-perplexity --kl-divergence's "
-                               "text block per pair)"),
-    by: str = typer.Option("pair", "--by", help="row order: pair | model"),
+    format: TableFormat = typer.Option("md", "--format", help="md | csv (values and uncertainties in "
+                                       "separate numeric columns) | llama (KL results: llama-perplexity "
+                                       "--kl-divergence's text block per pair; its numbers where the "
+                                       "run had --scoring llama)"),
+    by: TableOrder = typer.Option("pair", "--by", help="row order"),
+    scoring: Scoring = typer.Option(None, "--scoring", help="KL results: re-score to llama (positions "
+                                    "n/2 ... n-2 of each document, as llama.cpp) from a run's "
+                                    "per-token values (default: as each run scored)"),
 ):
     """One table from KL results files, GPQA summaries (build/gpqa/*/SUMMARY.json) or the lm-eval
     results `replayquant lm-eval` / `replayquant gpqa` write: pairs as rows."""
@@ -183,9 +215,11 @@ def table_cmd(
         from replayquant.gpqa.summary import table_for_files  # GPQA summaries (build/gpqa/*/SUMMARY.json)
         gpqa_table = table_for_files(files, fmt=format)
         if gpqa_table is not None:
+            if scoring is not None:
+                raise ValueError("--scoring applies to KL results files, not to GPQA or lm-eval results")
             typer.echo(gpqa_table, nl=False)
             return
-        typer.echo(render_table(files, fmt=format, by=by), nl=False)
+        typer.echo(render_table(files, fmt=format, by=by, scoring=scoring), nl=False)
 
 
 @bench_app.command("kl")
@@ -193,8 +227,8 @@ def bench_kl_cmd(
     context: int = typer.Option(131072, help="tokens of the one random document"),
     segment: int = typer.Option(8192, help="tokens per forward"),
     pair: list[str] = typer.Option(None, "--pair", help="pairs (default f4_sr_rs and tp4_hi32)"),
-    prefill: str = typer.Option("replay", help="replay | exact"),
-    shape: str = typer.Option("qwen3.5-4b", help="model shape (random weights): qwen3.5-4b | tiny"),
+    prefill: Prefill = typer.Option("replay", help="prefill of the pairs"),
+    shape: BenchShape = typer.Option("qwen3.5-4b", help="model shape (random weights)"),
     out: str = typer.Option("build/bench/kl_128k.json", help="results JSON"),
 ):
     """GPU: wall time and peak memory of the KL harness on one long document vs plain HF forwards."""
@@ -210,13 +244,13 @@ def bench_kl_cmd(
 # --- teacher forcing (replayquant/bench/teacher_forcing.py) --------------------------------------
 @bench_app.command("teacher-forcing")
 def bench_teacher_forcing_cmd(
-    part: str = typer.Option("model", help="model (patched vs unpatched whole model) | layer "
-                             "(kernel check and per-layer timing) | all"),
+    part: BenchPart = typer.Option("model", help="model (patched vs unpatched whole model) | layer "
+                                   "(kernel check and per-layer timing) | all"),
     context: int = typer.Option(131072, help="tokens of the one random document (model)"),
     segment: int = typer.Option(8192, help="tokens per forward (model)"),
     pair: str = typer.Option("tp4_hi16_sr", help="precision pair of the patched model (model)"),
-    prefill: str = typer.Option("replay", help="replay | exact (model)"),
-    shape: str = typer.Option("qwen3.5-4b", help="model shape (random weights): qwen3.5-4b | tiny"),
+    prefill: Prefill = typer.Option("replay", help="prefill of the patched model (model)"),
+    shape: BenchShape = typer.Option("qwen3.5-4b", help="model shape (random weights)"),
     device: str = typer.Option(None, help="cuda (default when available) or cpu (model)"),
     lengths: str = typer.Option("8192,32768", help="tokens of the per-layer timing (layer)"),
     out: str = typer.Option("build/bench/teacher_forcing.json", help="results JSON (each part "
@@ -255,8 +289,8 @@ def gpqa_cmd(
     gpqa_csv: str = typer.Option(None, "--gpqa-csv", help="local gpqa_diamond.csv instead of the gated hub dataset"),
     limit: int = typer.Option(None, "--limit", help="only the first N questions of each task"),
     seed: int = typer.Option(0, "--seed", help="stochastic-rounding seed and lm-eval's python seed (answer order)"),
-    prefill: str = typer.Option("replay", "--prefill", help="replay | exact"),
-    dtype: str = typer.Option("auto", "--dtype", help="auto | bfloat16 | float16 | float32"),
+    prefill: Prefill = typer.Option("replay", "--prefill", help="prefill of the pairs"),
+    dtype: Dtype = typer.Option("auto", "--dtype", help="weights and activations (auto: the model's own)"),
     device: str = typer.Option(None, "--device", help="cuda, cuda:0, cpu (default: CUDA when present, "
                                "else the CPU)"),
     batch_size: str = typer.Option("1", "--batch-size", "--batch_size", help="integer or auto"),
@@ -318,7 +352,7 @@ def bench_kernels_cmd(
     authors_commit: str = typer.Option(None, help="the fork's commit, where PATH is neither a git checkout nor holds a COMMIT file"),
     staggered_batches: str = typer.Option("256", help="batches whose windows are also timed with rows out of phase"),
     accuracy: bool = typer.Option(True, help="errors against a float64 recurrence over three windows (ours; the authors' with --authors)"),
-    preset: str = typer.Option(None, help="a grid replacing the grid options: 'targets' (every row the targets read, one device call) or 'probe'"),
+    preset: KernelPreset = typer.Option(None, help="a grid replacing the grid options: 'targets' (every row the targets read, one device call) or 'probe'"),
 ):
     """GPU: conventional vs replay decode kernels over the benchmark grid (B x L x pair, T),
     peers, speculative verify, against the copy bandwidth measured in the same call. Prints a
@@ -389,7 +423,7 @@ def _kl_options(dataset, split, dataset_config, data_files, text_field, context,
                 pack=pack, revision=revision, reference=reference, progress=progress)
 
 
-_DATASET_HELP = "as `replayquant kl --dataset`: pg19, a hub dataset, a folder or file of texts"
+_DATASET_HELP = "as `replayquant kl --dataset`: heldout, pg19, a hub dataset, a folder or file of texts"
 
 
 @app.command("sweep")
@@ -411,13 +445,13 @@ def sweep_cmd(
     context: int = typer.Option(131072, help="tokens per document"),
     docs: int = typer.Option(10, help="number of documents"),
     segment: int = typer.Option(8192, help="tokens per forward"),
-    prefill: str = typer.Option("replay", help="replay | exact"),
-    dtype: str = typer.Option("bfloat16", help="bfloat16 | float16 | float32 | auto"),
+    prefill: Prefill = typer.Option("replay", help="prefill of the pairs (as `replayquant kl`)"),
+    dtype: Dtype = typer.Option("bfloat16", help="weights and activations (auto: the model's own)"),
     device_map: str = typer.Option(None, help="e.g. auto (default on CUDA), cpu, cuda:0"),
     seed: int = typer.Option(0, help="stochastic-rounding seed"),
     pack: bool = typer.Option(False, help="concatenate documents instead of skipping short ones"),
     revision: str = typer.Option(None, help="model revision on the hub"),
-    reference: str = typer.Option("exact", help="exact | hf (as `replayquant kl`)"),
+    reference: Reference = typer.Option("exact", help="as `replayquant kl`"),
     out: str = typer.Option(None, help="sweep JSON (default build/sweep/MODEL_PAIRS_LLS_ctxN.json; the "
                             "plot and the KL run's NAME_kl.* go beside it; the same variants resume "
                             "there, a file of another kind or run is refused, and so is a second "
@@ -530,13 +564,13 @@ def sensitivity_cmd(
     context: int = typer.Option(131072, help="tokens per document"),
     docs: int = typer.Option(10, help="number of documents"),
     segment: int = typer.Option(8192, help="tokens per forward"),
-    prefill: str = typer.Option("replay", help="replay | exact"),
-    dtype: str = typer.Option("bfloat16", help="bfloat16 | float16 | float32 | auto"),
+    prefill: Prefill = typer.Option("replay", help="prefill of the pairs (as `replayquant kl`)"),
+    dtype: Dtype = typer.Option("bfloat16", help="weights and activations (auto: the model's own)"),
     device_map: str = typer.Option(None, help="e.g. auto (default on CUDA), cpu, cuda:0"),
     seed: int = typer.Option(0, help="stochastic-rounding seed"),
     pack: bool = typer.Option(False, help="concatenate documents instead of skipping short ones"),
     revision: str = typer.Option(None, help="model revision on the hub"),
-    reference: str = typer.Option("exact", help="exact | hf (as `replayquant kl`)"),
+    reference: Reference = typer.Option("exact", help="as `replayquant kl`"),
     out: str = typer.Option(None, help="sensitivity JSON (default build/sensitivity/MODEL_PAIRS_ctxN.json; "
                             "the same pairs and layers resume there, a file of another kind or run "
                             "is refused, and so is a second run while one runs)"),

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from replayquant.kl import data as kl_data
 from replayquant.kl.data import load_documents, resolve_source
 
 
@@ -179,6 +180,7 @@ def test_hub_name_passes_config_split_and_data_files_to_datasets(tmp_path, monke
         return real("parquet", data_files={kw["split"]: [str(tmp_path / "x.parquet")]},
                     split=kw["split"], streaming=True)
     monkeypatch.setattr(datasets, "load_dataset", fake)
+    monkeypatch.setattr(kl_data, "check_hub_reachable", lambda what: None)   # no hub here
     ds = load_documents("org/books", _CharTok(), 40, 2, split="validation", dataset_config="en",
                         data_files=["en/validation-*.parquet"])
     assert seen == {"path": "org/books", "name": "en", "split": "validation", "streaming": True,
@@ -333,7 +335,7 @@ def test_table_on_a_file_with_only_kind_and_version_is_one_clear_error(tmp_path)
                              "results": {}, "documents_done": 0, "documents_planned": 1}))
     code, text = _invoke(["table", f, "--format", "llama"])
     assert code == 2 and "has no config.pairs, config.prefill, config.context" in text
-    f.write_text(json.dumps({"results": {}, "config": {"model": "hf"}}))
+    f.write_text(json.dumps({"results": {}, "config": {"model": "vllm"}}))
     code, text = _invoke(["table", f])
     assert code == 2 and "lm-eval results file without replayquant's record" in text
 
@@ -514,7 +516,7 @@ def test_single_process_warning_for_accelerates_cpu_launcher(monkeypatch):
         monkeypatch.setenv(k, v)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.delenv("ACCELERATE_NUM_PROCESSES", raising=False)
-    code, text = _invoke(["kl", "--model", "/nonexistent/model", "--pair", "s32_rs", "--prefill", "bad"])
+    code, text = _invoke(["kl", "--model", "/nonexistent/model", "--pair", "s32_rs", "--docs", "0"])
     assert code == 2 and "runs as one process" in text
 
 

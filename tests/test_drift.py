@@ -79,4 +79,4 @@ def test_drift_command(tmp_path):
     assert r.exit_code == 0, r.output
     assert json.loads((tmp_path / "kda_20steps.json").read_text())["params"]["kind"] == "kda"
     r = CliRunner().invoke(app, ["drift", "--kind", "rwkv", "--steps", "20"])
-    assert r.exit_code == 2 and "unknown kind" in r.output and "kda" in r.output
+    assert r.exit_code == 2 and "Invalid value for '--kind'" in r.output and "'kda'" in r.output

@@ -141,7 +141,7 @@ def test_cli_end_to_end_outputs_resume_and_table(work, fake_patch, monkeypatch, 
     assert res["kind"] == "replayquant.kl" and res["complete"] and res["documents_done"] == 2
     assert Path(out.with_suffix(".png")).stat().st_size > 1000
     arr = np.load(out.with_suffix(".kl") / "doc00000.npy")
-    assert arr.dtype == np.float16 and arr.shape == (2, 95)
+    assert arr.dtype == np.float32 and arr.shape == (2, 95)
     assert np.all(arr[0] == 0)                       # s32_rs stand-in: no change at all
     st = res["results"]["f4_sr_rs"]
     assert st["kl_mean"] > 0 and st["n_tokens"] == 2 * 95 and st["n_documents"] == 2
@@ -219,7 +219,7 @@ def test_interrupted_run_loses_at_most_the_document_in_flight(work, tmp_path):
     # a process killed mid-write leaves a torn log line (and maybe the in-flight npy): both ignored
     with open(tmp_path / "i.kl" / "progress.rank0.jsonl", "a") as fh:
         fh.write('{"type": "document", "index": 1, "id": "doc_2.t')
-    np.save(tmp_path / "i.kl" / "doc00001.npy", np.ones((1, 79), np.float16))
+    np.save(tmp_path / "i.kl" / "doc00001.npy", np.ones((1, 79), np.float32))
     done = []
     orig = R.score_document
 

@@ -7,7 +7,8 @@
   (config, bf16 safetensors, tokenizer) trained by `evals/train_tiny.py`; see the README there.
 
 `heldout_path()` writes the held-out books once as a plain `.jsonl` (the KL harness reads .jsonl)
-into a cache folder and returns its path: `replayquant kl --dataset "$(python -m replayquant.data)"`.
+into a cache folder and returns its path (`python -m replayquant.data` prints it); `replayquant kl
+--dataset heldout` reads it by that short name (`replayquant.kl.data.HELDOUT`).
 """
 
 from __future__ import annotations

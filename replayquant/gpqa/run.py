@@ -89,6 +89,9 @@ def run_gpqa(model: str, pairs: list, *, tasks=None, gpqa_csv=None, limit=None, 
         raise ValueError(f"--prefill {prefill!r}: use one of {', '.join(PREFILLS)}")
     if limit is not None and (int(limit) != limit or limit < 1):
         raise ValueError(f"--limit {limit}: must be a positive integer")
+    from replayquant.models.patching import resolve_dtype
+    if dtype != "auto":       # lm-eval takes torch's names: bf16 / fp16 / fp32 as bfloat16 / ...
+        dtype = str(resolve_dtype(dtype)).removeprefix("torch.")
     from replayquant.models.device import check_device, default_device, describe_device
     from replayquant.models.names import resolve_model_name
     if device is None and (model_args or {}).get("device") is not None:

@@ -199,11 +199,18 @@ def render_table(summaries: list[dict], fmt: str = "md", metrics: str = "primary
     return "\n".join(out)
 
 
+UNPATCHED = "unpatched (hf)"     # the pair column of lm-eval's plain `hf` model: the baseline
+
+
 def is_lm_eval_results(obj) -> bool:
     """lm-eval's results dict of a `replayquant` model run (`replayquant lm-eval --model
-    replayquant ...` or a pair file of `replayquant gpqa`): config.replayquant holds the pair."""
-    return (isinstance(obj, dict) and isinstance(obj.get("results"), dict)
-            and isinstance(obj.get("config"), dict) and isinstance(obj["config"].get("replayquant"), dict))
+    replayquant ...` or a pair file of `replayquant gpqa`: config.replayquant holds the pair), or
+    of lm-eval's plain `hf` model (config.model "hf": the unpatched baseline beside the pairs)."""
+    if not (isinstance(obj, dict) and isinstance(obj.get("results"), dict)
+            and isinstance(obj.get("config"), dict)):
+        return False
+    cfg = obj["config"]
+    return isinstance(cfg.get("replayquant"), dict) or (cfg.get("model") == "hf" and "replayquant" not in cfg)
 
 
 def _model_args(cfg: dict) -> dict:
@@ -220,10 +227,14 @@ def _short_model(name) -> str:
 
 
 def lm_eval_rows(res: dict, source: str = "") -> list[dict]:
-    """One row per (task, metric, filter) of an lm-eval results dict of a replayquant run."""
+    """One row per (task, metric, filter) of an lm-eval results dict of a replayquant run, or of
+    the plain `hf` model (pair `UNPATCHED`, no prefill)."""
     cfg = res["config"]
-    rq = cfg["replayquant"]
-    pair = rq.get("pair_label") or (rq.get("pair") or {}).get("name") or "?"
+    rq = cfg.get("replayquant")
+    if rq is None:
+        pair, rq = UNPATCHED, {}
+    else:
+        pair = rq.get("pair_label") or (rq.get("pair") or {}).get("name") or "?"
     model = _short_model(_model_args(cfg).get("pretrained") or res.get("model_name"))
     rows = []
     for task, tr in sorted(res["results"].items()):
@@ -238,8 +249,9 @@ def lm_eval_rows(res: dict, source: str = "") -> list[dict]:
 
 
 def render_lm_eval_table(files, fmt: str = "md") -> str:
-    """lm-eval results of replayquant runs: md (one row per model, pair, task and metric, value ±
-    stderr as lm-eval prints them) or csv (value and stderr in separate numeric columns)."""
+    """lm-eval results of replayquant runs and of the plain `hf` model (the unpatched baseline,
+    pair "unpatched (hf)"): md (one row per model, pair, task and metric, value ± stderr as
+    lm-eval prints them) or csv (value and stderr in separate numeric columns)."""
     if fmt not in ("md", "csv"):
         raise ValueError(f"--format {fmt!r}: lm-eval results render as md or csv")
     rows = []
@@ -262,7 +274,7 @@ def render_lm_eval_table(files, fmt: str = "md") -> str:
         metric = r["metric"] + ("" if r["filter"] == "none" else f" ({r['filter']})")
         val = "-" if r["value"] is None else f"{r['value']:.4f}"
         se = "-" if r["stderr"] is None else f"{r['stderr']:.4f}"
-        out.append(f"| {r['model']} | {r['pair']} | {r['prefill']} | {r['task']} | {metric} | "
+        out.append(f"| {r['model']} | {r['pair']} | {r['prefill'] or '-'} | {r['task']} | {metric} | "
                    f"{'' if r['n'] is None else r['n']} | {val} | {se} |")
     if any(r["limit"] for r in rows):
         out.append("\n(with --limit: not the whole task)")

@@ -3,11 +3,11 @@
 Command line::
 
     replayquant kl --model Qwen3.5-4B --pair f4_sr_rs --pair tp4_hi32 [--pair my_pair.yaml] \\
-        [--dataset pg19 | texts/ | book.txt | docs.jsonl | data.parquet | saved/ | owner/name] \\
+        [--dataset pg19 | heldout | texts/ | book.txt | docs.jsonl | data.parquet | saved/ | owner/name] \\
         [--split test] [--dataset-config C] [--data-files F] [--text-column text] [--context 131072] [--docs 10] [--segment 8192] [--prefill replay|exact] \\
-        [--reference exact|hf] [--dtype auto] [--device-map auto] [--seed 0] [--pack] \\
+        [--reference exact|hf] [--scoring all|llama] [--dtype auto] [--device-map auto] [--seed 0] [--pack] \\
         [--out build/kl/NAME.json]
-    replayquant table build/kl/*.json [--format md|csv|llama] [--by pair|model]
+    replayquant table build/kl/*.json [--format md|csv|llama] [--by pair|model] [--scoring llama]
     accelerate launch -m replayquant kl ...      # documents split across processes, one results file
 
 What is compared: the reference is the model with exact FP32 recurrent state (default
@@ -17,9 +17,10 @@ What is compared: the reference is the model with exact FP32 recurrent state (de
 by segment (`--segment` tokens per forward), each with its own cache, and the LM head is applied to
 about 2^28 / vocab positions at a time, so full-vocabulary logits never exist for a whole segment.
 KL(ref || test) = sum_v p_ref log(p_ref / p_test) in float32 over the full vocabulary at every
-position 0 .. context-2 (position t predicts token t+1).
+position 0 .. context-2 (position t predicts token t+1); `--scoring llama` scores only positions
+context/2 .. context-2, as llama.cpp's `--kl-divergence` scores each window (`stats.scored_range`).
 
-Data: see `replayquant.kl.data` (PG-19 and any other hub dataset, local .parquet / .arrow /
+Data: see `replayquant.kl.data` (`heldout`: the books shipped with replayquant; PG-19 and any other hub dataset, local .parquet / .arrow /
 .json(l) / .csv files, hub-layout and save_to_disk folders, all through `datasets`; a folder of
 .txt or a .txt file; the first `--docs` documents with at least `--context` tokens, in fixed order; `--pack`
 concatenates documents instead).
@@ -34,8 +35,9 @@ uncertainties treat tokens as independent (as llama.cpp does); `kl_mean_unc_docs
 standard error over documents, the more honest one for long correlated documents.
 
 Outputs of `--out build/kl/NAME.json`: NAME.json (results, config, provenance), NAME.kl/
-(per-token KL per document as float16 .npy [n_pairs, context-1], per-token delta-p as float32
-.dp.npy, and the append-only progress logs), NAME.png (KL against position, log x, one line per pair). Re-running the same command
+(per-token KL per document as float32 .npy [n_pairs, scored positions], per-token delta-p,
+NLL and top-token agreement as .dp.npy, .nll.npy and .top.npy, and the append-only progress
+logs), NAME.png (KL against position, log x, one line per pair). Re-running the same command
 resumes: finished documents are skipped, a larger `--docs` adds documents, an interrupted run
 loses at most the document in flight, and says how many documents it found done and kept; a
 different configuration into the same file is refused (so is a file of another kind, or a second

@@ -9,8 +9,13 @@ from pathlib import Path
 
 import torch
 
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
-          "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+from replayquant.models.patching import DTYPES, resolve_dtype
+
+
+def _check_dtype(dtype) -> None:
+    """One ValueError naming the --dtype values when `dtype` is none of them."""
+    if not (dtype == "auto" or (isinstance(dtype, str) and dtype.lower() in DTYPES)):
+        raise ValueError(f"--dtype must be auto or one of {', '.join(DTYPES)}, got {dtype!r}")
 
 
 def _resolve_model_name(name: str) -> str:
@@ -47,8 +52,7 @@ def load_weights(resolved: str, dtype: str = "bfloat16", device_map=None, revisi
     """The model in eval mode (unpatched), through `replayquant.load_model` where it exists.
     dtype "auto": the dtype the model's config names (its own)."""
     from transformers import AutoModelForCausalLM
-    if dtype != "auto" and dtype not in DTYPES:
-        raise ValueError(f"--dtype must be auto or one of {sorted(DTYPES)}, got {dtype!r}")
+    _check_dtype(dtype)
     try:
         import replayquant
         load = getattr(replayquant, "load_model", None)
@@ -59,7 +63,7 @@ def load_weights(resolved: str, dtype: str = "bfloat16", device_map=None, revisi
             m = load(resolved, dtype=dtype, device_map=device_map,
                      **({"revision": revision} if revision else {}))
         else:
-            kw = {"dtype": "auto" if dtype == "auto" else DTYPES[dtype], **({"device_map": device_map} if device_map is not None else {}),
+            kw = {"dtype": resolve_dtype(dtype), **({"device_map": device_map} if device_map is not None else {}),
                   **({"revision": revision} if revision else {})}
             m = AutoModelForCausalLM.from_pretrained(resolved, **kw)
     except ValueError:
@@ -71,16 +75,17 @@ def load_weights(resolved: str, dtype: str = "bfloat16", device_map=None, revisi
 
 def load_model_and_tokenizer(model: str, dtype: str = "bfloat16", device_map=None, revision: str | None = None):
     """(model, tokenizer, resolved name) with one clear error for an unknown model."""
-    if dtype != "auto" and dtype not in DTYPES:
-        raise ValueError(f"--dtype must be auto or one of {sorted(DTYPES)}, got {dtype!r}")
+    _check_dtype(dtype)
     tok, _, resolved = load_tokenizer_and_config(model, revision)
     return load_weights(resolved, dtype, device_map, revision), tok, resolved
 
 
-def default_out(model: str, pairs: list[str], context: int, prefill: str) -> Path:
+def default_out(model: str, pairs: list[str], context: int, prefill: str, scoring: str = "all") -> Path:
     def clean(s):
         return re.sub(r"[^A-Za-z0-9._-]+", "-", Path(str(s)).stem if str(s).endswith((".yaml", ".yml")) else str(s)).strip("-")
     name = f"{clean(Path(model).name)}_{'+'.join(clean(p) for p in pairs)}_ctx{context}_{prefill}"
+    if scoring != "all":
+        name += f"_{scoring}"
     return Path("build/kl") / f"{name}.json"
 
 
@@ -89,12 +94,13 @@ def kl_command(model: str, pairs: list[str], dataset: str = "pg19", split: str =
                prefill: str = "replay", dtype: str = "bfloat16", device_map: str | None = None,
                seed: int = 0, out: str | None = None, pack: bool = False, revision: str | None = None,
                reference: str = "exact", progress: bool = True, dataset_config: str | None = None,
-               data_files=None) -> dict | None:
+               data_files=None, scoring: str = "all") -> dict | None:
     """Everything `replayquant kl` does; returns the results dict on the main process. A second
     run into the same --out while one runs is refused (`replayquant.outputs.output_lock`)."""
     from replayquant.outputs import output_lock
 
     from .runner import check_out
+    from .stats import scored_range
 
     # cheap checks first: no weights are loaded for a run that cannot start
     if prefill not in ("replay", "exact"):
@@ -104,9 +110,12 @@ def kl_command(model: str, pairs: list[str], dataset: str = "pg19", split: str =
     for name, v, lo in (("--context", context, 2), ("--docs", docs, 1), ("--segment", segment, 1)):
         if v < lo:
             raise ValueError(f"{name} must be >= {lo}, got {v}")
-    if dtype != "auto" and dtype not in DTYPES:
-        raise ValueError(f"--dtype must be auto or one of {sorted(DTYPES)}, got {dtype!r}")
-    out_path = check_out(out if out else default_out(model, pairs, context, prefill))
+    first, stop = scored_range(context, scoring)
+    if stop - first < 1:
+        raise ValueError(f"--scoring {scoring} scores no position of a --context {context} "
+                         f"document; give a longer --context")
+    _check_dtype(dtype)
+    out_path = check_out(out if out else default_out(model, pairs, context, prefill, scoring))
     # the main process holds the output from here (run_kl takes the same lock again)
     main = int(os.environ.get("RANK", "0")) == 0
     with output_lock(out_path) if main else contextlib.nullcontext():
@@ -114,12 +123,12 @@ def kl_command(model: str, pairs: list[str], dataset: str = "pg19", split: str =
                            text_field=text_field, context=context, docs=docs, segment=segment,
                            prefill=prefill, dtype=dtype, device_map=device_map, seed=seed,
                            pack=pack, revision=revision, reference=reference, progress=progress,
-                           dataset_config=dataset_config, data_files=data_files)
+                           dataset_config=dataset_config, data_files=data_files, scoring=scoring)
 
 
 def _checked_kl(model, pairs, out_path: Path, *, dataset, split, text_field, context, docs,
                 segment, prefill, dtype, device_map, seed, pack, revision, reference, progress,
-                dataset_config, data_files) -> dict | None:
+                dataset_config, data_files, scoring) -> dict | None:
     from accelerate import PartialState
     from rich.console import Console
 
@@ -164,7 +173,8 @@ def _checked_kl(model, pairs, out_path: Path, *, dataset, split, text_field, con
                  segment=segment, prefill=prefill, seed=seed, split=split, text_field=text_field,
                  pack=pack, model_info=info, reference=reference, progress=progress, console=console,
                  state=state if state.num_processes > 1 else None,
-                 extra_params={"device_map": str(dm), "num_processes": state.num_processes})
+                 extra_params={"device_map": str(dm), "num_processes": state.num_processes},
+                 scoring=scoring)
     if res is not None:
         print_summary(res, Console())
         Console(stderr=True).print(f"wrote {out_path}, {out_path.with_suffix('.png')} and "

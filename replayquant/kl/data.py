@@ -1,6 +1,9 @@
 """Documents for the KL harness: any dataset `datasets` reads, or local text files.
 
 Sources, chosen by what `dataset` names (`--dataset`):
+* `heldout`: the held-out books shipped with replayquant (`replayquant.data.heldout_path()`, seven
+  books of the King James Version the tiny models never saw; a .jsonl, read as below), no network
+  needed;
 * a folder holding only `*.txt` files: every file (sorted by name) is one document;
 * a `.txt` file: the whole file is one document;
 * a `.jsonl` file: one document per line, the text in field `text_field` ("text", `--text-column`);
@@ -17,7 +20,9 @@ Sources, chosen by what `dataset` names (`--dataset`):
 * anything else is a hub dataset name for `datasets.load_dataset(name, config, split=split,
   data_files=..., streaming=True)`; "pg19" means the parquet mirror `emozilla/pg19`
   (`deepmind/pg19` is script-based and no longer loads). Streaming reads only the documents
-  needed, in the dataset's own order.
+  needed, in the dataset's own order. Where the hub cannot be reached (HF_HUB_OFFLINE /
+  HF_DATASETS_OFFLINE set, or no connection to it within a few seconds: `check_hub_reachable`)
+  that is one error at once, not after `datasets`' retries.
 `data_files` are patterns `datasets` resolves (relative to the working folder or the dataset);
 plain patterns are the split `split`, `SPLIT=PATTERN` names the split.
 
@@ -48,12 +53,13 @@ from typing import Iterator
 import torch
 
 DATASET_ALIASES = {"pg19": "emozilla/pg19"}
+HELDOUT = "heldout"       # --dataset short name of the shipped held-out books (replayquant.data)
 # local data files read through `datasets`' builder of that name (suffix -> builder)
 DATA_FILE_BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".json": "json", ".csv": "csv"}
 LOCAL_SUFFIXES = (".txt", ".jsonl", *DATA_FILE_BUILDERS)
 # files that make a folder a dataset `datasets.load_dataset(folder)` reads
 _FOLDER_DATA_SUFFIXES = (".parquet", ".arrow", ".json", ".jsonl", ".csv", ".tsv")
-ACCEPTED = ("a folder of .txt files, a .txt / .jsonl / .parquet / .arrow / .json / .csv file, a "
+ACCEPTED = ("heldout (the held-out books shipped with replayquant), a folder of .txt files, a .txt / .jsonl / .parquet / .arrow / .json / .csv file, a "
             "save_to_disk folder, a folder laid out as a hub dataset (data/*.parquet), a builder "
             "name with --data-files (e.g. --dataset parquet --data-files 'data/*.parquet'), or a "
             "hub dataset name such as pg19")
@@ -145,8 +151,12 @@ def resolve_source(dataset: str, data_files=None) -> tuple[str, str]:
     """(kind, resolved) for a --dataset value. Kinds: "folder" (of .txt files), "txt", "jsonl",
     "file" (a .parquet / .arrow / .json / .csv file), "saved" (save_to_disk folder), "hub-folder"
     (a folder `datasets.load_dataset` reads), "builder" (a builder name with data files), "hub".
-    A path-like value that does not exist is an error."""
+    A path-like value that does not exist is an error. `HELDOUT` is the shipped held-out books
+    (a local folder or file of that name comes first)."""
     p = Path(os.path.expanduser(dataset))
+    if dataset == HELDOUT and not p.exists():
+        from replayquant.data import heldout_path
+        return "jsonl", str(heldout_path())
     if p.is_dir():
         return _folder_kind(p), str(p.resolve())
     if p.is_file():
@@ -225,6 +235,47 @@ def _load_error(what: str, e: Exception, hint: str) -> ValueError:
     return ValueError(f"could not load {what} through `datasets`: {msg}. {hint}")
 
 
+_OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+_PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+
+
+def check_hub_reachable(what: str, timeout: float = 3.0) -> None:
+    """One ValueError at once when the Hugging Face hub cannot serve `what` (a hub dataset):
+    offline mode is set (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE), or the hub's host (HF_ENDPOINT)
+    cannot be resolved or connected to within `timeout` seconds. Behind a proxy the connection
+    is left to `datasets`."""
+    def refuse(why):
+        return ValueError(f"{what} is a Hugging Face hub dataset, and the hub cannot be reached "
+                          f"({why}); give a local dataset instead: --dataset {HELDOUT} (the "
+                          f"held-out books shipped with replayquant), or a file or folder of texts "
+                          f"(see --help)")
+    on = [v for v in _OFFLINE_VARS if os.environ.get(v, "").strip().lower() not in ("", "0", "false", "no", "off")]
+    if on:
+        raise refuse(f"{on[0]}={os.environ[on[0]]} is set")
+    try:
+        import datasets.config
+        import huggingface_hub.constants
+        if huggingface_hub.constants.HF_HUB_OFFLINE or datasets.config.HF_HUB_OFFLINE:
+            raise refuse("offline mode is set (HF_HUB_OFFLINE)")
+    except (ImportError, AttributeError):
+        pass
+    if any(os.environ.get(v) for v in _PROXY_VARS):
+        return
+    import socket
+    from urllib.parse import urlparse
+    try:
+        from huggingface_hub import constants
+        endpoint = constants.ENDPOINT
+    except (ImportError, AttributeError):
+        endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    url = urlparse(endpoint)
+    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as e:
+        raise refuse(f"no connection to {host}:{port}: {e.strerror or e}") from None
+
+
 def _open_datasets(kind: str, source: str, split: str | None, config: str | None, data_files):
     """(iterable of rows, description for errors, split used, column names or None)."""
     import datasets
@@ -261,6 +312,7 @@ def _open_datasets(kind: str, source: str, split: str | None, config: str | None
         args = dict(path=source, name=config, data_files=data_files, split=used)
         hint = (f"Check the name, --split and --dataset-config; for a gated dataset log in "
                 f"(`hf auth login` or HF_TOKEN); {offline}")
+        check_hub_reachable(f"--dataset {source!r}")
     try:
         ds = datasets.load_dataset(**args, streaming=True)
     except Exception as e:  # the datasets library raises many types: not found, gated, offline, ...

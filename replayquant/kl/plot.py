@@ -19,20 +19,26 @@ MARKERS = ("o", "s", "^", "D", "P", "X", "*", "h")
 LINESTYLES = ("-", "--", "-.", ":")
 
 
-def position_curve(per_doc: list[np.ndarray], bins_per_octave: int = 8) -> tuple[np.ndarray, np.ndarray]:
+def position_curve(per_doc: list[np.ndarray], bins_per_octave: int = 8,
+                   first: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Mean KL over documents, averaged in log-spaced position bins.
 
-    per_doc: one [T] array per document (KL at positions 0..T-1). Returns (x, y): x the geometric
-    centre of each bin in tokens (position + 1), y the mean KL of the bin.
+    per_doc: one [n] array per document (KL at positions first .. first+n-1). Returns (x, y): x the
+    geometric centre of each bin in tokens (position + 1), y the mean KL of the bin.
     """
-    T = min(a.shape[-1] for a in per_doc)
-    mean = np.mean([a[:T].astype(np.float64) for a in per_doc], axis=0)
+    n = min(a.shape[-1] for a in per_doc)
+    T = first + n
+    mean = np.concatenate([np.full(first, np.nan),
+                           np.mean([a[:n].astype(np.float64) for a in per_doc], axis=0)])
     n_oct = np.log2(T + 1)
     nb = max(1, int(np.ceil(n_oct * bins_per_octave)))
     edges = np.unique(np.floor(2.0 ** np.linspace(0.0, n_oct, nb + 1)).astype(np.int64))
     edges[0], edges[-1] = 1, T + 1
     xs, ys = [], []
     for lo, hi in zip(edges[:-1], edges[1:]):   # 1-based positions lo .. hi-1
+        lo = max(lo, first + 1)                  # positions before `first` are not scored
+        if hi <= lo:
+            continue
         seg = mean[lo - 1:hi - 1]
         if seg.size:
             xs.append(np.sqrt(lo * max(lo, hi - 1)))
@@ -55,28 +61,30 @@ def log_floor(curves: list[np.ndarray]) -> float | None:
     return 10.0 ** (math.floor(math.log10(min(pos))) - 1)
 
 
-def plot_kl_vs_position(results: dict, arrays: dict, pair_names: list[str], png: Path):
-    """Write a PNG: x = token position (log), y = mean KL(ref || test) (log where any is positive)."""
+def plot_kl_vs_position(results: dict, arrays: dict, pair_names: list[str], png: Path,
+                        first: int = 0):
+    """Write a PNG: x = token position (log), y = mean KL(ref || test) (log where any is positive).
+    `first`: the first scored position (the arrays hold positions first ... on)."""
     import matplotlib.pyplot as plt
 
     from replayquant.outputs import save_figure
-    fig = kl_figure(results, arrays, pair_names)
+    fig = kl_figure(results, arrays, pair_names, first)
     try:
         save_figure(fig, png, bbox_inches="tight")
     finally:
         plt.close(fig)
 
 
-def kl_figure(results: dict, arrays: dict, pair_names: list[str]):
+def kl_figure(results: dict, arrays: dict, pair_names: list[str], first: int = 0):
     """The matplotlib figure `plot_kl_vs_position` saves (Agg backend)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .report import model_label
+    from .report import model_label, scoring_note, scoring_of
 
     docs = sorted(arrays)
-    curves = [position_curve([arrays[i][j] for i in docs]) for j in range(len(pair_names))]
+    curves = [position_curve([arrays[i][j] for i in docs], first=first) for j in range(len(pair_names))]
     floor = log_floor([y for _, y in curves])
     fig, ax = plt.subplots(figsize=(9.0, 4.8), dpi=120)
     n_floor = 0          # pairs drawn on the floor so far: each one a step higher, none hidden
@@ -104,7 +112,7 @@ def kl_figure(results: dict, arrays: dict, pair_names: list[str]):
     ax.set_xlabel("token position")
     ax.set_ylabel("KL(reference || pair), mean over documents")
     ax.set_title(f"{model_label(cfg['model'])}: {results['documents_done']} doc(s) x {cfg['context']} "
-                 f"tokens, prefill={cfg['prefill']}", fontsize=9)
+                 f"tokens, prefill={cfg['prefill']}{scoring_note(scoring_of(results))}", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     if n_floor:

@@ -5,6 +5,11 @@
   text block `llama-perplexity --kl-divergence` prints, for side-by-side comparison);
 * `print_summary(res)`: the terminal tables of one run, fitted to the console's width (80 columns
   through a pipe): columns that do not fit are left out, never a number split across lines.
+
+Every table says which positions were scored (`scoring`: all, or llama's second half of each
+window), and one table takes results of one scoring only: their means are over other tokens.
+`scoring="llama"` re-scores runs that scored every position to llama.cpp's window from their
+per-token values (`runner.rescore`), so `--format llama` compares with llama.cpp's numbers.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ RESULTS_KIND = "replayquant.kl"        # the "kind" of a KL results file (kl/run
 COLUMNS = ("model", "pair", "prefill", "context", "docs", "mean KL", "median KL", "p99 KL", "max KL",
            "same top %", "PPL ratio", "dp RMS %", "KL last bucket")
 # csv: plain numbers, each uncertainty in its own column (percentages in percent)
-CSV_COLUMNS = ("model", "pair", "prefill", "context", "documents_done", "documents_planned", "complete",
+CSV_COLUMNS = ("model", "pair", "prefill", "scoring", "context", "documents_done", "documents_planned", "complete",
                "kl_mean", "kl_mean_unc", "kl_mean_unc_docs", "kl_median", "kl_p99", "kl_max",
                "same_top_pct", "same_top_pct_unc", "ppl_ref", "ppl_ref_unc", "ppl_test", "ppl_test_unc",
                "ppl_ratio", "ppl_ratio_unc", "ln_ppl_ratio", "ln_ppl_ratio_unc", "dp_mean_pct",
@@ -53,6 +58,29 @@ def _pct(v):
     return None if v is None else 100 * v
 
 
+def scoring_of(res: dict) -> str:
+    """The scoring of a results file (`stats.SCORINGS`); files written before the option
+    existed scored every position."""
+    return (res.get("config") or {}).get("scoring", "all")
+
+
+def scoring_note(scoring: str) -> str:
+    """How a scoring reads in titles: nothing for every position, else what was scored."""
+    return "" if scoring == "all" else ", scoring=llama (second half of each window)"
+
+
+def check_one_scoring(loaded: list[tuple[str, dict]]) -> None:
+    """One ValueError when results files of different scorings would share a table."""
+    by = {}
+    for src, res in loaded:
+        by.setdefault(scoring_of(res), []).append(src)
+    if len(by) > 1:
+        groups = "; ".join(f"--scoring {k}: {', '.join(v)}" for k, v in sorted(by.items()))
+        raise ValueError(f"these results were scored over different positions ({groups}): their "
+                         f"means are over other tokens and cannot share a table; render each "
+                         f"scoring in its own `replayquant table` call")
+
+
 def rows_of(res: dict, source: str = "") -> list[dict]:
     """One row per pair of a results dict (incomplete runs are marked): the md cells, and the
     plain values under "_values" for csv."""
@@ -79,6 +107,7 @@ def rows_of(res: dict, source: str = "") -> list[dict]:
             "_source": source, "_kl": st["kl_mean"],
             "_values": {
                 "model": model_label(cfg["model"]), "pair": p["name"], "prefill": cfg["prefill"],
+                "scoring": scoring_of(res),
                 "context": cfg["context"], "documents_done": res["documents_done"],
                 "documents_planned": res["documents_planned"], "complete": bool(res.get("complete")),
                 "kl_mean": st["kl_mean"], "kl_mean_unc": st["kl_mean_unc"],
@@ -110,9 +139,11 @@ def check_results(res, path) -> None:
     if not isinstance(res, dict) or res.get("kind") != RESULTS_KIND:
         if _lm_eval_like(res):
             raise ValueError(f"{path} is an lm-eval results file without replayquant's record "
-                             f"(config.replayquant: the pair); `replayquant table` reads the lm-eval "
+                             f"(config.replayquant: the pair) of model "
+                             f"{res['config'].get('model')!r}; `replayquant table` reads the lm-eval "
                              f"results that `replayquant lm-eval --model replayquant` or "
-                             f"`replayquant gpqa` write")
+                             f"`replayquant gpqa` write, and those of lm-eval's hf model (the "
+                             f"unpatched baseline)")
         raise ValueError(f"{path} is not a KL results file (written by `replayquant kl`), a GPQA "
                          f"summary or lm-eval results of `replayquant lm-eval`")
     missing = [k for k in _REQUIRED if k not in res]
@@ -146,14 +177,19 @@ def load_results(paths: list[str | Path]) -> list[tuple[str, dict]]:
     return out
 
 
-def render_table(paths: list[str | Path], fmt: str = "md", by: str = "pair") -> str:
+def render_table(paths: list[str | Path], fmt: str = "md", by: str = "pair",
+                 scoring: str | None = None) -> str:
     """One table over results files: pairs as rows. fmt: md | csv | llama; by: pair | model (row
-    order)."""
+    order); scoring: None (as each file was scored) or a scoring to re-score them to."""
     if fmt not in FORMATS:
         raise ValueError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if by not in ("pair", "model"):
         raise ValueError(f"--by must be pair or model, got {by!r}")
     loaded = load_results(paths)
+    if scoring is not None:
+        from .runner import rescore
+        loaded = [(src, rescore(res, src, scoring)) for src, res in loaded]
+    check_one_scoring(loaded)
     if fmt == "llama":
         return render_llama(loaded)
     rows = [r for src, res in loaded for r in rows_of(res, src)]
@@ -173,6 +209,9 @@ def render_table(paths: list[str | Path], fmt: str = "md", by: str = "pair") -> 
         cols.insert(0, "pair")
     lines = ["| " + " | ".join(cols) + " |", "|" + "|".join(" --- " for _ in cols) + "|"]
     lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
+    if scoring_of(loaded[0][1]) != "all":
+        lines.append("\nscored as llama.cpp's --kl-divergence: positions n/2 ... n-2 of each "
+                     "n-token document (--scoring llama)")
     if any(r["docs"].endswith("*") for r in rows):
         lines.append("\n\\* run not complete: documents done / planned")
     return "\n".join(lines) + "\n"
@@ -235,10 +274,20 @@ def llama_block(st: dict) -> str:
 
 
 def render_llama(loaded: list[tuple[str, dict]]) -> str:
-    """Per results file and pair: one header line (what Q and base are), then `llama_block`."""
+    """Per results file and pair: one header line (what Q and base are, and which positions were
+    scored), then `llama_block`. The numbers compare with llama.cpp's only under --scoring llama
+    (its window: positions n/2 ... n-2 of each n-token chunk); a file that scored every position
+    says so in its header."""
     out = []
     for src, res in loaded:
         cfg = res["config"]
+        scoring = scoring_of(res)
+        scored = ("scoring=llama (positions n/2 ... n-2 of each window, as llama.cpp"
+                  + ("; re-scored from the per-token values of a run that scored every position)"
+                     if res.get("rescored_from") else ")")
+                  if scoring == "llama" else
+                  "scoring=all (every position; llama.cpp scores only the second half of each "
+                  "window: `replayquant table --format llama --scoring llama` for its numbers)")
         ref = (cfg.get("reference") or {}).get("mode", "reference")
         done = f"{res['documents_done']}" + ("" if res.get("complete") else f" of {res['documents_planned']}")
         for p in cfg["pairs"]:
@@ -247,7 +296,7 @@ def render_llama(loaded: list[tuple[str, dict]]) -> str:
                 continue
             out.append(f"# {model_label(cfg['model'])}: Q = pair {p['name']}, base = reference "
                        f"({ref}); {done} doc(s) x {cfg['context']} tokens, prefill={cfg['prefill']}; "
-                       f"{st['n_tokens']} tokens scored ({src})\n")
+                       f"{st['n_tokens']} tokens scored, {scored} ({src})\n")
             out.append(llama_block(st))
             out.append("\n")
     return "".join(out)
@@ -309,7 +358,7 @@ def print_summary(res: dict, console=None):
     cfg = res["config"]
     done = f"{res['documents_done']}" + ("" if res.get("complete") else f" of {res['documents_planned']}")
     title = (f"KL(reference || pair), {model_label(cfg['model'])}: {done} doc(s) x {cfg['context']} "
-             f"tokens, prefill={cfg['prefill']}")
+             f"tokens, prefill={cfg['prefill']}{scoring_note(scoring_of(res))}")
     rows = []
     for p in cfg["pairs"]:
         st = res["results"].get(p["name"])

@@ -15,9 +15,15 @@ earlier file); NAME.lock beside them while the run holds the output (a second ru
 refused):
 * `NAME.json`: the results (statistics per pair, per bucket, per document, provenance); rewritten
   after every finished document (`"complete": false` until the last one);
-* `NAME.kl/docNNNNN.npy`: per-token KL of one document, float16 [n_pairs, context - 1];
-* `NAME.kl/docNNNNN.dp.npy`: per-token delta-p of one document, float32 [n_pairs, context - 1]
-  (for the delta-p percentiles; float16 would round 0.5 by 2.4e-4, visible in llama.cpp's layout);
+* `NAME.kl/docNNNNN.npy`: per-token KL of one document, float32 [n_pairs, n_scored] (the scored
+  positions, `stats.scored_range`: context - 1 of them under --scoring all, the second half under
+  llama); float32 as llama.cpp keeps them, so percentiles and medians are those of the values
+  computed (float16 would move them by up to 2^-11 of their size);
+* `NAME.kl/docNNNNN.dp.npy`: per-token delta-p of one document, float32 [n_pairs, n_scored];
+* `NAME.kl/docNNNNN.nll.npy`: per-token NLL, float32 [1 + n_pairs, n_scored] (row 0 the
+  reference's, row 1 + j pair j's), and `docNNNNN.top.npy`, whether the top tokens agree, bool
+  [n_pairs, n_scored]: with the KL and delta-p, every per-token value the statistics are made of,
+  so a run that scored every position can be re-scored to llama.cpp's window (`rescore`);
 * `NAME.kl/progress.rankR.jsonl`: append-only log, a config line then one line per finished
   document with exact float64 sums, the sha256 of its tokens and the code version; resume reads
   these and skips finished documents, recomputes (saying so) a document whose tokens or id
@@ -227,12 +233,13 @@ def default_lm_chunk(vocab: int) -> int:
 
 
 def score_document(runner: SegmentRunner, doc: Document, reference: Variant, tests: list[Variant],
-                   segment: int, lm_chunk: int | None = None, on_segment: Callable[[int], None] | None = None
-                   ) -> dict[str, dict]:
+                   segment: int, lm_chunk: int | None = None, on_segment: Callable[[int], None] | None = None,
+                   first: int = 0) -> dict[str, dict]:
     """Per-token metrics of every test variant against the reference over one document.
 
-    Returns {variant name: {"kl", "nll_ref", "nll_test", "dp", "same_top": cpu tensors [T-1]}};
-    position t predicts token t+1, so a document of T tokens has T-1 scored positions.
+    Returns {variant name: {"kl", "nll_ref", "nll_test", "dp", "same_top": cpu tensors [T-1-first]}};
+    position t predicts token t+1, so a document of T tokens has T-1 positions to score; the
+    positions before `first` run through the models (they build the state) but are not scored.
     """
     toks = doc.tokens
     T = toks.numel()
@@ -250,7 +257,7 @@ def score_document(runner: SegmentRunner, doc: Document, reference: Variant, tes
                 hidden[v.name], caches[v.name] = runner.forward(ids, caches[v.name], s)
         n_scored = min(e, T - 1) - s   # the document's last position has no next token
         chunk = lm_chunk or default_lm_chunk(runner.head.weight.shape[0])
-        for c in range(0, n_scored, chunk):
+        for c in range(max(0, first - s), n_scored, chunk):
             c1 = min(n_scored, c + chunk)
             targets = dev_ids[s + c + 1: s + c1 + 1]
             ref_logits = runner.logits(hidden[reference.name][c:c1])
@@ -333,8 +340,35 @@ def _fresh(out: Path) -> list[str]:
     return [str(png), f"{run_dir}/"]
 
 
+def _scoring(config: dict) -> str:
+    """The scoring of a configuration; files written before scorings existed scored every position."""
+    return config.get("scoring", "all")
+
+
+def _check_scoring(out: Path, run_dir: Path, old: dict, config: dict) -> None:
+    """One ValueError when results on disk were scored another way than this run scores, or by
+    a version that recorded no scoring (and kept per-token KL in float16)."""
+    if not isinstance(old, dict) or "context" not in old:
+        return
+    if "scoring" not in old:
+        raise ValueError(f"{out} holds results of an earlier replayquant, which recorded no "
+                         f"scoring and kept per-token KL in float16 (this one keeps float32, so "
+                         f"the percentiles would mix the two): refusing to resume it. Pass a new "
+                         f"--out, or delete {out} and {run_dir}/ to recompute")
+    was, now = _scoring(old), _scoring(config)
+    if was != now:
+        raise ValueError(f"{out} holds results scored with --scoring {was} ({_SCORING_WORDS.get(was, was)}); "
+                         f"this run scores with --scoring {now} ({_SCORING_WORDS[now]}): refusing to "
+                         f"mix them. Run with --scoring {was} to resume, pass a new --out, or delete "
+                         f"{out} and {run_dir}/ to start fresh")
+
+
+_SCORING_WORDS = {"all": "every position", "llama": "the second half of each window, as llama.cpp"}
+
+
 def _kl_shape(config: dict) -> tuple[int, int]:
-    return len(config["pairs"]), config["context"] - 1
+    first, stop = S.scored_range(config["context"], _scoring(config))
+    return len(config["pairs"]), stop - first
 
 
 def document_fingerprint(tokens: torch.Tensor) -> str:
@@ -374,7 +408,7 @@ def _code_str(code) -> str:
 
 def _say(console, msg: str) -> None:
     if console is not None:
-        console.print(msg, markup=False, highlight=False, soft_wrap=True)
+        console.print(msg, markup=False, highlight=False, soft_wrap=True)   # paths stay whole
     else:
         import sys
         print(msg, file=sys.stderr)
@@ -400,11 +434,19 @@ def finished_documents(out: Path, config: dict, docs: DocumentSet, code: dict | 
                 f"{run_dir}/ holds per-document results computed by {_code_str(r.get('code'))}; "
                 f"this is {_code_str(code)}: refusing to mix results of two code versions. Resume "
                 f"with that code, pass a new --out, or delete {out} and {run_dir}/ to recompute")
+    if out.exists():
+        try:
+            old = json.loads(out.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            old = None
+        if isinstance(old, dict) and old.get("kind") == RESULTS_KIND:
+            _check_scoring(out, run_dir, old.get("config", {}), config)
     check_owned(out, RESULTS_KIND, "replayquant kl", identity=config,
                 recorded=lambda old: old.get("config", {}),
                 rebuilt_from=f"{run_dir}/" if run_dir.is_dir() else None,
                 fresh=_fresh(out))
     for h in headers:
+        _check_scoring(out, run_dir, h["config"], config)
         diffs = diff_records(h["config"], config)
         if diffs:
             raise other_run_error(out, diffs, _fresh(out))
@@ -437,7 +479,7 @@ def _append(path: Path, obj: dict):
 
 
 def load_document_kl(path: Path, shape: tuple, index: int) -> np.ndarray:
-    """A document's per-token KL file, float16 [n_pairs, context - 1]; a damaged or foreign one
+    """A document's per-token KL file, float32 [n_pairs, n_scored]; a damaged or foreign one
     is one ValueError naming it and saying how to recompute that document."""
     what = (f"delete it and re-run the same command to recompute document {index} (the other "
             f"finished documents are kept)")
@@ -446,9 +488,9 @@ def load_document_kl(path: Path, shape: tuple, index: int) -> np.ndarray:
     except (OSError, ValueError, EOFError) as e:
         raise ValueError(f"{path}, the per-token KL of document {index}, is damaged "
                          f"({type(e).__name__}: {e}); {what}") from None
-    if a.dtype != np.float16 or tuple(a.shape) != tuple(shape):
+    if a.dtype != np.float32 or tuple(a.shape) != tuple(shape):
         raise ValueError(f"{path}, the per-token KL of document {index}, holds {a.dtype} "
-                         f"{list(a.shape)} where float16 {list(shape)} was written; {what}")
+                         f"{list(a.shape)} where float32 {list(shape)} was written; {what}")
     return a
 
 
@@ -456,8 +498,76 @@ def _dp_name(npy: str) -> str:
     return npy[:-len(".npy")] + ".dp.npy"
 
 
+def _side_name(npy: str, what: str) -> str:
+    return npy[:-len(".npy")] + f".{what}.npy"
+
+
+def _load_side(path: Path, dtype, shape: tuple, what: str, index: int) -> np.ndarray:
+    """A per-token side file (NLL, top-token agreement) of document `index`, checked."""
+    if not path.is_file():
+        raise ValueError(f"{path} (the per-token {what} of document {index}) is missing: the run "
+                         f"was written by an earlier replayquant, which kept no per-token {what}; "
+                         f"run `replayquant kl --scoring llama` for llama.cpp's window")
+    try:
+        a = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as e:
+        a = e
+    if not isinstance(a, np.ndarray) or a.dtype != dtype or tuple(a.shape) != tuple(shape):
+        raise ValueError(f"{path}, the per-token {what} of document {index}, is damaged; delete it "
+                         f"and {path.name.split('.')[0]}.npy and re-run the kl command to recompute "
+                         f"that document")
+    return a
+
+
+def rescore(res: dict, path: str | os.PathLike, scoring: str) -> dict:
+    """The results `res` of the results file `path` as `scoring` gives them, rebuilt from the
+    per-token values in its NAME.kl/ folder (KL, delta-p, NLL, top-token agreement): a run that
+    scored every position re-scored to llama.cpp's window, as `kl --scoring llama` over the same
+    documents gives it. The same scoring returns `res`; a run that scored fewer positions than
+    asked for is one ValueError."""
+    cfg = res["config"]
+    was = _scoring(cfg)
+    if scoring == was:
+        return res
+    if was != "all":
+        raise ValueError(f"{path} scored only positions {S.scored_range(cfg['context'], was)[0]} "
+                         f"... of each document (--scoring {was}); it cannot be re-scored with "
+                         f"--scoring {scoring}: run `replayquant kl --scoring {scoring}`")
+    path = Path(path)
+    run_dir = path.parent / res.get("kl_tokens_dir", path.with_suffix(".kl").name)
+    first, _ = S.scored_range(cfg["context"], scoring)
+    shape = _kl_shape(cfg)
+    names = [p["name"] for p in cfg["pairs"]]
+    docs = next((st["per_document"] for st in res["results"].values() if st), [])
+    per_pair: dict[str, list] = {n: [] for n in names}
+    kl_all: dict[str, list] = {n: [] for n in names}
+    dp_all: dict[str, list] = {n: [] for n in names}
+    for d in docs:
+        i = d["index"]
+        npy = f"doc{i:05d}.npy"
+        kl = load_document_kl(run_dir / npy, shape, i)
+        dp = load_document_dp(run_dir, [{"index": i, "npy": npy}], shape)
+        if dp is None:
+            raise ValueError(f"{run_dir / _dp_name(npy)} (the per-token delta-p of document {i}) "
+                             f"is missing; run `replayquant kl --scoring {scoring}`")
+        dp = dp[i]
+        nll = _load_side(run_dir / _side_name(npy, "nll"), np.float32, (1 + shape[0], shape[1]), "NLL", i)
+        top = _load_side(run_dir / _side_name(npy, "top"), np.bool_, shape, "top-token agreement", i)
+        for j, n in enumerate(names):
+            m = {"kl": torch.from_numpy(kl[j, first:]), "dp": torch.from_numpy(dp[j, first:]),
+                 "nll_ref": torch.from_numpy(nll[0, first:]), "nll_test": torch.from_numpy(nll[1 + j, first:]),
+                 "same_top": torch.from_numpy(top[j, first:])}
+            per_pair[n].append({"id": d["id"], "index": i, **S.document_sums(m, cfg["bucket_base"], first)})
+            kl_all[n].append(kl[j, first:])
+            dp_all[n].append(dp[j, first:])
+    results = {n: (S.summarize(per_pair[n], np.concatenate(kl_all[n]), cfg["bucket_base"],
+                               dp_values=np.concatenate(dp_all[n])) if per_pair[n] else None)
+               for n in names}
+    return {**res, "config": {**cfg, "scoring": scoring}, "results": results, "rescored_from": was}
+
+
 def load_document_dp(run_dir: Path, recs: list[dict], shape: tuple) -> dict[int, np.ndarray] | None:
-    """Per document, the per-token delta-p file (float32 [n_pairs, context - 1], for the delta-p
+    """Per document, the per-token delta-p file (float32 [n_pairs, n_scored], for the delta-p
     percentiles); None when a document has none (computed by a version that did not write them).
     A damaged one is one ValueError naming it."""
     out = {}
@@ -556,7 +666,8 @@ def run_kl(model, tokenizer, pairs: list, *, dataset: str, out: str | os.PathLik
            model_info: dict | None = None, make_variant: Callable | None = None,
            reference: str | Variant = "exact", bucket_base: int = 1024, lm_chunk: int | None = None,
            progress: bool = True, console=None, state=None, plot: bool = True,
-           extra_params: dict | None = None, documents: DocumentSet | None = None) -> dict | None:
+           extra_params: dict | None = None, documents: DocumentSet | None = None,
+           scoring: str = "all") -> dict | None:
     """Run (or resume) a KL measurement; returns the results dict (on the main process).
 
     pairs: pair names / YAML paths / pair objects. make_variant(model, pair, prefill, seed) -> Variant
@@ -565,12 +676,16 @@ def run_kl(model, tokenizer, pairs: list, *, dataset: str, out: str | os.PathLik
     state: an accelerate PartialState for data-parallel runs (documents are split round-robin
     between processes; process 0 merges the results).
     `documents`: a DocumentSet already loaded (by `load_documents` with the same settings).
+    scoring: "all" (every position) or "llama" (the second half of each document, as llama.cpp's
+    `--kl-divergence`; `stats.scored_range`); recorded in the results, and a resume with another
+    scoring is refused.
     """
     t_start = time.time()
     if prefill not in ("replay", "exact"):
         raise ValueError(f"--prefill must be 'replay' or 'exact', got {prefill!r}")
     if segment < 1:
         raise ValueError(f"--segment must be >= 1, got {segment}")
+    first, _ = S.scored_range(context, scoring)
     if not pairs:
         raise ValueError("give at least one --pair")
     limit = max_context(model)
@@ -604,6 +719,7 @@ def run_kl(model, tokenizer, pairs: list, *, dataset: str, out: str | os.PathLik
                     "split": docs.split, "pack": pack,
                     "text_field": None if docs.kind in ("folder", "txt") else text_field},
         "context": context, "segment": segment, "seed": seed, "bucket_base": bucket_base,
+        "scoring": scoring,
     }
     run_dir, png = _paths(out)
     rank = state.process_index if state is not None else 0
@@ -638,15 +754,21 @@ def run_kl(model, tokenizer, pairs: list, *, dataset: str, out: str | os.PathLik
                     for d in range(torch.cuda.device_count()):
                         torch.cuda.reset_peak_memory_stats(d)
                 metrics = score_document(runner, doc, reference, tests, segment, lm_chunk,
-                                         on_segment=bar.advance)
+                                         on_segment=bar.advance, first=first)
                 npy = f"doc{doc.index:05d}.npy"
-                save_npy(run_dir / npy, np.stack([metrics[v.name]["kl"].numpy().astype(np.float16)
+                save_npy(run_dir / npy, np.stack([metrics[v.name]["kl"].numpy().astype(np.float32)
                                                    for v in tests]))
                 save_npy(run_dir / _dp_name(npy), np.stack([metrics[v.name]["dp"].numpy().astype(np.float32)
                                                              for v in tests]))
+                save_npy(run_dir / _side_name(npy, "nll"), np.stack(
+                    [metrics[tests[0].name]["nll_ref"].numpy()] +
+                    [metrics[v.name]["nll_test"].numpy() for v in tests]).astype(np.float32))
+                save_npy(run_dir / _side_name(npy, "top"), np.stack([metrics[v.name]["same_top"].numpy()
+                                                                      for v in tests]))
                 rec = {"type": "document", "index": doc.index, "id": doc.id, "n_tokens": context,
                        "tokens": fingerprints[doc.index], "code": code, "npy": npy, "wall_s": time.time() - t0, "rank": rank, **_peak_memory(),
-                       "pairs": {v.name: S.document_sums(metrics[v.name], bucket_base) for v in tests}}
+                       "pairs": {v.name: S.document_sums(metrics[v.name], bucket_base, first)
+                                 for v in tests}}
                 _append(prog_file, rec)
                 if is_main and world == 1:
                     summary = write_results(out, config, docs, t_start, extra_params, plot=False,
@@ -698,7 +820,8 @@ def write_results(out: Path, config: dict, docs: DocumentSet, t_start: float,
     params = {
         "model": config["model"], "pairs": config["pairs"],
         "buffer_len": {p["name"]: p.get("buffer_len") for p in config["pairs"]},
-        "prefill": config["prefill"], "dataset": docs.record(), "context": config["context"],
+        "prefill": config["prefill"], "scoring": _scoring(config), "dataset": docs.record(),
+        "context": config["context"],
         "segment": config["segment"], "seed": config["seed"],
         "document_ids": [r["id"] for r in recs],
         "wall_time_s": time.time() - t_start,
@@ -718,7 +841,8 @@ def write_results(out: Path, config: dict, docs: DocumentSet, t_start: float,
     write_json(out, res)
     if plot and recs:
         from .plot import plot_kl_vs_position
-        plot_kl_vs_position(res, arrays, [p["name"] for p in config["pairs"]], png)
+        plot_kl_vs_position(res, arrays, [p["name"] for p in config["pairs"]], png,
+                            first=S.scored_range(config["context"], _scoring(config))[0])
     return res
 
 

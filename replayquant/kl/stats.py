@@ -7,14 +7,25 @@ statistics, the same-top-token rate with its binomial uncertainty, PPL of both m
 correlation of their per-token ln-probabilities (Pearson), ln(PPL(test)/PPL(ref)), PPL(test)/PPL(ref)
 and PPL(test) - PPL(ref) with uncertainties that account for that correlation, and delta-p
 (p_test - p_ref of the observed next token): mean, RMS, maximum, minimum and percentiles. One
-difference: llama.cpp reports an uncertainty of 0 below 11 tokens, this module from 2 tokens on.
+difference: llama.cpp reports an uncertainty of 0 below 11 tokens, this module from 2 tokens on;
+and llama.cpp keeps the base model's log-probabilities in 16 bits (its KL sums the tokens whose
+base log-probability is above -16) and replaces the first token of each window by BOS where the
+vocabulary asks for one; this module keeps them in float32 over the whole vocabulary and runs the
+tokens the tokenizer gave (`add_special_tokens=True`).
 `llama_report` prints the same text block as llama.cpp. Two additions for long context:
 KL by log-spaced position bucket, and per-document values (with a document-level uncertainty,
 because tokens of one document are not independent and the token-level uncertainty understates
 the spread between documents).
 
-Everything per token is computed in float32 over the full vocabulary; sums are accumulated in
-float64.
+Which positions are scored (`SCORINGS`, `scored_range`): "all" (the default) scores every position
+of a document, 0 ... T-2 (position t predicts token t+1); "llama" scores as llama.cpp does, the
+second half of each context window only: positions n/2 ... n-2 of a window of n tokens (llama.cpp's
+`first = n_ctx/2`, `n_ctx - 1 - first` tokens a chunk), so the statistics are those of tokens that
+see at least half a window of context. A document of `--context` tokens is one window.
+
+Everything per token is computed in float32 over the full vocabulary and kept in float32 (the
+per-token values the percentiles and medians are taken from, as llama.cpp keeps them); sums are
+accumulated in float64.
 """
 
 from __future__ import annotations
@@ -32,6 +43,17 @@ DP_PERCENTILES = (99.9, 99.0, 95.0, 90.0, 75.0, 25.0, 10.0, 5.0, 1.0, 0.1)
 SUM_KEYS = ("n", "kl", "kl2", "top", "nll_ref", "nll_ref2", "nll_test", "nll_test2", "nll_cross",
             "dnll", "dnll2", "dp", "dp2", "dp4")
 BUCKET_KEYS = ("n", "kl", "kl2", "top", "dnll", "dnll2")
+
+SCORINGS = ("all", "llama")
+
+
+def scored_range(context: int, scoring: str = "all") -> tuple[int, int]:
+    """The positions scored in a document of `context` tokens, as (first, stop): positions
+    first ... stop - 1, position t predicting token t + 1. "all": (0, context - 1); "llama":
+    (context // 2, context - 1), llama.cpp's `--kl-divergence` window."""
+    if scoring not in SCORINGS:
+        raise ValueError(f"--scoring must be one of {', '.join(SCORINGS)}, got {scoring!r}")
+    return (0 if scoring == "all" else context // 2), context - 1
 
 
 def token_metrics(ref_logits: torch.Tensor, test_logits: torch.Tensor, targets: torch.Tensor,
@@ -73,17 +95,27 @@ def bucket_edges(n_positions: int, base: int = 1024) -> list[int]:
 
 
 def bucket_label(lo: int, hi: int, base: int = 1024) -> str:
-    """Nominal name of a bucket: "<1K" for [0, base), "1K-2K", ..., "64K-128K" (the last bucket
-    ends at the document's last scored position, e.g. 131071, and keeps its nominal name)."""
+    """Nominal name of the bucket that holds position `lo`: "<1K" for [0, base), "1K-2K", ...,
+    "64K-128K" (the last bucket ends at the document's last scored position, e.g. 131071, and a
+    bucket cut by the first scored position, e.g. [500, 1024) under llama scoring, keep their
+    nominal names)."""
     def k(x):
         return f"{x // 1024}K" if x % 1024 == 0 and x > 0 else str(x)
-    return f"<{k(base)}" if lo == 0 else f"{k(lo)}-{k(2 * lo)}"
+    if lo < base:
+        return f"<{k(base)}"
+    start = base
+    while start * 2 <= lo:
+        start *= 2
+    return f"{k(start)}-{k(2 * start)}"
 
 
-def document_sums(m: dict, bucket_base: int = 1024) -> dict:
-    """Reduce the per-token metrics of one document (tensors [T] on any device) to float64 sums.
+def document_sums(m: dict, bucket_base: int = 1024, first: int = 0) -> dict:
+    """Reduce the per-token metrics of one document (tensors [n] on any device, the positions
+    first ... first + n - 1) to float64 sums.
 
-    Returns {"sums": {SUM_KEYS...}, "kl_max", "kl_min", "buckets": [{"lo", "hi", BUCKET_KEYS...}]}.
+    Returns {"sums": {SUM_KEYS...}, "kl_max", "kl_min", "buckets": [{"lo", "hi", BUCKET_KEYS...}]};
+    buckets are by absolute position (`bucket_edges` from 0), those with no scored position left
+    out.
     """
     kl = m["kl"].double().cpu()
     nr = m["nll_ref"].double().cpu()
@@ -101,12 +133,15 @@ def document_sums(m: dict, bucket_base: int = 1024) -> dict:
         "dnll": d.sum().item(), "dnll2": (d * d).sum().item(),
         "dp": dp.sum().item(), "dp2": (dp * dp).sum().item(), "dp4": (dp ** 4).sum().item(),
     }
-    edges = bucket_edges(kl.numel(), bucket_base)
+    edges = bucket_edges(first + kl.numel(), bucket_base)
     buckets = []
     for lo, hi in zip(edges[:-1], edges[1:]):
-        kb, db = kl[lo:hi], d[lo:hi]
+        lo = max(lo, first)
+        if hi <= lo:
+            continue
+        kb, db = kl[lo - first:hi - first], d[lo - first:hi - first]
         buckets.append({"lo": lo, "hi": hi, "n": hi - lo, "kl": kb.sum().item(),
-                        "kl2": (kb * kb).sum().item(), "top": int(top[lo:hi].sum().item()),
+                        "kl2": (kb * kb).sum().item(), "top": int(top[lo - first:hi - first].sum().item()),
                         "dnll": db.sum().item(), "dnll2": (db * db).sum().item()})
     return {"sums": s, "kl_max": float(m["kl"].max().item()), "kl_min": float(m["kl"].min().item()),
             "dp_max": float(m["dp"].max().item()), "dp_min": float(m["dp"].min().item()),
@@ -148,7 +183,8 @@ def summarize(doc_records: list[dict], kl_values: np.ndarray | None, bucket_base
     """Statistics of one pair over documents.
 
     doc_records: per document, the output of `document_sums` (plus "id"); kl_values: every per-token
-    KL of those documents (float16 as stored, or float32), for the percentiles and the median;
+    KL of those documents (float32 as stored; float16 in files of earlier versions), for the
+    percentiles and the median;
     dp_values: every per-token delta-p, for its percentiles and median (None: not reported).
     """
     s = add_sums([r["sums"] for r in doc_records])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import types
+import functools
 
 import torch
 
@@ -91,7 +91,9 @@ def patch(model, pair, prefill: str = "replay", seed: int = 0, buffer_len: int |
         module._replayquant = LayerRuntime(layer_pair, layer_prefill, seed, module.layer_idx,
                                            delta=kind != "mamba2", kind=kind,
                                            vector_gate=kind == "kda")
-        fwd = types.MethodType(FORWARDS[kind], module)
+        # a partial of the module-level forward (not a bound method, which pickles by the
+        # function's name as an attribute of the module): a patched model pickles and loads
+        fwd = functools.partial(FORWARDS[kind], module)
         if hasattr(module, "_hf_hook") and hasattr(module, "_old_forward"):
             saved = ("_old_forward", module._old_forward)     # accelerate wraps forward
             module._old_forward = fwd
@@ -137,8 +139,23 @@ def patch_info(model) -> dict | None:
     return getattr(model, _INFO, None)
 
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
-           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+# dtype names load_model takes: Hugging Face's (`from_pretrained(dtype="half")` takes any torch
+# floating dtype by its torch name) and the short ones of the command line
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+          "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+          "half": torch.float16, "float": torch.float32,
+          "float64": torch.float64, "double": torch.float64}
+
+
+def resolve_dtype(dtype):
+    """"auto", a torch floating dtype, or its name (`DTYPES`: HF's spellings such as "half" and
+    the short bf16 / fp16 / fp32) as the torch dtype; anything else is one ValueError."""
+    if dtype == "auto" or (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in DTYPES:
+        return DTYPES[dtype.lower()]
+    raise ValueError(f"dtype {dtype!r} unknown; use auto, one of {', '.join(DTYPES)} or a torch "
+                     f"floating dtype")
 
 
 # what AutoConfig.from_pretrained takes of load_model's from_pretrained arguments
@@ -167,27 +184,33 @@ def load_model(name_or_path, pair=None, *, dtype="auto", device_map=None, prefil
     name_or_path: a short name (`replayquant.models.SHORT_NAMES`, e.g. "Qwen3.5-4B"), a hub id
     or a local folder. pair: a PrecisionPair, a pair name, a LayerPolicy or a pair / policy
     YAML path (None: the unpatched model).
-    dtype: "auto", "bfloat16", "float16", "float32" or a torch dtype (weights and activations;
-    the recurrence always runs in FP32 arithmetic with the pair's storage formats).
+    dtype: "auto", a torch floating dtype or its name as Hugging Face takes it ("bfloat16",
+    "float16" / "half", "float32" / "float", ...; `resolve_dtype`) for weights and activations
+    (the recurrence always runs in FP32 arithmetic with the pair's storage formats).
+    (`torch_dtype=`, HF's older name, is taken as dtype.)
     device_map, **from_pretrained_kwargs: passed to from_pretrained.
-    prefill, seed, buffer_len: as in `patch`. Returns the model in eval mode.
+    prefill, seed, buffer_len: as in `patch`. Returns the model in eval mode; with
+    output_loading_info=True, as from_pretrained, (model, loading info).
     """
     from transformers import AutoConfig
 
     path = resolve_model_name(name_or_path)
-    if isinstance(dtype, str) and dtype != "auto":
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype {dtype!r} unknown; use auto, {', '.join(_DTYPES)} or a torch dtype")
-        dtype = _DTYPES[dtype]
+    if "torch_dtype" in from_pretrained_kwargs:        # HF's older name of the argument
+        alias = from_pretrained_kwargs.pop("torch_dtype")
+        if dtype != "auto" and resolve_dtype(alias) != resolve_dtype(dtype):
+            raise ValueError(f"dtype={dtype!r} and torch_dtype={alias!r} disagree; give one of them")
+        dtype = alias
+    dtype = resolve_dtype(dtype)
     if prefill not in PREFILLS:
         raise ValueError(f"prefill must be one of {PREFILLS}, got {prefill!r}")
     if pair is not None:
         pair = _as_pair(pair, buffer_len)          # fail before loading weights
     config = AutoConfig.from_pretrained(path, **{k: v for k, v in from_pretrained_kwargs.items()
                                                  if k in _CONFIG_KWARGS})
-    model = auto_model_class(config).from_pretrained(path, dtype=dtype, device_map=device_map,
-                                                     **from_pretrained_kwargs)
+    loaded = auto_model_class(config).from_pretrained(path, dtype=dtype, device_map=device_map,
+                                                      **from_pretrained_kwargs)
+    model = loaded[0] if from_pretrained_kwargs.get("output_loading_info") else loaded
     model.eval()
     if pair is not None:
         patch(model, pair, prefill=prefill, seed=seed)
-    return model
+    return loaded
