@@ -241,6 +241,34 @@ def bench_kl_cmd(
 # --- end KL harness ----------------------------------------------------------------------------
 
 
+# --- generate (replayquant/bench/generate.py) ----------------------------------------------------
+@bench_app.command("generate")
+def bench_generate_cmd(
+    batch: str = typer.Option("1,32,256", help="batch sizes, comma-separated"),
+    pair: list[str] = typer.Option(None, "--pair", help="pairs (default s32_rs and tp4_hi16_sr)"),
+    prompt: int = typer.Option(64, help="prompt tokens"),
+    shape: BenchShape = typer.Option("qwen3.5-4b", help="model shape (random weights)"),
+    compile_backend: str = typer.Option("inductor", help="torch.compile backend of the static ways"),
+    budget_s: float = typer.Option(None, help="skip the batches left after this many seconds"),
+    out: str = typer.Option("build/bench/generate.json", help="results JSON"),
+):
+    """GPU: ms per decode step of generate, HF and patched, eager and static cache + compile, with
+    GPU busy time, kernel launches and host syncs per step."""
+    from replayquant.bench.generate import run_generate_bench
+    with _user_errors():
+        try:
+            batches = tuple(int(x) for x in batch.split(","))
+        except ValueError:
+            raise ValueError(f"--batch takes comma-separated integers, got {batch!r}") from None
+        r = run_generate_bench(out=out, shape=shape, batches=batches,
+                               pairs=tuple(pair or ("s32_rs", "tp4_hi16_sr")), prompt=prompt,
+                               compile_backend=compile_backend, budget_s=budget_s,
+                               progress=lambda m: typer.echo(m, err=True))
+    for t in r["targets"]:
+        typer.echo(f"{'met ' if t['met'] else 'MISS'} {t['measured']:.3g}  {t['name']}")
+    typer.echo(f"-> {out}")
+
+
 # --- teacher forcing (replayquant/bench/teacher_forcing.py) --------------------------------------
 @bench_app.command("teacher-forcing")
 def bench_teacher_forcing_cmd(

@@ -111,8 +111,10 @@ def check_sensitivity(sens, source: str = "") -> None:
     import inspect
 
     from replayquant.kl.command import kl_command
-    takes = set(inspect.signature(kl_command).parameters) - {"pairs", "out", "progress"}
-    extra = sorted(set(sens["kl_args"]) - takes)
+    params = inspect.signature(kl_command).parameters
+    takes = set(params) - {"pairs", "out", "progress"}
+    open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    extra = [] if open_ended else sorted(set(sens["kl_args"]) - takes)
     if extra:
         raise ValueError(f"{src}: kl_args holds {extra}, which no KL run takes; the file is "
                          f"damaged or was not written by `{writer}`: run it again")
