@@ -26,7 +26,14 @@ differently, the outputs, u and the key factors move by float32 reassociation (a
 relative); u stored in bf16 may then lie one bf16 step apart where it sat on a rounding
 boundary, and in a store that folds the ring's u (folds_u) the flush's state moves as much, so
 that a rounded role may differ by one code where a value sits on a rounding boundary. On the
-CPU every store tensor and output has come out bit for bit (tests/test_replay_torch.py).
+CPU at d = 16 every store tensor and output comes out bit for bit (tests/test_replay_torch.py);
+at d_v = 64 the CPU's bmm sums the zero-padded window in another order (L = 8, 26 steps, GDN,
+Mamba-2 and KDA, four pairs): outputs within 2.5e-7 of their largest, the key factors 3e-8,
+the FP32 u and roles of a folding store 1.1e-7, every rounded role and bf16 u the same bytes.
+
+Cost: the flush branch (L - 1 entries of the recurrence and both casts) runs for every row at
+every step, where the reference runs it for the rows that flush; the price of deciding nothing
+on the host.
 """
 
 from __future__ import annotations
@@ -118,31 +125,37 @@ def _at(x: torch.Tensor, i, j_dim: int = 2):
 
 def _rebuild(store: ReplayStore, A, K, V, U, G, Bt, n_live, cur=None):
     """replay_ref._rebuild_ref for every row: the unrounded state [B, H, dv, dk] after the row's
-    first n_live [B] window entries and, if given, the current step cur = (k, v, log_a, beta)."""
+    first n_live window entries and, if given, the current step cur = (k, v, log_a, beta).
+    n_live: [B] entries per row, or an int when every row whose state is used has that many
+    (a step's flush: L - 1), which skips the per-entry masks."""
     delta, vec = store.kind != "mamba2", store.kind == "kda"
     col = (lambda x: x[:, :, None, :]) if vec else (lambda x: x[:, :, None, None])  # noqa: E731
-    L = K.shape[2]
+    n = n_live if isinstance(n_live, int) else K.shape[2]
+
+    def keep(j, new, old):            # entry j applies to the rows that have it
+        return new if isinstance(n_live, int) else torch.where(_row(n_live > j, old), new, old)
+
     if delta:
         fold = folds_u(store)
         S = A
         Gprev = torch.zeros_like(G[:, :, 0])
-        for j in range(L):
-            on = n_live > j
+        for j in range(n):
             Sj = S * col(torch.exp(G[:, :, j] - Gprev))
             if fold:
                 u = U[:, :, j]
             else:
                 u = Bt[:, :, j:j + 1] * (V[:, :, j] - (Sj * K[:, :, j].unsqueeze(2)).sum(-1))
-            Sj = Sj + u.unsqueeze(-1) * K[:, :, j].unsqueeze(2)
-            S = torch.where(_row(on, S), Sj, S)
-            Gprev = torch.where(_row(on, Gprev), G[:, :, j], Gprev)
+            S = keep(j, Sj + u.unsqueeze(-1) * K[:, :, j].unsqueeze(2), S)
+            Gprev = keep(j, G[:, :, j], Gprev)
     else:
-        Gn = _at(G, n_live - 1)
+        if isinstance(n_live, int):
+            Gn = G[:, :, n - 1] if n else torch.zeros_like(G[:, :, 0])
+        else:
+            Gn = _at(G, n_live - 1)
         S = A * torch.exp(Gn)[:, :, None, None]
-        for j in range(L):
-            Sj = S + (torch.exp(Gn - G[:, :, j]).unsqueeze(-1) * V[:, :, j]).unsqueeze(-1) \
-                * K[:, :, j].unsqueeze(2)
-            S = torch.where(_row(n_live > j, S), Sj, S)
+        for j in range(n):
+            S = keep(j, S + (torch.exp(Gn - G[:, :, j]).unsqueeze(-1) * V[:, :, j]).unsqueeze(-1)
+                     * K[:, :, j].unsqueeze(2), S)
     if cur is not None:
         k, v, log_a, beta = cur
         S = S * col(torch.exp(log_a))
@@ -242,7 +255,7 @@ def _step(store: ReplayStore, fe, raw, state_indices, force: bool, advance: bool
         # accepted drafts can fill the buffer (committed == L): fold them before the step
         pre = rows.live & (h + 1 > L) & (h > 0)
         K, V, U, G, Bt, _ = _window(store, rows, start, h)
-        S = _rebuild(store, store.anchor.dequantize(rows.slot), K, V, U, G, Bt, h)
+        S = _rebuild(store, store.anchor.dequantize(rows.slot), K, V, U, G, Bt, L)
         _write_roles(store, rows, S, nf + 1, pre)
         nf = nf + pre.long()
         start = torch.where(pre, (start + h) % C, start)
@@ -251,7 +264,8 @@ def _step(store: ReplayStore, fe, raw, state_indices, force: bool, advance: bool
     win = _window(store, rows, start, h)
     K, V, U, G, Bt, _ = win
     # the flush branch
-    S = _rebuild(store, store.anchor.dequantize(rows.slot), K, V, U, G, Bt, h, cur=fe[1:])
+    S = _rebuild(store, store.anchor.dequantize(rows.slot), K, V, U, G, Bt,
+                 h if force else L - 1, cur=fe[1:])
     y_flush = (S * q.unsqueeze(2)).sum(-1)
     # the read branch, before the flush writes the read copy
     y_read, u, Gp = _read_step(store, rows, store.read_role.dequantize(rows.slot), win, h, fe)
