@@ -103,27 +103,31 @@ class PackedRole:
         """Quantize float32 x [n, H, dv, dk] (rounding of this role, SR streams [n, H]) into
         `slots` with the torch reference of the format (the specification)."""
         slots = torch.as_tensor(slots, dtype=torch.long, device=self.payload.device)
+        for t, e in zip((self.payload, self.scale, self.gscale), self.encode(x, key, streams)):
+            if e is not None:
+                t[slots] = e
+
+    def encode(self, x: torch.Tensor, key: int, streams: torch.Tensor, bits=random_bits_ref):
+        """The packed tensors (payload, scale, gscale; None where the format has none) of
+        float32 x [n, H, dv, dk] cast with this role's rounding, as write_ stores them. SR bits
+        come from `bits` with streams [n, H]: random_bits_ref (numpy on the CPU) or
+        random_bits_torch (torch ops only, on any device), the same words."""
         x = x.to(torch.float32)
         if self.fmt == "fp32":
-            self.payload[slots] = x
-            return
+            return x, None, None
         rbits = None
         if self.rounding == "stochastic":
-            rbits = random_bits_ref(x.shape, key, torch.as_tensor(streams), device=x.device)
+            rbits = bits(x.shape, key, torch.as_tensor(streams), device=x.device)
         n, H, dv, dk = x.shape
         if self.fmt in ("fp16", "bf16"):
             grid, dtype = (FP16, torch.float16) if self.fmt == "fp16" else (BF16, torch.bfloat16)
-            self.payload[slots] = qref.cast_ref(x, grid, dtype, rbits)
-        elif self.fmt == "fp8":
+            return qref.cast_ref(x, grid, dtype, rbits), None, None
+        if self.fmt == "fp8":
             pay, scale = qref.fp8_quantize_ref(x, rbits)
-            self.payload[slots] = pay
-            self.scale[slots] = scale
-        else:
-            x3 = x.reshape(n * H, dv, dk)
-            pay, bs, gs = qref.nvfp4_quantize_ref(x3, None if rbits is None else rbits.reshape(x3.shape))
-            self.payload[slots] = pay.reshape(n, H, dv, -1)
-            self.scale[slots] = bs.reshape(n, H, dv, -1)
-            self.gscale[slots] = gs.reshape(n, H)
+            return pay, scale, None
+        x3 = x.reshape(n * H, dv, dk)
+        pay, bs, gs = qref.nvfp4_quantize_ref(x3, None if rbits is None else rbits.reshape(x3.shape))
+        return pay.reshape(n, H, dv, -1), bs.reshape(n, H, dv, -1), gs.reshape(n, H)
 
     def clone(self) -> "PackedRole":
         c = lambda t: None if t is None else t.clone()  # noqa: E731
