@@ -31,7 +31,8 @@ WAYS = ("hf_eager", "hf_static", "patched_eager", "patched_static")
 
 
 def _sync():
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def _generate(model, ids, n: int, static: bool, compile_config):
@@ -51,9 +52,12 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def _profiled(fn) -> tuple[float, int]:
-    """(GPU kernel milliseconds, kernel count) of fn()."""
+def _profiled(fn) -> tuple[float | None, int | None]:
+    """(GPU kernel milliseconds, kernel count) of fn(); (None, None) without a GPU."""
     from torch.profiler import ProfilerActivity, profile
+    if not torch.cuda.is_available():
+        fn()
+        return None, None
     _sync()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
@@ -64,6 +68,24 @@ def _profiled(fn) -> tuple[float, int]:
             us += e.device_time
             n += 1
     return us / 1e3, n
+
+
+def copy_bandwidth_gbps(nbytes: int = 2 << 30) -> float | None:
+    """Device-to-device copy bandwidth (bytes read + written per second / 1e9), median of 10."""
+    if not torch.cuda.is_available():
+        return None
+    a = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda")
+    b = torch.empty_like(a)
+    ts = []
+    for _ in range(12):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        b.copy_(a)
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1) / 1e3)
+    del a, b
+    return 2 * nbytes / sorted(ts[2:])[len(ts[2:]) // 2] / 1e9
 
 
 def _decode_forward_syncs(model, ids) -> tuple[int, bool]:
@@ -83,6 +105,8 @@ def _decode_forward_syncs(model, ids) -> tuple[int, bool]:
         with HostSyncCounter() as c:
             tok = model(tok, **{kw: cache}, use_cache=True).logits[:, -1:].argmax(-1)
         _sync()
+        if not torch.cuda.is_available():
+            return c.syncs, None
         ok = True
         torch.cuda.set_sync_debug_mode("error")
         try:
@@ -102,11 +126,20 @@ def _measure(model, ids, static: bool, compile_config, n1: int, n2: int, eager_s
     g1, k1 = _profiled(lambda: _generate(model, ids, n1, static, compile_config))
     g2, k2 = _profiled(lambda: _generate(model, ids, n2, static, compile_config))
     steps = n2 - n1
-    row = {"ms_per_step": 1e3 * (t2 - t1) / steps, "gpu_busy_ms_per_step": (g2 - g1) / steps,
-           "launches_per_step": (k2 - k1) / steps}
+    row = {"ms_per_step": 1e3 * (t2 - t1) / steps,
+           "gpu_busy_ms_per_step": None if g1 is None else (g2 - g1) / steps,
+           "launches_per_step": None if k1 is None else (k2 - k1) / steps}
     if eager_syncs:
         row["host_syncs_per_step"], row["sync_debug_ok"] = _decode_forward_syncs(model, ids)
     return row
+
+
+def _fla_version():
+    try:
+        import fla
+        return fla.__version__
+    except ImportError:
+        return None
 
 
 def _targets(rows: dict, pairs, batches) -> list[dict]:
@@ -146,9 +179,11 @@ def run_generate_bench(out: str | Path = "build/bench/generate.json", shape: str
                        batches=(1, 32, 256), pairs=("s32_rs", "tp4_hi16_sr"), prompt: int = 64,
                        n1: int = 8, n2: int = 40, ways=WAYS, compile_backend: str = "inductor",
                        compile_mode: str = "reduce-overhead", budget_s: float | None = None,
-                       progress=print) -> dict:
+                       progress=print, device: str = "cuda", n_layers: int | None = None) -> dict:
     """Every (way, batch) of the module docstring; with budget_s, the batches left when the
-    budget is spent are skipped (listed in `skipped`). Writes `out` after every batch."""
+    budget is spent are skipped (listed in `skipped`). Writes `out` after every batch.
+    device 'cpu' (the tests: shape 'tiny', the static ways compiled through
+    CompileConfig._compile_all_devices) leaves the GPU figures None."""
     from transformers import CompileConfig
 
     import replayquant
@@ -156,13 +191,16 @@ def run_generate_bench(out: str | Path = "build/bench/generate.json", shape: str
     from replayquant.outputs import write_json
     from replayquant.provenance import provenance
 
-    if not torch.cuda.is_available():
-        raise ValueError("bench generate needs a CUDA GPU (it times the compiled static cache)")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("bench generate needs a CUDA GPU (it times the compiled static cache); "
+                         "there is none here")
     bad = set(ways) - set(WAYS)
     if bad:
         raise ValueError(f"unknown ways {sorted(bad)}; use some of {', '.join(WAYS)}")
-    model = build_model(shape, torch.bfloat16, "cuda")
+    copy_gbps = copy_bandwidth_gbps()
+    model = build_model(shape, torch.bfloat16 if device == "cuda" else torch.float32, device)
     cc = CompileConfig(backend=compile_backend, mode=compile_mode)
+    cc._compile_all_devices = device != "cuda"
     g = torch.Generator().manual_seed(0)
     rows, skipped, t_start = {}, [], time.perf_counter()
     res = {}
@@ -170,7 +208,7 @@ def run_generate_bench(out: str | Path = "build/bench/generate.json", shape: str
         if budget_s is not None and time.perf_counter() - t_start > budget_s:
             skipped.append(b)
             continue
-        ids = torch.randint(1, model.config.vocab_size, (b, prompt), generator=g).cuda()
+        ids = torch.randint(1, model.config.vocab_size, (b, prompt), generator=g).to(device)
         plan = [(w, None) for w in ways if w.startswith("hf")] + \
             [(w, p) for p in pairs for w in ways if w.startswith("patched")]
         for way, pair in plan:
@@ -192,10 +230,11 @@ def run_generate_bench(out: str | Path = "build/bench/generate.json", shape: str
         res = {"kind": "replayquant.bench.generate", "shape": shape, "model_config": SHAPES[shape],
                "dtype": "bfloat16", "prompt_tokens": prompt, "steps_timed": [n1, n2],
                "compile_config": {"backend": compile_backend, "mode": compile_mode},
+               "copy_bandwidth_gbps": copy_gbps, "flash_linear_attention": _fla_version(),
                "batches": list(batches), "pairs": list(pairs), "rows": rows,
                "targets": _targets(rows, pairs, batches), "skipped_batches": skipped,
                "complete": False,
-               "provenance": provenance(device="cuda", bench="generate", shape=shape,
+               "provenance": provenance(device=device, bench="generate", shape=shape,
                                         batches=list(batches), pairs=list(pairs), prompt=prompt)}
         write_json(out, res)
     res["skipped_batches"] = skipped
