@@ -132,8 +132,8 @@ def test_resume_with_another_scoring_is_refused_and_keeps_the_results(runs, text
 def test_a_resumed_run_says_what_it_found_and_kept(runs, texts):
     code, text = _invoke(_kl(texts, runs["llama"], "--scoring", "llama"))
     assert code == 0, text
-    assert f"resuming {runs['llama']}: 1 of 1 documents already finished and kept" in text
-    assert "0 to compute" in text
+    assert f"resuming {runs['llama']}: 1 of 1 document(s) already done and kept" in text
+    assert "nothing left to compute" in text
 
 
 def test_table_refuses_to_mix_scorings_and_llama_format_says_which(runs):

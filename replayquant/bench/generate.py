@@ -36,8 +36,7 @@ def _sync():
 
 
 def _generate(model, ids, n: int, static: bool, compile_config):
-    kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False,
-              attention_mask=torch.ones_like(ids), pad_token_id=0)
+    kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
     if static:
         kw.update(cache_implementation="static", compile_config=compile_config)
     with torch.inference_mode():
@@ -126,7 +125,8 @@ def _measure(model, ids, static: bool, compile_config, n1: int, n2: int, eager_s
     g1, k1 = _profiled(lambda: _generate(model, ids, n1, static, compile_config))
     g2, k2 = _profiled(lambda: _generate(model, ids, n2, static, compile_config))
     steps = n2 - n1
-    row = {"ms_per_step": 1e3 * (t2 - t1) / steps,
+    tokens = _generate(model, ids, n2, static, compile_config)[:, ids.shape[1]:].cpu()
+    row = {"tokens": tokens, "ms_per_step": 1e3 * (t2 - t1) / steps,
            "gpu_busy_ms_per_step": None if g1 is None else (g2 - g1) / steps,
            "launches_per_step": None if k1 is None else (k2 - k1) / steps}
     if eager_syncs:
@@ -150,6 +150,10 @@ def _targets(rows: dict, pairs, batches) -> list[dict]:
 
     for pair in pairs:
         for b in batches:
+            eq = get(f"patched_static:{pair}", b, "tokens_equal_eager")
+            if eq is not None:
+                out.append({"name": f"{pair} static+compile tokens equal patched eager, B = {b}",
+                            "measured": float(eq), "met": eq})
             ps, hs = get(f"patched_static:{pair}", b, "ms_per_step"), get("hf_static", b, "ms_per_step")
             lim = 1.0 if b >= 256 else 1.1
             if ps is not None and hs is not None:
@@ -177,7 +181,7 @@ def _targets(rows: dict, pairs, batches) -> list[dict]:
 
 def run_generate_bench(out: str | Path = "build/bench/generate.json", shape: str = "qwen3.5-4b",
                        batches=(1, 32, 256), pairs=("s32_rs", "tp4_hi16_sr"), prompt: int = 64,
-                       n1: int = 8, n2: int = 40, ways=WAYS, compile_backend: str = "inductor",
+                       n1: int = 4, n2: int = 20, ways=WAYS, compile_backend: str = "inductor",
                        compile_mode: str = "reduce-overhead", budget_s: float | None = None,
                        progress=print, device: str = "cuda", n_layers: int | None = None) -> dict:
     """Every (way, batch) of the module docstring; with budget_s, the batches left when the
@@ -202,7 +206,7 @@ def run_generate_bench(out: str | Path = "build/bench/generate.json", shape: str
     cc = CompileConfig(backend=compile_backend, mode=compile_mode)
     cc._compile_all_devices = device != "cuda"
     g = torch.Generator().manual_seed(0)
-    rows, skipped, t_start = {}, [], time.perf_counter()
+    rows, skipped, t_start, eager_tokens = {}, [], time.perf_counter(), {}
     res = {}
     for b in batches:
         if budget_s is not None and time.perf_counter() - t_start > budget_s:
@@ -226,6 +230,12 @@ def run_generate_bench(out: str | Path = "build/bench/generate.json", shape: str
                 if pair is not None:
                     replayquant.unpatch(model)
             rows[key]["wall_s"] = time.perf_counter() - t0
+            toks = rows[key].pop("tokens", None)
+            if way == "patched_eager":
+                eager_tokens[pair] = toks
+            elif way == "patched_static" and toks is not None and eager_tokens.get(pair) is not None:
+                # greedy tokens of the compiled generate against the patched eager generate's
+                rows[key]["tokens_equal_eager"] = bool(torch.equal(toks, eager_tokens[pair]))
             progress(f"{key}: {rows[key]}")
         res = {"kind": "replayquant.bench.generate", "shape": shape, "model_config": SHAPES[shape],
                "dtype": "bfloat16", "prompt_tokens": prompt, "steps_timed": [n1, n2],

@@ -313,17 +313,22 @@ class KernelDecodeState:
     Built from a ReplayState by `state_to_store`, turned back by `to_replay_state()`."""
 
     def __init__(self, st: ReplayState, key_heads: int, steps_done: int = 0):
-        from replayquant.kernels.ops import store_meta
+        from replayquant.kernels.ops import store_meta, store_tensors
         self.pair, self.delta, self.seed, self.layer = st.pair, st.delta, st.seed, st.layer
         self.vector_gate = st.vector_gate
         self.B, self.H, self.d_v, self.d_k, self.device = st.B, st.H, st.d_v, st.d_k, st.device
         self.store, self.state_indices = state_to_store(st, key_heads)
         self.meta = store_meta(self.store)
         self.marker = None
-        self.bad = None
-        self.bad_names: tuple = ()
+        self.bad_names = _PER_ROW[self.store.kind]
+        self.bad = torch.full((self.B, len(self.bad_names)), -1, dtype=torch.int64,
+                              device=self.device)
         # decode steps taken before the store's first (1 where the hand-off step is one)
         self.steps = torch.full((), int(steps_done), dtype=torch.int64, device=self.device)
+        # every tensor a step writes keeps its address, as HF's static cache tensors: CUDA
+        # graphs replay a compiled step on them (torch.compile skips graphs that mutate others)
+        for t in store_tensors(self.store) + [self.bad, self.steps]:
+            torch._dynamo.mark_static_address(t)
 
     def to_replay_state(self) -> ReplayState:
         return store_to_state(self.store, self.state_indices, self.pair, self.seed, self.layer)
@@ -336,12 +341,8 @@ class KernelDecodeState:
 
     def record_nonfinite(self, inputs: dict) -> None:
         """Note, on the device, the step at which an input of a row first held NaN or infinity."""
-        names = tuple(n for n, t in inputs.items() if isinstance(t, torch.Tensor))
         sums = torch.stack([inputs[n].reshape(self.B, -1).sum(1, dtype=torch.float32)
-                            for n in names], 1)
-        if self.bad is None or self.bad_names != names:
-            self.bad = torch.full(sums.shape, -1, dtype=torch.int64, device=self.device)
-            self.bad_names = names
+                            for n in self.bad_names], 1)
         self.steps.add_(1)                  # this step's number, counted from 1 after the prompt
         self.bad.copy_(torch.where((self.bad < 0) & ~torch.isfinite(sums), self.steps, self.bad))
 
@@ -573,7 +574,7 @@ class LayerRuntime:
             raw = _kda_raw(q, k, v, log_a, beta)
         one = {n: (t[:, 0] if isinstance(t, torch.Tensor) and t.dim() >= 2 else t)
                for n, t in raw.items()}
-        st.record_nonfinite({n: one[n] for n in _PER_ROW[self.kind]})
+        st.record_nonfinite(one)
         return st.step(one).unsqueeze(1)
 
     def _decode_ready(self, st, q, k, v, log_a, beta, raw):
