@@ -1,6 +1,7 @@
 """HF's compiled static-cache generate on patched models against their eager generate, on CUDA.
 
-    python evals/compiled_generate_check.py OUT.json [--backend cudagraphs] [--new-tokens 24]
+    python evals/compiled_generate_check.py OUT.json [--backend inductor] [--new-tokens 24]
+        [--models tiny-qwen3.5,...] [--pairs s32_rs,...]
 
 For each embedded model (tiny-qwen3.5: Gated DeltaNet, tiny-mamba2: Mamba-2, tiny-kimi-linear:
 Kimi Delta Attention) and each shipped pair, the same random prompts are generated greedily with
@@ -25,7 +26,8 @@ import torch
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
-    ap.add_argument("--backend", default="cudagraphs")
+    ap.add_argument("--backend", default="inductor")
+    ap.add_argument("--pairs", default=None, help="comma-separated (default every shipped pair)")
     ap.add_argument("--new-tokens", type=int, default=24)
     ap.add_argument("--models", default="tiny-qwen3.5,tiny-mamba2,tiny-kimi-linear")
     a = ap.parse_args(argv)
@@ -41,7 +43,7 @@ def main(argv=None):
     rows = []
     g = torch.Generator().manual_seed(0)
     for name in a.models.split(","):
-        for pair in list_pairs():
+        for pair in (a.pairs.split(",") if a.pairs else list_pairs()):
             m = replayquant.load_model(name, pair=pair, dtype="float32", device_map="cuda",
                                        buffer_len=8)
             ids = torch.randint(3, 200, (3, 12), generator=g).cuda()
