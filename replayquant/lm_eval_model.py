@@ -17,7 +17,11 @@ parallelize, max_length, ...):
   cast once; loglikelihoods then decode the continuation token by token (row by row: slower), so
   the pair is still on the scored path;
 * ``seed``: the stochastic-rounding seed (default 0);
-* ``buffer_len``: overrides the pair's buffer length L.
+* ``buffer_len``: overrides the pair's buffer length L;
+* ``compile_generate``: ``generate_until`` through Hugging Face's static cache compiled with
+  torch.compile (``cache_implementation="static"``, the default ``CompileConfig``: CUDA graphs), on
+  CUDA only (default false: every lm-eval batch has its own prompt length and so its own static
+  cache, and how often that recompiles in a whole task has not been timed).
 
 Both of lm-eval's scoring paths see the pair: ``loglikelihood`` (multiple-choice tasks) runs plain
 forwards over whole sequences, which the patched model computes by teacher forcing with
@@ -220,9 +224,12 @@ class ReplayQuantLM(HFLM):
     """HFLM with a precision pair on every scored path. See the module docstring."""
 
     def __init__(self, pretrained="", pair="s32_rs", prefill: str = "replay", seed: int = 0,
-                 buffer_len=None, **kwargs) -> None:
+                 buffer_len=None, compile_generate=False, **kwargs) -> None:
         # Validate our own arguments before any weights are loaded.
         self._rq_pair = resolve_pair(pair, buffer_len)
+        if str(compile_generate).lower() not in ("true", "false", "1", "0"):
+            raise ValueError(f"compile_generate={compile_generate!r}: use true or false")
+        self._rq_compile = str(compile_generate).lower() in ("true", "1")
         if prefill not in PREFILLS:
             raise ValueError(f"prefill={prefill!r}: use one of {', '.join(PREFILLS)}")
         try:
@@ -350,6 +357,13 @@ class ReplayQuantLM(HFLM):
     def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs):
         if not self._rq_patched:
             raise RuntimeError("replayquant: the model is not patched; generating would not use the pair")
+        if self._rq_compile:
+            if context.device.type != "cuda":
+                raise ValueError("compile_generate=true compiles the decode step for CUDA graphs; "
+                                 f"the model runs on {context.device}: drop compile_generate")
+            from transformers import CompileConfig
+            generation_kwargs.setdefault("cache_implementation", "static")
+            generation_kwargs.setdefault("compile_config", CompileConfig())
         return super()._model_generate(context, max_length, stop, **generation_kwargs)
 
     def get_model_info(self) -> dict:

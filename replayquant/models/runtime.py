@@ -33,15 +33,23 @@ Which path runs:
 
 Hand-off between the two (explicit, once, never per step): segments of multi-token forwards on
 the Triton path pass the kernel's ScanState from one to the next as it is (`ScanHeld`); the
-first decode step after them makes it a ReplayState, and the first kernel decode step converts
-the layer's ReplayState into a ReplayStore (`state_to_store`);
-later decode steps run on the store; a multi-token forward continuing the cache (or a beam
-reorder) converts it back (`store_to_state`) before the chunked scan runs. The conversion keeps
-the anchor and read copy bit for bit (same packed bytes, same SR streams: slot id = the
-state's sequence id) and the committed buffer entries; the kernel's ring buffer keeps k and v
-in bf16 and GDN's u in bf16 beside a separate read copy (half the buffer traffic of the decode
-kernels), in FP32 for a shared FP32 pair (its flush folds u), so buffered entries are rounded to bf16
-on the way in.
+first decode step after them makes it a ReplayState and converts it into the decode kernel's
+store (`state_to_store`, a `KernelDecodeState`); a multi-token forward into a static cache (HF's
+compiled generate) converts it at its end, so that the first decode step, which torch.compile
+traces, finds the store. Later decode steps run on the store alone (`kernel_decode`: the raw
+inputs straight into the custom operator replayquant::replay_step, no torch front end, no host
+read: a beam reorder is a gather on the device, a non-finite input is recorded on the device and
+raised at the next multi-token forward). A multi-token forward continuing the cache converts the
+store back (`store_to_state`) before the chunked scan runs. The conversion keeps the anchor and
+read copy bit for bit (same packed bytes, same SR streams: slot id = the state's sequence id) and
+the committed buffer entries; the kernel's ring buffer keeps k and v in bf16 and GDN's u in bf16
+beside a separate read copy (half the buffer traffic of the decode kernels), in FP32 for a shared
+FP32 pair (its flush folds u), so buffered entries are rounded to bf16 on the way in.
+
+Measured on one H200 (results/bench/generate.json; Qwen3.5-4B shape, random weights, bf16, 64-token
+prompts, fla 0.6.0, transformers 5.17): ms per decode step at B = 1, HF eager 94.5, patched eager
+s32_rs 66.9 (0 host syncs, 2252 kernel launches against HF's 2108), patched with HF's static cache
+compiled 9.45 (tp4_hi16_sr 5.65).
 """
 
 from __future__ import annotations
