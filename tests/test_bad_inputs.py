@@ -11,29 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from typer.testing import CliRunner
 
-from replayquant.cli import app
 from replayquant.kl import command as C
 from replayquant.kl import runner as R
+from _cli import invoke as _invoke, one_clear_error as _one_clear_error
 
 TINY = "tiny-qwen3.5"
 CTX = 64
-
-
-def _invoke(args):
-    res = CliRunner().invoke(app, [str(a) for a in args])
-    text = (res.stdout or "") + (getattr(res, "stderr", "") or "")
-    if res.exception is not None and not isinstance(res.exception, SystemExit):
-        text += f"\n{type(res.exception).__name__}: {res.exception}"
-    return res.exit_code, text
-
-
-def _one_clear_error(code, text, *needles):
-    assert code == 2, text
-    assert "Traceback" not in text, text
-    for n in needles:
-        assert n in text, (n, text)
 
 
 @pytest.fixture(scope="module")

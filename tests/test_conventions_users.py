@@ -12,23 +12,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from typer.testing import CliRunner
 
 from replayquant.cli import app
 from replayquant.kl import command as C
 from replayquant.kl import stats as S
+from _cli import invoke as _invoke
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = "tiny-qwen3.5"
 CTX = 64
-
-
-def _invoke(args):
-    res = CliRunner().invoke(app, [str(a) for a in args])
-    text = (res.stdout or "") + (getattr(res, "stderr", "") or "")
-    if res.exception is not None and not isinstance(res.exception, SystemExit):
-        text += f"\n{type(res.exception).__name__}: {res.exception}"
-    return res.exit_code, text
 
 
 @pytest.fixture(scope="module")

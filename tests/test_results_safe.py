@@ -21,10 +21,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from typer.testing import CliRunner
 
-from replayquant.cli import app
 from replayquant.kl import command as C
+from _cli import invoke as _invoke, one_clear_error as _one_clear_error
 
 ROOT = Path(__file__).resolve().parent.parent
 SWEEP = ROOT / "results/demo/tiny-qwen3.5_sweep.json"
@@ -33,21 +32,6 @@ DEMO_PAIRS = ["s32_rs", "s16_sr", "sbf16", "tp8_hi32", "tp8_hi16_sr", "tp4_hi32"
               "f4_sr_rs"]
 TINY = "tiny-qwen3.5"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-
-
-def _invoke(args):
-    res = CliRunner().invoke(app, [str(a) for a in args])
-    text = (res.stdout or "") + (getattr(res, "stderr", "") or "")
-    if res.exception is not None and not isinstance(res.exception, SystemExit):
-        text += f"\n{type(res.exception).__name__}: {res.exception}"
-    return res.exit_code, text
-
-
-def _one_clear_error(code, text, *needles):
-    assert code == 2, text
-    assert "Traceback" not in text, text
-    for n in needles:
-        assert n in text, (n, text)
 
 
 def _snapshot(folder: Path) -> dict:
