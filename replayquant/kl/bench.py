@@ -23,7 +23,9 @@ from pathlib import Path
 
 import torch
 
-from replayquant.outputs import write_json
+from replayquant.outputs import check_owned, output_lock, write_json
+
+BENCH_KL_KIND = "replayquant.bench.kl"     # the "kind" of the results file
 
 SHAPES = {
     "qwen3.5-4b": dict(hidden_size=2560, num_hidden_layers=32, intermediate_size=9216,
@@ -107,6 +109,7 @@ def bench_kl(shape: str = "qwen3.5-4b", context: int = 131072, segment: int = 81
     from .data import Document, DocumentSet
     from .runner import run_kl
 
+    check_owned(out, BENCH_KL_KIND, "replayquant bench kl")      # before any work
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = build_model(shape, DTYPES[dtype], device)
     ids = random_document(model.config.vocab_size, context)
@@ -139,7 +142,7 @@ def bench_kl(shape: str = "qwen3.5-4b", context: int = 131072, segment: int = 81
     peak_kl = prov.get("peak_gpu_bytes")
     n = len(pairs)
     result = {
-        "kind": "replayquant.bench.kl",
+        "kind": BENCH_KL_KIND,
         "shape": shape, "model_config": SHAPES[shape], "dtype": dtype,
         "context": context, "segment": segment, "pairs": list(pairs), "prefill": prefill,
         "reference": reference,
@@ -160,5 +163,7 @@ def bench_kl(shape: str = "qwen3.5-4b", context: int = 131072, segment: int = 81
                                  segment=segment, pairs=list(pairs), prefill=prefill,
                                  reference=reference, dtype=dtype),
     }
-    write_json(out, result)
+    with output_lock(out):
+        check_owned(out, BENCH_KL_KIND, "replayquant bench kl")  # again: another run may have written
+        write_json(out, result)
     return result
