@@ -481,3 +481,28 @@ def test_drift_checks_again_when_it_writes_and_holds_the_lock(tmp_path):
         holder.send_signal(signal.SIGKILL)
         holder.wait()
     assert not path.exists()
+
+
+_HOLD_ALL = ("import contextlib, sys\n"
+             "from replayquant.outputs import output_lock\n"
+             "with contextlib.ExitStack() as locks:\n"
+             "    for out in sys.argv[1:]:\n"
+             "        locks.enter_context(output_lock(out))\n"
+             "    print('locked', flush=True)\n"
+             "    sys.stdin.read()\n")
+
+
+def test_gpqa_and_benchmarks_are_refused_while_another_run_holds_their_output(tmp_path, no_work):
+    cases = [(args, target) for args, target in _writers(tmp_path)
+             if target.name not in ("s32_rs.json", "gdn_4096steps.json")]   # gpqa: SUMMARY.lock
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_ALL, *sorted({str(t) for _, t in cases})],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=ENV)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        for args, target in cases:
+            code, text = _invoke(args)
+            _one_clear_error(code, text, f"{target} is in use by another run",
+                             f"process {holder.pid}")
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()

@@ -98,10 +98,20 @@ def plain_forward(model, ids: torch.Tensor, segment: int) -> None:
             del out
 
 
-def bench_kl(shape: str = "qwen3.5-4b", context: int = 131072, segment: int = 8192,
-             pairs=("f4_sr_rs", "tp4_hi32"), prefill: str = "replay", reference: str = "exact",
-             dtype: str = "bfloat16", device: str | None = None,
-             out: str | Path = "build/bench/kl_128k.json", warmup_tokens: int | None = None) -> dict:
+def bench_kl(out: str | Path = "build/bench/kl_128k.json", **kw) -> dict:
+    """`_bench_kl` (its options in `kw`) into `out`, which holds nothing but this benchmark's
+    results (`replayquant.outputs.check_owned`, before any work) and is locked from the checks
+    to the write."""
+    check_owned(out, BENCH_KL_KIND, "replayquant bench kl")
+    with output_lock(out):
+        check_owned(out, BENCH_KL_KIND, "replayquant bench kl")
+        return _bench_kl(out=out, **kw)
+
+
+def _bench_kl(shape: str = "qwen3.5-4b", context: int = 131072, segment: int = 8192,
+              pairs=("f4_sr_rs", "tp4_hi32"), prefill: str = "replay", reference: str = "exact",
+              dtype: str = "bfloat16", device: str | None = None,
+              out: str | Path = "build/bench/kl_128k.json", warmup_tokens: int | None = None) -> dict:
     from replayquant.bench.timing import REPLAY_TARGETS, KernelClock, fla_version, hf_chunk_function
     from replayquant.provenance import provenance
 
@@ -109,7 +119,6 @@ def bench_kl(shape: str = "qwen3.5-4b", context: int = 131072, segment: int = 81
     from .data import Document, DocumentSet
     from .runner import run_kl
 
-    check_owned(out, BENCH_KL_KIND, "replayquant bench kl")      # before any work
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = build_model(shape, DTYPES[dtype], device)
     ids = random_document(model.config.vocab_size, context)
@@ -163,7 +172,5 @@ def bench_kl(shape: str = "qwen3.5-4b", context: int = 131072, segment: int = 81
                                  segment=segment, pairs=list(pairs), prefill=prefill,
                                  reference=reference, dtype=dtype),
     }
-    with output_lock(out):
-        check_owned(out, BENCH_KL_KIND, "replayquant bench kl")  # again: another run may have written
-        write_json(out, result)
+    write_json(out, result)
     return result
