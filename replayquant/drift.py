@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from replayquant.outputs import write_json, write_text
+from replayquant.outputs import check_owned, output_lock, write_json, write_text
 from replayquant.pairs import PrecisionPair, list_pairs
 from replayquant.replay import (ConventionalState, ReplayState, gdn_inputs, kda_inputs,
                                 mamba2_inputs, recurrent_reference)
@@ -220,13 +220,24 @@ def run_drift(kind: str, pairs, steps: int = 4096, seeds=(42, 43, 44), batch: in
     params = {"kind": kind, "steps": steps, "seeds": seeds, "batch": batch, "heads": heads,
               "d_k": d_k, "d_v": d_v, "protocol": "replayquant.drift module docstring",
               "wall_s": round(time.time() - t0, 1)}
-    return {"provenance": provenance(device="cpu", **params), "params": params, "rows": rows}
+    return {"kind": DRIFT_KIND, "provenance": provenance(device="cpu", **params), "params": params,
+            "rows": rows}
+
+
+DRIFT_KIND = "replayquant.drift"     # the "kind" of a drift results file
+
+
+def _is_drift(old: dict) -> bool:
+    """A drift results file written before they carried a "kind"."""
+    return isinstance(old.get("params"), dict) and "rows" in old and \
+        old["params"].get("protocol") == "replayquant.drift module docstring"
 
 
 def drift_out_path(out_dir, kind: str, steps: int, name: str | None = None) -> Path:
     """Where `write_drift` writes (OUT/KIND_NsSteps.json and .md), checked before any work: the
-    folder is not a file and can be written (created if missing), neither target is a folder.
-    One ValueError saying what to give instead."""
+    folder is not a file and can be written (created if missing), neither target is a folder,
+    and the JSON there, if any, is drift results (`replayquant.outputs.check_owned`; the .md is
+    replaced only with it). One ValueError saying what to give instead."""
     from replayquant.kl.runner import check_writable_folder
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
@@ -237,14 +248,18 @@ def drift_out_path(out_dir, kind: str, steps: int, name: str | None = None) -> P
     for target in (path, path.with_suffix(".md")):
         if target.is_dir():
             raise ValueError(f"--out {out}: {target} is a folder; move it away or give another --out")
+    check_owned(path, DRIFT_KIND, "replayquant drift", beside=(path.with_suffix(".md"),),
+                unkinded=_is_drift)
     return path
 
 
 def write_drift(result: dict, out_dir="build/drift", name: str | None = None) -> Path:
     p = result["params"]
     path = drift_out_path(out_dir, p["kind"], p["steps"], name)
-    write_json(path, result)
-    write_text(path.with_suffix(".md"), render_markdown(result))
+    with output_lock(path):
+        drift_out_path(out_dir, p["kind"], p["steps"], name)   # again: another run may have written
+        write_json(path, result)
+        write_text(path.with_suffix(".md"), render_markdown(result))
     return path
 
 

@@ -213,14 +213,16 @@ def _same_file(a: Path, b) -> bool:
 
 def check_owned(out, kind: str, writer: str, *, identity: dict | None = None,
                 recorded: Callable[[dict], dict] | None = None, inputs=(), beside=(),
-                rebuilt_from=None, fresh=()) -> None:
+                rebuilt_from=None, fresh=(), unkinded: Callable[[dict], bool] | None = None) -> None:
     """Refuse (one ValueError naming `out` and what to do) unless a run of `writer` may replace
     `out`: it does not exist, or it holds a JSON results file of `kind` whose recorded run
     (`recorded(old)`) equals `identity` (when given). Also refused: `out` being one of the files
     the run reads (`inputs`), and a file of `beside` (written with `out`: a plot, a policy YAML)
     that is there while `out` is not. `rebuilt_from`: what a damaged `out` is rebuilt from (said
     in the message); `fresh`: the run's other files, named where the message says what to delete
-    to start fresh."""
+    to start fresh. `unkinded`: recognizes the command's files that carry no "kind" (written
+    before its files did, or in another tool's format, e.g. lm-eval's results dict), which are
+    then taken as files of `kind`."""
     out = Path(out)
     for src in inputs:
         if src is not None and out.exists() and _same_file(out, src):
@@ -248,6 +250,8 @@ def check_owned(out, kind: str, writer: str, *, identity: dict | None = None,
         raise ValueError(f"--out {out} exists and is not a results file of `{writer}` (not JSON); "
                          f"refusing to overwrite it: give another --out, or move it away") from None
     got = old.get("kind") if isinstance(old, dict) else None
+    if got is None and isinstance(old, dict) and unkinded is not None and unkinded(old):
+        got = kind
     if got != kind:
         what = f"a {got} file" if isinstance(got, str) else "JSON that is not a replayquant results file"
         raise ValueError(f"--out {out} holds {what}, not the {kind} results `{writer}` writes; "

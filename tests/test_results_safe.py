@@ -368,3 +368,141 @@ def test_a_resumed_kl_run_says_how_many_documents_it_kept(texts, tmp_path):
     assert code == 0, text
     assert "2 of 2 document(s) already done and kept" in text and "nothing left to compute" in text
     assert not list(tmp_path.glob("*.lock")) and not list(tmp_path.rglob("*.tmp"))
+
+
+# ------------------------------------------------------------------ gpqa, drift and the benchmarks
+
+GPQA_CSV = ROOT / "tests/data/gpqa_tiny.csv"
+KL_FILE = ROOT / "results/demo/tiny-qwen3.5_ctx16k_cpu.json"
+
+
+def _writers(d: Path) -> list[tuple[list, Path]]:
+    """(command line, the results file it writes) of every command writing into `d`."""
+    return [
+        (["gpqa", "--model", TINY, "--pair", "s32_rs", "--gpqa-csv", GPQA_CSV, "--device", "cpu",
+          "--out", d], d / "s32_rs.json"),
+        (["gpqa", "--model", TINY, "--pair", "s32_rs", "--gpqa-csv", GPQA_CSV, "--device", "cpu",
+          "--out", d], d / "SUMMARY.json"),
+        (["drift", "--kind", "gdn", "--pair", "s32_rs", "--steps", 4096, "--seeds", 1, "--out", d],
+         d / "gdn_4096steps.json"),
+        (["bench", "formats", "--out", d], d / "formats.json"),
+        (["bench", "kernels", "--out", d], d / "kernels.json"),
+        (["bench", "merge", ROOT / "results/bench/kernels.json", ROOT / "results/bench/kernels.json",
+          "--out", d], d / "kernels.json"),
+        (["bench", "teacher-forcing", "--part", "layer", "--out", d / "tf.json"], d / "tf.json"),
+        (["bench", "teacher-forcing", "--part", "model", "--out", d / "tf.json"], d / "tf.json"),
+        (["bench", "kl", "--out", d / "kl_bench.json"], d / "kl_bench.json"),
+        (["bench", "generate", "--out", d / "gen.json"], d / "gen.json"),
+    ]
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Every command of `_writers` stops where its work would begin (after its checks)."""
+    import replayquant.bench.decode as bd
+    import replayquant.bench.formats as bf
+    import replayquant.bench.generate as bg
+    import replayquant.bench.teacher_forcing as tf
+    import replayquant.drift as dr
+    import replayquant.kl.bench as kb
+    import replayquant.lm_eval_model as lm
+    for mod, name in ((lm, "ReplayQuantLM"), (dr, "run_drift"), (bf, "_run_formats_bench"),
+                      (bd, "_run_kernels_bench"), (bd, "_merge_kernels"), (tf, "_run_layer"),
+                      (tf, "whole_model"), (kb, "build_model"), (bg, "_run_generate_bench")):
+        monkeypatch.setattr(mod, name, _boom, raising=False)   # (the names of the checked code)
+
+
+def test_gpqa_drift_and_benchmarks_refuse_a_file_of_another_kind_before_any_work(tmp_path, no_work):
+    for args, target in _writers(tmp_path):
+        shutil.copy(KL_FILE, target)
+        before = _snapshot(tmp_path)
+        code, text = _invoke(args)
+        _one_clear_error(code, text, f"--out {target} holds a replayquant.kl file", "another --out")
+        assert "reached" not in text
+        assert _snapshot(tmp_path) == before
+        target.unlink()
+    # a file written beside a results file is refused without it: the drift table, the plot
+    (tmp_path / "gdn_4096steps.md").write_text("my notes")
+    (tmp_path / "kernels_speedup.png").write_bytes(b"my picture")
+    for args, target in _writers(tmp_path)[2:6:3]:
+        code, text = _invoke(args)
+        _one_clear_error(code, text, f"is there but {target.name} is not")
+
+
+def test_gpqa_drift_and_benchmarks_replace_their_own_files(tmp_path, no_work):
+    """Files of each command's own kind, the committed ones written before they carried a kind
+    among them, pass the checks: the command reaches its work."""
+    own = {"s32_rs.json": {"results": {}, "config": {}, "replayquant": {"pair": {}}},
+           "SUMMARY.json": {"kind": "replayquant/gpqa-summary"},
+           "gdn_4096steps.json": ROOT / "results/drift/gdn_4096steps.json",
+           "formats.json": ROOT / "results/bench/formats.json",
+           "kernels.json": ROOT / "results/bench/kernels.json",
+           "tf.json": ROOT / "results/bench/teacher_forcing.json",
+           "kl_bench.json": ROOT / "results/bench/kl_128k.json",
+           "gen.json": ROOT / "results/bench/generate.json"}
+    for name, src in own.items():
+        if isinstance(src, dict):
+            (tmp_path / name).write_text(json.dumps(src))
+        else:
+            shutil.copy(src, tmp_path / name)
+    for args, target in _writers(tmp_path):
+        code, text = _invoke(args)
+        _one_clear_error(code, text, "reached the KL run")    # the work it stops at (no_work)
+    # merge never writes over one of its parts
+    code, text = _invoke(["bench", "merge", tmp_path / "kernels.json", ROOT / "results/bench/kernels.json",
+                          "--out", tmp_path])
+    _one_clear_error(code, text, "is the file this command reads")
+
+
+def test_drift_checks_again_when_it_writes_and_holds_the_lock(tmp_path):
+    """A file of another kind put there during the run is refused at the write, and the write
+    holds the output's lock."""
+    from replayquant.drift import run_drift, write_drift
+    from replayquant.outputs import lock_path
+    res = run_drift("gdn", ["s32_rs"], steps=32, seeds=[1], batch=1, heads=1, d_k=8, d_v=4,
+                    conventional=False)
+    path = write_drift(res, tmp_path)                 # into an empty folder
+    assert json.loads(path.read_text())["kind"] == "replayquant.drift"
+    write_drift(res, tmp_path)                        # and again over its own results
+    shutil.copy(KL_FILE, path)
+    with pytest.raises(ValueError, match="holds a replayquant.kl file"):
+        write_drift(res, tmp_path)
+    assert path.read_bytes() == KL_FILE.read_bytes()
+    path.unlink()
+    path.with_suffix(".md").unlink()
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=ENV)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(ValueError, match=f"in use by another run .process {holder.pid}"):
+            write_drift(res, tmp_path)
+        assert str(lock_path(path)).endswith("gdn_32steps.lock")
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    assert not path.exists()
+
+
+_HOLD_ALL = ("import contextlib, sys\n"
+             "from replayquant.outputs import output_lock\n"
+             "with contextlib.ExitStack() as locks:\n"
+             "    for out in sys.argv[1:]:\n"
+             "        locks.enter_context(output_lock(out))\n"
+             "    print('locked', flush=True)\n"
+             "    sys.stdin.read()\n")
+
+
+def test_gpqa_and_benchmarks_are_refused_while_another_run_holds_their_output(tmp_path, no_work):
+    cases = [(args, target) for args, target in _writers(tmp_path)
+             if target.name not in ("s32_rs.json", "gdn_4096steps.json")]   # gpqa: SUMMARY.lock
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_ALL, *sorted({str(t) for _, t in cases})],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=ENV)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        for args, target in cases:
+            code, text = _invoke(args)
+            _one_clear_error(code, text, f"{target} is in use by another run",
+                             f"process {holder.pid}")
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()

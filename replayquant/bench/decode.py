@@ -12,7 +12,8 @@ import torch
 from replayquant.bench.inputs import (cpu_generator, gdn_params, gdn_step_inputs,
                                       kda_step_inputs, mamba2_params, mamba2_step_inputs,
                                       random_state)
-from replayquant.outputs import save_figure, write_json, write_text
+from replayquant.outputs import (check_owned, check_writable_folder, output_lock, save_figure,
+                                 write_json, write_text)
 
 # ---------------------------------------------------------------------------- shapes
 
@@ -1022,7 +1023,40 @@ def estimate_s(sections) -> float:
     return _EST["copy"] + sum(s[1] for s in sections)
 
 
-def run_kernels_bench(out: str = "build/bench", batches=GRID["batches"], Ls=GRID["Ls"],
+KERNELS_KIND = "replayquant.bench.kernels"   # the "kind" of NAME.json of bench kernels / merge
+
+
+def _is_kernels(old: dict) -> bool:
+    """A kernels JSON written before they carried a "kind"."""
+    return {"provenance", "rows", "errors", "skipped", "copy_GBps"} <= set(old)
+
+
+def check_kernels_out(out, name: str, writer: str, inputs=()) -> Path:
+    """OUT/NAME.json, checked before any work: OUT is a folder that can be written, and NAME.json
+    / .md / _speedup.png there are a kernels table's or absent (`replayquant.outputs.check_owned`;
+    `inputs`: the files the command reads, never replaced)."""
+    from pathlib import Path
+    outp = Path(out)
+    if outp.exists() and not outp.is_dir():
+        raise ValueError(f"--out {out} is a file; {writer} writes {name}.json, {name}.md and "
+                         f"{name}_speedup.png into a folder: give a folder (created if missing)")
+    check_writable_folder(outp, out)
+    path = outp / f"{name}.json"
+    check_owned(path, KERNELS_KIND, writer, inputs=inputs, unkinded=_is_kernels,
+                beside=(outp / f"{name}.md", outp / f"{name}_speedup.png"))
+    return path
+
+
+def run_kernels_bench(out: str = "build/bench", name: str = "kernels", **kw) -> dict:
+    """`_run_kernels_bench` (its options in `kw`) into the folder `out`, its NAME.json checked
+    first (`check_kernels_out`) and locked from the checks to the last write."""
+    path = check_kernels_out(out, name, "replayquant bench kernels")
+    with output_lock(path):
+        check_kernels_out(out, name, "replayquant bench kernels")     # again, holding the lock
+        return _run_kernels_bench(out=out, name=name, **kw)
+
+
+def _run_kernels_bench(out: str = "build/bench", batches=GRID["batches"], Ls=GRID["Ls"],
                       pairs=PAIRS, Ts=GRID["Ts"], spec_batches=GRID["spec_batches"],
                       kinds=None, peers: bool = True, checks: bool = True,
                       sweep: bool = True, detail_batches=(256,), budget_s: float = 500.0,
@@ -1082,7 +1116,7 @@ def run_kernels_bench(out: str = "build/bench", batches=GRID["batches"], Ls=GRID
                       budget_s=budget_s, estimate_s=est, smoke_cpu=cpu,
                       staggered_batches=list(staggered_batches), main_L_only=main_L_only,
                       accuracy=accuracy)
-        res = {"provenance": provenance(device, **params), "rows": [], "errors": {},
+        res = {"kind": KERNELS_KIND, "provenance": provenance(device, **params), "rows": [], "errors": {},
                "skipped": [], "copy_GBps": None}
         if cpu:
             res["provenance"]["note"] = "CPU smoke run of the benchmark code: not a result"
@@ -1200,6 +1234,16 @@ def _one_commit(commits) -> str | None:
 
 def merge_kernels(parts, out: str = "build/bench", name: str = "kernels",
                   plot: bool = True) -> dict:
+    """`_merge_kernels` into the folder `out`, its NAME.json checked first (`check_kernels_out`:
+    never one of the parts) and locked from the checks to the last write."""
+    path = check_kernels_out(out, name, "replayquant bench merge", inputs=parts)
+    with output_lock(path):
+        check_kernels_out(out, name, "replayquant bench merge", inputs=parts)
+        return _merge_kernels(parts, out, name, plot)
+
+
+def _merge_kernels(parts, out: str = "build/bench", name: str = "kernels",
+                   plot: bool = True) -> dict:
     """`replayquant bench merge`: one {name}.json / .md / _speedup.png from several `bench
     kernels` runs of one commit on one device kind (the grid split over calls of at most ten
     minutes). Speedups are derived within each part (a part is one call, perhaps one machine:
@@ -1241,7 +1285,8 @@ def merge_kernels(parts, out: str = "build/bench", name: str = "kernels",
         pv[k] = sorted({x for r in runs for x in r["provenance"].get(k, [])})
     pv["shapes"] = {k: v for r in runs for k, v in r["provenance"].get("shapes", {}).items()}
     pv["parts"] = []
-    res = {"provenance": pv, "rows": rows, "errors": errors, "skipped": skipped}
+    res = {"kind": KERNELS_KIND, "provenance": pv, "rows": rows, "errors": errors,
+           "skipped": skipped}
     for i, r in enumerate(runs):
         part_rows = [{**row, "part": i} for row in r["rows"]]
         _derive(part_rows)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from replayquant.outputs import write_json, write_text
+from replayquant.outputs import check_owned, check_writable_folder, output_lock, write_json, write_text
 
 D = 128
 
@@ -77,8 +77,39 @@ def _validate(device) -> dict:
     return out
 
 
+FORMATS_KIND = "replayquant.bench.formats"    # the "kind" of formats.json
+
+
+def _is_formats(old: dict) -> bool:
+    """A formats.json written before they carried a "kind"."""
+    return {"params", "copy", "bit_exact_vs_cpu_reference", "rows"} <= set(old)
+
+
+def check_formats_out(out) -> Path:
+    """OUT/formats.json, checked before any work: OUT is a folder that can be written, and holds
+    no formats.json / formats.md but this benchmark's (`replayquant.outputs.check_owned`)."""
+    outdir = Path(out)
+    if outdir.exists() and not outdir.is_dir():
+        raise ValueError(f"--out {out} is a file; bench formats writes formats.json and formats.md "
+                         f"into a folder: give a folder (created if missing)")
+    check_writable_folder(outdir, out)
+    path = outdir / "formats.json"
+    check_owned(path, FORMATS_KIND, "replayquant bench formats", beside=(outdir / "formats.md",),
+                unkinded=_is_formats)
+    return path
+
+
 def run_formats_bench(mbytes: int = 512, out: str = "build/bench", formats=None,
                       git_commit: str | None = None) -> dict:
+    """`replayquant bench formats` into the folder `out`, holding its lock from the checks to
+    the last write."""
+    path = check_formats_out(out)
+    with output_lock(path):
+        check_formats_out(out)        # again, holding the lock
+        return _run_formats_bench(mbytes, out, formats, git_commit)
+
+
+def _run_formats_bench(mbytes, out, formats, git_commit) -> dict:
     if mbytes < 256:
         raise ValueError(f"bench formats: mbytes={mbytes}; use >= 256 MiB so that the input is "
                          f"several times the L2 cache")
@@ -164,6 +195,7 @@ def run_formats_bench(mbytes: int = 512, out: str = "build/bench", formats=None,
                 raise ValueError(f"bench formats: unknown format {name!r}")
 
     result = {
+        "kind": FORMATS_KIND,
         "provenance": provenance(dev, **({"git_commit": git_commit} if git_commit else {})),
         "params": {"mbytes": mbytes, "shape": [n, D, D], "input": "float32 N(0,1) * 10^N(0,1) per row",
                    "timer": "triton.testing.do_bench median, warmup 25 ms, rep 100 ms",

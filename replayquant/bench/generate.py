@@ -179,7 +179,21 @@ def _targets(rows: dict, pairs, batches) -> list[dict]:
     return out
 
 
-def run_generate_bench(out: str | Path = "build/bench/generate.json", shape: str = "qwen3.5-4b",
+GENERATE_KIND = "replayquant.bench.generate"   # the "kind" of the results file
+
+
+def run_generate_bench(out: str | Path = "build/bench/generate.json", **kw) -> dict:
+    """`_run_generate_bench` (its options in `kw`) into `out`, which holds nothing but this
+    benchmark's results (`replayquant.outputs.check_owned`, before any work) and is locked from
+    the checks to the last write."""
+    from replayquant.outputs import check_owned, output_lock
+    check_owned(out, GENERATE_KIND, "replayquant bench generate")
+    with output_lock(out):
+        check_owned(out, GENERATE_KIND, "replayquant bench generate")
+        return _run_generate_bench(out, **kw)
+
+
+def _run_generate_bench(out: str | Path = "build/bench/generate.json", shape: str = "qwen3.5-4b",
                        batches=(1, 32, 256), pairs=("s32_rs", "tp4_hi16_sr"), prompt: int = 64,
                        n1: int = 4, n2: int = 20, ways=WAYS, compile_backend: str = "inductor",
                        compile_mode: str = "reduce-overhead", budget_s: float | None = None,
@@ -237,7 +251,7 @@ def run_generate_bench(out: str | Path = "build/bench/generate.json", shape: str
                 # greedy tokens of the compiled generate against the patched eager generate's
                 rows[key]["tokens_equal_eager"] = bool(torch.equal(toks, eager_tokens[pair]))
             progress(f"{key}: {rows[key]}")
-        res = {"kind": "replayquant.bench.generate", "shape": shape, "model_config": SHAPES[shape],
+        res = {"kind": GENERATE_KIND, "shape": shape, "model_config": SHAPES[shape],
                "dtype": "bfloat16", "prompt_tokens": prompt, "steps_timed": [n1, n2],
                "compile_config": {"backend": compile_backend, "mode": compile_mode},
                "copy_bandwidth_gbps": copy_gbps, "flash_linear_attention": _fla_version(),

@@ -25,6 +25,7 @@ Writes one JSON file with provenance; each part replaces its own section and kee
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import sys
@@ -34,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from replayquant import options
-from replayquant.outputs import write_json
+from replayquant.outputs import check_owned, output_lock, write_json
 from replayquant.bench.timing import (HF_TARGETS, REPLAY_TARGETS, KernelClock, fla_version,
                                      hf_chunk_function)
 
@@ -343,12 +344,35 @@ def resource_report(pairs=("tp4_hi16_sr", "s32_rs", "f4_sr_rs", "tp4_hi32"), H: 
     return rows
 
 
+TF_KIND = "replayquant.bench.teacher_forcing"   # the "kind" of the results file
+
+
+def _is_teacher_forcing(old: dict) -> bool:
+    """A results file written before they carried a "kind"."""
+    return bool(old) and set(old) <= {"provenance", "check", "bench", "whole_model", "merged_note"}
+
+
+def check_out(out) -> None:
+    """Refuse, before any work, an `out` holding anything but this benchmark's results (its
+    parts are merged into the file: `replayquant.outputs.check_owned`)."""
+    check_owned(out, TF_KIND, "replayquant bench teacher-forcing", unkinded=_is_teacher_forcing)
+
+
+@contextlib.contextmanager
+def _holding(out):
+    """`out` checked, then locked (and checked again) for the `with` block."""
+    check_out(out)
+    with output_lock(out):
+        check_out(out)
+        yield
+
+
 def _merge(out, **sections) -> dict:
     """Write `sections` into the JSON file `out`, keeping its other sections."""
     from pathlib import Path
     path = Path(out)
     data = json.loads(path.read_text()) if path.exists() else {}
-    data.update(sections)
+    data.update(sections, kind=TF_KIND)
     write_json(path, data)
     return data
 
@@ -356,6 +380,11 @@ def _merge(out, **sections) -> dict:
 def run_layer(out, lengths=(8192, 32768), commit=None) -> dict:
     """Parts 1 and 2 (check, per-layer timing) into `out`; each length is written as it ends,
     so a timeout keeps the rest."""
+    with _holding(out):
+        return _run_layer(out, lengths, commit)
+
+
+def _run_layer(out, lengths, commit) -> dict:
     if not torch.cuda.is_available():
         raise SystemExit("the kernel check and per-layer timing need a CUDA device")
     from replayquant.provenance import provenance
@@ -381,8 +410,9 @@ def run_layer(out, lengths=(8192, 32768), commit=None) -> dict:
 
 def run_model(out, **kw) -> dict:
     """Part 3 (whole model) into `out` under "whole_model"."""
-    r = whole_model(**kw)
-    _merge(out, whole_model=r)
+    with _holding(out):
+        r = whole_model(**kw)
+        _merge(out, whole_model=r)
     return r
 
 

@@ -11,19 +11,21 @@ stderr, provenance).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
+import os
 import re
 import sys
 from pathlib import Path
 
 from replayquant.gpqa.summary import build_summary
-from replayquant.outputs import write_json, write_text
+from replayquant.outputs import check_owned, output_lock, write_json, write_text
 from replayquant.gpqa.tasks import (HUB_CONFIG, HUB_DATASET, check_csv, check_hub_access,
                                     check_tasks, file_sha256, write_task_dir)
 
-__all__ = ["run_gpqa", "default_out_dir", "per_doc_scores", "questions_digest"]
+__all__ = ["run_gpqa", "check_out", "default_out_dir", "per_doc_scores", "questions_digest"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +63,27 @@ def questions_digest(samples: list[dict]) -> str:
     keys = sorted({(int(s["doc_id"]), s.get("doc_hash", ""), s.get("prompt_hash", ""),
                     s.get("target_hash", "")) for s in samples})
     return hashlib.sha256(json.dumps(keys).encode()).hexdigest()
+
+
+PAIR_KIND = "replayquant/gpqa-pair"     # a pair's results file: lm-eval's results dict, no "kind"
+
+
+def _is_pair_file(old: dict) -> bool:
+    """lm-eval's results dict with the `replayquant` block `replayquant gpqa` adds."""
+    return isinstance(old.get("results"), dict) and isinstance(old.get("replayquant"), dict)
+
+
+def check_out(out: Path, labels, tasks, log_samples: bool) -> None:
+    """Refuse, before any work, a folder `out` holding, where this run writes, anything but the
+    files of `replayquant gpqa` (`replayquant.outputs.check_owned`): a pair's results file,
+    its samples (replaced only with it), SUMMARY.json."""
+    from replayquant.gpqa.summary import SUMMARY_KIND
+    writer = "replayquant gpqa"
+    for label in labels:
+        path = out / f"{_slug(label)}.json"
+        samples = [out / f"{_slug(label)}.samples.{t}.jsonl" for t in tasks] if log_samples else ()
+        check_owned(path, PAIR_KIND, writer, beside=samples, unkinded=_is_pair_file)
+    check_owned(out / "SUMMARY.json", SUMMARY_KIND, writer)
 
 
 def run_gpqa(model: str, pairs: list, *, tasks=None, gpqa_csv=None, limit=None, seed: int = 0,
@@ -104,6 +127,7 @@ def run_gpqa(model: str, pairs: list, *, tasks=None, gpqa_csv=None, limit=None, 
                          f"SUMMARY.json into a folder: give a folder (created if missing)")
     from replayquant.kl.runner import check_writable_folder
     check_writable_folder(out, out)
+    check_out(out, labels, tasks, log_samples)
     if gpqa_csv is not None:
         n_questions = check_csv(gpqa_csv)
         data = {"source": "csv", "path": str(Path(gpqa_csv).resolve()), "sha256": file_sha256(gpqa_csv),
@@ -112,49 +136,53 @@ def run_gpqa(model: str, pairs: list, *, tasks=None, gpqa_csv=None, limit=None, 
         check_hub_access()
         data = {"source": "hub", "dataset": HUB_DATASET, "config": HUB_CONFIG}
 
-    from lm_eval.tasks import TaskManager
-    from lm_eval.utils import handle_non_serializable
+    # the main process holds the folder (its lock: SUMMARY.lock) until SUMMARY.json is written
+    main = int(os.environ.get("RANK", "0")) == 0
+    with output_lock(out / "SUMMARY.json") if main else contextlib.nullcontext():
+        check_out(out, labels, tasks, log_samples)      # again, holding the lock
+        from lm_eval.tasks import TaskManager
+        from lm_eval.utils import handle_non_serializable
 
-    from replayquant.lm_eval_model import ReplayQuantLM
-    from replayquant.provenance import provenance
+        from replayquant.lm_eval_model import ReplayQuantLM
+        from replayquant.provenance import provenance
 
-    include_path = None
-    if gpqa_csv is not None:
-        include_path = str(write_task_dir(gpqa_csv, out / "_tasks", tasks))
+        include_path = None
+        if gpqa_csv is not None:
+            include_path = str(write_task_dir(gpqa_csv, out / "_tasks", tasks))
 
-    lm_kwargs = dict(model_args or {})
-    lm_kwargs.update(dtype=dtype, batch_size=batch_size, device=device)
-    print(f"gpqa: {model} on {describe_device(device)}", file=sys.stderr)
-    lm = ReplayQuantLM(pretrained=model, pair=resolved[0], prefill=prefill, seed=seed, **lm_kwargs)
+        lm_kwargs = dict(model_args or {})
+        lm_kwargs.update(dtype=dtype, batch_size=batch_size, device=device)
+        print(f"gpqa: {model} on {describe_device(device)}", file=sys.stderr)
+        lm = ReplayQuantLM(pretrained=model, pair=resolved[0], prefill=prefill, seed=seed, **lm_kwargs)
 
-    task_manager = TaskManager(include_path=include_path)     # the task index, built once
-    # `datasets` caches the result of lm-eval's process_docs (which shuffles the answers) under a
-    # fingerprint that ignores the RNG state, so with its cache the answer order would be whatever
-    # an earlier run computed, whatever the seed. Without it the order follows the seed.
-    import datasets
-    caching = datasets.is_caching_enabled()
-    datasets.disable_caching()
-    try:
-        per_pair = _run_pairs(lm, resolved, labels, tasks, task_manager, out, model=model, limit=limit,
-                              seed=seed, prefill=prefill, data=data, batch_size=batch_size, dtype=dtype,
-                              device=device, num_fewshot=num_fewshot, gen_kwargs=gen_kwargs,
-                              apply_chat_template=apply_chat_template, log_samples=log_samples)
-    finally:
-        if caching:
-            datasets.enable_caching()
-    if not per_pair:
-        return None
-    summary = build_summary(per_pair, model=model, tasks=list(tasks), limit=limit, seed=seed,
-                            prefill=prefill, data=data,
-                            provenance=provenance(device=str(lm.device), model=model,
-                                                  pairs=[p.to_dict() for p in resolved], prefill=prefill,
-                                                  seed=seed, tasks=list(tasks), limit=limit, data=data,
-                                                  batch_size=batch_size, dtype=str(dtype),
-                                                  num_fewshot=num_fewshot, gen_kwargs=gen_kwargs,
-                                                  apply_chat_template=apply_chat_template,
-                                                  world_size=lm.world_size))
-    write_json(out / "SUMMARY.json", summary, indent=2, default=handle_non_serializable)
-    return summary
+        task_manager = TaskManager(include_path=include_path)     # the task index, built once
+        # `datasets` caches the result of lm-eval's process_docs (which shuffles the answers) under a
+        # fingerprint that ignores the RNG state, so with its cache the answer order would be whatever
+        # an earlier run computed, whatever the seed. Without it the order follows the seed.
+        import datasets
+        caching = datasets.is_caching_enabled()
+        datasets.disable_caching()
+        try:
+            per_pair = _run_pairs(lm, resolved, labels, tasks, task_manager, out, model=model, limit=limit,
+                                  seed=seed, prefill=prefill, data=data, batch_size=batch_size, dtype=dtype,
+                                  device=device, num_fewshot=num_fewshot, gen_kwargs=gen_kwargs,
+                                  apply_chat_template=apply_chat_template, log_samples=log_samples)
+        finally:
+            if caching:
+                datasets.enable_caching()
+        if not per_pair:
+            return None
+        summary = build_summary(per_pair, model=model, tasks=list(tasks), limit=limit, seed=seed,
+                                prefill=prefill, data=data,
+                                provenance=provenance(device=str(lm.device), model=model,
+                                                      pairs=[p.to_dict() for p in resolved], prefill=prefill,
+                                                      seed=seed, tasks=list(tasks), limit=limit, data=data,
+                                                      batch_size=batch_size, dtype=str(dtype),
+                                                      num_fewshot=num_fewshot, gen_kwargs=gen_kwargs,
+                                                      apply_chat_template=apply_chat_template,
+                                                      world_size=lm.world_size))
+        write_json(out / "SUMMARY.json", summary, indent=2, default=handle_non_serializable)
+        return summary
 
 
 def _run_pairs(lm, resolved, labels, tasks, task_manager, out, *, model, limit, seed, prefill, data,

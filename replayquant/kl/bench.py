@@ -23,7 +23,9 @@ from pathlib import Path
 
 import torch
 
-from replayquant.outputs import write_json
+from replayquant.outputs import check_owned, output_lock, write_json
+
+BENCH_KL_KIND = "replayquant.bench.kl"     # the "kind" of the results file
 
 SHAPES = {
     "qwen3.5-4b": dict(hidden_size=2560, num_hidden_layers=32, intermediate_size=9216,
@@ -96,10 +98,20 @@ def plain_forward(model, ids: torch.Tensor, segment: int) -> None:
             del out
 
 
-def bench_kl(shape: str = "qwen3.5-4b", context: int = 131072, segment: int = 8192,
-             pairs=("f4_sr_rs", "tp4_hi32"), prefill: str = "replay", reference: str = "exact",
-             dtype: str = "bfloat16", device: str | None = None,
-             out: str | Path = "build/bench/kl_128k.json", warmup_tokens: int | None = None) -> dict:
+def bench_kl(out: str | Path = "build/bench/kl_128k.json", **kw) -> dict:
+    """`_bench_kl` (its options in `kw`) into `out`, which holds nothing but this benchmark's
+    results (`replayquant.outputs.check_owned`, before any work) and is locked from the checks
+    to the write."""
+    check_owned(out, BENCH_KL_KIND, "replayquant bench kl")
+    with output_lock(out):
+        check_owned(out, BENCH_KL_KIND, "replayquant bench kl")
+        return _bench_kl(out=out, **kw)
+
+
+def _bench_kl(shape: str = "qwen3.5-4b", context: int = 131072, segment: int = 8192,
+              pairs=("f4_sr_rs", "tp4_hi32"), prefill: str = "replay", reference: str = "exact",
+              dtype: str = "bfloat16", device: str | None = None,
+              out: str | Path = "build/bench/kl_128k.json", warmup_tokens: int | None = None) -> dict:
     from replayquant.bench.timing import REPLAY_TARGETS, KernelClock, fla_version, hf_chunk_function
     from replayquant.provenance import provenance
 
@@ -139,7 +151,7 @@ def bench_kl(shape: str = "qwen3.5-4b", context: int = 131072, segment: int = 81
     peak_kl = prov.get("peak_gpu_bytes")
     n = len(pairs)
     result = {
-        "kind": "replayquant.bench.kl",
+        "kind": BENCH_KL_KIND,
         "shape": shape, "model_config": SHAPES[shape], "dtype": dtype,
         "context": context, "segment": segment, "pairs": list(pairs), "prefill": prefill,
         "reference": reference,
