@@ -135,3 +135,29 @@ def test_nonfinite_decode_input_is_named_and_the_anchor_kept():
         with pytest.raises(ValueError, match=rf"layer {lay_mod.layer_idx} \(gdn\): input b held "
                                              rf"NaN or infinity at decode step 2 .*batch row 1"):
             model(torch.ones(2, 3, dtype=torch.long), **kw)
+
+
+def test_bench_generate_targets_and_its_error_without_a_gpu(tmp_path):
+    """bench generate forms each target as a ratio within its run (patched static against HF
+    static, wall against the way's own GPU busy time, patched eager against HF eager, launches,
+    host syncs, the compiled tokens against the eager ones), and refuses at once without CUDA."""
+    from _cli import invoke, one_clear_error
+
+    from replayquant.bench.generate import _targets
+    rows = {"hf_eager@B32": {"ms_per_step": 100.0, "launches_per_step": 2000},
+            "hf_static@B32": {"ms_per_step": 10.0},
+            "patched_eager:s32_rs@B32": {"ms_per_step": 70.0, "launches_per_step": 2400,
+                                         "host_syncs_per_step": 0},
+            "patched_static:s32_rs@B32": {"ms_per_step": 12.0, "gpu_busy_ms_per_step": 10.0,
+                                          "tokens_equal_eager": True}}
+    got = {t["name"]: (round(t["measured"], 6), t["met"]) for t in _targets(rows, ["s32_rs"], [32])}
+    assert got == {
+        "s32_rs static+compile tokens equal patched eager, B = 32": (1.0, True),
+        "s32_rs static+compile vs HF static+compile, B = 32 (<= 1.1x)": (1.2, False),
+        "s32_rs static+compile wall / its GPU busy time, B = 32 (<= 1.3x)": (1.2, True),
+        "s32_rs eager vs HF eager, B = 32 (<= 0.8x)": (0.7, True),
+        "s32_rs eager launches vs HF eager's, B = 32 (<= 1.15x)": (1.2, False),
+        "s32_rs host syncs in a decode forward, B = 32 (0)": (0, True)}
+    if not torch.cuda.is_available():
+        code, text = invoke(["bench", "generate", "--out", tmp_path / "g.json"])
+        one_clear_error(code, text, "needs a CUDA GPU")
