@@ -15,3 +15,15 @@ def _one_intra_op_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Fails a test that loads the model (tokenizer, config or weights) through `replayquant kl`'s
+    loaders: the bad input must be refused before."""
+    from replayquant.kl import command as C
+
+    def boom(*a, **k):
+        raise AssertionError("the model was loaded before the bad input was refused")
+    monkeypatch.setattr(C, "load_tokenizer_and_config", boom)
+    monkeypatch.setattr(C, "load_weights", boom)

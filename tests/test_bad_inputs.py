@@ -31,15 +31,6 @@ def texts(tmp_path_factory):
     return d
 
 
-@pytest.fixture
-def no_model(monkeypatch):
-    """Fails a test that loads the model (tokenizer, config or weights)."""
-    def boom(*a, **k):
-        raise AssertionError("the model was loaded before the bad input was refused")
-    monkeypatch.setattr(C, "load_tokenizer_and_config", boom)
-    monkeypatch.setattr(C, "load_weights", boom)
-
-
 def _kl(texts, out, *extra, docs=1):
     return ["kl", "--model", TINY, "--pair", "s32_rs", "--dataset", texts, "--context", CTX,
             "--docs", docs, "--segment", 32, "--dtype", "float32", "--reference", "hf",

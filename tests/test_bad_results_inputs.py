@@ -36,15 +36,6 @@ def _one_clear_error(code, text, *needles, exit_code=2):
         assert n in text, (n, text)
 
 
-@pytest.fixture
-def no_model(monkeypatch):
-    """Fails a test that loads the model (tokenizer, config or weights)."""
-    def boom(*a, **k):
-        raise AssertionError("the model was loaded before the bad input was refused")
-    monkeypatch.setattr(C, "load_tokenizer_and_config", boom)
-    monkeypatch.setattr(C, "load_weights", boom)
-
-
 def _sweep():
     return json.loads(SWEEP.read_text())
 
