@@ -44,6 +44,7 @@ from dataclasses import asdict, dataclass
 
 __all__ = ["state_bytes", "io_bytes", "entry_bytes", "conventional_bytes", "replay_window_bytes",
            "replay_read_step_bytes", "replay_flush_step_bytes", "LayerShape", "layer_shapes",
+           "config_shapes",
            "StepBytes", "MemoryBytes", "layer_step_bytes", "layer_conventional_bytes",
            "layer_memory_bytes", "layer_conventional_memory", "model_step_bytes",
            "model_memory_bytes", "model_conventional"]
@@ -172,6 +173,18 @@ class LayerShape:
     @classmethod
     def from_dict(cls, d: dict) -> "LayerShape":
         return cls(**{k: d[k] for k in ("kind", "H", "HK", "dv", "dk", "name", "index") if k in d})
+
+
+def config_shapes(cfg) -> tuple[list[LayerShape], object]:
+    """(LayerShapes of the recurrent layers, the model built on the meta device) of a model
+    config, with the class load_model uses (`auto_model_class`: GLM-5-Next's
+    conditional-generation class), so no weights load; no shapes for a model without one."""
+    import torch
+
+    from replayquant.models.patching import auto_model_class
+    with torch.device("meta"):
+        meta = auto_model_class(cfg).from_config(cfg)
+    return layer_shapes(meta), meta
 
 
 def layer_shapes(model) -> list[LayerShape]:

@@ -148,8 +148,8 @@ def _checked_kl(model, pairs, out_path: Path, *, dataset, split, text_field, con
         raise ValueError(f"--context {context} is longer than the model supports "
                          f"(max_position_embeddings = {limit}); lower --context")
     from replayquant.memory import check_kl_sizes      # before any weights or documents load
-    from replayquant.sweep.common import shapes_of_config
-    check_kl_sizes([resolve_pair(p) for p in pairs], shapes_of_config(cfg), context, prefill,
+    from replayquant.statebytes import config_shapes
+    check_kl_sizes([resolve_pair(p) for p in pairs], config_shapes(cfg)[0], context, prefill,
                    device_map)
     documents = load_documents(dataset, tok, context, docs, split=split, text_field=text_field, pack=pack,
                                dataset_config=dataset_config, data_files=data_files)

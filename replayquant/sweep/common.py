@@ -10,7 +10,7 @@ from pathlib import Path
 from replayquant.outputs import write_json
 
 __all__ = ["kl_bound", "kl_figures", "kl_problem", "load_json_kind", "check_structure", "REAL",
-           "SIZE", "shapes_of_config", "shapes_of_model", "fmt_bytes", "pair_formats",
+           "SIZE", "shapes_of_model", "fmt_bytes", "pair_formats",
            "clean_name", "write_json", "check_results_out", "kl_file_for", "KL_FIGURES",
            "front_kl", "pareto_front"]
 
@@ -129,31 +129,15 @@ def load_json_kind(path, kind: str, writer: str) -> dict:
     return obj
 
 
-def shapes_of_config(cfg) -> list:
-    """The LayerShapes of the recurrent layers of a model config (none for a model without
-    one): the model is built from the config on the meta device, with the class load_model uses
-    (`auto_model_class`: GLM-5-Next's conditional-generation class), so no weights load."""
-    return _meta_shapes(cfg)[0]
-
-
-def _meta_shapes(cfg):
-    import torch
-
-    from replayquant.models.patching import auto_model_class
-    from replayquant.statebytes import layer_shapes
-    with torch.device("meta"):
-        meta = auto_model_class(cfg).from_config(cfg)
-    return layer_shapes(meta), meta
-
-
 def shapes_of_model(model: str, revision: str | None = None):
     """(LayerShapes of the recurrent layers, meta model, tokenizer, config, resolved name) of a
-    model without loading its weights (`shapes_of_config`); one ValueError for a model without
+    model without loading its weights (`statebytes.config_shapes`); one ValueError for a model without
     a recurrent layer."""
     from replayquant.kl.command import load_tokenizer_and_config
     from replayquant.models.families import KIND_NAMES
     tok, cfg, resolved = load_tokenizer_and_config(model, revision)
-    shapes, meta = _meta_shapes(cfg)
+    from replayquant.statebytes import config_shapes
+    shapes, meta = config_shapes(cfg)
     if not shapes:
         raise ValueError(f"{model}: the model has no recurrent layer replayquant can patch "
                          f"({', '.join(KIND_NAMES.values())}); there is no recurrent state to sweep")
