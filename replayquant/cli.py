@@ -211,6 +211,7 @@ def table_cmd(
     """One table from KL results files, GPQA summaries (build/gpqa/*/SUMMARY.json) or the lm-eval
     results `replayquant lm-eval` / `replayquant gpqa` write: pairs as rows."""
     from replayquant.kl.report import render_table
+    from replayquant.kl.runner import load_scored
     with _user_errors():
         from replayquant.gpqa.summary import table_for_files  # GPQA summaries (build/gpqa/*/SUMMARY.json)
         gpqa_table = table_for_files(files, fmt=format)
@@ -219,7 +220,7 @@ def table_cmd(
                 raise ValueError("--scoring applies to KL results files, not to GPQA or lm-eval results")
             typer.echo(gpqa_table, nl=False)
             return
-        typer.echo(render_table(files, fmt=format, by=by, scoring=scoring), nl=False)
+        typer.echo(render_table(load_scored(files, scoring), fmt=format, by=by), nl=False)
 
 
 @bench_app.command("kl")

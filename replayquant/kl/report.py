@@ -1,15 +1,15 @@
 """Tables of KL results, rendered from results files only (never typed).
 
-* `render_table(paths, fmt)`: md (one row per pair, value ± uncertainty in a cell), csv (one row
-  per pair, every value and its uncertainty in separate numeric columns) or llama (per pair, the
-  text block `llama-perplexity --kl-divergence` prints, for side-by-side comparison);
+* `render_table(loaded, fmt)` (loaded: `load_results` or `runner.load_scored`): md (one row per
+  pair, value ± uncertainty in a cell), csv (one row per pair, every value and its uncertainty
+  in separate numeric columns) or llama (per pair, the text block `llama-perplexity --kl-divergence` prints, for side-by-side comparison);
 * `print_summary(res)`: the terminal tables of one run, fitted to the console's width (80 columns
   through a pipe): columns that do not fit are left out, never a number split across lines.
 
 Every table says which positions were scored (`scoring`: all, or llama's second half of each
 window), and one table takes results of one scoring only: their means are over other tokens.
 `scoring="llama"` re-scores runs that scored every position to llama.cpp's window from their
-per-token values (`runner.rescore`), so `--format llama` compares with llama.cpp's numbers.
+per-token values (`runner.rescore`, `runner.load_scored`), so `--format llama` compares with llama.cpp's numbers.
 """
 
 from __future__ import annotations
@@ -177,18 +177,14 @@ def load_results(paths: list[str | Path]) -> list[tuple[str, dict]]:
     return out
 
 
-def render_table(paths: list[str | Path], fmt: str = "md", by: str = "pair",
-                 scoring: str | None = None) -> str:
-    """One table over results files: pairs as rows. fmt: md | csv | llama; by: pair | model (row
-    order); scoring: None (as each file was scored) or a scoring to re-score them to."""
+def render_table(loaded: list[tuple[str, dict]], fmt: str = "md", by: str = "pair") -> str:
+    """One table over results: pairs as rows. loaded: (source, results) of each file, as
+    `load_results` gives them (or `runner.load_scored`, re-scored); fmt: md | csv | llama;
+    by: pair | model (row order)."""
     if fmt not in FORMATS:
         raise ValueError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if by not in ("pair", "model"):
         raise ValueError(f"--by must be pair or model, got {by!r}")
-    loaded = load_results(paths)
-    if scoring is not None:
-        from .runner import rescore
-        loaded = [(src, rescore(res, src, scoring)) for src, res in loaded]
     check_one_scoring(loaded)
     if fmt == "llama":
         return render_llama(loaded)

@@ -519,6 +519,16 @@ def _load_side(path: Path, dtype, shape: tuple, what: str, index: int) -> np.nda
     return a
 
 
+def load_scored(paths, scoring: str | None = None) -> list[tuple[str, dict]]:
+    """(source, results) of each KL results file (`report.load_results`), re-scored to
+    `scoring` where one is given (`rescore`; None: as each file was scored)."""
+    from .report import load_results
+    loaded = load_results(paths)
+    if scoring is None:
+        return loaded
+    return [(src, rescore(res, src, scoring)) for src, res in loaded]
+
+
 def rescore(res: dict, path: str | os.PathLike, scoring: str) -> dict:
     """The results `res` of the results file `path` as `scoring` gives them, rebuilt from the
     per-token values in its NAME.kl/ folder (KL, delta-p, NLL, top-token agreement): a run that
