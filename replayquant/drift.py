@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from replayquant.outputs import check_owned, output_lock, write_json, write_text
+from replayquant.outputs import check_out_folder, check_owned, output_lock, write_json, write_text
 from replayquant.pairs import PrecisionPair, list_pairs
 from replayquant.replay import (ConventionalState, ReplayState, gdn_inputs, kda_inputs,
                                 mamba2_inputs, recurrent_reference)
@@ -238,12 +238,7 @@ def drift_out_path(out_dir, kind: str, steps: int, name: str | None = None) -> P
     folder is not a file and can be written (created if missing), neither target is a folder,
     and the JSON there, if any, is drift results (`replayquant.outputs.check_owned`; the .md is
     replaced only with it). One ValueError saying what to give instead."""
-    from replayquant.kl.runner import check_writable_folder
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is a file; drift writes KIND_NsSteps.json and .md into a "
-                         f"folder: give a folder (created if missing)")
-    check_writable_folder(out, out)
+    out = check_out_folder(out_dir, "drift writes KIND_NsSteps.json and .md")
     path = out / f"{name or kind + '_' + str(steps) + 'steps'}.json"
     for target in (path, path.with_suffix(".md")):
         if target.is_dir():

@@ -168,6 +168,18 @@ def append_line(path, line: str) -> None:
             raise _write_error(path, e, size > 0) from None
 
 
+def check_out_folder(out, writes: str) -> Path:
+    """The --out folder `out` of a command that writes several files into one (`writes` names
+    them, for the message), checked before any work: not a file, and writable
+    (`check_writable_folder`; created later if missing)."""
+    folder = Path(out)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"--out {out} is a file; {writes} into a folder: give a folder (created "
+                         f"if missing)")
+    check_writable_folder(folder, out)
+    return folder
+
+
 def check_writable_folder(folder, out) -> None:
     """Raise ValueError (naming the --out value `out`) unless a file can be created in `folder`
     or in the nearest folder above it that exists (a trial file, removed at once: permissions

@@ -6,13 +6,14 @@ from __future__ import annotations
 import math
 import statistics
 import sys
+from pathlib import Path
 
 import torch
 
 from replayquant.bench.inputs import (cpu_generator, gdn_params, gdn_step_inputs,
                                       kda_step_inputs, mamba2_params, mamba2_step_inputs,
                                       random_state)
-from replayquant.outputs import (check_owned, check_writable_folder, output_lock, save_figure,
+from replayquant.outputs import (check_out_folder, check_owned, output_lock, save_figure,
                                  write_json, write_text)
 
 # ---------------------------------------------------------------------------- shapes
@@ -1035,12 +1036,7 @@ def check_kernels_out(out, name: str, writer: str, inputs=()) -> Path:
     """OUT/NAME.json, checked before any work: OUT is a folder that can be written, and NAME.json
     / .md / _speedup.png there are a kernels table's or absent (`replayquant.outputs.check_owned`;
     `inputs`: the files the command reads, never replaced)."""
-    from pathlib import Path
-    outp = Path(out)
-    if outp.exists() and not outp.is_dir():
-        raise ValueError(f"--out {out} is a file; {writer} writes {name}.json, {name}.md and "
-                         f"{name}_speedup.png into a folder: give a folder (created if missing)")
-    check_writable_folder(outp, out)
+    outp = check_out_folder(out, f"{writer} writes {name}.json, {name}.md and {name}_speedup.png")
     path = outp / f"{name}.json"
     check_owned(path, KERNELS_KIND, writer, inputs=inputs, unkinded=_is_kernels,
                 beside=(outp / f"{name}.md", outp / f"{name}_speedup.png"))
