@@ -310,13 +310,12 @@ class KernelDecodeState:
     slot of each batch row, and what a decode step keeps on the device instead of reading it on
     the host (no host synchronisation in a step, so that torch.compile traces it whole and CUDA
     graphs capture it):
-    * `marker`: the tensor the cache's recurrent slot held when this state was last put there. HF
-      replaces that tensor on a beam reorder (`reorder_cache`: index_select), so a slot that is
-      still `marker` (identity, a host check) means no reorder; a replaced one holds the beam ids,
-      and `reorder` gathers every slot's store on the device (`take_slots`).
+    * a beam reorder: HF replaces the cache's marker tensor (MARKER_ATTR on the cache layer, a
+      host check of identity) by its rows picked by the beam ids, and `reorder` gathers every
+      slot's store on the device (`take_slots`).
     * `bad`: int64 [B, n inputs] the decode step (1 = the first after the prompt) at which each
-      input of each row first held NaN or infinity (-1: never), `steps` the decode steps run; `LayerRuntime.raise_nonfinite` reads them
-      at a boundary the host already waits at. The kernel never writes a non-finite state into
+      input of each row first held NaN or infinity (-1: never), `steps` the decode steps run;
+      `raise_nonfinite` reads them at a boundary the host already waits at. The kernel never writes a non-finite state into
       the anchor or the read copy (it keeps the roles of a flush whose state is not finite).
     Built from a ReplayState by `state_to_store`, turned back by `to_replay_state()`."""
 
@@ -327,7 +326,6 @@ class KernelDecodeState:
         self.B, self.H, self.d_v, self.d_k, self.device = st.B, st.H, st.d_v, st.d_k, st.device
         self.store, self.state_indices = state_to_store(st, key_heads)
         self.meta = store_meta(self.store)
-        self.marker = None
         self.bad_names = _PER_ROW[self.store.kind]
         self.bad = torch.full((self.B, len(self.bad_names)), -1, dtype=torch.int64,
                               device=self.device)
@@ -343,9 +341,9 @@ class KernelDecodeState:
 
     def reorder(self, ids: torch.Tensor) -> None:
         """Batch row i continues row ids[i] (a device tensor; repeats allowed: beam search)."""
-        take_slots(self.store, self.state_indices, self.state_indices[ids.to(self.device)])
-        if self.bad is not None:
-            self.bad.copy_(self.bad[ids.to(self.device)])
+        ids = ids.to(self.device)
+        take_slots(self.store, self.state_indices, self.state_indices[ids])
+        self.bad.copy_(self.bad[ids])
 
     def record_nonfinite(self, inputs: dict) -> None:
         """Note, on the device, the step at which an input of a row first held NaN or infinity."""
@@ -357,8 +355,6 @@ class KernelDecodeState:
     def raise_nonfinite(self) -> None:
         """One ValueError naming the layer, the input, the row and the decode step, if an input
         of a decode step since the store was built held NaN or infinity (one host read)."""
-        if self.bad is None:
-            return
         bad = self.bad.cpu()
         if not bool((bad >= 0).any()):
             return
@@ -408,6 +404,18 @@ def take_slots(store, dst: torch.Tensor, src: torch.Tensor) -> None:
 # the raw decode inputs that hold one value per batch row (the rest are the layer's parameters)
 _PER_ROW = {"gdn": ("q", "k", "v", "a", "b"), "mamba2": ("x", "dt", "B", "C"),
             "kda": ("q", "k", "v", "g", "beta")}
+
+
+def _one_token(raw: dict) -> dict:
+    """The raw decode inputs of a one-token forward without their token axis (parameters as
+    they are)."""
+    return {n: (t[:, 0] if isinstance(t, torch.Tensor) and t.dim() >= 2 else t)
+            for n, t in raw.items()}
+
+
+def _key_heads(raw: dict, delta: bool) -> int:
+    """Key heads (GDN, KDA) or groups (Mamba-2) of a layer's raw decode inputs."""
+    return raw["k" if delta else "B"].shape[-2]
 
 
 def _static(cache) -> bool:
@@ -487,9 +495,7 @@ class LayerRuntime:
             if isinstance(st, KernelDecodeState) and ids.shape[0] == st.B:
                 st.reorder(ids)
             else:
-                if isinstance(st, ScanHeld):
-                    st = st.to_replay_state()
-                elif isinstance(st, KernelDecodeState):
+                if isinstance(st, (ScanHeld, KernelDecodeState)):
                     st = st.to_replay_state()
                 st = reorder_state(st, ids)
             setattr(lay, MARKER_ATTR, None)          # put_state writes a fresh marker
@@ -580,8 +586,7 @@ class LayerRuntime:
             return None
         if self.vector_gate and raw is None:
             raw = _kda_raw(q, k, v, log_a, beta)
-        one = {n: (t[:, 0] if isinstance(t, torch.Tensor) and t.dim() >= 2 else t)
-               for n, t in raw.items()}
+        one = _one_token(raw)
         st.record_nonfinite(one)
         return st.step(one).unsqueeze(1)
 
@@ -597,8 +602,7 @@ class LayerRuntime:
             st = st.to_replay_state()
         if len(torch.unique(st.export()["rows"])) != st.B:
             return st
-        HK = raw["k"].shape[-2] if self.delta else raw["B"].shape[-2]
-        return KernelDecodeState(st, HK)
+        return KernelDecodeState(st, _key_heads(raw, self.delta))
 
     def _check_inputs(self, q, k, v, log_a, beta, valid, decode: bool) -> None:
         """A NaN or infinity in this forward's recurrence inputs (valid tokens only) is one
@@ -630,11 +634,8 @@ class LayerRuntime:
                         "keys SR streams by slot and holds one row per slot)")
         if path == "triton":
             if isinstance(st, ReplayState):                 # hand-off: once, at decode start
-                HK = raw["k"].shape[-2] if self.delta else raw["B"].shape[-2]
-                st = KernelDecodeState(st, HK, steps_done=1)
-            one = {n: (t[:, 0] if isinstance(t, torch.Tensor) and t.dim() >= 2 else t)
-                   for n, t in raw.items()}
-            return st, st.step(one).unsqueeze(1)
+                st = KernelDecodeState(st, _key_heads(raw, self.delta), steps_done=1)
+            return st, st.step(_one_token(raw)).unsqueeze(1)
         if path != "torch":
             self._warn_once(f"replayquant decode on {q.device}, layer {self.layer_idx}: {path}")
         if isinstance(st, KernelDecodeState):
