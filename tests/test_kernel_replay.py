@@ -581,3 +581,34 @@ def test_replay_mamba2_dt_limit(pair):
     replay_accept(store, n, idx)
     replay_accept_ref(ref, n, idx)
     assert torch.equal(store.committed, ref.committed)
+
+
+@pytest.mark.parametrize("pair", ["s32_rs", "tp8_hi32"])
+def test_flush_of_a_nonfinite_state_keeps_the_tile(pair):
+    """A NaN in one value row of one head at a flush step: the kernel and its reference keep
+    both roles of that flush tile (tp8_hi32: 16-row tiles, so the head's other tile is written)
+    bit for bit as before the step, and write the same tiles elsewhere."""
+    B, HK, H, dk, dv = 2, 1, 2, 32, 32
+    dr = Driver("gdn", B, HK, H, dk, dv)
+    store = ReplayStore.from_state(random_state(B, H, dv, dk, seed=5), pair, "gdn", key_heads=HK,
+                                   seed=3, layer=0, buffer_len=2)
+    ref = store.clone()
+    idx = torch.arange(B)
+    inp = dr.inputs(seed=0)
+    dr.step(replay_gdn_step, store, inp, idx)
+    dr.step(replay_gdn_step_ref, ref, inp, idx)
+    before = store.clone()
+    q, k, v, *rest = dr.inputs(seed=1)
+    v = v.clone()
+    v[0, 0, 3] = float("nan")
+    dr.step(replay_gdn_step, store, (q, k, v, *rest), idx)
+    dr.step(replay_gdn_step_ref, ref, (q, k, v, *rest), idx)
+    assert store.n_flush.tolist() == [1, 1]
+    bv = replay_launch_config(store, "flush")[0]
+    for s in (store, ref):
+        for role in [r for r in ("anchor", "read") if getattr(s, r) is not None]:
+            new, old = getattr(s, role).dequantize(), getattr(before, role).dequantize()
+            assert torch.equal(new[0, 0, :bv], old[0, 0, :bv]), role        # the kept tile
+            assert torch.isfinite(new).all()
+            assert not torch.equal(new[1], old[1])                          # a written row
+    assert_states_close(store.anchor.dequantize(), ref.anchor.dequantize())
