@@ -252,6 +252,8 @@ def bench_generate_cmd(
     compile_backend: str = typer.Option("inductor", help="torch.compile backend of the static ways"),
     budget_s: float = typer.Option(None, help="skip the batches left after this many seconds"),
     out: str = typer.Option("build/bench/generate.json", help="results JSON"),
+    add: bool = typer.Option(False, "--add", help="add these batches to --out, a file of the same "
+                             "run (shape, pairs, prompt, compile config, git commit)"),
 ):
     """GPU: ms per decode step of generate, HF and patched, eager and static cache + compile, with
     GPU busy time, kernel launches and host syncs per step."""
@@ -263,7 +265,7 @@ def bench_generate_cmd(
             raise ValueError(f"--batch takes comma-separated integers, got {batch!r}") from None
         r = run_generate_bench(out=out, shape=shape, batches=batches,
                                pairs=tuple(pair or ("s32_rs", "tp4_hi16_sr")), prompt=prompt,
-                               compile_backend=compile_backend, budget_s=budget_s,
+                               compile_backend=compile_backend, budget_s=budget_s, add=add,
                                progress=lambda m: typer.echo(m, err=True))
     for t in r["targets"]:
         typer.echo(f"{'met ' if t['met'] else 'MISS'} {t['measured']:.3g}  {t['name']}")

@@ -161,3 +161,27 @@ def test_bench_generate_targets_and_its_error_without_a_gpu(tmp_path):
     if not torch.cuda.is_available():
         code, text = invoke(["bench", "generate", "--out", tmp_path / "g.json"])
         one_clear_error(code, text, "needs a CUDA GPU")
+
+
+def test_bench_generate_adds_batches_to_a_file_of_the_same_run_only(tmp_path, monkeypatch):
+    """`add=True` keeps the batches an earlier call of the same run measured and records each
+    call; a file of another run is refused before any work; without `add` the file is replaced."""
+    import replayquant.bench.generate as bg
+    monkeypatch.setattr(bg, "copy_bandwidth_gbps", lambda: 1.0)
+    monkeypatch.setattr(bg, "_measure", lambda model, ids, static, *a, **k: {
+        "tokens": torch.zeros(ids.shape[0], 2, dtype=torch.long), "ms_per_step": 1.0 + static})
+    out = tmp_path / "g.json"
+    kw = dict(shape="tiny", device="cpu", pairs=("s32_rs",), progress=lambda m: None)
+    bg.run_generate_bench(out, batches=(1,), **kw)
+    res = bg.run_generate_bench(out, add=True, batches=(2,), **kw)
+    assert res["batches"] == [1, 2] and [c["batches"] for c in res["calls"]] == [[1], [2]]
+    assert set(res["rows"]) == {f"{w}@B{b}" for b in (1, 2) for w in
+                                ("hf_eager", "hf_static", "patched_eager:s32_rs",
+                                 "patched_static:s32_rs")}
+    assert all(r["tokens_equal_eager"] for k, r in res["rows"].items() if "static" in k)
+    before = out.read_bytes()
+    with pytest.raises(ValueError, match="different configuration"):
+        bg.run_generate_bench(out, add=True, batches=(4,), **(kw | {"pairs": ("tp4_hi16_sr",)}))
+    assert out.read_bytes() == before
+    res = bg.run_generate_bench(out, batches=(4,), **kw)
+    assert res["batches"] == [4] and len(res["calls"]) == 1

@@ -12,7 +12,11 @@ and static + compiled (the same compile config). Per way and batch:
   difference of two generates), and `launches_per_step`, the kernels it counted;
 * `host_syncs_per_step` (eager ways): host synchronisations of one decode forward after the
   first (replayquant.hostsync; HF's generate adds its own stopping check per step, not counted),
-  and `sync_debug_ok`: whether that forward ran under torch.cuda.set_sync_debug_mode("error").
+  and `sync_debug_ok`: whether that forward ran under torch.cuda.set_sync_debug_mode("error");
+* static ways: `tokens_equal_eager`, the greedy tokens against the same model's eager generate
+  (HF's own pair says how often Inductor's fused arithmetic alone flips a near-tied argmax of
+  random weights), and `while_timed`, graphs compiled, graph breaks and CUDA-graph skips during
+  the timed generates (all 0 where the timing is of replayed CUDA graphs).
 
 The ratios the targets need are formed within the run; `targets` lists each with its measure and
 whether it is met. Writes one JSON file with provenance.
@@ -20,6 +24,7 @@ whether it is met. Writes one JSON file with provenance.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -118,17 +123,35 @@ def _decode_forward_syncs(model, ids) -> tuple[int, bool]:
     return c.syncs, ok
 
 
+def _compile_counters() -> dict:
+    """torch.compile's counters that say whether a timed generate compiled or left CUDA graphs:
+    graphs compiled, graph breaks, CUDA-graph skips (each skip's reason is logged by Inductor;
+    TORCH_LOGS=cudagraphs,recompiles prints them)."""
+    from torch._dynamo.utils import counters
+    return {"graphs_compiled": int(counters["stats"]["unique_graphs"]),
+            "graph_breaks": int(sum(counters["graph_break"].values())),
+            "cudagraph_skips": int(counters["inductor"]["cudagraph_skips"])}
+
+
 def _measure(model, ids, static: bool, compile_config, n1: int, n2: int, eager_syncs: bool):
-    _generate(model, ids, n1, static, compile_config)               # warm-up: compiles
+    # warm-up, the longer generate first: HF sizes a static cache for the longest generate so
+    # far (GenerationMixin._prepare_static_cache), so that the timed ones reuse its shapes and
+    # compile nothing (a shorter warm-up put a recompile into the timed n2 generate)
+    _generate(model, ids, n2, static, compile_config)
+    _generate(model, ids, n1, static, compile_config)
+    before = _compile_counters()
     t1 = _timed(lambda: _generate(model, ids, n1, static, compile_config))
     t2 = _timed(lambda: _generate(model, ids, n2, static, compile_config))
     g1, k1 = _profiled(lambda: _generate(model, ids, n1, static, compile_config))
     g2, k2 = _profiled(lambda: _generate(model, ids, n2, static, compile_config))
+    after = _compile_counters()
     steps = n2 - n1
     tokens = _generate(model, ids, n2, static, compile_config)[:, ids.shape[1]:].cpu()
     row = {"tokens": tokens, "ms_per_step": 1e3 * (t2 - t1) / steps,
            "gpu_busy_ms_per_step": None if g1 is None else (g2 - g1) / steps,
            "launches_per_step": None if k1 is None else (k2 - k1) / steps}
+    if static:      # in the timed generates (0 each, or the timing holds a compile / eager steps)
+        row["while_timed"] = {k: after[k] - before[k] for k in after}
     if eager_syncs:
         row["host_syncs_per_step"], row["sync_debug_ok"] = _decode_forward_syncs(model, ids)
     return row
@@ -182,30 +205,57 @@ def _targets(rows: dict, pairs, batches) -> list[dict]:
 GENERATE_KIND = "replayquant.bench.generate"   # the "kind" of the results file
 
 
-def run_generate_bench(out: str | Path = "build/bench/generate.json", **kw) -> dict:
+def _identity(shape, pairs, prompt, n1, n2, compile_backend, compile_mode, **_) -> dict:
+    """What the batches of one results file share (`run_generate_bench(add=True)`)."""
+    from replayquant.provenance import git_commit
+    return {"shape": shape, "pairs": list(pairs), "prompt_tokens": prompt, "steps_timed": [n1, n2],
+            "compile_config": {"backend": compile_backend, "mode": compile_mode},
+            "git_commit": git_commit()}
+
+
+def _recorded(old: dict) -> dict:
+    return {k: old[k] for k in ("shape", "pairs", "prompt_tokens", "steps_timed", "compile_config")} \
+        | {"git_commit": old["provenance"]["git_commit"]}
+
+
+_DEFAULTS = dict(shape="qwen3.5-4b", pairs=("s32_rs", "tp4_hi16_sr"), prompt=64, n1=4, n2=20,
+                 compile_backend="inductor", compile_mode="reduce-overhead")
+
+
+def run_generate_bench(out: str | Path = "build/bench/generate.json", add: bool = False,
+                       **kw) -> dict:
     """`_run_generate_bench` (its options in `kw`) into `out`, which holds nothing but this
     benchmark's results (`replayquant.outputs.check_owned`, before any work) and is locked from
-    the checks to the last write."""
+    the checks to the last write. With `add`, `out` must be a file of the same run (model shape,
+    pairs, prompt, steps timed, compile config and git commit) and keeps its batches: this call
+    measures the batches it is given and adds them (a batch measured again replaces its rows);
+    a GPU call is capped in time, and the four static ways compile for minutes a batch."""
     from replayquant.outputs import check_owned, output_lock
-    check_owned(out, GENERATE_KIND, "replayquant bench generate")
+    own = dict(identity=_identity(**(_DEFAULTS | kw)), recorded=_recorded) if add else {}
+    check_owned(out, GENERATE_KIND, "replayquant bench generate", **own)
     with output_lock(out):
-        check_owned(out, GENERATE_KIND, "replayquant bench generate")
-        return _run_generate_bench(out, **kw)
+        check_owned(out, GENERATE_KIND, "replayquant bench generate", **own)
+        prior = None
+        if add and Path(out).exists():
+            prior = json.loads(Path(out).read_text(encoding="utf-8"))
+        return _run_generate_bench(out, prior=prior, **kw)
 
 
 def _run_generate_bench(out: str | Path = "build/bench/generate.json", shape: str = "qwen3.5-4b",
                        batches=(1, 32, 256), pairs=("s32_rs", "tp4_hi16_sr"), prompt: int = 64,
                        n1: int = 4, n2: int = 20, ways=WAYS, compile_backend: str = "inductor",
                        compile_mode: str = "reduce-overhead", budget_s: float | None = None,
-                       progress=print, device: str = "cuda", n_layers: int | None = None) -> dict:
+                       progress=print, device: str = "cuda", n_layers: int | None = None,
+                       prior: dict | None = None) -> dict:
     """Every (way, batch) of the module docstring; with budget_s, the batches left when the
-    budget is spent are skipped (listed in `skipped`). Writes `out` after every batch.
-    device 'cpu' (the tests: shape 'tiny', the static ways compiled through
-    CompileConfig._compile_all_devices) leaves the GPU figures None."""
+    budget is spent are skipped (listed in `skipped`). Writes `out` after every batch, beside
+    the batches of `prior` (the file of the same run an earlier call wrote). device 'cpu' (the
+    tests: shape 'tiny', the static ways compiled through CompileConfig._compile_all_devices)
+    leaves the GPU figures None."""
     from transformers import CompileConfig
 
     import replayquant
-    from replayquant.kl.bench import SHAPES, build_model
+    from replayquant.kl.bench import build_model
     from replayquant.outputs import write_json
     from replayquant.provenance import provenance
 
@@ -219,14 +269,23 @@ def _run_generate_bench(out: str | Path = "build/bench/generate.json", shape: st
     model = build_model(shape, torch.bfloat16 if device == "cuda" else torch.float32, device)
     cc = CompileConfig(backend=compile_backend, mode=compile_mode)
     cc._compile_all_devices = device != "cuda"
-    g = torch.Generator().manual_seed(0)
-    rows, skipped, t_start, eager_tokens = {}, [], time.perf_counter(), {}
-    res = {}
+    prior = prior or {}
+    rows = {k: v for k, v in prior.get("rows", {}).items()
+            if int(k.rsplit("@B", 1)[1]) not in batches}
+    calls = prior.get("calls", [])
+    call = {"batches": [], "copy_bandwidth_gbps": copy_gbps,
+            "provenance": provenance(device=device, bench="generate", shape=shape,
+                                     batches=list(batches), pairs=list(pairs), prompt=prompt)}
+    calls.append(call)
+    skipped, t_start = [], time.perf_counter()
     for b in batches:
         if budget_s is not None and time.perf_counter() - t_start > budget_s:
             skipped.append(b)
             continue
+        # the prompts of batch b depend on b alone, whichever call measures it
+        g = torch.Generator().manual_seed(b)
         ids = torch.randint(1, model.config.vocab_size, (b, prompt), generator=g).to(device)
+        eager_tokens = {}                     # this batch's eager tokens, by pair (None: HF)
         plan = [(w, None) for w in ways if w.startswith("hf")] + \
             [(w, p) for p in pairs for w in ways if w.startswith("patched")]
         for way, pair in plan:
@@ -245,23 +304,36 @@ def _run_generate_bench(out: str | Path = "build/bench/generate.json", shape: st
                     replayquant.unpatch(model)
             rows[key]["wall_s"] = time.perf_counter() - t0
             toks = rows[key].pop("tokens", None)
-            if way == "patched_eager":
+            if way.endswith("eager"):
                 eager_tokens[pair] = toks
-            elif way == "patched_static" and toks is not None and eager_tokens.get(pair) is not None:
-                # greedy tokens of the compiled generate against the patched eager generate's
-                rows[key]["tokens_equal_eager"] = bool(torch.equal(toks, eager_tokens[pair]))
+            elif toks is not None and eager_tokens.get(pair) is not None:
+                # greedy tokens of the compiled generate against the same model's eager generate
+                # (HF's own pair tells how often Inductor's arithmetic alone flips a token)
+                same = toks == eager_tokens[pair]
+                rows[key]["tokens_equal_eager"] = bool(same.all())
+                rows[key]["first_token_differing"] = None if same.all() else \
+                    int((~same).any(0).nonzero()[0])
             progress(f"{key}: {rows[key]}")
-        res = {"kind": GENERATE_KIND, "shape": shape, "model_config": SHAPES[shape],
-               "dtype": "bfloat16", "prompt_tokens": prompt, "steps_timed": [n1, n2],
-               "compile_config": {"backend": compile_backend, "mode": compile_mode},
-               "copy_bandwidth_gbps": copy_gbps, "flash_linear_attention": _fla_version(),
-               "batches": list(batches), "pairs": list(pairs), "rows": rows,
-               "targets": _targets(rows, pairs, batches), "skipped_batches": skipped,
-               "complete": False,
-               "provenance": provenance(device=device, bench="generate", shape=shape,
-                                        batches=list(batches), pairs=list(pairs), prompt=prompt)}
+        call["batches"].append(b)
+        res = _result(rows, calls, skipped, False, shape, pairs, prompt, n1, n2, compile_backend,
+                      compile_mode)
         write_json(out, res)
-    res["skipped_batches"] = skipped
-    res["complete"] = not skipped
+    if not call["batches"]:
+        raise ValueError(f"bench generate: --budget-s {budget_s} was spent before the first batch; "
+                         f"nothing measured, {out} left as it was")
+    res = _result(rows, calls, skipped, not skipped, shape, pairs, prompt, n1, n2,
+                  compile_backend, compile_mode)
     write_json(out, res)
     return res
+
+
+def _result(rows, calls, skipped, complete, shape, pairs, prompt, n1, n2, compile_backend,
+            compile_mode) -> dict:
+    from replayquant.kl.bench import SHAPES
+    done = sorted({int(k.rsplit("@B", 1)[1]) for k in rows})
+    return {"kind": GENERATE_KIND, "shape": shape, "model_config": SHAPES[shape],
+            "dtype": "bfloat16", "prompt_tokens": prompt, "steps_timed": [n1, n2],
+            "compile_config": {"backend": compile_backend, "mode": compile_mode},
+            "flash_linear_attention": _fla_version(), "batches": done, "pairs": list(pairs),
+            "rows": rows, "targets": _targets(rows, pairs, done), "skipped_batches": skipped,
+            "complete": complete, "calls": calls, "provenance": calls[-1]["provenance"]}
