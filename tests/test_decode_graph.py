@@ -101,6 +101,34 @@ def test_compiled_static_cache_generate_equals_eager(name, pair):
     assert torch.equal(compiled, eager)
 
 
+def test_static_generates_reuse_one_store_unless_its_cache_is_held():
+    """Successive static-cache generates (HF makes a new cache each call) step the same store
+    tensors, so that CUDA graphs keep their addresses, and a generate after another prompt gives
+    the tokens it gave alone; a cache still held keeps its own store."""
+    model = _model("tiny-qwen3.5", "tp4_hi16_sr")
+    g = torch.Generator().manual_seed(5)
+    p1, p2 = (torch.randint(3, 200, (2, 4), generator=g) for _ in range(2))
+    args = dict(max_new_tokens=L + 2, min_new_tokens=L + 2, do_sample=False,
+                cache_implementation="static")
+    rt = next(m._replayquant for m in model.modules() if hasattr(m, "_replayquant"))
+
+    def ptrs():
+        return [t.data_ptr() for t in rt._spare[1].tensors()]
+
+    with torch.no_grad(), options.override(backend="triton"):
+        first = model.generate(p1, **args)
+        where = ptrs()
+        model.generate(p2, **args)
+        again = model.generate(p1, **args)
+        assert ptrs() == where
+        assert torch.equal(again, first)
+        held = model.generate(p1, return_dict_in_generate=True, **args).past_key_values
+        model.generate(p2, **args)
+        assert ptrs() != where
+        mine = getattr(held.layers[rt.layer_idx], runtime.STATE_ATTR)
+        assert [t.data_ptr() for t in mine.tensors()] == where
+
+
 def test_nonfinite_decode_input_is_named_and_the_anchor_kept():
     """A NaN in one row's beta logits at a decode step on the store: no host read at that step;
     the flush after it keeps that row's anchor as it was; the next multi-token forward raises

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 
 import torch
 
@@ -319,8 +320,9 @@ class KernelDecodeState:
       the anchor or the read copy (it keeps the roles of a flush whose state is not finite).
     Built from a ReplayState by `state_to_store`, turned back by `to_replay_state()`."""
 
-    def __init__(self, st: ReplayState, key_heads: int, steps_done: int = 0):
-        from replayquant.kernels.ops import store_meta, store_tensors
+    def __init__(self, st: ReplayState, key_heads: int, steps_done: int = 0,
+                 reuse: "KernelDecodeState | None" = None):
+        from replayquant.kernels.ops import store_meta
         self.pair, self.delta, self.seed, self.layer = st.pair, st.delta, st.seed, st.layer
         self.vector_gate = st.vector_gate
         self.B, self.H, self.d_v, self.d_k, self.device = st.B, st.H, st.d_v, st.d_k, st.device
@@ -331,10 +333,27 @@ class KernelDecodeState:
                               device=self.device)
         # decode steps taken before the store's first (1 where the hand-off step is one)
         self.steps = torch.full((), int(steps_done), dtype=torch.int64, device=self.device)
-        # every tensor a step writes keeps its address, as HF's static cache tensors: CUDA
-        # graphs replay a compiled step on them (torch.compile skips graphs that mutate others)
-        for t in store_tensors(self.store) + [self.bad, self.steps]:
+        if reuse is not None and reuse.meta == self.meta and all(
+                a.shape == b.shape and a.dtype == b.dtype
+                for a, b in zip(reuse.tensors(), self.tensors())):
+            # the same shapes as a store nobody holds any more: this content goes into its
+            # tensors, so that a compiled step's CUDA graphs replay on the addresses they
+            # recorded (a new address re-records every graph: about 300 ms a generate, H200)
+            for a, b in zip(reuse.tensors(), self.tensors()):
+                a.copy_(b)
+            self.store, self.state_indices = reuse.store, reuse.state_indices
+            self.bad, self.steps = reuse.bad, reuse.steps
+            self.store.pending_T, self.store.last_force = None, False
+        # every tensor a step reads or writes keeps its address, as HF's static cache tensors:
+        # CUDA graphs replay a compiled step on them (torch.compile skips graphs that mutate
+        # others, and copies any other input into the graph's own at every replay)
+        for t in self.tensors():
             torch._dynamo.mark_static_address(t)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of this state a decode step reads or writes (store, slots, counters)."""
+        from replayquant.kernels.ops import store_tensors
+        return store_tensors(self.store) + [self.state_indices, self.bad, self.steps]
 
     def to_replay_state(self) -> ReplayState:
         return store_to_state(self.store, self.state_indices, self.pair, self.seed, self.layer)
@@ -444,6 +463,7 @@ class LayerRuntime:
         self.layer_idx, self.delta, self.kind = int(layer_idx), bool(delta), kind
         self.vector_gate = bool(vector_gate)     # log_a per key channel [.., H, d_k] (KDA)
         self._warned = set()
+        self._spare = (lambda: None, None)     # (weak ref to its cache layer, the last store)
 
     def _warn_once(self, msg: str) -> None:
         if msg not in self._warned:
@@ -554,7 +574,7 @@ class LayerRuntime:
                     st = st.to_replay_state()
                 y, st = _teacher_force(st, q, k, v, log_a, beta, valid, self.prefill == "exact")
                 if _static(cache):
-                    st = self._decode_ready(st, q, k, v, log_a, beta, raw)
+                    st = self._decode_ready(st, q, k, v, log_a, beta, raw, lay)
         if lay is not None:
             self.put_state(cache, lay, st)
         return y
@@ -590,10 +610,15 @@ class LayerRuntime:
         st.record_nonfinite(one)
         return st.step(one).unsqueeze(1)
 
-    def _decode_ready(self, st, q, k, v, log_a, beta, raw):
+    def _decode_ready(self, st, q, k, v, log_a, beta, raw, lay=None):
         """The state a multi-token forward leaves in a static cache (a compiled generate's):
         already the decode kernel's store where decode will run the kernel, so that the first
-        decode step, which torch.compile traces, finds the store and converts nothing."""
+        decode step, which torch.compile traces, finds the store and converts nothing.
+
+        HF's generate makes a new static cache each call; the store of the previous call's
+        cache is reused (same shapes, its owner gone or this very cache layer), so that the
+        compiled step's CUDA graphs keep their addresses from one generate to the next. The
+        layer keeps that one store alive after its cache is gone (`unpatch` drops it)."""
         if self.vector_gate and raw is None:
             raw = _kda_raw(q, k, v, log_a, beta)
         if self.decode_path(q, q.shape[-1], v.shape[-1], raw) != "triton":
@@ -602,7 +627,15 @@ class LayerRuntime:
             st = st.to_replay_state()
         if len(torch.unique(st.export()["rows"])) != st.B:
             return st
-        return KernelDecodeState(st, _key_heads(raw, self.delta))
+        owner, spare = self._spare
+        free = spare is not None and (owner() is None or owner() is lay)
+        kds = KernelDecodeState(st, _key_heads(raw, self.delta), reuse=spare if free else None)
+        if lay is not None:
+            try:
+                self._spare = (weakref.ref(lay), kds)
+            except TypeError:                 # a cache layer without weak references
+                pass
+        return kds
 
     def _check_inputs(self, q, k, v, log_a, beta, valid, decode: bool) -> None:
         """A NaN or infinity in this forward's recurrence inputs (valid tokens only) is one
