@@ -43,9 +43,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 __all__ = ["state_bytes", "io_bytes", "entry_bytes", "conventional_bytes", "replay_window_bytes",
-           "replay_read_step_bytes", "replay_flush_step_bytes", "LayerShape", "layer_shapes",
-           "config_shapes",
-           "StepBytes", "MemoryBytes", "layer_step_bytes", "layer_conventional_bytes",
+           "replay_read_step_bytes", "replay_flush_step_bytes", "LayerShape", "StepBytes", "MemoryBytes", "layer_step_bytes", "layer_conventional_bytes",
            "layer_memory_bytes", "layer_conventional_memory", "model_step_bytes",
            "model_memory_bytes", "model_conventional"]
 
@@ -173,35 +171,6 @@ class LayerShape:
     @classmethod
     def from_dict(cls, d: dict) -> "LayerShape":
         return cls(**{k: d[k] for k in ("kind", "H", "HK", "dv", "dk", "name", "index") if k in d})
-
-
-def config_shapes(cfg) -> tuple[list[LayerShape], object]:
-    """(LayerShapes of the recurrent layers, the model built on the meta device) of a model
-    config, with the class load_model uses (`auto_model_class`: GLM-5-Next's
-    conditional-generation class), so no weights load; no shapes for a model without one."""
-    import torch
-
-    from replayquant.models.patching import auto_model_class
-    with torch.device("meta"):
-        meta = auto_model_class(cfg).from_config(cfg)
-    return layer_shapes(meta), meta
-
-
-def layer_shapes(model) -> list[LayerShape]:
-    """The LayerShape of every recurrent layer of a Hugging Face model (as `recurrent_layers`
-    finds them): GDN value / key heads and head dims, KDA heads and head dim (q, k, v alike),
-    Mamba-2 heads, groups, head dim and state size, read from the layer modules."""
-    from replayquant.models.patching import recurrent_layers
-    out = []
-    for name, m, kind in recurrent_layers(model):
-        if kind == "gdn":
-            H, HK, dv, dk = m.num_v_heads, m.num_k_heads, m.head_v_dim, m.head_k_dim
-        elif kind == "kda":
-            H, HK, dv, dk = m.num_heads, m.num_heads, m.head_dim, m.head_dim
-        else:
-            H, HK, dv, dk = m.num_heads, m.n_groups, m.head_dim, m.ssm_state_size
-        out.append(LayerShape(kind, int(H), int(HK), int(dv), int(dk), name, int(m.layer_idx)))
-    return out
 
 
 def _fmts(pair):

@@ -148,7 +148,7 @@ def _checked_kl(model, pairs, out_path: Path, *, dataset, split, text_field, con
         raise ValueError(f"--context {context} is longer than the model supports "
                          f"(max_position_embeddings = {limit}); lower --context")
     from replayquant.memory import check_kl_sizes      # before any weights or documents load
-    from replayquant.statebytes import config_shapes
+    from replayquant.models.shapes import config_shapes
     check_kl_sizes([resolve_pair(p) for p in pairs], config_shapes(cfg)[0], context, prefill,
                    device_map)
     documents = load_documents(dataset, tok, context, docs, split=split, text_field=text_field, pack=pack,

@@ -131,12 +131,12 @@ def load_json_kind(path, kind: str, writer: str) -> dict:
 
 def shapes_of_model(model: str, revision: str | None = None):
     """(LayerShapes of the recurrent layers, meta model, tokenizer, config, resolved name) of a
-    model without loading its weights (`statebytes.config_shapes`); one ValueError for a model without
+    model without loading its weights (`models.shapes.config_shapes`); one ValueError for a model without
     a recurrent layer."""
     from replayquant.kl.command import load_tokenizer_and_config
     from replayquant.models.families import KIND_NAMES
     tok, cfg, resolved = load_tokenizer_and_config(model, revision)
-    from replayquant.statebytes import config_shapes
+    from replayquant.models.shapes import config_shapes
     shapes, meta = config_shapes(cfg)
     if not shapes:
         raise ValueError(f"{model}: the model has no recurrent layer replayquant can patch "
