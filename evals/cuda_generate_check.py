@@ -10,8 +10,8 @@ tiny-kimi-linear is not among the defaults: its decode kernel, replay_kda_step, 
 interpreter only (tests/test_kernel_kda_replay.py) and has not run compiled yet.
 
 * the same ragged batch of held-out prompts (left padding) is generated greedily on CUDA
-  (decode kernel: `decode_path` must say 'triton') and on the CPU (ReplayState.step, the
-  specification), for each pair;
+  (decode kernel: `decode_path` must say 'triton') and on the CPU (the torch engine on a
+  float32 ring, which equals ReplayState.step within float32 reassociation), for each pair;
 * reported per pair: whether the greedy tokens agree, the first position where they differ,
   the largest logit difference relative to the largest logit over the steps before that
   position (the kernel's bf16 ring buffer bounds it, see tests/test_models_decode_kernel.py),

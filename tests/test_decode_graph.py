@@ -49,19 +49,21 @@ def _step(model, tok, kw):
     return out, out[:, -1:].argmax(-1)
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("name", MODELS)
-def test_decode_step_on_the_store_is_one_graph_without_host_sync(name):
+def test_decode_step_on_the_store_is_one_graph_without_host_sync(name, backend):
     """After the first decode step (the hand-off into the store, which still reads the host for
     its checks), L + 1 decode forwards, a flush among them, read nothing on the host; then
-    torch.compile(fullgraph=True) traces a decode forward (the kernel is one custom operator)
-    and gives the eager forward's logits bit for bit through another flush. The prompts run on
-    the torch path (the chunk kernel in the interpreter is slow; the hand-off is the same)."""
+    torch.compile(fullgraph=True) traces a decode forward (the step is one custom operator)
+    and gives the eager forward's logits bit for bit through another flush. Both engines: the
+    Triton kernel (interpreter) and the torch engine (the CPU path). The prompts run on the
+    torch path (the chunk kernel in the interpreter is slow; the hand-off is the same)."""
     model = _model(name, "tp4_hi16_sr")
     with torch.no_grad():
         with options.override(backend="torch"):
             eager_kw, comp_kw = _prefill(model)[1:], _prefill(model)[1:]
         (ekw, etok), (ckw, ctok) = eager_kw, comp_kw
-        with options.override(backend="triton"):
+        with options.override(backend=backend):
             with HostSyncCounter() as first:
                 _, etok = _step(model, etok, ekw)
             _, ctok = _step(model, ctok, ckw)
@@ -71,6 +73,10 @@ def test_decode_step_on_the_store_is_one_graph_without_host_sync(name):
                     _, ctok = _step(model, ctok, ckw)
             assert first.syncs > 0
             assert later.syncs == 0, later.where
+            stores = [getattr(lay, runtime.STATE_ATTR) for lay in ekw[_cache_kw(model)].layers
+                      if hasattr(lay, runtime.STATE_ATTR)]
+            assert stores and all(isinstance(s, runtime.DecodeStore) and s.engine == backend
+                                  for s in stores)
             torch._dynamo.reset()
             f = torch.compile(lambda t, kw: model(t, **kw).logits, backend="eager", fullgraph=True)
             for _ in range(L):
@@ -80,9 +86,10 @@ def test_decode_step_on_the_store_is_one_graph_without_host_sync(name):
                 assert torch.equal(c, e)
 
 
-@pytest.mark.parametrize("name,pair", [("tiny-qwen3.5", "tp4_hi16_sr"), ("tiny-mamba2", "s32_rs"),
-                                       ("tiny-kimi-linear", "tp8_hi32")])
-def test_compiled_static_cache_generate_equals_eager(name, pair):
+@pytest.mark.parametrize("name,pair,backend", [
+    ("tiny-qwen3.5", "tp4_hi16_sr", "triton"), ("tiny-mamba2", "s32_rs", "triton"),
+    ("tiny-kimi-linear", "tp8_hi32", "triton"), ("tiny-qwen3.5", "tp4_hi16_sr", "torch")])
+def test_compiled_static_cache_generate_equals_eager(name, pair, backend):
     """HF's generate with cache_implementation='static' and a compile config (compiled on the
     CPU too through CompileConfig._compile_all_devices): the prefill into the static cache leaves
     the decode stores, the compiled decode steps run on them, and the greedy tokens equal the
@@ -94,7 +101,7 @@ def test_compiled_static_cache_generate_equals_eager(name, pair):
                 attention_mask=torch.ones_like(ids))
     cc = CompileConfig(backend="eager", fullgraph=True)
     cc._compile_all_devices = True
-    with torch.no_grad(), options.override(backend="triton"):
+    with torch.no_grad(), options.override(backend=backend):
         eager = model.generate(ids, **args)
         torch._dynamo.reset()
         compiled = model.generate(ids, cache_implementation="static", compile_config=cc, **args)

@@ -31,7 +31,7 @@ from replayquant.kernels.quant import (decode_bf16, decode_fp16, small_float_at,
                                        small_float_pair_at)
 from replayquant.kernels.roles import _tile_load, _tile_store, split_key
 from replayquant.kernels.stores import (NO_DT_LIMIT, ReplayStore, _begin, _default_force,
-                                        _check_buffered_bf16, _indices, dt_limit_args, folds_u,
+                                        _check_buffered, _indices, dt_limit_args, folds_u,
                                         solves_u, step_inputs)
 
 __all__ = ["replay_gdn_step", "replay_mamba2_step", "replay_kda_step", "advance_pointers",
@@ -905,7 +905,7 @@ def _launch(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, state_ind
     if not step and T > store.max_drafts:
         raise ValueError(f"T={T} drafts, but the store was built with max_drafts="
                          f"{store.max_drafts} (ReplayStore.from_state(..., max_drafts=T))")
-    _check_buffered_bf16(delta, k, v)
+    _check_buffered(store, delta, k, v, kernel=True)
     beta_scale = float(beta_scale)
     if not (math.isfinite(beta_scale) and beta_scale > 0):
         raise ValueError(f"beta_scale must be a finite number > 0, got {beta_scale}")

@@ -1,7 +1,10 @@
 """The replay decode step on a `ReplayStore` in torch, vectorised over the batch rows and with no
-host synchronisation: a decode step of torch ops alone (the CPU, or a device the Triton kernel
-does not serve), on the same store as the kernel. torch.compile(fullgraph=True) traces a step
-without a graph break.
+host synchronisation: the torch engine of a patched model's decode (the CPU, or dims the Triton
+kernel does not take), on the same store layout as the kernel. It steps a store with a bf16
+ring as the kernel does, or one with a float32 ring (`ReplayStore.from_state(ring_dtype=
+torch.float32)`: u in float32 too and no key factors, which only the kernel's flush reads), the
+patched models' CPU path, whose decode then equals `ReplayState.step` within float32
+reassociation. torch.compile(fullgraph=True) traces a step without a graph break.
 
 Every row computes both branches of `replay_ref.replay_ref_core` and keeps its own with
 torch.where: a row whose entry fills the buffer (committed + 1 == L, or path 'flush') rebuilds
@@ -45,7 +48,7 @@ import torch
 from replayquant.kernels.conventional import (_into, gdn_frontend_ref, kda_frontend_ref,
                                               mamba2_frontend_ref, mamba2_post_ref)
 from replayquant.kernels.philox import random_bits_torch
-from replayquant.kernels.stores import (NO_DT_LIMIT, ReplayStore, _begin, _check_buffered_bf16,
+from replayquant.kernels.stores import (NO_DT_LIMIT, ReplayStore, _begin, _check_buffered,
                                         _indices, folds_u, solves_u, step_inputs)
 from replayquant.streams import ANCHOR, READ, sr_stream
 
@@ -164,13 +167,23 @@ def _rebuild(store: ReplayStore, A, K, V, U, G, Bt, n_live, cur=None):
     return S
 
 
+def _flush_tile_rows(store: ReplayStore) -> int:
+    """Rows of the tile whose roles a non-finite flush keeps: the Triton flush launch's where
+    the kernel takes the store's dims (powers of two >= 16), else the whole d_v (dims only this
+    engine runs)."""
+    from replayquant.kernels.replay_decode import replay_launch_config
+    dv, dk = store.shape[2:]
+    if all(d >= 16 and not d & (d - 1) for d in (dv, dk)):
+        return replay_launch_config(store, "flush")[0]
+    return dv
+
+
 def _write_roles(store: ReplayStore, rows: _Rows, S, fi, write):
     """replay_ref._write_roles_ref for the rows where `write` holds: both roles cast from S
     [B, H, dv, dk] with the SR streams of flush index fi [B]; a tile of the flush launch whose S
     holds NaN or infinity keeps its bytes (a cast of all rows, selected per row and tile)."""
-    from replayquant.kernels.replay_decode import replay_launch_config
     H = S.shape[1]
-    bv = replay_launch_config(store, "flush")[0]
+    bv = _flush_tile_rows(store)
     keep = ~torch.isfinite(S).unflatten(2, (-1, bv)).flatten(3).all(3)      # [B, H, tiles]
     keep = keep.repeat_interleave(bv, 2)[..., None]                          # [B, H, dv, 1]
     S = torch.where(keep, 0.0, S)
@@ -279,7 +292,7 @@ def _step(store: ReplayStore, fe, raw, state_indices, force: bool, advance: bool
         rows.put(store.ubuf, u, read, e)
     rows.put(store.bbuf, fe[4], read, e)
     rows.put(store.Gbuf, Gp, read, e)
-    if solves_u(store):
+    if solves_u(store) and store.Tbuf is not None:      # the kernel's flush reads them
         K2, _, _, G2, Bt2, _ = _window(store, rows, start, h + 1)     # with the new entry
         rows.put(store.Tbuf, _key_factor_rows(store, rows, K2, G2, Bt2, h + 1), read, e)
     y = torch.where(_row(flush, y_flush), y_flush, y_read)
@@ -294,14 +307,14 @@ def _step(store: ReplayStore, fe, raw, state_indices, force: bool, advance: bool
 
 def _begin_step(store, kind, path, q, k, v, a, b, A=None, dt_bias=None, D=None, z=None):
     """The kernel's checks of a step (store kind, pending drafts, the inputs' shapes, key heads,
-    bf16 of the buffered k / v); records the step's path (last_force) and returns whether every
-    row flushes."""
+    the buffered k / v in the ring's dtype); records the step's path (last_force) and returns
+    whether every row flushes."""
     force = _begin(store, kind, True, path)
     _, hk = step_inputs(kind, store.shape, False, q, k, v, a, b, A, dt_bias, D, z)
     if hk != store.key_heads:
         raise ValueError(f"the inputs have {hk} key heads, the store {store.key_heads} "
                          f"(key_heads)")
-    _check_buffered_bf16(kind != "mamba2", k, v)
+    _check_buffered(store, kind != "mamba2", k, v, kernel=False)
     store.last_force = force
     return force
 

@@ -1,17 +1,21 @@
 """The decode stores of one layer and the checks of a step's inputs, shared by the Triton
-kernels (`replay_decode`, `verify`, `conventional`) and their torch references (`replay_ref`,
-the `_ref` functions beside the kernels).
+kernels (`replay_decode`, `verify`, `conventional`), their torch references (`replay_ref`,
+the `_ref` functions beside the kernels) and the torch engine (`replay_torch`).
 
 `ReplayStore` (slots N, value heads H, key heads / groups HK, ring of C = L + max_drafts
 entries, entry j of the window at (start + j) mod C):
 
     anchor      PackedRole [N, H, d_v, d_k]     high precision, written only at a flush
     read copy   PackedRole [N, H, d_v, d_k]     low precision, packed (None: shared pair)
-    kbuf, vbuf  bf16 [N, C, HK, d_k], [N, C, H, d_v]   raw k / B and v / x
+    kbuf, vbuf  ring [N, C, HK, d_k], [N, C, H, d_v]   raw k / B and v / x
     ubuf        u_dtype [N, C, H, d_v]          GDN / KDA: u against the read copy
     Gbuf, bbuf  fp32 [N, C, H] (KDA Gbuf [.., d_k])    cumulative log gate; beta / dt
     Tbuf        fp32 [N, C, H, L]               GDN solving for u: rows of (I + A)^{-1}
     committed, start, n_flush   [N]             fill h, window start, flush index
+
+The ring's dtype (`ring_dtype`) is bf16 for the Triton kernels (half the buffer traffic) and
+float32 for the torch engine, which then keeps u in float32 and no key factors (its flush
+recomputes u from the anchor): the same store, stepped by either engine on its own ring.
 
 `ConventionalStore`: one packed state, read-modify-written every step.
 """
@@ -105,11 +109,23 @@ def step_inputs(kind, shape, drafts, q, k, v, a, b, A, dt_bias, D, z):
     return lead, HK
 
 
-def _check_buffered_bf16(delta: bool, k, v):
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+def _check_buffered(store: "ReplayStore", delta: bool, k, v, kernel: bool):
+    """The buffered inputs (GDN / KDA k and v, Mamba-2 B and x) come in the ring's dtype; a
+    Triton kernel (kernel True) reads a bf16 ring only."""
+    ring = store.kbuf.dtype
+    if kernel and ring != torch.bfloat16:
+        raise ValueError(f"this store keeps its ring in {_dtype_name(ring)} (the torch engine's, "
+                         f"ReplayStore.from_state(ring_dtype=...)); the Triton kernels read a "
+                         f"bfloat16 ring: step it with replay_torch, or build it with "
+                         f"ring_dtype=torch.bfloat16")
     for name, t in (("k" if delta else "B", k), ("v" if delta else "x", v)):
-        if t.dtype != torch.bfloat16:
-            raise ValueError(f"{name} must be bfloat16 (the replay buffer stores it in bf16), "
-                             f"got {t.dtype}")
+        if t.dtype != ring:
+            raise ValueError(f"{name} must be {_dtype_name(ring)} (the replay buffer stores it in "
+                             f"{_dtype_name(ring)}), got {t.dtype}")
 
 
 @dataclass
@@ -136,6 +152,17 @@ class ConventionalStore:
 
     def clone(self) -> "ConventionalStore":
         return ConventionalStore(self.state.clone(), self.n_casts.clone(), self.key)
+
+
+RING_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def default_u_dtype(anchor_fmt: str, read_fmt: str | None, ring_dtype=torch.bfloat16):
+    """GDN / KDA u in the ring: float32 for a shared FP32 pair (its flush folds the cached u,
+    folds_u) and wherever the ring is float32 (the torch engine), else bfloat16."""
+    if ring_dtype == torch.float32 or ring_u_bytes(anchor_fmt, read_fmt) == 4:
+        return torch.float32
+    return torch.bfloat16
 
 
 def _pair_roles(pair):
@@ -181,13 +208,17 @@ class ReplayStore:
     @classmethod
     def from_state(cls, initial: torch.Tensor, pair, kind: str, key_heads: int | None = None,
                    seed: int = 0, layer: int = 0, u_dtype=None,
-                   buffer_len: int | None = None, max_drafts: int = 0) -> "ReplayStore":
+                   buffer_len: int | None = None, max_drafts: int = 0,
+                   ring_dtype=torch.bfloat16) -> "ReplayStore":
         """Cast float32 initial [N, H, d_v, d_k] into anchor and read copy (flush index 0,
         independently, as ReplayState), empty buffers. key_heads: GDN key heads / Mamba-2
         groups (default H). max_drafts: the largest T of speculative verify (0: plain decode).
         kind 'kda': the delta rule with a gate per key channel (Gbuf per channel). u_dtype (GDN /
         KDA u in the ring): None is float32 for a shared FP32 pair (its flush folds the cached u,
-        folds_u), else bfloat16, the flush solving for u (statebytes.ring_u_bytes)."""
+        folds_u), else bfloat16, the flush solving for u (statebytes.ring_u_bytes). ring_dtype:
+        the ring's k and v, bfloat16 for the Triton kernels, float32 for the torch engine
+        (`replay_torch`, which then keeps u in float32 too and no key factors: its flush
+        recomputes u from the anchor)."""
         if kind not in ("gdn", "mamba2", "kda"):
             raise ValueError(f"kind must be 'gdn', 'mamba2' or 'kda', got {kind!r}")
         if not isinstance(initial, torch.Tensor) or initial.dim() != 4 or not initial.is_floating_point():
@@ -212,18 +243,19 @@ class ReplayStore:
         if read is not None:
             rrole = PackedRole.empty(read[0], read[1], tuple(initial.shape), dev)
             rrole.write_(slots, x, key, role_streams(0, READ, slots, H))
+        if ring_dtype not in RING_DTYPES:
+            raise ValueError(f"ring_dtype must be torch.bfloat16 (the Triton kernels) or "
+                             f"torch.float32 (the torch engine), got {ring_dtype}")
         if u_dtype is None:
-            u_dtype = torch.float32 if ring_u_bytes(afmt, None if read is None else read[0]) == 4 \
-                else torch.bfloat16
+            u_dtype = default_u_dtype(afmt, None if read is None else read[0], ring_dtype)
         if u_dtype not in (torch.bfloat16, torch.float32):
             raise ValueError("u_dtype must be torch.bfloat16 or torch.float32")
         if max_drafts < 0 or max_drafts > L:
             raise ValueError(f"max_drafts={max_drafts} must lie in 0..buffer_len={L}")
-        bf = torch.bfloat16
         C = L + int(max_drafts)
         store = cls(kind, anchor, rrole, L, HK,
-                   kbuf=torch.zeros(N, C, HK, dk, dtype=bf, device=dev),
-                   vbuf=torch.zeros(N, C, H, dv, dtype=bf, device=dev),
+                   kbuf=torch.zeros(N, C, HK, dk, dtype=ring_dtype, device=dev),
+                   vbuf=torch.zeros(N, C, H, dv, dtype=ring_dtype, device=dev),
                    ubuf=torch.zeros(N, C, H, dv, dtype=u_dtype, device=dev) if kind != "mamba2" else None,
                    Gbuf=torch.zeros((N, C, H, dk) if kind == "kda" else (N, C, H),
                                     dtype=torch.float32, device=dev),
@@ -232,7 +264,7 @@ class ReplayStore:
                    n_flush=torch.zeros(N, dtype=torch.int64, device=dev), key=key,
                    start=torch.zeros(N, dtype=torch.int32, device=dev), max_drafts=int(max_drafts),
                    arrive=torch.zeros(N, dtype=torch.int32, device=dev))
-        if solves_u(store):
+        if solves_u(store) and ring_dtype == torch.bfloat16:
             store.Tbuf = torch.zeros(N, C, H, L, device=dev)
         return store
 

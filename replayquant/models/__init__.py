@@ -15,9 +15,10 @@
   short-convolution state are untouched.
 * Generation (`generate(use_cache=True)`, any batch, left-padded ragged prompts): every decode
   step of every recurrent layer goes through the replay state machine with the pair, flushing
-  every L tokens: the Triton replay decode kernel (`replayquant.kernels.replay_decode`) on CUDA
-  tensors or with REPLAYQUANT_BACKEND=triton, `ReplayState.step` elsewhere; `decode_path` says
-  which (see `runtime` for the state hand-off between the two).
+  every L tokens, on the layer's decode store: the Triton replay decode kernel
+  (`replayquant.kernels.replay_decode`) on CUDA tensors or with REPLAYQUANT_BACKEND=triton, the
+  torch engine (`replayquant.kernels.replay_torch`) elsewhere; `decode_path` says which (see
+  `runtime` for the hand-off from the multi-token forwards' state into the store).
 * Teacher forcing (a forward over a sequence, in segments with the cache or not):
   prefill="replay" puts every token through the decode step semantics with the chunked scan
   (the Triton kernel `replayquant.kernels.chunk` on CUDA, its torch reference

@@ -2,28 +2,30 @@
 
 Where the state lives: each linear-attention layer of an HF cache (`cache.layers[layer_idx]`, a
 `LinearAttentionLayer` in transformers 5.17 and 5.24) keeps, while patched, its replay state in
-the attribute `_replayquant_state`: a `ReplayState` (anchor, read copy, replay buffer, counters)
-after a multi-token forward on the torch path or while decode runs on the torch reference, a
-`ScanHeld` (the Triton chunk kernel's ScanState, same content) after a multi-token forward on the
-Triton path, or a `KernelDecodeState` (a `replayquant.kernels.replay_decode.ReplayStore` plus
-the batch-row -> slot map) while decode runs on the Triton kernel. The layer's own
-`recurrent_states[0]` slot, which HF reorders on beam search (`reorder_cache`), holds a small
-float tensor [B, 1] of row ids instead of the FP32 state; a permuted slot tells us to permute
-the replay state the same way. The conv state is HF's, untouched.
+the attribute `_replayquant_state`: a `DecodeStore` once the layer decodes (a
+`replayquant.kernels.stores.ReplayStore`, the engine that steps it and the batch-row -> slot
+map), a `ReplayState` after a multi-token forward on the torch path, or a `ScanHeld` (the Triton
+chunk kernel's ScanState, same content) after a multi-token forward on the Triton path. The
+layer's own `recurrent_states[0]` slot, which HF reorders on beam search (`reorder_cache`),
+holds a small float tensor [B, 1] of row ids instead of the FP32 state; a permuted slot tells us
+to permute the replay state the same way. The conv state is HF's, untouched.
 
 Which path runs:
-* a single-token forward with a cache and no padding (every decode step of `generate`): on CUDA
-  tensors (or with REPLAYQUANT_BACKEND=triton, as the formats; on the CPU that is the Triton
-  interpreter) the Triton replay decode kernel `replay_gdn_step` / `replay_mamba2_step` /
-  `replay_kda_step` of
-  `replayquant.kernels.replay_decode`, fed the layer's raw inputs (GDN: q, k, v after the short
-  convolution, a, b, A_log, dt_bias; the kernel does the L2 norm, softplus and sigmoid; Mamba-2:
-  x, dt, A, B, C, dt_bias, and its time_step_limit, which the kernel clamps dt to (Nemotron-H);
-  the D skip and the gated norm stay in the layer; Kimi Delta Attention: the core's q, k, v,
-  per-channel log decay and beta, the kernel re-normalising q and k). Elsewhere
-  `ReplayState.step`, the torch reference. `decode_path()` says which; a layer the kernel does
-  not handle (d_k or d_v not a power of two >= 16) runs the torch reference
-  with one warning per layer that names the reason.
+* a single-token forward with a cache and no padding (every decode step of `generate`): a step
+  on the layer's decode store through the custom operator replayquant::replay_step, fed the
+  layer's raw inputs (GDN: q, k, v after the short convolution, a, b, A_log, dt_bias; the step
+  does the L2 norm, softplus and sigmoid; Mamba-2: x, dt, A, B, C, dt_bias, and its
+  time_step_limit, which the step clamps dt to (Nemotron-H); the D skip and the gated norm stay
+  in the layer; Kimi Delta Attention: the core's q, k, v, per-channel log decay and beta, the
+  step re-normalising q and k). Its engine: on CUDA tensors (or with REPLAYQUANT_BACKEND=triton,
+  as the formats; on the CPU that is the Triton interpreter) the Triton replay decode kernel
+  `replay_gdn_step` / `replay_mamba2_step` / `replay_kda_step` of
+  `replayquant.kernels.replay_decode` on a store whose ring keeps k and v in bf16; elsewhere the
+  torch engine `replayquant.kernels.replay_torch` on a store whose ring keeps them in float32
+  (so that decode equals `ReplayState.step` within float32 reassociation). `decode_path()` says
+  which; a layer the kernel does not take (d_k or d_v not a power of two >= 16) runs the torch
+  engine with one warning per layer that names the reason. The engine is chosen once, where
+  the store is built.
 * any other forward (prompt, teacher forcing, segments continuing a cache): the chunked scan
   (DESIGN section 7). On CUDA tensors (or with REPLAYQUANT_BACKEND=triton) the Triton kernel
   `replayquant.kernels.chunk` runs; elsewhere the torch reference `chunk_ref.teacher_force`.
@@ -33,21 +35,21 @@ Which path runs:
 
 Hand-off between the two (explicit, once, never per step): segments of multi-token forwards on
 the Triton path pass the kernel's ScanState from one to the next as it is (`ScanHeld`); the
-first decode step after them makes it a ReplayState and converts it into the decode kernel's
-store (`state_to_store`, a `KernelDecodeState`); a multi-token forward into a static cache (HF's
-compiled generate) converts it at its end, so that the first decode step, which torch.compile
-traces, finds the store. Later decode steps run on the store alone (`kernel_decode`: the raw
-inputs straight into the custom operator replayquant::replay_step, no torch front end, no host
-read: a beam reorder is a gather on the device, a non-finite input is recorded on the device and
-raised at the next multi-token forward). A multi-token forward continuing the cache converts the
-store back (`store_to_state`) before the chunked scan runs. The conversion keeps the anchor and
-read copy bit for bit (same packed bytes, same SR streams: slot id = the state's sequence id) and
-the committed buffer entries; the kernel's ring buffer keeps k and v in bf16 and GDN's u in bf16
-beside a separate read copy (half the buffer traffic of the decode kernels), in FP32 for a shared
-FP32 pair (its flush folds u), so buffered entries are rounded to bf16 on the way in.
+first decode step after them builds the decode store (`state_to_store`, a `DecodeStore`); a
+multi-token forward into a static cache (HF's compiled generate) builds it at its end, so that
+the first decode step, which torch.compile traces, finds the store. Every decode step after
+that runs on the store alone (`kernel_decode`: the raw inputs straight into the operator, no
+torch front end, no host read: a beam reorder is a gather on the device, a non-finite input is
+recorded on the device and raised at the next multi-token forward). A multi-token forward
+continuing the cache converts the store back (`store_to_state`) before the chunked scan runs.
+The conversion keeps the anchor and read copy bit for bit (same packed bytes, same SR streams:
+slot id = the state's sequence id) and the committed buffer entries; the Triton engine's ring
+keeps k and v in bf16 and GDN's u in bf16 beside a separate read copy (half the buffer traffic
+of the decode kernels), in FP32 for a shared FP32 pair (its flush folds u), so buffered entries
+are rounded to bf16 on the way in; the torch engine's ring rounds nothing.
 
 Measured on one H200 (results/bench/generate.json; Qwen3.5-4B shape, random weights, bf16, 64-token
-prompts, fla 0.6.0, transformers 5.17): ms per decode step at B = 1, HF eager 94.5, patched eager
+prompt, fla 0.6.0, transformers 5.17): ms per decode step at B = 1, HF eager 94.5, patched eager
 s32_rs 66.9 (0 host syncs, 2252 kernel launches against HF's 2108), patched with HF's static cache
 compiled 9.45 (tp4_hi16_sr 5.65).
 """
@@ -64,14 +66,16 @@ from replayquant.formats import QTensor, use_triton
 from replayquant.kernels.chunk_ref import teacher_force
 from replayquant.replay import ReplayState
 from replayquant.replay.state import find_nonfinite
-from replayquant.statebytes import ring_u_bytes
 
-__all__ = ["LayerRuntime", "KernelDecodeState", "ScanHeld", "decode_step", "decode_path",
+__all__ = ["LayerRuntime", "DecodeStore", "ScanHeld", "decode_path",
            "teacher_force_path", "state_to_store", "store_to_state", "STATE_ATTR"]
 
 STATE_ATTR = "_replayquant_state"
 MARKER_ATTR = "_replayquant_marker"   # the row-id tensor put_state left in the recurrent slot
-KERNEL_U_DTYPE = torch.bfloat16       # the decode kernel's default ring-buffer dtype for GDN u
+# the ring's k and v per engine: bf16 halves the kernel's buffer traffic; the torch engine keeps
+# them in float32, so that its decode equals ReplayState.step (and HF's recurrence) within float32
+# reassociation
+RING_DTYPE = {"triton": torch.bfloat16, "torch": torch.float32}
 # The kernel's step path: 'replay' keeps ReplayState's flush schedule (a flush every L tokens), so
 # the kernel and the torch reference hold the same committed / flush counters and a hand-off
 # back continues the same schedule. (The kernel's 'auto' would flush every step at small batch for
@@ -87,7 +91,8 @@ def decode_path(x: torch.Tensor | None = None, d_k: int | None = None, d_v: int 
                 dt_limit=None, vector_gate: bool = False) -> str:
     """Which implementation a decode step runs for inputs like x with d_k x d_v states:
     'triton' (the replay decode kernel, replayquant.kernels.replay_decode), 'torch'
-    (ReplayState.step) or 'torch (<why the kernel cannot run>)'. x None: the CPU
+    (the torch engine on the same store, replayquant.kernels.replay_torch) or
+    'torch (<why the kernel cannot run>)'. x None: the CPU
     (REPLAYQUANT_BACKEND decides). dt_limit: a Mamba-2 layer's time_step_limit (the kernel
     clamps dt to it, so it never forces the torch path; a malformed one raises ValueError).
     vector_gate: a decay per key channel (Kimi Delta Attention; the kernel's replay_kda_step)."""
@@ -161,12 +166,6 @@ def _teacher_force(st, q, k, v, log_a, beta, valid, exact: bool):
     return teacher_force(st, q, k, v, log_a, beta, valid=valid, exact=exact), st
 
 
-def decode_step(st: ReplayState, q, k, v, log_a, beta):
-    """One decode step of one layer on the torch reference: q, k [B, H, d_k], v [B, H, d_v],
-    log_a, beta [B, H]. (The Triton path is `KernelDecodeState.step`.)"""
-    return st.step(q, k, v, log_a, beta)
-
-
 # ==================================================================== ReplayState <-> ReplayStore
 
 def _role_to_packed(q: QTensor, spec, N: int, slots: torch.Tensor, shape):
@@ -202,24 +201,28 @@ def _packed_to_role(role, slots: torch.Tensor) -> QTensor:
     return QTensor(role.fmt, shape, role.payload[slots].clone(), scales)
 
 
-def state_to_store(st: ReplayState, key_heads: int, u_dtype=None):
-    """Convert a ReplayState into (ReplayStore, state_indices) for the Triton decode kernel.
+def state_to_store(st: ReplayState, key_heads: int, u_dtype=None, ring_dtype=torch.bfloat16):
+    """Convert a ReplayState into (ReplayStore, state_indices), the decode store of either engine.
 
-    Slots are the state's sequence ids (`rows`, which key the SR streams in both backends), so
-    the store has max(rows) + 1 slots and state_indices = rows; rows must be distinct. The
+    Slots are the state's sequence ids (`rows`, which key the SR streams in both), so the store
+    has max(rows) + 1 slots and state_indices = rows. Sequence ids that repeat (a beam reorder
+    before the first decode step) take the slots 0..B-1 instead: each row then draws its slot's
+    SR streams from its next flush on, as after a reorder on the store (`take_slots`). The
     anchor and read copy move bit for bit. The committed entries move into the ring (start 0) in
-    the kernel's layout: k per key head / group in bf16 (GDN: the normalised k, re-normalised by
-    the kernel on read), v in bf16 (GDN: v; Mamba-2: v = dt x stored as x = v with dt = 1),
-    G and beta in fp32, GDN u in u_dtype (None: the kernel's default, ReplayStore.from_state:
-    float32 for a shared FP32 pair, whose flush folds it, else KERNEL_U_DTYPE) and, where its
-    flush solves for u, GDN's key factors (Tbuf, computed from the entries).
-    Raises ValueError for rows that repeat."""
-    from replayquant.kernels.stores import ReplayStore, solves_u
+    the store's layout: k per key head / group (GDN: the normalised k, re-normalised on read),
+    v (GDN: v; Mamba-2: v = dt x stored as x = v with dt = 1), both in ring_dtype (bf16 for the
+    Triton kernels, float32 for the torch engine: no rounding), G and beta in fp32, GDN u in
+    u_dtype (None: the store's default, stores.default_u_dtype: float32 for a shared FP32 pair,
+    whose flush folds it, or a float32 ring, else bf16) and, where the kernel's flush solves for
+    u, GDN's key factors (Tbuf, computed from the entries; a float32 ring keeps none)."""
+    from replayquant.kernels.stores import RING_DTYPES, ReplayStore, default_u_dtype, solves_u
     from replayquant.kernels.replay_ref import fill_key_factors_ref
     from replayquant.streams import layer_seed
+    if ring_dtype not in RING_DTYPES:
+        raise ValueError(f"ring_dtype must be one of {RING_DTYPES}, got {ring_dtype}")
     if u_dtype is None:
-        u_dtype = torch.float32 if ring_u_bytes(st.pair.anchor.format, None if st.pair.read is None
-                                                else st.pair.read.format) == 4 else KERNEL_U_DTYPE
+        u_dtype = default_u_dtype(st.pair.anchor.format, None if st.pair.read is None
+                                  else st.pair.read.format, ring_dtype)
     parts = st.export()
     B, H, dv, dk, L = st.B, st.H, st.d_v, st.d_k, st.L
     if H % key_heads:
@@ -227,11 +230,10 @@ def state_to_store(st: ReplayState, key_heads: int, u_dtype=None):
     r = H // key_heads
     rows = parts["rows"]
     if len(torch.unique(rows)) != B:
-        raise ValueError(f"the replay state's sequence ids repeat ({rows.tolist()}): the decode "
-                         f"kernel keys SR streams by slot and cannot hold two rows in one slot")
+        rows = torch.arange(B, dtype=torch.int64, device=rows.device)
     N = int(rows.max()) + 1
     slots = rows.long()
-    dev, bf, f32 = st.device, torch.bfloat16, torch.float32
+    dev, bf, f32 = st.device, ring_dtype, torch.float32
     pair = st.pair
     anchor = _role_to_packed(parts["anchor"], pair.anchor, N, slots, (B, H, dv, dk))
     read = None if pair.read is None else _role_to_packed(parts["read"], pair.read, N, slots,
@@ -262,7 +264,7 @@ def state_to_store(st: ReplayState, key_heads: int, u_dtype=None):
                         kbuf=kbuf, vbuf=vbuf, ubuf=ubuf, Gbuf=Gbuf, bbuf=bbuf,
                         committed=committed, n_flush=n_flush, key=layer_seed(st.seed, st.layer),
                         start=torch.zeros(N, dtype=torch.int32, device=dev), max_drafts=0)
-    if solves_u(store):                  # the key factors of the committed entries (Tbuf)
+    if solves_u(store) and ring_dtype == torch.bfloat16:   # the kernel flush's key factors
         store.Tbuf = torch.zeros(N, L, H, L, dtype=f32, device=dev)
         fill_key_factors_ref(store, slots)
     return store, rows.to(torch.int32)
@@ -306,11 +308,12 @@ def store_to_state(store, state_indices: torch.Tensor, pair, seed: int, layer: i
     return ReplayState.from_parts(parts, pair, delta=delta, seed=seed, layer=layer)
 
 
-class KernelDecodeState:
-    """The replay state of one layer while decode runs on the Triton kernel: a ReplayStore, the
-    slot of each batch row, and what a decode step keeps on the device instead of reading it on
-    the host (no host synchronisation in a step, so that torch.compile traces it whole and CUDA
-    graphs capture it):
+class DecodeStore:
+    """The replay state of one layer while it decodes: a ReplayStore, the engine that steps it
+    ('triton': the replay decode kernel, a bf16 ring; 'torch': `replay_torch`, a float32 ring),
+    the slot of each batch row, and what a decode step keeps on the device instead of reading it
+    on the host (no host synchronisation in a step, so that torch.compile traces it whole and
+    CUDA graphs capture it):
     * a beam reorder: HF replaces the cache's marker tensor (MARKER_ATTR on the cache layer, a
       host check of identity) by its rows picked by the beam ids, and `reorder` gathers every
       slot's store on the device (`take_slots`).
@@ -321,13 +324,16 @@ class KernelDecodeState:
     Built from a ReplayState by `state_to_store`, turned back by `to_replay_state()`."""
 
     def __init__(self, st: ReplayState, key_heads: int, steps_done: int = 0,
-                 reuse: "KernelDecodeState | None" = None):
-        from replayquant.kernels.ops import store_meta
+                 reuse: "DecodeStore | None" = None, engine: str = "triton"):
+        from replayquant.kernels.ops import ENGINES, store_meta
+        if engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
         self.pair, self.delta, self.seed, self.layer = st.pair, st.delta, st.seed, st.layer
-        self.vector_gate = st.vector_gate
+        self.vector_gate, self.engine = st.vector_gate, engine
         self.B, self.H, self.d_v, self.d_k, self.device = st.B, st.H, st.d_v, st.d_k, st.device
-        self.store, self.state_indices = state_to_store(st, key_heads)
-        self.meta = store_meta(self.store)
+        self.ring = RING_DTYPE[engine]
+        self.store, self.state_indices = state_to_store(st, key_heads, ring_dtype=self.ring)
+        self.meta = store_meta(self.store, engine)
         self.bad_names = _PER_ROW[self.store.kind]
         self.bad = torch.full((self.B, len(self.bad_names)), -1, dtype=torch.int64,
                               device=self.device)
@@ -390,9 +396,9 @@ class KernelDecodeState:
     def step(self, raw: dict) -> torch.Tensor:
         """One decode step from the layer's raw inputs (one token each, see LayerRuntime.run)
         -> y float32 [B, H, d_v] (Mamba-2: without the D skip), through the custom operator
-        replayquant::replay_step (replayquant.kernels.ops)."""
+        replayquant::replay_step (replayquant.kernels.ops) on this state's engine."""
         from replayquant.kernels.ops import replay_step
-        bf = torch.bfloat16
+        bf = self.ring
         if self.vector_gate:
             ins = dict(q=raw["q"], k=raw["k"].to(bf), v=raw["v"].to(bf), g=raw["g"],
                        beta=raw["beta"], scale=raw["scale"])
@@ -494,7 +500,7 @@ class LayerRuntime:
 
     def get_state(self, lay, had_prev: bool, B, H, dv, dk, device):
         """The layer's state for this forward (new, continued, reordered or adopted): a
-        ReplayState, the KernelDecodeState decode left there, or the ScanHeld the Triton chunk
+        ReplayState, the DecodeStore decode left there, or the ScanHeld the Triton chunk
         kernel left there."""
         if lay is None or not had_prev:
             return self._fresh(B, H, dv, dk, device)
@@ -512,10 +518,10 @@ class LayerRuntime:
                 and slot.shape[1] == 1:
             # HF replaced the marker (a beam reorder): it holds the row each row continues
             ids = slot[:, 0].round().long().to(st.device)
-            if isinstance(st, KernelDecodeState) and ids.shape[0] == st.B:
+            if isinstance(st, DecodeStore) and ids.shape[0] == st.B:
                 st.reorder(ids)
             else:
-                if isinstance(st, (ScanHeld, KernelDecodeState)):
+                if isinstance(st, (ScanHeld, DecodeStore)):
                     st = st.to_replay_state()
                 st = reorder_state(st, ids)
             setattr(lay, MARKER_ATTR, None)          # put_state writes a fresh marker
@@ -537,26 +543,21 @@ class LayerRuntime:
             cache.update_recurrent_state(marker, self.layer_idx)
         setattr(lay, MARKER_ATTR, lay.recurrent_states[0])
 
-    def decode_path(self, x, d_k, d_v, raw) -> str:
-        """decode_path for this layer (raw None: the caller has no raw inputs -> torch; raw a
-        str: why the decode kernel cannot take this layer -> torch, saying so)."""
-        path = decode_path(x, d_k, d_v, raw.get("dt_limit") if isinstance(raw, dict) else None,
+    def decode_path(self, x, d_k, d_v, raw=None) -> str:
+        """decode_path for this layer (raw: its raw decode inputs, whose Mamba-2 dt_limit the
+        kernel takes)."""
+        return decode_path(x, d_k, d_v, raw.get("dt_limit") if isinstance(raw, dict) else None,
                            self.vector_gate)
-        if path == "triton" and not isinstance(raw, dict):
-            return f"torch ({raw or 'the layer passed no raw inputs for the decode kernel'})"
-        return path
 
     # ------------------------------------------------------------ the recurrence
     def run(self, cache, had_prev: bool, q, k, v, log_a, beta, valid,
-            raw: dict | str | None = None):
+            raw: dict | None = None):
         """q, k [B, T, H, d_k]; v [B, T, H, d_v]; log_a [B, T, H] ([B, T, H, d_k] for a layer built
         with vector_gate), beta [B, T, H]; valid [B, T] or None.
-        raw: the layer's raw inputs for the decode kernel, each [B, T, ...] (per-head
+        raw: the layer's raw inputs for the decode store, each [B, T, ...] (per-head
         parameters unbatched): GDN q, k [.., HK, d_k], v, a, b, A_log, dt_bias, beta_scale
         (beta = beta_scale sigmoid(b)); Mamba-2 x, dt, A, B, C [.., G, N], dt_bias, dt_limit;
-        or a str saying why the kernel cannot take the layer (decode then runs the torch
-        reference, with one warning that says so). Returns y
-        float32 [B, T, H, d_v]."""
+        None for KDA (built from the core inputs, `_kda_raw`). Returns y float32 [B, T, H, d_v]."""
         B, T, H, dk = q.shape
         dv = v.shape[-1]
         lay = None if cache is None else self.cache_layer(cache)
@@ -564,13 +565,13 @@ class LayerRuntime:
         decode = T == 1 and had_prev and (valid is None or bool(valid.all()))
         y = self._kernel_step(st, q, k, v, log_a, beta, raw) if decode else None
         if y is None:
-            if isinstance(st, KernelDecodeState):
+            if isinstance(st, DecodeStore):
                 st.raise_nonfinite()                       # a boundary: the steps before it
             self._check_inputs(q, k, v, log_a, beta, valid, decode=T == 1 and had_prev)
             if decode:
                 st, y = self._decode(st, q, k, v, log_a, beta, raw)
             else:
-                if isinstance(st, KernelDecodeState):      # hand back to the chunked scan
+                if isinstance(st, DecodeStore):      # hand back to the chunked scan
                     st = st.to_replay_state()
                 y, st = _teacher_force(st, q, k, v, log_a, beta, valid, self.prefill == "exact")
                 if _static(cache):
@@ -580,7 +581,7 @@ class LayerRuntime:
         return y
 
     def kernel_decode(self, cache, had_prev: bool, raw, valid):
-        """The decode step of a layer whose state is already the decode kernel's store, from its
+        """The decode step of a layer whose state is already its decode store, from its
         raw inputs alone (the torch front end is not computed): y float32 [B, 1, H, d_v], or
         None where `run` must take the step (no cache or previous state, more than one token, a
         padding mask, no store yet, no raw inputs)."""
@@ -591,7 +592,7 @@ class LayerRuntime:
             return None
         lay = self.cache_layer(cache)
         st = getattr(lay, STATE_ATTR, None)
-        if not isinstance(st, KernelDecodeState):
+        if not isinstance(st, DecodeStore):
             return None
         st = self.get_state(lay, had_prev, lead.shape[0], st.H, st.d_v, st.d_k, lead.device)
         y = self._kernel_step(st, None, None, None, None, None, raw)
@@ -600,9 +601,8 @@ class LayerRuntime:
 
     def _kernel_step(self, st, q, k, v, log_a, beta, raw):
         """A decode step on the store a previous decode step (or a prefill into a static cache)
-        left, with no host read: y [B, 1, H, d_v], or None where the state is not a store yet.
-        (The store exists only where decode_path chose the kernel for this layer.)"""
-        if not isinstance(st, KernelDecodeState):
+        left, with no host read: y [B, 1, H, d_v], or None where the state is not a store yet."""
+        if not isinstance(st, DecodeStore):
             return None
         if self.vector_gate and raw is None:
             raw = _kda_raw(q, k, v, log_a, beta)
@@ -610,32 +610,46 @@ class LayerRuntime:
         st.record_nonfinite(one)
         return st.step(one).unsqueeze(1)
 
+    def _engine(self, q, v, raw) -> str:
+        """The engine of this layer's decode store for inputs like q: 'triton' where decode_path
+        chooses the kernel, else 'torch' (`replay_torch`), warned once per layer where the kernel
+        cannot take the layer (the warning names why)."""
+        path = self.decode_path(q, q.shape[-1], v.shape[-1], raw)
+        if path not in ("triton", "torch"):
+            self._warn_once(f"replayquant decode on {q.device}, layer {self.layer_idx}: {path}")
+        return "triton" if path == "triton" else "torch"
+
+    def _to_store(self, st, q, k, v, log_a, beta, raw, steps_done=0, reuse=None):
+        """The hand-off of a ReplayState or ScanHeld into this layer's DecodeStore (once, where
+        decode starts or a prefill into a static cache ends)."""
+        if self.vector_gate and raw is None:
+            raw = _kda_raw(q, k, v, log_a, beta)
+        if not isinstance(raw, dict):
+            raise ValueError(f"layer {self.layer_idx} ({self.kind}): a decode step needs the "
+                             f"layer's raw inputs (the patched forward passes them as raw=)")
+        if isinstance(st, ScanHeld):
+            st = st.to_replay_state()
+        return DecodeStore(st, _key_heads(raw, self.delta), steps_done=steps_done, reuse=reuse,
+                           engine=self._engine(q, v, raw))
+
     def _decode_ready(self, st, q, k, v, log_a, beta, raw, lay=None):
         """The state a multi-token forward leaves in a static cache (a compiled generate's):
-        already the decode kernel's store where decode will run the kernel, so that the first
-        decode step, which torch.compile traces, finds the store and converts nothing.
+        already the decode store, so that the first decode step, which torch.compile traces,
+        finds the store and converts nothing.
 
         HF's generate makes a new static cache each call; the store of the previous call's
         cache is reused (same shapes, its owner gone or this very cache layer), so that the
         compiled step's CUDA graphs keep their addresses from one generate to the next. The
         layer keeps that one store alive after its cache is gone (`unpatch` drops it)."""
-        if self.vector_gate and raw is None:
-            raw = _kda_raw(q, k, v, log_a, beta)
-        if self.decode_path(q, q.shape[-1], v.shape[-1], raw) != "triton":
-            return st
-        if isinstance(st, ScanHeld):
-            st = st.to_replay_state()
-        if len(torch.unique(st.export()["rows"])) != st.B:
-            return st
         owner, spare = self._spare
         free = spare is not None and (owner() is None or owner() is lay)
-        kds = KernelDecodeState(st, _key_heads(raw, self.delta), reuse=spare if free else None)
+        ds = self._to_store(st, q, k, v, log_a, beta, raw, reuse=spare if free else None)
         if lay is not None:
             try:
-                self._spare = (weakref.ref(lay), kds)
+                self._spare = (weakref.ref(lay), ds)
             except TypeError:                 # a cache layer without weak references
                 pass
-        return kds
+        return ds
 
     def _check_inputs(self, q, k, v, log_a, beta, valid, decode: bool) -> None:
         """A NaN or infinity in this forward's recurrence inputs (valid tokens only) is one
@@ -655,27 +669,12 @@ class LayerRuntime:
             f"become non-finite (e.g. a float16 overflow)")
 
     def _decode(self, st, q, k, v, log_a, beta, raw):
-        if isinstance(st, ScanHeld):                        # decode starts after a prefill
-            st = st.to_replay_state()
+        """The first decode step after a multi-token forward: the hand-off into the store
+        (`_to_store`), then the step on it."""
+        st = self._to_store(st, q, k, v, log_a, beta, raw, steps_done=1)
         if self.vector_gate and raw is None:
             raw = _kda_raw(q, k, v, log_a, beta)
-        path = self.decode_path(q, q.shape[-1], v.shape[-1], raw)
-        if path == "triton" and isinstance(st, ReplayState):
-            rows = st.export()["rows"]
-            if len(torch.unique(rows)) != st.B:
-                path = ("torch (sequence ids repeat after a beam reorder; the decode kernel "
-                        "keys SR streams by slot and holds one row per slot)")
-        if path == "triton":
-            if isinstance(st, ReplayState):                 # hand-off: once, at decode start
-                st = KernelDecodeState(st, _key_heads(raw, self.delta), steps_done=1)
-            return st, st.step(_one_token(raw)).unsqueeze(1)
-        if path != "torch":
-            self._warn_once(f"replayquant decode on {q.device}, layer {self.layer_idx}: {path}")
-        if isinstance(st, KernelDecodeState):
-            st = st.to_replay_state()
-        y = decode_step(st, q[:, 0], k[:, 0], v[:, 0], log_a[:, 0],
-                        None if beta is None else beta[:, 0]).unsqueeze(1)
-        return st, y
+        return st, st.step(_one_token(raw)).unsqueeze(1)
 
 
 def reorder_state(st: ReplayState, ids: torch.Tensor) -> ReplayState:
