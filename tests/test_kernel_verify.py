@@ -266,3 +266,48 @@ def test_forced_flush_after_accept_fills_buffer(kind, pair):
     close(y, y2, 1e-5)
     assert st.n_flush.tolist() == ref.n_flush.tolist() and min(st.n_flush.tolist()) >= 2
     assert_states_close(st.anchor.dequantize(), ref.anchor.dequantize())
+
+
+@pytest.mark.parametrize("engine", ["triton", "torch"])
+def test_verify_accept_operators(engine):
+    """The custom operators replayquant::replay_verify / replay_accept (kernels.ops) give what the
+    engine's functions give called directly, bit for bit (the Triton kernels; the torch engine's
+    replay_torch step and reference verify / accept), steps between rounds through
+    replayquant::replay_step; and
+    torch.compile(fullgraph=True) traces a round of verify + accept as one graph with the eager
+    outputs and store."""
+    from replayquant.kernels import ops
+    T = 2
+    P = PrecisionPair.load("tp4_hi16_sr").with_buffer_len(4)
+    init = random_state(N, H, DV, DK, seed=32)
+    st = ReplayStore.from_state(init, P, "gdn", key_heads=HK, seed=6, u_dtype=torch.float32,
+                                max_drafts=T)
+    direct, comp = st.clone(), st.clone()
+    ver, acc = (replay_gdn_verify, replay_accept) if engine == "triton" else \
+        (replay_gdn_verify_ref, replay_accept_ref)
+    from replayquant.kernels.replay_torch import replay_gdn_step_torch
+    step = replay_gdn_step if engine == "triton" else replay_gdn_step_torch
+    meta = ops.store_meta(st, engine)
+
+    def round_(store, kw, n):
+        y = ops.replay_verify(store, kw, IDX, meta)
+        ops.replay_accept(store, n, IDX, meta, check=False)
+        return y
+
+    compiled = torch.compile(round_, backend="eager", fullgraph=True)
+    for rnd in range(3):
+        kw, _, _ = inputs("gdn", T, seed=40 + rnd)
+        n = _accepts(rnd, T).to(torch.int32)
+        y = ops.replay_verify(st, kw, IDX, meta)
+        ops.replay_accept(st, n, IDX, meta)
+        assert torch.equal(y, call(ver, direct, kw))
+        acc(direct, n, IDX)
+        assert torch.equal(compiled(comp, kw, n), y)
+        kw1, _, _ = inputs("gdn", None, seed=50 + rnd)
+        y1 = ops.replay_step(st, kw1, IDX, "replay", meta)
+        assert torch.equal(y1, call(step, direct, {**kw1, "path": "replay"}))
+        ops.replay_step(comp, kw1, IDX, "replay", meta)
+    for a, b, c in zip(ops.store_tensors(st), ops.store_tensors(direct), ops.store_tensors(comp)):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        assert torch.equal(a.view(torch.uint8), c.view(torch.uint8))
+    assert st.pending_T is None and comp.pending_T is None

@@ -1,5 +1,10 @@
-"""The replay decode steps as PyTorch custom operators, so that torch.compile keeps each one as a
-single node of its graph and CUDA graphs capture its launches.
+"""The replay decode step, verify and accept as PyTorch custom operators, so that torch.compile
+keeps each one as a single node of its graph and CUDA graphs capture its launches.
+
+`replay_verify(store, inputs, state_indices)` (operator `replayquant::replay_verify`, inputs
+with a draft axis) and `replay_accept(store, n, state_indices)` (`replayquant::replay_accept`,
+the pointer move) are speculative decoding's round on the same store: the Triton engine's
+`verify.replay_*_verify` / `replay_accept`, the torch engine's references in `replay_ref`.
 
 `replay_step(store, inputs, state_indices, ...)` runs one decode step of a `ReplayStore` through
 the operator `replayquant::replay_step`, whose arguments are the store's tensors (declared as
@@ -26,7 +31,8 @@ import torch
 from replayquant.kernels.roles import PackedRole
 from replayquant.kernels.stores import ReplayStore
 
-__all__ = ["replay_step", "store_tensors", "store_meta"]
+__all__ = ["replay_step", "replay_verify", "replay_accept", "store_tensors", "store_meta",
+           "ENGINES"]
 
 # the store's tensor fields, in the operator's order (a role's absent scale tensors are left out
 # and named in the meta string)
@@ -103,38 +109,49 @@ def _store_of(tensors: list[torch.Tensor], meta: str) -> ReplayStore:
                        arrive=by["arrive"], Tbuf=by.get("Tbuf"))
 
 
-@torch.library.custom_op("replayquant::replay_step", mutates_args=("state",))
-def _replay_step_op(state: list[torch.Tensor], inputs: list[Optional[torch.Tensor]],
-                    state_indices: torch.Tensor, meta: str, path: str,
-                    scalars: list[float], dt_limit: list[float]) -> torch.Tensor:
+def _run(fns, state, inputs, state_indices, meta, scalars, dt_limit, **kw):
+    """Call the kind's function of fns (gdn, mamba2, kda) on the store these tensors hold."""
     store = _store_of(state, meta)
-    gdn, mamba2, kda = _ENGINE_STEPS[_layout(meta)["engine"]]()
+    gdn, mamba2, kda = fns
     kind = store.kind
     if kind == "gdn":
         q, k, v, a, b, A_log, dt_bias = inputs
         return gdn(store, q, k, v, a, b, A_log, dt_bias, state_indices=state_indices,
-                   use_qk_l2norm=True, path=path, beta_scale=scalars[1])
+                   use_qk_l2norm=True, beta_scale=scalars[1], **kw)
     if kind == "mamba2":
         x, dt, A, B, C, dt_bias = inputs
-        lim = tuple(dt_limit) if dt_limit else None
+        lim = {"dt_limit": tuple(dt_limit)} if dt_limit else {}
         return mamba2(store, x, dt, A, B, C, state_indices=state_indices, dt_bias=dt_bias,
-                      path=path, **({} if lim is None else {"dt_limit": lim}))
+                      **lim, **kw)
     q, k, v, g, beta = inputs
     return kda(store, q, k, v, g, beta, state_indices=state_indices, scale=scalars[0] or None,
-               use_qk_l2norm=True, path=path)
+               use_qk_l2norm=True, **kw)
 
 
-def _triton_steps():
-    from replayquant.kernels import replay_decode as rd
-    return rd.replay_gdn_step, rd.replay_mamba2_step, rd.replay_kda_step
+def _engine_fns(meta: str, what: str):
+    """The engine's (gdn, mamba2, kda) functions for `what` ('step', 'verify', 'accept')."""
+    engine = _layout(meta)["engine"]
+    if engine == "triton":
+        if what == "step":
+            from replayquant.kernels import replay_decode as rd
+            return rd.replay_gdn_step, rd.replay_mamba2_step, rd.replay_kda_step
+        from replayquant.kernels import verify as vf
+        return (vf.replay_gdn_verify, vf.replay_mamba2_verify, vf.replay_kda_verify) \
+            if what == "verify" else vf.replay_accept
+    if what == "step":
+        from replayquant.kernels import replay_torch as rt
+        return rt.replay_gdn_step_torch, rt.replay_mamba2_step_torch, rt.replay_kda_step_torch
+    from replayquant.kernels import replay_ref as rr
+    return (rr.replay_gdn_verify_ref, rr.replay_mamba2_verify_ref, rr.replay_kda_verify_ref) \
+        if what == "verify" else rr.replay_accept_ref
 
 
-def _torch_steps():
-    from replayquant.kernels import replay_torch as rt
-    return rt.replay_gdn_step_torch, rt.replay_mamba2_step_torch, rt.replay_kda_step_torch
-
-
-_ENGINE_STEPS = {"triton": _triton_steps, "torch": _torch_steps}
+@torch.library.custom_op("replayquant::replay_step", mutates_args=("state",))
+def _replay_step_op(state: list[torch.Tensor], inputs: list[Optional[torch.Tensor]],
+                    state_indices: torch.Tensor, meta: str, path: str,
+                    scalars: list[float], dt_limit: list[float]) -> torch.Tensor:
+    return _run(_engine_fns(meta, "step"), state, inputs, state_indices, meta, scalars, dt_limit,
+                path=path)
 
 
 @_replay_step_op.register_fake
@@ -145,6 +162,43 @@ def _(state, inputs, state_indices, meta, path, scalars, dt_limit):
     return x.new_empty((x.shape[0], H, dv), dtype=torch.float32)
 
 
+@torch.library.custom_op("replayquant::replay_verify", mutates_args=("state",))
+def _replay_verify_op(state: list[torch.Tensor], inputs: list[Optional[torch.Tensor]],
+                      state_indices: torch.Tensor, meta: str, scalars: list[float],
+                      dt_limit: list[float]) -> torch.Tensor:
+    return _run(_engine_fns(meta, "verify"), state, inputs, state_indices, meta, scalars,
+                dt_limit)
+
+
+@_replay_verify_op.register_fake
+def _(state, inputs, state_indices, meta, scalars, dt_limit):
+    m = _layout(meta)
+    H, dv = m["anchor"][2][1], m["anchor"][2][2]
+    x = inputs[0]
+    return x.new_empty((x.shape[0], x.shape[1], H, dv), dtype=torch.float32)
+
+
+@torch.library.custom_op("replayquant::replay_accept", mutates_args=("state",))
+def _replay_accept_op(state: list[torch.Tensor], n: torch.Tensor, state_indices: torch.Tensor,
+                      meta: str, T: int) -> None:
+    store = _store_of(state, meta)
+    store.pending_T = T
+    _engine_fns(meta, "accept")(store, n, state_indices, check=False)
+
+
+@_replay_accept_op.register_fake
+def _(state, n, state_indices, meta, T):
+    return None
+
+
+def _op_args(store: ReplayStore, inputs: dict):
+    """(input tensors in the operator's order, scalars, dt_limit) of a step's or verify's inputs."""
+    ts = [inputs.get(n) for n in _INPUTS[store.kind]]
+    lim = inputs.get("dt_limit")
+    return (ts, [float(inputs.get("scale") or 0.0), float(inputs.get("beta_scale", 1.0))],
+            [] if lim is None else [float(x) for x in lim])
+
+
 def replay_step(store: ReplayStore, inputs: dict, state_indices: torch.Tensor,
                 path: str = "replay", meta: str | None = None) -> torch.Tensor:
     """One decode step of `store` (kind gdn / mamba2 / kda) through the custom operator: inputs
@@ -152,12 +206,41 @@ def replay_step(store: ReplayStore, inputs: dict, state_indices: torch.Tensor,
     beta_scale; Mamba-2 x, dt, A, B, C, dt_bias, dt_limit; KDA q, k, v, g, beta, scale).
     meta: store_meta(store, engine), which a caller stepping the same store many times computes
     once (a tracer then sees a constant; None: the Triton engine). Returns y float32 [B, H, d_v]."""
-    kind = store.kind
-    ts = [inputs.get(n) for n in _INPUTS[kind]]
-    lim = inputs.get("dt_limit")
+    ts, scalars, lim = _op_args(store, inputs)
     y = _replay_step_op(store_tensors(store), ts, state_indices,
-                        store_meta(store) if meta is None else meta, path,
-                        [float(inputs.get("scale") or 0.0), float(inputs.get("beta_scale", 1.0))],
-                        [] if lim is None else [float(x) for x in lim])
+                        store_meta(store) if meta is None else meta, path, scalars, lim)
     store.last_force = path == "flush"
     return y
+
+
+def replay_verify(store: ReplayStore, inputs: dict, state_indices: torch.Tensor,
+                  meta: str | None = None) -> torch.Tensor:
+    """The outputs of T drafts per row through the operator replayquant::replay_verify: inputs by
+    name as replay_step's, each with a draft axis after the batch ([B, T, ...]); the store must
+    have been built for T drafts (max_drafts). Returns y float32 [B, T, H, d_v]; then call
+    replay_accept. (The torch engine's verify is the reference `replay_ref`, which reads the
+    host; the Triton engine's reads nothing.)"""
+    from replayquant.kernels.stores import _begin
+    _begin(store, store.kind, False, None)           # pending drafts, on the caller's store
+    ts, scalars, lim = _op_args(store, inputs)
+    y = _replay_verify_op(store_tensors(store), ts, state_indices,
+                          store_meta(store) if meta is None else meta, scalars, lim)
+    store.pending_T = y.shape[1]
+    return y
+
+
+def replay_accept(store: ReplayStore, n: torch.Tensor, state_indices: torch.Tensor,
+                  meta: str | None = None, check: bool = True) -> None:
+    """Commit the first n[b] drafts of each row (int tensor [B], 0..T) through the operator
+    replayquant::replay_accept: only the pointers move. check: the range of n is checked on the
+    host first (one host read; leave it False inside a captured or compiled step)."""
+    from replayquant.kernels.stores import _check_accept
+    T = store.pending_T
+    if not T:
+        raise ValueError("accept: no drafts pending; call verify first")
+    if not isinstance(n, torch.Tensor):
+        raise ValueError(f"accept: n must be an integer tensor [batch={state_indices.shape[0]}]")
+    n = _check_accept(n, state_indices.shape[0], T, store.committed.device, check)
+    _replay_accept_op(store_tensors(store), n, state_indices,
+                      store_meta(store) if meta is None else meta, int(T))
+    store.pending_T = None
