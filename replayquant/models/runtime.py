@@ -469,7 +469,13 @@ class LayerRuntime:
         self.layer_idx, self.delta, self.kind = int(layer_idx), bool(delta), kind
         self.vector_gate = bool(vector_gate)     # log_a per key channel [.., H, d_k] (KDA)
         self._warned = set()
-        self._spare = (lambda: None, None)     # (weak ref to its cache layer, the last store)
+        # (weak reference to the cache layer holding it, the DecodeStore) of the last prefill
+        # into a static cache, which the next one reuses (`_decode_ready`); None before any
+        self._spare = None
+
+    def __getstate__(self):
+        """A pickled patch keeps its configuration, not the last generate's decode store."""
+        return {**self.__dict__, "_spare": None}
 
     def _warn_once(self, msg: str) -> None:
         if msg not in self._warned:
@@ -641,7 +647,7 @@ class LayerRuntime:
         cache is reused (same shapes, its owner gone or this very cache layer), so that the
         compiled step's CUDA graphs keep their addresses from one generate to the next. The
         layer keeps that one store alive after its cache is gone (`unpatch` drops it)."""
-        owner, spare = self._spare
+        owner, spare = self._spare or (None, None)
         free = spare is not None and (owner() is None or owner() is lay)
         ds = self._to_store(st, q, k, v, log_a, beta, raw, reuse=spare if free else None)
         if lay is not None:
