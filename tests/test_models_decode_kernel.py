@@ -372,7 +372,7 @@ def test_beam_reorder_of_kernel_state():
         got = rt.get_state(lay, True, 3, 2, 16, 16, torch.device("cpu"))
         assert isinstance(got, runtime.DecodeStore)
         back = got.to_replay_state()
-        ref = runtime.reorder_state(st, torch.tensor(ids))
+        ref = runtime.reorder_state(runtime.ScanHeld.of(st), torch.tensor(ids)).to_replay_state()
         assert torch.equal(back.export()["rows"], torch.arange(3))
         assert torch.equal(back.anchor(), ref.anchor()) and torch.equal(back.read_copy(), ref.read_copy())
         assert torch.equal(back.committed, ref.committed) and torch.equal(back.flushes, ref.flushes)

@@ -4,8 +4,7 @@ Where the state lives: each linear-attention layer of an HF cache (`cache.layers
 `LinearAttentionLayer` in transformers 5.17 and 5.24) keeps, while patched, its replay state in
 the attribute `_replayquant_state`: a `DecodeStore` once the layer decodes (a
 `replayquant.kernels.stores.ReplayStore`, the engine that steps it and the batch-row -> slot
-map), a `ReplayState` after a multi-token forward on the torch path, or a `ScanHeld` (the Triton
-chunk kernel's ScanState, same content) after a multi-token forward on the Triton path. The
+map), or a `ScanHeld` (the chunked scan's ScanState) after a multi-token forward. The
 layer's own `recurrent_states[0]` slot, which HF reorders on beam search (`reorder_cache`),
 holds a small float tensor [B, 1] of row ids instead of the FP32 state; a permuted slot tells us
 to permute the replay state the same way. The conv state is HF's, untouched.
@@ -33,8 +32,8 @@ Which path runs:
   on the GPU with a warning. `teacher_force_path()` says which. prefill="replay" gives exact
   decode semantics, prefill="exact" FP32 and one cast.
 
-Hand-off between the two (explicit, once, never per step): segments of multi-token forwards on
-the Triton path pass the kernel's ScanState from one to the next as it is (`ScanHeld`); the
+Hand-off between the two (explicit, once, never per step): segments of multi-token forwards
+pass the scan's ScanState from one to the next as it is (`ScanHeld`); the
 first decode step after them builds the decode store (`state_to_store`, a `DecodeStore`); a
 multi-token forward into a static cache (HF's compiled generate) builds it at its end, so that
 the first decode step, which torch.compile traces, finds the store. Every decode step after
@@ -63,7 +62,7 @@ import weakref
 import torch
 
 from replayquant.formats import QTensor, use_triton
-from replayquant.kernels.chunk_ref import teacher_force
+from replayquant.kernels.chunk_ref import chunk_scan_ref, cpu_threads
 from replayquant.replay import ReplayState
 from replayquant.replay.state import find_nonfinite
 
@@ -123,16 +122,22 @@ def teacher_force_path(x: torch.Tensor, d_k: int, d_v: int) -> str:
 
 
 class ScanHeld:
-    """The replay state of one layer after a multi-token forward through the Triton chunk
-    kernel: the kernel's ScanState as it came out (same anchor, read copy, buffer and counters
-    a ReplayState would hold), so that the next segment's kernel call takes it as it is,
-    without a ReplayState round trip per segment (copies, the read copy's dequantization and
-    GDN's u recomputed, measured at ~2.7 ms per layer call on the H200). It becomes a
+    """The replay state of one layer between multi-token forwards, on either path: the chunked
+    scan's ScanState as it came out (same anchor, read copy, buffer and counters a ReplayState
+    would hold), so that the next segment's scan (Triton kernel or torch reference) takes it as
+    it is, without a ReplayState round trip per segment (copies, the read copy's dequantization
+    and GDN's u recomputed, measured at ~2.7 ms per layer call on the H200). It becomes a
     ReplayState (`to_replay_state`, u recomputed against the read copy, as ReplayState.load
-    does) only where one is needed: a decode step, a beam reorder, the torch path."""
+    does) only where the decode store is built from it (`state_to_store`)."""
 
     def __init__(self, ss, pair, delta: bool, seed: int, layer: int):
         self.ss, self.pair, self.delta, self.seed, self.layer = ss, pair, delta, seed, layer
+
+    @classmethod
+    def of(cls, st: ReplayState) -> "ScanHeld":
+        """The ScanHeld holding ReplayState st's parts (its tensors, no copy)."""
+        from replayquant.kernels.chunk_ref import scan_state_of
+        return cls(scan_state_of(st), st.pair, st.delta, st.seed, st.layer)
 
     @property
     def B(self) -> int:
@@ -148,22 +153,20 @@ class ScanHeld:
                                       seed=self.seed, layer=self.layer)
 
 
-def _teacher_force(st, q, k, v, log_a, beta, valid, exact: bool):
-    """A multi-token forward of one layer from st (a ReplayState or ScanHeld) -> (y, the state
-    after it: a ScanHeld on the Triton path, a ReplayState on the torch path)."""
+def _teacher_force(held: ScanHeld, q, k, v, log_a, beta, valid, exact: bool):
+    """A multi-token forward of one layer from `held` -> (y, the ScanHeld after it), through
+    the Triton chunk kernel or its torch reference (teacher_force_path)."""
     path = teacher_force_path(q, q.shape[-1], v.shape[-1])
     if path == "triton":
-        from replayquant.kernels import chunk
-        from replayquant.kernels.chunk_ref import scan_state_of
-        ss = st.ss if isinstance(st, ScanHeld) else scan_state_of(st)
-        y, ss = chunk.chunk_scan(ss, q, k, v, log_a, beta, pair=st.pair, seed=st.seed,
-                                 layer=st.layer, valid=valid, exact=exact)
-        return y, ScanHeld(ss, st.pair, st.delta, st.seed, st.layer)
-    if path != "torch":
-        warnings.warn(f"replayquant teacher forcing on {q.device}: {path}", stacklevel=3)
-    if isinstance(st, ScanHeld):
-        st = st.to_replay_state()
-    return teacher_force(st, q, k, v, log_a, beta, valid=valid, exact=exact), st
+        from replayquant.kernels.chunk import chunk_scan as scan
+    else:
+        if path != "torch":
+            warnings.warn(f"replayquant teacher forcing on {q.device}: {path}", stacklevel=3)
+        scan = chunk_scan_ref
+    with cpu_threads(q.device):
+        y, ss = scan(held.ss, q, k, v, log_a, beta, pair=held.pair, seed=held.seed,
+                     layer=held.layer, valid=valid, exact=exact)
+    return y, ScanHeld(ss, held.pair, held.delta, held.seed, held.layer)
 
 
 # ==================================================================== ReplayState <-> ReplayStore
@@ -498,16 +501,19 @@ class LayerRuntime:
     def has_previous(lay) -> bool:
         return bool(lay.has_previous_state[0])
 
-    def _fresh(self, B, H, dv, dk, device, S0=None):
+    def _fresh(self, B, H, dv, dk, device, S0=None) -> ScanHeld:
+        """A new state: S0 (default zeros) cast into both roles, flush index 0, an empty buffer
+        (ReplayState's construction, which refuses an S0 that is not finite or overflows a
+        role's format)."""
         if S0 is None:
             S0 = torch.zeros(B, H, dv, dk, device=device)
-        return ReplayState(S0, self.pair, delta=self.delta, seed=self.seed, layer=self.layer_idx,
-                           vector_gate=self.vector_gate)
+        return ScanHeld.of(ReplayState(S0, self.pair, delta=self.delta, seed=self.seed,
+                                       layer=self.layer_idx, vector_gate=self.vector_gate))
 
     def get_state(self, lay, had_prev: bool, B, H, dv, dk, device):
-        """The layer's state for this forward (new, continued, reordered or adopted): a
-        ReplayState, the DecodeStore decode left there, or the ScanHeld the Triton chunk
-        kernel left there."""
+        """The layer's state for this forward (new, continued, reordered or adopted): the
+        DecodeStore decode left there, or a ScanHeld (new, adopted from an unpatched model's
+        cache, or the one the last multi-token forward left there)."""
         if lay is None or not had_prev:
             return self._fresh(B, H, dv, dk, device)
         st = getattr(lay, STATE_ATTR, None)
@@ -527,8 +533,8 @@ class LayerRuntime:
             if isinstance(st, DecodeStore) and ids.shape[0] == st.B:
                 st.reorder(ids)
             else:
-                if isinstance(st, (ScanHeld, DecodeStore)):
-                    st = st.to_replay_state()
+                if isinstance(st, DecodeStore):
+                    st = ScanHeld.of(st.to_replay_state())
                 st = reorder_state(st, ids)
             setattr(lay, MARKER_ATTR, None)          # put_state writes a fresh marker
         if st.B != B:
@@ -578,7 +584,7 @@ class LayerRuntime:
                 st, y = self._decode(st, q, k, v, log_a, beta, raw)
             else:
                 if isinstance(st, DecodeStore):      # hand back to the chunked scan
-                    st = st.to_replay_state()
+                    st = ScanHeld.of(st.to_replay_state())
                 y, st = _teacher_force(st, q, k, v, log_a, beta, valid, self.prefill == "exact")
                 if _static(cache):
                     st = self._decode_ready(st, q, k, v, log_a, beta, raw, lay)
@@ -626,7 +632,7 @@ class LayerRuntime:
         return "triton" if path == "triton" else "torch"
 
     def _to_store(self, st, q, k, v, log_a, beta, raw, steps_done=0, reuse=None):
-        """The hand-off of a ReplayState or ScanHeld into this layer's DecodeStore (once, where
+        """The hand-off of a ScanHeld into this layer's DecodeStore (once, where
         decode starts or a prefill into a static cache ends)."""
         if self.vector_gate and raw is None:
             raw = _kda_raw(q, k, v, log_a, beta)
@@ -683,18 +689,16 @@ class LayerRuntime:
         return st, st.step(_one_token(raw)).unsqueeze(1)
 
 
-def reorder_state(st: ReplayState, ids: torch.Tensor) -> ReplayState:
-    """A ReplayState whose row i is row ids[i] of st (beam search). SR stream ids follow the rows."""
+def reorder_state(held: ScanHeld, ids: torch.Tensor) -> ScanHeld:
+    """The state whose row i is row ids[i] of `held` (beam search before decode starts). SR
+    stream ids follow the rows."""
+    from dataclasses import fields
     from replayquant.replay import core
 
-    parts = st.export()
-    ids = ids.to(st.device)
-    new = {}
-    for name, t in parts.items():
-        if t is None:
-            new[name] = None
-        elif name in ("anchor", "read"):
-            new[name] = core.qt_take(t, ids, st.B)
-        else:
-            new[name] = t[ids].contiguous()
-    return ReplayState.from_parts(new, st.pair, delta=st.delta, seed=st.seed, layer=st.layer)
+    ss, ids = held.ss, ids.to(held.device)
+    parts = {}
+    for f in fields(ss):
+        t = getattr(ss, f.name)
+        parts[f.name] = None if t is None else core.qt_take(t, ids, ss.batch) \
+            if f.name in ("anchor", "read") else t[ids].contiguous()
+    return ScanHeld(type(ss)(**parts), held.pair, held.delta, held.seed, held.layer)
