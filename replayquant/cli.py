@@ -8,12 +8,12 @@ from typing import Literal
 
 import typer
 
+from replayquant.choices import DTYPE_NAMES, PREFILLS, REFERENCES
+
 # Options with a fixed set of values: typer checks them and `--help` lists them.
-# Dtype: replayquant.models.patching.DTYPES (Hugging Face's names and the short ones) and auto.
-Dtype = Literal["auto", "bfloat16", "float16", "float32", "bf16", "fp16", "fp32", "half", "float",
-                "float64", "double"]
-Prefill = Literal["replay", "exact"]
-Reference = Literal["exact", "hf"]
+Dtype = Literal[("auto", *DTYPE_NAMES)]
+Prefill = Literal[PREFILLS]
+Reference = Literal[REFERENCES]
 Scoring = Literal["all", "llama"]
 TableFormat = Literal["md", "csv", "llama"]
 TableOrder = Literal["pair", "model"]
