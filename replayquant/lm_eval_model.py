@@ -52,11 +52,13 @@ import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
-__all__ = ["ReplayQuantLM", "PREFILLS", "resolve_pair", "resolve_model_name", "lm_eval_main",
-           "LM_EVAL_INTERNALS", "lm_eval_internals_problems"]
+from replayquant.choices import PREFILLS
+from replayquant.models.names import resolve_model_name
+
+__all__ = ["ReplayQuantLM", "resolve_pair", "lm_eval_main", "LM_EVAL_INTERNALS",
+           "lm_eval_internals_problems"]
 
 log = logging.getLogger(__name__)
-PREFILLS = ("replay", "exact")
 
 # What this module relies on inside lm-eval (pyproject's tested range; lm-eval 0.4.13): the HFLM
 # methods ReplayQuantLM overrides, with the arguments it passes on by name, the HFLM methods that
@@ -185,16 +187,6 @@ def resolve_pair(spec, buffer_len=None):
             raise ValueError(f"buffer_len={buffer_len!r}: must be an integer >= 1") from None
         pair = pair.with_buffer_len(bl)
     return pair
-
-
-def resolve_model_name(name: str) -> str:
-    """The hub id or local path for a short name users type (`Qwen3.5-4B` -> `Qwen/Qwen3.5-4B`),
-    via the model-integration table; anything else unchanged."""
-    try:
-        from replayquant.models.names import resolve_model_name as _resolve
-    except ImportError:
-        return name
-    return _resolve(name)
 
 
 def cache_kwarg(model) -> str:

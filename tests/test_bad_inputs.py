@@ -14,6 +14,7 @@ import torch
 
 from replayquant.kl import command as C
 from replayquant.kl import runner as R
+from replayquant.models.names import resolve_model_name
 from _cli import invoke as _invoke, one_clear_error as _one_clear_error
 
 TINY = "tiny-qwen3.5"
@@ -85,7 +86,7 @@ def test_resume_recomputes_changed_documents_and_refuses_other_code(texts, tmp_p
     first = json.loads(out.read_text())["results"]["s32_rs"]["per_document"]
     calls = _count_scored(monkeypatch)
     # the same folder by its absolute path (and the model by a relative path): one configuration
-    model_rel = os.path.relpath(C._resolve_model_name(TINY), tmp_path)
+    model_rel = os.path.relpath(resolve_model_name(TINY), tmp_path)
     code, text = _invoke([a if a != TINY else model_rel for a in _kl(data, out, docs=2)])
     assert code == 0, text
     assert calls == []

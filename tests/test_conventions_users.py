@@ -268,8 +268,8 @@ def _commands(group, prefix=()):
 def test_help_lists_choices_and_never_cuts_an_option_name():
     from replayquant.models.patching import DTYPES
     import typing
-    from replayquant import cli
-    assert typing.get_args(cli.Dtype) == ("auto", *DTYPES)
+    from replayquant.cli.common import Dtype
+    assert typing.get_args(Dtype) == ("auto", *DTYPES)
     seen = 0
     for path, cmd in _commands(app):
         code, text = _invoke([*path, "--help"])

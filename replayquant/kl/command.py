@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from replayquant.choices import PREFILLS, REFERENCES
+from replayquant.models.names import resolve_model_name
 from replayquant.models.patching import DTYPES, resolve_dtype
 
 
@@ -16,13 +18,6 @@ def _check_dtype(dtype) -> None:
     """One ValueError naming the --dtype values when `dtype` is none of them."""
     if not (dtype == "auto" or (isinstance(dtype, str) and dtype.lower() in DTYPES)):
         raise ValueError(f"--dtype must be auto or one of {', '.join(DTYPES)}, got {dtype!r}")
-
-
-def _resolve_model_name(name: str) -> str:
-    """Short names users type (`Qwen3.5-4B`) through the model table; a local path that is not
-    there is one ValueError ("folder not found"), as is a name that is nothing known."""
-    from replayquant.models.names import resolve_model_name
-    return resolve_model_name(name)
 
 
 def _model_error(model, resolved, e):
@@ -36,7 +31,7 @@ def load_tokenizer_and_config(model: str, revision: str | None = None):
     """(tokenizer, config, resolved name): everything but the weights, so that bad input fails
     before gigabytes are loaded."""
     from transformers import AutoConfig, AutoTokenizer
-    resolved = _resolve_model_name(model)
+    resolved = resolve_model_name(model)   # a path that is not there: one ValueError
     kw = {"revision": revision} if revision else {}
     try:
         cfg = AutoConfig.from_pretrained(resolved, **kw)
@@ -103,10 +98,9 @@ def kl_command(model: str, pairs: list[str], dataset: str = "pg19", split: str =
     from .stats import scored_range
 
     # cheap checks first: no weights are loaded for a run that cannot start
-    if prefill not in ("replay", "exact"):
-        raise ValueError(f"--prefill must be 'replay' or 'exact', got {prefill!r}")
-    if reference not in ("exact", "hf"):
-        raise ValueError(f"--reference must be 'exact' or 'hf', got {reference!r}")
+    for name, v, choices in (("--prefill", prefill, PREFILLS), ("--reference", reference, REFERENCES)):
+        if v not in choices:
+            raise ValueError(f"{name} must be {' or '.join(map(repr, choices))}, got {v!r}")
     for name, v, lo in (("--context", context, 2), ("--docs", docs, 1), ("--segment", segment, 1)):
         if v < lo:
             raise ValueError(f"{name} must be >= {lo}, got {v}")

@@ -6,6 +6,7 @@ import functools
 
 import torch
 
+from replayquant.choices import DTYPE_NAMES, PREFILLS
 from replayquant.models.families import FORWARDS, layer_kind, supported_families
 from replayquant.models.names import resolve_model_name
 from replayquant.models.runtime import LayerRuntime
@@ -13,7 +14,6 @@ from replayquant.models.runtime import LayerRuntime
 __all__ = ["recurrent_layers", "patch", "unpatch", "is_patched", "load_model", "auto_model_class",
            "PREFILLS"]
 
-PREFILLS = ("replay", "exact")
 _INFO = "_replayquant_patch"
 
 
@@ -139,12 +139,8 @@ def patch_info(model) -> dict | None:
     return getattr(model, _INFO, None)
 
 
-# dtype names load_model takes: Hugging Face's (`from_pretrained(dtype="half")` takes any torch
-# floating dtype by its torch name) and the short ones of the command line
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-          "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
-          "half": torch.float16, "float": torch.float32,
-          "float64": torch.float64, "double": torch.float64}
+# dtype names load_model takes (`replayquant.choices.DTYPE_NAMES`) -> their torch dtypes
+DTYPES = {name: getattr(torch, attr) for name, attr in DTYPE_NAMES.items()}
 
 
 def resolve_dtype(dtype):

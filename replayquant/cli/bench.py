@@ -1,0 +1,144 @@
+"""`bench generate`, `bench teacher-forcing`, `bench kernels` and `bench merge`: GPU benchmarks of
+decoding, teacher forcing and the decode kernels (replayquant/bench)."""
+
+from __future__ import annotations
+
+import typer
+
+from replayquant.bench.targets import PRESETS
+from replayquant.cli.common import BenchPart, BenchShape, KernelPreset, Prefill, bench_app, user_errors
+
+
+@bench_app.command("generate")
+@user_errors()
+def bench_generate_cmd(
+    batch: str = typer.Option("1,32,256", help="batch sizes, comma-separated"),
+    pair: list[str] = typer.Option(None, "--pair", help="pairs (default s32_rs and tp4_hi16_sr)"),
+    prompt: int = typer.Option(64, help="prompt tokens"),
+    shape: BenchShape = typer.Option("qwen3.5-4b", help="model shape (random weights)"),
+    compile_backend: str = typer.Option("inductor", help="torch.compile backend of the static ways"),
+    budget_s: float = typer.Option(None, help="skip the batches left after this many seconds"),
+    out: str = typer.Option("build/bench/generate.json", help="results JSON"),
+    add: bool = typer.Option(False, "--add", help="add these batches to --out, a file of the same "
+                             "run (shape, pairs, prompt, compile config, git commit)"),
+):
+    """GPU: ms per decode step of generate, HF and patched, eager and static cache + compile, with
+    GPU busy time, kernel launches and host syncs per step."""
+    from replayquant.bench.generate import run_generate_bench
+    try:
+        batches = tuple(int(x) for x in batch.split(","))
+    except ValueError:
+        raise ValueError(f"--batch takes comma-separated integers, got {batch!r}") from None
+    r = run_generate_bench(out=out, shape=shape, batches=batches,
+                           pairs=tuple(pair or ("s32_rs", "tp4_hi16_sr")), prompt=prompt,
+                           compile_backend=compile_backend, budget_s=budget_s, add=add,
+                           progress=lambda m: typer.echo(m, err=True))
+    for t in r["targets"]:
+        typer.echo(f"{'met ' if t['met'] else 'MISS'} {t['measured']:.3g}  {t['name']}")
+    typer.echo(f"-> {out}")
+
+
+@bench_app.command("teacher-forcing")
+@user_errors()
+def bench_teacher_forcing_cmd(
+    part: BenchPart = typer.Option("model", help="model (patched vs unpatched whole model) | layer "
+                                   "(kernel check and per-layer timing) | all"),
+    context: int = typer.Option(131072, help="tokens of the one random document (model)"),
+    segment: int = typer.Option(8192, help="tokens per forward (model)"),
+    pair: str = typer.Option("tp4_hi16_sr", help="precision pair of the patched model (model)"),
+    prefill: Prefill = typer.Option("replay", help="prefill of the patched model (model)"),
+    shape: BenchShape = typer.Option("qwen3.5-4b", help="model shape (random weights)"),
+    device: str = typer.Option(None, help="cuda (default when available) or cpu (model)"),
+    lengths: str = typer.Option("8192,32768", help="tokens of the per-layer timing (layer)"),
+    out: str = typer.Option("build/bench/teacher_forcing.json", help="results JSON (each part "
+                            "replaces its own section)"),
+):
+    """GPU: teacher forcing through the chunk kernel: the patched vs the unpatched HF forward of
+    a Qwen3.5-4B-shape model over one long document (target <= 2x, <= 40 GiB), and/or the
+    kernel check and per-layer timing."""
+    from replayquant.bench import teacher_forcing as tf
+    if device is not None:
+        from replayquant.models.device import check_device
+        check_device(device)
+    if part in ("layer", "all"):
+        tf.run_layer(out, tuple(int(x) for x in lengths.split(",") if x))
+    if part in ("model", "all"):
+        r = tf.run_model(out, shape=shape, context=context, segment=segment, pair=pair,
+                         prefill=prefill, device=device)
+        typer.echo(f"patched {r['patched_forward_s']:.1f} s, HF {r['hf_forward_s']:.1f} s: "
+                   f"{r['ratio_patched_over_hf']:.2f}x (target <= 2), peak "
+                   f"{r['peak_gpu_gib_patched']} GiB, replay path {r['teacher_force_path']} -> {out}")
+
+
+@bench_app.command("kernels")
+@user_errors()
+def bench_kernels_cmd(
+    out: str = typer.Option("build/bench", help="folder for kernels.json, kernels.md, kernels_speedup.png"),
+    batches: str = typer.Option("1,8,32,128,256,512", help="batch sizes of the decode steps"),
+    buffer_lens: str = typer.Option("4,8,16,32", "--L", help="buffer lengths L of the replay windows"),
+    pairs: str = typer.Option("s32_rs,tp8_hi32,tp4_hi32,tp4_hi16_sr", help="precision pairs"),
+    drafts: str = typer.Option("2,4", "--T", help="drafts per speculative round"),
+    spec_batches: str = typer.Option("32,256,512", help="batch sizes of the speculative rounds"),
+    kinds: str = typer.Option("gdn,mamba2,kda", help="layer kinds (Qwen3.5-4B GDN, Nemotron-H Mamba-2, Kimi-Linear-48B KDA: conventional and peer rows only)"),
+    peers: bool = typer.Option(True, help="also time fla / mamba_ssm (skipped if not importable)"),
+    checks: bool = typer.Option(True, help="kernel-vs-reference checks at the real head shapes first"),
+    sweep: bool = typer.Option(True, help="launch-config sweep at batch 256"),
+    budget_s: float = typer.Option(500.0, help="skip sections (lowest priority first) past this many seconds"),
+    estimate_only: bool = typer.Option(False, help="print the plan and its runtime estimate, run nothing"),
+    name: str = typer.Option("kernels", help="output file stem"),
+    authors: str = typer.Option(None, help="checkout of the ReplaySSM authors' fork (Johnny-Liou/ReplaySSM): time their kernels beside ours on the same inputs"),
+    authors_commit: str = typer.Option(None, help="the fork's commit, where PATH is neither a git checkout nor holds a COMMIT file"),
+    staggered_batches: str = typer.Option("256", help="batches whose windows are also timed with rows out of phase"),
+    accuracy: bool = typer.Option(True, help="errors against a float64 recurrence over three windows (ours; the authors' with --authors)"),
+    preset: KernelPreset = typer.Option(None, help="a grid replacing the grid options: 'targets' (every row the targets read, one device call) or 'probe'"),
+):
+    """GPU: conventional vs replay decode kernels over the benchmark grid (B x L x pair, T),
+    peers, speculative verify, against the copy bandwidth measured in the same call. Prints a
+    runtime estimate first (the whole grid, checks and sweep included: about 9 minutes on an
+    H200); sections past --budget-s (default 500) are skipped
+    from the end of the plan and listed, so split the grid with --kinds / --pairs / --batches
+    over two or more calls. With --authors PATH the ReplaySSM authors' kernels run beside ours on
+    the same inputs; --preset targets measures every target of the decode kernels in one call
+    (kernels.json `targets`)."""
+    from replayquant.bench.authors import checkout_commit
+    from replayquant.bench.decode import estimate_s, plan, run_kernels_bench
+    ints = lambda s: tuple(int(x) for x in s.split(",") if x)  # noqa: E731
+    strs = lambda s: tuple(x for x in s.split(",") if x)  # noqa: E731
+    grid = dict(batches=ints(batches), Ls=ints(buffer_lens), pairs=strs(pairs), Ts=ints(drafts),
+                spec_batches=ints(spec_batches), peers=peers, checks=checks, sweep=sweep,
+                staggered_batches=ints(staggered_batches), main_L_only=False, accuracy=accuracy,
+                kinds=strs(kinds))
+    if preset is not None:
+        grid.update(PRESETS[preset])
+    if authors is not None:
+        checkout_commit(authors, authors_commit)        # a bad PATH fails before anything runs
+    if estimate_only:
+        sec = plan(grid["batches"], grid["Ls"], grid["pairs"], grid["Ts"],
+                   grid["spec_batches"], grid["kinds"], grid["peers"], grid["checks"],
+                   grid["sweep"], authors=authors is not None,
+                   staggered_batches=grid["staggered_batches"],
+                   main_L_only=grid["main_L_only"], accuracy=grid["accuracy"])
+        for key, est, _ in sec:
+            typer.echo(f"{est:7.1f} s  {key}")
+        typer.echo(f"{len(sec)} sections, estimated {estimate_s(sec):.0f} s (budget {budget_s:.0f} s)")
+        return
+    run_kernels_bench(out=out, budget_s=budget_s, name=name,
+                      authors=authors, authors_commit=authors_commit, **grid)
+
+
+bench_app.command("decode", hidden=True, help="alias of 'bench kernels'")(bench_kernels_cmd)
+
+
+@bench_app.command("merge")
+@user_errors()
+def bench_merge_cmd(
+    parts: list[str] = typer.Argument(..., help="kernels JSON files of one commit (the grid split over calls)"),
+    out: str = typer.Option("build/bench", help="folder for NAME.json, NAME.md, NAME_speedup.png"),
+    name: str = typer.Option("kernels", help="output file stem"),
+):
+    """One kernels table from several `bench kernels` runs of one commit (split by --kinds /
+    --spec-batches over device calls): rows kept with their run, speedups derived within a run,
+    targets from the merged rows."""
+    from replayquant.bench.decode import merge_kernels
+    res = merge_kernels(parts, out=out, name=name)
+    typer.echo(f"{len(res['rows'])} rows from {len(parts)} runs -> {out}/{name}.json, .md, _speedup.png")

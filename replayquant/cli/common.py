@@ -1,0 +1,155 @@
+"""What every command shares: the Typer apps, the fixed choices, the options the KL family (kl,
+sweep, sensitivity, gpqa) declares once, and the one error handler every command runs under."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import typing
+from contextlib import contextmanager
+from enum import Enum
+from typing import Annotated, Literal
+
+import typer
+
+from replayquant.bench.targets import PRESETS
+from replayquant.choices import DTYPE_NAMES, PREFILLS, REFERENCES
+
+# Options with a fixed set of values: typer checks them and `--help` lists them.
+Dtype = Literal[("auto", *DTYPE_NAMES)]
+Prefill = Literal[PREFILLS]
+Reference = Literal[REFERENCES]
+Scoring = Literal["all", "llama"]
+TableFormat = Literal["md", "csv", "llama"]
+TableOrder = Literal["pair", "model"]
+LayerKind = Literal["gdn", "kda", "mamba2"]
+BenchShape = Literal["qwen3.5-4b", "tiny"]
+BenchPart = Literal["model", "layer", "all"]
+KernelPreset = Literal[tuple(PRESETS)]
+BenchFormat = Enum("BenchFormat", {f: f for f in ("fp16", "bf16", "fp8", "nvfp4")}, type=str)
+# (an Enum: typer takes no list of a Literal; the formats replayquant/bench/formats.py times)
+
+# Plain help (not rich's panels, whose first column cuts long option names at 80 columns): option
+# names are always whole, the text wraps at up to 120 columns.
+_HELP = {"max_content_width": 120}
+
+
+@contextmanager
+def user_errors():
+    """Bad input (a ValueError from the library): one line on stderr, exit code 2, no traceback.
+    An interrupt (Ctrl-C, or the KeyboardInterrupt a run raises with how to resume): its message
+    and exit code 130. A context manager, and as `@user_errors()` a command's whole body."""
+    try:
+        yield
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    except KeyboardInterrupt as e:
+        typer.echo(f"\n{e or 'interrupted'}", err=True)
+        raise typer.Exit(130) from None
+
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None,
+                  context_settings=_HELP,
+                  help="Low-precision SSM state for hybrid models (ReplaySSM).")
+bench_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, context_settings=_HELP,
+                        help="GPU benchmarks (not run in CI).")
+app.add_typer(bench_app, name="bench")
+
+
+def _print_version(value: bool):
+    if value:
+        from replayquant import __version__
+        typer.echo(f"replayquant {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+@user_errors()                      # the run-time options, before any command does work
+def _main(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                       help="print replayquant's version and exit")):
+    """Low-precision SSM state for hybrid models (ReplaySSM)."""
+    from replayquant.options import check_backend
+    check_backend()
+
+
+# --- the KL family's options ----------------------------------------------------------------
+# Options of kl, sweep, sensitivity and gpqa with the same meaning in each: name, help and
+# choices here, the default where the command declares the parameter (KLOptions below for the
+# options of a KL run).
+ModelOpt = Annotated[str, typer.Option("--model", help="hub id, short name (Qwen3.5-4B) or local folder")]
+PrefillOpt = Annotated[Prefill, typer.Option("--prefill", help="prefill of the pairs: replay (every "
+                                             "token through the step semantics) | exact")]
+DtypeOpt = Annotated[Dtype, typer.Option("--dtype", help="weights and activations (auto: the model's own)")]
+
+
+def pair_option(repeated: str, policies: bool = True):
+    """--pair (required, repeatable): `repeated` says what the command does with several;
+    `policies`: whether it takes a layer policy YAML as well as a pair."""
+    what = ("precision pair name, pair YAML or layer policy YAML (replayquant.policy; " if policies
+            else "precision pair name or YAML (")
+    return Annotated[list[str], typer.Option("--pair", help=f"{what}{repeated})")]
+
+
+@dataclasses.dataclass
+class KLOptions:
+    """The options of a KL run (`replayquant kl`), which sweep and sensitivity pass on to theirs
+    (`kl_command`'s keyword arguments); a command takes them all through a parameter
+    `kl: KLOptions` and `with_kl_options`."""
+    dataset: Annotated[str, typer.Option(
+        help="heldout (the held-out books shipped with replayquant), pg19 (emozilla/pg19), a hub "
+             "dataset name, a folder of .txt, a .txt / .jsonl / .parquet / .arrow / .json / .csv "
+             "file, a save_to_disk folder, a hub-layout folder (data/*.parquet), or a builder "
+             "name (parquet, json, csv, ...) with --data-files")] = "pg19"
+    split: Annotated[str, typer.Option(
+        help="dataset split (hub datasets, dataset folders, --data-files)")] = "test"
+    dataset_config: Annotated[str | None, typer.Option(
+        "--dataset-config", help="the dataset's configuration (hub datasets, a folder's README "
+                                 "configs)")] = None
+    data_files: Annotated[list[str] | None, typer.Option(
+        "--data-files", help="data files or glob patterns for datasets (repeatable; PATTERN is "
+                             "the --split, SPLIT=PATTERN names the split)")] = None
+    text_field: Annotated[str, typer.Option(
+        "--text-column", "--text-field", help="column (field) holding the text")] = "text"
+    context: Annotated[int, typer.Option(
+        help="tokens per document (shorter documents are skipped)")] = 131072
+    docs: Annotated[int, typer.Option(
+        help="number of documents, the first ones in the dataset's order")] = 10
+    segment: Annotated[int, typer.Option(
+        help="tokens per forward (caches carry state between segments)")] = 8192
+    prefill: PrefillOpt = "replay"
+    dtype: DtypeOpt = "bfloat16"
+    device_map: Annotated[str | None, typer.Option(help="e.g. auto (default on CUDA), cpu, cuda:0")] = None
+    seed: Annotated[int, typer.Option(help="stochastic-rounding seed")] = 0
+    pack: Annotated[bool, typer.Option(
+        help="concatenate documents (EOS between) instead of skipping short ones")] = False
+    revision: Annotated[str | None, typer.Option(help="model revision on the hub")] = None
+    reference: Annotated[Reference, typer.Option(
+        help="exact (s32_rs, FP32 prefill: exact FP32 state) | hf (the unpatched model)")] = "exact"
+    progress: Annotated[bool, typer.Option(help="progress bar")] = True
+
+    def __post_init__(self):
+        self.data_files = self.data_files or None        # no --data-files: None, as the library takes it
+
+
+def with_kl_options(command):
+    """`command` with its parameter `kl: KLOptions` replaced, where it stands, by one option per
+    KLOptions field (as declared there); the command is called with them as one KLOptions."""
+    hints = typing.get_type_hints(KLOptions, include_extras=True)
+    fields = dataclasses.fields(KLOptions)
+    kw_only = inspect.Parameter.KEYWORD_ONLY          # typer passes every option by name
+    params = []
+    for p in inspect.signature(command, eval_str=True).parameters.values():
+        if p.name == "kl":
+            params += [inspect.Parameter(f.name, kw_only, default=f.default, annotation=hints[f.name])
+                       for f in fields]
+        else:
+            params.append(p.replace(kind=kw_only))
+
+    @functools.wraps(command)
+    def run(**options):
+        return command(kl=KLOptions(**{f.name: options.pop(f.name) for f in fields}), **options)
+    run.__signature__ = inspect.Signature(params)
+    run.__annotations__ = {p.name: p.annotation for p in params}
+    return run

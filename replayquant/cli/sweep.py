@@ -1,0 +1,130 @@
+"""`sweep`, `recommend` and `sensitivity`: precision pairs and buffer lengths against KL, the
+cheapest that fits a budget, and the KL of each recurrent layer alone (replayquant/sweep)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import typer
+
+from replayquant.cli.common import KLOptions, ModelOpt, app, pair_option, user_errors, with_kl_options
+
+SweepPairs = pair_option("repeatable")
+SensitivityPairs = pair_option("repeatable: give two for `recommend --per-layer`", policies=False)
+
+
+@app.command("sweep")
+@user_errors()
+@with_kl_options
+def sweep_cmd(
+    model: ModelOpt,
+    pair: SweepPairs,
+    buffer_len: str = typer.Option(None, "--buffer-len", help="buffer lengths L, comma-separated "
+                                   "(e.g. 4,8,16,32; default: each pair's own)"),
+    kernels: str = typer.Option(None, "--kernels", help="a kernels grid (results/bench/kernels.json) "
+                                "for measured microseconds per step"),
+    batch: int = typer.Option(256, "--batch", help="batch whose measured times to report (the "
+                              "nearest the grid timed)"),
+    *,
+    kl: KLOptions,
+    out: str = typer.Option(None, help="sweep JSON (default build/sweep/MODEL_PAIRS_LLS_ctxN.json; the "
+                            "plot and the KL run's NAME_kl.* go beside it; the same variants resume "
+                            "there, a file of another kind or run is refused, and so is a second "
+                            "run while one runs)"),
+):
+    """Every (pair, L) in one KL run against the FP32-state reference, with the state bytes per
+    decode step and the memory each costs; Pareto front of bytes against KL. Resumable."""
+    from replayquant.sweep.command import sweep_command
+    sweep_command(model, pair, buffer_len, kernels=kernels, batch=batch, out=out,
+                  **dataclasses.asdict(kl))
+
+
+@app.command("recommend")
+@user_errors()
+def recommend_cmd(
+    sweep: str = typer.Argument(None, help="a sweep JSON (`replayquant sweep`)"),
+    kl_budget: float = typer.Option(..., "--kl-budget", help="largest KL upper bound (mean + "
+                                    "uncertainty) accepted, e.g. 1e-3"),
+    max_bytes: float = typer.Option(None, "--max-bytes", help="largest state bytes per decode step "
+                                    "and sequence"),
+    max_memory: float = typer.Option(None, "--max-memory", help="largest state memory per sequence (bytes)"),
+    gpqa: str = typer.Option(None, "--gpqa", help="a GPQA summary (SUMMARY.json of `replayquant gpqa`)"),
+    gpqa_budget: float = typer.Option(None, "--gpqa-budget", help="largest GPQA drop in points "
+                                      "(upper end of its uncertainty) against the summary's first pair"),
+    per_layer: str = typer.Option(None, "--per-layer", help="a sensitivity JSON (`replayquant "
+                                  "sensitivity`): build a layer policy and measure it"),
+    low: str = typer.Option(None, "--low", help="--per-layer: the cheaper pair (default: the "
+                            "sensitivity file's cheapest)"),
+    high: str = typer.Option(None, "--high", help="--per-layer: the pair the most sensitive layers get"),
+    device_map: str = typer.Option(None, help="--per-layer: device map of the KL run (default: the "
+                                   "sensitivity run's)"),
+    out: str = typer.Option(None, help="JSON to write (default: none for a sweep; "
+                            "build/recommend/NAME.json with --per-layer); it replaces only a "
+                            "recommendation of the same budgets (--per-layer: the same policy); "
+                            "anything else, an input, or a second run while one runs is refused"),
+    progress: bool = typer.Option(True, help="progress bar (--per-layer)"),
+):
+    """The cheapest variant of a sweep within the budgets, its savings against the FP32
+    conventional step and the runner-up (exit 1 when nothing fits); or, with --per-layer, a layer
+    policy from a sensitivity run, measured with the KL harness beside its prediction."""
+    from replayquant.sweep import recommend as R
+    from replayquant.sweep.common import load_json_kind
+    try:
+        if per_layer is not None:
+            if sweep is not None or gpqa is not None or max_bytes is not None or max_memory is not None:
+                raise ValueError("--per-layer takes a sensitivity file and --kl-budget (with --low / "
+                                 "--high); give a sweep file, --max-bytes, --max-memory or --gpqa "
+                                 "without --per-layer")
+            res = R.recommend_per_layer(per_layer, kl_budget, low=low, high=high, out=out,
+                                        progress=progress, device_map=device_map)
+            if res is not None and not res["measured_fits"]:
+                typer.echo(f"the measured KL upper bound {res['measured']['kl_upper']:.3g} is over the "
+                           f"budget {kl_budget:.3g}: the single-layer KLs do not add up to the "
+                           f"policy's; lower --kl-budget for the prediction or measure more layers "
+                           f"at --high", err=True)
+                raise typer.Exit(1)
+            return
+        if sweep is None:
+            raise ValueError("give a sweep JSON (replayquant recommend SWEEP.json --kl-budget B) or "
+                             "--per-layer SENSITIVITY.json")
+        if low is not None or high is not None:
+            raise ValueError("--low / --high go with --per-layer")
+        out_path = None if out is None else R.check_recommendation_out(out, (sweep, gpqa))
+        from replayquant.sweep.command import SWEEP_KIND
+        sw = load_json_kind(sweep, SWEEP_KIND, "replayquant sweep")
+        summary = None
+        if gpqa is not None:
+            from replayquant.gpqa.summary import load_summary
+            summary = load_summary(gpqa)
+        rec = R.recommend(sw, kl_budget, max_bytes=max_bytes, max_memory=max_memory, gpqa=summary,
+                          gpqa_budget=gpqa_budget, source=sweep)
+        R.print_recommendation(rec)
+        if out_path is not None:
+            R.write_recommendation(out_path, rec, (sweep, gpqa))
+            typer.echo(f"wrote {out_path}", err=True)
+    except R.NoFit as e:
+        typer.echo(f"no fit: {e}", err=True)
+        raise typer.Exit(1)
+
+
+@app.command("sensitivity")
+@user_errors()
+@with_kl_options
+def sensitivity_cmd(
+    model: ModelOpt,
+    pair: SensitivityPairs,
+    buffer_len: int = typer.Option(None, "--buffer-len", help="L of every pair (default: each pair's own)"),
+    layers: str = typer.Option(None, "--layers", help="only these recurrent layers (indices, comma-separated)"),
+    per_pass: int = typer.Option(0, "--per-pass", help="variants per KL pass (0: all in one lockstep "
+                                 "pass; fewer where their caches do not fit in memory)"),
+    *,
+    kl: KLOptions,
+    out: str = typer.Option(None, help="sensitivity JSON (default build/sensitivity/MODEL_PAIRS_ctxN.json; "
+                            "the same pairs and layers resume there, a file of another kind or run "
+                            "is refused, and so is a second run while one runs)"),
+):
+    """Per recurrent layer, the KL when only that layer holds the pair (every other layer exact
+    FP32), all layers in one lockstep pass, ranked; bar plot and the sum against all layers."""
+    from replayquant.sweep.sensitivity import sensitivity_command
+    sensitivity_command(model, pair, buffer_len=buffer_len, layers=layers, per_pass=per_pass,
+                        out=out, **dataclasses.asdict(kl))
