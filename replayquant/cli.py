@@ -211,7 +211,7 @@ def table_cmd(
     """One table from KL results files, GPQA summaries (build/gpqa/*/SUMMARY.json) or the lm-eval
     results `replayquant lm-eval` / `replayquant gpqa` write: pairs as rows."""
     from replayquant.kl.report import render_table
-    from replayquant.kl.runner import load_scored
+    from replayquant.kl.results import load_scored
     with _user_errors():
         from replayquant.gpqa.summary import table_for_files  # GPQA summaries (build/gpqa/*/SUMMARY.json)
         gpqa_table = table_for_files(files, fmt=format)

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from replayquant.kl import command as C
-from replayquant.kl import runner as R
+from replayquant.kl import run as R
+from replayquant.kl.resume import same_code
 from _cli import invoke as _invoke, one_clear_error as _one_clear_error
 
 TINY = "tiny-qwen3.5"
@@ -113,12 +114,12 @@ def test_resume_recomputes_changed_documents_and_refuses_other_code(texts, tmp_p
 
 def test_same_code_compares_commits_of_clean_checkouts_only():
     v = {"replayquant": "0.1.0"}
-    assert R.same_code({**v, "git_commit": "a"}, {**v, "git_commit": "a"})
-    assert not R.same_code({**v, "git_commit": "a"}, {**v, "git_commit": "b"})
-    assert R.same_code({**v, "git_commit": "a+dirty"}, {**v, "git_commit": "b"})
-    assert R.same_code({**v, "git_commit": "unknown"}, {**v, "git_commit": "b"})
-    assert not R.same_code({"replayquant": "0.2.0", "git_commit": "a"}, {**v, "git_commit": "a"})
-    assert not R.same_code(None, {**v, "git_commit": "a"})
+    assert same_code({**v, "git_commit": "a"}, {**v, "git_commit": "a"})
+    assert not same_code({**v, "git_commit": "a"}, {**v, "git_commit": "b"})
+    assert same_code({**v, "git_commit": "a+dirty"}, {**v, "git_commit": "b"})
+    assert same_code({**v, "git_commit": "unknown"}, {**v, "git_commit": "b"})
+    assert not same_code({"replayquant": "0.2.0", "git_commit": "a"}, {**v, "git_commit": "a"})
+    assert not same_code(None, {**v, "git_commit": "a"})
 
 
 # ------------------------------------------------------------------ per-document files

@@ -125,7 +125,7 @@ def run_gpqa(model: str, pairs: list, *, tasks=None, gpqa_csv=None, limit=None, 
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; gpqa writes one results file per pair and "
                          f"SUMMARY.json into a folder: give a folder (created if missing)")
-    from replayquant.kl.runner import check_writable_folder
+    from replayquant.outputs import check_writable_folder
     check_writable_folder(out, out)
     check_out(out, labels, tasks, log_samples)
     if gpqa_csv is not None:
