@@ -178,7 +178,7 @@ def test_damaged_document_file_named_with_what_to_do_and_writes_are_durable(text
 
 def test_devices_cuda_when_present_else_cpu_and_a_missing_one_is_one_error(texts, tmp_path,
                                                                            monkeypatch):
-    import replayquant.lm_eval_model as LM
+    import replayquant.gpqa.run as gpqa_run
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)      # a machine without CUDA
     with monkeypatch.context() as mp:
         mp.setattr(C, "load_tokenizer_and_config", lambda *a, **k: 1 / 0)
@@ -198,7 +198,7 @@ def test_devices_cuda_when_present_else_cpu_and_a_missing_one_is_one_error(texts
     def fake_lm(**kw):
         seen.update(kw)
         raise Stop
-    monkeypatch.setattr(LM, "ReplayQuantLM", fake_lm)
+    monkeypatch.setattr(gpqa_run, "ReplayQuantLM", fake_lm)
     gpqa = ["gpqa", "--model", TINY, "--pair", "s32_rs", "--gpqa-csv", csv, "--limit", 1,
             "--out", tmp_path / "g"]
     code, text = _invoke(gpqa)
