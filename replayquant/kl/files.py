@@ -15,11 +15,12 @@ refused):
 * `NAME.kl/docNNNNN.nll.npy`: per-token NLL, float32 [1 + n_pairs, n_scored] (row 0 the
   reference's, row 1 + j pair j's), and `docNNNNN.top.npy`, whether the top tokens agree, bool
   [n_pairs, n_scored]: with the KL and delta-p, every per-token value the statistics are made of,
-  so a run that scored every position can be re-scored to llama.cpp's window (`rescore`);
+  so a run that scored every position can be re-scored to llama.cpp's window (`results.rescore`);
 * `NAME.kl/progress.rankR.jsonl`: append-only log, a config line then one line per finished
   document with exact float64 sums, the sha256 of its tokens and the code version; resume reads
   these and skips finished documents, recomputes (saying so) a document whose tokens or id
-  changed, and refuses another configuration or another code version (`finished_documents`);
+  changed, and refuses another configuration or another code version
+  (`resume.finished_documents`);
 * `NAME.png`: KL against position (log x), one line per pair.
 """
 
@@ -68,7 +69,7 @@ def check_out(out: str | os.PathLike) -> Path:
     if run_dir.is_dir():
         check_writable_folder(run_dir, out)
     # a file there is replaced only when it is a KL results file (the configuration is compared
-    # with the run's in `finished_documents`); the plot only with it or with its run's folder
+    # with the run's in `resume.finished_documents`); the plot only with it or with its run's folder
     check_owned(out, RESULTS_KIND, "replayquant kl", beside=() if run_dir.is_dir() else (png,),
                 rebuilt_from=f"{run_dir}/" if run_dir.is_dir() else None)
     return out
