@@ -39,9 +39,13 @@ import time
 from pathlib import Path
 
 import torch
+from rich.table import Table
 
+from replayquant.formats.report import check_dims
+from replayquant.memory import check_fits
 from replayquant.outputs import check_out_folder, check_owned, output_lock, write_json, write_text
 from replayquant.pairs import PrecisionPair, list_pairs
+from replayquant.provenance import provenance
 from replayquant.replay import (ConventionalState, ReplayState, gdn_inputs, kda_inputs,
                                 mamba2_inputs, recurrent_reference)
 
@@ -144,8 +148,26 @@ def run_drift(kind: str, pairs, steps: int = 4096, seeds=(42, 43, 44), batch: in
               heads: int = 4, d_k: int = 64, d_v: int = 32, conventional: bool = True,
               progress=None) -> dict:
     """Run the protocol; returns the results dict (with provenance) that `write_drift` saves."""
-    from replayquant.provenance import provenance
+    seeds = _check_settings(kind, steps, seeds, batch, heads, d_k, d_v)
+    pairs = _load_pairs(pairs, d_k)
+    runs = _runs(pairs, conventional, steps)
+    extra_gate = 2 * d_k if kind == "kda" else 0      # KDA's per-channel decay and its rates
+    check_fits(4.0 * batch * steps * heads * (4 * d_k + 7 * d_v + 4 + extra_gate),
+               f"a drift of {steps} steps ({batch} x {heads} heads, {d_v} x {d_k} state: its "
+               f"inputs, the reference's outputs and one pair's)",
+               "give fewer --steps or smaller --batch / --heads / --d-k / --d-v", "cpu")
+    t0 = time.time()
+    per = _measure(kind, runs, seeds, steps, batch, heads, d_k, d_v, progress, t0)
+    rows = [_row(p, mode, per[i]) for i, (p, mode) in enumerate(runs)]
+    params = {"kind": kind, "steps": steps, "seeds": seeds, "batch": batch, "heads": heads,
+              "d_k": d_k, "d_v": d_v, "protocol": "replayquant.drift module docstring",
+              "wall_s": round(time.time() - t0, 1)}
+    return {"kind": DRIFT_KIND, "provenance": provenance(device="cpu", **params), "params": params,
+            "rows": rows}
 
+
+def _check_settings(kind: str, steps: int, seeds, batch: int, heads: int, d_k: int, d_v: int) -> list[int]:
+    """The seeds as ints; a kind, step count, seed list or size no drift can use is one ValueError."""
     if kind not in KINDS:
         raise ValueError(f"unknown kind {kind!r}; use one of {', '.join(KINDS)}")
     if steps < 1:
@@ -158,10 +180,15 @@ def run_drift(kind: str, pairs, steps: int = 4096, seeds=(42, 43, 44), batch: in
         raise ValueError(f"seed(s) {', '.join(map(str, again))} given more than once: a repeated "
                          f"seed repeats the same run, and its spread over seeds would read 0; "
                          f"give each seed once")
-    from replayquant.formats.report import check_dims
     check_dims({"--batch": batch, "--heads": heads, "--d-k": d_k, "--d-v": d_v})
     if heads >= 1 << 16:
         raise ValueError(f"--heads {heads}: the SR streams allow at most 65535 heads")
+    return seeds
+
+
+def _load_pairs(pairs, d_k: int) -> list[PrecisionPair]:
+    """The pairs (names or PrecisionPairs; none: every shipped pair), each once, and each that
+    stores NVFP4 with a d_k NVFP4's blocks divide."""
     pairs = [p if isinstance(p, PrecisionPair) else PrecisionPair.load(p) for p in (pairs or list_pairs())]
     labels = [p.label() for p in pairs]
     dup = sorted({x for x in labels if labels.count(x) > 1})
@@ -174,6 +201,12 @@ def run_drift(kind: str, pairs, steps: int = 4096, seeds=(42, 43, 44), batch: in
             except ValueError as e:
                 raise ValueError(f"{p.label()} stores NVFP4: {e}; choose another --d-k or leave "
                                  f"that pair out") from None
+    return pairs
+
+
+def _runs(pairs: list[PrecisionPair], conventional: bool, steps: int) -> list[tuple[PrecisionPair, str]]:
+    """(pair, mode) of every run: replay for each pair, and conventional for a shared-format pair
+    when `conventional`; one ValueError when `steps` is shorter than a run's buffer (no flush)."""
     runs = []
     for p in pairs:
         runs.append((p, "replay"))
@@ -184,14 +217,14 @@ def run_drift(kind: str, pairs, steps: int = 4096, seeds=(42, 43, 44), batch: in
         if steps < L:
             raise ValueError(f"steps={steps} is shorter than {p.label()}'s buffer_len {L}: "
                              f"no flush would happen")
-    from replayquant.memory import check_fits
-    extra_gate = 2 * d_k if kind == "kda" else 0      # KDA's per-channel decay and its rates
-    check_fits(4.0 * batch * steps * heads * (4 * d_k + 7 * d_v + 4 + extra_gate),
-               f"a drift of {steps} steps ({batch} x {heads} heads, {d_v} x {d_k} state: its "
-               f"inputs, the reference's outputs and one pair's)",
-               "give fewer --steps or smaller --batch / --heads / --d-k / --d-v", "cpu")
+    return runs
+
+
+def _measure(kind: str, runs: list, seeds: list[int], steps: int, batch: int, heads: int, d_k: int,
+             d_v: int, progress, t0: float) -> dict[int, list[dict]]:
+    """Per run (by its index in `runs`), its `run_one` result for each seed, in seed order; each
+    seed's inputs and reference states are made once and serve every run."""
     per = {i: [] for i in range(len(runs))}
-    t0 = time.time()
     S0 = torch.zeros(batch, heads, d_v, d_k)
     for seed in seeds:
         inp = make_inputs(kind, steps, seed, batch, heads, d_k, d_v)
@@ -206,22 +239,20 @@ def run_drift(kind: str, pairs, steps: int = 4096, seeds=(42, 43, 44), batch: in
             if progress:
                 progress(f"{kind} seed {seed} {p.label()} {mode}: out {r['output_rel_rmse']:.3g} "
                          f"anchor {r['anchor_rel_rmse']:.3g} ({time.time() - t0:.0f}s)")
-    rows = []
-    for i, (p, mode) in enumerate(runs):
-        rs = per[i]
-        rows.append({
-            "pair": p.label(), "mode": mode, "config": p.to_dict(),
-            "buffer_len": p.buffer_len if mode == "replay" else 1,
-            "read": "(shared)" if p.shared else str(p.read), "anchor": str(p.anchor),
-            **{m: _stats([r[m] for r in rs]) for m in
-               ("output_rmse", "output_rel_rmse", "anchor_rmse", "anchor_rel_rmse")},
-            "per_seed": rs,
-        })
-    params = {"kind": kind, "steps": steps, "seeds": seeds, "batch": batch, "heads": heads,
-              "d_k": d_k, "d_v": d_v, "protocol": "replayquant.drift module docstring",
-              "wall_s": round(time.time() - t0, 1)}
-    return {"kind": DRIFT_KIND, "provenance": provenance(device="cpu", **params), "params": params,
-            "rows": rows}
+    return per
+
+
+def _row(p: PrecisionPair, mode: str, rs: list[dict]) -> dict:
+    """One run's row of the results: the pair, mode and format, each error's mean and spread over
+    seeds, and the per-seed results `rs`."""
+    return {
+        "pair": p.label(), "mode": mode, "config": p.to_dict(),
+        "buffer_len": p.buffer_len if mode == "replay" else 1,
+        "read": "(shared)" if p.shared else str(p.read), "anchor": str(p.anchor),
+        **{m: _stats([r[m] for r in rs]) for m in
+           ("output_rmse", "output_rel_rmse", "anchor_rmse", "anchor_rel_rmse")},
+        "per_seed": rs,
+    }
 
 
 DRIFT_KIND = "replayquant.drift"     # the "kind" of a drift results file
@@ -281,8 +312,6 @@ def render_markdown(result: dict) -> str:
 
 def drift_table(result: dict):
     """A rich Table of one drift result."""
-    from rich.table import Table
-
     p = result["params"]
     t = Table(title=f"drift vs FP32 recurrence: {p['kind']}, {p['steps']} steps, seeds {p['seeds']} "
                     f"(B={p['batch']} H={p['heads']} {p['d_v']}x{p['d_k']})")

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from replayquant.kl import command as C
-from replayquant.kl import runner as R
+from replayquant.kl import run as R
+from replayquant.kl.resume import same_code
 from replayquant.models.names import resolve_model_name
 from _cli import invoke as _invoke, one_clear_error as _one_clear_error
 
@@ -114,12 +115,12 @@ def test_resume_recomputes_changed_documents_and_refuses_other_code(texts, tmp_p
 
 def test_same_code_compares_commits_of_clean_checkouts_only():
     v = {"replayquant": "0.1.0"}
-    assert R.same_code({**v, "git_commit": "a"}, {**v, "git_commit": "a"})
-    assert not R.same_code({**v, "git_commit": "a"}, {**v, "git_commit": "b"})
-    assert R.same_code({**v, "git_commit": "a+dirty"}, {**v, "git_commit": "b"})
-    assert R.same_code({**v, "git_commit": "unknown"}, {**v, "git_commit": "b"})
-    assert not R.same_code({"replayquant": "0.2.0", "git_commit": "a"}, {**v, "git_commit": "a"})
-    assert not R.same_code(None, {**v, "git_commit": "a"})
+    assert same_code({**v, "git_commit": "a"}, {**v, "git_commit": "a"})
+    assert not same_code({**v, "git_commit": "a"}, {**v, "git_commit": "b"})
+    assert same_code({**v, "git_commit": "a+dirty"}, {**v, "git_commit": "b"})
+    assert same_code({**v, "git_commit": "unknown"}, {**v, "git_commit": "b"})
+    assert not same_code({"replayquant": "0.2.0", "git_commit": "a"}, {**v, "git_commit": "a"})
+    assert not same_code(None, {**v, "git_commit": "a"})
 
 
 # ------------------------------------------------------------------ per-document files
@@ -178,7 +179,7 @@ def test_damaged_document_file_named_with_what_to_do_and_writes_are_durable(text
 
 def test_devices_cuda_when_present_else_cpu_and_a_missing_one_is_one_error(texts, tmp_path,
                                                                            monkeypatch):
-    import replayquant.lm_eval_model as LM
+    import replayquant.gpqa.run as gpqa_run
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)      # a machine without CUDA
     with monkeypatch.context() as mp:
         mp.setattr(C, "load_tokenizer_and_config", lambda *a, **k: 1 / 0)
@@ -198,7 +199,7 @@ def test_devices_cuda_when_present_else_cpu_and_a_missing_one_is_one_error(texts
     def fake_lm(**kw):
         seen.update(kw)
         raise Stop
-    monkeypatch.setattr(LM, "ReplayQuantLM", fake_lm)
+    monkeypatch.setattr(gpqa_run, "ReplayQuantLM", fake_lm)
     gpqa = ["gpqa", "--model", TINY, "--pair", "s32_rs", "--gpqa-csv", csv, "--limit", 1,
             "--out", tmp_path / "g"]
     code, text = _invoke(gpqa)

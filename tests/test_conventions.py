@@ -269,7 +269,7 @@ def tiny(tmp_path_factory):
 def _eps_variant(model, pair, prefill, seed):
     """Stand-in for a patched pair (no model integration): the first GDN layer's output scaled by
     1 + eps; s32_rs leaves the model as it is (KL exactly 0)."""
-    from replayquant.kl.runner import Variant
+    from replayquant.kl.lockstep import Variant
     name = pair if isinstance(pair, str) else pair.name
     eps = {"s32_rs": 0.0, "f4_sr_rs": 0.3, "tp4_hi32": 0.05}.get(name, 0.1)
     mixer = next(m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet"))
@@ -297,7 +297,7 @@ def _invoke(args, **kw):
 def kl_run(tiny):
     """One real `replayquant kl` run through the CLI: a parquet file through the parquet builder
     (--data-files), the text in column `body`, --dtype auto, three pairs (stand-ins)."""
-    from replayquant.kl import runner as R
+    from replayquant.kl import run as R
     out = tiny["root"] / "kl" / "run.json"
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(R, "patch_variant", _eps_variant)
@@ -426,7 +426,7 @@ def test_progress_bar_shows_tokens_per_second_from_the_first_segment(tiny, tmp_p
 
     from replayquant.kl import run_kl
     from replayquant.kl.command import load_model_and_tokenizer
-    from replayquant.kl.runner import Variant
+    from replayquant.kl.lockstep import Variant
     model, tok, _ = load_model_and_tokenizer(str(tiny["model"]), "float32")
     texts = tmp_path / "t"
     texts.mkdir()

@@ -145,7 +145,7 @@ def test_table_refuses_to_mix_scorings_and_llama_format_says_which(runs):
 def test_table_rescores_a_run_of_every_position_to_llamas_window(runs, tmp_path):
     import shutil
 
-    from replayquant.kl.runner import rescore
+    from replayquant.kl.results import rescore
     a, b = (json.loads(runs[k].read_text()) for k in ("all", "llama"))
     got, want = rescore(a, runs["all"], "llama")["results"]["f4_sr_rs"], b["results"]["f4_sr_rs"]
     for k in ("n_tokens", "kl_mean", "kl_max", "kl_min", "kl_median", "same_top", "ppl_ref", "ppl_test",

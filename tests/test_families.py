@@ -272,7 +272,7 @@ def test_run_kl_three_pairs(work, fam, tmp_path):
     from transformers import AutoTokenizer
 
     from replayquant.kl import run_kl
-    from replayquant.kl.runner import SegmentRunner
+    from replayquant.kl.lockstep import SegmentRunner
     model = load_model(work["dirs"][fam], dtype="float32")
     tok = AutoTokenizer.from_pretrained(work["dirs"][fam])
     ids = torch.randint(2, VOCAB, (1, 7))

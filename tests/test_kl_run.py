@@ -19,9 +19,10 @@ from typer.testing import CliRunner
 
 import replayquant
 from replayquant.cli import app
-from replayquant.kl import runner as R
+from replayquant.kl import run as R
 from replayquant.kl import run_kl
-from replayquant.kl.runner import Variant
+from replayquant.kl.files import read_progress
+from replayquant.kl.lockstep import Variant
 
 ROOT = Path(__file__).resolve().parent.parent
 try:
@@ -321,7 +322,7 @@ def test_two_process_accelerate_path_merges_into_one_file(work, tmp_path):
         import sys
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         import test_kl_run as T
-        from replayquant.kl import runner as R
+        from replayquant.kl import run as R
         from replayquant.kl.command import kl_command
         R.patch_variant = T.fake_variant
         kl_command({str(work['models']['mamba2'])!r}, ["f4_sr_rs", "s32_rs"], dataset={str(work['texts'])!r},
@@ -339,7 +340,7 @@ def test_two_process_accelerate_path_merges_into_one_file(work, tmp_path):
     dp = json.loads((tmp_path / "dp.json").read_text())
     assert dp["complete"] and dp["documents_done"] == 3
     assert dp["provenance"]["num_processes"] == 2
-    _, recs = R.read_progress(tmp_path / "dp.kl")
+    _, recs = read_progress(tmp_path / "dp.kl")
     assert sorted(r["rank"] for r in recs) == [0, 0, 1]      # documents 0, 2 on rank 0; 1 on rank 1
     model, tok = _load(work, "mamba2")
     single = run_kl(model, tok, ["f4_sr_rs", "s32_rs"], dataset=str(work["texts"]), context=72, n_docs=3,

@@ -176,7 +176,7 @@ def test_policy_patches_each_layer(tmp_path):
     load_model, the KL harness's and the lm-eval model's pair resolution take the file."""
     import replayquant
     from replayquant.lm_eval_model import resolve_pair as lm_resolve
-    from replayquant.kl.runner import resolve_pair as kl_resolve
+    from replayquant.kl.lockstep import resolve_pair as kl_resolve
     from replayquant.models import patch_info
     from replayquant.policy import LayerPolicy
     (tmp_path / "mine.yaml").write_text("read: {format: fp8}\nanchor: {format: fp16, rounding: stochastic}\n")

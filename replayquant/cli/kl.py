@@ -54,7 +54,7 @@ def table_cmd(
     results `replayquant lm-eval` / `replayquant gpqa` write: pairs as rows."""
     from replayquant.gpqa.summary import table_for_files  # GPQA summaries (build/gpqa/*/SUMMARY.json)
     from replayquant.kl.report import render_table
-    from replayquant.kl.runner import load_scored
+    from replayquant.kl.results import load_scored
     gpqa_table = table_for_files(files, fmt=format)
     if gpqa_table is not None:
         if scoring is not None:

@@ -20,10 +20,20 @@ import re
 import sys
 from pathlib import Path
 
-from replayquant.gpqa.summary import build_summary
-from replayquant.outputs import check_owned, output_lock, write_json, write_text
+import datasets
+import lm_eval
+from lm_eval.tasks import TaskManager
+from lm_eval.utils import handle_non_serializable, hash_string
+
+from replayquant.gpqa.summary import SUMMARY_KIND, build_summary
 from replayquant.gpqa.tasks import (HUB_CONFIG, HUB_DATASET, check_csv, check_hub_access,
                                     check_tasks, file_sha256, write_task_dir)
+from replayquant.lm_eval_model import PREFILLS, ReplayQuantLM, resolve_pair
+from replayquant.models.device import check_device, default_device, describe_device
+from replayquant.models.names import resolve_model_name
+from replayquant.models.patching import resolve_dtype
+from replayquant.outputs import check_owned, check_writable_folder, output_lock, write_json, write_text
+from replayquant.provenance import provenance
 
 __all__ = ["run_gpqa", "check_out", "default_out_dir", "per_doc_scores", "questions_digest"]
 
@@ -77,7 +87,6 @@ def check_out(out: Path, labels, tasks, log_samples: bool) -> None:
     """Refuse, before any work, a folder `out` holding, where this run writes, anything but the
     files of `replayquant gpqa` (`replayquant.outputs.check_owned`): a pair's results file,
     its samples (replaced only with it), SUMMARY.json."""
-    from replayquant.gpqa.summary import SUMMARY_KIND
     writer = "replayquant gpqa"
     for label in labels:
         path = out / f"{_slug(label)}.json"
@@ -97,55 +106,16 @@ def run_gpqa(model: str, pairs: list, *, tasks=None, gpqa_csv=None, limit=None, 
     questions a plain `lm_eval` process with an empty `datasets` cache asks (see below).
     `device`: cpu, cuda, cuda:N (None: a device in `model_args`, else CUDA when present, else
     the CPU); a device this machine does not have is a ValueError before anything loads."""
-    from replayquant.lm_eval_model import PREFILLS, resolve_pair
-
     # -- every check before any weights are loaded
-    if not pairs:
-        raise ValueError("give at least one --pair (e.g. --pair s32_rs --pair f4_sr_rs)")
-    resolved = [resolve_pair(p) for p in pairs]
-    labels = [p.label() for p in resolved]
-    dup = sorted({x for x in labels if labels.count(x) > 1})
-    if dup:
-        raise ValueError(f"pair(s) {dup} given more than once")
-    tasks = check_tasks(tasks)
-    if prefill not in PREFILLS:
-        raise ValueError(f"--prefill {prefill!r}: use one of {', '.join(PREFILLS)}")
-    if limit is not None and (int(limit) != limit or limit < 1):
-        raise ValueError(f"--limit {limit}: must be a positive integer")
-    from replayquant.models.patching import resolve_dtype
-    if dtype != "auto":       # lm-eval takes torch's names: bf16 / fp16 / fp32 as bfloat16 / ...
-        dtype = str(resolve_dtype(dtype)).removeprefix("torch.")
-    from replayquant.models.device import check_device, default_device, describe_device
-    from replayquant.models.names import resolve_model_name
-    if device is None and (model_args or {}).get("device") is not None:
-        device = check_device(model_args["device"], "--model-args device=")
-    device = default_device() if device is None else check_device(device)
-    resolve_model_name(model)                  # a folder that is not there: before lm-eval runs
-    out = Path(out) if out is not None else default_out_dir(model)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is a file; gpqa writes one results file per pair and "
-                         f"SUMMARY.json into a folder: give a folder (created if missing)")
-    from replayquant.kl.runner import check_writable_folder
-    check_writable_folder(out, out)
-    check_out(out, labels, tasks, log_samples)
-    if gpqa_csv is not None:
-        n_questions = check_csv(gpqa_csv)
-        data = {"source": "csv", "path": str(Path(gpqa_csv).resolve()), "sha256": file_sha256(gpqa_csv),
-                "questions": n_questions}
-    else:
-        check_hub_access()
-        data = {"source": "hub", "dataset": HUB_DATASET, "config": HUB_CONFIG}
+    resolved, labels = _resolve_pairs(pairs)
+    tasks, dtype, device = _check_settings(model, tasks, prefill, limit, dtype, device, model_args)
+    out = _check_out_folder(model, out, labels, tasks, log_samples)
+    data = _data_source(gpqa_csv)
 
     # the main process holds the folder (its lock: SUMMARY.lock) until SUMMARY.json is written
     main = int(os.environ.get("RANK", "0")) == 0
     with output_lock(out / "SUMMARY.json") if main else contextlib.nullcontext():
         check_out(out, labels, tasks, log_samples)      # again, holding the lock
-        from lm_eval.tasks import TaskManager
-        from lm_eval.utils import handle_non_serializable
-
-        from replayquant.lm_eval_model import ReplayQuantLM
-        from replayquant.provenance import provenance
-
         include_path = None
         if gpqa_csv is not None:
             include_path = str(write_task_dir(gpqa_csv, out / "_tasks", tasks))
@@ -156,20 +126,11 @@ def run_gpqa(model: str, pairs: list, *, tasks=None, gpqa_csv=None, limit=None, 
         lm = ReplayQuantLM(pretrained=model, pair=resolved[0], prefill=prefill, seed=seed, **lm_kwargs)
 
         task_manager = TaskManager(include_path=include_path)     # the task index, built once
-        # `datasets` caches the result of lm-eval's process_docs (which shuffles the answers) under a
-        # fingerprint that ignores the RNG state, so with its cache the answer order would be whatever
-        # an earlier run computed, whatever the seed. Without it the order follows the seed.
-        import datasets
-        caching = datasets.is_caching_enabled()
-        datasets.disable_caching()
-        try:
+        with _datasets_cache_off():
             per_pair = _run_pairs(lm, resolved, labels, tasks, task_manager, out, model=model, limit=limit,
                                   seed=seed, prefill=prefill, data=data, batch_size=batch_size, dtype=dtype,
                                   device=device, num_fewshot=num_fewshot, gen_kwargs=gen_kwargs,
                                   apply_chat_template=apply_chat_template, log_samples=log_samples)
-        finally:
-            if caching:
-                datasets.enable_caching()
         if not per_pair:
             return None
         summary = build_summary(per_pair, model=model, tasks=list(tasks), limit=limit, seed=seed,
@@ -185,13 +146,75 @@ def run_gpqa(model: str, pairs: list, *, tasks=None, gpqa_csv=None, limit=None, 
         return summary
 
 
+def _resolve_pairs(pairs: list) -> tuple[list, list[str]]:
+    """(the resolved pairs, their labels); none, or two with one label, is one ValueError."""
+    if not pairs:
+        raise ValueError("give at least one --pair (e.g. --pair s32_rs --pair f4_sr_rs)")
+    resolved = [resolve_pair(p) for p in pairs]
+    labels = [p.label() for p in resolved]
+    dup = sorted({x for x in labels if labels.count(x) > 1})
+    if dup:
+        raise ValueError(f"pair(s) {dup} given more than once")
+    return resolved, labels
+
+
+def _check_settings(model: str, tasks, prefill: str, limit, dtype: str, device: str | None,
+                    model_args: dict | None) -> tuple[list, str, str]:
+    """(tasks, dtype as lm-eval names it, device), each checked (one ValueError); the model's
+    name resolves (a folder that is not there fails here, before lm-eval runs)."""
+    tasks = check_tasks(tasks)
+    if prefill not in PREFILLS:
+        raise ValueError(f"--prefill {prefill!r}: use one of {', '.join(PREFILLS)}")
+    if limit is not None and (int(limit) != limit or limit < 1):
+        raise ValueError(f"--limit {limit}: must be a positive integer")
+    if dtype != "auto":       # lm-eval takes torch's names: bf16 / fp16 / fp32 as bfloat16 / ...
+        dtype = str(resolve_dtype(dtype)).removeprefix("torch.")
+    if device is None and (model_args or {}).get("device") is not None:
+        device = check_device(model_args["device"], "--model-args device=")
+    device = default_device() if device is None else check_device(device)
+    resolve_model_name(model)
+    return tasks, dtype, device
+
+
+def _check_out_folder(model: str, out, labels: list[str], tasks, log_samples: bool) -> Path:
+    """The output folder (default: `default_out_dir`), writable and holding nothing but files
+    `replayquant gpqa` may replace (`check_out`)."""
+    out = Path(out) if out is not None else default_out_dir(model)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; gpqa writes one results file per pair and "
+                         f"SUMMARY.json into a folder: give a folder (created if missing)")
+    check_writable_folder(out, out)
+    check_out(out, labels, tasks, log_samples)
+    return out
+
+
+def _data_source(gpqa_csv) -> dict:
+    """Where the questions come from: the CSV file given (checked, with its sha256) or the hub
+    dataset (its access checked)."""
+    if gpqa_csv is not None:
+        n_questions = check_csv(gpqa_csv)
+        return {"source": "csv", "path": str(Path(gpqa_csv).resolve()), "sha256": file_sha256(gpqa_csv),
+                "questions": n_questions}
+    check_hub_access()
+    return {"source": "hub", "dataset": HUB_DATASET, "config": HUB_CONFIG}
+
+
+@contextlib.contextmanager
+def _datasets_cache_off():
+    """`datasets` caches the result of lm-eval's process_docs (which shuffles the answers) under a
+    fingerprint that ignores the RNG state, so with its cache the answer order would be whatever
+    an earlier run computed, whatever the seed. Without it the order follows the seed."""
+    caching = datasets.is_caching_enabled()
+    datasets.disable_caching()
+    try:
+        yield
+    finally:
+        if caching:
+            datasets.enable_caching()
+
+
 def _run_pairs(lm, resolved, labels, tasks, task_manager, out, *, model, limit, seed, prefill, data,
                batch_size, dtype, device, num_fewshot, gen_kwargs, apply_chat_template, log_samples):
-    import lm_eval
-    from lm_eval.utils import handle_non_serializable, hash_string
-
-    from replayquant.provenance import provenance
-
     per_pair = []
     for pair, label in zip(resolved, labels):
         lm.set_pair(pair, prefill=prefill, seed=seed)

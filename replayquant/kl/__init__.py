@@ -49,7 +49,8 @@ Python: `run_kl(model, tokenizer, pairs, dataset=..., out=...)` does the same on
 
 from .data import Document, DocumentSet, load_documents
 from .report import load_results, print_summary, render_table
-from .runner import Variant, patch_variant, reference_variant, run_kl, score_document
+from .run import run_kl
+from .lockstep import Variant, patch_variant, reference_variant, score_document
 from .stats import summarize, token_metrics
 
 __all__ = ["Document", "DocumentSet", "Variant", "load_documents", "load_results", "patch_variant",

@@ -88,7 +88,7 @@ def timed(fn, device) -> tuple[float, int | None]:
 
 def plain_forward(model, ids: torch.Tensor, segment: int) -> None:
     """The baseline: the unpatched model over `ids` in segments with its cache, all logits."""
-    from .runner import _cache_kwarg, _out_cache
+    from .lockstep import _cache_kwarg, _out_cache
     kw = _cache_kwarg(model)
     cache = None
     with torch.inference_mode():
@@ -117,7 +117,7 @@ def _bench_kl(shape: str = "qwen3.5-4b", context: int = 131072, segment: int = 8
 
     from .command import DTYPES
     from .data import Document, DocumentSet
-    from .runner import run_kl
+    from .run import run_kl
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = build_model(shape, DTYPES[dtype], device)

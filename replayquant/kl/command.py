@@ -94,7 +94,7 @@ def kl_command(model: str, pairs: list[str], dataset: str = "pg19", split: str =
     run into the same --out while one runs is refused (`replayquant.outputs.output_lock`)."""
     from replayquant.outputs import output_lock
 
-    from .runner import check_out
+    from .files import check_out
     from .stats import scored_range
 
     # cheap checks first: no weights are loaded for a run that cannot start
@@ -130,7 +130,8 @@ def _checked_kl(model, pairs, out_path: Path, *, dataset, split, text_field, con
 
     from .data import load_documents
     from .report import print_summary
-    from .runner import check_pair_names, model_record, resolve_pair, run_kl
+    from .lockstep import check_pair_names, resolve_pair
+    from .run import model_record, run_kl
     device_map = check_device_map(device_map)
     check_pair_names([resolve_pair(p) for p in pairs])
     tok, cfg, resolved = load_tokenizer_and_config(model, revision)

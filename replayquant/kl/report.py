@@ -1,6 +1,6 @@
 """Tables of KL results, rendered from results files only (never typed).
 
-* `render_table(loaded, fmt)` (loaded: `load_results` or `runner.load_scored`): md (one row per
+* `render_table(loaded, fmt)` (loaded: `load_results` or `results.load_scored`): md (one row per
   pair, value ± uncertainty in a cell), csv (one row per pair, every value and its uncertainty
   in separate numeric columns) or llama (per pair, the text block `llama-perplexity --kl-divergence` prints, for side-by-side comparison);
 * `print_summary(res)`: the terminal tables of one run, fitted to the console's width (80 columns
@@ -9,7 +9,7 @@
 Every table says which positions were scored (`scoring`: all, or llama's second half of each
 window), and one table takes results of one scoring only: their means are over other tokens.
 `scoring="llama"` re-scores runs that scored every position to llama.cpp's window from their
-per-token values (`runner.rescore`, `runner.load_scored`), so `--format llama` compares with llama.cpp's numbers.
+per-token values (`results.rescore`, `results.load_scored`), so `--format llama` compares with llama.cpp's numbers.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import json
 import math
 from pathlib import Path
 
-RESULTS_KIND = "replayquant.kl"        # the "kind" of a KL results file (kl/runner.py writes them)
+RESULTS_KIND = "replayquant.kl"        # the "kind" of a KL results file (kl/results.py writes them)
 
 COLUMNS = ("model", "pair", "prefill", "context", "docs", "mean KL", "median KL", "p99 KL", "max KL",
            "same top %", "PPL ratio", "dp RMS %", "KL last bucket")
@@ -179,7 +179,7 @@ def load_results(paths: list[str | Path]) -> list[tuple[str, dict]]:
 
 def render_table(loaded: list[tuple[str, dict]], fmt: str = "md", by: str = "pair") -> str:
     """One table over results: pairs as rows. loaded: (source, results) of each file, as
-    `load_results` gives them (or `runner.load_scored`, re-scored); fmt: md | csv | llama;
+    `load_results` gives them (or `results.load_scored`, re-scored); fmt: md | csv | llama;
     by: pair | model (row order)."""
     if fmt not in FORMATS:
         raise ValueError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")

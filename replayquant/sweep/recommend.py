@@ -447,7 +447,7 @@ def check_same_model(sens: dict, source: str = "") -> dict:
     both; a hub model is measured at the revision the file recorded (where the run named none)."""
     import os
 
-    from replayquant.kl.runner import local_fingerprint
+    from replayquant.kl.run import local_fingerprint
     from replayquant.models.names import resolve_model_name
     args = dict(sens["kl_args"])
     rec, src = sens["model"], source or "the sensitivity file"

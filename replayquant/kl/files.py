@@ -1,0 +1,192 @@
+"""The files of a KL run: where each goes, and how each is written and read back.
+
+Files of a run with `out = build/kl/NAME.json` (checked before any work, `check_out`: a .json
+name in a writable folder, not holding a file of another kind), each written through
+`replayquant.outputs` (a temporary file of its own, fsync, rename; a failed write keeps the
+earlier file); NAME.lock beside them while the run holds the output (a second run into it is
+refused):
+* `NAME.json`: the results (statistics per pair, per bucket, per document, provenance); rewritten
+  after every finished document (`"complete": false` until the last one);
+* `NAME.kl/docNNNNN.npy`: per-token KL of one document, float32 [n_pairs, n_scored] (the scored
+  positions, `stats.scored_range`: context - 1 of them under --scoring all, the second half under
+  llama); float32 as llama.cpp keeps them, so percentiles and medians are those of the values
+  computed (float16 would move them by up to 2^-11 of their size);
+* `NAME.kl/docNNNNN.dp.npy`: per-token delta-p of one document, float32 [n_pairs, n_scored];
+* `NAME.kl/docNNNNN.nll.npy`: per-token NLL, float32 [1 + n_pairs, n_scored] (row 0 the
+  reference's, row 1 + j pair j's), and `docNNNNN.top.npy`, whether the top tokens agree, bool
+  [n_pairs, n_scored]: with the KL and delta-p, every per-token value the statistics are made of,
+  so a run that scored every position can be re-scored to llama.cpp's window (`results.rescore`);
+* `NAME.kl/progress.rankR.jsonl`: append-only log, a config line then one line per finished
+  document with exact float64 sums, the sha256 of its tokens and the code version; resume reads
+  these and skips finished documents, recomputes (saying so) a document whose tokens or id
+  changed, and refuses another configuration or another code version
+  (`resume.finished_documents`);
+* `NAME.png`: KL against position (log x), one line per pair.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from replayquant.outputs import append_line, check_owned, check_writable_folder, save_npy
+
+from . import stats as S
+from .report import RESULTS_KIND
+
+
+def run_paths(out: Path) -> tuple[Path, Path]:
+    """(NAME.kl/, NAME.png) of the results file `out` = NAME.json."""
+    return out.with_suffix(".kl"), out.with_suffix(".png")
+
+
+def check_out(out: str | os.PathLike) -> Path:
+    """The results path of a run, checked before any work: a file name ending in .json (the
+    plot goes beside it as NAME.png and the per-document files into NAME.kl/, so no other
+    suffix can share a name with them), not a folder, in a folder that can be written (created
+    if missing). Returns it as a Path; raises one ValueError saying what to give instead."""
+    out = Path(os.path.expanduser(str(out)))
+    if out.is_dir():
+        raise ValueError(f"--out {out} is a folder; give the results file's name, e.g. "
+                         f"--out {out / 'results.json'}")
+    if out.suffix.lower() != ".json":
+        raise ValueError(f"--out {out}: the results file must end in .json (the plot is written "
+                         f"beside it as NAME.png, the per-document files into NAME.kl/); give e.g. "
+                         f"--out {out.with_suffix('.json')}")
+    if out.exists() and not out.is_file():
+        raise ValueError(f"--out {out} exists and is not a regular file; give another --out")
+    run_dir, png = run_paths(out)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ValueError(f"--out {out}: {run_dir} (where the per-document files go) exists and is "
+                         f"not a folder; move it away or give another --out")
+    if png.is_dir():
+        raise ValueError(f"--out {out}: {png} (where the plot goes) is a folder; move it away or "
+                         f"give another --out")
+    check_writable_folder(out.parent, out)
+    if run_dir.is_dir():
+        check_writable_folder(run_dir, out)
+    # a file there is replaced only when it is a KL results file (the configuration is compared
+    # with the run's in `resume.finished_documents`); the plot only with it or with its run's folder
+    check_owned(out, RESULTS_KIND, "replayquant kl", beside=() if run_dir.is_dir() else (png,),
+                rebuilt_from=f"{run_dir}/" if run_dir.is_dir() else None)
+    return out
+
+
+def fresh_names(out: Path) -> list[str]:
+    """The files of a run besides NAME.json, named where a message says how to start fresh."""
+    run_dir, png = run_paths(out)
+    return [str(png), f"{run_dir}/"]
+
+
+def config_scoring(config: dict) -> str:
+    """The scoring of a configuration; files written before scorings existed scored every position."""
+    return config.get("scoring", "all")
+
+
+def kl_shape(config: dict) -> tuple[int, int]:
+    """The shape of a document's per-token KL under `config`: [n_pairs, n_scored]."""
+    first, stop = S.scored_range(config["context"], config_scoring(config))
+    return len(config["pairs"]), stop - first
+
+
+def read_progress(run_dir: Path) -> tuple[list[dict], list[dict]]:
+    """(config headers, document records) of every progress file; a torn last line is ignored."""
+    headers, records = [], []
+    for f in sorted(run_dir.glob("progress.rank*.jsonl")):
+        with open(f, encoding="utf-8") as fh:
+            for line in fh:
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError:
+                    continue   # interrupted mid-write: that document is redone
+                if obj.get("type") == "config":
+                    headers.append(obj)
+                elif obj.get("type") == "document":
+                    records.append(obj)
+    return headers, records
+
+
+def append_record(path: Path, obj: dict):
+    """One line of a progress log (`read_progress` reads them back)."""
+    append_line(path, json.dumps(obj))
+
+
+def save_document(run_dir: Path, index: int, metrics: dict[str, dict], names: list[str]) -> str:
+    """Writes the per-token values of document `index` (`lockstep.score_document`'s metrics of the
+    pairs `names`, in that order) into `run_dir`; returns the name of its KL file."""
+    npy = f"doc{index:05d}.npy"
+    save_npy(run_dir / npy, np.stack([metrics[n]["kl"].numpy().astype(np.float32) for n in names]))
+    save_npy(run_dir / dp_name(npy), np.stack([metrics[n]["dp"].numpy().astype(np.float32)
+                                                for n in names]))
+    save_npy(run_dir / side_name(npy, "nll"), np.stack(
+        [metrics[names[0]]["nll_ref"].numpy()] +
+        [metrics[n]["nll_test"].numpy() for n in names]).astype(np.float32))
+    save_npy(run_dir / side_name(npy, "top"), np.stack([metrics[n]["same_top"].numpy() for n in names]))
+    return npy
+
+
+def load_document_kl(path: Path, shape: tuple, index: int) -> np.ndarray:
+    """A document's per-token KL file, float32 [n_pairs, n_scored]; a damaged or foreign one
+    is one ValueError naming it and saying how to recompute that document."""
+    what = (f"delete it and re-run the same command to recompute document {index} (the other "
+            f"finished documents are kept)")
+    try:
+        a = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as e:
+        raise ValueError(f"{path}, the per-token KL of document {index}, is damaged "
+                         f"({type(e).__name__}: {e}); {what}") from None
+    if a.dtype != np.float32 or tuple(a.shape) != tuple(shape):
+        raise ValueError(f"{path}, the per-token KL of document {index}, holds {a.dtype} "
+                         f"{list(a.shape)} where float32 {list(shape)} was written; {what}")
+    return a
+
+
+def dp_name(npy: str) -> str:
+    """The per-token delta-p file beside the KL file `npy`."""
+    return npy[:-len(".npy")] + ".dp.npy"
+
+
+def side_name(npy: str, what: str) -> str:
+    """The per-token `what` (nll, top) file beside the KL file `npy`."""
+    return npy[:-len(".npy")] + f".{what}.npy"
+
+
+def load_side(path: Path, dtype, shape: tuple, what: str, index: int) -> np.ndarray:
+    """A per-token side file (NLL, top-token agreement) of document `index`, checked."""
+    if not path.is_file():
+        raise ValueError(f"{path} (the per-token {what} of document {index}) is missing: the run "
+                         f"was written by an earlier replayquant, which kept no per-token {what}; "
+                         f"run `replayquant kl --scoring llama` for llama.cpp's window")
+    try:
+        a = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as e:
+        a = e
+    if not isinstance(a, np.ndarray) or a.dtype != dtype or tuple(a.shape) != tuple(shape):
+        raise ValueError(f"{path}, the per-token {what} of document {index}, is damaged; delete it "
+                         f"and {path.name.split('.')[0]}.npy and re-run the kl command to recompute "
+                         f"that document")
+    return a
+
+
+def load_document_dp(run_dir: Path, recs: list[dict], shape: tuple) -> dict[int, np.ndarray] | None:
+    """Per document, the per-token delta-p file (float32 [n_pairs, n_scored], for the delta-p
+    percentiles); None when a document has none (computed by a version that did not write them).
+    A damaged one is one ValueError naming it."""
+    out = {}
+    for r in recs:
+        path = run_dir / dp_name(r["npy"])
+        if not path.exists():
+            return None
+        try:
+            a = np.load(path, allow_pickle=False)
+        except (OSError, ValueError, EOFError) as e:
+            a = e
+        if not isinstance(a, np.ndarray) or a.dtype != np.float32 or tuple(a.shape) != tuple(shape):
+            raise ValueError(f"{path}, the per-token delta-p of document {r['index']}, is damaged; "
+                             f"delete it and {r['npy']} and re-run the same command to recompute "
+                             f"that document")
+        out[r["index"]] = a
+    return out
