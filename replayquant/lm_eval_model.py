@@ -54,8 +54,9 @@ from lm_eval.models.huggingface import HFLM
 
 from replayquant.choices import PREFILLS
 from replayquant.models.names import resolve_model_name
+from replayquant.policy import resolve_pair
 
-__all__ = ["ReplayQuantLM", "resolve_pair", "lm_eval_main", "LM_EVAL_INTERNALS",
+__all__ = ["ReplayQuantLM", "lm_eval_main", "LM_EVAL_INTERNALS",
            "lm_eval_internals_problems"]
 
 log = logging.getLogger(__name__)
@@ -164,29 +165,6 @@ def _quiet_git_hash():
 
 
 _quiet_git_hash()
-
-
-def resolve_pair(spec, buffer_len=None):
-    """A PrecisionPair from a name in configs/pairs/, a YAML path, or a pair object, or a
-    LayerPolicy from a layer policy YAML path (replayquant.policy); one clear ValueError for
-    anything else."""
-    from replayquant.pairs import PrecisionPair
-    from replayquant.policy import LayerPolicy, load_pair_or_policy
-
-    if isinstance(spec, (PrecisionPair, LayerPolicy)):
-        pair = spec
-    elif isinstance(spec, str) and spec.strip():
-        pair = load_pair_or_policy(spec.strip())     # raises ValueError naming the shipped pairs
-    else:
-        raise ValueError(f"pair={spec!r}: give a pair name (see `replayquant pairs`), a pair YAML "
-                         f"path or a layer policy YAML path")
-    if buffer_len not in (None, ""):
-        try:
-            bl = int(buffer_len)
-        except (TypeError, ValueError):
-            raise ValueError(f"buffer_len={buffer_len!r}: must be an integer >= 1") from None
-        pair = pair.with_buffer_len(bl)
-    return pair
 
 
 def cache_kwarg(model) -> str:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from replayquant.pairs import PrecisionPair, read_yaml
 
-__all__ = ["EXACT", "LayerPolicy", "Override", "is_policy_file", "load_pair_or_policy"]
+__all__ = ["EXACT", "LayerPolicy", "Override", "is_policy_file", "resolve_pair"]
 
 EXACT = "exact"
 _POLICY_KEYS = ("name", "default", "buffer_len", "overrides", "description")
@@ -274,14 +274,37 @@ def is_policy_file(spec) -> bool:
     return isinstance(data, dict) and "default" in data
 
 
-def load_pair_or_policy(spec):
-    """A PrecisionPair (a shipped name, a pair YAML) or a LayerPolicy (a policy YAML); objects of
-    either kind pass through. One ValueError for anything else."""
-    if isinstance(spec, (PrecisionPair, LayerPolicy)):
-        return spec
-    if not isinstance(spec, (str, Path)) or not str(spec).strip():
-        raise ValueError(f"pair {spec!r}: give a pair name (see `replayquant pairs`), a pair YAML "
-                         f"path or a layer policy YAML path")
-    if is_policy_file(str(spec).strip()):
-        return LayerPolicy.load(str(spec).strip())
-    return PrecisionPair.load(str(spec).strip())
+def resolve_pair(spec, buffer_len=None, *, policy: bool = True):
+    """The one place where what a user names as a pair becomes an object: a PrecisionPair (a
+    shipped name, a pair YAML path, or a PrecisionPair) or, where `policy` allows one, a
+    LayerPolicy (a layer policy YAML path, or a LayerPolicy). buffer_len (an int, or a string of
+    one from a command line or lm-eval's model_args; None or "" keeps the pair's) overrides L of
+    the pair, or of every pair of a policy. Everything below the edges (patching, the states,
+    the stores, the KL and GPQA runs) takes the object. One ValueError for anything else, naming
+    what to give."""
+    what = ("a pair name (see `replayquant pairs`), a pair YAML path or a layer policy YAML path"
+            if policy else "a pair name (see `replayquant pairs`) or a pair YAML path")
+    kinds = (PrecisionPair, LayerPolicy) if policy else (PrecisionPair,)
+    if isinstance(spec, kinds):
+        pair = spec
+    elif isinstance(spec, LayerPolicy):
+        raise ValueError(f"layer policy {spec.label()}: a policy gives each layer of a model its "
+                         f"pair; this takes one precision pair: give {what}")
+    elif isinstance(spec, (str, Path)) and str(spec).strip():
+        text = str(spec).strip()
+        try:
+            pair = LayerPolicy.load(text) if policy and is_policy_file(text) \
+                else PrecisionPair.load(text)
+        except (FileNotFoundError, KeyError, OSError) as e:
+            raise ValueError(f"unknown precision pair {text!r} ({e}); give {what}") from None
+        if not policy and isinstance(pair, LayerPolicy):
+            raise ValueError(f"{text}: a layer policy; this takes one precision pair: give {what}")
+    else:
+        raise ValueError(f"pair {spec!r} ({type(spec).__name__}): give {what}")
+    if buffer_len not in (None, ""):
+        try:
+            L = int(buffer_len)
+        except (TypeError, ValueError):
+            raise ValueError(f"buffer_len={buffer_len!r}: must be an integer >= 1") from None
+        pair = pair.with_buffer_len(L)
+    return pair

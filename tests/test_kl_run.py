@@ -268,10 +268,11 @@ def test_identical_variant_gives_exactly_zero_and_progress_bar(work, tmp_path):
 
     def same(model, pair, prefill, seed):
         return Variant(pair.name, {"name": pair.name})
-    res = run_kl(model, tok, [SimpleNamespace(name="same")], dataset=str(work["texts"]), context=64, n_docs=1, segment=30,
+    from replayquant.pairs import PrecisionPair
+    res = run_kl(model, tok, [PrecisionPair.load("s32_rs")], dataset=str(work["texts"]), context=64, n_docs=1, segment=30,
                  out=tmp_path / "z.json", make_variant=same, plot=False, reference="hf",
                  console=Console(file=buf, force_terminal=True, width=140))
-    st = res["results"]["same"]
+    st = res["results"]["s32_rs"]
     assert st["kl_mean"] == 0 and st["kl_max"] == 0 and st["same_top"] == 1 and st["ln_ppl_ratio"] == 0
     assert "tok/s" in buf.getvalue() and "ETA" in buf.getvalue()
 

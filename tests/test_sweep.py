@@ -173,10 +173,9 @@ def test_policy_errors_against_the_model(tmp_path, text, message):
 
 def test_policy_patches_each_layer(tmp_path):
     """Overrides by index and pattern, `exact`, a pair file relative to the policy, L for all;
-    load_model, the KL harness's and the lm-eval model's pair resolution take the file."""
+    load_model and the one pair resolution (policy.resolve_pair) take the file."""
     import replayquant
-    from replayquant.lm_eval_model import resolve_pair as lm_resolve
-    from replayquant.kl.lockstep import resolve_pair as kl_resolve
+    from replayquant.policy import resolve_pair
     from replayquant.models import patch_info
     from replayquant.policy import LayerPolicy
     (tmp_path / "mine.yaml").write_text("read: {format: fp8}\nanchor: {format: fp16, rounding: stochastic}\n")
@@ -193,9 +192,8 @@ def test_policy_patches_each_layer(tmp_path):
     assert rts["model.layers.4.linear_attn"].pair.read.format == "fp8"
     with torch.no_grad():
         assert torch.isfinite(m(torch.randint(0, 4096, (1, 40))).logits).all()
-    for resolve in (lm_resolve, kl_resolve):
-        p = resolve(str(f))
-        assert isinstance(p, LayerPolicy) and p.label() == "mixed" and p.buffer_len == 8
+    p = resolve_pair(str(f))
+    assert isinstance(p, LayerPolicy) and p.label() == "mixed" and p.buffer_len == 8
     assert LayerPolicy.from_dict(p.to_dict()).to_dict() == p.to_dict()     # the record round-trips
 
 

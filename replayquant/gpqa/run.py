@@ -28,7 +28,8 @@ from lm_eval.utils import handle_non_serializable, hash_string
 from replayquant.gpqa.summary import SUMMARY_KIND, build_summary
 from replayquant.gpqa.tasks import (HUB_CONFIG, HUB_DATASET, check_csv, check_hub_access,
                                     check_tasks, file_sha256, write_task_dir)
-from replayquant.lm_eval_model import PREFILLS, ReplayQuantLM, resolve_pair
+from replayquant.lm_eval_model import PREFILLS, ReplayQuantLM
+from replayquant.policy import resolve_pair
 from replayquant.models.device import check_device, default_device, describe_device
 from replayquant.models.names import resolve_model_name
 from replayquant.models.patching import resolve_dtype

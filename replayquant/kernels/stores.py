@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from replayquant.kernels.roles import PackedRole, role_streams
+from replayquant.policy import resolve_pair
 from replayquant.statebytes import ring_u_bytes
 from replayquant.streams import ANCHOR, READ, layer_seed
 
@@ -166,12 +167,9 @@ def default_u_dtype(anchor_fmt: str, read_fmt: str | None, ring_dtype=torch.bflo
 
 
 def _pair_roles(pair):
-    """(anchor (fmt, rounding), read (fmt, rounding) or None, L) of a PrecisionPair or name."""
-    from replayquant.pairs import PrecisionPair
-    if isinstance(pair, str):
-        pair = PrecisionPair.load(pair)
-    if not isinstance(pair, PrecisionPair):
-        raise ValueError(f"pair must be a PrecisionPair or a pair name, got {type(pair).__name__}")
+    """(anchor (fmt, rounding), read (fmt, rounding) or None, L) of a pair (policy.resolve_pair:
+    a PrecisionPair, a pair name or YAML path)."""
+    pair = resolve_pair(pair, policy=False)
     anchor = (pair.anchor.format, pair.anchor.rounding)
     read = None if pair.read is None else (pair.read.format, pair.read.rounding)
     return anchor, read, pair.buffer_len

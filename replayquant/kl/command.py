@@ -130,10 +130,13 @@ def _checked_kl(model, pairs, out_path: Path, *, dataset, split, text_field, con
 
     from .data import load_documents
     from .report import print_summary
-    from .lockstep import check_pair_names, resolve_pair
+    from replayquant.policy import resolve_pair
+
+    from .lockstep import check_pair_names
     from .run import model_record, run_kl
     device_map = check_device_map(device_map)
-    check_pair_names([resolve_pair(p) for p in pairs])
+    pairs = [resolve_pair(p) for p in pairs]          # once: everything below takes the objects
+    check_pair_names(pairs)
     tok, cfg, resolved = load_tokenizer_and_config(model, revision)
     if os.path.isdir(resolved):
         resolved = os.path.realpath(resolved)     # the same folder names the same model
@@ -144,7 +147,7 @@ def _checked_kl(model, pairs, out_path: Path, *, dataset, split, text_field, con
                          f"(max_position_embeddings = {limit}); lower --context")
     from replayquant.memory import check_kl_sizes      # before any weights or documents load
     from replayquant.models.shapes import config_shapes
-    check_kl_sizes([resolve_pair(p) for p in pairs], config_shapes(cfg)[0], context, prefill,
+    check_kl_sizes(pairs, config_shapes(cfg)[0], context, prefill,
                    device_map)
     documents = load_documents(dataset, tok, context, docs, split=split, text_field=text_field, pack=pack,
                                dataset_config=dataset_config, data_files=data_files)

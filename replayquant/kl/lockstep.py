@@ -14,12 +14,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-import os
 from typing import Any, Callable
 
 import torch
 
 import replayquant
+from replayquant.policy import resolve_pair
 
 from . import stats as S
 from .data import Document
@@ -72,25 +72,6 @@ def _jsonable(x):
     if hasattr(x, "__dict__"):
         return _jsonable({k: v for k, v in vars(x).items() if not k.startswith("_")})
     return str(x)
-
-
-def resolve_pair(spec):
-    """A precision pair from a name in configs/pairs/, a YAML path, or a pair object; a layer
-    policy (replayquant.policy) from a policy YAML path."""
-    if not isinstance(spec, (str, os.PathLike)):
-        return spec
-    try:   # imported here: an installation may lack replayquant.policy (the ValueError below)
-        from replayquant.policy import load_pair_or_policy
-    except ImportError:
-        raise ValueError("precision pairs are not available in this installation "
-                         "(replayquant.policy is missing)") from None
-    try:
-        return load_pair_or_policy(str(spec))
-    except ValueError:
-        raise
-    except (FileNotFoundError, KeyError, OSError) as e:
-        raise ValueError(f"unknown precision pair {str(spec)!r} ({e}); give a name from "
-                         f"`replayquant pairs` or the path of a pair YAML file") from None
 
 
 def check_pair_names(pairs) -> list[str]:

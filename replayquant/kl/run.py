@@ -27,8 +27,10 @@ from replayquant.outputs import output_lock
 from . import stats as S
 from .data import Document, DocumentSet, load_documents
 from .files import append_record, check_out, read_progress, run_paths, save_document
+from replayquant.policy import resolve_pair
+
 from .lockstep import (SegmentRunner, Variant, check_pair_names, patch_variant, reference_variant,
-                       resolve_pair, score_document)
+                       score_document)
 from .results import write_results
 from .resume import code_version, document_fingerprint, finished_documents
 

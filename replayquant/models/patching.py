@@ -10,6 +10,7 @@ from replayquant.choices import DTYPE_NAMES, PREFILLS
 from replayquant.models.families import FORWARDS, layer_kind, supported_families
 from replayquant.models.names import resolve_model_name
 from replayquant.models.runtime import LayerRuntime
+from replayquant.policy import resolve_pair
 
 __all__ = ["recurrent_layers", "patch", "unpatch", "is_patched", "load_model", "auto_model_class",
            "PREFILLS"]
@@ -23,22 +24,6 @@ def recurrent_layers(model) -> list[tuple[str, torch.nn.Module, str]]:
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"expected a torch.nn.Module (a Hugging Face model), got {type(model).__name__}")
     return [(name, m, kind) for name, m in model.named_modules() if (kind := layer_kind(m))]
-
-
-def _as_pair(pair, buffer_len):
-    """A PrecisionPair or a LayerPolicy (replayquant.policy) from an object, a pair name or a
-    pair / policy YAML path; buffer_len overrides L (of every pair of a policy)."""
-    from replayquant.pairs import PrecisionPair
-    from replayquant.policy import LayerPolicy, load_pair_or_policy
-    if isinstance(pair, str):
-        pair = load_pair_or_policy(pair)
-    if not isinstance(pair, (PrecisionPair, LayerPolicy)):
-        raise ValueError(f"pair must be a PrecisionPair, a LayerPolicy, a pair name (e.g. "
-                         f"'tp4_hi16_sr') or a pair / layer policy YAML path, got "
-                         f"{type(pair).__name__}")
-    if buffer_len is not None:
-        pair = pair.with_buffer_len(buffer_len)
-    return pair
 
 
 def _layer_plan(pair, layers, prefill):
@@ -79,7 +64,7 @@ def patch(model, pair, prefill: str = "replay", seed: int = 0, buffer_len: int |
         raise ValueError(f"prefill must be one of {PREFILLS}, got {prefill!r}")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
-    pair = _as_pair(pair, buffer_len)
+    pair = resolve_pair(pair, buffer_len)
     layers = recurrent_layers(model)
     if not layers:
         raise ValueError(f"{type(model).__name__} has no recurrent layer replayquant can patch "
@@ -200,7 +185,7 @@ def load_model(name_or_path, pair=None, *, dtype="auto", device_map=None, prefil
     if prefill not in PREFILLS:
         raise ValueError(f"prefill must be one of {PREFILLS}, got {prefill!r}")
     if pair is not None:
-        pair = _as_pair(pair, buffer_len)          # fail before loading weights
+        pair = resolve_pair(pair, buffer_len)          # fail before loading weights
     config = AutoConfig.from_pretrained(path, **{k: v for k, v in from_pretrained_kwargs.items()
                                                  if k in _CONFIG_KWARGS})
     loaded = auto_model_class(config).from_pretrained(path, dtype=dtype, device_map=device_map,

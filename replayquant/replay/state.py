@@ -56,7 +56,7 @@ from __future__ import annotations
 import torch
 
 from replayquant.formats import QTensor
-from replayquant.pairs import PrecisionPair
+from replayquant.policy import resolve_pair
 from replayquant.replay import core
 from replayquant.streams import ANCHOR, READ, layer_seed, sr_stream
 
@@ -98,14 +98,6 @@ def _overflowed(spec, q: QTensor) -> bool:
     return bool(grid is not None and grid.ieee_overflow and torch.isinf(q.payload).any())
 
 
-def _as_pair(pair) -> PrecisionPair:
-    if isinstance(pair, PrecisionPair):
-        return pair
-    if isinstance(pair, str):
-        return PrecisionPair.load(pair)
-    raise ValueError(f"pair must be a PrecisionPair or a pair name / YAML path, got {type(pair).__name__}")
-
-
 class _StateBase:
     """Shared construction and input checking."""
 
@@ -119,7 +111,7 @@ class _StateBase:
         S0 = initial_state.detach().to(torch.float32).contiguous()
         if not bool(torch.isfinite(S0).all()):
             raise ValueError("initial_state contains NaN or infinity")
-        self.pair = _as_pair(pair)
+        self.pair = resolve_pair(pair, policy=False)
         self.delta = bool(delta)
         if not isinstance(vector_gate, bool):
             raise ValueError(f"vector_gate must be True (one gate per key channel, log_a [B, H, d_k]) "

@@ -68,7 +68,7 @@ def parse_buffer_lens(text) -> list[int] | None:
 
 def sweep_variants(pairs, buffer_lens) -> list[dict]:
     """[{"variant": pair or policy named BASE@LL, "base": BASE, "L": L, "spec": as given}]."""
-    from replayquant.kl.lockstep import resolve_pair
+    from replayquant.policy import resolve_pair
     from replayquant.policy import LayerPolicy
     if not pairs:
         raise ValueError("give at least one --pair")

@@ -53,7 +53,7 @@ def _parse_layers(layers, shapes) -> list:
 
 def sensitivity_variants(pairs, shapes, buffer_len: int | None = None) -> list[dict]:
     """[{"variant", "pair": name, "layer": index or None for all layers}] for each pair."""
-    from replayquant.kl.lockstep import resolve_pair
+    from replayquant.policy import resolve_pair
     from replayquant.pairs import PrecisionPair
     from replayquant.policy import EXACT, LayerPolicy, Override
     if not pairs:
