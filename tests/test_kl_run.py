@@ -10,7 +10,6 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
