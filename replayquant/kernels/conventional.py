@@ -31,9 +31,8 @@ import triton.language as tl
 from replayquant.kernels.roles import _tile_load, _tile_store, role_streams, split_key
 from replayquant.kernels.stores import (NO_DT_LIMIT, ConventionalStore, _indices, _pow2_dims,
                                         dt_limit_args, step_inputs)
+from replayquant.replay.frontends import l2norm, l2norm_kda
 from replayquant.streams import ANCHOR
-
-GDN_L2NORM_EPS = 1e-6
 
 
 # ---------------------------------------------------------------------------- front ends
@@ -143,8 +142,7 @@ def gdn_frontend_ref(q, k, v, a, b, A_log, dt_bias, scale=None, use_qk_l2norm=Tr
     HK, HV = q.shape[1], v.shape[1]
     q, k = q.float(), k.float()
     if use_qk_l2norm:
-        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + GDN_L2NORM_EPS)
-        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + GDN_L2NORM_EPS)
+        q, k = l2norm(q), l2norm(k)
     q = q * (scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
     r = HV // HK
     q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)
@@ -161,8 +159,7 @@ def kda_frontend_ref(q, k, v, g, beta, scale=None, use_qk_l2norm=True):
     HK, HV = q.shape[1], v.shape[1]
     q, k = q.float(), k.float()
     if use_qk_l2norm:
-        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + GDN_L2NORM_EPS)
-        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + GDN_L2NORM_EPS)
+        q, k = l2norm_kda(q), l2norm_kda(k)
     q = q * (scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
     r = HV // HK
     q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)

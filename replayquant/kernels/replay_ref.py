@@ -17,6 +17,7 @@ from replayquant.kernels.conventional import (_into, gdn_frontend_ref, kda_front
 from replayquant.kernels.roles import role_streams
 from replayquant.kernels.stores import (NO_DT_LIMIT, ReplayStore, _begin, _check_accept,
                                         _default_force, _indices, folds_u, solves_u)
+from replayquant.replay.frontends import l2norm, l2norm_kda
 from replayquant.streams import ANCHOR, READ
 
 __all__ = ["replay_gdn_step_ref", "replay_mamba2_step_ref", "replay_gdn_verify_ref",
@@ -56,9 +57,9 @@ def _entries_ref(store: ReplayStore, s: int, n: int, start: int):
     pos = [(start + j) % store.capacity for j in range(n)]
     K = store.kbuf[s, pos].float().transpose(0, 1).repeat_interleave(H // store.key_heads, dim=0)
     if store.kind == "gdn":
-        K = K * torch.rsqrt((K * K).sum(-1, keepdim=True) + 1e-6)
+        K = l2norm(K)
     elif store.kind == "kda":
-        K = K / torch.sqrt((K * K).sum(-1, keepdim=True) + 1e-6)
+        K = l2norm_kda(K)
     V = store.vbuf[s, pos].float().transpose(0, 1)
     G = store.Gbuf[s, pos].transpose(0, 1)
     Bt = store.bbuf[s, pos].transpose(0, 1)

@@ -50,6 +50,7 @@ from replayquant.kernels.conventional import (_into, gdn_frontend_ref, kda_front
 from replayquant.kernels.philox import random_bits_torch
 from replayquant.kernels.stores import (NO_DT_LIMIT, ReplayStore, _begin, _check_buffered,
                                         _indices, folds_u, solves_u, step_inputs)
+from replayquant.replay.frontends import l2norm, l2norm_kda
 from replayquant.streams import ANCHOR, READ, sr_stream
 
 __all__ = ["replay_gdn_step_torch", "replay_mamba2_step_torch", "replay_kda_step_torch"]
@@ -108,9 +109,9 @@ def _window(store: ReplayStore, rows: _Rows, start, n_live):
 
     K = get(store.kbuf).repeat_interleave(H // store.key_heads, dim=1)
     if store.kind == "gdn":
-        K = K * torch.rsqrt((K * K).sum(-1, keepdim=True) + 1e-6)
+        K = l2norm(K)
     elif store.kind == "kda":
-        K = K / torch.sqrt((K * K).sum(-1, keepdim=True) + 1e-6)
+        K = l2norm_kda(K)
     V, G, Bt = get(store.vbuf), get(store.Gbuf), get(store.bbuf)
     if store.kind == "mamba2":
         V = Bt.unsqueeze(-1) * V

@@ -64,6 +64,7 @@ import torch
 from replayquant.formats import QTensor, use_triton
 from replayquant.kernels.chunk_ref import chunk_scan_ref, cpu_threads
 from replayquant.replay import ReplayState
+from replayquant.replay.frontends import l2norm, l2norm_kda
 from replayquant.replay.state import find_nonfinite
 
 __all__ = ["LayerRuntime", "DecodeStore", "ScanHeld", "decode_path",
@@ -293,9 +294,9 @@ def store_to_state(store, state_indices: torch.Tensor, pair, seed: int, layer: i
 
     k = take(store.kbuf)
     if store.kind == "gdn":
-        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+        k = l2norm(k)
     elif store.kind == "kda":                            # KDA's own form of the norm
-        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+        k = l2norm_kda(k)
     k = k.repeat_interleave(r, dim=1)
     G = take(store.Gbuf)
     bt = take(store.bbuf)

@@ -46,11 +46,23 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ["mamba2_inputs", "gdn_inputs", "kda_inputs", "kda_log_decay", "l2norm"]
+__all__ = ["mamba2_inputs", "gdn_inputs", "kda_inputs", "kda_log_decay", "l2norm", "l2norm_kda",
+           "L2NORM_EPS"]
+
+# the epsilon under the root of q's and k's L2 norm, as transformers' GDN and KDA layers (and fla)
+# add it; the Triton kernels write the same constant in their own code
+L2NORM_EPS = 1e-6
 
 
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+def l2norm(x: torch.Tensor) -> torch.Tensor:
+    """Gated DeltaNet's L2 norm over the last axis: x * rsqrt(sum x^2 + eps)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + L2NORM_EPS)
+
+
+def l2norm_kda(x: torch.Tensor) -> torch.Tensor:
+    """Kimi Delta Attention's L2 norm over the last axis, transformers' form: x / sqrt(sum x^2 +
+    eps) (a division by the root, which rounds differently from l2norm's product)."""
+    return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + L2NORM_EPS)
 
 
 def _heads(t: torch.Tensor, H: int, name: str) -> torch.Tensor:
@@ -137,8 +149,7 @@ def kda_inputs(q, k, v, g, b=None, *, beta=None, use_l2norm=True):
                          f"{list(v.shape[:-1]) + [dk]} (one log decay per head and key channel)")
     q, k = q.float(), k.float()
     if use_l2norm:        # transformers' KDA form (divide by the root), not gdn's rsqrt product
-        q = q / torch.sqrt((q * q).sum(dim=-1, keepdim=True) + 1e-6)
-        k = k / torch.sqrt((k * k).sum(dim=-1, keepdim=True) + 1e-6)
+        q, k = l2norm_kda(q), l2norm_kda(k)
     q = q * (1 / q.shape[-1] ** 0.5)
     beta = torch.sigmoid(b.float()) if beta is None else beta.float()
     return _heads(q, H, "q"), _heads(k, H, "k"), v.float(), g.float(), beta
