@@ -137,15 +137,20 @@ def _gated_step(S, q, k, v, log_a, beta, DELTA: tl.constexpr, VEC: tl.constexpr)
 # ============================================================================ conventional step
 
 
+def _qk_ref(q, k, HV, scale, norm):
+    """q and k of a delta-rule front end in float32: L2-normalised by `norm` (None: as given),
+    q scaled by `scale` (default d_k^-1/2), each key head expanded to its HV / HK value heads."""
+    q, k = q.float(), k.float()
+    if norm is not None:
+        q, k = norm(q), norm(k)
+    q = q * (scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+    r = HV // q.shape[1]
+    return q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)
+
+
 def gdn_frontend_ref(q, k, v, a, b, A_log, dt_bias, scale=None, use_qk_l2norm=True):
     """torch twin of the GDN front end: (q, k expanded to value heads, v, g, beta) in float32."""
-    HK, HV = q.shape[1], v.shape[1]
-    q, k = q.float(), k.float()
-    if use_qk_l2norm:
-        q, k = l2norm(q), l2norm(k)
-    q = q * (scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
-    r = HV // HK
-    q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)
+    q, k = _qk_ref(q, k, v.shape[1], scale, l2norm if use_qk_l2norm else None)
     x = a.float() + (dt_bias.float() if dt_bias is not None else 0.0)
     g = -torch.exp(A_log.float()) * torch.nn.functional.softplus(x)
     beta = torch.sigmoid(b.float())
@@ -156,13 +161,7 @@ def kda_frontend_ref(q, k, v, g, beta, scale=None, use_qk_l2norm=True):
     """torch twin of the KDA front end: (q, k expanded to value heads, v, log_a = g, beta) in
     float32; q, k L2-normalised as transformers' KDA (x / sqrt(sum x^2 + 1e-6), as
     replay.kda_inputs), q scaled by `scale` (default d_k^-1/2)."""
-    HK, HV = q.shape[1], v.shape[1]
-    q, k = q.float(), k.float()
-    if use_qk_l2norm:
-        q, k = l2norm_kda(q), l2norm_kda(k)
-    q = q * (scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
-    r = HV // HK
-    q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)
+    q, k = _qk_ref(q, k, v.shape[1], scale, l2norm_kda if use_qk_l2norm else None)
     return q, k, v.float(), g.float(), beta.float()
 
 
