@@ -34,6 +34,7 @@ from torch._dynamo.utils import counters
 from torch.profiler import ProfilerActivity, profile
 from transformers import CompileConfig, DynamicCache
 
+from replayquant.bench.timing import fla_version
 from replayquant.hostsync import HostSyncCounter
 from replayquant.kl.bench import SHAPES, build_model
 from replayquant.models import patch, unpatch
@@ -158,14 +159,6 @@ def _measure(model, ids, static: bool, compile_config, n1: int, n2: int, eager_s
     if eager_syncs:
         row["host_syncs_per_step"], row["sync_debug_ok"] = _decode_forward_syncs(model, ids)
     return row
-
-
-def _fla_version():
-    try:
-        import fla
-        return fla.__version__
-    except ImportError:
-        return None
 
 
 def _targets(rows: dict, pairs, batches) -> list[dict]:
@@ -334,6 +327,6 @@ def _result(rows, calls, skipped, complete, shape, pairs, prompt, n1, n2, compil
     return {"kind": GENERATE_KIND, "shape": shape, "model_config": SHAPES[shape],
             "dtype": "bfloat16", "prompt_tokens": prompt, "steps_timed": [n1, n2],
             "compile_config": {"backend": compile_backend, "mode": compile_mode},
-            "flash_linear_attention": _fla_version(), "batches": done, "pairs": list(pairs),
+            "flash_linear_attention": fla_version(), "batches": done, "pairs": list(pairs),
             "rows": rows, "targets": _targets(rows, pairs, done), "skipped_batches": skipped,
             "complete": complete, "calls": calls, "provenance": calls[-1]["provenance"]}
