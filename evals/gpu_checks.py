@@ -14,7 +14,8 @@ import sys
 
 import torch
 
-from replayquant.bench import decode as bd
+from replayquant.bench.kernels_checks import gpu_checks, max_rel, state_diff
+from replayquant.bench.kernels_timing import no_gpu
 from replayquant.provenance import provenance
 
 # a Kimi-Linear-48B-A3B KDA layer: transformers' KimiLinearConfig defaults linear_num_heads = 32,
@@ -48,14 +49,14 @@ def kda_conventional_checks(device="cuda") -> dict:
             one = st.clone()
             y = conventional_kda_step(st, q, k, v, g, beta, state_indices=idx,
                                       out=torch.full((B, H, dv), float("nan"), device=device))
-            errs.append(bd._rel(y, conventional_kda_step_ref(ref, q, k, v, g, beta,
+            errs.append(max_rel(y, conventional_kda_step_ref(ref, q, k, v, g, beta,
                                                              state_indices=idx)))
-            errs1.append(bd._rel(y, conventional_kda_step_ref(one, q, k, v, g, beta,
+            errs1.append(max_rel(y, conventional_kda_step_ref(one, q, k, v, g, beta,
                                                               state_indices=idx)))
         out[f"kda/conventional/{fmt}"] = {
             "max_rel_y": max(errs), "max_rel_y_one_call": max(errs1),
             "padding_row_zero": bool((y[1] == 0).all()), "finite": bool(torch.isfinite(y).all()),
-            "state": bd._state_cmp(st.state.dequantize(), ref.state.dequantize())}
+            "state": state_diff(st.state.dequantize(), ref.state.dequantize())}
     return out
 
 
@@ -86,8 +87,8 @@ def kda_chunk_checks(device="cuda") -> dict:
             y1, _ = chunk_scan_ref(got, *args, pair=pair, seed=5, layer=2)
             y, got = chunk.chunk_scan(got, *args, pair=pair, seed=5, layer=2)
             y_ref, ref = chunk_scan_ref(ref, *args, pair=pair, seed=5, layer=2)
-            errs.append(bd._rel(y, y_ref))
-            errs1.append(bd._rel(y, y1))
+            errs.append(max_rel(y, y_ref))
+            errs1.append(max_rel(y, y1))
             far.append(float(((y - y1).abs() > 1e-4 * y1.abs().max()).float().mean()))
             ys.append(y)
         spec = pair.anchor.fmt
@@ -97,7 +98,7 @@ def kda_chunk_checks(device="cuda") -> dict:
                "counts_flushes_equal": bool(torch.equal(got.count, ref.count)
                                             and torch.equal(got.flushes, ref.flushes)),
                "G_max_abs_diff": float((got.G - ref.G).abs().max()),
-               "anchor": bd._state_cmp(spec.dequantize(got.anchor), spec.dequantize(ref.anchor))}
+               "anchor": state_diff(spec.dequantize(got.anchor), spec.dequantize(ref.anchor))}
         if name == "s32_rs":
             Y, S = recurrent_reference(S0, q, k, v, la, beta, dtype=torch.float64)
             row["max_rel_y_vs_float64"] = _rel64(torch.cat(ys, 1), Y)
@@ -118,9 +119,9 @@ def main(argv=None) -> int:
     if len(argv) != 1:
         print("usage: python evals/gpu_checks.py OUT.json", file=sys.stderr)
         return 2
-    if bd.no_gpu("gpu_checks"):
+    if no_gpu("gpu_checks"):
         return 2
-    checks = bd.gpu_checks("cuda")
+    checks = gpu_checks("cuda")
     checks.update(kda_checks("cuda"))
     res = {"provenance": provenance("cuda", script="evals/gpu_checks.py"), "checks": checks}
     with open(argv[0], "w") as fh:

@@ -12,8 +12,9 @@ import sys
 
 import torch
 
-from replayquant.bench import decode as bd
 from replayquant.bench.inputs import random_state
+from replayquant.bench.kernels_grid import PAIR_L, SHAPES, kernel_fns, kernel_inputs, load_pair
+from replayquant.bench.kernels_timing import no_gpu
 from replayquant.kernels.stores import ReplayStore
 
 
@@ -21,17 +22,17 @@ def main(argv) -> int:
     kind = argv[0] if argv else "gdn"
     pair = argv[1] if len(argv) > 1 else "tp4_hi32"
     B = int(argv[2]) if len(argv) > 2 else 256
-    if bd.no_gpu("ncu_read_step"):
+    if no_gpu("ncu_read_step"):
         return 1
-    S = bd.SHAPES[kind]
+    S = SHAPES[kind]
     H, HK, dv, dk = S["H"], S["HK"], S["dv"], S["dk"]
-    L = bd.PAIR_L[kind]
+    L = PAIR_L[kind]
     h = int(argv[3]) if len(argv) > 3 else L // 2
-    f = bd._fns(kind)
-    kw = bd._kw(kind, S, B, seed=1, device="cuda")
+    f = kernel_fns(kind)
+    kw = kernel_inputs(kind, S, B, seed=1, device="cuda")
     idx = torch.arange(B, dtype=torch.int32, device="cuda")
     st = ReplayStore.from_state(random_state(B, H, dv, dk, seed=B, device="cuda"),
-                                bd._pair(pair, L)[0], kind, key_heads=HK)
+                                load_pair(pair, L)[0], kind, key_heads=HK)
     for _ in range(3):
         st.committed.fill_(h)
         f["step"](st, **kw, state_indices=idx, path="replay", advance=False)

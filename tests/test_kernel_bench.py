@@ -9,20 +9,25 @@ import pytest
 import torch
 
 from replayquant.bench import authors as au
-from replayquant.bench import decode as bd
 from replayquant.bench import targets as targets_mod
+from replayquant.bench.kernels_checks import conventional_checks
+from replayquant.bench.kernels_grid import PAIRS, SHAPES, kernel_inputs
+from replayquant.bench.kernels_merge import merge_kernels, one_commit
+from replayquant.bench.kernels_plan import estimate_s, plan
+from replayquant.bench.kernels_run import run_kernels_bench
+from replayquant.bench.kernels_sweep import pair_config
 
 TINY = {"gdn": dict(kind="gdn", H=2, HK=1, dv=16, dk=16),
         "mamba2": dict(kind="mamba2", H=2, HK=1, dv=16, dk=16)}
 
 
 def test_full_grid_plan():
-    sec = bd.plan()
+    sec = plan()
     keys = [k for k, _, _ in sec]
     assert len(keys) == len(set(keys))
     for kind in ("gdn", "mamba2"):
         for B in (1, 8, 32, 128, 256, 512):
-            for pair in bd.PAIRS:
+            for pair in PAIRS:
                 for L in (4, 8, 16, 32):
                     assert f"{kind}/B{B}/{pair}/L{L}" in keys
         for T in (2, 4):
@@ -34,21 +39,21 @@ def test_full_grid_plan():
         < keys.index("gdn/B1/s32_rs/L4")
     # by the H200 calibration (stochastic-rounding stores built on the GPU) the full grid takes
     # two 10-minute device calls
-    assert 300 < bd.estimate_s(sec) < 2 * 540
-    no_sr = bd.plan(pairs=("s32_rs", "tp8_hi32", "tp4_hi32"))
-    assert bd.estimate_s(no_sr) < bd.estimate_s(sec)
+    assert 300 < estimate_s(sec) < 2 * 540
+    no_sr = plan(pairs=("s32_rs", "tp8_hi32", "tp4_hi32"))
+    assert estimate_s(no_sr) < estimate_s(sec)
 
 
 def test_cpu_smoke_run(tmp_path):
-    res = bd.run_kernels_bench(out=str(tmp_path), batches=(1, 3), Ls=(2,),
-                               pairs=("s32_rs", "tp4_hi32"), Ts=(2,), spec_batches=(3,),
-                               peers=False, checks=False, sweep=False, detail_batches=(3,),
-                               device="cpu", shapes=TINY, staggered_batches=(3,))
-    assert bd.SHAPES["gdn"]["H"] == 32                       # restored
+    res = run_kernels_bench(out=str(tmp_path), batches=(1, 3), Ls=(2,),
+                            pairs=("s32_rs", "tp4_hi32"), Ts=(2,), spec_batches=(3,),
+                            peers=False, checks=False, sweep=False, detail_batches=(3,),
+                            device="cpu", shapes=TINY, staggered_batches=(3,))
+    assert SHAPES["gdn"]["H"] == 32                       # restored
     assert not res["errors"], res["errors"]
     js = json.loads((tmp_path / "kernels.json").read_text())
     assert js["provenance"]["smoke_cpu"] is True
-    assert set(js["section_s"]) == {k for k, _, _ in bd.plan(
+    assert set(js["section_s"]) == {k for k, _, _ in plan(
         (1, 3), (2,), ("s32_rs", "tp4_hi32"), (2,), (3,), peers=False, checks=False, sweep=False,
         detail_batches=(3,), shapes=TINY, staggered_batches=(3,),
         accuracy=True)}
@@ -83,53 +88,53 @@ def test_merge_parts(tmp_path):
               checks=False, sweep=False, detail_batches=(), device="cpu", shapes=TINY,
               accuracy=False)
     for kind in ("gdn", "mamba2"):
-        bd.run_kernels_bench(out=str(tmp_path), kinds=(kind,), name=f"part_{kind}", plot=False,
-                             **kw)
+        run_kernels_bench(out=str(tmp_path), kinds=(kind,), name=f"part_{kind}", plot=False,
+                          **kw)
     parts = [str(tmp_path / f"part_{k}.json") for k in ("gdn", "mamba2")]
-    res = bd.merge_kernels(parts, out=str(tmp_path), name="merged")
+    res = merge_kernels(parts, out=str(tmp_path), name="merged")
     js = json.loads((tmp_path / "merged.json").read_text())
     assert {r["part"] for r in js["rows"]} == {0, 1}
     assert {r["kind"] for r in js["rows"]} == {"gdn", "mamba2"}
     assert [p["kinds"] for p in js["provenance"]["parts"]] == [["gdn"], ["mamba2"]]
-    assert len(res["targets"]) == len(bd.targets({"rows": []}))
+    assert len(res["targets"]) == len(targets_mod.targets({"rows": []}))
     assert all("speedup_vs_conv_fp32" in r for r in js["rows"] if r["kernel"] == "replay-window")
     assert "Merged from 2 runs" in (tmp_path / "merged.md").read_text()
     assert (tmp_path / "merged_speedup.png").stat().st_size > 1000
     with pytest.raises(ValueError, match="section"):
-        bd.merge_kernels([parts[0], parts[0]], out=str(tmp_path), name="bad")
+        merge_kernels([parts[0], parts[0]], out=str(tmp_path), name="bad")
     with pytest.raises(ValueError, match="at least two"):
-        bd.merge_kernels(parts[:1], out=str(tmp_path), name="bad")
+        merge_kernels(parts[:1], out=str(tmp_path), name="bad")
     other = json.loads(open(parts[1]).read())
     other["provenance"]["git_commit"] = "0" * 40
     (tmp_path / "other.json").write_text(json.dumps(other))
     with pytest.raises(ValueError, match="git_commit"):
-        bd.merge_kernels([parts[0], str(tmp_path / "other.json")], out=str(tmp_path), name="bad")
+        merge_kernels([parts[0], str(tmp_path / "other.json")], out=str(tmp_path), name="bad")
 
 
 def test_merge_commit_abbreviated():
     """Parts of one commit named in full and abbreviated merge under the full name; a different
     commit, or a name under 7 characters, is refused."""
     full = "909d56e0f065f9ce4c362c707be77ea326878c7c"
-    assert bd._one_commit([full[:7], full, full[:12]]) == full
-    assert bd._one_commit([None, None]) is None
+    assert one_commit([full[:7], full, full[:12]]) == full
+    assert one_commit([None, None]) is None
     for bad in ([full[:7], "0" * 40], [full[:6], full], [full, None]):
         with pytest.raises(ValueError, match="git_commit"):
-            bd._one_commit(bad)
+            one_commit(bad)
 
 
 def test_bench_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="pairs"):
-        bd.run_kernels_bench(out=str(tmp_path), pairs=("nope",), device="cpu", shapes=TINY)
+        run_kernels_bench(out=str(tmp_path), pairs=("nope",), device="cpu", shapes=TINY)
     with pytest.raises(ValueError, match="tiny"):
-        bd.run_kernels_bench(out=str(tmp_path), device="cpu")
+        run_kernels_bench(out=str(tmp_path), device="cpu")
 
 
 def test_sweep_pick_is_the_launch_of_step_and_verify():
     """The sweep's pick of a pair ('replay/PAIR': the read and the flush launch) serves its steps
     and verifies alike; without one the launch table's."""
     cfg = {"replay/p": {"launch": {"read": (64, 4), "flush": (16, 1)}}}
-    assert bd._cfg(cfg, "p") == {"launch": {"read": (64, 4), "flush": (16, 1)}}
-    assert bd._cfg(cfg, "q") == {}
+    assert pair_config(cfg, "p") == {"launch": {"read": (64, 4), "flush": (16, 1)}}
+    assert pair_config(cfg, "q") == {}
 
 
 # ---------------------------------------------------------------------------- the authors' kernels
@@ -313,7 +318,7 @@ def test_authors_kernels_in_interpreter(interpreter_bf16, monkeypatch):
         assert acc["ours_vs_authors"]["s32_rs / fp32"]["outputs"] < 2 ** -8
     from replayquant.bench.inputs import random_state
     init = random_state(2, 2, 16, 32, seed=5)
-    kw = bd._kw("gdn", GDN_T, 2, T=2, seed=6, device="cpu")
+    kw = kernel_inputs("gdn", GDN_T, 2, T=2, seed=6, device="cpu")
     sr = au.GdnSpecRunner(A, init, kw, 4, 1, 2)
     y = sr.round(torch.tensor([2, 1], dtype=torch.int32)).float().reshape(2, 2, 2, 16)
     steps = [{**kw, **{k: kw[k][:, t] for k in ("q", "k", "v", "a", "b")}} for t in range(2)]
@@ -324,7 +329,7 @@ def test_authors_kernels_in_interpreter(interpreter_bf16, monkeypatch):
     # their Mamba-2 verify enters torch.cuda.device(index), which needs CUDA
     monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
     init = random_state(2, 2, 16, 16, seed=7)
-    kw = bd._kw("mamba2", MAMBA_T, 2, T=2, seed=8, device="cpu")
+    kw = kernel_inputs("mamba2", MAMBA_T, 2, T=2, seed=8, device="cpu")
     sr = au.Mamba2SpecRunner(A, init, kw, 4, 1, 2)
     y = sr.round(torch.tensor([2, 1], dtype=torch.int32)).float().reshape(2, 2, 2, 16)
     steps = [{**kw, **{k: kw[k][:, t] for k in ("x", "dt", "B", "C", "z")}} for t in range(2)]
@@ -356,7 +361,7 @@ def test_targets_met_not_met_not_measured():
             _trow("spec-authors-round", "fp32", 512, 440.0, T=4, L=16),
             *[_trow("spec-replay-round", p, 512, 400.0, T=4) for p in ("s32_rs", "tp8_hi32")],
             _trow("spec-replay-round", "tp4_hi32", 512, 450.0, T=4)]
-    res = {"rows": rows, "copy_GBps": 4218.0, "provenance": {"shapes": bd.SHAPES,
+    res = {"rows": rows, "copy_GBps": 4218.0, "provenance": {"shapes": SHAPES,
                                                              "authors": {"commit": "x"}},
            "accuracy": {"gdn": {"B": 8, "windows": 3,
                                 "ours": {"s32_rs": {"anchor": 9e-7, "outputs": 1e-3},
@@ -393,13 +398,13 @@ def test_presets_fit_one_device_call():
     bench's estimate (the fit to H200 grids), beside the authors; 'probe' within ~5 minutes."""
     for name, limit in (("targets", 400), ("probe", 300)):
         g = dict(targets_mod.PRESETS[name])
-        sec = bd.plan(g.pop("batches"), g.pop("Ls"), g.pop("pairs"), g.pop("Ts"),
-                      g.pop("spec_batches"), authors=True, **g)
+        sec = plan(g.pop("batches"), g.pop("Ls"), g.pop("pairs"), g.pop("Ts"),
+                   g.pop("spec_batches"), authors=True, **g)
         keys = [k for k, _, _ in sec]
-        assert bd.estimate_s(sec) < limit, (name, bd.estimate_s(sec))
+        assert estimate_s(sec) < limit, (name, estimate_s(sec))
         assert not [k for k in keys if k.endswith(("/L4", "/L32"))]
-    keys = [k for k, _, _ in bd.plan(**{**{k: v for k, v in targets_mod.PRESETS["targets"].items()},
-                                        "authors": True})]
+    keys = [k for k, _, _ in plan(**{**{k: v for k, v in targets_mod.PRESETS["targets"].items()},
+                                     "authors": True})]
     for kind, L in (("gdn", 16), ("mamba2", 8)):
         for B in (1, 8, 32, 128, 256, 512):
             assert f"authors/{kind}/B{B}" in keys and f"{kind}/B{B}/conventional" in keys
@@ -419,10 +424,10 @@ def test_kda_rows(tmp_path):
     from replayquant.statebytes import (LayerShape, layer_conventional_bytes,
                                         replay_window_bytes)
     S = dict(kind="kda", H=2, HK=2, dv=16, dk=16)
-    res = bd.run_kernels_bench(out=str(tmp_path), batches=(1, 3), Ls=(2,), pairs=("s32_rs",),
-                               Ts=(2,), spec_batches=(), peers=False, checks=False, sweep=False,
-                               detail_batches=(), device="cpu", shapes={"kda": S},
-                               accuracy=False)
+    res = run_kernels_bench(out=str(tmp_path), batches=(1, 3), Ls=(2,), pairs=("s32_rs",),
+                            Ts=(2,), spec_batches=(), peers=False, checks=False, sweep=False,
+                            detail_batches=(), device="cpu", shapes={"kda": S},
+                            accuracy=False)
     assert not res["errors"], res["errors"]
     rows = {(r["kernel"], r["variant"], r["B"]): r for r in res["rows"]}
     assert {("conventional", f, B) for f in ("fp32", "bf16") for B in (1, 3)} <= set(rows)
@@ -435,11 +440,11 @@ def test_kda_rows(tmp_path):
         assert w["bytes"] == replay_window_bytes("kda", "fp32", None, 2, B, 2, 2, 16, 16)
         assert w["GBps"] > 0
     idx = torch.tensor([2, -1, 0, 1], dtype=torch.int32)
-    chk = bd.conventional_checks("kda", S, idx, "cpu", N=3, steps=2)
+    chk = conventional_checks("kda", S, idx, "cpu", N=3, steps=2)
     for key in ("kda/conventional/fp32-nearest", "kda/conventional/fp16-stochastic"):
         assert chk[key]["max_rel_y"] < 1e-5 and chk[key]["state"]["max_rel"] < 1e-5, chk
         assert chk[key]["n_casts_equal"]
-    keys = [k for k, _, _ in bd.plan()]
+    keys = [k for k, _, _ in plan()]
     assert "kda/B512/conventional" in keys and "peers/kda/B1" in keys
     assert "kda/B256/tp4_hi32/L16" in keys
     assert not [k for k in keys if "kda" in k and k.startswith(("spec", "authors", "accuracy",

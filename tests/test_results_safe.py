@@ -399,15 +399,16 @@ def _writers(d: Path) -> list[tuple[list, Path]]:
 @pytest.fixture
 def no_work(monkeypatch):
     """Every command of `_writers` stops where its work would begin (after its checks)."""
-    import replayquant.bench.decode as bd
     import replayquant.bench.formats as bf
     import replayquant.bench.generate as bg
+    import replayquant.bench.kernels_merge as bkm
+    import replayquant.bench.kernels_run as bkr
     import replayquant.bench.teacher_forcing as tf
     import replayquant.drift as dr
     import replayquant.kl.bench as kb
     import replayquant.lm_eval_model as lm
     for mod, name in ((lm, "ReplayQuantLM"), (dr, "run_drift"), (bf, "_run_formats_bench"),
-                      (bd, "_run_kernels_bench"), (bd, "_merge_kernels"), (tf, "_run_layer"),
+                      (bkr, "_run_kernels_bench"), (bkm, "_merge_kernels"), (tf, "_run_layer"),
                       (tf, "whole_model"), (kb, "build_model"), (bg, "_run_generate_bench")):
         monkeypatch.setattr(mod, name, _boom, raising=False)   # (the names of the checked code)
 

@@ -10,7 +10,7 @@ tl; `vllm.platforms.current_platform`; `NULL_BLOCK_ID`; the softplus of vLLM's m
 and takes the stand-ins out again once the files are loaded.
 
 The runners give their kernels the inputs of our rows (`replayquant.bench.inputs`, drawn by
-`decode._kw`): q, k, v packed into their mixed_qkv layout [B, 2 HK d_k + H d_v] (bf16; Mamba-2's
+`kernels_grid.kernel_inputs`): q, k, v packed into their mixed_qkv layout [B, 2 HK d_k + H d_v] (bf16; Mamba-2's
 verify: x, B, C packed as their post-conv output), gates and dt in FP32 as ours, the FP32
 state [slots, H, d_v, d_k] with slot 0 their null block (batch row r lives in slot r + 1), the
 ring caches in the activation dtype (bf16, their production setting; float32 for their
@@ -32,6 +32,17 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+
+from replayquant.bench.inputs import random_state
+from replayquant.bench.kernels_grid import kernel_inputs, load_pair
+from replayquant.bench.kernels_rows import spec_accepts
+from replayquant.bench.kernels_timing import empty_cache, rotations, time_calls, timed_row
+from replayquant.kernels import replay_decode as rd
+from replayquant.kernels.conventional import (gdn_frontend_ref, mamba2_frontend_ref,
+                                              mamba2_post_ref)
+from replayquant.kernels.stores import ReplayStore
+from replayquant.replay.reference import recurrent_reference
+from replayquant.statebytes import replay_window_bytes, state_bytes
 
 FORK = "Johnny-Liou/ReplaySSM"
 _MODS = {   # module name -> file, relative to the checkout
@@ -360,7 +371,6 @@ def window_bytes(kind, L, B, H, HK, dv, dk) -> float:
 # ---------------------------------------------------------------------------- timed sections
 
 def _our_step(kind):
-    from replayquant.kernels import replay_decode as rd
     return rd.replay_gdn_step if kind == "gdn" else rd.replay_mamba2_step
 
 
@@ -368,13 +378,11 @@ def bench_window(kind, B, L, device, copy_bw, S, A: Authors, staggered=False) ->
     """Rows of kernel 'authors' (and 'authors-staggered'): their mean decode step over a window of
     L steps, flush included, timed as our replay-window rows (CUDA graph of the window over
     rotated copies of state and caches, cold L2)."""
-    from replayquant.bench import decode as bd
-    from replayquant.bench.inputs import random_state
     H, HK, dv, dk = S["H"], S["HK"], S["dv"], S["dk"]
     init = random_state(B, H, dv, dk, seed=B, device=device)
-    kw = bd._kw(kind, S, B, seed=1, device=device)
+    kw = kernel_inputs(kind, S, B, seed=1, device=device)
     per = (B + 1) * H * (4 * dv * dk + L * (2 * dv + 4)) + (B + 1) * HK * L * 2 * dk
-    R = bd._rotations(per, device)
+    R = rotations(per, device)
     runs = [runner(kind, A, init, kw, L, HK) for _ in range(R)]
     nb = window_bytes(kind, L, B, H, HK, dv, dk)
     rows = []
@@ -386,38 +394,35 @@ def bench_window(kind, B, L, device, copy_bw, S, A: Authors, staggered=False) ->
             p = pos[next(count) % L]
             for ru in runs:
                 ru.step(p)
-        ms = bd.time_calls(window_step, L) / R
-        rows.append(bd._row(kind, "authors-staggered" if stagger else "authors", "fp32", B, ms,
-                            nb, copy_bw, L=L, rot=R, commit=A.commit,
-                            note="the authors' kernel (FP32 state, bf16 activations and "
-                                 "caches), mean step over a window of L steps; write positions "
-                                 "given per step, as their host-side metadata"
-                                 + (", row r starts at r mod L" if stagger else "")))
+        ms = time_calls(window_step, L) / R
+        rows.append(timed_row(kind, "authors-staggered" if stagger else "authors", "fp32", B,
+                              ms, nb, copy_bw, L=L, rot=R, commit=A.commit,
+                              note="the authors' kernel (FP32 state, bf16 activations and "
+                                   "caches), mean step over a window of L steps; write positions "
+                                   "given per step, as their host-side metadata"
+                                   + (", row r starts at r mod L" if stagger else "")))
     del runs
-    bd._empty_cache()
+    empty_cache()
     return rows
 
 
 def bench_spec(kind, B, T, L, device, copy_bw, S, A: Authors) -> list:
     """Row 'spec-authors-round': their verify of T tokens per row + their commit, with the accept
-    counts of our spec-replay-round rows at the same (B, T) (bench_spec's draw)."""
-    from replayquant.bench import decode as bd
-    from replayquant.bench.inputs import random_state
+    counts of our spec-replay-round rows at the same (B, T) (spec_accepts)."""
     H, HK, dv, dk = S["H"], S["HK"], S["dv"], S["dk"]
     init = random_state(B, H, dv, dk, seed=B + 1, device=device)
-    kw = bd._kw(kind, S, B, T=T, seed=3, device=device)
-    g = torch.Generator().manual_seed(B)
-    n = torch.randint(0, T + 1, (B,), generator=g, dtype=torch.int32).to(device)
+    kw = kernel_inputs(kind, S, B, T=T, seed=3, device=device)
+    n = spec_accepts(B, T, device)
     sr = (GdnSpecRunner if kind == "gdn" else Mamba2SpecRunner)(A, init, kw, L, HK, T)
-    ms = bd.time_calls(lambda: sr.round(n), 8)
+    ms = time_calls(lambda: sr.round(n), 8)
     tokens = B * (float(n.float().mean()) + 1.0)
-    row = bd._row(kind, "spec-authors-round", "fp32", B, ms, None, copy_bw, T=T, L=L,
-                  tokens_per_s=tokens / ms * 1e3, mean_accept=float(n.float().mean()),
-                  commit=A.commit, note="the authors' verify (its launches: flush rows, verify "
-                  "rows; Mamba-2 also a scatter + B.C launch) and their cursor commit, with the "
-                  "accept counts of spec-replay-round")
+    row = timed_row(kind, "spec-authors-round", "fp32", B, ms, None, copy_bw, T=T, L=L,
+                    tokens_per_s=tokens / ms * 1e3, mean_accept=float(n.float().mean()),
+                    commit=A.commit, note="the authors' verify (its launches: flush rows, verify "
+                    "rows; Mamba-2 also a scatter + B.C launch) and their cursor commit, with the "
+                    "accept counts of spec-replay-round")
     del sr
-    bd._empty_cache()
+    empty_cache()
     return [row]
 
 
@@ -425,18 +430,14 @@ def bench_ours_staggered(kind, B, pair, L, device, copy_bw, S) -> list:
     """Row 'replay-window-staggered': our replay window (path='replay') with row b starting the
     window at fill b mod L, as the authors-staggered row (the replay-window row has every row
     flush in the same step)."""
-    from replayquant.bench import decode as bd
-    from replayquant.bench.inputs import random_state
-    from replayquant.kernels.stores import ReplayStore
-    from replayquant.statebytes import state_bytes
     H, HK, dv, dk = S["H"], S["HK"], S["dv"], S["dk"]
-    P, af, rf = bd._pair(pair, L)
+    P, af, rf = load_pair(pair, L)
     init = random_state(B, H, dv, dk, seed=B, device=device)
-    kw = bd._kw(kind, S, B, seed=1, device=device)
+    kw = kernel_inputs(kind, S, B, seed=1, device=device)
     idx = torch.arange(B, dtype=torch.int32, device=device)
     out = torch.empty(B, H, dv, device=device)
-    R = bd._rotations(B * H * (state_bytes(af, dv, dk) + (state_bytes(rf, dv, dk) if rf else 0)),
-                      device)
+    R = rotations(B * H * (state_bytes(af, dv, dk) + (state_bytes(rf, dv, dk) if rf else 0)),
+                  device)
     sts = [ReplayStore.from_state(init, P, kind, key_heads=HK) for _ in range(R)]
     for st in sts:
         st.committed.copy_(torch.arange(B, dtype=torch.int32, device=device) % L)
@@ -445,13 +446,13 @@ def bench_ours_staggered(kind, B, pair, L, device, copy_bw, S) -> list:
     def window_step():
         for st in sts:
             step(st, **kw, state_indices=idx, out=out, path="replay")
-    ms = bd.time_calls(window_step, L) / R
-    row = bd._row(kind, "replay-window-staggered", pair, B, ms,
-                  bd.replay_window_bytes(kind, af, rf, L, B, H, HK, dv, dk), copy_bw, L=L, rot=R,
-                  note="path='replay', row b starts the window at fill b mod L: about B / L rows "
-                       "flush in every step")
+    ms = time_calls(window_step, L) / R
+    row = timed_row(kind, "replay-window-staggered", pair, B, ms,
+                    replay_window_bytes(kind, af, rf, L, B, H, HK, dv, dk), copy_bw, L=L, rot=R,
+                    note="path='replay', row b starts the window at fill b mod L: about B / L "
+                         "rows flush in every step")
     del sts
-    bd._empty_cache()
+    empty_cache()
     return [row]
 
 
@@ -464,9 +465,6 @@ def _rel_fro(x, ref) -> float:
 
 def _reference(kind, init, kws):
     """Float64 recurrence of the steps `kws` from `init`: outputs [B, T, H, d_v] and final state."""
-    from replayquant.kernels.conventional import (gdn_frontend_ref, mamba2_frontend_ref,
-                                                  mamba2_post_ref)
-    from replayquant.replay.reference import recurrent_reference
     per = []
     for kw in kws:
         if kind == "gdn":
@@ -496,13 +494,10 @@ def accuracy(kind, S, B, L, device, A: Authors | None = None, pairs=ACC_PAIRS,
     (path='replay'), the authors' FP32 state and outputs with bf16 caches and, their
     FP32-activation variant, float32 activations and caches; ours against theirs on the same
     inputs."""
-    from replayquant.bench import decode as bd
-    from replayquant.bench.inputs import random_state
-    from replayquant.kernels.stores import ReplayStore
     H, HK, dv, dk = S["H"], S["HK"], S["dv"], S["dk"]
     init = random_state(B, H, dv, dk, seed=77, device=device)
     n = windows * L
-    kws = [bd._kw(kind, S, B, seed=500 + t, device=device) for t in range(n)]
+    kws = [kernel_inputs(kind, S, B, seed=500 + t, device=device) for t in range(n)]
     params = ("A_log", "dt_bias") if kind == "gdn" else ("A", "D", "dt_bias")
     kws = [{**kw, **{p: kws[0][p] for p in params}} for kw in kws]     # one layer's parameters
     Y_ref, S_ref = _reference(kind, init, kws)
@@ -512,7 +507,7 @@ def accuracy(kind, S, B, L, device, A: Authors | None = None, pairs=ACC_PAIRS,
            "ours_vs_authors": {}}
     ours = {}
     for pair in pairs:
-        st = ReplayStore.from_state(init, bd._pair(pair, L)[0], kind, key_heads=HK)
+        st = ReplayStore.from_state(init, load_pair(pair, L)[0], kind, key_heads=HK)
         ys = torch.stack([step(st, **kw, state_indices=idx, path="replay").float().clone()
                           for kw in kws], 1)
         anchor = st.anchor.dequantize()
@@ -533,7 +528,7 @@ def accuracy(kind, S, B, L, device, A: Authors | None = None, pairs=ACC_PAIRS,
                 res["ours_vs_authors"][f"{pair} / {name}"] = {"state": _rel_fro(ao, ru.anchor),
                                                               "outputs": _rel_fro(yo, ys)}
         res["authors_commit"] = A.commit
-    bd._empty_cache()
+    empty_cache()
     return res
 
 

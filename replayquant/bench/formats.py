@@ -20,14 +20,20 @@ import os
 from pathlib import Path
 
 import torch
+import triton.testing
 
+from replayquant.formats import get_format
+from replayquant.formats.constants import BF16, FP16
+from replayquant.kernels import quant
+from replayquant.kernels import quant_ref as ref
+from replayquant.kernels.philox import random_bits_ref
 from replayquant.outputs import check_owned, check_writable_folder, output_lock, write_json, write_text
+from replayquant.provenance import provenance
 
 D = 128
 
 
 def _bench(fn) -> float:
-    import triton.testing
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
 
@@ -40,10 +46,6 @@ def _state_like(n: int, device, seed: int = 0) -> torch.Tensor:
 
 def _validate(device) -> dict:
     """Bit-exact check of every GPU kernel against the CPU reference (slice + edge values)."""
-    from replayquant.formats.constants import BF16, FP16
-    from replayquant.kernels import quant
-    from replayquant.kernels import quant_ref as ref
-    from replayquant.kernels.philox import random_bits_ref
     x = _state_like(6, device, seed=1)
     x[0, 0, :16] = 0.0
     x[1] = 0.0
@@ -110,22 +112,19 @@ def run_formats_bench(mbytes: int = 512, out: str = "build/bench", formats=None,
 
 
 def _run_formats_bench(mbytes, out, formats, git_commit) -> dict:
+    """`replayquant bench formats` after its output checks: the kernels checked bit for bit, the
+    copy bandwidth, then each format's quantize and dequantize timed; formats.json and
+    formats.md written into `out`."""
     if mbytes < 256:
         raise ValueError(f"bench formats: mbytes={mbytes}; use >= 256 MiB so that the input is "
                          f"several times the L2 cache")
     if not torch.cuda.is_available():
         raise ValueError("bench formats needs a CUDA GPU (the Triton kernels run there)")
-    from replayquant.formats import get_format
-    from replayquant.formats.constants import BF16, FP16
-    from replayquant.kernels import quant
-    from replayquant.provenance import provenance
-
     dev = torch.device("cuda")
     formats = list(formats or ("fp16", "bf16", "fp8", "nvfp4"))
     n = (mbytes << 20) // (D * D * 4)
-    numel = n * D * D
     x = _state_like(n, dev)
-    in_bytes = numel * 4
+    in_bytes = n * D * D * 4
     print(f"input: float32 [{n}, {D}, {D}] = {in_bytes / 1e9:.3f} GB on {torch.cuda.get_device_name()}",
           flush=True)
 
@@ -139,58 +138,15 @@ def _run_formats_bench(mbytes, out, formats, git_commit) -> dict:
     print(f"copy: {copy_ms:.4f} ms, {copy_gbs:.1f} GB/s (read + write)", flush=True)
     del dst
 
-    rows = []
-
-    def add(fmt, rounding, op, variant, ms, nbytes):
-        gbs = nbytes / ms / 1e6
-        rows.append({"format": fmt, "rounding": rounding, "op": op, "variant": variant,
-                     "ms": ms, "bytes": nbytes, "GBps": gbs, "pct_copy": 100 * gbs / copy_gbs})
-        print(f"{fmt:6s} {rounding:10s} {op:10s} {variant:28s} {ms:8.4f} ms {gbs:8.1f} GB/s "
-              f"{100 * gbs / copy_gbs:6.1f}% of copy", flush=True)
-
+    rows = _Rows(copy_gbs)
     for name in formats:
         for rounding in ("nearest", "stochastic"):
             if name in ("fp16", "bf16"):
-                grid, dt = (FP16, torch.float16) if name == "fp16" else (BF16, torch.bfloat16)
-                q = quant.cast_quantize(x, grid, dt, rounding, 1, 0)
-                ms = _bench(lambda: quant.cast_quantize(x, grid, dt, rounding, 1, 0))
-                add(name, rounding, "quantize", "triton", ms, in_bytes + numel * 2)
-                ms = _bench(lambda: q.to(torch.float32))
-                add(name, rounding, "dequantize", "torch cast", ms, numel * 2 + in_bytes)
+                _cast_rows(rows, x, name, rounding)
             elif name == "fp8":
-                p, s = quant.fp8_quantize(x, rounding, 1, 0)
-                qb = numel + 4 * n * D
-                ms = _bench(lambda: quant.fp8_quantize(x, rounding, 1, 0))
-                add(name, rounding, "quantize", "triton", ms, in_bytes + qb)
-                ms = _bench(lambda: quant.fp8_dequantize(p, s))
-                add(name, rounding, "dequantize", "triton", ms, qb + in_bytes)
+                _fp8_rows(rows, x, rounding)
             elif name == "nvfp4":
-                qb = numel // 2 + numel // 16 + 4 * n
-                packed = quant.nvfp4_quantize(x, rounding, 1, 0)
-                plan = quant.nvfp4_plan(D * D // 16, stochastic=rounding == "stochastic")
-                ms = _bench(lambda: quant.nvfp4_quantize(x, rounding, 1, 0))
-                add(name, rounding, "quantize", f"default (mode {plan[0]}, NB {plan[1]})", ms,
-                    in_bytes + qb)
-                sweep = ([(0, None, 8, False), (0, None, 4, True), (0, None, 16, True),
-                          (1, 128, 4, True), (1, 256, 8, True), (1, 512, 8, True),
-                          (2, 128, 4, True)] if rounding == "nearest" else
-                         [(0, None, 8, True), (0, None, 16, True), (1, 64, 4, True),
-                          (1, 256, 4, True)])
-                for mode, nb, nw, fast in sweep:
-                    ms = _bench(lambda: quant.nvfp4_quantize(x, rounding, 1, 0, mode=mode,
-                                                             nb=nb, num_warps=nw, fast=fast))
-                    add(name, rounding, "quantize",
-                        f"mode {mode} NB {nb or 1024} warps {nw}" + ("" if fast else " int-path"),
-                        ms, in_bytes + qb)
-                if rounding == "nearest":
-                    fmt = get_format("nvfp4")
-                    ms = _bench(lambda: fmt.quantize(x, rounding))
-                    add(name, rounding, "quantize", "Format.quantize (finite check)", ms,
-                        in_bytes + qb)
-                ms = _bench(lambda: quant.nvfp4_dequantize(*packed))
-                add(name, rounding, "dequantize", "triton NB 128", ms, qb + in_bytes)
-                ms = _bench(lambda: quant.nvfp4_dequantize(*packed, nb=256, num_warps=8))
-                add(name, rounding, "dequantize", "triton NB 256", ms, qb + in_bytes)
+                _nvfp4_rows(rows, x, rounding)
             else:
                 raise ValueError(f"bench formats: unknown format {name!r}")
 
@@ -203,7 +159,7 @@ def _run_formats_bench(mbytes, out, formats, git_commit) -> dict:
                             "output; copy: read + write"},
         "copy": {"ms": copy_ms, "bytes": 2 * in_bytes, "GBps": copy_gbs},
         "bit_exact_vs_cpu_reference": validation,
-        "rows": rows,
+        "rows": rows.rows,
     }
     outdir = Path(out)
     outdir.mkdir(parents=True, exist_ok=True)
@@ -211,6 +167,79 @@ def _run_formats_bench(mbytes, out, formats, git_commit) -> dict:
     write_text(outdir / "formats.md", render_markdown(result))
     print(f"wrote {outdir / 'formats.json'} and {outdir / 'formats.md'}", flush=True)
     return result
+
+
+class _Rows:
+    """The timed rows, each printed as it is added with its share of the copy bandwidth."""
+
+    def __init__(self, copy_gbs):
+        self.rows, self.copy_gbs = [], copy_gbs
+
+    def add(self, fmt, rounding, op, variant, ms, nbytes):
+        gbs = nbytes / ms / 1e6
+        self.rows.append({"format": fmt, "rounding": rounding, "op": op, "variant": variant,
+                          "ms": ms, "bytes": nbytes, "GBps": gbs,
+                          "pct_copy": 100 * gbs / self.copy_gbs})
+        print(f"{fmt:6s} {rounding:10s} {op:10s} {variant:28s} {ms:8.4f} ms {gbs:8.1f} GB/s "
+              f"{100 * gbs / self.copy_gbs:6.1f}% of copy", flush=True)
+
+
+def _cast_rows(rows: _Rows, x, name, rounding) -> None:
+    """fp16 / bf16: the Triton cast, and torch's cast back to float32."""
+    numel, in_bytes = x.numel(), x.numel() * 4
+    grid, dt = (FP16, torch.float16) if name == "fp16" else (BF16, torch.bfloat16)
+    q = quant.cast_quantize(x, grid, dt, rounding, 1, 0)
+    ms = _bench(lambda: quant.cast_quantize(x, grid, dt, rounding, 1, 0))
+    rows.add(name, rounding, "quantize", "triton", ms, in_bytes + numel * 2)
+    ms = _bench(lambda: q.to(torch.float32))
+    rows.add(name, rounding, "dequantize", "torch cast", ms, numel * 2 + in_bytes)
+
+
+def _fp8_rows(rows: _Rows, x, rounding) -> None:
+    """fp8: quantize (payload + one float32 scale per row) and dequantize."""
+    numel, in_bytes, n = x.numel(), x.numel() * 4, x.shape[0]
+    p, s = quant.fp8_quantize(x, rounding, 1, 0)
+    qb = numel + 4 * n * D
+    ms = _bench(lambda: quant.fp8_quantize(x, rounding, 1, 0))
+    rows.add("fp8", rounding, "quantize", "triton", ms, in_bytes + qb)
+    ms = _bench(lambda: quant.fp8_dequantize(p, s))
+    rows.add("fp8", rounding, "dequantize", "triton", ms, qb + in_bytes)
+
+
+# NVFP4 quantize launch plans timed beside the default: (mode, NB, warps, fast path)
+_NVFP4_SWEEP = {"nearest": [(0, None, 8, False), (0, None, 4, True), (0, None, 16, True),
+                            (1, 128, 4, True), (1, 256, 8, True), (1, 512, 8, True),
+                            (2, 128, 4, True)],
+                "stochastic": [(0, None, 8, True), (0, None, 16, True), (1, 64, 4, True),
+                               (1, 256, 4, True)]}
+
+
+def _nvfp4_rows(rows: _Rows, x, rounding) -> None:
+    """nvfp4: quantize at the default plan and each of _NVFP4_SWEEP, through Format.quantize
+    (round to nearest), and dequantize at NB 128 and 256."""
+    numel, in_bytes, n = x.numel(), x.numel() * 4, x.shape[0]
+    name = "nvfp4"
+    qb = numel // 2 + numel // 16 + 4 * n
+    packed = quant.nvfp4_quantize(x, rounding, 1, 0)
+    plan = quant.nvfp4_plan(D * D // 16, stochastic=rounding == "stochastic")
+    ms = _bench(lambda: quant.nvfp4_quantize(x, rounding, 1, 0))
+    rows.add(name, rounding, "quantize", f"default (mode {plan[0]}, NB {plan[1]})", ms,
+             in_bytes + qb)
+    for mode, nb, nw, fast in _NVFP4_SWEEP[rounding]:
+        ms = _bench(lambda: quant.nvfp4_quantize(x, rounding, 1, 0, mode=mode,
+                                                 nb=nb, num_warps=nw, fast=fast))
+        rows.add(name, rounding, "quantize",
+                 f"mode {mode} NB {nb or 1024} warps {nw}" + ("" if fast else " int-path"),
+                 ms, in_bytes + qb)
+    if rounding == "nearest":
+        fmt = get_format("nvfp4")
+        ms = _bench(lambda: fmt.quantize(x, rounding))
+        rows.add(name, rounding, "quantize", "Format.quantize (finite check)", ms,
+                 in_bytes + qb)
+    ms = _bench(lambda: quant.nvfp4_dequantize(*packed))
+    rows.add(name, rounding, "dequantize", "triton NB 128", ms, qb + in_bytes)
+    ms = _bench(lambda: quant.nvfp4_dequantize(*packed, nb=256, num_warps=8))
+    rows.add(name, rounding, "dequantize", "triton NB 256", ms, qb + in_bytes)
 
 
 def render_markdown(result: dict) -> str:

@@ -24,11 +24,22 @@ whether it is met. Writes one JSON file with provenance.
 
 from __future__ import annotations
 
+import inspect
 import json
 import time
 from pathlib import Path
 
 import torch
+from torch._dynamo.utils import counters
+from torch.profiler import ProfilerActivity, profile
+from transformers import CompileConfig, DynamicCache
+
+from replayquant.bench.timing import fla_version
+from replayquant.hostsync import HostSyncCounter
+from replayquant.kl.bench import SHAPES, build_model
+from replayquant.models import patch, unpatch
+from replayquant.outputs import check_owned, output_lock, write_json
+from replayquant.provenance import git_commit, provenance
 
 __all__ = ["run_generate_bench", "WAYS"]
 
@@ -58,7 +69,6 @@ def _timed(fn) -> float:
 
 def _profiled(fn) -> tuple[float | None, int | None]:
     """(GPU kernel milliseconds, kernel count) of fn(); (None, None) without a GPU."""
-    from torch.profiler import ProfilerActivity, profile
     if not torch.cuda.is_available():
         fn()
         return None, None
@@ -95,11 +105,6 @@ def copy_bandwidth_gbps(nbytes: int = 2 << 30) -> float | None:
 def _decode_forward_syncs(model, ids) -> tuple[int, bool]:
     """Host syncs of one eager decode forward after the prompt and a first decode step, and
     whether that forward runs under sync debug mode 'error'."""
-    import inspect
-
-    from transformers import DynamicCache
-
-    from replayquant.hostsync import HostSyncCounter
     kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     cache = DynamicCache(config=model.config)
     with torch.inference_mode():
@@ -127,7 +132,6 @@ def _compile_counters() -> dict:
     """torch.compile's counters that say whether a timed generate compiled or left CUDA graphs:
     graphs compiled, graph breaks, CUDA-graph skips (each skip's reason is logged by Inductor;
     TORCH_LOGS=cudagraphs,recompiles prints them)."""
-    from torch._dynamo.utils import counters
     return {"graphs_compiled": int(counters["stats"]["unique_graphs"]),
             "graph_breaks": int(sum(counters["graph_break"].values())),
             "cudagraph_skips": int(counters["inductor"]["cudagraph_skips"])}
@@ -155,14 +159,6 @@ def _measure(model, ids, static: bool, compile_config, n1: int, n2: int, eager_s
     if eager_syncs:
         row["host_syncs_per_step"], row["sync_debug_ok"] = _decode_forward_syncs(model, ids)
     return row
-
-
-def _fla_version():
-    try:
-        import fla
-        return fla.__version__
-    except ImportError:
-        return None
 
 
 def _targets(rows: dict, pairs, batches) -> list[dict]:
@@ -207,7 +203,6 @@ GENERATE_KIND = "replayquant.bench.generate"   # the "kind" of the results file
 
 def _identity(shape, pairs, prompt, n1, n2, compile_backend, compile_mode, **_) -> dict:
     """What the batches of one results file share (`run_generate_bench(add=True)`)."""
-    from replayquant.provenance import git_commit
     return {"shape": shape, "pairs": list(pairs), "prompt_tokens": prompt, "steps_timed": [n1, n2],
             "compile_config": {"backend": compile_backend, "mode": compile_mode},
             "git_commit": git_commit()}
@@ -230,7 +225,6 @@ def run_generate_bench(out: str | Path = "build/bench/generate.json", add: bool 
     pairs, prompt, steps timed, compile config and git commit) and keeps its batches: this call
     measures the batches it is given and adds them (a batch measured again replaces its rows);
     a GPU call is capped in time, and the four static ways compile for minutes a batch."""
-    from replayquant.outputs import check_owned, output_lock
     own = dict(identity=_identity(**(_DEFAULTS | kw)), recorded=_recorded) if add else {}
     check_owned(out, GENERATE_KIND, "replayquant bench generate", **own)
     with output_lock(out):
@@ -252,13 +246,6 @@ def _run_generate_bench(out: str | Path = "build/bench/generate.json", shape: st
     the batches of `prior` (the file of the same run an earlier call wrote). device 'cpu' (the
     tests: shape 'tiny', the static ways compiled through CompileConfig._compile_all_devices)
     leaves the GPU figures None."""
-    from transformers import CompileConfig
-
-    import replayquant
-    from replayquant.kl.bench import build_model
-    from replayquant.outputs import write_json
-    from replayquant.provenance import provenance
-
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("bench generate needs a CUDA GPU (it times the compiled static cache); "
                          "there is none here")
@@ -285,35 +272,7 @@ def _run_generate_bench(out: str | Path = "build/bench/generate.json", shape: st
         # the prompts of batch b depend on b alone, whichever call measures it
         g = torch.Generator().manual_seed(b)
         ids = torch.randint(1, model.config.vocab_size, (b, prompt), generator=g).to(device)
-        eager_tokens = {}                     # this batch's eager tokens, by pair (None: HF)
-        plan = [(w, None) for w in ways if w.startswith("hf")] + \
-            [(w, p) for p in pairs for w in ways if w.startswith("patched")]
-        for way, pair in plan:
-            key = f"{way}{'' if pair is None else ':' + pair}@B{b}"
-            t0 = time.perf_counter()
-            if pair is not None:
-                replayquant.patch(model, pair)
-            try:
-                torch._dynamo.reset()
-                rows[key] = _measure(model, ids, way.endswith("static"), cc, n1, n2,
-                                     eager_syncs=way.endswith("eager"))
-            except Exception as e:          # a way that fails is reported, the others still run
-                rows[key] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
-            finally:
-                if pair is not None:
-                    replayquant.unpatch(model)
-            rows[key]["wall_s"] = time.perf_counter() - t0
-            toks = rows[key].pop("tokens", None)
-            if way.endswith("eager"):
-                eager_tokens[pair] = toks
-            elif toks is not None and eager_tokens.get(pair) is not None:
-                # greedy tokens of the compiled generate against the same model's eager generate
-                # (HF's own pair tells how often Inductor's arithmetic alone flips a token)
-                same = toks == eager_tokens[pair]
-                rows[key]["tokens_equal_eager"] = bool(same.all())
-                rows[key]["first_token_differing"] = None if same.all() else \
-                    int((~same).any(0).nonzero()[0])
-            progress(f"{key}: {rows[key]}")
+        _measure_batch(model, ids, b, ways, pairs, cc, n1, n2, rows, progress)
         call["batches"].append(b)
         res = _result(rows, calls, skipped, False, shape, pairs, prompt, n1, n2, compile_backend,
                       compile_mode)
@@ -327,13 +286,47 @@ def _run_generate_bench(out: str | Path = "build/bench/generate.json", shape: st
     return res
 
 
+def _measure_batch(model, ids, b, ways, pairs, cc, n1, n2, rows, progress) -> None:
+    """Every way of batch b into `rows` (HF's ways, then each pair's patched ways), each with
+    its wall time; a way that fails is reported as its row's error and the others still run.
+    A static way's greedy tokens are compared with the same model's eager ones."""
+    eager_tokens = {}                     # this batch's eager tokens, by pair (None: HF)
+    plan = [(w, None) for w in ways if w.startswith("hf")] + \
+        [(w, p) for p in pairs for w in ways if w.startswith("patched")]
+    for way, pair in plan:
+        key = f"{way}{'' if pair is None else ':' + pair}@B{b}"
+        t0 = time.perf_counter()
+        if pair is not None:
+            patch(model, pair)
+        try:
+            torch._dynamo.reset()
+            rows[key] = _measure(model, ids, way.endswith("static"), cc, n1, n2,
+                                 eager_syncs=way.endswith("eager"))
+        except Exception as e:          # a way that fails is reported, the others still run
+            rows[key] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+        finally:
+            if pair is not None:
+                unpatch(model)
+        rows[key]["wall_s"] = time.perf_counter() - t0
+        toks = rows[key].pop("tokens", None)
+        if way.endswith("eager"):
+            eager_tokens[pair] = toks
+        elif toks is not None and eager_tokens.get(pair) is not None:
+            # greedy tokens of the compiled generate against the same model's eager generate
+            # (HF's own pair tells how often Inductor's arithmetic alone flips a token)
+            same = toks == eager_tokens[pair]
+            rows[key]["tokens_equal_eager"] = bool(same.all())
+            rows[key]["first_token_differing"] = None if same.all() else \
+                int((~same).any(0).nonzero()[0])
+        progress(f"{key}: {rows[key]}")
+
+
 def _result(rows, calls, skipped, complete, shape, pairs, prompt, n1, n2, compile_backend,
             compile_mode) -> dict:
-    from replayquant.kl.bench import SHAPES
     done = sorted({int(k.rsplit("@B", 1)[1]) for k in rows})
     return {"kind": GENERATE_KIND, "shape": shape, "model_config": SHAPES[shape],
             "dtype": "bfloat16", "prompt_tokens": prompt, "steps_timed": [n1, n2],
             "compile_config": {"backend": compile_backend, "mode": compile_mode},
-            "flash_linear_attention": _fla_version(), "batches": done, "pairs": list(pairs),
+            "flash_linear_attention": fla_version(), "batches": done, "pairs": list(pairs),
             "rows": rows, "targets": _targets(rows, pairs, done), "skipped_batches": skipped,
             "complete": complete, "calls": calls, "provenance": calls[-1]["provenance"]}

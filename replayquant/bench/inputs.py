@@ -1,5 +1,5 @@
 """Random decode-kernel inputs shared by the kernel tests (CPU, Triton interpreter) and the
-decode-kernel benchmark (GPU, replayquant/bench/decode.py).
+decode-kernel benchmark (GPU, `replayquant bench kernels`).
 
 Inputs look like a real model's: bf16 activations, raw gate logits in FP32, decays a in
 (0.9, 1) on average (GDN A_log / dt_bias, Mamba-2 A / dt ranges as in the released checkpoints).

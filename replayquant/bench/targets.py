@@ -122,102 +122,153 @@ def targets(res) -> list:
                else "the authors' rows are missing at this batch")
     out = []
     for kind in ("gdn", "mamba2"):
-        L = MAIN_L[kind]
-        label = "GDN" if kind == "gdn" else "Mamba-2"
-        win = lambda pair, B, stag=False: _us(rows, kind=kind, B=B, L=L, variant=pair,  # noqa: E731
-                                              kernel="replay-window-staggered" if stag
-                                              else "replay-window")
-        auth = lambda B, stag=False: _us(rows, kind=kind, B=B, L=L, variant="fp32",  # noqa: E731
-                                         kernel="authors-staggered" if stag else "authors")
-        conv = lambda B: _us(rows, kind=kind, B=B, kernel="conventional", variant="fp32")  # noqa: E731
-        cap = {"gdn": 153, "mamba2": 324}[kind]
-        e = _ratio_entry(f"{kind}/s32_rs-vs-authors-B256",
-                         f"{label} s32_rs window at least 1.05x the authors' FP32 kernel at "
-                         f"B = 256, in phase and staggered (about <= {cap} us)",
-                         {"in phase": (auth(256), win("s32_rs", 256)),
-                          "staggered": (auth(256, True), win("s32_rs", 256, True))}, 1.05, no_auth)
-        fl = _floor_us(kind, "s32_rs", 256, S, bw)
-        if fl is not None:
-            e["floor_us"] = round(fl, 1)
-        out.append(e)
-        out.append(_ratio_entry(
-            f"{kind}/s32_rs-vs-authors-other-B",
-            f"{label} s32_rs window at least 1.0x the authors' at B = 1, 8, 32, 128, 512",
-            {f"B={B}": (auth(B), win("s32_rs", B)) for B in OTHER_B}, 1.0, no_auth))
-        conv_big = {f"{p} B={B}": (conv(B), win(p, B)) for p in PAIRS
-                    for B in (32, 128, 256, 512)}
-        out.append(_ratio_entry(f"{kind}/pairs-vs-conventional",
-                                f"{label} every replay pair at least as fast as our conventional "
-                                "FP32 step from B = 32 up", conv_big, 1.0,
-                                "no conventional / replay rows at B >= 32"))
-        out.append(_ratio_entry(f"{kind}/pairs-vs-conventional-small-B",
-                                f"{label} every replay pair at least 0.9x our conventional FP32 "
-                                "step at B = 1 and 8",
-                                {f"{p} B={B}": (conv(B), win(p, B)) for p in PAIRS
-                                 for B in SMALL_B}, 0.9, "no rows at B = 1, 8"))
-        for pair, cap_us in WINDOW_US[kind].items():
-            us = win(pair, 256)
-            st = win(pair, 256, True)
-            fl = _floor_us(kind, pair, 256, S, bw)
-            out.append(_entry(f"{kind}/{pair}-window-B256",
-                              f"{label} {pair} window at B = 256 <= {cap_us:g} us",
-                              "us", None if us is None else round(us, 2),
-                              None if us is None else us <= cap_us,
-                              {"staggered_us": None if st is None else round(st, 2),
-                               "authors_us": auth(256)}, fl,
-                              reason=f"no {pair} window row at B = 256"))
-        spec = {p: (_us(rows, kind=kind, B=512, T=4, kernel="spec-authors-round"),
-                    _us(rows, kind=kind, B=512, T=4, kernel="spec-replay-round", variant=p))
-                for p in PAIRS}
-        e = _ratio_entry(f"{kind}/spec-vs-authors-T4-B512",
-                         f"{label} speculative verify + accept, T = 4, B = 512: every pair's "
-                         "round faster than the authors' round", spec, 1.0, no_auth)
-        snap = _us(rows, kind=kind, B=512, T=4, kernel="spec-snapshot-round")
-        e["detail"]["snapshot_round_us"] = snap
-        out.append(e)
-        peer = "peer:fla" if kind == "gdn" else "peer:mamba_ssm"
-        out.append(_ratio_entry(
-            f"{kind}/conventional-vs-peer",
-            f"{label} conventional FP32 step at least as fast as "
-            f"{'fla' if kind == 'gdn' else 'mamba_ssm'}'s from B = 128 up",
-            {f"B={B}": (_us(rows, kind=kind, B=B, kernel=peer, variant="float32"), conv(B))
-             for B in (128, 256, 512)}, 1.0, "the peer was not measured (--peers, .gpu wheels)"))
-        a = acc.get(kind)
-        if a:
-            an = {p: v["anchor"] for p, v in a.get("ours", {}).items()}
-            outs = a.get("ours", {}).get("s32_rs", {}).get("outputs")
-            detail = {"ours": a.get("ours"), "authors": a.get("authors"),
-                      "ours_vs_authors": a.get("ours_vs_authors"), "B": a.get("B"),
-                      "windows": a.get("windows")}
-            worst = max(an.values()) if an else None
-            met = None if worst is None else worst <= ANCHOR_TOL and \
-                (outs is None or outs <= BF16_RING_BOUND)
-            out.append(_entry(f"{kind}/accuracy",
-                              f"{label} FP32 anchors within {ANCHOR_TOL:g} (relative Frobenius) "
-                              "of a float64 recurrence after three windows; s32_rs outputs within "
-                              f"the bf16 ring bound ({BF16_RING_BOUND:.2g})", "rel",
-                              worst, met, {**detail, "s32_rs_outputs": outs}))
-        else:
-            out.append(_entry(f"{kind}/accuracy", f"{label} FP32 anchors within {ANCHOR_TOL:g} "
-                              "of a float64 recurrence after three windows", "rel",
-                              reason="the accuracy section did not run"))
+        k = _KindRows(rows, kind)
+        out += _authors_targets(k, S, bw, no_auth)
+        out += _conventional_targets(k)
+        out += _window_targets(k, S, bw)
+        out.append(_spec_target(k, no_auth))
+        out.append(_peer_target(k))
+        out.append(_accuracy_target(kind, k.label, acc.get(kind)))
+    out.append(_lines_target())
+    return out
+
+
+class _KindRows:
+    """The rows of one layer kind at its main L: our windows, the authors' and our conventional
+    FP32 step (us per step, None where not measured)."""
+
+    def __init__(self, rows, kind):
+        self.rows, self.kind, self.L = rows, kind, MAIN_L[kind]
+        self.label = "GDN" if kind == "gdn" else "Mamba-2"
+
+    def win(self, pair, B, stag=False):
+        return _us(self.rows, kind=self.kind, B=B, L=self.L, variant=pair,
+                   kernel="replay-window-staggered" if stag else "replay-window")
+
+    def auth(self, B, stag=False):
+        return _us(self.rows, kind=self.kind, B=B, L=self.L, variant="fp32",
+                   kernel="authors-staggered" if stag else "authors")
+
+    def conv(self, B):
+        return _us(self.rows, kind=self.kind, B=B, kernel="conventional", variant="fp32")
+
+
+def _authors_targets(k: _KindRows, S, bw, no_auth) -> list:
+    """s32_rs windows against the authors' FP32 kernel: 1.05x at B = 256 (in phase and
+    staggered, with the byte floor), 1.0x at the other batches."""
+    cap = {"gdn": 153, "mamba2": 324}[k.kind]
+    e = _ratio_entry(f"{k.kind}/s32_rs-vs-authors-B256",
+                     f"{k.label} s32_rs window at least 1.05x the authors' FP32 kernel at "
+                     f"B = 256, in phase and staggered (about <= {cap} us)",
+                     {"in phase": (k.auth(256), k.win("s32_rs", 256)),
+                      "staggered": (k.auth(256, True), k.win("s32_rs", 256, True))}, 1.05, no_auth)
+    fl = _floor_us(k.kind, "s32_rs", 256, S, bw)
+    if fl is not None:
+        e["floor_us"] = round(fl, 1)
+    return [e, _ratio_entry(
+        f"{k.kind}/s32_rs-vs-authors-other-B",
+        f"{k.label} s32_rs window at least 1.0x the authors' at B = 1, 8, 32, 128, 512",
+        {f"B={B}": (k.auth(B), k.win("s32_rs", B)) for B in OTHER_B}, 1.0, no_auth)]
+
+
+def _conventional_targets(k: _KindRows) -> list:
+    """Every pair's window against our conventional FP32 step: 1.0x from B = 32 up, 0.9x at
+    B = 1 and 8."""
+    conv_big = {f"{p} B={B}": (k.conv(B), k.win(p, B)) for p in PAIRS
+                for B in (32, 128, 256, 512)}
+    return [_ratio_entry(f"{k.kind}/pairs-vs-conventional",
+                         f"{k.label} every replay pair at least as fast as our conventional "
+                         "FP32 step from B = 32 up", conv_big, 1.0,
+                         "no conventional / replay rows at B >= 32"),
+            _ratio_entry(f"{k.kind}/pairs-vs-conventional-small-B",
+                         f"{k.label} every replay pair at least 0.9x our conventional FP32 "
+                         "step at B = 1 and 8",
+                         {f"{p} B={B}": (k.conv(B), k.win(p, B)) for p in PAIRS
+                          for B in SMALL_B}, 0.9, "no rows at B = 1, 8")]
+
+
+def _window_targets(k: _KindRows, S, bw) -> list:
+    """The tp8_hi32 / tp4_hi32 windows at B = 256 within WINDOW_US, with their byte floors."""
+    out = []
+    for pair, cap_us in WINDOW_US[k.kind].items():
+        us = k.win(pair, 256)
+        st = k.win(pair, 256, True)
+        fl = _floor_us(k.kind, pair, 256, S, bw)
+        out.append(_entry(f"{k.kind}/{pair}-window-B256",
+                          f"{k.label} {pair} window at B = 256 <= {cap_us:g} us",
+                          "us", None if us is None else round(us, 2),
+                          None if us is None else us <= cap_us,
+                          {"staggered_us": None if st is None else round(st, 2),
+                           "authors_us": k.auth(256)}, fl,
+                          reason=f"no {pair} window row at B = 256"))
+    return out
+
+
+def _spec_target(k: _KindRows, no_auth) -> dict:
+    """Every pair's speculative round (T = 4, B = 512) faster than the authors' round."""
+    rows, kind = k.rows, k.kind
+    spec = {p: (_us(rows, kind=kind, B=512, T=4, kernel="spec-authors-round"),
+                _us(rows, kind=kind, B=512, T=4, kernel="spec-replay-round", variant=p))
+            for p in PAIRS}
+    e = _ratio_entry(f"{kind}/spec-vs-authors-T4-B512",
+                     f"{k.label} speculative verify + accept, T = 4, B = 512: every pair's "
+                     "round faster than the authors' round", spec, 1.0, no_auth)
+    e["detail"]["snapshot_round_us"] = _us(rows, kind=kind, B=512, T=4,
+                                           kernel="spec-snapshot-round")
+    return e
+
+
+def _peer_target(k: _KindRows) -> dict:
+    """Our conventional FP32 step at least as fast as the peer's from B = 128 up."""
+    peer = "peer:fla" if k.kind == "gdn" else "peer:mamba_ssm"
+    return _ratio_entry(
+        f"{k.kind}/conventional-vs-peer",
+        f"{k.label} conventional FP32 step at least as fast as "
+        f"{'fla' if k.kind == 'gdn' else 'mamba_ssm'}'s from B = 128 up",
+        {f"B={B}": (_us(k.rows, kind=k.kind, B=B, kernel=peer, variant="float32"), k.conv(B))
+         for B in (128, 256, 512)}, 1.0, "the peer was not measured (--peers, .gpu wheels)")
+
+
+def _accuracy_target(kind, label, a) -> dict:
+    """FP32 anchors within ANCHOR_TOL of the float64 recurrence after three windows and s32_rs
+    outputs within BF16_RING_BOUND, from the run's accuracy section `a` (None: not run)."""
+    if not a:
+        return _entry(f"{kind}/accuracy", f"{label} FP32 anchors within {ANCHOR_TOL:g} "
+                      "of a float64 recurrence after three windows", "rel",
+                      reason="the accuracy section did not run")
+    an = {p: v["anchor"] for p, v in a.get("ours", {}).items()}
+    outs = a.get("ours", {}).get("s32_rs", {}).get("outputs")
+    detail = {"ours": a.get("ours"), "authors": a.get("authors"),
+              "ours_vs_authors": a.get("ours_vs_authors"), "B": a.get("B"),
+              "windows": a.get("windows")}
+    worst = max(an.values()) if an else None
+    met = None if worst is None else worst <= ANCHOR_TOL and \
+        (outs is None or outs <= BF16_RING_BOUND)
+    return _entry(f"{kind}/accuracy",
+                  f"{label} FP32 anchors within {ANCHOR_TOL:g} (relative Frobenius) "
+                  "of a float64 recurrence after three windows; s32_rs outputs within "
+                  f"the bf16 ring bound ({BF16_RING_BOUND:.2g})", "rel",
+                  worst, met, {**detail, "s32_rs_outputs": outs})
+
+
+def _lines_target() -> dict:
+    """The decode, verify and conventional kernels within LINE_BUDGET lines (kernel_lines)."""
     lines = kernel_lines()
     total = sum(lines.values())
-    out.append(_entry("kernel-lines", f"decode, verify and conventional kernels with their launch "
-                      f"code in at most {LINE_BUDGET} lines (references apart); launch configs "
-                      "from one small table, no module-level switches (these two by review)",
-                      "lines", total, total <= LINE_BUDGET,
-                      {**lines, "stores.py (not counted)": len(
-                          (Path(__file__).resolve().parents[1] / "kernels" / "stores.py")
-                          .read_text().splitlines())}))
-    return out
+    return _entry("kernel-lines", f"decode, verify and conventional kernels with their launch "
+                  f"code in at most {LINE_BUDGET} lines (references apart); launch configs "
+                  "from one small table, no module-level switches (these two by review)",
+                  "lines", total, total <= LINE_BUDGET,
+                  {**lines, "stores.py (not counted)": len(
+                      (Path(__file__).resolve().parents[1] / "kernels" / "stores.py")
+                      .read_text().splitlines())})
 
 
 # grids of `bench kernels --preset NAME` (they replace the grid options): 'targets' times every
 # row the targets read, in phase and staggered at every batch, and KDA's conventional, replay
 # and peer rows, in one device call; 'probe' is the launch-config sweep of every kind at B = 256
-# (bench.decode.config_sweep: the read and the flush launch of each pair apart) with the windows
-# of its picks beside the authors' at B = 256, and the speculative rounds at B = 512
+# (bench.kernels_sweep.config_sweep: the read and the flush launch of each pair apart) with the
+# windows of its picks beside the authors' at B = 256, and the speculative rounds at B = 512
 PRESETS = {
     "targets": dict(batches=(1, 8, 32, 128, 256, 512), Ls=(8, 16), pairs=PAIRS, Ts=(4,),
                     spec_batches=(512,), peers=True, checks=True, sweep=False,

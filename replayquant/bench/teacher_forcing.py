@@ -30,14 +30,26 @@ import itertools
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from triton.testing import do_bench
 
 from replayquant import options
-from replayquant.outputs import check_owned, output_lock, write_json
 from replayquant.bench.timing import (HF_TARGETS, REPLAY_TARGETS, KernelClock, fla_version,
-                                     hf_chunk_function)
+                                      hf_chunk_function)
+from replayquant.kernels import chunk
+from replayquant.kernels.chunk_ref import chunk_scan_ref, initial_scan_state
+from replayquant.kernels.compile_check import assemble, compile_ptx, ptxas_report
+from replayquant.kernels.roles import FMT_IDS
+from replayquant.kl.bench import (SHAPES, _chunk_dot, build_model, plain_forward, random_document,
+                                  timed)
+from replayquant.kl.command import DTYPES
+from replayquant.models import patch, teacher_force_path, unpatch
+from replayquant.outputs import check_owned, output_lock, write_json
+from replayquant.pairs import PrecisionPair
+from replayquant.provenance import provenance
 
 
 def _inputs(gen, B, T, H, dk, dv, delta, device):
@@ -77,10 +89,6 @@ def _compare(pair, y, y_ref, s, s_ref):
 
 def check(device="cuda") -> list:
     """Kernel on `device` against chunk_scan_ref on the CPU; returns one dict per case."""
-    from replayquant.kernels import chunk
-    from replayquant.kernels.chunk_ref import chunk_scan_ref, initial_scan_state
-    from replayquant.pairs import PrecisionPair
-
     real_empty = chunk._empty
     chunk._empty = lambda shape, dtype, dev: torch.full(shape, float("nan"), dtype=dtype, device=dev)
     cases = [  # pair, delta, B, H, d_k, d_v, L, padded second segment, exact
@@ -137,12 +145,6 @@ def check(device="cuda") -> list:
 
 
 def bench(lengths=(8192, 32768), device="cuda") -> list:
-    from triton.testing import do_bench
-
-    from replayquant.kernels import chunk
-    from replayquant.kernels.chunk_ref import initial_scan_state
-    from replayquant.pairs import PrecisionPair
-
     hf_fn, hf_label = hf_chunk_function()
     H, dk, dv, B = 32, 128, 128, 1
     rows = []
@@ -222,12 +224,6 @@ def whole_model(shape: str = "qwen3.5-4b", context: int = 131072, segment: int =
     its cache, unpatched (HF; fla's kernels when installed) and patched with `pair`; returns the
     section for the results file. Warm-up (compilation, autotuning) on a prefix of two
     segments before each timed run."""
-    from replayquant.kl.bench import (SHAPES, _chunk_dot, build_model, plain_forward,
-                                      random_document, timed)
-    from replayquant.kl.command import DTYPES
-    from replayquant.models import patch, teacher_force_path, unpatch
-    from replayquant.provenance import provenance
-
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = build_model(shape, DTYPES[dtype], device)
     cfg = SHAPES[shape]
@@ -281,11 +277,6 @@ def resource_report(pairs=("tp4_hi16_sr", "s32_rs", "f4_sr_rs", "tp4_hi32"), H: 
     here and assembled with the ptxas Triton ships (the newest one that reads its PTX), no GPU
     needed: [{pair, kernel, line}], line = ptxas -v's report. The launch parameters are those
     chunk_scan uses for B = 1, H heads, d_k = d_v = d (GDN, prefill="replay")."""
-    from replayquant.kernels import chunk
-    from replayquant.kernels.compile_check import assemble, compile_ptx, ptxas_report
-    from replayquant.kernels.roles import FMT_IDS
-    from replayquant.pairs import PrecisionPair
-
     ptr = {"fp32": ("*fp32", "*fp32", "*fp32"), "fp16": ("*i16", "*i16", "*i16"),
            "bf16": ("*i16", "*i16", "*i16"), "fp8": ("*u8", "*fp32", "*u8"),
            "nvfp4": ("*u8", "*u8", "*fp32")}
@@ -369,7 +360,6 @@ def _holding(out):
 
 def _merge(out, **sections) -> dict:
     """Write `sections` into the JSON file `out`, keeping its other sections."""
-    from pathlib import Path
     path = Path(out)
     data = json.loads(path.read_text()) if path.exists() else {}
     data.update(sections, kind=TF_KIND)
@@ -387,7 +377,6 @@ def run_layer(out, lengths=(8192, 32768), commit=None) -> dict:
 def _run_layer(out, lengths, commit) -> dict:
     if not torch.cuda.is_available():
         raise SystemExit("the kernel check and per-layer timing need a CUDA device")
-    from replayquant.provenance import provenance
     t0 = time.time()
     prov = provenance("cuda", lengths=list(lengths), source_commit=commit,
                       timing="triton.testing.do_bench median, warmup 5 ms, rep 100 ms, one segment, "

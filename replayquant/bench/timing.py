@@ -3,9 +3,12 @@ unpatched Hugging Face layer calls, and the time spent inside chosen callables d
 
 from __future__ import annotations
 
+import importlib
 import time
 
 import torch
+
+from replayquant.kernels import chunk
 
 __all__ = ["KernelClock", "REPLAY_TARGETS", "HF_TARGETS", "fla_version", "hf_chunk_function"]
 
@@ -13,7 +16,7 @@ __all__ = ["KernelClock", "REPLAY_TARGETS", "HF_TARGETS", "fla_version", "hf_chu
 def fla_version() -> str | None:
     """flash-linear-attention's version if importable here (HF then runs its GDN kernels)."""
     try:
-        import fla
+        import fla          # fla: optional
     except ImportError:
         return None
     return getattr(fla, "__version__", "installed")
@@ -77,7 +80,6 @@ class KernelClock:
         return timed_call
 
     def __enter__(self):
-        import importlib
         for label, (mod_name, attr) in self.targets.items():
             try:
                 mod = importlib.import_module(mod_name)
@@ -87,7 +89,6 @@ class KernelClock:
             self._saved.append((mod, attr, fn))
             setattr(mod, attr, self._wrap(label, fn))
         if self.pass_events is not None:
-            from replayquant.kernels import chunk
             scan, events = chunk.chunk_scan, self.pass_events
 
             def scan_with_events(*args, **kwargs):

@@ -101,7 +101,8 @@ def bench_kernels_cmd(
     the same inputs; --preset targets measures every target of the decode kernels in one call
     (kernels.json `targets`)."""
     from replayquant.bench.authors import checkout_commit
-    from replayquant.bench.decode import estimate_s, plan, run_kernels_bench
+    from replayquant.bench.kernels_plan import estimate_s, plan
+    from replayquant.bench.kernels_run import run_kernels_bench
     ints = lambda s: tuple(int(x) for x in s.split(",") if x)  # noqa: E731
     strs = lambda s: tuple(x for x in s.split(",") if x)  # noqa: E731
     grid = dict(batches=ints(batches), Ls=ints(buffer_lens), pairs=strs(pairs), Ts=ints(drafts),
@@ -139,6 +140,6 @@ def bench_merge_cmd(
     """One kernels table from several `bench kernels` runs of one commit (split by --kinds /
     --spec-batches over device calls): rows kept with their run, speedups derived within a run,
     targets from the merged rows."""
-    from replayquant.bench.decode import merge_kernels
+    from replayquant.bench.kernels_merge import merge_kernels
     res = merge_kernels(parts, out=out, name=name)
     typer.echo(f"{len(res['rows'])} rows from {len(parts)} runs -> {out}/{name}.json, .md, _speedup.png")

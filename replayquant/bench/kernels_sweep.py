@@ -1,0 +1,101 @@
+"""The launch-config sweep of `replayquant bench kernels`: each launch's candidate configs timed
+at one batch on fresh stores, and the fastest kept for the rows at large batch."""
+
+from __future__ import annotations
+
+import torch
+
+from replayquant.bench.inputs import random_state
+from replayquant.bench.kernels_grid import (PAIR_L, PAIRS, SHAPES, kernel_fns, kernel_inputs,
+                                            load_pair)
+from replayquant.bench.kernels_timing import empty_cache, time_calls, timed_row
+from replayquant.kernels.stores import ConventionalStore, ReplayStore
+from replayquant.statebytes import (conventional_bytes, replay_flush_step_bytes,
+                                    replay_read_step_bytes, ring_u_bytes)
+
+# Launch-config candidates of the sweep, (rows, warps[, register cap]): the read launch (any
+# tile), the flush launch of pairs that write no NVFP4 role, and of those that do (whole matrices)
+READ_CANDIDATES = ((16, 1), (32, 1), (32, 2), (32, 4), (64, 2), (64, 2, 168), (64, 4), (128, 4))
+FLUSH_CANDIDATES = {"plain": ((16, 1), (16, 2), (32, 2), (32, 4), (64, 4)),
+                    "whole": ((None, 4), (None, 8), (None, 4, 168))}
+# the conventional step's (block_v, num_warps): the candidates of an earlier, wider H200 sweep
+# less those that never won
+CONVENTIONAL_CANDIDATES = ((16, 1), (32, 4), (64, 8))
+
+
+def config_sweep(kind, B, device, copy_bw, pairs=PAIRS, L=None, S=None):
+    """Launch configs timed at batch B on fresh stores (never by re-running a live in-place
+    state): the conventional step (block_v, num_warps); per pair the replay read launch on a read
+    step (h = L/2, pointers held) and the flush launch on a flush step (h = L - 1), each with the
+    other launch at the table's config (on a read step the flush launch only reads pointers).
+    Returns (rows, best config per kernel: 'conventional/fp32' and 'replay/PAIR' {'launch':
+    {'read', 'flush'}})."""
+    S = S or SHAPES[kind]
+    L = L or PAIR_L[kind]
+    init = random_state(B, S["H"], S["dv"], S["dk"], seed=B, device=device)
+    setup = dict(kind=kind, B=B, S=S, f=kernel_fns(kind), copy_bw=copy_bw,
+                 idx=torch.arange(B, dtype=torch.int32, device=device),
+                 kw=kernel_inputs(kind, S, B, seed=1, device=device),
+                 out=torch.empty(B, S["H"], S["dv"], device=device))
+    rows = _sweep_conventional(init, **setup)
+    cfg = {"conventional/fp32": min(rows, key=lambda r: r["us"])["cfg"]}
+    for pair in pairs:
+        pair_rows, pick = _sweep_replay(init, pair, L, **setup)
+        rows += pair_rows
+        cfg[f"replay/{pair}"] = {"launch": pick}
+    empty_cache()
+    return rows, cfg
+
+
+def _sweep_conventional(init, kind, B, S, f, copy_bw, idx, kw, out) -> list:
+    """Rows 'sweep/conventional': the conventional FP32 step at each of CONVENTIONAL_CANDIDATES
+    that fits d_v, pointers held."""
+    H, HK, dv, dk = S["H"], S["HK"], S["dv"], S["dk"]
+    cs = ConventionalStore.from_state(init, "fp32")
+    cands = []
+    for bv, nw in CONVENTIONAL_CANDIDATES:
+        if bv > dv:
+            continue
+        c = dict(block_v=bv, num_warps=nw)
+        ms = time_calls(lambda: f["conv"](cs, **kw, state_indices=idx, out=out, advance=False, **c), 8)
+        cands.append(timed_row(kind, "sweep/conventional", "fp32", B, ms,
+                               conventional_bytes(kind, "fp32", B, H, HK, dv, dk), copy_bw, cfg=c))
+    return cands
+
+
+def _sweep_replay(init, pair, L, kind, B, S, f, copy_bw, idx, kw, out):
+    """Rows 'sweep/replay-read-step' and 'sweep/replay-flush-step' of `pair`: the read launch's
+    candidates on a read step (h = L/2), the flush launch's on a flush step (h = L - 1), pointers
+    held. Returns (rows, the fastest {'read': config, 'flush': config})."""
+    H, HK, dv, dk = S["H"], S["HK"], S["dv"], S["dk"]
+    P, af, rf = load_pair(pair, L)
+    st = ReplayStore.from_state(init, P, kind, key_heads=HK)
+    flush_c = FLUSH_CANDIDATES["whole" if "nvfp4" in (af, rf) else "plain"]
+    rows, pick = [], {}
+    for which, h, cands_w, nbytes in (
+            ("read", L // 2, READ_CANDIDATES,
+             replay_read_step_bytes(kind, rf or af, L // 2, B, H, HK, dv, dk,
+                                    ring_u_bytes(af, rf), L)),
+            ("flush", L - 1, flush_c,
+             replay_flush_step_bytes(kind, af, rf, L, B, H, HK, dv, dk))):
+        cands = []
+        for c in cands_w:
+            if (c[0] or dv) > dv:
+                continue
+            launch = {which: tuple(c)}
+            st.committed.fill_(h)
+            ms = time_calls(lambda: f["step"](st, **kw, state_indices=idx, out=out,
+                                              path="replay", advance=False, launch=launch),
+                            8 if which == "read" else 4)
+            cands.append(timed_row(kind, f"sweep/replay-{which}-step", pair, B, ms, nbytes,
+                                   copy_bw, cfg={"launch": launch}, h=h, L=L))
+        pick[which] = min(cands, key=lambda r: r["us"])["cfg"]["launch"][which]
+        rows += cands
+    del st
+    return rows, pick
+
+
+def pair_config(cfg, pair):
+    """A pair's replay launch config, {'launch': ...} as picked by the sweep (step and verify
+    alike), or {} (the launch table's)."""
+    return dict(cfg.get(f"replay/{pair}", {}))
