@@ -432,7 +432,8 @@ def test_progress_bar_shows_tokens_per_second_from_the_first_segment(tiny, tmp_p
     texts.mkdir()
     (texts / "a.txt").write_text(tiny["texts"][0])
     buf = io.StringIO()
-    run_kl(model, tok, [type("P", (), {"name": "same"})()], dataset=str(texts), context=64, n_docs=1,
+    from replayquant.pairs import PrecisionPair
+    run_kl(model, tok, [PrecisionPair.load("s32_rs")], dataset=str(texts), context=64, n_docs=1,
            segment=100, out=tmp_path / "z.json", plot=False, reference="hf",
            make_variant=lambda m, p, pre, s: Variant(p.name, {"name": p.name}),
            console=Console(file=buf, force_terminal=True, width=140))

@@ -405,9 +405,9 @@ def no_work(monkeypatch):
     import replayquant.bench.kernels_run as bkr
     import replayquant.bench.teacher_forcing as tf
     import replayquant.drift as dr
+    import replayquant.gpqa.run as gr
     import replayquant.kl.bench as kb
-    import replayquant.lm_eval_model as lm
-    for mod, name in ((lm, "ReplayQuantLM"), (dr, "run_drift"), (bf, "_run_formats_bench"),
+    for mod, name in ((gr, "ReplayQuantLM"), (dr, "run_drift"), (bf, "_run_formats_bench"),
                       (bkr, "_run_kernels_bench"), (bkm, "_merge_kernels"), (tf, "_run_layer"),
                       (tf, "whole_model"), (kb, "build_model"), (bg, "_run_generate_bench")):
         monkeypatch.setattr(mod, name, _boom, raising=False)   # (the names of the checked code)
