@@ -349,7 +349,7 @@ def test_fp16_state_that_overflows_is_refused_at_construction():
 
 def test_model_layer_names_the_nonfinite_input_and_token_before_any_kernel(monkeypatch):
     from replayquant.models import load_model, recurrent_layers
-    from replayquant.models import runtime as RT
+    from replayquant.models import decode_store as DS
     model = load_model(TINY, "tp4_hi16_sr", dtype="float32")
     name, layer, _ = recurrent_layers(model)[0]       # the first: no clean layer runs before it
     poison = {}
@@ -372,7 +372,7 @@ def test_model_layer_names_the_nonfinite_input_and_token_before_any_kernel(monke
     out = model(ids, use_cache=True)
     cache = getattr(out, "cache", None) or out.past_key_values
     monkeypatch.setenv("REPLAYQUANT_BACKEND", "triton")          # the decode kernel's path
-    monkeypatch.setattr(RT.DecodeStore, "__init__",
+    monkeypatch.setattr(DS.DecodeStore, "__init__",
                         lambda *a, **k: pytest.fail("the kernel path started before the check"))
     poison["t"] = 0
     with pytest.raises(ValueError, match="input q holds NaN or infinity at the decode step"):

@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from replayquant.cli import app
 from replayquant.kl import command as C
+from replayquant.sweep import per_layer as PL
 from replayquant.sweep import recommend as R
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -193,7 +194,7 @@ def test_nan_upper_bounds_build_no_policy():
     for r in sens["per_layer"]["tp8_hi16_sr"]:
         r["kl"]["kl_upper"] = float("nan")
     with pytest.raises(ValueError, match="kl_upper nan is not a finite number"):
-        R.build_policy(sens, 1e-3)
+        PL.build_policy(sens, 1e-3)
 
 
 # ------------------------------------------------------------------ the model a file measured
@@ -217,8 +218,8 @@ def test_per_layer_measures_the_recorded_hub_revision():
     sens = _sens()
     sens["model"] = {"id": "Qwen/Qwen3.5-4B", "revision": "abc123"}
     sens["kl_args"]["model"] = "Qwen/Qwen3.5-4B"
-    assert R.check_same_model(sens)["revision"] == "abc123"
-    assert R.check_same_model(_sens())["revision"] is None
+    assert PL.check_same_model(sens)["revision"] == "abc123"
+    assert PL.check_same_model(_sens())["revision"] is None
 
 
 # ------------------------------------------------------------------ sizes, before any work

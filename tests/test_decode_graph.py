@@ -14,6 +14,7 @@ import replayquant
 from replayquant import options
 from replayquant.hostsync import HostSyncCounter
 from replayquant.models import runtime
+from replayquant.models.decode_store import DecodeStore
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -75,7 +76,7 @@ def test_decode_step_on_the_store_is_one_graph_without_host_sync(name, backend):
             assert later.syncs == 0, later.where
             stores = [getattr(lay, runtime.STATE_ATTR) for lay in ekw[_cache_kw(model)].layers
                       if hasattr(lay, runtime.STATE_ATTR)]
-            assert stores and all(isinstance(s, runtime.DecodeStore) and s.engine == backend
+            assert stores and all(isinstance(s, DecodeStore) and s.engine == backend
                                   for s in stores)
             torch._dynamo.reset()
             f = torch.compile(lambda t, kw: model(t, **kw).logits, backend="eager", fullgraph=True)

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from replayquant.models import decode_path, patch, recurrent_layers
+from replayquant.models import decode_store as ds
 from replayquant.models import runtime
 from replayquant.replay import ReplayState
 
@@ -109,8 +110,8 @@ def _spy(monkeypatch):
         monkeypatch.setattr(mod, name, f)
     wrap(rd, "replay_gdn_step", "kernel")
     wrap(rd, "replay_mamba2_step", "kernel")
-    wrap(runtime, "state_to_store", "to_store")
-    wrap(runtime, "store_to_state", "to_state")
+    wrap(ds, "state_to_store", "to_store")
+    wrap(ds, "store_to_state", "to_state")
     return calls
 
 
@@ -178,7 +179,7 @@ def test_hand_off_round_trip_and_steps(monkeypatch, kind, pair):
         _, mapped = _random_state_inputs(delta, B, H, HK, dk, dv, g)
         st.step(*mapped)
     ref.load(st.export())
-    kst = runtime.DecodeStore(st, HK)
+    kst = ds.DecodeStore(st, HK)
     back = kst.to_replay_state()
     a, b = st.export(), back.export()
     for role in ("anchor", "read"):
@@ -223,7 +224,7 @@ def test_hand_off_round_trip_and_steps(monkeypatch, kind, pair):
     else:
         assert outliers <= 0.1 and worst <= max(RTOL_BF16, 0.25 * effect), (worst, outliers, effect)
     raw, mapped = _random_state_inputs(delta, B, H, HK, dk, dv, g)
-    kst2 = runtime.DecodeStore(ref2, HK)
+    kst2 = ds.DecodeStore(ref2, HK)
     y_r, y_k = ref2.step(*mapped), kst2.step(raw)     # a state that came from a store, and back
     assert (y_k - y_r).abs().max() <= RTOL_BF16 * y_r.abs().max()
 
@@ -232,14 +233,14 @@ def test_hand_off_rows_are_slots():
     """Reordered sequence ids become the store's slots (SR streams follow the sequence); ids that
     repeat (a beam reorder before decode starts) take the slots 0..B-1."""
     st = ReplayState(torch.randn(2, 2, 16, 16), "tp4_hi16_sr", delta=False, rows=torch.tensor([3, 1]))
-    store, idx = runtime.state_to_store(st, 2)
+    store, idx = ds.state_to_store(st, 2)
     assert idx.tolist() == [3, 1] and store.shape[0] == 4
-    back = runtime.store_to_state(store, idx, st.pair, st.seed, st.layer)
+    back = ds.store_to_state(store, idx, st.pair, st.seed, st.layer)
     assert torch.equal(back.anchor(), st.anchor()) and torch.equal(back.read_copy(), st.read_copy())
     dup = ReplayState(torch.randn(2, 2, 16, 16), "s32_rs", delta=False, rows=torch.tensor([1, 1]))
-    store, idx = runtime.state_to_store(dup, 2)          # repeated ids take the slots 0..B-1
+    store, idx = ds.state_to_store(dup, 2)          # repeated ids take the slots 0..B-1
     assert idx.tolist() == [0, 1] and store.shape[0] == 2
-    back = runtime.store_to_state(store, idx, dup.pair, dup.seed, dup.layer)
+    back = ds.store_to_state(store, idx, dup.pair, dup.seed, dup.layer)
     assert torch.equal(back.anchor(), dup.anchor())
 
 
@@ -292,9 +293,9 @@ def test_generate_kernel_equals_torch(models, monkeypatch, fam, pair):
     for _, mod, _ in recurrent_layers(model):
         lay = cache_k.layers[mod.layer_idx]
         kst = getattr(lay, runtime.STATE_ATTR)
-        assert isinstance(kst, runtime.DecodeStore)
+        assert isinstance(kst, ds.DecodeStore)
         ref_st = getattr(cache_t.layers[mod.layer_idx], runtime.STATE_ATTR)
-        assert isinstance(ref_st, runtime.DecodeStore) and ref_st.engine == "torch"
+        assert isinstance(ref_st, ds.DecodeStore) and ref_st.engine == "torch"
         assert kst.engine == "triton"
         flushes = ref_st.store.n_flush[ref_st.state_indices.long()]
         assert torch.equal(kst.store.n_flush[kst.state_indices.long()], flushes)
@@ -368,9 +369,9 @@ def test_beam_reorder_of_kernel_state():
     for ids in ([2, 0, 1], [0, 0, 1]):
         lay = SimpleNamespace(recurrent_states=[torch.tensor(ids, dtype=torch.float32)[:, None]],
                               has_previous_state=[True])
-        setattr(lay, runtime.STATE_ATTR, runtime.DecodeStore(st, 2))
+        setattr(lay, runtime.STATE_ATTR, ds.DecodeStore(st, 2))
         got = rt.get_state(lay, True, 3, 2, 16, 16, torch.device("cpu"))
-        assert isinstance(got, runtime.DecodeStore)
+        assert isinstance(got, ds.DecodeStore)
         back = got.to_replay_state()
         ref = runtime.reorder_state(runtime.ScanHeld.of(st), torch.tensor(ids)).to_replay_state()
         assert torch.equal(back.export()["rows"], torch.arange(3))
@@ -392,7 +393,7 @@ def test_kernel_is_the_torch_engine_on_a_bf16_ring(models, monkeypatch, fam):
     model = models[fam]
     patch(model, "tp4_hi32", buffer_len=BUFFER_LEN, seed=5)
     ids, mask = _batch(seed=1 if fam == "qwen3_5" else 2)
-    monkeypatch.setitem(runtime.RING_DTYPE, "torch", torch.bfloat16)
+    monkeypatch.setitem(ds.RING_DTYPE, "torch", torch.bfloat16)
     monkeypatch.setattr(stores, "default_u_dtype", lambda *a: torch.float32)
     monkeypatch.setenv("REPLAYQUANT_BACKEND", "torch")
     seq_t, sc_t, _ = _generate(model, ids, mask)

@@ -75,7 +75,8 @@ def recommend_cmd(
                 raise ValueError("--per-layer takes a sensitivity file and --kl-budget (with --low / "
                                  "--high); give a sweep file, --max-bytes, --max-memory or --gpqa "
                                  "without --per-layer")
-            res = R.recommend_per_layer(per_layer, kl_budget, low=low, high=high, out=out,
+            from replayquant.sweep.per_layer import recommend_per_layer
+            res = recommend_per_layer(per_layer, kl_budget, low=low, high=high, out=out,
                                         progress=progress, device_map=device_map)
             if res is not None and not res["measured_fits"]:
                 typer.echo(f"the measured KL upper bound {res['measured']['kl_upper']:.3g} is over the "

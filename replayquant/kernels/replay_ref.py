@@ -93,7 +93,7 @@ def _key_factor_rows_ref(store: ReplayStore, s: int, start: int, lo: int, n: int
 
 def fill_key_factors_ref(store: ReplayStore, slots) -> None:
     """The key factors of every committed entry of the given slots (a store built from a
-    ReplayState, models.runtime.state_to_store); nothing for a store without Tbuf."""
+    ReplayState, models.decode_store.state_to_store); nothing for a store without Tbuf."""
     if store.Tbuf is None:
         return
     for s in [int(x) for x in slots]:

@@ -33,19 +33,14 @@ Which path runs:
   decode semantics, prefill="exact" FP32 and one cast.
 
 Hand-off between the two (explicit, once, never per step): segments of multi-token forwards
-pass the scan's ScanState from one to the next as it is (`ScanHeld`); the
-first decode step after them builds the decode store (`state_to_store`, a `DecodeStore`); a
-multi-token forward into a static cache (HF's compiled generate) builds it at its end, so that
-the first decode step, which torch.compile traces, finds the store. Every decode step after
+pass the scan's ScanState from one to the next as it is (`ScanHeld`); the first decode step after
+them builds the decode store (`replayquant.models.decode_store`: `state_to_store`, a
+`DecodeStore`); a multi-token forward into a static cache (HF's compiled generate) builds it at
+its end, so that the first decode step, which torch.compile traces, finds the store. Every decode step after
 that runs on the store alone (`kernel_decode`: the raw inputs straight into the operator, no
 torch front end, no host read: a beam reorder is a gather on the device, a non-finite input is
 recorded on the device and raised at the next multi-token forward). A multi-token forward
 continuing the cache converts the store back (`store_to_state`) before the chunked scan runs.
-The conversion keeps the anchor and read copy bit for bit (same packed bytes, same SR streams:
-slot id = the state's sequence id) and the committed buffer entries; the Triton engine's ring
-keeps k and v in bf16 and GDN's u in bf16 beside a separate read copy (half the buffer traffic
-of the decode kernels), in FP32 for a shared FP32 pair (its flush folds u), so buffered entries
-are rounded to bf16 on the way in; the torch engine's ring rounds nothing.
 
 Measured on one H200 (results/bench/generate.json; Qwen3.5-4B shape, random weights, bf16, 64-token
 prompt, fla 0.6.0, transformers 5.17): ms per decode step at B = 1, HF eager 94.5, patched eager
@@ -61,28 +56,16 @@ import weakref
 
 import torch
 
-from replayquant.formats import QTensor, use_triton
+from replayquant.formats import use_triton
 from replayquant.kernels.chunk_ref import chunk_scan_ref, cpu_threads
+from replayquant.models.decode_store import DecodeStore
 from replayquant.replay import ReplayState
-from replayquant.replay.frontends import l2norm, l2norm_kda
 from replayquant.replay.state import find_nonfinite
 
-__all__ = ["LayerRuntime", "DecodeStore", "ScanHeld", "decode_path",
-           "teacher_force_path", "state_to_store", "store_to_state", "STATE_ATTR"]
+__all__ = ["LayerRuntime", "ScanHeld", "decode_path", "teacher_force_path", "STATE_ATTR"]
 
 STATE_ATTR = "_replayquant_state"
 MARKER_ATTR = "_replayquant_marker"   # the row-id tensor put_state left in the recurrent slot
-# the ring's k and v per engine: bf16 halves the kernel's buffer traffic; the torch engine keeps
-# them in float32, so that its decode equals ReplayState.step (and HF's recurrence) within float32
-# reassociation
-RING_DTYPE = {"triton": torch.bfloat16, "torch": torch.float32}
-# The kernel's step path: 'replay' keeps ReplayState's flush schedule (a flush every L tokens), so
-# the kernel and the torch reference hold the same committed / flush counters and a hand-off
-# back continues the same schedule. (The kernel's 'auto' would flush every step at small batch for
-# a shared FP32 anchor: lossless but another schedule; a serving choice, not the patch's.)
-DECODE_KERNEL_PATH = "replay"
-
-
 def _pow2_16(d: int) -> bool:
     return d >= 16 and not d & (d - 1)
 
@@ -168,271 +151,6 @@ def _teacher_force(held: ScanHeld, q, k, v, log_a, beta, valid, exact: bool):
         y, ss = scan(held.ss, q, k, v, log_a, beta, pair=held.pair, seed=held.seed,
                      layer=held.layer, valid=valid, exact=exact)
     return y, ScanHeld(ss, held.pair, held.delta, held.seed, held.layer)
-
-
-# ==================================================================== ReplayState <-> ReplayStore
-
-def _role_to_packed(q: QTensor, spec, N: int, slots: torch.Tensor, shape):
-    """A PackedRole [N, H, d_v, d_k] holding the packed QTensor q ([B, H, d_v, d_k]) in `slots`
-    (same bytes; other slots zero)."""
-    from replayquant.kernels.roles import PackedRole
-    B, H, dv, dk = shape
-    role = PackedRole.empty(spec.format, spec.rounding, (N, H, dv, dk), q.device)
-    for t in (role.payload, role.scale, role.gscale):
-        if t is not None:
-            t.view(torch.uint8).zero_() if t.dtype == torch.float8_e4m3fn else t.zero_()
-    if spec.format == "nvfp4":
-        role.payload[slots] = q.payload.reshape(B, H, dv, dk // 2)
-        role.scale[slots] = q.scales["block"].reshape(B, H, dv, dk // 16)
-        role.gscale[slots] = q.scales["matrix"].reshape(B, H)
-    else:
-        role.payload[slots] = q.payload.reshape(B, H, dv, dk)
-        if spec.format == "fp8":
-            role.scale[slots] = q.scales["row"].reshape(B, H, dv)
-    return role
-
-
-def _packed_to_role(role, slots: torch.Tensor) -> QTensor:
-    """The QTensor [B, H, d_v, d_k] (layout of replayquant.formats) of `slots` of a PackedRole."""
-    _, H, dv, dk = role.shape
-    B = len(slots)
-    shape = (B, H, dv, dk)
-    if role.fmt == "nvfp4":
-        return QTensor("nvfp4", shape, role.payload[slots].reshape(B * H, dv, dk // 2).clone(),
-                       {"block": role.scale[slots].reshape(B * H, dv, dk // 16).clone(),
-                        "matrix": role.gscale[slots].reshape(B * H).clone()})
-    scales = {"row": role.scale[slots].clone()} if role.fmt == "fp8" else {}
-    return QTensor(role.fmt, shape, role.payload[slots].clone(), scales)
-
-
-def state_to_store(st: ReplayState, key_heads: int, u_dtype=None, ring_dtype=torch.bfloat16):
-    """Convert a ReplayState into (ReplayStore, state_indices), the decode store of either engine.
-
-    Slots are the state's sequence ids (`rows`, which key the SR streams in both), so the store
-    has max(rows) + 1 slots and state_indices = rows. Sequence ids that repeat (a beam reorder
-    before the first decode step) take the slots 0..B-1 instead: each row then draws its slot's
-    SR streams from its next flush on, as after a reorder on the store (`take_slots`). The
-    anchor and read copy move bit for bit. The committed entries move into the ring (start 0) in
-    the store's layout: k per key head / group (GDN: the normalised k, re-normalised on read),
-    v (GDN: v; Mamba-2: v = dt x stored as x = v with dt = 1), both in ring_dtype (bf16 for the
-    Triton kernels, float32 for the torch engine: no rounding), G and beta in fp32, GDN u in
-    u_dtype (None: the store's default, stores.default_u_dtype: float32 for a shared FP32 pair,
-    whose flush folds it, or a float32 ring, else bf16) and, where the kernel's flush solves for
-    u, GDN's key factors (Tbuf, computed from the entries; a float32 ring keeps none)."""
-    from replayquant.kernels.stores import RING_DTYPES, ReplayStore, default_u_dtype, solves_u
-    from replayquant.kernels.replay_ref import fill_key_factors_ref
-    from replayquant.streams import layer_seed
-    if ring_dtype not in RING_DTYPES:
-        raise ValueError(f"ring_dtype must be one of {RING_DTYPES}, got {ring_dtype}")
-    if u_dtype is None:
-        u_dtype = default_u_dtype(st.pair.anchor.format, None if st.pair.read is None
-                                  else st.pair.read.format, ring_dtype)
-    parts = st.export()
-    B, H, dv, dk, L = st.B, st.H, st.d_v, st.d_k, st.L
-    if H % key_heads:
-        raise ValueError(f"key_heads={key_heads} must divide the {H} heads")
-    r = H // key_heads
-    rows = parts["rows"]
-    if len(torch.unique(rows)) != B:
-        rows = torch.arange(B, dtype=torch.int64, device=rows.device)
-    N = int(rows.max()) + 1
-    slots = rows.long()
-    dev, bf, f32 = st.device, ring_dtype, torch.float32
-    pair = st.pair
-    anchor = _role_to_packed(parts["anchor"], pair.anchor, N, slots, (B, H, dv, dk))
-    read = None if pair.read is None else _role_to_packed(parts["read"], pair.read, N, slots,
-                                                         (B, H, dv, dk))
-
-    def ring(t, tail):                   # [B, H(or HK), L, ...] -> [N, L, H, ...] in slots
-        out = torch.zeros((N, L) + tail, dtype=t.dtype, device=dev)
-        out[slots] = t.transpose(1, 2)
-        return out
-
-    vec = st.vector_gate                 # KDA: G per key channel
-    kbuf = ring(parts["k"][:, ::r], (key_heads, dk)).to(bf)
-    if st.delta:
-        vbuf = ring(parts["v"], (H, dv)).to(bf)
-        ubuf = ring(parts["u"], (H, dv)).to(u_dtype)
-        bbuf = ring(parts["beta"], (H,)).to(f32)
-    else:
-        vbuf = ring(parts["v"], (H, dv)).to(bf)          # x := v, dt := 1
-        ubuf = None
-        bbuf = ring(torch.ones_like(parts["G"]), (H,)).to(f32)
-    Gbuf = ring(parts["G"], (H, dk) if vec else (H,)).to(f32)
-    committed = torch.zeros(N, dtype=torch.int32, device=dev)
-    committed[slots] = parts["committed"].to(torch.int32)
-    n_flush = torch.zeros(N, dtype=torch.int64, device=dev)
-    n_flush[slots] = parts["flushes"].to(torch.int64)
-    store = ReplayStore("kda" if vec else "gdn" if st.delta else "mamba2", anchor, read, L,
-                        key_heads,
-                        kbuf=kbuf, vbuf=vbuf, ubuf=ubuf, Gbuf=Gbuf, bbuf=bbuf,
-                        committed=committed, n_flush=n_flush, key=layer_seed(st.seed, st.layer),
-                        start=torch.zeros(N, dtype=torch.int32, device=dev), max_drafts=0)
-    if solves_u(store) and ring_dtype == torch.bfloat16:   # the kernel flush's key factors
-        store.Tbuf = torch.zeros(N, L, H, L, dtype=f32, device=dev)
-        fill_key_factors_ref(store, slots)
-    return store, rows.to(torch.int32)
-
-
-def store_to_state(store, state_indices: torch.Tensor, pair, seed: int, layer: int) -> ReplayState:
-    """The ReplayState of the batch rows state_indices of a ReplayStore (the inverse of
-    state_to_store, without any cast): anchor and read copy bit for bit, the committed ring
-    entries in window order as the kernel reads them (GDN k re-normalised, Mamba-2 v = dt x),
-    u as the kernel computed it, flush indices, and rows = the slots (the SR sequence ids)."""
-    slots = state_indices.long()
-    B = len(slots)
-    N, H, dv, dk = store.shape
-    L, C = store.L, store.capacity
-    r = H // store.key_heads
-    delta = store.kind != "mamba2"
-    dev = store.kbuf.device
-    pos = (store.start[slots].long()[:, None] + torch.arange(L, device=dev)[None, :]) % C
-    bi = torch.arange(B, device=dev)[:, None]
-
-    def take(buf):                      # [N, C, X, ...] -> [B, X, L, ...] float32
-        return buf[slots][bi, pos].float().transpose(1, 2).contiguous()
-
-    k = take(store.kbuf)
-    if store.kind == "gdn":
-        k = l2norm(k)
-    elif store.kind == "kda":                            # KDA's own form of the norm
-        k = l2norm_kda(k)
-    k = k.repeat_interleave(r, dim=1)
-    G = take(store.Gbuf)
-    bt = take(store.bbuf)
-    v = take(store.vbuf)
-    parts = {"anchor": _packed_to_role(store.anchor, slots),
-             "read": None if store.read is None else _packed_to_role(store.read, slots),
-             "k": k, "G": G, "committed": store.committed[slots].long(),
-             "flushes": store.n_flush[slots].long(), "rows": slots}
-    if delta:
-        parts.update(v=v, beta=bt, u=take(store.ubuf))
-    else:
-        parts.update(v=bt.unsqueeze(-1) * v, beta=None, u=None)
-    return ReplayState.from_parts(parts, pair, delta=delta, seed=seed, layer=layer)
-
-
-class DecodeStore:
-    """The replay state of one layer while it decodes: a ReplayStore, the engine that steps it
-    ('triton': the replay decode kernel, a bf16 ring; 'torch': `replay_torch`, a float32 ring),
-    the slot of each batch row, and what a decode step keeps on the device instead of reading it
-    on the host (no host synchronisation in a step, so that torch.compile traces it whole and
-    CUDA graphs capture it):
-    * a beam reorder: HF replaces the cache's marker tensor (MARKER_ATTR on the cache layer, a
-      host check of identity) by its rows picked by the beam ids, and `reorder` gathers every
-      slot's store on the device (`take_slots`).
-    * `bad`: int64 [B, n inputs] the decode step (1 = the first after the prompt) at which each
-      input of each row first held NaN or infinity (-1: never), `steps` the decode steps run;
-      `raise_nonfinite` reads them at a boundary the host already waits at. The kernel never writes a non-finite state into
-      the anchor or the read copy (it keeps the roles of a flush whose state is not finite).
-    Built from a ReplayState by `state_to_store`, turned back by `to_replay_state()`."""
-
-    def __init__(self, st: ReplayState, key_heads: int, steps_done: int = 0,
-                 reuse: "DecodeStore | None" = None, engine: str = "triton"):
-        from replayquant.kernels.ops import ENGINES, store_meta
-        if engine not in ENGINES:
-            raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
-        self.pair, self.delta, self.seed, self.layer = st.pair, st.delta, st.seed, st.layer
-        self.vector_gate, self.engine = st.vector_gate, engine
-        self.B, self.H, self.d_v, self.d_k, self.device = st.B, st.H, st.d_v, st.d_k, st.device
-        self.ring = RING_DTYPE[engine]
-        self.store, self.state_indices = state_to_store(st, key_heads, ring_dtype=self.ring)
-        self.meta = store_meta(self.store, engine)
-        self.bad_names = _PER_ROW[self.store.kind]
-        self.bad = torch.full((self.B, len(self.bad_names)), -1, dtype=torch.int64,
-                              device=self.device)
-        # decode steps taken before the store's first (1 where the hand-off step is one)
-        self.steps = torch.full((), int(steps_done), dtype=torch.int64, device=self.device)
-        if reuse is not None and reuse.meta == self.meta and all(
-                a.shape == b.shape and a.dtype == b.dtype
-                for a, b in zip(reuse.tensors(), self.tensors())):
-            # the same shapes as a store nobody holds any more: this content goes into its
-            # tensors, so that a compiled step's CUDA graphs replay on the addresses they
-            # recorded (a new address re-records every graph: about 300 ms a generate, H200)
-            for a, b in zip(reuse.tensors(), self.tensors()):
-                a.copy_(b)
-            self.store, self.state_indices = reuse.store, reuse.state_indices
-            self.bad, self.steps = reuse.bad, reuse.steps
-            self.store.pending_T, self.store.last_force = None, False
-        # every tensor a step reads or writes keeps its address, as HF's static cache tensors:
-        # CUDA graphs replay a compiled step on them (torch.compile skips graphs that mutate
-        # others, and copies any other input into the graph's own at every replay)
-        for t in self.tensors():
-            torch._dynamo.mark_static_address(t)
-
-    def tensors(self) -> list[torch.Tensor]:
-        """Every tensor of this state a decode step reads or writes (store, slots, counters)."""
-        from replayquant.kernels.ops import store_tensors
-        return store_tensors(self.store) + [self.state_indices, self.bad, self.steps]
-
-    def to_replay_state(self) -> ReplayState:
-        return store_to_state(self.store, self.state_indices, self.pair, self.seed, self.layer)
-
-    def reorder(self, ids: torch.Tensor) -> None:
-        """Batch row i continues row ids[i] (a device tensor; repeats allowed: beam search)."""
-        ids = ids.to(self.device)
-        take_slots(self.store, self.state_indices, self.state_indices[ids])
-        self.bad.copy_(self.bad[ids])
-
-    def record_nonfinite(self, inputs: dict) -> None:
-        """Note, on the device, the step at which an input of a row first held NaN or infinity."""
-        sums = torch.stack([inputs[n].reshape(self.B, -1).sum(1, dtype=torch.float32)
-                            for n in self.bad_names], 1)
-        self.steps.add_(1)                  # this step's number, counted from 1 after the prompt
-        self.bad.copy_(torch.where((self.bad < 0) & ~torch.isfinite(sums), self.steps, self.bad))
-
-    def raise_nonfinite(self) -> None:
-        """One ValueError naming the layer, the input, the row and the decode step, if an input
-        of a decode step since the store was built held NaN or infinity (one host read)."""
-        bad = self.bad.cpu()
-        if not bool((bad >= 0).any()):
-            return
-        first = torch.where(bad >= 0, bad, torch.iinfo(torch.int64).max)
-        row, col = divmod(int(first.argmin()), bad.shape[1])
-        kind = self.store.kind
-        raise ValueError(
-            f"layer {self.layer} ({kind}): input {self.bad_names[col]} held NaN or infinity at "
-            f"decode step {int(bad[row, col])} after the prompt, batch row {row}; the anchor and "
-            f"read copy keep the last finite flush. The inputs are the layer's projections of its "
-            f"hidden states: find where the model's activations first become non-finite (e.g. a "
-            f"float16 overflow)")
-
-    def step(self, raw: dict) -> torch.Tensor:
-        """One decode step from the layer's raw inputs (one token each, see LayerRuntime.run)
-        -> y float32 [B, H, d_v] (Mamba-2: without the D skip), through the custom operator
-        replayquant::replay_step (replayquant.kernels.ops) on this state's engine."""
-        from replayquant.kernels.ops import replay_step
-        bf = self.ring
-        if self.vector_gate:
-            ins = dict(q=raw["q"], k=raw["k"].to(bf), v=raw["v"].to(bf), g=raw["g"],
-                       beta=raw["beta"], scale=raw["scale"])
-        elif self.delta:
-            ins = dict(q=raw["q"], k=raw["k"].to(bf), v=raw["v"].to(bf), a=raw["a"], b=raw["b"],
-                       A_log=raw["A_log"], dt_bias=raw["dt_bias"],
-                       beta_scale=raw.get("beta_scale", 1.0))
-        else:
-            ins = dict(x=raw["x"].to(bf), dt=raw["dt"], A=raw["A"], B=raw["B"].to(bf), C=raw["C"],
-                       dt_bias=raw["dt_bias"], dt_limit=raw.get("dt_limit"))
-        return replay_step(self.store, ins, self.state_indices, DECODE_KERNEL_PATH, self.meta)
-
-
-def take_slots(store, dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Slot dst[i] of every per-slot tensor of a ReplayStore becomes a copy of slot src[i] (on
-    the device, no host read; src may repeat). Streams of stochastic rounding are keyed by slot,
-    so a row copied into another slot draws that slot's streams from its next flush on."""
-    dst, src = dst.long(), src.long()
-    roles = [r for r in (store.anchor, store.read) if r is not None]
-    for t in [x for r in roles for x in (r.payload, r.scale, r.gscale)] + [
-            store.kbuf, store.vbuf, store.ubuf, store.Gbuf, store.bbuf, store.Tbuf,
-            store.committed, store.start, store.n_flush]:
-        if t is not None:
-            t = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
-            t.index_copy_(0, dst, t.index_select(0, src))
-
-
-# the raw decode inputs that hold one value per batch row (the rest are the layer's parameters)
-_PER_ROW = {"gdn": ("q", "k", "v", "a", "b"), "mamba2": ("x", "dt", "B", "C"),
-            "kda": ("q", "k", "v", "g", "beta")}
 
 
 def _one_token(raw: dict) -> dict:

@@ -23,7 +23,8 @@ Command line::
   whose KL upper bound (mean + uncertainty, `kl_bound`) is within the budget.
 * `sensitivity` (`replayquant.sweep.sensitivity`): per recurrent layer, the KL when only that
   layer holds the pair (a layer policy with every other layer `exact`), all layers in one
-  lockstep pass, ranked; `recommend --per-layer` turns it into a layer policy and measures it.
+  lockstep pass, ranked; `recommend --per-layer` (`replayquant.sweep.per_layer`) turns it into a
+  layer policy and measures it.
 """
 
 from .common import kl_bound, load_json_kind

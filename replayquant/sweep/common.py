@@ -12,7 +12,7 @@ from replayquant.outputs import write_json
 __all__ = ["kl_bound", "kl_figures", "kl_problem", "load_json_kind", "check_structure", "REAL",
            "SIZE", "shapes_of_model", "fmt_bytes", "pair_formats",
            "clean_name", "write_json", "check_results_out", "kl_file_for", "KL_FIGURES",
-           "front_kl", "pareto_front"]
+           "front_kl", "pareto_front", "check_budget"]
 
 # the KL statistics a sweep / sensitivity file keeps per variant (the KL run's file has them all)
 KL_FIGURES = ("n_tokens", "n_documents", "kl_mean", "kl_mean_unc", "kl_mean_unc_docs", "kl_median",
@@ -215,3 +215,17 @@ def pareto_front(points) -> list[str]:
             front.append(name)
             best = kl
     return front
+
+
+def check_budget(name, v, zero_ok=False):
+    """A budget option (--kl-budget, --max-bytes, ...): None, or a finite number above zero (at
+    or above with zero_ok); one ValueError naming the option otherwise."""
+    if v is None:
+        return
+    try:
+        ok = math.isfinite(float(v)) and (float(v) >= 0 if zero_ok else float(v) > 0)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"{name} must be a {'non-negative' if zero_ok else 'positive'} number, "
+                         f"got {v!r}")
