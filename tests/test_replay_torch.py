@@ -146,3 +146,32 @@ def test_torch_step_checks_like_the_kernel():
     args, _ = _inputs("gdn", 0)
     with pytest.raises(ValueError, match="bfloat16"):
         rt.replay_gdn_step_torch(store, args[0], args[1].float(), *args[2:])
+
+
+@pytest.mark.parametrize("kind,pair", [("gdn", "tp4_hi16_sr"), ("mamba2", "f4_sr_rs"),
+                                       ("kda", "s32_rs"), ("gdn", "s32_rs")])
+def test_flush_rows_named_by_the_caller_change_nothing(kind, pair):
+    """A step told which rows flush (`flushing`, as a patched model's decode store knows them on
+    the host) runs the flush branch on those rows alone and gives the outputs and the store of
+    a step that computes it for every row, bit for bit, over SCHEDULE's rows in different
+    phases (steps where no row flushes, one does, several do); a float32 ring (the patched
+    models' CPU path) as well as the kernel's bf16 ring."""
+    for ring in (torch.bfloat16, torch.float32):
+        store = ReplayStore.from_state(random_state(N, H, D, D, seed=5), pair, kind, key_heads=HK,
+                                       seed=3, layer=1, buffer_len=L, ring_dtype=ring)
+        poison_buffers(store)
+        told = store.clone()
+        fn = FNS[kind][0]
+        counts = set()
+        for i, idx in enumerate(SCHEDULE):
+            args, kwargs = _inputs(kind, 100 + i)
+            args = tuple(t.to(ring) if j in ((1, 2) if kind != "mamba2" else (0, 3)) else t
+                         for j, t in enumerate(args))
+            si = torch.tensor(idx)
+            rows = [r for r, s in enumerate(idx) if s >= 0 and int(told.committed[s]) + 1 == L]
+            counts.add(len(rows))
+            y = fn(store, *args, state_indices=si, **kwargs)
+            y_told = fn(told, *args, state_indices=si, flushing=rows, **kwargs)
+            assert torch.equal(y, y_told), (ring, i)
+            assert_same_store(store, told)
+        assert {0, 1} <= counts and max(counts) >= 2

@@ -149,13 +149,15 @@ def _engine_fns(meta: str, what: str):
 @torch.library.custom_op("replayquant::replay_step", mutates_args=("state",))
 def _replay_step_op(state: list[torch.Tensor], inputs: list[Optional[torch.Tensor]],
                     state_indices: torch.Tensor, meta: str, path: str,
-                    scalars: list[float], dt_limit: list[float]) -> torch.Tensor:
+                    scalars: list[float], dt_limit: list[float],
+                    flushing: Optional[list[int]]) -> torch.Tensor:
+    kw = {} if flushing is None else {"flushing": flushing}
     return _run(_engine_fns(meta, "step"), state, inputs, state_indices, meta, scalars, dt_limit,
-                path=path)
+                path=path, **kw)
 
 
 @_replay_step_op.register_fake
-def _(state, inputs, state_indices, meta, path, scalars, dt_limit):
+def _(state, inputs, state_indices, meta, path, scalars, dt_limit, flushing):
     m = _layout(meta)
     H, dv = m["anchor"][2][1], m["anchor"][2][2]
     x = inputs[0]
@@ -200,15 +202,22 @@ def _op_args(store: ReplayStore, inputs: dict):
 
 
 def replay_step(store: ReplayStore, inputs: dict, state_indices: torch.Tensor,
-                path: str = "replay", meta: str | None = None) -> torch.Tensor:
+                path: str = "replay", meta: str | None = None,
+                flushing: list[int] | None = None) -> torch.Tensor:
     """One decode step of `store` (kind gdn / mamba2 / kda) through the custom operator: inputs
     as the kind's replay_decode step takes them, by name (GDN q, k, v, a, b, A_log, dt_bias,
     beta_scale; Mamba-2 x, dt, A, B, C, dt_bias, dt_limit; KDA q, k, v, g, beta, scale).
     meta: store_meta(store, engine), which a caller stepping the same store many times computes
-    once (a tracer then sees a constant; None: the Triton engine). Returns y float32 [B, H, d_v]."""
+    once (a tracer then sees a constant; None: the Triton engine). flushing: the torch engine's
+    host-known flushing rows (replay_torch.replay_gdn_step_torch; the Triton engine takes none).
+    Returns y float32 [B, H, d_v]."""
     ts, scalars, lim = _op_args(store, inputs)
-    y = _replay_step_op(store_tensors(store), ts, state_indices,
-                        store_meta(store) if meta is None else meta, path, scalars, lim)
+    meta = store_meta(store) if meta is None else meta
+    if flushing is not None and _layout(meta)["engine"] != "torch":
+        raise ValueError("flushing names the rows the torch engine flushes; the Triton engine "
+                         "finds them on the device")
+    y = _replay_step_op(store_tensors(store), ts, state_indices, meta, path, scalars, lim,
+                        None if flushing is None else [int(r) for r in flushing])
     store.last_force = path == "flush"
     return y
 

@@ -254,11 +254,12 @@ def _read_step(store: ReplayStore, rows: _Rows, R, win, h, cur):
     return y, u, Gp
 
 
-def _step(store: ReplayStore, fe, raw, state_indices, force: bool, advance: bool, post=None):
+def _step(store: ReplayStore, fe, raw, state_indices, force: bool, advance: bool, post=None,
+          flushing=None):
     """One decode step of every row (replay_ref_core with T = 1, then advance_pointers_ref):
     fe = (q, k, v, log_a, beta) float32 [B, H, ...] with value heads, raw = (k / B raw
-    [B, HK, dk], v / x raw [B, H, dv]) as stored; post(y) the Mamba-2 D skip / z gate.
-    Returns y [B, H, dv] (padding rows zero)."""
+    [B, HK, dk], v / x raw [B, H, dv]) as stored; post(y) the Mamba-2 D skip / z gate;
+    flushing: see replay_gdn_step_torch. Returns y [B, H, dv] (padding rows zero)."""
     q = fe[0]
     B, L, C = q.shape[0], store.L, store.capacity
     rows = _Rows(state_indices, B, q.device)
@@ -274,16 +275,29 @@ def _step(store: ReplayStore, fe, raw, state_indices, force: bool, advance: bool
         nf = nf + pre.long()
         start = torch.where(pre, (start + h) % C, start)
         h = torch.where(pre, 0, h)
+        flushing = None
     flush = (h + 1 == L) | force
     win = _window(store, rows, start, h)
     K, V, U, G, Bt, _ = win
-    # the flush branch
-    S = _rebuild(store, store.anchor.dequantize(rows.slot), K, V, U, G, Bt,
-                 h if force else L - 1, cur=fe[1:])
-    y_flush = (S * q.unsqueeze(2)).sum(-1)
     # the read branch, before the flush writes the read copy
     y_read, u, Gp = _read_step(store, rows, store.read_role.dequantize(rows.slot), win, h, fe)
-    _write_roles(store, rows, S, nf + 1, flush)
+    # the flush branch: every row (keeping its own branch), or the rows the caller named
+    if flushing is None or force:
+        S = _rebuild(store, store.anchor.dequantize(rows.slot), K, V, U, G, Bt,
+                     h if force else L - 1, cur=fe[1:])
+        y_flush = (S * q.unsqueeze(2)).sum(-1)
+        _write_roles(store, rows, S, nf + 1, flush)
+        y = torch.where(_row(flush, y_flush), y_flush, y_read)
+    elif len(flushing):
+        i = torch.as_tensor(flushing, dtype=torch.long, device=q.device)
+        sub = _Rows(_indices(state_indices, B, q.device)[i], len(i), q.device)
+        S = _rebuild(store, store.anchor.dequantize(sub.slot), K[i], V[i],
+                     None if U is None else U[i], G[i], Bt[i], L - 1,
+                     cur=tuple(None if t is None else t[i] for t in fe[1:]))
+        y = y_read.index_copy(0, i, (S * q[i].unsqueeze(2)).sum(-1))
+        _write_roles(store, sub, S, nf[i] + 1, torch.ones(len(i), dtype=torch.bool, device=q.device))
+    else:
+        y = y_read
     read = ~flush
     e = (start + h) % C
     kraw, xraw = raw
@@ -296,7 +310,6 @@ def _step(store: ReplayStore, fe, raw, state_indices, force: bool, advance: bool
     if solves_u(store) and store.Tbuf is not None:      # the kernel's flush reads them
         K2, _, _, G2, Bt2, _ = _window(store, rows, start, h + 1)     # with the new entry
         rows.put(store.Tbuf, _key_factor_rows(store, rows, K2, G2, Bt2, h + 1), read, e)
-    y = torch.where(_row(flush, y_flush), y_flush, y_read)
     if post is not None:
         y = post(y)
     if advance:
@@ -322,36 +335,44 @@ def _begin_step(store, kind, path, q, k, v, a, b, A=None, dt_bias=None, D=None, 
 
 def replay_gdn_step_torch(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None,
                           state_indices=None, scale=None, out=None, use_qk_l2norm=True,
-                          path="auto", launch=None, advance=True, beta_scale=1.0):
+                          path="auto", launch=None, advance=True, beta_scale=1.0, flushing=None):
     """One GDN replay decode step in torch (module docstring), the signature and effect of
     replay_ref.replay_gdn_step_ref; launch is accepted for the signature and changes nothing
     (the kept tiles of a non-finite flush are those of the default flush launch, as the
-    reference's)."""
+    reference's). flushing: the batch rows (indices, live rows) whose entry fills their buffer
+    at this step, where the caller knows them on the host without reading the device (a
+    patched model's decode store counts its steps); the flush branch then runs on those rows
+    alone, the same arithmetic row by row. They must be exactly those rows; None (the default):
+    every row computes both branches and keeps its own. Ignored for path 'flush' and in a store
+    built for drafts."""
     force = _begin_step(store, "gdn", path, q, k, v, a, b, A_log, dt_bias)
     beta_scale = float(beta_scale)
     if not (math.isfinite(beta_scale) and beta_scale > 0):
         raise ValueError(f"beta_scale must be a finite number > 0, got {beta_scale}")
     fe = list(gdn_frontend_ref(q, k, v, a, b, A_log, dt_bias, scale, use_qk_l2norm))
     fe[4] = fe[4] * beta_scale
-    y = _step(store, tuple(fe), (k, v), state_indices, force, advance)
+    y = _step(store, tuple(fe), (k, v), state_indices, force, advance, flushing=flushing)
     return _into(out, y)
 
 
 def replay_mamba2_step_torch(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None,
                              z=None, dt_bias=None, out=None, path="auto", launch=None,
-                             advance=True, dt_limit=NO_DT_LIMIT):
-    """One Mamba-2 replay decode step in torch, as replay_ref.replay_mamba2_step_ref."""
+                             advance=True, dt_limit=NO_DT_LIMIT, flushing=None):
+    """One Mamba-2 replay decode step in torch, as replay_ref.replay_mamba2_step_ref (flushing:
+    as replay_gdn_step_torch)."""
     force = _begin_step(store, "mamba2", path, C, B, x, dt, None, A, dt_bias, D, z)
     fe = mamba2_frontend_ref(x, dt, A, B, C, dt_bias, dt_limit)
     y = _step(store, fe, (B, x), state_indices, force, advance,
-              post=lambda y: mamba2_post_ref(y, x, D, z))
+              post=lambda y: mamba2_post_ref(y, x, D, z), flushing=flushing)
     return _into(out, y)
 
 
 def replay_kda_step_torch(store: ReplayStore, q, k, v, g, beta, state_indices=None, scale=None,
-                          out=None, use_qk_l2norm=True, path="auto", launch=None, advance=True):
-    """One Kimi Delta Attention replay decode step in torch, as replay_ref.replay_kda_step_ref."""
+                          out=None, use_qk_l2norm=True, path="auto", launch=None, advance=True,
+                          flushing=None):
+    """One Kimi Delta Attention replay decode step in torch, as replay_ref.replay_kda_step_ref
+    (flushing: as replay_gdn_step_torch)."""
     force = _begin_step(store, "kda", path, q, k, v, g, beta)
     fe = kda_frontend_ref(q, k, v, g, beta, scale, use_qk_l2norm)
-    y = _step(store, fe, (k, v), state_indices, force, advance)
+    y = _step(store, fe, (k, v), state_indices, force, advance, flushing=flushing)
     return _into(out, y)
