@@ -180,21 +180,29 @@ def write_positions(B: int, L: int, stagger: int, device) -> list:
     return [(p, p == L - 1) for p in pos]
 
 
+def _gdn_slots(runner, init, L, HK, act) -> None:
+    """Their GDN buffers of one batch, set on `runner`: the FP32 state in slots 1..B (slot 0 is
+    their padding slot), the ring caches d (their update vectors) and k in `act`, g in float32,
+    and each row's slot (idx)."""
+    B, H, dv, dk = init.shape
+    dev = init.device
+    runner.state = torch.zeros(B + 1, H, dv, dk, device=dev)
+    runner.state[1:] = init
+    runner.d = torch.zeros(B + 1, H, L, dv, dtype=act, device=dev)
+    runner.k = torch.zeros(B + 1, HK, L, dk, dtype=act, device=dev)
+    runner.g = torch.zeros(B + 1, H, L, device=dev)
+    runner.idx = torch.arange(1, B + 1, dtype=torch.int32, device=dev)
+
+
 class GdnRunner:
     """Their GDN decode (one launch per step) on one batch: FP32 state in slots 1..B, ring caches
     d (their update vectors), k in `act`, g in float32."""
 
     def __init__(self, A: Authors, init, kw, L, HK, act=torch.bfloat16):
         B, H, dv, dk = init.shape
-        dev = init.device
         self.A, self.act, self.dk = A, act, dk
-        self.state = torch.zeros(B + 1, H, dv, dk, device=dev)
-        self.state[1:] = init
-        self.d = torch.zeros(B + 1, H, L, dv, dtype=act, device=dev)
-        self.k = torch.zeros(B + 1, HK, L, dk, dtype=act, device=dev)
-        self.g = torch.zeros(B + 1, H, L, device=dev)
-        self.idx = torch.arange(1, B + 1, dtype=torch.int32, device=dev)
-        self.out = torch.empty(B, H, dv, dtype=act, device=dev)
+        _gdn_slots(self, init, L, HK, act)
+        self.out = torch.empty(B, H, dv, dtype=act, device=init.device)
         self.set_inputs(kw)
 
     def set_inputs(self, kw):
@@ -272,11 +280,7 @@ class GdnSpecRunner:
         B, H, dv, dk = init.shape
         dev = init.device
         self.A, self.L, self.T = A, L, T
-        self.state = torch.zeros(B + 1, H, dv, dk, device=dev)
-        self.state[1:] = init
-        self.d = torch.zeros(B + 1, H, L, dv, dtype=act, device=dev)
-        self.k = torch.zeros(B + 1, HK, L, dk, dtype=act, device=dev)
-        self.g = torch.zeros(B + 1, H, L, device=dev)
+        _gdn_slots(self, init, L, HK, act)
         self.write_pos = torch.zeros(B + 1, dtype=torch.int32, device=dev)
         self.cache_base = torch.zeros(B + 1, dtype=torch.int32, device=dev)
         self.is_flush = torch.zeros(B + 1, dtype=torch.int8, device=dev)
