@@ -118,6 +118,19 @@ def read_yaml(path, what: str):
         raise ValueError(f"{path}: not valid YAML ({e})") from None
 
 
+def check_mapping(data, keys, source: str, what: str, hint=lambda unknown: "") -> None:
+    """`data` (a YAML mapping: a file's top level, an entry of a list) must be a mapping whose
+    keys are among `keys`: one ValueError naming `source` and the keys `what` ("a precision
+    pair") takes otherwise (hint(unknown): a clause after the unknown keys)."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{source}: not {what} (expected a mapping with keys "
+                         f"{', '.join(keys)}, got {type(data).__name__})")
+    unknown = sorted(set(data) - set(keys))
+    if unknown:
+        raise ValueError(f"{source}: unknown key(s) {unknown}{hint(unknown)}; {what} takes "
+                         f"{', '.join(keys)}")
+
+
 _PAIR_KEYS = ("name", "read", "anchor", "buffer_len", "description")
 _SPEC_KEYS = ("format", "rounding")
 
@@ -216,13 +229,7 @@ class PrecisionPair:
     # -- YAML
     @classmethod
     def from_dict(cls, data, source: str = "pair") -> "PrecisionPair":
-        if not isinstance(data, dict):
-            raise ValueError(f"{source}: not a precision pair (expected a mapping with keys "
-                             f"{', '.join(_PAIR_KEYS)}, got {type(data).__name__})")
-        unknown = sorted(set(data) - set(_PAIR_KEYS))
-        if unknown:
-            raise ValueError(f"{source}: unknown key(s) {unknown}; a pair takes "
-                             f"{', '.join(_PAIR_KEYS)}")
+        check_mapping(data, _PAIR_KEYS, source, "a precision pair")
         if "anchor" not in data:
             raise ValueError(f"{source}: not a precision pair: missing 'anchor' "
                              f"(e.g. anchor: {{format: fp32, rounding: nearest}})")

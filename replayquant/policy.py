@@ -30,7 +30,7 @@ import fnmatch
 from dataclasses import dataclass
 from pathlib import Path
 
-from replayquant.pairs import PrecisionPair, read_yaml
+from replayquant.pairs import PrecisionPair, check_mapping, read_yaml
 
 __all__ = ["EXACT", "LayerPolicy", "Override", "is_policy_file", "resolve_pair"]
 
@@ -188,15 +188,9 @@ class LayerPolicy:
     # -- YAML
     @classmethod
     def from_dict(cls, data, source: str = "policy", base: Path | None = None) -> "LayerPolicy":
-        if not isinstance(data, dict):
-            raise ValueError(f"{source}: not a layer policy (expected a mapping with keys "
-                             f"{', '.join(_POLICY_KEYS)}, got {type(data).__name__})")
-        unknown = sorted(set(data) - set(_POLICY_KEYS))
-        if unknown:
-            hint = (" (a pair's keys: this file mixes a pair and a policy)"
-                    if set(unknown) & {"anchor", "read"} else "")
-            raise ValueError(f"{source}: unknown key(s) {unknown}{hint}; a layer policy takes "
-                             f"{', '.join(_POLICY_KEYS)}")
+        check_mapping(data, _POLICY_KEYS, source, "a layer policy",
+                      hint=lambda unknown: " (a pair's keys: this file mixes a pair and a policy)"
+                      if set(unknown) & {"anchor", "read"} else "")
         if "default" not in data:
             raise ValueError(f"{source}: missing 'default' (the pair of every layer no override "
                              f"names, e.g. default: tp4_hi32)")
@@ -212,13 +206,7 @@ class LayerPolicy:
         overrides, seen = [], {}
         for k, o in enumerate(raw):
             where = f"{source}: override {k + 1}"
-            if not isinstance(o, dict):
-                raise ValueError(f"{where}: expected a mapping {{layers: [...] | match: PATTERN, "
-                                 f"pair: ...}}, got {o!r}")
-            bad = sorted(set(o) - set(_OVERRIDE_KEYS))
-            if bad:
-                raise ValueError(f"{where}: unknown key(s) {bad}; an override takes "
-                                 f"{', '.join(_OVERRIDE_KEYS)}")
+            check_mapping(o, _OVERRIDE_KEYS, where, "an override")
             if "pair" not in o:
                 raise ValueError(f"{where}: missing 'pair'")
             if ("layers" in o) == ("match" in o):
