@@ -166,10 +166,10 @@ def default_u_dtype(anchor_fmt: str, read_fmt: str | None, ring_dtype=torch.bflo
     return torch.bfloat16
 
 
-def _pair_roles(pair):
+def _pair_roles(pair, buffer_len=None):
     """(anchor (fmt, rounding), read (fmt, rounding) or None, L) of a pair (policy.resolve_pair:
-    a PrecisionPair, a pair name or YAML path)."""
-    pair = resolve_pair(pair, policy=False)
+    a PrecisionPair, a pair name or YAML path; buffer_len overrides its L)."""
+    pair = resolve_pair(pair, buffer_len, policy=False)
     anchor = (pair.anchor.format, pair.anchor.rounding)
     read = None if pair.read is None else (pair.read.format, pair.read.rounding)
     return anchor, read, pair.buffer_len
@@ -221,11 +221,7 @@ class ReplayStore:
             raise ValueError(f"kind must be 'gdn', 'mamba2' or 'kda', got {kind!r}")
         if not isinstance(initial, torch.Tensor) or initial.dim() != 4 or not initial.is_floating_point():
             raise ValueError("initial state must be a float tensor [slots, heads, d_v, d_k]")
-        (afmt, arnd), read, L = _pair_roles(pair)
-        if buffer_len is not None:
-            L = int(buffer_len)
-        if L < 1:
-            raise ValueError(f"buffer_len must be >= 1, got {L}")
+        (afmt, arnd), read, L = _pair_roles(pair, buffer_len)
         N, H, dv, dk = initial.shape
         HK = H if key_heads is None else int(key_heads)
         if HK < 1 or H % HK:
