@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 
 from replayquant.kernels.roles import PackedRole
-from replayquant.kernels.stores import ReplayStore
+from replayquant.kernels.stores import ReplayStore, _begin, _check_accept
 
 __all__ = ["replay_step", "replay_verify", "replay_accept", "store_tensors", "store_meta",
            "ENGINES"]
@@ -229,7 +229,6 @@ def replay_verify(store: ReplayStore, inputs: dict, state_indices: torch.Tensor,
     have been built for T drafts (max_drafts). Returns y float32 [B, T, H, d_v]; then call
     replay_accept. (The torch engine's verify is the reference `replay_ref`, which reads the
     host; the Triton engine's reads nothing.)"""
-    from replayquant.kernels.stores import _begin
     _begin(store, store.kind, False, None)           # pending drafts, on the caller's store
     ts, scalars, lim = _op_args(store, inputs)
     y = _replay_verify_op(store_tensors(store), ts, state_indices,
@@ -243,7 +242,6 @@ def replay_accept(store: ReplayStore, n: torch.Tensor, state_indices: torch.Tens
     """Commit the first n[b] drafts of each row (int tensor [B], 0..T) through the operator
     replayquant::replay_accept: only the pointers move. check: the range of n is checked on the
     host first (one host read; leave it False inside a captured or compiled step)."""
-    from replayquant.kernels.stores import _check_accept
     T = store.pending_T
     if not T:
         raise ValueError("accept: no drafts pending; call verify first")

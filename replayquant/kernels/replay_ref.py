@@ -16,8 +16,7 @@ from replayquant.kernels.conventional import (_into, gdn_frontend_ref, kda_front
                                               mamba2_frontend_ref, mamba2_post_ref)
 from replayquant.kernels.roles import role_streams
 from replayquant.kernels.stores import (NO_DT_LIMIT, ReplayStore, _begin, _check_accept,
-                                        _default_force, _indices, folds_u, solves_u)
-from replayquant.replay.frontends import l2norm, l2norm_kda
+                                        _default_force, _indices, folds_u, ring_keys, solves_u)
 from replayquant.streams import ANCHOR, READ
 
 __all__ = ["replay_gdn_step_ref", "replay_mamba2_step_ref", "replay_gdn_verify_ref",
@@ -55,11 +54,8 @@ def _entries_ref(store: ReplayStore, s: int, n: int, start: int):
     (KDA: [H, n, dk], per key channel), Bt [H, n]."""
     H = store.shape[1]
     pos = [(start + j) % store.capacity for j in range(n)]
-    K = store.kbuf[s, pos].float().transpose(0, 1).repeat_interleave(H // store.key_heads, dim=0)
-    if store.kind == "gdn":
-        K = l2norm(K)
-    elif store.kind == "kda":
-        K = l2norm_kda(K)
+    K = ring_keys(store.kind, store.kbuf[s, pos].float().transpose(0, 1)
+                  .repeat_interleave(H // store.key_heads, dim=0))
     V = store.vbuf[s, pos].float().transpose(0, 1)
     G = store.Gbuf[s, pos].transpose(0, 1)
     Bt = store.bbuf[s, pos].transpose(0, 1)

@@ -49,8 +49,8 @@ from replayquant.kernels.conventional import (_into, gdn_frontend_ref, kda_front
                                               mamba2_frontend_ref, mamba2_post_ref)
 from replayquant.kernels.philox import random_bits_torch
 from replayquant.kernels.stores import (NO_DT_LIMIT, ReplayStore, _begin, _check_buffered,
-                                        _indices, folds_u, solves_u, step_inputs)
-from replayquant.replay.frontends import l2norm, l2norm_kda
+                                        _indices, folds_u, pow2_16, ring_keys, solves_u,
+                                        step_inputs)
 from replayquant.streams import ANCHOR, READ, sr_stream
 
 __all__ = ["replay_gdn_step_torch", "replay_mamba2_step_torch", "replay_kda_step_torch"]
@@ -107,11 +107,7 @@ def _window(store: ReplayStore, rows: _Rows, start, n_live):
         m = live[:, None, :].view(live.shape[:1] + (1, L) + (1,) * (x.dim() - 3))
         return torch.where(m, x, 0.0)
 
-    K = get(store.kbuf).repeat_interleave(H // store.key_heads, dim=1)
-    if store.kind == "gdn":
-        K = l2norm(K)
-    elif store.kind == "kda":
-        K = l2norm_kda(K)
+    K = ring_keys(store.kind, get(store.kbuf).repeat_interleave(H // store.key_heads, dim=1))
     V, G, Bt = get(store.vbuf), get(store.Gbuf), get(store.bbuf)
     if store.kind == "mamba2":
         V = Bt.unsqueeze(-1) * V
@@ -174,7 +170,7 @@ def _flush_tile_rows(store: ReplayStore) -> int:
     engine runs)."""
     from replayquant.kernels.replay_decode import replay_launch_config
     dv, dk = store.shape[2:]
-    if all(d >= 16 and not d & (d - 1) for d in (dv, dk)):
+    if pow2_16(dv) and pow2_16(dk):
         return replay_launch_config(store, "flush")[0]
     return dv
 

@@ -30,6 +30,7 @@ import torch
 
 from replayquant.kernels.roles import PackedRole, role_streams
 from replayquant.policy import resolve_pair
+from replayquant.replay.frontends import l2norm, l2norm_kda
 from replayquant.statebytes import ring_u_bytes
 from replayquant.streams import ANCHOR, READ, layer_seed
 
@@ -53,9 +54,14 @@ def dt_limit_args(dt_limit):
     return lo, hi, (lo, hi) != NO_DT_LIMIT
 
 
+def pow2_16(d: int) -> bool:
+    """Whether a state dim is one the decode kernels take: a power of two >= 16."""
+    return d >= 16 and not d & (d - 1)
+
+
 def _pow2_dims(shape):
     for name, d in zip(("d_v", "d_k"), shape[2:]):
-        if d < 16 or d & (d - 1):
+        if not pow2_16(d):
             raise ValueError(f"{name} = {d}: the decode kernels need a power of two >= 16")
 
 
@@ -158,6 +164,23 @@ class ConventionalStore:
 RING_DTYPES = (torch.bfloat16, torch.float32)
 
 
+def check_ring_dtype(ring_dtype) -> None:
+    if ring_dtype not in RING_DTYPES:
+        raise ValueError(f"ring_dtype must be torch.bfloat16 (the Triton kernels) or "
+                         f"torch.float32 (the torch engine), got {ring_dtype}")
+
+
+def ring_keys(kind: str, K: torch.Tensor) -> torch.Tensor:
+    """Keys read from the ring (float32, d_k last) as a step uses them: the ring keeps raw keys,
+    which GDN re-normalises as its front end does (l2norm) and KDA in transformers' form
+    (l2norm_kda); Mamba-2's B as it is."""
+    if kind == "gdn":
+        return l2norm(K)
+    if kind == "kda":
+        return l2norm_kda(K)
+    return K
+
+
 def default_u_dtype(anchor_fmt: str, read_fmt: str | None, ring_dtype=torch.bfloat16):
     """GDN / KDA u in the ring: float32 for a shared FP32 pair (its flush folds the cached u,
     folds_u) and wherever the ring is float32 (the torch engine), else bfloat16."""
@@ -221,6 +244,7 @@ class ReplayStore:
             raise ValueError(f"kind must be 'gdn', 'mamba2' or 'kda', got {kind!r}")
         if not isinstance(initial, torch.Tensor) or initial.dim() != 4 or not initial.is_floating_point():
             raise ValueError("initial state must be a float tensor [slots, heads, d_v, d_k]")
+        check_ring_dtype(ring_dtype)
         (afmt, arnd), read, L = _pair_roles(pair, buffer_len)
         N, H, dv, dk = initial.shape
         HK = H if key_heads is None else int(key_heads)
@@ -237,9 +261,6 @@ class ReplayStore:
         if read is not None:
             rrole = PackedRole.empty(read[0], read[1], tuple(initial.shape), dev)
             rrole.write_(slots, x, key, role_streams(0, READ, slots, H))
-        if ring_dtype not in RING_DTYPES:
-            raise ValueError(f"ring_dtype must be torch.bfloat16 (the Triton kernels) or "
-                             f"torch.float32 (the torch engine), got {ring_dtype}")
         if u_dtype is None:
             u_dtype = default_u_dtype(afmt, None if read is None else read[0], ring_dtype)
         if u_dtype not in (torch.bfloat16, torch.float32):

@@ -19,8 +19,9 @@ from __future__ import annotations
 import torch
 
 from replayquant.formats import QTensor
+from replayquant.kernels.stores import (ReplayStore, check_ring_dtype, default_u_dtype, ring_keys,
+                                        solves_u)
 from replayquant.replay import ReplayState
-from replayquant.replay.frontends import l2norm, l2norm_kda
 
 __all__ = ["DecodeStore", "state_to_store", "store_to_state", "take_slots", "RING_DTYPE"]
 
@@ -82,11 +83,9 @@ def state_to_store(st: ReplayState, key_heads: int, u_dtype=None, ring_dtype=tor
     u_dtype (None: the store's default, stores.default_u_dtype: float32 for a shared FP32 pair,
     whose flush folds it, or a float32 ring, else bf16) and, where the kernel's flush solves for
     u, GDN's key factors (Tbuf, computed from the entries; a float32 ring keeps none)."""
-    from replayquant.kernels.stores import RING_DTYPES, ReplayStore, default_u_dtype, solves_u
     from replayquant.kernels.replay_ref import fill_key_factors_ref
     from replayquant.streams import layer_seed
-    if ring_dtype not in RING_DTYPES:
-        raise ValueError(f"ring_dtype must be one of {RING_DTYPES}, got {ring_dtype}")
+    check_ring_dtype(ring_dtype)
     if u_dtype is None:
         u_dtype = default_u_dtype(st.pair.anchor.format, None if st.pair.read is None
                                   else st.pair.read.format, ring_dtype)
@@ -100,7 +99,7 @@ def state_to_store(st: ReplayState, key_heads: int, u_dtype=None, ring_dtype=tor
         rows = torch.arange(B, dtype=torch.int64, device=rows.device)
     N = int(rows.max()) + 1
     slots = rows.long()
-    dev, bf, f32 = st.device, ring_dtype, torch.float32
+    dev, f32 = st.device, torch.float32
     pair = st.pair
     anchor = _role_to_packed(parts["anchor"], pair.anchor, N, slots, (B, H, dv, dk))
     read = None if pair.read is None else _role_to_packed(parts["read"], pair.read, N, slots,
@@ -112,13 +111,13 @@ def state_to_store(st: ReplayState, key_heads: int, u_dtype=None, ring_dtype=tor
         return out
 
     vec = st.vector_gate                 # KDA: G per key channel
-    kbuf = ring(parts["k"][:, ::r], (key_heads, dk)).to(bf)
+    kbuf = ring(parts["k"][:, ::r], (key_heads, dk)).to(ring_dtype)
     if st.delta:
-        vbuf = ring(parts["v"], (H, dv)).to(bf)
+        vbuf = ring(parts["v"], (H, dv)).to(ring_dtype)
         ubuf = ring(parts["u"], (H, dv)).to(u_dtype)
         bbuf = ring(parts["beta"], (H,)).to(f32)
     else:
-        vbuf = ring(parts["v"], (H, dv)).to(bf)          # x := v, dt := 1
+        vbuf = ring(parts["v"], (H, dv)).to(ring_dtype)  # x := v, dt := 1
         ubuf = None
         bbuf = ring(torch.ones_like(parts["G"]), (H,)).to(f32)
     Gbuf = ring(parts["G"], (H, dk) if vec else (H,)).to(f32)
@@ -155,12 +154,7 @@ def store_to_state(store, state_indices: torch.Tensor, pair, seed: int, layer: i
     def take(buf):                      # [N, C, X, ...] -> [B, X, L, ...] float32
         return buf[slots][bi, pos].float().transpose(1, 2).contiguous()
 
-    k = take(store.kbuf)
-    if store.kind == "gdn":
-        k = l2norm(k)
-    elif store.kind == "kda":                            # KDA's own form of the norm
-        k = l2norm_kda(k)
-    k = k.repeat_interleave(r, dim=1)
+    k = ring_keys(store.kind, take(store.kbuf)).repeat_interleave(r, dim=1)
     G = take(store.Gbuf)
     bt = take(store.bbuf)
     v = take(store.vbuf)
@@ -276,17 +270,17 @@ class DecodeStore:
         -> y float32 [B, H, d_v] (Mamba-2: without the D skip), through the custom operator
         replayquant::replay_step (replayquant.kernels.ops) on this state's engine."""
         from replayquant.kernels.ops import replay_step
-        bf = self.ring
+        ring = self.ring                      # the buffered inputs go in at the ring's dtype
         if self.vector_gate:
-            ins = dict(q=raw["q"], k=raw["k"].to(bf), v=raw["v"].to(bf), g=raw["g"],
+            ins = dict(q=raw["q"], k=raw["k"].to(ring), v=raw["v"].to(ring), g=raw["g"],
                        beta=raw["beta"], scale=raw["scale"])
         elif self.delta:
-            ins = dict(q=raw["q"], k=raw["k"].to(bf), v=raw["v"].to(bf), a=raw["a"], b=raw["b"],
-                       A_log=raw["A_log"], dt_bias=raw["dt_bias"],
+            ins = dict(q=raw["q"], k=raw["k"].to(ring), v=raw["v"].to(ring), a=raw["a"],
+                       b=raw["b"], A_log=raw["A_log"], dt_bias=raw["dt_bias"],
                        beta_scale=raw.get("beta_scale", 1.0))
         else:
-            ins = dict(x=raw["x"].to(bf), dt=raw["dt"], A=raw["A"], B=raw["B"].to(bf), C=raw["C"],
-                       dt_bias=raw["dt_bias"], dt_limit=raw.get("dt_limit"))
+            ins = dict(x=raw["x"].to(ring), dt=raw["dt"], A=raw["A"], B=raw["B"].to(ring),
+                       C=raw["C"], dt_bias=raw["dt_bias"], dt_limit=raw.get("dt_limit"))
         return replay_step(self.store, ins, self.state_indices, DECODE_KERNEL_PATH, self.meta,
                            flushing=self._flushing())
 

@@ -58,6 +58,7 @@ import torch
 
 from replayquant.formats import use_triton
 from replayquant.kernels.chunk_ref import chunk_scan_ref, cpu_threads
+from replayquant.kernels.stores import pow2_16
 from replayquant.models.decode_store import DecodeStore
 from replayquant.replay import ReplayState
 from replayquant.replay.state import find_nonfinite
@@ -66,10 +67,6 @@ __all__ = ["LayerRuntime", "ScanHeld", "decode_path", "teacher_force_path", "STA
 
 STATE_ATTR = "_replayquant_state"
 MARKER_ATTR = "_replayquant_marker"   # the row-id tensor put_state left in the recurrent slot
-def _pow2_16(d: int) -> bool:
-    return d >= 16 and not d & (d - 1)
-
-
 def decode_path(x: torch.Tensor | None = None, d_k: int | None = None, d_v: int | None = None,
                 dt_limit=None, vector_gate: bool = False) -> str:
     """Which implementation a decode step runs for inputs like x with d_k x d_v states:
@@ -82,7 +79,7 @@ def decode_path(x: torch.Tensor | None = None, d_k: int | None = None, d_v: int 
     if not use_triton(x if x is not None else torch.empty(0)):
         return "torch"
     why = []
-    if d_k is not None and d_v is not None and not (_pow2_16(d_k) and _pow2_16(d_v)):
+    if d_k is not None and d_v is not None and not (pow2_16(d_k) and pow2_16(d_v)):
         why.append(f"the Triton replay decode kernel needs d_k, d_v powers of two >= 16, got "
                    f"d_k={d_k}, d_v={d_v}")
     if dt_limit is not None:
@@ -335,9 +332,7 @@ class LayerRuntime:
         left, with no host read: y [B, 1, H, d_v], or None where the state is not a store yet."""
         if not isinstance(st, DecodeStore):
             return None
-        if self.vector_gate and raw is None:
-            raw = _kda_raw(q, k, v, log_a, beta)
-        one = _one_token(raw)
+        one = _one_token(self._raw(raw, q, k, v, log_a, beta))
         st.record_nonfinite(one)
         return st.step(one).unsqueeze(1)
 
@@ -350,11 +345,14 @@ class LayerRuntime:
             self._warn_once(f"replayquant decode on {q.device}, layer {self.layer_idx}: {path}")
         return "triton" if path == "triton" else "torch"
 
-    def _to_store(self, st, q, k, v, log_a, beta, raw, steps_done=0, reuse=None):
+    def _raw(self, raw, q, k, v, log_a, beta) -> dict | None:
+        """The layer's raw decode inputs: as the forward passed them, or for KDA (which passes
+        none) built from the core inputs (`_kda_raw`)."""
+        return _kda_raw(q, k, v, log_a, beta) if self.vector_gate and raw is None else raw
+
+    def _to_store(self, st, q, v, raw, steps_done=0, reuse=None):
         """The hand-off of a ScanHeld into this layer's DecodeStore (once, where
-        decode starts or a prefill into a static cache ends)."""
-        if self.vector_gate and raw is None:
-            raw = _kda_raw(q, k, v, log_a, beta)
+        decode starts or a prefill into a static cache ends); raw as `_raw` gives it."""
         if not isinstance(raw, dict):
             raise ValueError(f"layer {self.layer_idx} ({self.kind}): a decode step needs the "
                              f"layer's raw inputs (the patched forward passes them as raw=)")
@@ -374,7 +372,8 @@ class LayerRuntime:
         layer keeps that one store alive after its cache is gone (`unpatch` drops it)."""
         owner, spare = self._spare or (None, None)
         free = spare is not None and (owner() is None or owner() is lay)
-        ds = self._to_store(st, q, k, v, log_a, beta, raw, reuse=spare if free else None)
+        ds = self._to_store(st, q, v, self._raw(raw, q, k, v, log_a, beta),
+                            reuse=spare if free else None)
         if lay is not None:
             try:
                 self._spare = (weakref.ref(lay), ds)
@@ -402,9 +401,8 @@ class LayerRuntime:
     def _decode(self, st, q, k, v, log_a, beta, raw):
         """The first decode step after a multi-token forward: the hand-off into the store
         (`_to_store`), then the step on it."""
-        st = self._to_store(st, q, k, v, log_a, beta, raw, steps_done=1)
-        if self.vector_gate and raw is None:
-            raw = _kda_raw(q, k, v, log_a, beta)
+        raw = self._raw(raw, q, k, v, log_a, beta)
+        st = self._to_store(st, q, v, raw, steps_done=1)
         return st, st.step(_one_token(raw)).unsqueeze(1)
 
 
