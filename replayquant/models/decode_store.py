@@ -188,7 +188,8 @@ class DecodeStore:
       buffer flushes to 0), so that a step names the rows that flush and the engine runs the
       flush branch on them alone (`replay_torch`'s `flushing`): on this project's 2-core CPU,
       one thread, the embedded models at B = 4, L = 16, a decode forward with the branch for
-      every row took 1.3-2.5x one with it for the rows that flush (s32_rs and tp4_hi16_sr).
+      every row took 1.3-2.5x one with it for the rows that flush (s32_rs and tp4_hi16_sr;
+      evals/cpu_decode.py).
       None where it is not known: the Triton engine, after a beam reorder, once a step is
       compiled (every row then computes both branches).
     Built from a ReplayState by `state_to_store`, turned back by `to_replay_state()`."""
