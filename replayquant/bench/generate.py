@@ -8,6 +8,8 @@ and static + compiled (the same compile config). Per way and batch:
 
 * `ms_per_step`: wall time of a decode step, (t(n2 tokens) - t(n1 tokens)) / (n2 - n1) of two
   generates, so that the prompt and the compile are not in it (a warm-up generate compiles);
+  the median of 5 such pairs, with their smallest and largest in `ms_per_step_min_max` (a
+  host-bound eager step of HF on the H200 took 65 and 95 ms in two runs of one pair each);
 * `gpu_busy_ms_per_step`: the GPU kernels' time in a decode step (torch.profiler, the same
   difference of two generates), and `launches_per_step`, the kernels it counted;
 * `host_syncs_per_step` (eager ways): host synchronisations of one decode forward after the
@@ -137,21 +139,24 @@ def _compile_counters() -> dict:
             "cudagraph_skips": int(counters["inductor"]["cudagraph_skips"])}
 
 
-def _measure(model, ids, static: bool, compile_config, n1: int, n2: int, eager_syncs: bool):
+def _measure(model, ids, static: bool, compile_config, n1: int, n2: int, eager_syncs: bool,
+             repeats: int = 5):
     # warm-up, the longer generate first: HF sizes a static cache for the longest generate so
     # far (GenerationMixin._prepare_static_cache), so that the timed ones reuse its shapes and
     # compile nothing (a shorter warm-up put a recompile into the timed n2 generate)
     _generate(model, ids, n2, static, compile_config)
     _generate(model, ids, n1, static, compile_config)
     before = _compile_counters()
-    t1 = _timed(lambda: _generate(model, ids, n1, static, compile_config))
-    t2 = _timed(lambda: _generate(model, ids, n2, static, compile_config))
+    steps = n2 - n1
+    per_step = sorted(1e3 * (_timed(lambda: _generate(model, ids, n2, static, compile_config))
+                             - _timed(lambda: _generate(model, ids, n1, static, compile_config)))
+                      / steps for _ in range(repeats))
     g1, k1 = _profiled(lambda: _generate(model, ids, n1, static, compile_config))
     g2, k2 = _profiled(lambda: _generate(model, ids, n2, static, compile_config))
     after = _compile_counters()
-    steps = n2 - n1
     tokens = _generate(model, ids, n2, static, compile_config)[:, ids.shape[1]:].cpu()
-    row = {"tokens": tokens, "ms_per_step": 1e3 * (t2 - t1) / steps,
+    row = {"tokens": tokens, "ms_per_step": per_step[len(per_step) // 2],
+           "ms_per_step_min_max": [per_step[0], per_step[-1]],
            "gpu_busy_ms_per_step": None if g1 is None else (g2 - g1) / steps,
            "launches_per_step": None if k1 is None else (k2 - k1) / steps}
     if static:      # in the timed generates (0 each, or the timing holds a compile / eager steps)

@@ -1,0 +1,74 @@
+"""Where the host's time goes in a decode step of generate (GPU, not in CI).
+
+    python evals/decode_host_profile.py OUTDIR [--batch 1] [--pair s32_rs] [--ways ...]
+
+The Qwen3.5-4B-shape model of `bench generate` (random weights, bf16) generates greedily from a
+64-token random prompt; after warm-up generates (which compile the static ways), cProfile records
+one generate of 20 new tokens per way (hf_eager, hf_static, patched_eager, patched_static), and
+the top functions by own time and by cumulative time go into OUTDIR/host_<way>.txt, with the
+wall time per generated token. A decode step is host-bound where the wall time per token is far
+above the GPU's busy time (bench generate reports both); this says which Python code holds it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+from pathlib import Path
+
+import torch
+from transformers import CompileConfig
+
+from replayquant.bench.generate import _generate
+from replayquant.kl.bench import build_model
+from replayquant.models import patch, unpatch
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--pair", default="s32_rs")
+    ap.add_argument("--ways", default="patched_eager,patched_static,hf_static")
+    ap.add_argument("--new-tokens", type=int, default=20)
+    a = ap.parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = build_model("qwen3.5-4b", torch.bfloat16, "cuda")
+    ids = torch.randint(1, model.config.vocab_size, (a.batch, 64),
+                        generator=torch.Generator().manual_seed(a.batch)).cuda()
+    cc = CompileConfig(backend="inductor", mode="reduce-overhead")
+    for way in a.ways.split(","):
+        static = way.endswith("static")
+        if way.startswith("patched"):
+            patch(model, a.pair)
+        try:
+            torch._dynamo.reset()
+            for _ in range(2):
+                _generate(model, ids, a.new_tokens, static, cc)
+            torch.cuda.synchronize()
+            prof = cProfile.Profile()
+            t0 = time.perf_counter()
+            prof.enable()
+            _generate(model, ids, a.new_tokens, static, cc)
+            torch.cuda.synchronize()
+            prof.disable()
+            wall = time.perf_counter() - t0
+        finally:
+            if way.startswith("patched"):
+                unpatch(model)
+        buf = io.StringIO()
+        buf.write(f"{way} B={a.batch} pair={a.pair}: {1e3 * wall / a.new_tokens:.2f} ms per "
+                  f"generated token under cProfile (prompt included)\n")
+        st = pstats.Stats(prof, stream=buf)
+        st.sort_stats("tottime").print_stats(30)
+        st.sort_stats("cumulative").print_stats(45)
+        (out / f"host_{way}.txt").write_text(buf.getvalue())
+        print(buf.getvalue().splitlines()[0], flush=True)
+
+
+if __name__ == "__main__":
+    main()
