@@ -23,6 +23,9 @@
 #                   head shapes, the reference casts on the device against the CPU (~50 s)
 #   tf              `bench teacher-forcing`: the chunk kernel check and per-layer timing at 8K,
 #                   then the whole model at 131072 tokens; `bench kl` at 131072 tokens (~480 s)
+#   decode          the CUDA-only decode tests (recorded decode steps against eager ones, bit for bit,
+#                   on the three embedded models), then `bench generate` at B = 1 and 32 for
+#                   s32_rs (the batch of 32 only if B = 1 ended within 230 s)
 #   generate        evals/cuda_generate_check.py: generation through the compiled decode kernel
 #                   against the CPU path on the shipped tiny models (~150 s)
 #   train           evals/train_tiny.py device-run: train both tiny models, evaluate them and
@@ -39,7 +42,7 @@
 # not fla.
 set -uo pipefail
 : "${OUT:?set OUT to the folder where results go}"
-jobs="kernels|probe|ncu|checks|tf|generate|train"
+jobs="kernels|probe|ncu|checks|tf|decode|generate|train"
 job=${1:?usage: bash evals/gpu_runs.sh $jobs}
 [[ "|$jobs|" == *"|$job|"* ]] \
     || { echo "gpu_runs: unknown job '$job'; choose one of $jobs" >&2; exit 2; }
@@ -82,6 +85,13 @@ case "$job" in
     timeout 180 "${rq[@]}" bench kl --context 131072 --pair f4_sr_rs --pair tp4_hi32 \
         --out "$OUT/kl_128k.json" > /tmp/kl.log 2>&1; echo "kl rc=$?"
     tail -5 /tmp/tf_layer.log /tmp/tf_model.log /tmp/kl.log
+    ;;
+  decode)
+    TRITON_INTERPRET=0 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_decode_graph.py \
+        -k cuda > "$OUT/decode_tests.log" 2>&1; echo "tests rc=$?"; tail -15 "$OUT/decode_tests.log"
+    timeout 430 "${rq[@]}" bench generate --batch 1,32 --pair s32_rs --budget-s 230 \
+        --out "$OUT/generate.json" > "$OUT/generate.log" 2>&1; echo "bench generate rc=$?"
+    grep -E "^(met|MISS)|error|@B" "$OUT/generate.log" | cut -c1-600
     ;;
   generate)
     timeout 300 python3 evals/cuda_generate_check.py "$OUT/cuda_generate.json" --new-tokens 32 \

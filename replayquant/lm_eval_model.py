@@ -217,11 +217,12 @@ class ReplayQuantLM(HFLM):
         self.set_pair(self._rq_pair)
 
     def _get_backend(self, config, backend="default", trust_remote_code=False):
-        """HFLM's backend choice, with the Auto class `replayquant.load_model` uses (GLM-5-Next's
-        causal LM is its conditional-generation class, which AutoModelForCausalLM does not know)."""
-        from replayquant.models.patching import auto_model_class
+        """HFLM's backend choice, with the class `replayquant.load_model` uses: transformers' own
+        (`model_class`; GLM-5-Next's causal LM is its conditional-generation class, which
+        AutoModelForCausalLM does not know)."""
+        from replayquant.models.patching import model_class
         from transformers import AutoModelForCausalLM
-        auto = auto_model_class(config)
+        auto = model_class(config)
         if auto is not AutoModelForCausalLM:
             self.AUTO_MODEL_CLASS = auto
             backend = "causal" if backend == "default" else backend

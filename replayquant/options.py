@@ -6,6 +6,7 @@
 | REPLAYQUANT_CHUNK_DOT | chunk_dot | tf32x3, ieee | the chunk kernel's tl.dot input precision (see replayquant/kernels/chunk.py) |
 | REPLAYQUANT_NVFP4_CHAIN_SPLIT | nvfp4_chain_split | unset, 0, N >= 1 | the chunk kernel's NVFP4 chain: unset chooses by shape, 0 forces two-pass, N splits a matrix over N programs |
 | REPLAYQUANT_CPU_THREADS | cpu_threads | N >= 1 (default 1) | intra-op threads of the CPU teacher-forcing scan |
+| REPLAYQUANT_DECODE_GRAPHS | decode_graphs | on, off | whether a patched layer's eager decode steps on CUDA replay a recorded CUDA graph (replayquant/models/decode_graph.py) or launch their kernels one by one |
 
 Code that wants another value for a while (a benchmark comparing both dot precisions, a test)
 uses `override(...)`, which holds for the enclosed block of the current thread only:
@@ -30,9 +31,11 @@ ENV = {
     "chunk_dot": "REPLAYQUANT_CHUNK_DOT",
     "nvfp4_chain_split": "REPLAYQUANT_NVFP4_CHAIN_SPLIT",
     "cpu_threads": "REPLAYQUANT_CPU_THREADS",
+    "decode_graphs": "REPLAYQUANT_DECODE_GRAPHS",
 }
 BACKENDS = ("auto", "triton", "torch")
 DOT_PRECISIONS = ("ieee", "tf32x3")
+ON_OFF = ("on", "off")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +44,7 @@ class Options:
     chunk_dot: str = "tf32x3"
     nvfp4_chain_split: int | None = None
     cpu_threads: int = 1
+    decode_graphs: str = "on"
 
     def __post_init__(self):
         def bad(field, value, want):
@@ -56,6 +60,8 @@ class Options:
         c = self.cpu_threads
         if isinstance(c, bool) or not isinstance(c, int) or c < 1:
             bad("cpu_threads", c, "give a positive integer (threads of the CPU teacher-forcing scan)")
+        if self.decode_graphs not in ON_OFF:
+            bad("decode_graphs", self.decode_graphs, "use on or off")
 
 
 def _int(field, raw):

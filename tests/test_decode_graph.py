@@ -221,3 +221,31 @@ def test_bench_generate_adds_batches_to_a_file_of_the_same_run_only(tmp_path, mo
     assert out.read_bytes() == before
     res = bg.run_generate_bench(out, batches=(4,), **kw)
     assert res["batches"] == [4] and len(res["calls"]) == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+@pytest.mark.parametrize("name", MODELS)
+def test_recorded_decode_steps_equal_eager_steps_on_cuda(name):
+    # decode_graph: the third decode step on a store records the layer's step as a CUDA graph and
+    # replays it; the logits and the tokens of 2L steps equal those of the same steps launched one
+    # kernel at a time, bit for bit (the same kernels on the same addresses), across flushes
+    from transformers import DynamicCache
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = replayquant.load_model(name, pair="tp4_hi16_sr", dtype="float32", device_map="cuda",
+                                       buffer_len=L)
+    ids = torch.randint(3, 200, (3, 6), generator=torch.Generator().manual_seed(1)).cuda()
+    runs = {}
+    for graphs in ("off", "on"):
+        with options.override(decode_graphs=graphs), torch.no_grad():
+            cache = DynamicCache(config=model.config)
+            kw = {_cache_kw(model): cache, "use_cache": True}
+            tok = model(ids, **kw).logits[:, -1:].argmax(-1)
+            logits = []
+            for _ in range(3 * L):
+                out, tok = _step(model, tok, kw)
+                logits.append(out)
+            runs[graphs] = torch.cat(logits, 1)
+    layers = [m._replayquant for m in model.modules() if hasattr(m, "_replayquant")]
+    assert all(rt.graph.graph is not None and rt.graph.failed is None for rt in layers)
+    assert torch.equal(runs["on"], runs["off"])

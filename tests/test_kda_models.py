@@ -63,9 +63,9 @@ def _config(fam):
 
 def _model(fam, seed):
     torch.manual_seed(seed)
-    from replayquant.models.patching import auto_model_class
+    from replayquant.models.patching import model_from_config
     cfg = _config(fam)
-    model = auto_model_class(cfg).from_config(cfg).eval()
+    model = model_from_config(cfg).eval()
     _remember(model)
     return model
 

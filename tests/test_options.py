@@ -22,7 +22,8 @@ def test_read_at_call_time(monkeypatch):
 
 @pytest.mark.parametrize("var,value", [("REPLAYQUANT_BACKEND", "gpu"), ("REPLAYQUANT_CHUNK_DOT", "tf32"),
                                        ("REPLAYQUANT_NVFP4_CHAIN_SPLIT", "-1"),
-                                       ("REPLAYQUANT_CPU_THREADS", "0"), ("REPLAYQUANT_CPU_THREADS", "x")])
+                                       ("REPLAYQUANT_CPU_THREADS", "0"), ("REPLAYQUANT_CPU_THREADS", "x"),
+                                       ("REPLAYQUANT_DECODE_GRAPHS", "yes")])
 def test_bad_value_names_the_variable(monkeypatch, var, value):
     monkeypatch.setenv(var, value)
     with pytest.raises(ValueError, match=var):

@@ -205,3 +205,27 @@ def test_install_keeps_the_log_of_other_models(tmp_path):
         ["train_log.json", "train_log_tiny-kimi-linear.json"]
     models = tt.log_models(sorted(results.glob("train_log*.json")))
     assert models[2]["best_val"] == {"step": 1}
+
+
+def test_load_model_builds_transformers_class_whatever_the_auto_registry_holds(monkeypatch):
+    # flash-linear-attention, once imported, registers its own Mamba-2 config and model for
+    # model_type 'mamba2' with AutoConfig / AutoModelForCausalLM (exist_ok=True); its layers are
+    # not the Mamba2Mixer replayquant patches
+    from transformers import AutoConfig, AutoModelForCausalLM, Mamba2Config, Mamba2ForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from replayquant import load_model
+
+    class OtherMamba2Config(Mamba2Config):
+        model_type = "mamba2"
+
+    class OtherMamba2(Mamba2ForCausalLM):
+        config_class = OtherMamba2Config
+
+    monkeypatch.setattr(CONFIG_MAPPING, "_extra_content", dict(CONFIG_MAPPING._extra_content))
+    monkeypatch.setattr(AutoModelForCausalLM._model_mapping, "_extra_content",
+                        dict(AutoModelForCausalLM._model_mapping._extra_content))
+    AutoConfig.register("mamba2", OtherMamba2Config, exist_ok=True)
+    AutoModelForCausalLM.register(OtherMamba2Config, OtherMamba2, exist_ok=True)
+    model = load_model("tiny-mamba2", pair="s32_rs")
+    assert type(model) is Mamba2ForCausalLM and type(model.config) is Mamba2Config

@@ -30,11 +30,13 @@ def _model_error(model, resolved, e):
 def load_tokenizer_and_config(model: str, revision: str | None = None):
     """(tokenizer, config, resolved name): everything but the weights, so that bad input fails
     before gigabytes are loaded."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from replayquant.models.patching import load_config
     resolved = resolve_model_name(model)   # a path that is not there: one ValueError
     kw = {"revision": revision} if revision else {}
     try:
-        cfg = AutoConfig.from_pretrained(resolved, **kw)
+        cfg = load_config(resolved, **kw)
         tok = AutoTokenizer.from_pretrained(resolved, **kw)
     except ValueError:
         raise

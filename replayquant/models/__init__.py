@@ -10,7 +10,7 @@
   MoE), Qwen3-Next and OLMo-Hybrid; Mamba-2 mixers of Mamba-2, Nemotron-H, Bamba, Granite-4
   hybrid, Zamba2 and Falcon-H1; Kimi Delta Attention layers of Kimi Linear and GLM-5-Next (its
   text model; `load_model` loads GLM-5-Next through its conditional-generation class,
-  `patching.auto_model_class`). The recurrent layers are found in the model
+  `patching.model_class`). The recurrent layers are found in the model
   (`recurrent_layers`); a model without any is an error. Attention, MLPs and the
   short-convolution state are untouched.
 * Generation (`generate(use_cache=True)`, any batch, left-padded ragged prompts): every decode

@@ -39,6 +39,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from replayquant.models.decode_graph import graphed_decode
 from replayquant.replay import gdn_inputs, kda_inputs, mamba2_inputs
 
 try:  # fires accelerate's hook of conv1d whose weights are used directly (as HF does)
@@ -308,6 +309,7 @@ def _gdn_project(fam, m, h):
             _apply(fam, m, "b", h), _apply(fam, m, "a", h))
 
 
+@graphed_decode
 @force_accelerate_hooks("conv1d")
 def gdn_forward(self, hidden_states, cache=None, attention_mask=None, cache_params=None, **kwargs):
     """Gated DeltaNet layer forward (every "gdn" family) with the replay recurrence."""
@@ -345,6 +347,7 @@ def gdn_forward(self, hidden_states, cache=None, attention_mask=None, cache_para
 
 # ---------------------------------------------------------------- Mamba-2
 
+@graphed_decode
 @force_accelerate_hooks("conv1d")
 def mamba2_forward(self, hidden_states, cache=None, attention_mask=None, cache_params=None, **kwargs):
     """Mamba-2 mixer forward (every "mamba2" family) with the replay recurrence."""
@@ -380,6 +383,7 @@ def mamba2_forward(self, hidden_states, cache=None, attention_mask=None, cache_p
 
 # ---------------------------------------------------------------- Kimi Delta Attention
 
+@graphed_decode
 @force_accelerate_hooks("conv1d")
 def kda_forward(self, hidden_states, cache=None, attention_mask=None, cache_params=None, **kwargs):
     """Kimi Delta Attention layer forward (every "kda" family) with the replay recurrence."""

@@ -12,8 +12,8 @@ from replayquant.models.names import resolve_model_name
 from replayquant.models.runtime import LayerRuntime
 from replayquant.policy import resolve_pair
 
-__all__ = ["recurrent_layers", "patch", "unpatch", "is_patched", "load_model", "auto_model_class",
-           "PREFILLS"]
+__all__ = ["recurrent_layers", "patch", "unpatch", "is_patched", "load_model", "load_config",
+           "model_class", "model_from_config", "PREFILLS"]
 
 _INFO = "_replayquant_patch"
 
@@ -144,23 +144,53 @@ _CONFIG_KWARGS = ("revision", "trust_remote_code", "token", "subfolder", "cache_
                   "local_files_only")
 
 
-def auto_model_class(config):
-    """The transformers Auto class whose from_pretrained loads this config's causal LM:
-    AutoModelForCausalLM, or AutoModelForImageTextToText for a model whose causal LM is its
-    text-and-vision conditional-generation class (GLM-5-Next: Glm5NextForConditionalGeneration;
-    its vision tower is loaded and idles on text). A config neither knows gets
-    AutoModelForCausalLM, whose from_pretrained then names what it accepts."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-    if type(config) not in AutoModelForCausalLM._model_mapping \
-            and type(config) in AutoModelForImageTextToText._model_mapping:
-        return AutoModelForImageTextToText
-    return AutoModelForCausalLM
+def _hf_class(table: dict, model_type):
+    """transformers' own class named for model_type in one of its name tables, or None."""
+    import transformers
+    name = table.get(model_type) if isinstance(model_type, str) else None
+    return getattr(transformers, name, None) if isinstance(name, str) else None
+
+
+def load_config(path, **config_kwargs):
+    """The config at path in transformers' own config class for its model_type, not the class
+    AutoConfig holds for that type: another package can register its own there, and
+    flash-linear-attention does so for 'mamba2' when imported (HF's Qwen3.5 / Qwen3-Next layers
+    import it where it is installed), which made load_model build fla's Mamba-2 model, whose
+    layers replayquant does not patch. A type transformers does not know (remote code) goes
+    through AutoConfig."""
+    from transformers import AutoConfig, PretrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    d, _ = PretrainedConfig.get_config_dict(path, **config_kwargs)
+    cls = _hf_class(CONFIG_MAPPING_NAMES, d.get("model_type"))
+    return (cls or AutoConfig).from_pretrained(path, **config_kwargs)
+
+
+def model_class(config):
+    """transformers' own class that loads this config's causal LM (see `load_config` for why
+    not the Auto registry's): its causal-LM class, or for a model whose causal LM is its
+    text-and-vision conditional-generation class, that one (GLM-5-Next:
+    Glm5NextForConditionalGeneration; its vision tower is loaded and idles on text). A type
+    transformers does not know gets AutoModelForCausalLM, whose from_pretrained then names what
+    it accepts."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+    mt = getattr(config, "model_type", None)
+    return (_hf_class(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, mt)
+            or _hf_class(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES, mt) or AutoModelForCausalLM)
+
+
+def model_from_config(config):
+    """A model of `model_class(config)` with random weights (the Auto class's from_config for a
+    type transformers does not know)."""
+    cls = model_class(config)
+    return cls.from_config(config) if hasattr(cls, "from_config") else cls._from_config(config)
 
 
 def load_model(name_or_path, pair=None, *, dtype="auto", device_map=None, prefill: str = "replay",
                seed: int = 0, buffer_len: int | None = None, **from_pretrained_kwargs):
-    """Load a causal LM (`auto_model_class`: AutoModelForCausalLM, or the conditional-generation
-    class of GLM-5-Next) with from_pretrained and patch it.
+    """Load a causal LM (`model_class`: transformers' own causal-LM class, or the
+    conditional-generation class of GLM-5-Next) with from_pretrained and patch it.
 
     name_or_path: a short name (`replayquant.models.SHORT_NAMES`, e.g. "Qwen3.5-4B"), a hub id
     or a local folder. pair: a PrecisionPair, a pair name, a LayerPolicy or a pair / policy
@@ -173,8 +203,6 @@ def load_model(name_or_path, pair=None, *, dtype="auto", device_map=None, prefil
     prefill, seed, buffer_len: as in `patch`. Returns the model in eval mode; with
     output_loading_info=True, as from_pretrained, (model, loading info).
     """
-    from transformers import AutoConfig
-
     path = resolve_model_name(name_or_path)
     if "torch_dtype" in from_pretrained_kwargs:        # HF's older name of the argument
         alias = from_pretrained_kwargs.pop("torch_dtype")
@@ -186,10 +214,10 @@ def load_model(name_or_path, pair=None, *, dtype="auto", device_map=None, prefil
         raise ValueError(f"prefill must be one of {PREFILLS}, got {prefill!r}")
     if pair is not None:
         pair = resolve_pair(pair, buffer_len)          # fail before loading weights
-    config = AutoConfig.from_pretrained(path, **{k: v for k, v in from_pretrained_kwargs.items()
-                                                 if k in _CONFIG_KWARGS})
-    loaded = auto_model_class(config).from_pretrained(path, dtype=dtype, device_map=device_map,
-                                                      **from_pretrained_kwargs)
+    config = load_config(path, **{k: v for k, v in from_pretrained_kwargs.items()
+                                  if k in _CONFIG_KWARGS})
+    loaded = model_class(config).from_pretrained(path, config=config, dtype=dtype,
+                                                 device_map=device_map, **from_pretrained_kwargs)
     model = loaded[0] if from_pretrained_kwargs.get("output_loading_info") else loaded
     model.eval()
     if pair is not None:

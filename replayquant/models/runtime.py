@@ -59,6 +59,7 @@ import torch
 from replayquant.formats import use_triton
 from replayquant.kernels.chunk_ref import chunk_scan_ref, cpu_threads
 from replayquant.kernels.stores import pow2_16
+from replayquant.models.decode_graph import LayerGraph
 from replayquant.models.decode_store import DecodeStore
 from replayquant.replay import ReplayState
 from replayquant.replay.state import find_nonfinite
@@ -191,6 +192,7 @@ class LayerRuntime:
         # (weak reference to the cache layer holding it, the DecodeStore) of the last prefill
         # into a static cache, which the next one reuses (`_decode_ready`); None before any
         self._spare = None
+        self.graph = LayerGraph()             # the recorded eager decode step (decode_graph)
 
     def __getstate__(self):
         """A pickled patch keeps its configuration, not the last generate's decode store."""
@@ -326,6 +328,21 @@ class LayerRuntime:
         y = self._kernel_step(st, None, None, None, None, None, raw)
         self.put_state(cache, lay, st)
         return y
+
+    def decode_store_for_graph(self, cache, B: int):
+        """The layer's decode store where its next step may replay a recorded CUDA graph
+        (`decode_graph`): the cache layer holds a store of the Triton engine for B rows; a pending
+        beam reorder is applied to it first, as an eager step would. None otherwise."""
+        lay = self.cache_layer(cache)
+        st = getattr(lay, STATE_ATTR, None)
+        if not isinstance(st, DecodeStore) or st.engine != "triton" or st.B != B \
+                or not self.has_previous(lay):
+            return None
+        st = self.get_state(lay, True, B, st.H, st.d_v, st.d_k, st.device)
+        if not isinstance(st, DecodeStore):
+            return None
+        self.put_state(cache, lay, st)
+        return st
 
     def _kernel_step(self, st, q, k, v, log_a, beta, raw):
         """A decode step on the store a previous decode step (or a prefill into a static cache)

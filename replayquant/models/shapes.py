@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from replayquant.models.patching import auto_model_class, recurrent_layers
+from replayquant.models.patching import model_from_config, recurrent_layers
 from replayquant.statebytes import LayerShape
 
 __all__ = ["config_shapes", "layer_shapes"]
@@ -14,10 +14,10 @@ __all__ = ["config_shapes", "layer_shapes"]
 
 def config_shapes(cfg) -> tuple[list[LayerShape], object]:
     """(LayerShapes of the recurrent layers, the model built on the meta device) of a model
-    config, with the class load_model uses (`auto_model_class`: GLM-5-Next's
+    config, with the class load_model uses (`model_class`: GLM-5-Next's
     conditional-generation class), so no weights load; no shapes for a model without one."""
     with torch.device("meta"):
-        meta = auto_model_class(cfg).from_config(cfg)
+        meta = model_from_config(cfg)
     return layer_shapes(meta), meta
 
 
