@@ -25,7 +25,7 @@
 #                   then the whole model at 131072 tokens; `bench kl` at 131072 tokens (~480 s)
 #   decode          the CUDA-only decode tests (recorded decode steps against eager ones, bit for bit,
 #                   on the three embedded models), then `bench generate` at B = 1 and 32 for
-#                   s32_rs (the batch of 32 only if B = 1 ended within 230 s)
+#                   s32_rs (the batch of 32 only if B = 1 ended within 200 s)
 #   generate        evals/cuda_generate_check.py: generation through the compiled decode kernel
 #                   against the CPU path on the shipped tiny models (~150 s)
 #   train           evals/train_tiny.py device-run: train both tiny models, evaluate them and
