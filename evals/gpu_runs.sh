@@ -89,7 +89,7 @@ case "$job" in
   decode)
     TRITON_INTERPRET=0 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_decode_graph.py \
         -k cuda > "$OUT/decode_tests.log" 2>&1; echo "tests rc=$?"; tail -15 "$OUT/decode_tests.log"
-    timeout 430 "${rq[@]}" bench generate --batch 1,32 --pair s32_rs --budget-s 230 \
+    timeout 330 "${rq[@]}" bench generate --batch 1,32 --pair s32_rs --budget-s 200 \
         --out "$OUT/generate.json" > "$OUT/generate.log" 2>&1; echo "bench generate rc=$?"
     grep -E "^(met|MISS)|error|@B" "$OUT/generate.log" | cut -c1-600
     ;;
