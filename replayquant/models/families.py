@@ -301,6 +301,12 @@ def _apply(fam: Family, module, role: str, x):
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
 
+def _layer_forward(forward):
+    """A patched layer forward as HF calls it: accelerate's hook of conv1d fired (its weights are
+    used directly), eager decode steps replayed as CUDA graphs (`decode_graph`)."""
+    return graphed_decode(force_accelerate_hooks("conv1d")(forward))
+
+
 # ---------------------------------------------------------------- Gated DeltaNet
 
 def _gdn_project(fam, m, h):
@@ -309,8 +315,7 @@ def _gdn_project(fam, m, h):
             _apply(fam, m, "b", h), _apply(fam, m, "a", h))
 
 
-@graphed_decode
-@force_accelerate_hooks("conv1d")
+@_layer_forward
 def gdn_forward(self, hidden_states, cache=None, attention_mask=None, cache_params=None, **kwargs):
     """Gated DeltaNet layer forward (every "gdn" family) with the replay recurrence."""
     rt, fam, cache, hidden_states, had_prev = _enter(self, hidden_states, cache, cache_params,
@@ -347,8 +352,7 @@ def gdn_forward(self, hidden_states, cache=None, attention_mask=None, cache_para
 
 # ---------------------------------------------------------------- Mamba-2
 
-@graphed_decode
-@force_accelerate_hooks("conv1d")
+@_layer_forward
 def mamba2_forward(self, hidden_states, cache=None, attention_mask=None, cache_params=None, **kwargs):
     """Mamba-2 mixer forward (every "mamba2" family) with the replay recurrence."""
     rt, fam, cache, hidden_states, had_prev = _enter(self, hidden_states, cache, cache_params,
@@ -383,8 +387,7 @@ def mamba2_forward(self, hidden_states, cache=None, attention_mask=None, cache_p
 
 # ---------------------------------------------------------------- Kimi Delta Attention
 
-@graphed_decode
-@force_accelerate_hooks("conv1d")
+@_layer_forward
 def kda_forward(self, hidden_states, cache=None, attention_mask=None, cache_params=None, **kwargs):
     """Kimi Delta Attention layer forward (every "kda" family) with the replay recurrence."""
     rt, fam, cache, hidden_states, had_prev = _enter(self, hidden_states, cache, cache_params,
