@@ -39,7 +39,7 @@ from replayquant.pairs import PrecisionPair
 from replayquant import statebytes as sb
 from replayquant.provenance import provenance
 from replayquant.sweep import measured
-from replayquant.kl.command import kl_command
+from replayquant.kl import command as klcmd   # looked up at call time (tests replace kl_command)
 from replayquant.sweep.plot import plot_sweep
 
 __all__ = ["SWEEP_KIND", "parse_buffer_lens", "sweep_variants", "layer_pairs", "variant_costs",
@@ -215,7 +215,7 @@ def sweep_command(model: str, pairs: list, buffer_lens=None, *, kernels: str | N
         shapes, *_ = shapes_of_model(model, kl_args.get("revision"))
         for v in variants:                      # a policy's layer errors before any weights load
             layer_pairs(v["variant"], shapes)
-        res = kl_command(model, [v["variant"] for v in variants], out=str(kl_path), **kl_args)
+        res = klcmd.kl_command(model, [v["variant"] for v in variants], out=str(kl_path), **kl_args)
         if res is None:
             return None
         settings = {"model_arg": model, "pairs": [str(p) for p in pairs], "buffer_lens": Ls,

@@ -26,7 +26,7 @@ from replayquant.policy import LayerPolicy, Override
 from replayquant.kl.run import local_fingerprint
 from replayquant.models.names import resolve_model_name
 from replayquant import statebytes as sb
-from replayquant.kl.command import kl_command
+from replayquant.kl import command as klcmd   # looked up at call time (tests replace kl_command)
 from replayquant.provenance import provenance
 from replayquant.sweep.command import variant_costs
 from replayquant.sweep.common import check_results_out
@@ -169,7 +169,7 @@ def recommend_per_layer(sens_path, kl_budget: float, low: str | None = None,
     if device_map is not None:
         args["device_map"] = device_map
     _check_policy_out(out_path, yaml_path, kl_path, policy, kl_budget, sens_path)
-    res = kl_command(model, [policy], out=str(kl_path), **args)
+    res = klcmd.kl_command(model, [policy], out=str(kl_path), **args)
     if res is None:
         return None
     stats = res["results"][policy.name]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from .common import (REAL, SIZE, check_budget, check_structure, fmt_bytes, kl_problem, write_json,
                      check_results_out)
-from replayquant.kl.command import kl_command
+from replayquant.kl import command as klcmd   # looked up at call time (tests replace kl_command)
 from replayquant.provenance import provenance
 from replayquant.outputs import check_owned, output_lock
 
@@ -98,7 +98,7 @@ def check_sensitivity(sens, source: str = "") -> None:
     check_structure(sens, _SENS_SCHEMA, src, writer)
     import inspect
 
-    params = inspect.signature(kl_command).parameters
+    params = inspect.signature(klcmd.kl_command).parameters
     takes = set(params) - {"pairs", "out", "progress"}
     open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     extra = [] if open_ended else sorted(set(sens["kl_args"]) - takes)

@@ -30,7 +30,7 @@ from .common import (check_results_out, clean_name, kl_figures, kl_file_for, sha
 from replayquant.policy import resolve_pair, EXACT, LayerPolicy, Override
 from replayquant.pairs import PrecisionPair
 from replayquant.sweep.plot import plot_sensitivity
-from replayquant.kl.command import kl_command
+from replayquant.kl import command as klcmd   # looked up at call time (tests replace kl_command)
 from replayquant.provenance import provenance
 
 __all__ = ["SENS_KIND", "sensitivity_variants", "sensitivity_command", "print_sensitivity"]
@@ -144,7 +144,7 @@ def _measure(model, pairs, names, variants, shapes, chosen, chunks, kl_paths, bu
     """The KL runs of the variants and the sensitivity record (None on ranks > 0)."""
     stats, kl_files, last = {}, [], None
     for chunk, kl_path in zip(chunks, kl_paths):
-        res = kl_command(model, [v["variant"] for v in chunk], out=str(kl_path), **kl_args)
+        res = klcmd.kl_command(model, [v["variant"] for v in chunk], out=str(kl_path), **kl_args)
         if res is None:
             return None
         stats.update(res["results"])
