@@ -8,7 +8,6 @@ the GPUs the run would use, or the host's available memory (psutil) for a CPU ru
 """
 
 from __future__ import annotations
-from replayquant.policy import EXACT, LayerPolicy
 
 __all__ = ["available_bytes", "check_fits", "replay_cache_bytes", "kl_cache_bytes",
            "check_kl_sizes"]
@@ -55,6 +54,7 @@ def replay_cache_bytes(shape, pair) -> float:
 
 def kl_cache_bytes(variants, shapes) -> float:
     """Bytes of the caches of every variant of a KL run (one sequence each), over the layers."""
+    from replayquant.policy import EXACT, LayerPolicy
     total = 0.0
     for v in variants:
         pairs = (v.assign([(s.name, s.index) for s in shapes]) if isinstance(v, LayerPolicy)
@@ -65,6 +65,7 @@ def kl_cache_bytes(variants, shapes) -> float:
 
 def _pairs_of(variant) -> list:
     """The precision pairs a pair or layer policy holds (EXACT layers hold none)."""
+    from replayquant.policy import EXACT, LayerPolicy
     pairs = variant.pairs() if isinstance(variant, LayerPolicy) else [variant]
     return [p for p in pairs if p != EXACT]
 

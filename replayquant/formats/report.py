@@ -18,8 +18,7 @@ import math
 import torch
 
 from replayquant.formats import FORMATS
-from replayquant.formats.constants import ROUNDINGS, NVFP4_BLOCK
-from replayquant.memory import check_fits
+from replayquant.formats.constants import ROUNDINGS
 
 DEFAULT_SHAPE = (8, 128, 128)
 DEFAULT_SEED = 0
@@ -30,6 +29,7 @@ def check_dims(positive: dict, block_multiple: dict | None = None) -> None:
     (e.g. "--d-k"); every value in `positive` must be an integer >= 1, every value in
     `block_multiple` a positive multiple of NVFP4_BLOCK (NVFP4 scales blocks of 16 elements of
     a row, so its rows must split into whole blocks)."""
+    from replayquant.formats.constants import NVFP4_BLOCK
     for name, v in {**positive, **(block_multiple or {})}.items():
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
@@ -72,6 +72,7 @@ def formats_report(shape=DEFAULT_SHAPE, seed: int = DEFAULT_SEED, d: int = 128) 
         raise ValueError(f"the test tensor's shape must be (heads, rows, cols), got {tuple(shape)}")
     check_dims({"--heads": shape[0]}, {"--d": shape[2]})
     check_dims({"rows": shape[1]})
+    from replayquant.memory import check_fits
     n = shape[0] * shape[1] * shape[2]
     check_fits(64.0 * n, f"the test tensor {list(shape)} ({n} elements: its float64 draw, the "
                          f"round trips and their error statistics)",

@@ -69,7 +69,6 @@ from replayquant.kernels.quant import (decode_bf16, decode_e2m1, decode_e4m3, de
                                        encode_bf16, encode_e4m3, encode_fp16)
 from replayquant.replay import core
 from replayquant.streams import layer_seed
-from replayquant.kernels import chunk_ref
 
 __all__ = ["chunk_scan", "chunk_launch_config", "supports", "teacher_force",
            "SCRATCH_BYTES", "MAX_GROUP_WINDOWS"]
@@ -962,5 +961,6 @@ def chunk_scan(state: ScanState, q, k, v, log_a, beta=None, *, pair, seed: int =
 def teacher_force(st, q, k, v, log_a, beta=None, *, valid=None, exact: bool = False):
     """`chunk_ref.teacher_force` through the Triton kernel: run a segment through ReplayState st
     (in place) -> y [B, T, H, d_v]."""
+    from replayquant.kernels import chunk_ref
     return chunk_ref.teacher_force(st, q, k, v, log_a, beta, valid=valid, exact=exact,
                                    scan=chunk_scan)

@@ -32,7 +32,6 @@ import json
 import os
 import runpy
 import sys
-from replayquant.outputs import write_json
 
 _DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64",
            "int8": "i8", "uint8": "u8", "int16": "i16", "int32": "i32", "int64": "i64",
@@ -289,6 +288,7 @@ def main(argv: list[str]) -> int:
                 runpy.run_path(cmd[0], run_name="__main__")
         except SystemExit as e:
             rc = e.code if isinstance(e.code, int) else 1
+        from replayquant.outputs import write_json
         write_json(out, unique(launches))
         print(f"compile_check: {len(unique(launches))} distinct launches -> {out} (command rc={rc})")
         return rc

@@ -30,8 +30,6 @@ import torch
 
 from replayquant.kernels.roles import PackedRole
 from replayquant.kernels.stores import ReplayStore, _begin, _check_accept
-from replayquant.kernels import (replay_ref as rr, verify as vf, replay_torch as rt,
-                                 replay_decode as rd)
 
 __all__ = ["replay_step", "replay_verify", "replay_accept", "store_tensors", "store_meta",
            "ENGINES"]
@@ -135,11 +133,15 @@ def _engine_fns(meta: str, what: str):
     engine = _layout(meta)["engine"]
     if engine == "triton":
         if what == "step":
+            from replayquant.kernels import replay_decode as rd
             return rd.replay_gdn_step, rd.replay_mamba2_step, rd.replay_kda_step
+        from replayquant.kernels import verify as vf
         return (vf.replay_gdn_verify, vf.replay_mamba2_verify, vf.replay_kda_verify) \
             if what == "verify" else vf.replay_accept
     if what == "step":
+        from replayquant.kernels import replay_torch as rt
         return rt.replay_gdn_step_torch, rt.replay_mamba2_step_torch, rt.replay_kda_step_torch
+    from replayquant.kernels import replay_ref as rr
     return (rr.replay_gdn_verify_ref, rr.replay_mamba2_verify_ref, rr.replay_kda_verify_ref) \
         if what == "verify" else rr.replay_accept_ref
 

@@ -18,7 +18,6 @@ from replayquant.kernels.roles import role_streams
 from replayquant.kernels.stores import (NO_DT_LIMIT, ReplayStore, _begin, _check_accept,
                                         _default_force, _indices, folds_u, ring_keys, solves_u)
 from replayquant.streams import ANCHOR, READ
-from replayquant.kernels.replay_decode import replay_launch_config
 
 __all__ = ["replay_gdn_step_ref", "replay_mamba2_step_ref", "replay_gdn_verify_ref",
            "replay_mamba2_verify_ref", "replay_kda_step_ref", "replay_kda_verify_ref", "replay_accept_ref", "advance_pointers_ref",
@@ -138,6 +137,7 @@ def _rebuild_ref(A, K, V, G, Bt, delta, cur=None, vec=False, U=None):
 def _write_roles_ref(store: ReplayStore, s: int, S, fi: int):
     """Both roles of slot s cast from S; a tile of the flush launch (replay_launch_config's rows
     of one head) whose S holds NaN or infinity keeps both roles as they were, as in the kernel."""
+    from replayquant.kernels.replay_decode import replay_launch_config
     H = store.shape[1]
     bv = replay_launch_config(store, "flush")[0]
     keep = ~torch.isfinite(S).unflatten(1, (-1, bv)).flatten(2).all(2)     # [H, tiles]

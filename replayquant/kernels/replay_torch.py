@@ -52,7 +52,6 @@ from replayquant.kernels.stores import (NO_DT_LIMIT, ReplayStore, _begin, _check
                                         _indices, folds_u, pow2_16, ring_keys, solves_u,
                                         step_inputs)
 from replayquant.streams import ANCHOR, READ, sr_stream
-from replayquant.kernels.replay_decode import replay_launch_config
 
 __all__ = ["replay_gdn_step_torch", "replay_mamba2_step_torch", "replay_kda_step_torch"]
 
@@ -169,6 +168,7 @@ def _flush_tile_rows(store: ReplayStore) -> int:
     """Rows of the tile whose roles a non-finite flush keeps: the Triton flush launch's where
     the kernel takes the store's dims (powers of two >= 16), else the whole d_v (dims only this
     engine runs)."""
+    from replayquant.kernels.replay_decode import replay_launch_config
     dv, dk = store.shape[2:]
     if pow2_16(dv) and pow2_16(dk):
         return replay_launch_config(store, "flush")[0]

@@ -11,18 +11,7 @@ import torch
 
 from replayquant.choices import PREFILLS, REFERENCES
 from replayquant.models.names import resolve_model_name
-from replayquant.models.patching import DTYPES, resolve_dtype, load_config
-from replayquant.outputs import output_lock
-from replayquant.kl.files import check_out
-from replayquant.kl.stats import scored_range
-from replayquant.models.device import check_device_map, describe_devices
-from replayquant.kl.data import load_documents
-from replayquant.kl.report import print_summary
-from replayquant.policy import resolve_pair
-from replayquant.kl.lockstep import check_pair_names
-from replayquant.kl.run import model_record, run_kl
-from replayquant.memory import check_kl_sizes
-from replayquant.models.shapes import config_shapes
+from replayquant.models.patching import DTYPES, resolve_dtype
 
 
 def _check_dtype(dtype) -> None:
@@ -43,6 +32,7 @@ def load_tokenizer_and_config(model: str, revision: str | None = None):
     before gigabytes are loaded."""
     from transformers import AutoTokenizer
 
+    from replayquant.models.patching import load_config
     resolved = resolve_model_name(model)   # a path that is not there: one ValueError
     kw = {"revision": revision} if revision else {}
     try:
@@ -104,6 +94,10 @@ def kl_command(model: str, pairs: list[str], dataset: str = "pg19", split: str =
                data_files=None, scoring: str = "all") -> dict | None:
     """Everything `replayquant kl` does; returns the results dict on the main process. A second
     run into the same --out while one runs is refused (`replayquant.outputs.output_lock`)."""
+    from replayquant.outputs import output_lock
+
+    from .files import check_out
+    from .stats import scored_range
 
     # cheap checks first: no weights are loaded for a run that cannot start
     for name, v, choices in (("--prefill", prefill, PREFILLS), ("--reference", reference, REFERENCES)):
@@ -134,6 +128,14 @@ def _checked_kl(model, pairs, out_path: Path, *, dataset, split, text_field, con
     from accelerate import PartialState
     from rich.console import Console
 
+    from replayquant.models.device import check_device_map, describe_devices
+
+    from .data import load_documents
+    from .report import print_summary
+    from replayquant.policy import resolve_pair
+
+    from .lockstep import check_pair_names
+    from .run import model_record, run_kl
     device_map = check_device_map(device_map)
     pairs = [resolve_pair(p) for p in pairs]          # once: everything below takes the objects
     check_pair_names(pairs)
@@ -145,6 +147,8 @@ def _checked_kl(model, pairs, out_path: Path, *, dataset, split, text_field, con
     if limit and context > limit:
         raise ValueError(f"--context {context} is longer than the model supports "
                          f"(max_position_embeddings = {limit}); lower --context")
+    from replayquant.memory import check_kl_sizes      # before any weights or documents load
+    from replayquant.models.shapes import config_shapes
     check_kl_sizes(pairs, config_shapes(cfg)[0], context, prefill,
                    device_map)
     documents = load_documents(dataset, tok, context, docs, split=split, text_field=text_field, pack=pack,

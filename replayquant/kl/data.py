@@ -51,7 +51,6 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-from replayquant.data import heldout_path
 
 DATASET_ALIASES = {"pg19": "emozilla/pg19"}
 HELDOUT = "heldout"       # --dataset short name of the shipped held-out books (replayquant.data)
@@ -156,6 +155,7 @@ def resolve_source(dataset: str, data_files=None) -> tuple[str, str]:
     (a local folder or file of that name comes first)."""
     p = Path(os.path.expanduser(dataset))
     if dataset == HELDOUT and not p.exists():
+        from replayquant.data import heldout_path
         return "jsonl", str(heldout_path())
     if p.is_dir():
         return _folder_kind(p), str(p.resolve())

@@ -23,7 +23,6 @@ from replayquant.policy import resolve_pair
 
 from . import stats as S
 from .data import Document
-from replayquant.models.families import lm_head_scale
 
 
 # ----------------------------------------------------------------------------------------------
@@ -159,6 +158,7 @@ class SegmentRunner:
                 raise ValueError(f"models with {attr} are not supported by the KL harness")
         # imported here: replayquant.models imports transformers, which importing replayquant.kl
         # to read results (`replayquant table`) does not need
+        from replayquant.models.families import lm_head_scale
         self.head_scale = lm_head_scale(model)   # Falcon-H1 / Granite-4 scale the head's output
         self.cache_kw = _cache_kwarg(self.base)
         self.has_cache_position = "cache_position" in inspect.signature(self.base.forward).parameters

@@ -14,8 +14,6 @@ import math
 from pathlib import Path
 
 import numpy as np
-from replayquant.outputs import save_figure
-from replayquant.kl.report import model_label, scoring_note, scoring_of
 
 MARKERS = ("o", "s", "^", "D", "P", "X", "*", "h")
 LINESTYLES = ("-", "--", "-.", ":")
@@ -69,6 +67,7 @@ def plot_kl_vs_position(results: dict, arrays: dict, pair_names: list[str], png:
     `first`: the first scored position (the arrays hold positions first ... on)."""
     import matplotlib.pyplot as plt
 
+    from replayquant.outputs import save_figure
     fig = kl_figure(results, arrays, pair_names, first)
     try:
         save_figure(fig, png, bbox_inches="tight")
@@ -81,6 +80,8 @@ def kl_figure(results: dict, arrays: dict, pair_names: list[str], first: int = 0
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from .report import model_label, scoring_note, scoring_of
 
     docs = sorted(arrays)
     curves = [position_curve([arrays[i][j] for i in docs], first=first) for j in range(len(pair_names))]

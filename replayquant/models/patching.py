@@ -10,8 +10,7 @@ from replayquant.choices import DTYPE_NAMES, PREFILLS
 from replayquant.models.families import FORWARDS, layer_kind, supported_families
 from replayquant.models.names import resolve_model_name
 from replayquant.models.runtime import LayerRuntime
-from replayquant.policy import resolve_pair, EXACT, LayerPolicy
-from replayquant.pairs import PrecisionPair
+from replayquant.policy import resolve_pair
 
 __all__ = ["recurrent_layers", "patch", "unpatch", "is_patched", "load_model", "load_config",
            "model_class", "model_from_config", "PREFILLS"]
@@ -31,8 +30,10 @@ def _layer_plan(pair, layers, prefill):
     """(pair, prefill) of each layer: one pair for all, or a policy's pair per layer (a layer
     the policy keeps `exact` runs the shared FP32 pair with prefill="exact", as the KL
     reference does)."""
+    from replayquant.policy import EXACT, LayerPolicy
     if not isinstance(pair, LayerPolicy):
         return [(pair, prefill)] * len(layers)
+    from replayquant.pairs import PrecisionPair
     fp32 = None
     plan = []
     for p in pair.assign([(name, m.layer_idx) for name, m, _ in layers]):

@@ -59,7 +59,6 @@ import torch
 
 from replayquant.formats import use_triton
 from replayquant.kernels.chunk_ref import chunk_scan_ref, cpu_threads
-from replayquant.kernels.stores import pow2_16
 from replayquant.models.decode_graph import LayerGraph
 from replayquant.models.decode_store import DecodeStore
 from replayquant.replay import ReplayState
@@ -80,6 +79,9 @@ def decode_path(x: torch.Tensor | None = None, d_k: int | None = None, d_v: int 
     vector_gate: a decay per key channel (Kimi Delta Attention; the kernel's replay_kda_step)."""
     if not use_triton(x if x is not None else torch.empty(0)):
         return "torch"
+    # imported here: kernels.stores imports Triton, which replayquant installs on Linux only and
+    # which importing replayquant.models does not need
+    from replayquant.kernels.stores import pow2_16
     why = []
     if d_k is not None and d_v is not None and not (pow2_16(d_k) and pow2_16(d_v)):
         why.append(f"the Triton replay decode kernel needs d_k, d_v powers of two >= 16, got "

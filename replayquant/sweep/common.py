@@ -7,10 +7,7 @@ import math
 import re
 from pathlib import Path
 
-from replayquant.outputs import write_json, check_writable_folder
-from replayquant.kl.command import load_tokenizer_and_config
-from replayquant.models.families import KIND_NAMES
-from replayquant.models.shapes import config_shapes
+from replayquant.outputs import write_json
 
 __all__ = ["kl_bound", "kl_figures", "kl_problem", "load_json_kind", "check_structure", "REAL",
            "SIZE", "shapes_of_model", "fmt_bytes", "pair_formats",
@@ -136,7 +133,10 @@ def shapes_of_model(model: str, revision: str | None = None):
     """(LayerShapes of the recurrent layers, meta model, tokenizer, config, resolved name) of a
     model without loading its weights (`models.shapes.config_shapes`); one ValueError for a model without
     a recurrent layer."""
+    from replayquant.kl.command import load_tokenizer_and_config
+    from replayquant.models.families import KIND_NAMES
     tok, cfg, resolved = load_tokenizer_and_config(model, revision)
+    from replayquant.models.shapes import config_shapes
     shapes, meta = config_shapes(cfg)
     if not shapes:
         raise ValueError(f"{model}: the model has no recurrent layer replayquant can patch "
@@ -182,6 +182,7 @@ def check_results_out(out) -> Path:
     written (created if missing)."""
     import os
 
+    from replayquant.outputs import check_writable_folder
     p = Path(os.path.expanduser(str(out)))
     if p.suffix.lower() != ".json":
         raise ValueError(f"--out {out}: the results file must end in .json (NAME.png and the KL "

@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 
 from .common import pair_formats
-from replayquant.pairs import PrecisionPair
 
 __all__ = ["load_kernels", "variant_us", "conventional_us", "kernels_record"]
 
@@ -50,6 +49,7 @@ def load_kernels(path) -> dict:
 
 def _bench_pairs(rows) -> dict:
     """{shipped pair name in the grid: its formats}."""
+    from replayquant.pairs import PrecisionPair
     out = {}
     for name in sorted({r["variant"] for r in rows if r.get("kernel") in WINDOW_KERNELS}):
         try:

@@ -18,11 +18,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .common import (REAL, SIZE, check_budget, check_structure, fmt_bytes, kl_problem, write_json,
-                     check_results_out)
-from replayquant.kl import command as klcmd   # looked up at call time (tests replace kl_command)
-from replayquant.provenance import provenance
-from replayquant.outputs import check_owned, output_lock
+from .common import REAL, SIZE, check_budget, check_structure, fmt_bytes, kl_problem, write_json
 
 __all__ = ["NoFit", "recommend", "print_recommendation", "check_sweep", "check_sensitivity",
            "check_recommendation_out", "write_recommendation", "RECOMMEND_KIND"]
@@ -98,7 +94,8 @@ def check_sensitivity(sens, source: str = "") -> None:
     check_structure(sens, _SENS_SCHEMA, src, writer)
     import inspect
 
-    params = inspect.signature(klcmd.kl_command).parameters
+    from replayquant.kl.command import kl_command
+    params = inspect.signature(kl_command).parameters
     takes = set(params) - {"pairs", "out", "progress"}
     open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     extra = [] if open_ended else sorted(set(sens["kl_args"]) - takes)
@@ -184,6 +181,7 @@ def recommend(sweep: dict, kl_budget: float, max_bytes: float | None = None,
               max_memory: float | None = None, gpqa: dict | None = None,
               gpqa_budget: float | None = None, source: str = "") -> dict:
     """The recommendation dict for a sweep dict; raises NoFit when nothing fits."""
+    from replayquant.provenance import provenance
     check_budget("--kl-budget", kl_budget)
     check_budget("--max-bytes", max_bytes)
     check_budget("--max-memory", max_memory)
@@ -332,7 +330,9 @@ def check_recommendation_out(out, sources=()) -> Path:
     """The path of a recommendation file (`recommend SWEEP.json --out`), checked before any work:
     a .json in a writable folder, not one of the files read (`sources`), not a file of another
     kind. Returns it as a Path; one ValueError saying what to give instead."""
+    from replayquant.outputs import check_owned
 
+    from .common import check_results_out
     path = check_results_out(out)
     check_owned(path, RECOMMEND_KIND, "replayquant recommend", inputs=sources)
     return path
@@ -341,6 +341,7 @@ def check_recommendation_out(out, sources=()) -> Path:
 def write_recommendation(path: Path, rec: dict, sources=()) -> None:
     """Write a recommendation file, holding its lock: it replaces a recommendation for the same
     budgets of a sweep of the same model only."""
+    from replayquant.outputs import check_owned, output_lock
     with output_lock(path):
         check_owned(path, RECOMMEND_KIND, "replayquant recommend", inputs=sources,
                     identity={"model": rec.get("model"), "budgets": rec["budgets"]},

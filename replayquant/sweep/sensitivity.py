@@ -27,11 +27,6 @@ from replayquant.outputs import check_owned, output_lock
 
 from .common import (check_results_out, clean_name, kl_figures, kl_file_for, shapes_of_model,
                      write_json)
-from replayquant.policy import resolve_pair, EXACT, LayerPolicy, Override
-from replayquant.pairs import PrecisionPair
-from replayquant.sweep.plot import plot_sensitivity
-from replayquant.kl import command as klcmd   # looked up at call time (tests replace kl_command)
-from replayquant.provenance import provenance
 
 __all__ = ["SENS_KIND", "sensitivity_variants", "sensitivity_command", "print_sensitivity"]
 
@@ -58,6 +53,9 @@ def _parse_layers(layers, shapes) -> list:
 
 def sensitivity_variants(pairs, shapes, buffer_len: int | None = None) -> list[dict]:
     """[{"variant", "pair": name, "layer": index or None for all layers}] for each pair."""
+    from replayquant.policy import resolve_pair
+    from replayquant.pairs import PrecisionPair
+    from replayquant.policy import EXACT, LayerPolicy, Override
     if not pairs:
         raise ValueError("give at least one --pair")
     out, seen = [], set()
@@ -121,6 +119,7 @@ def sensitivity_command(model: str, pairs: list, *, buffer_len: int | None = Non
             return None
         write_json(out_path, sens)
         if plot:
+            from .plot import plot_sensitivity
             plot_sensitivity(sens, png)
     print_sensitivity(sens)
     Console(stderr=True).print(f"wrote {out_path} and {png}")
@@ -142,9 +141,11 @@ def _recorded_run(old: dict) -> dict:
 def _measure(model, pairs, names, variants, shapes, chosen, chunks, kl_paths, buffer_len, per_pass,
              kl_args) -> dict | None:
     """The KL runs of the variants and the sensitivity record (None on ranks > 0)."""
+    from replayquant.kl.command import kl_command
+    from replayquant.provenance import provenance
     stats, kl_files, last = {}, [], None
     for chunk, kl_path in zip(chunks, kl_paths):
-        res = klcmd.kl_command(model, [v["variant"] for v in chunk], out=str(kl_path), **kl_args)
+        res = kl_command(model, [v["variant"] for v in chunk], out=str(kl_path), **kl_args)
         if res is None:
             return None
         stats.update(res["results"])
