@@ -152,9 +152,6 @@ def graphed_decode(forward):
 
 
 def _hooked(module) -> bool:
-    """Whether accelerate hooks the layer (offloaded weights move between steps); cached."""
-    flag = getattr(module, "_replayquant_hooked", None)
-    if flag is None:
-        flag = any(hasattr(m, "_hf_hook") for m in module.modules())
-        module._replayquant_hooked = flag
-    return flag
+    """Whether accelerate hooks the layer (offloaded weights move between steps). Asked at every
+    step, not cached: a model can be dispatched after it has decoded."""
+    return any(hasattr(m, "_hf_hook") for m in module.modules())
