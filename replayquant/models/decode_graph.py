@@ -3,9 +3,10 @@
 An eager decode step of a patched layer (projections, short convolution, the replay step on the
 layer's decode store, gated norm, output projection) is a few dozen small kernels whose launches
 the host issues one by one; on an H200 host a decode step of the Qwen3.5-4B-shape model (B = 1)
-spent about 2.5 ms of host time in each of its 24 Gated DeltaNet layers (cProfile,
-`evals/decode_host_profile.py`), while the GPU was busy 6.5 ms of the whole 94-ms step
-(torch.profiler, `bench generate`), so the GPU waited. Every tensor such a
+spent about 2.5 ms of host time in each of its 24 Gated DeltaNet layers when every step launched
+its kernels one by one (cProfile: `REPLAYQUANT_DECODE_GRAPHS=off python
+evals/decode_host_profile.py OUT`), while the GPU was busy 6.5 ms of the whole 94-ms step
+(torch.profiler, `bench generate` under the same setting), so the GPU waited. Every tensor such a
 step touches keeps its address from one step to the next (the weights, HF's conv state, which
 its update writes in place, and the decode store, allocated once for the batch), and the step
 reads nothing on the host (0 host syncs), so it can be recorded once as a CUDA graph and replayed:
