@@ -13,6 +13,7 @@ launches through `triton_launches` (custom ops of replayquant.kernels.ops count 
 
 from __future__ import annotations
 
+import traceback
 from collections import Counter
 
 import torch
@@ -64,7 +65,6 @@ class HostSyncCounter(TorchDispatchMode):
 
 
 def _caller() -> str:
-    import traceback
     for fr in reversed(traceback.extract_stack()[:-2]):
         if "/torch/" not in fr.filename and not fr.filename.endswith("hostsync.py"):
             return f"{fr.filename.split('/replayquant/')[-1]}:{fr.lineno} {fr.name}"

@@ -47,13 +47,20 @@ import inspect
 import logging
 import os
 import sys
+import tempfile
 
+import lm_eval
+import lm_eval.evaluator as ev
 import torch
+from lm_eval.__main__ import cli_evaluate
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
+from transformers import AutoModelForCausalLM, CompileConfig
 
 from replayquant.choices import PREFILLS
+from replayquant.gpqa.tasks import write_task_dir
 from replayquant.models.names import resolve_model_name
+from replayquant.models.patching import model_class, patch, unpatch
 from replayquant.policy import resolve_pair
 
 __all__ = ["ReplayQuantLM", "lm_eval_main", "LM_EVAL_INTERNALS",
@@ -121,7 +128,6 @@ def check_lm_eval_internals() -> None:
     """One ValueError naming every lm-eval internal that moved, and the tested lm-eval version."""
     problems = lm_eval_internals_problems()
     if problems:
-        import lm_eval
         raise ValueError(
             f"the installed lm-eval ({getattr(lm_eval, '__version__', '?')}) is not the one "
             f"replayquant's lm-eval model is built on (tested: lm-eval 0.4.13, pyproject's range): "
@@ -151,7 +157,6 @@ def _quiet_git_hash():
     """lm-eval records the git commit of the working folder by running `git describe` with the
     terminal's stderr: outside a git checkout (an ordinary user's folder) git prints `fatal: not a
     git repository`. lm-eval's own function runs unchanged; only git's stderr is dropped."""
-    import lm_eval.evaluator as ev
     orig = ev.get_git_commit_hash
     if getattr(orig, "_replayquant_quiet", False):
         return
@@ -170,7 +175,6 @@ _quiet_git_hash()
 def cache_kwarg(model) -> str:
     """The forward argument that takes the cache: `cache` (transformers >= 5.2x) or
     `past_key_values` (earlier 5.x)."""
-    import inspect
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
@@ -178,15 +182,6 @@ def cache_kwarg(model) -> str:
 def output_cache(out):
     c = getattr(out, "cache", None)
     return c if c is not None else getattr(out, "past_key_values", None)
-
-
-def _patch_api():
-    try:
-        from replayquant.models import patch, unpatch
-    except ImportError as e:
-        raise ValueError(f"replayquant.patch / unpatch (model integration) are not available in this "
-                         f"installation ({e})") from None
-    return patch, unpatch
 
 
 @register_model("replayquant")
@@ -220,8 +215,6 @@ class ReplayQuantLM(HFLM):
         """HFLM's backend choice, with the class `replayquant.load_model` uses: transformers' own
         (`model_class`; GLM-5-Next's causal LM is its conditional-generation class, which
         AutoModelForCausalLM does not know)."""
-        from replayquant.models.patching import model_class
-        from transformers import AutoModelForCausalLM
         auto = model_class(config)
         if auto is not AutoModelForCausalLM:
             self.AUTO_MODEL_CLASS = auto
@@ -240,7 +233,6 @@ class ReplayQuantLM(HFLM):
     def set_pair(self, pair, prefill: str | None = None, seed: int | None = None, buffer_len=None):
         """Patch `pair` into the model (replacing the pair patched before), so one loaded model
         serves several pairs in turn."""
-        patch, unpatch = _patch_api()
         pair = resolve_pair(pair, buffer_len)
         if prefill is not None and prefill not in PREFILLS:
             raise ValueError(f"prefill={prefill!r}: use one of {', '.join(PREFILLS)}")
@@ -332,7 +324,6 @@ class ReplayQuantLM(HFLM):
             if context.device.type != "cuda":
                 raise ValueError("compile_generate=true compiles the decode step for CUDA graphs; "
                                  f"the model runs on {context.device}: drop compile_generate")
-            from transformers import CompileConfig
             generation_kwargs.setdefault("cache_implementation", "static")
             generation_kwargs.setdefault("compile_config", CompileConfig())
         return super()._model_generate(context, max_length, stop, **generation_kwargs)
@@ -347,9 +338,6 @@ def lm_eval_main(argv: list[str]) -> None:
     """lm-eval's own command line (`lm_eval ARGS`) with the `replayquant` model registered.
     `--gpqa-csv PATH` (ours, removed before lm-eval sees the arguments) makes lm-eval's GPQA-Diamond
     tasks read a local CSV instead of the gated hub dataset."""
-    import sys
-    import tempfile
-
     args = list(argv)
     csv_path = None
     for i, a in enumerate(args):
@@ -363,11 +351,8 @@ def lm_eval_main(argv: list[str]) -> None:
                 csv_path = args[i + 1]
                 del args[i:i + 2]
             break
-    from lm_eval.__main__ import cli_evaluate
-
     with tempfile.TemporaryDirectory(prefix="replayquant_gpqa_tasks_") as tmp:
         if csv_path is not None:
-            from replayquant.gpqa.tasks import write_task_dir
             if any(a == "--include_path" or a.startswith("--include_path=") for a in args):
                 raise ValueError("--gpqa-csv writes lm-eval's include_path itself; pass either --gpqa-csv "
                                  "or --include_path, not both")

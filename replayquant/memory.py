@@ -9,6 +9,10 @@ the GPUs the run would use, or the host's available memory (psutil) for a CPU ru
 
 from __future__ import annotations
 
+import torch
+
+from replayquant.policy import EXACT, LayerPolicy
+
 __all__ = ["available_bytes", "check_fits", "replay_cache_bytes", "kl_cache_bytes",
            "check_kl_sizes"]
 
@@ -20,7 +24,6 @@ def _gib(b: float) -> str:
 def available_bytes(device: str | None = None) -> tuple[float, str]:
     """(bytes free, where) for a run on `device`: a CUDA device or map (None / "auto" on a
     machine with CUDA: every visible GPU together), else the host's available memory."""
-    import torch
     dev = "auto" if device is None else str(device).strip()
     if torch.cuda.is_available() and not dev.startswith(("cpu", "meta", "mps")):
         if dev.startswith("cuda:"):
@@ -29,7 +32,7 @@ def available_bytes(device: str | None = None) -> tuple[float, str]:
             idx = list(range(torch.cuda.device_count()))
         free = sum(torch.cuda.mem_get_info(i)[0] for i in idx)
         return float(free), ("GPU " + ", ".join(map(str, idx)) if len(idx) > 1 else f"cuda:{idx[0]}")
-    import psutil
+    import psutil   # psutil: optional, not a dependency
     return float(psutil.virtual_memory().available), "the host"
 
 
@@ -54,7 +57,6 @@ def replay_cache_bytes(shape, pair) -> float:
 
 def kl_cache_bytes(variants, shapes) -> float:
     """Bytes of the caches of every variant of a KL run (one sequence each), over the layers."""
-    from replayquant.policy import EXACT, LayerPolicy
     total = 0.0
     for v in variants:
         pairs = (v.assign([(s.name, s.index) for s in shapes]) if isinstance(v, LayerPolicy)
@@ -65,7 +67,6 @@ def kl_cache_bytes(variants, shapes) -> float:
 
 def _pairs_of(variant) -> list:
     """The precision pairs a pair or layer policy holds (EXACT layers hold none)."""
-    from replayquant.policy import EXACT, LayerPolicy
     pairs = variant.pairs() if isinstance(variant, LayerPolicy) else [variant]
     return [p for p in pairs if p != EXACT]
 

@@ -24,6 +24,8 @@ import contextvars
 import dataclasses
 import os
 
+import torch
+
 __all__ = ["Options", "get", "override", "ENV", "triton_interpreter", "check_backend"]
 
 ENV = {
@@ -97,7 +99,6 @@ def check_backend(on_cuda: bool | None = None) -> None:
     if get().backend != "triton" or triton_interpreter():
         return
     if on_cuda is None:
-        import torch
         on_cuda = torch.cuda.is_available()
         where = "this machine has no CUDA GPU"
     else:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import io
 import json
 import os
@@ -34,6 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Callable
+
+import numpy as np
 
 __all__ = ["WriteError", "write_file", "write_text", "write_json", "save_figure", "save_npy",
            "append_line", "check_writable_folder", "diff_records", "check_owned", "other_run_error",
@@ -137,7 +140,6 @@ def save_figure(fig, path, **savefig_kw) -> Path:
 
 
 def save_npy(path, arr) -> Path:
-    import numpy as np
     return write_file(path, lambda fh: np.save(fh, arr, allow_pickle=False))
 
 
@@ -333,7 +335,6 @@ def output_lock(out):
     """Hold the lock of results file `out` (see the module docstring) for the `with` block; one
     ValueError, naming the lock file and the process holding it, when another process holds it.
     Nested locks of one output in one process are one lock."""
-    import fcntl
     lock = lock_path(out)
     key = os.path.abspath(lock)
     if key in _held:

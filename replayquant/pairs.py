@@ -27,7 +27,11 @@ Every validation problem raises one ValueError naming the problem and the fix.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from importlib.resources import files
 from pathlib import Path
+
+import yaml
+from rich.table import Table
 
 from replayquant.formats import FORMATS, Format, get_format
 from replayquant.formats.constants import ROUNDINGS
@@ -37,7 +41,6 @@ __all__ = ["FormatSpec", "PrecisionPair", "PAIRS_DIR", "list_pairs", "pairs_tabl
 def _pairs_dir():
     """The shipped pairs, read as package data: configs/pairs/ of the source tree, reached through
     the package's `configs` link in a checkout and copied into the package by a wheel build."""
-    from importlib.resources import files
     d = files("replayquant") / "configs" / "pairs"
     if not d.is_dir():
         raise RuntimeError(f"replayquant's shipped precision pairs are missing ({d}): the package "
@@ -63,7 +66,6 @@ class _TooLarge(ValueError):
 def _yaml_loader():
     """A safe YAML loader (libyaml's where installed) that refuses documents expanding to more
     than MAX_YAML_VALUES values or referring to themselves."""
-    import yaml
     base = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
     class Loader(base):
@@ -98,7 +100,6 @@ def read_yaml(path, what: str):
     """The parsed contents of a YAML file (a Path or a package resource), or one error naming
     `what` the file should be when it is missing, not YAML, or larger than a pair or policy
     can be (MAX_YAML_VALUES)."""
-    import yaml
     if not path.is_file():
         raise ValueError(f"{what} {str(path)!r} does not exist")
     size = path.stat().st_size if hasattr(path, "stat") else 0     # package data: ours, small
@@ -285,8 +286,6 @@ def list_pairs() -> list[str]:
 
 def pairs_table(d_k: int = 128, d_v: int = 128):
     """A rich Table of the shipped pairs with bytes per state element (d_v x d_k matrix)."""
-    from rich.table import Table
-
     t = Table(title=f"precision pairs (bytes per state element, {d_v}x{d_k} state)")
     for col in ("name", "read", "anchor", "L", "read B/elem", "anchor B/elem", "held B/elem"):
         t.add_column(col, justify="right" if "B/" in col or col == "L" else "left", no_wrap=True)

@@ -30,6 +30,8 @@ import fnmatch
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 from replayquant.pairs import PrecisionPair, check_mapping, read_yaml
 
 __all__ = ["EXACT", "LayerPolicy", "Override", "is_policy_file", "resolve_pair"]
@@ -149,7 +151,6 @@ class LayerPolicy:
         return out
 
     def to_yaml(self) -> str:
-        import yaml
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     # -- meeting a model

@@ -8,6 +8,10 @@ import platform
 import subprocess
 from pathlib import Path
 
+import torch
+
+import replayquant
+
 
 def _own_checkout() -> Path | None:
     """The root of replayquant's own source checkout when this package runs from one, else None.
@@ -46,26 +50,22 @@ def git_commit() -> str:
             return sha + ("+dirty" if dirty else "")
         except (OSError, subprocess.CalledProcessError):
             pass
-    import replayquant
     return f"replayquant=={replayquant.__version__}"
 
 
 def device_name(device=None) -> str:
-    import torch
     if torch.cuda.is_available() and (device is None or str(device).startswith("cuda")):
         return torch.cuda.get_device_name(device if device is not None else 0)
     return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
 
 
 def versions() -> dict:
-    import torch
     out = {"python": platform.python_version(), "torch": torch.__version__}
     for mod in ("triton", "transformers", "datasets", "lm_eval"):
         try:
             out[mod] = __import__(mod).__version__
         except Exception:  # not installed on this machine
             out[mod] = None
-    import replayquant
     out["replayquant"] = replayquant.__version__
     return out
 

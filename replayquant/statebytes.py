@@ -40,7 +40,7 @@ entries, amortised flush, inputs / output); its total equals `replay_window_byte
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 __all__ = ["state_bytes", "io_bytes", "entry_bytes", "conventional_bytes", "replay_window_bytes",
            "replay_read_step_bytes", "replay_flush_step_bytes", "LayerShape", "StepBytes", "MemoryBytes", "layer_step_bytes", "layer_conventional_bytes",
@@ -178,8 +178,20 @@ def _fmts(pair):
     return pair.anchor.format, (None if pair.read is None else pair.read.format)
 
 
+class _Parts:
+    """Byte counts in named parts that add part by part (a model's sum over its layers)."""
+
+    KEYS: tuple[str, ...] = ()          # to_dict's keys in order: the parts and their sums
+
+    def __add__(self, o):
+        return type(self)(*(getattr(self, f.name) + getattr(o, f.name) for f in fields(self)))
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.KEYS}
+
+
 @dataclass
-class StepBytes:
+class StepBytes(_Parts):
     """Mean HBM bytes per decode step of one sequence, split by what moves them. `state` (read
     copy + ring + flush) is what the precision pair and L change; `io` (inputs, output) is the
     same for every pair and for the conventional step."""
@@ -187,6 +199,7 @@ class StepBytes:
     ring: float = 0.0
     flush: float = 0.0
     io: float = 0.0
+    KEYS = ("read_copy", "ring", "flush", "state", "io", "total")
 
     @property
     def state(self) -> float:
@@ -196,32 +209,18 @@ class StepBytes:
     def total(self) -> float:
         return self.state + self.io
 
-    def __add__(self, o: "StepBytes") -> "StepBytes":
-        return StepBytes(self.read_copy + o.read_copy, self.ring + o.ring, self.flush + o.flush,
-                         self.io + o.io)
-
-    def to_dict(self) -> dict:
-        return {"read_copy": self.read_copy, "ring": self.ring, "flush": self.flush,
-                "state": self.state, "io": self.io, "total": self.total}
-
 
 @dataclass
-class MemoryBytes:
+class MemoryBytes(_Parts):
     """State memory of one sequence: anchor, read copy (0 for a shared pair), ring buffer."""
     anchor: float = 0.0
     read_copy: float = 0.0
     ring: float = 0.0
+    KEYS = ("anchor", "read_copy", "ring", "total")
 
     @property
     def total(self) -> float:
         return self.anchor + self.read_copy + self.ring
-
-    def __add__(self, o: "MemoryBytes") -> "MemoryBytes":
-        return MemoryBytes(self.anchor + o.anchor, self.read_copy + o.read_copy, self.ring + o.ring)
-
-    def to_dict(self) -> dict:
-        return {"anchor": self.anchor, "read_copy": self.read_copy, "ring": self.ring,
-                "total": self.total}
 
 
 def layer_step_bytes(shape: LayerShape, pair, L: int | None = None) -> StepBytes:

@@ -164,7 +164,7 @@ def plot_kernels(res, png: str, shapes=None) -> None:
     # device has no display)
     import matplotlib
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt   # matplotlib: loaded when a plot is drawn
     rows = res["rows"]
     # kinds with replay rows
     kinds = [k for k in shapes or SHAPES if find_rows(rows, kind=k, kernel="replay-window")]

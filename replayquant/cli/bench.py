@@ -24,6 +24,7 @@ def bench_generate_cmd(
 ):
     """GPU: ms per decode step of generate, HF and patched, eager and static cache + compile, with
     GPU busy time, kernel launches and host syncs per step."""
+    # transformers: loaded by the commands that use it
     from replayquant.bench.generate import run_generate_bench
     try:
         batches = tuple(int(x) for x in batch.split(","))
@@ -56,8 +57,10 @@ def bench_teacher_forcing_cmd(
     """GPU: teacher forcing through the chunk kernel: the patched vs the unpatched HF forward of
     a Qwen3.5-4B-shape model over one long document (target <= 2x, <= 40 GiB), and/or the
     kernel check and per-layer timing."""
+    # transformers: loaded by the commands that use it
     from replayquant.bench import teacher_forcing as tf
     if device is not None:
+        # transformers: loaded by the commands that use it
         from replayquant.models.device import check_device
         check_device(device)
     if part in ("layer", "all"):
@@ -100,6 +103,7 @@ def bench_kernels_cmd(
     over two or more calls. With --authors PATH the ReplaySSM authors' kernels run beside ours on
     the same inputs; --preset targets measures every target of the decode kernels in one call
     (kernels.json `targets`)."""
+    # Triton (Linux only): loaded where a kernel runs
     from replayquant.bench.authors import checkout_commit
     from replayquant.bench.kernels_plan import estimate_s, plan
     from replayquant.bench.kernels_run import run_kernels_bench
@@ -140,6 +144,7 @@ def bench_merge_cmd(
     """One kernels table from several `bench kernels` runs of one commit (split by --kinds /
     --spec-batches over device calls): rows kept with their run, speedups derived within a run,
     targets from the merged rows."""
+    # Triton (Linux only): loaded where a kernel runs
     from replayquant.bench.kernels_merge import merge_kernels
     res = merge_kernels(parts, out=out, name=name)
     typer.echo(f"{len(res['rows'])} rows from {len(parts)} runs -> {out}/{name}.json, .md, _speedup.png")

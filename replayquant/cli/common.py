@@ -13,8 +13,10 @@ from typing import Annotated, Literal
 
 import typer
 
+from replayquant import __version__
 from replayquant.bench.targets import PRESETS
 from replayquant.choices import DTYPE_NAMES, PREFILLS, REFERENCES
+from replayquant.options import check_backend
 
 # Options with a fixed set of values: typer checks them and `--help` lists them.
 Dtype = Literal[("auto", *DTYPE_NAMES)]
@@ -60,7 +62,6 @@ app.add_typer(bench_app, name="bench")
 
 def _print_version(value: bool):
     if value:
-        from replayquant import __version__
         typer.echo(f"replayquant {__version__}")
         raise typer.Exit()
 
@@ -70,7 +71,6 @@ def _print_version(value: bool):
 def _main(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
                                        help="print replayquant's version and exit")):
     """Low-precision SSM state for hybrid models (ReplaySSM)."""
-    from replayquant.options import check_backend
     check_backend()
 
 

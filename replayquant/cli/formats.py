@@ -5,8 +5,12 @@ replayquant/drift.py, replayquant/bench/formats.py)."""
 from __future__ import annotations
 
 import typer
+from rich.console import Console
 
 from replayquant.cli.common import BenchFormat, LayerKind, app, bench_app, user_errors
+from replayquant.drift import drift_out_path, drift_table, run_drift, write_drift
+from replayquant.formats.report import check_dims, print_formats_table
+from replayquant.pairs import pairs_table
 
 
 @app.command("formats")
@@ -17,7 +21,6 @@ def formats_cmd(
     seed: int = typer.Option(0, help="seed of the test tensor"),
 ):
     """Every format and rounding: bytes/element, RMSE and max relative error on a state-like tensor."""
-    from replayquant.formats.report import print_formats_table
     print_formats_table((heads, d, d), seed)
 
 
@@ -29,6 +32,7 @@ def bench_formats_cmd(
     formats: list[BenchFormat] = typer.Option(None, "--format", help="formats to time (repeatable; default: all)"),
 ):
     """GPU: quantize / dequantize GB/s per format and rounding against the device copy bandwidth."""
+    # Triton (Linux only): loaded where a kernel runs
     from replayquant.bench.formats import run_formats_bench
     run_formats_bench(mbytes=mbytes, out=out, formats=[f.value for f in formats or ()] or None)
 
@@ -40,10 +44,6 @@ def pairs_cmd(
     d_v: int = typer.Option(128, help="state rows (value dim)"),
 ):
     """The shipped precision pairs (configs/pairs/) with read / anchor bytes per state element."""
-    from rich.console import Console
-
-    from replayquant.formats.report import check_dims
-    from replayquant.pairs import pairs_table
     check_dims({"--d-v": d_v}, {"--d-k": d_k})
     Console(width=max(Console().width, 110)).print(pairs_table(d_k, d_v))
 
@@ -63,9 +63,6 @@ def drift_cmd(
     out: str = typer.Option("build/drift", help="folder for KIND_NsSteps.json and .md"),
 ):
     """Random-input drift of outputs and anchor against the FP32 recurrence, per pair."""
-    from rich.console import Console
-
-    from replayquant.drift import drift_out_path, drift_table, run_drift, write_drift
     try:
         seed_list = [int(s) for s in seeds.split(",") if s.strip()]
     except ValueError:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import typer
 
 from replayquant.cli.common import DtypeOpt, ModelOpt, PrefillOpt, app, pair_option, user_errors
+from replayquant.gpqa import render_table, run_gpqa
 
 GPQAPairs = pair_option("repeatable; differences are taken from the first")
 
@@ -35,9 +36,9 @@ def gpqa_cmd(
     model_args: str = typer.Option(None, "--model-args", "--model_args", help="more lm-eval hf model args, k=v,k=v"),
 ):
     """GPQA-Diamond through lm-eval for every pair: one results file per pair and SUMMARY.json."""
-    from replayquant.gpqa import render_table, run_gpqa
     extra = {}
     if model_args:
+        # lm-eval / datasets: loaded by the commands that use them
         from lm_eval.utils import simple_parse_args_string
         extra = simple_parse_args_string(model_args)
     tasks = [t.strip() for v in (task or []) for t in v.split(",") if t.strip()]
@@ -58,5 +59,5 @@ def gpqa_cmd(
 def lm_eval_cmd(ctx: typer.Context):
     """lm-eval's own command line with `--model replayquant` registered (all arguments pass through;
     `--gpqa-csv PATH` reads GPQA-Diamond from a local CSV)."""
-    from replayquant.lm_eval_model import lm_eval_main   # checks lm-eval's internals first
+    from replayquant.lm_eval_model import lm_eval_main  # checks lm-eval's internals first
     lm_eval_main(list(ctx.args))

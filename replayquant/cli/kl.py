@@ -10,6 +10,11 @@ import typer
 from replayquant.cli.common import (BenchShape, KLOptions, ModelOpt, Prefill, Scoring, TableFormat,
                                     TableOrder, app, bench_app, pair_option, user_errors,
                                     with_kl_options)
+from replayquant.gpqa.summary import table_for_files
+from replayquant.kl.bench import bench_kl
+from replayquant.kl.report import render_table
+from replayquant.kl.results import load_scored
+from replayquant.launch import single_process_warning
 
 KLPairs = pair_option("repeatable")
 
@@ -29,8 +34,8 @@ def kl_cmd(
                                     "n-2 of each n-token document, as llama.cpp's --kl-divergence)"),
 ):
     """KL(reference || pair) over long documents, reference and pairs in lockstep; resumable."""
+    # transformers: loaded by the commands that use it
     from replayquant.kl.command import kl_command
-    from replayquant.launch import single_process_warning
     warning = single_process_warning("kl")
     if warning:
         typer.echo(warning, err=True)
@@ -52,9 +57,6 @@ def table_cmd(
 ):
     """One table from KL results files, GPQA summaries (build/gpqa/*/SUMMARY.json) or the lm-eval
     results `replayquant lm-eval` / `replayquant gpqa` write: pairs as rows."""
-    from replayquant.gpqa.summary import table_for_files  # GPQA summaries (build/gpqa/*/SUMMARY.json)
-    from replayquant.kl.report import render_table
-    from replayquant.kl.results import load_scored
     gpqa_table = table_for_files(files, fmt=format)
     if gpqa_table is not None:
         if scoring is not None:
@@ -75,7 +77,6 @@ def bench_kl_cmd(
     out: str = typer.Option("build/bench/kl_128k.json", help="results JSON"),
 ):
     """GPU: wall time and peak memory of the KL harness on one long document vs plain HF forwards."""
-    from replayquant.kl.bench import bench_kl
     r = bench_kl(shape=shape, context=context, segment=segment, pairs=pair or ("f4_sr_rs", "tp4_hi32"),
                  prefill=prefill, out=out)
     typer.echo(f"KL {r['kl_wall_time_s']:.1f} s, HF forward {r['hf_forward_s']:.1f} s, time per plain forward pass "

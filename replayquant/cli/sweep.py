@@ -8,6 +8,12 @@ import dataclasses
 import typer
 
 from replayquant.cli.common import KLOptions, ModelOpt, app, pair_option, user_errors, with_kl_options
+from replayquant.gpqa.summary import load_summary
+from replayquant.sweep import recommend as R
+from replayquant.sweep.command import SWEEP_KIND, sweep_command
+from replayquant.sweep.common import load_json_kind
+from replayquant.sweep.per_layer import recommend_per_layer
+from replayquant.sweep.sensitivity import sensitivity_command
 
 SweepPairs = pair_option("repeatable")
 SensitivityPairs = pair_option("repeatable: give two for `recommend --per-layer`", policies=False)
@@ -34,7 +40,6 @@ def sweep_cmd(
 ):
     """Every (pair, L) in one KL run against the FP32-state reference, with the state bytes per
     decode step and the memory each costs; Pareto front of bytes against KL. Resumable."""
-    from replayquant.sweep.command import sweep_command
     sweep_command(model, pair, buffer_len, kernels=kernels, batch=batch, out=out,
                   **dataclasses.asdict(kl))
 
@@ -67,15 +72,12 @@ def recommend_cmd(
     """The cheapest variant of a sweep within the budgets, its savings against the FP32
     conventional step and the runner-up (exit 1 when nothing fits); or, with --per-layer, a layer
     policy from a sensitivity run, measured with the KL harness beside its prediction."""
-    from replayquant.sweep import recommend as R
-    from replayquant.sweep.common import load_json_kind
     try:
         if per_layer is not None:
             if sweep is not None or gpqa is not None or max_bytes is not None or max_memory is not None:
                 raise ValueError("--per-layer takes a sensitivity file and --kl-budget (with --low / "
                                  "--high); give a sweep file, --max-bytes, --max-memory or --gpqa "
                                  "without --per-layer")
-            from replayquant.sweep.per_layer import recommend_per_layer
             res = recommend_per_layer(per_layer, kl_budget, low=low, high=high, out=out,
                                         progress=progress, device_map=device_map)
             if res is not None and not res["measured_fits"]:
@@ -91,11 +93,9 @@ def recommend_cmd(
         if low is not None or high is not None:
             raise ValueError("--low / --high go with --per-layer")
         out_path = None if out is None else R.check_recommendation_out(out, (sweep, gpqa))
-        from replayquant.sweep.command import SWEEP_KIND
         sw = load_json_kind(sweep, SWEEP_KIND, "replayquant sweep")
         summary = None
         if gpqa is not None:
-            from replayquant.gpqa.summary import load_summary
             summary = load_summary(gpqa)
         rec = R.recommend(sw, kl_budget, max_bytes=max_bytes, max_memory=max_memory, gpqa=summary,
                           gpqa_budget=gpqa_budget, source=sweep)
@@ -126,6 +126,5 @@ def sensitivity_cmd(
 ):
     """Per recurrent layer, the KL when only that layer holds the pair (every other layer exact
     FP32), all layers in one lockstep pass, ranked; bar plot and the sum against all layers."""
-    from replayquant.sweep.sensitivity import sensitivity_command
     sensitivity_command(model, pair, buffer_len=buffer_len, layers=layers, per_pass=per_pass,
                         out=out, **dataclasses.asdict(kl))

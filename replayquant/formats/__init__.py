@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from replayquant import options
 from replayquant.formats.constants import BF16, FP16, NVFP4_BLOCK, ROUNDINGS, Grid
 from replayquant.kernels import quant_ref as ref
 from replayquant.kernels.philox import random_bits_ref
@@ -33,7 +34,6 @@ def use_triton(x: torch.Tensor) -> bool:
     """True where the Triton kernels run: CUDA tensors, or the option backend = triton
     (REPLAYQUANT_BACKEND, replayquant.options; a CPU tensor then needs TRITON_INTERPRET=1, else
     one ValueError says so)."""
-    from replayquant import options
     choice = options.get().backend
     if choice == "auto":
         return x.is_cuda
@@ -128,6 +128,7 @@ class CastFormat(Format):
 
     def _quantize(self, x, rounding, seed, stream, rbits):
         if use_triton(x):
+            # Triton (Linux only): loaded where a kernel runs
             from replayquant.kernels import quant
             payload = quant.cast_quantize(x, self.grid, self.dtype, rounding, seed, stream)
         else:
@@ -147,6 +148,7 @@ class FP8Format(Format):
 
     def _quantize(self, x, rounding, seed, stream, rbits):
         if use_triton(x):
+            # Triton (Linux only): loaded where a kernel runs
             from replayquant.kernels import quant
             payload, scale = quant.fp8_quantize(x, rounding, seed, stream)
         else:
@@ -155,6 +157,7 @@ class FP8Format(Format):
 
     def _dequantize(self, q):
         if use_triton(q.payload):
+            # Triton (Linux only): loaded where a kernel runs
             from replayquant.kernels import quant
             return quant.fp8_dequantize(q.payload, q.scales["row"])
         return ref.fp8_dequantize_ref(q.payload, q.scales["row"])
@@ -184,6 +187,7 @@ class NVFP4Format(Format):
     def _quantize(self, x, rounding, seed, stream, rbits):
         x3 = self._as_matrices(x)
         if use_triton(x):
+            # Triton (Linux only): loaded where a kernel runs
             from replayquant.kernels import quant
             if isinstance(stream, torch.Tensor):   # one stream per matrix, in x3's order
                 stream = torch.broadcast_to(stream.to(torch.int64), x.shape[:-2]).reshape(-1)
@@ -195,6 +199,7 @@ class NVFP4Format(Format):
 
     def _dequantize(self, q):
         if use_triton(q.payload):
+            # Triton (Linux only): loaded where a kernel runs
             from replayquant.kernels import quant
             out = quant.nvfp4_dequantize(q.payload, q.scales["block"], q.scales["matrix"])
         else:

@@ -16,9 +16,12 @@ from __future__ import annotations
 import math
 
 import torch
+from rich.console import Console
+from rich.table import Table
 
 from replayquant.formats import FORMATS
-from replayquant.formats.constants import ROUNDINGS
+from replayquant.formats.constants import NVFP4_BLOCK, ROUNDINGS
+from replayquant.memory import check_fits
 
 DEFAULT_SHAPE = (8, 128, 128)
 DEFAULT_SEED = 0
@@ -29,7 +32,6 @@ def check_dims(positive: dict, block_multiple: dict | None = None) -> None:
     (e.g. "--d-k"); every value in `positive` must be an integer >= 1, every value in
     `block_multiple` a positive multiple of NVFP4_BLOCK (NVFP4 scales blocks of 16 elements of
     a row, so its rows must split into whole blocks)."""
-    from replayquant.formats.constants import NVFP4_BLOCK
     for name, v in {**positive, **(block_multiple or {})}.items():
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
@@ -72,7 +74,6 @@ def formats_report(shape=DEFAULT_SHAPE, seed: int = DEFAULT_SEED, d: int = 128) 
         raise ValueError(f"the test tensor's shape must be (heads, rows, cols), got {tuple(shape)}")
     check_dims({"--heads": shape[0]}, {"--d": shape[2]})
     check_dims({"rows": shape[1]})
-    from replayquant.memory import check_fits
     n = shape[0] * shape[1] * shape[2]
     check_fits(64.0 * n, f"the test tensor {list(shape)} ({n} elements: its float64 draw, the "
                          f"round trips and their error statistics)",
@@ -92,7 +93,6 @@ def formats_report(shape=DEFAULT_SHAPE, seed: int = DEFAULT_SEED, d: int = 128) 
 
 def render_formats_table(rows: list[dict], shape=DEFAULT_SHAPE, seed: int = DEFAULT_SEED):
     """A rich Table of `formats_report` rows."""
-    from rich.table import Table
     t = Table(title=f"State formats on a state-like tensor {list(shape)} (seed {seed}; "
                     f"see replayquant/formats/report.py)")
     for col, just in (("format", "left"), ("rounding", "left"), ("B/elem", "right"),
@@ -106,7 +106,6 @@ def render_formats_table(rows: list[dict], shape=DEFAULT_SHAPE, seed: int = DEFA
 
 
 def print_formats_table(shape=DEFAULT_SHAPE, seed: int = DEFAULT_SEED) -> list[dict]:
-    from rich.console import Console
     rows = formats_report(shape, seed)
     Console().print(render_formats_table(rows, shape, seed))
     return rows

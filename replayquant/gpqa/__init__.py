@@ -15,6 +15,7 @@ from replayquant.gpqa.tasks import (DEFAULT_TASK, GPQA_TASKS, REQUIRED_COLUMNS, 
 
 def run_gpqa(*args, **kwargs):
     """See replayquant.gpqa.run.run_gpqa (imported lazily: it pulls in lm-eval and torch)."""
+    # lm-eval / datasets: loaded by the commands that use them
     from replayquant.gpqa.run import run_gpqa as _run
     return _run(*args, **kwargs)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import os
+from importlib.resources import files
 from pathlib import Path
 
 import yaml
@@ -46,12 +47,11 @@ ACCESS_HELP = (
 
 def templates_dir():
     """The task templates shipped inside the package (replayquant/gpqa/templates/)."""
-    from importlib.resources import files
     return files("replayquant.gpqa") / "templates"
 
 
 def lm_eval_gpqa_dir() -> Path:
-    import lm_eval
+    import lm_eval   # lm-eval / datasets: loaded by the commands that use them
     return Path(lm_eval.__file__).resolve().parent / "tasks" / "gpqa"
 
 
@@ -142,7 +142,7 @@ def write_task_dir(csv_path, out_dir, tasks=None) -> Path:
 def check_hub_access() -> None:
     """Load the gated GPQA-Diamond from the hub (or the local `datasets` cache) once, so that a
     missing token fails before any model is loaded, with one clear error."""
-    import datasets
+    import datasets   # lm-eval / datasets: loaded by the commands that use them
     try:
         datasets.load_dataset(HUB_DATASET, HUB_CONFIG, split="train")
     except Exception as e:  # gated, offline, not logged in: datasets raises several kinds

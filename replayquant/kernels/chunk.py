@@ -62,11 +62,11 @@ import triton.language as tl
 
 from replayquant import options
 from replayquant.formats import QTensor
+from replayquant.kernels import chunk_ref
 from replayquant.kernels.chunk_ref import ScanState, _check_inputs, cpu_threads
-from replayquant.kernels.roles import (_FP8_DIV, _NV_DIV, FMT_IDS, _role_bits, _sr_bits,
-                                       nv_block_encode, split_key)
 from replayquant.kernels.quant import (decode_bf16, decode_e2m1, decode_e4m3, decode_fp16,
                                        encode_bf16, encode_e4m3, encode_fp16)
+from replayquant.kernels.roles import _FP8_DIV, _NV_DIV, FMT_IDS, _role_bits, _sr_bits, nv_block_encode, split_key
 from replayquant.replay import core
 from replayquant.streams import layer_seed
 
@@ -961,6 +961,5 @@ def chunk_scan(state: ScanState, q, k, v, log_a, beta=None, *, pair, seed: int =
 def teacher_force(st, q, k, v, log_a, beta=None, *, valid=None, exact: bool = False):
     """`chunk_ref.teacher_force` through the Triton kernel: run a segment through ReplayState st
     (in place) -> y [B, T, H, d_v]."""
-    from replayquant.kernels import chunk_ref
     return chunk_ref.teacher_force(st, q, k, v, log_a, beta, valid=valid, exact=exact,
                                    scan=chunk_scan)

@@ -40,7 +40,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from replayquant import options
 from replayquant.formats import QTensor
+from replayquant.replay import core
 from replayquant.streams import ANCHOR, READ, layer_seed, sr_stream
 
 __all__ = ["ScanState", "cast_roles", "initial_scan_state", "rebuild_state", "chunk_scan_ref",
@@ -230,7 +232,6 @@ def _window_terms(G, kw, qw, vw, bw):
 def rebuild_state(state: ScanState, pair) -> torch.Tensor:
     """The unrounded FP32 state after the buffered steps, rebuilt from the dequantized anchor
     (GDN: u recomputed from the anchor), i.e. what a flush now would cast."""
-    from replayquant.replay import core
     return core.rebuild(anchor_f32(state, pair), state.k, state.v, state.G, state.beta,
                         state.count)[0]
 
@@ -251,7 +252,6 @@ def cpu_threads(device):
     if torch.device(device).type != "cpu":
         yield
         return
-    from replayquant import options
     want = options.get().cpu_threads
     n = torch.get_num_threads()
     if want >= n:

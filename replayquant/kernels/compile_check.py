@@ -27,11 +27,18 @@ with its python; `record` stays with the main venv):
 
 from __future__ import annotations
 
+import collections
+import importlib
 import inspect
 import json
 import os
+import re
 import runpy
+import subprocess
 import sys
+import tempfile
+
+from replayquant.outputs import write_json
 
 _DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64",
            "int8": "i8", "uint8": "u8", "int16": "i16", "int32": "i32", "int64": "i64",
@@ -73,6 +80,7 @@ def _const(v):
 def record_launches(launches: list):
     """Patch the interpreter so each kernel launch is appended to `launches` (deduplicated by
     the caller). Needs TRITON_INTERPRET=1 set before triton is imported."""
+    # Triton (Linux only): loaded where a kernel runs
     from triton.runtime.interpreter import InterpretedFunction
 
     orig = InterpretedFunction.run
@@ -116,7 +124,7 @@ def compile_ptx(fn, signature: dict, constexprs: dict, num_warps: int, arch: int
                 attrs: dict | None = None, maxnreg: int | None = None) -> str:
     """PTX of JIT function `fn` for sm_<arch>, compiled here by Triton (no GPU needed).
     signature: {argument: Triton type or "constexpr"}, as triton.compile takes it."""
-    import triton
+    import triton   # Triton (Linux only): loaded where a kernel runs
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -128,7 +136,7 @@ def compile_ptx(fn, signature: dict, constexprs: dict, num_warps: int, arch: int
 
 def _nvidia_tool(*names):
     """The first of `names` that Triton ships in its nvidia backend's bin folder, or None."""
-    import triton
+    import triton   # Triton (Linux only): loaded where a kernel runs
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     for n in names:
         if os.path.exists(os.path.join(bindir, n)):
@@ -140,9 +148,6 @@ def assemble(ptx: str, arch: int = 90, verbose: bool = False, sass: bool = False
     """Run the newest ptxas Triton ships (plain ptxas may be too old to read Triton's PTX) on
     `ptx` for sm_<arch>(a): (returncode, stderr), or None when Triton ships no ptxas; sass:
     (returncode, stderr, the cubin's disassembly by nvdisasm or None)."""
-    import subprocess
-    import tempfile
-
     exe = _nvidia_tool("ptxas-blackwell", "ptxas")
     if exe is None:
         return None
@@ -171,7 +176,6 @@ def ptxas_report(stderr: str) -> str:
 def sass_opcodes(disassembly: str) -> list:
     """The opcode (without modifiers or predicate) of each instruction in an nvdisasm listing
     (lines `/*addr*/ [@P0] OPCODE.MOD ...`)."""
-    import re
     return [m.split(".")[0] for m in re.findall(
         r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", disassembly,
         flags=re.M)]
@@ -188,8 +192,6 @@ def _compile_inputs(ln: dict):
     included) without a divisibility hint, as Triton's launcher treats it. A constexpr ON_GPU
     (False in the interpreter, where a kernel takes another route around an interpreter
     limitation) is compiled as the GPU runs it, True."""
-    import importlib
-
     fn = getattr(importlib.import_module(ln["module"]), ln["kernel"])
     keep = {p.name for p in fn.params if p.do_not_specialize}   # 1 stays a runtime integer
     sig, consts, attrs = {}, dict(ln["constexprs"]), {}
@@ -288,7 +290,6 @@ def main(argv: list[str]) -> int:
                 runpy.run_path(cmd[0], run_name="__main__")
         except SystemExit as e:
             rc = e.code if isinstance(e.code, int) else 1
-        from replayquant.outputs import write_json
         write_json(out, unique(launches))
         print(f"compile_check: {len(unique(launches))} distinct launches -> {out} (command rc={rc})")
         return rc
@@ -315,7 +316,6 @@ def main(argv: list[str]) -> int:
             print(f"{ln['kernel']} warps={ln['num_warps']}{cap} {consts}\n    "
                   + (f"FAIL {err}" if err else f"{n} SASS instructions; {report}"))
             if top and ops:
-                import collections
                 print("    " + ", ".join(f"{op} {c}" for op, c in
                                          collections.Counter(ops).most_common(top)))
         return 1 if bad else 0

@@ -28,6 +28,10 @@ from typing import Optional
 
 import torch
 
+from replayquant.kernels import replay_decode as rd
+from replayquant.kernels import replay_ref as rr
+from replayquant.kernels import replay_torch as rt
+from replayquant.kernels import verify as vf
 from replayquant.kernels.roles import PackedRole
 from replayquant.kernels.stores import ReplayStore, _begin, _check_accept
 
@@ -133,15 +137,11 @@ def _engine_fns(meta: str, what: str):
     engine = _layout(meta)["engine"]
     if engine == "triton":
         if what == "step":
-            from replayquant.kernels import replay_decode as rd
             return rd.replay_gdn_step, rd.replay_mamba2_step, rd.replay_kda_step
-        from replayquant.kernels import verify as vf
         return (vf.replay_gdn_verify, vf.replay_mamba2_verify, vf.replay_kda_verify) \
             if what == "verify" else vf.replay_accept
     if what == "step":
-        from replayquant.kernels import replay_torch as rt
         return rt.replay_gdn_step_torch, rt.replay_mamba2_step_torch, rt.replay_kda_step_torch
-    from replayquant.kernels import replay_ref as rr
     return (rr.replay_gdn_verify_ref, rr.replay_mamba2_verify_ref, rr.replay_kda_verify_ref) \
         if what == "verify" else rr.replay_accept_ref
 

@@ -14,6 +14,7 @@ import torch
 
 from replayquant.kernels.conventional import (_into, gdn_frontend_ref, kda_frontend_ref,
                                               mamba2_frontend_ref, mamba2_post_ref)
+from replayquant.kernels.replay_decode import replay_launch_config
 from replayquant.kernels.roles import role_streams
 from replayquant.kernels.stores import (NO_DT_LIMIT, ReplayStore, _begin, _check_accept,
                                         _default_force, _indices, folds_u, ring_keys, solves_u)
@@ -137,7 +138,6 @@ def _rebuild_ref(A, K, V, G, Bt, delta, cur=None, vec=False, U=None):
 def _write_roles_ref(store: ReplayStore, s: int, S, fi: int):
     """Both roles of slot s cast from S; a tile of the flush launch (replay_launch_config's rows
     of one head) whose S holds NaN or infinity keeps both roles as they were, as in the kernel."""
-    from replayquant.kernels.replay_decode import replay_launch_config
     H = store.shape[1]
     bv = replay_launch_config(store, "flush")[0]
     keep = ~torch.isfinite(S).unflatten(1, (-1, bv)).flatten(2).all(2)     # [H, tiles]

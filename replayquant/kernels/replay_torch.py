@@ -48,6 +48,7 @@ import torch
 from replayquant.kernels.conventional import (_into, gdn_frontend_ref, kda_frontend_ref,
                                               mamba2_frontend_ref, mamba2_post_ref)
 from replayquant.kernels.philox import random_bits_torch
+from replayquant.kernels.replay_decode import replay_launch_config
 from replayquant.kernels.stores import (NO_DT_LIMIT, ReplayStore, _begin, _check_buffered,
                                         _indices, folds_u, pow2_16, ring_keys, solves_u,
                                         step_inputs)
@@ -168,7 +169,6 @@ def _flush_tile_rows(store: ReplayStore) -> int:
     """Rows of the tile whose roles a non-finite flush keeps: the Triton flush launch's where
     the kernel takes the store's dims (powers of two >= 16), else the whole d_v (dims only this
     engine runs)."""
-    from replayquant.kernels.replay_decode import replay_launch_config
     dv, dk = store.shape[2:]
     if pow2_16(dv) and pow2_16(dk):
         return replay_launch_config(store, "flush")[0]

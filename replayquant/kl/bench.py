@@ -23,7 +23,13 @@ from pathlib import Path
 
 import torch
 
+from replayquant import options
 from replayquant.outputs import check_owned, output_lock, write_json
+from replayquant.provenance import provenance
+
+from .data import Document, DocumentSet
+from .lockstep import _cache_kwarg, _out_cache
+from .run import run_kl
 
 BENCH_KL_KIND = "replayquant.bench.kl"     # the "kind" of the results file
 
@@ -42,6 +48,7 @@ SHAPES = {
 
 
 def build_model(shape: str, dtype: torch.dtype, device) -> torch.nn.Module:
+    # transformers: loaded when a model is built
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
@@ -64,7 +71,6 @@ def _sync(device):
 
 def _chunk_dot() -> str:
     """The chunk kernel's dot precision (the option chunk_dot, replayquant.options)."""
-    from replayquant import options
     return options.get().chunk_dot
 
 
@@ -88,7 +94,6 @@ def timed(fn, device) -> tuple[float, int | None]:
 
 def plain_forward(model, ids: torch.Tensor, segment: int) -> None:
     """The baseline: the unpatched model over `ids` in segments with its cache, all logits."""
-    from .lockstep import _cache_kwarg, _out_cache
     kw = _cache_kwarg(model)
     cache = None
     with torch.inference_mode():
@@ -112,13 +117,10 @@ def _bench_kl(shape: str = "qwen3.5-4b", context: int = 131072, segment: int = 8
               pairs=("f4_sr_rs", "tp4_hi32"), prefill: str = "replay", reference: str = "exact",
               dtype: str = "bfloat16", device: str | None = None,
               out: str | Path = "build/bench/kl_128k.json", warmup_tokens: int | None = None) -> dict:
+    # Triton (Linux only): loaded where a kernel runs
     from replayquant.bench.timing import REPLAY_TARGETS, KernelClock, fla_version, hf_chunk_function
-    from replayquant.provenance import provenance
 
-    from .command import DTYPES
-    from .data import Document, DocumentSet
-    from .run import run_kl
-
+    from .command import DTYPES   # transformers: loaded where a model is
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = build_model(shape, DTYPES[dtype], device)
     ids = random_document(model.config.vocab_size, context)

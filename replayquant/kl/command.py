@@ -8,10 +8,25 @@ import re
 from pathlib import Path
 
 import torch
+from accelerate import PartialState
+from rich.console import Console
+from transformers import AutoTokenizer
 
 from replayquant.choices import PREFILLS, REFERENCES
+from replayquant.memory import check_kl_sizes
+from replayquant.models.device import check_device_map, describe_devices
 from replayquant.models.names import resolve_model_name
-from replayquant.models.patching import DTYPES, resolve_dtype
+from replayquant.models.patching import DTYPES, load_config, load_model
+from replayquant.models.shapes import config_shapes
+from replayquant.outputs import output_lock
+from replayquant.policy import resolve_pair
+
+from .data import load_documents
+from .files import check_out
+from .lockstep import check_pair_names
+from .report import print_summary
+from .run import model_record, run_kl
+from .stats import scored_range
 
 
 def _check_dtype(dtype) -> None:
@@ -30,9 +45,6 @@ def _model_error(model, resolved, e):
 def load_tokenizer_and_config(model: str, revision: str | None = None):
     """(tokenizer, config, resolved name): everything but the weights, so that bad input fails
     before gigabytes are loaded."""
-    from transformers import AutoTokenizer
-
-    from replayquant.models.patching import load_config
     resolved = resolve_model_name(model)   # a path that is not there: one ValueError
     kw = {"revision": revision} if revision else {}
     try:
@@ -46,23 +58,12 @@ def load_tokenizer_and_config(model: str, revision: str | None = None):
 
 
 def load_weights(resolved: str, dtype: str = "bfloat16", device_map=None, revision: str | None = None):
-    """The model in eval mode (unpatched), through `replayquant.load_model` where it exists.
+    """The model in eval mode (unpatched), through `replayquant.load_model`.
     dtype "auto": the dtype the model's config names (its own)."""
-    from transformers import AutoModelForCausalLM
     _check_dtype(dtype)
     try:
-        import replayquant
-        load = getattr(replayquant, "load_model", None)
-    except ImportError:
-        load = None
-    try:
-        if load is not None:
-            m = load(resolved, dtype=dtype, device_map=device_map,
-                     **({"revision": revision} if revision else {}))
-        else:
-            kw = {"dtype": resolve_dtype(dtype), **({"device_map": device_map} if device_map is not None else {}),
-                  **({"revision": revision} if revision else {})}
-            m = AutoModelForCausalLM.from_pretrained(resolved, **kw)
+        m = load_model(resolved, dtype=dtype, device_map=device_map,
+                       **({"revision": revision} if revision else {}))
     except ValueError:
         raise
     except (OSError, KeyError) as e:
@@ -94,11 +95,6 @@ def kl_command(model: str, pairs: list[str], dataset: str = "pg19", split: str =
                data_files=None, scoring: str = "all") -> dict | None:
     """Everything `replayquant kl` does; returns the results dict on the main process. A second
     run into the same --out while one runs is refused (`replayquant.outputs.output_lock`)."""
-    from replayquant.outputs import output_lock
-
-    from .files import check_out
-    from .stats import scored_range
-
     # cheap checks first: no weights are loaded for a run that cannot start
     for name, v, choices in (("--prefill", prefill, PREFILLS), ("--reference", reference, REFERENCES)):
         if v not in choices:
@@ -125,17 +121,6 @@ def kl_command(model: str, pairs: list[str], dataset: str = "pg19", split: str =
 def _checked_kl(model, pairs, out_path: Path, *, dataset, split, text_field, context, docs,
                 segment, prefill, dtype, device_map, seed, pack, revision, reference, progress,
                 dataset_config, data_files, scoring) -> dict | None:
-    from accelerate import PartialState
-    from rich.console import Console
-
-    from replayquant.models.device import check_device_map, describe_devices
-
-    from .data import load_documents
-    from .report import print_summary
-    from replayquant.policy import resolve_pair
-
-    from .lockstep import check_pair_names
-    from .run import model_record, run_kl
     device_map = check_device_map(device_map)
     pairs = [resolve_pair(p) for p in pairs]          # once: everything below takes the objects
     check_pair_names(pairs)
@@ -147,8 +132,6 @@ def _checked_kl(model, pairs, out_path: Path, *, dataset, split, text_field, con
     if limit and context > limit:
         raise ValueError(f"--context {context} is longer than the model supports "
                          f"(max_position_embeddings = {limit}); lower --context")
-    from replayquant.memory import check_kl_sizes      # before any weights or documents load
-    from replayquant.models.shapes import config_shapes
     check_kl_sizes(pairs, config_shapes(cfg)[0], context, prefill,
                    device_map)
     documents = load_documents(dataset, tok, context, docs, split=split, text_field=text_field, pack=pack,

@@ -46,11 +46,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
+from urllib.parse import urlparse
 
 import torch
+
+from replayquant.data import heldout_path
 
 DATASET_ALIASES = {"pg19": "emozilla/pg19"}
 HELDOUT = "heldout"       # --dataset short name of the shipped held-out books (replayquant.data)
@@ -155,7 +159,6 @@ def resolve_source(dataset: str, data_files=None) -> tuple[str, str]:
     (a local folder or file of that name comes first)."""
     p = Path(os.path.expanduser(dataset))
     if dataset == HELDOUT and not p.exists():
-        from replayquant.data import heldout_path
         return "jsonl", str(heldout_path())
     if p.is_dir():
         return _folder_kind(p), str(p.resolve())
@@ -261,8 +264,6 @@ def check_hub_reachable(what: str, timeout: float = 3.0) -> None:
         pass
     if any(os.environ.get(v) for v in _PROXY_VARS):
         return
-    import socket
-    from urllib.parse import urlparse
     try:
         from huggingface_hub import constants
         endpoint = constants.ENDPOINT
@@ -278,7 +279,7 @@ def check_hub_reachable(what: str, timeout: float = 3.0) -> None:
 
 def _open_datasets(kind: str, source: str, split: str | None, config: str | None, data_files):
     """(iterable of rows, description for errors, split used, column names or None)."""
-    import datasets
+    import datasets   # lm-eval / datasets: loaded by the commands that use them
     offline = ("offline, pass a local file or folder instead (" + ACCEPTED + ")")
     if kind == "saved":
         try:

@@ -15,6 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
+from replayquant.outputs import save_figure
+
+from .report import model_label, scoring_note, scoring_of
+
 MARKERS = ("o", "s", "^", "D", "P", "X", "*", "h")
 LINESTYLES = ("-", "--", "-.", ":")
 
@@ -65,9 +69,8 @@ def plot_kl_vs_position(results: dict, arrays: dict, pair_names: list[str], png:
                         first: int = 0):
     """Write a PNG: x = token position (log), y = mean KL(ref || test) (log where any is positive).
     `first`: the first scored position (the arrays hold positions first ... on)."""
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt   # matplotlib: loaded when a plot is drawn
 
-    from replayquant.outputs import save_figure
     fig = kl_figure(results, arrays, pair_names, first)
     try:
         save_figure(fig, png, bbox_inches="tight")
@@ -77,11 +80,9 @@ def plot_kl_vs_position(results: dict, arrays: dict, pair_names: list[str], png:
 
 def kl_figure(results: dict, arrays: dict, pair_names: list[str], first: int = 0):
     """The matplotlib figure `plot_kl_vs_position` saves (Agg backend)."""
-    import matplotlib
+    import matplotlib   # matplotlib: loaded when a plot is drawn
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from .report import model_label, scoring_note, scoring_of
+    import matplotlib.pyplot as plt   # matplotlib: loaded when a plot is drawn
 
     docs = sorted(arrays)
     curves = [position_curve([arrays[i][j] for i in docs], first=first) for j in range(len(pair_names))]

@@ -20,6 +20,10 @@ import json
 import math
 from pathlib import Path
 
+from rich.console import Console
+from rich.measure import Measurement
+from rich.table import Table
+
 RESULTS_KIND = "replayquant.kl"        # the "kind" of a KL results file (kl/results.py writes them)
 
 COLUMNS = ("model", "pair", "prefill", "context", "docs", "mean KL", "median KL", "p99 KL", "max KL",
@@ -315,12 +319,10 @@ _DROP_ORDER = ("max", "dp RMS %", "p99", "ln PPL ratio", "same top %", "median")
 
 def _width(console, table) -> int:
     """The width `table` needs with no cell wrapped or cut (rich clamps to the console otherwise)."""
-    from rich.measure import Measurement
     return Measurement.get(console, console.options.update(max_width=1 << 16), table).maximum
 
 
 def _table(title, cols, rows, first_left=True):
-    from rich.table import Table
     t = Table(title=title)
     for i, c in enumerate(cols):
         t.add_column(c, justify="left" if (i == 0 and first_left) else "right", no_wrap=True)
@@ -349,7 +351,6 @@ def fit_table(console, title, cols, rows, drop_order=_DROP_ORDER):
 def print_summary(res: dict, console=None):
     """The terminal tables of one run (rich): statistics per pair, and mean KL by position, each
     fitted to the console's width (columns left out are named; `replayquant table` has them all)."""
-    from rich.console import Console
     console = console or Console()
     cfg = res["config"]
     done = f"{res['documents_done']}" + ("" if res.get("complete") else f" of {res['documents_planned']}")

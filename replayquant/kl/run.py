@@ -21,19 +21,18 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn
+from rich.text import Text
 
 from replayquant.outputs import output_lock
+from replayquant.policy import resolve_pair
 
 from . import stats as S
 from .data import Document, DocumentSet, load_documents
 from .files import append_record, check_out, read_progress, run_paths, save_document
-from replayquant.policy import resolve_pair
-
-from .lockstep import (SegmentRunner, Variant, check_pair_names, patch_variant, reference_variant,
-                       score_document)
+from .lockstep import SegmentRunner, Variant, check_pair_names, patch_variant, reference_variant, score_document
 from .results import write_results
 from .resume import code_version, document_fingerprint, finished_documents
-
 
 # ----------------------------------------------------------------------------------------------
 # Model identity.
@@ -309,10 +308,6 @@ class _Progress:
     def __init__(self, enabled: bool, total: int, label: str, console=None):
         self.enabled = enabled and total > 0
         if self.enabled:
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn,
-                                       TextColumn, TimeElapsedColumn)
-            from rich.text import Text
-
             def rate(task):
                 # rich's speed needs two samples within its window; one segment per document
                 # (or segments longer than the window) give one: then the mean since the start

@@ -20,6 +20,7 @@ import torch
 
 from replayquant.formats import QTensor
 from replayquant.replay import ReplayState
+from replayquant.streams import layer_seed
 
 __all__ = ["DecodeStore", "state_to_store", "store_to_state", "take_slots", "RING_DTYPE"]
 
@@ -37,6 +38,7 @@ DECODE_KERNEL_PATH = "replay"
 def _role_to_packed(q: QTensor, spec, N: int, slots: torch.Tensor, shape):
     """A PackedRole [N, H, d_v, d_k] holding the packed QTensor q ([B, H, d_v, d_k]) in `slots`
     (same bytes; other slots zero)."""
+    # Triton (Linux only): loaded where a kernel runs
     from replayquant.kernels.roles import PackedRole
     B, H, dv, dk = shape
     role = PackedRole.empty(spec.format, spec.rounding, (N, H, dv, dk), q.device)
@@ -85,7 +87,6 @@ def state_to_store(st: ReplayState, key_heads: int, u_dtype=None, ring_dtype=tor
     # replayquant installs on Linux only and which importing replayquant.models does not need
     from replayquant.kernels.replay_ref import fill_key_factors_ref
     from replayquant.kernels.stores import ReplayStore, check_ring_dtype, default_u_dtype, solves_u
-    from replayquant.streams import layer_seed
     check_ring_dtype(ring_dtype)
     if u_dtype is None:
         u_dtype = default_u_dtype(st.pair.anchor.format, None if st.pair.read is None
@@ -142,6 +143,7 @@ def store_to_state(store, state_indices: torch.Tensor, pair, seed: int, layer: i
     state_to_store, without any cast): anchor and read copy bit for bit, the committed ring
     entries in window order as the kernel reads them (GDN k re-normalised, Mamba-2 v = dt x),
     u as the kernel computed it, flush indices, and rows = the slots (the SR sequence ids)."""
+    # Triton (Linux only): loaded where a kernel runs
     from replayquant.kernels.stores import ring_keys
     slots = state_indices.long()
     B = len(slots)
@@ -198,6 +200,7 @@ class DecodeStore:
 
     def __init__(self, st: ReplayState, key_heads: int, steps_done: int = 0,
                  reuse: "DecodeStore | None" = None, engine: str = "triton"):
+        # Triton (Linux only): loaded where a kernel runs
         from replayquant.kernels.ops import ENGINES, store_meta
         if engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
@@ -232,6 +235,7 @@ class DecodeStore:
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor of this state a decode step reads or writes (store, slots, counters)."""
+        # Triton (Linux only): loaded where a kernel runs
         from replayquant.kernels.ops import store_tensors
         return store_tensors(self.store) + [self.state_indices, self.bad, self.steps]
 
@@ -272,6 +276,7 @@ class DecodeStore:
         """One decode step from the layer's raw inputs (one token each, see LayerRuntime.run)
         -> y float32 [B, H, d_v] (Mamba-2: without the D skip), through the custom operator
         replayquant::replay_step (replayquant.kernels.ops) on this state's engine."""
+        # Triton (Linux only): loaded where a kernel runs
         from replayquant.kernels.ops import replay_step
         ring = self.ring                      # the buffered inputs go in at the ring's dtype
         if self.vector_gate:

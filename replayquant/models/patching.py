@@ -5,12 +5,18 @@ from __future__ import annotations
 import functools
 
 import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
 from replayquant.choices import DTYPE_NAMES, PREFILLS
 from replayquant.models.families import FORWARDS, layer_kind, supported_families
 from replayquant.models.names import resolve_model_name
 from replayquant.models.runtime import LayerRuntime
-from replayquant.policy import resolve_pair
+from replayquant.pairs import PrecisionPair
+from replayquant.policy import EXACT, LayerPolicy, resolve_pair
 
 __all__ = ["recurrent_layers", "patch", "unpatch", "is_patched", "load_model", "load_config",
            "model_class", "model_from_config", "PREFILLS"]
@@ -30,10 +36,8 @@ def _layer_plan(pair, layers, prefill):
     """(pair, prefill) of each layer: one pair for all, or a policy's pair per layer (a layer
     the policy keeps `exact` runs the shared FP32 pair with prefill="exact", as the KL
     reference does)."""
-    from replayquant.policy import EXACT, LayerPolicy
     if not isinstance(pair, LayerPolicy):
         return [(pair, prefill)] * len(layers)
-    from replayquant.pairs import PrecisionPair
     fp32 = None
     plan = []
     for p in pair.assign([(name, m.layer_idx) for name, m, _ in layers]):
@@ -146,7 +150,6 @@ _CONFIG_KWARGS = ("revision", "trust_remote_code", "token", "subfolder", "cache_
 
 def _hf_class(table: dict, model_type):
     """transformers' own class named for model_type in one of its name tables, or None."""
-    import transformers
     name = table.get(model_type) if isinstance(model_type, str) else None
     return getattr(transformers, name, None) if isinstance(name, str) else None
 
@@ -158,8 +161,6 @@ def load_config(path, **config_kwargs):
     import it where it is installed), which made load_model build fla's Mamba-2 model, whose
     layers replayquant does not patch. A type transformers does not know (remote code) goes
     through AutoConfig."""
-    from transformers import AutoConfig, PretrainedConfig
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     d, _ = PretrainedConfig.get_config_dict(path, **config_kwargs)
     cls = _hf_class(CONFIG_MAPPING_NAMES, d.get("model_type"))
     return (cls or AutoConfig).from_pretrained(path, **config_kwargs)
@@ -172,9 +173,6 @@ def model_class(config):
     Glm5NextForConditionalGeneration; its vision tower is loaded and idles on text). A type
     transformers does not know gets AutoModelForCausalLM, whose from_pretrained then names what
     it accepts."""
-    from transformers import AutoModelForCausalLM
-    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
     mt = getattr(config, "model_type", None)
     return (_hf_class(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, mt)
             or _hf_class(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES, mt) or AutoModelForCausalLM)

@@ -54,14 +54,16 @@ from __future__ import annotations
 import math
 import warnings
 import weakref
+from dataclasses import fields
 
 import torch
+from transformers import DynamicCache
 
 from replayquant.formats import use_triton
-from replayquant.kernels.chunk_ref import chunk_scan_ref, cpu_threads
+from replayquant.kernels.chunk_ref import chunk_scan_ref, cpu_threads, scan_parts, scan_state_of
 from replayquant.models.decode_graph import LayerGraph
 from replayquant.models.decode_store import DecodeStore
-from replayquant.replay import ReplayState
+from replayquant.replay import ReplayState, core
 from replayquant.replay.state import find_nonfinite
 
 __all__ = ["LayerRuntime", "ScanHeld", "decode_path", "teacher_force_path", "STATE_ATTR"]
@@ -87,6 +89,7 @@ def decode_path(x: torch.Tensor | None = None, d_k: int | None = None, d_v: int 
         why.append(f"the Triton replay decode kernel needs d_k, d_v powers of two >= 16, got "
                    f"d_k={d_k}, d_v={d_v}")
     if dt_limit is not None:
+        # Triton (Linux only): loaded where a kernel runs
         from replayquant.kernels.stores import dt_limit_args
         dt_limit_args(dt_limit)
     if why:
@@ -100,7 +103,7 @@ def teacher_force_path(x: torch.Tensor, d_k: int, d_v: int) -> str:
     'torch (kernel does not support d_k=.., d_v=..)'."""
     if not use_triton(x):
         return "torch"
-    from replayquant.kernels import chunk
+    from replayquant.kernels import chunk   # Triton (Linux only): loaded where a kernel runs
     if chunk.supports(d_k, d_v):
         return "triton"
     return f"torch (the Triton chunk kernel needs powers of two >= 16, got d_k={d_k}, d_v={d_v})"
@@ -121,7 +124,6 @@ class ScanHeld:
     @classmethod
     def of(cls, st: ReplayState) -> "ScanHeld":
         """The ScanHeld holding ReplayState st's parts (its tensors, no copy)."""
-        from replayquant.kernels.chunk_ref import scan_state_of
         return cls(scan_state_of(st), st.pair, st.delta, st.seed, st.layer)
 
     @property
@@ -133,7 +135,6 @@ class ScanHeld:
         return self.ss.count.device
 
     def to_replay_state(self) -> ReplayState:
-        from replayquant.kernels.chunk_ref import scan_parts
         return ReplayState.from_parts(scan_parts(self.ss), self.pair, delta=self.delta,
                                       seed=self.seed, layer=self.layer)
 
@@ -143,6 +144,7 @@ def _teacher_force(held: ScanHeld, q, k, v, log_a, beta, valid, exact: bool):
     the Triton chunk kernel or its torch reference (teacher_force_path)."""
     path = teacher_force_path(q, q.shape[-1], v.shape[-1])
     if path == "triton":
+        # Triton (Linux only): loaded where a kernel runs
         from replayquant.kernels.chunk import chunk_scan as scan
     else:
         if path != "torch":
@@ -169,7 +171,6 @@ def _key_heads(raw: dict, delta: bool) -> int:
 def _static(cache) -> bool:
     """Whether cache is one that HF's generate compiles the decode step for (as
     GenerationMixin._valid_auto_compile_criteria: compileable and not a DynamicCache)."""
-    from transformers import DynamicCache
     return cache is not None and bool(getattr(cache, "is_compileable", False)) \
         and type(cache) is not DynamicCache
 
@@ -429,9 +430,6 @@ class LayerRuntime:
 def reorder_state(held: ScanHeld, ids: torch.Tensor) -> ScanHeld:
     """The state whose row i is row ids[i] of `held` (beam search before decode starts). SR
     stream ids follow the rows."""
-    from dataclasses import fields
-    from replayquant.replay import core
-
     ss, ids = held.ss, ids.to(held.device)
     parts = {}
     for f in fields(ss):

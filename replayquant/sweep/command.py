@@ -30,10 +30,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from replayquant.outputs import check_owned, output_lock
+from rich.console import Console
+from rich.table import Table
 
+from replayquant import statebytes as sb
+from replayquant.outputs import check_owned, output_lock
+from replayquant.pairs import PrecisionPair
+from replayquant.policy import EXACT, LayerPolicy, resolve_pair
+from replayquant.provenance import provenance
+
+from . import measured
 from .common import (check_results_out, clean_name, fmt_bytes, front_kl, kl_figures, kl_file_for,
                      pareto_front, shapes_of_model, write_json)
+from .plot import plot_sweep
 
 __all__ = ["SWEEP_KIND", "parse_buffer_lens", "sweep_variants", "layer_pairs", "variant_costs",
            "front_kl", "pareto_front", "build_sweep", "variants_record", "sweep_command",
@@ -68,8 +77,6 @@ def parse_buffer_lens(text) -> list[int] | None:
 
 def sweep_variants(pairs, buffer_lens) -> list[dict]:
     """[{"variant": pair or policy named BASE@LL, "base": BASE, "L": L, "spec": as given}]."""
-    from replayquant.policy import resolve_pair
-    from replayquant.policy import LayerPolicy
     if not pairs:
         raise ValueError("give at least one --pair")
     out, names = [], set()
@@ -88,7 +95,6 @@ def sweep_variants(pairs, buffer_lens) -> list[dict]:
             if isinstance(p, LayerPolicy):
                 v = p.with_buffer_len(L, name=name)
             else:
-                from replayquant.pairs import PrecisionPair
                 v = PrecisionPair(p.read, p.anchor, L, name, p.description)
             out.append({"variant": v, "base": base, "L": L, "spec": str(spec)})
     return out
@@ -97,7 +103,6 @@ def sweep_variants(pairs, buffer_lens) -> list[dict]:
 def layer_pairs(variant, shapes) -> list:
     """[(LayerShape, PrecisionPair or None)] of a variant: None where a policy keeps a layer
     `exact` (counted as the FP32 conventional step)."""
-    from replayquant.policy import EXACT, LayerPolicy
     if isinstance(variant, LayerPolicy):
         assigned = variant.assign([(s.name, s.index) for s in shapes])
         return [(s, None if p == EXACT else p) for s, p in zip(shapes, assigned)]
@@ -106,7 +111,6 @@ def layer_pairs(variant, shapes) -> list:
 
 def variant_costs(variant, shapes):
     """(StepBytes, MemoryBytes) per sequence of a variant, summed over the layers."""
-    from replayquant import statebytes as sb
     b, m = sb.StepBytes(), sb.MemoryBytes()
     for s, p in layer_pairs(variant, shapes):
         if p is None:
@@ -119,10 +123,6 @@ def variant_costs(variant, shapes):
 def build_sweep(kl_res: dict, variants: list[dict], shapes, kl_path: Path, settings: dict,
                 kern: dict | None = None, kernels_path=None, batch: int = 256) -> dict:
     """The sweep record from a KL results dict and the variants it ran."""
-    from replayquant import statebytes as sb
-    from replayquant.provenance import provenance
-
-    from . import measured
     conv_b, conv_m = sb.model_conventional(shapes)
     conv = {"name": "fp32-conventional", "bytes_per_step": conv_b.to_dict(),
             "memory": conv_m.to_dict(),
@@ -196,11 +196,8 @@ def sweep_command(model: str, pairs: list, buffer_lens=None, *, kernels: str | N
     """Everything `replayquant sweep` does; returns the sweep dict (None on ranks > 0).
     kl_args go to `replayquant.kl.command.kl_command` (dataset, context, docs, segment, prefill,
     dtype, device_map, seed, reference, progress, ...)."""
-    from rich.console import Console
+    from replayquant.kl.command import kl_command   # transformers: reading results does not load it
 
-    from replayquant.kl.command import kl_command
-
-    from . import measured
     Ls = parse_buffer_lens(buffer_lens)
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"--batch must be an integer >= 1, got {batch!r}")
@@ -227,7 +224,6 @@ def sweep_command(model: str, pairs: list, buffer_lens=None, *, kernels: str | N
         sw = build_sweep(res, variants, shapes, kl_path, settings, kern, kernels, batch)
         write_json(out_path, sw)
         if plot:
-            from .plot import plot_sweep
             plot_sweep(sw, png)
     print_sweep(sw, console)
     Console(stderr=True).print(f"wrote {out_path} and {png}")
@@ -240,8 +236,6 @@ def _sci(x, digits=2):
 
 def print_sweep(sw: dict, console=None) -> None:
     """The sweep table (bytes order) and the front."""
-    from rich.console import Console
-    from rich.table import Table
     console = console or Console(width=max(Console().width, 124))   # no number cut at 80 columns
     conv = sw["conventional_fp32"]
     has_k = sw.get("kernels") is not None

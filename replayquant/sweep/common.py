@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from pathlib import Path
 
-from replayquant.outputs import write_json
+from replayquant.outputs import check_writable_folder, write_json
 
 __all__ = ["kl_bound", "kl_figures", "kl_problem", "load_json_kind", "check_structure", "REAL",
            "SIZE", "shapes_of_model", "fmt_bytes", "pair_formats",
@@ -133,9 +134,11 @@ def shapes_of_model(model: str, revision: str | None = None):
     """(LayerShapes of the recurrent layers, meta model, tokenizer, config, resolved name) of a
     model without loading its weights (`models.shapes.config_shapes`); one ValueError for a model without
     a recurrent layer."""
+    # transformers: reading results does not load it
     from replayquant.kl.command import load_tokenizer_and_config
     from replayquant.models.families import KIND_NAMES
     tok, cfg, resolved = load_tokenizer_and_config(model, revision)
+    # transformers: reading results does not load it
     from replayquant.models.shapes import config_shapes
     shapes, meta = config_shapes(cfg)
     if not shapes:
@@ -180,9 +183,6 @@ def check_results_out(out) -> Path:
     """A sweep / sensitivity / recommendation file's path, checked before any work: NAME.json
     (its plot, policy and KL run's files go beside it), not a folder, in a folder that can be
     written (created if missing)."""
-    import os
-
-    from replayquant.outputs import check_writable_folder
     p = Path(os.path.expanduser(str(out)))
     if p.suffix.lower() != ".json":
         raise ValueError(f"--out {out}: the results file must end in .json (NAME.png and the KL "

@@ -19,7 +19,11 @@ has no shape for, or no replay rows of (a grid run without KDA), has no replay t
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
+
+from replayquant.pairs import PrecisionPair
 
 from .common import pair_formats
 
@@ -30,8 +34,6 @@ WINDOW_KERNELS = ("replay-window",)
 
 def load_kernels(path) -> dict:
     """A kernels grid: its rows, shapes and provenance; one ValueError for anything else."""
-    import json
-    from pathlib import Path
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"--kernels {path}: no such file (give the kernels.json that "
@@ -49,7 +51,6 @@ def load_kernels(path) -> dict:
 
 def _bench_pairs(rows) -> dict:
     """{shipped pair name in the grid: its formats}."""
-    from replayquant.pairs import PrecisionPair
     out = {}
     for name in sorted({r["variant"] for r in rows if r.get("kernel") in WINDOW_KERNELS}):
         try:

@@ -15,11 +15,24 @@ the one it measured (`check_same_model`).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-from .common import (check_budget, fmt_bytes, kl_figures, kl_file_for, kl_problem, load_json_kind,
-                     write_json)
+from rich.console import Console
+
+from replayquant import statebytes as sb
+from replayquant.kl.run import local_fingerprint
+from replayquant.outputs import check_owned, output_lock, write_text
+from replayquant.pairs import PrecisionPair
+from replayquant.policy import LayerPolicy, Override
+from replayquant.provenance import provenance
+from replayquant.statebytes import LayerShape, layer_step_bytes
+
+from .command import variant_costs
+from .common import (check_budget, check_results_out, fmt_bytes, kl_figures, kl_file_for,
+                     kl_problem, load_json_kind, write_json)
 from .recommend import NoFit, check_sensitivity
+from .sensitivity import SENS_KIND
 
 __all__ = ["build_policy", "recommend_per_layer", "print_per_layer", "check_same_model",
            "PER_LAYER_KIND"]
@@ -28,8 +41,6 @@ PER_LAYER_KIND = "replayquant.per_layer_recommendation"
 
 
 def _pair_costs(sens: dict, name: str):
-    from replayquant.pairs import PrecisionPair
-    from replayquant.statebytes import LayerShape, layer_step_bytes
     rec = next(p for p in sens["pairs"] if p["name"] == name)
     pair = PrecisionPair.from_dict(rec, source=f"pair {name} of the sensitivity file")
     try:
@@ -47,7 +58,6 @@ def build_policy(sens: dict, kl_budget: float, low: str | None = None, high: str
     Raises NoFit when even every layer at `high` is predicted over the budget, ValueError for a
     file it cannot build from (`check_sensitivity`) and for single-layer KLs of `low` or `high`
     that are not finite numbers >= 0 (no sum of them predicts anything)."""
-    from replayquant.policy import LayerPolicy, Override
     check_budget("--kl-budget", kl_budget)
     check_sensitivity(sens, source)
     names = list(sens["per_layer"])
@@ -119,9 +129,7 @@ def check_same_model(sens: dict, source: str = "") -> dict:
     """The KL options of the sensitivity run, checked to name the model the file measured: a
     local folder must hold the weights it fingerprinted (`local_hash`), or one ValueError names
     both; a hub model is measured at the revision the file recorded (where the run named none)."""
-    import os
-
-    from replayquant.kl.run import local_fingerprint
+    # transformers: reading results does not load it
     from replayquant.models.names import resolve_model_name
     args = dict(sens["kl_args"])
     rec, src = sens["model"], source or "the sensitivity file"
@@ -149,13 +157,7 @@ def recommend_per_layer(sens_path, kl_budget: float, low: str | None = None,
     """Build the policy (build_policy), measure it with the KL harness on the sensitivity run's
     model, documents and settings, and write OUT.json beside the policy (OUT_policy.yaml) and
     the KL run's files (OUT_kl.*). Returns the result dict (None on ranks > 0)."""
-    from replayquant import statebytes as sb
-    from replayquant.kl.command import kl_command
-    from replayquant.provenance import provenance
-
-    from .command import variant_costs
-    from .common import check_results_out
-    from .sensitivity import SENS_KIND
+    from replayquant.kl.command import kl_command   # transformers: reading results does not load it
     sens = load_json_kind(sens_path, SENS_KIND, "replayquant sensitivity")
     policy, plan = build_policy(sens, kl_budget, low, high, source=str(sens_path))
     args = check_same_model(sens, str(sens_path))
@@ -196,13 +198,11 @@ def recommend_per_layer(sens_path, kl_budget: float, low: str | None = None,
     }
     _write_policy_out(out_path, yaml_path, kl_path, result, policy, sens_path)
     print_per_layer(result)
-    from rich.console import Console
     Console(stderr=True).print(f"wrote {out_path}, {yaml_path} and {kl_path}")
     return result
 
 
 def print_per_layer(r: dict, console=None) -> None:
-    from rich.console import Console
     console = console or Console(width=max(Console().width, 124))
     plan, pr, me = r["plan"], r["predicted"], r["measured"]
     c = r["costs"]
@@ -232,7 +232,6 @@ def _check_policy_out(out_path: Path, yaml_path: Path, kl_path: Path, policy, kl
     """Refuse, before any work, an --out holding anything but this policy's recommendation (and
     a policy YAML there without its recommendation), so the JSON and the YAML always describe
     one policy."""
-    from replayquant.outputs import check_owned
     check_owned(out_path, PER_LAYER_KIND, "replayquant recommend --per-layer",
                 identity=_policy_run(policy, kl_budget),
                 recorded=lambda old: {"policy": old["policy"], "kl_budget": old["kl_budget"]},
@@ -245,7 +244,6 @@ def _write_policy_out(out_path: Path, yaml_path: Path, kl_path: Path, result: di
                       sens_path) -> None:
     """The recommendation JSON, then its policy YAML (each atomic), holding the output's lock,
     checked again as before the run (another run may have written it since)."""
-    from replayquant.outputs import output_lock, write_text
     with output_lock(out_path):
         _check_policy_out(out_path, yaml_path, kl_path, policy, result["kl_budget"], sens_path)
         write_json(out_path, result)

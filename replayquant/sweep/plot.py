@@ -12,6 +12,11 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from replayquant.kl.report import model_label
+from replayquant.outputs import save_figure
+
+from .common import front_kl
+
 __all__ = ["plot_sweep", "plot_sensitivity", "axis_floor"]
 
 
@@ -24,15 +29,14 @@ def axis_floor(values) -> float:
 
 
 def _plt():
-    import matplotlib
+    import matplotlib   # matplotlib: loaded when a plot is drawn
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt   # matplotlib: loaded when a plot is drawn
     return plt
 
 
 def _save(fig, png: Path) -> None:
     """Write the figure atomically (`replayquant.outputs.save_figure`) and close it."""
-    from replayquant.outputs import save_figure
     try:
         save_figure(fig, png)
     finally:
@@ -40,7 +44,6 @@ def _save(fig, png: Path) -> None:
 
 
 def _title(sw) -> str:
-    from replayquant.kl.report import model_label
     s = sw["settings"]
     return (f"{model_label(sw['model'])}: {sw.get('documents_done')} doc(s) x {s.get('context')} "
             f"tokens, prefill={s.get('prefill', 'replay')}")
@@ -54,7 +57,6 @@ def plot_sweep(sw: dict, png: Path) -> list[tuple[str, float, float]]:
     plt = _plt()
     rows = [r for r in sw["variants"] if r.get("kl")]
     conv = sw["conventional_fp32"]
-    from .common import front_kl
     floor = axis_floor([front_kl(r["kl"]["kl_mean"], r["kl"]["kl_unc"]) for r in rows])
     fig, ax = plt.subplots(figsize=(11.0, 5.5), dpi=120)
     bases = list(dict.fromkeys(r["base"] for r in rows))

@@ -16,9 +16,17 @@ zero, fits no budget: it is left out and listed (`kl_not_valid`). A sweep that d
 
 from __future__ import annotations
 
+import inspect
+import json
+from collections import Counter
 from pathlib import Path
 
-from .common import REAL, SIZE, check_budget, check_structure, fmt_bytes, kl_problem, write_json
+from rich.console import Console
+
+from replayquant.outputs import check_owned, output_lock
+from replayquant.provenance import provenance
+
+from .common import REAL, SIZE, check_budget, check_results_out, check_structure, fmt_bytes, kl_problem, write_json
 
 __all__ = ["NoFit", "recommend", "print_recommendation", "check_sweep", "check_sensitivity",
            "check_recommendation_out", "write_recommendation", "RECOMMEND_KIND"]
@@ -76,7 +84,6 @@ def check_sweep(sweep, source: str = "") -> None:
     (`_SWEEP_SCHEMA`), two variants of one name, or a run that did not finish."""
     src = source or "the sweep"
     check_structure(sweep, _SWEEP_SCHEMA, src, "replayquant sweep")
-    from collections import Counter
     dup = sorted(n for n, k in Counter(v["name"] for v in sweep["variants"]).items() if k > 1)
     if dup:
         raise ValueError(f"{src}: variant(s) {', '.join(dup)} come more than once; the file is "
@@ -92,9 +99,7 @@ def check_sensitivity(sens, source: str = "") -> None:
     src = source or "the sensitivity file"
     writer = "replayquant sensitivity"
     check_structure(sens, _SENS_SCHEMA, src, writer)
-    import inspect
-
-    from replayquant.kl.command import kl_command
+    from replayquant.kl.command import kl_command   # transformers: reading results does not load it
     params = inspect.signature(kl_command).parameters
     takes = set(params) - {"pairs", "out", "progress"}
     open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
@@ -137,7 +142,6 @@ def gpqa_drops(summary: dict) -> dict:
     """{canonical pair record: {"label", "drop_pts", "drop_upper_pts", "tasks"}} from a GPQA
     summary's primary rows: the largest drop over its tasks, in percentage points, against the
     summary's first pair, at the upper end of the paired uncertainty."""
-    import json
     check_structure(summary, _GPQA_SCHEMA, "the GPQA summary", "replayquant gpqa")
     by_label = {p["label"]: p for p in summary["pairs"]}
     out = {}
@@ -154,7 +158,6 @@ def gpqa_drops(summary: dict) -> dict:
 
 
 def _gpqa_of(variant: dict, drops: dict):
-    import json
     return drops.get(json.dumps(_strip(variant["pair"]), sort_keys=True))
 
 
@@ -181,7 +184,6 @@ def recommend(sweep: dict, kl_budget: float, max_bytes: float | None = None,
               max_memory: float | None = None, gpqa: dict | None = None,
               gpqa_budget: float | None = None, source: str = "") -> dict:
     """The recommendation dict for a sweep dict; raises NoFit when nothing fits."""
-    from replayquant.provenance import provenance
     check_budget("--kl-budget", kl_budget)
     check_budget("--max-bytes", max_bytes)
     check_budget("--max-memory", max_memory)
@@ -301,7 +303,6 @@ def _line(s: dict) -> str:
 
 
 def print_recommendation(rec: dict, console=None) -> None:
-    from rich.console import Console
     console = console or Console(width=max(Console().width, 124))
     b = rec["budgets"]
     lim = [f"KL upper bound <= {b['kl_budget']:.3g}"]
@@ -330,9 +331,6 @@ def check_recommendation_out(out, sources=()) -> Path:
     """The path of a recommendation file (`recommend SWEEP.json --out`), checked before any work:
     a .json in a writable folder, not one of the files read (`sources`), not a file of another
     kind. Returns it as a Path; one ValueError saying what to give instead."""
-    from replayquant.outputs import check_owned
-
-    from .common import check_results_out
     path = check_results_out(out)
     check_owned(path, RECOMMEND_KIND, "replayquant recommend", inputs=sources)
     return path
@@ -341,7 +339,6 @@ def check_recommendation_out(out, sources=()) -> Path:
 def write_recommendation(path: Path, rec: dict, sources=()) -> None:
     """Write a recommendation file, holding its lock: it replaces a recommendation for the same
     budgets of a sweep of the same model only."""
-    from replayquant.outputs import check_owned, output_lock
     with output_lock(path):
         check_owned(path, RECOMMEND_KIND, "replayquant recommend", inputs=sources,
                     identity={"model": rec.get("model"), "budgets": rec["budgets"]},

@@ -23,10 +23,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from replayquant.outputs import check_owned, output_lock
+from rich.console import Console
+from rich.table import Table
 
-from .common import (check_results_out, clean_name, kl_figures, kl_file_for, shapes_of_model,
-                     write_json)
+from replayquant.outputs import check_owned, output_lock
+from replayquant.pairs import PrecisionPair
+from replayquant.policy import EXACT, LayerPolicy, Override, resolve_pair
+from replayquant.provenance import provenance
+
+from .common import check_results_out, clean_name, kl_figures, kl_file_for, shapes_of_model, write_json
+from .plot import plot_sensitivity
 
 __all__ = ["SENS_KIND", "sensitivity_variants", "sensitivity_command", "print_sensitivity"]
 
@@ -53,9 +59,6 @@ def _parse_layers(layers, shapes) -> list:
 
 def sensitivity_variants(pairs, shapes, buffer_len: int | None = None) -> list[dict]:
     """[{"variant", "pair": name, "layer": index or None for all layers}] for each pair."""
-    from replayquant.policy import resolve_pair
-    from replayquant.pairs import PrecisionPair
-    from replayquant.policy import EXACT, LayerPolicy, Override
     if not pairs:
         raise ValueError("give at least one --pair")
     out, seen = [], set()
@@ -90,8 +93,6 @@ def sensitivity_command(model: str, pairs: list, *, buffer_len: int | None = Non
                         **kl_args) -> dict | None:
     """Everything `replayquant sensitivity` does; returns the sensitivity dict (None on ranks > 0).
     kl_args go to `replayquant.kl.command.kl_command`."""
-    from rich.console import Console
-
     if buffer_len is not None and (isinstance(buffer_len, bool) or not isinstance(buffer_len, int)
                                    or buffer_len < 1):
         raise ValueError(f"--buffer-len must be an integer >= 1, got {buffer_len!r}")
@@ -119,7 +120,6 @@ def sensitivity_command(model: str, pairs: list, *, buffer_len: int | None = Non
             return None
         write_json(out_path, sens)
         if plot:
-            from .plot import plot_sensitivity
             plot_sensitivity(sens, png)
     print_sensitivity(sens)
     Console(stderr=True).print(f"wrote {out_path} and {png}")
@@ -141,8 +141,7 @@ def _recorded_run(old: dict) -> dict:
 def _measure(model, pairs, names, variants, shapes, chosen, chunks, kl_paths, buffer_len, per_pass,
              kl_args) -> dict | None:
     """The KL runs of the variants and the sensitivity record (None on ranks > 0)."""
-    from replayquant.kl.command import kl_command
-    from replayquant.provenance import provenance
+    from replayquant.kl.command import kl_command   # transformers: reading results does not load it
     stats, kl_files, last = {}, [], None
     for chunk, kl_path in zip(chunks, kl_paths):
         res = kl_command(model, [v["variant"] for v in chunk], out=str(kl_path), **kl_args)
@@ -185,8 +184,6 @@ def _measure(model, pairs, names, variants, shapes, chosen, chunks, kl_paths, bu
 
 
 def print_sensitivity(sens: dict, console=None) -> None:
-    from rich.console import Console
-    from rich.table import Table
     console = console or Console(width=max(Console().width, 100))
     for name, rows in sens["per_layer"].items():
         c = sens["sum_vs_all"][name]
