@@ -59,6 +59,7 @@ from transformers import AutoModelForCausalLM, CompileConfig
 
 from replayquant.choices import PREFILLS
 from replayquant.gpqa.tasks import write_task_dir
+from replayquant.kl.lockstep import cache_kwarg, output_cache
 from replayquant.models.names import resolve_model_name
 from replayquant.models.patching import model_class, patch, unpatch
 from replayquant.policy import resolve_pair
@@ -170,18 +171,6 @@ def _quiet_git_hash():
 
 
 _quiet_git_hash()
-
-
-def cache_kwarg(model) -> str:
-    """The forward argument that takes the cache: `cache` (transformers >= 5.2x) or
-    `past_key_values` (earlier 5.x)."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
-def output_cache(out):
-    c = getattr(out, "cache", None)
-    return c if c is not None else getattr(out, "past_key_values", None)
 
 
 @register_model("replayquant")

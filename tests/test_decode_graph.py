@@ -13,6 +13,7 @@ import torch
 import replayquant
 from replayquant import options
 from replayquant.hostsync import HostSyncCounter
+from replayquant.kl.lockstep import cache_kwarg
 from replayquant.models import runtime
 from replayquant.models.decode_store import DecodeStore
 
@@ -30,19 +31,11 @@ def _model(name, pair="s32_rs"):
                                       buffer_len=L)
 
 
-def _cache_kw(model):
-    # the cache argument's name: cache (transformers 5.24), cache_params (5.17's Mamba-2),
-    # past_key_values (5.17's others)
-    import inspect
-    params = inspect.signature(model.forward).parameters
-    return next((n for n in ("cache", "cache_params") if n in params), "past_key_values")
-
-
 def _prefill(model, B=2, T=5, seed=0):
     from transformers import DynamicCache
     ids = torch.randint(3, 200, (B, T), generator=torch.Generator().manual_seed(seed))
     cache = DynamicCache(config=model.config)
-    kw = {_cache_kw(model): cache, "use_cache": True}
+    kw = {cache_kwarg(model): cache, "use_cache": True}
     logits = model(ids, **kw).logits
     return cache, kw, logits[:, -1:].argmax(-1)
 
@@ -77,7 +70,7 @@ def test_decode_step_on_the_store_is_one_graph_without_host_sync(name, backend):
                     _, ctok = _step(model, ctok, ckw)
             assert first.syncs > 0
             assert later.syncs == 0, later.where
-            stores = [getattr(lay, runtime.STATE_ATTR) for lay in ekw[_cache_kw(model)].layers
+            stores = [getattr(lay, runtime.STATE_ATTR) for lay in ekw[cache_kwarg(model)].layers
                       if hasattr(lay, runtime.STATE_ATTR)]
             assert stores and all(isinstance(s, DecodeStore) and s.engine == backend
                                   for s in stores)
@@ -228,15 +221,13 @@ def test_bench_generate_adds_batches_to_a_file_of_the_same_run_only(tmp_path, mo
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
 @pytest.mark.parametrize("name", MODELS)
-def test_recorded_decode_steps_equal_eager_steps_on_cuda(name, monkeypatch):
+def test_recorded_decode_steps_equal_eager_steps_on_cuda(name):
     # decode_graph: the third decode step on a store records the layer's step as a CUDA graph and
     # replays it; the logits of 3L steps equal those of the same steps launched one kernel at a
-    # time, bit for bit (the same kernels on the same addresses), across flushes. Every kind is
-    # recorded here, also one that GRAPHED_KINDS does not list yet (this is the test that admits it)
+    # time, bit for bit (the same kernels on the same addresses), across flushes: the test that
+    # admits a layer kind into decode_graph.GRAPHED_KINDS
     from transformers import DynamicCache
 
-    from replayquant.models import decode_graph
-    monkeypatch.setattr(decode_graph, "GRAPHED_KINDS", ("gdn", "kda", "mamba2"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = replayquant.load_model(name, pair="tp4_hi16_sr", dtype="float32", device_map="cuda",
@@ -246,7 +237,7 @@ def test_recorded_decode_steps_equal_eager_steps_on_cuda(name, monkeypatch):
     for graphs in ("off", "on"):
         with options.override(decode_graphs=graphs), torch.no_grad():
             cache = DynamicCache(config=model.config)
-            kw = {_cache_kw(model): cache, "use_cache": True}
+            kw = {cache_kwarg(model): cache, "use_cache": True}
             tok = model(ids, **kw).logits[:, -1:].argmax(-1)
             logits = []
             for _ in range(3 * L):

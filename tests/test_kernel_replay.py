@@ -6,6 +6,7 @@ a float64 recurrence."""
 import pytest
 import torch
 
+from replayquant.policy import resolve_pair
 from replayquant.bench.inputs import (gdn_params, gdn_step_inputs, mamba2_params,
                                       mamba2_step_inputs, random_state)
 from replayquant.kernels.conventional import (conventional_gdn_step, conventional_mamba2_step,
@@ -131,8 +132,8 @@ def test_replay_step_matches_reference(kind, pair):
     N, HK, H, dk, dv = 4, 1, 2, 32, 16
     dr = Driver(kind, 5, HK, H, dk, dv)
     init = random_state(N, H, dv, dk, seed=21)
-    store = ReplayStore.from_state(init, pair, kind, key_heads=HK, seed=13, layer=1,
-                                   buffer_len=3, u_dtype=torch.float32)
+    store = ReplayStore.from_state(init, resolve_pair(pair, 3), kind, key_heads=HK, seed=13, layer=1,
+                                   u_dtype=torch.float32)
     poison_buffers(store)
     ref, later = store.clone(), store.clone()
     idx = torch.tensor([2, -1, 0, 3, 1])
@@ -173,8 +174,8 @@ def test_fused_step_equals_two_launches(kind, pair):
     fuse."""
     N, HK, H, dk, dv = 4, 1, 2, 32, 32
     dr = Driver(kind, 5, HK, H, dk, dv)
-    store = ReplayStore.from_state(random_state(N, H, dv, dk, seed=5), pair, kind, key_heads=HK,
-                                   seed=3, buffer_len=3)
+    store = ReplayStore.from_state(random_state(N, H, dv, dk, seed=5), resolve_pair(pair, 3), kind, key_heads=HK,
+                                   seed=3)
     poison_buffers(store)
     two = store.clone()
     idx = torch.tensor([2, -1, 0, 3, 1])
@@ -257,8 +258,8 @@ def test_read_in_chunks(pair):
     over two windows."""
     N, HK, H, dk, dv = 2, 1, 1, 128, 16
     dr = Driver("gdn", N, HK, H, dk, dv)
-    store = ReplayStore.from_state(random_state(N, H, dv, dk, seed=4), pair, "gdn", key_heads=HK,
-                                   buffer_len=3, u_dtype=torch.float32)
+    store = ReplayStore.from_state(random_state(N, H, dv, dk, seed=4), resolve_pair(pair, 3), "gdn", key_heads=HK,
+                                   u_dtype=torch.float32)
     poison_buffers(store)
     ref = store.clone()
     P = PrecisionPair.load(pair)
@@ -278,7 +279,7 @@ def test_replay_bf16_u_buffer_against_reference(pair):
     init = random_state(N, H, dv, dk)
     assert ReplayStore.from_state(init, pair, "gdn").ubuf.dtype == \
         (torch.float32 if pair == "s32_rs" else torch.bfloat16)
-    store = ReplayStore.from_state(init, pair, "gdn", key_heads=HK, buffer_len=4,
+    store = ReplayStore.from_state(init, resolve_pair(pair, 4), "gdn", key_heads=HK,
                                    u_dtype=torch.bfloat16)
     assert not rr.folds_u(store)
     ref = store.clone()
@@ -300,7 +301,7 @@ def test_L1_shared_fp32_equals_conventional_bitwise(kind):
     N, HK, H, dk, dv = 3, 1, 2, 16, 16
     dr = Driver(kind, 3, HK, H, dk, dv)
     init = random_state(N, H, dv, dk, seed=8)
-    store = ReplayStore.from_state(init, "s32_rs", kind, key_heads=HK, buffer_len=1)
+    store = ReplayStore.from_state(init, resolve_pair("s32_rs", 1), kind, key_heads=HK)
     conv = ConventionalStore.from_state(init, "fp32")
     for step in range(3):
         inp = dr.inputs(seed=step)
@@ -336,8 +337,8 @@ def test_flush_path_mid_window_and_blocks():
     """A forced flush with entries pending folds them (rebuild); several row blocks per matrix."""
     N, HK, H, dk, dv = 2, 2, 4, 16, 32
     dr = Driver("gdn", 2, HK, H, dk, dv)
-    store = ReplayStore.from_state(random_state(N, H, dv, dk), "tp8_hi32", "gdn", key_heads=HK,
-                                   buffer_len=8, u_dtype=torch.float32)
+    store = ReplayStore.from_state(random_state(N, H, dv, dk), resolve_pair("tp8_hi32", 8), "gdn", key_heads=HK,
+                                   u_dtype=torch.float32)
     ref = store.clone()
     for step, path in enumerate(["replay", "replay", "flush", "replay"]):
         inp = dr.inputs(seed=step)
@@ -363,8 +364,8 @@ def test_nvfp4_read_copy_whole_matrices(kind, pair):
     from replayquant.kernels.verify import replay_accept
     N, HK, H, dk, dv, T = 2, 1, 1, 16, 64, 2
     dr = Driver(kind, N + 1, HK, H, dk, dv)
-    store = ReplayStore.from_state(random_state(N, H, dv, dk, seed=9), pair, kind,
-                                   key_heads=HK, buffer_len=3, u_dtype=torch.float32,
+    store = ReplayStore.from_state(random_state(N, H, dv, dk, seed=9), resolve_pair(pair, 3), kind,
+                                   key_heads=HK, u_dtype=torch.float32,
                                    max_drafts=T)
     launch = {"read": (16, None)}     # 4 read programs a matrix
     assert replay_launch_config(store, "flush", launch) == (dv, 1)
@@ -407,8 +408,7 @@ def test_launch_table_and_path():
     writes an NVFP4 role takes whole matrices, other flushes 16- or 32-row tiles; `launch` overrides it, with one error for a tile the kernel
     cannot take. 'auto' is 'replay' at every batch."""
     def mk(pair, dv=32, dk=16):
-        return ReplayStore.from_state(random_state(2, 2, dv, dk), pair, "gdn", key_heads=1,
-                                      buffer_len=4)
+        return ReplayStore.from_state(random_state(2, 2, dv, dk), resolve_pair(pair, 4), "gdn", key_heads=1)
     cfg = replay_launch_config
     assert LAUNCH_TABLE[-1][:4] == ("flush", "*", "*", 16)      # a catch-all row each launch
     assert cfg(mk("s32_rs"), "flush") == (32, 1)         # an FP32 shared pair folds u
@@ -458,7 +458,7 @@ def test_anchor_within_1e5_of_float64_after_three_windows(kind, pair):
     hundreds of steps, so that every flush's error stays in it."""
     N, HK, H, dk, dv, L = 2, 1, 2, 32, 16, 8
     init = random_state(N, H, dv, dk, seed=3)
-    store = ReplayStore.from_state(init, pair, kind, key_heads=HK, buffer_len=L,
+    store = ReplayStore.from_state(init, resolve_pair(pair, L), kind, key_heads=HK,
                                    u_dtype=torch.float32)
     S = init.double()
     dr = Driver(kind, N, HK, H, dk, dv)
@@ -487,8 +487,8 @@ def test_gdn_beta_scale():
     flush; the buffer holds the scaled beta."""
     N, HK, H, dk, dv = 3, 1, 2, 16, 16
     dr = Driver("gdn", N, HK, H, dk, dv)
-    store = ReplayStore.from_state(random_state(N, H, dv, dk, seed=4), "tp8_hi32", "gdn",
-                                   key_heads=HK, buffer_len=3, u_dtype=torch.float32)
+    store = ReplayStore.from_state(random_state(N, H, dv, dk, seed=4), resolve_pair("tp8_hi32", 3), "gdn",
+                                   key_heads=HK, u_dtype=torch.float32)
     ref, one = store.clone(), store.clone()
     for step in range(4):
         q, k, v, a, b, A_log, dtb = dr.inputs(seed=30 + step)
@@ -590,8 +590,8 @@ def test_flush_of_a_nonfinite_state_keeps_the_tile(pair):
     bit for bit as before the step, and write the same tiles elsewhere."""
     B, HK, H, dk, dv = 2, 1, 2, 32, 32
     dr = Driver("gdn", B, HK, H, dk, dv)
-    store = ReplayStore.from_state(random_state(B, H, dv, dk, seed=5), pair, "gdn", key_heads=HK,
-                                   seed=3, layer=0, buffer_len=2)
+    store = ReplayStore.from_state(random_state(B, H, dv, dk, seed=5), resolve_pair(pair, 2), "gdn", key_heads=HK,
+                                   seed=3, layer=0)
     ref = store.clone()
     idx = torch.arange(B)
     inp = dr.inputs(seed=0)

@@ -5,6 +5,7 @@ over many rounds with random accept counts including 0 and T, mixed with plain d
 import pytest
 import torch
 
+from replayquant.policy import resolve_pair
 from replayquant.bench.inputs import (gdn_params, gdn_step_inputs, mamba2_params,
                                       mamba2_step_inputs, random_state)
 from replayquant.kernels.conventional import gdn_frontend_ref, mamba2_frontend_ref, mamba2_post_ref
@@ -167,7 +168,7 @@ def test_rejected_drafts_change_nothing():
     """verify + accept(0) leaves anchor, read copy and every later output bit-identical."""
     T = 2
     init = random_state(N, H, DV, DK, seed=2)
-    a = ReplayStore.from_state(init, "tp4_hi16_sr", "gdn", key_heads=HK, buffer_len=4,
+    a = ReplayStore.from_state(init, resolve_pair("tp4_hi16_sr", 4), "gdn", key_heads=HK,
                                max_drafts=T)
     b = a.clone()
     kw, _, _ = inputs("gdn", None, seed=0)
@@ -219,8 +220,8 @@ def test_conventional_snapshot_verify(kind, pair):
 
 
 def test_verify_bad_inputs():
-    st = ReplayStore.from_state(random_state(N, H, DV, DK), "s32_rs", "gdn", key_heads=HK,
-                                buffer_len=4, max_drafts=2)
+    st = ReplayStore.from_state(random_state(N, H, DV, DK), resolve_pair("s32_rs", 4), "gdn", key_heads=HK,
+                                max_drafts=2)
     kw, _, _ = inputs("gdn", 3, seed=0)
     with pytest.raises(ValueError, match="max_drafts"):
         replay_gdn_verify(st, **kw, state_indices=IDX)

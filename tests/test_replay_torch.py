@@ -8,6 +8,7 @@ gives the eager step."""
 import pytest
 import torch
 
+from replayquant.policy import resolve_pair
 from replayquant.bench.inputs import (gdn_params, gdn_step_inputs, kda_step_inputs,
                                       mamba2_params, mamba2_step_inputs, random_state)
 from replayquant.hostsync import HostSyncCounter
@@ -28,8 +29,8 @@ FNS = {"gdn": (rt.replay_gdn_step_torch, rr.replay_gdn_step_ref),
 
 
 def _store(kind, pair, max_drafts=0, u_dtype=None):
-    st = ReplayStore.from_state(random_state(N, H, D, D, seed=5), pair, kind, key_heads=HK,
-                                seed=3, layer=1, buffer_len=L, max_drafts=max_drafts,
+    st = ReplayStore.from_state(random_state(N, H, D, D, seed=5), resolve_pair(pair, L), kind, key_heads=HK,
+                                seed=3, layer=1, max_drafts=max_drafts,
                                 u_dtype=u_dtype)
     poison_buffers(st)
     return st
@@ -157,8 +158,8 @@ def test_flush_rows_named_by_the_caller_change_nothing(kind, pair):
     phases (steps where no row flushes, one does, several do); a float32 ring (the patched
     models' CPU path) as well as the kernel's bf16 ring."""
     for ring in (torch.bfloat16, torch.float32):
-        store = ReplayStore.from_state(random_state(N, H, D, D, seed=5), pair, kind, key_heads=HK,
-                                       seed=3, layer=1, buffer_len=L, ring_dtype=ring)
+        store = ReplayStore.from_state(random_state(N, H, D, D, seed=5), resolve_pair(pair, L), kind, key_heads=HK,
+                                       seed=3, layer=1, ring_dtype=ring)
         poison_buffers(store)
         told = store.clone()
         fn = FNS[kind][0]

@@ -26,7 +26,6 @@ whether it is met. Writes one JSON file with provenance.
 
 from __future__ import annotations
 
-import inspect
 import json
 import time
 from pathlib import Path
@@ -39,6 +38,7 @@ from transformers import CompileConfig, DynamicCache
 from replayquant.bench.timing import fla_version
 from replayquant.hostsync import HostSyncCounter
 from replayquant.kl.bench import SHAPES, build_model
+from replayquant.kl.lockstep import cache_kwarg
 from replayquant.models import patch, unpatch
 from replayquant.outputs import check_owned, output_lock, write_json
 from replayquant.provenance import git_commit, provenance
@@ -107,7 +107,7 @@ def copy_bandwidth_gbps(nbytes: int = 2 << 30) -> float | None:
 def _decode_forward_syncs(model, ids) -> tuple[int, bool]:
     """Host syncs of one eager decode forward after the prompt and a first decode step, and
     whether that forward runs under sync debug mode 'error'."""
-    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    kw = cache_kwarg(model)
     cache = DynamicCache(config=model.config)
     with torch.inference_mode():
         tok = model(ids, **{kw: cache}, use_cache=True).logits[:, -1:].argmax(-1)

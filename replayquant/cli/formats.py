@@ -8,8 +8,8 @@ import typer
 from rich.console import Console
 
 from replayquant.cli.common import BenchFormat, LayerKind, app, bench_app, user_errors
-from replayquant.drift import drift_out_path, drift_table, run_drift, write_drift
-from replayquant.formats.report import check_dims, print_formats_table
+from replayquant import drift
+from replayquant.formats import report
 from replayquant.pairs import pairs_table
 
 
@@ -21,7 +21,7 @@ def formats_cmd(
     seed: int = typer.Option(0, help="seed of the test tensor"),
 ):
     """Every format and rounding: bytes/element, RMSE and max relative error on a state-like tensor."""
-    print_formats_table((heads, d, d), seed)
+    report.print_formats_table((heads, d, d), seed)
 
 
 @bench_app.command("formats")
@@ -44,7 +44,7 @@ def pairs_cmd(
     d_v: int = typer.Option(128, help="state rows (value dim)"),
 ):
     """The shipped precision pairs (configs/pairs/) with read / anchor bytes per state element."""
-    check_dims({"--d-v": d_v}, {"--d-k": d_k})
+    report.check_dims({"--d-v": d_v}, {"--d-k": d_k})
     Console(width=max(Console().width, 110)).print(pairs_table(d_k, d_v))
 
 
@@ -67,9 +67,9 @@ def drift_cmd(
         seed_list = [int(s) for s in seeds.split(",") if s.strip()]
     except ValueError:
         raise ValueError(f"--seeds must be comma-separated integers, got {seeds!r}") from None
-    drift_out_path(out, kind, steps)           # before any computing
-    res = run_drift(kind, pair or None, steps=steps, seeds=seed_list, batch=batch, heads=heads,
+    drift.drift_out_path(out, kind, steps)           # before any computing
+    res = drift.run_drift(kind, pair or None, steps=steps, seeds=seed_list, batch=batch, heads=heads,
                     d_k=d_k, d_v=d_v, conventional=conventional, progress=Console(stderr=True).log)
-    path = write_drift(res, out)
-    Console(width=max(Console().width, 170)).print(drift_table(res))
+    path = drift.write_drift(res, out)
+    Console(width=max(Console().width, 170)).print(drift.drift_table(res))
     typer.echo(f"wrote {path} and {path.with_suffix('.md')}")

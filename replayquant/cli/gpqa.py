@@ -6,7 +6,7 @@ from __future__ import annotations
 import typer
 
 from replayquant.cli.common import DtypeOpt, ModelOpt, PrefillOpt, app, pair_option, user_errors
-from replayquant.gpqa import render_table, run_gpqa
+from replayquant import gpqa
 
 GPQAPairs = pair_option("repeatable; differences are taken from the first")
 
@@ -42,7 +42,7 @@ def gpqa_cmd(
         from lm_eval.utils import simple_parse_args_string
         extra = simple_parse_args_string(model_args)
     tasks = [t.strip() for v in (task or []) for t in v.split(",") if t.strip()]
-    summary = run_gpqa(model, pair, tasks=tasks or None, gpqa_csv=gpqa_csv, limit=limit, seed=seed,
+    summary = gpqa.run_gpqa(model, pair, tasks=tasks or None, gpqa_csv=gpqa_csv, limit=limit, seed=seed,
                        prefill=prefill, out=out, dtype=dtype, device=device,
                        batch_size=int(batch_size) if batch_size.isdigit() else batch_size,
                        num_fewshot=num_fewshot,
@@ -50,7 +50,7 @@ def gpqa_cmd(
                        apply_chat_template=apply_chat_template, log_samples=log_samples,
                        model_args=extra)
     if summary is not None:
-        typer.echo(render_table([summary]))
+        typer.echo(gpqa.render_table([summary]))
 
 
 @app.command("lm-eval", add_help_option=False,

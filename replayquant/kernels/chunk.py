@@ -100,12 +100,12 @@ def unit_lower_inverse(Tm, jj, N: tl.constexpr):
 
 
 @triton.jit
-def _slot_tokens(tok_ptr, b, h, w, T, WIDTH, jj, H: tl.constexpr, L: tl.constexpr):
+def _slot_tokens(tok_ptr, b, h, w, T, WIDTH, jj, H: tl.constexpr, BUFFER_LEN: tl.constexpr):
     """Window w of row b: per slot (LP of them) the raw token-map entry (token t >= 0, buffered
     slot -2 - s, null -1; slots >= L and past the row read -1), whether it is a token of the
     segment, and its output row (b * T + t) * H + h."""
-    inwin = (jj < L) & (w * L + jj < WIDTH)
-    idx = tl.load(tok_ptr + b.to(tl.int64) * WIDTH + w * L + jj, mask=inwin, other=-1)
+    inwin = (jj < BUFFER_LEN) & (w * BUFFER_LEN + jj < WIDTH)
+    idx = tl.load(tok_ptr + b.to(tl.int64) * WIDTH + w * BUFFER_LEN + jj, mask=inwin, other=-1)
     is_tok = idx >= 0
     tok_row = (b.to(tl.int64) * T + tl.where(is_tok, idx, 0).to(tl.int64)) * H + h
     return idx, is_tok, tok_row
@@ -114,17 +114,17 @@ def _slot_tokens(tok_ptr, b, h, w, T, WIDTH, jj, H: tl.constexpr, L: tl.constexp
 @triton.jit
 def _load_keys(tok_ptr, q_ptr, k_ptr, a_ptr, b_ptr, bk_ptr, bG_ptr, bb_ptr,
                b, h, w, h0, T, WIDTH, cols, jj,
-               H: tl.constexpr, DK: tl.constexpr, L: tl.constexpr, DELTA: tl.constexpr,
+               H: tl.constexpr, DK: tl.constexpr, BUFFER_LEN: tl.constexpr, DELTA: tl.constexpr,
                VEC: tl.constexpr):
     """Entries of window w of row b, head h, as float32 tiles over LP slots (slots >= L and
     null steps are zero): K, Q [LP, DK]; G [LP] cumulative log gate since the checkpoint
     (VEC: [LP, DK], per key channel); Bt [LP] beta (GDN); idx [LP] the token-map entries;
     tok_row / buf_row [LP] where the slot's token / buffered entry lives (for
     `_load_values`)."""
-    idx, is_tok, tok_row = _slot_tokens(tok_ptr, b, h, w, T, WIDTH, jj, H, L)
+    idx, is_tok, tok_row = _slot_tokens(tok_ptr, b, h, w, T, WIDTH, jj, H, BUFFER_LEN)
     is_buf = idx <= -2
     s = tl.where(is_buf, -2 - idx, 0).to(tl.int64)
-    buf_row = (b.to(tl.int64) * H + h) * L + s
+    buf_row = (b.to(tl.int64) * H + h) * BUFFER_LEN + s
     mt = is_tok[:, None]
     mb = is_buf[:, None]
     K = tl.where(mt, tl.load(k_ptr + tok_row[:, None] * DK + cols[None, :], mask=mt, other=0.0).to(tl.float32),
@@ -159,15 +159,15 @@ def _load_values(v_ptr, bv_ptr, idx, tok_row, buf_row, rows, DV: tl.constexpr):
 
 
 @triton.jit
-def _decayed_products(K, Q, G, jj, L: tl.constexpr, LP: tl.constexpr):
+def _decayed_products(K, Q, G, jj, BUFFER_LEN: tl.constexpr, BUFFER_TILE: tl.constexpr):
     """Per-channel gates G [LP, DK]: the causal products Aqk[t, j] = q_t . (k_j * exp(G_t -
     G_j)) and KK[t, j] = k_t . (k_j * exp(G_t - G_j)) for j <= t (zero elsewhere), a column j
     at a time. Every exponent is G_t - G_j with t >= j (<= 0 for gates <= 1): the decay from
     step j to step t, so nothing overflows however much a channel forgets (a factored form
     q exp(G) . k exp(-G) would form exp(-G_j) alone)."""
-    Aqk = tl.zeros([LP, LP], tl.float32)
-    KK = tl.zeros([LP, LP], tl.float32)
-    for j in range(L):
+    Aqk = tl.zeros([BUFFER_TILE, BUFFER_TILE], tl.float32)
+    KK = tl.zeros([BUFFER_TILE, BUFFER_TILE], tl.float32)
+    for j in range(BUFFER_LEN):
         sel = jj == j
         kj = tl.sum(tl.where(sel[:, None], K, 0.0), axis=0)                 # k_j [DK]
         gj = tl.sum(tl.where(sel[:, None], G, 0.0), axis=0)                 # G_j [DK]
@@ -179,13 +179,13 @@ def _decayed_products(K, Q, G, jj, L: tl.constexpr, LP: tl.constexpr):
 
 
 @triton.jit
-def _window_terms(K, Q, G, Bt, jj, L: tl.constexpr, LP: tl.constexpr, DELTA: tl.constexpr,
+def _window_terms(K, Q, G, Bt, jj, BUFFER_LEN: tl.constexpr, BUFFER_TILE: tl.constexpr, DELTA: tl.constexpr,
                   PREC: tl.constexpr, VEC: tl.constexpr):
     """State-independent terms: Aqk [LP, LP] = exp(G_t - G_j) (q_t . k_j) for j <= t, and for
     GDN Tinv = (I + T)^-1 with T[t, j] = beta_t exp(G_t - G_j) (k_t . k_j) for j < t (VEC:
     the decay per channel inside the dot products, `_decayed_products`)."""
     if VEC:
-        Aqk, KKd = _decayed_products(K, Q, G, jj, L, LP)
+        Aqk, KKd = _decayed_products(K, Q, G, jj, BUFFER_LEN, BUFFER_TILE)
     else:
         causal = jj[None, :] <= jj[:, None]
         D = tl.where(causal, tl.exp(tl.where(causal, G[:, None] - G[None, :], 0.0)), 0.0)
@@ -197,7 +197,7 @@ def _window_terms(K, Q, G, Bt, jj, L: tl.constexpr, LP: tl.constexpr, DELTA: tl.
         else:
             KK = tl.dot(K, tl.trans(K), input_precision=PREC)
             Tm = tl.where(strict, Bt[:, None] * KK * D, 0.0)
-        Tinv = unit_lower_inverse(Tm, jj, L)
+        Tinv = unit_lower_inverse(Tm, jj, BUFFER_LEN)
     else:
         Tinv = Aqk
     return Aqk, Tinv
@@ -298,7 +298,7 @@ def _terms_kernel(
         Kw, Ww, Pw, QLw, Gw, Uw, Cw, nk_ptr, nv_ptr, nG_ptr, nb_ptr, Rb, nf_ptr, seq_ptr,
         T, WIDTH, w0, NWS, key_lo, key_hi,
         H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-        L: tl.constexpr, LP: tl.constexpr, DELTA: tl.constexpr, EXACT: tl.constexpr,
+        BUFFER_LEN: tl.constexpr, BUFFER_TILE: tl.constexpr, DELTA: tl.constexpr, EXACT: tl.constexpr,
         PRE: tl.constexpr, PREC: tl.constexpr, VEC: tl.constexpr = False):
     """Pass 1, one program per (window, sequence x head): the window's state-independent terms
     into the group scratch. With Aqk[t, j] = exp(G_t - G_j) q_t.k_j (j <= t) and, for GDN,
@@ -316,20 +316,20 @@ def _terms_kernel(
     forms S = A Diag(exp(G_L)) + u^T K_decayed."""
     wl, bh, b, h, w, _ = _window_program(w0, H)
     cols = tl.arange(0, DK)
-    jj = tl.arange(0, LP)
+    jj = tl.arange(0, BUFFER_TILE)
     h0 = tl.load(h0_ptr + b)
     nfull = tl.load(nfull_ptr + b)
     K, Q, G, Bt, idx, tok_row, buf_row = _load_keys(tok_ptr, q_ptr, k_ptr, a_ptr, b_ptr, bk_ptr,
                                                     bG_ptr, bb_ptr, b, h, w, h0, T, WIDTH, cols,
-                                                    jj, H, DK, L, DELTA, VEC)
-    Aqk, Tinv = _window_terms(K, Q, G, Bt, jj, L, LP, DELTA, PREC, VEC)
+                                                    jj, H, DK, BUFFER_LEN, DELTA, VEC)
+    Aqk, Tinv = _window_terms(K, Q, G, Bt, jj, BUFFER_LEN, BUFFER_TILE, DELTA, PREC, VEC)
     eG = tl.exp(G)
     tb = bh.to(tl.int64) * NWS + wl                      # window slot in the scratch
-    kq = (tb * LP + jj[:, None]) * DK + cols[None, :]
-    tl.store(QLw + tb * DK + cols, tl.sum(tl.where((jj == L - 1)[:, None], Q, 0.0), axis=0))
+    kq = (tb * BUFFER_TILE + jj[:, None]) * DK + cols[None, :]
+    tl.store(QLw + tb * DK + cols, tl.sum(tl.where((jj == BUFFER_LEN - 1)[:, None], Q, 0.0), axis=0))
     if VEC:
-        GL = tl.sum(tl.where((jj == L - 1)[:, None], G, 0.0), axis=0)
-        inw = (jj < L)[:, None]
+        GL = tl.sum(tl.where((jj == BUFFER_LEN - 1)[:, None], G, 0.0), axis=0)
+        inw = (jj < BUFFER_LEN)[:, None]
         tl.store(Kw + kq, K * tl.where(inw, tl.exp(tl.where(inw, GL[None, :] - G, 0.0)), 0.0))
         tl.store(Gw + tb * DK + cols, GL)
         if DELTA:
@@ -340,7 +340,7 @@ def _terms_kernel(
             tl.store(Pw + kq, eG * Q)
     else:
         tl.store(Kw + kq, K)
-        tl.store(Gw + tb * LP + jj, G)
+        tl.store(Gw + tb * BUFFER_TILE + jj, G)
         if DELTA:
             Wm = tl.dot(Tinv, (Bt * eG)[:, None] * K, input_precision=PREC)
             tl.store(Ww + kq, Wm)
@@ -354,8 +354,8 @@ def _terms_kernel(
     else:
         here = w == nfull
         keep = idx != -1
-    inw = tl.where(here, jj < L, False)
-    buf = (b.to(tl.int64) * H + h) * L + jj
+    inw = tl.where(here, jj < BUFFER_LEN, False)
+    buf = (b.to(tl.int64) * H + h) * BUFFER_LEN + jj
     for rb in range(DV // BV):
         rows = rb * BV + tl.arange(0, BV)
         V = _load_values(v_ptr, bv_ptr, idx, tok_row, buf_row, rows, DV)
@@ -363,7 +363,7 @@ def _terms_kernel(
             U = tl.dot(Tinv, Bt[:, None] * V, input_precision=PREC)
         else:
             U = V
-        uc = (tb * LP + jj[:, None]) * DV + rows[None, :]
+        uc = (tb * BUFFER_TILE + jj[:, None]) * DV + rows[None, :]
         tl.store(Uw + uc, U)
         tl.store(Cw + uc, tl.dot(Aqk, U, input_precision=PREC))
         tl.store(nv_ptr + buf[:, None] * DV + rows[None, :], tl.where(keep[:, None], V, 0.0),
@@ -389,13 +389,13 @@ def _terms_kernel(
 
 @triton.jit
 def _chain_inputs(tok_ptr, Kw, Ww, QLw, Gw, b, mat, w, w0, cols, jj, WIDTH, NWS,
-                  DK: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DELTA: tl.constexpr,
+                  DK: tl.constexpr, BUFFER_LEN: tl.constexpr, BUFFER_TILE: tl.constexpr, DELTA: tl.constexpr,
                   VEC: tl.constexpr):
     """The state-independent inputs of window w's flush that every row block shares (pass 1's
     scratch): K, W (GDN; else K again), G, q_L, and the flush token's index (-1: none).
     VEC: K holds the decayed keys and G is G_L [DK] (see _terms_kernel)."""
     tb = mat * NWS + (w - w0)
-    kq = (tb * LP + jj[:, None]) * DK + cols[None, :]
+    kq = (tb * BUFFER_TILE + jj[:, None]) * DK + cols[None, :]
     Kt = tl.load(Kw + kq)
     if DELTA:
         Wm = tl.load(Ww + kq)
@@ -404,21 +404,21 @@ def _chain_inputs(tok_ptr, Kw, Ww, QLw, Gw, b, mat, w, w0, cols, jj, WIDTH, NWS,
     if VEC:
         G = tl.load(Gw + tb * DK + cols)
     else:
-        G = tl.load(Gw + tb * LP + jj)
+        G = tl.load(Gw + tb * BUFFER_TILE + jj)
     qL = tl.load(QLw + tb * DK + cols)
-    tokL = tl.load(tok_ptr + b.to(tl.int64) * WIDTH + w * L + L - 1, mask=w * L + L <= WIDTH,
+    tokL = tl.load(tok_ptr + b.to(tl.int64) * WIDTH + w * BUFFER_LEN + BUFFER_LEN - 1, mask=w * BUFFER_LEN + BUFFER_LEN <= WIDTH,
                    other=-1)
     return Kt, Wm, G, qL, tokL
 
 
 @triton.jit
-def _chain_U(Uw, mat, w, w0, rows, jj, NWS, DV: tl.constexpr, LP: tl.constexpr):
+def _chain_U(Uw, mat, w, w0, rows, jj, NWS, DV: tl.constexpr, BUFFER_TILE: tl.constexpr):
     """U of window w for `rows` (pass 1's scratch)."""
-    return tl.load(Uw + ((mat * NWS + (w - w0)) * LP + jj[:, None]) * DV + rows[None, :])
+    return tl.load(Uw + ((mat * NWS + (w - w0)) * BUFFER_TILE + jj[:, None]) * DV + rows[None, :])
 
 
 @triton.jit
-def _chain_state(A, U, Wm, Kt, G, jj, L: tl.constexpr, DELTA: tl.constexpr,
+def _chain_state(A, U, Wm, Kt, G, jj, BUFFER_LEN: tl.constexpr, DELTA: tl.constexpr,
                  PREC: tl.constexpr, VEC: tl.constexpr):
     """The unrounded state after a window from checkpoint rows A: S = exp(G_L) A +
     (u w_L)^T K, u = U - W A^T (GDN) or U (Mamba-2), w_L[j] = exp(G_L - G_j). VEC: G is G_L
@@ -430,8 +430,8 @@ def _chain_state(A, U, Wm, Kt, G, jj, L: tl.constexpr, DELTA: tl.constexpr,
     if VEC:
         S = tl.exp(G)[None, :] * A + tl.dot(tl.trans(u), Kt, input_precision=PREC)
     else:
-        GL = tl.sum(tl.where(jj == L - 1, G, 0.0), axis=0)
-        inw = jj < L
+        GL = tl.sum(tl.where(jj == BUFFER_LEN - 1, G, 0.0), axis=0)
+        inw = jj < BUFFER_LEN
         wL = tl.where(inw, tl.exp(tl.where(inw, GL - G, 0.0)), 0.0)
         S = tl.exp(GL) * A + tl.dot(tl.trans(u * wL[:, None]), Kt, input_precision=PREC)
     return S
@@ -443,7 +443,7 @@ def _chain_rows_in_registers(
         Mx, Cn, err, spin_limit,
         b, h, mat, pb, cols, jj, br, nf, seq, nfull, w0, wend, T, WIDTH, NWS, key_lo, key_hi,
         H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-        L: tl.constexpr, LP: tl.constexpr, AFMT: tl.constexpr, ASR: tl.constexpr,
+        BUFFER_LEN: tl.constexpr, BUFFER_TILE: tl.constexpr, AFMT: tl.constexpr, ASR: tl.constexpr,
         SHARED: tl.constexpr, DELTA: tl.constexpr, EXACT: tl.constexpr, PRE: tl.constexpr,
         PREC: tl.constexpr, SPLIT: tl.constexpr, VEC: tl.constexpr):
     """The sequential pass for a program of one row block: the anchor (exact: the running
@@ -456,17 +456,17 @@ def _chain_rows_in_registers(
     rows = pb * BV + br
     A = tl.load(a_tile + rows[:, None] * DK)
     Kt, Wm, G, qL, tokL = _chain_inputs(tok_ptr, Kw, Ww, QLw, Gw, b, mat, w0, w0, cols, jj,
-                                        WIDTH, NWS, DK, L, LP, DELTA, VEC)
-    U = _chain_U(Uw, mat, w0, w0, rows, jj, NWS, DV, LP)
+                                        WIDTH, NWS, DK, BUFFER_LEN, BUFFER_TILE, DELTA, VEC)
+    U = _chain_U(Uw, mat, w0, w0, rows, jj, NWS, DV, BUFFER_TILE)
     for w in tl.range(w0, wend, num_stages=1):
         cK, cW, cG, cq, cU, ctok = Kt, Wm, G, qL, U, tokL
         wn = tl.minimum(w + 1, wend - 1)            # the next window's inputs, loaded ahead
         Kt, Wm, G, qL, tokL = _chain_inputs(tok_ptr, Kw, Ww, QLw, Gw, b, mat, wn, w0, cols, jj,
-                                            WIDTH, NWS, DK, L, LP, DELTA, VEC)
-        U = _chain_U(Uw, mat, wn, w0, rows, jj, NWS, DV, LP)
+                                            WIDTH, NWS, DK, BUFFER_LEN, BUFFER_TILE, DELTA, VEC)
+        U = _chain_U(Uw, mat, wn, w0, rows, jj, NWS, DV, BUFFER_TILE)
         tb = mat * NWS + (w - w0)
         x_tile = Xs + (mat * (NWS + 1) + (w - w0) + 1) * (DV * DK) + cols[None, :]
-        S = _chain_state(A, cU, cW, cK, cG, jj, L, DELTA, PREC, VEC)
+        S = _chain_state(A, cU, cW, cK, cG, jj, BUFFER_LEN, DELTA, PREC, VEC)
         if EXACT:
             tl.store(x_tile + rows[:, None] * DK, S)
             A = S
@@ -495,7 +495,7 @@ def _chain_kernel(
         Kw, Ww, QLw, Gw, Uw, Xs, As, A_pay, A_sc, A_gs, Rb, Mx, Cn, err,
         T, WIDTH, w0, NWS, key_lo, key_hi, spin_limit,
         H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-        NRB: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
+        NRB: tl.constexpr, BUFFER_LEN: tl.constexpr, BUFFER_TILE: tl.constexpr,
         AFMT: tl.constexpr, ASR: tl.constexpr, SHARED: tl.constexpr, DELTA: tl.constexpr,
         EXACT: tl.constexpr, PRE: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr,
         VEC: tl.constexpr = False):
@@ -514,7 +514,7 @@ def _chain_kernel(
     h = bh % H
     mat = bh.to(tl.int64)
     cols = tl.arange(0, DK)
-    jj = tl.arange(0, LP)
+    jj = tl.arange(0, BUFFER_TILE)
     br = tl.arange(0, BV)
     nf = tl.load(nf_ptr + b)
     seq = tl.load(seq_ptr + b)
@@ -534,7 +534,7 @@ def _chain_kernel(
             tok_ptr, y_ptr, Kw, Ww, QLw, Gw, Uw, Xs, a_tile, A_pay, A_sc, A_gs, Rb,
             Mx, Cn, err, spin_limit, b, h, mat, pb, cols, jj, br, nf, seq, nfull, w0, wend, T,
             WIDTH, NWS, key_lo, key_hi,
-            H, DK, DV, BV, L, LP, AFMT, ASR, SHARED, DELTA, EXACT, PRE, PREC, SPLIT, VEC)
+            H, DK, DV, BV, BUFFER_LEN, BUFFER_TILE, AFMT, ASR, SHARED, DELTA, EXACT, PRE, PREC, SPLIT, VEC)
     else:
         # several row blocks per program: an NVFP4 anchor (two-pass cast with the matrix amax)
         # or exact prefill with one (chunk_launch_config gives other anchors one row block)
@@ -545,7 +545,7 @@ def _chain_kernel(
             tb = mat * NWS + (w - w0)
             x_tile = Xs + (mat * (NWS + 1) + (w - w0) + 1) * (DV * DK) + cols[None, :]
             Kt, Wm, G, qL, tokL = _chain_inputs(tok_ptr, Kw, Ww, QLw, Gw, b, mat, w, w0, cols, jj,
-                                                WIDTH, NWS, DK, L, LP, DELTA, VEC)
+                                                WIDTH, NWS, DK, BUFFER_LEN, BUFFER_TILE, DELTA, VEC)
             yrow = (b.to(tl.int64) * T + tl.maximum(tokL, 0)) * H + h
             fi = nf + w + 1
             last = w == nfull - 1
@@ -554,8 +554,8 @@ def _chain_kernel(
             for rb in range(NRB):
                 rows = (pb * NRB + rb) * BV + br
                 A = tl.load(a_tile + rows[:, None] * DK)
-                S = _chain_state(A, _chain_U(Uw, mat, w, w0, rows, jj, NWS, DV, LP), Wm, Kt, G,
-                                 jj, L, DELTA, PREC, VEC)
+                S = _chain_state(A, _chain_U(Uw, mat, w, w0, rows, jj, NWS, DV, BUFFER_TILE), Wm, Kt, G,
+                                 jj, BUFFER_LEN, DELTA, PREC, VEC)
                 if EXACT:
                     tl.store(x_tile + rows[:, None] * DK, S)
                     tl.store(a_tile + rows[:, None] * DK, S)
@@ -634,34 +634,34 @@ def _output_kernel(
         tok_ptr, y_ptr, nwin_ptr, nfull_ptr, Pw, Cw, Xs,
         T, WIDTH, w0, NWS,
         H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-        L: tl.constexpr, LP: tl.constexpr, EXACT: tl.constexpr, PREC: tl.constexpr):
+        BUFFER_LEN: tl.constexpr, BUFFER_TILE: tl.constexpr, EXACT: tl.constexpr, PREC: tl.constexpr):
     """Pass 3b, one program per (window, sequence x head), a row block at a time: the outputs
     y = P X^T + C of every token of the window from its checkpoint X (Xs: the read copy's
     values; exact: the unrounded state) but the flush token of a flushing window (pass 2
     wrote those)."""
     wl, bh, b, h, w, mat = _window_program(w0, H)
     cols = tl.arange(0, DK)
-    jj = tl.arange(0, LP)
+    jj = tl.arange(0, BUFFER_TILE)
     br = tl.arange(0, BV)
     nfull = tl.load(nfull_ptr + b)
     if EXACT:
         nfold = tl.load(nwin_ptr + b)
     else:
         nfold = nfull
-    idx, is_tok, tok_row = _slot_tokens(tok_ptr, b, h, w, T, WIDTH, jj, H, L)
+    idx, is_tok, tok_row = _slot_tokens(tok_ptr, b, h, w, T, WIDTH, jj, H, BUFFER_LEN)
     if EXACT:
         keep = is_tok
     else:
-        keep = tl.where(w >= nfull, is_tok, is_tok & (jj != L - 1))
+        keep = tl.where(w >= nfull, is_tok, is_tok & (jj != BUFFER_LEN - 1))
     if w <= nfold:                                       # else: no token in this window
         tb = mat * NWS + wl
-        P = tl.load(Pw + (tb * LP + jj[:, None]) * DK + cols[None, :])
+        P = tl.load(Pw + (tb * BUFFER_TILE + jj[:, None]) * DK + cols[None, :])
         xs_tile = Xs + (mat * (NWS + 1) + wl) * (DV * DK) + cols[None, :]
         for rb in range(DV // BV):
             rows = rb * BV + br
             X = tl.load(xs_tile + rows[:, None] * DK)
             y = tl.dot(P, tl.trans(X), input_precision=PREC) \
-                + tl.load(Cw + (tb * LP + jj[:, None]) * DV + rows[None, :])
+                + tl.load(Cw + (tb * BUFFER_TILE + jj[:, None]) * DV + rows[None, :])
             tl.store(y_ptr + tok_row[:, None] * DV + rows[None, :], y, mask=keep[:, None])
 
 
@@ -712,7 +712,7 @@ def nvfp4_chain_programs(BH: int, d_v: int, sms: int | None) -> int:
     return np_ if np_ >= 2 else 0
 
 
-def chunk_launch_config(pair, B: int, H: int, d_v: int, d_k: int, L: int,
+def chunk_launch_config(pair, B: int, H: int, d_v: int, d_k: int, buffer_len: int,
                         sms: int | None = None) -> dict:
     """Launch parameters from the shape (sms: the device's SM count, None in the interpreter).
 
@@ -724,7 +724,7 @@ def chunk_launch_config(pair, B: int, H: int, d_v: int, d_k: int, L: int,
     else one program holds a matrix, cast in row blocks.
     terms_bv, cast_bv, out_bv (and warps): column / row blocks of the parallel passes, small
     enough that no program holds a whole matrix."""
-    LP = max(16, triton.next_power_of_2(L))
+    buffer_tile = max(16, triton.next_power_of_2(buffer_len))
     bv = min(d_v, 16 if B * H * d_v // 32 < 264 else 32)
     warps, split = None, 0
     if pair.anchor.format == "nvfp4":
@@ -740,19 +740,19 @@ def chunk_launch_config(pair, B: int, H: int, d_v: int, d_k: int, L: int,
             warps = NVFP4_CHAIN_BLOCK[1]
     else:
         rows = bv
-    return {"LP": LP, "chain_rows": rows, "chain_bv": bv, "chain_split": split,
+    return {"LP": buffer_tile, "chain_rows": rows, "chain_bv": bv, "chain_split": split,
             "chain_warps": warps or (8 if rows // bv >= 4 else 4),
             "terms_bv": min(d_v, 32), "terms_warps": 8,
             "cast_bv": min(d_v, 32), "cast_warps": 4,
             "out_bv": min(d_v, 32), "out_warps": 4}
 
 
-def group_windows(BH: int, d_k: int, d_v: int, LP: int, delta: bool, sr_bits: bool = False,
+def group_windows(BH: int, d_k: int, d_v: int, buffer_tile: int, delta: bool, sr_bits: bool = False,
                   vector_gate: bool = False) -> int:
     """Windows per launch group: at most MAX_GROUP_WINDOWS and SCRATCH_BYTES of scratch (each
     window and matrix holds K, P (, W), q_L, U, C, G (vector gates: G_L [d_k]), one FP32
     checkpoint and, with sr_bits, the flush's SR bits), at least one."""
-    per = 4 * (LP * d_k * (3 if delta else 2) + d_k + 2 * LP * d_v + (d_k if vector_gate else LP)
+    per = 4 * (buffer_tile * d_k * (3 if delta else 2) + d_k + 2 * buffer_tile * d_v + (d_k if vector_gate else buffer_tile)
                + d_v * d_k * (2 if sr_bits else 1))
     return max(1, min(MAX_GROUP_WINDOWS, SCRATCH_BYTES // (BH * per)))
 
@@ -778,7 +778,7 @@ def _empty(shape, dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _token_map(state: ScanState, valid, B: int, T: int, L: int, width: int, dev):
+def _token_map(state: ScanState, valid, B: int, T: int, buffer_len: int, width: int, dev):
     """int32 [B, width]: per window column, the token index t (>= 0), the buffered slot s
     (encoded -2 - s) or a null step (-1): each row is [its buffered steps][its valid tokens].
     valid None (every token valid): token t sits in column count + t, no host sync."""
@@ -824,7 +824,7 @@ def chunk_scan(state: ScanState, q, k, v, log_a, beta=None, *, pair, seed: int =
                          f"{None if state.read is None else state.read.format}) do not match the "
                          f"pair {pair.label()}")
     dev = q.device
-    L = state.buffer_len
+    buffer_len = state.buffer_len
     valid_b = None if valid is None else valid.to(torch.bool)
     h0 = state.count.to(dev)
     if valid_b is None:
@@ -833,17 +833,17 @@ def chunk_scan(state: ScanState, q, k, v, log_a, beta=None, *, pair, seed: int =
         if B == 0 or T == 0:
             return torch.zeros(B, T, H, dv, dtype=torch.float32, device=dev), state
         m = h0 + T
-        W = -(-(L + T) // L)
+        W = -(-(buffer_len + T) // buffer_len)
     else:
         m = h0 + valid_b.sum(1)
         M = int(m.max()) if B else 0                     # the one host sync (padding)
         if M == 0 or T == 0:
             return torch.zeros(B, T, H, dv, dtype=torch.float32, device=dev), state
-        W = -(-M // L)
-    width = W * L
-    full = m // L
-    nwin = -(-m // L)
-    tok = _token_map(state, valid_b, B, T, L, width, dev)
+        W = -(-M // buffer_len)
+    width = W * buffer_len
+    full = m // buffer_len
+    nwin = -(-m // buffer_len)
+    tok = _token_map(state, valid_b, B, T, buffer_len, width, dev)
 
     f32, i64 = torch.float32, torch.int64
     delta = beta is not None
@@ -856,10 +856,10 @@ def chunk_scan(state: ScanState, q, k, v, log_a, beta=None, *, pair, seed: int =
     Aout = _role_args(anchor)
     Rout = _role_args(read if read is not None else anchor)
     y = _empty((B, T, H, dv), f32, dev)
-    nk = _empty((B, H, L, dk), f32, dev)
-    nv = _empty((B, H, L, dv), f32, dev)
-    nG = _empty((B, H, L, dk) if vec else (B, H, L), f32, dev)
-    nb = _empty((B, H, L), f32, dev) if delta else None
+    nk = _empty((B, H, buffer_len, dk), f32, dev)
+    nv = _empty((B, H, buffer_len, dv), f32, dev)
+    nG = _empty((B, H, buffer_len, dk) if vec else (B, H, buffer_len), f32, dev)
+    nb = _empty((B, H, buffer_len), f32, dev) if delta else None
     bk, bv, bG = (t.to(f32).contiguous() for t in (state.k, state.v, state.G))
     bb = state.beta.to(f32).contiguous() if delta else None
     h0k = h0.to(device=dev, dtype=torch.int32).contiguous()
@@ -867,21 +867,21 @@ def chunk_scan(state: ScanState, q, k, v, log_a, beta=None, *, pair, seed: int =
     seq = state.rows.to(device=dev, dtype=i64).contiguous()
     nw = nwin.to(torch.int32).contiguous()
     nfu = full.to(torch.int32).contiguous()
-    cfg = chunk_launch_config(pair, B, H, dv, dk, L, device_sms(dev))
-    LP = cfg["LP"]
+    cfg = chunk_launch_config(pair, B, H, dv, dk, buffer_len, device_sms(dev))
+    buffer_tile = cfg["LP"]
     klo, khi = split_key(layer_seed(seed, layer))
     BH = B * H
 
     # group scratch (reused by every group): window slots [BH, G] and checkpoints [BH, G + 1]
     asr = pair.anchor.rounding == "stochastic"
     pre = bool(precompute_sr_bits and asr and not exact)
-    G = min(group_windows(BH, dk, dv, LP, delta, pre, vec), W + 1)
-    Kw = torch.empty(BH, G, LP, dk, dtype=f32, device=dev)
+    G = min(group_windows(BH, dk, dv, buffer_tile, delta, pre, vec), W + 1)
+    Kw = torch.empty(BH, G, buffer_tile, dk, dtype=f32, device=dev)
     Pw = torch.empty_like(Kw)
     Ww = torch.empty_like(Kw) if delta else Kw
     QLw = torch.empty(BH, G, dk, dtype=f32, device=dev)
-    Gw = torch.empty(BH, G, dk if vec else LP, dtype=f32, device=dev)   # G, or G_L per channel
-    Uw = torch.empty(BH, G, LP, dv, dtype=f32, device=dev)
+    Gw = torch.empty(BH, G, dk if vec else buffer_tile, dtype=f32, device=dev)   # G, or G_L per channel
+    Uw = torch.empty(BH, G, buffer_tile, dv, dtype=f32, device=dev)
     Cw = torch.empty_like(Uw)
     Xs = torch.empty(BH, G + 1, dv, dk, dtype=f32, device=dev)
     As = torch.empty(BH, dv, dk, dtype=f32, device=dev)
@@ -896,7 +896,7 @@ def chunk_scan(state: ScanState, q, k, v, log_a, beta=None, *, pair, seed: int =
     spec = pair.anchor if (shared or exact) else pair.read
     Xs[:, 0] = spec.fmt.dequantize(first).reshape(BH, dv, dk)
     As.copy_(pair.anchor.fmt.dequantize(state.anchor).reshape(BH, dv, dk))   # the chain's A
-    cons = dict(H=H, DK=dk, DV=dv, L=L, LP=LP, EXACT=bool(exact), PREC=options.get().chunk_dot)
+    cons = dict(H=H, DK=dk, DV=dv, BUFFER_LEN=buffer_len, BUFFER_TILE=buffer_tile, EXACT=bool(exact), PREC=options.get().chunk_dot)
     rsr = pair.read_spec.rounding == "stochastic"
     cast = exact or not shared
     events = pass_events if (pass_events is not None and dev.type == "cuda") else None
@@ -951,7 +951,7 @@ def chunk_scan(state: ScanState, q, k, v, log_a, beta=None, *, pair, seed: int =
         count = torch.zeros_like(state.count)
         flushes = state.flushes + 1
     else:
-        count = m - full * L
+        count = m - full * buffer_len
         flushes = state.flushes + full
     new = ScanState(anchor=anchor, read=read, k=nk, v=nv, G=nG, beta=nb, count=count,
                     flushes=flushes, rows=state.rows)

@@ -130,12 +130,12 @@ def initial_scan_state(S0: torch.Tensor, pair, *, delta: bool, seed: int = 0, la
     B, H, dv, dk = S0.shape
     dev = S0.device
     rows = torch.arange(B, device=dev) if rows is None else torch.as_tensor(rows, device=dev)
-    L = pair.buffer_len
+    buffer_len = pair.buffer_len
     a, r = cast_roles(S0, pair, seed=seed, layer=layer, flush_index=0, rows=rows)
     z = torch.zeros
-    return ScanState(anchor=a, read=r, k=z(B, H, L, dk, device=dev), v=z(B, H, L, dv, device=dev),
-                     G=z(B, H, L, dk, device=dev) if vector_gate else z(B, H, L, device=dev),
-                     beta=z(B, H, L, device=dev) if delta else None,
+    return ScanState(anchor=a, read=r, k=z(B, H, buffer_len, dk, device=dev), v=z(B, H, buffer_len, dv, device=dev),
+                     G=z(B, H, buffer_len, dk, device=dev) if vector_gate else z(B, H, buffer_len, device=dev),
+                     beta=z(B, H, buffer_len, device=dev) if delta else None,
                      count=torch.zeros(B, dtype=torch.int64, device=dev),
                      flushes=torch.zeros(B, dtype=torch.int64, device=dev),
                      rows=rows.to(torch.int64))
@@ -197,9 +197,9 @@ def _window_terms(G, kw, qw, vw, bw):
     decay of every (t, j, channel), [..., L, L, d_k], with exponents G_t - G_j <= 0 only, for
     at most VECTOR_TERMS_ELEMENTS of them at a time (windows, dim -3, in blocks).
     """
-    L = kw.shape[-2]
+    buffer_len = kw.shape[-2]
     vec = G.dim() == kw.dim()
-    per_window = kw[..., 0, 0, 0].numel() * L * L * kw.shape[-1]
+    per_window = kw[..., 0, 0, 0].numel() * buffer_len * buffer_len * kw.shape[-1]
     W = kw.shape[-3]
     if vec and W > 1 and per_window * W > VECTOR_TERMS_ELEMENTS:
         n = max(1, VECTOR_TERMS_ELEMENTS // per_window)
@@ -207,7 +207,7 @@ def _window_terms(G, kw, qw, vw, bw):
                                vw[..., a:a + n, :, :], None if bw is None else bw[..., a:a + n, :])
                  for a in range(0, W, n)]
         return tuple(None if p[0] is None else torch.cat(p, dim=-3) for p in zip(*parts))
-    tril = torch.ones(L, L, dtype=torch.bool, device=G.device).tril()
+    tril = torch.ones(buffer_len, buffer_len, dtype=torch.bool, device=G.device).tril()
     mask = tril[:, :, None] if vec else tril
     D = (G.unsqueeze(-2 if vec else -1) - G.unsqueeze(-3 if vec else -2)) \
         .masked_fill(~mask, float("-inf")).exp()                 # [..., t, j (, d_k)]
@@ -218,10 +218,10 @@ def _window_terms(G, kw, qw, vw, bw):
         Aqk = (qw @ kw.transpose(-1, -2)) * D
     if bw is None:
         return Aqk, None, None
-    strict = torch.ones(L, L, dtype=torch.bool, device=G.device).tril(-1)
+    strict = torch.ones(buffer_len, buffer_len, dtype=torch.bool, device=G.device).tril(-1)
     KK = (kw.unsqueeze(-2) * kd).sum(-1) if vec else (kw @ kw.transpose(-1, -2)) * D
     Tm = (bw.unsqueeze(-1) * KK).masked_fill(~strict, 0.0)
-    Tm = Tm + torch.eye(L, dtype=Tm.dtype, device=Tm.device)
+    Tm = Tm + torch.eye(buffer_len, dtype=Tm.dtype, device=Tm.device)
     Vb = torch.linalg.solve_triangular(Tm, bw.unsqueeze(-1) * vw, upper=False, unitriangular=True)
     eG = G.exp() if vec else G.exp().unsqueeze(-1)
     Kb = torch.linalg.solve_triangular(Tm, bw.unsqueeze(-1) * eG * kw, upper=False,
@@ -294,7 +294,7 @@ def _scan(state, q, k, v, log_a, beta, *, pair, seed, layer, valid, exact):
     B, T, H, dk = q.shape
     dv = v.shape[-1]
     dev = q.device
-    L = state.buffer_len
+    buffer_len = state.buffer_len
     valid = torch.ones(B, T, dtype=torch.bool, device=dev) if valid is None else valid.to(torch.bool)
 
     h0 = state.count
@@ -303,21 +303,21 @@ def _scan(state, q, k, v, log_a, beta, *, pair, seed, layer, valid, exact):
     M = int(m.max()) if B else 0
     if M == 0 or T == 0:
         return y, state
-    W = -(-M // L)
-    width = W * L
+    W = -(-M // buffer_len)
+    width = W * buffer_len
 
     # -- each row laid out as [its buffered steps][its valid new tokens][null steps], in columns
     # grouped into windows of L: the flush schedule of every row is then the window grid.
     # Null steps (k = v = beta = 0, log a = 0) change nothing and are never flushed.
     bi, ti = valid.nonzero(as_tuple=True)
     cols = h0[bi] + (valid.long().cumsum(1) - 1)[bi, ti]
-    slot = torch.arange(L, device=dev)
+    slot = torch.arange(buffer_len, device=dev)
     live0 = slot[None, :] < h0[:, None]                     # [B, L] buffered slots
 
     def lay(buf, new, tail):
         E = torch.zeros(B, H, width, *tail, dtype=f32, device=dev)
         if buf is not None:
-            E[:, :, :L] = torch.where(live0.reshape(B, 1, L, *([1] * len(tail))), buf.to(f32), 0.0)
+            E[:, :, :buffer_len] = torch.where(live0.reshape(B, 1, buffer_len, *([1] * len(tail))), buf.to(f32), 0.0)
         E[bi, :, cols] = new[bi, ti]
         return E
 
@@ -331,13 +331,13 @@ def _scan(state, q, k, v, log_a, beta, *, pair, seed, layer, valid, exact):
     prev = state.G.to(f32).gather(2, at)[:, :, 0]                                  # [B, H(, d_k)]
     last = torch.where((h0 > 0).view(B, 1, *([1] * len(gt))), prev, torch.zeros((), device=dev))
     inc[torch.arange(B, device=dev), :, (h0 - 1).clamp(min=0)] += last
-    G = inc.reshape(B, H, W, L, *gt).cumsum(3)
-    G[:, :, 0] = torch.where(live0.view(B, 1, L, *([1] * len(gt))), state.G.to(f32), G[:, :, 0])
+    G = inc.reshape(B, H, W, buffer_len, *gt).cumsum(3)
+    G[:, :, 0] = torch.where(live0.view(B, 1, buffer_len, *([1] * len(gt))), state.G.to(f32), G[:, :, 0])
 
-    kw = Ek.reshape(B, H, W, L, dk)
-    vw = Ev.reshape(B, H, W, L, dv)
-    qw = Eq.reshape(B, H, W, L, dk)
-    bw = None if Eb is None else Eb.reshape(B, H, W, L)
+    kw = Ek.reshape(B, H, W, buffer_len, dk)
+    vw = Ev.reshape(B, H, W, buffer_len, dv)
+    qw = Eq.reshape(B, H, W, buffer_len, dk)
+    bw = None if Eb is None else Eb.reshape(B, H, W, buffer_len)
     Aqk, Vb, Kb = _window_terms(G, kw, qw, vw, bw)
     if vec:                                                 # decay on the key axis, per channel
         qe = qw * G.exp()                                   # q_t * exp(G_t)
@@ -352,8 +352,8 @@ def _scan(state, q, k, v, log_a, beta, *, pair, seed, layer, valid, exact):
     A = anchor_f32(state, pair)
     R = A if state.read is None else read_f32(state, pair)
     aq, rq = state.anchor, state.read
-    Y = torch.empty(B, H, W, L, dv, dtype=f32, device=dev)
-    full = m // L                                           # windows that end in a flush, per row
+    Y = torch.empty(B, H, W, buffer_len, dv, dtype=f32, device=dev)
+    full = m // buffer_len                                           # windows that end in a flush, per row
     fmin, fmax = (0, 0) if exact else (int(full.min()), int(full.max()))   # the one host sync
     for w in range(W):
         uR_only = not exact and w >= fmax                    # nobody flushes: R is final
@@ -380,18 +380,18 @@ def _scan(state, q, k, v, log_a, beta, *, pair, seed, layer, valid, exact):
             A = S
             continue
         # the flush step reads the unrounded state rebuilt from the anchor; then the two casts
-        yF = (S @ qw[:, :, w, L - 1, :, None])[..., 0]
+        yF = (S @ qw[:, :, w, buffer_len - 1, :, None])[..., 0]
         na, nr = cast_roles(S, pair, seed=seed, layer=layer, flush_index=state.flushes + w + 1,
                             rows=state.rows)
         Anew = pair.anchor.fmt.dequantize(na)
         Rnew = Anew if nr is None else pair.read.fmt.dequantize(nr)
         if w < fmin:                                         # every row flushes here
-            Y[:, :, w, L - 1] = yF
+            Y[:, :, w, buffer_len - 1] = yF
             aq, rq, A, R = na, nr, Anew, Rnew
         else:
             flush = full > w
             fm = flush[:, None, None, None]
-            Y[:, :, w, L - 1] = torch.where(flush[:, None, None], yF, Y[:, :, w, L - 1])
+            Y[:, :, w, buffer_len - 1] = torch.where(flush[:, None, None], yF, Y[:, :, w, buffer_len - 1])
             aq, rq = select_rows(flush, na, aq), select_rows(flush, nr, rq)
             A = torch.where(fm, Anew, A)
             R = A if rq is None else torch.where(fm, Rnew, R)
@@ -409,13 +409,13 @@ def _scan(state, q, k, v, log_a, beta, *, pair, seed, layer, valid, exact):
                           count=zero(state.count), flushes=state.flushes + 1)
 
     # -- the new buffer: each row's entries after its last flush (window `full`)
-    count = m - full * L
-    idx = ((full * L)[:, None] + slot).clamp(max=width - 1)          # [B, L]
+    count = m - full * buffer_len
+    idx = ((full * buffer_len)[:, None] + slot).clamp(max=width - 1)          # [B, L]
     live = slot[None, :] < count[:, None]
 
     def take(E, tail):
-        g = E.gather(2, idx.view(B, 1, L, *([1] * len(tail))).expand(B, H, L, *tail))
-        return torch.where(live.view(B, 1, L, *([1] * len(tail))), g, 0.0)
+        g = E.gather(2, idx.view(B, 1, buffer_len, *([1] * len(tail))).expand(B, H, buffer_len, *tail))
+        return torch.where(live.view(B, 1, buffer_len, *([1] * len(tail))), g, 0.0)
 
     Gf = G.reshape(B, H, width, *gt)
     new = replace(state, anchor=aq, read=rq, k=take(Ek, (dk,)), v=take(Ev, (dv,)), G=take(Gf, gt),

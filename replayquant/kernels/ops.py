@@ -81,7 +81,7 @@ def store_meta(store: ReplayStore, engine: str = "triton") -> str:
     names, _ = _present(store)
     role = lambda r: None if r is None else [r.fmt, r.rounding, list(r.shape)]  # noqa: E731
     return json.dumps({"kind": store.kind, "anchor": role(store.anchor), "read": role(store.read),
-                       "L": store.L, "key_heads": store.key_heads, "key": store.key,
+                       "L": store.buffer_len, "key_heads": store.key_heads, "key": store.key,
                        "max_drafts": store.max_drafts, "names": names, "engine": engine})
 
 

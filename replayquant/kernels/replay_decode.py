@@ -46,21 +46,21 @@ READ_STAGES = tl.constexpr(3)
 
 
 @triton.jit
-def _entry(slot, start, j, CAP: tl.constexpr):
-    return slot * CAP + (start + j) % CAP
+def _entry(slot, start, j, CAPACITY: tl.constexpr):
+    return slot * CAPACITY + (start + j) % CAPACITY
 
 
 @triton.jit
 def _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols, jj, n,
                   HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                  CAP: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
+                  CAPACITY: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
                   WANT_U: tl.constexpr, VEC: tl.constexpr):
     """Buffer entries 0..n-1 of one (slot, head) as tiles (rows >= n are zero): Kb [LP, DK] the
     raw bf16 k / B, r [LP] its row factor (GDN with L2NORM: 1 / |k|, the re-normalisation,
     applied to the products; else 1), X [LP, BV] float32 (GDN: raw v, or u when WANT_U;
     Mamba-2: v = dt x), G [LP] cumulative log gate (VEC: [LP, DK]), Bt [LP] (beta / dt)."""
     m = jj < n
-    e = _entry(slot, start, jj, CAP)
+    e = _entry(slot, start, jj, CAPACITY)
     Kb = tl.load(kbuf + (e[:, None] * HK + hk) * DK + cols[None, :], mask=m[:, None], other=0.0)
     r = tl.where(m, 1.0, 0.0)
     if DELTA:
@@ -113,7 +113,7 @@ def _dot3(a, b, acc, SPLIT_B: tl.constexpr, ON_GPU: tl.constexpr):
 
 @triton.jit
 def _rebuild(S0, Kb, r, X, G, Bt, jj, n, A_pay, A_sc, A_gs, mat, rows, kbuf, Tbuf, e, hk, hv,
-             HK: tl.constexpr, HV: tl.constexpr, L: tl.constexpr, DK: tl.constexpr,
+             HK: tl.constexpr, HV: tl.constexpr, BUFFER_LEN: tl.constexpr, DK: tl.constexpr,
              DV: tl.constexpr, AFMT: tl.constexpr,
              DELTA: tl.constexpr, PREC: tl.constexpr, ON_GPU: tl.constexpr,
              FOLD_U: tl.constexpr):
@@ -138,7 +138,7 @@ def _rebuild(S0, Kb, r, X, G, Bt, jj, n, A_pay, A_sc, A_gs, mat, rows, kbuf, Tbu
             W = _dot3(Kc, tl.trans(_tile_load(A_pay, A_sc, A_gs, mat, rows, cc, DV, DK,
                                               rows.shape[0], AFMT)), W, True, ON_GPU)
         R = Bt[:, None] * (X - tl.where(m, tl.exp(G), 0.0)[:, None] * (r[:, None] * W))
-        Tm = tl.load(Tbuf + (e[:, None] * HV + hv) * L + jj[None, :],      # (I + A)^-1, rows
+        Tm = tl.load(Tbuf + (e[:, None] * HV + hv) * BUFFER_LEN + jj[None, :],      # (I + A)^-1, rows
                      mask=m[:, None] & m[None, :], other=0.0)              # of the ring
         U = tl.dot(Tm, R, input_precision=PREC)
     w = tl.where(m, tl.exp(tl.where(m, Gn - G, 0.0)), 0.0) * r
@@ -185,7 +185,7 @@ def _fold_vec_u(S0, Kb, r, U, G, jj, n, PREC: tl.constexpr):
 
 @triton.jit
 def _fold(S0, Kb, r, X, G, Bt, jj, n, A_pay, A_sc, A_gs, mat, rows, cols, kbuf, vbuf, Gbuf, bbuf,
-          Tbuf, e, hk, hv, HK: tl.constexpr, HV: tl.constexpr, L: tl.constexpr, DK: tl.constexpr,
+          Tbuf, e, hk, hv, HK: tl.constexpr, HV: tl.constexpr, BUFFER_LEN: tl.constexpr, DK: tl.constexpr,
           DV: tl.constexpr, AFMT: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr,
           ON_GPU: tl.constexpr, VEC: tl.constexpr, FOLD_U: tl.constexpr, L2NORM: tl.constexpr):
     """_rebuild, or for a gate per key channel (VEC) _fold_vec_u (FOLD_U) / _rebuild_vec."""
@@ -197,7 +197,7 @@ def _fold(S0, Kb, r, X, G, Bt, jj, n, A_pay, A_sc, A_gs, mat, rows, cols, kbuf, 
                              DV, L2NORM)
     else:
         S = _rebuild(S0, Kb, r, X, G, Bt, jj, n, A_pay, A_sc, A_gs, mat, rows, kbuf, Tbuf, e, hk,
-                     hv, HK, HV, L, DK, DV, AFMT, DELTA, PREC, ON_GPU, FOLD_U)
+                     hv, HK, HV, BUFFER_LEN, DK, DV, AFMT, DELTA, PREC, ON_GPU, FOLD_U)
     return S
 
 
@@ -390,27 +390,27 @@ def _tile_mv_t(p, b, s, Y, DK: tl.constexpr, FMT: tl.constexpr, PCK: tl.constexp
 
 
 @triton.jit
-def _flush_flags(h, T: tl.constexpr, L: tl.constexpr, STEP: tl.constexpr):
+def _flush_flags(h, T: tl.constexpr, BUFFER_LEN: tl.constexpr, STEP: tl.constexpr):
     """A row's flushes at committed fill h (a scalar or a block), the one definition that the
     kernel and the pointer moves share: (pre, fill). pre: the committed entries would not leave
     T free slots (h + T > L, h > 0; T = 1 in a step), so they fold into the anchor first; fill:
     in a step (STEP), the step's entry fills the buffer (h + 1 == L, from the fill left after
     pre). A forced step flushes whatever these say."""
-    pre = (h + T > L) & (h > 0)
+    pre = (h + T > BUFFER_LEN) & (h > 0)
     fill = pre & (h < 0)                        # False, shaped as h
     if STEP:
-        fill = tl.where(pre, 0, h) + 1 == L
+        fill = tl.where(pre, 0, h) + 1 == BUFFER_LEN
     return pre, fill
 
 
 @triton.jit
-def _moved_pointers(h, st, nf, force, L: tl.constexpr, CAP: tl.constexpr, T: tl.constexpr,
+def _moved_pointers(h, st, nf, force, BUFFER_LEN: tl.constexpr, CAPACITY: tl.constexpr, T: tl.constexpr,
                     STEP: tl.constexpr):
     """(committed, start, n_flush) after a step (STEP) or a verify of T drafts, from the values
     the kernel read (scalars or blocks): the kernel's flush decisions."""
-    pre, fill = _flush_flags(h, T, L, STEP)
+    pre, fill = _flush_flags(h, T, BUFFER_LEN, STEP)
     nf = tl.where(pre, nf + 1, nf)
-    st = tl.where(pre, (st + h) % CAP, st)
+    st = tl.where(pre, (st + h) % CAPACITY, st)
     h = tl.where(pre, 0, h)
     if STEP:
         fl = fill | (force != 0)
@@ -423,11 +423,11 @@ def _moved_pointers(h, st, nf, force, L: tl.constexpr, CAP: tl.constexpr, T: tl.
 def _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, out_ptr, q_ptr, k_ptr, v_ptr,
                  a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, beta_scale, dt_lo, dt_hi, row, hv,
                  hk, rows, cols, slot, start, h, jj, lead, HK: tl.constexpr, HV: tl.constexpr,
-                 DK: tl.constexpr, DV: tl.constexpr, CAP: tl.constexpr, T: tl.constexpr,
+                 DK: tl.constexpr, DV: tl.constexpr, CAPACITY: tl.constexpr, T: tl.constexpr,
                  RFMT: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
                  HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
                  U_BF16: tl.constexpr, DT_CLAMP: tl.constexpr, VEC: tl.constexpr,
-                 PCK: tl.constexpr, KF: tl.constexpr, L: tl.constexpr):
+                 PCK: tl.constexpr, KF: tl.constexpr, BUFFER_LEN: tl.constexpr):
     """Outputs of T entries from the read copy tile (P, Pb, s) and the h committed entries,
     output-only: y = e^{G_p} (R q) + sum_j e^{G_p - G_j} (k_j . q) u_j + (k . q) u, draft t
     seeing the drafts before it; GDN u = beta (v - e^{G_p} R k - sum_j e^{G_p - G_j}
@@ -439,10 +439,10 @@ def _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, out_ptr, q_ptr, k
     section 4), T_p = e_p - sum_{j<p} A_pj T_j with A_pj = beta e^{G_p - G_j} (k_j . k): the
     solve's forward substitution, one row a step, so that the flush only multiplies."""
     Kb, r, X, G, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start, hv, hk, rows,
-                                    cols, jj, h, HK, HV, DK, DV, CAP, DELTA, L2NORM, DELTA, VEC)
+                                    cols, jj, h, HK, HV, DK, DV, CAPACITY, DELTA, L2NORM, DELTA, VEC)
     if KF:                          # the key factors of the committed entries (lead only)
         hl = tl.where(lead, h, 0)
-        Tm = tl.load(Tbuf + (_entry(slot, start, jj, CAP)[:, None] * HV + hv) * L + jj[None, :],
+        Tm = tl.load(Tbuf + (_entry(slot, start, jj, CAPACITY)[:, None] * HV + hv) * BUFFER_LEN + jj[None, :],
                      mask=(jj < hl)[:, None] & (jj < hl)[None, :], other=0.0)
     if VEC:
         Gp = tl.sum(tl.where((jj == h - 1)[:, None], G, 0.0), axis=0)
@@ -507,11 +507,11 @@ def _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, out_ptr, q_ptr, k
             y = eG * rq + yb + tl.sum(k * q, axis=0) * u
         y = _gate_out(y + skip, z_ptr, tok, hv, rows, HV, DV, HAS_Z)
         tl.store(out_ptr + (tok * HV + hv) * DV + rows, y)
-        e = _entry(slot, start, p, CAP)
+        e = _entry(slot, start, p, CAPACITY)
         kraw = tl.load(k_ptr + (tok * HK + hk) * DK + cols)
         if KF:
             if lead:
-                tl.store(Tbuf + (e * HV + hv) * L + jj, trow, mask=jj < L)
+                tl.store(Tbuf + (e * HV + hv) * BUFFER_LEN + jj, trow, mask=jj < BUFFER_LEN)
         if T > 1:                   # draft t is entry p of the drafts after it
             cur = jj == p
             if KF:
@@ -557,8 +557,8 @@ def _flush_tile(tile, n_rows, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, 
                 Tbuf, h_ptr, st_ptr, nf_ptr, idx_ptr, out_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr,
                 A_ptr, dtb_ptr, D_ptr, z_ptr, scale, beta_scale, key_lo, key_hi, dt_lo, dt_hi,
                 HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                BV: tl.constexpr, L: tl.constexpr, CAP: tl.constexpr,
-                LP: tl.constexpr, T: tl.constexpr, STEP: tl.constexpr, FORCE: tl.constexpr,
+                BV: tl.constexpr, BUFFER_LEN: tl.constexpr, CAPACITY: tl.constexpr,
+                BUFFER_TILE: tl.constexpr, T: tl.constexpr, STEP: tl.constexpr, FORCE: tl.constexpr,
                 AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr, RSR: tl.constexpr,
                 SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
                 HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
@@ -573,23 +573,23 @@ def _flush_tile(tile, n_rows, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, 
     cols = tl.arange(0, DK)
     slot = tl.load(idx_ptr + row).to(tl.int64)
     mat = slot * HV + hv
-    jj = tl.arange(0, LP)
+    jj = tl.arange(0, BUFFER_TILE)
     h = tl.load(h_ptr + slot)
     start = tl.load(st_ptr + slot)
     nf = tl.load(nf_ptr + slot)
-    pre, fill = _flush_flags(h, T, L, STEP)
+    pre, fill = _flush_flags(h, T, BUFFER_LEN, STEP)
     if pre:
         Kb, r, X, G, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start, hv, hk, rows,
-                                        cols, jj, h, HK, HV, DK, DV, CAP, DELTA, L2NORM, FOLD_U,
+                                        cols, jj, h, HK, HV, DK, DV, CAPACITY, DELTA, L2NORM, FOLD_U,
                                         VEC)
         S = _fold(_tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT), Kb, r, X, G,
                   Bt, jj, h, A_pay, A_sc, A_gs, mat, rows, cols, kbuf, vbuf, Gbuf, bbuf, Tbuf,
-                  _entry(slot, start, jj, CAP), hk, hv, HK, HV, L, DK, DV, AFMT, DELTA, PREC,
+                  _entry(slot, start, jj, CAPACITY), hk, hv, HK, HV, BUFFER_LEN, DK, DV, AFMT, DELTA, PREC,
                   ON_GPU, VEC, FOLD_U, L2NORM)
         nf = nf + 1
         _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi,
                      nf, slot, hv, DV, DK, BV, AFMT, ASR, RFMT, RSR, SHARED)
-        start = (start + h) % CAP
+        start = (start + h) % CAPACITY
         h = h * 0
         tl.debug_barrier()          # a flush step after it reads the anchor just written
     if STEP:
@@ -601,10 +601,10 @@ def _flush_tile(tile, n_rows, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, 
             S = _tile_load(A_pay, A_sc, A_gs, mat, rows, cols, DV, DK, BV, AFMT)
             if h > 0:
                 Kb, r, X, G, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start, hv,
-                                                hk, rows, cols, jj, h, HK, HV, DK, DV, CAP,
+                                                hk, rows, cols, jj, h, HK, HV, DK, DV, CAPACITY,
                                                 DELTA, L2NORM, FOLD_U, VEC)
                 S = _fold(S, Kb, r, X, G, Bt, jj, h, A_pay, A_sc, A_gs, mat, rows, cols, kbuf,
-                          vbuf, Gbuf, bbuf, Tbuf, _entry(slot, start, jj, CAP), hk, hv, HK, HV, L,
+                          vbuf, Gbuf, bbuf, Tbuf, _entry(slot, start, jj, CAPACITY), hk, hv, HK, HV, BUFFER_LEN,
                           DK, DV, AFMT, DELTA, PREC, ON_GPU, VEC, FOLD_U, L2NORM)
             # this step on the rebuilt state: the conventional step's arithmetic (L = 1 and a
             # forced step on empty buffers are the conventional kernel)
@@ -624,8 +624,8 @@ def _replay_kernel(
         q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr,
         scale, beta_scale, key_lo, key_hi, dt_lo, dt_hi, n_rows,
         HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-        BV: tl.constexpr, L: tl.constexpr, CAP: tl.constexpr,
-        LP: tl.constexpr, T: tl.constexpr, STEP: tl.constexpr, FORCE: tl.constexpr,
+        BV: tl.constexpr, BUFFER_LEN: tl.constexpr, CAPACITY: tl.constexpr,
+        BUFFER_TILE: tl.constexpr, T: tl.constexpr, STEP: tl.constexpr, FORCE: tl.constexpr,
         ADVANCE: tl.constexpr,
         AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr, RSR: tl.constexpr,
         SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr, HAS_DTB: tl.constexpr,
@@ -649,7 +649,7 @@ def _replay_kernel(
         trow, _, _ = _flush_tile_at(tiles, n_rows, HV, DV, BV)
         tslot = tl.load(idx_ptr + trow, mask=okt, other=-1)
         th = tl.load(h_ptr + tslot, mask=tslot >= 0, other=0)
-        tpre, tfill = _flush_flags(th, T, L, STEP)
+        tpre, tfill = _flush_flags(th, T, BUFFER_LEN, STEP)
         need = ((tpre | tfill | FORCE) & (tslot >= 0)).to(tl.int32)
         rank = tl.cumsum(need, axis=0)
         for i in range(tl.sum(need, axis=0)):
@@ -657,27 +657,27 @@ def _replay_kernel(
             _flush_tile(tile, n_rows, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, ubuf,
                         Gbuf, bbuf, Tbuf, h_ptr, st_ptr, nf_ptr, idx_ptr, out_ptr, q_ptr, k_ptr,
                         v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, beta_scale,
-                        key_lo, key_hi, dt_lo, dt_hi, HK, HV, DK, DV, BV, L, CAP, LP, T, STEP,
+                        key_lo, key_hi, dt_lo, dt_hi, HK, HV, DK, DV, BV, BUFFER_LEN, CAPACITY, BUFFER_TILE, T, STEP,
                         FORCE, AFMT, ASR, RFMT, RSR, SHARED, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z,
                         DT_CLAMP, PREC, ON_GPU, VEC, FOLD_U)
     else:
         row, hv, hk, rows0, cols, slot = _program_tile(idx_ptr, HK, HV, DK, BV)
         if slot >= 0:
             mat = slot * HV + hv
-            jj = tl.arange(0, LP)
+            jj = tl.arange(0, BUFFER_TILE)
             if not FUSED:           # (with one chunk its loads before the pointers')
                 P, Pb = _row_ptrs(R_pay, R_sc, mat, rows0, DV, DK, RFMT, PCK)
             h = tl.load(h_ptr + slot)
             start = tl.load(st_ptr + slot)
-            pre, fill = _flush_flags(h, T, L, STEP)
+            pre, fill = _flush_flags(h, T, BUFFER_LEN, STEP)
             if FUSED:                       # this tile's own flush first, then its read copy
                 if pre | fill | FORCE:
                     _flush_tile((hv * (DV // BV) + tl.program_id(1)) * n_rows + row, n_rows,
                                 A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, ubuf, Gbuf,
                                 bbuf, Tbuf, h_ptr, st_ptr, nf_ptr, idx_ptr, out_ptr, q_ptr, k_ptr,
                                 v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale,
-                                beta_scale, key_lo, key_hi, dt_lo, dt_hi, HK, HV, DK, DV, BV, L,
-                                CAP, LP, T, STEP, FORCE, AFMT, ASR, RFMT, RSR, SHARED, DELTA,
+                                beta_scale, key_lo, key_hi, dt_lo, dt_hi, HK, HV, DK, DV, BV, BUFFER_LEN,
+                                CAPACITY, BUFFER_TILE, T, STEP, FORCE, AFMT, ASR, RFMT, RSR, SHARED, DELTA,
                                 L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP, PREC, ON_GPU, VEC,
                                 FOLD_U)
                     tl.debug_barrier()      # the tile's roles are written
@@ -686,7 +686,7 @@ def _replay_kernel(
             if RFMT == 4:
                 s = tl.load(R_gs + mat)
             if pre:                         # folded by the flush launch
-                start = (start + h) % CAP
+                start = (start + h) % CAPACITY
                 h = h * 0
             go = True                       # read (a verify always reads)
             if STEP:
@@ -695,15 +695,15 @@ def _replay_kernel(
                 _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, out_ptr, q_ptr, k_ptr,
                              v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, beta_scale, dt_lo,
                              dt_hi, row, hv, hk, rows0, cols, slot, start, h, jj,
-                             tl.program_id(1) == 0, HK, HV, DK, DV, CAP,
+                             tl.program_id(1) == 0, HK, HV, DK, DV, CAPACITY,
                              T, RFMT, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z,
-                             U_BF16, DT_CLAMP, VEC, PCK, KF, L)
+                             U_BF16, DT_CLAMP, VEC, PCK, KF, BUFFER_LEN)
             if ADVANCE:
                 tl.debug_barrier()              # every thread of the program is past its loads
                 arrived = tl.atomic_add(cnt_ptr + slot, 1)          # acq_rel, gpu scope
                 if arrived == HV * (DV // BV) - 1:                  # the row's last program
                     h, st, nf = _moved_pointers(tl.load(h_ptr + slot), tl.load(st_ptr + slot),
-                                                tl.load(nf_ptr + slot), FORCE, L, CAP, T, STEP)
+                                                tl.load(nf_ptr + slot), FORCE, BUFFER_LEN, CAPACITY, T, STEP)
                     tl.store(h_ptr + slot, h)
                     tl.store(st_ptr + slot, st)
                     tl.store(nf_ptr + slot, nf)
@@ -715,8 +715,8 @@ def _replay_kernel(
 
 
 @triton.jit
-def _advance_kernel(h_ptr, st_ptr, nf_ptr, idx_ptr, acc_ptr, B, L: tl.constexpr,
-                    CAP: tl.constexpr, T: tl.constexpr,
+def _advance_kernel(h_ptr, st_ptr, nf_ptr, idx_ptr, acc_ptr, B, BUFFER_LEN: tl.constexpr,
+                    CAPACITY: tl.constexpr, T: tl.constexpr,
                     STEP: tl.constexpr, force, HAS_ACC: tl.constexpr, BLOCK: tl.constexpr):
     """Pointer moves after a step / verify launch without ADVANCE (the kernel's decisions), or
     after accept (committed += accepted)."""
@@ -730,7 +730,7 @@ def _advance_kernel(h_ptr, st_ptr, nf_ptr, idx_ptr, acc_ptr, B, L: tl.constexpr,
     if HAS_ACC:
         h = h + tl.load(acc_ptr + offs, mask=ok, other=0).to(h.dtype)
     else:
-        h, st, nf = _moved_pointers(h, st, nf, force, L, CAP, T, STEP)
+        h, st, nf = _moved_pointers(h, st, nf, force, BUFFER_LEN, CAPACITY, T, STEP)
     tl.store(h_ptr + s, h, mask=ok)
     tl.store(st_ptr + s, st, mask=ok)
     tl.store(nf_ptr + s, nf, mask=ok)
@@ -882,7 +882,7 @@ def advance_pointers(store: ReplayStore, state_indices, T: int = 1, step: bool =
     BLOCK = 256
     _advance_kernel[(triton.cdiv(B, BLOCK),)](
         store.committed, store.start, store.n_flush, idx, acc if acc is not None else idx, B,
-        L=store.L, CAP=store.capacity, T=T,
+        BUFFER_LEN=store.buffer_len, CAPACITY=store.capacity, T=T,
         STEP=step, force=int(force_flush), HAS_ACC=acc is not None, BLOCK=BLOCK)
 
 
@@ -918,9 +918,9 @@ def _launch(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, state_ind
     if store.arrive is None or store.arrive.shape[0] != N:
         store.arrive = torch.zeros(N, dtype=torch.int32, device=store.committed.device)
     kf = solves_u(store)
-    if kf and (store.Tbuf is None or store.Tbuf.shape != (N, store.capacity, HV, store.L)):
+    if kf and (store.Tbuf is None or store.Tbuf.shape != (N, store.capacity, HV, store.buffer_len)):
         raise ValueError(f"a GDN store whose flush solves for u needs its key factors: Tbuf "
-                         f"float32 [{N}, {store.capacity}, {HV}, {store.L}] (ReplayStore.from_state "
+                         f"float32 [{N}, {store.capacity}, {HV}, {store.buffer_len}] (ReplayStore.from_state "
                          f"allocates it), got "
                          f"{None if store.Tbuf is None else list(store.Tbuf.shape)}")
     Ap, As, Ag, afid = store.anchor.kernel_args()
@@ -941,8 +941,8 @@ def _launch(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, state_ind
             store.arrive, idx, out, *inputs,
             float(scale if scale is not None else 1.0 / math.sqrt(dk)), beta_scale,
             *split_key(store.key), dt_lo, dt_hi, B,
-            HK=HK, HV=HV, DK=dk, DV=dv, BV=BV, L=store.L, CAP=store.capacity,
-            LP=max(16, triton.next_power_of_2(store.L)), T=T, STEP=step, FORCE=bool(force),
+            HK=HK, HV=HV, DK=dk, DV=dv, BV=BV, BUFFER_LEN=store.buffer_len, CAPACITY=store.capacity,
+            BUFFER_TILE=max(16, triton.next_power_of_2(store.buffer_len)), T=T, STEP=step, FORCE=bool(force),
             ADVANCE=bool(advance) and not flushes, AFMT=afid, FUSED=fused,
             ASR=store.anchor.rounding == "stochastic", RFMT=rfid,
             RSR=store.read_role.rounding == "stochastic", SHARED=store.shared, DELTA=delta,

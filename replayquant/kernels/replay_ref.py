@@ -37,10 +37,10 @@ def advance_pointers_ref(store: ReplayStore, state_indices, T: int = 1, step: bo
         if accepted is not None:
             h += int(accepted[b])
         else:
-            if h + T > store.L and h > 0:
+            if h + T > store.buffer_len and h > 0:
                 nf, st, h = nf + 1, (st + h) % store.capacity, 0
             if step:
-                if h + 1 == store.L or force_flush:
+                if h + 1 == store.buffer_len or force_flush:
                     nf, h = nf + 1, 0
                 else:
                     h += 1
@@ -171,7 +171,7 @@ def replay_ref_core(store: ReplayStore, fe, raw, state_indices, T: int, step: bo
     vec = store.kind == "kda"
     B = q.shape[0]
     N, H, dv, dk = store.shape
-    L = store.L
+    buffer_len = store.buffer_len
     idx = _indices(state_indices, B, q.device).long()
     y = torch.zeros(B, T, H, dv, dtype=torch.float32, device=q.device)
     bf = torch.bfloat16 if store.ubuf is None else store.ubuf.dtype
@@ -180,13 +180,13 @@ def replay_ref_core(store: ReplayStore, fe, raw, state_indices, T: int, step: bo
         if s < 0:
             continue
         h, nf, start = int(store.committed[s]), int(store.n_flush[s]), int(store.start[s])
-        if h + T > L and h > 0:
+        if h + T > buffer_len and h > 0:
             K, V, U, G, Bt = _entries_ref(store, s, h, start)
             S = _rebuild_ref(store.anchor.dequantize([s])[0], K, V, G, Bt, delta, vec=vec,
                              U=U if fold else None)
             _write_roles_ref(store, s, S, nf + 1)
             nf, start, h = nf + 1, (start + h) % store.capacity, 0
-        if step and (h + 1 == L or force):
+        if step and (h + 1 == buffer_len or force):
             K, V, U, G, Bt = _entries_ref(store, s, h, start)
             S = _rebuild_ref(store.anchor.dequantize([s])[0], K, V, G, Bt, delta,
                              cur=(k[b_, 0], v[b_, 0], log_a[b_, 0], beta[b_, 0]), vec=vec,

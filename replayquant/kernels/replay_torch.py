@@ -97,15 +97,15 @@ def _window(store: ReplayStore, rows: _Rows, start, n_live):
     zero: K [B, H, L, dk] (GDN / KDA re-normalised as the reference), V (Mamba-2 dt x)
     [B, H, L, dv], U [B, H, L, dv] or None, G [B, H, L] (KDA [.., dk]), Bt [B, H, L], and the
     mask live [B, L]."""
-    H, L = store.shape[1], store.L
-    j = torch.arange(L, device=start.device)
+    H, buffer_len = store.shape[1], store.buffer_len
+    j = torch.arange(buffer_len, device=start.device)
     pos = (start.long()[:, None] + j) % store.capacity                  # [B, L]
     s = rows.slot[:, None]
     live = j[None, :] < n_live.long()[:, None]
 
     def get(buf):
         x = buf[s, pos].float().transpose(1, 2)                        # [B, heads, L, ...]
-        m = live[:, None, :].view(live.shape[:1] + (1, L) + (1,) * (x.dim() - 3))
+        m = live[:, None, :].view(live.shape[:1] + (1, buffer_len) + (1,) * (x.dim() - 3))
         return torch.where(m, x, 0.0)
 
     K = ring_keys(store.kind, get(store.kbuf).repeat_interleave(H // store.key_heads, dim=1))
@@ -199,14 +199,14 @@ def _write_roles(store: ReplayStore, rows: _Rows, S, fi, write):
 def _key_factor_rows(store: ReplayStore, rows: _Rows, K, G, Bt, n_live):
     """Row n_live - 1 of each row's key factors (I + A)^{-1} (replay_ref.key_factors_ref) over its
     first n_live window entries, zero past it: [B, H, L]."""
-    L = K.shape[2]
-    j = torch.arange(L, device=K.device)
+    buffer_len = K.shape[2]
+    j = torch.arange(buffer_len, device=K.device)
     live = j[None, :] < n_live.long()[:, None]                              # [B, L]
-    low = torch.ones(L, L, dtype=torch.bool, device=K.device).tril(-1)
+    low = torch.ones(buffer_len, buffer_len, dtype=torch.bool, device=K.device).tril(-1)
     pair = low & live[:, None, :, None] & live[:, None, None, :]             # [B, 1, L, L]
     d = torch.where(pair, G[..., :, None] - G[..., None, :], 0.0)
     A = torch.where(pair, Bt[..., :, None] * torch.exp(d) * (K @ K.transpose(-1, -2)), 0.0)
-    eye = torch.eye(L, device=K.device).expand_as(A)
+    eye = torch.eye(buffer_len, device=K.device).expand_as(A)
     T = torch.linalg.solve_triangular(eye + A, eye, upper=False, unitriangular=True)
     return torch.where(live[:, None, :], _at(T, n_live - 1), 0.0)
 
@@ -257,22 +257,22 @@ def _step(store: ReplayStore, fe, raw, state_indices, force: bool, advance: bool
     [B, HK, dk], v / x raw [B, H, dv]) as stored; post(y) the Mamba-2 D skip / z gate;
     flushing: see replay_gdn_step_torch. Returns y [B, H, dv] (padding rows zero)."""
     q = fe[0]
-    B, L, C = q.shape[0], store.L, store.capacity
+    B, buffer_len, C = q.shape[0], store.buffer_len, store.capacity
     rows = _Rows(state_indices, B, q.device)
     h = store.committed[rows.slot].long()
     nf = store.n_flush[rows.slot]
     start = store.start[rows.slot].long()
     if store.max_drafts:
         # accepted drafts can fill the buffer (committed == L): fold them before the step
-        pre = rows.live & (h + 1 > L) & (h > 0)
+        pre = rows.live & (h + 1 > buffer_len) & (h > 0)
         K, V, U, G, Bt, _ = _window(store, rows, start, h)
-        S = _rebuild(store, store.anchor.dequantize(rows.slot), K, V, U, G, Bt, L)
+        S = _rebuild(store, store.anchor.dequantize(rows.slot), K, V, U, G, Bt, buffer_len)
         _write_roles(store, rows, S, nf + 1, pre)
         nf = nf + pre.long()
         start = torch.where(pre, (start + h) % C, start)
         h = torch.where(pre, 0, h)
         flushing = None
-    flush = (h + 1 == L) | force
+    flush = (h + 1 == buffer_len) | force
     win = _window(store, rows, start, h)
     K, V, U, G, Bt, _ = win
     # the read branch, before the flush writes the read copy
@@ -280,7 +280,7 @@ def _step(store: ReplayStore, fe, raw, state_indices, force: bool, advance: bool
     # the flush branch: every row (keeping its own branch), or the rows the caller named
     if flushing is None or force:
         S = _rebuild(store, store.anchor.dequantize(rows.slot), K, V, U, G, Bt,
-                     h if force else L - 1, cur=fe[1:])
+                     h if force else buffer_len - 1, cur=fe[1:])
         y_flush = (S * q.unsqueeze(2)).sum(-1)
         _write_roles(store, rows, S, nf + 1, flush)
         y = torch.where(_row(flush, y_flush), y_flush, y_read)
@@ -288,7 +288,7 @@ def _step(store: ReplayStore, fe, raw, state_indices, force: bool, advance: bool
         i = torch.as_tensor(flushing, dtype=torch.long, device=q.device)
         sub = _Rows(_indices(state_indices, B, q.device)[i], len(i), q.device)
         S = _rebuild(store, store.anchor.dequantize(sub.slot), K[i], V[i],
-                     None if U is None else U[i], G[i], Bt[i], L - 1,
+                     None if U is None else U[i], G[i], Bt[i], buffer_len - 1,
                      cur=tuple(None if t is None else t[i] for t in fe[1:]))
         y = y_read.index_copy(0, i, (S * q[i].unsqueeze(2)).sum(-1))
         _write_roles(store, sub, S, nf[i] + 1, torch.ones(len(i), dtype=torch.bool, device=q.device))

@@ -189,10 +189,10 @@ def default_u_dtype(anchor_fmt: str, read_fmt: str | None, ring_dtype=torch.bflo
     return torch.bfloat16
 
 
-def _pair_roles(pair, buffer_len=None):
+def _pair_roles(pair):
     """(anchor (fmt, rounding), read (fmt, rounding) or None, L) of a pair (policy.resolve_pair:
-    a PrecisionPair, a pair name or YAML path; buffer_len overrides its L)."""
-    pair = resolve_pair(pair, buffer_len, policy=False)
+    a PrecisionPair, a pair name or YAML path)."""
+    pair = resolve_pair(pair, policy=False)
     anchor = (pair.anchor.format, pair.anchor.rounding)
     read = None if pair.read is None else (pair.read.format, pair.read.rounding)
     return anchor, read, pair.buffer_len
@@ -205,7 +205,7 @@ class ReplayStore:
     kind: str
     anchor: PackedRole
     read: PackedRole | None
-    L: int
+    buffer_len: int
     key_heads: int
     kbuf: torch.Tensor
     vbuf: torch.Tensor
@@ -224,12 +224,12 @@ class ReplayStore:
 
     @property
     def capacity(self) -> int:
-        return self.L + self.max_drafts
+        return self.buffer_len + self.max_drafts
 
     @classmethod
     def from_state(cls, initial: torch.Tensor, pair, kind: str, key_heads: int | None = None,
                    seed: int = 0, layer: int = 0, u_dtype=None,
-                   buffer_len: int | None = None, max_drafts: int = 0,
+                   max_drafts: int = 0,
                    ring_dtype=torch.bfloat16) -> "ReplayStore":
         """Cast float32 initial [N, H, d_v, d_k] into anchor and read copy (flush index 0,
         independently, as ReplayState), empty buffers. key_heads: GDN key heads / Mamba-2
@@ -245,7 +245,7 @@ class ReplayStore:
         if not isinstance(initial, torch.Tensor) or initial.dim() != 4 or not initial.is_floating_point():
             raise ValueError("initial state must be a float tensor [slots, heads, d_v, d_k]")
         check_ring_dtype(ring_dtype)
-        (afmt, arnd), read, L = _pair_roles(pair, buffer_len)
+        (afmt, arnd), read, buffer_len = _pair_roles(pair)
         N, H, dv, dk = initial.shape
         HK = H if key_heads is None else int(key_heads)
         if HK < 1 or H % HK:
@@ -265,10 +265,10 @@ class ReplayStore:
             u_dtype = default_u_dtype(afmt, None if read is None else read[0], ring_dtype)
         if u_dtype not in (torch.bfloat16, torch.float32):
             raise ValueError("u_dtype must be torch.bfloat16 or torch.float32")
-        if max_drafts < 0 or max_drafts > L:
-            raise ValueError(f"max_drafts={max_drafts} must lie in 0..buffer_len={L}")
-        C = L + int(max_drafts)
-        store = cls(kind, anchor, rrole, L, HK,
+        if max_drafts < 0 or max_drafts > buffer_len:
+            raise ValueError(f"max_drafts={max_drafts} must lie in 0..buffer_len={buffer_len}")
+        C = buffer_len + int(max_drafts)
+        store = cls(kind, anchor, rrole, buffer_len, HK,
                    kbuf=torch.zeros(N, C, HK, dk, dtype=ring_dtype, device=dev),
                    vbuf=torch.zeros(N, C, H, dv, dtype=ring_dtype, device=dev),
                    ubuf=torch.zeros(N, C, H, dv, dtype=u_dtype, device=dev) if kind != "mamba2" else None,
@@ -280,7 +280,7 @@ class ReplayStore:
                    start=torch.zeros(N, dtype=torch.int32, device=dev), max_drafts=int(max_drafts),
                    arrive=torch.zeros(N, dtype=torch.int32, device=dev))
         if solves_u(store) and ring_dtype == torch.bfloat16:
-            store.Tbuf = torch.zeros(N, C, H, L, device=dev)
+            store.Tbuf = torch.zeros(N, C, H, buffer_len, device=dev)
         return store
 
     @property

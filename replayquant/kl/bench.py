@@ -28,7 +28,7 @@ from replayquant.outputs import check_owned, output_lock, write_json
 from replayquant.provenance import provenance
 
 from .data import Document, DocumentSet
-from .lockstep import _cache_kwarg, _out_cache
+from .lockstep import cache_kwarg, output_cache
 from .run import run_kl
 
 BENCH_KL_KIND = "replayquant.bench.kl"     # the "kind" of the results file
@@ -94,12 +94,12 @@ def timed(fn, device) -> tuple[float, int | None]:
 
 def plain_forward(model, ids: torch.Tensor, segment: int) -> None:
     """The baseline: the unpatched model over `ids` in segments with its cache, all logits."""
-    kw = _cache_kwarg(model)
+    kw = cache_kwarg(model)
     cache = None
     with torch.inference_mode():
         for s in range(0, ids.numel(), segment):
             out = model(input_ids=ids[s:s + segment].unsqueeze(0), use_cache=True, **{kw: cache})
-            cache = _out_cache(out)
+            cache = output_cache(out)
             del out
 
 

@@ -127,7 +127,10 @@ def reference_variant(model=None, mode: str = "exact", seed: int = 0) -> Variant
 # ----------------------------------------------------------------------------------------------
 # Segmented forward.
 
-def _cache_kwarg(base) -> str:
+def cache_kwarg(base) -> str:
+    """The forward argument that takes the cache: `cache` (transformers 5.24), `past_key_values`
+    (5.17) or `cache_params` (5.17's Mamba-2, whose forward takes no `past_key_values`: a cache
+    passed under that name would be dropped and every forward would start from zero state)."""
     params = inspect.signature(base.forward).parameters
     for name in ("cache", "past_key_values", "cache_params"):
         if name in params:
@@ -135,7 +138,8 @@ def _cache_kwarg(base) -> str:
     return "past_key_values"
 
 
-def _out_cache(out):
+def output_cache(out):
+    """The cache a forward returned, under whichever name (`cache_kwarg`)."""
     keys = out.keys() if hasattr(out, "keys") else ()
     for name in ("cache", "past_key_values", "cache_params"):
         if name in keys:
@@ -160,7 +164,7 @@ class SegmentRunner:
         # to read results (`replayquant table`) does not need
         from replayquant.models.families import lm_head_scale
         self.head_scale = lm_head_scale(model)   # Falcon-H1 / Granite-4 scale the head's output
-        self.cache_kw = _cache_kwarg(self.base)
+        self.cache_kw = cache_kwarg(self.base)
         self.has_cache_position = "cache_position" in inspect.signature(self.base.forward).parameters
         self.device = self.head.weight.device
 
@@ -169,7 +173,7 @@ class SegmentRunner:
         if self.has_cache_position:
             kw["cache_position"] = torch.arange(start, start + ids.shape[-1], device=ids.device)
         out = self.base(input_ids=ids, **kw)
-        return out.last_hidden_state[0], _out_cache(out)
+        return out.last_hidden_state[0], output_cache(out)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         out = self.head(hidden.to(self.head.weight.device, self.head.weight.dtype))

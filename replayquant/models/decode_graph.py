@@ -12,8 +12,8 @@ its update writes in place, and the decode store, allocated once for the batch),
 reads nothing on the host (0 host syncs), so it can be recorded once as a CUDA graph and replayed:
 the host then issues one graph launch per layer and step.
 
-When a layer's forward is graphed (`graphed_decode`): a Gated DeltaNet or Kimi Delta Attention
-layer (`GRAPHED_KINDS`), a CUDA tensor input of one token per row, no
+When a layer's forward is graphed (`graphed_decode`): a Gated DeltaNet, Kimi Delta Attention or
+Mamba-2 layer (`GRAPHED_KINDS`), a CUDA tensor input of one token per row, no
 padding mask and no other tensor argument, gradients off, not inside torch.compile or another
 capture, no accelerate hook on the layer (offloading moves weights between steps), a cache whose
 layer holds a decode store stepped by the Triton kernel, and the option decode_graphs "on"
@@ -37,9 +37,10 @@ from replayquant import options
 __all__ = ["graphed_decode", "LayerGraph", "GRAPHED_KINDS"]
 
 # the layer kinds whose recorded steps were compared with their eager steps on a GPU, bit for bit
-# (tests/test_decode_graph.py on an H200: tiny-qwen3.5 and tiny-kimi-linear, tp4_hi16_sr, 12 steps
-# over three flushes); Mamba-2 layers step eagerly until that test has run on them
-GRAPHED_KINDS = ("gdn", "kda")
+# (tests/test_decode_graph.py, tp4_hi16_sr, 12 steps over three flushes: tiny-qwen3.5 and
+# tiny-kimi-linear on an H200 and an H100, tiny-mamba2 on an H100); a kind added to the family
+# table steps eagerly until that test has run on it
+GRAPHED_KINDS = ("gdn", "kda", "mamba2")
 
 
 class LayerGraph:

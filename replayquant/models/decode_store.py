@@ -92,7 +92,7 @@ def state_to_store(st: ReplayState, key_heads: int, u_dtype=None, ring_dtype=tor
         u_dtype = default_u_dtype(st.pair.anchor.format, None if st.pair.read is None
                                   else st.pair.read.format, ring_dtype)
     parts = st.export()
-    B, H, dv, dk, L = st.B, st.H, st.d_v, st.d_k, st.L
+    B, H, dv, dk, buffer_len = st.B, st.H, st.d_v, st.d_k, st.buffer_len
     if H % key_heads:
         raise ValueError(f"key_heads={key_heads} must divide the {H} heads")
     r = H // key_heads
@@ -108,7 +108,7 @@ def state_to_store(st: ReplayState, key_heads: int, u_dtype=None, ring_dtype=tor
                                                          (B, H, dv, dk))
 
     def ring(t, tail):                   # [B, H(or HK), L, ...] -> [N, L, H, ...] in slots
-        out = torch.zeros((N, L) + tail, dtype=t.dtype, device=dev)
+        out = torch.zeros((N, buffer_len) + tail, dtype=t.dtype, device=dev)
         out[slots] = t.transpose(1, 2)
         return out
 
@@ -127,13 +127,13 @@ def state_to_store(st: ReplayState, key_heads: int, u_dtype=None, ring_dtype=tor
     committed[slots] = parts["committed"].to(torch.int32)
     n_flush = torch.zeros(N, dtype=torch.int64, device=dev)
     n_flush[slots] = parts["flushes"].to(torch.int64)
-    store = ReplayStore("kda" if vec else "gdn" if st.delta else "mamba2", anchor, read, L,
+    store = ReplayStore("kda" if vec else "gdn" if st.delta else "mamba2", anchor, read, buffer_len,
                         key_heads,
                         kbuf=kbuf, vbuf=vbuf, ubuf=ubuf, Gbuf=Gbuf, bbuf=bbuf,
                         committed=committed, n_flush=n_flush, key=layer_seed(st.seed, st.layer),
                         start=torch.zeros(N, dtype=torch.int32, device=dev), max_drafts=0)
     if solves_u(store) and ring_dtype == torch.bfloat16:   # the kernel flush's key factors
-        store.Tbuf = torch.zeros(N, L, H, L, dtype=f32, device=dev)
+        store.Tbuf = torch.zeros(N, buffer_len, H, buffer_len, dtype=f32, device=dev)
         fill_key_factors_ref(store, slots)
     return store, rows.to(torch.int32)
 
@@ -148,11 +148,11 @@ def store_to_state(store, state_indices: torch.Tensor, pair, seed: int, layer: i
     slots = state_indices.long()
     B = len(slots)
     N, H, dv, dk = store.shape
-    L, C = store.L, store.capacity
+    buffer_len, C = store.buffer_len, store.capacity
     r = H // store.key_heads
     delta = store.kind != "mamba2"
     dev = store.kbuf.device
-    pos = (store.start[slots].long()[:, None] + torch.arange(L, device=dev)[None, :]) % C
+    pos = (store.start[slots].long()[:, None] + torch.arange(buffer_len, device=dev)[None, :]) % C
     bi = torch.arange(B, device=dev)[:, None]
 
     def take(buf):                      # [N, C, X, ...] -> [B, X, L, ...] float32
@@ -300,9 +300,9 @@ class DecodeStore:
         if torch.compiler.is_compiling():
             self.phase = None
             return None
-        L = self.store.L
-        rows = [r for r, h in enumerate(self.phase) if h + 1 == L]
-        self.phase = [0 if h + 1 == L else h + 1 for h in self.phase]
+        buffer_len = self.store.buffer_len
+        rows = [r for r, h in enumerate(self.phase) if h + 1 == buffer_len]
+        self.phase = [0 if h + 1 == buffer_len else h + 1 for h in self.phase]
         return rows
 
 

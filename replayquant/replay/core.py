@@ -76,15 +76,15 @@ def solve_u(Sc, K, V, G, beta, valid):
     G [b,H,L] or, for vector gates, [b,H,L,d_k]; valid [b,1,L]."""
     if G.dim() == 4:
         return _solve_u_vec(Sc, K, V, G, beta, valid)
-    L = K.shape[2]
+    buffer_len = K.shape[2]
     rhs = beta.unsqueeze(-1) * (V - torch.exp(G).unsqueeze(-1) * matvec(Sc, K))
     KK = torch.matmul(K, K.transpose(-1, -2))                       # [b,H,L,L]: k_j . k_i
-    jj = torch.arange(L, device=K.device)
+    jj = torch.arange(buffer_len, device=K.device)
     lower = jj[None, :] < jj[:, None]                               # [j, i]: i < j
     D = torch.where(lower, G.unsqueeze(-1) - G.unsqueeze(-2), torch.zeros((), device=G.device))
     W = torch.where(lower, torch.exp(D) * KK, torch.zeros((), device=G.device))
     U = rhs.clone()
-    for j in range(1, L):
+    for j in range(1, buffer_len):
         corr = torch.matmul(W[:, :, j:j + 1, :j], U[:, :, :j, :])[:, :, 0, :]
         U[:, :, j, :] = rhs[:, :, j, :] - beta[:, :, j].unsqueeze(-1) * corr
     return torch.where(valid.unsqueeze(-1), U, torch.zeros((), device=U.device))
@@ -93,10 +93,10 @@ def solve_u(Sc, K, V, G, beta, valid):
 def _solve_u_vec(Sc, K, V, G, beta, valid):
     """solve_u for vector gates G [b,H,L,d_k]: row j's key products (k_i * exp(G_j - G_i)) . k_j
     are formed row by row (L d_k per row, no [L, L, d_k] tensor)."""
-    L = K.shape[2]
+    buffer_len = K.shape[2]
     rhs = beta.unsqueeze(-1) * (V - matvec(Sc, torch.exp(G) * K))
     U = rhs.clone()
-    for j in range(1, L):
+    for j in range(1, buffer_len):
         Kd = K[:, :, :j] * torch.exp(G[:, :, j:j + 1] - G[:, :, :j])        # [b,H,j,d_k]
         w = torch.matmul(Kd, K[:, :, j].unsqueeze(-1)).transpose(-1, -2)    # [b,H,1,j]
         corr = torch.matmul(w, U[:, :, :j, :])[:, :, 0, :]
@@ -114,9 +114,9 @@ def rebuild(Sc, K, V, G, beta, n):
     """
     if G.dim() == 4:
         return _rebuild_vec(Sc, K, V, G, beta, n)
-    b, H, L = G.shape
+    b, H, buffer_len = G.shape
     zero = torch.zeros((), device=G.device)
-    valid = (torch.arange(L, device=G.device)[None, :] < n[:, None]).unsqueeze(1)   # [b,1,L]
+    valid = (torch.arange(buffer_len, device=G.device)[None, :] < n[:, None]).unsqueeze(1)   # [b,1,L]
     Gn = torch.where((n > 0).view(b, 1), _gather_slot(G, (n - 1).clamp(min=0)), zero)  # [b,H]
     if beta is None:
         U = torch.where(valid.unsqueeze(-1), V, zero)
@@ -129,9 +129,9 @@ def rebuild(Sc, K, V, G, beta, n):
 
 def _rebuild_vec(Sc, K, V, G, beta, n):
     """rebuild for vector gates G [b,H,L,d_k]: S = Sc Diag(exp(G_n)) + sum_j u_j (k_j * exp(G_n - G_j))^T."""
-    b, H, L, dk = G.shape
+    b, H, buffer_len, dk = G.shape
     zero = torch.zeros((), device=G.device)
-    valid = (torch.arange(L, device=G.device)[None, :] < n[:, None]).unsqueeze(1)   # [b,1,L]
+    valid = (torch.arange(buffer_len, device=G.device)[None, :] < n[:, None]).unsqueeze(1)   # [b,1,L]
     Gn = torch.where((n > 0).view(b, 1, 1), _gather_slot(G, (n - 1).clamp(min=0)), zero)  # [b,H,d_k]
     if beta is None:
         U = torch.where(valid.unsqueeze(-1), V, zero)
@@ -149,10 +149,10 @@ def read_outputs(R, K, V, G, beta, U, h, q):
     against R. q [b,H,T,d_k]; G [b,H,L] or [b,H,L,d_k] (vector gates). Returns y [b,H,T,d_v]."""
     if G.dim() == 4:
         return _read_outputs_vec(R, K, V, G, beta, U, h, q)
-    b, H, L = G.shape
+    b, H, buffer_len = G.shape
     T = q.shape[2]
     zero = torch.zeros((), device=G.device)
-    slot = torch.arange(L, device=G.device)
+    slot = torch.arange(buffer_len, device=G.device)
     Uv = V if beta is None else U
     Rq = matvec(R, q)                                                # [b,H,T,d_v]
     ys = []
@@ -182,10 +182,10 @@ def read_outputs(R, K, V, G, beta, U, h, q):
 def _read_outputs_vec(R, K, V, G, beta, U, h, q):
     """read_outputs for vector gates G [b,H,L,d_k]: the decay weights k_j per channel
     (k_j * exp(G_p - G_j)) before its dot with q or k_p, and the read copy reads exp(G_p) * q."""
-    L = G.shape[2]
+    buffer_len = G.shape[2]
     T = q.shape[2]
     zero = torch.zeros((), device=G.device)
-    slot = torch.arange(L, device=G.device)
+    slot = torch.arange(buffer_len, device=G.device)
     Uv = V if beta is None else U
     ys = []
     for i in range(T):

@@ -242,16 +242,16 @@ class ReplayState(_StateBase):
     def __init__(self, initial_state, pair, delta: bool, seed: int = 0, layer: int = 0, rows=None,
                  *, vector_gate: bool = False):
         S0 = self._setup(initial_state, pair, delta, seed, layer, rows, vector_gate)
-        B, H, dv, dk, L = self.B, self.H, self.d_v, self.d_k, self.pair.buffer_len
-        self.L = L
+        B, H, dv, dk, buffer_len = self.B, self.H, self.d_v, self.d_k, self.pair.buffer_len
+        self.buffer_len = buffer_len
         dev = self.device
         self._h = torch.zeros(B, dtype=torch.int64, device=dev)
         self._flushes = torch.zeros(B, dtype=torch.int64, device=dev)
-        self._k = torch.zeros(B, H, L, dk, device=dev)
-        self._v = torch.zeros(B, H, L, dv, device=dev)
-        self._G = torch.zeros((B, H, L, dk) if self.vector_gate else (B, H, L), device=dev)
-        self._beta = torch.zeros(B, H, L, device=dev) if self.delta else None
-        self._u = torch.zeros(B, H, L, dv, device=dev) if self.delta else None
+        self._k = torch.zeros(B, H, buffer_len, dk, device=dev)
+        self._v = torch.zeros(B, H, buffer_len, dv, device=dev)
+        self._G = torch.zeros((B, H, buffer_len, dk) if self.vector_gate else (B, H, buffer_len), device=dev)
+        self._beta = torch.zeros(B, H, buffer_len, device=dev) if self.delta else None
+        self._u = torch.zeros(B, H, buffer_len, dv, device=dev) if self.delta else None
         self._A = self._cast(self.pair.anchor, S0, 0, ANCHOR)
         self._R = None if self.pair.shared else self._cast(self.pair.read, S0, 0, READ)
         self._refuse_overflow(S0, (("anchor", self.pair.anchor, self._A),
@@ -334,7 +334,7 @@ class ReplayState(_StateBase):
         copy and the buffer, as the read steps would have computed it). Pending drafts are
         dropped. Bad parts raise one ValueError naming the part."""
         self._check_parts(parts)
-        L, dev = self.L, self.device
+        buffer_len, dev = self.buffer_len, self.device
         # copies: the state writes its anchor and buffer in place, parts must not alias them
         self._A = core.qt_clone(parts["anchor"])
         self._R = None if parts["read"] is None else core.qt_clone(parts["read"])
@@ -353,7 +353,7 @@ class ReplayState(_StateBase):
             if parts.get("u") is not None:
                 self._u = parts["u"].to(device=dev, dtype=f32).clone()
             else:
-                valid = (torch.arange(L, device=dev)[None, :] < self._h[:, None]).unsqueeze(1)
+                valid = (torch.arange(buffer_len, device=dev)[None, :] < self._h[:, None]).unsqueeze(1)
                 self._u = core.solve_u(self._R32, self._k, self._v, self._G, self._beta, valid)
         self._pending = None
 
@@ -370,7 +370,7 @@ class ReplayState(_StateBase):
         st = cls.__new__(cls)
         st._setup(torch.zeros(anchor.shape, device=anchor.device), pair, delta, seed, layer,
                   parts.get("rows"), isinstance(G, torch.Tensor) and G.dim() == 4)
-        st.L = st.pair.buffer_len
+        st.buffer_len = st.pair.buffer_len
         st.load(parts)
         return st
 
@@ -381,7 +381,7 @@ class ReplayState(_StateBase):
         unknown = sorted(set(parts) - set(self.PART_NAMES))
         if unknown:
             raise ValueError(f"unknown part(s) {unknown}; a state has {', '.join(self.PART_NAMES)}")
-        B, H, dv, dk, L = self.B, self.H, self.d_v, self.d_k, self.L
+        B, H, dv, dk, buffer_len = self.B, self.H, self.d_v, self.d_k, self.buffer_len
         shape = (B, H, dv, dk)
         for role, spec, q in (("anchor", self.pair.anchor, parts.get("anchor")),
                               ("read", self.pair.read, parts.get("read"))):
@@ -394,13 +394,13 @@ class ReplayState(_StateBase):
             if q.format != spec.format or tuple(q.shape) != shape:
                 raise ValueError(f"parts[{role!r}] is {q.format} {list(q.shape)}, the pair "
                                  f"{self.pair.label()} needs {spec.format} {list(shape)}")
-        need = {"k": (B, H, L, dk), "v": (B, H, L, dv),
-                "G": (B, H, L, dk) if self.vector_gate else (B, H, L), "committed": (B,),
+        need = {"k": (B, H, buffer_len, dk), "v": (B, H, buffer_len, dv),
+                "G": (B, H, buffer_len, dk) if self.vector_gate else (B, H, buffer_len), "committed": (B,),
                 "flushes": (B,)}
         if self.delta:
-            need["beta"] = (B, H, L)
+            need["beta"] = (B, H, buffer_len)
             if parts.get("u") is not None:
-                need["u"] = (B, H, L, dv)
+                need["u"] = (B, H, buffer_len, dv)
         elif parts.get("beta") is not None or parts.get("u") is not None:
             raise ValueError("a Mamba-2 state (delta=False) has no beta / u parts: pass None")
         if parts.get("rows") is not None:
@@ -410,14 +410,14 @@ class ReplayState(_StateBase):
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != shp:
                 got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(f"parts[{name!r}] must be a tensor {list(shp)} (B={B}, H={H}, "
-                                 f"L={L}, d_k={dk}, d_v={dv}), got {got}")
+                                 f"L={buffer_len}, d_k={dk}, d_v={dv}), got {got}")
         for name in ("committed", "flushes", "rows"):
             t = parts.get(name)
             if t is not None and (t.is_floating_point() or t.dtype == torch.bool):
                 raise ValueError(f"parts[{name!r}] must be an integer tensor, got {t.dtype}")
         c = parts["committed"]
-        if bool(((c < 0) | (c > L)).any()):
-            raise ValueError(f"parts['committed'] must lie in 0..L={L}, got {c.tolist()}")
+        if bool(((c < 0) | (c > buffer_len)).any()):
+            raise ValueError(f"parts['committed'] must lie in 0..L={buffer_len}, got {c.tolist()}")
 
     def step(self, q, k, v, log_a, beta=None) -> torch.Tensor:
         """One decode step -> y float32 [B, H, d_v] (module doc for the exact semantics)."""
@@ -426,7 +426,7 @@ class ReplayState(_StateBase):
         self._calls += 1
         y = self._append(q, k, v, log_a, beta)            # [B,H,1,dv], pre-flush included
         self._h += 1
-        full = self._h == self.L
+        full = self._h == self.buffer_len
         if bool(full.any()):
             idx = full.nonzero()[:, 0]
             S = self._flush(idx, self._h[idx])
@@ -437,8 +437,8 @@ class ReplayState(_StateBase):
         """Outputs of T draft steps [B, T, H, d_v]; inputs [B, T, H, ...]. Then call accept(n)."""
         self._no_pending("verify")
         T = self._verify_len(q)
-        if T < 1 or T > self.L:
-            raise ValueError(f"verify: T={T} drafts, but 1 <= T <= buffer_len={self.L} is required; "
+        if T < 1 or T > self.buffer_len:
+            raise ValueError(f"verify: T={T} drafts, but 1 <= T <= buffer_len={self.buffer_len} is required; "
                              f"use a pair with a longer buffer or fewer drafts")
         q, k, v, log_a, beta = self._check(q, k, v, log_a, beta, T=T)
         self._calls += 1
@@ -455,7 +455,7 @@ class ReplayState(_StateBase):
     # ---------------------------------------------------------------- internals
     def _append(self, q, k, v, log_a, beta):
         T = q.shape[2]
-        need = (self._h + T > self.L) & (self._h > 0)
+        need = (self._h + T > self.buffer_len) & (self._h > 0)
         if bool(need.any()):
             idx = need.nonzero()[:, 0]
             self._flush(idx, self._h[idx])
