@@ -406,8 +406,8 @@ def _chain_inputs(tok_ptr, Kw, Ww, QLw, Gw, b, mat, w, w0, cols, jj, WIDTH, NWS,
     else:
         G = tl.load(Gw + tb * BUFFER_TILE + jj)
     qL = tl.load(QLw + tb * DK + cols)
-    tokL = tl.load(tok_ptr + b.to(tl.int64) * WIDTH + w * BUFFER_LEN + BUFFER_LEN - 1, mask=w * BUFFER_LEN + BUFFER_LEN <= WIDTH,
-                   other=-1)
+    last = w * BUFFER_LEN + BUFFER_LEN - 1                   # the window's last token map entry
+    tokL = tl.load(tok_ptr + b.to(tl.int64) * WIDTH + last, mask=last < WIDTH, other=-1)
     return Kt, Wm, G, qL, tokL
 
 
@@ -752,8 +752,8 @@ def group_windows(BH: int, d_k: int, d_v: int, buffer_tile: int, delta: bool, sr
     """Windows per launch group: at most MAX_GROUP_WINDOWS and SCRATCH_BYTES of scratch (each
     window and matrix holds K, P (, W), q_L, U, C, G (vector gates: G_L [d_k]), one FP32
     checkpoint and, with sr_bits, the flush's SR bits), at least one."""
-    per = 4 * (buffer_tile * d_k * (3 if delta else 2) + d_k + 2 * buffer_tile * d_v + (d_k if vector_gate else buffer_tile)
-               + d_v * d_k * (2 if sr_bits else 1))
+    per = 4 * (buffer_tile * d_k * (3 if delta else 2) + d_k + 2 * buffer_tile * d_v
+               + (d_k if vector_gate else buffer_tile) + d_v * d_k * (2 if sr_bits else 1))
     return max(1, min(MAX_GROUP_WINDOWS, SCRATCH_BYTES // (BH * per)))
 
 
@@ -896,7 +896,8 @@ def chunk_scan(state: ScanState, q, k, v, log_a, beta=None, *, pair, seed: int =
     spec = pair.anchor if (shared or exact) else pair.read
     Xs[:, 0] = spec.fmt.dequantize(first).reshape(BH, dv, dk)
     As.copy_(pair.anchor.fmt.dequantize(state.anchor).reshape(BH, dv, dk))   # the chain's A
-    cons = dict(H=H, DK=dk, DV=dv, BUFFER_LEN=buffer_len, BUFFER_TILE=buffer_tile, EXACT=bool(exact), PREC=options.get().chunk_dot)
+    cons = dict(H=H, DK=dk, DV=dv, BUFFER_LEN=buffer_len, BUFFER_TILE=buffer_tile, EXACT=bool(exact),
+                PREC=options.get().chunk_dot)
     rsr = pair.read_spec.rounding == "stochastic"
     cast = exact or not shared
     events = pass_events if (pass_events is not None and dev.type == "cuda") else None

@@ -133,7 +133,8 @@ def initial_scan_state(S0: torch.Tensor, pair, *, delta: bool, seed: int = 0, la
     buffer_len = pair.buffer_len
     a, r = cast_roles(S0, pair, seed=seed, layer=layer, flush_index=0, rows=rows)
     z = torch.zeros
-    return ScanState(anchor=a, read=r, k=z(B, H, buffer_len, dk, device=dev), v=z(B, H, buffer_len, dv, device=dev),
+    return ScanState(anchor=a, read=r, k=z(B, H, buffer_len, dk, device=dev),
+                     v=z(B, H, buffer_len, dv, device=dev),
                      G=z(B, H, buffer_len, dk, device=dev) if vector_gate else z(B, H, buffer_len, device=dev),
                      beta=z(B, H, buffer_len, device=dev) if delta else None,
                      count=torch.zeros(B, dtype=torch.int64, device=dev),
@@ -317,7 +318,8 @@ def _scan(state, q, k, v, log_a, beta, *, pair, seed, layer, valid, exact):
     def lay(buf, new, tail):
         E = torch.zeros(B, H, width, *tail, dtype=f32, device=dev)
         if buf is not None:
-            E[:, :, :buffer_len] = torch.where(live0.reshape(B, 1, buffer_len, *([1] * len(tail))), buf.to(f32), 0.0)
+            live = live0.reshape(B, 1, buffer_len, *([1] * len(tail)))
+            E[:, :, :buffer_len] = torch.where(live, buf.to(f32), 0.0)
         E[bi, :, cols] = new[bi, ti]
         return E
 

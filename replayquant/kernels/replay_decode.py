@@ -604,8 +604,8 @@ def _flush_tile(tile, n_rows, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, 
                                                 hk, rows, cols, jj, h, HK, HV, DK, DV, CAPACITY,
                                                 DELTA, L2NORM, FOLD_U, VEC)
                 S = _fold(S, Kb, r, X, G, Bt, jj, h, A_pay, A_sc, A_gs, mat, rows, cols, kbuf,
-                          vbuf, Gbuf, bbuf, Tbuf, _entry(slot, start, jj, CAPACITY), hk, hv, HK, HV, BUFFER_LEN,
-                          DK, DV, AFMT, DELTA, PREC, ON_GPU, VEC, FOLD_U, L2NORM)
+                          vbuf, Gbuf, bbuf, Tbuf, _entry(slot, start, jj, CAPACITY), hk, hv, HK, HV,
+                          BUFFER_LEN, DK, DV, AFMT, DELTA, PREC, ON_GPU, VEC, FOLD_U, L2NORM)
             # this step on the rebuilt state: the conventional step's arithmetic (L = 1 and a
             # forced step on empty buffers are the conventional kernel)
             S, y = _gated_step(S, q, k, v, log_a, beta * beta_scale if DELTA else beta, DELTA,
@@ -657,8 +657,8 @@ def _replay_kernel(
             _flush_tile(tile, n_rows, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, ubuf,
                         Gbuf, bbuf, Tbuf, h_ptr, st_ptr, nf_ptr, idx_ptr, out_ptr, q_ptr, k_ptr,
                         v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, beta_scale,
-                        key_lo, key_hi, dt_lo, dt_hi, HK, HV, DK, DV, BV, BUFFER_LEN, CAPACITY, BUFFER_TILE, T, STEP,
-                        FORCE, AFMT, ASR, RFMT, RSR, SHARED, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z,
+                        key_lo, key_hi, dt_lo, dt_hi, HK, HV, DK, DV, BV, BUFFER_LEN, CAPACITY,
+                        BUFFER_TILE, T, STEP, FORCE, AFMT, ASR, RFMT, RSR, SHARED, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z,
                         DT_CLAMP, PREC, ON_GPU, VEC, FOLD_U)
     else:
         row, hv, hk, rows0, cols, slot = _program_tile(idx_ptr, HK, HV, DK, BV)
