@@ -310,7 +310,8 @@ def resource_report(pairs=("tp4_hi16_sr", "s32_rs", "f4_sr_rs", "tp4_hi32"), H: 
         asr = pair.anchor.rounding == "stochastic"
         t = dict(ints, A_pay=ptr[a][0], A_sc=ptr[a][1], A_gs=ptr[a][2],
                  R_pay=ptr[r][0], R_sc=ptr[r][1], R_gs=ptr[r][2])
-        base = dict(H=H, DK=d, DV=d, L=L, LP=cfg["LP"], EXACT=False, PREC=options.get().chunk_dot)
+        base = dict(H=H, DK=d, DV=d, BUFFER_LEN=L, BUFFER_TILE=cfg["buffer_tile"], EXACT=False,
+                    PREC=options.get().chunk_dot)
         kernels = [
             ("terms", chunk._terms_kernel,
              dict(base, BV=cfg["terms_bv"], DELTA=True, PRE=False, VEC=False),

@@ -56,6 +56,8 @@ Shapes: d_k and d_v powers of two >= 16 (`supports` says whether a call can run 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -88,8 +90,8 @@ MAX_GROUP_WINDOWS = 512          # windows per launch group at most
 
 @triton.jit
 def unit_lower_inverse(Tm, jj, N: tl.constexpr):
-    """(I + Tm)^-1 for a strictly lower triangular Tm [LP, LP] whose rows >= N are zero, by
-    forward substitution row by row (jj = arange(LP))."""
+    """(I + Tm)^-1 for a strictly lower triangular Tm [BUFFER_TILE, BUFFER_TILE] whose rows >= N
+    are zero, by forward substitution row by row (jj = arange(BUFFER_TILE))."""
     Tinv = tl.where(jj[:, None] == jj[None, :], 1.0, 0.0)
     for i in range(1, N):
         sel = jj == i
@@ -101,7 +103,7 @@ def unit_lower_inverse(Tm, jj, N: tl.constexpr):
 
 @triton.jit
 def _slot_tokens(tok_ptr, b, h, w, T, WIDTH, jj, H: tl.constexpr, BUFFER_LEN: tl.constexpr):
-    """Window w of row b: per slot (LP of them) the raw token-map entry (token t >= 0, buffered
+    """Window w of row b: per slot (BUFFER_TILE of them) the raw token-map entry (token t >= 0, buffered
     slot -2 - s, null -1; slots >= L and past the row read -1), whether it is a token of the
     segment, and its output row (b * T + t) * H + h."""
     inwin = (jj < BUFFER_LEN) & (w * BUFFER_LEN + jj < WIDTH)
@@ -116,11 +118,11 @@ def _load_keys(tok_ptr, q_ptr, k_ptr, a_ptr, b_ptr, bk_ptr, bG_ptr, bb_ptr,
                b, h, w, h0, T, WIDTH, cols, jj,
                H: tl.constexpr, DK: tl.constexpr, BUFFER_LEN: tl.constexpr, DELTA: tl.constexpr,
                VEC: tl.constexpr):
-    """Entries of window w of row b, head h, as float32 tiles over LP slots (slots >= L and
-    null steps are zero): K, Q [LP, DK]; G [LP] cumulative log gate since the checkpoint
-    (VEC: [LP, DK], per key channel); Bt [LP] beta (GDN); idx [LP] the token-map entries;
-    tok_row / buf_row [LP] where the slot's token / buffered entry lives (for
-    `_load_values`)."""
+    """Entries of window w of row b, head h, as float32 tiles over BUFFER_TILE slots (slots >= L
+    and null steps are zero): K, Q [BUFFER_TILE, DK]; G [BUFFER_TILE] cumulative log gate since
+    the checkpoint (VEC: [BUFFER_TILE, DK], per key channel); Bt [BUFFER_TILE] beta (GDN); idx
+    [BUFFER_TILE] the token-map entries; tok_row / buf_row [BUFFER_TILE] where the slot's token /
+    buffered entry lives (for `_load_values`)."""
     idx, is_tok, tok_row = _slot_tokens(tok_ptr, b, h, w, T, WIDTH, jj, H, BUFFER_LEN)
     is_buf = idx <= -2
     s = tl.where(is_buf, -2 - idx, 0).to(tl.int64)
@@ -151,7 +153,7 @@ def _load_keys(tok_ptr, q_ptr, k_ptr, a_ptr, b_ptr, bk_ptr, bG_ptr, bb_ptr,
 
 @triton.jit
 def _load_values(v_ptr, bv_ptr, idx, tok_row, buf_row, rows, DV: tl.constexpr):
-    """V [LP, len(rows)]: columns `rows` of the window's values (null slots zero)."""
+    """V [BUFFER_TILE, len(rows)]: columns `rows` of the window's values (null slots zero)."""
     mt = (idx >= 0)[:, None]
     mb = (idx <= -2)[:, None]
     return tl.where(mt, tl.load(v_ptr + tok_row[:, None] * DV + rows[None, :], mask=mt, other=0.0).to(tl.float32),
@@ -160,7 +162,7 @@ def _load_values(v_ptr, bv_ptr, idx, tok_row, buf_row, rows, DV: tl.constexpr):
 
 @triton.jit
 def _decayed_products(K, Q, G, jj, BUFFER_LEN: tl.constexpr, BUFFER_TILE: tl.constexpr):
-    """Per-channel gates G [LP, DK]: the causal products Aqk[t, j] = q_t . (k_j * exp(G_t -
+    """Per-channel gates G [BUFFER_TILE, DK]: the causal products Aqk[t, j] = q_t . (k_j * exp(G_t -
     G_j)) and KK[t, j] = k_t . (k_j * exp(G_t - G_j)) for j <= t (zero elsewhere), a column j
     at a time. Every exponent is G_t - G_j with t >= j (<= 0 for gates <= 1): the decay from
     step j to step t, so nothing overflows however much a channel forgets (a factored form
@@ -181,8 +183,8 @@ def _decayed_products(K, Q, G, jj, BUFFER_LEN: tl.constexpr, BUFFER_TILE: tl.con
 @triton.jit
 def _window_terms(K, Q, G, Bt, jj, BUFFER_LEN: tl.constexpr, BUFFER_TILE: tl.constexpr, DELTA: tl.constexpr,
                   PREC: tl.constexpr, VEC: tl.constexpr):
-    """State-independent terms: Aqk [LP, LP] = exp(G_t - G_j) (q_t . k_j) for j <= t, and for
-    GDN Tinv = (I + T)^-1 with T[t, j] = beta_t exp(G_t - G_j) (k_t . k_j) for j < t (VEC:
+    """State-independent terms: Aqk [BUFFER_TILE, BUFFER_TILE] = exp(G_t - G_j) (q_t . k_j) for
+    j <= t, and for GDN Tinv = (I + T)^-1 with T[t, j] = beta_t exp(G_t - G_j) (k_t . k_j) for j < t (VEC:
     the decay per channel inside the dot products, `_decayed_products`)."""
     if VEC:
         Aqk, KKd = _decayed_products(K, Q, G, jj, BUFFER_LEN, BUFFER_TILE)
@@ -310,7 +312,7 @@ def _terms_kernel(
     PRE (a stochastically rounded anchor): the SR bits of the flush that ends this window
     (flush index nf + w + 1, role ANCHOR), so the sequential pass reads them instead of running
     Philox on its critical path.
-    VEC (gates per key channel, G [LP, DK]): exp(G) multiplies q and k per channel (P =
+    VEC (gates per key channel, G [BUFFER_TILE, DK]): exp(G) multiplies q and k per channel (P =
     exp(G) * q - Aqk W, W = Tinv (beta exp(G) * k)), the sequential pass gets the window's
     decayed keys k_j * exp(G_L - G_j) in place of K and G_L [DK] in place of G, so that it
     forms S = A Diag(exp(G_L)) + u^T K_decayed."""
@@ -716,7 +718,7 @@ def chunk_launch_config(pair, B: int, H: int, d_v: int, d_k: int, buffer_len: in
                         sms: int | None = None) -> dict:
     """Launch parameters from the shape (sms: the device's SM count, None in the interpreter).
 
-    LP: window slots (L rounded up to a power of two >= 16, for tl.dot).
+    buffer_tile: window slots (L rounded up to a power of two >= 16, for tl.dot).
     chain_rows, chain_bv, chain_warps: the sequential pass gives each program chain_rows rows of
     a matrix, chain_bv at a time; chain_split: NP of a split NVFP4 chain (0: none). Anchors
     other than NVFP4 split the rows over programs (one program per row block keeps every
@@ -740,7 +742,7 @@ def chunk_launch_config(pair, B: int, H: int, d_v: int, d_k: int, buffer_len: in
             warps = NVFP4_CHAIN_BLOCK[1]
     else:
         rows = bv
-    return {"LP": buffer_tile, "chain_rows": rows, "chain_bv": bv, "chain_split": split,
+    return {"buffer_tile": buffer_tile, "chain_rows": rows, "chain_bv": bv, "chain_split": split,
             "chain_warps": warps or (8 if rows // bv >= 4 else 4),
             "terms_bv": min(d_v, 32), "terms_warps": 8,
             "cast_bv": min(d_v, 32), "cast_warps": 4,
@@ -794,6 +796,67 @@ def _token_map(state: ScanState, valid, B: int, T: int, buffer_len: int, width: 
     return tok.to(torch.int32).contiguous()
 
 
+def _check_scan(state: ScanState, q, k, v, log_a, beta, valid, pair) -> None:
+    _check_inputs(state, q, k, v, log_a, beta, valid)
+    if pair.buffer_len != state.buffer_len:
+        raise ValueError(f"pair {pair.label()} has buffer_len {pair.buffer_len} but the state was "
+                         f"built with {state.buffer_len}; use the same pair")
+    dk, dv = q.shape[-1], v.shape[-1]
+    if not supports(dk, dv):
+        raise ValueError(f"the Triton chunk kernel needs d_k and d_v powers of two >= 16, got "
+                         f"d_k={dk}, d_v={dv}; use chunk_ref.chunk_scan_ref for this shape")
+    if (state.read is None) != (pair.read is None) or state.anchor.format != pair.anchor.format:
+        raise ValueError(f"the state's roles ({state.anchor.format}, "
+                         f"{None if state.read is None else state.read.format}) do not match the "
+                         f"pair {pair.label()}")
+
+
+def _windows(state: ScanState, valid_b, B: int, T: int, dev):
+    """(entries per row after the segment m [B], windows W) or None where no row gains an entry."""
+    buffer_len = state.buffer_len
+    h0 = state.count.to(dev)
+    if valid_b is None:
+        # every token valid: entries per row m = count + T with count <= L, so at most
+        # ceil((L + T) / L) windows (a trailing one without entries costs little); no host sync
+        if B == 0 or T == 0:
+            return None
+        return h0 + T, -(-(buffer_len + T) // buffer_len)
+    m = h0 + valid_b.sum(1)
+    M = int(m.max()) if B else 0                     # the one host sync (padding)
+    if M == 0 or T == 0:
+        return None
+    return m, -(-M // buffer_len)
+
+
+class _Scratch:
+    """The group scratch of one chunk_scan, reused by every group of G windows: window slots
+    [BH, G, ...] and checkpoints [BH, G + 1, d_v, d_k]; a split NVFP4 chain's amax slots and
+    error flag; window 0's checkpoint (the read copy, or the anchor for a shared pair or exact)
+    and the chain's A (the anchor), dequantized."""
+
+    def __init__(self, state, pair, BH, G, dk, dv, buffer_tile, delta, vec, pre, split, exact, dev):
+        f32 = torch.float32
+        self.Kw = torch.empty(BH, G, buffer_tile, dk, dtype=f32, device=dev)
+        self.Pw = torch.empty_like(self.Kw)
+        self.Ww = torch.empty_like(self.Kw) if delta else self.Kw
+        self.QLw = torch.empty(BH, G, dk, dtype=f32, device=dev)
+        self.Gw = torch.empty(BH, G, dk if vec else buffer_tile, dtype=f32, device=dev)   # G, or G_L
+        self.Uw = torch.empty(BH, G, buffer_tile, dv, dtype=f32, device=dev)
+        self.Cw = torch.empty_like(self.Uw)
+        self.Xs = torch.empty(BH, G + 1, dv, dk, dtype=f32, device=dev)
+        self.As = torch.empty(BH, dv, dk, dtype=f32, device=dev)
+        self.Rb = torch.empty(BH, G, dv, dk, dtype=torch.int32, device=dev) if pre else self.As
+        unused = torch.empty(1, dtype=torch.int32, device=dev)     # SPLIT off: never read
+        self.Mx = torch.zeros(BH, G, dtype=f32, device=dev) if split else self.Gw
+        self.Cn = torch.zeros(BH, G, dtype=torch.int32, device=dev) if split else unused
+        self.err = torch.zeros(1, dtype=torch.int32, device=dev) if split else unused
+        shared = state.read is None
+        first = state.anchor if (shared or exact) else state.read
+        spec = pair.anchor if (shared or exact) else pair.read
+        self.Xs[:, 0] = spec.fmt.dequantize(first).reshape(BH, dv, dk)
+        self.As.copy_(pair.anchor.fmt.dequantize(state.anchor).reshape(BH, dv, dk))
+
+
 def chunk_scan(state: ScanState, q, k, v, log_a, beta=None, *, pair, seed: int = 0,
                layer: int = 0, valid=None, exact: bool = False,
                precompute_sr_bits: bool = False, pass_events: list | None = None):
@@ -810,142 +873,21 @@ def chunk_scan(state: ScanState, q, k, v, log_a, beta=None, *, pair, seed: int =
     precomputed, f4_sr_rs (split chain) 8.33 against 8.98.
     pass_events: a list to which each launch appends (pass name, start, end) CUDA events
     (CUDA only; None: no events)."""
-    _check_inputs(state, q, k, v, log_a, beta, valid)
-    if pair.buffer_len != state.buffer_len:
-        raise ValueError(f"pair {pair.label()} has buffer_len {pair.buffer_len} but the state was "
-                         f"built with {state.buffer_len}; use the same pair")
+    _check_scan(state, q, k, v, log_a, beta, valid, pair)
     B, T, H, dk = q.shape
-    dv = v.shape[-1]
-    if not supports(dk, dv):
-        raise ValueError(f"the Triton chunk kernel needs d_k and d_v powers of two >= 16, got "
-                         f"d_k={dk}, d_v={dv}; use chunk_ref.chunk_scan_ref for this shape")
-    if (state.read is None) != (pair.read is None) or state.anchor.format != pair.anchor.format:
-        raise ValueError(f"the state's roles ({state.anchor.format}, "
-                         f"{None if state.read is None else state.read.format}) do not match the "
-                         f"pair {pair.label()}")
-    dev = q.device
-    buffer_len = state.buffer_len
+    dv, dev, buffer_len = v.shape[-1], q.device, state.buffer_len
     valid_b = None if valid is None else valid.to(torch.bool)
-    h0 = state.count.to(dev)
-    if valid_b is None:
-        # every token valid: entries per row m = count + T with count <= L, so at most
-        # ceil((L + T) / L) windows (a trailing one without entries costs little); no host sync
-        if B == 0 or T == 0:
-            return torch.zeros(B, T, H, dv, dtype=torch.float32, device=dev), state
-        m = h0 + T
-        W = -(-(buffer_len + T) // buffer_len)
-    else:
-        m = h0 + valid_b.sum(1)
-        M = int(m.max()) if B else 0                     # the one host sync (padding)
-        if M == 0 or T == 0:
-            return torch.zeros(B, T, H, dv, dtype=torch.float32, device=dev), state
-        W = -(-M // buffer_len)
-    width = W * buffer_len
+    win = _windows(state, valid_b, B, T, dev)
+    if win is None:
+        return torch.zeros(B, T, H, dv, dtype=torch.float32, device=dev), state
+    m, W = win
     full = m // buffer_len
-    nwin = -(-m // buffer_len)
-    tok = _token_map(state, valid_b, B, T, buffer_len, width, dev)
-
-    f32, i64 = torch.float32, torch.int64
-    delta = beta is not None
-    vec = state.vector_gate
-    q, k, v, log_a = (x.contiguous() for x in (q, k, v, log_a))
-    beta = None if beta is None else beta.contiguous()
+    tok = _token_map(state, valid_b, B, T, buffer_len, W * buffer_len, dev)
     anchor = core.qt_clone(state.anchor)
     read = None if state.read is None else core.qt_clone(state.read)
-    shared = read is None
-    Aout = _role_args(anchor)
-    Rout = _role_args(read if read is not None else anchor)
-    y = _empty((B, T, H, dv), f32, dev)
-    nk = _empty((B, H, buffer_len, dk), f32, dev)
-    nv = _empty((B, H, buffer_len, dv), f32, dev)
-    nG = _empty((B, H, buffer_len, dk) if vec else (B, H, buffer_len), f32, dev)
-    nb = _empty((B, H, buffer_len), f32, dev) if delta else None
-    bk, bv, bG = (t.to(f32).contiguous() for t in (state.k, state.v, state.G))
-    bb = state.beta.to(f32).contiguous() if delta else None
-    h0k = h0.to(device=dev, dtype=torch.int32).contiguous()
-    nfl = state.flushes.to(device=dev, dtype=i64).contiguous()
-    seq = state.rows.to(device=dev, dtype=i64).contiguous()
-    nw = nwin.to(torch.int32).contiguous()
-    nfu = full.to(torch.int32).contiguous()
-    cfg = chunk_launch_config(pair, B, H, dv, dk, buffer_len, device_sms(dev))
-    buffer_tile = cfg["LP"]
-    klo, khi = split_key(layer_seed(seed, layer))
-    BH = B * H
-
-    # group scratch (reused by every group): window slots [BH, G] and checkpoints [BH, G + 1]
-    asr = pair.anchor.rounding == "stochastic"
-    pre = bool(precompute_sr_bits and asr and not exact)
-    G = min(group_windows(BH, dk, dv, buffer_tile, delta, pre, vec), W + 1)
-    Kw = torch.empty(BH, G, buffer_tile, dk, dtype=f32, device=dev)
-    Pw = torch.empty_like(Kw)
-    Ww = torch.empty_like(Kw) if delta else Kw
-    QLw = torch.empty(BH, G, dk, dtype=f32, device=dev)
-    Gw = torch.empty(BH, G, dk if vec else buffer_tile, dtype=f32, device=dev)   # G, or G_L per channel
-    Uw = torch.empty(BH, G, buffer_tile, dv, dtype=f32, device=dev)
-    Cw = torch.empty_like(Uw)
-    Xs = torch.empty(BH, G + 1, dv, dk, dtype=f32, device=dev)
-    As = torch.empty(BH, dv, dk, dtype=f32, device=dev)
-    Rb = torch.empty(BH, G, dv, dk, dtype=torch.int32, device=dev) if pre else As
-    split = bool(cfg["chain_split"]) and not exact
-    # a split NVFP4 chain's amax slots (per matrix and window of a group) and its error flag
-    Mx = torch.zeros(BH, G, dtype=f32, device=dev) if split else Gw
-    Cn = torch.zeros(BH, G, dtype=torch.int32, device=dev) if split else h0k
-    err = torch.zeros(1, dtype=torch.int32, device=dev) if split else h0k
-    # window 0's checkpoint: the read copy (the anchor for a shared pair or exact), dequantized
-    first = state.anchor if (shared or exact) else state.read
-    spec = pair.anchor if (shared or exact) else pair.read
-    Xs[:, 0] = spec.fmt.dequantize(first).reshape(BH, dv, dk)
-    As.copy_(pair.anchor.fmt.dequantize(state.anchor).reshape(BH, dv, dk))   # the chain's A
-    cons = dict(H=H, DK=dk, DV=dv, BUFFER_LEN=buffer_len, BUFFER_TILE=buffer_tile, EXACT=bool(exact),
-                PREC=options.get().chunk_dot)
-    rsr = pair.read_spec.rounding == "stochastic"
-    cast = exact or not shared
-    events = pass_events if (pass_events is not None and dev.type == "cuda") else None
-
-    def launch(name, kernel, grid, *args, **kw):
-        if events is None:
-            kernel[grid](*args, **kw)
-            return
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        kernel[grid](*args, **kw)
-        b.record()
-        events.append((name, a, b))
-
-    with cpu_threads(dev):
-        for w0 in range(0, W + 1, G):          # windows 0..W: window W holds no entry
-            n = min(G, W + 1 - w0)
-            if w0 > 0:
-                Xs[:, 0].copy_(Xs[:, G])        # the checkpoint of the group's first window
-                if split:
-                    Mx.zero_()
-                    Cn.zero_()
-            launch("terms", _terms_kernel, (n, BH),
-                tok, q, k, v, log_a, beta if delta else log_a, bk, bv, bG, bb if delta else bG,
-                h0k, nfu, Kw, Ww, Pw, QLw, Gw, Uw, Cw, nk, nv, nG, nb if delta else nG,
-                Rb, nfl, seq, T, width, w0, G, klo, khi, BV=cfg["terms_bv"], DELTA=delta, PRE=pre,
-                VEC=vec, num_warps=cfg["terms_warps"], **cons)
-            launch("chain", _chain_kernel, (BH, dv // cfg["chain_rows"]),
-                tok, y, nfl, seq, nw, nfu, Kw, Ww, QLw, Gw, Uw, Xs, As, *Aout[:3], Rb,
-                Mx, Cn, err, T, width, w0, G, klo, khi, SPIN_LIMIT,
-                BV=cfg["chain_bv"], NRB=cfg["chain_rows"] // cfg["chain_bv"],
-                AFMT=Aout[3], ASR=asr, SHARED=shared, DELTA=delta, PRE=pre, SPLIT=split,
-                VEC=vec, num_warps=cfg["chain_warps"], **cons)
-            if cast:
-                launch("cast", _cast_kernel, (n, BH),
-                    nfl, seq, nw, nfu, Xs, *Aout[:3], *Rout[:3], w0, G, klo, khi,
-                    H=H, DK=dk, DV=dv, BV=cfg["cast_bv"], AFMT=Aout[3], ASR=asr, RFMT=Rout[3],
-                    RSR=rsr, SHARED=shared, EXACT=bool(exact), num_warps=cfg["cast_warps"])
-            launch("output", _output_kernel, (n, BH),
-                tok, y, nw, nfu, Pw, Cw, Xs, T, width, w0, G,
-                BV=cfg["out_bv"], num_warps=cfg["out_warps"], **cons)
-    if split and int(err.item()):                # one host sync, split NVFP4 chains only
-        raise RuntimeError(
-            f"the split NVFP4 chain's {cfg['chain_split']} programs per matrix were not all "
-            f"resident at once ({BH} matrices), so the amax exchange timed out and this call's "
-            f"result is wrong; set REPLAYQUANT_NVFP4_CHAIN_SPLIT=0 (or run it inside "
-            f"replayquant.options.override(nvfp4_chain_split=0): the two-pass chain) and run "
-            f"it again")
+    out = _launch_groups(state, pair, tok, q, k, v, log_a, beta, anchor, read, m, full, W, seed,
+                         layer, exact, precompute_sr_bits, pass_events)
+    y, nk, nv, nG, nb = out
     if valid is not None:
         y[~valid_b] = 0.0                       # padding: no slot, output 0
     if exact:
@@ -957,6 +899,97 @@ def chunk_scan(state: ScanState, q, k, v, log_a, beta=None, *, pair, seed: int =
     new = ScanState(anchor=anchor, read=read, k=nk, v=nv, G=nG, beta=nb, count=count,
                     flushes=flushes, rows=state.rows)
     return y, new
+
+
+def _launch(events, name, kernel, grid, *args, **kw):
+    """kernel[grid](*args, **kw), between two CUDA events appended to `events` as (name, start,
+    end) where events is a list."""
+    if events is None:
+        kernel[grid](*args, **kw)
+        return
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    kernel[grid](*args, **kw)
+    b.record()
+    events.append((name, a, b))
+
+
+def _launch_groups(state, pair, tok, q, k, v, log_a, beta, anchor, read, m, full, W, seed, layer,
+                   exact, precompute_sr_bits, pass_events):
+    """chunk_scan's launches over windows 0..W in groups of G (`group_windows`): pass 1
+    (terms), the sequential chain, the casts of the read copies (a split pair or exact) and the
+    outputs. Writes the new anchor / read copy into `anchor` / `read`; returns (y, the buffer
+    entries left after the segment: k, v, G, beta)."""
+    B, T, H, dk = q.shape
+    dv, dev, buffer_len = v.shape[-1], q.device, state.buffer_len
+    f32, i64 = torch.float32, torch.int64
+    delta, vec = beta is not None, state.vector_gate
+    q, k, v, log_a = (x.contiguous() for x in (q, k, v, log_a))
+    beta = None if beta is None else beta.contiguous()
+    shared = read is None
+    Aout = _role_args(anchor)
+    Rout = _role_args(read if read is not None else anchor)
+    y = _empty((B, T, H, dv), f32, dev)
+    nk = _empty((B, H, buffer_len, dk), f32, dev)
+    nv = _empty((B, H, buffer_len, dv), f32, dev)
+    nG = _empty((B, H, buffer_len, dk) if vec else (B, H, buffer_len), f32, dev)
+    nb = _empty((B, H, buffer_len), f32, dev) if delta else None
+    bk, bv, bG = (t.to(f32).contiguous() for t in (state.k, state.v, state.G))
+    bb = state.beta.to(f32).contiguous() if delta else None
+    h0k = state.count.to(device=dev, dtype=torch.int32).contiguous()
+    nfl = state.flushes.to(device=dev, dtype=i64).contiguous()
+    seq = state.rows.to(device=dev, dtype=i64).contiguous()
+    nw = (-(-m // buffer_len)).to(torch.int32).contiguous()
+    nfu = full.to(torch.int32).contiguous()
+    cfg = chunk_launch_config(pair, B, H, dv, dk, buffer_len, device_sms(dev))
+    buffer_tile = cfg["buffer_tile"]
+    klo, khi = split_key(layer_seed(seed, layer))
+    BH, width = B * H, W * buffer_len
+    asr = pair.anchor.rounding == "stochastic"
+    pre = bool(precompute_sr_bits and asr and not exact)
+    G = min(group_windows(BH, dk, dv, buffer_tile, delta, pre, vec), W + 1)
+    split = bool(cfg["chain_split"]) and not exact
+    sc = _Scratch(state, pair, BH, G, dk, dv, buffer_tile, delta, vec, pre, split, exact, dev)
+    cons = dict(H=H, DK=dk, DV=dv, BUFFER_LEN=buffer_len, BUFFER_TILE=buffer_tile, EXACT=bool(exact),
+                PREC=options.get().chunk_dot)
+    rsr = pair.read_spec.rounding == "stochastic"
+    events = pass_events if (pass_events is not None and dev.type == "cuda") else None
+    launch = functools.partial(_launch, events)
+    with cpu_threads(dev):
+        for w0 in range(0, W + 1, G):          # windows 0..W: window W holds no entry
+            n = min(G, W + 1 - w0)
+            if w0 > 0:
+                sc.Xs[:, 0].copy_(sc.Xs[:, G])  # the checkpoint of the group's first window
+                if split:
+                    sc.Mx.zero_()
+                    sc.Cn.zero_()
+            launch("terms", _terms_kernel, (n, BH),
+                tok, q, k, v, log_a, beta if delta else log_a, bk, bv, bG, bb if delta else bG,
+                h0k, nfu, sc.Kw, sc.Ww, sc.Pw, sc.QLw, sc.Gw, sc.Uw, sc.Cw, nk, nv, nG,
+                nb if delta else nG, sc.Rb, nfl, seq, T, width, w0, G, klo, khi, BV=cfg["terms_bv"],
+                DELTA=delta, PRE=pre, VEC=vec, num_warps=cfg["terms_warps"], **cons)
+            launch("chain", _chain_kernel, (BH, dv // cfg["chain_rows"]),
+                tok, y, nfl, seq, nw, nfu, sc.Kw, sc.Ww, sc.QLw, sc.Gw, sc.Uw, sc.Xs, sc.As,
+                *Aout[:3], sc.Rb, sc.Mx, sc.Cn, sc.err, T, width, w0, G, klo, khi, SPIN_LIMIT,
+                BV=cfg["chain_bv"], NRB=cfg["chain_rows"] // cfg["chain_bv"],
+                AFMT=Aout[3], ASR=asr, SHARED=shared, DELTA=delta, PRE=pre, SPLIT=split,
+                VEC=vec, num_warps=cfg["chain_warps"], **cons)
+            if exact or not shared:
+                launch("cast", _cast_kernel, (n, BH),
+                    nfl, seq, nw, nfu, sc.Xs, *Aout[:3], *Rout[:3], w0, G, klo, khi,
+                    H=H, DK=dk, DV=dv, BV=cfg["cast_bv"], AFMT=Aout[3], ASR=asr, RFMT=Rout[3],
+                    RSR=rsr, SHARED=shared, EXACT=bool(exact), num_warps=cfg["cast_warps"])
+            launch("output", _output_kernel, (n, BH),
+                tok, y, nw, nfu, sc.Pw, sc.Cw, sc.Xs, T, width, w0, G,
+                BV=cfg["out_bv"], num_warps=cfg["out_warps"], **cons)
+    if split and int(sc.err.item()):             # one host sync, split NVFP4 chains only
+        raise RuntimeError(
+            f"the split NVFP4 chain's {cfg['chain_split']} programs per matrix were not all "
+            f"resident at once ({BH} matrices), so the amax exchange timed out and this call's "
+            f"result is wrong; set REPLAYQUANT_NVFP4_CHAIN_SPLIT=0 (or run it inside "
+            f"replayquant.options.override(nvfp4_chain_split=0): the two-pass chain) and run "
+            f"it again")
+    return y, nk, nv, nG, nb
 
 
 def teacher_force(st, q, k, v, log_a, beta=None, *, valid=None, exact: bool = False):

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from types import SimpleNamespace
 
 import torch
 
@@ -306,10 +307,52 @@ def _scan(state, q, k, v, log_a, beta, *, pair, seed, layer, valid, exact):
         return y, state
     W = -(-M // buffer_len)
     width = W * buffer_len
+    lay = _layout(state, q, k, v, log_a, beta, valid, W)
+    full = m // buffer_len                                  # windows that end in a flush, per row
+    Y, A, aq, rq = _windows_ref(state, pair, lay, full, W, seed, layer, exact)
+    bi, ti, cols, slot, Ek, Ev, Eb, G, gt = (lay.bi, lay.ti, lay.cols, lay.slot, lay.Ek, lay.Ev,
+                                             lay.Eb, lay.G, lay.gt)
 
-    # -- each row laid out as [its buffered steps][its valid new tokens][null steps], in columns
-    # grouped into windows of L: the flush schedule of every row is then the window grid.
-    # Null steps (k = v = beta = 0, log a = 0) change nothing and are never flushed.
+    # -- outputs of the new tokens
+    y[bi, ti] = Y.reshape(B, H, width, dv)[bi, :, cols]
+
+    zero = torch.zeros_like
+    if exact:
+        # A holds the unrounded FP32 state after every entry: cast once (one flush)
+        na, nr = cast_roles(A, pair, seed=seed, layer=layer, flush_index=state.flushes + 1,
+                            rows=state.rows)
+        return y, replace(state, anchor=na, read=nr, k=zero(state.k), v=zero(state.v),
+                          G=zero(state.G), beta=None if state.beta is None else zero(state.beta),
+                          count=zero(state.count), flushes=state.flushes + 1)
+
+    # -- the new buffer: each row's entries after its last flush (window `full`)
+    count = m - full * buffer_len
+    idx = ((full * buffer_len)[:, None] + slot).clamp(max=width - 1)          # [B, L]
+    live = slot[None, :] < count[:, None]
+
+    def take(E, tail):
+        g = E.gather(2, idx.view(B, 1, buffer_len, *([1] * len(tail))).expand(B, H, buffer_len, *tail))
+        return torch.where(live.view(B, 1, buffer_len, *([1] * len(tail))), g, 0.0)
+
+    Gf = G.reshape(B, H, width, *gt)
+    new = replace(state, anchor=aq, read=rq, k=take(Ek, (dk,)), v=take(Ev, (dv,)), G=take(Gf, gt),
+                  beta=None if Eb is None else take(Eb, ()), count=count,
+                  flushes=state.flushes + full)
+    return y, new
+
+
+def _layout(state, q, k, v, log_a, beta, valid, W):
+    """The segment laid out for the window loop of `_scan` (float32 inputs): each row as [its
+    buffered steps][its valid new tokens][null steps], in columns grouped into windows of L, so
+    that the flush schedule of every row is the window grid. Null steps (k = v = beta = 0, log
+    a = 0) change nothing and are never flushed."""
+    f32 = torch.float32
+    B, T, H, dk = q.shape
+    dv = v.shape[-1]
+    dev = q.device
+    buffer_len = state.buffer_len
+    width = W * buffer_len
+    h0 = state.count
     bi, ti = valid.nonzero(as_tuple=True)
     cols = h0[bi] + (valid.long().cumsum(1) - 1)[bi, ti]
     slot = torch.arange(buffer_len, device=dev)
@@ -345,17 +388,31 @@ def _scan(state, q, k, v, log_a, beta, *, pair, seed, layer, valid, exact):
         qe = qw * G.exp()                                   # q_t * exp(G_t)
         kL = kw * (G[..., -1:, :] - G).exp()                # k_j * exp(G_L - G_j)
         eGL = G[..., -1, :].exp().unsqueeze(-2)             # S_c Diag(exp(G_L))
+        eG = wL = None
     else:
-        qe = None
+        qe = kL = None
         eG = G.exp()
         eGL = G[..., -1].exp()[..., None, None]
         wL = (G[..., -1:] - G).exp()
+    return SimpleNamespace(bi=bi, ti=ti, cols=cols, slot=slot, Ek=Ek, Ev=Ev, Eb=Eb, G=G, gt=gt,
+                           vec=vec, Aqk=Aqk, Vb=Vb, Kb=Kb, kw=kw, vw=vw, qw=qw, bw=bw, qe=qe,
+                           kL=kL, eG=eG, eGL=eGL, wL=wL)
 
+
+def _windows_ref(state, pair, lay, full, W, seed, layer, exact):
+    """`_scan`'s window loop: each window's outputs Y [B, H, W, L, d_v] from the state at its
+    start, then the state at its end, flushed (both casts) in the rows whose window ends in a
+    flush (`full` > w); returns (Y, the FP32 state after the last window, anchor, read copy)."""
+    f32 = torch.float32
+    B, H = state.count.shape[0], lay.kw.shape[1]
+    buffer_len, dv, dev = state.buffer_len, lay.vw.shape[-1], lay.kw.device
+    vec, Aqk, Vb, Kb, kw, vw, qw, bw = (lay.vec, lay.Aqk, lay.Vb, lay.Kb, lay.kw, lay.vw, lay.qw,
+                                        lay.bw)
+    qe, kL, eG, eGL, wL = lay.qe, lay.kL, lay.eG, lay.eGL, lay.wL
     A = anchor_f32(state, pair)
     R = A if state.read is None else read_f32(state, pair)
     aq, rq = state.anchor, state.read
     Y = torch.empty(B, H, W, buffer_len, dv, dtype=f32, device=dev)
-    full = m // buffer_len                                           # windows that end in a flush, per row
     fmin, fmax = (0, 0) if exact else (int(full.min()), int(full.max()))   # the one host sync
     for w in range(W):
         uR_only = not exact and w >= fmax                    # nobody flushes: R is final
@@ -398,32 +455,7 @@ def _scan(state, q, k, v, log_a, beta, *, pair, seed, layer, valid, exact):
             A = torch.where(fm, Anew, A)
             R = A if rq is None else torch.where(fm, Rnew, R)
 
-    # -- outputs of the new tokens
-    y[bi, ti] = Y.reshape(B, H, width, dv)[bi, :, cols]
-
-    zero = torch.zeros_like
-    if exact:
-        # A holds the unrounded FP32 state after every entry: cast once (one flush)
-        na, nr = cast_roles(A, pair, seed=seed, layer=layer, flush_index=state.flushes + 1,
-                            rows=state.rows)
-        return y, replace(state, anchor=na, read=nr, k=zero(state.k), v=zero(state.v),
-                          G=zero(state.G), beta=None if state.beta is None else zero(state.beta),
-                          count=zero(state.count), flushes=state.flushes + 1)
-
-    # -- the new buffer: each row's entries after its last flush (window `full`)
-    count = m - full * buffer_len
-    idx = ((full * buffer_len)[:, None] + slot).clamp(max=width - 1)          # [B, L]
-    live = slot[None, :] < count[:, None]
-
-    def take(E, tail):
-        g = E.gather(2, idx.view(B, 1, buffer_len, *([1] * len(tail))).expand(B, H, buffer_len, *tail))
-        return torch.where(live.view(B, 1, buffer_len, *([1] * len(tail))), g, 0.0)
-
-    Gf = G.reshape(B, H, width, *gt)
-    new = replace(state, anchor=aq, read=rq, k=take(Ek, (dk,)), v=take(Ev, (dv,)), G=take(Gf, gt),
-                  beta=None if Eb is None else take(Eb, ()), count=count,
-                  flushes=state.flushes + full)
-    return y, new
+    return Y, A, aq, rq
 
 
 # ------------------------------------------------------------------ ReplayState interop

@@ -81,7 +81,7 @@ def store_meta(store: ReplayStore, engine: str = "triton") -> str:
     names, _ = _present(store)
     role = lambda r: None if r is None else [r.fmt, r.rounding, list(r.shape)]  # noqa: E731
     return json.dumps({"kind": store.kind, "anchor": role(store.anchor), "read": role(store.read),
-                       "L": store.buffer_len, "key_heads": store.key_heads, "key": store.key,
+                       "buffer_len": store.buffer_len, "key_heads": store.key_heads, "key": store.key,
                        "max_drafts": store.max_drafts, "names": names, "engine": engine})
 
 
@@ -106,7 +106,7 @@ def _store_of(tensors: list[torch.Tensor], meta: str) -> ReplayStore:
         return PackedRole(spec[0], spec[1], tuple(spec[2]), by[f"{name}.payload"],
                           by.get(f"{name}.scale"), by.get(f"{name}.gscale"))
 
-    return ReplayStore(m["kind"], role("anchor"), role("read"), m["L"], m["key_heads"],
+    return ReplayStore(m["kind"], role("anchor"), role("read"), m["buffer_len"], m["key_heads"],
                        kbuf=by["kbuf"], vbuf=by["vbuf"], ubuf=by.get("ubuf"), Gbuf=by["Gbuf"],
                        bbuf=by["bbuf"], committed=by["committed"], n_flush=by["n_flush"],
                        key=m["key"], start=by["start"], max_drafts=m["max_drafts"],

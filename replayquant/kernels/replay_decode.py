@@ -55,10 +55,11 @@ def _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols,
                   HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                   CAPACITY: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
                   WANT_U: tl.constexpr, VEC: tl.constexpr):
-    """Buffer entries 0..n-1 of one (slot, head) as tiles (rows >= n are zero): Kb [LP, DK] the
-    raw bf16 k / B, r [LP] its row factor (GDN with L2NORM: 1 / |k|, the re-normalisation,
-    applied to the products; else 1), X [LP, BV] float32 (GDN: raw v, or u when WANT_U;
-    Mamba-2: v = dt x), G [LP] cumulative log gate (VEC: [LP, DK]), Bt [LP] (beta / dt)."""
+    """Buffer entries 0..n-1 of one (slot, head) as tiles (rows >= n are zero): Kb [BUFFER_TILE,
+    DK] the raw bf16 k / B, r [BUFFER_TILE] its row factor (GDN with L2NORM: 1 / |k|, the
+    re-normalisation, applied to the products; else 1), X [BUFFER_TILE, BV] float32 (GDN: raw v,
+    or u when WANT_U; Mamba-2: v = dt x), G [BUFFER_TILE] cumulative log gate (VEC: [BUFFER_TILE,
+    DK]), Bt [BUFFER_TILE] (beta / dt)."""
     m = jj < n
     e = _entry(slot, start, jj, CAPACITY)
     Kb = tl.load(kbuf + (e[:, None] * HK + hk) * DK + cols[None, :], mask=m[:, None], other=0.0)
@@ -130,7 +131,7 @@ def _rebuild(S0, Kb, r, X, G, Bt, jj, n, A_pay, A_sc, A_gs, mat, rows, kbuf, Tbu
     U = X
     if DELTA and not FOLD_U:
         CW: tl.constexpr = DK if (AFMT == 4) or (DK < 32) else 32      # NVFP4: whole rows
-        W = tl.zeros_like(X)                                                # [LP, BV]: S0 k_j
+        W = tl.zeros_like(X)                                                # [BUFFER_TILE, BV]: S0 k_j
         for c0 in range(0, DK, CW):
             cc = c0 + tl.arange(0, CW)
             Kc = tl.load(kbuf + (e[:, None] * HK + hk) * DK + cc[None, :], mask=m[:, None],
@@ -153,8 +154,8 @@ def _rebuild_vec(S0, kbuf, vbuf, Gbuf, bbuf, e, jj, n, hk, hv, rows, cols, HK: t
     (v_j - S k_j), S <- S + u_j k_j^T; G per key channel, v raw), entry j's vectors loaded from
     the ring (cache hits) rather than picked from the entries' tiles, whose reductions across
     rows cross warps in a whole-matrix tile. The WY form would need e^{G_j - G_i} per pair and
-    channel ([LP, LP, DK]) or e^{-G_j}, which overflows for a channel that forgets fast, so the
-    fold stays sequential."""
+    channel ([BUFFER_TILE, BUFFER_TILE, DK]) or e^{-G_j}, which overflows for a channel that
+    forgets fast, so the fold stays sequential."""
     S = S0
     Gprev = tl.zeros([DK], tl.float32)
     for j in range(0, n):
@@ -433,7 +434,7 @@ def _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, out_ptr, q_ptr, k
     seeing the drafts before it; GDN u = beta (v - e^{G_p} R k - sum_j e^{G_p - G_j}
     (k_j . k) u_j), R k and R q in one pass over the tile. Appends each entry at h + t (raw k and
     v / x in bf16, u, G, beta / dt; lead: the one block of the head that writes its k, G and
-    beta). VEC (KDA, G [LP, DK] per key channel): the decays enter the keys, e^{G_p} on R's
+    beta). VEC (KDA, G [BUFFER_TILE, DK] per key channel): the decays enter the keys, e^{G_p} on R's
     columns (R (e^{G_p} * k), R (e^{G_p} * q)) and e^{G_p - G_j} on k_j. KF (GDN whose flush
     solves for u): lead also appends the entry's row of the key factors (I + A)^{-1} (DESIGN
     section 4), T_p = e_p - sum_{j<p} A_pj T_j with A_pj = beta e^{G_p - G_j} (k_j . k): the

@@ -159,6 +159,38 @@ def _write_roles_ref(store: ReplayStore, s: int, S, fi: int):
         store.read.write_([s], S[None], store.key, role_streams(fi, READ, [s], H))
 
 
+def _read_token_ref(R, K, X, G, Gp, qt, kt, vt, bt, delta: bool, vec: bool, bf):
+    """One read step of a row: its output [H, d_v] from the read copy R and the p buffered
+    entries K [H, p, dk], X (u, or Mamba-2's v) [H, p, dv], G (cumulative log gates) before it,
+    Gp this step's cumulative gate; and what it buffers (GDN / KDA: u rounded to the ring's
+    dtype bf; Mamba-2: v)."""
+    if vec:             # decays per key channel: into the keys, the read copy's columns
+        wdec = torch.exp(Gp.unsqueeze(1) - G)                   # [H, p, dk]
+        eG = torch.exp(Gp)                                       # [H, dk]
+        rk = (R * (eG * kt).unsqueeze(1)).sum(-1)
+        rq = (R * (eG * qt).unsqueeze(1)).sum(-1)
+        kk = (wdec * K * kt.unsqueeze(1)).sum(-1)
+        qk = (wdec * K * qt.unsqueeze(1)).sum(-1)
+        bt = bt.unsqueeze(-1)
+        u = bt * (vt - rk) - bt * torch.einsum("hj,hjd->hd", kk, X)
+        u = u.to(bf).float()
+        return rq + torch.einsum("hj,hjd->hd", qk, X) + (kt * qt).sum(-1, keepdim=True) * u, u
+    wdec = torch.exp(Gp.unsqueeze(-1) - G)                      # [H, p]
+    eG = torch.exp(Gp)
+    if delta:
+        corr = torch.einsum("hj,hjd->hd", wdec * (K * kt.unsqueeze(1)).sum(-1), X)
+        rk = (R * kt.unsqueeze(1)).sum(-1)
+        bt = bt.unsqueeze(-1)
+        u = bt * (vt - eG.unsqueeze(-1) * rk) - bt * corr
+        u = u.to(bf).float()
+    else:
+        u = vt
+    qk = (K * qt.unsqueeze(1)).sum(-1)
+    y = eG.unsqueeze(-1) * (R * qt.unsqueeze(1)).sum(-1) \
+        + torch.einsum("hj,hjd->hd", wdec * qk, X) + (kt * qt).sum(-1, keepdim=True) * u
+    return y, u
+
+
 def replay_ref_core(store: ReplayStore, fe, raw, state_indices, T: int, step: bool, force: bool,
                     post=None):
     """Torch twin of _replay_kernel. fe: front-end tensors (q, k, v, log_a, gate2) float32 with
@@ -201,34 +233,9 @@ def replay_ref_core(store: ReplayStore, fe, raw, state_indices, T: int, step: bo
             for t in range(T):
                 p = h + t
                 Gp = Gp + log_a[b_, t]
-                kt, qt = k[b_, t], q[b_, t]
-                if vec:         # decays per key channel: into the keys, the read copy's columns
-                    wdec = torch.exp(Gp.unsqueeze(1) - G)               # [H, p, dk]
-                    eG = torch.exp(Gp)                                   # [H, dk]
-                    rk = (R * (eG * kt).unsqueeze(1)).sum(-1)
-                    rq = (R * (eG * qt).unsqueeze(1)).sum(-1)
-                    kk = (wdec * K * kt.unsqueeze(1)).sum(-1)
-                    qk = (wdec * K * qt.unsqueeze(1)).sum(-1)
-                    bt = beta[b_, t].unsqueeze(-1)
-                    u = bt * (v[b_, t] - rk) - bt * torch.einsum("hj,hjd->hd", kk, X)
-                    u = u.to(bf).float()
-                    y[b_, t] = rq + torch.einsum("hj,hjd->hd", qk, X) \
-                        + (kt * qt).sum(-1, keepdim=True) * u
-                else:
-                    wdec = torch.exp(Gp.unsqueeze(-1) - G)              # [H, p]
-                    eG = torch.exp(Gp)
-                    if delta:
-                        corr = torch.einsum("hj,hjd->hd", wdec * (K * kt.unsqueeze(1)).sum(-1), X)
-                        rk = (R * kt.unsqueeze(1)).sum(-1)
-                        bt = beta[b_, t].unsqueeze(-1)
-                        u = bt * (v[b_, t] - eG.unsqueeze(-1) * rk) - bt * corr
-                        u = u.to(bf).float()
-                    else:
-                        u = v[b_, t]
-                    qk = (K * qt.unsqueeze(1)).sum(-1)
-                    y[b_, t] = eG.unsqueeze(-1) * (R * qt.unsqueeze(1)).sum(-1) \
-                        + torch.einsum("hj,hjd->hd", wdec * qk, X) \
-                        + (kt * qt).sum(-1, keepdim=True) * u
+                kt = k[b_, t]
+                y[b_, t], u = _read_token_ref(R, K, X, G, Gp, q[b_, t], kt, v[b_, t], beta[b_, t],
+                                              delta, vec, bf)
                 K = torch.cat([K, kt.unsqueeze(1)], 1)
                 X = torch.cat([X, u.unsqueeze(1)], 1)
                 G = torch.cat([G, Gp.unsqueeze(1)], 1)
