@@ -24,8 +24,15 @@
 #   tf              `bench teacher-forcing`: the chunk kernel check and per-layer timing at 8K,
 #                   then the whole model at 131072 tokens; `bench kl` at 131072 tokens (~480 s)
 #   decode          the CUDA-only decode tests (recorded decode steps against eager ones, bit for bit,
-#                   on the three embedded models), then `bench generate` at B = 1 and 32 for
-#                   s32_rs (the batch of 32 only if B = 1 ended within 200 s)
+#                   on the three embedded models), then evals/compiled_generate_check.py: HF's
+#                   compiled static-cache generate against the eager one, greedy tokens, on the
+#                   three embedded models with s32_rs and tp4_hi16_sr (on an H100: 60 s of tests,
+#                   about 15 s a model and pair)
+#   bench-generate  `bench generate` at the batch given as the second argument (default 1) for
+#                   s32_rs and tp4_hi16_sr, added to the file named by the third argument (an
+#                   earlier call's generate.json of the same commit, carried; the batches of one
+#                   commit gather in one file); on an H100 a batch with one pair took 190-270 s,
+#                   compiles included
 #   generate        evals/cuda_generate_check.py: generation through the compiled decode kernel
 #                   against the CPU path on the shipped tiny models (~150 s)
 #   train           evals/train_tiny.py device-run: train both tiny models, evaluate them and
@@ -42,7 +49,7 @@
 # not fla.
 set -uo pipefail
 : "${OUT:?set OUT to the folder where results go}"
-jobs="kernels|probe|ncu|checks|tf|decode|generate|train"
+jobs="kernels|probe|ncu|checks|tf|decode|bench-generate|generate|train"
 job=${1:?usage: bash evals/gpu_runs.sh $jobs}
 [[ "|$jobs|" == *"|$job|"* ]] \
     || { echo "gpu_runs: unknown job '$job'; choose one of $jobs" >&2; exit 2; }
@@ -87,10 +94,17 @@ case "$job" in
     tail -5 /tmp/tf_layer.log /tmp/tf_model.log /tmp/kl.log
     ;;
   decode)
-    TRITON_INTERPRET=0 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_decode_graph.py \
-        -k cuda > "$OUT/decode_tests.log" 2>&1; echo "tests rc=$?"; tail -15 "$OUT/decode_tests.log"
-    timeout 330 "${rq[@]}" bench generate --batch 1,32 --pair s32_rs --budget-s 200 \
-        --out "$OUT/generate.json" > "$OUT/generate.log" 2>&1; echo "bench generate rc=$?"
+    TRITON_INTERPRET=0 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_decode_graph.py \
+        -k cuda -rA > "$OUT/decode_tests.log" 2>&1; echo "tests rc=$?"
+    grep -E "PASSED|FAILED|Error" "$OUT/decode_tests.log" | head -12
+    timeout 300 python3 evals/compiled_generate_check.py "$OUT/compiled_generate_check.json" \
+        --pairs s32_rs,tp4_hi16_sr > /tmp/cgc.log 2>&1; echo "compiled generate check rc=$?"
+    grep "^{" /tmp/cgc.log | cut -c1-400
+    ;;
+  bench-generate)
+    if [[ -n "${3:-}" ]]; then cp "$3" "$OUT/generate.json" && chmod u+w "$OUT/generate.json" || exit 1; fi
+    timeout 560 "${rq[@]}" bench generate --batch "${2:-1}" --add --out "$OUT/generate.json" \
+        > "$OUT/generate.log" 2>&1; echo "bench generate rc=$?"
     grep -E "^(met|MISS)|error|@B" "$OUT/generate.log" | cut -c1-600
     ;;
   generate)

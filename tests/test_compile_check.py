@@ -65,3 +65,21 @@ def test_count_sass_counts_instruction_lines():
                "        /* 0x000fe40000000f00 */\n"
                "        /*0020*/                   EXIT ;\n")
     assert count_sass(listing) == 3
+
+
+def test_chunk_register_report_compiles_every_pass(tmp_path):
+    """`bench teacher-forcing`'s register report builds the chunk kernel's passes from their
+    signatures with hand-written constexprs; a pass it can no longer build (a renamed constexpr)
+    would show in the report as "not compiled", which this test refuses."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("TRITON_INTERPRET", None)
+    code = ("import json; from replayquant.bench import teacher_forcing as tf; "
+            "print(json.dumps(tf.resource_report(pairs=('tp4_hi16_sr',), H=2, d=32, L=8)))")
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(r.stdout.strip().splitlines()[-1])
+    if any("Triton ships no ptxas" in row["ptxas"] for row in rows):
+        pytest.skip("this Triton ships no ptxas")
+    assert {row["kernel"] for row in rows} == {"terms", "chain", "cast", "output"}
+    assert all("registers" in row["ptxas"] for row in rows), rows
