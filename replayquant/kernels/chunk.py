@@ -294,6 +294,36 @@ def _window_program(w0, H: tl.constexpr):
     return wl, bh, bh // H, bh % H, w0 + wl, bh.to(tl.int64)
 
 
+@triton.jit
+def _store_key_terms(Kw, Ww, Pw, QLw, Gw, K, Q, G, Bt, Aqk, Tinv, eG, tb, kq, cols, jj,
+                     DK: tl.constexpr, BUFFER_LEN: tl.constexpr, BUFFER_TILE: tl.constexpr,
+                     DELTA: tl.constexpr, PREC: tl.constexpr, VEC: tl.constexpr):
+    """Pass 1's key-side terms of one window into its scratch slot tb: q_L; K and G (VEC: the
+    keys decayed to the window's end and G_L); for GDN W = Tinv (beta exp(G) k) and P = exp(G) q
+    - Aqk W (Mamba-2: P = exp(G) q)."""
+    tl.store(QLw + tb * DK + cols, tl.sum(tl.where((jj == BUFFER_LEN - 1)[:, None], Q, 0.0), axis=0))
+    if VEC:
+        GL = tl.sum(tl.where((jj == BUFFER_LEN - 1)[:, None], G, 0.0), axis=0)
+        inw = (jj < BUFFER_LEN)[:, None]
+        tl.store(Kw + kq, K * tl.where(inw, tl.exp(tl.where(inw, GL[None, :] - G, 0.0)), 0.0))
+        tl.store(Gw + tb * DK + cols, GL)
+        if DELTA:
+            Wm = tl.dot(Tinv, Bt[:, None] * eG * K, input_precision=PREC)
+            tl.store(Ww + kq, Wm)
+            tl.store(Pw + kq, eG * Q - tl.dot(Aqk, Wm, input_precision=PREC))
+        else:
+            tl.store(Pw + kq, eG * Q)
+    else:
+        tl.store(Kw + kq, K)
+        tl.store(Gw + tb * BUFFER_TILE + jj, G)
+        if DELTA:
+            Wm = tl.dot(Tinv, (Bt * eG)[:, None] * K, input_precision=PREC)
+            tl.store(Ww + kq, Wm)
+            tl.store(Pw + kq, eG[:, None] * Q - tl.dot(Aqk, Wm, input_precision=PREC))
+        else:
+            tl.store(Pw + kq, eG[:, None] * Q)
+
+
 @triton.jit(do_not_specialize=["T", "WIDTH", "w0", "NWS", "key_lo", "key_hi"])
 def _terms_kernel(
         tok_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bk_ptr, bv_ptr, bG_ptr, bb_ptr, h0_ptr, nfull_ptr,
@@ -328,28 +358,8 @@ def _terms_kernel(
     eG = tl.exp(G)
     tb = bh.to(tl.int64) * NWS + wl                      # window slot in the scratch
     kq = (tb * BUFFER_TILE + jj[:, None]) * DK + cols[None, :]
-    tl.store(QLw + tb * DK + cols, tl.sum(tl.where((jj == BUFFER_LEN - 1)[:, None], Q, 0.0), axis=0))
-    if VEC:
-        GL = tl.sum(tl.where((jj == BUFFER_LEN - 1)[:, None], G, 0.0), axis=0)
-        inw = (jj < BUFFER_LEN)[:, None]
-        tl.store(Kw + kq, K * tl.where(inw, tl.exp(tl.where(inw, GL[None, :] - G, 0.0)), 0.0))
-        tl.store(Gw + tb * DK + cols, GL)
-        if DELTA:
-            Wm = tl.dot(Tinv, Bt[:, None] * eG * K, input_precision=PREC)
-            tl.store(Ww + kq, Wm)
-            tl.store(Pw + kq, eG * Q - tl.dot(Aqk, Wm, input_precision=PREC))
-        else:
-            tl.store(Pw + kq, eG * Q)
-    else:
-        tl.store(Kw + kq, K)
-        tl.store(Gw + tb * BUFFER_TILE + jj, G)
-        if DELTA:
-            Wm = tl.dot(Tinv, (Bt * eG)[:, None] * K, input_precision=PREC)
-            tl.store(Ww + kq, Wm)
-            tl.store(Pw + kq, eG[:, None] * Q - tl.dot(Aqk, Wm, input_precision=PREC))
-        else:
-            tl.store(Pw + kq, eG[:, None] * Q)
-
+    _store_key_terms(Kw, Ww, Pw, QLw, Gw, K, Q, G, Bt, Aqk, Tinv, eG, tb, kq, cols, jj,
+                     DK, BUFFER_LEN, BUFFER_TILE, DELTA, PREC, VEC)
     if EXACT:
         here = w == 0
         keep = jj < 0                                    # the buffer empties
@@ -491,6 +501,57 @@ def _chain_rows_in_registers(
     tl.store(a_tile + rows[:, None] * DK, A)
 
 
+@triton.jit
+def _chain_rows_in_blocks(
+        tok_ptr, y_ptr, Kw, Ww, QLw, Gw, Uw, Xs, a_tile, A_pay, A_sc, A_gs, Rb, b, h, mat, pb,
+        cols, jj, br, nf, seq, nfull, w0, wend, T, WIDTH, NWS, key_lo, key_hi,
+        H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, NRB: tl.constexpr,
+        BUFFER_LEN: tl.constexpr, BUFFER_TILE: tl.constexpr, AFMT: tl.constexpr, ASR: tl.constexpr,
+        SHARED: tl.constexpr, DELTA: tl.constexpr, EXACT: tl.constexpr, PRE: tl.constexpr,
+        PREC: tl.constexpr, VEC: tl.constexpr, TWO_PASS: tl.constexpr):
+    """`_chain_kernel` with NRB row blocks in one program: an NVFP4 anchor (TWO_PASS: every row
+    block's S first, then the matrix amax and the casts) or exact prefill (S is the state)."""
+    # num_stages=1: no software pipelining of this loop, whose loads of As / Xs read what the
+    # previous iteration stored (a prefetch would read the old values)
+    for w in tl.range(w0, wend, num_stages=1):
+        tb = mat * NWS + (w - w0)
+        x_tile = Xs + (mat * (NWS + 1) + (w - w0) + 1) * (DV * DK) + cols[None, :]
+        Kt, Wm, G, qL, tokL = _chain_inputs(tok_ptr, Kw, Ww, QLw, Gw, b, mat, w, w0, cols, jj,
+                                            WIDTH, NWS, DK, BUFFER_LEN, BUFFER_TILE, DELTA, VEC)
+        yrow = (b.to(tl.int64) * T + tl.maximum(tokL, 0)) * H + h
+        fi = nf + w + 1
+        last = w == nfull - 1
+        rb_tile = Rb + tb * (DV * DK)                   # PRE: this flush's SR bits
+        acc = tl.zeros([BV], tl.float32)
+        for rb in range(NRB):
+            rows = (pb * NRB + rb) * BV + br
+            A = tl.load(a_tile + rows[:, None] * DK)
+            S = _chain_state(A, _chain_U(Uw, mat, w, w0, rows, jj, NWS, DV, BUFFER_TILE), Wm, Kt, G,
+                             jj, BUFFER_LEN, DELTA, PREC, VEC)
+            if EXACT:
+                tl.store(x_tile + rows[:, None] * DK, S)
+                tl.store(a_tile + rows[:, None] * DK, S)
+            else:
+                # the flush step reads the unrounded state rebuilt from the anchor
+                tl.store(y_ptr + yrow * DV + rows, tl.sum(S * qL[None, :], axis=1),
+                         mask=tl.where(tokL >= 0, rows >= 0, False))
+                tl.store(x_tile + rows[:, None] * DK, S)
+                acc = tl.maximum(acc, tl.max(tl.abs(S), axis=1))
+        if TWO_PASS:
+            tl.debug_barrier()
+            g = _nv_scale(tl.max(acc, axis=0))
+            for rb in range(NRB):
+                rows = (pb * NRB + rb) * BV + br
+                S = tl.load(x_tile + rows[:, None] * DK)
+                An = _cast_tile(S, g, A_pay, A_sc, A_gs, mat, rows, cols, key_lo, key_hi,
+                                fi, seq, h, last, DV, DK, BV, AFMT, ASR, 0, rb_tile, PRE)
+                tl.store(a_tile + rows[:, None] * DK, An)
+                if SHARED:
+                    tl.debug_barrier()
+                    tl.store(x_tile + rows[:, None] * DK, An)
+        tl.debug_barrier()                       # the next window reads what was just written
+
+
 @triton.jit(do_not_specialize=["T", "WIDTH", "w0", "NWS", "key_lo", "key_hi"])
 def _chain_kernel(
         tok_ptr, y_ptr, nf_ptr, seq_ptr, nwin_ptr, nfull_ptr,
@@ -541,45 +602,11 @@ def _chain_kernel(
         # several row blocks per program: an NVFP4 anchor (two-pass cast with the matrix amax)
         # or exact prefill with one (chunk_launch_config gives other anchors one row block)
         tl.static_assert(TWO_PASS or EXACT, "several chain row blocks need an NVFP4 anchor")
-        # num_stages=1: no software pipelining of this loop, whose loads of As / Xs read what the
-        # previous iteration stored (a prefetch would read the old values)
-        for w in tl.range(w0, wend, num_stages=1):
-            tb = mat * NWS + (w - w0)
-            x_tile = Xs + (mat * (NWS + 1) + (w - w0) + 1) * (DV * DK) + cols[None, :]
-            Kt, Wm, G, qL, tokL = _chain_inputs(tok_ptr, Kw, Ww, QLw, Gw, b, mat, w, w0, cols, jj,
-                                                WIDTH, NWS, DK, BUFFER_LEN, BUFFER_TILE, DELTA, VEC)
-            yrow = (b.to(tl.int64) * T + tl.maximum(tokL, 0)) * H + h
-            fi = nf + w + 1
-            last = w == nfull - 1
-            rb_tile = Rb + tb * (DV * DK)                   # PRE: this flush's SR bits
-            acc = tl.zeros([BV], tl.float32)
-            for rb in range(NRB):
-                rows = (pb * NRB + rb) * BV + br
-                A = tl.load(a_tile + rows[:, None] * DK)
-                S = _chain_state(A, _chain_U(Uw, mat, w, w0, rows, jj, NWS, DV, BUFFER_TILE), Wm, Kt, G,
-                                 jj, BUFFER_LEN, DELTA, PREC, VEC)
-                if EXACT:
-                    tl.store(x_tile + rows[:, None] * DK, S)
-                    tl.store(a_tile + rows[:, None] * DK, S)
-                else:
-                    # the flush step reads the unrounded state rebuilt from the anchor
-                    tl.store(y_ptr + yrow * DV + rows, tl.sum(S * qL[None, :], axis=1),
-                             mask=tl.where(tokL >= 0, rows >= 0, False))
-                    tl.store(x_tile + rows[:, None] * DK, S)
-                    acc = tl.maximum(acc, tl.max(tl.abs(S), axis=1))
-            if TWO_PASS:
-                tl.debug_barrier()
-                g = _nv_scale(tl.max(acc, axis=0))
-                for rb in range(NRB):
-                    rows = (pb * NRB + rb) * BV + br
-                    S = tl.load(x_tile + rows[:, None] * DK)
-                    An = _cast_tile(S, g, A_pay, A_sc, A_gs, mat, rows, cols, key_lo, key_hi,
-                                    fi, seq, h, last, DV, DK, BV, AFMT, ASR, 0, rb_tile, PRE)
-                    tl.store(a_tile + rows[:, None] * DK, An)
-                    if SHARED:
-                        tl.debug_barrier()
-                        tl.store(x_tile + rows[:, None] * DK, An)
-            tl.debug_barrier()                       # the next window reads what was just written
+        _chain_rows_in_blocks(
+            tok_ptr, y_ptr, Kw, Ww, QLw, Gw, Uw, Xs, a_tile, A_pay, A_sc, A_gs, Rb, b, h, mat, pb,
+            cols, jj, br, nf, seq, nfull, w0, wend, T, WIDTH, NWS, key_lo, key_hi,
+            H, DK, DV, BV, NRB, BUFFER_LEN, BUFFER_TILE, AFMT, ASR, SHARED, DELTA, EXACT, PRE, PREC,
+            VEC, TWO_PASS)
 
 
 @triton.jit(do_not_specialize=["w0", "NWS", "key_lo", "key_hi"])
