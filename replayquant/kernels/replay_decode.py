@@ -618,78 +618,6 @@ def _flush_tile(tile, n_rows, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, 
 
 
 # key_lo / key_hi: not specialized (Triton makes an integer argument equal to 1 a constexpr)
-@triton.jit
-def _read_launch(
-        A_pay, A_sc, A_gs, R_pay, R_sc, R_gs,
-        kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, h_ptr, st_ptr, nf_ptr, cnt_ptr, idx_ptr, out_ptr,
-        q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr,
-        scale, beta_scale, key_lo, key_hi, dt_lo, dt_hi, n_rows,
-        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-        BV: tl.constexpr, BUFFER_LEN: tl.constexpr, CAPACITY: tl.constexpr,
-        BUFFER_TILE: tl.constexpr, T: tl.constexpr, STEP: tl.constexpr, FORCE: tl.constexpr,
-        ADVANCE: tl.constexpr,
-        AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr, RSR: tl.constexpr,
-        SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr, HAS_DTB: tl.constexpr,
-        HAS_D: tl.constexpr, HAS_Z: tl.constexpr, U_BF16: tl.constexpr, DT_CLAMP: tl.constexpr,
-        PREC: tl.constexpr, ON_GPU: tl.constexpr, VEC: tl.constexpr,
-        FOLD_U: tl.constexpr, PCK: tl.constexpr, KF: tl.constexpr, FUSED: tl.constexpr):
-    """`_replay_kernel`'s read launch, one program per [BV, d_k] tile of a row's read copy:
-    (FUSED: the tile's own flush first,) the reads of its T drafts (_read_drafts) and, with
-    ADVANCE, the pointer moves by the row's last program to arrive; a row without a slot
-    outputs zeros."""
-    row, hv, hk, rows0, cols, slot = _program_tile(idx_ptr, HK, HV, DK, BV)
-    if slot >= 0:
-        mat = slot * HV + hv
-        jj = tl.arange(0, BUFFER_TILE)
-        if not FUSED:           # (with one chunk its loads before the pointers')
-            P, Pb = _row_ptrs(R_pay, R_sc, mat, rows0, DV, DK, RFMT, PCK)
-        h = tl.load(h_ptr + slot)
-        start = tl.load(st_ptr + slot)
-        pre, fill = _flush_flags(h, T, BUFFER_LEN, STEP)
-        if FUSED:                       # this tile's own flush first, then its read copy
-            if pre | fill | FORCE:
-                _flush_tile((hv * (DV // BV) + tl.program_id(1)) * n_rows + row, n_rows,
-                            A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, ubuf, Gbuf,
-                            bbuf, Tbuf, h_ptr, st_ptr, nf_ptr, idx_ptr, out_ptr, q_ptr, k_ptr,
-                            v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale,
-                            beta_scale, key_lo, key_hi, dt_lo, dt_hi, HK, HV, DK, DV, BV, BUFFER_LEN,
-                            CAPACITY, BUFFER_TILE, T, STEP, FORCE, AFMT, ASR, RFMT, RSR, SHARED, DELTA,
-                            L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP, PREC, ON_GPU, VEC,
-                            FOLD_U)
-                tl.debug_barrier()      # the tile's roles are written
-            P, Pb = _row_ptrs(R_pay, R_sc, mat, rows0, DV, DK, RFMT, PCK)
-        s = 1.0
-        if RFMT == 4:
-            s = tl.load(R_gs + mat)
-        if pre:                         # folded by the flush launch
-            start = (start + h) % CAPACITY
-            h = h * 0
-        go = True                       # read (a verify always reads)
-        if STEP:
-            go = ~(fill | FORCE)
-        if go:
-            _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, out_ptr, q_ptr, k_ptr,
-                         v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, beta_scale, dt_lo,
-                         dt_hi, row, hv, hk, rows0, cols, slot, start, h, jj,
-                         tl.program_id(1) == 0, HK, HV, DK, DV, CAPACITY,
-                         T, RFMT, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z,
-                         U_BF16, DT_CLAMP, VEC, PCK, KF, BUFFER_LEN)
-        if ADVANCE:
-            tl.debug_barrier()              # every thread of the program is past its loads
-            arrived = tl.atomic_add(cnt_ptr + slot, 1)          # acq_rel, gpu scope
-            if arrived == HV * (DV // BV) - 1:                  # the row's last program
-                h, st, nf = _moved_pointers(tl.load(h_ptr + slot), tl.load(st_ptr + slot),
-                                            tl.load(nf_ptr + slot), FORCE, BUFFER_LEN, CAPACITY, T, STEP)
-                tl.store(h_ptr + slot, h)
-                tl.store(st_ptr + slot, st)
-                tl.store(nf_ptr + slot, nf)
-                tl.store(cnt_ptr + slot, 0)
-    else:
-        for t in tl.static_range(T):
-            tl.store(out_ptr + ((row * T + t) * HV + hv) * DV + rows0,
-                     tl.zeros([BV], tl.float32))
-
-
 @triton.jit(do_not_specialize=["key_lo", "key_hi", "n_rows"])
 def _replay_kernel(
         A_pay, A_sc, A_gs, R_pay, R_sc, R_gs,
@@ -734,13 +662,57 @@ def _replay_kernel(
                         BUFFER_TILE, T, STEP, FORCE, AFMT, ASR, RFMT, RSR, SHARED, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z,
                         DT_CLAMP, PREC, ON_GPU, VEC, FOLD_U)
     else:
-        _read_launch(
-            A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, h_ptr, st_ptr,
-            nf_ptr, cnt_ptr, idx_ptr, out_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr,
-            D_ptr, z_ptr, scale, beta_scale, key_lo, key_hi, dt_lo, dt_hi, n_rows,
-            HK, HV, DK, DV, BV, BUFFER_LEN, CAPACITY, BUFFER_TILE, T, STEP, FORCE, ADVANCE,
-            AFMT, ASR, RFMT, RSR, SHARED, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, U_BF16, DT_CLAMP,
-            PREC, ON_GPU, VEC, FOLD_U, PCK, KF, FUSED)
+        row, hv, hk, rows0, cols, slot = _program_tile(idx_ptr, HK, HV, DK, BV)
+        if slot >= 0:
+            mat = slot * HV + hv
+            jj = tl.arange(0, BUFFER_TILE)
+            if not FUSED:           # (with one chunk its loads before the pointers')
+                P, Pb = _row_ptrs(R_pay, R_sc, mat, rows0, DV, DK, RFMT, PCK)
+            h = tl.load(h_ptr + slot)
+            start = tl.load(st_ptr + slot)
+            pre, fill = _flush_flags(h, T, BUFFER_LEN, STEP)
+            if FUSED:                       # this tile's own flush first, then its read copy
+                if pre | fill | FORCE:
+                    _flush_tile((hv * (DV // BV) + tl.program_id(1)) * n_rows + row, n_rows,
+                                A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, ubuf, Gbuf,
+                                bbuf, Tbuf, h_ptr, st_ptr, nf_ptr, idx_ptr, out_ptr, q_ptr, k_ptr,
+                                v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale,
+                                beta_scale, key_lo, key_hi, dt_lo, dt_hi, HK, HV, DK, DV, BV, BUFFER_LEN,
+                                CAPACITY, BUFFER_TILE, T, STEP, FORCE, AFMT, ASR, RFMT, RSR, SHARED, DELTA,
+                                L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP, PREC, ON_GPU, VEC,
+                                FOLD_U)
+                    tl.debug_barrier()      # the tile's roles are written
+                P, Pb = _row_ptrs(R_pay, R_sc, mat, rows0, DV, DK, RFMT, PCK)
+            s = 1.0
+            if RFMT == 4:
+                s = tl.load(R_gs + mat)
+            if pre:                         # folded by the flush launch
+                start = (start + h) % CAPACITY
+                h = h * 0
+            go = True                       # read (a verify always reads)
+            if STEP:
+                go = ~(fill | FORCE)
+            if go:
+                _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, out_ptr, q_ptr, k_ptr,
+                             v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, beta_scale, dt_lo,
+                             dt_hi, row, hv, hk, rows0, cols, slot, start, h, jj,
+                             tl.program_id(1) == 0, HK, HV, DK, DV, CAPACITY,
+                             T, RFMT, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z,
+                             U_BF16, DT_CLAMP, VEC, PCK, KF, BUFFER_LEN)
+            if ADVANCE:
+                tl.debug_barrier()              # every thread of the program is past its loads
+                arrived = tl.atomic_add(cnt_ptr + slot, 1)          # acq_rel, gpu scope
+                if arrived == HV * (DV // BV) - 1:                  # the row's last program
+                    h, st, nf = _moved_pointers(tl.load(h_ptr + slot), tl.load(st_ptr + slot),
+                                                tl.load(nf_ptr + slot), FORCE, BUFFER_LEN, CAPACITY, T, STEP)
+                    tl.store(h_ptr + slot, h)
+                    tl.store(st_ptr + slot, st)
+                    tl.store(nf_ptr + slot, nf)
+                    tl.store(cnt_ptr + slot, 0)
+        else:
+            for t in tl.static_range(T):
+                tl.store(out_ptr + ((row * T + t) * HV + hv) * DV + rows0,
+                         tl.zeros([BV], tl.float32))
 
 
 @triton.jit
