@@ -6,7 +6,8 @@ from __future__ import annotations
 import typer
 
 from replayquant.bench.targets import PRESETS
-from replayquant.cli.common import BenchPart, BenchShape, KernelPreset, Prefill, bench_app, user_errors
+from replayquant.cli.common import (BenchPart, BenchShape, KernelPreset, Prefill, bench_app,
+                                    user_errors)
 
 
 @bench_app.command("generate")

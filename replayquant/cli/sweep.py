@@ -7,7 +7,8 @@ import dataclasses
 
 import typer
 
-from replayquant.cli.common import KLOptions, ModelOpt, app, pair_option, user_errors, with_kl_options
+from replayquant.cli.common import (KLOptions, ModelOpt, app, pair_option, user_errors,
+                                    with_kl_options)
 from replayquant.gpqa.summary import load_summary
 from replayquant.sweep import recommend as R
 from replayquant.sweep.command import SWEEP_KIND, sweep_command

@@ -8,7 +8,8 @@
 The lm-eval model itself is `replayquant.lm_eval_model.ReplayQuantLM` (name "replayquant").
 """
 
-from replayquant.gpqa.summary import SUMMARY_KIND, build_summary, is_gpqa_summary, load_summary, render_table
+from replayquant.gpqa.summary import (SUMMARY_KIND, build_summary, is_gpqa_summary, load_summary,
+                                      render_table)
 from replayquant.gpqa.tasks import (DEFAULT_TASK, GPQA_TASKS, REQUIRED_COLUMNS, check_csv, check_hub_access,
                                     write_task_dir)
 

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn,
+                           TimeElapsedColumn)
 from rich.text import Text
 
 from replayquant.outputs import output_lock
@@ -30,7 +31,8 @@ from replayquant.policy import resolve_pair
 from . import stats as S
 from .data import Document, DocumentSet, load_documents
 from .files import append_record, check_out, read_progress, run_paths, save_document
-from .lockstep import SegmentRunner, Variant, check_pair_names, patch_variant, reference_variant, score_document
+from .lockstep import (SegmentRunner, Variant, check_pair_names, patch_variant, reference_variant,
+                       score_document)
 from .results import write_results
 from .resume import code_version, document_fingerprint, finished_documents
 

@@ -26,7 +26,8 @@ from rich.console import Console
 from replayquant.outputs import check_owned, output_lock
 from replayquant.provenance import provenance
 
-from .common import REAL, SIZE, check_budget, check_results_out, check_structure, fmt_bytes, kl_problem, write_json
+from .common import (REAL, SIZE, check_budget, check_results_out, check_structure, fmt_bytes,
+                     kl_problem, write_json)
 
 __all__ = ["NoFit", "recommend", "print_recommendation", "check_sweep", "check_sensitivity",
            "check_recommendation_out", "write_recommendation", "RECOMMEND_KIND"]

@@ -31,7 +31,8 @@ from replayquant.pairs import PrecisionPair
 from replayquant.policy import EXACT, LayerPolicy, Override, resolve_pair
 from replayquant.provenance import provenance
 
-from .common import check_results_out, clean_name, kl_figures, kl_file_for, shapes_of_model, write_json
+from .common import (check_results_out, clean_name, kl_figures, kl_file_for, shapes_of_model,
+                     write_json)
 from .plot import plot_sensitivity
 
 __all__ = ["SENS_KIND", "sensitivity_variants", "sensitivity_command", "print_sensitivity"]
