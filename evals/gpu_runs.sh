@@ -24,7 +24,9 @@
 #   tf              `bench teacher-forcing`: the chunk kernel check and per-layer timing at 8K,
 #                   then the whole model at 131072 tokens; `bench kl` at 131072 tokens (~480 s)
 #   decode          the CUDA-only decode tests (recorded decode steps against eager ones, bit for bit,
-#                   on the three embedded models), then evals/compiled_generate_check.py: HF's
+#                   on the three embedded models; the faults a step notes in its own launches, with
+#                   the GPU's atomics, against the torch references), then
+#                   evals/compiled_generate_check.py: HF's
 #                   compiled static-cache generate against the eager one, greedy tokens, on the
 #                   three embedded models with s32_rs and tp4_hi16_sr (on an H100: 60 s of tests,
 #                   about 15 s a model and pair)
@@ -94,8 +96,8 @@ case "$job" in
     tail -5 /tmp/tf_layer.log /tmp/tf_model.log /tmp/kl.log
     ;;
   decode)
-    TRITON_INTERPRET=0 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_decode_graph.py \
-        -k cuda -rA > "$OUT/decode_tests.log" 2>&1; echo "tests rc=$?"
+    TRITON_INTERPRET=0 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_decode_graph.py \
+        tests/test_kernel_faults.py -k cuda -rA > "$OUT/decode_tests.log" 2>&1; echo "tests rc=$?"
     grep -E "PASSED|FAILED|Error" "$OUT/decode_tests.log" | head -12
     timeout 300 python3 evals/compiled_generate_check.py "$OUT/compiled_generate_check.json" \
         --pairs s32_rs,tp4_hi16_sr > /tmp/cgc.log 2>&1; echo "compiled generate check rc=$?"

@@ -13,7 +13,10 @@ tensors, and a string holding what the store's tensors do not say (kind, formats
 the SR key, the engine). The engine is the store's: 'triton' (`replay_decode.replay_{gdn,mamba2,
 kda}_step`, a bf16 ring) or 'torch' (`replay_torch`, the same step in torch ops with no host
 read, for the CPU and for dims the kernel does not take). The fake implementation allocates the
-output [B, H, d_v] float32 and touches nothing, which is all a tracer needs. Eager callers get
+output [B, H, d_v] float32 and touches nothing, which is all a tracer needs. A step may take a
+`stores.FaultRecord` (its three tensors, declared as mutated too), in which the step notes which
+inputs of which rows held NaN or infinity: inside the kernel's launches (or the torch engine's
+ops), so that watching the inputs costs no launch of its own. Eager callers get
 the same launches as calling the engine directly; the operator adds one dictionary lookup.
 
 The store's host fields (`pending_T`, `last_force`) are kept by the caller: a decode step leaves
@@ -33,7 +36,7 @@ from replayquant.kernels import replay_ref as rr
 from replayquant.kernels import replay_torch as rt
 from replayquant.kernels import verify as vf
 from replayquant.kernels.roles import PackedRole
-from replayquant.kernels.stores import ReplayStore, _begin, _check_accept
+from replayquant.kernels.stores import FaultRecord, ReplayStore, _begin, _check_accept
 
 __all__ = ["replay_step", "replay_verify", "replay_accept", "store_tensors", "store_meta",
            "ENGINES"]
@@ -146,18 +149,18 @@ def _engine_fns(meta: str, what: str):
         if what == "verify" else rr.replay_accept_ref
 
 
-@torch.library.custom_op("replayquant::replay_step", mutates_args=("state",))
+@torch.library.custom_op("replayquant::replay_step", mutates_args=("state", "record"))
 def _replay_step_op(state: list[torch.Tensor], inputs: list[Optional[torch.Tensor]],
                     state_indices: torch.Tensor, meta: str, path: str,
                     scalars: list[float], dt_limit: list[float],
-                    flushing: Optional[list[int]]) -> torch.Tensor:
+                    flushing: Optional[list[int]], record: list[torch.Tensor]) -> torch.Tensor:
     kw = {} if flushing is None else {"flushing": flushing}
     return _run(_engine_fns(meta, "step"), state, inputs, state_indices, meta, scalars, dt_limit,
-                path=path, **kw)
+                path=path, record=FaultRecord(*record) if record else None, **kw)
 
 
 @_replay_step_op.register_fake
-def _(state, inputs, state_indices, meta, path, scalars, dt_limit, flushing):
+def _(state, inputs, state_indices, meta, path, scalars, dt_limit, flushing, record):
     m = _layout(meta)
     H, dv = m["anchor"][2][1], m["anchor"][2][2]
     x = inputs[0]
@@ -203,13 +206,15 @@ def _op_args(store: ReplayStore, inputs: dict):
 
 def replay_step(store: ReplayStore, inputs: dict, state_indices: torch.Tensor,
                 path: str = "replay", meta: str | None = None,
-                flushing: list[int] | None = None) -> torch.Tensor:
+                flushing: list[int] | None = None,
+                record: FaultRecord | None = None) -> torch.Tensor:
     """One decode step of `store` (kind gdn / mamba2 / kda) through the custom operator: inputs
     as the kind's replay_decode step takes them, by name (GDN q, k, v, a, b, A_log, dt_bias,
     beta_scale; Mamba-2 x, dt, A, B, C, dt_bias, dt_limit; KDA q, k, v, g, beta, scale).
     meta: store_meta(store, engine), which a caller stepping the same store many times computes
     once (a tracer then sees a constant; None: the Triton engine). flushing: the torch engine's
     host-known flushing rows (replay_torch.replay_gdn_step_torch; the Triton engine takes none).
+    record: a FaultRecord the step notes its inputs' NaN and infinities in (on the device).
     Returns y float32 [B, H, d_v]."""
     ts, scalars, lim = _op_args(store, inputs)
     meta = store_meta(store) if meta is None else meta
@@ -217,7 +222,8 @@ def replay_step(store: ReplayStore, inputs: dict, state_indices: torch.Tensor,
         raise ValueError("flushing names the rows the torch engine flushes; the Triton engine "
                          "finds them on the device")
     y = _replay_step_op(store_tensors(store), ts, state_indices, meta, path, scalars, lim,
-                        None if flushing is None else [int(r) for r in flushing])
+                        None if flushing is None else [int(r) for r in flushing],
+                        [] if record is None else list(record))
     store.last_force = path == "flush"
     return y
 

@@ -421,6 +421,51 @@ def _moved_pointers(h, st, nf, force, BUFFER_LEN: tl.constexpr, CAPACITY: tl.con
 
 
 @triton.jit
+def _faulty(x):
+    """1 (int32) where the float32 block x holds NaN or infinity, else 0."""
+    return tl.max(((x != x) | (tl.abs(x) > 3.4028234663852886e38)).to(tl.int32), axis=0)
+
+
+@triton.jit
+def _note_inputs(flag_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, tok, hv, hk, rows, cols,
+                 HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                 DELTA: tl.constexpr, VEC: tl.constexpr):
+    """ORs into flag[tok] the bits of the raw inputs _front_end reads for token tok and value
+    head hv that hold NaN or infinity (bits 0-4: q, k of key head hk, v on `rows`, a, b; the
+    kind's names in stores.FAULT_INPUTS): an atomic only where one does."""
+    f = _faulty(tl.load(q_ptr + (tok * HK + hk) * DK + cols).to(tl.float32))
+    f = f | (_faulty(tl.load(k_ptr + (tok * HK + hk) * DK + cols).to(tl.float32)) << 1)
+    f = f | (_faulty(tl.load(v_ptr + (tok * HV + hv) * DV + rows).to(tl.float32)) << 2)
+    if VEC:
+        f = f | (_faulty(tl.load(a_ptr + (tok * HV + hv) * DK + cols).to(tl.float32)) << 3)
+    else:
+        a = tl.load(a_ptr + tok * HV + hv).to(tl.float32)
+        f = f | (((a != a) | (tl.abs(a) > 3.4028234663852886e38)).to(tl.int32) << 3)
+    if DELTA:
+        b = tl.load(b_ptr + tok * HV + hv).to(tl.float32)
+        f = f | (((b != b) | (tl.abs(b) > 3.4028234663852886e38)).to(tl.int32) << 4)
+    if f != 0:
+        tl.atomic_or(flag_ptr + tok, f)
+
+
+@triton.jit
+def _note_step(flag_ptr, bad_ptr, stp_ptr, row, DELTA: tl.constexpr):
+    """The row's last program of a step: steps[row] += 1, and bad[row, i] = that count for each
+    input i whose bit the row's programs set in flag[row] and that held no earlier fault; the
+    flag cleared (an atomic read: other programs' ORs went to L2)."""
+    NB: tl.constexpr = 5 if DELTA else 4
+    n = tl.load(stp_ptr + row) + 1
+    tl.store(stp_ptr + row, n)
+    f = tl.atomic_xchg(flag_ptr + row, 0)
+    if f != 0:
+        ii = tl.arange(0, 8)
+        m = ii < NB
+        old = tl.load(bad_ptr + row * NB + ii, mask=m, other=0)
+        hit = ((f >> ii) & 1) != 0
+        tl.store(bad_ptr + row * NB + ii, tl.where(hit & (old < 0), n, old), mask=m)
+
+
+@triton.jit
 def _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, out_ptr, q_ptr, k_ptr, v_ptr,
                  a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, beta_scale, dt_lo, dt_hi, row, hv,
                  hk, rows, cols, slot, start, h, jj, lead, HK: tl.constexpr, HV: tl.constexpr,
@@ -428,7 +473,8 @@ def _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, out_ptr, q_ptr, k
                  RFMT: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
                  HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
                  U_BF16: tl.constexpr, DT_CLAMP: tl.constexpr, VEC: tl.constexpr,
-                 PCK: tl.constexpr, KF: tl.constexpr, BUFFER_LEN: tl.constexpr):
+                 PCK: tl.constexpr, KF: tl.constexpr, BUFFER_LEN: tl.constexpr, flag_ptr,
+                 RECORD: tl.constexpr):
     """Outputs of T entries from the read copy tile (P, Pb, s) and the h committed entries,
     output-only: y = e^{G_p} (R q) + sum_j e^{G_p - G_j} (k_j . q) u_j + (k . q) u, draft t
     seeing the drafts before it; GDN u = beta (v - e^{G_p} R k - sum_j e^{G_p - G_j}
@@ -438,7 +484,8 @@ def _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, out_ptr, q_ptr, k
     columns (R (e^{G_p} * k), R (e^{G_p} * q)) and e^{G_p - G_j} on k_j. KF (GDN whose flush
     solves for u): lead also appends the entry's row of the key factors (I + A)^{-1} (DESIGN
     section 4), T_p = e_p - sum_{j<p} A_pj T_j with A_pj = beta e^{G_p - G_j} (k_j . k): the
-    solve's forward substitution, one row a step, so that the flush only multiplies."""
+    solve's forward substitution, one row a step, so that the flush only multiplies. RECORD (a
+    step): the inputs' faults noted in flag_ptr (_note_inputs)."""
     Kb, r, X, G, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start, hv, hk, rows,
                                     cols, jj, h, HK, HV, DK, DV, CAPACITY, DELTA, L2NORM, DELTA, VEC)
     if KF:                          # the key factors of the committed entries (lead only)
@@ -541,6 +588,9 @@ def _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, out_ptr, q_ptr, k
             tl.store(bbuf + e * HV + hv, beta)
             if hv % (HV // HK) == 0:
                 tl.store(kbuf + (e * HK + hk) * DK + cols, kraw.to(tl.bfloat16))
+        if RECORD:      # last, where the tiles are dead: its loads add no register pressure
+            _note_inputs(flag_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, tok, hv, hk, rows, cols,
+                         HK, HV, DK, DV, DELTA, VEC)
 
 
 @triton.jit
@@ -564,10 +614,11 @@ def _flush_tile(tile, n_rows, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, 
                 SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
                 HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
                 DT_CLAMP: tl.constexpr, PREC: tl.constexpr, ON_GPU: tl.constexpr,
-                VEC: tl.constexpr, FOLD_U: tl.constexpr):
+                VEC: tl.constexpr, FOLD_U: tl.constexpr, flag_ptr, RECORD: tl.constexpr):
     """The flush launch's work on one tile (batch row, value head, BV rows) of a row that
     pre-flushes or flushes: the pre-flush (fold the h committed entries, cast both roles), then
-    in a step the flush step (rebuild, this step, output S q, cast both roles)."""
+    in a step the flush step (rebuild, this step, output S q, cast both roles; RECORD: its
+    inputs' faults noted, _note_inputs)."""
     row, hv, blk = _flush_tile_at(tile, n_rows, HV, DV, BV)
     hk = hv // (HV // HK)
     rows = blk * BV + tl.arange(0, BV)
@@ -615,6 +666,9 @@ def _flush_tile(tile, n_rows, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, 
                          key_hi, nf + 1, slot, hv, DV, DK, BV, AFMT, ASR, RFMT, RSR, SHARED)
             y = _gate_out(y + skip, z_ptr, row, hv, rows, HV, DV, HAS_Z)
             tl.store(out_ptr + (row * HV + hv) * DV + rows, y)
+            if RECORD:  # last, where the tiles are dead (see _read_drafts)
+                _note_inputs(flag_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, row, hv, hk, rows,
+                             cols, HK, HV, DK, DV, DELTA, VEC)
 
 
 # key_lo / key_hi: not specialized (Triton makes an integer argument equal to 1 a constexpr)
@@ -622,7 +676,7 @@ def _flush_tile(tile, n_rows, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, 
 def _replay_kernel(
         A_pay, A_sc, A_gs, R_pay, R_sc, R_gs,
         kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, h_ptr, st_ptr, nf_ptr, cnt_ptr, idx_ptr, out_ptr,
-        q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr,
+        q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, flag_ptr, bad_ptr, stp_ptr,
         scale, beta_scale, key_lo, key_hi, dt_lo, dt_hi, n_rows,
         HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
         BV: tl.constexpr, BUFFER_LEN: tl.constexpr, CAPACITY: tl.constexpr,
@@ -633,7 +687,7 @@ def _replay_kernel(
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, U_BF16: tl.constexpr, DT_CLAMP: tl.constexpr,
         PREC: tl.constexpr, ON_GPU: tl.constexpr, VEC: tl.constexpr, FLUSHES: tl.constexpr,
         TPP: tl.constexpr, FOLD_U: tl.constexpr, PCK: tl.constexpr,
-        KF: tl.constexpr, FUSED: tl.constexpr):
+        KF: tl.constexpr, FUSED: tl.constexpr, RECORD: tl.constexpr):
     """A decode step (STEP, T = 1) or a verify of T drafts, in launches that make the same
     per-row decisions from the same pointers. FLUSHES, the flush launch: program p takes the
     TPP tiles from p TPP on (_flush_tile_at's order, _flush_grid), reads their rows' pointers at
@@ -642,7 +696,9 @@ def _replay_kernel(
     the reads (_read_drafts), and with ADVANCE the pointer moves: the row's last program to
     arrive (arrival counter) moves committed / start / n_flush (_moved_pointers). FUSED (_fused): the
     read launch alone on the flush's tiles, a program flushing its own tile first. Each launch
-    compiles its own path only. VEC: KDA (a_ptr the log decay per key channel, b_ptr beta)."""
+    compiles its own path only. VEC: KDA (a_ptr the log decay per key channel, b_ptr beta).
+    RECORD (a step with ADVANCE): the step notes its inputs' faults in a stores.FaultRecord
+    (flag_ptr, bad_ptr, stp_ptr; _note_inputs, _note_step)."""
     if FLUSHES:
         NT = n_rows * (HV * (DV // BV))
         tiles = tl.program_id(0) * TPP + tl.arange(0, TPP)
@@ -660,7 +716,7 @@ def _replay_kernel(
                         v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, beta_scale,
                         key_lo, key_hi, dt_lo, dt_hi, HK, HV, DK, DV, BV, BUFFER_LEN, CAPACITY,
                         BUFFER_TILE, T, STEP, FORCE, AFMT, ASR, RFMT, RSR, SHARED, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z,
-                        DT_CLAMP, PREC, ON_GPU, VEC, FOLD_U)
+                        DT_CLAMP, PREC, ON_GPU, VEC, FOLD_U, flag_ptr, RECORD)
     else:
         row, hv, hk, rows0, cols, slot = _program_tile(idx_ptr, HK, HV, DK, BV)
         if slot >= 0:
@@ -680,7 +736,7 @@ def _replay_kernel(
                                 beta_scale, key_lo, key_hi, dt_lo, dt_hi, HK, HV, DK, DV, BV, BUFFER_LEN,
                                 CAPACITY, BUFFER_TILE, T, STEP, FORCE, AFMT, ASR, RFMT, RSR, SHARED, DELTA,
                                 L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP, PREC, ON_GPU, VEC,
-                                FOLD_U)
+                                FOLD_U, flag_ptr, RECORD)
                     tl.debug_barrier()      # the tile's roles are written
                 P, Pb = _row_ptrs(R_pay, R_sc, mat, rows0, DV, DK, RFMT, PCK)
             s = 1.0
@@ -698,7 +754,7 @@ def _replay_kernel(
                              dt_hi, row, hv, hk, rows0, cols, slot, start, h, jj,
                              tl.program_id(1) == 0, HK, HV, DK, DV, CAPACITY,
                              T, RFMT, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z,
-                             U_BF16, DT_CLAMP, VEC, PCK, KF, BUFFER_LEN)
+                             U_BF16, DT_CLAMP, VEC, PCK, KF, BUFFER_LEN, flag_ptr, RECORD)
             if ADVANCE:
                 tl.debug_barrier()              # every thread of the program is past its loads
                 arrived = tl.atomic_add(cnt_ptr + slot, 1)          # acq_rel, gpu scope
@@ -709,6 +765,8 @@ def _replay_kernel(
                     tl.store(st_ptr + slot, st)
                     tl.store(nf_ptr + slot, nf)
                     tl.store(cnt_ptr + slot, 0)
+                    if RECORD:
+                        _note_step(flag_ptr, bad_ptr, stp_ptr, row, DELTA)
         else:
             for t in tl.static_range(T):
                 tl.store(out_ptr + ((row * T + t) * HV + hv) * DV + rows0,
@@ -889,12 +947,13 @@ def advance_pointers(store: ReplayStore, state_indices, T: int = 1, step: bool =
 
 def _launch(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, state_indices, out,
             scale, use_qk_l2norm, step, path="replay", launch=None, dt_limit=None, advance=True,
-            beta_scale=1.0):
+            beta_scale=1.0, record=None):
     """A step (step True; path as resolve_path) or a verify of the drafts on axis 1 of the
     inputs (then replay_accept) of a `kind` store: _replay_kernel's flush launch, then its read
     launch, or one launch (_fused); returns out. With advance
     the read launch moves the pointers (the last program of each row). KDA: a is the log decay
-    g per key channel, b beta, A None."""
+    g per key channel, b beta, A None. record: a stores.FaultRecord the step notes its inputs'
+    faults in (a step with advance only)."""
     delta = kind != "mamba2"
     N, HV, dv, dk = store.shape
     HK = store.key_heads
@@ -911,6 +970,8 @@ def _launch(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, state_ind
     if not (math.isfinite(beta_scale) and beta_scale > 0):
         raise ValueError(f"beta_scale must be a finite number > 0, got {beta_scale}")
     dt_lo, dt_hi, dt_clamp = dt_limit_args(dt_limit)
+    if record is not None:
+        record.check(kind, B, q.device, step and advance)
     configs = [replay_launch_config(store, w, launch) for w in LAUNCHES]
     fused = _fused(T, step, launch, B * HV * (dv // configs[0][0]) * configs[0][1], q.device)
     idx = _indices(state_indices, B, q.device)
@@ -940,6 +1001,7 @@ def _launch(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, state_ind
             store.ubuf if store.ubuf is not None else store.vbuf, store.Gbuf, store.bbuf,
             store.Tbuf if kf else store.bbuf, store.committed, store.start, store.n_flush,
             store.arrive, idx, out, *inputs,
+            *((record.flag, record.bad, record.steps) if record is not None else (idx,) * 3),
             float(scale if scale is not None else 1.0 / math.sqrt(dk)), beta_scale,
             *split_key(store.key), dt_lo, dt_hi, B,
             HK=HK, HV=HV, DK=dk, DV=dv, BV=BV, BUFFER_LEN=store.buffer_len, CAPACITY=store.capacity,
@@ -952,7 +1014,8 @@ def _launch(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, state_ind
             U_BF16=store.ubuf is not None and store.ubuf.dtype == torch.bfloat16,
             DT_CLAMP=dt_clamp, PREC="tf32x3", ON_GPU=q.is_cuda, VEC=kind == "kda", FLUSHES=flushes,
             TPP=tpp, FOLD_U=folds_u(store), KF=kf,
-            PCK=pck, num_warps=nw, **({} if regs is None else {"maxnreg": regs}))
+            PCK=pck, RECORD=record is not None, num_warps=nw,
+            **({} if regs is None else {"maxnreg": regs}))
     if step:
         store.last_force = force
     else:
@@ -962,33 +1025,37 @@ def _launch(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, state_ind
 
 def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, state_indices=None,
                     scale=None, out=None, use_qk_l2norm=True, path="auto", launch=None,
-                    advance=True, beta_scale=1.0):
+                    advance=True, beta_scale=1.0, record=None):
     """One GDN replay decode step for a batch (Triton, _launch): q, k [B, HK, d_k], v [B, H, d_v]
     (k, v bf16), a, b [B, H], A_log, dt_bias [H]; beta = beta_scale sigmoid(b). path
     (resolve_path): 'auto' / 'replay' or 'flush'. Returns y float32 [B, H, d_v]; with
     advance=False the caller moves the pointers (advance_pointers). launch {'read' / 'flush':
     (rows, warps[, regs])} overrides the launch table (replay_launch_config); 'fused': True /
-    False one launch a step or two (default: _fused's choice by batch)."""
+    False one launch a step or two (default: _fused's choice by batch). record: a
+    stores.FaultRecord in which the step notes which inputs of which rows held NaN or infinity
+    (no host read; its torch twin is FaultRecord.note)."""
     return _launch(store, "gdn", q, k, v, a, b, A_log, dt_bias, None, None, state_indices, out,
                    scale, use_qk_l2norm, True, path, launch, advance=advance,
-                   beta_scale=beta_scale)
+                   beta_scale=beta_scale, record=record)
 
 
 def replay_mamba2_step(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None, z=None,
                        dt_bias=None, out=None, path="auto", launch=None, advance=True,
-                       dt_limit=NO_DT_LIMIT):
+                       dt_limit=NO_DT_LIMIT, record=None):
     """One Mamba-2 replay decode step (Triton, as replay_gdn_step), inputs as
     conventional_mamba2_step (x, B bf16; dt_limit = (lo, hi) clamps softplus(dt + dt_bias),
-    (0, inf): no clamp); path, advance, launch as replay_gdn_step."""
+    (0, inf): no clamp); path, advance, launch, record as replay_gdn_step."""
     return _launch(store, "mamba2", C, B, x, dt, None, A, dt_bias, D, z, state_indices, out,
-                   None, False, True, path, launch, dt_limit=dt_limit, advance=advance)
+                   None, False, True, path, launch, dt_limit=dt_limit, advance=advance,
+                   record=record)
 
 
 def replay_kda_step(store: ReplayStore, q, k, v, g, beta, state_indices=None, scale=None,
-                    out=None, use_qk_l2norm=True, path="auto", launch=None, advance=True):
+                    out=None, use_qk_l2norm=True, path="auto", launch=None, advance=True,
+                    record=None):
     """One Kimi Delta Attention replay decode step (Triton, as replay_gdn_step), inputs as
     conventional_kda_step: q, k [B, HK, d_k] (k bf16), v [B, H, d_v] (bf16), g [B, H, d_k] the
-    log decay per key channel, beta [B, H] (after its sigmoid); path, advance, launch
+    log decay per key channel, beta [B, H] (after its sigmoid); path, advance, launch, record
     as replay_gdn_step. Returns y float32 [B, H, d_v]."""
     return _launch(store, "kda", q, k, v, g, beta, None, None, None, None, state_indices, out,
-                   scale, use_qk_l2norm, True, path, launch, advance=advance)
+                   scale, use_qk_l2norm, True, path, launch, advance=advance, record=record)

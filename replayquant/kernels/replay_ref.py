@@ -279,9 +279,11 @@ def _mamba2_post(x, D, z):
 
 def replay_gdn_step_ref(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None,
                         state_indices=None, scale=None, out=None, use_qk_l2norm=True,
-                        path="auto", launch=None, advance=True, beta_scale=1.0):
+                        path="auto", launch=None, advance=True, beta_scale=1.0, record=None):
     """torch reference of replay_gdn_step (same signature, same effect on the store)."""
     force = _begin(store, "gdn", True, path)
+    if record is not None:
+        record.note("gdn", (q, k, v, a, b), state_indices, advance)
     store.last_force = force
     one = lambda t: t.unsqueeze(1)  # noqa: E731
     fe = _gdn_fe(one(q), one(k), one(v), one(a), one(b), A_log, dt_bias, scale, use_qk_l2norm,
@@ -294,9 +296,11 @@ def replay_gdn_step_ref(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None,
 
 def replay_mamba2_step_ref(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None, z=None,
                            dt_bias=None, out=None, path="auto", launch=None,
-                           advance=True, dt_limit=NO_DT_LIMIT):
+                           advance=True, dt_limit=NO_DT_LIMIT, record=None):
     """torch reference of replay_mamba2_step."""
     force = _begin(store, "mamba2", True, path)
+    if record is not None:
+        record.note("mamba2", (C, B, x, dt), state_indices, advance)
     store.last_force = force
     one = lambda t: None if t is None else t.unsqueeze(1)  # noqa: E731
     fe = _mamba2_fe(one(x), one(dt), A, one(B), one(C), dt_bias, dt_limit)
@@ -342,9 +346,11 @@ def _kda_fe(q, k, v, g, beta, scale, use_qk_l2norm):
 
 def replay_kda_step_ref(store: ReplayStore, q, k, v, g, beta, state_indices=None, scale=None,
                         out=None, use_qk_l2norm=True, path="auto", launch=None,
-                        advance=True):
+                        advance=True, record=None):
     """torch reference of replay_kda_step."""
     force = _begin(store, "kda", True, path)
+    if record is not None:
+        record.note("kda", (q, k, v, g, beta), state_indices, advance)
     store.last_force = force
     one = lambda t: t.unsqueeze(1)  # noqa: E731
     fe = _kda_fe(one(q), one(k), one(v), one(g), one(beta), scale, use_qk_l2norm)

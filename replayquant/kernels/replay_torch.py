@@ -331,7 +331,8 @@ def _begin_step(store, kind, path, q, k, v, a, b, A=None, dt_bias=None, D=None, 
 
 def replay_gdn_step_torch(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None,
                           state_indices=None, scale=None, out=None, use_qk_l2norm=True,
-                          path="auto", launch=None, advance=True, beta_scale=1.0, flushing=None):
+                          path="auto", launch=None, advance=True, beta_scale=1.0, flushing=None,
+                          record=None):
     """One GDN replay decode step in torch (module docstring), the signature and effect of
     replay_ref.replay_gdn_step_ref; launch is accepted for the signature and changes nothing
     (the kept tiles of a non-finite flush are those of the default flush launch, as the
@@ -340,8 +341,10 @@ def replay_gdn_step_torch(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None
     patched model's decode store counts its steps); the flush branch then runs on those rows
     alone, the same arithmetic row by row. They must be exactly those rows; None (the default):
     every row computes both branches and keeps its own. Ignored for path 'flush' and in a store
-    built for drafts."""
+    built for drafts. record: a stores.FaultRecord the step notes its inputs' faults in."""
     force = _begin_step(store, "gdn", path, q, k, v, a, b, A_log, dt_bias)
+    if record is not None:
+        record.note("gdn", (q, k, v, a, b), state_indices, advance)
     beta_scale = float(beta_scale)
     if not (math.isfinite(beta_scale) and beta_scale > 0):
         raise ValueError(f"beta_scale must be a finite number > 0, got {beta_scale}")
@@ -353,10 +356,12 @@ def replay_gdn_step_torch(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None
 
 def replay_mamba2_step_torch(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None,
                              z=None, dt_bias=None, out=None, path="auto", launch=None,
-                             advance=True, dt_limit=NO_DT_LIMIT, flushing=None):
-    """One Mamba-2 replay decode step in torch, as replay_ref.replay_mamba2_step_ref (flushing:
-    as replay_gdn_step_torch)."""
+                             advance=True, dt_limit=NO_DT_LIMIT, flushing=None, record=None):
+    """One Mamba-2 replay decode step in torch, as replay_ref.replay_mamba2_step_ref (flushing,
+    record: as replay_gdn_step_torch)."""
     force = _begin_step(store, "mamba2", path, C, B, x, dt, None, A, dt_bias, D, z)
+    if record is not None:
+        record.note("mamba2", (C, B, x, dt), state_indices, advance)
     fe = mamba2_frontend_ref(x, dt, A, B, C, dt_bias, dt_limit)
     y = _step(store, fe, (B, x), state_indices, force, advance,
               post=lambda y: mamba2_post_ref(y, x, D, z), flushing=flushing)
@@ -365,10 +370,12 @@ def replay_mamba2_step_torch(store: ReplayStore, x, dt, A, B, C, state_indices=N
 
 def replay_kda_step_torch(store: ReplayStore, q, k, v, g, beta, state_indices=None, scale=None,
                           out=None, use_qk_l2norm=True, path="auto", launch=None, advance=True,
-                          flushing=None):
+                          flushing=None, record=None):
     """One Kimi Delta Attention replay decode step in torch, as replay_ref.replay_kda_step_ref
-    (flushing: as replay_gdn_step_torch)."""
+    (flushing, record: as replay_gdn_step_torch)."""
     force = _begin_step(store, "kda", path, q, k, v, g, beta)
+    if record is not None:
+        record.note("kda", (q, k, v, g, beta), state_indices, advance)
     fe = kda_frontend_ref(q, k, v, g, beta, scale, use_qk_l2norm)
     y = _step(store, fe, (k, v), state_indices, force, advance, flushing=flushing)
     return _into(out, y)

@@ -18,6 +18,9 @@ float32 for the torch engine, which then keeps u in float32 and no key factors (
 recomputes u from the anchor): the same store, stepped by either engine on its own ring.
 
 `ConventionalStore`: one packed state, read-modify-written every step.
+
+`FaultRecord`: where the inputs of a decode step held NaN or infinity, noted by the step itself
+on the device (a patched model's decode reads it at a boundary the host already waits at).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -52,6 +56,62 @@ def dt_limit_args(dt_limit):
     if math.isnan(lo) or math.isnan(hi) or lo > hi:
         raise ValueError(f"dt_limit=({lo}, {hi}): need lo <= hi, neither NaN")
     return lo, hi, (lo, hi) != NO_DT_LIMIT
+
+
+# the per-row inputs of a step that a FaultRecord watches, per kind, in the kernels' argument order
+# (q_ptr, k_ptr, v_ptr, a_ptr, b_ptr): bit i of a row's flag is input i
+FAULT_INPUTS = {"gdn": ("q", "k", "v", "a", "b"), "mamba2": ("C", "B", "x", "dt"),
+                "kda": ("q", "k", "v", "g", "beta")}
+
+
+class FaultRecord(NamedTuple):
+    """What a decode step notes on the device about non-finite inputs, so that nobody reads the
+    host per step: `bad` int64 [B, n] the step number at which input i (FAULT_INPUTS[kind][i])
+    of batch row b first held NaN or infinity (-1: never); `steps` int64 [B] the steps taken
+    (a step adds one to its row's count and numbers itself with the sum); `flag` int32 [B] the
+    Triton kernel's scratch (each program ORs in the bits of the inputs it read, the row's last
+    program turns them into `bad` and clears them: zero between steps). Padding rows (negative
+    state index) note nothing. The step itself is unchanged: a flush never writes a non-finite
+    state into the roles (the tile keeps its last finite roles)."""
+
+    bad: torch.Tensor
+    steps: torch.Tensor
+    flag: torch.Tensor
+
+    @classmethod
+    def empty(cls, kind: str, B: int, device, steps: int = 0) -> "FaultRecord":
+        return cls(torch.full((B, len(FAULT_INPUTS[kind])), -1, dtype=torch.int64, device=device),
+                   torch.full((B,), int(steps), dtype=torch.int64, device=device),
+                   torch.zeros(B, dtype=torch.int32, device=device))
+
+    def check(self, kind: str, B: int, device, advance: bool = True) -> None:
+        """One ValueError unless this record fits a step of `kind` on B rows on `device` that
+        moves its pointers (advance: the row's last program notes the step)."""
+        if not advance:
+            raise ValueError("a fault record is noted by a step that moves its pointers "
+                             "(advance=True), not by a verify or a step with advance=False")
+        n = len(FAULT_INPUTS[kind])
+        want = (("bad", (B, n), torch.int64), ("steps", (B,), torch.int64),
+                ("flag", (B,), torch.int32))
+        for (name, shape, dtype), t in zip(want, self):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype \
+                    or t.device != torch.device(device) or not t.is_contiguous():
+                raise ValueError(f"the fault record's {name} must be a contiguous {dtype} tensor "
+                                 f"{list(shape)} on {device} ({kind}: {n} inputs, {B} rows; "
+                                 f"FaultRecord.empty builds one)")
+
+    def note(self, kind: str, inputs, state_indices, advance: bool = True) -> None:
+        """The torch twin of the kernels' noting, for one step (checked as `check`): inputs the
+        kind's per-row inputs in FAULT_INPUTS order ([B, ...] each; None where the kind has
+        fewer)."""
+        bad, steps, _ = self
+        B = bad.shape[0]
+        self.check(kind, inputs[0].shape[0], inputs[0].device, advance)
+        live = _indices(state_indices, B, bad.device) >= 0
+        hit = torch.stack([~torch.isfinite(t.reshape(B, -1)).all(1)
+                           for t in inputs if t is not None], 1)
+        steps.add_(live.long())
+        bad.copy_(torch.where(live[:, None] & hit & (bad < 0), steps[:, None], bad))
 
 
 def pow2_16(d: int) -> bool:

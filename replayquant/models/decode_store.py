@@ -182,9 +182,10 @@ class DecodeStore:
     * a beam reorder: HF replaces the cache's marker tensor (MARKER_ATTR on the cache layer, a
       host check of identity) by its rows picked by the beam ids, and `reorder` gathers every
       slot's store on the device (`take_slots`).
-    * `bad`: int64 [B, n inputs] the decode step (1 = the first after the prompt) at which each
-      input of each row first held NaN or infinity (-1: never), `steps` the decode steps run;
-      `raise_nonfinite` reads them at a boundary the host already waits at. The kernel never
+    * `faults`: a `kernels.stores.FaultRecord` in which each step itself (inside the kernel's
+      launches, or the torch engine's ops: no launch of its own) notes the decode step (1 = the
+      first after the prompt) at which each input of each row first held NaN or infinity;
+      `raise_nonfinite` reads it at a boundary the host already waits at. The kernel never
       writes a non-finite state into the anchor or the read copy (it keeps the roles of a flush
       whose state is not finite).
     * `phase` (torch engine, eager steps): each row's committed count, counted on the host from
@@ -198,23 +199,23 @@ class DecodeStore:
       compiled (every row then computes both branches).
     Built from a ReplayState by `state_to_store`, turned back by `to_replay_state()`."""
 
-    def __init__(self, st: ReplayState, key_heads: int, steps_done: int = 0,
-                 reuse: "DecodeStore | None" = None, engine: str = "triton"):
+    def __init__(self, st: ReplayState, key_heads: int, reuse: "DecodeStore | None" = None,
+                 engine: str = "triton"):
         # Triton (Linux only): loaded where a kernel runs
         from replayquant.kernels.ops import ENGINES, store_meta
+        from replayquant.kernels.stores import FAULT_INPUTS, FaultRecord
         if engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
         self.pair, self.delta, self.seed, self.layer = st.pair, st.delta, st.seed, st.layer
         self.vector_gate, self.engine = st.vector_gate, engine
         self.B, self.H, self.d_v, self.d_k, self.device = st.B, st.H, st.d_v, st.d_k, st.device
         self.ring = RING_DTYPE[engine]
-        self.store, self.state_indices = state_to_store(st, key_heads, ring_dtype=self.ring)
+        self.store, slots = state_to_store(st, key_heads, ring_dtype=self.ring)
+        # int32, as the kernels index: a step converts nothing
+        self.state_indices = slots.to(torch.int32)
         self.meta = store_meta(self.store, engine)
-        self.bad_names = _PER_ROW[self.store.kind]
-        self.bad = torch.full((self.B, len(self.bad_names)), -1, dtype=torch.int64,
-                              device=self.device)
-        # decode steps taken before the store's first (1 where the hand-off step is one)
-        self.steps = torch.full((), int(steps_done), dtype=torch.int64, device=self.device)
+        self.bad_names = FAULT_INPUTS[self.store.kind]
+        self.faults = FaultRecord.empty(self.store.kind, self.B, self.device)
         self.phase = st.committed.tolist() if engine == "torch" else None
         if reuse is not None and reuse.meta == self.meta and all(
                 a.shape == b.shape and a.dtype == b.dtype
@@ -225,7 +226,7 @@ class DecodeStore:
             for a, b in zip(reuse.tensors(), self.tensors()):
                 a.copy_(b)
             self.store, self.state_indices = reuse.store, reuse.state_indices
-            self.bad, self.steps = reuse.bad, reuse.steps
+            self.faults = reuse.faults
             self.store.pending_T, self.store.last_force = None, False
         # every tensor a step reads or writes keeps its address, as HF's static cache tensors:
         # CUDA graphs replay a compiled step on them (torch.compile skips graphs that mutate
@@ -237,29 +238,24 @@ class DecodeStore:
         """Every tensor of this state a decode step reads or writes (store, slots, counters)."""
         # Triton (Linux only): loaded where a kernel runs
         from replayquant.kernels.ops import store_tensors
-        return store_tensors(self.store) + [self.state_indices, self.bad, self.steps]
+        return store_tensors(self.store) + [self.state_indices, *self.faults]
 
     def to_replay_state(self) -> ReplayState:
-        return store_to_state(self.store, self.state_indices, self.pair, self.seed, self.layer)
+        return store_to_state(self.store, self.state_indices.long(), self.pair, self.seed,
+                              self.layer)
 
     def reorder(self, ids: torch.Tensor) -> None:
         """Batch row i continues row ids[i] (a device tensor; repeats allowed: beam search)."""
         ids = ids.to(self.device)
         take_slots(self.store, self.state_indices, self.state_indices[ids])
-        self.bad.copy_(self.bad[ids])
+        for t in self.faults:
+            t.copy_(t[ids])
         self.phase = None                     # the rows' phases moved on the device
-
-    def record_nonfinite(self, inputs: dict) -> None:
-        """Note, on the device, the step at which an input of a row first held NaN or infinity."""
-        sums = torch.stack([inputs[n].reshape(self.B, -1).sum(1, dtype=torch.float32)
-                            for n in self.bad_names], 1)
-        self.steps.add_(1)                  # this step's number, counted from 1 after the prompt
-        self.bad.copy_(torch.where((self.bad < 0) & ~torch.isfinite(sums), self.steps, self.bad))
 
     def raise_nonfinite(self) -> None:
         """One ValueError naming the layer, the input, the row and the decode step, if an input
         of a decode step since the store was built held NaN or infinity (one host read)."""
-        bad = self.bad.cpu()
+        bad = self.faults.bad.cpu()
         if not bool((bad >= 0).any()):
             return
         first = torch.where(bad >= 0, bad, torch.iinfo(torch.int64).max)
@@ -275,22 +271,30 @@ class DecodeStore:
     def step(self, raw: dict) -> torch.Tensor:
         """One decode step from the layer's raw inputs (one token each, see LayerRuntime.run)
         -> y float32 [B, H, d_v] (Mamba-2: without the D skip), through the custom operator
-        replayquant::replay_step (replayquant.kernels.ops) on this state's engine."""
+        replayquant::replay_step (replayquant.kernels.ops) on this state's engine, which notes
+        the inputs' faults in `faults`. The inputs are made contiguous here, outside the
+        operator, where torch.compile fuses the copy into the kernel that produced them (GDN's
+        q, k and v are views of the convolution's output)."""
         # Triton (Linux only): loaded where a kernel runs
         from replayquant.kernels.ops import replay_step
         ring = self.ring                      # the buffered inputs go in at the ring's dtype
+
+        def c(name, dtype=None):
+            t = raw[name]
+            return (t if dtype is None else t.to(dtype)).contiguous()
+
         if self.vector_gate:
-            ins = dict(q=raw["q"], k=raw["k"].to(ring), v=raw["v"].to(ring), g=raw["g"],
-                       beta=raw["beta"], scale=raw["scale"])
+            ins = dict(q=c("q"), k=c("k", ring), v=c("v", ring), g=c("g"), beta=c("beta"),
+                       scale=raw["scale"])
         elif self.delta:
-            ins = dict(q=raw["q"], k=raw["k"].to(ring), v=raw["v"].to(ring), a=raw["a"],
-                       b=raw["b"], A_log=raw["A_log"], dt_bias=raw["dt_bias"],
+            ins = dict(q=c("q"), k=c("k", ring), v=c("v", ring), a=c("a"), b=c("b"),
+                       A_log=raw["A_log"], dt_bias=raw["dt_bias"],
                        beta_scale=raw.get("beta_scale", 1.0))
         else:
-            ins = dict(x=raw["x"].to(ring), dt=raw["dt"], A=raw["A"], B=raw["B"].to(ring),
-                       C=raw["C"], dt_bias=raw["dt_bias"], dt_limit=raw.get("dt_limit"))
+            ins = dict(x=c("x", ring), dt=c("dt"), A=raw["A"], B=c("B", ring), C=c("C"),
+                       dt_bias=raw["dt_bias"], dt_limit=raw.get("dt_limit"))
         return replay_step(self.store, ins, self.state_indices, DECODE_KERNEL_PATH, self.meta,
-                           flushing=self._flushing())
+                           flushing=self._flushing(), record=self.faults)
 
     def _flushing(self) -> list[int] | None:
         """The rows whose entry fills the buffer at this step, from `phase` (advanced here), or
@@ -319,7 +323,3 @@ def take_slots(store, dst: torch.Tensor, src: torch.Tensor) -> None:
             t = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
             t.index_copy_(0, dst, t.index_select(0, src))
 
-
-# the raw decode inputs that hold one value per batch row (the rest are the layer's parameters)
-_PER_ROW = {"gdn": ("q", "k", "v", "a", "b"), "mamba2": ("x", "dt", "B", "C"),
-            "kda": ("q", "k", "v", "g", "beta")}

@@ -353,9 +353,7 @@ class LayerRuntime:
         left, with no host read: y [B, 1, H, d_v], or None where the state is not a store yet."""
         if not isinstance(st, DecodeStore):
             return None
-        one = _one_token(self._raw(raw, q, k, v, log_a, beta))
-        st.record_nonfinite(one)
-        return st.step(one).unsqueeze(1)
+        return st.step(_one_token(self._raw(raw, q, k, v, log_a, beta))).unsqueeze(1)
 
     def _engine(self, q, v, raw) -> str:
         """The engine of this layer's decode store for inputs like q: 'triton' where decode_path
@@ -371,7 +369,7 @@ class LayerRuntime:
         none) built from the core inputs (`_kda_raw`)."""
         return _kda_raw(q, k, v, log_a, beta) if self.vector_gate and raw is None else raw
 
-    def _to_store(self, st, q, v, raw, steps_done=0, reuse=None):
+    def _to_store(self, st, q, v, raw, reuse=None):
         """The hand-off of a ScanHeld into this layer's DecodeStore (once, where
         decode starts or a prefill into a static cache ends); raw as `_raw` gives it."""
         if not isinstance(raw, dict):
@@ -379,7 +377,7 @@ class LayerRuntime:
                              f"layer's raw inputs (the patched forward passes them as raw=)")
         if isinstance(st, ScanHeld):
             st = st.to_replay_state()
-        return DecodeStore(st, _key_heads(raw, self.delta), steps_done=steps_done, reuse=reuse,
+        return DecodeStore(st, _key_heads(raw, self.delta), reuse=reuse,
                            engine=self._engine(q, v, raw))
 
     def _decode_ready(self, st, q, k, v, log_a, beta, raw, lay=None):
@@ -423,7 +421,7 @@ class LayerRuntime:
         """The first decode step after a multi-token forward: the hand-off into the store
         (`_to_store`), then the step on it."""
         raw = self._raw(raw, q, k, v, log_a, beta)
-        st = self._to_store(st, q, v, raw, steps_done=1)
+        st = self._to_store(st, q, v, raw)
         return st, st.step(_one_token(raw)).unsqueeze(1)
 
 
