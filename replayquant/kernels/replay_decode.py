@@ -421,9 +421,15 @@ def _moved_pointers(h, st, nf, force, BUFFER_LEN: tl.constexpr, CAPACITY: tl.con
 
 
 @triton.jit
+def _nonfinite(x):
+    """1 (int32) per element of float32 x that is NaN or infinite, else 0."""
+    return ((x != x) | (tl.abs(x) > 3.4028234663852886e38)).to(tl.int32)
+
+
+@triton.jit
 def _faulty(x):
     """1 (int32) where the float32 block x holds NaN or infinity, else 0."""
-    return tl.max(((x != x) | (tl.abs(x) > 3.4028234663852886e38)).to(tl.int32), axis=0)
+    return tl.max(_nonfinite(x), axis=0)
 
 
 @triton.jit
@@ -439,11 +445,9 @@ def _note_inputs(flag_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, tok, hv, hk, rows,
     if VEC:
         f = f | (_faulty(tl.load(a_ptr + (tok * HV + hv) * DK + cols).to(tl.float32)) << 3)
     else:
-        a = tl.load(a_ptr + tok * HV + hv).to(tl.float32)
-        f = f | (((a != a) | (tl.abs(a) > 3.4028234663852886e38)).to(tl.int32) << 3)
+        f = f | (_nonfinite(tl.load(a_ptr + tok * HV + hv).to(tl.float32)) << 3)
     if DELTA:
-        b = tl.load(b_ptr + tok * HV + hv).to(tl.float32)
-        f = f | (((b != b) | (tl.abs(b) > 3.4028234663852886e38)).to(tl.int32) << 4)
+        f = f | (_nonfinite(tl.load(b_ptr + tok * HV + hv).to(tl.float32)) << 4)
     if f != 0:
         tl.atomic_or(flag_ptr + tok, f)
 
