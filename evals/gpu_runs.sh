@@ -35,6 +35,10 @@
 #                   earlier call's generate.json of the same commit, carried; the batches of one
 #                   commit gather in one file); on an H100 a batch with one pair took 190-270 s,
 #                   compiles included
+#   gpqa-timing     evals/gpqa_cot_timing.py: questions per minute of GPQA-Diamond with chain of
+#                   thought (lm-eval, batch 8) on the Qwen3.5-4B shape, this tree eager and compiled
+#                   beside an older tree's package in .gpu/before (its commit in .gpu/before/COMMIT);
+#                   needs lm-eval, datasets and their missing needs as wheels in .gpu/lmeval
 #   generate        evals/cuda_generate_check.py: generation through the compiled decode kernel
 #                   against the CPU path on the shipped tiny models (~150 s)
 #   train           evals/train_tiny.py device-run: train both tiny models, evaluate them and
@@ -51,7 +55,7 @@
 # not fla.
 set -uo pipefail
 : "${OUT:?set OUT to the folder where results go}"
-jobs="kernels|probe|ncu|checks|tf|decode|bench-generate|generate|train"
+jobs="kernels|probe|ncu|checks|tf|decode|bench-generate|gpqa-timing|generate|train"
 job=${1:?usage: bash evals/gpu_runs.sh $jobs}
 [[ "|$jobs|" == *"|$job|"* ]] \
     || { echo "gpu_runs: unknown job '$job'; choose one of $jobs" >&2; exit 2; }
@@ -108,6 +112,15 @@ case "$job" in
     timeout 560 "${rq[@]}" bench generate --batch "${2:-1}" --add --out "$OUT/generate.json" \
         > "$OUT/generate.log" 2>&1; echo "bench generate rc=$?"
     grep -E "^(met|MISS)|error|@B" "$OUT/generate.log" | cut -c1-600
+    ;;
+  gpqa-timing)
+    python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/site .gpu/lmeval/*.whl \
+        || { echo "gpu_runs: could not install the wheels in .gpu/lmeval" >&2; exit 1; }
+    python3 -c "import lm_eval, datasets, pyarrow; print('lm_eval', lm_eval.__version__, 'datasets', \
+        datasets.__version__, 'pyarrow', pyarrow.__version__)" || exit 1
+    timeout 570 python3 evals/gpqa_cot_timing.py "$OUT/gpqa_cot_timing.json" --before .gpu/before \
+        --before-commit "$(cat .gpu/before/COMMIT)" > "$OUT/gpqa_timing.log" 2>&1
+    echo "gpqa-timing rc=$?"; grep -vE "it/s\]|s/it\]" "$OUT/gpqa_timing.log" | tail -40 | cut -c1-1500
     ;;
   generate)
     timeout 300 python3 evals/cuda_generate_check.py "$OUT/cuda_generate.json" --new-tokens 32 \

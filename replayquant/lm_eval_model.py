@@ -19,9 +19,11 @@ parallelize, max_length, ...):
 * ``seed``: the stochastic-rounding seed (default 0);
 * ``buffer_len``: overrides the pair's buffer length L;
 * ``compile_generate``: ``generate_until`` through Hugging Face's static cache compiled with
-  torch.compile (``cache_implementation="static"``, the default ``CompileConfig``: CUDA graphs), on
-  CUDA only (default false: every lm-eval batch has its own prompt length and so its own static
-  cache, and how often that recompiles in a whole task has not been timed).
+  torch.compile (``cache_implementation="static"``, the default ``CompileConfig``: CUDA graphs).
+  ``auto`` (default): on when the model runs on CUDA, off elsewhere; ``false``: the eager decode
+  steps; ``true``: on, and an error where the model is not on CUDA. A task compiles once per batch
+  size, not once per batch: lm-eval runs the longest prompts first and transformers keeps the
+  first batch's static cache length for the later, shorter batches (counted on CPU in the tests).
 
 Both of lm-eval's scoring paths see the pair: ``loglikelihood`` (multiple-choice tasks) runs plain
 forwards over whole sequences, which the patched model computes by teacher forcing with
@@ -68,6 +70,9 @@ __all__ = ["ReplayQuantLM", "lm_eval_main", "LM_EVAL_INTERNALS",
            "lm_eval_internals_problems"]
 
 log = logging.getLogger(__name__)
+
+# compile_generate's values: on, off, or (None) on where the model runs on CUDA
+COMPILE_GENERATE = {"auto": None, "true": True, "1": True, "false": False, "0": False}
 
 # What this module relies on inside lm-eval (pyproject's tested range; lm-eval 0.4.13): the HFLM
 # methods ReplayQuantLM overrides, with the arguments it passes on by name, the HFLM methods that
@@ -178,12 +183,12 @@ class ReplayQuantLM(HFLM):
     """HFLM with a precision pair on every scored path. See the module docstring."""
 
     def __init__(self, pretrained="", pair="s32_rs", prefill: str = "replay", seed: int = 0,
-                 buffer_len=None, compile_generate=False, **kwargs) -> None:
+                 buffer_len=None, compile_generate="auto", **kwargs) -> None:
         # Validate our own arguments before any weights are loaded.
         self._rq_pair = resolve_pair(pair, buffer_len)
-        if str(compile_generate).lower() not in ("true", "false", "1", "0"):
-            raise ValueError(f"compile_generate={compile_generate!r}: use true or false")
-        self._rq_compile = str(compile_generate).lower() in ("true", "1")
+        compile_generate = str(compile_generate).lower()
+        if compile_generate not in COMPILE_GENERATE:
+            raise ValueError(f"compile_generate={compile_generate!r}: use auto, true or false")
         if prefill not in PREFILLS:
             raise ValueError(f"prefill={prefill!r}: use one of {', '.join(PREFILLS)}")
         try:
@@ -198,6 +203,19 @@ class ReplayQuantLM(HFLM):
                 raise ValueError("model_args needs pretrained=<hub id, short name or local path>")
             pretrained = resolve_model_name(pretrained)
         super().__init__(pretrained=pretrained, **kwargs)
+        self._rq_compile = COMPILE_GENERATE[compile_generate]
+        on_cuda = self.device.type == "cuda"
+        if self._rq_compile is None:
+            self._rq_compile = on_cuda
+        elif self._rq_compile and not on_cuda:
+            raise ValueError("compile_generate=true compiles the decode step for CUDA graphs; "
+                             f"the model runs on {self.device}: use compile_generate=auto or false")
+        if self._rq_compile:
+            log.info("replayquant: generate_until runs HF's static cache compiled with torch.compile")
+        else:
+            (log.info if on_cuda else log.warning)(
+                "replayquant: generate_until runs eager decode steps (compile_generate=%s%s)",
+                compile_generate, "" if on_cuda else f"; the model is on {self.device}, not CUDA")
         self.set_pair(self._rq_pair)
 
     def _get_backend(self, config, backend="default", trust_remote_code=False):
@@ -309,13 +327,15 @@ class ReplayQuantLM(HFLM):
     def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs):
         if not self._rq_patched:
             raise RuntimeError("replayquant: the model is not patched; generating would not use the pair")
-        if self._rq_compile:
-            if context.device.type != "cuda":
-                raise ValueError("compile_generate=true compiles the decode step for CUDA graphs; "
-                                 f"the model runs on {context.device}: drop compile_generate")
+        compile_config = self._compile_config()
+        if compile_config is not None:
             generation_kwargs.setdefault("cache_implementation", "static")
-            generation_kwargs.setdefault("compile_config", CompileConfig())
+            generation_kwargs.setdefault("compile_config", compile_config)
         return super()._model_generate(context, max_length, stop, **generation_kwargs)
+
+    def _compile_config(self) -> CompileConfig | None:
+        """HF's compile config for generate_until (None: eager decode steps)."""
+        return CompileConfig() if self._rq_compile else None
 
     def get_model_info(self) -> dict:
         info = super().get_model_info()

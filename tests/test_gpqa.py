@@ -197,6 +197,8 @@ def test_unknown_pair_and_prefill_fail_before_loading():
         ReplayQuantLM(pretrained="never/loaded", pair="bogus")
     with pytest.raises(ValueError, match="prefill='fast'"):
         ReplayQuantLM(pretrained="never/loaded", pair="s32_rs", prefill="fast")
+    with pytest.raises(ValueError, match="compile_generate='maybe'"):
+        ReplayQuantLM(pretrained="never/loaded", compile_generate="maybe")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -309,6 +311,52 @@ def test_both_scoring_paths_see_the_pair(tiny_model):
     assert score() == (ll32, gen32)
     info = lm.get_model_info()["replayquant"]
     assert info["pair"]["name"] == "s32_rs" and info["prefill"] == "replay"
+
+
+@needs_patch
+def test_compiled_generate_until_compiles_once_per_batch_size(tiny_model):
+    """compile_generate through lm-eval's generate_until: five prompts of five lengths in batches
+    of two (longest first, as lm-eval orders them): the second batch, shorter, reuses the first
+    batch's compiled decode step (transformers keeps the first static cache length), only the last
+    batch of one row compiles again, and the continuations equal the eager decode steps'.
+    Compiled on the CPU through CompileConfig._compile_all_devices with backend 'eager'."""
+    from lm_eval.api.instance import Instance
+    from torch._dynamo.utils import counters
+    from transformers import CompileConfig
+
+    from replayquant.lm_eval_model import ReplayQuantLM
+
+    class Compiled(ReplayQuantLM):
+        compiled = True
+        graphs: list = []
+
+        def _compile_config(self):
+            if not self.compiled:
+                return None
+            cc = CompileConfig(backend="eager", fullgraph=True)
+            cc._compile_all_devices = True
+            return cc
+
+        def _model_generate(self, *args, **kwargs):
+            out = super()._model_generate(*args, **kwargs)
+            self.graphs.append(counters["stats"]["unique_graphs"])
+            return out
+
+    lm = Compiled(pretrained=tiny_model, pair="tp4_hi16_sr", device="cpu", dtype="float32",
+                  batch_size=2)
+    words = "the answer is one of four choices and a short reason comes first".split()
+    req = [Instance("generate_until", {}, (" ".join(words[:3 + 2 * i]),
+                                           {"until": ["<|im_end|>"], "max_gen_toks": 6, "do_sample": False}), i)
+           for i in range(5)]
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = lm.generate_until(req, disable_tqdm=True)
+    assert len(lm.graphs) == 3 and lm.graphs[0] > 0, lm.graphs
+    assert lm.graphs[1] == lm.graphs[0] and lm.graphs[2] > lm.graphs[1], lm.graphs
+    lm.compiled = False
+    assert lm.generate_until(req, disable_tqdm=True) == compiled
+    with pytest.raises(ValueError, match="compile_generate=true compiles the decode step for CUDA"):
+        ReplayQuantLM(pretrained=tiny_model, device="cpu", dtype="float32", compile_generate="true")
 
 
 @needs_patch

@@ -47,12 +47,13 @@ SHAPES = {
 }
 
 
-def build_model(shape: str, dtype: torch.dtype, device) -> torch.nn.Module:
+def build_model(shape: str, dtype: torch.dtype, device, **config) -> torch.nn.Module:
+    """The random-weight model of `shape` (seed 0); `config` overrides its config's fields."""
     # transformers: loaded when a model is built
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
-    cfg = Qwen3_5TextConfig(**SHAPES[shape])
+    cfg = Qwen3_5TextConfig(**{**SHAPES[shape], **config})
     torch.manual_seed(0)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
