@@ -148,6 +148,7 @@ def main(argv=None):
         ap.error("give OUT.json")
     if a.device == "cuda" and not torch.cuda.is_available():
         sys.exit("gpqa_cot_timing needs a CUDA device (or --shape tiny --device cpu)")
+    from replayquant.gpqa.tasks import file_sha256
     from replayquant.outputs import write_json
     from replayquant.provenance import provenance
     work = Path(os.environ.get("TMPDIR", "/tmp")) / "rq_gpqa_timing"
@@ -163,7 +164,8 @@ def main(argv=None):
     result = {"kind": "replayquant.eval.gpqa_cot_timing", "task": TASK, "pair": a.pair,
               "questions": a.questions, "batch_size": a.batch_size, "model": shape, "ways": {},
               "provenance": provenance(device=a.device, before_commit=a.before_commit,
-                                       data="made-up questions (write_questions)")}
+                                       data="made-up questions (write_questions)",
+                                       data_sha256=file_sha256(work / "questions.csv"))}
     for way, tree in ways:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(tree).resolve()), *site]),
                    HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
