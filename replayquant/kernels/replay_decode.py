@@ -492,6 +492,7 @@ def _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, out_ptr, q_ptr, k
     step): the inputs' faults noted in flag_ptr (_note_inputs)."""
     Kb, r, X, G, Bt = _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start, hv, hk, rows,
                                     cols, jj, h, HK, HV, DK, DV, CAPACITY, DELTA, L2NORM, DELTA, VEC)
+    Tm = 0.0                        # (no key factors)
     if KF:                          # the key factors of the committed entries (lead only)
         hl = tl.where(lead, h, 0)
         Tm = tl.load(Tbuf + (_entry(slot, start, jj, CAPACITY)[:, None] * HV + hv) * BUFFER_LEN + jj[None, :],
@@ -500,17 +501,11 @@ def _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, out_ptr, q_ptr, k
         Gp = tl.sum(tl.where((jj == h - 1)[:, None], G, 0.0), axis=0)
     else:
         Gp = tl.sum(tl.where(jj == h - 1, G, 0.0), axis=0)   # the last committed gate
+    RQ = 0.0                        # (a single step, or not Mamba-2)
     if (T > 1) and not DELTA:       # Mamba-2: the drafts' R q in one pass (_tile_mv_t)
-        TP: tl.constexpr = 2 if T <= 2 else 4 if T <= 4 else 8 if T <= 8 else 16 if T <= 16 else 32
-        tt = tl.arange(0, TP)
-        Ym = tl.zeros([TP, DK], tl.float32)
-        for t in tl.static_range(T):
-            q, k, v, log_a, beta, skip = _front_end(
-                q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, row * T + t, hv, hk,
-                rows, cols, scale, dt_lo, dt_hi, HK, HV, DK, DV, DELTA, L2NORM, HAS_DTB, HAS_D,
-                DT_CLAMP, VEC)
-            Ym = tl.where((tt == t)[:, None], q[None, :], Ym)
-        RQ = _tile_mv_t(P, Pb, s, Ym, DK, RFMT, PCK, T)
+        RQ = _drafts_rq(P, Pb, s, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, row, hv,
+                        hk, rows, cols, scale, dt_lo, dt_hi, HK, HV, DK, DV, DELTA, L2NORM, HAS_DTB,
+                        HAS_D, DT_CLAMP, VEC, RFMT, PCK, T)
     for t in tl.static_range(T):
         tok = row * T + t
         q, k, v, log_a, beta, skip = _front_end(
@@ -518,45 +513,12 @@ def _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, out_ptr, q_ptr, k
             scale, dt_lo, dt_hi, HK, HV, DK, DV, DELTA, L2NORM, HAS_DTB, HAS_D, DT_CLAMP, VEC)
         p = h + t
         Gp = Gp + log_a
-        # the buffer's terms before the read copy's pass (_tile_mv), so that the entries' tiles
-        # are dead during it: GDN's NVFP4 read fits 168 registers without spills (255 and 52
-        # spilled bytes before) and LAUNCH_TABLE's 128 with 152 bytes
-        prev = jj < p
+        trow = 0.0
         if VEC:
-            wdec = tl.where(prev[:, None], tl.exp(tl.where(prev[:, None], Gp[None, :] - G, 0.0)),
-                            0.0)
-            eG = tl.exp(Gp)
-            Kw = Kb.to(tl.float32) * wdec
-            corr = tl.sum((r * tl.sum(Kw * k[None, :], axis=1))[:, None] * X, axis=0)
-            yb = tl.sum((r * tl.sum(Kw * q[None, :], axis=1))[:, None] * X, axis=0)
-            rk, rq = _tile_mv(P, Pb, s, eG * k, eG * q, True, DK, RFMT, PCK)
-            u = beta * (v - rk) - beta * corr
-            if U_BF16:
-                u = u.to(tl.bfloat16).to(tl.float32)
-            y = rq + yb + tl.sum(k * q, axis=0) * u
+            y, u = _draft_vec(P, Pb, s, Kb, r, X, G, q, k, v, beta, Gp, jj < p, DK, RFMT, PCK, U_BF16)
         else:
-            wdec = tl.where(prev, tl.exp(tl.where(prev, Gp - G, 0.0)), 0.0)
-            eG = tl.exp(Gp)
-            qk = r * tl.sum(Kb.to(tl.float32) * q[None, :], axis=1)
-            yb = tl.sum((wdec * qk)[:, None] * X, axis=0)
-            if DELTA:
-                beta = beta * beta_scale
-                kk = r * tl.sum(Kb.to(tl.float32) * k[None, :], axis=1)
-                corr = tl.sum((wdec * kk)[:, None] * X, axis=0)
-                if KF:
-                    trow = tl.where(jj == p, 1.0, 0.0) \
-                        - tl.sum((beta * wdec * kk)[:, None] * Tm, axis=0)
-                rk, rq = _tile_mv(P, Pb, s, k, q, True, DK, RFMT, PCK)
-                u = beta * (v - eG * rk) - beta * corr
-                if U_BF16:
-                    u = u.to(tl.bfloat16).to(tl.float32)
-            else:
-                if T > 1:
-                    rq = tl.sum(tl.where((tt == t)[None, :], RQ, 0.0), axis=1)
-                else:
-                    rq, _ = _tile_mv(P, Pb, s, q, q, False, DK, RFMT, PCK)
-                u = v
-            y = eG * rq + yb + tl.sum(k * q, axis=0) * u
+            y, u, trow, beta = _draft_scalar(P, Pb, s, Kb, r, X, G, Tm, RQ, q, k, v, beta, beta_scale,
+                                             Gp, p, t, jj, DK, RFMT, PCK, U_BF16, DELTA, KF, T)
         y = _gate_out(y + skip, z_ptr, tok, hv, rows, HV, DV, HAS_Z)
         tl.store(out_ptr + (tok * HV + hv) * DV + rows, y)
         e = _entry(slot, start, p, CAPACITY)
@@ -580,21 +542,102 @@ def _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, out_ptr, q_ptr, k
                 G = tl.where(cur[:, None], Gp[None, :], G)
             else:
                 G = tl.where(cur, Gp, G)
-        tl.store(vbuf + (e * HV + hv) * DV + rows,
-                 tl.load(v_ptr + (tok * HV + hv) * DV + rows).to(tl.bfloat16))
-        if DELTA:
-            tl.store(ubuf + (e * HV + hv) * DV + rows, u.to(ubuf.dtype.element_ty))
-        if lead:                                # one row block writes the head's entries
-            if VEC:
-                tl.store(Gbuf + (e * HV + hv) * DK + cols, Gp)
-            else:
-                tl.store(Gbuf + e * HV + hv, Gp)
-            tl.store(bbuf + e * HV + hv, beta)
-            if hv % (HV // HK) == 0:
-                tl.store(kbuf + (e * HK + hk) * DK + cols, kraw.to(tl.bfloat16))
+        _append_entry(kbuf, vbuf, ubuf, Gbuf, bbuf, v_ptr, kraw, u, Gp, beta, e, tok, hv, hk, rows,
+                      cols, lead, HK, HV, DK, DV, DELTA, VEC)
         if RECORD:      # last, where the tiles are dead: its loads add no register pressure
             _note_inputs(flag_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, tok, hv, hk, rows, cols,
                          HK, HV, DK, DV, DELTA, VEC)
+
+
+@triton.jit
+def _drafts_rq(P, Pb, s, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, row, hv, hk,
+               rows, cols, scale, dt_lo, dt_hi, HK: tl.constexpr, HV: tl.constexpr,
+               DK: tl.constexpr, DV: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
+               HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, DT_CLAMP: tl.constexpr,
+               VEC: tl.constexpr, RFMT: tl.constexpr, PCK: tl.constexpr, T: tl.constexpr):
+    """Mamba-2's verify: R q of the T drafts in one pass over the read copy tile (_tile_mv_t),
+    [BV, TP] with TP the power of two at or above T (column t: draft t)."""
+    TP: tl.constexpr = 2 if T <= 2 else 4 if T <= 4 else 8 if T <= 8 else 16 if T <= 16 else 32
+    tt = tl.arange(0, TP)
+    Ym = tl.zeros([TP, DK], tl.float32)
+    for t in tl.static_range(T):
+        q, k, v, log_a, beta, skip = _front_end(
+            q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, row * T + t, hv, hk,
+            rows, cols, scale, dt_lo, dt_hi, HK, HV, DK, DV, DELTA, L2NORM, HAS_DTB, HAS_D,
+            DT_CLAMP, VEC)
+        Ym = tl.where((tt == t)[:, None], q[None, :], Ym)
+    return _tile_mv_t(P, Pb, s, Ym, DK, RFMT, PCK, T)
+
+
+@triton.jit
+def _draft_vec(P, Pb, s, Kb, r, X, G, q, k, v, beta, Gp, prev, DK: tl.constexpr,
+               RFMT: tl.constexpr, PCK: tl.constexpr, U_BF16: tl.constexpr):
+    """KDA's output y and u of one draft (_read_drafts, VEC): the decays per key channel enter
+    the keys. The buffer's terms come before the read copy's pass (_tile_mv), so that the
+    entries' tiles are dead during it."""
+    wdec = tl.where(prev[:, None], tl.exp(tl.where(prev[:, None], Gp[None, :] - G, 0.0)), 0.0)
+    eG = tl.exp(Gp)
+    Kw = Kb.to(tl.float32) * wdec
+    corr = tl.sum((r * tl.sum(Kw * k[None, :], axis=1))[:, None] * X, axis=0)
+    yb = tl.sum((r * tl.sum(Kw * q[None, :], axis=1))[:, None] * X, axis=0)
+    rk, rq = _tile_mv(P, Pb, s, eG * k, eG * q, True, DK, RFMT, PCK)
+    u = beta * (v - rk) - beta * corr
+    if U_BF16:
+        u = u.to(tl.bfloat16).to(tl.float32)
+    return rq + yb + tl.sum(k * q, axis=0) * u, u
+
+
+@triton.jit
+def _draft_scalar(P, Pb, s, Kb, r, X, G, Tm, RQ, q, k, v, beta, beta_scale, Gp, p, t, jj,
+                  DK: tl.constexpr, RFMT: tl.constexpr, PCK: tl.constexpr, U_BF16: tl.constexpr,
+                  DELTA: tl.constexpr, KF: tl.constexpr, T: tl.constexpr):
+    """GDN's (DELTA) or Mamba-2's output y, u, key-factor row (KF) and beta of draft t at entry p
+    (_read_drafts). The buffer's terms come before the read copy's pass (_tile_mv), so that the
+    entries' tiles are dead during it: GDN's NVFP4 read fits 168 registers without spills (255
+    and 52 spilled bytes before) and LAUNCH_TABLE's 128 with 152 bytes."""
+    prev = jj < p
+    wdec = tl.where(prev, tl.exp(tl.where(prev, Gp - G, 0.0)), 0.0)
+    eG = tl.exp(Gp)
+    qk = r * tl.sum(Kb.to(tl.float32) * q[None, :], axis=1)
+    yb = tl.sum((wdec * qk)[:, None] * X, axis=0)
+    trow = 0.0
+    if DELTA:
+        beta = beta * beta_scale
+        kk = r * tl.sum(Kb.to(tl.float32) * k[None, :], axis=1)
+        corr = tl.sum((wdec * kk)[:, None] * X, axis=0)
+        if KF:
+            trow = tl.where(jj == p, 1.0, 0.0) - tl.sum((beta * wdec * kk)[:, None] * Tm, axis=0)
+        rk, rq = _tile_mv(P, Pb, s, k, q, True, DK, RFMT, PCK)
+        u = beta * (v - eG * rk) - beta * corr
+        if U_BF16:
+            u = u.to(tl.bfloat16).to(tl.float32)
+    else:
+        if T > 1:
+            rq = tl.sum(tl.where((tl.arange(0, RQ.shape[1]) == t)[None, :], RQ, 0.0), axis=1)
+        else:
+            rq, _ = _tile_mv(P, Pb, s, q, q, False, DK, RFMT, PCK)
+        u = v
+    return eG * rq + yb + tl.sum(k * q, axis=0) * u, u, trow, beta
+
+
+@triton.jit
+def _append_entry(kbuf, vbuf, ubuf, Gbuf, bbuf, v_ptr, kraw, u, Gp, beta, e, tok, hv, hk, rows,
+                  cols, lead, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
+                  DV: tl.constexpr, DELTA: tl.constexpr, VEC: tl.constexpr):
+    """Entry e of the ring from draft tok: raw v in bf16, u (DELTA); lead, the one block of the
+    head that writes them: G, beta / dt, and raw k in bf16 (the key head's first value head)."""
+    tl.store(vbuf + (e * HV + hv) * DV + rows,
+             tl.load(v_ptr + (tok * HV + hv) * DV + rows).to(tl.bfloat16))
+    if DELTA:
+        tl.store(ubuf + (e * HV + hv) * DV + rows, u.to(ubuf.dtype.element_ty))
+    if lead:
+        if VEC:
+            tl.store(Gbuf + (e * HV + hv) * DK + cols, Gp)
+        else:
+            tl.store(Gbuf + e * HV + hv, Gp)
+        tl.store(bbuf + e * HV + hv, beta)
+        if hv % (HV // HK) == 0:
+            tl.store(kbuf + (e * HK + hk) * DK + cols, kraw.to(tl.bfloat16))
 
 
 @triton.jit
@@ -675,6 +718,45 @@ def _flush_tile(tile, n_rows, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, 
                              cols, HK, HV, DK, DV, DELTA, VEC)
 
 
+@triton.jit
+def _read_setup(R_gs, mat, start, h, pre, fill, FORCE: tl.constexpr, CAPACITY: tl.constexpr,
+                RFMT: tl.constexpr, STEP: tl.constexpr):
+    """A read program's global scale s of its read copy (NVFP4), its row's start and committed
+    count h after a pre-flush (folded by the flush launch), and whether it reads (a step that
+    flushes does not; a verify always reads)."""
+    s = 1.0
+    if RFMT == 4:
+        s = tl.load(R_gs + mat)
+    if pre:
+        start = (start + h) % CAPACITY
+        h = h * 0
+    go = True
+    if STEP:
+        go = ~(fill | FORCE)
+    return s, start, h, go
+
+
+@triton.jit
+def _advance_row(h_ptr, st_ptr, nf_ptr, cnt_ptr, flag_ptr, bad_ptr, stp_ptr, slot, row,
+                 PROGRAMS: tl.constexpr, FORCE: tl.constexpr, BUFFER_LEN: tl.constexpr,
+                 CAPACITY: tl.constexpr, T: tl.constexpr, STEP: tl.constexpr,
+                 DELTA: tl.constexpr, RECORD: tl.constexpr):
+    """The pointer moves of a row by the last of its PROGRAMS read programs to arrive (arrival
+    counter cnt_ptr, reset for the next step): committed / start / n_flush (_moved_pointers),
+    and with RECORD the step's faults (_note_step)."""
+    tl.debug_barrier()                  # every thread of the program is past its loads
+    arrived = tl.atomic_add(cnt_ptr + slot, 1)          # acq_rel, gpu scope
+    if arrived == PROGRAMS - 1:                         # the row's last program
+        h, st, nf = _moved_pointers(tl.load(h_ptr + slot), tl.load(st_ptr + slot),
+                                    tl.load(nf_ptr + slot), FORCE, BUFFER_LEN, CAPACITY, T, STEP)
+        tl.store(h_ptr + slot, h)
+        tl.store(st_ptr + slot, st)
+        tl.store(nf_ptr + slot, nf)
+        tl.store(cnt_ptr + slot, 0)
+        if RECORD:
+            _note_step(flag_ptr, bad_ptr, stp_ptr, row, DELTA)
+
+
 # key_lo / key_hi: not specialized (Triton makes an integer argument equal to 1 a constexpr)
 @triton.jit(do_not_specialize=["key_lo", "key_hi", "n_rows"])
 def _replay_kernel(
@@ -697,10 +779,9 @@ def _replay_kernel(
     TPP tiles from p TPP on (_flush_tile_at's order, _flush_grid), reads their rows' pointers at
     once and runs _flush_tile on those whose row pre-flushes or flushes (on a read step it
     returns after that one round of loads). Else the read launch, a program per [BV, d_k] tile:
-    the reads (_read_drafts), and with ADVANCE the pointer moves: the row's last program to
-    arrive (arrival counter) moves committed / start / n_flush (_moved_pointers). FUSED (_fused): the
-    read launch alone on the flush's tiles, a program flushing its own tile first. Each launch
-    compiles its own path only. VEC: KDA (a_ptr the log decay per key channel, b_ptr beta).
+    the reads (_read_drafts), and with ADVANCE the row's pointer moves (_advance_row). FUSED
+    (_fused): the read launch alone on the flush's tiles, a program flushing its own tile first.
+    Each launch compiles its own path only. VEC: KDA (a_ptr the log decay per key channel, b_ptr beta).
     RECORD (a step with ADVANCE): the step notes its inputs' faults in a stores.FaultRecord
     (flag_ptr, bad_ptr, stp_ptr; _note_inputs, _note_step)."""
     if FLUSHES:
@@ -743,15 +824,7 @@ def _replay_kernel(
                                 FOLD_U, flag_ptr, RECORD)
                     tl.debug_barrier()      # the tile's roles are written
                 P, Pb = _row_ptrs(R_pay, R_sc, mat, rows0, DV, DK, RFMT, PCK)
-            s = 1.0
-            if RFMT == 4:
-                s = tl.load(R_gs + mat)
-            if pre:                         # folded by the flush launch
-                start = (start + h) % CAPACITY
-                h = h * 0
-            go = True                       # read (a verify always reads)
-            if STEP:
-                go = ~(fill | FORCE)
+            s, start, h, go = _read_setup(R_gs, mat, start, h, pre, fill, FORCE, CAPACITY, RFMT, STEP)
             if go:
                 _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, out_ptr, q_ptr, k_ptr,
                              v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, beta_scale, dt_lo,
@@ -760,17 +833,8 @@ def _replay_kernel(
                              T, RFMT, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z,
                              U_BF16, DT_CLAMP, VEC, PCK, KF, BUFFER_LEN, flag_ptr, RECORD)
             if ADVANCE:
-                tl.debug_barrier()              # every thread of the program is past its loads
-                arrived = tl.atomic_add(cnt_ptr + slot, 1)          # acq_rel, gpu scope
-                if arrived == HV * (DV // BV) - 1:                  # the row's last program
-                    h, st, nf = _moved_pointers(tl.load(h_ptr + slot), tl.load(st_ptr + slot),
-                                                tl.load(nf_ptr + slot), FORCE, BUFFER_LEN, CAPACITY, T, STEP)
-                    tl.store(h_ptr + slot, h)
-                    tl.store(st_ptr + slot, st)
-                    tl.store(nf_ptr + slot, nf)
-                    tl.store(cnt_ptr + slot, 0)
-                    if RECORD:
-                        _note_step(flag_ptr, bad_ptr, stp_ptr, row, DELTA)
+                _advance_row(h_ptr, st_ptr, nf_ptr, cnt_ptr, flag_ptr, bad_ptr, stp_ptr, slot, row,
+                             HV * (DV // BV), FORCE, BUFFER_LEN, CAPACITY, T, STEP, DELTA, RECORD)
         else:
             for t in tl.static_range(T):
                 tl.store(out_ptr + ((row * T + t) * HV + hv) * DV + rows0,
