@@ -1,7 +1,8 @@
 """Questions per minute of GPQA-Diamond with chain of thought on the Qwen3.5-4B shape, on CUDA.
 
     python evals/gpqa_cot_timing.py OUT.json [--before DIR] [--before-commit SHA]
-        [--pair tp4_hi16_sr] [--questions 16] [--batch-size 8] [--shape tiny --device cpu]
+        [--pair tp4_hi16_sr] [--questions 16] [--batch-size 8] [--ways eager,compiled,...]
+        [--shape tiny --device cpu]
 
 The model is `bench kl`'s Qwen3.5-4B shape (32 layers, random bf16 weights, replayquant.kl.bench)
 saved with save_pretrained beside the tokenizer of the embedded tiny-qwen3.5; the data is a CSV
@@ -18,7 +19,9 @@ process of its own, with a fresh model load, and times every `generate` of lm-ev
   loop around HF's fastest decode, the ceiling for the patched model.
 
 Per way: the whole run's seconds (model load, every batch, compiles included), the seconds of
-each batch, and questions per minute over the batches after the first (the first compiles; a
+each batch with its prefill apart (GenerationMixin._prefill, synchronised) and the decode steps'
+mean, dynamo's compiled frames (guards and the guard latency it measured when it built them),
+and questions per minute over the batches after the first (the first compiles; a
 full GPQA-Diamond run of 198 questions has 24 more batches of 8). lm-eval's default generation
 budget (256 tokens) holds; random weights rarely stop earlier. Writes OUT with provenance.
 `--shape tiny --device cpu` runs the same steps on a small model, to try the script without a GPU.
@@ -40,6 +43,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 TASK = "gpqa_diamond_cot_zeroshot"
+WAYS = {"before", "eager", "compiled", "hf_compiled"}
 
 
 def write_questions(path: Path, n: int) -> None:
@@ -88,21 +92,34 @@ def child(way: str, model: str, csv_path: str, out: str, pair: str, batch_size: 
 
     import replayquant.lm_eval_model as lmm
     from replayquant.gpqa import run_gpqa, write_task_dir
-    batches = []
+    from transformers.generation.utils import GenerationMixin
+    batches, prefills = [], []
     cls = HFLM if way == "hf_compiled" else lmm.ReplayQuantLM
-    orig = cls._model_generate
+    orig, orig_prefill = cls._model_generate, GenerationMixin._prefill
+
+    def timed_prefill(self, *a, **kw):
+        _sync(device)
+        t0 = time.perf_counter()
+        out = orig_prefill(self, *a, **kw)
+        _sync(device)
+        prefills.append(time.perf_counter() - t0)
+        return out
 
     def timed(self, context, max_length, stop, **kw):
+        prefills.clear()
         _sync(device)
         t0 = time.perf_counter()
         out = orig(self, context, max_length, stop, **kw)
         _sync(device)
+        s, new = time.perf_counter() - t0, int(out.shape[1] - context.shape[1])
+        pre = sum(prefills)
         batches.append({"rows": int(context.shape[0]), "prompt": int(context.shape[1]),
-                        "new_tokens": int(out.shape[1] - context.shape[1]),
-                        "s": time.perf_counter() - t0})
+                        "new_tokens": new, "s": s, "prefill_s": pre,
+                        "decode_ms_per_step": 1e3 * (s - pre) / max(new - 1, 1)})
         return out
 
     cls._model_generate = timed
+    GenerationMixin._prefill = timed_prefill
     dtype = "bfloat16" if device == "cuda" else "float32"
     t_run = time.perf_counter()
     if way == "hf_compiled":
@@ -115,15 +132,23 @@ def child(way: str, model: str, csv_path: str, out: str, pair: str, batch_size: 
         run_gpqa(model, [pair], tasks=[TASK], gpqa_csv=csv_path, batch_size=batch_size, device=device,
                  dtype=dtype, out=out, model_args=args)
     end = time.perf_counter()
+    from torch._dynamo.utils import get_compilation_metrics
+    frames = [{"frame": m.co_name, "guards": m.guard_count, "guard_latency_us": m.guard_latency_us,
+               "graph_nodes": m.graph_node_count} for m in get_compilation_metrics()
+              if m.guard_count is not None]
     Path(res).write_text(json.dumps({"batches": batches, "run_gpqa_s": end - t_run,
-                                     "process_s": end - t_start,
+                                     "process_s": end - t_start, "compiled_frames": frames,
                                      "replayquant_from": str(Path(lmm.__file__).parent)}))
 
 
 def summarise(r: dict, questions: int) -> dict:
     warm = r["batches"][1:]
     rows, s = sum(b["rows"] for b in warm), sum(b["s"] for b in warm)
+    pre = sum(b.get("prefill_s", 0.0) for b in warm)
+    steps = sum(b["new_tokens"] - 1 for b in warm)
     return {**r, "questions_per_min_run": 60 * questions / r["run_gpqa_s"],
+            "prefill_s_after_first_batch": pre,
+            "decode_ms_per_step_after_first_batch": 1e3 * (s - pre) / steps if steps else None,
             "questions_per_min_after_first_batch": 60 * rows / s if s else None,
             "ms_per_step_after_first_batch": 1e3 * s / sum(b["new_tokens"] for b in warm) if warm else None}
 
@@ -138,6 +163,9 @@ def main(argv=None):
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--shape", default="qwen3.5-4b", choices=["qwen3.5-4b", "tiny"])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--ways", default=None,
+                    help="the ways to run, comma-separated (default: before where --before is given, "
+                         "eager, compiled, hf_compiled)")
     ap.add_argument("--timeout-s", type=int, default=240, help="the most one way may take")
     ap.add_argument("--child", nargs=5, metavar=("WAY", "MODEL", "CSV", "OUTDIR", "RESULT"))
     a = ap.parse_args(argv)
@@ -159,8 +187,13 @@ def main(argv=None):
     print(f"model saved in {time.perf_counter() - t0:.0f} s", flush=True)
     write_questions(work / "questions.csv", a.questions)
     site = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != ROOT]
-    ways = ([("before", a.before)] if a.before else []) + \
-        [(w, str(ROOT)) for w in ("eager", "compiled", "hf_compiled")]
+    chosen = a.ways.split(",") if a.ways else \
+        ["before"] * bool(a.before) + ["eager", "compiled", "hf_compiled"]
+    if set(chosen) - WAYS:
+        ap.error(f"unknown ways {sorted(set(chosen) - WAYS)}; choose from {', '.join(sorted(WAYS))}")
+    if "before" in chosen and not a.before:
+        ap.error("the way 'before' needs --before DIR")
+    ways = [(w, a.before if w == "before" else str(ROOT)) for w in chosen]
     result = {"kind": "replayquant.eval.gpqa_cot_timing", "task": TASK, "pair": a.pair,
               "questions": a.questions, "batch_size": a.batch_size, "model": shape, "ways": {},
               "provenance": provenance(device=a.device, before_commit=a.before_commit,

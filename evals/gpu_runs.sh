@@ -39,7 +39,9 @@
 #                   thought (lm-eval, batch 8) on the Qwen3.5-4B shape, this tree eager and compiled
 #                   beside an older tree's package in .gpu/before (its commit in .gpu/before/COMMIT);
 #                   needs lm-eval, datasets and their missing needs as wheels in .gpu/lmeval
-#                   (on an H100 565 s of wall time: 30 s saving the model, 100-160 s a way)
+#                   (on an H100 565 s of wall time: 30 s saving the model, 100-160 s a way);
+#                   arguments after the job name go to the script (--ways compiled,hf_compiled
+#                   --questions 24: two ways, two batches after the compiling one)
 #   generate        evals/cuda_generate_check.py: generation through the compiled decode kernel
 #                   against the CPU path on the shipped tiny models (~150 s)
 #   train           evals/train_tiny.py device-run: train both tiny models, evaluate them and
@@ -120,7 +122,7 @@ case "$job" in
     python3 -c "import lm_eval, datasets, pyarrow; print('lm_eval', lm_eval.__version__, 'datasets', \
         datasets.__version__, 'pyarrow', pyarrow.__version__)" || exit 1
     timeout 570 python3 evals/gpqa_cot_timing.py "$OUT/gpqa_cot_timing.json" --before .gpu/before \
-        --before-commit "$(cat .gpu/before/COMMIT)" > "$OUT/gpqa_timing.log" 2>&1
+        --before-commit "$(cat .gpu/before/COMMIT)" "${@:2}" > "$OUT/gpqa_timing.log" 2>&1
     echo "gpqa-timing rc=$?"; grep -vE "it/s\]|s/it\]" "$OUT/gpqa_timing.log" | tail -40 | cut -c1-1500
     ;;
   generate)
