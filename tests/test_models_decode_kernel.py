@@ -110,7 +110,7 @@ def _spy(monkeypatch):
         monkeypatch.setattr(mod, name, f)
     wrap(rd, "replay_gdn_step", "kernel")
     wrap(rd, "replay_mamba2_step", "kernel")
-    wrap(ds, "state_to_store", "to_store")
+    wrap(ds, "parts_to_store", "to_store")
     wrap(ds, "store_to_state", "to_state")
     return calls
 
@@ -227,6 +227,40 @@ def test_hand_off_round_trip_and_steps(monkeypatch, kind, pair):
     kst2 = ds.DecodeStore(ref2, HK)
     y_r, y_k = ref2.step(*mapped), kst2.step(raw)     # a state that came from a store, and back
     assert (y_k - y_r).abs().max() <= RTOL_BF16 * y_r.abs().max()
+
+
+@pytest.mark.parametrize("kind,pair", [("gdn", "tp4_hi16_sr"), ("mamba2", "s32_rs")])
+def test_scan_state_goes_into_the_store_as_through_a_replay_state(kind, pair):
+    """The chunked scan's state straight into the decode store (`DecodeStore.from_parts`, what a
+    prefill into a static cache does) gives the store of the ReplayState route bit for bit (GDN u
+    solved against the read copy, key factors of every slot at once), with one host read (the
+    slot count) where the route through a ReplayState made about 25 at B = 5, L = 4."""
+    from replayquant.hostsync import HostSyncCounter
+    from replayquant.kernels.chunk_ref import chunk_scan_ref, scan_parts, scan_state_of
+    from replayquant.kernels.ops import store_tensors
+    from replayquant.pairs import PrecisionPair
+    delta = kind == "gdn"
+    B, T, H, HK, dk, dv = 5, 11, 4, 2, 16, 16
+    g = torch.Generator().manual_seed(17)
+    pr = PrecisionPair.load(pair).with_buffer_len(BUFFER_LEN)
+    st = ReplayState(torch.randn(B, H, dv, dk, generator=g) * 0.5, pr, delta=delta, seed=2, layer=3)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, dk, generator=g), dim=-1)
+    ins = (torch.randn(B, T, H, dk, generator=g), k, torch.randn(B, T, H, dv, generator=g),
+           -torch.rand(B, T, H, generator=g) * 0.3, torch.rand(B, T, H, generator=g) if delta else None)
+    valid = torch.ones(B, T, dtype=torch.bool)
+    valid[:2, :3] = False                        # left padding: rows commit different counts
+    _, ss = chunk_scan_ref(scan_state_of(st), *ins, pair=pr, seed=2, layer=3, valid=valid)
+    via = ReplayState.from_parts(scan_parts(ss), pr, delta=delta, seed=2, layer=3)
+    with HostSyncCounter() as c:
+        direct = ds.DecodeStore.from_parts(scan_parts(ss), pr, delta, 2, 3, HK)
+    assert c.syncs == 1, c.by_name
+    old = ds.DecodeStore(via, HK)
+    assert len(set(old.store.committed.tolist())) > 1
+    for a, b in zip(store_tensors(direct.store) + [direct.state_indices],
+                    store_tensors(old.store) + [old.state_indices]):
+        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn
+                                                  else a, b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+    assert (direct.store.Tbuf is None) == (old.store.Tbuf is None)
 
 
 def test_hand_off_rows_are_slots():

@@ -5,9 +5,10 @@ A `DecodeStore` is a `replayquant.kernels.stores.ReplayStore` (anchor and read c
 per-row pointers as device tensors, allocated once for the batch), the engine that steps it
 through the custom operator replayquant::replay_step ('triton': the replay decode kernel on a
 bf16 ring; 'torch': `replayquant.kernels.replay_torch` on a float32 ring), the slot of each
-batch row, and the device-side record of non-finite inputs. `state_to_store` builds the store
-from a ReplayState once, where decode starts; `store_to_state` turns it back where a multi-token
-forward continues the cache. Both keep the anchor and read copy bit for bit (same packed bytes,
+batch row, and the device-side record of non-finite inputs. `parts_to_store` builds the store
+once, where decode starts, from a state's parts: the chunked scan's state as it is after a
+prompt, or a ReplayState's (`state_to_store`); `store_to_state` turns it back where a
+multi-token forward continues the cache. Both keep the anchor and read copy bit for bit (same packed bytes,
 same SR streams: slot id = the state's sequence id) and the committed buffer entries; the Triton
 engine's ring keeps k and v in bf16 and GDN's u in bf16 beside a separate read copy (half the
 buffer traffic of the decode kernels), in FP32 for a shared FP32 pair (its flush folds u), so
@@ -19,10 +20,11 @@ from __future__ import annotations
 import torch
 
 from replayquant.formats import QTensor
-from replayquant.replay import ReplayState
+from replayquant.replay import ReplayState, core
 from replayquant.streams import layer_seed
 
-__all__ = ["DecodeStore", "state_to_store", "store_to_state", "take_slots", "RING_DTYPE"]
+__all__ = ["DecodeStore", "state_to_store", "parts_to_store", "store_to_state", "take_slots",
+           "RING_DTYPE"]
 
 # the ring's k and v per engine: bf16 halves the kernel's buffer traffic; the torch engine keeps
 # them in float32, so that its decode equals ReplayState.step (and HF's recurrence) within float32
@@ -70,7 +72,37 @@ def _packed_to_role(role, slots: torch.Tensor) -> QTensor:
 
 
 def state_to_store(st: ReplayState, key_heads: int, u_dtype=None, ring_dtype=torch.bfloat16):
-    """Convert a ReplayState into (ReplayStore, state_indices), the decode store of either engine.
+    """Convert a ReplayState into (ReplayStore, state_indices), the decode store of either engine
+    (`parts_to_store` of its parts)."""
+    return parts_to_store(st.export(), st.pair, st.delta, st.seed, st.layer, key_heads,
+                          u_dtype=u_dtype, ring_dtype=ring_dtype)
+
+
+def _solved_u(parts: dict, pair) -> torch.Tensor:
+    """GDN's u of the committed entries against the read copy, as ReplayState.load computes it
+    where its parts come without u (the chunked scan's)."""
+    read = parts["read"] if parts["read"] is not None else parts["anchor"]
+    R32 = pair.read_spec.fmt.dequantize(read)
+    k, v, G, beta = (parts[n].float() for n in ("k", "v", "G", "beta"))
+    L = k.shape[2]
+    valid = (torch.arange(L, device=k.device)[None, :] < parts["committed"][:, None]).unsqueeze(1)
+    return core.solve_u(R32, k, v, G, beta, valid)
+
+
+def _slot_count(rows: torch.Tensor) -> int | None:
+    """max(rows) + 1 where the sequence ids are distinct, else None; one host read."""
+    srt = rows.sort().values
+    distinct = (srt[1:] != srt[:-1]).all()
+    n = int(torch.where(distinct, srt[-1] + 1, 0))
+    return n or None
+
+
+def parts_to_store(parts: dict, pair, delta: bool, seed: int, layer: int, key_heads: int,
+                   u_dtype=None, ring_dtype=torch.bfloat16):
+    """(ReplayStore, state_indices), the decode store of either engine, from a state's parts
+    (the dict ReplayState.export returns, or the chunked scan's state as `scan_parts` gives it:
+    GDN u None, computed here against the read copy as ReplayState.load does). One host read
+    (the slot count); the parts are the engine's own, so they are not checked again.
 
     Slots are the state's sequence ids (`rows`, which key the SR streams in both), so the store
     has max(rows) + 1 slots and state_indices = rows. Sequence ids that repeat (a beam reorder
@@ -89,20 +121,21 @@ def state_to_store(st: ReplayState, key_heads: int, u_dtype=None, ring_dtype=tor
     from replayquant.kernels.stores import ReplayStore, check_ring_dtype, default_u_dtype, solves_u
     check_ring_dtype(ring_dtype)
     if u_dtype is None:
-        u_dtype = default_u_dtype(st.pair.anchor.format, None if st.pair.read is None
-                                  else st.pair.read.format, ring_dtype)
-    parts = st.export()
-    B, H, dv, dk, buffer_len = st.B, st.H, st.d_v, st.d_k, st.buffer_len
+        u_dtype = default_u_dtype(pair.anchor.format, None if pair.read is None
+                                  else pair.read.format, ring_dtype)
+    B, H, dv, dk = parts["anchor"].shape
+    buffer_len = parts["k"].shape[2]
     if H % key_heads:
         raise ValueError(f"key_heads={key_heads} must divide the {H} heads")
     r = H // key_heads
     rows = parts["rows"]
-    if len(torch.unique(rows)) != B:
-        rows = torch.arange(B, dtype=torch.int64, device=rows.device)
-    N = int(rows.max()) + 1
+    N = _slot_count(rows)
+    if N is None:
+        rows, N = torch.arange(B, dtype=torch.int64, device=rows.device), B
     slots = rows.long()
-    dev, f32 = st.device, torch.float32
-    pair = st.pair
+    dev, f32 = parts["k"].device, torch.float32
+    if delta and parts.get("u") is None:
+        parts = dict(parts, u=_solved_u(parts, pair))
     anchor = _role_to_packed(parts["anchor"], pair.anchor, N, slots, (B, H, dv, dk))
     read = None if pair.read is None else _role_to_packed(parts["read"], pair.read, N, slots,
                                                          (B, H, dv, dk))
@@ -112,9 +145,9 @@ def state_to_store(st: ReplayState, key_heads: int, u_dtype=None, ring_dtype=tor
         out[slots] = t.transpose(1, 2)
         return out
 
-    vec = st.vector_gate                 # KDA: G per key channel
+    vec = parts["G"].dim() == 4          # KDA: G per key channel
     kbuf = ring(parts["k"][:, ::r], (key_heads, dk)).to(ring_dtype)
-    if st.delta:
+    if delta:
         vbuf = ring(parts["v"], (H, dv)).to(ring_dtype)
         ubuf = ring(parts["u"], (H, dv)).to(u_dtype)
         bbuf = ring(parts["beta"], (H,)).to(f32)
@@ -127,10 +160,10 @@ def state_to_store(st: ReplayState, key_heads: int, u_dtype=None, ring_dtype=tor
     committed[slots] = parts["committed"].to(torch.int32)
     n_flush = torch.zeros(N, dtype=torch.int64, device=dev)
     n_flush[slots] = parts["flushes"].to(torch.int64)
-    store = ReplayStore("kda" if vec else "gdn" if st.delta else "mamba2", anchor, read, buffer_len,
+    store = ReplayStore("kda" if vec else "gdn" if delta else "mamba2", anchor, read, buffer_len,
                         key_heads,
                         kbuf=kbuf, vbuf=vbuf, ubuf=ubuf, Gbuf=Gbuf, bbuf=bbuf,
-                        committed=committed, n_flush=n_flush, key=layer_seed(st.seed, st.layer),
+                        committed=committed, n_flush=n_flush, key=layer_seed(seed, layer),
                         start=torch.zeros(N, dtype=torch.int32, device=dev), max_drafts=0)
     if solves_u(store) and ring_dtype == torch.bfloat16:   # the kernel flush's key factors
         store.Tbuf = torch.zeros(N, buffer_len, H, buffer_len, dtype=f32, device=dev)
@@ -197,26 +230,41 @@ class DecodeStore:
       evals/cpu_decode.py).
       None where it is not known: the Triton engine, after a beam reorder, once a step is
       compiled (every row then computes both branches).
-    Built from a ReplayState by `state_to_store`, turned back by `to_replay_state()`."""
+    Built from a ReplayState, or straight from the chunked scan's state (`from_parts`), by
+    `parts_to_store`; turned back by `to_replay_state()`."""
 
     def __init__(self, st: ReplayState, key_heads: int, reuse: "DecodeStore | None" = None,
                  engine: str = "triton"):
+        self._build(st.export(), st.pair, st.delta, st.seed, st.layer, key_heads, reuse, engine)
+
+    @classmethod
+    def from_parts(cls, parts: dict, pair, delta: bool, seed: int, layer: int, key_heads: int,
+                   reuse: "DecodeStore | None" = None, engine: str = "triton") -> "DecodeStore":
+        """The decode store of a state's parts (`parts_to_store`: the chunked scan's state
+        straight into the store, no ReplayState in between)."""
+        self = cls.__new__(cls)
+        self._build(parts, pair, delta, seed, layer, key_heads, reuse, engine)
+        return self
+
+    def _build(self, parts, pair, delta, seed, layer, key_heads, reuse, engine):
         # Triton (Linux only): loaded where a kernel runs
         from replayquant.kernels.ops import ENGINES, store_meta
         from replayquant.kernels.stores import FAULT_INPUTS, FaultRecord
         if engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
-        self.pair, self.delta, self.seed, self.layer = st.pair, st.delta, st.seed, st.layer
-        self.vector_gate, self.engine = st.vector_gate, engine
-        self.B, self.H, self.d_v, self.d_k, self.device = st.B, st.H, st.d_v, st.d_k, st.device
+        self.pair, self.delta, self.seed, self.layer = pair, delta, seed, layer
+        self.vector_gate, self.engine = parts["G"].dim() == 4, engine
+        self.B, self.H, self.d_v, self.d_k = parts["anchor"].shape
+        self.device = parts["k"].device
         self.ring = RING_DTYPE[engine]
-        self.store, slots = state_to_store(st, key_heads, ring_dtype=self.ring)
+        self.store, slots = parts_to_store(parts, pair, delta, seed, layer, key_heads,
+                                           ring_dtype=self.ring)
         # int32, as the kernels index: a step converts nothing
         self.state_indices = slots.to(torch.int32)
         self.meta = store_meta(self.store, engine)
         self.bad_names = FAULT_INPUTS[self.store.kind]
         self.faults = FaultRecord.empty(self.store.kind, self.B, self.device)
-        self.phase = st.committed.tolist() if engine == "torch" else None
+        self.phase = parts["committed"].tolist() if engine == "torch" else None
         if reuse is not None and reuse.meta == self.meta and all(
                 a.shape == b.shape and a.dtype == b.dtype
                 for a, b in zip(reuse.tensors(), self.tensors())):

@@ -34,8 +34,8 @@ Which path runs:
 
 Hand-off between the two (explicit, once, never per step): segments of multi-token forwards
 pass the scan's ScanState from one to the next as it is (`ScanHeld`); the first decode step after
-them builds the decode store (`replayquant.models.decode_store`: `state_to_store`, a
-`DecodeStore`); a multi-token forward into a static cache (HF's compiled generate) builds it at
+them builds the decode store straight from that state (`replayquant.models.decode_store`:
+`parts_to_store`, a `DecodeStore`; one host read); a multi-token forward into a static cache (HF's compiled generate) builds it at
 its end, so that the first decode step, which torch.compile traces, finds the store. Every decode step after
 that runs on the store alone (`kernel_decode`: the raw inputs straight into the operator, no
 torch front end, no host read: a beam reorder is a gather on the device, a non-finite input is
@@ -114,9 +114,10 @@ class ScanHeld:
     scan's ScanState as it came out (same anchor, read copy, buffer and counters a ReplayState
     would hold), so that the next segment's scan (Triton kernel or torch reference) takes it as
     it is, without a ReplayState round trip per segment (copies, the read copy's dequantization
-    and GDN's u recomputed, measured at ~2.7 ms per layer call on the H200). It becomes a
-    ReplayState (`to_replay_state`, u recomputed against the read copy, as ReplayState.load
-    does) only where the decode store is built from it (`state_to_store`)."""
+    and GDN's u recomputed, measured at ~2.7 ms per layer call on the H200). Where decode
+    starts it goes into the decode store as it is (`DecodeStore.from_parts`: GDN's u solved
+    against the read copy there, as ReplayState.load solves it, one host read);
+    `to_replay_state` gives it as a ReplayState."""
 
     def __init__(self, ss, pair, delta: bool, seed: int, layer: int):
         self.ss, self.pair, self.delta, self.seed, self.layer = ss, pair, delta, seed, layer
@@ -375,10 +376,11 @@ class LayerRuntime:
         if not isinstance(raw, dict):
             raise ValueError(f"layer {self.layer_idx} ({self.kind}): a decode step needs the "
                              f"layer's raw inputs (the patched forward passes them as raw=)")
-        if isinstance(st, ScanHeld):
-            st = st.to_replay_state()
-        return DecodeStore(st, _key_heads(raw, self.delta), reuse=reuse,
-                           engine=self._engine(q, v, raw))
+        heads, engine = _key_heads(raw, self.delta), self._engine(q, v, raw)
+        if isinstance(st, ScanHeld):          # the scan's state straight into the store
+            return DecodeStore.from_parts(scan_parts(st.ss), st.pair, st.delta, st.seed, st.layer,
+                                          heads, reuse=reuse, engine=engine)
+        return DecodeStore(st, heads, reuse=reuse, engine=engine)
 
     def _decode_ready(self, st, q, k, v, log_a, beta, raw, lay=None):
         """The state a multi-token forward leaves in a static cache (a compiled generate's):
