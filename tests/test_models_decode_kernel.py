@@ -24,7 +24,7 @@ import warnings
 import pytest
 import torch
 
-from replayquant.models import decode_path, patch, recurrent_layers
+from replayquant.models import decode_path, patch, recurrent_layers, unpatch
 from replayquant.models import decode_store as ds
 from replayquant.models import runtime
 from replayquant.replay import ReplayState
@@ -261,6 +261,30 @@ def test_scan_state_goes_into_the_store_as_through_a_replay_state(kind, pair):
         assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn
                                                   else a, b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
     assert (direct.store.Tbuf is None) == (old.store.Tbuf is None)
+
+
+def test_prefill_into_a_static_cache_reads_the_device_a_few_times_a_layer(models, monkeypatch):
+    """A prompt into HF's static cache (the prefill of a compiled generate) on the Triton path:
+    per recurrent layer, the input check, the chunk kernel's window plan (2), the slot count of
+    the hand-off into the decode store and the casts' finiteness checks of the new state (2),
+    6 host reads in all, where a new state through ReplayState and the hand-off through it made
+    33 (tiny-qwen3.5, B = 8)."""
+    from transformers import StaticCache
+
+    from replayquant.hostsync import HostSyncCounter
+    monkeypatch.setenv("REPLAYQUANT_BACKEND", "triton")
+    model = models["qwen3_5"]
+    patch(model, "tp4_hi32", buffer_len=BUFFER_LEN)
+    try:
+        ids, mask = _batch(B=4, T=9)
+        cache = StaticCache(config=model.config, max_cache_len=16)
+        with torch.no_grad(), HostSyncCounter(record_where=True) as c:
+            model(ids, attention_mask=mask, past_key_values=cache, use_cache=True,
+                  cache_position=torch.arange(9))
+        ours = [w for w in c.where if "transformers/" not in w]
+        assert len(ours) <= 6 * len(recurrent_layers(model)), sorted(ours)
+    finally:
+        unpatch(model)
 
 
 def test_hand_off_rows_are_slots():

@@ -60,7 +60,8 @@ import torch
 from transformers import DynamicCache
 
 from replayquant.formats import use_triton
-from replayquant.kernels.chunk_ref import chunk_scan_ref, cpu_threads, scan_parts, scan_state_of
+from replayquant.kernels.chunk_ref import (chunk_scan_ref, cpu_threads, initial_scan_state,
+                                          scan_parts, scan_state_of)
 from replayquant.models.decode_graph import LayerGraph
 from replayquant.models.decode_store import DecodeStore
 from replayquant.replay import ReplayState, core
@@ -225,11 +226,16 @@ class LayerRuntime:
         return bool(lay.has_previous_state[0])
 
     def _fresh(self, B, H, dv, dk, device, S0=None) -> ScanHeld:
-        """A new state: S0 (default zeros) cast into both roles, flush index 0, an empty buffer
-        (ReplayState's construction, which refuses an S0 that is not finite or overflows a
-        role's format)."""
+        """A new state: S0 cast into both roles, flush index 0, an empty buffer. Zeros (a new
+        sequence) go straight into the chunked scan's state (`initial_scan_state`, the state
+        ReplayState starts from, without its checks' three host reads); an S0 adopted from an
+        unpatched model's cache through ReplayState's construction, which refuses one that is
+        not finite or overflows a role's format."""
         if S0 is None:
-            S0 = torch.zeros(B, H, dv, dk, device=device)
+            ss = initial_scan_state(torch.zeros(B, H, dv, dk, device=device), self.pair,
+                                    delta=self.delta, seed=self.seed, layer=self.layer_idx,
+                                    vector_gate=self.vector_gate)
+            return ScanHeld(ss, self.pair, self.delta, self.seed, self.layer_idx)
         return ScanHeld.of(ReplayState(S0, self.pair, delta=self.delta, seed=self.seed,
                                        layer=self.layer_idx, vector_gate=self.vector_gate))
 
