@@ -272,6 +272,7 @@ def test_prefill_into_a_static_cache_reads_the_device_a_few_times_a_layer(models
     from transformers import StaticCache
 
     from replayquant.hostsync import HostSyncCounter
+    from replayquant.kl.lockstep import cache_kwarg
     monkeypatch.setenv("REPLAYQUANT_BACKEND", "triton")
     model = models["qwen3_5"]
     patch(model, "tp4_hi32", buffer_len=BUFFER_LEN)
@@ -279,8 +280,8 @@ def test_prefill_into_a_static_cache_reads_the_device_a_few_times_a_layer(models
         ids, mask = _batch(B=4, T=9)
         cache = StaticCache(config=model.config, max_cache_len=16)
         with torch.no_grad(), HostSyncCounter(record_where=True) as c:
-            model(ids, attention_mask=mask, past_key_values=cache, use_cache=True,
-                  cache_position=torch.arange(9))
+            model(ids, attention_mask=mask, use_cache=True, cache_position=torch.arange(9),
+                  **{cache_kwarg(model): cache})
         ours = [w for w in c.where if "transformers/" not in w]
         assert len(ours) <= 6 * len(recurrent_layers(model)), sorted(ours)
     finally:
