@@ -44,6 +44,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 TASK = "gpqa_diamond_cot_zeroshot"
 WAYS = {"before", "eager", "compiled", "hf_compiled"}
+DTYPE = {"cuda": "bfloat16", "cpu": "float32"}      # the model's dtype on each device
 
 
 def write_questions(path: Path, n: int) -> None:
@@ -67,7 +68,7 @@ def save_model(folder: Path, shape: str, device: str) -> dict:
     model's vocabulary is at least as large)."""
     from replayquant.kl.bench import SHAPES, build_model
     vocab = max(SHAPES[shape]["vocab_size"], 4096)
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    dtype = getattr(torch, DTYPE[device])
     model = build_model(shape, dtype, device, vocab_size=vocab)
     model.save_pretrained(folder)
     for f in ("tokenizer.json", "tokenizer_config.json"):
@@ -120,7 +121,7 @@ def child(way: str, model: str, csv_path: str, out: str, pair: str, batch_size: 
 
     cls._model_generate = timed
     GenerationMixin._prefill = timed_prefill
-    dtype = "bfloat16" if device == "cuda" else "float32"
+    dtype = DTYPE[device]
     t_run = time.perf_counter()
     if way == "hf_compiled":
         tasks = TaskManager(include_path=str(write_task_dir(csv_path, Path(out) / "_tasks", [TASK])))
@@ -144,7 +145,7 @@ def child(way: str, model: str, csv_path: str, out: str, pair: str, batch_size: 
 def summarise(r: dict, questions: int) -> dict:
     warm = r["batches"][1:]
     rows, s = sum(b["rows"] for b in warm), sum(b["s"] for b in warm)
-    pre = sum(b.get("prefill_s", 0.0) for b in warm)
+    pre = sum(b["prefill_s"] for b in warm)
     steps = sum(b["new_tokens"] - 1 for b in warm)
     return {**r, "questions_per_min_run": 60 * questions / r["run_gpqa_s"],
             "prefill_s_after_first_batch": pre,

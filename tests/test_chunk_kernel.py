@@ -8,7 +8,7 @@ import torch
 
 from replayquant.kernels import chunk
 from replayquant.kernels.chunk_ref import chunk_scan_ref, initial_scan_state, teacher_force
-from _helpers import scan_inputs, stable_seed, vector_log_a
+from _helpers import bits, scan_inputs, stable_seed, vector_log_a
 from replayquant.pairs import PrecisionPair
 from replayquant.replay import ReplayState
 
@@ -26,8 +26,7 @@ def _poison(monkeypatch):
 
 
 def _codes(qt):
-    p = qt.payload
-    return p.view(torch.uint8) if p.dtype == torch.float8_e4m3fn else p
+    return bits(qt.payload)
 
 
 def _roles_match(pair, got, ref, what):
