@@ -11,9 +11,6 @@ def stable_seed(*parts) -> int:
     return zlib.crc32(repr(parts).encode())
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """t as torch.equal can compare it bit for bit (float8 payloads as their bytes)."""
-    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 def assert_states_close(a: torch.Tensor, b: torch.Tensor, tight=1e-5, frac=0.02):

@@ -6,9 +6,10 @@ padding, exact prefill, poisoned outputs."""
 import pytest
 import torch
 
+from replayquant.formats import as_bits
 from replayquant.kernels import chunk
 from replayquant.kernels.chunk_ref import chunk_scan_ref, initial_scan_state, teacher_force
-from _helpers import bits, scan_inputs, stable_seed, vector_log_a
+from _helpers import scan_inputs, stable_seed, vector_log_a
 from replayquant.pairs import PrecisionPair
 from replayquant.replay import ReplayState
 
@@ -26,7 +27,7 @@ def _poison(monkeypatch):
 
 
 def _codes(qt):
-    return bits(qt.payload)
+    return as_bits(qt.payload)
 
 
 def _roles_match(pair, got, ref, what):

@@ -23,8 +23,8 @@ import warnings
 
 import pytest
 import torch
-from _helpers import bits
 
+from replayquant.formats import as_bits
 from replayquant.models import decode_path, patch, recurrent_layers, unpatch
 from replayquant.models import decode_store as ds
 from replayquant.models import runtime
@@ -261,7 +261,7 @@ def test_scan_state_goes_into_the_store_as_through_a_replay_state(kind, pair):
     assert (direct.store.Tbuf is None) == (old.store.Tbuf is None)
     for a, b in zip(store_tensors(direct.store) + [direct.state_indices],
                     store_tensors(old.store) + [old.state_indices], strict=True):
-        assert a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+        assert a.dtype == b.dtype and torch.equal(as_bits(a), as_bits(b))
 
 
 def test_prefill_into_a_static_cache_reads_the_device_a_few_times_a_layer(models, monkeypatch):

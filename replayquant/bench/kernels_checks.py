@@ -8,6 +8,7 @@ import torch
 
 from replayquant.bench.inputs import cpu_generator, random_state
 from replayquant.bench.kernels_grid import SHAPES, kernel_fns, kernel_inputs
+from replayquant.formats import as_bits
 from replayquant.kernels import quant_ref as qref
 from replayquant.kernels.replay_decode import advance_pointers
 from replayquant.kernels.replay_ref import replay_accept_ref
@@ -39,8 +40,7 @@ def _ref_cast_device_vs_cpu(device) -> dict:
     for name, fn in (("fp8", qref.fp8_quantize_ref), ("nvfp4", qref.nvfp4_quantize_ref)):
         got = [t.cpu() for t in fn(x.to(device))]
         want = fn(x)
-        bits = [tuple(t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in ts)
-                for ts in (got, want)]
+        bits = [tuple(as_bits(t) for t in ts) for ts in (got, want)]
         res[name] = {"equal": all(torch.equal(a, b) for a, b in zip(*bits)),
                      "payload_codes_differing": float((bits[0][0] != bits[1][0]).float().mean())}
     return res

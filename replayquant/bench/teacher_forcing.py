@@ -39,6 +39,7 @@ from triton.testing import do_bench
 from replayquant import options
 from replayquant.bench.timing import (HF_TARGETS, REPLAY_TARGETS, KernelClock, fla_version,
                                       hf_chunk_function)
+from replayquant.formats import as_bits
 from replayquant.kernels import chunk
 from replayquant.kernels.chunk_ref import chunk_scan_ref, initial_scan_state
 from replayquant.kernels.compile_check import assemble, compile_ptx, ptxas_report
@@ -61,11 +62,6 @@ def _inputs(gen, B, T, H, dk, dv, delta, device):
     return [None if t is None else t.to(device) for t in (q, k, v, log_a, beta)]
 
 
-def _codes(qt):
-    p = qt.payload
-    return p.view(torch.uint8) if p.dtype == torch.float8_e4m3fn else p
-
-
 def _compare(pair, y, y_ref, s, s_ref):
     y, y_ref = y.cpu(), y_ref.cpu()
     scale = y_ref.abs().max().clamp(min=1e-6)
@@ -81,7 +77,8 @@ def _compare(pair, y, y_ref, s, s_ref):
             continue
         a, b = getattr(s, role), getattr(s_ref, role)
         fa, fb = spec.fmt.dequantize(a).cpu(), spec.fmt.dequantize(b)
-        out[f"{role}_codes_differ_frac"] = float((_codes(a).cpu() != _codes(b)).float().mean())
+        differ = as_bits(a.payload).cpu() != as_bits(b.payload)
+        out[f"{role}_codes_differ_frac"] = float(differ.float().mean())
         out[f"{role}_max_err_rel_to_matrix_max"] = float(
             ((fa - fb).abs() / fb.abs().amax(dim=(-2, -1), keepdim=True).clamp(min=1e-30)).max())
     return out
@@ -135,7 +132,7 @@ def check(device="cuda") -> list:
                         torch.cuda.synchronize()
                     r = _compare(pair, y, y_ref, s_new, s_ref)
                     r["rerun_bit_identical"] = bool(torch.equal(y, y2) and torch.equal(
-                        _codes(s_new.anchor), _codes(s_again.anchor)))
+                        as_bits(s_new.anchor.payload), as_bits(s_again.anchor.payload)))
                     case["segments_result"].append(r)
                     s_gpu = s_new
                 results.append(case)

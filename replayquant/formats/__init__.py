@@ -27,7 +27,7 @@ from replayquant.formats.constants import BF16, FP16, NVFP4_BLOCK, ROUNDINGS, Gr
 from replayquant.kernels import quant_ref as ref
 from replayquant.kernels.philox import random_bits_ref
 
-__all__ = ["FORMATS", "Format", "QTensor", "get_format", "use_triton"]
+__all__ = ["FORMATS", "Format", "QTensor", "as_bits", "get_format", "use_triton"]
 
 
 def use_triton(x: torch.Tensor) -> bool:
@@ -40,6 +40,12 @@ def use_triton(x: torch.Tensor) -> bool:
     if choice == "triton":
         options.check_backend(on_cuda=x.is_cuda)
     return choice == "triton"
+
+
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    """t as operators that have no float8 kernel can take it (torch.equal, zero_, copies
+    compared bit for bit): an FP8 payload viewed as its bytes, any other tensor as it is."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 @dataclass

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from replayquant.formats import as_bits
 from replayquant.kernels.conventional import (_into, gdn_frontend_ref, kda_frontend_ref,
                                               mamba2_frontend_ref, mamba2_post_ref)
 from replayquant.kernels.replay_decode import replay_launch_config
@@ -158,15 +159,14 @@ def _write_roles_ref(store: ReplayStore, s: int, S, fi: int):
     keep = keep.repeat_interleave(bv, 1)[:, :, None]                       # [H, d_v, 1]
     if bool(keep.any()):
         roles = [r for r in (store.anchor, store.read) if r is not None]
-        u8 = lambda t: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t  # noqa: E731
-        before = [[None if t is None else u8(t)[s].clone() for t in (r.payload, r.scale, r.gscale)]
+        before = [[None if t is None else as_bits(t)[s].clone() for t in (r.payload, r.scale, r.gscale)]
                   for r in roles]
         _write_roles_ref(store, s, torch.where(keep, 0.0, S), fi)
         for r, old in zip(roles, before):             # the kept tiles' bytes as they were
             for t, o in zip((r.payload, r.scale, r.gscale), old):
                 if t is not None:
                     m = keep if o.dim() == 3 else keep[..., 0] if o.dim() == 2 else keep[:, 0, 0]
-                    u8(t)[s] = torch.where(m, o, u8(t)[s])
+                    as_bits(t)[s] = torch.where(m, o, as_bits(t)[s])
         return
     store.anchor.write_([s], S[None], store.key, role_streams(fi, ANCHOR, [s], H))
     if store.read is not None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from replayquant.formats import QTensor
+from replayquant.formats import QTensor, as_bits
 from replayquant.replay import ReplayState, core
 from replayquant.streams import layer_seed
 
@@ -46,7 +46,7 @@ def _role_to_packed(q: QTensor, spec, N: int, slots: torch.Tensor, shape):
     role = PackedRole.empty(spec.format, spec.rounding, (N, H, dv, dk), q.device)
     for t in (role.payload, role.scale, role.gscale):
         if t is not None:
-            t.view(torch.uint8).zero_() if t.dtype == torch.float8_e4m3fn else t.zero_()
+            as_bits(t).zero_()
     if spec.format == "nvfp4":
         role.payload[slots] = q.payload.reshape(B, H, dv, dk // 2)
         role.scale[slots] = q.scales["block"].reshape(B, H, dv, dk // 16)
@@ -368,6 +368,6 @@ def take_slots(store, dst: torch.Tensor, src: torch.Tensor) -> None:
             store.kbuf, store.vbuf, store.ubuf, store.Gbuf, store.bbuf, store.Tbuf,
             store.committed, store.start, store.n_flush]:
         if t is not None:
-            t = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+            t = as_bits(t)
             t.index_copy_(0, dst, t.index_select(0, src))
 
