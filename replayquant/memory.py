@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from replayquant.policy import EXACT, LayerPolicy
-
 __all__ = ["available_bytes", "check_fits", "replay_cache_bytes", "kl_cache_bytes",
            "check_kl_sizes"]
 
@@ -55,36 +53,29 @@ def replay_cache_bytes(shape, pair) -> float:
     return 4.0 * s.H * (pair.buffer_len * per_entry + 2 * s.dv * s.dk)
 
 
-def kl_cache_bytes(variants, shapes) -> float:
-    """Bytes of the caches of every variant of a KL run (one sequence each), over the layers."""
-    total = 0.0
-    for v in variants:
-        pairs = (v.assign([(s.name, s.index) for s in shapes]) if isinstance(v, LayerPolicy)
-                 else [v] * len(shapes))
-        total += sum(replay_cache_bytes(s, p) for s, p in zip(shapes, pairs) if p != EXACT)
-    return total
+def kl_cache_bytes(layer_pairs) -> float:
+    """Bytes of the caches of a KL run, one sequence a variant: `layer_pairs` holds, for each
+    variant, the (layer shape, pair) of every layer it quantizes (`policy.quantized_layers`)."""
+    return sum(replay_cache_bytes(s, p) for layers in layer_pairs for s, p in layers)
 
 
-def _pairs_of(variant) -> list:
-    """The precision pairs a pair or layer policy holds (EXACT layers hold none)."""
-    pairs = variant.pairs() if isinstance(variant, LayerPolicy) else [variant]
-    return [p for p in pairs if p != EXACT]
-
-
-def check_kl_sizes(variants, shapes, context: int, prefill: str, device: str | None) -> None:
-    """Before a KL run loads weights: the variants' caches must fit in memory, and with prefill
-    "replay" every pair's buffer length must be below the context (else no flush happens inside
-    a document, and the KL would measure no anchor at all)."""
-    Ls = [p.buffer_len for v in variants for p in _pairs_of(v)]
-    check_fits(kl_cache_bytes(variants, shapes),
-               f"the caches of {len(variants)} variant(s) over {len(shapes)} recurrent layers "
-               f"(buffer lengths up to {max(Ls, default=0)})",
+def check_kl_sizes(labels, layer_pairs, n_layers: int, context: int, prefill: str,
+                   device: str | None) -> None:
+    """Before a KL run loads weights: the caches of the variants (named by `labels`, their layers
+    as `kl_cache_bytes` takes them) must fit in memory, and with prefill "replay" every pair's
+    buffer length must be below the context (else no flush happens inside a document, and the
+    KL would measure no anchor at all)."""
+    Ls = [[p.buffer_len for _, p in layers] for layers in layer_pairs]
+    longest = max((L for lens in Ls for L in lens), default=0)
+    check_fits(kl_cache_bytes(layer_pairs),
+               f"the caches of {len(labels)} variant(s) over {n_layers} recurrent layers "
+               f"(buffer lengths up to {longest})",
                "give shorter buffer lengths or fewer pairs per run", device)
     if prefill == "replay":
-        for v in variants:
-            long = [p.buffer_len for p in _pairs_of(v) if p.buffer_len >= context]
+        for label, lens in zip(labels, Ls, strict=True):
+            long = [L for L in lens if L >= context]
             if long:
-                raise ValueError(f"{v.label()}: buffer length {max(long)} is not below --context "
+                raise ValueError(f"{label}: buffer length {max(long)} is not below --context "
                                  f"{context}: no flush would happen inside a document, so the KL "
                                  f"would not measure the anchor at all; give a buffer length "
                                  f"below {context} (--buffer-len of sweep / sensitivity, "

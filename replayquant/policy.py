@@ -34,7 +34,7 @@ import yaml
 
 from replayquant.pairs import PrecisionPair, check_mapping, read_yaml
 
-__all__ = ["EXACT", "LayerPolicy", "Override", "is_policy_file", "resolve_pair"]
+__all__ = ["EXACT", "LayerPolicy", "Override", "is_policy_file", "quantized_layers", "resolve_pair"]
 
 EXACT = "exact"
 _POLICY_KEYS = ("name", "default", "buffer_len", "overrides", "description")
@@ -243,6 +243,15 @@ class LayerPolicy:
         data = read_yaml(p, "layer policy file")
         pol = cls.from_dict(data, source=str(p), base=p.parent)
         return pol if pol.name else pol.renamed(p.stem)
+
+
+def quantized_layers(variant, layers) -> list[tuple]:
+    """(layer, pair) for each of `layers` that `variant` quantizes: a pair quantizes every layer,
+    a layer policy those it does not leave EXACT. `layers` are rows whose first two fields are
+    the layer's qualified name and index (`LayerPolicy.assign`), e.g. `models.shapes` rows."""
+    if not isinstance(variant, LayerPolicy):
+        return [(s, variant) for s in layers]
+    return [(s, p) for s, p in zip(layers, variant.assign(layers)) if p != EXACT]
 
 
 def _yaml_mapping(p: Path):

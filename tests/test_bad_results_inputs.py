@@ -282,9 +282,11 @@ def test_caches_that_do_not_fit_are_refused_with_the_memory_they_need(tmp_path, 
     _one_clear_error(code, text, f"would need {need / 2 ** 30:.3g} GiB of memory",
                      "more than the 1 GiB free on the host")
     from replayquant.pairs import PrecisionPair
+    from replayquant.policy import quantized_layers
     from replayquant.sweep.common import shapes_of_model
     pair = PrecisionPair.load("s32_rs").with_buffer_len(100000)
-    assert memory.kl_cache_bytes([pair], shapes_of_model(TINY)[0]) == need
+    layers = quantized_layers(pair, shapes_of_model(TINY)[0])
+    assert memory.kl_cache_bytes([layers]) == need
 
 
 # ------------------------------------------------------------------ names and seeds that would mislead

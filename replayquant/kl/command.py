@@ -19,7 +19,7 @@ from replayquant.models.names import resolve_model_name
 from replayquant.models.patching import DTYPES, load_config, load_model
 from replayquant.models.shapes import config_shapes
 from replayquant.outputs import output_lock
-from replayquant.policy import resolve_pair
+from replayquant.policy import quantized_layers, resolve_pair
 
 from .data import load_documents
 from .files import check_out
@@ -107,7 +107,8 @@ def kl_command(model: str, pairs: list[str], dataset: str = "pg19", split: str =
         raise ValueError(f"--scoring {scoring} scores no position of a --context {context} "
                          f"document; give a longer --context")
     _check_dtype(dtype)
-    out_path = check_out(out if out else default_out(model, pairs, context, prefill, scoring))
+    out_path = out or default_out(model, pairs, context, prefill, scoring)
+    out_path = check_out(out_path)
     # the main process holds the output from here (run_kl takes the same lock again)
     main = int(os.environ.get("RANK", "0")) == 0
     with output_lock(out_path) if main else contextlib.nullcontext():
@@ -132,8 +133,9 @@ def _checked_kl(model, pairs, out_path: Path, *, dataset, split, text_field, con
     if limit and context > limit:
         raise ValueError(f"--context {context} is longer than the model supports "
                          f"(max_position_embeddings = {limit}); lower --context")
-    check_kl_sizes(pairs, config_shapes(cfg)[0], context, prefill,
-                   device_map)
+    shapes = config_shapes(cfg)[0]
+    quantized = [quantized_layers(p, shapes) for p in pairs]
+    check_kl_sizes([p.label() for p in pairs], quantized, len(shapes), context, prefill, device_map)
     documents = load_documents(dataset, tok, context, docs, split=split, text_field=text_field, pack=pack,
                                dataset_config=dataset_config, data_files=data_files)
 
