@@ -277,7 +277,7 @@ def test_replay_bf16_u_buffer_against_reference(pair):
     N, HK, H, dk, dv = 3, 1, 2, 32, 16
     dr = Driver("gdn", 3, HK, H, dk, dv)
     init = random_state(N, H, dv, dk)
-    assert ReplayStore.from_state(init, pair, "gdn").ubuf.dtype == \
+    assert ReplayStore.from_state(init, resolve_pair(pair), "gdn").ubuf.dtype == \
         (torch.float32 if pair == "s32_rs" else torch.bfloat16)
     store = ReplayStore.from_state(init, resolve_pair(pair, 4), "gdn", key_heads=HK,
                                    u_dtype=torch.bfloat16)
@@ -322,7 +322,7 @@ def test_flush_path_equals_conventional_with_sr():
     N, HK, H, dk, dv = 3, 1, 2, 16, 16
     dr = Driver("gdn", 3, HK, H, dk, dv)
     init = random_state(N, H, dv, dk, seed=2)
-    store = ReplayStore.from_state(init, "s16_sr", "gdn", key_heads=HK, seed=4)
+    store = ReplayStore.from_state(init, resolve_pair("s16_sr"), "gdn", key_heads=HK, seed=4)
     conv = ConventionalStore.from_state(init, "fp16", "stochastic", seed=4)
     for step in range(3):
         inp = dr.inputs(seed=step)
@@ -504,7 +504,7 @@ def test_gdn_beta_scale():
 
 
 def test_replay_bad_inputs():
-    store = ReplayStore.from_state(random_state(2, 2, 16, 16), "s32_rs", "gdn", key_heads=1)
+    store = ReplayStore.from_state(random_state(2, 2, 16, 16), resolve_pair("s32_rs"), "gdn", key_heads=1)
     q, k, v, a, b = gdn_step_inputs(2, 1, 2, 16, 16)
     A_log, dtb = gdn_params(2)
     with pytest.raises(ValueError, match="bfloat16"):
@@ -514,8 +514,8 @@ def test_replay_bad_inputs():
     with pytest.raises(ValueError, match="kind"):
         replay_mamba2_step(store, v, a, A_log, k, q)
     with pytest.raises(ValueError, match="key_heads"):
-        ReplayStore.from_state(random_state(2, 3, 16, 16), "s32_rs", "gdn", key_heads=2)
-    nv = ReplayStore.from_state(random_state(2, 2, 32, 16), "f4_sr_rs", "gdn", key_heads=1)
+        ReplayStore.from_state(random_state(2, 3, 16, 16), resolve_pair("s32_rs"), "gdn", key_heads=2)
+    nv = ReplayStore.from_state(random_state(2, 2, 32, 16), resolve_pair("f4_sr_rs"), "gdn", key_heads=1)
     with pytest.raises(ValueError, match="rows must be d_v"):
         replay_gdn_step(nv, q, k, gdn_step_inputs(2, 1, 2, 16, 32)[2], a, b, A_log, dtb,
                         launch={"flush": (16, None)})

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from replayquant.pairs import PrecisionPair
 from replayquant.statebytes import replay_window_bytes
 
 MAIN_L = {"gdn": 16, "mamba2": 8}
@@ -30,7 +31,6 @@ ANCHOR_TOL = 1e-5           # relative Frobenius error of an FP32 anchor after t
 # unit roundoff
 BF16_RING_BOUND = 2.0 ** -8
 LINE_BUDGET = 1500
-_FORMATS = {"s32_rs": ("fp32", None), "tp8_hi32": ("fp32", "fp8"), "tp4_hi32": ("fp32", "nvfp4")}
 
 
 def _rows(rows, **kv):
@@ -45,10 +45,11 @@ def _us(rows, **kv):
 def _floor_us(kind, pair, B, S, bw):
     if not bw or kind not in S:
         return None
-    af, rf = _FORMATS[pair]
+    p = PrecisionPair.load(pair)
     s = S[kind]
-    return replay_window_bytes(kind, af, rf, MAIN_L[kind], B, s["H"], s["HK"], s["dv"],
-                               s["dk"]) / bw / 1e3
+    read = None if p.read is None else p.read.format
+    return replay_window_bytes(kind, p.anchor.format, read, MAIN_L[kind], B, s["H"], s["HK"],
+                               s["dv"], s["dk"]) / bw / 1e3
 
 
 def _entry(name, target, unit, measured=None, met=None, detail=None, floor_us=None,

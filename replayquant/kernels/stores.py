@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 
 from replayquant.kernels.roles import PackedRole, role_streams
-from replayquant.policy import resolve_pair
+from replayquant.pairs import PrecisionPair
 from replayquant.replay.frontends import l2norm, l2norm_kda
 from replayquant.statebytes import ring_u_bytes
 from replayquant.streams import ANCHOR, READ, layer_seed
@@ -250,9 +250,10 @@ def default_u_dtype(anchor_fmt: str, read_fmt: str | None, ring_dtype=torch.bflo
 
 
 def _pair_roles(pair):
-    """(anchor (fmt, rounding), read (fmt, rounding) or None, L) of a pair (policy.resolve_pair:
-    a PrecisionPair, a pair name or YAML path)."""
-    pair = resolve_pair(pair, policy=False)
+    """(anchor (fmt, rounding), read (fmt, rounding) or None, L) of a PrecisionPair."""
+    if not isinstance(pair, PrecisionPair):
+        raise TypeError(f"a store takes a PrecisionPair (policy.resolve_pair makes one of a pair "
+                        f"name or YAML path), got {type(pair).__name__} {pair!r}")
     anchor = (pair.anchor.format, pair.anchor.rounding)
     read = None if pair.read is None else (pair.read.format, pair.read.rounding)
     return anchor, read, pair.buffer_len

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 import replayquant
-from replayquant.policy import resolve_pair
+from replayquant.pairs import PrecisionPair
 
 from . import stats as S
 from .data import Document
@@ -117,7 +117,7 @@ def reference_variant(model=None, mode: str = "exact", seed: int = 0) -> Variant
                                                  "state": "the unpatched Hugging Face model"})
     if mode != "exact":
         raise ValueError(f"--reference must be 'exact' or 'hf', got {mode!r}")
-    pair = resolve_pair("s32_rs")
+    pair = PrecisionPair.load("s32_rs")
     v = patch_variant(model, pair, "exact", seed)
     return Variant(name="reference", record={"name": "reference", "mode": "exact",
                                              "pair": pair_record(pair), "prefill": "exact"},
