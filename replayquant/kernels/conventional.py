@@ -31,11 +31,14 @@ import triton.language as tl
 from replayquant.kernels.roles import _tile_load, _tile_store, role_streams, split_key
 from replayquant.kernels.stores import (NO_DT_LIMIT, ConventionalStore, _indices, _pow2_dims,
                                         dt_limit_args, step_inputs)
-from replayquant.replay.frontends import l2norm, l2norm_kda
+from replayquant.replay.frontends import L2NORM_EPS, l2norm, l2norm_kda
 from replayquant.streams import ANCHOR
 
 
 # ---------------------------------------------------------------------------- front ends
+
+_L2_EPS: tl.constexpr = tl.constexpr(L2NORM_EPS)   # q, k L2 norms: x / sqrt(sum x^2 + eps)
+
 
 @triton.jit
 def _softplus(x):
@@ -45,7 +48,7 @@ def _softplus(x):
 
 @triton.jit
 def _l2norm(x):
-    return x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) + 1e-6))
+    return x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) + _L2_EPS))
 
 
 @triton.jit
@@ -79,8 +82,8 @@ def _front_end(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, row, hv
     skip = x * 0.0
     if VEC:
         if L2NORM:
-            q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)
-            k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
+            q = q / tl.sqrt(tl.sum(q * q, axis=0) + _L2_EPS)
+            k = k / tl.sqrt(tl.sum(k * k, axis=0) + _L2_EPS)
         q = q * scale
         log_a = tl.load(a_ptr + (row * HV + hv) * DK + cols).to(tl.float32)
         beta = tl.load(b_ptr + row * HV + hv).to(tl.float32)

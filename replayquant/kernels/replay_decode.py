@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from replayquant.kernels.conventional import (_front_end, _gate_out, _gated_step,
+from replayquant.kernels.conventional import (_L2_EPS, _front_end, _gate_out, _gated_step,
                                               _kernel_inputs, _l2norm, _program_tile)
 from replayquant.kernels.quant import (decode_bf16, decode_fp16, small_float_at,
                                        small_float_pair_at)
@@ -67,7 +67,7 @@ def _load_entries(kbuf, vbuf, ubuf, Gbuf, bbuf, slot, start, hv, hk, rows, cols,
     if DELTA:
         if L2NORM:
             Kf = Kb.to(tl.float32)
-            r = 1.0 / tl.sqrt(tl.sum(Kf * Kf, axis=1) + 1e-6)
+            r = 1.0 / tl.sqrt(tl.sum(Kf * Kf, axis=1) + _L2_EPS)
     if VEC:
         G = tl.load(Gbuf + (e[:, None] * HV + hv) * DK + cols[None, :], mask=m[:, None],
                     other=0.0)
@@ -535,7 +535,7 @@ def _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, out_ptr, q_ptr, k
             if DELTA:
                 if L2NORM:
                     kf = kraw.to(tl.float32)
-                    rk_ = 1.0 / tl.sqrt(tl.sum(kf * kf, axis=0) + 1e-6)
+                    rk_ = 1.0 / tl.sqrt(tl.sum(kf * kf, axis=0) + _L2_EPS)
             r = tl.where(cur, rk_, r)
             X = tl.where(cur[:, None], u[None, :], X)
             if VEC:
