@@ -515,6 +515,8 @@ def test_replay_bad_inputs():
         replay_mamba2_step(store, v, a, A_log, k, q)
     with pytest.raises(ValueError, match="key_heads"):
         ReplayStore.from_state(random_state(2, 3, 16, 16), resolve_pair("s32_rs"), "gdn", key_heads=2)
+    with pytest.raises(TypeError, match="policy.resolve_pair makes one"):
+        ReplayStore.from_state(random_state(2, 2, 16, 16), "s32_rs", "gdn", key_heads=1)
     nv = ReplayStore.from_state(random_state(2, 2, 32, 16), resolve_pair("f4_sr_rs"), "gdn", key_heads=1)
     with pytest.raises(ValueError, match="rows must be d_v"):
         replay_gdn_step(nv, q, k, gdn_step_inputs(2, 1, 2, 16, 32)[2], a, b, A_log, dtb,

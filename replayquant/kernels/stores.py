@@ -292,8 +292,8 @@ class ReplayStore:
                    seed: int = 0, layer: int = 0, u_dtype=None,
                    max_drafts: int = 0,
                    ring_dtype=torch.bfloat16) -> "ReplayStore":
-        """Cast float32 initial [N, H, d_v, d_k] into anchor and read copy (flush index 0,
-        independently, as ReplayState), empty buffers. key_heads: GDN key heads / Mamba-2
+        """Cast float32 initial [N, H, d_v, d_k] into anchor and read copy of `pair` (a
+        PrecisionPair; flush index 0, independently, as ReplayState), empty buffers. key_heads: GDN key heads / Mamba-2
         groups (default H). max_drafts: the largest T of speculative verify (0: plain decode).
         kind 'kda': the delta rule with a gate per key channel (Gbuf per channel). u_dtype (GDN /
         KDA u in the ring): None is float32 for a shared FP32 pair (its flush folds the cached u,
