@@ -247,11 +247,12 @@ class LayerPolicy:
 
 def quantized_layers(variant, layers) -> list[tuple]:
     """(layer, pair) for each of `layers` that `variant` quantizes: a pair quantizes every layer,
-    a layer policy those it does not leave EXACT. `layers` are rows whose first two fields are
-    the layer's qualified name and index (`LayerPolicy.assign`), e.g. `models.shapes` rows."""
+    a layer policy those it does not leave EXACT. `layers` have the layer's qualified `name` and
+    `index` (`models.shapes.LayerShape`)."""
     if not isinstance(variant, LayerPolicy):
         return [(s, variant) for s in layers]
-    return [(s, p) for s, p in zip(layers, variant.assign(layers)) if p != EXACT]
+    pairs = variant.assign([(s.name, s.index) for s in layers])
+    return [(s, p) for s, p in zip(layers, pairs) if p != EXACT]
 
 
 def _yaml_mapping(p: Path):
