@@ -159,8 +159,8 @@ def _write_roles_ref(store: ReplayStore, s: int, S, fi: int):
     keep = keep.repeat_interleave(bv, 1)[:, :, None]                       # [H, d_v, 1]
     if bool(keep.any()):
         roles = [r for r in (store.anchor, store.read) if r is not None]
-        before = [[None if t is None else as_bits(t)[s].clone() for t in (r.payload, r.scale, r.gscale)]
-                  for r in roles]
+        before = [[None if t is None else as_bits(t)[s].clone()
+                   for t in (r.payload, r.scale, r.gscale)] for r in roles]
         _write_roles_ref(store, s, torch.where(keep, 0.0, S), fi)
         for r, old in zip(roles, before):             # the kept tiles' bytes as they were
             for t, o in zip((r.payload, r.scale, r.gscale), old):

@@ -293,14 +293,14 @@ class ReplayStore:
                    max_drafts: int = 0,
                    ring_dtype=torch.bfloat16) -> "ReplayStore":
         """Cast float32 initial [N, H, d_v, d_k] into anchor and read copy of `pair` (a
-        PrecisionPair; flush index 0, independently, as ReplayState), empty buffers. key_heads: GDN key heads / Mamba-2
-        groups (default H). max_drafts: the largest T of speculative verify (0: plain decode).
-        kind 'kda': the delta rule with a gate per key channel (Gbuf per channel). u_dtype (GDN /
-        KDA u in the ring): None is float32 for a shared FP32 pair (its flush folds the cached u,
-        folds_u), else bfloat16, the flush solving for u (statebytes.ring_u_bytes). ring_dtype:
-        the ring's k and v, bfloat16 for the Triton kernels, float32 for the torch engine
-        (`replay_torch`, which then keeps u in float32 too and no key factors: its flush
-        recomputes u from the anchor)."""
+        PrecisionPair; flush index 0, independently, as ReplayState), empty buffers.
+        key_heads: GDN key heads / Mamba-2 groups (default H). max_drafts: the largest T of
+        speculative verify (0: plain decode). kind 'kda': the delta rule with a gate per key
+        channel (Gbuf per channel). u_dtype (GDN / KDA u in the ring): None is float32 for a shared
+        FP32 pair (its flush folds the cached u, folds_u), else bfloat16, the flush solving for u
+        (statebytes.ring_u_bytes). ring_dtype: the ring's k and v, bfloat16 for the Triton kernels,
+        float32 for the torch engine (`replay_torch`, which then keeps u in float32 too and no key
+        factors: its flush recomputes u from the anchor)."""
         if kind not in ("gdn", "mamba2", "kda"):
             raise ValueError(f"kind must be 'gdn', 'mamba2' or 'kda', got {kind!r}")
         if not isinstance(initial, torch.Tensor) or initial.dim() != 4 or not initial.is_floating_point():

@@ -107,8 +107,8 @@ def kl_command(model: str, pairs: list[str], dataset: str = "pg19", split: str =
         raise ValueError(f"--scoring {scoring} scores no position of a --context {context} "
                          f"document; give a longer --context")
     _check_dtype(dtype)
-    out_path = out or default_out(model, pairs, context, prefill, scoring)
-    out_path = check_out(out_path)
+    name = out or default_out(model, pairs, context, prefill, scoring)
+    out_path = check_out(name)
     # the main process holds the output from here (run_kl takes the same lock again)
     main = int(os.environ.get("RANK", "0")) == 0
     with output_lock(out_path) if main else contextlib.nullcontext():

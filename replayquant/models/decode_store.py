@@ -5,14 +5,14 @@ A `DecodeStore` is a `replayquant.kernels.stores.ReplayStore` (anchor and read c
 per-row pointers as device tensors, allocated once for the batch), the engine that steps it
 through the custom operator replayquant::replay_step ('triton': the replay decode kernel on a
 bf16 ring; 'torch': `replayquant.kernels.replay_torch` on a float32 ring), the slot of each
-batch row, and the device-side record of non-finite inputs. `parts_to_store` builds the store
-once, where decode starts, from a state's parts: the chunked scan's state as it is after a
-prompt, or a ReplayState's (`state_to_store`); `store_to_state` turns it back where a
-multi-token forward continues the cache. Both keep the anchor and read copy bit for bit (same packed bytes,
-same SR streams: slot id = the state's sequence id) and the committed buffer entries; the Triton
-engine's ring keeps k and v in bf16 and GDN's u in bf16 beside a separate read copy (half the
-buffer traffic of the decode kernels), in FP32 for a shared FP32 pair (its flush folds u), so
-buffered entries are rounded to bf16 on the way in; the torch engine's ring rounds nothing.
+batch row, and the device-side record of non-finite inputs. `parts_to_store` builds the store once,
+where decode starts, from a state's parts: the chunked scan's state as it is after a prompt, or a
+ReplayState's (`state_to_store`); `store_to_state` turns it back where a multi-token forward
+continues the cache. Both keep the anchor and read copy bit for bit (same packed bytes, same SR
+streams: slot id = the state's sequence id) and the committed buffer entries; the Triton engine's
+ring keeps k and v in bf16 and GDN's u in bf16 beside a separate read copy (half the buffer traffic
+of the decode kernels), in FP32 for a shared FP32 pair (its flush folds u), so buffered entries are
+rounded to bf16 on the way in; the torch engine's ring rounds nothing.
 """
 
 from __future__ import annotations
@@ -84,8 +84,7 @@ def _solved_u(parts: dict, pair) -> torch.Tensor:
     read = parts["read"] if parts["read"] is not None else parts["anchor"]
     R32 = pair.read_spec.fmt.dequantize(read)
     k, v, G, beta = (parts[n].float() for n in ("k", "v", "G", "beta"))
-    L = k.shape[2]
-    valid = (torch.arange(L, device=k.device)[None, :] < parts["committed"][:, None]).unsqueeze(1)
+    valid = core.committed_mask(parts["committed"], k.shape[2])
     return core.solve_u(R32, k, v, G, beta, valid)
 
 

@@ -32,15 +32,16 @@ Which path runs:
   on the GPU with a warning. `teacher_force_path()` says which. prefill="replay" gives exact
   decode semantics, prefill="exact" FP32 and one cast.
 
-Hand-off between the two (explicit, once, never per step): segments of multi-token forwards
-pass the scan's ScanState from one to the next as it is (`ScanHeld`); the first decode step after
-them builds the decode store straight from that state (`replayquant.models.decode_store`:
-`parts_to_store`, a `DecodeStore`; one host read); a multi-token forward into a static cache (HF's compiled generate) builds it at
-its end, so that the first decode step, which torch.compile traces, finds the store. Every decode step after
-that runs on the store alone (`kernel_decode`: the raw inputs straight into the operator, no
-torch front end, no host read: a beam reorder is a gather on the device, a non-finite input is
-recorded on the device and raised at the next multi-token forward). A multi-token forward
-continuing the cache converts the store back (`store_to_state`) before the chunked scan runs.
+Hand-off between the two (explicit, once, never per step): segments of multi-token forwards pass
+the scan's ScanState from one to the next as it is (`ScanHeld`); the first decode step after them
+builds the decode store straight from that state (`replayquant.models.decode_store`:
+`parts_to_store`, a `DecodeStore`; one host read); a multi-token forward into a static cache (HF's
+compiled generate) builds it at its end, so that the first decode step, which torch.compile traces,
+finds the store. Every decode step after that runs on the store alone (`kernel_decode`: the raw
+inputs straight into the operator, no torch front end, no host read: a beam reorder is a gather on
+the device, a non-finite input is recorded on the device and raised at the next multi-token
+forward). A multi-token forward continuing the cache converts the store back (`store_to_state`)
+before the chunked scan runs.
 
 Measured on one H100 (results/bench/generate.json; Qwen3.5-4B shape, random weights, bf16, 64-token
 prompt, fla 0.6.0, transformers 5.17, s32_rs, B = 1), ms per decode step: patched eager 27.6 (its

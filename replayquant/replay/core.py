@@ -71,6 +71,11 @@ def _scatter_slot(t: torch.Tensor, p: torch.Tensor, val: torch.Tensor) -> None:
     t.scatter_(2, idx, val.unsqueeze(2))
 
 
+def committed_mask(n: torch.Tensor, buffer_len: int) -> torch.Tensor:
+    """[b, 1, L] bool: entry j of row b is among its first n[b] (committed) entries."""
+    return (torch.arange(buffer_len, device=n.device)[None, :] < n[:, None]).unsqueeze(1)
+
+
 def solve_u(Sc, K, V, G, beta, valid):
     """Delta-rule corrections of every slot from checkpoint Sc (the triangular solve).
     G [b,H,L] or, for vector gates, [b,H,L,d_k]; valid [b,1,L]."""
@@ -116,7 +121,7 @@ def rebuild(Sc, K, V, G, beta, n):
         return _rebuild_vec(Sc, K, V, G, beta, n)
     b, H, buffer_len = G.shape
     zero = torch.zeros((), device=G.device)
-    valid = (torch.arange(buffer_len, device=G.device)[None, :] < n[:, None]).unsqueeze(1)   # [b,1,L]
+    valid = committed_mask(n, buffer_len)                                 # [b,1,L]
     Gn = torch.where((n > 0).view(b, 1), _gather_slot(G, (n - 1).clamp(min=0)), zero)  # [b,H]
     if beta is None:
         U = torch.where(valid.unsqueeze(-1), V, zero)
@@ -131,7 +136,7 @@ def _rebuild_vec(Sc, K, V, G, beta, n):
     """rebuild for vector gates G [b,H,L,d_k]: S = Sc Diag(exp(G_n)) + sum_j u_j (k_j * exp(G_n - G_j))^T."""
     b, H, buffer_len, dk = G.shape
     zero = torch.zeros((), device=G.device)
-    valid = (torch.arange(buffer_len, device=G.device)[None, :] < n[:, None]).unsqueeze(1)   # [b,1,L]
+    valid = committed_mask(n, buffer_len)                                 # [b,1,L]
     Gn = torch.where((n > 0).view(b, 1, 1), _gather_slot(G, (n - 1).clamp(min=0)), zero)  # [b,H,d_k]
     if beta is None:
         U = torch.where(valid.unsqueeze(-1), V, zero)

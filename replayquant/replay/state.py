@@ -353,7 +353,7 @@ class ReplayState(_StateBase):
             if parts.get("u") is not None:
                 self._u = parts["u"].to(device=dev, dtype=f32).clone()
             else:
-                valid = (torch.arange(buffer_len, device=dev)[None, :] < self._h[:, None]).unsqueeze(1)
+                valid = core.committed_mask(self._h, buffer_len)
                 self._u = core.solve_u(self._R32, self._k, self._v, self._G, self._beta, valid)
         self._pending = None
 
