@@ -6,7 +6,10 @@ The Qwen3.5-4B-shape model of `bench generate` (random weights, bf16) generates 
 64-token random prompt; after warm-up generates (which compile the static ways), cProfile records
 one generate of 20 new tokens per way (hf_eager, hf_static, patched_eager, patched_static), and
 the top functions by own time and by cumulative time go into OUTDIR/host_<way>.txt, with the
-wall time per generated token. A decode step is host-bound where the wall time per token is far
+wall time per generated token. Then torch.profiler records another generate on the host side:
+the operators and regions with the most host time per generated token, among them dynamo's
+guard evaluation ("TorchDynamo Cache Lookup"), the compiled region and the CUDA graph replay;
+that table goes into the same file and, as JSON, into OUTDIR/host_regions.json. A decode step is host-bound where the wall time per token is far
 above the GPU's busy time (bench generate reports both); this says which Python code holds it.
 """
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import json
 import pstats
 import time
 from pathlib import Path
@@ -41,6 +45,7 @@ def main(argv=None):
     ids = torch.randint(1, model.config.vocab_size, (a.batch, 64),
                         generator=torch.Generator().manual_seed(a.batch)).cuda()
     cc = CompileConfig(backend="inductor", mode="reduce-overhead")
+    regions = {}
     for way in a.ways.split(","):
         static = way.endswith("static")
         if way.startswith("patched"):
@@ -57,6 +62,8 @@ def main(argv=None):
             torch.cuda.synchronize()
             prof.disable()
             wall = time.perf_counter() - t0
+            regions[way] = _host_regions(lambda: _generate(model, ids, a.new_tokens, static, cc),
+                                         a.new_tokens)
         finally:
             if way.startswith("patched"):
                 unpatch(model)
@@ -66,8 +73,34 @@ def main(argv=None):
         st = pstats.Stats(prof, stream=buf)
         st.sort_stats("tottime").print_stats(30)
         st.sort_stats("cumulative").print_stats(45)
+        buf.write("\nhost microseconds per generated token by profiler event (torch.profiler, CPU; "
+                  "nested events overlap)\n")
+        for name, us in regions[way].items():
+            buf.write(f"{us:12.1f}  {name}\n")
         (out / f"host_{way}.txt").write_text(buf.getvalue())
         print(buf.getvalue().splitlines()[0], flush=True)
+        for name in ("TorchDynamo Cache Lookup", "Torch-Compiled Region", "CUDAGraphNode.replay"):
+            hits = [(k, v) for k, v in regions[way].items() if k.startswith(name)]
+            for k, v in hits[:2]:
+                print(f"  {v:9.1f} us/token  {k}", flush=True)
+    (out / "host_regions.json").write_text(json.dumps(
+        {"batch": a.batch, "pair": a.pair, "new_tokens": a.new_tokens,
+         "us_per_token": regions}, indent=1))
+
+
+def _host_regions(fn, n_tokens: int, top: int = 40) -> dict[str, float]:
+    """Host microseconds per generated token of the `top` profiler events of one fn() by total
+    CPU time (events nest: a region's time includes the operators inside it)."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for e in prof.events():
+        totals[e.name] = totals.get(e.name, 0.0) + e.cpu_time_total
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1])[:top]
+    return {k: v / n_tokens for k, v in ranked}
 
 
 if __name__ == "__main__":
