@@ -3,7 +3,7 @@
     python evals/decode_host_profile.py OUTDIR [--batch 1] [--pair s32_rs] [--ways ...]
 
 The Qwen3.5-4B-shape model of `bench generate` (random weights, bf16) generates greedily from a
-64-token random prompt; after warm-up generates (which compile the static ways), cProfile records
+random prompt (64 tokens, --prompt); after warm-up generates (which compile the static ways), cProfile records
 one generate of 20 new tokens per way (hf_eager, hf_static, patched_eager, patched_static), and
 the top functions by own time and by cumulative time go into OUTDIR/host_<way>.txt, with the
 wall time per generated token. Then torch.profiler records another generate on the host side:
@@ -38,11 +38,13 @@ def main(argv=None):
     ap.add_argument("--pair", default="s32_rs")
     ap.add_argument("--ways", default="patched_eager,patched_static,hf_static")
     ap.add_argument("--new-tokens", type=int, default=20)
+    ap.add_argument("--prompt", type=int, default=64, help="prompt tokens (the prefill is eager "
+                    "in every way: a long prompt shows its host time beside the steps')")
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     model = build_model("qwen3.5-4b", torch.bfloat16, "cuda")
-    ids = torch.randint(1, model.config.vocab_size, (a.batch, 64),
+    ids = torch.randint(1, model.config.vocab_size, (a.batch, a.prompt),
                         generator=torch.Generator().manual_seed(a.batch)).cuda()
     cc = CompileConfig(backend="inductor", mode="reduce-overhead")
     regions = {}
@@ -84,7 +86,7 @@ def main(argv=None):
             for k, v in hits[:2]:
                 print(f"  {v:9.1f} us/token  {k}", flush=True)
     (out / "host_regions.json").write_text(json.dumps(
-        {"batch": a.batch, "pair": a.pair, "new_tokens": a.new_tokens,
+        {"batch": a.batch, "pair": a.pair, "prompt": a.prompt, "new_tokens": a.new_tokens,
          "us_per_token": regions}, indent=1))
 
 
