@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from replayquant.formats import FORMATS, get_format
+from replayquant.formats import FORMATS, as_bits, get_format
 from replayquant.formats.constants import (BF16, E2M1, E2M1_VALUES, E4M3, FP16,
                                            NVFP4_BLOCK_SCALE_MIN)
 from replayquant.kernels.philox import random_bits_ref
@@ -309,13 +309,23 @@ def test_sr_explicit_bits_match_generated():
 @pytest.mark.parametrize("name", list(FORMATS))
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 def test_zero_rows_blocks_give_zeros(name, rounding, backend):
+    """Zero rows and blocks dequantize to zeros beside a non-zero one; Format.zeros (a new
+    state's roles, without the finiteness check) is quantize(zeros) bit for bit."""
     x = torch.zeros(2, 3, 4, 32)
     x[1, 2, 1, 5] = -3.0
-    out = get_format(name).fake_quantize(x, rounding, seed=1)
+    fmt = get_format(name)
+    out = fmt.fake_quantize(x, rounding, seed=1)
     assert not torch.isnan(out).any()
     mask = torch.ones_like(x, dtype=torch.bool)
     mask[1, 2, 1] = False
     assert bool((out[mask] == 0).all())
+    want = fmt.quantize(torch.zeros(x.shape), rounding, seed=1, stream=torch.arange(3) + 5)
+    got = fmt.zeros(x.shape)
+    assert (got.format, got.shape, sorted(got.scales)) == (want.format, want.shape,
+                                                           sorted(want.scales))
+    for a, b in [(got.payload, want.payload)] + [(got.scales[k], want.scales[k])
+                                                 for k in want.scales]:
+        assert a.dtype == b.dtype and torch.equal(as_bits(a), as_bits(b))
 
 
 @pytest.mark.parametrize("name", list(FORMATS))

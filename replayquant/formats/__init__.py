@@ -88,6 +88,13 @@ class Format:
             raise ValueError(f"{self.name}: cannot dequantize a {q.format} tensor")
         return self._dequantize(q)
 
+    def zeros(self, shape, device=None) -> QTensor:
+        """What quantize gives for torch.zeros(shape) under either rounding, any seed and stream
+        (zero lies on every grid and sets no scale), without quantize's finiteness check and its
+        host read: the roles of a new sequence's state."""
+        x = self._check_shape(torch.zeros(shape, dtype=torch.float32, device=device))
+        return self._quantize(x, "nearest", 0, 0, None)
+
     def fake_quantize(self, x: torch.Tensor, rounding: str = "nearest", seed: int = 0, stream=0,
                       rbits: torch.Tensor | None = None) -> torch.Tensor:
         return self.dequantize(self.quantize(x, rounding, seed, stream, rbits))
@@ -98,11 +105,14 @@ class Format:
             raise ValueError(f"{self.name}: unknown rounding {rounding!r}; use one of {ROUNDINGS}")
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise ValueError(f"{self.name}: input must be a floating-point tensor")
-        if x.dim() == 0:
-            raise ValueError(f"{self.name}: input must have at least one dimension")
-        x = x.to(torch.float32).contiguous()
+        x = self._check_shape(x.to(torch.float32).contiguous())
         if not bool(torch.isfinite(x).all()):
             raise ValueError(f"{self.name}: input contains NaN or infinity; states must be finite")
+        return x
+
+    def _check_shape(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 0:
+            raise ValueError(f"{self.name}: input must have at least one dimension")
         return x
 
     def __repr__(self) -> str:
@@ -176,8 +186,8 @@ class NVFP4Format(Format):
     def bytes_per_element(self, d=128, rows=128):
         return 0.5 + 1.0 / NVFP4_BLOCK + 4.0 / (d * rows)
 
-    def _check(self, x, rounding):
-        x = super()._check(x, rounding)
+    def _check_shape(self, x):
+        x = super()._check_shape(x)
         if x.shape[-1] % NVFP4_BLOCK:
             raise ValueError(f"nvfp4: the last dim ({x.shape[-1]}) must be a multiple of "
                              f"{NVFP4_BLOCK} (one E4M3 scale per {NVFP4_BLOCK} elements); pad it "

@@ -120,19 +120,30 @@ def cast_roles(S: torch.Tensor, pair, *, seed: int, layer: int, flush_index, row
     return a, r
 
 
-def initial_scan_state(S0: torch.Tensor, pair, *, delta: bool, seed: int = 0, layer: int = 0,
-                       rows=None, vector_gate: bool = False) -> ScanState:
+def initial_scan_state(S0, pair, *, delta: bool, seed: int = 0, layer: int = 0,
+                       rows=None, vector_gate: bool = False, device=None) -> ScanState:
     """The state `ReplayState(S0, pair, delta, seed, layer, rows)` starts from: S0 cast into both
-    roles (flush index 0), an empty buffer. vector_gate: log_a per key channel (G [B, H, L,
-    d_k], KDA), else one per head."""
-    if not isinstance(S0, torch.Tensor) or S0.dim() != 4:
-        raise ValueError("initial state must be a tensor [B, H, d_v, d_k]")
-    S0 = S0.to(torch.float32)
-    B, H, dv, dk = S0.shape
-    dev = S0.device
+    roles (flush index 0), an empty buffer. S0 a tensor [B, H, d_v, d_k], or its shape for a
+    state of zeros on `device` (a new sequence: each role is its format's `zeros`, the bits the
+    casts give, without their finiteness checks and host reads). vector_gate: log_a per key
+    channel (G [B, H, L, d_k], KDA), else one per head."""
+    if isinstance(S0, torch.Tensor):
+        if S0.dim() != 4:
+            raise ValueError("initial state must be a tensor [B, H, d_v, d_k]")
+        S0 = S0.to(torch.float32)
+        dev = S0.device
+    elif len(S0) != 4:
+        raise ValueError("initial state must be a tensor [B, H, d_v, d_k] or that shape")
+    else:
+        dev = torch.device("cpu") if device is None else torch.device(device)
+    B, H, dv, dk = S0.shape if isinstance(S0, torch.Tensor) else S0
     rows = torch.arange(B, device=dev) if rows is None else torch.as_tensor(rows, device=dev)
     buffer_len = pair.buffer_len
-    a, r = cast_roles(S0, pair, seed=seed, layer=layer, flush_index=0, rows=rows)
+    if isinstance(S0, torch.Tensor):
+        a, r = cast_roles(S0, pair, seed=seed, layer=layer, flush_index=0, rows=rows)
+    else:
+        a = pair.anchor.fmt.zeros((B, H, dv, dk), dev)
+        r = None if pair.read is None else pair.read.fmt.zeros((B, H, dv, dk), dev)
     z = torch.zeros
     return ScanState(anchor=a, read=r, k=z(B, H, buffer_len, dk, device=dev),
                      v=z(B, H, buffer_len, dv, device=dev),

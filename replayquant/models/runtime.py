@@ -228,14 +228,14 @@ class LayerRuntime:
 
     def _fresh(self, B, H, dv, dk, device, S0=None) -> ScanHeld:
         """A new state: S0 cast into both roles, flush index 0, an empty buffer. Zeros (a new
-        sequence) go straight into the chunked scan's state (`initial_scan_state`, the state
-        ReplayState starts from, without its checks' three host reads); an S0 adopted from an
+        sequence) go straight into the chunked scan's state (`initial_scan_state` of their shape:
+        the state ReplayState starts from, without its checks' host reads); an S0 adopted from an
         unpatched model's cache through ReplayState's construction, which refuses one that is
         not finite or overflows a role's format."""
         if S0 is None:
-            ss = initial_scan_state(torch.zeros(B, H, dv, dk, device=device), self.pair,
-                                    delta=self.delta, seed=self.seed, layer=self.layer_idx,
-                                    vector_gate=self.vector_gate)
+            ss = initial_scan_state((B, H, dv, dk), self.pair, delta=self.delta,
+                                    seed=self.seed, layer=self.layer_idx,
+                                    vector_gate=self.vector_gate, device=device)
             return ScanHeld(ss, self.pair, self.delta, self.seed, self.layer_idx)
         return ScanHeld.of(ReplayState(S0, self.pair, delta=self.delta, seed=self.seed,
                                        layer=self.layer_idx, vector_gate=self.vector_gate))
