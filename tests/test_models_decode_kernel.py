@@ -256,6 +256,10 @@ def test_scan_state_goes_into_the_store_as_through_a_replay_state(kind, pair):
     with HostSyncCounter() as c:
         direct = ds.DecodeStore.from_parts(scan_parts(ss), pr, delta, 2, 3, HK)
     assert c.syncs == 1, c.by_name
+    with HostSyncCounter() as c:                 # slot count known on the host (a new state)
+        known = ds.DecodeStore.from_parts(scan_parts(ss), pr, delta, 2, 3, HK, n_slots=B)
+    assert c.syncs == 0, c.by_name
+    assert all(torch.equal(a, b) for a, b in zip(known.tensors(), direct.tensors()))
     old = ds.DecodeStore(via, HK)
     assert len(set(old.store.committed.tolist())) > 1
     assert (direct.store.Tbuf is None) == (old.store.Tbuf is None)

@@ -97,11 +97,13 @@ def _slot_count(rows: torch.Tensor) -> int | None:
 
 
 def parts_to_store(parts: dict, pair, delta: bool, seed: int, layer: int, key_heads: int,
-                   u_dtype=None, ring_dtype=torch.bfloat16):
+                   u_dtype=None, ring_dtype=torch.bfloat16, n_slots: int | None = None):
     """(ReplayStore, state_indices), the decode store of either engine, from a state's parts
     (the dict ReplayState.export returns, or the chunked scan's state as `scan_parts` gives it:
     GDN u None, computed here against the read copy as ReplayState.load does). One host read
-    (the slot count); the parts are the engine's own, so they are not checked again.
+    (the slot count), none where the caller knows it (`n_slots`: the rows are then distinct and
+    below it, as a new state's 0..B-1); the parts are the engine's own, so they are not checked
+    again.
 
     Slots are the state's sequence ids (`rows`, which key the SR streams in both), so the store
     has max(rows) + 1 slots and state_indices = rows. Sequence ids that repeat (a beam reorder
@@ -128,7 +130,7 @@ def parts_to_store(parts: dict, pair, delta: bool, seed: int, layer: int, key_he
         raise ValueError(f"key_heads={key_heads} must divide the {H} heads")
     r = H // key_heads
     rows = parts["rows"]
-    N = _slot_count(rows)
+    N = _slot_count(rows) if n_slots is None else n_slots
     if N is None:
         rows, N = torch.arange(B, dtype=torch.int64, device=rows.device), B
     slots = rows.long()
@@ -238,14 +240,15 @@ class DecodeStore:
 
     @classmethod
     def from_parts(cls, parts: dict, pair, delta: bool, seed: int, layer: int, key_heads: int,
-                   reuse: "DecodeStore | None" = None, engine: str = "triton") -> "DecodeStore":
+                   reuse: "DecodeStore | None" = None, engine: str = "triton",
+                   n_slots: int | None = None) -> "DecodeStore":
         """The decode store of a state's parts (`parts_to_store`: the chunked scan's state
-        straight into the store, no ReplayState in between)."""
+        straight into the store, no ReplayState in between; n_slots as there)."""
         self = cls.__new__(cls)
-        self._build(parts, pair, delta, seed, layer, key_heads, reuse, engine)
+        self._build(parts, pair, delta, seed, layer, key_heads, reuse, engine, n_slots)
         return self
 
-    def _build(self, parts, pair, delta, seed, layer, key_heads, reuse, engine):
+    def _build(self, parts, pair, delta, seed, layer, key_heads, reuse, engine, n_slots=None):
         # Triton (Linux only): loaded where a kernel runs
         from replayquant.kernels.ops import ENGINES, store_meta
         from replayquant.kernels.stores import FAULT_INPUTS, FaultRecord
@@ -257,7 +260,7 @@ class DecodeStore:
         self.device = parts["k"].device
         self.ring = RING_DTYPE[engine]
         self.store, slots = parts_to_store(parts, pair, delta, seed, layer, key_heads,
-                                           ring_dtype=self.ring)
+                                           ring_dtype=self.ring, n_slots=n_slots)
         # int32, as the kernels index: a step converts nothing
         self.state_indices = slots.to(torch.int32)
         self.meta = store_meta(self.store, engine)
