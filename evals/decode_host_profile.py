@@ -3,14 +3,15 @@
     python evals/decode_host_profile.py OUTDIR [--batch 1] [--pair s32_rs] [--ways ...]
 
 The Qwen3.5-4B-shape model of `bench generate` (random weights, bf16) generates greedily from a
-random prompt (64 tokens, --prompt); after warm-up generates (which compile the static ways), cProfile records
-one generate of 20 new tokens per way (hf_eager, hf_static, patched_eager, patched_static), and
-the top functions by own time and by cumulative time go into OUTDIR/host_<way>.txt, with the
-wall time per generated token. Then torch.profiler records another generate on the host side:
-the operators and regions with the most host time per generated token, among them dynamo's
-guard evaluation ("TorchDynamo Cache Lookup"), the compiled region and the CUDA graph replay;
-that table goes into the same file and, as JSON, into OUTDIR/host_regions.json. A decode step is host-bound where the wall time per token is far
-above the GPU's busy time (bench generate reports both); this says which Python code holds it.
+random prompt (64 tokens, --prompt); after warm-up generates (which compile the static ways),
+cProfile records one generate of 20 new tokens per way (hf_eager, hf_static, patched_eager,
+patched_static), and the top functions by own time and by cumulative time go into
+OUTDIR/host_<way>.txt, with the wall time per generated token. Then torch.profiler records another
+generate on the host side: the operators and regions with the most host time per generated token,
+among them dynamo's guard evaluation ("TorchDynamo Cache Lookup"), the compiled region and the
+CUDA graph replay; that table goes into the same file and, as JSON, into OUTDIR/host_regions.json.
+A decode step is host-bound where the wall time per token is far above the GPU's busy time (bench
+generate reports both); this says which code holds it.
 """
 
 from __future__ import annotations
