@@ -131,19 +131,19 @@ def initial_scan_state(S0, pair, *, delta: bool, seed: int = 0, layer: int = 0,
         if S0.dim() != 4:
             raise ValueError("initial state must be a tensor [B, H, d_v, d_k]")
         S0 = S0.to(torch.float32)
-        dev = S0.device
-    elif len(S0) != 4:
-        raise ValueError("initial state must be a tensor [B, H, d_v, d_k] or that shape")
+        shape, dev = tuple(S0.shape), S0.device
     else:
-        dev = torch.device("cpu") if device is None else torch.device(device)
-    B, H, dv, dk = S0.shape if isinstance(S0, torch.Tensor) else S0
+        shape, dev = tuple(S0), torch.device("cpu" if device is None else device)
+        if len(shape) != 4:
+            raise ValueError("initial state must be a tensor [B, H, d_v, d_k] or that shape")
+    B, H, dv, dk = shape
     rows = torch.arange(B, device=dev) if rows is None else torch.as_tensor(rows, device=dev)
     buffer_len = pair.buffer_len
     if isinstance(S0, torch.Tensor):
         a, r = cast_roles(S0, pair, seed=seed, layer=layer, flush_index=0, rows=rows)
     else:
-        a = pair.anchor.fmt.zeros((B, H, dv, dk), dev)
-        r = None if pair.read is None else pair.read.fmt.zeros((B, H, dv, dk), dev)
+        a = pair.anchor.fmt.zeros(shape, dev)
+        r = None if pair.read is None else pair.read.fmt.zeros(shape, dev)
     z = torch.zeros
     return ScanState(anchor=a, read=r, k=z(B, H, buffer_len, dk, device=dev),
                      v=z(B, H, buffer_len, dv, device=dev),

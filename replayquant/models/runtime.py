@@ -119,13 +119,14 @@ class ScanHeld:
     and GDN's u recomputed, measured at ~2.7 ms per layer call on the H200). Where decode
     starts it goes into the decode store as it is (`DecodeStore.from_parts`: GDN's u solved
     against the read copy there, as ReplayState.load solves it, one host read);
-    `to_replay_state` gives it as a ReplayState. slots: the decode store's slot count where the
+    `to_replay_state` gives it as a ReplayState. n_slots: the decode store's slot count where the
     host knows it (B for a new state, whose rows are 0..B-1), so that the hand-off reads nothing
     for it; None: counted there from the rows (one host read)."""
 
-    def __init__(self, ss, pair, delta: bool, seed: int, layer: int, slots: int | None = None):
+    def __init__(self, ss, pair, delta: bool, seed: int, layer: int,
+                 n_slots: int | None = None):
         self.ss, self.pair, self.delta, self.seed, self.layer = ss, pair, delta, seed, layer
-        self.slots = slots
+        self.n_slots = n_slots
 
     @classmethod
     def of(cls, st: ReplayState) -> "ScanHeld":
@@ -159,7 +160,7 @@ def _teacher_force(held: ScanHeld, q, k, v, log_a, beta, valid, exact: bool):
     with cpu_threads(q.device):
         y, ss = scan(held.ss, q, k, v, log_a, beta, pair=held.pair, seed=held.seed,
                      layer=held.layer, valid=valid, exact=exact)
-    return y, ScanHeld(ss, held.pair, held.delta, held.seed, held.layer, held.slots)
+    return y, ScanHeld(ss, held.pair, held.delta, held.seed, held.layer, held.n_slots)
 
 
 def _one_token(raw: dict) -> dict:
@@ -239,7 +240,7 @@ class LayerRuntime:
             ss = initial_scan_state((B, H, dv, dk), self.pair, delta=self.delta,
                                     seed=self.seed, layer=self.layer_idx,
                                     vector_gate=self.vector_gate, device=device)
-            return ScanHeld(ss, self.pair, self.delta, self.seed, self.layer_idx, slots=B)
+            return ScanHeld(ss, self.pair, self.delta, self.seed, self.layer_idx, n_slots=B)
         return ScanHeld.of(ReplayState(S0, self.pair, delta=self.delta, seed=self.seed,
                                        layer=self.layer_idx, vector_gate=self.vector_gate))
 
@@ -389,7 +390,7 @@ class LayerRuntime:
         heads, engine = _key_heads(raw, self.delta), self._engine(q, v, raw)
         if isinstance(st, ScanHeld):          # the scan's state straight into the store
             return DecodeStore.from_parts(scan_parts(st.ss), st.pair, st.delta, st.seed, st.layer,
-                                          heads, reuse=reuse, engine=engine, n_slots=st.slots)
+                                          heads, reuse=reuse, engine=engine, n_slots=st.n_slots)
         return DecodeStore(st, heads, reuse=reuse, engine=engine)
 
     def _decode_ready(self, st, q, k, v, log_a, beta, raw, lay=None):
