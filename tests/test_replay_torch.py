@@ -176,3 +176,45 @@ def test_flush_rows_named_by_the_caller_change_nothing(kind, pair):
             assert torch.equal(y, y_told), (ring, i)
             assert_same_store(store, told)
         assert {0, 1} <= counts and max(counts) >= 2
+
+
+@pytest.mark.parametrize("kind,pair", [("gdn", "tp4_hi16_sr"), ("mamba2", "s32_rs")])
+def test_packed_store_steps_as_its_fields(kind, pair):
+    """A packed store (ReplayStore.pack: every field a view of one byte buffer, which the
+    operator takes alone) keeps its values bit for bit, its clone is packed too, and the
+    operator replayquant::replay_step gives on it, eagerly and compiled (fullgraph, the
+    operator receiving the one buffer), the outputs and store of the same step on the store
+    of separate fields."""
+    from replayquant.kernels import ops
+    fields = _store(kind, pair)
+    packed = fields.clone()
+    packed.pack()
+    assert_same_store(packed, fields)
+    lo = packed.blob.data_ptr()
+    hi = lo + packed.blob.numel()
+    names, ts = packed.fields()
+    assert len(ts) > 8 and all(lo <= t.data_ptr() < hi and t.is_contiguous() for t in ts)
+    assert all((t.data_ptr() - lo) % 256 == 0 for t in ts)
+    assert ops.store_tensors(packed) == [packed.blob]
+    twin = packed.clone()
+    assert twin.blob is not None and twin.blob.data_ptr() != lo
+    assert_same_store(twin, packed)
+    names_in = ops._INPUTS[kind]
+
+    meta = ops.store_meta(packed, "torch")
+
+    def step(store, ins, idx):
+        return ops.replay_step(store, ins, idx, meta=meta if store.blob is not None
+                               else ops.store_meta(store, "torch"))
+
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
+    for i, idx in enumerate(SCHEDULE[:7]):
+        args, kw = _inputs(kind, 100 + i)
+        ins = dict(zip(names_in, args + ((kw["dt_bias"],) if kind == "mamba2" else ())))
+        idx = torch.tensor(idx)
+        y = step(fields, ins, idx)
+        assert torch.equal(step(packed, ins, idx), y)
+        assert torch.equal(compiled(twin, ins, idx), y)
+        assert_same_store(packed, fields)
+        assert_same_store(twin, fields)
+    assert fields.n_flush.any()

@@ -7,7 +7,8 @@ the pointer move) are speculative decoding's round on the same store: the Triton
 `verify.replay_*_verify` / `replay_accept`, the torch engine's references in `replay_ref`.
 
 `replay_step(store, inputs, state_indices, ...)` runs one decode step of a `ReplayStore` through
-the operator `replayquant::replay_step`, whose arguments are the store's tensors (declared as
+the operator `replayquant::replay_step`, whose arguments are the store's tensors, or its one
+byte buffer where the store is packed (`ReplayStore.pack`; declared as
 mutated: the step writes the ring, the pointers and, at a flush, both roles), the step's input
 tensors, and a string holding what the store's tensors do not say (kind, formats, L, key heads,
 the SR key, the engine). The engine is the store's: 'triton' (`replay_decode.replay_{gdn,mamba2,
@@ -36,41 +37,15 @@ from replayquant.kernels import replay_ref as rr
 from replayquant.kernels import replay_torch as rt
 from replayquant.kernels import verify as vf
 from replayquant.kernels.roles import PackedRole
-from replayquant.kernels.stores import FaultRecord, ReplayStore, _begin, _check_accept
+from replayquant.kernels.stores import (FaultRecord, ReplayStore, _begin, _check_accept,
+                                        packed_views)
 
 __all__ = ["replay_step", "replay_verify", "replay_accept", "store_tensors", "store_meta",
            "ENGINES"]
 
-# the store's tensor fields, in the operator's order (a role's absent scale tensors are left out
-# and named in the meta string)
-_RING = ("kbuf", "vbuf", "ubuf", "Gbuf", "bbuf", "Tbuf", "committed", "start", "n_flush", "arrive")
-_ROLE = ("payload", "scale", "gscale")
 _INPUTS = {"gdn": ("q", "k", "v", "a", "b", "A_log", "dt_bias"),
            "mamba2": ("x", "dt", "A", "B", "C", "dt_bias"),
            "kda": ("q", "k", "v", "g", "beta")}
-
-
-def _present(store: ReplayStore):
-    """(names, tensors) of the store's tensor fields that are not None (the arrival counters
-    allocated if the store has none yet)."""
-    if store.arrive is None:
-        store.arrive = torch.zeros_like(store.committed)
-    names, ts = [], []
-    for role in ("anchor", "read"):
-        r = getattr(store, role)
-        if r is None:
-            continue
-        for f in _ROLE:
-            t = getattr(r, f)
-            if t is not None:
-                names.append(f"{role}.{f}")
-                ts.append(t)
-    for f in _RING:
-        t = getattr(store, f)
-        if t is not None:
-            names.append(f)
-            ts.append(t)
-    return names, ts
 
 
 ENGINES = ("triton", "torch")
@@ -81,16 +56,18 @@ def store_meta(store: ReplayStore, engine: str = "triton") -> str:
     key); engine: 'triton' or 'torch', which steps the store."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
-    names, _ = _present(store)
+    names, _ = store.fields()
     role = lambda r: None if r is None else [r.fmt, r.rounding, list(r.shape)]  # noqa: E731
     return json.dumps({"kind": store.kind, "anchor": role(store.anchor), "read": role(store.read),
                        "buffer_len": store.buffer_len, "key_heads": store.key_heads, "key": store.key,
-                       "max_drafts": store.max_drafts, "names": names, "engine": engine})
+                       "max_drafts": store.max_drafts, "names": names, "packed": store.blob_layout,
+                       "engine": engine})
 
 
 def store_tensors(store: ReplayStore) -> list[torch.Tensor]:
-    """The store's tensors in the operator's order (store_meta names them)."""
-    return _present(store)[1]
+    """The store's tensors in the operator's order (store_meta names them): its blob alone where
+    it is packed (ReplayStore.pack), else its fields."""
+    return [store.blob] if store.blob is not None else store.fields()[1]
 
 
 @lru_cache(maxsize=256)
@@ -100,7 +77,7 @@ def _layout(meta: str) -> dict:
 
 def _store_of(tensors: list[torch.Tensor], meta: str) -> ReplayStore:
     m = _layout(meta)
-    by = dict(zip(m["names"], tensors))
+    by = packed_views(tensors[0], m["packed"]) if m["packed"] else dict(zip(m["names"], tensors))
 
     def role(name):
         spec = m[name]

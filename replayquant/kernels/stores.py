@@ -282,6 +282,8 @@ class ReplayStore:
     last_force: bool = False         # path of the last step: True = it flushed every row (force)
     arrive: torch.Tensor | None = None   # int32 [N]: arrival counters of the pointer move (zero)
     Tbuf: torch.Tensor | None = None     # fp32 [N, C, H, L]: key factors (solves_u stores)
+    blob: torch.Tensor | None = None     # uint8: every tensor above as a view of it (`pack`)
+    blob_layout: list | None = None      # [name, dtype, shape, byte offset] of each view
 
     @property
     def capacity(self) -> int:
@@ -357,9 +359,75 @@ class ReplayStore:
         return self.anchor if self.read is None else self.read
 
     def clone(self) -> "ReplayStore":
-        return dataclasses.replace(self, **{
+        c = dataclasses.replace(self, blob=None, blob_layout=None, **{
             f.name: getattr(self, f.name).clone() for f in dataclasses.fields(self)
-            if isinstance(getattr(self, f.name), (torch.Tensor, PackedRole))})
+            if f.name != "blob" and isinstance(getattr(self, f.name), (torch.Tensor, PackedRole))})
+        if self.blob is not None:
+            c.pack()
+        return c
+
+    def fields(self) -> tuple[list[str], list[torch.Tensor]]:
+        """(names, tensors) of the store's tensors that are not None, in a fixed order (roles'
+        payload, scale, gscale, then the ring and its counters); the arrival counters are
+        allocated here if the store has none yet."""
+        if self.arrive is None:
+            self.arrive = torch.zeros_like(self.committed)
+        names, ts = [], []
+        for role in ("anchor", "read"):
+            r = getattr(self, role)
+            for f in () if r is None else ("payload", "scale", "gscale"):
+                if getattr(r, f) is not None:
+                    names.append(f"{role}.{f}")
+                    ts.append(getattr(r, f))
+        for f in _RING_FIELDS:
+            if getattr(self, f) is not None:
+                names.append(f)
+                ts.append(getattr(self, f))
+        return names, ts
+
+    def pack(self) -> None:
+        """Move every tensor of the store into one uint8 buffer, `blob`, each field becoming a
+        contiguous view of it (each starting on a 256-byte boundary, as an allocation does): the
+        decode operators then take one tensor for the store, so that a compiled decode step
+        guards one tensor a layer instead of one per field. torch.compile checks the guards of
+        every tensor a compiled step reads at every call, on the host, before the step's CUDA
+        graph launches: for a decode forward of the Qwen3.5-4B layer layout (24 GDN layers,
+        tp4_hi16_sr, small dims, B = 8; this project's 2-core CPU) a check took 408 us with a
+        tensor a field, 329 us packed, 256 us for HF's unpatched model. Values are kept bit for
+        bit; a field assigned after packing is not in the blob, so the store is packed last."""
+        if self.blob is not None:
+            raise ValueError("the store is packed already")
+        names, ts = self.fields()
+        layout, total = [], 0
+        for n, t in zip(names, ts):
+            if not t.is_contiguous():
+                raise ValueError(f"store field {n} is not contiguous")
+            layout.append([n, str(t.dtype).removeprefix("torch."), list(t.shape), total])
+            total += -(-t.numel() * t.element_size() // PACK_ALIGN) * PACK_ALIGN
+        # zeros: the padding between views holds no stale bytes (stores compare bit for bit)
+        blob = torch.zeros(total, dtype=torch.uint8, device=ts[0].device)
+        views = packed_views(blob, layout)
+        for (n, *_), t in zip(layout, ts):
+            views[n].copy_(t)
+            role, _, f = n.rpartition(".")
+            setattr(getattr(self, role) if role else self, f, views[n])
+        self.blob, self.blob_layout = blob, layout
+
+
+# the ring's and counters' fields of a ReplayStore, in the order of ReplayStore.fields
+_RING_FIELDS = ("kbuf", "vbuf", "ubuf", "Gbuf", "bbuf", "Tbuf", "committed", "start", "n_flush",
+                "arrive")
+PACK_ALIGN = 256
+
+
+def packed_views(blob: torch.Tensor, layout: list) -> dict[str, torch.Tensor]:
+    """name -> the view of `blob` that `layout` (ReplayStore.blob_layout) gives it."""
+    out = {}
+    for name, dtype, shape, off in layout:
+        dt = getattr(torch, dtype)
+        n = math.prod(shape) * dt.itemsize
+        out[name] = blob[off:off + n].view(dt).view(shape)
+    return out
 
 
 def solves_u(store: ReplayStore) -> bool:

@@ -261,6 +261,8 @@ class DecodeStore:
         self.ring = RING_DTYPE[engine]
         self.store, slots = parts_to_store(parts, pair, delta, seed, layer, key_heads,
                                            ring_dtype=self.ring, n_slots=n_slots)
+        # one tensor for the store's fields: a compiled step guards it alone (ReplayStore.pack)
+        self.store.pack()
         # int32, as the kernels index: a step converts nothing
         self.state_indices = slots.to(torch.int32)
         self.meta = store_meta(self.store, engine)
@@ -349,10 +351,12 @@ class DecodeStore:
     def _flushing(self) -> list[int] | None:
         """The rows whose entry fills the buffer at this step, from `phase` (advanced here), or
         None where the host does not know them (a compiled step: the graph takes none)."""
-        if self.phase is None:
-            return None
+        # asked before `phase` is read: a compiled step then guards nothing on it, so the
+        # step after a hand-off (phase a list) and the later ones (None) share one graph
         if torch.compiler.is_compiling():
             self.phase = None
+            return None
+        if self.phase is None:
             return None
         buffer_len = self.store.buffer_len
         rows = [r for r, h in enumerate(self.phase) if h + 1 == buffer_len]
