@@ -12,6 +12,7 @@ entries, entry j of the window at (start + j) mod C):
     Gbuf, bbuf  fp32 [N, C, H] (KDA Gbuf [.., d_k])    cumulative log gate; beta / dt
     Tbuf        fp32 [N, C, H, L]               GDN solving for u: rows of (I + A)^{-1}
     committed, start, n_flush   [N]             fill h, window start, flush index
+    blob        uint8                           packed stores: every field above as a view of it
 
 The ring's dtype (`ring_dtype`) is bf16 for the Triton kernels (half the buffer traffic) and
 float32 for the torch engine, which then keeps u in float32 and no key factors (its flush
