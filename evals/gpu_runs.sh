@@ -28,8 +28,9 @@
 #                   the GPU's atomics, against the torch references), then
 #                   evals/compiled_generate_check.py: HF's
 #                   compiled static-cache generate against the eager one, greedy tokens, on the
-#                   three embedded models with s32_rs and tp4_hi16_sr (on an H100: 60 s of tests,
-#                   about 15 s a model and pair)
+#                   three embedded models with s32_rs and tp4_hi16_sr (on an H100: 60 s of tests
+#                   on a machine that had compiled the kernels before, over 200 s on a fresh one,
+#                   where Triton compiles them; then 80 s for the check, tiny-kimi-linear the longest)
 #   bench-generate  `bench generate` at the batch given as the second argument (default 1) for
 #                   s32_rs and tp4_hi16_sr, added to the file named by the third argument (an
 #                   earlier call's generate.json of the same commit, carried; the batches of one
