@@ -177,7 +177,8 @@ def test_bench_generate_targets_and_its_error_without_a_gpu(tmp_path):
 
     from replayquant.bench.generate import _targets
     rows = {"hf_eager@B32": {"ms_per_step": 100.0, "launches_per_step": 2000},
-            "hf_static@B32": {"ms_per_step": 10.0},
+            "hf_static@B32": {"ms_per_step": 10.0, "gpu_busy_ms_per_step": 8.0,
+                              "tokens_equal_eager": False},
             "patched_eager:s32_rs@B32": {"ms_per_step": 70.0, "launches_per_step": 2400,
                                          "host_syncs_per_step": 0},
             "patched_static:s32_rs@B32": {"ms_per_step": 12.0, "gpu_busy_ms_per_step": 10.0,
@@ -190,6 +191,11 @@ def test_bench_generate_targets_and_its_error_without_a_gpu(tmp_path):
         "s32_rs eager vs HF eager, B = 32 (<= 0.8x)": (0.7, True),
         "s32_rs eager launches vs HF eager's, B = 32 (<= 1.15x)": (1.2, False),
         "s32_rs host syncs in a decode forward, B = 32 (0)": (0, True)}
+    # HF's own measure of the same quantity, where it has one
+    assert {t["name"].split(",")[0]: t.get("unpatched") for t in _targets(
+        rows, ["s32_rs"], [32]) if "unpatched" in t} == {
+        "s32_rs static+compile tokens equal patched eager": 0.0,
+        "s32_rs static+compile wall / its GPU busy time": 1.25}
     if not torch.cuda.is_available():
         code, text = invoke(["bench", "generate", "--out", tmp_path / "g.json"])
         one_clear_error(code, text, "needs a CUDA GPU")

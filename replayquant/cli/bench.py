@@ -36,7 +36,8 @@ def bench_generate_cmd(
                            compile_backend=compile_backend, budget_s=budget_s, add=add,
                            progress=lambda m: typer.echo(m, err=True))
     for t in r["targets"]:
-        typer.echo(f"{'met ' if t['met'] else 'MISS'} {t['measured']:.3g}  {t['name']}")
+        hf = "" if t.get("unpatched") is None else f"  (HF unpatched: {t['unpatched']:.3g})"
+        typer.echo(f"{'met ' if t['met'] else 'MISS'} {t['measured']:.3g}  {t['name']}{hf}")
     typer.echo(f"-> {out}")
 
 
