@@ -200,6 +200,17 @@ def test_packed_store_steps_as_its_fields(kind, pair):
     twin = packed.clone()
     assert twin.blob is not None and twin.blob.data_ptr() != lo
     assert_same_store(twin, packed)
+    # packed into the buffer of a store of the same layout (a reused decode store): its
+    # address, the same fields as in a buffer of its own
+    spare = fields.clone()
+    spare.pack()
+    again, where = fields.clone(), spare.blob.data_ptr()
+    spare.blob.fill_(7)                  # every field's bytes are written
+    again.pack(into=spare.blob)
+    assert again.blob.data_ptr() == where and again.blob_layout == packed.blob_layout
+    assert_same_store(again, packed)
+    with pytest.raises(ValueError, match="uint8 buffer of"):
+        fields.clone().pack(into=spare.blob[:-256])
     names_in = ops._INPUTS[kind]
     meta = ops.store_meta(packed, "torch")
 

@@ -51,16 +51,18 @@ _INPUTS = {"gdn": ("q", "k", "v", "a", "b", "A_log", "dt_bias"),
 ENGINES = ("triton", "torch")
 
 
-def store_meta(store: ReplayStore, engine: str = "triton") -> str:
+def store_meta(store: ReplayStore, engine: str = "triton", packed: list | None = None) -> str:
     """What the operator needs beside the store's tensors, as a string (the operator's cache
-    key); engine: 'triton' or 'torch', which steps the store."""
+    key); engine: 'triton' or 'torch', which steps the store; packed: the layout the store will
+    have once packed (ReplayStore.pack_layout), for an unpacked one (default: its own)."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     names, _ = store.fields()
     role = lambda r: None if r is None else [r.fmt, r.rounding, list(r.shape)]  # noqa: E731
     return json.dumps({"kind": store.kind, "anchor": role(store.anchor), "read": role(store.read),
                        "buffer_len": store.buffer_len, "key_heads": store.key_heads, "key": store.key,
-                       "max_drafts": store.max_drafts, "names": names, "packed": store.blob_layout,
+                       "max_drafts": store.max_drafts, "names": names,
+                       "packed": store.blob_layout if packed is None else packed,
                        "engine": engine})
 
 

@@ -386,7 +386,18 @@ class ReplayStore:
                 ts.append(getattr(self, f))
         return names, ts
 
-    def pack(self) -> None:
+    def pack_layout(self) -> list:
+        """The layout `pack` gives this store: [name, dtype, shape, byte offset] of each field,
+        each starting on a PACK_ALIGN boundary; the blob's size is layout_bytes(layout)."""
+        layout, total = [], 0
+        for n, t in zip(*self.fields()):
+            if not t.is_contiguous():
+                raise ValueError(f"store field {n} is not contiguous")
+            layout.append([n, str(t.dtype).removeprefix("torch."), list(t.shape), total])
+            total += -(-t.numel() * t.element_size() // PACK_ALIGN) * PACK_ALIGN
+        return layout
+
+    def pack(self, into: torch.Tensor | None = None) -> None:
         """Move every tensor of the store into one uint8 buffer, `blob`, each field becoming a
         contiguous view of it (each starting on a 256-byte boundary, as an allocation does): the
         decode operators then take one tensor for the store, so that a compiled decode step
@@ -395,18 +406,24 @@ class ReplayStore:
         graph launches: for a decode forward of the Qwen3.5-4B layer layout (24 GDN layers,
         tp4_hi16_sr, small dims, B = 8; this project's 2-core CPU) a check took 408 us with a
         tensor a field, 329 us packed, 256 us for HF's unpatched model. Values are kept bit for
-        bit; a field assigned after packing is not in the blob, so the store is packed last."""
+        bit; a field assigned after packing is not in the blob, so the store is packed last.
+        into: the blob of a packed store of the same layout, which nobody steps any more: the
+        fields go into it (its padding is zero from its own packing, and no step writes
+        there), so that its address is kept and nothing is allocated."""
         if self.blob is not None:
             raise ValueError("the store is packed already")
-        names, ts = self.fields()
-        layout, total = [], 0
-        for n, t in zip(names, ts):
-            if not t.is_contiguous():
-                raise ValueError(f"store field {n} is not contiguous")
-            layout.append([n, str(t.dtype).removeprefix("torch."), list(t.shape), total])
-            total += -(-t.numel() * t.element_size() // PACK_ALIGN) * PACK_ALIGN
-        # zeros: the padding between views holds no stale bytes (stores compare bit for bit)
-        blob = torch.zeros(total, dtype=torch.uint8, device=ts[0].device)
+        layout = self.pack_layout()
+        ts = self.fields()[1]
+        total = layout_bytes(layout)
+        if into is None:
+            # zeros: the padding between views holds no stale bytes (stores compare bit for bit)
+            blob = torch.zeros(total, dtype=torch.uint8, device=ts[0].device)
+        elif into.dtype != torch.uint8 or into.shape != (total,) or into.device != ts[0].device:
+            raise ValueError(f"pack(into=...) takes a uint8 buffer of {total} bytes on "
+                             f"{ts[0].device}, got {into.dtype} {tuple(into.shape)} on "
+                             f"{into.device}")
+        else:
+            blob = into
         views = packed_views(blob, layout)
         for (n, *_), t in zip(layout, ts):
             views[n].copy_(t)
@@ -419,6 +436,15 @@ class ReplayStore:
 _RING_FIELDS = ("kbuf", "vbuf", "ubuf", "Gbuf", "bbuf", "Tbuf", "committed", "start", "n_flush",
                 "arrive")
 PACK_ALIGN = 256
+
+
+def layout_bytes(layout: list) -> int:
+    """The size of the blob of a packed layout (ReplayStore.pack_layout)."""
+    if not layout:
+        return 0
+    name, dtype, shape, off = layout[-1]
+    n = math.prod(shape) * getattr(torch, dtype).itemsize
+    return off + -(-n // PACK_ALIGN) * PACK_ALIGN
 
 
 def packed_views(blob: torch.Tensor, layout: list) -> dict[str, torch.Tensor]:

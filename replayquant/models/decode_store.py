@@ -261,25 +261,31 @@ class DecodeStore:
         self.ring = RING_DTYPE[engine]
         self.store, slots = parts_to_store(parts, pair, delta, seed, layer, key_heads,
                                            ring_dtype=self.ring, n_slots=n_slots)
-        # one tensor for the store's fields: a compiled step guards it alone (ReplayStore.pack)
-        self.store.pack()
         # int32, as the kernels index: a step converts nothing
         self.state_indices = slots.to(torch.int32)
-        self.meta = store_meta(self.store, engine)
         self.bad_names = FAULT_INPUTS[self.store.kind]
         self.faults = FaultRecord.empty(self.store.kind, self.B, self.device)
         self.phase = parts["committed"].tolist() if engine == "torch" else None
-        if reuse is not None and reuse.meta == self.meta and all(
-                a.shape == b.shape and a.dtype == b.dtype
-                for a, b in zip(reuse.tensors(), self.tensors())):
-            # the same shapes as a store nobody holds any more: this content goes into its
+        # one tensor for the store's fields: a compiled step guards it alone (ReplayStore.pack)
+        layout = self.store.pack_layout()
+        mine = [self.state_indices, *self.faults]
+        theirs = None if reuse is None else [reuse.state_indices, *reuse.faults]
+        if reuse is not None and reuse.store.blob_layout == layout \
+                and reuse.meta == store_meta(self.store, engine, packed=layout) and all(
+                    a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+                    for a, b in zip(theirs, mine)):
+            # the same layout as a store nobody holds any more: this content goes into its
             # tensors, so that a compiled step's CUDA graphs replay on the addresses they
             # recorded (a new address re-records every graph: about 300 ms a generate, H200)
-            for a, b in zip(reuse.tensors(), self.tensors()):
+            self.store.pack(into=reuse.store.blob)
+            for a, b in zip(theirs, mine):
                 a.copy_(b)
             self.store, self.state_indices = reuse.store, reuse.state_indices
             self.faults = reuse.faults
             self.store.pending_T, self.store.last_force = None, False
+        else:
+            self.store.pack()
+        self.meta = store_meta(self.store, engine)
         # every tensor a step reads or writes keeps its address, as HF's static cache tensors:
         # CUDA graphs replay a compiled step on them (torch.compile skips graphs that mutate
         # others, and copies any other input into the graph's own at every replay)
