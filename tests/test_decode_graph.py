@@ -5,6 +5,7 @@ named at the next boundary with the anchor kept. Embedded models, the Triton ker
 interpreter (REPLAYQUANT_BACKEND=triton), backend 'eager' for torch.compile (what is traced is
 the point, not Inductor's code)."""
 
+import json
 import warnings
 
 import pytest
@@ -223,6 +224,24 @@ def test_bench_generate_adds_batches_to_a_file_of_the_same_run_only(tmp_path, mo
     assert out.read_bytes() == before
     res = bg.run_generate_bench(out, batches=(4,), **kw)
     assert res["batches"] == [4] and len(res["calls"]) == 1
+    # `bench merge` of calls that each wrote a file of their own: one file of their batches,
+    # rows as measured; overlapping batches or another run are refused before anything is written
+    from _cli import invoke, one_clear_error
+    other = tmp_path / "g1.json"
+    bg.run_generate_bench(other, batches=(1,), **kw)
+    code, text = invoke(["bench", "merge", str(out), str(other), "--out", tmp_path / "m"])
+    assert code == 0, text
+    merged = json.loads((tmp_path / "m" / "generate.json").read_text())
+    assert merged["batches"] == [1, 4] and len(merged["calls"]) == 2
+    assert merged["rows"] == json.loads(other.read_text())["rows"] | res["rows"]
+    assert len(merged["targets"]) == 2 * len(res["targets"])
+    code, text = invoke(["bench", "merge", str(out), str(out), "--out", tmp_path / "m2"])
+    one_clear_error(code, text, "batch 4 is in")
+    monkeypatch.setenv("REPLAYQUANT_GIT_COMMIT", "0" * 7)
+    bg.run_generate_bench(other, batches=(1,), **kw)
+    code, text = invoke(["bench", "merge", str(out), str(other), "--out", tmp_path / "m2"])
+    one_clear_error(code, text, "different run")
+    assert not (tmp_path / "m2").exists()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")

@@ -44,7 +44,7 @@ from replayquant.models import patch, unpatch
 from replayquant.outputs import check_owned, output_lock, write_json
 from replayquant.provenance import git_commit, provenance
 
-__all__ = ["run_generate_bench", "WAYS"]
+__all__ = ["run_generate_bench", "merge_generate", "WAYS"]
 
 WAYS = ("hf_eager", "hf_static", "patched_eager", "patched_static")
 
@@ -344,3 +344,54 @@ def _result(rows, calls, skipped, complete, shape, pairs, prompt, n1, n2, compil
             "flash_linear_attention": fla_version(), "batches": done, "pairs": list(pairs),
             "rows": rows, "targets": _targets(rows, pairs, done), "skipped_batches": skipped,
             "complete": complete, "calls": calls, "provenance": calls[-1]["provenance"]}
+
+
+def merge_generate(parts, out: str | Path = "build/bench/generate.json") -> dict:
+    """`replayquant bench merge` of `bench generate` files: one results file from the calls of
+    one run that each measured other batches (a device call is capped in time; `--add` gathers
+    the batches in one file only where the earlier file travels with the call). The parts must
+    share the run (model shape, pairs, prompt, steps timed, compile config, git commit) and
+    measure disjoint batches; rows are kept as measured (each batch's ratios come from one call),
+    the calls are listed with their provenance and the targets are formed from the merged rows.
+    `out` is checked first (never one of the parts) and locked from the checks to the write."""
+    if len(parts) < 2:
+        raise ValueError("bench merge needs at least two bench generate files (calls of one run)")
+    runs = []
+    for p in parts:
+        try:
+            runs.append(json.loads(Path(p).read_text(encoding="utf-8")))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"bench merge: cannot read {p} as JSON ({e})") from None
+        if not isinstance(runs[-1], dict) or runs[-1].get("kind") != GENERATE_KIND:
+            raise ValueError(f"bench merge: {p} is not a `bench generate` file (kind "
+                             f"{GENERATE_KIND!r})")
+    ids = [_recorded(r) for r in runs]
+    for p, i in zip(parts[1:], ids[1:]):
+        if i != ids[0]:
+            raise ValueError(f"bench merge: {p} is of a different run than {parts[0]} ({i} against "
+                             f"{ids[0]}); merge the files of one commit and configuration")
+    fla = {str(r.get("flash_linear_attention")) for r in runs}
+    if len(fla) > 1:
+        raise ValueError(f"bench merge: the parts ran with different fla versions ({sorted(fla)}); "
+                         f"merge the files of one setup")
+    seen: dict = {}
+    for p, r in zip(parts, runs):
+        for b in r["batches"]:
+            if b in seen:
+                raise ValueError(f"bench merge: batch {b} is in {seen[b]} and in {p}; keep one "
+                                 f"of them")
+            seen[b] = p
+    check_owned(out, GENERATE_KIND, "replayquant bench merge", inputs=parts)
+    with output_lock(out):
+        check_owned(out, GENERATE_KIND, "replayquant bench merge", inputs=parts)
+        rows = {k: v for r in runs for k, v in r["rows"].items()}
+        calls = sorted((c for r in runs for c in r["calls"]),
+                       key=lambda c: c["provenance"].get("date") or "")
+        skipped = sorted({b for r in runs for b in r["skipped_batches"]} - set(seen))
+        first = runs[0]
+        res = _result(rows, calls, skipped, not skipped, first["shape"], first["pairs"],
+                      first["prompt_tokens"], *first["steps_timed"],
+                      first["compile_config"]["backend"], first["compile_config"]["mode"])
+        res["flash_linear_attention"] = first["flash_linear_attention"]   # the device's, not ours
+        write_json(out, res)
+    return res

@@ -3,6 +3,9 @@ decoding, teacher forcing and the decode kernels (replayquant/bench)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import typer
 
 from replayquant.bench.targets import PRESETS
@@ -36,8 +39,7 @@ def bench_generate_cmd(
                            compile_backend=compile_backend, budget_s=budget_s, add=add,
                            progress=lambda m: typer.echo(m, err=True))
     for t in r["targets"]:
-        hf = "" if t.get("unpatched") is None else f"  (HF unpatched: {t['unpatched']:.3g})"
-        typer.echo(f"{'met ' if t['met'] else 'MISS'} {t['measured']:.3g}  {t['name']}{hf}")
+        typer.echo(_target_line(t))
     typer.echo(f"-> {out}")
 
 
@@ -139,14 +141,39 @@ bench_app.command("decode", hidden=True, help="alias of 'bench kernels'")(bench_
 @bench_app.command("merge")
 @user_errors()
 def bench_merge_cmd(
-    parts: list[str] = typer.Argument(..., help="kernels JSON files of one commit (the grid split over calls)"),
-    out: str = typer.Option("build/bench", help="folder for NAME.json, NAME.md, NAME_speedup.png"),
-    name: str = typer.Option("kernels", help="output file stem"),
+    parts: list[str] = typer.Argument(..., help="JSON files of one commit, all of `bench kernels` (the grid split over calls) or all of `bench generate` (the batches split over calls)"),
+    out: str = typer.Option("build/bench", help="folder for NAME.json (and, for kernels, NAME.md, NAME_speedup.png)"),
+    name: str = typer.Option(None, help="output file stem (default: kernels, or generate for bench generate files)"),
 ):
-    """One kernels table from several `bench kernels` runs of one commit (split by --kinds /
-    --spec-batches over device calls): rows kept with their run, speedups derived within a run,
+    """One results file from several runs of one commit split over device calls: `bench kernels`
+    runs (split by --kinds / --spec-batches) give one kernels table, rows kept with their run,
+    speedups derived within a run, targets from the merged rows; `bench generate` files (each
+    with other batches) give one generate.json, each batch's rows as its call measured them,
     targets from the merged rows."""
+    from replayquant.bench.generate import GENERATE_KIND, merge_generate
+    if parts and all(_kind_of(p) == GENERATE_KIND for p in parts):
+        path = Path(out) / f"{name or 'generate'}.json"
+        res = merge_generate(parts, out=path)
+        typer.echo(f"batches {res['batches']} from {len(parts)} calls -> {path}")
+        for t in res["targets"]:
+            typer.echo(_target_line(t))
+        return
     # Triton (Linux only): loaded where a kernel runs
     from replayquant.bench.kernels_merge import merge_kernels
-    res = merge_kernels(parts, out=out, name=name)
-    typer.echo(f"{len(res['rows'])} rows from {len(parts)} runs -> {out}/{name}.json, .md, _speedup.png")
+    res = merge_kernels(parts, out=out, name=name or "kernels")
+    typer.echo(f"{len(res['rows'])} rows from {len(parts)} runs -> {out}/{name or 'kernels'}.json, .md, _speedup.png")
+
+
+def _kind_of(path) -> str | None:
+    """The "kind" of a JSON results file (None where it has none or cannot be read: the merge
+    then reads it and names what is wrong)."""
+    try:
+        d = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return d.get("kind") if isinstance(d, dict) else None
+
+
+def _target_line(t: dict) -> str:
+    hf = "" if t.get("unpatched") is None else f"  (HF unpatched: {t['unpatched']:.3g})"
+    return f"{'met ' if t['met'] else 'MISS'} {t['measured']:.3g}  {t['name']}{hf}"
