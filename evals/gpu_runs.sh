@@ -34,8 +34,9 @@
 #   bench-generate  `bench generate` at the batch given as the second argument (default 1) for
 #                   s32_rs and tp4_hi16_sr, added to the file named by the third argument (an
 #                   earlier call's generate.json of the same commit, carried; the batches of one
-#                   commit gather in one file); on an H100 a batch with one pair took 190-270 s,
-#                   compiles included
+#                   commit gather in one file; or `replayquant bench merge` joins the files of
+#                   calls that each wrote their own); on an H100 a batch with both pairs took
+#                   340-380 s of wall time, compiles included
 #   gpqa-timing     evals/gpqa_cot_timing.py: questions per minute of GPQA-Diamond with chain of
 #                   thought (lm-eval, batch 8) on the Qwen3.5-4B shape, this tree eager and compiled
 #                   beside an older tree's package in .gpu/before (its commit in .gpu/before/COMMIT);
