@@ -202,6 +202,21 @@ def test_bench_generate_targets_and_its_error_without_a_gpu(tmp_path):
         one_clear_error(code, text, "needs a CUDA GPU")
 
 
+def test_bench_generate_times_each_decode_step_and_stops_nothing():
+    """bench generate's step time is the median of the intervals between decode steps, read
+    where HF's generate asks its stopping criteria (the prompt and the first decode step left
+    out): 5 new tokens give 3 intervals a generate, and the clock changes no token."""
+    import replayquant.bench.generate as bg
+    from replayquant.kl.bench import build_model
+    model = build_model("tiny", torch.float32, "cpu")
+    ids = torch.randint(1, model.config.vocab_size, (2, 4), generator=torch.Generator().manual_seed(3))
+    row = bg._measure(model, ids, False, None, 2, 5, eager_syncs=False, repeats=2)
+    assert row["intervals_timed"] == 2 * 3
+    lo, hi = row["ms_per_step_p10_p90"]
+    assert 0 < lo <= row["ms_per_step"] <= hi and row["ms_per_step_mean"] > 0
+    assert torch.equal(row["tokens"], bg._generate(model, ids, 5, False, None)[:, 4:])
+
+
 def test_bench_generate_adds_batches_to_a_file_of_the_same_run_only(tmp_path, monkeypatch):
     """`add=True` keeps the batches an earlier call of the same run measured and records each
     call; a file of another run is refused before any work; without `add` the file is replaced."""

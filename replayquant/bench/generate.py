@@ -6,10 +6,16 @@ from random prompts at each batch size, four ways: Hugging Face unpatched and ea
 (`cache_implementation="static"`, `compile_config`: CUDA graphs), and patched with each pair, eager
 and static + compiled (the same compile config). Per way and batch:
 
-* `ms_per_step`: wall time of a decode step, (t(n2 tokens) - t(n1 tokens)) / (n2 - n1) of two
-  generates, so that the prompt and the compile are not in it (a warm-up generate compiles);
-  the median of 5 such pairs, with their smallest and largest in `ms_per_step_min_max` (a
-  host-bound eager step of HF on the H200 took 65 and 95 ms in two runs of one pair each);
+* `ms_per_step`: wall time of a decode step, the median of the intervals between successive
+  decode steps of 5 generates of n2 tokens after a warm-up generate (which compiles), read on
+  the host where HF's generate asks its stopping criteria once a step (`_StepClock`; HF reads the
+  host there every step, so host and GPU go in step); the prompt and the first decode step are
+  not among them. `ms_per_step_p10_p90` gives their 10th and 90th percentiles and
+  `ms_per_step_mean` their mean, which the host's stalls raise: a host-bound step is at the mercy
+  of a shared machine (HF's eager step at B = 32 took 39.0 and 55.6 ms in two calls on H100
+  machines), and the median of a step's own intervals moves less than the difference of two
+  generates' times did (a compiled patched step at B = 32 spread from 0.53 to 17.2 ms over 5
+  such differences, its median 11.6);
 * `gpu_busy_ms_per_step`: the GPU kernels' time in a decode step (torch.profiler, the same
   difference of two generates), and `launches_per_step`, the kernels it counted;
 * `host_syncs_per_step` (eager ways): host synchronisations of one decode forward after the
@@ -34,7 +40,7 @@ from pathlib import Path
 import torch
 from torch._dynamo.utils import counters
 from torch.profiler import ProfilerActivity, profile
-from transformers import CompileConfig, DynamicCache
+from transformers import CompileConfig, DynamicCache, StoppingCriteria, StoppingCriteriaList
 
 from replayquant.bench.timing import fla_version
 from replayquant.hostsync import HostSyncCounter
@@ -54,20 +60,14 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def _generate(model, ids, n: int, static: bool, compile_config):
+def _generate(model, ids, n: int, static: bool, compile_config, clock=None):
     kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    if clock is not None:
+        kw["stopping_criteria"] = StoppingCriteriaList([clock])
     if static:
         kw.update(cache_implementation="static", compile_config=compile_config)
     with torch.inference_mode():
         return model.generate(ids, **kw)
-
-
-def _timed(fn) -> float:
-    _sync()
-    t0 = time.perf_counter()
-    fn()
-    _sync()
-    return time.perf_counter() - t0
 
 
 def _profiled(fn) -> tuple[float | None, int | None]:
@@ -140,6 +140,27 @@ def _compile_counters() -> dict:
             "cudagraph_skips": int(counters["inductor"]["cudagraph_skips"])}
 
 
+class _StepClock(StoppingCriteria):
+    """A stopping criterion that stops nothing and notes the host's time at each call: HF's
+    generate asks its stopping criteria once a step, after the step's token is chosen."""
+
+    def __init__(self):
+        self.t: list[float] = []
+        self._never = None
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.t.append(time.perf_counter())
+        if self._never is None or self._never.shape[0] != input_ids.shape[0]:
+            self._never = torch.zeros(input_ids.shape[0], dtype=torch.bool,
+                                      device=input_ids.device)
+        return self._never
+
+    def decode_intervals(self) -> list[float]:
+        """Seconds between successive decode steps, from the second decode step on (t[0]
+        follows the prompt, t[1] the first decode step)."""
+        return [b - a for a, b in zip(self.t[1:], self.t[2:])]
+
+
 def _measure(model, ids, static: bool, compile_config, n1: int, n2: int, eager_syncs: bool,
              repeats: int = 5):
     # warm-up, the longer generate first: HF sizes a static cache for the longest generate so
@@ -148,18 +169,26 @@ def _measure(model, ids, static: bool, compile_config, n1: int, n2: int, eager_s
     _generate(model, ids, n2, static, compile_config)
     _generate(model, ids, n1, static, compile_config)
     before = _compile_counters()
-    steps = n2 - n1
-    per_step = sorted(1e3 * (_timed(lambda: _generate(model, ids, n2, static, compile_config))
-                             - _timed(lambda: _generate(model, ids, n1, static, compile_config)))
-                      / steps for _ in range(repeats))
+    steps, tokens = [], None
+    for _ in range(repeats):
+        clock = _StepClock()
+        _sync()
+        tokens = _generate(model, ids, n2, static, compile_config, clock)
+        _sync()
+        steps += clock.decode_intervals()
+    if not steps:
+        raise ValueError(f"bench generate: {n2} new tokens leave no decode step to time "
+                         f"(the first two are not timed); give n2 >= 3")
+    ms = torch.tensor(steps, dtype=torch.float64) * 1e3
     g1, k1 = _profiled(lambda: _generate(model, ids, n1, static, compile_config))
     g2, k2 = _profiled(lambda: _generate(model, ids, n2, static, compile_config))
     after = _compile_counters()
-    tokens = _generate(model, ids, n2, static, compile_config)[:, ids.shape[1]:].cpu()
-    row = {"tokens": tokens, "ms_per_step": per_step[len(per_step) // 2],
-           "ms_per_step_min_max": [per_step[0], per_step[-1]],
-           "gpu_busy_ms_per_step": None if g1 is None else (g2 - g1) / steps,
-           "launches_per_step": None if k1 is None else (k2 - k1) / steps}
+    n = n2 - n1
+    row = {"tokens": tokens[:, ids.shape[1]:].cpu(), "ms_per_step": float(ms.median()),
+           "ms_per_step_p10_p90": [float(ms.quantile(0.1)), float(ms.quantile(0.9))],
+           "ms_per_step_mean": float(ms.mean()), "intervals_timed": len(steps),
+           "gpu_busy_ms_per_step": None if g1 is None else (g2 - g1) / n,
+           "launches_per_step": None if k1 is None else (k2 - k1) / n}
     if static:      # in the timed generates (0 each, or the timing holds a compile / eager steps)
         row["while_timed"] = {k: after[k] - before[k] for k in after}
     if eager_syncs:
