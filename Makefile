@@ -15,9 +15,9 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 # The suite runs on TEST_WORKERS processes (pytest-xdist; worksteal hands a finished worker the
-# next test from a busy one's queue): on a 2-core machine two workers ran its 791 tests in 12.8
-# minutes of wall time (from a clean clone, 14.1 with installing). TEST_WORKERS=0 runs it in this
-# process.
+# next test from a busy one's queue): on a 2-core machine two workers ran its 792 tests in 8.7
+# to 12.8 minutes of wall time (from a clean clone, 9.6 to 14.1 with installing, as the machine
+# was loaded). TEST_WORKERS=0 runs it in this process.
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist worksteal
