@@ -394,7 +394,7 @@ class ReplayStore:
             if not t.is_contiguous():
                 raise ValueError(f"store field {n} is not contiguous")
             layout.append([n, str(t.dtype).removeprefix("torch."), list(t.shape), total])
-            total += -(-t.numel() * t.element_size() // PACK_ALIGN) * PACK_ALIGN
+            total += _aligned(t.numel() * t.element_size())
         return layout
 
     def pack(self, into: torch.Tensor | None = None) -> None:
@@ -438,23 +438,27 @@ _RING_FIELDS = ("kbuf", "vbuf", "ubuf", "Gbuf", "bbuf", "Tbuf", "committed", "st
 PACK_ALIGN = 256
 
 
+def _aligned(nbytes: int) -> int:
+    """nbytes rounded up to a multiple of PACK_ALIGN."""
+    return -(-nbytes // PACK_ALIGN) * PACK_ALIGN
+
+
+def _view_bytes(dtype: str, shape) -> int:
+    return math.prod(shape) * getattr(torch, dtype).itemsize
+
+
 def layout_bytes(layout: list) -> int:
     """The size of the blob of a packed layout (ReplayStore.pack_layout)."""
     if not layout:
         return 0
-    name, dtype, shape, off = layout[-1]
-    n = math.prod(shape) * getattr(torch, dtype).itemsize
-    return off + -(-n // PACK_ALIGN) * PACK_ALIGN
+    _, dtype, shape, off = layout[-1]
+    return off + _aligned(_view_bytes(dtype, shape))
 
 
 def packed_views(blob: torch.Tensor, layout: list) -> dict[str, torch.Tensor]:
     """name -> the view of `blob` that `layout` (ReplayStore.blob_layout) gives it."""
-    out = {}
-    for name, dtype, shape, off in layout:
-        dt = getattr(torch, dtype)
-        n = math.prod(shape) * dt.itemsize
-        out[name] = blob[off:off + n].view(dt).view(shape)
-    return out
+    return {name: blob[off:off + _view_bytes(dtype, shape)].view(getattr(torch, dtype)).view(shape)
+            for name, dtype, shape, off in layout}
 
 
 def solves_u(store: ReplayStore) -> bool:

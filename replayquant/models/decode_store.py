@@ -267,13 +267,13 @@ class DecodeStore:
         self.faults = FaultRecord.empty(self.store.kind, self.B, self.device)
         self.phase = parts["committed"].tolist() if engine == "torch" else None
         # one tensor for the store's fields: a compiled step guards it alone (ReplayStore.pack)
-        layout = self.store.pack_layout()
+        # the operator's meta, the packed layout in it: a store of an equal meta is packed alike
+        self.meta = store_meta(self.store, engine, packed=self.store.pack_layout())
         mine = [self.state_indices, *self.faults]
         theirs = None if reuse is None else [reuse.state_indices, *reuse.faults]
-        if reuse is not None and reuse.store.blob_layout == layout \
-                and reuse.meta == store_meta(self.store, engine, packed=layout) and all(
-                    a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
-                    for a, b in zip(theirs, mine)):
+        if reuse is not None and reuse.meta == self.meta and all(
+                a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+                for a, b in zip(theirs, mine)):
             # the same layout as a store nobody holds any more: this content goes into its
             # tensors, so that a compiled step's CUDA graphs replay on the addresses they
             # recorded (a new address re-records every graph: about 300 ms a generate, H200)
@@ -285,7 +285,6 @@ class DecodeStore:
             self.store.pending_T, self.store.last_force = None, False
         else:
             self.store.pack()
-        self.meta = store_meta(self.store, engine)
         # every tensor a step reads or writes keeps its address, as HF's static cache tensors:
         # CUDA graphs replay a compiled step on them (torch.compile skips graphs that mutate
         # others, and copies any other input into the graph's own at every replay)
