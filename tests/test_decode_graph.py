@@ -179,14 +179,18 @@ def test_bench_generate_targets_and_its_error_without_a_gpu(tmp_path):
     from replayquant.bench.generate import _targets
     rows = {"hf_eager@B32": {"ms_per_step": 100.0, "launches_per_step": 2000},
             "hf_static@B32": {"ms_per_step": 10.0, "gpu_busy_ms_per_step": 8.0,
-                              "tokens_equal_eager": False},
+                              "tokens_equal_eager": False,
+                              "logits_max_abs_diff_first_steps": [0.0, 0.25]},
             "patched_eager:s32_rs@B32": {"ms_per_step": 70.0, "launches_per_step": 2400,
                                          "host_syncs_per_step": 0},
             "patched_static:s32_rs@B32": {"ms_per_step": 12.0, "gpu_busy_ms_per_step": 10.0,
-                                          "tokens_equal_eager": True}}
+                                          "tokens_equal_eager": True,
+                                          "logits_max_abs_diff_first_steps": [0.0, 0.375]}}
     got = {t["name"]: (round(t["measured"], 6), t["met"]) for t in _targets(rows, ["s32_rs"], [32])}
+    logits = ("s32_rs static+compile logits of the first compiled step against patched eager, "
+              "largest difference, B = 32 (<= 2x HF's own)")
     assert got == {
-        "s32_rs static+compile tokens equal patched eager, B = 32": (1.0, True),
+        logits: (0.375, True),
         "s32_rs static+compile vs HF static+compile, B = 32 (<= 1.1x)": (1.2, False),
         "s32_rs static+compile wall / its GPU busy time, B = 32 (<= 1.3x)": (1.2, True),
         "s32_rs eager vs HF eager, B = 32 (<= 0.8x)": (0.7, True),
@@ -195,8 +199,10 @@ def test_bench_generate_targets_and_its_error_without_a_gpu(tmp_path):
     # HF's own measure of the same quantity, where it has one
     assert {t["name"].split(",")[0]: t.get("unpatched") for t in _targets(
         rows, ["s32_rs"], [32]) if "unpatched" in t} == {
-        "s32_rs static+compile tokens equal patched eager": 0.0,
+        logits.split(",")[0]: 0.25,
         "s32_rs static+compile wall / its GPU busy time": 1.25}
+    rows["patched_static:s32_rs@B32"]["logits_max_abs_diff_first_steps"] = [0.0, 0.625]
+    assert [t["met"] for t in _targets(rows, ["s32_rs"], [32]) if t["name"] == logits] == [False]
     if not torch.cuda.is_available():
         code, text = invoke(["bench", "generate", "--out", tmp_path / "g.json"])
         one_clear_error(code, text, "needs a CUDA GPU")
@@ -205,7 +211,8 @@ def test_bench_generate_targets_and_its_error_without_a_gpu(tmp_path):
 def test_bench_generate_times_each_decode_step_and_stops_nothing():
     """bench generate's step time is the median of the intervals between decode steps, read
     where HF's generate asks its stopping criteria (the prompt and the first decode step left
-    out): 5 new tokens give 3 intervals a generate, and the clock changes no token."""
+    out): 5 new tokens give 3 intervals a generate, and neither the clock nor the logits record
+    changes a token; a way against itself differs in no logit."""
     import replayquant.bench.generate as bg
     from replayquant.kl.bench import build_model
     model = build_model("tiny", torch.float32, "cpu")
@@ -215,15 +222,99 @@ def test_bench_generate_times_each_decode_step_and_stops_nothing():
     lo, hi = row["ms_per_step_p10_p90"]
     assert 0 < lo <= row["ms_per_step"] <= hi and row["ms_per_step_mean"] > 0
     assert torch.equal(row["tokens"], bg._generate(model, ids, 5, False, None)[:, 4:])
+    seen = row["seen"]
+    assert len(seen.margins) == 5 and len(seen.first) == 2
+    assert seen.first[0].shape == (2, model.config.vocab_size)
+    assert (torch.stack(seen.margins) >= 0).all()
+    same = bg._against_eager(row["tokens"], seen, row["tokens"], seen)
+    assert same["tokens_equal_eager"] and same["logits_max_abs_diff_first_steps"] == [0.0, 0.0]
+    assert "eager_top2_margin_at_first_difference" not in same
+
+
+def test_bench_generate_compares_logits_where_the_tokens_read_are_equal():
+    """A compiled way's logits are compared with the eager way's only over the rows whose tokens
+    before the step are equal; where the greedy tokens differ the row says the first step and the
+    eager margin between the two largest logits there (the widest such margin over the rows)."""
+    from replayquant.bench.generate import _against_eager, _LogitsSeen
+
+    def seen_of(steps):
+        s = _LogitsSeen()
+        for x in steps:
+            s(None, torch.tensor(x, dtype=torch.float32))
+        return s
+    e_steps = [[[5, 1, 0, 0, 0, 0], [0, 4, 3, 0, 0, 0]],            # tokens 0 | 1
+               [[0, 2, 1.5, 0, 0, 0], [0, 0, 0, 9, 1, 0]],          # tokens 1 | 3
+               [[0, 0, 0, 0, 0, 1], [0, 0, 0, 0, 0, 1]]]
+    c_steps = [[[5, 1, 0, 0, 0, 0], [0, 3, 3.5, 0, 0, 0]],          # row 1 flips at step 0
+               [[0, 1.5, 1.75, 0, 0, 0], [0, 0, 0, 0, 0, 7]],       # row 0 flips at step 1
+               [[0, 0, 0, 0, 0, 1], [0, 0, 0, 0, 0, 1]]]
+    etoks = torch.tensor([[0, 1, 5], [1, 3, 5]])
+    ctoks = torch.tensor([[0, 2, 5], [2, 5, 5]])
+    got = _against_eager(ctoks, seen_of(c_steps), etoks, seen_of(e_steps))
+    assert got["tokens_equal_eager"] is False and got["first_token_differing"] == 0
+    # step 0: both rows read the prompt alone; step 1: only row 0 read equal tokens
+    assert got["logits_max_abs_diff_first_steps"] == [1.0, 0.5]
+    # row 0 first differs at step 1 (eager margin 0.5), row 1 at step 0 (margin 1.0)
+    assert got["eager_top2_margin_at_first_difference"] == 1.0
+    assert got["eager_top2_margin_median"] == 1.0
+
+
+def _fake_measures(monkeypatch, bg, fail=None, order=None):
+    """bench generate's measuring parts replaced by instant ones: a step of 1 ms (2 ms compiled),
+    tokens all 0 and the same logits for every way; `fail` (pair or None for HF) fails its eager
+    timed generate; `order` gathers the pairs of the timed eager generates as they run."""
+    now = {"pair": None}                 # the pair the model is patched with (None: unpatched)
+    monkeypatch.setattr(bg, "patch", lambda model, pair: now.update(pair=pair))
+    monkeypatch.setattr(bg, "unpatch", lambda model: now.update(pair=None))
+
+    def seen(ids):
+        s = bg._LogitsSeen()
+        for _ in range(2):
+            s(None, torch.arange(4.0).repeat(ids.shape[0], 1))
+        return s
+
+    def timed(model, ids, static, cc, n2):
+        if order is not None:
+            order.append(now["pair"])
+        if fail is not None and now["pair"] == fail:
+            raise RuntimeError("made to fail")
+        return [0.001, 0.001]
+
+    untimed = {"tokens": None, "seen": None}
+    monkeypatch.setattr(bg, "copy_bandwidth_gbps", lambda: 1.0)
+    monkeypatch.setattr(bg, "_warm", lambda *a: None)
+    monkeypatch.setattr(bg, "_timed", timed)
+    monkeypatch.setattr(bg, "_untimed", lambda model, ids, *a, **k: untimed | {
+        "tokens": torch.zeros(ids.shape[0], 2, dtype=torch.long), "seen": seen(ids)})
+    monkeypatch.setattr(bg, "_measure", lambda model, ids, static, *a, **k: {
+        "tokens": torch.zeros(ids.shape[0], 2, dtype=torch.long), "seen": seen(ids),
+        "ms_per_step": 2.0})
+
+
+def test_bench_generate_times_the_eager_ways_in_turns(monkeypatch, tmp_path):
+    """The eager ways of a batch are timed in turns (HF, pair 1, pair 2, HF, ...), so that the
+    host's drift falls on each alike; a way whose generate fails leaves the turns with its error
+    in its row and the other ways are still measured and compared."""
+    import replayquant.bench.generate as bg
+    order = []
+    _fake_measures(monkeypatch, bg, fail="tp4_hi16_sr", order=order)
+    res = bg.run_generate_bench(tmp_path / "g.json", shape="tiny", device="cpu", batches=(1,),
+                                pairs=("s32_rs", "tp4_hi16_sr"), progress=lambda m: None)
+    assert order == [None, "s32_rs", "tp4_hi16_sr"] + [None, "s32_rs"] * 4
+    rows = res["rows"]
+    assert rows["patched_eager:tp4_hi16_sr@B1"]["error"] == "RuntimeError: made to fail"
+    assert rows["patched_eager:s32_rs@B1"]["ms_per_step"] == 1.0
+    assert rows["patched_eager:s32_rs@B1"]["intervals_timed"] == 10
+    assert "tokens_equal_eager" not in rows["patched_static:tp4_hi16_sr@B1"]
+    assert rows["patched_static:s32_rs@B1"]["logits_max_abs_diff_first_steps"] == [0.0, 0.0]
+    assert all("seen" not in r and "tokens" not in r for r in rows.values())
 
 
 def test_bench_generate_adds_batches_to_a_file_of_the_same_run_only(tmp_path, monkeypatch):
     """`add=True` keeps the batches an earlier call of the same run measured and records each
     call; a file of another run is refused before any work; without `add` the file is replaced."""
     import replayquant.bench.generate as bg
-    monkeypatch.setattr(bg, "copy_bandwidth_gbps", lambda: 1.0)
-    monkeypatch.setattr(bg, "_measure", lambda model, ids, static, *a, **k: {
-        "tokens": torch.zeros(ids.shape[0], 2, dtype=torch.long), "ms_per_step": 1.0 + static})
+    _fake_measures(monkeypatch, bg)
     out = tmp_path / "g.json"
     kw = dict(shape="tiny", device="cpu", pairs=("s32_rs",), progress=lambda m: None)
     bg.run_generate_bench(out, batches=(1,), **kw)

@@ -21,10 +21,18 @@ and static + compiled (the same compile config). Per way and batch:
 * `host_syncs_per_step` (eager ways): host synchronisations of one decode forward after the
   first (replayquant.hostsync; HF's generate adds its own stopping check per step, not counted),
   and `sync_debug_ok`: whether that forward ran under torch.cuda.set_sync_debug_mode("error");
-* static ways: `tokens_equal_eager`, the greedy tokens against the same model's eager generate
-  (HF's own pair says how often Inductor's fused arithmetic alone flips a near-tied argmax of
-  random weights), and `while_timed`, graphs compiled, graph breaks and CUDA-graph skips during
-  the timed generates (all 0 where the timing is of replayed CUDA graphs).
+* static ways: `logits_max_abs_diff_first_steps`, the largest difference of the next-token
+  logits from the same model's eager generate at the prompt's step and the first decode step
+  (the first compiled one; both read the same tokens there), `tokens_equal_eager` and, where the
+  greedy tokens differ, `first_token_differing` and `eager_top2_margin_at_first_difference`
+  (beside `eager_top2_margin_median`: HF's own pair tells how often Inductor's fused arithmetic
+  alone flips a near-tied argmax of random weights), and `while_timed`, graphs compiled, graph
+  breaks and CUDA-graph skips during the timed generates (all 0 where the timing is of replayed
+  CUDA graphs).
+
+The eager ways of a batch are timed side by side, their generates in turns, so that the host's
+drift over a batch's minutes falls on each alike; the static ways one after the other, since each
+compiles its own graphs (`torch._dynamo.reset()` between them).
 
 The ratios the targets need are formed within the run; `targets` lists each with its measure,
 whether it is met and, where HF unpatched has the same measure, HF's (`unpatched`). Writes one
@@ -40,7 +48,8 @@ from pathlib import Path
 import torch
 from torch._dynamo.utils import counters
 from torch.profiler import ProfilerActivity, profile
-from transformers import CompileConfig, DynamicCache, StoppingCriteria, StoppingCriteriaList
+from transformers import (CompileConfig, DynamicCache, LogitsProcessor, LogitsProcessorList,
+                          StoppingCriteria, StoppingCriteriaList)
 
 from replayquant.bench.timing import fla_version
 from replayquant.hostsync import HostSyncCounter
@@ -60,10 +69,12 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def _generate(model, ids, n: int, static: bool, compile_config, clock=None):
+def _generate(model, ids, n: int, static: bool, compile_config, clock=None, seen=None):
     kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
     if clock is not None:
         kw["stopping_criteria"] = StoppingCriteriaList([clock])
+    if seen is not None:
+        kw["logits_processor"] = LogitsProcessorList([seen])
     if static:
         kw.update(cache_implementation="static", compile_config=compile_config)
     with torch.inference_mode():
@@ -161,46 +172,183 @@ class _StepClock(StoppingCriteria):
         return [b - a for a, b in zip(self.t[1:], self.t[2:])]
 
 
-def _measure(model, ids, static: bool, compile_config, n1: int, n2: int, eager_syncs: bool,
-             repeats: int = 5):
-    # warm-up, the longer generate first: HF sizes a static cache for the longest generate so
-    # far (GenerationMixin._prepare_static_cache), so that the timed ones reuse its shapes and
+class _LogitsSeen(LogitsProcessor):
+    """A logits processor that changes nothing and notes, at each step, each row's margin between
+    its two largest next-token logits, and keeps the first two steps' logits whole (the prompt's
+    and the first decode step's: the steps where a compiled and an eager generate still read the
+    same tokens)."""
+
+    def __init__(self):
+        self.margins: list[torch.Tensor] = []
+        self.first: list[torch.Tensor] = []
+
+    def __call__(self, input_ids, scores):
+        top = scores.float().topk(2, dim=-1).values
+        self.margins.append(top[:, 0] - top[:, 1])
+        if len(self.first) < 2:
+            self.first.append(scores.float().clone())
+        return scores
+
+
+def _warm(model, ids, static: bool, compile_config, n1: int, n2: int) -> None:
+    # the longer generate first: HF sizes a static cache for the longest generate so far
+    # (GenerationMixin._prepare_static_cache), so that the timed ones reuse its shapes and
     # compile nothing (a shorter warm-up put a recompile into the timed n2 generate)
     _generate(model, ids, n2, static, compile_config)
     _generate(model, ids, n1, static, compile_config)
-    before = _compile_counters()
-    steps, tokens = [], None
-    for _ in range(repeats):
-        clock = _StepClock()
-        _sync()
-        tokens = _generate(model, ids, n2, static, compile_config, clock)
-        _sync()
-        steps += clock.decode_intervals()
+
+
+def _timed(model, ids, static: bool, compile_config, n2: int) -> list[float]:
+    """The decode-step intervals (seconds) of one generate of n2 tokens."""
+    clock = _StepClock()
+    _sync()
+    _generate(model, ids, n2, static, compile_config, clock)
+    _sync()
+    return clock.decode_intervals()
+
+
+def _step_times(steps: list[float], n2: int) -> dict:
     if not steps:
         raise ValueError(f"bench generate: {n2} new tokens leave no decode step to time "
                          f"(the first two are not timed); give n2 >= 3")
     ms = torch.tensor(steps, dtype=torch.float64) * 1e3
+    return {"ms_per_step": float(ms.median()),
+            "ms_per_step_p10_p90": [float(ms.quantile(0.1)), float(ms.quantile(0.9))],
+            "ms_per_step_mean": float(ms.mean()), "intervals_timed": len(steps)}
+
+
+def _untimed(model, ids, static: bool, compile_config, n1: int, n2: int,
+             eager_syncs: bool) -> dict:
+    """What a way's timing does not hold: GPU busy time and launches a step (the profiler over
+    generates of n1 and n2 tokens), its greedy tokens and the logits they came from (a generate
+    with `_LogitsSeen`, kept under "tokens" and "seen" for the comparison of ways), and for eager
+    ways the host syncs of a decode forward."""
     g1, k1 = _profiled(lambda: _generate(model, ids, n1, static, compile_config))
     g2, k2 = _profiled(lambda: _generate(model, ids, n2, static, compile_config))
-    after = _compile_counters()
+    seen = _LogitsSeen()
+    tokens = _generate(model, ids, n2, static, compile_config, seen=seen)
     n = n2 - n1
-    row = {"tokens": tokens[:, ids.shape[1]:].cpu(), "ms_per_step": float(ms.median()),
-           "ms_per_step_p10_p90": [float(ms.quantile(0.1)), float(ms.quantile(0.9))],
-           "ms_per_step_mean": float(ms.mean()), "intervals_timed": len(steps),
+    row = {"tokens": tokens[:, ids.shape[1]:], "seen": seen,
            "gpu_busy_ms_per_step": None if g1 is None else (g2 - g1) / n,
            "launches_per_step": None if k1 is None else (k2 - k1) / n}
-    if static:      # in the timed generates (0 each, or the timing holds a compile / eager steps)
-        row["while_timed"] = {k: after[k] - before[k] for k in after}
     if eager_syncs:
         row["host_syncs_per_step"], row["sync_debug_ok"] = _decode_forward_syncs(model, ids)
     return row
 
 
+def _measure(model, ids, static: bool, compile_config, n1: int, n2: int, eager_syncs: bool,
+             repeats: int = 5):
+    """One way on its own: warm-up, `repeats` timed generates, then `_untimed`; a static way also
+    says what compiled during its timed generates (0 each, or the timing holds a compile)."""
+    _warm(model, ids, static, compile_config, n1, n2)
+    before = _compile_counters()
+    steps = []
+    for _ in range(repeats):
+        steps += _timed(model, ids, static, compile_config, n2)
+    row = _step_times(steps, n2)
+    after = _compile_counters()
+    row |= _untimed(model, ids, static, compile_config, n1, n2, eager_syncs)
+    if static:
+        row["while_timed"] = {k: after[k] - before[k] for k in after}
+    return row
+
+
+def _in_turns(model, ids, plan, n1: int, n2: int, rows: dict, key, repeats: int = 5) -> None:
+    """The eager ways of `plan` ((way, pair) each) measured side by side: each warmed up, then
+    their timed generates in turns (way 1, way 2, ..., way 1, ...), so that the host's drift over
+    the minutes of a batch falls on every way alike (one H100 machine's HF eager step at B = 32
+    took 39.0 and 55.6 ms in two calls, and a patched one moved from 0.65x to 0.87x of HF's
+    between two runs where the ways ran one after the other). A way that fails is reported as
+    its row's error and leaves the turns."""
+    steps, wall = {}, {}
+
+    def attempt(w, p, fn):
+        k = key(w, p)
+        t0 = time.perf_counter()
+        try:
+            with _way(model, p):
+                return fn()
+        except Exception as e:          # a way that fails is reported, the others still run
+            rows[k] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+            steps.pop(k, None)
+        finally:
+            wall[k] = wall.get(k, 0.0) + time.perf_counter() - t0
+
+    for w, p in plan:
+        steps[key(w, p)] = []
+        attempt(w, p, lambda: _warm(model, ids, False, None, n1, n2))
+    for _ in range(repeats):
+        for w, p in plan:
+            if key(w, p) in steps:
+                got = attempt(w, p, lambda: _timed(model, ids, False, None, n2))
+                if got is not None:
+                    steps[key(w, p)] += got
+    for w, p in plan:
+        k = key(w, p)
+        if k in steps:
+            row = attempt(w, p, lambda: _step_times(steps[k], n2)
+                          | _untimed(model, ids, False, None, n1, n2, eager_syncs=True))
+            if row is not None:
+                rows[k] = row
+        rows[k]["wall_s"] = wall[k]
+
+
+class _way:
+    """The model as `pair` patches it for the block (None: unpatched)."""
+
+    def __init__(self, model, pair):
+        self.model, self.pair = model, pair
+
+    def __enter__(self):
+        if self.pair is not None:
+            patch(self.model, self.pair)
+
+    def __exit__(self, *exc):
+        if self.pair is not None:
+            unpatch(self.model)
+
+
+def _against_eager(toks, seen: _LogitsSeen, etoks, eseen: _LogitsSeen) -> dict:
+    """A compiled way's greedy tokens and logits against its eager way's: whether the tokens are
+    equal, the first step where they differ, the largest logit difference at each of the first
+    two steps over the rows whose tokens before it are equal (the same inputs: the first decode
+    step is the first compiled one), the eager margin between the two largest logits where each
+    row first differs (its largest over such rows: every flip was a near-tie at most this wide)
+    and the median eager margin (for scale)."""
+    same = toks == etoks
+    out = {"tokens_equal_eager": bool(same.all()),
+           "first_token_differing": None if same.all() else int((~same).any(0).nonzero()[0])}
+    diffs = []
+    for t in range(min(2, len(seen.first), len(eseen.first))):
+        keep = same[:, :t].all(1)
+        diffs.append(float((seen.first[t][keep] - eseen.first[t][keep]).abs().max())
+                     if keep.any() else None)
+    out["logits_max_abs_diff_first_steps"] = diffs
+    margins = torch.stack(eseen.margins, 1)                 # [B, steps]
+    out["eager_top2_margin_median"] = float(margins.median())
+    bad = (~same).any(1)
+    if bad.any():
+        first = (~same).int().argmax(1)
+        out["eager_top2_margin_at_first_difference"] = float(
+            margins[bad, first[bad]].max())
+    return out
+
+
 def _targets(rows: dict, pairs, batches) -> list[dict]:
     """Each target with its measure and whether it is met; where HF unpatched has the same
-    measure in the run (its compiled tokens against its eager ones, its compiled wall time over
+    measure in the run (its compiled logits against its eager ones, its compiled wall time over
     its own GPU busy time), `unpatched` gives it: what the static-cache generate itself attains
-    on this model and host."""
+    on this model and host.
+
+    The compiled generate's correctness is judged by its logits at the first compiled step (the
+    first decode step: the prompt's tokens and the first token are the same for both), not by
+    its greedy tokens: on random weights the two largest of 248320 logits are often closer than
+    the difference Inductor's fused arithmetic makes, and HF's own compiled generate differs
+    from its eager one within 1-5 tokens (two H100 calls, B = 1 and 32). The patched compiled
+    step runs the same replay operator as the eager one; what differs is Inductor's code around
+    it, as for HF, so its difference is held to twice HF's. The greedy tokens stay in each row
+    (`tokens_equal_eager`, with the eager margin where they first differ); on the embedded models,
+    whose logits are not near-tied, evals/compiled_generate_check.py requires them equal."""
     out = []
 
     def get(way, b, key):
@@ -208,12 +356,13 @@ def _targets(rows: dict, pairs, batches) -> list[dict]:
 
     for pair in pairs:
         for b in batches:
-            eq = get(f"patched_static:{pair}", b, "tokens_equal_eager")
-            if eq is not None:
-                heq = get("hf_static", b, "tokens_equal_eager")
-                out.append({"name": f"{pair} static+compile tokens equal patched eager, B = {b}",
-                            "measured": float(eq), "met": eq,
-                            "unpatched": None if heq is None else float(heq)})
+            d = (get(f"patched_static:{pair}", b, "logits_max_abs_diff_first_steps") or [])[1:]
+            hd = (get("hf_static", b, "logits_max_abs_diff_first_steps") or [])[1:]
+            if d and hd and d[0] is not None and hd[0] is not None:
+                out.append({"name": f"{pair} static+compile logits of the first compiled step "
+                                    f"against patched eager, largest difference, B = {b} "
+                                    f"(<= 2x HF's own)",
+                            "measured": d[0], "met": d[0] <= 2 * hd[0], "unpatched": hd[0]})
             ps, hs = get(f"patched_static:{pair}", b, "ms_per_step"), get("hf_static", b, "ms_per_step")
             lim = 1.0 if b >= 256 else 1.1
             if ps is not None and hs is not None:
@@ -330,38 +479,39 @@ def _run_generate_bench(out: str | Path = "build/bench/generate.json", shape: st
 
 
 def _measure_batch(model, ids, b, ways, pairs, cc, n1, n2, rows, progress) -> None:
-    """Every way of batch b into `rows` (HF's ways, then each pair's patched ways), each with
-    its wall time; a way that fails is reported as its row's error and the others still run.
-    A static way's greedy tokens are compared with the same model's eager ones."""
-    eager_tokens = {}                     # this batch's eager tokens, by pair (None: HF)
+    """Every way of batch b into `rows`, each with its wall time: the eager ways side by side
+    (`_in_turns`), then the static ways one after the other (each compiles its own graphs); a
+    way that fails is reported as its row's error and the others still run. A static way's
+    greedy tokens and logits are compared with the same model's eager ones (`_against_eager`)."""
     plan = [(w, None) for w in ways if w.startswith("hf")] + \
         [(w, p) for p in pairs for w in ways if w.startswith("patched")]
+
+    def key(way, pair):
+        return f"{way}{'' if pair is None else ':' + pair}@B{b}"
+
+    eager = [(w, p) for w, p in plan if w.endswith("eager")]
+    _in_turns(model, ids, eager, n1, n2, rows, key)
+    seen = {p: (rows[key(w, p)].pop("tokens", None), rows[key(w, p)].pop("seen", None))
+            for w, p in eager}                         # the eager tokens and logits, by pair
+    for w, p in eager:
+        progress(f"{key(w, p)}: {rows[key(w, p)]}")
     for way, pair in plan:
-        key = f"{way}{'' if pair is None else ':' + pair}@B{b}"
-        t0 = time.perf_counter()
-        if pair is not None:
-            patch(model, pair)
-        try:
-            torch._dynamo.reset()
-            rows[key] = _measure(model, ids, way.endswith("static"), cc, n1, n2,
-                                 eager_syncs=way.endswith("eager"))
-        except Exception as e:          # a way that fails is reported, the others still run
-            rows[key] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
-        finally:
-            if pair is not None:
-                unpatch(model)
-        rows[key]["wall_s"] = time.perf_counter() - t0
-        toks = rows[key].pop("tokens", None)
         if way.endswith("eager"):
-            eager_tokens[pair] = toks
-        elif toks is not None and eager_tokens.get(pair) is not None:
-            # greedy tokens of the compiled generate against the same model's eager generate
-            # (HF's own pair tells how often Inductor's arithmetic alone flips a token)
-            same = toks == eager_tokens[pair]
-            rows[key]["tokens_equal_eager"] = bool(same.all())
-            rows[key]["first_token_differing"] = None if same.all() else \
-                int((~same).any(0).nonzero()[0])
-        progress(f"{key}: {rows[key]}")
+            continue
+        k = key(way, pair)
+        t0 = time.perf_counter()
+        try:
+            with _way(model, pair):
+                torch._dynamo.reset()
+                rows[k] = _measure(model, ids, True, cc, n1, n2, eager_syncs=False)
+        except Exception as e:          # a way that fails is reported, the others still run
+            rows[k] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+        rows[k]["wall_s"] = time.perf_counter() - t0
+        toks, got = rows[k].pop("tokens", None), rows[k].pop("seen", None)
+        etoks, eseen = seen.get(pair, (None, None))
+        if toks is not None and etoks is not None:
+            rows[k] |= _against_eager(toks, got, etoks, eseen)
+        progress(f"{k}: {rows[k]}")
 
 
 def _result(rows, calls, skipped, complete, shape, pairs, prompt, n1, n2, compile_backend,
