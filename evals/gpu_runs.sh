@@ -36,12 +36,13 @@
 #                   earlier call's generate.json of the same commit, carried; the batches of one
 #                   commit gather in one file; or `replayquant bench merge` joins the files of
 #                   calls that each wrote their own); on an H100 a batch with both pairs took
-#                   340-380 s of wall time, compiles included
+#                   290-380 s of wall time, compiles included
 #   gpqa-timing     evals/gpqa_cot_timing.py: questions per minute of GPQA-Diamond with chain of
 #                   thought (lm-eval, batch 8) on the Qwen3.5-4B shape, this tree eager and compiled
 #                   beside an older tree's package in .gpu/before (its commit in .gpu/before/COMMIT);
 #                   needs lm-eval, datasets and their missing needs as wheels in .gpu/lmeval
-#                   (on an H100 565 s of wall time: 30 s saving the model, 100-160 s a way);
+#                   (on H100 machines 340-565 s of wall time: 26-30 s saving the model,
+#                   77-160 s a way);
 #                   arguments after the job name go to the script (--ways compiled,hf_compiled
 #                   --questions 24: two ways, two batches after the compiling one)
 #   generate        evals/cuda_generate_check.py: generation through the compiled decode kernel

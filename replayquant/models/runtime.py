@@ -44,10 +44,10 @@ forward). A multi-token forward continuing the cache converts the store back (`s
 before the chunked scan runs.
 
 Measured on one H100 (results/bench/generate.json; Qwen3.5-4B shape, random weights, bf16, 64-token
-prompt, fla 0.6.0, transformers 5.17, B = 1), ms per decode step: patched eager with s32_rs 28.1
+prompt, fla 0.6.0, transformers 5.17, B = 1), ms per decode step: patched eager with s32_rs 24.1
 (its GDN layers replaying recorded CUDA graphs, `decode_graph`; 0 host syncs, 1916 kernel
-launches against HF's 2108) against HF eager 41.6; patched with HF's static cache compiled 8.76
-with tp4_hi16_sr (757 kernels) against HF's 7.66 (779).
+launches against HF's 2108) against HF eager 50.9, timed in turns; patched with HF's static cache
+compiled 8.46 (757 kernels) against HF's 9.22 (779).
 """
 
 from __future__ import annotations
