@@ -15,8 +15,8 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 # The suite runs on TEST_WORKERS processes (pytest-xdist; worksteal hands a finished worker the
-# next test from a busy one's queue): on a 2-core machine two workers ran its 792 tests in 8.7
-# to 12.8 minutes of wall time (from a clean clone, 9.6 to 14.1 with installing, as the machine
+# next test from a busy one's queue): on a 2-core machine two workers ran its 794 tests in 8.2
+# to 12.8 minutes of wall time (from a clean clone, 9.4 to 14.1 with installing, as the machine
 # was loaded). TEST_WORKERS=0 runs it in this process.
 TEST_WORKERS ?= 2
 test: $(STAMP)
