@@ -183,10 +183,11 @@ class _LogitsSeen(LogitsProcessor):
         self.first: list[torch.Tensor] = []
 
     def __call__(self, input_ids, scores):
-        top = scores.float().topk(2, dim=-1).values
+        x = scores.float()
+        top = x.topk(2, dim=-1).values
         self.margins.append(top[:, 0] - top[:, 1])
         if len(self.first) < 2:
-            self.first.append(scores.float().clone())
+            self.first.append(x.clone())
         return scores
 
 
@@ -269,7 +270,7 @@ def _in_turns(model, ids, plan, n1: int, n2: int, rows: dict, key, repeats: int 
             with _way(model, p):
                 return fn()
         except Exception as e:          # a way that fails is reported, the others still run
-            rows[k] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+            rows[k] = _error_row(e)
             steps.pop(k, None)
         finally:
             wall[k] = wall.get(k, 0.0) + time.perf_counter() - t0
@@ -291,6 +292,11 @@ def _in_turns(model, ids, plan, n1: int, n2: int, rows: dict, key, repeats: int 
             if row is not None:
                 rows[k] = row
         rows[k]["wall_s"] = wall[k]
+
+
+def _error_row(e: Exception) -> dict:
+    """The row of a way that failed: its error, named and cut to 400 characters."""
+    return {"error": f"{type(e).__name__}: {str(e)[:400]}"}
 
 
 class _way:
@@ -505,7 +511,7 @@ def _measure_batch(model, ids, b, ways, pairs, cc, n1, n2, rows, progress) -> No
                 torch._dynamo.reset()
                 rows[k] = _measure(model, ids, True, cc, n1, n2, eager_syncs=False)
         except Exception as e:          # a way that fails is reported, the others still run
-            rows[k] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+            rows[k] = _error_row(e)
         rows[k]["wall_s"] = time.perf_counter() - t0
         toks, got = rows[k].pop("tokens", None), rows[k].pop("seen", None)
         etoks, eseen = seen.get(pair, (None, None))
