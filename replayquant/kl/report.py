@@ -376,7 +376,9 @@ def print_summary(res: dict, console=None):
     names = [p["name"] for p in cfg["pairs"] if res["results"].get(p["name"])]
     if names and len(res["results"][names[0]]["by_position"]) > 1:
         buckets = [row["bucket"] for row in res["results"][names[0]]["by_position"]]
-        vals = {n: [f"{row['kl_mean']:.3g}" for row in res["results"][n]["by_position"]] for n in names}
+        from .stats import kl_text      # noise around 0 reads "~0", below it beyond noise "(<0)"
+        vals = {n: [kl_text(row["kl_mean"], row["kl_mean_unc"])
+                    for row in res["results"][n]["by_position"]] for n in names}
         i = 0
         while i < len(names):
             j = i + 1

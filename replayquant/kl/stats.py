@@ -158,6 +158,40 @@ def mean_and_uncertainty(total: float, total2: float, n: int) -> tuple[float, fl
     return f, unc
 
 
+# How many standard errors a mean KL may lie from zero and still be zero (`kl_vs_zero`).
+KL_ZERO_SE = 3.0
+
+
+def kl_vs_zero(mean: float, unc: float) -> int:
+    """Where a mean KL stands against zero, given its standard error `unc` (the uncertainty the
+    statistics carry: `mean_and_uncertainty`'s, or `sweep.common.kl_bound`'s larger of the token-
+    and document-level ones): 0 when it is compatible with zero, |mean| <= KL_ZERO_SE * unc (a
+    KL of float noise, to be read as 0); 1 when it lies above; -1 when it lies below zero beyond
+    its uncertainty, which no KL can: an error.
+
+    Why three standard errors: the per-token KL of a pair whose logits equal the reference's up
+    to float32 rounding is rounding noise of either sign (per-token values from -4.3e-7 to
+    +4.9e-7 in the committed s32_rs runs), and its mean scatters around zero by its standard
+    error: the ten committed s32_rs means (tiny models, 4K to 49K tokens) lie between -0.8 and
+    +2.4 standard errors, their 24 position buckets between -1.5 and +2.1. Refusing a mean whose
+    upper bound (mean + one standard error) is below zero refuses one exact run in six
+    (one-sided 16%; a tiny-qwen3.5 s32_rs run at -7e-9 +- 5.7e-9 was); three standard errors
+    refuse one in 740 (0.13%), while a KL made negative by a defect (logits swapped, a broken
+    reference) lies many standard errors below. A mean above zero within the same band is the
+    same noise, and reads as 0 too."""
+    if mean > KL_ZERO_SE * unc:
+        return 1
+    return 0 if mean >= -KL_ZERO_SE * unc else -1
+
+
+def kl_text(mean: float, unc: float, fmt: str = "{:.3g}") -> str:
+    """A mean KL as tables show it by position: "~0" when it is compatible with zero
+    (`kl_vs_zero`), the value when above, and the value marked "(<0)" when below zero beyond its
+    uncertainty (a defect to look into, not a measurement)."""
+    side = kl_vs_zero(mean, unc)
+    return "~0" if side == 0 else fmt.format(mean) + (" (<0)" if side < 0 else "")
+
+
 def binomial(k: int, n: int) -> tuple[float, float]:
     if n < 1:
         return float("nan"), float("nan")

@@ -8,6 +8,7 @@ import os
 import re
 from pathlib import Path
 
+from replayquant.kl.stats import KL_ZERO_SE, kl_vs_zero
 from replayquant.outputs import check_writable_folder, write_json
 
 __all__ = ["kl_bound", "kl_figures", "kl_problem", "load_json_kind", "check_structure", "REAL",
@@ -42,16 +43,29 @@ def kl_figures(stats: dict) -> dict:
 
 def kl_problem(figures: dict) -> str | None:
     """Why a variant's KL figures cannot meet any budget, or None when they can: a mean or
-    upper bound that is not a finite number (NaN from a diverged run, infinity), or an upper
-    bound below zero (a KL is never negative; a mean below zero by no more than its uncertainty
-    is float noise around an exact variant, and counts)."""
+    upper bound that is not a finite number (NaN from a diverged run, infinity), or a mean below
+    zero beyond its uncertainty (`kl.stats.kl_vs_zero`: more than KL_ZERO_SE standard errors;
+    a KL is never negative). A mean below zero within that band is float noise around an exact
+    variant: it counts, as 0 (`front_kl`). The uncertainty is `kl_unc` (`kl_figures`), or the
+    upper bound less the mean where a record has no `kl_unc`."""
     vals = {k: figures.get(k) for k in ("kl_mean", "kl_upper")}
     for k, v in vals.items():
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
             return f"{k} {v!r} is not a finite number"
-    if vals["kl_upper"] < 0:
-        return f"kl_upper {vals['kl_upper']:.3g} is below zero (a KL is never negative)"
+    mean, unc = vals["kl_mean"], _kl_unc(figures)
+    if kl_vs_zero(mean, unc) < 0:
+        return (f"kl_mean {mean:.3g} is below zero by more than {KL_ZERO_SE:g} times its "
+                f"uncertainty {unc:.2g} (a KL is never negative: the run or the file is wrong)")
     return None
+
+
+def _kl_unc(figures: dict) -> float:
+    """The uncertainty of a record's mean KL: kl_unc, else kl_upper - kl_mean (0 where neither
+    is a finite number >= 0)."""
+    unc = figures.get("kl_unc")
+    if isinstance(unc, bool) or not isinstance(unc, (int, float)):
+        unc = figures["kl_upper"] - figures["kl_mean"]
+    return unc if math.isfinite(unc) and unc >= 0 else 0.0
 
 
 class _Real:
@@ -196,9 +210,10 @@ def check_results_out(out) -> Path:
 
 
 def front_kl(mean: float, unc: float = 0.0) -> float:
-    """The KL a variant has on the front: 0 where the mean is not above its uncertainty (float
-    noise around 0, e.g. the shared FP32 pair, whose mean can come out negative), else the mean."""
-    return 0.0 if mean <= unc else mean
+    """The KL a variant has on the front: 0 where the mean is compatible with zero
+    (`kl.stats.kl_vs_zero`: within KL_ZERO_SE standard errors, float noise around an exact pair
+    such as the shared FP32 one, whose mean can come out negative), else the mean."""
+    return 0.0 if kl_vs_zero(mean, unc) == 0 else mean
 
 
 def pareto_front(points) -> list[str]:
@@ -208,8 +223,8 @@ def pareto_front(points) -> list[str]:
     infinite, below zero beyond its uncertainty) is on no front. In bytes order."""
     front, best = [], float("inf")
     pts = [(p[0], p[1], front_kl(p[2], p[3] if len(p) > 3 else 0.0)) for p in points
-           if kl_problem({"kl_mean": p[2], "kl_upper": p[2] + (p[3] if len(p) > 3 else 0.0)})
-           is None]
+           if kl_problem({"kl_mean": p[2], "kl_unc": p[3] if len(p) > 3 else 0.0,
+                          "kl_upper": p[2] + (p[3] if len(p) > 3 else 0.0)}) is None]
     for name, b, kl in sorted(pts, key=lambda t: (t[1], t[2])):
         if kl < best:
             front.append(name)
