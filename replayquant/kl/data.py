@@ -20,9 +20,13 @@ Sources, chosen by what `dataset` names (`--dataset`):
 * anything else is a hub dataset name for `datasets.load_dataset(name, config, split=split,
   data_files=..., streaming=True)`; "pg19" means the parquet mirror `emozilla/pg19`
   (`deepmind/pg19` is script-based and no longer loads). Streaming reads only the documents
-  needed, in the dataset's own order. Where the hub cannot be reached (HF_HUB_OFFLINE /
-  HF_DATASETS_OFFLINE set, or no connection to it within a few seconds: `check_hub_reachable`)
-  that is one error at once, not after `datasets`' retries.
+  needed, in the dataset's own order. Offline (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE set, as HF
+  asks of a machine that downloads on one host and runs on another) the dataset is read from the
+  local caches: a snapshot in the hub cache with its data files (what `hf download --repo-type
+  dataset NAME` writes), else `datasets`' own cache (what `datasets.load_dataset(NAME)` writes
+  where the hub can be reached); a dataset in neither is one error at once saying how to download
+  it. Online, no connection to the hub within a few seconds (`check_hub_reachable`) is one error
+  at once, not after `datasets`' retries.
 `data_files` are patterns `datasets` resolves (relative to the working folder or the dataset);
 plain patterns are the split `split`, `SPLIT=PATTERN` names the split.
 
@@ -139,12 +143,17 @@ def parse_data_files(data_files, split: str | None) -> dict | None:
     return out
 
 
+def _has_data_files(p: Path) -> bool:
+    """Whether folder `p` holds data files `datasets.load_dataset(p)` reads (hidden ones aside)."""
+    return any(f.suffix in _FOLDER_DATA_SUFFIXES and f.is_file()
+               and not any(part.startswith(".") for part in f.relative_to(p).parts)
+               for f in p.rglob("*"))
+
+
 def _folder_kind(p: Path) -> str:
     if (p / "dataset_dict.json").is_file() or ((p / "state.json").is_file() and (p / "dataset_info.json").is_file()):
         return "saved"
-    data = [f for f in p.rglob("*") if f.suffix in _FOLDER_DATA_SUFFIXES and f.is_file()
-            and not any(part.startswith(".") for part in f.relative_to(p).parts)]
-    if data:
+    if _has_data_files(p):
         return "hub-folder"
     if any(p.glob("*.txt")) or not (p / "README.md").is_file():
         return "folder"
@@ -242,26 +251,59 @@ _OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
 _PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
 
 
-def check_hub_reachable(what: str, timeout: float = 3.0) -> None:
-    """One ValueError at once when the Hugging Face hub cannot serve `what` (a hub dataset):
-    offline mode is set (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE), or the hub's host (HF_ENDPOINT)
-    cannot be resolved or connected to within `timeout` seconds. Behind a proxy the connection
-    is left to `datasets`."""
-    def refuse(why):
-        return ValueError(f"{what} is a Hugging Face hub dataset, and the hub cannot be reached "
-                          f"({why}); give a local dataset instead: --dataset {HELDOUT} (the "
-                          f"held-out books shipped with replayquant), or a file or folder of texts "
-                          f"(see --help)")
-    on = [v for v in _OFFLINE_VARS if os.environ.get(v, "").strip().lower() not in ("", "0", "false", "no", "off")]
+def _hub_refusal(what: str, why: str, todo: str = "") -> ValueError:
+    return ValueError(f"{what} is a Hugging Face hub dataset, and the hub cannot be reached "
+                      f"({why}){todo}; give a local dataset instead: --dataset {HELDOUT} (the "
+                      f"held-out books shipped with replayquant), or a file or folder of texts "
+                      f"(see --help)")
+
+
+def hub_offline() -> str | None:
+    """The offline setting in force (e.g. "HF_HUB_OFFLINE=1 is set"), or None when online."""
+    on = [v for v in _OFFLINE_VARS
+          if os.environ.get(v, "").strip().lower() not in ("", "0", "false", "no", "off")]
     if on:
-        raise refuse(f"{on[0]}={os.environ[on[0]]} is set")
+        return f"{on[0]}={os.environ[on[0]]} is set"
     try:
         import datasets.config
         import huggingface_hub.constants
         if huggingface_hub.constants.HF_HUB_OFFLINE or datasets.config.HF_HUB_OFFLINE:
-            raise refuse("offline mode is set (HF_HUB_OFFLINE)")
+            return "offline mode is set: HF_HUB_OFFLINE"
     except (ImportError, AttributeError):
         pass
+    return None
+
+
+def offline_copy(name: str, what: str, offline: str) -> str | None:
+    """Where hub dataset `name` is read from offline: the folder of its hub-cache snapshot when
+    that holds data files (`hf download`; a snapshot holding only the README, as a streaming run
+    leaves, does not count), None when `datasets`' own cache holds it (`datasets.load_dataset`
+    reads it there). A dataset in neither cache is one ValueError saying how to download it."""
+    import datasets.config
+    import datasets.load
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+    try:
+        folder = Path(snapshot_download(name, repo_type="dataset", local_files_only=True))
+        if _has_data_files(folder):
+            return str(folder)
+    except LocalEntryNotFoundError:
+        pass
+    try:
+        datasets.load.CachedDatasetModuleFactory(name).get_module()
+        return None
+    except FileNotFoundError:
+        raise _hub_refusal(what, offline, (
+            f" and it is in neither local cache (hub cache {constants.HF_HUB_CACHE}, datasets "
+            f"cache {datasets.config.HF_DATASETS_CACHE}): download it where the hub can be "
+            f"reached, with the same HF_HOME (`hf download --repo-type dataset {name}`), then "
+            f"run offline again")) from None
+
+
+def check_hub_reachable(what: str, timeout: float = 3.0) -> None:
+    """One ValueError at once when the Hugging Face hub's host (HF_ENDPOINT) cannot be resolved
+    or connected to within `timeout` seconds, saying that a dataset in the local cache is read
+    with HF_HUB_OFFLINE=1. Behind a proxy the connection is left to `datasets`."""
     if any(os.environ.get(v) for v in _PROXY_VARS):
         return
     try:
@@ -274,7 +316,9 @@ def check_hub_reachable(what: str, timeout: float = 3.0) -> None:
     try:
         socket.create_connection((host, port), timeout=timeout).close()
     except OSError as e:
-        raise refuse(f"no connection to {host}:{port}: {e.strerror or e}") from None
+        raise _hub_refusal(what, f"no connection to {host}:{port}: {e.strerror or e}",
+                           "; a dataset already in the local cache is read with HF_HUB_OFFLINE=1"
+                           ) from None
 
 
 def _open_datasets(kind: str, source: str, split: str | None, config: str | None, data_files):
@@ -313,7 +357,11 @@ def _open_datasets(kind: str, source: str, split: str | None, config: str | None
         args = dict(path=source, name=config, data_files=data_files, split=used)
         hint = (f"Check the name, --split and --dataset-config; for a gated dataset log in "
                 f"(`hf auth login` or HF_TOKEN); {offline}")
-        check_hub_reachable(f"--dataset {source!r}")
+        off = hub_offline()
+        if off is None:
+            check_hub_reachable(f"--dataset {source!r}")
+        elif (snapshot := offline_copy(source, f"--dataset {source!r}", off)) is not None:
+            args["path"], what = snapshot, f"{what} from the hub cache ({snapshot})"
     try:
         ds = datasets.load_dataset(**args, streaming=True)
     except Exception as e:  # the datasets library raises many types: not found, gated, offline, ...
