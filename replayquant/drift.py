@@ -206,7 +206,9 @@ def _load_pairs(pairs, d_k: int) -> list[PrecisionPair]:
 
 def _runs(pairs: list[PrecisionPair], conventional: bool, steps: int) -> list[tuple[PrecisionPair, str]]:
     """(pair, mode) of every run: replay for each pair, and conventional for a shared-format pair
-    when `conventional`; one ValueError when `steps` is shorter than a run's buffer (no flush)."""
+    when `conventional`; one ValueError when no output step of a run reads a flushed state:
+    the first flush is step L (1-based; its output comes from the unrounded state), so the
+    outputs measure the anchor and read copy only from step L + 1 on."""
     runs = []
     for p in pairs:
         runs.append((p, "replay"))
@@ -214,9 +216,11 @@ def _runs(pairs: list[PrecisionPair], conventional: bool, steps: int) -> list[tu
             runs.append((p, "conventional"))
     for p, mode in runs:
         L = p.buffer_len if mode == "replay" else 1
-        if steps < L:
-            raise ValueError(f"steps={steps} is shorter than {p.label()}'s buffer_len {L}: "
-                             f"no flush would happen")
+        if steps <= L:
+            raise ValueError(f"steps={steps} is not more than {p.label()}'s buffer_len {L} "
+                             f"({mode}): the first flush is step {L}, and no output step after "
+                             f"it would read the flushed state, so the output error would "
+                             f"measure no rounding; give --steps {L + 1} or more")
     return runs
 
 

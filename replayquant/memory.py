@@ -63,8 +63,11 @@ def check_kl_sizes(labels, layer_pairs, n_layers: int, context: int, prefill: st
                    device: str | None) -> None:
     """Before a KL run loads weights: the caches of the variants (named by `labels`, their layers
     as `kl_cache_bytes` takes them) must fit in memory, and with prefill "replay" every pair's
-    buffer length must be below the context (else no flush happens inside a document, and the
-    KL would measure no anchor at all)."""
+    buffer length L must be below context - 1. A document's first flush is its token L - 1
+    (0-based; that token's output comes from the unrounded state), token L is the first to read
+    the flushed anchor and read copy, and the last scored token is context - 2 under either
+    scoring (`kl.stats.scored_range`): with L >= context - 1 no scored token reads a flushed
+    role, and the KL would measure no anchor at all."""
     Ls = [[p.buffer_len for _, p in layers] for layers in layer_pairs]
     longest = max((L for lens in Ls for L in lens), default=0)
     check_fits(kl_cache_bytes(layer_pairs),
@@ -72,11 +75,15 @@ def check_kl_sizes(labels, layer_pairs, n_layers: int, context: int, prefill: st
                f"(buffer lengths up to {longest})",
                "give shorter buffer lengths or fewer pairs per run", device)
     if prefill == "replay":
+        last = context - 2                      # the last scored token
         for label, lens in zip(labels, Ls, strict=True):
-            long = [L for L in lens if L >= context]
+            long = [L for L in lens if L > last]
             if long:
-                raise ValueError(f"{label}: buffer length {max(long)} is not below --context "
-                                 f"{context}: no flush would happen inside a document, so the KL "
-                                 f"would not measure the anchor at all; give a buffer length "
-                                 f"below {context} (--buffer-len of sweep / sensitivity, "
-                                 f"buffer_len: of the pair YAML) or a longer --context")
+                L = max(long)
+                raise ValueError(f"{label}: buffer length {L} is not below --context {context} "
+                                 f"- 1: the first flush is token {L - 1} of a document and the "
+                                 f"last scored token is {last}, so no flush would reach a scored "
+                                 f"token and the KL would not measure the anchor at all; give a "
+                                 f"buffer length below {context - 1} (--buffer-len of sweep / "
+                                 f"sensitivity, buffer_len: of the pair YAML) or a longer "
+                                 f"--context")
