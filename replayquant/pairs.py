@@ -26,6 +26,8 @@ Every validation problem raises one ValueError naming the problem and the fix.
 
 from __future__ import annotations
 
+import functools
+import re
 from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
@@ -36,7 +38,8 @@ from rich.table import Table
 from replayquant.formats import FORMATS, Format, get_format
 from replayquant.formats.constants import ROUNDINGS
 
-__all__ = ["FormatSpec", "PrecisionPair", "PAIRS_DIR", "list_pairs", "pairs_table"]
+__all__ = ["FormatSpec", "PrecisionPair", "PAIRS_DIR", "list_pairs", "pairs_table", "tidy_name",
+           "name_key", "check_shipped_name"]
 
 def _pairs_dir():
     """The shipped pairs, read as package data: configs/pairs/ of the source tree, reached through
@@ -132,6 +135,61 @@ def check_mapping(data, keys, source: str, what: str, hint=lambda unknown: "") -
                          f"{', '.join(keys)}")
 
 
+def tidy_name(s) -> str:
+    """A name as tables, fronts and file names show it: the stem of a .yaml / .yml path, every
+    run of characters other than letters, digits and . _ @ - replaced by "-", and "-" stripped
+    at both ends (`tp4_hi16_sr!` -> `tp4_hi16_sr`)."""
+    s = str(s)
+    if s.endswith((".yaml", ".yml")):
+        s = Path(s).stem
+    return re.sub(r"[^A-Za-z0-9._@-]+", "-", s).strip("-")
+
+
+def name_key(name) -> str:
+    """What a pair or variant name says it stores, for comparing it with the shipped names: its
+    tidy form (`tidy_name`) before any "@" (the sweep's `@L16`, a sensitivity run's `@layer3`
+    name where and how long a pair is used), lower case, letters and digits only. Two names of
+    one key look alike in a table: `tp4_hi16_sr`, `"tp4_hi16_sr "`, `TP4-HI16-SR@L8`."""
+    return re.sub(r"[^a-z0-9]", "", tidy_name(name).split("@", 1)[0].lower())
+
+
+@functools.cache
+def _shipped() -> dict:
+    """{name_key: (name, read FormatSpec or None, anchor FormatSpec)} of the shipped pairs, read
+    from their YAML without making PrecisionPairs (whose construction checks against this)."""
+    out = {}
+    for name in list_pairs():
+        data = read_yaml(PAIRS_DIR / f"{name}.yaml", "precision pair file")
+        read = data.get("read")
+        out[name_key(name)] = (name, None if read is None else FormatSpec.parse(read, "read"),
+                               FormatSpec.parse(data["anchor"], "anchor"))
+    return out
+
+
+def shipped_like(name) -> tuple | None:
+    """(shipped name, read, anchor) of the shipped pair `name` reads as (`name_key`), or None."""
+    return None if name is None else _shipped().get(name_key(name))
+
+
+def _roles(read, anchor) -> str:
+    return f"read {read or '(shared)'} and anchor {anchor}"
+
+
+def check_shipped_name(name, read, anchor) -> None:
+    """One ValueError when `name` reads as a shipped pair's (`name_key`) but the roles it names
+    (read FormatSpec or None, anchor FormatSpec) are not what that pair stores: results are
+    keyed and shown by name, and would show these formats under the shipped pair's."""
+    ship = shipped_like(name)
+    if ship is None or (read, anchor) == ship[1:]:
+        return
+    named = (f"named {name}, as a shipped pair," if name == ship[0] else
+             f"named {name!r}, which reads as the shipped pair {ship[0]},")
+    raise ValueError(f"the pair is {named} but holds {_roles(read, anchor)} where the shipped "
+                     f"{ship[0]} holds {_roles(*ship[1:])}; results would show it under the "
+                     f"shipped pair's name: give it another name (its name: line, or the file's "
+                     f"name)")
+
+
 _PAIR_KEYS = ("name", "read", "anchor", "buffer_len", "description")
 _SPEC_KEYS = ("format", "rounding")
 
@@ -197,6 +255,7 @@ class PrecisionPair:
         bl = self.buffer_len
         if isinstance(bl, bool) or not isinstance(bl, int) or bl < 1:
             raise ValueError(f"buffer_len must be an integer >= 1, got {bl!r}")
+        check_shipped_name(self.name, self.read, self.anchor)
 
     # -- roles
     @property
@@ -243,32 +302,22 @@ class PrecisionPair:
 
     @classmethod
     def load(cls, name_or_path) -> "PrecisionPair":
-        """Load a pair by name (a file in configs/pairs/) or from a YAML path. A file named (or
-        whose name: line names it) like a shipped pair must store what the shipped pair stores
-        (read and anchor formats and roundings): results are keyed by pair name, and would show
-        other formats under the shipped name."""
-        p, own_file = Path(name_or_path), True
+        """Load a pair by name (a file in configs/pairs/) or from a YAML path (named by its
+        name: line, else by the file's name). A name that reads as a shipped pair's
+        (`name_key`: as tables tidy it, any case and punctuation) must store what the shipped
+        pair stores (read and anchor formats and roundings; every PrecisionPair checks this,
+        `check_shipped_name`): results are keyed by pair name, and would show other formats
+        under the shipped name."""
+        p = Path(name_or_path)
         if p.suffix not in (".yaml", ".yml") and not p.exists():
-            p, own_file = PAIRS_DIR / f"{name_or_path}.yaml", False
+            p = PAIRS_DIR / f"{name_or_path}.yaml"
             if not p.is_file():
                 raise ValueError(f"unknown precision pair {str(name_or_path)!r}; shipped pairs: "
                                  f"{', '.join(list_pairs())} (or pass a path to a .yaml file)")
         data = read_yaml(p, "precision pair file")
-        pair = cls.from_dict(data, source=str(p))
-        if pair.name is None:
-            object.__setattr__(pair, "name", p.stem)
-        shipped = PAIRS_DIR / f"{pair.name}.yaml"
-        if not own_file or not shipped.is_file():
-            return pair
-        ref = cls.from_dict(read_yaml(shipped, "precision pair file"), source=str(shipped))
-        if (pair.read, pair.anchor) != (ref.read, ref.anchor):
-            def what(x):
-                return f"read {x.read or '(shared)'} and anchor {x.anchor}"
-            raise ValueError(f"{p}: the pair is named {pair.name}, as a shipped pair, but holds "
-                             f"{what(pair)} where the shipped {pair.name} holds {what(ref)}; "
-                             f"results would show it under the shipped pair's name: give it "
-                             f"another name (its name: line, or the file's name)")
-        return pair
+        if isinstance(data, dict) and data.get("name") is None:
+            data = {**data, "name": p.stem}
+        return cls.from_dict(data, source=str(p))
 
     def to_dict(self) -> dict:
         out = {"name": self.name}

@@ -32,9 +32,10 @@ from pathlib import Path
 
 import yaml
 
-from replayquant.pairs import PrecisionPair, check_mapping, read_yaml
+from replayquant.pairs import PrecisionPair, check_mapping, read_yaml, shipped_like
 
-__all__ = ["EXACT", "LayerPolicy", "Override", "is_policy_file", "quantized_layers", "resolve_pair"]
+__all__ = ["EXACT", "LayerPolicy", "Override", "is_policy_file", "quantized_layers", "resolve_pair",
+           "check_recorded"]
 
 EXACT = "exact"
 _POLICY_KEYS = ("name", "default", "buffer_len", "overrides", "description")
@@ -115,6 +116,20 @@ class LayerPolicy:
             if not isinstance(o, Override):
                 raise ValueError(f"policy override {i + 1}: expected an Override, got "
                                  f"{type(o).__name__}")
+        self._check_name()
+
+    def _check_name(self) -> None:
+        """A policy whose name reads as a shipped pair's (`pairs.name_key`) holds that pair on
+        every layer it does not keep exact (a sensitivity run's `tp4_hi16_sr@layer3`), else one
+        ValueError: results would show the policy under the shipped pair's name."""
+        ship = shipped_like(self.name)
+        held = [p for p in self.pairs() if p != EXACT]
+        if ship is None or (held and all((p.read, p.anchor) == ship[1:] for p in held)):
+            return
+        raise ValueError(f"the layer policy is named {self.name!r}, which reads as the shipped "
+                         f"pair {ship[0]}, but holds {', '.join(map(_pair_label, self.pairs()))}; "
+                         f"results would show it under the shipped pair's name: give it another "
+                         f"name (its name: line, or the file's name)")
 
     # -- like a PrecisionPair, for the code that records or relabels pairs
     def label(self) -> str:
@@ -232,17 +247,61 @@ class LayerPolicy:
                                      f"name each layer once")
                 seen[i] = k + 1
             overrides.append(Override(pair, tuple(idx), None))
-        pol = cls(default, tuple(overrides), data.get("name"), data.get("description", "") or "")
-        if pol.name is not None and (not isinstance(pol.name, str) or not pol.name.strip()):
-            raise ValueError(f"{source}: name must be a non-empty string, got {pol.name!r}")
+        name = data.get("name")
+        if name is not None and (not isinstance(name, str) or not name.strip()):
+            raise ValueError(f"{source}: name must be a non-empty string, got {name!r}")
+        try:
+            pol = cls(default, tuple(overrides), name, data.get("description", "") or "")
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
         return pol if L is None else pol.with_buffer_len(L)
 
     @classmethod
     def load(cls, path) -> "LayerPolicy":
+        """A policy from its YAML file, named by its name: line, else by the file's name."""
         p = Path(path)
         data = read_yaml(p, "layer policy file")
-        pol = cls.from_dict(data, source=str(p), base=p.parent)
-        return pol if pol.name else pol.renamed(p.stem)
+        if isinstance(data, dict) and data.get("name") is None:
+            data = {**data, "name": p.stem}
+        return cls.from_dict(data, source=str(p), base=p.parent)
+
+
+def _held(record, where: str, name=None):
+    """The pair or layer policy a results file's record holds (as `to_dict` wrote it: a mapping
+    with an `anchor` role, or with a `default`), named `name` where given; None for anything
+    else. A record that does not hold what its name says is one ValueError (`where: ...`)."""
+    if not isinstance(record, dict):
+        return None
+    if name is not None:
+        record = {**record, "name": name}
+    if isinstance(record.get("anchor"), dict):
+        return PrecisionPair.from_dict(record, source=where)
+    if "default" in record and set(record) <= set(_POLICY_KEYS):
+        return LayerPolicy.from_dict(record, source=where)
+    return None
+
+
+def check_recorded(obj, source, where: str = "") -> None:
+    """Every pair and layer-policy record of a results file read back (`obj`, from `source`)
+    holds what its name says: a record's own name, and the name or label it is filed under (a
+    sweep's variant `tp4_hi16_sr@L16`, a GPQA summary's pair label), must not read as a shipped
+    pair's unless the record stores that pair's formats (`pairs.check_shipped_name`). One
+    ValueError naming the file and the record otherwise; results under a shipped name would show
+    another pair's numbers."""
+    if isinstance(obj, list):
+        for i, x in enumerate(obj):
+            check_recorded(x, source, f"{where}[{i}]")
+        return
+    if not isinstance(obj, dict):
+        return
+    at = f"{source}: {where or 'the file'}"
+    if _held(obj, at) is not None:
+        return
+    label = obj.get("name", obj.get("label"))
+    if isinstance(label, str):
+        _held(obj.get("pair"), f"{at} ({label})", label)
+    for k, v in obj.items():
+        check_recorded(v, source, f"{where}.{k}" if where else str(k))
 
 
 def quantized_layers(variant, layers) -> list[tuple]:

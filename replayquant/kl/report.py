@@ -175,6 +175,8 @@ def load_results(paths: list[str | Path]) -> list[tuple[str, dict]]:
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise ValueError(f"{p} is not a JSON results file") from None
         check_results(res, p)
+        from replayquant.policy import check_recorded   # pairs hold what their names say
+        check_recorded(res, p)
         out.append((str(p), res))
     if not out:
         raise ValueError("give at least one results file")

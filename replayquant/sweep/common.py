@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from pathlib import Path
 
 from replayquant.kl.stats import KL_ZERO_SE, kl_vs_zero
 from replayquant.outputs import check_writable_folder, write_json
+from replayquant.pairs import tidy_name as clean_name
+from replayquant.policy import check_recorded
 
 __all__ = ["kl_bound", "kl_figures", "kl_problem", "load_json_kind", "check_structure", "REAL",
            "SIZE", "shapes_of_model", "fmt_bytes", "pair_formats",
@@ -129,7 +130,8 @@ def check_structure(obj, schema, source: str, writer: str, where: str = "") -> N
 
 
 def load_json_kind(path, kind: str, writer: str) -> dict:
-    """A results file of `kind`, with one ValueError naming the command that writes it."""
+    """A results file of `kind`, with one ValueError naming the command that writes it, whose
+    pair and policy records hold what their names say (`policy.check_recorded`)."""
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"{path}: no such file (give the JSON that `{writer}` writes)")
@@ -141,6 +143,7 @@ def load_json_kind(path, kind: str, writer: str) -> dict:
         got = obj.get("kind") if isinstance(obj, dict) else type(obj).__name__
         raise ValueError(f"{path}: not a {kind} file (kind {got!r}); give the JSON that "
                          f"`{writer}` writes")
+    check_recorded(obj, path)
     return obj
 
 
@@ -178,13 +181,6 @@ def pair_formats(pair) -> tuple:
     format, rounding))."""
     r = None if pair.read is None else (pair.read.format, pair.read.rounding)
     return r, (pair.anchor.format, pair.anchor.rounding)
-
-
-def clean_name(s) -> str:
-    s = str(s)
-    if s.endswith((".yaml", ".yml")):
-        s = Path(s).stem
-    return re.sub(r"[^A-Za-z0-9._@-]+", "-", s).strip("-")
 
 
 def kl_file_for(out: Path, k: int | None = None) -> Path:
