@@ -21,6 +21,7 @@ from pathlib import Path
 from rich.console import Console
 
 from replayquant import statebytes as sb
+from replayquant.kl.plot import plot_results_file
 from replayquant.kl.run import local_fingerprint
 from replayquant.outputs import check_owned, output_lock, write_text
 from replayquant.pairs import PrecisionPair
@@ -173,6 +174,7 @@ def recommend_per_layer(sens_path, kl_budget: float, low: str | None = None,
     res = kl_command(model, [policy], out=str(kl_path), **args)
     if res is None:
         return None
+    plot_results_file(kl_path, budget=kl_budget)      # the run's plot with the budget drawn
     stats = res["results"][policy.name]
     measured = kl_figures(stats)
     shapes = [sb.LayerShape.from_dict(s) for s in sens["layers"]]

@@ -1,10 +1,16 @@
 """Plots of a sweep (KL against state bytes per step, Pareto front) and of a sensitivity run
 (KL by layer).
 
-Both use log axes for KL. A KL at or below the axis floor is drawn at the floor with a downward
-triangle and its value in the label, never dropped; in the sweep plot so is a KL that is not
-above its uncertainty (float noise around 0, e.g. the shared FP32 pair, whose mean can come out
-negative). The floor is one decade below the smallest KL drawn at its value.
+Both use log axes for KL. A KL at or below the axis floor is drawn at the floor and named, never
+dropped; in the sweep plot so is a KL that is float noise around 0 (`front_kl`: within three
+standard errors of 0, e.g. the shared FP32 pair, whose mean can come out negative), on a grey band
+that says so. The floor is one decade below the smallest KL drawn at its value.
+
+The sweep plot gives every variant its own colour and marker (`kl.plot.series_styles`: a pair's
+hue in one shade per buffer length), all of them in the legend; the front's variants are also
+labelled beside their points, each label at the first of a few places around its point where it
+stays inside the axes and overlaps no other label (`_place_labels`; one with no such place is
+left to the legend). Bytes are in KiB, as the tables give them.
 """
 
 from __future__ import annotations
@@ -12,12 +18,18 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from replayquant.kl.plot import series_styles
 from replayquant.kl.report import model_label
 from replayquant.outputs import save_figure
 
 from .common import front_kl
 
-__all__ = ["plot_sweep", "plot_sensitivity", "axis_floor"]
+__all__ = ["plot_sweep", "sweep_figure", "plot_sensitivity", "axis_floor"]
+
+# where a front label may go, in points from its point, tried in this order: beside it (right,
+# then left), then a line further up or down each time
+_OFFSETS = [(dx, dy, ha) for k in range(6) for dy in (3 + 10 * k, -10 - 10 * k)
+            for dx, ha in ((6, "left"), (-6, "right"))]
 
 
 def axis_floor(values) -> float:
@@ -50,65 +62,93 @@ def _title(sw) -> str:
 
 
 def plot_sweep(sw: dict, png: Path) -> list[tuple[str, float, float]]:
-    """Mean KL (with its upper bound) against state bytes per decode step and sequence,
-    log-log; the Pareto front as a staircase with its variants labelled; the FP32 conventional
-    step marked at the floor (it is the reference: KL 0). Returns the points drawn
-    [(name, x, y)], the floor's y for variants at or below it."""
+    """Write the sweep's PNG (`sweep_figure`); returns the points drawn [(name, bytes, y)]."""
+    fig, drawn = sweep_figure(sw)
+    _save(fig, png)
+    return drawn
+
+
+def sweep_figure(sw: dict):
+    """Mean KL (with its uncertainty) against state KiB per decode step and sequence, log-log;
+    the Pareto front as a staircase with its variants labelled; the FP32 conventional step
+    marked at the floor (it is the reference: KL 0). Returns (figure, the points drawn as
+    [(name, bytes, y)], y the floor for variants at or below it)."""
     plt = _plt()
-    rows = [r for r in sw["variants"] if r.get("kl")]
-    conv = sw["conventional_fp32"]
+    from matplotlib.ticker import FuncFormatter, LogLocator   # matplotlib: as above
+    rows = [r for r in sw["variants"] if r.get("kl")]      # the sweep's order: pair, then L
     floor = axis_floor([front_kl(r["kl"]["kl_mean"], r["kl"]["kl_unc"]) for r in rows])
+    styles = series_styles([r["name"] for r in rows])
     fig, ax = plt.subplots(figsize=(11.0, 5.5), dpi=120)
-    bases = list(dict.fromkeys(r["base"] for r in rows))
-    cmap = plt.get_cmap("tab10")
-    colour = {b: cmap(i % 10) for i, b in enumerate(bases)}
-    n_low, n_front, drawn = 0, 0, []
-    for r in sorted(rows, key=lambda r: r["bytes_per_step"]["state"]):
-        x = r["bytes_per_step"]["state"]
-        m, unc = r["kl"]["kl_mean"], r["kl"]["kl_unc"]
+    drawn, labels, points = [], [], []
+    for r in rows:
+        x, (m, unc) = r["bytes_per_step"]["state"], (r["kl"]["kl_mean"], r["kl"]["kl_unc"])
         low = front_kl(m, unc) <= floor
-        y = floor if low else m
-        n_low += low
+        y, st = (floor if low else m), styles[r["name"]]
         drawn.append((r["name"], x, y))
-        ax.errorbar([x], [y], yerr=None if low else [[min(unc, 0.999 * (m - floor))], [unc]],
-                    fmt="v" if low else "o", color=colour[r["base"]], ms=6 if r["on_front"] else 4,
-                    mec="black" if r["on_front"] else colour[r["base"]], capsize=2, lw=0.8,
-                    label=r["base"] if r is next(q for q in rows if q["base"] == r["base"]) else None)
-        text = r["name"] + (f" (KL {m:.1e} ± {unc:.0e}, drawn at the floor)" if low else "")
-        # floor labels stacked upwards; front labels alternately above right and below left (front
-        # points close in bytes would overlap), the others below right
-        if low:
-            off, ha = (4, 4 + 9 * (n_low - 1)), "left"
-        elif r["on_front"]:
-            n_front += 1
-            off, ha = ((4, 5), "left") if n_front % 2 else ((-5, -11), "right")
-        else:
-            off, ha = (4, -9), "left"
-        ax.annotate(text, (x, y), textcoords="offset points", xytext=off, ha=ha, fontsize=6.5,
-                    color="black" if r["on_front"] else "0.45",
-                    fontweight="bold" if r["on_front"] else "normal")
-    front = [r for r in sorted(rows, key=lambda r: r["bytes_per_step"]["state"]) if r["on_front"]]
+        if not low:
+            ax.errorbar([x / 1024], [y], yerr=[[min(unc, 0.999 * (m - floor))], [unc]],
+                        fmt="none", ecolor=st["color"], capsize=2, lw=0.8)
+        points += ax.plot([x / 1024], [y], ls="none", marker=st["marker"], color=st["color"],
+                          ms=7 if r["on_front"] else 5,
+                          mec="black" if r["on_front"] else st["color"],
+                          label=r["name"] + (" (~0)" if low else ""))
+        if r["on_front"]:
+            labels.append((x, ax.annotate(r["name"] + (" (~0)" if low else ""), (x / 1024, y),
+                                          textcoords="offset points", xytext=_OFFSETS[0][:2],
+                                          fontsize=6.5, fontweight="bold",
+                                          arrowprops={"arrowstyle": "-", "lw": 0.5,
+                                                      "color": "0.4", "shrinkB": 4})))
+    front = sorted((r for r in rows if r["on_front"]), key=lambda r: r["bytes_per_step"]["state"])
     if front:
-        xs = [r["bytes_per_step"]["state"] for r in front]
-        ys = [max(front_kl(r["kl"]["kl_mean"], r["kl"]["kl_unc"]), floor) for r in front]
-        ax.plot(xs, ys, drawstyle="steps-post", color="black", lw=1.2, alpha=0.7,
-                label="Pareto front (fewer bytes, lower KL)")
-    cx = conv["bytes_per_step"]["state"]
+        ax.plot([r["bytes_per_step"]["state"] / 1024 for r in front],
+                [max(front_kl(r["kl"]["kl_mean"], r["kl"]["kl_unc"]), floor) for r in front],
+                drawstyle="steps-post", color="black", lw=1.2, alpha=0.7,
+                label="Pareto front (fewer bytes, lower KL;\nits variants edged black, labelled)")
+    cx = sw["conventional_fp32"]["bytes_per_step"]["state"] / 1024
     ax.plot([cx], [floor], marker="*", ms=14, color="crimson", ls="none",
-            label=f"FP32 conventional step\n(the reference, KL 0): {cx / 1024:.1f} KiB")
-    ax.set_xscale("log")
+            label=f"FP32 conventional step\n(the reference, KL 0): {cx:.1f} KiB")
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_locator(LogLocator(base=2, subs=(1.0, 1.5)))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.set_yscale("log")
     ax.set_ylim(bottom=floor / 2)
     ax.margins(x=0.08)
-    ax.set_xlabel("state bytes moved per decode step and sequence, all recurrent layers "
+    ax.axhspan(floor / 2, floor * 1.6, color="0.92", zorder=0)
+    band = ax.text(0.01, floor * 0.8, "~0: KL within 3 standard errors of 0, drawn at this floor",
+                   transform=ax.get_yaxis_transform(), fontsize=6.5, color="0.35", va="center")
+    ax.set_xlabel("state KiB moved per decode step and sequence, all recurrent layers "
                   "(read copy + ring buffer + amortised flush)", fontsize=8)
-    ax.set_ylabel("mean KL(reference || variant) per token (bar: + uncertainty)", fontsize=8)
+    ax.set_ylabel("mean KL(reference || variant), nats per token (bar: ± uncertainty)",
+                  fontsize=8)
     ax.set_title(_title(sw), fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)  # beside
     fig.tight_layout()
-    _save(fig, png)
-    return drawn
+    _place_labels(fig, ax, [a for _, a in sorted(labels, key=lambda xa: xa[0])],
+                  keep_clear=[band, *points])
+    return fig, drawn
+
+
+def _place_labels(fig, ax, labels, keep_clear=()) -> None:
+    """Move each label, in order, to the first place of `_OFFSETS` where it lies inside the axes
+    and overlaps no label placed before it nor the artists `keep_clear` (texts, points); a label
+    with no such place is removed (the legend still names its point)."""
+    from matplotlib.text import Text   # matplotlib: as in sweep_figure
+    r = fig.canvas.get_renderer()
+    box = ax.get_window_extent(r)
+    placed = [t.get_window_extent(r) for t in keep_clear]
+    for a in labels:
+        for dx, dy, ha in _OFFSETS:
+            a.xyann = (dx, dy)
+            a.set_horizontalalignment(ha)
+            a.update_positions(r)
+            bb = Text.get_window_extent(a, r)       # the text, without its leader line
+            inside = box.x0 <= bb.x0 and bb.x1 <= box.x1 and box.y0 <= bb.y0 and bb.y1 <= box.y1
+            if inside and not any(bb.overlaps(p) for p in placed):
+                placed.append(bb)
+                break
+        else:
+            a.remove()
 
 
 def plot_sensitivity(sens: dict, png: Path) -> None:
