@@ -1008,8 +1008,18 @@ def save_model_folder(model, folder: Path, tokenizer_dir: Path) -> None:
 
 
 def plot_losses(logs: list[dict], path: Path) -> None:
-    """Left: training / validation loss by step. Right: held-out NLL by position in the window
-    (longest context), recurrent state carried vs reset every --reset-every tokens."""
+    """Write `loss_figure(logs)` to `path`."""
+    import matplotlib.pyplot as plt
+    fig = loss_figure(logs)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def loss_figure(logs: list[dict]):
+    """Left: training / validation loss by step, with the step whose weights ship starred (the
+    lowest validation loss: later steps overfit the training books). Right: held-out NLL by
+    position in the window (longest context), recurrent state carried vs reset every
+    --reset-every tokens."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -1038,13 +1048,18 @@ def plot_losses(logs: list[dict], path: Path) -> None:
             bx.plot(mids, list(e["nll_by_position"].values()), "--" if reset else "-o", color=c,
                     ms=3, lw=1.2, label=f"{lg['name']} " + (f"state reset every {reset}"
                                                             if reset else "state carried"))
+    best = [(lg["best_val"]["step"], dict(lg["val_curve"])[lg["best_val"]["step"]], lg["steps"])
+            for lg in logs]
+    ax.plot([b[0] for b in best], [b[1] for b in best], "*", color="black", ms=11, zorder=5,
+            label="weights shipped: lowest validation loss, step " +
+                  ", ".join(f"{s}/{n}" for s, _, n in best))
     ax.set_xlabel("step")
     ax.set_ylabel("next-token loss (nats)")
     ax.set_ylim(bottom=min(min(lg.get("train_loss") or [y for _, y in lg["train_loss_at_val_steps"]])
                            for lg in logs) - 0.2, top=6.0)
     ax.set_title("Tiny models on the KJV (4096-token BPE)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     bx.set_xscale("log")
     bx.set_xlabel("position in the window (tokens, bucket geometric mid)")
     bx.set_ylabel("held-out NLL (nats)")
@@ -1052,7 +1067,7 @@ def plot_losses(logs: list[dict], path: Path) -> None:
     bx.grid(alpha=0.3)
     bx.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    return fig
 
 
 def train_all(args, out: Path, fast: dict) -> dict:

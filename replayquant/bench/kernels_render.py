@@ -4,7 +4,7 @@ FP32 step against batch)."""
 
 from __future__ import annotations
 
-from replayquant.bench.kernels_grid import PAIR_L, PAIRS, SHAPES
+from replayquant.bench.kernels_grid import PAIR_L, PAIRS, PEERS, SHAPES
 from replayquant.outputs import save_figure
 
 
@@ -156,10 +156,24 @@ def _sweep_lines(rows) -> list:
 
 
 def plot_kernels(res, png: str, shapes=None) -> None:
-    """PNG of per-step speedup over our conventional FP32 step against batch: one panel per
-    (kind, pair), one line per L (replay window), plus the forced flush (s32_rs) and the peer;
-    no PNG from a run of kinds without replay rows alone (KDA). Kinds in the order of `shapes`
-    (default SHAPES)."""
+    """NAME_speedup.png of the table `res` (`kernels_figure`); none from a run of kinds without
+    replay rows alone (KDA)."""
+    import matplotlib.pyplot as plt   # matplotlib: loaded when a plot is drawn
+    fig = kernels_figure(res, shapes)
+    if fig is None:
+        return
+    try:
+        save_figure(fig, png, dpi=110)
+    finally:
+        plt.close(fig)
+
+
+def kernels_figure(res, shapes=None):
+    """Per-step speedup over our conventional FP32 step against batch (its time over the
+    kernel's: above 1 is faster): one panel per (kind, pair), one line per L (replay window),
+    plus the forced flush (s32_rs), the peer's FP32 step named (fla, mamba_ssm) and, beside
+    s32_rs, the ReplaySSM authors' FP32 replay. Kinds in the order of `shapes` (default SHAPES);
+    None when no kind has replay rows."""
     # matplotlib: imported when a plot is drawn, its Agg backend chosen before pyplot loads (a
     # device has no display)
     import matplotlib
@@ -169,9 +183,9 @@ def plot_kernels(res, png: str, shapes=None) -> None:
     # kinds with replay rows
     kinds = [k for k in shapes or SHAPES if find_rows(rows, kind=k, kernel="replay-window")]
     if not kinds:
-        return
+        return None
     pairs = list(res["provenance"].get("pairs") or PAIRS)
-    fig, axes = plt.subplots(len(kinds), len(pairs), figsize=(3.2 * len(pairs), 3.0 * len(kinds)),
+    fig, axes = plt.subplots(len(kinds), len(pairs), figsize=(3.6 * len(pairs), 3.1 * len(kinds)),
                              sharey=True, squeeze=False)
     for i, kind in enumerate(kinds):
         for j, pair in enumerate(pairs):
@@ -181,15 +195,13 @@ def plot_kernels(res, png: str, shapes=None) -> None:
             if i == len(kinds) - 1:
                 ax.set_xlabel("batch")
             if j == 0:
-                ax.set_ylabel("x conventional FP32 (per step)")
-            ax.legend(fontsize=6)
+                ax.set_ylabel("speedup over our conventional\nFP32 step (> 1: faster)", fontsize=9)
+            ax.legend(fontsize=5.5)
     pv = res["provenance"]
-    fig.suptitle(f"{pv['device']}, git {str(pv['git_commit'])[:8]}", fontsize=9)
+    fig.suptitle(f"Decode step time of our conventional FP32 step over each kernel's (> 1: the "
+                 f"kernel is faster), {pv['device']}, git {str(pv['git_commit'])[:8]}", fontsize=9)
     fig.tight_layout()
-    try:
-        save_figure(fig, png, dpi=110)
-    finally:
-        plt.close(fig)
+    return fig
 
 
 def _speedups(rows, **kv) -> list:
@@ -207,21 +219,27 @@ def _speedup_panel(ax, rows, kind, pair) -> None:
                                                    variant=pair)}):
         pts = _speedups(rows, kind=kind, kernel="replay-window", variant=pair, L=L)
         if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=f"L={L}")
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3,
+                    label=f"ours, L={L}")
     L0 = PAIR_L[kind]
     pts = _speedups(rows, kind=kind, kernel="replay-window-staggered", variant=pair, L=L0)
     if pts:
         ax.plot([p[0] for p in pts], [p[1] for p in pts], ls="--", marker="d", ms=3,
-                label=f"L={L0}, rows out of phase")
+                label=f"ours, L={L0}, rows out of phase")
     pts = _speedups(rows, kind=kind, kernel="replay-forced-flush-layer", variant=pair, L=L0)
     if pts:
         ax.plot([p[0] for p in pts], [p[1] for p in pts], ls=":", marker="s", ms=3,
-                label="flush every step")
+                label="ours, flush every step")
+    peer_kernel, peer_name = PEERS[kind]
     peer = sorted((r["B"], base[r["B"]] / r["us"]) for r in rows
-                  if r["kind"] == kind and r["kernel"] in ("peer:fla", "peer:mamba_ssm")
+                  if r["kind"] == kind and r["kernel"] == peer_kernel
                   and r["variant"] == "float32" and r["B"] in base)
     if peer:
         ax.plot([p[0] for p in peer], [p[1] for p in peer], ls="--", marker="x", ms=3,
-                color="gray", label="peer FP32")
+                color="gray", label=f"{peer_name}, FP32")
+    pts = _speedups(rows, kind=kind, kernel="authors", variant="fp32") if pair == "s32_rs" else []
+    if pts:
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], ls="-.", marker="^", ms=3,
+                color="black", label=f"ReplaySSM authors' replay, L={L0}, FP32 state")
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xscale("log", base=2)
