@@ -88,7 +88,7 @@ def test_pairs_command_lists_every_pair():
     assert "0.5627" in r.output and "anchor B/elem" in r.output
 
 
-# ------------------------------------------------------------------ names that read as a shipped pair
+# -------------------------------------------------------------- names that read as a shipped pair
 
 LOOKALIKES = ["tp4_hi16_sr ", "tp4_hi16_sr!", "TP4_HI16_SR", "tp4-hi16-sr", "tp4_hi16_sr.yaml",
               "tp4_hi16_sr@L16"]

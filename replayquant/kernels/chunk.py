@@ -36,7 +36,10 @@ Four launches per group of windows, only the second one sequential:
 4. `_output_kernel`, one program per (window, sequence x head): y = P X^T + C for every token
    but the flushes, one dot per row block.
 Window 0's checkpoint and the first anchor are dequantized on the host (the format's own
-dequantize, the specification).
+dequantize, the specification). After the launches one host read checks that the outputs and
+the roles after the segment are finite; where they are not (an fp16 anchor or read copy that
+overflowed at a flush, which the chain carries to the segment's end), the torch reference runs
+the segment again to name the flush (layer, batch row, token, format) in its error.
 
 Vector gates (KDA, a state built with vector_gate=True, log_a [B, T, H, d_k]): the decay
 multiplies the state's key axis, so pass 1 forms the causal products q_t . (k_j * exp(G_t -
@@ -926,7 +929,32 @@ def chunk_scan(state: ScanState, q, k, v, log_a, beta=None, *, pair, seed: int =
         flushes = state.flushes + full
     new = ScanState(anchor=anchor, read=read, k=nk, v=nv, G=nG, beta=nb, count=count,
                     flushes=flushes, rows=state.rows)
+    if not _finite(y, new, pair):
+        _name_the_overflow(state, q, k, v, log_a, beta, pair, seed, layer, valid, exact)
     return y, new
+
+
+def _finite(y, new: ScanState, pair) -> bool:
+    """Whether the outputs and the roles after the segment are finite: one host read. An anchor
+    or read copy that overflowed at a flush (an FP16 role past 65504) leaves both non-finite
+    (the chain carries it to the segment's end)."""
+    roles = [pair.anchor.fmt.dequantize(new.anchor)]
+    if new.read is not None:
+        roles.append(pair.read.fmt.dequantize(new.read))
+    return bool(torch.stack([torch.isfinite(t).all() for t in (y, *roles)]).all())
+
+
+def _name_the_overflow(state, q, k, v, log_a, beta, pair, seed, layer, valid, exact):
+    """The error of a segment whose result is not finite: a non-finite input, else the flush
+    whose cast overflowed, named by the torch reference run on the same segment (it checks every
+    flush); a reference that finds none leaves a kernel defect."""
+    chunk_ref.check_inputs_finite(layer, (q, k, v, log_a, beta), valid)
+    chunk_ref.chunk_scan_ref(state, q, k, v, log_a, beta, pair=pair, seed=seed, layer=layer,
+                             valid=valid, exact=exact)
+    raise RuntimeError(f"layer {layer}: the Triton chunk kernel's outputs or state after this "
+                       f"segment are not finite where its torch reference's are (pair "
+                       f"{pair.label()}): a kernel defect; run with REPLAYQUANT_BACKEND=torch "
+                       f"to go on, and report it")
 
 
 def _launch(events, name, kernel, grid, *args, **kw):

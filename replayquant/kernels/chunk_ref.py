@@ -19,6 +19,10 @@ segment continues the flush schedule of the previous one (position modulo L carr
 tokens marked invalid (padding) are skipped: they occupy no buffer slot, as a server never sees
 them. ``exact=True`` is the other prefill: the segment in FP32 (no rounding at window
 boundaries), then one cast of the final state, as a server's prefill would.
+A flush whose cast of the anchor or read copy is not finite (an fp16 role past 65504) is one
+ValueError after the segment naming layer, batch row, token and format
+(`replay.state.flush_overflow_error`), and the state is not handed back: one host read per
+call, on the flags each flush records on the device.
 
 Shapes (B sequences, T tokens, H heads): q, k [B, T, H, d_k]; v [B, T, H, d_v]; log_a and beta
 [B, T, H]; states [B, H, d_v, d_k] float32. All arithmetic is float32.
@@ -44,10 +48,12 @@ import torch
 from replayquant import options
 from replayquant.formats import QTensor
 from replayquant.replay import core
+from replayquant.replay.state import find_nonfinite, flush_overflow_error
 from replayquant.streams import ANCHOR, READ, layer_seed, sr_stream
 
 __all__ = ["ScanState", "cast_roles", "initial_scan_state", "rebuild_state", "chunk_scan_ref",
-           "select_rows", "scan_state_of", "scan_parts", "load_scan_state", "teacher_force"]
+           "select_rows", "scan_state_of", "scan_parts", "load_scan_state", "teacher_force",
+           "check_inputs_finite"]
 
 
 @dataclass
@@ -320,7 +326,7 @@ def _scan(state, q, k, v, log_a, beta, *, pair, seed, layer, valid, exact):
     width = W * buffer_len
     lay = _layout(state, q, k, v, log_a, beta, valid, W)
     full = m // buffer_len                                  # windows that end in a flush, per row
-    Y, A, aq, rq = _windows_ref(state, pair, lay, full, W, seed, layer, exact)
+    Y, A, aq, rq, casts = _windows_ref(state, pair, lay, full, W, seed, layer, exact)
     bi, ti, cols, slot, Ek, Ev, Eb, G, gt = (lay.bi, lay.ti, lay.cols, lay.slot, lay.Ek, lay.Ev,
                                              lay.Eb, lay.G, lay.gt)
 
@@ -332,6 +338,9 @@ def _scan(state, q, k, v, log_a, beta, *, pair, seed, layer, valid, exact):
         # A holds the unrounded FP32 state after every entry: cast once (one flush)
         na, nr = cast_roles(A, pair, seed=seed, layer=layer, flush_index=state.flushes + 1,
                             rows=state.rows)
+        casts.see(W, torch.ones_like(full, dtype=torch.bool), pair, na, nr)
+    casts.check(state, pair, layer, lay, (q, k, v, log_a, beta), valid, exact)
+    if exact:
         return y, replace(state, anchor=na, read=nr, k=zero(state.k), v=zero(state.v),
                           G=zero(state.G), beta=None if state.beta is None else zero(state.beta),
                           count=zero(state.count), flushes=state.flushes + 1)
@@ -423,6 +432,7 @@ def _windows_ref(state, pair, lay, full, W, seed, layer, exact):
     A = anchor_f32(state, pair)
     R = A if state.read is None else read_f32(state, pair)
     aq, rq = state.anchor, state.read
+    casts = _FlushCasts(B, dev)
     Y = torch.empty(B, H, W, buffer_len, dv, dtype=f32, device=dev)
     fmin, fmax = (0, 0) if exact else (int(full.min()), int(full.max()))   # the one host sync
     for w in range(W):
@@ -453,8 +463,7 @@ def _windows_ref(state, pair, lay, full, W, seed, layer, exact):
         yF = (S @ qw[:, :, w, buffer_len - 1, :, None])[..., 0]
         na, nr = cast_roles(S, pair, seed=seed, layer=layer, flush_index=state.flushes + w + 1,
                             rows=state.rows)
-        Anew = pair.anchor.fmt.dequantize(na)
-        Rnew = Anew if nr is None else pair.read.fmt.dequantize(nr)
+        Anew, Rnew = casts.see(w, full > w, pair, na, nr)
         if w < fmin:                                         # every row flushes here
             Y[:, :, w, buffer_len - 1] = yF
             aq, rq, A, R = na, nr, Anew, Rnew
@@ -466,7 +475,61 @@ def _windows_ref(state, pair, lay, full, W, seed, layer, exact):
             A = torch.where(fm, Anew, A)
             R = A if rq is None else torch.where(fm, Rnew, R)
 
-    return Y, A, aq, rq
+    return Y, A, aq, rq, casts
+
+
+def check_inputs_finite(layer: int, inputs, valid=None) -> None:
+    """One ValueError naming the layer, input, token and row when a segment's inputs (q, k, v,
+    log_a, beta; `find_nonfinite`: valid tokens only) hold NaN or infinity. The scans take the
+    inputs as checked (the runtime checks each forward's once); this tells a non-finite input
+    from a state that outgrew its format where a scan's result is not finite."""
+    bad = find_nonfinite(dict(zip(("q", "k", "v", "log_a", "beta"), inputs)), valid)
+    if bad is not None:
+        name, row, t, n = bad
+        raise ValueError(f"layer {layer}: input {name} holds NaN or infinity at token {t} of "
+                         f"this {inputs[0].shape[1]}-token segment, batch row {row} ({n} "
+                         f"element(s)); the replay state is unchanged. The inputs come from the "
+                         f"model's activations: find where they first become non-finite")
+
+
+class _FlushCasts:
+    """Per row, the first flush (window index; W: the exact prefill's cast at the segment's end)
+    whose cast of the anchor or read copy is not finite, kept on the device; `check` reads it
+    once on the host after the segment and raises `flush_overflow_error` there, before the
+    state is handed back."""
+
+    def __init__(self, B: int, dev):
+        self.window = torch.full((B,), -1, dtype=torch.int64, device=dev)
+        self.read = torch.zeros(B, dtype=torch.bool, device=dev)     # the read copy, not the anchor
+
+    def see(self, w: int, rows, pair, na, nr):
+        """Record the casts na, nr of a flush at window w in `rows` [B] bool; returns them
+        dequantized (anchor, read copy: the anchor for a shared pair)."""
+        Anew = pair.anchor.fmt.dequantize(na)
+        Rnew = Anew if nr is None else pair.read.fmt.dequantize(nr)
+        bad_a = ~torch.isfinite(Anew).flatten(1).all(1)
+        bad = (bad_a | ~torch.isfinite(Rnew).flatten(1).all(1)) & rows & (self.window < 0)
+        self.window = torch.where(bad, w, self.window)
+        self.read = torch.where(bad, ~bad_a, self.read)
+        return Anew, Rnew
+
+    def check(self, state, pair, layer: int, lay, inputs, valid, exact: bool) -> None:
+        """One host read; the error of the first row whose flush cast is not finite."""
+        if not bool((self.window >= 0).any()):
+            return
+        T = inputs[0].shape[1]
+        check_inputs_finite(layer, inputs, valid)     # not the state's size: the inputs themselves
+        b = int((self.window >= 0).nonzero()[0, 0])
+        w = int(self.window[b])
+        role, spec = ("read copy", pair.read) if bool(self.read[b]) else ("anchor", pair.anchor)
+        if exact:
+            at = f"the end of this {T}-token segment (prefill=exact)"
+        else:
+            col = w * state.buffer_len + state.buffer_len - 1
+            tok = lay.ti[(lay.bi == b) & (lay.cols == col)]
+            at = (f"token {int(tok[0])} of this {T}-token segment" if tok.numel() else
+                  f"the steps buffered before this {T}-token segment")
+        raise flush_overflow_error(layer, role, spec, pair, b, int(state.rows[b]), at)
 
 
 # ------------------------------------------------------------------ ReplayState interop

@@ -42,7 +42,11 @@ Semantics (exactly; see replayquant.replay.core for the formulas and the buffer 
   and verify counted together) and the batch
   row, before anything changes (one sum per input and one host read per call,
   `find_nonfinite`). An initial state that overflows an fp16 / bf16 role is refused at
-  construction.
+  construction, and a flush whose cast of the rebuilt state into the anchor or read copy is not
+  finite (an fp16 role past 65504) is one ValueError at that flush naming layer, batch row,
+  step and format (`flush_overflow_error`), before anything changes (one host read per flush):
+  it would otherwise give infinite outputs for up to L - 1 steps and then NaN that later
+  layers' input checks blame on their inputs. ConventionalState checks each step's cast alike.
 
 Hand-off (teacher forcing, beam reordering, other backends): `st.export()` returns the parts
 (anchor, read copy, buffer, counters, rows) as a dict, `st.load(parts)` installs parts in place
@@ -60,7 +64,8 @@ from replayquant.policy import resolve_pair
 from replayquant.replay import core
 from replayquant.streams import ANCHOR, READ, layer_seed, sr_stream
 
-__all__ = ["ReplayState", "ConventionalState", "find_nonfinite"]
+__all__ = ["ReplayState", "ConventionalState", "find_nonfinite", "nonfinite_cast",
+           "flush_overflow_error"]
 
 
 def find_nonfinite(inputs: dict, valid: torch.Tensor | None = None, time_dim: int = 1):
@@ -90,6 +95,40 @@ def find_nonfinite(inputs: dict, valid: torch.Tensor | None = None, time_dim: in
             first = bad.nonzero()[0].tolist()
             return name, first[0], first[time_dim] if t.dim() > time_dim else None, int(bad.sum())
     return None
+
+
+def nonfinite_cast(roles):
+    """None when every dequantized cast of `roles` ((role, spec, X [b, ...]), ...) is finite, else
+    (role, spec, b) of the first row b (and its first role) that is not: one reduction per role
+    and one host read for all of them."""
+    bad = torch.stack([~torch.isfinite(X).flatten(1).all(1) for _, _, X in roles], dim=1)
+    if not bool(bad.any()):
+        return None
+    b, i = bad.nonzero()[0].tolist()
+    return roles[i][0], roles[i][1], b
+
+
+def flush_overflow_error(layer: int, role: str, spec, pair, row: int, seq: int,
+                         at: str) -> ValueError:
+    """The error of a flush whose cast of the rebuilt state into `role` ("anchor", "read copy";
+    "state" for the conventional baseline) of format `spec` is not finite while its inputs were:
+    the state outgrew the format (fp16 past 65504) or FP32 itself. Raised at that flush, before
+    anything changes, because a non-finite anchor or read copy would give infinite outputs for
+    up to L - 1 steps and then NaN in every later layer, which the next input check would blame
+    on the inputs."""
+    grid = getattr(spec.fmt, "grid", None)
+    if grid is not None and grid.max_value < 1e38:            # fp16: a narrower range than FP32
+        why = f"the state rebuilt there is larger than {spec.format} holds ({grid.max_value:g})"
+        fix = (f"Give the {role} a wider format (fp32, or bf16, which keeps fp32's range), or "
+               f"check the model's activations (the inputs were finite: their size made the "
+               f"state this large)")
+    else:
+        why = "the state rebuilt there overflows FP32 itself"
+        fix = ("Check the model's activations: the inputs were finite, but their size made the "
+               "state exceed any format's range")
+    return ValueError(f"layer {layer}: the {role} ({spec.format} of pair {pair.label()}) "
+                      f"overflows at the flush of {at}, batch row {row} (sequence {seq}): {why}; "
+                      f"the replay state is unchanged. {fix}")
 
 
 def _overflowed(spec, q: QTensor) -> bool:
@@ -155,6 +194,16 @@ class _StateBase:
         rows = self.rows if idx is None else self.rows[idx]
         return spec.fmt.quantize(S, spec.rounding, seed=self._key,
                                  stream=sr_stream(flush_index, role, rows, self.H))
+
+    def _check_casts(self, roles, idx, at: str) -> None:
+        """One ValueError (`flush_overflow_error`) when a flush's cast of rows idx is not finite
+        (roles: (role, spec, dequantized cast)); one host read."""
+        bad = nonfinite_cast(roles)
+        if bad is not None:
+            role, spec, b = bad
+            row = int(idx[b]) if idx is not None else b
+            raise flush_overflow_error(self.layer, role, spec, self.pair, row,
+                                       int(self.rows[row]), at)
 
     # -- input checks
     def _check(self, q, k, v, log_a, beta, T=None):
@@ -423,14 +472,15 @@ class ReplayState(_StateBase):
         """One decode step -> y float32 [B, H, d_v] (module doc for the exact semantics)."""
         self._no_pending("step")
         q, k, v, log_a, beta = self._check(q, k, v, log_a, beta)
-        self._calls += 1
-        y = self._append(q, k, v, log_a, beta)            # [B,H,1,dv], pre-flush included
-        self._h += 1
-        full = self._h == self.buffer_len
+        at = f"step {self._calls + 1} of this state"
+        y = self._append(q, k, v, log_a, beta, at)        # [B,H,1,dv], pre-flush included
+        full = self._h + 1 == self.buffer_len
         if bool(full.any()):
             idx = full.nonzero()[:, 0]
-            S = self._flush(idx, self._h[idx])
+            S = self._flush(idx, self._h[idx] + 1, at)    # an overflow raises: nothing changed
             y[idx] = core.matvec(S, q[idx])
+        self._h += (~full).long()                         # flushed rows are at 0
+        self._calls += 1
         return y[:, :, 0, :]
 
     def verify(self, q, k, v, log_a, beta=None) -> torch.Tensor:
@@ -441,8 +491,8 @@ class ReplayState(_StateBase):
             raise ValueError(f"verify: T={T} drafts, but 1 <= T <= buffer_len={self.buffer_len} is required; "
                              f"use a pair with a longer buffer or fewer drafts")
         q, k, v, log_a, beta = self._check(q, k, v, log_a, beta, T=T)
+        y = self._append(q, k, v, log_a, beta, f"verify {self._calls + 1} of this state")
         self._calls += 1
-        y = self._append(q, k, v, log_a, beta)
         self._pending, self._pending_T = True, T
         return y.transpose(1, 2).contiguous()
 
@@ -453,12 +503,12 @@ class ReplayState(_StateBase):
         self._pending = None
 
     # ---------------------------------------------------------------- internals
-    def _append(self, q, k, v, log_a, beta):
+    def _append(self, q, k, v, log_a, beta, at: str):
         T = q.shape[2]
         need = (self._h + T > self.buffer_len) & (self._h > 0)
         if bool(need.any()):
             idx = need.nonzero()[:, 0]
-            self._flush(idx, self._h[idx])
+            self._flush(idx, self._h[idx], at)
         h = self._h
         Gprev = torch.where((h > 0).view(-1, *([1] * (self._G.dim() - 2))),
                             core._gather_slot(self._G, (h - 1).clamp(min=0)),
@@ -473,21 +523,27 @@ class ReplayState(_StateBase):
                 core._scatter_slot(self._beta, p, beta[:, :, i])
         return core.read_outputs(self._R32, self._k, self._v, self._G, self._beta, self._u, h, q)
 
-    def _flush(self, idx, n):
-        """Flush rows idx over their first n entries; returns the unrounded S of those rows."""
-        B = self.B
-        Sc = self.pair.anchor.fmt.dequantize(core.qt_take(self._A, idx, B))
+    def _flush(self, idx, n, at: str):
+        """Flush rows idx over their first n entries; returns the unrounded S of those rows. A
+        cast that is not finite (`flush_overflow_error`, naming `at`) raises before anything
+        changes."""
+        B, pair = self.B, self.pair
+        Sc = pair.anchor.fmt.dequantize(core.qt_take(self._A, idx, B))
         beta = None if self._beta is None else self._beta[idx]
         S, _ = core.rebuild(Sc, self._k[idx], self._v[idx], self._G[idx], beta, n)
         fi = self._flushes[idx] + 1
-        A = self._cast(self.pair.anchor, S, fi, ANCHOR, idx)
+        A = self._cast(pair.anchor, S, fi, ANCHOR, idx)
+        R = None if self._R is None else self._cast(pair.read, S, fi, READ, idx)
+        A32 = pair.anchor.fmt.dequantize(A)
+        R32 = A32 if R is None else pair.read.fmt.dequantize(R)
+        roles = (("anchor", pair.anchor, A32),)
+        if R is not None:
+            roles += (("read copy", pair.read, R32),)
+        self._check_casts(roles, idx, at)
         core.qt_put(self._A, idx, A, B)
-        if self._R is None:
-            self._R32[idx] = self.pair.anchor.fmt.dequantize(A)
-        else:
-            R = self._cast(self.pair.read, S, fi, READ, idx)
+        if R is not None:
             core.qt_put(self._R, idx, R, B)
-            self._R32[idx] = self.pair.read.fmt.dequantize(R)
+        self._R32[idx] = R32
         self._flushes[idx] = fi
         self._h[idx] = 0
         return S
@@ -539,21 +595,25 @@ class ConventionalState(_StateBase):
     read_copy = anchor
     current_state = anchor
 
-    def _advance(self, Sq, steps, q, k, v, log_a, beta, i):
-        """One read-modify-write step on draft/step i of the [B,H,T,...] inputs."""
+    def _advance(self, Sq, steps, q, k, v, log_a, beta, i, at: str):
+        """One read-modify-write step on draft/step i of the [B,H,T,...] inputs; a cast that is
+        not finite raises (`flush_overflow_error`, naming `at`)."""
         sl = slice(i, i + 1)
         Sc = self.spec.fmt.dequantize(Sq)
         ones = torch.ones(self.B, dtype=torch.int64, device=self.device)
         S, _ = core.rebuild(Sc, k[:, :, sl], v[:, :, sl], log_a[:, :, sl],
                             None if beta is None else beta[:, :, sl], ones)
         y = core.matvec(S, q[:, :, sl])[:, :, 0, :]
-        return y, self._cast(self.spec, S, steps + 1, ANCHOR)
+        Snew = self._cast(self.spec, S, steps + 1, ANCHOR)
+        self._check_casts((("state", self.spec, self.spec.fmt.dequantize(Snew)),), None, at)
+        return y, Snew
 
     def step(self, q, k, v, log_a, beta=None) -> torch.Tensor:
         self._no_pending("step")
         q, k, v, log_a, beta = self._check(q, k, v, log_a, beta)
+        y, self._S = self._advance(self._S, self._steps, q, k, v, log_a, beta, 0,
+                                   f"step {self._calls + 1} of this state")
         self._calls += 1
-        y, self._S = self._advance(self._S, self._steps, q, k, v, log_a, beta, 0)
         self._steps += 1
         return y
 
@@ -563,12 +623,13 @@ class ConventionalState(_StateBase):
         if T < 1:
             raise ValueError("verify: needs at least one draft (T >= 1)")
         q, k, v, log_a, beta = self._check(q, k, v, log_a, beta, T=T)
-        self._calls += 1
         snaps, ys, Sq = [], [], self._S
         for i in range(T):
-            y, Sq = self._advance(Sq, self._steps + i, q, k, v, log_a, beta, i)
+            y, Sq = self._advance(Sq, self._steps + i, q, k, v, log_a, beta, i,
+                                  f"verify {self._calls + 1} of this state, draft index {i}")
             ys.append(y)
             snaps.append(Sq)
+        self._calls += 1
         self._pending, self._pending_T = snaps, T
         return torch.stack(ys, dim=1)
 

@@ -1,0 +1,105 @@
+"""A role that overflows at a flush (an FP16 anchor or read copy past 65504) is one error at that
+flush, naming layer, batch row, step and format and what to do, with the state left as it was:
+on the reference ReplayState (and the conventional baseline, its L = 1 case), the chunked scan's
+torch reference and the Triton chunk kernel (interpreter). Tiny shapes: about a second each."""
+
+import pytest
+import torch
+
+from replayquant.kernels import chunk
+from replayquant.kernels.chunk_ref import chunk_scan_ref, initial_scan_state, teacher_force
+from replayquant.pairs import FormatSpec, PrecisionPair
+from replayquant.replay import ConventionalState, ReplayState
+
+L, T, DK, DV = 4, 7, 16, 16
+FP16_READ = PrecisionPair(FormatSpec("fp16"), FormatSpec("fp32"), L, "fp16read")
+PAIRS = {"tp4_hi16_sr": ("anchor", PrecisionPair.load("tp4_hi16_sr").with_buffer_len(L)),
+         "s16_sr": ("anchor", PrecisionPair.load("s16_sr").with_buffer_len(L)),
+         "fp16read": ("read copy", FP16_READ)}
+
+
+def _inputs(delta: bool, big: float = 1e6):
+    """[2, T, 1, ...] inputs whose row 1 builds a state past FP16's 65504 by the first flush
+    (token L - 1); row 0 stays small."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.nn.functional.normalize(torch.randn(2, T, 1, DK, generator=g), dim=-1)
+    k = torch.nn.functional.normalize(torch.rand(2, T, 1, DK, generator=g) + 1, dim=-1)
+    v = torch.rand(2, T, 1, DV, generator=g) + 1
+    v[1] *= big
+    la = -0.01 * torch.rand(2, T, 1, generator=g)
+    beta = torch.ones(2, T, 1) if delta else None
+    return q, k, v, la, beta
+
+
+def _snapshot(st):
+    """What a ReplayState holds: its roles, counters and committed buffer entries (slots past
+    the committed count are ignored by every step)."""
+    p = st.export()
+    h = int(p["committed"].max())
+    out = {"anchor": st.anchor(), "read": st.read_copy(), "committed": p["committed"],
+           "flushes": p["flushes"]}
+    out.update({n: p[n][:, :, :h] for n in ("k", "v", "G", "beta", "u") if p[n] is not None})
+    return {n: t.clone() for n, t in out.items()}
+
+
+def _unchanged(before, st):
+    after = _snapshot(st)
+    return all(torch.equal(before[n], after[n]) for n in before)
+
+
+def _message(role, fmt, where):
+    return rf"layer 5: the {role} \({fmt} of pair \S+\) overflows at the flush of {where}, " \
+           rf"batch row 1 \(sequence 1\).*larger than {fmt} holds.*unchanged.*wider format.*" \
+           rf"fp32.*bf16.*activations"
+
+
+@pytest.mark.parametrize("delta", [False, True])
+@pytest.mark.parametrize("name", list(PAIRS))
+def test_replay_state_names_the_overflowing_flush(name, delta):
+    role, pair = PAIRS[name]
+    fmt = (pair.anchor if role == "anchor" else pair.read).format
+    q, k, v, la, beta = _inputs(delta)
+    st = ReplayState(torch.zeros(2, 1, DV, DK), pair, delta=delta, layer=5)
+    for t in range(L - 1):
+        y = st.step(q[:, t], k[:, t], v[:, t], la[:, t], None if beta is None else beta[:, t])
+        assert torch.isfinite(y).all()
+    before = _snapshot(st)
+    t = L - 1
+    with pytest.raises(ValueError, match=_message(role, fmt, f"step {L} of this state")):
+        st.step(q[:, t], k[:, t], v[:, t], la[:, t], None if beta is None else beta[:, t])
+    assert _unchanged(before, st)
+
+
+@pytest.mark.parametrize("scan", ["ref", "triton"])
+@pytest.mark.parametrize("delta", [False, True])
+def test_chunked_scan_names_the_overflowing_flush(scan, delta):
+    role, pair = PAIRS["tp4_hi16_sr"]
+    q, k, v, la, beta = _inputs(delta)
+    st = ReplayState(torch.zeros(2, 1, DV, DK), pair, delta=delta, layer=5)
+    before = _snapshot(st)
+    where = f"token {L - 1} of this {T}-token segment"
+    with pytest.raises(ValueError, match=_message(role, "fp16", where)):
+        teacher_force(st, q, k, v, la, beta, scan=chunk.chunk_scan if scan == "triton" else None)
+    assert _unchanged(before, st)
+    # a row whose state fits goes through
+    y, _ = chunk_scan_ref(initial_scan_state((1, 1, DV, DK), pair, delta=delta), q[:1], k[:1],
+                          v[:1], la[:1], None if beta is None else beta[:1], pair=pair)
+    assert torch.isfinite(y).all()
+
+
+def test_exact_prefill_cast_that_overflows_is_named():
+    pair = PAIRS["s16_sr"][1]
+    q, k, v, la, _ = _inputs(False)
+    ss = initial_scan_state((2, 1, DV, DK), pair, delta=False)
+    with pytest.raises(ValueError, match=_message("anchor", "fp16", "the end of this 7-token "
+                                                   "segment \\(prefill=exact\\)")):
+        chunk_scan_ref(ss, q, k, v, la, pair=pair, layer=5, exact=True)
+
+
+def test_conventional_state_names_the_overflowing_step():
+    pair = PAIRS["s16_sr"][1]
+    q, k, v, la, _ = _inputs(False)
+    st = ConventionalState(torch.zeros(2, 1, DV, DK), pair, delta=False, layer=5)
+    with pytest.raises(ValueError, match=_message("state", "fp16", "step 1 of this state")):
+        st.step(q[:, 0], k[:, 0], v[:, 0], la[:, 0])
+    assert torch.equal(st.flushes, torch.zeros(2, dtype=torch.int64))
