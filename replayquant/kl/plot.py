@@ -147,6 +147,7 @@ def kl_figure(results: dict, arrays: dict, pair_names: list[str], first: int = 0
     import matplotlib   # matplotlib: loaded when a plot is drawn
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt   # matplotlib: loaded when a plot is drawn
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter   # matplotlib: as above
 
     docs = sorted(arrays)
     bins = [position_bins([arrays[i][j] for i in docs], first=first)
@@ -170,6 +171,9 @@ def kl_figure(results: dict, arrays: dict, pair_names: list[str], first: int = 0
         ax.axhline(budget, color="crimson", lw=1.2, ls=(0, (6, 3)),
                    label=f"KL budget {budget:.3g} (on the mean over all positions)")
     ax.set_xscale("log")
+    ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 3.0)))    # 1, 3, 10, 30, ... tokens
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
     if floor is not None:
         ax.set_yscale("log")
         ax.set_ylim(bottom=floor / 2)
