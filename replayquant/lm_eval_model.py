@@ -51,8 +51,11 @@ import os
 import sys
 import tempfile
 
-import lm_eval
-import lm_eval.evaluator as ev
+from replayquant.extras import require
+
+require("lm_eval")      # lm-eval is an extra: without it, one error naming `replayquant[lm-eval]`
+import lm_eval  # noqa: E402
+import lm_eval.evaluator as ev  # noqa: E402
 import torch
 from lm_eval.__main__ import cli_evaluate
 from lm_eval.api.registry import register_model

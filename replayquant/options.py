@@ -26,6 +26,8 @@ import os
 
 import torch
 
+from replayquant.extras import require
+
 __all__ = ["Options", "get", "override", "ENV", "triton_interpreter", "check_backend"]
 
 ENV = {
@@ -95,8 +97,12 @@ def triton_interpreter() -> bool:
 def check_backend(on_cuda: bool | None = None) -> None:
     """One ValueError where backend = triton cannot run: without TRITON_INTERPRET=1 the Triton
     kernels need CUDA tensors (`on_cuda`: the tensor at hand; None: whether this machine has a
-    CUDA GPU at all, the check a command makes before any work)."""
-    if get().backend != "triton" or triton_interpreter():
+    CUDA GPU at all, the check a command makes before any work); without Triton installed, one
+    `extras.MissingExtra` naming the extra that installs it."""
+    if get().backend != "triton":
+        return
+    require("triton")
+    if triton_interpreter():
         return
     if on_cuda is None:
         on_cuda = torch.cuda.is_available()

@@ -546,7 +546,8 @@ def test_pyproject_ranges_and_markers():
     proj = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"]
     import replayquant
     assert proj["version"] == replayquant.__version__
-    deps = {d.split(";")[0].split(">")[0].split("=")[0].split("<")[0].strip(): d for d in proj["dependencies"]}
+    deps = {d.split(";")[0].split(">")[0].split("=")[0].split("<")[0].strip(): d
+            for d in proj["dependencies"] + [d for ds in proj["optional-dependencies"].values() for d in ds]}
     assert "<" in deps["lm-eval"] and ">=" in deps["lm-eval"]
     assert "<" in deps["transformers"] and ">=" in deps["transformers"]
     assert 'sys_platform == "linux"' in deps["triton"]

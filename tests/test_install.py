@@ -86,3 +86,147 @@ def test_a_cached_hub_dataset_is_read_offline(tmp_path):
     err = read("someone/elsewhere")["error"]
     assert "HF_HUB_OFFLINE=1 is set" in err and "in neither local cache" in err
     assert "hf download --repo-type dataset someone/elsewhere" in err and "--dataset heldout" in err
+
+
+# ---------------------------------------------------------------- the wheel and the sdist
+
+DOCS = ("usage.md", "DESIGN.md", "kernels.md", "gpqa.md")
+
+
+def _tree_copy(dst: Path) -> Path:
+    """The files git tracks or would track, as a fresh clone has them (links kept as links)."""
+    import shutil
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                           cwd=ROOT, capture_output=True, text=True, check=True).stdout.split("\0")
+    for rel in filter(None, files):
+        if os.path.lexists(ROOT / rel):
+            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / rel, dst / rel, follow_symlinks=False)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """A wheel and an sdist built from a copy of the tree with the venv's setuptools."""
+    src = _tree_copy(tmp_path_factory.mktemp("src"))
+    out = tmp_path_factory.mktemp("dist")
+    code = ("import sys; from setuptools import build_meta as b; out = sys.argv[1]; "
+            "b.build_sdist(out); b.build_wheel(out)")        # build_meta rewrites sys.argv
+    subprocess.run([sys.executable, "-c", code, str(out)], cwd=src, check=True,
+                   capture_output=True, text=True)
+    (sdist,) = out.glob("replayquant-*.tar.gz")
+    (wheel,) = out.glob("replayquant-*.whl")
+    return sdist, wheel
+
+
+def test_wheel_ships_the_docs_the_kernels_table_and_says_what_each_extra_installs(built):
+    import zipfile
+    _, wheel = built
+    z = zipfile.ZipFile(wheel)
+    names = set(z.namelist())
+    for d in DOCS:
+        assert f"replayquant/docs/{d}" in names, d
+    assert "replayquant/data/kernels_h200.json" in names
+    meta = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    assert "Project-URL: " in meta
+    requires = [ln[len("Requires-Dist: "):] for ln in meta.splitlines()
+                if ln.startswith("Requires-Dist: ")]
+    core = [r for r in requires if "extra ==" not in r]
+    assert not [r for r in core if r.startswith(("triton", "lm-eval", "lm_eval"))], core
+    for extra, dist in (("triton", "triton"), ("lm-eval", "lm-eval")):
+        assert f"Provides-Extra: {extra}" in meta
+        assert [r for r in requires if r.startswith(dist) and f'extra == "{extra}"' in r], extra
+    assert "Provides-Extra: dev" in meta
+
+
+def test_sdist_ships_the_docs_and_builds_the_same_wheel_data(built, tmp_path):
+    import tarfile
+    sdist, _ = built
+    with tarfile.open(sdist) as tf:
+        names = {n.split("/", 1)[1] for n in tf.getnames() if "/" in n}
+        tf.extractall(tmp_path, filter="data")
+    for d in DOCS:
+        assert f"docs/{d}" in names, d
+    assert "results/bench/kernels.json" in names and "configs/pairs/tp4_hi16_sr.yaml" in names
+    assert "MANIFEST.in" in names and "README.md" in names and "LICENSE" in names
+    (top,) = tmp_path.iterdir()
+    out = tmp_path / "w"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                    "-q", "-w", str(out), str(top)], check=True, capture_output=True, text=True)
+    import zipfile
+    (wheel,) = out.glob("replayquant-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {f"replayquant/docs/{d}" for d in DOCS} <= names
+    assert "replayquant/data/kernels_h200.json" in names
+
+
+def test_installed_package_finds_its_docs_and_kernels_table(built, tmp_path):
+    _, wheel = built
+    target, work = tmp_path / "site", tmp_path / "work"
+    work.mkdir()
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target",
+                    str(target), str(wheel)], check=True, capture_output=True, text=True)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(target)
+    docs = subprocess.run([sys.executable, "-m", "replayquant", "docs"], cwd=work, env=env,
+                          capture_output=True, text=True, check=True).stdout.strip()
+    assert Path(docs).is_dir() and Path(docs).is_relative_to(target)
+    assert {p.name for p in Path(docs).glob("*.md")} >= set(DOCS)
+    code = ("from replayquant.sweep.measured import load_kernels; "
+            "print(load_kernels('h200')['provenance']['device'])")
+    device = subprocess.run([sys.executable, "-c", code], cwd=work, env=env,
+                            capture_output=True, text=True, check=True).stdout.strip()
+    assert device == json.loads((ROOT / "results/bench/kernels.json").read_text())[
+        "provenance"]["device"]
+
+
+# ---------------------------------------------------------------- optional parts
+
+def test_an_optional_part_without_its_extra_is_one_error_naming_the_extra(monkeypatch):
+    from replayquant.cli import app
+    from typer.testing import CliRunner
+    monkeypatch.setitem(sys.modules, "lm_eval", None)          # lm-eval not installed
+    for args in (["gpqa", "--model", "tiny-qwen3.5", "--pair", "s32_rs"],
+                 ["gpqa", "--model", "m", "--pair", "s32_rs", "--model-args", "a=1"],
+                 ["lm-eval", "--tasks", "x"]):
+        r = CliRunner().invoke(app, args)
+        assert r.exit_code == 2, (args, r.output)
+        assert "pip install 'replayquant[lm-eval]'" in r.output and "Traceback" not in r.output
+    monkeypatch.delitem(sys.modules, "replayquant.lm_eval_model", raising=False)
+    with pytest.raises(ImportError, match=r"pip install 'replayquant\[lm-eval\]'"):
+        import replayquant.lm_eval_model  # noqa: F401
+    # the Triton kernels on a CPU: REPLAYQUANT_BACKEND=triton without triton installed
+    import torch
+
+    from replayquant.formats import use_triton
+    from replayquant.options import check_backend
+    monkeypatch.setitem(sys.modules, "triton", None)
+    monkeypatch.setenv("REPLAYQUANT_BACKEND", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for call in (check_backend, lambda: use_triton(torch.zeros(1))):
+        with pytest.raises(ImportError, match=r"pip install 'replayquant\[triton\]'"):
+            call()
+    monkeypatch.setenv("REPLAYQUANT_BACKEND", "auto")
+    assert use_triton(torch.zeros(1)) is False          # the CPU's torch path needs no triton
+
+
+def test_the_readme_demo_of_an_installed_package_is_make_demo():
+    """The sweep and recommend lines the README gives an installed user run the Makefile's demo
+    (model, pairs, buffer lengths, context, documents, budget), with the shipped kernel table."""
+    import re
+    import shlex
+    make = (ROOT / "Makefile").read_text()
+
+    def var(name):
+        return re.search(rf"^{name}\s*:=\s*(.+)$", make, re.M).group(1).strip()
+    readme = (ROOT / "README.md").read_text()
+    block = readme[readme.index("replayquant sweep --model"):]
+    block = block[:block.index("```")].replace("\\\n", " ")
+    sweep, recommend = (shlex.split(line) for line in block.strip().splitlines())
+    assert " ".join(sweep[sweep.index("--model"):sweep.index("--buffer-len")]) == \
+        f"--model {var('DEMO_MODEL')} {var('DEMO_PAIRS')}"
+    i = sweep.index("--buffer-len")
+    opts = dict(zip(sweep[i::2], sweep[i + 1::2]))
+    assert opts["--buffer-len"] == var("DEMO_BUFFER_LEN") and opts["--kernels"] == "h200"
+    assert (opts["--context"], opts["--docs"]) == (var("DEMO_CONTEXT"), var("DEMO_DOCS"))
+    assert recommend[2] == opts["--out"] and recommend[-1] == var("DEMO_KL_BUDGET")

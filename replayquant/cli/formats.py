@@ -48,6 +48,15 @@ def pairs_cmd(
     Console(width=max(Console().width, 110)).print(pairs_table(d_k, d_v))
 
 
+@app.command("docs")
+@user_errors()
+def docs_cmd():
+    """Print the folder of the documentation the README links (usage.md, DESIGN.md, kernels.md,
+    gpqa.md), installed with the package."""
+    from importlib.resources import files
+    typer.echo(files("replayquant") / "docs")
+
+
 @app.command("drift")
 @user_errors()
 def drift_cmd(

@@ -7,6 +7,7 @@ import typer
 
 from replayquant.cli.common import DtypeOpt, ModelOpt, PrefillOpt, app, pair_option, user_errors
 from replayquant import gpqa
+from replayquant.extras import require
 
 GPQAPairs = pair_option("repeatable; differences are taken from the first")
 
@@ -36,6 +37,7 @@ def gpqa_cmd(
     model_args: str = typer.Option(None, "--model-args", "--model_args", help="more lm-eval hf model args, k=v,k=v"),
 ):
     """GPQA-Diamond through lm-eval for every pair: one results file per pair and SUMMARY.json."""
+    require("lm_eval")      # the lm-eval extra, before any work
     extra = {}
     if model_args:
         # lm-eval / datasets: loaded by the commands that use them

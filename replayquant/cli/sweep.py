@@ -28,7 +28,8 @@ def sweep_cmd(
     pair: SweepPairs,
     buffer_len: str = typer.Option(None, "--buffer-len", help="buffer lengths L, comma-separated "
                                    "(e.g. 4,8,16,32; default: each pair's own)"),
-    kernels: str = typer.Option(None, "--kernels", help="a kernels grid (results/bench/kernels.json) "
+    kernels: str = typer.Option(None, "--kernels", help="a kernels grid (results/bench/kernels.json, "
+                                "or h200: the one measured on an H200 that ships with replayquant) "
                                 "for measured microseconds per step"),
     batch: int = typer.Option(256, "--batch", help="batch whose measured times to report (the "
                               "nearest the grid timed)"),

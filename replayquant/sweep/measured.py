@@ -32,12 +32,21 @@ __all__ = ["load_kernels", "variant_us", "conventional_us", "kernels_record"]
 WINDOW_KERNELS = ("replay-window",)
 
 
+# --kernels short name of the grid measured on one NVIDIA H200 that ships with replayquant
+# (results/bench/kernels.json of the source tree; package data replayquant/data/kernels_h200.json)
+SHIPPED_KERNELS = {"h200": Path(__file__).resolve().parents[1] / "data" / "kernels_h200.json"}
+
+
 def load_kernels(path) -> dict:
-    """A kernels grid: its rows, shapes and provenance; one ValueError for anything else."""
+    """A kernels grid (a file, or a name of SHIPPED_KERNELS where no file of that name exists):
+    its rows, shapes and provenance; one ValueError for anything else."""
     p = Path(path)
+    if str(path) in SHIPPED_KERNELS and not p.exists():
+        p = SHIPPED_KERNELS[str(path)]
     if not p.is_file():
         raise ValueError(f"--kernels {path}: no such file (give the kernels.json that "
-                         f"`replayquant bench kernels` writes, e.g. results/bench/kernels.json)")
+                         f"`replayquant bench kernels` writes, e.g. results/bench/kernels.json, "
+                         f"or h200 for the grid measured on an H200 that ships with replayquant)")
     try:
         obj = json.loads(p.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
