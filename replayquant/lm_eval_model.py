@@ -80,7 +80,9 @@ COMPILE_GENERATE = {"auto": None, "true": True, "1": True, "false": False, "0": 
 # What this module relies on inside lm-eval (pyproject's tested range; lm-eval 0.4.13): the HFLM
 # methods ReplayQuantLM overrides, with the arguments it passes on by name, the HFLM methods that
 # must still call them (else the override, and with it the pair, would be bypassed without a
-# word), and the functions it calls.
+# word), and the functions it calls; and what the GPQA task class (replayquant/gpqa/lm_task.py)
+# needs: lm-eval builds a task file's `class:` with the task's config and reads every pass over
+# the documents through `config.process_docs`, which that class runs once per task.
 LM_EVAL_INTERNALS = {
     "lm_eval.models.huggingface:HFLM._loglikelihood_tokens": ("disable_tqdm", "override_bs"),
     "lm_eval.models.huggingface:HFLM._model_call": ("attn_mask", "labels"),
@@ -89,11 +91,15 @@ LM_EVAL_INTERNALS = {
     "lm_eval.models.huggingface:HFLM._get_backend": ("config", "backend", "trust_remote_code"),
     "lm_eval.__main__:cli_evaluate": (),
     "lm_eval.evaluator:get_git_commit_hash": (),
+    "lm_eval.api.task:ConfigurableTask.__init__": ("config",),
 }
 LM_EVAL_CALLS = {   # "caller": "what its source must call"
     "lm_eval.models.huggingface:HFLM._loglikelihood_tokens": "self._model_call(",
     "lm_eval.models.huggingface:HFLM.generate_until": "self._model_generate(",
     "lm_eval.models.huggingface:HFLM.__init__": "self._get_backend(",
+    "lm_eval.tasks._factory:TaskFactory._build_task": "cls(config=cfg)",
+    "lm_eval.api.task:ConfigurableTask.validation_docs": "self.config.process_docs(",
+    "lm_eval.api.task:ConfigurableTask.training_docs": "self.config.process_docs(",
 }
 
 

@@ -94,27 +94,38 @@ def test_tiny_csv_is_gpqa_format_and_marked_synthetic():
 
 
 def test_task_dir_includes_lm_eval_tasks_and_overrides_only_the_data(tmp_path):
+    """The written task files include lm-eval's, replace the data source (a CSV) or keep it (the
+    hub) and name the task class that shuffles the answers once per task."""
     import lm_eval
     import yaml
+    from lm_eval.tasks._yaml_loader import load_yaml
 
-    from replayquant.gpqa.tasks import GPQA_TASKS, templates_dir, write_task_dir
+    from replayquant.gpqa.tasks import GPQA_TASKS, TASK_CLASS, templates_dir, write_task_dir
 
     d = write_task_dir(TINY_CSV, tmp_path / "tasks")
+    hub = write_task_dir(None, tmp_path / "hub")
     lm_tasks = Path(lm_eval.__file__).parent / "tasks" / "gpqa"
     for task, sub in GPQA_TASKS.items():
-        cfg = yaml.safe_load((d / f"{task}.yaml").read_text())
-        assert set(cfg) == {"include", "dataset_path", "dataset_name", "dataset_kwargs"}
+        cfg = load_yaml(d / f"{task}.yaml", resolve_func=False, recursive=False)
+        assert set(cfg) == {"include", "dataset_path", "dataset_name", "dataset_kwargs", "class"}
         assert Path(cfg["include"]) == lm_tasks / sub / f"{task}.yaml"
         assert cfg["dataset_path"] == "csv" and cfg["dataset_name"] is None
         assert cfg["dataset_kwargs"] == {"data_files": {"train": str(TINY_CSV.resolve())}}
+        assert Path(cfg["class"]).name == TASK_CLASS     # unresolved: the folder / the name
+        hub_cfg = load_yaml(hub / f"{task}.yaml", resolve_func=False, recursive=False)
+        assert {k: Path(v).name for k, v in hub_cfg.items()} == {
+            "include": f"{task}.yaml", "class": TASK_CLASS}
         # the shipped template differs from the written file only in the two paths
         tpl = yaml.safe_load((templates_dir() / f"{task}.yaml").read_text())
         assert tpl["include"] == f"lm_eval_gpqa/{sub}/{task}.yaml"
 
-    # lm-eval itself resolves the task: its own prompt and metrics, our CSV
+    # lm-eval itself resolves the task: its own prompt and metrics, our CSV, our task class
     from lm_eval.tasks import TaskManager
-    tm = TaskManager(include_path=str(d))
+
+    from replayquant.gpqa.lm_task import GPQATask
+    tm = TaskManager(include_path=str(d), include_defaults=False)
     task = tm.load(["gpqa_diamond_zeroshot"])["tasks"]["gpqa_diamond_zeroshot"]
+    assert type(task) is GPQATask and task.config.task == "gpqa_diamond_zeroshot"
     assert task.config.dataset_path == "csv"
     assert task.config.doc_to_choice == ["(A)", "(B)", "(C)", "(D)"]
     docs = list(task.validation_docs())

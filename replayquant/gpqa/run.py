@@ -2,7 +2,9 @@
 
 One model load; for each pair in turn the pair is patched in (replacing the previous one) and
 lm-eval's `simple_evaluate` runs the same tasks with the same seeds and limit, so every pair sees
-the same questions with the same answer order (checked: the per-question hashes must agree).
+the same questions with the same answer order (checked: the per-question hashes must agree), and
+every pass lm-eval makes over a task's documents (requests, scoring) sees that one order
+(`replayquant.gpqa.lm_task.GPQATask`), so the targets scored are the letters of the prompts.
 Outputs in `out/`: `<pair>.json` (lm-eval's results dict plus a `replayquant` block with the pair,
 provenance and per-question scores), `<pair>.samples.<task>.jsonl` with --log-samples, and
 `SUMMARY.json` (accuracy +- stderr per pair and task, difference from the first pair with a paired
@@ -117,16 +119,17 @@ def run_gpqa(model: str, pairs: list, *, tasks=None, gpqa_csv=None, limit=None, 
     main = int(os.environ.get("RANK", "0")) == 0
     with output_lock(out / "SUMMARY.json") if main else contextlib.nullcontext():
         check_out(out, labels, tasks, log_samples)      # again, holding the lock
-        include_path = None
-        if gpqa_csv is not None:
-            include_path = str(write_task_dir(gpqa_csv, out / "_tasks", tasks))
+        # lm-eval's tasks, answers shuffled once per task (GPQATask), from gpqa_csv or the hub
+        include_path = str(write_task_dir(gpqa_csv, out / "_tasks", tasks))
 
         lm_kwargs = dict(model_args or {})
         lm_kwargs.update(dtype=dtype, batch_size=batch_size, device=device)
         print(f"gpqa: {model} on {describe_device(device)}", file=sys.stderr)
         lm = ReplayQuantLM(pretrained=model, pair=resolved[0], prefill=prefill, seed=seed, **lm_kwargs)
 
-        task_manager = TaskManager(include_path=include_path)     # the task index, built once
+        # the index of the task files written above only: lm-eval's index of all its tasks took
+        # 30 s to build on a 2-core machine, this one 0.14 s
+        task_manager = TaskManager(include_path=include_path, include_defaults=False)
         with _datasets_cache_off():
             per_pair = _run_pairs(lm, resolved, labels, tasks, task_manager, out, model=model, limit=limit,
                                   seed=seed, prefill=prefill, data=data, batch_size=batch_size, dtype=dtype,
@@ -203,8 +206,9 @@ def _data_source(gpqa_csv) -> dict:
 @contextlib.contextmanager
 def _datasets_cache_off():
     """`datasets` caches the result of lm-eval's process_docs (which shuffles the answers) under a
-    fingerprint that ignores the RNG state, so with its cache the answer order would be whatever
-    an earlier run computed, whatever the seed. Without it the order follows the seed."""
+    fingerprint that ignores the state of Python's RNG, so with its cache the answer order would
+    be whatever an earlier run computed, whatever the seed. Without it the first pass shuffles
+    from the seed, and `GPQATask` hands that pass's documents to every later pass."""
     caching = datasets.is_caching_enabled()
     datasets.disable_caching()
     try:

@@ -1,10 +1,12 @@
 """GPQA-Diamond task sources for lm-eval: the gated hub dataset, or a local CSV copy.
 
-lm-eval ships the tasks (`lm_eval/tasks/gpqa/`); we never change their prompts or metrics. For a
-local CSV, the templates in `replayquant/gpqa/templates/*.yaml` `include:` lm-eval's own task files and override only the data
-source; `write_task_dir` copies them into a run folder with both paths made absolute, and that
-folder is passed to lm-eval as `include_path` (a task found there replaces lm-eval's task of the
-same name, so results keep lm-eval's task names).
+lm-eval ships the tasks (`lm_eval/tasks/gpqa/`); we never change their prompts or metrics. The
+templates in `replayquant/gpqa/templates/*.yaml` `include:` lm-eval's own task files and override
+the data source; `write_task_dir` copies them into a run folder with the paths made absolute (for
+the hub dataset it keeps lm-eval's data source) and names the task class
+`replayquant.gpqa.lm_task.GPQATask`, which shuffles the answers once per task so that the scored
+targets are the letters of the prompts. That folder is passed to lm-eval as `include_path` (a task
+found there replaces lm-eval's task of the same name, so results keep lm-eval's task names).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ HUB_DATASET, HUB_CONFIG = "Idavidrein/gpqa", "gpqa_diamond"
 REQUIRED_COLUMNS = ("Question", "Correct Answer", "Incorrect Answer 1", "Incorrect Answer 2",
                     "Incorrect Answer 3")
 _TEMPLATE_PREFIX = "lm_eval_gpqa/"
+TASK_CLASS = "replayquant.gpqa.lm_task.GPQATask"    # the `class:` of every task file written
+_DATA_KEYS = ("dataset_path", "dataset_name", "dataset_kwargs")
 
 ACCESS_HELP = (
     "GPQA is gated on the Hugging Face Hub: accept its terms at "
@@ -112,11 +116,13 @@ def check_csv(path) -> int:
 
 
 def write_task_dir(csv_path, out_dir, tasks=None) -> Path:
-    """Copy the shipped templates of `tasks` (default: all four) into `out_dir`, with the `include`
-    pointing at the installed lm-eval's task file and `data_files` at the absolute CSV path.
-    Returns out_dir, ready for lm-eval's `--include_path`."""
-    check_csv(csv_path)
-    csv_abs = str(Path(csv_path).resolve())
+    """Write the task files of `tasks` (default: all four) into `out_dir`: the shipped template
+    with the `include` pointing at the installed lm-eval's task file, `class` naming `GPQATask`
+    (the answers shuffled once per task), and the data read from the CSV at `csv_path` (absolute)
+    or, with csv_path None, from lm-eval's own source (the hub). Returns out_dir, ready for
+    lm-eval's `--include_path`."""
+    if csv_path is not None:
+        check_csv(csv_path)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     src, lm_dir = templates_dir(), lm_eval_gpqa_dir()
@@ -133,9 +139,17 @@ def write_task_dir(csv_path, out_dir, tasks=None) -> Path:
             raise ValueError(f"{tpl}: the installed lm-eval has no {target}; this lm-eval version does not "
                              f"ship task {task}")
         cfg["include"] = str(target)
-        cfg["dataset_kwargs"]["data_files"]["train"] = csv_abs
-        head = (f"# Written by replayquant from {tpl.name}: lm-eval's {task} reading {csv_abs}\n")
-        write_text(out / f"{task}.yaml", head + yaml.safe_dump(cfg, sort_keys=False))
+        if csv_path is None:
+            source = "its own data source"
+            for key in _DATA_KEYS:
+                cfg.pop(key)
+        else:
+            source = str(Path(csv_path).resolve())
+            cfg["dataset_kwargs"]["data_files"]["train"] = source
+        head = f"# Written by replayquant from {tpl.name}: lm-eval's {task} reading {source}\n"
+        # the `!function` tag is lm-eval's YAML, which yaml.safe_dump does not write
+        write_text(out / f"{task}.yaml", head + yaml.safe_dump(cfg, sort_keys=False)
+                   + f"class: !function {TASK_CLASS}\n")
     return out
 
 
