@@ -147,6 +147,19 @@ def test_generate_equals_hf_and_decode_equals_teacher_forcing(work, fam):
     assert d.max().item() <= 1e-5 * tf.abs().max().item() + 0.25 * effect
 
 
+@pytest.mark.parametrize("fam", FAMS)
+def test_fp32_decode_is_its_teacher_forcing(work, fam):
+    """s32_rs at L = 8, keys made short (`short_keys`): the unpatched model's greedy tokens, and
+    every KDA layer's decode output equal to teacher forcing within float32 noise
+    (test_decode_exact.py; a key normalised twice gave 2.5e-4 here)."""
+    from test_decode_exact import decode_equals_teacher_forcing, short_keys
+    model = load_model(work["dirs"][fam], dtype="float32")
+    short_keys(model)
+    same, d = decode_equals_teacher_forcing(model, *_batch(seed=2))
+    print(f"{fam}: decode vs teacher forcing {d:.1e} of a layer's largest output")
+    assert same and d <= 4e-6, (same, d)
+
+
 def test_decode_kernel_equals_torch_step_and_teacher_forcing(work, monkeypatch):
     """Where the replay decode kernel runs (REPLAYQUANT_BACKEND=triton; the interpreter here), a
     KDA layer's prompt runs the chunk kernel (vector gates) and its decode steps replay_kda_step,

@@ -9,10 +9,13 @@ batch row, and the device-side record of non-finite inputs. `parts_to_store` bui
 where decode starts, from a state's parts: the chunked scan's state as it is after a prompt, or a
 ReplayState's (`state_to_store`); `store_to_state` turns it back where a multi-token forward
 continues the cache. Both keep the anchor and read copy bit for bit (same packed bytes, same SR
-streams: slot id = the state's sequence id) and the committed buffer entries; the Triton engine's
-ring keeps k and v in bf16 and GDN's u in bf16 beside a separate read copy (half the buffer traffic
-of the decode kernels), in FP32 for a shared FP32 pair (its flush folds u), so buffered entries are
-rounded to bf16 on the way in; the torch engine's ring rounds nothing.
+streams: slot id = the state's sequence id) and the committed buffer entries. The ring holds
+the layer's raw activations, as a decode step appends them (GDN / KDA k before its L2 norm,
+Mamba-2 x with its step size dt in float32 beside it; a prompt's come from
+`runtime.RawTail`), never values derived from them: the Triton engine's ring keeps them in bf16,
+exact for the bf16 model it serves (half the buffer traffic of float32), the torch engine's in
+float32; GDN's u (derived) is bf16 beside a separate read copy, where it only serves outputs,
+and FP32 for a shared FP32 pair (its flush folds u).
 """
 
 from __future__ import annotations
@@ -97,7 +100,8 @@ def _slot_count(rows: torch.Tensor) -> int | None:
 
 
 def parts_to_store(parts: dict, pair, delta: bool, seed: int, layer: int, key_heads: int,
-                   u_dtype=None, ring_dtype=torch.bfloat16, n_slots: int | None = None):
+                   u_dtype=None, ring_dtype=torch.bfloat16, n_slots: int | None = None,
+                   raw: dict | None = None):
     """(ReplayStore, state_indices), the decode store of either engine, from a state's parts
     (the dict ReplayState.export returns, or the chunked scan's state as `scan_parts` gives it:
     GDN u None, computed here against the read copy as ReplayState.load does). One host read
@@ -110,9 +114,16 @@ def parts_to_store(parts: dict, pair, delta: bool, seed: int, layer: int, key_he
     before the first decode step) take the slots 0..B-1 instead: each row then draws its slot's
     SR streams from its next flush on, as after a reorder on the store (`take_slots`). The
     anchor and read copy move bit for bit. The committed entries move into the ring (start 0) in
-    the store's layout: k per key head / group (GDN: the normalised k, re-normalised on read),
-    v (GDN: v; Mamba-2: v = dt x stored as x = v with dt = 1), both in ring_dtype (bf16 for the
-    Triton kernels, float32 for the torch engine: no rounding), G and beta in fp32, GDN u in
+    the store's layout, as the decode steps would have appended them: with `raw` (the entries'
+    raw inputs in buffer order, [B, L, ...] each: GDN / KDA "k" per key head before its L2 norm,
+    Mamba-2 "x" and its step size "dt", as `runtime.RawTail.entries` gives them) the ring holds
+    the raw k (normalised once, where it is read) and Mamba-2's raw x with dt beside it (its
+    v = dt x formed where it is read, in float32, as the chunked scan formed it); without (a
+    ReplayState's parts, whose raw inputs are gone) it holds the parts' keys as they are (GDN /
+    KDA: already normalised, so that reading normalises them a second time: a relative change
+    of about 1e-6 / |k_raw|^2) and Mamba-2's v as x = v with dt = 1. v (GDN, KDA) is the model's
+    own. k and v / x in ring_dtype (bf16 for the Triton kernels: exact for a bf16 model's
+    activations, not for derived values; float32 for the torch engine), G and beta in fp32, GDN u in
     u_dtype (None: the store's default, stores.default_u_dtype: float32 for a shared FP32 pair,
     whose flush folds it, or a float32 ring, else bf16) and, where the kernel's flush solves for
     u, GDN's key factors (Tbuf, computed from the entries; a float32 ring keeps none)."""
@@ -146,12 +157,22 @@ def parts_to_store(parts: dict, pair, delta: bool, seed: int, layer: int, key_he
         out[slots] = t.transpose(1, 2)
         return out
 
+    def ring_raw(name, tail):            # raw entries [B, L, ...] -> [N, L, ...] in slots
+        out = torch.zeros((N, buffer_len) + tail, dtype=raw[name].dtype, device=dev)
+        out[slots] = raw[name]
+        return out
+
     vec = parts["G"].dim() == 4          # KDA: G per key channel
-    kbuf = ring(parts["k"][:, ::r], (key_heads, dk)).to(ring_dtype)
+    kbuf = (ring_raw("k", (key_heads, dk)) if raw is not None and delta
+            else ring(parts["k"][:, ::r], (key_heads, dk))).to(ring_dtype)
     if delta:
         vbuf = ring(parts["v"], (H, dv)).to(ring_dtype)
         ubuf = ring(parts["u"], (H, dv)).to(u_dtype)
         bbuf = ring(parts["beta"], (H,)).to(f32)
+    elif raw is not None:                # raw x, dt beside it
+        vbuf = ring_raw("x", (H, dv)).to(ring_dtype)
+        ubuf = None
+        bbuf = ring_raw("dt", (H,)).to(f32)
     else:
         vbuf = ring(parts["v"], (H, dv)).to(ring_dtype)  # x := v, dt := 1
         ubuf = None
@@ -172,25 +193,30 @@ def parts_to_store(parts: dict, pair, delta: bool, seed: int, layer: int, key_he
     return store, rows.to(torch.int32)
 
 
+def _window(store, slots: torch.Tensor):
+    """take(buf): the ring buffer buf [N, C, ...] of a ReplayStore at `slots`, its entries in
+    window order, [len(slots), L, ...]."""
+    dev = store.kbuf.device
+    pos = (store.start[slots].long()[:, None]
+           + torch.arange(store.buffer_len, device=dev)[None, :]) % store.capacity
+    bi = torch.arange(len(slots), device=dev)[:, None]
+    return lambda buf: buf[slots][bi, pos]
+
+
 def store_to_state(store, state_indices: torch.Tensor, pair, seed: int, layer: int) -> ReplayState:
     """The ReplayState of the batch rows state_indices of a ReplayStore (the inverse of
     state_to_store, without any cast): anchor and read copy bit for bit, the committed ring
-    entries in window order as the kernel reads them (GDN k re-normalised, Mamba-2 v = dt x),
+    entries in window order as the kernel reads them (GDN / KDA k normalised, Mamba-2 v = dt x),
     u as the kernel computed it, flush indices, and rows = the slots (the SR sequence ids)."""
     # Triton (Linux only): loaded where a kernel runs
     from replayquant.kernels.stores import ring_keys
     slots = state_indices.long()
-    B = len(slots)
-    N, H, dv, dk = store.shape
-    buffer_len, C = store.buffer_len, store.capacity
-    r = H // store.key_heads
+    r = store.shape[1] // store.key_heads
     delta = store.kind != "mamba2"
-    dev = store.kbuf.device
-    pos = (store.start[slots].long()[:, None] + torch.arange(buffer_len, device=dev)[None, :]) % C
-    bi = torch.arange(B, device=dev)[:, None]
+    window = _window(store, slots)
 
     def take(buf):                      # [N, C, X, ...] -> [B, X, L, ...] float32
-        return buf[slots][bi, pos].float().transpose(1, 2).contiguous()
+        return window(buf).float().transpose(1, 2).contiguous()
 
     k = ring_keys(store.kind, take(store.kbuf)).repeat_interleave(r, dim=1)
     G = take(store.Gbuf)
@@ -241,14 +267,15 @@ class DecodeStore:
     @classmethod
     def from_parts(cls, parts: dict, pair, delta: bool, seed: int, layer: int, key_heads: int,
                    reuse: "DecodeStore | None" = None, engine: str = "triton",
-                   n_slots: int | None = None) -> "DecodeStore":
+                   n_slots: int | None = None, raw: dict | None = None) -> "DecodeStore":
         """The decode store of a state's parts (`parts_to_store`: the chunked scan's state
-        straight into the store, no ReplayState in between; n_slots as there)."""
+        straight into the store, no ReplayState in between; n_slots and raw as there)."""
         self = cls.__new__(cls)
-        self._build(parts, pair, delta, seed, layer, key_heads, reuse, engine, n_slots)
+        self._build(parts, pair, delta, seed, layer, key_heads, reuse, engine, n_slots, raw)
         return self
 
-    def _build(self, parts, pair, delta, seed, layer, key_heads, reuse, engine, n_slots=None):
+    def _build(self, parts, pair, delta, seed, layer, key_heads, reuse, engine, n_slots=None,
+               raw=None):
         # Triton (Linux only): loaded where a kernel runs
         from replayquant.kernels.ops import ENGINES, store_meta
         from replayquant.kernels.stores import FAULT_INPUTS, FaultRecord
@@ -260,7 +287,7 @@ class DecodeStore:
         self.device = parts["k"].device
         self.ring = RING_DTYPE[engine]
         self.store, slots = parts_to_store(parts, pair, delta, seed, layer, key_heads,
-                                           ring_dtype=self.ring, n_slots=n_slots)
+                                           ring_dtype=self.ring, n_slots=n_slots, raw=raw)
         # int32, as the kernels index: a step converts nothing
         self.state_indices = slots.to(torch.int32)
         self.bad_names = FAULT_INPUTS[self.store.kind]
@@ -300,6 +327,18 @@ class DecodeStore:
     def to_replay_state(self) -> ReplayState:
         return store_to_state(self.store, self.state_indices.long(), self.pair, self.seed,
                               self.layer)
+
+    def committed(self) -> torch.Tensor:
+        """Each batch row's committed entries (the fill h of its ring), int32 [B]."""
+        return self.store.committed[self.state_indices.long()]
+
+    def raw_entries(self) -> dict:
+        """The ring's raw entries of each batch row in window order, [B, L, ...] each (the
+        `raw` of parts_to_store: GDN / KDA k, Mamba-2 x and dt)."""
+        take = _window(self.store, self.state_indices.long())
+        if self.delta:
+            return {"k": take(self.store.kbuf)}
+        return {"x": take(self.store.vbuf), "dt": take(self.store.bbuf)}
 
     def reorder(self, ids: torch.Tensor) -> None:
         """Batch row i continues row ids[i] (a device tensor; repeats allowed: beam search)."""

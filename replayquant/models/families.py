@@ -400,9 +400,15 @@ def kda_forward(self, hidden_states, cache=None, attention_mask=None, cache_para
                          for t in torch.split(mixed_qkv, [self.qkv_dim] * 3, dim=-1))
     g = fam.role(self, "decay")(hidden_states)          # log decay [B, T, H, d_k], FP32
     # beta = sigmoid(b) in FP32, as for Gated DeltaNet (HF takes it in the model dtype)
-    q, k, v, log_a, beta = kda_inputs(query, key, value, g, _apply(fam, self, "b", hidden_states))
-    # no raw inputs: the runtime builds the KDA decode kernel's inputs from these (q, k unit length)
-    y = rt.run(cache, had_prev, q, k, v, log_a, beta, _valid(attention_mask, B, T))
+    beta = torch.sigmoid(_apply(fam, self, "b", hidden_states).float())
+    # q and k before their L2 norm, which the decode step and the chunked scan's front end
+    # (kda_inputs) each take once
+    raw = dict(q=query, k=key, v=value, g=g, beta=beta, scale=self.head_dim ** -0.5)
+    valid = _valid(attention_mask, B, T)
+    y = rt.kernel_decode(cache, had_prev, raw, valid)     # a decode step on the kernel's store
+    if y is None:
+        q, k, v, log_a, beta = kda_inputs(query, key, value, g, beta=beta)
+        y = rt.run(cache, had_prev, q, k, v, log_a, beta, valid, raw=raw)
     z = fam.role(self, "z_b")(fam.role(self, "z_a")(hidden_states))
     core = fam.role(self, "norm")(y.to(query.dtype), z.reshape(B, T, -1, self.head_dim))
     return fam.role(self, "out")(core.reshape(B, T, -1))

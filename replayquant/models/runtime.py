@@ -15,16 +15,21 @@ Which path runs:
   layer's raw inputs (GDN: q, k, v after the short convolution, a, b, A_log, dt_bias; the step
   does the L2 norm, softplus and sigmoid; Mamba-2: x, dt, A, B, C, dt_bias, and its
   time_step_limit, which the step clamps dt to (Nemotron-H); the D skip and the gated norm stay
-  in the layer; Kimi Delta Attention: the core's q, k, v, per-channel log decay and beta, the
-  step re-normalising q and k). Its engine: on CUDA tensors (or with REPLAYQUANT_BACKEND=triton,
-  as the formats; on the CPU that is the Triton interpreter) the Triton replay decode kernel
-  `replay_gdn_step` / `replay_mamba2_step` / `replay_kda_step` of
-  `replayquant.kernels.replay_decode` on a store whose ring keeps k and v in bf16; elsewhere the
-  torch engine `replayquant.kernels.replay_torch` on a store whose ring keeps them in float32
-  (so that decode equals `ReplayState.step` within float32 reassociation). `decode_path()` says
-  which; a layer the kernel does not take (d_k or d_v not a power of two >= 16) runs the torch
-  engine with one warning per layer that names the reason. The engine is chosen once, where
-  the store is built.
+  in the layer; Kimi Delta Attention: q, k, v after the short convolution, the per-channel log
+  decay and beta, the step doing the L2 norm). Its engine: on CUDA tensors (or with
+  REPLAYQUANT_BACKEND=triton, as the formats; on the CPU that is the Triton interpreter) the
+  Triton replay decode kernel `replay_gdn_step` / `replay_mamba2_step` / `replay_kda_step` of
+  `replayquant.kernels.replay_decode` on a store whose ring keeps k and v in bf16, for a bf16
+  model, whose activations it holds exactly; elsewhere (another device, or a float32 / float16
+  model: the kernel would round its activations) the torch engine `replayquant.kernels.
+  replay_torch` on a store whose ring keeps them in float32. `decode_path()` says which; a layer
+  the kernel does not take runs the torch engine with one warning per layer that names the
+  reason. The engine is chosen once, where the store is built.
+  Where keys and queries are normalised: once, between the model's projection and the
+  recurrence, by whichever consumes them: the chunked scan's front end (`replay.gdn_inputs` /
+  `kda_inputs`) for a multi-token forward, the decode step for a one-token forward; a decode
+  store's ring keeps raw keys (`RawTail` carries a prompt's into it), which a step normalises
+  where it reads them.
 * any other forward (prompt, teacher forcing, segments continuing a cache): the chunked scan
   (DESIGN section 7). On CUDA tensors (or with REPLAYQUANT_BACKEND=triton) the Triton kernel
   `replayquant.kernels.chunk` runs; elsewhere the torch reference `chunk_ref.teacher_force`.
@@ -52,7 +57,6 @@ compiled 8.46 (757 kernels) against HF's 9.22 (779).
 
 from __future__ import annotations
 
-import math
 import warnings
 import weakref
 from dataclasses import fields
@@ -66,6 +70,7 @@ from replayquant.kernels.chunk_ref import (chunk_scan_ref, cpu_threads, initial_
 from replayquant.models.decode_graph import LayerGraph
 from replayquant.models.decode_store import DecodeStore
 from replayquant.replay import ReplayState, core
+from replayquant.replay.frontends import mamba2_dt
 from replayquant.replay.state import find_nonfinite
 
 __all__ = ["LayerRuntime", "ScanHeld", "decode_path", "teacher_force_path", "STATE_ATTR"]
@@ -73,14 +78,18 @@ __all__ = ["LayerRuntime", "ScanHeld", "decode_path", "teacher_force_path", "STA
 STATE_ATTR = "_replayquant_state"
 MARKER_ATTR = "_replayquant_marker"   # the row-id tensor put_state left in the recurrent slot
 def decode_path(x: torch.Tensor | None = None, d_k: int | None = None, d_v: int | None = None,
-                dt_limit=None, vector_gate: bool = False) -> str:
+                dt_limit=None, vector_gate: bool = False, activations=None) -> str:
     """Which implementation a decode step runs for inputs like x with d_k x d_v states:
     'triton' (the replay decode kernel, replayquant.kernels.replay_decode), 'torch'
     (the torch engine on the same store, replayquant.kernels.replay_torch) or
     'torch (<why the kernel cannot run>)'. x None: the CPU
     (REPLAYQUANT_BACKEND decides). dt_limit: a Mamba-2 layer's time_step_limit (the kernel
     clamps dt to it, so it never forces the torch path; a malformed one raises ValueError).
-    vector_gate: a decay per key channel (Kimi Delta Attention; the kernel's replay_kda_step)."""
+    vector_gate: a decay per key channel (Kimi Delta Attention; the kernel's replay_kda_step).
+    activations: the dtype of the layer's buffered activations (GDN / KDA k and v, Mamba-2 x and
+    B): the kernel's ring keeps them in bfloat16, which holds a bfloat16 model's exactly and
+    rounds any other's (float32 k and v: 2^-9 relative per entry), so only bfloat16 runs the
+    kernel (None: not checked)."""
     if not use_triton(x if x is not None else torch.empty(0)):
         return "torch"
     # imported here: kernels.stores imports Triton, which replayquant installs on Linux only and
@@ -90,6 +99,11 @@ def decode_path(x: torch.Tensor | None = None, d_k: int | None = None, d_v: int 
     if d_k is not None and d_v is not None and not (pow2_16(d_k) and pow2_16(d_v)):
         why.append(f"the Triton replay decode kernel needs d_k, d_v powers of two >= 16, got "
                    f"d_k={d_k}, d_v={d_v}")
+    if activations is not None and activations != torch.bfloat16:
+        why.append(f"the Triton replay decode kernel keeps the layer's activations in its ring "
+                   f"in bfloat16, exact for a bfloat16 model only; these are "
+                   f"{str(activations).removeprefix('torch.')} (load the model in bfloat16 "
+                   f"for the kernel)")
     if dt_limit is not None:
         # Triton (Linux only): loaded where a kernel runs
         from replayquant.kernels.stores import dt_limit_args
@@ -111,6 +125,97 @@ def teacher_force_path(x: torch.Tensor, d_k: int, d_v: int) -> str:
     return f"torch (the Triton chunk kernel needs powers of two >= 16, got d_k={d_k}, d_v={d_v})"
 
 
+class RawTail:
+    """The raw inputs of a layer's last buffer_len valid tokens per row, as a decode step would
+    have appended them to its ring (the activations as the model produced them: GDN and KDA the
+    key before its L2 norm, Mamba-2 x beside its step size dt in float32), right-aligned: row b's
+    newest token at slot L - 1, its n[b] valid tokens at slots L - n[b] .. L - 1. The chunked
+    scan's buffer holds derived values (normalised keys, v = dt x), which a ring in the model's
+    dtype cannot hold exactly (bf16 rounding moved an FP32 pair's decode by 1e-3 of float64) and
+    which a decode step would derive again (a key normalised twice moved it by 3e-4 at
+    |k_raw|^2 = 0.005): the hand-off into the decode store takes its ring entries from here.
+    Kept on the device, updated without a host read."""
+
+    NAMES = {"gdn": ("k",), "kda": ("k",), "mamba2": ("x", "dt")}
+
+    def __init__(self, t: dict, n: torch.Tensor):
+        self.t, self.n = t, n
+
+    @property
+    def capacity(self) -> int:
+        return next(iter(self.t.values())).shape[1]
+
+    @classmethod
+    def of_forward(cls, kind: str, raw: dict) -> dict:
+        """The tail's tensors [B, T, ...] of a forward's raw inputs (Mamba-2's dt as
+        `mamba2_dt` forms it for the chunked scan's v = dt x)."""
+        if kind != "mamba2":
+            return {"k": raw["k"]}
+        return {"x": raw["x"], "dt": mamba2_dt(raw["dt"], raw["dt_bias"],
+                                               dt_limit=raw.get("dt_limit"))}
+
+    def append(self, new: dict, valid) -> "RawTail":
+        """The tail after a forward's tokens new [B, T, ...] (valid [B, T] bool or None: all)."""
+        L = self.capacity
+        any_t = next(iter(new.values()))
+        Bn, T = any_t.shape[:2]
+        dev = any_t.device
+        ok = torch.ones(Bn, T, dtype=torch.bool, device=dev) if valid is None else valid.bool()
+        had = torch.arange(L, device=dev)[None, :] >= (L - self.n)[:, None]
+        m = torch.cat([had, ok], 1)                                 # [B, L + T]
+        after = m.flip(1).cumsum(1).flip(1)                         # valid entries at or after
+        dest = torch.where(m & (after <= L), L - after, L)          # L: dropped
+        rows = torch.arange(Bn, device=dev)[:, None]
+        out = {}
+        for name, old in self.t.items():
+            both = torch.cat([old, new[name].to(old.dtype)], 1)
+            o = old.new_zeros((Bn, L + 1) + tuple(old.shape[2:]))
+            o[rows, dest] = both
+            out[name] = o[:, :L]
+        return RawTail(out, torch.clamp(self.n + ok.sum(1), max=L))
+
+    @classmethod
+    def empty(cls, new: dict, L: int) -> "RawTail":
+        """An empty tail shaped for tensors like new [B, T, ...]."""
+        t = {n: v.new_zeros((v.shape[0], L) + tuple(v.shape[2:])) for n, v in new.items()}
+        return cls(t, torch.zeros(next(iter(new.values())).shape[0], dtype=torch.int64,
+                                  device=next(iter(new.values())).device))
+
+    def entries(self, committed: torch.Tensor) -> dict:
+        """The tensors [B, L, ...] of the last committed[b] tokens of each row in buffer order
+        (entry j of row b at j; entries >= committed[b] zero), as a decode store's ring takes
+        them."""
+        L = self.capacity
+        j = torch.arange(L, device=self.n.device)[None, :]
+        h = committed.to(self.n.device).long()[:, None]
+        src = (L - h + j).clamp(max=L - 1)
+        rows = torch.arange(src.shape[0], device=src.device)[:, None]
+        out = {}
+        for name, t in self.t.items():
+            keep = (j < h).reshape(h.shape[0], L, *([1] * (t.dim() - 2)))
+            out[name] = torch.where(keep, t[rows, src], 0)
+        return out
+
+    @classmethod
+    def of_entries(cls, entries: dict, committed: torch.Tensor) -> "RawTail":
+        """The tail holding buffer entries [B, L, ...] (entry j < committed[b] of row b)."""
+        L = next(iter(entries.values())).shape[1]
+        h = committed.long()
+        j = torch.arange(L, device=h.device)[None, :]
+        dest = torch.where(j < h[:, None], L - h[:, None] + j, L)
+        rows = torch.arange(h.shape[0], device=h.device)[:, None]
+        out = {}
+        for name, e in entries.items():
+            o = e.new_zeros((e.shape[0], L + 1) + tuple(e.shape[2:]))
+            o[rows, dest] = e
+            out[name] = o[:, :L]
+        return cls(out, h.clone())
+
+    def take(self, ids: torch.Tensor) -> "RawTail":
+        """The tail whose row i is row ids[i] (a beam reorder)."""
+        return RawTail({n: t[ids] for n, t in self.t.items()}, self.n[ids])
+
+
 class ScanHeld:
     """The replay state of one layer between multi-token forwards, on either path: the chunked
     scan's ScanState as it came out (same anchor, read copy, buffer and counters a ReplayState
@@ -121,17 +226,26 @@ class ScanHeld:
     against the read copy there, as ReplayState.load solves it, one host read);
     `to_replay_state` gives it as a ReplayState. n_slots: the decode store's slot count where the
     host knows it (B for a new state, whose rows are 0..B-1), so that the hand-off reads nothing
-    for it; None: counted there from the rows (one host read)."""
+    for it; None: counted there from the rows (one host read). tail: the `RawTail` of the
+    buffered entries (None: the buffer is empty)."""
 
     def __init__(self, ss, pair, delta: bool, seed: int, layer: int,
-                 n_slots: int | None = None):
+                 n_slots: int | None = None, tail: RawTail | None = None):
         self.ss, self.pair, self.delta, self.seed, self.layer = ss, pair, delta, seed, layer
-        self.n_slots = n_slots
+        self.n_slots, self.tail = n_slots, tail
 
     @classmethod
-    def of(cls, st: ReplayState) -> "ScanHeld":
-        """The ScanHeld holding ReplayState st's parts (its tensors, no copy)."""
-        return cls(scan_state_of(st), st.pair, st.delta, st.seed, st.layer)
+    def of(cls, st: ReplayState, tail: RawTail | None = None) -> "ScanHeld":
+        """The ScanHeld holding ReplayState st's parts (its tensors, no copy); tail: the raw
+        inputs of its buffered entries (None: st's buffer is empty)."""
+        return cls(scan_state_of(st), st.pair, st.delta, st.seed, st.layer, tail=tail)
+
+    @classmethod
+    def of_store(cls, ds: DecodeStore) -> "ScanHeld":
+        """The ScanHeld of a decode store (a multi-token forward continuing a decoded cache, a
+        beam reorder of another batch size): its state, and its ring's raw entries as the tail."""
+        st = ds.to_replay_state()
+        return cls.of(st, RawTail.of_entries(ds.raw_entries(), st.committed))
 
     @property
     def B(self) -> int:
@@ -146,9 +260,10 @@ class ScanHeld:
                                       seed=self.seed, layer=self.layer)
 
 
-def _teacher_force(held: ScanHeld, q, k, v, log_a, beta, valid, exact: bool):
+def _teacher_force(held: ScanHeld, q, k, v, log_a, beta, valid, exact: bool, tail_in: dict):
     """A multi-token forward of one layer from `held` -> (y, the ScanHeld after it), through
-    the Triton chunk kernel or its torch reference (teacher_force_path)."""
+    the Triton chunk kernel or its torch reference (teacher_force_path); tail_in: the forward's
+    raw entries (`RawTail.of_forward`), appended to the held tail."""
     path = teacher_force_path(q, q.shape[-1], v.shape[-1])
     if path == "triton":
         # Triton (Linux only): loaded where a kernel runs
@@ -160,7 +275,9 @@ def _teacher_force(held: ScanHeld, q, k, v, log_a, beta, valid, exact: bool):
     with cpu_threads(q.device):
         y, ss = scan(held.ss, q, k, v, log_a, beta, pair=held.pair, seed=held.seed,
                      layer=held.layer, valid=valid, exact=exact)
-    return y, ScanHeld(ss, held.pair, held.delta, held.seed, held.layer, held.n_slots)
+    tail = held.tail or RawTail.empty(tail_in, ss.buffer_len)
+    return y, ScanHeld(ss, held.pair, held.delta, held.seed, held.layer, held.n_slots,
+                       tail.append(tail_in, valid))
 
 
 def _one_token(raw: dict) -> dict:
@@ -180,15 +297,6 @@ def _static(cache) -> bool:
     GenerationMixin._valid_auto_compile_criteria: compileable and not a DynamicCache)."""
     return cache is not None and bool(getattr(cache, "is_compileable", False)) \
         and type(cache) is not DynamicCache
-
-
-def _kda_raw(q, k, v, log_a, beta) -> dict:
-    """The decode kernel's KDA inputs from the core's (q, k unit vectors per value head, q times
-    d_k^-1/2): q back to unit length and the scale passed apart, so that the kernel's
-    re-normalisation (which the bf16 k of its ring buffer needs) leaves q and k as they are."""
-    dk = q.shape[-1]
-    return {"q": q * math.sqrt(dk), "k": k, "v": v, "g": log_a, "beta": beta,
-            "scale": 1.0 / math.sqrt(dk)}
 
 
 class LayerRuntime:
@@ -268,7 +376,7 @@ class LayerRuntime:
                 st.reorder(ids)
             else:
                 if isinstance(st, DecodeStore):
-                    st = ScanHeld.of(st.to_replay_state())
+                    st = ScanHeld.of_store(st)
                 st = reorder_state(st, ids)
             setattr(lay, MARKER_ATTR, None)          # put_state writes a fresh marker
         if st.B != B:
@@ -291,19 +399,25 @@ class LayerRuntime:
 
     def decode_path(self, x, d_k, d_v, raw=None) -> str:
         """decode_path for this layer (raw: its raw decode inputs, whose Mamba-2 dt_limit the
-        kernel takes)."""
-        return decode_path(x, d_k, d_v, raw.get("dt_limit") if isinstance(raw, dict) else None,
-                           self.vector_gate)
+        kernel takes and whose buffered activations' dtype decides whether its ring holds them
+        exactly)."""
+        raw = raw if isinstance(raw, dict) else {}
+        dtypes = {raw[n].dtype for n in (("k", "v") if self.delta else ("x", "B")) if n in raw}
+        act = None if not dtypes else dtypes.pop() if len(dtypes) == 1 else torch.float32
+        return decode_path(x, d_k, d_v, raw.get("dt_limit"), self.vector_gate, act)
 
     # ------------------------------------------------------------ the recurrence
-    def run(self, cache, had_prev: bool, q, k, v, log_a, beta, valid,
-            raw: dict | None = None):
+    def run(self, cache, had_prev: bool, q, k, v, log_a, beta, valid, raw: dict):
         """q, k [B, T, H, d_k]; v [B, T, H, d_v]; log_a [B, T, H] ([B, T, H, d_k] for a layer built
         with vector_gate), beta [B, T, H]; valid [B, T] or None.
         raw: the layer's raw inputs for the decode store, each [B, T, ...] (per-head
         parameters unbatched): GDN q, k [.., HK, d_k], v, a, b, A_log, dt_bias, beta_scale
         (beta = beta_scale sigmoid(b)); Mamba-2 x, dt, A, B, C [.., G, N], dt_bias, dt_limit;
-        None for KDA (built from the core inputs, `_kda_raw`). Returns y float32 [B, T, H, d_v]."""
+        KDA q, k [.., HK, d_k] (before their L2 norm), v, g (log decay per key channel), beta,
+        scale (q's, d_k^-1/2). Returns y float32 [B, T, H, d_v]."""
+        if not isinstance(raw, dict):
+            raise ValueError(f"layer {self.layer_idx} ({self.kind}): a forward needs the layer's "
+                             f"raw inputs (the patched forward passes them as raw=)")
         B, T, H, dk = q.shape
         dv = v.shape[-1]
         lay = None if cache is None else self.cache_layer(cache)
@@ -318,8 +432,9 @@ class LayerRuntime:
                 st, y = self._decode(st, q, k, v, log_a, beta, raw)
             else:
                 if isinstance(st, DecodeStore):      # hand back to the chunked scan
-                    st = ScanHeld.of(st.to_replay_state())
-                y, st = _teacher_force(st, q, k, v, log_a, beta, valid, self.prefill == "exact")
+                    st = ScanHeld.of_store(st)
+                y, st = _teacher_force(st, q, k, v, log_a, beta, valid, self.prefill == "exact",
+                                       RawTail.of_forward(self.kind, raw))
                 if _static(cache):
                     st = self._decode_ready(st, q, k, v, log_a, beta, raw, lay)
         if lay is not None:
@@ -365,7 +480,7 @@ class LayerRuntime:
         left, with no host read: y [B, 1, H, d_v], or None where the state is not a store yet."""
         if not isinstance(st, DecodeStore):
             return None
-        return st.step(_one_token(self._raw(raw, q, k, v, log_a, beta))).unsqueeze(1)
+        return st.step(_one_token(raw)).unsqueeze(1)
 
     def _engine(self, q, v, raw) -> str:
         """The engine of this layer's decode store for inputs like q: 'triton' where decode_path
@@ -376,21 +491,18 @@ class LayerRuntime:
             self._warn_once(f"replayquant decode on {q.device}, layer {self.layer_idx}: {path}")
         return "triton" if path == "triton" else "torch"
 
-    def _raw(self, raw, q, k, v, log_a, beta) -> dict | None:
-        """The layer's raw decode inputs: as the forward passed them, or for KDA (which passes
-        none) built from the core inputs (`_kda_raw`)."""
-        return _kda_raw(q, k, v, log_a, beta) if self.vector_gate and raw is None else raw
-
     def _to_store(self, st, q, v, raw, reuse=None):
         """The hand-off of a ScanHeld into this layer's DecodeStore (once, where
-        decode starts or a prefill into a static cache ends); raw as `_raw` gives it."""
+        decode starts or a prefill into a static cache ends)."""
         if not isinstance(raw, dict):
             raise ValueError(f"layer {self.layer_idx} ({self.kind}): a decode step needs the "
                              f"layer's raw inputs (the patched forward passes them as raw=)")
         heads, engine = _key_heads(raw, self.delta), self._engine(q, v, raw)
         if isinstance(st, ScanHeld):          # the scan's state straight into the store
+            raw_entries = None if st.tail is None else st.tail.entries(st.ss.count)
             return DecodeStore.from_parts(scan_parts(st.ss), st.pair, st.delta, st.seed, st.layer,
-                                          heads, reuse=reuse, engine=engine, n_slots=st.n_slots)
+                                          heads, reuse=reuse, engine=engine, n_slots=st.n_slots,
+                                          raw=raw_entries)
         return DecodeStore(st, heads, reuse=reuse, engine=engine)
 
     def _decode_ready(self, st, q, k, v, log_a, beta, raw, lay=None):
@@ -404,8 +516,7 @@ class LayerRuntime:
         layer keeps that one store alive after its cache is gone (`unpatch` drops it)."""
         owner, spare = self._spare or (None, None)
         free = spare is not None and (owner() is None or owner() is lay)
-        ds = self._to_store(st, q, v, self._raw(raw, q, k, v, log_a, beta),
-                            reuse=spare if free else None)
+        ds = self._to_store(st, q, v, raw, reuse=spare if free else None)
         if lay is not None:
             try:
                 self._spare = (weakref.ref(lay), ds)
@@ -433,7 +544,6 @@ class LayerRuntime:
     def _decode(self, st, q, k, v, log_a, beta, raw):
         """The first decode step after a multi-token forward: the hand-off into the store
         (`_to_store`), then the step on it."""
-        raw = self._raw(raw, q, k, v, log_a, beta)
         st = self._to_store(st, q, v, raw)
         return st, st.step(_one_token(raw)).unsqueeze(1)
 
@@ -447,4 +557,5 @@ def reorder_state(held: ScanHeld, ids: torch.Tensor) -> ScanHeld:
         t = getattr(ss, f.name)
         parts[f.name] = None if t is None else core.qt_take(t, ids, ss.batch) \
             if f.name in ("anchor", "read") else t[ids].contiguous()
-    return ScanHeld(type(ss)(**parts), held.pair, held.delta, held.seed, held.layer)
+    return ScanHeld(type(ss)(**parts), held.pair, held.delta, held.seed, held.layer,
+                    tail=None if held.tail is None else held.tail.take(ids))

@@ -46,8 +46,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ["mamba2_inputs", "gdn_inputs", "kda_inputs", "kda_log_decay", "l2norm", "l2norm_kda",
-           "L2NORM_EPS"]
+__all__ = ["mamba2_dt", "mamba2_inputs", "gdn_inputs", "kda_inputs", "kda_log_decay", "l2norm",
+           "l2norm_kda", "L2NORM_EPS"]
 
 # the epsilon under the root of q's and k's L2 norm, as transformers' GDN and KDA layers (and fla)
 # add it; the Triton kernels write the same constant in their own code
@@ -72,6 +72,20 @@ def _heads(t: torch.Tensor, H: int, name: str) -> torch.Tensor:
     return t if G == H else t.repeat_interleave(H // G, dim=-2)
 
 
+def mamba2_dt(dt, dt_bias=None, *, dt_softplus=True, dt_limit=(0.0, float("inf"))):
+    """Mamba-2's step size in float32 from the raw dt [..., H]: softplus(dt + dt_bias), clamped
+    to dt_limit unless it is (0, inf). The one formula of the chunked scan's v = dt x and of the
+    dt a decode store keeps beside the raw x of a prompt's entries (so both hold the same bits)."""
+    dt = dt.float()
+    if dt_bias is not None:
+        dt = dt + dt_bias.float()
+    if dt_softplus:
+        dt = F.softplus(dt)
+    if dt_limit is not None and tuple(dt_limit) != (0.0, float("inf")):
+        dt = dt.clamp(dt_limit[0], dt_limit[1])
+    return dt
+
+
 def mamba2_inputs(x, dt, A, B, C, dt_bias=None, ngroups=None, *, dt_softplus=True,
                   dt_limit=(0.0, float("inf"))):
     """Mamba-2 step tensors -> (q, k, v, log_a) for the core (delta=False).
@@ -84,13 +98,7 @@ def mamba2_inputs(x, dt, A, B, C, dt_bias=None, ngroups=None, *, dt_softplus=Tru
         raise ValueError(f"B has {B.shape[-2]} groups, ngroups={ngroups}")
     if dt.shape != x.shape[:-1]:
         raise ValueError(f"dt has shape {list(dt.shape)}, expected {list(x.shape[:-1])}")
-    dt = dt.float()
-    if dt_bias is not None:
-        dt = dt + dt_bias.float()
-    if dt_softplus:
-        dt = F.softplus(dt)
-    if dt_limit != (0.0, float("inf")):
-        dt = dt.clamp(dt_limit[0], dt_limit[1])
+    dt = mamba2_dt(dt, dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
     log_a = dt * A.float()
     v = dt.unsqueeze(-1) * x.float()
     return _heads(C.float(), H, "C"), _heads(B.float(), H, "B"), v, log_a
