@@ -25,7 +25,8 @@
 #                   then the whole model at 131072 tokens; `bench kl` at 131072 tokens (~480 s)
 #   decode          the CUDA-only decode tests (recorded decode steps against eager ones, bit for bit,
 #                   on the three embedded models; the faults a step notes in its own launches, with
-#                   the GPU's atomics, against the torch references), then
+#                   the GPU's atomics, against the torch references; an FP32 pair's decode after a
+#                   prompt against a float64 loop, GDN, Mamba-2 and KDA), then
 #                   evals/compiled_generate_check.py: HF's
 #                   compiled static-cache generate against the eager one, greedy tokens, on the
 #                   three embedded models with s32_rs and tp4_hi16_sr (on an H100: 60 s of tests
@@ -106,8 +107,10 @@ case "$job" in
     tail -5 /tmp/tf_layer.log /tmp/tf_model.log /tmp/kl.log
     ;;
   decode)
-    TRITON_INTERPRET=0 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_decode_graph.py \
-        tests/test_kernel_faults.py -k cuda -rA > "$OUT/decode_tests.log" 2>&1; echo "tests rc=$?"
+    TRITON_INTERPRET=0 timeout 260 python3 -m pytest -q -s -p no:cacheprovider tests/test_decode_graph.py \
+        tests/test_kernel_faults.py tests/test_decode_exact.py -k cuda -rA > "$OUT/decode_tests.log" 2>&1
+    echo "tests rc=$?"
+    grep -E "cuda: prompt" "$OUT/decode_tests.log"
     grep -E "PASSED|FAILED|Error" "$OUT/decode_tests.log" | head -12
     timeout 300 python3 evals/compiled_generate_check.py "$OUT/compiled_generate_check.json" \
         --pairs s32_rs,tp4_hi16_sr > /tmp/cgc.log 2>&1; echo "compiled generate check rc=$?"

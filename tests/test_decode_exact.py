@@ -119,13 +119,14 @@ def _one(raw, t):
             for n, v in raw.items()}
 
 
-def _decode(kind, raw):
+def _decode(kind, raw, device="cpu"):
     """The layer's outputs [B, PROMPT + STEPS, H, D]: the prompt through the chunked scan, then
     one-token forwards through the decode store (the first one hands the scan's state off)."""
     pair = PrecisionPair.load("s32_rs").with_buffer_len(BUFFER_LEN)
     rt = runtime.LayerRuntime(pair, "replay", 0, 0, delta=kind != "mamba2", kind=kind,
                               vector_gate=kind == "kda")
     cache = _Cache()
+    raw = {n: v.to(device) if isinstance(v, torch.Tensor) else v for n, v in raw.items()}
     prompt = {n: v[:, :PROMPT] if isinstance(v, torch.Tensor) and v.dim() >= 3 else v
               for n, v in raw.items()}
     ys = [rt.run(cache, False, *_core(kind, prompt), None, raw=prompt)]
@@ -135,21 +136,35 @@ def _decode(kind, raw):
         y = rt.kernel_decode(cache, True, one, None)
         ys.append(rt.run(cache, True, *_core(kind, one), None, raw=one) if y is None else y)
     st = getattr(cache.layers[0], runtime.STATE_ATTR)
-    return torch.cat(ys, 1), st
+    return torch.cat(ys, 1).cpu(), st
+
+
+def _check_against_float64(kind, engine, device="cpu"):
+    g = torch.Generator().manual_seed({"gdn": 1, "mamba2": 2, "kda": 3}[kind])
+    raw = _raw(kind, g, PROMPT + STEPS, torch.bfloat16)
+    y, st = _decode(kind, raw, device)
+    assert st.engine == engine
+    ref = _float64(kind, raw)
+    err = ((y.double() - ref).abs().amax((0, 2, 3)) / ref.abs().max()).tolist()
+    print(f"{kind} {engine} {device}: prompt {max(err[:PROMPT]):.1e}, "
+          f"decode {max(err[PROMPT:]):.1e}")
+    assert max(err) <= RTOL, err
 
 
 @pytest.mark.parametrize("engine", ["torch", "triton"])
 @pytest.mark.parametrize("kind", ["gdn", "mamba2", "kda"])
 def test_fp32_decode_after_a_prompt_is_the_float64_recurrence(kind, engine, monkeypatch):
     monkeypatch.setenv("REPLAYQUANT_BACKEND", engine)
-    g = torch.Generator().manual_seed({"gdn": 1, "mamba2": 2, "kda": 3}[kind])
-    raw = _raw(kind, g, PROMPT + STEPS, torch.bfloat16)
-    y, st = _decode(kind, raw)
-    assert st.engine == engine
-    ref = _float64(kind, raw)
-    err = ((y.double() - ref).abs().amax((0, 2, 3)) / ref.abs().max()).tolist()
-    print(f"{kind} {engine}: prompt {max(err[:PROMPT]):.1e}, decode {max(err[PROMPT:]):.1e}")
-    assert max(err) <= RTOL, err
+    _check_against_float64(kind, engine)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (evals/gpu_runs.sh decode)")
+@pytest.mark.parametrize("kind", ["gdn", "mamba2", "kda"])
+def test_fp32_decode_after_a_prompt_on_cuda(kind, monkeypatch):
+    """The same on the GPU: the chunk kernel's prompt, the hand-off, the compiled decode kernel
+    (tensor-core products, the GPU's own exp and softplus)."""
+    monkeypatch.setenv("REPLAYQUANT_BACKEND", "auto")
+    _check_against_float64(kind, "triton", "cuda")
 
 
 @pytest.mark.parametrize("kind", ["gdn", "mamba2", "kda"])
