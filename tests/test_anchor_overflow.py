@@ -103,3 +103,43 @@ def test_conventional_state_names_the_overflowing_step():
     with pytest.raises(ValueError, match=_message("state", "fp16", "step 1 of this state")):
         st.step(q[:, 0], k[:, 0], v[:, 0], la[:, 0])
     assert torch.equal(st.flushes, torch.zeros(2, dtype=torch.int64))
+
+
+def test_patched_model_names_the_overflowing_flush_not_the_next_layers_inputs():
+    """Through a patched model's prompt forward: the first recurrent layer's FP16 anchor
+    overflows at its first flush (its input scaled by 1e6), and the error names that layer and
+    flush rather than the NaN the next layer would see."""
+    from replayquant.models import load_model, recurrent_layers
+    model = load_model("tiny-qwen3.5", PrecisionPair.load("s16_sr").with_buffer_len(L),
+                       dtype="float32")
+    _, layer, _ = recurrent_layers(model)[0]
+
+    def scale(mod, args, kwargs):
+        h = (args[0] if args else kwargs["hidden_states"]) * 1e6
+        return ((h,) + tuple(args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": h})
+    layer.register_forward_pre_hook(scale, with_kwargs=True)
+    with pytest.raises(ValueError, match=rf"layer {layer.layer_idx}: the anchor \(fp16 of pair "
+                                         rf"s16_sr\) overflows at the flush of token {L - 1} of "
+                                         rf"this 12-token segment, batch row 0"):
+        model(torch.arange(3, 15).view(1, 12))
+
+
+@pytest.mark.parametrize("scan", ["state", "ref"])
+def test_state_past_fp32_range_is_named_at_its_flush(scan):
+    """Finite inputs whose state outgrows FP32 itself: named at the flush, not refused by the
+    format's cast without saying where."""
+    pair = PrecisionPair.load("s32_rs").with_buffer_len(L)
+    q, k, v, la, _ = _inputs(False, big=1.6e38)             # v up to 3.2e38: finite
+    k = 4 * k                                               # Mamba-2's B: not normalised
+    msg = (r"layer 5: the rebuilt state of pair \S+ overflows at the flush of {}, batch row 1 .*"
+           r"not finite in FP32.*activations")
+    st = ReplayState(torch.zeros(2, 1, DV, DK), pair, delta=False, layer=5)
+    if scan == "ref":
+        at = f"token {L - 1} of this {T}-token segment"
+        with pytest.raises(ValueError, match=msg.format(at)):
+            teacher_force(st, q, k, v, la)
+        return
+    for t in range(L - 1):
+        st.step(q[:, t], k[:, t], v[:, t], la[:, t])
+    with pytest.raises(ValueError, match=msg.format(f"step {L} of this state")):
+        st.step(q[:, L - 1], k[:, L - 1], v[:, L - 1], la[:, L - 1])

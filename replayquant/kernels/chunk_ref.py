@@ -19,10 +19,10 @@ segment continues the flush schedule of the previous one (position modulo L carr
 tokens marked invalid (padding) are skipped: they occupy no buffer slot, as a server never sees
 them. ``exact=True`` is the other prefill: the segment in FP32 (no rounding at window
 boundaries), then one cast of the final state, as a server's prefill would.
-A flush whose cast of the anchor or read copy is not finite (an fp16 role past 65504) is one
-ValueError after the segment naming layer, batch row, token and format
-(`replay.state.flush_overflow_error`), and the state is not handed back: one host read per
-call, on the flags each flush records on the device.
+A flush whose cast of the anchor or read copy is not finite (an fp16 role past 65504), or
+whose rebuilt state is not (past FP32's range), is one ValueError at that flush naming layer,
+batch row, token and format (`replay.state.flush_overflow_error`), and the state is not handed
+back: one host read per flush (`_FlushCheck`), beside each cast's own finiteness check.
 
 Shapes (B sequences, T tokens, H heads): q, k [B, T, H, d_k]; v [B, T, H, d_v]; log_a and beta
 [B, T, H]; states [B, H, d_v, d_k] float32. All arithmetic is float32.
@@ -48,7 +48,7 @@ import torch
 from replayquant import options
 from replayquant.formats import QTensor
 from replayquant.replay import core
-from replayquant.replay.state import find_nonfinite, flush_overflow_error
+from replayquant.replay.state import find_nonfinite, flush_overflow_error, nonfinite_cast
 from replayquant.streams import ANCHOR, READ, layer_seed, sr_stream
 
 __all__ = ["ScanState", "cast_roles", "initial_scan_state", "rebuild_state", "chunk_scan_ref",
@@ -326,7 +326,8 @@ def _scan(state, q, k, v, log_a, beta, *, pair, seed, layer, valid, exact):
     width = W * buffer_len
     lay = _layout(state, q, k, v, log_a, beta, valid, W)
     full = m // buffer_len                                  # windows that end in a flush, per row
-    Y, A, aq, rq, casts = _windows_ref(state, pair, lay, full, W, seed, layer, exact)
+    check = _FlushCheck(state, pair, layer, lay, (q, k, v, log_a, beta), valid, exact)
+    Y, A, aq, rq = _windows_ref(state, pair, lay, full, W, seed, layer, exact, check)
     bi, ti, cols, slot, Ek, Ev, Eb, G, gt = (lay.bi, lay.ti, lay.cols, lay.slot, lay.Ek, lay.Ev,
                                              lay.Eb, lay.G, lay.gt)
 
@@ -336,11 +337,8 @@ def _scan(state, q, k, v, log_a, beta, *, pair, seed, layer, valid, exact):
     zero = torch.zeros_like
     if exact:
         # A holds the unrounded FP32 state after every entry: cast once (one flush)
-        na, nr = cast_roles(A, pair, seed=seed, layer=layer, flush_index=state.flushes + 1,
-                            rows=state.rows)
-        casts.see(W, torch.ones_like(full, dtype=torch.bool), pair, na, nr)
-    casts.check(state, pair, layer, lay, (q, k, v, log_a, beta), valid, exact)
-    if exact:
+        na, nr, _, _ = check.cast(W, torch.ones_like(full, dtype=torch.bool), A, seed,
+                                  state.flushes + 1)
         return y, replace(state, anchor=na, read=nr, k=zero(state.k), v=zero(state.v),
                           G=zero(state.G), beta=None if state.beta is None else zero(state.beta),
                           count=zero(state.count), flushes=state.flushes + 1)
@@ -419,10 +417,11 @@ def _layout(state, q, k, v, log_a, beta, valid, W):
                            kL=kL, eG=eG, eGL=eGL, wL=wL)
 
 
-def _windows_ref(state, pair, lay, full, W, seed, layer, exact):
+def _windows_ref(state, pair, lay, full, W, seed, layer, exact, check):
     """`_scan`'s window loop: each window's outputs Y [B, H, W, L, d_v] from the state at its
-    start, then the state at its end, flushed (both casts) in the rows whose window ends in a
-    flush (`full` > w); returns (Y, the FP32 state after the last window, anchor, read copy)."""
+    start, then the state at its end, flushed (both casts, each `check`ed) in the rows whose
+    window ends in a flush (`full` > w); returns (Y, the FP32 state after the last window,
+    anchor, read copy)."""
     f32 = torch.float32
     B, H = state.count.shape[0], lay.kw.shape[1]
     buffer_len, dv, dev = state.buffer_len, lay.vw.shape[-1], lay.kw.device
@@ -432,7 +431,6 @@ def _windows_ref(state, pair, lay, full, W, seed, layer, exact):
     A = anchor_f32(state, pair)
     R = A if state.read is None else read_f32(state, pair)
     aq, rq = state.anchor, state.read
-    casts = _FlushCasts(B, dev)
     Y = torch.empty(B, H, W, buffer_len, dv, dtype=f32, device=dev)
     fmin, fmax = (0, 0) if exact else (int(full.min()), int(full.max()))   # the one host sync
     for w in range(W):
@@ -461,9 +459,7 @@ def _windows_ref(state, pair, lay, full, W, seed, layer, exact):
             continue
         # the flush step reads the unrounded state rebuilt from the anchor; then the two casts
         yF = (S @ qw[:, :, w, buffer_len - 1, :, None])[..., 0]
-        na, nr = cast_roles(S, pair, seed=seed, layer=layer, flush_index=state.flushes + w + 1,
-                            rows=state.rows)
-        Anew, Rnew = casts.see(w, full > w, pair, na, nr)
+        na, nr, Anew, Rnew = check.cast(w, full > w, S, seed, state.flushes + w + 1)
         if w < fmin:                                         # every row flushes here
             Y[:, :, w, buffer_len - 1] = yF
             aq, rq, A, R = na, nr, Anew, Rnew
@@ -475,7 +471,7 @@ def _windows_ref(state, pair, lay, full, W, seed, layer, exact):
             A = torch.where(fm, Anew, A)
             R = A if rq is None else torch.where(fm, Rnew, R)
 
-    return Y, A, aq, rq, casts
+    return Y, A, aq, rq
 
 
 def check_inputs_finite(layer: int, inputs, valid=None) -> None:
@@ -492,44 +488,54 @@ def check_inputs_finite(layer: int, inputs, valid=None) -> None:
                          f"model's activations: find where they first become non-finite")
 
 
-class _FlushCasts:
-    """Per row, the first flush (window index; W: the exact prefill's cast at the segment's end)
-    whose cast of the anchor or read copy is not finite, kept on the device; `check` reads it
-    once on the host after the segment and raises `flush_overflow_error` there, before the
-    state is handed back."""
+class _FlushCheck:
+    """The flushes of a segment (`_windows_ref`; window W: the exact prefill's cast at the
+    segment's end), cast and checked: a cast into the anchor or read copy that is not finite
+    (one host read a flush, as each cast's own check of its input is), or a rebuilt state that
+    is not (which the cast refuses), is one ValueError (`replay.state.flush_overflow_error`)
+    naming the layer, the flush's token, the batch row and the format, before the state is
+    handed back. Without it an FP16 role past 65504 would give infinite outputs until the next
+    flush, whose cast of the infinite state the format would refuse without saying where."""
 
-    def __init__(self, B: int, dev):
-        self.window = torch.full((B,), -1, dtype=torch.int64, device=dev)
-        self.read = torch.zeros(B, dtype=torch.bool, device=dev)     # the read copy, not the anchor
+    def __init__(self, state, pair, layer: int, lay, inputs, valid, exact: bool):
+        self.ss, self.pair, self.layer, self.lay = state, pair, layer, lay
+        self.inputs, self.valid, self.exact = inputs, valid, exact
 
-    def see(self, w: int, rows, pair, na, nr):
-        """Record the casts na, nr of a flush at window w in `rows` [B] bool; returns them
-        dequantized (anchor, read copy: the anchor for a shared pair)."""
+    def cast(self, w: int, rows, S, seed: int, flush_index):
+        """`cast_roles` of the unrounded state S of the flush at window w, checked in `rows` [B]
+        bool: (anchor, read copy or None, both dequantized: the anchor twice when shared)."""
+        pair = self.pair
+        try:
+            na, nr = cast_roles(S, pair, seed=seed, layer=self.layer, flush_index=flush_index,
+                                rows=self.ss.rows)
+        except ValueError:
+            bad = ~torch.isfinite(S).flatten(1).all(1) & rows
+            if bool(bad.any()):
+                raise self._error(w, int(bad.nonzero()[0, 0]), "rebuilt state", None) from None
+            raise
         Anew = pair.anchor.fmt.dequantize(na)
         Rnew = Anew if nr is None else pair.read.fmt.dequantize(nr)
-        bad_a = ~torch.isfinite(Anew).flatten(1).all(1)
-        bad = (bad_a | ~torch.isfinite(Rnew).flatten(1).all(1)) & rows & (self.window < 0)
-        self.window = torch.where(bad, w, self.window)
-        self.read = torch.where(bad, ~bad_a, self.read)
-        return Anew, Rnew
+        roles = (("anchor", pair.anchor, Anew),)
+        if nr is not None:
+            roles += (("read copy", pair.read, Rnew),)
+        bad = nonfinite_cast(roles, rows)
+        if bad is not None:
+            raise self._error(w, bad[2], bad[0], bad[1])
+        return na, nr, Anew, Rnew
 
-    def check(self, state, pair, layer: int, lay, inputs, valid, exact: bool) -> None:
-        """One host read; the error of the first row whose flush cast is not finite."""
-        if not bool((self.window >= 0).any()):
-            return
-        T = inputs[0].shape[1]
-        check_inputs_finite(layer, inputs, valid)     # not the state's size: the inputs themselves
-        b = int((self.window >= 0).nonzero()[0, 0])
-        w = int(self.window[b])
-        role, spec = ("read copy", pair.read) if bool(self.read[b]) else ("anchor", pair.anchor)
-        if exact:
+    def _error(self, w: int, b: int, role: str, spec) -> ValueError:
+        T = self.inputs[0].shape[1]
+        check_inputs_finite(self.layer, self.inputs, self.valid)   # not the state: the inputs
+        if self.exact:
             at = f"the end of this {T}-token segment (prefill=exact)"
         else:
-            col = w * state.buffer_len + state.buffer_len - 1
-            tok = lay.ti[(lay.bi == b) & (lay.cols == col)]
+            L = self.ss.buffer_len
+            lay = self.lay
+            tok = lay.ti[(lay.bi == b) & (lay.cols == w * L + L - 1)]
             at = (f"token {int(tok[0])} of this {T}-token segment" if tok.numel() else
                   f"the steps buffered before this {T}-token segment")
-        raise flush_overflow_error(layer, role, spec, pair, b, int(state.rows[b]), at)
+        return flush_overflow_error(self.layer, role, spec, self.pair, b, int(self.ss.rows[b]),
+                                    at)
 
 
 # ------------------------------------------------------------------ ReplayState interop

@@ -97,11 +97,13 @@ def find_nonfinite(inputs: dict, valid: torch.Tensor | None = None, time_dim: in
     return None
 
 
-def nonfinite_cast(roles):
-    """None when every dequantized cast of `roles` ((role, spec, X [b, ...]), ...) is finite, else
-    (role, spec, b) of the first row b (and its first role) that is not: one reduction per role
-    and one host read for all of them."""
+def nonfinite_cast(roles, rows=None):
+    """None when every dequantized cast of `roles` ((role, spec, X [b, ...]), ...) is finite (in
+    the rows where `rows` [b] bool is True, if given), else (role, spec, b) of the first row b
+    (and its first role) that is not: one reduction per role and one host read for all."""
     bad = torch.stack([~torch.isfinite(X).flatten(1).all(1) for _, _, X in roles], dim=1)
+    if rows is not None:
+        bad &= rows[:, None]
     if not bool(bad.any()):
         return None
     b, i = bad.nonzero()[0].tolist()
@@ -112,23 +114,25 @@ def flush_overflow_error(layer: int, role: str, spec, pair, row: int, seq: int,
                          at: str) -> ValueError:
     """The error of a flush whose cast of the rebuilt state into `role` ("anchor", "read copy";
     "state" for the conventional baseline) of format `spec` is not finite while its inputs were:
-    the state outgrew the format (fp16 past 65504) or FP32 itself. Raised at that flush, before
-    anything changes, because a non-finite anchor or read copy would give infinite outputs for
-    up to L - 1 steps and then NaN in every later layer, which the next input check would blame
-    on the inputs."""
-    grid = getattr(spec.fmt, "grid", None)
+    the state outgrew the format (fp16 past 65504); spec None: the rebuilt state itself is not
+    finite (it outgrew FP32). Raised at that flush, before anything changes, because a
+    non-finite anchor or read copy would give infinite outputs for up to L - 1 steps and then
+    NaN in every later layer, which the next input check would blame on the inputs."""
+    grid = None if spec is None else getattr(spec.fmt, "grid", None)
     if grid is not None and grid.max_value < 1e38:            # fp16: a narrower range than FP32
+        what = f"the {role} ({spec.format} of pair {pair.label()})"
         why = f"the state rebuilt there is larger than {spec.format} holds ({grid.max_value:g})"
         fix = (f"Give the {role} a wider format (fp32, or bf16, which keeps fp32's range), or "
                f"check the model's activations (the inputs were finite: their size made the "
                f"state this large)")
     else:
-        why = "the state rebuilt there overflows FP32 itself"
+        what = (f"the {role} of pair {pair.label()}" if spec is None else
+                f"the {role} ({spec.format} of pair {pair.label()})")
+        why = "the state rebuilt there is not finite in FP32"
         fix = ("Check the model's activations: the inputs were finite, but their size made the "
-               "state exceed any format's range")
-    return ValueError(f"layer {layer}: the {role} ({spec.format} of pair {pair.label()}) "
-                      f"overflows at the flush of {at}, batch row {row} (sequence {seq}): {why}; "
-                      f"the replay state is unchanged. {fix}")
+               "state exceed FP32's range")
+    return ValueError(f"layer {layer}: {what} overflows at the flush of {at}, batch row {row} "
+                      f"(sequence {seq}): {why}; the replay state is unchanged. {fix}")
 
 
 def _overflowed(spec, q: QTensor) -> bool:
@@ -532,8 +536,12 @@ class ReplayState(_StateBase):
         beta = None if self._beta is None else self._beta[idx]
         S, _ = core.rebuild(Sc, self._k[idx], self._v[idx], self._G[idx], beta, n)
         fi = self._flushes[idx] + 1
-        A = self._cast(pair.anchor, S, fi, ANCHOR, idx)
-        R = None if self._R is None else self._cast(pair.read, S, fi, READ, idx)
+        try:
+            A = self._cast(pair.anchor, S, fi, ANCHOR, idx)
+            R = None if self._R is None else self._cast(pair.read, S, fi, READ, idx)
+        except ValueError:                                # a cast refuses a non-finite S
+            self._check_casts((("rebuilt state", None, S),), idx, at)
+            raise
         A32 = pair.anchor.fmt.dequantize(A)
         R32 = A32 if R is None else pair.read.fmt.dequantize(R)
         roles = (("anchor", pair.anchor, A32),)
@@ -604,7 +612,11 @@ class ConventionalState(_StateBase):
         S, _ = core.rebuild(Sc, k[:, :, sl], v[:, :, sl], log_a[:, :, sl],
                             None if beta is None else beta[:, :, sl], ones)
         y = core.matvec(S, q[:, :, sl])[:, :, 0, :]
-        Snew = self._cast(self.spec, S, steps + 1, ANCHOR)
+        try:
+            Snew = self._cast(self.spec, S, steps + 1, ANCHOR)
+        except ValueError:                                # the cast refuses a non-finite S
+            self._check_casts((("rebuilt state", None, S),), None, at)
+            raise
         self._check_casts((("state", self.spec, self.spec.fmt.dequantize(Snew)),), None, at)
         return y, Snew
 
