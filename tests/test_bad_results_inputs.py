@@ -13,7 +13,9 @@ import pytest
 from typer.testing import CliRunner
 
 from replayquant.cli import app
+from replayquant.data import tiny_model_path
 from replayquant.kl import command as C
+from replayquant.provenance import local_fingerprint
 from replayquant.sweep import per_layer as PL
 from replayquant.sweep import recommend as R
 
@@ -42,7 +44,10 @@ def _sweep():
 
 
 def _sens():
-    return json.loads(SENS.read_text())
+    sens = json.loads(SENS.read_text())
+    # the model's fingerprint as this version records it: every byte of its files
+    sens["model"]["local_hash"] = local_fingerprint(tiny_model_path("tiny-qwen3.5"))
+    return sens
 
 
 def _write(tmp_path, obj, name="f.json"):
@@ -210,7 +215,8 @@ def test_per_layer_refuses_another_model_than_the_file_measured(tmp_path, monkey
     sens = _sens()
     sens["model"]["local_hash"] = "sha256:" + "0" * 32
     code, text = _per_layer(tmp_path, sens)
-    _one_clear_error(code, text, "s.json", "sha256:" + "0" * 32, "sha256:079e0a9f", "now holds another")
+    _one_clear_error(code, text, "s.json", "sha256:" + "0" * 32,
+                     local_fingerprint(tiny_model_path("tiny-qwen3.5")), "now holds another")
     assert not (tmp_path / "r.json").exists() and not list(tmp_path.glob("r_*"))
 
 

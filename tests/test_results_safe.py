@@ -22,7 +22,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from replayquant.data import tiny_model_path
 from replayquant.kl import command as C
+from replayquant.provenance import local_fingerprint
+from replayquant.sweep import per_layer as PL
 from _cli import invoke as _invoke, one_clear_error as _one_clear_error
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -275,12 +278,25 @@ def _fake_kl(calls):
     return kl_command
 
 
+def _current_sens(path: Path) -> Path:
+    """The committed sensitivity file at `path` with the identity of its model and documents as
+    this version records them: the fingerprint of every byte of the model, and the documents'
+    record from the file's own KL run."""
+    sens = json.loads(SENS.read_text())
+    sens["model"]["local_hash"] = local_fingerprint(tiny_model_path(TINY))
+    kl = json.loads((SENS.parent / sens["kl_results"][0]).read_text())
+    sens["data"] = kl["provenance"]["dataset"]
+    path.write_text(json.dumps(sens))
+    return path
+
+
 def test_per_layer_refuses_another_budget_before_writing_anything(tmp_path, monkeypatch):
     """The policy YAML was written before the KL run refused: the JSON and the YAML then
     described two policies. Now the check comes first, and both always describe one."""
     calls = []
     monkeypatch.setattr(C, "kl_command", _fake_kl(calls))
-    sens = shutil.copy(SENS, tmp_path / "sens.json")
+    monkeypatch.setattr(PL, "plot_results_file", lambda *a, **k: None)   # the fake writes no file
+    sens = _current_sens(tmp_path / "sens.json")
     rec, yaml_file = tmp_path / "rec.json", tmp_path / "rec_policy.yaml"
     args = ["recommend", "--per-layer", sens, "--no-progress", "--out", rec, "--kl-budget"]
     code, text = _invoke([*args, 1e-3])

@@ -310,7 +310,7 @@ def test_recommend_with_gpqa_budget(demo_sweep):
 
     def pair_rec(v, label):
         return {"label": label, "pair": {**v["pair"], "name": label}, "file": f"{label}.json"}
-    summary = {"kind": SUMMARY_KIND, "reference_pair": "s32_rs",
+    summary = {"kind": SUMMARY_KIND, "reference_pair": "s32_rs", "model_identity": sw["model"],
                "pairs": [pair_rec(ref, "s32_rs"), pair_rec(ok, "tp8_hi32"), pair_rec(by[cheap], "cheap")],
                "rows": [{"pair": "s32_rs", "task": "t", "primary": True, "delta": 0.0, "delta_stderr": 0.0},
                         {"pair": "tp8_hi32", "task": "t", "primary": True, "delta": -0.004,

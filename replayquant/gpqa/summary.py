@@ -16,8 +16,11 @@ import json
 import math
 from pathlib import Path
 
+from replayquant.provenance import model_identity
+
 __all__ = ["SUMMARY_KIND", "build_summary", "load_summary", "is_gpqa_summary", "render_table",
-           "primary_metric", "is_lm_eval_results", "render_lm_eval_table", "table_for_files"]
+           "primary_metric", "is_lm_eval_results", "render_lm_eval_table", "table_for_files",
+           "summary_model"]
 
 SUMMARY_KIND = "replayquant/gpqa-summary"
 SUMMARY_VERSION = 1
@@ -88,15 +91,29 @@ def build_summary(per_pair: list[dict], *, model: str, tasks: list[str], limit, 
                     "delta_stderr": 0.0 if entry is first else dse,
                     "questions_match_first": same,
                 })
+    revision = (first["results"].get("config") or {}).get("model_revision")
     return {
         "kind": SUMMARY_KIND, "format_version": SUMMARY_VERSION,
         "model": model, "tasks": tasks, "limit": limit, "seed": seed, "prefill": prefill, "data": data,
+        "model_identity": model_identity(model, revision),
         "reference_pair": first["label"],
         "pairs": [{"label": e["label"], "pair": e["results"]["replayquant"]["pair"], "file": e["file"]}
                   for e in per_pair],
         "rows": rows,
         "provenance": provenance,
     }
+
+
+def summary_model(summary: dict) -> dict:
+    """The identity of the model a summary measured (`provenance.model_identity`: a local folder
+    with the fingerprint of every byte, a hub id with its commit); one ValueError for a summary
+    that does not record it."""
+    rec = summary.get("model_identity")
+    if not isinstance(rec, dict) or not rec.get("id"):
+        raise ValueError(f"the GPQA summary of {summary.get('model')!r} does not record which "
+                         f"model it measured (no model_identity: written by an earlier "
+                         f"replayquant); run `replayquant gpqa` again")
+    return rec
 
 
 def is_gpqa_summary(obj) -> bool:

@@ -92,9 +92,13 @@ def kl_command(model: str, pairs: list[str], dataset: str = "pg19", split: str =
                prefill: str = "replay", dtype: str = "bfloat16", device_map: str | None = None,
                seed: int = 0, out: str | None = None, pack: bool = False, revision: str | None = None,
                reference: str = "exact", progress: bool = True, dataset_config: str | None = None,
-               data_files=None, scoring: str = "all") -> dict | None:
+               data_files=None, scoring: str = "all",
+               same_documents_as: tuple[str, dict] | None = None) -> dict | None:
     """Everything `replayquant kl` does; returns the results dict on the main process. A second
-    run into the same --out while one runs is refused (`replayquant.outputs.output_lock`)."""
+    run into the same --out while one runs is refused (`replayquant.outputs.output_lock`).
+    same_documents_as: (a results file, its record of the documents it measured,
+    `DocumentSet.record()`): this run measures those documents, or one ValueError names both
+    before the weights load (`check_same_documents`)."""
     # cheap checks first: no weights are loaded for a run that cannot start
     for name, v, choices in (("--prefill", prefill, PREFILLS), ("--reference", reference, REFERENCES)):
         if v not in choices:
@@ -116,12 +120,28 @@ def kl_command(model: str, pairs: list[str], dataset: str = "pg19", split: str =
                            text_field=text_field, context=context, docs=docs, segment=segment,
                            prefill=prefill, dtype=dtype, device_map=device_map, seed=seed,
                            pack=pack, revision=revision, reference=reference, progress=progress,
-                           dataset_config=dataset_config, data_files=data_files, scoring=scoring)
+                           dataset_config=dataset_config, data_files=data_files, scoring=scoring,
+                           same_documents_as=same_documents_as)
+
+
+def check_same_documents(documents, same_documents_as: tuple[str, dict]) -> None:
+    """One ValueError naming both when `documents` (a DocumentSet) are not the documents the
+    results file `same_documents_as[0]` recorded (`same_documents_as[1]`: the sha256 of their
+    tokens, which covers their text, their order and the tokenizer)."""
+    where, then = same_documents_as
+    now = documents.record()
+    if now["tokens_sha256"] != then.get("tokens_sha256"):
+        raise ValueError(
+            f"{where} measured {len(then.get('document_ids') or [])} document(s) of "
+            f"{then.get('source')} (tokens sha256 {then.get('tokens_sha256')}); the dataset gives "
+            f"{len(now['document_ids'])} other document(s) of {now['source']} now (tokens sha256 "
+            f"{now['tokens_sha256']}): the data changed or is another. Put those documents back, "
+            f"or measure again on these")
 
 
 def _checked_kl(model, pairs, out_path: Path, *, dataset, split, text_field, context, docs,
                 segment, prefill, dtype, device_map, seed, pack, revision, reference, progress,
-                dataset_config, data_files, scoring) -> dict | None:
+                dataset_config, data_files, scoring, same_documents_as) -> dict | None:
     device_map = check_device_map(device_map)
     pairs = [resolve_pair(p) for p in pairs]          # once: everything below takes the objects
     check_pair_names(pairs)
@@ -138,6 +158,8 @@ def _checked_kl(model, pairs, out_path: Path, *, dataset, split, text_field, con
     check_kl_sizes([p.label() for p in pairs], quantized, len(shapes), context, prefill, device_map)
     documents = load_documents(dataset, tok, context, docs, split=split, text_field=text_field, pack=pack,
                                dataset_config=dataset_config, data_files=data_files)
+    if same_documents_as is not None:
+        check_same_documents(documents, same_documents_as)
 
     # CPU processes (e.g. `accelerate launch --multi_gpu --num_processes 2` or torchrun on a machine
     # without CUDA) only form a process group (gloo) when the state is told it runs on CPU.

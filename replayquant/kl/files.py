@@ -32,7 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
-from replayquant.outputs import append_line, check_owned, check_writable_folder, save_npy
+from replayquant.outputs import (append_line, check_owned, check_writable_folder, diff_records,
+                                 save_npy)
 
 from . import stats as S
 from .report import RESULTS_KIND
@@ -73,6 +74,43 @@ def check_out(out: str | os.PathLike) -> Path:
     check_owned(out, RESULTS_KIND, "replayquant kl", beside=() if run_dir.is_dir() else (png,),
                 rebuilt_from=f"{run_dir}/" if run_dir.is_dir() else None)
     return out
+
+
+def check_run_folder(path: Path, res: dict, run_dir: Path) -> None:
+    """One ValueError naming both when `run_dir` is not the per-token folder of the results file
+    `path` (`res`), as where a results file was copied beside another run's folder of the name
+    it records: the folder's progress logs hold another run's configuration (model with its
+    fingerprint, data, pairs, settings), or a document's per-token KL is not the one the results
+    recorded (its length and largest value per pair, both exact)."""
+    cfg = res["config"]
+    headers, _ = read_progress(run_dir) if run_dir.is_dir() else ([], [])
+    if not headers:
+        raise ValueError(f"{run_dir}/, where {path} keeps its per-token values, holds no progress "
+                         f"log of a KL run; re-score the results file beside its own run's folder, "
+                         f"or run `replayquant kl` again")
+    for h in headers:
+        diffs = [d.split(":")[0] for d in diff_records(h["config"], cfg)]
+        if diffs:
+            raise ValueError(f"{run_dir}/ holds the per-token values of another run than {path} "
+                             f"(pairs {_pair_names(h['config'])} there, {_pair_names(cfg)} in "
+                             f"{path}; they differ in {', '.join(diffs)}): re-score a results "
+                             f"file beside its own run's folder")
+    shape = kl_shape(cfg)
+    for j, p in enumerate(cfg["pairs"]):
+        for d in (res["results"].get(p["name"]) or {}).get("per_document", []):
+            npy = run_dir / f"doc{d['index']:05d}.npy"
+            row = load_document_kl(npy, shape, d["index"])[j]
+            if row.size != d["n_tokens"] or not np.array_equal(row.max(), d["kl_max"],
+                                                               equal_nan=True):
+                raise ValueError(f"{npy} is not the per-token KL {path} recorded for pair "
+                                 f"{p['name']} on document {d['index']} (largest value "
+                                 f"{float(row.max()):.6g} there, {d['kl_max']:.6g} in {path}): "
+                                 f"{run_dir}/ holds another run's values; re-score a results file "
+                                 f"beside its own run's folder")
+
+
+def _pair_names(config: dict) -> str:
+    return ", ".join(p.get("name", "?") for p in config.get("pairs", []))
 
 
 def fresh_names(out: Path) -> list[str]:

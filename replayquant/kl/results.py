@@ -15,8 +15,8 @@ from replayquant.provenance import provenance
 
 from . import stats as S
 from .data import DocumentSet
-from .files import (config_scoring, dp_name, kl_shape, load_document_dp, load_document_kl, load_side,
-                    read_progress, run_paths, side_name)
+from .files import (check_run_folder, config_scoring, dp_name, kl_shape, load_document_dp,
+                    load_document_kl, load_side, read_progress, run_paths, side_name)
 from .plot import plot_kl_vs_position
 from .report import RESULTS_KIND, load_results
 from .resume import document_fingerprint
@@ -121,6 +121,7 @@ def rescore(res: dict, path: str | os.PathLike, scoring: str) -> dict:
                          f"--scoring {scoring}: run `replayquant kl --scoring {scoring}`")
     path = Path(path)
     run_dir = path.parent / res.get("kl_tokens_dir", path.with_suffix(".kl").name)
+    check_run_folder(path, res, run_dir)
     first, _ = S.scored_range(cfg["context"], scoring)
     shape = kl_shape(cfg)
     names = [p["name"] for p in cfg["pairs"]]

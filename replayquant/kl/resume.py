@@ -3,8 +3,9 @@
 Each finished document's record in the progress logs (`files.read_progress`) names its index, id,
 the sha256 of its tokens (`document_fingerprint`) and the code that computed it (`code_version`).
 A resumed run keeps the documents whose id and tokens are those the dataset gives now, recomputes
-(saying so) the others, and refuses results of another configuration, another scoring or another
-code version (`finished_documents`).
+(saying so) the others, and refuses results of another model (`check_same_model`: the fingerprint
+of every byte of a local folder), another configuration, another scoring or another code version
+(`finished_documents`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 import replayquant
 from replayquant.outputs import check_owned, diff_records, other_run_error
-from replayquant.provenance import git_commit
+from replayquant.provenance import describe_model, git_commit, model_mismatch
 
 from .data import DocumentSet
 from .files import config_scoring, fresh_names, kl_shape, load_document_kl, read_progress, run_paths
@@ -44,6 +45,22 @@ def check_scoring(out: Path, run_dir: Path, old: dict, config: dict) -> None:
                          f"this run scores with --scoring {now} ({_SCORING_WORDS[now]}): refusing to "
                          f"mix them. Run with --scoring {was} to resume, pass a new --out, or delete "
                          f"{out} and {run_dir}/ to start fresh")
+
+
+def check_same_model(out: Path, run_dir: Path, recorded: list, config: dict) -> None:
+    """One ValueError naming both models when results on disk (the configurations `recorded` in
+    NAME.json and the progress logs) were computed on another model than this run loads
+    (`provenance.model_mismatch`: a local folder by the fingerprint of all its bytes)."""
+    for old in recorded:
+        if not isinstance(old, dict) or not isinstance(old.get("model"), dict):
+            continue
+        why = model_mismatch(old["model"], config["model"])
+        if why:
+            raise ValueError(f"{out} and {run_dir}/ hold results computed on the model "
+                             f"{describe_model(old['model'])}; this run loads another model, "
+                             f"{describe_model(config['model'])} ({why}): refusing to mix results "
+                             f"of two models. Put that model back to resume, pass a new --out, or "
+                             f"delete {out} and {run_dir}/ to recompute")
 
 
 def document_fingerprint(tokens: torch.Tensor) -> str:
@@ -99,6 +116,7 @@ def finished_documents(out: Path, config: dict, docs: DocumentSet, code: dict | 
                 f"{run_dir}/ holds per-document results computed by {_code_str(r.get('code'))}; "
                 f"this is {_code_str(code)}: refusing to mix results of two code versions. Resume "
                 f"with that code, pass a new --out, or delete {out} and {run_dir}/ to recompute")
+    recorded = [h["config"] for h in headers]
     if out.exists():
         try:
             old = json.loads(out.read_text())
@@ -106,6 +124,8 @@ def finished_documents(out: Path, config: dict, docs: DocumentSet, code: dict | 
             old = None
         if isinstance(old, dict) and old.get("kind") == RESULTS_KIND:
             check_scoring(out, run_dir, old.get("config", {}), config)
+            recorded.insert(0, old.get("config", {}))
+    check_same_model(out, run_dir, recorded, config)
     check_owned(out, RESULTS_KIND, "replayquant kl", identity=config,
                 recorded=lambda old: old.get("config", {}),
                 rebuilt_from=f"{run_dir}/" if run_dir.is_dir() else None,

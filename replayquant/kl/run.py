@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import hashlib
 import inspect
 import os
 import resource
@@ -27,6 +26,7 @@ from rich.text import Text
 
 from replayquant.outputs import output_lock
 from replayquant.policy import resolve_pair
+from replayquant.provenance import local_fingerprint
 
 from . import stats as S
 from .data import Document, DocumentSet, load_documents
@@ -54,25 +54,6 @@ def model_record(model, name: str | None = None, dtype: str | None = None) -> di
     if path and Path(path).is_dir():
         rec["local_hash"] = local_fingerprint(Path(path))
     return rec
-
-
-def local_fingerprint(folder: Path) -> str:
-    """sha256 over config.json and, per weight file, its name, size and first and last MiB."""
-    h = hashlib.sha256()
-    files = sorted(p for p in folder.iterdir() if p.is_file() and
-                   (p.name == "config.json" or p.suffix in (".safetensors", ".bin", ".pt")))
-    for p in files:
-        h.update(p.name.encode())
-        size = p.stat().st_size
-        h.update(str(size).encode())
-        with open(p, "rb") as fh:
-            if p.name == "config.json" or size <= 2 << 20:
-                h.update(fh.read())
-            else:
-                h.update(fh.read(1 << 20))
-                fh.seek(size - (1 << 20))
-                h.update(fh.read())
-    return "sha256:" + h.hexdigest()[:32]
 
 
 def max_context(model) -> int | None:

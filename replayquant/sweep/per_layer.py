@@ -9,8 +9,10 @@ well that held for one pair on every layer. The policy is then measured with the
 the same documents and settings as the sensitivity run, and the measurement is reported beside
 the prediction; a measured upper bound over the budget is reported as such (exit 1 on the
 command line). The sensitivity file must be complete and whole (`check_sensitivity`), the
-single-layer KLs of the two pairs finite and not below zero, and the model its KL options name
-the one it measured (`check_same_model`).
+single-layer KLs of the two pairs finite and not below zero, the model its KL options name the
+one it measured (`check_same_model`: every byte of a local folder) and the documents those
+options give the ones it measured (`check_same_data`: the sha256 of their tokens; a local dataset
+is recorded by its absolute path, so the working folder does not matter).
 """
 
 from __future__ import annotations
@@ -22,11 +24,10 @@ from rich.console import Console
 
 from replayquant import statebytes as sb
 from replayquant.kl.plot import plot_results_file
-from replayquant.kl.run import local_fingerprint
 from replayquant.outputs import check_owned, output_lock, write_text
 from replayquant.pairs import PrecisionPair
 from replayquant.policy import LayerPolicy, Override
-from replayquant.provenance import provenance
+from replayquant.provenance import describe_model, model_identity, model_mismatch, provenance
 from replayquant.statebytes import LayerShape, layer_step_bytes
 
 from .command import variant_costs
@@ -128,8 +129,9 @@ def build_policy(sens: dict, kl_budget: float, low: str | None = None, high: str
 
 def check_same_model(sens: dict, source: str = "") -> dict:
     """The KL options of the sensitivity run, checked to name the model the file measured: a
-    local folder must hold the weights it fingerprinted (`local_hash`), or one ValueError names
-    both; a hub model is measured at the revision the file recorded (where the run named none)."""
+    local folder must hold every byte it fingerprinted (`local_hash`,
+    `provenance.local_fingerprint`), or one ValueError names both; a hub model is measured at
+    the revision the file recorded (where the run named none)."""
     # transformers: reading results does not load it
     from replayquant.models.names import resolve_model_name
     args = dict(sens["kl_args"])
@@ -139,17 +141,30 @@ def check_same_model(sens: dict, source: str = "") -> dict:
     except ValueError as e:
         raise ValueError(f"{src} measured the model {args['model']!r}, which is not there now "
                          f"({e})") from None
-    if os.path.isdir(resolved) and rec.get("local_hash"):
-        now = local_fingerprint(Path(resolved))
-        if now != rec["local_hash"]:
-            raise ValueError(f"{src} measured the model {rec.get('id', args['model'])} "
-                             f"({rec['local_hash']}); {os.path.realpath(resolved)} now holds "
-                             f"another ({now}): the policy would be measured on a model its "
-                             f"sensitivity file did not measure; put that model back, or run "
-                             f"`replayquant sensitivity` again on this one")
+    if rec.get("local_hash") or os.path.isdir(resolved):
+        now = model_identity(args["model"])
+        why = model_mismatch(rec, now)
+        if why:
+            raise ValueError(f"{src} measured the model {describe_model(rec)}; {args['model']} "
+                             f"now holds another, {describe_model(now)} ({why}): the policy would "
+                             f"be measured on a model its sensitivity file did not measure; put "
+                             f"that model back, or run `replayquant sensitivity` again on this one")
     elif rec.get("revision") and not args.get("revision"):
         args["revision"] = rec["revision"]
     return args
+
+
+def check_same_data(sens: dict, source: str = "") -> tuple[str, dict]:
+    """(the sensitivity file, its record of the documents it measured) for the KL run of the
+    policy (`kl_command`'s same_documents_as: other documents are one error before the weights
+    load); a file without that record is one ValueError."""
+    src = source or "the sensitivity file"
+    data = sens.get("data")
+    if not isinstance(data, dict) or not isinstance(data.get("tokens_sha256"), str):
+        raise ValueError(f"{src} does not record the documents it measured (no data.tokens_sha256: "
+                         f"written by an earlier replayquant), so a policy measured from it could "
+                         f"be measured on other documents: run `replayquant sensitivity` again")
+    return src, data
 
 
 def recommend_per_layer(sens_path, kl_budget: float, low: str | None = None,
@@ -162,6 +177,7 @@ def recommend_per_layer(sens_path, kl_budget: float, low: str | None = None,
     sens = load_json_kind(sens_path, SENS_KIND, "replayquant sensitivity")
     policy, plan = build_policy(sens, kl_budget, low, high, source=str(sens_path))
     args = check_same_model(sens, str(sens_path))
+    args["same_documents_as"] = check_same_data(sens, str(sens_path))
     out_path = check_results_out(out or Path("build/recommend") / f"{Path(sens_path).stem}_"
                                  f"{policy.name}.json")
     kl_path = kl_file_for(out_path)

@@ -6,9 +6,11 @@ From a sweep (`recommend SWEEP.json --kl-budget B`): a variant fits when its KL 
 `--max-bytes`, its state memory per sequence at most `--max-memory`, and its GPQA-Diamond drop
 against the GPQA run's first pair at most `--gpqa-budget` points at the upper end of its paired
 uncertainty (`--gpqa SUMMARY.json`, matched to variants by formats and L, in every task of the
-summary). The cheapest fitting variant (fewest state bytes per step; then less memory, then
-lower KL) is the recommendation, the next one the runner-up. When nothing fits, `NoFit` names
-the closest variant (the one that misses its budgets by the smallest factor) and by how much.
+summary, which must have measured the sweep's model and asked every pair the same questions:
+`check_gpqa_identity`). The cheapest fitting variant (fewest state bytes per step; then less
+memory, then lower KL) is the recommendation, the next one the runner-up. When nothing fits,
+`NoFit` names the closest variant (the one that misses its budgets by the smallest factor) and by
+how much.
 A variant whose KL mean or upper bound is not a finite number, or whose upper bound is below
 zero, fits no budget: it is left out and listed (`kl_not_valid`). A sweep that did not finish
 (`complete: false`) is refused, as is a damaged one (`check_sweep`: one error naming the place).
@@ -23,8 +25,9 @@ from pathlib import Path
 
 from rich.console import Console
 
+from replayquant.gpqa.summary import summary_model
 from replayquant.outputs import check_owned, output_lock
-from replayquant.provenance import provenance
+from replayquant.provenance import describe_model, model_mismatch, provenance
 
 from .common import (REAL, SIZE, check_budget, check_results_out, check_structure, fmt_bytes,
                      kl_problem, write_json)
@@ -67,7 +70,7 @@ _SENS_SCHEMA = {
 _SENS_ROWS = [{"index": int, "name": str, "kl": _KL}, ...]
 _GPQA_SCHEMA = {"pairs": [{"label": str, "pair": dict}],
                 "rows": [{"pair?": str, "task": str, "primary?": bool, "delta?": REAL,
-                          "delta_stderr?": REAL}]}
+                          "delta_stderr?": REAL, "questions_match_first?": bool}]}
 
 
 def _incomplete(source: str, obj: dict, command: str) -> ValueError:
@@ -158,6 +161,27 @@ def gpqa_drops(summary: dict) -> dict:
     return out
 
 
+def check_gpqa_identity(sweep: dict, summary: dict, source: str = "") -> None:
+    """One ValueError naming both sides when a GPQA summary cannot gate a sweep: it measured
+    another model than the sweep (`provenance.model_mismatch`: a local folder by the
+    fingerprint of every byte), or one of its pairs was asked other questions than its first
+    pair (its drop would not be a paired difference)."""
+    src = source or "the sweep"
+    then, now = summary_model(summary), sweep.get("model") or {}
+    why = model_mismatch(then, now)
+    if why:
+        raise ValueError(f"the GPQA summary measured the model {describe_model(then)}; {src} "
+                         f"measured {describe_model(now)} ({why}): a GPQA result gates only the "
+                         f"model it measured; run `replayquant gpqa` on the sweep's model")
+    other = sorted({(r["pair"], r["task"]) for r in summary["rows"]
+                    if r.get("primary") and r.get("questions_match_first") is False})
+    if other:
+        raise ValueError(f"the GPQA summary asked {', '.join(f'{p} ({t})' for p, t in other)} "
+                         f"other questions than its first pair {summary.get('reference_pair')}: "
+                         f"their drops are not paired differences; run `replayquant gpqa` with "
+                         f"every pair in one run")
+
+
 def _gpqa_of(variant: dict, drops: dict):
     return drops.get(json.dumps(_strip(variant["pair"]), sort_keys=True))
 
@@ -201,6 +225,8 @@ def recommend(sweep: dict, kl_budget: float, max_bytes: float | None = None,
     # a KL that is NaN, infinite or below zero fits no budget: such variants are left out
     invalid = {v["name"]: kl_problem(v["kl"]) for v in measured if kl_problem(v["kl"])}
     drops = gpqa_drops(gpqa) if gpqa is not None else None
+    if gpqa is not None:
+        check_gpqa_identity(sweep, gpqa, source)
     no_gpqa = [v["name"] for v in measured if drops is not None and _gpqa_of(v, drops) is None]
     pool = [v for v in measured if v["name"] not in no_gpqa and v["name"] not in invalid]
 

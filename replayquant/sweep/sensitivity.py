@@ -17,10 +17,16 @@ against it (`sum_vs_all`: a ratio near 1 says the layers' errors add); NAME.png 
 resumes its KL runs and rewrites NAME.json and NAME.png; a file of another kind or of another
 run at --out is refused before any work, as is a second run into an output while one runs
 (`replayquant.outputs`).
+
+The file records what `recommend --per-layer` must measure again: the model (`model`, with the
+fingerprint of every byte of a local folder), the documents (`data`, the KL run's record of its
+dataset with the sha256 of their tokens) and the KL options (`kl_args`, a local dataset or model
+folder by its absolute path, so the file names the same data from any working folder).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from rich.console import Console
@@ -29,7 +35,7 @@ from rich.table import Table
 from replayquant.outputs import check_owned, output_lock
 from replayquant.pairs import PrecisionPair
 from replayquant.policy import EXACT, LayerPolicy, Override, resolve_pair
-from replayquant.provenance import provenance
+from replayquant.provenance import describe_model, model_mismatch, provenance
 
 from .common import (check_results_out, clean_name, kl_figures, kl_file_for, shapes_of_model,
                      write_json)
@@ -139,18 +145,69 @@ def _recorded_run(old: dict) -> dict:
             "per_pass": old["settings"]["per_pass"]}
 
 
+def absolute_kl_args(model: str, kl_args: dict) -> dict:
+    """The model and the KL options as a results file records them: a local model folder, a local
+    dataset and the data files of a `datasets` builder by their absolute paths (relative ones
+    would name other files from another working folder); short names, hub ids and patterns
+    inside a dataset stay as given."""
+    # transformers: reading results does not load it
+    from replayquant.kl.data import builder_names
+    from replayquant.models.names import resolve_model_name
+    out = {"model": model, **{k: v for k, v in kl_args.items() if k != "progress"}}
+    local = os.path.expanduser(model)
+    if os.path.isdir(local) and resolve_model_name(model) == local:     # a folder, not a short name
+        out["model"] = os.path.realpath(local)
+    ds = out.get("dataset")
+    if isinstance(ds, str) and os.path.exists(os.path.expanduser(ds)):
+        out["dataset"] = str(Path(os.path.expanduser(ds)).resolve())
+    elif ds in builder_names() and out.get("data_files"):
+        files = [out["data_files"]] if isinstance(out["data_files"], str) else out["data_files"]
+        out["data_files"] = [_absolute_pattern(f) for f in files]
+    return out
+
+
+def _absolute_pattern(item: str) -> str:
+    """A --data-files value (PATTERN or SPLIT=PATTERN, as `kl.data.parse_data_files` reads it)
+    with its pattern made absolute."""
+    key, sep, pat = str(item).partition("=")
+    if sep and key and "/" not in key and os.sep not in key and not Path(item).exists():
+        return f"{key}={os.path.abspath(os.path.expanduser(pat))}"
+    return os.path.abspath(os.path.expanduser(str(item)))
+
+
+def _same_run_inputs(results: list[dict]) -> None:
+    """One ValueError when the KL runs of one sensitivity file measured other models or other
+    documents (a model or a dataset changed between its passes)."""
+    first = results[0]["config"]["model"], results[0]["provenance"]["dataset"]
+    for res in results[1:]:
+        why = model_mismatch(first[0], res["config"]["model"])
+        if why:
+            raise ValueError(f"the passes of this sensitivity run measured two models, "
+                             f"{describe_model(first[0])} and "
+                             f"{describe_model(res['config']['model'])} ({why}); the model changed "
+                             f"while it ran: run it again into a new --out")
+        data = res["provenance"]["dataset"]
+        if data.get("tokens_sha256") != first[1].get("tokens_sha256"):
+            raise ValueError(f"the passes of this sensitivity run measured other documents of "
+                             f"{first[1].get('source')} (tokens sha256 "
+                             f"{first[1].get('tokens_sha256')} and {data.get('tokens_sha256')}); "
+                             f"the data changed while it ran: run it again into a new --out")
+
+
 def _measure(model, pairs, names, variants, shapes, chosen, chunks, kl_paths, buffer_len, per_pass,
              kl_args) -> dict | None:
     """The KL runs of the variants and the sensitivity record (None on ranks > 0)."""
     from replayquant.kl.command import kl_command   # transformers: reading results does not load it
-    stats, kl_files, last = {}, [], None
+    stats, kl_files, done = {}, [], []
     for chunk, kl_path in zip(chunks, kl_paths):
         res = kl_command(model, [v["variant"] for v in chunk], out=str(kl_path), **kl_args)
         if res is None:
             return None
         stats.update(res["results"])
         kl_files.append(kl_path.name)
-        last = res
+        done.append(res)
+    _same_run_inputs(done)
+    last = done[-1]
     per_layer, all_layers, cmp = {}, {}, {}
     for name in names:
         rows = []
@@ -166,11 +223,11 @@ def _measure(model, pairs, names, variants, shapes, chosen, chunks, kl_paths, bu
         cmp[name] = {"sum": total, "all": all_layers[name]["kl_mean"],
                      "ratio": total / all_layers[name]["kl_mean"] if all_layers[name]["kl_mean"] else None,
                      "layers_measured": len(rows), "layers_in_model": len(shapes)}
-    kl_args_rec = {"model": model, **{k: v for k, v in kl_args.items() if k != "progress"}}
+    kl_args_rec = absolute_kl_args(model, kl_args)
     sens = {
         "kind": SENS_KIND, "version": 1,
         "complete": bool(last.get("complete")), "documents_done": last.get("documents_done"),
-        "model": last["config"]["model"],
+        "model": last["config"]["model"], "data": last["provenance"]["dataset"],
         "settings": {"model_arg": model, "pairs": [str(p) for p in pairs], "buffer_len": buffer_len,
                      "layers": [s.index for s in chosen], "per_pass": per_pass, **kl_args_rec},
         "kl_args": kl_args_rec,
