@@ -19,11 +19,14 @@ ROOT = Path(__file__).resolve().parents[1]
 _READ_OFFLINE = """
 import json, sys
 from replayquant.kl.data import iter_texts, resolve_source
-try:
-    kind, source = resolve_source(sys.argv[1])
-    print(json.dumps([t for _, t in iter_texts(kind, source, "test")]))
-except ValueError as e:
-    print(json.dumps({"error": str(e)}))
+out = []
+for name in sys.argv[1:]:
+    try:
+        kind, source = resolve_source(name)
+        out.append([t for _, t in iter_texts(kind, source, "test")])
+    except ValueError as e:
+        out.append({"error": str(e)})
+print(json.dumps(out))
 """
 
 
@@ -75,15 +78,14 @@ def test_a_cached_hub_dataset_is_read_offline(tmp_path):
     env.update(HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(hub), HF_DATASETS_CACHE=str(cache),
                HF_HOME=str(tmp_path / "home"))
 
-    def read(name):
-        out = subprocess.run([sys.executable, "-c", _READ_OFFLINE, name], env=env, cwd=tmp_path,
-                             capture_output=True, text=True, timeout=120)
-        assert out.returncode == 0, out.stderr[-2000:]
-        return json.loads(out.stdout.strip().splitlines()[-1])
-
-    assert read("someone/downloaded") == ["first book", "second book"]
-    assert read("someone/prepared") == ["third book"]
-    err = read("someone/elsewhere")["error"]
+    out = subprocess.run([sys.executable, "-c", _READ_OFFLINE, "someone/downloaded",
+                          "someone/prepared", "someone/elsewhere"], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    downloaded, prepared, elsewhere = json.loads(out.stdout.strip().splitlines()[-1])
+    assert downloaded == ["first book", "second book"]
+    assert prepared == ["third book"]
+    err = elsewhere["error"]
     assert "HF_HUB_OFFLINE=1 is set" in err and "in neither local cache" in err
     assert "hf download --repo-type dataset someone/elsewhere" in err and "--dataset heldout" in err
 
@@ -230,3 +232,23 @@ def test_the_readme_demo_of_an_installed_package_is_make_demo():
     assert opts["--buffer-len"] == var("DEMO_BUFFER_LEN") and opts["--kernels"] == "h200"
     assert (opts["--context"], opts["--docs"]) == (var("DEMO_CONTEXT"), var("DEMO_DOCS"))
     assert recommend[2] == opts["--out"] and recommend[-1] == var("DEMO_KL_BUDGET")
+
+
+def test_the_package_without_its_extras_runs_a_sweep(tmp_path):
+    """Neither lm-eval nor Triton importable (the package installed alone, on a CPU build of
+    torch): a sweep with the shipped kernel table and its recommendation run."""
+    code = ("import sys; sys.modules['lm_eval'] = sys.modules['triton'] = None; "
+            "from replayquant.cli import app; a = sys.argv[1:]; i = a.index('--then'); "
+            "app(a[:i], standalone_mode=False); app(a[i + 1:], standalone_mode=False)")
+    out = tmp_path / "s.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("REPLAYQUANT_BACKEND", None)
+    args = ["sweep", "--model", "tiny-mamba2", "--pair", "tp4_hi32", "--buffer-len", "8",
+            "--dataset", "heldout", "--context", "48", "--docs", "1", "--dtype", "float32",
+            "--device-map", "cpu", "--kernels", "h200", "--no-progress", "--out", str(out),
+            "--then", "recommend", str(out), "--kl-budget", "1"]
+    r = subprocess.run([sys.executable, "-c", code, *args], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "recommended" in r.stdout.lower(), r.stdout + r.stderr[-3000:]
+    sw = json.loads(out.read_text())
+    assert sw["complete"] and sw["variants"][0]["kernel"]["us_per_step"] > 0
