@@ -248,9 +248,10 @@ def test_fp32_decode_is_its_teacher_forcing(work, fam):
 @pytest.mark.parametrize("fam", NEW)
 def test_kernels_serve_the_layers(work, fam, monkeypatch):
     """With REPLAYQUANT_BACKEND=triton (the interpreter here) the prompt runs the chunk kernel
-    and every decode step the replay decode kernel, with no warning, and generate agrees with
-    the torch path within the kernels' bf16 buffer bound (OLMo-Hybrid's beta = 2 sigmoid(b),
-    linear_allow_neg_eigval, through the kernel's beta_scale)."""
+    and every decode step the replay decode kernel, with no warning, on the bf16 model it
+    serves, and generate agrees with the torch path within a bf16 model's logit bound
+    (OLMo-Hybrid's beta = 2 sigmoid(b), linear_allow_neg_eigval, through the kernel's
+    beta_scale)."""
     from replayquant.kernels import chunk
     from replayquant.kernels import replay_decode as rd
     calls = {"decode": 0, "chunk": 0}
@@ -259,7 +260,9 @@ def test_kernels_serve_the_layers(work, fam, monkeypatch):
         orig = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _o=orig, _k=key, **k: calls.__setitem__(
             _k, calls[_k] + 1) or _o(*a, **k))
-    model = load_model(work["dirs"][fam], dtype="float32")
+    # bf16, as the decode kernel serves a model: its ring holds bf16 activations exactly (a
+    # float32 model decodes on the torch engine, with a warning)
+    model = load_model(work["dirs"][fam], dtype="bfloat16")
     ids, mask = _batch(T=6, seed=2)
     _hf_generate(model, ids, mask, n=3)
     # OLMo-Hybrid's beta up to 2 doubles each cached u's weight: on this random model the
@@ -274,8 +277,8 @@ def test_kernels_serve_the_layers(work, fam, monkeypatch):
         warnings.simplefilter("always")
         seq_k, sc_k = _generate(model, ids, mask, n=3)
     msgs = [str(x.message) for x in w if "replayquant" in str(x.message)]
-    # the kernels keep buffered k, v in bf16 (tests/test_models_decode_kernel.py): 4 * 2^-9
-    assert (sc_k - sc_t).abs().max().item() <= 4 * 2.0 ** -9 * sc_t.abs().max().item()
+    # a bf16 model's logits: a few units of 2^-9 (tests/test_models_decode_kernel.py)
+    assert (sc_k - sc_t).abs().max().item() <= 8 * 2.0 ** -9 * sc_t.abs().max().item()
     assert torch.equal(seq_k, seq_t)
     assert calls["chunk"] == n_layers
     assert calls["decode"] == 2 * n_layers and not msgs, msgs

@@ -163,10 +163,10 @@ def test_fp32_decode_is_its_teacher_forcing(work, fam):
 def test_decode_kernel_equals_torch_step_and_teacher_forcing(work, monkeypatch):
     """Where the replay decode kernel runs (REPLAYQUANT_BACKEND=triton; the interpreter here), a
     KDA layer's prompt runs the chunk kernel (vector gates) and its decode steps replay_kda_step,
-    without a warning; tokens are the torch path's, and the scores of every decode step (L = 4:
-    they cross a flush) equal the torch path's and teacher forcing of the generated sequence
-    within the kernel's bf16 ring buffer (k, v, u rounded to bf16, tests/test_models_decode_kernel
-    .py's module doc; measured up to 7.4e-3 of the largest logit after 3 steps, so 8 x 2^-9).
+    without a warning, on the bf16 model it serves (its ring holds bf16 activations exactly);
+    tokens are the torch path's, and the scores of every decode step (L = 4: they cross a
+    flush) equal the torch path's and teacher forcing of the generated sequence within a bf16
+    model's logit bound, 8 x 2^-9 of the largest logit (tests/test_models_decode_kernel.py).
     The kernel against ReplayState on the same bf16 inputs: tests/test_kernel_kda_replay.py."""
     from replayquant.kernels import chunk
     from replayquant.kernels import replay_decode as rd
@@ -175,7 +175,7 @@ def test_decode_kernel_equals_torch_step_and_teacher_forcing(work, monkeypatch):
     monkeypatch.setattr(rd, "replay_kda_step", lambda *a, **k: calls.append(a) or step(*a, **k))
     scan = chunk.chunk_scan
     monkeypatch.setattr(chunk, "chunk_scan", lambda *a, **k: scans.append(a) or scan(*a, **k))
-    model = load_model(work["dirs"]["kimi_linear"], dtype="float32")
+    model = load_model(work["dirs"]["kimi_linear"], dtype="bfloat16")   # the kernel's models
     patch(model, "s32_rs", buffer_len=4)
     ids, mask = _batch(T=6, seed=2)
     n = 4
@@ -192,7 +192,7 @@ def test_decode_kernel_equals_torch_step_and_teacher_forcing(work, monkeypatch):
     torch.testing.assert_close(sc_k, sc_t, rtol=0, atol=bound * sc_t.abs().max().item())
     P = ids.shape[1]
     fmask = torch.cat([mask, torch.ones(2, n, dtype=mask.dtype)], 1)
-    tf = _logits(model, seq_k, fmask)[:, P - 1:P - 1 + n]
+    tf = _logits(model, seq_k, fmask)[:, P - 1:P - 1 + n].to(sc_k.dtype)
     torch.testing.assert_close(sc_k, tf, rtol=0, atol=bound * tf.abs().max().item())
 
 
