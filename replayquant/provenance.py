@@ -16,13 +16,13 @@ import os
 import platform
 import re
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
 import replayquant
 from replayquant.data import _cache_dir
+from replayquant.outputs import WriteError, write_json
 
 
 def _own_checkout() -> Path | None:
@@ -141,15 +141,12 @@ def _read_hash_cache(path: Path) -> dict:
 
 
 def _write_hash_cache(path: Path, cache: dict) -> None:
-    """Written atomically; a cache folder that cannot be written leaves every hash exact and only
-    costs the next run a rehash, so it is not an error."""
+    """Written atomically (`outputs.write_json`); a cache folder that cannot be written leaves
+    every hash exact and only costs the next run a rehash, so it is not an error."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(cache, fh)
-        os.replace(tmp, path)
-    except OSError:
+        write_json(path, cache, indent=None)
+    except (OSError, WriteError):
         pass
 
 

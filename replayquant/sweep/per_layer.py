@@ -176,17 +176,18 @@ def recommend_per_layer(sens_path, kl_budget: float, low: str | None = None,
     from replayquant.kl.command import kl_command   # transformers: reading results does not load it
     sens = load_json_kind(sens_path, SENS_KIND, "replayquant sensitivity")
     policy, plan = build_policy(sens, kl_budget, low, high, source=str(sens_path))
-    args = check_same_model(sens, str(sens_path))
-    args["same_documents_as"] = check_same_data(sens, str(sens_path))
     out_path = check_results_out(out or Path("build/recommend") / f"{Path(sens_path).stem}_"
                                  f"{policy.name}.json")
     kl_path = kl_file_for(out_path)
     yaml_path = out_path.with_name(out_path.stem + "_policy.yaml")
+    _check_policy_out(out_path, yaml_path, kl_path, policy, kl_budget, sens_path)
+    # after the outputs' checks: a model's first fingerprint reads all its weights
+    args = check_same_model(sens, str(sens_path))
+    args["same_documents_as"] = check_same_data(sens, str(sens_path))
     model = args.pop("model")
     args["progress"] = progress
     if device_map is not None:
         args["device_map"] = device_map
-    _check_policy_out(out_path, yaml_path, kl_path, policy, kl_budget, sens_path)
     res = kl_command(model, [policy], out=str(kl_path), **args)
     if res is None:
         return None
