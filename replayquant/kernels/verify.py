@@ -35,6 +35,7 @@ from replayquant.kernels.replay_decode import _launch, advance_pointers
 from replayquant.kernels.roles import PackedRole, role_streams
 from replayquant.kernels.stores import (NO_DT_LIMIT, ConventionalStore, ReplayStore,
                                         _check_accept, _indices)
+from replayquant.kernels.verify_onepass import onepass_verify
 from replayquant.streams import ANCHOR
 
 __all__ = ["replay_gdn_verify", "replay_mamba2_verify", "replay_kda_verify", "replay_accept", "make_snapshots",
@@ -44,21 +45,42 @@ __all__ = ["replay_gdn_verify", "replay_mamba2_verify", "replay_kda_verify", "re
 
 # ============================================================================ replay verify
 
+# The verify's read launch: 'step-kernel', replay_decode._replay_kernel's (a pass over the read
+# copy per GDN draft); 'onepass', verify_onepass._onepass_kernel's (one pass for all drafts)
+VERIFY_DESIGNS = ("step-kernel", "onepass")
+
+
+def _onepass(design) -> bool:
+    if design not in VERIFY_DESIGNS:
+        raise ValueError(f"design must be one of {', '.join(map(repr, VERIFY_DESIGNS))}, "
+                         f"got {design!r}")
+    return design == "onepass"
+
+
 def replay_gdn_verify(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, state_indices=None,
-                      scale=None, out=None, use_qk_l2norm=True, launch=None, beta_scale=1.0):
+                      scale=None, out=None, use_qk_l2norm=True, launch=None, beta_scale=1.0,
+                      design="step-kernel"):
     """Outputs of T GDN drafts per row [B, T, H, d_v] (Triton: the flush launch for rows that
     pre-flush, the read launch with the pointer move). q, k [B, T, HK, d_k], v [B, T, H, d_v]
-    (k, v bf16), a, b [B, T, H]; beta_scale and launch as replay_gdn_step. Then call
-    replay_accept."""
+    (k, v bf16), a, b [B, T, H]; beta_scale and launch as replay_gdn_step; design: the read
+    launch (VERIFY_DESIGNS). Then call replay_accept."""
+    if _onepass(design):
+        return onepass_verify(store, "gdn", q, k, v, a, b, A_log, dt_bias, None, None,
+                              state_indices, out, scale, use_qk_l2norm, launch,
+                              beta_scale=beta_scale)
     return _launch(store, "gdn", q, k, v, a, b, A_log, dt_bias, None, None, state_indices, out,
                    scale, use_qk_l2norm, False, launch=launch, beta_scale=beta_scale)
 
 
 def replay_mamba2_verify(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None, z=None,
-                         dt_bias=None, out=None, launch=None, dt_limit=NO_DT_LIMIT):
+                         dt_bias=None, out=None, launch=None, dt_limit=NO_DT_LIMIT,
+                         design="step-kernel"):
     """Outputs of T Mamba-2 drafts [B, T, H, P] (Triton, as replay_gdn_verify). x [B, T, H, P],
     dt [B, T, H], B, C [B, T, G, N], z [B, T, H, P] (x, B bf16); dt_limit as
-    replay_mamba2_step. Then call replay_accept."""
+    replay_mamba2_step; design as replay_gdn_verify. Then call replay_accept."""
+    if _onepass(design):
+        return onepass_verify(store, "mamba2", C, B, x, dt, None, A, dt_bias, D, z,
+                              state_indices, out, None, False, launch, dt_limit=dt_limit)
     return _launch(store, "mamba2", C, B, x, dt, None, A, dt_bias, D, z, state_indices, out,
                    None, False, False, launch=launch, dt_limit=dt_limit)
 

@@ -1,0 +1,506 @@
+"""The speculative verify of GDN and Mamba-2 drafts in one pass over the read copy (Triton):
+the same outputs and the same store as replay_decode's verify (`verify.replay_gdn_verify` /
+`replay_mamba2_verify` with design='onepass' select it; the torch references are
+`replay_ref.replay_gdn_verify_ref` / `replay_mamba2_verify_ref`).
+
+A program takes a [BV, d_k] tile of one (batch row, value head), as the read launch does:
+
+* every input of the T drafts is read before any store (the compiler cannot move a load
+  above a store that may alias it);
+* each chunk of CK columns of the read copy is read once and multiplied with all the drafts'
+  vectors at once, as the N columns of one tensor-core product (padded to 16): GDN's raw
+  bf16 k and q of every draft, Mamba-2's C. The copy enters in bf16 parts whose products are
+  exact: an FP32 copy in three parts (hi + mid + lo), FP16 in two, BF16 as it is, FP8 / NVFP4
+  codes decoded to bf16 (an NVFP4 code times its E4M3 block scale is exact in bf16); the FP8
+  row scale / NVFP4 matrix scale and the key norms multiply the float32 sums. A q that is not
+  bf16 enters as three bf16 parts, columns of their own (at T = 4 the 16 columns hold them);
+* the same loop forms the ring's dot products: the committed keys and the drafts' keys as the
+  rows of a second product with the same columns, and the squared norms of both;
+* the drafts' u and outputs by forward substitution over the T drafts on [BV] vectors;
+* every store (outputs, ring entries, GDN key-factor rows) after that, then the pointer move
+  by the row's last program (replay_decode._advance_row).
+
+A row whose committed entries would not leave T free slots (h + T > L) is folded into its
+roles first by replay_decode's flush launch, as in replay_decode's verify: one launch for the
+pre-flushes, then this kernel's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from replayquant.kernels.conventional import (_L2_EPS, _kernel_inputs, _program_tile,
+                                              _softplus)
+from replayquant.kernels.quant import decode_bf16, decode_fp16, small_float_at
+from replayquant.kernels.replay_decode import (_advance_row, _entry, _flush_flags, _flush_grid,
+                                               _max_regs, _mm, _read_setup, _replay_kernel,
+                                               replay_launch_config)
+from replayquant.kernels.roles import split_key
+from replayquant.kernels.stores import (ReplayStore, _begin, _check_buffered, _indices,
+                                        dt_limit_args, folds_u, solves_u, step_inputs)
+
+__all__ = ["onepass_verify", "onepass_launch_config", "ONEPASS_TABLE"]
+
+
+# ============================================================================ Triton
+
+@triton.jit
+def _at(x, i):
+    """Element i (a scalar, e.g. a loop index or a pointer) of the vector x."""
+    return tl.sum(tl.where(tl.arange(0, x.shape[0]) == i, x, 0.0), axis=0)
+
+
+@triton.jit
+def _col(M, sel):
+    """The sum of the columns of M [R, N] that sel [N] selects: [R]."""
+    return tl.sum(tl.where(sel[None, :], M, 0.0), axis=1)
+
+
+@triton.jit
+def _columns(NCOL: tl.constexpr, T: tl.constexpr, NKC: tl.constexpr, NQ: tl.constexpr):
+    """The drafts' columns of the product's N operand: (is_k, is_q, draft, part) [NCOL]:
+    columns 0..NKC-1 draft t's k (GDN), then NQ columns a draft's q (its bf16 parts)."""
+    n = tl.arange(0, NCOL)
+    qi = n - NKC
+    is_k = n < NKC
+    is_q = (qi >= 0) & (qi < T * NQ)
+    draft = tl.where(is_k, n, tl.where(is_q, qi // NQ, 0))
+    return is_k, is_q, draft, tl.where(is_q, qi % NQ, 0)
+
+
+@triton.jit
+def _copy_chunk(pay, sc, mat, rows, c, CK: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
+                FMT: tl.constexpr):
+    """Chunk c [BV, CK] of the read copy in float32: FP32 / FP16 / BF16 values; FP8 codes
+    (times 2^-8: small_float_at; the row scale multiplies the sums); NVFP4 codes times their
+    block scales (times 2^-22; the matrix scale multiplies the sums). The last two are exact
+    in bf16."""
+    if FMT == 4:
+        CK2: tl.constexpr = CK // 2
+        NB: tl.constexpr = CK // 16
+        hc = c * CK2 + tl.arange(0, CK2)
+        p = tl.load(pay + mat * (DV * (DK // 2)) + rows[:, None] * (DK // 2)
+                    + hc[None, :]).to(tl.int32)
+        nb = c * NB + tl.arange(0, NB)
+        bs = small_float_at(tl.load(sc + mat * (DV * (DK // 16)) + rows[:, None] * (DK // 16)
+                                    + nb[None, :]).to(tl.int32), 0, 4, 3)
+        v = tl.reshape(tl.join(small_float_at(p, 0, 2, 1), small_float_at(p, 4, 2, 1)),
+                       (rows.shape[0], NB, 16))
+        x = tl.reshape(v * bs[:, :, None], (rows.shape[0], CK))
+    else:
+        cc = c * CK + tl.arange(0, CK)
+        x = tl.load(pay + mat * (DV * DK) + rows[:, None] * DK + cc[None, :])
+        if FMT == 1:
+            x = decode_fp16(x)
+        elif FMT == 2:
+            x = decode_bf16(x)
+        elif FMT == 3:
+            x = small_float_at(x.to(tl.int32), 0, 4, 3)
+    return x
+
+
+@triton.jit
+def _copy_factor(sc, gs, mat, rows, DV: tl.constexpr, FMT: tl.constexpr):
+    """What multiplies a row's sums of _copy_chunk's values: the FP8 row scale times 2^8, the
+    NVFP4 matrix scale times 2^22, else 1."""
+    if FMT == 3:
+        return tl.load(sc + mat * DV + rows) * 2.0 ** 8
+    if FMT == 4:
+        return tl.load(gs + mat) * 2.0 ** 22 + tl.zeros([rows.shape[0]], tl.float32)
+    return tl.zeros([rows.shape[0]], tl.float32) + 1.0
+
+
+@triton.jit
+def _split_dot(x, b, acc, NP: tl.constexpr, ON_GPU: tl.constexpr):
+    """acc + x @ b for float32 x split into NP bf16 parts (each product exact: _dot3) and b
+    bf16."""
+    for i in tl.static_range(NP):
+        p = x.to(tl.bfloat16)
+        if i < NP - 1:
+            x = x - p.to(tl.float32)
+        acc = _mm(p, b, acc, ON_GPU)
+    return acc
+
+
+@triton.jit
+def _part(x, part, NQ: tl.constexpr):
+    """Part `part` [N] (0 hi, 1 mid, 2 lo) of the float32 columns of x [CK, N] in bf16
+    (NQ 1: x, exact already)."""
+    if NQ > 1:
+        hi = x.to(tl.bfloat16).to(tl.float32)
+        r = x - hi
+        mid = r.to(tl.bfloat16).to(tl.float32)
+        x = tl.where(part[None, :] == 0, hi, tl.where(part[None, :] == 1, mid, r - mid))
+    return x.to(tl.bfloat16)
+
+
+@triton.jit
+def _pass(R_pay, R_sc, kbuf, k_ptr, q_ptr, mat, row, hk, rows, slot, start, h, jj,
+          HK: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, CAPACITY: tl.constexpr,
+          T: tl.constexpr, NCOL: tl.constexpr, NKC: tl.constexpr, NQ: tl.constexpr,
+          CK: tl.constexpr, STAGES: tl.constexpr, RFMT: tl.constexpr, ON_GPU: tl.constexpr):
+    """One pass over the read copy tile: (accR [BV, NCOL] = R X, accK [BUFFER_TILE, NCOL] =
+    K X, ssK [BUFFER_TILE] the keys' squared norms, ssX [NCOL] the columns' squared norms),
+    X [d_k, NCOL] the drafts' columns (_columns), K the committed keys (ring entries 0..h-1)
+    with draft t's key at row h + t, all raw; no norm or scale applied."""
+    NP: tl.constexpr = 3 if RFMT == 0 else 2 if RFMT == 1 else 1
+    is_k, is_q, draft, part = _columns(NCOL, T, NKC, NQ)
+    tok_n = row * T + draft
+    e = _entry(slot, start, jj, CAPACITY)
+    ring = jj < h
+    dr = (jj >= h) & (jj < h + T)
+    tok_j = row * T + tl.where(dr, jj - h, 0)
+    accR = tl.zeros([rows.shape[0], NCOL], tl.float32)
+    accK = tl.zeros([jj.shape[0], NCOL], tl.float32)
+    ssK = tl.zeros([jj.shape[0]], tl.float32)
+    ssX = tl.zeros([NCOL], tl.float32)
+    for c in tl.range(0, DK // CK, num_stages=STAGES):
+        cc = c * CK + tl.arange(0, CK)
+        xo = (tok_n[None, :] * HK + hk) * DK + cc[:, None]
+        x = tl.load(q_ptr + xo, mask=is_q[None, :], other=0.0).to(tl.float32)
+        if NKC > 0:
+            x += tl.load(k_ptr + xo, mask=is_k[None, :], other=0.0).to(tl.float32)
+        ssX += tl.sum(x * x, axis=0)
+        X = _part(x, part, NQ)
+        Kc = tl.load(kbuf + (e[:, None] * HK + hk) * DK + cc[None, :], mask=ring[:, None],
+                     other=0.0)
+        Kd = tl.load(k_ptr + (tok_j[:, None] * HK + hk) * DK + cc[None, :], mask=dr[:, None],
+                     other=0.0)
+        Kc = tl.where(ring[:, None], Kc, Kd)
+        Kf = Kc.to(tl.float32)
+        ssK += tl.sum(Kf * Kf, axis=1)
+        accK = _mm(Kc, X, accK, ON_GPU)
+        accR = _split_dot(_copy_chunk(R_pay, R_sc, mat, rows, c, CK, DV, DK, RFMT), X, accR,
+                          NP, ON_GPU)
+    return accR, accK, ssK, ssX
+
+
+@triton.jit
+def _drafts_in(v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, row, hv, rows, beta_scale,
+               dt_lo, dt_hi, HV: tl.constexpr, DV: tl.constexpr, T: tl.constexpr,
+               TP: tl.constexpr, DELTA: tl.constexpr, HAS_DTB: tl.constexpr,
+               HAS_D: tl.constexpr, HAS_Z: tl.constexpr, DT_CLAMP: tl.constexpr):
+    """The T drafts' front ends as conventional._front_end computes them, all loaded at once:
+    (log_a [TP], beta [TP] (GDN times beta_scale; Mamba-2 dt), V [TP, BV] (GDN v, Mamba-2
+    dt x), Vraw [TP, BV] (v / x as the ring keeps it), skip [TP, BV] (D x), Z [TP, BV])."""
+    tt = tl.arange(0, TP)
+    live = tt < T
+    tok = row * T + tt
+    vo = (tok[:, None] * HV + hv) * DV + rows[None, :]
+    Vraw = tl.load(v_ptr + vo, mask=live[:, None], other=0.0)
+    V = Vraw.to(tl.float32)
+    Z = V
+    if HAS_Z:
+        Z = tl.load(z_ptr + vo, mask=live[:, None], other=0.0).to(tl.float32)
+    a = tl.load(a_ptr + tok * HV + hv, mask=live, other=0.0).to(tl.float32)
+    if HAS_DTB:
+        a = a + tl.load(dtb_ptr + hv).to(tl.float32)
+    A = tl.load(A_ptr + hv).to(tl.float32)
+    skip = V * 0.0
+    if DELTA:
+        log_a = -tl.exp(A) * _softplus(a)
+        beta = 1.0 / (1.0 + tl.exp(-tl.load(b_ptr + tok * HV + hv, mask=live,
+                                            other=0.0).to(tl.float32)))
+        beta = beta * beta_scale
+    else:
+        dt = _softplus(a)
+        if DT_CLAMP:
+            dt = tl.minimum(tl.maximum(dt, dt_lo), dt_hi)
+        log_a = dt * A
+        beta = dt
+        if HAS_D:
+            skip = tl.load(D_ptr + hv).to(tl.float32) * V
+        V = dt[:, None] * V
+    return log_a, beta, V, Vraw, skip, Z
+
+
+@triton.jit
+def _ring_in(ubuf, vbuf, Gbuf, bbuf, Tbuf, slot, start, h, hv, rows, jj, lead,
+             HV: tl.constexpr, DV: tl.constexpr, CAPACITY: tl.constexpr,
+             BUFFER_LEN: tl.constexpr, DELTA: tl.constexpr, KF: tl.constexpr):
+    """The committed entries 0..h-1 (rows >= h zero): X [BUFFER_TILE, BV] (GDN u, Mamba-2
+    dt x), G [BUFFER_TILE] cumulative log gates, Tm [BUFFER_TILE, BUFFER_TILE] their key-factor
+    rows (KF, the lead program only; else 0)."""
+    m = jj < h
+    e = _entry(slot, start, jj, CAPACITY)
+    xo = (e[:, None] * HV + hv) * DV + rows[None, :]
+    G = tl.load(Gbuf + e * HV + hv, mask=m, other=0.0)
+    if DELTA:
+        X = tl.load(ubuf + xo, mask=m[:, None], other=0.0).to(tl.float32)
+    else:
+        X = tl.load(vbuf + xo, mask=m[:, None], other=0.0).to(tl.float32) \
+            * tl.load(bbuf + e * HV + hv, mask=m, other=0.0)[:, None]
+    Tm = 0.0
+    if KF:
+        hl = tl.where(lead, h, 0)
+        Tm = tl.load(Tbuf + (e[:, None] * HV + hv) * BUFFER_LEN + jj[None, :],
+                     mask=(jj < hl)[:, None] & (jj < hl)[None, :], other=0.0)
+    return X, G, Tm
+
+
+@triton.jit
+def _solve(accR, accK, X, G, Tm, log_a, beta, V, skip, h, jj, T: tl.constexpr,
+           TP: tl.constexpr, NCOL: tl.constexpr, NKC: tl.constexpr, NQ: tl.constexpr,
+           DELTA: tl.constexpr, KF: tl.constexpr, U_BF16: tl.constexpr):
+    """The drafts in order, draft t at entry p = h + t seeing the entries before it: GDN
+    u = beta (v - e^{G_p} R k - sum_j e^{G_p - G_j} (k_j . k) u_j) (rounded to bf16 with
+    U_BF16), Mamba-2 u = dt x; y = e^{G_p} R q + sum_{j <= p} e^{G_p - G_j} (k_j . q) u_j + D x
+    (accR, accK: R k, R q and k_j . k, k_j . q, normalised and scaled). KF: the key-factor row
+    T_p = e_p - sum_{j < p} beta e^{G_p - G_j} (k_j . k) T_j. Returns (Y, U [TP, BV], Gd, Tr
+    [TP, BUFFER_TILE])."""
+    is_k, is_q, draft, _ = _columns(NCOL, T, NKC, NQ)
+    tt = tl.arange(0, TP)
+    Gp = _at(G, h - 1)
+    Y = tl.zeros_like(V)
+    U = tl.zeros_like(V)
+    Gd = tl.zeros_like(log_a)
+    Tr = tl.zeros([TP, jj.shape[0]], tl.float32)
+    for t in tl.static_range(T):
+        p = h + t
+        cur = jj == p
+        here = (tt == t)[:, None]
+        Gp = Gp + _at(log_a, t)
+        prev = jj < p
+        wdec = tl.where(prev, tl.exp(tl.where(prev, Gp - G, 0.0)), 0.0)
+        eG = tl.exp(Gp)
+        qsel = is_q & (draft == t)
+        qk = _col(accK, qsel)
+        v = tl.sum(tl.where(here, V, 0.0), axis=0)
+        if DELTA:
+            be = _at(beta, t)
+            kk = _col(accK, (draft == t) & is_k)
+            corr = tl.sum((wdec * kk)[:, None] * X, axis=0)
+            u = be * (v - eG * _col(accR, (draft == t) & is_k)) - be * corr
+            if U_BF16:
+                u = u.to(tl.bfloat16).to(tl.float32)
+            if KF:
+                trow = tl.where(cur, 1.0, 0.0) - tl.sum((be * wdec * kk)[:, None] * Tm, axis=0)
+                Tm = tl.where(cur[:, None], trow[None, :], Tm)
+                Tr = tl.where(here, trow[None, :], Tr)
+        else:
+            u = v
+        y = eG * _col(accR, qsel) + tl.sum((wdec * qk)[:, None] * X, axis=0) + _at(qk, p) * u
+        X = tl.where(cur[:, None], u[None, :], X)
+        G = tl.where(cur, Gp, G)
+        Y = tl.where(here, y[None, :], Y)
+        U = tl.where(here, u[None, :], U)
+        Gd = tl.where(tt == t, Gp, Gd)
+    return Y + skip, U, Gd, Tr
+
+
+@triton.jit
+def _store_drafts(out_ptr, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, Y, U, Gd, beta, Vraw, Kraw,
+                  Tr, slot, start, h, row, hv, hk, rows, cols, jj, lead, HK: tl.constexpr,
+                  HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                  CAPACITY: tl.constexpr, BUFFER_LEN: tl.constexpr, T: tl.constexpr,
+                  TP: tl.constexpr, DELTA: tl.constexpr, KF: tl.constexpr):
+    """The drafts' outputs and ring entries h..h+T-1 (replay_decode._append_entry's fields:
+    v / x and u of the tile's rows; lead: G, beta / dt, the key-factor rows, and raw k from the
+    key head's first value head)."""
+    tt = tl.arange(0, TP)
+    live = tt < T
+    e = _entry(slot, start, h + tt, CAPACITY)
+    tl.store(out_ptr + (((row * T + tt)[:, None]) * HV + hv) * DV + rows[None, :], Y,
+             mask=live[:, None])
+    xo = (e[:, None] * HV + hv) * DV + rows[None, :]
+    tl.store(vbuf + xo, Vraw.to(tl.bfloat16), mask=live[:, None])
+    if DELTA:
+        tl.store(ubuf + xo, U.to(ubuf.dtype.element_ty), mask=live[:, None])
+    if lead:
+        tl.store(Gbuf + e * HV + hv, Gd, mask=live)
+        tl.store(bbuf + e * HV + hv, beta, mask=live)
+        if KF:
+            tl.store(Tbuf + (e[:, None] * HV + hv) * BUFFER_LEN + jj[None, :], Tr,
+                     mask=live[:, None] & (jj < BUFFER_LEN)[None, :])
+        if hv % (HV // HK) == 0:
+            tl.store(kbuf + (e[:, None] * HK + hk) * DK + cols[None, :], Kraw,
+                     mask=live[:, None])
+
+
+@triton.jit
+def _onepass_kernel(
+        R_pay, R_sc, R_gs, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, h_ptr, st_ptr, nf_ptr, cnt_ptr,
+        idx_ptr, out_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr,
+        scale, beta_scale, dt_lo, dt_hi,
+        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+        BV: tl.constexpr, BUFFER_LEN: tl.constexpr, CAPACITY: tl.constexpr,
+        BUFFER_TILE: tl.constexpr, T: tl.constexpr, TP: tl.constexpr, NCOL: tl.constexpr,
+        NQ: tl.constexpr, CK: tl.constexpr, STAGES: tl.constexpr, RFMT: tl.constexpr,
+        DELTA: tl.constexpr, L2NORM: tl.constexpr, HAS_DTB: tl.constexpr, HAS_D: tl.constexpr,
+        HAS_Z: tl.constexpr, U_BF16: tl.constexpr, DT_CLAMP: tl.constexpr, KF: tl.constexpr,
+        ON_GPU: tl.constexpr):
+    """A verify of T drafts, a program per [BV, d_k] tile of one (batch row, value head) (module
+    docstring); the row's pointers after its pre-flush (folded by the flush launch before),
+    then the one pass, the drafts' solve, the stores and the row's pointer move."""
+    row, hv, hk, rows, cols, slot = _program_tile(idx_ptr, HK, HV, DK, BV)
+    tt = tl.arange(0, TP)
+    if slot >= 0:
+        NKC: tl.constexpr = T if DELTA else 0
+        mat = slot * HV + hv
+        jj = tl.arange(0, BUFFER_TILE)
+        lead = tl.program_id(1) == 0
+        pre, fill = _flush_flags(tl.load(h_ptr + slot), T, BUFFER_LEN, False)
+        s, start, h, _ = _read_setup(R_gs, mat, tl.load(st_ptr + slot), tl.load(h_ptr + slot),
+                                     pre, fill, False, CAPACITY, RFMT, False)
+        log_a, beta, V, Vraw, skip, Z = _drafts_in(
+            v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, row, hv, rows, beta_scale,
+            dt_lo, dt_hi, HV, DV, T, TP, DELTA, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP)
+        kl = tt < tl.where(lead & (hv % (HV // HK) == 0), T, 0)     # k, where it is stored
+        Kraw = tl.load(k_ptr + (((row * T + tt)[:, None]) * HK + hk) * DK + cols[None, :],
+                       mask=kl[:, None] & (cols < DK)[None, :], other=0.0)
+        X, G, Tm = _ring_in(ubuf, vbuf, Gbuf, bbuf, Tbuf, slot, start, h, hv, rows, jj, lead,
+                            HV, DV, CAPACITY, BUFFER_LEN, DELTA, KF)
+        accR, accK, ssK, ssX = _pass(R_pay, R_sc, kbuf, k_ptr, q_ptr, mat, row, hk, rows, slot,
+                                     start, h, jj, HK, DV, DK, CAPACITY, T, NCOL, NKC, NQ, CK,
+                                     STAGES, RFMT, ON_GPU)
+        is_k, is_q, _, _ = _columns(NCOL, T, NKC, NQ)
+        fac = tl.zeros_like(ssX) + 1.0
+        r = tl.zeros_like(ssK) + 1.0
+        if DELTA:                               # GDN's q scale
+            fac = tl.where(is_q, scale, 1.0)
+        if DELTA and L2NORM:                    # the keys' and queries' L2 norms
+            fac = fac / tl.sqrt(ssX + _L2_EPS)
+            r = 1.0 / tl.sqrt(ssK + _L2_EPS)
+        accR = accR * fac[None, :] * _copy_factor(R_sc, R_gs, mat, rows, DV, RFMT)[:, None]
+        accK = accK * fac[None, :] * r[:, None]
+        Y, U, Gd, Tr = _solve(accR, accK, X, G, Tm, log_a, beta, V, skip, h, jj, T, TP, NCOL,
+                              NKC, NQ, DELTA, KF, U_BF16)
+        if HAS_Z:
+            Y = Y * Z / (1.0 + tl.exp(-Z))
+        _store_drafts(out_ptr, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, Y, U, Gd, beta, Vraw, Kraw,
+                      Tr, slot, start, h, row, hv, hk, rows, cols, jj, lead, HK, HV, DK, DV,
+                      CAPACITY, BUFFER_LEN, T, TP, DELTA, KF)
+        _advance_row(h_ptr, st_ptr, nf_ptr, cnt_ptr, idx_ptr, idx_ptr, idx_ptr, slot, row,
+                     HV * (DV // BV), False, BUFFER_LEN, CAPACITY, T, False, DELTA, False)
+    else:
+        tl.store(out_ptr + (((row * T + tt)[:, None]) * HV + hv) * DV + rows[None, :],
+                 tl.zeros([TP, BV], tl.float32), mask=(tt < T)[:, None])
+
+
+# ============================================================================ host side
+
+# The one-pass launch, chosen by the read copy's format: rows BV of a program's tile, warps,
+# columns a chunk, chunks' loads in flight. Reasons: compile_check on sm_90 at the Qwen3.5-4B
+# GDN layer, T = 4 (registers, spills), docs/kernels.md.
+ONEPASS_TABLE = (   # role, rows, warps, chunk, stages  # reason
+    ("*", 64, 1, 32, 3),
+)
+
+
+def onepass_launch_config(store: ReplayStore, launch=None):
+    """(BV, num_warps, CK, stages) of the one-pass read launch: ONEPASS_TABLE's row for the
+    store's read copy, or launch['read'] = (rows, warps) where given (None: the table's)."""
+    role = store.read_role.fmt
+    rows, warps, ck, stages = next(r[1:] for r in ONEPASS_TABLE if r[0] in ("*", role))
+    N, HV, dv, dk = store.shape
+    given = (launch or {}).get("read") or (None, None)
+    rows = min(dv, rows) if given[0] is None else int(given[0])
+    warps = warps if given[1] is None else int(given[1])
+    if rows < 16 or dv % rows or rows & (rows - 1):
+        raise ValueError(f"read launch rows={rows} must be a power of two >= 16 dividing "
+                         f"d_v={dv}")
+    if warps < 1 or warps & (warps - 1):
+        raise ValueError(f"read launch warps={warps} must be a power of two")
+    return rows, warps, min(ck, dk), stages
+
+
+def _checks(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, beta_scale):
+    """replay_decode._launch's checks of a verify, in its order -> (B, T)."""
+    _begin(store, kind, False, None)
+    lead, hk = step_inputs(kind, store.shape, True, q, k, v, a, b, A, dt_bias, D, z)
+    if hk != store.key_heads:
+        raise ValueError(f"the inputs have {hk} key heads, the store {store.key_heads} "
+                         f"(key_heads)")
+    B, T = lead
+    if T > store.max_drafts:
+        raise ValueError(f"T={T} drafts, but the store was built with max_drafts="
+                         f"{store.max_drafts} (ReplayStore.from_state(..., max_drafts=T))")
+    _check_buffered(store, kind != "mamba2", k, v, kernel=True)
+    if not (math.isfinite(beta_scale) and beta_scale > 0):
+        raise ValueError(f"beta_scale must be a finite number > 0, got {beta_scale}")
+    N, HV = store.shape[:2]
+    if solves_u(store) and (store.Tbuf is None or store.Tbuf.shape
+                            != (N, store.capacity, HV, store.buffer_len)):
+        raise ValueError(f"a GDN store whose flush solves for u needs its key factors: Tbuf "
+                         f"float32 [{N}, {store.capacity}, {HV}, {store.buffer_len}] "
+                         f"(ReplayStore.from_state allocates it)")
+    return B, T
+
+
+def _pre_flush(store, kind, idx, out, inputs, has, scale, beta_scale, dt_args, use_qk_l2norm,
+               T, launch):
+    """replay_decode's flush launch of a verify: the rows that pre-flush fold their committed
+    entries into both roles (nothing else is written)."""
+    N, HV, dv, dk = store.shape
+    B = idx.shape[0]
+    BV, nw = replay_launch_config(store, "flush", launch)
+    regs = _max_regs(store, launch, "flush", T)
+    tpp, grid = _flush_grid(B * HV * (dv // BV), idx.device)
+    Ap, As, Ag, afid = store.anchor.kernel_args()
+    Rp, Rs, Rg, rfid = store.read_role.kernel_args()
+    kf = solves_u(store)
+    _replay_kernel[grid](
+        Ap, As, Ag, Rp, Rs, Rg, store.kbuf, store.vbuf,
+        store.ubuf if store.ubuf is not None else store.vbuf, store.Gbuf, store.bbuf,
+        store.Tbuf if kf else store.bbuf, store.committed, store.start, store.n_flush,
+        store.arrive, idx, out, *inputs, idx, idx, idx, scale, beta_scale,
+        *split_key(store.key), dt_args[0], dt_args[1], B,
+        HK=store.key_heads, HV=HV, DK=dk, DV=dv, BV=BV, BUFFER_LEN=store.buffer_len,
+        CAPACITY=store.capacity, BUFFER_TILE=max(16, triton.next_power_of_2(store.buffer_len)),
+        T=T, STEP=False, FORCE=False, ADVANCE=False, AFMT=afid, FUSED=False,
+        ASR=store.anchor.rounding == "stochastic", RFMT=rfid,
+        RSR=store.read_role.rounding == "stochastic", SHARED=store.shared,
+        DELTA=kind != "mamba2", L2NORM=use_qk_l2norm, HAS_DTB=has[0], HAS_D=has[1],
+        HAS_Z=has[2], U_BF16=False,
+        DT_CLAMP=dt_args[2], PREC="tf32x3", ON_GPU=idx.is_cuda, VEC=False, FLUSHES=True,
+        TPP=tpp, FOLD_U=folds_u(store), KF=kf, PCK=0, RECORD=False, num_warps=nw,
+        **({} if regs is None else {"maxnreg": regs}))
+
+
+def onepass_verify(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, state_indices,
+                   out, scale, use_qk_l2norm, launch=None, dt_limit=None, beta_scale=1.0):
+    """Outputs [B, T, H, d_v] of the T drafts on axis 1 of the inputs of a `kind` ('gdn' or
+    'mamba2') store, as replay_decode._launch's verify (arguments in its order; Mamba-2: q = C,
+    k = B, v = x, a = dt): the flush launch for the rows that pre-flush, then _onepass_kernel,
+    which moves the pointers. Then call replay_accept. launch: {'flush': (rows, warps[, regs]),
+    'read': (rows, warps)} overrides (replay_launch_config, onepass_launch_config)."""
+    if kind not in ("gdn", "mamba2"):
+        raise ValueError(f"the one-pass verify takes a 'gdn' or 'mamba2' store, got {kind!r}")
+    beta_scale = float(beta_scale)
+    B, T = _checks(store, kind, q, k, v, a, b, A, dt_bias, D, z, beta_scale)
+    N, HV, dv, dk = store.shape
+    dt_args = dt_limit_args(dt_limit)
+    idx = _indices(state_indices, B, q.device)
+    if out is None:
+        out = torch.empty(B, T, HV, dv, dtype=torch.float32, device=q.device)
+    if store.arrive is None or store.arrive.shape[0] != N:
+        store.arrive = torch.zeros(N, dtype=torch.int32, device=store.committed.device)
+    inputs = _kernel_inputs(q, k, v, a, b, A, dt_bias, D, z)
+    scale = float(scale if scale is not None else 1.0 / math.sqrt(dk))
+    has = (dt_bias is not None, D is not None, z is not None)
+    _pre_flush(store, kind, idx, out, inputs, has, scale, beta_scale, dt_args, use_qk_l2norm, T,
+               launch)
+    BV, nw, CK, stages = onepass_launch_config(store, launch)
+    NQ = 1 if q.dtype == torch.bfloat16 else 3
+    delta = kind != "mamba2"
+    Rp, Rs, Rg, rfid = store.read_role.kernel_args()
+    kf = solves_u(store)
+    _onepass_kernel[(B * HV, dv // BV)](
+        Rp, Rs, Rg, store.kbuf, store.vbuf,
+        store.ubuf if store.ubuf is not None else store.vbuf, store.Gbuf, store.bbuf,
+        store.Tbuf if kf else store.bbuf, store.committed, store.start, store.n_flush,
+        store.arrive, idx, out, *inputs, scale, beta_scale, dt_args[0], dt_args[1],
+        HK=store.key_heads, HV=HV, DK=dk, DV=dv, BV=BV, BUFFER_LEN=store.buffer_len,
+        CAPACITY=store.capacity, BUFFER_TILE=max(16, triton.next_power_of_2(store.buffer_len)),
+        T=T, TP=triton.next_power_of_2(T),
+        NCOL=max(16, triton.next_power_of_2((T if delta else 0) + T * NQ)), NQ=NQ, CK=CK,
+        STAGES=stages, RFMT=rfid, DELTA=delta, L2NORM=use_qk_l2norm,
+        HAS_DTB=has[0], HAS_D=has[1], HAS_Z=has[2],
+        U_BF16=store.ubuf is not None and store.ubuf.dtype == torch.bfloat16,
+        DT_CLAMP=dt_args[2], KF=kf, ON_GPU=q.is_cuda, num_warps=nw)
+    store.pending_T = T
+    return out
