@@ -29,7 +29,7 @@ from lm_eval.utils import handle_non_serializable, hash_string
 
 from replayquant.gpqa.summary import SUMMARY_KIND, build_summary
 from replayquant.gpqa.tasks import (HUB_CONFIG, HUB_DATASET, check_csv, check_hub_access,
-                                    check_tasks, file_sha256, write_task_dir)
+                                    check_task_dir, check_tasks, file_sha256, write_task_dir)
 from replayquant.lm_eval_model import PREFILLS, ReplayQuantLM
 from replayquant.policy import resolve_pair
 from replayquant.models.device import check_device, default_device, describe_device
@@ -89,8 +89,10 @@ def _is_pair_file(old: dict) -> bool:
 def check_out(out: Path, labels, tasks, log_samples: bool) -> None:
     """Refuse, before any work, a folder `out` holding, where this run writes, anything but the
     files of `replayquant gpqa` (`replayquant.outputs.check_owned`): a pair's results file,
-    its samples (replaced only with it), SUMMARY.json."""
+    its samples (replaced only with it), SUMMARY.json, and the task files in _tasks/
+    (`tasks.check_task_dir`)."""
     writer = "replayquant gpqa"
+    check_task_dir(out / "_tasks")
     for label in labels:
         path = out / f"{_slug(label)}.json"
         samples = [out / f"{_slug(label)}.samples.{t}.jsonl" for t in tasks] if log_samples else ()

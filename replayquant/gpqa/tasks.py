@@ -23,7 +23,8 @@ from replayquant.outputs import write_text
 
 __all__ = [
     "GPQA_TASKS", "HUB_DATASET", "HUB_CONFIG", "REQUIRED_COLUMNS", "DEFAULT_TASK",
-    "check_csv", "check_hub_access", "check_tasks", "write_task_dir", "templates_dir", "file_sha256",
+    "check_csv", "check_hub_access", "check_tasks", "check_task_dir", "write_task_dir",
+    "templates_dir", "file_sha256",
 ]
 
 # The lm-eval tasks this project supports, with their folder under lm_eval/tasks/gpqa/.
@@ -40,6 +41,7 @@ REQUIRED_COLUMNS = ("Question", "Correct Answer", "Incorrect Answer 1", "Incorre
 _TEMPLATE_PREFIX = "lm_eval_gpqa/"
 TASK_CLASS = "replayquant.gpqa.lm_task.GPQATask"    # the `class:` of every task file written
 _DATA_KEYS = ("dataset_path", "dataset_name", "dataset_kwargs")
+_HEAD = "# Written by replayquant from "      # the first line of every task file written
 
 ACCESS_HELP = (
     "GPQA is gated on the Hugging Face Hub: accept its terms at "
@@ -115,6 +117,38 @@ def check_csv(path) -> int:
     return n
 
 
+def _written_here(path: Path) -> bool:
+    """Whether `path` is a task file `write_task_dir` wrote: a regular file named after a GPQA
+    task whose first line is the header it writes."""
+    if path.is_symlink() or not path.is_file() or path.suffix != ".yaml" \
+            or path.stem not in GPQA_TASKS:
+        return False
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.readline().startswith(_HEAD)
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def check_task_dir(folder) -> None:
+    """One ValueError, before any work, unless `folder` (where `write_task_dir` writes) is
+    missing or holds nothing but task files it wrote: a file there is replaced, and lm-eval
+    reads every YAML there as a task, so a file of anyone else would be lost or read."""
+    folder = Path(folder)
+    if not folder.exists() and not folder.is_symlink():
+        return
+    what = ("the folder where `replayquant gpqa` writes lm-eval's task files (lm-eval reads "
+            "every YAML in it)")
+    if not folder.is_dir():
+        raise ValueError(f"{folder} is not a folder, and {folder.name}/ is {what}: move it away "
+                         f"or give another --out")
+    for p in sorted(folder.iterdir()):
+        if not _written_here(p):
+            raise ValueError(f"{p} is not a task file `replayquant gpqa` wrote, and {folder}/ is "
+                             f"{what}: refusing to replace or read it; move it away or give "
+                             f"another --out")
+
+
 def write_task_dir(csv_path, out_dir, tasks=None) -> Path:
     """Write the task files of `tasks` (default: all four) into `out_dir`: the shipped template
     with the `include` pointing at the installed lm-eval's task file, `class` naming `GPQATask`
@@ -124,6 +158,7 @@ def write_task_dir(csv_path, out_dir, tasks=None) -> Path:
     if csv_path is not None:
         check_csv(csv_path)
     out = Path(out_dir)
+    check_task_dir(out)
     out.mkdir(parents=True, exist_ok=True)
     src, lm_dir = templates_dir(), lm_eval_gpqa_dir()
     for task in (tasks or list(GPQA_TASKS)):
@@ -146,7 +181,7 @@ def write_task_dir(csv_path, out_dir, tasks=None) -> Path:
         else:
             source = str(Path(csv_path).resolve())
             cfg["dataset_kwargs"]["data_files"]["train"] = source
-        head = f"# Written by replayquant from {tpl.name}: lm-eval's {task} reading {source}\n"
+        head = f"{_HEAD}{tpl.name}: lm-eval's {task} reading {source}\n"
         # the `!function` tag is lm-eval's YAML, which yaml.safe_dump does not write
         write_text(out / f"{task}.yaml", head + yaml.safe_dump(cfg, sort_keys=False)
                    + f"class: !function {TASK_CLASS}\n")
