@@ -3,14 +3,13 @@ decoding, teacher forcing and the decode kernels (replayquant/bench)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
 
 from replayquant.bench.targets import PRESETS
 from replayquant.cli.common import (BenchPart, BenchShape, KernelPreset, Prefill, bench_app,
-                                    user_errors)
+                                    json_kind, user_errors)
 
 
 @bench_app.command("generate")
@@ -151,7 +150,7 @@ def bench_merge_cmd(
     with other batches) give one generate.json, each batch's rows as its call measured them,
     targets from the merged rows."""
     from replayquant.bench.generate import GENERATE_KIND, merge_generate
-    if parts and all(_kind_of(p) == GENERATE_KIND for p in parts):
+    if parts and all(json_kind(p) == GENERATE_KIND for p in parts):
         path = Path(out) / f"{name or 'generate'}.json"
         res = merge_generate(parts, out=path)
         typer.echo(f"batches {res['batches']} from {len(parts)} calls -> {path}")
@@ -162,16 +161,6 @@ def bench_merge_cmd(
     from replayquant.bench.kernels_merge import merge_kernels
     res = merge_kernels(parts, out=out, name=name or "kernels")
     typer.echo(f"{len(res['rows'])} rows from {len(parts)} runs -> {out}/{name or 'kernels'}.json, .md, _speedup.png")
-
-
-def _kind_of(path) -> str | None:
-    """The "kind" of a JSON results file (None where it has none or cannot be read: the merge
-    then reads it and names what is wrong)."""
-    try:
-        d = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return d.get("kind") if isinstance(d, dict) else None
 
 
 def _target_line(t: dict) -> str:

@@ -6,9 +6,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import json
 import typing
 from contextlib import contextmanager
 from enum import Enum
+from pathlib import Path
 from typing import Annotated, Literal
 
 import typer
@@ -50,6 +52,16 @@ def user_errors():
     except KeyboardInterrupt as e:
         typer.echo(f"\n{e or 'interrupted'}", err=True)
         raise typer.Exit(130) from None
+
+
+def json_kind(path) -> str | None:
+    """The "kind" of a JSON results file (None where it has none or cannot be read: the command
+    then reads it and names what is wrong)."""
+    try:
+        d = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return d.get("kind") if isinstance(d, dict) else None
 
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None,

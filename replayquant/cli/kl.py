@@ -8,13 +8,15 @@ import dataclasses
 import typer
 
 from replayquant.cli.common import (BenchShape, KLOptions, ModelOpt, Prefill, Scoring, TableFormat,
-                                    TableOrder, app, bench_app, pair_option, user_errors,
-                                    with_kl_options)
+                                    TableOrder, app, bench_app, json_kind, pair_option,
+                                    user_errors, with_kl_options)
 from replayquant.gpqa.summary import table_for_files
 from replayquant.kl.bench import bench_kl
 from replayquant.kl.report import render_table
 from replayquant.kl.results import load_scored
 from replayquant.launch import single_process_warning
+from replayquant.sweep.command import SWEEP_KIND, render_sweep
+from replayquant.sweep.common import load_json_kind
 
 KLPairs = pair_option("repeatable")
 
@@ -45,7 +47,8 @@ def kl_cmd(
 @app.command("table")
 @user_errors()
 def table_cmd(
-    files: list[str] = typer.Argument(..., help="results files (build/kl/*.json)"),
+    files: list[str] = typer.Argument(..., help="results files (build/kl/*.json), GPQA summaries, "
+                                      "lm-eval results or sweep files"),
     format: TableFormat = typer.Option("md", "--format", help="md | csv (values and uncertainties in "
                                        "separate numeric columns) | llama (KL results: llama-perplexity "
                                        "--kl-divergence's text block per pair; its numbers where the "
@@ -56,7 +59,16 @@ def table_cmd(
                                     "per-token values (default: as each run scored)"),
 ):
     """One table from KL results files, GPQA summaries (build/gpqa/*/SUMMARY.json) or the lm-eval
-    results `replayquant lm-eval` / `replayquant gpqa` write: pairs as rows."""
+    results `replayquant lm-eval` / `replayquant gpqa` write: pairs as rows; or a sweep file
+    (`replayquant sweep`) with every column its terminal table leaves out."""
+    sweeps = [f for f in files if json_kind(f) == SWEEP_KIND]
+    if sweeps:
+        if len(sweeps) < len(files) or scoring is not None:
+            raise ValueError("a sweep file renders alone or with other sweep files, without "
+                             "--scoring; give its KL run (NAME_kl.json beside it) for KL tables")
+        typer.echo("\n".join(render_sweep(load_json_kind(f, SWEEP_KIND, "replayquant sweep"),
+                                          format) for f in files), nl=False)
+        return
     gpqa_table = table_for_files(files, fmt=format)
     if gpqa_table is not None:
         if scoring is not None:

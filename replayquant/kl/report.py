@@ -325,9 +325,13 @@ def _width(console, table) -> int:
 
 
 def _table(title, cols, rows, first_left=True):
+    """Numbers never wrap; the first column (names) folds onto more lines where even the fewest
+    columns do not fit, rather than being cut."""
     t = Table(title=title)
     for i, c in enumerate(cols):
-        t.add_column(c, justify="left" if (i == 0 and first_left) else "right", no_wrap=True)
+        name = i == 0 and first_left
+        t.add_column(c, justify="left" if name else "right", no_wrap=not name,
+                     overflow="fold" if name else "ellipsis")
     for r in rows:
         t.add_row(*r)
     return t

@@ -28,12 +28,15 @@ any work, as is a second run into an output while one runs (`replayquant.outputs
 
 from __future__ import annotations
 
+import csv
+import io
 from pathlib import Path
 
 from rich.console import Console
-from rich.table import Table
 
 from replayquant import statebytes as sb
+from replayquant.kl.report import fit_table, model_label
+from replayquant.kl.stats import KL_ZERO_SE, kl_text
 from replayquant.outputs import check_owned, output_lock
 from replayquant.pairs import PrecisionPair
 from replayquant.policy import EXACT, LayerPolicy, resolve_pair
@@ -46,7 +49,7 @@ from .plot import plot_sweep
 
 __all__ = ["SWEEP_KIND", "parse_buffer_lens", "sweep_variants", "layer_pairs", "variant_costs",
            "front_kl", "pareto_front", "build_sweep", "variants_record", "sweep_command",
-           "print_sweep"]
+           "print_sweep", "render_sweep"]
 
 SWEEP_KIND = "replayquant.sweep"
 SWEEP_VERSION = 1
@@ -230,48 +233,110 @@ def sweep_command(model: str, pairs: list, buffer_lens=None, *, kernels: str | N
     return sw
 
 
-def _sci(x, digits=2):
-    return "-" if x is None else f"{x:.{digits}e}"
+# The sweep table: its columns, and the order in which `print_sweep` leaves them out where the
+# console is too narrow (the variant, its bytes per step, the KL upper bound that `recommend`
+# decides by and the front mark always stay). "x fewer" and "x less" are the FP32 conventional
+# step's state bytes per step and memory over the variant's (above 1: the variant moves / holds
+# less).
+SWEEP_COLUMNS = ("variant", "bytes/step", "x fewer", "memory", "x less", "KL mean", "KL upper",
+                 "top-1 %", "us/step", "speedup", "front")
+_SWEEP_DROP = ("x less", "memory", "speedup", "us/step", "top-1 %", "KL mean", "x fewer")
+SWEEP_CSV = ("variant", "base", "buffer_len", "state_bytes_per_step", "total_bytes_per_step",
+             "fewer_state_bytes", "memory_bytes", "less_memory", "kl_mean", "kl_unc", "kl_upper",
+             "same_top_pct", "us_per_step", "speedup", "on_front")
 
 
-def print_sweep(sw: dict, console=None) -> None:
-    """The sweep table (bytes order) and the front."""
-    console = console or Console(width=max(Console().width, 124))   # no number cut at 80 columns
-    conv = sw["conventional_fp32"]
+def _fmt(v, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def _sweep_rows(sw: dict) -> tuple[list[str], list[list[str]], list[dict]]:
+    """(columns, cells, plain values for csv) of a sweep's variants in bytes order."""
     has_k = sw.get("kernels") is not None
-    t = Table(title=f"sweep: state bytes per decode step and sequence ({len(sw['layers'])} recurrent "
-                    f"layers) against KL; FP32 conventional step "
-                    f"{fmt_bytes(conv['bytes_per_step']['state'])}, memory "
-                    f"{fmt_bytes(conv['memory']['total'])}", title_justify="left")
-    cols = ["variant", "bytes/step", "FP32/this", "memory", "FP32/this", "KL mean", "KL upper",
-            "top-1 %"]
-    if has_k:
-        cols += ["us/step", "speedup"]
-    cols.append("front")
-    for c in cols:
-        t.add_column(c, justify="left" if c == "variant" else "right", no_wrap=True)
-    rows = sorted(sw["variants"], key=lambda r: (r["bytes_per_step"]["state"], r["name"]))
-    for r in rows:
-        kl, vs = r["kl"] or {}, r["vs_fp32_conventional"]
-        line = [r["name"], fmt_bytes(r["bytes_per_step"]["state"]), f"{vs['state_bytes']:.2f}",
-                fmt_bytes(r["memory"]["total"]), f"{vs['memory']:.2f}", _sci(kl.get("kl_mean")),
-                _sci(kl.get("kl_upper")),
-                "-" if kl.get("same_top") is None else f"{100 * kl['same_top']:.1f}"]
-        if has_k:
-            k = r.get("kernel") or {}
-            line += ["-" if k.get("us_per_step") is None else f"{k['us_per_step']:.1f}",
-                     "-" if k.get("speedup_vs_fp32_conventional") is None
-                     else f"{k['speedup_vs_fp32_conventional']:.2f}"]
-        line.append("*" if r["on_front"] else "")
-        t.add_row(*line)
-    console.print(t)
-    if has_k:
-        ks = sw["kernels"]
+    cols = [c for c in SWEEP_COLUMNS if has_k or c not in ("us/step", "speedup")]
+    cells, values = [], []
+    for r in sorted(sw["variants"], key=lambda r: (r["bytes_per_step"]["state"], r["name"])):
+        kl, vs, k = r["kl"] or {}, r["vs_fp32_conventional"], r.get("kernel") or {}
+        mean, unc = kl.get("kl_mean"), kl.get("kl_unc")
+        top = None if kl.get("same_top") is None else 100 * kl["same_top"]
+        v = {"variant": r["name"], "base": r.get("base"), "buffer_len": r.get("buffer_len"),
+             "state_bytes_per_step": r["bytes_per_step"]["state"],
+             "total_bytes_per_step": r["bytes_per_step"].get("total"),
+             "fewer_state_bytes": vs.get("state_bytes"), "memory_bytes": r["memory"]["total"],
+             "less_memory": vs.get("memory"), "kl_mean": mean, "kl_unc": unc,
+             "kl_upper": kl.get("kl_upper"), "same_top_pct": top,
+             "us_per_step": k.get("us_per_step"), "speedup": k.get("speedup_vs_fp32_conventional"),
+             "on_front": bool(r["on_front"])}
+        cell = {"variant": r["name"], "bytes/step": fmt_bytes(v["state_bytes_per_step"]),
+                "x fewer": _fmt(v["fewer_state_bytes"], ".2f"), "memory": fmt_bytes(v["memory_bytes"]),
+                "x less": _fmt(v["less_memory"], ".2f"),
+                "KL mean": "-" if mean is None else kl_text(mean, unc or 0.0),
+                "KL upper": _fmt(v["kl_upper"], ".3g"), "top-1 %": _fmt(top, ".1f"),
+                "us/step": _fmt(v["us_per_step"], ".1f"), "speedup": _fmt(v["speedup"], ".2f"),
+                "front": "*" if r["on_front"] else ""}
+        cells.append([cell[c] for c in cols])
+        values.append(v)
+    return cols, cells, values
+
+
+def _sweep_title(sw: dict) -> str:
+    conv = sw["conventional_fp32"]
+    return (f"sweep of {model_label(sw.get('model') or {}) or '?'}: state bytes per decode step "
+            f"and sequence ({len(sw['layers'])} recurrent layers) against KL; FP32 conventional "
+            f"step {fmt_bytes(conv['bytes_per_step']['state'])}, memory "
+            f"{fmt_bytes(conv['memory']['total'])}")
+
+
+def _sweep_notes(sw: dict, cells: list[list[str]]) -> list[str]:
+    """What the table's marks and measured times mean, and the front."""
+    notes = ["x fewer / x less: the FP32 conventional step's state bytes per step / memory over "
+             "the variant's (above 1: the variant moves / holds less)"]
+    if any("~0" in c for row in cells for c in row):
+        notes.append(f"KL mean ~0: within {KL_ZERO_SE:g} standard errors of zero (float noise), "
+                     f"counted as 0")
+    if sw.get("kernels") is not None:
+        ks, conv = sw["kernels"], sw["conventional_fp32"]
         cu = conv["kernel"].get("us_per_step")
         base = (f"speedup over the FP32 conventional step's {cu:.1f} us" if cu is not None else
                 f"no speedup: the FP32 conventional step is not timed for "
                 f"{'; '.join(conv['kernel'].get('missing', []))}")
-        console.print(f"us/step: {ks.get('device')} kernels grid {ks.get('file')} at the batch nearest "
-                      f"{ks['batch_requested']}, each layer timed at the grid's shape of its kind "
-                      f"(not scaled to this model's); {base}")
-    console.print("Pareto front (fewest bytes first): " + " -> ".join(sw["front"]))
+        notes.append(f"us/step: {ks.get('device')} kernels grid {ks.get('file')} at the batch "
+                     f"nearest {ks['batch_requested']}, each layer timed at the grid's shape of "
+                     f"its kind (not scaled to this model's); {base}")
+    notes.append("Pareto front (fewest bytes first): " + " -> ".join(sw["front"]))
+    return notes
+
+
+def render_sweep(sw: dict, fmt: str = "md") -> str:
+    """A sweep file as text with every column: md (the table, then what its marks mean and the
+    front) or csv (plain numbers, one row per variant)."""
+    cols, cells, values = _sweep_rows(sw)
+    if fmt == "csv":
+        buf = io.StringIO()
+        w = csv.writer(buf, lineterminator="\n")
+        w.writerow(SWEEP_CSV)
+        w.writerows([["" if v[c] is None else v[c] for c in SWEEP_CSV] for v in values])
+        return buf.getvalue()
+    if fmt != "md":
+        raise ValueError(f"--format {fmt} takes KL results files; a sweep renders as md or csv "
+                         f"(its KL run, NAME_kl.json beside it, renders as llama)")
+    lines = [_sweep_title(sw), "", "| " + " | ".join(cols) + " |",
+             "| --- |" + " ---: |" * (len(cols) - 1)]
+    lines += ["| " + " | ".join(row) + " |" for row in cells]
+    return "\n".join(lines + [""] + _sweep_notes(sw, cells)) + "\n"
+
+
+def print_sweep(sw: dict, console=None) -> None:
+    """The sweep table (bytes order) fitted to the console's width (80 columns through a pipe):
+    columns that do not fit are left out and named, never a number cut; `replayquant table
+    SWEEP.json` prints them all."""
+    console = console or Console()
+    cols, cells, _ = _sweep_rows(sw)
+    t, dropped = fit_table(console, _sweep_title(sw), cols, cells, _SWEEP_DROP)
+    t.title_justify = "left"
+    console.print(t)
+    if dropped:
+        console.print(f"(left out at {console.width} columns: {', '.join(dropped)}; "
+                      f"`replayquant table SWEEP.json` shows all)", highlight=False)
+    for note in _sweep_notes(sw, cells):
+        console.print(note, highlight=False)
