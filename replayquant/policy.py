@@ -27,6 +27,7 @@ ValueError that says what to change.
 from __future__ import annotations
 
 import fnmatch
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -364,5 +365,17 @@ def resolve_pair(spec, buffer_len=None, *, policy: bool = True):
             L = int(buffer_len)
         except (TypeError, ValueError):
             raise ValueError(f"buffer_len={buffer_len!r}: must be an integer >= 1") from None
-        pair = pair.with_buffer_len(L)
+        pair = _overridden(pair, L)
     return pair
+
+
+def _overridden(pair, L: int):
+    """`pair` (or policy) with L = `L`, named NAME@LL where that is not its own L, as a sweep names
+    its variants, so every label (tables, `patch_info`, lm-eval's results) says what ran. An
+    unnamed pair's label already holds its L."""
+    if L == pair.buffer_len:
+        return pair
+    if isinstance(pair, LayerPolicy):
+        return pair.with_buffer_len(L, name=f"{re.sub(r'@L[0-9]+$', '', pair.label())}@L{L}")
+    name = pair.name and f"{re.sub(r'@L[0-9]+$', '', pair.name)}@L{L}"
+    return PrecisionPair(pair.read, pair.anchor, L, name, pair.description)

@@ -252,7 +252,10 @@ def lm_eval_rows(res: dict, source: str = "") -> list[dict]:
         pair, rq = UNPATCHED, {}
     else:
         pair = rq.get("pair_label") or (rq.get("pair") or {}).get("name") or "?"
-    model = _short_model(_model_args(cfg).get("pretrained") or res.get("model_name"))
+    # lm-eval's command line names the model in model_args; `replayquant gpqa` passes lm-eval
+    # the model object, so its per-pair files name it in their own provenance
+    model = _short_model(_model_args(cfg).get("pretrained") or res.get("model_name")
+                         or ((res.get("replayquant") or {}).get("provenance") or {}).get("model"))
     rows = []
     for task, tr in sorted(res["results"].items()):
         n = ((res.get("n-samples") or {}).get(task) or {}).get("effective", tr.get("sample_len"))
