@@ -105,6 +105,12 @@ def entry_bytes(kind, H, HK, dv, dk, u_bytes=2, fold_u=False, L=0):
     return read_nf, write, read_fl
 
 
+def _read_steps_h(L: int) -> int:
+    """The committed lengths h = 0 .. L - 2 of a window's read steps, summed: (L - 1)(L - 2) / 2
+    in closed form, so that a count takes no time however long the window."""
+    return (L - 1) * (L - 2) // 2
+
+
 # ---------------------------------------------------------------------------- per batch (bench)
 
 def conventional_bytes(kind, fmt, B, H, HK, dv, dk):
@@ -120,7 +126,7 @@ def replay_window_bytes(kind, anchor_fmt, read_fmt, L, B, H, HK, dv, dk):
     rd_nf, wr, rd_fl = entry_bytes(kind, H, HK, dv, dk, ub, ub == 4, L)
     R = state_bytes(read_fmt or anchor_fmt, dv, dk)
     A = state_bytes(anchor_fmt, dv, dk)
-    total = sum(R + h * rd_nf + wr + io for h in range(L - 1))
+    total = (L - 1) * (R + wr + io) + _read_steps_h(L) * rd_nf
     total += 2 * A + (0 if read_fmt is None else R) + (L - 1) * rd_fl + io
     return B * H * total / L
 
@@ -234,7 +240,7 @@ def layer_step_bytes(shape: LayerShape, pair, L: int | None = None) -> StepBytes
     R = state_bytes(rf or af, s.dv, s.dk)
     A = state_bytes(af, s.dv, s.dk)
     read_copy = (L - 1) * R
-    ring = sum(h * rd_nf + wr for h in range(L - 1)) + (L - 1) * rd_fl
+    ring = _read_steps_h(L) * rd_nf + (L - 1) * (wr + rd_fl)
     flush = 2 * A + (0 if rf is None else R)
     io = L * io_bytes(s.kind, s.H, s.HK, s.dv, s.dk)
     return StepBytes(s.H * read_copy / L, s.H * ring / L, s.H * flush / L, s.H * io / L)

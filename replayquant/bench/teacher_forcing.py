@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 from replayquant import options
+from replayquant.bench import check_model_bench
 from replayquant.bench.timing import (HF_TARGETS, REPLAY_TARGETS, KernelClock, fla_version,
                                       hf_chunk_function)
 from replayquant.formats import as_bits
@@ -374,7 +375,9 @@ def run_layer(out, lengths=(8192, 32768), commit=None) -> dict:
 
 def _run_layer(out, lengths, commit) -> dict:
     if not torch.cuda.is_available():
-        raise SystemExit("the kernel check and per-layer timing need a CUDA device")
+        raise ValueError("bench teacher-forcing --part layer: the kernel check and per-layer "
+                         "timing need a CUDA GPU, and this machine has none; run it on a machine "
+                         "with one (--part model --shape tiny is the CPU smoke test)")
     t0 = time.time()
     prov = provenance("cuda", lengths=list(lengths), source_commit=commit,
                       timing="triton.testing.do_bench median, warmup 5 ms, rep 100 ms, one segment, "
@@ -398,6 +401,7 @@ def _run_layer(out, lengths, commit) -> dict:
 def run_model(out, **kw) -> dict:
     """Part 3 (whole model) into `out` under "whole_model"."""
     with _holding(out):
+        check_model_bench("bench teacher-forcing", kw.get("shape", "qwen3.5-4b"), kw.get("device"))
         r = whole_model(**kw)
         _merge(out, whole_model=r)
     return r

@@ -111,6 +111,9 @@ def bench_kl(out: str | Path = "build/bench/kl_128k.json", **kw) -> dict:
     check_owned(out, BENCH_KL_KIND, "replayquant bench kl")
     with output_lock(out):
         check_owned(out, BENCH_KL_KIND, "replayquant bench kl")
+        # replayquant.bench: the check only, no kernel is loaded
+        from replayquant.bench import check_model_bench
+        check_model_bench("bench kl", kw.get("shape", "qwen3.5-4b"), kw.get("device"))
         return _bench_kl(out=out, **kw)
 
 

@@ -129,8 +129,25 @@ def check_sensitivity(sens, source: str = "") -> None:
             raise ValueError(f"{src}: per_layer.{name} {why}; the file is damaged or was not "
                              f"written by `{writer}`: run it again")
         first = first or (name, set(idx))
+    _check_buffer_lens(sens, src, writer)
     if not sens["complete"]:
         raise _incomplete(src, sens, writer)
+
+
+def _check_buffer_lens(sens: dict, src: str, writer: str) -> None:
+    """One ValueError for a pair whose buffer length no run of `writer` measures: with prefill
+    replay, L at or above kl_args.context - 1 (no flush reaches a scored token,
+    `memory.check_kl_sizes`)."""
+    if sens["kl_args"].get("prefill", "replay") != "replay":
+        return
+    context = sens["kl_args"]["context"]
+    for i, p in enumerate(sens["pairs"]):
+        L = p.get("buffer_len")
+        if isinstance(L, int) and not isinstance(L, bool) and L >= context - 1:
+            raise ValueError(f"{src}: pairs[{i}] ({p['name']}) has buffer length {L}, not below "
+                             f"its kl_args.context {context} - 1: `{writer}` measures no such "
+                             f"pair (no flush would reach a scored token); the file is damaged: "
+                             f"run it again")
 
 
 def _strip(d):
