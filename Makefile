@@ -40,7 +40,7 @@ DEMO_SWEEP := build/demo/$(DEMO_MODEL)_sweep.json
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/replayquant sweep --model $(DEMO_MODEL) $(DEMO_PAIRS) \
 	    --buffer-len $(DEMO_BUFFER_LEN) --dataset heldout \
-	    --context $(DEMO_CONTEXT) --docs $(DEMO_DOCS) --dtype float32 --device-map cpu \
+	    --context $(DEMO_CONTEXT) --docs $(DEMO_DOCS) --dtype float32 --device cpu \
 	    --kernels results/bench/kernels.json --out $(DEMO_SWEEP)
 	$(BIN)/replayquant recommend $(DEMO_SWEEP) --kl-budget $(DEMO_KL_BUDGET)
 

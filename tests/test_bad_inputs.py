@@ -185,8 +185,8 @@ def test_devices_cuda_when_present_else_cpu_and_a_missing_one_is_one_error(texts
         mp.setattr(C, "load_tokenizer_and_config", lambda *a, **k: 1 / 0)
         for dm, msg in (("cuda:0", "no CUDA device"), ("cuda", "no CUDA device"),
                         ("gpu", "not a device"), ("mps", "no mps device")):
-            code, text = _invoke(_kl(texts, tmp_path / "x.json", "--device-map", dm))
-            _one_clear_error(code, text, f"--device-map {dm}", msg)
+            code, text = _invoke(_kl(texts, tmp_path / "x.json", "--device", dm))
+            _one_clear_error(code, text, f"--device {dm}", msg)
     code, text = _invoke(_kl(texts, tmp_path / "x.json"))
     assert code == 0 and "device: cpu" in text, text
 

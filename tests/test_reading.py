@@ -70,3 +70,51 @@ def test_a_buffer_length_override_stays_in_every_label(tmp_path):
     assert rows and all("| tp4_hi16_sr@L4 |" in r for r in rows), md
     models = {r.split("|")[1].strip() for r in rows}
     assert models == {"tiny-qwen35", "tiny-qwen3.5"}, md
+
+
+def _command_paths():
+    from typer.main import get_command
+    from replayquant.cli import app
+
+    def walk(cmd, path):
+        yield path
+        for name, sub in getattr(cmd, "commands", {}).items():
+            if name != "lm-eval" and not sub.hidden:       # lm-eval passes -h to lm-eval
+                yield from walk(sub, [*path, name])
+    return list(walk(get_command(app), []))
+
+
+def test_help_fits_80_columns_names_values_and_takes_dash_h():
+    from typer.testing import CliRunner
+    from replayquant.cli import app
+    runner = CliRunner()
+    for path in _command_paths():
+        res = runner.invoke(app, [*path, "-h"], env={"COLUMNS": "80"})
+        text = res.output
+        assert res.exit_code == 0 and "Usage:" in text, (path, text)
+        assert max(map(len, text.splitlines())) <= 80, (path, text)
+        assert "<str>" not in text and "<int>" not in text and "list[" not in text, (path, text)
+        assert "calls" not in text, (path, text)       # a tool of this workshop, not replayquant's
+    root = runner.invoke(app, ["--help"], env={"COLUMNS": "80"}).output
+    assert "--install-completion" in root
+    kl = runner.invoke(app, ["kl", "-h"], env={"COLUMNS": "80"}).output
+    gpqa = runner.invoke(app, ["gpqa", "-h"], env={"COLUMNS": "80"}).output
+    for text in (kl, gpqa):
+        assert "--device " in text and "--dtype DTYPE" in text and "--device-map" not in text
+        dtype = " ".join(text[text.index("--dtype"):].split("--", 2)[1].split())
+        assert "[default: auto]" in dtype, dtype
+    assert "--buffer-len" in kl and "--pair PAIR" in kl
+
+
+def test_kl_takes_buffer_len_and_the_old_device_spelling_with_a_note(monkeypatch, tmp_path):
+    from replayquant.kl import command as C
+    seen = {}
+    monkeypatch.setattr(C, "kl_command", lambda model, pairs, **kw: seen.update(pairs=pairs, **kw))
+    code, text = invoke(["kl", "--model", "tiny-qwen3.5", "--pair", "tp4_hi16_sr", "--buffer-len",
+                         4, "--device-map", "cpu", "--dataset", "heldout", "--context", 64])
+    assert code == 0, text
+    assert [p.label() for p in seen["pairs"]] == ["tp4_hi16_sr@L4"] and seen["device_map"] == "cpu"
+    assert "--device-map is deprecated" in text and "tp4_hi16_sr-L4" in seen["out"]
+    code, text = invoke(["kl", "--model", "tiny-qwen3.5", "--pair", "s32_rs", "--device", "cpu",
+                         "--device-map", "cpu"])
+    assert code == 2 and "give --device alone" in text, text

@@ -96,15 +96,15 @@ def bench_kernels_cmd(
     authors_commit: str = typer.Option(None, help="the fork's commit, where PATH is neither a git checkout nor holds a COMMIT file"),
     staggered_batches: str = typer.Option("256", help="batches whose windows are also timed with rows out of phase"),
     accuracy: bool = typer.Option(True, help="errors against a float64 recurrence over three windows (ours; the authors' with --authors)"),
-    preset: KernelPreset = typer.Option(None, help="a grid replacing the grid options: 'targets' (every row the targets read, one device call) or 'probe'"),
+    preset: KernelPreset = typer.Option(None, help="a grid replacing the grid options: 'targets' (every row the targets read, in one run) or 'probe'"),
 ):
     """GPU: conventional vs replay decode kernels over the benchmark grid (B x L x pair, T),
-    peers, speculative verify, against the copy bandwidth measured in the same call. Prints a
+    peers, speculative verify, against the copy bandwidth measured in the same run. Prints a
     runtime estimate first (the whole grid, checks and sweep included: about 9 minutes on an
     H200); sections past --budget-s (default 500) are skipped
     from the end of the plan and listed, so split the grid with --kinds / --pairs / --batches
-    over two or more calls. With --authors PATH the ReplaySSM authors' kernels run beside ours on
-    the same inputs; --preset targets measures every target of the decode kernels in one call
+    over two or more runs. With --authors PATH the ReplaySSM authors' kernels run beside ours on
+    the same inputs; --preset targets measures every target of the decode kernels in one run
     (kernels.json `targets`)."""
     # Triton (Linux only): loaded where a kernel runs
     from replayquant.bench.authors import checkout_commit
@@ -140,20 +140,22 @@ bench_app.command("decode", hidden=True, help="alias of 'bench kernels'")(bench_
 @bench_app.command("merge")
 @user_errors()
 def bench_merge_cmd(
-    parts: list[str] = typer.Argument(..., help="JSON files of one commit, all of `bench kernels` (the grid split over calls) or all of `bench generate` (the batches split over calls)"),
+    parts: list[str] = typer.Argument(..., help="JSON files of one commit, all of `bench kernels` "
+                                      "(the grid split over runs) or all of `bench generate` "
+                                      "(the batches split over runs)"),
     out: str = typer.Option("build/bench", help="folder for NAME.json (and, for kernels, NAME.md, NAME_speedup.png)"),
     name: str = typer.Option(None, help="output file stem (default: kernels, or generate for bench generate files)"),
 ):
-    """One results file from several runs of one commit split over device calls: `bench kernels`
-    runs (split by --kinds / --spec-batches) give one kernels table, rows kept with their run,
-    speedups derived within a run, targets from the merged rows; `bench generate` files (each
-    with other batches) give one generate.json, each batch's rows as its call measured them,
-    targets from the merged rows."""
+    """One results file from several runs of one commit (a grid too long for one run, or runs in
+    separate processes or on separate machines): `bench kernels` runs (split by --kinds /
+    --spec-batches) give one kernels table, rows kept with their run, speedups derived within a
+    run, targets from the merged rows; `bench generate` files (each with other batches) give one
+    generate.json, each batch's rows as its run measured them, targets from the merged rows."""
     from replayquant.bench.generate import GENERATE_KIND, merge_generate
     if parts and all(json_kind(p) == GENERATE_KIND for p in parts):
         path = Path(out) / f"{name or 'generate'}.json"
         res = merge_generate(parts, out=path)
-        typer.echo(f"batches {res['batches']} from {len(parts)} calls -> {path}")
+        typer.echo(f"batches {res['batches']} from {len(parts)} runs -> {path}")
         for t in res["targets"]:
             typer.echo(_target_line(t))
         return

@@ -13,7 +13,9 @@ from enum import Enum
 from pathlib import Path
 from typing import Annotated, Literal
 
+import click
 import typer
+import typer.core
 
 from replayquant import __version__
 from replayquant.bench.targets import PRESETS
@@ -35,8 +37,49 @@ BenchFormat = Enum("BenchFormat", {f: f for f in ("fp16", "bf16", "fp8", "nvfp4"
 # (an Enum: typer takes no list of a Literal; the formats replayquant/bench/formats.py times)
 
 # Plain help (not rich's panels, whose first column cuts long option names at 80 columns): option
-# names are always whole, the text wraps at up to 120 columns.
-_HELP = {"max_content_width": 120}
+# names are always whole, the text wraps at the terminal's width up to 120 columns; -h or --help.
+_HELP = {"max_content_width": 120, "help_option_names": ["-h", "--help"]}
+
+
+class _Command(typer.core.TyperCommand):
+    """A command whose `--help` names each option's value by what it is (`--pair PAIR`,
+    `--context CONTEXT`, a short set of choices as `<a|b>`) where typer names its Python type
+    (`<list[str]>`, `<str>`, and every dtype name on one line of 82 columns)."""
+
+    def format_options(self, ctx, formatter):
+        sections = {"argument": [], "option": []}
+        for p in self.get_params(ctx):
+            record = p.get_help_record(ctx)
+            if record is not None:
+                sections[p.param_type_name].append((_value_names(p, record[0]), record[1]))
+        for title, kind in (("Arguments", "argument"), ("Options", "option")):
+            if sections[kind]:
+                with formatter.section(title):
+                    formatter.write_dl(sections[kind])
+
+
+def _value_names(p, typer_names: str) -> str:
+    """How `--help` shows parameter `p`: flags as typer does (`--pack / --no-pack`), an argument
+    by its name (FILES...), an option by its names and its value's name."""
+    if getattr(p, "is_flag", False) or getattr(p, "count", False):
+        return typer_names
+    desc = p.type_descriptor
+    choices = [str(getattr(c, "value", c)) for c in desc.choices or ()] if desc.is_choice else []
+    if choices and len("|".join(choices)) <= 24:
+        value = "<" + "|".join(choices) + ">"
+    else:
+        long = next((o for o in p.opts if o.startswith("--")), p.opts[0])
+        value = long.lstrip("-").replace("-", "_").upper() + ("..." if p.nargs != 1 else "")
+    if p.param_type_name == "argument":
+        return value
+    return f"{click.formatting.join_options(p.opts)[0]} {value}"
+
+
+class _Typer(typer.Typer):
+    """typer.Typer whose commands are `_Command`s."""
+
+    def command(self, *args, cls=None, **kwargs):
+        return super().command(*args, cls=cls or _Command, **kwargs)
 
 
 @contextmanager
@@ -64,11 +107,10 @@ def json_kind(path) -> str | None:
     return d.get("kind") if isinstance(d, dict) else None
 
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None,
-                  context_settings=_HELP,
-                  help="Low-precision SSM state for hybrid models (ReplaySSM).")
-bench_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, context_settings=_HELP,
-                        help="GPU benchmarks (not run in CI).")
+app = _Typer(no_args_is_help=True, rich_markup_mode=None, context_settings=_HELP,
+             help="Low-precision SSM state for hybrid models (ReplaySSM).")
+bench_app = _Typer(no_args_is_help=True, rich_markup_mode=None, context_settings=_HELP,
+                   help="GPU benchmarks (not run in CI).")
 app.add_typer(bench_app, name="bench")
 
 
@@ -93,7 +135,26 @@ def _main(version: bool = typer.Option(False, "--version", callback=_print_versi
 ModelOpt = Annotated[str, typer.Option("--model", help="hub id, short name (Qwen3.5-4B) or local folder")]
 PrefillOpt = Annotated[Prefill, typer.Option("--prefill", help="prefill of the pairs: replay (every "
                                              "token through the step semantics) | exact")]
-DtypeOpt = Annotated[Dtype, typer.Option("--dtype", help="weights and activations (auto: the model's own)")]
+DtypeOpt = Annotated[Dtype, typer.Option("--dtype", help="weights and activations: auto (the "
+                                         f"model's own) or {', '.join(DTYPE_NAMES)}")]
+DeviceOpt = Annotated[str | None, typer.Option(
+    "--device", help="where the model runs: cpu, cuda, cuda:N (default: CUDA when present, else "
+                     "the CPU)")]
+# the spelling of --device in earlier versions, still taken (`device_option`)
+OldDeviceOpt = Annotated[str | None, typer.Option("--device-map", hidden=True)]
+
+
+def device_option(device: str | None, old: str | None) -> str | None:
+    """--device, or the value given to its earlier spelling --device-map (with a note on
+    stderr); both at once is one ValueError."""
+    if old is None:
+        return device
+    if device is not None:
+        raise ValueError("--device and --device-map (its earlier spelling) are both given; give "
+                         "--device alone")
+    typer.echo("note: --device-map is deprecated; give --device (it takes the same values)",
+               err=True)
+    return old
 
 
 def pair_option(repeated: str, policies: bool = True):
@@ -131,8 +192,11 @@ class KLOptions:
     segment: Annotated[int, typer.Option(
         help="tokens per forward (caches carry state between segments)")] = 8192
     prefill: PrefillOpt = "replay"
-    dtype: DtypeOpt = "bfloat16"
-    device_map: Annotated[str | None, typer.Option(help="e.g. auto (default on CUDA), cpu, cuda:0")] = None
+    dtype: DtypeOpt = "auto"
+    device_map: Annotated[str | None, typer.Option(
+        "--device", help="where the model runs: cpu, cuda, cuda:N, or auto / balanced / "
+                         "balanced_low_0 / sequential (accelerate spreads the model over the GPUs; "
+                         "default: auto on CUDA, else the CPU)")] = None
     seed: Annotated[int, typer.Option(help="stochastic-rounding seed")] = 0
     pack: Annotated[bool, typer.Option(
         help="concatenate documents (EOS between) instead of skipping short ones")] = False
@@ -147,7 +211,8 @@ class KLOptions:
 
 def with_kl_options(command):
     """`command` with its parameter `kl: KLOptions` replaced, where it stands, by one option per
-    KLOptions field (as declared there); the command is called with them as one KLOptions."""
+    KLOptions field (as declared there) and the earlier spelling of --device; the command is
+    called with them as one KLOptions."""
     hints = typing.get_type_hints(KLOptions, include_extras=True)
     fields = dataclasses.fields(KLOptions)
     kw_only = inspect.Parameter.KEYWORD_ONLY          # typer passes every option by name
@@ -156,12 +221,16 @@ def with_kl_options(command):
         if p.name == "kl":
             params += [inspect.Parameter(f.name, kw_only, default=f.default, annotation=hints[f.name])
                        for f in fields]
+            params.append(inspect.Parameter("old_device_map", kw_only, default=None,
+                                            annotation=OldDeviceOpt))
         else:
             params.append(p.replace(kind=kw_only))
 
     @functools.wraps(command)
     def run(**options):
-        return command(kl=KLOptions(**{f.name: options.pop(f.name) for f in fields}), **options)
+        kl = KLOptions(**{f.name: options.pop(f.name) for f in fields})
+        kl.device_map = device_option(kl.device_map, options.pop("old_device_map"))
+        return command(kl=kl, **options)
     run.__signature__ = inspect.Signature(params)
     run.__annotations__ = {p.name: p.annotation for p in params}
     return run

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import typer
 
-from replayquant.cli.common import DtypeOpt, ModelOpt, PrefillOpt, app, pair_option, user_errors
+from replayquant.cli.common import (DeviceOpt, DtypeOpt, ModelOpt, PrefillOpt, app, pair_option,
+                                    user_errors)
 from replayquant import gpqa
 from replayquant.extras import require
 
@@ -25,8 +26,7 @@ def gpqa_cmd(
     seed: int = typer.Option(0, "--seed", help="stochastic-rounding seed and lm-eval's python seed (answer order)"),
     prefill: PrefillOpt = "replay",
     dtype: DtypeOpt = "auto",
-    device: str = typer.Option(None, "--device", help="cuda, cuda:0, cpu (default: CUDA when present, "
-                               "else the CPU)"),
+    device: DeviceOpt = None,
     batch_size: str = typer.Option("1", "--batch-size", "--batch_size", help="integer or auto"),
     num_fewshot: int = typer.Option(None, "--num-fewshot", "--num_fewshot", help="few-shot examples (n_shot tasks)"),
     max_gen_toks: int = typer.Option(None, "--max-gen-toks", help="generation budget of generative tasks"),

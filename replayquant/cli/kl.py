@@ -15,6 +15,7 @@ from replayquant.kl.bench import bench_kl
 from replayquant.kl.report import render_table
 from replayquant.kl.results import load_scored
 from replayquant.launch import single_process_warning
+from replayquant.policy import resolve_pair
 from replayquant.sweep.command import SWEEP_KIND, render_sweep
 from replayquant.sweep.common import load_json_kind
 
@@ -27,6 +28,8 @@ KLPairs = pair_option("repeatable")
 def kl_cmd(
     model: ModelOpt,
     pair: KLPairs,
+    buffer_len: int = typer.Option(None, "--buffer-len", help="L of every pair (default: each "
+                                   "pair's own); a pair given another L is named PAIR@LL"),
     *,
     kl: KLOptions,
     out: str = typer.Option(None, help="results JSON (default build/kl/MODEL_PAIRS_ctxN_PREFILL.json; "
@@ -37,7 +40,11 @@ def kl_cmd(
 ):
     """KL(reference || pair) over long documents, reference and pairs in lockstep; resumable."""
     # transformers: loaded by the commands that use it
-    from replayquant.kl.command import kl_command
+    from replayquant.kl.command import default_out, kl_command
+    if buffer_len is not None:
+        pair = [resolve_pair(p, buffer_len) for p in pair]          # named PAIR@LL
+        out = out or str(default_out(model, [p.label() for p in pair], kl.context, kl.prefill,
+                                     scoring))
     warning = single_process_warning("kl")
     if warning:
         typer.echo(warning, err=True)

@@ -7,8 +7,8 @@ import dataclasses
 
 import typer
 
-from replayquant.cli.common import (KLOptions, ModelOpt, app, pair_option, user_errors,
-                                    with_kl_options)
+from replayquant.cli.common import (KLOptions, ModelOpt, OldDeviceOpt, app, device_option,
+                                    pair_option, user_errors, with_kl_options)
 from replayquant.gpqa.summary import load_summary
 from replayquant.sweep import recommend as R
 from replayquant.sweep.command import SWEEP_KIND, sweep_command
@@ -63,8 +63,9 @@ def recommend_cmd(
     low: str = typer.Option(None, "--low", help="--per-layer: the cheaper pair (default: the "
                             "sensitivity file's cheapest)"),
     high: str = typer.Option(None, "--high", help="--per-layer: the pair the most sensitive layers get"),
-    device_map: str = typer.Option(None, help="--per-layer: device map of the KL run (default: the "
-                                   "sensitivity run's)"),
+    device: str = typer.Option(None, "--device", help="--per-layer: where the KL run's model "
+                               "runs, as `kl --device` (default: the sensitivity run's)"),
+    old_device_map: OldDeviceOpt = None,
     out: str = typer.Option(None, help="JSON to write (default: none for a sweep; "
                             "build/recommend/NAME.json with --per-layer); it replaces only a "
                             "recommendation of the same budgets (--per-layer: the same policy); "
@@ -81,7 +82,8 @@ def recommend_cmd(
                                  "--high); give a sweep file, --max-bytes, --max-memory or --gpqa "
                                  "without --per-layer")
             res = recommend_per_layer(per_layer, kl_budget, low=low, high=high, out=out,
-                                        progress=progress, device_map=device_map)
+                                      progress=progress,
+                                      device_map=device_option(device, old_device_map))
             if res is not None and not res["measured_fits"]:
                 typer.echo(f"the measured KL upper bound {res['measured']['kl_upper']:.3g} is over the "
                            f"budget {kl_budget:.3g}: the single-layer KLs do not add up to the "

@@ -5,7 +5,7 @@ Command line::
     replayquant kl --model Qwen3.5-4B --pair f4_sr_rs --pair tp4_hi32 [--pair my_pair.yaml] \\
         [--dataset pg19 | heldout | texts/ | book.txt | docs.jsonl | data.parquet | saved/ | owner/name] \\
         [--split test] [--dataset-config C] [--data-files F] [--text-column text] [--context 131072] [--docs 10] [--segment 8192] [--prefill replay|exact] \\
-        [--reference exact|hf] [--scoring all|llama] [--dtype auto] [--device-map auto] [--seed 0] [--pack] \\
+        [--reference exact|hf] [--scoring all|llama] [--dtype auto] [--device auto] [--seed 0] [--pack] \\
         [--out build/kl/NAME.json]
     replayquant table build/kl/*.json [--format md|csv|llama] [--by pair|model] [--scoring llama]
     accelerate launch -m replayquant kl ...      # documents split across processes, one results file

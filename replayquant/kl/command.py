@@ -142,7 +142,7 @@ def check_same_documents(documents, same_documents_as: tuple[str, dict]) -> None
 def _checked_kl(model, pairs, out_path: Path, *, dataset, split, text_field, context, docs,
                 segment, prefill, dtype, device_map, seed, pack, revision, reference, progress,
                 dataset_config, data_files, scoring, same_documents_as) -> dict | None:
-    device_map = check_device_map(device_map)
+    device_map = check_device_map(device_map, "--device")
     pairs = [resolve_pair(p) for p in pairs]          # once: everything below takes the objects
     check_pair_names(pairs)
     tok, cfg, resolved = load_tokenizer_and_config(model, revision)
