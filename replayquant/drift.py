@@ -39,6 +39,9 @@ import time
 from pathlib import Path
 
 import torch
+from rich.console import Console
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                           TimeRemainingColumn)
 from rich.table import Table
 
 from replayquant.formats.report import check_dims
@@ -109,18 +112,24 @@ def _rms(x):
     return float(x.pow(2).mean().sqrt())
 
 
-def run_one(kind, pair: PrecisionPair, mode: str, inp, S0, seed, ref_Y, ref_states, steps):
+def run_one(kind, pair: PrecisionPair, mode: str, inp, S0, seed, ref_Y, ref_states, steps,
+            advance=None):
+    """One run's errors against the reference; `advance(n)`, if given, is told of every
+    `_ADVANCE_EVERY` steps done (the progress bar)."""
     delta = kind != "mamba2"
     cls = ReplayState if mode == "replay" else ConventionalState
     L = pair.buffer_len if mode == "replay" else 1
     st = cls(S0, pair, delta=delta, seed=seed, vector_gate=kind == "kda")
     q, k, v, la, beta = inp
     pts = _checkpoints(steps, L)
-    ys, anchors = [], {}
+    ys, anchors, told = [], {}, 0
     for t in range(steps):
         ys.append(st.step(q[:, t], k[:, t], v[:, t], la[:, t], None if beta is None else beta[:, t]))
         if t + 1 in pts:
             anchors[t + 1] = st.anchor()
+        if advance is not None and ((t + 1) % _ADVANCE_EVERY == 0 or t + 1 == steps):
+            advance(t + 1 - told)
+            told = t + 1
     Y = torch.stack(ys, dim=1)
     err = Y - ref_Y
     last = pts[-1]
@@ -146,8 +155,10 @@ def _stats(vals):
 
 def run_drift(kind: str, pairs, steps: int = 4096, seeds=(42, 43, 44), batch: int = 2,
               heads: int = 4, d_k: int = 64, d_v: int = 32, conventional: bool = True,
-              progress=None) -> dict:
-    """Run the protocol; returns the results dict (with provenance) that `write_drift` saves."""
+              progress: bool = False) -> dict:
+    """Run the protocol; returns the results dict (with provenance) that `write_drift` saves.
+    progress: a progress bar on stderr over every decode step of every run and seed (the default
+    command runs about an hour), each finished run's errors printed above it."""
     seeds = _check_settings(kind, steps, seeds, batch, heads, d_k, d_v)
     pairs = _load_pairs(pairs, d_k)
     runs = _runs(pairs, conventional, steps)
@@ -157,7 +168,8 @@ def run_drift(kind: str, pairs, steps: int = 4096, seeds=(42, 43, 44), batch: in
                f"inputs, the reference's outputs and one pair's)",
                "give fewer --steps or smaller --batch / --heads / --d-k / --d-v", "cpu")
     t0 = time.time()
-    per = _measure(kind, runs, seeds, steps, batch, heads, d_k, d_v, progress, t0)
+    with _Bar(progress, len(seeds) * len(runs) * steps, f"drift {kind}") as bar:
+        per = _measure(kind, runs, seeds, steps, batch, heads, d_k, d_v, bar, t0)
     rows = [_row(p, mode, per[i]) for i, (p, mode) in enumerate(runs)]
     params = {"kind": kind, "steps": steps, "seeds": seeds, "batch": batch, "heads": heads,
               "d_k": d_k, "d_v": d_v, "protocol": "replayquant.drift module docstring",
@@ -224,8 +236,44 @@ def _runs(pairs: list[PrecisionPair], conventional: bool, steps: int) -> list[tu
     return runs
 
 
+# steps between two updates of the progress bar (an update per step would cost more than a
+# drift step of the default shape)
+_ADVANCE_EVERY = 64
+
+
+class _Bar:
+    """A rich progress bar on stderr over `total` decode steps, with the time left; lines printed
+    through `say` go above it. Disabled: nothing is shown."""
+
+    def __init__(self, enabled: bool, total: int, label: str):
+        self.p = None
+        if enabled:
+            self.p = Progress(TextColumn("{task.description}"), BarColumn(),
+                              MofNCompleteColumn(), TextColumn("steps"), TimeElapsedColumn(),
+                              TextColumn("left"), TimeRemainingColumn(),
+                              console=Console(stderr=True))
+            self.task = self.p.add_task(label, total=total)
+
+    def __enter__(self):
+        if self.p is not None:
+            self.p.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.p is not None:
+            self.p.__exit__(*exc)
+
+    def advance(self, n: int) -> None:
+        if self.p is not None:
+            self.p.advance(self.task, n)
+
+    def say(self, line: str) -> None:
+        if self.p is not None:
+            self.p.console.print(line, markup=False, highlight=False)
+
+
 def _measure(kind: str, runs: list, seeds: list[int], steps: int, batch: int, heads: int, d_k: int,
-             d_v: int, progress, t0: float) -> dict[int, list[dict]]:
+             d_v: int, bar: _Bar, t0: float) -> dict[int, list[dict]]:
     """Per run (by its index in `runs`), its `run_one` result for each seed, in seed order; each
     seed's inputs and reference states are made once and serve every run."""
     per = {i: [] for i in range(len(runs))}
@@ -237,12 +285,11 @@ def _measure(kind: str, runs: list, seeds: list[int], steps: int, batch: int, he
             pts.update(_checkpoints(steps, p.buffer_len if mode == "replay" else 1))
         ref_Y, ref_states = _reference_states(S0, inp, pts)
         for i, (p, mode) in enumerate(runs):
-            r = run_one(kind, p, mode, inp, S0, seed, ref_Y, ref_states, steps)
+            r = run_one(kind, p, mode, inp, S0, seed, ref_Y, ref_states, steps, bar.advance)
             r["seed"] = seed
             per[i].append(r)
-            if progress:
-                progress(f"{kind} seed {seed} {p.label()} {mode}: out {r['output_rel_rmse']:.3g} "
-                         f"anchor {r['anchor_rel_rmse']:.3g} ({time.time() - t0:.0f}s)")
+            bar.say(f"{kind} seed {seed} {p.label()} {mode}: out {r['output_rel_rmse']:.3g} "
+                    f"anchor {r['anchor_rel_rmse']:.3g} ({time.time() - t0:.0f}s)")
     return per
 
 
@@ -314,16 +361,25 @@ def render_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def drift_table(result: dict):
-    """A rich Table of one drift result."""
+_COLUMNS = ("pair", "mode", "L", "read", "anchor", "output RMSE", "output rel", "anchor RMSE",
+            "anchor rel")
+# left out in this order where the console is too narrow (the .md beside the JSON has them all)
+_DROP = ("read", "anchor", "output RMSE", "anchor RMSE", "L")
+
+
+def print_drift(result: dict, console=None, md_path=None) -> None:
+    """The table of one drift result fitted to the console's width (80 columns through a pipe):
+    columns that do not fit are left out and named, never a number cut."""
+    from replayquant.kl.report import fit_table      # rich tables of the KL report
+    console = console or Console()
     p = result["params"]
-    t = Table(title=f"drift vs FP32 recurrence: {p['kind']}, {p['steps']} steps, seeds {p['seeds']} "
-                    f"(B={p['batch']} H={p['heads']} {p['d_v']}x{p['d_k']})")
-    for c in ("pair", "mode", "L", "read", "anchor", "output RMSE", "output rel", "anchor RMSE",
-              "anchor rel"):
-        t.add_column(c, no_wrap=True, justify="right" if ("RMSE" in c or "rel" in c) else "left")
-    for r in result["rows"]:
-        t.add_row(r["pair"], r["mode"], str(r["buffer_len"]), r["read"], r["anchor"],
-                  _pm(r["output_rmse"]), _pm(r["output_rel_rmse"]), _pm(r["anchor_rmse"]),
-                  _pm(r["anchor_rel_rmse"]))
-    return t
+    title = (f"drift vs FP32 recurrence: {p['kind']}, {p['steps']} steps, seeds {p['seeds']} "
+             f"(B={p['batch']} H={p['heads']} {p['d_v']}x{p['d_k']})")
+    rows = [[r["pair"], r["mode"], str(r["buffer_len"]), r["read"], r["anchor"],
+             _pm(r["output_rmse"]), _pm(r["output_rel_rmse"]), _pm(r["anchor_rmse"]),
+             _pm(r["anchor_rel_rmse"])] for r in result["rows"]]
+    t, dropped = fit_table(console, title, list(_COLUMNS), rows, _DROP)
+    console.print(t)
+    if dropped:
+        console.print(f"(left out at {console.width} columns: {', '.join(dropped)}; "
+                      f"{md_path or 'the .md beside the results'} has them all)", highlight=False)

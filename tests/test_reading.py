@@ -118,3 +118,11 @@ def test_kl_takes_buffer_len_and_the_old_device_spelling_with_a_note(monkeypatch
     code, text = invoke(["kl", "--model", "tiny-qwen3.5", "--pair", "s32_rs", "--device", "cpu",
                          "--device-map", "cpu"])
     assert code == 2 and "give --device alone" in text, text
+
+
+def test_drift_shows_a_progress_bar_and_no_source_paths(tmp_path):
+    code, text = invoke(["drift", "--kind", "mamba2", "--pair", "s32_rs", "--steps", 20,
+                         "--seeds", "1,2", "--out", tmp_path])
+    assert code == 0, text
+    assert "80/80 steps" in text, text             # 2 seeds x (replay + conventional) x 20 steps
+    assert ".py:" not in text and "seed 2 s32_rs conventional" in text, text

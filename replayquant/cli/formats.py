@@ -78,7 +78,7 @@ def drift_cmd(
         raise ValueError(f"--seeds must be comma-separated integers, got {seeds!r}") from None
     drift.drift_out_path(out, kind, steps)           # before any computing
     res = drift.run_drift(kind, pair or None, steps=steps, seeds=seed_list, batch=batch, heads=heads,
-                    d_k=d_k, d_v=d_v, conventional=conventional, progress=Console(stderr=True).log)
+                    d_k=d_k, d_v=d_v, conventional=conventional, progress=True)
     path = drift.write_drift(res, out)
-    Console(width=max(Console().width, 170)).print(drift.drift_table(res))
+    drift.print_drift(res, md_path=path.with_suffix(".md"))
     typer.echo(f"wrote {path} and {path.with_suffix('.md')}")
