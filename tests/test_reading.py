@@ -126,3 +126,15 @@ def test_drift_shows_a_progress_bar_and_no_source_paths(tmp_path):
     assert code == 0, text
     assert "80/80 steps" in text, text             # 2 seeds x (replay + conventional) x 20 steps
     assert ".py:" not in text and "seed 2 s32_rs conventional" in text, text
+
+
+def test_transformers_warnings_print_above_a_progress_bar():
+    from rich.progress import Progress
+    from transformers.utils import logging as hf_logging
+    from replayquant.cli.common import library_logs_above_bars
+    library_logs_above_bars()
+    buf = io.StringIO()
+    with Progress(console=Console(file=buf, force_terminal=True, width=80)) as bar:
+        bar.add_task("KL", total=2)
+        hf_logging.get_logger("transformers.integrations").warning("falls back to PyTorch")
+    assert "falls back to PyTorch" in buf.getvalue()

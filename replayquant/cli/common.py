@@ -7,6 +7,8 @@ import dataclasses
 import functools
 import inspect
 import json
+import logging
+import sys
 import typing
 from contextlib import contextmanager
 from enum import Enum
@@ -230,7 +232,30 @@ def with_kl_options(command):
     def run(**options):
         kl = KLOptions(**{f.name: options.pop(f.name) for f in fields})
         kl.device_map = device_option(kl.device_map, options.pop("old_device_map"))
+        library_logs_above_bars()                   # a KL run shows a progress bar
         return command(kl=kl, **options)
     run.__signature__ = inspect.Signature(params)
     run.__annotations__ = {p.name: p.annotation for p in params}
     return run
+
+
+class _CurrentStderr:
+    """sys.stderr as it is at each write. While a rich progress bar runs in a terminal it swaps
+    sys.stderr for a proxy that prints above the bar; a stream taken at import writes through
+    the bar instead."""
+
+    def write(self, text):
+        return sys.stderr.write(text)
+
+    def flush(self):
+        sys.stderr.flush()
+
+
+def library_logs_above_bars() -> None:
+    """transformers' log lines (its warning, at the first forward, that a kernel falls back to
+    PyTorch) go to stderr as it is at each line, so that they print above a progress bar, not
+    through it. Called by the commands that load transformers anyway."""
+    from transformers.utils import logging as hf_logging
+    for handler in hf_logging.get_logger().handlers:
+        if isinstance(handler, logging.StreamHandler):
+            handler.setStream(_CurrentStderr())

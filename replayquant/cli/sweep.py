@@ -8,7 +8,8 @@ import dataclasses
 import typer
 
 from replayquant.cli.common import (KLOptions, ModelOpt, OldDeviceOpt, app, device_option,
-                                    pair_option, user_errors, with_kl_options)
+                                    library_logs_above_bars, pair_option, user_errors,
+                                    with_kl_options)
 from replayquant.gpqa.summary import load_summary
 from replayquant.sweep import recommend as R
 from replayquant.sweep.command import SWEEP_KIND, sweep_command
@@ -81,6 +82,7 @@ def recommend_cmd(
                 raise ValueError("--per-layer takes a sensitivity file and --kl-budget (with --low / "
                                  "--high); give a sweep file, --max-bytes, --max-memory or --gpqa "
                                  "without --per-layer")
+            library_logs_above_bars()               # its KL run shows a progress bar
             res = recommend_per_layer(per_layer, kl_budget, low=low, high=high, out=out,
                                       progress=progress,
                                       device_map=device_option(device, old_device_map))
