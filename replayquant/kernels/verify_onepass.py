@@ -15,8 +15,12 @@ A program takes a [BV, d_k] tile of one (batch row, value head), as the read lau
   row scale / NVFP4 matrix scale and the key norms multiply the float32 sums. A q that is not
   bf16 enters as three bf16 parts, columns of their own (at T = 4 the 16 columns hold them);
 * the same loop forms the ring's dot products: the committed keys and the drafts' keys as the
-  rows of a second product with the same columns, and the squared norms of both;
-* the drafts' u and outputs by forward substitution over the T drafts on [BV] vectors;
+  rows of two more products with the same columns, and the squared norms of both;
+* the committed entries' terms of every column then come from one product (their u / dt x
+  against the weights e^{G_p - G_j} (k_j . x)), the drafts' own terms from a [BV, NCOL] x
+  [NCOL, NCOL] product with the drafts' u, which GDN solves by forward substitution over the
+  drafts (T sweeps, each leaving one more draft's u final; the products in tf32x3, the
+  flush's precision); the outputs are columns of the result;
 * every store (outputs, ring entries, GDN key-factor rows) after that, then the pointer move
   by the row's last program (replay_decode._advance_row).
 
@@ -47,18 +51,6 @@ __all__ = ["onepass_verify", "onepass_launch_config", "ONEPASS_TABLE"]
 
 
 # ============================================================================ Triton
-
-@triton.jit
-def _at(x, i):
-    """Element i (a scalar, e.g. a loop index or a pointer) of the vector x."""
-    return tl.sum(tl.where(tl.arange(0, x.shape[0]) == i, x, 0.0), axis=0)
-
-
-@triton.jit
-def _col(M, sel):
-    """The sum of the columns of M [R, N] that sel [N] selects: [R]."""
-    return tl.sum(tl.where(sel[None, :], M, 0.0), axis=1)
-
 
 @triton.jit
 def _columns(NCOL: tl.constexpr, T: tl.constexpr, NKC: tl.constexpr, NQ: tl.constexpr):
@@ -143,20 +135,22 @@ def _pass(R_pay, R_sc, kbuf, k_ptr, q_ptr, mat, row, hk, rows, slot, start, h, j
           HK: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, CAPACITY: tl.constexpr,
           T: tl.constexpr, NCOL: tl.constexpr, NKC: tl.constexpr, NQ: tl.constexpr,
           CK: tl.constexpr, STAGES: tl.constexpr, RFMT: tl.constexpr, ON_GPU: tl.constexpr):
-    """One pass over the read copy tile: (accR [BV, NCOL] = R X, accK [BUFFER_TILE, NCOL] =
-    K X, ssK [BUFFER_TILE] the keys' squared norms, ssX [NCOL] the columns' squared norms),
-    X [d_k, NCOL] the drafts' columns (_columns), K the committed keys (ring entries 0..h-1)
-    with draft t's key at row h + t, all raw; no norm or scale applied."""
+    """One pass over the read copy tile, raw values (no norm, scale or copy factor): accR
+    [BV, NCOL] = R X, accK [BUFFER_TILE, NCOL] = K X (K: the committed keys, ring entries
+    0..h-1), accD [NCOL, NCOL] = Kd X (Kd: row s the key of draft s < T), and the squared
+    norms ssK, ssD of their rows and ssX of X's columns; X [d_k, NCOL] the drafts' columns
+    (_columns)."""
     NP: tl.constexpr = 3 if RFMT == 0 else 2 if RFMT == 1 else 1
     is_k, is_q, draft, part = _columns(NCOL, T, NKC, NQ)
     tok_n = row * T + draft
     e = _entry(slot, start, jj, CAPACITY)
     ring = jj < h
-    dr = (jj >= h) & (jj < h + T)
-    tok_j = row * T + tl.where(dr, jj - h, 0)
+    ss = tl.arange(0, NCOL)
     accR = tl.zeros([rows.shape[0], NCOL], tl.float32)
     accK = tl.zeros([jj.shape[0], NCOL], tl.float32)
+    accD = tl.zeros([NCOL, NCOL], tl.float32)
     ssK = tl.zeros([jj.shape[0]], tl.float32)
+    ssD = tl.zeros([NCOL], tl.float32)
     ssX = tl.zeros([NCOL], tl.float32)
     for c in tl.range(0, DK // CK, num_stages=STAGES):
         cc = c * CK + tl.arange(0, CK)
@@ -168,54 +162,54 @@ def _pass(R_pay, R_sc, kbuf, k_ptr, q_ptr, mat, row, hk, rows, slot, start, h, j
         X = _part(x, part, NQ)
         Kc = tl.load(kbuf + (e[:, None] * HK + hk) * DK + cc[None, :], mask=ring[:, None],
                      other=0.0)
-        Kd = tl.load(k_ptr + (tok_j[:, None] * HK + hk) * DK + cc[None, :], mask=dr[:, None],
-                     other=0.0)
-        Kc = tl.where(ring[:, None], Kc, Kd)
+        Kd = tl.load(k_ptr + ((row * T + ss[:, None]) * HK + hk) * DK + cc[None, :],
+                     mask=(ss < T)[:, None], other=0.0)
         Kf = Kc.to(tl.float32)
         ssK += tl.sum(Kf * Kf, axis=1)
+        Kf = Kd.to(tl.float32)
+        ssD += tl.sum(Kf * Kf, axis=1)
         accK = _mm(Kc, X, accK, ON_GPU)
+        accD = _mm(Kd, X, accD, ON_GPU)
         accR = _split_dot(_copy_chunk(R_pay, R_sc, mat, rows, c, CK, DV, DK, RFMT), X, accR,
                           NP, ON_GPU)
-    return accR, accK, ssK, ssX
+    return accR, accK, accD, ssK, ssD, ssX
 
 
 @triton.jit
-def _drafts_in(v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, row, hv, rows, beta_scale,
-               dt_lo, dt_hi, HV: tl.constexpr, DV: tl.constexpr, T: tl.constexpr,
-               TP: tl.constexpr, DELTA: tl.constexpr, HAS_DTB: tl.constexpr,
-               HAS_D: tl.constexpr, HAS_Z: tl.constexpr, DT_CLAMP: tl.constexpr):
-    """The T drafts' front ends as conventional._front_end computes them, all loaded at once:
-    (log_a [TP], beta [TP] (GDN times beta_scale; Mamba-2 dt), V [TP, BV] (GDN v, Mamba-2
-    dt x), Vraw [TP, BV] (v / x as the ring keeps it), skip [TP, BV] (D x), Z [TP, BV])."""
-    tt = tl.arange(0, TP)
-    live = tt < T
-    tok = row * T + tt
-    vo = (tok[:, None] * HV + hv) * DV + rows[None, :]
-    Vraw = tl.load(v_ptr + vo, mask=live[:, None], other=0.0)
-    V = Vraw.to(tl.float32)
-    Z = V
-    if HAS_Z:
-        Z = tl.load(z_ptr + vo, mask=live[:, None], other=0.0).to(tl.float32)
-    a = tl.load(a_ptr + tok * HV + hv, mask=live, other=0.0).to(tl.float32)
-    if HAS_DTB:
-        a = a + tl.load(dtb_ptr + hv).to(tl.float32)
+def _gates(a_ptr, b_ptr, A_ptr, dtb_ptr, Gbuf, slot, start, h, row, hv, beta_scale, dt_lo,
+           dt_hi, HV: tl.constexpr, CAPACITY: tl.constexpr, T: tl.constexpr,
+           NCOL: tl.constexpr, NKC: tl.constexpr, NQ: tl.constexpr, DELTA: tl.constexpr,
+           HAS_DTB: tl.constexpr, DT_CLAMP: tl.constexpr):
+    """The drafts' gates as conventional._front_end computes them, draft by draft (scalar
+    loads), the cumulative log gate G_p = G_{h-1} + sum of the drafts' log_a up to p added in
+    order: (Gd, bd [NCOL]: G_p and beta (GDN times beta_scale; Mamba-2 dt) of draft d at index
+    d < T; Gn [NCOL]: G_p of the draft of column n, _columns)."""
+    _, _, draft, _ = _columns(NCOL, T, NKC, NQ)
+    d = tl.arange(0, NCOL)
+    Gp = tl.load(Gbuf + _entry(slot, start, h - 1, CAPACITY) * HV + hv, mask=h > 0, other=0.0)
     A = tl.load(A_ptr + hv).to(tl.float32)
-    skip = V * 0.0
-    if DELTA:
-        log_a = -tl.exp(A) * _softplus(a)
-        beta = 1.0 / (1.0 + tl.exp(-tl.load(b_ptr + tok * HV + hv, mask=live,
-                                            other=0.0).to(tl.float32)))
-        beta = beta * beta_scale
-    else:
-        dt = _softplus(a)
-        if DT_CLAMP:
-            dt = tl.minimum(tl.maximum(dt, dt_lo), dt_hi)
-        log_a = dt * A
-        beta = dt
-        if HAS_D:
-            skip = tl.load(D_ptr + hv).to(tl.float32) * V
-        V = dt[:, None] * V
-    return log_a, beta, V, Vraw, skip, Z
+    Gd = tl.zeros([NCOL], tl.float32)
+    bd = tl.zeros([NCOL], tl.float32)
+    Gn = tl.zeros([NCOL], tl.float32)
+    for t in tl.static_range(T):
+        tok = row * T + t
+        a = tl.load(a_ptr + tok * HV + hv).to(tl.float32)
+        if HAS_DTB:
+            a = a + tl.load(dtb_ptr + hv).to(tl.float32)
+        if DELTA:
+            la = -tl.exp(A) * _softplus(a)
+            be = 1.0 / (1.0 + tl.exp(-tl.load(b_ptr + tok * HV + hv).to(tl.float32)))
+            be = be * beta_scale
+        else:
+            be = _softplus(a)
+            if DT_CLAMP:
+                be = tl.minimum(tl.maximum(be, dt_lo), dt_hi)
+            la = be * A
+        Gp = Gp + la
+        Gd = tl.where(d == t, Gp, Gd)
+        bd = tl.where(d == t, be, bd)
+        Gn = tl.where(draft == t, Gp, Gn)
+    return Gd, bd, Gn
 
 
 @triton.jit
@@ -243,82 +237,118 @@ def _ring_in(ubuf, vbuf, Gbuf, bbuf, Tbuf, slot, start, h, hv, rows, jj, lead,
 
 
 @triton.jit
-def _solve(accR, accK, X, G, Tm, log_a, beta, V, skip, h, jj, T: tl.constexpr,
-           TP: tl.constexpr, NCOL: tl.constexpr, NKC: tl.constexpr, NQ: tl.constexpr,
-           DELTA: tl.constexpr, KF: tl.constexpr, U_BF16: tl.constexpr):
-    """The drafts in order, draft t at entry p = h + t seeing the entries before it: GDN
-    u = beta (v - e^{G_p} R k - sum_j e^{G_p - G_j} (k_j . k) u_j) (rounded to bf16 with
-    U_BF16), Mamba-2 u = dt x; y = e^{G_p} R q + sum_{j <= p} e^{G_p - G_j} (k_j . q) u_j + D x
-    (accR, accK: R k, R q and k_j . k, k_j . q, normalised and scaled). KF: the key-factor row
-    T_p = e_p - sum_{j < p} beta e^{G_p - G_j} (k_j . k) T_j. Returns (Y, U [TP, BV], Gd, Tr
-    [TP, BUFFER_TILE])."""
+def _coefficients(accK, accD, G, Gd, Gn, h, jj, T: tl.constexpr, NCOL: tl.constexpr,
+                  NKC: tl.constexpr, NQ: tl.constexpr):
+    """The entries' weights in each column's sum, e^{G_p - G_j} times the (normalised) dot of
+    entry j's key with the column's vector: W [BUFFER_TILE, NCOL] for the committed entries
+    j < h; Dm [NCOL, NCOL] for draft s's u (row s) in the columns of the drafts after it (k
+    columns) and of itself and after (q columns: the term (k . q) u of the draft itself)."""
     is_k, is_q, draft, _ = _columns(NCOL, T, NKC, NQ)
-    tt = tl.arange(0, TP)
-    Gp = _at(G, h - 1)
-    Y = tl.zeros_like(V)
-    U = tl.zeros_like(V)
-    Gd = tl.zeros_like(log_a)
-    Tr = tl.zeros([TP, jj.shape[0]], tl.float32)
-    for t in tl.static_range(T):
-        p = h + t
-        cur = jj == p
-        here = (tt == t)[:, None]
-        Gp = Gp + _at(log_a, t)
-        prev = jj < p
-        wdec = tl.where(prev, tl.exp(tl.where(prev, Gp - G, 0.0)), 0.0)
-        eG = tl.exp(Gp)
-        qsel = is_q & (draft == t)
-        qk = _col(accK, qsel)
-        v = tl.sum(tl.where(here, V, 0.0), axis=0)
-        if DELTA:
-            be = _at(beta, t)
-            kk = _col(accK, (draft == t) & is_k)
-            corr = tl.sum((wdec * kk)[:, None] * X, axis=0)
-            u = be * (v - eG * _col(accR, (draft == t) & is_k)) - be * corr
-            if U_BF16:
-                u = u.to(tl.bfloat16).to(tl.float32)
-            if KF:
-                trow = tl.where(cur, 1.0, 0.0) - tl.sum((be * wdec * kk)[:, None] * Tm, axis=0)
-                Tm = tl.where(cur[:, None], trow[None, :], Tm)
-                Tr = tl.where(here, trow[None, :], Tr)
-        else:
-            u = v
-        y = eG * _col(accR, qsel) + tl.sum((wdec * qk)[:, None] * X, axis=0) + _at(qk, p) * u
-        X = tl.where(cur[:, None], u[None, :], X)
-        G = tl.where(cur, Gp, G)
-        Y = tl.where(here, y[None, :], Y)
-        U = tl.where(here, u[None, :], U)
-        Gd = tl.where(tt == t, Gp, Gd)
-    return Y + skip, U, Gd, Tr
+    s = tl.arange(0, NCOL)
+    low = (jj < h)[:, None]
+    W = tl.where(low, tl.exp(tl.where(low, Gn[None, :] - G[:, None], 0.0)), 0.0) * accK
+    sees = (s[:, None] < draft[None, :]) | ((s[:, None] == draft[None, :]) & is_q[None, :])
+    sees = sees & (s < T)[:, None] & (is_k | is_q)[None, :]
+    Dm = tl.where(sees, tl.exp(tl.where(sees, Gn[None, :] - Gd[:, None], 0.0)), 0.0) * accD
+    return W, Dm
 
 
 @triton.jit
-def _store_drafts(out_ptr, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, Y, U, Gd, beta, Vraw, Kraw,
-                  Tr, slot, start, h, row, hv, hk, rows, cols, jj, lead, HK: tl.constexpr,
+def _solve(P, C, V, Dm, bd, T: tl.constexpr, NCOL: tl.constexpr, DELTA: tl.constexpr,
+           U_BF16: tl.constexpr, PREC: tl.constexpr):
+    """The drafts' u [BV, NCOL] (column d: draft d < T) and the columns' sums P + C + U Dm
+    (P = e^{G_p} R x, C the committed entries' terms). GDN: u_t = beta_t (v_t - (P + C +
+    U Dm) in k column t), each u_t rounded to bf16 with U_BF16, U Dm strictly lower triangular
+    over the drafts: T sweeps over all columns give each column its sequential value (sweep
+    t + 1 leaves u_t final, the same operations in the same order). Mamba-2: u = dt x."""
+    d = tl.arange(0, NCOL)
+    U = V
+    if DELTA:
+        U = tl.zeros_like(V)
+        for _ in tl.static_range(T):
+            Z = P + C + tl.dot(U, Dm, input_precision=PREC)
+            u = bd[None, :] * (V - Z)
+            if U_BF16:
+                u = u.to(tl.bfloat16).to(tl.float32)
+            U = tl.where((d < T)[None, :], u, 0.0)
+    return U, P + C + tl.dot(U, Dm, input_precision=PREC)
+
+
+@triton.jit
+def _key_factor_rows(W, Dm, Tm, bd, h, jj, T: tl.constexpr, NCOL: tl.constexpr,
+                     PREC: tl.constexpr):
+    """GDN's key-factor rows of the drafts [NCOL, BUFFER_TILE] (row t: draft t at entry
+    p = h + t): T_p = e_p - sum_{j < p} beta_t e^{G_p - G_j} (k_j . k_t) T_j over the committed
+    rows Tm and the drafts' own rows, by T sweeps as _solve's."""
+    d = tl.arange(0, NCOL)
+    kc = (d < T)[None, :]
+    E = tl.where(((jj[None, :] == h + d[:, None]) & (d < T)[:, None]), 1.0, 0.0)
+    base = E - tl.dot(tl.trans(tl.where(kc, bd[None, :] * W, 0.0)), Tm, input_precision=PREC)
+    Ca = tl.trans(tl.where(kc, bd[None, :] * Dm, 0.0))
+    Tr = tl.zeros_like(base)
+    for _ in tl.static_range(T):
+        Tr = tl.where((d < T)[:, None], base - tl.dot(Ca, Tr, input_precision=PREC), 0.0)
+    return Tr
+
+
+@triton.jit
+def _drafts_v(v_ptr, D_ptr, z_ptr, bd, row, hv, rows, HV: tl.constexpr, DV: tl.constexpr,
+              T: tl.constexpr, NCOL: tl.constexpr, NKC: tl.constexpr, NQ: tl.constexpr,
+              DELTA: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr):
+    """The drafts' v / x [BV, NCOL] (column d: draft d < T): (Vraw as the ring keeps it, V: GDN
+    v, Mamba-2 dt x), and for the q columns Mamba-2's skip D x and the gate z (zeros without)."""
+    _, is_q, draft, part = _columns(NCOL, T, NKC, NQ)
+    d = tl.arange(0, NCOL)
+    Vraw = tl.load(v_ptr + ((row * T + d[None, :]) * HV + hv) * DV + rows[:, None],
+                   mask=(d < T)[None, :], other=0.0)
+    V = Vraw.to(tl.float32)
+    skip = V * 0.0
+    Z = skip
+    yo = ((row * T + draft[None, :]) * HV + hv) * DV + rows[:, None]
+    ym = (is_q & (part == 0))[None, :]
+    if not DELTA:
+        V = bd[None, :] * V
+        if HAS_D:
+            skip = tl.load(D_ptr + hv).to(tl.float32) \
+                * tl.load(v_ptr + yo, mask=ym, other=0.0).to(tl.float32)
+    if HAS_Z:
+        Z = tl.load(z_ptr + yo, mask=ym, other=0.0).to(tl.float32)
+    return Vraw, V, skip, Z
+
+
+@triton.jit
+def _store_drafts(out_ptr, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, Y, U, Gd, bd, Vraw, Kraw, Tr,
+                  slot, start, h, row, hv, hk, rows, cols, jj, lead, HK: tl.constexpr,
                   HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                   CAPACITY: tl.constexpr, BUFFER_LEN: tl.constexpr, T: tl.constexpr,
-                  TP: tl.constexpr, DELTA: tl.constexpr, KF: tl.constexpr):
-    """The drafts' outputs and ring entries h..h+T-1 (replay_decode._append_entry's fields:
-    v / x and u of the tile's rows; lead: G, beta / dt, the key-factor rows, and raw k from the
-    key head's first value head)."""
-    tt = tl.arange(0, TP)
-    live = tt < T
-    e = _entry(slot, start, h + tt, CAPACITY)
-    tl.store(out_ptr + (((row * T + tt)[:, None]) * HV + hv) * DV + rows[None, :], Y,
-             mask=live[:, None])
-    xo = (e[:, None] * HV + hv) * DV + rows[None, :]
-    tl.store(vbuf + xo, Vraw.to(tl.bfloat16), mask=live[:, None])
+                  NCOL: tl.constexpr, NKC: tl.constexpr, NQ: tl.constexpr,
+                  DELTA: tl.constexpr, KF: tl.constexpr):
+    """The drafts' outputs (the q columns of Y, a draft's parts summed) and ring entries
+    h..h+T-1 (replay_decode._append_entry's fields: v / x and u of the tile's rows; lead: G,
+    beta / dt, the key-factor rows, and raw k from the key head's first value head)."""
+    _, is_q, draft, part = _columns(NCOL, T, NKC, NQ)
+    d = tl.arange(0, NCOL)
+    live = d < T
+    e = _entry(slot, start, h + d, CAPACITY)
+    if NQ > 1:                    # a draft's q parts: their sums into its first part's column
+        Y = tl.dot(Y, tl.where((draft[:, None] == draft[None, :]) & is_q[:, None], 1.0, 0.0),
+                   input_precision="ieee")
+    tl.store(out_ptr + ((row * T + draft[None, :]) * HV + hv) * DV + rows[:, None], Y,
+             mask=(is_q & (part == 0))[None, :])
+    xo = (e[None, :] * HV + hv) * DV + rows[:, None]
+    tl.store(vbuf + xo, Vraw.to(tl.bfloat16), mask=live[None, :])
     if DELTA:
-        tl.store(ubuf + xo, U.to(ubuf.dtype.element_ty), mask=live[:, None])
+        tl.store(ubuf + xo, U.to(ubuf.dtype.element_ty), mask=live[None, :])
     if lead:
         tl.store(Gbuf + e * HV + hv, Gd, mask=live)
-        tl.store(bbuf + e * HV + hv, beta, mask=live)
+        tl.store(bbuf + e * HV + hv, bd, mask=live)
         if KF:
             tl.store(Tbuf + (e[:, None] * HV + hv) * BUFFER_LEN + jj[None, :], Tr,
                      mask=live[:, None] & (jj < BUFFER_LEN)[None, :])
+        tt = tl.arange(0, Kraw.shape[0])
         if hv % (HV // HK) == 0:
-            tl.store(kbuf + (e[:, None] * HK + hk) * DK + cols[None, :], Kraw,
-                     mask=live[:, None])
+            tl.store(kbuf + (_entry(slot, start, h + tt, CAPACITY)[:, None] * HK + hk) * DK
+                     + cols[None, :], Kraw, mask=(tt < T)[:, None])
 
 
 @triton.jit
@@ -332,10 +362,11 @@ def _onepass_kernel(
         NQ: tl.constexpr, CK: tl.constexpr, STAGES: tl.constexpr, RFMT: tl.constexpr,
         DELTA: tl.constexpr, L2NORM: tl.constexpr, HAS_DTB: tl.constexpr, HAS_D: tl.constexpr,
         HAS_Z: tl.constexpr, U_BF16: tl.constexpr, DT_CLAMP: tl.constexpr, KF: tl.constexpr,
-        ON_GPU: tl.constexpr):
+        PREC: tl.constexpr, ON_GPU: tl.constexpr):
     """A verify of T drafts, a program per [BV, d_k] tile of one (batch row, value head) (module
-    docstring); the row's pointers after its pre-flush (folded by the flush launch before),
-    then the one pass, the drafts' solve, the stores and the row's pointer move."""
+    docstring): the row's pointers after its pre-flush (folded by the flush launch before),
+    the drafts' inputs, the committed entries, the one pass, the drafts' solve, the stores and
+    the row's pointer move."""
     row, hv, hk, rows, cols, slot = _program_tile(idx_ptr, HK, HV, DK, BV)
     tt = tl.arange(0, TP)
     if slot >= 0:
@@ -344,36 +375,45 @@ def _onepass_kernel(
         jj = tl.arange(0, BUFFER_TILE)
         lead = tl.program_id(1) == 0
         pre, fill = _flush_flags(tl.load(h_ptr + slot), T, BUFFER_LEN, False)
-        s, start, h, _ = _read_setup(R_gs, mat, tl.load(st_ptr + slot), tl.load(h_ptr + slot),
+        _, start, h, _ = _read_setup(R_gs, mat, tl.load(st_ptr + slot), tl.load(h_ptr + slot),
                                      pre, fill, False, CAPACITY, RFMT, False)
-        log_a, beta, V, Vraw, skip, Z = _drafts_in(
-            v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, row, hv, rows, beta_scale,
-            dt_lo, dt_hi, HV, DV, T, TP, DELTA, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP)
+        Gd, bd, Gn = _gates(a_ptr, b_ptr, A_ptr, dtb_ptr, Gbuf, slot, start, h, row, hv,
+                            beta_scale, dt_lo, dt_hi, HV, CAPACITY, T, NCOL, NKC, NQ, DELTA,
+                            HAS_DTB, DT_CLAMP)
+        accR, accK, accD, ssK, ssD, ssX = _pass(
+            R_pay, R_sc, kbuf, k_ptr, q_ptr, mat, row, hk, rows, slot, start, h, jj, HK, DV, DK,
+            CAPACITY, T, NCOL, NKC, NQ, CK, STAGES, RFMT, ON_GPU)
+        # the rest of the inputs after the pass (still before any store): not live during it
+        Vraw, V, skip, Z = _drafts_v(v_ptr, D_ptr, z_ptr, bd, row, hv, rows, HV, DV, T, NCOL,
+                                     NKC, NQ, DELTA, HAS_D, HAS_Z)
         kl = tt < tl.where(lead & (hv % (HV // HK) == 0), T, 0)     # k, where it is stored
         Kraw = tl.load(k_ptr + (((row * T + tt)[:, None]) * HK + hk) * DK + cols[None, :],
                        mask=kl[:, None] & (cols < DK)[None, :], other=0.0)
         X, G, Tm = _ring_in(ubuf, vbuf, Gbuf, bbuf, Tbuf, slot, start, h, hv, rows, jj, lead,
                             HV, DV, CAPACITY, BUFFER_LEN, DELTA, KF)
-        accR, accK, ssK, ssX = _pass(R_pay, R_sc, kbuf, k_ptr, q_ptr, mat, row, hk, rows, slot,
-                                     start, h, jj, HK, DV, DK, CAPACITY, T, NCOL, NKC, NQ, CK,
-                                     STAGES, RFMT, ON_GPU)
         is_k, is_q, _, _ = _columns(NCOL, T, NKC, NQ)
         fac = tl.zeros_like(ssX) + 1.0
-        r = tl.zeros_like(ssK) + 1.0
-        if DELTA:                               # GDN's q scale
+        if DELTA:                               # GDN's q scale and L2 norms of k and q
             fac = tl.where(is_q, scale, 1.0)
-        if DELTA and L2NORM:                    # the keys' and queries' L2 norms
-            fac = fac / tl.sqrt(ssX + _L2_EPS)
-            r = 1.0 / tl.sqrt(ssK + _L2_EPS)
-        accR = accR * fac[None, :] * _copy_factor(R_sc, R_gs, mat, rows, DV, RFMT)[:, None]
-        accK = accK * fac[None, :] * r[:, None]
-        Y, U, Gd, Tr = _solve(accR, accK, X, G, Tm, log_a, beta, V, skip, h, jj, T, TP, NCOL,
-                              NKC, NQ, DELTA, KF, U_BF16)
+            if L2NORM:
+                fac = fac / tl.sqrt(ssX + _L2_EPS)
+                accK = accK / tl.sqrt(ssK + _L2_EPS)[:, None]
+                accD = accD / tl.sqrt(ssD + _L2_EPS)[:, None]
+        W, Dm = _coefficients(accK * fac[None, :], accD * fac[None, :], G, Gd, Gn, h, jj, T,
+                              NCOL, NKC, NQ)
+        P = tl.exp(Gn)[None, :] * accR * fac[None, :] \
+            * _copy_factor(R_sc, R_gs, mat, rows, DV, RFMT)[:, None]
+        U, Y = _solve(P, tl.dot(tl.trans(X), W, input_precision=PREC), V, Dm, bd, T, NCOL,
+                      DELTA, U_BF16, PREC)
+        Y = Y + skip
         if HAS_Z:
             Y = Y * Z / (1.0 + tl.exp(-Z))
-        _store_drafts(out_ptr, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, Y, U, Gd, beta, Vraw, Kraw,
+        Tr = 0.0
+        if KF:
+            Tr = _key_factor_rows(W, Dm, Tm, bd, h, jj, T, NCOL, PREC)
+        _store_drafts(out_ptr, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, Y, U, Gd, bd, Vraw, Kraw,
                       Tr, slot, start, h, row, hv, hk, rows, cols, jj, lead, HK, HV, DK, DV,
-                      CAPACITY, BUFFER_LEN, T, TP, DELTA, KF)
+                      CAPACITY, BUFFER_LEN, T, NCOL, NKC, NQ, DELTA, KF)
         _advance_row(h_ptr, st_ptr, nf_ptr, cnt_ptr, idx_ptr, idx_ptr, idx_ptr, slot, row,
                      HV * (DV // BV), False, BUFFER_LEN, CAPACITY, T, False, DELTA, False)
     else:
@@ -384,11 +424,12 @@ def _onepass_kernel(
 # ============================================================================ host side
 
 # The one-pass launch, chosen by the read copy's format: rows BV of a program's tile, warps,
-# columns a chunk, chunks' loads in flight. Reasons: compile_check on sm_90 at the Qwen3.5-4B
-# GDN layer, T = 4 (registers, spills), docs/kernels.md.
+# columns a chunk, chunks' loads in flight. Reasons: compile_check sass on sm_90 (Triton 3.9),
+# Qwen3.5-4B GDN layer, T = 4, ptxas's registers uncapped; SASS a warp with the chunk loop's
+# body counted d_k / chunk times, for 64 rows (s32_rs / tp8_hi32 / tp4_hi32). Untimed.
 ONEPASS_TABLE = (   # role, rows, warps, chunk, stages  # reason
-    ("*", 64, 1, 32, 3),
-)
+    ("*", 64, 2, 32, 3),   # 2 x 4164 / 4546 / 4885, 145-180 registers; 32 rows on 1 warp:
+)                          # 2 x 4733 / 4970 / 5345; 64 on 1 warp 255 registers (tp4 spills)
 
 
 def onepass_launch_config(store: ReplayStore, launch=None):
@@ -501,6 +542,6 @@ def onepass_verify(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, st
         STAGES=stages, RFMT=rfid, DELTA=delta, L2NORM=use_qk_l2norm,
         HAS_DTB=has[0], HAS_D=has[1], HAS_Z=has[2],
         U_BF16=store.ubuf is not None and store.ubuf.dtype == torch.bfloat16,
-        DT_CLAMP=dt_args[2], KF=kf, ON_GPU=q.is_cuda, num_warps=nw)
+        DT_CLAMP=dt_args[2], KF=kf, PREC="tf32x3", ON_GPU=q.is_cuda, num_warps=nw)
     store.pending_T = T
     return out
