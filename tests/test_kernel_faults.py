@@ -11,7 +11,7 @@ from replayquant.bench.inputs import kda_step_inputs, random_state
 from replayquant.kernels import replay_ref as rr
 from replayquant.kernels import replay_torch as rt
 from replayquant.kernels.replay_decode import replay_gdn_step, replay_kda_step, replay_mamba2_step
-from replayquant.kernels.stores import FAULT_INPUTS, FaultRecord, ReplayStore
+from replayquant.kernels.stores import FAULT_COLUMNS, FAULT_INPUTS, FaultRecord, ReplayStore
 from replayquant.policy import resolve_pair
 from test_kernel_replay import Driver, poison_buffers
 
@@ -76,9 +76,9 @@ def test_step_notes_nonfinite_inputs_as_its_reference(kind, pair, fused, device)
         inp = _poisoned(kind, tuple(t.to(device) for t in inp), step)
         for fn, st, rec in zip(fns, stores, records):
             dr.step(fn, st, inp, idx, record=rec, **(launch if fn is fns[0] else {}))
-    want = torch.full((B + 1, len(FAULT_INPUTS[kind])), -1)
+    want = torch.full((B + 1, len(FAULT_COLUMNS[kind])), -1)      # no flush cast overflows
     for s, row, i, _ in POISON:
-        if i < want.shape[1] and want[row, i] < 0:
+        if i < len(FAULT_INPUTS[kind]) and want[row, i] < 0:
             want[row, i] = s + 1
     for rec in records:
         assert torch.equal(rec.bad.cpu(), want)
@@ -95,7 +95,7 @@ def test_record_errors():
     inp, idx = dr.inputs(seed=1), torch.arange(B)
     wrong = FaultRecord.empty("mamba2", B, "cpu")
     for fn in (replay_gdn_step, rr.replay_gdn_step_ref, rt.replay_gdn_step_torch):
-        with pytest.raises(ValueError, match=r"fault record's bad must be .*\[4, 5\]"):
+        with pytest.raises(ValueError, match=r"fault record's bad must be .*\[4, 6\]"):
             dr.step(fn, store, inp, idx, record=wrong)
         with pytest.raises(ValueError, match="moves its pointers"):
             dr.step(fn, store, inp, idx, record=FaultRecord.empty("gdn", B, "cpu"),

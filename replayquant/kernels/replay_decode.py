@@ -25,11 +25,12 @@ import torch
 import triton
 import triton.language as tl
 
+from replayquant.formats.constants import BF16, FP16
 from replayquant.kernels.conventional import (_L2_EPS, _front_end, _gate_out, _gated_step,
                                               _kernel_inputs, _l2norm, _program_tile)
-from replayquant.kernels.quant import (decode_bf16, decode_fp16, small_float_at,
-                                       small_float_pair_at)
-from replayquant.kernels.roles import _tile_load, _tile_store, split_key
+from replayquant.kernels.quant import (decode_bf16, decode_fp16, encode_bf16, encode_fp16,
+                                       small_float_at, small_float_pair_at)
+from replayquant.kernels.roles import _role_bits, _tile_load, _tile_store, split_key
 from replayquant.kernels.stores import (NO_DT_LIMIT, ReplayStore, _begin, _default_force,
                                         _check_buffered, _indices, dt_limit_args, folds_u,
                                         solves_u, step_inputs)
@@ -43,6 +44,11 @@ __all__ = ["replay_gdn_step", "replay_mamba2_step", "replay_kda_step", "advance_
 # A read copy with a chunk in LAUNCH_TABLE is read in chunks of columns, READ_STAGES chunks' loads
 # in flight (one stage is slower in every kind, docs/kernels.md)
 READ_STAGES = tl.constexpr(3)
+# the largest finite values and infinity codes of the role formats whose casts overflow
+_FP16_MAX = tl.constexpr(FP16.max_value)
+_FP16_INF = tl.constexpr(FP16.inf_code)
+_BF16_MAX = tl.constexpr(BF16.max_value)
+_BF16_INF = tl.constexpr(BF16.inf_code)
 
 
 @triton.jit
@@ -203,20 +209,55 @@ def _fold(S0, Kb, r, X, G, Bt, jj, n, A_pay, A_sc, A_gs, mat, rows, cols, kbuf, 
 
 
 @triton.jit
+def _cast_overflows(S, rows, cols, key_lo, key_hi, fi, slot, hv, DK: tl.constexpr,
+                    FMT: tl.constexpr, SR: tl.constexpr, ROLE: tl.constexpr):
+    """1 (int32) where the cast of the finite tile S into a role of format FMT (rounding SR, the
+    SR bits of _tile_store's cast into ROLE) holds an infinity, else 0 (a constant for formats
+    whose casts of a finite state are finite): fp16 and bf16 round past their largest value to
+    infinity (stores.cast_overflows). The cast is encoded only where S passes that value, so a
+    flush within range pays one reduction."""
+    over = 0
+    if (FMT == 1) or (FMT == 2):
+        amax = tl.max(tl.max(tl.abs(S), axis=1), axis=0)
+        over = (amax < 0).to(tl.int32)
+        if amax > (_FP16_MAX if FMT == 1 else _BF16_MAX):
+            rb = _role_bits(rows[:, None] * DK + cols[None, :], SR, key_lo, key_hi, fi, ROLE,
+                            slot, hv)
+            if FMT == 1:
+                inf = (encode_fp16(S, rb, SR) & 0x7FFF) == _FP16_INF
+            else:
+                inf = (encode_bf16(S, rb, SR) & 0x7FFF) == _BF16_INF
+            over = tl.max(tl.max(inf.to(tl.int32), axis=1), axis=0)
+    return over
+
+
+@triton.jit
 def _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi, fi,
-                 slot, hv, DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
+                 slot, hv, flag_ptr, row, DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
                  AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr, RSR: tl.constexpr,
-                 SHARED: tl.constexpr):
+                 SHARED: tl.constexpr, DELTA: tl.constexpr, RECORD: tl.constexpr):
     """anchor <- Q_anchor(S), read <- Q_read(S): two independent casts of the same S (a role in
     NVFP4 takes the whole matrix, BV = DV: one scale per matrix). A tile holding NaN or infinity
-    (a non-finite input; the host names it, models.runtime) keeps both roles as they were."""
+    (a non-finite input; the host names it, models.runtime) keeps both roles as they were, and
+    so does a finite tile whose cast into either role is not (_cast_overflows: an FP16 role
+    past 65504); RECORD: that overflow noted in batch row `row`'s flag, the bit after its
+    inputs' (stores.FAULT_COLUMNS' flush cast)."""
     bad = tl.sum(tl.sum(((S != S) | (tl.abs(S) == float("inf"))).to(tl.int32), axis=1), axis=0)
     if bad == 0:
-        _tile_store(S, A_pay, A_sc, A_gs, mat, rows, cols, key_lo, key_hi, fi, slot, hv,
-                    DV, DK, BV, AFMT, ASR, 0)
+        over = _cast_overflows(S, rows, cols, key_lo, key_hi, fi, slot, hv, DK, AFMT, ASR, 0)
         if not SHARED:
-            _tile_store(S, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi, fi, slot, hv,
-                        DV, DK, BV, RFMT, RSR, 1)
+            over = over | _cast_overflows(S, rows, cols, key_lo, key_hi, fi, slot, hv, DK,
+                                          RFMT, RSR, 1)
+        if over == 0:
+            _tile_store(S, A_pay, A_sc, A_gs, mat, rows, cols, key_lo, key_hi, fi, slot, hv,
+                        DV, DK, BV, AFMT, ASR, 0)
+            if not SHARED:
+                _tile_store(S, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi, fi, slot, hv,
+                            DV, DK, BV, RFMT, RSR, 1)
+        else:
+            if RECORD:
+                CAST_BIT: tl.constexpr = 5 if DELTA else 4
+                tl.atomic_or(flag_ptr + row, 1 << CAST_BIT)
 
 
 @triton.jit
@@ -456,8 +497,9 @@ def _note_inputs(flag_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, tok, hv, hk, rows,
 def _note_step(flag_ptr, bad_ptr, stp_ptr, row, DELTA: tl.constexpr):
     """The row's last program of a step: steps[row] += 1, and bad[row, i] = that count for each
     input i whose bit the row's programs set in flag[row] and that held no earlier fault; the
-    flag cleared (an atomic read: other programs' ORs went to L2)."""
-    NB: tl.constexpr = 5 if DELTA else 4
+    flag cleared (an atomic read: other programs' ORs went to L2). Its columns and bits are
+    stores.FAULT_COLUMNS': the inputs', then the flush's cast (_store_roles)."""
+    NB: tl.constexpr = 6 if DELTA else 5
     n = tl.load(stp_ptr + row) + 1
     tl.store(stp_ptr + row, n)
     f = tl.atomic_xchg(flag_ptr + row, 0)
@@ -665,7 +707,7 @@ def _flush_tile(tile, n_rows, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, 
     """The flush launch's work on one tile (batch row, value head, BV rows) of a row that
     pre-flushes or flushes: the pre-flush (fold the h committed entries, cast both roles), then
     in a step the flush step (rebuild, this step, output S q, cast both roles; RECORD: its
-    inputs' faults noted, _note_inputs)."""
+    inputs' faults noted, _note_inputs, and a cast that overflowed, _store_roles)."""
     row, hv, blk = _flush_tile_at(tile, n_rows, HV, DV, BV)
     hk = hv // (HV // HK)
     rows = blk * BV + tl.arange(0, BV)
@@ -687,7 +729,8 @@ def _flush_tile(tile, n_rows, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, 
                   ON_GPU, VEC, FOLD_U, L2NORM)
         nf = nf + 1
         _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi,
-                     nf, slot, hv, DV, DK, BV, AFMT, ASR, RFMT, RSR, SHARED)
+                     nf, slot, hv, flag_ptr, row, DV, DK, BV, AFMT, ASR, RFMT, RSR, SHARED, DELTA,
+                     RECORD)
         start = (start + h) % CAPACITY
         h = h * 0
         tl.debug_barrier()          # a flush step after it reads the anchor just written
@@ -710,7 +753,8 @@ def _flush_tile(tile, n_rows, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, 
             S, y = _gated_step(S, q, k, v, log_a, beta * beta_scale if DELTA else beta, DELTA,
                                VEC)
             _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_lo,
-                         key_hi, nf + 1, slot, hv, DV, DK, BV, AFMT, ASR, RFMT, RSR, SHARED)
+                         key_hi, nf + 1, slot, hv, flag_ptr, row, DV, DK, BV, AFMT, ASR, RFMT,
+                         RSR, SHARED, DELTA, RECORD)
             y = _gate_out(y + skip, z_ptr, row, hv, rows, HV, DV, HAS_Z)
             tl.store(out_ptr + (row * HV + hv) * DV + rows, y)
             if RECORD:  # last, where the tiles are dead (see _read_drafts)
@@ -782,8 +826,9 @@ def _replay_kernel(
     the reads (_read_drafts), and with ADVANCE the row's pointer moves (_advance_row). FUSED
     (_fused): the read launch alone on the flush's tiles, a program flushing its own tile first.
     Each launch compiles its own path only. VEC: KDA (a_ptr the log decay per key channel, b_ptr beta).
-    RECORD (a step with ADVANCE): the step notes its inputs' faults in a stores.FaultRecord
-    (flag_ptr, bad_ptr, stp_ptr; _note_inputs, _note_step)."""
+    RECORD (a step with ADVANCE): the step notes its inputs' faults and its flush's casts that
+    overflowed in a stores.FaultRecord (flag_ptr, bad_ptr, stp_ptr; _note_inputs, _store_roles,
+    _note_step)."""
     if FLUSHES:
         NT = n_rows * (HV * (DV // BV))
         tiles = tl.program_id(0) * TPP + tl.arange(0, TPP)
@@ -1021,7 +1066,7 @@ def _launch(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, state_ind
     launch, or one launch (_fused); returns out. With advance
     the read launch moves the pointers (the last program of each row). KDA: a is the log decay
     g per key channel, b beta, A None. record: a stores.FaultRecord the step notes its inputs'
-    faults in (a step with advance only)."""
+    faults and its flush's casts that overflowed in (a step with advance only)."""
     delta = kind != "mamba2"
     N, HV, dv, dk = store.shape
     HK = store.key_heads
@@ -1101,7 +1146,8 @@ def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, stat
     (rows, warps[, regs])} overrides the launch table (replay_launch_config); 'fused': True /
     False one launch a step or two (default: _fused's choice by batch). record: a
     stores.FaultRecord in which the step notes which inputs of which rows held NaN or infinity
-    (no host read; its torch twin is FaultRecord.note)."""
+    and which rows' flush kept its roles because a cast overflowed (no host read; its torch
+    twins are FaultRecord.note and note_cast)."""
     return _launch(store, "gdn", q, k, v, a, b, A_log, dt_bias, None, None, state_indices, out,
                    scale, use_qk_l2norm, True, path, launch, advance=advance,
                    beta_scale=beta_scale, record=record)

@@ -18,7 +18,8 @@ from replayquant.kernels.conventional import (_into, gdn_frontend_ref, kda_front
 from replayquant.kernels.replay_decode import replay_launch_config
 from replayquant.kernels.roles import role_streams
 from replayquant.kernels.stores import (NO_DT_LIMIT, ReplayStore, _begin, _check_accept,
-                                        _default_force, _indices, folds_u, ring_keys, solves_u)
+                                        _default_force, _indices, cast_overflows, folds_u,
+                                        ring_keys, solves_u)
 from replayquant.streams import ANCHOR, READ
 
 __all__ = ["replay_gdn_step_ref", "replay_mamba2_step_ref", "replay_gdn_verify_ref",
@@ -150,27 +151,39 @@ def _rebuild_ref(A, K, V, G, Bt, delta, cur=None, vec=False, U=None):
     return S
 
 
-def _write_roles_ref(store: ReplayStore, s: int, S, fi: int):
+def _write_roles_ref(store: ReplayStore, s: int, S, fi: int) -> bool:
     """Both roles of slot s cast from S; a tile of the flush launch (replay_launch_config's rows
-    of one head) whose S holds NaN or infinity keeps both roles as they were, as in the kernel."""
+    of one head) whose S holds NaN or infinity, or whose cast into either role does (an FP16
+    role past 65504, stores.cast_overflows), keeps both roles as they were, as in the kernel.
+    Returns whether a cast overflowed."""
     H = store.shape[1]
     bv = replay_launch_config(store, "flush")[0]
-    keep = ~torch.isfinite(S).unflatten(1, (-1, bv)).flatten(2).all(2)     # [H, tiles]
-    keep = keep.repeat_interleave(bv, 1)[:, :, None]                       # [H, d_v, 1]
+    roles = [(r, w) for r, w in ((store.anchor, ANCHOR), (store.read, READ)) if r is not None]
+
+    def tiles(m):                 # [H, dv, dk] -> [H, dv, 1]: m anywhere in the row's tile
+        return m.unflatten(1, (-1, bv)).flatten(2).any(2).repeat_interleave(bv, 1)[:, :, None]
+
+    keep = tiles(~torch.isfinite(S))
+    over = torch.zeros_like(keep)
+    for r, w in roles:
+        if cast_overflows(r.fmt):
+            pay = r.encode(torch.where(keep, 0.0, S)[None], store.key,
+                           role_streams(fi, w, [s], H))[0][0]
+            over = over | tiles(~torch.isfinite(pay))
+    keep = keep | over
     if bool(keep.any()):
-        roles = [r for r in (store.anchor, store.read) if r is not None]
         before = [[None if t is None else as_bits(t)[s].clone()
-                   for t in (r.payload, r.scale, r.gscale)] for r in roles]
+                   for t in (r.payload, r.scale, r.gscale)] for r, _ in roles]
         _write_roles_ref(store, s, torch.where(keep, 0.0, S), fi)
-        for r, old in zip(roles, before):             # the kept tiles' bytes as they were
+        for (r, _), old in zip(roles, before):        # the kept tiles' bytes as they were
             for t, o in zip((r.payload, r.scale, r.gscale), old):
                 if t is not None:
                     m = keep if o.dim() == 3 else keep[..., 0] if o.dim() == 2 else keep[:, 0, 0]
                     as_bits(t)[s] = torch.where(m, o, as_bits(t)[s])
-        return
-    store.anchor.write_([s], S[None], store.key, role_streams(fi, ANCHOR, [s], H))
-    if store.read is not None:
-        store.read.write_([s], S[None], store.key, role_streams(fi, READ, [s], H))
+        return bool(over.any())
+    for r, w in roles:
+        r.write_([s], S[None], store.key, role_streams(fi, w, [s], H))
+    return False
 
 
 def _read_token_ref(R, K, X, G, Gp, qt, kt, vt, bt, delta: bool, vec: bool, bf):
@@ -206,11 +219,12 @@ def _read_token_ref(R, K, X, G, Gp, qt, kt, vt, bt, delta: bool, vec: bool, bf):
 
 
 def replay_ref_core(store: ReplayStore, fe, raw, state_indices, T: int, step: bool, force: bool,
-                    post=None):
+                    post=None, record=None):
     """Torch twin of _replay_kernel. fe: front-end tensors (q, k, v, log_a, gate2) float32 with
     value heads, each [B, T, H, ...] (gate2: GDN beta, Mamba-2 dt); raw: (k raw [B, T, HK, dk],
     x/v raw [B, T, H, dv]) as stored. post(y, b, t) applies the Mamba-2 D skip / z gate.
-    Returns y [B, T, H, dv]."""
+    record: a step's FaultRecord (its `note` of the step made), whose flush-cast column notes
+    the rows whose flush kept its roles for a cast that overflowed. Returns y [B, T, H, dv]."""
     q, k, v, log_a, beta = fe
     kraw, xraw = raw
     delta = store.kind != "mamba2"
@@ -222,6 +236,7 @@ def replay_ref_core(store: ReplayStore, fe, raw, state_indices, T: int, step: bo
     y = torch.zeros(B, T, H, dv, dtype=torch.float32, device=q.device)
     bf = torch.bfloat16 if store.ubuf is None else store.ubuf.dtype
     fold = folds_u(store)
+    over = torch.zeros(B, dtype=torch.bool)
     for b_, s in enumerate(idx.tolist()):
         if s < 0:
             continue
@@ -230,7 +245,7 @@ def replay_ref_core(store: ReplayStore, fe, raw, state_indices, T: int, step: bo
             K, V, U, G, Bt = _entries_ref(store, s, h, start)
             S = _rebuild_ref(store.anchor.dequantize([s])[0], K, V, G, Bt, delta, vec=vec,
                              U=U if fold else None)
-            _write_roles_ref(store, s, S, nf + 1)
+            over[b_] |= _write_roles_ref(store, s, S, nf + 1)
             nf, start, h = nf + 1, (start + h) % store.capacity, 0
         if step and (h + 1 == buffer_len or force):
             K, V, U, G, Bt = _entries_ref(store, s, h, start)
@@ -238,7 +253,7 @@ def replay_ref_core(store: ReplayStore, fe, raw, state_indices, T: int, step: bo
                              cur=(k[b_, 0], v[b_, 0], log_a[b_, 0], beta[b_, 0]), vec=vec,
                              U=U if fold else None)
             y[b_, 0] = (S * q[b_, 0].unsqueeze(1)).sum(-1)
-            _write_roles_ref(store, s, S, nf + 1)
+            over[b_] |= _write_roles_ref(store, s, S, nf + 1)
         else:
             R = store.read_role.dequantize([s])[0]
             K, V, U, G, Bt = _entries_ref(store, s, h, start)
@@ -265,6 +280,8 @@ def replay_ref_core(store: ReplayStore, fe, raw, state_indices, T: int, step: bo
         if post is not None:
             for t in range(T):
                 y[b_, t] = post(y[b_, t], b_, t)
+    if record is not None:
+        record.note_cast(over.to(q.device), state_indices)
     return y
 
 
@@ -302,7 +319,8 @@ def replay_gdn_step_ref(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None,
     one = lambda t: t.unsqueeze(1)  # noqa: E731
     fe = _gdn_fe(one(q), one(k), one(v), one(a), one(b), A_log, dt_bias, scale, use_qk_l2norm,
                  beta_scale)
-    y = replay_ref_core(store, fe, (one(k), one(v)), state_indices, 1, True, force)[:, 0]
+    y = replay_ref_core(store, fe, (one(k), one(v)), state_indices, 1, True, force,
+                        record=record)[:, 0]
     if advance:
         advance_pointers_ref(store, _indices(state_indices, q.shape[0], q.device), 1, True, force)
     return _into(out, y)
@@ -319,7 +337,7 @@ def replay_mamba2_step_ref(store: ReplayStore, x, dt, A, B, C, state_indices=Non
     one = lambda t: None if t is None else t.unsqueeze(1)  # noqa: E731
     fe = _mamba2_fe(one(x), one(dt), A, one(B), one(C), dt_bias, dt_limit)
     y = replay_ref_core(store, fe, (one(B), one(x)), state_indices, 1, True, force,
-                        _mamba2_post(one(x), D, one(z)))[:, 0]
+                        _mamba2_post(one(x), D, one(z)), record=record)[:, 0]
     if advance:
         advance_pointers_ref(store, _indices(state_indices, x.shape[0], x.device), 1, True, force)
     return _into(out, y)
@@ -368,7 +386,8 @@ def replay_kda_step_ref(store: ReplayStore, q, k, v, g, beta, state_indices=None
     store.last_force = force
     one = lambda t: t.unsqueeze(1)  # noqa: E731
     fe = _kda_fe(one(q), one(k), one(v), one(g), one(beta), scale, use_qk_l2norm)
-    y = replay_ref_core(store, fe, (one(k), one(v)), state_indices, 1, True, force)[:, 0]
+    y = replay_ref_core(store, fe, (one(k), one(v)), state_indices, 1, True, force,
+                        record=record)[:, 0]
     if advance:
         advance_pointers_ref(store, _indices(state_indices, q.shape[0], q.device), 1, True, force)
     return _into(out, y)

@@ -20,10 +20,10 @@ drafts (max_drafts), a row whose accepted drafts filled the buffer (committed ==
 folds them into both roles, as the reference's pre-flush.
 
 Against the reference: the flush (the recurrence from the anchor, the casts with their SR
-bits, the kept non-finite tiles, the pointers) is the reference's arithmetic element by
-element, and so are the ring's k, v, beta and gate entries. The read branch sums over the L
-window positions (the masked ones add zeros) where the reference sums over the row's h entries
-(`einsum` over j), and the key factors come from one triangular solve over the L positions
+bits, the kept tiles of a non-finite state or cast, the pointers) is the reference's arithmetic
+element by element, and so are the ring's k, v, beta and gate entries. The read branch sums over
+the L window positions (the masked ones add zeros) where the reference sums over the row's h
+entries (`einsum` over j), and the key factors come from one triangular solve over the L positions
 where the reference solves over h + 1: where a platform's matmul or solve orders these sums
 differently, the outputs, u and the key factors move by float32 reassociation (about 1e-6
 relative); u stored in bf16 may then lie one bf16 step apart where it sat on a rounding
@@ -50,8 +50,8 @@ from replayquant.kernels.conventional import (_into, gdn_frontend_ref, kda_front
 from replayquant.kernels.philox import random_bits_torch
 from replayquant.kernels.replay_decode import replay_launch_config
 from replayquant.kernels.stores import (NO_DT_LIMIT, ReplayStore, _begin, _check_buffered,
-                                        _indices, folds_u, pow2_16, ring_keys, solves_u,
-                                        step_inputs)
+                                        _indices, cast_overflows, folds_u, pow2_16, ring_keys,
+                                        solves_u, step_inputs)
 from replayquant.streams import ANCHOR, READ, sr_stream
 
 __all__ = ["replay_gdn_step_torch", "replay_mamba2_step_torch", "replay_kda_step_torch"]
@@ -178,22 +178,32 @@ def _flush_tile_rows(store: ReplayStore) -> int:
 def _write_roles(store: ReplayStore, rows: _Rows, S, fi, write):
     """replay_ref._write_roles_ref for the rows where `write` holds: both roles cast from S
     [B, H, dv, dk] with the SR streams of flush index fi [B]; a tile of the flush launch whose S
-    holds NaN or infinity keeps its bytes (a cast of all rows, selected per row and tile)."""
+    holds NaN or infinity, or whose cast into either role does (an FP16 role past 65504,
+    stores.cast_overflows), keeps its bytes (a cast of all rows, selected per row and tile).
+    Returns [B] bool: the rows written to whose cast overflowed in a tile."""
     H = S.shape[1]
     bv = _flush_tile_rows(store)
-    keep = ~torch.isfinite(S).unflatten(2, (-1, bv)).flatten(3).all(3)      # [B, H, tiles]
-    keep = keep.repeat_interleave(bv, 2)[..., None]                          # [B, H, dv, 1]
-    S = torch.where(keep, 0.0, S)
-    for role, which in ((store.anchor, ANCHOR), (store.read, READ)):
-        if role is None:
-            continue
-        packed = role.encode(S, store.key, sr_stream(fi, which, rows.slot, H),
-                             bits=random_bits_torch)
+
+    def tiles(m):                 # [B, H, dv, dk] -> [B, H, dv, 1]: m anywhere in the row's tile
+        return m.unflatten(2, (-1, bv)).flatten(3).any(3).repeat_interleave(bv, 2)[..., None]
+
+    bad = tiles(~torch.isfinite(S))
+    S = torch.where(bad, 0.0, S)
+    casts = [(role, role.encode(S, store.key, sr_stream(fi, which, rows.slot, H),
+                                bits=random_bits_torch))
+             for role, which in ((store.anchor, ANCHOR), (store.read, READ)) if role is not None]
+    over = torch.zeros_like(bad)
+    for role, packed in casts:
+        if cast_overflows(role.fmt):
+            over = over | tiles(~torch.isfinite(packed[0]))
+    keep = bad | over
+    for role, packed in casts:
         for t, e in zip((role.payload, role.scale, role.gscale), packed):
             if t is None:
                 continue
             m = keep if e.dim() == 4 else keep[..., 0] if e.dim() == 3 else keep[:, :, 0, 0]
             rows.put(t, e, ~m & _row(write, m))
+    return write & rows.live & over.flatten(1).any(1)
 
 
 def _key_factor_rows(store: ReplayStore, rows: _Rows, K, G, Bt, n_live):
@@ -251,23 +261,26 @@ def _read_step(store: ReplayStore, rows: _Rows, R, win, h, cur):
 
 
 def _step(store: ReplayStore, fe, raw, state_indices, force: bool, advance: bool, post=None,
-          flushing=None):
+          flushing=None, record=None):
     """One decode step of every row (replay_ref_core with T = 1, then advance_pointers_ref):
     fe = (q, k, v, log_a, beta) float32 [B, H, ...] with value heads, raw = (k / B raw
     [B, HK, dk], v / x raw [B, H, dv]) as stored; post(y) the Mamba-2 D skip / z gate;
-    flushing: see replay_gdn_step_torch. Returns y [B, H, dv] (padding rows zero)."""
+    flushing: see replay_gdn_step_torch; record: the FaultRecord whose flush-cast column notes
+    the rows whose flush kept its roles for a cast that overflowed (after its `note` of the
+    step). Returns y [B, H, dv] (padding rows zero)."""
     q = fe[0]
     B, buffer_len, C = q.shape[0], store.buffer_len, store.capacity
     rows = _Rows(state_indices, B, q.device)
     h = store.committed[rows.slot].long()
     nf = store.n_flush[rows.slot]
     start = store.start[rows.slot].long()
+    over = torch.zeros(B, dtype=torch.bool, device=q.device)
     if store.max_drafts:
         # accepted drafts can fill the buffer (committed == L): fold them before the step
         pre = rows.live & (h + 1 > buffer_len) & (h > 0)
         K, V, U, G, Bt, _ = _window(store, rows, start, h)
         S = _rebuild(store, store.anchor.dequantize(rows.slot), K, V, U, G, Bt, buffer_len)
-        _write_roles(store, rows, S, nf + 1, pre)
+        over = _write_roles(store, rows, S, nf + 1, pre)
         nf = nf + pre.long()
         start = torch.where(pre, (start + h) % C, start)
         h = torch.where(pre, 0, h)
@@ -282,7 +295,7 @@ def _step(store: ReplayStore, fe, raw, state_indices, force: bool, advance: bool
         S = _rebuild(store, store.anchor.dequantize(rows.slot), K, V, U, G, Bt,
                      h if force else buffer_len - 1, cur=fe[1:])
         y_flush = (S * q.unsqueeze(2)).sum(-1)
-        _write_roles(store, rows, S, nf + 1, flush)
+        over = over | _write_roles(store, rows, S, nf + 1, flush)
         y = torch.where(_row(flush, y_flush), y_flush, y_read)
     elif len(flushing):
         i = torch.as_tensor(flushing, dtype=torch.long, device=q.device)
@@ -291,7 +304,9 @@ def _step(store: ReplayStore, fe, raw, state_indices, force: bool, advance: bool
                      None if U is None else U[i], G[i], Bt[i], buffer_len - 1,
                      cur=tuple(None if t is None else t[i] for t in fe[1:]))
         y = y_read.index_copy(0, i, (S * q[i].unsqueeze(2)).sum(-1))
-        _write_roles(store, sub, S, nf[i] + 1, torch.ones(len(i), dtype=torch.bool, device=q.device))
+        o = _write_roles(store, sub, S, nf[i] + 1, torch.ones(len(i), dtype=torch.bool,
+                                                             device=q.device))
+        over = over | torch.zeros_like(over).index_copy(0, i, o)
     else:
         y = y_read
     read = ~flush
@@ -308,6 +323,8 @@ def _step(store: ReplayStore, fe, raw, state_indices, force: bool, advance: bool
         rows.put(store.Tbuf, _key_factor_rows(store, rows, K2, G2, Bt2, h + 1), read, e)
     if post is not None:
         y = post(y)
+    if record is not None:
+        record.note_cast(over, state_indices)
     if advance:
         rows.put(store.committed, torch.where(flush, 0, h + 1), rows.live)
         rows.put(store.n_flush, nf + flush.long(), rows.live)
@@ -335,13 +352,14 @@ def replay_gdn_step_torch(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None
                           record=None):
     """One GDN replay decode step in torch (module docstring), the signature and effect of
     replay_ref.replay_gdn_step_ref; launch is accepted for the signature and changes nothing
-    (the kept tiles of a non-finite flush are those of the default flush launch, as the
+    (the kept tiles of a non-finite flush or cast are those of the default flush launch, as the
     reference's). flushing: the batch rows (indices, live rows) whose entry fills their buffer
     at this step, where the caller knows them on the host without reading the device (a
     patched model's decode store counts its steps); the flush branch then runs on those rows
     alone, the same arithmetic row by row. They must be exactly those rows; None (the default):
     every row computes both branches and keeps its own. Ignored for path 'flush' and in a store
-    built for drafts. record: a stores.FaultRecord the step notes its inputs' faults in."""
+    built for drafts. record: a stores.FaultRecord the step notes its inputs' faults and its
+    flush's casts that overflowed in."""
     force = _begin_step(store, "gdn", path, q, k, v, a, b, A_log, dt_bias)
     if record is not None:
         record.note("gdn", (q, k, v, a, b), state_indices, advance)
@@ -350,7 +368,8 @@ def replay_gdn_step_torch(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None
         raise ValueError(f"beta_scale must be a finite number > 0, got {beta_scale}")
     fe = list(gdn_frontend_ref(q, k, v, a, b, A_log, dt_bias, scale, use_qk_l2norm))
     fe[4] = fe[4] * beta_scale
-    y = _step(store, tuple(fe), (k, v), state_indices, force, advance, flushing=flushing)
+    y = _step(store, tuple(fe), (k, v), state_indices, force, advance, flushing=flushing,
+              record=record)
     return _into(out, y)
 
 
@@ -364,7 +383,7 @@ def replay_mamba2_step_torch(store: ReplayStore, x, dt, A, B, C, state_indices=N
         record.note("mamba2", (C, B, x, dt), state_indices, advance)
     fe = mamba2_frontend_ref(x, dt, A, B, C, dt_bias, dt_limit)
     y = _step(store, fe, (B, x), state_indices, force, advance,
-              post=lambda y: mamba2_post_ref(y, x, D, z), flushing=flushing)
+              post=lambda y: mamba2_post_ref(y, x, D, z), flushing=flushing, record=record)
     return _into(out, y)
 
 
@@ -377,5 +396,6 @@ def replay_kda_step_torch(store: ReplayStore, q, k, v, g, beta, state_indices=No
     if record is not None:
         record.note("kda", (q, k, v, g, beta), state_indices, advance)
     fe = kda_frontend_ref(q, k, v, g, beta, scale, use_qk_l2norm)
-    y = _step(store, fe, (k, v), state_indices, force, advance, flushing=flushing)
+    y = _step(store, fe, (k, v), state_indices, force, advance, flushing=flushing,
+              record=record)
     return _into(out, y)

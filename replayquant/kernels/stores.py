@@ -20,8 +20,10 @@ recomputes u from the anchor): the same store, stepped by either engine on its o
 
 `ConventionalStore`: one packed state, read-modify-written every step.
 
-`FaultRecord`: where the inputs of a decode step held NaN or infinity, noted by the step itself
-on the device (a patched model's decode reads it at a boundary the host already waits at).
+`FaultRecord`: where the inputs of a decode step held NaN or infinity, and where its flush's cast
+of a finite state into the anchor or the read copy was not (an FP16 role past 65504), noted by
+the step itself on the device (a patched model's decode reads it at a boundary the host already
+waits at).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import NamedTuple
 
 import torch
 
+from replayquant.formats import get_format
 from replayquant.kernels.roles import PackedRole, role_streams
 from replayquant.pairs import PrecisionPair
 from replayquant.replay.frontends import l2norm, l2norm_kda
@@ -63,17 +66,38 @@ def dt_limit_args(dt_limit):
 # (q_ptr, k_ptr, v_ptr, a_ptr, b_ptr): bit i of a row's flag is input i
 FAULT_INPUTS = {"gdn": ("q", "k", "v", "a", "b"), "mamba2": ("C", "B", "x", "dt"),
                 "kda": ("q", "k", "v", "g", "beta")}
+# a FaultRecord's columns: the inputs, then the flush's cast (bit len(FAULT_INPUTS[kind]))
+FAULT_COLUMNS = {kind: names + ("flush cast",) for kind, names in FAULT_INPUTS.items()}
+
+
+def cast_overflows(fmt: str) -> bool:
+    """Whether the cast of a finite FP32 state into format `fmt` can be infinite: fp16 and bf16,
+    IEEE grids whose casts round past their largest value to infinity (fp16 past 65504); fp32
+    holds the state, fp8 and NVFP4 scale each row or matrix to its largest value."""
+    grid = getattr(get_format(fmt), "grid", None)
+    return grid is not None and grid.ieee_overflow
+
+
+def overflowing_role(pair: PrecisionPair):
+    """("anchor" / "read copy", its FormatSpec) of the role of `pair` whose cast overflows first
+    (cast_overflows; the smaller range, the anchor on a tie); None where neither can."""
+    roles = [(r, s) for r, s in (("anchor", pair.anchor), ("read copy", pair.read))
+             if s is not None and cast_overflows(s.format)]
+    return min(roles, key=lambda rs: rs[1].fmt.grid.max_value, default=None)
 
 
 class FaultRecord(NamedTuple):
-    """What a decode step notes on the device about non-finite inputs, so that nobody reads the
-    host per step: `bad` int64 [B, n] the step number at which input i (FAULT_INPUTS[kind][i])
-    of batch row b first held NaN or infinity (-1: never); `steps` int64 [B] the steps taken
-    (a step adds one to its row's count and numbers itself with the sum); `flag` int32 [B] the
-    Triton kernel's scratch (each program ORs in the bits of the inputs it read, the row's last
-    program turns them into `bad` and clears them: zero between steps). Padding rows (negative
-    state index) note nothing. The step itself is unchanged: a flush never writes a non-finite
-    state into the roles (the tile keeps its last finite roles)."""
+    """What a decode step notes on the device about its faults, so that nobody reads the host
+    per step: `bad` int64 [B, n + 1] the step number at which input i (FAULT_INPUTS[kind][i],
+    i < n) of batch row b first held NaN or infinity, and (column n, FAULT_COLUMNS) at which a
+    flush of the row first cast its finite state into a role where the cast is not finite (an
+    FP16 anchor or read copy past 65504) (-1: never); `steps` int64 [B] the steps taken (a step
+    adds one to its row's count and numbers itself with the sum); `flag` int32 [B] the Triton
+    kernel's scratch (each program ORs in the bits of the inputs it read and of a cast that
+    overflowed, the row's last program turns them into `bad` and clears them: zero between
+    steps). Padding rows (negative state index) note nothing. The step itself is unchanged: a
+    flush never writes a non-finite state or cast into the roles (the tile keeps its last finite
+    roles)."""
 
     bad: torch.Tensor
     steps: torch.Tensor
@@ -81,7 +105,7 @@ class FaultRecord(NamedTuple):
 
     @classmethod
     def empty(cls, kind: str, B: int, device, steps: int = 0) -> "FaultRecord":
-        return cls(torch.full((B, len(FAULT_INPUTS[kind])), -1, dtype=torch.int64, device=device),
+        return cls(torch.full((B, len(FAULT_COLUMNS[kind])), -1, dtype=torch.int64, device=device),
                    torch.full((B,), int(steps), dtype=torch.int64, device=device),
                    torch.zeros(B, dtype=torch.int32, device=device))
 
@@ -91,15 +115,15 @@ class FaultRecord(NamedTuple):
         if not advance:
             raise ValueError("a fault record is noted by a step that moves its pointers "
                              "(advance=True), not by a verify or a step with advance=False")
-        n = len(FAULT_INPUTS[kind])
+        n = len(FAULT_COLUMNS[kind])
         want = (("bad", (B, n), torch.int64), ("steps", (B,), torch.int64),
                 ("flag", (B,), torch.int32))
         for (name, shape, dtype), t in zip(want, self):
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype \
                     or t.device != torch.device(device) or not t.is_contiguous():
                 raise ValueError(f"the fault record's {name} must be a contiguous {dtype} tensor "
-                                 f"{list(shape)} on {device} ({kind}: {n} inputs, {B} rows; "
-                                 f"FaultRecord.empty builds one)")
+                                 f"{list(shape)} on {device} ({kind}: {n - 1} inputs and the "
+                                 f"flush cast, {B} rows; FaultRecord.empty builds one)")
 
     def note(self, kind: str, inputs, state_indices, advance: bool = True) -> None:
         """The torch twin of the kernels' noting, for one step (checked as `check`): inputs the
@@ -112,7 +136,17 @@ class FaultRecord(NamedTuple):
         hit = torch.stack([~torch.isfinite(t.reshape(B, -1)).all(1)
                            for t in inputs if t is not None], 1)
         steps.add_(live.long())
-        bad.copy_(torch.where(live[:, None] & hit & (bad < 0), steps[:, None], bad))
+        old = bad[:, :hit.shape[1]]
+        old.copy_(torch.where(live[:, None] & hit & (old < 0), steps[:, None], old))
+
+    def note_cast(self, over: torch.Tensor, state_indices) -> None:
+        """The torch twin of the kernel's noting of a flush's cast that overflowed, after `note`
+        numbered the step: over [B] bool, the rows whose flush at this step kept its roles for
+        it."""
+        bad, steps, _ = self
+        live = _indices(state_indices, bad.shape[0], bad.device) >= 0
+        col = bad[:, -1]
+        col.copy_(torch.where(live & over & (col < 0), steps, col))
 
 
 def pow2_16(d: int) -> bool:

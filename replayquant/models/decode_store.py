@@ -349,12 +349,27 @@ class DecodeStore:
         self.phase = None                     # the rows' phases moved on the device
 
     def raise_nonfinite(self) -> None:
-        """One ValueError naming the layer, the input, the row and the decode step, if an input
-        of a decode step since the store was built held NaN or infinity (one host read)."""
+        """One ValueError naming the layer, the row and the decode step, if since the store was
+        built a flush's cast into the anchor or read copy overflowed (named first: the role and
+        its format, as replay.state.flush_overflow_error), else if an input of a decode step
+        held NaN or infinity (naming the input); one host read."""
         bad = self.faults.bad.cpu()
         if not bool((bad >= 0).any()):
             return
         first = torch.where(bad >= 0, bad, torch.iinfo(torch.int64).max)
+        if bool((bad[:, -1] >= 0).any()):            # stores.FAULT_COLUMNS: the flush's cast
+            from replayquant.kernels.stores import overflowing_role
+            row = int(first[:, -1].argmin())
+            role, spec = overflowing_role(self.pair)
+            raise ValueError(
+                f"layer {self.layer}: the {role} ({spec.format} of pair {self.pair.label()}) "
+                f"overflows at the flush of decode step {int(bad[row, -1])} after the prompt, "
+                f"batch row {row} (sequence {int(self.state_indices[row])}): the state rebuilt "
+                f"there is larger than {spec.format} holds ({spec.fmt.grid.max_value:g}); that "
+                f"flush kept the anchor and read copy as they were, so the row's outputs from "
+                f"there on are not the pair's. Give the {role} a wider format (fp32, or bf16, "
+                f"which keeps fp32's range), or check the model's activations (the inputs were "
+                f"finite: their size made the state this large)")
         row, col = divmod(int(first.argmin()), bad.shape[1])
         kind = self.store.kind
         raise ValueError(
