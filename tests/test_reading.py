@@ -138,3 +138,24 @@ def test_transformers_warnings_print_above_a_progress_bar():
         bar.add_task("KL", total=2)
         hf_logging.get_logger("transformers.integrations").warning("falls back to PyTorch")
     assert "falls back to PyTorch" in buf.getvalue()
+
+
+def test_recommend_per_layer_names_each_file_once(monkeypatch, tmp_path):
+    from replayquant.kl import command as C
+    from replayquant.sweep import per_layer
+    sens = ROOT / "results/sensitivity/tiny-qwen3.5_tp4_hi16_sr+tp8_hi16_sr_ctx2k.json"
+    kl = json.loads((ROOT / "results/policy/tiny-qwen3.5_tp4_hi16_sr+tp8_hi16_sr_kl1e-3_kl.json")
+                    .read_text())
+
+    def kl_run(model, pairs, out, **kw):            # the measured policy, as the KL run says it
+        print(f"wrote {out}, {Path(out).with_suffix('.png')} and {Path(out).with_suffix('.kl')}/")
+        return {**kl, "results": {pairs[0].name: next(iter(kl["results"].values()))}}
+    monkeypatch.setattr(C, "kl_command", kl_run)
+    monkeypatch.setattr(per_layer, "plot_results_file", lambda *a, **k: None)
+    monkeypatch.setattr(per_layer, "check_same_model", lambda *a: {"model": "tiny-qwen3.5"})
+    monkeypatch.setattr(per_layer, "check_same_data", lambda *a: None)
+    code, text = invoke(["recommend", "--per-layer", sens, "--kl-budget", "1e-3", "--out",
+                         tmp_path / "rec.json", "--no-progress"])
+    assert code in (0, 1), text
+    flat = text.replace("\n", "")
+    assert flat.count("rec_kl.json") == 1 and flat.count("rec_policy.yaml") == 1, text

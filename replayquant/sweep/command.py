@@ -229,7 +229,7 @@ def sweep_command(model: str, pairs: list, buffer_lens=None, *, kernels: str | N
         if plot:
             plot_sweep(sw, png)
     print_sweep(sw, console)
-    Console(stderr=True).print(f"wrote {out_path} and {png}")
+    Console(stderr=True).print(f"wrote {out_path} and {png}", soft_wrap=True)   # paths whole
     return sw
 
 

@@ -217,7 +217,8 @@ def recommend_per_layer(sens_path, kl_budget: float, low: str | None = None,
     }
     _write_policy_out(out_path, yaml_path, kl_path, result, policy, sens_path)
     print_per_layer(result)
-    Console(stderr=True).print(f"wrote {out_path}, {yaml_path} and {kl_path}")
+    # the KL run has named its own files
+    Console(stderr=True).print(f"wrote {out_path} and {yaml_path}", soft_wrap=True)
     return result
 
 
