@@ -159,3 +159,20 @@ def test_recommend_per_layer_names_each_file_once(monkeypatch, tmp_path):
     assert code in (0, 1), text
     flat = text.replace("\n", "")
     assert flat.count("rec_kl.json") == 1 and flat.count("rec_policy.yaml") == 1, text
+
+
+def test_a_mean_kl_of_float_noise_reads_as_zero_with_a_word(tmp_path):
+    from replayquant.kl.report import print_summary
+    res = json.loads((ROOT / "results/demo/tiny-qwen3.5_ctx16k_cpu.json").read_text())
+    res["results"]["s32_rs"].update(kl_mean=-3e-10, kl_mean_unc=4.3e-10)     # within 3 SE of 0
+    res["results"]["sbf16"].update(kl_mean=-1e-6, kl_mean_unc=1e-8)          # far below: a defect
+    f = tmp_path / "kl.json"
+    f.write_text(json.dumps(res))
+    buf = io.StringIO()
+    print_summary(res, Console(file=buf, width=80))
+    code, md = invoke(["table", f])
+    assert code == 0, md
+    for text in (buf.getvalue(), md):
+        words = " ".join(text.split())
+        assert "-3e-10" not in words and "~0" in words, text
+        assert "within 3 standard errors of zero" in words and "(<0)" in words, text

@@ -257,5 +257,5 @@ def library_logs_above_bars() -> None:
     through it. Called by the commands that load transformers anyway."""
     from transformers.utils import logging as hf_logging
     for handler in hf_logging.get_logger().handlers:
-        if isinstance(handler, logging.StreamHandler):
+        if type(handler) is logging.StreamHandler:      # its own; not a subclass a caller added
             handler.setStream(_CurrentStderr())

@@ -24,6 +24,8 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
+from .stats import KL_ZERO_SE, kl_text, kl_vs_zero
+
 RESULTS_KIND = "replayquant.kl"        # the "kind" of a KL results file (kl/results.py writes them)
 
 COLUMNS = ("model", "pair", "prefill", "context", "docs", "mean KL", "median KL", "p99 KL", "max KL",
@@ -45,6 +47,30 @@ def _pm(v, u, fmt="{:.4g}"):
     if v is None:
         return "-"
     return fmt.format(v) + (" ± " + fmt.format(u) if u is not None else "")
+
+
+def kl_cell(mean, unc, fmt="{:.4g}", sep=" ± ") -> str:
+    """A mean KL and its uncertainty as tables show it: "~0 ± u" where it is compatible with zero
+    (`stats.kl_vs_zero`: float noise, counted as 0, whose sign means nothing), "m ± u (<0)"
+    where it lies below zero beyond its uncertainty (a defect), else "m ± u"."""
+    if mean is None:
+        return "-"
+    side = kl_vs_zero(mean, unc or 0.0)
+    u = "" if unc is None else sep + fmt.format(unc)
+    return "~0" + u if side == 0 else fmt.format(mean) + u + (" (<0)" if side < 0 else "")
+
+
+def kl_notes(cells) -> list[str]:
+    """What the marks of `kl_cell` in `cells` mean (none where none is there)."""
+    text = " ".join(cells)
+    notes = []
+    if "~0" in text:
+        notes.append(f"~0: a mean KL within {KL_ZERO_SE:g} standard errors of zero (float noise), "
+                     f"counted as 0")
+    if "(<0)" in text:
+        notes.append("(<0): a mean KL below zero beyond its uncertainty, which no KL can be: "
+                     "the run or the file is wrong")
+    return notes
 
 
 def model_label(model: dict) -> str:
@@ -100,14 +126,15 @@ def rows_of(res: dict, source: str = "") -> list[dict]:
             "model": model_label(cfg["model"]), "pair": p["name"], "prefill": cfg["prefill"],
             "context": cfg["context"],
             "docs": f"{res['documents_done']}" + ("" if res.get("complete") else f"/{res['documents_planned']}*"),
-            "mean KL": _pm(st["kl_mean"], st["kl_mean_unc"]),
+            "mean KL": kl_cell(st["kl_mean"], st["kl_mean_unc"]),
             "median KL": _pm(st.get("kl_median"), None),
             "p99 KL": _pm(pct.get("99"), None),
             "max KL": _pm(st["kl_max"], None),
             "same top %": _pm(100 * st["same_top"], 100 * st["same_top_unc"], "{:.3f}"),
             "PPL ratio": _pm(st["ppl_ratio"], st["ppl_ratio_unc"], "{:.5f}"),
             "dp RMS %": _pm(100 * st["dp_rms"], 100 * st["dp_rms_unc"], "{:.3g}"),
-            "KL last bucket": (_pm(last["kl_mean"], last["kl_mean_unc"]) + f" [{last['bucket']}]") if last else "-",
+            "KL last bucket": (kl_cell(last["kl_mean"], last["kl_mean_unc"]) + f" [{last['bucket']}]")
+                              if last else "-",
             "_source": source, "_kl": st["kl_mean"],
             "_values": {
                 "model": model_label(cfg["model"]), "pair": p["name"], "prefill": cfg["prefill"],
@@ -216,6 +243,9 @@ def render_table(loaded: list[tuple[str, dict]], fmt: str = "md", by: str = "pai
                      "n-token document (--scoring llama)")
     if any(r["docs"].endswith("*") for r in rows):
         lines.append("\n\\* run not complete: documents done / planned")
+    notes = kl_notes(r[c] for r in rows for c in ("mean KL", "KL last bucket"))
+    if notes:
+        lines.append("\n" + "\n".join(notes))
     return "\n".join(lines) + "\n"
 
 
@@ -367,7 +397,8 @@ def print_summary(res: dict, console=None):
         st = res["results"].get(p["name"])
         if not st:
             continue
-        rows.append([p["name"], _c(st["kl_mean"], st["kl_mean_unc"]), _c(st.get("kl_median")),
+        rows.append([p["name"], kl_cell(st["kl_mean"], st["kl_mean_unc"], "{:.3g}", "±"),
+                     _c(st.get("kl_median")),
                      _c((st.get("kl_percentiles") or {}).get("99")), _c(st["kl_max"]),
                      _c(100 * st["same_top"], 100 * st["same_top_unc"], "{:.2f}"),
                      _c(st["ln_ppl_ratio"], st["ln_ppl_ratio_unc"]),
@@ -380,9 +411,9 @@ def print_summary(res: dict, console=None):
     # error accumulation: mean KL per log-spaced position bucket, buckets as rows and pairs as
     # columns, as many pairs per table as fit
     names = [p["name"] for p in cfg["pairs"] if res["results"].get(p["name"])]
+    vals = {}
     if names and len(res["results"][names[0]]["by_position"]) > 1:
         buckets = [row["bucket"] for row in res["results"][names[0]]["by_position"]]
-        from .stats import kl_text      # noise around 0 reads "~0", below it beyond noise "(<0)"
         vals = {n: [kl_text(row["kl_mean"], row["kl_mean_unc"])
                     for row in res["results"][n]["by_position"]] for n in names}
         i = 0
@@ -397,5 +428,8 @@ def print_summary(res: dict, console=None):
             console.print(_table("mean KL by token position", ["position", *names[i:j]],
                                  [[b, *[vals[n][k] for n in names[i:j]]] for k, b in enumerate(buckets)]))
             i = j
+    marked = [r[1] for r in rows]                  # the mean KLs, and those by position
+    for n in kl_notes(marked + [v for n in vals for v in vals[n]]):
+        console.print(n, highlight=False)
     for n in res.get("notes", []):
         console.print(f"note: {n}", highlight=False)
