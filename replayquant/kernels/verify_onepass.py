@@ -19,8 +19,8 @@ A program takes a [BV, d_k] tile of one (batch row, value head), as the read lau
 * the committed entries' terms of every column then come from one product (their u / dt x
   against the weights e^{G_p - G_j} (k_j . x)), the drafts' own terms from a [BV, NCOL] x
   [NCOL, NCOL] product with the drafts' u, which GDN solves by forward substitution over the
-  drafts (T sweeps, each leaving one more draft's u final; the products in tf32x3, the
-  flush's precision); the outputs are columns of the result;
+  drafts (T sweeps, each leaving one more draft's u final; float32 products as sums of
+  exact bf16 products, _dot32); the outputs are columns of the result;
 * every store (outputs, ring entries, GDN key-factor rows) after that, then the pointer move
   by the row's last program (replay_decode._advance_row).
 
@@ -116,6 +116,29 @@ def _split_dot(x, b, acc, NP: tl.constexpr, ON_GPU: tl.constexpr):
             x = x - p.to(tl.float32)
         acc = _mm(p, b, acc, ON_GPU)
     return acc
+
+
+@triton.jit
+def _split3(x):
+    """float32 x as three bf16 parts (hi + mid + lo = x to ~2^-24)."""
+    hi = x.to(tl.bfloat16)
+    r = x - hi.to(tl.float32)
+    mid = r.to(tl.bfloat16)
+    return hi, mid, (r - mid.to(tl.float32)).to(tl.bfloat16)
+
+
+@triton.jit
+def _dot32(a, b0, b1, b2, acc, A_BF16: tl.constexpr, ON_GPU: tl.constexpr):
+    """acc + a @ b for float32 a and b given as _split3's parts, in bf16 products (exact) with
+    float32 sums: a in one part where its values are bf16 (A_BF16), else in three, the six
+    products of weight above 2^-24. Cheaper than tf32x3, whose float32 -> tf32 conversions
+    (both operands, every product) took most of the solve's instructions."""
+    if A_BF16:
+        a0 = a.to(tl.bfloat16)
+        return _mm(a0, b2, _mm(a0, b1, _mm(a0, b0, acc, ON_GPU), ON_GPU), ON_GPU)
+    a0, a1, a2 = _split3(a)
+    acc = _mm(a2, b0, _mm(a1, b1, _mm(a0, b2, acc, ON_GPU), ON_GPU), ON_GPU)
+    return _mm(a0, b0, _mm(a1, b0, _mm(a0, b1, acc, ON_GPU), ON_GPU), ON_GPU)
 
 
 @triton.jit
@@ -255,39 +278,43 @@ def _coefficients(accK, accD, G, Gd, Gn, h, jj, T: tl.constexpr, NCOL: tl.conste
 
 @triton.jit
 def _solve(P, C, V, Dm, bd, T: tl.constexpr, NCOL: tl.constexpr, DELTA: tl.constexpr,
-           U_BF16: tl.constexpr, PREC: tl.constexpr):
+           U_BF16: tl.constexpr, ON_GPU: tl.constexpr):
     """The drafts' u [BV, NCOL] (column d: draft d < T) and the columns' sums P + C + U Dm
     (P = e^{G_p} R x, C the committed entries' terms). GDN: u_t = beta_t (v_t - (P + C +
     U Dm) in k column t), each u_t rounded to bf16 with U_BF16, U Dm strictly lower triangular
     over the drafts: T sweeps over all columns give each column its sequential value (sweep
     t + 1 leaves u_t final, the same operations in the same order). Mamba-2: u = dt x."""
     d = tl.arange(0, NCOL)
+    D0, D1, D2 = _split3(Dm)
     U = V
     if DELTA:
         U = tl.zeros_like(V)
         for _ in tl.static_range(T):
-            Z = P + C + tl.dot(U, Dm, input_precision=PREC)
-            u = bd[None, :] * (V - Z)
+            u = bd[None, :] * (V - _dot32(U, D0, D1, D2, P + C, U_BF16, ON_GPU))
             if U_BF16:
                 u = u.to(tl.bfloat16).to(tl.float32)
             U = tl.where((d < T)[None, :], u, 0.0)
-    return U, P + C + tl.dot(U, Dm, input_precision=PREC)
+    return U, _dot32(U, D0, D1, D2, P + C, U_BF16 and DELTA, ON_GPU)
 
 
 @triton.jit
 def _key_factor_rows(W, Dm, Tm, bd, h, jj, T: tl.constexpr, NCOL: tl.constexpr,
-                     PREC: tl.constexpr):
+                     ON_GPU: tl.constexpr):
     """GDN's key-factor rows of the drafts [NCOL, BUFFER_TILE] (row t: draft t at entry
     p = h + t): T_p = e_p - sum_{j < p} beta_t e^{G_p - G_j} (k_j . k_t) T_j over the committed
     rows Tm and the drafts' own rows, by T sweeps as _solve's."""
     d = tl.arange(0, NCOL)
     kc = (d < T)[None, :]
     E = tl.where(((jj[None, :] == h + d[:, None]) & (d < T)[:, None]), 1.0, 0.0)
-    base = E - tl.dot(tl.trans(tl.where(kc, bd[None, :] * W, 0.0)), Tm, input_precision=PREC)
+    M0, M1, M2 = _split3(Tm)
+    base = E - _dot32(tl.trans(tl.where(kc, bd[None, :] * W, 0.0)), M0, M1, M2,
+                      tl.zeros_like(E), False, ON_GPU)
     Ca = tl.trans(tl.where(kc, bd[None, :] * Dm, 0.0))
     Tr = tl.zeros_like(base)
     for _ in tl.static_range(T):
-        Tr = tl.where((d < T)[:, None], base - tl.dot(Ca, Tr, input_precision=PREC), 0.0)
+        M0, M1, M2 = _split3(Tr)
+        Tr = tl.where((d < T)[:, None], base - _dot32(Ca, M0, M1, M2, tl.zeros_like(E), False,
+                                                       ON_GPU), 0.0)
     return Tr
 
 
@@ -317,12 +344,12 @@ def _drafts_v(v_ptr, D_ptr, z_ptr, bd, row, hv, rows, HV: tl.constexpr, DV: tl.c
 
 
 @triton.jit
-def _store_drafts(out_ptr, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, Y, U, Gd, bd, Vraw, Kraw, Tr,
-                  slot, start, h, row, hv, hk, rows, cols, jj, lead, HK: tl.constexpr,
+def _store_drafts(out_ptr, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, Y, U, Gd, bd, Vraw, Kraw, W,
+                  Dm, Tm, slot, start, h, row, hv, hk, rows, cols, jj, lead, HK: tl.constexpr,
                   HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                   CAPACITY: tl.constexpr, BUFFER_LEN: tl.constexpr, T: tl.constexpr,
                   NCOL: tl.constexpr, NKC: tl.constexpr, NQ: tl.constexpr,
-                  DELTA: tl.constexpr, KF: tl.constexpr):
+                  DELTA: tl.constexpr, KF: tl.constexpr, ON_GPU: tl.constexpr):
     """The drafts' outputs (the q columns of Y, a draft's parts summed) and ring entries
     h..h+T-1 (replay_decode._append_entry's fields: v / x and u of the tile's rows; lead: G,
     beta / dt, the key-factor rows, and raw k from the key head's first value head)."""
@@ -342,7 +369,8 @@ def _store_drafts(out_ptr, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, Y, U, Gd, bd, Vra
     if lead:
         tl.store(Gbuf + e * HV + hv, Gd, mask=live)
         tl.store(bbuf + e * HV + hv, bd, mask=live)
-        if KF:
+        if KF:                    # the key factors: the row's first block alone
+            Tr = _key_factor_rows(W, Dm, Tm, bd, h, jj, T, NCOL, ON_GPU)
             tl.store(Tbuf + (e[:, None] * HV + hv) * BUFFER_LEN + jj[None, :], Tr,
                      mask=live[:, None] & (jj < BUFFER_LEN)[None, :])
         tt = tl.arange(0, Kraw.shape[0])
@@ -362,7 +390,7 @@ def _onepass_kernel(
         NQ: tl.constexpr, CK: tl.constexpr, STAGES: tl.constexpr, RFMT: tl.constexpr,
         DELTA: tl.constexpr, L2NORM: tl.constexpr, HAS_DTB: tl.constexpr, HAS_D: tl.constexpr,
         HAS_Z: tl.constexpr, U_BF16: tl.constexpr, DT_CLAMP: tl.constexpr, KF: tl.constexpr,
-        PREC: tl.constexpr, ON_GPU: tl.constexpr):
+        ON_GPU: tl.constexpr):
     """A verify of T drafts, a program per [BV, d_k] tile of one (batch row, value head) (module
     docstring): the row's pointers after its pre-flush (folded by the flush launch before),
     the drafts' inputs, the committed entries, the one pass, the drafts' solve, the stores and
@@ -403,17 +431,15 @@ def _onepass_kernel(
                               NCOL, NKC, NQ)
         P = tl.exp(Gn)[None, :] * accR * fac[None, :] \
             * _copy_factor(R_sc, R_gs, mat, rows, DV, RFMT)[:, None]
-        U, Y = _solve(P, tl.dot(tl.trans(X), W, input_precision=PREC), V, Dm, bd, T, NCOL,
-                      DELTA, U_BF16, PREC)
+        W0, W1, W2 = _split3(W)
+        C = _dot32(tl.trans(X), W0, W1, W2, tl.zeros_like(P), U_BF16 and DELTA, ON_GPU)
+        U, Y = _solve(P, C, V, Dm, bd, T, NCOL, DELTA, U_BF16, ON_GPU)
         Y = Y + skip
         if HAS_Z:
             Y = Y * Z / (1.0 + tl.exp(-Z))
-        Tr = 0.0
-        if KF:
-            Tr = _key_factor_rows(W, Dm, Tm, bd, h, jj, T, NCOL, PREC)
-        _store_drafts(out_ptr, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, Y, U, Gd, bd, Vraw, Kraw,
-                      Tr, slot, start, h, row, hv, hk, rows, cols, jj, lead, HK, HV, DK, DV,
-                      CAPACITY, BUFFER_LEN, T, NCOL, NKC, NQ, DELTA, KF)
+        _store_drafts(out_ptr, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, Y, U, Gd, bd, Vraw, Kraw, W,
+                      Dm, Tm, slot, start, h, row, hv, hk, rows, cols, jj, lead, HK, HV, DK,
+                      DV, CAPACITY, BUFFER_LEN, T, NCOL, NKC, NQ, DELTA, KF, ON_GPU)
         _advance_row(h_ptr, st_ptr, nf_ptr, cnt_ptr, idx_ptr, idx_ptr, idx_ptr, slot, row,
                      HV * (DV // BV), False, BUFFER_LEN, CAPACITY, T, False, DELTA, False)
     else:
@@ -428,8 +454,8 @@ def _onepass_kernel(
 # Qwen3.5-4B GDN layer, T = 4, ptxas's registers uncapped; SASS a warp with the chunk loop's
 # body counted d_k / chunk times, for 64 rows (s32_rs / tp8_hi32 / tp4_hi32). Untimed.
 ONEPASS_TABLE = (   # role, rows, warps, chunk, stages  # reason
-    ("*", 64, 2, 32, 3),   # 2 x 4164 / 4546 / 4885, 145-180 registers; 32 rows on 1 warp:
-)                          # 2 x 4733 / 4970 / 5345; 64 on 1 warp 255 registers (tp4 spills)
+    ("*", 64, 2, 32, 3),   # 2 x 4135 / 4073 / 4417, 128-137 registers; 32 rows on 1 warp:
+)                          # 2 x 4682 / 4398 / 4777; 64 on 1 warp: 6737 / 5820 / 6392, 231-255
 
 
 def onepass_launch_config(store: ReplayStore, launch=None):
@@ -542,6 +568,6 @@ def onepass_verify(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, st
         STAGES=stages, RFMT=rfid, DELTA=delta, L2NORM=use_qk_l2norm,
         HAS_DTB=has[0], HAS_D=has[1], HAS_Z=has[2],
         U_BF16=store.ubuf is not None and store.ubuf.dtype == torch.bfloat16,
-        DT_CLAMP=dt_args[2], KF=kf, PREC="tf32x3", ON_GPU=q.is_cuda, num_warps=nw)
+        DT_CLAMP=dt_args[2], KF=kf, ON_GPU=q.is_cuda, num_warps=nw)
     store.pending_T = T
     return out
