@@ -101,7 +101,7 @@ def _slot_count(rows: torch.Tensor) -> int | None:
 
 def parts_to_store(parts: dict, pair, delta: bool, seed: int, layer: int, key_heads: int,
                    u_dtype=None, ring_dtype=torch.bfloat16, n_slots: int | None = None,
-                   raw: dict | None = None):
+                   raw: dict | None = None, max_drafts: int = 0):
     """(ReplayStore, state_indices), the decode store of either engine, from a state's parts
     (the dict ReplayState.export returns, or the chunked scan's state as `scan_parts` gives it:
     GDN u None, computed here against the read copy as ReplayState.load does). One host read
@@ -126,7 +126,9 @@ def parts_to_store(parts: dict, pair, delta: bool, seed: int, layer: int, key_he
     activations, not for derived values; float32 for the torch engine), G and beta in fp32, GDN u in
     u_dtype (None: the store's default, stores.default_u_dtype: float32 for a shared FP32 pair,
     whose flush folds it, or a float32 ring, else bf16) and, where the kernel's flush solves for
-    u, GDN's key factors (Tbuf, computed from the entries; a float32 ring keeps none)."""
+    u, GDN's key factors (Tbuf, computed from the entries; a float32 ring keeps none).
+    max_drafts: the most drafts a speculative verify appends (`ReplayStore.from_state`), the ring
+    then holding L + max_drafts entries."""
     # the kernels' modules are imported where they are used: they import Triton, which
     # replayquant installs on Linux only and which importing replayquant.models does not need
     from replayquant.kernels.replay_ref import fill_key_factors_ref
@@ -152,14 +154,16 @@ def parts_to_store(parts: dict, pair, delta: bool, seed: int, layer: int, key_he
     read = None if pair.read is None else _role_to_packed(parts["read"], pair.read, N, slots,
                                                          (B, H, dv, dk))
 
-    def ring(t, tail):                   # [B, H(or HK), L, ...] -> [N, L, H, ...] in slots
-        out = torch.zeros((N, buffer_len) + tail, dtype=t.dtype, device=dev)
-        out[slots] = t.transpose(1, 2)
+    C = buffer_len + max_drafts
+
+    def ring(t, tail):                   # [B, H(or HK), L, ...] -> [N, C, H, ...] in slots
+        out = torch.zeros((N, C) + tail, dtype=t.dtype, device=dev)
+        out[slots, :buffer_len] = t.transpose(1, 2)
         return out
 
-    def ring_raw(name, tail):            # raw entries [B, L, ...] -> [N, L, ...] in slots
-        out = torch.zeros((N, buffer_len) + tail, dtype=raw[name].dtype, device=dev)
-        out[slots] = raw[name]
+    def ring_raw(name, tail):            # raw entries [B, L, ...] -> [N, C, ...] in slots
+        out = torch.zeros((N, C) + tail, dtype=raw[name].dtype, device=dev)
+        out[slots, :buffer_len] = raw[name]
         return out
 
     vec = parts["G"].dim() == 4          # KDA: G per key channel
@@ -186,9 +190,10 @@ def parts_to_store(parts: dict, pair, delta: bool, seed: int, layer: int, key_he
                         key_heads,
                         kbuf=kbuf, vbuf=vbuf, ubuf=ubuf, Gbuf=Gbuf, bbuf=bbuf,
                         committed=committed, n_flush=n_flush, key=layer_seed(seed, layer),
-                        start=torch.zeros(N, dtype=torch.int32, device=dev), max_drafts=0)
+                        start=torch.zeros(N, dtype=torch.int32, device=dev),
+                        max_drafts=max_drafts)
     if solves_u(store) and ring_dtype == torch.bfloat16:   # the kernel flush's key factors
-        store.Tbuf = torch.zeros(N, buffer_len, H, buffer_len, dtype=f32, device=dev)
+        store.Tbuf = torch.zeros(N, C, H, buffer_len, dtype=f32, device=dev)
         fill_key_factors_ref(store, slots)
     return store, rows.to(torch.int32)
 
@@ -267,15 +272,18 @@ class DecodeStore:
     @classmethod
     def from_parts(cls, parts: dict, pair, delta: bool, seed: int, layer: int, key_heads: int,
                    reuse: "DecodeStore | None" = None, engine: str = "triton",
-                   n_slots: int | None = None, raw: dict | None = None) -> "DecodeStore":
+                   n_slots: int | None = None, raw: dict | None = None,
+                   max_drafts: int = 0) -> "DecodeStore":
         """The decode store of a state's parts (`parts_to_store`: the chunked scan's state
-        straight into the store, no ReplayState in between; n_slots and raw as there)."""
+        straight into the store, no ReplayState in between; n_slots, raw and max_drafts as
+        there)."""
         self = cls.__new__(cls)
-        self._build(parts, pair, delta, seed, layer, key_heads, reuse, engine, n_slots, raw)
+        self._build(parts, pair, delta, seed, layer, key_heads, reuse, engine, n_slots, raw,
+                    max_drafts)
         return self
 
     def _build(self, parts, pair, delta, seed, layer, key_heads, reuse, engine, n_slots=None,
-               raw=None):
+               raw=None, max_drafts=0):
         # Triton (Linux only): loaded where a kernel runs
         from replayquant.kernels.ops import ENGINES, store_meta
         from replayquant.kernels.stores import FAULT_INPUTS, FaultRecord
@@ -287,7 +295,8 @@ class DecodeStore:
         self.device = parts["k"].device
         self.ring = RING_DTYPE[engine]
         self.store, slots = parts_to_store(parts, pair, delta, seed, layer, key_heads,
-                                           ring_dtype=self.ring, n_slots=n_slots, raw=raw)
+                                           ring_dtype=self.ring, n_slots=n_slots, raw=raw,
+                                           max_drafts=max_drafts)
         # int32, as the kernels index: a step converts nothing
         self.state_indices = slots.to(torch.int32)
         self.bad_names = FAULT_INPUTS[self.store.kind]
@@ -383,11 +392,38 @@ class DecodeStore:
         """One decode step from the layer's raw inputs (one token each, see LayerRuntime.run)
         -> y float32 [B, H, d_v] (Mamba-2: without the D skip), through the custom operator
         replayquant::replay_step (replayquant.kernels.ops) on this state's engine, which notes
-        the inputs' faults in `faults`. The inputs are made contiguous here, outside the
-        operator, where torch.compile fuses the copy into the kernel that produced them (GDN's
-        q, k and v are views of the convolution's output)."""
+        the inputs' faults in `faults`."""
         # Triton (Linux only): loaded where a kernel runs
         from replayquant.kernels.ops import replay_step
+        return replay_step(self.store, self._inputs(raw), self.state_indices, DECODE_KERNEL_PATH,
+                           self.meta, flushing=self._flushing(), record=self.faults)
+
+    def verify(self, raw: dict) -> torch.Tensor:
+        """Speculative decoding's verify of T drafts per row from the layer's raw inputs (each
+        [B, T, ...], as a multi-token forward gives them; T at most the store's max_drafts)
+        -> y float32 [B, T, H, d_v] (Mamba-2: without the D skip), through the custom operator
+        replayquant::replay_verify: all drafts read against one checkpoint, outputs only, each
+        appended to the ring after the committed entries, uncommitted until `accept`. A row whose
+        committed entries would not leave T free slots (h + T > L, h > 0) folds them first (DESIGN
+        section 4); a flush never folds drafts."""
+        # Triton (Linux only): loaded where a kernel runs
+        from replayquant.kernels.ops import replay_verify
+        self.phase = None                     # the rows' fills move on the device
+        return replay_verify(self.store, self._inputs(raw), self.state_indices, self.meta)
+
+    def accept(self, n: int) -> None:
+        """Commit the first n of the drafts the last `verify` appended, in every row (a pointer
+        move, replayquant::replay_accept; the rest are overwritten by later entries)."""
+        # Triton (Linux only): loaded where a kernel runs
+        from replayquant.kernels.ops import replay_accept
+        n_rows = torch.full((self.B,), int(n), dtype=torch.int32, device=self.device)
+        replay_accept(self.store, n_rows, self.state_indices, self.meta, check=False)
+
+    def _inputs(self, raw: dict) -> dict:
+        """The operator's inputs of a step or verify from the layer's raw inputs: the buffered
+        ones in the ring's dtype, each made contiguous here, outside the operator, where
+        torch.compile fuses the copy into the kernel that produced them (GDN's q, k and v are
+        views of the convolution's output)."""
         ring = self.ring                      # the buffered inputs go in at the ring's dtype
 
         def c(name, dtype=None):
@@ -395,17 +431,14 @@ class DecodeStore:
             return (t if dtype is None else t.to(dtype)).contiguous()
 
         if self.vector_gate:
-            ins = dict(q=c("q"), k=c("k", ring), v=c("v", ring), g=c("g"), beta=c("beta"),
-                       scale=raw["scale"])
-        elif self.delta:
-            ins = dict(q=c("q"), k=c("k", ring), v=c("v", ring), a=c("a"), b=c("b"),
-                       A_log=raw["A_log"], dt_bias=raw["dt_bias"],
-                       beta_scale=raw.get("beta_scale", 1.0))
-        else:
-            ins = dict(x=c("x", ring), dt=c("dt"), A=raw["A"], B=c("B", ring), C=c("C"),
-                       dt_bias=raw["dt_bias"], dt_limit=raw.get("dt_limit"))
-        return replay_step(self.store, ins, self.state_indices, DECODE_KERNEL_PATH, self.meta,
-                           flushing=self._flushing(), record=self.faults)
+            return dict(q=c("q"), k=c("k", ring), v=c("v", ring), g=c("g"), beta=c("beta"),
+                        scale=raw["scale"])
+        if self.delta:
+            return dict(q=c("q"), k=c("k", ring), v=c("v", ring), a=c("a"), b=c("b"),
+                        A_log=raw["A_log"], dt_bias=raw["dt_bias"],
+                        beta_scale=raw.get("beta_scale", 1.0))
+        return dict(x=c("x", ring), dt=c("dt"), A=raw["A"], B=c("B", ring), C=c("C"),
+                    dt_bias=raw["dt_bias"], dt_limit=raw.get("dt_limit"))
 
     def _flushing(self) -> list[int] | None:
         """The rows whose entry fills the buffer at this step, from `phase` (advanced here), or

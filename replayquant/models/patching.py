@@ -6,7 +6,8 @@ import functools
 
 import torch
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig
+from transformers.generation import GenerationMode
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
                                                     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
@@ -22,6 +23,8 @@ __all__ = ["recurrent_layers", "patch", "unpatch", "is_patched", "load_model", "
            "model_class", "model_from_config", "PREFILLS"]
 
 _INFO = "_replayquant_patch"
+# what HF's generate reads on the model instance, set while it is patched (`_lift_refusal`)
+_GENERATION_ATTRS = ("_is_stateful", "_validate_generation_mode")
 
 
 def recurrent_layers(model) -> list[tuple[str, torch.nn.Module, str]]:
@@ -62,7 +65,9 @@ def patch(model, pair, prefill: str = "replay", seed: int = 0, buffer_len: int |
     Decode steps (single-token forwards with a cache) run the Triton replay decode kernel on CUDA
     tensors or with REPLAYQUANT_BACKEND=triton, ReplayState.step elsewhere (`decode_path`).
     Attention layers, MLPs and the convolution state are untouched. Patching a patched model
-    replaces its settings. Returns the model.
+    replaces its settings. HF's assisted generation (`generate(prompt_lookup_num_tokens=...)`,
+    `assistant_model=...`), which transformers refuses for a recurrent state, runs on the patched
+    model (`_lift_refusal`). Returns the model.
     """
     if prefill not in PREFILLS:
         raise ValueError(f"prefill must be one of {PREFILLS}, got {prefill!r}")
@@ -90,6 +95,7 @@ def patch(model, pair, prefill: str = "replay", seed: int = 0, buffer_len: int |
             saved = ("forward", module.__dict__.get("forward"))
             module.forward = fwd
         module._replayquant_saved = saved
+    _lift_refusal(model)
     setattr(model, _INFO, {"pair": pair, "prefill": prefill, "seed": seed,
                            "layers": [name for name, _, _ in layers],
                            "layer_pairs": {name: (p.label(), pf) for (name, _, _), (p, pf)
@@ -114,8 +120,82 @@ def unpatch(model):
         else:
             setattr(module, attr, original)
         module.__dict__.pop("_replayquant", None)
+    for attr in _GENERATION_ATTRS:
+        model.__dict__.pop(attr, None)
     delattr(model, _INFO)
     return model
+
+
+def _lift_refusal(model) -> None:
+    """Let HF's assisted generation run on the patched model: transformers refuses it for a
+    model class marked `_is_stateful` (a recurrent state cannot be cropped back); a patched layer
+    crops by a pointer move on its replay buffer (`runtime.croppable`). Set on the instance,
+    removed by unpatch: `_is_stateful` False, and HF's validation of the generation mode followed
+    by the check of the draft length against each layer's L (`check_draft_length`)."""
+    if getattr(type(model), "_is_stateful", False):
+        model._is_stateful = False
+    model._validate_generation_mode = functools.partial(_validate_generation_mode, model)
+
+
+def _validate_generation_mode(model, generation_mode, generation_config, generation_mode_kwargs):
+    """HF's own validation of the generation mode (the model class's), then for assisted
+    generation: a static cache refused, and `check_draft_length`; before any forward."""
+    type(model)._validate_generation_mode(model, generation_mode, generation_config,
+                                          generation_mode_kwargs)
+    if generation_mode != GenerationMode.ASSISTED_GENERATION:
+        return
+    impl = generation_config.cache_implementation
+    if isinstance(impl, str) and "static" in impl:
+        raise ValueError(
+            f"cache_implementation={impl!r} with assisted generation on a patched model: HF "
+            f"compiles no step of a cache whose linear-attention layers record their past for "
+            f"`crop` (they are then not compileable), so the static cache gains nothing here, and "
+            f"on transformers 5.24 it gave other tokens than plain greedy decoding (a patched "
+            f"tiny Qwen3.5) or overran its length (an unpatched Qwen3); leave "
+            f"cache_implementation unset (the eager loop on HF's dynamic cache)")
+    check_draft_length(model, generation_config, generation_mode_kwargs.get("assistant_model"))
+
+
+def _draft_length(model, config, assistant) -> tuple[int, str] | None:
+    """(the most drafts one round of HF's assisted generation proposes, the option that sets it),
+    following the candidate generator HF's `_get_candidate_generator` picks; None for one it
+    picks otherwise (MTP, DFlash: their crops meet the layer's own check). An assistant's
+    `num_assistant_tokens_schedule` 'heuristic' grows the length without bound: one ValueError."""
+    if config.prompt_lookup_num_tokens is not None and config.assistant_early_exit is None:
+        return int(config.prompt_lookup_num_tokens), "prompt_lookup_num_tokens"
+    helper = model if config.assistant_early_exit is not None else assistant
+    if helper is None:
+        return None
+    defaults = GenerationConfig._get_default_generation_params()
+    gc = helper.generation_config
+    schedule = gc.num_assistant_tokens_schedule or defaults["num_assistant_tokens_schedule"]
+    if schedule != "constant":
+        raise ValueError(f"num_assistant_tokens_schedule={schedule!r} lets the draft length grow "
+                         f"past the replay buffer L of the patched layers; set the assistant's "
+                         f"generation_config.num_assistant_tokens_schedule = 'constant'")
+    return (int(gc.num_assistant_tokens or defaults["num_assistant_tokens"]),
+            "num_assistant_tokens")
+
+
+def check_draft_length(model, generation_config, assistant_model=None) -> None:
+    """One ValueError where a patched layer of the target or of a patched assistant has a buffer
+    L below the draft length of HF's assisted generation: a crop removes up to that many tokens,
+    which the layer keeps uncommitted in its buffer (`runtime.LayerRuntime._speculate`)."""
+    drafts = _draft_length(model, generation_config, assistant_model)
+    if drafts is None:
+        return
+    n, option = drafts
+    for who, m in (("", model), ("the assistant's ", assistant_model)):
+        if m is None or not is_patched(m):
+            continue
+        for name, module, _ in recurrent_layers(m):
+            pair = module._replayquant.pair
+            if pair.buffer_len < n:
+                raise ValueError(
+                    f"{option}={n} drafts, but {who}layer {name} runs pair {pair.label()} with "
+                    f"L = {pair.buffer_len}: speculative decoding keeps up to {n} drafts "
+                    f"uncommitted in the replay buffer; use {option} <= {pair.buffer_len} or "
+                    f"patch with buffer_len >= {n}")
 
 
 def is_patched(model) -> bool:

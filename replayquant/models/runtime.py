@@ -37,6 +37,19 @@ Which path runs:
   on the GPU with a warning. `teacher_force_path()` says which. prefill="replay" gives exact
   decode semantics, prefill="exact" FP32 and one cast.
 
+* any forward while HF records the cache's past to crop it back (`activate_past_recording`: the
+  target's and the assistant's caches of HF's assisted generation, `generate(prompt_lookup_num_
+  tokens=...)` or `assistant_model=...`, which `patching` lets run on a patched model): the
+  speculative path (`LayerRuntime._speculate`). The forward's tokens join those since the last
+  crop as drafts of the layer's decode store (built with max_drafts = L, a ring of 2L entries),
+  verified together against its checkpoint, outputs only, through the custom operator
+  replayquant::replay_verify (the Triton verify on CUDA, the torch reference elsewhere): a row
+  whose committed entries would not leave room flushes them first (h + T > L), never a draft.
+  HF's `cache.crop` then commits the drafts it keeps (replayquant::replay_accept: a pointer
+  move; `croppable` gives the cache layer that crop), after cropping HF's own parts: the
+  convolution states, which it records while recording the past. The path is HF's eager loop:
+  HF compiles no step of a cache whose linear-attention layers record their past.
+
 Hand-off between the two (explicit, once, never per step): segments of multi-token forwards pass
 the scan's ScanState from one to the next as it is (`ScanHeld`); the first decode step after them
 builds the decode store straight from that state (`replayquant.models.decode_store`:
@@ -73,10 +86,90 @@ from replayquant.replay import ReplayState, core
 from replayquant.replay.frontends import mamba2_dt
 from replayquant.replay.state import find_nonfinite
 
-__all__ = ["LayerRuntime", "ScanHeld", "decode_path", "teacher_force_path", "STATE_ATTR"]
+__all__ = ["LayerRuntime", "ScanHeld", "croppable", "decode_path", "teacher_force_path",
+           "recording", "STATE_ATTR"]
 
 STATE_ATTR = "_replayquant_state"
 MARKER_ATTR = "_replayquant_marker"   # the row-id tensor put_state left in the recurrent slot
+# while HF records the cache's past: the raw inputs [B, n, ...] of the n tokens since the last
+# crop that are drafts of the layer's decode store, uncommitted (`LayerRuntime._speculate`)
+PENDING_ATTR = "_replayquant_pending"
+
+
+def recording(lay) -> bool:
+    """Whether HF records this cache layer's past to crop it back later (`activate_past_recording`:
+    assisted generation's target and assistant caches): a patched layer then keeps the tokens
+    since the last crop uncommitted, so that `crop` is a pointer move."""
+    return lay is not None and bool(getattr(lay, "record_past", False))
+
+
+def _n_tokens(raw: dict) -> int:
+    """The token count of a layer's raw inputs (their per-token tensors are [B, T, ...])."""
+    return next(t.shape[1] for t in raw.values() if isinstance(t, torch.Tensor) and t.dim() >= 2)
+
+
+def _tokens(raw: dict, lo: int, hi: int) -> dict:
+    """Tokens lo..hi-1 of a layer's raw inputs (parameters as they are)."""
+    return {n: (t[:, lo:hi] if isinstance(t, torch.Tensor) and t.dim() >= 2 else t)
+            for n, t in raw.items()}
+
+
+def _cat_tokens(a: dict, b: dict) -> dict:
+    """The raw inputs of a's tokens then b's (parameters b's: the same layer's)."""
+    return {n: (torch.cat([a[n], t], 1) if isinstance(t, torch.Tensor) and t.dim() >= 2 else t)
+            for n, t in b.items()}
+
+
+_CROP_CLASSES: dict = {}
+
+
+def croppable(lay) -> None:
+    """Make the linear-attention cache layer lay, which a patched layer holds its replay state in
+    while HF records the past, croppable: HF's assisted generation asks `is_croppable` after its
+    first forward and refuses a recurrent state, which it cannot roll back; here a crop is a
+    pointer move. lay's class becomes a subclass of its own (one per HF layer class; only this
+    cache layer object changes) whose `is_croppable` is True and whose `crop` crops HF's own
+    parts first (the convolution states it recorded, an attention part's keys), then commits the
+    drafts the crop keeps (`crop_pending`)."""
+    base = type(lay)
+    if getattr(base, "_replayquant_crop", False):
+        return
+    if base not in _CROP_CLASSES:
+        def crop(self, tokens_to_remove: int) -> None:
+            n = _check_crop(self, -int(tokens_to_remove))
+            base.crop(self, tokens_to_remove)
+            crop_pending(self, n + int(tokens_to_remove))
+
+        _CROP_CLASSES[base] = type(base.__name__, (base,), {
+            "__module__": base.__module__, "__doc__": croppable.__doc__, "crop": crop,
+            "is_croppable": property(lambda self: True), "_replayquant_crop": True})
+    lay.__class__ = _CROP_CLASSES[base]
+
+
+def _check_crop(lay, removed: int) -> int:
+    """The uncommitted token count n of cache layer lay, after checking that a crop of `removed`
+    tokens stays within them (a ValueError naming the layer and its L otherwise)."""
+    pend = getattr(lay, PENDING_ATTR, None)
+    n = 0 if pend is None else _n_tokens(pend)
+    if removed > n:
+        st = getattr(lay, STATE_ATTR, None)
+        at = "" if st is None else f" (layer {st.layer}, buffer L = {st.pair.buffer_len})"
+        raise ValueError(f"crop of {removed} tokens, but the replay state{at} holds its last {n} "
+                         f"tokens uncommitted, no more: the draft length of speculative decoding "
+                         f"must not exceed the pair's L")
+    return n
+
+
+def crop_pending(lay, keep: int | None) -> None:
+    """Commit the first `keep` (None: all) uncommitted tokens of cache layer lay (accept on its
+    decode store); the others are dropped. Nothing where it holds none (or lay is None)."""
+    pend = None if lay is None else getattr(lay, PENDING_ATTR, None)
+    if pend is None:
+        return
+    getattr(lay, STATE_ATTR).accept(_n_tokens(pend) if keep is None else keep)
+    setattr(lay, PENDING_ATTR, None)
+
+
 def decode_path(x: torch.Tensor | None = None, d_k: int | None = None, d_v: int | None = None,
                 dt_limit=None, vector_gate: bool = False, activations=None) -> str:
     """Which implementation a decode step runs for inputs like x with d_k x d_v states:
@@ -422,6 +515,12 @@ class LayerRuntime:
         dv = v.shape[-1]
         lay = None if cache is None else self.cache_layer(cache)
         st = self.get_state(lay, had_prev, B, H, dv, dk, q.device)
+        if recording(lay):
+            y, st = self._speculate(lay, st, q, k, v, log_a, beta, valid, raw)
+            self.put_state(cache, lay, st)
+            croppable(lay)
+            return y
+        crop_pending(lay, None)                            # HF stopped recording: keep them all
         decode = T == 1 and had_prev and (valid is None or bool(valid.all()))
         y = self._kernel_step(st, q, k, v, log_a, beta, raw) if decode else None
         if y is None:
@@ -453,7 +552,8 @@ class LayerRuntime:
             return None
         lay = self.cache_layer(cache)
         st = getattr(lay, STATE_ATTR, None)
-        if not isinstance(st, DecodeStore):
+        if not isinstance(st, DecodeStore) or recording(lay) \
+                or getattr(lay, PENDING_ATTR, None) is not None:
             return None
         st = self.get_state(lay, had_prev, lead.shape[0], st.H, st.d_v, st.d_k, lead.device)
         y = self._kernel_step(st, None, None, None, None, None, raw)
@@ -467,7 +567,8 @@ class LayerRuntime:
         lay = self.cache_layer(cache)
         st = getattr(lay, STATE_ATTR, None)
         if not isinstance(st, DecodeStore) or st.engine != "triton" or st.B != B \
-                or not self.has_previous(lay):
+                or not self.has_previous(lay) or recording(lay) \
+                or getattr(lay, PENDING_ATTR, None) is not None:
             return None
         st = self.get_state(lay, True, B, st.H, st.d_v, st.d_k, st.device)
         if not isinstance(st, DecodeStore):
@@ -491,9 +592,10 @@ class LayerRuntime:
             self._warn_once(f"replayquant decode on {q.device}, layer {self.layer_idx}: {path}")
         return "triton" if path == "triton" else "torch"
 
-    def _to_store(self, st, q, v, raw, reuse=None):
+    def _to_store(self, st, q, v, raw, reuse=None, max_drafts: int = 0):
         """The hand-off of a ScanHeld into this layer's DecodeStore (once, where
-        decode starts or a prefill into a static cache ends)."""
+        decode starts or a prefill into a static cache ends, or a speculative verify starts:
+        max_drafts as `parts_to_store`)."""
         if not isinstance(raw, dict):
             raise ValueError(f"layer {self.layer_idx} ({self.kind}): a decode step needs the "
                              f"layer's raw inputs (the patched forward passes them as raw=)")
@@ -502,7 +604,7 @@ class LayerRuntime:
             raw_entries = None if st.tail is None else st.tail.entries(st.ss.count)
             return DecodeStore.from_parts(scan_parts(st.ss), st.pair, st.delta, st.seed, st.layer,
                                           heads, reuse=reuse, engine=engine, n_slots=st.n_slots,
-                                          raw=raw_entries)
+                                          raw=raw_entries, max_drafts=max_drafts)
         return DecodeStore(st, heads, reuse=reuse, engine=engine)
 
     def _decode_ready(self, st, q, k, v, log_a, beta, raw, lay=None):
@@ -540,6 +642,50 @@ class LayerRuntime:
             f"batch row {row} ({n} element(s)); the replay state is unchanged. The inputs are the "
             f"layer's projections of its hidden states: find where the model's activations first "
             f"become non-finite (e.g. a float16 overflow)")
+
+    def _speculate(self, lay, st, q, k, v, log_a, beta, valid, raw):
+        """A multi-token or one-token forward while HF records the cache's past (assisted
+        generation: the target's prompt with its first drafts, then each round's last token with
+        its drafts; an assistant's own steps) -> (y, the state after it). Its tokens join those
+        since the last crop, which stay uncommitted so that the crop is a pointer move: the last
+        min(N, L) of those N tokens are drafts of the decode store (built with max_drafts = L),
+        verified together against its checkpoint; older ones are committed first (those of an
+        earlier forward through verify and accept, this forward's through the chunked scan: a
+        prompt longer than L). Drafts verified by an earlier forward are verified again with this
+        one's (an assistant's decode steps between two crops: at most L tokens each)."""
+        L, T = self.pair.buffer_len, q.shape[1]
+        pend = getattr(lay, PENDING_ATTR, None)
+        n_old = 0 if pend is None else _n_tokens(pend)
+        c = max(0, n_old + T - L)                          # tokens committed now
+        c_old, c_new = min(c, n_old), max(0, c - n_old)
+        if valid is not None and not bool(valid[:, c_new:].all()):
+            raise ValueError(f"layer {self.layer_idx} ({self.kind}): a speculative verify takes "
+                             f"no padding in its last {T - c_new} tokens (HF's assisted "
+                             f"generation runs one unpadded sequence)")
+        self._check_inputs(q, k, v, log_a, beta, valid, decode=False)
+        if isinstance(st, DecodeStore):
+            st.raise_nonfinite()
+            if n_old:
+                st.accept(0)
+        both = raw if pend is None else _cat_tokens(pend, raw)
+        if c_old:
+            st.verify(_tokens(both, 0, c_old))
+            st.accept(c_old)
+        ys = []
+        if c_new:
+            if isinstance(st, DecodeStore):
+                st = ScanHeld.of_store(st)
+            head = [None if t is None else t[:, :c_new] for t in (q, k, v, log_a, beta, valid)]
+            y, st = _teacher_force(st, *head, self.prefill == "exact",
+                                   RawTail.of_forward(self.kind, _tokens(raw, 0, c_new)))
+            ys.append(y)
+        if not isinstance(st, DecodeStore) or st.store.max_drafts < L:
+            st = self._to_store(st if isinstance(st, ScanHeld) else ScanHeld.of_store(st), q, v,
+                                raw, max_drafts=L)
+        drafts = _tokens(both, c, n_old + T)
+        ys.append(st.verify(drafts)[:, c_new - T:])
+        setattr(lay, PENDING_ATTR, drafts)
+        return torch.cat(ys, 1), st
 
     def _decode(self, st, q, k, v, log_a, beta, raw):
         """The first decode step after a multi-token forward: the hand-off into the store
