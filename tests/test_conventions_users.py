@@ -134,7 +134,7 @@ def test_table_refuses_to_mix_scorings_and_llama_format_says_which(runs):
     code, text = _invoke(["table", runs["llama"], "--format", "llama"])
     assert code == 0, text
     assert "scoring=llama (positions n/2 ... n-2 of each window, as llama.cpp)" in text
-    assert "Mean    KLD:" in text
+    assert "chunk             PPL" in text and "fewer than 100 positions scored" in text  # 31
     code, text = _invoke(["table", runs["all"], "--format", "llama"])
     assert code == 0 and "scoring=all (every position" in text and "--scoring llama` for its numbers" in text
     code, text = _invoke(["table", runs["llama"], "--format", "csv"])

@@ -176,3 +176,25 @@ def test_a_mean_kl_of_float_noise_reads_as_zero_with_a_word(tmp_path):
         words = " ".join(text.split())
         assert "-3e-10" not in words and "~0" in words, text
         assert "within 3 standard errors of zero" in words and "(<0)" in words, text
+
+
+def test_llama_format_has_llamas_chunk_table_and_no_statistics_below_100_tokens(tmp_path):
+    import re
+    out = tmp_path / "kl.json"                      # 2 documents x 64 tokens: 126 positions scored
+    code, text = invoke(["kl", "--model", "tiny-qwen3.5", "--pair", "f4_sr_rs", "--dataset",
+                         "heldout", "--context", 64, "--docs", 2, "--segment", 32, "--dtype",
+                         "float32", "--reference", "hf", "--no-progress", "--out", out])
+    assert code == 0, text
+    code, text = invoke(["table", out, "--format", "llama"])
+    assert code == 0, text
+    head = "chunk             PPL               ln(PPL(Q)/PPL(base))          KL Divergence"
+    assert text.count(head) == 1, text
+    chunks = [ln for ln in text.splitlines() if re.match(r"^ {3}[12] {4}", ln)]
+    assert len(chunks) == 2 and chunks[1].endswith("%"), text
+    last_kl = float(chunks[1].split("±")[2].split()[-1])        # running KL after both chunks
+    mean = float(re.search(r"Mean    KLD: +([-\d.]+)", text).group(1))
+    assert abs(last_kl - mean) < 1e-5, text
+    # llama.cpp's window: 31 positions of each document, 62 in all: no statistics block
+    code, text = invoke(["table", out, "--format", "llama", "--scoring", "llama"])
+    assert code == 0 and text.count(head) == 1, text
+    assert "Mean    KLD" not in text and "fewer than 100" in text, text

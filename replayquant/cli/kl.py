@@ -13,7 +13,7 @@ from replayquant.cli.common import (BenchShape, KLOptions, ModelOpt, Prefill, Sc
 from replayquant.gpqa.summary import table_for_files
 from replayquant.kl.bench import bench_kl
 from replayquant.kl.report import render_table
-from replayquant.kl.results import load_scored
+from replayquant.kl.results import load_scored, running_statistics
 from replayquant.launch import single_process_warning
 from replayquant.policy import resolve_pair
 from replayquant.sweep.command import SWEEP_KIND, render_sweep
@@ -82,7 +82,10 @@ def table_cmd(
             raise ValueError("--scoring applies to KL results files, not to GPQA or lm-eval results")
         typer.echo(gpqa_table, nl=False)
         return
-    typer.echo(render_table(load_scored(files, scoring), fmt=format, by=by), nl=False)
+    loaded = load_scored(files, scoring)
+    running = {src: running_statistics(res, src) for src, res in loaded} if format == "llama" \
+        else None
+    typer.echo(render_table(loaded, fmt=format, by=by, running=running), nl=False)
 
 
 @bench_app.command("kl")

@@ -2,7 +2,8 @@
 
 * `render_table(loaded, fmt)` (loaded: `load_results` or `results.load_scored`): md (one row per
   pair, value ± uncertainty in a cell), csv (one row per pair, every value and its uncertainty
-  in separate numeric columns) or llama (per pair, the text block `llama-perplexity --kl-divergence` prints, for side-by-side comparison);
+  in separate numeric columns) or llama (per pair, the per-chunk table and statistics block
+  `llama-perplexity --kl-divergence` prints, for side-by-side comparison);
 * `print_summary(res)`: the terminal tables of one run, fitted to the console's width (80 columns
   through a pipe): columns that do not fit are left out, never a number split across lines.
 
@@ -49,14 +50,14 @@ def _pm(v, u, fmt="{:.4g}"):
     return fmt.format(v) + (" ± " + fmt.format(u) if u is not None else "")
 
 
-def kl_cell(mean, unc, fmt="{:.4g}", sep=" ± ") -> str:
+def kl_cell(mean, unc, fmt="{:.4g}", sep=" ± ", ufmt=None) -> str:
     """A mean KL and its uncertainty as tables show it: "~0 ± u" where it is compatible with zero
     (`stats.kl_vs_zero`: float noise, counted as 0, whose sign means nothing), "m ± u (<0)"
     where it lies below zero beyond its uncertainty (a defect), else "m ± u"."""
     if mean is None:
         return "-"
     side = kl_vs_zero(mean, unc or 0.0)
-    u = "" if unc is None else sep + fmt.format(unc)
+    u = "" if unc is None else sep + (ufmt or fmt).format(unc)
     return "~0" + u if side == 0 else fmt.format(mean) + u + (" (<0)" if side < 0 else "")
 
 
@@ -210,17 +211,18 @@ def load_results(paths: list[str | Path]) -> list[tuple[str, dict]]:
     return out
 
 
-def render_table(loaded: list[tuple[str, dict]], fmt: str = "md", by: str = "pair") -> str:
+def render_table(loaded: list[tuple[str, dict]], fmt: str = "md", by: str = "pair",
+                 running: dict | None = None) -> str:
     """One table over results: pairs as rows. loaded: (source, results) of each file, as
     `load_results` gives them (or `results.load_scored`, re-scored); fmt: md | csv | llama;
-    by: pair | model (row order)."""
+    by: pair | model (row order); running: llama's per-chunk statistics (`render_llama`)."""
     if fmt not in FORMATS:
         raise ValueError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if by not in ("pair", "model"):
         raise ValueError(f"--by must be pair or model, got {by!r}")
     check_one_scoring(loaded)
     if fmt == "llama":
-        return render_llama(loaded)
+        return render_llama(loaded, running)
     rows = [r for src, res in loaded for r in rows_of(res, src)]
     key = (lambda r: (r["pair"], r["model"], r["context"])) if by == "pair" else \
           (lambda r: (r["model"], r["context"], r["_kl"]))
@@ -305,11 +307,30 @@ def llama_block(st: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_llama(loaded: list[tuple[str, dict]]) -> str:
+# llama.cpp's per-chunk table (perplexity.cpp, kl_divergence): its header, and below it one line
+# per chunk with the running statistics of the chunks so far; a chunk here is one document (one
+# window of --context tokens). Below LLAMA_MIN_TOKENS scored positions llama.cpp prints the
+# table only ("we do not wish to do statistics on so few values").
+CHUNK_HEADER = ("chunk             PPL               ln(PPL(Q)/PPL(base))          KL Divergence"
+                "              Δp RMS            Same top p")
+LLAMA_MIN_TOKENS = 100
+
+
+def _chunk_line(i: int, st: dict) -> str:
+    return (f"{i:4d}    {st['ppl_test']:9.4f} ± {st['ppl_test_unc']:9.4f}"
+            f"    {st['ln_ppl_ratio']:10.5f} ± {st['ln_ppl_ratio_unc']:10.5f}"
+            f"    {st['kl_mean']:10.5f} ± {st['kl_mean_unc']:10.5f}"
+            f"    {100 * st['dp_rms']:6.3f} ± {100 * st['dp_rms_unc']:6.3f} %"
+            f"    {100 * st['same_top']:6.3f} ± {100 * st['same_top_unc']:6.3f} %")
+
+
+def render_llama(loaded: list[tuple[str, dict]], running: dict | None = None) -> str:
     """Per results file and pair: one header line (what Q and base are, and which positions were
-    scored), then `llama_block`. The numbers compare with llama.cpp's only under --scoring llama
-    (its window: positions n/2 ... n-2 of each n-token chunk); a file that scored every position
-    says so in its header."""
+    scored), llama.cpp's per-chunk table from `running` ({source: `results.running_statistics`
+    of that file}), then `llama_block` where at least LLAMA_MIN_TOKENS positions were scored, as
+    llama.cpp. The numbers compare with llama.cpp's only under --scoring llama (its window:
+    positions n/2 ... n-2 of each n-token chunk); a file that scored every position says so in
+    its header."""
     out = []
     for src, res in loaded:
         cfg = res["config"]
@@ -322,6 +343,7 @@ def render_llama(loaded: list[tuple[str, dict]]) -> str:
                   "window: `replayquant table --format llama --scoring llama` for its numbers)")
         ref = (cfg.get("reference") or {}).get("mode", "reference")
         done = f"{res['documents_done']}" + ("" if res.get("complete") else f" of {res['documents_planned']}")
+        chunks = (running or {}).get(src)
         for p in cfg["pairs"]:
             st = res["results"].get(p["name"])
             if not st:
@@ -329,7 +351,18 @@ def render_llama(loaded: list[tuple[str, dict]]) -> str:
             out.append(f"# {model_label(cfg['model'])}: Q = pair {p['name']}, base = reference "
                        f"({ref}); {done} doc(s) x {cfg['context']} tokens, prefill={cfg['prefill']}; "
                        f"{st['n_tokens']} tokens scored, {scored} ({src})\n")
-            out.append(llama_block(st))
+            if chunks is None:
+                out.append(f"# no per-chunk table: it is built from the run's per-token values "
+                           f"({res.get('kl_tokens_dir')}/ beside the results file)\n")
+            else:
+                out.append("\n".join([CHUNK_HEADER, *(_chunk_line(i, c) for i, c in
+                                                        enumerate(chunks[p["name"]], start=1)),
+                                       "", ""]))
+            if st["n_tokens"] < LLAMA_MIN_TOKENS:
+                out.append(f"# fewer than {LLAMA_MIN_TOKENS} positions scored: llama.cpp prints "
+                           f"no statistics for so few values\n")
+            else:
+                out.append(llama_block(st))
             out.append("\n")
     return "".join(out)
 
@@ -397,7 +430,7 @@ def print_summary(res: dict, console=None):
         st = res["results"].get(p["name"])
         if not st:
             continue
-        rows.append([p["name"], kl_cell(st["kl_mean"], st["kl_mean_unc"], "{:.3g}", "±"),
+        rows.append([p["name"], kl_cell(st["kl_mean"], st["kl_mean_unc"], "{:.3g}", "±", "{:.2g}"),
                      _c(st.get("kl_median")),
                      _c((st.get("kl_percentiles") or {}).get("99")), _c(st["kl_max"]),
                      _c(100 * st["same_top"], 100 * st["same_top_unc"], "{:.2f}"),

@@ -105,6 +105,60 @@ def load_scored(paths, scoring: str | None = None) -> list[tuple[str, dict]]:
     return [(src, rescore(res, src, scoring)) for src, res in loaded]
 
 
+def document_metrics(res: dict, path: str | os.PathLike, scoring: str):
+    """Per document of the results `res` of the file `path` (as written, or as `rescore` gave
+    them), in order: (its per_document record, the first position scored, {pair: per-token
+    metrics at `scoring`}, as `stats.token_metrics` gives them), read from the per-token values
+    in its NAME.kl/ folder (checked to be this file's, `check_run_folder`, where `res` is as
+    written; `rescore` checked it before re-scoring). A damaged or missing per-token file is one
+    ValueError naming it."""
+    cfg = res["config"]
+    was = res.get("rescored_from") or config_scoring(cfg)       # the positions stored
+    path = Path(path)
+    run_dir = path.parent / res.get("kl_tokens_dir", path.with_suffix(".kl").name)
+    if not res.get("rescored_from"):
+        check_run_folder(path, res, run_dir)
+    first = S.scored_range(cfg["context"], scoring)[0]
+    skip = first - S.scored_range(cfg["context"], was)[0]       # stored positions before `first`
+    shape = kl_shape({**cfg, "scoring": was})
+    names = [p["name"] for p in cfg["pairs"]]
+    docs = next((st["per_document"] for st in res["results"].values() if st), [])
+    for d in docs:
+        i = d["index"]
+        npy = f"doc{i:05d}.npy"
+        kl = load_document_kl(run_dir / npy, shape, i)
+        dp = load_document_dp(run_dir, [{"index": i, "npy": npy}], shape)
+        if dp is None:
+            raise ValueError(f"{run_dir / dp_name(npy)} (the per-token delta-p of document {i}) "
+                             f"is missing; run `replayquant kl --scoring {scoring}`")
+        dp = dp[i]
+        nll = load_side(run_dir / side_name(npy, "nll"), np.float32, (1 + shape[0], shape[1]), "NLL", i)
+        top = load_side(run_dir / side_name(npy, "top"), np.bool_, shape, "top-token agreement", i)
+        yield d, first, {n: {"kl": torch.from_numpy(kl[j, skip:]), "dp": torch.from_numpy(dp[j, skip:]),
+                             "nll_ref": torch.from_numpy(nll[0, skip:]),
+                             "nll_test": torch.from_numpy(nll[1 + j, skip:]),
+                             "same_top": torch.from_numpy(top[j, skip:])}
+                         for j, n in enumerate(names)}
+
+
+def running_statistics(res: dict, path: str | os.PathLike) -> dict[str, list[dict]] | None:
+    """Per pair, the statistics (`stats.summarize`) of the first 1, 2, ... documents of the
+    results `res` of the file `path`, as scored there (llama.cpp's per-chunk table, a chunk being
+    one document), from the per-token values in its NAME.kl/ folder; None where that folder is
+    not beside the file."""
+    path = Path(path)
+    if not (path.parent / res.get("kl_tokens_dir", path.with_suffix(".kl").name)).is_dir():
+        return None
+    base = res["config"]["bucket_base"]
+    docs: dict[str, list] = {p["name"]: [] for p in res["config"]["pairs"]}
+    out: dict[str, list] = {n: [] for n in docs}
+    for _, first, metrics in document_metrics(res, path, config_scoring(res["config"])):
+        for n, m in metrics.items():
+            docs[n].append(S.document_sums(m, base, first))
+            out[n].append(S.summarize(docs[n], None, base))
+    return out
+
+
 def rescore(res: dict, path: str | os.PathLike, scoring: str) -> dict:
     """The results `res` of the results file `path` as `scoring` gives them, rebuilt from the
     per-token values in its NAME.kl/ folder (KL, delta-p, NLL, top-token agreement): a run that
@@ -119,34 +173,16 @@ def rescore(res: dict, path: str | os.PathLike, scoring: str) -> dict:
         raise ValueError(f"{path} scored only positions {S.scored_range(cfg['context'], was)[0]} "
                          f"... of each document (--scoring {was}); it cannot be re-scored with "
                          f"--scoring {scoring}: run `replayquant kl --scoring {scoring}`")
-    path = Path(path)
-    run_dir = path.parent / res.get("kl_tokens_dir", path.with_suffix(".kl").name)
-    check_run_folder(path, res, run_dir)
-    first, _ = S.scored_range(cfg["context"], scoring)
-    shape = kl_shape(cfg)
     names = [p["name"] for p in cfg["pairs"]]
-    docs = next((st["per_document"] for st in res["results"].values() if st), [])
     per_pair: dict[str, list] = {n: [] for n in names}
     kl_all: dict[str, list] = {n: [] for n in names}
     dp_all: dict[str, list] = {n: [] for n in names}
-    for d in docs:
-        i = d["index"]
-        npy = f"doc{i:05d}.npy"
-        kl = load_document_kl(run_dir / npy, shape, i)
-        dp = load_document_dp(run_dir, [{"index": i, "npy": npy}], shape)
-        if dp is None:
-            raise ValueError(f"{run_dir / dp_name(npy)} (the per-token delta-p of document {i}) "
-                             f"is missing; run `replayquant kl --scoring {scoring}`")
-        dp = dp[i]
-        nll = load_side(run_dir / side_name(npy, "nll"), np.float32, (1 + shape[0], shape[1]), "NLL", i)
-        top = load_side(run_dir / side_name(npy, "top"), np.bool_, shape, "top-token agreement", i)
-        for j, n in enumerate(names):
-            m = {"kl": torch.from_numpy(kl[j, first:]), "dp": torch.from_numpy(dp[j, first:]),
-                 "nll_ref": torch.from_numpy(nll[0, first:]), "nll_test": torch.from_numpy(nll[1 + j, first:]),
-                 "same_top": torch.from_numpy(top[j, first:])}
-            per_pair[n].append({"id": d["id"], "index": i, **S.document_sums(m, cfg["bucket_base"], first)})
-            kl_all[n].append(kl[j, first:])
-            dp_all[n].append(dp[j, first:])
+    for d, first, metrics in document_metrics(res, path, scoring):
+        for n, m in metrics.items():
+            per_pair[n].append({"id": d["id"], "index": d["index"],
+                                **S.document_sums(m, cfg["bucket_base"], first)})
+            kl_all[n].append(m["kl"].numpy())
+            dp_all[n].append(m["dp"].numpy())
     results = {n: (S.summarize(per_pair[n], np.concatenate(kl_all[n]), cfg["bucket_base"],
                                dp_values=np.concatenate(dp_all[n])) if per_pair[n] else None)
                for n in names}
