@@ -198,3 +198,23 @@ def test_llama_format_has_llamas_chunk_table_and_no_statistics_below_100_tokens(
     code, text = invoke(["table", out, "--format", "llama", "--scoring", "llama"])
     assert code == 0 and text.count(head) == 1, text
     assert "Mean    KLD" not in text and "fewer than 100" in text, text
+
+
+def test_shipped_tokenizers_pad_on_the_left_so_batched_generate_is_each_prompts(caplog):
+    import torch
+    from transformers import AutoTokenizer
+    import replayquant
+    from replayquant.data import tiny_model_path
+    for name in ("tiny-qwen3.5", "tiny-mamba2", "tiny-kimi-linear"):
+        assert AutoTokenizer.from_pretrained(tiny_model_path(name)).padding_side == "left", name
+    tok = AutoTokenizer.from_pretrained(tiny_model_path("tiny-qwen3.5"))
+    model = replayquant.load_model("tiny-qwen3.5", "tp4_hi16_sr", dtype="float32")
+    prompts = ["In the beginning God created", "And he said"]
+    batch = tok(prompts, return_tensors="pt", padding=True)
+    with caplog.at_level("WARNING"):
+        out = model.generate(**batch, max_new_tokens=5, do_sample=False)[:, -5:]
+    assert "padding" not in caplog.text, caplog.text        # HF warns of right padding
+    for row, prompt in zip(out, prompts):
+        alone = model.generate(**tok([prompt], return_tensors="pt"), max_new_tokens=5,
+                               do_sample=False)
+        assert torch.equal(row, alone[0, -5:]), prompt
