@@ -105,8 +105,9 @@ def test_state_after_speculation_is_plain_decodes(fam, seed, prompt, n):
     same tokens: the recurrent state (the anchor with its committed entries) and the
     convolution state within float32 reassociation of the largest element (measured: at most
     1.0e-6 and 4.9e-7 of it; the drafts rounded to bf16 in the torch engine's ring moved the
-    first GDN layer's state by 1.6e-3, this test's tiny models' by 1e-3 to 8e-3). Not bit for bit: a verify flushes its committed entries where they leave no room
-    for its drafts (h + T > L), plain decode where they fill the buffer."""
+    first GDN layer's state by 1.6e-3, this test's tiny models' by 1e-3 to 8e-3). Not bit for
+    bit: a verify flushes its committed entries where they leave no room for its drafts
+    (h + T > L), plain decode where they fill the buffer."""
     model = patch(_tiny(fam, seed), "s32_rs", buffer_len=8)
     ids = _prompt(prompt)
     outs = [model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
