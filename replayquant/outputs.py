@@ -38,7 +38,7 @@ from typing import Callable
 
 import numpy as np
 
-__all__ = ["WriteError", "write_file", "write_text", "write_json", "save_figure", "save_npy",
+__all__ = ["WriteError", "parse_json", "write_file", "write_text", "write_json", "save_figure", "save_npy",
            "append_line", "check_writable_folder", "diff_records", "check_owned", "other_run_error",
            "lock_path",
            "output_lock"]
@@ -46,6 +46,17 @@ __all__ = ["WriteError", "write_file", "write_text", "write_json", "save_figure"
 
 class WriteError(ValueError):
     """A file could not be written; the earlier file, where there was one, is left as it was."""
+
+
+def parse_json(text: str):
+    """`json.loads(text)`, with values nested deeper than Python's JSON parser follows (a
+    RecursionError, which is no ValueError) raised as the json.JSONDecodeError of any other
+    invalid JSON, which every reader turns into its one error naming the file."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise json.JSONDecodeError("its values nest deeper than a JSON parser follows", text,
+                                   0) from None
 
 
 def _write_error(path: Path, e: OSError, existed: bool) -> WriteError:
@@ -255,7 +266,7 @@ def check_owned(out, kind: str, writer: str, *, identity: dict | None = None,
         raise ValueError(f"--out {out} is read-only; refusing to replace it: make it writable "
                          f"(chmod u+w) or give another --out")
     try:
-        old = json.loads(out.read_text(encoding="utf-8"))
+        old = parse_json(out.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError, OSError):
         if rebuilt_from is not None:
             raise ValueError(f"{out} exists but is not a results file (invalid JSON); pass another "
@@ -314,7 +325,7 @@ def _lock_record(fd: int):
     if not raw:
         return None
     try:
-        info = json.loads(raw.decode("utf-8"))
+        info = parse_json(raw.decode("utf-8"))
     except ValueError:
         return False
     return info if isinstance(info, dict) and "pid" in info else False

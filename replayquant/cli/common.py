@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import json
 import logging
 import sys
 import typing
@@ -23,6 +22,7 @@ from replayquant import __version__
 from replayquant.bench.targets import PRESETS
 from replayquant.choices import DTYPE_NAMES, PREFILLS, REFERENCES
 from replayquant.options import check_backend
+from replayquant.outputs import parse_json
 
 # Options with a fixed set of values: typer checks them and `--help` lists them.
 Dtype = Literal[("auto", *DTYPE_NAMES)]
@@ -103,7 +103,7 @@ def json_kind(path) -> str | None:
     """The "kind" of a JSON results file (None where it has none or cannot be read: the command
     then reads it and names what is wrong)."""
     try:
-        d = json.loads(Path(path).read_text(encoding="utf-8"))
+        d = parse_json(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     return d.get("kind") if isinstance(d, dict) else None
@@ -257,5 +257,8 @@ def library_logs_above_bars() -> None:
     through it. Called by the commands that load transformers anyway."""
     from transformers.utils import logging as hf_logging
     for handler in hf_logging.get_logger().handlers:
-        if type(handler) is logging.StreamHandler:      # its own; not a subclass a caller added
+        # its own (not a subclass a caller added), once: setStream flushes the stream it
+        # replaces, which a second command in one process (a test's CliRunner) has closed
+        if type(handler) is logging.StreamHandler and not isinstance(handler.stream,
+                                                                     _CurrentStderr):
             handler.setStream(_CurrentStderr())

@@ -17,7 +17,7 @@ from replayquant.kl.results import load_scored, running_statistics
 from replayquant.launch import single_process_warning
 from replayquant.policy import resolve_pair
 from replayquant.sweep.command import SWEEP_KIND, render_sweep
-from replayquant.sweep.common import load_json_kind
+from replayquant.sweep.recommend import load_sweep
 
 KLPairs = pair_option("repeatable")
 
@@ -73,8 +73,7 @@ def table_cmd(
         if len(sweeps) < len(files) or scoring is not None:
             raise ValueError("a sweep file renders alone or with other sweep files, without "
                              "--scoring; give its KL run (NAME_kl.json beside it) for KL tables")
-        typer.echo("\n".join(render_sweep(load_json_kind(f, SWEEP_KIND, "replayquant sweep"),
-                                          format) for f in files), nl=False)
+        typer.echo("\n".join(render_sweep(load_sweep(f), format) for f in files), nl=False)
         return
     gpqa_table = table_for_files(files, fmt=format)
     if gpqa_table is not None:

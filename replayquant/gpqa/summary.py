@@ -16,6 +16,7 @@ import json
 import math
 from pathlib import Path
 
+from replayquant.outputs import parse_json
 from replayquant.provenance import model_identity
 
 __all__ = ["SUMMARY_KIND", "build_summary", "load_summary", "is_gpqa_summary", "render_table",
@@ -128,8 +129,8 @@ def load_summary(path) -> dict:
     if not p.is_file():
         raise ValueError(f"{path}: no GPQA summary there (expected a SUMMARY.json written by `replayquant gpqa`)")
     try:
-        obj = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
+        obj = parse_json(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{p}: not JSON ({e})") from None
     if not is_gpqa_summary(obj):
         raise ValueError(f"{p}: not a GPQA summary (no \"kind\": \"{SUMMARY_KIND}\"); "
@@ -277,7 +278,7 @@ def render_lm_eval_table(files, fmt: str = "md") -> str:
     rows = []
     for f in files:
         p = Path(f)
-        rows += lm_eval_rows(json.loads(p.read_text()), str(p))
+        rows += lm_eval_rows(parse_json(p.read_text()), str(p))
     if not rows:
         raise ValueError(f"{[str(f) for f in files]}: the lm-eval results hold no metrics")
     cols = ["model", "pair", "prefill", "task", "metric", "filter", "n", "value", "stderr", "limit", "file"]
@@ -305,7 +306,7 @@ def _file_kind(f) -> str:
     p = Path(f)
     p = p / "SUMMARY.json" if p.is_dir() else p
     try:
-        obj = json.loads(p.read_text()) if p.is_file() else None
+        obj = parse_json(p.read_text()) if p.is_file() else None
     except (OSError, ValueError):
         return "other"
     if is_gpqa_summary(obj):

@@ -8,12 +8,12 @@ import os
 from pathlib import Path
 
 from replayquant.kl.stats import KL_ZERO_SE, kl_vs_zero
-from replayquant.outputs import check_writable_folder, write_json
+from replayquant.outputs import check_writable_folder, parse_json, write_json
 from replayquant.pairs import tidy_name as clean_name
 from replayquant.policy import check_recorded
 
 __all__ = ["kl_bound", "kl_figures", "kl_problem", "load_json_kind", "check_structure", "REAL",
-           "SIZE", "shapes_of_model", "fmt_bytes", "pair_formats",
+           "SIZE", "POSITIVE", "shapes_of_model", "fmt_bytes", "pair_formats",
            "clean_name", "write_json", "check_results_out", "kl_file_for", "KL_FIGURES",
            "front_kl", "pareto_front", "check_budget"]
 
@@ -85,7 +85,15 @@ class _Size(_Real):
         return super().ok(v) and math.isfinite(v) and v >= 0
 
 
-REAL, SIZE = _Real(), _Size()
+class _Positive(_Real):
+    """Schema marker: a finite number > 0 (a ratio of two byte counts)."""
+    what = "a finite number > 0"
+
+    def ok(self, v):
+        return super().ok(v) and math.isfinite(v) and v > 0
+
+
+REAL, SIZE, POSITIVE = _Real(), _Size(), _Positive()
 
 
 def check_structure(obj, schema, source: str, writer: str, where: str = "") -> None:
@@ -136,7 +144,7 @@ def load_json_kind(path, kind: str, writer: str) -> dict:
     if not p.is_file():
         raise ValueError(f"{path}: no such file (give the JSON that `{writer}` writes)")
     try:
-        obj = json.loads(p.read_text())
+        obj = parse_json(p.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: not a JSON file ({e}); give the JSON that `{writer}` writes") from None
     if not isinstance(obj, dict) or obj.get("kind") != kind:

@@ -29,10 +29,12 @@ from replayquant.gpqa.summary import summary_model
 from replayquant.outputs import check_owned, output_lock
 from replayquant.provenance import describe_model, model_mismatch, provenance
 
-from .common import (REAL, SIZE, check_budget, check_results_out, check_structure, fmt_bytes,
-                     kl_problem, write_json)
+from .command import SWEEP_KIND
+from .common import (POSITIVE, REAL, SIZE, check_budget, check_results_out, check_structure,
+                     fmt_bytes, kl_problem, load_json_kind, write_json)
 
-__all__ = ["NoFit", "recommend", "print_recommendation", "check_sweep", "check_sensitivity",
+__all__ = ["NoFit", "recommend", "print_recommendation", "check_sweep", "check_sweep_structure",
+           "load_sweep", "check_sensitivity",
            "check_recommendation_out", "write_recommendation", "RECOMMEND_KIND"]
 
 RECOMMEND_KIND = "replayquant.recommendation"
@@ -42,17 +44,22 @@ class NoFit(Exception):
     """No variant (or no layer policy) within the budgets; the message names the closest."""
 
 
-# What recommend reads of the files it is given (common.check_structure): a file that lacks it
-# or holds other types is refused at load with one error naming the place.
+# What recommend and `table` read of the files they are given (common.check_structure): a file
+# that lacks it or holds other types is refused at load with one error naming the place.
 _KL = {"kl_mean": REAL, "kl_unc": REAL, "kl_upper": REAL}
 _SWEEP_SCHEMA = {
     "complete": bool,
-    "conventional_fp32": {"bytes_per_step": {"state": SIZE}, "memory": {"total": SIZE}},
+    "layers": [dict],
+    "conventional_fp32": {"bytes_per_step": {"state": SIZE}, "memory": {"total": SIZE},
+                          "kernel?": {"us_per_step?": REAL, "missing?": [str]}},
+    "kernels?": {"batch_requested": int},
     "variants": [{"name": str, "pair": dict, "kl?": _KL, "bytes_per_step": {"state": SIZE},
                   "memory": {"total": SIZE},
-                  "vs_fp32_conventional": {"state_bytes?": SIZE, "memory?": SIZE},
-                  "kernel?": {"us_per_step?": REAL, "speedup_vs_fp32_conventional?": REAL}}, ...],
-    "front?": [str],
+                  "vs_fp32_conventional": {"state_bytes?": POSITIVE, "total_bytes?": POSITIVE,
+                                           "memory?": POSITIVE},
+                  "kernel?": {"us_per_step?": REAL, "speedup_vs_fp32_conventional?": REAL},
+                  "on_front": bool}, ...],
+    "front": [str],
 }
 _SENS_SCHEMA = {
     "complete": bool,
@@ -83,15 +90,34 @@ def _incomplete(source: str, obj: dict, command: str) -> ValueError:
                       f"recommend from it")
 
 
-def check_sweep(sweep, source: str = "") -> None:
-    """One ValueError naming the file for a sweep dict recommend cannot use: damaged structure
-    (`_SWEEP_SCHEMA`), two variants of one name, or a run that did not finish."""
+def check_sweep_structure(sweep, source: str = "") -> None:
+    """One ValueError naming the file for a sweep dict that cannot be read back: damaged
+    structure (`_SWEEP_SCHEMA`; measured kernel times without the FP32 conventional step's) or
+    two variants of one name."""
     src = source or "the sweep"
     check_structure(sweep, _SWEEP_SCHEMA, src, "replayquant sweep")
+    if sweep.get("kernels") is not None and sweep["conventional_fp32"].get("kernel") is None:
+        raise ValueError(f"{src}: conventional_fp32.kernel is missing (the file holds measured "
+                         f"kernel times); the file is damaged or was not written by `replayquant "
+                         f"sweep`: run it again")
     dup = sorted(n for n, k in Counter(v["name"] for v in sweep["variants"]).items() if k > 1)
     if dup:
         raise ValueError(f"{src}: variant(s) {', '.join(dup)} come more than once; the file is "
                          f"damaged or was not written by `replayquant sweep`: run it again")
+
+
+def load_sweep(path) -> dict:
+    """A sweep file, read back whole (`check_sweep_structure`), or one ValueError naming it."""
+    sweep = load_json_kind(path, SWEEP_KIND, "replayquant sweep")
+    check_sweep_structure(sweep, str(path))
+    return sweep
+
+
+def check_sweep(sweep, source: str = "") -> None:
+    """One ValueError naming the file for a sweep dict recommend cannot use: one that cannot be
+    read back (`check_sweep_structure`), or a run that did not finish."""
+    src = source or "the sweep"
+    check_sweep_structure(sweep, source)
     if not sweep["complete"]:
         raise _incomplete(src, sweep, "replayquant sweep")
 
@@ -210,8 +236,8 @@ def _summary(v: dict, conv: dict, gq=None) -> dict:
            "bytes_per_step": v["bytes_per_step"]["state"], "memory": v["memory"]["total"],
            "fp32_conventional_bytes_per_step": conv["bytes_per_step"]["state"],
            "fp32_conventional_memory": conv["memory"]["total"],
-           "bytes_saving": v["vs_fp32_conventional"]["state_bytes"],
-           "memory_saving": v["vs_fp32_conventional"]["memory"], "pair": v["pair"]}
+           "bytes_saving": v["vs_fp32_conventional"].get("state_bytes"),
+           "memory_saving": v["vs_fp32_conventional"].get("memory"), "pair": v["pair"]}
     k = v.get("kernel")
     if k is not None:
         out["kernel_us_per_step"] = k.get("us_per_step")
@@ -321,8 +347,8 @@ def _no_fit_message(v, miss, budgets, gpqa_of=None) -> str:
 
 
 def _ratio_text(saving: float | None, what: str) -> str:
-    if saving is None:
-        return ""
+    if saving is None:              # a file that does not record the ratio
+        return f"against the FP32 conventional step's {what}"
     if saving >= 1:
         return f"{saving:.2f}x less {what} than the FP32 conventional step"
     return f"{1 / saving:.2f}x the FP32 conventional step's {what}"
