@@ -160,3 +160,138 @@ def test_model_benches_of_the_4b_shape_refuse_a_machine_without_cuda(tmp_path, m
         code, text = invoke([*args, *out])                      # the CPU smoke test runs
         assert "the benchmark started" in text, text
     assert list(tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------------------------ damaged sweep files
+
+SWEEP = ROOT / "results/demo/tiny-qwen3.5_sweep.json"
+
+
+def _damaged_sweep(tmp_path, damage):
+    sw = json.loads(SWEEP.read_text())
+    i = [v["name"] for v in sw["variants"]].index("tp8_hi16_sr@L16")     # the recommended one
+    damage(sw, sw["variants"][i])
+    p = tmp_path / "sw.json"
+    p.write_text(json.dumps(sw))
+    return p
+
+
+@pytest.mark.parametrize("damage, where", [
+    (lambda sw, v: v["vs_fp32_conventional"].update(state_bytes=0),
+     "vs_fp32_conventional.state_bytes should be a finite number > 0"),
+    (lambda sw, v: v["vs_fp32_conventional"].update(memory=-1.0),
+     "vs_fp32_conventional.memory should be a finite number > 0"),
+    (lambda sw, v: v.pop("on_front"), "].on_front is missing"),
+    (lambda sw, v: sw.pop("front"), "front is missing"),
+    (lambda sw, v: sw.pop("layers"), "layers is missing"),
+    (lambda sw, v: sw["conventional_fp32"].pop("kernel"), "conventional_fp32.kernel is missing"),
+    (lambda sw, v: sw["kernels"].pop("batch_requested"), "kernels.batch_requested is missing"),
+])
+def test_damaged_sweep_is_one_error_in_recommend_and_table(tmp_path, damage, where):
+    p = _damaged_sweep(tmp_path, damage)
+    for args in (["recommend", p, "--kl-budget", 1e-3], ["table", p]):
+        code, text = invoke(args)
+        one_clear_error(code, text, "sw.json", where, "replayquant sweep")
+
+
+@pytest.mark.parametrize("key", ["state_bytes", "memory", "total_bytes"])
+def test_sweep_without_an_optional_ratio_still_reads(tmp_path, key):
+    p = _damaged_sweep(tmp_path, lambda sw, v: v["vs_fp32_conventional"].pop(key))
+    for args in (["recommend", p, "--kl-budget", 1e-3], ["table", p]):
+        code, text = invoke(args)
+        assert code == 0 and "Traceback" not in text, text
+    code, text = invoke(["recommend", p, "--kl-budget", 1e-3])
+    assert "recommended tp8_hi16_sr@L16" in text, text
+
+
+def _deep(path, head):
+    path.write_text(head + "[" * 100000 + "]" * 100000 + "}")
+    return path
+
+
+def test_json_nested_too_deeply_is_one_error(tmp_path):
+    head = SWEEP.read_text().rstrip().rstrip("}") + ', "x": '
+    sw = _deep(tmp_path / "deep.json", head)
+    code, text = invoke(["recommend", sw, "--kl-budget", 1e-3])
+    one_clear_error(code, text, "deep.json", "not a JSON file", "nest")
+    out = _deep(tmp_path / "r.json", '{"x": ')                     # at --out: not overwritten
+    before = out.read_text()
+    code, text = invoke(["recommend", SWEEP, "--kl-budget", 1e-3, "--out", out])
+    one_clear_error(code, text, str(out), "not JSON")
+    assert out.read_text() == before
+
+
+# ------------------------------------------------------------------ damaged progress logs
+
+CTX = 64
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory):
+    """A folder of two .txt documents from the shipped held-out text (each >= CTX tokens)."""
+    from replayquant.data import heldout_documents
+    d = tmp_path_factory.mktemp("texts")
+    for i, b in enumerate(heldout_documents()[:2]):
+        (d / f"doc_{i}.txt").write_text(b["text"][:2000])
+    return d
+
+
+def _kl(texts, out, *extra, pair="s32_rs", docs=2):
+    return ["kl", "--model", TINY, "--pair", pair, "--dataset", texts, "--context", CTX,
+            "--docs", docs, "--segment", 32, "--dtype", "float32", "--reference", "hf",
+            "--no-progress", "--out", out, *extra]
+
+
+@pytest.fixture(scope="module")
+def finished_run(texts, tmp_path_factory):
+    """A finished two-document KL run: {file name: bytes} of its run folder and results file."""
+    d = tmp_path_factory.mktemp("run")
+    code, text = invoke(_kl(texts, d / "r.json"))
+    assert code == 0, text
+    return {p.relative_to(d): p.read_bytes() for p in d.rglob("*") if p.is_file()}
+
+
+def _lay_out(files, d):
+    for rel, data in files.items():
+        (d / rel).parent.mkdir(parents=True, exist_ok=True)
+        (d / rel).write_bytes(data)
+
+
+@pytest.mark.parametrize("damage, needles", [
+    (lambda lines: lines.insert(2, "[1, 2]"), ["line 3", "not a record"]),
+    (lambda lines: lines.__setitem__(0, '{"type": "config"}'), ["line 1", "no configuration"]),
+    (lambda lines: lines.__setitem__(1, json.dumps({k: v for k, v in json.loads(lines[1]).items()
+                                                    if k != "index"})), ["line 2", "index"]),
+    (lambda lines: lines.__setitem__(1, lines[1].replace('"npy": "doc00000.npy"',
+                                                         '"npy": "../../x.npy"')), ["line 2", "npy"]),
+])
+def test_damaged_progress_log_is_one_error_before_the_model_loads(texts, finished_run, tmp_path,
+                                                                 no_model, damage, needles):
+    _lay_out(finished_run, tmp_path)
+    log = tmp_path / "r.kl" / "progress.rank0.jsonl"
+    lines = log.read_text().splitlines()
+    damage(lines)
+    log.write_text("\n".join(lines) + "\n")
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    code, text = invoke(_kl(texts, tmp_path / "r.json"))
+    one_clear_error(code, text, str(log), *needles, "delete")
+    assert before == {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+
+
+def test_progress_log_replaced_by_a_folder_is_one_error(texts, finished_run, tmp_path, no_model):
+    _lay_out(finished_run, tmp_path)
+    log = tmp_path / "r.kl" / "progress.rank0.jsonl"
+    log.unlink()
+    log.mkdir()
+    code, text = invoke(_kl(texts, tmp_path / "r.json"))
+    one_clear_error(code, text, str(log), "not a file", "move it away")
+
+
+def test_torn_last_line_of_a_progress_log_is_still_recomputed(texts, finished_run, tmp_path,
+                                                             monkeypatch):
+    _lay_out(finished_run, tmp_path)
+    log = tmp_path / "r.kl" / "progress.rank0.jsonl"
+    lines = log.read_text().splitlines()
+    log.write_text("\n".join(lines[:2]) + "\n" + lines[2][:40])     # a crash mid-write
+    code, text = invoke(_kl(texts, tmp_path / "r.json"))
+    assert code == 0 and "1 of 2 document(s) already done and kept" in text, text

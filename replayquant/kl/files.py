@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from replayquant.outputs import (append_line, check_owned, check_writable_folder, diff_records,
-                                 save_npy)
+                                 parse_json, save_npy)
 
 from . import stats as S
 from .report import RESULTS_KIND
@@ -69,6 +69,7 @@ def check_out(out: str | os.PathLike) -> Path:
     check_writable_folder(out.parent, out)
     if run_dir.is_dir():
         check_writable_folder(run_dir, out)
+        read_progress(run_dir)                # damaged logs: one error before any work
     # a file there is replaced only when it is a KL results file (the configuration is compared
     # with the run's in `resume.finished_documents`); the plot only with it or with its run's folder
     check_owned(out, RESULTS_KIND, "replayquant kl", beside=() if run_dir.is_dir() else (png,),
@@ -131,20 +132,52 @@ def kl_shape(config: dict) -> tuple[int, int]:
 
 
 def read_progress(run_dir: Path) -> tuple[list[dict], list[dict]]:
-    """(config headers, document records) of every progress file; a torn last line is ignored."""
+    """(config headers, document records) of every progress file. A line that is not JSON is
+    one torn by an interrupted write (its document is computed again); a JSON line that is not
+    a record `append_record` writes, or a log that is not a file, is one ValueError naming the
+    file and line and what to delete (`_progress_problem`)."""
     headers, records = [], []
     for f in sorted(run_dir.glob("progress.rank*.jsonl")):
-        with open(f, encoding="utf-8") as fh:
-            for line in fh:
+        if not f.is_file():
+            raise ValueError(f"{f} is not a file; the progress log of a KL run's process goes "
+                             f"there: move it away, then run the same command again")
+        with open(f, encoding="utf-8", errors="replace") as fh:
+            for n, line in enumerate(fh, 1):
                 try:
-                    obj = json.loads(line)
+                    obj = parse_json(line)
                 except json.JSONDecodeError:
                     continue   # interrupted mid-write: that document is redone
-                if obj.get("type") == "config":
-                    headers.append(obj)
-                elif obj.get("type") == "document":
-                    records.append(obj)
+                why = _progress_problem(obj)
+                if why:
+                    fix = (f"delete {f} to compute its documents again (the other logs' "
+                           f"documents are kept)" if why[1] else
+                           f"delete that line to compute its document again (the others are kept)")
+                    raise ValueError(f"{f}: line {n} {why[0]}; the log is damaged: {fix}")
+                (headers if obj["type"] == "config" else records).append(obj)
     return headers, records
+
+
+def _progress_problem(obj) -> tuple[str, bool] | None:
+    """(what is wrong, whether the whole log is lost with it) for a JSON line of a progress log
+    that is not a record `append_record` writes; None for one that is."""
+    if not isinstance(obj, dict) or obj.get("type") not in ("config", "document"):
+        return "is not a record of a KL run's progress log (type config or document)", False
+    if obj["type"] == "config":
+        if not isinstance(obj.get("config"), dict):
+            return "is the log's configuration record with no configuration in it", True
+        return None
+    i = obj.get("index")
+    if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+        return f"is a document record whose index is {i!r}, not an integer >= 0", False
+    if obj.get("npy") != f"doc{i:05d}.npy":
+        return (f"is the record of document {i} with npy {obj.get('npy')!r}, not its file "
+                f"doc{i:05d}.npy"), False
+    for key, kind in (("id", str), ("pairs", dict), ("wall_s", (int, float))):
+        if not isinstance(obj.get(key), kind) or isinstance(obj.get(key), bool):
+            return f"is the record of document {i} with no {key} of the kind written", False
+    if not all(isinstance(v, dict) for v in obj["pairs"].values()):
+        return f"is the record of document {i} with pairs that are not records", False
+    return None
 
 
 def append_record(path: Path, obj: dict):
