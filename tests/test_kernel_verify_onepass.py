@@ -1,8 +1,9 @@
 """The one-pass verify (design='onepass', kernels/verify_onepass.py) in the Triton interpreter
 against the step kernel's verify (design='step-kernel') and the torch reference, from the same
 store each round: outputs (into a NaN-poisoned buffer), ring entries, key factors, pointers,
-and roles (written only by the pre-flush, the same launch in both designs). The stores reach
-rows in different phases, some pre-flushing, through reference rounds with per-row accepts."""
+and roles (written only by the pre-flush, the same launch in both designs; a row that does not
+pre-flush keeps them bit for bit). The stores reach rows in different phases, some
+pre-flushing, through reference rounds with per-row accepts."""
 
 import pytest
 import torch
@@ -93,6 +94,11 @@ def test_onepass_verify(case):
             _close(y1, y0, 1e-5, 0.02 if bf16_u else 0.0)
             _same_store(one, two, bf16_u)
             assert one.pending_T == T
+            kept = idx[:B][~((h + T > L) & (h > 0))].long()     # rows that did not pre-flush
+            for role in ("anchor", "read"):
+                if getattr(st, role) is not None:
+                    assert torch.equal(getattr(one, role).payload[kept],
+                                       getattr(st, role).payload[kept]), role
         yr = ref(st, **kw, state_indices=idx)
         if rnd >= WARM:
             if pair == "s32_rs":
