@@ -65,6 +65,7 @@ from transformers import AutoModelForCausalLM, CompileConfig
 from replayquant.choices import PREFILLS
 from replayquant.gpqa.tasks import write_task_dir
 from replayquant.kl.lockstep import cache_kwarg, output_cache
+from replayquant.models.device import default_device
 from replayquant.models.names import resolve_model_name
 from replayquant.models.patching import model_class, patch, unpatch
 from replayquant.policy import resolve_pair
@@ -211,6 +212,8 @@ class ReplayQuantLM(HFLM):
             if not pretrained:
                 raise ValueError("model_args needs pretrained=<hub id, short name or local path>")
             pretrained = resolve_model_name(pretrained)
+        if kwargs.get("device") is None:        # hf's default is cuda, on a machine without one too
+            kwargs["device"] = default_device()
         super().__init__(pretrained=pretrained, **kwargs)
         self._rq_compile = COMPILE_GENERATE[compile_generate]
         on_cuda = self.device.type == "cuda"

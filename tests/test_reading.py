@@ -218,3 +218,21 @@ def test_shipped_tokenizers_pad_on_the_left_so_batched_generate_is_each_prompts(
         alone = model.generate(**tok([prompt], return_tensors="pt"), max_new_tokens=5,
                                do_sample=False)
         assert torch.equal(row, alone[0, -5:]), prompt
+
+
+def test_readme_python_snippets_run_as_pasted(monkeypatch, tmp_path):
+    import re
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+    from replayquant.gpqa.tasks import write_task_dir
+    # GPQA from the test CSV (the hub's is gated), as `replayquant gpqa --gpqa-csv` reads it, and
+    # one question (each takes 2 s of replay prefill on a CPU)
+    tasks = TaskManager(include_path=str(write_task_dir(ROOT / "tests/data/gpqa_tiny.csv",
+                                                        tmp_path / "tasks")), include_defaults=False)
+    evaluate = lm_eval.simple_evaluate
+    monkeypatch.setattr(lm_eval, "simple_evaluate",
+                        lambda **kw: evaluate(task_manager=tasks, **{**kw, "limit": 1}))
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert len(blocks) == 4
+    for code in blocks:
+        exec(compile(code, "README.md", "exec"), {})
