@@ -67,10 +67,9 @@ def _columns(NCOL: tl.constexpr, T: tl.constexpr, NKC: tl.constexpr, NQ: tl.cons
 @triton.jit
 def _copy_chunk(pay, sc, mat, rows, c, CK: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
                 FMT: tl.constexpr):
-    """Chunk c [BV, CK] of the read copy in float32: FP32 / FP16 / BF16 values; FP8 codes
-    (times 2^-8: small_float_at; the row scale multiplies the sums); NVFP4 codes times their
-    block scales (times 2^-22; the matrix scale multiplies the sums). The last two are exact
-    in bf16."""
+    """Chunk c [BV, CK] of the read copy: FP32 / FP16 / BF16 values in float32; FP8 codes in
+    bf16 (the row scale multiplies the sums); NVFP4 codes times their block scales in float32
+    (times 2^-22: small_float_at; the matrix scale multiplies the sums), exact in bf16."""
     if FMT == 4:
         CK2: tl.constexpr = CK // 2
         NB: tl.constexpr = CK // 16
@@ -90,17 +89,17 @@ def _copy_chunk(pay, sc, mat, rows, c, CK: tl.constexpr, DV: tl.constexpr, DK: t
             x = decode_fp16(x)
         elif FMT == 2:
             x = decode_bf16(x)
-        elif FMT == 3:
-            x = small_float_at(x.to(tl.int32), 0, 4, 3)
+        elif FMT == 3:                  # E4M3 codes to bf16 (exact), two a conversion
+            x = x.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
     return x
 
 
 @triton.jit
 def _copy_factor(sc, gs, mat, rows, DV: tl.constexpr, FMT: tl.constexpr):
-    """What multiplies a row's sums of _copy_chunk's values: the FP8 row scale times 2^8, the
-    NVFP4 matrix scale times 2^22, else 1."""
+    """What multiplies a row's sums of _copy_chunk's values: the FP8 row scale, the NVFP4
+    matrix scale times 2^22, else 1."""
     if FMT == 3:
-        return tl.load(sc + mat * DV + rows) * 2.0 ** 8
+        return tl.load(sc + mat * DV + rows)
     if FMT == 4:
         return tl.load(gs + mat) * 2.0 ** 22 + tl.zeros([rows.shape[0]], tl.float32)
     return tl.zeros([rows.shape[0]], tl.float32) + 1.0
