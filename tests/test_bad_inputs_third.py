@@ -295,3 +295,33 @@ def test_torn_last_line_of_a_progress_log_is_still_recomputed(texts, finished_ru
     log.write_text("\n".join(lines[:2]) + "\n" + lines[2][:40])     # a crash mid-write
     code, text = invoke(_kl(texts, tmp_path / "r.json"))
     assert code == 0 and "1 of 2 document(s) already done and kept" in text, text
+
+
+# ------------------------------------------------------------------ table of damaged KL results
+
+KL_FILE = ROOT / "results/demo/tiny-qwen3.5_ctx16k_cpu.json"
+
+
+@pytest.mark.parametrize("damage, where", [
+    (lambda st, res: st.pop("kl_mean"), "results.s32_rs.kl_mean"),
+    (lambda st, res: st.update(kl_max="big"), "results.s32_rs.kl_max"),
+    (lambda st, res: res["results"].update(s32_rs=[1]), "results.s32_rs"),
+    (lambda st, res: res["config"]["pairs"][0].pop("name"), "config.pairs"),
+    (lambda st, res: st["by_position"].append({"bucket": "x"}), "results.s32_rs.by_position"),
+    (lambda st, res: st["per_document"][0].pop("index"), "results.s32_rs.per_document"),
+])
+def test_table_of_damaged_kl_results_is_one_error(tmp_path, damage, where):
+    res = json.loads(KL_FILE.read_text())
+    damage(res["results"]["s32_rs"], res)
+    p = tmp_path / "k.json"
+    p.write_text(json.dumps(res))
+    for fmt in ("md", "csv", "llama"):
+        code, text = invoke(["table", p, "--format", fmt])
+        one_clear_error(code, text, str(p), where, "replayquant kl")
+
+
+def test_table_of_json_nested_too_deeply_is_one_error(tmp_path):
+    for name, head in (("sw.json", SWEEP.read_text().rstrip().rstrip("}") + ', "x": '),
+                       ("k.json", '{"kind": "replayquant.kl", "x": ')):
+        code, text = invoke(["table", _deep(tmp_path / name, head)])
+        one_clear_error(code, text, name, "nest")

@@ -25,6 +25,8 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
+from replayquant.outputs import parse_json
+
 from .stats import KL_ZERO_SE, kl_text, kl_vs_zero
 
 RESULTS_KIND = "replayquant.kl"        # the "kind" of a KL results file (kl/results.py writes them)
@@ -42,6 +44,14 @@ FORMATS = ("md", "csv", "llama")
 # what a results file must hold for a table (top level, and under "config")
 _REQUIRED = ("config", "results", "documents_done", "documents_planned")
 _REQUIRED_CONFIG = ("model", "pairs", "prefill", "context")
+# a pair's statistics the tables read as numbers: always, and where a file holds them (an older
+# file holds fewer)
+_REQUIRED_STATS = ("n_tokens", "kl_mean", "kl_mean_unc", "kl_max", "same_top", "same_top_unc",
+                   "ppl_ratio", "ppl_ratio_unc", "dp_rms", "dp_rms_unc")
+_OPTIONAL_STATS = ("kl_min", "kl_median", "kl_mean_unc_docs", "ppl_ref", "ppl_ref_unc",
+                   "ppl_test", "ppl_test_unc", "ln_ppl_ratio", "ln_ppl_ratio_unc", "ppl_diff",
+                   "ppl_diff_unc", "ln_ppl_cor", "dp_mean", "dp_mean_unc", "dp_max", "dp_min",
+                   "dp_median")
 
 
 def _pm(v, u, fmt="{:.4g}"):
@@ -186,10 +196,52 @@ def check_results(res, path) -> None:
         missing.append("config (not an object)")
     if not missing and not isinstance(res["results"], dict):
         missing.append("results (not an object)")
+    if not missing:
+        missing += _stats_problems(res)
     if missing:
         raise ValueError(f"{path} says it is a KL results file (kind {RESULTS_KIND!r}) but has no "
                          f"{', '.join(missing)}; it was not written by `replayquant kl` (or was cut "
                          f"short or edited). Re-run the `replayquant kl` command that makes it")
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _stats_problems(res: dict) -> list[str]:
+    """What a table needs of the pairs and their statistics that `res` does not hold (each as
+    `check_results` names a missing key, with what it should be)."""
+    pairs = res["config"]["pairs"]
+    if not isinstance(pairs, list) or not all(isinstance(p, dict) and isinstance(p.get("name"), str)
+                                              for p in pairs):
+        return ["config.pairs (a list of pair records, each with its name)"]
+    for p in pairs:
+        at, st = f"results.{p['name']}", res["results"].get(p["name"])
+        if st is None:
+            continue
+        if not isinstance(st, dict):
+            return [f"{at} (an object of statistics)"]
+        bad = [k for k in _REQUIRED_STATS if not _number(st.get(k))]
+        bad += [k for k in _OPTIONAL_STATS if st.get(k) is not None and not _number(st[k])]
+        if bad:
+            return [f"{at}.{bad[0]} (a number)"]
+        rows = st.get("by_position") or []
+        if not isinstance(rows, list) or not all(
+                isinstance(r, dict) and isinstance(r.get("bucket"), str)
+                and _number(r.get("kl_mean")) and _number(r.get("kl_mean_unc")) for r in rows):
+            return [f"{at}.by_position (records of a bucket with its mean KL)"]
+        docs = st.get("per_document") or []
+        if not isinstance(docs, list) or not all(
+                isinstance(d, dict) and isinstance(d.get("id"), str) and _number(d.get("kl_max"))
+                and all(isinstance(d.get(k), int) and not isinstance(d.get(k), bool)
+                        and d[k] >= 0 for k in ("index", "n_tokens")) for d in docs):
+            return [f"{at}.per_document (records of a document with its index, id, tokens and "
+                    f"largest KL)"]
+        for k in ("kl_percentiles", "dp_percentiles"):
+            if st.get(k) is not None and not (isinstance(st[k], dict)
+                                              and all(map(_number, st[k].values()))):
+                return [f"{at}.{k} (numbers by percentile)"]
+    return []
 
 
 def load_results(paths: list[str | Path]) -> list[tuple[str, dict]]:
@@ -199,9 +251,9 @@ def load_results(paths: list[str | Path]) -> list[tuple[str, dict]]:
         if not p.is_file():
             raise ValueError(f"results file {p} does not exist")
         try:
-            res = json.loads(p.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ValueError(f"{p} is not a JSON results file") from None
+            res = parse_json(p.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{p} is not a JSON results file ({e})") from None
         check_results(res, p)
         from replayquant.policy import check_recorded   # pairs hold what their names say
         check_recorded(res, p)
