@@ -39,7 +39,7 @@ from replayquant.formats import FORMATS, Format, get_format
 from replayquant.formats.constants import ROUNDINGS
 
 __all__ = ["FormatSpec", "PrecisionPair", "PAIRS_DIR", "list_pairs", "pairs_table", "tidy_name",
-           "name_key", "check_shipped_name"]
+           "name_key", "check_name", "check_shipped_name"]
 
 def _pairs_dir():
     """The shipped pairs, read as package data: configs/pairs/ of the source tree, reached through
@@ -175,6 +175,14 @@ def _roles(read, anchor) -> str:
     return f"read {read or '(shared)'} and anchor {anchor}"
 
 
+def check_name(name) -> None:
+    """One ValueError unless `name` (of a pair or layer policy) is None or a non-empty string:
+    results are keyed, labelled and filed by it (YAML reads `name: 123` as a number)."""
+    if name is not None and (not isinstance(name, str) or not name.strip()):
+        raise ValueError(f"name must be a non-empty string, got {name!r} (quote a name YAML "
+                         f"reads as something else: name: '123')")
+
+
 def check_shipped_name(name, read, anchor) -> None:
     """One ValueError when `name` reads as a shipped pair's (`name_key`) but the roles it names
     (read FormatSpec or None, anchor FormatSpec) are not what that pair stores: results are
@@ -255,6 +263,7 @@ class PrecisionPair:
         bl = self.buffer_len
         if isinstance(bl, bool) or not isinstance(bl, int) or bl < 1:
             raise ValueError(f"buffer_len must be an integer >= 1, got {bl!r}")
+        check_name(self.name)
         check_shipped_name(self.name, self.read, self.anchor)
 
     # -- roles

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import yaml
 
-from replayquant.pairs import PrecisionPair, check_mapping, read_yaml, shipped_like
+from replayquant.pairs import PrecisionPair, check_mapping, check_name, read_yaml, shipped_like
 
 __all__ = ["EXACT", "LayerPolicy", "Override", "is_policy_file", "quantized_layers", "resolve_pair",
            "check_recorded"]
@@ -117,6 +117,7 @@ class LayerPolicy:
             if not isinstance(o, Override):
                 raise ValueError(f"policy override {i + 1}: expected an Override, got "
                                  f"{type(o).__name__}")
+        check_name(self.name)
         self._check_name()
 
     def _check_name(self) -> None:
@@ -249,8 +250,6 @@ class LayerPolicy:
                 seen[i] = k + 1
             overrides.append(Override(pair, tuple(idx), None))
         name = data.get("name")
-        if name is not None and (not isinstance(name, str) or not name.strip()):
-            raise ValueError(f"{source}: name must be a non-empty string, got {name!r}")
         try:
             pol = cls(default, tuple(overrides), name, data.get("description", "") or "")
         except ValueError as e:

@@ -325,3 +325,28 @@ def test_table_of_json_nested_too_deeply_is_one_error(tmp_path):
                        ("k.json", '{"kind": "replayquant.kl", "x": ')):
         code, text = invoke(["table", _deep(tmp_path / name, head)])
         one_clear_error(code, text, name, "nest")
+
+
+# ------------------------------------------------------------------ pair names that are no names
+
+
+@pytest.mark.parametrize("name", ["123", "[a, b]", "true", "''", "{a: 1}"])
+def test_pair_named_by_no_string_is_refused_before_the_model_loads(texts, tmp_path, no_model,
+                                                                  name):
+    for text in (f"name: {name}\nanchor: {{format: fp32}}\n",
+                 f"name: {name}\ndefault: s32_rs\n"):
+        p = tmp_path / "p.yaml"
+        p.write_text(text)
+        code, text = invoke(_kl(texts, tmp_path / "r.json", pair=p))
+        one_clear_error(code, text, str(p), "name must be a non-empty string")
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["p.yaml"]
+
+
+def test_pair_and_policy_objects_named_by_no_string_are_refused():
+    from replayquant.pairs import PrecisionPair
+    from replayquant.policy import LayerPolicy
+    for name in (123, ["a", "b"], "", "  "):
+        with pytest.raises(ValueError, match="name must be a non-empty string"):
+            PrecisionPair(None, "fp32", 16, name)
+        with pytest.raises(ValueError, match="name must be a non-empty string"):
+            LayerPolicy("s32_rs", (), name)
