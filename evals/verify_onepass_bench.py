@@ -118,6 +118,18 @@ def _variants(text):
     return out
 
 
+def summary(rows) -> None:
+    """Each one-pass round against the step kernel's round of the same kind, pair, batch."""
+    base = {(r["kind"], r["variant"], r["B"], r["kernel"]): r["us"] for r in rows
+            if r["design"] == "step-kernel"}
+    for r in rows:
+        b = base.get((r["kind"], r["variant"], r["B"], r["kernel"]))
+        if r["design"] == "onepass" and b:
+            print(f"  {r['kind']:6s} {r['variant']:9s} B={r['B']:4d} {r['kernel']:27s} "
+                  f"read {r['launch'] or 'table'}: {r['us']:8.1f} us, step kernel {b:8.1f} us, "
+                  f"x{b / r['us']:.2f}", flush=True)
+
+
 def main(argv) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out")
@@ -151,6 +163,7 @@ def main(argv) -> int:
                     res["rows"] += rounds(kind, B, a.T, pair, design, launch, res["copy_GBps"],
                                           dev)
                     write_json(a.out, res)
+    summary(res["rows"])
     return 0
 
 
