@@ -100,10 +100,28 @@ def _read_only(path: Path) -> bool:
         return False
 
 
+def _write_all(fh, data: bytes) -> None:
+    """Write every byte of `data` to the unbuffered file `fh`: a write past a file-size limit
+    (`ulimit -f`) writes part of it and returns the count, the next one raises EFBIG."""
+    view = memoryview(data)
+    while view:
+        view = view[fh.write(view):]
+
+
+def _as_bytes(content: bytes | str | Callable) -> bytes:
+    if callable(content):
+        buf = io.BytesIO()
+        content(buf)
+        return buf.getvalue()
+    return content.encode("utf-8") if isinstance(content, str) else content
+
+
 def write_file(path, content: bytes | str | Callable) -> Path:
     """Write `path` atomically through a temporary file of its own in the same folder (see the
     module docstring). `content`: bytes, text (UTF-8), or a function that writes to a binary file
-    object. Raises WriteError naming `path` when the write fails."""
+    object (called on an in-memory file first: numpy writes arrays through the file descriptor,
+    where a write cut short by a file-size limit went unseen and a cut .npy was published).
+    Raises WriteError naming `path` when the write fails."""
     path = Path(path)
     existed = path.exists()
     if existed and _read_only(path):     # a rename would replace it all the same
@@ -114,12 +132,8 @@ def write_file(path, content: bytes | str | Callable) -> Path:
     except OSError as e:
         raise _write_error(path, e, existed) from None
     try:
-        with os.fdopen(fd, "wb") as fh:
-            if callable(content):
-                content(fh)
-            else:
-                fh.write(content.encode("utf-8") if isinstance(content, str) else content)
-            fh.flush()
+        with os.fdopen(fd, "wb", buffering=0) as fh:
+            _write_all(fh, _as_bytes(content))
             os.fchmod(fh.fileno(), _file_mode())
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -156,12 +170,13 @@ def save_npy(path, arr) -> Path:
 
 def append_line(path, line: str) -> None:
     """Append one line to a log file and fsync it. A line torn by an earlier crash (no newline at
-    the end) is closed first; a failed append is cut off again, leaving the file as it was, and
-    is one WriteError naming the file."""
+    the end) is closed first; a failed append (a full disk, a file-size limit) is cut off again,
+    leaving the file as it was, and is one WriteError naming the file. Unbuffered: a buffer
+    would flush the failed bytes again at the cut and at the close."""
     path = Path(path)
     data = line.rstrip("\n") + "\n"
     try:
-        fh = open(path, "a+b")
+        fh = open(path, "a+b", buffering=0)
     except OSError as e:
         raise _write_error(path, e, path.exists()) from None
     with fh:
@@ -172,8 +187,7 @@ def append_line(path, line: str) -> None:
             if fh.read(1) != b"\n":
                 data = "\n" + data
         try:
-            fh.write(data.encode("utf-8"))
-            fh.flush()
+            _write_all(fh, data.encode("utf-8"))
             os.fsync(fh.fileno())
         except OSError as e:
             with contextlib.suppress(OSError):

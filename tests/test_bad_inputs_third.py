@@ -142,7 +142,7 @@ def test_model_benches_of_the_4b_shape_refuse_a_machine_without_cuda(tmp_path, m
 
     def boom(*a, **k):
         raise AssertionError("the benchmark started")
-    for mod, name in ((kb, "_bench_kl"), (tf, "whole_model"), (tf, "check")):
+    for mod, name in ((kb, "build_model"), (tf, "build_model"), (tf, "check")):
         monkeypatch.setattr(mod, name, boom)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     out = ["--out", tmp_path / "b.json"]
@@ -350,3 +350,47 @@ def test_pair_and_policy_objects_named_by_no_string_are_refused():
             PrecisionPair(None, "fp32", 16, name)
         with pytest.raises(ValueError, match="name must be a non-empty string"):
             LayerPolicy("s32_rs", (), name)
+
+
+# ------------------------------------------------------------------ a file-size limit (ulimit -f)
+
+
+@pytest.fixture
+def file_size_limit():
+    """set(n): files of this process may grow to n bytes (RLIMIT_FSIZE, as `ulimit -f`; Python
+    ignores SIGXFSZ, so a write past it fails with EFBIG); set(None) and the test's end lift it."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    yield lambda n: resource.setrlimit(resource.RLIMIT_FSIZE, (soft if n is None else n, hard))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+def test_writes_past_a_file_size_limit_leave_no_torn_or_cut_file(tmp_path, file_size_limit):
+    import numpy as np
+
+    from replayquant.outputs import WriteError, append_line, save_npy
+    log = tmp_path / "log.jsonl"
+    log.write_text("a" * 450 + "\n")
+    file_size_limit(500)
+    with pytest.raises(WriteError, match="log.jsonl: .*file-size limit"):
+        append_line(log, "b" * 100)
+    with pytest.raises(WriteError, match="x.npy: .*file-size limit"):
+        save_npy(tmp_path / "x.npy", np.zeros(200, np.float32))
+    assert log.read_text() == "a" * 450 + "\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["log.jsonl"]
+
+
+def test_fresh_kl_under_a_file_size_limit_is_one_error_and_resumes(texts, finished_run, tmp_path,
+                                                                  file_size_limit):
+    import numpy as np
+    config_line = finished_run[Path("r.kl/progress.rank0.jsonl")].split(b"\n")[0]
+    file_size_limit(len(config_line) + 100)                 # room for the config line only
+    code, text = invoke(_kl(texts, tmp_path / "r.json"))
+    file_size_limit(None)
+    log = tmp_path / "r.kl" / "progress.rank0.jsonl"
+    one_clear_error(code, text, str(log), "file-size limit", "run the same command again")
+    assert log.read_bytes() == config_line + b"\n"
+    for npy in (tmp_path / "r.kl").glob("*.npy"):
+        np.load(npy)                                        # whole, or not there
+    code, text = invoke(_kl(texts, tmp_path / "r.json"))
+    assert code == 0 and json.loads((tmp_path / "r.json").read_text())["complete"], text
