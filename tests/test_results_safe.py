@@ -425,7 +425,7 @@ def no_work(monkeypatch):
     import replayquant.kl.bench as kb
     for mod, name in ((gr, "ReplayQuantLM"), (dr, "run_drift"), (bf, "_run_formats_bench"),
                       (bkr, "_run_kernels_bench"), (bkm, "_merge_kernels"), (tf, "_run_layer"),
-                      (tf, "whole_model"), (kb, "build_model"), (bg, "_run_generate_bench")):
+                      (tf, "whole_model"), (kb, "_bench_kl"), (bg, "_run_generate_bench")):
         monkeypatch.setattr(mod, name, _boom, raising=False)   # (the names of the checked code)
 
 

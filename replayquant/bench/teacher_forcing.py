@@ -222,6 +222,7 @@ def whole_model(shape: str = "qwen3.5-4b", context: int = 131072, segment: int =
     its cache, unpatched (HF; fla's kernels when installed) and patched with `pair`; returns the
     section for the results file. Warm-up (compilation, autotuning) on a prefix of two
     segments before each timed run."""
+    check_model_bench("bench teacher-forcing", shape, device)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = build_model(shape, DTYPES[dtype], device)
     cfg = SHAPES[shape]
@@ -401,7 +402,6 @@ def _run_layer(out, lengths, commit) -> dict:
 def run_model(out, **kw) -> dict:
     """Part 3 (whole model) into `out` under "whole_model"."""
     with _holding(out):
-        check_model_bench("bench teacher-forcing", kw.get("shape", "qwen3.5-4b"), kw.get("device"))
         r = whole_model(**kw)
         _merge(out, whole_model=r)
     return r

@@ -111,9 +111,6 @@ def bench_kl(out: str | Path = "build/bench/kl_128k.json", **kw) -> dict:
     check_owned(out, BENCH_KL_KIND, "replayquant bench kl")
     with output_lock(out):
         check_owned(out, BENCH_KL_KIND, "replayquant bench kl")
-        # replayquant.bench: the check only, no kernel is loaded
-        from replayquant.bench import check_model_bench
-        check_model_bench("bench kl", kw.get("shape", "qwen3.5-4b"), kw.get("device"))
         return _bench_kl(out=out, **kw)
 
 
@@ -124,7 +121,10 @@ def _bench_kl(shape: str = "qwen3.5-4b", context: int = 131072, segment: int = 8
     # Triton (Linux only): loaded where a kernel runs
     from replayquant.bench.timing import REPLAY_TARGETS, KernelClock, fla_version, hf_chunk_function
 
+    from replayquant.bench import check_model_bench
+
     from .command import DTYPES   # transformers: loaded where a model is
+    check_model_bench("bench kl", shape, device)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = build_model(shape, DTYPES[dtype], device)
     ids = random_document(model.config.vocab_size, context)
