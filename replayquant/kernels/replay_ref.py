@@ -269,8 +269,8 @@ def replay_ref_core(store: ReplayStore, fe, raw, state_indices, T: int, step: bo
                 X = torch.cat([X, u.unsqueeze(1)], 1)
                 G = torch.cat([G, Gp.unsqueeze(1)], 1)
                 e = (start + p) % store.capacity
-                store.kbuf[s, e] = kraw[b_, t].to(torch.bfloat16)
-                store.vbuf[s, e] = xraw[b_, t].to(torch.bfloat16)
+                store.kbuf[s, e] = kraw[b_, t].to(store.kbuf.dtype)    # the ring's dtype
+                store.vbuf[s, e] = xraw[b_, t].to(store.vbuf.dtype)
                 if delta:
                     store.ubuf[s, e] = u.to(store.ubuf.dtype)
                 store.bbuf[s, e] = beta[b_, t]

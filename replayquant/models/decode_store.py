@@ -410,24 +410,7 @@ class DecodeStore:
         from replayquant.kernels.ops import replay_verify
         self.phase = None                     # the rows' fills move on the device
         ins = self._inputs(raw)
-        y = replay_verify(self.store, ins, self.state_indices, self.meta)
-        if self.engine == "torch":
-            self._ring_drafts(ins)
-        return y
-
-    def _ring_drafts(self, ins: dict) -> None:
-        """The drafts' buffered inputs (GDN / KDA k and v, Mamba-2 B and x) written into the
-        ring as they are: the torch engine's verify is the reference `replay_ref`'s, which stores
-        them rounded to bf16, as the kernel's ring holds them; the torch engine's float32 ring
-        holds them exactly, as its decode steps append them (measured: the rounded entries moved
-        the state of a tiny Qwen3.5's first layer after a 28-token prompt by 1.6e-3 of its
-        largest element, against 1.6e-7 for its decode steps)."""
-        k, v = (ins["k"], ins["v"]) if self.delta else (ins["B"], ins["x"])
-        slots = self.state_indices.long()[:, None]
-        at = (self.store.start[slots].long() + self.store.committed[slots].long()
-              + torch.arange(k.shape[1], device=self.device)[None, :]) % self.store.capacity
-        self.store.kbuf[slots, at] = k
-        self.store.vbuf[slots, at] = v
+        return replay_verify(self.store, ins, self.state_indices, self.meta)
 
     def accept(self, n: int) -> None:
         """Commit the first n of the drafts the last `verify` appended, in every row (a pointer
