@@ -394,3 +394,34 @@ def test_fresh_kl_under_a_file_size_limit_is_one_error_and_resumes(texts, finish
         np.load(npy)                                        # whole, or not there
     code, text = invoke(_kl(texts, tmp_path / "r.json"))
     assert code == 0 and json.loads((tmp_path / "r.json").read_text())["complete"], text
+
+
+# ------------------------------------------------------------------ gpqa --model-args
+
+
+@pytest.mark.parametrize("model_args, needles", [
+    ("foo", ["--model-args 'foo'", "key=value"]),
+    ("a=1,,b", ["--model-args 'a=1,,b'", "'b'", "key=value"]),
+    ("pretrained=other", ["pretrained", "--model"]),
+    ("pair=s32_rs", ["pair", "--pair"]),
+    ("dtype=float16", ["dtype", "--dtype"]),
+    ("batch_size=4", ["batch_size", "--batch-size"]),
+    ("buffer_len=4", ["buffer_len", "buffer_len:"]),
+])
+def test_gpqa_model_args_that_cannot_work_are_refused_before_the_model(tmp_path, gpqa_no_model,
+                                                                       model_args, needles):
+    code, text = invoke(_gpqa(tmp_path / "G", "--model-args", model_args))
+    one_clear_error(code, text, *needles)
+    assert "gpqa: tiny-qwen3.5 on" not in text and not (tmp_path / "G").exists()
+
+
+def test_gpqa_model_args_device_against_device_and_an_unknown_argument(tmp_path, gpqa_no_model):
+    code, text = invoke(_gpqa(tmp_path / "G", "--device", "cpu", "--model-args", "device=cuda:1"))
+    one_clear_error(code, text, "device", "--device cpu", "give one")
+    code, text = invoke(_gpqa(tmp_path / "G", "--model-args", "trust_remote_code=False"))
+    assert "Stop" in text, text                                  # lm-eval's own argument: taken
+
+
+def test_gpqa_model_args_the_model_does_not_take_is_one_error(tmp_path):
+    code, text = invoke(_gpqa(tmp_path / "G", "--device", "cpu", "--model-args", "bar=1"))
+    one_clear_error(code, text, "--model-args", "bar", "remove it")

@@ -38,11 +38,9 @@ def gpqa_cmd(
 ):
     """GPQA-Diamond through lm-eval for every pair: one results file per pair and SUMMARY.json."""
     require("lm_eval")      # the lm-eval extra, before any work
-    extra = {}
-    if model_args:
-        # lm-eval / datasets: loaded by the commands that use them
-        from lm_eval.utils import simple_parse_args_string
-        extra = simple_parse_args_string(model_args)
+    # lm-eval / datasets: loaded by the commands that use them
+    from replayquant.gpqa.run import parse_model_args
+    extra = parse_model_args(model_args)
     tasks = [t.strip() for v in (task or []) for t in v.split(",") if t.strip()]
     summary = gpqa.run_gpqa(model, pair, tasks=tasks or None, gpqa_csv=gpqa_csv, limit=limit, seed=seed,
                        prefill=prefill, out=out, dtype=dtype, device=device,

@@ -25,7 +25,7 @@ from pathlib import Path
 import datasets
 import lm_eval
 from lm_eval.tasks import TaskManager
-from lm_eval.utils import handle_non_serializable, hash_string
+from lm_eval.utils import handle_non_serializable, hash_string, simple_parse_args_string
 
 from replayquant.gpqa.summary import SUMMARY_KIND, build_summary
 from replayquant.gpqa.tasks import (HUB_CONFIG, HUB_DATASET, check_csv, check_hub_access,
@@ -38,7 +38,8 @@ from replayquant.models.patching import resolve_dtype
 from replayquant.outputs import check_owned, check_writable_folder, output_lock, write_json, write_text
 from replayquant.provenance import provenance
 
-__all__ = ["run_gpqa", "check_out", "default_out_dir", "per_doc_scores", "questions_digest"]
+__all__ = ["run_gpqa", "check_out", "default_out_dir", "per_doc_scores", "questions_digest",
+           "parse_model_args"]
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +128,7 @@ def run_gpqa(model: str, pairs: list, *, tasks=None, gpqa_csv=None, limit=None, 
         lm_kwargs = dict(model_args or {})
         lm_kwargs.update(dtype=dtype, batch_size=batch_size, device=device)
         print(f"gpqa: {model} on {describe_device(device)}", file=sys.stderr)
-        lm = ReplayQuantLM(pretrained=model, pair=resolved[0], prefill=prefill, seed=seed, **lm_kwargs)
+        lm = _load_lm(model, resolved[0], prefill, seed, lm_kwargs)
 
         # the index of the task files written above only: lm-eval's index of all its tasks took
         # 30 s to build on a 2-core machine, this one 0.14 s
@@ -152,6 +153,18 @@ def run_gpqa(model: str, pairs: list, *, tasks=None, gpqa_csv=None, limit=None, 
         return summary
 
 
+def _load_lm(model: str, pair, prefill: str, seed: int, lm_kwargs: dict):
+    """The lm-eval model; an argument of --model-args that the model class does not take (lm-eval
+    passes those it does not know to from_pretrained) is one ValueError saying which."""
+    try:
+        return ReplayQuantLM(pretrained=model, pair=pair, prefill=prefill, seed=seed, **lm_kwargs)
+    except TypeError as e:
+        if "unexpected keyword argument" not in str(e):
+            raise
+        raise ValueError(f"--model-args: {e} (lm-eval's hf model passes the arguments it does not "
+                         f"take itself to the model's from_pretrained); remove it") from None
+
+
 def _resolve_pairs(pairs: list) -> tuple[list, list[str]]:
     """(the resolved pairs, their labels); none, or two with one label, is one ValueError."""
     if not pairs:
@@ -162,6 +175,39 @@ def _resolve_pairs(pairs: list) -> tuple[list, list[str]]:
     if dup:
         raise ValueError(f"pair(s) {dup} given more than once")
     return resolved, labels
+
+
+# lm-eval hf model arguments that an option of `gpqa` sets: in --model-args they would be
+# overridden, clash with it, or (buffer_len) hold for the first pair only
+_OWN_ARGS = {"pretrained": "--model", "pair": "--pair", "prefill": "--prefill", "seed": "--seed",
+             "dtype": "--dtype", "batch_size": "--batch-size",
+             "buffer_len": "--pair with a pair YAML that has buffer_len:"}
+
+
+def parse_model_args(text: str | None) -> dict:
+    """lm-eval's hf model arguments from --model-args 'k=v,k=v' (values typed as lm-eval types
+    them); an item that is not key=value is one ValueError."""
+    items = [x for x in (text or "").split(",") if x.strip()]
+    bad = [x for x in items if "=" not in x or not x.split("=", 1)[0].strip()]
+    if bad:
+        raise ValueError(f"--model-args {text!r}: {bad[0]!r} is not key=value; give lm-eval's hf "
+                         f"model arguments as key=value pairs separated by commas (e.g. "
+                         f"trust_remote_code=True,max_length=4096)")
+    return simple_parse_args_string(text)
+
+
+def _check_model_args(model_args: dict, device: str | None) -> None:
+    """One ValueError for --model-args that an option of `gpqa` sets (`_OWN_ARGS`), or a device
+    there that --device contradicts."""
+    own = [k for k in model_args if k in _OWN_ARGS]
+    if own:
+        k = own[0]
+        raise ValueError(f"--model-args {k}={model_args[k]}: gpqa sets {k} from {_OWN_ARGS[k]}; "
+                         f"give it there, not in --model-args")
+    there = model_args.get("device")
+    if device is not None and there is not None and str(there) != str(device):
+        raise ValueError(f"--model-args device={there} and --device {device} name two devices; "
+                         f"give one")
 
 
 def _check_settings(model: str, tasks, prefill: str, limit, dtype: str, device: str | None,
@@ -175,6 +221,7 @@ def _check_settings(model: str, tasks, prefill: str, limit, dtype: str, device: 
         raise ValueError(f"--limit {limit}: must be a positive integer")
     if dtype != "auto":       # lm-eval takes torch's names: bf16 / fp16 / fp32 as bfloat16 / ...
         dtype = str(resolve_dtype(dtype)).removeprefix("torch.")
+    _check_model_args(model_args or {}, device)
     if device is None and (model_args or {}).get("device") is not None:
         device = check_device(model_args["device"], "--model-args device=")
     device = default_device() if device is None else check_device(device)
