@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 import transformers
@@ -100,7 +101,24 @@ def patch(model, pair, prefill: str = "replay", seed: int = 0, buffer_len: int |
                            "layers": [name for name, _, _ in layers],
                            "layer_pairs": {name: (p.label(), pf) for (name, _, _), (p, pf)
                                            in zip(layers, plan)}})
+    # a partial of a module-level function, not a closure: the patched model still pickles
+    model.save_pretrained = functools.partial(_save_pretrained_patched, model)
     return model
+
+
+def _save_pretrained_patched(model, *args, **kwargs):
+    """A patched model's save_pretrained: Hugging Face's, which writes the weights and the
+    config only (the pair lives in the patched forwards, not in the checkpoint), after one
+    warning that says so and how to load it patched again."""
+    info = patch_info(model)
+    pair = info["pair"]
+    name = pair.label() if hasattr(pair, "label") else getattr(pair, "name", str(pair))
+    warnings.warn(f"save_pretrained writes {type(model).__name__}'s weights and config without "
+                  f"replayquant's pair {name} (prefill={info['prefill']}, seed={info['seed']}): "
+                  f"the folder loads as the unpatched model; load it with "
+                  f"replayquant.load_model(path, pair=...) to run the pair again",
+                  UserWarning, stacklevel=2)
+    return type(model).save_pretrained(model, *args, **kwargs)
 
 
 def unpatch(model):
@@ -122,6 +140,7 @@ def unpatch(model):
         module.__dict__.pop("_replayquant", None)
     for attr in _GENERATION_ATTRS:
         model.__dict__.pop(attr, None)
+    model.__dict__.pop("save_pretrained", None)
     delattr(model, _INFO)
     return model
 
