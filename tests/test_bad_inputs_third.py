@@ -5,6 +5,7 @@ Every case stops before a model loads or runs the embedded tiny Qwen3.5 model on
 cut from the shipped held-out text, so the file takes seconds."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -425,3 +426,47 @@ def test_gpqa_model_args_device_against_device_and_an_unknown_argument(tmp_path,
 def test_gpqa_model_args_the_model_does_not_take_is_one_error(tmp_path):
     code, text = invoke(_gpqa(tmp_path / "G", "--device", "cpu", "--model-args", "bar=1"))
     one_clear_error(code, text, "--model-args", "bar", "remove it")
+
+
+# ------------------------------------------------------------------ formats and states
+
+
+@pytest.mark.parametrize("shape", [(0,), (0, 16), (2, 0, 16), (4, 0), (2, 3, 0)])
+def test_quantize_of_a_tensor_without_elements_is_one_error(shape):
+    import torch
+
+    from replayquant.formats import FORMATS
+    for fmt in FORMATS.values():
+        for rounding in ("nearest", "stochastic"):
+            with pytest.raises(ValueError, match=rf"{fmt.name}: input has no elements \(shape "
+                                                 rf"\[{', '.join(map(str, shape))}\]\)"):
+                fmt.quantize(torch.zeros(shape), rounding)
+
+
+def test_quantize_with_random_bits_of_another_shape_or_kind_is_one_error():
+    import torch
+
+    from replayquant.formats import FORMATS
+    x = torch.randn(4, 16)
+    for fmt in FORMATS.values():
+        for rbits, what in ((torch.zeros(3, dtype=torch.int64), "shape [3]"),
+                            (torch.zeros(2, 4, 16, dtype=torch.int64), "shape [2, 4, 16]"),
+                            (torch.zeros(4, 16), "torch.float32"),
+                            (torch.zeros(4, 16, dtype=torch.bool), "torch.bool"),
+                            ("bits", "str")):
+            with pytest.raises(ValueError, match=rf"{fmt.name}: rbits .*{re.escape(what)}.*"
+                                                 rf"integer tensor of the input's shape \[4, 16\]"):
+                fmt.quantize(x, "stochastic", rbits=rbits)
+        fmt.quantize(x, "stochastic", rbits=torch.zeros(4, 16, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("shape", [(0, 2, 16, 16), (1, 0, 16, 16), (1, 2, 0, 16), (1, 2, 16, 0)])
+def test_a_state_without_rows_heads_or_columns_is_one_error(shape):
+    import torch
+
+    from replayquant.replay import ConventionalState, ReplayState
+    for cls, pair in ((ReplayState, "tp4_hi16_sr"), (ReplayState, "s32_rs"),
+                      (ConventionalState, "s16_sr")):
+        with pytest.raises(ValueError, match=rf"initial_state has shape \[{', '.join(map(str, shape))}"
+                                             rf"\]: B, H, d_v and d_k must each be at least 1"):
+            cls(torch.zeros(shape), pair, delta=True)

@@ -79,6 +79,8 @@ class Format:
     def quantize(self, x: torch.Tensor, rounding: str = "nearest", seed: int = 0, stream=0,
                  rbits: torch.Tensor | None = None) -> QTensor:
         x = self._check(x, rounding)
+        if rbits is not None:
+            self._check_bits(rbits, x)
         if rounding == "stochastic" and rbits is None and not use_triton(x):
             rbits = random_bits_ref(x.shape, seed, stream, device=x.device)
         return self._quantize(x, rounding, seed, stream, rbits)
@@ -105,10 +107,26 @@ class Format:
             raise ValueError(f"{self.name}: unknown rounding {rounding!r}; use one of {ROUNDINGS}")
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise ValueError(f"{self.name}: input must be a floating-point tensor")
+        if x.numel() == 0:
+            raise ValueError(f"{self.name}: input has no elements (shape {list(x.shape)}); give a "
+                             f"tensor with at least one element")
         x = self._check_shape(x.to(torch.float32).contiguous())
         if not bool(torch.isfinite(x).all()):
             raise ValueError(f"{self.name}: input contains NaN or infinity; states must be finite")
         return x
+
+    def _check_bits(self, rbits, x: torch.Tensor) -> None:
+        """One ValueError unless `rbits` are random bits for `x`: an integer tensor of its shape
+        on its device (uint32 values, as `random_bits_ref` gives them in int64)."""
+        if (not isinstance(rbits, torch.Tensor) or rbits.is_floating_point() or rbits.is_complex()
+                or rbits.dtype == torch.bool or rbits.shape != x.shape
+                or rbits.device != x.device):
+            got = (f"{rbits.dtype} of shape {list(rbits.shape)} on {rbits.device}"
+                   if isinstance(rbits, torch.Tensor) else type(rbits).__name__)
+            raise ValueError(f"{self.name}: rbits is {got}; stochastic rounding takes one random "
+                             f"uint32 per element: an integer tensor of the input's shape "
+                             f"{list(x.shape)} on {x.device} (or rbits=None, drawn from seed and "
+                             f"stream)")
 
     def _check_shape(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 0:

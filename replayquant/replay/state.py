@@ -151,6 +151,9 @@ class _StateBase:
                                 else type(initial_state).__name__))
         if not initial_state.is_floating_point():
             raise ValueError(f"initial_state must be floating point, got {initial_state.dtype}")
+        if initial_state.numel() == 0:
+            raise ValueError(f"initial_state has shape {list(initial_state.shape)}: B, H, d_v and "
+                             f"d_k must each be at least 1")
         S0 = initial_state.detach().to(torch.float32).contiguous()
         if not bool(torch.isfinite(S0).all()):
             raise ValueError("initial_state contains NaN or infinity")
