@@ -470,3 +470,26 @@ def test_a_state_without_rows_heads_or_columns_is_one_error(shape):
         with pytest.raises(ValueError, match=rf"initial_state has shape \[{', '.join(map(str, shape))}"
                                              rf"\]: B, H, d_v and d_k must each be at least 1"):
             cls(torch.zeros(shape), pair, delta=True)
+
+
+# ------------------------------------------------------------------ gpqa counts, before the model
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--batch-size", "abc"], ["--batch-size 'abc'", "auto"]),
+    (["--batch-size", "0"], ["--batch-size 0", "at least 1"]),
+    (["--batch-size", "auto:x"], ["--batch-size 'auto:x'"]),
+    (["--batch-size", "-2"], ["--batch-size '-2'"]),
+    (["--num-fewshot", "-1"], ["--num-fewshot -1", ">= 0"]),
+    (["--max-gen-toks", "0"], ["--max-gen-toks 0", ">= 1"]),
+])
+def test_gpqa_counts_are_checked_before_the_model(tmp_path, gpqa_no_model, args, needles):
+    code, text = invoke(_gpqa(tmp_path / "G", *args))
+    one_clear_error(code, text, *needles)
+    assert "gpqa: tiny-qwen3.5 on" not in text and not (tmp_path / "G").exists()
+
+
+def test_gpqa_counts_lm_eval_takes_pass(tmp_path, gpqa_no_model):
+    for ok in (["--batch-size", "auto"], ["--batch-size", "auto:4"], ["--num-fewshot", "0"]):
+        code, text = invoke(_gpqa(tmp_path / "G", *ok))
+        assert "Stop" in text, (ok, text)

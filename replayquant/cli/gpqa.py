@@ -46,7 +46,7 @@ def gpqa_cmd(
                        prefill=prefill, out=out, dtype=dtype, device=device,
                        batch_size=int(batch_size) if batch_size.isdigit() else batch_size,
                        num_fewshot=num_fewshot,
-                       gen_kwargs={"max_gen_toks": max_gen_toks} if max_gen_toks else None,
+                       gen_kwargs=None if max_gen_toks is None else {"max_gen_toks": max_gen_toks},
                        apply_chat_template=apply_chat_template, log_samples=log_samples,
                        model_args=extra)
     if summary is not None:

@@ -115,6 +115,7 @@ def run_gpqa(model: str, pairs: list, *, tasks=None, gpqa_csv=None, limit=None, 
     # -- every check before any weights are loaded
     resolved, labels = _resolve_pairs(pairs)
     tasks, dtype, device = _check_settings(model, tasks, prefill, limit, dtype, device, model_args)
+    _check_counts(batch_size, num_fewshot, gen_kwargs)
     out = _check_out_folder(model, out, labels, tasks, log_samples)
     data = _data_source(gpqa_csv)
 
@@ -208,6 +209,23 @@ def _check_model_args(model_args: dict, device: str | None) -> None:
     if device is not None and there is not None and str(there) != str(device):
         raise ValueError(f"--model-args device={there} and --device {device} name two devices; "
                          f"give one")
+
+
+def _check_counts(batch_size, num_fewshot, gen_kwargs) -> None:
+    """One ValueError for a batch size (an integer >= 1, auto, or auto:N as lm-eval takes it),
+    few-shot count (>= 0) or generation budget (>= 1) lm-eval would fail on or take as nothing."""
+    def whole(v, lo):
+        return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+    auto = isinstance(batch_size, str) and re.fullmatch(r"auto(:[1-9][0-9]*)?", batch_size)
+    if not (whole(batch_size, 1) or auto):
+        shown = batch_size if isinstance(batch_size, int) else repr(batch_size)
+        raise ValueError(f"--batch-size {shown}: give an integer at least 1, auto (the largest "
+                         f"that fits) or auto:N (lm-eval finds it again N times)")
+    if num_fewshot is not None and not whole(num_fewshot, 0):
+        raise ValueError(f"--num-fewshot {num_fewshot}: give a number of examples >= 0")
+    gen = (gen_kwargs or {}).get("max_gen_toks")
+    if gen is not None and not whole(gen, 1):
+        raise ValueError(f"--max-gen-toks {gen}: give a number of tokens >= 1")
 
 
 def _check_settings(model: str, tasks, prefill: str, limit, dtype: str, device: str | None,
