@@ -27,3 +27,13 @@ def no_model(monkeypatch):
         raise AssertionError("the model was loaded before the bad input was refused")
     monkeypatch.setattr(C, "load_tokenizer_and_config", boom)
     monkeypatch.setattr(C, "load_weights", boom)
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory):
+    """A folder of two .txt documents from the shipped held-out text."""
+    from replayquant.data import heldout_documents
+    d = tmp_path_factory.mktemp("texts")
+    for i, b in enumerate(heldout_documents()[:2]):
+        (d / f"doc_{i}.txt").write_text(b["text"][:2000])
+    return d

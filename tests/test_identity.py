@@ -88,15 +88,6 @@ def test_whole_file_hashes_are_cached_by_path_size_and_times(tmp_path, monkeypat
 # ------------------------------------------------------------------ kl resume
 
 
-@pytest.fixture(scope="module")
-def texts(tmp_path_factory):
-    """A folder of two .txt documents from the shipped held-out text."""
-    d = tmp_path_factory.mktemp("texts")
-    for i, b in enumerate(heldout_documents()[:2]):
-        (d / f"doc_{i}.txt").write_text(b["text"][:2000])
-    return d
-
-
 def _kl(model, texts, out, docs=1, pair="s32_rs"):
     return ["kl", "--model", model, "--pair", pair, "--dataset", texts, "--context", 64,
             "--docs", docs, "--segment", 32, "--dtype", "float32", "--reference", "hf",

@@ -41,16 +41,6 @@ def _snapshot(folder: Path) -> dict:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-@pytest.fixture(scope="module")
-def texts(tmp_path_factory):
-    """A folder of two .txt documents from the shipped held-out text."""
-    from replayquant.data import heldout_documents
-    d = tmp_path_factory.mktemp("texts")
-    for i, b in enumerate(heldout_documents()[:2]):
-        (d / f"doc_{i}.txt").write_text(b["text"][:2000])
-    return d
-
-
 def _kl(texts, out, docs=1):
     return ["kl", "--model", TINY, "--pair", "s32_rs", "--dataset", texts, "--context", 64,
             "--docs", docs, "--segment", 32, "--dtype", "float32", "--reference", "hf",
