@@ -44,10 +44,8 @@ __all__ = ["replay_gdn_step", "replay_mamba2_step", "replay_kda_step", "advance_
 # A read copy with a chunk in LAUNCH_TABLE is read in chunks of columns, READ_STAGES chunks' loads
 # in flight (one stage is slower in every kind, docs/kernels.md)
 READ_STAGES = tl.constexpr(3)
-# the largest finite values and infinity codes of the role formats whose casts overflow
-_FP16_MAX = tl.constexpr(FP16.max_value)
+# the infinity codes of the role formats whose casts overflow (stores.cast_overflows)
 _FP16_INF = tl.constexpr(FP16.inf_code)
-_BF16_MAX = tl.constexpr(BF16.max_value)
 _BF16_INF = tl.constexpr(BF16.inf_code)
 
 
@@ -209,26 +207,36 @@ def _fold(S0, Kb, r, X, G, Bt, jj, n, A_pay, A_sc, A_gs, mat, rows, cols, kbuf, 
 
 
 @triton.jit
-def _cast_overflows(S, rows, cols, key_lo, key_hi, fi, slot, hv, DK: tl.constexpr,
-                    FMT: tl.constexpr, SR: tl.constexpr, ROLE: tl.constexpr):
-    """1 (int32) where the cast of the finite tile S into a role of format FMT (rounding SR, the
-    SR bits of _tile_store's cast into ROLE) holds an infinity, else 0 (a constant for formats
-    whose casts of a finite state are finite): fp16 and bf16 round past their largest value to
-    infinity (stores.cast_overflows). The cast is encoded only where S passes that value, so a
-    flush within range pays one reduction."""
+def _half_codes(S, rows, cols, key_lo, key_hi, fi, slot, hv, DK: tl.constexpr,
+                FMT: tl.constexpr, SR: tl.constexpr, ROLE: tl.constexpr):
+    """(the fp16 / bf16 (FMT 1 / 2) bit patterns of the cast of tile S into role ROLE, with
+    _tile_store's rounding bits, 1 (int32) where one is infinite, else 0); for any other format,
+    whose cast of a finite state is finite (stores.cast_overflows), (0, 0) and no cast here."""
+    codes = 0
     over = 0
     if (FMT == 1) or (FMT == 2):
-        amax = tl.max(tl.max(tl.abs(S), axis=1), axis=0)
-        over = (amax < 0).to(tl.int32)
-        if amax > (_FP16_MAX if FMT == 1 else _BF16_MAX):
-            rb = _role_bits(rows[:, None] * DK + cols[None, :], SR, key_lo, key_hi, fi, ROLE,
-                            slot, hv)
-            if FMT == 1:
-                inf = (encode_fp16(S, rb, SR) & 0x7FFF) == _FP16_INF
-            else:
-                inf = (encode_bf16(S, rb, SR) & 0x7FFF) == _BF16_INF
-            over = tl.max(tl.max(inf.to(tl.int32), axis=1), axis=0)
-    return over
+        rb = _role_bits(rows[:, None] * DK + cols[None, :], SR, key_lo, key_hi, fi, ROLE, slot,
+                        hv)
+        if FMT == 1:
+            codes = encode_fp16(S, rb, SR)
+            over = tl.max(tl.max(((codes & 0x7FFF) == _FP16_INF).to(tl.int32), axis=1), axis=0)
+        else:
+            codes = encode_bf16(S, rb, SR)
+            over = tl.max(tl.max(((codes & 0x7FFF) == _BF16_INF).to(tl.int32), axis=1), axis=0)
+    return codes, over
+
+
+@triton.jit
+def _store_role(S, codes, pay, sc, gs, mat, rows, cols, key_lo, key_hi, fi, slot, hv,
+                DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, FMT: tl.constexpr,
+                SR: tl.constexpr, ROLE: tl.constexpr):
+    """Role <- the cast of S: an fp16 / bf16 role its codes from _half_codes (the bit patterns
+    _tile_store stores), any other _tile_store."""
+    if (FMT == 1) or (FMT == 2):
+        tl.store(pay + mat * (DV * DK) + rows[:, None] * DK + cols[None, :], codes.to(tl.int16))
+    else:
+        _tile_store(S, pay, sc, gs, mat, rows, cols, key_lo, key_hi, fi, slot, hv, DV, DK, BV,
+                    FMT, SR, ROLE)
 
 
 @triton.jit
@@ -239,21 +247,24 @@ def _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_l
     """anchor <- Q_anchor(S), read <- Q_read(S): two independent casts of the same S (a role in
     NVFP4 takes the whole matrix, BV = DV: one scale per matrix). A tile holding NaN or infinity
     (a non-finite input; the host names it, models.runtime) keeps both roles as they were, and
-    so does a finite tile whose cast into either role is not (_cast_overflows: an FP16 role
-    past 65504); RECORD: that overflow noted in batch row `row`'s flag, the bit after its
-    inputs' (stores.FAULT_COLUMNS' flush cast)."""
+    so does a finite tile whose cast into either role is not (an FP16 role past 65504: an fp16
+    or bf16 cast is encoded first, checked, then stored, _half_codes; the other formats' casts
+    of a finite state are finite); RECORD: that overflow noted in batch row `row`'s flag, the
+    bit after its inputs' (stores.FAULT_COLUMNS' flush cast)."""
     bad = tl.sum(tl.sum(((S != S) | (tl.abs(S) == float("inf"))).to(tl.int32), axis=1), axis=0)
     if bad == 0:
-        over = _cast_overflows(S, rows, cols, key_lo, key_hi, fi, slot, hv, DK, AFMT, ASR, 0)
+        ca, over = _half_codes(S, rows, cols, key_lo, key_hi, fi, slot, hv, DK, AFMT, ASR, 0)
+        cr = 0
         if not SHARED:
-            over = over | _cast_overflows(S, rows, cols, key_lo, key_hi, fi, slot, hv, DK,
-                                          RFMT, RSR, 1)
+            cr, over_r = _half_codes(S, rows, cols, key_lo, key_hi, fi, slot, hv, DK, RFMT, RSR,
+                                     1)
+            over = over | over_r
         if over == 0:
-            _tile_store(S, A_pay, A_sc, A_gs, mat, rows, cols, key_lo, key_hi, fi, slot, hv,
+            _store_role(S, ca, A_pay, A_sc, A_gs, mat, rows, cols, key_lo, key_hi, fi, slot, hv,
                         DV, DK, BV, AFMT, ASR, 0)
             if not SHARED:
-                _tile_store(S, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi, fi, slot, hv,
-                            DV, DK, BV, RFMT, RSR, 1)
+                _store_role(S, cr, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi, fi, slot,
+                            hv, DV, DK, BV, RFMT, RSR, 1)
         else:
             if RECORD:
                 CAST_BIT: tl.constexpr = 5 if DELTA else 4
