@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["requested_processes", "world_size", "single_process_warning"]
+__all__ = ["requested_processes", "world_size", "single_process_warning", "process_rank"]
 
 
 def _true(v) -> bool:
@@ -32,6 +32,19 @@ def requested_processes(env=None) -> tuple[int | None, bool]:
     if _true(env.get("ACCELERATE_USE_CPU", "")) and "MASTER_ADDR" in env and "WORLD_SIZE" not in env:
         return 2, False          # more than one; the simple launcher does not pass the number
     return None, False
+
+
+def process_rank(env=None) -> int:
+    """This process's rank (RANK, as torchrun and accelerate launch set it; 0 when unset), or one
+    ValueError for a value that is not an integer >= 0."""
+    env = os.environ if env is None else env
+    raw = env.get("RANK", "").strip()
+    if not raw:
+        return 0
+    if not raw.isdigit():
+        raise ValueError(f"RANK={raw!r}: the rank of this process, as torchrun or accelerate "
+                         f"launch set it, must be an integer >= 0; unset it to run one process")
+    return int(raw)
 
 
 def world_size(env=None) -> int:

@@ -39,7 +39,7 @@ from typing import Callable
 import numpy as np
 
 __all__ = ["WriteError", "parse_json", "write_file", "write_text", "write_json", "save_figure", "save_npy",
-           "append_line", "check_writable_folder", "diff_records", "check_owned", "other_run_error",
+           "append_line", "check_out_given", "check_writable_folder", "diff_records", "check_owned", "other_run_error",
            "lock_path",
            "output_lock"]
 
@@ -195,10 +195,18 @@ def append_line(path, line: str) -> None:
             raise _write_error(path, e, size > 0) from None
 
 
+def check_out_given(out) -> None:
+    """One ValueError for an --out given as an empty or blank string (it would mean the current
+    folder, or fall back to the default without a word); None (not given) passes."""
+    if out is not None and not str(out).strip():
+        raise ValueError("--out is empty: give a path, or leave --out out for the default")
+
+
 def check_out_folder(out, writes: str) -> Path:
     """The --out folder `out` of a command that writes several files into one (`writes` names
     them, for the message), checked before any work: not a file, and writable
     (`check_writable_folder`; created later if missing)."""
+    check_out_given(out)
     folder = Path(out)
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"--out {out} is a file; {writes} into a folder: give a folder (created "
@@ -263,6 +271,10 @@ def check_owned(out, kind: str, writer: str, *, identity: dict | None = None,
     before its files did, or in another tool's format, e.g. lm-eval's results dict), which are
     then taken as files of `kind`."""
     out = Path(out)
+    if out.is_symlink():
+        raise ValueError(f"--out {out} is a symbolic link (to {os.readlink(out)}): a run replaces "
+                         f"its results file, which would replace the link, not the file it points "
+                         f"to; give that file's own path ({out.resolve()}) or another --out")
     for src in inputs:
         if src is not None and out.exists() and _same_file(out, src):
             raise ValueError(f"--out {out} is the file this command reads ({src}); writing there "

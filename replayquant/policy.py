@@ -322,14 +322,15 @@ def _yaml_mapping(p: Path):
 
 
 def is_policy_file(spec) -> bool:
-    """True for the path of a YAML file holding a layer policy (a mapping with `default`)."""
+    """True for the path of a YAML file holding a layer policy (a mapping with `default` or
+    `overrides`, which no pair has: loading it says what is missing)."""
     if not isinstance(spec, (str, Path)):
         return False
     p = Path(spec)
     if p.suffix not in (".yaml", ".yml") or not p.is_file():
         return False
     data = _yaml_mapping(p)
-    return isinstance(data, dict) and "default" in data
+    return isinstance(data, dict) and bool({"default", "overrides"} & set(data))
 
 
 def resolve_pair(spec, buffer_len=None, *, policy: bool = True):

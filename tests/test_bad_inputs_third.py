@@ -493,3 +493,150 @@ def test_gpqa_counts_lm_eval_takes_pass(tmp_path, gpqa_no_model):
     for ok in (["--batch-size", "auto"], ["--batch-size", "auto:4"], ["--num-fewshot", "0"]):
         code, text = invoke(_gpqa(tmp_path / "G", *ok))
         assert "Stop" in text, (ok, text)
+
+
+# ------------------------------------------------------------------ --segment, seeds, RANK
+
+
+def test_a_segment_that_splits_replay_windows_is_said_before_the_run(texts, tmp_path, no_model):
+    long = ("--context", 256)
+    code, text = invoke(_kl(texts, tmp_path / "r.json", *long, "--segment", 100, pair="tp4_hi16_sr"))
+    assert "--segment 100 is not a multiple of the buffer length 16" in text, text
+    assert "give a multiple of 16" in text, text
+    code, text = invoke(_kl(texts, tmp_path / "r.json", *long, "--segment", 96))
+    assert "is not a multiple" not in text, text
+
+
+@pytest.mark.parametrize("seed", [2 ** 64, 2 ** 63, -1])
+def test_seeds_outside_the_philox_keys_are_refused_before_any_work(texts, tmp_path, no_model,
+                                                                  gpqa_no_model, seed):
+    code, text = invoke(_kl(texts, tmp_path / "r.json", "--seed", seed))
+    one_clear_error(code, text, f"--seed {seed}", "[0, 2^63)")
+    code, text = invoke(_gpqa(tmp_path / "G", "--seed", seed))
+    one_clear_error(code, text, f"--seed {seed}", "[0, 2^63)")
+    code, text = invoke(["drift", "--kind", "gdn", "--pair", "s32_rs", "--steps", 32, "--seeds",
+                         f"1,{seed}", "--out", tmp_path / "d"])
+    one_clear_error(code, text, f"--seeds", str(seed), "[0, 2^63)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_seeds_and_streams_that_are_not_integers_are_refused_in_the_library():
+    import torch
+
+    from replayquant.formats import get_format
+    from replayquant.replay import ReplayState
+    for seed in (1.5, 2 ** 64, -3, "7", True):
+        with pytest.raises(ValueError, match=r"seed .*: give an integer in \[0, 2\^63\)"):
+            ReplayState(torch.zeros(1, 1, 16, 16), "tp4_hi16_sr", delta=True, seed=seed)
+        with pytest.raises(ValueError, match=r"seed .*: give an integer in \[0, 2\^63\)"):
+            get_format("fp16").quantize(torch.ones(4, 16), "stochastic", seed=seed)
+    for stream in (1.5, torch.zeros(1), "0"):
+        with pytest.raises(ValueError, match=r"stream .*: give an integer or an integer tensor"):
+            get_format("fp16").quantize(torch.ones(4, 16), "stochastic", stream=stream)
+
+
+def test_a_rank_that_is_not_a_number_is_one_clear_error(texts, tmp_path, no_model, gpqa_no_model,
+                                                         monkeypatch):
+    monkeypatch.setenv("RANK", "abc")
+    for args in (_kl(texts, tmp_path / "r.json"), _gpqa(tmp_path / "G")):
+        code, text = invoke(args)
+        one_clear_error(code, text, "RANK='abc'", "torchrun", "unset it")
+
+
+# ------------------------------------------------------------------ --out values that mislead
+
+
+def test_an_empty_out_is_refused(texts, tmp_path, no_model, gpqa_no_model, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for args in (_kl(texts, ""), _gpqa(""),
+                 ["sweep", "--model", TINY, "--pair", "s32_rs", "--out", ""],
+                 ["sensitivity", "--model", TINY, "--pair", "s32_rs", "--out", " "],
+                 ["recommend", SWEEP, "--kl-budget", 1e-3, "--out", ""],
+                 ["drift", "--kind", "gdn", "--pair", "s32_rs", "--steps", 32, "--seeds", 1,
+                  "--out", ""]):
+        code, text = invoke(args)
+        one_clear_error(code, text, "--out is empty", "give a path")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_out_that_is_a_symlink_is_refused(texts, finished_run, tmp_path, no_model):
+    _lay_out(finished_run, tmp_path)
+    link = tmp_path / "link.json"
+    link.symlink_to(tmp_path / "r.json")
+    before = (tmp_path / "r.json").read_bytes()
+    for args in (_kl(texts, link), ["recommend", SWEEP, "--kl-budget", 1e-3, "--out", link]):
+        code, text = invoke(args)
+        one_clear_error(code, text, str(link), "symbolic link", "r.json", "give")
+    assert link.is_symlink() and (tmp_path / "r.json").read_bytes() == before
+
+
+def test_a_folder_where_a_file_is_read_is_said_to_be_one(tmp_path):
+    folder = tmp_path / "sweep.json"
+    folder.mkdir()
+    for args in (["recommend", folder, "--kl-budget", 1e-3], ["table", folder],
+                 ["recommend", "--per-layer", folder, "--kl-budget", 1e-3]):
+        code, text = invoke(args)
+        one_clear_error(code, text, str(folder), "is a folder")
+
+
+def test_a_policy_without_default_says_so(texts, tmp_path, no_model):
+    p = tmp_path / "pol.yaml"
+    for text in ("name: mixed\noverrides:\n  - {layers: [0], pair: tp8_hi32}\n",
+                 "buffer_len: 8\noverrides: []\n"):
+        p.write_text(text)
+        code, out = invoke(_kl(texts, tmp_path / "r.json", pair=p))
+        one_clear_error(code, out, str(p), "missing 'default'", "default: tp4_hi32")
+
+
+# ------------------------------------------------------------------ tables of look-alike runs
+
+
+def test_table_refuses_a_file_given_twice_and_tells_look_alike_runs_apart(texts, finished_run,
+                                                                          tmp_path):
+    _lay_out(finished_run, tmp_path)
+    a = tmp_path / "r.json"
+    code, text = invoke(["table", a, a])
+    one_clear_error(code, text, str(a), "more than once")
+    code, text = invoke(["table", a, f"{tmp_path}/./r.json"])
+    one_clear_error(code, text, "more than once")
+    for flag, value, cell in (("--dtype", "bfloat16", "dtype"), ("--seed", 3, "seed 3")):
+        b = tmp_path / f"b{value}.json"
+        code, text = invoke(_kl(texts, b, flag, value))
+        assert code == 0, text
+        code, text = invoke(["table", a, b])
+        assert code == 0, text
+        rows = [ln for ln in text.splitlines() if ln.startswith("| s32_rs")]
+        assert len(rows) == 2 and rows[0] != rows[1] and all(cell.split()[0] in r for r in rows)
+        assert any(cell in r for r in rows), text
+
+
+# ------------------------------------------------------------------ recommend: what to do
+
+
+def test_recommend_budgets_no_variant_can_meet_say_what_to_give(tmp_path):
+    code, text = invoke(["recommend", SWEEP, "--kl-budget", 1e-3, "--max-bytes", 1])
+    assert code == 1 and "--max-bytes 1 is below every variant" in text, text
+    assert "give --max-bytes" in text and "higher-precision" not in text, text
+    code, text = invoke(["recommend", SWEEP, "--kl-budget", 1e-3, "--max-memory", 1])
+    assert code == 1 and "--max-memory 1 is below every variant" in text, text
+    code, text = invoke(["recommend", SWEEP, "--kl-budget", 1e-12])
+    assert code == 1 and "--kl-budget 1e-12 is below every variant" in text, text
+
+
+def test_per_layer_low_and_high_swapped_is_one_error(tmp_path, no_model):
+    sens = _sens()
+    sens["data"] = {"tokens_sha256": "0" * 64, "source": "heldout", "document_ids": []}
+    p = tmp_path / "s.json"
+    p.write_text(json.dumps(sens))
+    for budget in (1e-3, 1e-4):
+        code, text = invoke(["recommend", "--per-layer", p, "--kl-budget", budget, "--low",
+                             "tp8_hi16_sr", "--high", "tp4_hi16_sr", "--out", tmp_path / "r.json",
+                             "--no-progress"])
+        one_clear_error(code, text, "--high tp4_hi16_sr", "does not lower the KL",
+                        "--low tp4_hi16_sr --high tp8_hi16_sr")
+
+
+def test_per_layer_default_names_keep_the_budget(tmp_path):
+    from replayquant.sweep.per_layer import build_policy
+    names = {build_policy(_sens(), b)[0].name for b in (1.2e-3, 1.4e-3, 1e-3, 1.25e-3)}
+    assert len(names) == 4, names

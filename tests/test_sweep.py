@@ -2,6 +2,7 @@
 and the byte model against the kernels bench's counts and the decode store's allocations."""
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -280,16 +281,24 @@ def test_recommend_fit_and_no_fit(demo_sweep, tmp_path):
     assert rec["runner_up"]["bytes_per_step"] >= best["bytes_per_step"]
     assert best["bytes_saving"] > 1 and "less traffic than the FP32 conventional step" in run.stdout
     # nothing fits: one message naming the closest, exit 1
-    bad = _cli("recommend", out, "--kl-budget", budget, "--max-bytes", 1000, check=False)
+    least = min(v["bytes_per_step"]["state"] for v in sw["variants"])
+    assert least < best["bytes_per_step"] - 1          # each limit alone can be met
+    bad = _cli("recommend", out, "--kl-budget", budget, "--max-bytes", best["bytes_per_step"] - 1,
+               check=False)
     assert bad.returncode == 1
-    assert re.search(r"no variant fits the budgets; the closest is \S+@L\d+: .*--max-bytes 1000", bad.stderr)
+    assert re.search(r"no variant fits the budgets; the closest is \S+@L\d+: .*To fit: raise",
+                     bad.stderr)
+    # a limit below every variant on its own: what to give
+    bad = _cli("recommend", out, "--kl-budget", budget, "--max-bytes", 1000, check=False)
+    assert bad.returncode == 1 and "--max-bytes 1000 is below every variant" in bad.stderr
+    assert f"give --max-bytes {math.ceil(least)} or more" in bad.stderr
     # the shared FP32 pair's KL is float noise around 0 (its upper bound can be below any budget):
     # left out here
     inexact = {**sw, "variants": [v for v in sw["variants"] if v["base"] != "s32_rs"]}
     (tmp_path / "inexact.json").write_text(json.dumps(inexact))
     tight = _cli("recommend", tmp_path / "inexact.json", "--kl-budget", 1e-30, "--max-bytes", 1e12,
                  check=False)
-    assert tight.returncode == 1 and re.search(r"is [0-9.e+]+x the budget 1e-30", tight.stderr)
+    assert tight.returncode == 1 and "--kl-budget 1e-30 is below every variant" in tight.stderr
     # bad input: exit 2
     assert _cli("recommend", out, "--kl-budget", -1, check=False).returncode == 2
     assert _cli("recommend", out, "--kl-budget", 1e-3, "--gpqa-budget", 1, check=False).returncode == 2

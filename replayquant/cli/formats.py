@@ -11,6 +11,7 @@ from replayquant.cli.common import BenchFormat, LayerKind, app, bench_app, user_
 from replayquant import drift
 from replayquant.formats import report
 from replayquant.pairs import pairs_table
+from replayquant.streams import check_seed
 
 
 @app.command("formats")
@@ -76,6 +77,8 @@ def drift_cmd(
         seed_list = [int(s) for s in seeds.split(",") if s.strip()]
     except ValueError:
         raise ValueError(f"--seeds must be comma-separated integers, got {seeds!r}") from None
+    for s in seed_list:
+        check_seed(s, "--seeds: seed")
     drift.drift_out_path(out, kind, steps)           # before any computing
     res = drift.run_drift(kind, pair or None, steps=steps, seeds=seed_list, batch=batch, heads=heads,
                     d_k=d_k, d_v=d_v, conventional=conventional, progress=True)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import typer
 
@@ -68,6 +69,13 @@ def table_cmd(
     """One table from KL results files, GPQA summaries (build/gpqa/*/SUMMARY.json) or the lm-eval
     results `replayquant lm-eval` / `replayquant gpqa` write: pairs as rows; or a sweep file
     (`replayquant sweep`) with every column its terminal table leaves out."""
+    seen = {}
+    for f in files:
+        key = os.path.realpath(f)
+        if key in seen:
+            raise ValueError(f"{f} is given more than once (as {seen[key]} too); a table shows "
+                             f"each results file once")
+        seen[key] = f
     sweeps = [f for f in files if json_kind(f) == SWEEP_KIND]
     if sweeps:
         if len(sweeps) < len(files) or scoring is not None:

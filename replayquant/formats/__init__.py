@@ -26,6 +26,7 @@ from replayquant import options
 from replayquant.formats.constants import BF16, FP16, NVFP4_BLOCK, ROUNDINGS, Grid
 from replayquant.kernels import quant_ref as ref
 from replayquant.kernels.philox import random_bits_ref
+from replayquant.streams import check_seed
 
 __all__ = ["FORMATS", "Format", "QTensor", "as_bits", "get_format", "use_triton"]
 
@@ -46,6 +47,18 @@ def as_bits(t: torch.Tensor) -> torch.Tensor:
     """t as operators that have no float8 kernel can take it (torch.equal, zero_, copies
     compared bit for bit): an FP8 payload viewed as its bytes, any other tensor as it is."""
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def _check_stream(stream, fmt: str) -> None:
+    """One ValueError unless `stream` is an int or an integer tensor (one stream per matrix)."""
+    if isinstance(stream, torch.Tensor):
+        ok = not (stream.is_floating_point() or stream.is_complex() or stream.dtype == torch.bool)
+    else:
+        ok = isinstance(stream, int) and not isinstance(stream, bool)
+    if not ok:
+        got = stream.dtype if isinstance(stream, torch.Tensor) else repr(stream)
+        raise ValueError(f"{fmt}: stream {got}: give an integer or an integer tensor of the "
+                         f"input's leading shape (one stream per matrix)")
 
 
 @dataclass
@@ -79,6 +92,8 @@ class Format:
     def quantize(self, x: torch.Tensor, rounding: str = "nearest", seed: int = 0, stream=0,
                  rbits: torch.Tensor | None = None) -> QTensor:
         x = self._check(x, rounding)
+        check_seed(seed, f"{self.name}: seed")
+        _check_stream(stream, self.name)
         if rbits is not None:
             self._check_bits(rbits, x)
         if rounding == "stochastic" and rbits is None and not use_triton(x):

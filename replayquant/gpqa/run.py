@@ -17,7 +17,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
 import re
 import sys
 from pathlib import Path
@@ -35,7 +34,10 @@ from replayquant.policy import resolve_pair
 from replayquant.models.device import check_device, default_device, describe_device
 from replayquant.models.names import resolve_model_name
 from replayquant.models.patching import resolve_dtype
-from replayquant.outputs import check_owned, check_writable_folder, output_lock, write_json, write_text
+from replayquant.launch import process_rank
+from replayquant.outputs import (check_out_given, check_owned, check_writable_folder, output_lock,
+                                 write_json, write_text)
+from replayquant.streams import check_seed
 from replayquant.provenance import provenance
 
 __all__ = ["run_gpqa", "check_out", "default_out_dir", "per_doc_scores", "questions_digest",
@@ -116,11 +118,12 @@ def run_gpqa(model: str, pairs: list, *, tasks=None, gpqa_csv=None, limit=None, 
     resolved, labels = _resolve_pairs(pairs)
     tasks, dtype, device = _check_settings(model, tasks, prefill, limit, dtype, device, model_args)
     _check_counts(batch_size, num_fewshot, gen_kwargs)
+    check_seed(seed, "--seed")
     out = _check_out_folder(model, out, labels, tasks, log_samples)
     data = _data_source(gpqa_csv)
 
     # the main process holds the folder (its lock: SUMMARY.lock) until SUMMARY.json is written
-    main = int(os.environ.get("RANK", "0")) == 0
+    main = process_rank() == 0
     with output_lock(out / "SUMMARY.json") if main else contextlib.nullcontext():
         check_out(out, labels, tasks, log_samples)      # again, holding the lock
         # lm-eval's tasks, answers shuffled once per task (GPQATask), from gpqa_csv or the hub
@@ -250,6 +253,7 @@ def _check_settings(model: str, tasks, prefill: str, limit, dtype: str, device: 
 def _check_out_folder(model: str, out, labels: list[str], tasks, log_samples: bool) -> Path:
     """The output folder (default: `default_out_dir`), writable and holding nothing but files
     `replayquant gpqa` may replace (`check_out`)."""
+    check_out_given(out)
     out = Path(out) if out is not None else default_out_dir(model)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; gpqa writes one results file per pair and "

@@ -248,6 +248,9 @@ def load_results(paths: list[str | Path]) -> list[tuple[str, dict]]:
     out = []
     for p in paths:
         p = Path(p)
+        if p.is_dir():
+            raise ValueError(f"{p} is a folder; give a results file (a KL run's NAME.json, a sweep "
+                             f"file, lm-eval results) or a folder holding a GPQA SUMMARY.json")
         if not p.is_file():
             raise ValueError(f"results file {p} does not exist")
         try:
@@ -261,6 +264,32 @@ def load_results(paths: list[str | Path]) -> list[tuple[str, dict]]:
     if not out:
         raise ValueError("give at least one results file")
     return out
+
+
+# what a row's label (model, pair, prefill, context) leaves out of a run's configuration
+_RUN_SETTINGS = {"dtype": lambda c: (c.get("model") or {}).get("dtype"),
+                 "seed": lambda c: c.get("seed"), "segment": lambda c: c.get("segment"),
+                 "reference": lambda c: (c.get("reference") or {}).get("mode"),
+                 "dataset": lambda c: (c.get("dataset") or {}).get("name")}
+
+
+def _tell_apart(rows: list[dict], results: dict) -> bool:
+    """Where rows of several files share a label: each row's "run" cell, the settings of
+    `_RUN_SETTINGS` that differ between them (else the file's name); every other row's is empty.
+    Returns whether any row needed one (the table then has the column)."""
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["model"], r["pair"], r["prefill"], r["context"]), []).append(r)
+    for r in rows:
+        r["run"] = ""
+    alike = [g for g in groups.values() if len(g) > 1]
+    for g in alike:
+        sets = [{k: get(results[r["_source"]]["config"]) for k, get in _RUN_SETTINGS.items()}
+                for r in g]
+        keys = [k for k in _RUN_SETTINGS if len({repr(s[k]) for s in sets}) > 1]
+        for r, s in zip(g, sets):
+            r["run"] = ", ".join(f"{k} {s[k]}" for k in keys) or Path(r["_source"]).name
+    return bool(alike)
 
 
 def render_table(loaded: list[tuple[str, dict]], fmt: str = "md", by: str = "pair",
@@ -290,6 +319,8 @@ def render_table(loaded: list[tuple[str, dict]], fmt: str = "md", by: str = "pai
     if by == "pair":
         cols.remove("pair")
         cols.insert(0, "pair")
+    if _tell_apart(rows, dict(loaded)):
+        cols.insert(cols.index("context") + 1, "run")
     lines = ["| " + " | ".join(cols) + " |", "|" + "|".join(" --- " for _ in cols) + "|"]
     lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
     if scoring_of(loaded[0][1]) != "all":

@@ -37,10 +37,11 @@ from rich.console import Console
 from replayquant import statebytes as sb
 from replayquant.kl.report import fit_table, model_label
 from replayquant.kl.stats import KL_ZERO_SE, kl_text
-from replayquant.outputs import check_owned, output_lock
+from replayquant.outputs import check_out_given, check_owned, output_lock
 from replayquant.pairs import PrecisionPair
 from replayquant.policy import EXACT, LayerPolicy, resolve_pair
 from replayquant.provenance import provenance
+from replayquant.streams import check_seed
 
 from . import measured
 from .common import (check_results_out, clean_name, fmt_bytes, front_kl, kl_figures, kl_file_for,
@@ -204,11 +205,13 @@ def sweep_command(model: str, pairs: list, buffer_lens=None, *, kernels: str | N
     Ls = parse_buffer_lens(buffer_lens)
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"--batch must be an integer >= 1, got {batch!r}")
+    check_out_given(out)
+    check_seed(kl_args.get("seed", 0), "--seed")
     variants = sweep_variants(pairs, Ls)
     kern = measured.load_kernels(kernels) if kernels else None
     context = kl_args.get("context", 131072)
     bases = list(dict.fromkeys(v["base"] for v in variants))
-    out_path = check_results_out(out or default_out(model, bases, Ls, context))
+    out_path = check_results_out(out if out is not None else default_out(model, bases, Ls, context))
     png, kl_path = out_path.with_suffix(".png"), kl_file_for(out_path)
     with output_lock(out_path):
         # the same variants replace their own sweep file (the KL run resumes); anything else

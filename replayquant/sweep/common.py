@@ -141,6 +141,8 @@ def load_json_kind(path, kind: str, writer: str) -> dict:
     """A results file of `kind`, with one ValueError naming the command that writes it, whose
     pair and policy records hold what their names say (`policy.check_recorded`)."""
     p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{path} is a folder; give the JSON file that `{writer}` writes")
     if not p.is_file():
         raise ValueError(f"{path}: no such file (give the JSON that `{writer}` writes)")
     try:

@@ -24,7 +24,7 @@ from rich.console import Console
 
 from replayquant import statebytes as sb
 from replayquant.kl.plot import plot_results_file
-from replayquant.outputs import check_owned, output_lock, write_text
+from replayquant.outputs import check_out_given, check_owned, output_lock, write_text
 from replayquant.pairs import PrecisionPair
 from replayquant.policy import LayerPolicy, Override
 from replayquant.provenance import describe_model, model_identity, model_mismatch, provenance
@@ -89,6 +89,12 @@ def build_policy(sens: dict, kl_budget: float, low: str | None = None, high: str
                                  f"choose other --low / --high pairs")
     lo = {r["index"]: r for r in sens["per_layer"][low]}
     hi = {r["index"]: r for r in sens["per_layer"][high]}
+    kl_lo, kl_hi = (sum(r["kl"]["kl_mean"] for r in x.values()) for x in (lo, hi))
+    if kl_hi > kl_lo and total[high] < total[low]:        # the two the other way round
+        raise ValueError(f"--high {high} does not lower the KL of --low {low}: its single-layer "
+                         f"KLs sum to {kl_hi:.3g}, {low}'s to {kl_lo:.3g}, and it moves fewer "
+                         f"state bytes per step ({fmt_bytes(total[high])} against "
+                         f"{fmt_bytes(total[low])}); give --low {high} --high {low}")
     order = sorted(lo, key=lambda i: -(lo[i]["kl"]["kl_mean"] - hi[i]["kl"]["kl_mean"]))
 
     def predict(up: set):
@@ -108,7 +114,7 @@ def build_policy(sens: dict, kl_budget: float, low: str | None = None, high: str
                     f"{upper:.3g} (sum of single-layer upper bounds, mean {mean:.3g}); raise the "
                     f"budget or measure a higher-precision pair as --high")
     low_pair, high_pair = costs[low][0], costs[high][0]
-    name = f"{low}+{high}_kl{kl_budget:.0e}"
+    name = f"{low}+{high}_kl{kl_budget:g}"          # every budget its own name (not 1e-03)
     overrides = (Override(high_pair, tuple(sorted(up)), None),) if up else ()
     policy = LayerPolicy(low_pair, overrides, name,
                          f"{low} on every recurrent layer, {high} on the {len(up)} layer(s) whose "
@@ -174,10 +180,11 @@ def recommend_per_layer(sens_path, kl_budget: float, low: str | None = None,
     model, documents and settings, and write OUT.json beside the policy (OUT_policy.yaml) and
     the KL run's files (OUT_kl.*). Returns the result dict (None on ranks > 0)."""
     from replayquant.kl.command import kl_command   # transformers: reading results does not load it
+    check_out_given(out)
     sens = load_json_kind(sens_path, SENS_KIND, "replayquant sensitivity")
     policy, plan = build_policy(sens, kl_budget, low, high, source=str(sens_path))
-    out_path = check_results_out(out or Path("build/recommend") / f"{Path(sens_path).stem}_"
-                                 f"{policy.name}.json")
+    out_path = check_results_out(out if out is not None else Path("build/recommend") /
+                                 f"{Path(sens_path).stem}_{policy.name}.json")
     kl_path = kl_file_for(out_path)
     yaml_path = out_path.with_name(out_path.stem + "_policy.yaml")
     _check_policy_out(out_path, yaml_path, kl_path, policy, kl_budget, sens_path)

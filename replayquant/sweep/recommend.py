@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 from collections import Counter
 from pathlib import Path
 
 from rich.console import Console
 
 from replayquant.gpqa.summary import summary_model
-from replayquant.outputs import check_owned, output_lock
+from replayquant.outputs import check_out_given, check_owned, output_lock
 from replayquant.provenance import describe_model, model_mismatch, provenance
 
 from .command import SWEEP_KIND
@@ -273,6 +274,8 @@ def recommend(sweep: dict, kl_budget: float, max_bytes: float | None = None,
     no_gpqa = [v["name"] for v in measured if drops is not None and _gpqa_of(v, drops) is None]
     pool = [v for v in measured if v["name"] not in no_gpqa and v["name"] not in invalid]
 
+    _below_every_variant(pool, source, kl_budget, max_bytes, max_memory)
+
     def misses(v) -> dict:
         """{constraint: value / limit} for every limit the variant exceeds."""
         m = {}                      # `not x <= limit`: a value that is not a number never fits
@@ -321,6 +324,36 @@ def recommend(sweep: dict, kl_budget: float, max_bytes: float | None = None,
     }
 
 
+# per budget option: what it limits, and what else gives a fit than raising it
+_LIMITS = (("--kl-budget", lambda v: v["kl"]["kl_upper"], "KL upper bound",
+            "sweep higher-precision pairs or other buffer lengths"),
+           ("--max-bytes", lambda v: v["bytes_per_step"]["state"],
+            "state bytes per decode step and sequence", "sweep cheaper pairs or shorter buffer "
+            "lengths"),
+           ("--max-memory", lambda v: v["memory"]["total"], "state memory per sequence",
+            "sweep cheaper pairs or shorter buffer lengths"))
+
+
+def _below_every_variant(pool: list, source: str, *limits) -> None:
+    """NoFit, saying what to give, for a limit below every variant's value on its own (a
+    --max-bytes of 1, a --kl-budget below the best KL): no other budget can make up for it."""
+    for (flag, value, what, other), limit in zip(_LIMITS, limits):
+        if limit is None or not pool:
+            continue
+        best = min(pool, key=value)
+        least = value(best)
+        if least <= limit:
+            continue
+        if flag == "--kl-budget":      # three digits, rounded up: the variant fits the one given
+            step = 10.0 ** (math.floor(math.log10(least)) - 2) if least > 0 else 1.0
+            shown, give = f"{least:.3g}", f"{math.ceil(least / step) * step:.3g}"
+        else:
+            shown, give = f"{fmt_bytes(least)} ({least:.0f} bytes)", f"{math.ceil(least)}"
+        raise NoFit(f"{flag} {limit:g} is below every variant of {source or 'the sweep'}: the "
+                    f"least {what} is {shown}, {best['name']}'s; give {flag} {give} or more, or "
+                    f"{other}")
+
+
 def _excess(kind: str, x: float) -> float:
     """How far over a limit, comparable across kinds: a factor for KL, bytes and memory, and
     1 + points over for GPQA."""
@@ -342,8 +375,13 @@ def _no_fit_message(v, miss, budgets, gpqa_of=None) -> str:
     if "gpqa" in miss:
         parts.append(f"its GPQA drop reaches {gpqa_of['drop_upper_pts']:.2f} points (budget "
                      f"{budgets['gpqa_budget_pts']:.2f})")
+    todo = [f"raise {flag} or {other}" for (flag, _, _, other), key in zip(_LIMITS, ("kl", "bytes",
+                                                                                    "memory"))
+            if key in miss]
+    if "gpqa" in miss:
+        todo.append("raise --gpqa-budget or sweep higher-precision pairs")
     return (f"no variant fits the budgets; the closest is {v['name']}: " + "; ".join(parts) +
-            ". Raise the budget, or sweep higher-precision pairs / other buffer lengths")
+            ". To fit: " + "; ".join(todo))
 
 
 def _ratio_text(saving: float | None, what: str) -> str:
@@ -401,6 +439,7 @@ def check_recommendation_out(out, sources=()) -> Path:
     """The path of a recommendation file (`recommend SWEEP.json --out`), checked before any work:
     a .json in a writable folder, not one of the files read (`sources`), not a file of another
     kind. Returns it as a Path; one ValueError saying what to give instead."""
+    check_out_given(out)
     path = check_results_out(out)
     check_owned(path, RECOMMEND_KIND, "replayquant recommend", inputs=sources)
     return path

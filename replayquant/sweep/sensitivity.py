@@ -32,10 +32,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from replayquant.outputs import check_owned, output_lock
+from replayquant.outputs import check_out_given, check_owned, output_lock
 from replayquant.pairs import PrecisionPair
 from replayquant.policy import EXACT, LayerPolicy, Override, resolve_pair
 from replayquant.provenance import describe_model, model_mismatch, provenance
+from replayquant.streams import check_seed
 
 from .common import (check_results_out, clean_name, kl_figures, kl_file_for, shapes_of_model,
                      write_json)
@@ -106,11 +107,14 @@ def sensitivity_command(model: str, pairs: list, *, buffer_len: int | None = Non
     if isinstance(per_pass, bool) or not isinstance(per_pass, int) or per_pass < 0:
         raise ValueError(f"--per-pass must be an integer >= 0 (0: every variant in one pass), got "
                          f"{per_pass!r}")
+    check_out_given(out)
+    check_seed(kl_args.get("seed", 0), "--seed")
     shapes, *_ = shapes_of_model(model, kl_args.get("revision"))
     chosen = _parse_layers(layers, shapes)
     variants = sensitivity_variants(pairs, chosen, buffer_len)
     names = list(dict.fromkeys(v["pair"] for v in variants))
-    out_path = check_results_out(out or default_out(model, names, kl_args.get("context", 131072)))
+    out_path = check_results_out(out if out is not None else
+                                 default_out(model, names, kl_args.get("context", 131072)))
     n = per_pass or len(variants)
     chunks = [variants[i:i + n] for i in range(0, len(variants), n)]
     kl_paths = [kl_file_for(out_path, k if len(chunks) > 1 else None) for k in range(1, len(chunks) + 1)]
