@@ -38,9 +38,9 @@ from typing import Callable
 
 import numpy as np
 
-__all__ = ["WriteError", "parse_json", "write_file", "write_text", "write_json", "save_figure", "save_npy",
-           "append_line", "check_out_given", "check_writable_folder", "diff_records", "check_owned", "other_run_error",
-           "lock_path",
+__all__ = ["WriteError", "parse_json", "write_file", "write_text", "write_json", "save_figure",
+           "save_npy", "append_line", "check_out_given", "check_writable_folder", "diff_records",
+           "check_owned", "other_run_error", "lock_path",
            "output_lock"]
 
 

@@ -151,7 +151,7 @@ def read_progress(run_dir: Path) -> tuple[list[dict], list[dict]]:
                 if why:
                     fix = (f"delete {f} to compute its documents again (the other logs' "
                            f"documents are kept)" if why[1] else
-                           f"delete that line to compute its document again (the others are kept)")
+                           "delete that line to compute its document again (the others are kept)")
                     raise ValueError(f"{f}: line {n} {why[0]}; the log is damaged: {fix}")
                 (headers if obj["type"] == "config" else records).append(obj)
     return headers, records
