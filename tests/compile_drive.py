@@ -49,7 +49,8 @@ def main(argv):
         return 2
     plan = [dict(pair=p) for p in argv[1:]]
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(CONFIGS[argv[0]]).eval()
+    # bf16: the decode kernel serves bf16 models (a float32 one decodes on the torch engine)
+    model = AutoModelForCausalLM.from_config(CONFIGS[argv[0]]).eval().to(torch.bfloat16)
     for run in plan or PLAN:
         patch(model, run["pair"], prefill=run.get("prefill", "replay"), buffer_len=4, seed=0)
         ids = torch.randint(0, VOCAB, (3, 6))
