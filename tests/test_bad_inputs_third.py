@@ -183,6 +183,7 @@ def _damaged_sweep(tmp_path, damage):
     (lambda sw, v: v["vs_fp32_conventional"].update(memory=-1.0),
      "vs_fp32_conventional.memory should be a finite number > 0"),
     (lambda sw, v: v.pop("on_front"), "].on_front is missing"),
+    (lambda sw, v: v["kl"].update(same_top="x"), "].kl.same_top should be a number"),
     (lambda sw, v: sw.pop("front"), "front is missing"),
     (lambda sw, v: sw.pop("layers"), "layers is missing"),
     (lambda sw, v: sw["conventional_fp32"].pop("kernel"), "conventional_fp32.kernel is missing"),
@@ -258,8 +259,16 @@ def _lay_out(files, d):
         (d / rel).write_bytes(data)
 
 
+def _changed(line, **changes):
+    return json.dumps({**json.loads(line), **changes})
+
+
 @pytest.mark.parametrize("damage, needles", [
     (lambda lines: lines.insert(2, "[1, 2]"), ["line 3", "not a record"]),
+    (lambda lines: lines.__setitem__(1, _changed(lines[1], pairs={"s32_rs": {}})),
+     ["line 2", "sums"]),
+    (lambda lines: lines.__setitem__(1, _changed(lines[1], pairs={"other": {}})),
+     ["line 2", "['other']", "['s32_rs']"]),
     (lambda lines: lines.__setitem__(0, '{"type": "config"}'), ["line 1", "no configuration"]),
     (lambda lines: lines.__setitem__(1, json.dumps({k: v for k, v in json.loads(lines[1]).items()
                                                     if k != "index"})), ["line 2", "index"]),

@@ -141,25 +141,38 @@ def read_progress(run_dir: Path) -> tuple[list[dict], list[dict]]:
         if not f.is_file():
             raise ValueError(f"{f} is not a file; the progress log of a KL run's process goes "
                              f"there: move it away, then run the same command again")
+        names = None                  # the pairs of this log's configuration
         with open(f, encoding="utf-8", errors="replace") as fh:
             for n, line in enumerate(fh, 1):
                 try:
                     obj = parse_json(line)
                 except json.JSONDecodeError:
                     continue   # interrupted mid-write: that document is redone
-                why = _progress_problem(obj)
+                why = _progress_problem(obj, names)
                 if why:
                     fix = (f"delete {f} to compute its documents again (the other logs' "
                            f"documents are kept)" if why[1] else
                            "delete that line to compute its document again (the others are kept)")
                     raise ValueError(f"{f}: line {n} {why[0]}; the log is damaged: {fix}")
-                (headers if obj["type"] == "config" else records).append(obj)
+                if obj["type"] == "config":
+                    headers.append(obj)
+                    names = _pair_names_of(obj["config"])
+                else:
+                    records.append(obj)
     return headers, records
 
 
-def _progress_problem(obj) -> tuple[str, bool] | None:
+def _pair_names_of(config: dict) -> set | None:
+    pairs = config.get("pairs")
+    if not isinstance(pairs, list) or not all(isinstance(p, dict) for p in pairs):
+        return None
+    return {p.get("name") for p in pairs}
+
+
+def _progress_problem(obj, names: set | None) -> tuple[str, bool] | None:
     """(what is wrong, whether the whole log is lost with it) for a JSON line of a progress log
-    that is not a record `append_record` writes; None for one that is."""
+    that is not a record `append_record` writes (`names`: the pairs of the log's configuration,
+    None before its config line); None for one that is."""
     if not isinstance(obj, dict) or obj.get("type") not in ("config", "document"):
         return "is not a record of a KL run's progress log (type config or document)", False
     if obj["type"] == "config":
@@ -175,9 +188,22 @@ def _progress_problem(obj) -> tuple[str, bool] | None:
     for key, kind in (("id", str), ("pairs", dict), ("wall_s", (int, float))):
         if not isinstance(obj.get(key), kind) or isinstance(obj.get(key), bool):
             return f"is the record of document {i} with no {key} of the kind written", False
-    if not all(isinstance(v, dict) for v in obj["pairs"].values()):
-        return f"is the record of document {i} with pairs that are not records", False
+    if names is not None and set(obj["pairs"]) != names:
+        return (f"is the record of document {i} with pairs {sorted(obj['pairs'])}, not its log's "
+                f"{sorted(names, key=str)}"), False
+    if not all(_pair_sums_whole(v) for v in obj["pairs"].values()):
+        return f"is the record of document {i} with sums that are not all there", False
     return None
+
+
+def _pair_sums_whole(rec) -> bool:
+    """Whether a pair's part of a document record holds what `stats.document_sums` writes."""
+    def numbers(d, keys):
+        return isinstance(d, dict) and all(isinstance(d.get(k), (int, float))
+                                           and not isinstance(d.get(k), bool) for k in keys)
+    return (numbers(rec, ("kl_max", "kl_min")) and numbers(rec.get("sums"), S.SUM_KEYS)
+            and isinstance(rec.get("buckets"), list)
+            and all(numbers(b, ("lo", "hi", *S.BUCKET_KEYS)) for b in rec["buckets"]))
 
 
 def append_record(path: Path, obj: dict):

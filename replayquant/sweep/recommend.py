@@ -47,7 +47,7 @@ class NoFit(Exception):
 
 # What recommend and `table` read of the files they are given (common.check_structure): a file
 # that lacks it or holds other types is refused at load with one error naming the place.
-_KL = {"kl_mean": REAL, "kl_unc": REAL, "kl_upper": REAL}
+_KL = {"kl_mean": REAL, "kl_unc": REAL, "kl_upper": REAL, "same_top?": REAL}
 _SWEEP_SCHEMA = {
     "complete": bool,
     "layers": [dict],
