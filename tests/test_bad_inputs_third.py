@@ -228,16 +228,6 @@ def test_json_nested_too_deeply_is_one_error(tmp_path):
 CTX = 64
 
 
-@pytest.fixture(scope="module")
-def texts(tmp_path_factory):
-    """A folder of two .txt documents from the shipped held-out text (each >= CTX tokens)."""
-    from replayquant.data import heldout_documents
-    d = tmp_path_factory.mktemp("texts")
-    for i, b in enumerate(heldout_documents()[:2]):
-        (d / f"doc_{i}.txt").write_text(b["text"][:2000])
-    return d
-
-
 def _kl(texts, out, *extra, pair="s32_rs", docs=2):
     return ["kl", "--model", TINY, "--pair", pair, "--dataset", texts, "--context", CTX,
             "--docs", docs, "--segment", 32, "--dtype", "float32", "--reference", "hf",
