@@ -25,10 +25,12 @@ MODELS = ("tiny-qwen3.5", "tiny-mamba2", "tiny-kimi-linear")
 L = 4
 
 
-def _model(name, pair="s32_rs"):
+def _model(name, pair="s32_rs", dtype="float32"):
+    """An embedded model, patched; bf16 where the decode kernel is to serve it (its ring holds a
+    bf16 model's activations exactly; a float32 model decodes on the torch engine)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return replayquant.load_model(name, pair=pair, dtype="float32", device_map="cpu",
+        return replayquant.load_model(name, pair=pair, dtype=dtype, device_map="cpu",
                                       buffer_len=L)
 
 
@@ -56,7 +58,7 @@ def test_decode_step_on_the_store_is_one_graph_without_host_sync(name, backend):
     and gives the eager forward's logits bit for bit through another flush. Both engines: the
     Triton kernel (interpreter) and the torch engine (the CPU path). The prompts run on the
     torch path (the chunk kernel in the interpreter is slow; the hand-off is the same)."""
-    model = _model(name, "tp4_hi16_sr")
+    model = _model(name, "tp4_hi16_sr", "bfloat16" if backend == "triton" else "float32")
     with torch.no_grad():
         with options.override(backend="torch"):
             eager_kw, comp_kw = _prefill(model)[1:], _prefill(model)[1:]
@@ -361,8 +363,8 @@ def test_recorded_decode_steps_equal_eager_steps_on_cuda(name):
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = replayquant.load_model(name, pair="tp4_hi16_sr", dtype="float32", device_map="cuda",
-                                       buffer_len=L)
+        model = replayquant.load_model(name, pair="tp4_hi16_sr", dtype="bfloat16",
+                                       device_map="cuda", buffer_len=L)
     ids = torch.randint(3, 200, (3, 6), generator=torch.Generator().manual_seed(1)).cuda()
     runs = {}
     for graphs in ("off", "on"):
