@@ -181,6 +181,7 @@ def test_hub_name_passes_config_split_and_data_files_to_datasets(tmp_path, monke
                     split=kw["split"], streaming=True)
     monkeypatch.setattr(datasets, "load_dataset", fake)
     monkeypatch.setattr(kl_data, "check_hub_reachable", lambda what: None)   # no hub here
+    monkeypatch.setattr(kl_data, "hub_offline", lambda: None)     # as online, whatever HF_HUB_OFFLINE
     ds = load_documents("org/books", _CharTok(), 40, 2, split="validation", dataset_config="en",
                         data_files=["en/validation-*.parquet"])
     assert seen == {"path": "org/books", "name": "en", "split": "validation", "streaming": True,

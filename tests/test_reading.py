@@ -134,9 +134,14 @@ def test_transformers_warnings_print_above_a_progress_bar():
     from replayquant.cli.common import library_logs_above_bars
     library_logs_above_bars()
     buf = io.StringIO()
-    with Progress(console=Console(file=buf, force_terminal=True, width=80)) as bar:
-        bar.add_task("KL", total=2)
-        hf_logging.get_logger("transformers.integrations").warning("falls back to PyTorch")
+    level = hf_logging.get_verbosity()            # other test modules silence transformers
+    hf_logging.set_verbosity_warning()
+    try:
+        with Progress(console=Console(file=buf, force_terminal=True, width=80)) as bar:
+            bar.add_task("KL", total=2)
+            hf_logging.get_logger("transformers.integrations").warning("falls back to PyTorch")
+    finally:
+        hf_logging.set_verbosity(level)
     assert "falls back to PyTorch" in buf.getvalue()
 
 

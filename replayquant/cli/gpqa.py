@@ -59,5 +59,6 @@ def gpqa_cmd(
 def lm_eval_cmd(ctx: typer.Context):
     """lm-eval's own command line with `--model replayquant` registered (all arguments pass through;
     `--gpqa-csv PATH` reads GPQA-Diamond from a local CSV)."""
+    require("lm_eval")      # the lm-eval extra, whether or not the module was imported before
     from replayquant.lm_eval_model import lm_eval_main  # checks lm-eval's internals first
     lm_eval_main(list(ctx.args))
