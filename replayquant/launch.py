@@ -34,25 +34,32 @@ def requested_processes(env=None) -> tuple[int | None, bool]:
     return None, False
 
 
-def process_rank(env=None) -> int:
-    """This process's rank (RANK, as torchrun and accelerate launch set it; 0 when unset), or one
-    ValueError for a value that is not an integer >= 0."""
+def _env_int(name: str, unset: int, minimum: int, env=None) -> int:
+    """The integer torchrun / accelerate launch put in `name` (`unset` when absent), or one
+    ValueError for a value that is not an integer >= minimum."""
     env = os.environ if env is None else env
-    raw = env.get("RANK", "").strip()
+    raw = env.get(name, "").strip()
     if not raw:
-        return 0
-    if not raw.isdigit():
-        raise ValueError(f"RANK={raw!r}: the rank of this process, as torchrun or accelerate "
-                         f"launch set it, must be an integer >= 0; unset it to run one process")
+        return unset
+    if not raw.isdigit() or int(raw) < minimum:
+        raise ValueError(f"{name}={raw!r}: set by torchrun or accelerate launch, it must be an "
+                         f"integer >= {minimum}; unset it to run one process")
     return int(raw)
 
 
+def process_rank(env=None) -> int:
+    """This process's rank (RANK; 0 when unset), checked against WORLD_SIZE."""
+    rank, size = _env_int("RANK", 0, 0, env), world_size(env)
+    if rank >= size:
+        raise ValueError(f"RANK={rank} with WORLD_SIZE={size}: a rank runs from 0 to WORLD_SIZE "
+                         f"- 1; start the processes with torchrun or accelerate launch, or unset "
+                         f"both to run one process")
+    return rank
+
+
 def world_size(env=None) -> int:
-    env = os.environ if env is None else env
-    try:
-        return int(env.get("WORLD_SIZE", "1"))
-    except ValueError:
-        return 1
+    """How many processes run (WORLD_SIZE; 1 when unset)."""
+    return _env_int("WORLD_SIZE", 1, 1, env)
 
 
 def single_process_warning(command: str = "kl", env=None) -> str | None:
@@ -63,6 +70,7 @@ def single_process_warning(command: str = "kl", env=None) -> str | None:
     n = str(asked) if exact else "N"
     asked_text = f"{asked} processes were" if exact else "more than one process was"
     return (f"warning: {asked_text} asked for, but this runs as one process: `accelerate launch "
-            f"--cpu` starts a single process whatever --num_processes says. For {n} processes on CPU run `accelerate launch --multi_gpu "
-            f"--num_processes {n} -m replayquant {command} ...` (the processes talk through gloo "
-            f"and split the documents; no GPU needed)")
+            f"--cpu` starts a single process whatever --num_processes says. For {n} processes "
+            f"on CPU run `accelerate launch --multi_gpu --num_processes {n} -m replayquant "
+            f"{command} ...` (the processes talk through gloo and split the documents; no GPU "
+            f"needed)")

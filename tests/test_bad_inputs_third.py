@@ -536,12 +536,16 @@ def test_seeds_and_streams_that_are_not_integers_are_refused_in_the_library():
             get_format("fp16").quantize(torch.ones(4, 16), "stochastic", stream=stream)
 
 
-def test_a_rank_that_is_not_a_number_is_one_clear_error(texts, tmp_path, no_model, gpqa_no_model,
-                                                         monkeypatch):
-    monkeypatch.setenv("RANK", "abc")
-    for args in (_kl(texts, tmp_path / "r.json"), _gpqa(tmp_path / "G")):
-        code, text = invoke(args)
-        one_clear_error(code, text, "RANK='abc'", "torchrun", "unset it")
+def test_a_rank_or_world_size_that_is_not_a_count_is_one_clear_error(texts, tmp_path, no_model,
+                                                                     gpqa_no_model, monkeypatch):
+    for var, value, said in (("RANK", "abc", "RANK='abc'"), ("WORLD_SIZE", "0", "WORLD_SIZE='0'"),
+                             ("WORLD_SIZE", "abc", "WORLD_SIZE='abc'"), ("RANK", "3", "RANK=3")):
+        monkeypatch.setenv(var, value)
+        for args in (_kl(texts, tmp_path / "r.json"), _gpqa(tmp_path / "G")):
+            code, text = invoke(args)
+            one_clear_error(code, text, said, "torchrun", "unset")
+        monkeypatch.delenv(var)
+    assert not (tmp_path / "r.json").exists()
 
 
 # ------------------------------------------------------------------ --out values that mislead
