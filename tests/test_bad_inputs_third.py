@@ -645,3 +645,15 @@ def test_per_layer_default_names_keep_the_budget(tmp_path):
     from replayquant.sweep.per_layer import build_policy
     names = {build_policy(_sens(), b)[0].name for b in (1.2e-3, 1.4e-3, 1e-3, 1.25e-3)}
     assert len(names) == 4, names
+
+
+def test_patch_with_a_buffer_length_that_cannot_fit_is_refused_before_the_model_changes():
+    import torch
+
+    from replayquant import load_model, patch
+    from replayquant.models.patching import is_patched
+    m = load_model(TINY, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"buffer length 1000000000 would need .* GiB of memory, "
+                                         r"more than .*; give a smaller buffer_len"):
+        patch(m, "s32_rs", buffer_len=10 ** 9)
+    assert not is_patched(m)

@@ -14,14 +14,16 @@ from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_
                                                     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
 from replayquant.choices import DTYPE_NAMES, PREFILLS
+from replayquant.memory import check_fits, replay_cache_bytes
 from replayquant.models.families import FORWARDS, layer_kind, supported_families
 from replayquant.models.names import resolve_model_name
 from replayquant.models.runtime import LayerRuntime
 from replayquant.pairs import PrecisionPair
 from replayquant.policy import EXACT, LayerPolicy, resolve_pair
+from replayquant.statebytes import LayerShape
 
 __all__ = ["recurrent_layers", "patch", "unpatch", "is_patched", "load_model", "load_config",
-           "model_class", "model_from_config", "PREFILLS"]
+           "model_class", "model_from_config", "layer_shapes", "PREFILLS"]
 
 _INFO = "_replayquant_patch"
 # what HF's generate reads on the model instance, set while it is patched (`_lift_refusal`)
@@ -80,6 +82,7 @@ def patch(model, pair, prefill: str = "replay", seed: int = 0, buffer_len: int |
         raise ValueError(f"{type(model).__name__} has no recurrent layer replayquant can patch "
                          f"({supported_families()}); nothing to do for a model without SSM state")
     plan = _layer_plan(pair, layers, prefill)      # a policy's errors before anything changes
+    _check_buffer_fits(model, plan)
     if is_patched(model):
         unpatch(model)
     for (_, module, kind), (layer_pair, layer_prefill) in zip(layers, plan):
@@ -104,6 +107,35 @@ def patch(model, pair, prefill: str = "replay", seed: int = 0, buffer_len: int |
     # a partial of a module-level function, not a closure: the patched model still pickles
     model.save_pretrained = functools.partial(_save_pretrained_patched, model)
     return model
+
+
+def _check_buffer_fits(model, plan) -> None:
+    """One ValueError, before anything changes, when one sequence's replay states (anchor, read
+    copy and L buffered entries in every patched layer) could not fit in the memory of the
+    model's device: a buffer length of 10^9 is refused here, not by the allocator at the first
+    forward."""
+    needed = sum(replay_cache_bytes(s, p) for s, (p, _) in zip(layer_shapes(model), plan))
+    lengths = sorted({p.buffer_len for p, _ in plan})
+    device = next(model.parameters(), torch.zeros(0)).device
+    check_fits(needed, f"one sequence of {type(model).__name__} with buffer length "
+                       f"{', '.join(map(str, lengths))}",
+               "give a smaller buffer_len (the shipped pairs use 8 to 32)", device=str(device))
+
+
+def layer_shapes(model) -> list[LayerShape]:
+    """The LayerShape of every recurrent layer of a Hugging Face model (as `recurrent_layers`
+    finds them): GDN value / key heads and head dims, KDA heads and head dim (q, k, v alike),
+    Mamba-2 heads, groups, head dim and state size, read from the layer modules."""
+    out = []
+    for name, m, kind in recurrent_layers(model):
+        if kind == "gdn":
+            H, HK, dv, dk = m.num_v_heads, m.num_k_heads, m.head_v_dim, m.head_k_dim
+        elif kind == "kda":
+            H, HK, dv, dk = m.num_heads, m.num_heads, m.head_dim, m.head_dim
+        else:
+            H, HK, dv, dk = m.num_heads, m.n_groups, m.head_dim, m.ssm_state_size
+        out.append(LayerShape(kind, int(H), int(HK), int(dv), int(dk), name, int(m.layer_idx)))
+    return out
 
 
 def _save_pretrained_patched(model, *args, **kwargs):
