@@ -657,3 +657,17 @@ def test_patch_with_a_buffer_length_that_cannot_fit_is_refused_before_the_model_
                                          r"more than .*; give a smaller buffer_len"):
         patch(m, "s32_rs", buffer_len=10 ** 9)
     assert not is_patched(m)
+
+
+def test_the_teacher_forcing_bench_module_without_a_gpu_is_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("the refusal is for a machine without CUDA")
+    r = subprocess.run([sys.executable, "-m", "replayquant.bench.teacher_forcing",
+                        str(tmp_path / "tf.json")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith("error: ") and "need a CUDA GPU" in r.stderr, r.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -431,4 +431,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ValueError as e:               # bad input or no GPU: one line, as the CLI prints it
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
