@@ -344,9 +344,9 @@ def list_pairs() -> list[str]:
 
 def pairs_table(d_k: int = 128, d_v: int = 128):
     """A rich Table of the shipped pairs with bytes per state element (d_v x d_k matrix)."""
-    t = Table(title=f"precision pairs (bytes per state element, {d_v}x{d_k} state)")
-    for col in ("name", "read", "anchor", "L", "read B/elem", "anchor B/elem", "held B/elem"):
-        t.add_column(col, justify="right" if "B/" in col or col == "L" else "left", no_wrap=True)
+    t = Table(title=f"precision pairs (B: bytes per state element, {d_v}x{d_k} state)")
+    for col in ("name", "read", "anchor", "L", "read B", "anchor B", "held B"):
+        t.add_column(col, justify="right" if " B" in col or col == "L" else "left", no_wrap=True)
     for name in list_pairs():
         p = PrecisionPair.load(name)
         t.add_row(name, "(shared)" if p.shared else str(p.read), str(p.anchor), str(p.buffer_len),

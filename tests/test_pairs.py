@@ -85,7 +85,8 @@ def test_pairs_command_lists_every_pair():
     assert r.exit_code == 0, r.output
     for name in SHIPPED:
         assert name in r.output
-    assert "0.5627" in r.output and "anchor B/elem" in r.output
+    assert "0.5627" in r.output and "anchor B" in r.output
+    assert max(map(len, r.output.splitlines())) <= 80, r.output
 
 
 # -------------------------------------------------------------- names that read as a shipped pair
