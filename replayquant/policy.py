@@ -375,7 +375,12 @@ def _overridden(pair, L: int):
     unnamed pair's label already holds its L."""
     if L == pair.buffer_len:
         return pair
-    if isinstance(pair, LayerPolicy):
-        return pair.with_buffer_len(L, name=f"{re.sub(r'@L[0-9]+$', '', pair.label())}@L{L}")
+    if isinstance(pair, LayerPolicy):             # each layer's pair says its L too
+        def member(p):
+            return p if p == EXACT else _overridden(p, L)
+        return LayerPolicy(member(pair.default),
+                           tuple(Override(member(o.pair), o.layers, o.match)
+                                 for o in pair.overrides),
+                           f"{re.sub(r'@L[0-9]+$', '', pair.label())}@L{L}", pair.description)
     name = pair.name and f"{re.sub(r'@L[0-9]+$', '', pair.name)}@L{L}"
     return PrecisionPair(pair.read, pair.anchor, L, name, pair.description)

@@ -49,6 +49,12 @@ def test_a_buffer_length_override_stays_in_every_label(tmp_path):
     info = patch_info(model)
     assert info["pair"].label() == "tp4_hi16_sr@L4"
     assert {label for label, _ in info["layer_pairs"].values()} == {"tp4_hi16_sr@L4"}
+    # a layer policy: the policy and each layer's pair say the L that ran
+    policy = resolve_pair(ROOT / "results/policy/tiny-qwen3.5_tp4_hi16_sr+tp8_hi16_sr_kl1e-3_"
+                                 "policy.yaml", 4)
+    replayquant.patch(model, policy)
+    labels = {label for label, _ in patch_info(model)["layer_pairs"].values()}
+    assert labels == {"tp4_hi16_sr@L4", "tp8_hi16_sr@L4"} and policy.label().endswith("@L4")
     # lm-eval results as `replayquant lm-eval` (pair=tp4_hi16_sr,buffer_len=4) and as `gpqa`
     # writes them per pair (its config names the model by path, no model_args)
     base = json.loads((ROOT / "tests/data/lm_eval/tiny-qwen35_s32_rs_results.json").read_text())
