@@ -91,7 +91,7 @@ def child(way: str, model: str, csv_path: str, out: str, pair: str, batch_size: 
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    import replayquant.lm_eval_model as lmm
+    import replayquant.gpqa.lm_eval_model as lmm
     from replayquant.gpqa import run_gpqa, write_task_dir
     from transformers.generation.utils import GenerationMixin
     batches, prefills = [], []

@@ -479,7 +479,7 @@ def test_table_reads_the_lm_eval_results_replayquant_writes(tmp_path):
 def test_lm_eval_internals_we_rely_on_are_where_we_expect(monkeypatch):
     import lm_eval.models.huggingface as hf
 
-    from replayquant import lm_eval_model as M
+    from replayquant.gpqa import lm_eval_model as M
     assert M.lm_eval_internals_problems() == []
     monkeypatch.delattr(hf.HFLM, "_model_call")
     monkeypatch.setattr(hf.HFLM, "_loglikelihood_tokens", lambda self, requests, disable_tqdm=False: [])
@@ -493,7 +493,7 @@ def test_lm_eval_internals_we_rely_on_are_where_we_expect(monkeypatch):
 
 
 def test_no_stray_git_fatal_line_outside_a_checkout(tmp_path, monkeypatch, capfd):
-    import replayquant.lm_eval_model  # noqa: F401  (quiets lm-eval's git call)
+    import replayquant.gpqa.lm_eval_model  # noqa: F401  (quiets lm-eval's git call)
     from lm_eval import evaluator
     from replayquant.provenance import provenance
     monkeypatch.chdir(tmp_path)

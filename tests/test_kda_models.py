@@ -240,7 +240,7 @@ def test_lm_eval_model(work, fam):
     model's; with f4_sr_rs they change; generate_until runs the pair."""
     from lm_eval.api.instance import Instance
 
-    from replayquant.lm_eval_model import ReplayQuantLM
+    from replayquant.gpqa.lm_eval_model import ReplayQuantLM
     lm = ReplayQuantLM(pretrained=work["dirs"][fam], pair="s32_rs", device="cpu", dtype="float32",
                        batch_size=2)
     words = work["text"].split()

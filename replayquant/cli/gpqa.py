@@ -1,5 +1,5 @@
 """`gpqa` and `lm-eval`: GPQA-Diamond and lm-eval's own command line with the patched model
-(replayquant/gpqa, replayquant/lm_eval_model.py)."""
+(replayquant/gpqa, replayquant/gpqa/lm_eval_model.py)."""
 
 from __future__ import annotations
 
@@ -60,5 +60,5 @@ def lm_eval_cmd(ctx: typer.Context):
     """lm-eval's own command line with `--model replayquant` registered (all arguments pass through;
     `--gpqa-csv PATH` reads GPQA-Diamond from a local CSV)."""
     require("lm_eval")      # the lm-eval extra, whether or not the module was imported before
-    from replayquant.lm_eval_model import lm_eval_main  # checks lm-eval's internals first
+    from replayquant.gpqa.lm_eval_model import lm_eval_main  # checks lm-eval's internals first
     lm_eval_main(list(ctx.args))

@@ -5,7 +5,7 @@
                        tasks=["gpqa_diamond_cot_zeroshot"], gpqa_csv=None, limit=None, seed=0)
     print(render_table([load_summary("build/gpqa/Qwen3.5-4B")]))
 
-The lm-eval model itself is `replayquant.lm_eval_model.ReplayQuantLM` (name "replayquant").
+The lm-eval model itself is `replayquant.gpqa.lm_eval_model.ReplayQuantLM` (name "replayquant").
 """
 
 from replayquant.gpqa.summary import (SUMMARY_KIND, build_summary, is_gpqa_summary, load_summary,

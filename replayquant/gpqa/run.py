@@ -29,7 +29,7 @@ from lm_eval.utils import handle_non_serializable, hash_string, simple_parse_arg
 from replayquant.gpqa.summary import SUMMARY_KIND, build_summary
 from replayquant.gpqa.tasks import (HUB_CONFIG, HUB_DATASET, check_csv, check_hub_access,
                                     check_task_dir, check_tasks, file_sha256, write_task_dir)
-from replayquant.lm_eval_model import PREFILLS, ReplayQuantLM
+from replayquant.gpqa.lm_eval_model import PREFILLS, ReplayQuantLM
 from replayquant.policy import resolve_pair
 from replayquant.models.device import check_device, default_device, describe_device
 from replayquant.models.names import resolve_model_name
