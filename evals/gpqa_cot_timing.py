@@ -4,7 +4,7 @@
         [--pair tp4_hi16_sr] [--questions 16] [--batch-size 8] [--ways eager,compiled,...]
         [--shape tiny --device cpu]
 
-The model is `bench kl`'s Qwen3.5-4B shape (32 layers, random bf16 weights, replayquant.kl.bench)
+The model is `bench kl`'s Qwen3.5-4B shape (32 layers, random bf16 weights, replayquant.bench.kl)
 saved with save_pretrained beside the tokenizer of the embedded tiny-qwen3.5; the data is a CSV
 of made-up questions in GPQA's columns (marked synthetic). Each way runs `replayquant.gpqa.run_gpqa`
 (what `replayquant gpqa --task gpqa_diamond_cot_zeroshot --gpqa-csv CSV --batch-size 8` runs) in a
@@ -66,7 +66,7 @@ def write_questions(path: Path, n: int) -> None:
 def save_model(folder: Path, shape: str, device: str) -> dict:
     """The shape's random model, saved with the tokenizer of tiny-qwen3.5 (4096 tokens; the
     model's vocabulary is at least as large)."""
-    from replayquant.kl.bench import SHAPES, build_model
+    from replayquant.bench.kl import SHAPES, build_model
     vocab = max(SHAPES[shape]["vocab_size"], 4096)
     dtype = getattr(torch, DTYPE[device])
     model = build_model(shape, dtype, device, vocab_size=vocab)

@@ -409,7 +409,7 @@ def test_long_text_prefix_tokenisation_matches_full(work):
 
 def test_bench_kl_runs_on_cpu_with_a_tiny_shape(tmp_path):
     """The GPU benchmark's code path (random-weight model, synthetic document, baseline forward)."""
-    from replayquant.kl.bench import bench_kl
+    from replayquant.bench.kl import bench_kl
     if not HAVE_PATCH:
         pytest.skip("replayquant.patch (model integration) not available")
     r = bench_kl(shape="tiny", context=96, segment=32, dtype="float32", out=tmp_path / "b.json",

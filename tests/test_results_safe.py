@@ -407,12 +407,12 @@ def no_work(monkeypatch):
     """Every command of `_writers` stops where its work would begin (after its checks)."""
     import replayquant.bench.formats as bf
     import replayquant.bench.generate as bg
+    import replayquant.bench.kl as kb
     import replayquant.bench.kernels_merge as bkm
     import replayquant.bench.kernels_run as bkr
     import replayquant.bench.teacher_forcing as tf
     import replayquant.drift as dr
     import replayquant.gpqa.run as gr
-    import replayquant.kl.bench as kb
     for mod, name in ((gr, "ReplayQuantLM"), (dr, "run_drift"), (bf, "_run_formats_bench"),
                       (bkr, "_run_kernels_bench"), (bkm, "_merge_kernels"), (tf, "_run_layer"),
                       (tf, "whole_model"), (kb, "_bench_kl"), (bg, "_run_generate_bench")):

@@ -12,7 +12,7 @@ from replayquant.cli.common import (BenchShape, KLOptions, ModelOpt, Prefill, Sc
                                     TableOrder, app, bench_app, json_kind, pair_option,
                                     user_errors, with_kl_options)
 from replayquant.gpqa.summary import table_for_files
-from replayquant.kl.bench import bench_kl
+from replayquant.bench.kl import bench_kl
 from replayquant.kl.report import render_table
 from replayquant.kl.results import load_scored, running_statistics
 from replayquant.launch import single_process_warning

@@ -27,9 +27,9 @@ from replayquant import options
 from replayquant.outputs import check_owned, output_lock, write_json
 from replayquant.provenance import provenance
 
-from .data import Document, DocumentSet
-from .lockstep import cache_kwarg, output_cache
-from .run import run_kl
+from replayquant.kl.data import Document, DocumentSet
+from replayquant.kl.lockstep import cache_kwarg, output_cache
+from replayquant.kl.run import run_kl
 
 BENCH_KL_KIND = "replayquant.bench.kl"     # the "kind" of the results file
 
@@ -122,8 +122,7 @@ def _bench_kl(shape: str = "qwen3.5-4b", context: int = 131072, segment: int = 8
     from replayquant.bench.timing import REPLAY_TARGETS, KernelClock, fla_version, hf_chunk_function
 
     from replayquant.bench import check_model_bench
-
-    from .command import DTYPES   # transformers: loaded where a model is
+    from replayquant.kl.command import DTYPES   # transformers: loaded where a model is
     check_model_bench("bench kl", shape, device)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = build_model(shape, DTYPES[dtype], device)
