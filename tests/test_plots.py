@@ -168,7 +168,7 @@ def test_a_results_file_is_plotted_again_with_its_budget(tmp_path, monkeypatch):
 # ---------------------------------------------------------------- kernels
 
 def test_kernels_plot_says_which_way_is_faster_and_names_the_peers():
-    from replayquant.bench.kernels_render import kernels_figure
+    from replayquant.bench.kernels.render import kernels_figure
     res = json.loads((ROOT / "results/bench/kernels.json").read_text())
     fig = kernels_figure(res)
     words = " ".join([fig._suptitle.get_text() if fig._suptitle else ""]

@@ -407,9 +407,9 @@ def no_work(monkeypatch):
     """Every command of `_writers` stops where its work would begin (after its checks)."""
     import replayquant.bench.formats as bf
     import replayquant.bench.generate as bg
+    import replayquant.bench.kernels.merge as bkm
+    import replayquant.bench.kernels.run as bkr
     import replayquant.bench.kl as kb
-    import replayquant.bench.kernels_merge as bkm
-    import replayquant.bench.kernels_run as bkr
     import replayquant.bench.teacher_forcing as tf
     import replayquant.drift as dr
     import replayquant.gpqa.run as gr
