@@ -427,7 +427,7 @@ def test_progress_bar_shows_tokens_per_second_from_the_first_segment(tiny, tmp_p
 
     from rich.console import Console
 
-    from replayquant.kl import run_kl
+    from replayquant.kl import KLSettings, RunParts, run_kl
     from replayquant.kl.command import load_model_and_tokenizer
     from replayquant.kl.lockstep import Variant
     model, tok, _ = load_model_and_tokenizer(str(tiny["model"]), "float32")
@@ -436,10 +436,11 @@ def test_progress_bar_shows_tokens_per_second_from_the_first_segment(tiny, tmp_p
     (texts / "a.txt").write_text(tiny["texts"][0])
     buf = io.StringIO()
     from replayquant.pairs import PrecisionPair
-    run_kl(model, tok, [PrecisionPair.load("s32_rs")], dataset=str(texts), context=64, n_docs=1,
-           segment=100, out=tmp_path / "z.json", plot=False, reference="hf",
-           make_variant=lambda m, p, pre, s: Variant(p.name, {"name": p.name}),
-           console=Console(file=buf, force_terminal=True, width=140))
+    run_kl(model, tok, [PrecisionPair.load("s32_rs")],
+           KLSettings(dataset=str(texts), context=64, docs=1, segment=100, reference="hf"),
+           out=tmp_path / "z.json",
+           parts=RunParts(make_variant=lambda m, p, pre, s: Variant(p.name, {"name": p.name}),
+                          plot=False, console=Console(file=buf, force_terminal=True, width=140)))
     out = re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", buf.getvalue())
     assert re.search(r"\d[\d,]* tok/s", out), out         # one segment: no second rich sample
     assert "-- tok/s" not in out.splitlines()[-1]

@@ -261,7 +261,7 @@ def test_another_run_is_refused_the_same_run_goes_on(tmp_path, no_kl_run):
 
 
 def _fake_kl(calls):
-    def kl_command(model, pairs, out=None, **kw):
+    def kl_command(model, pairs, settings=None, out=None, **kw):
         calls.append(out)
         return {"results": {pairs[0].name: {"kl_mean": 1e-4, "kl_mean_unc": 1e-5}},
                 "provenance": {"git_commit": "test"}}

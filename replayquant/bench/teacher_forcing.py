@@ -47,7 +47,7 @@ from replayquant.kernels.compile_check import assemble, compile_ptx, ptxas_repor
 from replayquant.kernels.roles import FMT_IDS
 from replayquant.bench.kl import (SHAPES, _chunk_dot, build_model, plain_forward, random_document,
                                   timed)
-from replayquant.kl.command import DTYPES
+from replayquant.models.patching import DTYPES
 from replayquant.models import patch, teacher_force_path, unpatch
 from replayquant.outputs import check_owned, output_lock, write_json
 from replayquant.pairs import PrecisionPair
