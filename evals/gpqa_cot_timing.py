@@ -92,7 +92,7 @@ def child(way: str, model: str, csv_path: str, out: str, pair: str, batch_size: 
     from lm_eval.tasks import TaskManager
 
     import replayquant.gpqa.lm_eval_model as lmm
-    from replayquant.gpqa import run_gpqa, write_task_dir
+    from replayquant.gpqa import GPQASettings, run_gpqa, write_task_dir
     from transformers.generation.utils import GenerationMixin
     batches, prefills = [], []
     cls = HFLM if way == "hf_compiled" else lmm.ReplayQuantLM
@@ -130,8 +130,8 @@ def child(way: str, model: str, csv_path: str, out: str, pair: str, batch_size: 
                                 gen_kwargs="cache_implementation=static")
     else:
         args = {"compile_generate": "false"} if way == "eager" else {}
-        run_gpqa(model, [pair], tasks=[TASK], gpqa_csv=csv_path, batch_size=batch_size, device=device,
-                 dtype=dtype, out=out, model_args=args)
+        run_gpqa(model, [pair], GPQASettings(tasks=[TASK], gpqa_csv=csv_path, batch_size=batch_size,
+                                             device=device, dtype=dtype, model_args=args), out=out)
     end = time.perf_counter()
     from torch._dynamo.utils import get_compilation_metrics
     frames = [{"frame": m.co_name, "guards": m.guard_count, "guard_latency_us": m.guard_latency_us,

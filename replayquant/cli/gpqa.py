@@ -42,13 +42,14 @@ def gpqa_cmd(
     from replayquant.gpqa.run import parse_model_args
     extra = parse_model_args(model_args)
     tasks = [t.strip() for v in (task or []) for t in v.split(",") if t.strip()]
-    summary = gpqa.run_gpqa(model, pair, tasks=tasks or None, gpqa_csv=gpqa_csv, limit=limit, seed=seed,
-                       prefill=prefill, out=out, dtype=dtype, device=device,
-                       batch_size=int(batch_size) if batch_size.isdigit() else batch_size,
-                       num_fewshot=num_fewshot,
-                       gen_kwargs=None if max_gen_toks is None else {"max_gen_toks": max_gen_toks},
-                       apply_chat_template=apply_chat_template, log_samples=log_samples,
-                       model_args=extra)
+    settings = gpqa.GPQASettings(
+        tasks=tasks or None, gpqa_csv=gpqa_csv, limit=limit, seed=seed, prefill=prefill,
+        dtype=dtype, device=device,
+        batch_size=int(batch_size) if batch_size.isdigit() else batch_size,
+        num_fewshot=num_fewshot,
+        gen_kwargs=None if max_gen_toks is None else {"max_gen_toks": max_gen_toks},
+        apply_chat_template=apply_chat_template, log_samples=log_samples, model_args=extra)
+    summary = gpqa.run_gpqa(model, pair, settings, out=out)
     if summary is not None:
         typer.echo(gpqa.render_table([summary]))
 
