@@ -3,6 +3,7 @@ of the same kinds: each one clear error naming the file (and line or row), no si
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -531,8 +532,8 @@ def test_version_and_lm_eval_spellings(monkeypatch):
     assert code == 0 and text.strip() == f"replayquant {replayquant.__version__}"
     seen = {}
 
-    def fake_run(model, pairs, **kw):
-        seen.update(kw, model=model, pairs=pairs)
+    def fake_run(model, pairs, settings, **kw):
+        seen.update(dataclasses.asdict(settings), **kw, model=model, pairs=pairs)
     import replayquant.gpqa as G
     monkeypatch.setattr(G, "run_gpqa", fake_run)
     code, text = _invoke(["gpqa", "--model", "m", "--pair", "s32_rs", "--tasks",
