@@ -28,7 +28,7 @@ import torch
 from transformers import CompileConfig
 
 from replayquant.bench.generate import _generate
-from replayquant.kl.bench import build_model
+from replayquant.bench.kl import build_model
 from replayquant.models import patch, unpatch
 
 

@@ -4,7 +4,7 @@
         [--pair tp4_hi16_sr] [--questions 16] [--batch-size 8] [--ways eager,compiled,...]
         [--shape tiny --device cpu]
 
-The model is `bench kl`'s Qwen3.5-4B shape (32 layers, random bf16 weights, replayquant.kl.bench)
+The model is `bench kl`'s Qwen3.5-4B shape (32 layers, random bf16 weights, replayquant.bench.kl)
 saved with save_pretrained beside the tokenizer of the embedded tiny-qwen3.5; the data is a CSV
 of made-up questions in GPQA's columns (marked synthetic). Each way runs `replayquant.gpqa.run_gpqa`
 (what `replayquant gpqa --task gpqa_diamond_cot_zeroshot --gpqa-csv CSV --batch-size 8` runs) in a
@@ -66,7 +66,7 @@ def write_questions(path: Path, n: int) -> None:
 def save_model(folder: Path, shape: str, device: str) -> dict:
     """The shape's random model, saved with the tokenizer of tiny-qwen3.5 (4096 tokens; the
     model's vocabulary is at least as large)."""
-    from replayquant.kl.bench import SHAPES, build_model
+    from replayquant.bench.kl import SHAPES, build_model
     vocab = max(SHAPES[shape]["vocab_size"], 4096)
     dtype = getattr(torch, DTYPE[device])
     model = build_model(shape, dtype, device, vocab_size=vocab)
@@ -91,8 +91,8 @@ def child(way: str, model: str, csv_path: str, out: str, pair: str, batch_size: 
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    import replayquant.lm_eval_model as lmm
-    from replayquant.gpqa import run_gpqa, write_task_dir
+    import replayquant.gpqa.lm_eval_model as lmm
+    from replayquant.gpqa import GPQASettings, run_gpqa, write_task_dir
     from transformers.generation.utils import GenerationMixin
     batches, prefills = [], []
     cls = HFLM if way == "hf_compiled" else lmm.ReplayQuantLM
@@ -130,8 +130,8 @@ def child(way: str, model: str, csv_path: str, out: str, pair: str, batch_size: 
                                 gen_kwargs="cache_implementation=static")
     else:
         args = {"compile_generate": "false"} if way == "eager" else {}
-        run_gpqa(model, [pair], tasks=[TASK], gpqa_csv=csv_path, batch_size=batch_size, device=device,
-                 dtype=dtype, out=out, model_args=args)
+        run_gpqa(model, [pair], GPQASettings(tasks=[TASK], gpqa_csv=csv_path, batch_size=batch_size,
+                                             device=device, dtype=dtype, model_args=args), out=out)
     end = time.perf_counter()
     from torch._dynamo.utils import get_compilation_metrics
     frames = [{"frame": m.co_name, "guards": m.guard_count, "guard_latency_us": m.guard_latency_us,

@@ -14,8 +14,8 @@ import sys
 
 import torch
 
-from replayquant.bench.kernels_checks import gpu_checks, max_rel, state_diff
-from replayquant.bench.kernels_timing import no_gpu
+from replayquant.bench.kernels.checks import gpu_checks, max_rel, state_diff
+from replayquant.bench.kernels.timing import no_gpu
 from replayquant.provenance import provenance
 
 # a Kimi-Linear-48B-A3B KDA layer: transformers' KimiLinearConfig defaults linear_num_heads = 32,
@@ -32,7 +32,7 @@ def kda_conventional_checks(device="cuda") -> dict:
     padding row) on 6 slots, per stored format. max_rel_y_one_call: each step's reference run
     from the kernel's own store (what one call must match); max_rel_y: the reference's own
     chain of steps (rounding flips of low-precision formats may make it drift apart)."""
-    from replayquant.bench.inputs import kda_step_inputs, random_state
+    from replayquant.testing import kda_step_inputs, random_state
     from replayquant.kernels.conventional import conventional_kda_step, conventional_kda_step_ref
     from replayquant.kernels.stores import ConventionalStore
     H, HK, dk, dv = (KDA_SHAPE[n] for n in ("H", "HK", "dk", "dv"))
@@ -67,7 +67,7 @@ def kda_chunk_checks(device="cuda") -> dict:
     the reference's own chain, where a rounding flip of a low-precision role propagates;
     frac_y_gt_1e-4: the outputs off by more than 1e-4 of the largest), the carried state and,
     for s32_rs, both against the float64 per-channel recurrence."""
-    from replayquant.bench.inputs import kda_step_inputs, random_state
+    from replayquant.testing import kda_step_inputs, random_state
     from replayquant.kernels import chunk
     from replayquant.kernels.chunk_ref import chunk_scan_ref, initial_scan_state, rebuild_state
     from replayquant.pairs import PrecisionPair

@@ -12,9 +12,9 @@ import sys
 
 import torch
 
-from replayquant.bench.inputs import random_state
-from replayquant.bench.kernels_grid import PAIR_L, SHAPES, kernel_fns, kernel_inputs, load_pair
-from replayquant.bench.kernels_timing import no_gpu
+from replayquant.testing import random_state
+from replayquant.bench.kernels.grid import PAIR_L, SHAPES, kernel_fns, kernel_inputs, load_pair
+from replayquant.bench.kernels.timing import no_gpu
 from replayquant.kernels.stores import ReplayStore
 
 

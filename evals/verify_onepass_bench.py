@@ -19,10 +19,10 @@ import sys
 
 import torch
 
-from replayquant.bench.inputs import random_state
-from replayquant.bench.kernels_grid import PAIR_L, SHAPES, kernel_fns, kernel_inputs, load_pair
-from replayquant.bench.kernels_rows import spec_accepts
-from replayquant.bench.kernels_timing import (copy_bandwidth_GBps, empty_cache, no_gpu,
+from replayquant.testing import random_state
+from replayquant.bench.kernels.grid import PAIR_L, SHAPES, kernel_fns, kernel_inputs, load_pair
+from replayquant.bench.kernels.rows import spec_accepts
+from replayquant.bench.kernels.timing import (copy_bandwidth_GBps, empty_cache, no_gpu,
                                               time_calls, timed_row)
 from replayquant.kernels.stores import ReplayStore
 from replayquant.kernels.verify import replay_accept

@@ -4,7 +4,7 @@ without it.
 
 | extra | installs | what needs it |
 | --- | --- | --- |
-| lm-eval | lm-eval (and its datasets, scikit-learn, ...) | `replayquant gpqa`, `replayquant lm-eval`, `replayquant.lm_eval_model` |
+| lm-eval | lm-eval (and its datasets, scikit-learn, ...) | `replayquant gpqa`, `replayquant lm-eval`, `replayquant.gpqa.lm_eval_model` |
 | triton | Triton (Linux) | the Triton kernels with a CPU build of torch (REPLAYQUANT_BACKEND=triton, TRITON_INTERPRET=1: the test suite); CUDA builds of torch on Linux install Triton themselves |
 | dev | both, and pytest | `make test` |
 """
@@ -18,7 +18,7 @@ __all__ = ["EXTRAS", "MissingExtra", "require"]
 # module -> (the extra that installs it, what uses it)
 EXTRAS = {
     "lm_eval": ("lm-eval", "GPQA and lm-eval with a patched model (replayquant gpqa, replayquant "
-                           "lm-eval, replayquant.lm_eval_model)"),
+                           "lm-eval, replayquant.gpqa.lm_eval_model)"),
     "triton": ("triton", "the Triton kernels (REPLAYQUANT_BACKEND=triton; CUDA tensors)"),
 }
 

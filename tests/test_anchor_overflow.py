@@ -160,8 +160,8 @@ def _decode_inputs(kind, step, big=1e7):
     """(args, kwargs) of one decode step of two batch rows, one head, d = 16, gates near 1: row
     1's v (Mamba-2: x) `big` times larger, so that its state passes FP16's 65504 by the first
     flush; row 0 stays small."""
-    from replayquant.bench.inputs import (gdn_params, gdn_step_inputs, kda_step_inputs,
-                                          mamba2_params, mamba2_step_inputs)
+    from replayquant.testing import (gdn_params, gdn_step_inputs, kda_step_inputs,
+                                     mamba2_params, mamba2_step_inputs)
     if kind == "mamba2":
         x, dt, Bm, C, _ = mamba2_step_inputs(2, 1, 1, DK, DV, seed=step, z=False)
         x[1] *= big
@@ -190,7 +190,7 @@ def test_decode_flush_whose_cast_overflows_keeps_the_roles_and_notes_the_step(ki
     keep that row's anchor and read copy as they were (finite), write row 0's, and note step L
     in the fault record's flush-cast column, no input column; the engine and the reference
     agree bit for bit."""
-    from replayquant.bench.inputs import random_state
+    from replayquant.testing import random_state
     from replayquant.kernels.stores import FAULT_INPUTS, FaultRecord, ReplayStore
     from test_kernel_replay import assert_same_store
     _, pair = PAIRS[name]

@@ -138,8 +138,8 @@ def test_sensitivity_file_with_a_huge_buffer_length_is_refused_at_once(tmp_path,
 def test_model_benches_of_the_4b_shape_refuse_a_machine_without_cuda(tmp_path, monkeypatch):
     import torch
 
+    from replayquant.bench import kl as kb
     from replayquant.bench import teacher_forcing as tf
-    from replayquant.kl import bench as kb
 
     def boom(*a, **k):
         raise AssertionError("the benchmark started")

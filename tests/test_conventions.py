@@ -3,6 +3,7 @@ of the same kinds: each one clear error naming the file (and line or row), no si
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -427,7 +428,7 @@ def test_progress_bar_shows_tokens_per_second_from_the_first_segment(tiny, tmp_p
 
     from rich.console import Console
 
-    from replayquant.kl import run_kl
+    from replayquant.kl import KLSettings, RunParts, run_kl
     from replayquant.kl.command import load_model_and_tokenizer
     from replayquant.kl.lockstep import Variant
     model, tok, _ = load_model_and_tokenizer(str(tiny["model"]), "float32")
@@ -436,10 +437,11 @@ def test_progress_bar_shows_tokens_per_second_from_the_first_segment(tiny, tmp_p
     (texts / "a.txt").write_text(tiny["texts"][0])
     buf = io.StringIO()
     from replayquant.pairs import PrecisionPair
-    run_kl(model, tok, [PrecisionPair.load("s32_rs")], dataset=str(texts), context=64, n_docs=1,
-           segment=100, out=tmp_path / "z.json", plot=False, reference="hf",
-           make_variant=lambda m, p, pre, s: Variant(p.name, {"name": p.name}),
-           console=Console(file=buf, force_terminal=True, width=140))
+    run_kl(model, tok, [PrecisionPair.load("s32_rs")],
+           KLSettings(dataset=str(texts), context=64, docs=1, segment=100, reference="hf"),
+           out=tmp_path / "z.json",
+           parts=RunParts(make_variant=lambda m, p, pre, s: Variant(p.name, {"name": p.name}),
+                          plot=False, console=Console(file=buf, force_terminal=True, width=140)))
     out = re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", buf.getvalue())
     assert re.search(r"\d[\d,]* tok/s", out), out         # one segment: no second rich sample
     assert "-- tok/s" not in out.splitlines()[-1]
@@ -479,7 +481,7 @@ def test_table_reads_the_lm_eval_results_replayquant_writes(tmp_path):
 def test_lm_eval_internals_we_rely_on_are_where_we_expect(monkeypatch):
     import lm_eval.models.huggingface as hf
 
-    from replayquant import lm_eval_model as M
+    from replayquant.gpqa import lm_eval_model as M
     assert M.lm_eval_internals_problems() == []
     monkeypatch.delattr(hf.HFLM, "_model_call")
     monkeypatch.setattr(hf.HFLM, "_loglikelihood_tokens", lambda self, requests, disable_tqdm=False: [])
@@ -493,7 +495,7 @@ def test_lm_eval_internals_we_rely_on_are_where_we_expect(monkeypatch):
 
 
 def test_no_stray_git_fatal_line_outside_a_checkout(tmp_path, monkeypatch, capfd):
-    import replayquant.lm_eval_model  # noqa: F401  (quiets lm-eval's git call)
+    import replayquant.gpqa.lm_eval_model  # noqa: F401  (quiets lm-eval's git call)
     from lm_eval import evaluator
     from replayquant.provenance import provenance
     monkeypatch.chdir(tmp_path)
@@ -530,8 +532,8 @@ def test_version_and_lm_eval_spellings(monkeypatch):
     assert code == 0 and text.strip() == f"replayquant {replayquant.__version__}"
     seen = {}
 
-    def fake_run(model, pairs, **kw):
-        seen.update(kw, model=model, pairs=pairs)
+    def fake_run(model, pairs, settings, **kw):
+        seen.update(dataclasses.asdict(settings), **kw, model=model, pairs=pairs)
     import replayquant.gpqa as G
     monkeypatch.setattr(G, "run_gpqa", fake_run)
     code, text = _invoke(["gpqa", "--model", "m", "--pair", "s32_rs", "--tasks",

@@ -216,7 +216,7 @@ def test_bench_generate_times_each_decode_step_and_stops_nothing():
     out): 5 new tokens give 3 intervals a generate, and neither the clock nor the logits record
     changes a token; a way against itself differs in no logit."""
     import replayquant.bench.generate as bg
-    from replayquant.kl.bench import build_model
+    from replayquant.bench.kl import build_model
     model = build_model("tiny", torch.float32, "cpu")
     ids = torch.randint(1, model.config.vocab_size, (2, 4), generator=torch.Generator().manual_seed(3))
     row = bg._measure(model, ids, False, None, 2, 5, eager_syncs=False, repeats=2)

@@ -294,7 +294,7 @@ def test_run_kl_three_pairs(work, fam, tmp_path):
     (lm_head_scale) is the one the model's forward applies."""
     from transformers import AutoTokenizer
 
-    from replayquant.kl import run_kl
+    from replayquant.kl import KLSettings, RunParts, run_kl
     from replayquant.kl.lockstep import SegmentRunner
     model = load_model(work["dirs"][fam], dtype="float32")
     tok = AutoTokenizer.from_pretrained(work["dirs"][fam])
@@ -306,8 +306,9 @@ def test_run_kl_three_pairs(work, fam, tmp_path):
         hidden = model.base_model(input_ids=ids).last_hidden_state[0]
         torch.testing.assert_close(runner.logits(hidden), model(input_ids=ids).logits[0],
                                    rtol=1e-6, atol=1e-6)
-    res = run_kl(model, tok, ["s32_rs", "tp4_hi32", "f4_sr_rs"], dataset=work["texts"], context=48,
-                 n_docs=1, segment=20, out=tmp_path / "kl.json", progress=False, plot=False)
+    settings = KLSettings(dataset=work["texts"], context=48, docs=1, segment=20, progress=False)
+    res = run_kl(model, tok, ["s32_rs", "tp4_hi32", "f4_sr_rs"], settings, out=tmp_path / "kl.json",
+                 parts=RunParts(plot=False))
     r = res["results"]
     assert set(r) == {"s32_rs", "tp4_hi32", "f4_sr_rs"}
     assert abs(r["s32_rs"]["kl_mean"]) < 1e-6 and r["s32_rs"]["same_top"] == 1
@@ -331,7 +332,7 @@ def test_lm_eval_model(work, fam):
     are the unpatched model's; with f4_sr_rs they change; generate_until runs the pair."""
     from lm_eval.api.instance import Instance
 
-    from replayquant.lm_eval_model import ReplayQuantLM
+    from replayquant.gpqa.lm_eval_model import ReplayQuantLM
     lm = ReplayQuantLM(pretrained=work["dirs"][fam], pair="s32_rs", device="cpu", dtype="float32",
                        batch_size=2)
     words = work["text"].split()

@@ -188,7 +188,7 @@ def test_no_dataset_access_and_no_csv_one_clear_error(tmp_path):
 
 
 def test_lm_eval_passthrough_rejects_two_task_sources():
-    from replayquant.lm_eval_model import lm_eval_main
+    from replayquant.gpqa.lm_eval_model import lm_eval_main
     with pytest.raises(ValueError, match="either --gpqa-csv or --include_path"):
         lm_eval_main(["--model", "replayquant", "--gpqa-csv", str(TINY_CSV), "--include_path", "x"])
 
@@ -196,14 +196,14 @@ def test_lm_eval_passthrough_rejects_two_task_sources():
 def test_model_registered_with_lm_eval():
     import lm_eval.api.registry as reg
 
-    from replayquant.lm_eval_model import ReplayQuantLM
+    from replayquant.gpqa.lm_eval_model import ReplayQuantLM
     assert reg.get_model("replayquant") is ReplayQuantLM
     from lm_eval.models.huggingface import HFLM
     assert issubclass(ReplayQuantLM, HFLM)
 
 
 def test_unknown_pair_and_prefill_fail_before_loading():
-    from replayquant.lm_eval_model import ReplayQuantLM
+    from replayquant.gpqa.lm_eval_model import ReplayQuantLM
     with pytest.raises(ValueError, match="unknown precision pair 'bogus'"):
         ReplayQuantLM(pretrained="never/loaded", pair="bogus")
     with pytest.raises(ValueError, match="prefill='fast'"):
@@ -281,7 +281,7 @@ def test_both_scoring_paths_see_the_pair(tiny_model):
     exactly."""
     from lm_eval.api.instance import Instance
 
-    from replayquant.lm_eval_model import ReplayQuantLM, cache_kwarg, output_cache
+    from replayquant.gpqa.lm_eval_model import ReplayQuantLM, cache_kwarg, output_cache
 
     lm = ReplayQuantLM(pretrained=tiny_model, pair="s32_rs", device="cpu", dtype="float32", batch_size=4)
     with open(TINY_CSV, newline="") as f:
@@ -335,7 +335,7 @@ def test_compiled_generate_until_compiles_once_per_batch_size(tiny_model):
     from torch._dynamo.utils import counters
     from transformers import CompileConfig
 
-    from replayquant.lm_eval_model import ReplayQuantLM
+    from replayquant.gpqa.lm_eval_model import ReplayQuantLM
 
     class Compiled(ReplayQuantLM):
         compiled = True
@@ -374,7 +374,7 @@ def test_compiled_generate_until_compiles_once_per_batch_size(tiny_model):
 def test_lm_eval_command_end_to_end(tiny_model, tmp_path):
     """lm-eval's own command line with --model replayquant, a loglikelihood task and a generative
     task, on the synthetic CSV with --limit."""
-    from replayquant.lm_eval_model import lm_eval_main
+    from replayquant.gpqa.lm_eval_model import lm_eval_main
     out = tmp_path / "lm_eval_out"
     lm_eval_main(["--model", "replayquant", "--model_args",
                   f"pretrained={tiny_model},pair=tp4_hi16_sr,dtype=float32,prefill=replay",

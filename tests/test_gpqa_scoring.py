@@ -108,12 +108,13 @@ def test_gpqa_exact_pair_scores_as_lm_evals_hf_model(tmp_path, monkeypatch):
     import yaml
     from lm_eval.tasks import TaskManager
 
-    from replayquant.gpqa import run_gpqa
+    from replayquant.gpqa import GPQASettings, run_gpqa
     from replayquant.gpqa.tasks import lm_eval_gpqa_dir
 
     task = "gpqa_diamond_zeroshot"
-    summary = run_gpqa(str(TINY_MODEL), ["s32_rs"], tasks=[task], gpqa_csv=TINY_CSV, seed=0,
-                       out=tmp_path / "rq", dtype="float32", device="cpu", log_samples=True)
+    settings = GPQASettings(tasks=[task], gpqa_csv=TINY_CSV, seed=0, dtype="float32",
+                            device="cpu", log_samples=True)
+    summary = run_gpqa(str(TINY_MODEL), ["s32_rs"], settings, out=tmp_path / "rq")
     ours = [json.loads(x) for x in
             (tmp_path / "rq" / f"s32_rs.samples.{task}.jsonl").read_text().splitlines()]
 

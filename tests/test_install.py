@@ -194,9 +194,9 @@ def test_an_optional_part_without_its_extra_is_one_error_naming_the_extra(monkey
         r = CliRunner().invoke(app, args)
         assert r.exit_code == 2, (args, r.output)
         assert "pip install 'replayquant[lm-eval]'" in r.output and "Traceback" not in r.output
-    monkeypatch.delitem(sys.modules, "replayquant.lm_eval_model", raising=False)
+    monkeypatch.delitem(sys.modules, "replayquant.gpqa.lm_eval_model", raising=False)
     with pytest.raises(ImportError, match=r"pip install 'replayquant\[lm-eval\]'"):
-        import replayquant.lm_eval_model  # noqa: F401
+        import replayquant.gpqa.lm_eval_model  # noqa: F401
     # the Triton kernels on a CPU: REPLAYQUANT_BACKEND=triton without triton installed
     import torch
 

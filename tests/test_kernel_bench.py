@@ -10,12 +10,12 @@ import torch
 
 from replayquant.bench import authors as au
 from replayquant.bench import targets as targets_mod
-from replayquant.bench.kernels_checks import conventional_checks
-from replayquant.bench.kernels_grid import PAIRS, SHAPES, kernel_inputs
-from replayquant.bench.kernels_merge import merge_kernels, one_commit
-from replayquant.bench.kernels_plan import estimate_s, plan
-from replayquant.bench.kernels_run import run_kernels_bench
-from replayquant.bench.kernels_sweep import pair_config
+from replayquant.bench.kernels.checks import conventional_checks
+from replayquant.bench.kernels.grid import PAIRS, SHAPES, kernel_inputs
+from replayquant.bench.kernels.merge import merge_kernels, one_commit
+from replayquant.bench.kernels.plan import estimate_s, plan
+from replayquant.bench.kernels.run import run_kernels_bench
+from replayquant.bench.kernels.sweep import pair_config
 
 TINY = {"gdn": dict(kind="gdn", H=2, HK=1, dv=16, dk=16),
         "mamba2": dict(kind="mamba2", H=2, HK=1, dv=16, dk=16)}
@@ -316,7 +316,7 @@ def test_authors_kernels_in_interpreter(interpreter_bf16, monkeypatch):
         assert acc["authors"]["fp32"]["state"] < 1e-5 and acc["authors"]["fp32"]["outputs"] < 1e-5
         assert 1e-4 < acc["authors"]["bf16"]["state"] < 3e-2
         assert acc["ours_vs_authors"]["s32_rs / fp32"]["outputs"] < 2 ** -8
-    from replayquant.bench.inputs import random_state
+    from replayquant.testing import random_state
     init = random_state(2, 2, 16, 32, seed=5)
     kw = kernel_inputs("gdn", GDN_T, 2, T=2, seed=6, device="cpu")
     sr = au.GdnSpecRunner(A, init, kw, 4, 1, 2)

@@ -5,8 +5,8 @@ channel) and Mamba-2, odd batch sizes, padding rows, poisoned outputs."""
 import pytest
 import torch
 
-from replayquant.bench.inputs import (gdn_params, gdn_step_inputs, kda_step_inputs,
-                                      mamba2_params, mamba2_step_inputs, random_state)
+from replayquant.testing import (gdn_params, gdn_step_inputs, kda_step_inputs,
+                                 mamba2_params, mamba2_step_inputs, random_state)
 from replayquant.kernels.conventional import (conventional_gdn_step, conventional_gdn_step_ref,
                                               conventional_kda_step, conventional_kda_step_ref,
                                               conventional_mamba2_step,

@@ -7,7 +7,7 @@ memory order; evals/gpu_runs.sh decode runs it); then the record's errors."""
 import pytest
 import torch
 
-from replayquant.bench.inputs import kda_step_inputs, random_state
+from replayquant.testing import kda_step_inputs, random_state
 from replayquant.kernels import replay_ref as rr
 from replayquant.kernels import replay_torch as rt
 from replayquant.kernels.replay_decode import replay_gdn_step, replay_kda_step, replay_mamba2_step

@@ -5,7 +5,7 @@ ReplayState(vector_gate=True), and the anchor against a float64 per-channel recu
 import pytest
 import torch
 
-from replayquant.bench.inputs import kda_step_inputs, random_state
+from replayquant.testing import kda_step_inputs, random_state
 from replayquant.kernels.conventional import kda_frontend_ref
 from replayquant.kernels.replay_decode import replay_kda_step
 from replayquant.kernels.stores import ReplayStore

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from replayquant.policy import resolve_pair
-from replayquant.bench.inputs import (gdn_params, gdn_step_inputs, mamba2_params,
-                                      mamba2_step_inputs, random_state)
+from replayquant.testing import (gdn_params, gdn_step_inputs, mamba2_params,
+                                 mamba2_step_inputs, random_state)
 from replayquant.kernels.conventional import (conventional_gdn_step, conventional_mamba2_step,
                                               gdn_frontend_ref, mamba2_frontend_ref,
                                               mamba2_post_ref)

@@ -8,8 +8,8 @@ pre-flushing, through reference rounds with per-row accepts."""
 import pytest
 import torch
 
-from replayquant.bench.inputs import (gdn_params, gdn_step_inputs, mamba2_params,
-                                      mamba2_step_inputs, random_state)
+from replayquant.testing import (gdn_params, gdn_step_inputs, mamba2_params,
+                                 mamba2_step_inputs, random_state)
 from replayquant.kernels.replay_ref import (replay_accept_ref, replay_gdn_verify_ref,
                                             replay_mamba2_verify_ref)
 from replayquant.kernels.stores import ReplayStore

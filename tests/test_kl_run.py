@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 import replayquant
 from replayquant.cli import app
 from replayquant.kl import run as R
-from replayquant.kl import run_kl
+from replayquant.kl import KLSettings, RunParts, run_kl
 from replayquant.kl.files import read_progress
 from replayquant.kl.lockstep import Variant
 
@@ -198,8 +198,9 @@ def test_cli_end_to_end_outputs_resume_and_table(work, fake_patch, monkeypatch, 
 
 def test_interrupted_run_loses_at_most_the_document_in_flight(work, tmp_path):
     model, tok = _load(work, "mamba2")
-    kw = dict(dataset=str(work["texts"]), context=80, n_docs=3, segment=32, make_variant=fake_variant,
-              progress=False, plot=False, reference="hf")
+    settings = KLSettings(dataset=str(work["texts"]), context=80, docs=3, segment=32,
+                          progress=False, reference="hf")
+    parts = RunParts(make_variant=fake_variant, plot=False)
     state = {"n": 0}
 
     def flaky(model, pair, prefill, seed):
@@ -215,7 +216,8 @@ def test_interrupted_run_loses_at_most_the_document_in_flight(work, tmp_path):
 
     out = tmp_path / "i.json"
     with pytest.raises(KeyboardInterrupt, match="1 of 3 documents are finished"):
-        run_kl(model, tok, ["f4_sr_rs"], out=out, make_variant=flaky, **{k: v for k, v in kw.items() if k != "make_variant"})
+        run_kl(model, tok, ["f4_sr_rs"], settings, out=out,
+               parts=RunParts(make_variant=flaky, plot=False))
     assert json.loads(out.read_text())["documents_done"] == 1     # summary written after each document
     # a process killed mid-write leaves a torn log line (and maybe the in-flight npy): both ignored
     with open(tmp_path / "i.kl" / "progress.rank0.jsonl", "a") as fh:
@@ -229,11 +231,11 @@ def test_interrupted_run_loses_at_most_the_document_in_flight(work, tmp_path):
         return orig(*a, **k)
     R.score_document, saved = counting, R.score_document
     try:
-        resumed = run_kl(model, tok, ["f4_sr_rs"], out=out, **kw)
+        resumed = run_kl(model, tok, ["f4_sr_rs"], settings, out=out, parts=parts)
     finally:
         R.score_document = saved
     assert done == [1, 2]
-    fresh = run_kl(model, tok, ["f4_sr_rs"], out=tmp_path / "f.json", **kw)
+    fresh = run_kl(model, tok, ["f4_sr_rs"], settings, out=tmp_path / "f.json", parts=parts)
     a, b = resumed["results"]["f4_sr_rs"], fresh["results"]["f4_sr_rs"]
     assert a["kl_mean"] == b["kl_mean"] and a["kl_percentiles"] == b["kl_percentiles"]
     assert [d["id"] for d in a["per_document"]] == [d["id"] for d in b["per_document"]]
@@ -245,10 +247,11 @@ FAMILIES = ["qwen", "mamba2", "nemotron_h", "qwen3_next"]
 @pytest.mark.parametrize("family", FAMILIES)
 def test_segmented_equals_unsegmented(work, family, tmp_path):
     model, tok = _load(work, family)
-    kw = dict(dataset=str(work["texts"]), context=120, n_docs=2, make_variant=fake_variant,
-              progress=False, plot=False, bucket_base=16, reference="hf")
-    whole = run_kl(model, tok, ["f4_sr_rs"], out=tmp_path / "a.json", segment=120, **kw)
-    seg = run_kl(model, tok, ["f4_sr_rs"], out=tmp_path / "b.json", segment=17, lm_chunk=23, **kw)
+    kw = dict(dataset=str(work["texts"]), context=120, docs=2, progress=False, reference="hf")
+    whole = run_kl(model, tok, ["f4_sr_rs"], KLSettings(segment=120, **kw), out=tmp_path / "a.json",
+                   parts=RunParts(make_variant=fake_variant, plot=False, bucket_base=16))
+    seg = run_kl(model, tok, ["f4_sr_rs"], KLSettings(segment=17, **kw), out=tmp_path / "b.json",
+                 parts=RunParts(make_variant=fake_variant, plot=False, bucket_base=16, lm_chunk=23))
     a, b = whole["results"]["f4_sr_rs"], seg["results"]["f4_sr_rs"]
     assert a["kl_mean"] > 1e-4
     assert b["kl_mean"] == pytest.approx(a["kl_mean"], rel=1e-3)
@@ -269,9 +272,11 @@ def test_identical_variant_gives_exactly_zero_and_progress_bar(work, tmp_path):
     def same(model, pair, prefill, seed):
         return Variant(pair.name, {"name": pair.name})
     from replayquant.pairs import PrecisionPair
-    res = run_kl(model, tok, [PrecisionPair.load("s32_rs")], dataset=str(work["texts"]), context=64, n_docs=1, segment=30,
-                 out=tmp_path / "z.json", make_variant=same, plot=False, reference="hf",
-                 console=Console(file=buf, force_terminal=True, width=140))
+    settings = KLSettings(dataset=str(work["texts"]), context=64, docs=1, segment=30,
+                          reference="hf")
+    res = run_kl(model, tok, [PrecisionPair.load("s32_rs")], settings, out=tmp_path / "z.json",
+                 parts=RunParts(make_variant=same, plot=False,
+                                console=Console(file=buf, force_terminal=True, width=140)))
     st = res["results"]["s32_rs"]
     assert st["kl_mean"] == 0 and st["kl_max"] == 0 and st["same_top"] == 1 and st["ln_ppl_ratio"] == 0
     assert "tok/s" in buf.getvalue() and "ETA" in buf.getvalue()
@@ -324,11 +329,13 @@ def test_two_process_accelerate_path_merges_into_one_file(work, tmp_path):
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         import test_kl_run as T
         from replayquant.kl import run as R
+        from replayquant.kl import KLSettings
         from replayquant.kl.command import kl_command
         R.patch_variant = T.fake_variant
-        kl_command({str(work['models']['mamba2'])!r}, ["f4_sr_rs", "s32_rs"], dataset={str(work['texts'])!r},
-                   context=72, docs=3, segment=32, dtype="float32", out=sys.argv[1], progress=False,
-                   reference="hf")
+        settings = KLSettings(dataset={str(work['texts'])!r}, context=72, docs=3, segment=32,
+                              dtype="float32", progress=False, reference="hf")
+        kl_command({str(work['models']['mamba2'])!r}, ["f4_sr_rs", "s32_rs"], settings,
+                   out=sys.argv[1])
     """))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
     # accelerate's torch.distributed launcher (--multi_gpu); on a machine without CUDA the processes
@@ -344,9 +351,10 @@ def test_two_process_accelerate_path_merges_into_one_file(work, tmp_path):
     _, recs = read_progress(tmp_path / "dp.kl")
     assert sorted(r["rank"] for r in recs) == [0, 0, 1]      # documents 0, 2 on rank 0; 1 on rank 1
     model, tok = _load(work, "mamba2")
-    single = run_kl(model, tok, ["f4_sr_rs", "s32_rs"], dataset=str(work["texts"]), context=72, n_docs=3,
-                    segment=32, out=tmp_path / "one.json", make_variant=fake_variant, progress=False,
-                    plot=False, reference="hf")
+    settings = KLSettings(dataset=str(work["texts"]), context=72, docs=3, segment=32,
+                          progress=False, reference="hf")
+    single = run_kl(model, tok, ["f4_sr_rs", "s32_rs"], settings, out=tmp_path / "one.json",
+                    parts=RunParts(make_variant=fake_variant, plot=False))
     for name in ("f4_sr_rs", "s32_rs"):
         a, b = dp["results"][name], single["results"][name]
         assert [d["id"] for d in a["per_document"]] == [d["id"] for d in b["per_document"]]
@@ -367,8 +375,10 @@ def test_real_pairs_s32_l1_zero_and_f4_positive(work, family, tmp_path):
     s32_l1 = PrecisionPair.load("s32_rs").with_buffer_len(1)
     object.__setattr__(s32_l1, "name", "s32_rs_L1")
     for ref in ("hf", "exact"):
-        res = run_kl(model, tok, [s32_l1, "f4_sr_rs"], dataset=str(work["texts"]), context=64, n_docs=1,
-                     segment=24, out=tmp_path / f"real_{ref}.json", progress=False, plot=False, reference=ref)
+        settings = KLSettings(dataset=str(work["texts"]), context=64, docs=1, segment=24,
+                              progress=False, reference=ref)
+        res = run_kl(model, tok, [s32_l1, "f4_sr_rs"], settings, out=tmp_path / f"real_{ref}.json",
+                     parts=RunParts(plot=False))
         s32, f4 = res["results"]["s32_rs_L1"], res["results"]["f4_sr_rs"]
         assert abs(s32["kl_mean"]) < 1e-7 and s32["kl_max"] < 2e-6 and s32["same_top"] == 1, ref
         assert f4["kl_mean"] > 1e-5, ref
@@ -409,7 +419,7 @@ def test_long_text_prefix_tokenisation_matches_full(work):
 
 def test_bench_kl_runs_on_cpu_with_a_tiny_shape(tmp_path):
     """The GPU benchmark's code path (random-weight model, synthetic document, baseline forward)."""
-    from replayquant.kl.bench import bench_kl
+    from replayquant.bench.kl import bench_kl
     if not HAVE_PATCH:
         pytest.skip("replayquant.patch (model integration) not available")
     r = bench_kl(shape="tiny", context=96, segment=32, dtype="float32", out=tmp_path / "b.json",

@@ -151,10 +151,12 @@ def test_a_results_file_is_plotted_again_with_its_budget(tmp_path, monkeypatch):
     """`plot_results_file` draws a KL run's plot from NAME.json and its per-token files, as
     `recommend --per-layer` does with the budget its policy was built for."""
     import replayquant.kl.plot as P
+    from replayquant.kl import KLSettings
     from replayquant.kl.command import kl_command
     out = tmp_path / "run.json"
-    kl_command("tiny-mamba2", ["s32_rs", "tp4_hi32"], dataset="heldout", context=48, docs=1,
-               segment=48, dtype="float32", device_map="cpu", progress=False, out=str(out))
+    settings = KLSettings(dataset="heldout", context=48, docs=1, segment=48, dtype="float32",
+                          device_map="cpu", progress=False)
+    kl_command("tiny-mamba2", ["s32_rs", "tp4_hi32"], settings, out=str(out))
     seen = []
     monkeypatch.setattr(P, "save_figure", lambda fig, png, **kw: seen.append((fig, png)))
     assert P.plot_results_file(out, budget=2e-3) == out.with_suffix(".png")
@@ -168,7 +170,7 @@ def test_a_results_file_is_plotted_again_with_its_budget(tmp_path, monkeypatch):
 # ---------------------------------------------------------------- kernels
 
 def test_kernels_plot_says_which_way_is_faster_and_names_the_peers():
-    from replayquant.bench.kernels_render import kernels_figure
+    from replayquant.bench.kernels.render import kernels_figure
     res = json.loads((ROOT / "results/bench/kernels.json").read_text())
     fig = kernels_figure(res)
     words = " ".join([fig._suptitle.get_text() if fig._suptitle else ""]

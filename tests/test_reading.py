@@ -115,7 +115,8 @@ def test_help_fits_80_columns_names_values_and_takes_dash_h():
 def test_kl_takes_buffer_len_and_the_old_device_spelling_with_a_note(monkeypatch, tmp_path):
     from replayquant.kl import command as C
     seen = {}
-    monkeypatch.setattr(C, "kl_command", lambda model, pairs, **kw: seen.update(pairs=pairs, **kw))
+    monkeypatch.setattr(C, "kl_command", lambda model, pairs, settings, **kw: seen.update(
+        pairs=pairs, device_map=settings.device_map, **kw))
     code, text = invoke(["kl", "--model", "tiny-qwen3.5", "--pair", "tp4_hi16_sr", "--buffer-len",
                          4, "--device-map", "cpu", "--dataset", "heldout", "--context", 64])
     assert code == 0, text
@@ -158,7 +159,7 @@ def test_recommend_per_layer_names_each_file_once(monkeypatch, tmp_path):
     kl = json.loads((ROOT / "results/policy/tiny-qwen3.5_tp4_hi16_sr+tp8_hi16_sr_kl1e-3_kl.json")
                     .read_text())
 
-    def kl_run(model, pairs, out, **kw):            # the measured policy, as the KL run says it
+    def kl_run(model, pairs, settings, out, **kw):  # the measured policy, as the KL run says it
         print(f"wrote {out}, {Path(out).with_suffix('.png')} and {Path(out).with_suffix('.kl')}/")
         return {**kl, "results": {pairs[0].name: next(iter(kl["results"].values()))}}
     monkeypatch.setattr(C, "kl_command", kl_run)

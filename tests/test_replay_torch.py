@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from replayquant.policy import resolve_pair
-from replayquant.bench.inputs import (gdn_params, gdn_step_inputs, kda_step_inputs,
-                                      mamba2_params, mamba2_step_inputs, random_state)
+from replayquant.testing import (gdn_params, gdn_step_inputs, kda_step_inputs,
+                                 mamba2_params, mamba2_step_inputs, random_state)
 from replayquant.hostsync import HostSyncCounter
 from replayquant.kernels import replay_ref as rr
 from replayquant.kernels import replay_torch as rt

@@ -261,7 +261,7 @@ def test_another_run_is_refused_the_same_run_goes_on(tmp_path, no_kl_run):
 
 
 def _fake_kl(calls):
-    def kl_command(model, pairs, out=None, **kw):
+    def kl_command(model, pairs, settings=None, out=None, **kw):
         calls.append(out)
         return {"results": {pairs[0].name: {"kl_mean": 1e-4, "kl_mean_unc": 1e-5}},
                 "provenance": {"git_commit": "test"}}
@@ -407,12 +407,12 @@ def no_work(monkeypatch):
     """Every command of `_writers` stops where its work would begin (after its checks)."""
     import replayquant.bench.formats as bf
     import replayquant.bench.generate as bg
-    import replayquant.bench.kernels_merge as bkm
-    import replayquant.bench.kernels_run as bkr
+    import replayquant.bench.kernels.merge as bkm
+    import replayquant.bench.kernels.run as bkr
+    import replayquant.bench.kl as kb
     import replayquant.bench.teacher_forcing as tf
     import replayquant.drift as dr
     import replayquant.gpqa.run as gr
-    import replayquant.kl.bench as kb
     for mod, name in ((gr, "ReplayQuantLM"), (dr, "run_drift"), (bf, "_run_formats_bench"),
                       (bkr, "_run_kernels_bench"), (bkm, "_merge_kernels"), (tf, "_run_layer"),
                       (tf, "whole_model"), (kb, "_bench_kl"), (bg, "_run_generate_bench")):

@@ -74,7 +74,7 @@ def test_tiny_kimi_linear_generates_and_runs_kl(heldout, tmp_path):
     NVFP4 state (f4_sr_rs) is further off than an NVFP4 read copy over an FP32 anchor (tp4_hi32)."""
     from transformers import AutoTokenizer
 
-    from replayquant.kl import run_kl
+    from replayquant.kl import KLSettings, RunParts, run_kl
     from replayquant.models import load_model, patch, recurrent_layers
     model = load_model("tiny-kimi-linear")
     assert type(model).__name__ == "KimiLinearForCausalLM"
@@ -87,9 +87,10 @@ def test_tiny_kimi_linear_generates_and_runs_kl(heldout, tmp_path):
         ref = model.generate(x, **kw)
         patch(model, "s32_rs", buffer_len=1)
         assert torch.equal(model.generate(x, **kw), ref)
-    res = run_kl(model, tok, ["s32_rs", "tp4_hi32", "f4_sr_rs"], dataset=heldout_path(tmp_path),
-                 context=160, n_docs=1, segment=64, out=tmp_path / "kl.json", progress=False,
-                 plot=False)
+    settings = KLSettings(dataset=heldout_path(tmp_path), context=160, docs=1, segment=64,
+                          progress=False)
+    res = run_kl(model, tok, ["s32_rs", "tp4_hi32", "f4_sr_rs"], settings, out=tmp_path / "kl.json",
+                 parts=RunParts(plot=False))
     r = {p: v["kl_mean"] for p, v in res["results"].items()}
     assert abs(r["s32_rs"]) < 1e-6, r
     assert r["f4_sr_rs"] > r["tp4_hi32"] > 0, r

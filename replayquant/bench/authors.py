@@ -9,8 +9,8 @@ stand-ins for the few vLLM names they import into sys.modules (`vllm.triton_util
 tl; `vllm.platforms.current_platform`; `NULL_BLOCK_ID`; the softplus of vLLM's mamba_ssm ops),
 and takes the stand-ins out again once the files are loaded.
 
-The runners give their kernels the inputs of our rows (`replayquant.bench.inputs`, drawn by
-`kernels_grid.kernel_inputs`): q, k, v packed into their mixed_qkv layout [B, 2 HK d_k + H d_v] (bf16; Mamba-2's
+The runners give their kernels the inputs of our rows (`replayquant.testing`, drawn by
+`kernels.grid.kernel_inputs`): q, k, v packed into their mixed_qkv layout [B, 2 HK d_k + H d_v] (bf16; Mamba-2's
 verify: x, B, C packed as their post-conv output), gates and dt in FP32 as ours, the FP32
 state [slots, H, d_v, d_k] with slot 0 their null block (batch row r lives in slot r + 1), the
 ring caches in the activation dtype (bf16, their production setting; float32 for their
@@ -33,10 +33,10 @@ import torch
 import triton
 import triton.language as tl
 
-from replayquant.bench.inputs import random_state
-from replayquant.bench.kernels_grid import kernel_inputs, load_pair
-from replayquant.bench.kernels_rows import spec_accepts
-from replayquant.bench.kernels_timing import empty_cache, rotations, time_calls, timed_row
+from replayquant.testing import random_state
+from replayquant.bench.kernels.grid import kernel_inputs, load_pair
+from replayquant.bench.kernels.rows import spec_accepts
+from replayquant.bench.kernels.timing import empty_cache, rotations, time_calls, timed_row
 from replayquant.kernels import replay_decode as rd
 from replayquant.kernels.conventional import (gdn_frontend_ref, mamba2_frontend_ref,
                                               mamba2_post_ref)

@@ -53,7 +53,7 @@ from transformers import (CompileConfig, DynamicCache, LogitsProcessor, LogitsPr
 
 from replayquant.bench.timing import fla_version
 from replayquant.hostsync import HostSyncCounter
-from replayquant.kl.bench import SHAPES, build_model
+from replayquant.bench.kl import SHAPES, build_model
 from replayquant.kl.lockstep import cache_kwarg
 from replayquant.models import patch, unpatch
 from replayquant.outputs import check_owned, output_lock, write_json

@@ -268,7 +268,7 @@ def _lines_target() -> dict:
 # grids of `bench kernels --preset NAME` (they replace the grid options): 'targets' times every
 # row the targets read, in phase and staggered at every batch, and KDA's conventional, replay
 # and peer rows, in one device call; 'probe' is the launch-config sweep of every kind at B = 256
-# (bench.kernels_sweep.config_sweep: the read and the flush launch of each pair apart) with the
+# (bench.kernels.sweep.config_sweep: the read and the flush launch of each pair apart) with the
 # windows of its picks beside the authors' at B = 256, and the speculative rounds at B = 512
 PRESETS = {
     "targets": dict(batches=(1, 8, 32, 128, 256, 512), Ls=(8, 16), pairs=PAIRS, Ts=(4,),

@@ -45,9 +45,9 @@ from replayquant.kernels import chunk
 from replayquant.kernels.chunk_ref import chunk_scan_ref, initial_scan_state
 from replayquant.kernels.compile_check import assemble, compile_ptx, ptxas_report
 from replayquant.kernels.roles import FMT_IDS
-from replayquant.kl.bench import (SHAPES, _chunk_dot, build_model, plain_forward, random_document,
+from replayquant.bench.kl import (SHAPES, _chunk_dot, build_model, plain_forward, random_document,
                                   timed)
-from replayquant.kl.command import DTYPES
+from replayquant.models.patching import DTYPES
 from replayquant.models import patch, teacher_force_path, unpatch
 from replayquant.outputs import check_owned, output_lock, write_json
 from replayquant.pairs import PrecisionPair

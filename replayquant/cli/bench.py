@@ -108,8 +108,8 @@ def bench_kernels_cmd(
     (kernels.json `targets`)."""
     # Triton (Linux only): loaded where a kernel runs
     from replayquant.bench.authors import checkout_commit
-    from replayquant.bench.kernels_plan import estimate_s, plan
-    from replayquant.bench.kernels_run import run_kernels_bench
+    from replayquant.bench.kernels.plan import estimate_s, plan
+    from replayquant.bench.kernels.run import run_kernels_bench
     ints = lambda s: tuple(int(x) for x in s.split(",") if x)  # noqa: E731
     strs = lambda s: tuple(x for x in s.split(",") if x)  # noqa: E731
     grid = dict(batches=ints(batches), Ls=ints(buffer_lens), pairs=strs(pairs), Ts=ints(drafts),
@@ -160,7 +160,7 @@ def bench_merge_cmd(
             typer.echo(_target_line(t))
         return
     # Triton (Linux only): loaded where a kernel runs
-    from replayquant.bench.kernels_merge import merge_kernels
+    from replayquant.bench.kernels.merge import merge_kernels
     res = merge_kernels(parts, out=out, name=name or "kernels")
     typer.echo(f"{len(res['rows'])} rows from {len(parts)} runs -> {out}/{name or 'kernels'}.json, .md, _speedup.png")
 

@@ -8,7 +8,6 @@ import functools
 import inspect
 import logging
 import sys
-import typing
 from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
@@ -21,6 +20,7 @@ import typer.core
 from replayquant import __version__
 from replayquant.bench.targets import PRESETS
 from replayquant.choices import DTYPE_NAMES, PREFILLS, REFERENCES
+from replayquant.kl.settings import KLSettings
 from replayquant.options import check_backend
 from replayquant.outputs import parse_json
 
@@ -132,8 +132,8 @@ def _main(version: bool = typer.Option(False, "--version", callback=_print_versi
 
 # --- the KL family's options ----------------------------------------------------------------
 # Options of kl, sweep, sensitivity and gpqa with the same meaning in each: name, help and
-# choices here, the default where the command declares the parameter (KLOptions below for the
-# options of a KL run).
+# choices here, the default where the command declares the parameter (KLSettings for the
+# options of a KL run, KL_FLAGS below).
 ModelOpt = Annotated[str, typer.Option("--model", help="hub id, short name (Qwen3.5-4B) or local folder")]
 PrefillOpt = Annotated[Prefill, typer.Option("--prefill", help="prefill of the pairs: replay (every "
                                              "token through the step semantics) | exact")]
@@ -167,62 +167,57 @@ def pair_option(repeated: str, policies: bool = True):
     return Annotated[list[str], typer.Option("--pair", help=f"{what}{repeated})")]
 
 
-@dataclasses.dataclass
-class KLOptions:
-    """The options of a KL run (`replayquant kl`), which sweep and sensitivity pass on to theirs
-    (`kl_command`'s keyword arguments); a command takes them all through a parameter
-    `kl: KLOptions` and `with_kl_options`."""
-    dataset: Annotated[str, typer.Option(
+# The command line of each KLSettings field (replayquant.kl.settings: its default is there); a
+# command takes them all through a parameter `kl: KLSettings` and `with_kl_options`.
+KL_FLAGS = {
+    "dataset": Annotated[str, typer.Option(
         help="heldout (the held-out books shipped with replayquant), pg19 (emozilla/pg19), a hub "
              "dataset name, a folder of .txt, a .txt / .jsonl / .parquet / .arrow / .json / .csv "
              "file, a save_to_disk folder, a hub-layout folder (data/*.parquet), or a builder "
-             "name (parquet, json, csv, ...) with --data-files")] = "pg19"
-    split: Annotated[str, typer.Option(
-        help="dataset split (hub datasets, dataset folders, --data-files)")] = "test"
-    dataset_config: Annotated[str | None, typer.Option(
+             "name (parquet, json, csv, ...) with --data-files")],
+    "split": Annotated[str, typer.Option(
+        help="dataset split (hub datasets, dataset folders, --data-files)")],
+    "dataset_config": Annotated[str | None, typer.Option(
         "--dataset-config", help="the dataset's configuration (hub datasets, a folder's README "
-                                 "configs)")] = None
-    data_files: Annotated[list[str] | None, typer.Option(
+                                 "configs)")],
+    "data_files": Annotated[list[str] | None, typer.Option(
         "--data-files", help="data files or glob patterns for datasets (repeatable; PATTERN is "
-                             "the --split, SPLIT=PATTERN names the split)")] = None
-    text_field: Annotated[str, typer.Option(
-        "--text-column", "--text-field", help="column (field) holding the text")] = "text"
-    context: Annotated[int, typer.Option(
-        help="tokens per document (shorter documents are skipped)")] = 131072
-    docs: Annotated[int, typer.Option(
-        help="number of documents, the first ones in the dataset's order")] = 10
-    segment: Annotated[int, typer.Option(
-        help="tokens per forward (caches carry state between segments)")] = 8192
-    prefill: PrefillOpt = "replay"
-    dtype: DtypeOpt = "auto"
-    device_map: Annotated[str | None, typer.Option(
+                             "the --split, SPLIT=PATTERN names the split)")],
+    "text_field": Annotated[str, typer.Option(
+        "--text-column", "--text-field", help="column (field) holding the text")],
+    "context": Annotated[int, typer.Option(
+        help="tokens per document (shorter documents are skipped)")],
+    "docs": Annotated[int, typer.Option(
+        help="number of documents, the first ones in the dataset's order")],
+    "segment": Annotated[int, typer.Option(
+        help="tokens per forward (caches carry state between segments)")],
+    "prefill": PrefillOpt,
+    "dtype": DtypeOpt,
+    "device_map": Annotated[str | None, typer.Option(
         "--device", help="where the model runs: cpu, cuda, cuda:N, or auto / balanced / "
                          "balanced_low_0 / sequential (accelerate spreads the model over the GPUs; "
-                         "default: auto on CUDA, else the CPU)")] = None
-    seed: Annotated[int, typer.Option(help="stochastic-rounding seed")] = 0
-    pack: Annotated[bool, typer.Option(
-        help="concatenate documents (EOS between) instead of skipping short ones")] = False
-    revision: Annotated[str | None, typer.Option(help="model revision on the hub")] = None
-    reference: Annotated[Reference, typer.Option(
-        help="exact (s32_rs, FP32 prefill: exact FP32 state) | hf (the unpatched model)")] = "exact"
-    progress: Annotated[bool, typer.Option(help="progress bar")] = True
-
-    def __post_init__(self):
-        self.data_files = self.data_files or None        # no --data-files: None, as the library takes it
+                         "default: auto on CUDA, else the CPU)")],
+    "seed": Annotated[int, typer.Option(help="stochastic-rounding seed")],
+    "pack": Annotated[bool, typer.Option(
+        help="concatenate documents (EOS between) instead of skipping short ones")],
+    "revision": Annotated[str | None, typer.Option(help="model revision on the hub")],
+    "reference": Annotated[Reference, typer.Option(
+        help="exact (s32_rs, FP32 prefill: exact FP32 state) | hf (the unpatched model)")],
+    "progress": Annotated[bool, typer.Option(help="progress bar")],
+}
 
 
 def with_kl_options(command):
-    """`command` with its parameter `kl: KLOptions` replaced, where it stands, by one option per
-    KLOptions field (as declared there) and the earlier spelling of --device; the command is
-    called with them as one KLOptions."""
-    hints = typing.get_type_hints(KLOptions, include_extras=True)
-    fields = dataclasses.fields(KLOptions)
+    """`command` with its parameter `kl: KLSettings` replaced, where it stands, by one option per
+    KLSettings field (as KL_FLAGS declares it) and the earlier spelling of --device; the command
+    is called with them as one KLSettings."""
+    fields = dataclasses.fields(KLSettings)
     kw_only = inspect.Parameter.KEYWORD_ONLY          # typer passes every option by name
     params = []
     for p in inspect.signature(command, eval_str=True).parameters.values():
         if p.name == "kl":
-            params += [inspect.Parameter(f.name, kw_only, default=f.default, annotation=hints[f.name])
-                       for f in fields]
+            params += [inspect.Parameter(f.name, kw_only, default=f.default,
+                                         annotation=KL_FLAGS[f.name]) for f in fields]
             params.append(inspect.Parameter("old_device_map", kw_only, default=None,
                                             annotation=OldDeviceOpt))
         else:
@@ -230,7 +225,7 @@ def with_kl_options(command):
 
     @functools.wraps(command)
     def run(**options):
-        kl = KLOptions(**{f.name: options.pop(f.name) for f in fields})
+        kl = KLSettings(**{f.name: options.pop(f.name) for f in fields})
         kl.device_map = device_option(kl.device_map, options.pop("old_device_map"))
         library_logs_above_bars()                   # a KL run shows a progress bar
         return command(kl=kl, **options)

@@ -1,5 +1,5 @@
 """`gpqa` and `lm-eval`: GPQA-Diamond and lm-eval's own command line with the patched model
-(replayquant/gpqa, replayquant/lm_eval_model.py)."""
+(replayquant/gpqa, replayquant/gpqa/lm_eval_model.py)."""
 
 from __future__ import annotations
 
@@ -42,13 +42,14 @@ def gpqa_cmd(
     from replayquant.gpqa.run import parse_model_args
     extra = parse_model_args(model_args)
     tasks = [t.strip() for v in (task or []) for t in v.split(",") if t.strip()]
-    summary = gpqa.run_gpqa(model, pair, tasks=tasks or None, gpqa_csv=gpqa_csv, limit=limit, seed=seed,
-                       prefill=prefill, out=out, dtype=dtype, device=device,
-                       batch_size=int(batch_size) if batch_size.isdigit() else batch_size,
-                       num_fewshot=num_fewshot,
-                       gen_kwargs=None if max_gen_toks is None else {"max_gen_toks": max_gen_toks},
-                       apply_chat_template=apply_chat_template, log_samples=log_samples,
-                       model_args=extra)
+    settings = gpqa.GPQASettings(
+        tasks=tasks or None, gpqa_csv=gpqa_csv, limit=limit, seed=seed, prefill=prefill,
+        dtype=dtype, device=device,
+        batch_size=int(batch_size) if batch_size.isdigit() else batch_size,
+        num_fewshot=num_fewshot,
+        gen_kwargs=None if max_gen_toks is None else {"max_gen_toks": max_gen_toks},
+        apply_chat_template=apply_chat_template, log_samples=log_samples, model_args=extra)
+    summary = gpqa.run_gpqa(model, pair, settings, out=out)
     if summary is not None:
         typer.echo(gpqa.render_table([summary]))
 
@@ -60,5 +61,5 @@ def lm_eval_cmd(ctx: typer.Context):
     """lm-eval's own command line with `--model replayquant` registered (all arguments pass through;
     `--gpqa-csv PATH` reads GPQA-Diamond from a local CSV)."""
     require("lm_eval")      # the lm-eval extra, whether or not the module was imported before
-    from replayquant.lm_eval_model import lm_eval_main  # checks lm-eval's internals first
+    from replayquant.gpqa.lm_eval_model import lm_eval_main  # checks lm-eval's internals first
     lm_eval_main(list(ctx.args))

@@ -3,18 +3,18 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import typer
 
-from replayquant.cli.common import (BenchShape, KLOptions, ModelOpt, Prefill, Scoring, TableFormat,
+from replayquant.cli.common import (BenchShape, ModelOpt, Prefill, Scoring, TableFormat,
                                     TableOrder, app, bench_app, json_kind, pair_option,
                                     user_errors, with_kl_options)
 from replayquant.gpqa.summary import table_for_files
-from replayquant.kl.bench import bench_kl
+from replayquant.bench.kl import bench_kl
 from replayquant.kl.report import render_table
 from replayquant.kl.results import load_scored, running_statistics
+from replayquant.kl.settings import KLSettings
 from replayquant.launch import single_process_warning
 from replayquant.policy import resolve_pair
 from replayquant.sweep.command import SWEEP_KIND, render_sweep
@@ -32,7 +32,7 @@ def kl_cmd(
     buffer_len: int = typer.Option(None, "--buffer-len", help="L of every pair (default: each "
                                    "pair's own); a pair given another L is named PAIR@LL"),
     *,
-    kl: KLOptions,
+    kl: KLSettings,
     out: str = typer.Option(None, help="results JSON (default build/kl/MODEL_PAIRS_ctxN_PREFILL.json; "
                             "the same run resumes there, a file of another kind or configuration is "
                             "refused, and so is a second run while one runs)"),
@@ -49,7 +49,7 @@ def kl_cmd(
     warning = single_process_warning("kl")
     if warning:
         typer.echo(warning, err=True)
-    kl_command(model, pair, out=out, scoring=scoring, **dataclasses.asdict(kl))
+    kl_command(model, pair, kl, out=out, scoring=scoring)
 
 
 @app.command("table")

@@ -3,14 +3,13 @@ cheapest that fits a budget, and the KL of each recurrent layer alone (replayqua
 
 from __future__ import annotations
 
-import dataclasses
-
 import typer
 
-from replayquant.cli.common import (KLOptions, ModelOpt, OldDeviceOpt, app, device_option,
+from replayquant.cli.common import (ModelOpt, OldDeviceOpt, app, device_option,
                                     library_logs_above_bars, pair_option, user_errors,
                                     with_kl_options)
 from replayquant.gpqa.summary import load_summary
+from replayquant.kl.settings import KLSettings
 from replayquant.sweep import recommend as R
 from replayquant.sweep.command import SWEEP_KIND, sweep_command
 from replayquant.sweep.common import load_json_kind
@@ -35,7 +34,7 @@ def sweep_cmd(
     batch: int = typer.Option(256, "--batch", help="batch whose measured times to report (the "
                               "nearest the grid timed)"),
     *,
-    kl: KLOptions,
+    kl: KLSettings,
     out: str = typer.Option(None, help="sweep JSON (default build/sweep/MODEL_PAIRS_LLS_ctxN.json; the "
                             "plot and the KL run's NAME_kl.* go beside it; the same variants resume "
                             "there, a file of another kind or run is refused, and so is a second "
@@ -43,8 +42,7 @@ def sweep_cmd(
 ):
     """Every (pair, L) in one KL run against the FP32-state reference, with the state bytes per
     decode step and the memory each costs; Pareto front of bytes against KL. Resumable."""
-    sweep_command(model, pair, buffer_len, kernels=kernels, batch=batch, out=out,
-                  **dataclasses.asdict(kl))
+    sweep_command(model, pair, buffer_len, kl, kernels=kernels, batch=batch, out=out)
 
 
 @app.command("recommend")
@@ -125,12 +123,12 @@ def sensitivity_cmd(
     per_pass: int = typer.Option(0, "--per-pass", help="variants per KL pass (0: all in one lockstep "
                                  "pass; fewer where their caches do not fit in memory)"),
     *,
-    kl: KLOptions,
+    kl: KLSettings,
     out: str = typer.Option(None, help="sensitivity JSON (default build/sensitivity/MODEL_PAIRS_ctxN.json; "
                             "the same pairs and layers resume there, a file of another kind or run "
                             "is refused, and so is a second run while one runs)"),
 ):
     """Per recurrent layer, the KL when only that layer holds the pair (every other layer exact
     FP32), all layers in one lockstep pass, ranked; bar plot and the sum against all layers."""
-    sensitivity_command(model, pair, buffer_len=buffer_len, layers=layers, per_pass=per_pass,
-                        out=out, **dataclasses.asdict(kl))
+    sensitivity_command(model, pair, kl, buffer_len=buffer_len, layers=layers, per_pass=per_pass,
+                        out=out)

@@ -14,6 +14,7 @@ stderr, provenance).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -26,10 +27,11 @@ import lm_eval
 from lm_eval.tasks import TaskManager
 from lm_eval.utils import handle_non_serializable, hash_string, simple_parse_args_string
 
+from replayquant.gpqa.settings import GPQASettings
 from replayquant.gpqa.summary import SUMMARY_KIND, build_summary
 from replayquant.gpqa.tasks import (HUB_CONFIG, HUB_DATASET, check_csv, check_hub_access,
                                     check_task_dir, check_tasks, file_sha256, write_task_dir)
-from replayquant.lm_eval_model import PREFILLS, ReplayQuantLM
+from replayquant.gpqa.lm_eval_model import PREFILLS, ReplayQuantLM
 from replayquant.policy import resolve_pair
 from replayquant.models.device import check_device, default_device, describe_device
 from replayquant.models.names import resolve_model_name
@@ -103,22 +105,26 @@ def check_out(out: Path, labels, tasks, log_samples: bool) -> None:
     check_owned(out / "SUMMARY.json", SUMMARY_KIND, writer)
 
 
-def run_gpqa(model: str, pairs: list, *, tasks=None, gpqa_csv=None, limit=None, seed: int = 0,
-             prefill: str = "replay", out=None, dtype: str = "auto", device: str | None = None,
-             batch_size=1, num_fewshot=None, gen_kwargs=None, apply_chat_template: bool = False,
-             log_samples: bool = False, model_args: dict | None = None) -> dict | None:
-    """Run lm-eval's GPQA-Diamond `tasks` for every pair; return the summary (None on ranks > 0).
+def run_gpqa(model: str, pairs: list, settings: GPQASettings | None = None, *,
+             out=None) -> dict | None:
+    """Run lm-eval's GPQA-Diamond tasks of `settings` (default: GPQASettings()) for every pair
+    into the folder `out`; return the summary (None on ranks > 0).
 
-    `seed` is the stochastic-rounding seed of every pair and lm-eval's python seed (answer order);
-    lm-eval's numpy / torch / few-shot seeds stay at lm-eval's defaults, so seed 0 asks the
-    questions a plain `lm_eval` process with an empty `datasets` cache asks (see below).
-    `device`: cpu, cuda, cuda:N (None: a device in `model_args`, else CUDA when present, else
-    the CPU); a device this machine does not have is a ValueError before anything loads."""
-    # -- every check before any weights are loaded
+    The settings' `seed` is the stochastic-rounding seed of every pair and lm-eval's python seed
+    (answer order); lm-eval's numpy / torch / few-shot seeds stay at lm-eval's defaults, so seed
+    0 asks the questions a plain `lm_eval` process with an empty `datasets` cache asks (see
+    below). Their `device`: cpu, cuda, cuda:N (None: a device in `model_args`, else CUDA when
+    present, else the CPU); a device this machine does not have is a ValueError before anything
+    loads."""
+    # -- every check before any weights are loaded, once: the settings are read from here on
+    s = dataclasses.replace(settings or GPQASettings())      # a copy, as checked and resolved
     resolved, labels = _resolve_pairs(pairs)
-    tasks, dtype, device = _check_settings(model, tasks, prefill, limit, dtype, device, model_args)
-    _check_counts(batch_size, num_fewshot, gen_kwargs)
-    check_seed(seed, "--seed")
+    s.tasks, s.dtype, s.device = _check_settings(model, s.tasks, s.prefill, s.limit, s.dtype,
+                                                 s.device, s.model_args)
+    _check_counts(s.batch_size, s.num_fewshot, s.gen_kwargs)
+    check_seed(s.seed, "--seed")
+    tasks, limit, seed, prefill, dtype = s.tasks, s.limit, s.seed, s.prefill, s.dtype
+    gpqa_csv, log_samples, batch_size = s.gpqa_csv, s.log_samples, s.batch_size
     out = _check_out_folder(model, out, labels, tasks, log_samples)
     data = _data_source(gpqa_csv)
 
@@ -129,19 +135,17 @@ def run_gpqa(model: str, pairs: list, *, tasks=None, gpqa_csv=None, limit=None, 
         # lm-eval's tasks, answers shuffled once per task (GPQATask), from gpqa_csv or the hub
         include_path = str(write_task_dir(gpqa_csv, out / "_tasks", tasks))
 
-        lm_kwargs = dict(model_args or {})
-        lm_kwargs.update(dtype=dtype, batch_size=batch_size, device=device)
-        print(f"gpqa: {model} on {describe_device(device)}", file=sys.stderr)
+        lm_kwargs = dict(s.model_args or {})
+        lm_kwargs.update(dtype=dtype, batch_size=batch_size, device=s.device)
+        print(f"gpqa: {model} on {describe_device(s.device)}", file=sys.stderr)
         lm = _load_lm(model, resolved[0], prefill, seed, lm_kwargs)
 
         # the index of the task files written above only: lm-eval's index of all its tasks took
         # 30 s to build on a 2-core machine, this one 0.14 s
         task_manager = TaskManager(include_path=include_path, include_defaults=False)
         with _datasets_cache_off():
-            per_pair = _run_pairs(lm, resolved, labels, tasks, task_manager, out, model=model, limit=limit,
-                                  seed=seed, prefill=prefill, data=data, batch_size=batch_size, dtype=dtype,
-                                  device=device, num_fewshot=num_fewshot, gen_kwargs=gen_kwargs,
-                                  apply_chat_template=apply_chat_template, log_samples=log_samples)
+            per_pair = _run_pairs(lm, resolved, labels, task_manager, out, model=model, s=s,
+                                  data=data)
         if not per_pair:
             return None
         summary = build_summary(per_pair, model=model, tasks=list(tasks), limit=limit, seed=seed,
@@ -150,8 +154,9 @@ def run_gpqa(model: str, pairs: list, *, tasks=None, gpqa_csv=None, limit=None, 
                                                       pairs=[p.to_dict() for p in resolved], prefill=prefill,
                                                       seed=seed, tasks=list(tasks), limit=limit, data=data,
                                                       batch_size=batch_size, dtype=str(dtype),
-                                                      num_fewshot=num_fewshot, gen_kwargs=gen_kwargs,
-                                                      apply_chat_template=apply_chat_template,
+                                                      num_fewshot=s.num_fewshot,
+                                                      gen_kwargs=s.gen_kwargs,
+                                                      apply_chat_template=s.apply_chat_template,
                                                       world_size=lm.world_size))
         write_json(out / "SUMMARY.json", summary, indent=2, default=handle_non_serializable)
         return summary
@@ -289,8 +294,14 @@ def _datasets_cache_off():
             datasets.enable_caching()
 
 
-def _run_pairs(lm, resolved, labels, tasks, task_manager, out, *, model, limit, seed, prefill, data,
-               batch_size, dtype, device, num_fewshot, gen_kwargs, apply_chat_template, log_samples):
+def _run_pairs(lm, resolved, labels, task_manager, out, *, model: str, s: GPQASettings,
+               data: dict) -> list[dict]:
+    """lm-eval's tasks for each pair in turn on the one model `lm`; each pair's results file
+    (and samples), and the list of them (empty on ranks > 0). `s`: the checked settings."""
+    tasks, limit, seed, prefill = s.tasks, s.limit, s.seed, s.prefill
+    batch_size, dtype, device, log_samples = s.batch_size, s.dtype, s.device, s.log_samples
+    num_fewshot, gen_kwargs = s.num_fewshot, s.gen_kwargs
+    apply_chat_template = s.apply_chat_template
     per_pair = []
     for pair, label in zip(resolved, labels):
         lm.set_pair(pair, prefill=prefill, seed=seed)

@@ -44,15 +44,17 @@ different configuration into the same file is refused (so is a file of another k
 run while one holds NAME.lock), and a document whose tokens changed since it was scored is
 recomputed (its record keeps a token fingerprint).
 
-Python: `run_kl(model, tokenizer, pairs, dataset=..., out=...)` does the same on a model you hold.
+Python: `run_kl(model, tokenizer, pairs, KLSettings(dataset=..., context=...), out=...)` does the
+same on a model you hold; `KLSettings` holds the options of one run, as `replayquant kl` takes them.
 """
 
 from .data import Document, DocumentSet, load_documents
 from .report import load_results, print_summary, render_table
-from .run import run_kl
+from .run import RunParts, run_kl
+from .settings import KLSettings
 from .lockstep import Variant, patch_variant, reference_variant, score_document
 from .stats import summarize, token_metrics
 
-__all__ = ["Document", "DocumentSet", "Variant", "load_documents", "load_results", "patch_variant",
-           "print_summary", "reference_variant", "render_table", "run_kl", "score_document",
-           "summarize", "token_metrics"]
+__all__ = ["Document", "DocumentSet", "KLSettings", "RunParts", "Variant", "load_documents",
+           "load_results", "patch_variant", "print_summary", "reference_variant", "render_table",
+           "run_kl", "score_document", "summarize", "token_metrics"]

@@ -13,29 +13,22 @@ from accelerate import PartialState
 from rich.console import Console
 from transformers import AutoTokenizer
 
-from replayquant.choices import PREFILLS, REFERENCES
 from replayquant.memory import check_kl_sizes
 from replayquant.models.device import check_device_map, describe_devices
 from replayquant.models.names import resolve_model_name
-from replayquant.models.patching import DTYPES, load_config, load_model
+from replayquant.models.patching import load_config, load_model
 from replayquant.models.shapes import config_shapes
 from replayquant.launch import process_rank
 from replayquant.outputs import check_out_given, output_lock
 from replayquant.policy import EXACT, LayerPolicy, quantized_layers, resolve_pair
-from replayquant.streams import check_seed
 
 from .data import load_documents
 from .files import check_out
 from .lockstep import check_pair_names
 from .report import print_summary
-from .run import model_record, run_kl
+from .run import RunParts, model_record, run_checked_kl
+from .settings import KLSettings, check_dtype
 from .stats import scored_range
-
-
-def _check_dtype(dtype) -> None:
-    """One ValueError naming the --dtype values when `dtype` is none of them."""
-    if not (dtype == "auto" or (isinstance(dtype, str) and dtype.lower() in DTYPES)):
-        raise ValueError(f"--dtype must be auto or one of {', '.join(DTYPES)}, got {dtype!r}")
 
 
 def _model_error(model, resolved, e):
@@ -63,7 +56,7 @@ def load_tokenizer_and_config(model: str, revision: str | None = None):
 def load_weights(resolved: str, dtype: str = "bfloat16", device_map=None, revision: str | None = None):
     """The model in eval mode (unpatched), through `replayquant.load_model`.
     dtype "auto": the dtype the model's config names (its own)."""
-    _check_dtype(dtype)
+    check_dtype(dtype)
     try:
         m = load_model(resolved, dtype=dtype, device_map=device_map,
                        **({"revision": revision} if revision else {}))
@@ -76,7 +69,7 @@ def load_weights(resolved: str, dtype: str = "bfloat16", device_map=None, revisi
 
 def load_model_and_tokenizer(model: str, dtype: str = "bfloat16", device_map=None, revision: str | None = None):
     """(model, tokenizer, resolved name) with one clear error for an unknown model."""
-    _check_dtype(dtype)
+    check_dtype(dtype)
     tok, _, resolved = load_tokenizer_and_config(model, revision)
     return load_weights(resolved, dtype, device_map, revision), tok, resolved
 
@@ -90,43 +83,28 @@ def default_out(model: str, pairs: list[str], context: int, prefill: str, scorin
     return Path("build/kl") / f"{name}.json"
 
 
-def kl_command(model: str, pairs: list[str], dataset: str = "pg19", split: str = "test",
-               text_field: str = "text", context: int = 131072, docs: int = 10, segment: int = 8192,
-               prefill: str = "replay", dtype: str = "bfloat16", device_map: str | None = None,
-               seed: int = 0, out: str | None = None, pack: bool = False, revision: str | None = None,
-               reference: str = "exact", progress: bool = True, dataset_config: str | None = None,
-               data_files=None, scoring: str = "all",
+def kl_command(model: str, pairs: list, settings: KLSettings | None = None, *,
+               out: str | None = None, scoring: str = "all",
                same_documents_as: tuple[str, dict] | None = None) -> dict | None:
-    """Everything `replayquant kl` does; returns the results dict on the main process. A second
-    run into the same --out while one runs is refused (`replayquant.outputs.output_lock`).
-    same_documents_as: (a results file, its record of the documents it measured,
-    `DocumentSet.record()`): this run measures those documents, or one ValueError names both
-    before the weights load (`check_same_documents`)."""
-    # cheap checks first: no weights are loaded for a run that cannot start
-    for name, v, choices in (("--prefill", prefill, PREFILLS), ("--reference", reference, REFERENCES)):
-        if v not in choices:
-            raise ValueError(f"{name} must be {' or '.join(map(repr, choices))}, got {v!r}")
-    for name, v, lo in (("--context", context, 2), ("--docs", docs, 1), ("--segment", segment, 1)):
-        if v < lo:
-            raise ValueError(f"{name} must be >= {lo}, got {v}")
-    first, stop = scored_range(context, scoring)
+    """Everything `replayquant kl` does with `settings` (default: KLSettings()); returns the
+    results dict on the main process. A second run into the same --out while one runs is refused
+    (`replayquant.outputs.output_lock`). same_documents_as: (a results file, its record of the
+    documents it measured, `DocumentSet.record()`): this run measures those documents, or one
+    ValueError names both before the weights load (`check_same_documents`)."""
+    # cheap checks first, once: no weights are loaded for a run that cannot start
+    settings = settings or KLSettings()
+    settings.check()
+    first, stop = scored_range(settings.context, scoring)
     if stop - first < 1:
-        raise ValueError(f"--scoring {scoring} scores no position of a --context {context} "
-                         f"document; give a longer --context")
-    _check_dtype(dtype)
-    check_seed(seed, "--seed")
+        raise ValueError(f"--scoring {scoring} scores no position of a --context "
+                         f"{settings.context} document; give a longer --context")
     check_out_given(out)
     out_path = check_out(out if out is not None else
-                         default_out(model, pairs, context, prefill, scoring))
-    # the main process holds the output from here (run_kl takes the same lock again)
+                         default_out(model, pairs, settings.context, settings.prefill, scoring))
+    # the main process holds the output for the whole run
     main = process_rank() == 0
     with output_lock(out_path) if main else contextlib.nullcontext():
-        return _checked_kl(model, pairs, out_path, dataset=dataset, split=split,
-                           text_field=text_field, context=context, docs=docs, segment=segment,
-                           prefill=prefill, dtype=dtype, device_map=device_map, seed=seed,
-                           pack=pack, revision=revision, reference=reference, progress=progress,
-                           dataset_config=dataset_config, data_files=data_files, scoring=scoring,
-                           same_documents_as=same_documents_as)
+        return _checked_kl(model, pairs, out_path, settings, scoring, same_documents_as)
 
 
 def segment_note(pairs, segment: int, context: int) -> str | None:
@@ -168,28 +146,31 @@ def check_same_documents(documents, same_documents_as: tuple[str, dict]) -> None
             f"or measure again on these")
 
 
-def _checked_kl(model, pairs, out_path: Path, *, dataset, split, text_field, context, docs,
-                segment, prefill, dtype, device_map, seed, pack, revision, reference, progress,
-                dataset_config, data_files, scoring, same_documents_as) -> dict | None:
-    device_map = check_device_map(device_map, "--device")
+def _checked_kl(model, pairs, out_path: Path, settings: KLSettings, scoring: str,
+                same_documents_as) -> dict | None:
+    """`kl_command` after its checks of `settings` and `out_path`, which it holds."""
+    kl = settings
+    device_map = check_device_map(kl.device_map, "--device")
     pairs = [resolve_pair(p) for p in pairs]          # once: everything below takes the objects
     check_pair_names(pairs)
-    note = segment_note(pairs, segment, context)
+    note = segment_note(pairs, kl.segment, kl.context)
     if note:
         Console(stderr=True).print(note, markup=False, highlight=False, soft_wrap=True)
-    tok, cfg, resolved = load_tokenizer_and_config(model, revision)
+    tok, cfg, resolved = load_tokenizer_and_config(model, kl.revision)
     if os.path.isdir(resolved):
         resolved = os.path.realpath(resolved)     # the same folder names the same model
     text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     limit = getattr(text_cfg, "max_position_embeddings", None)
-    if limit and context > limit:
-        raise ValueError(f"--context {context} is longer than the model supports "
+    if limit and kl.context > limit:
+        raise ValueError(f"--context {kl.context} is longer than the model supports "
                          f"(max_position_embeddings = {limit}); lower --context")
     shapes = config_shapes(cfg)[0]
     quantized = [quantized_layers(p, shapes) for p in pairs]
-    check_kl_sizes([p.label() for p in pairs], quantized, len(shapes), context, prefill, device_map)
-    documents = load_documents(dataset, tok, context, docs, split=split, text_field=text_field, pack=pack,
-                               dataset_config=dataset_config, data_files=data_files)
+    check_kl_sizes([p.label() for p in pairs], quantized, len(shapes), kl.context, kl.prefill,
+                   device_map)
+    documents = load_documents(kl.dataset, tok, kl.context, kl.docs, split=kl.split,
+                               text_field=kl.text_field, pack=kl.pack,
+                               dataset_config=kl.dataset_config, data_files=kl.data_files)
     if same_documents_as is not None:
         check_same_documents(documents, same_documents_as)
 
@@ -202,18 +183,18 @@ def _checked_kl(model, pairs, out_path: Path, *, dataset, split, text_field, con
         dm = device_map
     else:
         dm = "auto" if torch.cuda.is_available() else None
-    m = load_weights(resolved, dtype, dm, revision)
-    info = model_record(m, name=resolved, dtype=None if dtype == "auto" else dtype)   # auto: as loaded
+    m = load_weights(resolved, kl.dtype, dm, kl.revision)
+    info = model_record(m, name=resolved,
+                        dtype=None if kl.dtype == "auto" else kl.dtype)   # auto: as loaded
     console = Console(stderr=True)
     if state.is_main_process:
         each = f" in each of {state.num_processes} processes" if state.num_processes > 1 else ""
         console.print(f"device: {describe_devices(m)}{each}", markup=False, highlight=False)
-    res = run_kl(m, tok, pairs, dataset=dataset, documents=documents, out=out_path, context=context, n_docs=docs,
-                 segment=segment, prefill=prefill, seed=seed, split=split, text_field=text_field,
-                 pack=pack, model_info=info, reference=reference, progress=progress, console=console,
-                 state=state if state.num_processes > 1 else None,
-                 extra_params={"device_map": str(dm), "num_processes": state.num_processes},
-                 scoring=scoring)
+    parts = RunParts(model_info=info, console=console,
+                     state=state if state.num_processes > 1 else None,
+                     extra_params={"device_map": str(dm), "num_processes": state.num_processes})
+    res = run_checked_kl(m, tok, pairs, kl, out=out_path, scoring=scoring, documents=documents,
+                         parts=parts)
     if res is not None:
         print_summary(res, Console())
         Console(stderr=True).print(f"wrote {out_path}, {out_path.with_suffix('.png')} and "

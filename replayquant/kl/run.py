@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
-import inspect
 import os
 import resource
 import sys
@@ -35,6 +33,7 @@ from .lockstep import (SegmentRunner, Variant, check_pair_names, patch_variant, 
                        score_document)
 from .results import write_results
 from .resume import code_version, document_fingerprint, finished_documents
+from .settings import KLSettings
 
 # ----------------------------------------------------------------------------------------------
 # Model identity.
@@ -65,80 +64,92 @@ def max_context(model) -> int | None:
 # ----------------------------------------------------------------------------------------------
 # The run.
 
-def _one_run_per_output(run):
-    """`run` with its `out` checked (`check_out`) and locked (`replayquant.outputs.output_lock`)
-    by the main process for the whole run: a second run into the same output is refused."""
-    params = inspect.signature(run)
+@dataclasses.dataclass
+class RunParts:
+    """What a caller holding the model adds to a KL run beside its settings.
 
-    @functools.wraps(run)
-    def locked(*args, **kwargs):
-        bound = params.bind(*args, **kwargs)
-        bound.apply_defaults()
-        out = bound.arguments["out"] = check_out(bound.arguments["out"])
-        state = bound.arguments["state"]
-        main = state is None or state.is_main_process
-        with output_lock(out) if main else contextlib.nullcontext():
-            return run(*bound.args, **bound.kwargs)
-    return locked
+    make_variant(model, pair, prefill, seed) -> Variant builds the test variants (default:
+    `replayquant.patch`, `lockstep.patch_variant`); model_info: the model's record (default:
+    `model_record`); bucket_base: the first bucket of KL by position; lm_chunk: positions per LM
+    head call (default about 2^28 / vocab); console: where notes go; state: an accelerate
+    PartialState for data-parallel runs (documents are split round-robin between processes;
+    process 0 merges the results); plot: write NAME.png; extra_params: recorded in the
+    provenance."""
+    make_variant: Callable | None = None
+    model_info: dict | None = None
+    bucket_base: int = 1024
+    lm_chunk: int | None = None
+    console: object = None
+    state: object = None
+    plot: bool = True
+    extra_params: dict | None = None
 
 
-@_one_run_per_output
-def run_kl(model, tokenizer, pairs: list, *, dataset: str, out: str | os.PathLike,
-           context: int = 131072, n_docs: int = 10, segment: int = 8192, prefill: str = "replay",
-           seed: int = 0, split: str | None = "test", text_field: str = "text", pack: bool = False,
-           model_info: dict | None = None, make_variant: Callable | None = None,
-           reference: str | Variant = "exact", bucket_base: int = 1024, lm_chunk: int | None = None,
-           progress: bool = True, console=None, state=None, plot: bool = True,
-           extra_params: dict | None = None, documents: DocumentSet | None = None,
-           scoring: str = "all") -> dict | None:
-    """Run (or resume) a KL measurement; returns the results dict (on the main process).
+def run_kl(model, tokenizer, pairs: list, settings: KLSettings | None = None, *,
+           out: str | os.PathLike, scoring: str = "all", documents: DocumentSet | None = None,
+           parts: RunParts | None = None) -> dict | None:
+    """Run (or resume) a KL measurement with `settings` (default: KLSettings(); its dtype,
+    device_map and revision are the loaded model's business, not this function's); returns the
+    results dict (on the main process). `out` is checked (`files.check_out`) and locked
+    (`replayquant.outputs.output_lock`) by the main process for the whole run: a second run into
+    the same output is refused.
 
-    pairs: pair names / YAML paths / pair objects. make_variant(model, pair, prefill, seed) -> Variant
-    builds the test variants (default: `replayquant.patch`). reference: "exact" (s32_rs patched
-    with prefill="exact"), "hf" (the unpatched model) or a Variant (see `reference_variant`).
-    state: an accelerate PartialState for data-parallel runs (documents are split round-robin
-    between processes; process 0 merges the results).
+    pairs: pair names / YAML paths / pair objects. The reference is `settings.reference`:
+    "exact" (s32_rs patched with prefill="exact") or "hf" (the unpatched model).
     `documents`: a DocumentSet already loaded (by `load_documents` with the same settings).
     scoring: "all" (every position) or "llama" (the second half of each document, as llama.cpp's
     `--kl-divergence`; `stats.scored_range`); recorded in the results, and a resume with another
     scoring is refused.
     """
-    t_start = time.time()
-    first = _check_settings(model, pairs, context, segment, prefill, scoring)
+    settings = settings or KLSettings()
+    settings.check()
+    parts = parts or RunParts()
     out = check_out(out)
-    tests, reference = _variants(model, pairs, make_variant or patch_variant, reference, prefill, seed)
+    main = parts.state is None or parts.state.is_main_process
+    with output_lock(out) if main else contextlib.nullcontext():
+        return run_checked_kl(model, tokenizer, pairs, settings, out=out, scoring=scoring,
+                              documents=documents, parts=parts)
+
+
+def run_checked_kl(model, tokenizer, pairs: list, settings: KLSettings, *, out: Path,
+                   scoring: str, documents: DocumentSet | None, parts: RunParts) -> dict | None:
+    """`run_kl` after its checks: `settings` checked, `out` checked and held by the main
+    process (as `kl_command` holds its own)."""
+    t_start = time.time()
+    kl, state = settings, parts.state
+    first = _check_model(model, pairs, kl.context, scoring)
+    tests, reference = _variants(model, pairs, parts.make_variant or patch_variant, kl)
     runner = SegmentRunner(model)
-    docs = documents or load_documents(dataset, tokenizer, context, n_docs, split=split,
-                                       text_field=text_field, pack=pack)
-    if any(d.tokens.numel() != context for d in docs.documents):
-        raise ValueError(f"the documents given are not all {context} tokens long")
-    config = _run_config(model_info or model_record(model), reference, tests, docs, prefill=prefill,
-                         text_field=text_field, pack=pack, context=context, segment=segment,
-                         seed=seed, bucket_base=bucket_base, scoring=scoring)
+    docs = documents or load_documents(kl.dataset, tokenizer, kl.context, kl.docs, split=kl.split,
+                                       text_field=kl.text_field, pack=kl.pack,
+                                       dataset_config=kl.dataset_config,
+                                       data_files=kl.data_files)
+    if any(d.tokens.numel() != kl.context for d in docs.documents):
+        raise ValueError(f"the documents given are not all {kl.context} tokens long")
+    config = _run_config(parts.model_info or model_record(model), reference, tests, docs, kl,
+                         bucket_base=parts.bucket_base, scoring=scoring)
     run = _Run(out=out, config=config, docs=docs,
                fingerprints={d.index: document_fingerprint(d.tokens) for d in docs.documents},
                code=code_version(), rank=state.process_index if state is not None else 0,
                world=state.num_processes if state is not None else 1, t_start=t_start,
-               extra_params=extra_params)
-    mine = _documents_to_score(run, state, console)
+               extra_params=parts.extra_params)
+    mine = _documents_to_score(run, state, parts.console)
     progress_log = _progress_log(run)
-    bar = _Progress(progress and run.is_main, total=len(mine) * context,
-                    label=f"KL {len(mine)} docs x {context} tok, {len(tests)} pair(s)", console=console)
+    bar = _Progress(kl.progress and run.is_main, total=len(mine) * kl.context,
+                    label=f"KL {len(mine)} docs x {kl.context} tok, {len(tests)} pair(s)",
+                    console=parts.console)
     summary = _score_documents(run, mine, progress_log, bar, runner, reference, tests,
-                               segment=segment, lm_chunk=lm_chunk, first=first)
+                               segment=kl.segment, lm_chunk=parts.lm_chunk, first=first)
     if state is not None:
         state.wait_for_everyone()
     if run.is_main:
-        summary = run.write_results(plot=plot)
+        summary = run.write_results(plot=parts.plot)
     return summary
 
 
-def _check_settings(model, pairs: list, context: int, segment: int, prefill: str, scoring: str) -> int:
-    """One ValueError for settings no run can use; returns the first scored position."""
-    if prefill not in ("replay", "exact"):
-        raise ValueError(f"--prefill must be 'replay' or 'exact', got {prefill!r}")
-    if segment < 1:
-        raise ValueError(f"--segment must be >= 1, got {segment}")
+def _check_model(model, pairs: list, context: int, scoring: str) -> int:
+    """One ValueError for pairs or a context the model cannot run; returns the first scored
+    position."""
     first, _ = S.scored_range(context, scoring)
     if not pairs:
         raise ValueError("give at least one --pair")
@@ -149,24 +160,23 @@ def _check_settings(model, pairs: list, context: int, segment: int, prefill: str
     return first
 
 
-def _variants(model, pairs: list, make_variant: Callable, reference: str | Variant, prefill: str,
-              seed: int) -> tuple[list[Variant], Variant]:
+def _variants(model, pairs: list, make_variant: Callable,
+              kl: KLSettings) -> tuple[list[Variant], Variant]:
     """(the test variants of `pairs`, the reference variant)."""
     resolved = [resolve_pair(p) for p in pairs]
     check_pair_names(resolved)
-    tests = [make_variant(model, p, prefill, seed) for p in resolved]
+    tests = [make_variant(model, p, kl.prefill, kl.seed) for p in resolved]
     names = [v.name for v in tests]
     if len(set(names)) != len(names) or "reference" in names:
         raise ValueError(f"pair names must be distinct and not 'reference': {names}")
-    if not isinstance(reference, Variant):
-        reference = reference_variant(model, reference, seed)
-    return tests, reference
+    return tests, reference_variant(model, kl.reference, kl.seed)
 
 
-def _run_config(model_info: dict, reference: Variant, tests: list[Variant], docs: DocumentSet, *,
-                prefill: str, text_field: str, pack: bool, context: int, segment: int, seed: int,
-                bucket_base: int, scoring: str) -> dict:
+def _run_config(model_info: dict, reference: Variant, tests: list[Variant], docs: DocumentSet,
+                kl: KLSettings, *, bucket_base: int, scoring: str) -> dict:
     """The configuration of a run: what its results depend on, compared on resume."""
+    prefill, text_field, pack = kl.prefill, kl.text_field, kl.pack
+    context, segment, seed = kl.context, kl.segment, kl.seed
     return {
         "model": model_info,
         "reference": reference.record,

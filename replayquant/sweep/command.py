@@ -29,6 +29,7 @@ any work, as is a second run into an output while one runs (`replayquant.outputs
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 from pathlib import Path
 
@@ -36,12 +37,12 @@ from rich.console import Console
 
 from replayquant import statebytes as sb
 from replayquant.kl.report import fit_table, model_label
+from replayquant.kl.settings import KLSettings
 from replayquant.kl.stats import KL_ZERO_SE, kl_text
 from replayquant.outputs import check_out_given, check_owned, output_lock
 from replayquant.pairs import PrecisionPair
 from replayquant.policy import EXACT, LayerPolicy, resolve_pair
 from replayquant.provenance import provenance
-from replayquant.streams import check_seed
 
 from . import measured
 from .common import (check_results_out, clean_name, fmt_bytes, front_kl, kl_figures, kl_file_for,
@@ -194,24 +195,25 @@ def _recorded_variants(old: dict) -> dict:
     return {"variants": [{"name": r["name"], "pair": r["pair"]} for r in old["variants"]]}
 
 
-def sweep_command(model: str, pairs: list, buffer_lens=None, *, kernels: str | None = None,
-                  batch: int = 256, out: str | None = None, plot: bool = True, console=None,
-                  **kl_args) -> dict | None:
-    """Everything `replayquant sweep` does; returns the sweep dict (None on ranks > 0).
-    kl_args go to `replayquant.kl.command.kl_command` (dataset, context, docs, segment, prefill,
-    dtype, device_map, seed, reference, progress, ...)."""
+def sweep_command(model: str, pairs: list, buffer_lens=None, settings: KLSettings | None = None,
+                  *, kernels: str | None = None, batch: int = 256, out: str | None = None,
+                  plot: bool = True, console=None) -> dict | None:
+    """Everything `replayquant sweep` does; returns the sweep dict (None on ranks > 0). The KL run
+    of the variants takes `settings` (default: KLSettings()) whole
+    (`replayquant.kl.command.kl_command`)."""
     from replayquant.kl.command import kl_command   # transformers: reading results does not load it
 
     Ls = parse_buffer_lens(buffer_lens)
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"--batch must be an integer >= 1, got {batch!r}")
     check_out_given(out)
-    check_seed(kl_args.get("seed", 0), "--seed")
+    settings = settings or KLSettings()
+    settings.check()
     variants = sweep_variants(pairs, Ls)
     kern = measured.load_kernels(kernels) if kernels else None
-    context = kl_args.get("context", 131072)
     bases = list(dict.fromkeys(v["base"] for v in variants))
-    out_path = check_results_out(out if out is not None else default_out(model, bases, Ls, context))
+    out_path = check_results_out(out if out is not None else
+                                 default_out(model, bases, Ls, settings.context))
     png, kl_path = out_path.with_suffix(".png"), kl_file_for(out_path)
     with output_lock(out_path):
         # the same variants replace their own sweep file (the KL run resumes); anything else
@@ -219,14 +221,14 @@ def sweep_command(model: str, pairs: list, buffer_lens=None, *, kernels: str | N
         check_owned(out_path, SWEEP_KIND, "replayquant sweep", identity=variants_record(variants),
                     recorded=_recorded_variants, inputs=(kernels,), beside=(png,),
                     fresh=(png, kl_path, kl_path.with_suffix(".png"), f"{kl_path.with_suffix('.kl')}/"))
-        shapes, *_ = shapes_of_model(model, kl_args.get("revision"))
+        shapes, *_ = shapes_of_model(model, settings.revision)
         for v in variants:                      # a policy's layer errors before any weights load
             layer_pairs(v["variant"], shapes)
-        res = kl_command(model, [v["variant"] for v in variants], out=str(kl_path), **kl_args)
+        res = kl_command(model, [v["variant"] for v in variants], settings, out=str(kl_path))
         if res is None:
             return None
         settings = {"model_arg": model, "pairs": [str(p) for p in pairs], "buffer_lens": Ls,
-                    "batch": batch, **{k: v for k, v in kl_args.items()}}
+                    "batch": batch, **dataclasses.asdict(settings)}
         sw = build_sweep(res, variants, shapes, kl_path, settings, kern, kernels, batch)
         write_json(out_path, sw)
         if plot:

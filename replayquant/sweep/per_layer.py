@@ -24,6 +24,7 @@ from rich.console import Console
 
 from replayquant import statebytes as sb
 from replayquant.kl.plot import plot_results_file
+from replayquant.kl.settings import KLSettings
 from replayquant.outputs import check_out_given, check_owned, output_lock, write_text
 from replayquant.pairs import PrecisionPair
 from replayquant.policy import LayerPolicy, Override
@@ -190,12 +191,13 @@ def recommend_per_layer(sens_path, kl_budget: float, low: str | None = None,
     _check_policy_out(out_path, yaml_path, kl_path, policy, kl_budget, sens_path)
     # after the outputs' checks: a model's first fingerprint reads all its weights
     args = check_same_model(sens, str(sens_path))
-    args["same_documents_as"] = check_same_data(sens, str(sens_path))
+    same_data = check_same_data(sens, str(sens_path))
     model = args.pop("model")
-    args["progress"] = progress
+    settings = KLSettings(**args)
+    settings.progress = progress
     if device_map is not None:
-        args["device_map"] = device_map
-    res = kl_command(model, [policy], out=str(kl_path), **args)
+        settings.device_map = device_map
+    res = kl_command(model, [policy], settings, out=str(kl_path), same_documents_as=same_data)
     if res is None:
         return None
     plot_results_file(kl_path, budget=kl_budget)      # the run's plot with the budget drawn

@@ -18,7 +18,7 @@ zero, fits no budget: it is left out and listed (`kl_not_valid`). A sweep that d
 
 from __future__ import annotations
 
-import inspect
+import dataclasses
 import json
 import math
 from collections import Counter
@@ -27,6 +27,7 @@ from pathlib import Path
 from rich.console import Console
 
 from replayquant.gpqa.summary import summary_model
+from replayquant.kl.settings import KLSettings
 from replayquant.outputs import check_out_given, check_owned, output_lock
 from replayquant.provenance import describe_model, model_mismatch, provenance
 
@@ -130,11 +131,8 @@ def check_sensitivity(sens, source: str = "") -> None:
     src = source or "the sensitivity file"
     writer = "replayquant sensitivity"
     check_structure(sens, _SENS_SCHEMA, src, writer)
-    from replayquant.kl.command import kl_command   # transformers: reading results does not load it
-    params = inspect.signature(kl_command).parameters
-    takes = set(params) - {"pairs", "out", "progress"}
-    open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    extra = [] if open_ended else sorted(set(sens["kl_args"]) - takes)
+    takes = {"model", *(f.name for f in dataclasses.fields(KLSettings))} - {"progress"}
+    extra = sorted(set(sens["kl_args"]) - takes)
     if extra:
         raise ValueError(f"{src}: kl_args holds {extra}, which no KL run takes; the file is "
                          f"damaged or was not written by `{writer}`: run it again")

@@ -26,17 +26,18 @@ folder by its absolute path, so the file names the same data from any working fo
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
+from replayquant.kl.settings import KLSettings
 from replayquant.outputs import check_out_given, check_owned, output_lock
 from replayquant.pairs import PrecisionPair
 from replayquant.policy import EXACT, LayerPolicy, Override, resolve_pair
 from replayquant.provenance import describe_model, model_mismatch, provenance
-from replayquant.streams import check_seed
 
 from .common import (check_results_out, clean_name, kl_figures, kl_file_for, shapes_of_model,
                      write_json)
@@ -96,11 +97,12 @@ def default_out(model: str, names: list[str], context: int) -> Path:
     return Path("build/sensitivity") / f"{clean_name(Path(model).name)}_{'+'.join(names)}_ctx{context}.json"
 
 
-def sensitivity_command(model: str, pairs: list, *, buffer_len: int | None = None, layers=None,
-                        per_pass: int = 0, out: str | None = None, plot: bool = True,
-                        **kl_args) -> dict | None:
+def sensitivity_command(model: str, pairs: list, settings: KLSettings | None = None, *,
+                        buffer_len: int | None = None, layers=None, per_pass: int = 0,
+                        out: str | None = None, plot: bool = True) -> dict | None:
     """Everything `replayquant sensitivity` does; returns the sensitivity dict (None on ranks > 0).
-    kl_args go to `replayquant.kl.command.kl_command`."""
+    Its KL runs take `settings` (default: KLSettings()) whole
+    (`replayquant.kl.command.kl_command`)."""
     if buffer_len is not None and (isinstance(buffer_len, bool) or not isinstance(buffer_len, int)
                                    or buffer_len < 1):
         raise ValueError(f"--buffer-len must be an integer >= 1, got {buffer_len!r}")
@@ -108,13 +110,14 @@ def sensitivity_command(model: str, pairs: list, *, buffer_len: int | None = Non
         raise ValueError(f"--per-pass must be an integer >= 0 (0: every variant in one pass), got "
                          f"{per_pass!r}")
     check_out_given(out)
-    check_seed(kl_args.get("seed", 0), "--seed")
-    shapes, *_ = shapes_of_model(model, kl_args.get("revision"))
+    settings = settings or KLSettings()
+    settings.check()
+    shapes, *_ = shapes_of_model(model, settings.revision)
     chosen = _parse_layers(layers, shapes)
     variants = sensitivity_variants(pairs, chosen, buffer_len)
     names = list(dict.fromkeys(v["pair"] for v in variants))
     out_path = check_results_out(out if out is not None else
-                                 default_out(model, names, kl_args.get("context", 131072)))
+                                 default_out(model, names, settings.context))
     n = per_pass or len(variants)
     chunks = [variants[i:i + n] for i in range(0, len(variants), n)]
     kl_paths = [kl_file_for(out_path, k if len(chunks) > 1 else None) for k in range(1, len(chunks) + 1)]
@@ -125,8 +128,8 @@ def sensitivity_command(model: str, pairs: list, *, buffer_len: int | None = Non
         check_owned(out_path, SENS_KIND, "replayquant sensitivity",
                     identity=_run_record(names, variants, chosen, per_pass), recorded=_recorded_run,
                     beside=(png,), fresh=(png, *(f"{p.with_suffix('')}.*" for p in kl_paths)))
-        sens = _measure(model, pairs, names, variants, shapes, chosen, chunks, kl_paths, buffer_len,
-                        per_pass, kl_args)
+        passes = _Passes(names, variants, shapes, chosen, chunks, kl_paths)
+        sens = _measure(model, pairs, settings, buffer_len, per_pass, passes)
         if sens is None:
             return None
         write_json(out_path, sens)
@@ -198,13 +201,26 @@ def _same_run_inputs(results: list[dict]) -> None:
                              f"the data changed while it ran: run it again into a new --out")
 
 
-def _measure(model, pairs, names, variants, shapes, chosen, chunks, kl_paths, buffer_len, per_pass,
-             kl_args) -> dict | None:
+@dataclasses.dataclass
+class _Passes:
+    """The variants of a sensitivity run and its KL passes: the pairs' names, every variant, the
+    model's recurrent layers and those measured, the variants of each pass and its KL file."""
+    names: list[str]
+    variants: list[dict]
+    shapes: list
+    chosen: list
+    chunks: list[list[dict]]
+    kl_paths: list[Path]
+
+
+def _measure(model, pairs, settings: KLSettings, buffer_len, per_pass,
+             passes: _Passes) -> dict | None:
     """The KL runs of the variants and the sensitivity record (None on ranks > 0)."""
     from replayquant.kl.command import kl_command   # transformers: reading results does not load it
+    names, variants, shapes, chosen = passes.names, passes.variants, passes.shapes, passes.chosen
     stats, kl_files, done = {}, [], []
-    for chunk, kl_path in zip(chunks, kl_paths):
-        res = kl_command(model, [v["variant"] for v in chunk], out=str(kl_path), **kl_args)
+    for chunk, kl_path in zip(passes.chunks, passes.kl_paths):
+        res = kl_command(model, [v["variant"] for v in chunk], settings, out=str(kl_path))
         if res is None:
             return None
         stats.update(res["results"])
@@ -227,7 +243,7 @@ def _measure(model, pairs, names, variants, shapes, chosen, chunks, kl_paths, bu
         cmp[name] = {"sum": total, "all": all_layers[name]["kl_mean"],
                      "ratio": total / all_layers[name]["kl_mean"] if all_layers[name]["kl_mean"] else None,
                      "layers_measured": len(rows), "layers_in_model": len(shapes)}
-    kl_args_rec = absolute_kl_args(model, kl_args)
+    kl_args_rec = absolute_kl_args(model, dataclasses.asdict(settings))
     sens = {
         "kind": SENS_KIND, "version": 1,
         "complete": bool(last.get("complete")), "documents_done": last.get("documents_done"),

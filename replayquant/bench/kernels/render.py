@@ -4,7 +4,7 @@ FP32 step against batch)."""
 
 from __future__ import annotations
 
-from replayquant.bench.kernels_grid import PAIR_L, PAIRS, PEERS, SHAPES
+from replayquant.bench.kernels.grid import PAIR_L, PAIRS, PEERS, SHAPES
 from replayquant.outputs import save_figure
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from replayquant.bench.kernels_grid import GRID, PAIR_L, PAIRS, SHAPES, SPEC_KINDS, check_names
-from replayquant.bench.kernels_rows import ALTERNATE_MAX_B, ALTERNATE_REPEATS, READ_REG_CAPS
-from replayquant.bench.kernels_sweep import READ_CANDIDATES
+from replayquant.bench.kernels.grid import GRID, PAIR_L, PAIRS, SHAPES, SPEC_KINDS, check_names
+from replayquant.bench.kernels.rows import ALTERNATE_MAX_B, ALTERNATE_REPEATS, READ_REG_CAPS
+from replayquant.bench.kernels.sweep import READ_CANDIDATES
 from replayquant.pairs import PrecisionPair
 
 # Seconds per timed measurement: a fixed cost (do_bench warmup + reps, graph capture), a compile

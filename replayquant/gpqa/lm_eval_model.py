@@ -37,7 +37,7 @@ lm-eval 0.4.13 discovers no models from other packages, so the plain ``lm_eval``
 it; ``replayquant lm-eval ARGS`` runs lm-eval's own command line with it registered (and
 ``accelerate launch -m replayquant.cli lm-eval ARGS`` for data-parallel GPUs). pyproject.toml also
 declares the ``lm_eval.models`` entry point, which lm-eval versions that read that group use.
-From Python: ``import replayquant.lm_eval_model`` and then ``lm_eval.simple_evaluate(model="replayquant", ...)``.
+From Python: ``import replayquant.gpqa.lm_eval_model`` and then ``lm_eval.simple_evaluate(model="replayquant", ...)``.
 """
 
 from __future__ import annotations

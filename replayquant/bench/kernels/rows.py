@@ -8,11 +8,11 @@ import statistics
 
 import torch
 
-from replayquant.bench.inputs import random_state
-from replayquant.bench.kernels_grid import (PAIR_L, PAIRS, SHAPES, kernel_fns, kernel_inputs,
+from replayquant.testing import random_state
+from replayquant.bench.kernels.grid import (PAIR_L, PAIRS, SHAPES, kernel_fns, kernel_inputs,
                                             load_pair)
-from replayquant.bench.kernels_sweep import pair_config
-from replayquant.bench.kernels_timing import empty_cache, rotations, time_calls, timed_row
+from replayquant.bench.kernels.sweep import pair_config
+from replayquant.bench.kernels.timing import empty_cache, rotations, time_calls, timed_row
 from replayquant.kernels.replay_decode import advance_pointers
 from replayquant.kernels.stores import ConventionalStore, ReplayStore
 from replayquant.kernels.verify import conventional_accept, make_snapshots, replay_accept

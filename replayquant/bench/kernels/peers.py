@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from replayquant.bench.inputs import random_state
-from replayquant.bench.kernels_grid import PEERS, SHAPES, kernel_fns, kernel_inputs
-from replayquant.bench.kernels_timing import empty_cache, graph_ms, plain_ms, rotations, timed_row
+from replayquant.testing import random_state
+from replayquant.bench.kernels.grid import PEERS, SHAPES, kernel_fns, kernel_inputs
+from replayquant.bench.kernels.timing import empty_cache, graph_ms, plain_ms, rotations, timed_row
 from replayquant.kernels.stores import ConventionalStore
 from replayquant.statebytes import io_bytes
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from replayquant.bench.inputs import random_state
-from replayquant.bench.kernels_grid import (PAIR_L, PAIRS, SHAPES, kernel_fns, kernel_inputs,
+from replayquant.testing import random_state
+from replayquant.bench.kernels.grid import (PAIR_L, PAIRS, SHAPES, kernel_fns, kernel_inputs,
                                             load_pair)
-from replayquant.bench.kernels_timing import empty_cache, time_calls, timed_row
+from replayquant.bench.kernels.timing import empty_cache, time_calls, timed_row
 from replayquant.kernels.stores import ConventionalStore, ReplayStore
 from replayquant.statebytes import (conventional_bytes, replay_flush_step_bytes,
                                     replay_read_step_bytes, ring_u_bytes)

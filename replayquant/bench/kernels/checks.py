@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from replayquant.bench.inputs import cpu_generator, random_state
-from replayquant.bench.kernels_grid import SHAPES, kernel_fns, kernel_inputs
+from replayquant.testing import cpu_generator, random_state
+from replayquant.bench.kernels.grid import SHAPES, kernel_fns, kernel_inputs
 from replayquant.formats import as_bits
 from replayquant.kernels import quant_ref as qref
 from replayquant.kernels.replay_decode import advance_pointers

@@ -1,11 +1,11 @@
 """What the decode-kernel benchmark (`replayquant bench kernels`, GPU) measures: the layer shapes,
 the precision pairs and grid, each kind's main replay window, and per kind the kernels and their
-inputs. The random inputs are replayquant.bench.inputs, which the kernel tests draw from too."""
+inputs. The random inputs are replayquant.testing, which the kernel tests draw from too."""
 
 from __future__ import annotations
 
-from replayquant.bench.inputs import (gdn_params, gdn_step_inputs, kda_step_inputs,
-                                      mamba2_params, mamba2_step_inputs)
+from replayquant.testing import (gdn_params, gdn_step_inputs, kda_step_inputs,
+                                 mamba2_params, mamba2_step_inputs)
 from replayquant.kernels import conventional as cv
 from replayquant.kernels import replay_decode as rd
 from replayquant.kernels import replay_ref as rr

@@ -1,6 +1,6 @@
 """`replayquant bench kernels` (GPU): the sections of the plan run in priority order under a time
 budget, the table written after every section, then rendered. Its random inputs are
-replayquant.bench.inputs, which the kernel tests draw from too."""
+replayquant.testing, which the kernel tests draw from too."""
 
 from __future__ import annotations
 
@@ -12,15 +12,15 @@ from pathlib import Path
 import torch
 
 from replayquant.bench import authors as side
-from replayquant.bench.kernels_checks import gpu_checks
-from replayquant.bench.kernels_grid import GRID, PAIR_L, PAIRS, SHAPES, check_names
-from replayquant.bench.kernels_peers import bench_peers, peer_comparison, peer_versions
-from replayquant.bench.kernels_plan import estimate_s, plan
-from replayquant.bench.kernels_render import plot_kernels, render_markdown
-from replayquant.bench.kernels_rows import bench_conventional, bench_replay, bench_spec
-from replayquant.bench.kernels_sweep import config_sweep
-from replayquant.bench.kernels_table import KERNELS_KIND, check_kernels_out, derive_speedups
-from replayquant.bench.kernels_timing import copy_bandwidth_GBps, cpu_timing
+from replayquant.bench.kernels.checks import gpu_checks
+from replayquant.bench.kernels.grid import GRID, PAIR_L, PAIRS, SHAPES, check_names
+from replayquant.bench.kernels.peers import bench_peers, peer_comparison, peer_versions
+from replayquant.bench.kernels.plan import estimate_s, plan
+from replayquant.bench.kernels.render import plot_kernels, render_markdown
+from replayquant.bench.kernels.rows import bench_conventional, bench_replay, bench_spec
+from replayquant.bench.kernels.sweep import config_sweep
+from replayquant.bench.kernels.table import KERNELS_KIND, check_kernels_out, derive_speedups
+from replayquant.bench.kernels.timing import copy_bandwidth_GBps, cpu_timing
 from replayquant.bench.targets import targets
 from replayquant.outputs import output_lock, write_json, write_text
 from replayquant.provenance import provenance

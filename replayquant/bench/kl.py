@@ -27,9 +27,10 @@ from replayquant import options
 from replayquant.outputs import check_owned, output_lock, write_json
 from replayquant.provenance import provenance
 
-from .data import Document, DocumentSet
-from .lockstep import cache_kwarg, output_cache
-from .run import run_kl
+from replayquant.kl.data import Document, DocumentSet
+from replayquant.kl.lockstep import cache_kwarg, output_cache
+from replayquant.kl.run import RunParts, run_kl
+from replayquant.kl.settings import KLSettings
 
 BENCH_KL_KIND = "replayquant.bench.kl"     # the "kind" of the results file
 
@@ -122,8 +123,7 @@ def _bench_kl(shape: str = "qwen3.5-4b", context: int = 131072, segment: int = 8
     from replayquant.bench.timing import REPLAY_TARGETS, KernelClock, fla_version, hf_chunk_function
 
     from replayquant.bench import check_model_bench
-
-    from .command import DTYPES   # transformers: loaded where a model is
+    from replayquant.models.patching import DTYPES   # transformers: loaded where a model is
     check_model_bench("bench kl", shape, device)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = build_model(shape, DTYPES[dtype], device)
@@ -133,10 +133,11 @@ def _bench_kl(shape: str = "qwen3.5-4b", context: int = 131072, segment: int = 8
     def kl_run(doc_ids, tmp):
         docs = DocumentSet([Document(0, "random-tokens", doc_ids)], source="random tokens",
                            kind="synthetic", split=None)
-        return run_kl(model, None, list(pairs), dataset="synthetic", documents=docs,
-                      out=Path(tmp) / "kl.json", context=doc_ids.numel(), n_docs=1,
-                      segment=min(segment, doc_ids.numel()), prefill=prefill, reference=reference,
-                      progress=False, plot=False)
+        settings = KLSettings(dataset="synthetic", context=doc_ids.numel(), docs=1,
+                              segment=min(segment, doc_ids.numel()), prefill=prefill,
+                              reference=reference, progress=False)
+        return run_kl(model, None, list(pairs), settings, out=Path(tmp) / "kl.json",
+                      documents=docs, parts=RunParts(plot=False))
 
     with tempfile.TemporaryDirectory() as tmp:
         # warm-up (kernel compilation and autotuning, allocator) on a prefix, not timed: two

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from replayquant.bench.kernels_render import plot_kernels, render_markdown
-from replayquant.bench.kernels_table import KERNELS_KIND, check_kernels_out, derive_speedups
+from replayquant.bench.kernels.render import plot_kernels, render_markdown
+from replayquant.bench.kernels.table import KERNELS_KIND, check_kernels_out, derive_speedups
 from replayquant.bench.targets import targets
 from replayquant.outputs import output_lock, write_json, write_text
 from replayquant.provenance import provenance
