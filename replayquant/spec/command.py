@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from replayquant.choices import PREFILLS
-from replayquant.kl.command import load_tokenizer_and_config, load_weights
+from replayquant.kl import command as kl_loaders
 from replayquant.kl.data import load_documents
 from replayquant.kl.lockstep import pair_record, patch_variant, reference_variant
 from replayquant.models.device import check_device
@@ -113,13 +113,13 @@ def spec_command(model: str, pairs: list, *, assistant: str | None = None, looku
                               default_out(model, names, context, new_tokens))
     device = check_device(device) if device is not None else (
         "cuda" if torch.cuda.is_available() else "cpu")
-    tok, cfg, name = load_tokenizer_and_config(model, revision)
+    tok, cfg, name = kl_loaders.load_tokenizer_and_config(model, revision)
     limit = getattr(cfg.get_text_config(), "max_position_embeddings", None)
     if limit and context + new_tokens > limit:
         raise ValueError(f"--context {context} + --new-tokens {new_tokens} is longer than the "
                          f"model supports (max_position_embeddings = {limit})")
     if assistant is not None:
-        atok = load_tokenizer_and_config(assistant)[0]
+        atok = kl_loaders.load_tokenizer_and_config(assistant)[0]
         if atok.get_vocab() != tok.get_vocab():
             raise ValueError(f"--assistant {assistant} has another tokenizer than --model {model}: "
                              f"`replayquant spec` measures assistants of the same vocabulary")
@@ -136,7 +136,7 @@ def spec_command(model: str, pairs: list, *, assistant: str | None = None, looku
     with output_lock(out_path):
         check_owned(out_path, SPEC_KIND, WRITER, identity=config, recorded=lambda o: o["config"],
                     beside=(out_path.with_suffix(".png"),), fresh=(out_path.with_suffix(".png"),))
-        m = load_weights(name, dtype, device, revision)
+        m = kl_loaders.load_weights(name, dtype, device, revision)
         helper = None if assistant is None else _assistant(assistant, dtype, device, draft_tokens)
         run = _Run(model=m, names=names, config=config, out=out_path, device=device,
                    variants=[reference_variant(m, "exact", seed)] +
@@ -149,8 +149,8 @@ def _assistant(assistant: str, dtype: str, device: str, draft_tokens: int):
     """The draft model: patched with the reference pair where it has recurrent layers (HF crops
     its cache too), proposing `draft_tokens` tokens every round (a constant schedule and no
     confidence stop, so that every position is measured)."""
-    _, _, name = load_tokenizer_and_config(assistant)
-    helper = load_weights(name, dtype, device)
+    _, _, name = kl_loaders.load_tokenizer_and_config(assistant)
+    helper = kl_loaders.load_weights(name, dtype, device)
     if recurrent_layers(helper):
         pair = resolve_pair(REFERENCE_PAIR)
         patch(helper, pair, buffer_len=max(pair.buffer_len, draft_tokens))
