@@ -172,10 +172,12 @@ class _Run:
     def __init__(self, *, model, names, config, out: Path, device: str, variants, speculation):
         self.model, self.names, self.config, self.out = model, names, config, out
         self.device, self.variants, self.speculation = device, variants, speculation
+        self.provenance = None
 
     def measure(self, documents, progress: bool) -> dict:
         """Every document not yet in the results file, then the table and the plot."""
         done = self._finished()
+        self._write(done, complete=False)        # the provenance, taken before any work
         todo = [d for d in documents.documents if d.index not in {r["index"] for r in done}]
         console = Console(stderr=True)
         if done:
@@ -242,13 +244,15 @@ class _Run:
 
     def _write(self, done: list[dict], complete: bool) -> dict:
         names = ["reference", *self.names]
+        if self.provenance is None:          # the code and machine as the run started
+            self.provenance = provenance(
+                device=self.device, model=self.config["model"], pairs=names,
+                buffer_len={p["name"]: p.get("buffer_len") for p in self.config["pairs"]},
+                data_fingerprint=self.config["data"]["tokens_sha256"], seed=self.config["seed"],
+                torch_threads=torch.get_num_threads(),
+                omp_num_threads=os.environ.get("OMP_NUM_THREADS"))
         res = {"kind": SPEC_KIND, "complete": complete, "config": self.config,
-               "provenance": provenance(
-                   device=self.device, model=self.config["model"], pairs=names,
-                   buffer_len={p["name"]: p.get("buffer_len") for p in self.config["pairs"]},
-                   data_fingerprint=self.config["data"]["tokens_sha256"],
-                   seed=self.config["seed"], torch_threads=torch.get_num_threads(),
-                   omp_num_threads=os.environ.get("OMP_NUM_THREADS")),
+               "provenance": self.provenance,
                "results": summarize(done, names, list(self.speculation),
                                     self.config["draft_tokens"]),
                "per_document": done}
