@@ -82,27 +82,29 @@ def _f(x, spec: str, width: int) -> str:
             format(x, spec)).rjust(width)
 
 
-_COLUMNS = (("pair", 14), ("method", 9), ("acc/rd", 6), ("tok/fw", 6), ("acc%", 5),
-            ("agr1st", 6), ("agrall", 6), ("plain/s", 7), ("spec/s", 7), ("x", 5))
+_COLUMNS = (("pair", 12), ("method", 6), ("acc/rd", 6), ("tok/fw", 6), ("acc%", 5),
+            ("ref1st", 6), ("refall", 6), ("plain=", 6), ("plain", 6), ("spec", 6), ("x", 5))
+_SHORT = {"lookup": "lookup", "assistant": "assist"}
 
 
 def render_table(results: dict) -> str:
     """The run's statistics per pair and method, one row each, at most 80 columns: accepted
-    drafts per round, tokens per target forward, acceptance %, agreement with the reference's
-    greedy tokens (before the first divergence, overall), plain and speculative tokens/s, and
-    their ratio."""
+    drafts per round (acc/rd), tokens per target forward (tok/fw), acceptance % of the drafts,
+    agreement with the reference's greedy tokens before the first divergence (ref1st) and
+    overall (refall), overall agreement with the pair's own plain greedy (plain=), plain and
+    speculative decode tokens/s, and their ratio (x)."""
     head = " ".join(n.ljust(w) if i < 2 else n.rjust(w) for i, (n, w) in enumerate(_COLUMNS))
     lines = [head, "-" * len(head)]
     for name, row in results.items():
         for m in (k for k in METHODS if k in row):
             s = row[m]
-            label = name if len(name) <= 14 else name[:13] + "~"
+            label = name if len(name) <= 12 else name[:11] + "~"
             acc = None if s["acceptance_rate"] is None else 100 * s["acceptance_rate"]
-            cells = [label.ljust(14), m.ljust(9), _f(s["mean_accepted"], ".2f", 6),
+            cells = [label.ljust(12), _SHORT[m].ljust(6), _f(s["mean_accepted"], ".2f", 6),
                      _f(s["tokens_per_forward"], ".2f", 6), _f(acc, ".0f", 5),
                      _f(s["agree_ref_prefix"], ".3f", 6), _f(s["agree_ref"], ".3f", 6),
-                     _f(s["plain_tok_s"], ".1f", 7), _f(s["tok_s"], ".1f", 7),
-                     _f(s["speedup"], ".2f", 5)]
+                     _f(s["agree_plain"], ".3f", 6), _f(s["plain_tok_s"], ".1f", 6),
+                     _f(s["tok_s"], ".1f", 6), _f(s["speedup"], ".2f", 5)]
             lines.append(" ".join(cells))
     return "\n".join(lines) + "\n"
 
