@@ -103,3 +103,22 @@ def test_resumes_finished_documents(run, monkeypatch):
 def test_bad_options_are_one_error(extra, needles, no_model):
     code, text = invoke(ARGS + extra)
     one_clear_error(code, text, *needles)
+
+
+def test_readme_table_is_the_committed_result():
+    """The README's speculative-decoding table is results/spec/tiny-qwen3.5.json's."""
+    import re
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    res = json.loads((root / "results/spec/tiny-qwen3.5.json").read_text())["results"]
+    readme = (root / "README.md").read_text()
+    start = readme.index("| tiny-qwen3.5 |")
+    rows = [[c.strip() for c in line.strip("|").split("|")]
+            for line in readme[start:readme.index("\n\n", start)].splitlines()]
+    assert rows[0][1:] == list(res)
+    for label, key, fmt in (("tokens / forward", "tokens_per_forward", "{:.2f}"),
+                            ("same tokens as reference", "agree_ref", "{:.2f}"),
+                            ("speculative / plain tok/s", "speedup", "{:.2f}x")):
+        row = next(r for r in rows if r[0] == label)
+        assert row[1:] == [fmt.format(res[n]["lookup"][key]) for n in res], label
+    assert re.search(r"prompt_lookup_num_tokens=4", readme)
