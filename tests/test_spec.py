@@ -122,3 +122,28 @@ def test_readme_table_is_the_committed_result():
         row = next(r for r in rows if r[0] == label)
         assert row[1:] == [fmt.format(res[n]["lookup"][key]) for n in res], label
     assert re.search(r"prompt_lookup_num_tokens=4", readme)
+
+
+def test_recommend_min_accept(tmp_path):
+    """`recommend --spec --min-accept`: the demo sweep (its model record set to the spec run's,
+    which fingerprinted the same model whole) considers only the variants whose pair at its L
+    accepted enough drafts per round; other files and values are one error."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    spec = root / "results/spec/tiny-qwen3.5.json"
+    sweep = json.loads((root / "results/demo/tiny-qwen3.5_sweep.json").read_text())
+    sweep["model"] = json.loads(spec.read_text())["config"]["model"]
+    (tmp_path / "sweep.json").write_text(json.dumps(sweep))
+    args = ["recommend", tmp_path / "sweep.json", "--kl-budget", "1e-3", "--spec", spec]
+    code, text = invoke(args + ["--min-accept", 0.9])
+    assert code == 0, text
+    assert "recommended s16_sr@L16" in text, text      # tp8_hi16_sr@L16 without the constraint
+    left = text[text.index("not considered (below --min-accept 0.9"):]
+    assert "tp8_hi16_sr@L16 (0.89)" in left and "tp8_hi16_sr@L8 (not measured)" in left
+    code, text = invoke(args + ["--min-accept", 1.5])
+    assert code == 1 and "no variant" in text and "f4_sr_rs@L16 0.99" in text, text
+    one_clear_error(*invoke(args), "--spec and --min-accept go together")
+    one_clear_error(*invoke(args + ["--min-accept", -1]), "--min-accept must be a number >= 0")
+    code, text = invoke(["recommend", root / "results/demo/tiny-qwen3.5_sweep.json", "--kl-budget",
+                         "1e-3", "--spec", spec, "--min-accept", 0.5])
+    one_clear_error(code, text, "give a spec run of the sweep's model")

@@ -44,8 +44,8 @@ REFERENCE_PAIR = "s32_rs"       # the reference's pair: exact FP32 state (`kl.lo
 def default_out(model: str, names: list[str], context: int, new_tokens: int) -> Path:
     def clean(s):
         return re.sub(r"[^A-Za-z0-9._@-]+", "-", str(s)).strip("-")
-    return (Path("build/spec") /
-            f"{clean(Path(model).name)}_{'+'.join(map(clean, names))}_ctx{context}_new{new_tokens}.json")
+    stem = f"{clean(Path(model).name)}_{'+'.join(map(clean, names))}"
+    return Path("build/spec") / f"{stem}_ctx{context}_new{new_tokens}.json"
 
 
 def check_spec_out(out) -> Path:
@@ -162,7 +162,8 @@ def _assistant(assistant: str, dtype: str, device: str, draft_tokens: int):
 
 
 def _speculation(methods, draft_tokens: int, helper) -> dict:
-    kw = {"lookup": {"prompt_lookup_num_tokens": draft_tokens}, "assistant": {"assistant_model": helper}}
+    kw = {"lookup": {"prompt_lookup_num_tokens": draft_tokens},
+          "assistant": {"assistant_model": helper}}
     return {m: kw[m] for m in methods}
 
 
