@@ -147,3 +147,12 @@ def test_recommend_min_accept(tmp_path):
     code, text = invoke(["recommend", root / "results/demo/tiny-qwen3.5_sweep.json", "--kl-budget",
                          "1e-3", "--spec", spec, "--min-accept", 0.5])
     one_clear_error(code, text, "give a spec run of the sweep's model")
+
+
+def test_an_assistant_of_recurrent_layers_only_is_one_error(tmp_path):
+    """HF asks an assistant's cache for its length through an attention layer: a Mamba-2-only
+    assistant (tiny-mamba2) is refused before any decode, naming why."""
+    code, text = invoke(ARGS + ["--assistant", "tiny-mamba2", "--out", tmp_path / "a.json"])
+    one_clear_error(code, text, "--assistant tiny-mamba2: every layer is recurrent",
+                    "get_seq_length")
+    assert not (tmp_path / "a.json").exists()

@@ -136,8 +136,8 @@ def spec_command(model: str, pairs: list, *, assistant: str | None = None, looku
     with output_lock(out_path):
         check_owned(out_path, SPEC_KIND, WRITER, identity=config, recorded=lambda o: o["config"],
                     beside=(out_path.with_suffix(".png"),), fresh=(out_path.with_suffix(".png"),))
-        m = kl_loaders.load_weights(name, dtype, device, revision)
         helper = None if assistant is None else _assistant(assistant, dtype, device, draft_tokens)
+        m = kl_loaders.load_weights(name, dtype, device, revision)
         run = _Run(model=m, names=names, config=config, out=out_path, device=device,
                    variants=[reference_variant(m, "exact", seed)] +
                    [patch_variant(m, p, prefill, seed) for p in resolved],
@@ -149,8 +149,14 @@ def _assistant(assistant: str, dtype: str, device: str, draft_tokens: int):
     """The draft model: patched with the reference pair where it has recurrent layers (HF crops
     its cache too), proposing `draft_tokens` tokens every round (a constant schedule and no
     confidence stop, so that every position is measured)."""
-    _, _, name = kl_loaders.load_tokenizer_and_config(assistant)
+    _, cfg, name = kl_loaders.load_tokenizer_and_config(assistant)
     helper = kl_loaders.load_weights(name, dtype, device)
+    n_layers = getattr(cfg.get_text_config(), "num_hidden_layers", None)
+    if n_layers and len(recurrent_layers(helper)) >= n_layers:
+        raise ValueError(f"--assistant {assistant}: every layer is recurrent, and transformers' "
+                         f"assisted generation asks the assistant's cache for its length "
+                         f"(get_seq_length), which only an attention layer answers; give an "
+                         f"assistant with attention layers (a hybrid or a transformer)")
     if recurrent_layers(helper):
         pair = resolve_pair(REFERENCE_PAIR)
         patch(helper, pair, buffer_len=max(pair.buffer_len, draft_tokens))
