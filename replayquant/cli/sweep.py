@@ -108,14 +108,7 @@ def recommend_cmd(
                              "results file and the fewest drafts accepted per round")
         out_path = None if out is None else R.check_recommendation_out(out, (sweep, gpqa, spec))
         sw = load_json_kind(sweep, SWEEP_KIND, "replayquant sweep")
-        left_out = None
-        if spec is not None:
-            from replayquant.spec.constraint import accepting_variants, load_spec
-            sw, left_out = accepting_variants(sw, load_spec(spec), min_accept, (sweep, spec))
-            if not sw["variants"]:
-                raise R.NoFit(f"no variant of {sweep} accepts {min_accept:g} drafts per round in "
-                              f"{spec}: " + ", ".join(f"{n} {_accepted(a)}"
-                                                      for n, a in left_out.items()))
+        sw, left_out = _accepting(sw, sweep, spec, min_accept)
         summary = None
         if gpqa is not None:
             summary = load_summary(gpqa)
@@ -134,6 +127,19 @@ def recommend_cmd(
     except R.NoFit as e:
         typer.echo(f"no fit: {e}", err=True)
         raise typer.Exit(1)
+
+
+def _accepting(sw: dict, sweep: str, spec: str | None, min_accept: float | None):
+    """(the sweep dict with only the variants --min-accept lets through, {left-out variant:
+    its acceptance}); the sweep as it is and None without --spec."""
+    if spec is None:
+        return sw, None
+    from replayquant.spec.constraint import accepting_variants, load_spec
+    sw, left_out = accepting_variants(sw, load_spec(spec), min_accept, (sweep, spec))
+    if not sw["variants"]:
+        raise R.NoFit(f"no variant of {sweep} accepts {min_accept:g} drafts per round in {spec}: "
+                      + ", ".join(f"{n} {_accepted(a)}" for n, a in left_out.items()))
+    return sw, left_out
 
 
 def _accepted(a) -> str:
