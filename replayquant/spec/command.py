@@ -125,6 +125,8 @@ def spec_command(model: str, pairs: list, *, assistant: str | None = None, looku
                              f"`replayquant spec` measures assistants of the same vocabulary")
     documents = load_documents(dataset, tok, context, docs, split=split, text_field=text_field,
                                pack=pack, dataset_config=dataset_config, data_files=data_files)
+    for note in documents.notes:             # e.g. fewer documents of --context tokens than --docs
+        Console(stderr=True).print(f"note: {note}", markup=False, highlight=False)
     config = {"model": model_identity(name, revision), "dtype": dtype, "prefill": prefill,
               "reference": {"name": "reference", "pair": pair_record(resolve_pair(REFERENCE_PAIR)),
                             "prefill": "exact"},
@@ -179,12 +181,13 @@ class _Run:
     def __init__(self, *, model, names, config, out: Path, device: str, variants, speculation):
         self.model, self.names, self.config, self.out = model, names, config, out
         self.device, self.variants, self.speculation = device, variants, speculation
-        self.provenance = None
+        self.provenance, self.notes = None, []
 
     def measure(self, documents, progress: bool) -> dict:
         """Every document not yet in the results file, then the table and the plot."""
-        done = self._finished()
-        self._write(done, complete=False)        # the provenance, taken before any work
+        earlier = self._earlier()
+        done = list(earlier["per_document"]) if earlier else []
+        self.notes = list(documents.notes)
         todo = [d for d in documents.documents if d.index not in {r["index"] for r in done}]
         console = Console(stderr=True)
         if done:
@@ -193,6 +196,8 @@ class _Run:
         per_doc = len(self.variants) * (1 + len(self.speculation)) * self.config["new_tokens"]
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                    TextColumn("{task.fields[rate]}"), TimeElapsedColumn())
+        if todo:           # the provenance, taken before any work (and that of a resumed run)
+            self._write(done, complete=False, resumed=earlier and earlier.get("provenance"))
         with Progress(*columns, console=console, disable=not progress or not todo) as bar:
             task = bar.add_task("spec tokens", total=len(todo) * per_doc, rate="")
             if todo:
@@ -206,20 +211,22 @@ class _Run:
                 done.append(self._document(doc, advance))
                 done.sort(key=lambda r: r["index"])
                 self._write(done, complete=len(done) == len(documents.documents))
-        res = self._write(done, complete=True)
+        res = self._write(done, complete=True) if todo else earlier   # finished: as it was
         Console().print(render_table(res["results"]), markup=False, highlight=False, end="")
         png = plot_acceptance(res["results"], Path(self.config["model"]["id"]).name,
                               self.out.with_suffix(".png"))
         console.print(f"wrote {self.out} and {png}", markup=False, highlight=False)
         return res
 
-    def _finished(self) -> list[dict]:
-        """The per-document records of an earlier run of this configuration at --out
-        (`check_owned` refused any other)."""
+    def _earlier(self) -> dict | None:
+        """The results file of an earlier run of this configuration at --out (`check_owned`
+        refused any other), or None."""
         if not self.out.is_file():
-            return []
+            return None
         try:
-            return list(parse_json(self.out.read_text(encoding="utf-8"))["per_document"])
+            res = parse_json(self.out.read_text(encoding="utf-8"))
+            list(res["per_document"])
+            return res
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{self.out} is a damaged spec results file ({e}); delete it to "
                              f"start fresh") from None
@@ -249,17 +256,18 @@ class _Run:
             pairs[v.name] = rec
         return {"index": doc.index, "id": doc.id, "pairs": pairs}
 
-    def _write(self, done: list[dict], complete: bool) -> dict:
+    def _write(self, done: list[dict], complete: bool, resumed: dict | None = None) -> dict:
         names = ["reference", *self.names]
         if self.provenance is None:          # the code and machine as the run started
             self.provenance = provenance(
+                resumed_from=resumed,
                 device=self.device, model=self.config["model"], pairs=names,
                 buffer_len={p["name"]: p.get("buffer_len") for p in self.config["pairs"]},
                 data_fingerprint=self.config["data"]["tokens_sha256"], seed=self.config["seed"],
                 torch_threads=torch.get_num_threads(),
                 omp_num_threads=os.environ.get("OMP_NUM_THREADS"))
         res = {"kind": SPEC_KIND, "complete": complete, "config": self.config,
-               "provenance": self.provenance,
+               "provenance": self.provenance, "notes": self.notes,
                "results": summarize(done, names, list(self.speculation),
                                     self.config["draft_tokens"]),
                "per_document": done}
