@@ -108,7 +108,6 @@ def spec_command(model: str, pairs: list, *, assistant: str | None = None, looku
                               new_tokens=new_tokens, docs=docs, prefill=prefill, dtype=dtype,
                               seed=seed, buffer_len=buffer_len)
     names = [p.label() for p in resolved]
-    check_out_given(out)
     out_path = check_spec_out(out if out is not None else
                               default_out(model, names, context, new_tokens))
     device = check_device(device) if device is not None else (
