@@ -10,6 +10,6 @@ package root, never transformers, lm-eval or the kernels a command runs.
 from replayquant.cli.common import app
 
 # each import registers its commands; `--help` lists them in this order
-from replayquant.cli import formats, kl, bench, gpqa, sweep  # noqa: E402,F401,I001  # isort: skip
+from replayquant.cli import formats, kl, spec, bench, gpqa, sweep  # noqa: E402,F401,I001  # isort: skip
 
 __all__ = ["app"]

@@ -70,16 +70,21 @@ def recommend_cmd(
                             "recommendation of the same budgets (--per-layer: the same policy); "
                             "anything else, an input, or a second run while one runs is refused"),
     progress: bool = typer.Option(True, help="progress bar (--per-layer)"),
+    spec: str = typer.Option(None, "--spec", help="a `replayquant spec` results file of the "
+                             "sweep's model, for --min-accept"),
+    min_accept: float = typer.Option(None, "--min-accept", help="fewest drafts accepted per "
+                                     "verify round (--spec's prompt lookup) of a variant considered"),
 ):
     """The cheapest variant of a sweep within the budgets, its savings against the FP32
     conventional step and the runner-up (exit 1 when nothing fits); or, with --per-layer, a layer
     policy from a sensitivity run, measured with the KL harness beside its prediction."""
     try:
         if per_layer is not None:
-            if sweep is not None or gpqa is not None or max_bytes is not None or max_memory is not None:
+            others = (sweep, gpqa, max_bytes, max_memory, spec, min_accept)
+            if any(o is not None for o in others):
                 raise ValueError("--per-layer takes a sensitivity file and --kl-budget (with --low / "
-                                 "--high); give a sweep file, --max-bytes, --max-memory or --gpqa "
-                                 "without --per-layer")
+                                 "--high); give a sweep file, --max-bytes, --max-memory, --gpqa or "
+                                 "--spec / --min-accept without --per-layer")
             library_logs_above_bars()               # its KL run shows a progress bar
             res = recommend_per_layer(per_layer, kl_budget, low=low, high=high, out=out,
                                       progress=progress,
@@ -96,20 +101,48 @@ def recommend_cmd(
                              "--per-layer SENSITIVITY.json")
         if low is not None or high is not None:
             raise ValueError("--low / --high go with --per-layer")
-        out_path = None if out is None else R.check_recommendation_out(out, (sweep, gpqa))
+        if (spec is None) != (min_accept is None):
+            raise ValueError("--spec and --min-accept go together: give a `replayquant spec` "
+                             "results file and the fewest drafts accepted per round")
+        out_path = None if out is None else R.check_recommendation_out(out, (sweep, gpqa, spec))
         sw = load_json_kind(sweep, SWEEP_KIND, "replayquant sweep")
+        sw, left_out = _accepting(sw, sweep, spec, min_accept)
         summary = None
         if gpqa is not None:
             summary = load_summary(gpqa)
         rec = R.recommend(sw, kl_budget, max_bytes=max_bytes, max_memory=max_memory, gpqa=summary,
                           gpqa_budget=gpqa_budget, source=sweep)
+        if left_out is not None:
+            rec["min_accept"] = {"spec": spec, "min_accept": min_accept, "left_out": left_out}
         R.print_recommendation(rec)
+        if left_out:
+            typer.echo(f"not considered (below --min-accept {min_accept:g} drafts per round in "
+                       f"{spec}): " + ", ".join(f"{n} ({_accepted(a)})"
+                                                for n, a in left_out.items()))
         if out_path is not None:
-            R.write_recommendation(out_path, rec, (sweep, gpqa))
+            R.write_recommendation(out_path, rec, (sweep, gpqa, spec))
             typer.echo(f"wrote {out_path}", err=True)
     except R.NoFit as e:
         typer.echo(f"no fit: {e}", err=True)
         raise typer.Exit(1)
+
+
+def _accepting(sw: dict, sweep: str, spec: str | None, min_accept: float | None):
+    """(the sweep dict with only the variants --min-accept lets through, {left-out variant:
+    its acceptance}); the sweep as it is and None without --spec."""
+    if spec is None:
+        return sw, None
+    from replayquant.spec.constraint import accepting_variants, load_spec
+    sw, left_out = accepting_variants(sw, load_spec(spec), min_accept, (sweep, spec))
+    if not sw["variants"]:
+        raise R.NoFit(f"no variant of {sweep} accepts {min_accept:g} drafts per round in {spec}: "
+                      + ", ".join(f"{n} {_accepted(a)}" for n, a in left_out.items()))
+    return sw, left_out
+
+
+def _accepted(a) -> str:
+    """A variant's drafts accepted per round in a spec run, for `recommend --min-accept`."""
+    return "not measured" if a is None else f"{a:.2f}"
 
 
 @app.command("sensitivity")

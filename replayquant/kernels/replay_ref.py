@@ -275,7 +275,7 @@ def replay_ref_core(store: ReplayStore, fe, raw, state_indices, T: int, step: bo
                     store.ubuf[s, e] = u.to(store.ubuf.dtype)
                 store.bbuf[s, e] = beta[b_, t]
                 store.Gbuf[s, e] = Gp
-                if solves_u(store):
+                if solves_u(store) and store.Tbuf is not None:   # a float32 ring keeps none
                     _key_factor_rows_ref(store, s, start, p, p + 1)
         if post is not None:
             for t in range(T):

@@ -1,0 +1,66 @@
+"""`spec`: speculative decoding (HF's prompt lookup, optionally a draft model) on the model
+patched with each pair beside the FP32 reference; acceptance, agreement and speed per pair
+(replayquant/spec)."""
+
+import typing
+
+import typer
+
+from replayquant.cli.common import (DeviceOpt, DtypeOpt, KLOptions, ModelOpt, PrefillOpt, app,
+                                    library_logs_above_bars, pair_option, user_errors)
+
+# the data options as `replayquant kl` declares them (KLOptions), so that both take one --dataset
+_KL = typing.get_type_hints(KLOptions, include_extras=True)
+DatasetOpt, SplitOpt, ConfigOpt = _KL["dataset"], _KL["split"], _KL["dataset_config"]
+DataFilesOpt, TextOpt, PackOpt = _KL["data_files"], _KL["text_field"], _KL["pack"]
+SeedOpt, RevisionOpt, ProgressOpt = _KL["seed"], _KL["revision"], _KL["progress"]
+SpecPairs = pair_option("repeatable; the reference, s32_rs with exact prefill, runs beside them",
+                        policies=False)
+
+
+@app.command("spec")
+@user_errors()
+def spec_cmd(
+    model: ModelOpt,
+    pair: SpecPairs,
+    assistant: str = typer.Option(None, "--assistant", help="a draft model of the same tokenizer "
+                                  "(hub id, short name or folder) measured beside prompt lookup; "
+                                  "patched with s32_rs where it has recurrent layers"),
+    lookup: bool = typer.Option(True, "--lookup/--no-lookup", help="prompt-lookup speculation"),
+    draft_tokens: int = typer.Option(4, "--draft-tokens", help="drafts per verify round "
+                                     "(prompt_lookup_num_tokens, the assistant's "
+                                     "num_assistant_tokens); at most each pair's L"),
+    context: int = typer.Option(256, help="prompt tokens per document (shorter documents are "
+                                "skipped)"),
+    new_tokens: int = typer.Option(64, "--new-tokens", help="tokens generated per document"),
+    docs: int = typer.Option(4, help="number of documents, the first ones in the dataset's order"),
+    buffer_len: int = typer.Option(None, "--buffer-len", help="L of every pair (default: each "
+                                   "pair's own); a pair given another L is named PAIR@LL"),
+    dataset: DatasetOpt = "heldout",
+    split: SplitOpt = "test",
+    dataset_config: ConfigOpt = None,
+    data_files: DataFilesOpt = None,
+    text_field: TextOpt = "text",
+    pack: PackOpt = False,
+    prefill: PrefillOpt = "replay",
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = None,
+    seed: SeedOpt = 0,
+    revision: RevisionOpt = None,
+    out: str = typer.Option(None, help="results JSON (default build/spec/MODEL_PAIRS_ctxN_newM."
+                            "json; the plot goes beside it as .png; the same run resumes there, a "
+                            "file of another kind or configuration is refused)"),
+    progress: ProgressOpt = True,
+):
+    """Speculative decoding per pair: HF's prompt lookup (and --assistant) on the patched model,
+    greedy; accepted drafts per round, tokens per forward, acceptance by draft position,
+    agreement with the reference's greedy tokens, tokens/s against plain decode. Batch 1 (HF's
+    assisted generation)."""
+    from replayquant.spec import spec_command      # transformers: loaded by the command only
+    library_logs_above_bars()
+    spec_command(model, pair, assistant=assistant, lookup=lookup, draft_tokens=draft_tokens,
+                 dataset=dataset, split=split, dataset_config=dataset_config,
+                 data_files=data_files or None, text_field=text_field, context=context,
+                 new_tokens=new_tokens, docs=docs, pack=pack, prefill=prefill, dtype=dtype,
+                 device=device, seed=seed, revision=revision, buffer_len=buffer_len, out=out,
+                 progress=progress)

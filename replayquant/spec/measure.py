@@ -1,0 +1,106 @@
+"""One counted `generate`: its tokens, its verify rounds, its target forwards and its wall time.
+
+HF's assisted generation (`generate(..., prompt_lookup_num_tokens=N)` or `assistant_model=`)
+runs its own loop: per round a candidate generator proposes drafts (`get_candidates`), one target
+forward verifies them, the cache is cropped to the accepted ones, and the generator is told how
+many matched (`update_candidate_strategy(input_ids, scores, num_matches)`). `counted_rounds`
+wraps the candidate generator HF builds for the model (its `_get_candidate_generator`, on the
+model object only, for the duration of a `with`) so that each round records (drafts proposed,
+drafts accepted) as HF's own acceptance rule decided them; nothing of HF's loop is redone here.
+A forward hook on the target counts its forwards and times the first one, which holds the prompt:
+the decode rate is taken after it, so that a prompt's prefill does not dilute it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+
+import torch
+
+
+@dataclasses.dataclass
+class Generation:
+    """What one greedy `generate` produced and cost."""
+    tokens: list[int]                 # the new tokens
+    rounds: list[tuple[int, int]]     # (drafts, accepted) per verify round; [] for plain decode
+    forwards: int                     # forwards of the target model
+    wall_s: float                     # the whole `generate`, prompt included
+    decode_s: float                   # after the first forward (which holds the prompt)
+    first_tokens: int                 # tokens the first forward gave
+
+    def record(self, reference: list[int], plain: list[int] | None = None) -> dict:
+        """A JSON record: counts, times, and agreement (`agreement`) with the reference pair's
+        plain greedy tokens and, for a speculative run, with its own pair's plain greedy."""
+        rec = {"tokens": self.tokens, "generated": len(self.tokens), "forwards": self.forwards,
+               "rounds": [list(r) for r in self.rounds], "wall_s": self.wall_s,
+               "decode_s": self.decode_s, "decode_tokens": len(self.tokens) - self.first_tokens,
+               "agree_ref": list(agreement(self.tokens, reference))}
+        if plain is not None:
+            rec["agree_plain"] = list(agreement(self.tokens, plain))
+        return rec
+
+
+def agreement(tokens: list[int], reference: list[int]) -> tuple[int, int]:
+    """(positions equal before the first divergence, positions equal in all) of `tokens`
+    against `reference`, over the reference's length (a missing token counts as unequal)."""
+    same = [i < len(tokens) and tokens[i] == t for i, t in enumerate(reference)]
+    prefix = same.index(False) if False in same else len(same)
+    return prefix, sum(same)
+
+
+@contextlib.contextmanager
+def counted_rounds(model, rounds: list):
+    """For the `with` block, every candidate generator HF's assisted generation builds for
+    `model` appends (drafts, accepted) of each verify round to `rounds`."""
+    build = getattr(model, "_get_candidate_generator", None)
+    if build is None:
+        raise ValueError(f"{type(model).__name__} has no _get_candidate_generator: this version "
+                         f"of transformers builds assisted generation's candidates elsewhere, "
+                         f"which `replayquant spec` cannot count")
+
+    def counted(*args, **kwargs):
+        gen = build(*args, **kwargs)
+        get, update = gen.get_candidates, gen.update_candidate_strategy
+        drafted = []
+
+        def get_candidates(input_ids, *a, **kw):
+            candidates, logits = get(input_ids, *a, **kw)
+            drafted.append(int(candidates.shape[1] - input_ids.shape[1]))
+            return candidates, logits
+
+        def update_candidate_strategy(input_ids, scores, num_matches):
+            rounds.append((drafted.pop(), int(num_matches)))
+            return update(input_ids, scores, num_matches)
+
+        gen.get_candidates = get_candidates
+        gen.update_candidate_strategy = update_candidate_strategy
+        return gen
+
+    model._get_candidate_generator = counted          # this object only, until the block ends
+    try:
+        yield rounds
+    finally:
+        del model._get_candidate_generator
+
+
+def counted_generate(model, ids: torch.Tensor, new_tokens: int, **speculation) -> Generation:
+    """Greedy `generate` of exactly `new_tokens` tokens after prompt `ids` [1, n] (no early
+    stop at an end-of-sequence token), counted: `speculation` holds HF's options
+    (prompt_lookup_num_tokens=N or assistant_model=...), none for plain decode."""
+    rounds, ends = [], []
+    hook = model.register_forward_hook(lambda *_: ends.append(time.perf_counter()))
+    try:
+        with counted_rounds(model, rounds):
+            t0 = time.perf_counter()
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                 max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                 do_sample=False, **speculation)
+            t1 = time.perf_counter()
+    finally:
+        hook.remove()
+    tokens = out[0, ids.shape[1]:].tolist()
+    first = rounds[0][1] + 1 if rounds else 1
+    return Generation(tokens=tokens, rounds=rounds, forwards=len(ends), wall_s=t1 - t0,
+                      decode_s=t1 - ends[0], first_tokens=min(first, len(tokens)))
