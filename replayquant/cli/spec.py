@@ -2,18 +2,15 @@
 patched with each pair beside the FP32 reference; acceptance, agreement and speed per pair
 (replayquant/spec)."""
 
-import typing
-
 import typer
 
-from replayquant.cli.common import (DeviceOpt, DtypeOpt, KLOptions, ModelOpt, PrefillOpt, app,
+from replayquant.cli.common import (KL_FLAGS, DeviceOpt, DtypeOpt, ModelOpt, PrefillOpt, app,
                                     library_logs_above_bars, pair_option, user_errors)
 
-# the data options as `replayquant kl` declares them (KLOptions), so that both take one --dataset
-_KL = typing.get_type_hints(KLOptions, include_extras=True)
-DatasetOpt, SplitOpt, ConfigOpt = _KL["dataset"], _KL["split"], _KL["dataset_config"]
-DataFilesOpt, TextOpt, PackOpt = _KL["data_files"], _KL["text_field"], _KL["pack"]
-SeedOpt, RevisionOpt, ProgressOpt = _KL["seed"], _KL["revision"], _KL["progress"]
+# the data options as `replayquant kl` declares them (KL_FLAGS), so that both take one --dataset
+DatasetOpt, SplitOpt, ConfigOpt = (KL_FLAGS[k] for k in ("dataset", "split", "dataset_config"))
+DataFilesOpt, TextOpt, PackOpt = (KL_FLAGS[k] for k in ("data_files", "text_field", "pack"))
+SeedOpt, RevisionOpt, ProgressOpt = (KL_FLAGS[k] for k in ("seed", "revision", "progress"))
 SpecPairs = pair_option("repeatable; the reference, s32_rs with exact prefill, runs beside them",
                         policies=False)
 
@@ -56,11 +53,12 @@ def spec_cmd(
     greedy; accepted drafts per round, tokens per forward, acceptance by draft position,
     agreement with the reference's greedy tokens, tokens/s against plain decode. Batch 1 (HF's
     assisted generation)."""
-    from replayquant.spec import spec_command      # transformers: loaded by the command only
+    from replayquant.spec import SpecSettings, spec_command   # transformers: by the command only
     library_logs_above_bars()
-    spec_command(model, pair, assistant=assistant, lookup=lookup, draft_tokens=draft_tokens,
-                 dataset=dataset, split=split, dataset_config=dataset_config,
-                 data_files=data_files or None, text_field=text_field, context=context,
-                 new_tokens=new_tokens, docs=docs, pack=pack, prefill=prefill, dtype=dtype,
-                 device=device, seed=seed, revision=revision, buffer_len=buffer_len, out=out,
-                 progress=progress)
+    settings = SpecSettings(assistant=assistant, lookup=lookup, draft_tokens=draft_tokens,
+                            dataset=dataset, split=split, dataset_config=dataset_config,
+                            data_files=data_files or None, text_field=text_field,
+                            context=context, new_tokens=new_tokens, docs=docs, pack=pack,
+                            prefill=prefill, dtype=dtype, device=device, seed=seed,
+                            revision=revision, buffer_len=buffer_len, progress=progress)
+    spec_command(model, pair, settings, out=out)

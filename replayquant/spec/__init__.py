@@ -13,9 +13,9 @@ method, per-document records with every verify round) and NAME.png (acceptance r
 position, one line per pair).
 """
 
-from .command import SPEC_KIND, spec_command
+from .command import SPEC_KIND, SpecSettings, spec_command
 from .measure import Generation, agreement, counted_generate, counted_rounds
 from .report import method_summary, render_table, summarize
 
-__all__ = ["SPEC_KIND", "spec_command", "Generation", "agreement", "counted_generate",
+__all__ = ["SPEC_KIND", "SpecSettings", "spec_command", "Generation", "agreement", "counted_generate",
            "counted_rounds", "method_summary", "render_table", "summarize"]

@@ -13,6 +13,7 @@ a second run into the same --out while one runs (`outputs.output_lock`).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from pathlib import Path
@@ -24,9 +25,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from replayquant.choices import PREFILLS
 from replayquant.kl import command as kl_loaders
 from replayquant.kl.data import load_documents
+from replayquant.kl.settings import check_dtype
 from replayquant.kl.lockstep import pair_record, patch_variant, reference_variant
 from replayquant.models.device import check_device
-from replayquant.models.patching import DTYPES, patch, recurrent_layers
+from replayquant.models.patching import patch, recurrent_layers
 from replayquant.outputs import (check_out_given, check_owned, check_writable_folder, parse_json,
                                  output_lock, write_json)
 from replayquant.policy import resolve_pair
@@ -63,87 +65,115 @@ def check_spec_out(out) -> Path:
     return out
 
 
-def _check_options(pairs, *, methods, draft_tokens, context, new_tokens, docs, prefill, dtype,
-                   seed, buffer_len) -> list:
-    """The resolved pairs, after every check that needs no file: one ValueError for bad input."""
-    for name, v, lo in (("--context", context, 1), ("--new-tokens", new_tokens, 1),
-                        ("--docs", docs, 1), ("--draft-tokens", draft_tokens, 1)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
-    if not methods:
-        raise ValueError("--no-lookup without --assistant measures nothing: give --assistant "
-                         "MODEL, or leave prompt lookup on")
-    if prefill not in PREFILLS:
-        raise ValueError(f"--prefill must be {' or '.join(map(repr, PREFILLS))}, got {prefill!r}")
-    if not (dtype == "auto" or (isinstance(dtype, str) and dtype.lower() in DTYPES)):
-        raise ValueError(f"--dtype must be auto or one of {', '.join(DTYPES)}, got {dtype!r}")
-    check_seed(seed, "--seed")
-    if not pairs:
-        raise ValueError("give at least one --pair (the reference, s32_rs, runs beside them)")
-    resolved = [resolve_pair(p, buffer_len, policy=False) for p in pairs]
-    names = [p.label() for p in resolved]
-    for n in names:
-        if names.count(n) > 1 or n == "reference":
-            raise ValueError(f"pair {n} is given more than once or named 'reference' (the "
-                             f"reference's name): results are kept by pair name")
-    for p in [resolve_pair(REFERENCE_PAIR), *resolved]:
-        if p.buffer_len < draft_tokens:
-            raise ValueError(f"--draft-tokens {draft_tokens} is more than pair {p.label()}'s "
-                             f"buffer length L = {p.buffer_len}: speculation keeps the drafts "
-                             f"uncommitted in the replay buffer; give --draft-tokens <= "
-                             f"{p.buffer_len} or --buffer-len >= {draft_tokens}")
-    return resolved
+@dataclasses.dataclass
+class SpecSettings:
+    """What one `replayquant spec` run measures: the speculation (lookup, assistant,
+    draft_tokens), the documents (dataset ... docs, pack), the generation (new_tokens) and the
+    model's run (prefill, dtype, device, seed, revision, buffer_len: L of every pair)."""
+    assistant: str | None = None
+    lookup: bool = True
+    draft_tokens: int = 4
+    dataset: str = "heldout"
+    split: str = "test"
+    dataset_config: str | None = None
+    data_files: list[str] | None = None
+    text_field: str = "text"
+    context: int = 256
+    new_tokens: int = 64
+    docs: int = 4
+    pack: bool = False
+    prefill: str = "replay"
+    dtype: str = "auto"
+    device: str | None = None
+    seed: int = 0
+    revision: str | None = None
+    buffer_len: int | None = None
+    progress: bool = True
+
+    @property
+    def methods(self) -> list[str]:
+        return [m for m, on in (("lookup", self.lookup), ("assistant", self.assistant is not None))
+                if on]
+
+    def check(self, pairs) -> list:
+        """The resolved pairs, after every check that needs no file: one ValueError for bad
+        input."""
+        for name, v, lo in (("--context", self.context, 1), ("--new-tokens", self.new_tokens, 1),
+                            ("--docs", self.docs, 1), ("--draft-tokens", self.draft_tokens, 1)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+        if not self.methods:
+            raise ValueError("--no-lookup without --assistant measures nothing: give --assistant "
+                             "MODEL, or leave prompt lookup on")
+        if self.prefill not in PREFILLS:
+            raise ValueError(f"--prefill must be {' or '.join(map(repr, PREFILLS))}, got "
+                             f"{self.prefill!r}")
+        check_dtype(self.dtype)
+        check_seed(self.seed, "--seed")
+        if not pairs:
+            raise ValueError("give at least one --pair (the reference, s32_rs, runs beside them)")
+        resolved = [resolve_pair(p, self.buffer_len, policy=False) for p in pairs]
+        names = [p.label() for p in resolved]
+        for n in names:
+            if names.count(n) > 1 or n == "reference":
+                raise ValueError(f"pair {n} is given more than once or named 'reference' (the "
+                                 f"reference's name): results are kept by pair name")
+        n = self.draft_tokens
+        for p in [resolve_pair(REFERENCE_PAIR), *resolved]:
+            if p.buffer_len < n:
+                raise ValueError(f"--draft-tokens {n} is more than pair {p.label()}'s "
+                                 f"buffer length L = {p.buffer_len}: speculation keeps the drafts "
+                                 f"uncommitted in the replay buffer; give --draft-tokens <= "
+                                 f"{p.buffer_len} or --buffer-len >= {n}")
+        return resolved
 
 
-def spec_command(model: str, pairs: list, *, assistant: str | None = None, lookup: bool = True,
-                 draft_tokens: int = 4, dataset: str = "heldout", split: str = "test",
-                 dataset_config: str | None = None, data_files=None, text_field: str = "text",
-                 context: int = 256, new_tokens: int = 64, docs: int = 4, pack: bool = False,
-                 prefill: str = "replay", dtype: str = "auto", device: str | None = None,
-                 seed: int = 0, revision: str | None = None, buffer_len: int | None = None,
-                 out: str | None = None, progress: bool = True) -> dict:
+def spec_command(model: str, pairs: list, settings: SpecSettings | None = None, *,
+                 out: str | None = None) -> dict:
     """Everything `replayquant spec` does (module docstring); returns the results dict."""
-    methods = [m for m, on in (("lookup", lookup), ("assistant", assistant is not None)) if on]
-    resolved = _check_options(pairs, methods=methods, draft_tokens=draft_tokens, context=context,
-                              new_tokens=new_tokens, docs=docs, prefill=prefill, dtype=dtype,
-                              seed=seed, buffer_len=buffer_len)
+    st = settings or SpecSettings()
+    resolved = st.check(pairs)
     names = [p.label() for p in resolved]
     out_path = check_spec_out(out if out is not None else
-                              default_out(model, names, context, new_tokens))
-    device = check_device(device) if device is not None else (
+                              default_out(model, names, st.context, st.new_tokens))
+    device = check_device(st.device) if st.device is not None else (
         "cuda" if torch.cuda.is_available() else "cpu")
-    tok, cfg, name = kl_loaders.load_tokenizer_and_config(model, revision)
+    tok, cfg, name = kl_loaders.load_tokenizer_and_config(model, st.revision)
     limit = getattr(cfg.get_text_config(), "max_position_embeddings", None)
-    if limit and context + new_tokens > limit:
-        raise ValueError(f"--context {context} + --new-tokens {new_tokens} is longer than the "
-                         f"model supports (max_position_embeddings = {limit})")
-    if assistant is not None:
-        atok = kl_loaders.load_tokenizer_and_config(assistant)[0]
+    if limit and st.context + st.new_tokens > limit:
+        raise ValueError(f"--context {st.context} + --new-tokens {st.new_tokens} is longer than "
+                         f"the model supports (max_position_embeddings = {limit})")
+    if st.assistant is not None:
+        atok = kl_loaders.load_tokenizer_and_config(st.assistant)[0]
         if atok.get_vocab() != tok.get_vocab():
-            raise ValueError(f"--assistant {assistant} has another tokenizer than --model {model}: "
-                             f"`replayquant spec` measures assistants of the same vocabulary")
-    documents = load_documents(dataset, tok, context, docs, split=split, text_field=text_field,
-                               pack=pack, dataset_config=dataset_config, data_files=data_files)
+            raise ValueError(f"--assistant {st.assistant} has another tokenizer than --model "
+                             f"{model}: `replayquant spec` measures assistants of the same "
+                             f"vocabulary")
+    documents = load_documents(st.dataset, tok, st.context, st.docs, split=st.split,
+                               text_field=st.text_field, pack=st.pack,
+                               dataset_config=st.dataset_config, data_files=st.data_files)
     for note in documents.notes:             # e.g. fewer documents of --context tokens than --docs
         Console(stderr=True).print(f"note: {note}", markup=False, highlight=False)
-    config = {"model": model_identity(name, revision), "dtype": dtype, "prefill": prefill,
+    config = {"model": model_identity(name, st.revision), "dtype": st.dtype,
+              "prefill": st.prefill,
               "reference": {"name": "reference", "pair": pair_record(resolve_pair(REFERENCE_PAIR)),
                             "prefill": "exact"},
               "pairs": [{"name": n, **pair_record(p)} for n, p in zip(names, resolved)],
-              "methods": methods, "draft_tokens": draft_tokens,
-              "assistant": None if assistant is None else model_identity(assistant),
-              "context": context, "new_tokens": new_tokens, "seed": seed,
+              "methods": st.methods, "draft_tokens": st.draft_tokens,
+              "assistant": None if st.assistant is None else model_identity(st.assistant),
+              "context": st.context, "new_tokens": st.new_tokens, "seed": st.seed,
               "data": documents.record()}
     with output_lock(out_path):
         check_owned(out_path, SPEC_KIND, WRITER, identity=config, recorded=lambda o: o["config"],
                     beside=(out_path.with_suffix(".png"),), fresh=(out_path.with_suffix(".png"),))
-        helper = None if assistant is None else _assistant(assistant, dtype, device, draft_tokens)
-        m = kl_loaders.load_weights(name, dtype, device, revision)
+        helper = None if st.assistant is None else _assistant(st.assistant, st.dtype, device,
+                                                               st.draft_tokens)
+        m = kl_loaders.load_weights(name, st.dtype, device, st.revision)
         run = _Run(model=m, names=names, config=config, out=out_path, device=device,
-                   variants=[reference_variant(m, "exact", seed)] +
-                   [patch_variant(m, p, prefill, seed) for p in resolved],
-                   speculation=_speculation(methods, draft_tokens, helper))
-        return run.measure(documents, progress)
+                   variants=[reference_variant(m, "exact", st.seed)] +
+                   [patch_variant(m, p, st.prefill, st.seed) for p in resolved],
+                   speculation=_speculation(st.methods, st.draft_tokens, helper))
+        return run.measure(documents, st.progress)
 
 
 def _assistant(assistant: str, dtype: str, device: str, draft_tokens: int):
