@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from replayquant.kl.plot import series_styles    # one look for a pair across the plots
 from replayquant.outputs import save_figure
 
 METHODS = ("lookup", "assistant")
@@ -114,13 +115,18 @@ def plot_acceptance(results: dict, title: str, path: Path) -> Path:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
     methods = [m for m in METHODS if any(m in row for row in results.values())]
+    styles = series_styles(list(results))
     fig, axes = plt.subplots(1, len(methods), figsize=(6 * len(methods), 4), squeeze=False)
     for ax, m in zip(axes[0], methods):
         for name, row in results.items():
             rates = row[m]["acceptance_by_position"]
             xs = [i + 1 for i, r in enumerate(rates) if r is not None]
-            ax.plot(xs, [r for r in rates if r is not None], marker="o", label=name)
+            ax.plot(xs, [r for r in rates if r is not None], label=name, markerfacecolor="none",
+                    **styles[name])
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))   # draft positions 1, 2, ...
         ax.set_xlabel("draft position")
         ax.set_ylabel("acceptance rate")
         ax.set_ylim(0, 1.02)
