@@ -9,7 +9,7 @@ import torch
 from replayquant.bench.inputs import cpu_generator, random_state
 from replayquant.bench.kernels_grid import SHAPES, kernel_fns, kernel_inputs
 from replayquant.formats import as_bits
-from replayquant.kernels import quant_ref as qref
+from replayquant.formats import casts as qref
 from replayquant.kernels.replay_decode import advance_pointers
 from replayquant.kernels.replay_ref import replay_accept_ref
 from replayquant.kernels.stores import ConventionalStore, ReplayStore

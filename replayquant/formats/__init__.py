@@ -12,7 +12,7 @@ or its own entry when `stream` is an int64 tensor of shape x.shape[:-2]. Element
 uses counter i, so a caller can give every (layer, head, step) an independent stream.
 
 Backend: CUDA tensors run the Triton kernels of `replayquant.kernels.quant`; CPU tensors run the
-torch reference of `replayquant.kernels.quant_ref` (both give the same bits). Setting
+torch reference of `replayquant.formats.casts` (both give the same bits). Setting
 REPLAYQUANT_BACKEND=triton forces the Triton kernels (on the CPU with TRITON_INTERPRET=1).
 """
 
@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 import torch
 
 from replayquant import options
+from replayquant.formats import casts as ref
 from replayquant.formats.constants import BF16, FP16, NVFP4_BLOCK, ROUNDINGS, Grid
-from replayquant.kernels import quant_ref as ref
-from replayquant.kernels.philox import random_bits_ref
+from replayquant.formats.philox import random_bits_ref
 from replayquant.streams import check_seed
 
 __all__ = ["FORMATS", "Format", "QTensor", "as_bits", "get_format", "use_triton"]

@@ -2,7 +2,7 @@
 
 | module | kernels | reference |
 | --- | --- | --- |
-| quant | quantize / dequantize of every format, nearest and stochastic | quant_ref |
+| quant | quantize / dequantize of every format, nearest and stochastic | formats/casts |
 | conventional | the baseline decode step: read-modify-write of one shared format | the torch `ConventionalState` |
 | stores | the decode stores of a layer (`ReplayStore`, `ConventionalStore`) and the checks of a step's inputs, shared by kernels and references | |
 | replay_decode | the replay decode step and verify: a flush and a read launch of one kernel, read copy + ring buffer, per-row flush from the anchor | replay_ref (specified by the torch `ReplayState`) |

@@ -12,7 +12,7 @@ Semantics per window (DESIGN section 4): every token but the window's L-th reads
 R of the window's checkpoint (GDN: its u from R too); the L-th token (the flush) reads the
 unrounded state S = exp(G_L) A + sum_j exp(G_L - G_j) u_j k_j^T rebuilt from the dequantized
 anchor A (GDN: u from A); S is cast independently into the anchor and the read copy
-(formats bit-exact with quant_ref, SR bits from Philox keyed by layer_seed(seed, layer) and
+(formats bit-exact with formats/casts, SR bits from Philox keyed by layer_seed(seed, layer) and
 sr_stream(flush index, role, sequence id, head), as `ReplayState`). A row's last, partial
 window reads R and becomes the new buffer. exact=True: FP32 through the segment (outputs from
 the running unrounded state) and one cast at its end.

@@ -8,7 +8,7 @@ forcing):
   d_k contiguous (the NVFP4 block runs along d_k).
 * Triton device functions that load a [BV, d_k] tile of a role into float32 registers and
   store a float32 tile back with nearest or stochastic rounding. Rounding follows
-  `kernels/quant_ref.py` bit for bit; SR bits follow `streams.py` (Philox counter = element
+  `formats/casts.py` bit for bit; SR bits follow `streams.py` (Philox counter = element
   index in its matrix, stream = sr_stream(flush index, role, slot, head), key = layer seed).
 """
 
@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from replayquant.kernels import quant_ref as qref
-from replayquant.kernels.philox import random_bits_ref
+from replayquant.formats import casts as qref
+from replayquant.formats.philox import random_bits_ref
 from replayquant.formats.constants import (BF16, E2M1, E4M3, FP8_ROW_DIVISOR, FP16,
                                            NVFP4_BLOCK, NVFP4_BLOCK_SCALE_MIN,
                                            NVFP4_GLOBAL_DIVISOR, ROUNDINGS)
@@ -153,7 +153,7 @@ def role_streams(flush_index, role: int, slots, heads: int) -> torch.Tensor:
 
 
 # ============================================================================ Triton helpers
-# Rounding, decoding and Philox come from kernels/quant.py (bit-exact with quant_ref.py).
+# Rounding, decoding and Philox come from kernels/quant.py (bit-exact with formats/casts.py).
 
 _NV_DIV: tl.constexpr = tl.constexpr(NVFP4_GLOBAL_DIVISOR)
 _FP8_DIV: tl.constexpr = tl.constexpr(FP8_ROW_DIVISOR)
@@ -219,7 +219,7 @@ def _tile_load(pay, sc, gs, mat, rows, cols, DV: tl.constexpr, DK: tl.constexpr,
 @triton.jit
 def nv_block_encode(x, g, rb, BV: tl.constexpr, DK: tl.constexpr, SR: tl.constexpr):
     """NVFP4 codes of a float32 tile x [BV, DK] with matrix scale g: (E2M1 codes [BV, DK] as
-    integers, E4M3 block-scale codes [BV, DK // 16]), the steps of quant_ref in float32."""
+    integers, E4M3 block-scale codes [BV, DK // 16]), the steps of formats/casts in float32."""
     NB: tl.constexpr = DK // 16
     xb = tl.reshape(x, (BV, NB, 16))
     bamax = tl.max(tl.abs(xb), axis=2)
