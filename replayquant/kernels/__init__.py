@@ -8,7 +8,6 @@
 | replay_decode | the replay decode step and verify: a flush and a read launch of one kernel, read copy + ring buffer, per-row flush from the anchor | replay_ref (specified by the torch `ReplayState`) |
 | verify | speculative verify + accept (on replay_decode's kernel), and the per-draft snapshot baseline | replay_ref / in verify |
 | chunk | chunked teacher forcing with the decode semantics (docs/DESIGN.md section 7) | chunk_ref |
-| philox | Philox4x32-10 bits for stochastic rounding | philox (torch) |
 | compile_check | compiles every specialization the model paths launch for sm_90, without a GPU | |
 
 Importing this package imports no kernel module (and so not triton): import the module you need.
