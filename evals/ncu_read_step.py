@@ -15,7 +15,7 @@ import torch
 from replayquant.bench.inputs import random_state
 from replayquant.bench.kernels_grid import PAIR_L, SHAPES, kernel_fns, kernel_inputs, load_pair
 from replayquant.bench.kernels_timing import no_gpu
-from replayquant.kernels.stores import ReplayStore
+from replayquant.replay.stores import ReplayStore
 
 
 def main(argv) -> int:

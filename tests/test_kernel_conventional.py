@@ -7,13 +7,14 @@ import torch
 
 from replayquant.bench.inputs import (gdn_params, gdn_step_inputs, kda_step_inputs,
                                       mamba2_params, mamba2_step_inputs, random_state)
-from replayquant.kernels.conventional import (conventional_gdn_step, conventional_gdn_step_ref,
-                                              conventional_kda_step, conventional_kda_step_ref,
-                                              conventional_mamba2_step,
-                                              conventional_mamba2_step_ref, gdn_frontend_ref,
-                                              kda_frontend_ref, mamba2_frontend_ref,
-                                              mamba2_post_ref)
-from replayquant.kernels.stores import ConventionalStore
+from replayquant.kernels.conventional import (conventional_gdn_step, conventional_kda_step,
+                                              conventional_mamba2_step)
+from replayquant.kernels.conventional_ref import (conventional_gdn_step_ref,
+                                                  conventional_kda_step_ref,
+                                                  conventional_mamba2_step_ref, gdn_frontend_ref,
+                                                  kda_frontend_ref, mamba2_frontend_ref,
+                                                  mamba2_post_ref)
+from replayquant.replay.stores import ConventionalStore
 from replayquant.replay import ConventionalState
 from _helpers import assert_states_close
 

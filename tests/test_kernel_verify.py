@@ -8,9 +8,10 @@ import torch
 from replayquant.policy import resolve_pair
 from replayquant.bench.inputs import (gdn_params, gdn_step_inputs, mamba2_params,
                                       mamba2_step_inputs, random_state)
-from replayquant.kernels.conventional import gdn_frontend_ref, mamba2_frontend_ref, mamba2_post_ref
+from replayquant.kernels.conventional_ref import (gdn_frontend_ref, mamba2_frontend_ref,
+                                                  mamba2_post_ref)
 from replayquant.kernels.replay_decode import advance_pointers, replay_gdn_step, replay_mamba2_step
-from replayquant.kernels.stores import ConventionalStore, ReplayStore
+from replayquant.replay.stores import ConventionalStore, ReplayStore
 from replayquant.kernels.replay_ref import (replay_accept_ref, replay_gdn_step_ref,
                                             replay_gdn_verify_ref, replay_mamba2_step_ref,
                                             replay_mamba2_verify_ref)

@@ -5,6 +5,9 @@ from this check), read from the source with `ast`."""
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "replayquant"
@@ -79,3 +82,67 @@ def test_the_import_graph_has_no_circle():
     edges = _edges(_modules())
     assert sum(map(len, edges.values())) > 100              # the scan saw the package's imports
     assert _circles(edges) == []
+
+
+# Runs in a fresh interpreter in which `import triton` fails: the layer's state (the torch
+# states, the decode stores, their roles and the conversions between them), the format
+# specification and every torch reference build and step on the CPU without Triton, which
+# replayquant installs on Linux only.
+_NO_TRITON = """
+import sys
+sys.modules["triton"] = None
+sys.modules["triton.language"] = None
+import torch
+import replayquant.formats
+from replayquant.formats import casts, philox
+import replayquant.replay
+from replayquant.replay import ConventionalStore, ReplayState, ReplayStore, roles, stores
+from replayquant.kernels import (chunk_ref, conventional_ref, replay_launch, replay_ref,
+                                 replay_torch)
+from replayquant.models import decode_store
+from replayquant.policy import resolve_pair
+
+g = torch.Generator().manual_seed(0)
+N, H, D, L = 2, 2, 16, 4
+rnd = lambda *s: torch.randn(*s, generator=g)
+pair = resolve_pair("tp4_hi32", L)
+store = ReplayStore.from_state(rnd(N, H, D, D), pair, "gdn")       # the kernels' bf16 ring
+ref = store.clone()
+q, k, v, a, b = rnd(N, H, D), rnd(N, H, D), rnd(N, H, D), rnd(N, H), rnd(N, H)
+A_log, dt_bias = rnd(H), rnd(H)
+kb, vb = k.bfloat16(), v.bfloat16()
+for _ in range(L + 1):                                # read steps and a flush
+    y = replay_torch.replay_gdn_step_torch(store, q, kb, vb, a, b, A_log, dt_bias)
+    y_ref = replay_ref.replay_gdn_step_ref(ref, q, kb, vb, a, b, A_log, dt_bias)
+    assert torch.equal(y, y_ref)
+assert int(store.n_flush.min()) == 1 and replay_launch.replay_launch_config(store, "flush")
+store.pack()
+conv = ConventionalStore.from_state(rnd(N, H, D, D), "fp8", "stochastic", seed=1)
+assert conventional_ref.conventional_gdn_step_ref(conv, q, k, v, a, b, A_log, dt_bias).shape \\
+    == (N, H, D)
+st = ReplayState(rnd(N, H, D, D), pair, delta=True, seed=2)
+st.step(q, k, v, -torch.rand(N, H, generator=g), torch.rand(N, H, generator=g))
+kv, idx = decode_store.state_to_store(st, H, ring_dtype=torch.float32)
+back = decode_store.store_to_state(kv, idx, pair, 2, 0)
+assert torch.equal(back.export()["anchor"].payload, st.export()["anchor"].payload)
+ss = chunk_ref.initial_scan_state(rnd(N, H, D, D), pair, delta=True)
+chunk_ref.chunk_scan_ref(ss, rnd(N, 3, H, D), rnd(N, 3, H, D), rnd(N, 3, H, D),
+                         -torch.rand(N, 3, H, generator=g), torch.rand(N, 3, H, generator=g),
+                         pair=pair)
+assert isinstance(store.anchor, roles.PackedRole) and stores.FaultRecord
+assert casts.pow2_ref(torch.tensor([3])).item() == 8.0
+assert philox.random_bits_ref((4,), 0, 0).numel() == 4
+print("ok")
+"""
+
+
+def test_layer_state_and_references_import_without_triton():
+    """`import triton` fails in the child: replay/ (stores and conversions), formats/ and the
+    torch references import, build a store and step it (torch engine = reference, bit for
+    bit), hand a ReplayState to a store and back, and run the chunked scan's reference."""
+    env = dict(os.environ, REPLAYQUANT_BACKEND="torch",
+               PYTHONPATH=os.pathsep.join([str(PKG.parent), os.environ.get("PYTHONPATH", "")]))
+    env.pop("TRITON_INTERPRET", None)
+    got = subprocess.run([sys.executable, "-c", _NO_TRITON], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert got.returncode == 0 and got.stdout.strip().endswith("ok"), got.stderr[-3000:]

@@ -71,9 +71,10 @@ from replayquant.kernels import chunk_ref
 from replayquant.kernels.chunk_ref import ScanState, _check_inputs, cpu_threads
 from replayquant.kernels.quant import (decode_bf16, decode_e2m1, decode_e4m3, decode_fp16,
                                        encode_bf16, encode_e4m3, encode_fp16)
-from replayquant.kernels.roles import (_FP8_DIV, _NV_DIV, FMT_IDS, _role_bits, _sr_bits,
-                                       nv_block_encode, split_key)
+from replayquant.kernels.roles import (_FP8_DIV, _NV_DIV, _role_bits, _sr_bits, nv_block_encode,
+                                       split_key)
 from replayquant.replay import core
+from replayquant.replay.roles import FMT_IDS
 from replayquant.streams import layer_seed
 
 __all__ = ["chunk_scan", "chunk_launch_config", "supports", "teacher_force",

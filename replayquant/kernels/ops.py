@@ -36,8 +36,8 @@ from replayquant.kernels import replay_decode as rd
 from replayquant.kernels import replay_ref as rr
 from replayquant.kernels import replay_torch as rt
 from replayquant.kernels import verify as vf
-from replayquant.kernels.roles import PackedRole
-from replayquant.kernels.stores import (FaultRecord, ReplayStore, _begin, _check_accept,
+from replayquant.replay.roles import PackedRole
+from replayquant.replay.stores import (FaultRecord, ReplayStore, _begin, _check_accept,
                                         packed_views)
 
 __all__ = ["replay_step", "replay_verify", "replay_accept", "store_tensors", "store_meta",

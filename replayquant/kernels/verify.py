@@ -29,11 +29,12 @@ import torch
 import triton
 import triton.language as tl
 
-from replayquant.kernels.conventional import (_into, conv_launch, gdn_frontend_ref,
-                                              mamba2_frontend_ref, mamba2_post_ref)
+from replayquant.kernels.conventional import conv_launch
+from replayquant.kernels.conventional_ref import (_into, gdn_frontend_ref, mamba2_frontend_ref,
+                                                  mamba2_post_ref)
 from replayquant.kernels.replay_decode import _launch, advance_pointers
-from replayquant.kernels.roles import PackedRole, role_streams
-from replayquant.kernels.stores import (NO_DT_LIMIT, ConventionalStore, ReplayStore,
+from replayquant.replay.roles import PackedRole, role_streams
+from replayquant.replay.stores import (NO_DT_LIMIT, ConventionalStore, ReplayStore,
                                         _check_accept, _indices)
 from replayquant.kernels.verify_onepass import onepass_verify
 from replayquant.streams import ANCHOR

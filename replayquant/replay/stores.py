@@ -36,7 +36,7 @@ from typing import NamedTuple
 import torch
 
 from replayquant.formats import get_format
-from replayquant.kernels.roles import PackedRole, role_streams
+from replayquant.replay.roles import PackedRole, role_streams
 from replayquant.pairs import PrecisionPair
 from replayquant.replay.frontends import l2norm, l2norm_kda
 from replayquant.statebytes import ring_u_bytes
