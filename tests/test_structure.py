@@ -86,8 +86,8 @@ def test_the_import_graph_has_no_circle():
 
 # Runs in a fresh interpreter in which `import triton` fails: the layer's state (the torch
 # states, the decode stores, their roles and the conversions between them), the format
-# specification and every torch reference build and step on the CPU without Triton, which
-# replayquant installs on Linux only.
+# specification, every torch reference and the torch engine's custom operator build and step on
+# the CPU without Triton, which replayquant installs on Linux only.
 _NO_TRITON = """
 import sys
 sys.modules["triton"] = None
@@ -97,7 +97,7 @@ import replayquant.formats
 from replayquant.formats import casts, philox
 import replayquant.replay
 from replayquant.replay import ConventionalStore, ReplayState, ReplayStore, roles, stores
-from replayquant.kernels import (chunk_ref, conventional_ref, replay_launch, replay_ref,
+from replayquant.kernels import (chunk_ref, conventional_ref, ops, replay_launch, replay_ref,
                                  replay_torch)
 from replayquant.models import decode_store
 from replayquant.policy import resolve_pair
@@ -117,6 +117,12 @@ for _ in range(L + 1):                                # read steps and a flush
     assert torch.equal(y, y_ref)
 assert int(store.n_flush.min()) == 1 and replay_launch.replay_launch_config(store, "flush")
 store.pack()
+twin = store.clone()
+ins = dict(q=q, k=kb, v=vb, a=a, b=b, A_log=A_log, dt_bias=dt_bias)
+y_op = ops.replay_step(store, ins, torch.arange(N, dtype=torch.int32),
+                       meta=ops.store_meta(store, "torch"))
+assert torch.equal(y_op, replay_torch.replay_gdn_step_torch(twin, q, kb, vb, a, b, A_log,
+                                                            dt_bias))
 conv = ConventionalStore.from_state(rnd(N, H, D, D), "fp8", "stochastic", seed=1)
 assert conventional_ref.conventional_gdn_step_ref(conv, q, k, v, a, b, A_log, dt_bias).shape \\
     == (N, H, D)
@@ -139,7 +145,8 @@ print("ok")
 def test_layer_state_and_references_import_without_triton():
     """`import triton` fails in the child: replay/ (stores and conversions), formats/ and the
     torch references import, build a store and step it (torch engine = reference, bit for
-    bit), hand a ReplayState to a store and back, and run the chunked scan's reference."""
+    bit; the custom operator on the torch engine = the engine), hand a ReplayState to a store
+    and back, and run the chunked scan's reference."""
     env = dict(os.environ, REPLAYQUANT_BACKEND="torch",
                PYTHONPATH=os.pathsep.join([str(PKG.parent), os.environ.get("PYTHONPATH", "")]))
     env.pop("TRITON_INTERPRET", None)

@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 
 from replayquant.formats import QTensor, as_bits
+from replayquant.kernels.ops import (ENGINES, replay_accept, replay_step, replay_verify,
+                                     store_meta, store_tensors)
 from replayquant.kernels.replay_ref import fill_key_factors_ref
 from replayquant.replay import ReplayState, core
 from replayquant.replay.roles import PackedRole
@@ -280,8 +282,6 @@ class DecodeStore:
 
     def _build(self, parts, pair, delta, seed, layer, key_heads, reuse, engine, n_slots=None,
                raw=None, max_drafts=0):
-        # Triton (Linux only): loaded where a kernel runs
-        from replayquant.kernels.ops import ENGINES, store_meta
         if engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
         self.pair, self.delta, self.seed, self.layer = pair, delta, seed, layer
@@ -324,8 +324,6 @@ class DecodeStore:
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor of this state a decode step reads or writes (store, slots, counters)."""
-        # Triton (Linux only): loaded where a kernel runs
-        from replayquant.kernels.ops import store_tensors
         return store_tensors(self.store) + [self.state_indices, *self.faults]
 
     def to_replay_state(self) -> ReplayState:
@@ -387,8 +385,6 @@ class DecodeStore:
         -> y float32 [B, H, d_v] (Mamba-2: without the D skip), through the custom operator
         replayquant::replay_step (replayquant.kernels.ops) on this state's engine, which notes
         the inputs' faults in `faults`."""
-        # Triton (Linux only): loaded where a kernel runs
-        from replayquant.kernels.ops import replay_step
         return replay_step(self.store, self._inputs(raw), self.state_indices, DECODE_KERNEL_PATH,
                            self.meta, flushing=self._flushing(), record=self.faults)
 
@@ -400,8 +396,6 @@ class DecodeStore:
         appended to the ring after the committed entries, uncommitted until `accept`. A row whose
         committed entries would not leave T free slots (h + T > L, h > 0) folds them first (DESIGN
         section 4); a flush never folds drafts."""
-        # Triton (Linux only): loaded where a kernel runs
-        from replayquant.kernels.ops import replay_verify
         self.phase = None                     # the rows' fills move on the device
         ins = self._inputs(raw)
         return replay_verify(self.store, ins, self.state_indices, self.meta)
@@ -409,8 +403,6 @@ class DecodeStore:
     def accept(self, n: int) -> None:
         """Commit the first n of the drafts the last `verify` appended, in every row (a pointer
         move, replayquant::replay_accept; the rest are overwritten by later entries)."""
-        # Triton (Linux only): loaded where a kernel runs
-        from replayquant.kernels.ops import replay_accept
         n_rows = torch.full((self.B,), int(n), dtype=torch.int32, device=self.device)
         replay_accept(self.store, n_rows, self.state_indices, self.meta, check=False)
 
