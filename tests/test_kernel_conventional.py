@@ -136,8 +136,9 @@ def test_conventional_mamba2_dt_limit(fmt, pair):
     """dt_limit (Nemotron-H's time_step_limit): kernel == reference == ConventionalState fed
     replay.frontends.mamba2_inputs with the same limit; the limit changes the outputs; (0, inf)
     is the kernel without a limit, bit for bit; a malformed limit is a ValueError."""
-    from replayquant.kernels.verify import (conventional_mamba2_verify,
-                                            conventional_mamba2_verify_ref, make_snapshots)
+    from replayquant.kernels.conventional_ref import conventional_mamba2_verify_ref
+    from replayquant.kernels.verify import conventional_mamba2_verify
+    from replayquant.replay.stores import make_snapshots
     from replayquant.pairs import PrecisionPair
     from replayquant.replay import mamba2_inputs
     N, G, H, dk, dv = 3, 1, 2, 16, 16

@@ -126,6 +126,10 @@ assert torch.equal(y_op, replay_torch.replay_gdn_step_torch(twin, q, kb, vb, a, 
 conv = ConventionalStore.from_state(rnd(N, H, D, D), "fp8", "stochastic", seed=1)
 assert conventional_ref.conventional_gdn_step_ref(conv, q, k, v, a, b, A_log, dt_bias).shape \\
     == (N, H, D)
+snaps = stores.make_snapshots(conv, 2)
+drafts = [t.unsqueeze(1).expand(-1, 2, *t.shape[1:]) for t in (q, k, v, a, b)]
+conventional_ref.conventional_gdn_verify_ref(conv, snaps, *drafts, A_log, dt_bias)
+conventional_ref.conventional_accept_ref(conv, snaps, torch.ones(N, dtype=torch.int32))
 st = ReplayState(rnd(N, H, D, D), pair, delta=True, seed=2)
 st.step(q, k, v, -torch.rand(N, H, generator=g), torch.rand(N, H, generator=g))
 kv, idx = decode_store.state_to_store(st, H, ring_dtype=torch.float32)

@@ -67,7 +67,7 @@ def kernel_fns(kind) -> dict:
         return dict(conv=cv.conventional_gdn_step, conv_ref=cr.conventional_gdn_step_ref,
                     step=rd.replay_gdn_step, step_ref=rr.replay_gdn_step_ref,
                     verify=vf.replay_gdn_verify, verify_ref=rr.replay_gdn_verify_ref,
-                    cverify=vf.conventional_gdn_verify, cverify_ref=vf.conventional_gdn_verify_ref)
+                    cverify=vf.conventional_gdn_verify, cverify_ref=cr.conventional_gdn_verify_ref)
     if kind == "kda":                       # no conventional KDA verify kernel
         return dict(conv=cv.conventional_kda_step, conv_ref=cr.conventional_kda_step_ref,
                     step=rd.replay_kda_step, step_ref=rr.replay_kda_step_ref,
@@ -75,7 +75,7 @@ def kernel_fns(kind) -> dict:
     return dict(conv=cv.conventional_mamba2_step, conv_ref=cr.conventional_mamba2_step_ref,
                 step=rd.replay_mamba2_step, step_ref=rr.replay_mamba2_step_ref,
                 verify=vf.replay_mamba2_verify, verify_ref=rr.replay_mamba2_verify_ref,
-                cverify=vf.conventional_mamba2_verify, cverify_ref=vf.conventional_mamba2_verify_ref)
+                cverify=vf.conventional_mamba2_verify, cverify_ref=cr.conventional_mamba2_verify_ref)
 
 
 def load_pair(name, L):

@@ -1,7 +1,8 @@
 """Torch references of the conventional decode step (`conventional.py`): each kernel `f` there
 has its reference `f_ref` here with the same signature and the same in-place effect on the
-`ConventionalStore`, and the GDN, KDA and Mamba-2 front ends have their torch twins, which the
-replay references and the torch engine share. Plain torch: importing this module imports no
+`ConventionalStore`, as have the per-draft snapshot verify and accept of `verify.py`; the GDN,
+KDA and Mamba-2 front ends have their torch twins here, which the replay references and the
+torch engine share. Plain torch: importing this module imports no
 Triton.
 
     S_t = Q(a_t deq(S_{t-1}) + u_t k_t^T),   y_t = S_t q_t          (DESIGN section 4)
@@ -15,9 +16,9 @@ import math
 import torch
 
 from replayquant.replay.frontends import l2norm, l2norm_kda
-from replayquant.replay.roles import role_streams
-from replayquant.replay.stores import (NO_DT_LIMIT, ConventionalStore, _indices, dt_limit_args,
-                                        step_inputs)
+from replayquant.replay.roles import PackedRole, role_streams
+from replayquant.replay.stores import (NO_DT_LIMIT, ConventionalStore, _check_accept, _indices,
+                                        dt_limit_args, step_inputs)
 from replayquant.streams import ANCHOR
 
 
@@ -143,4 +144,80 @@ def conventional_mamba2_step_ref(store: ConventionalStore, x, dt, A, B, C, state
     y[idx < 0] = 0
     if advance and live.numel():
         store.n_casts[idx[live]] += 1
+    return _into(out, y)
+
+
+# ---------------------------------------------------------------------------- speculative verify
+# (the per-draft snapshot baseline of `verify.py`: snapshots from replay.stores.make_snapshots)
+
+
+def conventional_accept_ref(store: ConventionalStore, snaps: PackedRole, n, state_indices=None,
+                            check=True):
+    st = store.state
+    T = snaps.T
+    B = n.shape[0] if isinstance(n, torch.Tensor) else state_indices.shape[0]
+    idx = _indices(state_indices, B, st.payload.device).long()
+    n = _check_accept(n, B, T, st.payload.device).long()
+    for b_, s in enumerate(idx.tolist()):
+        if s < 0:
+            continue
+        j = int(n[b_])
+        if j > 0:
+            for dst, src in ((st.payload, snaps.payload), (st.scale, snaps.scale),
+                             (st.gscale, snaps.gscale)):
+                if dst is not None:
+                    dst[s] = src[s * T + j - 1]
+        store.n_casts[s] += j
+
+
+def _conv_verify_ref(store, snaps, fe, state_indices, post):
+    q, k, v, log_a, beta = fe
+    st = store.state
+    B, T = q.shape[:2]
+    N, H, dv, dk = st.shape
+    idx = _indices(state_indices, B, q.device).long()
+    y = torch.zeros(B, T, H, dv, dtype=torch.float32, device=q.device)
+    for b_, s in enumerate(idx.tolist()):
+        if s < 0:
+            continue
+        S = st.dequantize([s])[0]
+        nc = int(store.n_casts[s])
+        for t in range(T):
+            S = S * torch.exp(log_a[b_, t])[:, None, None]
+            if beta is not None:
+                u = beta[b_, t][:, None] * (v[b_, t] - (S * k[b_, t][:, None, :]).sum(-1))
+            else:
+                u = v[b_, t]
+            S = S + u[:, :, None] * k[b_, t][:, None, :]
+            y[b_, t] = (S * q[b_, t][:, None, :]).sum(-1)
+            if post is not None:
+                y[b_, t] = post(y[b_, t], b_, t)
+            snaps.write_([s * T + t], S[None], store.key, role_streams(nc + t + 1, ANCHOR, [s], H))
+            S = snaps.dequantize([s * T + t])[0]
+    return y
+
+
+def conventional_gdn_verify_ref(store: ConventionalStore, snaps: PackedRole, q, k, v, a, b, A_log,
+                                dt_bias=None, state_indices=None, scale=None, out=None,
+                                use_qk_l2norm=True, block_v=None, num_warps=None):
+    """torch reference of conventional_gdn_verify (SR streams keyed by the slot id)."""
+    B, T = q.shape[:2]
+    fe = gdn_frontend_ref(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), a.flatten(0, 1),
+                          b.flatten(0, 1), A_log, dt_bias, scale, use_qk_l2norm)
+    fe = tuple(t.unflatten(0, (B, T)) for t in fe)
+    y = _conv_verify_ref(store, snaps, fe, state_indices, None)
+    return _into(out, y)
+
+
+def conventional_mamba2_verify_ref(store: ConventionalStore, snaps: PackedRole, x, dt, A, B, C,
+                                   state_indices=None, D=None, z=None, dt_bias=None, out=None,
+                                   block_v=None, num_warps=None, dt_limit=NO_DT_LIMIT):
+    """torch reference of conventional_mamba2_verify."""
+    Bt, T = x.shape[:2]
+    q, k, v, log_a, _ = mamba2_frontend_ref(x.flatten(0, 1), dt.flatten(0, 1), A,
+                                            B.flatten(0, 1), C.flatten(0, 1), dt_bias, dt_limit)
+    fe = tuple(t.unflatten(0, (Bt, T)) for t in (q, k, v, log_a)) + (None,)
+    post = lambda y, b_, t: mamba2_post_ref(y[None], x[b_:b_ + 1, t], D,  # noqa: E731
+                                            None if z is None else z[b_:b_ + 1, t])[0]
+    y = _conv_verify_ref(store, snaps, fe, state_indices, post)
     return _into(out, y)
