@@ -43,6 +43,14 @@ def use_triton(x: torch.Tensor) -> bool:
     return choice == "triton"
 
 
+
+def _quant_kernels():
+    """kernels/quant.py, the Triton casts that run where use_triton holds: imported there, since
+    it imports Triton, which replayquant installs on Linux only (the torch casts of
+    formats/casts.py, the specification, run everywhere else)."""
+    from replayquant.kernels import quant
+    return quant
+
 def as_bits(t: torch.Tensor) -> torch.Tensor:
     """t as operators that have no float8 kernel can take it (torch.equal, zero_, copies
     compared bit for bit): an FP8 payload viewed as its bytes, any other tensor as it is."""
@@ -177,9 +185,8 @@ class CastFormat(Format):
 
     def _quantize(self, x, rounding, seed, stream, rbits):
         if use_triton(x):
-            # Triton (Linux only): loaded where a kernel runs
-            from replayquant.kernels import quant
-            payload = quant.cast_quantize(x, self.grid, self.dtype, rounding, seed, stream)
+            payload = _quant_kernels().cast_quantize(x, self.grid, self.dtype, rounding, seed,
+                                                     stream)
         else:
             payload = ref.cast_ref(x, self.grid, self.dtype, rbits)
         return QTensor(self.name, tuple(x.shape), payload)
@@ -197,18 +204,14 @@ class FP8Format(Format):
 
     def _quantize(self, x, rounding, seed, stream, rbits):
         if use_triton(x):
-            # Triton (Linux only): loaded where a kernel runs
-            from replayquant.kernels import quant
-            payload, scale = quant.fp8_quantize(x, rounding, seed, stream)
+            payload, scale = _quant_kernels().fp8_quantize(x, rounding, seed, stream)
         else:
             payload, scale = ref.fp8_quantize_ref(x, rbits)
         return QTensor(self.name, tuple(x.shape), payload, {"row": scale})
 
     def _dequantize(self, q):
         if use_triton(q.payload):
-            # Triton (Linux only): loaded where a kernel runs
-            from replayquant.kernels import quant
-            return quant.fp8_dequantize(q.payload, q.scales["row"])
+            return _quant_kernels().fp8_dequantize(q.payload, q.scales["row"])
         return ref.fp8_dequantize_ref(q.payload, q.scales["row"])
 
 
@@ -236,11 +239,9 @@ class NVFP4Format(Format):
     def _quantize(self, x, rounding, seed, stream, rbits):
         x3 = self._as_matrices(x)
         if use_triton(x):
-            # Triton (Linux only): loaded where a kernel runs
-            from replayquant.kernels import quant
             if isinstance(stream, torch.Tensor):   # one stream per matrix, in x3's order
                 stream = torch.broadcast_to(stream.to(torch.int64), x.shape[:-2]).reshape(-1)
-            packed, bscale, gscale = quant.nvfp4_quantize(x3, rounding, seed, stream)
+            packed, bscale, gscale = _quant_kernels().nvfp4_quantize(x3, rounding, seed, stream)
         else:
             packed, bscale, gscale = ref.nvfp4_quantize_ref(
                 x3, None if rbits is None else rbits.reshape(x3.shape))
@@ -248,9 +249,8 @@ class NVFP4Format(Format):
 
     def _dequantize(self, q):
         if use_triton(q.payload):
-            # Triton (Linux only): loaded where a kernel runs
-            from replayquant.kernels import quant
-            out = quant.nvfp4_dequantize(q.payload, q.scales["block"], q.scales["matrix"])
+            out = _quant_kernels().nvfp4_dequantize(q.payload, q.scales["block"],
+                                                    q.scales["matrix"])
         else:
             out = ref.nvfp4_dequantize_ref(q.payload, q.scales["block"], q.scales["matrix"])
         return out.reshape(q.shape)
