@@ -19,6 +19,7 @@ from replayquant.formats.constants import BF16, FP16, NVFP4_BLOCK, ROUNDINGS
 from replayquant.formats.philox import random_bits_ref
 from replayquant.streams import sr_stream
 
+# the id of each format as the kernels take it (PackedRole.kernel_args, the FMT constexpr)
 FMT_IDS = {"fp32": 0, "fp16": 1, "bf16": 2, "fp8": 3, "nvfp4": 4}
 
 
