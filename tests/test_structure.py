@@ -1,6 +1,7 @@
-"""The package's import graph has no circle: every module's imports of replayquant modules, at
-module level and inside functions alike (a function-local import hides an edge from a reader, not
-from this check), read from the source with `ast`."""
+"""The package's import structure: its import graph has no circle (every module's imports of
+replayquant modules, at module level and inside functions alike: a function-local import hides an
+edge from a reader, not from this check; read from the source with `ast`), and the layer's state,
+the format specification and the torch references import and run without Triton."""
 
 from __future__ import annotations
 
