@@ -33,8 +33,9 @@ def kda_conventional_checks(device="cuda") -> dict:
     from the kernel's own store (what one call must match); max_rel_y: the reference's own
     chain of steps (rounding flips of low-precision formats may make it drift apart)."""
     from replayquant.testing import kda_step_inputs, random_state
-    from replayquant.kernels.conventional import conventional_kda_step, conventional_kda_step_ref
-    from replayquant.kernels.stores import ConventionalStore
+    from replayquant.kernels.conventional import conventional_kda_step
+    from replayquant.kernels.conventional_ref import conventional_kda_step_ref
+    from replayquant.replay.stores import ConventionalStore
     H, HK, dk, dv = (KDA_SHAPE[n] for n in ("H", "HK", "dk", "dv"))
     idx = torch.tensor([5, -1, 0, 3, 1, 2, 4], dtype=torch.int32, device=device)
     B = idx.shape[0]

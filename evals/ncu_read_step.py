@@ -15,7 +15,7 @@ import torch
 from replayquant.testing import random_state
 from replayquant.bench.kernels.grid import PAIR_L, SHAPES, kernel_fns, kernel_inputs, load_pair
 from replayquant.bench.kernels.timing import no_gpu
-from replayquant.kernels.stores import ReplayStore
+from replayquant.replay.stores import ReplayStore
 
 
 def main(argv) -> int:

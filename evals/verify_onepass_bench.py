@@ -24,7 +24,7 @@ from replayquant.bench.kernels.grid import PAIR_L, SHAPES, kernel_fns, kernel_in
 from replayquant.bench.kernels.rows import spec_accepts
 from replayquant.bench.kernels.timing import (copy_bandwidth_GBps, empty_cache, no_gpu,
                                               time_calls, timed_row)
-from replayquant.kernels.stores import ReplayStore
+from replayquant.replay.stores import ReplayStore
 from replayquant.kernels.verify import replay_accept
 from replayquant.outputs import write_json
 from replayquant.provenance import provenance

@@ -11,7 +11,7 @@ import torch
 
 from replayquant.testing import (gdn_params, gdn_step_inputs, mamba2_params,
                                  mamba2_step_inputs, random_state)
-from replayquant.kernels.stores import ReplayStore
+from replayquant.replay.stores import ReplayStore
 from replayquant.kernels.verify import replay_gdn_verify, replay_mamba2_verify
 from replayquant.pairs import PrecisionPair
 

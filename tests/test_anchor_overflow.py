@@ -191,7 +191,7 @@ def test_decode_flush_whose_cast_overflows_keeps_the_roles_and_notes_the_step(ki
     in the fault record's flush-cast column, no input column; the engine and the reference
     agree bit for bit."""
     from replayquant.testing import random_state
-    from replayquant.kernels.stores import FAULT_INPUTS, FaultRecord, ReplayStore
+    from replayquant.replay.stores import FAULT_INPUTS, FaultRecord, ReplayStore
     from test_kernel_replay import assert_same_store
     _, pair = PAIRS[name]
     fns = _decode_fns(kind)

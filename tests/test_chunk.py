@@ -245,7 +245,7 @@ def test_state_hand_off(delta):
 
 def _random_bits_int64(shape, seed, stream):
     """random_bits_ref written with the torch int64 philox_ref (the readable specification)."""
-    from replayquant.kernels.philox import philox_ref, split_u64
+    from replayquant.formats.philox import philox_ref, split_u64
     mat = shape[:-2] if len(shape) >= 2 else ()
     per = 1
     for d in shape[len(mat):]:
@@ -266,7 +266,7 @@ def _random_bits_int64(shape, seed, stream):
 def test_fast_random_bits_equal_the_int64_philox():
     """random_bits_ref (numpy uint32 lanes, the CPU fast path) and random_bits_torch (int64
     torch, the GPU path) give philox_ref's words."""
-    from replayquant.kernels.philox import random_bits_ref, random_bits_torch
+    from replayquant.formats.philox import random_bits_ref, random_bits_torch
     gen = torch.Generator().manual_seed(8)
     cases = [((7,), 0, 0), ((3, 5), 2 ** 63 + 5, 2 ** 40 + 3),
              ((2, 3, 4, 16), 12345, torch.randint(0, 2 ** 62, (2, 3), generator=gen)),

@@ -10,8 +10,8 @@ import torch
 from replayquant.formats import FORMATS, as_bits, get_format
 from replayquant.formats.constants import (BF16, E2M1, E2M1_VALUES, E4M3, FP16,
                                            NVFP4_BLOCK_SCALE_MIN)
-from replayquant.kernels.philox import random_bits_ref
-from replayquant.kernels.quant_ref import grid_value_ref, round_to_grid_ref
+from replayquant.formats.philox import random_bits_ref
+from replayquant.formats.casts import grid_value_ref, round_to_grid_ref
 
 BACKENDS = ["torch", "triton"]
 

@@ -11,7 +11,7 @@ from replayquant.testing import kda_step_inputs, random_state
 from replayquant.kernels import replay_ref as rr
 from replayquant.kernels import replay_torch as rt
 from replayquant.kernels.replay_decode import replay_gdn_step, replay_kda_step, replay_mamba2_step
-from replayquant.kernels.stores import FAULT_COLUMNS, FAULT_INPUTS, FaultRecord, ReplayStore
+from replayquant.replay.stores import FAULT_COLUMNS, FAULT_INPUTS, FaultRecord, ReplayStore
 from replayquant.policy import resolve_pair
 from test_kernel_replay import Driver, poison_buffers
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from replayquant.testing import kda_step_inputs, random_state
-from replayquant.kernels.conventional import kda_frontend_ref
+from replayquant.kernels.conventional_ref import kda_frontend_ref
 from replayquant.kernels.replay_decode import replay_kda_step
-from replayquant.kernels.stores import ReplayStore
+from replayquant.replay.stores import ReplayStore
 from replayquant.kernels import replay_ref as rr
 from replayquant.kernels import verify as vf
 from replayquant.pairs import PrecisionPair

@@ -9,13 +9,13 @@ import torch
 from replayquant.policy import resolve_pair
 from replayquant.testing import (gdn_params, gdn_step_inputs, mamba2_params,
                                  mamba2_step_inputs, random_state)
-from replayquant.kernels.conventional import (conventional_gdn_step, conventional_mamba2_step,
-                                              gdn_frontend_ref, mamba2_frontend_ref,
-                                              mamba2_post_ref)
-from replayquant.kernels.replay_decode import (LAUNCH_TABLE, _flush_grid, _fused, _max_regs,
-                                               advance_pointers, replay_gdn_step,
-                                               replay_launch_config, replay_mamba2_step)
-from replayquant.kernels.stores import ConventionalStore, ReplayStore, resolve_path
+from replayquant.kernels.conventional import conventional_gdn_step, conventional_mamba2_step
+from replayquant.kernels.conventional_ref import (gdn_frontend_ref, mamba2_frontend_ref,
+                                                  mamba2_post_ref)
+from replayquant.kernels.replay_decode import (_flush_grid, _fused, advance_pointers,
+                                               replay_gdn_step, replay_mamba2_step)
+from replayquant.kernels.replay_launch import LAUNCH_TABLE, _max_regs, replay_launch_config
+from replayquant.replay.stores import ConventionalStore, ReplayStore, resolve_path
 from replayquant.kernels import replay_ref as rr
 from replayquant.kernels import verify as vf
 from replayquant.kernels.replay_ref import replay_gdn_step_ref, replay_mamba2_step_ref

@@ -8,17 +8,18 @@ import torch
 from replayquant.policy import resolve_pair
 from replayquant.testing import (gdn_params, gdn_step_inputs, mamba2_params,
                                  mamba2_step_inputs, random_state)
-from replayquant.kernels.conventional import gdn_frontend_ref, mamba2_frontend_ref, mamba2_post_ref
+from replayquant.kernels.conventional_ref import (conventional_accept_ref,
+                                                  conventional_gdn_verify_ref,
+                                                  conventional_mamba2_verify_ref, gdn_frontend_ref,
+                                                  mamba2_frontend_ref, mamba2_post_ref)
 from replayquant.kernels.replay_decode import advance_pointers, replay_gdn_step, replay_mamba2_step
-from replayquant.kernels.stores import ConventionalStore, ReplayStore
+from replayquant.replay.stores import ConventionalStore, ReplayStore, make_snapshots
 from replayquant.kernels.replay_ref import (replay_accept_ref, replay_gdn_step_ref,
                                             replay_gdn_verify_ref, replay_mamba2_step_ref,
                                             replay_mamba2_verify_ref)
-from replayquant.kernels.verify import (conventional_accept, conventional_accept_ref,
-                                        conventional_gdn_verify, conventional_gdn_verify_ref,
-                                        conventional_mamba2_verify,
-                                        conventional_mamba2_verify_ref, make_snapshots,
-                                        replay_accept, replay_gdn_verify, replay_mamba2_verify)
+from replayquant.kernels.verify import (conventional_accept, conventional_gdn_verify,
+                                        conventional_mamba2_verify, replay_accept,
+                                        replay_gdn_verify, replay_mamba2_verify)
 from replayquant.pairs import PrecisionPair
 from replayquant.replay import ConventionalState, ReplayState
 from _helpers import assert_states_close

@@ -457,12 +457,11 @@ def test_kernel_is_the_torch_engine_on_a_bf16_ring(models, monkeypatch, fam):
     step, for an NVFP4 read copy too. So the kernel adds nothing but the bf16 ring (and the
     NVFP4 roundings that perturbation moves). (With u in bf16 too, a u on a bf16 rounding
     boundary that reassociation moves one step moves the logits by about 1e-3.)"""
-    from replayquant.kernels import stores
     model = models[fam]
     patch(model, "tp4_hi32", buffer_len=BUFFER_LEN, seed=5)
     ids, mask = _batch(seed=1 if fam == "qwen3_5" else 2)
     monkeypatch.setitem(ds.RING_DTYPE, "torch", torch.bfloat16)
-    monkeypatch.setattr(stores, "default_u_dtype", lambda *a: torch.float32)
+    monkeypatch.setattr(ds, "default_u_dtype", lambda *a: torch.float32)
     monkeypatch.setenv("REPLAYQUANT_BACKEND", "torch")
     seq_t, sc_t, _ = _generate(model, ids, mask)
     monkeypatch.setenv("REPLAYQUANT_BACKEND", "triton")

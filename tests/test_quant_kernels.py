@@ -10,8 +10,8 @@ import triton.language as tl
 from replayquant.formats import get_format
 from replayquant.formats.constants import BF16, E2M1, E4M3, FP16
 from replayquant.kernels import quant
-from replayquant.kernels.philox import philox_ref, random_bits_ref
-from replayquant.kernels.quant_ref import grid_value_ref, round_to_grid_ref
+from replayquant.formats.philox import philox_ref, random_bits_ref
+from replayquant.formats.casts import grid_value_ref, round_to_grid_ref
 
 
 @pytest.fixture
@@ -309,7 +309,7 @@ def test_triton_formats_equal_reference(name, rounding, monkeypatch, poisoned):
 def test_nvfp4_launch_plans_equal_reference(plan, poisoned):
     """Every launch plan (one tile per matrix, a program looping over tiles, tiles over programs
     with the amax from torch), with even and uneven tiles, and a matrix past the loop limit."""
-    from replayquant.kernels import quant_ref as ref
+    from replayquant.formats import casts as ref
     mode, nb = plan
     gen = torch.Generator().manual_seed(5 if mode is None else 6 + mode)
     shapes = [(3, 16, 64), (2, 9, 48)] if mode is not None else [(2, 20, 224)]   # 280 blocks
@@ -340,7 +340,7 @@ def test_nvfp4_plan_choice():
 
 def test_long_rows_and_matrices_equal_reference(poisoned):
     """fp8 rows longer than one tile (chunked amax loop) and casts over several programs."""
-    from replayquant.kernels import quant_ref as ref
+    from replayquant.formats import casts as ref
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(3, 4176, generator=gen) * 100
     rb = random_bits_ref(x.shape, 1, 2)

@@ -14,7 +14,7 @@ from replayquant.testing import (gdn_params, gdn_step_inputs, kda_step_inputs,
 from replayquant.hostsync import HostSyncCounter
 from replayquant.kernels import replay_ref as rr
 from replayquant.kernels import replay_torch as rt
-from replayquant.kernels.stores import ReplayStore
+from replayquant.replay.stores import ReplayStore
 from test_kernel_replay import assert_same_store, poison_buffers
 
 PAIRS = ["s32_rs", "tp4_hi16_sr", "tp8_hi32", "f4_sr_rs"]

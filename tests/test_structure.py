@@ -1,11 +1,14 @@
-"""The package's structure, read from the source with `ast`: its import graph has no circle
-(every module's imports of replayquant modules, at module level and inside functions alike: a
-function-local import hides an edge from a reader, not from this check), and its functions
-outside the kernels take at most ten parameters."""
+"""The package's import structure: its import graph has no circle (every module's imports of
+replayquant modules, at module level and inside functions alike: a function-local import hides an
+edge from a reader, not from this check; read from the source with `ast`), and the layer's state,
+the format specification and the torch references import and run without Triton."""
 
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "replayquant"
@@ -82,45 +85,76 @@ def test_the_import_graph_has_no_circle():
     assert _circles(edges) == []
 
 
-# Functions outside kernels/ that take more than MAX_PARAMETERS: the benchmarks' runners and the
-# decode store's builders. The check fails on any other function over the limit,
-# and on one of these once it is under it (then it comes off this list).
-MAX_PARAMETERS = 10
-OVER_LIMIT = {
-    "replayquant.bench.generate:_result", "replayquant.bench.generate:_run_generate_bench",
-    "replayquant.bench.kernels.plan:plan", "replayquant.bench.kernels.rows:_replay_rounds",
-    "replayquant.bench.kernels.rows:_snapshot_rounds",
-    "replayquant.bench.kernels.rows:bench_replay",
-    "replayquant.bench.kernels.run:_run_kernels_bench",
-    "replayquant.bench.kernels.sweep:_sweep_replay",
-    "replayquant.models.decode_store:_build", "replayquant.models.decode_store:from_parts",
-    "replayquant.models.decode_store:parts_to_store",
-}
+# Runs in a fresh interpreter in which `import triton` fails: the layer's state (the torch
+# states, the decode stores, their roles and the conversions between them), the format
+# specification, every torch reference and the torch engine's custom operator build and step on
+# the CPU without Triton, which replayquant installs on Linux only.
+_NO_TRITON = """
+import sys
+sys.modules["triton"] = None
+sys.modules["triton.language"] = None
+import torch
+import replayquant.formats
+from replayquant.formats import casts, philox
+import replayquant.replay
+from replayquant.replay import ConventionalStore, ReplayState, ReplayStore, roles, stores
+from replayquant.kernels import (chunk_ref, conventional_ref, ops, replay_launch, replay_ref,
+                                 replay_torch)
+from replayquant.models import decode_store
+from replayquant.policy import resolve_pair
+
+g = torch.Generator().manual_seed(0)
+N, H, D, L = 2, 2, 16, 4
+rnd = lambda *s: torch.randn(*s, generator=g)
+pair = resolve_pair("tp4_hi32", L)
+store = ReplayStore.from_state(rnd(N, H, D, D), pair, "gdn")       # the kernels' bf16 ring
+ref = store.clone()
+q, k, v, a, b = rnd(N, H, D), rnd(N, H, D), rnd(N, H, D), rnd(N, H), rnd(N, H)
+A_log, dt_bias = rnd(H), rnd(H)
+kb, vb = k.bfloat16(), v.bfloat16()
+for _ in range(L + 1):                                # read steps and a flush
+    y = replay_torch.replay_gdn_step_torch(store, q, kb, vb, a, b, A_log, dt_bias)
+    y_ref = replay_ref.replay_gdn_step_ref(ref, q, kb, vb, a, b, A_log, dt_bias)
+    assert torch.equal(y, y_ref)
+assert int(store.n_flush.min()) == 1 and replay_launch.replay_launch_config(store, "flush")
+store.pack()
+twin = store.clone()
+ins = dict(q=q, k=kb, v=vb, a=a, b=b, A_log=A_log, dt_bias=dt_bias)
+y_op = ops.replay_step(store, ins, torch.arange(N, dtype=torch.int32),
+                       meta=ops.store_meta(store, "torch"))
+assert torch.equal(y_op, replay_torch.replay_gdn_step_torch(twin, q, kb, vb, a, b, A_log,
+                                                            dt_bias))
+conv = ConventionalStore.from_state(rnd(N, H, D, D), "fp8", "stochastic", seed=1)
+assert conventional_ref.conventional_gdn_step_ref(conv, q, k, v, a, b, A_log, dt_bias).shape \\
+    == (N, H, D)
+snaps = stores.make_snapshots(conv, 2)
+drafts = [t.unsqueeze(1).expand(-1, 2, *t.shape[1:]) for t in (q, k, v, a, b)]
+conventional_ref.conventional_gdn_verify_ref(conv, snaps, *drafts, A_log, dt_bias)
+conventional_ref.conventional_accept_ref(conv, snaps, torch.ones(N, dtype=torch.int32))
+st = ReplayState(rnd(N, H, D, D), pair, delta=True, seed=2)
+st.step(q, k, v, -torch.rand(N, H, generator=g), torch.rand(N, H, generator=g))
+kv, idx = decode_store.state_to_store(st, H, ring_dtype=torch.float32)
+back = decode_store.store_to_state(kv, idx, pair, 2, 0)
+assert torch.equal(back.export()["anchor"].payload, st.export()["anchor"].payload)
+ss = chunk_ref.initial_scan_state(rnd(N, H, D, D), pair, delta=True)
+chunk_ref.chunk_scan_ref(ss, rnd(N, 3, H, D), rnd(N, 3, H, D), rnd(N, 3, H, D),
+                         -torch.rand(N, 3, H, generator=g), torch.rand(N, 3, H, generator=g),
+                         pair=pair)
+assert isinstance(store.anchor, roles.PackedRole) and stores.FaultRecord
+assert casts.pow2_ref(torch.tensor([3])).item() == 8.0
+assert philox.random_bits_ref((4,), 0, 0).numel() == 4
+print("ok")
+"""
 
 
-def _is_command(fn: ast.FunctionDef) -> bool:
-    """A command of the command line (`@app.command(...)`): its parameters are its options."""
-    return any(isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute)
-               and d.func.attr == "command" for d in fn.decorator_list)
-
-
-def _parameters(fn: ast.FunctionDef) -> int:
-    """Parameters of `fn`, self / cls not counted, *args and **kwargs one each."""
-    a = fn.args
-    names = [p.arg for p in a.posonlyargs + a.args + a.kwonlyargs]
-    return (len(names) - (names[:1] in (["self"], ["cls"])) + (a.vararg is not None)
-            + (a.kwarg is not None))
-
-
-def test_no_function_outside_the_kernels_takes_more_than_ten_parameters():
-    """Options travel as one object (a run's settings, `replayquant.kl.KLSettings`), not as a
-    parameter each; the Triton kernels, whose parameters are their launch arguments, aside."""
-    over = set()
-    for name, path in _modules().items():
-        if name == "replayquant.kernels" or name.startswith("replayquant.kernels."):
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not _is_command(node)
-                    and _parameters(node) > MAX_PARAMETERS):
-                over.add(f"{name}:{node.name}")
-    assert over == OVER_LIMIT
+def test_layer_state_and_references_import_without_triton():
+    """`import triton` fails in the child: replay/ (stores and conversions), formats/ and the
+    torch references import, build a store and step it (torch engine = reference, bit for
+    bit; the custom operator on the torch engine = the engine), hand a ReplayState to a store
+    and back, and run the chunked scan's reference."""
+    env = dict(os.environ, REPLAYQUANT_BACKEND="torch",
+               PYTHONPATH=os.pathsep.join([str(PKG.parent), os.environ.get("PYTHONPATH", "")]))
+    env.pop("TRITON_INTERPRET", None)
+    got = subprocess.run([sys.executable, "-c", _NO_TRITON], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert got.returncode == 0 and got.stdout.strip().endswith("ok"), got.stderr[-3000:]

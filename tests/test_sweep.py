@@ -107,7 +107,7 @@ def test_byte_model_equals_kernels_bench_counts():
 def test_memory_equals_replay_store_allocation():
     """State memory per sequence = what a one-slot ReplayStore allocates (anchor, read copy, ring
     with GDN's key factors where it solves for u)."""
-    from replayquant.kernels.stores import ReplayStore
+    from replayquant.replay.stores import ReplayStore
 
     def nb(t):
         return 0 if t is None else t.numel() * t.element_size()

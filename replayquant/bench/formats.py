@@ -25,8 +25,8 @@ import triton.testing
 from replayquant.formats import get_format
 from replayquant.formats.constants import BF16, FP16
 from replayquant.kernels import quant
-from replayquant.kernels import quant_ref as ref
-from replayquant.kernels.philox import random_bits_ref
+from replayquant.formats import casts as ref
+from replayquant.formats.philox import random_bits_ref
 from replayquant.outputs import check_owned, check_writable_folder, output_lock, write_json, write_text
 from replayquant.provenance import provenance
 

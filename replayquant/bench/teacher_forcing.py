@@ -44,7 +44,7 @@ from replayquant.formats import as_bits
 from replayquant.kernels import chunk
 from replayquant.kernels.chunk_ref import chunk_scan_ref, initial_scan_state
 from replayquant.kernels.compile_check import assemble, compile_ptx, ptxas_report
-from replayquant.kernels.roles import FMT_IDS
+from replayquant.replay.roles import FMT_IDS
 from replayquant.bench.kl import (SHAPES, _chunk_dot, build_model, plain_forward, random_document,
                                   timed)
 from replayquant.models.patching import DTYPES

@@ -12,7 +12,7 @@ or its own entry when `stream` is an int64 tensor of shape x.shape[:-2]. Element
 uses counter i, so a caller can give every (layer, head, step) an independent stream.
 
 Backend: CUDA tensors run the Triton kernels of `replayquant.kernels.quant`; CPU tensors run the
-torch reference of `replayquant.kernels.quant_ref` (both give the same bits). Setting
+torch reference of `replayquant.formats.casts` (both give the same bits). Setting
 REPLAYQUANT_BACKEND=triton forces the Triton kernels (on the CPU with TRITON_INTERPRET=1).
 """
 
@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 import torch
 
 from replayquant import options
+from replayquant.formats import casts as ref
 from replayquant.formats.constants import BF16, FP16, NVFP4_BLOCK, ROUNDINGS, Grid
-from replayquant.kernels import quant_ref as ref
-from replayquant.kernels.philox import random_bits_ref
+from replayquant.formats.philox import random_bits_ref
 from replayquant.streams import check_seed
 
 __all__ = ["FORMATS", "Format", "QTensor", "as_bits", "get_format", "use_triton"]
@@ -42,6 +42,14 @@ def use_triton(x: torch.Tensor) -> bool:
         options.check_backend(on_cuda=x.is_cuda)
     return choice == "triton"
 
+
+
+def _quant_kernels():
+    """kernels/quant.py, the Triton casts that run where use_triton holds: imported there, since
+    it imports Triton, which replayquant installs on Linux only (the torch casts of
+    formats/casts.py, the specification, run everywhere else)."""
+    from replayquant.kernels import quant
+    return quant
 
 def as_bits(t: torch.Tensor) -> torch.Tensor:
     """t as operators that have no float8 kernel can take it (torch.equal, zero_, copies
@@ -177,9 +185,8 @@ class CastFormat(Format):
 
     def _quantize(self, x, rounding, seed, stream, rbits):
         if use_triton(x):
-            # Triton (Linux only): loaded where a kernel runs
-            from replayquant.kernels import quant
-            payload = quant.cast_quantize(x, self.grid, self.dtype, rounding, seed, stream)
+            payload = _quant_kernels().cast_quantize(x, self.grid, self.dtype, rounding, seed,
+                                                     stream)
         else:
             payload = ref.cast_ref(x, self.grid, self.dtype, rbits)
         return QTensor(self.name, tuple(x.shape), payload)
@@ -197,18 +204,14 @@ class FP8Format(Format):
 
     def _quantize(self, x, rounding, seed, stream, rbits):
         if use_triton(x):
-            # Triton (Linux only): loaded where a kernel runs
-            from replayquant.kernels import quant
-            payload, scale = quant.fp8_quantize(x, rounding, seed, stream)
+            payload, scale = _quant_kernels().fp8_quantize(x, rounding, seed, stream)
         else:
             payload, scale = ref.fp8_quantize_ref(x, rbits)
         return QTensor(self.name, tuple(x.shape), payload, {"row": scale})
 
     def _dequantize(self, q):
         if use_triton(q.payload):
-            # Triton (Linux only): loaded where a kernel runs
-            from replayquant.kernels import quant
-            return quant.fp8_dequantize(q.payload, q.scales["row"])
+            return _quant_kernels().fp8_dequantize(q.payload, q.scales["row"])
         return ref.fp8_dequantize_ref(q.payload, q.scales["row"])
 
 
@@ -236,11 +239,9 @@ class NVFP4Format(Format):
     def _quantize(self, x, rounding, seed, stream, rbits):
         x3 = self._as_matrices(x)
         if use_triton(x):
-            # Triton (Linux only): loaded where a kernel runs
-            from replayquant.kernels import quant
             if isinstance(stream, torch.Tensor):   # one stream per matrix, in x3's order
                 stream = torch.broadcast_to(stream.to(torch.int64), x.shape[:-2]).reshape(-1)
-            packed, bscale, gscale = quant.nvfp4_quantize(x3, rounding, seed, stream)
+            packed, bscale, gscale = _quant_kernels().nvfp4_quantize(x3, rounding, seed, stream)
         else:
             packed, bscale, gscale = ref.nvfp4_quantize_ref(
                 x3, None if rbits is None else rbits.reshape(x3.shape))
@@ -248,9 +249,8 @@ class NVFP4Format(Format):
 
     def _dequantize(self, q):
         if use_triton(q.payload):
-            # Triton (Linux only): loaded where a kernel runs
-            from replayquant.kernels import quant
-            out = quant.nvfp4_dequantize(q.payload, q.scales["block"], q.scales["matrix"])
+            out = _quant_kernels().nvfp4_dequantize(q.payload, q.scales["block"],
+                                                    q.scales["matrix"])
         else:
             out = ref.nvfp4_dequantize_ref(q.payload, q.scales["block"], q.scales["matrix"])
         return out.reshape(q.shape)

@@ -12,7 +12,7 @@ Semantics per window (DESIGN section 4): every token but the window's L-th reads
 R of the window's checkpoint (GDN: its u from R too); the L-th token (the flush) reads the
 unrounded state S = exp(G_L) A + sum_j exp(G_L - G_j) u_j k_j^T rebuilt from the dequantized
 anchor A (GDN: u from A); S is cast independently into the anchor and the read copy
-(formats bit-exact with quant_ref, SR bits from Philox keyed by layer_seed(seed, layer) and
+(formats bit-exact with formats/casts, SR bits from Philox keyed by layer_seed(seed, layer) and
 sr_stream(flush index, role, sequence id, head), as `ReplayState`). A row's last, partial
 window reads R and becomes the new buffer. exact=True: FP32 through the segment (outputs from
 the running unrounded state) and one cast at its end.
@@ -71,9 +71,10 @@ from replayquant.kernels import chunk_ref
 from replayquant.kernels.chunk_ref import ScanState, _check_inputs, cpu_threads
 from replayquant.kernels.quant import (decode_bf16, decode_e2m1, decode_e4m3, decode_fp16,
                                        encode_bf16, encode_e4m3, encode_fp16)
-from replayquant.kernels.roles import (_FP8_DIV, _NV_DIV, FMT_IDS, _role_bits, _sr_bits,
-                                       nv_block_encode, split_key)
+from replayquant.kernels.roles import (_FP8_DIV, _NV_DIV, _role_bits, _sr_bits, nv_block_encode,
+                                       split_key)
 from replayquant.replay import core
+from replayquant.replay.roles import FMT_IDS
 from replayquant.streams import layer_seed
 
 __all__ = ["chunk_scan", "chunk_launch_config", "supports", "teacher_force",

@@ -6,18 +6,18 @@ gate per key channel) and Mamba-2.
     KDA:  S_t = Q(deq(S_{t-1}) Diag(a_t) + u_t k_t^T), a_t in (0, 1]^{d_k}
 
 This file also holds what every decode kernel of the package shares beside the stored roles
-(`kernels/roles.py`):
+(`replay/roles.py`, their casts in registers in `kernels/roles.py`):
 
 * The GDN, KDA and Mamba-2 front ends as real models need them (GDN: q/k L2 norm in kernel,
   g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b) in FP32; KDA: q/k L2 norm in
   kernel, the per-channel log decay g and beta as the layer computes them; Mamba-2: groups over B/C,
   softplus(dt + dt_bias) then clamped to dt_limit = (lo, hi) when one is given (as
   transformers' time_step_limit and replay.frontends.mamba2_inputs), A per head, D skip,
-  optional z gate) and their torch twins.
+  optional z gate), whose torch twins are in `conventional_ref.py`.
 
 `state_indices[b]` maps batch row b to its state slot; a negative index marks a padding row
 (output zero, nothing read or written). Each kernel `f` has a torch reference `f_ref` with the
-same signature below it; tests compare the two.
+same signature in `conventional_ref.py`; tests compare the two.
 """
 
 from __future__ import annotations
@@ -28,11 +28,10 @@ import torch
 import triton
 import triton.language as tl
 
-from replayquant.kernels.roles import _tile_load, _tile_store, role_streams, split_key
-from replayquant.kernels.stores import (NO_DT_LIMIT, ConventionalStore, _indices, _pow2_dims,
+from replayquant.kernels.roles import _tile_load, _tile_store, split_key
+from replayquant.replay.stores import (NO_DT_LIMIT, ConventionalStore, _indices, _pow2_dims,
                                         dt_limit_args, step_inputs)
-from replayquant.replay.frontends import L2NORM_EPS, l2norm, l2norm_kda
-from replayquant.streams import ANCHOR
+from replayquant.replay.frontends import L2NORM_EPS
 
 
 # ---------------------------------------------------------------------------- front ends
@@ -138,58 +137,6 @@ def _gated_step(S, q, k, v, log_a, beta, DELTA: tl.constexpr, VEC: tl.constexpr)
 
 
 # ============================================================================ conventional step
-
-
-def _qk_ref(q, k, HV, scale, norm):
-    """q and k of a delta-rule front end in float32: L2-normalised by `norm` (None: as given),
-    q scaled by `scale` (default d_k^-1/2), each key head expanded to its HV / HK value heads."""
-    q, k = q.float(), k.float()
-    if norm is not None:
-        q, k = norm(q), norm(k)
-    q = q * (scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
-    r = HV // q.shape[1]
-    return q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)
-
-
-def gdn_frontend_ref(q, k, v, a, b, A_log, dt_bias, scale=None, use_qk_l2norm=True):
-    """torch twin of the GDN front end: (q, k expanded to value heads, v, g, beta) in float32."""
-    q, k = _qk_ref(q, k, v.shape[1], scale, l2norm if use_qk_l2norm else None)
-    x = a.float() + (dt_bias.float() if dt_bias is not None else 0.0)
-    g = -torch.exp(A_log.float()) * torch.nn.functional.softplus(x)
-    beta = torch.sigmoid(b.float())
-    return q, k, v.float(), g, beta
-
-
-def kda_frontend_ref(q, k, v, g, beta, scale=None, use_qk_l2norm=True):
-    """torch twin of the KDA front end: (q, k expanded to value heads, v, log_a = g, beta) in
-    float32; q, k L2-normalised as transformers' KDA (x / sqrt(sum x^2 + 1e-6), as
-    replay.kda_inputs), q scaled by `scale` (default d_k^-1/2)."""
-    q, k = _qk_ref(q, k, v.shape[1], scale, l2norm_kda if use_qk_l2norm else None)
-    return q, k, v.float(), g.float(), beta.float()
-
-
-def mamba2_frontend_ref(x, dt, A, Bm, Cm, dt_bias=None, dt_limit=None):
-    """torch twin of the Mamba-2 front end: (q = C, k = B per head, v = dt x, log_a = dt A, dt),
-    dt = softplus(dt + dt_bias) clamped to dt_limit (None / (0, inf): no clamp)."""
-    H, G = x.shape[1], Bm.shape[1]
-    lo, hi, clamp = dt_limit_args(dt_limit)
-    d = dt.float() + (dt_bias.float() if dt_bias is not None else 0.0)
-    d = torch.nn.functional.softplus(d)
-    if clamp:
-        d = d.clamp(lo, hi)
-    r = H // G
-    k = Bm.float().repeat_interleave(r, dim=1)
-    q = Cm.float().repeat_interleave(r, dim=1)
-    return q, k, d.unsqueeze(-1) * x.float(), d * A.float(), d
-
-
-def mamba2_post_ref(y, x, D=None, z=None):
-    if D is not None:
-        y = y + D.float()[None, :, None] * x.float()
-    if z is not None:
-        zf = z.float()
-        y = y * zf * torch.sigmoid(zf)
-    return y
 
 
 # key_lo / key_hi: not specialized (Triton makes an integer argument equal to 1 a constexpr)
@@ -325,49 +272,6 @@ def conventional_gdn_step(store: ConventionalStore, q, k, v, a, b, A_log, dt_bia
                        out, scale, use_qk_l2norm, block_v, num_warps, advance)
 
 
-def _conventional_ref(store, q, k, v, log_a, beta, state_indices, delta):
-    st = store.state
-    B = q.shape[0]
-    idx = _indices(state_indices, B, q.device).long()
-    live = (idx >= 0).nonzero().flatten()
-    y = torch.zeros(B, st.shape[1], st.shape[2], dtype=torch.float32, device=q.device)
-    if live.numel() == 0:
-        return y, idx, live
-    slots = idx[live]
-    S = st.dequantize(slots)
-    qq, kk, vv, la = q[live], k[live], v[live], log_a[live]
-    S = S * (torch.exp(la)[..., None, :] if la.dim() == 3 else torch.exp(la)[..., None, None])
-    if delta:
-        u = beta[live][..., None] * (vv - (S * kk[:, :, None, :]).sum(-1))
-    else:
-        u = vv
-    S = S + u[..., :, None] * kk[:, :, None, :]
-    y[live] = (S * qq[:, :, None, :]).sum(-1)
-    streams = role_streams(store.n_casts[slots].cpu() + 1, ANCHOR, slots.cpu(), st.shape[1])
-    st.write_(slots, S, store.key, streams)
-    return y, idx, live
-
-
-def _into(out, y):
-    """A reference's result, written into the caller's `out` buffer where given (the kernels'
-    contract), else returned as is."""
-    if out is None:
-        return y
-    out.copy_(y)
-    return out
-
-
-def conventional_gdn_step_ref(store: ConventionalStore, q, k, v, a, b, A_log, dt_bias=None,
-                              state_indices=None, scale=None, out=None, use_qk_l2norm=True,
-                              block_v=None, num_warps=None, advance=True):
-    """torch reference of conventional_gdn_step (same signature, same in-place effect)."""
-    qf, kf, vf, g, beta = gdn_frontend_ref(q, k, v, a, b, A_log, dt_bias, scale, use_qk_l2norm)
-    y, idx, live = _conventional_ref(store, qf, kf, vf, g, beta, state_indices, True)
-    if advance and live.numel():
-        store.n_casts[idx[live]] += 1
-    return _into(out, y)
-
-
 def conventional_kda_step(store: ConventionalStore, q, k, v, g, beta, state_indices=None,
                           scale=None, out=None, use_qk_l2norm=True, block_v=None,
                           num_warps=None, advance=True):
@@ -382,18 +286,6 @@ def conventional_kda_step(store: ConventionalStore, q, k, v, g, beta, state_indi
                        out, scale, use_qk_l2norm, block_v, num_warps, advance)
 
 
-def conventional_kda_step_ref(store: ConventionalStore, q, k, v, g, beta, state_indices=None,
-                              scale=None, out=None, use_qk_l2norm=True, block_v=None,
-                              num_warps=None, advance=True):
-    """torch reference of conventional_kda_step (same signature, same in-place effect)."""
-    step_inputs("kda", store.state.shape, False, q, k, v, g, beta, None, None, None, None)
-    qf, kf, vf, la, bf = kda_frontend_ref(q, k, v, g, beta, scale, use_qk_l2norm)
-    y, idx, live = _conventional_ref(store, qf, kf, vf, la, bf, state_indices, True)
-    if advance and live.numel():
-        store.n_casts[idx[live]] += 1
-    return _into(out, y)
-
-
 def conventional_mamba2_step(store: ConventionalStore, x, dt, A, B, C, state_indices=None, D=None,
                              z=None, dt_bias=None, out=None, block_v=None, num_warps=None,
                              advance=True, dt_limit=NO_DT_LIMIT):
@@ -406,14 +298,3 @@ def conventional_mamba2_step(store: ConventionalStore, x, dt, A, B, C, state_ind
                        None, False, block_v, num_warps, advance, dt_limit)
 
 
-def conventional_mamba2_step_ref(store: ConventionalStore, x, dt, A, B, C, state_indices=None,
-                                 D=None, z=None, dt_bias=None, out=None, block_v=None,
-                                 num_warps=None, advance=True, dt_limit=NO_DT_LIMIT):
-    """torch reference of conventional_mamba2_step."""
-    q, k, v, log_a, _ = mamba2_frontend_ref(x, dt, A, B, C, dt_bias, dt_limit)
-    y, idx, live = _conventional_ref(store, q, k, v, log_a, None, state_indices, False)
-    y = mamba2_post_ref(y, x, D, z)
-    y[idx < 0] = 0
-    if advance and live.numel():
-        store.n_casts[idx[live]] += 1
-    return _into(out, y)

@@ -32,12 +32,10 @@ from typing import Optional
 
 import torch
 
-from replayquant.kernels import replay_decode as rd
 from replayquant.kernels import replay_ref as rr
 from replayquant.kernels import replay_torch as rt
-from replayquant.kernels import verify as vf
-from replayquant.kernels.roles import PackedRole
-from replayquant.kernels.stores import (FaultRecord, ReplayStore, _begin, _check_accept,
+from replayquant.replay.roles import PackedRole
+from replayquant.replay.stores import (FaultRecord, ReplayStore, _begin, _check_accept,
                                         packed_views)
 
 __all__ = ["replay_step", "replay_verify", "replay_accept", "store_tensors", "store_meta",
@@ -114,10 +112,24 @@ def _run(fns, state, inputs, state_indices, meta, scalars, dt_limit, **kw):
                use_qk_l2norm=True, **kw)
 
 
+_TRITON_MODULES = None
+
+
+def _triton_modules():
+    """(replay_decode, verify), imported at the Triton engine's first call: they import Triton,
+    which replayquant installs on Linux only and which the torch engine does not need."""
+    global _TRITON_MODULES
+    if _TRITON_MODULES is None:
+        from replayquant.kernels import replay_decode, verify
+        _TRITON_MODULES = replay_decode, verify
+    return _TRITON_MODULES
+
+
 def _engine_fns(meta: str, what: str):
     """The engine's (gdn, mamba2, kda) functions for `what` ('step', 'verify', 'accept')."""
     engine = _layout(meta)["engine"]
     if engine == "triton":
+        rd, vf = _triton_modules()
         if what == "step":
             return rd.replay_gdn_step, rd.replay_mamba2_step, rd.replay_kda_step
         return (vf.replay_gdn_verify, vf.replay_mamba2_verify, vf.replay_kda_verify) \

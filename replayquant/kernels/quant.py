@@ -1,4 +1,4 @@
-"""Triton kernels of every format's quantize / dequantize, bit for bit equal to `quant_ref.py`.
+"""Triton kernels of every format's quantize / dequantize, bit for bit equal to `formats/casts.py`.
 
 Device functions other kernels import (the replay decode kernels call them):
 
@@ -27,7 +27,7 @@ Divisions use `tl.div_rn` (IEEE correctly rounded, as torch on the CPU).
 Host functions (called by `replayquant.formats`): `cast_quantize`, `fp8_quantize`,
 `fp8_dequantize`, `nvfp4_quantize`, `nvfp4_dequantize`. Stochastic rounding bits of element e
 (its index in its matrix) are word e % 4 of `philox4(seed, counter = (e // 4, stream_lo,
-stream_hi))`, exactly as `replayquant.kernels.philox.random_bits_ref`. Launch settings are
+stream_hi))`, exactly as `replayquant.formats.philox.random_bits_ref`. Launch settings are
 chosen from the shape.
 """
 

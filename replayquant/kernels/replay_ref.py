@@ -13,11 +13,11 @@ from __future__ import annotations
 import torch
 
 from replayquant.formats import as_bits
-from replayquant.kernels.conventional import (_into, gdn_frontend_ref, kda_frontend_ref,
-                                              mamba2_frontend_ref, mamba2_post_ref)
-from replayquant.kernels.replay_decode import replay_launch_config
-from replayquant.kernels.roles import role_streams
-from replayquant.kernels.stores import (NO_DT_LIMIT, ReplayStore, _begin, _check_accept,
+from replayquant.kernels.conventional_ref import (_into, gdn_frontend_ref, kda_frontend_ref,
+                                                  mamba2_frontend_ref, mamba2_post_ref)
+from replayquant.kernels.replay_launch import replay_launch_config
+from replayquant.replay.roles import role_streams
+from replayquant.replay.stores import (NO_DT_LIMIT, ReplayStore, _begin, _check_accept,
                                         _default_force, _indices, cast_overflows, folds_u,
                                         ring_keys, solves_u)
 from replayquant.streams import ANCHOR, READ

@@ -45,11 +45,11 @@ import math
 
 import torch
 
-from replayquant.kernels.conventional import (_into, gdn_frontend_ref, kda_frontend_ref,
-                                              mamba2_frontend_ref, mamba2_post_ref)
-from replayquant.kernels.philox import random_bits_torch
-from replayquant.kernels.replay_decode import replay_launch_config
-from replayquant.kernels.stores import (NO_DT_LIMIT, ReplayStore, _begin, _check_buffered,
+from replayquant.kernels.conventional_ref import (_into, gdn_frontend_ref, kda_frontend_ref,
+                                                  mamba2_frontend_ref, mamba2_post_ref)
+from replayquant.formats.philox import random_bits_torch
+from replayquant.kernels.replay_launch import replay_launch_config
+from replayquant.replay.stores import (NO_DT_LIMIT, ReplayStore, _begin, _check_buffered,
                                         _indices, cast_overflows, folds_u, pow2_16, ring_keys,
                                         solves_u, step_inputs)
 from replayquant.streams import ANCHOR, READ, sr_stream

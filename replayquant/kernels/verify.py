@@ -1,5 +1,6 @@
 """Speculative decoding kernels: replay verify + accept (torch references in `replay_ref`), and
-the conventional per-draft snapshot baseline (vLLM's scheme) beside its torch reference.
+the conventional per-draft snapshot baseline (vLLM's scheme; torch references in
+`conventional_ref`, snapshot storage `replay.stores.make_snapshots`).
 
 Replay (DESIGN section 4, `ReplayState.verify` / `accept`):
 
@@ -29,18 +30,15 @@ import torch
 import triton
 import triton.language as tl
 
-from replayquant.kernels.conventional import (_into, conv_launch, gdn_frontend_ref,
-                                              mamba2_frontend_ref, mamba2_post_ref)
+from replayquant.kernels.conventional import conv_launch
 from replayquant.kernels.replay_decode import _launch, advance_pointers
-from replayquant.kernels.roles import PackedRole, role_streams
-from replayquant.kernels.stores import (NO_DT_LIMIT, ConventionalStore, ReplayStore,
+from replayquant.replay.roles import PackedRole
+from replayquant.replay.stores import (NO_DT_LIMIT, ConventionalStore, ReplayStore,
                                         _check_accept, _indices)
 from replayquant.kernels.verify_onepass import onepass_verify
-from replayquant.streams import ANCHOR
 
-__all__ = ["replay_gdn_verify", "replay_mamba2_verify", "replay_kda_verify", "replay_accept", "make_snapshots",
-           "conventional_gdn_verify", "conventional_gdn_verify_ref", "conventional_mamba2_verify",
-           "conventional_mamba2_verify_ref", "conventional_accept", "conventional_accept_ref"]
+__all__ = ["replay_gdn_verify", "replay_mamba2_verify", "replay_kda_verify", "replay_accept",
+           "conventional_gdn_verify", "conventional_mamba2_verify", "conventional_accept"]
 
 
 # ============================================================================ replay verify
@@ -109,15 +107,6 @@ def replay_accept(store: ReplayStore, n, state_indices=None, check=True):
 
 # ============================================================================ conventional
 
-def make_snapshots(store: ConventionalStore, T: int) -> PackedRole:
-    """Per-draft snapshot storage for T drafts: [N * T, H, d_v, d_k] in the state's format
-    (snapshot t of slot s at index s * T + t). T times the state's memory."""
-    N, H, dv, dk = store.state.shape
-    snaps = PackedRole.empty(store.state.fmt, store.state.rounding, (N * T, H, dv, dk),
-                             store.state.payload.device)
-    snaps.T = T
-    return snaps
-
 
 def conventional_gdn_verify(store: ConventionalStore, snaps: PackedRole, q, k, v, a, b, A_log,
                             dt_bias=None, state_indices=None, scale=None, out=None,
@@ -180,75 +169,3 @@ def conventional_accept(store: ConventionalStore, snaps: PackedRole, n, state_in
         BLOCK = min(8192, triton.next_power_of_2(M))
         _restore_kernel[(B, triton.cdiv(M, BLOCK))](s, d, idx, n, store.n_casts, M, T=T,
                                                     BLOCK=BLOCK, BUMP=i == 0, num_warps=4)
-
-
-def conventional_accept_ref(store: ConventionalStore, snaps: PackedRole, n, state_indices=None,
-                            check=True):
-    st = store.state
-    T = snaps.T
-    B = n.shape[0] if isinstance(n, torch.Tensor) else state_indices.shape[0]
-    idx = _indices(state_indices, B, st.payload.device).long()
-    n = _check_accept(n, B, T, st.payload.device).long()
-    for b_, s in enumerate(idx.tolist()):
-        if s < 0:
-            continue
-        j = int(n[b_])
-        if j > 0:
-            for dst, src in ((st.payload, snaps.payload), (st.scale, snaps.scale),
-                             (st.gscale, snaps.gscale)):
-                if dst is not None:
-                    dst[s] = src[s * T + j - 1]
-        store.n_casts[s] += j
-
-
-def _conv_verify_ref(store, snaps, fe, state_indices, post):
-    q, k, v, log_a, beta = fe
-    st = store.state
-    B, T = q.shape[:2]
-    N, H, dv, dk = st.shape
-    idx = _indices(state_indices, B, q.device).long()
-    y = torch.zeros(B, T, H, dv, dtype=torch.float32, device=q.device)
-    for b_, s in enumerate(idx.tolist()):
-        if s < 0:
-            continue
-        S = st.dequantize([s])[0]
-        nc = int(store.n_casts[s])
-        for t in range(T):
-            S = S * torch.exp(log_a[b_, t])[:, None, None]
-            if beta is not None:
-                u = beta[b_, t][:, None] * (v[b_, t] - (S * k[b_, t][:, None, :]).sum(-1))
-            else:
-                u = v[b_, t]
-            S = S + u[:, :, None] * k[b_, t][:, None, :]
-            y[b_, t] = (S * q[b_, t][:, None, :]).sum(-1)
-            if post is not None:
-                y[b_, t] = post(y[b_, t], b_, t)
-            snaps.write_([s * T + t], S[None], store.key, role_streams(nc + t + 1, ANCHOR, [s], H))
-            S = snaps.dequantize([s * T + t])[0]
-    return y
-
-
-def conventional_gdn_verify_ref(store: ConventionalStore, snaps: PackedRole, q, k, v, a, b, A_log,
-                                dt_bias=None, state_indices=None, scale=None, out=None,
-                                use_qk_l2norm=True, block_v=None, num_warps=None):
-    """torch reference of conventional_gdn_verify (SR streams keyed by the slot id)."""
-    B, T = q.shape[:2]
-    fe = gdn_frontend_ref(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), a.flatten(0, 1),
-                          b.flatten(0, 1), A_log, dt_bias, scale, use_qk_l2norm)
-    fe = tuple(t.unflatten(0, (B, T)) for t in fe)
-    y = _conv_verify_ref(store, snaps, fe, state_indices, None)
-    return _into(out, y)
-
-
-def conventional_mamba2_verify_ref(store: ConventionalStore, snaps: PackedRole, x, dt, A, B, C,
-                                   state_indices=None, D=None, z=None, dt_bias=None, out=None,
-                                   block_v=None, num_warps=None, dt_limit=NO_DT_LIMIT):
-    """torch reference of conventional_mamba2_verify."""
-    Bt, T = x.shape[:2]
-    q, k, v, log_a, _ = mamba2_frontend_ref(x.flatten(0, 1), dt.flatten(0, 1), A,
-                                            B.flatten(0, 1), C.flatten(0, 1), dt_bias, dt_limit)
-    fe = tuple(t.unflatten(0, (Bt, T)) for t in (q, k, v, log_a)) + (None,)
-    post = lambda y, b_, t: mamba2_post_ref(y[None], x[b_:b_ + 1, t], D,  # noqa: E731
-                                            None if z is None else z[b_:b_ + 1, t])[0]
-    y = _conv_verify_ref(store, snaps, fe, state_indices, post)
-    return _into(out, y)

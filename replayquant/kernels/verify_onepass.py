@@ -41,10 +41,10 @@ from replayquant.kernels.conventional import (_L2_EPS, _kernel_inputs, _program_
                                               _softplus)
 from replayquant.kernels.quant import decode_bf16, decode_fp16, small_float_at
 from replayquant.kernels.replay_decode import (_advance_row, _entry, _flush_flags, _flush_grid,
-                                               _max_regs, _mm, _read_setup, _replay_kernel,
-                                               replay_launch_config)
+                                               _mm, _read_setup, _replay_kernel)
+from replayquant.kernels.replay_launch import _max_regs, replay_launch_config
 from replayquant.kernels.roles import split_key
-from replayquant.kernels.stores import (ReplayStore, _begin, _check_buffered, _indices,
+from replayquant.replay.stores import (ReplayStore, _begin, _check_buffered, _indices,
                                         dt_limit_args, folds_u, solves_u, step_inputs)
 
 __all__ = ["onepass_verify", "onepass_launch_config", "ONEPASS_TABLE"]

@@ -1,7 +1,7 @@
 """The decode store of one patched layer (`DecodeStore`) and its hand-off from and to a
 `ReplayState`, used by `replayquant.models.runtime`.
 
-A `DecodeStore` is a `replayquant.kernels.stores.ReplayStore` (anchor and read copy, ring buffer,
+A `DecodeStore` is a `replayquant.replay.stores.ReplayStore` (anchor and read copy, ring buffer,
 per-row pointers as device tensors, allocated once for the batch), the engine that steps it
 through the custom operator replayquant::replay_step ('triton': the replay decode kernel on a
 bf16 ring; 'torch': `replayquant.kernels.replay_torch` on a float32 ring), the slot of each
@@ -23,7 +23,13 @@ from __future__ import annotations
 import torch
 
 from replayquant.formats import QTensor, as_bits
+from replayquant.kernels.ops import (ENGINES, replay_accept, replay_step, replay_verify,
+                                     store_meta, store_tensors)
+from replayquant.kernels.replay_ref import fill_key_factors_ref
 from replayquant.replay import ReplayState, core
+from replayquant.replay.roles import PackedRole
+from replayquant.replay.stores import (FAULT_INPUTS, FaultRecord, ReplayStore, check_ring_dtype,
+                                       default_u_dtype, overflowing_role, ring_keys, solves_u)
 from replayquant.streams import layer_seed
 
 __all__ = ["DecodeStore", "state_to_store", "parts_to_store", "store_to_state", "take_slots",
@@ -43,8 +49,6 @@ DECODE_KERNEL_PATH = "replay"
 def _role_to_packed(q: QTensor, spec, N: int, slots: torch.Tensor, shape):
     """A PackedRole [N, H, d_v, d_k] holding the packed QTensor q ([B, H, d_v, d_k]) in `slots`
     (same bytes; other slots zero)."""
-    # Triton (Linux only): loaded where a kernel runs
-    from replayquant.kernels.roles import PackedRole
     B, H, dv, dk = shape
     role = PackedRole.empty(spec.format, spec.rounding, (N, H, dv, dk), q.device)
     for t in (role.payload, role.scale, role.gscale):
@@ -129,10 +133,6 @@ def parts_to_store(parts: dict, pair, delta: bool, seed: int, layer: int, key_he
     u, GDN's key factors (Tbuf, computed from the entries; a float32 ring keeps none).
     max_drafts: the most drafts a speculative verify appends (`ReplayStore.from_state`), the ring
     then holding L + max_drafts entries."""
-    # the kernels' modules are imported where they are used: they import Triton, which
-    # replayquant installs on Linux only and which importing replayquant.models does not need
-    from replayquant.kernels.replay_ref import fill_key_factors_ref
-    from replayquant.kernels.stores import ReplayStore, check_ring_dtype, default_u_dtype, solves_u
     check_ring_dtype(ring_dtype)
     if u_dtype is None:
         u_dtype = default_u_dtype(pair.anchor.format, None if pair.read is None
@@ -213,8 +213,6 @@ def store_to_state(store, state_indices: torch.Tensor, pair, seed: int, layer: i
     state_to_store, without any cast): anchor and read copy bit for bit, the committed ring
     entries in window order as the kernel reads them (GDN / KDA k normalised, Mamba-2 v = dt x),
     u as the kernel computed it, flush indices, and rows = the slots (the SR sequence ids)."""
-    # Triton (Linux only): loaded where a kernel runs
-    from replayquant.kernels.stores import ring_keys
     slots = state_indices.long()
     r = store.shape[1] // store.key_heads
     delta = store.kind != "mamba2"
@@ -247,7 +245,7 @@ class DecodeStore:
     * a beam reorder: HF replaces the cache's marker tensor (MARKER_ATTR on the cache layer, a
       host check of identity) by its rows picked by the beam ids, and `reorder` gathers every
       slot's store on the device (`take_slots`).
-    * `faults`: a `kernels.stores.FaultRecord` in which each step itself (inside the kernel's
+    * `faults`: a `replay.stores.FaultRecord` in which each step itself (inside the kernel's
       launches, or the torch engine's ops: no launch of its own) notes the decode step (1 = the
       first after the prompt) at which each input of each row first held NaN or infinity;
       `raise_nonfinite` reads it at a boundary the host already waits at. The kernel never
@@ -284,9 +282,6 @@ class DecodeStore:
 
     def _build(self, parts, pair, delta, seed, layer, key_heads, reuse, engine, n_slots=None,
                raw=None, max_drafts=0):
-        # Triton (Linux only): loaded where a kernel runs
-        from replayquant.kernels.ops import ENGINES, store_meta
-        from replayquant.kernels.stores import FAULT_INPUTS, FaultRecord
         if engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
         self.pair, self.delta, self.seed, self.layer = pair, delta, seed, layer
@@ -329,8 +324,6 @@ class DecodeStore:
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor of this state a decode step reads or writes (store, slots, counters)."""
-        # Triton (Linux only): loaded where a kernel runs
-        from replayquant.kernels.ops import store_tensors
         return store_tensors(self.store) + [self.state_indices, *self.faults]
 
     def to_replay_state(self) -> ReplayState:
@@ -367,7 +360,6 @@ class DecodeStore:
             return
         first = torch.where(bad >= 0, bad, torch.iinfo(torch.int64).max)
         if bool((bad[:, -1] >= 0).any()):            # stores.FAULT_COLUMNS: the flush's cast
-            from replayquant.kernels.stores import overflowing_role
             row = int(first[:, -1].argmin())
             role, spec = overflowing_role(self.pair)
             raise ValueError(
@@ -393,8 +385,6 @@ class DecodeStore:
         -> y float32 [B, H, d_v] (Mamba-2: without the D skip), through the custom operator
         replayquant::replay_step (replayquant.kernels.ops) on this state's engine, which notes
         the inputs' faults in `faults`."""
-        # Triton (Linux only): loaded where a kernel runs
-        from replayquant.kernels.ops import replay_step
         return replay_step(self.store, self._inputs(raw), self.state_indices, DECODE_KERNEL_PATH,
                            self.meta, flushing=self._flushing(), record=self.faults)
 
@@ -406,8 +396,6 @@ class DecodeStore:
         appended to the ring after the committed entries, uncommitted until `accept`. A row whose
         committed entries would not leave T free slots (h + T > L, h > 0) folds them first (DESIGN
         section 4); a flush never folds drafts."""
-        # Triton (Linux only): loaded where a kernel runs
-        from replayquant.kernels.ops import replay_verify
         self.phase = None                     # the rows' fills move on the device
         ins = self._inputs(raw)
         return replay_verify(self.store, ins, self.state_indices, self.meta)
@@ -415,8 +403,6 @@ class DecodeStore:
     def accept(self, n: int) -> None:
         """Commit the first n of the drafts the last `verify` appended, in every row (a pointer
         move, replayquant::replay_accept; the rest are overwritten by later entries)."""
-        # Triton (Linux only): loaded where a kernel runs
-        from replayquant.kernels.ops import replay_accept
         n_rows = torch.full((self.B,), int(n), dtype=torch.int32, device=self.device)
         replay_accept(self.store, n_rows, self.state_indices, self.meta, check=False)
 

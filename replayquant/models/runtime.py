@@ -3,7 +3,7 @@
 Where the state lives: each linear-attention layer of an HF cache (`cache.layers[layer_idx]`, a
 `LinearAttentionLayer` in transformers 5.17 and 5.24) keeps, while patched, its replay state in
 the attribute `_replayquant_state`: a `DecodeStore` once the layer decodes (a
-`replayquant.kernels.stores.ReplayStore`, the engine that steps it and the batch-row -> slot
+`replayquant.replay.stores.ReplayStore`, the engine that steps it and the batch-row -> slot
 map), or a `ScanHeld` (the chunked scan's ScanState) after a multi-token forward. The
 layer's own `recurrent_states[0]` slot, which HF reorders on beam search (`reorder_cache`),
 holds a small float tensor [B, 1] of row ids instead of the FP32 state; a permuted slot tells us
@@ -85,6 +85,7 @@ from replayquant.models.decode_store import DecodeStore
 from replayquant.replay import ReplayState, core
 from replayquant.replay.frontends import mamba2_dt
 from replayquant.replay.state import find_nonfinite
+from replayquant.replay.stores import dt_limit_args, pow2_16
 
 __all__ = ["LayerRuntime", "ScanHeld", "croppable", "decode_path", "teacher_force_path",
            "recording", "STATE_ATTR"]
@@ -185,9 +186,6 @@ def decode_path(x: torch.Tensor | None = None, d_k: int | None = None, d_v: int 
     kernel (None: not checked)."""
     if not use_triton(x if x is not None else torch.empty(0)):
         return "torch"
-    # imported here: kernels.stores imports Triton, which replayquant installs on Linux only and
-    # which importing replayquant.models does not need
-    from replayquant.kernels.stores import pow2_16
     why = []
     if d_k is not None and d_v is not None and not (pow2_16(d_k) and pow2_16(d_v)):
         why.append(f"the Triton replay decode kernel needs d_k, d_v powers of two >= 16, got "
@@ -198,8 +196,6 @@ def decode_path(x: torch.Tensor | None = None, d_k: int | None = None, d_v: int 
                    f"{str(activations).removeprefix('torch.')} (load the model in bfloat16 "
                    f"for the kernel)")
     if dt_limit is not None:
-        # Triton (Linux only): loaded where a kernel runs
-        from replayquant.kernels.stores import dt_limit_args
         dt_limit_args(dt_limit)
     if why:
         return "torch (" + "; ".join(why) + ")"

@@ -10,11 +10,16 @@
 * `frontends`: Mamba-2, Gated DeltaNet and Kimi Delta Attention tensors -> the generic core
   (q, k, v, log_a[, beta]); KDA's log_a is per key channel (states built with vector_gate=True).
 * `recurrent_reference`: the unrounded sequential FP32 recurrence.
+* `stores`: the decode stores of a layer (`ReplayStore`, `ConventionalStore`, the packed layout,
+  the fault record) and the checks of a step's inputs, which the Triton kernels, their torch
+  references and the torch engine step; `roles`: their packed roles (`PackedRole`). Plain torch:
+  importing this package imports no Triton.
 """
 
 from replayquant.replay.frontends import gdn_inputs, kda_inputs, kda_log_decay, l2norm, mamba2_inputs
 from replayquant.replay.reference import recurrent_reference
 from replayquant.replay.state import ConventionalState, ReplayState
+from replayquant.replay.stores import ConventionalStore, ReplayStore
 
-__all__ = ["ReplayState", "ConventionalState", "mamba2_inputs", "gdn_inputs", "kda_inputs",
-           "kda_log_decay", "l2norm", "recurrent_reference"]
+__all__ = ["ReplayState", "ConventionalState", "ReplayStore", "ConventionalStore", "mamba2_inputs",
+           "gdn_inputs", "kda_inputs", "kda_log_decay", "l2norm", "recurrent_reference"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 from replayquant.testing import (gdn_params, gdn_step_inputs, kda_step_inputs,
                                  mamba2_params, mamba2_step_inputs)
 from replayquant.kernels import conventional as cv
+from replayquant.kernels import conventional_ref as cr
 from replayquant.kernels import replay_decode as rd
 from replayquant.kernels import replay_ref as rr
 from replayquant.kernels import verify as vf
@@ -63,18 +64,18 @@ def kernel_fns(kind) -> dict:
     """The kernels of a layer kind and their torch references: the conventional step ('conv'),
     the replay step ('step'), the replay verify and (GDN, Mamba-2) the conventional verify."""
     if kind == "gdn":
-        return dict(conv=cv.conventional_gdn_step, conv_ref=cv.conventional_gdn_step_ref,
+        return dict(conv=cv.conventional_gdn_step, conv_ref=cr.conventional_gdn_step_ref,
                     step=rd.replay_gdn_step, step_ref=rr.replay_gdn_step_ref,
                     verify=vf.replay_gdn_verify, verify_ref=rr.replay_gdn_verify_ref,
-                    cverify=vf.conventional_gdn_verify, cverify_ref=vf.conventional_gdn_verify_ref)
+                    cverify=vf.conventional_gdn_verify, cverify_ref=cr.conventional_gdn_verify_ref)
     if kind == "kda":                       # no conventional KDA verify kernel
-        return dict(conv=cv.conventional_kda_step, conv_ref=cv.conventional_kda_step_ref,
+        return dict(conv=cv.conventional_kda_step, conv_ref=cr.conventional_kda_step_ref,
                     step=rd.replay_kda_step, step_ref=rr.replay_kda_step_ref,
                     verify=vf.replay_kda_verify, verify_ref=rr.replay_kda_verify_ref)
-    return dict(conv=cv.conventional_mamba2_step, conv_ref=cv.conventional_mamba2_step_ref,
+    return dict(conv=cv.conventional_mamba2_step, conv_ref=cr.conventional_mamba2_step_ref,
                 step=rd.replay_mamba2_step, step_ref=rr.replay_mamba2_step_ref,
                 verify=vf.replay_mamba2_verify, verify_ref=rr.replay_mamba2_verify_ref,
-                cverify=vf.conventional_mamba2_verify, cverify_ref=vf.conventional_mamba2_verify_ref)
+                cverify=vf.conventional_mamba2_verify, cverify_ref=cr.conventional_mamba2_verify_ref)
 
 
 def load_pair(name, L):

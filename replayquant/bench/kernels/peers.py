@@ -12,7 +12,7 @@ import torch
 from replayquant.testing import random_state
 from replayquant.bench.kernels.grid import PEERS, SHAPES, kernel_fns, kernel_inputs
 from replayquant.bench.kernels.timing import empty_cache, graph_ms, plain_ms, rotations, timed_row
-from replayquant.kernels.stores import ConventionalStore
+from replayquant.replay.stores import ConventionalStore
 from replayquant.statebytes import io_bytes
 
 

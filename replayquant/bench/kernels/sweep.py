@@ -9,7 +9,7 @@ from replayquant.testing import random_state
 from replayquant.bench.kernels.grid import (PAIR_L, PAIRS, SHAPES, kernel_fns, kernel_inputs,
                                             load_pair)
 from replayquant.bench.kernels.timing import empty_cache, time_calls, timed_row
-from replayquant.kernels.stores import ConventionalStore, ReplayStore
+from replayquant.replay.stores import ConventionalStore, ReplayStore
 from replayquant.statebytes import (conventional_bytes, replay_flush_step_bytes,
                                     replay_read_step_bytes, ring_u_bytes)
 

@@ -18,7 +18,8 @@ The ring's dtype (`ring_dtype`) is bf16 for the Triton kernels (half the buffer 
 float32 for the torch engine, which then keeps u in float32 and no key factors (its flush
 recomputes u from the anchor): the same store, stepped by either engine on its own ring.
 
-`ConventionalStore`: one packed state, read-modify-written every step.
+`ConventionalStore`: one packed state, read-modify-written every step; `make_snapshots`: its
+per-draft snapshots for a speculative verify.
 
 `FaultRecord`: where the inputs of a decode step held NaN or infinity, and where its flush's cast
 of a finite state into the anchor or the read copy was not (an FP16 role past 65504), noted by
@@ -36,7 +37,7 @@ from typing import NamedTuple
 import torch
 
 from replayquant.formats import get_format
-from replayquant.kernels.roles import PackedRole, role_streams
+from replayquant.replay.roles import PackedRole, role_streams
 from replayquant.pairs import PrecisionPair
 from replayquant.replay.frontends import l2norm, l2norm_kda
 from replayquant.statebytes import ring_u_bytes
@@ -254,6 +255,17 @@ class ConventionalStore:
 
     def clone(self) -> "ConventionalStore":
         return ConventionalStore(self.state.clone(), self.n_casts.clone(), self.key)
+
+
+def make_snapshots(store: ConventionalStore, T: int) -> PackedRole:
+    """Per-draft snapshot storage for T drafts: [N * T, H, d_v, d_k] in the state's format
+    (snapshot t of slot s at index s * T + t). T times the state's memory."""
+    N, H, dv, dk = store.state.shape
+    snaps = PackedRole.empty(store.state.fmt, store.state.rounding, (N * T, H, dv, dk),
+                             store.state.payload.device)
+    snaps.T = T
+    return snaps
+
 
 
 RING_DTYPES = (torch.bfloat16, torch.float32)
