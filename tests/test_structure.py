@@ -1,7 +1,8 @@
 """The package's import structure: its import graph has no circle (every module's imports of
 replayquant modules, at module level and inside functions alike: a function-local import hides an
-edge from a reader, not from this check; read from the source with `ast`), and the layer's state,
-the format specification and the torch references import and run without Triton."""
+edge from a reader, not from this check; read from the source with `ast`), its functions outside
+the kernels take at most ten parameters, and the layer's state, the format specification and the
+torch references import and run without Triton."""
 
 from __future__ import annotations
 
@@ -145,6 +146,52 @@ assert casts.pow2_ref(torch.tensor([3])).item() == 8.0
 assert philox.random_bits_ref((4,), 0, 0).numel() == 4
 print("ok")
 """
+
+
+# Functions outside kernels/ that take more than MAX_PARAMETERS: the benchmarks' runners and the
+# decode store's builders and the stores' step inputs (a kernel launch's tensors). The check
+# fails on any other function over the limit, and on one of these once it is under it (then it
+# comes off this list).
+MAX_PARAMETERS = 10
+OVER_LIMIT = {
+    "replayquant.bench.generate:_result", "replayquant.bench.generate:_run_generate_bench",
+    "replayquant.bench.kernels.plan:plan", "replayquant.bench.kernels.rows:_replay_rounds",
+    "replayquant.bench.kernels.rows:_snapshot_rounds",
+    "replayquant.bench.kernels.rows:bench_replay",
+    "replayquant.bench.kernels.run:_run_kernels_bench",
+    "replayquant.bench.kernels.sweep:_sweep_replay",
+    "replayquant.models.decode_store:_build", "replayquant.models.decode_store:from_parts",
+    "replayquant.models.decode_store:parts_to_store",
+    "replayquant.replay.stores:step_inputs",
+}
+
+
+def _is_command(fn: ast.FunctionDef) -> bool:
+    """A command of the command line (`@app.command(...)`): its parameters are its options."""
+    return any(isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute)
+               and d.func.attr == "command" for d in fn.decorator_list)
+
+
+def _parameters(fn: ast.FunctionDef) -> int:
+    """Parameters of `fn`, self / cls not counted, *args and **kwargs one each."""
+    a = fn.args
+    names = [p.arg for p in a.posonlyargs + a.args + a.kwonlyargs]
+    return (len(names) - (names[:1] in (["self"], ["cls"])) + (a.vararg is not None)
+            + (a.kwarg is not None))
+
+
+def test_no_function_outside_the_kernels_takes_more_than_ten_parameters():
+    """Options travel as one object (a run's settings, `replayquant.kl.KLSettings`), not as a
+    parameter each; the Triton kernels, whose parameters are their launch arguments, aside."""
+    over = set()
+    for name, path in _modules().items():
+        if name == "replayquant.kernels" or name.startswith("replayquant.kernels."):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not _is_command(node)
+                    and _parameters(node) > MAX_PARAMETERS):
+                over.add(f"{name}:{node.name}")
+    assert over == OVER_LIMIT
 
 
 def test_layer_state_and_references_import_without_triton():
