@@ -27,8 +27,8 @@ test: $(STAMP)
 # lengths 8 and 16 (16 variants and the FP32-state reference in one lockstep KL run, 2 documents x
 # 2048 tokens), with the state bytes per decode step and the measured H200 kernel times of
 # results/bench/kernels.json; `replayquant recommend` then prints the cheapest variant whose KL
-# upper bound is within DEMO_KL_BUDGET. Writes build/demo/. tests/test_sweep.py runs the same two
-# commands on a short context (it reads the DEMO_* variables here); tests/test_demo.py runs
+# upper bound is within DEMO_KL_BUDGET. Writes build/demo/. tests/sweep/test_sweep.py runs the same two
+# commands on a short context (it reads the DEMO_* variables here); tests/cli/test_demo.py runs
 # `replayquant kl` with DEMO_MODEL and DEMO_PAIRS.
 DEMO_MODEL := tiny-qwen3.5
 DEMO_PAIRS := --pair s32_rs --pair s16_sr --pair sbf16 --pair tp8_hi32 --pair tp8_hi16_sr --pair tp4_hi32 --pair tp4_hi16_sr --pair f4_sr_rs

@@ -7,14 +7,14 @@ layer through the replay state machine, with the GPU kernels on CUDA. The CPU te
 path in the Triton interpreter on tiny random models; this script runs it compiled, on the
 shipped trained models (tiny-qwen3.5: Gated DeltaNet, tiny-mamba2: Mamba-2), in float32.
 tiny-kimi-linear is not among the defaults: its decode kernel, replay_kda_step, is checked in the
-interpreter only (tests/test_kernel_kda_replay.py) and has not run compiled yet.
+interpreter only (tests/kernels/test_kernel_kda_replay.py) and has not run compiled yet.
 
 * the same ragged batch of held-out prompts (left padding) is generated greedily on CUDA
   (decode kernel: `decode_path` must say 'triton') and on the CPU (the torch engine on a
   float32 ring, which equals ReplayState.step within float32 reassociation), for each pair;
 * reported per pair: whether the greedy tokens agree, the first position where they differ,
   the largest logit difference relative to the largest logit over the steps before that
-  position (the kernel's bf16 ring buffer bounds it, see tests/test_models_decode_kernel.py),
+  position (the kernel's bf16 ring buffer bounds it, see tests/models/test_models_decode_kernel.py),
   decode tokens/s on CUDA for the patched model and for the unpatched HF model.
 
 Writes one JSON file with provenance. Needs a CUDA device (exits with a message otherwise).

@@ -35,7 +35,7 @@ specialization, `replay_kda_step`), so the replay count is derived, not checked 
 `replay_window_bytes` is the mean over a window of L steps (L - 1 read steps at h = 0 .. L - 2,
 then one flush). `StepBytes` splits the same mean per sequence into its parts (read copy, ring
 entries, amortised flush, inputs / output); its total equals `replay_window_bytes / B`
-(tests/test_sweep.py checks both against the `bytes` of the committed kernels grid).
+(tests/sweep/test_sweep.py checks both against the `bytes` of the committed kernels grid).
 """
 
 from __future__ import annotations

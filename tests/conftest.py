@@ -3,8 +3,23 @@ import os
 # Triton kernels run on the CPU through the interpreter; this must be set before `import triton`.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from pathlib import Path  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+# The folders whose every test is slow (the Triton kernels in the interpreter and their sm_90
+# compiles; whole tiny models generating and decoding); elsewhere a module says
+# `pytestmark = pytest.mark.slow` itself. `make test-fast` runs `-m "not slow"`.
+SLOW_FOLDERS = {"kernels", "models"}
+HERE = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        parts = Path(str(item.fspath)).resolve().relative_to(HERE).parts
+        if len(parts) > 1 and parts[0] in SLOW_FOLDERS:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -11,7 +11,7 @@ constexpr values, num_warps (and maxnreg). `compile` (no TRITON_INTERPRET) compi
 distinct specialization once (specialization_key: what Triton compiles anew for, so launches
 that differ only in an argument the kernel does not specialize on share one) with
 `triton.compile` for sm_<arch> (PTX, then ptxas if Triton ships one) and reports failures with
-the compiler's message. tests/test_compile_check.py does both for the model decode path.
+the compiler's message. tests/kernels/test_compile_check.py does both for the model decode path.
 `sass` prints, per specialization, the static count of SASS instructions (nvdisasm of the cubin, as
 Triton ships it; --ops N: the N commonest opcodes) with ptxas's register and spill report: for
 kernels without runtime loops that is the instruction count of one program, a proxy (not a

@@ -37,7 +37,7 @@ from replayquant import options
 __all__ = ["graphed_decode", "LayerGraph", "GRAPHED_KINDS"]
 
 # the layer kinds whose recorded steps were compared with their eager steps on a GPU, bit for bit
-# (tests/test_decode_graph.py, tp4_hi16_sr, 12 steps over three flushes: tiny-qwen3.5 and
+# (tests/models/test_decode_graph.py, tp4_hi16_sr, 12 steps over three flushes: tiny-qwen3.5 and
 # tiny-kimi-linear on an H200 and an H100, tiny-mamba2 on an H100); a kind added to the family
 # table steps eagerly until that test has run on it
 GRAPHED_KINDS = ("gdn", "kda", "mamba2")

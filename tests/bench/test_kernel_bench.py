@@ -139,7 +139,7 @@ def test_sweep_pick_is_the_launch_of_step_and_verify():
 
 # ---------------------------------------------------------------------------- the authors' kernels
 
-AUTHORS = Path(__file__).resolve().parents[1] / ".gpu" / "authors"
+AUTHORS = Path(__file__).resolve().parents[2] / ".gpu" / "authors"
 
 # the import lines of the authors' files (their own kernels replaced by trivial ones)
 _FAKE = {

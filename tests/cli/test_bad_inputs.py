@@ -190,7 +190,7 @@ def test_devices_cuda_when_present_else_cpu_and_a_missing_one_is_one_error(texts
     code, text = _invoke(_kl(texts, tmp_path / "x.json"))
     assert code == 0 and "device: cpu" in text, text
 
-    csv = Path(__file__).parent / "data" / "gpqa_tiny.csv"
+    csv = Path(__file__).parents[1] / "data" / "gpqa_tiny.csv"
     seen = {}
 
     class Stop(Exception):

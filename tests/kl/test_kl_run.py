@@ -23,7 +23,7 @@ from replayquant.kl import KLSettings, RunParts, run_kl
 from replayquant.kl.files import read_progress
 from replayquant.kl.lockstep import Variant
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 try:
     from replayquant.models import patch as _patch, unpatch as _unpatch  # noqa: F401
     HAVE_PATCH = True

@@ -58,7 +58,7 @@ def _configs():
         "olmo_hybrid": (lambda: tf.OlmoHybridConfig(
             vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
             layer_types=LINEAR3, pad_token_id=0, eos_token_id=1, **GDN, **ATT), 2),
-        # the families of Qwen3.5, Qwen3-Next, Mamba-2 and Nemotron-H (tests/test_models.py
+        # the families of Qwen3.5, Qwen3-Next, Mamba-2 and Nemotron-H (tests/models/test_models.py
         # covers them in depth; here they run the same registry checks and run_kl)
         "qwen3_5": (lambda: tf.Qwen3_5TextConfig(
             vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
@@ -277,7 +277,7 @@ def test_kernels_serve_the_layers(work, fam, monkeypatch):
         warnings.simplefilter("always")
         seq_k, sc_k = _generate(model, ids, mask, n=3)
     msgs = [str(x.message) for x in w if "replayquant" in str(x.message)]
-    # a bf16 model's logits: a few units of 2^-9 (tests/test_models_decode_kernel.py)
+    # a bf16 model's logits: a few units of 2^-9 (tests/models/test_models_decode_kernel.py)
     assert (sc_k - sc_t).abs().max().item() <= 8 * 2.0 ** -9 * sc_t.abs().max().item()
     assert torch.equal(seq_k, seq_t)
     assert calls["chunk"] == n_layers

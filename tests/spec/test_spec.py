@@ -109,7 +109,7 @@ def test_readme_table_is_the_committed_result():
     """The README's speculative-decoding table is results/spec/tiny-qwen3.5.json's."""
     import re
     from pathlib import Path
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     res = json.loads((root / "results/spec/tiny-qwen3.5.json").read_text())["results"]
     readme = (root / "README.md").read_text()
     start = readme.index("| tiny-qwen3.5 |")
@@ -129,7 +129,7 @@ def test_recommend_min_accept(tmp_path):
     which fingerprinted the same model whole) considers only the variants whose pair at its L
     accepted enough drafts per round; other files and values are one error."""
     from pathlib import Path
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     spec = root / "results/spec/tiny-qwen3.5.json"
     sweep = json.loads((root / "results/demo/tiny-qwen3.5_sweep.json").read_text())
     sweep["model"] = json.loads(spec.read_text())["config"]["model"]

@@ -11,11 +11,11 @@ reassociation (~1e-6) and, with a separate read copy, by u's bf16 rounding (rela
 each layer rounds y to bf16, where a reassociation can flip one rounding. After the norm and
 projections this is a relative logit error of a few units of 2^-9 (4.3 measured on the
 continuation of tiny Qwen3.5); we allow |d logits| <= 8 * 2^-9 * max|logits| (RTOL_BF16 below)
-and print what we measure. The float32 exactness of both engines is tests/test_decode_exact.py's
+and print what we measure. The float32 exactness of both engines is tests/models/test_decode_exact.py's
 (2e-6 of a float64 loop, layer by layer). With an NVFP4
 read copy a second effect appears: the bf16-perturbed state that a flush casts can round a few
 elements to the neighbouring E2M1 value; the layer-level test bounds those rare outliers by a
-quarter of the pair's own effect (its distance from the FP32 pair), as tests/test_models.py does
+quarter of the pair's own effect (its distance from the FP32 pair), as tests/models/test_models.py does
 for teacher forcing. Greedy tokens must be equal; the test prints, at every generated position,
 twice the observed logit difference over the reference's top-1 / top-2 gap (a bf16 model's
 logits can be one unit of bf16 apart).

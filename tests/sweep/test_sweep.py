@@ -16,7 +16,7 @@ from replayquant.pairs import PrecisionPair
 from replayquant.statebytes import (LayerShape, conventional_bytes, layer_conventional_bytes,
                                     layer_memory_bytes, layer_step_bytes, replay_window_bytes)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 

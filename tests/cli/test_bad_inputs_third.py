@@ -13,7 +13,7 @@ import pytest
 from _cli import invoke, one_clear_error
 
 TINY = "tiny-qwen3.5"
-CSV = Path(__file__).parent / "data" / "gpqa_tiny.csv"
+CSV = Path(__file__).parents[1] / "data" / "gpqa_tiny.csv"
 
 
 class Stop(Exception):
@@ -87,7 +87,7 @@ def deadline():
     signal.alarm(0)
 
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SENS = ROOT / "results/sensitivity/tiny-qwen3.5_tp4_hi16_sr+tp8_hi16_sr_ctx2k.json"
 
 

@@ -28,7 +28,7 @@ from replayquant.provenance import local_fingerprint
 from replayquant.sweep import per_layer as PL
 from _cli import invoke as _invoke, one_clear_error as _one_clear_error
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SWEEP = ROOT / "results/demo/tiny-qwen3.5_sweep.json"
 SENS = ROOT / "results/sensitivity/tiny-qwen3.5_tp4_hi16_sr+tp8_hi16_sr_ctx2k.json"
 DEMO_PAIRS = ["s32_rs", "s16_sr", "sbf16", "tp8_hi32", "tp8_hi16_sr", "tp4_hi32", "tp4_hi16_sr",

@@ -193,7 +193,7 @@ def test_per_layer_refuses_a_book_that_changed(sens_run, tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------ recommend --gpqa
 
-SWEEP = Path(__file__).resolve().parents[1] / "results/demo/tiny-qwen3.5_sweep.json"
+SWEEP = Path(__file__).resolve().parents[2] / "results/demo/tiny-qwen3.5_sweep.json"
 
 
 def _gpqa_summary(model: str, variants: list[dict], digests=None) -> dict:

@@ -19,7 +19,7 @@ from replayquant.provenance import local_fingerprint
 from replayquant.sweep import per_layer as PL
 from replayquant.sweep import recommend as R
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SWEEP = ROOT / "results/demo/tiny-qwen3.5_sweep.json"
 SENS = ROOT / "results/sensitivity/tiny-qwen3.5_tp4_hi16_sr+tp8_hi16_sr_ctx2k.json"
 

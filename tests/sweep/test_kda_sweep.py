@@ -2,7 +2,7 @@
 
 The byte model counts a KDA layer as GDN except its gate, which is d_k wide (the step's gate
 input and every buffered G); its ring holds what `ReplayState(vector_gate=True)` buffers. The
-commands run on tiny random Kimi Linear and GLM-5-Next models (tests/test_kda_models.py's
+commands run on tiny random Kimi Linear and GLM-5-Next models (tests/models/test_kda_models.py's
 builder: gates that remember hundreds of tokens), read the layer shapes from the models and
 report bytes and memory by layer kind.
 """

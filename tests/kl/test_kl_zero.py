@@ -13,7 +13,7 @@ from replayquant.kl import stats as S
 from replayquant.sweep import recommend as R
 from replayquant.sweep.common import front_kl, kl_problem, pareto_front
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SWEEP = ROOT / "results/demo/tiny-qwen3.5_sweep.json"
 
 # the shared FP32 pair's float-noise KL of a tiny-qwen3.5 run: 1.2 standard errors below zero

@@ -1,8 +1,8 @@
-"""Driver for tests/test_compile_onepass.py (run under `compile_check record`, so in the Triton
+"""Driver for tests/kernels/test_compile_onepass.py (run under `compile_check record`, so in the Triton
 interpreter): one verify of the one-pass design (design='onepass') per layer kind and read
 format at tiny shapes with a bf16 q, and with a float32 q (three bf16 parts) on an FP32 copy.
 
-    python tests/compile_drive_onepass.py
+    python tests/kernels/compile_drive_onepass.py
 """
 
 import sys

@@ -1,4 +1,4 @@
-"""Driver for tests/test_compile_check.py (run under `compile_check record`, so in the Triton
+"""Driver for tests/kernels/test_compile_check.py (run under `compile_check record`, so in the Triton
 interpreter): generate with a tiny random Qwen3.5 (GDN), Mamba-2 or Nemotron-H (dt clamp) model
 patched with each pair (PLAN), seed 0 (layer 1's Philox key is then 1, which Triton specializes
 unless the kernel says do_not_specialize), with a prompt longer than the buffer (chunked
@@ -7,7 +7,7 @@ prefill, which flushes) and one decode step.
 One decode step is enough: every decode step of a generate launches the same kernel with the
 same specialization (a row flushes or reads inside it, whatever the batch).
 
-    python tests/compile_drive.py MODEL [PAIR ...]       MODEL: qwen3_5, mamba2, nemotron_h
+    python tests/kernels/compile_drive.py MODEL [PAIR ...]       MODEL: qwen3_5, mamba2, nemotron_h
 """
 
 import sys
@@ -44,7 +44,7 @@ CONFIGS = {
 
 def main(argv):
     if not argv or argv[0] not in CONFIGS:
-        print(f"usage: python tests/compile_drive.py {{{','.join(CONFIGS)}}} [PAIR ...]",
+        print(f"usage: python tests/kernels/compile_drive.py {{{','.join(CONFIGS)}}} [PAIR ...]",
               file=sys.stderr)
         return 2
     plan = [dict(pair=p) for p in argv[1:]]

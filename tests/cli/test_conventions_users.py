@@ -18,7 +18,7 @@ from replayquant.kl import command as C
 from replayquant.kl import stats as S
 from _cli import invoke as _invoke
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TINY = "tiny-qwen3.5"
 CTX = 64
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TINY_CSV = ROOT / "tests" / "data" / "gpqa_tiny.csv"
 TINY_MODEL = ROOT / "replayquant" / "assets" / "tiny-qwen3.5"
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",

@@ -119,7 +119,7 @@ def _train_tiny():
     import importlib.util
     import sys
     from pathlib import Path
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     if "train_tiny" not in sys.modules:
         spec = importlib.util.spec_from_file_location("train_tiny", root / "evals" / "train_tiny.py")
         mod = importlib.util.module_from_spec(spec)

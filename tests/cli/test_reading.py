@@ -9,7 +9,7 @@ from rich.console import Console
 
 from _cli import invoke
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SWEEP = ROOT / "results/demo/tiny-qwen3.5_sweep.json"
 
 

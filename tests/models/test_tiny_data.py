@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-WINDOW0 = Path(__file__).parent / "data" / "kjv_bible_data_window0.lzw"   # bible.data's 1st window
+ROOT = Path(__file__).resolve().parents[2]
+WINDOW0 = Path(__file__).parents[1] / "data" / "kjv_bible_data_window0.lzw"   # bible.data's 1st window
 WINDOW0_SHA256 = "67905173113cb501ef726b71c9056fa3804fa6e6a36e020ebee7e3c045531f8d"
 
 

@@ -1,7 +1,7 @@
 """The kernels that the model paths launch compile for sm_90 (Triton's compiler and ptxas, no
 GPU): the interpreter, which runs every other kernel test, accepts code that the compiler
 rejects (a constexpr where a tensor is expected, e.g. an integer argument equal to 1). Records
-the launches of tests/compile_drive.py in the interpreter, one model per test, then compiles
+the launches of tests/kernels/compile_drive.py in the interpreter, one model per test, then compiles
 each distinct specialization once (launches that Triton would not compile anew share one)."""
 
 import json
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("triton.backends.nvidia")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(args, env, cwd):
@@ -34,7 +34,7 @@ def test_model_kernels_compile_for_sm90(model, tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", REPLAYQUANT_BACKEND="triton",
                PYTHONPATH=str(ROOT))
     out = tmp_path / "launches.json"
-    rc, log = _run(["record", str(out), "--", str(ROOT / "tests" / "compile_drive.py"), model],
+    rc, log = _run(["record", str(out), "--", str(ROOT / "tests" / "kernels" / "compile_drive.py"), model],
                    env, tmp_path)
     assert rc == 0, log[-3000:]
     launches = json.loads(out.read_text())

@@ -257,7 +257,7 @@ def test_patched_model_runs_the_kernel(fam, monkeypatch):
     """A patched tiny HF model with the Triton backend (REPLAYQUANT_BACKEND=triton: what CUDA
     tensors get) runs the chunk kernel and gives the torch path's logits within reassociation,
     in segments with a ragged batch (Kimi Linear: per-channel gates, the tiny model of
-    tests/test_kda_models.py with gates that remember)."""
+    tests/models/test_kda_models.py with gates that remember)."""
     transformers = pytest.importorskip("transformers")
     from transformers import AutoModelForCausalLM, Mamba2Config, Qwen3_5TextConfig
     from replayquant.models import patch, runtime

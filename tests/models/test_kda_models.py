@@ -139,7 +139,7 @@ def test_generate_equals_hf_and_decode_equals_teacher_forcing(work, fam):
     """Greedy generate with s32_rs at L = 1 (the conventional FP32 recurrence) gives the
     unpatched model's tokens and scores; with f4_sr_rs (L = 4: the 6 decode steps cross flushes)
     the scores of every decode step equal teacher forcing of the generated sequence through the
-    same pair within reassociation (bounded as in tests/test_families.py)."""
+    same pair within reassociation (bounded as in tests/models/test_families.py)."""
     model = load_model(work["dirs"][fam], dtype="float32")
     d, tf, effect = generate_then_teacher_force(model, _generate)
     assert effect > 0
@@ -166,8 +166,8 @@ def test_decode_kernel_equals_torch_step_and_teacher_forcing(work, monkeypatch):
     without a warning, on the bf16 model it serves (its ring holds bf16 activations exactly);
     tokens are the torch path's, and the scores of every decode step (L = 4: they cross a
     flush) equal the torch path's and teacher forcing of the generated sequence within a bf16
-    model's logit bound, 8 x 2^-9 of the largest logit (tests/test_models_decode_kernel.py).
-    The kernel against ReplayState on the same bf16 inputs: tests/test_kernel_kda_replay.py."""
+    model's logit bound, 8 x 2^-9 of the largest logit (tests/models/test_models_decode_kernel.py).
+    The kernel against ReplayState on the same bf16 inputs: tests/kernels/test_kernel_kda_replay.py."""
     from replayquant.kernels import chunk
     from replayquant.kernels import replay_decode as rd
     calls, scans = [], []
