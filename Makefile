@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo install clean
+.PHONY: test test-fast demo install clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -22,14 +22,20 @@ TEST_WORKERS ?= 2
 test: $(STAMP)
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist worksteal
 
+# The fast loop: every test but the slow ones (marker `slow`: the Triton kernels in the
+# interpreter, their sm_90 compiles and whole tiny models, tests/conftest.py), FAST_TIME.
+test-fast: $(STAMP)
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest tests -m "not slow" -n $(TEST_WORKERS) \
+		--dist worksteal
+
 # The embedded default: the tiny Qwen3.5-architecture model trained on the KJV (replayquant/assets),
 # scored on held-out books it never saw. `replayquant sweep` runs every shipped pair at buffer
 # lengths 8 and 16 (16 variants and the FP32-state reference in one lockstep KL run, 2 documents x
 # 2048 tokens), with the state bytes per decode step and the measured H200 kernel times of
 # results/bench/kernels.json; `replayquant recommend` then prints the cheapest variant whose KL
-# upper bound is within DEMO_KL_BUDGET. Writes build/demo/. tests/sweep/test_sweep.py runs the same two
-# commands on a short context (it reads the DEMO_* variables here); tests/cli/test_demo.py runs
-# `replayquant kl` with DEMO_MODEL and DEMO_PAIRS.
+# upper bound is within DEMO_KL_BUDGET. Writes build/demo/. tests/sweep/test_sweep.py runs the
+# same two commands on a short context (it reads the DEMO_* variables here);
+# tests/cli/test_demo.py runs `replayquant kl` with DEMO_MODEL and DEMO_PAIRS.
 DEMO_MODEL := tiny-qwen3.5
 DEMO_PAIRS := --pair s32_rs --pair s16_sr --pair sbf16 --pair tp8_hi32 --pair tp8_hi16_sr --pair tp4_hi32 --pair tp4_hi16_sr --pair f4_sr_rs
 DEMO_BUFFER_LEN := 8,16
