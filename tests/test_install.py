@@ -234,6 +234,7 @@ def test_the_readme_demo_of_an_installed_package_is_make_demo():
     assert recommend[2] == opts["--out"] and recommend[-1] == var("DEMO_KL_BUDGET")
 
 
+@pytest.mark.slow
 def test_the_package_without_its_extras_runs_a_sweep(tmp_path):
     """Neither lm-eval nor Triton importable (the package installed alone, on a CPU build of
     torch): a sweep with the shipped kernel table and its recommendation run."""

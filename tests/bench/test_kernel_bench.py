@@ -44,8 +44,9 @@ def test_full_grid_plan():
     assert estimate_s(no_sr) < estimate_s(sec)
 
 
+@pytest.mark.slow
 def test_cpu_smoke_run(tmp_path):
-    res = run_kernels_bench(out=str(tmp_path), batches=(1, 3), Ls=(2,),
+    res = run_kernels_bench(out=str(tmp_path), batches=(3,), Ls=(2,),
                             pairs=("s32_rs", "tp4_hi32"), Ts=(2,), spec_batches=(3,),
                             peers=False, checks=False, sweep=False, detail_batches=(3,),
                             device="cpu", shapes=TINY, staggered_batches=(3,))
@@ -54,12 +55,12 @@ def test_cpu_smoke_run(tmp_path):
     js = json.loads((tmp_path / "kernels.json").read_text())
     assert js["provenance"]["smoke_cpu"] is True
     assert set(js["section_s"]) == {k for k, _, _ in plan(
-        (1, 3), (2,), ("s32_rs", "tp4_hi32"), (2,), (3,), peers=False, checks=False, sweep=False,
+        (3,), (2,), ("s32_rs", "tp4_hi32"), (2,), (3,), peers=False, checks=False, sweep=False,
         detail_batches=(3,), shapes=TINY, staggered_batches=(3,),
         accuracy=True)}
     kernels = {(r["kind"], r["kernel"], r["variant"], r["B"]) for r in js["rows"]}
     for kind in ("gdn", "mamba2"):
-        for B in (1, 3):
+        for B in (3,):
             assert (kind, "conventional", "fp32", B) in kernels
             for pair in ("s32_rs", "tp4_hi32"):
                 assert (kind, "replay-window", pair, B) in kernels
@@ -81,6 +82,7 @@ def test_cpu_smoke_run(tmp_path):
     assert (tmp_path / "kernels_speedup.png").stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_merge_parts(tmp_path):
     """Two smoke runs split by layer kind merge into one table; parts of different commits,
     overlapping sections and a single part are refused with one error each."""
@@ -303,6 +305,7 @@ MAMBA_T = dict(kind="mamba2", H=2, HK=1, dv=16, dk=16)
 
 @pytest.mark.skipif(not all((AUTHORS / f).is_file() for f in au.FILES),
                     reason="no .gpu/authors here (the authors' files, extracted for the device)")
+@pytest.mark.slow
 def test_authors_kernels_in_interpreter(interpreter_bf16, monkeypatch):
     """The authors' real kernels through the shim at tiny shapes, on the bench's inputs, against
     a float64 recurrence over three windows: with float32 activations their state and outputs
@@ -416,6 +419,7 @@ def test_presets_fit_one_device_call():
     assert "checks" in keys
 
 
+@pytest.mark.slow
 def test_kda_rows(tmp_path):
     """A KDA run (CPU smoke, tiny shape): conventional FP32 and BF16 rows and replay windows
     whose bytes are the byte model's, and the conventional KDA kernel against its reference as

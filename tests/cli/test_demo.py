@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow       # the demo on a tiny model, end to end
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

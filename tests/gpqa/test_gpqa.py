@@ -174,6 +174,7 @@ def test_cli_bad_csv_unknown_pair_unknown_task(tmp_path):
     assert not (Path("build") / "gpqa" / "unused").exists()
 
 
+@pytest.mark.slow
 def test_no_dataset_access_and_no_csv_one_clear_error(tmp_path):
     """Offline, empty HF cache, no --gpqa-csv: fails before loading any model."""
     env = {**os.environ, **OFFLINE, "HF_HOME": str(tmp_path / "hf"), "HF_TOKEN": ""}
@@ -273,6 +274,7 @@ def test_table_command_reads_summaries(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # the model class on both scoring paths (needs the model-integration API)
 
+@pytest.mark.slow
 @needs_patch
 def test_both_scoring_paths_see_the_pair(tiny_model):
     """loglikelihood (teacher forcing) and generate_until (replay decode), batched: an FP32 pair and
@@ -324,6 +326,7 @@ def test_both_scoring_paths_see_the_pair(tiny_model):
     assert info["pair"]["name"] == "s32_rs" and info["prefill"] == "replay"
 
 
+@pytest.mark.slow
 @needs_patch
 def test_compiled_generate_until_compiles_once_per_batch_size(tiny_model):
     """compile_generate through lm-eval's generate_until: five prompts of five lengths in batches
@@ -370,6 +373,7 @@ def test_compiled_generate_until_compiles_once_per_batch_size(tiny_model):
         ReplayQuantLM(pretrained=tiny_model, device="cpu", dtype="float32", compile_generate="true")
 
 
+@pytest.mark.slow
 @needs_patch
 def test_lm_eval_command_end_to_end(tiny_model, tmp_path):
     """lm-eval's own command line with --model replayquant, a loglikelihood task and a generative
@@ -393,6 +397,7 @@ def test_lm_eval_command_end_to_end(tiny_model, tmp_path):
     assert samples and "SYNTHETIC" in samples[0].read_text()
 
 
+@pytest.mark.slow
 @needs_patch
 def test_gpqa_command_two_pairs_summary_and_table(tiny_model, tmp_path):
     out = tmp_path / "gpqa"

@@ -74,6 +74,7 @@ def test_every_pass_over_the_documents_has_one_answer_order(tmp_path, monkeypatc
         assert all(a == answers[0] for a in answers), (name, caching, answers)
 
 
+@pytest.mark.slow
 def test_gpqa_targets_are_the_letters_of_the_prompts(tmp_path):
     """`replayquant gpqa --log-samples`, two pairs, a multiple-choice task with its own RNG
     (n-shot) and a generative one (chain of thought) on four questions: for every logged sample
@@ -98,6 +99,7 @@ def _per_doc(samples: list[dict], metric: str) -> dict[int, float]:
     return {int(s["doc_id"]): float(s[metric]) for s in samples}
 
 
+@pytest.mark.slow
 def test_gpqa_exact_pair_scores_as_lm_evals_hf_model(tmp_path, monkeypatch):
     """`replayquant gpqa --pair s32_rs` and lm-eval's own `hf` model (the unpatched tiny model,
     lm-eval's zero-shot task reading the same CSV, `datasets`' cache on in an empty folder, as

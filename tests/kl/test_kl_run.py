@@ -322,6 +322,7 @@ def test_bad_inputs_each_one_clear_error(work, fake_patch, tmp_path):
 # ------------------------------------------------------------------ data-parallel through accelerate
 
 
+@pytest.mark.slow
 def test_two_process_accelerate_path_merges_into_one_file(work, tmp_path):
     script = tmp_path / "dp.py"
     script.write_text(textwrap.dedent(f"""

@@ -219,7 +219,7 @@ def test_decode_flush_whose_cast_overflows_keeps_the_roles_and_notes_the_step(ki
     assert_same_store(stores[1], stores[2])
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend", [pytest.param("triton", marks=pytest.mark.slow), "torch"])
 def test_patched_decode_names_the_overflowing_flush_at_the_next_forward(backend):
     """A patched tiny-qwen3.5 (s16_sr, L = 4) whose first recurrent layer's decode inputs in
     batch row 1 are scaled by 1e8: its FP16 anchor would overflow at the first decode flush

@@ -211,6 +211,7 @@ def demo_sweep(tmp_path_factory):
     return out, run, args
 
 
+@pytest.mark.slow
 def test_sweep_file_plot_and_resume(demo_sweep):
     from replayquant.statebytes import LayerShape, model_step_bytes
     from replayquant.sweep.plot import axis_floor, plot_sweep
@@ -268,6 +269,7 @@ def test_pareto_front_counts_noise_as_zero():
     assert pareto_front(pts) == ["cheap", "good", "exact"]
 
 
+@pytest.mark.slow
 def test_recommend_fit_and_no_fit(demo_sweep, tmp_path):
     out, _, _ = demo_sweep
     sw = json.loads(out.read_text())
@@ -306,6 +308,7 @@ def test_recommend_fit_and_no_fit(demo_sweep, tmp_path):
     assert wrong.returncode == 2 and "not a replayquant.sweep file" in wrong.stderr
 
 
+@pytest.mark.slow
 def test_recommend_with_gpqa_budget(demo_sweep):
     """A GPQA summary's drop (upper end of its paired uncertainty) is one more budget."""
     from replayquant.gpqa.summary import SUMMARY_KIND
@@ -338,6 +341,7 @@ def test_recommend_with_gpqa_budget(demo_sweep):
 
 # ----------------------------------------------------------------------------- sensitivity + per-layer
 
+@pytest.mark.slow
 def test_sensitivity_and_per_layer_policy(tmp_path):
     """tiny-mamba2: each layer alone with tp4_hi32 and with tp8_hi32 in one pass, ranked; a
     policy from it for a budget between the two pairs, measured beside its prediction; the
@@ -396,6 +400,7 @@ def test_bad_sweep_and_sensitivity_input():
     assert r.returncode == 2 and "not recurrent layers" in r.stderr
 
 
+@pytest.mark.slow
 def test_sensitivity_per_pass_splits_the_runs(tmp_path):
     """--per-pass 2 with 2 layers and one pair: 3 variants in two KL runs, one result."""
     out = tmp_path / "s.json"
