@@ -50,7 +50,9 @@ tokens):
 
 How the shipped models were made (results/train_tiny/: train_log.json with tiny-qwen3.5's and
 tiny-mamba2's training and evaluation, train_log_tiny-kimi-linear.json with tiny-kimi-linear's,
-loss_curve.png of all three, and the training stdouts):
+loss_curve.png of all three; the training stdouts are in git history:
+`git show 7c956f0:results/train_tiny/train_stdout_tiny-qwen3.5.txt`, and the same for
+tiny-kimi-linear):
 
   python evals/train_tiny.py prepare --heldout-out replayquant/data/kjv_heldout.jsonl.gz
   # on one H200 (evals/gpu_runs.sh, .gpu/tiny + .gpu/wheels carried; torch 2.11, Triton 3.6,
