@@ -25,6 +25,18 @@ parallelize, max_length, ...):
   size, not once per batch: lm-eval runs the longest prompts first and transformers keeps the
   first batch's static cache length for the later, shorter batches (counted on CPU in the tests).
 
+Speculative decoding: a generate-until task's ``gen_kwargs`` (lm-eval's ``--gen_kwargs``, or the
+task's own) pass HF's speculative options to ``generate``, e.g. ``--gen_kwargs
+prompt_lookup_num_tokens=4`` (with ``do_sample``/``temperature`` too): HF's assisted generation
+runs on the patched model, its candidate generator and acceptance rule. It decodes one sequence at
+a time, so a generate-until request with such an option at ``batch_size`` other than 1 (``auto``
+included) is one error before any of them runs; its requests run eager decode steps
+(``compile_generate=auto`` leaves HF's static cache off for them, ``true`` is one error);
+drafts per round beyond a pair's L are one error; ``assistant_model``, which must be a model
+object, cannot come through ``gen_kwargs`` (one error). Stop sequences end a generation where the
+last round's tokens hold them (lm-eval's criterion looks that far back), and lm-eval cuts the
+text at the first one, so the answers are those of plain decode with the same pair.
+
 Both of lm-eval's scoring paths see the pair: ``loglikelihood`` (multiple-choice tasks) runs plain
 forwards over whole sequences, which the patched model computes by teacher forcing with
 ``prefill="replay"`` (with ``prefill="exact"``, a whole-sequence forward would be exact FP32 and
@@ -60,14 +72,14 @@ import torch
 from lm_eval.__main__ import cli_evaluate
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
-from transformers import AutoModelForCausalLM, CompileConfig
+from transformers import AutoModelForCausalLM, CompileConfig, GenerationConfig
 
 from replayquant.choices import PREFILLS
 from replayquant.gpqa.tasks import write_task_dir
 from replayquant.kl.lockstep import cache_kwarg, output_cache
 from replayquant.models.device import default_device
 from replayquant.models.names import resolve_model_name
-from replayquant.models.patching import model_class, patch, unpatch
+from replayquant.models.patching import check_draft_length, model_class, patch, unpatch
 from replayquant.policy import resolve_pair
 
 __all__ = ["ReplayQuantLM", "lm_eval_main", "LM_EVAL_INTERNALS",
@@ -77,6 +89,16 @@ log = logging.getLogger(__name__)
 
 # compile_generate's values: on, off, or (None) on where the model runs on CUDA
 COMPILE_GENERATE = {"auto": None, "true": True, "1": True, "false": False, "0": False}
+# generate's options that turn on HF's assisted generation
+SPECULATIVE = ("prompt_lookup_num_tokens", "assistant_model", "assistant_early_exit")
+
+
+def speculative_options(gen_kwargs) -> dict:
+    """The options of `gen_kwargs` (one generate-until request's) that turn on HF's assisted
+    generation, where set."""
+    if not isinstance(gen_kwargs, dict):
+        return {}
+    return {k: gen_kwargs[k] for k in SPECULATIVE if gen_kwargs.get(k) is not None}
 
 # What this module relies on inside lm-eval (pyproject's tested range; lm-eval 0.4.13): the HFLM
 # methods ReplayQuantLM overrides, with the arguments it passes on by name, the HFLM methods that
@@ -88,6 +110,7 @@ LM_EVAL_INTERNALS = {
     "lm_eval.models.huggingface:HFLM._loglikelihood_tokens": ("disable_tqdm", "override_bs"),
     "lm_eval.models.huggingface:HFLM._model_call": ("attn_mask", "labels"),
     "lm_eval.models.huggingface:HFLM._model_generate": (),
+    "lm_eval.models.huggingface:HFLM.generate_until": ("requests", "disable_tqdm"),
     "lm_eval.models.huggingface:HFLM.get_model_info": (),
     "lm_eval.models.huggingface:HFLM._get_backend": ("config", "backend", "trust_remote_code"),
     "lm_eval.__main__:cli_evaluate": (),
@@ -199,6 +222,7 @@ class ReplayQuantLM(HFLM):
         compile_generate = str(compile_generate).lower()
         if compile_generate not in COMPILE_GENERATE:
             raise ValueError(f"compile_generate={compile_generate!r}: use auto, true or false")
+        self._rq_compile_asked = COMPILE_GENERATE[compile_generate]
         if prefill not in PREFILLS:
             raise ValueError(f"prefill={prefill!r}: use one of {', '.join(PREFILLS)}")
         try:
@@ -336,10 +360,45 @@ class ReplayQuantLM(HFLM):
                 out[i, :n] = logits
         return out
 
+    def generate_until(self, requests, disable_tqdm: bool = False):
+        """HFLM's generate_until, after the checks of requests with speculative options (module
+        docstring), all before the first request runs."""
+        spec = [speculative_options(r.args[1]) for r in requests]
+        spec = [o for o in spec if o]
+        if spec:
+            self._check_speculation(spec)
+            if self._rq_compile:
+                log.info("replayquant: requests with speculative options run eager decode steps "
+                         "(HF's assisted generation)")
+        return super().generate_until(requests, disable_tqdm=disable_tqdm)
+
+    def _check_speculation(self, options: list[dict]) -> None:
+        """One ValueError for what HF's assisted generation cannot run here: a batch of more than
+        one sequence, a compiled static cache asked for, an assistant model given as text, more
+        drafts per round than a patched layer's L."""
+        named = ", ".join(f"{k}={v!r}" for k, v in options[0].items())
+        if str(self.batch_size) != "1":
+            raise ValueError(
+                f"gen_kwargs {named}: HF's assisted generation decodes one sequence at a time, "
+                f"and batch_size is {self.batch_size}; run with --batch_size 1 (or drop the "
+                f"speculative option to decode in batches)")
+        if self._rq_compile_asked:
+            raise ValueError(
+                f"gen_kwargs {named} with compile_generate=true: HF's assisted generation runs "
+                f"eager decode steps (it compiles no step of a cache that records its past); use "
+                f"compile_generate=auto (eager for these requests) or false")
+        for o in options:
+            if "assistant_model" in o:
+                raise ValueError(
+                    f"gen_kwargs assistant_model={o['assistant_model']!r}: HF takes the assistant "
+                    f"as a loaded model object, which lm-eval's gen_kwargs (text and numbers) "
+                    f"cannot carry; use prompt_lookup_num_tokens=N, or call generate from Python")
+            check_draft_length(self.model, GenerationConfig(**o))
+
     def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs):
         if not self._rq_patched:
             raise RuntimeError("replayquant: the model is not patched; generating would not use the pair")
-        compile_config = self._compile_config()
+        compile_config = None if speculative_options(generation_kwargs) else self._compile_config()
         if compile_config is not None:
             generation_kwargs.setdefault("cache_implementation", "static")
             generation_kwargs.setdefault("compile_config", compile_config)
