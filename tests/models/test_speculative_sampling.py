@@ -11,6 +11,8 @@ with gates that remember, patched with the shared FP32 pair (s32_rs, the torch e
   the logits the speculative run scored each position with equal those of plain decode over the
   same tokens (a logits processor forces them), and so does every patched layer's state after
   the run (within float32 reassociation, as in test_speculative).
+The embedded tiny-qwen3.5, tiny-mamba2 and tiny-kimi-linear sample with prompt lookup as well, on
+a verse said three times (slow: three models load).
 """
 
 import pytest
@@ -104,3 +106,32 @@ def test_assistant_sampling(accepts):
     rounds = [(p, a) for p, a in _rounds(accepts) if a > 0]     # the assistant's own: 0
     assert any(1 < a < p for p, a in rounds), rounds
     _same_as_plain_decode(target, ids, out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, temperature, draw", [("tiny-qwen3.5", 0.5, 1),
+                                                     ("tiny-mamba2", 0.5, 1),
+                                                     ("tiny-kimi-linear", 0.7, 0)])
+def test_embedded_models_sample_with_prompt_lookup(name, temperature, draw, accepts):
+    """The embedded models on a verse said three times: sampling with top_k=1 gives greedy's
+    tokens; sampling at the temperature keeps drafts in some round and scores each token with
+    plain decode's logits."""
+    from transformers import AutoTokenizer
+
+    from replayquant.data import tiny_model_path
+    from replayquant.models import load_model
+    tok = AutoTokenizer.from_pretrained(tiny_model_path(name))
+    ids = tok("And God said, Let there be light: and there was light. " * 3,
+              return_tensors="pt").input_ids
+    model = load_model(name, pair="s32_rs", dtype="float32", buffer_len=8)
+    greedy = _generate(model, ids, 24, do_sample=False).sequences
+    torch.manual_seed(0)
+    top1 = _generate(model, ids, 24, do_sample=True, top_k=1, prompt_lookup_num_tokens=3)
+    assert torch.equal(top1.sequences, greedy)
+    accepts.clear()
+    torch.manual_seed(draw)
+    out = _generate(model, ids, 24, do_sample=True, temperature=temperature, top_k=0,
+                    prompt_lookup_num_tokens=3)
+    assert not torch.equal(out.sequences, greedy)
+    assert any(a > 1 for _, a in _rounds(accepts)), accepts
+    _same_as_plain_decode(model, ids, out)
