@@ -87,9 +87,26 @@ def test_what_cannot_run_is_one_error_before_any_request(lm, monkeypatch):
         lm.generate_until(_requests(assistant_model="tiny-kimi-linear"), disable_tqdm=True)
     with pytest.raises(ValueError, match=r"prompt_lookup_num_tokens=20 drafts.*L = 16"):
         lm.generate_until(_requests(prompt_lookup_num_tokens=20), disable_tqdm=True)
+    monkeypatch.setattr(lm, "_rq_compile_asked", True)        # compile_generate=true
+    with pytest.raises(ValueError, match="compile_generate=true: HF's assisted generation runs"):
+        lm.generate_until(_requests(prompt_lookup_num_tokens=4), disable_tqdm=True)
+    monkeypatch.setattr(lm, "_rq_compile_asked", None)
     monkeypatch.setattr(lm, "batch_size_per_gpu", 2)
     with pytest.raises(ValueError, match="batch_size is 2; run with --batch_size 1"):
         lm.generate_until(_requests(prompt_lookup_num_tokens=4), disable_tqdm=True)
+
+
+def test_compiled_generate_leaves_speculative_requests_eager(lm, monkeypatch):
+    """Where generate_until compiles (compile_generate=auto on CUDA), a request with a
+    speculative option gets no static cache; one without gets it."""
+    from lm_eval.models.huggingface import HFLM
+    seen = []
+    monkeypatch.setattr(HFLM, "_model_generate", lambda self, *a, **kw: seen.append(kw))
+    monkeypatch.setattr(lm, "_compile_config", lambda: "a compile config")
+    lm._model_generate(None, 8, [], prompt_lookup_num_tokens=4)
+    lm._model_generate(None, 8, [])
+    assert "cache_implementation" not in seen[0] and "compile_config" not in seen[0]
+    assert seen[1]["cache_implementation"] == "static"
 
 
 @pytest.mark.slow
