@@ -20,8 +20,8 @@ sequence). Per pair, generating exactly `--new-tokens` tokens greedily:
   with it (`lookup_static`: the refusal, recorded before any forward), so this is the one path
   speculation runs: the compiled path's figures are plain decode's only.
 
-Each way: one warm-up generate (which compiles the static path), then `--repeats` timed ones; the
-median of their decode rates. The decode rate is the new tokens after the first forward (which
+Each way: one warm-up generate (which compiles the static path, at the timed runs' length), then
+`--repeats` timed ones; the median of their decode rates. The decode rate is the new tokens after the first forward (which
 holds the prompt) over the wall time from the end of that forward to the last token, read where
 HF asks its stopping criteria once a step or round (synchronised there). On the eager paths every
 forward of the target is timed on the GPU apart (CUDA events around it; perf_counter on the CPU)
@@ -30,8 +30,9 @@ forward of T > 1 tokens (the last accepted token and its drafts); `verify_share`
 forwards' share of the decode wall time (the rest: 1-token rounds where lookup found no n-gram,
 drafting, HF's acceptance and the cache's crop). Rounds and accepted drafts are counted through
 HF's candidate generator (`replayquant.spec.counted_rounds`). The JSON at OUT carries provenance
-(`replayquant.provenance`); a short table is printed last. About 200 s on an H100 with the
-defaults, of which the two compiles are most.
+(`replayquant.provenance`); a short table is printed last. With the defaults, an estimated 200 s
+on an H100 (`bench generate`'s B = 1 figures: a patched eager step ~25 ms, a compile ~55 s per
+pair).
 """
 
 from __future__ import annotations
@@ -191,8 +192,11 @@ def _generate(model, ids, n: int, device: str, static: bool, lookup: int | None,
 
 def _way(model, ids, args, device: str, static: bool, lookup: int | None) -> dict:
     """A warm-up generate, then `--repeats` timed ones: the median decode rate and the run
-    nearest to it."""
-    _generate(model, ids, min(8, args.new_tokens), device, static, lookup, False)
+    nearest to it. The static path warms up at the full length: HF sizes the static cache by
+    the prompt and new tokens, and a cache of another length would compile again in a timed
+    run."""
+    warm = args.new_tokens if static else min(8, args.new_tokens)
+    _generate(model, ids, warm, device, static, lookup, False)
     runs = [_generate(model, ids, args.new_tokens, device, static, lookup, not static)
             for _ in range(args.repeats)]
     rates = [r["decode_tok_s"] for r in runs]

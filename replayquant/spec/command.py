@@ -284,8 +284,10 @@ class _Run:
                             f"reference's tokens of the same method and random draws",
                             markup=False, highlight=False, soft_wrap=True)
         Console().print(render_table(res["results"]), markup=False, highlight=False, end="")
-        png = plot_acceptance(res["results"], Path(self.config["model"]["id"]).name,
-                              self.out.with_suffix(".png"))
+        title = Path(self.config["model"]["id"]).name
+        if self.config.get("sampling"):
+            title += f", temperature {self.config['sampling']['temperature']:g}"
+        png = plot_acceptance(res["results"], title, self.out.with_suffix(".png"))
         console.print(f"wrote {self.out} and {png}", markup=False, highlight=False)
         return res
 
