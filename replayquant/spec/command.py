@@ -202,8 +202,8 @@ def spec_command(model: str, pairs: list, settings: SpecSettings | None = None, 
     with output_lock(out_path):
         check_owned(out_path, SPEC_KIND, WRITER, identity=config, recorded=lambda o: o["config"],
                     beside=(out_path.with_suffix(".png"),), fresh=(out_path.with_suffix(".png"),))
-        helper = None if st.assistant is None else _assistant(st.assistant, st.dtype, device,
-                                                               st.draft_tokens)
+        helper = None if st.assistant is None else load_assistant(st.assistant, st.dtype, device,
+                                                                  st.draft_tokens)
         m = kl_loaders.load_weights(name, st.dtype, device, st.revision)
         run = _Run(model=m, names=names, config=config, out=out_path, device=device,
                    variants=[reference_variant(m, "exact", st.seed)] +
@@ -212,7 +212,7 @@ def spec_command(model: str, pairs: list, settings: SpecSettings | None = None, 
         return run.measure(documents, st.progress)
 
 
-def _assistant(assistant: str, dtype: str, device: str, draft_tokens: int):
+def load_assistant(assistant: str, dtype: str, device: str, draft_tokens: int):
     """The draft model: patched with the reference pair where it has recurrent layers (HF crops
     its cache too), proposing `draft_tokens` tokens every round (a constant schedule and no
     confidence stop, so that every position is measured)."""

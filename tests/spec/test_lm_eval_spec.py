@@ -5,6 +5,7 @@ its drafts) on the embedded tiny-qwen3.5 with the FP32 pair s32_rs.
 With `prompt_lookup_num_tokens` in gen_kwargs HF's prompt lookup runs (its candidate generator
 is called) and the answers equal plain decode's; at batch size 2 it is one error before any
 request runs, and so are an assistant model given as text and more drafts than the pair's L.
+The model argument `assistant` drafts every request with a loaded assistant model.
 """
 
 import json
@@ -83,7 +84,7 @@ def test_prompt_lookup_answers_equal_plain_decode(lm, lookups):
 def test_what_cannot_run_is_one_error_before_any_request(lm, monkeypatch):
     from lm_eval.models.huggingface import HFLM
     monkeypatch.setattr(HFLM, "_model_generate", lambda *a, **k: pytest.fail("a request ran"))
-    with pytest.raises(ValueError, match="assistant_model='tiny-kimi-linear'.*model object"):
+    with pytest.raises(ValueError, match="assistant_model='tiny-kimi-linear'.*assistant=MODEL"):
         lm.generate_until(_requests(assistant_model="tiny-kimi-linear"), disable_tqdm=True)
     with pytest.raises(ValueError, match=r"prompt_lookup_num_tokens=20 drafts.*L = 16"):
         lm.generate_until(_requests(prompt_lookup_num_tokens=20), disable_tqdm=True)
@@ -129,3 +130,36 @@ def test_lm_eval_command_with_gen_kwargs(task_dir, tmp_path, lookups):
     samples = [json.loads(x) for x in
                next((tmp_path / "b1").rglob("samples_tiny_spec_*.jsonl")).read_text().splitlines()]
     assert len(samples) == 2 and all(s["resps"][0][0] for s in samples)
+
+
+def test_assistant_model_argument(lm, lookups, monkeypatch):
+    """model_args assistant=tiny-kimi-linear,assistant_tokens=3: every generate-until request
+    drafts with the loaded assistant (patched with s32_rs, 3 drafts a round), the answers equal
+    plain decode's, the results record it, and batch size 2 is one error naming it; a bad
+    assistant_tokens is one error before any weights load."""
+    from transformers.generation import candidate_generator as cg
+
+    from replayquant.gpqa.lm_eval_model import ReplayQuantLM
+    rounds = []
+    get = cg.AssistedCandidateGenerator.get_candidates
+
+    def spy(self, input_ids, *a, **kw):
+        out = get(self, input_ids, *a, **kw)
+        rounds.append(out[0].shape[1] - input_ids.shape[1])
+        return out
+
+    monkeypatch.setattr(cg.AssistedCandidateGenerator, "get_candidates", spy)
+    plain = lm.generate_until(_requests(), disable_tqdm=True)
+    helped = ReplayQuantLM(pretrained="tiny-qwen3.5", pair="s32_rs", device="cpu",
+                           dtype="float32", batch_size=1, assistant="tiny-kimi-linear",
+                           assistant_tokens=3)
+    assert helped.generate_until(_requests(), disable_tqdm=True) == plain
+    assert rounds and max(rounds) == 3 and not lookups
+    assert helped.get_model_info()["replayquant"]["assistant"] == {
+        "model": "tiny-kimi-linear", "tokens": 3}
+    monkeypatch.setattr(helped, "batch_size_per_gpu", 2)
+    with pytest.raises(ValueError, match="model_args assistant=tiny-kimi-linear: HF's"):
+        helped.generate_until(_requests(), disable_tqdm=True)
+    with pytest.raises(ValueError, match="assistant_tokens='x': give an integer >= 1"):
+        ReplayQuantLM(pretrained="/nonexistent", assistant="tiny-kimi-linear",
+                      assistant_tokens="x")
