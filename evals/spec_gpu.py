@@ -38,6 +38,7 @@ pair).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
@@ -165,7 +166,8 @@ def _generate(model, ids, n: int, device: str, static: bool, lookup: int | None,
         kw["prompt_lookup_num_tokens"] = lookup
     times = _ForwardTimes(model, device) if timed_forwards else None
     try:
-        with torch.inference_mode(), counted_rounds(model, rounds):
+        counting = counted_rounds(model, rounds) if lookup else contextlib.nullcontext()
+        with torch.inference_mode(), counting:       # (the compiled path: the model untouched)
             out = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
     finally:
         forwards = times.remove() if times else None
