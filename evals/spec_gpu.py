@@ -21,19 +21,18 @@ sequence). Per pair, generating exactly `--new-tokens` tokens greedily:
   speculation runs: the compiled path's figures are plain decode's only.
 
 Each way: one warm-up generate (which compiles the static path, at the timed runs' length), then
-`--repeats` timed ones; the median of their decode rates. The decode rate is the new tokens after the first forward (which
-holds the prompt) over the wall time from the end of that forward to the last token, read where
-HF asks its stopping criteria once a step or round (synchronised there). On the eager paths every
-forward of the target is timed on the GPU apart (CUDA events around it; perf_counter on the CPU)
-with its token count T: `step_ms`, a plain decode forward of 1 token; `verify_ms`, a verify
-forward of T > 1 tokens (the last accepted token and its drafts); `verify_share`, the verify
-forwards' share of the decode wall time (the rest: 1-token rounds where lookup found no n-gram,
-drafting, HF's acceptance and the cache's crop). Rounds and accepted drafts are counted through
-HF's candidate generator (`replayquant.spec.counted_rounds`). The JSON at OUT carries provenance
-(`replayquant.provenance`); a short table is printed last. With the defaults, an estimated 200 s
-on an H100 (`bench generate`'s B = 1 figures: a patched eager step ~25 ms, a compile ~55 s per
-pair).
-"""
+`--repeats` timed ones; the median of their decode rates. The decode rate is the new tokens after
+the first forward (which holds the prompt) over the wall time from the end of that forward to the
+last token, read where HF asks its stopping criteria once a step or round (synchronised there). On
+the eager paths every forward of the target is timed on the GPU apart (CUDA events around it;
+perf_counter on the CPU) with its token count T: `step_ms`, a plain decode forward of 1 token;
+`verify_ms`, a verify forward of T > 1 tokens (the last accepted token and its drafts);
+`verify_share`, the verify forwards' share of the decode wall time (the rest: 1-token rounds where
+lookup found no n-gram, drafting, HF's acceptance and the cache's crop). Rounds and accepted drafts
+are counted through HF's candidate generator (`replayquant.spec.counted_rounds`). The JSON at OUT
+carries provenance (`replayquant.provenance`); a short table is printed last. With the defaults, an
+estimated 200 s on an H100 (`bench generate`'s B = 1 figures: a patched eager step ~25 ms, a
+compile ~55 s per pair). """
 
 from __future__ import annotations
 
@@ -281,7 +280,8 @@ def table(res: dict) -> str:
         for way, r in row.items():
             x = r["decode_tok_s"] / base if base else None
             lines.append(" ".join([pair[:12].ljust(12), way.ljust(14),
-                                   f(r["decode_tok_s"], ".1f", 6), f(x, ".2f", 7), f(r.get("mean_accepted"), ".2f", 6),
+                                   f(r["decode_tok_s"], ".1f", 6), f(x, ".2f", 7),
+                                   f(r.get("mean_accepted"), ".2f", 6),
                                    f(r.get("tokens_per_forward"), ".2f", 6),
                                    f(r.get("step_ms"), ".2f", 7), f(r.get("verify_ms"), ".2f", 7),
                                    f(r.get("verify_share"), ".2f", 7)]))

@@ -35,12 +35,12 @@ prompt_lookup_num_tokens=4`` (with ``do_sample``/``temperature`` too): HF's assi
 runs on the patched model, its candidate generator and acceptance rule. It decodes one sequence at
 a time, so a generate-until request with such an option at ``batch_size`` other than 1 (``auto``
 included) is one error before any of them runs; its requests run eager decode steps
-(``compile_generate=auto`` leaves HF's static cache off for them, ``true`` is one error);
-drafts per round beyond a pair's L are one error; ``assistant_model``, which must be a model
-object, cannot come through ``gen_kwargs`` (one error; the ``assistant`` model argument loads
-one, and every generate-until request then drafts with it). Stop sequences end a generation where the
-last round's tokens hold them (lm-eval's criterion looks that far back), and lm-eval cuts the
-text at the first one, so the answers are those of plain decode with the same pair.
+(``compile_generate=auto`` leaves HF's static cache off for them, ``true`` is one error); drafts
+per round beyond a pair's L are one error; ``assistant_model``, which must be a model object,
+cannot come through ``gen_kwargs`` (one error; the ``assistant`` model argument loads one, and
+every generate-until request then drafts with it). Stop sequences end a generation where the last
+round's tokens hold them (lm-eval's criterion looks that far back), and lm-eval cuts the text at
+the first one, so the answers are those of plain decode with the same pair.
 
 Both of lm-eval's scoring paths see the pair: ``loglikelihood`` (multiple-choice tasks) runs plain
 forwards over whole sequences, which the patched model computes by teacher forcing with

@@ -5,8 +5,8 @@
 greedy or sampled (--temperature), on a model patched with each pair beside the FP32 reference,
 over documents of any dataset `replayquant kl` reads, and reports per pair: accepted drafts per
 verify round, tokens per target forward, acceptance rate by draft position, agreement with the
-reference's tokens, and tokens per second against plain decode of the same pair (`report`). HF's loop runs as it is;
-`measure` counts its rounds by wrapping the candidate generator it builds.
+reference's tokens, and tokens per second against plain decode of the same pair (`report`). HF's
+loop runs as it is; `measure` counts its rounds by wrapping the candidate generator it builds.
 
 Outputs of `--out build/spec/NAME.json`: NAME.json (config, provenance, statistics per pair and
 method, per-document records with every verify round) and NAME.png (acceptance rate by draft

@@ -7,10 +7,10 @@ On tiny random Gated DeltaNet (Qwen3.5), Mamba-2 and Kimi Delta Attention (Kimi 
 with gates that remember, patched with the shared FP32 pair (s32_rs, the torch engine on the CPU):
 * sampling with top_k=1 gives plain greedy's tokens (one candidate per position);
 * sampling with a fixed seed gives another continuation than greedy, keeps drafts in some
-  rounds and drops them in others, and each of its tokens was drawn from the target's own distribution:
-  the logits the speculative run scored each position with equal those of plain decode over the
-  same tokens (a logits processor forces them), and so does every patched layer's state after
-  the run (within float32 reassociation, as in test_speculative).
+  rounds and drops them in others, and each of its tokens was drawn from the target's own
+  distribution: the logits the speculative run scored each position with equal those of plain
+  decode over the same tokens (a logits processor forces them), and so does every patched
+  layer's state after the run (within float32 reassociation, as in test_speculative).
 The embedded tiny-qwen3.5, tiny-mamba2 and tiny-kimi-linear sample with prompt lookup as well, on
 a verse said three times (slow: three models load).
 """
