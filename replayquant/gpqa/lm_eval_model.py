@@ -239,6 +239,10 @@ class ReplayQuantLM(HFLM):
         if compile_generate not in COMPILE_GENERATE:
             raise ValueError(f"compile_generate={compile_generate!r}: use auto, true or false")
         self._rq_compile_asked = COMPILE_GENERATE[compile_generate]
+        if self._rq_compile_asked and self._rq_assistant_name is not None:
+            raise ValueError(f"assistant={self._rq_assistant_name} with compile_generate=true: "
+                             f"HF's assisted generation runs eager decode steps; use "
+                             f"compile_generate=auto or false")
         if prefill not in PREFILLS:
             raise ValueError(f"prefill={prefill!r}: use one of {', '.join(PREFILLS)}")
         try:

@@ -136,7 +136,8 @@ def test_assistant_model_argument(lm, lookups, monkeypatch):
     """model_args assistant=tiny-kimi-linear,assistant_tokens=3: every generate-until request
     drafts with the loaded assistant (patched with s32_rs, 3 drafts a round), the answers equal
     plain decode's, the results record it, and batch size 2 is one error naming it; a bad
-    assistant_tokens is one error before any weights load."""
+    assistant_tokens, and compile_generate=true beside it, are one error before any weights
+    load."""
     from transformers.generation import candidate_generator as cg
 
     from replayquant.gpqa.lm_eval_model import ReplayQuantLM
@@ -163,3 +164,6 @@ def test_assistant_model_argument(lm, lookups, monkeypatch):
     with pytest.raises(ValueError, match="assistant_tokens='x': give an integer >= 1"):
         ReplayQuantLM(pretrained="/nonexistent", assistant="tiny-kimi-linear",
                       assistant_tokens="x")
+    with pytest.raises(ValueError, match="assistant=tiny-kimi-linear with compile_generate=true"):
+        ReplayQuantLM(pretrained="/nonexistent", assistant="tiny-kimi-linear",
+                      compile_generate="true")
