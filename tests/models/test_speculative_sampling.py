@@ -4,7 +4,9 @@ prompt lookup: the target samples every position of a round and keeps the drafts
 itself; for an assistant with logits: HF's speculative sampling).
 
 On tiny random Gated DeltaNet (Qwen3.5), Mamba-2 and Kimi Delta Attention (Kimi Linear) models
-with gates that remember, patched with the shared FP32 pair (s32_rs, the torch engine on the CPU):
+with gates that remember, patched with the shared FP32 pair (s32_rs, the torch engine on the CPU),
+with prompt lookup and with a draft model (a patched noisy copy of the target; for Mamba-2 a tiny
+transformer, since HF asks an assistant's cache for its length through an attention layer):
 * sampling with top_k=1 gives plain greedy's tokens (one candidate per position);
 * sampling with a fixed seed gives another continuation than greedy, keeps drafts in some
   rounds and drops them in others, and each of its tokens was drawn from the target's own
@@ -19,6 +21,7 @@ import pytest
 import torch
 
 from replayquant.models import patch
+from replayquant.models.patching import model_from_config
 from replayquant.models.runtime import STATE_ATTR
 from test_speculative import _noisy_copy, _prompt, _rounds, _tiny, accepts  # noqa: F401
 
@@ -85,11 +88,25 @@ def test_prompt_lookup_sampling(fam, seed, prompt, top_k, temperature, draw, acc
     _same_as_plain_decode(model, ids, out)
 
 
-def test_assistant_sampling(accepts):
-    """A patched noisy copy of a tiny Kimi Linear drafts 3 tokens a round for it with sampling
-    (HF's speculative sampling: the drafts' and the target's probabilities decide)."""
-    base = _tiny("kimi_linear", 11)
-    helper = patch(_noisy_copy(base, 1.0), "s32_rs", buffer_len=8)
+def _assistant(fam: str, base):
+    """A draft model for `base`: for Kimi Linear and Qwen3.5 a patched noisy copy of it (whose
+    own cache HF crops as the target's); for Mamba-2, whose copy would have no attention layer
+    for HF to ask its cache's length, a tiny unpatched transformer (Qwen3) of its vocabulary."""
+    if fam != "mamba2":
+        return patch(_noisy_copy(base, 1.0), "s32_rs", buffer_len=8)
+    torch.manual_seed(12)
+    return model_from_config(transformers.Qwen3Config(
+        vocab_size=base.get_output_embeddings().weight.shape[0], hidden_size=32,
+        intermediate_size=48, num_hidden_layers=2, head_dim=16, num_attention_heads=2,
+        num_key_value_heads=1)).eval()
+
+
+@pytest.mark.parametrize("fam, seed", [("qwen3_5", 11), ("mamba2", 12), ("kimi_linear", 11)])
+def test_assistant_sampling(fam, seed, accepts):
+    """A draft model proposes 3 tokens a round with sampling (HF's speculative sampling: the
+    drafts' and the target's probabilities decide which drafts stay)."""
+    base = _tiny(fam, seed)
+    helper = _assistant(fam, base)
     target = patch(base, "s32_rs", buffer_len=8)
     helper.generation_config.num_assistant_tokens = 3
     helper.generation_config.assistant_confidence_threshold = 0.0
@@ -104,7 +121,7 @@ def test_assistant_sampling(accepts):
                     assistant_model=helper)
     assert not torch.equal(out.sequences, greedy)
     rounds = [(p, a) for p, a in _rounds(accepts) if a > 0]     # the assistant's own: 0
-    assert any(1 < a < p for p, a in rounds), rounds
+    assert any(a > 1 for _, a in rounds) and any(a < p for p, a in rounds), rounds
     _same_as_plain_decode(target, ids, out)
 
 
