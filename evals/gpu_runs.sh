@@ -46,6 +46,13 @@
 #                   77-160 s a way);
 #                   arguments after the job name go to the script (--ways compiled,hf_compiled
 #                   --questions 24: two ways, two batches after the compiling one)
+#   spec            evals/spec_gpu.py: decode tokens/s of prompt lookup (4 drafts) against plain
+#                   decode, eager and compiled (plain decode; lookup runs eager, the static cache
+#                   refused with it), on the Qwen3.5-4B shape at B = 1 with long-memory gates, pairs
+#                   s32_rs and tp4_hi16_sr, a 512-token prompt of a held-out excerpt said four
+#                   times, 128 new tokens; the verify forwards' GPU time apart (CUDA events) and
+#                   their share of the decode (estimated ~200 s; arguments after the job name go
+#                   to the script)
 #   generate        evals/cuda_generate_check.py: generation through the compiled decode kernel
 #                   against the CPU path on the shipped tiny models (~150 s)
 #   train           evals/train_tiny.py device-run: train both tiny models, evaluate them and
@@ -62,7 +69,7 @@
 # not fla.
 set -uo pipefail
 : "${OUT:?set OUT to the folder where results go}"
-jobs="kernels|probe|ncu|checks|tf|decode|bench-generate|gpqa-timing|generate|train"
+jobs="kernels|probe|ncu|checks|tf|decode|bench-generate|gpqa-timing|spec|generate|train"
 job=${1:?usage: bash evals/gpu_runs.sh $jobs}
 [[ "|$jobs|" == *"|$job|"* ]] \
     || { echo "gpu_runs: unknown job '$job'; choose one of $jobs" >&2; exit 2; }
@@ -130,6 +137,10 @@ case "$job" in
     timeout 570 python3 evals/gpqa_cot_timing.py "$OUT/gpqa_cot_timing.json" --before .gpu/before \
         --before-commit "$(cat .gpu/before/COMMIT)" "${@:2}" > "$OUT/gpqa_timing.log" 2>&1
     echo "gpqa-timing rc=$?"; grep -vE "it/s\]|s/it\]" "$OUT/gpqa_timing.log" | tail -40 | cut -c1-1500
+    ;;
+  spec)
+    timeout 300 python3 evals/spec_gpu.py "$OUT/spec_gpu.json" "${@:2}" > "$OUT/spec_gpu.log" 2>&1
+    echo "spec rc=$?"; grep -vE "it/s\]|s/it\]" "$OUT/spec_gpu.log" | tail -14 | cut -c1-1500
     ;;
   generate)
     timeout 300 python3 evals/cuda_generate_check.py "$OUT/cuda_generate.json" --new-tokens 32 \

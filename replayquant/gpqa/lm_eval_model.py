@@ -18,12 +18,29 @@ parallelize, max_length, ...):
   the pair is still on the scored path;
 * ``seed``: the stochastic-rounding seed (default 0);
 * ``buffer_len``: overrides the pair's buffer length L;
+* ``assistant``: a draft model of the same tokenizer (hub id, short name or folder) for every
+  ``generate_until`` request (HF's ``assistant_model``), loaded in the model's dtype and device
+  and patched with s32_rs where it has recurrent layers (as ``replayquant spec --assistant``);
+  ``assistant_tokens``: the drafts it proposes each round (default 4, a constant schedule);
 * ``compile_generate``: ``generate_until`` through Hugging Face's static cache compiled with
   torch.compile (``cache_implementation="static"``, the default ``CompileConfig``: CUDA graphs).
   ``auto`` (default): on when the model runs on CUDA, off elsewhere; ``false``: the eager decode
   steps; ``true``: on, and an error where the model is not on CUDA. A task compiles once per batch
   size, not once per batch: lm-eval runs the longest prompts first and transformers keeps the
   first batch's static cache length for the later, shorter batches (counted on CPU in the tests).
+
+Speculative decoding: a generate-until task's ``gen_kwargs`` (lm-eval's ``--gen_kwargs``, or the
+task's own) pass HF's speculative options to ``generate``, e.g. ``--gen_kwargs
+prompt_lookup_num_tokens=4`` (with ``do_sample``/``temperature`` too): HF's assisted generation
+runs on the patched model, its candidate generator and acceptance rule. It decodes one sequence at
+a time, so a generate-until request with such an option at ``batch_size`` other than 1 (``auto``
+included) is one error before any of them runs; its requests run eager decode steps
+(``compile_generate=auto`` leaves HF's static cache off for them, ``true`` is one error); drafts
+per round beyond a pair's L are one error; ``assistant_model``, which must be a model object,
+cannot come through ``gen_kwargs`` (one error; the ``assistant`` model argument loads one, and
+every generate-until request then drafts with it). Stop sequences end a generation where the last
+round's tokens hold them (lm-eval's criterion looks that far back), and lm-eval cuts the text at
+the first one, so the answers are those of plain decode with the same pair.
 
 Both of lm-eval's scoring paths see the pair: ``loglikelihood`` (multiple-choice tasks) runs plain
 forwards over whole sequences, which the patched model computes by teacher forcing with
@@ -60,14 +77,14 @@ import torch
 from lm_eval.__main__ import cli_evaluate
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
-from transformers import AutoModelForCausalLM, CompileConfig
+from transformers import AutoModelForCausalLM, CompileConfig, GenerationConfig
 
 from replayquant.choices import PREFILLS
 from replayquant.gpqa.tasks import write_task_dir
 from replayquant.kl.lockstep import cache_kwarg, output_cache
 from replayquant.models.device import default_device
 from replayquant.models.names import resolve_model_name
-from replayquant.models.patching import model_class, patch, unpatch
+from replayquant.models.patching import check_draft_length, model_class, patch, unpatch
 from replayquant.policy import resolve_pair
 
 __all__ = ["ReplayQuantLM", "lm_eval_main", "LM_EVAL_INTERNALS",
@@ -77,6 +94,16 @@ log = logging.getLogger(__name__)
 
 # compile_generate's values: on, off, or (None) on where the model runs on CUDA
 COMPILE_GENERATE = {"auto": None, "true": True, "1": True, "false": False, "0": False}
+# generate's options that turn on HF's assisted generation
+SPECULATIVE = ("prompt_lookup_num_tokens", "assistant_model", "assistant_early_exit")
+
+
+def speculative_options(gen_kwargs) -> dict:
+    """The options of `gen_kwargs` (one generate-until request's) that turn on HF's assisted
+    generation, where set."""
+    if not isinstance(gen_kwargs, dict):
+        return {}
+    return {k: gen_kwargs[k] for k in SPECULATIVE if gen_kwargs.get(k) is not None}
 
 # What this module relies on inside lm-eval (pyproject's tested range; lm-eval 0.4.13): the HFLM
 # methods ReplayQuantLM overrides, with the arguments it passes on by name, the HFLM methods that
@@ -88,6 +115,7 @@ LM_EVAL_INTERNALS = {
     "lm_eval.models.huggingface:HFLM._loglikelihood_tokens": ("disable_tqdm", "override_bs"),
     "lm_eval.models.huggingface:HFLM._model_call": ("attn_mask", "labels"),
     "lm_eval.models.huggingface:HFLM._model_generate": (),
+    "lm_eval.models.huggingface:HFLM.generate_until": ("requests", "disable_tqdm"),
     "lm_eval.models.huggingface:HFLM.get_model_info": (),
     "lm_eval.models.huggingface:HFLM._get_backend": ("config", "backend", "trust_remote_code"),
     "lm_eval.__main__:cli_evaluate": (),
@@ -193,12 +221,28 @@ class ReplayQuantLM(HFLM):
     """HFLM with a precision pair on every scored path. See the module docstring."""
 
     def __init__(self, pretrained="", pair="s32_rs", prefill: str = "replay", seed: int = 0,
-                 buffer_len=None, compile_generate="auto", **kwargs) -> None:
+                 buffer_len=None, compile_generate="auto", assistant=None, assistant_tokens=4,
+                 **kwargs) -> None:
         # Validate our own arguments before any weights are loaded.
         self._rq_pair = resolve_pair(pair, buffer_len)
+        try:
+            self._rq_assistant_tokens = int(assistant_tokens)
+        except (TypeError, ValueError):
+            self._rq_assistant_tokens = 0
+        if self._rq_assistant_tokens < 1 or str(assistant_tokens).strip() != \
+                str(self._rq_assistant_tokens):
+            raise ValueError(f"assistant_tokens={assistant_tokens!r}: give an integer >= 1 "
+                             f"(drafts per round)")
+        self._rq_assistant_name = None if assistant in (None, "") else str(assistant)
+        self._rq_assistant = None
         compile_generate = str(compile_generate).lower()
         if compile_generate not in COMPILE_GENERATE:
             raise ValueError(f"compile_generate={compile_generate!r}: use auto, true or false")
+        self._rq_compile_asked = COMPILE_GENERATE[compile_generate]
+        if self._rq_compile_asked and self._rq_assistant_name is not None:
+            raise ValueError(f"assistant={self._rq_assistant_name} with compile_generate=true: "
+                             f"HF's assisted generation runs eager decode steps; use "
+                             f"compile_generate=auto or false")
         if prefill not in PREFILLS:
             raise ValueError(f"prefill={prefill!r}: use one of {', '.join(PREFILLS)}")
         try:
@@ -229,6 +273,19 @@ class ReplayQuantLM(HFLM):
                 "replayquant: generate_until runs eager decode steps (compile_generate=%s%s)",
                 compile_generate, "" if on_cuda else f"; the model is on {self.device}, not CUDA")
         self.set_pair(self._rq_pair)
+        if self._rq_assistant_name is not None:
+            self._rq_assistant = self._load_assistant(self._rq_assistant_name)
+
+    def _load_assistant(self, name: str):
+        """The draft model (module docstring), after checking that its vocabulary is the
+        model's (HF's assistant shares the target's token ids)."""
+        from replayquant.kl import command as loaders
+        from replayquant.spec.command import load_assistant
+        if loaders.load_tokenizer_and_config(name)[0].get_vocab() != self.tokenizer.get_vocab():
+            raise ValueError(f"assistant={name} has another tokenizer than pretrained: HF's "
+                             f"assistant model drafts token ids of the model's own vocabulary")
+        dtype = str(self.model.dtype).removeprefix("torch.")
+        return load_assistant(name, dtype, str(self.device), self._rq_assistant_tokens)
 
     def _get_backend(self, config, backend="default", trust_remote_code=False):
         """HFLM's backend choice, with the class `replayquant.load_model` uses: transformers' own
@@ -271,8 +328,12 @@ class ReplayQuantLM(HFLM):
         return self
 
     def replayquant_info(self) -> dict:
-        return {"pair": self._rq_pair.to_dict(), "pair_label": self._rq_pair.label(),
+        info = {"pair": self._rq_pair.to_dict(), "pair_label": self._rq_pair.label(),
                 "prefill": self._rq_prefill, "seed": self._rq_seed}
+        if self._rq_assistant_name is not None:
+            info["assistant"] = {"model": self._rq_assistant_name,
+                                 "tokens": self._rq_assistant_tokens}
+        return info
 
     # -- lm-eval hooks: both scoring paths run the patched model
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
@@ -336,10 +397,52 @@ class ReplayQuantLM(HFLM):
                 out[i, :n] = logits
         return out
 
+    def generate_until(self, requests, disable_tqdm: bool = False):
+        """HFLM's generate_until, after the checks of requests with speculative options (module
+        docstring), all before the first request runs."""
+        spec = [speculative_options(r.args[1]) for r in requests]
+        if self._rq_assistant is not None:           # every request drafts with the assistant
+            spec = [{**o, "assistant": self._rq_assistant_name} for o in spec]
+        spec = [o for o in spec if o]
+        if spec:
+            self._check_speculation(spec)
+            if self._rq_compile:
+                log.info("replayquant: requests with speculative options run eager decode steps "
+                         "(HF's assisted generation)")
+        return super().generate_until(requests, disable_tqdm=disable_tqdm)
+
+    def _check_speculation(self, options: list[dict]) -> None:
+        """One ValueError for what HF's assisted generation cannot run here: a batch of more than
+        one sequence, a compiled static cache asked for, an assistant model given as text, more
+        drafts per round than a patched layer's L."""
+        named = " and ".join(f"model_args assistant={v}" if k == "assistant" else
+                             f"gen_kwargs {k}={v!r}" for k, v in options[0].items())
+        if str(self.batch_size) != "1":
+            raise ValueError(
+                f"{named}: HF's assisted generation decodes one sequence at a time, "
+                f"and batch_size is {self.batch_size}; run with --batch_size 1 (or drop the "
+                f"speculative option to decode in batches)")
+        if self._rq_compile_asked:
+            raise ValueError(
+                f"{named} with compile_generate=true: HF's assisted generation runs "
+                f"eager decode steps (it compiles no step of a cache that records its past); use "
+                f"compile_generate=auto (eager for these requests) or false")
+        for o in options:
+            if "assistant_model" in o:
+                raise ValueError(
+                    f"gen_kwargs assistant_model={o['assistant_model']!r}: HF takes the assistant "
+                    f"as a loaded model object, which lm-eval's gen_kwargs (text and numbers) "
+                    f"cannot carry; give the model argument assistant=MODEL (it loads the model), "
+                    f"or use prompt_lookup_num_tokens=N")
+            check_draft_length(self.model, GenerationConfig(**{
+                k: v for k, v in o.items() if k in SPECULATIVE}), self._rq_assistant)
+
     def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs):
         if not self._rq_patched:
             raise RuntimeError("replayquant: the model is not patched; generating would not use the pair")
-        compile_config = self._compile_config()
+        if self._rq_assistant is not None:
+            generation_kwargs.setdefault("assistant_model", self._rq_assistant)
+        compile_config = None if speculative_options(generation_kwargs) else self._compile_config()
         if compile_config is not None:
             generation_kwargs.setdefault("cache_implementation", "static")
             generation_kwargs.setdefault("compile_config", compile_config)

@@ -3,9 +3,13 @@ pair beside the FP32 reference document by document, and write the results, tabl
 
 Per document (its first `context` tokens are the prompt) and per variant (the reference first:
 s32_rs with exact prefill, as `replayquant kl` names it, then each --pair), the variant decodes
-`new_tokens` greedily three ways on one model object: plain decode, prompt lookup
+`new_tokens` three ways on one model object: plain decode, prompt lookup
 (`prompt_lookup_num_tokens=N`) and, with --assistant, a draft model proposing N tokens a round
-(`assistant_model=`); `measure.counted_generate` counts each. The results file is rewritten after
+(`assistant_model=`); `measure.counted_generate` counts each. Decoding is greedy, or with
+--temperature above 0 sampled (HF's temperature, top_p, top_k), each call seeded from --seed and
+the document's index: every variant draws the same random numbers for a document and method, so
+that its tokens compare with the reference's of the same method (sampled plain decode and
+speculation draw them differently, and are not compared). The results file is rewritten after
 every document (`"complete": false` until the last): the same command run again skips the
 documents it holds; a file of another configuration is refused (`outputs.check_owned`), and so is
 a second run into the same --out while one runs (`outputs.output_lock`).
@@ -14,6 +18,7 @@ a second run into the same --out while one runs (`outputs.output_lock`).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from pathlib import Path
@@ -68,8 +73,10 @@ def check_spec_out(out) -> Path:
 @dataclasses.dataclass
 class SpecSettings:
     """What one `replayquant spec` run measures: the speculation (lookup, assistant,
-    draft_tokens), the documents (dataset ... docs, pack), the generation (new_tokens) and the
-    model's run (prefill, dtype, device, seed, revision, buffer_len: L of every pair)."""
+    draft_tokens), the documents (dataset ... docs, pack), the generation (new_tokens; greedy at
+    temperature 0, else sampled with temperature, top_p, top_k) and the model's run (prefill,
+    dtype, device, seed: stochastic rounding's and sampling's, revision, buffer_len: L of every
+    pair)."""
     assistant: str | None = None
     lookup: bool = True
     draft_tokens: int = 4
@@ -80,6 +87,9 @@ class SpecSettings:
     text_field: str = "text"
     context: int = 256
     new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
     docs: int = 4
     pack: bool = False
     prefill: str = "replay"
@@ -89,6 +99,14 @@ class SpecSettings:
     revision: str | None = None
     buffer_len: int | None = None
     progress: bool = True
+
+    @property
+    def sampling(self) -> dict | None:
+        """HF's sampling options, or None for greedy decoding (temperature 0)."""
+        if not self.temperature:
+            return None
+        return {"temperature": float(self.temperature), "top_p": float(self.top_p),
+                "top_k": self.top_k}
 
     @property
     def methods(self) -> list[str]:
@@ -102,6 +120,7 @@ class SpecSettings:
                             ("--docs", self.docs, 1), ("--draft-tokens", self.draft_tokens, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+        self._check_sampling()
         if not self.methods:
             raise ValueError("--no-lookup without --assistant measures nothing: give --assistant "
                              "MODEL, or leave prompt lookup on")
@@ -126,6 +145,21 @@ class SpecSettings:
                                  f"uncommitted in the replay buffer; give --draft-tokens <= "
                                  f"{p.buffer_len} or --buffer-len >= {n}")
         return resolved
+
+
+    def _check_sampling(self) -> None:
+        t, p, k = self.temperature, self.top_p, self.top_k
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) \
+                or t < 0:
+            raise ValueError(f"--temperature must be a number >= 0 (0: greedy), got {t!r}")
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+            raise ValueError(f"--top-p must be a number in (0, 1], got {p!r}")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"--top-k must be an integer >= 0 (0: every token), got {k!r}")
+        given = [f"--top-p {p}"] * (p != 1) + [f"--top-k {k}"] * (k != 0)
+        if not t and given:
+            raise ValueError(f"{' and '.join(given)} shape sampling, which runs only at "
+                             f"--temperature above 0 (0 is greedy); give --temperature T")
 
 
 def spec_command(model: str, pairs: list, settings: SpecSettings | None = None, *,
@@ -163,11 +197,13 @@ def spec_command(model: str, pairs: list, settings: SpecSettings | None = None, 
               "assistant": None if st.assistant is None else model_identity(st.assistant),
               "context": st.context, "new_tokens": st.new_tokens, "seed": st.seed,
               "data": documents.record()}
+    if st.sampling:               # greedy runs keep the configuration they always recorded
+        config["sampling"] = st.sampling
     with output_lock(out_path):
         check_owned(out_path, SPEC_KIND, WRITER, identity=config, recorded=lambda o: o["config"],
                     beside=(out_path.with_suffix(".png"),), fresh=(out_path.with_suffix(".png"),))
-        helper = None if st.assistant is None else _assistant(st.assistant, st.dtype, device,
-                                                               st.draft_tokens)
+        helper = None if st.assistant is None else load_assistant(st.assistant, st.dtype, device,
+                                                                  st.draft_tokens)
         m = kl_loaders.load_weights(name, st.dtype, device, st.revision)
         run = _Run(model=m, names=names, config=config, out=out_path, device=device,
                    variants=[reference_variant(m, "exact", st.seed)] +
@@ -176,7 +212,7 @@ def spec_command(model: str, pairs: list, settings: SpecSettings | None = None, 
         return run.measure(documents, st.progress)
 
 
-def _assistant(assistant: str, dtype: str, device: str, draft_tokens: int):
+def load_assistant(assistant: str, dtype: str, device: str, draft_tokens: int):
     """The draft model: patched with the reference pair where it has recurrent layers (HF crops
     its cache too), proposing `draft_tokens` tokens every round (a constant schedule and no
     confidence stop, so that every position is measured)."""
@@ -241,9 +277,17 @@ class _Run:
                 done.sort(key=lambda r: r["index"])
                 self._write(done, complete=len(done) == len(documents.documents))
         res = self._write(done, complete=True) if todo else earlier   # finished: as it was
+        if self.config.get("sampling"):
+            sm = self.config["sampling"]
+            Console().print(f"sampled (temperature {sm['temperature']:g}, top-p {sm['top_p']:g}, "
+                            f"top-k {sm['top_k']}): ref1st and refall compare with\nthe "
+                            f"reference's tokens of the same method and random draws",
+                            markup=False, highlight=False, soft_wrap=True)
         Console().print(render_table(res["results"]), markup=False, highlight=False, end="")
-        png = plot_acceptance(res["results"], Path(self.config["model"]["id"]).name,
-                              self.out.with_suffix(".png"))
+        title = Path(self.config["model"]["id"]).name
+        if self.config.get("sampling"):
+            title += f", temperature {self.config['sampling']['temperature']:g}"
+        png = plot_acceptance(res["results"], title, self.out.with_suffix(".png"))
         console.print(f"wrote {self.out} and {png}", markup=False, highlight=False)
         return res
 
@@ -266,22 +310,29 @@ class _Run:
         ids = doc.tokens[None].to(self.device)
         with self.variants[0].active():
             for kw in [{}, *self.speculation.values()]:
-                counted_generate(self.model, ids, min(4, self.config["new_tokens"]), **kw)
+                counted_generate(self.model, ids, min(4, self.config["new_tokens"]),
+                                 self.config.get("sampling"), **kw)
 
     def _document(self, doc, advance) -> dict:
         """One document's records: per variant, plain decode then each speculation method."""
         ids, n = doc.tokens[None].to(self.device), self.config["new_tokens"]
+        sampling = self.config.get("sampling")
+        seed = (self.config["seed"] + doc.index) % 2 ** 63       # one document's draws
         pairs, reference = {}, None
         for v in self.variants:
             with v.active():
-                plain = counted_generate(self.model, ids, n)
+                plain = counted_generate(self.model, ids, n, sampling, seed)
                 advance(f"{v.name} plain", plain)
-                reference = plain.tokens if reference is None else reference
-                rec = {"plain": plain.record(reference)}
+                reference = reference or {"plain": plain.tokens}
+                rec = {"plain": plain.record(reference["plain"])}
                 for m, kw in self.speculation.items():
-                    g = counted_generate(self.model, ids, n, **kw)
+                    g = counted_generate(self.model, ids, n, sampling, seed, **kw)
                     advance(f"{v.name} {m}", g)
-                    rec[m] = g.record(reference, plain.tokens)
+                    if sampling:        # the reference's tokens of this method and draws
+                        reference.setdefault(m, g.tokens)
+                        rec[m] = g.record(reference[m])
+                    else:
+                        rec[m] = g.record(reference["plain"], plain.tokens)
             pairs[v.name] = rec
         return {"index": doc.index, "id": doc.id, "pairs": pairs}
 

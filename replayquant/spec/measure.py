@@ -9,6 +9,12 @@ model object only, for the duration of a `with`) so that each round records (dra
 drafts accepted) as HF's own acceptance rule decided them; nothing of HF's loop is redone here.
 A forward hook on the target counts its forwards and times the first one, which holds the prompt:
 the decode rate is taken after it, so that a prompt's prefill does not dilute it.
+
+Decoding is greedy, or sampled (`sampling`: HF's temperature, top_p and top_k) from torch's
+global generator seeded just before the call, so that two calls with one seed draw the same
+random numbers: HF samples through `torch.multinomial` (plain decode one position per step; prompt
+lookup every position of a round, keeping the drafts up to the first one it did not sample; an
+assistant model through HF's speculative sampling).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import torch
 
 @dataclasses.dataclass
 class Generation:
-    """What one greedy `generate` produced and cost."""
+    """What one `generate` produced and cost."""
     tokens: list[int]                 # the new tokens
     rounds: list[tuple[int, int]]     # (drafts, accepted) per verify round; [] for plain decode
     forwards: int                     # forwards of the target model
@@ -31,8 +37,8 @@ class Generation:
     first_tokens: int                 # tokens the first forward gave
 
     def record(self, reference: list[int], plain: list[int] | None = None) -> dict:
-        """A JSON record: counts, times, and agreement (`agreement`) with the reference pair's
-        plain greedy tokens and, for a speculative run, with its own pair's plain greedy."""
+        """A JSON record: counts, times, and agreement (`agreement`) with `reference` (the
+        reference pair's tokens) and, where given, with `plain` (its own pair's plain decode)."""
         rec = {"tokens": self.tokens, "generated": len(self.tokens), "forwards": self.forwards,
                "rounds": [list(r) for r in self.rounds], "wall_s": self.wall_s,
                "decode_s": self.decode_s, "decode_tokens": len(self.tokens) - self.first_tokens,
@@ -85,10 +91,16 @@ def counted_rounds(model, rounds: list):
         del model._get_candidate_generator
 
 
-def counted_generate(model, ids: torch.Tensor, new_tokens: int, **speculation) -> Generation:
-    """Greedy `generate` of exactly `new_tokens` tokens after prompt `ids` [1, n] (no early
-    stop at an end-of-sequence token), counted: `speculation` holds HF's options
+def counted_generate(model, ids: torch.Tensor, new_tokens: int, sampling: dict | None = None,
+                     seed: int = 0, **speculation) -> Generation:
+    """`generate` of exactly `new_tokens` tokens after prompt `ids` [1, n] (no early stop at an
+    end-of-sequence token), counted: greedy, or with `sampling` ({temperature, top_p, top_k},
+    HF's options) sampled after `torch.manual_seed(seed)`; `speculation` holds HF's options
     (prompt_lookup_num_tokens=N or assistant_model=...), none for plain decode."""
+    decoding = {"do_sample": False}
+    if sampling:
+        decoding = {"do_sample": True, **sampling}
+        torch.manual_seed(seed)
     rounds, ends = [], []
     hook = model.register_forward_hook(lambda *_: ends.append(time.perf_counter()))
     try:
@@ -96,7 +108,7 @@ def counted_generate(model, ids: torch.Tensor, new_tokens: int, **speculation) -
             t0 = time.perf_counter()
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                                  max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                 do_sample=False, **speculation)
+                                 **decoding, **speculation)
             t1 = time.perf_counter()
     finally:
         hook.remove()

@@ -9,7 +9,8 @@ Per pair and method (lookup: prompt lookup; assistant: a draft model), over all 
   that accepted it (HF accepts drafts up to the first mismatch);
 * `agree_ref_prefix` / `agree_ref`: the share of new tokens equal to the reference pair's plain
   greedy tokens before the first divergence (mean over documents) and at all positions;
-  `agree_plain_*` the same against the pair's own plain greedy tokens;
+  `agree_plain_*` the same against the pair's own plain greedy tokens; a sampled run compares
+  with the reference's tokens of the same method and random draws, and has no `agree_plain_*`;
 * `tok_s` / `plain_tok_s`: new tokens per second after the first forward (which holds the
   prompt), speculative and plain decode of the same pair; `speedup` their ratio.
 """

@@ -6,7 +6,8 @@ The FP32 pairs (the reference, s32_rs) give the reference's greedy tokens under 
 the counts HF's loop reported (drafts and accepted drafts per verify round, through the candidate
 generator) agree with the target's forwards counted by a hook and with the tokens generated; the
 results file carries its provenance; the table fits 80 columns; the same command resumes from
-the file, and another configuration into it is refused.
+the file, and another configuration into it is refused. A sampled run (--temperature) samples
+with the same random draws in every variant.
 """
 
 import json
@@ -94,7 +95,49 @@ def test_resumes_finished_documents(run, monkeypatch):
     assert json.loads(out.read_text())["per_document"] == res["per_document"]
 
 
+def test_sampled_run(run, tmp_path):
+    """--temperature 1: plain decode and prompt lookup sample (other tokens than the greedy run's),
+    every variant with the same random draws per document and method, so the FP32 pairs give the
+    reference's tokens; the counts add up as greedy's, the table says what it compares, and the
+    results record the sampling options."""
+    out = tmp_path / "sampled.json"
+    code, text = invoke(ARGS[:5] + ARGS[7:] + ["--temperature", 1, "--top-p", 0.9,
+                                              "--out", out])
+    assert code == 0, text
+    res = json.loads(out.read_text())
+    assert res["config"]["sampling"] == {"temperature": 1.0, "top_p": 0.9, "top_k": 0}
+    assert "sampling" not in run[0]["config"]
+    doc = res["per_document"][0]["pairs"]
+    greedy = run[0]["per_document"][0]["pairs"]["reference"]["plain"]["tokens"]
+    assert doc["reference"]["plain"]["tokens"] != greedy
+    for method in ("plain", "lookup"):
+        assert doc["s32_rs"][method]["tokens"] == doc["reference"][method]["tokens"]
+        assert res["results"]["s32_rs"][method]["agree_ref"] == 1.0
+    rec = doc["s32_rs"]["lookup"]
+    assert sum(a for _, a in rec["rounds"]) + rec["forwards"] == rec["generated"] == 12
+    assert "agree_plain" not in rec and res["results"]["s32_rs"]["lookup"]["agree_plain"] is None
+    assert "sampled (temperature 1, top-p 0.9, top-k 0)" in text
+
+
+def test_top_k_one_sampling_is_greedy():
+    """counted_generate sampling among the likeliest token only gives greedy's tokens and
+    rounds, prompt lookup and plain."""
+    import torch
+    from replayquant.models import load_model
+    from replayquant.spec import counted_generate
+    model = load_model("tiny-qwen3.5", "s32_rs", dtype="float32")
+    ids = torch.arange(2, 14).repeat(3)[None]
+    for kw in ({}, {"prompt_lookup_num_tokens": 3}):
+        greedy = counted_generate(model, ids, 10, **kw)
+        top1 = counted_generate(model, ids, 10, {"temperature": 1.0, "top_p": 1.0, "top_k": 1},
+                                seed=5, **kw)
+        assert (top1.tokens, top1.rounds) == (greedy.tokens, greedy.rounds)
+
+
 @pytest.mark.parametrize("extra, needles", [
+    (["--temperature", -1], ["--temperature must be a number >= 0"]),
+    (["--temperature", 1, "--top-p", 0], ["--top-p must be a number in (0, 1]"]),
+    (["--top-k", 3], ["--top-k 3 shape sampling", "--temperature above 0"]),
     (["--draft-tokens", 20], ["--draft-tokens 20", "L = 16"]),
     (["--no-lookup"], ["--no-lookup without --assistant"]),
     (["--new-tokens", 0], ["--new-tokens must be an integer >= 1"]),

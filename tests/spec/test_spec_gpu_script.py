@@ -1,0 +1,42 @@
+"""evals/spec_gpu.py --smoke-cpu: the GPU script's steps on a tiny Qwen3.5 shape on the CPU (a
+64-token prompt of a held-out excerpt said four times, 16 new tokens): every pair and way is
+measured, prompt lookup drafts from the repeated prompt, its verify forwards are timed apart, the
+static cache with prompt lookup is refused before any forward, the JSON carries provenance, and
+the table (printed last) fits 80 columns."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_spec_gpu_smoke_cpu(tmp_path):
+    out = tmp_path / "spec_gpu.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, str(ROOT / "evals" / "spec_gpu.py"), str(out),
+                        "--smoke-cpu", "--repeats", "1"], capture_output=True, text=True,
+                       env=env, cwd=tmp_path, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["kind"] == "replayquant-spec-gpu"
+    assert {"git_commit", "versions", "device"} <= set(res["provenance"])
+    assert res["config"]["prompt_tokens"] == 64 and res["config"]["new_tokens"] == 16
+    assert not res["lookup_static"]["runs"] and "static" in res["lookup_static"]["refusal"]
+    assert list(res["results"]) == ["s32_rs", "tp4_hi16_sr"]
+    for row in res["results"].values():
+        assert set(row) == {"plain_eager", "plain_compiled", "lookup_eager"}
+        assert all(w["tokens"] == 16 and w["decode_tok_s"] > 0 for w in row.values())
+        plain, look = row["plain_eager"], row["lookup_eager"]
+        assert plain["forwards"] == 16 and plain["step_ms"] > 0 and plain["verify_ms"] is None
+        assert look["accepted"] > 0 and look["forwards"] < 16
+        assert look["verify_ms"] > 0 and 0 < look["verify_share"] <= 1
+        assert look["speedup_vs_plain_eager"] > 0
+    lines = r.stdout.rstrip().splitlines()
+    assert lines[-1].startswith("lookup on the static cache: refused")
+    assert all(len(line) <= 80 for line in lines[-9:])
