@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from replayquant.kernels.conventional import (_front_end, _gate_out, _kernel_inputs,
+from replayquant.kernels.conventional import (_L2_EPS, _front_end, _gate_out, _kernel_inputs,
                                               _program_tile)
 from replayquant.kernels.replay_decode import (_append_entry, _dot3, _entry, _load_entries,
                                                _moved_pointers, _row_of, advance_pointers)
@@ -59,15 +59,18 @@ STEP_DESIGNS = ("eager-flush", "deferred-fold")
 # ============================================================================ Triton
 
 @triton.jit
-def _fold_pass(A_pay, kbuf, Uw, q, k, fold, eGn, slot, start, mat, hk, rows, jj, n,
-               HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, CAPACITY: tl.constexpr,
-               CK: tl.constexpr, STAGES: tl.constexpr, DELTA: tl.constexpr,
-               ON_GPU: tl.constexpr):
+def _fold_pass(A_pay, kbuf, Uw, q, k, qp, kp, qa, qb, ka, fold, eGn, slot, start, mat, hk,
+               rows, jj, n, HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+               CAPACITY: tl.constexpr, CK: tl.constexpr, STAGES: tl.constexpr,
+               DELTA: tl.constexpr, QLOAD: tl.constexpr, ON_GPU: tl.constexpr):
     """(S q, S k) [BV] of the anchor tile's rows, one pass over its chunks of CK columns; where
-    `fold` (the row's window is full), each chunk first becomes e^{G_n} S0_c + Uw^T K_c (Uw
-    [BUFFER_TILE, BV]: the n entries' u or dt x times their weights; K_c the raw bf16 keys'
-    chunk, loaded here, a cache hit for the head's other programs) and is stored back in place
-    as the new anchor before its products are taken."""
+    `fold` (the row's window is full), each chunk first becomes e^{G_n} S0_c + Uw^T K_c and is
+    stored back in place as the new anchor before its products are taken: Uw [BUFFER_TILE, BV]
+    the n entries' u or dt x times their weights, held across the loop (reloading it each
+    chunk saved no register: compile_check, docs/kernels.md); K_c the raw bf16 keys' chunk, a
+    cache hit for the head's other programs. q, k [DK]: the front end's vectors, a chunk taken
+    from registers; with QLOAD loaded a chunk at a time from the raw inputs (at qp, kp) and
+    scaled as the front end scales them, (raw * qa) * qb and raw * ka."""
     NC: tl.constexpr = DK // CK
     m = jj < n
     e = _entry(slot, start, jj, CAPACITY)
@@ -85,7 +88,11 @@ def _fold_pass(A_pay, kbuf, Uw, q, k, fold, eGn, slot, start, mat, hk, rows, jj,
             tl.store(pa, S)
         qc = q
         kc = k
-        if NC > 1:
+        if QLOAD:           # the chunk of the raw input times the front end's factors
+            qc = (tl.load(qp + cc).to(tl.float32) * qa) * qb
+            if DELTA:
+                kc = tl.load(kp + cc).to(tl.float32) * ka
+        elif NC > 1:
             qc = _row_of(tl.reshape(q, (NC, CK)), c)
             if DELTA:
                 kc = _row_of(tl.reshape(k, (NC, CK)), c)
@@ -120,11 +127,13 @@ def _fold_read_kernel(
         HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
         BV: tl.constexpr, BUFFER_LEN: tl.constexpr, CAPACITY: tl.constexpr,
         BUFFER_TILE: tl.constexpr, CK: tl.constexpr, STAGES: tl.constexpr,
-        DELTA: tl.constexpr, L2NORM: tl.constexpr, HAS_DTB: tl.constexpr, HAS_D: tl.constexpr,
-        HAS_Z: tl.constexpr, DT_CLAMP: tl.constexpr, ON_GPU: tl.constexpr,
-        ADVANCE: tl.constexpr):
+        QLOAD: tl.constexpr, FOLDS: tl.constexpr, DELTA: tl.constexpr,
+        L2NORM: tl.constexpr, HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
+        DT_CLAMP: tl.constexpr, ON_GPU: tl.constexpr, ADVANCE: tl.constexpr):
     """One decode step of a shared FP32 pair, a program per [BV, d_k] tile (module docstring):
-    a row at h == L folds its window into the anchor within the read's pass."""
+    a row at h == L folds its window into the anchor within the read's pass. FOLDS False
+    compiles the read path alone (compile_check's figure of what a read step runs; every launch
+    passes True)."""
     row, hv, hk, rows, cols, slot = _program_tile(idx_ptr, HK, HV, DK, BV)
     if slot >= 0:
         mat = slot * HV + hv
@@ -141,8 +150,8 @@ def _fold_read_kernel(
                                         L2NORM, DELTA, False)
         Gn = tl.sum(tl.where(jj == h - 1, G, 0.0), axis=0)        # the last entry's gate
         live = jj < h
-        Uw = tl.where(fold, tl.where(live, tl.exp(tl.where(live, Gn - G, 0.0)), 0.0) * r, 0.0)
-        Uw = X * Uw[:, None]
+        w = tl.where(fold, tl.where(live, tl.exp(tl.where(live, Gn - G, 0.0)), 0.0) * r, 0.0)
+        Uw = X * w[:, None]
         Gp = tl.where(fold, 0.0, Gn) + log_a
         prev = live & ~fold
         wdec = tl.where(prev, tl.exp(tl.where(prev, Gp - G, 0.0)), 0.0)
@@ -153,8 +162,21 @@ def _fold_read_kernel(
             beta = beta * beta_scale
             kk = r * tl.sum(Kb.to(tl.float32) * k[None, :], axis=1)
             corr = tl.sum((wdec * kk)[:, None] * X, axis=0)
-        rq, rk = _fold_pass(A_pay, kbuf, Uw, q, k, fold, tl.exp(Gn), slot, start, mat, hk,
-                            rows, jj, h, HK, DK, DV, CAPACITY, CK, STAGES, DELTA, ON_GPU)
+        qp = q_ptr + (row * HK + hk) * DK
+        kp = k_ptr + (row * HK + hk) * DK
+        qa = 1.0                # the front end's factors of the raw q, k (QLOAD)
+        ka = 1.0
+        qb = 1.0
+        if QLOAD and DELTA:
+            qb = scale
+            if L2NORM:
+                qr = tl.load(qp + cols).to(tl.float32)
+                kr = tl.load(kp + cols).to(tl.float32)
+                qa = 1.0 / tl.sqrt(tl.sum(qr * qr, axis=0) + _L2_EPS)
+                ka = 1.0 / tl.sqrt(tl.sum(kr * kr, axis=0) + _L2_EPS)
+        rq, rk = _fold_pass(A_pay, kbuf, Uw, q, k, qp, kp, qa, qb, ka, fold & FOLDS, tl.exp(Gn),
+                            slot, start, mat, hk, rows, jj, h, HK, DK, DV, CAPACITY, CK, STAGES,
+                            DELTA, QLOAD, ON_GPU)
         eG = tl.exp(Gp)
         if DELTA:
             u = beta * (v - eG * rk) - beta * corr
@@ -165,9 +187,8 @@ def _fold_read_kernel(
         tl.store(out_ptr + (row * HV + hv) * DV + rows, y)
         p = tl.where(fold, 0, h)
         st = tl.where(fold, (start + h) % CAPACITY, start)
-        _append_entry(kbuf, vbuf, ubuf, Gbuf, bbuf, v_ptr, tl.load(k_ptr + (row * HK + hk) * DK
-                                                                     + cols),
-                      u, Gp, beta, _entry(slot, st, p, CAPACITY), row, hv, hk, rows, cols,
+        _append_entry(kbuf, vbuf, ubuf, Gbuf, bbuf, v_ptr, tl.load(kp + cols), u, Gp, beta,
+                      _entry(slot, st, p, CAPACITY), row, hv, hk, rows, cols,
                       tl.program_id(1) == 0, HK, HV, DK, DV, DELTA, False)
         if ADVANCE:
             _fold_advance_row(h_ptr, st_ptr, nf_ptr, cnt_ptr, slot, HV * (DV // BV),
@@ -179,12 +200,14 @@ def _fold_read_kernel(
 # ============================================================================ host side
 
 # The launch, by kind: rows BV of a program's tile, warps, columns a chunk, chunks' loads in
-# flight. Reasons: compile_check sass on sm_90 (Triton 3.9), GDN Qwen3.5-4B / Mamba-2
-# Nemotron-H layer shapes (docs/kernels.md, designs built and not yet timed). Untimed.
-FOLD_TABLE = (   # kind, rows, warps, chunk, stages  # reason
-    ("gdn", 32, 1, 32, 3),
-    ("mamba2", 32, 1, 32, 3),
-)
+# flight, whether q and k enter the pass as chunks loaded from the inputs (QLOAD) or taken from
+# the front end's registers. Reasons: compile_check sass on sm_90 (Triton 3.9) at the GDN
+# Qwen3.5-4B / Mamba-2 Nemotron-H layer shapes, registers (SASS instructions) of the whole
+# program, no spills (evals/fold_sass.py, docs/kernels.md). Untimed.
+FOLD_TABLE = (   # kind, rows, warps, chunk, stages, qload  # reason
+    ("gdn", 64, 2, 32, 3, False),      # 166 (1808); 32 x 1: 208 (2208); loaded 178 (1904)
+    ("mamba2", 64, 2, 32, 3, True),    # 160 (1560); 32 x 1: 158 (1656); from registers 162
+)                                      # (1488); 64 x 1: 248-254, 16 x 1: 152-155
 
 
 def fold_supported(store: ReplayStore) -> str | None:
@@ -201,19 +224,26 @@ def fold_supported(store: ReplayStore) -> str | None:
 
 
 def fold_launch_config(store: ReplayStore, launch=None):
-    """(BV, num_warps, CK, stages) of the launch: FOLD_TABLE's row for the store's kind, or
-    launch['read'] = (rows, warps) where given (None: the table's)."""
-    rows, warps, ck, stages = next(r[1:] for r in FOLD_TABLE if r[0] == store.kind)
+    """(BV, num_warps, CK, stages, qload) of the launch: FOLD_TABLE's row for the store's kind,
+    or as given in launch['read'] = (rows, warps[, chunk, stages, qload]) (None: the table's;
+    the variants that compile_check and the bench compare)."""
+    cfg = list(next(r[1:] for r in FOLD_TABLE if r[0] == store.kind))
     N, HV, dv, dk = store.shape
-    given = (launch or {}).get("read") or (None, None)
-    rows = min(dv, rows) if given[0] is None else int(given[0])
-    warps = warps if given[1] is None else int(given[1])
+    cfg[0] = min(dv, cfg[0])
+    for i, x in enumerate((launch or {}).get("read") or ()):
+        if x is not None:
+            cfg[i] = bool(x) if i == 4 else int(x)
+    rows, warps, ck, stages, qload = cfg
     if rows < 16 or dv % rows or rows & (rows - 1):
         raise ValueError(f"read launch rows={rows} must be a power of two >= 16 dividing "
                          f"d_v={dv} (the fold's tensor-core products take 16 rows or more)")
     if warps < 1 or warps & (warps - 1):
         raise ValueError(f"read launch warps={warps} must be a power of two")
-    return rows, warps, min(ck, dk), stages
+    ck = min(ck, dk)
+    if ck < 16 or dk % ck or ck & (ck - 1) or stages < 1:
+        raise ValueError(f"read launch chunk={ck} must be a power of two >= 16 dividing "
+                         f"d_k={dk}, stages={stages} >= 1")
+    return rows, warps, ck, stages, qload
 
 
 def fold_step(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, state_indices, out,
@@ -254,7 +284,7 @@ def fold_step(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, state_i
         out = torch.empty(B, HV, dv, dtype=torch.float32, device=q.device)
     if store.arrive is None or store.arrive.shape[0] != N:
         store.arrive = torch.zeros(N, dtype=torch.int32, device=store.committed.device)
-    BV, nw, CK, stages = fold_launch_config(store, launch)
+    BV, nw, CK, stages, qload = fold_launch_config(store, launch)
     _fold_read_kernel[(B * HV, dv // BV)](
         store.anchor.payload, store.kbuf, store.vbuf,
         store.ubuf if store.ubuf is not None else store.vbuf, store.Gbuf, store.bbuf,
@@ -263,7 +293,8 @@ def fold_step(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, state_i
         float(scale if scale is not None else 1.0 / math.sqrt(dk)), beta_scale, dt_lo, dt_hi,
         HK=store.key_heads, HV=HV, DK=dk, DV=dv, BV=BV, BUFFER_LEN=store.buffer_len,
         CAPACITY=store.capacity, BUFFER_TILE=max(16, triton.next_power_of_2(store.buffer_len)),
-        CK=CK, STAGES=stages, DELTA=delta, L2NORM=use_qk_l2norm, HAS_DTB=dt_bias is not None,
+        CK=CK, STAGES=stages, QLOAD=qload, FOLDS=True,
+        DELTA=delta, L2NORM=use_qk_l2norm, HAS_DTB=dt_bias is not None,
         HAS_D=D is not None, HAS_Z=z is not None, DT_CLAMP=dt_clamp, ON_GPU=q.is_cuda,
         ADVANCE=bool(advance), num_warps=nw)
     store.last_force = False
