@@ -9,18 +9,22 @@ number of steps ahead), NaN-poisoned ring and outputs, a padding row, fresh inpu
   h == L here is a row at h == 0 there, one flush ahead);
 * against the torch reference of the schedule (replay_fold_ref, its own chain);
 * the anchor against a float64 recurrence after each row's third window;
-* advance=False then fold_advance_pointers equals advance=True.
+* advance=False then fold_advance_pointers equals advance=True;
+* the store converted to a ReplayState (models.decode_store.store_to_state) with rows at
+  h == L, stepped by ReplayState: the same outputs.
 """
 
 import pytest
 import torch
 
-from replayquant.kernels.conventional_ref import gdn_frontend_ref, mamba2_frontend_ref
+from replayquant.kernels.conventional_ref import (gdn_frontend_ref, mamba2_frontend_ref,
+                                                  mamba2_post_ref)
 from replayquant.kernels.replay_decode import replay_gdn_step, replay_mamba2_step
 from replayquant.kernels.replay_fold import fold_advance_pointers
 from replayquant.kernels.replay_fold_ref import (replay_gdn_fold_step_ref,
                                                  replay_mamba2_fold_step_ref)
 from replayquant.kernels.verify import replay_accept, replay_gdn_verify, replay_mamba2_verify
+from replayquant.models.decode_store import store_to_state
 from replayquant.pairs import PrecisionPair
 from replayquant.replay.stores import ReplayStore
 from replayquant.testing import (gdn_params, gdn_step_inputs, mamba2_params,
@@ -143,6 +147,9 @@ def test_fold_step_over_three_windows(case):
         y0 = _verify_one(kind, two, inp, idx)
         # the deferred fold (poisoned outputs)
         out = torch.full((N, H, dv), float("nan"))
+        if n == 2 * L:                       # the in-phase rows hold h == L unfolded entries
+            assert int((store.committed[slots.long()] == L).sum()) == 2
+            rs = store_to_state(store, slots, pair, seed=3, layer=0)
         if n == L:                           # advance=False then fold_advance_pointers
             apart = store.clone()
             _step(kind, step_fn, apart, inp, idx, out=out.clone(), launch=launch,
@@ -156,6 +163,13 @@ def test_fold_step_over_three_windows(case):
                 assert torch.equal(getattr(apart, f), getattr(store, f)), f
             assert torch.equal(_bits(apart.anchor.payload), _bits(store.anchor.payload))
         _close("output vs today's kernel (verify T=1)", y[:B], y0[:B], 1e-5)
+        if n == 2 * L:
+            fe = [t.float() if t is not None else None
+                  for t in _frontend(kind, _sub(inp, slice(0, B)))]
+            ys = rs.step(*fe[:4], fe[4])
+            if kind == "mamba2":
+                ys = mamba2_post_ref(ys, inp[0][:B], inp[6], inp[4][:B])
+            _close("output vs ReplayState from the store", y[:B], ys, 1e-5)
         for f in ("committed", "start", "n_flush", "arrive"):
             assert torch.equal(getattr(store, f), getattr(two, f)), f
         for f in RING:
