@@ -12,7 +12,7 @@ never runs the tensor-core path): both designs over 2L + 1 steps from one store,
 and staggered (outputs each step), and the deferred fold against its torch reference on 8 rows.
 
     python evals/replay_fold_bench.py OUT.json [--kinds gdn,mamba2] [--batches 1,32,256]
-        [--variants 32x1,64x1]
+        [--variants 64x1:16,64x2:16,32x1]
     python evals/replay_fold_bench.py --predict [--GBps 3000]   (the byte model, no GPU)
 
 Writes OUT.json after every row (rows, checks, predictions, copy bandwidth, provenance)."""
@@ -182,13 +182,15 @@ def rows_of(kind, B, design, launch, copy_bw, device) -> list:
 
 
 def _variants(text):
-    """'64x2,32x1' -> [{'read': (64, 2)}, {'read': (32, 1)}]."""
+    """'64x2,64x1:16' -> [{'read': (64, 2)}, {'read': (64, 1, 16)}] (rows x warps, and columns
+    a chunk after a colon)."""
     out = []
     for v in filter(None, (text or "").split(",")):
-        rows, _, warps = v.partition("x")
-        if not (rows.isdigit() and warps.isdigit()):
-            raise SystemExit(f"--variants: '{v}' is not ROWSxWARPS (e.g. 32x1)")
-        out.append({"read": (int(rows), int(warps))})
+        tile, _, chunk = v.partition(":")
+        rows, _, warps = tile.partition("x")
+        if not (rows.isdigit() and warps.isdigit() and (chunk == "" or chunk.isdigit())):
+            raise SystemExit(f"--variants: '{v}' is not ROWSxWARPS[:CHUNK] (e.g. 64x1:16)")
+        out.append({"read": (int(rows), int(warps)) + ((int(chunk),) if chunk else ())})
     return out
 
 

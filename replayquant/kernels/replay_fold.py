@@ -203,11 +203,12 @@ def _fold_read_kernel(
 # flight, whether q and k enter the pass as chunks loaded from the inputs (QLOAD) or taken from
 # the front end's registers. Reasons: compile_check sass on sm_90 (Triton 3.9) at the GDN
 # Qwen3.5-4B / Mamba-2 Nemotron-H layer shapes, registers (SASS instructions) of the whole
-# program, no spills (evals/fold_sass.py, docs/kernels.md). Untimed.
+# program, no spills (evals/fold_sass.py, docs/kernels.md); GDN keeps the 32-column chunks
+# that today's FP32 read measured fastest (16 columns slower). Untimed.
 FOLD_TABLE = (   # kind, rows, warps, chunk, stages, qload  # reason
-    ("gdn", 64, 2, 32, 3, False),      # 166 (1808); 32 x 1: 208 (2208); loaded 178 (1904)
-    ("mamba2", 64, 2, 32, 3, True),    # 160 (1560); 32 x 1: 158 (1656); from registers 162
-)                                      # (1488); 64 x 1: 248-254, 16 x 1: 152-155
+    ("gdn", 64, 2, 32, 3, False),      # 166 (1808); chunk 16: 158 (1624), 64 x 1 at 16: 226
+    ("mamba2", 64, 2, 16, 3, False),   # 122 (1376); chunk 32: 160-162 (1488-1560)
+)     # 32 x 1: 208 / 158-162 registers; 64 x 1 at 32 columns: 248-254
 
 
 def fold_supported(store: ReplayStore) -> str | None:

@@ -19,9 +19,16 @@ from replayquant.testing import (gdn_params, gdn_step_inputs, mamba2_params,
 B, H, D, L = 1, 2, 32, 2
 
 
+# the step's launch options per design: the fold with q and k chunks from the front end's
+# registers and loaded from the inputs (FOLD_TABLE's qload); today's two launches
+LAUNCHES = (("deferred-fold", {"read": (16, 1, None, None, False)}),
+            ("deferred-fold", {"read": (16, 1, None, None, True)}),
+            ("eager-flush", {"read": (16, 1), "fused": False}))
+
+
 def main() -> int:
     for kind in ("gdn", "mamba2"):
-        for design in ("deferred-fold", "eager-flush"):
+        for design, launch in LAUNCHES:
             st = ReplayStore.from_state(random_state(B, H, D, D),
                                         PrecisionPair.load("s32_rs").with_buffer_len(L), kind,
                                         key_heads=1, max_drafts=1, u_dtype=torch.float32)
@@ -29,15 +36,12 @@ def main() -> int:
                 if kind == "gdn":
                     q, k, v, a, b = gdn_step_inputs(B, 1, H, D, D, seed=step)
                     replay_gdn_step(st, q, k, v, a, b, *gdn_params(H), design=design,
-                                    launch={"read": (16, 1), "fused": False}
-                                    if design == "eager-flush" else {"read": (16, 1)})
+                                    launch=launch)
                 else:
                     x, dt, Bm, C, z = mamba2_step_inputs(B, 1, H, D, D, seed=step)
                     A, Dp, dtb = mamba2_params(H)
                     replay_mamba2_step(st, x, dt, A, Bm, C, D=Dp, z=z, dt_bias=dtb,
-                                       design=design,
-                                       launch={"read": (16, 1), "fused": False}
-                                       if design == "eager-flush" else {"read": (16, 1)})
+                                       design=design, launch=launch)
     print("fold drive done", flush=True)
     return 0
 

@@ -29,7 +29,8 @@ def test_fold_kernel_compiles_for_sm90(tmp_path):
                     str(ROOT / "tests" / "kernels" / "compile_drive_fold.py")], env, tmp_path)
     assert rc == 0, log[-3000:]
     launches = [ln for ln in json.loads(out.read_text()) if ln["kernel"] == "_fold_read_kernel"]
-    assert {ln["constexprs"]["DELTA"] for ln in launches} == {True, False}
+    assert {(ln["constexprs"]["DELTA"], ln["constexprs"]["QLOAD"]) for ln in launches} == \
+        {(d, q) for d in (True, False) for q in (True, False)}
     out.write_text(json.dumps(launches))
     env.pop("TRITON_INTERPRET")
     rc, log = _run(["compile", str(out), "--arch", "90"], env, tmp_path)

@@ -30,9 +30,11 @@ from replayquant.replay.stores import ReplayStore
 from replayquant.testing import (gdn_params, gdn_step_inputs, mamba2_params,
                                  mamba2_step_inputs, random_state)
 
-# kind, key heads, heads, d_k, d_v, L, read launch (rows, warps): GDN in two chunks of 32
-# columns; Mamba-2 in two row blocks, with L = 3 (a buffer tile larger than L)
-CASES = [("gdn", 1, 2, 64, 16, 4, None), ("mamba2", 1, 2, 32, 32, 3, (16, 1))]
+# kind, key heads, heads, d_k, d_v, L, read launch (rows, warps, chunk, stages, qload; None:
+# the table's): GDN in two chunks of 32 columns, q and k chunks loaded from the inputs; Mamba-2
+# in two row blocks and two chunks of 16, with L = 3 (a buffer tile larger than L)
+CASES = [("gdn", 1, 2, 64, 16, 4, (None, None, None, None, True)),
+         ("mamba2", 1, 2, 32, 32, 3, (16, 1))]
 AHEAD = (0, 0, 1, 2)         # steps each batch row is ahead: two rows in phase, two staggered
 RING = ("kbuf", "vbuf", "ubuf", "Gbuf", "bbuf")
 MAX_REL = {}                 # the largest relative differences seen in a test, by comparison
