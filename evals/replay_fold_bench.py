@@ -24,9 +24,10 @@ import sys
 
 import torch
 
-from replayquant.bench.kernels.grid import PAIR_L, SHAPES, kernel_fns, kernel_inputs, load_pair
+from replayquant.bench.kernels.grid import PAIR_L, SHAPES, kernel_inputs, load_pair
 from replayquant.bench.kernels.timing import (copy_bandwidth_GBps, empty_cache, no_gpu,
                                               rotations, time_calls, timed_row)
+from replayquant.kernels.replay_fold import replay_gdn_step, replay_mamba2_step
 from replayquant.kernels.replay_fold_ref import (replay_gdn_fold_step_ref,
                                                  replay_mamba2_fold_step_ref)
 from replayquant.outputs import write_json
@@ -38,6 +39,7 @@ from replayquant.testing import random_state
 
 PAIR = "s32_rs"
 REF_ROWS = 8
+STEP = {"gdn": replay_gdn_step, "mamba2": replay_mamba2_step}     # with the design switch
 
 
 # ---------------------------------------------------------------------------- bytes
@@ -98,7 +100,7 @@ def check(kind, B, device) -> dict:
     """Both designs over 2L + 1 steps from one store, half the rows staggered (fill b mod L),
     outputs each step; the deferred fold against its torch reference on REF_ROWS rows over
     L + 2 steps."""
-    S, L, f = SHAPES[kind], PAIR_L[kind], kernel_fns(kind)
+    S, L = SHAPES[kind], PAIR_L[kind]
     idx = torch.arange(B, dtype=torch.int32, device=device)
     init = random_state(B, S["H"], S["dv"], S["dk"], seed=B + 1, device=device)
     eager, fold = _store(kind, B, init, L), _store(kind, B, init, L)
@@ -108,12 +110,12 @@ def check(kind, B, device) -> dict:
             rows = idx[B // 2:][(idx[B // 2:] % L) >= j]
             kw = kernel_inputs(kind, S, B, seed=500 + j, device=device)
             sub = {k: (v[rows.long()] if v.dim() > 1 else v) for k, v in kw.items()}
-            f["step"](st, **sub, state_indices=rows,
+            STEP[kind](st, **sub, state_indices=rows,
                       design="deferred-fold" if st is fold else "eager-flush")
     for n in range(2 * L + 1):
         kw = kernel_inputs(kind, S, B, seed=10 + n, device=device)
-        y0 = f["step"](eager, **kw, state_indices=idx)
-        y1 = f["step"](fold, **kw, state_indices=idx, design="deferred-fold")
+        y0 = STEP[kind](eager, **kw, state_indices=idx)
+        y1 = STEP[kind](fold, **kw, state_indices=idx, design="deferred-fold")
         worst = max(worst, _rel(y1, y0))
     n_ref = min(REF_ROWS, B)
     rows = torch.arange(n_ref, dtype=torch.int32, device=device)
@@ -123,7 +125,7 @@ def check(kind, B, device) -> dict:
     for n in range(L + 2):
         kw = kernel_inputs(kind, S, n_ref, seed=20 + n, device=device)
         yr = ref_fn(ref, **kw, state_indices=rows)
-        y1 = f["step"](mine, **kw, state_indices=rows, design="deferred-fold")
+        y1 = STEP[kind](mine, **kw, state_indices=rows, design="deferred-fold")
         worst_ref = max(worst_ref, _rel(y1, yr))
     r = dict(kind=kind, B=B, steps=2 * L + 1, max_rel_vs_eager=worst,
              max_rel_vs_ref=worst_ref, anchor_max_rel_vs_ref=_rel(mine.anchor.payload,
@@ -136,7 +138,7 @@ def check(kind, B, device) -> dict:
 
 def rows_of(kind, B, design, launch, copy_bw, device) -> list:
     """The four rows of one design at batch B (module docstring)."""
-    S, L, f = SHAPES[kind], PAIR_L[kind], kernel_fns(kind)
+    S, L = SHAPES[kind], PAIR_L[kind]
     shp = (S["H"], S["HK"], S["dv"], S["dk"])
     fold = design == "deferred-fold"
     init = random_state(B, S["H"], S["dv"], S["dk"], seed=B, device=device)
@@ -157,20 +159,20 @@ def rows_of(kind, B, design, launch, copy_bw, device) -> list:
 
         def window(sts=sts):
             for st in sts:
-                f["step"](st, **kw, state_indices=idx, out=out, **opts)
+                STEP[kind](st, **kw, state_indices=idx, out=out, **opts)
         ms = time_calls(window, L) / R
         rows.append(timed_row(kind, kernel, PAIR, B, ms, wbytes, copy_bw, **extra))
         del sts
     st = _store(kind, B, init, L)
     h = L // 2
     st.committed.fill_(h)
-    ms = time_calls(lambda: f["step"](st, **kw, state_indices=idx, out=out, advance=False,
+    ms = time_calls(lambda: STEP[kind](st, **kw, state_indices=idx, out=out, advance=False,
                                       **opts), 8)
     rows.append(timed_row(kind, "replay-read-step", PAIR, B, ms,
                           replay_read_step_bytes(kind, "fp32", h, B, *shp, 4, L), copy_bw, h=h,
                           **extra))
     st.committed.fill_(L if fold else L - 1)
-    ms = time_calls(lambda: f["step"](st, **kw, state_indices=idx, out=out, advance=False,
+    ms = time_calls(lambda: STEP[kind](st, **kw, state_indices=idx, out=out, advance=False,
                                       **opts), 4)
     rows.append(timed_row(kind, "replay-flush-step", PAIR, B, ms,
                           fold_step_bytes(kind, L, B, *shp) if fold else

@@ -1058,17 +1058,9 @@ def _launch(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, state_ind
     return out
 
 
-def _deferred(design) -> bool:
-    """Whether a step runs replay_fold's design (replay_fold.STEP_DESIGNS; imported where it
-    runs, since it imports this module's functions)."""
-    if design not in ("eager-flush", "deferred-fold"):
-        raise ValueError(f"design must be 'eager-flush' or 'deferred-fold', got {design!r}")
-    return design == "deferred-fold"
-
-
 def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, state_indices=None,
                     scale=None, out=None, use_qk_l2norm=True, path="auto", launch=None,
-                    advance=True, beta_scale=1.0, record=None, design="eager-flush"):
+                    advance=True, beta_scale=1.0, record=None):
     """One GDN replay decode step for a batch (Triton, _launch): q, k [B, HK, d_k], v [B, H, d_v]
     (k, v bf16), a, b [B, H], A_log, dt_bias [H]; beta = beta_scale sigmoid(b). path
     (resolve_path): 'auto' / 'replay' or 'flush'. Returns y float32 [B, H, d_v]; with
@@ -1077,13 +1069,7 @@ def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, stat
     False one launch a step or two (default: _fused's choice by batch). record: a
     stores.FaultRecord in which the step notes which inputs of which rows held NaN or infinity
     and which rows' flush kept its roles because a cast overflowed (no host read; its torch
-    twins are FaultRecord.note and note_cast). design: 'eager-flush' (these launches) or
-    'deferred-fold' (replay_fold: one launch, the flush folded into the next step's read)."""
-    if _deferred(design):
-        from replayquant.kernels.replay_fold import fold_step
-        return fold_step(store, "gdn", q, k, v, a, b, A_log, dt_bias, None, None,
-                         state_indices, out, scale, use_qk_l2norm, path, launch,
-                         advance=advance, beta_scale=beta_scale, record=record)
+    twins are FaultRecord.note and note_cast)."""
     return _launch(store, "gdn", q, k, v, a, b, A_log, dt_bias, None, None, state_indices, out,
                    scale, use_qk_l2norm, True, path, launch, advance=advance,
                    beta_scale=beta_scale, record=record)
@@ -1091,15 +1077,10 @@ def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, stat
 
 def replay_mamba2_step(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None, z=None,
                        dt_bias=None, out=None, path="auto", launch=None, advance=True,
-                       dt_limit=NO_DT_LIMIT, record=None, design="eager-flush"):
+                       dt_limit=NO_DT_LIMIT, record=None):
     """One Mamba-2 replay decode step (Triton, as replay_gdn_step), inputs as
     conventional_mamba2_step (x, B bf16; dt_limit = (lo, hi) clamps softplus(dt + dt_bias),
-    (0, inf): no clamp); path, advance, launch, record, design as replay_gdn_step."""
-    if _deferred(design):
-        from replayquant.kernels.replay_fold import fold_step
-        return fold_step(store, "mamba2", C, B, x, dt, None, A, dt_bias, D, z,
-                         state_indices, out, None, False, path, launch,
-                         dt_limit=dt_limit, advance=advance, record=record)
+    (0, inf): no clamp); path, advance, launch, record as replay_gdn_step."""
     return _launch(store, "mamba2", C, B, x, dt, None, A, dt_bias, D, z, state_indices, out,
                    None, False, True, path, launch, dt_limit=dt_limit, advance=advance,
                    record=record)

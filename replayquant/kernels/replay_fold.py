@@ -1,8 +1,9 @@
 """The replay decode step as one launch, the flush deferred into the next step's read (Triton):
 GDN and Mamba-2 with a shared FP32 anchor (s32_rs: GDN caching u in FP32, `folds_u`; Mamba-2
-folding dt x). `replay_gdn_step` / `replay_mamba2_step` with design='deferred-fold' select it;
-the default, design='eager-flush', stays replay_decode's flush launch and read launch. The
-torch reference of this schedule is `replay_fold_ref.replay_fold_step_ref`.
+folding dt x). This module's `replay_gdn_step` / `replay_mamba2_step` are replay_decode's with a
+design switch: design='deferred-fold' runs this kernel; the default, 'eager-flush', runs
+replay_decode's flush launch and read launch. The torch reference of this schedule is
+`replay_fold_ref.replay_fold_step_ref`.
 
 The schedule. Every step reads and appends, step L of a window included: a row whose entry
 fills the buffer (h + 1 == L) is read like the others, and after the step it holds h == L
@@ -43,13 +44,14 @@ import triton.language as tl
 
 from replayquant.kernels.conventional import (_L2_EPS, _front_end, _gate_out, _kernel_inputs,
                                               _program_tile)
+from replayquant.kernels import replay_decode as rd
 from replayquant.kernels.replay_decode import (_append_entry, _dot3, _entry, _load_entries,
                                                _moved_pointers, _row_of, advance_pointers)
 from replayquant.replay.stores import (ReplayStore, _begin, _check_buffered, _indices,
                                         dt_limit_args, folds_u, step_inputs)
 
-__all__ = ["fold_step", "fold_advance_pointers", "fold_launch_config", "fold_supported",
-           "FOLD_TABLE", "STEP_DESIGNS"]
+__all__ = ["replay_gdn_step", "replay_mamba2_step", "fold_step", "fold_advance_pointers",
+           "fold_launch_config", "fold_supported", "FOLD_TABLE", "STEP_DESIGNS"]
 
 # The decode step's designs: 'eager-flush', replay_decode's (a flush launch, then the read
 # launch; one launch at small batch); 'deferred-fold', this module's
@@ -309,3 +311,37 @@ def fold_advance_pointers(store: ReplayStore, state_indices) -> None:
     B = state_indices.shape[0]
     advance_pointers(store, state_indices,
                      accepted=torch.ones(B, dtype=torch.int32, device=store.committed.device))
+
+
+def _deferred(design) -> bool:
+    if design not in STEP_DESIGNS:
+        raise ValueError(f"design must be one of {', '.join(map(repr, STEP_DESIGNS))}, "
+                         f"got {design!r}")
+    return design == "deferred-fold"
+
+
+def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, state_indices=None,
+                    scale=None, out=None, use_qk_l2norm=True, path="auto", launch=None,
+                    advance=True, beta_scale=1.0, record=None, design="eager-flush"):
+    """replay_decode.replay_gdn_step (same arguments) with the design switch: 'eager-flush'
+    runs it, 'deferred-fold' fold_step (launch: {'read': (rows, warps[, chunk, stages,
+    qload])}, FOLD_TABLE)."""
+    if _deferred(design):
+        return fold_step(store, "gdn", q, k, v, a, b, A_log, dt_bias, None, None,
+                         state_indices, out, scale, use_qk_l2norm, path, launch,
+                         advance=advance, beta_scale=beta_scale, record=record)
+    return rd.replay_gdn_step(store, q, k, v, a, b, A_log, dt_bias, state_indices, scale, out,
+                              use_qk_l2norm, path, launch, advance, beta_scale, record)
+
+
+def replay_mamba2_step(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None, z=None,
+                       dt_bias=None, out=None, path="auto", launch=None, advance=True,
+                       dt_limit=rd.NO_DT_LIMIT, record=None, design="eager-flush"):
+    """replay_decode.replay_mamba2_step (same arguments) with the design switch, as
+    replay_gdn_step."""
+    if _deferred(design):
+        return fold_step(store, "mamba2", C, B, x, dt, None, A, dt_bias, D, z,
+                         state_indices, out, None, False, path, launch,
+                         dt_limit=dt_limit, advance=advance, record=record)
+    return rd.replay_mamba2_step(store, x, dt, A, B, C, state_indices, D, z, dt_bias, out,
+                                 path, launch, advance, dt_limit, record)

@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from replayquant.kernels.replay_decode import replay_gdn_step, replay_mamba2_step
+from replayquant.kernels.replay_fold import replay_gdn_step, replay_mamba2_step
 from replayquant.pairs import PrecisionPair
 from replayquant.replay.stores import ReplayStore
 from replayquant.testing import (gdn_params, gdn_step_inputs, mamba2_params,

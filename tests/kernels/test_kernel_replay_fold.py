@@ -19,8 +19,8 @@ import torch
 
 from replayquant.kernels.conventional_ref import (gdn_frontend_ref, mamba2_frontend_ref,
                                                   mamba2_post_ref)
-from replayquant.kernels.replay_decode import replay_gdn_step, replay_mamba2_step
-from replayquant.kernels.replay_fold import fold_advance_pointers
+from replayquant.kernels.replay_fold import (fold_advance_pointers, replay_gdn_step,
+                                             replay_mamba2_step)
 from replayquant.kernels.replay_fold_ref import (replay_gdn_fold_step_ref,
                                                  replay_mamba2_fold_step_ref)
 from replayquant.kernels.verify import replay_accept, replay_gdn_verify, replay_mamba2_verify
@@ -235,7 +235,7 @@ def test_fold_refuses_what_it_does_not_take():
         run(store(max_drafts=0))
     with pytest.raises(ValueError, match="path='flush'"):
         run(store(), path="flush")
-    with pytest.raises(ValueError, match="design must be 'eager-flush' or 'deferred-fold'"):
+    with pytest.raises(ValueError, match="design must be one of 'eager-flush', 'deferred-fold'"):
         replay_gdn_step(store(), q, k, v, a, b, A_log, dtb, design="fold")
     st = ReplayStore.from_state(random_state(2, 2, 16, 16), PrecisionPair.load("s32_rs")
                                 .with_buffer_len(4), "kda", key_heads=1, max_drafts=1)
