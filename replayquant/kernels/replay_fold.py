@@ -332,8 +332,10 @@ def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, stat
         return fold_step(store, "gdn", q, k, v, a, b, A_log, dt_bias, None, None,
                          state_indices, out, scale, use_qk_l2norm, path, launch,
                          advance=advance, beta_scale=beta_scale, record=record)
-    return rd.replay_gdn_step(store, q, k, v, a, b, A_log, dt_bias, state_indices, scale, out,
-                              use_qk_l2norm, path, launch, advance, beta_scale, record)
+    return rd.replay_gdn_step(store, q, k, v, a, b, A_log, dt_bias=dt_bias,
+                              state_indices=state_indices, scale=scale, out=out,
+                              use_qk_l2norm=use_qk_l2norm, path=path, launch=launch,
+                              advance=advance, beta_scale=beta_scale, record=record)
 
 
 def replay_mamba2_step(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None, z=None,
@@ -345,5 +347,6 @@ def replay_mamba2_step(store: ReplayStore, x, dt, A, B, C, state_indices=None, D
         return fold_step(store, "mamba2", C, B, x, dt, None, A, dt_bias, D, z,
                          state_indices, out, None, False, path, launch,
                          dt_limit=dt_limit, advance=advance, record=record)
-    return rd.replay_mamba2_step(store, x, dt, A, B, C, state_indices, D, z, dt_bias, out,
-                                 path, launch, advance, dt_limit, record)
+    return rd.replay_mamba2_step(store, x, dt, A, B, C, state_indices=state_indices, D=D, z=z,
+                                 dt_bias=dt_bias, out=out, path=path, launch=launch,
+                                 advance=advance, dt_limit=dt_limit, record=record)
