@@ -1,6 +1,6 @@
 """The deferred-fold decode step (design='deferred-fold', kernels/replay_fold.py) in the Triton
-interpreter, over three windows and more, rows in phase and out of phase (each row a different
-number of steps ahead), NaN-poisoned ring and outputs, a padding row, fresh inputs each step:
+interpreter, over three windows and more, rows in phase and out of phase (two rows in phase,
+one two steps ahead), NaN-poisoned ring and outputs, a padding row, fresh inputs each step:
 
 * against today's kernel in the same schedule (replay_decode's verify of one draft, accepted,
   from a clone of the same store each step): outputs, anchor, ring and pointers;
