@@ -222,7 +222,8 @@ def fold_supported(store: ReplayStore) -> str | None:
         return f"it takes a 'gdn' or 'mamba2' store, not {store.kind!r}"
     if not (store.shared and store.anchor.fmt == "fp32"):
         return (f"it takes a shared FP32 anchor (s32_rs), not anchor {store.anchor.fmt} / read "
-                f"{store.read_role.fmt}; separate read copies keep design='eager-flush'")
+                f"{store.read_role.fmt}{'' if store.shared else ' (separate)'}; other pairs "
+                f"keep design='eager-flush'")
     if store.kind == "gdn" and not folds_u(store):
         return "a GDN store folds its u only when the ring keeps it in FP32 (u_dtype float32)"
     return None

@@ -227,8 +227,11 @@ def test_fold_refuses_what_it_does_not_take():
     def run(st, **kw):
         return replay_gdn_step(st, q, k, v, a, b, A_log, dtb, design="deferred-fold", **kw)
 
-    with pytest.raises(ValueError, match="separate read copies keep design='eager-flush'"):
+    with pytest.raises(ValueError, match=r"anchor fp32 / read fp8 \(separate\); other pairs "
+                                         r"keep design='eager-flush'"):
         run(store("tp8_hi32"))
+    with pytest.raises(ValueError, match="not anchor fp16 / read fp16; other pairs"):
+        run(store("s16_sr"))
     with pytest.raises(ValueError, match="u_dtype float32"):
         run(store(u_dtype=torch.bfloat16))
     with pytest.raises(ValueError, match=r"ring of L \+ 1 = 5 entries"):
