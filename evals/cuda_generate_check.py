@@ -71,7 +71,7 @@ def _timed(model, ids, mask, new_tokens, device):
 
 def _count_kernel_steps():
     """Wrap the decode kernels' entry points: returns the call counter."""
-    from replayquant.kernels import replay_decode as rd
+    from replayquant.kernels.replay import decode as rd
     calls = {"n": 0}
     for name in ("replay_gdn_step", "replay_mamba2_step"):
         orig = getattr(rd, name)

@@ -1,4 +1,4 @@
-"""The speculative verify round of both read launches side by side on one GPU: replay_decode's
+"""The speculative verify round of both read launches side by side on one GPU: replay.decode's
 step kernel (design='step-kernel', the default) and verify_onepass (design='onepass', at its
 launch table's config and at the variants given), on `replayquant bench kernels`' shapes,
 inputs, accept counts and clock (bench_spec's rounds: verify + accept of n, CUDA graphs of 8
@@ -25,7 +25,7 @@ from replayquant.bench.kernels.rows import spec_accepts
 from replayquant.bench.kernels.timing import (copy_bandwidth_GBps, empty_cache, no_gpu,
                                               time_calls, timed_row)
 from replayquant.replay.stores import ReplayStore
-from replayquant.kernels.verify import replay_accept
+from replayquant.kernels.replay.verify import replay_accept
 from replayquant.outputs import write_json
 from replayquant.provenance import provenance
 

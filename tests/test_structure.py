@@ -99,8 +99,11 @@ import replayquant.formats
 from replayquant.formats import casts, philox
 import replayquant.replay
 from replayquant.replay import ConventionalStore, ReplayState, ReplayStore, roles, stores
-from replayquant.kernels import (chunk_ref, conventional_ref, ops, replay_launch, replay_ref,
-                                 replay_torch)
+from replayquant.kernels import ops
+from replayquant.kernels.chunk import reference as chunk_ref
+from replayquant.kernels.conventional import reference as conventional_ref
+from replayquant.kernels.replay import (engine as replay_torch, launch as replay_launch,
+                                        reference as replay_ref)
 from replayquant.models import decode_store
 from replayquant.policy import resolve_pair
 

@@ -24,7 +24,7 @@ import triton.testing
 
 from replayquant.formats import get_format
 from replayquant.formats.constants import BF16, FP16
-from replayquant.kernels import quant
+from replayquant.kernels.quant import kernel as quant
 from replayquant.formats import casts as ref
 from replayquant.formats.philox import random_bits_ref
 from replayquant.outputs import check_owned, check_writable_folder, output_lock, write_json, write_text

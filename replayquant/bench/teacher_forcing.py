@@ -1,4 +1,4 @@
-"""GPU check and benchmarks of chunked teacher forcing (replayquant.kernels.chunk).
+"""GPU check and benchmarks of chunked teacher forcing (replayquant.kernels.chunk.kernel).
 
     python -m replayquant.bench.teacher_forcing OUT.json [--lengths 8192,32768]   (parts 1, 2)
     python -m replayquant.bench.teacher_forcing --ptxas      (registers / spills, no GPU)
@@ -41,8 +41,8 @@ from replayquant.bench import check_model_bench
 from replayquant.bench.timing import (HF_TARGETS, REPLAY_TARGETS, KernelClock, fla_version,
                                       hf_chunk_function)
 from replayquant.formats import as_bits
-from replayquant.kernels import chunk
-from replayquant.kernels.chunk_ref import chunk_scan_ref, initial_scan_state
+from replayquant.kernels.chunk import kernel as chunk
+from replayquant.kernels.chunk.reference import chunk_scan_ref, initial_scan_state
 from replayquant.kernels.compile_check import assemble, compile_ptx, ptxas_report
 from replayquant.replay.roles import FMT_IDS
 from replayquant.bench.kl import (SHAPES, _chunk_dot, build_model, plain_forward, random_document,

@@ -12,7 +12,7 @@ import torch
 from replayquant.testing import (gdn_params, gdn_step_inputs, mamba2_params,
                                  mamba2_step_inputs, random_state)
 from replayquant.replay.stores import ReplayStore
-from replayquant.kernels.verify import replay_gdn_verify, replay_mamba2_verify
+from replayquant.kernels.replay.verify import replay_gdn_verify, replay_mamba2_verify
 from replayquant.pairs import PrecisionPair
 
 PAIRS = ("s32_rs", "s16_sr", "tp8_hi32", "tp4_hi32")       # read copy FP32, FP16, FP8, NVFP4

@@ -1,12 +1,12 @@
-"""The chunked teacher-forcing scan (replayquant.kernels.chunk_ref) against ReplayState stepping
-token by token: every shipped pair, both kinds, lengths that are not multiples of L, segmented
-and unsegmented, padding, the same SR bits."""
+"""The chunked teacher-forcing scan (replayquant.kernels.chunk.reference) against ReplayState
+stepping token by token: every shipped pair, both kinds, lengths that are not multiples of L,
+segmented and unsegmented, padding, the same SR bits."""
 
 import pytest
 import torch
 
-from replayquant.kernels.chunk_ref import (chunk_scan_ref, initial_scan_state, scan_state_of,
-                                           teacher_force)
+from replayquant.kernels.chunk.reference import (chunk_scan_ref, initial_scan_state, scan_state_of,
+                                                 teacher_force)
 from _helpers import scan_inputs, stable_seed, vector_log_a
 from replayquant.pairs import PrecisionPair, list_pairs
 from replayquant.replay import ReplayState, recurrent_reference
@@ -288,7 +288,7 @@ def test_fast_random_bits_equal_the_int64_philox():
 def test_cpu_threads_scope(monkeypatch):
     """The CPU scan runs with REPLAYQUANT_CPU_THREADS intra-op threads (default 1) and restores
     the caller's setting; a bad value is one clear error."""
-    from replayquant.kernels.chunk_ref import CPU_THREADS_ENV, cpu_threads
+    from replayquant.kernels.chunk.reference import CPU_THREADS_ENV, cpu_threads
     n = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -334,7 +334,7 @@ def test_vector_gates_against_float64_recurrence(delta):
     assert ss.G.shape == (B, H, 5, dk) and ss.count.tolist() == [3, 3]
     err = ((torch.cat(ys, 1).double() - Y).abs().max() / Y.abs().max()).item()
     assert err <= 2e-6, err
-    from replayquant.kernels.chunk_ref import rebuild_state
+    from replayquant.kernels.chunk.reference import rebuild_state
     err = ((rebuild_state(ss, pair).double() - S).abs().max() / S.abs().max()).item()
     assert err <= 2e-6, err
 
@@ -393,7 +393,7 @@ def test_vector_terms_in_window_blocks(monkeypatch):
     memory bound): the same values as all windows at once, up to the summation order torch's
     CPU reduction picks for a shape (on AVX2 a sum over d_k of fewer rows lands 1 ulp apart in
     some outputs), and the same anchor codes."""
-    from replayquant.kernels import chunk_ref
+    from replayquant.kernels.chunk import reference as chunk_ref
     gen = torch.Generator().manual_seed(73)
     B, T, H, dk, dv = 2, 27, 2, 16, 8
     pair = PrecisionPair.load("tp4_hi16_sr").with_buffer_len(4)

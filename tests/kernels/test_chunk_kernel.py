@@ -1,5 +1,5 @@
-"""The Triton chunked teacher-forcing kernel (replayquant.kernels.chunk, interpreter mode) against
-its torch reference chunk_ref.chunk_scan_ref: both kinds, shared and dual pairs (an SR NVFP4
+"""The Triton chunked teacher-forcing kernel (replayquant.kernels.chunk.kernel, interpreter mode)
+against its torch reference chunk_ref.chunk_scan_ref: both kinds, shared and dual pairs (an SR NVFP4
 one among them), windows including a partial one, segments continuing the flush schedule,
 padding, exact prefill, poisoned outputs."""
 
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from replayquant.formats import as_bits
-from replayquant.kernels import chunk
-from replayquant.kernels.chunk_ref import chunk_scan_ref, initial_scan_state, teacher_force
+from replayquant.kernels.chunk import kernel as chunk
+from replayquant.kernels.chunk.reference import chunk_scan_ref, initial_scan_state, teacher_force
 from _helpers import scan_inputs, stable_seed, vector_log_a
 from replayquant.pairs import PrecisionPair
 from replayquant.replay import ReplayState
@@ -379,7 +379,7 @@ def test_kernel_vector_gates_against_float64_and_scalar_path():
     """FP32 pair: the kernel with per-channel gates against the float64 recurrence
     S_t = S_{t-1} Diag(a_t) + u_t k_t^T (outputs and the rebuilt final state); a gate that is
     the same on every channel gives the scalar kernel's outputs within FP32 reassociation."""
-    from replayquant.kernels.chunk_ref import rebuild_state
+    from replayquant.kernels.chunk.reference import rebuild_state
     from replayquant.replay import recurrent_reference
     gen = torch.Generator().manual_seed(71)
     B, T, H, dk, dv, L = 2, 13, 1, 16, 16, 4

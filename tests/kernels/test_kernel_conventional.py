@@ -7,13 +7,13 @@ import torch
 
 from replayquant.testing import (gdn_params, gdn_step_inputs, kda_step_inputs,
                                  mamba2_params, mamba2_step_inputs, random_state)
-from replayquant.kernels.conventional import (conventional_gdn_step, conventional_kda_step,
-                                              conventional_mamba2_step)
-from replayquant.kernels.conventional_ref import (conventional_gdn_step_ref,
-                                                  conventional_kda_step_ref,
-                                                  conventional_mamba2_step_ref, gdn_frontend_ref,
-                                                  kda_frontend_ref, mamba2_frontend_ref,
-                                                  mamba2_post_ref)
+from replayquant.kernels.conventional.kernel import (conventional_gdn_step, conventional_kda_step,
+                                                     conventional_mamba2_step)
+from replayquant.kernels.conventional.reference import (conventional_gdn_step_ref,
+                                                        conventional_kda_step_ref,
+                                                        conventional_mamba2_step_ref,
+                                                        gdn_frontend_ref, kda_frontend_ref,
+                                                        mamba2_frontend_ref, mamba2_post_ref)
 from replayquant.replay.stores import ConventionalStore
 from replayquant.replay import ConventionalState
 from _helpers import assert_states_close
@@ -136,8 +136,8 @@ def test_conventional_mamba2_dt_limit(fmt, pair):
     """dt_limit (Nemotron-H's time_step_limit): kernel == reference == ConventionalState fed
     replay.frontends.mamba2_inputs with the same limit; the limit changes the outputs; (0, inf)
     is the kernel without a limit, bit for bit; a malformed limit is a ValueError."""
-    from replayquant.kernels.conventional_ref import conventional_mamba2_verify_ref
-    from replayquant.kernels.verify import conventional_mamba2_verify
+    from replayquant.kernels.conventional.reference import conventional_mamba2_verify_ref
+    from replayquant.kernels.conventional.verify import conventional_mamba2_verify
     from replayquant.replay.stores import make_snapshots
     from replayquant.pairs import PrecisionPair
     from replayquant.replay import mamba2_inputs

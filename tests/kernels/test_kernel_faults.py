@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from replayquant.testing import kda_step_inputs, random_state
-from replayquant.kernels import replay_ref as rr
-from replayquant.kernels import replay_torch as rt
-from replayquant.kernels.replay_decode import replay_gdn_step, replay_kda_step, replay_mamba2_step
+from replayquant.kernels.replay import reference as rr
+from replayquant.kernels.replay import engine as rt
+from replayquant.kernels.replay.decode import replay_gdn_step, replay_kda_step, replay_mamba2_step
 from replayquant.replay.stores import FAULT_COLUMNS, FAULT_INPUTS, FaultRecord, ReplayStore
 from replayquant.policy import resolve_pair
 from test_kernel_replay import Driver, poison_buffers

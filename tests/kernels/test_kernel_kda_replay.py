@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from replayquant.testing import kda_step_inputs, random_state
-from replayquant.kernels.conventional_ref import kda_frontend_ref
-from replayquant.kernels.replay_decode import replay_kda_step
+from replayquant.kernels.conventional.reference import kda_frontend_ref
+from replayquant.kernels.replay.decode import replay_kda_step
 from replayquant.replay.stores import ReplayStore
-from replayquant.kernels import replay_ref as rr
-from replayquant.kernels import verify as vf
+from replayquant.kernels.replay import reference as rr
+from replayquant.kernels.replay import verify as vf
 from replayquant.pairs import PrecisionPair
 from replayquant.replay import ReplayState
 from _helpers import assert_states_close

@@ -9,16 +9,16 @@ import torch
 from replayquant.policy import resolve_pair
 from replayquant.testing import (gdn_params, gdn_step_inputs, mamba2_params,
                                  mamba2_step_inputs, random_state)
-from replayquant.kernels.conventional import conventional_gdn_step, conventional_mamba2_step
-from replayquant.kernels.conventional_ref import (gdn_frontend_ref, mamba2_frontend_ref,
-                                                  mamba2_post_ref)
-from replayquant.kernels.replay_decode import (_flush_grid, _fused, advance_pointers,
+from replayquant.kernels.conventional.kernel import conventional_gdn_step, conventional_mamba2_step
+from replayquant.kernels.conventional.reference import (gdn_frontend_ref, mamba2_frontend_ref,
+                                                        mamba2_post_ref)
+from replayquant.kernels.replay.decode import (_flush_grid, _fused, advance_pointers,
                                                replay_gdn_step, replay_mamba2_step)
-from replayquant.kernels.replay_launch import LAUNCH_TABLE, _max_regs, replay_launch_config
+from replayquant.kernels.replay.launch import LAUNCH_TABLE, _max_regs, replay_launch_config
 from replayquant.replay.stores import ConventionalStore, ReplayStore, resolve_path
-from replayquant.kernels import replay_ref as rr
-from replayquant.kernels import verify as vf
-from replayquant.kernels.replay_ref import replay_gdn_step_ref, replay_mamba2_step_ref
+from replayquant.kernels.replay import reference as rr
+from replayquant.kernels.replay import verify as vf
+from replayquant.kernels.replay.reference import replay_gdn_step_ref, replay_mamba2_step_ref
 from replayquant.pairs import PrecisionPair, list_pairs
 from replayquant.replay import ReplayState
 from _helpers import assert_states_close
@@ -360,8 +360,8 @@ def test_nvfp4_read_copy_whole_matrices(kind, pair):
     reference's casts within float32 reassociation of the rebuilt state; steps across a flush
     (L = 3), a verify of 2 drafts with its pre-flush and an accept, poisoned buffers, a padding
     row."""
-    from replayquant.kernels.replay_ref import replay_accept_ref
-    from replayquant.kernels.verify import replay_accept
+    from replayquant.kernels.replay.reference import replay_accept_ref
+    from replayquant.kernels.replay.verify import replay_accept
     N, HK, H, dk, dv, T = 2, 1, 1, 16, 64, 2
     dr = Driver(kind, N + 1, HK, H, dk, dv)
     store = ReplayStore.from_state(random_state(N, H, dv, dk, seed=9), resolve_pair(pair, 3), kind,
@@ -529,8 +529,8 @@ def test_replay_mamba2_dt_limit(pair):
     (L = 3) and replay_mamba2_verify: kernel == reference == ReplayState fed
     replay.frontends.mamba2_inputs with the same limit (which clamps entries on both sides);
     the clamped dt is what the buffer holds, so later rebuilds see it too."""
-    from replayquant.kernels.replay_ref import replay_accept_ref, replay_mamba2_verify_ref
-    from replayquant.kernels.verify import replay_accept, replay_mamba2_verify
+    from replayquant.kernels.replay.reference import replay_accept_ref, replay_mamba2_verify_ref
+    from replayquant.kernels.replay.verify import replay_accept, replay_mamba2_verify
     from replayquant.replay import mamba2_inputs
     N, HK, H, dk, dv = 3, 1, 2, 16, 16
     P = PrecisionPair.load(pair).with_buffer_len(3)

@@ -8,18 +8,19 @@ import torch
 from replayquant.policy import resolve_pair
 from replayquant.testing import (gdn_params, gdn_step_inputs, mamba2_params,
                                  mamba2_step_inputs, random_state)
-from replayquant.kernels.conventional_ref import (conventional_accept_ref,
-                                                  conventional_gdn_verify_ref,
-                                                  conventional_mamba2_verify_ref, gdn_frontend_ref,
-                                                  mamba2_frontend_ref, mamba2_post_ref)
-from replayquant.kernels.replay_decode import advance_pointers, replay_gdn_step, replay_mamba2_step
+from replayquant.kernels.conventional.reference import (conventional_accept_ref,
+                                                        conventional_gdn_verify_ref,
+                                                        conventional_mamba2_verify_ref,
+                                                        gdn_frontend_ref, mamba2_frontend_ref,
+                                                        mamba2_post_ref)
+from replayquant.kernels.replay.decode import advance_pointers, replay_gdn_step, replay_mamba2_step
 from replayquant.replay.stores import ConventionalStore, ReplayStore, make_snapshots
-from replayquant.kernels.replay_ref import (replay_accept_ref, replay_gdn_step_ref,
-                                            replay_gdn_verify_ref, replay_mamba2_step_ref,
-                                            replay_mamba2_verify_ref)
-from replayquant.kernels.verify import (conventional_accept, conventional_gdn_verify,
-                                        conventional_mamba2_verify, replay_accept,
-                                        replay_gdn_verify, replay_mamba2_verify)
+from replayquant.kernels.replay.reference import (replay_accept_ref, replay_gdn_step_ref,
+                                                  replay_gdn_verify_ref, replay_mamba2_step_ref,
+                                                  replay_mamba2_verify_ref)
+from replayquant.kernels.conventional.verify import (conventional_accept, conventional_gdn_verify,
+                                                     conventional_mamba2_verify)
+from replayquant.kernels.replay.verify import replay_accept, replay_gdn_verify, replay_mamba2_verify
 from replayquant.pairs import PrecisionPair
 from replayquant.replay import ConventionalState, ReplayState
 from _helpers import assert_states_close
@@ -274,7 +275,7 @@ def test_forced_flush_after_accept_fills_buffer(kind, pair):
 def test_verify_accept_operators(engine):
     """The custom operators replayquant::replay_verify / replay_accept (kernels.ops) give what the
     engine's functions give called directly, bit for bit (the Triton kernels; the torch engine's
-    replay_torch step and reference verify / accept), steps between rounds through
+    replay.engine step and reference verify / accept), steps between rounds through
     replayquant::replay_step; and
     torch.compile(fullgraph=True) traces a round of verify + accept as one graph with the eager
     outputs and store."""
@@ -287,7 +288,7 @@ def test_verify_accept_operators(engine):
     direct, comp = st.clone(), st.clone()
     ver, acc = (replay_gdn_verify, replay_accept) if engine == "triton" else \
         (replay_gdn_verify_ref, replay_accept_ref)
-    from replayquant.kernels.replay_torch import replay_gdn_step_torch
+    from replayquant.kernels.replay.engine import replay_gdn_step_torch
     step = replay_gdn_step if engine == "triton" else replay_gdn_step_torch
     meta = ops.store_meta(st, engine)
 

@@ -1,8 +1,8 @@
-"""The one-pass verify (design='onepass', kernels/verify_onepass.py) in the Triton interpreter
-against the step kernel's verify (design='step-kernel') and the torch reference, from the same
-store each round: outputs (into a NaN-poisoned buffer), ring entries, key factors, pointers,
-and roles (written only by the pre-flush, the same launch in both designs; a row that does not
-pre-flush keeps them bit for bit). The stores reach rows in different phases, some
+"""The one-pass verify (design='onepass', kernels/replay/verify_onepass.py) in the Triton
+interpreter against the step kernel's verify (design='step-kernel') and the torch reference,
+from the same store each round: outputs (into a NaN-poisoned buffer), ring entries, key factors,
+pointers, and roles (written only by the pre-flush, the same launch in both designs; a row that
+does not pre-flush keeps them bit for bit). The stores reach rows in different phases, some
 pre-flushing, through reference rounds with per-row accepts."""
 
 import pytest
@@ -10,10 +10,10 @@ import torch
 
 from replayquant.testing import (gdn_params, gdn_step_inputs, mamba2_params,
                                  mamba2_step_inputs, random_state)
-from replayquant.kernels.replay_ref import (replay_accept_ref, replay_gdn_verify_ref,
-                                            replay_mamba2_verify_ref)
+from replayquant.kernels.replay.reference import (replay_accept_ref, replay_gdn_verify_ref,
+                                                  replay_mamba2_verify_ref)
 from replayquant.replay.stores import ReplayStore
-from replayquant.kernels.verify import replay_gdn_verify, replay_mamba2_verify
+from replayquant.kernels.replay.verify import replay_gdn_verify, replay_mamba2_verify
 from replayquant.pairs import PrecisionPair
 
 # kind, pair, key heads, heads, d_k, d_v, batch, T, L, read launch (rows, warps), q dtype

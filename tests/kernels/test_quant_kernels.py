@@ -1,5 +1,5 @@
-"""Triton kernels of replayquant.kernels.quant (interpreter mode on the CPU) against the torch
-reference, bit for bit: device functions (Philox, grid rounding, element codecs) and every
+"""Triton kernels of replayquant.kernels.quant.kernel (interpreter mode on the CPU) against the
+torch reference, bit for bit: device functions (Philox, grid rounding, element codecs) and every
 format's quantize / dequantize, nearest and stochastic, on several shapes with poisoned outputs."""
 
 import pytest
@@ -9,7 +9,7 @@ import triton.language as tl
 
 from replayquant.formats import get_format
 from replayquant.formats.constants import BF16, E2M1, E4M3, FP16
-from replayquant.kernels import quant
+from replayquant.kernels.quant import kernel as quant
 from replayquant.formats.philox import philox_ref, random_bits_ref
 from replayquant.formats.casts import grid_value_ref, round_to_grid_ref
 

@@ -1,5 +1,5 @@
-"""The torch decode step on the kernel's store (replay_torch) against its per-row reference
-(replay_ref): GDN with fewer key heads than heads, Mamba-2 with groups, KDA; a shared FP32
+"""The torch decode step on the kernel's store (replay.engine) against its per-row reference
+(replay.reference): GDN with fewer key heads than heads, Mamba-2 with groups, KDA; a shared FP32
 pair, an SR anchor, an FP8 read copy and a shared NVFP4 pair; rows in different phases,
 padding rows, flushes of every slot, buffers poisoned with NaN; every store tensor and the
 outputs after every step, bit for bit; no host synchronisation; torch.compile(fullgraph=True)
@@ -12,8 +12,8 @@ from replayquant.policy import resolve_pair
 from replayquant.testing import (gdn_params, gdn_step_inputs, kda_step_inputs,
                                  mamba2_params, mamba2_step_inputs, random_state)
 from replayquant.hostsync import HostSyncCounter
-from replayquant.kernels import replay_ref as rr
-from replayquant.kernels import replay_torch as rt
+from replayquant.kernels.replay import reference as rr
+from replayquant.kernels.replay import engine as rt
 from replayquant.replay.stores import ReplayStore
 from test_kernel_replay import assert_same_store, poison_buffers
 

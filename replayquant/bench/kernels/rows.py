@@ -13,9 +13,10 @@ from replayquant.bench.kernels.grid import (PAIR_L, PAIRS, SHAPES, kernel_fns, k
                                             load_pair)
 from replayquant.bench.kernels.sweep import pair_config
 from replayquant.bench.kernels.timing import empty_cache, rotations, time_calls, timed_row
-from replayquant.kernels.replay_decode import advance_pointers
+from replayquant.kernels.replay.decode import advance_pointers
 from replayquant.replay.stores import ConventionalStore, ReplayStore, make_snapshots
-from replayquant.kernels.verify import conventional_accept, replay_accept
+from replayquant.kernels.conventional.verify import conventional_accept
+from replayquant.kernels.replay.verify import replay_accept
 from replayquant.statebytes import (conventional_bytes, io_bytes, replay_flush_step_bytes,
                                     replay_read_step_bytes, replay_window_bytes, ring_u_bytes,
                                     state_bytes)

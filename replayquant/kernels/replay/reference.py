@@ -1,4 +1,4 @@
-"""Torch references of the replay decode step, verify and accept (`replay_decode`, `verify`):
+"""Torch references of the replay decode step, verify and accept (`decode`, `verify`):
 the same signatures and the same effect on a `ReplayStore`, element by element in float32;
 tests compare the kernels with them, and both with `ReplayState`.
 
@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 
 from replayquant.formats import as_bits
-from replayquant.kernels.conventional_ref import (_into, gdn_frontend_ref, kda_frontend_ref,
-                                                  mamba2_frontend_ref, mamba2_post_ref)
-from replayquant.kernels.replay_launch import replay_launch_config
+from replayquant.kernels.conventional.reference import (_into, gdn_frontend_ref, kda_frontend_ref,
+                                                        mamba2_frontend_ref, mamba2_post_ref)
+from replayquant.kernels.replay.launch import replay_launch_config
 from replayquant.replay.roles import role_streams
 from replayquant.replay.stores import (NO_DT_LIMIT, ReplayStore, _begin, _check_accept,
                                         _default_force, _indices, cast_overflows, folds_u,
@@ -29,7 +29,7 @@ __all__ = ["replay_gdn_step_ref", "replay_mamba2_step_ref", "replay_gdn_verify_r
 
 def advance_pointers_ref(store: ReplayStore, state_indices, T: int = 1, step: bool = True,
                          force_flush: bool | None = None, accepted=None):
-    """torch reference of replay_decode.advance_pointers."""
+    """torch reference of decode.advance_pointers."""
     force_flush = _default_force(store, step, accepted, force_flush)
     idx = _indices(state_indices, state_indices.shape[0], store.committed.device)
     for b, s in enumerate(idx.long().tolist()):
@@ -120,7 +120,7 @@ def _rebuild_ref(A, K, V, G, Bt, delta, cur=None, vec=False, U=None):
     the current step cur = (k, v, log_a, beta) [H, ...], from checkpoint A [H, dv, dk]: GDN as
     the recurrence entry by entry (a_j = exp(G_j - G_{j-1}); the kernel solves the same
     triangular system in WY form; with U [H, n, dv], the cached u of a store that folds it,
-    replay_decode.folds_u, u_j = U_j), Mamba-2 as the closed form exp(G_n) A +
+    decode.folds_u, u_j = U_j), Mamba-2 as the closed form exp(G_n) A +
     sum_j exp(G_n - G_j) v_j k_j^T; the current step as the conventional step. vec (KDA):
     G [H, n, dk] and log_a [H, dk] decay each key channel (column) of S."""
     n = G.shape[1]

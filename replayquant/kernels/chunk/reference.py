@@ -567,8 +567,8 @@ def teacher_force(st, q, k, v, log_a, beta=None, *, valid=None, exact: bool = Fa
 
     Equal, within reassociation, to calling st.step token by token (valid tokens only), with the
     same SR bits: the scan continues st's flush schedule and SR streams (st.seed, st.layer).
-    scan: the scan function (default chunk_scan_ref; `replayquant.kernels.chunk.chunk_scan` is
-    the Triton kernel with the same signature)."""
+    scan: the scan function (default chunk_scan_ref; `replayquant.kernels.chunk.kernel.chunk_scan`
+    is the Triton kernel with the same signature)."""
     scan = chunk_scan_ref if scan is None else scan
     with cpu_threads(q.device):
         y, ss = scan(scan_state_of(st), q, k, v, log_a, beta, pair=st.pair,

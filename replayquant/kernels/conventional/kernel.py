@@ -6,18 +6,18 @@ gate per key channel) and Mamba-2.
     KDA:  S_t = Q(deq(S_{t-1}) Diag(a_t) + u_t k_t^T), a_t in (0, 1]^{d_k}
 
 This file also holds what every decode kernel of the package shares beside the stored roles
-(`replay/roles.py`, their casts in registers in `kernels/roles.py`):
+(`replay/roles.py`, their casts in registers in `kernels/quant/roles.py`):
 
 * The GDN, KDA and Mamba-2 front ends as real models need them (GDN: q/k L2 norm in kernel,
   g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b) in FP32; KDA: q/k L2 norm in
   kernel, the per-channel log decay g and beta as the layer computes them; Mamba-2: groups over B/C,
   softplus(dt + dt_bias) then clamped to dt_limit = (lo, hi) when one is given (as
   transformers' time_step_limit and replay.frontends.mamba2_inputs), A per head, D skip,
-  optional z gate), whose torch twins are in `conventional_ref.py`.
+  optional z gate), whose torch twins are in `reference.py`.
 
 `state_indices[b]` maps batch row b to its state slot; a negative index marks a padding row
 (output zero, nothing read or written). Each kernel `f` has a torch reference `f_ref` with the
-same signature in `conventional_ref.py`; tests compare the two.
+same signature in `reference.py`; tests compare the two.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from replayquant.kernels.roles import _tile_load, _tile_store, split_key
+from replayquant.kernels.quant.roles import _tile_load, _tile_store, split_key
 from replayquant.replay.stores import (NO_DT_LIMIT, ConventionalStore, _indices, _pow2_dims,
                                         dt_limit_args, step_inputs)
 from replayquant.replay.frontends import L2NORM_EPS

@@ -14,11 +14,11 @@ import triton.language as tl
 
 from replayquant.formats.constants import (E2M1, E4M3, FP8_ROW_DIVISOR, NVFP4_BLOCK_SCALE_MIN,
                                            NVFP4_GLOBAL_DIVISOR)
-from replayquant.kernels.quant import (decode_bf16, decode_e2m1, decode_e4m3, decode_fp16,
-                                       encode_bf16, encode_e2m1, encode_e4m3, encode_fp16,
-                                       philox_bits_rows)
+from replayquant.kernels.quant.kernel import (decode_bf16, decode_e2m1, decode_e4m3, decode_fp16,
+                                              encode_bf16, encode_e2m1, encode_e4m3, encode_fp16,
+                                              philox_bits_rows)
 
-# Rounding, decoding and Philox come from kernels/quant.py (bit-exact with formats/casts.py).
+# Rounding, decoding and Philox come from kernels/quant/kernel.py (bit-exact with formats/casts.py).
 
 _NV_DIV: tl.constexpr = tl.constexpr(NVFP4_GLOBAL_DIVISOR)
 _FP8_DIV: tl.constexpr = tl.constexpr(FP8_ROW_DIVISOR)

@@ -1,7 +1,7 @@
 """Chunked teacher-forcing scan in Triton (DESIGN section 7): the torch reference is
-`replayquant.kernels.chunk_ref.chunk_scan_ref`, with the same signature and effect.
+`replayquant.kernels.chunk.reference.chunk_scan_ref`, with the same signature and effect.
 
-    from replayquant.kernels.chunk import chunk_scan
+    from replayquant.kernels.chunk.kernel import chunk_scan
     y, new_state = chunk_scan(state, q, k, v, log_a, beta, pair=pair, seed=seed, layer=layer,
                               valid=valid, exact=False)
 
@@ -67,12 +67,12 @@ import triton.language as tl
 
 from replayquant import options
 from replayquant.formats import QTensor
-from replayquant.kernels import chunk_ref
-from replayquant.kernels.chunk_ref import ScanState, _check_inputs, cpu_threads
-from replayquant.kernels.quant import (decode_bf16, decode_e2m1, decode_e4m3, decode_fp16,
-                                       encode_bf16, encode_e4m3, encode_fp16)
-from replayquant.kernels.roles import (_FP8_DIV, _NV_DIV, _role_bits, _sr_bits, nv_block_encode,
-                                       split_key)
+from replayquant.kernels.chunk import reference as chunk_ref
+from replayquant.kernels.chunk.reference import ScanState, _check_inputs, cpu_threads
+from replayquant.kernels.quant.kernel import (decode_bf16, decode_e2m1, decode_e4m3, decode_fp16,
+                                              encode_bf16, encode_e4m3, encode_fp16)
+from replayquant.kernels.quant.roles import (_FP8_DIV, _NV_DIV, _role_bits, _sr_bits,
+                                             nv_block_encode, split_key)
 from replayquant.replay import core
 from replayquant.replay.roles import FMT_IDS
 from replayquant.streams import layer_seed

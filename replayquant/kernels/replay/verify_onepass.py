@@ -1,7 +1,7 @@
 """The speculative verify of GDN and Mamba-2 drafts in one pass over the read copy (Triton):
-the same outputs and the same store as replay_decode's verify (`verify.replay_gdn_verify` /
+the same outputs and the same store as decode's verify (`verify.replay_gdn_verify` /
 `replay_mamba2_verify` with design='onepass' select it; the torch references are
-`replay_ref.replay_gdn_verify_ref` / `replay_mamba2_verify_ref`).
+`reference.replay_gdn_verify_ref` / `replay_mamba2_verify_ref`).
 
 A program takes a [BV, d_k] tile of one (batch row, value head), as the read launch does:
 
@@ -22,10 +22,10 @@ A program takes a [BV, d_k] tile of one (batch row, value head), as the read lau
   drafts (T sweeps, each leaving one more draft's u final; float32 products as sums of
   exact bf16 products, _dot32); the outputs are columns of the result;
 * every store (outputs, ring entries, GDN key-factor rows) after that, then the pointer move
-  by the row's last program (replay_decode._advance_row).
+  by the row's last program (decode._advance_row).
 
 A row whose committed entries would not leave T free slots (h + T > L) is folded into its
-roles first by replay_decode's flush launch, as in replay_decode's verify: one launch for the
+roles first by decode's flush launch, as in decode's verify: one launch for the
 pre-flushes, then this kernel's.
 """
 
@@ -37,13 +37,13 @@ import torch
 import triton
 import triton.language as tl
 
-from replayquant.kernels.conventional import (_L2_EPS, _kernel_inputs, _program_tile,
-                                              _softplus)
-from replayquant.kernels.quant import decode_bf16, decode_fp16, small_float_at
-from replayquant.kernels.replay_decode import (_advance_row, _entry, _flush_flags, _flush_grid,
+from replayquant.kernels.conventional.kernel import (_L2_EPS, _kernel_inputs, _program_tile,
+                                                     _softplus)
+from replayquant.kernels.quant.kernel import decode_bf16, decode_fp16, small_float_at
+from replayquant.kernels.replay.decode import (_advance_row, _entry, _flush_flags, _flush_grid,
                                                _mm, _read_setup, _replay_kernel)
-from replayquant.kernels.replay_launch import _max_regs, replay_launch_config
-from replayquant.kernels.roles import split_key
+from replayquant.kernels.replay.launch import _max_regs, replay_launch_config
+from replayquant.kernels.quant.roles import split_key
 from replayquant.replay.stores import (ReplayStore, _begin, _check_buffered, _indices,
                                         dt_limit_args, folds_u, solves_u, step_inputs)
 
@@ -350,7 +350,7 @@ def _store_drafts(out_ptr, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, Y, U, Gd, bd, Vra
                   NCOL: tl.constexpr, NKC: tl.constexpr, NQ: tl.constexpr,
                   DELTA: tl.constexpr, KF: tl.constexpr, ON_GPU: tl.constexpr):
     """The drafts' outputs (the q columns of Y, a draft's parts summed) and ring entries
-    h..h+T-1 (replay_decode._append_entry's fields: v / x and u of the tile's rows; lead: G,
+    h..h+T-1 (decode._append_entry's fields: v / x and u of the tile's rows; lead: G,
     beta / dt, the key-factor rows, and raw k from the key head's first value head)."""
     _, is_q, draft, part = _columns(NCOL, T, NKC, NQ)
     d = tl.arange(0, NCOL)
@@ -475,7 +475,7 @@ def onepass_launch_config(store: ReplayStore, launch=None):
 
 
 def _checks(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, beta_scale):
-    """replay_decode._launch's checks of a verify, in its order -> (B, T)."""
+    """decode._launch's checks of a verify, in its order -> (B, T)."""
     _begin(store, kind, False, None)
     lead, hk = step_inputs(kind, store.shape, True, q, k, v, a, b, A, dt_bias, D, z)
     if hk != store.key_heads:
@@ -499,7 +499,7 @@ def _checks(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, beta_scal
 
 def _pre_flush(store, kind, idx, out, inputs, has, scale, beta_scale, dt_args, use_qk_l2norm,
                T, launch):
-    """replay_decode's flush launch of a verify: the rows that pre-flush fold their committed
+    """decode's flush launch of a verify: the rows that pre-flush fold their committed
     entries into both roles (nothing else is written)."""
     N, HV, dv, dk = store.shape
     B = idx.shape[0]
@@ -530,7 +530,7 @@ def _pre_flush(store, kind, idx, out, inputs, has, scale, beta_scale, dt_args, u
 def onepass_verify(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, state_indices,
                    out, scale, use_qk_l2norm, launch=None, dt_limit=None, beta_scale=1.0):
     """Outputs [B, T, H, d_v] of the T drafts on axis 1 of the inputs of a `kind` ('gdn' or
-    'mamba2') store, as replay_decode._launch's verify (arguments in its order; Mamba-2: q = C,
+    'mamba2') store, as decode._launch's verify (arguments in its order; Mamba-2: q = C,
     k = B, v = x, a = dt): the flush launch for the rows that pre-flush, then _onepass_kernel,
     which moves the pointers. Then call replay_accept. launch: {'flush': (rows, warps[, regs]),
     'read': (rows, warps)} overrides (replay_launch_config, onepass_launch_config)."""

@@ -1,6 +1,6 @@
 """Replay decode step and speculative verify (ReplaySSM) in Triton, one kernel for GDN, Mamba-2
 and KDA (DESIGN sections 3 and 4; the torch references with the same signatures are in
-`replayquant.kernels.replay_ref`; what each design choice measured is in docs/kernels.md).
+`replayquant.kernels.replay.reference`; what each design choice measured is in docs/kernels.md).
 
 The store of one layer (`stores.ReplayStore`) holds the anchor, the read copy and the ring.
 
@@ -26,12 +26,12 @@ import triton
 import triton.language as tl
 
 from replayquant.formats.constants import BF16, FP16
-from replayquant.kernels.conventional import (_L2_EPS, _front_end, _gate_out, _gated_step,
-                                              _kernel_inputs, _l2norm, _program_tile)
-from replayquant.kernels.quant import (decode_bf16, decode_fp16, encode_bf16, encode_fp16,
-                                       small_float_at, small_float_pair_at)
-from replayquant.kernels.replay_launch import LAUNCHES, _max_regs, _table, replay_launch_config
-from replayquant.kernels.roles import _role_bits, _tile_load, _tile_store, split_key
+from replayquant.kernels.conventional.kernel import (_L2_EPS, _front_end, _gate_out, _gated_step,
+                                                     _kernel_inputs, _l2norm, _program_tile)
+from replayquant.kernels.quant.kernel import (decode_bf16, decode_fp16, encode_bf16, encode_fp16,
+                                              small_float_at, small_float_pair_at)
+from replayquant.kernels.replay.launch import LAUNCHES, _max_regs, _table, replay_launch_config
+from replayquant.kernels.quant.roles import _role_bits, _tile_load, _tile_store, split_key
 from replayquant.replay.stores import (NO_DT_LIMIT, ReplayStore, _begin, _default_force,
                                         _check_buffered, _indices, dt_limit_args, folds_u,
                                         solves_u, step_inputs)

@@ -1,4 +1,4 @@
-"""The launch table of the replay decode kernel (`replay_decode._replay_kernel`): tile rows,
+"""The launch table of the replay decode kernel (`decode._replay_kernel`): tile rows,
 warps and register caps of its flush and read launches, chosen by shape, each row with its
 measured reason. Plain Python: the torch references read the flush launch's tile rows (a flush
 tile whose state or cast is not finite keeps its bytes, as the kernel's) without importing

@@ -6,7 +6,7 @@ torch.float32)`: u in float32 too and no key factors, which only the kernel's fl
 patched models' CPU path, whose decode then equals `ReplayState.step` within float32
 reassociation. torch.compile(fullgraph=True) traces a step without a graph break.
 
-Every row computes both branches of `replay_ref.replay_ref_core` and keeps its own with
+Every row computes both branches of `reference.replay_ref_core` and keeps its own with
 torch.where: a row whose entry fills the buffer (committed + 1 == L, or path 'flush') rebuilds
 the unrounded state from the anchor and its entries, applies the step, outputs S q and casts
 both roles from S (SR streams of flush index n_flush + 1, as the reference); any other row
@@ -45,10 +45,10 @@ import math
 
 import torch
 
-from replayquant.kernels.conventional_ref import (_into, gdn_frontend_ref, kda_frontend_ref,
-                                                  mamba2_frontend_ref, mamba2_post_ref)
+from replayquant.kernels.conventional.reference import (_into, gdn_frontend_ref, kda_frontend_ref,
+                                                        mamba2_frontend_ref, mamba2_post_ref)
 from replayquant.formats.philox import random_bits_torch
-from replayquant.kernels.replay_launch import replay_launch_config
+from replayquant.kernels.replay.launch import replay_launch_config
 from replayquant.replay.stores import (NO_DT_LIMIT, ReplayStore, _begin, _check_buffered,
                                         _indices, cast_overflows, folds_u, pow2_16, ring_keys,
                                         solves_u, step_inputs)
@@ -125,7 +125,7 @@ def _at(x: torch.Tensor, i, j_dim: int = 2):
 
 
 def _rebuild(store: ReplayStore, A, K, V, U, G, Bt, n_live, cur=None):
-    """replay_ref._rebuild_ref for every row: the unrounded state [B, H, dv, dk] after the row's
+    """reference._rebuild_ref for every row: the unrounded state [B, H, dv, dk] after the row's
     first n_live window entries and, if given, the current step cur = (k, v, log_a, beta).
     n_live: [B] entries per row, or an int when every row whose state is used has that many
     (a step's flush: L - 1), which skips the per-entry masks."""
@@ -176,7 +176,7 @@ def _flush_tile_rows(store: ReplayStore) -> int:
 
 
 def _write_roles(store: ReplayStore, rows: _Rows, S, fi, write):
-    """replay_ref._write_roles_ref for the rows where `write` holds: both roles cast from S
+    """reference._write_roles_ref for the rows where `write` holds: both roles cast from S
     [B, H, dv, dk] with the SR streams of flush index fi [B]; a tile of the flush launch whose S
     holds NaN or infinity, or whose cast into either role does (an FP16 role past 65504,
     stores.cast_overflows), keeps its bytes (a cast of all rows, selected per row and tile).
@@ -207,7 +207,7 @@ def _write_roles(store: ReplayStore, rows: _Rows, S, fi, write):
 
 
 def _key_factor_rows(store: ReplayStore, rows: _Rows, K, G, Bt, n_live):
-    """Row n_live - 1 of each row's key factors (I + A)^{-1} (replay_ref.key_factors_ref) over its
+    """Row n_live - 1 of each row's key factors (I + A)^{-1} (reference.key_factors_ref) over its
     first n_live window entries, zero past it: [B, H, L]."""
     buffer_len = K.shape[2]
     j = torch.arange(buffer_len, device=K.device)
@@ -351,7 +351,7 @@ def replay_gdn_step_torch(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None
                           path="auto", launch=None, advance=True, beta_scale=1.0, flushing=None,
                           record=None):
     """One GDN replay decode step in torch (module docstring), the signature and effect of
-    replay_ref.replay_gdn_step_ref; launch is accepted for the signature and changes nothing
+    reference.replay_gdn_step_ref; launch is accepted for the signature and changes nothing
     (the kept tiles of a non-finite flush or cast are those of the default flush launch, as the
     reference's). flushing: the batch rows (indices, live rows) whose entry fills their buffer
     at this step, where the caller knows them on the host without reading the device (a
@@ -376,7 +376,7 @@ def replay_gdn_step_torch(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None
 def replay_mamba2_step_torch(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None,
                              z=None, dt_bias=None, out=None, path="auto", launch=None,
                              advance=True, dt_limit=NO_DT_LIMIT, flushing=None, record=None):
-    """One Mamba-2 replay decode step in torch, as replay_ref.replay_mamba2_step_ref (flushing,
+    """One Mamba-2 replay decode step in torch, as reference.replay_mamba2_step_ref (flushing,
     record: as replay_gdn_step_torch)."""
     force = _begin_step(store, "mamba2", path, C, B, x, dt, None, A, dt_bias, D, z)
     if record is not None:
@@ -390,7 +390,7 @@ def replay_mamba2_step_torch(store: ReplayStore, x, dt, A, B, C, state_indices=N
 def replay_kda_step_torch(store: ReplayStore, q, k, v, g, beta, state_indices=None, scale=None,
                           out=None, use_qk_l2norm=True, path="auto", launch=None, advance=True,
                           flushing=None, record=None):
-    """One Kimi Delta Attention replay decode step in torch, as replay_ref.replay_kda_step_ref
+    """One Kimi Delta Attention replay decode step in torch, as reference.replay_kda_step_ref
     (flushing, record: as replay_gdn_step_torch)."""
     force = _begin_step(store, "kda", path, q, k, v, g, beta)
     if record is not None:
