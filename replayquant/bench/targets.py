@@ -88,9 +88,9 @@ def _ratio_entry(name, target, pairs_of_us, need, reason):
 
 
 # The modules kernel_lines counts: the replay decode kernel, its verify and launch table, the
-# conventional kernel and its verify (paths under replayquant/kernels/)
+# conventional kernel, its verify and launch table (paths under replayquant/kernels/)
 COUNTED = ("replay/decode.py", "replay/launch.py", "replay/verify.py", "conventional/kernel.py",
-           "conventional/verify.py")
+           "conventional/verify.py", "conventional/launch.py")
 
 
 def kernel_lines() -> dict:

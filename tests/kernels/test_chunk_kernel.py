@@ -8,6 +8,8 @@ import torch
 
 from replayquant.formats import as_bits
 from replayquant.kernels.chunk import kernel as chunk
+from replayquant.kernels.chunk import launch as chunk_launch
+from replayquant.kernels.chunk.launch import override_chunk_launch
 from replayquant.kernels.chunk.reference import chunk_scan_ref, initial_scan_state, teacher_force
 from _helpers import scan_inputs, stable_seed, vector_log_a
 from replayquant.pairs import PrecisionPair
@@ -112,7 +114,8 @@ def test_kernel_equals_reference_segmented(name, L, B, dk, dv, delta):
 
 
 @pytest.mark.parametrize("name,exact,pre,knobs", [
-    ("tp4_hi16_sr", False, True, {}), ("f4_sr_rs", False, True, {"NVFP4_CHAIN_BLOCK": (32, 4)}),
+    ("tp4_hi16_sr", False, True, {}),
+    ("f4_sr_rs", False, True, {"chain_bv": 32, "chain_warps": 4}),
     ("f4_sr_rs", False, False, {}), ("f4_sr_rs", False, True, {}),
     ("f4_sr_rs", False, True, {"REPLAYQUANT_NVFP4_CHAIN_SPLIT": "1"}),
     ("f4_sr_rs", False, False, {"REPLAYQUANT_NVFP4_CHAIN_SPLIT": "1"}),
@@ -125,12 +128,12 @@ def test_kernel_window_groups_and_row_blocks(name, exact, pre, knobs, monkeypatc
     or loops over row blocks, or runs as a split chain with its amax exchange, on one program
     here) give the reference's result; the SR bits of a stochastic anchor drawn in pass 1 (pre)
     or in the sequential pass."""
-    monkeypatch.setattr(chunk, "MAX_GROUP_WINDOWS", 2)
-    for knob, value in knobs.items():         # module constants, or options from the environment
+    launch = {"max_group_windows": 2}
+    for knob, value in knobs.items():         # launch entries, or options from the environment
         if knob.startswith("REPLAYQUANT_"):
             monkeypatch.setenv(knob, value)
         else:
-            monkeypatch.setattr(chunk, knob, value)
+            launch[knob] = value
     gen = torch.Generator().manual_seed(11)
     B, H, dk, dv, L = 2, 1, 16, 64, 4
     pair = PrecisionPair.load(name).with_buffer_len(L)
@@ -142,9 +145,10 @@ def test_kernel_window_groups_and_row_blocks(name, exact, pre, knobs, monkeypatc
     ss = initial_scan_state(S0, pair, delta=True, seed=2, layer=1)
     y_ref, s_ref = chunk_scan_ref(ss, q, k, v, log_a, beta, pair=pair, seed=2, layer=1,
                                   valid=valid, exact=exact)
-    y, s = chunk.chunk_scan(ss, q, k, v, log_a, beta, pair=pair, seed=2, layer=1, valid=valid,
-                            exact=exact, precompute_sr_bits=pre)
-    assert chunk.group_windows(B * H, dk, dv, 16, True, pre) == 2
+    with override_chunk_launch(**launch):
+        y, s = chunk.chunk_scan(ss, q, k, v, log_a, beta, pair=pair, seed=2, layer=1,
+                                valid=valid, exact=exact, precompute_sr_bits=pre)
+        assert chunk_launch.group_windows(B * H, dk, dv, 16, True, pre) == 2
     _outputs_match(pair, y, y_ref, "groups")
     _states_match(pair, s, s_ref, "groups")
 
@@ -166,11 +170,11 @@ def test_split_chain_that_cannot_meet_reports(monkeypatch):
 
 def test_nvfp4_chain_programs_by_shape():
     """The split takes the most programs per matrix that fit one per SM, >= 16 rows each."""
-    assert chunk.nvfp4_chain_programs(32, 128, 132) == 4       # Qwen3.5-4B, one sequence
-    assert chunk.nvfp4_chain_programs(16, 128, 132) == 8
-    assert chunk.nvfp4_chain_programs(128, 128, 132) == 0      # two-pass: the GPU is full
-    assert chunk.nvfp4_chain_programs(2, 32, 132) == 2
-    assert chunk.nvfp4_chain_programs(32, 128, None) == 0      # the interpreter
+    assert chunk_launch.nvfp4_chain_programs(32, 128, 132) == 4       # Qwen3.5-4B, one sequence
+    assert chunk_launch.nvfp4_chain_programs(16, 128, 132) == 8
+    assert chunk_launch.nvfp4_chain_programs(128, 128, 132) == 0      # two-pass: the GPU is full
+    assert chunk_launch.nvfp4_chain_programs(2, 32, 132) == 2
+    assert chunk_launch.nvfp4_chain_programs(32, 128, None) == 0      # the interpreter
 
 
 @pytest.mark.parametrize("value,expect", [("0", 0), ("2", 2), ("x", None), ("-1", None)])
@@ -181,14 +185,14 @@ def test_nvfp4_chain_split_setting(value, expect, monkeypatch):
     monkeypatch.setenv("REPLAYQUANT_NVFP4_CHAIN_SPLIT", value)
     if expect is None:
         with pytest.raises(ValueError, match="REPLAYQUANT_NVFP4_CHAIN_SPLIT"):
-            chunk.nvfp4_chain_programs(32, 128, 132)
+            chunk_launch.nvfp4_chain_programs(32, 128, 132)
         return
-    assert chunk.nvfp4_chain_programs(32, 128, 132) == expect
+    assert chunk_launch.nvfp4_chain_programs(32, 128, 132) == expect
     with options.override(nvfp4_chain_split=1):
-        assert chunk.nvfp4_chain_programs(32, 128, 132) == 1
-    assert chunk.nvfp4_chain_programs(32, 128, 132) == expect
+        assert chunk_launch.nvfp4_chain_programs(32, 128, 132) == 1
+    assert chunk_launch.nvfp4_chain_programs(32, 128, 132) == expect
     monkeypatch.delenv("REPLAYQUANT_NVFP4_CHAIN_SPLIT")
-    assert chunk.nvfp4_chain_programs(32, 128, 132) == 4        # unset: chosen by shape
+    assert chunk_launch.nvfp4_chain_programs(32, 128, 132) == 4        # unset: chosen by shape
 
 
 @pytest.mark.parametrize("delta", [False, True], ids=["mamba2", "gdn"])
@@ -346,11 +350,10 @@ VECTOR_CASES = [  # pair, delta, exact, padding
 
 @pytest.mark.parametrize("name,delta,exact,padding", VECTOR_CASES,
                          ids=["dual_padded", "shared_nvfp4", "no_delta", "exact"])
-def test_kernel_vector_gates_equal_reference(name, delta, exact, padding, monkeypatch):
+def test_kernel_vector_gates_equal_reference(name, delta, exact, padding):
     """Per-channel gates (log_a [B, T, H, d_k]) with channels that forget within a step beside
     ones that hardly forget: two segments (the second continues a partial window, over launch
     groups of 2 windows), outputs, casts and carried state (G per channel) as the reference's."""
-    monkeypatch.setattr(chunk, "MAX_GROUP_WINDOWS", 2)
     gen = torch.Generator().manual_seed(stable_seed(name, delta, exact))
     B, H, dk, dv, L = 2, 1, 16, 16, 4
     pair = PrecisionPair.load(name).with_buffer_len(L)
@@ -369,7 +372,8 @@ def test_kernel_vector_gates_equal_reference(name, delta, exact, padding, monkey
         args = [seg(t, a, b) for t in (q, k, v, log_a, beta)]
         kw = dict(pair=pair, seed=3, layer=2, valid=seg(valid, a, b), exact=exact)
         y_ref, ref_s = chunk_scan_ref(ref_s, *args, **kw)
-        y, got_s = chunk.chunk_scan(got_s, *args, **kw)
+        with override_chunk_launch(max_group_windows=2):
+            y, got_s = chunk.chunk_scan(got_s, *args, **kw)
         _outputs_match(pair, y, y_ref, f"segment {a}:{b}")
         assert got_s.G.shape == (B, H, L, dk)
         _states_match(pair, got_s, ref_s, f"segment {a}:{b}")

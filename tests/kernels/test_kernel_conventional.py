@@ -9,6 +9,7 @@ from replayquant.testing import (gdn_params, gdn_step_inputs, kda_step_inputs,
                                  mamba2_params, mamba2_step_inputs, random_state)
 from replayquant.kernels.conventional.kernel import (conventional_gdn_step, conventional_kda_step,
                                                      conventional_mamba2_step)
+from replayquant.kernels.conventional.launch import override_conventional_launch
 from replayquant.kernels.conventional.reference import (conventional_gdn_step_ref,
                                                         conventional_kda_step_ref,
                                                         conventional_mamba2_step_ref,
@@ -101,7 +102,8 @@ def test_conventional_groups_and_blocks():
     ref = store.clone()
     q, k, v, a, b = gdn_step_inputs(3, HK, H, dk, dv, seed=4)
     A_log, dtb = gdn_params(H, 4)
-    y = conventional_gdn_step(store, q, k, v, a, b, A_log, dtb, block_v=16)
+    with override_conventional_launch(block_v=16):
+        y = conventional_gdn_step(store, q, k, v, a, b, A_log, dtb)
     y2 = conventional_gdn_step_ref(ref, q, k, v, a, b, A_log, dtb)
     torch.testing.assert_close(y, y2, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(store.state.payload, ref.state.payload, rtol=1e-5, atol=1e-6)
@@ -115,8 +117,8 @@ def test_conventional_bad_inputs():
         conventional_gdn_step(store, q, k, v[:, :, :8], a, b, A_log, dtb)
     with pytest.raises(ValueError, match="state_indices"):
         conventional_gdn_step(store, q, k, v, a, b, A_log, dtb, state_indices=torch.zeros(3))
-    with pytest.raises(ValueError, match="block_v"):
-        conventional_gdn_step(store, q, k, v, a, b, A_log, dtb, block_v=12)
+    with pytest.raises(ValueError, match="block_v"), override_conventional_launch(block_v=12):
+        conventional_gdn_step(store, q, k, v, a, b, A_log, dtb)
     with pytest.raises(ValueError, match="unknown state format"):
         ConventionalStore.from_state(random_state(2, 2, 16, 16), "int4")
     with pytest.raises(ValueError, match="power of two"):

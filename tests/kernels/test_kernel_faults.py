@@ -11,6 +11,7 @@ from replayquant.testing import kda_step_inputs, random_state
 from replayquant.kernels.replay import reference as rr
 from replayquant.kernels.replay import engine as rt
 from replayquant.kernels.replay.decode import replay_gdn_step, replay_kda_step, replay_mamba2_step
+from replayquant.kernels.replay.launch import override_replay_launch
 from replayquant.replay.stores import FAULT_COLUMNS, FAULT_INPUTS, FaultRecord, ReplayStore
 from replayquant.policy import resolve_pair
 from test_kernel_replay import Driver, poison_buffers
@@ -69,13 +70,13 @@ def test_step_notes_nonfinite_inputs_as_its_reference(kind, pair, fused, device)
     stores = [store, store.clone(), store.clone()]
     records = [FaultRecord.empty(kind, B + 1, device) for _ in fns]
     idx = torch.tensor([2, 0, 3, 1, -1], device=device)     # batch row 4 pads
-    launch = {"launch": {"fused": fused}}
     for step in range(5):
         inp = dr.inputs(seed=70 + step)
         inp = tuple(torch.cat([t, t[:1]]) if t.dim() and t.shape[0] == B else t for t in inp)
         inp = _poisoned(kind, tuple(t.to(device) for t in inp), step)
         for fn, st, rec in zip(fns, stores, records):
-            dr.step(fn, st, inp, idx, record=rec, **(launch if fn is fns[0] else {}))
+            with override_replay_launch({"fused": fused} if fn is fns[0] else {}):
+                dr.step(fn, st, inp, idx, record=rec)
     want = torch.full((B + 1, len(FAULT_COLUMNS[kind])), -1)      # no flush cast overflows
     for s, row, i, _ in POISON:
         if i < len(FAULT_INPUTS[kind]) and want[row, i] < 0:

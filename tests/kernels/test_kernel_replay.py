@@ -14,7 +14,8 @@ from replayquant.kernels.conventional.reference import (gdn_frontend_ref, mamba2
                                                         mamba2_post_ref)
 from replayquant.kernels.replay.decode import (_flush_grid, _fused, advance_pointers,
                                                replay_gdn_step, replay_mamba2_step)
-from replayquant.kernels.replay.launch import LAUNCH_TABLE, _max_regs, replay_launch_config
+from replayquant.kernels.replay.launch import (LAUNCH_TABLE, _max_regs, override_replay_launch,
+                                              replay_launch_config)
 from replayquant.replay.stores import ConventionalStore, ReplayStore, resolve_path
 from replayquant.kernels.replay import reference as rr
 from replayquant.kernels.replay import verify as vf
@@ -168,10 +169,10 @@ def test_replay_step_matches_reference(kind, pair):
 @pytest.mark.parametrize("kind,pair", [("gdn", "s32_rs"), ("gdn", "tp8_hi16_sr"),
                                        ("mamba2", "tp8_hi32"), ("gdn", "tp4_hi32")])
 def test_fused_step_equals_two_launches(kind, pair):
-    """launch={'fused': True} (one launch a step: each program flushes its own tile, whole
-    matrices for an NVFP4 role, then reads) gives the two launches' outputs and store bit for
-    bit, over windows with rows out of phase, padding rows and a forced flush; a verify cannot
-    fuse."""
+    """override_replay_launch({'fused': True}) (one launch a step: each program flushes its own
+    tile, whole matrices for an NVFP4 role, then reads) gives the two launches' outputs and
+    store bit for bit, over windows with rows out of phase, padding rows and a forced flush; a
+    verify cannot fuse."""
     N, HK, H, dk, dv = 4, 1, 2, 32, 32
     dr = Driver(kind, 5, HK, H, dk, dv)
     store = ReplayStore.from_state(random_state(N, H, dv, dk, seed=5), resolve_pair(pair, 3), kind, key_heads=HK,
@@ -186,11 +187,12 @@ def test_fused_step_equals_two_launches(kind, pair):
             idx = torch.tensor([2, 3, 0, -1, 1])
         inp = dr.inputs(seed=40 + step)
         path = "flush" if step == 5 else "replay"
-        y = dr.kernel(store, inp, idx, path=path, launch={"fused": True})
+        with override_replay_launch({"fused": True}):
+            y = dr.kernel(store, inp, idx, path=path)
         assert torch.equal(y, dr.kernel(two, inp, idx, path=path))
         assert_same_store(store, two)
-    with pytest.raises(ValueError, match="not a verify"):
-        _fused(4, False, {"fused": True}, 1, "cpu")
+    with pytest.raises(ValueError, match="not a verify"), override_replay_launch({"fused": True}):
+        _fused(4, False, 1, "cpu")
 
 
 @pytest.mark.parametrize("kind", ["gdn", "mamba2"])
@@ -344,8 +346,8 @@ def test_flush_path_mid_window_and_blocks():
         inp = dr.inputs(seed=step)
         out = torch.full((2, H, dv), float("nan"))
         fn_in = inp
-        y = replay_gdn_step(store, *fn_in[:5], *fn_in[5:], out=out, path=path,
-                            launch={"flush": (16, None), "read": (16, None)})
+        with override_replay_launch({"flush": (16, None), "read": (16, None)}):
+            y = replay_gdn_step(store, *fn_in[:5], *fn_in[5:], out=out, path=path)
         y2 = dr.ref(ref, inp, None, path=path)
         torch.testing.assert_close(y, y2, rtol=1e-4, atol=1e-5 * y2.abs().max().item())
     assert store.committed.tolist() == [1, 1] and store.n_flush.tolist() == [1, 1]
@@ -367,8 +369,10 @@ def test_nvfp4_read_copy_whole_matrices(kind, pair):
     store = ReplayStore.from_state(random_state(N, H, dv, dk, seed=9), resolve_pair(pair, 3), kind,
                                    key_heads=HK, u_dtype=torch.float32,
                                    max_drafts=T)
-    launch = {"read": (16, None)}     # 4 read programs a matrix
-    assert replay_launch_config(store, "flush", launch) == (dv, 1)
+    def launch():
+        return override_replay_launch({"read": (16, None)})     # 4 read programs a matrix
+    with launch():
+        assert replay_launch_config(store, "flush") == (dv, 1)
     poison_buffers(store)
     ref = store.clone()
     idx = torch.tensor([1, -1, 0])
@@ -380,20 +384,23 @@ def test_nvfp4_read_copy_whole_matrices(kind, pair):
             if kind == "gdn":
                 q, k, v, a, b = gdn_step_inputs(N + 1, HK, H, dk, dv, T=T, seed=70)
                 A_log, dtb = gdn_params(H, 70)
-                y = fn(store, q, k, v, a, b, A_log, dtb, state_indices=idx, launch=launch)
+                with launch():
+                    y = fn(store, q, k, v, a, b, A_log, dtb, state_indices=idx)
                 y2 = fr(ref, q, k, v, a, b, A_log, dtb, state_indices=idx)
             else:
                 x, dt, Bm, C, z = mamba2_step_inputs(N + 1, HK, H, dk, dv, T=T, seed=70)
                 A, D, dtb = mamba2_params(H, 70)
-                y = fn(store, x, dt, A, Bm, C, state_indices=idx, D=D, z=z, dt_bias=dtb,
-                       launch=launch)
+                with launch():
+                    y = fn(store, x, dt, A, Bm, C, state_indices=idx, D=D, z=z, dt_bias=dtb)
                 y2 = fr(ref, x, dt, A, Bm, C, state_indices=idx, D=D, z=z, dt_bias=dtb)
             n = torch.tensor([2, 0, 1])
             replay_accept(store, n, idx)
             replay_accept_ref(ref, n, idx)
         else:
             inp = dr.inputs(seed=60 + step)
-            y, y2 = dr.kernel(store, inp, idx, launch=launch), dr.ref(ref, inp, idx)
+            with launch():
+                y = dr.kernel(store, inp, idx)
+            y2 = dr.ref(ref, inp, idx)
         assert (y[1] == 0).all()
         assert_outputs_close(y, y2, P)
         assert store.committed.tolist() == ref.committed.tolist()
@@ -405,8 +412,9 @@ def test_nvfp4_read_copy_whole_matrices(kind, pair):
 
 def test_launch_table_and_path():
     """One launch table for the two launches of a step: the read launch's tiles; a flush that
-    writes an NVFP4 role takes whole matrices, other flushes 16- or 32-row tiles; `launch` overrides it, with one error for a tile the kernel
-    cannot take. 'auto' is 'replay' at every batch."""
+    writes an NVFP4 role takes whole matrices, other flushes 16- or 32-row tiles;
+    override_replay_launch overrides it for its block, with one error for a tile the kernel
+    cannot take and one for a key it does not know. 'auto' is 'replay' at every batch."""
     def mk(pair, dv=32, dk=16):
         return ReplayStore.from_state(random_state(2, 2, dv, dk), resolve_pair(pair, 4), "gdn", key_heads=1)
     cfg = replay_launch_config
@@ -419,26 +427,35 @@ def test_launch_table_and_path():
     assert cfg(mk("tp4_hi32", 64), "flush") == (64, 1)       # an NVFP4 role: whole matrices
     assert cfg(mk("tp4_hi16_sr", 64), "read") == (64, 1)     # reads need no matrix amax
     assert cfg(mk("f4_sr_rs"), "flush") == (32, 1)
-    assert cfg(mk("tp8_hi32"), "read", {"read": (16, 2)}) == (16, 2)
-    assert cfg(mk("tp8_hi32"), "flush", {"flush": (32, 4)}) == (32, 4)
+    over = override_replay_launch
+    with over({"read": (16, 2)}):
+        assert cfg(mk("tp8_hi32"), "read") == (16, 2)
+        assert cfg(mk("tp8_hi32"), "flush") == (16, 1)            # the flush's stays the table's
+        with over({"flush": (32, 4)}):                          # an inner override replaces
+            assert cfg(mk("tp8_hi32"), "flush") == (32, 4)
+            assert cfg(mk("tp8_hi32"), "read") == (32, 1)
+        assert cfg(mk("tp8_hi32"), "read") == (16, 2)             # the outer one holds again
+    assert cfg(mk("tp8_hi32"), "read") == (32, 1)                 # and the table after both
     for pair in ("f4_sr_rs", "tp4_hi32"):
-        with pytest.raises(ValueError, match="rows must be d_v"):
-            cfg(mk(pair), "flush", {"flush": (16, None)})
-    with pytest.raises(ValueError, match="power of two >= 16"):
-        cfg(mk("s32_rs"), "read", {"read": (8, None)})
-    with pytest.raises(ValueError, match="warps"):
-        cfg(mk("s32_rs"), "flush", {"flush": (None, 3)})
-    with pytest.raises(ValueError, match="keys"):
-        cfg(mk("s32_rs"), "read", {"reads": (16, 1)})
+        with pytest.raises(ValueError, match="rows must be d_v"), over({"flush": (16, None)}):
+            cfg(mk(pair), "flush")
+    with pytest.raises(ValueError, match="power of two >= 16"), over({"read": (8, None)}):
+        cfg(mk("s32_rs"), "read")
+    with pytest.raises(ValueError, match="warps"), over({"flush": (None, 3)}):
+        cfg(mk("s32_rs"), "flush")
+    with pytest.raises(ValueError, match="keys"), over({"reads": (16, 1)}):
+        pass
     # the read launch's register cap: the table's unless the launch names rows, warps or regs
-    assert _max_regs(mk("tp4_hi32"), None, "read") == 128
-    assert _max_regs(mk("tp4_hi32"), None, "read", T=4) is None     # a verify: uncapped
-    assert _max_regs(mk("tp4_hi32"), {"read": (64, 2)}, "read") is None
-    assert _max_regs(mk("s32_rs"), {"read": (64, 2, 128)}, "read") == 128
-    assert _max_regs(mk("s32_rs"), None, "read") is None
-    assert _max_regs(mk("tp4_hi32"), None, "flush") is None
-    with pytest.raises(ValueError, match="16..255"):
-        _max_regs(mk("s32_rs"), {"read": (64, 2, 300)}, "read")
+    assert _max_regs(mk("tp4_hi32"), "read") == 128
+    assert _max_regs(mk("tp4_hi32"), "read", T=4) is None     # a verify: uncapped
+    with over({"read": (64, 2)}):
+        assert _max_regs(mk("tp4_hi32"), "read") is None
+    with over({"read": (64, 2, 128)}):
+        assert _max_regs(mk("s32_rs"), "read") == 128
+    assert _max_regs(mk("s32_rs"), "read") is None
+    assert _max_regs(mk("tp4_hi32"), "flush") is None
+    with pytest.raises(ValueError, match="16..255"), over({"read": (64, 2, 300)}):
+        _max_regs(mk("s32_rs"), "read")
     # the flush launch's grid: TPP tiles a program (all FLUSH_MAX_TILES on the CPU)
     assert _flush_grid(12, "cpu") == (8, (2,)) and _flush_grid(3, "cpu") == (4, (1,))
     st = mk("s32_rs", 16)
@@ -518,9 +535,9 @@ def test_replay_bad_inputs():
     with pytest.raises(TypeError, match="policy.resolve_pair makes one"):
         ReplayStore.from_state(random_state(2, 2, 16, 16), "s32_rs", "gdn", key_heads=1)
     nv = ReplayStore.from_state(random_state(2, 2, 32, 16), resolve_pair("f4_sr_rs"), "gdn", key_heads=1)
-    with pytest.raises(ValueError, match="rows must be d_v"):
-        replay_gdn_step(nv, q, k, gdn_step_inputs(2, 1, 2, 16, 32)[2], a, b, A_log, dtb,
-                        launch={"flush": (16, None)})
+    with pytest.raises(ValueError, match="rows must be d_v"), \
+            override_replay_launch({"flush": (16, None)}):
+        replay_gdn_step(nv, q, k, gdn_step_inputs(2, 1, 2, 16, 32)[2], a, b, A_log, dtb)
 
 
 @pytest.mark.parametrize("pair", ["s32_rs", "tp4_hi32"])

@@ -13,6 +13,7 @@ from replayquant.testing import (gdn_params, gdn_step_inputs, mamba2_params,
 from replayquant.kernels.replay.reference import (replay_accept_ref, replay_gdn_verify_ref,
                                                   replay_mamba2_verify_ref)
 from replayquant.replay.stores import ReplayStore
+from replayquant.kernels.replay.launch import override_replay_launch
 from replayquant.kernels.replay.verify import replay_gdn_verify, replay_mamba2_verify
 from replayquant.pairs import PrecisionPair
 
@@ -77,7 +78,7 @@ def test_onepass_verify(case):
                                 key_heads=HK, seed=5, max_drafts=T)
     ver, ref = (replay_gdn_verify, replay_gdn_verify_ref) if kind == "gdn" else \
         (replay_mamba2_verify, replay_mamba2_verify_ref)
-    launch = None if rows is None else {"read": rows}
+    launch = {} if rows is None else {"read": rows}
     bf16_u = st.ubuf is not None and st.ubuf.dtype == torch.bfloat16
     phases = set()
     for rnd in range(WARM + ROUNDS):
@@ -88,7 +89,8 @@ def test_onepass_verify(case):
             phases |= set(((h + T > L) & (h > 0)).tolist())       # pre-flushes or not
             one, two = st.clone(), st.clone()
             out = torch.full((B + 1, T, H, dv), float("nan"))
-            y1 = ver(one, **kw, state_indices=idx, out=out, launch=launch, design="onepass")
+            with override_replay_launch(launch):
+                y1 = ver(one, **kw, state_indices=idx, out=out, design="onepass")
             assert y1 is out and torch.isfinite(y1).all() and (y1[B] == 0).all()
             y0 = ver(two, **kw, state_indices=idx)
             _close(y1, y0, 1e-5, 0.02 if bf16_u else 0.0)

@@ -10,6 +10,8 @@ import triton.language as tl
 from replayquant.formats import get_format
 from replayquant.formats.constants import BF16, E2M1, E4M3, FP16
 from replayquant.kernels.quant import kernel as quant
+from replayquant.kernels.quant import launch as quant_launch
+from replayquant.kernels.quant.launch import override_quant_launch
 from replayquant.formats.philox import philox_ref, random_bits_ref
 from replayquant.formats.casts import grid_value_ref, round_to_grid_ref
 
@@ -318,24 +320,25 @@ def test_nvfp4_launch_plans_equal_reference(plan, poisoned):
         x3[0, 0, :16] = 0.0
         for sr in (False, True):
             rb = random_bits_ref(x3.shape, 9, 40) if sr else None
-            got = quant.nvfp4_quantize(x3, "stochastic" if sr else "nearest", 9, 40, mode=mode,
-                                       nb=nb)
+            with override_quant_launch("nvfp4_quantize", mode=mode, nb=nb):
+                got = quant.nvfp4_quantize(x3, "stochastic" if sr else "nearest", 9, 40)
             want = ref.nvfp4_quantize_ref(x3, rb)
             for g, w in zip(got, want):
                 assert torch.equal(g, w)
-            assert torch.equal(quant.nvfp4_dequantize(*got, nb=16 if mode else 128),
-                               ref.nvfp4_dequantize_ref(*want))
+            with override_quant_launch("nvfp4_dequantize", nb=16 if mode else 128):
+                assert torch.equal(quant.nvfp4_dequantize(*got), ref.nvfp4_dequantize_ref(*want))
         if mode in (0, 1):   # the integer rounding path gives the same bits
-            got = quant.nvfp4_quantize(x3, "nearest", mode=mode, nb=nb, fast=False)
+            with override_quant_launch("nvfp4_quantize", mode=mode, nb=nb, fast=False):
+                got = quant.nvfp4_quantize(x3, "nearest")
             assert all(torch.equal(g, w) for g, w in zip(got, ref.nvfp4_quantize_ref(x3)))
 
 
 def test_nvfp4_plan_choice():
-    assert quant.nvfp4_plan(1024) == (0, 1024, 1, True)
-    assert quant.nvfp4_plan(1024, stochastic=True) == (1, 128, 8, True)
-    assert quant.nvfp4_plan(64) == (0, 64, 1, True)
-    assert quant.nvfp4_plan(48)[3] is False
-    assert quant.nvfp4_plan(quant.NVFP4_LOOP_MAX_BLOCKS + 1)[0] == 2
+    assert quant_launch.nvfp4_plan(1024) == (0, 1024, 1, True)
+    assert quant_launch.nvfp4_plan(1024, stochastic=True) == (1, 128, 8, True)
+    assert quant_launch.nvfp4_plan(64) == (0, 64, 1, True)
+    assert quant_launch.nvfp4_plan(48)[3] is False
+    assert quant_launch.nvfp4_plan(quant_launch.NVFP4_LOOP_MAX_BLOCKS + 1)[0] == 2
 
 
 def test_long_rows_and_matrices_equal_reference(poisoned):

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from replayquant.kernels.conventional.launch import launch_config
 from replayquant.kernels.quant.roles import _tile_load, _tile_store, split_key
 from replayquant.replay.stores import (NO_DT_LIMIT, ConventionalStore, _indices, _pow2_dims,
                                         dt_limit_args, step_inputs)
@@ -191,36 +192,6 @@ def _advance_casts_kernel(ncast_ptr, idx_ptr, B):
         tl.store(ncast_ptr + s, c + 1, mask=ok)
 
 
-def small_block(n_matrices: int, dv: int) -> tuple[int, int]:
-    """(rows, warps) of a decode program below 1024 state matrices, where a step is latency-bound:
-    one warp on 16 rows while that still gives 2048 programs, else on 8 rows. H200, us per step,
-    conventional FP32 / s32_rs forced flush, blocks (8, 1) (16, 1) (16, 2): GDN B = 1 3.05 3.71
-    4.04 / 3.46 3.66 3.83; GDN B = 8
-    10.80 10.26 10.78 / 10.72 10.34 12.05; Mamba-2 B = 1 4.39 4.61 4.66 / 4.83 5.03 5.05."""
-    return min(dv, 16 if n_matrices * (dv // 16) >= 2048 else 8), 1
-
-
-def launch_config(fmt_written: str, n_programs_heads: int, dv: int, dk: int, block_v=None,
-                  num_warps=None):
-    """(BV, num_warps) chosen from the shape (never by re-running an in-place kernel).
-    A written NVFP4 matrix needs the whole matrix in one program (one FP32 scale per matrix)."""
-    if block_v is None:
-        if fmt_written == "nvfp4":
-            block_v = dv
-        elif n_programs_heads >= 1024:
-            block_v = min(dv, max(16, 4096 // dk))
-        else:
-            block_v, small_warps = small_block(n_programs_heads, dv)
-            num_warps = small_warps if num_warps is None else num_warps
-    if fmt_written == "nvfp4" and block_v != dv:
-        raise ValueError("an NVFP4 state is written a whole matrix at a time: block_v must be d_v")
-    if dv % block_v or block_v & (block_v - 1):
-        raise ValueError(f"block_v={block_v} must be a power of two dividing d_v={dv}")
-    if num_warps is None:
-        num_warps = max(1, min(8, block_v * dk // 1024))
-    return block_v, num_warps
-
-
 def _kernel_inputs(q, k, v, a, b, A, dt_bias, D, z) -> list:
     """A step's input tensors as the kernels take them: contiguous, an absent one replaced by `a`
     (a pointer the kernel never reads: its HAS_* flag is False)."""
@@ -229,8 +200,7 @@ def _kernel_inputs(q, k, v, a, b, A, dt_bias, D, z) -> list:
 
 
 def conv_launch(store: ConventionalStore, kind, q, k, v, a, b, A, dt_bias, D, z, state_indices,
-                out, scale, use_qk_l2norm, block_v, num_warps, advance=True, dt_limit=None,
-                snaps=None):
+                out, scale, use_qk_l2norm, advance=True, dt_limit=None, snaps=None):
     """_conventional_kernel for a step of `kind` (the state in place; advance: n_casts += 1) or,
     with snaps (make_snapshots), a verify of the drafts on axis 1 of the inputs."""
     st = store.state
@@ -245,7 +215,7 @@ def conv_launch(store: ConventionalStore, kind, q, k, v, a, b, A, dt_bias, D, z,
     idx = _indices(state_indices, B, q.device)
     if out is None:
         out = torch.empty(*lead, HV, dv, dtype=torch.float32, device=q.device)
-    BV, nw = launch_config(st.fmt, B * HV, dv, dk, block_v, num_warps)
+    BV, nw = launch_config(st.fmt, B * HV, dv, dk)
     args = st.kernel_args()
     _conventional_kernel[(B * HV, dv // BV)](
         *args[:3], *(args if snaps is None else snaps.kernel_args())[:3], store.n_casts, idx,
@@ -262,19 +232,18 @@ def conv_launch(store: ConventionalStore, kind, q, k, v, a, b, A, dt_bias, D, z,
 
 def conventional_gdn_step(store: ConventionalStore, q, k, v, a, b, A_log, dt_bias=None,
                           state_indices=None, scale=None, out=None, use_qk_l2norm=True,
-                          block_v=None, num_warps=None, advance=True):
+                          advance=True):
     """One GDN decode step for a batch, state updated in place (Triton).
 
     q, k [B, HK, dk] (raw; L2-normalised in kernel), v [B, HV, dv], a, b [B, HV] (raw gates),
     A_log, dt_bias [HV]; g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b) in FP32.
     Returns y float32 [B, HV, dv] (zero on padding rows)."""
     return conv_launch(store, "gdn", q, k, v, a, b, A_log, dt_bias, None, None, state_indices,
-                       out, scale, use_qk_l2norm, block_v, num_warps, advance)
+                       out, scale, use_qk_l2norm, advance)
 
 
 def conventional_kda_step(store: ConventionalStore, q, k, v, g, beta, state_indices=None,
-                          scale=None, out=None, use_qk_l2norm=True, block_v=None,
-                          num_warps=None, advance=True):
+                          scale=None, out=None, use_qk_l2norm=True, advance=True):
     """One Kimi Delta Attention decode step for a batch, state updated in place (Triton).
 
     q, k [B, HK, dk] (raw; L2-normalised in kernel), v [B, HV, dv], g [B, HV, dk] the log decay
@@ -283,18 +252,18 @@ def conventional_kda_step(store: ConventionalStore, q, k, v, g, beta, state_indi
     S <- Q(S + u k^T), y = S q (q scaled by `scale`, default d_k^-1/2).
     Returns y float32 [B, HV, dv] (zero on padding rows)."""
     return conv_launch(store, "kda", q, k, v, g, beta, None, None, None, None, state_indices,
-                       out, scale, use_qk_l2norm, block_v, num_warps, advance)
+                       out, scale, use_qk_l2norm, advance)
 
 
 def conventional_mamba2_step(store: ConventionalStore, x, dt, A, B, C, state_indices=None, D=None,
-                             z=None, dt_bias=None, out=None, block_v=None, num_warps=None,
-                             advance=True, dt_limit=NO_DT_LIMIT):
+                             z=None, dt_bias=None, out=None, advance=True,
+                             dt_limit=NO_DT_LIMIT):
     """One Mamba-2 decode step for a batch, state [slots, heads, head dim P, d_state N] updated
     in place (Triton). x [B, H, P], dt [B, H] (raw; softplus(dt + dt_bias) in kernel, then
     clamped to dt_limit = (lo, hi) unless it is (0, inf), as transformers' time_step_limit),
     A [H] (negative), B, C [B, G, N] (groups), D [H], z [B, H, P] optional (y * silu(z)).
     Returns y float32 [B, H, P]."""
     return conv_launch(store, "mamba2", C, B, x, dt, None, A, dt_bias, D, z, state_indices, out,
-                       None, False, block_v, num_warps, advance, dt_limit)
+                       None, False, advance, dt_limit)
 
 

@@ -113,7 +113,7 @@ def _into(out, y):
 
 def conventional_gdn_step_ref(store: ConventionalStore, q, k, v, a, b, A_log, dt_bias=None,
                               state_indices=None, scale=None, out=None, use_qk_l2norm=True,
-                              block_v=None, num_warps=None, advance=True):
+                              advance=True):
     """torch reference of conventional_gdn_step (same signature, same in-place effect)."""
     qf, kf, vf, g, beta = gdn_frontend_ref(q, k, v, a, b, A_log, dt_bias, scale, use_qk_l2norm)
     y, idx, live = _conventional_ref(store, qf, kf, vf, g, beta, state_indices, True)
@@ -123,8 +123,7 @@ def conventional_gdn_step_ref(store: ConventionalStore, q, k, v, a, b, A_log, dt
 
 
 def conventional_kda_step_ref(store: ConventionalStore, q, k, v, g, beta, state_indices=None,
-                              scale=None, out=None, use_qk_l2norm=True, block_v=None,
-                              num_warps=None, advance=True):
+                              scale=None, out=None, use_qk_l2norm=True, advance=True):
     """torch reference of conventional_kda_step (same signature, same in-place effect)."""
     step_inputs("kda", store.state.shape, False, q, k, v, g, beta, None, None, None, None)
     qf, kf, vf, la, bf = kda_frontend_ref(q, k, v, g, beta, scale, use_qk_l2norm)
@@ -135,8 +134,8 @@ def conventional_kda_step_ref(store: ConventionalStore, q, k, v, g, beta, state_
 
 
 def conventional_mamba2_step_ref(store: ConventionalStore, x, dt, A, B, C, state_indices=None,
-                                 D=None, z=None, dt_bias=None, out=None, block_v=None,
-                                 num_warps=None, advance=True, dt_limit=NO_DT_LIMIT):
+                                 D=None, z=None, dt_bias=None, out=None, advance=True,
+                                 dt_limit=NO_DT_LIMIT):
     """torch reference of conventional_mamba2_step."""
     q, k, v, log_a, _ = mamba2_frontend_ref(x, dt, A, B, C, dt_bias, dt_limit)
     y, idx, live = _conventional_ref(store, q, k, v, log_a, None, state_indices, False)
@@ -199,7 +198,7 @@ def _conv_verify_ref(store, snaps, fe, state_indices, post):
 
 def conventional_gdn_verify_ref(store: ConventionalStore, snaps: PackedRole, q, k, v, a, b, A_log,
                                 dt_bias=None, state_indices=None, scale=None, out=None,
-                                use_qk_l2norm=True, block_v=None, num_warps=None):
+                                use_qk_l2norm=True):
     """torch reference of conventional_gdn_verify (SR streams keyed by the slot id)."""
     B, T = q.shape[:2]
     fe = gdn_frontend_ref(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), a.flatten(0, 1),
@@ -211,7 +210,7 @@ def conventional_gdn_verify_ref(store: ConventionalStore, snaps: PackedRole, q, 
 
 def conventional_mamba2_verify_ref(store: ConventionalStore, snaps: PackedRole, x, dt, A, B, C,
                                    state_indices=None, D=None, z=None, dt_bias=None, out=None,
-                                   block_v=None, num_warps=None, dt_limit=NO_DT_LIMIT):
+                                   dt_limit=NO_DT_LIMIT):
     """torch reference of conventional_mamba2_verify."""
     Bt, T = x.shape[:2]
     q, k, v, log_a, _ = mamba2_frontend_ref(x.flatten(0, 1), dt.flatten(0, 1), A,

@@ -28,20 +28,20 @@ __all__ = ["conventional_gdn_verify", "conventional_mamba2_verify", "conventiona
 
 def conventional_gdn_verify(store: ConventionalStore, snaps: PackedRole, q, k, v, a, b, A_log,
                             dt_bias=None, state_indices=None, scale=None, out=None,
-                            use_qk_l2norm=True, block_v=None, num_warps=None):
+                            use_qk_l2norm=True):
     """T GDN drafts as read-modify-write steps, each cast into its own snapshot (Triton).
     Returns y [B, T, H, d_v]; the state itself is untouched until conventional_accept."""
     return conv_launch(store, "gdn", q, k, v, a, b, A_log, dt_bias, None, None, state_indices,
-                       out, scale, use_qk_l2norm, block_v, num_warps, snaps=snaps)
+                       out, scale, use_qk_l2norm, snaps=snaps)
 
 
 def conventional_mamba2_verify(store: ConventionalStore, snaps: PackedRole, x, dt, A, B, C,
                                state_indices=None, D=None, z=None, dt_bias=None, out=None,
-                               block_v=None, num_warps=None, dt_limit=NO_DT_LIMIT):
+                               dt_limit=NO_DT_LIMIT):
     """T Mamba-2 drafts with per-draft snapshots (Triton). Returns y [B, T, H, P].
     dt_limit as conventional_mamba2_step."""
     return conv_launch(store, "mamba2", C, B, x, dt, None, A, dt_bias, D, z, state_indices, out,
-                       None, False, block_v, num_warps, dt_limit=dt_limit, snaps=snaps)
+                       None, False, dt_limit=dt_limit, snaps=snaps)
 
 
 @triton.jit

@@ -28,7 +28,7 @@ Host functions (called by `replayquant.formats`): `cast_quantize`, `fp8_quantize
 `fp8_dequantize`, `nvfp4_quantize`, `nvfp4_dequantize`. Stochastic rounding bits of element e
 (its index in its matrix) are word e % 4 of `philox4(seed, counter = (e // 4, stream_lo,
 stream_hi))`, exactly as `replayquant.formats.philox.random_bits_ref`. Launch settings are
-chosen from the shape.
+chosen from the shape (`launch`: the NVFP4 plan, warps by tile size).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import triton.language as tl
 from replayquant.formats.constants import (BF16, E2M1, E4M3, FP8_ROW_DIVISOR, FP16, NVFP4_BLOCK,
                                            NVFP4_BLOCK_SCALE_MIN, NVFP4_GLOBAL_DIVISOR,
                                            PHILOX_M0, PHILOX_M1, PHILOX_W0, PHILOX_W1, Grid)
+from replayquant.kernels.quant.launch import _warps, quant_launch_config
 
 __all__ = [
     "philox4", "philox_bits", "philox_bits_rows", "round_to_grid",
@@ -542,10 +543,6 @@ def _check_rounding(rounding):
     return rounding == "stochastic"
 
 
-def _warps(n_elements: int) -> int:
-    return 1 if n_elements <= 256 else 2 if n_elements <= 1024 else 4 if n_elements <= 4096 else 8
-
-
 def cast_quantize(x: torch.Tensor, grid: Grid, dtype: torch.dtype, rounding: str = "nearest",
                   seed: int = 0, stream=0) -> torch.Tensor:
     """fp16 / bf16 storage of float32 x (contiguous): a tensor of `dtype`, x's shape."""
@@ -612,41 +609,13 @@ def fp8_dequantize(payload: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# Launch plan of nvfp4_quantize by blocks per matrix (bpm). MODE 0 (one program holds its matrix
-# in one tile) up to NVFP4_WHOLE_MAX_BLOCKS (nearest) / NVFP4_WHOLE_MAX_BLOCKS_SR (stochastic:
-# Philox needs registers); MODE 1 (one program loops over NVFP4_CHUNK_BLOCKS-block tiles twice)
-# up to NVFP4_LOOP_MAX_BLOCKS; MODE 2 (amax from torch first, one program per tile) beyond.
-# Chosen from an H200 sweep of the modes (128 x 128 matrices: nearest MODE 0 with 8 warps,
-# stochastic MODE 1 with 128-block tiles and 4 warps were fastest; `replayquant bench formats`
-# times the chosen plan, results/bench/formats.json).
-NVFP4_WHOLE_MAX_BLOCKS = 1024
-NVFP4_WHOLE_MAX_BLOCKS_SR = 256
-NVFP4_LOOP_MAX_BLOCKS = 8192
-NVFP4_CHUNK_BLOCKS = 128
-
-
-def nvfp4_plan(bpm: int, mode: int | None = None, nb: int | None = None,
-               stochastic: bool = False):
-    """(mode, NB, NCHUNK, EVEN) for matrices of bpm blocks (mode / nb force a plan)."""
-    if mode is None:
-        whole = NVFP4_WHOLE_MAX_BLOCKS_SR if stochastic else NVFP4_WHOLE_MAX_BLOCKS
-        mode = 0 if bpm <= whole else 1 if bpm <= NVFP4_LOOP_MAX_BLOCKS else 2
-    if mode == 0:
-        NB = triton.next_power_of_2(bpm)
-    else:
-        NB = nb or NVFP4_CHUNK_BLOCKS
-    nchunk = triton.cdiv(bpm, NB)
-    return mode, NB, nchunk, bpm % NB == 0
-
-
-def nvfp4_quantize(x3: torch.Tensor, rounding: str = "nearest", seed: int = 0, stream=0,
-                   mode: int | None = None, nb: int | None = None, num_warps: int | None = None,
-                   fast: bool = True):
+def nvfp4_quantize(x3: torch.Tensor, rounding: str = "nearest", seed: int = 0, stream=0):
     """x3 float32 [M, R, C], C % 16 == 0 -> (packed uint8 [M, R, C/2], block scales uint8
     [M, R, C/16] (E4M3 bits), per-matrix scale float32 [M]), as nvfp4_quantize_ref.
 
-    `stream`: int (matrix m takes stream + m) or int64 tensor broadcastable to [M].
-    mode / nb / num_warps / fast override the launch plan (benchmarks, tests); same bits."""
+    `stream`: int (matrix m takes stream + m) or int64 tensor broadcastable to [M]. The launch
+    plan is launch.quant_launch_config's (launch.override_quant_launch tries others: same
+    bits)."""
     sr = _check_rounding(rounding)
     if x3.dim() != 3 or x3.shape[-1] % NVFP4_BLOCK:
         raise ValueError(f"nvfp4_quantize: need float32 [M, R, C] with C % {NVFP4_BLOCK} == 0, "
@@ -662,7 +631,8 @@ def nvfp4_quantize(x3: torch.Tensor, rounding: str = "nearest", seed: int = 0, s
         return packed, bscale, gscale
     bpm = R * C // NVFP4_BLOCK
     streams, base = _streams(stream, (M,), dev)
-    mode, NB, nchunk, even = nvfp4_plan(bpm, mode, nb, sr)
+    cfg = quant_launch_config("nvfp4_quantize", bpm, sr)
+    mode, NB, nchunk, even = cfg["plan"]
     if mode == 2:
         mn, mx = torch.aminmax(x3.reshape(M, -1), dim=1)
         amax = torch.maximum(mn.abs(), mx.abs())
@@ -672,13 +642,13 @@ def nvfp4_quantize(x3: torch.Tensor, rounding: str = "nearest", seed: int = 0, s
     _nvfp4_quant_kernel[(M * nchunk if mode == 2 else M,)](
         x3, amax, packed, bscale, gscale, streams if streams is not None else x3, base, lo, hi,
         bpm, nchunk, NB=NB, MODE=mode, STOCHASTIC=sr, HAS_STREAMS=streams is not None,
-        FAST=fast, EVEN=even, num_warps=num_warps or _warps(NB * 16))
+        FAST=cfg["fast"], EVEN=even, num_warps=cfg["num_warps"])
     return packed, bscale, gscale
 
 
-def nvfp4_dequantize(packed: torch.Tensor, bscale: torch.Tensor, gscale: torch.Tensor,
-                     nb: int = 128, num_warps: int | None = None):
-    """float32 [M, R, C] from (packed [M, R, C/2], block scales [M, R, C/16], scale [M])."""
+def nvfp4_dequantize(packed: torch.Tensor, bscale: torch.Tensor, gscale: torch.Tensor):
+    """float32 [M, R, C] from (packed [M, R, C/2], block scales [M, R, C/16], scale [M]);
+    blocks a program and warps from launch.quant_launch_config."""
     M, R, C2 = packed.shape
     packed = packed.contiguous()
     bscale = bscale.contiguous()
@@ -688,7 +658,9 @@ def nvfp4_dequantize(packed: torch.Tensor, bscale: torch.Tensor, gscale: torch.T
         return out
     bpm = R * C2 * 2 // NVFP4_BLOCK
     n_blocks = M * bpm
+    cfg = quant_launch_config("nvfp4_dequantize", bpm)
+    nb = cfg["nb"]
     _nvfp4_dequant_kernel[(triton.cdiv(n_blocks, nb),)](
         packed, bscale.view(torch.uint8), gscale, out, n_blocks, bpm, NB=nb,
-        EVEN=n_blocks % nb == 0, num_warps=num_warps or _warps(nb * 16))
+        EVEN=n_blocks % nb == 0, num_warps=cfg["num_warps"])
     return out

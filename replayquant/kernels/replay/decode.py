@@ -30,7 +30,8 @@ from replayquant.kernels.conventional.kernel import (_L2_EPS, _front_end, _gate_
                                                      _kernel_inputs, _l2norm, _program_tile)
 from replayquant.kernels.quant.kernel import (decode_bf16, decode_fp16, encode_bf16, encode_fp16,
                                               small_float_at, small_float_pair_at)
-from replayquant.kernels.replay.launch import LAUNCHES, _max_regs, _table, replay_launch_config
+from replayquant.kernels.replay.launch import (LAUNCHES, _max_regs, _table, given_launch,
+                                              replay_launch_config)
 from replayquant.kernels.quant.roles import _role_bits, _tile_load, _tile_store, split_key
 from replayquant.replay.stores import (NO_DT_LIMIT, ReplayStore, _begin, _default_force,
                                         _check_buffered, _indices, dt_limit_args, folds_u,
@@ -942,15 +943,16 @@ def _flush_grid(n_tiles: int, device):
     return tpp, (-(-n_tiles // tpp),)
 
 
-def _fused(T: int, step: bool, launch, n_warps: int, device) -> bool:
+def _fused(T: int, step: bool, n_warps: int, device) -> bool:
     """Whether a decode step runs as one launch (FUSED: each program of the flush's tiles, whole
     matrices where a role is NVFP4, flushes its own tile if its row flushes, then reads).
-    launch={'fused': True / False} decides; by default a step on the GPU fuses when the flush's
-    tiles, n_warps warps in all, fit one wave of the flush launch (FLUSH_PROGRAMS_PER_SM one-warp
-    programs an SM), where a step is its launches' latency (docs/kernels.md, one launch at small
-    batch); the interpreter runs two launches unless asked."""
+    override_replay_launch({'fused': True / False}) decides; by default a step on the GPU fuses
+    when the flush's tiles, n_warps warps in all, fit one wave of the flush launch
+    (FLUSH_PROGRAMS_PER_SM one-warp programs an SM), where a step is its launches' latency
+    (docs/kernels.md, one launch at small batch); the interpreter runs two launches unless
+    asked."""
     ok = step and T == 1
-    want = (launch or {}).get("fused")
+    want = given_launch().get("fused")
     if want is None:
         device = torch.device(device)
         return ok and device.type == "cuda" and n_warps <= FLUSH_PROGRAMS_PER_SM * \
@@ -958,7 +960,8 @@ def _fused(T: int, step: bool, launch, n_warps: int, device) -> bool:
     if not isinstance(want, bool):
         raise ValueError(f"launch['fused'] must be True or False, got {want!r}")
     if want and not ok:
-        raise ValueError("launch={'fused': True} takes a decode step, not a verify")
+        raise ValueError("override_replay_launch({'fused': True}) takes a decode step, not a "
+                         "verify")
     return want
 
 
@@ -981,7 +984,7 @@ def advance_pointers(store: ReplayStore, state_indices, T: int = 1, step: bool =
 
 
 def _launch(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, state_indices, out,
-            scale, use_qk_l2norm, step, path="replay", launch=None, dt_limit=None, advance=True,
+            scale, use_qk_l2norm, step, path="replay", dt_limit=None, advance=True,
             beta_scale=1.0, record=None):
     """A step (step True; path as resolve_path) or a verify of the drafts on axis 1 of the
     inputs (then replay_accept) of a `kind` store: _replay_kernel's flush launch, then its read
@@ -1007,8 +1010,8 @@ def _launch(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, state_ind
     dt_lo, dt_hi, dt_clamp = dt_limit_args(dt_limit)
     if record is not None:
         record.check(kind, B, q.device, step and advance)
-    configs = [replay_launch_config(store, w, launch) for w in LAUNCHES]
-    fused = _fused(T, step, launch, B * HV * (dv // configs[0][0]) * configs[0][1], q.device)
+    configs = [replay_launch_config(store, w) for w in LAUNCHES]
+    fused = _fused(T, step, B * HV * (dv // configs[0][0]) * configs[0][1], q.device)
     idx = _indices(state_indices, B, q.device)
     if out is None:
         out = torch.empty(*lead, HV, dv, dtype=torch.float32, device=q.device)
@@ -1027,7 +1030,7 @@ def _launch(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, state_ind
     runs = [("flush", False, configs[0])] if fused else \
         list(zip(LAUNCHES, (True, False), configs))
     for which, flushes, (BV, nw) in runs:       # fused: one launch with the flush's tiles
-        regs = _max_regs(store, launch, which, T)
+        regs = _max_regs(store, which, T)
         tpp, grid = 1, (B * HV, dv // BV)
         if flushes:
             tpp, grid = _flush_grid(B * HV * (dv // BV), q.device)
@@ -1059,39 +1062,39 @@ def _launch(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, state_ind
 
 
 def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, state_indices=None,
-                    scale=None, out=None, use_qk_l2norm=True, path="auto", launch=None,
-                    advance=True, beta_scale=1.0, record=None):
+                    scale=None, out=None, use_qk_l2norm=True, path="auto", advance=True,
+                    beta_scale=1.0, record=None):
     """One GDN replay decode step for a batch (Triton, _launch): q, k [B, HK, d_k], v [B, H, d_v]
     (k, v bf16), a, b [B, H], A_log, dt_bias [H]; beta = beta_scale sigmoid(b). path
     (resolve_path): 'auto' / 'replay' or 'flush'. Returns y float32 [B, H, d_v]; with
-    advance=False the caller moves the pointers (advance_pointers). launch {'read' / 'flush':
-    (rows, warps[, regs])} overrides the launch table (replay_launch_config); 'fused': True /
-    False one launch a step or two (default: _fused's choice by batch). record: a
+    advance=False the caller moves the pointers (advance_pointers). The launches' tiles come
+    from the launch table (launch.replay_launch_config; launch.override_replay_launch tries
+    others), one launch a step or two from _fused's choice by batch. record: a
     stores.FaultRecord in which the step notes which inputs of which rows held NaN or infinity
     and which rows' flush kept its roles because a cast overflowed (no host read; its torch
     twins are FaultRecord.note and note_cast)."""
     return _launch(store, "gdn", q, k, v, a, b, A_log, dt_bias, None, None, state_indices, out,
-                   scale, use_qk_l2norm, True, path, launch, advance=advance,
+                   scale, use_qk_l2norm, True, path, advance=advance,
                    beta_scale=beta_scale, record=record)
 
 
 def replay_mamba2_step(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None, z=None,
-                       dt_bias=None, out=None, path="auto", launch=None, advance=True,
+                       dt_bias=None, out=None, path="auto", advance=True,
                        dt_limit=NO_DT_LIMIT, record=None):
     """One Mamba-2 replay decode step (Triton, as replay_gdn_step), inputs as
     conventional_mamba2_step (x, B bf16; dt_limit = (lo, hi) clamps softplus(dt + dt_bias),
-    (0, inf): no clamp); path, advance, launch, record as replay_gdn_step."""
+    (0, inf): no clamp); path, advance, record as replay_gdn_step."""
     return _launch(store, "mamba2", C, B, x, dt, None, A, dt_bias, D, z, state_indices, out,
-                   None, False, True, path, launch, dt_limit=dt_limit, advance=advance,
+                   None, False, True, path, dt_limit=dt_limit, advance=advance,
                    record=record)
 
 
 def replay_kda_step(store: ReplayStore, q, k, v, g, beta, state_indices=None, scale=None,
-                    out=None, use_qk_l2norm=True, path="auto", launch=None, advance=True,
+                    out=None, use_qk_l2norm=True, path="auto", advance=True,
                     record=None):
     """One Kimi Delta Attention replay decode step (Triton, as replay_gdn_step), inputs as
     conventional_kda_step: q, k [B, HK, d_k] (k bf16), v [B, H, d_v] (bf16), g [B, H, d_k] the
-    log decay per key channel, beta [B, H] (after its sigmoid); path, advance, launch, record
-    as replay_gdn_step. Returns y float32 [B, H, d_v]."""
+    log decay per key channel, beta [B, H] (after its sigmoid); path, advance, record as
+    replay_gdn_step. Returns y float32 [B, H, d_v]."""
     return _launch(store, "kda", q, k, v, g, beta, None, None, None, None, state_indices, out,
-                   scale, use_qk_l2norm, True, path, launch, advance=advance, record=record)
+                   scale, use_qk_l2norm, True, path, advance=advance, record=record)

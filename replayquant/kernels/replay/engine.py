@@ -348,18 +348,18 @@ def _begin_step(store, kind, path, q, k, v, a, b, A=None, dt_bias=None, D=None, 
 
 def replay_gdn_step_torch(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None,
                           state_indices=None, scale=None, out=None, use_qk_l2norm=True,
-                          path="auto", launch=None, advance=True, beta_scale=1.0, flushing=None,
+                          path="auto", advance=True, beta_scale=1.0, flushing=None,
                           record=None):
     """One GDN replay decode step in torch (module docstring), the signature and effect of
-    reference.replay_gdn_step_ref; launch is accepted for the signature and changes nothing
-    (the kept tiles of a non-finite flush or cast are those of the default flush launch, as the
-    reference's). flushing: the batch rows (indices, live rows) whose entry fills their buffer
-    at this step, where the caller knows them on the host without reading the device (a
-    patched model's decode store counts its steps); the flush branch then runs on those rows
-    alone, the same arithmetic row by row. They must be exactly those rows; None (the default):
-    every row computes both branches and keeps its own. Ignored for path 'flush' and in a store
-    built for drafts. record: a stores.FaultRecord the step notes its inputs' faults and its
-    flush's casts that overflowed in."""
+    reference.replay_gdn_step_ref (the kept tiles of a non-finite flush or cast are those of the
+    flush launch, launch.replay_launch_config, as the reference's). flushing: the batch rows
+    (indices, live rows) whose entry fills their buffer at this step, where the caller knows
+    them on the host without reading the device (a patched model's decode store counts its
+    steps); the flush branch then runs on those rows alone, the same arithmetic row by row. They
+    must be exactly those rows; None (the default): every row computes both branches and keeps
+    its own. Ignored for path 'flush' and in a store built for drafts. record: a
+    stores.FaultRecord the step notes its inputs' faults and its flush's casts that overflowed
+    in."""
     force = _begin_step(store, "gdn", path, q, k, v, a, b, A_log, dt_bias)
     if record is not None:
         record.note("gdn", (q, k, v, a, b), state_indices, advance)
@@ -374,8 +374,8 @@ def replay_gdn_step_torch(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None
 
 
 def replay_mamba2_step_torch(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None,
-                             z=None, dt_bias=None, out=None, path="auto", launch=None,
-                             advance=True, dt_limit=NO_DT_LIMIT, flushing=None, record=None):
+                             z=None, dt_bias=None, out=None, path="auto", advance=True,
+                             dt_limit=NO_DT_LIMIT, flushing=None, record=None):
     """One Mamba-2 replay decode step in torch, as reference.replay_mamba2_step_ref (flushing,
     record: as replay_gdn_step_torch)."""
     force = _begin_step(store, "mamba2", path, C, B, x, dt, None, A, dt_bias, D, z)
@@ -388,7 +388,7 @@ def replay_mamba2_step_torch(store: ReplayStore, x, dt, A, B, C, state_indices=N
 
 
 def replay_kda_step_torch(store: ReplayStore, q, k, v, g, beta, state_indices=None, scale=None,
-                          out=None, use_qk_l2norm=True, path="auto", launch=None, advance=True,
+                          out=None, use_qk_l2norm=True, path="auto", advance=True,
                           flushing=None, record=None):
     """One Kimi Delta Attention replay decode step in torch, as reference.replay_kda_step_ref
     (flushing, record: as replay_gdn_step_torch)."""

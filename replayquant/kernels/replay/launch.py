@@ -1,15 +1,22 @@
-"""The launch table of the replay decode kernel (`decode._replay_kernel`): tile rows,
-warps and register caps of its flush and read launches, chosen by shape, each row with its
-measured reason. Plain Python: the torch references read the flush launch's tile rows (a flush
-tile whose state or cast is not finite keeps its bytes, as the kernel's) without importing
-Triton.
+"""The launch tables of the replay kernels: tile rows, warps and register caps of the decode
+kernel's (`decode._replay_kernel`) flush and read launches, and the one-pass verify's read
+launch (`verify_onepass._onepass_kernel`), chosen by shape, each row with its measured reason.
+
+The kernels ask `replay_launch_config` / `onepass_launch_config`; nobody passes a config down a
+call chain. Tests and the benchmark's sweep try other configs inside
+`override_replay_launch(launch)`. Plain Python: the torch references read the flush launch's
+tile rows (a flush tile whose state or cast is not finite keeps its bytes, as the kernel's)
+without importing Triton.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 from replayquant.replay.stores import ReplayStore
 
-__all__ = ["LAUNCH_TABLE", "LAUNCHES", "replay_launch_config"]
+__all__ = ["LAUNCH_TABLE", "LAUNCHES", "ONEPASS_TABLE", "replay_launch_config",
+           "onepass_launch_config", "override_replay_launch"]
 
 
 # The launch table, chosen by shape: (launch, kind, role) -> rows BV of a program's [BV, d_k]
@@ -35,6 +42,44 @@ LAUNCH_TABLE = (   # launch, kind, role, rows, per_thread, regs, chunk  # reason
 )
 LAUNCHES = ("flush", "read")
 
+# The one-pass launch, chosen by the read copy's format: rows BV of a program's tile, warps,
+# columns a chunk, chunks' loads in flight. Reasons: compile_check sass on sm_90 (Triton 3.9),
+# Qwen3.5-4B GDN layer, T = 4, ptxas's registers uncapped; SASS a warp with the chunk loop's
+# body counted d_k / chunk times, for 64 rows (s32_rs / tp8_hi32 / tp4_hi32). Untimed.
+ONEPASS_TABLE = (   # role, rows, warps, chunk, stages  # reason
+    ("*", 64, 2, 32, 3),   # 2 x 4135 / 4073 / 4417, 128-137 registers; 32 rows on 1 warp:
+)                          # 2 x 4682 / 4398 / 4777; 64 on 1 warp: 6737 / 5820 / 6392, 231-255
+
+# The launch that override_replay_launch gives for the length of its block ({}: the tables')
+_given: dict = {}
+
+
+@contextlib.contextmanager
+def override_replay_launch(launch):
+    """Within the block, the replay kernels launch as `launch` says instead of the tables: a
+    mapping {'read' / 'flush': (rows, warps) or (rows, warps, regs), 'fused': True / False}
+    whose entries may be None (the table's). rows and warps of 'read' give the one-pass
+    verify's read launch too; regs caps the registers a thread (ptxas's maxnreg, _max_regs);
+    'fused' runs a decode step as one launch or two (decode._fused). An inner override replaces
+    an outer one for its block; the outer one holds again after it. For tests and the
+    benchmark's sweep; the values are checked where a kernel asks for them."""
+    global _given
+    launch = dict(launch or {})
+    bad = set(launch) - set(LAUNCHES) - {"fused"}
+    if bad:
+        raise ValueError(f"launch takes the keys 'flush' and 'read' -> (rows, warps) and "
+                         f"'fused' -> bool, got {sorted(bad)}")
+    outer, _given = _given, launch
+    try:
+        yield
+    finally:
+        _given = outer
+
+
+def given_launch() -> dict:
+    """The launch of the innermost override_replay_launch block ({} outside any)."""
+    return _given
+
 
 def _role(store: ReplayStore, which: str) -> str:
     """The role of `which` launch that LAUNCH_TABLE's rows match."""
@@ -55,11 +100,12 @@ def _table(store: ReplayStore, which: str):
     raise AssertionError("LAUNCH_TABLE ends with a catch-all row for each launch")
 
 
-def _max_regs(store: ReplayStore, launch, which: str, T: int = 1):
-    """The register cap of a launch given as (rows, warps, regs); of a launch not given,
-    LAUNCH_TABLE's, except for a verify's read (T > 1, whose drafts' entries stay live across
-    the read copy's pass: the caps spill, docs/kernels.md); else None (ptxas's choice)."""
-    c = (launch or {}).get(which) or ()
+def _max_regs(store: ReplayStore, which: str, T: int = 1):
+    """The register cap of a launch given (override_replay_launch) as (rows, warps, regs); of a
+    launch not given, LAUNCH_TABLE's, except for a verify's read (T > 1, whose drafts' entries
+    stay live across the read copy's pass: the caps spill, docs/kernels.md); else None (ptxas's
+    choice)."""
+    c = _given.get(which) or ()
     if len(c) > 2 and c[2] is not None and not 16 <= int(c[2]) <= 255:
         raise ValueError(f"{which} launch regs={c[2]} must lie in 16..255")
     if len(c) > 2 and c[2] is not None:
@@ -69,20 +115,13 @@ def _max_regs(store: ReplayStore, launch, which: str, T: int = 1):
     return _table(store, which)[2]
 
 
-def replay_launch_config(store: ReplayStore, which: str = "read", launch=None):
+def replay_launch_config(store: ReplayStore, which: str = "read"):
     """(BV, num_warps) of the flush or the read launch (`which`) of _replay_kernel for this
-    store: tile rows and warps, from LAUNCH_TABLE, or as given in launch: a mapping
-    {'read' / 'flush': (rows, warps) or (rows, warps, regs)} whose entries may be None (the
-    table's); regs caps the registers a thread (ptxas's maxnreg; the bench's variants), see
-    _max_regs."""
+    store: tile rows and warps, from LAUNCH_TABLE, or as override_replay_launch gives them
+    (rows / warps None: the table's)."""
     if which not in LAUNCHES:
         raise ValueError(f"which must be 'flush' or 'read', got {which!r}")
-    launch = dict(launch or {})
-    bad = set(launch) - set(LAUNCHES) - {"fused"}
-    if bad:
-        raise ValueError(f"launch takes the keys 'flush' and 'read' -> (rows, warps) and "
-                         f"'fused' -> bool, got {sorted(bad)}")
-    block_v, num_warps = (launch.get(which) or (None, None))[:2]
+    block_v, num_warps = (_given.get(which) or (None, None))[:2]
     N, HV, dv, dk = store.shape
     rows, per_thread, _, _ = _table(store, which)
     if block_v is None:
@@ -99,3 +138,21 @@ def replay_launch_config(store: ReplayStore, which: str = "read", launch=None):
     if num_warps < 1 or num_warps & (num_warps - 1):
         raise ValueError(f"{which} launch warps={num_warps} must be a power of two")
     return block_v, num_warps
+
+
+def onepass_launch_config(store: ReplayStore):
+    """(BV, num_warps, CK, stages) of the one-pass read launch: ONEPASS_TABLE's row for the
+    store's read copy, rows and warps as override_replay_launch's 'read' gives them (None: the
+    table's)."""
+    role = store.read_role.fmt
+    rows, warps, ck, stages = next(r[1:] for r in ONEPASS_TABLE if r[0] in ("*", role))
+    N, HV, dv, dk = store.shape
+    given = _given.get("read") or (None, None)
+    rows = min(dv, rows) if given[0] is None else int(given[0])
+    warps = warps if given[1] is None else int(given[1])
+    if rows < 16 or dv % rows or rows & (rows - 1):
+        raise ValueError(f"read launch rows={rows} must be a power of two >= 16 dividing "
+                         f"d_v={dv}")
+    if warps < 1 or warps & (warps - 1):
+        raise ValueError(f"read launch warps={warps} must be a power of two")
+    return rows, warps, min(ck, dk), stages

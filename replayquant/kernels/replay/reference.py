@@ -310,7 +310,7 @@ def _mamba2_post(x, D, z):
 
 def replay_gdn_step_ref(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None,
                         state_indices=None, scale=None, out=None, use_qk_l2norm=True,
-                        path="auto", launch=None, advance=True, beta_scale=1.0, record=None):
+                        path="auto", advance=True, beta_scale=1.0, record=None):
     """torch reference of replay_gdn_step (same signature, same effect on the store)."""
     force = _begin(store, "gdn", True, path)
     if record is not None:
@@ -327,8 +327,8 @@ def replay_gdn_step_ref(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None,
 
 
 def replay_mamba2_step_ref(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None, z=None,
-                           dt_bias=None, out=None, path="auto", launch=None,
-                           advance=True, dt_limit=NO_DT_LIMIT, record=None):
+                           dt_bias=None, out=None, path="auto", advance=True,
+                           dt_limit=NO_DT_LIMIT, record=None):
     """torch reference of replay_mamba2_step."""
     force = _begin(store, "mamba2", True, path)
     if record is not None:
@@ -345,7 +345,7 @@ def replay_mamba2_step_ref(store: ReplayStore, x, dt, A, B, C, state_indices=Non
 
 def replay_gdn_verify_ref(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None,
                           state_indices=None, scale=None, out=None, use_qk_l2norm=True,
-                          launch=None, beta_scale=1.0):
+                          beta_scale=1.0):
     """torch reference of replay_gdn_verify."""
     T = q.shape[1]
     _begin(store, "gdn", False, None)
@@ -357,8 +357,7 @@ def replay_gdn_verify_ref(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None
 
 
 def replay_mamba2_verify_ref(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None,
-                             z=None, dt_bias=None, out=None, launch=None,
-                             dt_limit=NO_DT_LIMIT):
+                             z=None, dt_bias=None, out=None, dt_limit=NO_DT_LIMIT):
     """torch reference of replay_mamba2_verify."""
     T = x.shape[1]
     _begin(store, "mamba2", False, None)
@@ -377,8 +376,8 @@ def _kda_fe(q, k, v, g, beta, scale, use_qk_l2norm):
 
 
 def replay_kda_step_ref(store: ReplayStore, q, k, v, g, beta, state_indices=None, scale=None,
-                        out=None, use_qk_l2norm=True, path="auto", launch=None,
-                        advance=True, record=None):
+                        out=None, use_qk_l2norm=True, path="auto", advance=True,
+                        record=None):
     """torch reference of replay_kda_step."""
     force = _begin(store, "kda", True, path)
     if record is not None:
@@ -394,7 +393,7 @@ def replay_kda_step_ref(store: ReplayStore, q, k, v, g, beta, state_indices=None
 
 
 def replay_kda_verify_ref(store: ReplayStore, q, k, v, g, beta, state_indices=None, scale=None,
-                          out=None, use_qk_l2norm=True, launch=None):
+                          out=None, use_qk_l2norm=True):
     """torch reference of replay_kda_verify."""
     T = q.shape[1]
     _begin(store, "kda", False, None)

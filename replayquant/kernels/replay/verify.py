@@ -39,40 +39,39 @@ def _onepass(design) -> bool:
 
 
 def replay_gdn_verify(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, state_indices=None,
-                      scale=None, out=None, use_qk_l2norm=True, launch=None, beta_scale=1.0,
+                      scale=None, out=None, use_qk_l2norm=True, beta_scale=1.0,
                       design="step-kernel"):
     """Outputs of T GDN drafts per row [B, T, H, d_v] (Triton: the flush launch for rows that
     pre-flush, the read launch with the pointer move). q, k [B, T, HK, d_k], v [B, T, H, d_v]
-    (k, v bf16), a, b [B, T, H]; beta_scale and launch as replay_gdn_step; design: the read
-    launch (VERIFY_DESIGNS). Then call replay_accept."""
+    (k, v bf16), a, b [B, T, H]; beta_scale as replay_gdn_step; design: the read launch
+    (VERIFY_DESIGNS). Then call replay_accept."""
     if _onepass(design):
         return onepass_verify(store, "gdn", q, k, v, a, b, A_log, dt_bias, None, None,
-                              state_indices, out, scale, use_qk_l2norm, launch,
-                              beta_scale=beta_scale)
+                              state_indices, out, scale, use_qk_l2norm, beta_scale=beta_scale)
     return _launch(store, "gdn", q, k, v, a, b, A_log, dt_bias, None, None, state_indices, out,
-                   scale, use_qk_l2norm, False, launch=launch, beta_scale=beta_scale)
+                   scale, use_qk_l2norm, False, beta_scale=beta_scale)
 
 
 def replay_mamba2_verify(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None, z=None,
-                         dt_bias=None, out=None, launch=None, dt_limit=NO_DT_LIMIT,
+                         dt_bias=None, out=None, dt_limit=NO_DT_LIMIT,
                          design="step-kernel"):
     """Outputs of T Mamba-2 drafts [B, T, H, P] (Triton, as replay_gdn_verify). x [B, T, H, P],
     dt [B, T, H], B, C [B, T, G, N], z [B, T, H, P] (x, B bf16); dt_limit as
     replay_mamba2_step; design as replay_gdn_verify. Then call replay_accept."""
     if _onepass(design):
         return onepass_verify(store, "mamba2", C, B, x, dt, None, A, dt_bias, D, z,
-                              state_indices, out, None, False, launch, dt_limit=dt_limit)
+                              state_indices, out, None, False, dt_limit=dt_limit)
     return _launch(store, "mamba2", C, B, x, dt, None, A, dt_bias, D, z, state_indices, out,
-                   None, False, False, launch=launch, dt_limit=dt_limit)
+                   None, False, False, dt_limit=dt_limit)
 
 
 def replay_kda_verify(store: ReplayStore, q, k, v, g, beta, state_indices=None, scale=None,
-                      out=None, use_qk_l2norm=True, launch=None):
+                      out=None, use_qk_l2norm=True):
     """Outputs of T Kimi Delta Attention drafts per row [B, T, H, d_v] (Triton, as
     replay_gdn_verify). q, k [B, T, HK, d_k], v [B, T, H, d_v] (k, v bf16), g [B, T, H, d_k]
     the log decay per key channel, beta [B, T, H]. Then call replay_accept."""
     return _launch(store, "kda", q, k, v, g, beta, None, None, None, None, state_indices, out,
-                   scale, use_qk_l2norm, False, launch=launch)
+                   scale, use_qk_l2norm, False)
 
 
 def replay_accept(store: ReplayStore, n, state_indices=None, check=True):

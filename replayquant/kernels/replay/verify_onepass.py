@@ -42,12 +42,13 @@ from replayquant.kernels.conventional.kernel import (_L2_EPS, _kernel_inputs, _p
 from replayquant.kernels.quant.kernel import decode_bf16, decode_fp16, small_float_at
 from replayquant.kernels.replay.decode import (_advance_row, _entry, _flush_flags, _flush_grid,
                                                _mm, _read_setup, _replay_kernel)
-from replayquant.kernels.replay.launch import _max_regs, replay_launch_config
+from replayquant.kernels.replay.launch import (_max_regs, onepass_launch_config,
+                                              replay_launch_config)
 from replayquant.kernels.quant.roles import split_key
 from replayquant.replay.stores import (ReplayStore, _begin, _check_buffered, _indices,
                                         dt_limit_args, folds_u, solves_u, step_inputs)
 
-__all__ = ["onepass_verify", "onepass_launch_config", "ONEPASS_TABLE"]
+__all__ = ["onepass_verify"]
 
 
 # ============================================================================ Triton
@@ -448,32 +449,6 @@ def _onepass_kernel(
 
 # ============================================================================ host side
 
-# The one-pass launch, chosen by the read copy's format: rows BV of a program's tile, warps,
-# columns a chunk, chunks' loads in flight. Reasons: compile_check sass on sm_90 (Triton 3.9),
-# Qwen3.5-4B GDN layer, T = 4, ptxas's registers uncapped; SASS a warp with the chunk loop's
-# body counted d_k / chunk times, for 64 rows (s32_rs / tp8_hi32 / tp4_hi32). Untimed.
-ONEPASS_TABLE = (   # role, rows, warps, chunk, stages  # reason
-    ("*", 64, 2, 32, 3),   # 2 x 4135 / 4073 / 4417, 128-137 registers; 32 rows on 1 warp:
-)                          # 2 x 4682 / 4398 / 4777; 64 on 1 warp: 6737 / 5820 / 6392, 231-255
-
-
-def onepass_launch_config(store: ReplayStore, launch=None):
-    """(BV, num_warps, CK, stages) of the one-pass read launch: ONEPASS_TABLE's row for the
-    store's read copy, or launch['read'] = (rows, warps) where given (None: the table's)."""
-    role = store.read_role.fmt
-    rows, warps, ck, stages = next(r[1:] for r in ONEPASS_TABLE if r[0] in ("*", role))
-    N, HV, dv, dk = store.shape
-    given = (launch or {}).get("read") or (None, None)
-    rows = min(dv, rows) if given[0] is None else int(given[0])
-    warps = warps if given[1] is None else int(given[1])
-    if rows < 16 or dv % rows or rows & (rows - 1):
-        raise ValueError(f"read launch rows={rows} must be a power of two >= 16 dividing "
-                         f"d_v={dv}")
-    if warps < 1 or warps & (warps - 1):
-        raise ValueError(f"read launch warps={warps} must be a power of two")
-    return rows, warps, min(ck, dk), stages
-
-
 def _checks(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, beta_scale):
     """decode._launch's checks of a verify, in its order -> (B, T)."""
     _begin(store, kind, False, None)
@@ -498,13 +473,13 @@ def _checks(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, beta_scal
 
 
 def _pre_flush(store, kind, idx, out, inputs, has, scale, beta_scale, dt_args, use_qk_l2norm,
-               T, launch):
+               T):
     """decode's flush launch of a verify: the rows that pre-flush fold their committed
     entries into both roles (nothing else is written)."""
     N, HV, dv, dk = store.shape
     B = idx.shape[0]
-    BV, nw = replay_launch_config(store, "flush", launch)
-    regs = _max_regs(store, launch, "flush", T)
+    BV, nw = replay_launch_config(store, "flush")
+    regs = _max_regs(store, "flush", T)
     tpp, grid = _flush_grid(B * HV * (dv // BV), idx.device)
     Ap, As, Ag, afid = store.anchor.kernel_args()
     Rp, Rs, Rg, rfid = store.read_role.kernel_args()
@@ -528,12 +503,12 @@ def _pre_flush(store, kind, idx, out, inputs, has, scale, beta_scale, dt_args, u
 
 
 def onepass_verify(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, state_indices,
-                   out, scale, use_qk_l2norm, launch=None, dt_limit=None, beta_scale=1.0):
+                   out, scale, use_qk_l2norm, dt_limit=None, beta_scale=1.0):
     """Outputs [B, T, H, d_v] of the T drafts on axis 1 of the inputs of a `kind` ('gdn' or
     'mamba2') store, as decode._launch's verify (arguments in its order; Mamba-2: q = C,
     k = B, v = x, a = dt): the flush launch for the rows that pre-flush, then _onepass_kernel,
-    which moves the pointers. Then call replay_accept. launch: {'flush': (rows, warps[, regs]),
-    'read': (rows, warps)} overrides (replay_launch_config, onepass_launch_config)."""
+    which moves the pointers. Then call replay_accept. Launch configs: replay_launch_config,
+    onepass_launch_config (launch.override_replay_launch tries others)."""
     if kind not in ("gdn", "mamba2"):
         raise ValueError(f"the one-pass verify takes a 'gdn' or 'mamba2' store, got {kind!r}")
     beta_scale = float(beta_scale)
@@ -548,9 +523,8 @@ def onepass_verify(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, st
     inputs = _kernel_inputs(q, k, v, a, b, A, dt_bias, D, z)
     scale = float(scale if scale is not None else 1.0 / math.sqrt(dk))
     has = (dt_bias is not None, D is not None, z is not None)
-    _pre_flush(store, kind, idx, out, inputs, has, scale, beta_scale, dt_args, use_qk_l2norm, T,
-               launch)
-    BV, nw, CK, stages = onepass_launch_config(store, launch)
+    _pre_flush(store, kind, idx, out, inputs, has, scale, beta_scale, dt_args, use_qk_l2norm, T)
+    BV, nw, CK, stages = onepass_launch_config(store)
     NQ = 1 if q.dtype == torch.bfloat16 else 3
     delta = kind != "mamba2"
     Rp, Rs, Rg, rfid = store.read_role.kernel_args()
