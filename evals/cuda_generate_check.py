@@ -7,7 +7,7 @@ layer through the replay state machine, with the GPU kernels on CUDA. The CPU te
 path in the Triton interpreter on tiny random models; this script runs it compiled, on the
 shipped trained models (tiny-qwen3.5: Gated DeltaNet, tiny-mamba2: Mamba-2), in float32.
 tiny-kimi-linear is not among the defaults: its decode kernel, replay_kda_step, is checked in the
-interpreter only (tests/kernels/test_kernel_kda_replay.py) and has not run compiled yet.
+interpreter only (tests/kernels/replay/test_kernel_kda_replay.py) and has not run compiled yet.
 
 * the same ragged batch of held-out prompts (left padding) is generated greedily on CUDA
   (decode kernel: `decode_path` must say 'triton') and on the CPU (the torch engine on a

@@ -29,10 +29,11 @@ differently, the outputs, u and the key factors move by float32 reassociation (a
 relative); u stored in bf16 may then lie one bf16 step apart where it sat on a rounding
 boundary, and in a store that folds the ring's u (folds_u) the flush's state moves as much, so
 that a rounded role may differ by one code where a value sits on a rounding boundary. On the
-CPU at d = 16 every store tensor and output comes out bit for bit (tests/kernels/test_replay_torch.py);
-at d_v = 64 the CPU's bmm sums the zero-padded window in another order (L = 8, 26 steps, GDN,
-Mamba-2 and KDA, four pairs): outputs within 2.5e-7 of their largest, the key factors 3e-8,
-the FP32 u and roles of a folding store 1.1e-7, every rounded role and bf16 u the same bytes.
+CPU at d = 16 every store tensor and output comes out bit for bit
+(tests/kernels/replay/test_replay_torch.py); at d_v = 64 the CPU's bmm sums the zero-padded
+window in another order (L = 8, 26 steps, GDN, Mamba-2 and KDA, four pairs): outputs within
+2.5e-7 of their largest, the key factors 3e-8, the FP32 u and roles of a folding store 1.1e-7,
+every rounded role and bf16 u the same bytes.
 
 Cost: the flush branch (L - 1 entries of the recurrence and both casts) runs for every row at
 every step, where the reference runs it for the rows that flush; the price of deciding nothing

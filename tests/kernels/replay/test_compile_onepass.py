@@ -1,7 +1,7 @@
 """The one-pass verify kernel compiles for sm_90 (Triton's compiler and ptxas, no GPU) in every
 specialization its formats and kinds reach: the interpreter, which runs its correctness tests,
-accepts code that the compiler rejects. Records tests/kernels/compile_drive_onepass.py's launches in the
-interpreter, then compiles each distinct _onepass_kernel specialization once."""
+accepts code that the compiler rejects. Records tests/kernels/replay/compile_drive_onepass.py's
+launches in the interpreter, then compiles each distinct _onepass_kernel specialization once."""
 
 import json
 import os
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("triton.backends.nvidia")
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _run(args, env, cwd):
@@ -25,8 +25,8 @@ def _run(args, env, cwd):
 def test_onepass_kernel_compiles_for_sm90(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     out = tmp_path / "launches.json"
-    rc, log = _run(["record", str(out), "--", str(ROOT / "tests" / "kernels" / "compile_drive_onepass.py")],
-                   env, tmp_path)
+    drive = ROOT / "tests" / "kernels" / "replay" / "compile_drive_onepass.py"
+    rc, log = _run(["record", str(out), "--", str(drive)], env, tmp_path)
     assert rc == 0, log[-3000:]
     launches = [ln for ln in json.loads(out.read_text()) if ln["kernel"] == "_onepass_kernel"]
     assert {(ln["constexprs"]["RFMT"], ln["constexprs"]["DELTA"], ln["constexprs"]["NQ"])

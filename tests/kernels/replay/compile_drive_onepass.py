@@ -1,8 +1,9 @@
-"""Driver for tests/kernels/test_compile_onepass.py (run under `compile_check record`, so in the Triton
-interpreter): one verify of the one-pass design (design='onepass') per layer kind and read
-format at tiny shapes with a bf16 q, and with a float32 q (three bf16 parts) on an FP32 copy.
+"""Driver for tests/kernels/replay/test_compile_onepass.py (run under `compile_check record`, so
+in the Triton interpreter): one verify of the one-pass design (design='onepass') per layer kind
+and read format at tiny shapes with a bf16 q, and with a float32 q (three bf16 parts) on an FP32
+copy.
 
-    python tests/kernels/compile_drive_onepass.py
+    python tests/kernels/replay/compile_drive_onepass.py
 """
 
 import sys
