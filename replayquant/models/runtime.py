@@ -208,7 +208,7 @@ def teacher_force_path(x: torch.Tensor, d_k: int, d_v: int) -> str:
     'torch (kernel does not support d_k=.., d_v=..)'."""
     if not use_triton(x):
         return "torch"
-    from replayquant.kernels import chunk   # Triton (Linux only): loaded where a kernel runs
+    from replayquant.kernels.chunk import kernel as chunk   # Triton (Linux only): where it runs
     if chunk.supports(d_k, d_v):
         return "triton"
     return f"torch (the Triton chunk kernel needs powers of two >= 16, got d_k={d_k}, d_v={d_v})"
