@@ -7,7 +7,7 @@ layer through the replay state machine, with the GPU kernels on CUDA. The CPU te
 path in the Triton interpreter on tiny random models; this script runs it compiled, on the
 shipped trained models (tiny-qwen3.5: Gated DeltaNet, tiny-mamba2: Mamba-2), in float32.
 tiny-kimi-linear is not among the defaults: its decode kernel, replay_kda_step, is checked in the
-interpreter only (tests/kernels/test_kernel_kda_replay.py) and has not run compiled yet.
+interpreter only (tests/kernels/replay/test_kernel_kda_replay.py) and has not run compiled yet.
 
 * the same ragged batch of held-out prompts (left padding) is generated greedily on CUDA
   (decode kernel: `decode_path` must say 'triton') and on the CPU (the torch engine on a
@@ -71,7 +71,7 @@ def _timed(model, ids, mask, new_tokens, device):
 
 def _count_kernel_steps():
     """Wrap the decode kernels' entry points: returns the call counter."""
-    from replayquant.kernels import replay_decode as rd
+    from replayquant.kernels.replay import decode as rd
     calls = {"n": 0}
     for name in ("replay_gdn_step", "replay_mamba2_step"):
         orig = getattr(rd, name)

@@ -2,8 +2,8 @@
 (no GPU: Triton's compiler and ptxas for sm_90, `compile_check`): registers, spilled bytes,
 SASS instructions and the commonest opcodes, at the GDN Qwen3.5-4B layer shape (H = 32, HK = 16,
 d_v = d_k = 128, L = 16) and the Mamba-2 Nemotron-H shape (H = 128, HK = 8, d_v = 64, d_k = 128,
-L = 8), for the fold's tile configurations. Records tests/kernels/compile_drive_fold.py's tiny
-launches in the interpreter and compiles them with the layer shapes' constexprs.
+L = 8), for the fold's tile configurations. Records the tiny launches of
+tests/kernels/replay/compile_drive_fold.py in the interpreter and compiles them with the layer shapes' constexprs.
 
     PYTHONPATH=. python evals/fold_sass.py [--arch 90]
 """
@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+DRIVE = ROOT / "tests" / "kernels" / "replay" / "compile_drive_fold.py"
 SHAPES = {True: dict(HK=16, HV=32, DK=128, DV=128, BUFFER_LEN=16),        # GDN (DELTA)
           False: dict(HK=8, HV=128, DK=128, DV=64, BUFFER_LEN=8)}         # Mamba-2
 # rows, warps, chunk columns, stages, q and k chunks loaded (QLOAD)
@@ -30,7 +31,7 @@ OPS = ("HMMA", "HGMMA", "LDG", "STG", "LDGSTS", "SHFL", "BAR")
 def _record(path):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     r = subprocess.run([sys.executable, "-m", "replayquant.kernels.compile_check", "record",
-                        str(path), "--", str(ROOT / "tests" / "kernels" / "compile_drive_fold.py")],
+                        str(path), "--", str(DRIVE)],
                        env=env, capture_output=True, text=True)
     if r.returncode:
         raise SystemExit(r.stdout + r.stderr)

@@ -33,8 +33,8 @@ def kda_conventional_checks(device="cuda") -> dict:
     from the kernel's own store (what one call must match); max_rel_y: the reference's own
     chain of steps (rounding flips of low-precision formats may make it drift apart)."""
     from replayquant.testing import kda_step_inputs, random_state
-    from replayquant.kernels.conventional import conventional_kda_step
-    from replayquant.kernels.conventional_ref import conventional_kda_step_ref
+    from replayquant.kernels.conventional.kernel import conventional_kda_step
+    from replayquant.kernels.conventional.reference import conventional_kda_step_ref
     from replayquant.replay.stores import ConventionalStore
     H, HK, dk, dv = (KDA_SHAPE[n] for n in ("H", "HK", "dk", "dv"))
     idx = torch.tensor([5, -1, 0, 3, 1, 2, 4], dtype=torch.int32, device=device)
@@ -69,8 +69,9 @@ def kda_chunk_checks(device="cuda") -> dict:
     frac_y_gt_1e-4: the outputs off by more than 1e-4 of the largest), the carried state and,
     for s32_rs, both against the float64 per-channel recurrence."""
     from replayquant.testing import kda_step_inputs, random_state
-    from replayquant.kernels import chunk
-    from replayquant.kernels.chunk_ref import chunk_scan_ref, initial_scan_state, rebuild_state
+    from replayquant.kernels.chunk import kernel as chunk
+    from replayquant.kernels.chunk.reference import (chunk_scan_ref, initial_scan_state,
+                                                     rebuild_state)
     from replayquant.pairs import PrecisionPair
     from replayquant.replay import kda_inputs, recurrent_reference
     H, HK, dk, dv = (KDA_SHAPE[n] for n in ("H", "HK", "dk", "dv"))

@@ -115,7 +115,7 @@ case "$job" in
     ;;
   decode)
     TRITON_INTERPRET=0 timeout 260 python3 -m pytest -q -s -p no:cacheprovider tests/models/test_decode_graph.py \
-        tests/kernels/test_kernel_faults.py tests/models/test_decode_exact.py -k cuda -rA > "$OUT/decode_tests.log" 2>&1
+        tests/kernels/replay/test_kernel_faults.py tests/models/test_decode_exact.py -k cuda -rA > "$OUT/decode_tests.log" 2>&1
     echo "tests rc=$?"
     grep -E "cuda: prompt" "$OUT/decode_tests.log"
     grep -E "PASSED|FAILED|Error" "$OUT/decode_tests.log" | head -12

@@ -1,6 +1,6 @@
 """The decode step's two designs side by side on one GPU, GDN and Mamba-2 s32_rs: today's
 (design='eager-flush': a flush launch, then the read launch; one launch at small batch) and the
-deferred fold (design='deferred-fold', kernels/replay_fold.py: one launch, a full window folded
+deferred fold (design='deferred-fold', kernels/replay/fold.py: one launch, a full window folded
 by the next step's read), at its launch table's tile and at the variants given. On `replayquant
 bench kernels`' shapes, inputs and clock (CUDA graphs, triton.testing.do_bench median, state
 copies rotated so every step finds its state cold), each design on stores of its own from the
@@ -27,9 +27,10 @@ import torch
 from replayquant.bench.kernels.grid import PAIR_L, SHAPES, kernel_inputs, load_pair
 from replayquant.bench.kernels.timing import (copy_bandwidth_GBps, empty_cache, no_gpu,
                                               rotations, time_calls, timed_row)
-from replayquant.kernels.replay_fold import replay_gdn_step, replay_mamba2_step
-from replayquant.kernels.replay_fold_ref import (replay_gdn_fold_step_ref,
-                                                 replay_mamba2_fold_step_ref)
+from replayquant.kernels.replay.fold import replay_gdn_step, replay_mamba2_step
+from replayquant.kernels.replay.launch import override_replay_launch
+from replayquant.kernels.replay.reference import (replay_gdn_fold_step_ref,
+                                                  replay_mamba2_fold_step_ref)
 from replayquant.outputs import write_json
 from replayquant.provenance import provenance
 from replayquant.replay.stores import ReplayStore
@@ -146,7 +147,7 @@ def rows_of(kind, B, design, launch, copy_bw, device) -> list:
     idx = torch.arange(B, dtype=torch.int32, device=device)
     out = torch.empty(B, S["H"], S["dv"], device=device)
     R = rotations(B * S["H"] * state_bytes("fp32", S["dv"], S["dk"]), device)
-    opts = dict(design=design, **({"launch": launch} if launch else {}))
+    opts = dict(design=design)
     wbytes = (fold_window_bytes(kind, L, B, *shp) if fold
               else replay_window_bytes(kind, "fp32", None, L, B, *shp))
     extra = dict(L=L, design=design, launch=launch, rot=R)
@@ -184,7 +185,7 @@ def rows_of(kind, B, design, launch, copy_bw, device) -> list:
 
 
 def _variants(text):
-    """'64x2,64x1:16' -> [{'read': (64, 2)}, {'read': (64, 1, 16)}] (rows x warps, and columns
+    """'64x2,64x1:16' -> [{'fold': (64, 2)}, {'fold': (64, 1, 16)}] (rows x warps, and columns
     a chunk after a colon)."""
     out = []
     for v in filter(None, (text or "").split(",")):
@@ -192,7 +193,7 @@ def _variants(text):
         rows, _, warps = tile.partition("x")
         if not (rows.isdigit() and warps.isdigit() and (chunk == "" or chunk.isdigit())):
             raise SystemExit(f"--variants: '{v}' is not ROWSxWARPS[:CHUNK] (e.g. 64x1:16)")
-        out.append({"read": (int(rows), int(warps)) + ((int(chunk),) if chunk else ())})
+        out.append({"fold": (int(rows), int(warps)) + ((int(chunk),) if chunk else ())})
     return out
 
 
@@ -246,7 +247,8 @@ def main(argv) -> int:
         for B in batches:
             for design, launch in [("eager-flush", None), ("deferred-fold", None)] \
                     + [("deferred-fold", v) for v in variants]:
-                res["rows"] += rows_of(kind, B, design, launch, res["copy_GBps"], dev)
+                with override_replay_launch(launch):
+                    res["rows"] += rows_of(kind, B, design, launch, res["copy_GBps"], dev)
                 write_json(a.out, res)
     summary(res["rows"])
     return 0

@@ -1,4 +1,4 @@
-"""The speculative verify round of both read launches side by side on one GPU: replay_decode's
+"""The speculative verify round of both read launches side by side on one GPU: replay.decode's
 step kernel (design='step-kernel', the default) and verify_onepass (design='onepass', at its
 launch table's config and at the variants given), on `replayquant bench kernels`' shapes,
 inputs, accept counts and clock (bench_spec's rounds: verify + accept of n, CUDA graphs of 8
@@ -25,7 +25,8 @@ from replayquant.bench.kernels.rows import spec_accepts
 from replayquant.bench.kernels.timing import (copy_bandwidth_GBps, empty_cache, no_gpu,
                                               time_calls, timed_row)
 from replayquant.replay.stores import ReplayStore
-from replayquant.kernels.verify import replay_accept
+from replayquant.kernels.replay.launch import override_replay_launch
+from replayquant.kernels.replay.verify import replay_accept
 from replayquant.outputs import write_json
 from replayquant.provenance import provenance
 
@@ -97,9 +98,10 @@ def rounds(kind, B, T, pair, design, launch, copy_bw, device) -> list:
                                     max_drafts=T)
 
         def rnd():
-            f["verify"](st, **kw, state_indices=idx, out=out, launch=launch, design=design)
+            f["verify"](st, **kw, state_indices=idx, out=out, design=design)
             replay_accept(st, acc, idx, check=False)
-        ms = time_calls(rnd, 8)
+        with override_replay_launch(launch):
+            ms = time_calls(rnd, 8)
         rows.append(timed_row(kind, kernel, pair, B, ms, None, copy_bw, T=T, L=L, design=design,
                               launch=launch, mean_accept=float(acc.float().mean())))
         del st

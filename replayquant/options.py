@@ -3,7 +3,7 @@
 | variable | option | values | what it chooses |
 | --- | --- | --- | --- |
 | REPLAYQUANT_BACKEND | backend | auto, triton, torch | where format casts run: auto = the Triton kernels on CUDA tensors, the torch reference on CPU ones; triton forces the kernels (CPU tensors only under TRITON_INTERPRET=1; `check_backend` refuses it otherwise) |
-| REPLAYQUANT_CHUNK_DOT | chunk_dot | tf32x3, ieee | the chunk kernel's tl.dot input precision (see replayquant/kernels/chunk.py) |
+| REPLAYQUANT_CHUNK_DOT | chunk_dot | tf32x3, ieee | the chunk kernel's tl.dot input precision (see replayquant/kernels/chunk/kernel.py) |
 | REPLAYQUANT_NVFP4_CHAIN_SPLIT | nvfp4_chain_split | unset, 0, N >= 1 | the chunk kernel's NVFP4 chain: unset chooses by shape, 0 forces two-pass, N splits a matrix over N programs |
 | REPLAYQUANT_CPU_THREADS | cpu_threads | N >= 1 (default 1) | intra-op threads of the CPU teacher-forcing scan |
 | REPLAYQUANT_DECODE_GRAPHS | decode_graphs | on, off | whether a patched layer's eager decode steps on CUDA replay a recorded CUDA graph (replayquant/models/decode_graph.py) or launch their kernels one by one |

@@ -3,7 +3,7 @@
 One model serves the kernels bench (`replayquant bench kernels`, whose rows' `bytes`, byte ratios
 and copy-bandwidth ceilings come from the functions below) and the sweep (`replayquant sweep`,
 which sums them over a model's real recurrent layers). The counts follow the layout of the
-Triton kernels (`replayquant.kernels.replay_decode.ReplayStore`):
+Triton kernels (`replayquant.kernels.replay.decode.ReplayStore`):
 
 * a state matrix of d_v x d_k elements in its physical format (`state_bytes`: payload + scales);
 * the ring buffer, one entry per buffered step and head: k / B in bf16 (one per key head or
@@ -80,7 +80,7 @@ def io_bytes(kind, H, HK, dv, dk):
 
 def ring_u_bytes(anchor_fmt, read_fmt) -> int:
     """Bytes of one cached u element: 4 for a shared FP32 pair (read_fmt None), whose flush folds
-    the FP32 u (`replay_decode.folds_u`), else 2 (bf16: outputs only, the flush solves for u; a
+    the FP32 u (`replay.decode.folds_u`), else 2 (bf16: outputs only, the flush solves for u; a
     shared FP16 / BF16 / NVFP4 anchor would pay 5-19% more state memory for the FP32 u)."""
     return 4 if read_fmt is None and anchor_fmt == "fp32" else 2
 

@@ -1,8 +1,9 @@
 """The package's import structure: its import graph has no circle (every module's imports of
 replayquant modules, at module level and inside functions alike: a function-local import hides an
-edge from a reader, not from this check; read from the source with `ast`), its functions outside
-the kernels take at most ten parameters, and the layer's state, the format specification and the
-torch references import and run without Triton."""
+edge from a reader, not from this check; read from the source with `ast`), kernels/ holds one
+folder per operator with only Triton code, launch tables and references (which import no Triton
+module), its functions outside the kernels take at most ten parameters, and the layer's state,
+the format specification and the torch references import and run without Triton."""
 
 from __future__ import annotations
 
@@ -24,13 +25,26 @@ def _modules() -> dict[str, Path]:
     return out
 
 
-def _edges(mods: dict[str, Path]) -> dict[str, set[str]]:
+def _module_level(tree: ast.AST):
+    """The nodes of a module that run when it is imported: all but the bodies of its functions
+    (a class body runs; a method's body does not)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        stack.extend(c for c in ast.iter_child_nodes(node)
+                     if not isinstance(c, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+
+def _edges(mods: dict[str, Path], module_level: bool = False) -> dict[str, set[str]]:
     """module -> the replayquant modules it imports (a name imported from a package counts as
-    its module where one exists, else the package)."""
+    its module where one exists, else the package); module_level: only the imports that run
+    when it is imported."""
     edges = {m: set() for m in mods}
     for m, p in mods.items():
         package = m if p.name == "__init__.py" else m.rpartition(".")[0]
-        for node in ast.walk(ast.parse(p.read_text())):
+        tree = ast.parse(p.read_text())
+        for node in (_module_level(tree) if module_level else ast.walk(tree)):
             if isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:                                  # relative: from . / .. import
@@ -86,6 +100,56 @@ def test_the_import_graph_has_no_circle():
     assert _circles(edges) == []
 
 
+# kernels/: one folder per operator, and beside them the custom-operator registry and the compile
+# checker (a developer's tool). In an operator folder a module is Triton code (it imports triton)
+# or one of PLAIN: its launch table, its torch reference, the replay folder's torch engine.
+OPERATORS = {"quant", "conventional", "replay", "chunk"}
+PLAIN = {"launch", "reference", "engine"}
+
+
+def _imports_triton(path: Path) -> bool:
+    """Whether the module imports triton itself when it is imported."""
+    for node in _module_level(ast.parse(path.read_text())):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+        if any(n == "triton" or n.startswith("triton.") for n in names):
+            return True
+    return False
+
+
+def test_kernels_hold_kernels_launch_tables_and_references():
+    """kernels/ is one folder per operator (and ops, compile_check); an operator folder holds
+    Triton code (a module whose import imports triton), its launch table and its reference (the
+    replay folder also its torch engine) and nothing else; no launch table, reference or engine
+    imports a Triton module, directly (at module level or inside a function) or through what
+    its imports import."""
+    mods = _modules()
+    kern = [m for m in mods if m.startswith("replayquant.kernels.")]
+    assert {m.split(".")[2] for m in kern} == OPERATORS | {"ops", "compile_check"}
+    direct, loaded = _edges(mods), _edges(mods, module_level=True)
+    triton_mods = {m for m, p in mods.items() if _imports_triton(p)}
+    while True:                       # and the modules whose import imports one of them
+        more = {m for m in mods if loaded[m] & triton_mods} - triton_mods
+        if not more:
+            break
+        triton_mods |= more
+    plain = [m for m in kern if len(m.split(".")) == 4 and m.split(".")[3] in PLAIN]
+    assert {m.split(".")[2] for m in plain} == OPERATORS        # a launch table in every folder
+    for m in kern:
+        parts = m.split(".")
+        if len(parts) == 4 and m not in plain:
+            assert parts[2] in OPERATORS and m in triton_mods, \
+                f"{m}: neither Triton code nor a launch table, reference or engine"
+    for m in plain:
+        reach, todo = set(), [m]
+        while todo:                                   # what importing m imports, transitively
+            for e in loaded[todo.pop()] - reach:
+                reach.add(e)
+                todo.append(e)
+        assert not (direct[m] | reach) & triton_mods, (m, sorted((direct[m] | reach)
+                                                                  & triton_mods))
+
+
 # Runs in a fresh interpreter in which `import triton` fails: the layer's state (the torch
 # states, the decode stores, their roles and the conversions between them), the format
 # specification, every torch reference and the torch engine's custom operator build and step on
@@ -99,8 +163,13 @@ import replayquant.formats
 from replayquant.formats import casts, philox
 import replayquant.replay
 from replayquant.replay import ConventionalStore, ReplayState, ReplayStore, roles, stores
-from replayquant.kernels import (chunk_ref, conventional_ref, ops, replay_launch, replay_ref,
-                                 replay_torch)
+from replayquant.kernels import ops
+from replayquant.kernels.chunk import launch as chunk_launch, reference as chunk_ref
+from replayquant.kernels.conventional import launch as conventional_launch
+from replayquant.kernels.conventional import reference as conventional_ref
+from replayquant.kernels.quant import launch as quant_launch
+from replayquant.kernels.replay import (engine as replay_torch, launch as replay_launch,
+                                        reference as replay_ref)
 from replayquant.models import decode_store
 from replayquant.policy import resolve_pair
 
@@ -118,6 +187,11 @@ for _ in range(L + 1):                                # read steps and a flush
     y_ref = replay_ref.replay_gdn_step_ref(ref, q, kb, vb, a, b, A_log, dt_bias)
     assert torch.equal(y, y_ref)
 assert int(store.n_flush.min()) == 1 and replay_launch.replay_launch_config(store, "flush")
+with replay_launch.override_replay_launch({"flush": (16, 1)}):
+    assert replay_launch.replay_launch_config(store, "flush") == (16, 1)
+assert conventional_launch.launch_config("fp32", 4, 16, 16) == (8, 1)
+assert chunk_launch.chunk_launch_config(pair, N, H, D, D, L)["buffer_tile"] == 16
+assert quant_launch.quant_launch_config("nvfp4_quantize", 64)["plan"] == (0, 64, 1, True)
 store.pack()
 twin = store.clone()
 ins = dict(q=q, k=kb, v=vb, a=a, b=b, A_log=A_log, dt_bias=dt_bias)

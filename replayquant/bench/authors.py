@@ -37,9 +37,9 @@ from replayquant.testing import random_state
 from replayquant.bench.kernels.grid import kernel_inputs, load_pair
 from replayquant.bench.kernels.rows import spec_accepts
 from replayquant.bench.kernels.timing import empty_cache, rotations, time_calls, timed_row
-from replayquant.kernels import replay_decode as rd
-from replayquant.kernels.conventional_ref import (gdn_frontend_ref, mamba2_frontend_ref,
-                                                  mamba2_post_ref)
+from replayquant.kernels.replay import decode as rd
+from replayquant.kernels.conventional.reference import (gdn_frontend_ref, mamba2_frontend_ref,
+                                                        mamba2_post_ref)
 from replayquant.replay.stores import ReplayStore
 from replayquant.replay.reference import recurrent_reference
 from replayquant.statebytes import replay_window_bytes, state_bytes

@@ -24,7 +24,8 @@ import triton.testing
 
 from replayquant.formats import get_format
 from replayquant.formats.constants import BF16, FP16
-from replayquant.kernels import quant
+from replayquant.kernels.quant import kernel as quant
+from replayquant.kernels.quant.launch import nvfp4_plan, override_quant_launch
 from replayquant.formats import casts as ref
 from replayquant.formats.philox import random_bits_ref
 from replayquant.outputs import check_owned, check_writable_folder, output_lock, write_json, write_text
@@ -72,7 +73,8 @@ def _validate(device) -> dict:
         dq_want = ref.nvfp4_dequantize_ref(*want)
         for mode in (0, 1, 2):
             for nb in ((None,) if mode == 0 else (64, 128)):
-                got = quant.nvfp4_quantize(x, rnd, 5, 9, mode=mode, nb=nb)
+                with override_quant_launch("nvfp4_quantize", mode=mode, nb=nb):
+                    got = quant.nvfp4_quantize(x, rnd, 5, 9)
                 ok = all(torch.equal(g.cpu(), w) for g, w in zip(got, want))
                 ok = ok and torch.equal(quant.nvfp4_dequantize(*got).cpu(), dq_want)
                 out[f"nvfp4/{rnd}/mode{mode}" + (f"/nb{nb}" if nb else "")] = ok
@@ -221,13 +223,13 @@ def _nvfp4_rows(rows: _Rows, x, rounding) -> None:
     name = "nvfp4"
     qb = numel // 2 + numel // 16 + 4 * n
     packed = quant.nvfp4_quantize(x, rounding, 1, 0)
-    plan = quant.nvfp4_plan(D * D // 16, stochastic=rounding == "stochastic")
+    plan = nvfp4_plan(D * D // 16, stochastic=rounding == "stochastic")
     ms = _bench(lambda: quant.nvfp4_quantize(x, rounding, 1, 0))
     rows.add(name, rounding, "quantize", f"default (mode {plan[0]}, NB {plan[1]})", ms,
              in_bytes + qb)
     for mode, nb, nw, fast in _NVFP4_SWEEP[rounding]:
-        ms = _bench(lambda: quant.nvfp4_quantize(x, rounding, 1, 0, mode=mode,
-                                                 nb=nb, num_warps=nw, fast=fast))
+        with override_quant_launch("nvfp4_quantize", mode=mode, nb=nb, num_warps=nw, fast=fast):
+            ms = _bench(lambda: quant.nvfp4_quantize(x, rounding, 1, 0))
         rows.add(name, rounding, "quantize",
                  f"mode {mode} NB {nb or 1024} warps {nw}" + ("" if fast else " int-path"),
                  ms, in_bytes + qb)
@@ -238,7 +240,8 @@ def _nvfp4_rows(rows: _Rows, x, rounding) -> None:
                  in_bytes + qb)
     ms = _bench(lambda: quant.nvfp4_dequantize(*packed))
     rows.add(name, rounding, "dequantize", "triton NB 128", ms, qb + in_bytes)
-    ms = _bench(lambda: quant.nvfp4_dequantize(*packed, nb=256, num_warps=8))
+    with override_quant_launch("nvfp4_dequantize", nb=256, num_warps=8):
+        ms = _bench(lambda: quant.nvfp4_dequantize(*packed))
     rows.add(name, rounding, "dequantize", "triton NB 256", ms, qb + in_bytes)
 
 

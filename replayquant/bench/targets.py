@@ -87,17 +87,23 @@ def _ratio_entry(name, target, pairs_of_us, need, reason):
     return e
 
 
+# The modules kernel_lines counts: the replay decode kernel, its verify and launch table, the
+# conventional kernel, its verify and launch table (paths under replayquant/kernels/)
+COUNTED = ("replay/decode.py", "replay/launch.py", "replay/verify.py", "conventional/kernel.py",
+           "conventional/verify.py", "conventional/launch.py")
+
+
 def kernel_lines() -> dict:
-    """Lines of the decode, verify and conventional kernels with their launch code: the three
-    modules and the decode kernel's launch table (replay_launch.py) less their torch references
+    """Lines of the decode, verify and conventional kernels with their launch code: their
+    modules and launch tables (COUNTED, paths under kernels/) less their torch references
     (functions and classes whose name ends in '_ref' or holds '_ref_'), blank lines and comments
-    counted as the file has them. The stored roles' casts in registers (kernels/roles.py,
-    shared with the chunk kernel), the format codecs (kernels/quant.py) and the stores with
+    counted as the file has them. The stored roles' casts in registers (kernels/quant/roles.py,
+    shared with the chunk kernel), the format codecs (kernels/quant/kernel.py) and the stores with
     their input checks (replay/stores.py, shared with the references) are not counted: the
     target's detail gives stores.py's lines beside them."""
     root = Path(__file__).resolve().parents[1] / "kernels"
     out = {}
-    for name in ("replay_decode.py", "replay_launch.py", "verify.py", "conventional.py"):
+    for name in COUNTED:
         p = root / name
         if not p.is_file():
             continue

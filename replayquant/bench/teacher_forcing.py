@@ -1,4 +1,4 @@
-"""GPU check and benchmarks of chunked teacher forcing (replayquant.kernels.chunk).
+"""GPU check and benchmarks of chunked teacher forcing (replayquant.kernels.chunk.kernel).
 
     python -m replayquant.bench.teacher_forcing OUT.json [--lengths 8192,32768]   (parts 1, 2)
     python -m replayquant.bench.teacher_forcing --ptxas      (registers / spills, no GPU)
@@ -41,8 +41,9 @@ from replayquant.bench import check_model_bench
 from replayquant.bench.timing import (HF_TARGETS, REPLAY_TARGETS, KernelClock, fla_version,
                                       hf_chunk_function)
 from replayquant.formats import as_bits
-from replayquant.kernels import chunk
-from replayquant.kernels.chunk_ref import chunk_scan_ref, initial_scan_state
+from replayquant.kernels.chunk import kernel as chunk
+from replayquant.kernels.chunk import launch as chunk_launch
+from replayquant.kernels.chunk.reference import chunk_scan_ref, initial_scan_state
 from replayquant.kernels.compile_check import assemble, compile_ptx, ptxas_report
 from replayquant.replay.roles import FMT_IDS
 from replayquant.bench.kl import (SHAPES, _chunk_dot, build_model, plain_forward, random_document,
@@ -116,8 +117,8 @@ def check(device="cuda") -> list:
                         "d_v": dv, "L": L, "segments": [T1, T2], "padded": padded, "exact": exact,
                         "segments_result": []}
                 if pair.anchor.format == "nvfp4" and str(device).startswith("cuda"):
-                    case["nvfp4_chain_programs_per_matrix"] = chunk.nvfp4_chain_programs(
-                        B * H, dv, chunk.device_sms(device))
+                    case["nvfp4_chain_programs_per_matrix"] = chunk_launch.nvfp4_chain_programs(
+                        B * H, dv, chunk_launch.device_sms(device))
                 for a, b in ((0, T1), (T1, T1 + T2)):
                     sl = [None if t is None else t[:, a:b] for t in (q, k, v, la, be)]
                     vm = valid[:, a:b] if padded else None
@@ -174,8 +175,8 @@ def bench(lengths=(8192, 32768), device="cuda") -> list:
             row[f"kernel_{name}_passes_ms"] = {k: v["seconds"] * 1e3 for k, v in
                                                clock.seconds().get("chunk_passes", {}).items()}
             if pair.anchor.format == "nvfp4":             # A/B: split chain or two-pass
-                row[f"kernel_{name}_chain_programs_per_matrix"] = chunk.nvfp4_chain_programs(
-                    H, dv, chunk.device_sms(device))
+                row[f"kernel_{name}_chain_programs_per_matrix"] = \
+                    chunk_launch.nvfp4_chain_programs(H, dv, chunk_launch.device_sms(device))
                 with options.override(nvfp4_chain_split=0):
                     y2 = measure(f"kernel_{name}_chain_two_pass", fn)[0]
                 row[f"kernel_{name}_split_vs_two_pass_max_rel_diff"] = float(
@@ -303,7 +304,7 @@ def resource_report(pairs=("tp4_hi16_sr", "s32_rs", "f4_sr_rs", "tp4_hi32"), H: 
     rows = []
     for name in pairs:
         pair = PrecisionPair.load(name).with_buffer_len(L)
-        cfg = chunk.chunk_launch_config(pair, 1, H, d, d, L, sms=132)    # as on an H200
+        cfg = chunk_launch.chunk_launch_config(pair, 1, H, d, d, L, sms=132)    # as on an H200
         a, r = pair.anchor.format, pair.read_spec.format
         shared = pair.read is None
         asr = pair.anchor.rounding == "stochastic"

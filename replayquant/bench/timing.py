@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from replayquant.kernels import chunk
+from replayquant.kernels.chunk import kernel as chunk
 
 __all__ = ["KernelClock", "REPLAY_TARGETS", "HF_TARGETS", "fla_version", "hf_chunk_function"]
 
@@ -122,7 +122,7 @@ class KernelClock:
 
 # what the patched model's prefill spends in the replay path (CUDA: the Triton kernel)
 REPLAY_TARGETS = {"replay_teacher_force": ("replayquant.models.runtime", "_teacher_force"),
-                  "chunk_scan": ("replayquant.kernels.chunk", "chunk_scan")}
+                  "chunk_scan": ("replayquant.kernels.chunk.kernel", "chunk_scan")}
 # what the unpatched HF forward spends in its GDN chunk function (fla's kernel when installed)
 HF_TARGETS = {"hf_gdn_chunk": ("transformers.models.qwen3_5.modeling_qwen3_5",
                                "torch_chunk_gated_delta_rule")}

@@ -11,8 +11,8 @@ the whole tensor for 1-D input) takes stream `stream + its flat index` when `str
 or its own entry when `stream` is an int64 tensor of shape x.shape[:-2]. Element i of a matrix
 uses counter i, so a caller can give every (layer, head, step) an independent stream.
 
-Backend: CUDA tensors run the Triton kernels of `replayquant.kernels.quant`; CPU tensors run the
-torch reference of `replayquant.formats.casts` (both give the same bits). Setting
+Backend: CUDA tensors run the Triton kernels of `replayquant.kernels.quant.kernel`; CPU tensors
+run the torch reference of `replayquant.formats.casts` (both give the same bits). Setting
 REPLAYQUANT_BACKEND=triton forces the Triton kernels (on the CPU with TRITON_INTERPRET=1).
 """
 
@@ -45,10 +45,10 @@ def use_triton(x: torch.Tensor) -> bool:
 
 
 def _quant_kernels():
-    """kernels/quant.py, the Triton casts that run where use_triton holds: imported there, since
-    it imports Triton, which replayquant installs on Linux only (the torch casts of
+    """kernels/quant/kernel.py, the Triton casts that run where use_triton holds: imported there,
+    since it imports Triton, which replayquant installs on Linux only (the torch casts of
     formats/casts.py, the specification, run everywhere else)."""
-    from replayquant.kernels import quant
+    from replayquant.kernels.quant import kernel as quant
     return quant
 
 def as_bits(t: torch.Tensor) -> torch.Tensor:

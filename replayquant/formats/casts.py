@@ -1,5 +1,5 @@
 """Torch reference of every format's quantize / dequantize: the specification the Triton
-kernels in `replayquant/kernels/quant.py` are checked against bit for bit.
+kernels in `replayquant/kernels/quant/kernel.py` are checked against bit for bit.
 
 Rounding to a grid uses only exact float32 operations (bit extraction, multiplication by powers
 of two, floor, subtraction, comparison), so torch, the Triton interpreter and a GPU give the

@@ -12,7 +12,7 @@ recovered exactly with an arithmetic shift and a mask): it is the readable speci
 `random_bits_ref` computes the same words with numpy in uint32 lanes and exact uint64 products
 (no masks, half the memory traffic, no thread pool), about 10-20x faster on the CPU;
 `random_bits_torch` runs philox_ref on any device with torch ops alone (what random_bits_ref
-does for a GPU, and what the torch decode step `replay_torch` uses everywhere: no host copy,
+does for a GPU, and what the torch decode step `replay.engine` uses everywhere: no host copy,
 traceable by torch.compile); tests check the three against each other.
 """
 

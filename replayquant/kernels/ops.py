@@ -4,15 +4,16 @@ keeps each one as a single node of its graph and CUDA graphs capture its launche
 `replay_verify(store, inputs, state_indices)` (operator `replayquant::replay_verify`, inputs
 with a draft axis) and `replay_accept(store, n, state_indices)` (`replayquant::replay_accept`,
 the pointer move) are speculative decoding's round on the same store: the Triton engine's
-`verify.replay_*_verify` / `replay_accept`, the torch engine's references in `replay_ref`.
+`replay.verify.replay_*_verify` / `replay_accept`, the torch engine's references in
+`replay.reference`.
 
 `replay_step(store, inputs, state_indices, ...)` runs one decode step of a `ReplayStore` through
 the operator `replayquant::replay_step`, whose arguments are the store's tensors, or its one
 byte buffer where the store is packed (`ReplayStore.pack`; declared as
 mutated: the step writes the ring, the pointers and, at a flush, both roles), the step's input
 tensors, and a string holding what the store's tensors do not say (kind, formats, L, key heads,
-the SR key, the engine). The engine is the store's: 'triton' (`replay_decode.replay_{gdn,mamba2,
-kda}_step`, a bf16 ring) or 'torch' (`replay_torch`, the same step in torch ops with no host
+the SR key, the engine). The engine is the store's: 'triton' (`replay.decode.replay_{gdn,mamba2,
+kda}_step`, a bf16 ring) or 'torch' (`replay.engine`, the same step in torch ops with no host
 read, for the CPU and for dims the kernel does not take). The fake implementation allocates the
 output [B, H, d_v] float32 and touches nothing, which is all a tracer needs. A step may take a
 `stores.FaultRecord` (its three tensors, declared as mutated too), in which the step notes which
@@ -32,8 +33,8 @@ from typing import Optional
 
 import torch
 
-from replayquant.kernels import replay_ref as rr
-from replayquant.kernels import replay_torch as rt
+from replayquant.kernels.replay import reference as rr
+from replayquant.kernels.replay import engine as rt
 from replayquant.replay.roles import PackedRole
 from replayquant.replay.stores import (FaultRecord, ReplayStore, _begin, _check_accept,
                                         packed_views)
@@ -116,12 +117,12 @@ _TRITON_MODULES = None
 
 
 def _triton_modules():
-    """(replay_decode, verify), imported at the Triton engine's first call: they import Triton,
-    which replayquant installs on Linux only and which the torch engine does not need."""
+    """(replay.decode, replay.verify), imported at the Triton engine's first call: they import
+    Triton, which replayquant installs on Linux only and which the torch engine does not need."""
     global _TRITON_MODULES
     if _TRITON_MODULES is None:
-        from replayquant.kernels import replay_decode, verify
-        _TRITON_MODULES = replay_decode, verify
+        from replayquant.kernels.replay import decode, verify
+        _TRITON_MODULES = decode, verify
     return _TRITON_MODULES
 
 
@@ -200,11 +201,11 @@ def replay_step(store: ReplayStore, inputs: dict, state_indices: torch.Tensor,
                 flushing: list[int] | None = None,
                 record: FaultRecord | None = None) -> torch.Tensor:
     """One decode step of `store` (kind gdn / mamba2 / kda) through the custom operator: inputs
-    as the kind's replay_decode step takes them, by name (GDN q, k, v, a, b, A_log, dt_bias,
+    as the kind's replay.decode step takes them, by name (GDN q, k, v, a, b, A_log, dt_bias,
     beta_scale; Mamba-2 x, dt, A, B, C, dt_bias, dt_limit; KDA q, k, v, g, beta, scale).
     meta: store_meta(store, engine), which a caller stepping the same store many times computes
     once (a tracer then sees a constant; None: the Triton engine). flushing: the torch engine's
-    host-known flushing rows (replay_torch.replay_gdn_step_torch; the Triton engine takes none).
+    host-known flushing rows (replay.engine.replay_gdn_step_torch; the Triton engine takes none).
     record: a FaultRecord the step notes its inputs' NaN and infinities in (on the device).
     Returns y float32 [B, H, d_v]."""
     ts, scalars, lim = _op_args(store, inputs)
@@ -224,7 +225,7 @@ def replay_verify(store: ReplayStore, inputs: dict, state_indices: torch.Tensor,
     """The outputs of T drafts per row through the operator replayquant::replay_verify: inputs by
     name as replay_step's, each with a draft axis after the batch ([B, T, ...]); the store must
     have been built for T drafts (max_drafts). Returns y float32 [B, T, H, d_v]; then call
-    replay_accept. (The torch engine's verify is the reference `replay_ref`, which reads the
+    replay_accept. (The torch engine's verify is the reference `replay.reference`, which reads the
     host; the Triton engine's reads nothing.)"""
     _begin(store, store.kind, False, None)           # pending drafts, on the caller's store
     ts, scalars, lim = _op_args(store, inputs)

@@ -16,13 +16,13 @@
 * Generation (`generate(use_cache=True)`, any batch, left-padded ragged prompts): every decode
   step of every recurrent layer goes through the replay state machine with the pair, flushing
   every L tokens, on the layer's decode store: the Triton replay decode kernel
-  (`replayquant.kernels.replay_decode`) on CUDA tensors or with REPLAYQUANT_BACKEND=triton, the
-  torch engine (`replayquant.kernels.replay_torch`) elsewhere; `decode_path` says which (see
+  (`replayquant.kernels.replay.decode`) on CUDA tensors or with REPLAYQUANT_BACKEND=triton, the
+  torch engine (`replayquant.kernels.replay.engine`) elsewhere; `decode_path` says which (see
   `runtime` for the hand-off from the multi-token forwards' state into the store).
 * Teacher forcing (a forward over a sequence, in segments with the cache or not):
   prefill="replay" puts every token through the decode step semantics with the chunked scan
-  (the Triton kernel `replayquant.kernels.chunk` on CUDA, its torch reference
-  `replayquant.kernels.chunk_ref` elsewhere; `teacher_force_path` says which); prefill="exact"
+  (the Triton kernel `replayquant.kernels.chunk.kernel` on CUDA, its torch reference
+  `replayquant.kernels.chunk.reference` elsewhere; `teacher_force_path` says which); prefill="exact"
   computes the segment in FP32 and casts once. Segments continue the flush schedule; padding
   tokens are skipped.
 * Short names: `SHORT_NAMES` (table in `replayquant.models.names`).

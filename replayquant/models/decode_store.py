@@ -4,7 +4,7 @@
 A `DecodeStore` is a `replayquant.replay.stores.ReplayStore` (anchor and read copy, ring buffer,
 per-row pointers as device tensors, allocated once for the batch), the engine that steps it
 through the custom operator replayquant::replay_step ('triton': the replay decode kernel on a
-bf16 ring; 'torch': `replayquant.kernels.replay_torch` on a float32 ring), the slot of each
+bf16 ring; 'torch': `replayquant.kernels.replay.engine` on a float32 ring), the slot of each
 batch row, and the device-side record of non-finite inputs. `parts_to_store` builds the store once,
 where decode starts, from a state's parts: the chunked scan's state as it is after a prompt, or a
 ReplayState's (`state_to_store`); `store_to_state` turns it back where a multi-token forward
@@ -25,7 +25,7 @@ import torch
 from replayquant.formats import QTensor, as_bits
 from replayquant.kernels.ops import (ENGINES, replay_accept, replay_step, replay_verify,
                                      store_meta, store_tensors)
-from replayquant.kernels.replay_ref import fill_key_factors_ref
+from replayquant.kernels.replay.reference import fill_key_factors_ref
 from replayquant.replay import ReplayState, core
 from replayquant.replay.roles import PackedRole
 from replayquant.replay.stores import (FAULT_INPUTS, FaultRecord, ReplayStore, check_ring_dtype,
@@ -238,7 +238,7 @@ def store_to_state(store, state_indices: torch.Tensor, pair, seed: int, layer: i
 
 class DecodeStore:
     """The replay state of one layer while it decodes: a ReplayStore, the engine that steps it
-    ('triton': the replay decode kernel, a bf16 ring; 'torch': `replay_torch`, a float32 ring),
+    ('triton': the replay decode kernel, a bf16 ring; 'torch': `replay.engine`, a float32 ring),
     the slot of each batch row, and what a decode step keeps on the device instead of reading it
     on the host (no host synchronisation in a step, so that torch.compile traces it whole and
     CUDA graphs capture it):
@@ -254,7 +254,7 @@ class DecodeStore:
     * `phase` (torch engine, eager steps): each row's committed count, counted on the host from
       the hand-off on (every decode step appends one entry per row, a row whose entry fills the
       buffer flushes to 0), so that a step names the rows that flush and the engine runs the
-      flush branch on them alone (`replay_torch`'s `flushing`): on this project's 2-core CPU,
+      flush branch on them alone (`replay.engine`'s `flushing`): on this project's 2-core CPU,
       one thread, the embedded models at B = 4, L = 16, a decode forward with the branch for
       every row took 1.3-2.5x one with it for the rows that flush (s32_rs and tp4_hi16_sr;
       evals/cpu_decode.py).

@@ -19,10 +19,10 @@ Which path runs:
   decay and beta, the step doing the L2 norm). Its engine: on CUDA tensors (or with
   REPLAYQUANT_BACKEND=triton, as the formats; on the CPU that is the Triton interpreter) the
   Triton replay decode kernel `replay_gdn_step` / `replay_mamba2_step` / `replay_kda_step` of
-  `replayquant.kernels.replay_decode` on a store whose ring keeps k and v in bf16, for a bf16
+  `replayquant.kernels.replay.decode` on a store whose ring keeps k and v in bf16, for a bf16
   model, whose activations it holds exactly; elsewhere (another device, or a float32 / float16
   model: the kernel would round its activations) the torch engine `replayquant.kernels.
-  replay_torch` on a store whose ring keeps them in float32. `decode_path()` says which; a layer
+  replay.engine` on a store whose ring keeps them in float32. `decode_path()` says which; a layer
   the kernel does not take runs the torch engine with one warning per layer that names the
   reason. The engine is chosen once, where the store is built.
   Where keys and queries are normalised: once, between the model's projection and the
@@ -32,7 +32,7 @@ Which path runs:
   where it reads them.
 * any other forward (prompt, teacher forcing, segments continuing a cache): the chunked scan
   (DESIGN section 7). On CUDA tensors (or with REPLAYQUANT_BACKEND=triton) the Triton kernel
-  `replayquant.kernels.chunk` runs; elsewhere the torch reference `chunk_ref.teacher_force`.
+  `replayquant.kernels.chunk.kernel` runs; elsewhere the torch reference `chunk_ref.teacher_force`.
   State dimensions the kernel does not handle (not powers of two >= 16) run the torch reference
   on the GPU with a warning. `teacher_force_path()` says which. prefill="replay" gives exact
   decode semantics, prefill="exact" FP32 and one cast.
@@ -78,8 +78,8 @@ import torch
 from transformers import DynamicCache
 
 from replayquant.formats import use_triton
-from replayquant.kernels.chunk_ref import (chunk_scan_ref, cpu_threads, initial_scan_state,
-                                          scan_parts, scan_state_of)
+from replayquant.kernels.chunk.reference import (chunk_scan_ref, cpu_threads, initial_scan_state,
+                                                 scan_parts, scan_state_of)
 from replayquant.models.decode_graph import LayerGraph
 from replayquant.models.decode_store import DecodeStore
 from replayquant.replay import ReplayState, core
@@ -174,8 +174,8 @@ def crop_pending(lay, keep: int | None) -> None:
 def decode_path(x: torch.Tensor | None = None, d_k: int | None = None, d_v: int | None = None,
                 dt_limit=None, vector_gate: bool = False, activations=None) -> str:
     """Which implementation a decode step runs for inputs like x with d_k x d_v states:
-    'triton' (the replay decode kernel, replayquant.kernels.replay_decode), 'torch'
-    (the torch engine on the same store, replayquant.kernels.replay_torch) or
+    'triton' (the replay decode kernel, replayquant.kernels.replay.decode), 'torch'
+    (the torch engine on the same store, replayquant.kernels.replay.engine) or
     'torch (<why the kernel cannot run>)'. x None: the CPU
     (REPLAYQUANT_BACKEND decides). dt_limit: a Mamba-2 layer's time_step_limit (the kernel
     clamps dt to it, so it never forces the torch path; a malformed one raises ValueError).
@@ -204,11 +204,11 @@ def decode_path(x: torch.Tensor | None = None, d_k: int | None = None, d_v: int 
 
 def teacher_force_path(x: torch.Tensor, d_k: int, d_v: int) -> str:
     """Which implementation a teacher-forcing / prompt forward runs for inputs like x with
-    d_k x d_v states: 'triton' (replayquant.kernels.chunk), 'torch' (chunk_ref) or
+    d_k x d_v states: 'triton' (replayquant.kernels.chunk.kernel), 'torch' (chunk_ref) or
     'torch (kernel does not support d_k=.., d_v=..)'."""
     if not use_triton(x):
         return "torch"
-    from replayquant.kernels import chunk   # Triton (Linux only): loaded where a kernel runs
+    from replayquant.kernels.chunk import kernel as chunk   # Triton (Linux only): where it runs
     if chunk.supports(d_k, d_v):
         return "triton"
     return f"torch (the Triton chunk kernel needs powers of two >= 16, got d_k={d_k}, d_v={d_v})"
@@ -356,7 +356,7 @@ def _teacher_force(held: ScanHeld, q, k, v, log_a, beta, valid, exact: bool, tai
     path = teacher_force_path(q, q.shape[-1], v.shape[-1])
     if path == "triton":
         # Triton (Linux only): loaded where a kernel runs
-        from replayquant.kernels.chunk import chunk_scan as scan
+        from replayquant.kernels.chunk.kernel import chunk_scan as scan
     else:
         if path != "torch":
             warnings.warn(f"replayquant teacher forcing on {q.device}: {path}", stacklevel=3)
@@ -581,7 +581,7 @@ class LayerRuntime:
 
     def _engine(self, q, v, raw) -> str:
         """The engine of this layer's decode store for inputs like q: 'triton' where decode_path
-        chooses the kernel, else 'torch' (`replay_torch`), warned once per layer where the kernel
+        chooses the kernel, else 'torch' (`replay.engine`), warned once per layer where the kernel
         cannot take the layer (the warning names why)."""
         path = self.decode_path(q, q.shape[-1], v.shape[-1], raw)
         if path not in ("triton", "torch"):

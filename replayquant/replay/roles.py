@@ -4,7 +4,7 @@ physically packed (fp32 / fp16 / bf16 tensors, fp8 bytes + one FP32 scale per ro
 two per byte + E4M3 block scales + one FP32 scale per matrix). Layout [slots, heads, d_v, d_k],
 d_k contiguous (the NVFP4 block runs along d_k). Its torch casts are the format specification
 (`formats/casts.py`, Philox bits of `formats/philox.py` with the streams of `streams.py`); the
-kernels' casts of a tile in registers are in `kernels/roles.py`. Plain torch: importing this
+kernels' casts of a tile in registers are in `kernels/quant/roles.py`. Plain torch: importing this
 module imports no Triton.
 """
 

@@ -51,8 +51,8 @@ Semantics (exactly; see replayquant.replay.core for the formulas and the buffer 
 Hand-off (teacher forcing, beam reordering, other backends): `st.export()` returns the parts
 (anchor, read copy, buffer, counters, rows) as a dict, `st.load(parts)` installs parts in place
 and `ReplayState.from_parts(parts, pair, delta, seed, layer)` builds a state from parts without
-any cast (vector-gated when parts['G'] has a d_k axis). `replayquant.kernels.chunk_ref.teacher_force`
-runs a segment through these.
+any cast (vector-gated when parts['G'] has a d_k axis).
+`replayquant.kernels.chunk.reference.teacher_force` runs a segment through these.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The decode stores of one layer and the checks of a step's inputs, shared by the Triton
-kernels (`replay_decode`, `verify`, `conventional`), their torch references (`replay_ref`,
-the `_ref` functions beside the kernels) and the torch engine (`replay_torch`).
+kernels (`replay.decode`, `verify`, `conventional`), their torch references (`replay.reference`,
+the `_ref` functions beside the kernels) and the torch engine (`replay.engine`).
 
 `ReplayStore` (slots N, value heads H, key heads / groups HK, ring of C = L + max_drafts
 entries, entry j of the window at (start + j) mod C):
@@ -223,7 +223,7 @@ def _check_buffered(store: "ReplayStore", delta: bool, k, v, kernel: bool):
     if kernel and ring != torch.bfloat16:
         raise ValueError(f"this store keeps its ring in {_dtype_name(ring)} (the torch engine's, "
                          f"ReplayStore.from_state(ring_dtype=...)); the Triton kernels read a "
-                         f"bfloat16 ring: step it with replay_torch, or build it with "
+                         f"bfloat16 ring: step it with replay.engine, or build it with "
                          f"ring_dtype=torch.bfloat16")
     for name, t in (("k" if delta else "B", k), ("v" if delta else "x", v)):
         if t.dtype != ring:
@@ -348,7 +348,7 @@ class ReplayStore:
         channel (Gbuf per channel). u_dtype (GDN / KDA u in the ring): None is float32 for a shared
         FP32 pair (its flush folds the cached u, folds_u), else bfloat16, the flush solving for u
         (statebytes.ring_u_bytes). ring_dtype: the ring's k and v, bfloat16 for the Triton kernels,
-        float32 for the torch engine (`replay_torch`, which then keeps u in float32 too and no key
+        float32 for the torch engine (`replay.engine`, which then keeps u in float32 too and no key
         factors: its flush recomputes u from the anchor)."""
         if kind not in ("gdn", "mamba2", "kda"):
             raise ValueError(f"kind must be 'gdn', 'mamba2' or 'kda', got {kind!r}")

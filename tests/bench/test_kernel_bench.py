@@ -15,7 +15,9 @@ from replayquant.bench.kernels.grid import PAIRS, SHAPES, kernel_inputs
 from replayquant.bench.kernels.merge import merge_kernels, one_commit
 from replayquant.bench.kernels.plan import estimate_s, plan
 from replayquant.bench.kernels.run import run_kernels_bench
-from replayquant.bench.kernels.sweep import pair_config
+from replayquant.bench.kernels.sweep import launched, pair_config
+from replayquant.kernels.conventional.launch import launch_config
+from replayquant.kernels.replay.launch import given_launch
 
 TINY = {"gdn": dict(kind="gdn", H=2, HK=1, dv=16, dk=16),
         "mamba2": dict(kind="mamba2", H=2, HK=1, dv=16, dk=16)}
@@ -137,6 +139,20 @@ def test_sweep_pick_is_the_launch_of_step_and_verify():
     cfg = {"replay/p": {"launch": {"read": (64, 4), "flush": (16, 1)}}}
     assert pair_config(cfg, "p") == {"launch": {"read": (64, 4), "flush": (16, 1)}}
     assert pair_config(cfg, "q") == {}
+
+
+def test_launched_runs_a_block_at_the_configs_the_rows_record():
+    """`launched` turns a config as the sweep's rows record it into the kernels' overrides for
+    its block: a replay pair's {'launch': ...}, the conventional step's block_v / num_warps, and
+    {} the launch tables'; after the block the tables hold again."""
+    with launched({"launch": {"read": (64, 4), "flush": (16, 1)}}):
+        assert given_launch() == {"read": (64, 4), "flush": (16, 1)}
+        assert launch_config("fp32", 8, 32, 16) == (8, 1)         # the conventional table's
+    with launched({"block_v": 16, "num_warps": 2}):
+        assert launch_config("fp32", 8, 32, 16) == (16, 2) and given_launch() == {}
+    with launched({}):
+        assert given_launch() == {} and launch_config("fp32", 8, 32, 16) == (8, 1)
+    assert given_launch() == {} and launch_config("fp32", 8, 32, 16) == (8, 1)
 
 
 # ---------------------------------------------------------------------------- the authors' kernels
@@ -389,7 +405,7 @@ def test_targets_met_not_met_not_measured():
     lines = tg["kernel-lines"]
     counted = {k: v for k, v in lines["detail"].items() if "not counted" not in k}
     assert lines["unit"] == "lines" and lines["measured"] == sum(counted.values()) > 0
-    assert set(counted) == {"replay_decode.py", "replay_launch.py", "verify.py", "conventional.py"}
+    assert set(counted) == set(targets_mod.COUNTED)
     assert lines["detail"]["stores.py (not counted)"] > 0
     res["provenance"].pop("authors")
     t = {t["name"]: t for t in targets_mod.targets(res)}["mamba2/s32_rs-vs-authors-B256"]

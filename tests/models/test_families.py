@@ -252,8 +252,8 @@ def test_kernels_serve_the_layers(work, fam, monkeypatch):
     serves, and generate agrees with the torch path within a bf16 model's logit bound
     (OLMo-Hybrid's beta = 2 sigmoid(b), linear_allow_neg_eigval, through the kernel's
     beta_scale)."""
-    from replayquant.kernels import chunk
-    from replayquant.kernels import replay_decode as rd
+    from replayquant.kernels.chunk import kernel as chunk
+    from replayquant.kernels.replay import decode as rd
     calls = {"decode": 0, "chunk": 0}
     for mod, name, key in ((rd, "replay_gdn_step", "decode"), (rd, "replay_mamba2_step", "decode"),
                            (chunk, "chunk_scan", "chunk")):

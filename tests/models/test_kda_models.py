@@ -167,9 +167,10 @@ def test_decode_kernel_equals_torch_step_and_teacher_forcing(work, monkeypatch):
     tokens are the torch path's, and the scores of every decode step (L = 4: they cross a
     flush) equal the torch path's and teacher forcing of the generated sequence within a bf16
     model's logit bound, 8 x 2^-9 of the largest logit (tests/models/test_models_decode_kernel.py).
-    The kernel against ReplayState on the same bf16 inputs: tests/kernels/test_kernel_kda_replay.py."""
-    from replayquant.kernels import chunk
-    from replayquant.kernels import replay_decode as rd
+    The kernel against ReplayState on the same bf16 inputs:
+    tests/kernels/replay/test_kernel_kda_replay.py."""
+    from replayquant.kernels.chunk import kernel as chunk
+    from replayquant.kernels.replay import decode as rd
     calls, scans = [], []
     step = rd.replay_kda_step
     monkeypatch.setattr(rd, "replay_kda_step", lambda *a, **k: calls.append(a) or step(*a, **k))

@@ -102,7 +102,7 @@ def _generate(model, ids, mask):
 
 def _spy(monkeypatch):
     """Count kernel decode steps and hand-offs."""
-    from replayquant.kernels import replay_decode as rd
+    from replayquant.kernels.replay import decode as rd
     calls = {"kernel": 0, "to_store": 0, "to_state": 0}
 
     def wrap(mod, name, key):
@@ -241,7 +241,7 @@ def test_scan_state_goes_into_the_store_as_through_a_replay_state(kind, pair):
     slot count) where the route through a ReplayState made 18 here (GDN tp4_hi16_sr: two reads
     a slot for its key factors) and 5 (Mamba-2 s32_rs)."""
     from replayquant.hostsync import HostSyncCounter
-    from replayquant.kernels.chunk_ref import chunk_scan_ref, scan_parts, scan_state_of
+    from replayquant.kernels.chunk.reference import chunk_scan_ref, scan_parts, scan_state_of
     from replayquant.kernels.ops import store_tensors
     from replayquant.pairs import PrecisionPair
     delta = kind == "gdn"
@@ -330,7 +330,7 @@ def test_generate_kernel_equals_torch(models, monkeypatch, fam, pair):
     n_layers = len(recurrent_layers(model))
     patch(model, pair, buffer_len=BUFFER_LEN, seed=5)
     if fam == "nemotron_h":
-        from replayquant.kernels import replay_decode as rd
+        from replayquant.kernels.replay import decode as rd
         limits = []
         orig_step = rd.replay_mamba2_step
 

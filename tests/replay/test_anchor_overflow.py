@@ -6,8 +6,8 @@ torch reference and the Triton chunk kernel (interpreter). Tiny shapes: about a 
 import pytest
 import torch
 
-from replayquant.kernels import chunk
-from replayquant.kernels.chunk_ref import chunk_scan_ref, initial_scan_state, teacher_force
+from replayquant.kernels.chunk import kernel as chunk
+from replayquant.kernels.chunk.reference import chunk_scan_ref, initial_scan_state, teacher_force
 from replayquant.pairs import FormatSpec, PrecisionPair
 from replayquant.replay import ConventionalState, ReplayState
 
@@ -149,9 +149,9 @@ def test_state_past_fp32_range_is_named_at_its_flush(scan):
 
 def _decode_fns(kind):
     """(Triton kernel, torch engine, torch reference) decode steps of `kind`."""
-    from replayquant.kernels import replay_decode as rd
-    from replayquant.kernels import replay_ref as rr
-    from replayquant.kernels import replay_torch as rt
+    from replayquant.kernels.replay import decode as rd
+    from replayquant.kernels.replay import reference as rr
+    from replayquant.kernels.replay import engine as rt
     return tuple(getattr(m, f"replay_{kind}_step{s}")
                  for m, s in ((rd, ""), (rt, "_torch"), (rr, "_ref")))
 

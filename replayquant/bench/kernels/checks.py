@@ -10,11 +10,12 @@ from replayquant.testing import cpu_generator, random_state
 from replayquant.bench.kernels.grid import SHAPES, kernel_fns, kernel_inputs
 from replayquant.formats import as_bits
 from replayquant.formats import casts as qref
-from replayquant.kernels.replay_decode import advance_pointers
-from replayquant.kernels.replay_ref import replay_accept_ref
-from replayquant.kernels.conventional_ref import conventional_accept_ref
+from replayquant.kernels.replay.decode import advance_pointers
+from replayquant.kernels.replay.reference import replay_accept_ref
+from replayquant.kernels.conventional.reference import conventional_accept_ref
 from replayquant.replay.stores import ConventionalStore, ReplayStore, make_snapshots
-from replayquant.kernels.verify import conventional_accept, replay_accept
+from replayquant.kernels.conventional.verify import conventional_accept
+from replayquant.kernels.replay.verify import replay_accept
 from replayquant.pairs import PrecisionPair
 
 

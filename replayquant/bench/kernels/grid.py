@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from replayquant.testing import (gdn_params, gdn_step_inputs, kda_step_inputs,
                                  mamba2_params, mamba2_step_inputs)
-from replayquant.kernels import conventional as cv
-from replayquant.kernels import conventional_ref as cr
-from replayquant.kernels import replay_decode as rd
-from replayquant.kernels import replay_ref as rr
-from replayquant.kernels import verify as vf
+from replayquant.kernels.conventional import kernel as cv
+from replayquant.kernels.conventional import reference as cr
+from replayquant.kernels.conventional import verify as cvf
+from replayquant.kernels.replay import decode as rd
+from replayquant.kernels.replay import reference as rr
+from replayquant.kernels.replay import verify as vf
 from replayquant.pairs import PrecisionPair
 
 SHAPES = {
@@ -67,7 +68,7 @@ def kernel_fns(kind) -> dict:
         return dict(conv=cv.conventional_gdn_step, conv_ref=cr.conventional_gdn_step_ref,
                     step=rd.replay_gdn_step, step_ref=rr.replay_gdn_step_ref,
                     verify=vf.replay_gdn_verify, verify_ref=rr.replay_gdn_verify_ref,
-                    cverify=vf.conventional_gdn_verify, cverify_ref=cr.conventional_gdn_verify_ref)
+                    cverify=cvf.conventional_gdn_verify, cverify_ref=cr.conventional_gdn_verify_ref)
     if kind == "kda":                       # no conventional KDA verify kernel
         return dict(conv=cv.conventional_kda_step, conv_ref=cr.conventional_kda_step_ref,
                     step=rd.replay_kda_step, step_ref=rr.replay_kda_step_ref,
@@ -75,7 +76,8 @@ def kernel_fns(kind) -> dict:
     return dict(conv=cv.conventional_mamba2_step, conv_ref=cr.conventional_mamba2_step_ref,
                 step=rd.replay_mamba2_step, step_ref=rr.replay_mamba2_step_ref,
                 verify=vf.replay_mamba2_verify, verify_ref=rr.replay_mamba2_verify_ref,
-                cverify=vf.conventional_mamba2_verify, cverify_ref=cr.conventional_mamba2_verify_ref)
+                cverify=cvf.conventional_mamba2_verify,
+                cverify_ref=cr.conventional_mamba2_verify_ref)
 
 
 def load_pair(name, L):

@@ -11,11 +11,12 @@ import torch
 from replayquant.testing import random_state
 from replayquant.bench.kernels.grid import (PAIR_L, PAIRS, SHAPES, kernel_fns, kernel_inputs,
                                             load_pair)
-from replayquant.bench.kernels.sweep import pair_config
+from replayquant.bench.kernels.sweep import launched, pair_config
 from replayquant.bench.kernels.timing import empty_cache, rotations, time_calls, timed_row
-from replayquant.kernels.replay_decode import advance_pointers
+from replayquant.kernels.replay.decode import advance_pointers
 from replayquant.replay.stores import ConventionalStore, ReplayStore, make_snapshots
-from replayquant.kernels.verify import conventional_accept, replay_accept
+from replayquant.kernels.conventional.verify import conventional_accept
+from replayquant.kernels.replay.verify import replay_accept
 from replayquant.statebytes import (conventional_bytes, io_bytes, replay_flush_step_bytes,
                                     replay_read_step_bytes, replay_window_bytes, ring_u_bytes,
                                     state_bytes)
@@ -25,9 +26,10 @@ ALTERNATE_MAX_B = 8         # the forced step is timed alternately with the conv
 ALTERNATE_REPEATS = 3
 
 
-def conv_calls(f, kw, idx, out, stores, **cfg) -> list:
-    """One conventional step per (rotated) store, as calls of no arguments, pointers held."""
-    return [lambda c=c: f["conv"](c, **kw, state_indices=idx, out=out, advance=False, **cfg)
+def conv_calls(f, kw, idx, out, stores) -> list:
+    """One conventional step per (rotated) store, as calls of no arguments, pointers held (at
+    the launch of the caller's `launched` block)."""
+    return [lambda c=c: f["conv"](c, **kw, state_indices=idx, out=out, advance=False)
             for c in stores]
 
 
@@ -46,8 +48,9 @@ def bench_conventional(kind, B, device, copy_bw, cfg=None, S=None):
         c = cfg.get("conventional/fp32", {})
         R = rotations(B * H * state_bytes(fmt, dv, dk), device)
         css = [ConventionalStore.from_state(init, fmt) for _ in range(R)]
-        calls = conv_calls(f, kw, idx, out, css, **c)
-        ms = time_calls(lambda: [g() for g in calls], 8) / R
+        calls = conv_calls(f, kw, idx, out, css)
+        with launched(c):
+            ms = time_calls(lambda: [g() for g in calls], 8) / R
         rows.append(timed_row(kind, "conventional", fmt, B, ms,
                               conventional_bytes(kind, fmt, B, H, HK, dv, dk), copy_bw, config=c,
                               rot=R))
@@ -93,8 +96,9 @@ def bench_replay(kind, B, pair, L, device, copy_bw, cfg=None, detail=False, forc
     L2); with detail the read step (h = L/2) and the flush step alone; with forced the
     path='flush' step (every step flushes); with pointer the pointer kernel alone."""
     s = _ReplaySetup(kind, B, pair, L, device, cfg, S)
-    calls = [lambda st=st: s.step(st, path="replay", **s.c) for st in s.sts]
-    ms = time_calls(lambda: [g() for g in calls], L) / s.R
+    calls = [lambda st=st: s.step(st, path="replay") for st in s.sts]
+    with launched(s.c):
+        ms = time_calls(lambda: [g() for g in calls], L) / s.R
     rows = [timed_row(kind, "replay-window", pair, B, ms,
                       replay_window_bytes(kind, s.af, s.rf, L, B, s.H, s.HK, s.dv, s.dk), copy_bw,
                       L=L, config=s.c, rot=s.R,
@@ -123,7 +127,8 @@ def _detail_rows(s: _ReplaySetup, copy_bw) -> list:
     st = s.sts[0]
     h = L // 2
     st.committed.fill_(h)
-    ms = time_calls(lambda: s.step(st, path="replay", advance=False, **c), 8)
+    with launched(c):
+        ms = time_calls(lambda: s.step(st, path="replay", advance=False), 8)
     rows = [timed_row(kind, "replay-read-step", pair, B, ms, s.read_step_bytes(h), copy_bw,
                       L=L, h=h, config=c)]
     # the same read step with the read launch's registers capped (more programs an SM,
@@ -131,11 +136,13 @@ def _detail_rows(s: _ReplaySetup, copy_bw) -> list:
     base = (c.get("launch") or {}).get("read") or (None, None)
     for regs in READ_REG_CAPS:
         lc = {**(c.get("launch") or {}), "read": (*base[:2], regs)}
-        ms = time_calls(lambda: s.step(st, path="replay", advance=False, launch=lc), 8)
+        with launched({"launch": lc}):
+            ms = time_calls(lambda: s.step(st, path="replay", advance=False), 8)
         rows.append(timed_row(kind, f"replay-read-step-regs{regs}", pair, B, ms,
                               s.read_step_bytes(h), copy_bw, L=L, h=h, config={"launch": lc}))
     st.committed.fill_(L - 1)
-    ms = time_calls(lambda: s.step(st, path="replay", advance=False, **c), 4)
+    with launched(c):
+        ms = time_calls(lambda: s.step(st, path="replay", advance=False), 4)
     rows.append(timed_row(kind, "replay-flush-step", pair, B, ms,
                           replay_flush_step_bytes(kind, s.af, s.rf, L, B, s.H, s.HK, s.dv, s.dk),
                           copy_bw, L=L, config=c))
@@ -148,13 +155,14 @@ def _forced_rows(s: _ReplaySetup, copy_bw) -> list:
     and without it."""
     rows = []
     for kernel, opts, note in (
-            ("replay-forced-flush", s.c, "path='flush': every step flushes, pointer move "
+            ("replay-forced-flush", {}, "path='flush': every step flushes, pointer move "
              "included"),
-            ("replay-forced-flush-layer", {**s.c, "advance": False}, "path='flush' without the "
+            ("replay-forced-flush-layer", {"advance": False}, "path='flush' without the "
              "pointer move (a model advances the pointers once per token for all its "
              "layers)")):
         calls = [lambda st=st, o=opts: s.step(st, path="flush", **o) for st in s.sts]
-        ms = time_calls(lambda: [g() for g in calls], 8) / s.R
+        with launched(s.c):
+            ms = time_calls(lambda: [g() for g in calls], 8) / s.R
         rows.append(timed_row(s.kind, kernel, s.pair, s.B, ms, None, copy_bw, L=s.L, rot=s.R,
                               note=note))
     return rows
@@ -245,9 +253,10 @@ def _replay_rounds(pairs, L, cfg, kind, B, T, S, f, init, kw, n, copy_bw, idx, o
                                         max_drafts=T)
 
             def rnd():
-                f["verify"](st, **kw, state_indices=idx, out=out, **c)
+                f["verify"](st, **kw, state_indices=idx, out=out)
                 replay_accept(st, acc, idx, check=False)
-            ms = time_calls(rnd, 8)
+            with launched(c):
+                ms = time_calls(rnd, 8)
             if acc is n:
                 extra = dict(tokens_per_s=tokens / ms * 1e3, mean_accept=float(n.float().mean()))
             else:
@@ -264,15 +273,17 @@ def _snapshot_rounds(c, kind, B, T, S, f, init, kw, n, copy_bw, idx, out) -> lis
     tokens = B * (float(n.float().mean()) + 1.0)
     cs = ConventionalStore.from_state(init, "fp32")
     snaps = make_snapshots(cs, T)
-    ms = time_calls(lambda: f["cverify"](cs, snaps, **kw, state_indices=idx, out=out, **c), 8)
+    with launched(c):
+        ms = time_calls(lambda: f["cverify"](cs, snaps, **kw, state_indices=idx, out=out), 8)
     sb = state_bytes("fp32", dv, dk)
     nbv = B * H * ((1 + T) * sb + T * io_bytes(kind, H, HK, dv, dk))
     rows = [timed_row(kind, "spec-snapshot-verify", "fp32", B, ms, nbv, copy_bw, T=T)]
 
     def rndc():
-        f["cverify"](cs, snaps, **kw, state_indices=idx, out=out, **c)
+        f["cverify"](cs, snaps, **kw, state_indices=idx, out=out)
         conventional_accept(cs, snaps, n, idx, check=False)
-    ms = time_calls(rndc, 8)
+    with launched(c):
+        ms = time_calls(rndc, 8)
     frac = float((n > 0).float().mean())
     rows.append(timed_row(kind, "spec-snapshot-round", "fp32", B, ms,
                           nbv + B * H * 2 * sb * frac, copy_bw, T=T,

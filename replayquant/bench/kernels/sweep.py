@@ -3,12 +3,16 @@ at one batch on fresh stores, and the fastest kept for the rows at large batch."
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from replayquant.testing import random_state
 from replayquant.bench.kernels.grid import (PAIR_L, PAIRS, SHAPES, kernel_fns, kernel_inputs,
                                             load_pair)
 from replayquant.bench.kernels.timing import empty_cache, time_calls, timed_row
+from replayquant.kernels.conventional.launch import override_conventional_launch
+from replayquant.kernels.replay.launch import override_replay_launch
 from replayquant.replay.stores import ConventionalStore, ReplayStore
 from replayquant.statebytes import (conventional_bytes, replay_flush_step_bytes,
                                     replay_read_step_bytes, ring_u_bytes)
@@ -57,7 +61,9 @@ def _sweep_conventional(init, kind, B, S, f, copy_bw, idx, kw, out) -> list:
         if bv > dv:
             continue
         c = dict(block_v=bv, num_warps=nw)
-        ms = time_calls(lambda: f["conv"](cs, **kw, state_indices=idx, out=out, advance=False, **c), 8)
+        with launched(c):
+            ms = time_calls(lambda: f["conv"](cs, **kw, state_indices=idx, out=out, advance=False),
+                            8)
         cands.append(timed_row(kind, "sweep/conventional", "fp32", B, ms,
                                conventional_bytes(kind, "fp32", B, H, HK, dv, dk), copy_bw, cfg=c))
     return cands
@@ -84,9 +90,10 @@ def _sweep_replay(init, pair, L, kind, B, S, f, copy_bw, idx, kw, out):
                 continue
             launch = {which: tuple(c)}
             st.committed.fill_(h)
-            ms = time_calls(lambda: f["step"](st, **kw, state_indices=idx, out=out,
-                                              path="replay", advance=False, launch=launch),
-                            8 if which == "read" else 4)
+            with launched({"launch": launch}):
+                ms = time_calls(lambda: f["step"](st, **kw, state_indices=idx, out=out,
+                                                  path="replay", advance=False),
+                                8 if which == "read" else 4)
             cands.append(timed_row(kind, f"sweep/replay-{which}-step", pair, B, ms, nbytes,
                                    copy_bw, cfg={"launch": launch}, h=h, L=L))
         pick[which] = min(cands, key=lambda r: r["us"])["cfg"]["launch"][which]
@@ -99,3 +106,14 @@ def pair_config(cfg, pair):
     """A pair's replay launch config, {'launch': ...} as picked by the sweep (step and verify
     alike), or {} (the launch table's)."""
     return dict(cfg.get(f"replay/{pair}", {}))
+
+
+@contextlib.contextmanager
+def launched(cfg):
+    """For the block, the kernels launch as a config of the sweep says (the form its rows
+    record): {'launch': {...}} a replay pair's (override_replay_launch), {'block_v': ...,
+    'num_warps': ...} the conventional step's (override_conventional_launch); {} or None: the
+    launch tables'."""
+    cfg = dict(cfg or {})
+    with override_replay_launch(cfg.pop("launch", None)), override_conventional_launch(**cfg):
+        yield

@@ -1,0 +1,18 @@
+"""The replay decode step and speculative verify on a `ReplayStore` (read copy + ring buffer,
+per-row flush from the anchor).
+
+| module | holds |
+| --- | --- |
+| decode | the step kernel: a flush launch and a read launch of one kernel (one launch at small batch), and the pointer move |
+| verify | the speculative verify on the step kernel, its accept and the choice of design |
+| verify_onepass | the one-pass verify (design='onepass': one pass over the read copy for all drafts) |
+| fold | the decode step in one launch, a full window folded by the next step's read (design='deferred-fold', GDN and Mamba-2 s32_rs) |
+| launch | the launch tables of the three kernels, with `override_replay_launch` |
+| reference | the torch reference of step, verify, accept and the deferred-fold step (specified by the torch `ReplayState`) |
+| engine | the torch engine: the same store stepped in batched torch, bit for bit the reference's output on the CPU |
+
+Each Triton module is named for what it runs; `launch` and `reference` carry the same names in
+every operator's folder. The reference and the engine import no Triton module (the engine is the
+decode path where Triton does not run, and sits beside the reference it is tested against).
+Importing this package imports no module of it (and so not triton).
+"""

@@ -1,0 +1,195 @@
+"""The launch tables of the replay kernels: tile rows, warps and register caps of the decode
+kernel's (`decode._replay_kernel`) flush and read launches, the one-pass verify's read launch
+(`verify_onepass._onepass_kernel`) and the deferred fold's one launch (`fold._fold_read_kernel`),
+chosen by shape, each row with its measured reason.
+
+The kernels ask `replay_launch_config` / `onepass_launch_config` / `fold_launch_config`; nobody
+passes a config down a call chain. Tests and the benchmark's sweep try other configs inside
+`override_replay_launch(launch)`. Plain Python: the torch references read the flush launch's
+tile rows (a flush tile whose state or cast is not finite keeps its bytes, as the kernel's)
+without importing Triton.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from replayquant.replay.stores import ReplayStore
+
+__all__ = ["LAUNCH_TABLE", "LAUNCHES", "ONEPASS_TABLE", "FOLD_TABLE", "replay_launch_config",
+           "onepass_launch_config", "fold_launch_config", "override_replay_launch"]
+
+
+# The launch table, chosen by shape: (launch, kind, role) -> rows BV of a program's [BV, d_k]
+# tile, state elements a thread holds (warps = BV d_k / (32 per_thread), 1..8), register cap
+# (None: ptxas's), columns a chunk of the read (0: one chunk loaded before the row's pointers;
+# d_k: one chunk loaded at the pass). The first matching row wins ('*': any). role: the read
+# launch's read copy; the flush's 'nvfp4' (either role in NVFP4, one FP32 scale per matrix: whole
+# matrices), 'fp32 shared' (an FP32 anchor that is also the read copy; GDN's flush folds its
+# cached u), else '*'. Reasons: read / flush steps, H200, B = 256, us, docs/kernels.md.
+LAUNCH_TABLE = (   # launch, kind, role, rows, per_thread, regs, chunk  # reason
+    ("read", "gdn", "fp8", 64, 256, 128, 32),       # 96.5 vs 133.8 uncapped, 151.3 whole
+    ("read", "gdn", "nvfp4", 64, 256, 128, 64),     # 100.1 vs 125.0 uncapped, 134.2 whole
+    ("read", "kda", "fp8", 64, 128, 128, 128),      # 165.2 vs 184.4 loaded early at 168
+    ("read", "kda", "nvfp4", 64, 128, 128, 128),    # 159.3 vs 168.6 loaded early
+    ("read", "*", "fp32", 64, 256, None, 32),       # GDN 171.6 vs 187.9 whole, 196.0 at 16
+    ("read", "*", "*", 64, 128, None, 0),           # GDN 199.1 vs 205.4 on 1 warp, 218.9 on 4
+    ("flush", "mamba2", "nvfp4", None, 64, 168, 0),  # 1129.0 vs 1423.4 uncapped, 2305.5 on 8 warps
+    ("flush", "*", "nvfp4", None, 64, None, 0),      # whole matrices; GDN 1145.5 vs 1727.3 on 4
+    ("flush", "gdn", "fp32 shared", 32, 128, None, 0),      # s32_rs 417.7 vs 506.8 at 16 rows
+    ("flush", "mamba2", "fp32 shared", 32, 128, None, 0),   # s32_rs 676.8 vs 702.5 at 16, 168
+    ("flush", "mamba2", "*", 16, 64, 168, 0),       # s32_rs 698.8 vs 761.8 uncapped
+    ("flush", "*", "*", 16, 64, None, 0),           # smallest dot tile; GDN 1274.5 at 168
+)
+LAUNCHES = ("flush", "read")
+
+# The one-pass launch, chosen by the read copy's format: rows BV of a program's tile, warps,
+# columns a chunk, chunks' loads in flight. Reasons: compile_check sass on sm_90 (Triton 3.9),
+# Qwen3.5-4B GDN layer, T = 4, ptxas's registers uncapped; SASS a warp with the chunk loop's
+# body counted d_k / chunk times, for 64 rows (s32_rs / tp8_hi32 / tp4_hi32). Untimed.
+ONEPASS_TABLE = (   # role, rows, warps, chunk, stages  # reason
+    ("*", 64, 2, 32, 3),   # 2 x 4135 / 4073 / 4417, 128-137 registers; 32 rows on 1 warp:
+)                          # 2 x 4682 / 4398 / 4777; 64 on 1 warp: 6737 / 5820 / 6392, 231-255
+
+# The launch, by kind: rows BV of a program's tile, warps, columns a chunk, chunks' loads in
+# flight, whether q and k enter the pass as chunks loaded from the inputs (QLOAD) or taken from
+# the front end's registers. Reasons: compile_check sass on sm_90 (Triton 3.9) at the GDN
+# Qwen3.5-4B / Mamba-2 Nemotron-H layer shapes, registers (SASS instructions) of the whole
+# program, no spills (evals/fold_sass.py, docs/kernels.md); GDN keeps the 32-column chunks
+# that today's FP32 read measured fastest (16 columns slower). Untimed.
+FOLD_TABLE = (   # kind, rows, warps, chunk, stages, qload  # reason
+    ("gdn", 64, 2, 32, 3, False),      # 166 (1808); chunk 16: 158 (1624), 64 x 1 at 16: 226
+    ("mamba2", 64, 2, 16, 3, False),   # 122 (1376); chunk 32: 160-162 (1488-1560)
+)     # 32 x 1: 208 / 158-162 registers; 64 x 1 at 32 columns: 248-254
+
+# The launch that override_replay_launch gives for the length of its block ({}: the tables')
+_given: dict = {}
+
+
+@contextlib.contextmanager
+def override_replay_launch(launch):
+    """Within the block, the replay kernels launch as `launch` says instead of the tables: a
+    mapping {'read' / 'flush': (rows, warps) or (rows, warps, regs), 'fused': True / False,
+    'fold': (rows, warps[, chunk, stages, qload])} whose entries may be None (the table's).
+    rows and warps of 'read' give the one-pass verify's read launch too; 'fold' the deferred
+    fold's launch; regs caps the registers a thread (ptxas's maxnreg, _max_regs);
+    'fused' runs a decode step as one launch or two (decode._fused). An inner override replaces
+    an outer one for its block; the outer one holds again after it. For tests and the
+    benchmark's sweep; the values are checked where a kernel asks for them."""
+    global _given
+    launch = dict(launch or {})
+    bad = set(launch) - set(LAUNCHES) - {"fused", "fold"}
+    if bad:
+        raise ValueError(f"launch takes the keys 'flush' and 'read' -> (rows, warps), 'fold' -> "
+                         f"(rows, warps, chunk, stages, qload) and 'fused' -> bool, got "
+                         f"{sorted(bad)}")
+    outer, _given = _given, launch
+    try:
+        yield
+    finally:
+        _given = outer
+
+
+def given_launch() -> dict:
+    """The launch of the innermost override_replay_launch block ({} outside any)."""
+    return _given
+
+
+def _role(store: ReplayStore, which: str) -> str:
+    """The role of `which` launch that LAUNCH_TABLE's rows match."""
+    if which == "read":
+        return store.read_role.fmt
+    if "nvfp4" in (store.anchor.fmt, store.read_role.fmt):
+        return "nvfp4"
+    return "fp32 shared" if store.shared and store.anchor.fmt == "fp32" else "*"
+
+
+def _table(store: ReplayStore, which: str):
+    """LAUNCH_TABLE's first row for this store's launch `which`: (rows, per_thread, regs,
+    chunk)."""
+    role = _role(store, which)
+    for launch, kind, r, *cfg in LAUNCH_TABLE:
+        if launch == which and kind in ("*", store.kind) and r in ("*", role):
+            return cfg
+    raise AssertionError("LAUNCH_TABLE ends with a catch-all row for each launch")
+
+
+def _max_regs(store: ReplayStore, which: str, T: int = 1):
+    """The register cap of a launch given (override_replay_launch) as (rows, warps, regs); of a
+    launch not given, LAUNCH_TABLE's, except for a verify's read (T > 1, whose drafts' entries
+    stay live across the read copy's pass: the caps spill, docs/kernels.md); else None (ptxas's
+    choice)."""
+    c = _given.get(which) or ()
+    if len(c) > 2 and c[2] is not None and not 16 <= int(c[2]) <= 255:
+        raise ValueError(f"{which} launch regs={c[2]} must lie in 16..255")
+    if len(c) > 2 and c[2] is not None:
+        return int(c[2])
+    if any(x is not None for x in c) or (which == "read" and T > 1):
+        return None
+    return _table(store, which)[2]
+
+
+def replay_launch_config(store: ReplayStore, which: str = "read"):
+    """(BV, num_warps) of the flush or the read launch (`which`) of _replay_kernel for this
+    store: tile rows and warps, from LAUNCH_TABLE, or as override_replay_launch gives them
+    (rows / warps None: the table's)."""
+    if which not in LAUNCHES:
+        raise ValueError(f"which must be 'flush' or 'read', got {which!r}")
+    block_v, num_warps = (_given.get(which) or (None, None))[:2]
+    N, HV, dv, dk = store.shape
+    rows, per_thread, _, _ = _table(store, which)
+    if block_v is None:
+        block_v = dv if rows is None else min(dv, rows)
+    if which == "flush" and _role(store, which) == "nvfp4" and block_v != dv:
+        raise ValueError(f"an NVFP4 role is cast a whole matrix at a time (one FP32 scale per "
+                         f"matrix): the flush launch's rows must be d_v = {dv}, got {block_v}")
+    if block_v < 16 or dv % block_v or block_v & (block_v - 1):
+        raise ValueError(f"{which} launch rows={block_v} must be a power of two >= 16 dividing "
+                         f"d_v={dv} (the flush's tensor-core products take tiles of 16 rows or "
+                         f"more)")
+    if num_warps is None:
+        num_warps = max(1, min(8, block_v * dk // (32 * per_thread)))
+    if num_warps < 1 or num_warps & (num_warps - 1):
+        raise ValueError(f"{which} launch warps={num_warps} must be a power of two")
+    return block_v, num_warps
+
+
+def onepass_launch_config(store: ReplayStore):
+    """(BV, num_warps, CK, stages) of the one-pass read launch: ONEPASS_TABLE's row for the
+    store's read copy, rows and warps as override_replay_launch's 'read' gives them (None: the
+    table's)."""
+    role = store.read_role.fmt
+    rows, warps, ck, stages = next(r[1:] for r in ONEPASS_TABLE if r[0] in ("*", role))
+    N, HV, dv, dk = store.shape
+    given = _given.get("read") or (None, None)
+    rows = min(dv, rows) if given[0] is None else int(given[0])
+    warps = warps if given[1] is None else int(given[1])
+    if rows < 16 or dv % rows or rows & (rows - 1):
+        raise ValueError(f"read launch rows={rows} must be a power of two >= 16 dividing "
+                         f"d_v={dv}")
+    if warps < 1 or warps & (warps - 1):
+        raise ValueError(f"read launch warps={warps} must be a power of two")
+    return rows, warps, min(ck, dk), stages
+
+
+def fold_launch_config(store: ReplayStore):
+    """(BV, num_warps, CK, stages, qload) of the deferred fold's launch: FOLD_TABLE's row for the
+    store's kind, entries as override_replay_launch's 'fold' gives them (None: the table's; the
+    variants that compile_check and the bench compare)."""
+    cfg = list(next(r[1:] for r in FOLD_TABLE if r[0] == store.kind))
+    N, HV, dv, dk = store.shape
+    cfg[0] = min(dv, cfg[0])
+    for i, x in enumerate(_given.get("fold") or ()):
+        if x is not None:
+            cfg[i] = bool(x) if i == 4 else int(x)
+    rows, warps, ck, stages, qload = cfg
+    if rows < 16 or dv % rows or rows & (rows - 1):
+        raise ValueError(f"fold launch rows={rows} must be a power of two >= 16 dividing "
+                         f"d_v={dv} (the fold's tensor-core products take 16 rows or more)")
+    if warps < 1 or warps & (warps - 1):
+        raise ValueError(f"fold launch warps={warps} must be a power of two")
+    ck = min(ck, dk)
+    if ck < 16 or dk % ck or ck & (ck - 1) or stages < 1:
+        raise ValueError(f"fold launch chunk={ck} must be a power of two >= 16 dividing "
+                         f"d_k={dk}, stages={stages} >= 1")
+    return rows, warps, ck, stages, qload
