@@ -1,6 +1,12 @@
 """Assertions shared by several test files (pytest puts tests/ on sys.path)."""
 
+import json
+import os
+import re
+import subprocess
+import sys
 import zlib
+from pathlib import Path
 
 import torch
 
@@ -44,3 +50,35 @@ def vector_log_a(gen, B, T, H, dk, a_min=0.9):
     la[..., dk // 4:: 8] = torch.log(0.999 + 0.001 * torch.rand(B, T, H, len(range(dk // 4, dk, 8)),
                                                                  generator=gen))
     return la
+
+
+def _compile_check(args, cwd, interpret: bool):
+    """`python -m replayquant.kernels.compile_check ARGS` on this tree: (exit code, output)."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    env.pop("TRITON_INTERPRET", None)
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    r = subprocess.run([sys.executable, "-m", "replayquant.kernels.compile_check", *args],
+                       env=env, cwd=cwd, capture_output=True, text=True, timeout=900)
+    return r.returncode, r.stdout + r.stderr
+
+
+def recorded_launches(drive: Path, kernel: str, tmp_path: Path) -> list:
+    """The launches of `kernel` that the driver script `drive` makes, recorded in the Triton
+    interpreter (compile_check record)."""
+    out = tmp_path / "launches.json"
+    rc, log = _compile_check(["record", str(out), "--", str(drive)], tmp_path, True)
+    assert rc == 0, log[-3000:]
+    return [ln for ln in json.loads(out.read_text()) if ln["kernel"] == kernel]
+
+
+def assert_compile_for_sm90(launches: list, tmp_path: Path) -> None:
+    """Every distinct specialization among `launches` compiles for sm_90 (Triton's compiler and
+    ptxas, compile_check compile; no GPU)."""
+    out = tmp_path / "chosen.json"
+    out.write_text(json.dumps(launches))
+    rc, log = _compile_check(["compile", str(out), "--arch", "90"], tmp_path, False)
+    assert rc == 0, log[-4000:]
+    assert re.search(r"^compile_check: (\d+)/\1 specializations .* compile for sm_90$", log,
+                     flags=re.M), log[-2000:]
