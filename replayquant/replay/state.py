@@ -48,11 +48,14 @@ Semantics (exactly; see replayquant.replay.core for the formulas and the buffer 
   it would otherwise give infinite outputs for up to L - 1 steps and then NaN that later
   layers' input checks blame on their inputs. ConventionalState checks each step's cast alike.
 
-Hand-off (teacher forcing, beam reordering, other backends): `st.export()` returns the parts
-(anchor, read copy, buffer, counters, rows) as a dict, `st.load(parts)` installs parts in place
-and `ReplayState.from_parts(parts, pair, delta, seed, layer)` builds a state from parts without
-any cast (vector-gated when parts['G'] has a d_k axis). `replayquant.kernels.chunk_ref.teacher_force`
-runs a segment through these.
+Hand-off (teacher forcing, beam reordering, decode stores, other backends): `st.export()` returns
+the whole state as a `ScanState` (replayquant.replay.handoff: anchor, read copy, buffer,
+counters, rows, the pair, seed and layer; its part names also read as keys, ss["anchor"]),
+`st.load(ss)` installs one in place (a ScanState, or a dict of its part names) and
+`ReplayState.from_parts(ss, pair, delta, seed, layer)` builds a state from one without any cast
+(vector-gated when G has a d_k axis). `replayquant.replay.convert` holds the conversions to and
+from the decode stores; `replayquant.kernels.chunk_ref.teacher_force` runs a segment through
+these.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ import torch
 from replayquant.formats import QTensor
 from replayquant.policy import resolve_pair
 from replayquant.replay import core
+from replayquant.replay.handoff import PART_NAMES, ScanState
 from replayquant.streams import ANCHOR, READ, layer_seed, sr_stream
 
 __all__ = ["ReplayState", "ConventionalState", "find_nonfinite", "nonfinite_cast",
@@ -362,30 +366,25 @@ class ReplayState(_StateBase):
         return S
 
     # ---------------------------------------------------------------- hand-off
-    PART_NAMES = ("anchor", "read", "k", "v", "G", "beta", "u", "committed", "flushes", "rows")
+    PART_NAMES = PART_NAMES
 
-    def export(self) -> dict:
-        """The whole state as a dict of its parts (the tensors themselves, no copy: treat them
-        as read-only). Keys (layout in replayquant.replay.core):
-
-            anchor     QTensor [B, H, d_v, d_k] (the anchor's format)
-            read       QTensor of the read format, or None for a shared pair
-            k, v, G    buffer [B, H, L, d_k], [B, H, L, d_v], [B, H, L] float32
-                       (G [B, H, L, d_k] for a vector-gated state)
-            beta, u    GDN buffer [B, H, L], [B, H, L, d_v] (u against the read copy); None for Mamba-2
-            committed  int64 [B] buffered (committed) entries per row, 0..L
-            flushes    int64 [B] flush index of the current anchor per row
-            rows       int64 [B] sequence ids keying the SR streams
-
-        Slots >= committed are ignored. Raises ValueError while drafts are pending."""
+    def export(self) -> ScanState:
+        """The whole state as a `ScanState` (the tensors themselves, no copy: treat them as
+        read-only; layout in replayquant.replay.core and replay.handoff): anchor, read copy
+        (None for a shared pair), the buffer k, v, G and, for GDN / KDA, beta and u (u against
+        the read copy), committed entries and flush index per row, rows (the int64 sequence ids
+        keying the SR streams), and this state's pair, seed and layer. Slots >= committed are
+        ignored. Raises ValueError while drafts are pending."""
         if self._pending is not None:
             raise ValueError("the ReplayState has pending drafts; call accept(n) before export()")
-        return {"anchor": self._A, "read": self._R, "k": self._k, "v": self._v, "G": self._G,
-                "beta": self._beta, "u": self._u, "committed": self._h, "flushes": self._flushes,
-                "rows": self.rows}
+        return ScanState(anchor=self._A, read=self._R, k=self._k, v=self._v, G=self._G,
+                         beta=self._beta, committed=self._h, flushes=self._flushes,
+                         rows=self.rows, u=self._u, pair=self.pair, seed=self.seed,
+                         layer=self.layer)
 
-    def load(self, parts: dict) -> None:
-        """Make this state hold a copy of `parts` (as `export` returns them; in place). B, H, d_v, d_k and the pair stay those of this state; `rows`
+    def load(self, parts) -> None:
+        """Make this state hold a copy of `parts` (a ScanState, as `export` returns it, or a dict
+        of its part names, PART_NAMES; in place). B, H, d_v, d_k and the pair stay those of this state; `rows`
         is optional (default: keep), `u` is optional for GDN (default: recomputed from the read
         copy and the buffer, as the read steps would have computed it). Pending drafts are
         dropped. Bad parts raise one ValueError naming the part."""
@@ -414,14 +413,14 @@ class ReplayState(_StateBase):
         self._pending = None
 
     @classmethod
-    def from_parts(cls, parts: dict, pair, delta: bool, seed: int = 0, layer: int = 0) -> "ReplayState":
-        """A ReplayState holding `parts` (as `export` returns them; `rows` optional, default
-        arange(B)), without any cast: B, H, d_v, d_k come from the anchor's shape, vector_gate
+    def from_parts(cls, parts, pair, delta: bool, seed: int = 0, layer: int = 0) -> "ReplayState":
+        """A ReplayState holding `parts` (a ScanState, as `export` returns it, or a dict of its
+        part names; `rows` optional, default arange(B)), without any cast: B, H, d_v, d_k come from the anchor's shape, vector_gate
         from parts['G'] (4 dimensions [B, H, L, d_k]: vector gates; 3: one gate per head)."""
-        anchor = parts.get("anchor") if isinstance(parts, dict) else None
+        anchor = parts.get("anchor") if isinstance(parts, (dict, ScanState)) else None
         if not isinstance(anchor, QTensor) or len(anchor.shape) != 4:
             raise ValueError("parts['anchor'] must be a QTensor of shape [B, H, d_v, d_k] "
-                             "(pass the dict ReplayState.export() returns)")
+                             "(pass the ScanState ReplayState.export() returns)")
         G = parts.get("G")
         st = cls.__new__(cls)
         st._setup(torch.zeros(anchor.shape, device=anchor.device), pair, delta, seed, layer,
@@ -431,9 +430,11 @@ class ReplayState(_StateBase):
         return st
 
     def _check_parts(self, parts) -> None:
+        if isinstance(parts, ScanState):
+            parts = dict(parts.items())
         if not isinstance(parts, dict):
-            raise ValueError(f"parts must be a dict (as ReplayState.export() returns), got "
-                             f"{type(parts).__name__}")
+            raise ValueError(f"parts must be a ScanState (as ReplayState.export() returns) or a "
+                             f"dict of its parts, got {type(parts).__name__}")
         unknown = sorted(set(parts) - set(self.PART_NAMES))
         if unknown:
             raise ValueError(f"unknown part(s) {unknown}; a state has {', '.join(self.PART_NAMES)}")

@@ -5,7 +5,8 @@ and unsegmented, padding, the same SR bits."""
 import pytest
 import torch
 
-from replayquant.kernels.chunk_ref import (chunk_scan_ref, initial_scan_state, scan_state_of,
+from replayquant.replay.convert import scan_state_of
+from replayquant.kernels.chunk_ref import (chunk_scan_ref, initial_scan_state,
                                            teacher_force)
 from _helpers import scan_inputs, stable_seed, vector_log_a
 from replayquant.pairs import PrecisionPair, list_pairs
@@ -331,7 +332,7 @@ def test_vector_gates_against_float64_recurrence(delta):
     for a, b in ((0, 12), (12, T)):
         y, ss = chunk_scan_ref(ss, *(t[:, a:b] for t in (q, k, v, log_a)), _sl(beta, a, b), pair=pair)
         ys.append(y)
-    assert ss.G.shape == (B, H, 5, dk) and ss.count.tolist() == [3, 3]
+    assert ss.G.shape == (B, H, 5, dk) and ss.committed.tolist() == [3, 3]
     err = ((torch.cat(ys, 1).double() - Y).abs().max() / Y.abs().max()).item()
     assert err <= 2e-6, err
     from replayquant.kernels.chunk_ref import rebuild_state

@@ -23,6 +23,7 @@ logits can be one unit of bf16 apart).
 
 import math
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -31,7 +32,7 @@ from replayquant.formats import as_bits
 from replayquant.models import decode_path, patch, recurrent_layers, unpatch
 from replayquant.models import decode_store as ds
 from replayquant.models import runtime
-from replayquant.replay import ReplayState
+from replayquant.replay import ReplayState, convert
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -114,8 +115,8 @@ def _spy(monkeypatch):
         monkeypatch.setattr(mod, name, f)
     wrap(rd, "replay_gdn_step", "kernel")
     wrap(rd, "replay_mamba2_step", "kernel")
-    wrap(ds, "parts_to_store", "to_store")
-    wrap(ds, "store_to_state", "to_state")
+    wrap(ds, "scan_to_store", "to_store")
+    wrap(ds, "store_to_scan", "to_state")
     return calls
 
 
@@ -235,13 +236,14 @@ def test_hand_off_round_trip_and_steps(monkeypatch, kind, pair):
 
 @pytest.mark.parametrize("kind,pair", [("gdn", "tp4_hi16_sr"), ("mamba2", "s32_rs")])
 def test_scan_state_goes_into_the_store_as_through_a_replay_state(kind, pair):
-    """The chunked scan's state straight into the decode store (`DecodeStore.from_parts`, what a
+    """The chunked scan's state straight into the decode store (`DecodeStore.from_scan`, what a
     prefill into a static cache does) gives the store of the ReplayState route bit for bit (GDN u
     solved against the read copy, key factors of every slot at once), with one host read (the
     slot count) where the route through a ReplayState made 18 here (GDN tp4_hi16_sr: two reads
     a slot for its key factors) and 5 (Mamba-2 s32_rs)."""
     from replayquant.hostsync import HostSyncCounter
-    from replayquant.kernels.chunk_ref import chunk_scan_ref, scan_parts, scan_state_of
+    from replayquant.kernels.chunk_ref import chunk_scan_ref
+    from replayquant.replay.convert import scan_state_of
     from replayquant.kernels.ops import store_tensors
     from replayquant.pairs import PrecisionPair
     delta = kind == "gdn"
@@ -255,12 +257,12 @@ def test_scan_state_goes_into_the_store_as_through_a_replay_state(kind, pair):
     valid = torch.ones(B, T, dtype=torch.bool)
     valid[:2, :3] = False                        # left padding: rows commit different counts
     _, ss = chunk_scan_ref(scan_state_of(st), *ins, pair=pr, seed=2, layer=3, valid=valid)
-    via = ReplayState.from_parts(scan_parts(ss), pr, delta=delta, seed=2, layer=3)
+    via = ReplayState.from_parts(ss, pr, delta=delta, seed=2, layer=3)
     with HostSyncCounter() as c:
-        direct = ds.DecodeStore.from_parts(scan_parts(ss), pr, delta, 2, 3, HK)
+        direct = ds.DecodeStore.from_scan(ss, HK)
     assert c.syncs == 1, c.by_name
     with HostSyncCounter() as c:                 # slot count known on the host (a new state)
-        known = ds.DecodeStore.from_parts(scan_parts(ss), pr, delta, 2, 3, HK, n_slots=B)
+        known = ds.DecodeStore.from_scan(replace(ss, n_slots=B), HK)
     assert c.syncs == 0, c.by_name
     assert all(torch.equal(a, b) for a, b in zip(known.tensors(), direct.tensors()))
     old = ds.DecodeStore(via, HK)
@@ -300,14 +302,14 @@ def test_hand_off_rows_are_slots():
     """Reordered sequence ids become the store's slots (SR streams follow the sequence); ids that
     repeat (a beam reorder before decode starts) take the slots 0..B-1."""
     st = ReplayState(torch.randn(2, 2, 16, 16), "tp4_hi16_sr", delta=False, rows=torch.tensor([3, 1]))
-    store, idx = ds.state_to_store(st, 2)
+    store, idx = convert.state_to_store(st, 2)
     assert idx.tolist() == [3, 1] and store.shape[0] == 4
-    back = ds.store_to_state(store, idx, st.pair, st.seed, st.layer)
+    back = convert.store_to_state(store, idx, st.pair, st.seed, st.layer)
     assert torch.equal(back.anchor(), st.anchor()) and torch.equal(back.read_copy(), st.read_copy())
     dup = ReplayState(torch.randn(2, 2, 16, 16), "s32_rs", delta=False, rows=torch.tensor([1, 1]))
-    store, idx = ds.state_to_store(dup, 2)          # repeated ids take the slots 0..B-1
+    store, idx = convert.state_to_store(dup, 2)     # repeated ids take the slots 0..B-1
     assert idx.tolist() == [0, 1] and store.shape[0] == 2
-    back = ds.store_to_state(store, idx, dup.pair, dup.seed, dup.layer)
+    back = convert.store_to_state(store, idx, dup.pair, dup.seed, dup.layer)
     assert torch.equal(back.anchor(), dup.anchor())
 
 
@@ -441,7 +443,8 @@ def test_beam_reorder_of_kernel_state():
         got = rt.get_state(lay, True, 3, 2, 16, 16, torch.device("cpu"))
         assert isinstance(got, ds.DecodeStore)
         back = got.to_replay_state()
-        ref = runtime.reorder_state(runtime.ScanHeld.of(st), torch.tensor(ids)).to_replay_state()
+        held = replace(st.export(), u=None)
+        ref = convert.to_replay_state(runtime.take_rows(held, torch.tensor(ids)))
         assert torch.equal(back.export()["rows"], torch.arange(3))
         assert torch.equal(back.anchor(), ref.anchor()) and torch.equal(back.read_copy(), ref.read_copy())
         assert torch.equal(back.committed, ref.committed) and torch.equal(back.flushes, ref.flushes)
