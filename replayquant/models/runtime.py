@@ -53,8 +53,8 @@ Which path runs:
 Hand-off between the two (explicit, once, never per step): segments of multi-token forwards pass
 the scan's ScanState from one to the next as it is; the first decode step after them
 builds the decode store straight from that state (a `DecodeStore`,
-`replayquant.replay.convert.scan_to_store`; one host read); a multi-token forward into a static cache (HF's
-compiled generate) builds it at its end, so that the first decode step, which torch.compile traces,
+`replayquant.replay.convert.scan_to_store`; one host read); a multi-token forward into a static
+cache (HF's compiled generate) builds it at its end, so that the first decode step, which torch.compile traces,
 finds the store. Every decode step after that runs on the store alone (`kernel_decode`: the raw
 inputs straight into the operator, no torch front end, no host read: a beam reorder is a gather on
 the device, a non-finite input is recorded on the device and raised at the next multi-token
@@ -456,7 +456,7 @@ class LayerRuntime:
     def _to_store(self, st, q, v, raw, reuse=None, max_drafts: int = 0):
         """The hand-off of a ScanState into this layer's DecodeStore (once, where
         decode starts or a prefill into a static cache ends, or a speculative verify starts:
-        max_drafts as `parts_to_store`)."""
+        max_drafts as `replay.convert.scan_to_store`)."""
         if not isinstance(raw, dict):
             raise ValueError(f"layer {self.layer_idx} ({self.kind}): a decode step needs the "
                              f"layer's raw inputs (the patched forward passes them as raw=)")

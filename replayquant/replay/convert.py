@@ -55,22 +55,15 @@ def load_scan_state(st: ReplayState, ss: ScanState) -> None:
 
 # ---------------------------------------------------------------- ScanState -> ReplayStore
 
-def _role_to_packed(q: QTensor, spec, N: int, slots: torch.Tensor, shape):
-    """A PackedRole [N, H, d_v, d_k] holding the packed QTensor q ([B, H, d_v, d_k]) in `slots`
+def _role_to_packed(q: QTensor, spec, N: int, slots: torch.Tensor, shape) -> PackedRole:
+    """A store's role [N, H, d_v, d_k] holding the packed state q ([B, H, d_v, d_k]) in `slots`
     (same bytes; other slots zero)."""
     B, H, dv, dk = shape
     role = PackedRole.empty(spec.format, spec.rounding, (N, H, dv, dk), q.device)
-    for t in (role.payload, role.scale, role.gscale):
+    for t, s in zip((role.payload, role.scale, role.gscale), (q.payload, q.scale, q.gscale)):
         if t is not None:
             as_bits(t).zero_()
-    if spec.format == "nvfp4":
-        role.payload[slots] = q.payload.reshape(B, H, dv, dk // 2)
-        role.scale[slots] = q.scales["block"].reshape(B, H, dv, dk // 16)
-        role.gscale[slots] = q.scales["matrix"].reshape(B, H)
-    else:
-        role.payload[slots] = q.payload.reshape(B, H, dv, dk)
-        if spec.format == "fp8":
-            role.scale[slots] = q.scales["row"].reshape(B, H, dv)
+            t[slots] = s.reshape((B,) + tuple(t.shape[1:]))
     return role
 
 
@@ -196,17 +189,19 @@ def state_to_store(st: ReplayState, key_heads: int, u_dtype=None, ring_dtype=tor
 
 # ---------------------------------------------------------------- ReplayStore -> ScanState
 
-def _packed_to_role(role, slots: torch.Tensor) -> QTensor:
-    """The QTensor [B, H, d_v, d_k] (layout of replayquant.formats) of `slots` of a PackedRole."""
+def _packed_to_role(role: PackedRole, slots: torch.Tensor) -> QTensor:
+    """The packed state [B, H, d_v, d_k] of `slots` of a store's role (a copy), laid out as a
+    format's quantize lays it out (NVFP4: the matrices flattened, [B * H, d_v, d_k / 2])."""
     _, H, dv, dk = role.shape
     B = len(slots)
     shape = (B, H, dv, dk)
     if role.fmt == "nvfp4":
         return QTensor("nvfp4", shape, role.payload[slots].reshape(B * H, dv, dk // 2).clone(),
-                       {"block": role.scale[slots].reshape(B * H, dv, dk // 16).clone(),
-                        "matrix": role.gscale[slots].reshape(B * H).clone()})
-    scales = {"row": role.scale[slots].clone()} if role.fmt == "fp8" else {}
-    return QTensor(role.fmt, shape, role.payload[slots].clone(), scales)
+                       scale=role.scale[slots].reshape(B * H, dv, dk // 16).clone(),
+                       gscale=role.gscale[slots].reshape(B * H).clone(), rounding=role.rounding)
+    scale = role.scale[slots].clone() if role.fmt == "fp8" else None
+    return QTensor(role.fmt, shape, role.payload[slots].clone(), scale=scale,
+                   rounding=role.rounding)
 
 
 def store_window(store: ReplayStore, slots: torch.Tensor):

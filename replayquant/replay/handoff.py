@@ -13,14 +13,15 @@ Same content and buffer layout as `ReplayState` (replayquant.replay.core), B seq
     G           [B, H, L] (KDA: [B, H, L, d_k]) cumulative log gate since the checkpoint
     beta        [B, H, L] (GDN, KDA) or None (Mamba-2)
     committed   int64 [B]                      buffered (committed) entries per row, 0..L
-    flushes     int64 [B]                      flush index of the current anchor (0: the initial cast)
+    flushes     int64 [B]                      flush index of the current anchor (0: initial cast)
     rows        int64 [B]                      the sequence ids that key the SR streams
     u           [B, H, L, d_v] or None         GDN / KDA u of the entries against the read copy,
                                                where the source kept it (a ReplayState); None:
                                                solved against the read copy where it is needed
     raw         dict or None                   the buffered entries' raw inputs as a decode
-                                               store's ring takes them (`raw_names`): entry j < committed[b]
-                                               of row b at [b, j], zeros after; None: not kept
+                                               store's ring takes them (`raw_names`): entry
+                                               j < committed[b] of row b at [b, j], zeros
+                                               after; None: not kept
                                                (the ring then takes k and v as they are)
     pair, seed, layer                          the pair and SR key the state was made with (None,
                                                0, 0 where the holder passes them itself)

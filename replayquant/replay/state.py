@@ -384,10 +384,10 @@ class ReplayState(_StateBase):
 
     def load(self, parts) -> None:
         """Make this state hold a copy of `parts` (a ScanState, as `export` returns it, or a dict
-        of its part names, PART_NAMES; in place). B, H, d_v, d_k and the pair stay those of this state; `rows`
-        is optional (default: keep), `u` is optional for GDN (default: recomputed from the read
-        copy and the buffer, as the read steps would have computed it). Pending drafts are
-        dropped. Bad parts raise one ValueError naming the part."""
+        of its part names, PART_NAMES; in place). B, H, d_v, d_k and the pair stay those of this
+        state; `rows` is optional (default: keep), `u` is optional for GDN (default: recomputed
+        from the read copy and the buffer, as the read steps would have computed it). Pending
+        drafts are dropped. Bad parts raise one ValueError naming the part."""
         self._check_parts(parts)
         buffer_len, dev = self.buffer_len, self.device
         # copies: the state writes its anchor and buffer in place, parts must not alias them
@@ -415,8 +415,9 @@ class ReplayState(_StateBase):
     @classmethod
     def from_parts(cls, parts, pair, delta: bool, seed: int = 0, layer: int = 0) -> "ReplayState":
         """A ReplayState holding `parts` (a ScanState, as `export` returns it, or a dict of its
-        part names; `rows` optional, default arange(B)), without any cast: B, H, d_v, d_k come from the anchor's shape, vector_gate
-        from parts['G'] (4 dimensions [B, H, L, d_k]: vector gates; 3: one gate per head)."""
+        part names; `rows` optional, default arange(B)), without any cast: B, H, d_v, d_k come
+        from the anchor's shape, vector_gate from parts['G'] (4 dimensions [B, H, L, d_k]:
+        vector gates; 3: one gate per head)."""
         anchor = parts.get("anchor") if isinstance(parts, (dict, ScanState)) else None
         if not isinstance(anchor, QTensor) or len(anchor.shape) != 4:
             raise ValueError("parts['anchor'] must be a QTensor of shape [B, H, d_v, d_k] "
