@@ -925,12 +925,12 @@ def chunk_scan(state: ScanState, q, k, v, log_a, beta=None, *, pair, seed: int =
         y[~valid_b] = 0.0                       # padding: no slot, output 0
     if exact:
         count = torch.zeros_like(state.committed)
-        flushes = state.flushes + 1
+        flushes = state.n_flush + 1
     else:
         count = m - full * buffer_len
-        flushes = state.flushes + full
+        flushes = state.n_flush + full
     new = ScanState(anchor=anchor, read=read, k=nk, v=nv, G=nG, beta=nb, committed=count,
-                    flushes=flushes, rows=state.rows)
+                    n_flush=flushes, rows=state.rows)
     if not _finite(y, new, pair):
         _name_the_overflow(state, q, k, v, log_a, beta, pair, seed, layer, valid, exact)
     return y, new
@@ -995,7 +995,7 @@ def _launch_groups(state, pair, tok, q, k, v, log_a, beta, anchor, read, m, full
     bk, bv, bG = (t.to(f32).contiguous() for t in (state.k, state.v, state.G))
     bb = state.beta.to(f32).contiguous() if delta else None
     h0k = state.committed.to(device=dev, dtype=torch.int32).contiguous()
-    nfl = state.flushes.to(device=dev, dtype=i64).contiguous()
+    nfl = state.n_flush.to(device=dev, dtype=i64).contiguous()
     seq = state.rows.to(device=dev, dtype=i64).contiguous()
     nw = (-(-m // buffer_len)).to(torch.int32).contiguous()
     nfu = full.to(torch.int32).contiguous()

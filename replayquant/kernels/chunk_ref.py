@@ -113,7 +113,7 @@ def initial_scan_state(S0, pair, *, delta: bool, seed: int = 0, layer: int = 0,
                      G=z(B, H, buffer_len, dk, device=dev) if vector_gate else z(B, H, buffer_len, device=dev),
                      beta=z(B, H, buffer_len, device=dev) if delta else None,
                      committed=torch.zeros(B, dtype=torch.int64, device=dev),
-                     flushes=torch.zeros(B, dtype=torch.int64, device=dev),
+                     n_flush=torch.zeros(B, dtype=torch.int64, device=dev),
                      rows=rows.to(torch.int64))
 
 
@@ -295,10 +295,10 @@ def _scan(state, q, k, v, log_a, beta, *, pair, seed, layer, valid, exact):
     if exact:
         # A holds the unrounded FP32 state after every entry: cast once (one flush)
         na, nr, _, _ = check.cast(W, torch.ones_like(full, dtype=torch.bool), A, seed,
-                                  state.flushes + 1)
+                                  state.n_flush + 1)
         return y, replace(state, anchor=na, read=nr, k=zero(state.k), v=zero(state.v),
                           G=zero(state.G), beta=None if state.beta is None else zero(state.beta),
-                          committed=zero(state.committed), flushes=state.flushes + 1, u=None,
+                          committed=zero(state.committed), n_flush=state.n_flush + 1, u=None,
                           raw=None)
 
     # -- the new buffer: each row's entries after its last flush (window `full`)
@@ -313,7 +313,7 @@ def _scan(state, q, k, v, log_a, beta, *, pair, seed, layer, valid, exact):
     Gf = G.reshape(B, H, width, *gt)
     new = replace(state, anchor=aq, read=rq, k=take(Ek, (dk,)), v=take(Ev, (dv,)), G=take(Gf, gt),
                   beta=None if Eb is None else take(Eb, ()), committed=count,
-                  flushes=state.flushes + full, u=None, raw=None)
+                  n_flush=state.n_flush + full, u=None, raw=None)
     return y, new
 
 
@@ -417,7 +417,7 @@ def _windows_ref(state, pair, lay, full, W, seed, layer, exact, check):
             continue
         # the flush step reads the unrounded state rebuilt from the anchor; then the two casts
         yF = (S @ qw[:, :, w, buffer_len - 1, :, None])[..., 0]
-        na, nr, Anew, Rnew = check.cast(w, full > w, S, seed, state.flushes + w + 1)
+        na, nr, Anew, Rnew = check.cast(w, full > w, S, seed, state.n_flush + w + 1)
         if w < fmin:                                         # every row flushes here
             Y[:, :, w, buffer_len - 1] = yF
             aq, rq, A, R = na, nr, Anew, Rnew

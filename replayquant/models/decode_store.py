@@ -52,9 +52,9 @@ class DecodeStore:
       `raise_nonfinite` reads it at a boundary the host already waits at. The kernel never
       writes a non-finite state into the anchor or the read copy (it keeps the roles of a flush
       whose state is not finite).
-    * `phase` (torch engine, eager steps): each row's committed count, counted on the host from
-      the hand-off on (every decode step appends one entry per row, a row whose entry fills the
-      buffer flushes to 0), so that a step names the rows that flush and the engine runs the
+    * `host_committed` (torch engine, eager steps): each row's committed count, counted on
+      the host from the hand-off on (every decode step appends one entry per row, a row whose
+      entry fills the buffer flushes to 0), so that a step names the rows that flush and the engine runs the
       flush branch on them alone (`replay_torch`'s `flushing`): on this project's 2-core CPU,
       one thread, the embedded models at B = 4, L = 16, a decode forward with the branch for
       every row took 1.3-2.5x one with it for the rows that flush (s32_rs and tp4_hi16_sr;
@@ -91,7 +91,7 @@ class DecodeStore:
         self.state_indices = slots.to(torch.int32)
         self.bad_names = FAULT_INPUTS[self.store.kind]
         self.faults = FaultRecord.empty(self.store.kind, self.B, self.device)
-        self.phase = ss.committed.tolist() if engine == "torch" else None
+        self.host_committed = ss.committed.tolist() if engine == "torch" else None
         # one tensor for the store's fields: a compiled step guards it alone (ReplayStore.pack)
         # the operator's meta, the packed layout in it: a store of an equal meta is packed alike
         self.meta = store_meta(self.store, engine, packed=self.store.pack_layout())
@@ -149,7 +149,7 @@ class DecodeStore:
         take_slots(self.store, self.state_indices, self.state_indices[ids])
         for t in self.faults:
             t.copy_(t[ids])
-        self.phase = None                     # the rows' phases moved on the device
+        self.host_committed = None                     # the rows' fills moved on the device
 
     def raise_nonfinite(self) -> None:
         """One ValueError naming the layer, the row and the decode step, if since the store was
@@ -197,7 +197,7 @@ class DecodeStore:
         appended to the ring after the committed entries, uncommitted until `accept`. A row whose
         committed entries would not leave T free slots (h + T > L, h > 0) folds them first (DESIGN
         section 4); a flush never folds drafts."""
-        self.phase = None                     # the rows' fills move on the device
+        self.host_committed = None                     # the rows' fills move on the device
         ins = self._inputs(raw)
         return replay_verify(self.store, ins, self.state_indices, self.meta)
 
@@ -229,18 +229,18 @@ class DecodeStore:
                     dt_bias=raw["dt_bias"], dt_limit=raw.get("dt_limit"))
 
     def _flushing(self) -> list[int] | None:
-        """The rows whose entry fills the buffer at this step, from `phase` (advanced here), or
+        """The rows whose entry fills the buffer at this step, from `host_committed` (advanced here), or
         None where the host does not know them (a compiled step: the graph takes none)."""
-        # asked before `phase` is read: a compiled step then guards nothing on it, so the
-        # step after a hand-off (phase a list) and the later ones (None) share one graph
+        # asked before `host_committed` is read: a compiled step then guards nothing on it, so the
+        # step after a hand-off (a list) and the later ones (None) share one graph
         if torch.compiler.is_compiling():
-            self.phase = None
+            self.host_committed = None
             return None
-        if self.phase is None:
+        if self.host_committed is None:
             return None
         buffer_len = self.store.buffer_len
-        rows = [r for r, h in enumerate(self.phase) if h + 1 == buffer_len]
-        self.phase = [0 if h + 1 == buffer_len else h + 1 for h in self.phase]
+        rows = [r for r, h in enumerate(self.host_committed) if h + 1 == buffer_len]
+        self.host_committed = [0 if h + 1 == buffer_len else h + 1 for h in self.host_committed]
         return rows
 
 

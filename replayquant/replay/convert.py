@@ -168,7 +168,7 @@ def scan_to_store(ss: ScanState, key_heads: int, u_dtype=None, ring_dtype=torch.
     committed = torch.zeros(N, dtype=torch.int32, device=dev)
     committed[slots] = ss.committed.to(torch.int32)
     n_flush = torch.zeros(N, dtype=torch.int64, device=dev)
-    n_flush[slots] = ss.flushes.to(torch.int64)
+    n_flush[slots] = ss.n_flush.to(torch.int64)
     store = ReplayStore("kda" if vec else "gdn" if delta else "mamba2", anchor, read, buffer_len,
                         key_heads,
                         kbuf=kbuf, vbuf=vbuf, ubuf=ubuf, Gbuf=Gbuf, bbuf=bbuf,
@@ -245,7 +245,7 @@ def store_to_scan(store: ReplayStore, state_indices: torch.Tensor, pair, seed: i
                    read=None if store.read is None else _packed_to_role(store.read, slots),
                    k=k, v=v if delta else bt.unsqueeze(-1) * v, G=G,
                    beta=bt if delta else None, committed=committed,
-                   flushes=store.n_flush[slots].long(), rows=slots,
+                   n_flush=store.n_flush[slots].long(), rows=slots,
                    u=take(store.ubuf) if delta and with_u else None, raw=raw,
                    pair=pair, seed=seed, layer=layer)
     return ss

@@ -13,7 +13,7 @@ Same content and buffer layout as `ReplayState` (replayquant.replay.core), B seq
     G           [B, H, L] (KDA: [B, H, L, d_k]) cumulative log gate since the checkpoint
     beta        [B, H, L] (GDN, KDA) or None (Mamba-2)
     committed   int64 [B]                      buffered (committed) entries per row, 0..L
-    flushes     int64 [B]                      flush index of the current anchor (0: initial cast)
+    n_flush     int64 [B]                      flush index of the current anchor (0: initial cast)
     rows        int64 [B]                      the sequence ids that key the SR streams
     u           [B, H, L, d_v] or None         GDN / KDA u of the entries against the read copy,
                                                where the source kept it (a ReplayState); None:
@@ -30,7 +30,7 @@ Same content and buffer layout as `ReplayState` (replayquant.replay.core), B seq
                                                from the rows where a store is built (one host read)
 
 Slots >= committed are ignored. The part names (`PART_NAMES`) can be read as keys, ss["anchor"],
-as from the dict `ReplayState.export` returned before this type.
+as from a dict of parts (`ReplayState.load` takes either; "flushes" is read as "n_flush").
 """
 
 from __future__ import annotations
@@ -43,10 +43,12 @@ from replayquant.formats import QTensor
 from replayquant.replay.core import qt_take
 from replayquant.replay.frontends import mamba2_dt
 
-__all__ = ["ScanState", "PART_NAMES", "raw_names", "raw_of_forward", "append_raw", "take_rows"]
+__all__ = ["ScanState", "PART_NAMES", "OTHER_NAMES", "raw_names", "raw_of_forward", "append_raw", "take_rows"]
 
 # the parts of a layer's state, as ReplayState.load takes them
-PART_NAMES = ("anchor", "read", "k", "v", "G", "beta", "u", "committed", "flushes", "rows")
+PART_NAMES = ("anchor", "read", "k", "v", "G", "beta", "u", "committed", "n_flush", "rows")
+# part names that dicts of parts may still use, and the part each names
+OTHER_NAMES = {"flushes": "n_flush"}
 
 
 @dataclass
@@ -60,7 +62,7 @@ class ScanState:
     G: torch.Tensor
     beta: torch.Tensor | None
     committed: torch.Tensor
-    flushes: torch.Tensor
+    n_flush: torch.Tensor
     rows: torch.Tensor
     u: torch.Tensor | None = None
     raw: dict | None = None
@@ -104,11 +106,13 @@ class ScanState:
         return iter(PART_NAMES)
 
     def __getitem__(self, name: str):
+        name = OTHER_NAMES.get(name, name)
         if name not in PART_NAMES:
             raise KeyError(name)
         return getattr(self, name)
 
     def get(self, name: str, default=None):
+        name = OTHER_NAMES.get(name, name)
         return getattr(self, name) if name in PART_NAMES else default
 
     def items(self):
@@ -170,7 +174,7 @@ def take_rows(ss: ScanState, ids: torch.Tensor) -> ScanState:
     return ScanState(anchor=qt_take(ss.anchor, ids, B),
                      read=None if ss.read is None else qt_take(ss.read, ids, B),
                      k=take(ss.k), v=take(ss.v), G=take(ss.G), beta=take(ss.beta),
-                     committed=take(ss.committed), flushes=take(ss.flushes), rows=take(ss.rows),
+                     committed=take(ss.committed), n_flush=take(ss.n_flush), rows=take(ss.rows),
                      u=take(ss.u),
                      raw=None if ss.raw is None else {n: t[ids] for n, t in ss.raw.items()},
                      pair=ss.pair, seed=ss.seed, layer=ss.layer)

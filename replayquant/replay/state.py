@@ -65,7 +65,7 @@ import torch
 from replayquant.formats import QTensor
 from replayquant.policy import resolve_pair
 from replayquant.replay import core
-from replayquant.replay.handoff import PART_NAMES, ScanState
+from replayquant.replay.handoff import OTHER_NAMES, PART_NAMES, ScanState
 from replayquant.streams import ANCHOR, READ, layer_seed, sr_stream
 
 __all__ = ["ReplayState", "ConventionalState", "find_nonfinite", "nonfinite_cast",
@@ -305,8 +305,8 @@ class ReplayState(_StateBase):
         B, H, dv, dk, buffer_len = self.B, self.H, self.d_v, self.d_k, self.pair.buffer_len
         self.buffer_len = buffer_len
         dev = self.device
-        self._h = torch.zeros(B, dtype=torch.int64, device=dev)
-        self._flushes = torch.zeros(B, dtype=torch.int64, device=dev)
+        self._committed = torch.zeros(B, dtype=torch.int64, device=dev)
+        self._n_flush = torch.zeros(B, dtype=torch.int64, device=dev)
         self._k = torch.zeros(B, H, buffer_len, dk, device=dev)
         self._v = torch.zeros(B, H, buffer_len, dv, device=dev)
         self._G = torch.zeros((B, H, buffer_len, dk) if self.vector_gate else (B, H, buffer_len), device=dev)
@@ -324,12 +324,14 @@ class ReplayState(_StateBase):
     @property
     def committed(self) -> torch.Tensor:
         """int64 [B]: committed buffer entries per row (0..L)."""
-        return self._h.clone()
+        return self._committed.clone()
 
     @property
-    def flushes(self) -> torch.Tensor:
+    def n_flush(self) -> torch.Tensor:
         """int64 [B]: flush index of the current anchor per row (0 = the initial cast)."""
-        return self._flushes.clone()
+        return self._n_flush.clone()
+
+    flushes = n_flush       # the property's public name before n_flush, kept for its callers
 
     @property
     def anchor_q(self) -> QTensor:
@@ -362,7 +364,7 @@ class ReplayState(_StateBase):
     def current_state(self) -> torch.Tensor:
         """Unrounded FP32 state after the committed entries: deq(A) replayed through the buffer
         (what a flush now would cast). Changes nothing."""
-        S, _ = core.rebuild(self.anchor(), self._k, self._v, self._G, self._beta, self._h)
+        S, _ = core.rebuild(self.anchor(), self._k, self._v, self._G, self._beta, self._committed)
         return S
 
     # ---------------------------------------------------------------- hand-off
@@ -378,7 +380,7 @@ class ReplayState(_StateBase):
         if self._pending is not None:
             raise ValueError("the ReplayState has pending drafts; call accept(n) before export()")
         return ScanState(anchor=self._A, read=self._R, k=self._k, v=self._v, G=self._G,
-                         beta=self._beta, committed=self._h, flushes=self._flushes,
+                         beta=self._beta, committed=self._committed, n_flush=self._n_flush,
                          rows=self.rows, u=self._u, pair=self.pair, seed=self.seed,
                          layer=self.layer)
 
@@ -388,7 +390,7 @@ class ReplayState(_StateBase):
         state; `rows` is optional (default: keep), `u` is optional for GDN (default: recomputed
         from the read copy and the buffer, as the read steps would have computed it). Pending
         drafts are dropped. Bad parts raise one ValueError naming the part."""
-        self._check_parts(parts)
+        parts = self._check_parts(parts)
         buffer_len, dev = self.buffer_len, self.device
         # copies: the state writes its anchor and buffer in place, parts must not alias them
         self._A = core.qt_clone(parts["anchor"])
@@ -398,8 +400,8 @@ class ReplayState(_StateBase):
         self._k = parts["k"].to(device=dev, dtype=f32).clone()
         self._v = parts["v"].to(device=dev, dtype=f32).clone()
         self._G = parts["G"].to(device=dev, dtype=f32).clone()
-        self._h = parts["committed"].to(device=dev, dtype=torch.int64).clone()
-        self._flushes = parts["flushes"].to(device=dev, dtype=torch.int64).clone()
+        self._committed = parts["committed"].to(device=dev, dtype=torch.int64).clone()
+        self._n_flush = parts["n_flush"].to(device=dev, dtype=torch.int64).clone()
         if parts.get("rows") is not None:
             self.rows = parts["rows"].to(device=dev, dtype=torch.int64).clone()
         self._beta = self._u = None
@@ -408,7 +410,7 @@ class ReplayState(_StateBase):
             if parts.get("u") is not None:
                 self._u = parts["u"].to(device=dev, dtype=f32).clone()
             else:
-                valid = core.committed_mask(self._h, buffer_len)
+                valid = core.committed_mask(self._committed, buffer_len)
                 self._u = core.solve_u(self._R32, self._k, self._v, self._G, self._beta, valid)
         self._pending = None
 
@@ -430,9 +432,12 @@ class ReplayState(_StateBase):
         st.load(parts)
         return st
 
-    def _check_parts(self, parts) -> None:
+    def _check_parts(self, parts) -> dict:
+        """The parts as a dict of PART_NAMES, after one ValueError for any that is wrong."""
         if isinstance(parts, ScanState):
             parts = dict(parts.items())
+        if isinstance(parts, dict):
+            parts = {OTHER_NAMES.get(n, n): t for n, t in parts.items()}
         if not isinstance(parts, dict):
             raise ValueError(f"parts must be a ScanState (as ReplayState.export() returns) or a "
                              f"dict of its parts, got {type(parts).__name__}")
@@ -454,7 +459,7 @@ class ReplayState(_StateBase):
                                  f"{self.pair.label()} needs {spec.format} {list(shape)}")
         need = {"k": (B, H, buffer_len, dk), "v": (B, H, buffer_len, dv),
                 "G": (B, H, buffer_len, dk) if self.vector_gate else (B, H, buffer_len), "committed": (B,),
-                "flushes": (B,)}
+                "n_flush": (B,)}
         if self.delta:
             need["beta"] = (B, H, buffer_len)
             if parts.get("u") is not None:
@@ -469,13 +474,14 @@ class ReplayState(_StateBase):
                 got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(f"parts[{name!r}] must be a tensor {list(shp)} (B={B}, H={H}, "
                                  f"L={buffer_len}, d_k={dk}, d_v={dv}), got {got}")
-        for name in ("committed", "flushes", "rows"):
+        for name in ("committed", "n_flush", "rows"):
             t = parts.get(name)
             if t is not None and (t.is_floating_point() or t.dtype == torch.bool):
                 raise ValueError(f"parts[{name!r}] must be an integer tensor, got {t.dtype}")
         c = parts["committed"]
         if bool(((c < 0) | (c > buffer_len)).any()):
             raise ValueError(f"parts['committed'] must lie in 0..L={buffer_len}, got {c.tolist()}")
+        return parts
 
     def step(self, q, k, v, log_a, beta=None) -> torch.Tensor:
         """One decode step -> y float32 [B, H, d_v] (module doc for the exact semantics)."""
@@ -483,12 +489,12 @@ class ReplayState(_StateBase):
         q, k, v, log_a, beta = self._check(q, k, v, log_a, beta)
         at = f"step {self._calls + 1} of this state"
         y = self._append(q, k, v, log_a, beta, at)        # [B,H,1,dv], pre-flush included
-        full = self._h + 1 == self.buffer_len
+        full = self._committed + 1 == self.buffer_len
         if bool(full.any()):
             idx = full.nonzero()[:, 0]
-            S = self._flush(idx, self._h[idx] + 1, at)    # an overflow raises: nothing changed
+            S = self._flush(idx, self._committed[idx] + 1, at)    # an overflow raises: nothing changed
             y[idx] = core.matvec(S, q[idx])
-        self._h += (~full).long()                         # flushed rows are at 0
+        self._committed += (~full).long()                         # flushed rows are at 0
         self._calls += 1
         return y[:, :, 0, :]
 
@@ -508,17 +514,17 @@ class ReplayState(_StateBase):
     def accept(self, n) -> None:
         """Commit the first n[b] drafts of each row (int or int tensor [B], 0..T)."""
         n = self._check_accept(n)
-        self._h += n
+        self._committed += n
         self._pending = None
 
     # ---------------------------------------------------------------- internals
     def _append(self, q, k, v, log_a, beta, at: str):
         T = q.shape[2]
-        need = (self._h + T > self.buffer_len) & (self._h > 0)
+        need = (self._committed + T > self.buffer_len) & (self._committed > 0)
         if bool(need.any()):
             idx = need.nonzero()[:, 0]
-            self._flush(idx, self._h[idx], at)
-        h = self._h
+            self._flush(idx, self._committed[idx], at)
+        h = self._committed
         Gprev = torch.where((h > 0).view(-1, *([1] * (self._G.dim() - 2))),
                             core._gather_slot(self._G, (h - 1).clamp(min=0)),
                             torch.zeros((), device=self.device))
@@ -540,7 +546,7 @@ class ReplayState(_StateBase):
         Sc = pair.anchor.fmt.dequantize(core.qt_take(self._A, idx, B))
         beta = None if self._beta is None else self._beta[idx]
         S, _ = core.rebuild(Sc, self._k[idx], self._v[idx], self._G[idx], beta, n)
-        fi = self._flushes[idx] + 1
+        fi = self._n_flush[idx] + 1
         try:
             A = self._cast(pair.anchor, S, fi, ANCHOR, idx)
             R = None if self._R is None else self._cast(pair.read, S, fi, READ, idx)
@@ -557,8 +563,8 @@ class ReplayState(_StateBase):
         if R is not None:
             core.qt_put(self._R, idx, R, B)
         self._R32[idx] = R32
-        self._flushes[idx] = fi
-        self._h[idx] = 0
+        self._n_flush[idx] = fi
+        self._committed[idx] = 0
         return S
 
 
@@ -582,7 +588,7 @@ class ConventionalState(_StateBase):
                              f"{self.pair.read} anchor={self.pair.anchor}; use ReplayState for "
                              f"dual-precision pairs")
         self.spec = self.pair.anchor
-        self._steps = torch.zeros(self.B, dtype=torch.int64, device=self.device)
+        self._n_flush = torch.zeros(self.B, dtype=torch.int64, device=self.device)
         self._S = self._cast(self.spec, S0, 0, ANCHOR)
         self._refuse_overflow(S0, (("state", self.spec, self._S),))
 
@@ -592,9 +598,12 @@ class ConventionalState(_StateBase):
         return torch.zeros(self.B, dtype=torch.int64, device=self.device)
 
     @property
-    def flushes(self) -> torch.Tensor:
-        """int64 [B]: committed steps per row (each step is a cast)."""
-        return self._steps.clone()
+    def n_flush(self) -> torch.Tensor:
+        """int64 [B]: committed steps per row (each step is a cast, the flush of a shared pair
+        with L = 1)."""
+        return self._n_flush.clone()
+
+    flushes = n_flush       # the property's public name before n_flush, kept for its callers
 
     @property
     def anchor_q(self) -> QTensor:
@@ -628,10 +637,10 @@ class ConventionalState(_StateBase):
     def step(self, q, k, v, log_a, beta=None) -> torch.Tensor:
         self._no_pending("step")
         q, k, v, log_a, beta = self._check(q, k, v, log_a, beta)
-        y, self._S = self._advance(self._S, self._steps, q, k, v, log_a, beta, 0,
+        y, self._S = self._advance(self._S, self._n_flush, q, k, v, log_a, beta, 0,
                                    f"step {self._calls + 1} of this state")
         self._calls += 1
-        self._steps += 1
+        self._n_flush += 1
         return y
 
     def verify(self, q, k, v, log_a, beta=None) -> torch.Tensor:
@@ -642,7 +651,7 @@ class ConventionalState(_StateBase):
         q, k, v, log_a, beta = self._check(q, k, v, log_a, beta, T=T)
         snaps, ys, Sq = [], [], self._S
         for i in range(T):
-            y, Sq = self._advance(Sq, self._steps + i, q, k, v, log_a, beta, i,
+            y, Sq = self._advance(Sq, self._n_flush + i, q, k, v, log_a, beta, i,
                                   f"verify {self._calls + 1} of this state, draft index {i}")
             ys.append(y)
             snaps.append(Sq)
@@ -661,5 +670,5 @@ class ConventionalState(_StateBase):
             idx = (n == j).nonzero()[:, 0]
             if len(idx):
                 core.qt_put(self._S, idx, core.qt_take(self._pending[j - 1], idx, self.B), self.B)
-        self._steps += n
+        self._n_flush += n
         self._pending = None

@@ -234,12 +234,18 @@ def _check_buffered(store: "ReplayStore", delta: bool, k, v, kernel: bool):
 @dataclass
 class ConventionalStore:
     """Conventional state of one layer: one packed copy, read-modify-written every step.
-    n_casts[s] counts the casts of slot s after the initial one (stream flush index of the
-    next write = n_casts + 1, as every step of the baseline is a flush of a shared pair)."""
+    n_flush[s] counts the casts of slot s after the initial one (stream flush index of the
+    next write = n_flush + 1, as every step of the baseline is a flush of a shared pair)."""
 
     state: PackedRole
-    n_casts: torch.Tensor          # int64 [N]
+    n_flush: torch.Tensor          # int64 [N]
     key: int                       # Philox key = layer_seed(seed, layer)
+
+    @property
+    def n_casts(self) -> torch.Tensor:
+        """n_flush, as the conventional kernels and their references read it (the same tensor:
+        they count it up in place)."""
+        return self.n_flush
 
     @classmethod
     def from_state(cls, initial: torch.Tensor, fmt: str, rounding: str = "nearest", seed: int = 0,
@@ -254,7 +260,7 @@ class ConventionalStore:
         return cls(role, torch.zeros(N, dtype=torch.int64, device=initial.device), key)
 
     def clone(self) -> "ConventionalStore":
-        return ConventionalStore(self.state.clone(), self.n_casts.clone(), self.key)
+        return ConventionalStore(self.state.clone(), self.n_flush.clone(), self.key)
 
 
 def make_snapshots(store: ConventionalStore, T: int) -> PackedRole:

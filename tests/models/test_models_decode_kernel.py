@@ -194,7 +194,7 @@ def test_hand_off_round_trip_and_steps(monkeypatch, kind, pair):
         assert torch.equal(a[role].payload.view(torch.uint8), b[role].payload.view(torch.uint8))
         for n in a[role].scales:
             assert torch.equal(a[role].scales[n], b[role].scales[n])
-    assert torch.equal(a["committed"], b["committed"]) and torch.equal(a["flushes"], b["flushes"])
+    assert torch.equal(a["committed"], b["committed"]) and torch.equal(a["n_flush"], b["n_flush"])
     assert torch.equal(a["rows"], b["rows"])
     h = int(a["committed"][0])
     assert h == 2
@@ -220,8 +220,8 @@ def test_hand_off_round_trip_and_steps(monkeypatch, kind, pair):
         if i == L:                               # back to the torch reference mid-window
             ref2 = kst.to_replay_state()
             assert torch.equal(ref2.committed, ref.committed)
-            assert torch.equal(ref2.flushes, ref.flushes)
-    assert torch.equal(kst.store.n_flush[:B], ref.flushes)
+            assert torch.equal(ref2.n_flush, ref.n_flush)
+    assert torch.equal(kst.store.n_flush[:B], ref.n_flush)
     print(f"{kind} {pair}: kernel vs ReplayState max relative {worst:.2e}, elements above the "
           f"bf16 bound {outliers:.1%}, pair effect {effect:.2e}")
     if pair == "s32_rs":
@@ -447,7 +447,7 @@ def test_beam_reorder_of_kernel_state():
         ref = convert.to_replay_state(runtime.take_rows(held, torch.tensor(ids)))
         assert torch.equal(back.export()["rows"], torch.arange(3))
         assert torch.equal(back.anchor(), ref.anchor()) and torch.equal(back.read_copy(), ref.read_copy())
-        assert torch.equal(back.committed, ref.committed) and torch.equal(back.flushes, ref.flushes)
+        assert torch.equal(back.committed, ref.committed) and torch.equal(back.n_flush, ref.n_flush)
         S, S_ref = back.current_state(), ref.current_state()    # entries went through bf16
         assert (S - S_ref).abs().max() <= 2.0 ** -7 * S_ref.abs().max()
 
