@@ -24,7 +24,7 @@ from replayquant.replay.handoff import ScanState
 from replayquant.replay.reference import recurrent_reference
 from replayquant.replay.state import ConventionalState, ReplayState
 from replayquant.replay.stores import ConventionalStore, ReplayStore
-from replayquant.replay import convert  # noqa: E402  (after the classes it converts)
+from replayquant.replay import convert  # after the classes it converts
 
 __all__ = ["ReplayState", "ConventionalState", "ScanState", "ReplayStore", "ConventionalStore",
            "convert", "mamba2_inputs",
