@@ -464,7 +464,7 @@ def test_kernel_is_the_torch_engine_on_a_bf16_ring(models, monkeypatch, fam):
     patch(model, "tp4_hi32", buffer_len=BUFFER_LEN, seed=5)
     ids, mask = _batch(seed=1 if fam == "qwen3_5" else 2)
     monkeypatch.setitem(ds.RING_DTYPE, "torch", torch.bfloat16)
-    monkeypatch.setattr(ds, "default_u_dtype", lambda *a: torch.float32)
+    monkeypatch.setattr(convert, "default_u_dtype", lambda *a: torch.float32)
     monkeypatch.setenv("REPLAYQUANT_BACKEND", "torch")
     seq_t, sc_t, _ = _generate(model, ids, mask)
     monkeypatch.setenv("REPLAYQUANT_BACKEND", "triton")
