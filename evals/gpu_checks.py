@@ -97,8 +97,8 @@ def kda_chunk_checks(device="cuda") -> dict:
         row = {"max_rel_y": max(errs), "max_rel_y_one_call": max(errs1),
                "frac_y_gt_1e-4_one_call": max(far),
                "finite": bool(torch.isfinite(torch.cat(ys, 1)).all()),
-               "counts_flushes_equal": bool(torch.equal(got.count, ref.count)
-                                            and torch.equal(got.flushes, ref.flushes)),
+               "counts_flushes_equal": bool(torch.equal(got.committed, ref.committed)
+                                            and torch.equal(got.n_flush, ref.n_flush)),
                "G_max_abs_diff": float((got.G - ref.G).abs().max()),
                "anchor": state_diff(spec.dequantize(got.anchor), spec.dequantize(ref.anchor))}
         if name == "s32_rs":

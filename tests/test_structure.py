@@ -162,7 +162,7 @@ import torch
 import replayquant.formats
 from replayquant.formats import casts, philox
 import replayquant.replay
-from replayquant.replay import ConventionalStore, ReplayState, ReplayStore, roles, stores
+from replayquant.replay import ConventionalStore, ReplayState, ReplayStore, convert, roles, stores
 from replayquant.kernels import ops
 from replayquant.kernels.chunk import launch as chunk_launch, reference as chunk_ref
 from replayquant.kernels.conventional import launch as conventional_launch
@@ -208,9 +208,12 @@ conventional_ref.conventional_gdn_verify_ref(conv, snaps, *drafts, A_log, dt_bia
 conventional_ref.conventional_accept_ref(conv, snaps, torch.ones(N, dtype=torch.int32))
 st = ReplayState(rnd(N, H, D, D), pair, delta=True, seed=2)
 st.step(q, k, v, -torch.rand(N, H, generator=g), torch.rand(N, H, generator=g))
-kv, idx = decode_store.state_to_store(st, H, ring_dtype=torch.float32)
-back = decode_store.store_to_state(kv, idx, pair, 2, 0)
-assert torch.equal(back.export()["anchor"].payload, st.export()["anchor"].payload)
+kv, idx = convert.state_to_store(st, H, ring_dtype=torch.float32)
+back = convert.store_to_state(kv, idx, pair, 2, 0)
+assert torch.equal(back.export().anchor.payload, st.export().anchor.payload)
+ss = convert.store_to_scan(kv, idx, pair, 2, 0)
+assert torch.equal(convert.scan_to_store(ss, H, ring_dtype=torch.float32)[0].anchor.payload,
+                   kv.anchor.payload)
 ss = chunk_ref.initial_scan_state(rnd(N, H, D, D), pair, delta=True)
 chunk_ref.chunk_scan_ref(ss, rnd(N, 3, H, D), rnd(N, 3, H, D), rnd(N, 3, H, D),
                          -torch.rand(N, 3, H, generator=g), torch.rand(N, 3, H, generator=g),
@@ -234,8 +237,6 @@ OVER_LIMIT = {
     "replayquant.bench.kernels.rows:bench_replay",
     "replayquant.bench.kernels.run:_run_kernels_bench",
     "replayquant.bench.kernels.sweep:_sweep_replay",
-    "replayquant.models.decode_store:_build", "replayquant.models.decode_store:from_parts",
-    "replayquant.models.decode_store:parts_to_store",
     "replayquant.replay.stores:step_inputs",
 }
 

@@ -70,8 +70,8 @@ def _compare(pair, y, y_ref, s, s_ref):
     out = {"nan_outputs": int(torch.isnan(y).sum()),
            "y_max_rel_err": float((y - y_ref).abs().max() / scale),
            "y_frac_above_1e-5": float(((y - y_ref).abs() > 1e-5 * scale).float().mean()),
-           "count_equal": bool(torch.equal(s.count.cpu(), s_ref.count)),
-           "flushes_equal": bool(torch.equal(s.flushes.cpu(), s_ref.flushes)),
+           "count_equal": bool(torch.equal(s.committed.cpu(), s_ref.committed)),
+           "flushes_equal": bool(torch.equal(s.n_flush.cpu(), s_ref.n_flush)),
            "buffer_k_v_equal": bool(torch.equal(s.k.cpu(), s_ref.k) and torch.equal(s.v.cpu(), s_ref.v)),
            "buffer_G_max_err": float((s.G.cpu() - s_ref.G).abs().max())}
     for role, spec in (("anchor", pair.anchor), ("read", pair.read)):

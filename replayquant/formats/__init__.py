@@ -18,7 +18,7 @@ REPLAYQUANT_BACKEND=triton forces the Triton kernels (on the CPU with TRITON_INT
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -28,7 +28,7 @@ from replayquant.formats.constants import BF16, FP16, NVFP4_BLOCK, ROUNDINGS, Gr
 from replayquant.formats.philox import random_bits_ref
 from replayquant.streams import check_seed
 
-__all__ = ["FORMATS", "Format", "QTensor", "as_bits", "get_format", "use_triton"]
+__all__ = ["FORMATS", "FMT_IDS", "Format", "QTensor", "as_bits", "get_format", "use_triton"]
 
 
 def use_triton(x: torch.Tensor) -> bool:
@@ -69,14 +69,60 @@ def _check_stream(stream, fmt: str) -> None:
                          f"input's leading shape (one stream per matrix)")
 
 
-@dataclass
+# the id of each format as the kernels take it (QTensor.kernel_args, the FMT constexpr)
+FMT_IDS = {"fp32": 0, "fp16": 1, "bf16": 2, "fp8": 3, "nvfp4": 4}
+# the names of a packed tensor's scales as `QTensor.scales` gives them, per format
+SCALE_NAMES = {"fp8": ("row", None), "nvfp4": ("block", "matrix")}
+
+
+@dataclass(init=False)
 class QTensor:
-    """A physically packed tensor: payload plus the scales its format needs."""
+    """A physically packed tensor: payload plus the scales its format needs, the one packed type
+    of the package: what a format's quantize returns and dequantize takes, the roles (anchor,
+    read copy) of a layer's states, and the stored roles of its decode stores, which the kernels
+    read (`kernel_args`).
+
+    format:  the format's name (`fmt` is the same, as the kernels spell it).
+    shape:   the logical (unpacked) shape.
+    payload: fp32 / fp16 / bf16 as the shape; fp8 float8_e4m3fn as the shape; nvfp4 uint8, two
+             elements a byte along the last dim (even element in the low nibble).
+    scale:   fp8 float32 row scales (one per row of the last dim); nvfp4 uint8 E4M3 scales, one
+             per 16 elements of the last dim. None for the other formats.
+    gscale:  nvfp4 float32 scale per matrix (the last two dims). None for the other formats.
+    rounding: the rounding its writes use ("nearest" / "stochastic"; None where not recorded).
+
+    Every component keeps the leading dims outermost in row-major order: a store's roles are laid
+    out per slot ([N, H, d_v, d_k / 2], scales [N, H, d_v, d_k / 16] and [N, H]); a format's
+    NVFP4 quantize gives the same bytes with the matrices flattened ([M, d_v, d_k / 2], [M, d_v,
+    d_k / 16], [M]). `scales` names the scales as the format API does: {"row": scale} for fp8,
+    {"block": scale, "matrix": gscale} for nvfp4, {} otherwise; QTensor(format, shape, payload,
+    scales) builds one from them."""
 
     format: str
     shape: tuple
     payload: torch.Tensor
-    scales: dict = field(default_factory=dict)
+    scale: torch.Tensor | None = None
+    gscale: torch.Tensor | None = None
+    rounding: str | None = None
+
+    def __init__(self, format: str, shape, payload: torch.Tensor, scales: dict | None = None, *,
+                 scale: torch.Tensor | None = None, gscale: torch.Tensor | None = None,
+                 rounding: str | None = None):
+        if scales:
+            row, matrix = SCALE_NAMES[format]
+            scale, gscale = scales.get(row), scales.get(matrix) if matrix else None
+        self.format, self.shape, self.payload = format, tuple(shape), payload
+        self.scale, self.gscale, self.rounding = scale, gscale, rounding
+
+    @property
+    def fmt(self) -> str:
+        return self.format
+
+    @property
+    def scales(self) -> dict:
+        """The scales by the names of the format API ({"row"} fp8, {"block", "matrix"} nvfp4)."""
+        names = SCALE_NAMES.get(self.format, (None, None))
+        return {n: t for n, t in zip(names, (self.scale, self.gscale)) if n is not None}
 
     @property
     def nbytes(self) -> int:
@@ -85,6 +131,104 @@ class QTensor:
     @property
     def device(self):
         return self.payload.device
+
+    # -- a store's roles: slots outermost, [N, H, d_v, d_k]
+    @classmethod
+    def empty(cls, fmt: str, rounding: str, shape, device="cpu") -> "QTensor":
+        """Uninitialised storage of format `fmt` for a state [N, H, d_v, d_k] (a store's role)."""
+        if fmt not in FMT_IDS:
+            raise ValueError(f"unknown state format {fmt!r}; use one of {', '.join(FMT_IDS)}")
+        if rounding not in ROUNDINGS:
+            raise ValueError(f"unknown rounding {rounding!r}; use one of {ROUNDINGS}")
+        N, H, dv, dk = shape
+        scale = gscale = None
+        if fmt == "fp32":
+            payload = torch.empty(shape, dtype=torch.float32, device=device)
+        elif fmt in ("fp16", "bf16"):
+            dtype = torch.float16 if fmt == "fp16" else torch.bfloat16
+            payload = torch.empty(shape, dtype=dtype, device=device)
+        elif fmt == "fp8":
+            payload = torch.empty(shape, dtype=torch.float8_e4m3fn, device=device)
+            scale = torch.empty(N, H, dv, dtype=torch.float32, device=device)
+        else:
+            if dk % NVFP4_BLOCK:
+                raise ValueError(f"nvfp4 state needs d_k % {NVFP4_BLOCK} == 0 (got d_k={dk})")
+            payload = torch.empty(N, H, dv, dk // 2, dtype=torch.uint8, device=device)
+            scale = torch.empty(N, H, dv, dk // NVFP4_BLOCK, dtype=torch.uint8, device=device)
+            gscale = torch.empty(N, H, dtype=torch.float32, device=device)
+        return cls(fmt, shape, payload, scale=scale, gscale=gscale, rounding=rounding)
+
+    def matrix_bytes(self) -> int:
+        """Physical bytes of one (slot, head) matrix: payload plus its scales."""
+        N, H = self.shape[:2]
+        total = sum(t.numel() * t.element_size() for t in (self.payload, self.scale, self.gscale)
+                    if t is not None)
+        return total // (N * H)
+
+    def dequantize(self, slots=None) -> torch.Tensor:
+        """float32 [n, H, dv, dk] of the given slots (all when None) of a store's role (the
+        references and tests use this; kernels read the tensors directly)."""
+        sl = slice(None) if slots is None else torch.as_tensor(slots, dtype=torch.long,
+                                                                device=self.payload.device)
+        pay = self.payload[sl]
+        if self.format == "fp32":
+            return pay.clone()
+        if self.format in ("fp16", "bf16"):
+            return pay.to(torch.float32)
+        if self.format == "fp8":
+            return pay.to(torch.float32) * self.scale[sl].unsqueeze(-1)
+        n, H, dv, dk2 = pay.shape
+        out = ref.nvfp4_dequantize_ref(pay.reshape(n * H, dv, dk2),
+                                       self.scale[sl].reshape(n * H, dv, -1),
+                                       self.gscale[sl].reshape(-1))
+        return out.reshape(n, H, dv, 2 * dk2)
+
+    def write_(self, slots, x: torch.Tensor, key: int, streams: torch.Tensor) -> None:
+        """Quantize float32 x [n, H, dv, dk] (rounding of this role, SR streams [n, H]) into
+        `slots` with the torch reference of the format (the specification)."""
+        slots = torch.as_tensor(slots, dtype=torch.long, device=self.payload.device)
+        for t, e in zip((self.payload, self.scale, self.gscale), self.encode(x, key, streams)):
+            if e is not None:
+                t[slots] = e
+
+    def encode(self, x: torch.Tensor, key: int, streams: torch.Tensor, bits=random_bits_ref):
+        """The packed tensors (payload, scale, gscale; None where the format has none) of
+        float32 x [n, H, dv, dk] cast with this role's rounding, as write_ stores them. SR bits
+        come from `bits` with streams [n, H]: random_bits_ref (numpy on the CPU) or
+        random_bits_torch (torch ops only, on any device), the same words."""
+        x = x.to(torch.float32)
+        if self.format == "fp32":
+            return x, None, None
+        rbits = None
+        if self.rounding == "stochastic":
+            rbits = bits(x.shape, key, torch.as_tensor(streams), device=x.device)
+        n, H, dv, dk = x.shape
+        if self.format in ("fp16", "bf16"):
+            grid, dtype = (FP16, torch.float16) if self.format == "fp16" else (BF16, torch.bfloat16)
+            return ref.cast_ref(x, grid, dtype, rbits), None, None
+        if self.format == "fp8":
+            pay, scale = ref.fp8_quantize_ref(x, rbits)
+            return pay, scale, None
+        x3 = x.reshape(n * H, dv, dk)
+        pay, bs, gs = ref.nvfp4_quantize_ref(x3, None if rbits is None else rbits.reshape(x3.shape))
+        return pay.reshape(n, H, dv, -1), bs.reshape(n, H, dv, -1), gs.reshape(n, H)
+
+    def clone(self) -> "QTensor":
+        c = lambda t: None if t is None else t.clone()  # noqa: E731
+        return QTensor(self.format, self.shape, c(self.payload), scale=c(self.scale),
+                       gscale=c(self.gscale), rounding=self.rounding)
+
+    def kernel_args(self):
+        """(payload, scale, gscale, fmt id) as the kernels take them (fp8 viewed as bytes,
+        fp16/bf16 as int16 so that rounded bit patterns can be stored)."""
+        pay = self.payload
+        if self.format == "fp8":
+            pay = pay.view(torch.uint8)
+        elif self.format in ("fp16", "bf16"):
+            pay = pay.view(torch.int16)
+        sc = self.scale if self.scale is not None else pay
+        gs = self.gscale if self.gscale is not None else pay
+        return pay, sc, gs, FMT_IDS[self.format]
 
 
 class Format:
@@ -168,7 +312,7 @@ class FP32Format(Format):
         return 4.0
 
     def _quantize(self, x, rounding, seed, stream, rbits):
-        return QTensor(self.name, tuple(x.shape), x.clone())
+        return QTensor(self.name, tuple(x.shape), x.clone(), rounding=rounding)
 
     def _dequantize(self, q):
         return q.payload.clone()
@@ -189,7 +333,7 @@ class CastFormat(Format):
                                                      stream)
         else:
             payload = ref.cast_ref(x, self.grid, self.dtype, rbits)
-        return QTensor(self.name, tuple(x.shape), payload)
+        return QTensor(self.name, tuple(x.shape), payload, rounding=rounding)
 
     def _dequantize(self, q):
         return q.payload.to(torch.float32)
@@ -207,7 +351,7 @@ class FP8Format(Format):
             payload, scale = _quant_kernels().fp8_quantize(x, rounding, seed, stream)
         else:
             payload, scale = ref.fp8_quantize_ref(x, rbits)
-        return QTensor(self.name, tuple(x.shape), payload, {"row": scale})
+        return QTensor(self.name, tuple(x.shape), payload, {"row": scale}, rounding=rounding)
 
     def _dequantize(self, q):
         if use_triton(q.payload):
@@ -245,7 +389,8 @@ class NVFP4Format(Format):
         else:
             packed, bscale, gscale = ref.nvfp4_quantize_ref(
                 x3, None if rbits is None else rbits.reshape(x3.shape))
-        return QTensor(self.name, tuple(x.shape), packed, {"block": bscale, "matrix": gscale})
+        return QTensor(self.name, tuple(x.shape), packed, {"block": bscale, "matrix": gscale},
+                       rounding=rounding)
 
     def _dequantize(self, q):
         if use_triton(q.payload):

@@ -84,8 +84,8 @@ def _store_of(tensors: list[torch.Tensor], meta: str) -> ReplayStore:
         spec = m[name]
         if spec is None:
             return None
-        return PackedRole(spec[0], spec[1], tuple(spec[2]), by[f"{name}.payload"],
-                          by.get(f"{name}.scale"), by.get(f"{name}.gscale"))
+        return PackedRole(spec[0], tuple(spec[2]), by[f"{name}.payload"], rounding=spec[1],
+                          scale=by.get(f"{name}.scale"), gscale=by.get(f"{name}.gscale"))
 
     return ReplayStore(m["kind"], role("anchor"), role("read"), m["buffer_len"], m["key_heads"],
                        kbuf=by["kbuf"], vbuf=by["vbuf"], ubuf=by.get("ubuf"), Gbuf=by["Gbuf"],

@@ -1,39 +1,30 @@
-"""The decode store of one patched layer (`DecodeStore`) and its hand-off from and to a
-`ReplayState`, used by `replayquant.models.runtime`.
+"""The decode store of one patched layer (`DecodeStore`), used by `replayquant.models.runtime`.
 
 A `DecodeStore` is a `replayquant.replay.stores.ReplayStore` (anchor and read copy, ring buffer,
 per-row pointers as device tensors, allocated once for the batch), the engine that steps it
 through the custom operator replayquant::replay_step ('triton': the replay decode kernel on a
 bf16 ring; 'torch': `replayquant.kernels.replay.engine` on a float32 ring), the slot of each
-batch row, and the device-side record of non-finite inputs. `parts_to_store` builds the store once,
-where decode starts, from a state's parts: the chunked scan's state as it is after a prompt, or a
-ReplayState's (`state_to_store`); `store_to_state` turns it back where a multi-token forward
-continues the cache. Both keep the anchor and read copy bit for bit (same packed bytes, same SR
-streams: slot id = the state's sequence id) and the committed buffer entries. The ring holds
-the layer's raw activations, as a decode step appends them (GDN / KDA k before its L2 norm,
-Mamba-2 x with its step size dt in float32 beside it; a prompt's come from
-`runtime.RawTail`), never values derived from them: the Triton engine's ring keeps them in bf16,
-exact for the bf16 model it serves (half the buffer traffic of float32), the torch engine's in
-float32; GDN's u (derived) is bf16 beside a separate read copy, where it only serves outputs,
-and FP32 for a shared FP32 pair (its flush folds u).
+batch row, and the device-side record of non-finite inputs. It is built once, where decode
+starts, from a `ScanState` (the chunked scan's state as it is after a prompt, or a ReplayState's
+export) and turned back into one where a multi-token forward continues the cache; the
+conversions (`replayquant.replay.convert`: `scan_to_store`, `store_to_scan`) keep the anchor
+and read copy bit for bit and the committed buffer entries, the ring holding the layer's raw
+activations as a decode step appends them.
 """
 
 from __future__ import annotations
 
 import torch
 
-from replayquant.formats import QTensor, as_bits
+from replayquant.formats import as_bits
 from replayquant.kernels.ops import (ENGINES, replay_accept, replay_step, replay_verify,
                                      store_meta, store_tensors)
-from replayquant.kernels.replay.reference import fill_key_factors_ref
-from replayquant.replay import ReplayState, core
-from replayquant.replay.roles import PackedRole
-from replayquant.replay.stores import (FAULT_INPUTS, FaultRecord, ReplayStore, check_ring_dtype,
-                                       default_u_dtype, overflowing_role, ring_keys, solves_u)
-from replayquant.streams import layer_seed
+from replayquant.replay import ReplayState
+from replayquant.replay.convert import scan_to_store, store_to_scan, store_to_state, store_window
+from replayquant.replay.handoff import ScanState
+from replayquant.replay.stores import FAULT_INPUTS, FaultRecord, overflowing_role
 
-__all__ = ["DecodeStore", "state_to_store", "parts_to_store", "store_to_state", "take_slots",
-           "RING_DTYPE"]
+__all__ = ["DecodeStore", "take_slots", "RING_DTYPE"]
 
 # the ring's k and v per engine: bf16 halves the kernel's buffer traffic; the torch engine keeps
 # them in float32, so that its decode equals ReplayState.step (and HF's recurrence) within float32
@@ -44,196 +35,6 @@ RING_DTYPE = {"triton": torch.bfloat16, "torch": torch.float32}
 # back continues the same schedule. (The kernel's 'auto' would flush every step at small batch for
 # a shared FP32 anchor: lossless but another schedule; a serving choice, not the patch's.)
 DECODE_KERNEL_PATH = "replay"
-
-
-def _role_to_packed(q: QTensor, spec, N: int, slots: torch.Tensor, shape):
-    """A PackedRole [N, H, d_v, d_k] holding the packed QTensor q ([B, H, d_v, d_k]) in `slots`
-    (same bytes; other slots zero)."""
-    B, H, dv, dk = shape
-    role = PackedRole.empty(spec.format, spec.rounding, (N, H, dv, dk), q.device)
-    for t in (role.payload, role.scale, role.gscale):
-        if t is not None:
-            as_bits(t).zero_()
-    if spec.format == "nvfp4":
-        role.payload[slots] = q.payload.reshape(B, H, dv, dk // 2)
-        role.scale[slots] = q.scales["block"].reshape(B, H, dv, dk // 16)
-        role.gscale[slots] = q.scales["matrix"].reshape(B, H)
-    else:
-        role.payload[slots] = q.payload.reshape(B, H, dv, dk)
-        if spec.format == "fp8":
-            role.scale[slots] = q.scales["row"].reshape(B, H, dv)
-    return role
-
-
-def _packed_to_role(role, slots: torch.Tensor) -> QTensor:
-    """The QTensor [B, H, d_v, d_k] (layout of replayquant.formats) of `slots` of a PackedRole."""
-    _, H, dv, dk = role.shape
-    B = len(slots)
-    shape = (B, H, dv, dk)
-    if role.fmt == "nvfp4":
-        return QTensor("nvfp4", shape, role.payload[slots].reshape(B * H, dv, dk // 2).clone(),
-                       {"block": role.scale[slots].reshape(B * H, dv, dk // 16).clone(),
-                        "matrix": role.gscale[slots].reshape(B * H).clone()})
-    scales = {"row": role.scale[slots].clone()} if role.fmt == "fp8" else {}
-    return QTensor(role.fmt, shape, role.payload[slots].clone(), scales)
-
-
-def state_to_store(st: ReplayState, key_heads: int, u_dtype=None, ring_dtype=torch.bfloat16):
-    """Convert a ReplayState into (ReplayStore, state_indices), the decode store of either engine
-    (`parts_to_store` of its parts)."""
-    return parts_to_store(st.export(), st.pair, st.delta, st.seed, st.layer, key_heads,
-                          u_dtype=u_dtype, ring_dtype=ring_dtype)
-
-
-def _solved_u(parts: dict, pair) -> torch.Tensor:
-    """GDN's u of the committed entries against the read copy, as ReplayState.load computes it
-    where its parts come without u (the chunked scan's)."""
-    read = parts["read"] if parts["read"] is not None else parts["anchor"]
-    R32 = pair.read_spec.fmt.dequantize(read)
-    k, v, G, beta = (parts[n].float() for n in ("k", "v", "G", "beta"))
-    valid = core.committed_mask(parts["committed"], k.shape[2])
-    return core.solve_u(R32, k, v, G, beta, valid)
-
-
-def _slot_count(rows: torch.Tensor) -> int | None:
-    """max(rows) + 1 where the sequence ids are distinct, else None; one host read."""
-    srt = rows.sort().values
-    distinct = (srt[1:] != srt[:-1]).all()
-    n = int(torch.where(distinct, srt[-1] + 1, 0))
-    return n or None
-
-
-def parts_to_store(parts: dict, pair, delta: bool, seed: int, layer: int, key_heads: int,
-                   u_dtype=None, ring_dtype=torch.bfloat16, n_slots: int | None = None,
-                   raw: dict | None = None, max_drafts: int = 0):
-    """(ReplayStore, state_indices), the decode store of either engine, from a state's parts
-    (the dict ReplayState.export returns, or the chunked scan's state as `scan_parts` gives it:
-    GDN u None, computed here against the read copy as ReplayState.load does). One host read
-    (the slot count), none where the caller knows it (`n_slots`: the rows are then distinct and
-    below it, as a new state's 0..B-1); the parts are the engine's own, so they are not checked
-    again.
-
-    Slots are the state's sequence ids (`rows`, which key the SR streams in both), so the store
-    has max(rows) + 1 slots and state_indices = rows. Sequence ids that repeat (a beam reorder
-    before the first decode step) take the slots 0..B-1 instead: each row then draws its slot's
-    SR streams from its next flush on, as after a reorder on the store (`take_slots`). The
-    anchor and read copy move bit for bit. The committed entries move into the ring (start 0) in
-    the store's layout, as the decode steps would have appended them: with `raw` (the entries'
-    raw inputs in buffer order, [B, L, ...] each: GDN / KDA "k" per key head before its L2 norm,
-    Mamba-2 "x" and its step size "dt", as `runtime.RawTail.entries` gives them) the ring holds
-    the raw k (normalised once, where it is read) and Mamba-2's raw x with dt beside it (its
-    v = dt x formed where it is read, in float32, as the chunked scan formed it); without (a
-    ReplayState's parts, whose raw inputs are gone) it holds the parts' keys as they are (GDN /
-    KDA: already normalised, so that reading normalises them a second time: a relative change
-    of about 1e-6 / |k_raw|^2) and Mamba-2's v as x = v with dt = 1. v (GDN, KDA) is the model's
-    own. k and v / x in ring_dtype (bf16 for the Triton kernels: exact for a bf16 model's
-    activations, not for derived values; float32 for the torch engine), G and beta in fp32, GDN u in
-    u_dtype (None: the store's default, stores.default_u_dtype: float32 for a shared FP32 pair,
-    whose flush folds it, or a float32 ring, else bf16) and, where the kernel's flush solves for
-    u, GDN's key factors (Tbuf, computed from the entries; a float32 ring keeps none).
-    max_drafts: the most drafts a speculative verify appends (`ReplayStore.from_state`), the ring
-    then holding L + max_drafts entries."""
-    check_ring_dtype(ring_dtype)
-    if u_dtype is None:
-        u_dtype = default_u_dtype(pair.anchor.format, None if pair.read is None
-                                  else pair.read.format, ring_dtype)
-    B, H, dv, dk = parts["anchor"].shape
-    buffer_len = parts["k"].shape[2]
-    if H % key_heads:
-        raise ValueError(f"key_heads={key_heads} must divide the {H} heads")
-    r = H // key_heads
-    rows = parts["rows"]
-    N = _slot_count(rows) if n_slots is None else n_slots
-    if N is None:
-        rows, N = torch.arange(B, dtype=torch.int64, device=rows.device), B
-    slots = rows.long()
-    dev, f32 = parts["k"].device, torch.float32
-    if delta and parts.get("u") is None:
-        parts = dict(parts, u=_solved_u(parts, pair))
-    anchor = _role_to_packed(parts["anchor"], pair.anchor, N, slots, (B, H, dv, dk))
-    read = None if pair.read is None else _role_to_packed(parts["read"], pair.read, N, slots,
-                                                         (B, H, dv, dk))
-
-    C = buffer_len + max_drafts
-
-    def ring(t, tail):                   # [B, H(or HK), L, ...] -> [N, C, H, ...] in slots
-        out = torch.zeros((N, C) + tail, dtype=t.dtype, device=dev)
-        out[slots, :buffer_len] = t.transpose(1, 2)
-        return out
-
-    def ring_raw(name, tail):            # raw entries [B, L, ...] -> [N, C, ...] in slots
-        out = torch.zeros((N, C) + tail, dtype=raw[name].dtype, device=dev)
-        out[slots, :buffer_len] = raw[name]
-        return out
-
-    vec = parts["G"].dim() == 4          # KDA: G per key channel
-    kbuf = (ring_raw("k", (key_heads, dk)) if raw is not None and delta
-            else ring(parts["k"][:, ::r], (key_heads, dk))).to(ring_dtype)
-    if delta:
-        vbuf = ring(parts["v"], (H, dv)).to(ring_dtype)
-        ubuf = ring(parts["u"], (H, dv)).to(u_dtype)
-        bbuf = ring(parts["beta"], (H,)).to(f32)
-    elif raw is not None:                # raw x, dt beside it
-        vbuf = ring_raw("x", (H, dv)).to(ring_dtype)
-        ubuf = None
-        bbuf = ring_raw("dt", (H,)).to(f32)
-    else:
-        vbuf = ring(parts["v"], (H, dv)).to(ring_dtype)  # x := v, dt := 1
-        ubuf = None
-        bbuf = ring(torch.ones_like(parts["G"]), (H,)).to(f32)
-    Gbuf = ring(parts["G"], (H, dk) if vec else (H,)).to(f32)
-    committed = torch.zeros(N, dtype=torch.int32, device=dev)
-    committed[slots] = parts["committed"].to(torch.int32)
-    n_flush = torch.zeros(N, dtype=torch.int64, device=dev)
-    n_flush[slots] = parts["flushes"].to(torch.int64)
-    store = ReplayStore("kda" if vec else "gdn" if delta else "mamba2", anchor, read, buffer_len,
-                        key_heads,
-                        kbuf=kbuf, vbuf=vbuf, ubuf=ubuf, Gbuf=Gbuf, bbuf=bbuf,
-                        committed=committed, n_flush=n_flush, key=layer_seed(seed, layer),
-                        start=torch.zeros(N, dtype=torch.int32, device=dev),
-                        max_drafts=max_drafts)
-    if solves_u(store) and ring_dtype == torch.bfloat16:   # the kernel flush's key factors
-        store.Tbuf = torch.zeros(N, C, H, buffer_len, dtype=f32, device=dev)
-        fill_key_factors_ref(store, slots)
-    return store, rows.to(torch.int32)
-
-
-def _window(store, slots: torch.Tensor):
-    """take(buf): the ring buffer buf [N, C, ...] of a ReplayStore at `slots`, its entries in
-    window order, [len(slots), L, ...]."""
-    dev = store.kbuf.device
-    pos = (store.start[slots].long()[:, None]
-           + torch.arange(store.buffer_len, device=dev)[None, :]) % store.capacity
-    bi = torch.arange(len(slots), device=dev)[:, None]
-    return lambda buf: buf[slots][bi, pos]
-
-
-def store_to_state(store, state_indices: torch.Tensor, pair, seed: int, layer: int) -> ReplayState:
-    """The ReplayState of the batch rows state_indices of a ReplayStore (the inverse of
-    state_to_store, without any cast): anchor and read copy bit for bit, the committed ring
-    entries in window order as the kernel reads them (GDN / KDA k normalised, Mamba-2 v = dt x),
-    u as the kernel computed it, flush indices, and rows = the slots (the SR sequence ids)."""
-    slots = state_indices.long()
-    r = store.shape[1] // store.key_heads
-    delta = store.kind != "mamba2"
-    window = _window(store, slots)
-
-    def take(buf):                      # [N, C, X, ...] -> [B, X, L, ...] float32
-        return window(buf).float().transpose(1, 2).contiguous()
-
-    k = ring_keys(store.kind, take(store.kbuf)).repeat_interleave(r, dim=1)
-    G = take(store.Gbuf)
-    bt = take(store.bbuf)
-    v = take(store.vbuf)
-    parts = {"anchor": _packed_to_role(store.anchor, slots),
-             "read": None if store.read is None else _packed_to_role(store.read, slots),
-             "k": k, "G": G, "committed": store.committed[slots].long(),
-             "flushes": store.n_flush[slots].long(), "rows": slots}
-    if delta:
-        parts.update(v=v, beta=bt, u=take(store.ubuf))
-    else:
-        parts.update(v=bt.unsqueeze(-1) * v, beta=None, u=None)
-    return ReplayState.from_parts(parts, pair, delta=delta, seed=seed, layer=layer)
 
 
 class DecodeStore:
@@ -251,52 +52,47 @@ class DecodeStore:
       `raise_nonfinite` reads it at a boundary the host already waits at. The kernel never
       writes a non-finite state into the anchor or the read copy (it keeps the roles of a flush
       whose state is not finite).
-    * `phase` (torch engine, eager steps): each row's committed count, counted on the host from
-      the hand-off on (every decode step appends one entry per row, a row whose entry fills the
-      buffer flushes to 0), so that a step names the rows that flush and the engine runs the
-      flush branch on them alone (`replay.engine`'s `flushing`): on this project's 2-core CPU,
+    * `host_committed` (torch engine, eager steps): each row's committed count, counted on
+      the host from the hand-off on (every decode step appends one entry per row, a row whose
+      entry fills the buffer flushes to 0), so that a step names the rows that flush and the
+      engine runs the flush branch on them alone (`replay.engine`'s `flushing`): on this
+      project's 2-core CPU,
       one thread, the embedded models at B = 4, L = 16, a decode forward with the branch for
       every row took 1.3-2.5x one with it for the rows that flush (s32_rs and tp4_hi16_sr;
       evals/cpu_decode.py).
       None where it is not known: the Triton engine, after a beam reorder, once a step is
       compiled (every row then computes both branches).
-    Built from a ReplayState, or straight from the chunked scan's state (`from_parts`), by
-    `parts_to_store`; turned back by `to_replay_state()`."""
+    Built from a ReplayState, or straight from the chunked scan's state (`from_scan`), by
+    `replay.convert.scan_to_store`; turned back by `to_scan_state()` / `to_replay_state()`."""
 
     def __init__(self, st: ReplayState, key_heads: int, reuse: "DecodeStore | None" = None,
                  engine: str = "triton"):
-        self._build(st.export(), st.pair, st.delta, st.seed, st.layer, key_heads, reuse, engine)
+        self._build(st.export(), key_heads, reuse, engine)
 
     @classmethod
-    def from_parts(cls, parts: dict, pair, delta: bool, seed: int, layer: int, key_heads: int,
-                   reuse: "DecodeStore | None" = None, engine: str = "triton",
-                   n_slots: int | None = None, raw: dict | None = None,
-                   max_drafts: int = 0) -> "DecodeStore":
-        """The decode store of a state's parts (`parts_to_store`: the chunked scan's state
-        straight into the store, no ReplayState in between; n_slots, raw and max_drafts as
-        there)."""
+    def from_scan(cls, ss: ScanState, key_heads: int, reuse: "DecodeStore | None" = None,
+                  engine: str = "triton", max_drafts: int = 0) -> "DecodeStore":
+        """The decode store of ScanState ss (`replay.convert.scan_to_store`: the chunked scan's
+        state straight into the store, no ReplayState in between; max_drafts as there)."""
         self = cls.__new__(cls)
-        self._build(parts, pair, delta, seed, layer, key_heads, reuse, engine, n_slots, raw,
-                    max_drafts)
+        self._build(ss, key_heads, reuse, engine, max_drafts)
         return self
 
-    def _build(self, parts, pair, delta, seed, layer, key_heads, reuse, engine, n_slots=None,
-               raw=None, max_drafts=0):
+    def _build(self, ss: ScanState, key_heads, reuse, engine, max_drafts=0):
         if engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
-        self.pair, self.delta, self.seed, self.layer = pair, delta, seed, layer
-        self.vector_gate, self.engine = parts["G"].dim() == 4, engine
-        self.B, self.H, self.d_v, self.d_k = parts["anchor"].shape
-        self.device = parts["k"].device
+        self.pair, self.delta, self.seed, self.layer = ss.pair, ss.delta, ss.seed, ss.layer
+        self.vector_gate, self.engine = ss.vector_gate, engine
+        self.B, self.H, self.d_v, self.d_k = ss.anchor.shape
+        self.device = ss.k.device
         self.ring = RING_DTYPE[engine]
-        self.store, slots = parts_to_store(parts, pair, delta, seed, layer, key_heads,
-                                           ring_dtype=self.ring, n_slots=n_slots, raw=raw,
-                                           max_drafts=max_drafts)
+        self.store, slots = scan_to_store(ss, key_heads, ring_dtype=self.ring,
+                                          max_drafts=max_drafts)
         # int32, as the kernels index: a step converts nothing
         self.state_indices = slots.to(torch.int32)
         self.bad_names = FAULT_INPUTS[self.store.kind]
         self.faults = FaultRecord.empty(self.store.kind, self.B, self.device)
-        self.phase = parts["committed"].tolist() if engine == "torch" else None
+        self.host_committed = ss.committed.tolist() if engine == "torch" else None
         # one tensor for the store's fields: a compiled step guards it alone (ReplayStore.pack)
         # the operator's meta, the packed layout in it: a store of an equal meta is packed alike
         self.meta = store_meta(self.store, engine, packed=self.store.pack_layout())
@@ -330,14 +126,20 @@ class DecodeStore:
         return store_to_state(self.store, self.state_indices.long(), self.pair, self.seed,
                               self.layer)
 
+    def to_scan_state(self) -> ScanState:
+        """The ScanState of this store's rows, its raw ring entries included (a multi-token
+        forward continuing a decoded cache; `replay.convert.store_to_scan`)."""
+        return store_to_scan(self.store, self.state_indices.long(), self.pair, self.seed,
+                             self.layer)
+
     def committed(self) -> torch.Tensor:
         """Each batch row's committed entries (the fill h of its ring), int32 [B]."""
         return self.store.committed[self.state_indices.long()]
 
     def raw_entries(self) -> dict:
         """The ring's raw entries of each batch row in window order, [B, L, ...] each (the
-        `raw` of parts_to_store: GDN / KDA k, Mamba-2 x and dt)."""
-        take = _window(self.store, self.state_indices.long())
+        `raw` of a ScanState: GDN / KDA k, Mamba-2 x and dt)."""
+        take = store_window(self.store, self.state_indices.long())
         if self.delta:
             return {"k": take(self.store.kbuf)}
         return {"x": take(self.store.vbuf), "dt": take(self.store.bbuf)}
@@ -348,7 +150,7 @@ class DecodeStore:
         take_slots(self.store, self.state_indices, self.state_indices[ids])
         for t in self.faults:
             t.copy_(t[ids])
-        self.phase = None                     # the rows' phases moved on the device
+        self.host_committed = None                     # the rows' fills moved on the device
 
     def raise_nonfinite(self) -> None:
         """One ValueError naming the layer, the row and the decode step, if since the store was
@@ -396,7 +198,7 @@ class DecodeStore:
         appended to the ring after the committed entries, uncommitted until `accept`. A row whose
         committed entries would not leave T free slots (h + T > L, h > 0) folds them first (DESIGN
         section 4); a flush never folds drafts."""
-        self.phase = None                     # the rows' fills move on the device
+        self.host_committed = None                     # the rows' fills move on the device
         ins = self._inputs(raw)
         return replay_verify(self.store, ins, self.state_indices, self.meta)
 
@@ -428,18 +230,18 @@ class DecodeStore:
                     dt_bias=raw["dt_bias"], dt_limit=raw.get("dt_limit"))
 
     def _flushing(self) -> list[int] | None:
-        """The rows whose entry fills the buffer at this step, from `phase` (advanced here), or
+        """The rows whose entry fills the buffer at this step, from `host_committed` (advanced here), or
         None where the host does not know them (a compiled step: the graph takes none)."""
-        # asked before `phase` is read: a compiled step then guards nothing on it, so the
-        # step after a hand-off (phase a list) and the later ones (None) share one graph
+        # asked before `host_committed` is read: a compiled step then guards nothing on it, so the
+        # step after a hand-off (a list) and the later ones (None) share one graph
         if torch.compiler.is_compiling():
-            self.phase = None
+            self.host_committed = None
             return None
-        if self.phase is None:
+        if self.host_committed is None:
             return None
         buffer_len = self.store.buffer_len
-        rows = [r for r, h in enumerate(self.phase) if h + 1 == buffer_len]
-        self.phase = [0 if h + 1 == buffer_len else h + 1 for h in self.phase]
+        rows = [r for r, h in enumerate(self.host_committed) if h + 1 == buffer_len]
+        self.host_committed = [0 if h + 1 == buffer_len else h + 1 for h in self.host_committed]
         return rows
 
 

@@ -4,7 +4,7 @@ Where the state lives: each linear-attention layer of an HF cache (`cache.layers
 `LinearAttentionLayer` in transformers 5.17 and 5.24) keeps, while patched, its replay state in
 the attribute `_replayquant_state`: a `DecodeStore` once the layer decodes (a
 `replayquant.replay.stores.ReplayStore`, the engine that steps it and the batch-row -> slot
-map), or a `ScanHeld` (the chunked scan's ScanState) after a multi-token forward. The
+map), or a `replay.handoff.ScanState` (the chunked scan's) after a multi-token forward. The
 layer's own `recurrent_states[0]` slot, which HF reorders on beam search (`reorder_cache`),
 holds a small float tensor [B, 1] of row ids instead of the FP32 state; a permuted slot tells us
 to permute the replay state the same way. The conv state is HF's, untouched.
@@ -28,7 +28,7 @@ Which path runs:
   Where keys and queries are normalised: once, between the model's projection and the
   recurrence, by whichever consumes them: the chunked scan's front end (`replay.gdn_inputs` /
   `kda_inputs`) for a multi-token forward, the decode step for a one-token forward; a decode
-  store's ring keeps raw keys (`RawTail` carries a prompt's into it), which a step normalises
+  store's ring keeps raw keys (`ScanState.raw` carries a prompt's into it), which a step normalises
   where it reads them.
 * any other forward (prompt, teacher forcing, segments continuing a cache): the chunked scan
   (DESIGN section 7). On CUDA tensors (or with REPLAYQUANT_BACKEND=triton) the Triton kernel
@@ -51,15 +51,15 @@ Which path runs:
   HF compiles no step of a cache whose linear-attention layers record their past.
 
 Hand-off between the two (explicit, once, never per step): segments of multi-token forwards pass
-the scan's ScanState from one to the next as it is (`ScanHeld`); the first decode step after them
-builds the decode store straight from that state (`replayquant.models.decode_store`:
-`parts_to_store`, a `DecodeStore`; one host read); a multi-token forward into a static cache (HF's
-compiled generate) builds it at its end, so that the first decode step, which torch.compile traces,
+the scan's ScanState from one to the next as it is; the first decode step after them
+builds the decode store straight from that state (a `DecodeStore`,
+`replayquant.replay.convert.scan_to_store`; one host read); a multi-token forward into a static
+cache (HF's compiled generate) builds it at its end, so that the first decode step, which torch.compile traces,
 finds the store. Every decode step after that runs on the store alone (`kernel_decode`: the raw
 inputs straight into the operator, no torch front end, no host read: a beam reorder is a gather on
 the device, a non-finite input is recorded on the device and raised at the next multi-token
-forward). A multi-token forward continuing the cache converts the store back (`store_to_state`)
-before the chunked scan runs.
+forward). A multi-token forward continuing the cache converts the store back into a ScanState
+(`store_to_scan`, no ReplayState between) before the chunked scan runs.
 
 Measured on one H100 (results/bench/generate.json; Qwen3.5-4B shape, random weights, bf16, 64-token
 prompt, fla 0.6.0, transformers 5.17, B = 1), ms per decode step: patched eager with s32_rs 24.1
@@ -72,22 +72,22 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from dataclasses import fields
+from dataclasses import replace
 
 import torch
 from transformers import DynamicCache
 
 from replayquant.formats import use_triton
-from replayquant.kernels.chunk.reference import (chunk_scan_ref, cpu_threads, initial_scan_state,
-                                                 scan_parts, scan_state_of)
+from replayquant.kernels.chunk.reference import (chunk_scan_ref, cpu_threads,
+                                                 initial_scan_state)
 from replayquant.models.decode_graph import LayerGraph
 from replayquant.models.decode_store import DecodeStore
-from replayquant.replay import ReplayState, core
-from replayquant.replay.frontends import mamba2_dt
+from replayquant.replay import ReplayState
+from replayquant.replay.handoff import ScanState, append_raw, raw_of_forward, take_rows
 from replayquant.replay.state import find_nonfinite
 from replayquant.replay.stores import dt_limit_args, pow2_16
 
-__all__ = ["LayerRuntime", "ScanHeld", "croppable", "decode_path", "teacher_force_path",
+__all__ = ["LayerRuntime", "croppable", "decode_path", "teacher_force_path",
            "recording", "STATE_ATTR"]
 
 STATE_ATTR = "_replayquant_state"
@@ -214,145 +214,10 @@ def teacher_force_path(x: torch.Tensor, d_k: int, d_v: int) -> str:
     return f"torch (the Triton chunk kernel needs powers of two >= 16, got d_k={d_k}, d_v={d_v})"
 
 
-class RawTail:
-    """The raw inputs of a layer's last buffer_len valid tokens per row, as a decode step would
-    have appended them to its ring (the activations as the model produced them: GDN and KDA the
-    key before its L2 norm, Mamba-2 x beside its step size dt in float32), right-aligned: row b's
-    newest token at slot L - 1, its n[b] valid tokens at slots L - n[b] .. L - 1. The chunked
-    scan's buffer holds derived values (normalised keys, v = dt x), which a ring in the model's
-    dtype cannot hold exactly (bf16 rounding moved an FP32 pair's decode by 1e-3 of float64) and
-    which a decode step would derive again (a key normalised twice moved it by 3e-4 at
-    |k_raw|^2 = 0.005): the hand-off into the decode store takes its ring entries from here.
-    Kept on the device, updated without a host read."""
-
-    NAMES = {"gdn": ("k",), "kda": ("k",), "mamba2": ("x", "dt")}
-
-    def __init__(self, t: dict, n: torch.Tensor):
-        self.t, self.n = t, n
-
-    @property
-    def capacity(self) -> int:
-        return next(iter(self.t.values())).shape[1]
-
-    @classmethod
-    def of_forward(cls, kind: str, raw: dict) -> dict:
-        """The tail's tensors [B, T, ...] of a forward's raw inputs (Mamba-2's dt as
-        `mamba2_dt` forms it for the chunked scan's v = dt x)."""
-        if kind != "mamba2":
-            return {"k": raw["k"]}
-        return {"x": raw["x"], "dt": mamba2_dt(raw["dt"], raw["dt_bias"],
-                                               dt_limit=raw.get("dt_limit"))}
-
-    def append(self, new: dict, valid) -> "RawTail":
-        """The tail after a forward's tokens new [B, T, ...] (valid [B, T] bool or None: all)."""
-        L = self.capacity
-        any_t = next(iter(new.values()))
-        Bn, T = any_t.shape[:2]
-        dev = any_t.device
-        ok = torch.ones(Bn, T, dtype=torch.bool, device=dev) if valid is None else valid.bool()
-        had = torch.arange(L, device=dev)[None, :] >= (L - self.n)[:, None]
-        m = torch.cat([had, ok], 1)                                 # [B, L + T]
-        after = m.flip(1).cumsum(1).flip(1)                         # valid entries at or after
-        dest = torch.where(m & (after <= L), L - after, L)          # L: dropped
-        rows = torch.arange(Bn, device=dev)[:, None]
-        out = {}
-        for name, old in self.t.items():
-            both = torch.cat([old, new[name].to(old.dtype)], 1)
-            o = old.new_zeros((Bn, L + 1) + tuple(old.shape[2:]))
-            o[rows, dest] = both
-            out[name] = o[:, :L]
-        return RawTail(out, torch.clamp(self.n + ok.sum(1), max=L))
-
-    @classmethod
-    def empty(cls, new: dict, L: int) -> "RawTail":
-        """An empty tail shaped for tensors like new [B, T, ...]."""
-        t = {n: v.new_zeros((v.shape[0], L) + tuple(v.shape[2:])) for n, v in new.items()}
-        return cls(t, torch.zeros(next(iter(new.values())).shape[0], dtype=torch.int64,
-                                  device=next(iter(new.values())).device))
-
-    def entries(self, committed: torch.Tensor) -> dict:
-        """The tensors [B, L, ...] of the last committed[b] tokens of each row in buffer order
-        (entry j of row b at j; entries >= committed[b] zero), as a decode store's ring takes
-        them."""
-        L = self.capacity
-        j = torch.arange(L, device=self.n.device)[None, :]
-        h = committed.to(self.n.device).long()[:, None]
-        src = (L - h + j).clamp(max=L - 1)
-        rows = torch.arange(src.shape[0], device=src.device)[:, None]
-        out = {}
-        for name, t in self.t.items():
-            keep = (j < h).reshape(h.shape[0], L, *([1] * (t.dim() - 2)))
-            out[name] = torch.where(keep, t[rows, src], 0)
-        return out
-
-    @classmethod
-    def of_entries(cls, entries: dict, committed: torch.Tensor) -> "RawTail":
-        """The tail holding buffer entries [B, L, ...] (entry j < committed[b] of row b)."""
-        L = next(iter(entries.values())).shape[1]
-        h = committed.long()
-        j = torch.arange(L, device=h.device)[None, :]
-        dest = torch.where(j < h[:, None], L - h[:, None] + j, L)
-        rows = torch.arange(h.shape[0], device=h.device)[:, None]
-        out = {}
-        for name, e in entries.items():
-            o = e.new_zeros((e.shape[0], L + 1) + tuple(e.shape[2:]))
-            o[rows, dest] = e
-            out[name] = o[:, :L]
-        return cls(out, h.clone())
-
-    def take(self, ids: torch.Tensor) -> "RawTail":
-        """The tail whose row i is row ids[i] (a beam reorder)."""
-        return RawTail({n: t[ids] for n, t in self.t.items()}, self.n[ids])
-
-
-class ScanHeld:
-    """The replay state of one layer between multi-token forwards, on either path: the chunked
-    scan's ScanState as it came out (same anchor, read copy, buffer and counters a ReplayState
-    would hold), so that the next segment's scan (Triton kernel or torch reference) takes it as
-    it is, without a ReplayState round trip per segment (copies, the read copy's dequantization
-    and GDN's u recomputed, measured at ~2.7 ms per layer call on the H200). Where decode
-    starts it goes into the decode store as it is (`DecodeStore.from_parts`: GDN's u solved
-    against the read copy there, as ReplayState.load solves it, one host read);
-    `to_replay_state` gives it as a ReplayState. n_slots: the decode store's slot count where the
-    host knows it (B for a new state, whose rows are 0..B-1), so that the hand-off reads nothing
-    for it; None: counted there from the rows (one host read). tail: the `RawTail` of the
-    buffered entries (None: the buffer is empty)."""
-
-    def __init__(self, ss, pair, delta: bool, seed: int, layer: int,
-                 n_slots: int | None = None, tail: RawTail | None = None):
-        self.ss, self.pair, self.delta, self.seed, self.layer = ss, pair, delta, seed, layer
-        self.n_slots, self.tail = n_slots, tail
-
-    @classmethod
-    def of(cls, st: ReplayState, tail: RawTail | None = None) -> "ScanHeld":
-        """The ScanHeld holding ReplayState st's parts (its tensors, no copy); tail: the raw
-        inputs of its buffered entries (None: st's buffer is empty)."""
-        return cls(scan_state_of(st), st.pair, st.delta, st.seed, st.layer, tail=tail)
-
-    @classmethod
-    def of_store(cls, ds: DecodeStore) -> "ScanHeld":
-        """The ScanHeld of a decode store (a multi-token forward continuing a decoded cache, a
-        beam reorder of another batch size): its state, and its ring's raw entries as the tail."""
-        st = ds.to_replay_state()
-        return cls.of(st, RawTail.of_entries(ds.raw_entries(), st.committed))
-
-    @property
-    def B(self) -> int:
-        return self.ss.batch
-
-    @property
-    def device(self) -> torch.device:
-        return self.ss.count.device
-
-    def to_replay_state(self) -> ReplayState:
-        return ReplayState.from_parts(scan_parts(self.ss), self.pair, delta=self.delta,
-                                      seed=self.seed, layer=self.layer)
-
-
-def _teacher_force(held: ScanHeld, q, k, v, log_a, beta, valid, exact: bool, tail_in: dict):
-    """A multi-token forward of one layer from `held` -> (y, the ScanHeld after it), through
-    the Triton chunk kernel or its torch reference (teacher_force_path); tail_in: the forward's
-    raw entries (`RawTail.of_forward`), appended to the held tail."""
+def _teacher_force(held: ScanState, q, k, v, log_a, beta, valid, exact: bool, raw_in: dict):
+    """A multi-token forward of one layer from `held` -> (y, the ScanState after it), through
+    the Triton chunk kernel or its torch reference (teacher_force_path); raw_in: the forward's
+    raw entries (`handoff.raw_of_forward`), from which the state's raw entries follow."""
     path = teacher_force_path(q, q.shape[-1], v.shape[-1])
     if path == "triton":
         # Triton (Linux only): loaded where a kernel runs
@@ -362,11 +227,11 @@ def _teacher_force(held: ScanHeld, q, k, v, log_a, beta, valid, exact: bool, tai
             warnings.warn(f"replayquant teacher forcing on {q.device}: {path}", stacklevel=3)
         scan = chunk_scan_ref
     with cpu_threads(q.device):
-        y, ss = scan(held.ss, q, k, v, log_a, beta, pair=held.pair, seed=held.seed,
+        y, ss = scan(held, q, k, v, log_a, beta, pair=held.pair, seed=held.seed,
                      layer=held.layer, valid=valid, exact=exact)
-    tail = held.tail or RawTail.empty(tail_in, ss.buffer_len)
-    return y, ScanHeld(ss, held.pair, held.delta, held.seed, held.layer, held.n_slots,
-                       tail.append(tail_in, valid))
+    raw = append_raw(held.raw, held.committed, raw_in, valid, ss.committed, ss.buffer_len)
+    return y, replace(ss, u=None, raw=raw, pair=held.pair, seed=held.seed, layer=held.layer,
+                      n_slots=held.n_slots)
 
 
 def _one_token(raw: dict) -> dict:
@@ -427,7 +292,7 @@ class LayerRuntime:
     def has_previous(lay) -> bool:
         return bool(lay.has_previous_state[0])
 
-    def _fresh(self, B, H, dv, dk, device, S0=None) -> ScanHeld:
+    def _fresh(self, B, H, dv, dk, device, S0=None) -> ScanState:
         """A new state: S0 cast into both roles, flush index 0, an empty buffer. Zeros (a new
         sequence) go straight into the chunked scan's state (`initial_scan_state` of their shape:
         the state ReplayState starts from, without its checks' host reads); an S0 adopted from an
@@ -437,13 +302,14 @@ class LayerRuntime:
             ss = initial_scan_state((B, H, dv, dk), self.pair, delta=self.delta,
                                     seed=self.seed, layer=self.layer_idx,
                                     vector_gate=self.vector_gate, device=device)
-            return ScanHeld(ss, self.pair, self.delta, self.seed, self.layer_idx, n_slots=B)
-        return ScanHeld.of(ReplayState(S0, self.pair, delta=self.delta, seed=self.seed,
-                                       layer=self.layer_idx, vector_gate=self.vector_gate))
+            return replace(ss, pair=self.pair, seed=self.seed, layer=self.layer_idx, n_slots=B)
+        st = ReplayState(S0, self.pair, delta=self.delta, seed=self.seed, layer=self.layer_idx,
+                         vector_gate=self.vector_gate)
+        return replace(st.export(), u=None)
 
     def get_state(self, lay, had_prev: bool, B, H, dv, dk, device):
         """The layer's state for this forward (new, continued, reordered or adopted): the
-        DecodeStore decode left there, or a ScanHeld (new, adopted from an unpatched model's
+        DecodeStore decode left there, or a ScanState (new, adopted from an unpatched model's
         cache, or the one the last multi-token forward left there)."""
         if lay is None or not had_prev:
             return self._fresh(B, H, dv, dk, device)
@@ -465,8 +331,8 @@ class LayerRuntime:
                 st.reorder(ids)
             else:
                 if isinstance(st, DecodeStore):
-                    st = ScanHeld.of_store(st)
-                st = reorder_state(st, ids)
+                    st = st.to_scan_state()
+                st = take_rows(st, ids)
             setattr(lay, MARKER_ATTR, None)          # put_state writes a fresh marker
         if st.B != B:
             raise ValueError(f"layer {self.layer_idx}: the cache holds {st.B} sequences but the "
@@ -527,9 +393,9 @@ class LayerRuntime:
                 st, y = self._decode(st, q, k, v, log_a, beta, raw)
             else:
                 if isinstance(st, DecodeStore):      # hand back to the chunked scan
-                    st = ScanHeld.of_store(st)
+                    st = st.to_scan_state()
                 y, st = _teacher_force(st, q, k, v, log_a, beta, valid, self.prefill == "exact",
-                                       RawTail.of_forward(self.kind, raw))
+                                       raw_of_forward(self.kind, raw))
                 if _static(cache):
                     st = self._decode_ready(st, q, k, v, log_a, beta, raw, lay)
         if lay is not None:
@@ -589,19 +455,15 @@ class LayerRuntime:
         return "triton" if path == "triton" else "torch"
 
     def _to_store(self, st, q, v, raw, reuse=None, max_drafts: int = 0):
-        """The hand-off of a ScanHeld into this layer's DecodeStore (once, where
+        """The hand-off of a ScanState into this layer's DecodeStore (once, where
         decode starts or a prefill into a static cache ends, or a speculative verify starts:
-        max_drafts as `parts_to_store`)."""
+        max_drafts as `replay.convert.scan_to_store`)."""
         if not isinstance(raw, dict):
             raise ValueError(f"layer {self.layer_idx} ({self.kind}): a decode step needs the "
                              f"layer's raw inputs (the patched forward passes them as raw=)")
         heads, engine = _key_heads(raw, self.delta), self._engine(q, v, raw)
-        if isinstance(st, ScanHeld):          # the scan's state straight into the store
-            raw_entries = None if st.tail is None else st.tail.entries(st.ss.count)
-            return DecodeStore.from_parts(scan_parts(st.ss), st.pair, st.delta, st.seed, st.layer,
-                                          heads, reuse=reuse, engine=engine, n_slots=st.n_slots,
-                                          raw=raw_entries, max_drafts=max_drafts)
-        return DecodeStore(st, heads, reuse=reuse, engine=engine)
+        return DecodeStore.from_scan(st, heads, reuse=reuse, engine=engine,
+                                     max_drafts=max_drafts)
 
     def _decode_ready(self, st, q, k, v, log_a, beta, raw, lay=None):
         """The state a multi-token forward leaves in a static cache (a compiled generate's):
@@ -670,13 +532,13 @@ class LayerRuntime:
         ys = []
         if c_new:
             if isinstance(st, DecodeStore):
-                st = ScanHeld.of_store(st)
+                st = st.to_scan_state()
             head = [None if t is None else t[:, :c_new] for t in (q, k, v, log_a, beta, valid)]
             y, st = _teacher_force(st, *head, self.prefill == "exact",
-                                   RawTail.of_forward(self.kind, _tokens(raw, 0, c_new)))
+                                   raw_of_forward(self.kind, _tokens(raw, 0, c_new)))
             ys.append(y)
         if not isinstance(st, DecodeStore) or st.store.max_drafts < L:
-            st = self._to_store(st if isinstance(st, ScanHeld) else ScanHeld.of_store(st), q, v,
+            st = self._to_store(st if isinstance(st, ScanState) else st.to_scan_state(), q, v,
                                 raw, max_drafts=L)
         drafts = _tokens(both, c, n_old + T)
         ys.append(st.verify(drafts)[:, c_new - T:])
@@ -688,16 +550,3 @@ class LayerRuntime:
         (`_to_store`), then the step on it."""
         st = self._to_store(st, q, v, raw)
         return st, st.step(_one_token(raw)).unsqueeze(1)
-
-
-def reorder_state(held: ScanHeld, ids: torch.Tensor) -> ScanHeld:
-    """The state whose row i is row ids[i] of `held` (beam search before decode starts). SR
-    stream ids follow the rows."""
-    ss, ids = held.ss, ids.to(held.device)
-    parts = {}
-    for f in fields(ss):
-        t = getattr(ss, f.name)
-        parts[f.name] = None if t is None else core.qt_take(t, ids, ss.batch) \
-            if f.name in ("anchor", "read") else t[ids].contiguous()
-    return ScanHeld(type(ss)(**parts), held.pair, held.delta, held.seed, held.layer,
-                    tail=None if held.tail is None else held.tail.take(ids))

@@ -12,14 +12,20 @@
 * `recurrent_reference`: the unrounded sequential FP32 recurrence.
 * `stores`: the decode stores of a layer (`ReplayStore`, `ConventionalStore`, the packed layout,
   the fault record) and the checks of a step's inputs, which the Triton kernels, their torch
-  references and the torch engine step; `roles`: their packed roles (`PackedRole`). Plain torch:
-  importing this package imports no Triton.
+  references and the torch engine step; `roles`: their packed roles (`PackedRole`).
+* `ScanState` (`handoff`): the whole state of a layer as it passes between the parts (the
+  chunked scan, a patched layer between forwards, `ReplayState.export` / `load`, a store's
+  hand-off); `convert`: every conversion between ReplayState, ScanState and the stores.
+Plain torch: importing this package imports no Triton.
 """
 
 from replayquant.replay.frontends import gdn_inputs, kda_inputs, kda_log_decay, l2norm, mamba2_inputs
+from replayquant.replay.handoff import ScanState
 from replayquant.replay.reference import recurrent_reference
 from replayquant.replay.state import ConventionalState, ReplayState
 from replayquant.replay.stores import ConventionalStore, ReplayStore
+from replayquant.replay import convert  # after the classes it converts
 
-__all__ = ["ReplayState", "ConventionalState", "ReplayStore", "ConventionalStore", "mamba2_inputs",
+__all__ = ["ReplayState", "ConventionalState", "ScanState", "ReplayStore", "ConventionalStore",
+           "convert", "mamba2_inputs",
            "gdn_inputs", "kda_inputs", "kda_log_decay", "l2norm", "recurrent_reference"]

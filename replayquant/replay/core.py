@@ -219,24 +219,29 @@ def _read_outputs_vec(R, K, V, G, beta, U, h, q):
 
 # ---------------------------------------------------------------- QTensor rows
 
+def _parts(q: QTensor):
+    return (q.payload, q.scale, q.gscale)
+
+
 def qt_take(q: QTensor, idx: torch.Tensor, B: int) -> QTensor:
     """The batch rows idx of a packed state QTensor (every component has B outermost)."""
     def take(t):
+        if t is None:
+            return None
         per = t.shape[0] // B
         return t.view(B, per, *t.shape[1:])[idx].reshape(len(idx) * per, *t.shape[1:])
-    return QTensor(q.format, (len(idx),) + tuple(q.shape[1:]), take(q.payload),
-                   {k: take(v) for k, v in q.scales.items()})
+    pay, scale, gscale = (take(t) for t in _parts(q))
+    return QTensor(q.format, (len(idx),) + tuple(q.shape[1:]), pay, scale=scale, gscale=gscale,
+                   rounding=q.rounding)
 
 
 def qt_put(q: QTensor, idx: torch.Tensor, sub: QTensor, B: int) -> None:
     """Write the rows of `sub` into rows idx of q, in place."""
-    def put(t, s):
-        per = t.shape[0] // B
-        t.view(B, per, *t.shape[1:])[idx] = s.reshape(len(idx), per, *t.shape[1:])
-    put(q.payload, sub.payload)
-    for k in q.scales:
-        put(q.scales[k], sub.scales[k])
+    for t, s in zip(_parts(q), _parts(sub)):
+        if t is not None:
+            per = t.shape[0] // B
+            t.view(B, per, *t.shape[1:])[idx] = s.reshape(len(idx), per, *t.shape[1:])
 
 
 def qt_clone(q: QTensor) -> QTensor:
-    return QTensor(q.format, q.shape, q.payload.clone(), {k: v.clone() for k, v in q.scales.items()})
+    return q.clone()

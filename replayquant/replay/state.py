@@ -48,11 +48,14 @@ Semantics (exactly; see replayquant.replay.core for the formulas and the buffer 
   it would otherwise give infinite outputs for up to L - 1 steps and then NaN that later
   layers' input checks blame on their inputs. ConventionalState checks each step's cast alike.
 
-Hand-off (teacher forcing, beam reordering, other backends): `st.export()` returns the parts
-(anchor, read copy, buffer, counters, rows) as a dict, `st.load(parts)` installs parts in place
-and `ReplayState.from_parts(parts, pair, delta, seed, layer)` builds a state from parts without
-any cast (vector-gated when parts['G'] has a d_k axis).
-`replayquant.kernels.chunk.reference.teacher_force` runs a segment through these.
+Hand-off (teacher forcing, beam reordering, decode stores, other backends): `st.export()` returns
+the whole state as a `ScanState` (replayquant.replay.handoff: anchor, read copy, buffer,
+counters, rows, the pair, seed and layer; its part names also read as keys, ss["anchor"]),
+`st.load(ss)` installs one in place (a ScanState, or a dict of its part names) and
+`ReplayState.from_parts(ss, pair, delta, seed, layer)` builds a state from one without any cast
+(vector-gated when G has a d_k axis). `replayquant.replay.convert` holds the conversions to and
+from the decode stores; `replayquant.kernels.chunk.reference.teacher_force` runs a segment through
+these.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ import torch
 from replayquant.formats import QTensor
 from replayquant.policy import resolve_pair
 from replayquant.replay import core
+from replayquant.replay.handoff import OTHER_NAMES, PART_NAMES, ScanState
 from replayquant.streams import ANCHOR, READ, layer_seed, sr_stream
 
 __all__ = ["ReplayState", "ConventionalState", "find_nonfinite", "nonfinite_cast",
@@ -301,8 +305,8 @@ class ReplayState(_StateBase):
         B, H, dv, dk, buffer_len = self.B, self.H, self.d_v, self.d_k, self.pair.buffer_len
         self.buffer_len = buffer_len
         dev = self.device
-        self._h = torch.zeros(B, dtype=torch.int64, device=dev)
-        self._flushes = torch.zeros(B, dtype=torch.int64, device=dev)
+        self._committed = torch.zeros(B, dtype=torch.int64, device=dev)
+        self._n_flush = torch.zeros(B, dtype=torch.int64, device=dev)
         self._k = torch.zeros(B, H, buffer_len, dk, device=dev)
         self._v = torch.zeros(B, H, buffer_len, dv, device=dev)
         self._G = torch.zeros((B, H, buffer_len, dk) if self.vector_gate else (B, H, buffer_len), device=dev)
@@ -320,12 +324,14 @@ class ReplayState(_StateBase):
     @property
     def committed(self) -> torch.Tensor:
         """int64 [B]: committed buffer entries per row (0..L)."""
-        return self._h.clone()
+        return self._committed.clone()
 
     @property
-    def flushes(self) -> torch.Tensor:
+    def n_flush(self) -> torch.Tensor:
         """int64 [B]: flush index of the current anchor per row (0 = the initial cast)."""
-        return self._flushes.clone()
+        return self._n_flush.clone()
+
+    flushes = n_flush       # the property's public name before n_flush, kept for its callers
 
     @property
     def anchor_q(self) -> QTensor:
@@ -358,38 +364,33 @@ class ReplayState(_StateBase):
     def current_state(self) -> torch.Tensor:
         """Unrounded FP32 state after the committed entries: deq(A) replayed through the buffer
         (what a flush now would cast). Changes nothing."""
-        S, _ = core.rebuild(self.anchor(), self._k, self._v, self._G, self._beta, self._h)
+        S, _ = core.rebuild(self.anchor(), self._k, self._v, self._G, self._beta, self._committed)
         return S
 
     # ---------------------------------------------------------------- hand-off
-    PART_NAMES = ("anchor", "read", "k", "v", "G", "beta", "u", "committed", "flushes", "rows")
+    PART_NAMES = PART_NAMES
 
-    def export(self) -> dict:
-        """The whole state as a dict of its parts (the tensors themselves, no copy: treat them
-        as read-only). Keys (layout in replayquant.replay.core):
-
-            anchor     QTensor [B, H, d_v, d_k] (the anchor's format)
-            read       QTensor of the read format, or None for a shared pair
-            k, v, G    buffer [B, H, L, d_k], [B, H, L, d_v], [B, H, L] float32
-                       (G [B, H, L, d_k] for a vector-gated state)
-            beta, u    GDN buffer [B, H, L], [B, H, L, d_v] (u against the read copy); None for Mamba-2
-            committed  int64 [B] buffered (committed) entries per row, 0..L
-            flushes    int64 [B] flush index of the current anchor per row
-            rows       int64 [B] sequence ids keying the SR streams
-
-        Slots >= committed are ignored. Raises ValueError while drafts are pending."""
+    def export(self) -> ScanState:
+        """The whole state as a `ScanState` (the tensors themselves, no copy: treat them as
+        read-only; layout in replayquant.replay.core and replay.handoff): anchor, read copy
+        (None for a shared pair), the buffer k, v, G and, for GDN / KDA, beta and u (u against
+        the read copy), committed entries and flush index per row, rows (the int64 sequence ids
+        keying the SR streams), and this state's pair, seed and layer. Slots >= committed are
+        ignored. Raises ValueError while drafts are pending."""
         if self._pending is not None:
             raise ValueError("the ReplayState has pending drafts; call accept(n) before export()")
-        return {"anchor": self._A, "read": self._R, "k": self._k, "v": self._v, "G": self._G,
-                "beta": self._beta, "u": self._u, "committed": self._h, "flushes": self._flushes,
-                "rows": self.rows}
+        return ScanState(anchor=self._A, read=self._R, k=self._k, v=self._v, G=self._G,
+                         beta=self._beta, committed=self._committed, n_flush=self._n_flush,
+                         rows=self.rows, u=self._u, pair=self.pair, seed=self.seed,
+                         layer=self.layer)
 
-    def load(self, parts: dict) -> None:
-        """Make this state hold a copy of `parts` (as `export` returns them; in place). B, H, d_v, d_k and the pair stay those of this state; `rows`
-        is optional (default: keep), `u` is optional for GDN (default: recomputed from the read
-        copy and the buffer, as the read steps would have computed it). Pending drafts are
-        dropped. Bad parts raise one ValueError naming the part."""
-        self._check_parts(parts)
+    def load(self, parts) -> None:
+        """Make this state hold a copy of `parts` (a ScanState, as `export` returns it, or a dict
+        of its part names, PART_NAMES; in place). B, H, d_v, d_k and the pair stay those of this
+        state; `rows` is optional (default: keep), `u` is optional for GDN (default: recomputed
+        from the read copy and the buffer, as the read steps would have computed it). Pending
+        drafts are dropped. Bad parts raise one ValueError naming the part."""
+        parts = self._check_parts(parts)
         buffer_len, dev = self.buffer_len, self.device
         # copies: the state writes its anchor and buffer in place, parts must not alias them
         self._A = core.qt_clone(parts["anchor"])
@@ -399,8 +400,8 @@ class ReplayState(_StateBase):
         self._k = parts["k"].to(device=dev, dtype=f32).clone()
         self._v = parts["v"].to(device=dev, dtype=f32).clone()
         self._G = parts["G"].to(device=dev, dtype=f32).clone()
-        self._h = parts["committed"].to(device=dev, dtype=torch.int64).clone()
-        self._flushes = parts["flushes"].to(device=dev, dtype=torch.int64).clone()
+        self._committed = parts["committed"].to(device=dev, dtype=torch.int64).clone()
+        self._n_flush = parts["n_flush"].to(device=dev, dtype=torch.int64).clone()
         if parts.get("rows") is not None:
             self.rows = parts["rows"].to(device=dev, dtype=torch.int64).clone()
         self._beta = self._u = None
@@ -409,19 +410,20 @@ class ReplayState(_StateBase):
             if parts.get("u") is not None:
                 self._u = parts["u"].to(device=dev, dtype=f32).clone()
             else:
-                valid = core.committed_mask(self._h, buffer_len)
+                valid = core.committed_mask(self._committed, buffer_len)
                 self._u = core.solve_u(self._R32, self._k, self._v, self._G, self._beta, valid)
         self._pending = None
 
     @classmethod
-    def from_parts(cls, parts: dict, pair, delta: bool, seed: int = 0, layer: int = 0) -> "ReplayState":
-        """A ReplayState holding `parts` (as `export` returns them; `rows` optional, default
-        arange(B)), without any cast: B, H, d_v, d_k come from the anchor's shape, vector_gate
-        from parts['G'] (4 dimensions [B, H, L, d_k]: vector gates; 3: one gate per head)."""
-        anchor = parts.get("anchor") if isinstance(parts, dict) else None
+    def from_parts(cls, parts, pair, delta: bool, seed: int = 0, layer: int = 0) -> "ReplayState":
+        """A ReplayState holding `parts` (a ScanState, as `export` returns it, or a dict of its
+        part names; `rows` optional, default arange(B)), without any cast: B, H, d_v, d_k come
+        from the anchor's shape, vector_gate from parts['G'] (4 dimensions [B, H, L, d_k]:
+        vector gates; 3: one gate per head)."""
+        anchor = parts.get("anchor") if isinstance(parts, (dict, ScanState)) else None
         if not isinstance(anchor, QTensor) or len(anchor.shape) != 4:
             raise ValueError("parts['anchor'] must be a QTensor of shape [B, H, d_v, d_k] "
-                             "(pass the dict ReplayState.export() returns)")
+                             "(pass the ScanState ReplayState.export() returns)")
         G = parts.get("G")
         st = cls.__new__(cls)
         st._setup(torch.zeros(anchor.shape, device=anchor.device), pair, delta, seed, layer,
@@ -430,10 +432,15 @@ class ReplayState(_StateBase):
         st.load(parts)
         return st
 
-    def _check_parts(self, parts) -> None:
+    def _check_parts(self, parts) -> dict:
+        """The parts as a dict of PART_NAMES, after one ValueError for any that is wrong."""
+        if isinstance(parts, ScanState):
+            parts = dict(parts.items())
+        if isinstance(parts, dict):
+            parts = {OTHER_NAMES.get(n, n): t for n, t in parts.items()}
         if not isinstance(parts, dict):
-            raise ValueError(f"parts must be a dict (as ReplayState.export() returns), got "
-                             f"{type(parts).__name__}")
+            raise ValueError(f"parts must be a ScanState (as ReplayState.export() returns) or a "
+                             f"dict of its parts, got {type(parts).__name__}")
         unknown = sorted(set(parts) - set(self.PART_NAMES))
         if unknown:
             raise ValueError(f"unknown part(s) {unknown}; a state has {', '.join(self.PART_NAMES)}")
@@ -452,7 +459,7 @@ class ReplayState(_StateBase):
                                  f"{self.pair.label()} needs {spec.format} {list(shape)}")
         need = {"k": (B, H, buffer_len, dk), "v": (B, H, buffer_len, dv),
                 "G": (B, H, buffer_len, dk) if self.vector_gate else (B, H, buffer_len), "committed": (B,),
-                "flushes": (B,)}
+                "n_flush": (B,)}
         if self.delta:
             need["beta"] = (B, H, buffer_len)
             if parts.get("u") is not None:
@@ -467,13 +474,14 @@ class ReplayState(_StateBase):
                 got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(f"parts[{name!r}] must be a tensor {list(shp)} (B={B}, H={H}, "
                                  f"L={buffer_len}, d_k={dk}, d_v={dv}), got {got}")
-        for name in ("committed", "flushes", "rows"):
+        for name in ("committed", "n_flush", "rows"):
             t = parts.get(name)
             if t is not None and (t.is_floating_point() or t.dtype == torch.bool):
                 raise ValueError(f"parts[{name!r}] must be an integer tensor, got {t.dtype}")
         c = parts["committed"]
         if bool(((c < 0) | (c > buffer_len)).any()):
             raise ValueError(f"parts['committed'] must lie in 0..L={buffer_len}, got {c.tolist()}")
+        return parts
 
     def step(self, q, k, v, log_a, beta=None) -> torch.Tensor:
         """One decode step -> y float32 [B, H, d_v] (module doc for the exact semantics)."""
@@ -481,12 +489,12 @@ class ReplayState(_StateBase):
         q, k, v, log_a, beta = self._check(q, k, v, log_a, beta)
         at = f"step {self._calls + 1} of this state"
         y = self._append(q, k, v, log_a, beta, at)        # [B,H,1,dv], pre-flush included
-        full = self._h + 1 == self.buffer_len
+        full = self._committed + 1 == self.buffer_len
         if bool(full.any()):
             idx = full.nonzero()[:, 0]
-            S = self._flush(idx, self._h[idx] + 1, at)    # an overflow raises: nothing changed
+            S = self._flush(idx, self._committed[idx] + 1, at)    # an overflow raises: nothing changed
             y[idx] = core.matvec(S, q[idx])
-        self._h += (~full).long()                         # flushed rows are at 0
+        self._committed += (~full).long()                         # flushed rows are at 0
         self._calls += 1
         return y[:, :, 0, :]
 
@@ -506,17 +514,17 @@ class ReplayState(_StateBase):
     def accept(self, n) -> None:
         """Commit the first n[b] drafts of each row (int or int tensor [B], 0..T)."""
         n = self._check_accept(n)
-        self._h += n
+        self._committed += n
         self._pending = None
 
     # ---------------------------------------------------------------- internals
     def _append(self, q, k, v, log_a, beta, at: str):
         T = q.shape[2]
-        need = (self._h + T > self.buffer_len) & (self._h > 0)
+        need = (self._committed + T > self.buffer_len) & (self._committed > 0)
         if bool(need.any()):
             idx = need.nonzero()[:, 0]
-            self._flush(idx, self._h[idx], at)
-        h = self._h
+            self._flush(idx, self._committed[idx], at)
+        h = self._committed
         Gprev = torch.where((h > 0).view(-1, *([1] * (self._G.dim() - 2))),
                             core._gather_slot(self._G, (h - 1).clamp(min=0)),
                             torch.zeros((), device=self.device))
@@ -538,7 +546,7 @@ class ReplayState(_StateBase):
         Sc = pair.anchor.fmt.dequantize(core.qt_take(self._A, idx, B))
         beta = None if self._beta is None else self._beta[idx]
         S, _ = core.rebuild(Sc, self._k[idx], self._v[idx], self._G[idx], beta, n)
-        fi = self._flushes[idx] + 1
+        fi = self._n_flush[idx] + 1
         try:
             A = self._cast(pair.anchor, S, fi, ANCHOR, idx)
             R = None if self._R is None else self._cast(pair.read, S, fi, READ, idx)
@@ -555,8 +563,8 @@ class ReplayState(_StateBase):
         if R is not None:
             core.qt_put(self._R, idx, R, B)
         self._R32[idx] = R32
-        self._flushes[idx] = fi
-        self._h[idx] = 0
+        self._n_flush[idx] = fi
+        self._committed[idx] = 0
         return S
 
 
@@ -580,7 +588,7 @@ class ConventionalState(_StateBase):
                              f"{self.pair.read} anchor={self.pair.anchor}; use ReplayState for "
                              f"dual-precision pairs")
         self.spec = self.pair.anchor
-        self._steps = torch.zeros(self.B, dtype=torch.int64, device=self.device)
+        self._n_flush = torch.zeros(self.B, dtype=torch.int64, device=self.device)
         self._S = self._cast(self.spec, S0, 0, ANCHOR)
         self._refuse_overflow(S0, (("state", self.spec, self._S),))
 
@@ -590,9 +598,12 @@ class ConventionalState(_StateBase):
         return torch.zeros(self.B, dtype=torch.int64, device=self.device)
 
     @property
-    def flushes(self) -> torch.Tensor:
-        """int64 [B]: committed steps per row (each step is a cast)."""
-        return self._steps.clone()
+    def n_flush(self) -> torch.Tensor:
+        """int64 [B]: committed steps per row (each step is a cast, the flush of a shared pair
+        with L = 1)."""
+        return self._n_flush.clone()
+
+    flushes = n_flush       # the property's public name before n_flush, kept for its callers
 
     @property
     def anchor_q(self) -> QTensor:
@@ -626,10 +637,10 @@ class ConventionalState(_StateBase):
     def step(self, q, k, v, log_a, beta=None) -> torch.Tensor:
         self._no_pending("step")
         q, k, v, log_a, beta = self._check(q, k, v, log_a, beta)
-        y, self._S = self._advance(self._S, self._steps, q, k, v, log_a, beta, 0,
+        y, self._S = self._advance(self._S, self._n_flush, q, k, v, log_a, beta, 0,
                                    f"step {self._calls + 1} of this state")
         self._calls += 1
-        self._steps += 1
+        self._n_flush += 1
         return y
 
     def verify(self, q, k, v, log_a, beta=None) -> torch.Tensor:
@@ -640,7 +651,7 @@ class ConventionalState(_StateBase):
         q, k, v, log_a, beta = self._check(q, k, v, log_a, beta, T=T)
         snaps, ys, Sq = [], [], self._S
         for i in range(T):
-            y, Sq = self._advance(Sq, self._steps + i, q, k, v, log_a, beta, i,
+            y, Sq = self._advance(Sq, self._n_flush + i, q, k, v, log_a, beta, i,
                                   f"verify {self._calls + 1} of this state, draft index {i}")
             ys.append(y)
             snaps.append(Sq)
@@ -659,5 +670,5 @@ class ConventionalState(_StateBase):
             idx = (n == j).nonzero()[:, 0]
             if len(idx):
                 core.qt_put(self._S, idx, core.qt_take(self._pending[j - 1], idx, self.B), self.B)
-        self._steps += n
+        self._n_flush += n
         self._pending = None

@@ -234,12 +234,18 @@ def _check_buffered(store: "ReplayStore", delta: bool, k, v, kernel: bool):
 @dataclass
 class ConventionalStore:
     """Conventional state of one layer: one packed copy, read-modify-written every step.
-    n_casts[s] counts the casts of slot s after the initial one (stream flush index of the
-    next write = n_casts + 1, as every step of the baseline is a flush of a shared pair)."""
+    n_flush[s] counts the casts of slot s after the initial one (stream flush index of the
+    next write = n_flush + 1, as every step of the baseline is a flush of a shared pair)."""
 
     state: PackedRole
-    n_casts: torch.Tensor          # int64 [N]
+    n_flush: torch.Tensor          # int64 [N]
     key: int                       # Philox key = layer_seed(seed, layer)
+
+    @property
+    def n_casts(self) -> torch.Tensor:
+        """n_flush, as the conventional kernels and their references read it (the same tensor:
+        they count it up in place)."""
+        return self.n_flush
 
     @classmethod
     def from_state(cls, initial: torch.Tensor, fmt: str, rounding: str = "nearest", seed: int = 0,
@@ -254,7 +260,7 @@ class ConventionalStore:
         return cls(role, torch.zeros(N, dtype=torch.int64, device=initial.device), key)
 
     def clone(self) -> "ConventionalStore":
-        return ConventionalStore(self.state.clone(), self.n_casts.clone(), self.key)
+        return ConventionalStore(self.state.clone(), self.n_flush.clone(), self.key)
 
 
 def make_snapshots(store: ConventionalStore, T: int) -> PackedRole:
@@ -565,3 +571,40 @@ def _check_accept(n, B, T, device, check=True):
     if T is not None and bool(((n < 0) | (n > T)).any()):
         raise ValueError(f"accept: every n must lie in 0..T={T}")
     return n.to(device=device, dtype=torch.int32).contiguous()
+
+
+def key_factors_ref(K, G, Bt, live=None):
+    """(I + A)^{-1} [..., H, n, n] of n GDN entries (K [..., H, n, dk] normalised, G, Bt
+    [..., H, n]): A[j, i] = Bt_j e^{G_j - G_i} (k_j . k_i) for i < j, the unit lower triangular
+    system of DESIGN section 4, whose rows a store that solves for u keeps in Tbuf (solves_u).
+    live [..., n] (broadcast over H): the entries that count; the rows of the others are zero
+    (and, the system being lower triangular, the live rows equal those of the live entries
+    alone)."""
+    n = K.shape[-2]
+    low = torch.ones(n, n, dtype=torch.bool, device=K.device).tril(-1)
+    if live is not None:
+        low = low & live[..., :, None]
+    d = torch.where(low, G[..., :, None] - G[..., None, :], 0.0)
+    A = torch.where(low, Bt[..., :, None] * torch.exp(d) * (K @ K.transpose(-1, -2)), 0.0)
+    eye = torch.eye(n, device=K.device).expand_as(A)
+    T = torch.linalg.solve_triangular(eye + A, eye, upper=False, unitriangular=True)
+    return T if live is None else torch.where(live[..., :, None], T, 0.0)
+
+
+def fill_key_factors_ref(store: ReplayStore, slots) -> None:
+    """The key factors of every committed entry of the given slots (a store built from a
+    ScanState, replay.convert.scan_to_store), all slots at once (no host read); the
+    rows of the uncommitted entries become zero; nothing for a store without Tbuf."""
+    if store.Tbuf is None:
+        return
+    slots = slots.long()
+    n, H, dev = store.buffer_len, store.shape[1], store.kbuf.device
+    jj = torch.arange(n, device=dev)
+    pos = (store.start[slots].long()[:, None] + jj) % store.capacity          # [S, n]
+    at = (slots[:, None], pos)
+    K = ring_keys(store.kind, store.kbuf[at].float().transpose(1, 2)
+                  .repeat_interleave(H // store.key_heads, dim=1))             # [S, H, n, dk]
+    live = jj[None, :] < store.committed[slots].long()[:, None]                # [S, n]
+    T = key_factors_ref(K, store.Gbuf[at].transpose(1, 2), store.bbuf[at].transpose(1, 2),
+                        live[:, None, :])                                      # [S, H, n, n]
+    store.Tbuf[at] = T.transpose(1, 2)

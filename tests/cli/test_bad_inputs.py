@@ -310,7 +310,7 @@ def test_nonfinite_step_inputs_named_where_they_enter_and_nothing_changes():
         st = cls(torch.zeros(B, H, dv, dk), pair, delta=True)
         for _ in range(3):
             st.step(**_step_inputs(gen, B, H, dk, dv))
-        before = (st.committed, st.flushes, st.anchor(), st.read_copy())
+        before = (st.committed, st.n_flush, st.anchor(), st.read_copy())
         for name in ("q", "k", "v", "log_a", "beta"):
             for bad in (float("nan"), float("inf")):
                 x = _step_inputs(gen, B, H, dk, dv)
@@ -318,7 +318,7 @@ def test_nonfinite_step_inputs_named_where_they_enter_and_nothing_changes():
                 with pytest.raises(ValueError, match=f"step 4 of this state: input {name} holds "
                                                      f"NaN or infinity .* batch row 1"):
                     st.step(**x)
-        after = (st.committed, st.flushes, st.anchor(), st.read_copy())
+        after = (st.committed, st.n_flush, st.anchor(), st.read_copy())
         assert all(torch.equal(a, b) for a, b in zip(before, after)), cls
         x = _step_inputs(gen, B, H, dk, dv, T=3)
         x["v"][0, 2, 1, 0] = float("nan")

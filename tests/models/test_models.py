@@ -210,8 +210,8 @@ def test_ragged_batch_rows_are_independent(model_dirs):
 def test_beam_search_follows_reorder(model_dirs, monkeypatch):
     from replayquant.models import runtime
     calls = []
-    orig = runtime.reorder_state
-    monkeypatch.setattr(runtime, "reorder_state", lambda st, ids: calls.append(1) or orig(st, ids))
+    orig = runtime.take_rows
+    monkeypatch.setattr(runtime, "take_rows", lambda st, ids: calls.append(1) or orig(st, ids))
     ids, mask = _batch(T=9, pad=2, seed=4)
     base = load_model(model_dirs["qwen3_5"], dtype="float32")
     ref = base.generate(input_ids=ids, attention_mask=mask, num_beams=3, max_new_tokens=6,

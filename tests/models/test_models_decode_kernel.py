@@ -23,6 +23,7 @@ logits can be one unit of bf16 apart).
 
 import math
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -31,7 +32,7 @@ from replayquant.formats import as_bits
 from replayquant.models import decode_path, patch, recurrent_layers, unpatch
 from replayquant.models import decode_store as ds
 from replayquant.models import runtime
-from replayquant.replay import ReplayState
+from replayquant.replay import ReplayState, convert
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -114,8 +115,8 @@ def _spy(monkeypatch):
         monkeypatch.setattr(mod, name, f)
     wrap(rd, "replay_gdn_step", "kernel")
     wrap(rd, "replay_mamba2_step", "kernel")
-    wrap(ds, "parts_to_store", "to_store")
-    wrap(ds, "store_to_state", "to_state")
+    wrap(ds, "scan_to_store", "to_store")
+    wrap(ds, "store_to_scan", "to_state")
     return calls
 
 
@@ -193,7 +194,7 @@ def test_hand_off_round_trip_and_steps(monkeypatch, kind, pair):
         assert torch.equal(a[role].payload.view(torch.uint8), b[role].payload.view(torch.uint8))
         for n in a[role].scales:
             assert torch.equal(a[role].scales[n], b[role].scales[n])
-    assert torch.equal(a["committed"], b["committed"]) and torch.equal(a["flushes"], b["flushes"])
+    assert torch.equal(a["committed"], b["committed"]) and torch.equal(a["n_flush"], b["n_flush"])
     assert torch.equal(a["rows"], b["rows"])
     h = int(a["committed"][0])
     assert h == 2
@@ -219,8 +220,8 @@ def test_hand_off_round_trip_and_steps(monkeypatch, kind, pair):
         if i == L:                               # back to the torch reference mid-window
             ref2 = kst.to_replay_state()
             assert torch.equal(ref2.committed, ref.committed)
-            assert torch.equal(ref2.flushes, ref.flushes)
-    assert torch.equal(kst.store.n_flush[:B], ref.flushes)
+            assert torch.equal(ref2.n_flush, ref.n_flush)
+    assert torch.equal(kst.store.n_flush[:B], ref.n_flush)
     print(f"{kind} {pair}: kernel vs ReplayState max relative {worst:.2e}, elements above the "
           f"bf16 bound {outliers:.1%}, pair effect {effect:.2e}")
     if pair == "s32_rs":
@@ -235,13 +236,14 @@ def test_hand_off_round_trip_and_steps(monkeypatch, kind, pair):
 
 @pytest.mark.parametrize("kind,pair", [("gdn", "tp4_hi16_sr"), ("mamba2", "s32_rs")])
 def test_scan_state_goes_into_the_store_as_through_a_replay_state(kind, pair):
-    """The chunked scan's state straight into the decode store (`DecodeStore.from_parts`, what a
+    """The chunked scan's state straight into the decode store (`DecodeStore.from_scan`, what a
     prefill into a static cache does) gives the store of the ReplayState route bit for bit (GDN u
     solved against the read copy, key factors of every slot at once), with one host read (the
     slot count) where the route through a ReplayState made 18 here (GDN tp4_hi16_sr: two reads
     a slot for its key factors) and 5 (Mamba-2 s32_rs)."""
     from replayquant.hostsync import HostSyncCounter
-    from replayquant.kernels.chunk.reference import chunk_scan_ref, scan_parts, scan_state_of
+    from replayquant.kernels.chunk.reference import chunk_scan_ref
+    from replayquant.replay.convert import scan_state_of
     from replayquant.kernels.ops import store_tensors
     from replayquant.pairs import PrecisionPair
     delta = kind == "gdn"
@@ -255,12 +257,12 @@ def test_scan_state_goes_into_the_store_as_through_a_replay_state(kind, pair):
     valid = torch.ones(B, T, dtype=torch.bool)
     valid[:2, :3] = False                        # left padding: rows commit different counts
     _, ss = chunk_scan_ref(scan_state_of(st), *ins, pair=pr, seed=2, layer=3, valid=valid)
-    via = ReplayState.from_parts(scan_parts(ss), pr, delta=delta, seed=2, layer=3)
+    via = ReplayState.from_parts(ss, pr, delta=delta, seed=2, layer=3)
     with HostSyncCounter() as c:
-        direct = ds.DecodeStore.from_parts(scan_parts(ss), pr, delta, 2, 3, HK)
+        direct = ds.DecodeStore.from_scan(ss, HK)
     assert c.syncs == 1, c.by_name
     with HostSyncCounter() as c:                 # slot count known on the host (a new state)
-        known = ds.DecodeStore.from_parts(scan_parts(ss), pr, delta, 2, 3, HK, n_slots=B)
+        known = ds.DecodeStore.from_scan(replace(ss, n_slots=B), HK)
     assert c.syncs == 0, c.by_name
     assert all(torch.equal(a, b) for a, b in zip(known.tensors(), direct.tensors()))
     old = ds.DecodeStore(via, HK)
@@ -300,14 +302,14 @@ def test_hand_off_rows_are_slots():
     """Reordered sequence ids become the store's slots (SR streams follow the sequence); ids that
     repeat (a beam reorder before decode starts) take the slots 0..B-1."""
     st = ReplayState(torch.randn(2, 2, 16, 16), "tp4_hi16_sr", delta=False, rows=torch.tensor([3, 1]))
-    store, idx = ds.state_to_store(st, 2)
+    store, idx = convert.state_to_store(st, 2)
     assert idx.tolist() == [3, 1] and store.shape[0] == 4
-    back = ds.store_to_state(store, idx, st.pair, st.seed, st.layer)
+    back = convert.store_to_state(store, idx, st.pair, st.seed, st.layer)
     assert torch.equal(back.anchor(), st.anchor()) and torch.equal(back.read_copy(), st.read_copy())
     dup = ReplayState(torch.randn(2, 2, 16, 16), "s32_rs", delta=False, rows=torch.tensor([1, 1]))
-    store, idx = ds.state_to_store(dup, 2)          # repeated ids take the slots 0..B-1
+    store, idx = convert.state_to_store(dup, 2)     # repeated ids take the slots 0..B-1
     assert idx.tolist() == [0, 1] and store.shape[0] == 2
-    back = ds.store_to_state(store, idx, dup.pair, dup.seed, dup.layer)
+    back = convert.store_to_state(store, idx, dup.pair, dup.seed, dup.layer)
     assert torch.equal(back.anchor(), dup.anchor())
 
 
@@ -441,10 +443,11 @@ def test_beam_reorder_of_kernel_state():
         got = rt.get_state(lay, True, 3, 2, 16, 16, torch.device("cpu"))
         assert isinstance(got, ds.DecodeStore)
         back = got.to_replay_state()
-        ref = runtime.reorder_state(runtime.ScanHeld.of(st), torch.tensor(ids)).to_replay_state()
+        held = replace(st.export(), u=None)
+        ref = convert.to_replay_state(runtime.take_rows(held, torch.tensor(ids)))
         assert torch.equal(back.export()["rows"], torch.arange(3))
         assert torch.equal(back.anchor(), ref.anchor()) and torch.equal(back.read_copy(), ref.read_copy())
-        assert torch.equal(back.committed, ref.committed) and torch.equal(back.flushes, ref.flushes)
+        assert torch.equal(back.committed, ref.committed) and torch.equal(back.n_flush, ref.n_flush)
         S, S_ref = back.current_state(), ref.current_state()    # entries went through bf16
         assert (S - S_ref).abs().max() <= 2.0 ** -7 * S_ref.abs().max()
 
@@ -461,7 +464,7 @@ def test_kernel_is_the_torch_engine_on_a_bf16_ring(models, monkeypatch, fam):
     patch(model, "tp4_hi32", buffer_len=BUFFER_LEN, seed=5)
     ids, mask = _batch(seed=1 if fam == "qwen3_5" else 2)
     monkeypatch.setitem(ds.RING_DTYPE, "torch", torch.bfloat16)
-    monkeypatch.setattr(ds, "default_u_dtype", lambda *a: torch.float32)
+    monkeypatch.setattr(convert, "default_u_dtype", lambda *a: torch.float32)
     monkeypatch.setenv("REPLAYQUANT_BACKEND", "torch")
     seq_t, sc_t, _ = _generate(model, ids, mask)
     monkeypatch.setenv("REPLAYQUANT_BACKEND", "triton")

@@ -37,7 +37,7 @@ def _snapshot(st):
     p = st.export()
     h = int(p["committed"].max())
     out = {"anchor": st.anchor(), "read": st.read_copy(), "committed": p["committed"],
-           "flushes": p["flushes"]}
+           "n_flush": p["n_flush"]}
     out.update({n: p[n][:, :, :h] for n in ("k", "v", "G", "beta", "u") if p[n] is not None})
     return {n: t.clone() for n, t in out.items()}
 
@@ -102,7 +102,7 @@ def test_conventional_state_names_the_overflowing_step():
     st = ConventionalState(torch.zeros(2, 1, DV, DK), pair, delta=False, layer=5)
     with pytest.raises(ValueError, match=_message("state", "fp16", "step 1 of this state")):
         st.step(q[:, 0], k[:, 0], v[:, 0], la[:, 0])
-    assert torch.equal(st.flushes, torch.zeros(2, dtype=torch.int64))
+    assert torch.equal(st.n_flush, torch.zeros(2, dtype=torch.int64))
 
 
 def test_patched_model_names_the_overflowing_flush_not_the_next_layers_inputs():

@@ -193,10 +193,10 @@ def test_accept_moves_only_the_pointer(delta):
         for x, j in zip(inp, junk))
     y = a.verify(*drafts)
     snap = {name: t.clone() for name, t in a.buffer.items()}
-    A0, R0, f0 = a.anchor(), a.read_copy(), a.flushes
+    A0, R0, f0 = a.anchor(), a.read_copy(), a.n_flush
     a.accept(n)
     assert torch.equal(a.committed, n)
-    assert torch.equal(a.anchor(), A0) and torch.equal(a.read_copy(), R0) and torch.equal(a.flushes, f0)
+    assert torch.equal(a.anchor(), A0) and torch.equal(a.read_copy(), R0) and torch.equal(a.n_flush, f0)
     assert all(torch.equal(t, snap[name]) for name, t in a.buffer.items())
     for r in range(B):                       # row r of b steps its n[r] accepted tokens alone
         nr = int(n[r])
@@ -234,17 +234,17 @@ def test_speculative_rounds_match_float64_on_accepted_tokens(delta):
                 got[r].append(y[r:r + 1])
             pos += 1
         else:
-            h0, f0 = st.committed, st.flushes
+            h0, f0 = st.committed, st.n_flush
             idx = pos[:, None] + torch.arange(T)
             Y = st.verify(*(None if x is None else x[rows[:, None], idx] for x in inp))
-            assert torch.equal(st.flushes - f0, ((h0 + T > L) & (h0 > 0)).long())
+            assert torch.equal(st.n_flush - f0, ((h0 + T > L) & (h0 > 0)).long())
             n = torch.randint(0, T + 1, (B,), generator=gen)
             st.accept(n)
             for r in range(B):
                 got[r].append(Y[r, : int(n[r])])
             pos += n
         rnd += 1
-    assert int(st.flushes.min()) >= 3
+    assert int(st.n_flush.min()) >= 3
     for r in range(B):
         m = int(pos[r])
         Yref, Sref = f64(S0[r:r + 1], tuple(None if x is None else x[r:r + 1, :m] for x in inp))

@@ -121,7 +121,7 @@ def test_flush_casts_both_roles_from_the_same_unrounded_state(delta):
     q, k, v, la, beta = inp
     sl = slice(4, 7)                               # T = 3: 4 + 3 > 6 -> flush first
     st.verify(q[:, sl], k[:, sl], v[:, sl], la[:, sl], None if beta is None else beta[:, sl])
-    assert torch.equal(st.flushes, torch.ones(B, dtype=torch.int64))
+    assert torch.equal(st.n_flush, torch.ones(B, dtype=torch.int64))
     key, rows = layer_seed(3, 0), torch.arange(B)
     A = get_format("fp16").quantize(S, "stochastic", seed=key, stream=sr_stream(1, ANCHOR, rows, H))
     R = get_format("nvfp4").quantize(S, "stochastic", seed=key, stream=sr_stream(1, READ, rows, H))
@@ -239,21 +239,21 @@ def test_speculative_matches_sequential_on_accepted_tokens(delta, L, T):
     while int(pos.max()) + T < N:
         if rnd % 4 == 3:                     # a plain step (rows at different committed lengths)
             ins = tuple(None if x is None else x[torch.arange(B), pos] for x in inp)
-            h0, f0 = st.committed, st.flushes
+            h0, f0 = st.committed, st.n_flush
             y = st.step(*ins)
-            assert torch.equal(st.flushes - f0, ((h0 == L) | (h0 + 1 == L)).long())
+            assert torch.equal(st.n_flush - f0, ((h0 == L) | (h0 + 1 == L)).long())
             for b in range(B):
                 got[b].append(y[b:b + 1])
             pos += 1
             rnd += 1
             continue
-        h0, f0 = st.committed, st.flushes
+        h0, f0 = st.committed, st.n_flush
         idx = pos[:, None] + torch.arange(T)
         ins = tuple(None if x is None else x[torch.arange(B)[:, None], idx] for x in inp)
         Y = st.verify(*ins)
         assert bool((st.committed + T <= L).all())
         need = (h0 + T > L) & (h0 > 0)
-        assert torch.equal(st.flushes - f0, need.long())
+        assert torch.equal(st.n_flush - f0, need.long())
         n = torch.randint(0, T + 1, (B,), generator=gen)
         if rnd % 5 == 1:
             n[0] = 0
@@ -339,14 +339,14 @@ def test_empty_history_leaves_anchor_untouched(delta):
         st.verify(*spec_inputs(inp, slice(r * T, r * T + T)))
         st.accept(0)
         assert torch.equal(st.anchor(), A0) and torch.equal(st.read_copy(), R0)
-        assert torch.equal(st.flushes, torch.zeros(B, dtype=torch.int64))
+        assert torch.equal(st.n_flush, torch.zeros(B, dtype=torch.int64))
     assert torch.equal(st.current_state(), A0)
     # accept all T = L: h == L, the flush happens at the next step
     st.verify(*spec_inputs(inp, slice(0, T)))
     st.accept(T)
     assert torch.equal(st.committed, torch.full((B,), 4)) and torch.equal(st.anchor(), A0)
     st.step(*(None if x is None else x[:, 5] for x in inp))
-    assert torch.equal(st.flushes, torch.ones(B, dtype=torch.int64))
+    assert torch.equal(st.n_flush, torch.ones(B, dtype=torch.int64))
     assert torch.equal(st.committed, torch.ones(B, dtype=torch.int64))
 
 
@@ -417,7 +417,7 @@ def test_triton_quant_backend_gives_the_same_bits(monkeypatch):
         ys.append(st.verify(*spec_inputs(inp, slice(2, 4))).flatten(1))
         st.accept(torch.tensor([0, 1, 2]))
         ys += [st.step(*(x[:, t] for x in inp)) for t in range(4, 7)]
-        return [y.flatten() for y in ys] + [st.anchor(), st.read_copy(), st.flushes]
+        return [y.flatten() for y in ys] + [st.anchor(), st.read_copy(), st.n_flush]
 
     monkeypatch.setenv("REPLAYQUANT_BACKEND", "torch")
     a = run()

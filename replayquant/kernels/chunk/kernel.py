@@ -5,7 +5,7 @@
     y, new_state = chunk_scan(state, q, k, v, log_a, beta, pair=pair, seed=seed, layer=layer,
                               valid=valid, exact=False)
 
-The windows are the flush schedule: each row's buffered steps (state.count of them, from the
+The windows are the flush schedule: each row's buffered steps (state.committed of them, from the
 previous segment) followed by its valid tokens, cut every L entries, so a segment continues
 the schedule of the previous one (position modulo L carries over) and padding takes no slot.
 Semantics per window (DESIGN section 4): every token but the window's L-th reads the read copy
@@ -69,11 +69,12 @@ from replayquant import options
 from replayquant.formats import QTensor
 from replayquant.kernels.chunk import reference as chunk_ref
 from replayquant.kernels.chunk.launch import chunk_launch_config, device_sms, group_windows
-from replayquant.kernels.chunk.reference import ScanState, _check_inputs, cpu_threads
+from replayquant.kernels.chunk.reference import _check_inputs, cpu_threads
 from replayquant.kernels.quant.kernel import (decode_bf16, decode_e2m1, decode_e4m3, decode_fp16,
                                               encode_bf16, encode_e4m3, encode_fp16)
 from replayquant.kernels.quant.roles import (_FP8_DIV, _NV_DIV, _role_bits, _sr_bits,
                                              nv_block_encode, split_key)
+from replayquant.replay.handoff import ScanState
 from replayquant.replay import core
 from replayquant.replay.roles import FMT_IDS
 from replayquant.streams import layer_seed
@@ -733,7 +734,7 @@ def _token_map(state: ScanState, valid, B: int, T: int, buffer_len: int, width: 
     (encoded -2 - s) or a null step (-1): each row is [its buffered steps][its valid tokens].
     valid None (every token valid): token t sits in column count + t, no host sync."""
     col = torch.arange(width, device=dev)[None, :]
-    h0 = state.count.to(dev)[:, None]
+    h0 = state.committed.to(dev)[:, None]
     if valid is None:
         tok = torch.where(col < h0, -2 - col, torch.where(col - h0 < T, col - h0, -1))
         return tok.to(torch.int32).contiguous()
@@ -762,7 +763,7 @@ def _check_scan(state: ScanState, q, k, v, log_a, beta, valid, pair) -> None:
 def _windows(state: ScanState, valid_b, B: int, T: int, dev):
     """(entries per row after the segment m [B], windows W) or None where no row gains an entry."""
     buffer_len = state.buffer_len
-    h0 = state.count.to(dev)
+    h0 = state.committed.to(dev)
     if valid_b is None:
         # every token valid: entries per row m = count + T with count <= L, so at most
         # ceil((L + T) / L) windows (a trailing one without entries costs little); no host sync
@@ -839,13 +840,13 @@ def chunk_scan(state: ScanState, q, k, v, log_a, beta=None, *, pair, seed: int =
     if valid is not None:
         y[~valid_b] = 0.0                       # padding: no slot, output 0
     if exact:
-        count = torch.zeros_like(state.count)
-        flushes = state.flushes + 1
+        count = torch.zeros_like(state.committed)
+        flushes = state.n_flush + 1
     else:
         count = m - full * buffer_len
-        flushes = state.flushes + full
-    new = ScanState(anchor=anchor, read=read, k=nk, v=nv, G=nG, beta=nb, count=count,
-                    flushes=flushes, rows=state.rows)
+        flushes = state.n_flush + full
+    new = ScanState(anchor=anchor, read=read, k=nk, v=nv, G=nG, beta=nb, committed=count,
+                    n_flush=flushes, rows=state.rows)
     if not _finite(y, new, pair):
         _name_the_overflow(state, q, k, v, log_a, beta, pair, seed, layer, valid, exact)
     return y, new
@@ -909,8 +910,8 @@ def _launch_groups(state, pair, tok, q, k, v, log_a, beta, anchor, read, m, full
     nb = _empty((B, H, buffer_len), f32, dev) if delta else None
     bk, bv, bG = (t.to(f32).contiguous() for t in (state.k, state.v, state.G))
     bb = state.beta.to(f32).contiguous() if delta else None
-    h0k = state.count.to(device=dev, dtype=torch.int32).contiguous()
-    nfl = state.flushes.to(device=dev, dtype=i64).contiguous()
+    h0k = state.committed.to(device=dev, dtype=torch.int32).contiguous()
+    nfl = state.n_flush.to(device=dev, dtype=i64).contiguous()
     seq = state.rows.to(device=dev, dtype=i64).contiguous()
     nw = (-(-m // buffer_len)).to(torch.int32).contiguous()
     nfu = full.to(torch.int32).contiguous()

@@ -40,7 +40,7 @@ scalar path's result within FP32 reassociation.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from types import SimpleNamespace
 
 import torch
@@ -48,56 +48,13 @@ import torch
 from replayquant import options
 from replayquant.formats import QTensor
 from replayquant.replay import core
+from replayquant.replay.convert import load_scan_state, scan_state_of
+from replayquant.replay.handoff import ScanState
 from replayquant.replay.state import find_nonfinite, flush_overflow_error, nonfinite_cast
 from replayquant.streams import ANCHOR, READ, layer_seed, sr_stream
 
-__all__ = ["ScanState", "cast_roles", "initial_scan_state", "rebuild_state", "chunk_scan_ref",
-           "select_rows", "scan_state_of", "scan_parts", "load_scan_state", "teacher_force",
-           "check_inputs_finite"]
-
-
-@dataclass
-class ScanState:
-    """The replay state of one layer for B sequences, as the chunked scan carries it.
-
-    Same content and buffer layout as `ReplayState` (replayquant.replay.core):
-    anchor: QTensor [B, H, d_v, d_k]; read: QTensor or None (shared pair: the anchor is read);
-    k [B, H, L, d_k], v [B, H, L, d_v] raw inputs of the buffered steps; G [B, H, L] cumulative
-    log gate since the checkpoint ([B, H, L, d_k] per key channel for vector gates); beta [B, H, L] (GDN) or None; count [B]: buffered steps;
-    flushes [B]: flush index of the current anchor (0 = the cast of the initial state);
-    rows [B]: the sequence ids that key the SR streams. Slots >= count are ignored.
-    """
-
-    anchor: QTensor
-    read: QTensor | None
-    k: torch.Tensor
-    v: torch.Tensor
-    G: torch.Tensor
-    beta: torch.Tensor | None
-    count: torch.Tensor
-    flushes: torch.Tensor
-    rows: torch.Tensor
-
-    @property
-    def batch(self) -> int:
-        return self.count.shape[0]
-
-    @property
-    def heads(self) -> int:
-        return self.k.shape[1]
-
-    @property
-    def buffer_len(self) -> int:
-        return self.k.shape[2]
-
-    @property
-    def delta(self) -> bool:
-        return self.beta is not None
-
-    @property
-    def vector_gate(self) -> bool:
-        """Whether the gates are per key channel (G [B, H, L, d_k], KDA)."""
-        return self.G.dim() == 4
+__all__ = ["cast_roles", "initial_scan_state", "rebuild_state", "chunk_scan_ref", "select_rows",
+           "teacher_force", "check_inputs_finite"]
 
 
 def anchor_f32(state: ScanState, pair) -> torch.Tensor:
@@ -155,8 +112,8 @@ def initial_scan_state(S0, pair, *, delta: bool, seed: int = 0, layer: int = 0,
                      v=z(B, H, buffer_len, dv, device=dev),
                      G=z(B, H, buffer_len, dk, device=dev) if vector_gate else z(B, H, buffer_len, device=dev),
                      beta=z(B, H, buffer_len, device=dev) if delta else None,
-                     count=torch.zeros(B, dtype=torch.int64, device=dev),
-                     flushes=torch.zeros(B, dtype=torch.int64, device=dev),
+                     committed=torch.zeros(B, dtype=torch.int64, device=dev),
+                     n_flush=torch.zeros(B, dtype=torch.int64, device=dev),
                      rows=rows.to(torch.int64))
 
 
@@ -252,7 +209,7 @@ def rebuild_state(state: ScanState, pair) -> torch.Tensor:
     """The unrounded FP32 state after the buffered steps, rebuilt from the dequantized anchor
     (GDN: u recomputed from the anchor), i.e. what a flush now would cast."""
     return core.rebuild(anchor_f32(state, pair), state.k, state.v, state.G, state.beta,
-                        state.count)[0]
+                        state.committed)[0]
 
 
 CPU_THREADS_ENV = "REPLAYQUANT_CPU_THREADS"   # the option cpu_threads (replayquant.options)
@@ -316,7 +273,7 @@ def _scan(state, q, k, v, log_a, beta, *, pair, seed, layer, valid, exact):
     buffer_len = state.buffer_len
     valid = torch.ones(B, T, dtype=torch.bool, device=dev) if valid is None else valid.to(torch.bool)
 
-    h0 = state.count
+    h0 = state.committed
     m = h0 + valid.sum(1)                                   # entries per row: buffered + new
     y = torch.zeros(B, T, H, dv, dtype=f32, device=dev)
     M = int(m.max()) if B else 0
@@ -338,10 +295,11 @@ def _scan(state, q, k, v, log_a, beta, *, pair, seed, layer, valid, exact):
     if exact:
         # A holds the unrounded FP32 state after every entry: cast once (one flush)
         na, nr, _, _ = check.cast(W, torch.ones_like(full, dtype=torch.bool), A, seed,
-                                  state.flushes + 1)
+                                  state.n_flush + 1)
         return y, replace(state, anchor=na, read=nr, k=zero(state.k), v=zero(state.v),
                           G=zero(state.G), beta=None if state.beta is None else zero(state.beta),
-                          count=zero(state.count), flushes=state.flushes + 1)
+                          committed=zero(state.committed), n_flush=state.n_flush + 1, u=None,
+                          raw=None)
 
     # -- the new buffer: each row's entries after its last flush (window `full`)
     count = m - full * buffer_len
@@ -354,8 +312,8 @@ def _scan(state, q, k, v, log_a, beta, *, pair, seed, layer, valid, exact):
 
     Gf = G.reshape(B, H, width, *gt)
     new = replace(state, anchor=aq, read=rq, k=take(Ek, (dk,)), v=take(Ev, (dv,)), G=take(Gf, gt),
-                  beta=None if Eb is None else take(Eb, ()), count=count,
-                  flushes=state.flushes + full)
+                  beta=None if Eb is None else take(Eb, ()), committed=count,
+                  n_flush=state.n_flush + full, u=None, raw=None)
     return y, new
 
 
@@ -370,7 +328,7 @@ def _layout(state, q, k, v, log_a, beta, valid, W):
     dev = q.device
     buffer_len = state.buffer_len
     width = W * buffer_len
-    h0 = state.count
+    h0 = state.committed
     bi, ti = valid.nonzero(as_tuple=True)
     cols = h0[bi] + (valid.long().cumsum(1) - 1)[bi, ti]
     slot = torch.arange(buffer_len, device=dev)
@@ -423,7 +381,7 @@ def _windows_ref(state, pair, lay, full, W, seed, layer, exact, check):
     window ends in a flush (`full` > w); returns (Y, the FP32 state after the last window,
     anchor, read copy)."""
     f32 = torch.float32
-    B, H = state.count.shape[0], lay.kw.shape[1]
+    B, H = state.committed.shape[0], lay.kw.shape[1]
     buffer_len, dv, dev = state.buffer_len, lay.vw.shape[-1], lay.kw.device
     vec, Aqk, Vb, Kb, kw, vw, qw, bw = (lay.vec, lay.Aqk, lay.Vb, lay.Kb, lay.kw, lay.vw, lay.qw,
                                         lay.bw)
@@ -459,7 +417,7 @@ def _windows_ref(state, pair, lay, full, W, seed, layer, exact, check):
             continue
         # the flush step reads the unrounded state rebuilt from the anchor; then the two casts
         yF = (S @ qw[:, :, w, buffer_len - 1, :, None])[..., 0]
-        na, nr, Anew, Rnew = check.cast(w, full > w, S, seed, state.flushes + w + 1)
+        na, nr, Anew, Rnew = check.cast(w, full > w, S, seed, state.n_flush + w + 1)
         if w < fmin:                                         # every row flushes here
             Y[:, :, w, buffer_len - 1] = yF
             aq, rq, A, R = na, nr, Anew, Rnew
@@ -536,30 +494,6 @@ class _FlushCheck:
                   f"the steps buffered before this {T}-token segment")
         return flush_overflow_error(self.layer, role, spec, self.pair, b, int(self.ss.rows[b]),
                                     at)
-
-
-# ------------------------------------------------------------------ ReplayState interop
-# Through ReplayState's public hand-off (export / load / from_parts).
-
-def scan_state_of(st) -> ScanState:
-    """The ScanState holding the same anchor, read copy, buffer and counters as ReplayState st
-    (shared tensors, no copy). st must have no pending drafts."""
-    p = st.export()
-    return ScanState(anchor=p["anchor"], read=p["read"], k=p["k"], v=p["v"], G=p["G"],
-                     beta=p["beta"], count=p["committed"], flushes=p["flushes"], rows=p["rows"])
-
-
-def scan_parts(ss: ScanState) -> dict:
-    """ScanState ss as ReplayState parts (`ReplayState.load` / `from_parts`); GDN u is left for
-    the ReplayState to recompute against the read copy."""
-    return {"anchor": ss.anchor, "read": ss.read, "k": ss.k, "v": ss.v, "G": ss.G,
-            "beta": ss.beta, "committed": ss.count, "flushes": ss.flushes, "rows": ss.rows}
-
-
-def load_scan_state(st, ss: ScanState) -> None:
-    """Make ReplayState st hold ScanState ss (in place): anchor, read copy, buffer, counters;
-    GDN u of the buffered steps recomputed against the read copy."""
-    st.load(scan_parts(ss))
 
 
 def teacher_force(st, q, k, v, log_a, beta=None, *, valid=None, exact: bool = False, scan=None):

@@ -19,7 +19,8 @@ from replayquant.kernels.conventional.reference import (_into, gdn_frontend_ref,
 from replayquant.kernels.replay.launch import replay_launch_config
 from replayquant.replay.roles import role_streams
 from replayquant.replay.stores import (NO_DT_LIMIT, ReplayStore, _begin, _check_accept,
-                                        _default_force, _indices, cast_overflows, folds_u,
+                                        _default_force, _indices, cast_overflows,
+                                        fill_key_factors_ref, folds_u, key_factors_ref,
                                         ring_keys, solves_u)
 from replayquant.streams import ANCHOR, READ
 
@@ -71,24 +72,6 @@ def _entries_ref(store: ReplayStore, s: int, n: int, start: int):
     return K, V, U, G, Bt
 
 
-def key_factors_ref(K, G, Bt, live=None):
-    """(I + A)^{-1} [..., H, n, n] of n GDN entries (K [..., H, n, dk] normalised, G, Bt
-    [..., H, n]): A[j, i] = Bt_j e^{G_j - G_i} (k_j . k_i) for i < j, the unit lower triangular
-    system of DESIGN section 4, whose rows a store that solves for u keeps in Tbuf (solves_u).
-    live [..., n] (broadcast over H): the entries that count; the rows of the others are zero
-    (and, the system being lower triangular, the live rows equal those of the live entries
-    alone)."""
-    n = K.shape[-2]
-    low = torch.ones(n, n, dtype=torch.bool, device=K.device).tril(-1)
-    if live is not None:
-        low = low & live[..., :, None]
-    d = torch.where(low, G[..., :, None] - G[..., None, :], 0.0)
-    A = torch.where(low, Bt[..., :, None] * torch.exp(d) * (K @ K.transpose(-1, -2)), 0.0)
-    eye = torch.eye(n, device=K.device).expand_as(A)
-    T = torch.linalg.solve_triangular(eye + A, eye, upper=False, unitriangular=True)
-    return T if live is None else torch.where(live[..., :, None], T, 0.0)
-
-
 def _key_factor_rows_ref(store: ReplayStore, s: int, start: int, lo: int, n: int):
     """Tbuf rows of window entries lo..n-1 of slot s, from the ring's first n entries."""
     K, _, _, G, Bt = _entries_ref(store, s, n, start)
@@ -97,25 +80,6 @@ def _key_factor_rows_ref(store: ReplayStore, s: int, start: int, lo: int, n: int
         e = (start + j) % store.capacity
         store.Tbuf[s, e] = 0.0
         store.Tbuf[s, e, :, :n] = T[:, j]
-
-
-def fill_key_factors_ref(store: ReplayStore, slots) -> None:
-    """The key factors of every committed entry of the given slots (a store built from a
-    ReplayState, models.decode_store.parts_to_store), all slots at once (no host read); the
-    rows of the uncommitted entries become zero; nothing for a store without Tbuf."""
-    if store.Tbuf is None:
-        return
-    slots = slots.long()
-    n, H, dev = store.buffer_len, store.shape[1], store.kbuf.device
-    jj = torch.arange(n, device=dev)
-    pos = (store.start[slots].long()[:, None] + jj) % store.capacity          # [S, n]
-    at = (slots[:, None], pos)
-    K = ring_keys(store.kind, store.kbuf[at].float().transpose(1, 2)
-                  .repeat_interleave(H // store.key_heads, dim=1))             # [S, H, n, dk]
-    live = jj[None, :] < store.committed[slots].long()[:, None]                # [S, n]
-    T = key_factors_ref(K, store.Gbuf[at].transpose(1, 2), store.bbuf[at].transpose(1, 2),
-                        live[:, None, :])                                      # [S, H, n, n]
-    store.Tbuf[at] = T.transpose(1, 2)
 
 
 def _rebuild_ref(A, K, V, G, Bt, delta, cur=None, vec=False, U=None):

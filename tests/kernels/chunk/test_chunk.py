@@ -5,8 +5,8 @@ segmented and unsegmented, padding, the same SR bits."""
 import pytest
 import torch
 
-from replayquant.kernels.chunk.reference import (chunk_scan_ref, initial_scan_state, scan_state_of,
-                                                 teacher_force)
+from replayquant.kernels.chunk.reference import chunk_scan_ref, initial_scan_state, teacher_force
+from replayquant.replay.convert import scan_state_of
 from _helpers import scan_inputs, stable_seed, vector_log_a
 from replayquant.pairs import PrecisionPair, list_pairs
 from replayquant.replay import ReplayState, recurrent_reference
@@ -71,7 +71,7 @@ def test_scan_equals_step_decode(name, delta):
         _close(pair, y, y_ref, f"L={L} unsegmented")
         _anchors_match(pair, st, ref_st)
         assert torch.equal(st.committed, ref_st.committed)
-        assert torch.equal(st.flushes, ref_st.flushes)
+        assert torch.equal(st.n_flush, ref_st.n_flush)
 
         # segmented at odd places, with decode steps in between
         st = ReplayState(S0, pair, delta=delta, seed=11, layer=2)
@@ -160,10 +160,10 @@ def test_exact_prefill(delta):
     lp = ReplayState(S0, pair, delta=delta, seed=9)
     Y, S = recurrent_reference(lp.anchor(), q, k, v, log_a, beta)   # FP32 from the initial anchor
     teacher_force(lp, q[:, :3], k[:, :3], v[:, :3], log_a[:, :3], _sl(beta, 0, 3))
-    before = lp.flushes.clone()
+    before = lp.n_flush.clone()
     y = teacher_force(lp, q[:, 3:], k[:, 3:], v[:, 3:], log_a[:, 3:], _sl(beta, 3, T), exact=True)
     torch.testing.assert_close(y, Y[:, 3:], rtol=1e-4, atol=1e-5)
-    assert torch.equal(lp.flushes, before + 1) and int(lp.committed.max()) == 0
+    assert torch.equal(lp.n_flush, before + 1) and int(lp.committed.max()) == 0
     # the anchor is one cast of the FP32 final state (flush index + 1)
     A_exact = pair.anchor.fmt.dequantize(
         pair.anchor.fmt.quantize(S, "stochastic", seed=layer_seed(9, 0), stream=_streams(lp, before + 1)))
@@ -219,7 +219,7 @@ def test_state_hand_off(delta):
     assert set(parts) == set(ReplayState.PART_NAMES)
     snap = {n: (t.clone() if isinstance(t, torch.Tensor) else t) for n, t in parts.items()}
     clone = ReplayState.from_parts(snap, pair, delta=delta, seed=2, layer=1)
-    assert torch.equal(clone.committed, st.committed) and torch.equal(clone.flushes, st.flushes)
+    assert torch.equal(clone.committed, st.committed) and torch.equal(clone.n_flush, st.n_flush)
     # without u (GDN): recomputed against the read copy, equal within reassociation
     other = ReplayState(torch.zeros_like(S0), pair, delta=delta, seed=2, layer=1)
     other.load({n: t for n, t in snap.items() if n != "u"})
@@ -241,6 +241,11 @@ def test_state_hand_off(delta):
         other.load(dict(parts, read=None))
     with pytest.raises(ValueError, match="unknown part"):
         other.load(dict(parts, extra=1))
+    # the flush index's other public name, as a property and as a part
+    assert torch.equal(st.flushes, st.n_flush) and torch.equal(parts["flushes"], parts.n_flush)
+    legacy = {("flushes" if n == "n_flush" else n): t for n, t in snap.items()}
+    again = ReplayState.from_parts(legacy, pair, delta=delta, seed=2, layer=1)
+    assert torch.equal(again.n_flush, legacy["flushes"])
 
 
 def _random_bits_int64(shape, seed, stream):
@@ -331,7 +336,7 @@ def test_vector_gates_against_float64_recurrence(delta):
     for a, b in ((0, 12), (12, T)):
         y, ss = chunk_scan_ref(ss, *(t[:, a:b] for t in (q, k, v, log_a)), _sl(beta, a, b), pair=pair)
         ys.append(y)
-    assert ss.G.shape == (B, H, 5, dk) and ss.count.tolist() == [3, 3]
+    assert ss.G.shape == (B, H, 5, dk) and ss.committed.tolist() == [3, 3]
     err = ((torch.cat(ys, 1).double() - Y).abs().max() / Y.abs().max()).item()
     assert err <= 2e-6, err
     from replayquant.kernels.chunk.reference import rebuild_state
@@ -356,7 +361,7 @@ def test_vector_gates_scan_equals_step_decode(name):
               for a, b in ((0, 5), (5, 6), (6, T))]
         _close(pair, torch.cat(ys, 1), y_ref, f"L={L}")
         _anchors_match(pair, st, ref)
-        assert torch.equal(st.committed, ref.committed) and torch.equal(st.flushes, ref.flushes)
+        assert torch.equal(st.committed, ref.committed) and torch.equal(st.n_flush, ref.n_flush)
 
 
 @pytest.mark.parametrize("exact", [False, True], ids=["replay", "exact"])

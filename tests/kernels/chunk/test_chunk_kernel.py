@@ -62,7 +62,7 @@ ROLE_STEP = {"fp16": 2 ** -10, "bf16": 2 ** -7, "fp8": 2 ** -3, "nvfp4": 2 / 6}
 
 def _states_match(pair, got, ref, what):
     _roles_match(pair, got, ref, what)
-    assert torch.equal(got.count, ref.count) and torch.equal(got.flushes, ref.flushes)
+    assert torch.equal(got.committed, ref.committed) and torch.equal(got.n_flush, ref.n_flush)
     for name in ("k", "v", "beta"):
         a, b = getattr(got, name), getattr(ref, name)
         assert (a is None) == (b is None)
@@ -110,7 +110,7 @@ def test_kernel_equals_reference_segmented(name, L, B, dk, dv, delta):
         _outputs_match(pair, y, y_ref, f"segment {a}:{b}")
         _states_match(pair, got_s, ref_s, f"segment {a}:{b}")
     # the input state is untouched (the kernel casts into copies)
-    assert torch.equal(ss.count, torch.zeros(B, dtype=torch.int64))
+    assert torch.equal(ss.committed, torch.zeros(B, dtype=torch.int64))
 
 
 @pytest.mark.parametrize("name,exact,pre,knobs", [
@@ -233,7 +233,7 @@ def test_kernel_through_replay_state():
     ya = teacher_force(a, q, k, v, log_a, beta)
     yb = chunk.teacher_force(b, q, k, v, log_a, beta)
     _outputs_match(pair, yb, ya, "ReplayState")
-    assert torch.equal(a.flushes, b.flushes) and torch.equal(a.committed, b.committed)
+    assert torch.equal(a.n_flush, b.n_flush) and torch.equal(a.committed, b.committed)
     assert (a.anchor_q.payload != b.anchor_q.payload).float().mean() <= 0.01
     # decode continues alike
     torch.testing.assert_close(b.step(q[:, 0], k[:, 0], v[:, 0], log_a[:, 0], beta[:, 0]),

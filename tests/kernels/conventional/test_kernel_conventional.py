@@ -65,8 +65,8 @@ def test_conventional_step_matches_reference(kind, fmt, rounding):
         # after a rounding flip of the stored state (one grid step) outputs differ a little
         tol = 1e-5 if fmt == "fp32" else 1e-3
         torch.testing.assert_close(y, y2, rtol=tol, atol=tol * y2.abs().max().item())
-    assert torch.equal(store.n_casts, ref.n_casts)
-    assert store.n_casts.tolist() == [3, 3, 3, 3]
+    assert torch.equal(store.n_flush, ref.n_flush)
+    assert store.n_flush.tolist() == [3, 3, 3, 3]
     assert_states_close(store.state.dequantize(), ref.state.dequantize())
 
 
@@ -218,7 +218,7 @@ def test_conventional_kda_step_matches_reference(fmt, rounding):
         assert (y[1] == 0).all() and torch.isfinite(y).all()
         tol = 1e-5 if fmt == "fp32" else 1e-3
         torch.testing.assert_close(y, y2, rtol=tol, atol=tol * y2.abs().max().item())
-    assert torch.equal(store.n_casts, ref.n_casts) and store.n_casts.tolist() == [3, 3, 3, 3]
+    assert torch.equal(store.n_flush, ref.n_flush) and store.n_flush.tolist() == [3, 3, 3, 3]
     assert_states_close(store.state.dequantize(), ref.state.dequantize())
 
 

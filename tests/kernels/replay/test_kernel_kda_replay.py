@@ -52,7 +52,7 @@ def test_kda_step_matches_reference_and_replay_state(pair):
         yr = rs.step(*[t[perm] for t in fe])
         assert_outputs_close(y[perm], yr, P)
     assert store.committed.tolist() == ref.committed.tolist() == rs.committed.tolist()
-    assert store.n_flush.tolist() == rs.flushes.tolist() == [2] * N
+    assert store.n_flush.tolist() == rs.n_flush.tolist() == [2] * N
     assert_states_close(store.anchor.dequantize(), rs.anchor())
     assert_states_close(store.read_role.dequantize(), rs.read_copy())
     assert_states_close(store.anchor.dequantize(), ref.anchor.dequantize())

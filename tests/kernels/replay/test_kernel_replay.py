@@ -218,7 +218,7 @@ def test_replay_step_matches_replay_state(kind, pair):
             yr = post(yr, perm)
         assert_outputs_close(y[perm], yr, P)
     assert store.committed.tolist() == rs.committed.tolist()
-    assert store.n_flush.tolist() == rs.flushes.tolist() == [2] * 4
+    assert store.n_flush.tolist() == rs.n_flush.tolist() == [2] * 4
     assert_states_close(store.anchor.dequantize(), rs.anchor())
     assert_states_close(store.read_role.dequantize(), rs.read_copy())
 
@@ -248,7 +248,7 @@ def test_gdn_fold_strong_decay(pair):
         assert_outputs_close(y[perm], yr, P)
     g = torch.stack(glog)                         # [steps, H] log gates of row 0
     assert (g[:, 0] < -40).all() and (g[:, 1] < -4).all() and (g[:, 2] > -1).all()
-    assert store.n_flush.tolist() == rs.flushes.tolist() == [2] * N
+    assert store.n_flush.tolist() == rs.n_flush.tolist() == [2] * N
     assert_states_close(store.anchor.dequantize(), rs.anchor())
     assert_states_close(store.read_role.dequantize(), rs.read_copy())
 
@@ -584,7 +584,7 @@ def test_replay_mamba2_dt_limit(pair):
         torch.testing.assert_close(y[perm], yr, rtol=tol, atol=tol * yr.abs().max().item())
         assert torch.equal(store.committed, ref.committed)
         assert torch.equal(store.n_flush, ref.n_flush)
-    assert store.n_flush.tolist() == rs.flushes.tolist() == [2] * 3
+    assert store.n_flush.tolist() == rs.n_flush.tolist() == [2] * 3
     assert_states_close(store.anchor.dequantize(), rs.anchor())
     assert changed > 10 * tol                     # the clamp mattered
 

@@ -136,7 +136,7 @@ def test_replay_verify_accept(kind, pair):
         close_lossy(y, y2, tol)
         close_lossy(y[PERM], yr, tol)
         assert st.committed.tolist() == ref.committed.tolist() == rs.committed.tolist()
-        assert st.n_flush.tolist() == ref.n_flush.tolist() == rs.flushes.tolist()
+        assert st.n_flush.tolist() == ref.n_flush.tolist() == rs.n_flush.tolist()
     assert max(st.n_flush.tolist()) >= 1
     assert_states_close(st.anchor.dequantize(), rs.anchor())
     assert_states_close(st.read_role.dequantize(), rs.read_copy())
@@ -216,7 +216,7 @@ def test_conventional_snapshot_verify(kind, pair):
         conventional_accept(cs, snaps, n, IDX)
         conventional_accept_ref(ref, snaps_ref, n, IDX)
         cst.accept(n[PERM])
-        assert cs.n_casts.tolist() == ref.n_casts.tolist() == cst.flushes.tolist()
+        assert cs.n_flush.tolist() == ref.n_flush.tolist() == cst.n_flush.tolist()
     assert_states_close(cs.state.dequantize(), cst.anchor())
     assert_states_close(cs.state.dequantize(), ref.state.dequantize())
 
