@@ -458,6 +458,17 @@ class ReplayQuantLM(HFLM):
         return info
 
 
+def lm_eval_logs_to_stderr() -> None:
+    """Point lm-eval's console handler at today's sys.stderr. lm-eval adds it once per process
+    (lm_eval.utils.setup_logging), bound to the sys.stderr of that moment: a caller that swapped
+    sys.stderr for a while (a notebook cell, a test runner, an earlier `replayquant lm-eval` run
+    from Python) may have closed that stream since, and every lm-eval log line of a later run
+    would then print a logging traceback."""
+    for h in logging.getLogger("lm_eval").handlers:
+        if type(h) is logging.StreamHandler:
+            h.stream = sys.stderr        # not setStream, which flushes the stream it replaces
+
+
 def lm_eval_main(argv: list[str]) -> None:
     """lm-eval's own command line (`lm_eval ARGS`) with the `replayquant` model registered.
     `--gpqa-csv PATH` (ours, removed before lm-eval sees the arguments) makes lm-eval's GPQA-Diamond
@@ -484,6 +495,7 @@ def lm_eval_main(argv: list[str]) -> None:
         old = sys.argv
         sys.argv = ["lm-eval", *args]
         try:
+            lm_eval_logs_to_stderr()
             cli_evaluate()
         finally:
             sys.argv = old

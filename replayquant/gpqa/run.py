@@ -31,7 +31,7 @@ from replayquant.gpqa.settings import GPQASettings
 from replayquant.gpqa.summary import SUMMARY_KIND, build_summary
 from replayquant.gpqa.tasks import (HUB_CONFIG, HUB_DATASET, check_csv, check_hub_access,
                                     check_task_dir, check_tasks, file_sha256, write_task_dir)
-from replayquant.gpqa.lm_eval_model import PREFILLS, ReplayQuantLM
+from replayquant.gpqa.lm_eval_model import PREFILLS, ReplayQuantLM, lm_eval_logs_to_stderr
 from replayquant.policy import resolve_pair
 from replayquant.models.device import check_device, default_device, describe_device
 from replayquant.models.names import resolve_model_name
@@ -306,6 +306,7 @@ def _run_pairs(lm, resolved, labels, task_manager, out, *, model: str, s: GPQASe
     for pair, label in zip(resolved, labels):
         lm.set_pair(pair, prefill=prefill, seed=seed)
         _reset_task_modules()
+        lm_eval_logs_to_stderr()
         results = lm_eval.simple_evaluate(
             model=lm, tasks=list(tasks), task_manager=task_manager,
             limit=limit, random_seed=seed, num_fewshot=num_fewshot, gen_kwargs=gen_kwargs,
