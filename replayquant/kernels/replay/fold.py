@@ -1,8 +1,8 @@
 """The replay decode step as one launch, the flush deferred into the next step's read (Triton):
 GDN and Mamba-2 with a shared FP32 anchor (s32_rs: GDN caching u in FP32, `folds_u`; Mamba-2
-folding dt x). This module's `replay_gdn_step` / `replay_mamba2_step` are replay_decode's with a
+folding dt x). This module's `replay_gdn_step` / `replay_mamba2_step` are decode's with a
 design switch: design='deferred-fold' runs this kernel; the default, 'eager-flush', runs
-replay_decode's flush launch and read launch. The torch reference of this schedule is
+decode's flush launch and read launch. The torch reference of this schedule is
 `reference.replay_fold_step_ref`.
 
 The schedule. Every step reads and appends, step L of a window included: a row whose entry
@@ -10,11 +10,11 @@ fills the buffer (h + 1 == L) is read like the others, and after the step it hol
 unfolded entries. At the next step the program finds h == L and folds the window into each
 chunk of the anchor it loads: S_c = e^{G_L} S0_c + (U w)^T K_c (w_j = e^{G_L - G_j} / |k_j|
 for GDN's re-normalised keys, 1 for Mamba-2; U the ring's FP32 u, or dt x), with the three
-bf16 tensor-core products of replay_decode._dot3 (exact against the raw bf16 keys, float32
+bf16 tensor-core products of decode._dot3 (exact against the raw bf16 keys, float32
 sums); it stores S_c as the new anchor and multiplies it with this token's q and k. So the
 anchor is read once and written once in one streaming pass of the read's programs: no flush
-launch on any step (replay_decode's read steps pay an empty one, 8.4 us of 170.8 at B = 256
-under Nsight Compute, and its flush step runs 255-register one-warp tiles), and no re-read of
+launch on any step (decode's read steps pay an empty one, 8.4 us of 170.8 at B = 256
+under Nsight Compute, and its flush step uses 255-register one-warp tiles), and no re-read of
 the anchor after the read's pass (a fold after the pass re-read it and lost: docs/kernels.md,
 designs removed). The token then is entry 0 of the new window, whose start is
 the old one moved by L: the ring needs L + 1 entries, so that this entry does not overwrite an
@@ -22,10 +22,10 @@ entry that the row's other programs are still folding (a store built with max_dr
 
 The store's meaning. A row at h == L holds exactly what a store holds after accepted drafts
 filled its buffer (ReplayState's state after L appended steps, the anchor one window behind):
-every reader of a store already takes it (replay_ref, replay_torch and replay_decode's
+every reader of a store already takes it (the reference, the engine and decode's
 step and verify fold it first, as a pre-flush). A step of this design is, on the store, a verify
 of one draft that is then accepted (`reference.replay_fold_step_ref`): the pointers move as
-replay_decode._moved_pointers' verify rule (T = 1) and then h += 1. The flush index counts the
+decode._moved_pointers' verify rule (T = 1) and then h += 1. The flush index counts the
 folds, one step later than the eager schedule's.
 
 A program takes a [BV, d_k] tile of one (batch row, value head): the front end, the ring's terms
@@ -56,7 +56,7 @@ from replayquant.replay.stores import (ReplayStore, _begin, _check_buffered, _in
 __all__ = ["replay_gdn_step", "replay_mamba2_step", "fold_step", "fold_advance_pointers",
            "fold_supported", "STEP_DESIGNS"]
 
-# The decode step's designs: 'eager-flush', replay_decode's (a flush launch, then the read
+# The decode step's designs: 'eager-flush', decode's (a flush launch, then the read
 # launch; one launch at small batch); 'deferred-fold', this module's
 STEP_DESIGNS = ("eager-flush", "deferred-fold")
 
@@ -111,7 +111,7 @@ def _fold_pass(A_pay, kbuf, Uw, q, k, qp, kp, qa, qb, ka, fold, eGn, slot, start
 def _fold_advance_row(h_ptr, st_ptr, nf_ptr, cnt_ptr, slot, PROGRAMS: tl.constexpr,
                       BUFFER_LEN: tl.constexpr, CAPACITY: tl.constexpr):
     """The row's pointer moves by the last of its PROGRAMS programs to arrive (arrival counter
-    cnt_ptr, reset for the next step): a full window folded (replay_decode's verify rule, one
+    cnt_ptr, reset for the next step): a full window folded (decode's verify rule, one
     draft), then the step's entry committed."""
     tl.debug_barrier()                  # every thread of the program is past its loads
     arrived = tl.atomic_add(cnt_ptr + slot, 1)          # acq_rel, gpu scope
@@ -222,7 +222,7 @@ def fold_step(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, state_i
               scale, use_qk_l2norm, path="auto", dt_limit=None, advance=True, beta_scale=1.0,
               record=None):
     """A decode step of a `kind` ('gdn' or 'mamba2') store in one launch, arguments in
-    replay_decode._launch's order (Mamba-2: q = C, k = B, v = x, a = dt); returns out; its tile
+    decode._launch's order (Mamba-2: q = C, k = B, v = x, a = dt); returns out; its tile
     from launch.FOLD_TABLE (override_replay_launch({'fold': ...}) for others). The forced
     flush (path 'flush'), the fault
     record and stores other than fold_supported's are refused: they keep 'eager-flush'."""
@@ -276,7 +276,7 @@ def fold_step(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, state_i
 
 def fold_advance_pointers(store: ReplayStore, state_indices) -> None:
     """The pointer moves of a deferred-fold step launched with advance=False: a full window
-    folded (replay_decode's verify rule for one draft), then the step's entry committed."""
+    folded (decode's verify rule for one draft), then the step's entry committed."""
     advance_pointers(store, state_indices, T=1, step=False)
     B = state_indices.shape[0]
     advance_pointers(store, state_indices,
@@ -293,7 +293,7 @@ def _deferred(design) -> bool:
 def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, state_indices=None,
                     scale=None, out=None, use_qk_l2norm=True, path="auto", advance=True,
                     beta_scale=1.0, record=None, design="eager-flush"):
-    """replay_decode.replay_gdn_step (same arguments) with the design switch: 'eager-flush'
+    """decode.replay_gdn_step (same arguments) with the design switch: 'eager-flush'
     runs it, 'deferred-fold' fold_step (its tile: launch.fold_launch_config)."""
     if _deferred(design):
         return fold_step(store, "gdn", q, k, v, a, b, A_log, dt_bias, None, None,
@@ -308,7 +308,7 @@ def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, stat
 def replay_mamba2_step(store: ReplayStore, x, dt, A, B, C, state_indices=None, D=None, z=None,
                        dt_bias=None, out=None, path="auto", advance=True,
                        dt_limit=rd.NO_DT_LIMIT, record=None, design="eager-flush"):
-    """replay_decode.replay_mamba2_step (same arguments) with the design switch, as
+    """decode.replay_mamba2_step (same arguments) with the design switch, as
     replay_gdn_step."""
     if _deferred(design):
         return fold_step(store, "mamba2", C, B, x, dt, None, A, dt_bias, D, z,
