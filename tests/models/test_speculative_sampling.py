@@ -70,10 +70,9 @@ def _same_as_plain_decode(model, ids, out):
             assert (a - b).abs().max() <= 1e-5 * a.abs().max(), (i, (a - b).abs().max())
 
 
-@pytest.mark.parametrize("fam, seed, prompt, top_k, temperature, draw", FAMILIES)
-def test_prompt_lookup_sampling(fam, seed, prompt, top_k, temperature, draw, accepts):
-    model = patch(_tiny(fam, seed), "s32_rs", buffer_len=8)
-    ids = _prompt(prompt)
+def _lookup_sampled(model, ids, temperature, top_k, draw, accepts):
+    """Prompt lookup with sampling: at top_k=1 it gives greedy's tokens; at `temperature` and
+    `top_k` (0: all), seeded with `draw`, other tokens, its rounds recorded in `accepts`."""
     greedy = _generate(model, ids, 24, do_sample=False).sequences
     torch.manual_seed(0)
     top1 = _generate(model, ids, 24, do_sample=True, top_k=1, prompt_lookup_num_tokens=3)
@@ -83,6 +82,14 @@ def test_prompt_lookup_sampling(fam, seed, prompt, top_k, temperature, draw, acc
     out = _generate(model, ids, 24, do_sample=True, temperature=temperature, top_k=top_k,
                     prompt_lookup_num_tokens=3)
     assert not torch.equal(out.sequences, greedy)
+    return out
+
+
+@pytest.mark.parametrize("fam, seed, prompt, top_k, temperature, draw", FAMILIES)
+def test_prompt_lookup_sampling(fam, seed, prompt, top_k, temperature, draw, accepts):
+    model = patch(_tiny(fam, seed), "s32_rs", buffer_len=8)
+    ids = _prompt(prompt)
+    out = _lookup_sampled(model, ids, temperature, top_k, draw, accepts)
     rounds = _rounds(accepts)
     assert any(a > 1 for _, a in rounds) and any(a < p for p, a in rounds), rounds
     _same_as_plain_decode(model, ids, out)
@@ -141,14 +148,6 @@ def test_embedded_models_sample_with_prompt_lookup(name, temperature, draw, acce
     ids = tok("And God said, Let there be light: and there was light. " * 3,
               return_tensors="pt").input_ids
     model = load_model(name, pair="s32_rs", dtype="float32", buffer_len=8)
-    greedy = _generate(model, ids, 24, do_sample=False).sequences
-    torch.manual_seed(0)
-    top1 = _generate(model, ids, 24, do_sample=True, top_k=1, prompt_lookup_num_tokens=3)
-    assert torch.equal(top1.sequences, greedy)
-    accepts.clear()
-    torch.manual_seed(draw)
-    out = _generate(model, ids, 24, do_sample=True, temperature=temperature, top_k=0,
-                    prompt_lookup_num_tokens=3)
-    assert not torch.equal(out.sequences, greedy)
+    out = _lookup_sampled(model, ids, temperature, 0, draw, accepts)
     assert any(a > 1 for _, a in _rounds(accepts)), accepts
     _same_as_plain_decode(model, ids, out)

@@ -49,7 +49,7 @@ from replayquant.kernels.conventional.kernel import (_L2_EPS, _front_end, _gate_
 from replayquant.kernels.replay import decode as rd
 from replayquant.kernels.replay.decode import (_append_entry, _dot3, _entry, _load_entries,
                                                _moved_pointers, _row_of, advance_pointers)
-from replayquant.kernels.replay.launch import fold_launch_config
+from replayquant.kernels.replay.launch import chosen_design, fold_launch_config
 from replayquant.replay.stores import (ReplayStore, _begin, _check_buffered, _indices,
                                         dt_limit_args, folds_u, step_inputs)
 
@@ -284,10 +284,7 @@ def fold_advance_pointers(store: ReplayStore, state_indices) -> None:
 
 
 def _deferred(design) -> bool:
-    if design not in STEP_DESIGNS:
-        raise ValueError(f"design must be one of {', '.join(map(repr, STEP_DESIGNS))}, "
-                         f"got {design!r}")
-    return design == "deferred-fold"
+    return chosen_design(design, STEP_DESIGNS) == "deferred-fold"
 
 
 def replay_gdn_step(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, state_indices=None,

@@ -17,7 +17,8 @@ import contextlib
 from replayquant.replay.stores import ReplayStore
 
 __all__ = ["LAUNCH_TABLE", "LAUNCHES", "ONEPASS_TABLE", "FOLD_TABLE", "replay_launch_config",
-           "onepass_launch_config", "fold_launch_config", "override_replay_launch"]
+           "onepass_launch_config", "fold_launch_config", "override_replay_launch",
+           "chosen_design"]
 
 
 # The launch table, chosen by shape: (launch, kind, role) -> rows BV of a program's [BV, d_k]
@@ -193,3 +194,12 @@ def fold_launch_config(store: ReplayStore):
         raise ValueError(f"fold launch chunk={ck} must be a power of two >= 16 dividing "
                          f"d_k={dk}, stages={stages} >= 1")
     return rows, warps, ck, stages, qload
+
+
+def chosen_design(design, designs: tuple) -> str:
+    """`design` when it is one of `designs` (a replay kernel's design switch: the first is the
+    default), else one ValueError naming them."""
+    if design not in designs:
+        raise ValueError(f"design must be one of {', '.join(map(repr, designs))}, "
+                         f"got {design!r}")
+    return design

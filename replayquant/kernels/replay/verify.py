@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from replayquant.kernels.replay.decode import _launch, advance_pointers
+from replayquant.kernels.replay.launch import chosen_design
 from replayquant.replay.stores import NO_DT_LIMIT, ReplayStore, _check_accept, _indices
 from replayquant.kernels.replay.verify_onepass import onepass_verify
 
@@ -32,10 +33,7 @@ VERIFY_DESIGNS = ("step-kernel", "onepass")
 
 
 def _onepass(design) -> bool:
-    if design not in VERIFY_DESIGNS:
-        raise ValueError(f"design must be one of {', '.join(map(repr, VERIFY_DESIGNS))}, "
-                         f"got {design!r}")
-    return design == "onepass"
+    return chosen_design(design, VERIFY_DESIGNS) == "onepass"
 
 
 def replay_gdn_verify(store: ReplayStore, q, k, v, a, b, A_log, dt_bias=None, state_indices=None,
