@@ -54,14 +54,14 @@ ONEPASS_TABLE = (   # role, rows, warps, chunk, stages  # reason
 
 # The launch, by kind: rows BV of a program's tile, warps, columns a chunk, chunks' loads in
 # flight, whether q and k enter the pass as chunks loaded from the inputs (QLOAD) or taken from
-# the front end's registers. Reasons: compile_check sass on sm_90 (Triton 3.9) at the GDN
-# Qwen3.5-4B / Mamba-2 Nemotron-H layer shapes, registers (SASS instructions) of the whole
-# program, no spills (evals/fold_sass.py, docs/kernels.md); GDN keeps the 32-column chunks
-# that today's FP32 read measured fastest (16 columns slower). Untimed.
+# the front end's registers. Reasons: windows of s32_rs at B = 256 on one H100, us, in phase
+# (results/bench/replay_fold_h100.json; today's eager design GDN 236.5, Mamba-2 440.2: the
+# deferred fold is slower at every tile, so it is off by default); registers from compile_check
+# sass on sm_90 (Triton 3.9, evals/fold_sass.py).
 FOLD_TABLE = (   # kind, rows, warps, chunk, stages, qload  # reason
-    ("gdn", 64, 2, 32, 3, False),      # 166 (1808); chunk 16: 158 (1624), 64 x 1 at 16: 226
-    ("mamba2", 64, 2, 16, 3, False),   # 122 (1376); chunk 32: 160-162 (1488-1560)
-)     # 32 x 1: 208 / 158-162 registers; 64 x 1 at 32 columns: 248-254
+    ("gdn", 64, 2, 32, 3, False),      # 272.4 (166 registers); chunk 16: 298.6; 64 x 1 at 16: 286.8
+    ("mamba2", 64, 2, 32, 3, False),   # 486.1 (160-162); chunk 16: 542.7 (122); 64 x 1 at 16: 499.9
+)     # 32 rows on 1 warp, 32 columns: GDN 327.0, Mamba-2 547.0
 
 # The launch that override_replay_launch gives for the length of its block ({}: the tables')
 _given: dict = {}
