@@ -46,13 +46,15 @@
 #                   77-160 s a way);
 #                   arguments after the job name go to the script (--ways compiled,hf_compiled
 #                   --questions 24: two ways, two batches after the compiling one)
-#   spec            evals/spec_gpu.py: decode tokens/s of prompt lookup (4 drafts) against plain
-#                   decode, eager and compiled (plain decode; lookup runs eager, the static cache
+#   spec            evals/spec_gpu.py: decode tokens/s of speculation against plain decode,
+#                   eager and compiled (plain decode; speculation runs eager, the static cache
 #                   refused with it), on the Qwen3.5-4B shape at B = 1 with long-memory gates, pairs
 #                   s32_rs and tp4_hi16_sr, a 512-token prompt of a held-out excerpt said four
-#                   times, 128 new tokens; the verify forwards' GPU time apart (CUDA events) and
-#                   their share of the decode (estimated ~200 s; arguments after the job name go
-#                   to the script)
+#                   times, 96 new tokens, 3 timed runs a way: oracle drafts (the pair's own plain
+#                   tokens, 4 a round: speculation's ceiling) and prompt lookup (4 drafts); the
+#                   verify forwards' GPU time per length (CUDA events), the break-even acceptance,
+#                   compiles in timed runs (0: warm-ups meet every verify length) (estimated
+#                   ~260 s, timeout 540 s; arguments after the job name go to the script)
 #   generate        evals/cuda_generate_check.py: generation through the compiled decode kernel
 #                   against the CPU path on the shipped tiny models (~150 s)
 #   train           evals/train_tiny.py device-run: train both tiny models, evaluate them and
@@ -139,8 +141,8 @@ case "$job" in
     echo "gpqa-timing rc=$?"; grep -vE "it/s\]|s/it\]" "$OUT/gpqa_timing.log" | tail -40 | cut -c1-1500
     ;;
   spec)
-    timeout 300 python3 evals/spec_gpu.py "$OUT/spec_gpu.json" "${@:2}" > "$OUT/spec_gpu.log" 2>&1
-    echo "spec rc=$?"; grep -vE "it/s\]|s/it\]" "$OUT/spec_gpu.log" | tail -14 | cut -c1-1500
+    timeout 540 python3 evals/spec_gpu.py "$OUT/spec_gpu.json" "${@:2}" > "$OUT/spec_gpu.log" 2>&1
+    echo "spec rc=$?"; grep -vE "it/s\]|s/it\]" "$OUT/spec_gpu.log" | tail -22 | cut -c1-1500
     ;;
   generate)
     timeout 300 python3 evals/cuda_generate_check.py "$OUT/cuda_generate.json" --new-tokens 32 \

@@ -1,7 +1,8 @@
-"""Tokens per second of prompt-lookup decoding against plain decode on the Qwen3.5-4B shape (GPU).
+"""Tokens per second of speculative decoding against plain decode on the Qwen3.5-4B shape (GPU):
+what speculation costs and, with oracle drafts, the most it buys on this path.
 
     python evals/spec_gpu.py OUT.json [--pairs s32_rs,tp4_hi16_sr] [--prompt-tokens 512]
-        [--new-tokens 128] [--draft-tokens 4] [--paths eager,compiled] [--repeats 2]
+        [--new-tokens 96] [--draft-tokens 4] [--paths eager,compiled] [--repeats 3]
     python evals/spec_gpu.py OUT.json --smoke-cpu      # a tiny model on the CPU, to try it
 
 The model is `bench kl`'s Qwen3.5-4B shape (32 layers, random bf16 weights, all on the GPU), its
@@ -15,24 +16,46 @@ sequence). Per pair, generating exactly `--new-tokens` tokens greedily:
   recorded CUDA graph);
 * `plain_compiled`: plain decode on HF's static cache compiled with torch.compile
   (`cache_implementation="static"`, `CompileConfig()`: CUDA graphs), where `--paths` has compiled;
-* `lookup_eager`: prompt lookup (`prompt_lookup_num_tokens=--draft-tokens`) on the dynamic cache.
-  HF compiles no step of assisted generation, and the patched model refuses the static cache
-  with it (`lookup_static`: the refusal, recorded before any forward), so this is the one path
-  speculation runs: the compiled path's figures are plain decode's only.
+* `oracle_eager`: HF's assisted generation on the dynamic cache whose drafts are the pair's own
+  plain greedy tokens (the first, untimed plain generate's), `--draft-tokens` a round
+  (`replayquant.spec.replayed_drafts` in place of prompt lookup's, through `counted_rounds`):
+  every draft is right where the pair's verify forward is exact (`agree_plain`: its tokens
+  against plain decode's; `acceptance` 1), so its rate is the ceiling of speculation here;
+* `lookup_eager`: prompt lookup (`prompt_lookup_num_tokens=--draft-tokens`) on the dynamic cache:
+  its acceptance is what a real prompt lookup gets on this model, and that is honest but near 0:
+  a random-weight model's greedy continuation does not repeat the prompt, so lookup seldom finds
+  an n-gram to draft from, and its rate is plain decode's on the assisted loop.
+HF compiles no step of assisted generation, and the patched model refuses the static cache with
+it (`lookup_static`: the refusal, recorded before any forward), so speculation runs eager only:
+the compiled path's figures are plain decode's.
 
-Each way: one warm-up generate (which compiles the static path, at the timed runs' length), then
-`--repeats` timed ones; the median of their decode rates. The decode rate is the new tokens after
-the first forward (which holds the prompt) over the wall time from the end of that forward to the
-last token, read where HF asks its stopping criteria once a step or round (synchronised there). On
-the eager paths every forward of the target is timed on the GPU apart (CUDA events around it;
-perf_counter on the CPU) with its token count T: `step_ms`, a plain decode forward of 1 token;
-`verify_ms`, a verify forward of T > 1 tokens (the last accepted token and its drafts);
-`verify_share`, the verify forwards' share of the decode wall time (the rest: 1-token rounds where
-lookup found no n-gram, drafting, HF's acceptance and the cache's crop). Rounds and accepted drafts
-are counted through HF's candidate generator (`replayquant.spec.counted_rounds`). The JSON at OUT
-carries provenance (`replayquant.provenance`); a short table is printed last. With the defaults, an
-estimated 200 s on an H100 (`bench generate`'s B = 1 figures: a patched eager step ~25 ms, a
-compile ~55 s per pair). """
+Warm-ups meet every shape the timed runs meet: per pair a plain eager generate of the timed
+length (the step's kernels, the flush at each window's end, the CUDA graphs), the static path's
+own generate of that length (its compile), and one assisted generate of that length whose
+drafts mix right and wrong ones (`replayed_drafts(mix=True)`: every verify length T = 1 ..
+draft_tokens + 1 and every acceptance of it, the first round's prompt with draft_tokens drafts).
+Each timed run counts the compiles that happened in it (new specializations in the caches of
+replayquant's Triton kernels, torch.compile's graphs: `compiles()`); `compiles_in_timed_runs`
+(per way and in all) should be 0. Then `--repeats` timed generates per way (3 at least for a
+median): the median decode rate, the run nearest to it, and every run (`runs`). The decode rate
+is the new tokens after the first forward (which holds the prompt) over the wall time from the
+end of that forward to the last token, read where HF asks its stopping criteria once a step or
+round (synchronised there). Every forward of the target is timed on the GPU apart (CUDA events
+around it; perf_counter on the CPU) with its token count T: `step_ms`, a 1-token decode forward;
+`verify_ms` (and `verify_ms_by_t`), a verify forward of T > 1 tokens (the last accepted token and
+its drafts); `verify_share`, the verify forwards' share of the decode wall time (the rest:
+1-token rounds, drafting, HF's acceptance and the cache's crop). Rounds, drafts and accepted
+drafts are counted through HF's candidate generator (`replayquant.spec.counted_rounds`).
+`break_even`: the accepted drafts a round at which speculation decodes as fast as plain eager
+decode: from the forwards, verify_ms at T / plain eager's step_ms - 1 (per T, and at T =
+draft_tokens + 1), and from the oracle's wall time a round against plain eager's a token.
+
+The JSON at OUT carries provenance (`replayquant.provenance`); a short table is printed last.
+With the defaults, an estimated 260 s on an H100, from the last run of this script there (patched
+eager step 37-71 ms, a 1-token round of the assisted loop 71 ms, one verify length's Triton
+compile ~7 s, the static path's compile 20-90 s per pair): per pair about 15-30 s of plain
+eager, 25-95 s compiled, 30 s of the mixed warm-up (its compiles), 6 s of oracle and 25 s of
+lookup runs. """
 
 from __future__ import annotations
 
@@ -53,7 +76,7 @@ sys.path.insert(0, str(ROOT))
 from replayquant.bench.kl import SHAPES, build_model  # noqa: E402
 from replayquant.models import patch, recurrent_layers, unpatch  # noqa: E402
 from replayquant.provenance import provenance  # noqa: E402
-from replayquant.spec import counted_rounds  # noqa: E402
+from replayquant.spec import agreement, counted_rounds, replayed_drafts  # noqa: E402
 
 KIND = "replayquant-spec-gpu"
 REPEATS_OF_EXCERPT = 4
@@ -152,11 +175,33 @@ class _ForwardTimes:
         return [(t, 1e3 * (b - a)) for t, a, b in self.pending]
 
 
+def compiles() -> int:
+    """Compiles so far in this process: the specializations in the cache of every Triton kernel
+    of replayquant's modules (a new one is a compile) and torch.compile's graphs (dynamo's
+    unique_graphs)."""
+    n = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return n
+    seen = set()
+    for mod in [m for k, m in list(sys.modules.items()) if k.startswith("replayquant")]:
+        for f in list(vars(mod).values()):
+            while not isinstance(f, JITFunction) and hasattr(f, "fn"):   # autotuner, heuristics
+                f = f.fn
+            if isinstance(f, JITFunction) and id(f) not in seen:
+                seen.add(id(f))
+                n += sum(len(c[0]) for c in f.device_caches.values())
+    return n
+
+
 def _generate(model, ids, n: int, device: str, static: bool, lookup: int | None,
-              timed_forwards: bool) -> dict:
-    """One generate of exactly n new tokens, measured (module docstring)."""
+              timed_forwards: bool, propose=None) -> dict:
+    """One generate of exactly n new tokens, measured (module docstring); `propose`: the drafts
+    that replace prompt lookup's (`replayed_drafts`)."""
     from transformers import CompileConfig, StoppingCriteriaList
     clock, rounds = _Clock(device), []
+    before = compiles()
     kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
               stopping_criteria=StoppingCriteriaList([clock]))
     if static:
@@ -165,17 +210,21 @@ def _generate(model, ids, n: int, device: str, static: bool, lookup: int | None,
         kw["prompt_lookup_num_tokens"] = lookup
     times = _ForwardTimes(model, device) if timed_forwards else None
     try:
-        counting = counted_rounds(model, rounds) if lookup else contextlib.nullcontext()
+        counting = (counted_rounds(model, rounds, propose) if lookup
+                    else contextlib.nullcontext())
         with torch.inference_mode(), counting:       # (the compiled path: the model untouched)
             out = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
     finally:
         forwards = times.remove() if times else None
     rec = {"tokens": out.shape[1] - ids.shape[1], "decode_tok_s": clock.decode_rate(),
-           "decode_s": clock.decode_s(), "checks": len(clock.marks)}
+           "decode_s": clock.decode_s(), "checks": len(clock.marks),
+           "compiles": compiles() - before, "new": out[0, ids.shape[1]:].tolist()}
     if lookup:
         drafted = [(d, a) for d, a in rounds if d > 0]
         rec.update(rounds=len(rounds), rounds_with_drafts=len(drafted),
-                   accepted=sum(a for _, a in rounds),
+                   drafted=sum(d for d, _ in rounds), accepted=sum(a for _, a in rounds),
+                   acceptance=(sum(a for _, a in rounds) / sum(d for d, _ in rounds)
+                               if drafted else None),
                    mean_accepted=(sum(a for _, a in drafted) / len(drafted)) if drafted else None)
     if forwards is not None:
         decode = forwards[1:]                         # after the prompt's forward
@@ -185,25 +234,52 @@ def _generate(model, ids, n: int, device: str, static: bool, lookup: int | None,
                    tokens_per_forward=rec["tokens"] / len(forwards),
                    step_ms=statistics.mean(one) if one else None,
                    verify_ms=statistics.mean(verify) if verify else None,
+                   verify_ms_by_t={t: statistics.mean(ms for u, ms in decode if u == t)
+                                   for t in sorted({t for t, _ in decode if t > 1})},
                    verify_tokens=statistics.mean(t for t, _ in decode if t > 1) if verify else None,
                    verify_share=sum(verify) / (1e3 * rec["decode_s"]) if verify else None,
                    forward_share=sum(ms for _, ms in decode) / (1e3 * rec["decode_s"]))
     return rec
 
 
-def _way(model, ids, args, device: str, static: bool, lookup: int | None) -> dict:
-    """A warm-up generate, then `--repeats` timed ones: the median decode rate and the run
-    nearest to it. The static path warms up at the full length: HF sizes the static cache by
-    the prompt and new tokens, and a cache of another length would compile again in a timed
-    run."""
-    warm = args.new_tokens if static else min(8, args.new_tokens)
-    _generate(model, ids, warm, device, static, lookup, False)
-    runs = [_generate(model, ids, args.new_tokens, device, static, lookup, not static)
-            for _ in range(args.repeats)]
+def _way(model, ids, args, device: str, static: bool, lookup: int | None, warm: bool,
+         propose=None, plain: list[int] | None = None) -> dict:
+    """`--repeats` timed generates (after a warm-up generate of the same length where `warm`):
+    the median decode rate, the run nearest to it, every run, and the compiles that happened in
+    the timed runs (0 where the warm-ups met every shape). `propose()` makes each run's drafts;
+    `plain`: the pair's plain greedy tokens, to count agreement with."""
+    if warm:
+        _generate(model, ids, args.new_tokens, device, static, lookup, False,
+                  propose() if propose else None)
+    runs = [_generate(model, ids, args.new_tokens, device, static, lookup, not static,
+                      propose() if propose else None) for _ in range(args.repeats)]
+    for r in runs:
+        new = r.pop("new")
+        if plain is not None:
+            r["agree_plain"] = list(agreement(new, plain))
     rates = [r["decode_tok_s"] for r in runs]
     mid = statistics.median(rates)
     best = min(runs, key=lambda r: abs(r["decode_tok_s"] - mid))
-    return {**best, "decode_tok_s": mid, "decode_tok_s_runs": rates}
+    return {**best, "decode_tok_s": mid, "decode_tok_s_runs": rates,
+            "compiles_in_timed_runs": sum(r["compiles"] for r in runs), "runs": runs}
+
+
+def break_even(row: dict, drafts: int) -> dict:
+    """The accepted drafts per round at which speculation's decode equals plain eager decode's:
+    from the forwards (a round of T tokens costs its verify forward, verify_ms at T, against
+    plain decode's step_ms a token: T - 1 drafts pay off at verify_ms / step_ms - 1 accepted),
+    per T the oracle or lookup measured, and from the oracle's wall time per round (HF's
+    drafting, acceptance and crop included) against plain eager's wall time per token."""
+    step = row["plain_eager"]["step_ms"]
+    by_t = {**row["lookup_eager"].get("verify_ms_by_t", {}),
+            **row["oracle_eager"].get("verify_ms_by_t", {})}
+    o = row["oracle_eager"]
+    plain_ms = 1e3 / row["plain_eager"]["decode_tok_s"]
+    oracle_round_ms = 1e3 * o["decode_s"] / (o["rounds"] - 1) if o["rounds"] > 1 else None
+    return {"by_t": {t: ms / step - 1 for t, ms in sorted(by_t.items())},
+            "at_full_drafts": by_t[drafts + 1] / step - 1 if drafts + 1 in by_t else None,
+            "wall_at_oracle_rounds": oracle_round_ms / plain_ms - 1 if oracle_round_ms else None,
+            "plain_step_ms": step, "oracle_round_ms": oracle_round_ms}
 
 
 def _static_lookup_refusal(model, ids, draft_tokens: int) -> str | None:
@@ -230,22 +306,34 @@ def run(args) -> dict:
     ids = ids.to(device)
     compiled = "compiled" in args.paths
     results, refusal = {}, None
+    D = args.draft_tokens
     for name in args.pairs:
         patch(model, name)
         try:
+            # the first generate: plain eager decode's warm-up, and the oracle's drafts
+            plain = _generate(model, ids, args.new_tokens, device, False, None, False)["new"]
             row = {}
             if "eager" in args.paths:
-                row["plain_eager"] = _way(model, ids, args, device, False, None)
+                row["plain_eager"] = _way(model, ids, args, device, False, None, False)
             if compiled:
                 torch._dynamo.reset()
-                row["plain_compiled"] = _way(model, ids, args, device, True, None)
-            row["lookup_eager"] = _way(model, ids, args, device, False, args.draft_tokens)
+                row["plain_compiled"] = _way(model, ids, args, device, True, None, True)
+            # every verify length 1 .. D + 1 and acceptance of it, before any timed speculation
+            _generate(model, ids, args.new_tokens, device, False, D, False,
+                      replayed_drafts(plain, ids.shape[1], D, vocab, mix=True))
+            row["oracle_eager"] = _way(model, ids, args, device, False, D, False, plain=plain,
+                                       propose=lambda: replayed_drafts(plain, ids.shape[1], D,
+                                                                       vocab))
+            row["lookup_eager"] = _way(model, ids, args, device, False, D, False, plain=plain)
             if refusal is None:
-                refusal = _static_lookup_refusal(model, ids, args.draft_tokens)
-            for key in ("plain_eager", "plain_compiled"):
-                if key in row:
-                    row["lookup_eager"][f"speedup_vs_{key}"] = (
-                        row["lookup_eager"]["decode_tok_s"] / row[key]["decode_tok_s"])
+                refusal = _static_lookup_refusal(model, ids, D)
+            for way in ("oracle_eager", "lookup_eager"):
+                for key in ("plain_eager", "plain_compiled"):
+                    if key in row:
+                        row[way][f"speedup_vs_{key}"] = (row[way]["decode_tok_s"]
+                                                         / row[key]["decode_tok_s"])
+            if "plain_eager" in row:
+                row["break_even"] = break_even(row, D)
             results[name] = row
         finally:
             unpatch(model)
@@ -261,7 +349,10 @@ def run(args) -> dict:
     res = {"kind": KIND, "config": config,
            "provenance": provenance(device=device, torch_threads=torch.get_num_threads()),
            "lookup_static": {"runs": refusal is None, "refusal": refusal},
-           "results": results, "wall_s": time.perf_counter() - t0}
+           "results": results,
+           "compiles_in_timed_runs": sum(w.get("compiles_in_timed_runs", 0)
+                                         for row in results.values() for w in row.values()),
+           "wall_s": time.perf_counter() - t0}
     return res
 
 
@@ -277,7 +368,7 @@ def table(res: dict) -> str:
 
     for pair, row in res["results"].items():
         base = row.get("plain_eager", {}).get("decode_tok_s")
-        for way, r in row.items():
+        for way, r in ((w, r) for w, r in row.items() if w != "break_even"):
             x = r["decode_tok_s"] / base if base else None
             lines.append(" ".join([pair[:12].ljust(12), way.ljust(14),
                                    f(r["decode_tok_s"], ".1f", 6), f(x, ".2f", 7),
@@ -285,6 +376,15 @@ def table(res: dict) -> str:
                                    f(r.get("tokens_per_forward"), ".2f", 6),
                                    f(r.get("step_ms"), ".2f", 7), f(r.get("verify_ms"), ".2f", 7),
                                    f(r.get("verify_share"), ".2f", 7)]))
+    d = res["config"]["draft_tokens"]
+    lines.append(f"break-even: accepted drafts a round (of {d}) at plain eager's tok/s")
+    for pair, row in res["results"].items():
+        be = row.get("break_even")
+        if be:
+            lines.append(f"  {pair[:12]:<12} from forwards (T = {d + 1}) "
+                         f"{f(be['at_full_drafts'], '.2f', 5)}, from the oracle's wall "
+                         f"{f(be['wall_at_oracle_rounds'], '.2f', 5)}")
+    lines.append(f"compiles in timed runs: {res['compiles_in_timed_runs']}")
     st = res["lookup_static"]
     lines.append("lookup on the static cache: " + ("ran" if st["runs"] else "refused (eager only)"))
     return "\n".join(lines)
@@ -295,10 +395,10 @@ def parse_args(argv=None):
     p.add_argument("out", help="results JSON")
     p.add_argument("--pairs", default="s32_rs,tp4_hi16_sr", help="comma-separated pair names")
     p.add_argument("--prompt-tokens", type=int, default=512)
-    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=96)
     p.add_argument("--draft-tokens", type=int, default=4, help="prompt_lookup_num_tokens")
     p.add_argument("--paths", default="eager,compiled", help="eager, compiled or both")
-    p.add_argument("--repeats", type=int, default=2, help="timed generates per way")
+    p.add_argument("--repeats", type=int, default=3, help="timed generates per way")
     p.add_argument("--smoke-cpu", action="store_true",
                    help="a tiny model on the CPU (64-token prompt, 16 new tokens)")
     a = p.parse_args(argv)

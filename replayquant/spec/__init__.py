@@ -14,8 +14,10 @@ position, one line per pair).
 """
 
 from .command import SPEC_KIND, SpecSettings, spec_command
-from .measure import Generation, agreement, counted_generate, counted_rounds
+from .measure import (Generation, agreement, counted_generate, counted_rounds,
+                      replayed_drafts)
 from .report import method_summary, render_table, summarize
 
 __all__ = ["SPEC_KIND", "SpecSettings", "spec_command", "Generation", "agreement",
-           "counted_generate", "counted_rounds", "method_summary", "render_table", "summarize"]
+           "counted_generate", "counted_rounds", "replayed_drafts", "method_summary",
+           "render_table", "summarize"]

@@ -9,6 +9,10 @@ model object only, for the duration of a `with`) so that each round records (dra
 drafts accepted) as HF's own acceptance rule decided them; nothing of HF's loop is redone here.
 A forward hook on the target counts its forwards and times the first one, which holds the prompt:
 the decode rate is taken after it, so that a prompt's prefill does not dilute it.
+`counted_rounds(..., propose=)` replaces the built generator's drafts with the caller's (HF's
+loop, its acceptance and the cache's crop unchanged): `replayed_drafts` proposes a known token
+sequence (the pair's own plain greedy tokens: the oracle drafts, speculation's ceiling), or, for
+a warm-up, a mix of right and wrong drafts that meets every verify length and acceptance.
 
 Decoding is greedy, or sampled (`sampling`: HF's temperature, top_p and top_k) from torch's
 global generator seeded just before the call, so that two calls with one seed draw the same
@@ -57,9 +61,11 @@ def agreement(tokens: list[int], reference: list[int]) -> tuple[int, int]:
 
 
 @contextlib.contextmanager
-def counted_rounds(model, rounds: list):
+def counted_rounds(model, rounds: list, propose=None):
     """For the `with` block, every candidate generator HF's assisted generation builds for
-    `model` appends (drafts, accepted) of each verify round to `rounds`."""
+    `model` appends (drafts, accepted) of each verify round to `rounds`. With `propose`
+    (input_ids [1, n] -> a list of draft token ids), its drafts replace the generator's (which
+    then proposes nothing: enter assisted generation with `prompt_lookup_num_tokens`)."""
     build = getattr(model, "_get_candidate_generator", None)
     if build is None:
         raise ValueError(f"{type(model).__name__} has no _get_candidate_generator: this version "
@@ -72,7 +78,12 @@ def counted_rounds(model, rounds: list):
         drafted = []
 
         def get_candidates(input_ids, *a, **kw):
-            candidates, logits = get(input_ids, *a, **kw)
+            if propose is None:
+                candidates, logits = get(input_ids, *a, **kw)
+            else:
+                drafts = torch.tensor([propose(input_ids)], dtype=input_ids.dtype,
+                                      device=input_ids.device).reshape(1, -1)
+                candidates, logits = torch.cat([input_ids, drafts], dim=1), None
             drafted.append(int(candidates.shape[1] - input_ids.shape[1]))
             return candidates, logits
 
@@ -89,6 +100,30 @@ def counted_rounds(model, rounds: list):
         yield rounds
     finally:
         del model._get_candidate_generator
+
+
+def replayed_drafts(tokens: list[int], prompt_len: int, per_round: int, vocab_size: int,
+                    mix: bool = False):
+    """A `propose` for `counted_rounds`: at a sequence of prompt_len + m tokens, the next
+    min(per_round, len(tokens) - m - 1) of `tokens` from position m (the cap of HF's prompt
+    lookup: the last token is the verify's own). With `mix`, round r proposes
+    k = per_round - r % (per_round + 1) drafts, the first (r // (per_round + 1)) % (k + 1) of them
+    from `tokens` and the rest wrong ones (token + 1 mod vocab_size): every verify length 1 ..
+    per_round + 1 and every acceptance of it, for a warm-up."""
+    state = {"round": 0}
+
+    def propose(input_ids) -> list[int]:
+        m = input_ids.shape[1] - prompt_len
+        k = max(0, min(per_round, len(tokens) - m - 1))
+        drafts = list(tokens[m:m + k])
+        if mix:
+            r, state["round"] = state["round"], state["round"] + 1
+            k = min(k, per_round - r % (per_round + 1))
+            right = (r // (per_round + 1)) % (k + 1)
+            drafts = drafts[:right] + [(t + 1) % vocab_size for t in drafts[right:k]]
+        return drafts
+
+    return propose
 
 
 def counted_generate(model, ids: torch.Tensor, new_tokens: int, sampling: dict | None = None,
