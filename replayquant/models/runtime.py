@@ -2,9 +2,9 @@
 
 Where the state lives: each linear-attention layer of an HF cache (`cache.layers[layer_idx]`, a
 `LinearAttentionLayer` in transformers 5.17 and 5.24) keeps, while patched, its replay state in
-the attribute `_replayquant_state`: a `DecodeStore` once the layer decodes (a
-`replayquant.replay.stores.ReplayStore`, the engine that steps it and the batch-row -> slot
-map), or a `replay.handoff.ScanState` (the chunked scan's) after a multi-token forward. The
+the attribute `_replayquant_state`: its decode store once the layer decodes (a
+`replayquant.replay.stores.ReplayStore` that knows its batch rows' slots, stepped through
+`models.decode_store`), or a `replay.handoff.ScanState` (the chunked scan's) after a multi-token forward. The
 layer's own `recurrent_states[0]` slot, which HF reorders on beam search (`reorder_cache`),
 holds a small float tensor [B, 1] of row ids instead of the FP32 state; a permuted slot tells us
 to permute the replay state the same way. The conv state is HF's, untouched.
@@ -52,7 +52,7 @@ Which path runs:
 
 Hand-off between the two (explicit, once, never per step): segments of multi-token forwards pass
 the scan's ScanState from one to the next as it is; the first decode step after them
-builds the decode store straight from that state (a `DecodeStore`,
+builds the decode store straight from that state (`decode_store.from_scan`,
 `replayquant.replay.convert.scan_to_store`; one host read); a multi-token forward into a static
 cache (HF's compiled generate) builds it at its end, so that the first decode step, which torch.compile traces,
 finds the store. Every decode step after that runs on the store alone (`kernel_decode`: the raw
@@ -80,12 +80,12 @@ from transformers import DynamicCache
 from replayquant.formats import use_triton
 from replayquant.kernels.chunk.reference import (chunk_scan_ref, cpu_threads,
                                                  initial_scan_state)
+from replayquant.models import decode_store
 from replayquant.models.decode_graph import LayerGraph
-from replayquant.models.decode_store import DecodeStore
 from replayquant.replay import ReplayState
 from replayquant.replay.handoff import ScanState, append_raw, raw_of_forward, take_rows
 from replayquant.replay.state import find_nonfinite
-from replayquant.replay.stores import dt_limit_args, pow2_16
+from replayquant.replay.stores import ReplayStore, dt_limit_args, pow2_16
 
 __all__ = ["LayerRuntime", "croppable", "decode_path", "teacher_force_path",
            "recording", "STATE_ATTR"]
@@ -167,7 +167,7 @@ def crop_pending(lay, keep: int | None) -> None:
     pend = None if lay is None else getattr(lay, PENDING_ATTR, None)
     if pend is None:
         return
-    getattr(lay, STATE_ATTR).accept(_n_tokens(pend) if keep is None else keep)
+    decode_store.accept(getattr(lay, STATE_ATTR), _n_tokens(pend) if keep is None else keep)
     setattr(lay, PENDING_ATTR, None)
 
 
@@ -262,7 +262,7 @@ class LayerRuntime:
         self.layer_idx, self.delta, self.kind = int(layer_idx), bool(delta), kind
         self.vector_gate = bool(vector_gate)     # log_a per key channel [.., H, d_k] (KDA)
         self._warned = set()
-        # (weak reference to the cache layer holding it, the DecodeStore) of the last prefill
+        # (weak reference to the cache layer holding it, the decode store) of the last prefill
         # into a static cache, which the next one reuses (`_decode_ready`); None before any
         self._spare = None
         self.graph = LayerGraph()             # the recorded eager decode step (decode_graph)
@@ -309,7 +309,7 @@ class LayerRuntime:
 
     def get_state(self, lay, had_prev: bool, B, H, dv, dk, device):
         """The layer's state for this forward (new, continued, reordered or adopted): the
-        DecodeStore decode left there, or a ScanState (new, adopted from an unpatched model's
+        decode store (a ReplayStore) decode left there, or a ScanState (new, adopted from an unpatched model's
         cache, or the one the last multi-token forward left there)."""
         if lay is None or not had_prev:
             return self._fresh(B, H, dv, dk, device)
@@ -327,11 +327,11 @@ class LayerRuntime:
                 and slot.shape[1] == 1:
             # HF replaced the marker (a beam reorder): it holds the row each row continues
             ids = slot[:, 0].round().long().to(st.device)
-            if isinstance(st, DecodeStore) and ids.shape[0] == st.B:
-                st.reorder(ids)
+            if isinstance(st, ReplayStore) and ids.shape[0] == st.B:
+                decode_store.reorder(st, ids)
             else:
-                if isinstance(st, DecodeStore):
-                    st = st.to_scan_state()
+                if isinstance(st, ReplayStore):
+                    st = decode_store.to_scan_state(st)
                 st = take_rows(st, ids)
             setattr(lay, MARKER_ATTR, None)          # put_state writes a fresh marker
         if st.B != B:
@@ -386,14 +386,14 @@ class LayerRuntime:
         decode = T == 1 and had_prev and (valid is None or bool(valid.all()))
         y = self._kernel_step(st, q, k, v, log_a, beta, raw) if decode else None
         if y is None:
-            if isinstance(st, DecodeStore):
-                st.raise_nonfinite()                       # a boundary: the steps before it
+            if isinstance(st, ReplayStore):
+                decode_store.raise_nonfinite(st)           # a boundary: the steps before it
             self._check_inputs(q, k, v, log_a, beta, valid, decode=T == 1 and had_prev)
             if decode:
                 st, y = self._decode(st, q, k, v, log_a, beta, raw)
             else:
-                if isinstance(st, DecodeStore):      # hand back to the chunked scan
-                    st = st.to_scan_state()
+                if isinstance(st, ReplayStore):      # hand back to the chunked scan
+                    st = decode_store.to_scan_state(st)
                 y, st = _teacher_force(st, q, k, v, log_a, beta, valid, self.prefill == "exact",
                                        raw_of_forward(self.kind, raw))
                 if _static(cache):
@@ -414,10 +414,10 @@ class LayerRuntime:
             return None
         lay = self.cache_layer(cache)
         st = getattr(lay, STATE_ATTR, None)
-        if not isinstance(st, DecodeStore) or recording(lay) \
+        if not isinstance(st, ReplayStore) or recording(lay) \
                 or getattr(lay, PENDING_ATTR, None) is not None:
             return None
-        st = self.get_state(lay, had_prev, lead.shape[0], st.H, st.d_v, st.d_k, lead.device)
+        st = self.get_state(lay, had_prev, lead.shape[0], *st.shape[1:], lead.device)
         y = self._kernel_step(st, None, None, None, None, None, raw)
         self.put_state(cache, lay, st)
         return y
@@ -428,12 +428,12 @@ class LayerRuntime:
         beam reorder is applied to it first, as an eager step would. None otherwise."""
         lay = self.cache_layer(cache)
         st = getattr(lay, STATE_ATTR, None)
-        if not isinstance(st, DecodeStore) or st.engine != "triton" or st.B != B \
+        if not isinstance(st, ReplayStore) or st.engine != "triton" or st.B != B \
                 or not self.has_previous(lay) or recording(lay) \
                 or getattr(lay, PENDING_ATTR, None) is not None:
             return None
-        st = self.get_state(lay, True, B, st.H, st.d_v, st.d_k, st.device)
-        if not isinstance(st, DecodeStore):
+        st = self.get_state(lay, True, B, *st.shape[1:], st.device)
+        if not isinstance(st, ReplayStore):
             return None
         self.put_state(cache, lay, st)
         return st
@@ -441,9 +441,9 @@ class LayerRuntime:
     def _kernel_step(self, st, q, k, v, log_a, beta, raw):
         """A decode step on the store a previous decode step (or a prefill into a static cache)
         left, with no host read: y [B, 1, H, d_v], or None where the state is not a store yet."""
-        if not isinstance(st, DecodeStore):
+        if not isinstance(st, ReplayStore):
             return None
-        return st.step(_one_token(raw)).unsqueeze(1)
+        return decode_store.step(st, _one_token(raw)).unsqueeze(1)
 
     def _engine(self, q, v, raw) -> str:
         """The engine of this layer's decode store for inputs like q: 'triton' where decode_path
@@ -455,15 +455,15 @@ class LayerRuntime:
         return "triton" if path == "triton" else "torch"
 
     def _to_store(self, st, q, v, raw, reuse=None, max_drafts: int = 0):
-        """The hand-off of a ScanState into this layer's DecodeStore (once, where
+        """The hand-off of a ScanState into this layer's decode store (once, where
         decode starts or a prefill into a static cache ends, or a speculative verify starts:
         max_drafts as `replay.convert.scan_to_store`)."""
         if not isinstance(raw, dict):
             raise ValueError(f"layer {self.layer_idx} ({self.kind}): a decode step needs the "
                              f"layer's raw inputs (the patched forward passes them as raw=)")
         heads, engine = _key_heads(raw, self.delta), self._engine(q, v, raw)
-        return DecodeStore.from_scan(st, heads, reuse=reuse, engine=engine,
-                                     max_drafts=max_drafts)
+        return decode_store.from_scan(st, heads, reuse=reuse, engine=engine,
+                                      max_drafts=max_drafts)
 
     def _decode_ready(self, st, q, k, v, log_a, beta, raw, lay=None):
         """The state a multi-token forward leaves in a static cache (a compiled generate's):
@@ -521,27 +521,27 @@ class LayerRuntime:
                              f"no padding in its last {T - c_new} tokens (HF's assisted "
                              f"generation runs one unpadded sequence)")
         self._check_inputs(q, k, v, log_a, beta, valid, decode=False)
-        if isinstance(st, DecodeStore):
-            st.raise_nonfinite()
+        if isinstance(st, ReplayStore):
+            decode_store.raise_nonfinite(st)
             if n_old:
-                st.accept(0)
+                decode_store.accept(st, 0)
         both = raw if pend is None else _cat_tokens(pend, raw)
         if c_old:
-            st.verify(_tokens(both, 0, c_old))
-            st.accept(c_old)
+            decode_store.verify(st, _tokens(both, 0, c_old))
+            decode_store.accept(st, c_old)
         ys = []
         if c_new:
-            if isinstance(st, DecodeStore):
-                st = st.to_scan_state()
+            if isinstance(st, ReplayStore):
+                st = decode_store.to_scan_state(st)
             head = [None if t is None else t[:, :c_new] for t in (q, k, v, log_a, beta, valid)]
             y, st = _teacher_force(st, *head, self.prefill == "exact",
                                    raw_of_forward(self.kind, _tokens(raw, 0, c_new)))
             ys.append(y)
-        if not isinstance(st, DecodeStore) or st.store.max_drafts < L:
-            st = self._to_store(st if isinstance(st, ScanState) else st.to_scan_state(), q, v,
+        if not isinstance(st, ReplayStore) or st.max_drafts < L:
+            st = self._to_store(st if isinstance(st, ScanState) else decode_store.to_scan_state(st), q, v,
                                 raw, max_drafts=L)
         drafts = _tokens(both, c, n_old + T)
-        ys.append(st.verify(drafts)[:, c_new - T:])
+        ys.append(decode_store.verify(st, drafts)[:, c_new - T:])
         setattr(lay, PENDING_ATTR, drafts)
         return torch.cat(ys, 1), st
 
@@ -549,4 +549,4 @@ class LayerRuntime:
         """The first decode step after a multi-token forward: the hand-off into the store
         (`_to_store`), then the step on it."""
         st = self._to_store(st, q, v, raw)
-        return st, st.step(_one_token(raw)).unsqueeze(1)
+        return st, decode_store.step(st, _one_token(raw)).unsqueeze(1)

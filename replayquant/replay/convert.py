@@ -94,8 +94,8 @@ def scan_to_store(ss: ScanState, key_heads: int, u_dtype=None, ring_dtype=torch.
     rows are then distinct and below it, as a new state's 0..B-1); the state is the engine's
     own, so it is not checked again.
 
-    Slots are the state's sequence ids (`rows`, which key the SR streams in both), so the store
-    has max(rows) + 1 slots and state_indices = rows. Sequence ids that repeat (a beam reorder
+    Slots are the state's sequence ids (`state_indices`, which key the SR streams in both), so the store
+    has max(state_indices) + 1 slots and the store's state_indices are the same. Sequence ids that repeat (a beam reorder
     before the first decode step) take the slots 0..B-1 instead: each row then draws its slot's
     SR streams from its next flush on, as after a reorder on the store (`take_slots`). The
     anchor and read copy move bit for bit. The committed entries move into the ring (start 0) in
@@ -124,7 +124,7 @@ def scan_to_store(ss: ScanState, key_heads: int, u_dtype=None, ring_dtype=torch.
     if H % key_heads:
         raise ValueError(f"key_heads={key_heads} must divide the {H} heads")
     r = H // key_heads
-    rows = ss.rows
+    rows = ss.state_indices
     N = _slot_count(rows) if ss.n_slots is None else ss.n_slots
     if N is None:
         rows, N = torch.arange(B, dtype=torch.int64, device=rows.device), B
@@ -245,7 +245,7 @@ def store_to_scan(store: ReplayStore, state_indices: torch.Tensor, pair, seed: i
                    read=None if store.read is None else _packed_to_role(store.read, slots),
                    k=k, v=v if delta else bt.unsqueeze(-1) * v, G=G,
                    beta=bt if delta else None, committed=committed,
-                   n_flush=store.n_flush[slots].long(), rows=slots,
+                   n_flush=store.n_flush[slots].long(), state_indices=slots,
                    u=take(store.ubuf) if delta and with_u else None, raw=raw,
                    pair=pair, seed=seed, layer=layer)
     return ss

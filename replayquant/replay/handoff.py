@@ -14,7 +14,7 @@ Same content and buffer layout as `ReplayState` (replayquant.replay.core), B seq
     beta        [B, H, L] (GDN, KDA) or None (Mamba-2)
     committed   int64 [B]                      buffered (committed) entries per row, 0..L
     n_flush     int64 [B]                      flush index of the current anchor (0: initial cast)
-    rows        int64 [B]                      the sequence ids that key the SR streams
+    state_indices int64 [B]                    the sequence ids that key the SR streams
     u           [B, H, L, d_v] or None         GDN / KDA u of the entries against the read copy,
                                                where the source kept it (a ReplayState); None:
                                                solved against the read copy where it is needed
@@ -46,7 +46,7 @@ from replayquant.replay.frontends import mamba2_dt
 __all__ = ["ScanState", "PART_NAMES", "OTHER_NAMES", "raw_names", "raw_of_forward", "append_raw", "take_rows"]
 
 # the parts of a layer's state, as ReplayState.load takes them
-PART_NAMES = ("anchor", "read", "k", "v", "G", "beta", "u", "committed", "n_flush", "rows")
+PART_NAMES = ("anchor", "read", "k", "v", "G", "beta", "u", "committed", "n_flush", "state_indices")
 # part names that dicts of parts may still use, and the part each names
 OTHER_NAMES = {"flushes": "n_flush"}
 
@@ -63,7 +63,7 @@ class ScanState:
     beta: torch.Tensor | None
     committed: torch.Tensor
     n_flush: torch.Tensor
-    rows: torch.Tensor
+    state_indices: torch.Tensor
     u: torch.Tensor | None = None
     raw: dict | None = None
     pair: object = None
@@ -174,7 +174,8 @@ def take_rows(ss: ScanState, ids: torch.Tensor) -> ScanState:
     return ScanState(anchor=qt_take(ss.anchor, ids, B),
                      read=None if ss.read is None else qt_take(ss.read, ids, B),
                      k=take(ss.k), v=take(ss.v), G=take(ss.G), beta=take(ss.beta),
-                     committed=take(ss.committed), n_flush=take(ss.n_flush), rows=take(ss.rows),
+                     committed=take(ss.committed), n_flush=take(ss.n_flush),
+                     state_indices=take(ss.state_indices),
                      u=take(ss.u),
                      raw=None if ss.raw is None else {n: t[ids] for n, t in ss.raw.items()},
                      pair=ss.pair, seed=ss.seed, layer=ss.layer)

@@ -20,8 +20,8 @@ Semantics (exactly; see replayquant.replay.core for the formulas and the buffer 
 * Construction: anchor A <- Q_anchor(S0) and read copy R <- Q_read(S0), independently, with
   flush index 0. A shared pair holds one copy (the anchor) that serves both roles.
   Every cast is `fmt.quantize(S, rounding, seed=layer_seed(seed, layer),
-  stream=sr_stream(flush_index, ANCHOR or READ, rows, H))` (replayquant.streams), with
-  `rows` the int64 sequence ids [B] (default arange(B)) and flush_index counted per row.
+  stream=sr_stream(flush_index, ANCHOR or READ, state_indices, H))` (replayquant.streams), with
+  `state_indices` the int64 sequence ids [B] (default arange(B)) and flush_index counted per row.
 * step: if the committed length h already equals L (left so by accept), flush the committed
   entries first. Append the inputs at slot h; h += 1. If h < L, the output comes from the read
   copy plus the buffer, output-only (no d_v x d_k matrix is formed); GDN computes u of this
@@ -50,7 +50,7 @@ Semantics (exactly; see replayquant.replay.core for the formulas and the buffer 
 
 Hand-off (teacher forcing, beam reordering, decode stores, other backends): `st.export()` returns
 the whole state as a `ScanState` (replayquant.replay.handoff: anchor, read copy, buffer,
-counters, rows, the pair, seed and layer; its part names also read as keys, ss["anchor"]),
+counters, state_indices, the pair, seed and layer; its part names also read as keys, ss["anchor"]),
 `st.load(ss)` installs one in place (a ScanState, or a dict of its part names) and
 `ReplayState.from_parts(ss, pair, delta, seed, layer)` builds a state from one without any cast
 (vector-gated when G has a d_k axis). `replayquant.replay.convert` holds the conversions to and
@@ -148,7 +148,8 @@ def _overflowed(spec, q: QTensor) -> bool:
 class _StateBase:
     """Shared construction and input checking."""
 
-    def _setup(self, initial_state, pair, delta, seed, layer, rows, vector_gate=False) -> torch.Tensor:
+    def _setup(self, initial_state, pair, delta, seed, layer, state_indices,
+               vector_gate=False) -> torch.Tensor:
         if not isinstance(initial_state, torch.Tensor) or initial_state.dim() != 4:
             raise ValueError("initial_state must be a float tensor [B, H, d_v, d_k], got "
                              + (f"shape {tuple(initial_state.shape)}" if isinstance(initial_state, torch.Tensor)
@@ -171,17 +172,18 @@ class _StateBase:
         self.device = S0.device
         if self.H >= 1 << 16:
             raise ValueError(f"initial_state has {self.H} heads; SR streams allow at most 65535")
-        if rows is None:
-            rows = torch.arange(self.B, dtype=torch.int64, device=self.device)
-        if not isinstance(rows, torch.Tensor):
-            rows = torch.as_tensor(rows)
-        if rows.shape != (self.B,) or rows.is_floating_point() or rows.dtype == torch.bool:
-            raise ValueError(f"rows must be an integer tensor [B={self.B}] of sequence ids, got "
-                             f"{rows.dtype} {tuple(rows.shape)}")
-        rows = rows.to(device=self.device, dtype=torch.int64)
-        if bool(((rows < 0) | (rows >= 1 << 24)).any()):
-            raise ValueError("rows (sequence ids) must lie in [0, 2^24)")
-        self.rows = rows
+        if state_indices is None:
+            state_indices = torch.arange(self.B, dtype=torch.int64, device=self.device)
+        if not isinstance(state_indices, torch.Tensor):
+            state_indices = torch.as_tensor(state_indices)
+        if state_indices.shape != (self.B,) or state_indices.is_floating_point() \
+                or state_indices.dtype == torch.bool:
+            raise ValueError(f"state_indices must be an integer tensor [B={self.B}] of sequence "
+                             f"ids, got {state_indices.dtype} {tuple(state_indices.shape)}")
+        state_indices = state_indices.to(device=self.device, dtype=torch.int64)
+        if bool(((state_indices < 0) | (state_indices >= 1 << 24)).any()):
+            raise ValueError("state_indices (sequence ids) must lie in [0, 2^24)")
+        self.state_indices = state_indices
         self.seed, self.layer = int(seed), int(layer)
         self._key = layer_seed(seed, layer)
         self._pending = None
@@ -202,9 +204,9 @@ class _StateBase:
 
     # -- casts
     def _cast(self, spec, S, flush_index, role, idx=None):
-        rows = self.rows if idx is None else self.rows[idx]
+        ids = self.state_indices if idx is None else self.state_indices[idx]
         return spec.fmt.quantize(S, spec.rounding, seed=self._key,
-                                 stream=sr_stream(flush_index, role, rows, self.H))
+                                 stream=sr_stream(flush_index, role, ids, self.H))
 
     def _check_casts(self, roles, idx, at: str) -> None:
         """One ValueError (`flush_overflow_error`) when a flush's cast of rows idx is not finite
@@ -214,7 +216,7 @@ class _StateBase:
             role, spec, b = bad
             row = int(idx[b]) if idx is not None else b
             raise flush_overflow_error(self.layer, role, spec, self.pair, row,
-                                       int(self.rows[row]), at)
+                                       int(self.state_indices[row]), at)
 
     # -- input checks
     def _check(self, q, k, v, log_a, beta, T=None):
@@ -299,9 +301,10 @@ class _StateBase:
 class ReplayState(_StateBase):
     """Dual-precision replay state of one layer: anchor, read copy, replay buffer (module doc)."""
 
-    def __init__(self, initial_state, pair, delta: bool, seed: int = 0, layer: int = 0, rows=None,
+    def __init__(self, initial_state, pair, delta: bool, seed: int = 0, layer: int = 0,
+                 state_indices=None,
                  *, vector_gate: bool = False):
-        S0 = self._setup(initial_state, pair, delta, seed, layer, rows, vector_gate)
+        S0 = self._setup(initial_state, pair, delta, seed, layer, state_indices, vector_gate)
         B, H, dv, dk, buffer_len = self.B, self.H, self.d_v, self.d_k, self.pair.buffer_len
         self.buffer_len = buffer_len
         dev = self.device
@@ -374,20 +377,20 @@ class ReplayState(_StateBase):
         """The whole state as a `ScanState` (the tensors themselves, no copy: treat them as
         read-only; layout in replayquant.replay.core and replay.handoff): anchor, read copy
         (None for a shared pair), the buffer k, v, G and, for GDN / KDA, beta and u (u against
-        the read copy), committed entries and flush index per row, rows (the int64 sequence ids
+        the read copy), committed entries and flush index per row, state_indices (the int64 sequence ids
         keying the SR streams), and this state's pair, seed and layer. Slots >= committed are
         ignored. Raises ValueError while drafts are pending."""
         if self._pending is not None:
             raise ValueError("the ReplayState has pending drafts; call accept(n) before export()")
         return ScanState(anchor=self._A, read=self._R, k=self._k, v=self._v, G=self._G,
                          beta=self._beta, committed=self._committed, n_flush=self._n_flush,
-                         rows=self.rows, u=self._u, pair=self.pair, seed=self.seed,
+                         state_indices=self.state_indices, u=self._u, pair=self.pair, seed=self.seed,
                          layer=self.layer)
 
     def load(self, parts) -> None:
         """Make this state hold a copy of `parts` (a ScanState, as `export` returns it, or a dict
         of its part names, PART_NAMES; in place). B, H, d_v, d_k and the pair stay those of this
-        state; `rows` is optional (default: keep), `u` is optional for GDN (default: recomputed
+        state; `state_indices` is optional (default: keep), `u` is optional for GDN (default: recomputed
         from the read copy and the buffer, as the read steps would have computed it). Pending
         drafts are dropped. Bad parts raise one ValueError naming the part."""
         parts = self._check_parts(parts)
@@ -402,8 +405,8 @@ class ReplayState(_StateBase):
         self._G = parts["G"].to(device=dev, dtype=f32).clone()
         self._committed = parts["committed"].to(device=dev, dtype=torch.int64).clone()
         self._n_flush = parts["n_flush"].to(device=dev, dtype=torch.int64).clone()
-        if parts.get("rows") is not None:
-            self.rows = parts["rows"].to(device=dev, dtype=torch.int64).clone()
+        if parts.get("state_indices") is not None:
+            self.state_indices = parts["state_indices"].to(device=dev, dtype=torch.int64).clone()
         self._beta = self._u = None
         if self.delta:
             self._beta = parts["beta"].to(device=dev, dtype=f32).clone()
@@ -417,7 +420,7 @@ class ReplayState(_StateBase):
     @classmethod
     def from_parts(cls, parts, pair, delta: bool, seed: int = 0, layer: int = 0) -> "ReplayState":
         """A ReplayState holding `parts` (a ScanState, as `export` returns it, or a dict of its
-        part names; `rows` optional, default arange(B)), without any cast: B, H, d_v, d_k come
+        part names; `state_indices` optional, default arange(B)), without any cast: B, H, d_v, d_k come
         from the anchor's shape, vector_gate from parts['G'] (4 dimensions [B, H, L, d_k]:
         vector gates; 3: one gate per head)."""
         anchor = parts.get("anchor") if isinstance(parts, (dict, ScanState)) else None
@@ -427,7 +430,7 @@ class ReplayState(_StateBase):
         G = parts.get("G")
         st = cls.__new__(cls)
         st._setup(torch.zeros(anchor.shape, device=anchor.device), pair, delta, seed, layer,
-                  parts.get("rows"), isinstance(G, torch.Tensor) and G.dim() == 4)
+                  parts.get("state_indices"), isinstance(G, torch.Tensor) and G.dim() == 4)
         st.buffer_len = st.pair.buffer_len
         st.load(parts)
         return st
@@ -466,15 +469,15 @@ class ReplayState(_StateBase):
                 need["u"] = (B, H, buffer_len, dv)
         elif parts.get("beta") is not None or parts.get("u") is not None:
             raise ValueError("a Mamba-2 state (delta=False) has no beta / u parts: pass None")
-        if parts.get("rows") is not None:
-            need["rows"] = (B,)
+        if parts.get("state_indices") is not None:
+            need["state_indices"] = (B,)
         for name, shp in need.items():
             t = parts.get(name)
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != shp:
                 got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(f"parts[{name!r}] must be a tensor {list(shp)} (B={B}, H={H}, "
                                  f"L={buffer_len}, d_k={dk}, d_v={dv}), got {got}")
-        for name in ("committed", "n_flush", "rows"):
+        for name in ("committed", "n_flush", "state_indices"):
             t = parts.get(name)
             if t is not None and (t.is_floating_point() or t.dtype == torch.bool):
                 raise ValueError(f"parts[{name!r}] must be an integer tensor, got {t.dtype}")
@@ -580,9 +583,10 @@ class ConventionalState(_StateBase):
     (T extra states per sequence); accept(n) restores snapshot n (n = 0: the state before).
     """
 
-    def __init__(self, initial_state, pair, delta: bool, seed: int = 0, layer: int = 0, rows=None,
+    def __init__(self, initial_state, pair, delta: bool, seed: int = 0, layer: int = 0,
+                 state_indices=None,
                  *, vector_gate: bool = False):
-        S0 = self._setup(initial_state, pair, delta, seed, layer, rows, vector_gate)
+        S0 = self._setup(initial_state, pair, delta, seed, layer, state_indices, vector_gate)
         if not self.pair.shared:
             raise ValueError(f"ConventionalState needs a shared pair (one format), got read="
                              f"{self.pair.read} anchor={self.pair.anchor}; use ReplayState for "

@@ -14,6 +14,11 @@ entries, entry j of the window at (start + j) mod C):
     committed, start, n_flush   [N]             fill h, window start, flush index
     blob        uint8                           packed stores: every field above as a view of it
 
+A patched layer's decode store (`models.decode_store`) is a ReplayStore that also knows its batch:
+`state_indices` int32 [B] (the slot of each batch row), the pair, seed and layer its roles and
+SR streams come from, its `FaultRecord`, each row's fill counted on the host (torch engine) and
+the custom operators' key (`meta`).
+
 The ring's dtype (`ring_dtype`) is bf16 for the Triton kernels (half the buffer traffic) and
 float32 for the torch engine, which then keeps u in float32 and no key factors (its flush
 recomputes u from the anchor): the same store, stepped by either engine on its own ring.
@@ -337,6 +342,14 @@ class ReplayStore:
     Tbuf: torch.Tensor | None = None     # fp32 [N, C, H, L]: key factors (solves_u stores)
     blob: torch.Tensor | None = None     # uint8: every tensor above as a view of it (`pack`)
     blob_layout: list | None = None      # [name, dtype, shape, byte offset] of each view
+    # A patched layer's decode store (models.decode_store builds it) also knows its batch:
+    pair: PrecisionPair | None = None    # the pair its roles hold, seed and layer of its SR key
+    seed: int = 0
+    layer: int = 0
+    state_indices: torch.Tensor | None = None   # int32 [B]: the slot of each batch row
+    faults: FaultRecord | None = None    # what its steps noted of their faults, per batch row
+    host_committed: list | None = None   # each row's fill, counted on the host (torch engine)
+    meta: str | None = None              # the custom operators' key (kernels.ops.store_meta)
 
     @property
     def capacity(self) -> int:
@@ -404,6 +417,21 @@ class ReplayStore:
         return self.anchor.shape
 
     @property
+    def B(self) -> int:
+        """Batch rows: those of state_indices (a decode store), else one a slot."""
+        return self.anchor.shape[0] if self.state_indices is None else self.state_indices.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.committed.device
+
+    @property
+    def engine(self) -> str:
+        """What steps this store: 'triton' (the replay kernels) on a bf16 ring, 'torch'
+        (`replay.engine`) on a float32 one."""
+        return "torch" if self.kbuf.dtype == torch.float32 else "triton"
+
+    @property
     def shared(self) -> bool:
         return self.read is None
 
@@ -415,6 +443,10 @@ class ReplayStore:
         c = dataclasses.replace(self, blob=None, blob_layout=None, **{
             f.name: getattr(self, f.name).clone() for f in dataclasses.fields(self)
             if f.name != "blob" and isinstance(getattr(self, f.name), (torch.Tensor, PackedRole))})
+        if self.faults is not None:
+            c.faults = FaultRecord(*(t.clone() for t in self.faults))
+        if self.host_committed is not None:
+            c.host_committed = list(self.host_committed)
         if self.blob is not None:
             c.pack()
         return c

@@ -372,7 +372,7 @@ def test_model_layer_names_the_nonfinite_input_and_token_before_any_kernel(monke
     out = model(ids, use_cache=True)
     cache = getattr(out, "cache", None) or out.past_key_values
     monkeypatch.setenv("REPLAYQUANT_BACKEND", "triton")          # the decode kernel's path
-    monkeypatch.setattr(DS.DecodeStore, "__init__",
+    monkeypatch.setattr(DS, "from_scan",
                         lambda *a, **k: pytest.fail("the kernel path started before the check"))
     poison["t"] = 0
     with pytest.raises(ValueError, match="input q holds NaN or infinity at the decode step"):

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from replayquant.models import runtime
+from replayquant.models import decode_store, runtime
 from replayquant.pairs import PrecisionPair
 from replayquant.replay import gdn_inputs, kda_inputs, mamba2_inputs
 
@@ -192,10 +192,10 @@ def test_hand_off_holds_the_entries_decode_steps_append(kind, monkeypatch):
                 rt.run(cache, True, *_core(kind, one), None, raw=one)
         stores.append(getattr(cache.layers[0], runtime.STATE_ATTR))
     handed, stepped = stores
-    assert torch.equal(handed.committed(), stepped.committed())
-    h = int(handed.committed().min())
+    assert torch.equal(decode_store.committed(handed), decode_store.committed(stepped))
+    h = int(decode_store.committed(handed).min())
     assert h == 5
-    a, b = handed.raw_entries(), stepped.raw_entries()
+    a, b = decode_store.raw_entries(handed), decode_store.raw_entries(stepped)
     for name in a:
         if name == "dt":       # softplus over [B, T, H] or [B, H]: vectorised apart, 1 ulp
             torch.testing.assert_close(a[name][:, :h], b[name][:, :h], rtol=2.5e-7, atol=0)

@@ -15,8 +15,8 @@ import replayquant
 from replayquant import options
 from replayquant.hostsync import HostSyncCounter
 from replayquant.kl.lockstep import cache_kwarg
-from replayquant.models import runtime
-from replayquant.models.decode_store import DecodeStore
+from replayquant.models import decode_store, runtime
+from replayquant.replay.stores import ReplayStore
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -76,7 +76,7 @@ def test_decode_step_on_the_store_is_one_graph_without_host_sync(name, backend):
             assert later.syncs == 0, later.where
             stores = [getattr(lay, runtime.STATE_ATTR) for lay in ekw[cache_kwarg(model)].layers
                       if hasattr(lay, runtime.STATE_ATTR)]
-            assert stores and all(isinstance(s, DecodeStore) and s.engine == backend
+            assert stores and all(isinstance(s, ReplayStore) and s.engine == backend
                                   for s in stores)
             torch._dynamo.reset()
             f = torch.compile(lambda t, kw: model(t, **kw).logits, backend="eager", fullgraph=True)
@@ -121,7 +121,7 @@ def test_static_generates_reuse_one_store_unless_its_cache_is_held():
     rt = next(m._replayquant for m in model.modules() if hasattr(m, "_replayquant"))
 
     def ptrs():
-        return [t.data_ptr() for t in rt._spare[1].tensors()]
+        return [t.data_ptr() for t in decode_store.tensors(rt._spare[1])]
 
     with torch.no_grad(), options.override(backend="torch"):    # the runtime's, either engine
         first = model.generate(p1, **args)
@@ -134,7 +134,7 @@ def test_static_generates_reuse_one_store_unless_its_cache_is_held():
         model.generate(p2, **args)
         assert ptrs() != where
         mine = getattr(held.layers[rt.layer_idx], runtime.STATE_ATTR)
-        assert [t.data_ptr() for t in mine.tensors()] == where
+        assert [t.data_ptr() for t in decode_store.tensors(mine)] == where
 
 
 def test_nonfinite_decode_input_is_named_and_the_anchor_kept():
@@ -156,7 +156,7 @@ def test_nonfinite_decode_input_is_named_and_the_anchor_kept():
     with torch.no_grad(), options.override(backend="triton"):
         _, tok = _step(model, tok, kw)
         st = getattr(cache.layers[lay_mod.layer_idx], runtime.STATE_ATTR)
-        before = st.store.anchor.payload[1].clone()
+        before = st.anchor.payload[1].clone()
         handle = lay_mod.in_proj_b.register_forward_hook(hook)
         poison["on"] = True
         with HostSyncCounter() as c:
@@ -166,8 +166,8 @@ def test_nonfinite_decode_input_is_named_and_the_anchor_kept():
         for _ in range(L):
             _, tok = _step(model, tok, kw)
         handle.remove()
-        assert int(st.store.n_flush[1]) >= 1
-        assert torch.equal(st.store.anchor.payload[1], before)
+        assert int(st.n_flush[1]) >= 1
+        assert torch.equal(st.anchor.payload[1], before)
         with pytest.raises(ValueError, match=rf"layer {lay_mod.layer_idx} \(gdn\): input b held "
                                              rf"NaN or infinity at decode step 2 .*batch row 1"):
             model(torch.ones(2, 3, dtype=torch.long), **kw)

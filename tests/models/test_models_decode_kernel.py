@@ -184,8 +184,8 @@ def test_hand_off_round_trip_and_steps(monkeypatch, kind, pair):
         _, mapped = _random_state_inputs(delta, B, H, HK, dk, dv, g)
         st.step(*mapped)
     ref.load(st.export())
-    kst = ds.DecodeStore(st, HK)
-    back = kst.to_replay_state()
+    kst = ds.from_state(st, HK)
+    back = ds.to_replay_state(kst)
     a, b = st.export(), back.export()
     for role in ("anchor", "read"):
         if a[role] is None:
@@ -195,7 +195,7 @@ def test_hand_off_round_trip_and_steps(monkeypatch, kind, pair):
         for n in a[role].scales:
             assert torch.equal(a[role].scales[n], b[role].scales[n])
     assert torch.equal(a["committed"], b["committed"]) and torch.equal(a["n_flush"], b["n_flush"])
-    assert torch.equal(a["rows"], b["rows"])
+    assert torch.equal(a["state_indices"], b["state_indices"])
     h = int(a["committed"][0])
     assert h == 2
     for n in ("k", "v", "G") + (("beta", "u") if delta else ()):
@@ -210,7 +210,7 @@ def test_hand_off_round_trip_and_steps(monkeypatch, kind, pair):
     worst, outliers, effect = 0.0, 0.0, 0.0
     for i in range(2 * L):
         raw, mapped = _random_state_inputs(delta, B, H, HK, dk, dv, g)
-        y_k = kst.step(raw)
+        y_k = ds.step(kst, raw)
         y_r = ref.step(*mapped)
         scale = y_r.abs().max().item()
         d = (y_k - y_r).abs()
@@ -218,10 +218,10 @@ def test_hand_off_round_trip_and_steps(monkeypatch, kind, pair):
         outliers = max(outliers, (d > RTOL_BF16 * scale).float().mean().item())
         effect = max(effect, (twin.step(*mapped) - y_r).abs().max().item() / scale)
         if i == L:                               # back to the torch reference mid-window
-            ref2 = kst.to_replay_state()
+            ref2 = ds.to_replay_state(kst)
             assert torch.equal(ref2.committed, ref.committed)
             assert torch.equal(ref2.n_flush, ref.n_flush)
-    assert torch.equal(kst.store.n_flush[:B], ref.n_flush)
+    assert torch.equal(kst.n_flush[:B], ref.n_flush)
     print(f"{kind} {pair}: kernel vs ReplayState max relative {worst:.2e}, elements above the "
           f"bf16 bound {outliers:.1%}, pair effect {effect:.2e}")
     if pair == "s32_rs":
@@ -229,14 +229,14 @@ def test_hand_off_round_trip_and_steps(monkeypatch, kind, pair):
     else:
         assert outliers <= 0.1 and worst <= max(RTOL_BF16, 0.25 * effect), (worst, outliers, effect)
     raw, mapped = _random_state_inputs(delta, B, H, HK, dk, dv, g)
-    kst2 = ds.DecodeStore(ref2, HK)
-    y_r, y_k = ref2.step(*mapped), kst2.step(raw)     # a state that came from a store, and back
+    kst2 = ds.from_state(ref2, HK)
+    y_r, y_k = ref2.step(*mapped), ds.step(kst2, raw)     # a state that came from a store, and back
     assert (y_k - y_r).abs().max() <= RTOL_BF16 * y_r.abs().max()
 
 
 @pytest.mark.parametrize("kind,pair", [("gdn", "tp4_hi16_sr"), ("mamba2", "s32_rs")])
 def test_scan_state_goes_into_the_store_as_through_a_replay_state(kind, pair):
-    """The chunked scan's state straight into the decode store (`DecodeStore.from_scan`, what a
+    """The chunked scan's state straight into the decode store (`decode_store.from_scan`, what a
     prefill into a static cache does) gives the store of the ReplayState route bit for bit (GDN u
     solved against the read copy, key factors of every slot at once), with one host read (the
     slot count) where the route through a ReplayState made 18 here (GDN tp4_hi16_sr: two reads
@@ -259,17 +259,17 @@ def test_scan_state_goes_into_the_store_as_through_a_replay_state(kind, pair):
     _, ss = chunk_scan_ref(scan_state_of(st), *ins, pair=pr, seed=2, layer=3, valid=valid)
     via = ReplayState.from_parts(ss, pr, delta=delta, seed=2, layer=3)
     with HostSyncCounter() as c:
-        direct = ds.DecodeStore.from_scan(ss, HK)
+        direct = ds.from_scan(ss, HK)
     assert c.syncs == 1, c.by_name
     with HostSyncCounter() as c:                 # slot count known on the host (a new state)
-        known = ds.DecodeStore.from_scan(replace(ss, n_slots=B), HK)
+        known = ds.from_scan(replace(ss, n_slots=B), HK)
     assert c.syncs == 0, c.by_name
-    assert all(torch.equal(a, b) for a, b in zip(known.tensors(), direct.tensors()))
-    old = ds.DecodeStore(via, HK)
-    assert len(set(old.store.committed.tolist())) > 1
-    assert (direct.store.Tbuf is None) == (old.store.Tbuf is None)
-    for a, b in zip(store_tensors(direct.store) + [direct.state_indices],
-                    store_tensors(old.store) + [old.state_indices], strict=True):
+    assert all(torch.equal(a, b) for a, b in zip(ds.tensors(known), ds.tensors(direct)))
+    old = ds.from_state(via, HK)
+    assert len(set(old.committed.tolist())) > 1
+    assert (direct.Tbuf is None) == (old.Tbuf is None)
+    for a, b in zip(store_tensors(direct) + [direct.state_indices],
+                    store_tensors(old) + [old.state_indices], strict=True):
         assert a.dtype == b.dtype and torch.equal(as_bits(a), as_bits(b))
 
 
@@ -301,12 +301,14 @@ def test_prefill_into_a_static_cache_reads_the_device_a_few_times_a_layer(models
 def test_hand_off_rows_are_slots():
     """Reordered sequence ids become the store's slots (SR streams follow the sequence); ids that
     repeat (a beam reorder before decode starts) take the slots 0..B-1."""
-    st = ReplayState(torch.randn(2, 2, 16, 16), "tp4_hi16_sr", delta=False, rows=torch.tensor([3, 1]))
+    st = ReplayState(torch.randn(2, 2, 16, 16), "tp4_hi16_sr", delta=False,
+                     state_indices=torch.tensor([3, 1]))
     store, idx = convert.state_to_store(st, 2)
     assert idx.tolist() == [3, 1] and store.shape[0] == 4
     back = convert.store_to_state(store, idx, st.pair, st.seed, st.layer)
     assert torch.equal(back.anchor(), st.anchor()) and torch.equal(back.read_copy(), st.read_copy())
-    dup = ReplayState(torch.randn(2, 2, 16, 16), "s32_rs", delta=False, rows=torch.tensor([1, 1]))
+    dup = ReplayState(torch.randn(2, 2, 16, 16), "s32_rs", delta=False,
+                      state_indices=torch.tensor([1, 1]))
     store, idx = convert.state_to_store(dup, 2)     # repeated ids take the slots 0..B-1
     assert idx.tolist() == [0, 1] and store.shape[0] == 2
     back = convert.store_to_state(store, idx, dup.pair, dup.seed, dup.layer)
@@ -362,12 +364,12 @@ def test_generate_kernel_equals_torch(models, monkeypatch, fam, pair):
     for _, mod, _ in recurrent_layers(model):
         lay = cache_k.layers[mod.layer_idx]
         kst = getattr(lay, runtime.STATE_ATTR)
-        assert isinstance(kst, ds.DecodeStore)
+        assert isinstance(kst, ds.ReplayStore)
         ref_st = getattr(cache_t.layers[mod.layer_idx], runtime.STATE_ATTR)
-        assert isinstance(ref_st, ds.DecodeStore) and ref_st.engine == "torch"
+        assert isinstance(ref_st, ds.ReplayStore) and ref_st.engine == "torch"
         assert kst.engine == "triton"
-        flushes = ref_st.store.n_flush[ref_st.state_indices.long()]
-        assert torch.equal(kst.store.n_flush[kst.state_indices.long()], flushes)
+        flushes = ref_st.n_flush[ref_st.state_indices.long()]
+        assert torch.equal(kst.n_flush[kst.state_indices.long()], flushes)
         assert int((flushes.min())) >= 2
     d = (sc_k - sc_t).abs().max().item()
     scale = sc_t.abs().max().item()
@@ -439,13 +441,13 @@ def test_beam_reorder_of_kernel_state():
     for ids in ([2, 0, 1], [0, 0, 1]):
         lay = SimpleNamespace(recurrent_states=[torch.tensor(ids, dtype=torch.float32)[:, None]],
                               has_previous_state=[True])
-        setattr(lay, runtime.STATE_ATTR, ds.DecodeStore(st, 2))
+        setattr(lay, runtime.STATE_ATTR, ds.from_state(st, 2))
         got = rt.get_state(lay, True, 3, 2, 16, 16, torch.device("cpu"))
-        assert isinstance(got, ds.DecodeStore)
-        back = got.to_replay_state()
+        assert isinstance(got, ds.ReplayStore)
+        back = ds.to_replay_state(got)
         held = replace(st.export(), u=None)
         ref = convert.to_replay_state(runtime.take_rows(held, torch.tensor(ids)))
-        assert torch.equal(back.export()["rows"], torch.arange(3))
+        assert torch.equal(back.export()["state_indices"], torch.arange(3))
         assert torch.equal(back.anchor(), ref.anchor()) and torch.equal(back.read_copy(), ref.read_copy())
         assert torch.equal(back.committed, ref.committed) and torch.equal(back.n_flush, ref.n_flush)
         S, S_ref = back.current_state(), ref.current_state()    # entries went through bf16

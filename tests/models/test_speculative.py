@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from replayquant.models import load_model, patch, unpatch
-from replayquant.models.decode_store import DecodeStore
+from replayquant.models import decode_store
 from replayquant.models.patching import model_from_config
 from replayquant.models.runtime import STATE_ATTR
 from test_families import _configs
@@ -51,15 +51,15 @@ def _prompt(seed: int, n: int = 7, repeats: int = 4) -> torch.Tensor:
 
 @pytest.fixture
 def accepts(monkeypatch):
-    """Every DecodeStore.accept of the run: (layer, drafts pending, drafts accepted)."""
+    """Every decode_store.accept of the run: (layer, drafts pending, drafts accepted)."""
     seen = []
-    accept = DecodeStore.accept
+    accept = decode_store.accept
 
-    def spy(self, n):
-        seen.append((self.layer, int(self.store.pending_T or 0), int(n)))
-        return accept(self, n)
+    def spy(store, n):
+        seen.append((store.layer, int(store.pending_T or 0), int(n)))
+        return accept(store, n)
 
-    monkeypatch.setattr(DecodeStore, "accept", spy)
+    monkeypatch.setattr(decode_store, "accept", spy)
     return seen
 
 
@@ -118,7 +118,7 @@ def test_state_after_speculation_is_plain_decodes(fam, seed, prompt, n):
     assert layers
     for i in layers:
         plain, spec = (o.cache.layers[i] for o in outs)
-        for a, b in ((getattr(x, STATE_ATTR).to_replay_state().current_state()
+        for a, b in ((decode_store.to_replay_state(getattr(x, STATE_ATTR)).current_state()
                       for x in (plain, spec)), (plain.conv_states[0], spec.conv_states[0])):
             assert a.shape == b.shape
             assert (a - b).abs().max() <= 1e-5 * a.abs().max(), (i, (a - b).abs().max())

@@ -20,7 +20,7 @@ a verse said three times (slow: three models load).
 import pytest
 import torch
 
-from replayquant.models import patch
+from replayquant.models import decode_store, patch
 from replayquant.models.patching import model_from_config
 from replayquant.models.runtime import STATE_ATTR
 from test_speculative import _noisy_copy, _prompt, _rounds, _tiny, accepts  # noqa: F401
@@ -65,7 +65,7 @@ def _same_as_plain_decode(model, ids, out):
     assert layers
     for i in layers:
         p, s = plain.cache.layers[i], out.cache.layers[i]
-        for a, b in ((getattr(x, STATE_ATTR).to_replay_state().current_state() for x in (p, s)),
+        for a, b in ((decode_store.to_replay_state(getattr(x, STATE_ATTR)).current_state() for x in (p, s)),
                      (p.conv_states[0], s.conv_states[0])):
             assert (a - b).abs().max() <= 1e-5 * a.abs().max(), (i, (a - b).abs().max())
 

@@ -258,7 +258,7 @@ def test_patched_decode_names_the_overflowing_flush_at_the_next_forward(backend)
                 tok = model(tok, **kw).logits[:, -1:].argmax(-1)
             st = getattr(cache.layers[layer.layer_idx], runtime.STATE_ATTR)
             assert st.engine == backend
-            assert torch.isfinite(st.store.anchor.dequantize()).all()
+            assert torch.isfinite(st.anchor.dequantize()).all()
             with pytest.raises(ValueError, match=rf"layer {layer.layer_idx}: the anchor \(fp16 of "
                                                  rf"pair s16_sr\) overflows at the flush of decode "
                                                  rf"step 3 after the prompt, batch row 1 .*larger "

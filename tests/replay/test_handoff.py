@@ -74,6 +74,6 @@ def test_take_rows_reorders_every_part():
     ss = _state().export()
     ids = torch.tensor([2, 2, 0])
     got = take_rows(ss, ids)
-    assert torch.equal(got.rows, ss.rows[ids]) and torch.equal(got.u, ss.u[ids])
+    assert torch.equal(got.state_indices, ss.state_indices[ids]) and torch.equal(got.u, ss.u[ids])
     assert torch.equal(got.anchor.payload.view(3, -1), ss.anchor.payload.view(3, -1)[ids])
     assert got.n_slots is None

@@ -98,7 +98,7 @@ def test_initial_cast_uses_streams_independently(delta):
     S0 = torch.randn(2, 3, 8, 32)
     rows = torch.tensor([5, 9])
     p = pair("nvfp4", "fp16", 4, rr="stochastic", ar="stochastic")
-    st = ReplayState(S0, p, delta, seed=11, layer=2, rows=rows)
+    st = ReplayState(S0, p, delta, seed=11, layer=2, state_indices=rows)
     key = layer_seed(11, 2)
     A = get_format("fp16").quantize(S0, "stochastic", seed=key, stream=sr_stream(0, ANCHOR, rows, 3))
     R = get_format("nvfp4").quantize(S0, "stochastic", seed=key, stream=sr_stream(0, READ, rows, 3))
@@ -296,7 +296,7 @@ def test_conventional_speculation_restores_snapshots(delta):
         pos += n
     for b in range(B):
         m = int(pos[b])
-        ref = ConventionalState(S0[b:b + 1], p, delta, seed=5, rows=torch.tensor([b]))
+        ref = ConventionalState(S0[b:b + 1], p, delta, seed=5, state_indices=torch.tensor([b]))
         y = run_steps(ref, tuple(None if x is None else x[b:b + 1, :m] for x in inp))
         assert torch.equal(torch.cat(got[b]), y[0])
         assert torch.equal(st.anchor()[b], ref.anchor()[0])
@@ -315,7 +315,7 @@ def test_sr_reproducible_and_keyed_by_sequence(delta):
         rows = torch.arange(B) if perm is None else perm
         s0 = S0 if perm is None else S0[perm]
         ins = inp if perm is None else tuple(None if x is None else x[perm] for x in inp)
-        st = ReplayState(s0, p, delta, seed=seed, layer=layer, rows=rows)
+        st = ReplayState(s0, p, delta, seed=seed, layer=layer, state_indices=rows)
         return run_steps(st, ins), st.anchor(), st.read_copy()
 
     a, b = run(42), run(42)
@@ -385,8 +385,8 @@ def test_bad_inputs_name_the_tensor():
         ReplayState(torch.zeros(B, H, dv), "s32_rs", delta=True)
     with pytest.raises(ValueError, match=r"initial_state must be floating"):
         ReplayState(torch.zeros(B, H, dv, dk, dtype=torch.int32), "s32_rs", delta=True)
-    with pytest.raises(ValueError, match=r"rows"):
-        ReplayState(S0, "s32_rs", delta=True, rows=torch.arange(3))
+    with pytest.raises(ValueError, match=r"state_indices"):
+        ReplayState(S0, "s32_rs", delta=True, state_indices=torch.arange(3))
     with pytest.raises(ValueError, match=r"multiple of 16"):
         ReplayState(torch.zeros(B, H, dv, 8), "tp4_hi32", delta=True)
     with pytest.raises(ValueError, match=r"shared pair"):
@@ -412,7 +412,7 @@ def test_triton_quant_backend_gives_the_same_bits(monkeypatch):
     p = pair("nvfp4", "fp16", 3, rr="stochastic", ar="stochastic")
 
     def run():
-        st = ReplayState(S0, p, delta=True, seed=3, rows=torch.tensor([4, 7, 1]))
+        st = ReplayState(S0, p, delta=True, seed=3, state_indices=torch.tensor([4, 7, 1]))
         ys = [st.step(*(x[:, t] for x in inp)) for t in range(2)]
         ys.append(st.verify(*spec_inputs(inp, slice(2, 4))).flatten(1))
         st.accept(torch.tensor([0, 1, 2]))

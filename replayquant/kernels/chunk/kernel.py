@@ -846,7 +846,7 @@ def chunk_scan(state: ScanState, q, k, v, log_a, beta=None, *, pair, seed: int =
         count = m - full * buffer_len
         flushes = state.n_flush + full
     new = ScanState(anchor=anchor, read=read, k=nk, v=nv, G=nG, beta=nb, committed=count,
-                    n_flush=flushes, rows=state.rows)
+                    n_flush=flushes, state_indices=state.state_indices)
     if not _finite(y, new, pair):
         _name_the_overflow(state, q, k, v, log_a, beta, pair, seed, layer, valid, exact)
     return y, new
@@ -912,7 +912,7 @@ def _launch_groups(state, pair, tok, q, k, v, log_a, beta, anchor, read, m, full
     bb = state.beta.to(f32).contiguous() if delta else None
     h0k = state.committed.to(device=dev, dtype=torch.int32).contiguous()
     nfl = state.n_flush.to(device=dev, dtype=i64).contiguous()
-    seq = state.rows.to(device=dev, dtype=i64).contiguous()
+    seq = state.state_indices.to(device=dev, dtype=i64).contiguous()
     nw = (-(-m // buffer_len)).to(torch.int32).contiguous()
     nfu = full.to(torch.int32).contiguous()
     cfg = chunk_launch_config(pair, B, H, dv, dk, buffer_len, device_sms(dev))

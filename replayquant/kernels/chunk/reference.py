@@ -67,25 +67,26 @@ def read_f32(state: ScanState, pair) -> torch.Tensor:
     return pair.read.fmt.dequantize(state.read)
 
 
-def cast_roles(S: torch.Tensor, pair, *, seed: int, layer: int, flush_index, rows):
+def cast_roles(S: torch.Tensor, pair, *, seed: int, layer: int, flush_index, state_indices):
     """Cast the unrounded FP32 state S [B, H, d_v, d_k] into (anchor, read copy), each directly
     from S (never Q_LP(Q_HP(S))), SR keyed by (layer_seed(seed, layer), flush index, role, row,
     head). Returns (anchor QTensor, read QTensor or None for a shared pair)."""
     H = S.shape[1]
     key = layer_seed(seed, layer)
-    rows = torch.as_tensor(rows, dtype=torch.int64, device=S.device)
+    state_indices = torch.as_tensor(state_indices, dtype=torch.int64, device=S.device)
     fi = torch.as_tensor(flush_index, dtype=torch.int64, device=S.device)
     a = pair.anchor.fmt.quantize(S, pair.anchor.rounding, seed=key,
-                                 stream=sr_stream(fi, ANCHOR, rows, H))
+                                 stream=sr_stream(fi, ANCHOR, state_indices, H))
     if pair.read is None:
         return a, None
-    r = pair.read.fmt.quantize(S, pair.read.rounding, seed=key, stream=sr_stream(fi, READ, rows, H))
+    r = pair.read.fmt.quantize(S, pair.read.rounding, seed=key,
+                               stream=sr_stream(fi, READ, state_indices, H))
     return a, r
 
 
 def initial_scan_state(S0, pair, *, delta: bool, seed: int = 0, layer: int = 0,
-                       rows=None, vector_gate: bool = False, device=None) -> ScanState:
-    """The state `ReplayState(S0, pair, delta, seed, layer, rows)` starts from: S0 cast into both
+                       state_indices=None, vector_gate: bool = False, device=None) -> ScanState:
+    """The state `ReplayState(S0, pair, delta, seed, layer, state_indices)` starts from: S0 cast into both
     roles (flush index 0), an empty buffer. S0 a tensor [B, H, d_v, d_k], or its shape for a
     state of zeros on `device` (a new sequence: each role is its format's `zeros`, the bits the
     casts give, without their finiteness checks and host reads). vector_gate: log_a per key
@@ -100,10 +101,12 @@ def initial_scan_state(S0, pair, *, delta: bool, seed: int = 0, layer: int = 0,
         if len(shape) != 4:
             raise ValueError("initial state must be a tensor [B, H, d_v, d_k] or that shape")
     B, H, dv, dk = shape
-    rows = torch.arange(B, device=dev) if rows is None else torch.as_tensor(rows, device=dev)
+    state_indices = torch.arange(B, device=dev) if state_indices is None \
+        else torch.as_tensor(state_indices, device=dev)
     buffer_len = pair.buffer_len
     if isinstance(S0, torch.Tensor):
-        a, r = cast_roles(S0, pair, seed=seed, layer=layer, flush_index=0, rows=rows)
+        a, r = cast_roles(S0, pair, seed=seed, layer=layer, flush_index=0,
+                          state_indices=state_indices)
     else:
         a = pair.anchor.fmt.zeros(shape, dev)
         r = None if pair.read is None else pair.read.fmt.zeros(shape, dev)
@@ -114,7 +117,7 @@ def initial_scan_state(S0, pair, *, delta: bool, seed: int = 0, layer: int = 0,
                      beta=z(B, H, buffer_len, device=dev) if delta else None,
                      committed=torch.zeros(B, dtype=torch.int64, device=dev),
                      n_flush=torch.zeros(B, dtype=torch.int64, device=dev),
-                     rows=rows.to(torch.int64))
+                     state_indices=state_indices.to(torch.int64))
 
 
 def select_rows(mask: torch.Tensor, new: QTensor | None, old: QTensor | None):
@@ -465,7 +468,7 @@ class _FlushCheck:
         pair = self.pair
         try:
             na, nr = cast_roles(S, pair, seed=seed, layer=self.layer, flush_index=flush_index,
-                                rows=self.ss.rows)
+                                state_indices=self.ss.state_indices)
         except ValueError:
             bad = ~torch.isfinite(S).flatten(1).all(1) & rows
             if bool(bad.any()):
@@ -492,7 +495,8 @@ class _FlushCheck:
             tok = lay.ti[(lay.bi == b) & (lay.cols == w * L + L - 1)]
             at = (f"token {int(tok[0])} of this {T}-token segment" if tok.numel() else
                   f"the steps buffered before this {T}-token segment")
-        return flush_overflow_error(self.layer, role, spec, self.pair, b, int(self.ss.rows[b]),
+        return flush_overflow_error(self.layer, role, spec, self.pair, b,
+                                    int(self.ss.state_indices[b]),
                                     at)
 
 

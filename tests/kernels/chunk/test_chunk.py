@@ -139,7 +139,7 @@ def test_padding_is_skipped(delta):
     assert torch.equal(y[~valid], torch.zeros_like(y[~valid]))
     for b in range(B):
         m = valid[b]
-        one = ReplayState(S0[b:b + 1], pair, delta=delta, seed=1, rows=torch.tensor([b]))
+        one = ReplayState(S0[b:b + 1], pair, delta=delta, seed=1, state_indices=torch.tensor([b]))
         sel = [t[b:b + 1, m] for t in (q, k, v, log_a)] + [None if beta is None else beta[b:b + 1, m]]
         y_ref = _step_all(one, *sel)
         _close(pair, y[b:b + 1, m], y_ref, f"row {b}")
@@ -177,7 +177,7 @@ def test_exact_prefill(delta):
 
 
 def _streams(st, fi):
-    return sr_stream(fi, ANCHOR, st.rows, st.H)
+    return sr_stream(fi, ANCHOR, st.state_indices, st.H)
 
 
 def test_bad_inputs():
