@@ -46,6 +46,20 @@ def test_full_grid_plan():
     assert estimate_s(no_sr) < estimate_s(sec)
 
 
+def test_every_planned_section_fits_its_runner():
+    """Each section's arguments bind to the runner `run_kernels_bench` calls for it, over the
+    whole default grid (other L values, staggered rows, peers, sweep) and both presets: a
+    section of another arity would fail on the GPU, where the plan first runs whole."""
+    import inspect
+    from replayquant.bench.kernels.run import _SECTIONS
+    from replayquant.bench.targets import PRESETS
+    grids = [{}] + [{k: v for k, v in g.items() if k in inspect.signature(plan).parameters}
+                    for g in PRESETS.values()]
+    for grid in grids:
+        for key, _, what in plan(**grid):
+            inspect.signature(_SECTIONS[what[0]]).bind(None, key, *what[1:])
+
+
 @pytest.mark.slow
 def test_cpu_smoke_run(tmp_path):
     res = run_kernels_bench(out=str(tmp_path), batches=(3,), Ls=(2,),

@@ -220,7 +220,7 @@ def _other_L_sections(g: _Grid) -> list:
                                 + (E["compile"] * 2 if B == g.batches[0] else 0)
                                 + E["launch"] * _launches(kind, B, L, g.shapes[kind])
                                 + g.sr[pair] * E["sr_per_GB"] * gb,
-                                ("replay", kind, B, pair, L, False, False, False, False)))
+                                ("replay", kind, B, pair, L, False, False, False)))
     return sec
 
 
