@@ -49,7 +49,6 @@ LAUNCHES = ("flush", "read")
 # sm_90, Triton 3.9; evals/replay_waves.py prints the table): a tile or register cap that puts it
 # at <= 1 or >= 4. override_replay_launch({'waves': False}) leaves them out. Untimed.
 WAVE_TABLE = (   # launch, kind, role, lo, hi, rows, per_thread, regs, chunk  # reason
-    ("read", "gdn", "fp32", 25, 33, 64, 256, 128, 32),     # B = 32: 1.29 -> 0.97 (157 -> 128, 12 -> 16 an SM)
     ("read", "gdn", "fp8", 99, 131, 64, 256, 168, 32),     # B = 128: 3.88 -> 5.17 (128 -> 168, 16 -> 12)
     ("read", "gdn", "nvfp4", 99, 131, 64, 256, 168, 64),   # B = 128: 3.88 -> 5.17 (128 -> 168, 16 -> 12)
 )

@@ -44,14 +44,14 @@ def test_flush_tiles_per_program():
 def test_wave_rows_switch():
     """WAVE_TABLE's rows apply at their batches only, and not with 'waves' False; a bad value
     is one error."""
-    st = ReplayStore.from_state(random_state(1, 2, 128, 128), resolve_pair("s32_rs", 16), "gdn",
-                                key_heads=1)
-    assert any(r[:3] == ("read", "gdn", "fp32") for r in WAVE_TABLE)
-    assert _max_regs(st, "read", 1, 32) == 128 and replay_launch_config(st, "read", 32) == (64, 1)
-    assert _max_regs(st, "read", 1, 256) is None and _max_regs(st, "read") is None
-    assert _max_regs(st, "read", 4, 32) is None                 # a verify: uncapped
+    st = ReplayStore.from_state(random_state(1, 2, 128, 128), resolve_pair("tp8_hi32", 16),
+                                "gdn", key_heads=1)
+    assert any(r[:3] == ("read", "gdn", "fp8") for r in WAVE_TABLE)
+    assert _max_regs(st, "read", 1, 128) == 168 and replay_launch_config(st, "read", 128) == (64, 1)
+    assert _max_regs(st, "read", 1, 256) == 128 and _max_regs(st, "read") == 128
+    assert _max_regs(st, "read", 4, 128) is None                # a verify: uncapped
     with override_replay_launch({"waves": False}):
-        assert _max_regs(st, "read", 1, 32) is None
+        assert _max_regs(st, "read", 1, 128) == 128
     with pytest.raises(ValueError, match="waves"), override_replay_launch({"waves": 1}):
         pass
 
@@ -61,7 +61,7 @@ def test_fused_pre_flush_and_wave_rows_match_reference(waves_on):
     """Rows at h == L (accepted drafts filled the buffer) pre-flush inside the fused step's
     program, which loaded its read copy before the pointers and loads it again after the flush;
     outputs, roles and pointers against the torch reference (NaN-poisoned outputs, a padding
-    row), at a batch that WAVE_TABLE's GDN FP32 row takes (25 rows)."""
+    row), with and without the wave rule."""
     B, HK, H, dk, dv, L = 25, 1, 2, 16, 16, 3
     pair = resolve_pair("s32_rs", L)
     st = ReplayStore.from_state(random_state(B, H, dv, dk, seed=11), pair, "gdn", key_heads=HK,
