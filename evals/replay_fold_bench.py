@@ -12,7 +12,7 @@ never runs the tensor-core path): both designs over 2L + 1 steps from one store,
 and staggered (outputs each step), and the deferred fold against its torch reference on 8 rows.
 
     python evals/replay_fold_bench.py OUT.json [--kinds gdn,mamba2] [--batches 1,32,256]
-        [--variants 64x1:16,64x2:16,32x1] [--waves]
+        [--variants 64x1:16,64x2:16,32x1]
     python evals/replay_fold_bench.py --predict [--GBps 3000]   (the byte model, no GPU)
 
 Writes OUT.json after every row (rows, checks, predictions, copy bandwidth, provenance)."""
@@ -215,9 +215,6 @@ def main(argv) -> int:
     p.add_argument("--kinds", default="gdn,mamba2")
     p.add_argument("--batches", default="1,32,256")
     p.add_argument("--variants", default="", help="deferred-fold tiles beside the table's")
-    p.add_argument("--waves", action="store_true",
-                   help="time today's design without and with the wave rule's rows "
-                        "(override_replay_launch 'waves' False / True) instead of the designs")
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--predict", action="store_true", help="print the byte model and exit")
     p.add_argument("--GBps", type=float, default=3000.0, help="copy bandwidth of --predict")
@@ -248,11 +245,8 @@ def main(argv) -> int:
             res["checks"].append(check(kind, 64, dev))
             write_json(a.out, res)
         for B in batches:
-            runs = [("eager-flush", None), ("deferred-fold", None)] \
-                + [("deferred-fold", v) for v in variants]
-            if a.waves:
-                runs = [("eager-flush", {"waves": False}), ("eager-flush", {"waves": True})]
-            for design, launch in runs:
+            for design, launch in [("eager-flush", None), ("deferred-fold", None)] \
+                    + [("deferred-fold", v) for v in variants]:
                 with override_replay_launch(launch):
                     res["rows"] += rows_of(kind, B, design, launch, res["copy_GBps"], dev)
                 write_json(a.out, res)

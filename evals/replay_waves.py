@@ -3,8 +3,7 @@
 GDN (Qwen3.5-4B layer: H = 32, HK = 16, d_v = d_k = 128, L = 16) and Mamba-2 (Nemotron-H: H = 128,
 HK = 8, d_v = 64, d_k = 128, L = 8), pairs s32_rs / tp8_hi32 / tp4_hi32, each launch's
 registers, spills, shared memory and SASS count, the programs an SM holds (launch.programs_per_sm)
-and its waves on 132 SMs (launch.waves) at the bench's batches, at the launch table's config
-with its wave rows (override_replay_launch's 'waves' True, the default) and without them.
+and its waves on 132 SMs (launch.waves) at the bench's batches, at the launch table's config.
 Records the tiny launches of `--drive` in the interpreter, then compiles them at the layer
 shapes.
 
@@ -97,12 +96,12 @@ def compiled(ln: dict, arch: int) -> dict:
                 sass=count_sass(dis) if dis else None, ptxas=rep)
 
 
-def configs(kind: str, pair: str, waves_on: bool, B: int):
+def configs(kind: str, pair: str, B: int):
     """{launch: (constexpr updates, num_warps, maxnreg, grid programs)} of the table's configs
     for one batch B."""
-    from replayquant.kernels.replay.launch import (flush_tiles_per_program, onepass_launch_config,
-                                                   override_replay_launch, _max_regs, _table,
-                                                   replay_launch_config, SM90)
+    from replayquant.kernels.replay.decode import FLUSH_MAX_TILES, FLUSH_PROGRAMS_PER_SM
+    from replayquant.kernels.replay.launch import (SM90, onepass_launch_config, _max_regs,
+                                                   _table, replay_launch_config)
     from replayquant.pairs import PrecisionPair
     from replayquant.replay.stores import ReplayStore
     from replayquant.testing import random_state
@@ -113,22 +112,20 @@ def configs(kind: str, pair: str, waves_on: bool, B: int):
     shape = dict(HK=S["HK"], HV=S["H"], DK=S["dk"], DV=S["dv"], BUFFER_LEN=S["L"],
                  BUFFER_TILE=max(16, S["L"]))
     out = {}
-    with override_replay_launch({"waves": waves_on}):
-        for which in ("flush", "read"):
-            BV, nw = replay_launch_config(st, which, batch=B)
-            tiles = B * S["H"] * (S["dv"] // BV)
-            c = dict(shape, BV=BV, CAPACITY=S["L"], PCK=_table(st, "read", batch=B)[3])
-            if which == "flush":
-                from replayquant.kernels.replay.decode import FLUSH_MAX_TILES, \
-                    FLUSH_PROGRAMS_PER_SM
-                tpp = flush_tiles_per_program(tiles, SM90["sms"] * FLUSH_PROGRAMS_PER_SM,
-                                              FLUSH_MAX_TILES)
-                c["TPP"], tiles = tpp, -(-tiles // tpp)
-            out[which] = (c, nw, _max_regs(st, which, 1, batch=B), tiles)
-        BV, nw, CK, stages = onepass_launch_config(st)
-        out["onepass"] = (dict(shape, BV=BV, CK=CK, STAGES=stages, T=T_VERIFY, TP=T_VERIFY,
-                               CAPACITY=S["L"] + T_VERIFY, NCOL=16), nw, None,
-                          B * S["H"] * (S["dv"] // BV))
+    for which in ("flush", "read"):
+        BV, nw = replay_launch_config(st, which)
+        tiles = B * S["H"] * (S["dv"] // BV)
+        c = dict(shape, BV=BV, CAPACITY=S["L"], PCK=_table(st, "read")[3])
+        if which == "flush":
+            # decode._flush_grid on a GPU of SM90's SM count
+            target = SM90["sms"] * FLUSH_PROGRAMS_PER_SM
+            c["TPP"] = min(FLUSH_MAX_TILES, 1 << max(0, -(-tiles // target) - 1).bit_length())
+            tiles = -(-tiles // c["TPP"])
+        out[which] = (c, nw, _max_regs(st, which, 1), tiles)
+    BV, nw, CK, stages = onepass_launch_config(st)
+    out["onepass"] = (dict(shape, BV=BV, CK=CK, STAGES=stages, T=T_VERIFY, TP=T_VERIFY,
+                           CAPACITY=S["L"] + T_VERIFY, NCOL=16), nw, None,
+                      B * S["H"] * (S["dv"] // BV))
     return out
 
 
@@ -153,10 +150,8 @@ def main(argv) -> int:
     cache = {}
     for kind in KINDS:
         for pair in PAIRS:
-            for waves_on in (False, True):
-                for B in BATCHES:
-                    for which, (c, nw, regs, programs) in configs(kind, pair, waves_on,
-                                                                  B).items():
+            for B in BATCHES:
+                    for which, (c, nw, regs, programs) in configs(kind, pair, B).items():
                         kern = "_onepass_kernel" if which == "onepass" else "_replay_kernel"
                         rf = _rfmt(pair)
                         ln = base[(kern, kind == "gdn", rf,
@@ -171,12 +166,12 @@ def main(argv) -> int:
                         if key not in cache:
                             cache[key] = compiled(ln, arch)
                         r = cache[key]
-                        row = dict(kind=kind, pair=pair, launch=which, waves_rows=waves_on, B=B,
+                        row = dict(kind=kind, pair=pair, launch=which, B=B,
                                    BV=c["BV"], warps=nw, maxnreg=regs, programs=programs,
                                    per_sm=programs_per_sm(nw, r["regs"], r["smem"]),
                                    waves=waves(programs, nw, r["regs"], r["smem"]), **r)
                         res["rows"].append(row)
-                        print(f"{kind:6s} {pair:8s} {which:7s} waves_rows={waves_on!s:5s} "
+                        print(f"{kind:6s} {pair:8s} {which:7s} "
                               f"B={B:3d} {c['BV']}x{nw} cap={regs} regs={r['regs']} "
                               f"spill={r['spill_bytes']} smem={r['smem']} sass={r['sass']} "
                               f"programs={programs} per_sm={row['per_sm']} "

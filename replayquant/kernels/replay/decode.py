@@ -30,8 +30,7 @@ from replayquant.kernels.conventional.kernel import (_L2_EPS, _front_end, _gate_
                                                      _kernel_inputs, _l2norm, _program_tile)
 from replayquant.kernels.quant.kernel import (decode_bf16, decode_fp16, encode_bf16, encode_fp16,
                                               small_float_at, small_float_pair_at)
-from replayquant.kernels.replay.launch import (LAUNCHES, _max_regs, _table,
-                                              flush_tiles_per_program, given_launch,
+from replayquant.kernels.replay.launch import (LAUNCHES, _max_regs, _table, given_launch,
                                               replay_launch_config)
 from replayquant.kernels.quant.roles import _role_bits, _tile_load, _tile_store, split_key
 from replayquant.replay.stores import (NO_DT_LIMIT, ReplayStore, _begin, _default_force,
@@ -794,19 +793,18 @@ def _read_setup(R_gs, mat, start, h, pre, fill, FORCE: tl.constexpr, CAPACITY: t
 
 
 @triton.jit
-def _advance_row(h_ptr, st_ptr, nf_ptr, cnt_ptr, flag_ptr, bad_ptr, stp_ptr, slot, row, h, st,
-                 nf, PROGRAMS: tl.constexpr, FORCE: tl.constexpr, BUFFER_LEN: tl.constexpr,
+def _advance_row(h_ptr, st_ptr, nf_ptr, cnt_ptr, flag_ptr, bad_ptr, stp_ptr, slot, row,
+                 PROGRAMS: tl.constexpr, FORCE: tl.constexpr, BUFFER_LEN: tl.constexpr,
                  CAPACITY: tl.constexpr, T: tl.constexpr, STEP: tl.constexpr,
                  DELTA: tl.constexpr, RECORD: tl.constexpr):
     """The pointer moves of a row by the last of its PROGRAMS read programs to arrive (arrival
-    counter cnt_ptr, reset for the next step): committed / start / n_flush (_moved_pointers) of
-    the values h, st, nf the program loaded (no program writes them before the last arrives, so
-    the last needs no second round trip for them after its atomic), and with RECORD the step's
-    faults (_note_step)."""
+    counter cnt_ptr, reset for the next step): committed / start / n_flush (_moved_pointers),
+    and with RECORD the step's faults (_note_step)."""
     tl.debug_barrier()                  # every thread of the program is past its loads
     arrived = tl.atomic_add(cnt_ptr + slot, 1)          # acq_rel, gpu scope
     if arrived == PROGRAMS - 1:                         # the row's last program
-        h, st, nf = _moved_pointers(h, st, nf, FORCE, BUFFER_LEN, CAPACITY, T, STEP)
+        h, st, nf = _moved_pointers(tl.load(h_ptr + slot), tl.load(st_ptr + slot),
+                                    tl.load(nf_ptr + slot), FORCE, BUFFER_LEN, CAPACITY, T, STEP)
         tl.store(h_ptr + slot, h)
         tl.store(st_ptr + slot, st)
         tl.store(nf_ptr + slot, nf)
@@ -866,14 +864,10 @@ def _replay_kernel(
         if slot >= 0:
             mat = slot * HV + hv
             jj = tl.arange(0, BUFFER_TILE)
-            # the read copy (with one chunk its loads) and the pointers right after the slot,
-            # all three kept for the pointer move (_advance_row, no reload)
-            P, Pb = _row_ptrs(R_pay, R_sc, mat, rows0, DV, DK, RFMT, PCK)
-            h0 = tl.load(h_ptr + slot)
-            st0 = tl.load(st_ptr + slot)
-            nf0 = tl.load(nf_ptr + slot)
-            h = h0
-            start = st0
+            if not FUSED:           # (with one chunk its loads before the pointers')
+                P, Pb = _row_ptrs(R_pay, R_sc, mat, rows0, DV, DK, RFMT, PCK)
+            h = tl.load(h_ptr + slot)
+            start = tl.load(st_ptr + slot)
             pre, fill = _flush_flags(h, T, BUFFER_LEN, STEP)
             if FUSED:                       # this tile's own flush first, then its read copy
                 if pre | fill | FORCE:
@@ -885,8 +879,8 @@ def _replay_kernel(
                                 CAPACITY, BUFFER_TILE, T, STEP, FORCE, AFMT, ASR, RFMT, RSR, SHARED, DELTA,
                                 L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP, PREC, ON_GPU, VEC,
                                 FOLD_U, flag_ptr, RECORD)
-                    tl.debug_barrier()      # the tile's roles are written: loaded again
-                    P, Pb = _row_ptrs(R_pay, R_sc, mat, rows0, DV, DK, RFMT, PCK)
+                    tl.debug_barrier()      # the tile's roles are written
+                P, Pb = _row_ptrs(R_pay, R_sc, mat, rows0, DV, DK, RFMT, PCK)
             s, start, h, go = _read_setup(R_gs, mat, start, h, pre, fill, FORCE, CAPACITY, RFMT, STEP)
             if go:
                 _read_drafts(P, Pb, s, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, out_ptr, q_ptr, k_ptr,
@@ -897,8 +891,7 @@ def _replay_kernel(
                              U_BF16, DT_CLAMP, VEC, PCK, KF, BUFFER_LEN, flag_ptr, RECORD)
             if ADVANCE:
                 _advance_row(h_ptr, st_ptr, nf_ptr, cnt_ptr, flag_ptr, bad_ptr, stp_ptr, slot, row,
-                             h0, st0, nf0, HV * (DV // BV), FORCE, BUFFER_LEN, CAPACITY, T, STEP,
-                             DELTA, RECORD)
+                             HV * (DV // BV), FORCE, BUFFER_LEN, CAPACITY, T, STEP, DELTA, RECORD)
         else:
             for t in tl.static_range(T):
                 tl.store(out_ptr + ((row * T + t) * HV + hv) * DV + rows0,
@@ -946,7 +939,7 @@ def _flush_grid(n_tiles: int, device):
     if device.type == "cuda":
         target = torch.cuda.get_device_properties(device).multi_processor_count \
             * FLUSH_PROGRAMS_PER_SM
-    tpp = flush_tiles_per_program(n_tiles, target, FLUSH_MAX_TILES, device.type == "cuda")
+    tpp = min(FLUSH_MAX_TILES, triton.next_power_of_2(max(1, -(-n_tiles // target))))
     return tpp, (-(-n_tiles // tpp),)
 
 
@@ -1017,7 +1010,7 @@ def _launch(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, state_ind
     dt_lo, dt_hi, dt_clamp = dt_limit_args(dt_limit)
     if record is not None:
         record.check(kind, B, q.device, step and advance)
-    configs = [replay_launch_config(store, w, B) for w in LAUNCHES]
+    configs = [replay_launch_config(store, w) for w in LAUNCHES]
     fused = _fused(T, step, B * HV * (dv // configs[0][0]) * configs[0][1], q.device)
     idx = _indices(state_indices, B, q.device)
     if out is None:
@@ -1033,11 +1026,11 @@ def _launch(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, state_ind
     Ap, As, Ag, afid = store.anchor.kernel_args()
     Rp, Rs, Rg, rfid = store.read_role.kernel_args()
     inputs = _kernel_inputs(q, k, v, a, b, A, dt_bias, D, z)
-    pck = _table(store, "read", B)[3]
+    pck = _table(store, "read")[3]
     runs = [("flush", False, configs[0])] if fused else \
         list(zip(LAUNCHES, (True, False), configs))
     for which, flushes, (BV, nw) in runs:       # fused: one launch with the flush's tiles
-        regs = _max_regs(store, which, T, B)
+        regs = _max_regs(store, which, T)
         tpp, grid = 1, (B * HV, dv // BV)
         if flushes:
             tpp, grid = _flush_grid(B * HV * (dv // BV), q.device)

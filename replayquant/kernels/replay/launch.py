@@ -18,7 +18,7 @@ from replayquant.replay.stores import ReplayStore
 
 __all__ = ["LAUNCH_TABLE", "LAUNCHES", "ONEPASS_TABLE", "FOLD_TABLE", "replay_launch_config",
            "onepass_launch_config", "fold_launch_config", "override_replay_launch",
-           "chosen_design", "programs_per_sm", "waves", "flush_tiles_per_program"]
+           "chosen_design", "programs_per_sm", "waves"]
 
 
 # The launch table, chosen by shape: (launch, kind, role) -> rows BV of a program's [BV, d_k]
@@ -43,15 +43,6 @@ LAUNCH_TABLE = (   # launch, kind, role, rows, per_thread, regs, chunk  # reason
     ("flush", "*", "*", 16, 64, None, 0),           # smallest dot tile; GDN 1274.5 at 168
 )
 LAUNCHES = ("flush", "read")
-
-# Rows taken before LAUNCH_TABLE's for a batch in [lo, hi], where LAUNCH_TABLE's config puts the
-# launch between one and four waves on 132 SMs (`waves`, registers from compile_check sass on
-# sm_90, Triton 3.9; evals/replay_waves.py prints the table): a tile or register cap that puts it
-# at <= 1 or >= 4. override_replay_launch({'waves': False}) leaves them out. Untimed.
-WAVE_TABLE = (   # launch, kind, role, lo, hi, rows, per_thread, regs, chunk  # reason
-    ("read", "gdn", "fp8", 99, 131, 64, 256, 168, 32),     # B = 128: 3.88 -> 5.17 (128 -> 168, 16 -> 12)
-    ("read", "gdn", "nvfp4", 99, 131, 64, 256, 168, 64),   # B = 128: 3.88 -> 5.17 (128 -> 168, 16 -> 12)
-)
 
 # The one-pass launch, chosen by the read copy's format: rows BV of a program's tile, warps,
 # columns a chunk, chunks' loads in flight. Reasons: compile_check sass on sm_90 (Triton 3.9),
@@ -89,24 +80,8 @@ def programs_per_sm(warps: int, regs: int, smem: int = 0, sm: dict = SM90) -> in
 
 def waves(programs: int, warps: int, regs: int, smem: int = 0, sm: dict = SM90) -> float:
     """The waves of a launch of `programs` programs: programs over what all SMs hold at once
-    (programs_per_sm). The launch table keeps a launch at <= 1 wave (one partial wave, no tail
-    behind a full one) or >= 4 (a tail of at most a quarter)."""
+    (programs_per_sm); evals/replay_waves.py gives every launch's at the bench's batches."""
     return programs / (sm["sms"] * programs_per_sm(warps, regs, smem, sm))
-
-
-def flush_tiles_per_program(n_tiles: int, target: int, max_tiles: int,
-                            wave_rule: bool = True) -> int:
-    """Tiles a program of the flush launch takes: the power of two that brings n_tiles down to
-    `target` programs (one wave: an SM's worth of flush programs on every SM), at most
-    max_tiles; past max_tiles as far as one wave where max_tiles would leave between one and
-    four (wave_rule: the GPU's; not with override_replay_launch's 'waves' False)."""
-    tpp = 1
-    while tpp * target < n_tiles:
-        tpp *= 2
-    capped = min(tpp, max_tiles)
-    if wave_rule and _given.get("waves", True) and target < -(-n_tiles // capped) < 4 * target:
-        return tpp
-    return capped
 
 
 # The launch that override_replay_launch gives for the length of its block ({}: the tables')
@@ -117,8 +92,7 @@ _given: dict = {}
 def override_replay_launch(launch):
     """Within the block, the replay kernels launch as `launch` says instead of the tables: a
     mapping {'read' / 'flush': (rows, warps) or (rows, warps, regs), 'fused': True / False,
-    'fold': (rows, warps[, chunk, stages, qload]), 'waves': True / False} whose entries may be
-    None (the table's); 'waves' False leaves WAVE_TABLE's rows out (LAUNCH_TABLE's alone).
+    'fold': (rows, warps[, chunk, stages, qload])} whose entries may be None (the table's).
     rows and warps of 'read' give the one-pass verify's read launch too; 'fold' the deferred
     fold's launch; regs caps the registers a thread (ptxas's maxnreg, _max_regs);
     'fused' runs a decode step as one launch or two (decode._fused). An inner override replaces
@@ -126,13 +100,11 @@ def override_replay_launch(launch):
     benchmark's sweep; the values are checked where a kernel asks for them."""
     global _given
     launch = dict(launch or {})
-    bad = set(launch) - set(LAUNCHES) - {"fused", "fold", "waves"}
+    bad = set(launch) - set(LAUNCHES) - {"fused", "fold"}
     if bad:
         raise ValueError(f"launch takes the keys 'flush' and 'read' -> (rows, warps), 'fold' -> "
-                         f"(rows, warps, chunk, stages, qload), 'fused' and 'waves' -> bool, "
-                         f"got {sorted(bad)}")
-    if not isinstance(launch.get("waves", True), bool):
-        raise ValueError(f"launch['waves'] must be True or False, got {launch['waves']!r}")
+                         f"(rows, warps, chunk, stages, qload) and 'fused' -> bool, got "
+                         f"{sorted(bad)}")
     outer, _given = _given, launch
     try:
         yield
@@ -154,23 +126,17 @@ def _role(store: ReplayStore, which: str) -> str:
     return "fp32 shared" if store.shared and store.anchor.fmt == "fp32" else "*"
 
 
-def _table(store: ReplayStore, which: str, batch: int | None = None):
-    """The first row for this store's launch `which` at `batch` rows (None: any batch): of
-    WAVE_TABLE (unless override_replay_launch's 'waves' is False), then of LAUNCH_TABLE:
-    (rows, per_thread, regs, chunk)."""
+def _table(store: ReplayStore, which: str):
+    """LAUNCH_TABLE's first row for this store's launch `which`: (rows, per_thread, regs,
+    chunk)."""
     role = _role(store, which)
-    if batch is not None and _given.get("waves", True):
-        for launch, kind, r, lo, hi, *cfg in WAVE_TABLE:
-            if launch == which and kind in ("*", store.kind) and r in ("*", role) \
-                    and lo <= batch <= hi:
-                return cfg
     for launch, kind, r, *cfg in LAUNCH_TABLE:
         if launch == which and kind in ("*", store.kind) and r in ("*", role):
             return cfg
     raise AssertionError("LAUNCH_TABLE ends with a catch-all row for each launch")
 
 
-def _max_regs(store: ReplayStore, which: str, T: int = 1, batch: int | None = None):
+def _max_regs(store: ReplayStore, which: str, T: int = 1):
     """The register cap of a launch given (override_replay_launch) as (rows, warps, regs); of a
     launch not given, LAUNCH_TABLE's, except for a verify's read (T > 1, whose drafts' entries
     stay live across the read copy's pass: the caps spill, docs/kernels.md); else None (ptxas's
@@ -182,18 +148,18 @@ def _max_regs(store: ReplayStore, which: str, T: int = 1, batch: int | None = No
         return int(c[2])
     if any(x is not None for x in c) or (which == "read" and T > 1):
         return None
-    return _table(store, which, batch)[2]
+    return _table(store, which)[2]
 
 
-def replay_launch_config(store: ReplayStore, which: str = "read", batch: int | None = None):
+def replay_launch_config(store: ReplayStore, which: str = "read"):
     """(BV, num_warps) of the flush or the read launch (`which`) of _replay_kernel for this
-    store at `batch` rows: tile rows and warps, from the tables (_table), or as
-    override_replay_launch gives them (rows / warps None: the table's)."""
+    store: tile rows and warps, from LAUNCH_TABLE, or as override_replay_launch gives them
+    (rows / warps None: the table's)."""
     if which not in LAUNCHES:
         raise ValueError(f"which must be 'flush' or 'read', got {which!r}")
     block_v, num_warps = (_given.get(which) or (None, None))[:2]
     N, HV, dv, dk = store.shape
-    rows, per_thread, _, _ = _table(store, which, batch)
+    rows, per_thread, _, _ = _table(store, which)
     if block_v is None:
         block_v = dv if rows is None else min(dv, rows)
     if which == "flush" and _role(store, which) == "nvfp4" and block_v != dv:

@@ -441,7 +441,6 @@ def _onepass_kernel(
                       Dm, Tm, slot, start, h, row, hv, hk, rows, cols, jj, lead, HK, HV, DK,
                       DV, CAPACITY, BUFFER_LEN, T, NCOL, NKC, NQ, DELTA, KF, ON_GPU)
         _advance_row(h_ptr, st_ptr, nf_ptr, cnt_ptr, idx_ptr, idx_ptr, idx_ptr, slot, row,
-                     tl.load(h_ptr + slot), tl.load(st_ptr + slot), tl.load(nf_ptr + slot),
                      HV * (DV // BV), False, BUFFER_LEN, CAPACITY, T, False, DELTA, False)
     else:
         tl.store(out_ptr + (((row * T + tt)[:, None]) * HV + hv) * DV + rows[None, :],
