@@ -53,8 +53,10 @@
 #                   times, 96 new tokens, 3 timed runs a way: oracle drafts (the pair's own plain
 #                   tokens, 4 a round: speculation's ceiling) and prompt lookup (4 drafts); the
 #                   verify forwards' GPU time per length (CUDA events), the break-even acceptance,
-#                   compiles in timed runs (0: warm-ups meet every verify length) (estimated
-#                   ~260 s, timeout 540 s; arguments after the job name go to the script)
+#                   compiles in timed runs (0: warm-ups meet every verify length); the JSON
+#                   is written after every way. On an H100 one pair (s32_rs, 64 new tokens)
+#                   took 214 s: give one pair a call, `bash evals/gpu_runs.sh spec --pairs
+#                   s32_rs` (timeout 540 s; arguments after the job name go to the script)
 #   generate        evals/cuda_generate_check.py: generation through the compiled decode kernel
 #                   against the CPU path on the shipped tiny models (~150 s)
 #   train           evals/train_tiny.py device-run: train both tiny models, evaluate them and

@@ -51,11 +51,11 @@ decode: from the forwards, verify_ms at T / plain eager's step_ms - 1 (per T, an
 draft_tokens + 1), and from the oracle's wall time a round against plain eager's a token.
 
 The JSON at OUT carries provenance (`replayquant.provenance`); a short table is printed last.
-With the defaults, an estimated 260 s on an H100, from the last run of this script there (patched
-eager step 37-71 ms, a 1-token round of the assisted loop 71 ms, one verify length's Triton
-compile ~7 s, the static path's compile 20-90 s per pair): per pair about 15-30 s of plain
-eager, 25-95 s compiled, 30 s of the mixed warm-up (its compiles), 6 s of oracle and 25 s of
-lookup runs. """
+The record is written after every way that finishes (a run cut short keeps what it measured),
+with a progress line for each. Time: on one H100 the s32_rs pair alone took 214 s at
+`--new-tokens 64` with both paths (the warm-ups' Triton compiles of each verify length and the
+static path's compile most of it), so give each 10-minute device call one pair
+(`--pairs s32_rs`, then `--pairs tp4_hi16_sr`). """
 
 from __future__ import annotations
 
@@ -292,7 +292,9 @@ def _static_lookup_refusal(model, ids, draft_tokens: int) -> str | None:
     return None
 
 
-def run(args) -> dict:
+def run(args, save=None) -> dict:
+    """The results record; save(record), where given, after every way that finished (a run
+    cut short keeps what it measured)."""
     device = "cpu" if args.smoke_cpu else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("spec_gpu: no CUDA GPU here; --smoke-cpu runs a tiny model on the CPU")
@@ -307,23 +309,36 @@ def run(args) -> dict:
     compiled = "compiled" in args.paths
     results, refusal = {}, None
     D = args.draft_tokens
+    rec = lambda: _record(args, shape, vocab, dtype, device, source, rates, compiled,  # noqa: E731
+                          results, refusal, t0)
+
+    def done(name, what):
+        print(f"[spec_gpu] {name}: {what} at {time.perf_counter() - t0:.0f} s", flush=True)
+        if save is not None:
+            save(rec())
+
     for name in args.pairs:
         patch(model, name)
         try:
             # the first generate: plain eager decode's warm-up, and the oracle's drafts
             plain = _generate(model, ids, args.new_tokens, device, False, None, False)["new"]
-            row = {}
+            row = results[name] = {}
+            done(name, "warm-up")
             if "eager" in args.paths:
                 row["plain_eager"] = _way(model, ids, args, device, False, None, False)
+                done(name, "plain_eager")
             if compiled:
                 torch._dynamo.reset()
                 row["plain_compiled"] = _way(model, ids, args, device, True, None, True)
+                done(name, "plain_compiled")
             # every verify length 1 .. D + 1 and acceptance of it, before any timed speculation
             _generate(model, ids, args.new_tokens, device, False, D, False,
                       replayed_drafts(plain, ids.shape[1], D, vocab, mix=True))
+            done(name, "speculation's warm-up")
             row["oracle_eager"] = _way(model, ids, args, device, False, D, False, plain=plain,
                                        propose=lambda: replayed_drafts(plain, ids.shape[1], D,
                                                                        vocab))
+            done(name, "oracle_eager")
             row["lookup_eager"] = _way(model, ids, args, device, False, D, False, plain=plain)
             if refusal is None:
                 refusal = _static_lookup_refusal(model, ids, D)
@@ -334,10 +349,15 @@ def run(args) -> dict:
                                                          / row[key]["decode_tok_s"])
             if "plain_eager" in row:
                 row["break_even"] = break_even(row, D)
-            results[name] = row
         finally:
             unpatch(model)
-        print(f"[spec_gpu] {name} done at {time.perf_counter() - t0:.0f} s", flush=True)
+        done(name, "lookup_eager, pair done")
+    return rec()
+
+
+def _record(args, shape, vocab, dtype, device, source, rates, compiled, results, refusal,
+            t0) -> dict:
+    """The results record of what `run` measured so far."""
     config = {"shape": shape, "model_config": SHAPES[shape], "vocab_size": vocab,
               "dtype": str(dtype), "device": device, "batch": 1, "pairs": args.pairs,
               "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
@@ -429,8 +449,12 @@ def main(argv=None) -> None:
     if out.suffix != ".json" or out.is_dir():
         raise SystemExit(f"spec_gpu: {out}: give a results file ending in .json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    res = run(args)
-    out.write_text(json.dumps(res, indent=1, default=str) + "\n")
+
+    def save(rec):
+        out.write_text(json.dumps(rec, indent=1, default=str) + "\n")
+
+    res = run(args, save)
+    save(res)
     print(f"wrote {out} ({res['wall_s']:.0f} s)")
     print(table(res))
 
