@@ -55,9 +55,9 @@ ONEPASS_TABLE = (   # role, rows, warps, chunk, stages  # reason
 # The launch, by kind: rows BV of a program's tile, warps, columns a chunk, chunks' loads in
 # flight, whether q and k enter the pass as chunks loaded from the inputs (QLOAD) or taken from
 # the front end's registers. Reasons: windows of s32_rs at B = 256 on one H100, us, in phase
-# (results/bench/replay_fold_h100.json; today's eager design GDN 236.5, Mamba-2 440.2: the
-# deferred fold is slower at every tile, so it is off by default); registers from compile_check
-# sass on sm_90 (Triton 3.9, evals/fold_sass.py).
+# (results/bench/replay_fold_h100.json of commit dc14274; today's eager design GDN 236.5,
+# Mamba-2 440.2: the deferred fold is slower at every tile, so it is off by default); registers
+# from compile_check sass on sm_90 (Triton 3.9, evals/fold_sass.py).
 FOLD_TABLE = (   # kind, rows, warps, chunk, stages, qload  # reason
     ("gdn", 64, 2, 32, 3, False),      # 272.4 (166 registers); chunk 16: 298.6; 64 x 1 at 16: 286.8
     ("mamba2", 64, 2, 32, 3, False),   # 486.1 (160-162); chunk 16: 542.7 (122); 64 x 1 at 16: 499.9
