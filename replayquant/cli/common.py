@@ -207,31 +207,55 @@ KL_FLAGS = {
 }
 
 
-def with_kl_options(command):
-    """`command` with its parameter `kl: KLSettings` replaced, where it stands, by one option per
-    KLSettings field (as KL_FLAGS declares it) and the earlier spelling of --device; the command
-    is called with them as one KLSettings."""
-    fields = dataclasses.fields(KLSettings)
-    kw_only = inspect.Parameter.KEYWORD_ONLY          # typer passes every option by name
-    params = []
-    for p in inspect.signature(command, eval_str=True).parameters.values():
-        if p.name == "kl":
-            params += [inspect.Parameter(f.name, kw_only, default=f.default,
-                                         annotation=KL_FLAGS[f.name]) for f in fields]
-            params.append(inspect.Parameter("old_device_map", kw_only, default=None,
-                                            annotation=OldDeviceOpt))
-        else:
-            params.append(p.replace(kind=kw_only))
+def with_settings(name: str, cls, flags: dict, extra: dict | None = None, finish=None):
+    """A decorator: the command's parameter `name` (a `cls` dataclass) replaced, where it stands,
+    by the options of `flags` ({parameter: its Annotated option}, in the order the help lists
+    them): a field of cls defaults to the field's default, another parameter to its default in
+    `extra`. The command is then called with one `cls` of the fields' options, after
+    `finish(settings, {the other options})` where given, so that the library takes the settings
+    whole."""
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    extra = extra or {}
+    fields = [f for f in flags if f not in extra]
+    missing = [f for f in fields if f not in defaults]
+    if missing:
+        raise TypeError(f"{cls.__name__} has no fields {missing}; give their defaults in extra")
 
-    @functools.wraps(command)
-    def run(**options):
-        kl = KLSettings(**{f.name: options.pop(f.name) for f in fields})
-        kl.device_map = device_option(kl.device_map, options.pop("old_device_map"))
-        library_logs_above_bars()                   # a KL run shows a progress bar
-        return command(kl=kl, **options)
-    run.__signature__ = inspect.Signature(params)
-    run.__annotations__ = {p.name: p.annotation for p in params}
-    return run
+    def wrap(command):
+        kw_only = inspect.Parameter.KEYWORD_ONLY          # typer passes every option by name
+        params = []
+        for p in inspect.signature(command, eval_str=True).parameters.values():
+            if p.name == name:
+                params += [inspect.Parameter(f, kw_only, annotation=a,
+                                             default=extra[f] if f in extra else defaults[f])
+                           for f, a in flags.items()]
+            else:
+                params.append(p.replace(kind=kw_only))
+
+        @functools.wraps(command)
+        def run(**options):
+            settings = cls(**{f: options.pop(f) for f in fields})
+            more = {e: options.pop(e) for e in extra}
+            if finish is not None:
+                finish(settings, more)
+            return command(**{name: settings}, **options)
+        run.__signature__ = inspect.Signature(params)
+        run.__annotations__ = {p.name: p.annotation for p in params}
+        return run
+    return wrap
+
+
+def _finish_kl(kl: KLSettings, more: dict) -> None:
+    kl.device_map = device_option(kl.device_map, more["old_device_map"])
+    library_logs_above_bars()                       # a KL run shows a progress bar
+
+
+# `command` with its parameter `kl: KLSettings` replaced, where it stands, by one option per
+# KLSettings field (as KL_FLAGS declares it) and the earlier spelling of --device
+with_kl_options = with_settings(
+    "kl", KLSettings, {**{f.name: KL_FLAGS[f.name] for f in dataclasses.fields(KLSettings)},
+                       "old_device_map": OldDeviceOpt},
+    extra={"old_device_map": None}, finish=_finish_kl)
 
 
 class _CurrentStderr:

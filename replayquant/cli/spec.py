@@ -2,10 +2,14 @@
 patched with each pair beside the FP32 reference; acceptance, agreement and speed per pair
 (replayquant/spec)."""
 
+from typing import Annotated
+
 import typer
 
 from replayquant.cli.common import (KL_FLAGS, DeviceOpt, DtypeOpt, ModelOpt, PrefillOpt, app,
-                                    library_logs_above_bars, pair_option, user_errors)
+                                    library_logs_above_bars, pair_option, user_errors,
+                                    with_settings)
+from replayquant.spec.settings import SpecSettings
 
 # the data options as `replayquant kl` declares them (KL_FLAGS), so that both take one --dataset
 DatasetOpt, SplitOpt, ConfigOpt = (KL_FLAGS[k] for k in ("dataset", "split", "dataset_config"))
@@ -14,42 +18,61 @@ RevisionOpt, ProgressOpt = (KL_FLAGS[k] for k in ("revision", "progress"))
 SpecPairs = pair_option("repeatable; the reference, s32_rs with exact prefill, runs beside them",
                         policies=False)
 
+# the options of SpecSettings' fields, in the order the help lists them
+SPEC_FLAGS = {
+    "assistant": Annotated[str | None, typer.Option(
+        "--assistant", help="a draft model of the same tokenizer (hub id, short name or folder) "
+                            "measured beside prompt lookup; patched with s32_rs where it has "
+                            "recurrent layers")],
+    "lookup": Annotated[bool, typer.Option("--lookup/--no-lookup",
+                                           help="prompt-lookup speculation")],
+    "draft_tokens": Annotated[int, typer.Option(
+        "--draft-tokens", help="drafts per verify round (prompt_lookup_num_tokens, the "
+                               "assistant's num_assistant_tokens); at most each pair's L")],
+    "context": Annotated[int, typer.Option(
+        help="prompt tokens per document (shorter documents are skipped)")],
+    "new_tokens": Annotated[int, typer.Option("--new-tokens",
+                                              help="tokens generated per document")],
+    "temperature": Annotated[float, typer.Option(
+        "--temperature", help="0: greedy; above 0: sampled (HF's do_sample), seeded by --seed "
+                              "per document")],
+    "top_p": Annotated[float, typer.Option(
+        "--top-p", help="nucleus sampling's mass (with --temperature)")],
+    "top_k": Annotated[int, typer.Option(
+        "--top-k", help="sample among the K likeliest tokens (0: all; with --temperature)")],
+    "docs": Annotated[int, typer.Option(
+        help="number of documents, the first ones in the dataset's order")],
+    "buffer_len": Annotated[int | None, typer.Option(
+        "--buffer-len", help="L of every pair (default: each pair's own); a pair given another "
+                             "L is named PAIR@LL")],
+    "dataset": DatasetOpt,
+    "split": SplitOpt,
+    "dataset_config": ConfigOpt,
+    "data_files": DataFilesOpt,
+    "text_field": TextOpt,
+    "pack": PackOpt,
+    "prefill": PrefillOpt,
+    "dtype": DtypeOpt,
+    "device": DeviceOpt,
+    "seed": Annotated[int, typer.Option("--seed",
+                                        help="stochastic rounding's seed, and sampling's")],
+    "revision": RevisionOpt,
+}                                # --progress: after --out, the command's own
+
+
+def _finish(spec: SpecSettings, _) -> None:
+    spec.data_files = spec.data_files or None      # typer gives [] for none
+    library_logs_above_bars()
+
 
 @app.command("spec")
 @user_errors()
+@with_settings("spec", SpecSettings, SPEC_FLAGS, finish=_finish)
 def spec_cmd(
     model: ModelOpt,
     pair: SpecPairs,
-    assistant: str = typer.Option(None, "--assistant", help="a draft model of the same tokenizer "
-                                  "(hub id, short name or folder) measured beside prompt lookup; "
-                                  "patched with s32_rs where it has recurrent layers"),
-    lookup: bool = typer.Option(True, "--lookup/--no-lookup", help="prompt-lookup speculation"),
-    draft_tokens: int = typer.Option(4, "--draft-tokens", help="drafts per verify round "
-                                     "(prompt_lookup_num_tokens, the assistant's "
-                                     "num_assistant_tokens); at most each pair's L"),
-    context: int = typer.Option(256, help="prompt tokens per document (shorter documents are "
-                                "skipped)"),
-    new_tokens: int = typer.Option(64, "--new-tokens", help="tokens generated per document"),
-    temperature: float = typer.Option(0.0, "--temperature", help="0: greedy; above 0: sampled "
-                                      "(HF's do_sample), seeded by --seed per document"),
-    top_p: float = typer.Option(1.0, "--top-p", help="nucleus sampling's mass (with "
-                                "--temperature)"),
-    top_k: int = typer.Option(0, "--top-k", help="sample among the K likeliest tokens (0: all; "
-                              "with --temperature)"),
-    docs: int = typer.Option(4, help="number of documents, the first ones in the dataset's order"),
-    buffer_len: int = typer.Option(None, "--buffer-len", help="L of every pair (default: each "
-                                   "pair's own); a pair given another L is named PAIR@LL"),
-    dataset: DatasetOpt = "heldout",
-    split: SplitOpt = "test",
-    dataset_config: ConfigOpt = None,
-    data_files: DataFilesOpt = None,
-    text_field: TextOpt = "text",
-    pack: PackOpt = False,
-    prefill: PrefillOpt = "replay",
-    dtype: DtypeOpt = "auto",
-    device: DeviceOpt = None,
-    seed: int = typer.Option(0, "--seed", help="stochastic rounding's seed, and sampling's"),
-    revision: RevisionOpt = None,
+    *,
+    spec: SpecSettings,
     out: str = typer.Option(None, help="results JSON (default build/spec/MODEL_PAIRS_ctxN_newM."
                             "json; the plot goes beside it as .png; the same run resumes there, a "
                             "file of another kind or configuration is refused)"),
@@ -59,13 +82,7 @@ def spec_cmd(
     greedy or sampled (--temperature); accepted drafts per round, tokens per forward, acceptance
     by draft position, agreement with the reference's tokens, tokens/s against plain decode.
     Batch 1 (HF's assisted generation)."""
-    from replayquant.spec import SpecSettings, spec_command   # transformers: by the command only
-    library_logs_above_bars()
-    settings = SpecSettings(assistant=assistant, lookup=lookup, draft_tokens=draft_tokens,
-                            dataset=dataset, split=split, dataset_config=dataset_config,
-                            data_files=data_files or None, text_field=text_field,
-                            context=context, new_tokens=new_tokens, temperature=temperature,
-                            top_p=top_p, top_k=top_k, docs=docs, pack=pack,
-                            prefill=prefill, dtype=dtype, device=device, seed=seed,
-                            revision=revision, buffer_len=buffer_len, progress=progress)
-    spec_command(model, pair, settings, out=out)
+    from replayquant.spec import spec_command     # transformers: by the command only
+    spec.progress = progress
+    spec_command(model, pair, spec, out=out)
+    return out
