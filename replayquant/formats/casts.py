@@ -129,16 +129,18 @@ def nvfp4_global_scale_ref(x3: torch.Tensor) -> torch.Tensor:
     return torch.where(gs > 0, gs, torch.ones_like(gs))
 
 
-def nvfp4_quantize_ref(x3: torch.Tensor, rbits=None):
+def nvfp4_quantize_ref(x3: torch.Tensor, rbits=None, gs: torch.Tensor | None = None):
     """x3 float32 [M, R, C], C % 16 == 0.
 
     Returns (packed uint8 [M, R, C/2] (even element in the low nibble),
              block scales uint8 E4M3 bits [M, R, C/16], global scale float32 [M]).
     Recipe: gs = amax/2688; bs = E4M3_rne(clamp(block_amax / 6 / gs, 2^-9, 448));
             element = E2M1(x / (bs * gs)), saturating at 6.
+    gs: a global scale [M] given instead of the matrices' own (a scale chosen before the whole
+    matrix is known; elements past 2688 gs saturate).
     """
     M, R, C = x3.shape
-    gs = nvfp4_global_scale_ref(x3)
+    gs = nvfp4_global_scale_ref(x3) if gs is None else gs.to(torch.float32)
     blocks = x3.reshape(M, R, C // NVFP4_BLOCK, NVFP4_BLOCK)
     bamax = blocks.abs().amax(dim=-1)
     bs_f = (div_rn(bamax, E2M1.max_value) / gs[:, None, None]).clamp(NVFP4_BLOCK_SCALE_MIN, E4M3.max_value)

@@ -389,3 +389,24 @@ def test_formats_report_rows():
     assert by[("fp16", "nearest")]["rel_rmse"] < by[("fp8", "nearest")]["rel_rmse"] < \
         by[("nvfp4", "nearest")]["rel_rmse"] < 0.5
     assert render_formats_table(rows).row_count == len(rows)
+
+
+def test_nvfp4_cast_with_a_given_global_scale():
+    """nvfp4_quantize_ref(gs=...): the matrices' own scale gives today's bytes; a power of two
+    above it (a scale chosen before the whole matrix is known, evals/nvfp4_headroom.py) keeps
+    every element within 2688 gs and the error of today's within 1%, the block scales taking up
+    the difference; one below it saturates the largest elements at 2688 gs."""
+    from replayquant.formats.casts import (nvfp4_dequantize_ref, nvfp4_global_scale_ref,
+                                           nvfp4_quantize_ref)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(3, 32, 64, generator=g) * torch.tensor([1e-3, 1.0, 50.0])[:, None, None]
+    own = nvfp4_quantize_ref(x)
+    gs = nvfp4_global_scale_ref(x)
+    assert all(torch.equal(a, b) for a, b in zip(own, nvfp4_quantize_ref(x, None, gs)))
+    err = lambda q: (nvfp4_dequantize_ref(*q) - x).pow(2).mean().sqrt()  # noqa: E731
+    up = nvfp4_quantize_ref(x, None, torch.exp2(torch.ceil(torch.log2(gs)) + 1))
+    assert torch.equal(up[2], torch.exp2(torch.ceil(torch.log2(gs)) + 1))
+    assert err(up) <= 1.01 * err(own)
+    down = nvfp4_quantize_ref(x, None, gs / 4)
+    y = nvfp4_dequantize_ref(*down)
+    assert torch.allclose(y.abs().amax((-2, -1)), 2688 * gs / 4)
