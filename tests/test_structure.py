@@ -231,7 +231,7 @@ print("ok")
 # comes off this list).
 MAX_PARAMETERS = 10
 OVER_LIMIT = {
-    "replayquant.bench.generate:_result", "replayquant.bench.generate:_run_generate_bench",
+    "replayquant.bench.generate:_run_generate_bench",
     "replayquant.bench.kernels.plan:plan", "replayquant.bench.kernels.rows:_replay_rounds",
     "replayquant.bench.kernels.rows:_snapshot_rounds",
     "replayquant.bench.kernels.rows:bench_replay",

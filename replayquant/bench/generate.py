@@ -462,6 +462,7 @@ def _run_generate_bench(out: str | Path = "build/bench/generate.json", shape: st
             "provenance": provenance(device=device, bench="generate", shape=shape,
                                      batches=list(batches), pairs=list(pairs), prompt=prompt)}
     calls.append(call)
+    run = _run_record(shape, pairs, prompt, n1, n2, compile_backend, compile_mode)
     skipped, t_start = [], time.perf_counter()
     for b in batches:
         if budget_s is not None and time.perf_counter() - t_start > budget_s:
@@ -472,14 +473,12 @@ def _run_generate_bench(out: str | Path = "build/bench/generate.json", shape: st
         ids = torch.randint(1, model.config.vocab_size, (b, prompt), generator=g).to(device)
         _measure_batch(model, ids, b, ways, pairs, cc, n1, n2, rows, progress)
         call["batches"].append(b)
-        res = _result(rows, calls, skipped, False, shape, pairs, prompt, n1, n2, compile_backend,
-                      compile_mode)
+        res = _result(rows, calls, skipped, False, run)
         write_json(out, res)
     if not call["batches"]:
         raise ValueError(f"bench generate: --budget-s {budget_s} was spent before the first batch; "
                          f"nothing measured, {out} left as it was")
-    res = _result(rows, calls, skipped, not skipped, shape, pairs, prompt, n1, n2,
-                  compile_backend, compile_mode)
+    res = _result(rows, calls, skipped, not skipped, run)
     write_json(out, res)
     return res
 
@@ -520,15 +519,21 @@ def _measure_batch(model, ids, b, ways, pairs, cc, n1, n2, rows, progress) -> No
         progress(f"{k}: {rows[k]}")
 
 
-def _result(rows, calls, skipped, complete, shape, pairs, prompt, n1, n2, compile_backend,
-            compile_mode) -> dict:
-    done = sorted({int(k.rsplit("@B", 1)[1]) for k in rows})
-    return {"kind": GENERATE_KIND, "shape": shape, "model_config": SHAPES[shape],
-            "dtype": "bfloat16", "prompt_tokens": prompt, "steps_timed": [n1, n2],
+def _run_record(shape, pairs, prompt, n1, n2, compile_backend, compile_mode) -> dict:
+    """What makes two calls' files one run's (`merge_generate` checks them alike)."""
+    return {"shape": shape, "model_config": SHAPES[shape], "dtype": "bfloat16",
+            "prompt_tokens": prompt, "steps_timed": [n1, n2],
             "compile_config": {"backend": compile_backend, "mode": compile_mode},
-            "flash_linear_attention": fla_version(), "batches": done, "pairs": list(pairs),
-            "rows": rows, "targets": _targets(rows, pairs, done), "skipped_batches": skipped,
-            "complete": complete, "calls": calls, "provenance": calls[-1]["provenance"]}
+            "pairs": list(pairs)}
+
+
+def _result(rows, calls, skipped, complete, run: dict) -> dict:
+    """The results file of a run (`_run_record`) from its rows and calls."""
+    done = sorted({int(k.rsplit("@B", 1)[1]) for k in rows})
+    return {"kind": GENERATE_KIND, **run, "flash_linear_attention": fla_version(),
+            "batches": done, "rows": rows, "targets": _targets(rows, run["pairs"], done),
+            "skipped_batches": skipped, "complete": complete, "calls": calls,
+            "provenance": calls[-1]["provenance"]}
 
 
 def merge_generate(parts, out: str | Path = "build/bench/generate.json") -> dict:
@@ -574,9 +579,10 @@ def merge_generate(parts, out: str | Path = "build/bench/generate.json") -> dict
                        key=lambda c: c["provenance"].get("date") or "")
         skipped = sorted({b for r in runs for b in r["skipped_batches"]} - set(seen))
         first = runs[0]
-        res = _result(rows, calls, skipped, not skipped, first["shape"], first["pairs"],
-                      first["prompt_tokens"], *first["steps_timed"],
-                      first["compile_config"]["backend"], first["compile_config"]["mode"])
+        cc = first["compile_config"]
+        res = _result(rows, calls, skipped, not skipped,
+                      _run_record(first["shape"], first["pairs"], first["prompt_tokens"],
+                                  *first["steps_timed"], cc["backend"], cc["mode"]))
         res["flash_linear_attention"] = first["flash_linear_attention"]   # the device's, not ours
         write_json(out, res)
     return res
