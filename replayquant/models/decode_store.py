@@ -78,7 +78,7 @@ def from_scan(ss: ScanState, key_heads: int, reuse: ReplayStore | None = None,
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     store, slots = scan_to_store(ss, key_heads, ring_dtype=RING_DTYPE[engine],
                                  max_drafts=max_drafts)
-    store.pair, store.seed, store.layer = ss.pair, ss.seed, ss.layer
+    store.pair, store.seed, store.layer, store.engine = ss.pair, ss.seed, ss.layer, engine
     # int32, as the kernels index: a step converts nothing
     store.state_indices = slots.to(torch.int32)
     B = store.state_indices.shape[0]

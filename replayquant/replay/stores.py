@@ -16,8 +16,8 @@ entries, entry j of the window at (start + j) mod C):
 
 A patched layer's decode store (`models.decode_store`) is a ReplayStore that also knows its batch:
 `state_indices` int32 [B] (the slot of each batch row), the pair, seed and layer its roles and
-SR streams come from, its `FaultRecord`, each row's fill counted on the host (torch engine) and
-the custom operators' key (`meta`).
+SR streams come from, its `FaultRecord`, each row's fill counted on the host (torch engine), the
+engine that steps it and the custom operators' key (`meta`).
 
 The ring's dtype (`ring_dtype`) is bf16 for the Triton kernels (half the buffer traffic) and
 float32 for the torch engine, which then keeps u in float32 and no key factors (its flush
@@ -349,6 +349,7 @@ class ReplayStore:
     state_indices: torch.Tensor | None = None   # int32 [B]: the slot of each batch row
     faults: FaultRecord | None = None    # what its steps noted of their faults, per batch row
     host_committed: list | None = None   # each row's fill, counted on the host (torch engine)
+    engine: str | None = None            # what steps it: 'triton' or 'torch' (kernels.ops)
     meta: str | None = None              # the custom operators' key (kernels.ops.store_meta)
 
     @property
@@ -424,12 +425,6 @@ class ReplayStore:
     @property
     def device(self) -> torch.device:
         return self.committed.device
-
-    @property
-    def engine(self) -> str:
-        """What steps this store: 'triton' (the replay kernels) on a bf16 ring, 'torch'
-        (`replay.engine`) on a float32 one."""
-        return "torch" if self.kbuf.dtype == torch.float32 else "triton"
 
     @property
     def shared(self) -> bool:

@@ -468,9 +468,14 @@ def test_kernel_is_the_torch_engine_on_a_bf16_ring(models, monkeypatch, fam):
     monkeypatch.setitem(ds.RING_DTYPE, "torch", torch.bfloat16)
     monkeypatch.setattr(convert, "default_u_dtype", lambda *a: torch.float32)
     monkeypatch.setenv("REPLAYQUANT_BACKEND", "torch")
-    seq_t, sc_t, _ = _generate(model, ids, mask)
+    seq_t, sc_t, cache_t = _generate(model, ids, mask)
     monkeypatch.setenv("REPLAYQUANT_BACKEND", "triton")
-    seq_k, sc_k, _ = _generate(model, ids, mask)
+    seq_k, sc_k, cache_k = _generate(model, ids, mask)
+    for cache, engine in ((cache_t, "torch"), (cache_k, "triton")):    # same ring, its own engine
+        stores = [getattr(lay, runtime.STATE_ATTR) for lay in cache.layers
+                  if hasattr(lay, runtime.STATE_ATTR)]
+        assert stores and all(s.engine == engine and s.kbuf.dtype == torch.bfloat16
+                              for s in stores)
     d = (sc_k - sc_t).abs().max().item()
     print(f"{fam}: Triton engine vs torch engine on a bf16 ring: max |d| {d:.1e}")
     assert torch.equal(seq_k, seq_t)
