@@ -99,7 +99,7 @@ def compiled(ln: dict, arch: int) -> dict:
 def configs(kind: str, pair: str, B: int):
     """{launch: (constexpr updates, num_warps, maxnreg, grid programs)} of the table's configs
     for one batch B."""
-    from replayquant.kernels.replay.decode import FLUSH_MAX_TILES, FLUSH_PROGRAMS_PER_SM
+    from replayquant.kernels.replay.decode import flush_grid_on
     from replayquant.kernels.replay.launch import (SM90, onepass_launch_config, _max_regs,
                                                    _table, replay_launch_config)
     from replayquant.pairs import PrecisionPair
@@ -117,10 +117,7 @@ def configs(kind: str, pair: str, B: int):
         tiles = B * S["H"] * (S["dv"] // BV)
         c = dict(shape, BV=BV, CAPACITY=S["L"], PCK=_table(st, "read")[3])
         if which == "flush":
-            # decode._flush_grid on a GPU of SM90's SM count
-            target = SM90["sms"] * FLUSH_PROGRAMS_PER_SM
-            c["TPP"] = min(FLUSH_MAX_TILES, 1 << max(0, -(-tiles // target) - 1).bit_length())
-            tiles = -(-tiles // c["TPP"])
+            c["TPP"], (tiles,) = flush_grid_on(tiles, SM90["sms"])
         out[which] = (c, nw, _max_regs(st, which, 1), tiles)
     BV, nw, CK, stages = onepass_launch_config(st)
     out["onepass"] = (dict(shape, BV=BV, CK=CK, STAGES=stages, T=T_VERIFY, TP=T_VERIFY,

@@ -935,10 +935,15 @@ def _flush_grid(n_tiles: int, device):
     interpreter) every program takes FLUSH_MAX_TILES, so that one program meets tiles of rows
     that flush, rows that do not and padding rows."""
     device = torch.device(device)
-    target = 1
+    sms = 0
     if device.type == "cuda":
-        target = torch.cuda.get_device_properties(device).multi_processor_count \
-            * FLUSH_PROGRAMS_PER_SM
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return flush_grid_on(n_tiles, sms)
+
+
+def flush_grid_on(n_tiles: int, sms: int):
+    """_flush_grid on a GPU of `sms` SMs (0: the interpreter's grid)."""
+    target = sms * FLUSH_PROGRAMS_PER_SM if sms else 1
     tpp = min(FLUSH_MAX_TILES, triton.next_power_of_2(max(1, -(-n_tiles // target))))
     return tpp, (-(-n_tiles // tpp),)
 
