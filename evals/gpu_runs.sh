@@ -57,6 +57,11 @@
 #                   is written after every way. On an H100 one pair (s32_rs, 64 new tokens)
 #                   took 214 s: give one pair a call, `bash evals/gpu_runs.sh spec --pairs
 #                   s32_rs` (timeout 540 s; arguments after the job name go to the script)
+#   fused-read      evals/fused_read_bench.py: tp8_hi32's decode step as one launch on the read's
+#                   tiles (the flush inside the read program) beside two launches, today's choice
+#                   and the authors' windows, GDN and Mamba-2 at B = 1..256, in phase and
+#                   staggered, after a device check of the one launch against the two (budget
+#                   400 s of timing; arguments after the job name go to the script)
 #   generate        evals/cuda_generate_check.py: generation through the compiled decode kernel
 #                   against the CPU path on the shipped tiny models (~150 s)
 #   train           evals/train_tiny.py device-run: train both tiny models, evaluate them and
@@ -73,7 +78,7 @@
 # not fla.
 set -uo pipefail
 : "${OUT:?set OUT to the folder where results go}"
-jobs="kernels|probe|ncu|checks|tf|decode|bench-generate|gpqa-timing|spec|generate|train"
+jobs="kernels|probe|ncu|checks|tf|decode|bench-generate|gpqa-timing|spec|fused-read|generate|train"
 job=${1:?usage: bash evals/gpu_runs.sh $jobs}
 [[ "|$jobs|" == *"|$job|"* ]] \
     || { echo "gpu_runs: unknown job '$job'; choose one of $jobs" >&2; exit 2; }
@@ -145,6 +150,11 @@ case "$job" in
   spec)
     timeout 540 python3 evals/spec_gpu.py "$OUT/spec_gpu.json" "${@:2}" > "$OUT/spec_gpu.log" 2>&1
     echo "spec rc=$?"; grep -vE "it/s\]|s/it\]" "$OUT/spec_gpu.log" | tail -22 | cut -c1-1500
+    ;;
+  fused-read)
+    timeout 560 python3 evals/fused_read_bench.py "$OUT/fused_read.json" --authors .gpu/authors \
+        "${@:2}" > "$OUT/fused_read.log" 2>&1; echo "fused-read rc=$?"
+    grep -vE "it/s\]|s/it\]" "$OUT/fused_read.log" | tail -60 | cut -c1-400
     ;;
   generate)
     timeout 300 python3 evals/cuda_generate_check.py "$OUT/cuda_generate.json" --new-tokens 32 \

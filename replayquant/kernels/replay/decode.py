@@ -829,14 +829,16 @@ def _replay_kernel(
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, U_BF16: tl.constexpr, DT_CLAMP: tl.constexpr,
         PREC: tl.constexpr, ON_GPU: tl.constexpr, VEC: tl.constexpr, FLUSHES: tl.constexpr,
         TPP: tl.constexpr, FOLD_U: tl.constexpr, PCK: tl.constexpr,
-        KF: tl.constexpr, FUSED: tl.constexpr, RECORD: tl.constexpr):
+        KF: tl.constexpr, FUSED: tl.constexpr, FBV: tl.constexpr, RECORD: tl.constexpr):
     """A decode step (STEP, T = 1) or a verify of T drafts, in launches that make the same
     per-row decisions from the same pointers. FLUSHES, the flush launch: program p takes the
     TPP tiles from p TPP on (_flush_tile_at's order, _flush_grid), reads their rows' pointers at
     once and runs _flush_tile on those whose row pre-flushes or flushes (on a read step it
     returns after that one round of loads). Else the read launch, a program per [BV, d_k] tile:
     the reads (_read_drafts), and with ADVANCE the row's pointer moves (_advance_row). FUSED
-    (_fused): the read launch alone on the flush's tiles, a program flushing its own tile first.
+    (_fused): the read launch alone, a program whose row flushes running _flush_tile on its
+    tile's BV / FBV sub-tiles of FBV rows first (BV = FBV: on the flush's tiles; BV > FBV: on the
+    read's tiles, the flush inside the read program), then reading.
     Each launch compiles its own path only. VEC: KDA (a_ptr the log decay per key channel, b_ptr beta).
     RECORD (a step with ADVANCE): the step notes its inputs' faults and its flush's casts that
     overflowed in a stores.FaultRecord (flag_ptr, bad_ptr, stp_ptr; _note_inputs, _store_roles,
@@ -871,14 +873,16 @@ def _replay_kernel(
             pre, fill = _flush_flags(h, T, BUFFER_LEN, STEP)
             if FUSED:                       # this tile's own flush first, then its read copy
                 if pre | fill | FORCE:
-                    _flush_tile((hv * (DV // BV) + tl.program_id(1)) * n_rows + row, n_rows,
-                                A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, ubuf, Gbuf,
-                                bbuf, Tbuf, h_ptr, st_ptr, nf_ptr, idx_ptr, out_ptr, q_ptr, k_ptr,
-                                v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale,
-                                beta_scale, key_lo, key_hi, dt_lo, dt_hi, HK, HV, DK, DV, BV, BUFFER_LEN,
-                                CAPACITY, BUFFER_TILE, T, STEP, FORCE, AFMT, ASR, RFMT, RSR, SHARED, DELTA,
-                                L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP, PREC, ON_GPU, VEC,
-                                FOLD_U, flag_ptr, RECORD)
+                    for sb in range(BV // FBV):   # FBV-row sub-tiles, whole rows; a loop: one copy
+                        _flush_tile(
+                            (hv * (DV // FBV) + tl.program_id(1) * (BV // FBV) + sb) * n_rows
+                            + row, n_rows, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf,
+                            ubuf, Gbuf, bbuf, Tbuf, h_ptr, st_ptr, nf_ptr, idx_ptr, out_ptr,
+                            q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr,
+                            scale, beta_scale, key_lo, key_hi, dt_lo, dt_hi, HK, HV, DK, DV, FBV,
+                            BUFFER_LEN, CAPACITY, BUFFER_TILE, T, STEP, FORCE, AFMT, ASR, RFMT,
+                            RSR, SHARED, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP, PREC,
+                            ON_GPU, VEC, FOLD_U, flag_ptr, RECORD)
                     tl.debug_barrier()      # the tile's roles are written
                 P, Pb = _row_ptrs(R_pay, R_sc, mat, rows0, DV, DK, RFMT, PCK)
             s, start, h, go = _read_setup(R_gs, mat, start, h, pre, fill, FORCE, CAPACITY, RFMT, STEP)
@@ -948,11 +952,15 @@ def flush_grid_on(n_tiles: int, sms: int):
     return tpp, (-(-n_tiles // tpp),)
 
 
-def _fused(T: int, step: bool, n_warps: int, device) -> bool:
-    """Whether a decode step runs as one launch (FUSED: each program of the flush's tiles, whole
-    matrices where a role is NVFP4, flushes its own tile if its row flushes, then reads).
-    override_replay_launch({'fused': True / False}) decides; by default a step on the GPU fuses
-    when the flush's tiles, n_warps warps in all, fit one wave of the flush launch
+def _fused(T: int, step: bool, n_warps: int, device) -> str:
+    """Which tiles a decode step's one launch runs on ('flush' / 'read'), or '' for two launches
+    (the flush launch, then the read launch). FUSED on the flush's tiles: each program, whole
+    matrices where a role is NVFP4, flushes its own tile if its row flushes, then reads; on the
+    read's tiles: a program whose row flushes runs the flush on its tile's sub-tiles of the
+    flush's rows, one after another, then reads (no flush launch at any batch; an NVFP4 role,
+    flushed a whole matrix at a time, cannot). override_replay_launch({'fused': True (the
+    flush's tiles) / 'read' / False}) decides; by default a step on the GPU fuses on the flush's
+    tiles when they, n_warps warps in all, fit one wave of the flush launch
     (FLUSH_PROGRAMS_PER_SM one-warp programs an SM), where a step is its launches' latency
     (docs/kernels.md, one launch at small batch); the interpreter runs two launches unless
     asked."""
@@ -960,14 +968,32 @@ def _fused(T: int, step: bool, n_warps: int, device) -> bool:
     want = given_launch().get("fused")
     if want is None:
         device = torch.device(device)
-        return ok and device.type == "cuda" and n_warps <= FLUSH_PROGRAMS_PER_SM * \
+        one = ok and device.type == "cuda" and n_warps <= FLUSH_PROGRAMS_PER_SM * \
             torch.cuda.get_device_properties(device).multi_processor_count
-    if not isinstance(want, bool):
-        raise ValueError(f"launch['fused'] must be True or False, got {want!r}")
-    if want and not ok:
-        raise ValueError("override_replay_launch({'fused': True}) takes a decode step, not a "
-                         "verify")
-    return want
+        return "flush" if one else ""
+    if want not in (True, False, "read"):
+        raise ValueError(f"launch['fused'] must be True (one launch on the flush's tiles), "
+                         f"'read' (one launch on the read's tiles) or False, got {want!r}")
+    if want is not False and not ok:
+        raise ValueError(f"override_replay_launch({{'fused': {want!r}}}) takes a decode step, "
+                         f"not a verify")
+    return "flush" if want is True else want or ""
+
+
+def _fused_tiles(store: ReplayStore, fused: str, configs) -> int:
+    """The rows FBV of the flush's sub-tiles in a fused launch on the read's tiles (else the
+    launch's own tile rows): the flush's tile rows, which must divide the read's."""
+    fbv, bv = configs[0][0], configs[1][0]
+    if fused != "read":
+        return configs[LAUNCHES.index(fused)][0] if fused else bv
+    if "nvfp4" in (store.anchor.fmt, store.read_role.fmt):
+        raise ValueError("a flush inside the read launch ({'fused': 'read'}) takes pairs without "
+                         "an NVFP4 role: an NVFP4 role is cast a whole matrix at a time (one FP32 "
+                         "scale per matrix); use {'fused': True} or two launches")
+    if fbv > bv:
+        raise ValueError(f"a flush inside the read launch ({{'fused': 'read'}}) needs flush "
+                         f"tiles of at most the read's {bv} rows, got {fbv}")
+    return fbv
 
 
 def advance_pointers(store: ReplayStore, state_indices, T: int = 1, step: bool = True,
@@ -1032,9 +1058,10 @@ def _launch(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, state_ind
     Rp, Rs, Rg, rfid = store.read_role.kernel_args()
     inputs = _kernel_inputs(q, k, v, a, b, A, dt_bias, D, z)
     pck = _table(store, "read")[3]
-    runs = [("flush", False, configs[0])] if fused else \
+    fbv = _fused_tiles(store, fused, configs)
+    runs = [(fused, False, configs[LAUNCHES.index(fused)])] if fused else \
         list(zip(LAUNCHES, (True, False), configs))
-    for which, flushes, (BV, nw) in runs:       # fused: one launch with the flush's tiles
+    for which, flushes, (BV, nw) in runs:       # fused: one launch on `fused`'s tiles
         regs = _max_regs(store, which, T)
         tpp, grid = 1, (B * HV, dv // BV)
         if flushes:
@@ -1049,7 +1076,7 @@ def _launch(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, state_ind
             *split_key(store.key), dt_lo, dt_hi, B,
             HK=HK, HV=HV, DK=dk, DV=dv, BV=BV, BUFFER_LEN=store.buffer_len, CAPACITY=store.capacity,
             BUFFER_TILE=max(16, triton.next_power_of_2(store.buffer_len)), T=T, STEP=step, FORCE=bool(force),
-            ADVANCE=bool(advance) and not flushes, AFMT=afid, FUSED=fused,
+            ADVANCE=bool(advance) and not flushes, AFMT=afid, FUSED=bool(fused), FBV=fbv if fused else BV,
             ASR=store.anchor.rounding == "stochastic", RFMT=rfid,
             RSR=store.read_role.rounding == "stochastic", SHARED=store.shared, DELTA=delta,
             L2NORM=use_qk_l2norm, HAS_DTB=dt_bias is not None, HAS_D=D is not None,

@@ -492,7 +492,7 @@ def _pre_flush(store, kind, idx, out, inputs, has, scale, beta_scale, dt_args, u
         *split_key(store.key), dt_args[0], dt_args[1], B,
         HK=store.key_heads, HV=HV, DK=dk, DV=dv, BV=BV, BUFFER_LEN=store.buffer_len,
         CAPACITY=store.capacity, BUFFER_TILE=max(16, triton.next_power_of_2(store.buffer_len)),
-        T=T, STEP=False, FORCE=False, ADVANCE=False, AFMT=afid, FUSED=False,
+        T=T, STEP=False, FORCE=False, ADVANCE=False, AFMT=afid, FUSED=False, FBV=BV,
         ASR=store.anchor.rounding == "stochastic", RFMT=rfid,
         RSR=store.read_role.rounding == "stochastic", SHARED=store.shared,
         DELTA=kind != "mamba2", L2NORM=use_qk_l2norm, HAS_DTB=has[0], HAS_D=has[1],

@@ -166,13 +166,19 @@ def test_replay_step_matches_reference(kind, pair):
         torch.testing.assert_close(store.Tbuf[live], ref.Tbuf[live], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("kind,pair", [("gdn", "s32_rs"), ("gdn", "tp8_hi16_sr"),
-                                       ("mamba2", "tp8_hi32"), ("gdn", "tp4_hi32")])
-def test_fused_step_equals_two_launches(kind, pair):
+@pytest.mark.parametrize("kind,pair,fused", [("gdn", "s32_rs", True),
+                                             ("gdn", "tp8_hi16_sr", True),
+                                             ("mamba2", "tp8_hi32", True),
+                                             ("gdn", "tp4_hi32", True),
+                                             ("gdn", "tp8_hi32", "read"),
+                                             ("mamba2", "tp8_hi16_sr", "read")])
+def test_fused_step_equals_two_launches(kind, pair, fused):
     """override_replay_launch({'fused': True}) (one launch a step: each program flushes its own
-    tile, whole matrices for an NVFP4 role, then reads) gives the two launches' outputs and
-    store bit for bit, over windows with rows out of phase, padding rows and a forced flush; a
-    verify cannot fuse."""
+    tile, whole matrices for an NVFP4 role, then reads) and {'fused': 'read'} (one launch on the
+    read's 32-row tiles, a flushing row's program running the flush on its two 16-row
+    sub-tiles) give the two launches' outputs and store bit for bit, over windows with rows out
+    of phase, padding rows and a forced flush; a verify cannot fuse, nor can an NVFP4 role
+    flush inside the read's tiles."""
     N, HK, H, dk, dv = 4, 1, 2, 32, 32
     dr = Driver(kind, 5, HK, H, dk, dv)
     store = ReplayStore.from_state(random_state(N, H, dv, dk, seed=5), resolve_pair(pair, 3), kind, key_heads=HK,
@@ -187,12 +193,18 @@ def test_fused_step_equals_two_launches(kind, pair):
             idx = torch.tensor([2, 3, 0, -1, 1])
         inp = dr.inputs(seed=40 + step)
         path = "flush" if step == 5 else "replay"
-        with override_replay_launch({"fused": True}):
+        with override_replay_launch({"fused": fused}):
             y = dr.kernel(store, inp, idx, path=path)
         assert torch.equal(y, dr.kernel(two, inp, idx, path=path))
         assert_same_store(store, two)
-    with pytest.raises(ValueError, match="not a verify"), override_replay_launch({"fused": True}):
+    with pytest.raises(ValueError, match="not a verify"), override_replay_launch({"fused": fused}):
         _fused(4, False, 1, "cpu")
+    if fused == "read":
+        nv = ReplayStore.from_state(random_state(N, H, dv, dk, seed=5),
+                                    resolve_pair("tp4_hi32", 3), kind, key_heads=HK)
+        with pytest.raises(ValueError, match="without an NVFP4 role"), \
+                override_replay_launch({"fused": "read"}):
+            dr.kernel(nv, dr.inputs(seed=1), idx)
 
 
 @pytest.mark.parametrize("kind", ["gdn", "mamba2"])

@@ -1,0 +1,161 @@
+"""The flush inside the read launch, timed beside today's launches and the ReplaySSM authors'
+kernels on one GPU: a decode step of a separate-copy pair (tp8_hi32: FP32 anchor, FP8 read copy)
+as one launch on the read's 64-row tiles, a flushing row's program running the flush on its
+16-row sub-tiles (override_replay_launch({'fused': 'read'}), at the read's register cap and at
+other caps), against the flush launch then the read launch ({'fused': False}) and today's
+choice (one launch on the flush's tiles at small batch). On `replayquant bench kernels`' shapes,
+inputs and clock (its replay-window, replay-window-staggered, read and flush step rows), each
+way on stores of its own from the same initial state; the authors' windows (in phase and
+staggered) of the same batch in the same run with --authors. First a check on the device (the
+interpreter never runs the tensor-core path): the one launch against the two over 2L + 1 steps
+from one store, half the rows staggered.
+
+    python evals/fused_read_bench.py OUT.json [--kinds gdn,mamba2] [--batches 1,8,32,128,256]
+        [--ways two,today,read,read168] [--authors PATH] [--budget-s 400]
+
+Writes OUT.json after every row (rows, checks, copy bandwidth, provenance)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from replayquant.bench import authors as side
+from replayquant.bench.kernels.grid import PAIR_L, SHAPES, kernel_inputs, load_pair
+from replayquant.bench.kernels.rows import bench_replay
+from replayquant.bench.kernels.timing import copy_bandwidth_GBps, no_gpu
+from replayquant.kernels.replay.decode import replay_gdn_step, replay_mamba2_step
+from replayquant.kernels.replay.launch import override_replay_launch
+from replayquant.outputs import write_json
+from replayquant.provenance import provenance
+from replayquant.replay.stores import ReplayStore
+from replayquant.testing import random_state
+
+PAIR = "tp8_hi32"
+STEP = {"gdn": replay_gdn_step, "mamba2": replay_mamba2_step}
+# the ways a step launches: override_replay_launch's mapping each
+WAYS = {"two": {"fused": False}, "today": {}, "read": {"fused": "read"},
+        "read168": {"fused": "read", "read": (None, None, 168)},
+        "read255": {"fused": "read", "read": (None, None, 255)}}
+
+
+def _rel(a, b) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp(min=1e-30))
+
+
+def check(kind, B, device) -> dict:
+    """The one launch on the read's tiles against two launches over 2L + 1 steps from one store,
+    half the rows staggered (their first steps alone): outputs, anchors, read copies, pointers."""
+    S, L = SHAPES[kind], PAIR_L[kind]
+    idx = torch.arange(B, dtype=torch.int32, device=device)
+    init = random_state(B, S["H"], S["dv"], S["dk"], seed=B + 1, device=device)
+    P = load_pair(PAIR, L)[0]
+    two, one = (ReplayStore.from_state(init, P, kind, key_heads=S["HK"]) for _ in range(2))
+    worst = 0.0
+    for st, way in ((two, WAYS["two"]), (one, WAYS["read"])):
+        for j in range(1, L):
+            rows = idx[B // 2:][(idx[B // 2:] % L) >= j]
+            kw = kernel_inputs(kind, S, B, seed=500 + j, device=device)
+            sub = {k: (v[rows.long()] if v.dim() > 1 else v) for k, v in kw.items()}
+            with override_replay_launch(way):
+                STEP[kind](st, **sub, state_indices=rows)
+    for n in range(2 * L + 1):
+        kw = kernel_inputs(kind, S, B, seed=10 + n, device=device)
+        with override_replay_launch(WAYS["two"]):
+            y0 = STEP[kind](two, **kw, state_indices=idx)
+        with override_replay_launch(WAYS["read"]):
+            y1 = STEP[kind](one, **kw, state_indices=idx)
+        worst = max(worst, _rel(y1, y0))
+    r = dict(kind=kind, B=B, steps=2 * L + 1, max_rel_outputs=worst,
+             anchor_max_rel=_rel(one.anchor.payload, two.anchor.payload),
+             read_copy_codes_equal=bool(torch.equal(one.read_role.payload,
+                                                    two.read_role.payload)),
+             pointers_equal=all(bool(torch.equal(getattr(one, p), getattr(two, p)))
+                                for p in ("committed", "start", "n_flush")))
+    print(f"check {kind} B={B}: {r}", flush=True)
+    return r
+
+
+def rows_of(kind, B, way, copy_bw, device) -> list:
+    """One way's rows at batch B: window in phase (and at B >= 128 the read and flush steps)
+    through bench_replay, and the staggered window."""
+    S, L = SHAPES[kind], PAIR_L[kind]
+    cfg = {"launch": WAYS[way]}
+    rows = bench_replay(kind, B, PAIR, L, device, copy_bw, cfg=cfg, detail=B >= 128, S=S)
+    with override_replay_launch(WAYS[way]):
+        rows += side.bench_ours_staggered(kind, B, PAIR, L, device, copy_bw, S)
+    for r in rows:
+        r["way"] = way
+    return rows
+
+
+def summary(rows) -> None:
+    """Each way's windows against the authors' (their time over ours: > 1, ours faster) and
+    against two launches."""
+    auth = {(r["kind"], r["B"], r["kernel"].replace("authors", "replay-window")): r["us"]
+            for r in rows if r.get("way") == "authors"}
+    two = {(r["kind"], r["B"], r["kernel"]): r["us"] for r in rows if r.get("way") == "two"}
+    for r in rows:
+        if r.get("way") in (None, "authors") or not r["kernel"].startswith("replay-window"):
+            continue
+        key = (r["kind"], r["B"], r["kernel"])
+        a, t = auth.get(key), two.get(key)
+        print(f"  {r['kind']:6s} B={r['B']:4d} {r['kernel']:24s} {r['way']:8s} {r['us']:8.2f} us"
+              + (f", authors x{a / r['us']:.2f}" if a else "")
+              + (f", two launches x{t / r['us']:.2f}" if t else ""), flush=True)
+
+
+def main(argv) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out")
+    p.add_argument("--kinds", default="gdn,mamba2")
+    p.add_argument("--batches", default="1,8,32,128,256")
+    p.add_argument("--ways", default="two,today,read,read168")
+    p.add_argument("--authors", default=None, help="checkout of the authors' kernels")
+    p.add_argument("--budget-s", type=float, default=400.0)
+    p.add_argument("--no-check", action="store_true")
+    a = p.parse_args(argv)
+    kinds, ways = a.kinds.split(","), a.ways.split(",")
+    bad = [w for w in ways if w not in WAYS] + [k for k in kinds if k not in STEP]
+    if bad:
+        raise SystemExit(f"fused_read_bench: unknown {bad}; ways {sorted(WAYS)}, kinds gdn, "
+                         f"mamba2")
+    batches = [int(b) for b in a.batches.split(",")]
+    if no_gpu("fused_read_bench"):
+        return 1
+    A = side.load(a.authors) if a.authors else None
+    dev, t0 = "cuda", time.time()
+    res = dict(provenance(dev, kinds=kinds, batches=batches, pair=PAIR, ways=ways),
+               copy_GBps=copy_bandwidth_GBps(dev), checks=[], rows=[], skipped=[])
+    if A is not None:
+        res["authors"] = A.provenance()
+    print(f"copy bandwidth {res['copy_GBps']:.0f} GB/s", flush=True)
+    for kind in kinds:
+        if not a.no_check:
+            res["checks"].append(check(kind, 64, dev))
+            write_json(a.out, res)
+        for B in batches:
+            for way in (["authors"] if A is not None else []) + ways:
+                if time.time() - t0 > a.budget_s:
+                    res["skipped"].append(f"{kind} B={B} {way}")
+                    continue
+                if way == "authors":
+                    new = side.bench_window(kind, B, PAIR_L[kind], dev, res["copy_GBps"],
+                                            SHAPES[kind], A, staggered=True)
+                    for r in new:
+                        r["way"] = "authors"
+                else:
+                    new = rows_of(kind, B, way, res["copy_GBps"], dev)
+                res["rows"] += new
+                write_json(a.out, res)
+    summary(res["rows"])
+    if res["skipped"]:
+        print(f"skipped past the budget: {res['skipped']}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

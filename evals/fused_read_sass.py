@@ -1,0 +1,128 @@
+"""Static figures of the decode step's flush inside the read launch ({'fused': 'read'}: one launch
+on the read's 64-row tiles, a flushing row's program running the flush on its 16-row sub-tiles)
+against today's read and flush launches (no GPU: Triton's compiler and ptxas for sm_90,
+`compile_check`): registers, spilled bytes, SASS instructions and the commonest opcodes, for the
+separate-copy pair tp8_hi32 (FP32 anchor, FP8 read copy) at the GDN Qwen3.5-4B layer (H = 32,
+HK = 16, d_v = d_k = 128, L = 16) and
+the Mamba-2 Nemotron-H layer (H = 128, HK = 8, d_v = 64, d_k = 128, L = 8), at register caps
+None (ptxas's choice), 168 and 128. Records this script's own tiny steps in the interpreter
+(`--drive`) and compiles them with the layer shapes' constexprs.
+
+    PYTHONPATH=. python evals/fused_read_sass.py [--arch 90]
+"""
+
+import collections
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = {True: dict(HK=16, HV=32, DK=128, DV=128, BUFFER_LEN=16),        # GDN (DELTA)
+          False: dict(HK=8, HV=128, DK=128, DV=64, BUFFER_LEN=8)}         # Mamba-2
+PAIR = "tp8_hi32"
+CAPS = (None, 168, 128)
+OPS = ("HMMA", "LDG", "STG", "SHFL", "BAR", "LDL", "STL")
+
+
+def drive() -> int:
+    """Tiny GDN and Mamba-2 steps of PAIR: two launches, and one launch on the read's tiles."""
+    import torch
+
+    from replayquant.kernels.replay.decode import replay_gdn_step, replay_mamba2_step
+    from replayquant.kernels.replay.launch import override_replay_launch
+    from replayquant.pairs import PrecisionPair
+    from replayquant.replay.stores import ReplayStore
+    from replayquant.testing import (gdn_params, gdn_step_inputs, mamba2_params,
+                                     mamba2_step_inputs, random_state)
+    B, H, D, L = 1, 2, 32, 2
+    for kind in ("gdn", "mamba2"):
+        for fused in (False, "read"):
+            st = ReplayStore.from_state(random_state(B, H, D, D),
+                                        PrecisionPair.load(PAIR).with_buffer_len(L), kind,
+                                        key_heads=1)
+            for step in range(L):
+                with override_replay_launch({"fused": fused}):
+                    if kind == "gdn":
+                        q, k, v, a, b = gdn_step_inputs(B, 1, H, D, D, seed=step)
+                        replay_gdn_step(st, q, k, v, a, b, *gdn_params(H))
+                    else:
+                        x, dt, Bm, C, z = mamba2_step_inputs(B, 1, H, D, D, seed=step)
+                        A, Dp, dtb = mamba2_params(H)
+                        replay_mamba2_step(st, x, dt, A, Bm, C, D=Dp, z=z, dt_bias=dtb)
+    del torch
+    return 0
+
+
+def _record(path):
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-m", "replayquant.kernels.compile_check", "record",
+                        str(path), "--", __file__, "--drive"],
+                       env=env, capture_output=True, text=True)
+    if r.returncode:
+        raise SystemExit(r.stdout + r.stderr)
+    return json.loads(Path(path).read_text())
+
+
+def _variants(launches):
+    """(name, launch) at the layer shapes: the fused read launch at each cap, today's read
+    (64 rows, LAUNCH_TABLE's cap) and flush (16 rows, 8 tiles a program) launches."""
+    from replayquant.kernels.replay.launch import LAUNCH_TABLE
+    out = []
+    for ln in launches:
+        if ln["kernel"] != "_replay_kernel":
+            continue
+        c = ln["constexprs"]
+        kind = "gdn" if c["DELTA"] else "mamba2"
+        shape = SHAPES[c["DELTA"]]
+        read = next(r for r in LAUNCH_TABLE if r[0] == "read" and r[1] in ("*", kind)
+                    and r[2] in ("*", "fp8"))
+        warps = max(1, 64 * shape["DK"] // (32 * read[4]))
+        v = json.loads(json.dumps(ln))
+        v["constexprs"].update(shape, CAPACITY=shape["BUFFER_LEN"], BUFFER_TILE=16,
+                               PCK=read[6])
+        v["num_warps"] = warps if not c["FLUSHES"] else 1
+        if c["FUSED"]:
+            for cap in CAPS:
+                w = json.loads(json.dumps(v))
+                w["constexprs"].update(BV=64, FBV=16, TPP=1)
+                w["maxnreg"] = cap
+                out.append((f"{kind} fused read 64x{warps}, flush 16-row sub-tiles, "
+                            f"cap {cap}", w))
+        elif c["FLUSHES"]:
+            v["constexprs"].update(BV=16, FBV=16, TPP=8)
+            out.append((f"{kind} today's flush 16x1", v))
+        else:
+            v["constexprs"].update(BV=64, FBV=64, TPP=1)
+            v["maxnreg"] = read[5]
+            out.append((f"{kind} today's read 64x{warps} cap {read[5]}", v))
+    return out
+
+
+def main(argv) -> int:
+    if "--drive" in argv:
+        return drive()
+    os.environ.pop("TRITON_INTERPRET", None)
+    from replayquant.kernels.compile_check import sass_launch
+    arch = int(argv[argv.index("--arch") + 1]) if "--arch" in argv else 90
+    with tempfile.TemporaryDirectory() as d:
+        launches = _record(Path(d) / "launches.json")
+    seen = set()
+    for name, ln in _variants(launches):
+        if name in seen:
+            continue
+        seen.add(name)
+        err, report, ops = sass_launch(ln, arch)
+        if err:
+            print(f"{name}: FAIL {err}")
+            continue
+        cnt = collections.Counter(ops or [])
+        extra = " ".join(f"{op} {cnt[op]}" for op in OPS)
+        print(f"{name}: {len(ops or [])} SASS, {report}; {extra}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
