@@ -91,20 +91,21 @@ _given: dict = {}
 @contextlib.contextmanager
 def override_replay_launch(launch):
     """Within the block, the replay kernels launch as `launch` says instead of the tables: a
-    mapping {'read' / 'flush': (rows, warps) or (rows, warps, regs), 'fused': True / False,
-    'fold': (rows, warps[, chunk, stages, qload])} whose entries may be None (the table's).
-    rows and warps of 'read' give the one-pass verify's read launch too; 'fold' the deferred
-    fold's launch; regs caps the registers a thread (ptxas's maxnreg, _max_regs);
-    'fused' runs a decode step as one launch or two (decode._fused). An inner override replaces
-    an outer one for its block; the outer one holds again after it. For tests and the
-    benchmark's sweep; the values are checked where a kernel asks for them."""
+    mapping {'read' / 'flush': (rows, warps) or (rows, warps, regs), 'fused': True / 'read' /
+    False, 'fold': (rows, warps[, chunk, stages, qload])} whose entries may be None (the
+    table's). rows and warps of 'read' give the one-pass verify's read launch too; 'fold' the
+    deferred fold's launch; regs caps the registers a thread (ptxas's maxnreg, _max_regs);
+    'fused' runs a decode step as one launch on the flush's tiles (True) or on the read's, the
+    flush inside the read program ('read'), or as two launches (False; decode._fused). An inner
+    override replaces an outer one for its block; the outer one holds again after it. For tests
+    and the benchmark's sweep; the values are checked where a kernel asks for them."""
     global _given
     launch = dict(launch or {})
     bad = set(launch) - set(LAUNCHES) - {"fused", "fold"}
     if bad:
         raise ValueError(f"launch takes the keys 'flush' and 'read' -> (rows, warps), 'fold' -> "
-                         f"(rows, warps, chunk, stages, qload) and 'fused' -> bool, got "
-                         f"{sorted(bad)}")
+                         f"(rows, warps, chunk, stages, qload) and 'fused' -> True / 'read' / "
+                         f"False, got {sorted(bad)}")
     outer, _given = _given, launch
     try:
         yield
