@@ -1,5 +1,5 @@
 """The speculative verify round of both read launches side by side on one GPU: replay.decode's
-step kernel (design='step-kernel', the default) and verify_onepass (design='onepass', at its
+step kernel (design='step-kernel') and verify_onepass (design='onepass', the default, at its
 launch table's config and at the variants given), on `replayquant bench kernels`' shapes,
 inputs, accept counts and clock (bench_spec's rounds: verify + accept of n, CUDA graphs of 8
 rounds, triton.testing.do_bench median), each design on a store of its own from the same
@@ -60,7 +60,7 @@ def check(kind, pair, B, T, device) -> dict:
                                 key_heads=S["HK"], max_drafts=T)
     for r in range(CHECK_ROUNDS):
         f["verify"](st, **kernel_inputs(kind, S, B, T=T, seed=10 + r, device=device),
-                    state_indices=idx)
+                    state_indices=idx, design="step-kernel")
         g = torch.Generator().manual_seed(r)
         replay_accept(st, torch.randint(0, T + 1, (B,), generator=g).to(device), idx)
     kw = kernel_inputs(kind, S, B, T=T, seed=3, device=device)
@@ -68,7 +68,7 @@ def check(kind, pair, B, T, device) -> dict:
     one, two = st.clone(), st.clone()
     out = torch.full((B, T, S["H"], S["dv"]), float("nan"), device=device)
     y1 = f["verify"](one, **kw, state_indices=idx, out=out, design="onepass")
-    y0 = f["verify"](two, **kw, state_indices=idx)
+    y0 = f["verify"](two, **kw, state_indices=idx, design="step-kernel")
     rows = torch.arange(REF_ROWS, dtype=torch.int32, device=device)
     sub = {k: (v[:REF_ROWS] if v.dim() > 1 else v) for k, v in kw.items()}
     ref, three = st.clone(), st.clone()

@@ -3,9 +3,9 @@ per-row flush from the anchor).
 
 | module | holds |
 | --- | --- |
-| decode | the step kernel: a flush launch and a read launch of one kernel (one launch at small batch), and the pointer move |
-| verify | the speculative verify on the step kernel, its accept and the choice of design |
-| verify_onepass | the one-pass verify (design='onepass': one pass over the read copy for all drafts) |
+| decode | the step kernel: a flush launch and a read launch of one kernel (one launch at small batch, or on the read's tiles with the flush inside), and the pointer move |
+| verify | the speculative verify (GDN and Mamba-2 on the one-pass kernel by default, KDA on the step kernel), its accept and the choice of design |
+| verify_onepass | the one-pass verify (design='onepass', the default: one pass over the read copy for all drafts) |
 | fold | the decode step in one launch, a full window folded by the next step's read (design='deferred-fold', GDN and Mamba-2 s32_rs) |
 | launch | the launch tables of the three kernels, with `override_replay_launch` |
 | reference | the torch reference of step, verify, accept and the deferred-fold step (specified by the torch `ReplayState`) |
