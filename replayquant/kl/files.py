@@ -26,6 +26,7 @@ refused):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -33,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from replayquant.outputs import (append_line, check_owned, check_writable_folder, diff_records,
-                                 parse_json, save_npy)
+                                 output_lock, parse_json, save_npy)
 
 from . import stats as S
 from .report import RESULTS_KIND
@@ -80,6 +81,16 @@ def check_out(out: str | os.PathLike) -> Path:
     check_owned(out, RESULTS_KIND, "replayquant kl", beside=() if resumes else (png,),
                 rebuilt_from=f"{run_dir}/" if resumes else None)
     return out
+
+
+@contextlib.contextmanager
+def held_out(out: str | os.PathLike, main: bool = True):
+    """The results path of a run, checked (`check_out`) and, on the main process, held for the
+    `with` block (`replayquant.outputs.output_lock`: a second run into it is refused); yields it
+    as a Path. The other processes of a data-parallel run work under the main process's hold."""
+    out = check_out(out)
+    with output_lock(out) if main else contextlib.nullcontext():
+        yield out
 
 
 def check_run_folder(path: Path, res: dict, run_dir: Path) -> None:
