@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import re
@@ -19,11 +18,11 @@ from replayquant.models.names import resolve_model_name
 from replayquant.models.patching import load_config, load_model
 from replayquant.models.shapes import config_shapes
 from replayquant.launch import process_rank
-from replayquant.outputs import check_out_given, output_lock
+from replayquant.outputs import check_out_given
 from replayquant.policy import EXACT, LayerPolicy, quantized_layers, resolve_pair
 
 from .data import load_documents
-from .files import check_out
+from .files import held_out
 from .lockstep import check_pair_names
 from .report import print_summary
 from .run import RunParts, model_record, run_checked_kl
@@ -88,9 +87,9 @@ def kl_command(model: str, pairs: list, settings: KLSettings | None = None, *,
                same_documents_as: tuple[str, dict] | None = None) -> dict | None:
     """Everything `replayquant kl` does with `settings` (default: KLSettings()); returns the
     results dict on the main process. A second run into the same --out while one runs is refused
-    (`replayquant.outputs.output_lock`). same_documents_as: (a results file, its record of the
-    documents it measured, `DocumentSet.record()`): this run measures those documents, or one
-    ValueError names both before the weights load (`check_same_documents`)."""
+    (`files.held_out`). same_documents_as: (a results file, its record of the documents it
+    measured, `DocumentSet.record()`): this run measures those documents, or one ValueError names
+    both before the weights load (`check_same_documents`)."""
     # cheap checks first, once: no weights are loaded for a run that cannot start
     settings = settings or KLSettings()
     settings.check()
@@ -99,11 +98,10 @@ def kl_command(model: str, pairs: list, settings: KLSettings | None = None, *,
         raise ValueError(f"--scoring {scoring} scores no position of a --context "
                          f"{settings.context} document; give a longer --context")
     check_out_given(out)
-    out_path = check_out(out if out is not None else
-                         default_out(model, pairs, settings.context, settings.prefill, scoring))
     # the main process holds the output for the whole run
-    main = process_rank() == 0
-    with output_lock(out_path) if main else contextlib.nullcontext():
+    with held_out(out if out is not None else
+                  default_out(model, pairs, settings.context, settings.prefill, scoring),
+                  main=process_rank() == 0) as out_path:
         return _checked_kl(model, pairs, out_path, settings, scoring, same_documents_as)
 
 

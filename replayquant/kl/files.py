@@ -26,6 +26,7 @@ refused):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -33,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from replayquant.outputs import (append_line, check_owned, check_writable_folder, diff_records,
-                                 parse_json, save_npy)
+                                 output_lock, parse_json, save_npy)
 
 from . import stats as S
 from .report import RESULTS_KIND
@@ -48,7 +49,9 @@ def check_out(out: str | os.PathLike) -> Path:
     """The results path of a run, checked before any work: a file name ending in .json (the
     plot goes beside it as NAME.png and the per-document files into NAME.kl/, so no other
     suffix can share a name with them), not a folder, in a folder that can be written (created
-    if missing). Returns it as a Path; raises one ValueError saying what to give instead."""
+    if missing). What a run folder already there holds is read first (`read_progress`), then
+    `replayquant.outputs` says whether the run may write and replace its files there. Returns it
+    as a Path; raises one ValueError saying what to give instead."""
     out = Path(os.path.expanduser(str(out)))
     if out.is_dir():
         raise ValueError(f"--out {out} is a folder; give the results file's name, e.g. "
@@ -66,15 +69,28 @@ def check_out(out: str | os.PathLike) -> Path:
     if png.is_dir():
         raise ValueError(f"--out {out}: {png} (where the plot goes) is a folder; move it away or "
                          f"give another --out")
-    check_writable_folder(out.parent, out)
-    if run_dir.is_dir():
-        check_writable_folder(run_dir, out)
+    resumes = run_dir.is_dir()
+    if resumes:
         read_progress(run_dir)                # damaged logs: one error before any work
-    # a file there is replaced only when it is a KL results file (the configuration is compared
-    # with the run's in `resume.finished_documents`); the plot only with it or with its run's folder
-    check_owned(out, RESULTS_KIND, "replayquant kl", beside=() if run_dir.is_dir() else (png,),
-                rebuilt_from=f"{run_dir}/" if run_dir.is_dir() else None)
+    # then whether the run may write there; a file there is replaced only when it is a KL results
+    # file (the configuration is compared with the run's in `resume.finished_documents`); the plot
+    # only with it or with its run's folder
+    check_writable_folder(out.parent, out)
+    if resumes:
+        check_writable_folder(run_dir, out)
+    check_owned(out, RESULTS_KIND, "replayquant kl", beside=() if resumes else (png,),
+                rebuilt_from=f"{run_dir}/" if resumes else None)
     return out
+
+
+@contextlib.contextmanager
+def held_out(out: str | os.PathLike, main: bool = True):
+    """The results path of a run, checked (`check_out`) and, on the main process, held for the
+    `with` block (`replayquant.outputs.output_lock`: a second run into it is refused); yields it
+    as a Path. The other processes of a data-parallel run work under the main process's hold."""
+    out = check_out(out)
+    with output_lock(out) if main else contextlib.nullcontext():
+        yield out
 
 
 def check_run_folder(path: Path, res: dict, run_dir: Path) -> None:

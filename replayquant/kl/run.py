@@ -8,7 +8,6 @@ file into NAME.json and NAME.png (`results`).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import resource
@@ -22,13 +21,12 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColu
                            TimeElapsedColumn)
 from rich.text import Text
 
-from replayquant.outputs import output_lock
 from replayquant.policy import resolve_pair
 from replayquant.provenance import local_fingerprint
 
 from . import stats as S
 from .data import Document, DocumentSet, load_documents
-from .files import append_record, check_out, read_progress, run_paths, save_document
+from .files import append_record, held_out, read_progress, run_paths, save_document
 from .lockstep import (SegmentRunner, Variant, check_pair_names, patch_variant, reference_variant,
                        score_document)
 from .results import write_results
@@ -90,9 +88,8 @@ def run_kl(model, tokenizer, pairs: list, settings: KLSettings | None = None, *,
            parts: RunParts | None = None) -> dict | None:
     """Run (or resume) a KL measurement with `settings` (default: KLSettings(); its dtype,
     device_map and revision are the loaded model's business, not this function's); returns the
-    results dict (on the main process). `out` is checked (`files.check_out`) and locked
-    (`replayquant.outputs.output_lock`) by the main process for the whole run: a second run into
-    the same output is refused.
+    results dict (on the main process). `out` is checked and held by the main process for the
+    whole run (`files.held_out`): a second run into the same output is refused.
 
     pairs: pair names / YAML paths / pair objects. The reference is `settings.reference`:
     "exact" (s32_rs patched with prefill="exact") or "hf" (the unpatched model).
@@ -104,9 +101,8 @@ def run_kl(model, tokenizer, pairs: list, settings: KLSettings | None = None, *,
     settings = settings or KLSettings()
     settings.check()
     parts = parts or RunParts()
-    out = check_out(out)
     main = parts.state is None or parts.state.is_main_process
-    with output_lock(out) if main else contextlib.nullcontext():
+    with held_out(out, main) as out:
         return run_checked_kl(model, tokenizer, pairs, settings, out=out, scoring=scoring,
                               documents=documents, parts=parts)
 
