@@ -8,13 +8,10 @@ tests/kernels/replay/compile_drive_fold.py in the interpreter and compiles them 
     PYTHONPATH=. python evals/fold_sass.py [--arch 90]
 """
 
-import collections
 import itertools
 import json
 import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,16 +23,6 @@ FOLD_TILES = ((64, 2, 32, 3, False), (64, 2, 32, 3, True), (64, 2, 16, 3, False)
               (64, 1, 16, 3, True), (64, 1, 32, 3, True), (32, 1, 32, 3, False),
               (32, 1, 32, 3, True), (16, 1, 32, 3, True), (128, 4, 32, 3, False))
 OPS = ("HMMA", "HGMMA", "LDG", "STG", "LDGSTS", "SHFL", "BAR")
-
-
-def _record(path):
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    r = subprocess.run([sys.executable, "-m", "replayquant.kernels.compile_check", "record",
-                        str(path), "--", str(DRIVE)],
-                       env=env, capture_output=True, text=True)
-    if r.returncode:
-        raise SystemExit(r.stdout + r.stderr)
-    return json.loads(Path(path).read_text())
 
 
 def _variants(launches):
@@ -71,23 +58,11 @@ def _variants(launches):
 
 def main(argv) -> int:
     os.environ.pop("TRITON_INTERPRET", None)
-    from replayquant.kernels.compile_check import sass_launch
+    from replayquant.kernels.compile_check import print_sass_table, recorded
     arch = int(argv[argv.index("--arch") + 1]) if "--arch" in argv else 90
-    with tempfile.TemporaryDirectory() as d:
-        launches = _record(Path(d) / "launches.json")
-    seen = set()
-    launches = [ln for ln in launches if not ln["constexprs"].get("QLOAD")]  # FOLD_TILES set it
-    for name, ln in _variants(launches):
-        if name in seen:
-            continue
-        seen.add(name)
-        err, report, ops = sass_launch(ln, arch)
-        if err:
-            print(f"{name}: FAIL {err}")
-            continue
-        cnt = collections.Counter(ops or [])
-        extra = " ".join(f"{op} {cnt[op]}" for op in OPS)
-        print(f"{name}: {len(ops or [])} SASS, {report}; {extra}", flush=True)
+    launches = [ln for ln in recorded([DRIVE], ROOT)
+                if not ln["constexprs"].get("QLOAD")]           # FOLD_TILES set it
+    print_sass_table(_variants(launches), arch, OPS)
     return 0
 
 

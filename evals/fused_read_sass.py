@@ -11,12 +11,9 @@ None (ptxas's choice), 168 and 128. Records this script's own tiny steps in the 
     PYTHONPATH=. python evals/fused_read_sass.py [--arch 90]
 """
 
-import collections
 import json
 import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,16 +51,6 @@ def drive() -> int:
                         replay_mamba2_step(st, x, dt, A, Bm, C, D=Dp, z=z, dt_bias=dtb)
     del torch
     return 0
-
-
-def _record(path):
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    r = subprocess.run([sys.executable, "-m", "replayquant.kernels.compile_check", "record",
-                        str(path), "--", __file__, "--drive"],
-                       env=env, capture_output=True, text=True)
-    if r.returncode:
-        raise SystemExit(r.stdout + r.stderr)
-    return json.loads(Path(path).read_text())
 
 
 def _variants(launches):
@@ -105,22 +92,9 @@ def main(argv) -> int:
     if "--drive" in argv:
         return drive()
     os.environ.pop("TRITON_INTERPRET", None)
-    from replayquant.kernels.compile_check import sass_launch
+    from replayquant.kernels.compile_check import print_sass_table, recorded
     arch = int(argv[argv.index("--arch") + 1]) if "--arch" in argv else 90
-    with tempfile.TemporaryDirectory() as d:
-        launches = _record(Path(d) / "launches.json")
-    seen = set()
-    for name, ln in _variants(launches):
-        if name in seen:
-            continue
-        seen.add(name)
-        err, report, ops = sass_launch(ln, arch)
-        if err:
-            print(f"{name}: FAIL {err}")
-            continue
-        cnt = collections.Counter(ops or [])
-        extra = " ".join(f"{op} {cnt[op]}" for op in OPS)
-        print(f"{name}: {len(ops or [])} SASS, {report}; {extra}", flush=True)
+    print_sass_table(_variants(recorded([__file__, "--drive"], ROOT)), arch, OPS)
     return 0
 
 

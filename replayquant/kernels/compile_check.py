@@ -265,6 +265,37 @@ def sass_launch(ln: dict, arch: int = 90):
     return "", ptxas_report(r[1]), (sass_opcodes(r[2]) if r[2] else None)
 
 
+def recorded(cmd: list, root: str) -> list:
+    """The launches that `record` writes for the Python command `cmd` (as after `--`), run in a
+    child interpreter with TRITON_INTERPRET=1 and `root` on its path (the evals' SASS tables)."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "launches.json")
+        r = subprocess.run([sys.executable, "-m", "replayquant.kernels.compile_check", "record",
+                            out, "--", *map(str, cmd)], env=env, capture_output=True, text=True)
+        if r.returncode:
+            raise SystemExit(r.stdout + r.stderr)
+        with open(out) as f:
+            return json.load(f)
+
+
+def print_sass_table(variants, arch: int = 90, ops=()) -> None:
+    """For each distinct (name, launch) of `variants`: a line with its SASS instructions,
+    ptxas's register and spill report and the counts of the opcodes `ops`."""
+    seen = set()
+    for name, ln in variants:
+        if name in seen:
+            continue
+        seen.add(name)
+        err, report, got = sass_launch(ln, arch)
+        if err:
+            print(f"{name}: FAIL {err}")
+            continue
+        cnt = collections.Counter(got or [])
+        extra = " ".join(f"{op} {cnt[op]}" for op in ops)
+        print(f"{name}: {len(got or [])} SASS, {report}; {extra}", flush=True)
+
+
 def main(argv: list[str]) -> int:
     usage = ("usage: python -m replayquant.kernels.compile_check record OUT.json -- "
              "(-m module | script.py) ARGS...  |  compile LAUNCHES.json [--arch 90]  |  "
