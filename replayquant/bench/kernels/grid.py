@@ -4,6 +4,8 @@ inputs. The random inputs are replayquant.testing, which the kernel tests draw f
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from replayquant.testing import (gdn_params, gdn_step_inputs, kda_step_inputs,
                                  mamba2_params, mamba2_step_inputs)
 from replayquant.kernels.conventional import kernel as cv
@@ -32,8 +34,30 @@ PEERS = {"gdn": ("peer:fla", "fla fused_recurrent_gated_delta_rule"),
 PAIR_L = {"gdn": 16, "mamba2": 8, "kda": 16}     # each kind's main replay window L
 
 PAIRS = ("s32_rs", "tp8_hi32", "tp4_hi32", "tp4_hi16_sr")      # the benchmark's pairs
-GRID = dict(batches=(1, 8, 32, 128, 256, 512), Ls=(4, 8, 16, 32), pairs=PAIRS, Ts=(2, 4),
-            spec_batches=(32, 256, 512))
+
+
+@dataclass(frozen=True)
+class KernelGrid:
+    """What one `bench kernels` run measures (its defaults: the command's). batches: the decode
+    steps'; Ls: replay window lengths; Ts: drafts per speculative round, at spec_batches;
+    kinds: default every kind of `shapes` (default SHAPES); peers, checks, sweep: those
+    sections; detail_batches: where the replay rows add the read and flush steps alone;
+    staggered_batches: where the windows are also timed with rows out of phase; main_L_only:
+    no L but each kind's main L; accuracy: the float64 comparison after the checks."""
+    batches: tuple = (1, 8, 32, 128, 256, 512)
+    Ls: tuple = (4, 8, 16, 32)
+    pairs: tuple = PAIRS
+    Ts: tuple = (2, 4)
+    spec_batches: tuple = (32, 256, 512)
+    kinds: tuple | None = None
+    peers: bool = True
+    checks: bool = True
+    sweep: bool = True
+    detail_batches: tuple = (256,)
+    staggered_batches: tuple = (256,)
+    main_L_only: bool = False
+    accuracy: bool = True
+    shapes: dict | None = None
 
 
 def check_names(pairs, kinds) -> None:
