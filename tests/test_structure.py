@@ -232,10 +232,6 @@ print("ok")
 MAX_PARAMETERS = 10
 OVER_LIMIT = {
     "replayquant.bench.generate:_run_generate_bench",
-    "replayquant.bench.kernels.rows:_replay_rounds",
-    "replayquant.bench.kernels.rows:_snapshot_rounds",
-    "replayquant.bench.kernels.rows:bench_replay",
-    "replayquant.bench.kernels.sweep:_sweep_replay",
     "replayquant.replay.stores:step_inputs",
 }
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from replayquant.testing import (gdn_params, gdn_step_inputs, kda_step_inputs,
-                                 mamba2_params, mamba2_step_inputs)
+                                 mamba2_params, mamba2_step_inputs, random_state)
 from replayquant.kernels.conventional import kernel as cv
 from replayquant.kernels.conventional import reference as cr
 from replayquant.kernels.conventional import verify as cvf
@@ -102,6 +104,34 @@ def kernel_fns(kind) -> dict:
                 verify=vf.replay_mamba2_verify, verify_ref=rr.replay_mamba2_verify_ref,
                 cverify=cvf.conventional_mamba2_verify,
                 cverify_ref=cr.conventional_mamba2_verify_ref)
+
+
+@dataclass
+class BatchInputs:
+    """What the timed rows of one layer kind at batch B share: its shape S, kernels f
+    (kernel_fns), random initial state init, kernel inputs kw (of one step, or of T drafts),
+    slots idx (0..B-1) and output buffer out; copy_bw: the copy bandwidth the rows are measured
+    against."""
+    kind: str
+    B: int
+    S: dict
+    f: dict
+    init: torch.Tensor
+    kw: dict
+    idx: torch.Tensor
+    out: torch.Tensor
+    copy_bw: float
+
+    @classmethod
+    def draw(cls, kind, S, B, device, copy_bw, state_seed, input_seed, T=None) -> BatchInputs:
+        """The state drawn with state_seed, the inputs of one step (T None) or of T drafts with
+        input_seed."""
+        init = random_state(B, S["H"], S["dv"], S["dk"], seed=state_seed, device=device)
+        kw = kernel_inputs(kind, S, B, T=T, seed=input_seed, device=device)
+        drafts = () if T is None else (T,)
+        return cls(kind, B, S, kernel_fns(kind), init, kw,
+                   idx=torch.arange(B, dtype=torch.int32, device=device),
+                   out=torch.empty(B, *drafts, S["H"], S["dv"], device=device), copy_bw=copy_bw)
 
 
 def load_pair(name, L):

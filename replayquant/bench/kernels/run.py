@@ -17,7 +17,8 @@ from replayquant.bench.kernels.grid import PAIR_L, SHAPES, KernelGrid, check_nam
 from replayquant.bench.kernels.peers import bench_peers, peer_comparison, peer_versions
 from replayquant.bench.kernels.plan import estimate_s, plan
 from replayquant.bench.kernels.render import plot_kernels, render_markdown
-from replayquant.bench.kernels.rows import bench_conventional, bench_replay, bench_spec
+from replayquant.bench.kernels.rows import (ReplayExtras, bench_conventional, bench_replay,
+                                            bench_spec)
 from replayquant.bench.kernels.sweep import config_sweep
 from replayquant.bench.kernels.table import KERNELS_KIND, check_kernels_out, derive_speedups
 from replayquant.bench.kernels.timing import copy_bandwidth_GBps, cpu_timing
@@ -203,9 +204,9 @@ class _Run:
                                                  self.cfg(kind, B), S=self.shapes[kind]), key)
 
     def _replay(self, key, kind, B, pair, L, det, forced, ptr):
+        extras = ReplayExtras(detail=det, forced=forced, pointer=ptr)
         self.add_rows(lambda: bench_replay(kind, B, pair, L, self.device, self.copy_bw,
-                                           self.cfg(kind, B), detail=det, forced=forced,
-                                           pointer=ptr, S=self.shapes[kind]), key)
+                                           self.cfg(kind, B), extras, S=self.shapes[kind]), key)
 
     def _spec(self, key, kind, B, T):
         """The speculative rounds; False (not run) where T passes the kind's L."""
