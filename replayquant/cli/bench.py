@@ -29,14 +29,15 @@ def bench_generate_cmd(
     """GPU: ms per decode step of generate, HF and patched, eager and static cache + compile, with
     GPU busy time, kernel launches and host syncs per step."""
     # transformers: loaded by the commands that use it
-    from replayquant.bench.generate import run_generate_bench
+    from replayquant.bench.generate import GenerateSettings, run_generate_bench
     try:
         batches = tuple(int(x) for x in batch.split(","))
     except ValueError:
         raise ValueError(f"--batch takes comma-separated integers, got {batch!r}") from None
-    r = run_generate_bench(out=out, shape=shape, batches=batches,
-                           pairs=tuple(pair or ("s32_rs", "tp4_hi16_sr")), prompt=prompt,
-                           compile_backend=compile_backend, budget_s=budget_s, add=add,
+    settings = GenerateSettings(shape=shape, batches=batches,
+                                pairs=tuple(pair or ("s32_rs", "tp4_hi16_sr")), prompt=prompt,
+                                compile_backend=compile_backend, budget_s=budget_s)
+    r = run_generate_bench(out=out, settings=settings, add=add,
                            progress=lambda m: typer.echo(m, err=True))
     for t in r["targets"]:
         typer.echo(_target_line(t))
