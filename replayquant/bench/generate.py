@@ -403,10 +403,10 @@ GENERATE_KIND = "replayquant.bench.generate"   # the "kind" of the results file
 @dataclass(frozen=True)
 class GenerateSettings:
     """What one `bench generate` call measures (defaults: the command's): the model `shape`
-    (random weights), its batches, the pairs of the patched ways, prompt tokens, the decode
-    steps of the two timed generates whose difference is timed (n1, n2), the ways, the static
-    ways' compile config, a time budget (the batches left once it is spent are skipped) and the
-    device."""
+    (random weights), its batches, the pairs of the patched ways, prompt tokens, the tokens of
+    the two generates whose difference gives the GPU figures (n1, n2; the step times are those
+    of n2-token generates), the ways, the static ways' compile config, a time budget (the
+    batches left once it is spent are skipped) and the device."""
     shape: str = "qwen3.5-4b"
     batches: tuple = (1, 32, 256)
     pairs: tuple = ("s32_rs", "tp4_hi16_sr")
