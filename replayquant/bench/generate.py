@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -59,7 +60,7 @@ from replayquant.models import patch, unpatch
 from replayquant.outputs import check_owned, output_lock, write_json
 from replayquant.provenance import git_commit, provenance
 
-__all__ = ["run_generate_bench", "merge_generate", "WAYS"]
+__all__ = ["run_generate_bench", "GenerateSettings", "merge_generate", "WAYS"]
 
 WAYS = ("hf_eager", "hf_static", "patched_eager", "patched_static")
 
@@ -399,10 +400,31 @@ def _targets(rows: dict, pairs, batches) -> list[dict]:
 GENERATE_KIND = "replayquant.bench.generate"   # the "kind" of the results file
 
 
-def _identity(shape, pairs, prompt, n1, n2, compile_backend, compile_mode, **_) -> dict:
+@dataclass(frozen=True)
+class GenerateSettings:
+    """What one `bench generate` call measures (defaults: the command's): the model `shape`
+    (random weights), its batches, the pairs of the patched ways, prompt tokens, the tokens of
+    the two generates whose difference gives the GPU figures (n1, n2; the step times are those
+    of n2-token generates), the ways, the static ways' compile config, a time budget (the
+    batches left once it is spent are skipped) and the device."""
+    shape: str = "qwen3.5-4b"
+    batches: tuple = (1, 32, 256)
+    pairs: tuple = ("s32_rs", "tp4_hi16_sr")
+    prompt: int = 64
+    n1: int = 4
+    n2: int = 20
+    ways: tuple = WAYS
+    compile_backend: str = "inductor"
+    compile_mode: str = "reduce-overhead"
+    budget_s: float | None = None
+    device: str = "cuda"
+
+
+def _identity(s: GenerateSettings) -> dict:
     """What the batches of one results file share (`run_generate_bench(add=True)`)."""
-    return {"shape": shape, "pairs": list(pairs), "prompt_tokens": prompt, "steps_timed": [n1, n2],
-            "compile_config": {"backend": compile_backend, "mode": compile_mode},
+    return {"shape": s.shape, "pairs": list(s.pairs), "prompt_tokens": s.prompt,
+            "steps_timed": [s.n1, s.n2],
+            "compile_config": {"backend": s.compile_backend, "mode": s.compile_mode},
             "git_commit": git_commit()}
 
 
@@ -411,73 +433,67 @@ def _recorded(old: dict) -> dict:
         | {"git_commit": old["provenance"]["git_commit"]}
 
 
-_DEFAULTS = dict(shape="qwen3.5-4b", pairs=("s32_rs", "tp4_hi16_sr"), prompt=64, n1=4, n2=20,
-                 compile_backend="inductor", compile_mode="reduce-overhead")
-
-
-def run_generate_bench(out: str | Path = "build/bench/generate.json", add: bool = False,
-                       **kw) -> dict:
-    """`_run_generate_bench` (its options in `kw`) into `out`, which holds nothing but this
-    benchmark's results (`replayquant.outputs.check_owned`, before any work) and is locked from
-    the checks to the last write. With `add`, `out` must be a file of the same run (model shape,
-    pairs, prompt, steps timed, compile config and git commit) and keeps its batches: this call
-    measures the batches it is given and adds them (a batch measured again replaces its rows);
-    a GPU call is capped in time, and the four static ways compile for minutes a batch."""
-    own = dict(identity=_identity(**(_DEFAULTS | kw)), recorded=_recorded) if add else {}
+def run_generate_bench(out: str | Path = "build/bench/generate.json",
+                       settings: GenerateSettings = GenerateSettings(), add: bool = False,
+                       progress=print) -> dict:
+    """`_run_generate_bench` into `out`, which holds nothing but this benchmark's results
+    (`replayquant.outputs.check_owned`, before any work) and is locked from the checks to the
+    last write. With `add`, `out` must be a file of the same run (model shape, pairs, prompt,
+    steps timed, compile config and git commit) and keeps its batches: this call measures the
+    batches it is given and adds them (a batch measured again replaces its rows); a GPU call is
+    capped in time, and the four static ways compile for minutes a batch."""
+    own = dict(identity=_identity(settings), recorded=_recorded) if add else {}
     check_owned(out, GENERATE_KIND, "replayquant bench generate", **own)
     with output_lock(out):
         check_owned(out, GENERATE_KIND, "replayquant bench generate", **own)
         prior = None
         if add and Path(out).exists():
             prior = json.loads(Path(out).read_text(encoding="utf-8"))
-        return _run_generate_bench(out, prior=prior, **kw)
+        return _run_generate_bench(settings, out, progress, prior)
 
 
-def _run_generate_bench(out: str | Path = "build/bench/generate.json", shape: str = "qwen3.5-4b",
-                       batches=(1, 32, 256), pairs=("s32_rs", "tp4_hi16_sr"), prompt: int = 64,
-                       n1: int = 4, n2: int = 20, ways=WAYS, compile_backend: str = "inductor",
-                       compile_mode: str = "reduce-overhead", budget_s: float | None = None,
-                       progress=print, device: str = "cuda", n_layers: int | None = None,
-                       prior: dict | None = None) -> dict:
-    """Every (way, batch) of the module docstring; with budget_s, the batches left when the
+def _run_generate_bench(s: GenerateSettings, out: str | Path, progress=print,
+                        prior: dict | None = None) -> dict:
+    """Every (way, batch) of the module docstring; with s.budget_s, the batches left when the
     budget is spent are skipped (listed in `skipped`). Writes `out` after every batch, beside
-    the batches of `prior` (the file of the same run an earlier call wrote). device 'cpu' (the
-    tests: shape 'tiny', the static ways compiled through CompileConfig._compile_all_devices)
-    leaves the GPU figures None."""
+    the batches of `prior` (the file of the same run an earlier call wrote); progress(line)
+    after each way. Device 'cpu' (the tests: shape 'tiny', the static ways compiled through
+    CompileConfig._compile_all_devices) leaves the GPU figures None."""
+    device, batches, pairs = s.device, s.batches, s.pairs
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("bench generate needs a CUDA GPU (it times the compiled static cache); "
                          "there is none here")
-    bad = set(ways) - set(WAYS)
+    bad = set(s.ways) - set(WAYS)
     if bad:
         raise ValueError(f"unknown ways {sorted(bad)}; use some of {', '.join(WAYS)}")
     copy_gbps = copy_bandwidth_gbps()
-    model = build_model(shape, torch.bfloat16 if device == "cuda" else torch.float32, device)
-    cc = CompileConfig(backend=compile_backend, mode=compile_mode)
+    model = build_model(s.shape, torch.bfloat16 if device == "cuda" else torch.float32, device)
+    cc = CompileConfig(backend=s.compile_backend, mode=s.compile_mode)
     cc._compile_all_devices = device != "cuda"
     prior = prior or {}
     rows = {k: v for k, v in prior.get("rows", {}).items()
             if int(k.rsplit("@B", 1)[1]) not in batches}
     calls = prior.get("calls", [])
     call = {"batches": [], "copy_bandwidth_gbps": copy_gbps,
-            "provenance": provenance(device=device, bench="generate", shape=shape,
-                                     batches=list(batches), pairs=list(pairs), prompt=prompt)}
+            "provenance": provenance(device=device, bench="generate", shape=s.shape,
+                                     batches=list(batches), pairs=list(pairs), prompt=s.prompt)}
     calls.append(call)
-    run = _run_record(shape, pairs, prompt, n1, n2, compile_backend, compile_mode)
+    run = _run_record(s.shape, pairs, s.prompt, s.n1, s.n2, s.compile_backend, s.compile_mode)
     skipped, t_start = [], time.perf_counter()
     for b in batches:
-        if budget_s is not None and time.perf_counter() - t_start > budget_s:
+        if s.budget_s is not None and time.perf_counter() - t_start > s.budget_s:
             skipped.append(b)
             continue
         # the prompts of batch b depend on b alone, whichever call measures it
         g = torch.Generator().manual_seed(b)
-        ids = torch.randint(1, model.config.vocab_size, (b, prompt), generator=g).to(device)
-        _measure_batch(model, ids, b, ways, pairs, cc, n1, n2, rows, progress)
+        ids = torch.randint(1, model.config.vocab_size, (b, s.prompt), generator=g).to(device)
+        _measure_batch(model, ids, b, s.ways, pairs, cc, s.n1, s.n2, rows, progress)
         call["batches"].append(b)
         res = _result(rows, calls, skipped, False, run)
         write_json(out, res)
     if not call["batches"]:
-        raise ValueError(f"bench generate: --budget-s {budget_s} was spent before the first batch; "
-                         f"nothing measured, {out} left as it was")
+        raise ValueError(f"bench generate: --budget-s {s.budget_s} was spent before the first "
+                         f"batch; nothing measured, {out} left as it was")
     res = _result(rows, calls, skipped, not skipped, run)
     write_json(out, res)
     return res

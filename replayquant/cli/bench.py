@@ -3,6 +3,7 @@ decoding, teacher forcing and the decode kernels (replayquant/bench)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import typer
@@ -28,14 +29,15 @@ def bench_generate_cmd(
     """GPU: ms per decode step of generate, HF and patched, eager and static cache + compile, with
     GPU busy time, kernel launches and host syncs per step."""
     # transformers: loaded by the commands that use it
-    from replayquant.bench.generate import run_generate_bench
+    from replayquant.bench.generate import GenerateSettings, run_generate_bench
     try:
         batches = tuple(int(x) for x in batch.split(","))
     except ValueError:
         raise ValueError(f"--batch takes comma-separated integers, got {batch!r}") from None
-    r = run_generate_bench(out=out, shape=shape, batches=batches,
-                           pairs=tuple(pair or ("s32_rs", "tp4_hi16_sr")), prompt=prompt,
-                           compile_backend=compile_backend, budget_s=budget_s, add=add,
+    settings = GenerateSettings(shape=shape, batches=batches,
+                                pairs=tuple(pair or ("s32_rs", "tp4_hi16_sr")), prompt=prompt,
+                                compile_backend=compile_backend, budget_s=budget_s)
+    r = run_generate_bench(out=out, settings=settings, add=add,
                            progress=lambda m: typer.echo(m, err=True))
     for t in r["targets"]:
         typer.echo(_target_line(t))
@@ -108,30 +110,27 @@ def bench_kernels_cmd(
     (kernels.json `targets`)."""
     # Triton (Linux only): loaded where a kernel runs
     from replayquant.bench.authors import checkout_commit
+    from replayquant.bench.kernels.grid import KernelGrid
     from replayquant.bench.kernels.plan import estimate_s, plan
     from replayquant.bench.kernels.run import run_kernels_bench
     ints = lambda s: tuple(int(x) for x in s.split(",") if x)  # noqa: E731
     strs = lambda s: tuple(x for x in s.split(",") if x)  # noqa: E731
-    grid = dict(batches=ints(batches), Ls=ints(buffer_lens), pairs=strs(pairs), Ts=ints(drafts),
-                spec_batches=ints(spec_batches), peers=peers, checks=checks, sweep=sweep,
-                staggered_batches=ints(staggered_batches), main_L_only=False, accuracy=accuracy,
-                kinds=strs(kinds))
+    grid = KernelGrid(batches=ints(batches), Ls=ints(buffer_lens), pairs=strs(pairs),
+                      Ts=ints(drafts), spec_batches=ints(spec_batches), kinds=strs(kinds),
+                      peers=peers, checks=checks, sweep=sweep,
+                      staggered_batches=ints(staggered_batches), accuracy=accuracy)
     if preset is not None:
-        grid.update(PRESETS[preset])
+        grid = dataclasses.replace(grid, **PRESETS[preset])
     if authors is not None:
         checkout_commit(authors, authors_commit)        # a bad PATH fails before anything runs
     if estimate_only:
-        sec = plan(grid["batches"], grid["Ls"], grid["pairs"], grid["Ts"],
-                   grid["spec_batches"], grid["kinds"], grid["peers"], grid["checks"],
-                   grid["sweep"], authors=authors is not None,
-                   staggered_batches=grid["staggered_batches"],
-                   main_L_only=grid["main_L_only"], accuracy=grid["accuracy"])
+        sec = plan(grid, authors=authors is not None)
         for key, est, _ in sec:
             typer.echo(f"{est:7.1f} s  {key}")
         typer.echo(f"{len(sec)} sections, estimated {estimate_s(sec):.0f} s (budget {budget_s:.0f} s)")
         return
-    run_kernels_bench(out=out, budget_s=budget_s, name=name,
-                      authors=authors, authors_commit=authors_commit, **grid)
+    run_kernels_bench(out=out, name=name, grid=grid, budget_s=budget_s, authors=authors,
+                      authors_commit=authors_commit)
 
 
 bench_app.command("decode", hidden=True, help="alias of 'bench kernels'")(bench_kernels_cmd)

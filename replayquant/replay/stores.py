@@ -190,10 +190,28 @@ def _check_inputs(kind, shape, B, tensors: dict, dtypes_bf16=()):
             raise ValueError(f"{name} must be a floating-point tensor")
 
 
-def step_inputs(kind, shape, drafts, q, k, v, a, b, A, dt_bias, D, z):
-    """Checks of a step's (drafts False: [batch, ...]) or a verify's ([batch, T, ...]) inputs
-    against a state of `shape`, named as the kind's callers name them (KDA: a = g, b = beta) ->
-    (lead dims (B,) or (B, T), key heads HK)."""
+@dataclass(slots=True)
+class StepTensors:
+    """The input tensors of a decode step ([batch, ...]) or of a verify ([batch, T drafts, ...]),
+    in the decode kernels' order and under their GDN names: Mamba-2 passes C, B, x and dt as q,
+    k, v and a, KDA its log decay g and beta as a and b; A (GDN: A_log), dt_bias, D and z are
+    None where the kind or the caller has none."""
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    a: torch.Tensor | None
+    b: torch.Tensor | None
+    A: torch.Tensor | None = None
+    dt_bias: torch.Tensor | None = None
+    D: torch.Tensor | None = None
+    z: torch.Tensor | None = None
+
+
+def step_inputs(kind, shape, drafts, x: StepTensors):
+    """Checks of a step's (drafts False) or a verify's inputs `x` against a state of `shape`,
+    named in the errors as the kind's callers name them -> (lead dims (B,) or (B, T), key heads
+    HK)."""
+    q, k, v, a, b, A, dt_bias, D, z = x.q, x.k, x.v, x.a, x.b, x.A, x.dt_bias, x.D, x.z
     N, HV, dv, dk = shape
     delta, vec = kind != "mamba2", kind == "kda"
     if delta and (a is None or b is None):

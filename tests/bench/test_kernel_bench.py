@@ -3,6 +3,7 @@ timing: a smoke run, never a result): plan, estimate, every section kind, derive
 targets, dispatch table, JSON / markdown / PNG written; bad arguments rejected."""
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from replayquant.bench import authors as au
 from replayquant.bench import targets as targets_mod
 from replayquant.bench.kernels.checks import conventional_checks
-from replayquant.bench.kernels.grid import PAIRS, SHAPES, kernel_inputs
+from replayquant.bench.kernels.grid import PAIRS, SHAPES, KernelGrid, kernel_inputs
 from replayquant.bench.kernels.merge import merge_kernels, one_commit
 from replayquant.bench.kernels.plan import estimate_s, plan
 from replayquant.bench.kernels.run import run_kernels_bench
@@ -21,10 +22,12 @@ from replayquant.kernels.replay.launch import given_launch
 
 TINY = {"gdn": dict(kind="gdn", H=2, HK=1, dv=16, dk=16),
         "mamba2": dict(kind="mamba2", H=2, HK=1, dv=16, dk=16)}
+# the command's grid without the staggered windows and the accuracy comparison
+BASE = KernelGrid(staggered_batches=(), accuracy=False)
 
 
 def test_full_grid_plan():
-    sec = plan()
+    sec = plan(BASE)
     keys = [k for k, _, _ in sec]
     assert len(keys) == len(set(keys))
     for kind in ("gdn", "mamba2"):
@@ -42,7 +45,7 @@ def test_full_grid_plan():
     # by the H200 calibration (stochastic-rounding stores built on the GPU) the full grid takes
     # two 10-minute device calls
     assert 300 < estimate_s(sec) < 2 * 540
-    no_sr = plan(pairs=("s32_rs", "tp8_hi32", "tp4_hi32"))
+    no_sr = plan(replace(BASE, pairs=("s32_rs", "tp8_hi32", "tp4_hi32")))
     assert estimate_s(no_sr) < estimate_s(sec)
 
 
@@ -53,27 +56,23 @@ def test_every_planned_section_fits_its_runner():
     import inspect
     from replayquant.bench.kernels.run import _SECTIONS
     from replayquant.bench.targets import PRESETS
-    grids = [{}] + [{k: v for k, v in g.items() if k in inspect.signature(plan).parameters}
-                    for g in PRESETS.values()]
+    grids = [KernelGrid()] + [KernelGrid(**g) for g in PRESETS.values()]
     for grid in grids:
-        for key, _, what in plan(**grid):
+        for key, _, what in plan(grid):
             inspect.signature(_SECTIONS[what[0]]).bind(None, key, *what[1:])
 
 
 @pytest.mark.slow
 def test_cpu_smoke_run(tmp_path):
-    res = run_kernels_bench(out=str(tmp_path), batches=(3,), Ls=(2,),
-                            pairs=("s32_rs", "tp4_hi32"), Ts=(2,), spec_batches=(3,),
-                            peers=False, checks=False, sweep=False, detail_batches=(3,),
-                            device="cpu", shapes=TINY, staggered_batches=(3,))
+    grid = KernelGrid(batches=(3,), Ls=(2,), pairs=("s32_rs", "tp4_hi32"), Ts=(2,),
+                      spec_batches=(3,), peers=False, checks=False, sweep=False,
+                      detail_batches=(3,), shapes=TINY, staggered_batches=(3,))
+    res = run_kernels_bench(out=str(tmp_path), grid=grid, device="cpu")
     assert SHAPES["gdn"]["H"] == 32                       # restored
     assert not res["errors"], res["errors"]
     js = json.loads((tmp_path / "kernels.json").read_text())
     assert js["provenance"]["smoke_cpu"] is True
-    assert set(js["section_s"]) == {k for k, _, _ in plan(
-        (3,), (2,), ("s32_rs", "tp4_hi32"), (2,), (3,), peers=False, checks=False, sweep=False,
-        detail_batches=(3,), shapes=TINY, staggered_batches=(3,),
-        accuracy=True)}
+    assert set(js["section_s"]) == {k for k, _, _ in plan(grid)}
     kernels = {(r["kind"], r["kernel"], r["variant"], r["B"]) for r in js["rows"]}
     for kind in ("gdn", "mamba2"):
         for B in (3,):
@@ -102,12 +101,12 @@ def test_cpu_smoke_run(tmp_path):
 def test_merge_parts(tmp_path):
     """Two smoke runs split by layer kind merge into one table; parts of different commits,
     overlapping sections and a single part are refused with one error each."""
-    kw = dict(batches=(1,), Ls=(2,), pairs=("s32_rs",), Ts=(2,), spec_batches=(), peers=False,
-              checks=False, sweep=False, detail_batches=(), device="cpu", shapes=TINY,
-              accuracy=False)
+    grid = KernelGrid(batches=(1,), Ls=(2,), pairs=("s32_rs",), Ts=(2,), spec_batches=(),
+                      peers=False, checks=False, sweep=False, detail_batches=(), shapes=TINY,
+                      accuracy=False)
     for kind in ("gdn", "mamba2"):
-        run_kernels_bench(out=str(tmp_path), kinds=(kind,), name=f"part_{kind}", plot=False,
-                          **kw)
+        run_kernels_bench(out=str(tmp_path), grid=replace(grid, kinds=(kind,)),
+                          name=f"part_{kind}", plot=False, device="cpu")
     parts = [str(tmp_path / f"part_{k}.json") for k in ("gdn", "mamba2")]
     res = merge_kernels(parts, out=str(tmp_path), name="merged")
     js = json.loads((tmp_path / "merged.json").read_text())
@@ -142,7 +141,8 @@ def test_merge_commit_abbreviated():
 
 def test_bench_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="pairs"):
-        run_kernels_bench(out=str(tmp_path), pairs=("nope",), device="cpu", shapes=TINY)
+        run_kernels_bench(out=str(tmp_path), grid=KernelGrid(pairs=("nope",), shapes=TINY),
+                          device="cpu")
     with pytest.raises(ValueError, match="tiny"):
         run_kernels_bench(out=str(tmp_path), device="cpu")
 
@@ -430,14 +430,11 @@ def test_presets_fit_one_device_call():
     """The 'targets' preset plans every row the targets read within one ~8-minute call by the
     bench's estimate (the fit to H200 grids), beside the authors; 'probe' within ~5 minutes."""
     for name, limit in (("targets", 400), ("probe", 300)):
-        g = dict(targets_mod.PRESETS[name])
-        sec = plan(g.pop("batches"), g.pop("Ls"), g.pop("pairs"), g.pop("Ts"),
-                   g.pop("spec_batches"), authors=True, **g)
+        sec = plan(KernelGrid(**targets_mod.PRESETS[name]), authors=True)
         keys = [k for k, _, _ in sec]
         assert estimate_s(sec) < limit, (name, estimate_s(sec))
         assert not [k for k in keys if k.endswith(("/L4", "/L32"))]
-    keys = [k for k, _, _ in plan(**{**{k: v for k, v in targets_mod.PRESETS["targets"].items()},
-                                     "authors": True})]
+    keys = [k for k, _, _ in plan(KernelGrid(**targets_mod.PRESETS["targets"]), authors=True)]
     for kind, L in (("gdn", 16), ("mamba2", 8)):
         for B in (1, 8, 32, 128, 256, 512):
             assert f"authors/{kind}/B{B}" in keys and f"{kind}/B{B}/conventional" in keys
@@ -458,10 +455,10 @@ def test_kda_rows(tmp_path):
     from replayquant.statebytes import (LayerShape, layer_conventional_bytes,
                                         replay_window_bytes)
     S = dict(kind="kda", H=2, HK=2, dv=16, dk=16)
-    res = run_kernels_bench(out=str(tmp_path), batches=(1, 3), Ls=(2,), pairs=("s32_rs",),
-                            Ts=(2,), spec_batches=(), peers=False, checks=False, sweep=False,
-                            detail_batches=(), device="cpu", shapes={"kda": S},
-                            accuracy=False)
+    grid = KernelGrid(batches=(1, 3), Ls=(2,), pairs=("s32_rs",), Ts=(2,), spec_batches=(),
+                      peers=False, checks=False, sweep=False, detail_batches=(),
+                      shapes={"kda": S}, accuracy=False)
+    res = run_kernels_bench(out=str(tmp_path), grid=grid, device="cpu")
     assert not res["errors"], res["errors"]
     rows = {(r["kernel"], r["variant"], r["B"]): r for r in res["rows"]}
     assert {("conventional", f, B) for f in ("fp32", "bf16") for B in (1, 3)} <= set(rows)
@@ -478,7 +475,7 @@ def test_kda_rows(tmp_path):
     for key in ("kda/conventional/fp32-nearest", "kda/conventional/fp16-stochastic"):
         assert chk[key]["max_rel_y"] < 1e-5 and chk[key]["state"]["max_rel"] < 1e-5, chk
         assert chk[key]["n_casts_equal"]
-    keys = [k for k, _, _ in plan()]
+    keys = [k for k, _, _ in plan(BASE)]
     assert "kda/B512/conventional" in keys and "peers/kda/B1" in keys
     assert "kda/B256/tp4_hi32/L16" in keys
     assert not [k for k in keys if "kda" in k and k.startswith(("spec", "authors", "accuracy",

@@ -7,6 +7,7 @@ the point, not Inductor's code)."""
 
 import json
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -301,8 +302,9 @@ def test_bench_generate_times_the_eager_ways_in_turns(monkeypatch, tmp_path):
     import replayquant.bench.generate as bg
     order = []
     _fake_measures(monkeypatch, bg, fail="tp4_hi16_sr", order=order)
-    res = bg.run_generate_bench(tmp_path / "g.json", shape="tiny", device="cpu", batches=(1,),
-                                pairs=("s32_rs", "tp4_hi16_sr"), progress=lambda m: None)
+    settings = bg.GenerateSettings(shape="tiny", device="cpu", batches=(1,),
+                                   pairs=("s32_rs", "tp4_hi16_sr"))
+    res = bg.run_generate_bench(tmp_path / "g.json", settings, progress=lambda m: None)
     assert order == [None, "s32_rs", "tp4_hi16_sr"] + [None, "s32_rs"] * 4
     rows = res["rows"]
     assert rows["patched_eager:tp4_hi16_sr@B1"]["error"] == "RuntimeError: made to fail"
@@ -319,9 +321,13 @@ def test_bench_generate_adds_batches_to_a_file_of_the_same_run_only(tmp_path, mo
     import replayquant.bench.generate as bg
     _fake_measures(monkeypatch, bg)
     out = tmp_path / "g.json"
-    kw = dict(shape="tiny", device="cpu", pairs=("s32_rs",), progress=lambda m: None)
-    bg.run_generate_bench(out, batches=(1,), **kw)
-    res = bg.run_generate_bench(out, add=True, batches=(2,), **kw)
+    one = bg.GenerateSettings(shape="tiny", device="cpu", pairs=("s32_rs",))
+
+    def run(out, batches, add=False, **kw):
+        return bg.run_generate_bench(out, replace(one, batches=batches, **kw), add=add,
+                                     progress=lambda m: None)
+    run(out, (1,))
+    res = run(out, (2,), add=True)
     assert res["batches"] == [1, 2] and [c["batches"] for c in res["calls"]] == [[1], [2]]
     assert set(res["rows"]) == {f"{w}@B{b}" for b in (1, 2) for w in
                                 ("hf_eager", "hf_static", "patched_eager:s32_rs",
@@ -329,15 +335,15 @@ def test_bench_generate_adds_batches_to_a_file_of_the_same_run_only(tmp_path, mo
     assert all(r["tokens_equal_eager"] for k, r in res["rows"].items() if "static" in k)
     before = out.read_bytes()
     with pytest.raises(ValueError, match="different configuration"):
-        bg.run_generate_bench(out, add=True, batches=(4,), **(kw | {"pairs": ("tp4_hi16_sr",)}))
+        run(out, (4,), add=True, pairs=("tp4_hi16_sr",))
     assert out.read_bytes() == before
-    res = bg.run_generate_bench(out, batches=(4,), **kw)
+    res = run(out, (4,))
     assert res["batches"] == [4] and len(res["calls"]) == 1
     # `bench merge` of calls that each wrote a file of their own: one file of their batches,
     # rows as measured; overlapping batches or another run are refused before anything is written
     from _cli import invoke, one_clear_error
     other = tmp_path / "g1.json"
-    bg.run_generate_bench(other, batches=(1,), **kw)
+    run(other, (1,))
     code, text = invoke(["bench", "merge", str(out), str(other), "--out", tmp_path / "m"])
     assert code == 0, text
     merged = json.loads((tmp_path / "m" / "generate.json").read_text())
@@ -347,7 +353,7 @@ def test_bench_generate_adds_batches_to_a_file_of_the_same_run_only(tmp_path, mo
     code, text = invoke(["bench", "merge", str(out), str(out), "--out", tmp_path / "m2"])
     one_clear_error(code, text, "batch 4 is in")
     monkeypatch.setenv("REPLAYQUANT_GIT_COMMIT", "0" * 7)
-    bg.run_generate_bench(other, batches=(1,), **kw)
+    run(other, (1,))
     code, text = invoke(["bench", "merge", str(out), str(other), "--out", tmp_path / "m2"])
     one_clear_error(code, text, "different run")
     assert not (tmp_path / "m2").exists()

@@ -4,8 +4,12 @@ inputs. The random inputs are replayquant.testing, which the kernel tests draw f
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
+
 from replayquant.testing import (gdn_params, gdn_step_inputs, kda_step_inputs,
-                                 mamba2_params, mamba2_step_inputs)
+                                 mamba2_params, mamba2_step_inputs, random_state)
 from replayquant.kernels.conventional import kernel as cv
 from replayquant.kernels.conventional import reference as cr
 from replayquant.kernels.conventional import verify as cvf
@@ -32,8 +36,30 @@ PEERS = {"gdn": ("peer:fla", "fla fused_recurrent_gated_delta_rule"),
 PAIR_L = {"gdn": 16, "mamba2": 8, "kda": 16}     # each kind's main replay window L
 
 PAIRS = ("s32_rs", "tp8_hi32", "tp4_hi32", "tp4_hi16_sr")      # the benchmark's pairs
-GRID = dict(batches=(1, 8, 32, 128, 256, 512), Ls=(4, 8, 16, 32), pairs=PAIRS, Ts=(2, 4),
-            spec_batches=(32, 256, 512))
+
+
+@dataclass(frozen=True)
+class KernelGrid:
+    """What one `bench kernels` run measures (its defaults: the command's). batches: the decode
+    steps'; Ls: replay window lengths; Ts: drafts per speculative round, at spec_batches;
+    kinds: default every kind of `shapes` (default SHAPES); peers, checks, sweep: those
+    sections; detail_batches: where the replay rows add the read and flush steps alone;
+    staggered_batches: where the windows are also timed with rows out of phase; main_L_only:
+    no L but each kind's main L; accuracy: the float64 comparison after the checks."""
+    batches: tuple = (1, 8, 32, 128, 256, 512)
+    Ls: tuple = (4, 8, 16, 32)
+    pairs: tuple = PAIRS
+    Ts: tuple = (2, 4)
+    spec_batches: tuple = (32, 256, 512)
+    kinds: tuple | None = None
+    peers: bool = True
+    checks: bool = True
+    sweep: bool = True
+    detail_batches: tuple = (256,)
+    staggered_batches: tuple = (256,)
+    main_L_only: bool = False
+    accuracy: bool = True
+    shapes: dict | None = None
 
 
 def check_names(pairs, kinds) -> None:
@@ -78,6 +104,34 @@ def kernel_fns(kind) -> dict:
                 verify=vf.replay_mamba2_verify, verify_ref=rr.replay_mamba2_verify_ref,
                 cverify=cvf.conventional_mamba2_verify,
                 cverify_ref=cr.conventional_mamba2_verify_ref)
+
+
+@dataclass
+class BatchInputs:
+    """What the timed rows of one layer kind at batch B share: its shape S, kernels f
+    (kernel_fns), random initial state init, kernel inputs kw (of one step, or of T drafts),
+    slots idx (0..B-1) and output buffer out; copy_bw: the copy bandwidth the rows are measured
+    against."""
+    kind: str
+    B: int
+    S: dict
+    f: dict
+    init: torch.Tensor
+    kw: dict
+    idx: torch.Tensor
+    out: torch.Tensor
+    copy_bw: float
+
+    @classmethod
+    def draw(cls, kind, S, B, device, copy_bw, state_seed, input_seed, T=None) -> BatchInputs:
+        """The state drawn with state_seed, the inputs of one step (T None) or of T drafts with
+        input_seed."""
+        init = random_state(B, S["H"], S["dv"], S["dk"], seed=state_seed, device=device)
+        kw = kernel_inputs(kind, S, B, T=T, seed=input_seed, device=device)
+        drafts = () if T is None else (T,)
+        return cls(kind, B, S, kernel_fns(kind), init, kw,
+                   idx=torch.arange(B, dtype=torch.int32, device=device),
+                   out=torch.empty(B, *drafts, S["H"], S["dv"], device=device), copy_bw=copy_bw)
 
 
 def load_pair(name, L):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from replayquant.bench.kernels.grid import GRID, PAIR_L, PAIRS, SHAPES, SPEC_KINDS, check_names
+from replayquant.bench.kernels.grid import PAIR_L, SHAPES, SPEC_KINDS, KernelGrid, check_names
 from replayquant.bench.kernels.rows import ALTERNATE_MAX_B, ALTERNATE_REPEATS, READ_REG_CAPS
 from replayquant.bench.kernels.sweep import READ_CANDIDATES
 from replayquant.pairs import PrecisionPair
@@ -66,41 +66,39 @@ class _Grid:
         return [k for k in self.kinds if k in SPEC_KINDS]
 
 
-def plan(batches=GRID["batches"], Ls=GRID["Ls"], pairs=PAIRS, Ts=GRID["Ts"],
-         spec_batches=GRID["spec_batches"], kinds=None, peers=True, checks=True,
-         sweep=True, detail_batches=(256,), shapes=None, authors=False, staggered_batches=(), main_L_only=False, accuracy=False):
-    """The benchmark's sections in priority order, each (key, estimated seconds, what): the
-    targets first (conventional, every pair at the kind's main L, the authors' windows and the
-    staggered windows, T = 4 at the largest spec batch), then the peers, the other L values (none with
-    main_L_only) and the other T values. authors: the authors' rows (bench.authors);
-    staggered_batches: where the windows are also timed with rows out of phase; accuracy: the
-    float64 comparison after the checks. kinds: default every kind of `shapes`; speculative
-    rounds, the authors' rows and the accuracy comparison for SPEC_KINDS only."""
-    shapes = shapes or SHAPES
-    kinds = tuple(shapes) if kinds is None else tuple(kinds)
+def plan(grid: KernelGrid, authors=False):
+    """The benchmark's sections of `grid` in priority order, each (key, estimated seconds, what):
+    the targets first (conventional, every pair at the kind's main L, the authors' windows and
+    the staggered windows, T = 4 at the largest spec batch), then the peers, the other L values
+    (none with main_L_only) and the other T values. authors: the authors' rows (bench.authors).
+    Speculative rounds, the authors' rows and the accuracy comparison for SPEC_KINDS only."""
+    shapes = grid.shapes or SHAPES
+    kinds = tuple(shapes) if grid.kinds is None else tuple(grid.kinds)
+    pairs, Ls, Ts = grid.pairs, grid.Ls, grid.Ts
     check_names(pairs, kinds)
-    g = _Grid(kinds, shapes, tuple(pairs), tuple(batches), tuple(Ls), tuple(spec_batches),
+    g = _Grid(kinds, shapes, tuple(pairs), tuple(grid.batches), tuple(Ls),
+              tuple(grid.spec_batches),
               mainL={k: (PAIR_L[k] if PAIR_L[k] in Ls else Ls[0]) for k in kinds},
               sr={p: _sr_pair(p) for p in pairs})       # stores of these pairs are slow to build
     sec = []
-    if checks:
+    if grid.checks:
         sec.append(("checks", _EST["checks"], ("checks",)))
-    if accuracy:        # against float64: ours, the authors' (bench.authors)
+    if grid.accuracy:        # against float64: ours, the authors' (bench.authors)
         sec += _accuracy_sections(g, authors)
-    if sweep:
+    if grid.sweep:
         sec += _sweep_sections(g)
-    sec += _main_sections(g, detail_batches)
+    sec += _main_sections(g, grid.detail_batches)
     # beside the authors' kernels (replayquant.bench.authors): their windows and our staggered
     # windows, then (below) their GDN speculative round
-    sec += _authors_sections(g, authors, staggered_batches)
+    sec += _authors_sections(g, authors, grid.staggered_batches)
     bigT = max(Ts) if Ts else None
     if bigT:
         sec += _spec_sections(g, bigT)
         if authors:
             sec += _spec_authors_sections(g, bigT)
-    if peers:                           # fla / mamba_ssm: before the other L values
+    if grid.peers:                      # fla / mamba_ssm: before the other L values
         sec += _peer_sections(g)
-    if not main_L_only:
+    if not grid.main_L_only:
         sec += _other_L_sections(g)
     for T in Ts:
         if T != bigT:

@@ -5,12 +5,13 @@ kernel) and the speculative rounds, each a CUDA graph over rotated state copies 
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
 
 import torch
 
 from replayquant.testing import random_state
-from replayquant.bench.kernels.grid import (PAIR_L, PAIRS, SHAPES, kernel_fns, kernel_inputs,
-                                            load_pair)
+from replayquant.bench.kernels.grid import (PAIR_L, PAIRS, SHAPES, BatchInputs, kernel_fns,
+                                            kernel_inputs, load_pair)
 from replayquant.bench.kernels.sweep import launched, pair_config
 from replayquant.bench.kernels.timing import empty_cache, rotations, time_calls, timed_row
 from replayquant.kernels.replay.decode import advance_pointers
@@ -89,12 +90,21 @@ class _ReplaySetup:
                                       self.dv, self.dk, ring_u_bytes(self.af, self.rf), self.L)
 
 
-def bench_replay(kind, B, pair, L, device, copy_bw, cfg=None, detail=False, forced=False,
-                 pointer=False, S=None):
+@dataclass(frozen=True)
+class ReplayExtras:
+    """The rows bench_replay times beside the window: detail, the read step (h = L/2) and the
+    flush step alone; forced, the path='flush' step (every step flushes); pointer, the pointer
+    kernel alone."""
+    detail: bool = False
+    forced: bool = False
+    pointer: bool = False
+
+
+def bench_replay(kind, B, pair, L, device, copy_bw, cfg=None, extras=ReplayExtras(), S=None):
     """Replay rows of one (pair, L) at batch B, a step's two launches (pointer move inside): the
     mean step of a whole window of L steps (one flush per row; state copies rotated for a cold
-    L2); with detail the read step (h = L/2) and the flush step alone; with forced the
-    path='flush' step (every step flushes); with pointer the pointer kernel alone."""
+    L2), and the `extras` rows (the forced flush alternated with the conventional step too, at
+    batches up to ALTERNATE_MAX_B)."""
     s = _ReplaySetup(kind, B, pair, L, device, cfg, S)
     calls = [lambda st=st: s.step(st, path="replay") for st in s.sts]
     with launched(s.c):
@@ -104,13 +114,13 @@ def bench_replay(kind, B, pair, L, device, copy_bw, cfg=None, detail=False, forc
                       L=L, config=s.c, rot=s.R,
                       note="mean step over a window of L steps (one flush per row), pointer "
                            "move included")]
-    if detail:
+    if extras.detail:
         rows += _detail_rows(s, copy_bw)
-    if forced:
+    if extras.forced:
         rows += _forced_rows(s, copy_bw)
         if B <= ALTERNATE_MAX_B:
             rows += _alternated(s, copy_bw)
-    if pointer:
+    if extras.pointer:
         st = s.sts[0]
         ms = time_calls(lambda: advance_pointers(st, s.idx), 8)
         rows.append(timed_row(kind, "pointer-advance", "-", B, ms, None, copy_bw,
@@ -224,23 +234,19 @@ def bench_spec(kind, B, T, device, copy_bw, cfg=None, pairs=PAIRS, L=None, S=Non
     cfg = cfg or {}
     S = S or SHAPES[kind]
     L = L or PAIR_L[kind]
-    f = kernel_fns(kind)
-    init = random_state(B, S["H"], S["dv"], S["dk"], seed=B + 1, device=device)
-    kw = kernel_inputs(kind, S, B, T=T, seed=3, device=device)
+    s = BatchInputs.draw(kind, S, B, device, copy_bw, state_seed=B + 1, input_seed=3, T=T)
     n = spec_accepts(B, T, device)
-    setup = dict(kind=kind, B=B, T=T, S=S, f=f, init=init, kw=kw, n=n, copy_bw=copy_bw,
-                 idx=torch.arange(B, dtype=torch.int32, device=device),
-                 out=torch.empty(B, T, S["H"], S["dv"], device=device))
-    rows = _replay_rounds(pairs, L, cfg, **setup)
-    rows += _snapshot_rounds(cfg.get("conventional/fp32", {}), **setup)
-    del init
+    rows = _replay_rounds(s, T, n, pairs, L, cfg)
+    rows += _snapshot_rounds(s, T, n, cfg.get("conventional/fp32", {}))
+    del s
     empty_cache()
     return rows
 
 
-def _replay_rounds(pairs, L, cfg, kind, B, T, S, f, init, kw, n, copy_bw, idx, out) -> list:
+def _replay_rounds(s: BatchInputs, T, n, pairs, L, cfg) -> list:
     """Per pair the replay verify of T drafts + accept of n ('spec-replay-round'), and the same
     round with every draft rejected ('spec-replay-round-no-flush')."""
+    kind, B, f, kw, idx, out = s.kind, s.B, s.f, s.kw, s.idx, s.out
     tokens = B * (float(n.float().mean()) + 1.0)       # accepted drafts + the bonus token
     rows = []
     # the measured round, and the same round with every draft rejected: nothing is committed,
@@ -249,7 +255,7 @@ def _replay_rounds(pairs, L, cfg, kind, B, T, S, f, init, kw, n, copy_bw, idx, o
     for pair in pairs:
         c = pair_config(cfg, pair)
         for kernel, acc in rounds:
-            st = ReplayStore.from_state(init, load_pair(pair, L)[0], kind, key_heads=S["HK"],
+            st = ReplayStore.from_state(s.init, load_pair(pair, L)[0], kind, key_heads=s.S["HK"],
                                         max_drafts=T)
 
             def rnd():
@@ -261,23 +267,24 @@ def _replay_rounds(pairs, L, cfg, kind, B, T, S, f, init, kw, n, copy_bw, idx, o
                 extra = dict(tokens_per_s=tokens / ms * 1e3, mean_accept=float(n.float().mean()))
             else:
                 extra = dict(note="every draft rejected: verify + pointer move, never a flush")
-            rows.append(timed_row(kind, kernel, pair, B, ms, None, copy_bw, T=T, L=L, **extra))
+            rows.append(timed_row(kind, kernel, pair, B, ms, None, s.copy_bw, T=T, L=L, **extra))
             del st
     return rows
 
 
-def _snapshot_rounds(c, kind, B, T, S, f, init, kw, n, copy_bw, idx, out) -> list:
+def _snapshot_rounds(s: BatchInputs, T, n, c) -> list:
     """The conventional FP32 verify with per-draft snapshots ('spec-snapshot-verify') and its
-    round: verify + restore of snapshot n ('spec-snapshot-round')."""
-    H, HK, dv, dk = S["H"], S["HK"], S["dv"], S["dk"]
+    round: verify + restore of snapshot n ('spec-snapshot-round'), at launch config c."""
+    kind, B, f, kw, idx, out = s.kind, s.B, s.f, s.kw, s.idx, s.out
+    H, HK, dv, dk = s.S["H"], s.S["HK"], s.S["dv"], s.S["dk"]
     tokens = B * (float(n.float().mean()) + 1.0)
-    cs = ConventionalStore.from_state(init, "fp32")
+    cs = ConventionalStore.from_state(s.init, "fp32")
     snaps = make_snapshots(cs, T)
     with launched(c):
         ms = time_calls(lambda: f["cverify"](cs, snaps, **kw, state_indices=idx, out=out), 8)
     sb = state_bytes("fp32", dv, dk)
     nbv = B * H * ((1 + T) * sb + T * io_bytes(kind, H, HK, dv, dk))
-    rows = [timed_row(kind, "spec-snapshot-verify", "fp32", B, ms, nbv, copy_bw, T=T)]
+    rows = [timed_row(kind, "spec-snapshot-verify", "fp32", B, ms, nbv, s.copy_bw, T=T)]
 
     def rndc():
         f["cverify"](cs, snaps, **kw, state_indices=idx, out=out)
@@ -286,7 +293,7 @@ def _snapshot_rounds(c, kind, B, T, S, f, init, kw, n, copy_bw, idx, out) -> lis
         ms = time_calls(rndc, 8)
     frac = float((n > 0).float().mean())
     rows.append(timed_row(kind, "spec-snapshot-round", "fp32", B, ms,
-                          nbv + B * H * 2 * sb * frac, copy_bw, T=T,
+                          nbv + B * H * 2 * sb * frac, s.copy_bw, T=T,
                           tokens_per_s=tokens / ms * 1e3, mean_accept=float(n.float().mean()),
                           note="verify + restore of snapshot n (a copy) for rows with n > 0"))
     del cs, snaps

@@ -6,18 +6,19 @@ from __future__ import annotations
 
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from replayquant.bench import authors as side
 from replayquant.bench.kernels.checks import gpu_checks
-from replayquant.bench.kernels.grid import GRID, PAIR_L, PAIRS, SHAPES, check_names
+from replayquant.bench.kernels.grid import PAIR_L, SHAPES, KernelGrid, check_names
 from replayquant.bench.kernels.peers import bench_peers, peer_comparison, peer_versions
 from replayquant.bench.kernels.plan import estimate_s, plan
 from replayquant.bench.kernels.render import plot_kernels, render_markdown
-from replayquant.bench.kernels.rows import bench_conventional, bench_replay, bench_spec
+from replayquant.bench.kernels.rows import (ReplayExtras, bench_conventional, bench_replay,
+                                            bench_spec)
 from replayquant.bench.kernels.sweep import config_sweep
 from replayquant.bench.kernels.table import KERNELS_KIND, check_kernels_out, derive_speedups
 from replayquant.bench.kernels.timing import copy_bandwidth_GBps, cpu_timing
@@ -44,74 +45,76 @@ def run_kernels_bench(out: str = "build/bench", name: str = "kernels", **kw) -> 
         return _run_kernels_bench(out=out, name=name, **kw)
 
 
-def _run_kernels_bench(out: str = "build/bench", batches=GRID["batches"], Ls=GRID["Ls"],
-                      pairs=PAIRS, Ts=GRID["Ts"], spec_batches=GRID["spec_batches"],
-                      kinds=None, peers: bool = True, checks: bool = True,
-                      sweep: bool = True, detail_batches=(256,), budget_s: float = 500.0,
-                      device: str = "cuda", name: str = "kernels", plot: bool = True,
-                      shapes=None, authors=None,
-                      authors_commit=None, staggered_batches=(256,), main_L_only=False,
-                      accuracy=True) -> dict:
+def _run_kernels_bench(grid: KernelGrid = KernelGrid(), out: str = "build/bench",
+                       name: str = "kernels", budget_s: float = 500.0, device: str = "cuda",
+                       plot: bool = True, authors=None, authors_commit=None) -> dict:
     """`replayquant bench kernels`: copy bandwidth, GPU checks, launch-config sweep, conventional
     / replay / peer decode steps over the grid (B x L x pair) and speculative rounds
     (T), in priority order (plan) under a time budget: sections whose estimate would pass
     budget_s are skipped and listed. Writes {name}.json (after every section), {name}.md and
     {name}_speedup.png. authors: a checkout of the ReplaySSM authors' fork, whose kernels are
     timed beside ours (replayquant.bench.authors; its commit from the checkout, or
-    authors_commit); kinds (default: every kind of `shapes`), staggered_batches, main_L_only,
-    accuracy: as plan.
+    authors_commit).
 
-    device 'cpu' is a smoke run of this code (tiny `shapes`, Triton interpreter, wall-clock
-    timing): never a result."""
-    cpu, kinds = _check_args(device, shapes, kinds, pairs, batches, spec_batches, Ls, Ts)
+    device 'cpu' is a smoke run of this code (tiny `grid.shapes`, Triton interpreter,
+    wall-clock timing): never a result."""
+    cpu, kinds = _check_args(device, grid)
     A = side.load(authors, authors_commit) if authors else None   # bad PATH: before measuring
     t0 = time.time()
-    run_shapes = {k: (SHAPES if shapes is None else shapes)[k] for k in kinds}
+    run_shapes = {k: (SHAPES if grid.shapes is None else grid.shapes)[k] for k in kinds}
     with cpu_timing(cpu):
-        sections = plan(batches, Ls, pairs, Ts, spec_batches, tuple(run_shapes), peers and not cpu,
-                        checks and not cpu, sweep, detail_batches, run_shapes, A is not None,
-                        staggered_batches, main_L_only, accuracy)
+        sections = plan(replace(grid, kinds=tuple(run_shapes), peers=grid.peers and not cpu,
+                                checks=grid.checks and not cpu, shapes=run_shapes),
+                        A is not None)
         est = estimate_s(sections)
         print(f"[bench kernels] {len(sections)} sections, estimated {est:.0f} s "
               f"(budget {budget_s:.0f} s"
               + ("; the full plan fits)" if est <= budget_s else
                  "; sections past the budget are skipped, lowest priority first: "
                  "pass a subset (--batches/--L/--pairs/--T) to choose)"), flush=True)
-        params = dict(batches=list(batches), L=list(Ls), pairs=list(pairs), T=list(Ts),
-                      spec_batches=list(spec_batches), main_L=dict(PAIR_L), shapes=run_shapes,
-                      peers=peers, checks=checks, sweep=sweep, detail_batches=list(detail_batches),
-                      budget_s=budget_s, estimate_s=est, smoke_cpu=cpu,
-                      staggered_batches=list(staggered_batches), main_L_only=main_L_only,
-                      accuracy=accuracy)
-        res = {"kind": KERNELS_KIND, "provenance": provenance(device, **params), "rows": [],
-               "errors": {}, "skipped": [], "copy_GBps": None}
+        res = {"kind": KERNELS_KIND,
+               "provenance": provenance(device, **_params(grid, run_shapes, budget_s, est, cpu)),
+               "rows": [], "errors": {}, "skipped": [], "copy_GBps": None}
         if cpu:
             res["provenance"]["note"] = "CPU smoke run of the benchmark code: not a result"
         if A is not None:
             res["provenance"]["authors"] = A.provenance()
         outp = Path(out)
         outp.mkdir(parents=True, exist_ok=True)
-        if peers and not cpu:
+        if grid.peers and not cpu:
             peer_versions(res["provenance"]["versions"])
         copy_bw = 1.0 if cpu else copy_bandwidth_GBps(device)
         res["copy_GBps"] = copy_bw
         print(f"copy bandwidth {copy_bw:.0f} GB/s", flush=True)
-        run = _Run(res, run_shapes, tuple(pairs), tuple(Ls), peers, device, cpu, copy_bw, A,
-                   save=lambda: write_json(outp / f"{name}.json", res, default=str))
+        run = _Run(res, run_shapes, tuple(grid.pairs), tuple(grid.Ls), grid.peers, device, cpu,
+                   copy_bw, A, save=lambda: write_json(outp / f"{name}.json", res, default=str))
         run.sections(sections, t0, budget_s)
         return _finish(run, t0, outp, name, plot)
 
 
-def _check_args(device, shapes, kinds, pairs, batches, spec_batches, Ls, Ts):
+def _params(grid: KernelGrid, run_shapes, budget_s, est, cpu) -> dict:
+    """The run's settings as its results file records them."""
+    g = grid
+    return dict(batches=list(g.batches), L=list(g.Ls), pairs=list(g.pairs), T=list(g.Ts),
+                spec_batches=list(g.spec_batches), main_L=dict(PAIR_L), shapes=run_shapes,
+                peers=g.peers, checks=g.checks, sweep=g.sweep,
+                detail_batches=list(g.detail_batches), budget_s=budget_s, estimate_s=est,
+                smoke_cpu=cpu, staggered_batches=list(g.staggered_batches),
+                main_L_only=g.main_L_only, accuracy=g.accuracy)
+
+
+def _check_args(device, grid: KernelGrid):
     """One clear error for arguments the run cannot measure, before anything runs: (whether it is
     a CPU smoke run, the kinds measured)."""
     cpu = not str(device).startswith("cuda")
     if not cpu and not torch.cuda.is_available():
         raise ValueError("bench kernels needs a CUDA GPU (device='cpu' only smoke-tests the code)")
-    if cpu and shapes is None:
+    if cpu and grid.shapes is None:
         raise ValueError("a CPU run needs tiny `shapes` (it only smoke-tests the benchmark code)")
-    kinds = tuple(SHAPES if shapes is None else shapes) if kinds is None else tuple(kinds)
-    check_names(pairs, kinds)
+    kinds = (tuple(SHAPES if grid.shapes is None else grid.shapes) if grid.kinds is None
+             else tuple(grid.kinds))
+    check_names(grid.pairs, kinds)
+    batches, spec_batches, Ls, Ts = grid.batches, grid.spec_batches, grid.Ls, grid.Ts
     if any(T < 1 for T in Ts) or any(L < 1 for L in Ls) or not Ls \
             or not (batches or spec_batches):
         raise ValueError(f"need batches or spec batches, L >= 1 and T >= 1 (got "
@@ -201,9 +204,9 @@ class _Run:
                                                  self.cfg(kind, B), S=self.shapes[kind]), key)
 
     def _replay(self, key, kind, B, pair, L, det, forced, ptr):
+        extras = ReplayExtras(detail=det, forced=forced, pointer=ptr)
         self.add_rows(lambda: bench_replay(kind, B, pair, L, self.device, self.copy_bw,
-                                           self.cfg(kind, B), detail=det, forced=forced,
-                                           pointer=ptr, S=self.shapes[kind]), key)
+                                           self.cfg(kind, B), extras, S=self.shapes[kind]), key)
 
     def _spec(self, key, kind, B, T):
         """The speculative rounds; False (not run) where T passes the kind's L."""

@@ -5,11 +5,7 @@ from __future__ import annotations
 
 import contextlib
 
-import torch
-
-from replayquant.testing import random_state
-from replayquant.bench.kernels.grid import (PAIR_L, PAIRS, SHAPES, kernel_fns, kernel_inputs,
-                                            load_pair)
+from replayquant.bench.kernels.grid import PAIR_L, PAIRS, SHAPES, BatchInputs, load_pair
 from replayquant.bench.kernels.timing import empty_cache, time_calls, timed_row
 from replayquant.kernels.conventional.launch import override_conventional_launch
 from replayquant.kernels.replay.launch import override_replay_launch
@@ -36,26 +32,23 @@ def config_sweep(kind, B, device, copy_bw, pairs=PAIRS, L=None, S=None):
     {'read', 'flush'}})."""
     S = S or SHAPES[kind]
     L = L or PAIR_L[kind]
-    init = random_state(B, S["H"], S["dv"], S["dk"], seed=B, device=device)
-    setup = dict(kind=kind, B=B, S=S, f=kernel_fns(kind), copy_bw=copy_bw,
-                 idx=torch.arange(B, dtype=torch.int32, device=device),
-                 kw=kernel_inputs(kind, S, B, seed=1, device=device),
-                 out=torch.empty(B, S["H"], S["dv"], device=device))
-    rows = _sweep_conventional(init, **setup)
+    s = BatchInputs.draw(kind, S, B, device, copy_bw, state_seed=B, input_seed=1)
+    rows = _sweep_conventional(s)
     cfg = {"conventional/fp32": min(rows, key=lambda r: r["us"])["cfg"]}
     for pair in pairs:
-        pair_rows, pick = _sweep_replay(init, pair, L, **setup)
+        pair_rows, pick = _sweep_replay(s, pair, L)
         rows += pair_rows
         cfg[f"replay/{pair}"] = {"launch": pick}
     empty_cache()
     return rows, cfg
 
 
-def _sweep_conventional(init, kind, B, S, f, copy_bw, idx, kw, out) -> list:
+def _sweep_conventional(s: BatchInputs) -> list:
     """Rows 'sweep/conventional': the conventional FP32 step at each of CONVENTIONAL_CANDIDATES
     that fits d_v, pointers held."""
-    H, HK, dv, dk = S["H"], S["HK"], S["dv"], S["dk"]
-    cs = ConventionalStore.from_state(init, "fp32")
+    kind, B, f, kw, idx, out = s.kind, s.B, s.f, s.kw, s.idx, s.out
+    H, HK, dv, dk = s.S["H"], s.S["HK"], s.S["dv"], s.S["dk"]
+    cs = ConventionalStore.from_state(s.init, "fp32")
     cands = []
     for bv, nw in CONVENTIONAL_CANDIDATES:
         if bv > dv:
@@ -65,17 +58,19 @@ def _sweep_conventional(init, kind, B, S, f, copy_bw, idx, kw, out) -> list:
             ms = time_calls(lambda: f["conv"](cs, **kw, state_indices=idx, out=out, advance=False),
                             8)
         cands.append(timed_row(kind, "sweep/conventional", "fp32", B, ms,
-                               conventional_bytes(kind, "fp32", B, H, HK, dv, dk), copy_bw, cfg=c))
+                               conventional_bytes(kind, "fp32", B, H, HK, dv, dk), s.copy_bw,
+                               cfg=c))
     return cands
 
 
-def _sweep_replay(init, pair, L, kind, B, S, f, copy_bw, idx, kw, out):
+def _sweep_replay(s: BatchInputs, pair, L):
     """Rows 'sweep/replay-read-step' and 'sweep/replay-flush-step' of `pair`: the read launch's
     candidates on a read step (h = L/2), the flush launch's on a flush step (h = L - 1), pointers
     held. Returns (rows, the fastest {'read': config, 'flush': config})."""
-    H, HK, dv, dk = S["H"], S["HK"], S["dv"], S["dk"]
+    kind, B, f, kw, idx, out = s.kind, s.B, s.f, s.kw, s.idx, s.out
+    H, HK, dv, dk = s.S["H"], s.S["HK"], s.S["dv"], s.S["dk"]
     P, af, rf = load_pair(pair, L)
-    st = ReplayStore.from_state(init, P, kind, key_heads=HK)
+    st = ReplayStore.from_state(s.init, P, kind, key_heads=HK)
     flush_c = FLUSH_CANDIDATES["whole" if "nvfp4" in (af, rf) else "plain"]
     rows, pick = [], {}
     for which, h, cands_w, nbytes in (
@@ -95,7 +90,7 @@ def _sweep_replay(init, pair, L, kind, B, S, f, copy_bw, idx, kw, out):
                                                   path="replay", advance=False),
                                 8 if which == "read" else 4)
             cands.append(timed_row(kind, f"sweep/replay-{which}-step", pair, B, ms, nbytes,
-                                   copy_bw, cfg={"launch": launch}, h=h, L=L))
+                                   s.copy_bw, cfg={"launch": launch}, h=h, L=L))
         pick[which] = min(cands, key=lambda r: r["us"])["cfg"]["launch"][which]
         rows += cands
     del st

@@ -30,8 +30,8 @@ import triton.language as tl
 
 from replayquant.kernels.conventional.launch import launch_config
 from replayquant.kernels.quant.roles import _tile_load, _tile_store, split_key
-from replayquant.replay.stores import (NO_DT_LIMIT, ConventionalStore, _indices, _pow2_dims,
-                                        dt_limit_args, step_inputs)
+from replayquant.replay.stores import (NO_DT_LIMIT, ConventionalStore, StepTensors, _indices,
+                                        _pow2_dims, dt_limit_args, step_inputs)
 from replayquant.replay.frontends import L2NORM_EPS
 
 
@@ -206,7 +206,8 @@ def conv_launch(store: ConventionalStore, kind, q, k, v, a, b, A, dt_bias, D, z,
     st = store.state
     N, HV, dv, dk = st.shape
     _pow2_dims(st.shape)
-    lead, HK = step_inputs(kind, st.shape, snaps is not None, q, k, v, a, b, A, dt_bias, D, z)
+    lead, HK = step_inputs(kind, st.shape, snaps is not None,
+                           StepTensors(q, k, v, a, b, A, dt_bias, D, z))
     B, T = lead[0], lead[-1] if snaps is not None else 1
     if snaps is not None and (getattr(snaps, "T", None) != T or snaps.fmt != st.fmt):
         raise ValueError(f"snapshots were made for T={getattr(snaps, 'T', None)} drafts in "

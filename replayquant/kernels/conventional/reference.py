@@ -17,8 +17,8 @@ import torch
 
 from replayquant.replay.frontends import l2norm, l2norm_kda
 from replayquant.replay.roles import PackedRole, role_streams
-from replayquant.replay.stores import (NO_DT_LIMIT, ConventionalStore, _check_accept, _indices,
-                                        dt_limit_args, step_inputs)
+from replayquant.replay.stores import (NO_DT_LIMIT, ConventionalStore, StepTensors, _check_accept,
+                                        _indices, dt_limit_args, step_inputs)
 from replayquant.streams import ANCHOR
 
 
@@ -125,7 +125,7 @@ def conventional_gdn_step_ref(store: ConventionalStore, q, k, v, a, b, A_log, dt
 def conventional_kda_step_ref(store: ConventionalStore, q, k, v, g, beta, state_indices=None,
                               scale=None, out=None, use_qk_l2norm=True, advance=True):
     """torch reference of conventional_kda_step (same signature, same in-place effect)."""
-    step_inputs("kda", store.state.shape, False, q, k, v, g, beta, None, None, None, None)
+    step_inputs("kda", store.state.shape, False, StepTensors(q, k, v, g, beta))
     qf, kf, vf, la, bf = kda_frontend_ref(q, k, v, g, beta, scale, use_qk_l2norm)
     y, idx, live = _conventional_ref(store, qf, kf, vf, la, bf, state_indices, True)
     if advance and live.numel():

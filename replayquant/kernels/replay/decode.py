@@ -33,9 +33,9 @@ from replayquant.kernels.quant.kernel import (decode_bf16, decode_fp16, encode_b
 from replayquant.kernels.replay.launch import (LAUNCHES, _max_regs, _table, given_launch,
                                               replay_launch_config)
 from replayquant.kernels.quant.roles import _role_bits, _tile_load, _tile_store, split_key
-from replayquant.replay.stores import (NO_DT_LIMIT, ReplayStore, _begin, _default_force,
-                                        _check_buffered, _indices, dt_limit_args, folds_u,
-                                        solves_u, step_inputs)
+from replayquant.replay.stores import (NO_DT_LIMIT, ReplayStore, StepTensors, _begin,
+                                        _default_force, _check_buffered, _indices, dt_limit_args,
+                                        folds_u, solves_u, step_inputs)
 
 __all__ = ["replay_gdn_step", "replay_mamba2_step", "replay_kda_step", "advance_pointers"]
 
@@ -1027,7 +1027,8 @@ def _launch(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, state_ind
     N, HV, dv, dk = store.shape
     HK = store.key_heads
     force = _begin(store, kind, step, path)
-    lead, hk = step_inputs(kind, store.shape, not step, q, k, v, a, b, A, dt_bias, D, z)
+    lead, hk = step_inputs(kind, store.shape, not step,
+                            StepTensors(q, k, v, a, b, A, dt_bias, D, z))
     if hk != HK:
         raise ValueError(f"the inputs have {hk} key heads, the store {HK} (key_heads)")
     B, T = lead[0], 1 if step else lead[1]

@@ -50,9 +50,9 @@ from replayquant.kernels.conventional.reference import (_into, gdn_frontend_ref,
                                                         mamba2_frontend_ref, mamba2_post_ref)
 from replayquant.formats.philox import random_bits_torch
 from replayquant.kernels.replay.launch import replay_launch_config
-from replayquant.replay.stores import (NO_DT_LIMIT, ReplayStore, _begin, _check_buffered,
-                                        _indices, cast_overflows, folds_u, pow2_16, ring_keys,
-                                        solves_u, step_inputs)
+from replayquant.replay.stores import (NO_DT_LIMIT, ReplayStore, StepTensors, _begin,
+                                        _check_buffered, _indices, cast_overflows, folds_u, pow2_16,
+                                        ring_keys, solves_u, step_inputs)
 from replayquant.streams import ANCHOR, READ, sr_stream
 
 __all__ = ["replay_gdn_step_torch", "replay_mamba2_step_torch", "replay_kda_step_torch"]
@@ -338,7 +338,7 @@ def _begin_step(store, kind, path, q, k, v, a, b, A=None, dt_bias=None, D=None, 
     the buffered k / v in the ring's dtype); records the step's path (last_force) and returns
     whether every row flushes."""
     force = _begin(store, kind, True, path)
-    _, hk = step_inputs(kind, store.shape, False, q, k, v, a, b, A, dt_bias, D, z)
+    _, hk = step_inputs(kind, store.shape, False, StepTensors(q, k, v, a, b, A, dt_bias, D, z))
     if hk != store.key_heads:
         raise ValueError(f"the inputs have {hk} key heads, the store {store.key_heads} "
                          f"(key_heads)")

@@ -50,7 +50,7 @@ from replayquant.kernels.replay import decode as rd
 from replayquant.kernels.replay.decode import (_append_entry, _dot3, _entry, _load_entries,
                                                _moved_pointers, _row_of, advance_pointers)
 from replayquant.kernels.replay.launch import chosen_design, fold_launch_config
-from replayquant.replay.stores import (ReplayStore, _begin, _check_buffered, _indices,
+from replayquant.replay.stores import (ReplayStore, StepTensors, _begin, _check_buffered, _indices,
                                         dt_limit_args, folds_u, step_inputs)
 
 __all__ = ["replay_gdn_step", "replay_mamba2_step", "fold_step", "fold_advance_pointers",
@@ -240,7 +240,8 @@ def fold_step(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, state_i
                          f" entries (the token after a full window is appended while the window"
                          f" is folded): build the store with max_drafts >= 1, got capacity "
                          f"{store.capacity}")
-    lead, hk = step_inputs(kind, store.shape, False, q, k, v, a, b, A, dt_bias, D, z)
+    lead, hk = step_inputs(kind, store.shape, False,
+                            StepTensors(q, k, v, a, b, A, dt_bias, D, z))
     N, HV, dv, dk = store.shape
     if hk != store.key_heads:
         raise ValueError(f"the inputs have {hk} key heads, the store {store.key_heads} "

@@ -45,7 +45,7 @@ from replayquant.kernels.replay.decode import (_advance_row, _entry, _flush_flag
 from replayquant.kernels.replay.launch import (_max_regs, onepass_launch_config,
                                               replay_launch_config)
 from replayquant.kernels.quant.roles import split_key
-from replayquant.replay.stores import (ReplayStore, _begin, _check_buffered, _indices,
+from replayquant.replay.stores import (ReplayStore, StepTensors, _begin, _check_buffered, _indices,
                                         dt_limit_args, folds_u, solves_u, step_inputs)
 
 __all__ = ["onepass_verify"]
@@ -452,7 +452,8 @@ def _onepass_kernel(
 def _checks(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, beta_scale):
     """decode._launch's checks of a verify, in its order -> (B, T)."""
     _begin(store, kind, False, None)
-    lead, hk = step_inputs(kind, store.shape, True, q, k, v, a, b, A, dt_bias, D, z)
+    lead, hk = step_inputs(kind, store.shape, True,
+                            StepTensors(q, k, v, a, b, A, dt_bias, D, z))
     if hk != store.key_heads:
         raise ValueError(f"the inputs have {hk} key heads, the store {store.key_heads} "
                          f"(key_heads)")
