@@ -25,7 +25,7 @@ import torch
 
 from replayquant.bench import authors as side
 from replayquant.bench.kernels.grid import PAIR_L, SHAPES, kernel_inputs, load_pair
-from replayquant.bench.kernels.rows import bench_replay
+from replayquant.bench.kernels.rows import ReplayExtras, bench_replay
 from replayquant.bench.kernels.timing import copy_bandwidth_GBps, no_gpu
 from replayquant.kernels.replay.decode import replay_gdn_step, replay_mamba2_step
 from replayquant.kernels.replay.launch import override_replay_launch
@@ -84,7 +84,8 @@ def rows_of(kind, B, way, copy_bw, device) -> list:
     through bench_replay, and the staggered window."""
     S, L = SHAPES[kind], PAIR_L[kind]
     cfg = {"launch": WAYS[way]}
-    rows = bench_replay(kind, B, PAIR, L, device, copy_bw, cfg=cfg, detail=B >= 128, S=S)
+    rows = bench_replay(kind, B, PAIR, L, device, copy_bw, cfg=cfg,
+                        extras=ReplayExtras(detail=B >= 128), S=S)
     with override_replay_launch(WAYS[way]):
         rows += side.bench_ours_staggered(kind, B, PAIR, L, device, copy_bw, S)
     for r in rows:
