@@ -10,7 +10,7 @@ import torch  # noqa: E402
 
 # The folders whose every test is slow (the Triton kernels in the interpreter and their sm_90
 # compiles; whole tiny models generating and decoding); elsewhere a module says
-# `pytestmark = pytest.mark.slow` itself. `make test-fast` runs `-m "not slow"`.
+# `pytestmark = pytest.mark.slow` itself, or a test (the built wheel and sdist). `make test-fast` runs `-m "not slow"`.
 SLOW_FOLDERS = {"kernels", "models"}
 HERE = Path(__file__).resolve().parent
 

@@ -121,6 +121,7 @@ def built(tmp_path_factory):
     return sdist, wheel
 
 
+@pytest.mark.slow
 def test_wheel_ships_the_docs_the_kernels_table_and_says_what_each_extra_installs(built):
     import zipfile
     _, wheel = built
@@ -141,6 +142,7 @@ def test_wheel_ships_the_docs_the_kernels_table_and_says_what_each_extra_install
     assert "Provides-Extra: dev" in meta
 
 
+@pytest.mark.slow
 def test_sdist_ships_the_docs_and_builds_the_same_wheel_data(built, tmp_path):
     import tarfile
     sdist, _ = built
@@ -162,6 +164,7 @@ def test_sdist_ships_the_docs_and_builds_the_same_wheel_data(built, tmp_path):
     assert "replayquant/data/kernels_h200.json" in names
 
 
+@pytest.mark.slow
 def test_installed_package_finds_its_docs_and_kernels_table(built, tmp_path):
     _, wheel = built
     target, work = tmp_path / "site", tmp_path / "work"

@@ -40,6 +40,7 @@ def wheel(tmp_path_factory):
     return whl
 
 
+@pytest.mark.slow
 def test_wheel_contents(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     pairs = sorted(p.stem for p in (ROOT / "configs" / "pairs").glob("*.yaml"))
@@ -58,6 +59,7 @@ def test_wheel_contents(wheel):
     assert not [n for n in names if n.split("/")[0] in ("tests", "evals", "results", "configs")]
 
 
+@pytest.mark.slow
 def test_wheel_runs_from_another_folder(wheel, tmp_path):
     target, work = tmp_path / "site", tmp_path / "work"
     work.mkdir()
