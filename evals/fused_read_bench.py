@@ -1,7 +1,7 @@
 """The flush inside the read launch, timed beside today's launches and the ReplaySSM authors'
-kernels on one GPU: a decode step of a separate-copy pair (tp8_hi32: FP32 anchor, FP8 read copy)
-as one launch on the read's 64-row tiles, a flushing row's program running the flush on its
-16-row sub-tiles (override_replay_launch({'fused': 'read'}), at the read's register cap and at
+kernels on one GPU: a decode step of a pair without an NVFP4 role (tp8_hi32: FP32 anchor, FP8
+read copy; s32_rs: one FP32 anchor read and flushed) as one launch on the read's 64-row tiles, a
+flushing row's program running the flush on its sub-tiles of the flush launch's rows (16; 32) (override_replay_launch({'fused': 'read'}), at the read's register cap and at
 other caps), against the flush launch then the read launch ({'fused': False}) and today's
 choice (one launch on the flush's tiles at small batch). On `replayquant bench kernels`' shapes,
 inputs and clock (its replay-window, replay-window-staggered, read and flush step rows), each
@@ -10,8 +10,8 @@ staggered) of the same batch in the same run with --authors. First a check on th
 interpreter never runs the tensor-core path): the one launch against the two over 2L + 1 steps
 from one store, half the rows staggered.
 
-    python evals/fused_read_bench.py OUT.json [--kinds gdn,mamba2] [--batches 1,8,32,128,256]
-        [--ways two,today,read,read168] [--authors PATH] [--budget-s 400]
+    python evals/fused_read_bench.py OUT.json [--kinds gdn,mamba2] [--batches 1,32,256]
+        [--pairs tp8_hi32,s32_rs] [--ways two,read,read168] [--authors PATH] [--budget-s 400]
 
 Writes OUT.json after every row (rows, checks, copy bandwidth, provenance)."""
 
@@ -34,7 +34,6 @@ from replayquant.provenance import provenance
 from replayquant.replay.stores import ReplayStore
 from replayquant.testing import random_state
 
-PAIR = "tp8_hi32"
 STEP = {"gdn": replay_gdn_step, "mamba2": replay_mamba2_step}
 # the ways a step launches: override_replay_launch's mapping each
 WAYS = {"two": {"fused": False}, "today": {}, "read": {"fused": "read"},
@@ -46,13 +45,13 @@ def _rel(a, b) -> float:
     return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp(min=1e-30))
 
 
-def check(kind, B, device) -> dict:
+def check(kind, pair, B, device) -> dict:
     """The one launch on the read's tiles against two launches over 2L + 1 steps from one store,
     half the rows staggered (their first steps alone): outputs, anchors, read copies, pointers."""
     S, L = SHAPES[kind], PAIR_L[kind]
     idx = torch.arange(B, dtype=torch.int32, device=device)
     init = random_state(B, S["H"], S["dv"], S["dk"], seed=B + 1, device=device)
-    P = load_pair(PAIR, L)[0]
+    P = load_pair(pair, L)[0]
     two, one = (ReplayStore.from_state(init, P, kind, key_heads=S["HK"]) for _ in range(2))
     worst = 0.0
     for st, way in ((two, WAYS["two"]), (one, WAYS["read"])):
@@ -69,25 +68,26 @@ def check(kind, B, device) -> dict:
         with override_replay_launch(WAYS["read"]):
             y1 = STEP[kind](one, **kw, state_indices=idx)
         worst = max(worst, _rel(y1, y0))
-    r = dict(kind=kind, B=B, steps=2 * L + 1, max_rel_outputs=worst,
+    r = dict(kind=kind, pair=pair, B=B, steps=2 * L + 1, max_rel_outputs=worst,
              anchor_max_rel=_rel(one.anchor.payload, two.anchor.payload),
              read_copy_codes_equal=bool(torch.equal(one.read_role.payload,
-                                                    two.read_role.payload)),
+                                                    two.read_role.payload)) if not one.shared
+             else None,
              pointers_equal=all(bool(torch.equal(getattr(one, p), getattr(two, p)))
                                 for p in ("committed", "start", "n_flush")))
-    print(f"check {kind} B={B}: {r}", flush=True)
+    print(f"check {kind} {pair} B={B}: {r}", flush=True)
     return r
 
 
-def rows_of(kind, B, way, copy_bw, device) -> list:
+def rows_of(kind, pair, B, way, copy_bw, device) -> list:
     """One way's rows at batch B: window in phase (and at B >= 128 the read and flush steps)
     through bench_replay, and the staggered window."""
     S, L = SHAPES[kind], PAIR_L[kind]
     cfg = {"launch": WAYS[way]}
-    rows = bench_replay(kind, B, PAIR, L, device, copy_bw, cfg=cfg,
+    rows = bench_replay(kind, B, pair, L, device, copy_bw, cfg=cfg,
                         extras=ReplayExtras(detail=B >= 128), S=S)
     with override_replay_launch(WAYS[way]):
-        rows += side.bench_ours_staggered(kind, B, PAIR, L, device, copy_bw, S)
+        rows += side.bench_ours_staggered(kind, B, pair, L, device, copy_bw, S)
     for r in rows:
         r["way"] = way
     return rows
@@ -98,13 +98,15 @@ def summary(rows) -> None:
     against two launches."""
     auth = {(r["kind"], r["B"], r["kernel"].replace("authors", "replay-window")): r["us"]
             for r in rows if r.get("way") == "authors"}
-    two = {(r["kind"], r["B"], r["kernel"]): r["us"] for r in rows if r.get("way") == "two"}
+    two = {(r["kind"], r["variant"], r["B"], r["kernel"]): r["us"] for r in rows
+           if r.get("way") == "two"}
     for r in rows:
         if r.get("way") in (None, "authors") or not r["kernel"].startswith("replay-window"):
             continue
-        key = (r["kind"], r["B"], r["kernel"])
-        a, t = auth.get(key), two.get(key)
-        print(f"  {r['kind']:6s} B={r['B']:4d} {r['kernel']:24s} {r['way']:8s} {r['us']:8.2f} us"
+        a = auth.get((r["kind"], r["B"], r["kernel"]))
+        t = two.get((r["kind"], r["variant"], r["B"], r["kernel"]))
+        print(f"  {r['kind']:6s} {r['variant']:8s} B={r['B']:4d} {r['kernel']:24s} {r['way']:8s} "
+              f"{r['us']:8.2f} us"
               + (f", authors x{a / r['us']:.2f}" if a else "")
               + (f", two launches x{t / r['us']:.2f}" if t else ""), flush=True)
 
@@ -113,13 +115,14 @@ def main(argv) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out")
     p.add_argument("--kinds", default="gdn,mamba2")
-    p.add_argument("--batches", default="1,8,32,128,256")
-    p.add_argument("--ways", default="two,today,read,read168")
+    p.add_argument("--batches", default="1,32,256")
+    p.add_argument("--pairs", default="tp8_hi32,s32_rs")
+    p.add_argument("--ways", default="two,read,read168")
     p.add_argument("--authors", default=None, help="checkout of the authors' kernels")
     p.add_argument("--budget-s", type=float, default=400.0)
     p.add_argument("--no-check", action="store_true")
     a = p.parse_args(argv)
-    kinds, ways = a.kinds.split(","), a.ways.split(",")
+    kinds, ways, pairs = a.kinds.split(","), a.ways.split(","), a.pairs.split(",")
     bad = [w for w in ways if w not in WAYS] + [k for k in kinds if k not in STEP]
     if bad:
         raise SystemExit(f"fused_read_bench: unknown {bad}; ways {sorted(WAYS)}, kinds gdn, "
@@ -129,19 +132,20 @@ def main(argv) -> int:
         return 1
     A = side.load(a.authors) if a.authors else None
     dev, t0 = "cuda", time.time()
-    res = dict(provenance(dev, kinds=kinds, batches=batches, pair=PAIR, ways=ways),
+    res = dict(provenance(dev, kinds=kinds, batches=batches, pairs=pairs, ways=ways),
                copy_GBps=copy_bandwidth_GBps(dev), checks=[], rows=[], skipped=[])
     if A is not None:
         res["authors"] = A.provenance()
     print(f"copy bandwidth {res['copy_GBps']:.0f} GB/s", flush=True)
     for kind in kinds:
-        if not a.no_check:
-            res["checks"].append(check(kind, 64, dev))
+        for pair in pairs if not a.no_check else ():
+            res["checks"].append(check(kind, pair, 64, dev))
             write_json(a.out, res)
         for B in batches:
-            for way in (["authors"] if A is not None else []) + ways:
+            for pair, way in ([(None, "authors")] if A is not None else []) + \
+                    [(p, w) for p in pairs for w in ways]:
                 if time.time() - t0 > a.budget_s:
-                    res["skipped"].append(f"{kind} B={B} {way}")
+                    res["skipped"].append(f"{kind} {pair} B={B} {way}")
                     continue
                 if way == "authors":
                     new = side.bench_window(kind, B, PAIR_L[kind], dev, res["copy_GBps"],
@@ -149,7 +153,7 @@ def main(argv) -> int:
                     for r in new:
                         r["way"] = "authors"
                 else:
-                    new = rows_of(kind, B, way, res["copy_GBps"], dev)
+                    new = rows_of(kind, pair, B, way, res["copy_GBps"], dev)
                 res["rows"] += new
                 write_json(a.out, res)
     summary(res["rows"])

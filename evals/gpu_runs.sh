@@ -57,11 +57,12 @@
 #                   is written after every way. On an H100 one pair (s32_rs, 64 new tokens)
 #                   took 214 s: give one pair a call, `bash evals/gpu_runs.sh spec --pairs
 #                   s32_rs` (timeout 540 s; arguments after the job name go to the script)
-#   fused-read      evals/fused_read_bench.py: tp8_hi32's decode step as one launch on the read's
-#                   tiles (the flush inside the read program) beside two launches, today's choice
-#                   and the authors' windows, GDN and Mamba-2 at B = 1..256, in phase and
-#                   staggered, after a device check of the one launch against the two (budget
-#                   400 s of timing; arguments after the job name go to the script)
+#   fused-read      evals/fused_read_bench.py: the decode step of tp8_hi32 and s32_rs as one
+#                   launch on the read's tiles (the flush inside the read program; at the read's
+#                   register cap and at 168) beside two launches and the authors' windows, GDN
+#                   and Mamba-2 at B = 1, 32, 256, in phase and staggered, after a device check
+#                   of the one launch against the two (--budget-s of timing, 400 by default;
+#                   arguments after the job name go to the script)
 #   generate        evals/cuda_generate_check.py: generation through the compiled decode kernel
 #                   against the CPU path on the shipped tiny models (~150 s)
 #   train           evals/train_tiny.py device-run: train both tiny models, evaluate them and
