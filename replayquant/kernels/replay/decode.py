@@ -980,12 +980,13 @@ def _fused(T: int, step: bool, n_warps: int, device) -> str:
     return "flush" if want is True else want or ""
 
 
-def _fused_tiles(store: ReplayStore, fused: str, configs) -> int:
-    """The rows FBV of the flush's sub-tiles in a fused launch on the read's tiles (else the
-    launch's own tile rows): the flush's tile rows, which must divide the read's."""
+def _fused_tiles(store: ReplayStore, fused: str, configs) -> int | None:
+    """The rows FBV of the flush's sub-tiles in a launch on the read's tiles (fused 'read'): the
+    flush launch's tile rows, which must divide the read's; None for any other launch, whose
+    flush (if any) works on the launch's own tiles."""
     fbv, bv = configs[0][0], configs[1][0]
     if fused != "read":
-        return configs[LAUNCHES.index(fused)][0] if fused else bv
+        return None
     if "nvfp4" in (store.anchor.fmt, store.read_role.fmt):
         raise ValueError("a flush inside the read launch ({'fused': 'read'}) takes pairs without "
                          "an NVFP4 role: an NVFP4 role is cast a whole matrix at a time (one FP32 "
@@ -1077,7 +1078,7 @@ def _launch(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, state_ind
             *split_key(store.key), dt_lo, dt_hi, B,
             HK=HK, HV=HV, DK=dk, DV=dv, BV=BV, BUFFER_LEN=store.buffer_len, CAPACITY=store.capacity,
             BUFFER_TILE=max(16, triton.next_power_of_2(store.buffer_len)), T=T, STEP=step, FORCE=bool(force),
-            ADVANCE=bool(advance) and not flushes, AFMT=afid, FUSED=bool(fused), FBV=fbv if fused else BV,
+            ADVANCE=bool(advance) and not flushes, AFMT=afid, FUSED=bool(fused), FBV=fbv or BV,
             ASR=store.anchor.rounding == "stochastic", RFMT=rfid,
             RSR=store.read_role.rounding == "stochastic", SHARED=store.shared, DELTA=delta,
             L2NORM=use_qk_l2norm, HAS_DTB=dt_bias is not None, HAS_D=D is not None,
