@@ -6,9 +6,8 @@ per-row flush from the anchor).
 | decode | the step kernel: a flush launch and a read launch of one kernel (one launch at small batch, or on the read's tiles with the flush inside), and the pointer move |
 | verify | the speculative verify (GDN and Mamba-2 on the one-pass kernel by default, KDA on the step kernel), its accept and the choice of design |
 | verify_onepass | the one-pass verify (design='onepass', the default: one pass over the read copy for all drafts) |
-| fold | the decode step in one launch, a full window folded by the next step's read (design='deferred-fold', GDN and Mamba-2 s32_rs) |
-| launch | the launch tables of the three kernels, with `override_replay_launch` |
-| reference | the torch reference of step, verify, accept and the deferred-fold step (specified by the torch `ReplayState`) |
+| launch | the launch tables of the two kernels, with `override_replay_launch` |
+| reference | the torch reference of step, verify and accept (specified by the torch `ReplayState`) |
 | engine | the torch engine: the same store stepped in batched torch, bit for bit the reference's output on the CPU |
 
 Each Triton module is named for what it runs; `launch` and `reference` carry the same names in

@@ -1,9 +1,8 @@
 """The launch tables of the replay kernels: tile rows, warps and register caps of the decode
-kernel's (`decode._replay_kernel`) flush and read launches, the one-pass verify's read launch
-(`verify_onepass._onepass_kernel`) and the deferred fold's one launch (`fold._fold_read_kernel`),
-chosen by shape, each row with its measured reason.
+kernel's (`decode._replay_kernel`) flush and read launches and the one-pass verify's read launch
+(`verify_onepass._onepass_kernel`), chosen by shape, each row with its measured reason.
 
-The kernels ask `replay_launch_config` / `onepass_launch_config` / `fold_launch_config`; nobody
+The kernels ask `replay_launch_config` / `onepass_launch_config`; nobody
 passes a config down a call chain. Tests and the benchmark's sweep try other configs inside
 `override_replay_launch(launch)`. Plain Python: the torch references read the flush launch's
 tile rows (a flush tile whose state or cast is not finite keeps its bytes, as the kernel's)
@@ -16,9 +15,9 @@ import contextlib
 
 from replayquant.replay.stores import ReplayStore
 
-__all__ = ["LAUNCH_TABLE", "LAUNCHES", "ONEPASS_TABLE", "FOLD_TABLE", "replay_launch_config",
-           "onepass_launch_config", "fold_launch_config", "override_replay_launch",
-           "chosen_design", "programs_per_sm", "waves"]
+__all__ = ["LAUNCH_TABLE", "LAUNCHES", "ONEPASS_TABLE", "replay_launch_config",
+           "onepass_launch_config", "override_replay_launch", "chosen_design", "programs_per_sm",
+           "waves"]
 
 
 # The launch table, chosen by shape: (launch, kind, role) -> rows BV of a program's [BV, d_k]
@@ -52,17 +51,6 @@ ONEPASS_TABLE = (   # role, rows, warps, chunk, stages  # reason
     ("*", 64, 2, 32, 3),   # 2 x 4135 / 4073 / 4417, 128-137 registers; 32 rows on 1 warp:
 )                          # 2 x 4682 / 4398 / 4777; 64 on 1 warp: 6737 / 5820 / 6392, 231-255
 
-# The launch, by kind: rows BV of a program's tile, warps, columns a chunk, chunks' loads in
-# flight, whether q and k enter the pass as chunks loaded from the inputs (QLOAD) or taken from
-# the front end's registers. Reasons: windows of s32_rs at B = 256 on one H100, us, in phase
-# (results/bench/replay_fold_h100.json of commit dc14274; today's eager design GDN 236.5,
-# Mamba-2 440.2: the deferred fold is slower at every tile, so it is off by default); registers
-# from compile_check sass on sm_90 (Triton 3.9, evals/fold_sass.py).
-FOLD_TABLE = (   # kind, rows, warps, chunk, stages, qload  # reason
-    ("gdn", 64, 2, 32, 3, False),      # 272.4 (166 registers); chunk 16: 298.6; 64 x 1 at 16: 286.8
-    ("mamba2", 64, 2, 32, 3, False),   # 486.1 (160-162); chunk 16: 542.7 (122); 64 x 1 at 16: 499.9
-)     # 32 rows on 1 warp, 32 columns: GDN 327.0, Mamba-2 547.0
-
 # An H100 / H200 SM (sm_90): 65536 registers in 4 sub-partitions (a warp's registers on one, in
 # units of 256), 64 warps, 32 programs, 228 KiB of shared memory (1 KiB of it reserved a program)
 SM90 = dict(sms=132, regs=65536, parts=4, warps=64, programs=32, smem=233472, smem_reserved=1024)
@@ -92,20 +80,18 @@ _given: dict = {}
 def override_replay_launch(launch):
     """Within the block, the replay kernels launch as `launch` says instead of the tables: a
     mapping {'read' / 'flush': (rows, warps) or (rows, warps, regs), 'fused': True / 'read' /
-    False, 'fold': (rows, warps[, chunk, stages, qload])} whose entries may be None (the
-    table's). rows and warps of 'read' give the one-pass verify's read launch too; 'fold' the
-    deferred fold's launch; regs caps the registers a thread (ptxas's maxnreg, _max_regs);
+    False} whose entries may be None (the table's). rows and warps of 'read' give the one-pass
+    verify's read launch too; regs caps the registers a thread (ptxas's maxnreg, _max_regs);
     'fused' runs a decode step as one launch on the flush's tiles (True) or on the read's, the
     flush inside the read program ('read'), or as two launches (False; decode._fused). An inner
     override replaces an outer one for its block; the outer one holds again after it. For tests
     and the benchmark's sweep; the values are checked where a kernel asks for them."""
     global _given
     launch = dict(launch or {})
-    bad = set(launch) - set(LAUNCHES) - {"fused", "fold"}
+    bad = set(launch) - set(LAUNCHES) - {"fused"}
     if bad:
-        raise ValueError(f"launch takes the keys 'flush' and 'read' -> (rows, warps), 'fold' -> "
-                         f"(rows, warps, chunk, stages, qload) and 'fused' -> True / 'read' / "
-                         f"False, got {sorted(bad)}")
+        raise ValueError(f"launch takes the keys 'flush' and 'read' -> (rows, warps) and 'fused' "
+                         f"-> True / 'read' / False, got {sorted(bad)}")
     outer, _given = _given, launch
     try:
         yield
@@ -193,29 +179,6 @@ def onepass_launch_config(store: ReplayStore):
     if warps < 1 or warps & (warps - 1):
         raise ValueError(f"read launch warps={warps} must be a power of two")
     return rows, warps, min(ck, dk), stages
-
-
-def fold_launch_config(store: ReplayStore):
-    """(BV, num_warps, CK, stages, qload) of the deferred fold's launch: FOLD_TABLE's row for the
-    store's kind, entries as override_replay_launch's 'fold' gives them (None: the table's; the
-    variants that compile_check and the bench compare)."""
-    cfg = list(next(r[1:] for r in FOLD_TABLE if r[0] == store.kind))
-    N, HV, dv, dk = store.shape
-    cfg[0] = min(dv, cfg[0])
-    for i, x in enumerate(_given.get("fold") or ()):
-        if x is not None:
-            cfg[i] = bool(x) if i == 4 else int(x)
-    rows, warps, ck, stages, qload = cfg
-    if rows < 16 or dv % rows or rows & (rows - 1):
-        raise ValueError(f"fold launch rows={rows} must be a power of two >= 16 dividing "
-                         f"d_v={dv} (the fold's tensor-core products take 16 rows or more)")
-    if warps < 1 or warps & (warps - 1):
-        raise ValueError(f"fold launch warps={warps} must be a power of two")
-    ck = min(ck, dk)
-    if ck < 16 or dk % ck or ck & (ck - 1) or stages < 1:
-        raise ValueError(f"fold launch chunk={ck} must be a power of two >= 16 dividing "
-                         f"d_k={dk}, stages={stages} >= 1")
-    return rows, warps, ck, stages, qload
 
 
 def chosen_design(design, designs: tuple) -> str:
