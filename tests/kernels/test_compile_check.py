@@ -1,8 +1,9 @@
 """The kernels that the model paths launch compile for sm_90 (Triton's compiler and ptxas, no
 GPU): the interpreter, which runs every other kernel test, accepts code that the compiler
 rejects (a constexpr where a tensor is expected, e.g. an integer argument equal to 1). Records
-the launches of tests/kernels/compile_drive.py in the interpreter, one model per test, then compiles
-each distinct specialization once (launches that Triton would not compile anew share one)."""
+the launches of tests/kernels/compile_drive.py in the interpreter (GDN; Mamba-2 with Nemotron-H's
+dt clamp in one recording), then compiles each distinct specialization once (launches that Triton
+would not compile anew share one)."""
 
 import json
 import os
@@ -29,7 +30,7 @@ def _run(args, env, cwd):
 MUST_REACH = {"_replay_kernel", "_chain_kernel", "_terms_kernel", "_output_kernel"}
 
 
-@pytest.mark.parametrize("model", ["qwen3_5", "mamba2", "nemotron_h"])
+@pytest.mark.parametrize("model", ["qwen3_5", "mamba2+nemotron_h"])
 def test_model_kernels_compile_for_sm90(model, tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", REPLAYQUANT_BACKEND="triton",
                PYTHONPATH=str(ROOT))
@@ -44,6 +45,9 @@ def test_model_kernels_compile_for_sm90(model, tmp_path):
             if ln["kernel"] == "_chain_kernel"} == {False, True}
     # a key word equal to 1 reached a kernel (seed 0, layer 1): the case the interpreter misses
     assert any(ln["signature"].get("key_lo") == "one" for ln in launches)
+    if "nemotron_h" in model:       # the decode kernel with and without the dt clamp
+        assert {ln["constexprs"]["DT_CLAMP"] for ln in launches
+                if ln["kernel"] == "_replay_kernel"} == {False, True}
     env.pop("TRITON_INTERPRET")
     rc, log = _run(["compile", str(out), "--arch", "90"], env, tmp_path)
     assert rc == 0, log[-4000:]
