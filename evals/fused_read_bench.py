@@ -10,8 +10,16 @@ staggered) of the same batch in the same run with --authors. First a check on th
 interpreter never runs the tensor-core path): the one launch against the two over 2L + 1 steps
 from one store, half the rows staggered.
 
+The same for the one-pass verify (its pre-flushes inside its read program, {'fused': 'read'},
+at ptxas's registers and capped at 128, against the flush launch first): bench kernels'
+speculative rounds (verify of T drafts + accept, 'spec-replay-round', and with every draft
+rejected, no pre-flush, 'spec-replay-round-no-flush') at --spec-batches beside the authors'
+round, after a device check of the two from one store whose rows pre-flush or not. Each kind's
+rounds come before its windows.
+
     python evals/fused_read_bench.py OUT.json [--kinds gdn,mamba2] [--batches 1,32,256]
         [--pairs tp8_hi32,s32_rs] [--ways two,read,read168] [--authors PATH] [--budget-s 400]
+        [--spec-batches 512] [--T 4] [--spec-ways two,read,read128]
 
 Writes OUT.json after every row (rows, checks, copy bandwidth, provenance)."""
 
@@ -25,10 +33,12 @@ import torch
 
 from replayquant.bench import authors as side
 from replayquant.bench.kernels.grid import PAIR_L, SHAPES, kernel_inputs, load_pair
-from replayquant.bench.kernels.rows import ReplayExtras, bench_replay
+from replayquant.bench.kernels.rows import ReplayExtras, bench_replay, bench_spec, spec_accepts
 from replayquant.bench.kernels.timing import copy_bandwidth_GBps, no_gpu
 from replayquant.kernels.replay.decode import replay_gdn_step, replay_mamba2_step
 from replayquant.kernels.replay.launch import override_replay_launch
+from replayquant.kernels.replay.verify import (replay_accept, replay_gdn_verify,
+                                               replay_mamba2_verify)
 from replayquant.outputs import write_json
 from replayquant.provenance import provenance
 from replayquant.replay.stores import ReplayStore
@@ -39,6 +49,10 @@ STEP = {"gdn": replay_gdn_step, "mamba2": replay_mamba2_step}
 WAYS = {"two": {"fused": False}, "today": {}, "read": {"fused": "read"},
         "read168": {"fused": "read", "read": (None, None, 168)},
         "read255": {"fused": "read", "read": (None, None, 255)}}
+VERIFY = {"gdn": replay_gdn_verify, "mamba2": replay_mamba2_verify}
+# the ways a one-pass verify launches: its pre-flushes in a flush launch first, or inside
+SPEC_WAYS = {"two": {"fused": False}, "read": {"fused": "read"},
+             "read128": {"fused": "read", "read": (None, None, 128)}}
 
 
 def _rel(a, b) -> float:
@@ -79,6 +93,53 @@ def check(kind, pair, B, device) -> dict:
     return r
 
 
+def check_verify(kind, pair, B, T, device) -> dict:
+    """The one-pass verify with its pre-flushes inside against the flush launch first, from one
+    store advanced by 2L rounds (accept counts spec_accepts', so rows drift into different
+    phases): outputs, roles, ring and pointers."""
+    S, L = SHAPES[kind], PAIR_L[kind]
+    idx = torch.arange(B, dtype=torch.int32, device=device)
+    st = ReplayStore.from_state(random_state(B, S["H"], S["dv"], S["dk"], seed=B + 2,
+                                             device=device), load_pair(pair, L)[0], kind,
+                                key_heads=S["HK"], max_drafts=T)
+    n = spec_accepts(B, T, device)
+    for r in range(2 * L):
+        kw = kernel_inputs(kind, S, B, T=T, seed=700 + r, device=device)
+        with override_replay_launch(SPEC_WAYS["two"]):
+            VERIFY[kind](st, **kw, state_indices=idx)
+        replay_accept(st, (n + r) % (T + 1), idx)
+    h = st.committed.long()
+    pre = int(((h + T > L) & (h > 0)).sum())
+    kw = kernel_inputs(kind, S, B, T=T, seed=9, device=device)
+    ys, stores = [], []
+    for way in ("two", "read"):
+        one = st.clone()
+        with override_replay_launch(SPEC_WAYS[way]):
+            ys.append(VERIFY[kind](one, **kw, state_indices=idx))
+        stores.append(one)
+    one, two = stores[1], stores[0]
+    r = dict(kind=kind, pair=pair, B=B, T=T, rows_pre_flushing=pre,
+             max_rel_outputs=_rel(ys[1], ys[0]),
+             anchor_max_rel=_rel(one.anchor.dequantize(), two.anchor.dequantize()),
+             roles_equal=all(bool(torch.equal(getattr(one, x).payload, getattr(two, x).payload))
+                             for x in ("anchor", "read") if getattr(one, x) is not None),
+             ring_equal=all(bool(torch.equal(getattr(one, x), getattr(two, x)))
+                            for x in ("kbuf", "vbuf", "Gbuf", "bbuf")),
+             pointers_equal=all(bool(torch.equal(getattr(one, p), getattr(two, p)))
+                                for p in ("committed", "start", "n_flush")))
+    print(f"check verify {kind} {pair} B={B}: {r}", flush=True)
+    return r
+
+
+def spec_rows(kind, pair, B, T, way, copy_bw, device) -> list:
+    """One way's speculative rounds (bench kernels' bench_spec, the replay rounds alone)."""
+    rows = bench_spec(kind, B, T, device, copy_bw, cfg={f"replay/{pair}": {"launch": SPEC_WAYS[way]}},
+                      pairs=(pair,), snapshots=False)
+    for r in rows:
+        r["way"] = way
+    return rows
+
+
 def rows_of(kind, pair, B, way, copy_bw, device) -> list:
     """One way's rows at batch B: window in phase (and at B >= 128 the read and flush steps)
     through bench_replay, and the staggered window."""
@@ -94,14 +155,17 @@ def rows_of(kind, pair, B, way, copy_bw, device) -> list:
 
 
 def summary(rows) -> None:
-    """Each way's windows against the authors' (their time over ours: > 1, ours faster) and
-    against two launches."""
-    auth = {(r["kind"], r["B"], r["kernel"].replace("authors", "replay-window")): r["us"]
+    """Each way's windows and rounds against the authors' (their time over ours: > 1, ours
+    faster) and against two launches."""
+    ours = {"spec-authors-round": "spec-replay-round", "authors": "replay-window",
+            "authors-staggered": "replay-window-staggered"}
+    auth = {(r["kind"], r["B"], ours.get(r["kernel"], r["kernel"])): r["us"]
             for r in rows if r.get("way") == "authors"}
     two = {(r["kind"], r["variant"], r["B"], r["kernel"]): r["us"] for r in rows
            if r.get("way") == "two"}
     for r in rows:
-        if r.get("way") in (None, "authors") or not r["kernel"].startswith("replay-window"):
+        if r.get("way") in (None, "authors") or not r["kernel"].startswith(("replay-window",
+                                                                            "spec-replay")):
             continue
         a = auth.get((r["kind"], r["B"], r["kernel"]))
         t = two.get((r["kind"], r["variant"], r["B"], r["kernel"]))
@@ -121,13 +185,19 @@ def main(argv) -> int:
     p.add_argument("--authors", default=None, help="checkout of the authors' kernels")
     p.add_argument("--budget-s", type=float, default=400.0)
     p.add_argument("--no-check", action="store_true")
+    p.add_argument("--spec-batches", default="512", help="'' for none")
+    p.add_argument("--T", type=int, default=4)
+    p.add_argument("--spec-ways", default="two,read,read128")
     a = p.parse_args(argv)
     kinds, ways, pairs = a.kinds.split(","), a.ways.split(","), a.pairs.split(",")
-    bad = [w for w in ways if w not in WAYS] + [k for k in kinds if k not in STEP]
+    spec_ways = a.spec_ways.split(",")
+    bad = [w for w in ways if w not in WAYS] + [k for k in kinds if k not in STEP] + \
+        [w for w in spec_ways if w not in SPEC_WAYS]
     if bad:
-        raise SystemExit(f"fused_read_bench: unknown {bad}; ways {sorted(WAYS)}, kinds gdn, "
-                         f"mamba2")
+        raise SystemExit(f"fused_read_bench: unknown {bad}; ways {sorted(WAYS)}, spec ways "
+                         f"{sorted(SPEC_WAYS)}, kinds gdn, mamba2")
     batches = [int(b) for b in a.batches.split(",")]
+    spec_batches = [int(b) for b in a.spec_batches.split(",") if b]
     if no_gpu("fused_read_bench"):
         return 1
     A = side.load(a.authors) if a.authors else None
@@ -140,7 +210,24 @@ def main(argv) -> int:
     for kind in kinds:
         for pair in pairs if not a.no_check else ():
             res["checks"].append(check(kind, pair, 64, dev))
+            if spec_batches:
+                res["checks"].append(check_verify(kind, pair, 64, a.T, dev))
             write_json(a.out, res)
+        for B in spec_batches:
+            for pair, way in ([(None, "authors")] if A is not None else []) + \
+                    [(p, w) for p in pairs for w in spec_ways]:
+                if time.time() - t0 > a.budget_s:
+                    res["skipped"].append(f"{kind} {pair} B={B} T={a.T} {way}")
+                    continue
+                if way == "authors":
+                    new = side.bench_spec(kind, B, a.T, PAIR_L[kind], dev, res["copy_GBps"],
+                                          SHAPES[kind], A)
+                    for r in new:
+                        r["way"] = "authors"
+                else:
+                    new = spec_rows(kind, pair, B, a.T, way, res["copy_GBps"], dev)
+                res["rows"] += new
+                write_json(a.out, res)
         for B in batches:
             for pair, way in ([(None, "authors")] if A is not None else []) + \
                     [(p, w) for p in pairs for w in ways]:

@@ -30,6 +30,7 @@ def drive() -> int:
 
     from replayquant.kernels.replay.decode import replay_gdn_step, replay_mamba2_step
     from replayquant.kernels.replay.launch import override_replay_launch
+    from replayquant.kernels.replay.verify import replay_gdn_verify, replay_mamba2_verify
     from replayquant.pairs import PrecisionPair
     from replayquant.replay.stores import ReplayStore
     from replayquant.testing import (gdn_params, gdn_step_inputs, mamba2_params,
@@ -49,6 +50,19 @@ def drive() -> int:
                         x, dt, Bm, C, z = mamba2_step_inputs(B, 1, H, D, D, seed=step)
                         A, Dp, dtb = mamba2_params(H)
                         replay_mamba2_step(st, x, dt, A, Bm, C, D=Dp, z=z, dt_bias=dtb)
+        for fused in (False, "read"):           # the one-pass verify, T = 2, a pre-flush
+            st = ReplayStore.from_state(random_state(B, H, D, D),
+                                        PrecisionPair.load(PAIR).with_buffer_len(L), kind,
+                                        key_heads=1, max_drafts=2)
+            st.committed.fill_(1)
+            with override_replay_launch({"fused": fused}):
+                if kind == "gdn":
+                    q, k, v, a, b = gdn_step_inputs(B, 1, H, D, D, T=2, seed=9)
+                    replay_gdn_verify(st, q, k, v, a, b, *gdn_params(H))
+                else:
+                    x, dt, Bm, C, z = mamba2_step_inputs(B, 1, H, D, D, T=2, seed=9)
+                    A, Dp, dtb = mamba2_params(H)
+                    replay_mamba2_verify(st, x, dt, A, Bm, C, D=Dp, z=z, dt_bias=dtb)
     del torch
     return 0
 
@@ -58,10 +72,25 @@ def _variants(launches):
     (64 rows, LAUNCH_TABLE's cap) and flush (16 rows, 8 tiles a program) launches."""
     from replayquant.kernels.replay.launch import LAUNCH_TABLE
     out = []
+    from replayquant.kernels.replay.launch import ONEPASS_TABLE
     for ln in launches:
-        if ln["kernel"] != "_replay_kernel":
-            continue
         c = ln["constexprs"]
+        if ln["kernel"] == "_onepass_kernel":     # T = 4 drafts, bf16 q: 16 columns
+            _, rows, warps, chunk, stages = ONEPASS_TABLE[0]
+            v = json.loads(json.dumps(ln))
+            kind = "gdn" if c["DELTA"] else "mamba2"
+            v["constexprs"].update(SHAPES[c["DELTA"]], CAPACITY=SHAPES[c["DELTA"]]["BUFFER_LEN"]
+                                   + 4, BUFFER_TILE=16, T=4, TP=4, NCOL=16, BV=rows,
+                                   FBV=16 if c["FUSED"] else rows, CK=chunk, STAGES=stages)
+            v["num_warps"] = warps
+            where = "inside, 16-row sub-tiles" if c["FUSED"] else "in a flush launch"
+            for cap in (None, 128) if c["FUSED"] else (None,):
+                w = dict(v, maxnreg=cap)
+                out.append((f"{kind} one-pass verify T = 4, {rows}x{warps}, pre-flush {where}"
+                            f"{'' if cap is None else f', cap {cap}'}", w))
+            continue
+        if ln["kernel"] != "_replay_kernel" or c["T"] != 1:
+            continue
         kind = "gdn" if c["DELTA"] else "mamba2"
         shape = SHAPES[c["DELTA"]]
         read = next(r for r in LAUNCH_TABLE if r[0] == "read" and r[1] in ("*", kind)

@@ -61,8 +61,11 @@
 #                   launch on the read's tiles (the flush inside the read program; at the read's
 #                   register cap and at 168) beside two launches and the authors' windows, GDN
 #                   and Mamba-2 at B = 1, 32, 256, in phase and staggered, after a device check
-#                   of the one launch against the two (--budget-s of timing, 400 by default;
-#                   arguments after the job name go to the script)
+#                   of the one launch against the two; before each kind's windows the one-pass
+#                   verify's rounds (T = 4, B = 512) with its pre-flushes inside its read program
+#                   (uncapped and at 128 registers) beside the flush launch first and the authors'
+#                   round (--budget-s of timing, 400 by default; arguments after the job name go
+#                   to the script)
 #   generate        evals/cuda_generate_check.py: generation through the compiled decode kernel
 #                   against the CPU path on the shipped tiny models (~150 s)
 #   train           evals/train_tiny.py device-run: train both tiny models, evaluate them and

@@ -82,3 +82,22 @@ def assert_compile_for_sm90(launches: list, tmp_path: Path) -> None:
     assert rc == 0, log[-4000:]
     assert re.search(r"^compile_check: (\d+)/\1 specializations .* compile for sm_90$", log,
                      flags=re.M), log[-2000:]
+
+
+def assert_same_store(a, b):
+    """Bit-identical stores (pointers, both roles, buffers; NaN-poisoned entries where both
+    are), and the arrival counters of the in-kernel pointer move back at zero."""
+    for name in ("committed", "n_flush", "start"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    for role in ("anchor", "read"):
+        ra, rb = getattr(a, role), getattr(b, role)
+        if ra is not None:
+            for t in ("payload", "scale", "gscale"):
+                if getattr(ra, t, None) is not None:
+                    assert torch.equal(getattr(ra, t).view(torch.uint8),
+                                       getattr(rb, t).view(torch.uint8)), (role, t)
+    for name in ("kbuf", "vbuf", "ubuf", "Gbuf", "bbuf", "Tbuf"):
+        ta, tb = getattr(a, name), getattr(b, name)
+        if ta is not None:
+            assert torch.equal(ta.view(torch.uint8), tb.view(torch.uint8)), name
+    assert a.arrive is None or not a.arrive.any()

@@ -229,15 +229,18 @@ def spec_accepts(B, T, device):
     return torch.randint(0, T + 1, (B,), generator=g, dtype=torch.int32).to(device)
 
 
-def bench_spec(kind, B, T, device, copy_bw, cfg=None, pairs=PAIRS, L=None, S=None):
-    """Speculative rounds: replay verify + accept vs conventional per-draft snapshots + accept."""
+def bench_spec(kind, B, T, device, copy_bw, cfg=None, pairs=PAIRS, L=None, S=None,
+               snapshots=True):
+    """Speculative rounds: replay verify + accept vs conventional per-draft snapshots + accept
+    (snapshots=False: the replay rounds alone)."""
     cfg = cfg or {}
     S = S or SHAPES[kind]
     L = L or PAIR_L[kind]
     s = BatchInputs.draw(kind, S, B, device, copy_bw, state_seed=B + 1, input_seed=3, T=T)
     n = spec_accepts(B, T, device)
     rows = _replay_rounds(s, T, n, pairs, L, cfg)
-    rows += _snapshot_rounds(s, T, n, cfg.get("conventional/fp32", {}))
+    if snapshots:
+        rows += _snapshot_rounds(s, T, n, cfg.get("conventional/fp32", {}))
     del s
     empty_cache()
     return rows

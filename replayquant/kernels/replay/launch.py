@@ -80,8 +80,8 @@ _given: dict = {}
 def override_replay_launch(launch):
     """Within the block, the replay kernels launch as `launch` says instead of the tables: a
     mapping {'read' / 'flush': (rows, warps) or (rows, warps, regs), 'fused': True / 'read' /
-    False} whose entries may be None (the table's). rows and warps of 'read' give the one-pass
-    verify's read launch too; regs caps the registers a thread (ptxas's maxnreg, _max_regs);
+    False} whose entries may be None (the table's). 'read' gives the one-pass verify's read
+    launch too ('fused' 'read': its pre-flushes inside it); regs caps the registers a thread (ptxas's maxnreg, _max_regs);
     'fused' runs a decode step as one launch on the flush's tiles (True) or on the read's, the
     flush inside the read program ('read'), or as two launches (False; decode._fused). An inner
     override replaces an outer one for its block; the outer one holds again after it. For tests

@@ -26,7 +26,10 @@ A program takes a [BV, d_k] tile of one (batch row, value head), as the read lau
 
 A row whose committed entries would not leave T free slots (h + T > L) is folded into its
 roles first by decode's flush launch, as in decode's verify: one launch for the
-pre-flushes, then this kernel's.
+pre-flushes, then this kernel's. Under override_replay_launch({'fused': 'read'}) each program
+of such a row pre-flushes its own tile instead, on sub-tiles of the flush launch's rows (whole
+rows: an FP8 read copy's per-row scale needs no other program; an NVFP4 role, cast a whole
+matrix at a time, cannot), and the round is one launch.
 """
 
 from __future__ import annotations
@@ -41,8 +44,9 @@ from replayquant.kernels.conventional.kernel import (_L2_EPS, _kernel_inputs, _p
                                                      _softplus)
 from replayquant.kernels.quant.kernel import decode_bf16, decode_fp16, small_float_at
 from replayquant.kernels.replay.decode import (_advance_row, _entry, _flush_flags, _flush_grid,
-                                               _mm, _read_setup, _replay_kernel)
-from replayquant.kernels.replay.launch import (_max_regs, onepass_launch_config,
+                                               _flush_tile, _fused_tiles, _mm, _read_setup,
+                                               _replay_kernel)
+from replayquant.kernels.replay.launch import (_max_regs, given_launch, onepass_launch_config,
                                               replay_launch_config)
 from replayquant.kernels.quant.roles import split_key
 from replayquant.replay.stores import (ReplayStore, StepTensors, _begin, _check_buffered, _indices,
@@ -379,22 +383,25 @@ def _store_drafts(out_ptr, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, Y, U, Gd, bd, Vra
                      + cols[None, :], Kraw, mask=(tt < T)[:, None])
 
 
-@triton.jit
+# key_lo / key_hi: not specialized (Triton makes an integer argument equal to 1 a constexpr)
+@triton.jit(do_not_specialize=["key_lo", "key_hi", "n_rows"])
 def _onepass_kernel(
-        R_pay, R_sc, R_gs, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, h_ptr, st_ptr, nf_ptr, cnt_ptr,
-        idx_ptr, out_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr,
-        scale, beta_scale, dt_lo, dt_hi,
+        A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, h_ptr, st_ptr,
+        nf_ptr, cnt_ptr, idx_ptr, out_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr,
+        D_ptr, z_ptr, scale, beta_scale, key_lo, key_hi, dt_lo, dt_hi, n_rows,
         HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
         BV: tl.constexpr, BUFFER_LEN: tl.constexpr, CAPACITY: tl.constexpr,
         BUFFER_TILE: tl.constexpr, T: tl.constexpr, TP: tl.constexpr, NCOL: tl.constexpr,
-        NQ: tl.constexpr, CK: tl.constexpr, STAGES: tl.constexpr, RFMT: tl.constexpr,
+        NQ: tl.constexpr, CK: tl.constexpr, STAGES: tl.constexpr, AFMT: tl.constexpr,
+        ASR: tl.constexpr, RFMT: tl.constexpr, RSR: tl.constexpr, SHARED: tl.constexpr,
         DELTA: tl.constexpr, L2NORM: tl.constexpr, HAS_DTB: tl.constexpr, HAS_D: tl.constexpr,
         HAS_Z: tl.constexpr, U_BF16: tl.constexpr, DT_CLAMP: tl.constexpr, KF: tl.constexpr,
-        ON_GPU: tl.constexpr):
+        FOLD_U: tl.constexpr, FUSED: tl.constexpr, FBV: tl.constexpr, ON_GPU: tl.constexpr):
     """A verify of T drafts, a program per [BV, d_k] tile of one (batch row, value head) (module
-    docstring): the row's pointers after its pre-flush (folded by the flush launch before),
-    the drafts' inputs, the committed entries, the one pass, the drafts' solve, the stores and
-    the row's pointer move."""
+    docstring): the row's pointers after its pre-flush (folded by the flush launch before; with
+    FUSED by this program first, decode._flush_tile on its BV / FBV sub-tiles of FBV rows), the
+    drafts' inputs, the committed entries, the one pass, the drafts' solve, the stores and the
+    row's pointer move."""
     row, hv, hk, rows, cols, slot = _program_tile(idx_ptr, HK, HV, DK, BV)
     tt = tl.arange(0, TP)
     if slot >= 0:
@@ -403,6 +410,19 @@ def _onepass_kernel(
         jj = tl.arange(0, BUFFER_TILE)
         lead = tl.program_id(1) == 0
         pre, fill = _flush_flags(tl.load(h_ptr + slot), T, BUFFER_LEN, False)
+        if FUSED:                   # this tile's own pre-flush first: whole rows, a loop
+            if pre:
+                for sb in range(BV // FBV):
+                    _flush_tile(
+                        (hv * (DV // FBV) + tl.program_id(1) * (BV // FBV) + sb) * n_rows + row,
+                        n_rows, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, ubuf, Gbuf,
+                        bbuf, Tbuf, h_ptr, st_ptr, nf_ptr, idx_ptr, out_ptr, q_ptr, k_ptr,
+                        v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, beta_scale,
+                        key_lo, key_hi, dt_lo, dt_hi, HK, HV, DK, DV, FBV, BUFFER_LEN,
+                        CAPACITY, BUFFER_TILE, T, False, False, AFMT, ASR, RFMT, RSR, SHARED,
+                        DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP, "tf32x3", ON_GPU, False,
+                        FOLD_U, idx_ptr, False)
+                tl.debug_barrier()  # the tile's roles are written
         _, start, h, _ = _read_setup(R_gs, mat, tl.load(st_ptr + slot), tl.load(h_ptr + slot),
                                      pre, fill, False, CAPACITY, RFMT, False)
         Gd, bd, Gn = _gates(a_ptr, b_ptr, A_ptr, dtb_ptr, Gbuf, slot, start, h, row, hv,
@@ -503,6 +523,21 @@ def _pre_flush(store, kind, idx, out, inputs, has, scale, beta_scale, dt_args, u
         **({} if regs is None else {"maxnreg": regs}))
 
 
+def _inside(store: ReplayStore, BV: int, nw: int) -> int | None:
+    """The rows FBV of the sub-tiles on which a program runs its row's pre-flush itself
+    (override_replay_launch({'fused': 'read'}): the flush launch's tile rows, whole rows of the
+    roles, so no other program's rows are needed), or None: the pre-flushes in decode's flush
+    launch first (the default, and {'fused': False})."""
+    want = given_launch().get("fused")
+    if want is None or want is False:
+        return None
+    if want != "read":
+        raise ValueError(f"the one-pass verify takes launch['fused'] 'read' (its pre-flushes "
+                         f"inside its read program) or False (in a flush launch first), got "
+                         f"{want!r}; True, one launch on the flush's tiles, is a decode step's")
+    return _fused_tiles(store, "read", [replay_launch_config(store, "flush"), (BV, nw)])
+
+
 def onepass_verify(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, state_indices,
                    out, scale, use_qk_l2norm, dt_limit=None, beta_scale=1.0):
     """Outputs [B, T, H, d_v] of the T drafts on axis 1 of the inputs of a `kind` ('gdn' or
@@ -524,24 +559,32 @@ def onepass_verify(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, st
     inputs = _kernel_inputs(q, k, v, a, b, A, dt_bias, D, z)
     scale = float(scale if scale is not None else 1.0 / math.sqrt(dk))
     has = (dt_bias is not None, D is not None, z is not None)
-    _pre_flush(store, kind, idx, out, inputs, has, scale, beta_scale, dt_args, use_qk_l2norm, T)
     BV, nw, CK, stages = onepass_launch_config(store)
+    fbv = _inside(store, BV, nw)
+    regs = _max_regs(store, "read", T)              # None unless given
+    if fbv is None:
+        _pre_flush(store, kind, idx, out, inputs, has, scale, beta_scale, dt_args,
+                   use_qk_l2norm, T)
     NQ = 1 if q.dtype == torch.bfloat16 else 3
     delta = kind != "mamba2"
+    Ap, As, Ag, afid = store.anchor.kernel_args()
     Rp, Rs, Rg, rfid = store.read_role.kernel_args()
     kf = solves_u(store)
     _onepass_kernel[(B * HV, dv // BV)](
-        Rp, Rs, Rg, store.kbuf, store.vbuf,
+        Ap, As, Ag, Rp, Rs, Rg, store.kbuf, store.vbuf,
         store.ubuf if store.ubuf is not None else store.vbuf, store.Gbuf, store.bbuf,
         store.Tbuf if kf else store.bbuf, store.committed, store.start, store.n_flush,
-        store.arrive, idx, out, *inputs, scale, beta_scale, dt_args[0], dt_args[1],
+        store.arrive, idx, out, *inputs, scale, beta_scale, *split_key(store.key), dt_args[0],
+        dt_args[1], B,
         HK=store.key_heads, HV=HV, DK=dk, DV=dv, BV=BV, BUFFER_LEN=store.buffer_len,
         CAPACITY=store.capacity, BUFFER_TILE=max(16, triton.next_power_of_2(store.buffer_len)),
         T=T, TP=triton.next_power_of_2(T),
         NCOL=max(16, triton.next_power_of_2((T if delta else 0) + T * NQ)), NQ=NQ, CK=CK,
-        STAGES=stages, RFMT=rfid, DELTA=delta, L2NORM=use_qk_l2norm,
-        HAS_DTB=has[0], HAS_D=has[1], HAS_Z=has[2],
+        STAGES=stages, AFMT=afid, ASR=store.anchor.rounding == "stochastic", RFMT=rfid,
+        RSR=store.read_role.rounding == "stochastic", SHARED=store.shared, DELTA=delta,
+        L2NORM=use_qk_l2norm, HAS_DTB=has[0], HAS_D=has[1], HAS_Z=has[2],
         U_BF16=store.ubuf is not None and store.ubuf.dtype == torch.bfloat16,
-        DT_CLAMP=dt_args[2], KF=kf, ON_GPU=q.is_cuda, num_warps=nw)
+        DT_CLAMP=dt_args[2], KF=kf, FOLD_U=folds_u(store), FUSED=fbv is not None,
+        FBV=fbv or BV, ON_GPU=q.is_cuda, num_warps=nw, **({} if regs is None else {"maxnreg": regs}))
     store.pending_T = T
     return out

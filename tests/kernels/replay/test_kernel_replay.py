@@ -22,7 +22,7 @@ from replayquant.kernels.replay import verify as vf
 from replayquant.kernels.replay.reference import replay_gdn_step_ref, replay_mamba2_step_ref
 from replayquant.pairs import PrecisionPair, list_pairs
 from replayquant.replay import ReplayState
-from _helpers import assert_states_close
+from _helpers import assert_same_store, assert_states_close
 
 PAIRS = ["s32_rs", "s16_sr", "sbf16", "tp8_hi32", "tp4_hi32", "tp8_hi16_sr", "tp4_hi16_sr",
          "f4_sr_rs"]
@@ -54,25 +54,6 @@ def poison_buffers(store):
     for t in (store.kbuf, store.vbuf, store.ubuf, store.Gbuf, store.bbuf, store.Tbuf):
         if t is not None:
             t.view(torch.uint8).fill_(0xFF)
-
-
-def assert_same_store(a, b):
-    """Bit-identical stores (pointers, both roles, buffers; NaN-poisoned entries where both
-    are), and the arrival counters of the in-kernel pointer move back at zero."""
-    for name in ("committed", "n_flush", "start"):
-        assert torch.equal(getattr(a, name), getattr(b, name)), name
-    for role in ("anchor", "read"):
-        ra, rb = getattr(a, role), getattr(b, role)
-        if ra is not None:
-            for t in ("payload", "scale", "gscale"):
-                if getattr(ra, t, None) is not None:
-                    assert torch.equal(getattr(ra, t).view(torch.uint8),
-                                       getattr(rb, t).view(torch.uint8)), (role, t)
-    for name in ("kbuf", "vbuf", "ubuf", "Gbuf", "bbuf", "Tbuf"):
-        ta, tb = getattr(a, name), getattr(b, name)
-        if ta is not None:
-            assert torch.equal(ta.view(torch.uint8), tb.view(torch.uint8)), name
-    assert a.arrive is None or not a.arrive.any()
 
 
 class Driver:

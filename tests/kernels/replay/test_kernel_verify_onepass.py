@@ -16,6 +16,7 @@ from replayquant.replay.stores import ReplayStore
 from replayquant.kernels.replay.launch import override_replay_launch
 from replayquant.kernels.replay.verify import replay_gdn_verify, replay_mamba2_verify
 from replayquant.pairs import PrecisionPair
+from _helpers import assert_same_store
 
 # kind, pair, key heads, heads, d_k, d_v, batch, T, L, read launch (rows, warps), q dtype
 CASES = [
@@ -120,3 +121,49 @@ def test_onepass_bad_design():
     with pytest.raises(ValueError, match="design must be one of 'onepass', 'step-kernel'"):
         replay_gdn_verify(st, **kw, design="one-pass")
     assert st.pending_T is None
+
+
+# kind, pair, d_k, d_v, L, T: the read tile holds d_v rows, two sub-tiles of the flush's (GDN
+# tp8_hi32: 16-row tiles, key factors; Mamba-2 s32_rs: 32-row tiles of a shared FP32 pair)
+INSIDE = [("gdn", "tp8_hi32", 32, 32, 4, 3), ("mamba2", "s32_rs", 16, 64, 4, 3)]
+
+
+@pytest.mark.parametrize("case", INSIDE, ids=lambda c: f"{c[0]}-{c[1]}")
+def test_preflush_inside_the_read_program_equals_the_flush_launch(case):
+    """override_replay_launch({'fused': 'read'}): each program of a row that pre-flushes folds
+    its own tile (sub-tiles of the flush launch's rows), then verifies: the outputs and the
+    whole store bit for bit the flush launch's then the one-pass kernel's, over rounds with
+    rows in different phases (some pre-flushing) and a padding row; 'fused' True and an NVFP4
+    role are refused with one error each."""
+    kind, pair, dk, dv, L, T = case
+    HK, H, B = 1, 2, 3
+    idx = torch.tensor([2, 0, -1, 3])
+    st = ReplayStore.from_state(random_state(B + 1, H, dv, dk, seed=3),
+                                PrecisionPair.load(pair).with_buffer_len(L), kind,
+                                key_heads=HK, seed=5, max_drafts=T)
+    ver, ref = (replay_gdn_verify, replay_gdn_verify_ref) if kind == "gdn" else \
+        (replay_mamba2_verify, replay_mamba2_verify_ref)
+    pre = []
+    for rnd in range(5):
+        kw = _inputs(kind, HK, H, dk, dv, B + 1, T, torch.bfloat16, seed=7 * rnd + dk)
+        if rnd >= 2:
+            h = st.committed[idx[idx >= 0]]
+            pre += ((h + T > L) & (h > 0)).tolist()
+            one, two = st.clone(), st.clone()
+            out = torch.full((B + 1, T, H, dv), float("nan"))
+            with override_replay_launch({"fused": "read"}):
+                y1 = ver(one, **kw, state_indices=idx, out=out)
+            y0 = ver(two, **kw, state_indices=idx)
+            assert torch.equal(y1, y0)
+            assert_same_store(one, two)
+        ref(st, **kw, state_indices=idx)
+        replay_accept_ref(st, torch.tensor([T, 1, 0, 2]), idx)
+    assert True in pre and False in pre, pre
+    with pytest.raises(ValueError, match="a decode step's"), \
+            override_replay_launch({"fused": True}):
+        ver(st.clone(), **kw, state_indices=idx)
+    nv = ReplayStore.from_state(random_state(B + 1, H, dv, dk), PrecisionPair.load("tp4_hi32"),
+                                kind, key_heads=HK, max_drafts=T)
+    with pytest.raises(ValueError, match="without an NVFP4 role"), \
+            override_replay_launch({"fused": "read"}):
+        ver(nv, **kw, state_indices=idx)
