@@ -87,10 +87,11 @@ def _ratio_entry(name, target, pairs_of_us, need, reason):
     return e
 
 
-# The modules kernel_lines counts: the replay decode kernel, its verify and launch table, the
-# conventional kernel, its verify and launch table (paths under replayquant/kernels/)
-COUNTED = ("replay/decode.py", "replay/launch.py", "replay/verify.py", "conventional/kernel.py",
-           "conventional/verify.py", "conventional/launch.py")
+# The modules kernel_lines counts: the replay decode kernel, its verifies (the step kernel's and
+# the one-pass kernel) and launch table, the conventional kernel, its verify and launch table
+# (paths under replayquant/kernels/)
+COUNTED = ("replay/decode.py", "replay/launch.py", "replay/verify.py", "replay/verify_onepass.py",
+           "conventional/kernel.py", "conventional/verify.py", "conventional/launch.py")
 
 
 def kernel_lines() -> dict:
