@@ -133,7 +133,8 @@ def test_preflush_inside_the_read_program_equals_the_flush_launch(case):
     """override_replay_launch({'fused': 'read'}): each program of a row that pre-flushes folds
     its own tile (sub-tiles of the flush launch's rows), then verifies: the outputs and the
     whole store bit for bit the flush launch's then the one-pass kernel's, over rounds with
-    rows in different phases (some pre-flushing) and a padding row; 'fused' True and an NVFP4
+    rows in different phases (some pre-flushing, one a window full of accepted drafts) and a
+    padding row; 'fused' True and an NVFP4
     role are refused with one error each."""
     kind, pair, dk, dv, L, T = case
     HK, H, B = 1, 2, 3
@@ -143,12 +144,13 @@ def test_preflush_inside_the_read_program_equals_the_flush_launch(case):
                                 key_heads=HK, seed=5, max_drafts=T)
     ver, ref = (replay_gdn_verify, replay_gdn_verify_ref) if kind == "gdn" else \
         (replay_mamba2_verify, replay_mamba2_verify_ref)
-    pre = []
+    pre, full = [], False
     for rnd in range(5):
         kw = _inputs(kind, HK, H, dk, dv, B + 1, T, torch.bfloat16, seed=7 * rnd + dk)
         if rnd >= 2:
             h = st.committed[idx[idx >= 0]]
             pre += ((h + T > L) & (h > 0)).tolist()
+            full |= bool((h == L).any())             # a window filled by accepted drafts
             one, two = st.clone(), st.clone()
             out = torch.full((B + 1, T, H, dv), float("nan"))
             with override_replay_launch({"fused": "read"}):
@@ -157,8 +159,8 @@ def test_preflush_inside_the_read_program_equals_the_flush_launch(case):
             assert torch.equal(y1, y0)
             assert_same_store(one, two)
         ref(st, **kw, state_indices=idx)
-        replay_accept_ref(st, torch.tensor([T, 1, 0, 2]), idx)
-    assert True in pre and False in pre, pre
+        replay_accept_ref(st, torch.tensor([T, 1, 0, 2]).roll(rnd), idx)
+    assert True in pre and False in pre and full, pre
     with pytest.raises(ValueError, match="a decode step's"), \
             override_replay_launch({"fused": True}):
         ver(st.clone(), **kw, state_indices=idx)
