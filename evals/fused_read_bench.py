@@ -3,7 +3,8 @@ kernels on one GPU: a decode step of a pair without an NVFP4 role (tp8_hi32: FP3
 read copy; s32_rs: one FP32 anchor read and flushed) as one launch on the read's 64-row tiles, a
 flushing row's program running the flush on its sub-tiles of the flush launch's rows (16; 32) (override_replay_launch({'fused': 'read'}), at the read's register cap and at
 other caps), against the flush launch then the read launch ({'fused': False}) and today's
-choice (one launch on the flush's tiles at small batch). On `replayquant bench kernels`' shapes,
+choice (one launch on the flush's tiles at small batch; 'flush': at any batch, the one launch a
+step an NVFP4 role can have, its flush tiles whole matrices). On `replayquant bench kernels`' shapes,
 inputs and clock (its replay-window, replay-window-staggered, read and flush step rows), each
 way on stores of its own from the same initial state; the authors' windows (in phase and
 staggered) of the same batch in the same run with --authors. First a check on the device (the
@@ -47,6 +48,7 @@ from replayquant.testing import random_state
 STEP = {"gdn": replay_gdn_step, "mamba2": replay_mamba2_step}
 # the ways a step launches: override_replay_launch's mapping each
 WAYS = {"two": {"fused": False}, "today": {}, "read": {"fused": "read"},
+        "flush": {"fused": True},       # one launch on the flush's tiles at any batch (NVFP4 too)
         "read168": {"fused": "read", "read": (None, None, 168)},
         "read255": {"fused": "read", "read": (None, None, 255)}}
 VERIFY = {"gdn": replay_gdn_verify, "mamba2": replay_mamba2_verify}
