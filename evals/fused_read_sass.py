@@ -76,7 +76,7 @@ def _variants(launches):
     for ln in launches:
         c = ln["constexprs"]
         if ln["kernel"] == "_onepass_kernel":     # T = 4 drafts, bf16 q: 16 columns
-            _, rows, warps, chunk, stages = ONEPASS_TABLE[0]
+            rows, warps, chunk, stages = next(r[1:5] for r in ONEPASS_TABLE if r[0] == "*")
             v = json.loads(json.dumps(ln))
             kind = "gdn" if c["DELTA"] else "mamba2"
             v["constexprs"].update(SHAPES[c["DELTA"]], CAPACITY=SHAPES[c["DELTA"]]["BUFFER_LEN"]

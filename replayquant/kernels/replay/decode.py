@@ -30,8 +30,8 @@ from replayquant.kernels.conventional.kernel import (_L2_EPS, _front_end, _gate_
                                                      _kernel_inputs, _l2norm, _program_tile)
 from replayquant.kernels.quant.kernel import (decode_bf16, decode_fp16, encode_bf16, encode_fp16,
                                               small_float_at, small_float_pair_at)
-from replayquant.kernels.replay.launch import (LAUNCHES, _max_regs, _table, given_launch,
-                                              replay_launch_config)
+from replayquant.kernels.replay.launch import (LAUNCHES, _max_regs, _table, fused_where,
+                                              given_launch, replay_launch_config)
 from replayquant.kernels.quant.roles import _role_bits, _tile_load, _tile_store, split_key
 from replayquant.replay.stores import (NO_DT_LIMIT, ReplayStore, StepTensors, _begin,
                                         _default_force, _check_buffered, _indices, dt_limit_args,
@@ -952,7 +952,7 @@ def flush_grid_on(n_tiles: int, sms: int):
     return tpp, (-(-n_tiles // tpp),)
 
 
-def _fused(T: int, step: bool, n_warps: int, device) -> str:
+def _fused(T: int, step: bool, n_warps: int, device, where: str = "") -> str:
     """Which tiles a decode step's one launch runs on ('flush' / 'read'), or '' for two launches
     (the flush launch, then the read launch). FUSED on the flush's tiles: each program, whole
     matrices where a role is NVFP4, flushes its own tile if its row flushes, then reads; on the
@@ -962,15 +962,17 @@ def _fused(T: int, step: bool, n_warps: int, device) -> str:
     flush's tiles) / 'read' / False}) decides; by default a step on the GPU fuses on the flush's
     tiles when they, n_warps warps in all, fit one wave of the flush launch
     (FLUSH_PROGRAMS_PER_SM one-warp programs an SM), where a step is its launches' latency
-    (docs/kernels.md, one launch at small batch); the interpreter runs two launches unless
-    asked."""
+    (docs/kernels.md, one launch at small batch), and above that runs `where`
+    (launch.fused_where: FUSED_TABLE); the interpreter runs two launches unless asked."""
     ok = step and T == 1
     want = given_launch().get("fused")
     if want is None:
         device = torch.device(device)
-        one = ok and device.type == "cuda" and n_warps <= FLUSH_PROGRAMS_PER_SM * \
+        if not (ok and device.type == "cuda"):
+            return ""
+        one = n_warps <= FLUSH_PROGRAMS_PER_SM * \
             torch.cuda.get_device_properties(device).multi_processor_count
-        return "flush" if one else ""
+        return "flush" if one else where
     if want not in (True, False, "read"):
         raise ValueError(f"launch['fused'] must be True (one launch on the flush's tiles), "
                          f"'read' (one launch on the read's tiles) or False, got {want!r}")
@@ -1044,7 +1046,8 @@ def _launch(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, state_ind
     if record is not None:
         record.check(kind, B, q.device, step and advance)
     configs = [replay_launch_config(store, w) for w in LAUNCHES]
-    fused = _fused(T, step, B * HV * (dv // configs[0][0]) * configs[0][1], q.device)
+    fused = _fused(T, step, B * HV * (dv // configs[0][0]) * configs[0][1], q.device,
+                   fused_where(store))
     idx = _indices(state_indices, B, q.device)
     if out is None:
         out = torch.empty(*lead, HV, dv, dtype=torch.float32, device=q.device)

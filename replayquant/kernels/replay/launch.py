@@ -15,9 +15,10 @@ import contextlib
 
 from replayquant.replay.stores import ReplayStore
 
-__all__ = ["LAUNCH_TABLE", "LAUNCHES", "ONEPASS_TABLE", "replay_launch_config",
-           "onepass_launch_config", "override_replay_launch", "chosen_design", "programs_per_sm",
-           "waves"]
+__all__ = ["LAUNCH_TABLE", "LAUNCHES", "ONEPASS_TABLE", "FUSED_TABLE", "fused_where",
+           "replay_launch_config",
+           "onepass_launch_config", "onepass_preflush", "override_replay_launch", "chosen_design",
+           "programs_per_sm", "waves"]
 
 
 # The launch table, chosen by shape: (launch, kind, role) -> rows BV of a program's [BV, d_k]
@@ -43,13 +44,28 @@ LAUNCH_TABLE = (   # launch, kind, role, rows, per_thread, regs, chunk  # reason
 )
 LAUNCHES = ("flush", "read")
 
-# The one-pass launch, chosen by the read copy's format: rows BV of a program's tile, warps,
-# columns a chunk, chunks' loads in flight. Reasons: compile_check sass on sm_90 (Triton 3.9),
-# Qwen3.5-4B GDN layer, T = 4, ptxas's registers uncapped; SASS a warp with the chunk loop's
-# body counted d_k / chunk times, for 64 rows (s32_rs / tp8_hi32 / tp4_hi32). Untimed.
-ONEPASS_TABLE = (   # role, rows, warps, chunk, stages  # reason
-    ("*", 64, 2, 32, 3),   # 2 x 4135 / 4073 / 4417, 128-137 registers; 32 rows on 1 warp:
-)                          # 2 x 4682 / 4398 / 4777; 64 on 1 warp: 6737 / 5820 / 6392, 231-255
+# The one-pass launch, chosen by the roles' format ('nvfp4': either role NVFP4): rows BV of a
+# program's tile, warps, columns a chunk, chunks' loads in flight, where a row's pre-flush runs
+# ('inside': the row's programs fold their own tiles first, verify_onepass._inside; 'launch':
+# decode's flush launch first), register cap. Reasons: tile and chunk, compile_check sass on
+# sm_90 (Triton 3.9), Qwen3.5-4B GDN layer, T = 4, SASS a warp with the chunk loop's body
+# counted d_k / chunk times, 64 rows (s32_rs / tp8_hi32 / tp4_hi32): 2 x 4135 / 4073 / 4417 at
+# 128-137 registers; 32 rows on 1 warp: 2 x 4682 / 4398 / 4777; 64 on 1 warp: 6737 / 5820 /
+# 6392 at 231-255. Pre-flush and cap: rounds of T = 4 at B = 512 on one H100, us, inside at 128
+# registers / flush launch first (results/bench/fused_read_h100.json).
+ONEPASS_TABLE = (   # role, rows, warps, chunk, stages, pre-flush, regs  # reason
+    ("nvfp4", 64, 2, 32, 3, "launch", None),   # an NVFP4 role is cast a whole matrix at a time
+    ("*", 64, 2, 32, 3, "inside", 128),   # GDN s32_rs 629.9 / 643.6, tp8_hi32 733.3 / 752.6
+)   # Mamba-2 1177.6 / 1439.7, 1181.3 / 1193.9; inside uncapped (GDN 168 registers): GDN tp8 1057.2
+
+# Where a decode step on the GPU flushes when the flush's tiles exceed one wave (below it, one
+# launch on them: decode._fused), by the flush launch's role: 'read', inside the read launch's
+# programs; '', a flush launch before the read launch. Reasons: windows with rows staggered on
+# one H100, us, inside / flush launch (results/bench/fused_read_h100.json; in phase within 0.3%).
+FUSED_TABLE = (   # flush role, where  # reason
+    ("fp32 shared", "read"),   # GDN s32_rs B = 32 42.5 / 48.8, 256 239.2 / 244.1; Mamba-2 65.3 /
+    ("*", ""),                 # 70.7, 434.3 / 440.8. tp8_hi32: GDN 85.8 / 48.3, 244.7 / 207.7
+)
 
 # An H100 / H200 SM (sm_90): 65536 registers in 4 sub-partitions (a warp's registers on one, in
 # units of 256), 64 warps, 32 programs, 228 KiB of shared memory (1 KiB of it reserved a program)
@@ -163,12 +179,29 @@ def replay_launch_config(store: ReplayStore, which: str = "read"):
     return block_v, num_warps
 
 
+def _onepass_row(store: ReplayStore) -> tuple:
+    role = "nvfp4" if "nvfp4" in (store.anchor.fmt, store.read_role.fmt) else store.read_role.fmt
+    return next(r[1:] for r in ONEPASS_TABLE if r[0] in ("*", role))
+
+
+def onepass_preflush(store: ReplayStore) -> tuple:
+    """(whether a row's programs run its pre-flush themselves, register cap) of the one-pass
+    launch by ONEPASS_TABLE, where override_replay_launch gives neither."""
+    row = _onepass_row(store)
+    return row[4] == "inside", row[5]
+
+
+def fused_where(store: ReplayStore) -> str:
+    """FUSED_TABLE's choice for the store's flush role: 'read' or ''."""
+    role = _role(store, "flush")
+    return next(w for r, w in FUSED_TABLE if r in ("*", role))
+
+
 def onepass_launch_config(store: ReplayStore):
     """(BV, num_warps, CK, stages) of the one-pass read launch: ONEPASS_TABLE's row for the
-    store's read copy, rows and warps as override_replay_launch's 'read' gives them (None: the
+    store's roles, rows and warps as override_replay_launch's 'read' gives them (None: the
     table's)."""
-    role = store.read_role.fmt
-    rows, warps, ck, stages = next(r[1:] for r in ONEPASS_TABLE if r[0] in ("*", role))
+    rows, warps, ck, stages = _onepass_row(store)[:4]
     N, HV, dv, dk = store.shape
     given = _given.get("read") or (None, None)
     rows = min(dv, rows) if given[0] is None else int(given[0])

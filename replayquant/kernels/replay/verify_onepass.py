@@ -26,10 +26,11 @@ A program takes a [BV, d_k] tile of one (batch row, value head), as the read lau
 
 A row whose committed entries would not leave T free slots (h + T > L) is folded into its
 roles first by decode's flush launch, as in decode's verify: one launch for the
-pre-flushes, then this kernel's. Under override_replay_launch({'fused': 'read'}) each program
-of such a row pre-flushes its own tile instead, on sub-tiles of the flush launch's rows (whole
-rows: an FP8 read copy's per-row scale needs no other program; an NVFP4 role, cast a whole
-matrix at a time, cannot), and the round is one launch.
+pre-flushes, then this kernel's, where a role is NVFP4 (cast a whole matrix at a time) or
+override_replay_launch({'fused': False}) asks. Otherwise (launch.ONEPASS_TABLE, measured faster
+on an H100 for GDN and Mamba-2, s32_rs and tp8_hi32) each program of such a row pre-flushes its
+own tile first, on sub-tiles of the flush launch's rows (whole rows: an FP8 read copy's per-row
+scale needs no other program), and the round is one launch.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from replayquant.kernels.replay.decode import (_advance_row, _entry, _flush_flag
                                                _flush_tile, _fused_tiles, _mm, _read_setup,
                                                _replay_kernel)
 from replayquant.kernels.replay.launch import (_max_regs, given_launch, onepass_launch_config,
-                                              replay_launch_config)
+                                              onepass_preflush, replay_launch_config)
 from replayquant.kernels.quant.roles import split_key
 from replayquant.replay.stores import (ReplayStore, StepTensors, _begin, _check_buffered, _indices,
                                         dt_limit_args, folds_u, solves_u, step_inputs)
@@ -523,19 +524,24 @@ def _pre_flush(store, kind, idx, out, inputs, has, scale, beta_scale, dt_args, u
         **({} if regs is None else {"maxnreg": regs}))
 
 
-def _inside(store: ReplayStore, BV: int, nw: int) -> int | None:
-    """The rows FBV of the sub-tiles on which a program runs its row's pre-flush itself
-    (override_replay_launch({'fused': 'read'}): the flush launch's tile rows, whole rows of the
-    roles, so no other program's rows are needed), or None: the pre-flushes in decode's flush
-    launch first (the default, and {'fused': False})."""
+def _inside(store: ReplayStore, BV: int, nw: int) -> tuple:
+    """(FBV, regs): the rows of the sub-tiles on which a program runs its row's pre-flush itself
+    (the flush launch's tile rows, whole rows of the roles, so no other program's rows are
+    needed), or None: the pre-flushes in decode's flush launch first; and the launch's register
+    cap. override_replay_launch's 'fused' decides ('read': inside, False: the flush launch,
+    both uncapped unless 'read' gives regs), else ONEPASS_TABLE (onepass_preflush)."""
     want = given_launch().get("fused")
-    if want is None or want is False:
-        return None
-    if want != "read":
+    if want is None:
+        inside, regs = onepass_preflush(store)
+    elif want is False or want == "read":
+        inside, regs = want == "read", None
+    else:
         raise ValueError(f"the one-pass verify takes launch['fused'] 'read' (its pre-flushes "
                          f"inside its read program) or False (in a flush launch first), got "
                          f"{want!r}; True, one launch on the flush's tiles, is a decode step's")
-    return _fused_tiles(store, "read", [replay_launch_config(store, "flush"), (BV, nw)])
+    if not inside:
+        return None, regs
+    return _fused_tiles(store, "read", [replay_launch_config(store, "flush"), (BV, nw)]), regs
 
 
 def onepass_verify(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, state_indices,
@@ -560,8 +566,9 @@ def onepass_verify(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, st
     scale = float(scale if scale is not None else 1.0 / math.sqrt(dk))
     has = (dt_bias is not None, D is not None, z is not None)
     BV, nw, CK, stages = onepass_launch_config(store)
-    fbv = _inside(store, BV, nw)
-    regs = _max_regs(store, "read", T)              # None unless given
+    fbv, regs = _inside(store, BV, nw)
+    given = _max_regs(store, "read", T)             # None unless given
+    regs = regs if given is None else given
     if fbv is None:
         _pre_flush(store, kind, idx, out, inputs, has, scale, beta_scale, dt_args,
                    use_qk_l2norm, T)
