@@ -59,12 +59,14 @@ ONEPASS_TABLE = (   # role, rows, warps, chunk, stages, pre-flush, regs  # reaso
 )   # Mamba-2 1177.6 / 1439.7, 1181.3 / 1193.9; inside uncapped (GDN 168 registers): GDN tp8 1057.2
 
 # Where a decode step on the GPU flushes when the flush's tiles exceed one wave (below it, one
-# launch on them: decode._fused), by the flush launch's role: 'read', inside the read launch's
-# programs; '', a flush launch before the read launch. Reasons: windows with rows staggered on
-# one H100, us, inside / flush launch (results/bench/fused_read_h100.json; in phase within 0.3%).
-FUSED_TABLE = (   # flush role, where  # reason
-    ("fp32 shared", "read"),   # GDN s32_rs B = 32 42.5 / 48.8, 256 239.2 / 244.1; Mamba-2 65.3 /
-    ("*", ""),                 # 70.7, 434.3 / 440.8. tp8_hi32: GDN 85.8 / 48.3, 244.7 / 207.7
+# launch on them: decode._fused), by kind and the flush launch's role: 'read', inside the read
+# launch's programs; '', a flush launch before the read launch. Reasons: windows with rows
+# staggered on one H100, us, inside / flush launch (results/bench/fused_read_h100.json; in
+# phase within 0.3%); KDA's flush inside the read was not timed.
+FUSED_TABLE = (   # kind, flush role, where  # reason
+    ("gdn", "fp32 shared", "read"),      # s32_rs B = 32 42.5 / 48.8, B = 256 239.2 / 244.1
+    ("mamba2", "fp32 shared", "read"),   # s32_rs B = 32 65.3 / 70.7, B = 256 434.3 / 440.8
+    ("*", "*", ""),      # tp8_hi32 GDN B = 32 85.8 / 48.3, B = 256 244.7 / 207.7; Mamba-2 0.75-0.84x
 )
 
 # An H100 / H200 SM (sm_90): 65536 registers in 4 sub-partitions (a warp's registers on one, in
@@ -194,7 +196,7 @@ def onepass_preflush(store: ReplayStore) -> tuple:
 def fused_where(store: ReplayStore) -> str:
     """FUSED_TABLE's choice for the store's flush role: 'read' or ''."""
     role = _role(store, "flush")
-    return next(w for r, w in FUSED_TABLE if r in ("*", role))
+    return next(w for k, r, w in FUSED_TABLE if k in ("*", store.kind) and r in ("*", role))
 
 
 def onepass_launch_config(store: ReplayStore):

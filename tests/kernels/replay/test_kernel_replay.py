@@ -188,6 +188,20 @@ def test_fused_step_equals_two_launches(kind, pair, fused):
             dr.kernel(nv, dr.inputs(seed=1), idx)
 
 
+def test_fused_where_follows_the_table():
+    """FUSED_TABLE: a shared FP32 pair of GDN or Mamba-2 flushes inside the read launch above one
+    wave (measured faster with rows staggered); other pairs and KDA (not timed) keep the flush
+    launch; the interpreter runs two launches whatever the table says."""
+    from replayquant.kernels.replay.launch import fused_where
+    want = {("gdn", "s32_rs"): "read", ("mamba2", "s32_rs"): "read"}
+    for kind in ("gdn", "mamba2", "kda"):
+        for pair in ("s32_rs", "tp8_hi32", "tp4_hi32"):
+            st = ReplayStore.from_state(random_state(2, 2, 16, 16), PrecisionPair.load(pair),
+                                        kind, key_heads=1)
+            assert fused_where(st) == want.get((kind, pair), ""), (kind, pair)
+    assert _fused(1, True, 10 ** 6, "cpu", "read") == ""
+
+
 @pytest.mark.parametrize("kind", ["gdn", "mamba2"])
 @pytest.mark.parametrize("pair", ["s32_rs", "tp8_hi32", "tp4_hi16_sr", "f4_sr_rs"])
 def test_replay_step_matches_replay_state(kind, pair):
