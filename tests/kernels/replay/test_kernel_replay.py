@@ -152,12 +152,14 @@ def test_replay_step_matches_reference(kind, pair):
                                              ("mamba2", "tp8_hi32", True),
                                              ("gdn", "tp4_hi32", True),
                                              ("gdn", "tp8_hi32", "read"),
-                                             ("mamba2", "tp8_hi16_sr", "read")])
+                                             ("mamba2", "tp8_hi16_sr", "read"),
+                                             ("gdn", "s32_rs", "read")])
 def test_fused_step_equals_two_launches(kind, pair, fused):
     """override_replay_launch({'fused': True}) (one launch a step: each program flushes its own
     tile, whole matrices for an NVFP4 role, then reads) and {'fused': 'read'} (one launch on the
     read's 32-row tiles, a flushing row's program running the flush on its two 16-row
-    sub-tiles) give the two launches' outputs and store bit for bit, over windows with rows out
+    sub-tiles; s32_rs, the GPU's default above one wave, on one 32-row sub-tile) give the two
+    launches' outputs and store bit for bit, over windows with rows out
     of phase, padding rows and a forced flush; a verify cannot fuse, nor can an NVFP4 role
     flush inside the read's tiles."""
     N, HK, H, dk, dv = 4, 1, 2, 32, 32
