@@ -1,10 +1,11 @@
 """The flush inside the read launch, timed beside today's launches and the ReplaySSM authors'
 kernels on one GPU: a decode step of a pair without an NVFP4 role (tp8_hi32: FP32 anchor, FP8
 read copy; s32_rs: one FP32 anchor read and flushed) as one launch on the read's 64-row tiles, a
-flushing row's program running the flush on its sub-tiles of the flush launch's rows (16; 32) (override_replay_launch({'fused': 'read'}), at the read's register cap and at
-other caps), against the flush launch then the read launch ({'fused': False}) and today's
-choice (one launch on the flush's tiles at small batch; 'flush': at any batch, the one launch a
-step an NVFP4 role can have, its flush tiles whole matrices). On `replayquant bench kernels`' shapes,
+flushing row's program running the flush on its sub-tiles of the flush launch's rows (16; 32)
+(override_replay_launch({'fused': 'read'}), at the read's register cap and at other caps),
+against the flush launch then the read launch ({'fused': False}) and today's choice (one launch
+on the flush's tiles at small batch; 'flush': at any batch, the one launch a step an NVFP4 role
+can have, its flush tiles whole matrices). On `replayquant bench kernels`' shapes,
 inputs and clock (its replay-window, replay-window-staggered, read and flush step rows), each
 way on stores of its own from the same initial state; the authors' windows (in phase and
 staggered) of the same batch in the same run with --authors. First a check on the device (the
@@ -135,11 +136,9 @@ def check_verify(kind, pair, B, T, device) -> dict:
 
 def spec_rows(kind, pair, B, T, way, copy_bw, device) -> list:
     """One way's speculative rounds (bench kernels' bench_spec, the replay rounds alone)."""
-    rows = bench_spec(kind, B, T, device, copy_bw, cfg={f"replay/{pair}": {"launch": SPEC_WAYS[way]}},
-                      pairs=(pair,), snapshots=False)
-    for r in rows:
-        r["way"] = way
-    return rows
+    return bench_spec(kind, B, T, device, copy_bw,
+                      cfg={f"replay/{pair}": {"launch": SPEC_WAYS[way]}}, pairs=(pair,),
+                      snapshots=False)
 
 
 def rows_of(kind, pair, B, way, copy_bw, device) -> list:
@@ -151,8 +150,6 @@ def rows_of(kind, pair, B, way, copy_bw, device) -> list:
                         extras=ReplayExtras(detail=B >= 128), S=S)
     with override_replay_launch(WAYS[way]):
         rows += side.bench_ours_staggered(kind, B, pair, L, device, copy_bw, S)
-    for r in rows:
-        r["way"] = way
     return rows
 
 
@@ -175,6 +172,21 @@ def summary(rows) -> None:
               f"{r['us']:8.2f} us"
               + (f", authors x{a / r['us']:.2f}" if a else "")
               + (f", two launches x{t / r['us']:.2f}" if t else ""), flush=True)
+
+
+def _ways(res, a, t0, runs, A, label, authors, ours) -> None:
+    """The authors' rows (authors(), with --authors) and ours of each (pair, way) in `runs`
+    (ours(pair, way)) into res, written after each; past the time budget each is listed as
+    skipped instead."""
+    for pair, way in ([(None, "authors")] if A is not None else []) + runs:
+        if time.time() - t0 > a.budget_s:
+            res["skipped"].append(f"{label} {pair} {way}")
+            continue
+        new = authors() if way == "authors" else ours(pair, way)
+        for r in new:
+            r["way"] = way
+        res["rows"] += new
+        write_json(a.out, res)
 
 
 def main(argv) -> int:
@@ -215,36 +227,17 @@ def main(argv) -> int:
             if spec_batches:
                 res["checks"].append(check_verify(kind, pair, 64, a.T, dev))
             write_json(a.out, res)
+        bw = res["copy_GBps"]
         for B in spec_batches:
-            for pair, way in ([(None, "authors")] if A is not None else []) + \
-                    [(p, w) for p in pairs for w in spec_ways]:
-                if time.time() - t0 > a.budget_s:
-                    res["skipped"].append(f"{kind} {pair} B={B} T={a.T} {way}")
-                    continue
-                if way == "authors":
-                    new = side.bench_spec(kind, B, a.T, PAIR_L[kind], dev, res["copy_GBps"],
-                                          SHAPES[kind], A)
-                    for r in new:
-                        r["way"] = "authors"
-                else:
-                    new = spec_rows(kind, pair, B, a.T, way, res["copy_GBps"], dev)
-                res["rows"] += new
-                write_json(a.out, res)
+            _ways(res, a, t0, [(p, w) for p in pairs for w in spec_ways], A,
+                  f"{kind} B={B} T={a.T}",
+                  lambda: side.bench_spec(kind, B, a.T, PAIR_L[kind], dev, bw, SHAPES[kind], A),
+                  lambda pair, way: spec_rows(kind, pair, B, a.T, way, bw, dev))
         for B in batches:
-            for pair, way in ([(None, "authors")] if A is not None else []) + \
-                    [(p, w) for p in pairs for w in ways]:
-                if time.time() - t0 > a.budget_s:
-                    res["skipped"].append(f"{kind} {pair} B={B} {way}")
-                    continue
-                if way == "authors":
-                    new = side.bench_window(kind, B, PAIR_L[kind], dev, res["copy_GBps"],
-                                            SHAPES[kind], A, staggered=True)
-                    for r in new:
-                        r["way"] = "authors"
-                else:
-                    new = rows_of(kind, pair, B, way, res["copy_GBps"], dev)
-                res["rows"] += new
-                write_json(a.out, res)
+            _ways(res, a, t0, [(p, w) for p in pairs for w in ways], A, f"{kind} B={B}",
+                  lambda: side.bench_window(kind, B, PAIR_L[kind], dev, bw, SHAPES[kind], A,
+                                            staggered=True),
+                  lambda pair, way: rows_of(kind, pair, B, way, bw, dev))
     summary(res["rows"])
     if res["skipped"]:
         print(f"skipped past the budget: {res['skipped']}", flush=True)

@@ -70,9 +70,8 @@ def drive() -> int:
 def _variants(launches):
     """(name, launch) at the layer shapes: the fused read launch at each cap, today's read
     (64 rows, LAUNCH_TABLE's cap) and flush (16 rows, 8 tiles a program) launches."""
-    from replayquant.kernels.replay.launch import LAUNCH_TABLE
+    from replayquant.kernels.replay.launch import LAUNCH_TABLE, ONEPASS_TABLE
     out = []
-    from replayquant.kernels.replay.launch import ONEPASS_TABLE
     for ln in launches:
         c = ln["constexprs"]
         if ln["kernel"] == "_onepass_kernel":     # T = 4 drafts, bf16 q: 16 columns

@@ -16,9 +16,8 @@ import contextlib
 from replayquant.replay.stores import ReplayStore
 
 __all__ = ["LAUNCH_TABLE", "LAUNCHES", "ONEPASS_TABLE", "FUSED_TABLE", "fused_where",
-           "replay_launch_config",
-           "onepass_launch_config", "onepass_preflush", "override_replay_launch", "chosen_design",
-           "programs_per_sm", "waves"]
+           "replay_launch_config", "onepass_launch_config", "onepass_preflush",
+           "override_replay_launch", "chosen_design", "programs_per_sm", "waves"]
 
 
 # The launch table, chosen by shape: (launch, kind, role) -> rows BV of a program's [BV, d_k]
@@ -66,8 +65,8 @@ ONEPASS_TABLE = (   # role, rows, warps, chunk, stages, pre-flush, regs  # reaso
 FUSED_TABLE = (   # kind, flush role, where  # reason
     ("gdn", "fp32 shared", "read"),      # s32_rs B = 32 42.5 / 48.8, B = 256 239.2 / 244.1
     ("mamba2", "fp32 shared", "read"),   # s32_rs B = 32 65.3 / 70.7, B = 256 434.3 / 440.8
-    ("*", "*", ""),      # tp8_hi32 GDN B = 32 85.8 / 48.3, B = 256 244.7 / 207.7; Mamba-2 0.75-0.84x
-)
+    ("*", "*", ""),      # tp8_hi32 GDN B = 32 85.8 / 48.3, B = 256 244.7 / 207.7; Mamba-2
+)                        # 0.75-0.84x
 
 # An H100 / H200 SM (sm_90): 65536 registers in 4 sub-partitions (a warp's registers on one, in
 # units of 256), 64 warps, 32 programs, 228 KiB of shared memory (1 KiB of it reserved a program)
@@ -99,7 +98,8 @@ def override_replay_launch(launch):
     """Within the block, the replay kernels launch as `launch` says instead of the tables: a
     mapping {'read' / 'flush': (rows, warps) or (rows, warps, regs), 'fused': True / 'read' /
     False} whose entries may be None (the table's). 'read' gives the one-pass verify's read
-    launch too ('fused' 'read': its pre-flushes inside it); regs caps the registers a thread (ptxas's maxnreg, _max_regs);
+    launch too ('fused' 'read': its pre-flushes inside it); regs caps the registers a thread
+    (ptxas's maxnreg, _max_regs);
     'fused' runs a decode step as one launch on the flush's tiles (True) or on the read's, the
     flush inside the read program ('read'), or as two launches (False; decode._fused). An inner
     override replaces an outer one for its block; the outer one holds again after it. For tests

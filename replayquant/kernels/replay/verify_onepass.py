@@ -592,6 +592,7 @@ def onepass_verify(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, st
         L2NORM=use_qk_l2norm, HAS_DTB=has[0], HAS_D=has[1], HAS_Z=has[2],
         U_BF16=store.ubuf is not None and store.ubuf.dtype == torch.bfloat16,
         DT_CLAMP=dt_args[2], KF=kf, FOLD_U=folds_u(store), FUSED=fbv is not None,
-        FBV=fbv or BV, ON_GPU=q.is_cuda, num_warps=nw, **({} if regs is None else {"maxnreg": regs}))
+        FBV=fbv or BV, ON_GPU=q.is_cuda, num_warps=nw,
+        **({} if regs is None else {"maxnreg": regs}))
     store.pending_T = T
     return out
