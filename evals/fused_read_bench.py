@@ -19,8 +19,15 @@ rejected, no pre-flush, 'spec-replay-round-no-flush') at --spec-batches beside t
 round, after a device check of the two from one store whose rows pre-flush or not. Each kind's
 rounds come before its windows.
 
+An NVFP4 read copy cast with a global scale carried from the previous flush (ways 'carried',
+the launch table's choice, and 'carried-read', the flush inside the read's tiles; pairs tp4_hi32
+/ tp4_hi16_sr; ReplayStore.from_state(..., nvfp4_scale='carried')): its flush tiles take 16 rows
+instead of whole matrices; timed beside 'two' and 'today' (whole matrices), after a device check
+of the two launches against the one and of the read copy against the format's cast.
+
     python evals/fused_read_bench.py OUT.json [--kinds gdn,mamba2] [--batches 1,32,256]
         [--pairs tp8_hi32,s32_rs] [--ways two,read,read168] [--authors PATH] [--budget-s 400]
+        (NVFP4, carried: --pairs tp4_hi32 --ways two,today,carried,carried-read --spec-batches '')
         [--spec-batches 512] [--T 4] [--spec-ways two,read,read128]
 
 Writes OUT.json after every row (rows, checks, copy bandwidth, provenance)."""
@@ -37,6 +44,7 @@ from replayquant.bench import authors as side
 from replayquant.bench.kernels.grid import PAIR_L, SHAPES, kernel_inputs, load_pair
 from replayquant.bench.kernels.rows import ReplayExtras, bench_replay, bench_spec, spec_accepts
 from replayquant.bench.kernels.timing import copy_bandwidth_GBps, no_gpu
+from replayquant.formats.casts import nvfp4_carried_scale_ref, nvfp4_quantize_ref
 from replayquant.kernels.replay.decode import replay_gdn_step, replay_mamba2_step
 from replayquant.kernels.replay.launch import override_replay_launch
 from replayquant.kernels.replay.verify import (replay_accept, replay_gdn_verify,
@@ -51,7 +59,11 @@ STEP = {"gdn": replay_gdn_step, "mamba2": replay_mamba2_step}
 WAYS = {"two": {"fused": False}, "today": {}, "read": {"fused": "read"},
         "flush": {"fused": True},       # one launch on the flush's tiles at any batch (NVFP4 too)
         "read168": {"fused": "read", "read": (None, None, 168)},
-        "read255": {"fused": "read", "read": (None, None, 255)}}
+        "read255": {"fused": "read", "read": (None, None, 255)},
+        "carried": {}, "carried-read": {"fused": "read"}}
+# the ways whose stores cast an NVFP4 read copy with a carried scale (16-row flush tiles; pairs
+# tp4_hi32 / tp4_hi16_sr): ReplayStore.from_state's options
+STORE = {"carried": {"nvfp4_scale": "carried"}, "carried-read": {"nvfp4_scale": "carried"}}
 VERIFY = {"gdn": replay_gdn_verify, "mamba2": replay_mamba2_verify}
 # the ways a one-pass verify launches: its pre-flushes in a flush launch first, or inside
 SPEC_WAYS = {"two": {"fused": False}, "read": {"fused": "read"},
@@ -145,12 +157,43 @@ def rows_of(kind, pair, B, way, copy_bw, device) -> list:
     """One way's rows at batch B: window in phase (and at B >= 128 the read and flush steps)
     through bench_replay, and the staggered window."""
     S, L = SHAPES[kind], PAIR_L[kind]
-    cfg = {"launch": WAYS[way]}
+    cfg = {"launch": WAYS[way], "store": STORE.get(way, {})}
     rows = bench_replay(kind, B, pair, L, device, copy_bw, cfg=cfg,
                         extras=ReplayExtras(detail=B >= 128), S=S)
     with override_replay_launch(WAYS[way]):
-        rows += side.bench_ours_staggered(kind, B, pair, L, device, copy_bw, S)
+        rows += side.bench_ours_staggered(kind, B, pair, L, device, copy_bw, S,
+                                          store=STORE.get(way))
     return rows
+
+
+def check_carried(kind, pair, B, device) -> dict:
+    """A carried scale's stores over one window in phase (every row flushes at step L), two
+    launches and the flush inside the read: the same bytes, and the read copy the format's cast
+    of the FP32 anchor with the scale carried from the initial state's amax (casts, on the
+    device)."""
+    S, L = SHAPES[kind], PAIR_L[kind]
+    idx = torch.arange(B, dtype=torch.int32, device=device)
+    init = random_state(B, S["H"], S["dv"], S["dk"], seed=B + 3, device=device)
+    P = load_pair(pair, L)[0]
+    two, one = (ReplayStore.from_state(init, P, kind, key_heads=S["HK"], **STORE["carried"])
+                for _ in range(2))
+    for n in range(L):
+        kw = kernel_inputs(kind, S, B, seed=30 + n, device=device)
+        for st, way in ((two, WAYS["two"]), (one, WAYS["read"])):
+            with override_replay_launch(way):
+                STEP[kind](st, **kw, state_indices=idx)
+    A = two.anchor.dequantize()
+    pay, bs, gs = nvfp4_quantize_ref(A.flatten(0, 1), gs=nvfp4_carried_scale_ref(
+        init.abs().amax(dim=(-2, -1)).flatten()))
+    r = dict(kind=kind, pair=pair, B=B, steps=L, flushes=int(two.n_flush.min()),
+             read_equals_two_launches=all(bool(torch.equal(getattr(one.read, t), getattr(
+                 two.read, t))) for t in ("payload", "scale", "gscale")) and
+             bool(torch.equal(one.carried, two.carried)),
+             read_is_format_cast=bool(torch.equal(two.read.payload.flatten(0, 1), pay)) and
+             bool(torch.equal(two.read.scale.flatten(0, 1), bs)) and
+             bool(torch.equal(two.read.gscale.flatten(), gs)))
+    print(f"check carried {kind} {pair} B={B}: {r}", flush=True)
+    return r
 
 
 def summary(rows) -> None:
@@ -223,6 +266,10 @@ def main(argv) -> int:
     print(f"copy bandwidth {res['copy_GBps']:.0f} GB/s", flush=True)
     for kind in kinds:
         for pair in pairs if not a.no_check else ():
+            if any(w in STORE for w in ways) and "tp4" in pair:
+                res["checks"].append(check_carried(kind, pair, 64, dev))
+            if "tp4" in pair:
+                continue              # an NVFP4 role: no flush inside the read's tiles
             res["checks"].append(check(kind, pair, 64, dev))
             if spec_batches:
                 res["checks"].append(check_verify(kind, pair, 64, a.T, dev))

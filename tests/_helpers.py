@@ -85,8 +85,9 @@ def assert_compile_for_sm90(launches: list, tmp_path: Path) -> None:
 
 
 def assert_same_store(a, b):
-    """Bit-identical stores (pointers, both roles, buffers; NaN-poisoned entries where both
-    are), and the arrival counters of the in-kernel pointer move back at zero."""
+    """Bit-identical stores (pointers, both roles, buffers, a carried scale's record;
+    NaN-poisoned entries where both are), and the arrival counters of the in-kernel pointer
+    move back at zero."""
     for name in ("committed", "n_flush", "start"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
     for role in ("anchor", "read"):
@@ -96,7 +97,7 @@ def assert_same_store(a, b):
                 if getattr(ra, t, None) is not None:
                     assert torch.equal(getattr(ra, t).view(torch.uint8),
                                        getattr(rb, t).view(torch.uint8)), (role, t)
-    for name in ("kbuf", "vbuf", "ubuf", "Gbuf", "bbuf", "Tbuf"):
+    for name in ("kbuf", "vbuf", "ubuf", "Gbuf", "bbuf", "Tbuf", "carried"):
         ta, tb = getattr(a, name), getattr(b, name)
         if ta is not None:
             assert torch.equal(ta.view(torch.uint8), tb.view(torch.uint8)), name

@@ -430,10 +430,11 @@ def bench_spec(kind, B, T, L, device, copy_bw, S, A: Authors) -> list:
     return [row]
 
 
-def bench_ours_staggered(kind, B, pair, L, device, copy_bw, S) -> list:
+def bench_ours_staggered(kind, B, pair, L, device, copy_bw, S, store=None) -> list:
     """Row 'replay-window-staggered': our replay window (path='replay') with row b starting the
     window at fill b mod L, as the authors-staggered row (the replay-window row has every row
-    flush in the same step)."""
+    flush in the same step). store: ReplayStore.from_state's options (bench.kernels.sweep's
+    store_options)."""
     H, HK, dv, dk = S["H"], S["HK"], S["dv"], S["dk"]
     P, af, rf = load_pair(pair, L)
     init = random_state(B, H, dv, dk, seed=B, device=device)
@@ -442,7 +443,7 @@ def bench_ours_staggered(kind, B, pair, L, device, copy_bw, S) -> list:
     out = torch.empty(B, H, dv, device=device)
     R = rotations(B * H * (state_bytes(af, dv, dk) + (state_bytes(rf, dv, dk) if rf else 0)),
                   device)
-    sts = [ReplayStore.from_state(init, P, kind, key_heads=HK) for _ in range(R)]
+    sts = [ReplayStore.from_state(init, P, kind, key_heads=HK, **(store or {})) for _ in range(R)]
     for st in sts:
         st.committed.copy_(torch.arange(B, dtype=torch.int32, device=device) % L)
     step = _our_step(kind)

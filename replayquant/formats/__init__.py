@@ -183,19 +183,26 @@ class QTensor:
                                        self.gscale[sl].reshape(-1))
         return out.reshape(n, H, dv, 2 * dk2)
 
-    def write_(self, slots, x: torch.Tensor, key: int, streams: torch.Tensor) -> None:
+    def write_(self, slots, x: torch.Tensor, key: int, streams: torch.Tensor,
+               gscale: torch.Tensor | None = None) -> None:
         """Quantize float32 x [n, H, dv, dk] (rounding of this role, SR streams [n, H]) into
-        `slots` with the torch reference of the format (the specification)."""
+        `slots` with the torch reference of the format (the specification); gscale as encode."""
         slots = torch.as_tensor(slots, dtype=torch.long, device=self.payload.device)
-        for t, e in zip((self.payload, self.scale, self.gscale), self.encode(x, key, streams)):
+        for t, e in zip((self.payload, self.scale, self.gscale),
+                        self.encode(x, key, streams, gscale=gscale)):
             if e is not None:
                 t[slots] = e
 
-    def encode(self, x: torch.Tensor, key: int, streams: torch.Tensor, bits=random_bits_ref):
+    def encode(self, x: torch.Tensor, key: int, streams: torch.Tensor, bits=random_bits_ref,
+               gscale: torch.Tensor | None = None):
         """The packed tensors (payload, scale, gscale; None where the format has none) of
         float32 x [n, H, dv, dk] cast with this role's rounding, as write_ stores them. SR bits
         come from `bits` with streams [n, H]: random_bits_ref (numpy on the CPU) or
-        random_bits_torch (torch ops only, on any device), the same words."""
+        random_bits_torch (torch ops only, on any device), the same words. gscale (NVFP4 only):
+        the matrices' global scales [n, H] given instead of their own (a carried scale,
+        casts.nvfp4_carried_scale_ref)."""
+        if gscale is not None and self.format != "nvfp4":
+            raise ValueError(f"a global scale is NVFP4's; this role is {self.format}")
         x = x.to(torch.float32)
         if self.format == "fp32":
             return x, None, None
@@ -210,7 +217,8 @@ class QTensor:
             pay, scale = ref.fp8_quantize_ref(x, rbits)
             return pay, scale, None
         x3 = x.reshape(n * H, dv, dk)
-        pay, bs, gs = ref.nvfp4_quantize_ref(x3, None if rbits is None else rbits.reshape(x3.shape))
+        pay, bs, gs = ref.nvfp4_quantize_ref(x3, None if rbits is None else rbits.reshape(x3.shape),
+                                             None if gscale is None else gscale.reshape(-1))
         return pay.reshape(n, H, dv, -1), bs.reshape(n, H, dv, -1), gs.reshape(n, H)
 
     def clone(self) -> "QTensor":

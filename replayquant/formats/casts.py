@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 
 from replayquant.formats.constants import (E2M1, E4M3, FP8_ROW_DIVISOR, NVFP4_BLOCK,
-                                           NVFP4_BLOCK_SCALE_MIN, NVFP4_GLOBAL_DIVISOR, Grid)
+                                           NVFP4_BLOCK_SCALE_MIN, NVFP4_CARRIED_HEADROOM,
+                                           NVFP4_GLOBAL_DIVISOR, Grid)
 
 
 def pow2_ref(p: torch.Tensor) -> torch.Tensor:
@@ -127,6 +128,19 @@ def nvfp4_global_scale_ref(x3: torch.Tensor) -> torch.Tensor:
     """Per-matrix FP32 scale amax / (448 * 6); 1 for an all-zero matrix. x3: [M, R, C]."""
     gs = div_rn(x3.abs().amax(dim=(-2, -1)), NVFP4_GLOBAL_DIVISOR)
     return torch.where(gs > 0, gs, torch.ones_like(gs))
+
+
+def nvfp4_carried_scale_ref(amax: torch.Tensor) -> torch.Tensor:
+    """The global scale a flush tile can know alone: the least power of two gs with
+    2688 gs >= 2^K amax (K = NVFP4_CARRIED_HEADROOM), amax float32 >= 0 the previous flush's
+    unrounded matrix amax; 1 where amax is 0, at least 2^-126. From amax's bits, exactly:
+    amax = m 2^e, m in [1, 2), 2688 = 1.3125 2^11, so gs = 2^(e + K - 11), times 2 where
+    m > 1.3125. The kernels' (kernels.quant.roles.nv_carried_scale) is the same."""
+    bits = amax.to(torch.float32).contiguous().view(torch.int32)
+    e = ((bits >> 23) & 0xFF) - 127
+    E = e + NVFP4_CARRIED_HEADROOM - 11 + ((bits & 0x7FFFFF) > 0x280000).to(torch.int32)
+    gs = ((E.clamp(min=-126) + 127) << 23).view(torch.float32)
+    return torch.where(amax > 0, gs, torch.ones_like(gs))
 
 
 def nvfp4_quantize_ref(x3: torch.Tensor, rbits=None, gs: torch.Tensor | None = None):

@@ -45,6 +45,10 @@ NVFP4_GLOBAL_DIVISOR = E4M3_MAX * E2M1_MAX   # per-matrix FP32 scale = amax / 26
 # round all of its elements to zero (or to the smallest E2M1 step) 8x earlier. Below 2^-9 a block is
 # at least ~4.4e-6 of the matrix amax and is stored as zeros or the smallest levels.
 NVFP4_BLOCK_SCALE_MIN = 2.0 ** -9
+# A global scale carried from the previous flush (formats.casts.nvfp4_carried_scale_ref): the
+# least power of two gs with 2688 gs >= 2^K amax_prev. K = 1: on drift's inputs no matrix of
+# 2976 a kind grew past it between flushes of L = 16, at the own scale's error (docs/kernels.md)
+NVFP4_CARRIED_HEADROOM = 1
 
 FP8_ROW_DIVISOR = E4M3_MAX              # per-row FP32 scale = amax / 448
 

@@ -12,6 +12,7 @@ entries, entry j of the window at (start + j) mod C):
     Gbuf, bbuf  fp32 [N, C, H] (KDA Gbuf [.., d_k])    cumulative log gate; beta / dt
     Tbuf        fp32 [N, C, H, L]               GDN solving for u: rows of (I + A)^{-1}
     committed, start, n_flush   [N]             fill h, window start, flush index
+    carried     int64 [N, H, 2]                 an NVFP4 read copy's carried scale (below)
     blob        uint8                           packed stores: every field above as a view of it
 
 A patched layer's decode store (`models.decode_store`) is a ReplayStore that also knows its batch:
@@ -22,6 +23,15 @@ engine that steps it and the custom operators' key (`meta`).
 The ring's dtype (`ring_dtype`) is bf16 for the Triton kernels (half the buffer traffic) and
 float32 for the torch engine, which then keeps u in float32 and no key factors (its flush
 recomputes u from the anchor): the same store, stepped by either engine on its own ring.
+
+An NVFP4 read copy keeps one FP32 scale a matrix, by default the new matrix's amax / 2688,
+which only a flush tile holding the whole matrix can know. `nvfp4_scale='carried'` (a design
+the kernels are timed with, docs/kernels.md; the torch engine and the replay core keep the
+matrix's own scale) casts it with `formats.casts.nvfp4_carried_scale_ref` of the previous flush's
+amax instead, so that a flush tile of any rows casts alone: `carried[s, h, f % 2]` holds flush f's
+unrounded amax of matrix (s, h) as float32 bits in the low half and f in the high half (every
+tile of flush f writes it with an atomic max, which a later flush index supersedes; flush f
+reads entry (f - 1) % 2, which no tile of flush f writes).
 
 `ConventionalStore`: one packed state, read-modify-written every step; `make_snapshots`: its
 per-draft snapshots for a speculative verify.
@@ -335,6 +345,21 @@ def _pair_roles(pair):
     return anchor, read, pair.buffer_len
 
 
+def _carried_scale(nvfp4_scale: str, afmt: str, read, ring_dtype) -> bool:
+    """Whether a store of these roles keeps a carried NVFP4 scale (one ValueError if it cannot)."""
+    if nvfp4_scale not in ("matrix", "carried"):
+        raise ValueError(f"nvfp4_scale must be 'matrix' or 'carried', got {nvfp4_scale!r}")
+    if nvfp4_scale == "matrix":
+        return False
+    if read is None or read[0] != "nvfp4" or afmt == "nvfp4":
+        raise ValueError("nvfp4_scale='carried' takes an NVFP4 read copy beside an anchor in "
+                         "another format (its flush tiles read the anchor's own scales)")
+    if ring_dtype != torch.bfloat16:
+        raise ValueError("nvfp4_scale='carried' is the Triton kernels' design; the torch engine "
+                         "(ring_dtype float32) casts with the matrix's own scale")
+    return True
+
+
 @dataclass
 class ReplayStore:
     """Replay state of one layer for N slots (module docstring for the layout)."""
@@ -358,6 +383,7 @@ class ReplayStore:
     last_force: bool = False         # path of the last step: True = it flushed every row (force)
     arrive: torch.Tensor | None = None   # int32 [N]: arrival counters of the pointer move (zero)
     Tbuf: torch.Tensor | None = None     # fp32 [N, C, H, L]: key factors (solves_u stores)
+    carried: torch.Tensor | None = None  # int64 [N, H, 2]: the carried scale's amax (above)
     blob: torch.Tensor | None = None     # uint8: every tensor above as a view of it (`pack`)
     blob_layout: list | None = None      # [name, dtype, shape, byte offset] of each view
     # A patched layer's decode store (models.decode_store builds it) also knows its batch:
@@ -378,7 +404,7 @@ class ReplayStore:
     def from_state(cls, initial: torch.Tensor, pair, kind: str, key_heads: int | None = None,
                    seed: int = 0, layer: int = 0, u_dtype=None,
                    max_drafts: int = 0,
-                   ring_dtype=torch.bfloat16) -> "ReplayStore":
+                   ring_dtype=torch.bfloat16, nvfp4_scale: str = "matrix") -> "ReplayStore":
         """Cast float32 initial [N, H, d_v, d_k] into anchor and read copy of `pair` (a
         PrecisionPair; flush index 0, independently, as ReplayState), empty buffers.
         key_heads: GDN key heads / Mamba-2 groups (default H). max_drafts: the largest T of
@@ -387,7 +413,9 @@ class ReplayStore:
         FP32 pair (its flush folds the cached u, folds_u), else bfloat16, the flush solving for u
         (statebytes.ring_u_bytes). ring_dtype: the ring's k and v, bfloat16 for the Triton kernels,
         float32 for the torch engine (`replay.engine`, which then keeps u in float32 too and no key
-        factors: its flush recomputes u from the anchor)."""
+        factors: its flush recomputes u from the anchor). nvfp4_scale: 'matrix' (the format's own
+        scale) or 'carried' (an NVFP4 read copy beside another anchor, Triton kernels; module
+        docstring)."""
         if kind not in ("gdn", "mamba2", "kda"):
             raise ValueError(f"kind must be 'gdn', 'mamba2' or 'kda', got {kind!r}")
         if not isinstance(initial, torch.Tensor) or initial.dim() != 4 or not initial.is_floating_point():
@@ -429,6 +457,9 @@ class ReplayStore:
                    arrive=torch.zeros(N, dtype=torch.int32, device=dev))
         if solves_u(store) and ring_dtype == torch.bfloat16:
             store.Tbuf = torch.zeros(N, C, H, buffer_len, device=dev)
+        if _carried_scale(nvfp4_scale, afmt, read, ring_dtype):
+            store.carried = torch.zeros(N, H, 2, dtype=torch.int64, device=dev)
+            store.carried[..., 0] = x.abs().amax(dim=(-2, -1)).view(torch.int32).to(torch.int64)
         return store
 
     @property
@@ -531,7 +562,7 @@ class ReplayStore:
 
 # the ring's and counters' fields of a ReplayStore, in the order of ReplayStore.fields
 _RING_FIELDS = ("kbuf", "vbuf", "ubuf", "Gbuf", "bbuf", "Tbuf", "committed", "start", "n_flush",
-                "arrive")
+                "arrive", "carried")
 PACK_ALIGN = 256
 
 

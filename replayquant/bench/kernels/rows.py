@@ -12,7 +12,7 @@ import torch
 from replayquant.testing import random_state
 from replayquant.bench.kernels.grid import (PAIR_L, PAIRS, SHAPES, BatchInputs, kernel_fns,
                                             kernel_inputs, load_pair)
-from replayquant.bench.kernels.sweep import launched, pair_config
+from replayquant.bench.kernels.sweep import launched, pair_config, store_options
 from replayquant.bench.kernels.timing import empty_cache, rotations, time_calls, timed_row
 from replayquant.kernels.replay.decode import advance_pointers
 from replayquant.replay.stores import ConventionalStore, ReplayStore, make_snapshots
@@ -78,7 +78,8 @@ class _ReplaySetup:
         per = B * self.H * (state_bytes(self.af, self.dv, self.dk)
                             + (state_bytes(self.rf, self.dv, self.dk) if self.rf else 0))
         self.R = rotations(per, device)
-        self.sts = [ReplayStore.from_state(init, P, kind, key_heads=self.HK) for _ in range(self.R)]
+        self.sts = [ReplayStore.from_state(init, P, kind, key_heads=self.HK,
+                                           **store_options(self.c)) for _ in range(self.R)]
         self.f = kernel_fns(kind)
 
     def step(self, st, **opts):

@@ -97,6 +97,12 @@ def _sweep_replay(s: BatchInputs, pair, L):
     return rows, pick
 
 
+def store_options(cfg) -> dict:
+    """The options a config gives ReplayStore.from_state ({'nvfp4_scale': 'carried'}: a design
+    timed beside the format's own scale), {} by default."""
+    return dict((cfg or {}).get("store", {}))
+
+
 def pair_config(cfg, pair):
     """A pair's replay launch config, {'launch': ...} as picked by the sweep (step and verify
     alike), or {} (the launch table's)."""
@@ -108,7 +114,8 @@ def launched(cfg):
     """For the block, the kernels launch as a config of the sweep says (the form its rows
     record): {'launch': {...}} a replay pair's (override_replay_launch), {'block_v': ...,
     'num_warps': ...} the conventional step's (override_conventional_launch); {} or None: the
-    launch tables'."""
+    launch tables'. A 'store' entry (the stores' options, store_options) is not a launch's."""
     cfg = dict(cfg or {})
+    cfg.pop("store", None)
     with override_replay_launch(cfg.pop("launch", None)), override_conventional_launch(**cfg):
         yield

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from replayquant.formats.constants import (E2M1, E4M3, FP8_ROW_DIVISOR, NVFP4_BLOCK_SCALE_MIN,
-                                           NVFP4_GLOBAL_DIVISOR)
+                                           NVFP4_CARRIED_HEADROOM, NVFP4_GLOBAL_DIVISOR)
 from replayquant.kernels.quant.kernel import (decode_bf16, decode_e2m1, decode_e4m3, decode_fp16,
                                               encode_bf16, encode_e2m1, encode_e4m3, encode_fp16,
                                               philox_bits_rows)
@@ -21,6 +21,7 @@ from replayquant.kernels.quant.kernel import (decode_bf16, decode_e2m1, decode_e
 # Rounding, decoding and Philox come from kernels/quant/kernel.py (bit-exact with formats/casts.py).
 
 _NV_DIV: tl.constexpr = tl.constexpr(NVFP4_GLOBAL_DIVISOR)
+_NV_HEADROOM: tl.constexpr = tl.constexpr(NVFP4_CARRIED_HEADROOM)
 _FP8_DIV: tl.constexpr = tl.constexpr(FP8_ROW_DIVISOR)
 _E2M1_MAX: tl.constexpr = tl.constexpr(E2M1.max_value)
 _E4M3_MAX: tl.constexpr = tl.constexpr(E4M3.max_value)
@@ -118,19 +119,28 @@ def _tile_store(x, pay, sc, gs, mat, rows, cols, key_lo, key_hi, flush_index, sl
         tl.store(ptrs, encode_e4m3(tl.div_rn(x, s[:, None]), rb, SR).to(tl.uint8))
         tl.store(sc + mat * DV + rows, s)
     else:
-        _nv_store(x, tl.max(tl.max(tl.abs(x), axis=1), axis=0), pay, sc, gs, mat, rows, rb,
-                  DV, DK, BV, SR)
+        g = tl.div_rn(tl.max(tl.max(tl.abs(x), axis=1), axis=0), _NV_DIV)
+        nv_store(x, tl.where(g > 0, g, 1.0), pay, sc, gs, mat, rows, rb, DV, DK, BV, SR)
 
 
 @triton.jit
-def _nv_store(x, amax, pay, sc, gs, mat, rows, rb, DV: tl.constexpr, DK: tl.constexpr,
-              BV: tl.constexpr, SR: tl.constexpr):
-    """NVFP4 rows `rows` of matrix mat from x [BV, DK], given the whole matrix's amax (its
-    global scale amax / 448 / 6): a tile of the matrix cast alone equals the whole-matrix cast."""
+def nv_carried_scale(amax):
+    """formats.casts.nvfp4_carried_scale_ref of a float32 amax >= 0 (a scalar), from its bits."""
+    bits = amax.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127
+    E = e + (_NV_HEADROOM - 11) + ((bits & 0x7FFFFF) > 0x280000).to(tl.int32)
+    g = ((tl.maximum(E, -126) + 127) << 23).to(tl.float32, bitcast=True)
+    return tl.where(amax > 0, g, 1.0)
+
+
+@triton.jit
+def nv_store(x, g, pay, sc, gs, mat, rows, rb, DV: tl.constexpr, DK: tl.constexpr,
+             BV: tl.constexpr, SR: tl.constexpr):
+    """NVFP4 rows `rows` of matrix mat from x [BV, DK] with the matrix's global scale g (the
+    whole matrix's amax / 448 / 6, or a carried scale): a tile of the matrix cast alone equals
+    the whole-matrix cast with g."""
     DK2: tl.constexpr = DK // 2
     NB: tl.constexpr = DK // 16
-    g = tl.div_rn(amax, _NV_DIV)
-    g = tl.where(g > 0, g, 1.0)
     nibs, bcode = nv_block_encode(x, g, rb, BV, DK, SR)
     lo, hi = tl.split(tl.reshape(nibs, (BV, DK2, 2)))
     half = tl.arange(0, DK2)

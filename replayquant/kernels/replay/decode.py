@@ -32,7 +32,8 @@ from replayquant.kernels.quant.kernel import (decode_bf16, decode_fp16, encode_b
                                               small_float_at, small_float_pair_at)
 from replayquant.kernels.replay.launch import (LAUNCHES, _max_regs, _table, fused_where,
                                               given_launch, replay_launch_config)
-from replayquant.kernels.quant.roles import _role_bits, _tile_load, _tile_store, split_key
+from replayquant.kernels.quant.roles import (_role_bits, _tile_load, _tile_store,
+                                             nv_carried_scale, nv_store, split_key)
 from replayquant.replay.stores import (NO_DT_LIMIT, ReplayStore, StepTensors, _begin,
                                         _default_force, _check_buffered, _indices, dt_limit_args,
                                         folds_u, solves_u, step_inputs)
@@ -230,11 +231,23 @@ def _half_codes(S, rows, cols, key_lo, key_hi, fi, slot, hv, DK: tl.constexpr,
 @triton.jit
 def _store_role(S, codes, pay, sc, gs, mat, rows, cols, key_lo, key_hi, fi, slot, hv,
                 DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, FMT: tl.constexpr,
-                SR: tl.constexpr, ROLE: tl.constexpr):
+                SR: tl.constexpr, ROLE: tl.constexpr, rec, CARRY: tl.constexpr):
     """Role <- the cast of S: an fp16 / bf16 role its codes from _half_codes (the bit patterns
-    _tile_store stores), any other _tile_store."""
+    _tile_store stores), any other _tile_store; with CARRY (an NVFP4 read copy) cast with the
+    scale carried from flush fi - 1's amax (record rec, stores.ReplayStore.carried), noting S's
+    amax as flush fi's."""
     if (FMT == 1) or (FMT == 2):
         tl.store(pay + mat * (DV * DK) + rows[:, None] * DK + cols[None, :], codes.to(tl.int16))
+    elif CARRY:
+        prev = tl.load(rec + mat * 2 + (fi - 1) % 2)
+        amax = tl.max(tl.max(tl.abs(S), axis=1), axis=0)
+        tl.atomic_max(rec + mat * 2 + fi % 2,
+                      amax.to(tl.int32, bitcast=True).to(tl.int64) | (fi.to(tl.int64) << 32))
+        rb = _role_bits(rows[:, None] * DK + cols[None, :], SR, key_lo, key_hi, fi, ROLE, slot,
+                        hv)
+        nv_store(S, nv_carried_scale((prev & 0xFFFFFFFF).to(tl.int32).to(tl.float32,
+                                                                         bitcast=True)),
+                 pay, sc, gs, mat, rows, rb, DV, DK, BV, SR)
     else:
         _tile_store(S, pay, sc, gs, mat, rows, cols, key_lo, key_hi, fi, slot, hv, DV, DK, BV,
                     FMT, SR, ROLE)
@@ -244,14 +257,16 @@ def _store_role(S, codes, pay, sc, gs, mat, rows, cols, key_lo, key_hi, fi, slot
 def _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi, fi,
                  slot, hv, flag_ptr, row, DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
                  AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr, RSR: tl.constexpr,
-                 SHARED: tl.constexpr, DELTA: tl.constexpr, RECORD: tl.constexpr):
+                 SHARED: tl.constexpr, DELTA: tl.constexpr, RECORD: tl.constexpr, rec,
+                 CARRY: tl.constexpr):
     """anchor <- Q_anchor(S), read <- Q_read(S): two independent casts of the same S (a role in
     NVFP4 takes the whole matrix, BV = DV: one scale per matrix). A tile holding NaN or infinity
     (a non-finite input; the host names it, models.runtime) keeps both roles as they were, and
     so does a finite tile whose cast into either role is not (an FP16 role past 65504: an fp16
     or bf16 cast is encoded first, checked, then stored, _half_codes; the other formats' casts
     of a finite state are finite); RECORD: that overflow noted in batch row `row`'s flag, the
-    bit after its inputs' (stores.FAULT_COLUMNS' flush cast)."""
+    bit after its inputs' (stores.FAULT_COLUMNS' flush cast). CARRY: the read copy's carried
+    scale (_store_role)."""
     bad = tl.sum(tl.sum(((S != S) | (tl.abs(S) == float("inf"))).to(tl.int32), axis=1), axis=0)
     if bad == 0:
         ca, over = _half_codes(S, rows, cols, key_lo, key_hi, fi, slot, hv, DK, AFMT, ASR, 0)
@@ -262,10 +277,10 @@ def _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_l
             over = over | over_r
         if over == 0:
             _store_role(S, ca, A_pay, A_sc, A_gs, mat, rows, cols, key_lo, key_hi, fi, slot, hv,
-                        DV, DK, BV, AFMT, ASR, 0)
+                        DV, DK, BV, AFMT, ASR, 0, rec, False)
             if not SHARED:
                 _store_role(S, cr, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi, fi, slot,
-                            hv, DV, DK, BV, RFMT, RSR, 1)
+                            hv, DV, DK, BV, RFMT, RSR, 1, rec, CARRY)
         else:
             if RECORD:
                 CAST_BIT: tl.constexpr = 5 if DELTA else 4
@@ -715,7 +730,8 @@ def _flush_tile(tile, n_rows, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, 
                 SHARED: tl.constexpr, DELTA: tl.constexpr, L2NORM: tl.constexpr,
                 HAS_DTB: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
                 DT_CLAMP: tl.constexpr, PREC: tl.constexpr, ON_GPU: tl.constexpr,
-                VEC: tl.constexpr, FOLD_U: tl.constexpr, flag_ptr, RECORD: tl.constexpr):
+                VEC: tl.constexpr, FOLD_U: tl.constexpr, flag_ptr, RECORD: tl.constexpr, rec,
+                CARRY: tl.constexpr):
     """The flush launch's work on one tile (batch row, value head, BV rows) of a row that
     pre-flushes or flushes: the pre-flush (fold the h committed entries, cast both roles), then
     in a step the flush step (rebuild, this step, output S q, cast both roles; RECORD: its
@@ -742,7 +758,7 @@ def _flush_tile(tile, n_rows, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, 
         nf = nf + 1
         _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi,
                      nf, slot, hv, flag_ptr, row, DV, DK, BV, AFMT, ASR, RFMT, RSR, SHARED, DELTA,
-                     RECORD)
+                     RECORD, rec, CARRY)
         start = (start + h) % CAPACITY
         h = h * 0
         tl.debug_barrier()          # a flush step after it reads the anchor just written
@@ -766,7 +782,7 @@ def _flush_tile(tile, n_rows, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, 
                                VEC)
             _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_lo,
                          key_hi, nf + 1, slot, hv, flag_ptr, row, DV, DK, BV, AFMT, ASR, RFMT,
-                         RSR, SHARED, DELTA, RECORD)
+                         RSR, SHARED, DELTA, RECORD, rec, CARRY)
             y = _gate_out(y + skip, z_ptr, row, hv, rows, HV, DV, HAS_Z)
             tl.store(out_ptr + (row * HV + hv) * DV + rows, y)
             if RECORD:  # last, where the tiles are dead (see _read_drafts)
@@ -819,7 +835,7 @@ def _replay_kernel(
         A_pay, A_sc, A_gs, R_pay, R_sc, R_gs,
         kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, h_ptr, st_ptr, nf_ptr, cnt_ptr, idx_ptr, out_ptr,
         q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, flag_ptr, bad_ptr, stp_ptr,
-        scale, beta_scale, key_lo, key_hi, dt_lo, dt_hi, n_rows,
+        rec, scale, beta_scale, key_lo, key_hi, dt_lo, dt_hi, n_rows,
         HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
         BV: tl.constexpr, BUFFER_LEN: tl.constexpr, CAPACITY: tl.constexpr,
         BUFFER_TILE: tl.constexpr, T: tl.constexpr, STEP: tl.constexpr, FORCE: tl.constexpr,
@@ -829,7 +845,8 @@ def _replay_kernel(
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, U_BF16: tl.constexpr, DT_CLAMP: tl.constexpr,
         PREC: tl.constexpr, ON_GPU: tl.constexpr, VEC: tl.constexpr, FLUSHES: tl.constexpr,
         TPP: tl.constexpr, FOLD_U: tl.constexpr, PCK: tl.constexpr,
-        KF: tl.constexpr, FUSED: tl.constexpr, FBV: tl.constexpr, RECORD: tl.constexpr):
+        KF: tl.constexpr, FUSED: tl.constexpr, FBV: tl.constexpr, RECORD: tl.constexpr,
+        CARRY: tl.constexpr):
     """A decode step (STEP, T = 1) or a verify of T drafts, in launches that make the same
     per-row decisions from the same pointers. FLUSHES, the flush launch: program p takes the
     TPP tiles from p TPP on (_flush_tile_at's order, _flush_grid), reads their rows' pointers at
@@ -860,7 +877,7 @@ def _replay_kernel(
                         v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr, D_ptr, z_ptr, scale, beta_scale,
                         key_lo, key_hi, dt_lo, dt_hi, HK, HV, DK, DV, BV, BUFFER_LEN, CAPACITY,
                         BUFFER_TILE, T, STEP, FORCE, AFMT, ASR, RFMT, RSR, SHARED, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z,
-                        DT_CLAMP, PREC, ON_GPU, VEC, FOLD_U, flag_ptr, RECORD)
+                        DT_CLAMP, PREC, ON_GPU, VEC, FOLD_U, flag_ptr, RECORD, rec, CARRY)
     else:
         row, hv, hk, rows0, cols, slot = _program_tile(idx_ptr, HK, HV, DK, BV)
         if slot >= 0:
@@ -882,7 +899,7 @@ def _replay_kernel(
                             scale, beta_scale, key_lo, key_hi, dt_lo, dt_hi, HK, HV, DK, DV, FBV,
                             BUFFER_LEN, CAPACITY, BUFFER_TILE, T, STEP, FORCE, AFMT, ASR, RFMT,
                             RSR, SHARED, DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP, PREC,
-                            ON_GPU, VEC, FOLD_U, flag_ptr, RECORD)
+                            ON_GPU, VEC, FOLD_U, flag_ptr, RECORD, rec, CARRY)
                     tl.debug_barrier()      # the tile's roles are written
                 P, Pb = _row_ptrs(R_pay, R_sc, mat, rows0, DV, DK, RFMT, PCK)
             s, start, h, go = _read_setup(R_gs, mat, start, h, pre, fill, FORCE, CAPACITY, RFMT, STEP)
@@ -989,10 +1006,11 @@ def _fused_tiles(store: ReplayStore, fused: str, configs) -> int | None:
     fbv, bv = configs[0][0], configs[1][0]
     if fused != "read":
         return None
-    if "nvfp4" in (store.anchor.fmt, store.read_role.fmt):
+    if "nvfp4" in (store.anchor.fmt, store.read_role.fmt) and store.carried is None:
         raise ValueError("a flush inside the read launch ({'fused': 'read'}) takes pairs without "
                          "an NVFP4 role: an NVFP4 role is cast a whole matrix at a time (one FP32 "
-                         "scale per matrix); use {'fused': True} or two launches")
+                         "scale per matrix; ReplayStore.from_state(..., nvfp4_scale='carried') "
+                         "casts it in any tile); use {'fused': True} or two launches")
     if fbv > bv:
         raise ValueError(f"a flush inside the read launch ({{'fused': 'read'}}) needs flush "
                          f"tiles of at most the read's {bv} rows, got {fbv}")
@@ -1077,6 +1095,7 @@ def _launch(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, state_ind
             store.Tbuf if kf else store.bbuf, store.committed, store.start, store.n_flush,
             store.arrive, idx, out, *inputs,
             *((record.flag, record.bad, record.steps) if record is not None else (idx,) * 3),
+            store.carried if store.carried is not None else idx,
             float(scale if scale is not None else 1.0 / math.sqrt(dk)), beta_scale,
             *split_key(store.key), dt_lo, dt_hi, B,
             HK=HK, HV=HV, DK=dk, DV=dv, BV=BV, BUFFER_LEN=store.buffer_len, CAPACITY=store.capacity,
@@ -1089,7 +1108,7 @@ def _launch(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, state_ind
             U_BF16=store.ubuf is not None and store.ubuf.dtype == torch.bfloat16,
             DT_CLAMP=dt_clamp, PREC="tf32x3", ON_GPU=q.is_cuda, VEC=kind == "kda", FLUSHES=flushes,
             TPP=tpp, FOLD_U=folds_u(store), KF=kf,
-            PCK=pck, RECORD=record is not None, num_warps=nw,
+            PCK=pck, RECORD=record is not None, CARRY=store.carried is not None, num_warps=nw,
             **({} if regs is None else {"maxnreg": regs}))
     if step:
         store.last_force = force

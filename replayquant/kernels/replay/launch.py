@@ -126,8 +126,8 @@ def _role(store: ReplayStore, which: str) -> str:
     """The role of `which` launch that LAUNCH_TABLE's rows match."""
     if which == "read":
         return store.read_role.fmt
-    if "nvfp4" in (store.anchor.fmt, store.read_role.fmt):
-        return "nvfp4"
+    if "nvfp4" in (store.anchor.fmt, store.read_role.fmt) and store.carried is None:
+        return "nvfp4"              # (a carried scale: an NVFP4 read copy cast in any tile)
     return "fp32 shared" if store.shared and store.anchor.fmt == "fp32" else "*"
 
 

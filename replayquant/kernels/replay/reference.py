@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from replayquant.formats import as_bits
+from replayquant.formats.casts import nvfp4_carried_scale_ref
 from replayquant.kernels.conventional.reference import (_into, gdn_frontend_ref, kda_frontend_ref,
                                                         mamba2_frontend_ref, mamba2_post_ref)
 from replayquant.kernels.replay.launch import replay_launch_config
@@ -142,12 +143,24 @@ def _write_roles_ref(store: ReplayStore, s: int, S, fi: int) -> bool:
         for (r, _), old in zip(roles, before):        # the kept tiles' bytes as they were
             for t, o in zip((r.payload, r.scale, r.gscale), old):
                 if t is not None:
-                    m = keep if o.dim() == 3 else keep[..., 0] if o.dim() == 2 else keep[:, 0, 0]
+                    m = keep if o.dim() == 3 else keep[..., 0] if o.dim() == 2 else \
+                        keep[..., 0].all(1)          # a matrix's scale: all its tiles kept
                     as_bits(t)[s] = torch.where(m, o, as_bits(t)[s])
         return bool(over.any())
     for r, w in roles:
-        r.write_([s], S[None], store.key, role_streams(fi, w, [s], H))
+        gs = _carried_ref(store, s, S, fi) if w == READ and store.carried is not None else None
+        r.write_([s], S[None], store.key, role_streams(fi, w, [s], H), gscale=gs)
     return False
+
+
+def _carried_ref(store: ReplayStore, s: int, S, fi: int):
+    """The carried global scales [1, H] of flush fi's read copy of slot s (stores: from flush
+    fi - 1's amax), after noting S's amax (a kept tile's rows are zero in S) as flush fi's."""
+    rec = store.carried[s]
+    prev = (rec[:, (fi - 1) % 2] & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
+    new = S.abs().amax(dim=(-2, -1)).view(torch.int32).to(torch.int64) | (int(fi) << 32)
+    rec[:, fi % 2] = torch.maximum(rec[:, fi % 2], new)
+    return nvfp4_carried_scale_ref(prev)[None]
 
 
 def _read_token_ref(R, K, X, G, Gp, qt, kt, vt, bt, delta: bool, vec: bool, bf):

@@ -389,7 +389,7 @@ def _store_drafts(out_ptr, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, Y, U, Gd, bd, Vra
 def _onepass_kernel(
         A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, ubuf, Gbuf, bbuf, Tbuf, h_ptr, st_ptr,
         nf_ptr, cnt_ptr, idx_ptr, out_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dtb_ptr,
-        D_ptr, z_ptr, scale, beta_scale, key_lo, key_hi, dt_lo, dt_hi, n_rows,
+        D_ptr, z_ptr, rec, scale, beta_scale, key_lo, key_hi, dt_lo, dt_hi, n_rows,
         HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
         BV: tl.constexpr, BUFFER_LEN: tl.constexpr, CAPACITY: tl.constexpr,
         BUFFER_TILE: tl.constexpr, T: tl.constexpr, TP: tl.constexpr, NCOL: tl.constexpr,
@@ -397,7 +397,8 @@ def _onepass_kernel(
         ASR: tl.constexpr, RFMT: tl.constexpr, RSR: tl.constexpr, SHARED: tl.constexpr,
         DELTA: tl.constexpr, L2NORM: tl.constexpr, HAS_DTB: tl.constexpr, HAS_D: tl.constexpr,
         HAS_Z: tl.constexpr, U_BF16: tl.constexpr, DT_CLAMP: tl.constexpr, KF: tl.constexpr,
-        FOLD_U: tl.constexpr, FUSED: tl.constexpr, FBV: tl.constexpr, ON_GPU: tl.constexpr):
+        FOLD_U: tl.constexpr, FUSED: tl.constexpr, FBV: tl.constexpr, ON_GPU: tl.constexpr,
+        CARRY: tl.constexpr):
     """A verify of T drafts, a program per [BV, d_k] tile of one (batch row, value head) (module
     docstring): the row's pointers after its pre-flush (folded by the flush launch before; with
     FUSED by this program first, decode._flush_tile on its BV / FBV sub-tiles of FBV rows), the
@@ -422,7 +423,7 @@ def _onepass_kernel(
                         key_lo, key_hi, dt_lo, dt_hi, HK, HV, DK, DV, FBV, BUFFER_LEN,
                         CAPACITY, BUFFER_TILE, T, False, False, AFMT, ASR, RFMT, RSR, SHARED,
                         DELTA, L2NORM, HAS_DTB, HAS_D, HAS_Z, DT_CLAMP, "tf32x3", ON_GPU, False,
-                        FOLD_U, idx_ptr, False)
+                        FOLD_U, idx_ptr, False, rec, CARRY)
                 tl.debug_barrier()  # the tile's roles are written
         _, start, h, _ = _read_setup(R_gs, mat, tl.load(st_ptr + slot), tl.load(h_ptr + slot),
                                      pre, fill, False, CAPACITY, RFMT, False)
@@ -510,7 +511,8 @@ def _pre_flush(store, kind, idx, out, inputs, has, scale, beta_scale, dt_args, u
         Ap, As, Ag, Rp, Rs, Rg, store.kbuf, store.vbuf,
         store.ubuf if store.ubuf is not None else store.vbuf, store.Gbuf, store.bbuf,
         store.Tbuf if kf else store.bbuf, store.committed, store.start, store.n_flush,
-        store.arrive, idx, out, *inputs, idx, idx, idx, scale, beta_scale,
+        store.arrive, idx, out, *inputs, idx, idx, idx,
+        store.carried if store.carried is not None else idx, scale, beta_scale,
         *split_key(store.key), dt_args[0], dt_args[1], B,
         HK=store.key_heads, HV=HV, DK=dk, DV=dv, BV=BV, BUFFER_LEN=store.buffer_len,
         CAPACITY=store.capacity, BUFFER_TILE=max(16, triton.next_power_of_2(store.buffer_len)),
@@ -520,7 +522,8 @@ def _pre_flush(store, kind, idx, out, inputs, has, scale, beta_scale, dt_args, u
         DELTA=kind != "mamba2", L2NORM=use_qk_l2norm, HAS_DTB=has[0], HAS_D=has[1],
         HAS_Z=has[2], U_BF16=False,
         DT_CLAMP=dt_args[2], PREC="tf32x3", ON_GPU=idx.is_cuda, VEC=False, FLUSHES=True,
-        TPP=tpp, FOLD_U=folds_u(store), KF=kf, PCK=0, RECORD=False, num_warps=nw,
+        TPP=tpp, FOLD_U=folds_u(store), KF=kf, PCK=0, RECORD=False,
+        CARRY=store.carried is not None, num_warps=nw,
         **({} if regs is None else {"maxnreg": regs}))
 
 
@@ -581,7 +584,8 @@ def onepass_verify(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, st
         Ap, As, Ag, Rp, Rs, Rg, store.kbuf, store.vbuf,
         store.ubuf if store.ubuf is not None else store.vbuf, store.Gbuf, store.bbuf,
         store.Tbuf if kf else store.bbuf, store.committed, store.start, store.n_flush,
-        store.arrive, idx, out, *inputs, scale, beta_scale, *split_key(store.key), dt_args[0],
+        store.arrive, idx, out, *inputs, store.carried if store.carried is not None else idx,
+        scale, beta_scale, *split_key(store.key), dt_args[0],
         dt_args[1], B,
         HK=store.key_heads, HV=HV, DK=dk, DV=dv, BV=BV, BUFFER_LEN=store.buffer_len,
         CAPACITY=store.capacity, BUFFER_TILE=max(16, triton.next_power_of_2(store.buffer_len)),
@@ -592,7 +596,7 @@ def onepass_verify(store: ReplayStore, kind, q, k, v, a, b, A, dt_bias, D, z, st
         L2NORM=use_qk_l2norm, HAS_DTB=has[0], HAS_D=has[1], HAS_Z=has[2],
         U_BF16=store.ubuf is not None and store.ubuf.dtype == torch.bfloat16,
         DT_CLAMP=dt_args[2], KF=kf, FOLD_U=folds_u(store), FUSED=fbv is not None,
-        FBV=fbv or BV, ON_GPU=q.is_cuda, num_warps=nw,
+        FBV=fbv or BV, ON_GPU=q.is_cuda, CARRY=store.carried is not None, num_warps=nw,
         **({} if regs is None else {"maxnreg": regs}))
     store.pending_T = T
     return out
