@@ -23,11 +23,14 @@ An NVFP4 read copy cast with a global scale carried from the previous flush (way
 the launch table's choice, and 'carried-read', the flush inside the read's tiles; pairs tp4_hi32
 / tp4_hi16_sr; ReplayStore.from_state(..., nvfp4_scale='carried')): its flush tiles take 16 rows
 instead of whole matrices; timed beside 'two' and 'today' (whole matrices), after a device check
-of the two launches against the one and of the read copy against the format's cast.
+of the two launches against the one and of the read copy against the format's cast; in the
+rounds, spec ways 'carried' (the flush launch first) and 'carried-read128' (the pre-flushes
+inside the one-pass read program at 128 registers).
 
     python evals/fused_read_bench.py OUT.json [--kinds gdn,mamba2] [--batches 1,32,256]
         [--pairs tp8_hi32,s32_rs] [--ways two,read,read168] [--authors PATH] [--budget-s 400]
-        (NVFP4, carried: --pairs tp4_hi32 --ways two,today,carried,carried-read --spec-batches '')
+        (NVFP4, carried: --pairs tp4_hi32 --ways two,today,carried,carried-read
+         --spec-ways two,carried,carried-read128)
         [--spec-batches 512] [--T 4] [--spec-ways two,read,read128]
 
 Writes OUT.json after every row (rows, checks, copy bandwidth, provenance)."""
@@ -63,11 +66,14 @@ WAYS = {"two": {"fused": False}, "today": {}, "read": {"fused": "read"},
         "carried": {}, "carried-read": {"fused": "read"}}
 # the ways whose stores cast an NVFP4 read copy with a carried scale (16-row flush tiles; pairs
 # tp4_hi32 / tp4_hi16_sr): ReplayStore.from_state's options
-STORE = {"carried": {"nvfp4_scale": "carried"}, "carried-read": {"nvfp4_scale": "carried"}}
+STORE = {"carried": {"nvfp4_scale": "carried"}, "carried-read": {"nvfp4_scale": "carried"},
+         "carried-read128": {"nvfp4_scale": "carried"}}
 VERIFY = {"gdn": replay_gdn_verify, "mamba2": replay_mamba2_verify}
 # the ways a one-pass verify launches: its pre-flushes in a flush launch first, or inside
 SPEC_WAYS = {"two": {"fused": False}, "read": {"fused": "read"},
-             "read128": {"fused": "read", "read": (None, None, 128)}}
+             "read128": {"fused": "read", "read": (None, None, 128)},
+             "carried": {"fused": False}, "carried-read128": {"fused": "read",
+                                                             "read": (None, None, 128)}}
 
 
 def _rel(a, b) -> float:
@@ -108,15 +114,15 @@ def check(kind, pair, B, device) -> dict:
     return r
 
 
-def check_verify(kind, pair, B, T, device) -> dict:
+def check_verify(kind, pair, B, T, device, store=None) -> dict:
     """The one-pass verify with its pre-flushes inside against the flush launch first, from one
     store advanced by 2L rounds (accept counts spec_accepts', so rows drift into different
-    phases): outputs, roles, ring and pointers."""
+    phases): outputs, roles, ring and pointers. store: ReplayStore.from_state's options."""
     S, L = SHAPES[kind], PAIR_L[kind]
     idx = torch.arange(B, dtype=torch.int32, device=device)
     st = ReplayStore.from_state(random_state(B, S["H"], S["dv"], S["dk"], seed=B + 2,
                                              device=device), load_pair(pair, L)[0], kind,
-                                key_heads=S["HK"], max_drafts=T)
+                                key_heads=S["HK"], max_drafts=T, **(store or {}))
     n = spec_accepts(B, T, device)
     for r in range(2 * L):
         kw = kernel_inputs(kind, S, B, T=T, seed=700 + r, device=device)
@@ -133,7 +139,7 @@ def check_verify(kind, pair, B, T, device) -> dict:
             ys.append(VERIFY[kind](one, **kw, state_indices=idx))
         stores.append(one)
     one, two = stores[1], stores[0]
-    r = dict(kind=kind, pair=pair, B=B, T=T, rows_pre_flushing=pre,
+    r = dict(kind=kind, pair=pair, B=B, T=T, store=store or {}, rows_pre_flushing=pre,
              max_rel_outputs=_rel(ys[1], ys[0]),
              anchor_max_rel=_rel(one.anchor.dequantize(), two.anchor.dequantize()),
              roles_equal=all(bool(torch.equal(getattr(one, x).payload, getattr(two, x).payload))
@@ -149,7 +155,8 @@ def check_verify(kind, pair, B, T, device) -> dict:
 def spec_rows(kind, pair, B, T, way, copy_bw, device) -> list:
     """One way's speculative rounds (bench kernels' bench_spec, the replay rounds alone)."""
     return bench_spec(kind, B, T, device, copy_bw,
-                      cfg={f"replay/{pair}": {"launch": SPEC_WAYS[way]}}, pairs=(pair,),
+                      cfg={f"replay/{pair}": {"launch": SPEC_WAYS[way],
+                                              "store": STORE.get(way, {})}}, pairs=(pair,),
                       snapshots=False)
 
 
@@ -266,13 +273,15 @@ def main(argv) -> int:
     print(f"copy bandwidth {res['copy_GBps']:.0f} GB/s", flush=True)
     for kind in kinds:
         for pair in pairs if not a.no_check else ():
-            if any(w in STORE for w in ways) and "tp4" in pair:
-                res["checks"].append(check_carried(kind, pair, 64, dev))
-            if "tp4" in pair:
-                continue              # an NVFP4 role: no flush inside the read's tiles
-            res["checks"].append(check(kind, pair, 64, dev))
-            if spec_batches:
-                res["checks"].append(check_verify(kind, pair, 64, a.T, dev))
+            if "tp4" in pair:         # an NVFP4 role flushes inside the read with a carried scale
+                if any(w in STORE for w in ways):
+                    res["checks"].append(check_carried(kind, pair, 64, dev))
+                if spec_batches and any(w in STORE for w in spec_ways):
+                    res["checks"].append(check_verify(kind, pair, 64, a.T, dev, STORE["carried"]))
+            else:
+                res["checks"].append(check(kind, pair, 64, dev))
+                if spec_batches:
+                    res["checks"].append(check_verify(kind, pair, 64, a.T, dev))
             write_json(a.out, res)
         bw = res["copy_GBps"]
         for B in spec_batches:

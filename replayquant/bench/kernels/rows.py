@@ -260,7 +260,7 @@ def _replay_rounds(s: BatchInputs, T, n, pairs, L, cfg) -> list:
         c = pair_config(cfg, pair)
         for kernel, acc in rounds:
             st = ReplayStore.from_state(s.init, load_pair(pair, L)[0], kind, key_heads=s.S["HK"],
-                                        max_drafts=T)
+                                        max_drafts=T, **store_options(c))
 
             def rnd():
                 f["verify"](st, **kw, state_indices=idx, out=out)
