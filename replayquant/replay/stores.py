@@ -12,7 +12,7 @@ entries, entry j of the window at (start + j) mod C):
     Gbuf, bbuf  fp32 [N, C, H] (KDA Gbuf [.., d_k])    cumulative log gate; beta / dt
     Tbuf        fp32 [N, C, H, L]               GDN solving for u: rows of (I + A)^{-1}
     committed, start, n_flush   [N]             fill h, window start, flush index
-    carried     int64 [N, H, 2]                 an NVFP4 read copy's carried scale (below)
+    carried     int64 [N, H, 3]                 an NVFP4 read copy's carried scale (below)
     blob        uint8                           packed stores: every field above as a view of it
 
 A patched layer's decode store (`models.decode_store`) is a ReplayStore that also knows its batch:
@@ -28,10 +28,12 @@ An NVFP4 read copy keeps one FP32 scale a matrix, by default the new matrix's am
 which only a flush tile holding the whole matrix can know. `nvfp4_scale='carried'` (a design
 the kernels are timed with, docs/kernels.md; the torch engine and the replay core keep the
 matrix's own scale) casts it with `formats.casts.nvfp4_carried_scale_ref` of the previous flush's
-amax instead, so that a flush tile of any rows casts alone: `carried[s, h, f % 2]` holds flush f's
+amax instead, so that a flush tile of any rows casts alone: `carried[s, h, f % 3]` holds flush f's
 unrounded amax of matrix (s, h) as float32 bits in the low half and f in the high half (every
-tile of flush f writes it with an atomic max, which a later flush index supersedes; flush f
-reads entry (f - 1) % 2, which no tile of flush f writes).
+tile of flush f writes it with an atomic max, which a later flush index supersedes). A flush
+takes the scale of the last flush of an earlier launch: entry (f - 1) % 3, or (f - 2) % 3 for a
+flush step after its own launch's pre-flush (a forced step on a full window, or L = 1), which
+the tiles of neither flush write while others read it.
 
 `ConventionalStore`: one packed state, read-modify-written every step; `make_snapshots`: its
 per-draft snapshots for a speculative verify.
@@ -383,7 +385,7 @@ class ReplayStore:
     last_force: bool = False         # path of the last step: True = it flushed every row (force)
     arrive: torch.Tensor | None = None   # int32 [N]: arrival counters of the pointer move (zero)
     Tbuf: torch.Tensor | None = None     # fp32 [N, C, H, L]: key factors (solves_u stores)
-    carried: torch.Tensor | None = None  # int64 [N, H, 2]: the carried scale's amax (above)
+    carried: torch.Tensor | None = None  # int64 [N, H, 3]: the carried scale's amax (above)
     blob: torch.Tensor | None = None     # uint8: every tensor above as a view of it (`pack`)
     blob_layout: list | None = None      # [name, dtype, shape, byte offset] of each view
     # A patched layer's decode store (models.decode_store builds it) also knows its batch:
@@ -458,7 +460,7 @@ class ReplayStore:
         if solves_u(store) and ring_dtype == torch.bfloat16:
             store.Tbuf = torch.zeros(N, C, H, buffer_len, device=dev)
         if _carried_scale(nvfp4_scale, afmt, read, ring_dtype):
-            store.carried = torch.zeros(N, H, 2, dtype=torch.int64, device=dev)
+            store.carried = torch.zeros(N, H, 3, dtype=torch.int64, device=dev)
             store.carried[..., 0] = x.abs().amax(dim=(-2, -1)).view(torch.int32).to(torch.int64)
         return store
 

@@ -231,17 +231,17 @@ def _half_codes(S, rows, cols, key_lo, key_hi, fi, slot, hv, DK: tl.constexpr,
 @triton.jit
 def _store_role(S, codes, pay, sc, gs, mat, rows, cols, key_lo, key_hi, fi, slot, hv,
                 DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, FMT: tl.constexpr,
-                SR: tl.constexpr, ROLE: tl.constexpr, rec, CARRY: tl.constexpr):
+                SR: tl.constexpr, ROLE: tl.constexpr, rec, CARRY: tl.constexpr, back):
     """Role <- the cast of S: an fp16 / bf16 role its codes from _half_codes (the bit patterns
     _tile_store stores), any other _tile_store; with CARRY (an NVFP4 read copy) cast with the
-    scale carried from flush fi - 1's amax (record rec, stores.ReplayStore.carried), noting S's
-    amax as flush fi's."""
+    scale carried from the amax of flush fi - 1 - back (record rec, stores.ReplayStore.carried;
+    back 1: a flush step after this launch's pre-flush), noting S's amax as flush fi's."""
     if (FMT == 1) or (FMT == 2):
         tl.store(pay + mat * (DV * DK) + rows[:, None] * DK + cols[None, :], codes.to(tl.int16))
     elif CARRY:
-        prev = tl.load(rec + mat * 2 + (fi - 1) % 2)
+        prev = tl.load(rec + mat * 3 + (fi - 1 - back) % 3)
         amax = tl.max(tl.max(tl.abs(S), axis=1), axis=0)
-        tl.atomic_max(rec + mat * 2 + fi % 2,
+        tl.atomic_max(rec + mat * 3 + fi % 3,
                       amax.to(tl.int32, bitcast=True).to(tl.int64) | (fi.to(tl.int64) << 32))
         rb = _role_bits(rows[:, None] * DK + cols[None, :], SR, key_lo, key_hi, fi, ROLE, slot,
                         hv)
@@ -258,7 +258,7 @@ def _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_l
                  slot, hv, flag_ptr, row, DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
                  AFMT: tl.constexpr, ASR: tl.constexpr, RFMT: tl.constexpr, RSR: tl.constexpr,
                  SHARED: tl.constexpr, DELTA: tl.constexpr, RECORD: tl.constexpr, rec,
-                 CARRY: tl.constexpr):
+                 CARRY: tl.constexpr, back):
     """anchor <- Q_anchor(S), read <- Q_read(S): two independent casts of the same S (a role in
     NVFP4 takes the whole matrix, BV = DV: one scale per matrix). A tile holding NaN or infinity
     (a non-finite input; the host names it, models.runtime) keeps both roles as they were, and
@@ -266,7 +266,7 @@ def _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_l
     or bf16 cast is encoded first, checked, then stored, _half_codes; the other formats' casts
     of a finite state are finite); RECORD: that overflow noted in batch row `row`'s flag, the
     bit after its inputs' (stores.FAULT_COLUMNS' flush cast). CARRY: the read copy's carried
-    scale (_store_role)."""
+    scale, of flush fi - 1 - back (_store_role)."""
     bad = tl.sum(tl.sum(((S != S) | (tl.abs(S) == float("inf"))).to(tl.int32), axis=1), axis=0)
     if bad == 0:
         ca, over = _half_codes(S, rows, cols, key_lo, key_hi, fi, slot, hv, DK, AFMT, ASR, 0)
@@ -277,10 +277,10 @@ def _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_l
             over = over | over_r
         if over == 0:
             _store_role(S, ca, A_pay, A_sc, A_gs, mat, rows, cols, key_lo, key_hi, fi, slot, hv,
-                        DV, DK, BV, AFMT, ASR, 0, rec, False)
+                        DV, DK, BV, AFMT, ASR, 0, rec, False, back)
             if not SHARED:
                 _store_role(S, cr, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi, fi, slot,
-                            hv, DV, DK, BV, RFMT, RSR, 1, rec, CARRY)
+                            hv, DV, DK, BV, RFMT, RSR, 1, rec, CARRY, back)
         else:
             if RECORD:
                 CAST_BIT: tl.constexpr = 5 if DELTA else 4
@@ -758,7 +758,7 @@ def _flush_tile(tile, n_rows, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, 
         nf = nf + 1
         _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_lo, key_hi,
                      nf, slot, hv, flag_ptr, row, DV, DK, BV, AFMT, ASR, RFMT, RSR, SHARED, DELTA,
-                     RECORD, rec, CARRY)
+                     RECORD, rec, CARRY, 0)
         start = (start + h) % CAPACITY
         h = h * 0
         tl.debug_barrier()          # a flush step after it reads the anchor just written
@@ -782,7 +782,7 @@ def _flush_tile(tile, n_rows, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, kbuf, vbuf, 
                                VEC)
             _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_lo,
                          key_hi, nf + 1, slot, hv, flag_ptr, row, DV, DK, BV, AFMT, ASR, RFMT,
-                         RSR, SHARED, DELTA, RECORD, rec, CARRY)
+                         RSR, SHARED, DELTA, RECORD, rec, CARRY, pre.to(tl.int64))
             y = _gate_out(y + skip, z_ptr, row, hv, rows, HV, DV, HAS_Z)
             tl.store(out_ptr + (row * HV + hv) * DV + rows, y)
             if RECORD:  # last, where the tiles are dead (see _read_drafts)

@@ -116,11 +116,12 @@ def _rebuild_ref(A, K, V, G, Bt, delta, cur=None, vec=False, U=None):
     return S
 
 
-def _write_roles_ref(store: ReplayStore, s: int, S, fi: int) -> bool:
+def _write_roles_ref(store: ReplayStore, s: int, S, fi: int, back: int = 0) -> bool:
     """Both roles of slot s cast from S; a tile of the flush launch (replay_launch_config's rows
     of one head) whose S holds NaN or infinity, or whose cast into either role does (an FP16
     role past 65504, stores.cast_overflows), keeps both roles as they were, as in the kernel.
-    Returns whether a cast overflowed."""
+    back: 1 for a flush step after its launch's pre-flush (_carried_ref). Returns whether a cast
+    overflowed."""
     H = store.shape[1]
     bv = replay_launch_config(store, "flush")[0]
     roles = [(r, w) for r, w in ((store.anchor, ANCHOR), (store.read, READ)) if r is not None]
@@ -139,7 +140,7 @@ def _write_roles_ref(store: ReplayStore, s: int, S, fi: int) -> bool:
     if bool(keep.any()):
         before = [[None if t is None else as_bits(t)[s].clone()
                    for t in (r.payload, r.scale, r.gscale)] for r, _ in roles]
-        _write_roles_ref(store, s, torch.where(keep, 0.0, S), fi)
+        _write_roles_ref(store, s, torch.where(keep, 0.0, S), fi, back)
         for (r, _), old in zip(roles, before):        # the kept tiles' bytes as they were
             for t, o in zip((r.payload, r.scale, r.gscale), old):
                 if t is not None:
@@ -148,18 +149,20 @@ def _write_roles_ref(store: ReplayStore, s: int, S, fi: int) -> bool:
                     as_bits(t)[s] = torch.where(m, o, as_bits(t)[s])
         return bool(over.any())
     for r, w in roles:
-        gs = _carried_ref(store, s, S, fi) if w == READ and store.carried is not None else None
+        gs = _carried_ref(store, s, S, fi, back) if w == READ and store.carried is not None \
+            else None
         r.write_([s], S[None], store.key, role_streams(fi, w, [s], H), gscale=gs)
     return False
 
 
-def _carried_ref(store: ReplayStore, s: int, S, fi: int):
-    """The carried global scales [1, H] of flush fi's read copy of slot s (stores: from flush
-    fi - 1's amax), after noting S's amax (a kept tile's rows are zero in S) as flush fi's."""
+def _carried_ref(store: ReplayStore, s: int, S, fi: int, back: int = 0):
+    """The carried global scales [1, H] of flush fi's read copy of slot s (stores: from the amax
+    of flush fi - 1 - back, the last one of an earlier launch), after noting S's amax (a kept
+    tile's rows are zero in S) as flush fi's."""
     rec = store.carried[s]
-    prev = (rec[:, (fi - 1) % 2] & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
+    prev = (rec[:, (fi - 1 - back) % 3] & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
     new = S.abs().amax(dim=(-2, -1)).view(torch.int32).to(torch.int64) | (int(fi) << 32)
-    rec[:, fi % 2] = torch.maximum(rec[:, fi % 2], new)
+    rec[:, fi % 3] = torch.maximum(rec[:, fi % 3], new)
     return nvfp4_carried_scale_ref(prev)[None]
 
 
@@ -218,19 +221,20 @@ def replay_ref_core(store: ReplayStore, fe, raw, state_indices, T: int, step: bo
         if s < 0:
             continue
         h, nf, start = int(store.committed[s]), int(store.n_flush[s]), int(store.start[s])
+        back = 0                # a flush after this launch's pre-flush: the scale before it
         if h + T > buffer_len and h > 0:
             K, V, U, G, Bt = _entries_ref(store, s, h, start)
             S = _rebuild_ref(store.anchor.dequantize([s])[0], K, V, G, Bt, delta, vec=vec,
                              U=U if fold else None)
             over[b_] |= _write_roles_ref(store, s, S, nf + 1)
-            nf, start, h = nf + 1, (start + h) % store.capacity, 0
+            nf, start, h, back = nf + 1, (start + h) % store.capacity, 0, 1
         if step and (h + 1 == buffer_len or force):
             K, V, U, G, Bt = _entries_ref(store, s, h, start)
             S = _rebuild_ref(store.anchor.dequantize([s])[0], K, V, G, Bt, delta,
                              cur=(k[b_, 0], v[b_, 0], log_a[b_, 0], beta[b_, 0]), vec=vec,
                              U=U if fold else None)
             y[b_, 0] = (S * q[b_, 0].unsqueeze(1)).sum(-1)
-            over[b_] |= _write_roles_ref(store, s, S, nf + 1)
+            over[b_] |= _write_roles_ref(store, s, S, nf + 1, back)
         else:
             R = store.read_role.dequantize([s])[0]
             K, V, U, G, Bt = _entries_ref(store, s, h, start)

@@ -81,7 +81,7 @@ def _assert_format_cast(st, s, amax):
     assert torch.equal(st.read.payload[s], pay) and torch.equal(st.read.scale[s], bs)
     assert torch.equal(st.read.gscale[s], g)
     f = int(st.n_flush[s])
-    rec = st.carried[s, :, f % 2]
+    rec = st.carried[s, :, f % 3]
     assert torch.equal(rec >> 32, torch.full_like(rec, f))
     amax[s] = S.abs().amax(dim=(-2, -1))
     assert torch.equal((rec & 0xFFFFFFFF).to(torch.int32).view(torch.float32), amax[s])
@@ -103,7 +103,11 @@ def test_carried_preflush_inside_the_one_pass_verify():
     """GDN tp4_hi32 with a carried scale, rounds of T = 3 drafts (L = 4) whose rows pre-flush
     or not, a padding row: the one-pass verify with its pre-flushes inside its read program
     ({'fused': 'read'}) gives the flush launch's outputs and store bit for bit, and each
-    pre-flush leaves the format's cast of the anchor with the carried scale."""
+    pre-flush leaves the format's cast of the anchor with the carried scale. Then a forced step
+    on full windows (a pre-flush and a flush in one launch), after the last flush's recorded
+    amax was made 16x larger: the flush casts with the scale of that amax, not its own launch's
+    pre-flush's, in the kernel and the reference (it fails when the kernel's or the reference's
+    flush takes the pre-flush's)."""
     from replayquant.kernels.replay.verify import replay_accept, replay_gdn_verify
     from test_kernel_verify_onepass import _inputs
     HK, H, B, dk, dv, L, T = 1, 2, 3, 32, 32, 4, 3
@@ -129,3 +133,21 @@ def test_carried_preflush_inside_the_one_pass_verify():
         n = torch.tensor([T, 1, 0, 2]).roll(rnd)
         replay_accept(st, n, idx)
     assert pre >= 3
+    # a forced step on full windows: its pre-flush and its flush in one launch, the flush taking
+    # the scale of the flush before that launch (stores.ReplayStore.carried), as the reference
+    assert (st.committed == L).any(), st.committed
+    for s in range(B + 1):      # the last flush's amax 16x larger: a scale its pre-flush won't give
+        e = int(st.n_flush[s]) % 3
+        amax[s] = amax[s] * 16
+        st.carried[s, :, e] = (st.carried[s, :, e] >> 32 << 32) | \
+            amax[s].view(torch.int32).to(torch.int64)
+    ref, before = st.clone(), st.n_flush.clone()
+    dr = Driver("gdn", B + 1, HK, H, dk, dv)
+    inp = dr.inputs(seed=5)
+    y = dr.kernel(st, inp, idx, path="flush")
+    y2 = dr.ref(ref, inp, idx, path="flush")
+    torch.testing.assert_close(y, y2, rtol=0, atol=1e-2 * y2.abs().max().item())
+    assert torch.equal(st.n_flush, ref.n_flush) and (st.n_flush - before).max() == 2
+    for s in (st.n_flush != before).nonzero().flatten().tolist():
+        for one in (st, ref):
+            _assert_format_cast(one, s, amax.clone())
