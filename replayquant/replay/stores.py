@@ -33,7 +33,8 @@ unrounded amax of matrix (s, h) as float32 bits in the low half and f in the hig
 tile of flush f writes it with an atomic max, which a later flush index supersedes). A flush
 takes the scale of the last flush of an earlier launch: entry (f - 1) % 3, or (f - 2) % 3 for a
 flush step after its own launch's pre-flush (a forced step on a full window, or L = 1), which
-the tiles of neither flush write while others read it.
+the tiles of neither flush write while others read it. A matrix that outgrows its carried scale
+saturates at 2688 gs; `saturated()` says where the last flush did.
 
 `ConventionalStore`: one packed state, read-modify-written every step; `make_snapshots`: its
 per-draft snapshots for a speculative verify.
@@ -54,6 +55,7 @@ from typing import NamedTuple
 import torch
 
 from replayquant.formats import get_format
+from replayquant.formats.constants import NVFP4_GLOBAL_DIVISOR
 from replayquant.replay.roles import PackedRole, role_streams
 from replayquant.pairs import PrecisionPair
 from replayquant.replay.frontends import l2norm, l2norm_kda
@@ -484,6 +486,18 @@ class ReplayStore:
     @property
     def read_role(self) -> PackedRole:
         return self.anchor if self.read is None else self.read
+
+    def saturated(self) -> torch.Tensor:
+        """bool [N, H]: where the last flush cast the read copy with a carried NVFP4 scale that
+        its matrix outgrew (some element past 2688 gs, stored as 2688 gs: the record's amax of
+        that flush against the scale it was cast with). A store without a carried scale:
+        nowhere."""
+        N, H = self.shape[:2]
+        if self.carried is None:
+            return torch.zeros(N, H, dtype=torch.bool, device=self.device)
+        last = self.carried.gather(2, (self.n_flush % 3).view(N, 1, 1).expand(N, H, 1))[..., 0]
+        amax = (last & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
+        return (self.n_flush > 0)[:, None] & (amax > NVFP4_GLOBAL_DIVISOR * self.read.gscale)
 
     def clone(self) -> "ReplayStore":
         c = dataclasses.replace(self, blob=None, blob_layout=None, **{

@@ -37,7 +37,8 @@ def test_carried_read_copy_is_the_format_cast_of_the_anchor(kind):
     the anchor with the carried scale and the record holds the anchor's amax; the outputs and
     read copies of kernel and reference agree within float32 reassociation (outputs within 1%
     of the largest: 2% of them differ by more than 1e-3 relative, the NVFP4 copy's products
-    summed in another order)."""
+    summed in another order). A matrix whose recorded amax was made 64x smaller saturates at its
+    next flush, as the format's cast with that scale does, and `saturated()` says so."""
     N, HK, H, dk, dv = 4, 1, 2, 32, 32
     dr = Driver(kind, 5, HK, H, dk, dv)
     init = random_state(N, H, dv, dk, seed=8)
@@ -56,6 +57,13 @@ def test_carried_read_copy_is_the_format_cast_of_the_anchor(kind):
             idx = torch.tensor([2, 3, 0, -1, 1])
         inp = dr.inputs(seed=80 + step)
         path = "flush" if step == 5 else "replay"
+        if step == 5:           # slot 0's last amax 64x smaller: its next flush saturates
+            for st in (store, ref):
+                amax[id(st)][0] = amax[id(st)][0] / 64
+            for st, a in ((store, amax[id(store)]), (fz, amax[id(store)]), (ref, amax[id(ref)])):
+                e = int(st.n_flush[0]) % 3
+                st.carried[0, :, e] = (st.carried[0, :, e] >> 32 << 32) | \
+                    a[0].view(torch.int32).to(torch.int64)
         before = store.n_flush.clone()
         y = dr.kernel(store, inp, idx, path=path)
         with override_replay_launch({"fused": "read"}):
@@ -68,6 +76,9 @@ def test_carried_read_copy_is_the_format_cast_of_the_anchor(kind):
             for st in (store, ref):
                 _assert_format_cast(st, s, amax[id(st)])
             flushed += 1
+        if step == 5:           # every slot flushed; slot 0 outgrew its scale, as the format says
+            for st in (store, ref):
+                assert st.saturated().tolist() == [[True] * H] + [[False] * H] * (N - 1)
     assert flushed >= 8 and store.n_flush.min() >= 2
     assert_states_close(store.read.dequantize(), ref.read.dequantize())
 
