@@ -65,7 +65,9 @@
 #                   verify's rounds (T = 4, B = 512) with its pre-flushes inside its read program
 #                   (uncapped and at 128 registers) beside the flush launch first and the authors'
 #                   round (--budget-s of timing, 400 by default; arguments after the job name go
-#                   to the script)
+#                   to the script). An NVFP4 read copy with a carried scale beside today's whole
+#                   matrices: fused-read --pairs tp4_hi32 --ways two,today,carried,carried-read
+#                   --spec-ways two,carried,carried-read128 --batches 32,256 --budget-s 330
 #   generate        evals/cuda_generate_check.py: generation through the compiled decode kernel
 #                   against the CPU path on the shipped tiny models (~150 s)
 #   train           evals/train_tiny.py device-run: train both tiny models, evaluate them and
