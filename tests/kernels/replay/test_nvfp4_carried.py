@@ -162,3 +162,34 @@ def test_carried_preflush_inside_the_one_pass_verify():
     for s in (st.n_flush != before).nonzero().flatten().tolist():
         for one in (st, ref):
             _assert_format_cast(one, s, amax.clone())
+
+
+def test_carried_kda_read_copy_is_the_format_cast():
+    """KDA tp4_hi32 with a carried scale (a gate per key channel; the same flush tiles), d_v = 32,
+    L = 3, a padding row: after each flush the read copy of the kernel's store and of the
+    reference's is the format's cast of its anchor with the carried scale; outputs within 1% of
+    the largest."""
+    from replayquant.kernels.replay.decode import replay_kda_step
+    from replayquant.kernels.replay.reference import replay_kda_step_ref
+    from replayquant.testing import kda_step_inputs
+    N, HK, H, dk, dv = 3, 1, 2, 32, 32
+    init = random_state(N, H, dv, dk, seed=4)
+    st = ReplayStore.from_state(init, resolve_pair("tp4_hi32", 3), "kda", key_heads=HK, seed=4,
+                                nvfp4_scale="carried")
+    poison_buffers(st)
+    ref = st.clone()
+    amax = {id(x): init.abs().amax(dim=(-2, -1)) for x in (st, ref)}
+    idx = torch.tensor([2, -1, 0, 1])
+    flushed = 0
+    for step in range(5):
+        q, k, v, g, beta = kda_step_inputs(4, HK, H, dk, dv, seed=30 + step)
+        before = st.n_flush.clone()
+        y = replay_kda_step(st, q, k, v, g, beta, state_indices=idx,
+                            out=torch.full((4, H, dv), float("nan")))
+        y2 = replay_kda_step_ref(ref, q, k, v, g, beta, state_indices=idx)
+        torch.testing.assert_close(y, y2, rtol=0, atol=1e-2 * y2.abs().max().item())
+        for s in (st.n_flush != before).nonzero().flatten().tolist():
+            for x in (st, ref):
+                _assert_format_cast(x, s, amax[id(x)])
+            flushed += 1
+    assert flushed == N
