@@ -349,6 +349,19 @@ def _pair_roles(pair):
     return anchor, read, pair.buffer_len
 
 
+def carried_entry(amax: torch.Tensor, flush: int) -> torch.Tensor:
+    """A carried scale's record entry (ReplayStore.carried) of float32 amax >= 0 at flush index
+    `flush`: amax's bits in the low half, the index in the high half (the kernels write the
+    same with an atomic max)."""
+    bits = amax.to(torch.float32).contiguous().view(torch.int32).to(torch.int64)
+    return bits | (int(flush) << 32)
+
+
+def carried_amax(entry: torch.Tensor) -> torch.Tensor:
+    """The float32 amax of record entries (carried_entry's low half)."""
+    return (entry & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
+
+
 def _carried_scale(nvfp4_scale: str, afmt: str, read, ring_dtype) -> bool:
     """Whether a store of these roles keeps a carried NVFP4 scale (one ValueError if it cannot)."""
     if nvfp4_scale not in ("matrix", "carried"):
@@ -463,7 +476,7 @@ class ReplayStore:
             store.Tbuf = torch.zeros(N, C, H, buffer_len, device=dev)
         if _carried_scale(nvfp4_scale, afmt, read, ring_dtype):
             store.carried = torch.zeros(N, H, 3, dtype=torch.int64, device=dev)
-            store.carried[..., 0] = x.abs().amax(dim=(-2, -1)).view(torch.int32).to(torch.int64)
+            store.carried[..., 0] = carried_entry(x.abs().amax(dim=(-2, -1)), 0)
         return store
 
     @property
@@ -496,8 +509,9 @@ class ReplayStore:
         if self.carried is None:
             return torch.zeros(N, H, dtype=torch.bool, device=self.device)
         last = self.carried.gather(2, (self.n_flush % 3).view(N, 1, 1).expand(N, H, 1))[..., 0]
-        amax = (last & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
-        return (self.n_flush > 0)[:, None] & (amax > NVFP4_GLOBAL_DIVISOR * self.read.gscale)
+        # (flush 0 cast with the matrix's own scale, amax / 2688 rounded: nothing saturated)
+        return (self.n_flush > 0)[:, None] & \
+            (carried_amax(last) > NVFP4_GLOBAL_DIVISOR * self.read.gscale)
 
     def clone(self) -> "ReplayStore":
         c = dataclasses.replace(self, blob=None, blob_layout=None, **{

@@ -260,8 +260,9 @@ def _store_roles(S, A_pay, A_sc, A_gs, R_pay, R_sc, R_gs, mat, rows, cols, key_l
                  SHARED: tl.constexpr, DELTA: tl.constexpr, RECORD: tl.constexpr, rec,
                  CARRY: tl.constexpr, back):
     """anchor <- Q_anchor(S), read <- Q_read(S): two independent casts of the same S (a role in
-    NVFP4 takes the whole matrix, BV = DV: one scale per matrix; not with CARRY). A tile holding NaN or infinity
-    (a non-finite input; the host names it, models.runtime) keeps both roles as they were, and
+    NVFP4 takes the whole matrix, BV = DV: one scale per matrix; not with CARRY). A tile holding
+    NaN or infinity (a non-finite input; the host names it, models.runtime) keeps both roles as
+    they were, and
     so does a finite tile whose cast into either role is not (an FP16 role past 65504: an fp16
     or bf16 cast is encoded first, checked, then stored, _half_codes; the other formats' casts
     of a finite state are finite); RECORD: that overflow noted in batch row `row`'s flag, the

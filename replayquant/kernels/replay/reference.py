@@ -19,7 +19,8 @@ from replayquant.kernels.conventional.reference import (_into, gdn_frontend_ref,
 from replayquant.kernels.replay.launch import replay_launch_config
 from replayquant.replay.roles import role_streams
 from replayquant.replay.stores import (NO_DT_LIMIT, ReplayStore, _begin, _check_accept,
-                                        _default_force, _indices, cast_overflows,
+                                        _default_force, _indices, carried_amax,
+                                        carried_entry, cast_overflows,
                                         fill_key_factors_ref, folds_u, key_factors_ref,
                                         ring_keys, solves_u)
 from replayquant.streams import ANCHOR, READ
@@ -160,9 +161,8 @@ def _carried_ref(store: ReplayStore, s: int, S, fi: int, back: int = 0):
     of flush fi - 1 - back, the last one of an earlier launch), after noting S's amax (a kept
     tile's rows are zero in S) as flush fi's."""
     rec = store.carried[s]
-    prev = (rec[:, (fi - 1 - back) % 3] & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
-    new = S.abs().amax(dim=(-2, -1)).view(torch.int32).to(torch.int64) | (int(fi) << 32)
-    rec[:, fi % 3] = torch.maximum(rec[:, fi % 3], new)
+    prev = carried_amax(rec[:, (fi - 1 - back) % 3])
+    rec[:, fi % 3] = torch.maximum(rec[:, fi % 3], carried_entry(S.abs().amax(dim=(-2, -1)), fi))
     return nvfp4_carried_scale_ref(prev)[None]
 
 

@@ -49,6 +49,14 @@ def assert_outputs_close(y, y2, pair):
     assert d.max() <= 0.05 * scale, (d.max() / scale).item()
 
 
+def staggered_slots(step):
+    """The slot of each of 5 batch rows at `step` (-1: padding): slot 3 sits out step 2 and then
+    moves to another row, one step behind the others (rows of different phase)."""
+    if step < 2:
+        return torch.tensor([2, -1, 0, 3, 1])
+    return torch.tensor([2, -1, 0, -1, 1] if step == 2 else [2, 3, 0, -1, 1])
+
+
 def poison_buffers(store):
     """Buffer entries are never read before they are written: NaN everywhere must not leak."""
     for t in (store.kbuf, store.vbuf, store.ubuf, store.Gbuf, store.bbuf, store.Tbuf):
@@ -118,12 +126,8 @@ def test_replay_step_matches_reference(kind, pair):
                                    u_dtype=torch.float32)
     poison_buffers(store)
     ref, later = store.clone(), store.clone()
-    idx = torch.tensor([2, -1, 0, 3, 1])
     for step in range(5):
-        if step == 2:                                  # put slot 3 out of phase
-            idx = torch.tensor([2, -1, 0, -1, 1])
-        if step == 3:
-            idx = torch.tensor([2, 3, 0, -1, 1])
+        idx = staggered_slots(step)
         inp = dr.inputs(seed=step)
         y = dr.kernel(store, inp, idx)
         y2 = dr.ref(ref, inp, idx)
@@ -168,12 +172,8 @@ def test_fused_step_equals_two_launches(kind, pair, fused):
                                    seed=3)
     poison_buffers(store)
     two = store.clone()
-    idx = torch.tensor([2, -1, 0, 3, 1])
     for step in range(7):
-        if step == 2:
-            idx = torch.tensor([2, -1, 0, -1, 1])
-        if step == 3:
-            idx = torch.tensor([2, 3, 0, -1, 1])
+        idx = staggered_slots(step)
         inp = dr.inputs(seed=40 + step)
         path = "flush" if step == 5 else "replay"
         with override_replay_launch({"fused": fused}):

@@ -13,7 +13,7 @@ from replayquant.policy import resolve_pair
 from replayquant.replay.stores import ReplayStore
 from replayquant.testing import random_state
 from _helpers import assert_same_store, assert_states_close
-from test_kernel_replay import Driver, poison_buffers
+from test_kernel_replay import Driver, poison_buffers, staggered_slots
 
 
 def test_carried_scale_is_the_least_power_of_two_with_headroom():
@@ -48,13 +48,9 @@ def test_carried_read_copy_is_the_format_cast_of_the_anchor(kind):
     poison_buffers(store)
     fz, ref = store.clone(), store.clone()
     amax = {id(st): init.abs().amax(dim=(-2, -1)) for st in (store, ref)}   # previous flush's
-    idx = torch.tensor([2, -1, 0, 3, 1])
     flushed = 0
     for step in range(7):
-        if step == 2:
-            idx = torch.tensor([2, -1, 0, -1, 1])
-        if step == 3:
-            idx = torch.tensor([2, 3, 0, -1, 1])
+        idx = staggered_slots(step)
         inp = dr.inputs(seed=80 + step)
         path = "flush" if step == 5 else "replay"
         if step == 5:           # slot 0's last amax 64x smaller: its next flush saturates
